@@ -1,0 +1,105 @@
+"""On-disk layout of a shard: a 4 KiB header in front of page-aligned array sections.
+
+Pure: encodes and checks headers and section tables; reading and writing files is shard.py's.
+
+Every shard version directory holds two files (one shard or one split of a shard):
+- `index.cube`: sections `slot_keys` (uint64 LE) and `slot_rows` (uint32 LE), see index.py;
+- `data.cube`: section `values` and, for variable-width values, `offsets` (n+1 uint64 LE).
+
+Header (both files), little-endian:
+    magic        8 bytes   b"CUBEIDX1" or b"CUBEDAT1"
+    format       uint32    FORMAT_VERSION; a newer format is refused
+    json_length  uint32
+    json_crc32   uint32    crc32 of the JSON bytes
+    json         UTF-8 JSON object, zero padding to HEADER_SIZE
+The JSON carries the record count, value layout, table parameters, the build id (which pairs
+the two files), the file size (so truncation is caught at open in constant time) and, per
+section, `[offset, length, crc32]` (checked by a full verify, e.g. at load).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from typing import Any
+
+MAGICS = {"index": b"CUBEIDX1", "data": b"CUBEDAT1"}
+FORMAT_VERSION = 1
+HEADER_SIZE = 4096
+SECTION_ALIGN = 4096
+_PREFIX = struct.Struct("<8sIII")
+
+INDEX_SECTIONS = ("slot_keys", "slot_rows")
+DATA_SECTIONS = ("values",)  # plus "offsets" when value_width == 0
+
+
+class ShardFormatError(ValueError):
+    """A shard file that must not be served; the message names the file and what is wrong."""
+
+    def __init__(self, path: str, problem: str, offset: int | None = None) -> None:
+        where = f"{path} at offset {offset}" if offset is not None else path
+        super().__init__(f"{where}: {problem}")
+        self.path = path
+        self.offset = offset
+
+
+def align(n: int, to: int = SECTION_ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+def layout_sections(sizes: dict[str, int]) -> tuple[dict[str, tuple[int, int]], int]:
+    """Place sections after the header, each page-aligned. Returns ({name: (offset, length)},
+    file size)."""
+    placed = {}
+    offset = HEADER_SIZE
+    for name, length in sizes.items():
+        placed[name] = (offset, length)
+        offset = align(offset + length)
+    return placed, offset
+
+
+def encode_header(kind: str, fields: dict[str, Any]) -> bytes:
+    body = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    if _PREFIX.size + len(body) > HEADER_SIZE:
+        raise ValueError(f"{kind} header JSON of {len(body)} bytes does not fit in {HEADER_SIZE}")
+    prefix = _PREFIX.pack(MAGICS[kind], FORMAT_VERSION, len(body), zlib.crc32(body))
+    return (prefix + body).ljust(HEADER_SIZE, b"\0")
+
+
+def decode_header(kind: str, header: bytes, path: str, file_size: int) -> dict[str, Any]:
+    """Check magic, format, header checksum, file size and section bounds; return the fields."""
+    if len(header) < _PREFIX.size:
+        raise ShardFormatError(path, f"file of {file_size} bytes is too short for a header", 0)
+    magic, version, length, crc = _PREFIX.unpack_from(header)
+    if magic != MAGICS[kind]:
+        raise ShardFormatError(path, f"bad magic {magic!r}, expected {MAGICS[kind]!r}", 0)
+    if version > FORMAT_VERSION:
+        raise ShardFormatError(path, f"format {version} is newer than this reader's", 8)
+    if _PREFIX.size + length > min(len(header), HEADER_SIZE):
+        raise ShardFormatError(path, f"header JSON length {length} overruns the header", 12)
+    body = bytes(header[_PREFIX.size : _PREFIX.size + length])
+    if zlib.crc32(body) != crc:
+        raise ShardFormatError(path, "header checksum mismatch (corrupted header)", _PREFIX.size)
+    try:
+        fields = json.loads(body)
+    except ValueError as exc:
+        raise ShardFormatError(path, f"header JSON unreadable: {exc}", _PREFIX.size) from exc
+    expected = fields.get("file_size")
+    if expected != file_size:
+        raise ShardFormatError(
+            path, f"file is {file_size} bytes, header says {expected} (truncated or extended)"
+        )
+    for name, (offset, length, _crc) in fields.get("sections", {}).items():
+        if offset < HEADER_SIZE or offset + length > file_size:
+            raise ShardFormatError(path, f"section {name} [{offset}, +{length}) out of bounds")
+    return fields
+
+
+def section_crc(buffer: memoryview | bytes, offset: int, length: int) -> int:
+    """crc32 of a section, in 64 MiB steps so a huge section never needs one huge call."""
+    crc = 0
+    step = 64 << 20
+    for start in range(offset, offset + length, step):
+        crc = zlib.crc32(buffer[start : min(start + step, offset + length)], crc)
+    return crc

@@ -1,0 +1,329 @@
+"""Shard files on disk: write them (builder), map and probe them (server, demo, tests).
+
+A shard opens in constant time: the header is checked and the sections are mapped, nothing is
+rebuilt; several processes mapping the same files share one copy in the page cache. `verify()`
+reads everything once and checks every section's crc32 (the server does it at load).
+
+`ShardStack` layers deltas over a base without copying it: lookups go newest first, and a
+tombstone in a newer layer hides the key in the older ones.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import uuid
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cube import format as fmt
+from cube.index import TOMBSTONE, BuiltTable, HashTable, lookup
+from cube.values import ValueColumn
+
+INDEX_FILE = "index.cube"
+DATA_FILE = "data.cube"
+_WRITE_CHUNK_ROWS = 1 << 20
+
+
+def write_shard(
+    directory: str | os.PathLike,
+    built: BuiltTable,
+    values: ValueColumn,
+    meta: dict[str, Any],
+) -> dict[str, Any]:
+    """Write `index.cube` and `data.cube` into `directory`.
+
+    `values` holds the input records' values in input order (it may be a view of a spill file);
+    row r of the shard gets `values[built.live_order[r]]`. `meta` is free-form description
+    (dict_name, shard, version, ...) stored in both headers. Files appear under their final
+    names only when complete. Returns the index header fields.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    table = built.table
+    order = built.live_order
+    count = int(order.shape[0])
+    width = values.width if count else 0
+    build_id = uuid.uuid4().hex
+
+    if width:
+        value_bytes = count * width
+    else:
+        lengths = values.lengths().take(order) if count else np.empty(0, np.int64)
+        offsets = np.zeros(count + 1, dtype=np.uint64)
+        np.cumsum(lengths, out=offsets[1:])
+        value_bytes = int(offsets[-1])
+
+    def value_chunks():
+        for start in range(0, count, _WRITE_CHUNK_ROWS):
+            yield values.take(order[start : start + _WRITE_CHUNK_ROWS]).blob[:]
+
+    data_sections: dict[str, Any] = {"values": (value_bytes, value_chunks())}
+    if not width:
+        data_sections["offsets"] = (offsets.nbytes, iter([offsets.astype("<u8")]))
+    common = {
+        **meta,
+        "build_id": build_id,
+        "record_count": count,
+        "tombstone_count": built.tombstone_count,
+        "value_width": width,
+        "value_bytes": value_bytes,
+    }
+    data_header = _write_file(directory / DATA_FILE, "data", common, data_sections)
+    index_fields = {
+        **common,
+        "bucket_count": table.bucket_count,
+        "slot_count": table.slot_count,
+        "empty_key": str(table.empty_key),
+        "max_probe": table.max_probe,
+        "hash": "fmix64-fastrange-bucket8",
+        "data_file_size": data_header["file_size"],
+    }
+    index_sections = {
+        "slot_keys": (table.slot_keys.nbytes, iter([table.slot_keys.astype("<u8", copy=False)])),
+        "slot_rows": (table.slot_rows.nbytes, iter([table.slot_rows.astype("<u4", copy=False)])),
+    }
+    return _write_file(directory / INDEX_FILE, "index", index_fields, index_sections)
+
+
+def _write_file(path: Path, kind: str, fields: dict, sections: dict) -> dict[str, Any]:
+    """Write header + sections to a temp name, fsync, rename. Sections are (length, chunks)."""
+    placed, file_size = fmt.layout_sections(
+        {name: length for name, (length, _) in sections.items()}
+    )
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    section_table = {}
+    try:
+        with open(tmp, "wb") as out:
+            out.truncate(file_size)
+            for name, (length, chunks) in sections.items():
+                offset = placed[name][0]
+                out.seek(offset)
+                crc = 0
+                written = 0
+                for chunk in chunks:
+                    view = memoryview(np.ascontiguousarray(chunk)).cast("B")
+                    crc = zlib.crc32(view, crc)
+                    out.write(view)
+                    written += len(view)
+                if written != length:
+                    raise RuntimeError(f"{path}: section {name} wrote {written} of {length} bytes")
+                section_table[name] = [offset, length, crc]
+            header_fields = {**fields, "file_size": file_size, "sections": section_table}
+            out.seek(0)
+            out.write(fmt.encode_header(kind, header_fields))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return header_fields
+
+
+class _MappedFile:
+    """One shard file, header checked, contents mapped (or read) read-only."""
+
+    def __init__(self, path: Path, kind: str, populate: bool) -> None:
+        self.path = path
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError as exc:
+            raise fmt.ShardFormatError(str(path), "missing") from exc
+        try:
+            size = os.fstat(fd).st_size
+            header = os.pread(fd, fmt.HEADER_SIZE, 0)
+            self.fields = fmt.decode_header(kind, header, str(path), size)
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+            self.buffer = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+
+    def section(self, name: str, dtype: str) -> np.ndarray:
+        offset, length, _crc = self.fields["sections"][name]
+        itemsize = np.dtype(dtype).itemsize
+        return np.frombuffer(self.buffer, dtype=dtype, count=length // itemsize, offset=offset)
+
+    def verify(self) -> None:
+        for name, (offset, length, crc) in self.fields["sections"].items():
+            if fmt.section_crc(self.buffer, offset, length) != crc:
+                raise fmt.ShardFormatError(
+                    str(self.path), f"section {name} checksum mismatch (corrupted data)", offset
+                )
+
+    def close(self) -> None:
+        try:
+            self.buffer.close()
+        except BufferError:
+            pass  # arrays still point into it; the mapping goes when they do
+
+
+class Shard:
+    """One built shard (base or delta) mapped read-only."""
+
+    def __init__(self, directory: Path, index: _MappedFile, data: _MappedFile) -> None:
+        self.directory = directory
+        self._files = (index, data)
+        self.meta = index.fields
+        self.table = HashTable(
+            slot_keys=index.section("slot_keys", "<u8"),
+            slot_rows=index.section("slot_rows", "<u4"),
+            bucket_count=int(self.meta["bucket_count"]),
+            empty_key=int(self.meta["empty_key"]),
+            max_probe=int(self.meta["max_probe"]),
+        )
+        count = int(self.meta["record_count"])
+        width = int(self.meta["value_width"])
+        blob = data.section("values", "u1")
+        if width:
+            self.values = ValueColumn.fixed(blob, width)
+        else:
+            self.values = ValueColumn.variable(
+                blob, data.section("offsets", "<u8").astype(np.int64)
+            )
+        if self.values.count != count:
+            raise fmt.ShardFormatError(
+                str(data.path), f"{self.values.count} values for {count} records"
+            )
+
+    @classmethod
+    def open(
+        cls, directory: str | os.PathLike, *, verify: bool = False, populate: bool = False
+    ) -> Shard:
+        """Map a shard directory. `verify` checks every checksum (reads all bytes);
+        `populate` faults every page in now rather than on first use."""
+        directory = Path(directory)
+        index = _MappedFile(directory / INDEX_FILE, "index", populate)
+        data = _MappedFile(directory / DATA_FILE, "data", populate)
+        if index.fields.get("build_id") != data.fields.get("build_id"):
+            raise fmt.ShardFormatError(
+                str(directory), f"{INDEX_FILE} and {DATA_FILE} come from different builds"
+            )
+        if index.fields.get("data_file_size") != data.fields["file_size"]:
+            raise fmt.ShardFormatError(str(data.path), "size differs from what the index expects")
+        shard = cls(directory, index, data)
+        if verify:
+            shard.verify()
+        return shard
+
+    @property
+    def record_count(self) -> int:
+        return int(self.meta["record_count"])
+
+    @property
+    def value_width(self) -> int:
+        return int(self.meta["value_width"])
+
+    def verify(self) -> None:
+        for f in self._files:
+            f.verify()
+
+    def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, found); tombstones are found with row TOMBSTONE."""
+        return lookup(self.table, keys)
+
+    def close(self) -> None:
+        self.table = None  # type: ignore[assignment]
+        self.values = None  # type: ignore[assignment]
+        for f in self._files:
+            f.close()
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    found: np.ndarray  # bool; False for misses and deleted keys
+    layer: np.ndarray  # int16 layer index per key, -1 when not found
+    rows: np.ndarray  # uint32 row within that layer
+
+
+class ShardStack:
+    """A base shard plus deltas applied in order (layers[0] is the base)."""
+
+    def __init__(self, layers: list[Shard]) -> None:
+        if not layers:
+            raise ValueError("a shard stack needs at least a base")
+        self.layers = list(layers)
+        # One width when every layer that holds values agrees on it; else variable (0).
+        widths = {s.value_width for s in self.layers if s.record_count}
+        self.value_width = widths.pop() if len(widths) == 1 else 0
+
+    def lookup(self, keys: np.ndarray) -> LookupResult:
+        n = keys.shape[0]
+        if len(self.layers) == 1:
+            rows, found = self.layers[0].lookup(keys)
+            if self.layers[0].meta.get("tombstone_count"):
+                found &= rows != np.uint32(TOMBSTONE)
+            layer = np.where(found, 0, -1).astype(np.int16)
+            return LookupResult(found, layer, rows)
+        layer = np.full(n, -1, dtype=np.int16)
+        rows = np.zeros(n, dtype=np.uint32)
+        settled = np.zeros(n, dtype=bool)
+        pending = np.arange(n)
+        for index in range(len(self.layers) - 1, -1, -1):
+            sub_rows, sub_found = self.layers[index].lookup(keys[pending])
+            hit = pending[sub_found]
+            settled[hit] = True
+            layer[hit] = index
+            rows[hit] = sub_rows[sub_found]
+            pending = pending[~sub_found]
+            if not pending.shape[0]:
+                break
+        deleted = settled & (rows == np.uint32(TOMBSTONE))
+        layer[deleted] = -1
+        return LookupResult(settled & ~deleted, layer, rows)
+
+    def gather_fixed(self, result: LookupResult) -> np.ndarray:
+        """(n, value_width) uint8, zero rows for keys not found. Needs a fixed value width."""
+        width = self.value_width
+        if not width:
+            raise ValueError("gather_fixed needs values of one width")
+        if len(self.layers) == 1:
+            rows = np.where(result.found, result.rows, 0)
+            values = self.layers[0].values
+            if values.count == 0:
+                return np.zeros((rows.shape[0], width), dtype=np.uint8)
+            out = values.as_rows().take(rows, axis=0)
+            if not result.found.all():
+                out[~result.found] = 0
+            return out
+        out = np.zeros((result.rows.shape[0], width), dtype=np.uint8)
+        for index, shard in enumerate(self.layers):
+            mine = np.flatnonzero(result.layer == index)
+            if mine.shape[0]:
+                out[mine] = shard.values.as_rows().take(result.rows[mine], axis=0)
+        return out
+
+    def gather(self, result: LookupResult) -> ValueColumn:
+        """Values of all keys in request order; a key not found gets an empty value."""
+        n = result.rows.shape[0]
+        if self.value_width:
+            fixed = self.gather_fixed(result)
+            lengths = np.where(result.found, self.value_width, 0)
+            offsets = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(lengths, out=offsets[1:])
+            return ValueColumn.variable(fixed[result.found].reshape(-1), offsets)
+        lengths = np.zeros(n, dtype=np.int64)
+        pieces = []
+        for index, shard in enumerate(self.layers):
+            mine = np.flatnonzero(result.layer == index)
+            if mine.shape[0]:
+                gathered = shard.values.take(result.rows[mine])
+                lengths[mine] = gathered.lengths()
+                pieces.append((mine, gathered.as_variable()))
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        blob = np.empty(int(offsets[-1]), dtype=np.uint8)
+        for mine, gathered in pieces:
+            # each gathered byte goes to its key's output offset + its place in the value
+            dest = np.repeat(offsets[mine] - gathered.offsets[:-1], gathered.lengths())
+            dest += np.arange(gathered.nbytes, dtype=np.int64)
+            blob[dest] = gathered.blob[: gathered.nbytes]
+        return ValueColumn.variable(blob, offsets)
+
+    def close(self) -> None:
+        for shard in self.layers:
+            shard.close()
