@@ -10,6 +10,7 @@ tombstone in a newer layer hides the key in the older ones.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import uuid
@@ -156,10 +157,9 @@ class _MappedFile:
                 )
 
     def close(self) -> None:
-        try:
+        # BufferError: arrays still point into it; the mapping goes when they do
+        with contextlib.suppress(BufferError):
             self.buffer.close()
-        except BufferError:
-            pass  # arrays still point into it; the mapping goes when they do
 
 
 class Shard:
