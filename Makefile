@@ -1,0 +1,53 @@
+# Two commands on a fresh machine with Python 3.11, make and apt:
+#   make demo   - build a sample embedding table, roll it out to a local cluster, look keys up
+#   make test   - run the test suite (installs what it needs first)
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEB_PACKAGES := redis-server memcached
+
+.PHONY: demo test bench lint format install debs stubs clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test,bench]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Debian packages the tests and benchmarks need (redis-server, memcached), installed if missing.
+debs:
+	@missing=""; for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+# Stubs are checked in; this regenerates them after a proto change (tests fail when stale).
+stubs: $(STAMP)
+	$(BIN)/python -m cube.pb.generate
+
+test: $(STAMP) debs
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/pytest -q
+
+demo: $(STAMP)
+	$(BIN)/cube-demo
+
+bench: $(STAMP) debs
+	$(BIN)/pytest bench -q --benchmark-enable --benchmark-only --benchmark-columns=min,median,mean,max,rounds
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .benchmarks .demo .local-cluster

@@ -1,0 +1,14 @@
+"""The checked-in protobuf stubs are what proto/*.proto generates today."""
+
+import subprocess
+import sys
+
+
+def test_stubs_are_not_stale():
+    result = subprocess.run(
+        [sys.executable, "-m", "cube.pb.generate", "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
