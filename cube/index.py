@@ -179,9 +179,9 @@ def _probe(
     rows = table.slot_rows.take(positions, mode="clip")
     if table.max_probe == 0 or np.count_nonzero(found) == found.shape[0]:
         return rows, found, _NOTHING
-    missing = np.flatnonzero(~found)
-    full = (candidates[missing] != np.uint64(table.empty_key)).all(axis=1)
-    return rows, found, missing[full]
+    # Same trick for empty slots: a bucket without any is a zero uint64 of "is empty" bytes.
+    empties = (candidates.reshape(-1) == np.uint64(table.empty_key)).view(np.uint64)
+    return rows, found, np.flatnonzero((empties == 0) & ~found)
 
 
 def is_tombstone(rows: np.ndarray) -> np.ndarray:
