@@ -1,0 +1,174 @@
+"""The deploy directory of one instance, version names, and the retention rule.
+
+`deploy_path/data/` is the cube-server's `--data_dir`: `data/<version>/` holds a placed shard
+(index.cube, data.cube, CHAIN for a delta) and `data/VERSION` names the version to serve at start.
+`cube_data/<shard_seq>/<version>/` holds downloads, `agent_state/` the agent's journal.
+
+Everything that decides (name checks, version names, what retention deletes) is pure; the few
+file helpers write through a temp name and rename so a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+VERSION_FILE = "VERSION"
+CHAIN_FILE = "CHAIN"
+TMP_PREFIX = ".tmp-"
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+class BadRequest(ValueError):
+    """A request field that cannot be used; the message names the field."""
+
+
+def check_name(field: str, value: object) -> str:
+    """A version or dict name that is safe as one path component (no '/', no '..')."""
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value) or ".." in value:
+        raise BadRequest(
+            f"{field}: {value!r} is not a valid name (letters, digits, '.', '_', '-'; "
+            "at most 128 characters; no '..')"
+        )
+    return value
+
+
+def version_dir_name(version: str, depend: str = "", mode: str = "") -> str:
+    """The directory name a version is placed and served under.
+
+    Accepts the directory name itself (`<depend>` for a base, `<depend>_<cur>` for a delta) or the
+    original's pair (`version=<cur>`, `depend=<depend>`, `mode=delta`). The builder names a base's
+    output `<depend>_<depend>`; it is served as `<depend>`.
+    """
+    check_name("version", version)
+    if depend:
+        check_name("depend", depend)
+    head, sep, tail = version.partition("_")
+    if sep and head == tail:
+        return head
+    if mode == "delta" and depend and not sep and version != depend:
+        return f"{depend}_{version}"
+    return version
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Paths under one deploy_path."""
+
+    deploy_path: Path
+
+    @property
+    def data_dir(self) -> Path:
+        return self.deploy_path / "data"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.deploy_path / "agent_state"
+
+    @property
+    def downloads_dir(self) -> Path:
+        return self.deploy_path / "cube_data"
+
+    @property
+    def version_file(self) -> Path:
+        return self.data_dir / VERSION_FILE
+
+    def version_dir(self, version: str) -> Path:
+        return self.data_dir / version
+
+    def download_dir(self, shard_seq: int, version: str) -> Path:
+        return self.downloads_dir / str(shard_seq) / version
+
+    def extract_dir(self, version: str) -> Path:
+        return self.data_dir / f"{TMP_PREFIX}{version}-{os.getpid()}"
+
+    def create(self) -> None:
+        for path in (self.data_dir, self.state_dir, self.downloads_dir):
+            path.mkdir(parents=True, exist_ok=True)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or create inside `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` via a temp file, fsync and rename: old or new, never half."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
+
+
+def read_version_file(layout: Layout) -> str:
+    """The first line of data/VERSION, or '' when there is none."""
+    try:
+        lines = layout.version_file.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return ""
+    return lines[0].strip() if lines else ""
+
+
+def write_version_file(layout: Layout, version: str) -> None:
+    atomic_write_text(layout.version_file, version + "\n")
+
+
+def chain_text(chain: Sequence[str]) -> str:
+    return "".join(f"{name}\n" for name in chain)
+
+
+def normalize_chain(chain: object, version: str) -> list[str]:
+    """Validate a delta's chain (base first); it must end with the delta itself (appended if
+    the sender left it out)."""
+    if not isinstance(chain, list) or not chain:
+        raise BadRequest(f"chain: a delta ({version}) needs a non-empty list, base first")
+    names = [check_name("chain entry", name) for name in chain]
+    if names[-1] != version:
+        names.append(version)
+    if len(names) < 2:
+        raise BadRequest(f"chain: {names} has no base before the delta {version}")
+    if len(set(names)) != len(names):
+        raise BadRequest(f"chain: {names} names a version twice")
+    return names
+
+
+def read_chain(layout: Layout, version: str) -> list[str]:
+    """A placed version's chain: the CHAIN file of a delta, `[version]` for a base."""
+    try:
+        text = (layout.version_dir(version) / CHAIN_FILE).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return [version]
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def placed_versions(layout: Layout) -> list[str]:
+    """Version directories in data/ (hidden temp dirs excluded), by name."""
+    try:
+        entries = list(os.scandir(layout.data_dir))
+    except FileNotFoundError:
+        return []
+    return sorted(e.name for e in entries if e.is_dir() and not e.name.startswith("."))
+
+
+def plan_retention(newest_first: Sequence[str], keep: int, protected: Iterable[str]) -> list[str]:
+    """Versions to delete: all but the `keep` newest and the protected ones (serving, loading,
+    the current chain). Pure, so the rule is tested without files."""
+    protected_set = set(protected)
+    kept = set(newest_first[: max(keep, 0)])
+    return [v for v in newest_first if v not in kept and v not in protected_set]

@@ -1,0 +1,130 @@
+"""cube-agent command line: `cube-agent -P 8001 --deploy_path DIR --server 127.0.0.1:8000`.
+
+Binds 127.0.0.1 unless --host says otherwise; with a token (--token or env CUBE_TOKEN) every
+request must authenticate. Prints one line `cube-agent listening on http://HOST:PORT` once bound
+(`-P 0` picks a free port), then serves until SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from aiohttp import web
+
+from agent import __version__
+from agent.api import make_app
+from agent.deploy import Agent, AgentConfig
+from agent.fetch import FetchPolicy
+from cube.flags import FlagError, Flags, FlagSet, run_cli
+
+log = logging.getLogger("cube.agent")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def flag_set() -> FlagSet:
+    fs = FlagSet("cube-agent", "Deploys shard versions onto one cube-server (docs/ROLLOUT.md).")
+    fs.add("port", int, None, "HTTP port of the agent (0 = any free port)", aliases=("P",))
+    fs.add("host", str, "127.0.0.1", "address to bind")
+    fs.add("deploy_path", str, None, "instance directory: data/, cube_data/, agent_state/")
+    fs.add("server", str, "127.0.0.1:8000", "cube-server gRPC address (control service)")
+    fs.add("token", str, "", "require 'Authorization: Bearer <token>' (default: env CUBE_TOKEN)")
+    fs.add("keep", int, 2, "versions kept on disk besides the serving chain")
+    fs.add("log_level", str, "INFO", "log level", choices=LOG_LEVELS)
+    fs.add("download_timeout", float, 3600.0, "seconds for one download, all attempts")
+    fs.add("download_attempts", int, 5, "attempts per download (each resumes the .part)")
+    fs.add("download_backoff", float, 1.0, "seconds before the 2nd attempt, doubled each time")
+    fs.add("io_timeout", float, 60.0, "seconds for one connect or one stalled read")
+    fs.add("limit_rate", int, 0, "download rate limit in bytes/s (0 = unlimited)")
+    fs.add("reload_timeout", float, 1800.0, "seconds for the server to load a version")
+    fs.add("control_timeout", float, 10.0, "seconds for other server control commands")
+    return fs
+
+
+def config_from_flags(flags: Flags) -> AgentConfig:
+    if flags.port is None:
+        raise FlagError("-P/--port is required")
+    if not 0 <= flags.port <= 65535:
+        raise FlagError(f"--port: {flags.port} is not a TCP port")
+    if not flags.deploy_path:
+        raise FlagError("--deploy_path is required")
+    for name in ("keep", "download_attempts", "limit_rate"):
+        if flags[name] < 0:
+            raise FlagError(f"--{name}: must not be negative")
+    for name in ("download_timeout", "io_timeout", "reload_timeout", "control_timeout"):
+        if flags[name] <= 0:
+            raise FlagError(f"--{name}: must be positive")
+    policy = FetchPolicy(
+        attempts=max(1, flags.download_attempts),
+        backoff=flags.download_backoff,
+        timeout=flags.download_timeout,
+        io_timeout=flags.io_timeout,
+        limit_rate=flags.limit_rate,
+    )
+    return AgentConfig(
+        deploy_path=Path(flags.deploy_path).absolute(),
+        server=flags.server,
+        keep=flags.keep,
+        fetch=policy,
+        reload_timeout=flags.reload_timeout,
+        control_timeout=flags.control_timeout,
+    )
+
+
+async def serve(config: AgentConfig, host: str, port: int, token: str) -> int:
+    agent = Agent(config)
+    agent.open()
+    runner = web.AppRunner(make_app(agent, token), access_log=None)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = runner.addresses[0]
+        print(f"cube-agent listening on http://{bound[0]}:{bound[1]}", flush=True)
+        log.info(
+            "cube-agent %s: deploy_path %s, server %s, auth %s",
+            __version__,
+            config.deploy_path,
+            config.server,
+            "on" if token else "OFF",
+        )
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        await agent.close()
+    return 0
+
+
+def _main(argv: Sequence[str]) -> int:
+    flags = flag_set().parse(argv)
+    config = config_from_flags(flags)
+    level = getattr(logging, flags.log_level)
+    logging.basicConfig(
+        level=max(level, logging.INFO), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    log.setLevel(level)  # DEBUG is for the agent, not for grpc's and asyncio's internals
+    token = flags.token or os.environ.get("CUBE_TOKEN", "")
+    if not token and flags.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s without a token: anyone reaching it can deploy", flags.host)
+    try:
+        return asyncio.run(serve(config, flags.host, flags.port, token))
+    except OSError as exc:
+        print(f"error: cube-agent: {exc}", file=sys.stderr)
+        return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

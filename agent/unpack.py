@@ -1,0 +1,101 @@
+"""Safe extraction of a shard tar.
+
+Every member is checked before anything is written: only regular files and directories with
+relative names that stay inside the target are allowed; absolute names, `..`, symlinks, hard
+links, devices and fifos make the whole tar refused with a message naming the member. A tar that
+cannot be read to its end (truncated, garbage) is refused too. Extraction goes into a hidden temp
+directory that the caller renames into place, so a half-extracted version is never visible.
+"""
+
+from __future__ import annotations
+
+import os
+import tarfile
+from pathlib import Path, PurePosixPath
+
+from cube.shard import DATA_FILE, INDEX_FILE, Shard
+
+REQUIRED_FILES = (INDEX_FILE, DATA_FILE)
+
+
+class UnsafeTar(ValueError):
+    """A tar the agent refuses to extract; the message names the tar and the member."""
+
+
+def member_problem(member: tarfile.TarInfo) -> str | None:
+    """Why `member` may not be extracted, or None when it is a plain file or directory."""
+    name = member.name
+    if name.startswith("/") or PurePosixPath(name).is_absolute():
+        return "absolute path"
+    if ".." in PurePosixPath(name).parts:
+        return "path leaves the target directory ('..')"
+    if "\\" in name or "\x00" in name:
+        return "backslash or NUL in the name"
+    if member.issym():
+        return f"symlink (to {member.linkname!r})"
+    if member.islnk():
+        return f"hard link (to {member.linkname!r})"
+    if member.ischr() or member.isblk():
+        return "device file"
+    if member.isfifo():
+        return "fifo"
+    if not (member.isreg() or member.isdir()):
+        return f"unsupported member type {member.type!r}"
+    return None
+
+
+def relative_name(member: tarfile.TarInfo) -> str:
+    """`./index.cube` -> `index.cube`; '' for the top directory itself."""
+    parts = [p for p in PurePosixPath(member.name).parts if p != "."]
+    return "/".join(parts)
+
+
+def check_members(members: list[tarfile.TarInfo], where: str) -> None:
+    for member in members:
+        problem = member_problem(member)
+        if problem:
+            raise UnsafeTar(f"{where}: refused member {member.name!r}: {problem}")
+
+
+def extract_shard_tar(tar_path: Path, dest: Path) -> list[str]:
+    """Check then extract `tar_path` into the new directory `dest`; returns the file names.
+
+    `dest` must not exist. The shard headers are opened once so a tar holding something else
+    than a shard is refused here rather than by the server. Files are fsynced before returning.
+    """
+    where = f"tar {tar_path.name}"
+    try:
+        with tarfile.open(tar_path, "r:*") as tar:
+            members = tar.getmembers()
+            check_members(members, where)
+            names = {relative_name(m) for m in members if m.isreg()}
+            missing = [f for f in REQUIRED_FILES if f not in names]
+            if missing:
+                raise UnsafeTar(f"{where}: no {', '.join(missing)} at the top level")
+            dest.mkdir(parents=True)
+            tar.extractall(dest, members=members, filter="data")
+    except UnsafeTar:
+        raise
+    except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
+        raise UnsafeTar(f"{where}: corrupt or truncated tar: {exc}") from exc
+    _fsync_tree(dest)
+    try:
+        Shard.open(dest).close()
+    except (OSError, ValueError) as exc:
+        raise UnsafeTar(f"{where}: does not hold a valid shard: {exc}") from exc
+    return sorted(names)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(dirpath, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

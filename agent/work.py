@@ -1,0 +1,120 @@
+"""A command request (the original's `Work` object), validated into something safe to act on.
+
+Pure: no files, no network. Every field that becomes part of a path is checked to be one plain
+path component; the request's `deploy_path`, when given, must be the agent's own.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agent.layout import BadRequest, check_name, normalize_chain, version_dir_name
+
+LONG_COMMANDS = ("download", "reload", "enable", "rollback")
+SERVER_COMMANDS = frozenset({"reload", "enable", "rollback"})
+QUERY_COMMAND = "task"
+COMMANDS = (*LONG_COMMANDS, QUERY_COMMAND)
+MODES = ("base", "delta")
+_MD5_RE = re.compile(r"[0-9a-fA-F]{32}")
+
+
+@dataclass(frozen=True)
+class Work:
+    command: str
+    version: str  # the version directory name
+    mode: str = ""  # "base" | "delta" | "" (unknown: decided from the placed files)
+    dict_name: str = ""
+    shard_seq: int = 0
+    source: str = ""
+    md5: str = ""
+    size: int | None = None
+    chain: list[str] = field(default_factory=list)
+    task_command: str = ""  # for "task": which task to report ('' = the latest)
+
+    def to_request(self) -> dict[str, Any]:
+        """What the journal keeps to re-run the task (never the token)."""
+        return {
+            "mode": self.mode,
+            "dict_name": self.dict_name,
+            "shard_seq": self.shard_seq,
+            "source": self.source,
+            "md5": self.md5,
+            "size": self.size,
+            "chain": list(self.chain),
+        }
+
+
+def _text(body: dict[str, Any], name: str) -> str:
+    value = body.get(name)
+    if value is None:
+        return ""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, str):
+        raise BadRequest(f"{name}: expected a string, got {type(value).__name__}")
+    return value.strip()
+
+
+def _int(body: dict[str, Any], name: str, default: int | None) -> int | None:
+    value = body.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise BadRequest(f"{name}: expected an integer, got {value!r}") from None
+    if number < 0:
+        raise BadRequest(f"{name}: must not be negative, got {number}")
+    return number
+
+
+def parse_work(body: object, deploy_path: Path) -> Work:
+    """Validate a POST /agent/cmd body; BadRequest names the offending field."""
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    command = _text(body, "command")
+    if command not in COMMANDS:
+        raise BadRequest(f"command: {command!r} is not one of {', '.join(COMMANDS)}")
+    requested_path = _text(body, "deploy_path")
+    if requested_path and Path(requested_path).resolve() != deploy_path.resolve():
+        raise BadRequest(
+            f"deploy_path: {requested_path!r} is not this agent's --deploy_path "
+            f"{str(deploy_path)!r}"
+        )
+    mode = _text(body, "mode")
+    if mode and mode not in MODES:
+        raise BadRequest(f"mode: {mode!r} is not one of base, delta")
+    raw_version = _text(body, "version")
+    if not raw_version:
+        raise BadRequest("version: required")
+    version = version_dir_name(raw_version, _text(body, "depend"), mode)
+    dict_name = _text(body, "dict_name")
+    if dict_name:
+        check_name("dict_name", dict_name)
+    shard_seq = _int(body, "shard_seq", 0) or 0
+    if command == QUERY_COMMAND:
+        task_command = _text(body, "task_command")
+        if task_command and task_command not in LONG_COMMANDS:
+            raise BadRequest(f"task_command: {task_command!r} is not one of {LONG_COMMANDS}")
+        return Work(command, version, task_command=task_command)
+    source = md5 = ""
+    size = None
+    chain: list[str] = []
+    if command == "download":
+        source = _text(body, "source")
+        if not source:
+            raise BadRequest("source: required for download")
+        if ";" in source:
+            raise BadRequest("source: one tar per request (the agent serves one shard split)")
+        md5 = _text(body, "md5").lower()
+        if md5 and not _MD5_RE.fullmatch(md5):
+            raise BadRequest(f"md5: {md5!r} is not 32 hex digits")
+        size = _int(body, "size", None)
+        if not mode:
+            mode = "delta" if body.get("chain") or "_" in version else "base"
+        if mode == "delta":
+            chain = normalize_chain(body.get("chain"), version)
+    return Work(command, version, mode, dict_name, shard_seq, source, md5, size, chain)
