@@ -1,0 +1,348 @@
+"""cube-bench: Cube against Redis (and memcached) on the same workload, with one command.
+
+It starts every server itself on 127.0.0.1 (Cube through cube-builder and cube-server; Redis
+and memcached from PATH, persistence off), loads the same keys and values into each, checks a
+sample of answers, then runs each concurrency level for a fixed time after a warm-up with fresh
+random keys in every request. It prints the seed's table per target (threads, batch, average
+latency, QPS) plus percentiles, keys/s, server CPU per request and the Cube/Redis ratio, and
+writes results.json, results.md and results.png to --out. Every server it started is stopped
+by PID at the end, on error, on Ctrl-C and on SIGTERM.
+
+    cube-bench --targets cube,redis,memcached --threads 1,4,8,16,24,32 --batch 1000 \\
+        --keys 1000000 --value_size 40 --workers 2 --out bench/results/run1
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.procs import (
+    Interrupted,
+    ProcessRegistry,
+    ServerStartError,
+    signals_ignored,
+    signals_raise,
+)
+from bench.report import markdown_table, ratios, summarize, write_outputs
+from bench.runner import BenchError, LevelConfig, _new_event_loop, run_level
+from bench.targets import (
+    Dataset,
+    MemcachedTarget,
+    RedisTarget,
+    Target,
+    TargetUnavailable,
+    make_dataset,
+)
+from cube.flags import FlagError, FlagSet, run_cli
+
+TARGETS: dict[str, type[Target]] = {"redis": RedisTarget, "memcached": MemcachedTarget}
+
+
+def _register_cube() -> None:
+    """The cube target needs the server and SDK; it is registered when they import."""
+    try:
+        from bench.cube_target import CubeTarget
+    except ImportError:
+        return
+    TARGETS["cube"] = CubeTarget
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from exc
+    if not values or min(values) <= 0:
+        raise ValueError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def flag_set() -> FlagSet:
+    flags = FlagSet("cube-bench", __doc__.split("\n\n")[0])
+    flags.add("targets", str, "cube,redis", "comma-separated: cube, redis, memcached")
+    flags.add("threads", _int_list, [1, 4, 8, 16, 24, 32], "concurrency levels (threads or tasks)")
+    flags.add("batch", int, 1000, "keys per request")
+    flags.add("requests", int, 0, "measure this many requests per level (0: use --duration)")
+    flags.add("duration", float, 10.0, "seconds measured per level")
+    flags.add("warmup", float, 2.0, "seconds of warm-up before each level is measured")
+    flags.add("keys", int, 1_000_000, "keys loaded into every target")
+    flags.add("value_size", int, 40, "bytes per value (random bytes); ignored with --dim")
+    flags.add("dim", int, 0, "values are embeddings of this many float32 (value_size = dim*4)")
+    flags.add("dtype", str, "float32", "embedding element type", choices=["float32"])
+    flags.add("shards", int, 1, "cube: shards (one cube-server each)")
+    flags.add("workers", int, 2, "cube: worker processes per cube-server")
+    flags.add("client", str, "thread", "client concurrency model", choices=["thread", "asyncio"])
+    flags.add("out", str, "cube-bench-out", "directory for results.json/.md/.png")
+    flags.add("skip_missing", bool, False, "skip a target whose server binary is missing")
+    flags.add("max_other_load", float, 0.25, "cores other processes may use before a rerun")
+    flags.add("max_repeats", int, 2, "reruns at most of a disturbed level")
+    flags.add("check_sample", int, 2000, "keys checked against the data set per target")
+    flags.add("timeout", float, 300.0, "bound on one level's measured phase with --requests")
+    flags.add("start_timeout", float, 60.0, "bound on each server's startup")
+    flags.add("seed", int, 1, "seed of the data set and of the key draws")
+    flags.add("workdir", str, "", "where servers keep files (default: a temp dir, removed)")
+    return flags
+
+
+def validate(flags: dict[str, Any]) -> None:
+    for name in ("batch", "keys", "shards", "workers", "check_sample"):
+        if flags[name] <= 0:
+            raise FlagError(f"--{name} must be > 0, got {flags[name]}")
+    if flags["dim"] < 0 or (not flags["dim"] and flags["value_size"] <= 0):
+        raise FlagError("--value_size (or --dim) must be > 0")
+    if flags["duration"] <= 0 or flags["warmup"] < 0 or flags["requests"] < 0:
+        raise FlagError("--duration must be > 0, --warmup and --requests >= 0")
+    if flags["max_repeats"] < 0:
+        raise FlagError("--max_repeats must be >= 0")
+    names = [t.strip() for t in flags["targets"].split(",") if t.strip()]
+    if not names:
+        raise FlagError("--targets is empty")
+    unknown = [t for t in names if t not in ("cube", "redis", "memcached")]
+    if unknown:
+        raise FlagError(f"--targets: unknown {', '.join(unknown)} (cube, redis, memcached)")
+    flags["target_names"] = list(dict.fromkeys(names))
+
+
+def machine() -> dict[str, str]:
+    model = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+        mem_kb = int(Path("/proc/meminfo").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        mem_kb = 0
+    return {
+        "cpu": model,
+        "cores": str(os.cpu_count()),
+        "memory": f"{mem_kb / 2**20:.1f} GiB",
+        "kernel": platform.release(),
+    }
+
+
+def base_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for package in ("cube-py", "numpy", "grpcio", "protobuf", "uvloop"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[package] = metadata.version(package)
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        versions["git"] = commit
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return versions
+
+
+def check_answers(target: Target, data: Dataset, sample: int, mode: str, seed: int) -> int:
+    """Fetch a sample of present and absent keys and compare with the data set; returns how
+    many keys were checked. Raises BenchError naming the first wrong key."""
+    rng = np.random.default_rng([seed, 7])
+    rows = rng.choice(data.keys.shape[0], min(sample, data.keys.shape[0]), replace=False)
+    absent = data.absent_keys(max(1, sample // 10), seed)
+    keys = np.concatenate([data.keys[rows], absent])
+
+    def verify(answer: tuple[np.ndarray, int], how: str) -> None:
+        matrix, misses = answer
+        expected = data.expected(rows)
+        got = np.asarray(matrix)
+        if got.shape[0] != keys.shape[0]:
+            raise BenchError(f"{target.name} ({how}): {got.shape[0]} values for {keys.shape[0]}")
+        wrong = np.flatnonzero(
+            (got[: rows.shape[0]].view(np.uint8) != expected.view(np.uint8)).any(axis=1)
+        )
+        if wrong.shape[0]:
+            i = int(wrong[0])
+            raise BenchError(
+                f"{target.name} ({how}): wrong value for key {int(keys[i])} "
+                f"({wrong.shape[0]} of {rows.shape[0]} keys wrong)"
+            )
+        if misses != absent.shape[0] or got[rows.shape[0] :].view(np.uint8).any():
+            raise BenchError(
+                f"{target.name} ({how}): {misses} misses reported for {absent.shape[0]} absent "
+                f"keys, or non-zero values for them"
+            )
+
+    client = target.thread_client()
+    try:
+        verify(client.fetch(keys), "thread client")
+    finally:
+        client.close()
+    if mode == "asyncio":
+
+        async def fetch_async() -> tuple[np.ndarray, int]:
+            aclient = target.async_client(1)
+            try:
+                return await aclient.fetch(keys)
+            finally:
+                await aclient.close()
+
+        loop = _new_event_loop()
+        try:
+            verify(loop.run_until_complete(asyncio.wait_for(fetch_async(), 60)), "asyncio")
+        finally:
+            loop.close()
+    return int(keys.shape[0])
+
+
+def _print_flush(text: str) -> None:
+    print(text, flush=True)
+
+
+def run(flags: dict[str, Any], argv: Sequence[str]) -> int:
+    _register_cube()
+    settings = {
+        k: flags[k]
+        for k in (
+            "threads", "batch", "requests", "duration", "warmup", "keys", "value_size", "dim",
+            "dtype", "shards", "workers", "client", "max_other_load", "max_repeats", "seed",
+        )
+    }  # fmt: skip
+    if flags["dim"]:
+        settings["value_size"] = flags["dim"] * 4
+    settings["client"] = flags["client"]
+
+    targets: list[Target] = []
+    skipped: dict[str, str] = {}
+    own_workdir = not flags["workdir"]
+    workdir = Path(flags["workdir"] or tempfile.mkdtemp(prefix="cube-bench-"))
+    registry = ProcessRegistry(log=_print_flush)
+    for name in flags["target_names"]:
+        if name not in TARGETS:
+            reason = "the cube target needs cube.server and cube.client, which did not import"
+        else:
+            target = TARGETS[name](registry, workdir / name, flags)
+            try:
+                target.check_available(flags["client"])
+                targets.append(target)
+                continue
+            except TargetUnavailable as exc:
+                reason = str(exc)
+        if not flags["skip_missing"]:
+            print(f"error: {reason}", file=sys.stderr)
+            return 2
+        print(f"skipping {name}: {reason}", file=sys.stderr)
+        skipped[name] = reason
+    if not targets:
+        print("error: no target left to run", file=sys.stderr)
+        return 2
+
+    started = time.strftime("%Y-%m-%d %H:%M:%S %z")
+    t0 = time.perf_counter()
+    data = make_dataset(flags["keys"], flags["value_size"], flags["dim"], flags["seed"])
+    _print_flush(
+        f"data set: {flags['keys']:,} keys x {data.value_size} bytes "
+        f"({time.perf_counter() - t0:.1f}s)"
+    )
+    results: dict[str, Any] = {}
+    versions = base_versions()
+    try:
+        with signals_raise():
+            for target in targets:
+                target.workdir.mkdir(parents=True, exist_ok=True)
+                _print_flush(f"== {target.name}: starting and loading")
+                try:
+                    target.setup(data)
+                except ServerStartError as exc:
+                    raise BenchError(f"{target.name}: {exc}") from exc
+                target.info["pids"] = target.server_pids()
+                versions.update(target.versions())
+                checked = check_answers(
+                    target, data, flags["check_sample"], flags["client"], flags["seed"]
+                )
+                _print_flush(
+                    f"{target.name}: loaded in {target.info.get('load_seconds', '?')}s, "
+                    f"{checked} answers checked"
+                )
+                rows = []
+                for concurrency in flags["threads"]:
+                    cfg = LevelConfig(
+                        concurrency=concurrency,
+                        batch=flags["batch"],
+                        warmup=flags["warmup"],
+                        duration=flags["duration"],
+                        requests=flags["requests"],
+                        timeout=flags["timeout"],
+                        mode=flags["client"],
+                        seed=flags["seed"] * 1000 + concurrency,
+                    )
+                    level = run_level(
+                        target, data, cfg, flags["max_other_load"], flags["max_repeats"],
+                        log=_print_flush,
+                    )  # fmt: skip
+                    row = summarize(level)
+                    rows.append(row)
+                    _print_flush(
+                        f"{target.name:>9} C={concurrency:<3} avg {row['avg_us']:>9,.0f} µs  "
+                        f"p99 {row['p99_us']:>9,.0f} µs  {row['qps']:>8,.0f} req/s  "
+                        f"server {row['server_cpu_us_per_req']:>6,.0f} µs/req  "
+                        f"other load {row['other_load']:.2f}"
+                        + (f"  MISSES {row['misses']}" if row["misses"] else "")
+                    )
+                results[target.name] = {**target.info, "levels": rows}
+                target.stop()
+    except (KeyboardInterrupt, Interrupted) as exc:
+        print(f"\ninterrupted ({exc or 'Ctrl-C'}); stopping servers", file=sys.stderr)
+        return 130
+    except (BenchError, RuntimeError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        if not own_workdir:
+            print(f"server logs are in {workdir}", file=sys.stderr)
+        return 1
+    finally:
+        with signals_ignored():
+            registry.stop_all()
+        if own_workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    result = {
+        "command": shlex.join(["cube-bench", *argv]),
+        "started": started,
+        "settings": settings,
+        "machine": machine(),
+        "versions": versions,
+        "targets": results,
+        "skipped": skipped,
+        "ratios": ratios({name: t["levels"] for name, t in results.items()}),
+    }
+    paths = write_outputs(result, Path(flags["out"]))
+    for name, target_result in results.items():
+        print(f"\n{name}\n{markdown_table(target_result['levels'])}")
+    for entry in result["ratios"]:
+        print("  ".join(f"{k} {v}" for k, v in entry.items()))
+    print("\nwrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    def body(args: Sequence[str]) -> int:
+        flags = flag_set().parse(args)
+        validate(flags)
+        return run(flags, args)
+
+    return run_cli(body, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""Server processes for cube-bench: start on loopback, wait until ready, stop by PID; CPU meters.
+
+Every process cube-bench starts is registered in a `ProcessRegistry` and stopped by its PID
+(and the PIDs of its descendants, which are processes we started too) in a `finally` block,
+on SIGTERM/SIGHUP (turned into an exception) and on Ctrl-C. Children also get
+PR_SET_PDEATHSIG so they die if cube-bench itself is killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_PR_SET_PDEATHSIG = 1
+
+
+class ServerStartError(RuntimeError):
+    """A server did not come up; the message names it and quotes the end of its log."""
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.2) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when cube-bench dies, even by SIGKILL."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+@dataclass
+class ServerProcess:
+    name: str
+    argv: list[str]
+    popen: subprocess.Popen
+    log_path: Path
+    ports: list[int] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(text[-lines:]) or "(empty log)"
+
+    def pids(self) -> list[int]:
+        """This process and its live descendants (worker processes of a multi-process server)."""
+        try:
+            proc = psutil.Process(self.pid)
+            return [self.pid, *(child.pid for child in proc.children(recursive=True))]
+        except psutil.Error:
+            return []
+
+
+class ProcessRegistry:
+    """The processes cube-bench started; `stop_all` ends each by PID, bounded in time."""
+
+    def __init__(self, log: Callable[[str], None] | None = None) -> None:
+        self.servers: list[ServerProcess] = []
+        self.log = log
+
+    def start(
+        self,
+        name: str,
+        argv: Sequence[str],
+        ports: Sequence[int],
+        log_dir: Path,
+        ready: Callable[[], bool] | None = None,
+        timeout: float = 30.0,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> ServerProcess:
+        """Start `argv`, then wait until every port accepts connections and `ready()` is true."""
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / f"{name}-{len(self.servers)}.log"
+        with open(log_path, "wb") as log:
+            popen = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C reaches cube-bench only; it stops servers in order
+                preexec_fn=_die_with_parent,
+                env=env,
+                cwd=cwd,
+            )
+        server = ServerProcess(name, list(argv), popen, log_path, list(ports))
+        self.servers.append(server)
+        if self.log:
+            self.log(f"started {name} pid {popen.pid} ports {','.join(map(str, ports))}")
+        deadline = time.monotonic() + timeout
+        pending = list(ports)
+        while True:  # bounded by deadline
+            code = popen.poll()
+            if code is not None:
+                raise ServerStartError(
+                    f"{name} exited with code {code} during startup: {' '.join(argv)}\n"
+                    f"--- {log_path} ---\n{server.log_tail()}"
+                )
+            pending = [p for p in pending if not port_open(p)]
+            if not pending and (ready is None or ready()):
+                return server
+            if time.monotonic() > deadline:
+                raise ServerStartError(
+                    f"{name} not ready within {timeout:.0f}s (ports not answering: {pending}): "
+                    f"{' '.join(argv)}\n--- {log_path} ---\n{server.log_tail()}"
+                )
+            time.sleep(0.05)
+
+    def all_pids(self) -> list[int]:
+        return [pid for server in self.servers for pid in server.pids()]
+
+    def stop(self, server: ServerProcess, timeout: float = 10.0) -> None:
+        """SIGTERM the server and its descendants by PID; SIGKILL what is left after timeout."""
+        pids = server.pids()
+        procs = []
+        for pid in reversed(pids):  # children first, then the parent
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(pid)
+                proc.terminate()
+                procs.append(proc)
+        _gone, alive = psutil.wait_procs(procs, timeout=timeout)
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(alive, timeout=timeout)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.popen.wait(timeout=timeout)  # reap the direct child
+        if server in self.servers:
+            self.servers.remove(server)
+        if self.log:
+            self.log(f"stopped {server.name} pid {server.pid}")
+
+    def stop_all(self) -> None:
+        for server in reversed(list(self.servers)):
+            self.stop(server)
+
+
+class Interrupted(BaseException):
+    """SIGTERM/SIGHUP arrived; raised in the main thread so that `finally` blocks run."""
+
+
+@contextlib.contextmanager
+def signals_raise():
+    """While active, SIGTERM and SIGHUP raise `Interrupted` (SIGINT already raises
+    KeyboardInterrupt), so a `finally` can stop the servers."""
+
+    def handler(signum, _frame):
+        raise Interrupted(f"signal {signal.Signals(signum).name}")
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def signals_ignored():
+    """While active, Ctrl-C, SIGTERM and SIGHUP are ignored: cleanup runs to its end."""
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+# --- CPU meters -----------------------------------------------------------------------------
+
+
+def process_cpu_seconds(pids: Sequence[int]) -> float:
+    """utime + stime of the given processes (all their threads), from /proc/<pid>/stat."""
+    total = 0
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue  # gone
+        fields = stat[stat.rindex(")") + 2 :].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
+    return total / CLOCK_TICKS
+
+
+def system_cpu_seconds() -> dict[str, float]:
+    """Machine-wide CPU seconds since boot, all cores: `tasks` (user+nice+system: what
+    processes ran), `irq` (irq+softirq, mostly loopback networking: ours) and `steal`
+    (the hypervisor gave our cores to someone else)."""
+    with open("/proc/stat") as f:
+        first = f.readline().split()
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in first[1:9])
+    return {
+        "tasks": (user + nice + system) / CLOCK_TICKS,
+        "irq": (irq + softirq) / CLOCK_TICKS,
+        "steal": steal / CLOCK_TICKS,
+    }
+
+
+def loadavg() -> float:
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    at_ns: int  # time.perf_counter_ns()
+    client: float  # seconds of CPU used by this process (all threads)
+    servers: float  # seconds of CPU used by the server processes
+    system: dict[str, float]  # system_cpu_seconds()
+    loadavg: float
+
+    @classmethod
+    def take(cls, server_pids: Sequence[int]) -> CpuSnapshot:
+        return cls(
+            at_ns=time.perf_counter_ns(),
+            client=process_cpu_seconds([os.getpid()]),
+            servers=process_cpu_seconds(server_pids),
+            system=system_cpu_seconds(),
+            loadavg=loadavg(),
+        )
+
+
+def cpu_between(start: CpuSnapshot, end: CpuSnapshot) -> dict[str, float]:
+    """CPU seconds used between two snapshots: by us (client), the servers, other processes
+    (machine task time minus ours), interrupts and steal; plus the wall time."""
+    client = end.client - start.client
+    servers = end.servers - start.servers
+    tasks = end.system["tasks"] - start.system["tasks"]
+    return {
+        "wall": (end.at_ns - start.at_ns) / 1e9,
+        "client": client,
+        "servers": servers,
+        "other": max(0.0, tasks - client - servers),
+        "irq": end.system["irq"] - start.system["irq"],
+        "steal": end.system["steal"] - start.system["steal"],
+        "loadavg": end.loadavg,
+    }
