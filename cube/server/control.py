@@ -1,0 +1,460 @@
+"""Control plane: rec.mcube.ControlService.cmd with the original's commands, applied to every
+worker process consistently.
+
+Worker 0 (the main port; the only worker without --workers) coordinates: it runs each command
+on itself and on the other workers (over an internal raw-bytes gRPC service on their ports,
+`cube.internal.Worker/Apply`, JSON in and out) and answers only after all succeeded. Loads are
+two-phase: every worker loads into a staged slot, then all commit (staged -> background); if
+any worker fails, the others drop what they staged, so no worker changes. A switch that fails
+on one worker is switched back on the others. Other workers forward `cmd` to worker 0.
+
+Commands (version_path "/<dir>" or "<dir>", a directory directly under the data dir):
+- status: cur_version, bg_version, status (0 RUNNING, 1 LOADING), detail_json.
+- bg_load_base: load a version from disk into the background slot (a delta: its whole chain).
+- bg_load_patch: layer a delta over the current version's shards into the background slot.
+- enable (version): ok if current; switch if background; else FAILED_PRECONDITION.
+- bg_switch: swap current and background (again = undo).
+- bg_unload: drop the background version (e.g. the previous one after a switch).
+- reload_base / reload_patch: load + switch + unload in one command.
+A command while another runs is refused with ABORTED (status is always answered).
+Enabling never rewrites VERSION (the agent owns it) unless --write_version is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from cube.pb import cube_pb2
+from cube.server.service import SeekService
+from cube.server.versions import (
+    LoadedVersion,
+    LoadOptions,
+    VersionError,
+    VersionSlots,
+    load_base,
+    load_patch,
+    version_name_from_path,
+    write_version_file,
+)
+
+log = logging.getLogger("cube.server")
+
+CONTROL_SERVICE = "rec.mcube.ControlService"
+WORKER_SERVICE = "cube.internal.Worker"
+WORKER_APPLY = f"/{WORKER_SERVICE}/Apply"
+CONTROL_CMD = f"/{CONTROL_SERVICE}/cmd"
+RUNNING, LOADING = 0, 1
+COMMANDS = (
+    "status",
+    "bg_load_base",
+    "bg_load_patch",
+    "enable",
+    "bg_switch",
+    "bg_unload",
+    "reload_base",
+    "reload_patch",
+)
+
+
+class ControlError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    @classmethod
+    def from_version_error(cls, exc: VersionError, where: str = "") -> ControlError:
+        return cls(grpc.StatusCode[exc.code], f"{where}{exc.message}")
+
+
+def _name(version: LoadedVersion | None) -> str:
+    return version.name if version is not None else ""
+
+
+class LocalWorker:
+    """The version operations of this process (one participant of every command)."""
+
+    def __init__(
+        self,
+        index: int,
+        port: int,
+        slots: VersionSlots,
+        data_dir: Path,
+        dirs: list[Path],
+        options: LoadOptions,
+        executor: Executor,
+        service: SeekService,
+    ) -> None:
+        self.index = index
+        self.port = port
+        self.slots = slots
+        self.data_dir = data_dir
+        self.dirs = dirs
+        self.options = options
+        self.executor = executor
+        self.service = service
+        self.loading: str | None = None
+        self.last_error = ""
+
+    async def apply(self, op: str, mode: str = "", name: str = "") -> dict[str, Any]:
+        """One step of a command; raises VersionError."""
+        if op == "prepare":
+            await self.prepare(mode, name)
+        elif op == "commit":
+            self.slots.commit()
+        elif op == "abort":
+            self.slots.abort()
+        elif op == "switch":
+            self.slots.switch()
+        elif op == "unload":
+            self.slots.unload_background()
+        elif op != "state":
+            raise VersionError("INVALID_ARGUMENT", f"unknown worker op {op!r}")
+        return self.state()
+
+    async def prepare(self, mode: str, name: str) -> None:
+        loop = asyncio.get_running_loop()
+        self.loading = name
+        try:
+            if mode == "patch":
+                current = self.slots.current
+                if current is not None:
+                    current.acquire()  # its shards are reused; keep them mapped meanwhile
+                try:
+                    version = await loop.run_in_executor(
+                        self.executor, load_patch, self.dirs, name, current, self.options
+                    )
+                finally:
+                    if current is not None:
+                        current.release()
+            else:
+                version = await loop.run_in_executor(
+                    self.executor, load_base, self.dirs, name, self.options
+                )
+        except VersionError as exc:
+            self.last_error = exc.message
+            raise
+        finally:
+            self.loading = None
+        self.slots.stage(version)
+        log.info(
+            "worker %d loaded %s (%s, %.3f s): %s",
+            self.index,
+            name,
+            mode,
+            version.load_seconds,
+            " > ".join(version.chain),
+        )
+
+    def state(self) -> dict[str, Any]:
+        slots = self.slots
+        return {
+            "worker": self.index,
+            "port": self.port,
+            "cur_version": _name(slots.current),
+            "bg_version": _name(slots.background),
+            "staged_version": _name(slots.staged),
+            "loading": self.loading,
+            "requests": self.service.counters.as_dict(),
+        }
+
+
+class RemoteWorker:
+    """Another worker process, reached over loopback gRPC."""
+
+    def __init__(self, index: int, port: int, address: str, timeout: float) -> None:
+        self.index = index
+        self.port = port
+        self.address = address
+        self.timeout = timeout
+        self._channel: grpc.aio.Channel | None = None
+
+    def _call(self) -> grpc.aio.UnaryUnaryMultiCallable:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.address)
+        return self._channel.unary_unary(WORKER_APPLY)
+
+    async def apply(
+        self, op: str, mode: str = "", name: str = "", timeout: float | None = None
+    ) -> dict[str, Any]:
+        request = json.dumps({"op": op, "mode": mode, "name": name}).encode()
+        try:
+            raw = await self._call()(request, timeout=timeout or self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise ControlError(
+                exc.code(), f"worker {self.index} ({self.address}): {exc.details()}"
+            ) from exc
+        return json.loads(raw)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+
+
+class Coordinator:
+    """Runs control commands over every worker (self first)."""
+
+    def __init__(
+        self,
+        local: LocalWorker,
+        remotes: list[RemoteWorker],
+        *,
+        describe: Callable[[], dict[str, Any]],
+        write_version: bool = False,
+    ) -> None:
+        self.local = local
+        self.remotes = remotes
+        self.describe = describe
+        self.write_version = write_version
+        self.busy: str | None = None
+        self.busy_since = 0.0
+        self.last_error = ""
+
+    # participants -----------------------------------------------------------------------
+
+    async def _local(self, op: str, mode: str = "", name: str = "") -> dict[str, Any]:
+        try:
+            return await self.local.apply(op, mode, name)
+        except VersionError as exc:
+            where = "worker 0: " if self.remotes else ""
+            raise ControlError.from_version_error(exc, where) from exc
+
+    async def _everywhere(self, op: str, mode: str = "", name: str = "") -> list[Any]:
+        calls = [self._local(op, mode, name), *(r.apply(op, mode, name) for r in self.remotes)]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    @staticmethod
+    def _first_error(results: list[Any]) -> BaseException | None:
+        return next((r for r in results if isinstance(r, BaseException)), None)
+
+    async def _undo(self, op: str, results: list[Any]) -> None:
+        """Apply `op` to the participants whose step succeeded (best effort, logged)."""
+        participants = [self._local, *(r.apply for r in self.remotes)]
+        undo = [p(op) for p, r in zip(participants, results, strict=True) if isinstance(r, dict)]
+        for result in await asyncio.gather(*undo, return_exceptions=True):
+            if isinstance(result, BaseException):
+                log.error("rollback step %s failed: %s", op, result)
+
+    # steps ------------------------------------------------------------------------------
+
+    async def load(self, mode: str, name: str) -> None:
+        results = await self._everywhere("prepare", mode, name)
+        error = self._first_error(results)
+        if error is not None:
+            await self._undo("abort", results)
+            raise error
+        error = self._first_error(await self._everywhere("commit"))
+        if error is not None:
+            raise error
+
+    async def switch(self) -> None:
+        if self.local.slots.background is None:
+            raise ControlError(
+                grpc.StatusCode.FAILED_PRECONDITION, "no background version to switch to"
+            )
+        results = await self._everywhere("switch")
+        error = self._first_error(results)
+        if error is not None:
+            await self._undo("switch", results)
+            raise error
+        if self.write_version:
+            name = _name(self.local.slots.current)
+            for split_dir in self.local.dirs:
+                write_version_file(split_dir, name)
+
+    async def unload(self) -> None:
+        error = self._first_error(await self._everywhere("unload"))
+        if error is not None:
+            raise error
+
+    # commands ---------------------------------------------------------------------------
+
+    async def command(self, request: cube_pb2.ControlRequest) -> cube_pb2.ControlResponse:
+        cmd = request.cmd
+        if cmd not in COMMANDS:
+            raise ControlError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"unknown control cmd {cmd!r}; expected one of {', '.join(COMMANDS)}",
+            )
+        if cmd == "status":
+            return await self.status()
+        if self.busy is not None:
+            raise ControlError(
+                grpc.StatusCode.ABORTED,
+                f"control command {cmd!r} refused: {self.busy!r} is in progress"
+                f" (for {time.monotonic() - self.busy_since:.1f} s); retry when it ends",
+            )
+        self.busy, self.busy_since = cmd, time.monotonic()
+        started = time.monotonic()
+        try:
+            message = await self._run(cmd, request)
+        except ControlError as exc:
+            self.last_error = f"{cmd}: {exc.message}"
+            log.error("control %s failed: %s", cmd, exc.message)
+            raise
+        finally:
+            self.busy = None
+        log.info("control %s: %s (%.3f s)", cmd, message, time.monotonic() - started)
+        response = await self.status()
+        response.message = message
+        return response
+
+    def _version_name(self, request: cube_pb2.ControlRequest) -> str:
+        try:
+            return version_name_from_path(request.version_path, self.local.data_dir)
+        except VersionError as exc:
+            raise ControlError.from_version_error(exc, f"{request.cmd}: ") from exc
+
+    async def _run(self, cmd: str, request: cube_pb2.ControlRequest) -> str:
+        slots = self.local.slots
+        if cmd in ("bg_load_base", "bg_load_patch", "reload_base", "reload_patch"):
+            name = self._version_name(request)
+            mode = "patch" if cmd.endswith("patch") else "base"
+            await self.load(mode, name)
+            if cmd.startswith("reload"):
+                await self.switch()
+                await self.unload()
+                return f"serving {name}"
+            return f"{name} loaded in the background"
+        if cmd == "enable":
+            name = request.version or (self._version_name(request) if request.version_path else "")
+            if not name:
+                raise ControlError(grpc.StatusCode.INVALID_ARGUMENT, "enable needs a version")
+            if name == _name(slots.current):
+                return f"{name} is already current"
+            if name == _name(slots.background):
+                await self.switch()
+                return f"switched to {name}"
+            raise ControlError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"enable {name!r}: it is neither current ({_name(slots.current)!r}) nor loaded"
+                f" in the background ({_name(slots.background)!r}); load it first",
+            )
+        if cmd == "bg_switch":
+            await self.switch()
+            return f"switched to {_name(slots.current)}"
+        if cmd == "bg_unload":
+            name = _name(slots.background)
+            await self.unload()
+            return f"unloaded {name}" if name else "no background version"
+        raise ControlError(grpc.StatusCode.INVALID_ARGUMENT, f"unhandled cmd {cmd!r}")
+
+    async def status(self) -> cube_pb2.ControlResponse:
+        slots = self.local.slots
+        loading = self.busy is not None and ("load" in self.busy or self.local.loading is not None)
+        workers = [self.local.state()]
+        for remote in self.remotes:
+            try:
+                workers.append(await remote.apply("state", timeout=2.0))
+            except ControlError as exc:
+                workers.append({"worker": remote.index, "port": remote.port, "error": exc.message})
+        totals: dict[str, int] = {}
+        for worker in workers:
+            for key, value in worker.get("requests", {}).items():
+                totals[key] = totals.get(key, 0) + value
+        current = slots.current.describe() if slots.current is not None else None
+        background = slots.background.describe() if slots.background is not None else None
+        detail = {
+            **self.describe(),
+            "status": "LOADING" if loading else "RUNNING",
+            "busy": self.busy,
+            "cur_version": _name(slots.current),
+            "bg_version": _name(slots.background),
+            "previous_version": _name(slots.background) if slots.background_was_current else "",
+            "record_count": current["record_count"] if current else 0,
+            "data_size": current["data_bytes"] if current else 0,
+            "current": current,
+            "background": background,
+            "splits": _split_versions(slots),
+            "worker_states": workers,
+            "requests": totals,
+            "last_error": self.last_error or self.local.last_error,
+        }
+        return cube_pb2.ControlResponse(
+            cur_version=_name(slots.current),
+            bg_version=_name(slots.background),
+            status=LOADING if loading else RUNNING,
+            detail_json=json.dumps(detail, sort_keys=True),
+        )
+
+
+def _split_versions(slots: VersionSlots) -> list[dict[str, Any]]:
+    splits = []
+    count = (
+        max(len(v.splits) for v in (slots.current, slots.background) if v)
+        if (slots.current or slots.background)
+        else 0
+    )
+    for i in range(count):
+        entry: dict[str, Any] = {"split": i}
+        for label, version in (("cur", slots.current), ("bg", slots.background)):
+            if version is not None:
+                entry[f"{label}_version"] = version.name
+                entry[f"{label}_chain"] = version.splits[i].chain
+        splits.append(entry)
+    return splits
+
+
+# ---------------------------------------------------------------------------------------------
+# gRPC handlers
+
+
+def control_handler(
+    coordinator: Coordinator | None, forward_address: str | None, timeout: float
+) -> grpc.GenericRpcHandler:
+    """ControlService.cmd: run it (worker 0) or forward it to worker 0 (other workers)."""
+    channel: grpc.aio.Channel | None = None
+
+    async def cmd(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        nonlocal channel
+        if coordinator is None:
+            if channel is None:
+                channel = grpc.aio.insecure_channel(forward_address)
+            try:
+                return await channel.unary_unary(CONTROL_CMD)(raw, timeout=timeout)
+            except grpc.aio.AioRpcError as exc:
+                await context.abort(exc.code(), exc.details() or "")
+        try:
+            request = cube_pb2.ControlRequest.FromString(raw)
+        except Exception as exc:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"ControlRequest does not parse: {exc}"
+            )
+        try:
+            response = await coordinator.command(request)
+        except ControlError as exc:
+            await context.abort(exc.code, exc.message)
+        return response.SerializeToString()
+
+    return grpc.method_handlers_generic_handler(
+        CONTROL_SERVICE, {"cmd": grpc.unary_unary_rpc_method_handler(cmd)}
+    )
+
+
+def worker_handler(local: LocalWorker) -> grpc.GenericRpcHandler:
+    """cube.internal.Worker/Apply: one step of a command, sent by worker 0."""
+
+    async def apply(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        try:
+            request = json.loads(raw)
+            state = await local.apply(
+                str(request["op"]), str(request.get("mode", "")), str(request.get("name", ""))
+            )
+        except VersionError as exc:
+            await context.abort(grpc.StatusCode[exc.code], exc.message)
+        except (ValueError, KeyError, TypeError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad worker request: {exc}")
+        return json.dumps(state).encode()
+
+    return grpc.method_handlers_generic_handler(
+        WORKER_SERVICE, {"Apply": grpc.unary_unary_rpc_method_handler(apply)}
+    )

@@ -1,0 +1,332 @@
+"""cube-server: serve one shard (of one dictionary) from mmap'd shard files over gRPC.
+
+    cube-server --port 8000 --dict_split 1 --data_dir ./data [--workers N] [--flagfile FILE]
+
+Services on every port: cube.v1.CubeService (Seek, SeekStream: the fast API),
+rec.mcube.DictService.seek (the original's), rec.mcube.ControlService.cmd (versions, see
+cube.server.control), grpc.health.v1.Health and server reflection.
+
+Workers: `--workers N` starts a supervisor that runs N worker processes; worker i listens on
+its own port, `--worker_ports` (comma list) or port + i by default, so worker 0 is on --port.
+Each maps the same shard files (one copy in the page cache). Clients spread load by treating
+every worker port as an endpoint (round robin; SO_REUSEPORT alone balances connections
+badly); `--reuseport` also binds every worker on --port for clients that know one address.
+status detail_json lists the ports. Control commands go to worker 0, which applies them to
+all workers (a command sent to another worker is forwarded there).
+
+SIGTERM / SIGINT: stop taking new calls, let in-flight ones finish for up to --grace seconds,
+exit 0. The supervisor forwards the signal to its workers and waits for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from cube.flags import FlagError, Flags, FlagSet, run_cli
+from cube.routing import PARTITIONERS
+
+log = logging.getLogger("cube.server")
+
+FLAGS = (
+    FlagSet("cube-server", "Serve one shard of a Cube dictionary over gRPC.")
+    .add("port", int, 8000, "gRPC port (worker 0's port with --workers)")
+    .add("host", str, "127.0.0.1", "address to bind (0.0.0.0 for all interfaces)")
+    .add("dict_split", int, 1, "sub-dicts in this shard: <data_dir>/<split>/... when > 1")
+    .add("partitioner", str, "mod", "key -> split rule (the builder's)", choices=PARTITIONERS)
+    .add("in_mem", bool, True, "fault shards into memory at load and mlock them (best effort)")
+    .add("data_dir", str, "./data", "directory with VERSION and the version directories")
+    .add("workers", int, 1, "worker processes, each on its own port (see --worker_ports)")
+    .add("worker_ports", str, "", "comma list of worker ports (default: port, port+1, ...)")
+    .add("reuseport", bool, False, "also bind every worker on --port with SO_REUSEPORT")
+    .add("max_batch", int, 100000, "most keys in one request (more: RESOURCE_EXHAUSTED)")
+    .add("dict_name", str, "", "dictionary served; requests naming another get NOT_FOUND")
+    .add("shard", int, -1, "shard number of this server (also accepts <dict>_part<shard>)")
+    .add("verify", bool, True, "check every section checksum when loading a version")
+    .add("write_version", bool, False, "rewrite <data_dir>/VERSION on a switch (agent's job)")
+    .add("grace", float, 5.0, "seconds in-flight calls get to finish on SIGTERM")
+    .add("control_timeout", float, 900.0, "seconds worker 0 waits for a worker's step")
+    .add("log_level", str, "INFO", "DEBUG, INFO, WARNING or ERROR")
+    .add("log_dir", str, "", "also log to <log_dir>/cube-server.log (default: stderr only)")
+    .add("worker_index", int, -1, "internal: which worker this process is (set by --workers)")
+)
+
+
+def worker_ports(flags: Flags) -> list[int]:
+    """The port of each worker: --worker_ports, else --port + i."""
+    if flags.worker_ports:
+        try:
+            ports = [int(p) for p in flags.worker_ports.split(",") if p.strip()]
+        except ValueError as exc:
+            raise FlagError(
+                f"--worker_ports: {flags.worker_ports!r} is not a list of ports"
+            ) from exc
+        if len(ports) != flags.workers:
+            raise FlagError(
+                f"--worker_ports lists {len(ports)} ports for --workers {flags.workers}"
+            )
+        return ports
+    return [flags.port + i for i in range(flags.workers)]
+
+
+def check_flags(flags: Flags) -> None:
+    if flags.dict_split < 1:
+        raise FlagError(f"--dict_split must be >= 1, got {flags.dict_split}")
+    if flags.workers < 1:
+        raise FlagError(f"--workers must be >= 1, got {flags.workers}")
+    if flags.max_batch < 1:
+        raise FlagError(f"--max_batch must be >= 1, got {flags.max_batch}")
+    if not 0 <= flags.port < 65536:
+        raise FlagError(f"--port {flags.port} is not a port")
+    if flags.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise FlagError(f"--log_level {flags.log_level!r}: expected DEBUG, INFO, WARNING, ERROR")
+    if flags.worker_index >= flags.workers:
+        raise FlagError(f"--worker_index {flags.worker_index} >= --workers {flags.workers}")
+
+
+def setup_logging(flags: Flags) -> None:
+    who = f"worker {flags.worker_index}" if flags.worker_index >= 0 else "server"
+    if flags.workers > 1 and flags.worker_index < 0:
+        who = "supervisor"
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if flags.log_dir:
+        Path(flags.log_dir).mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(Path(flags.log_dir) / "cube-server.log"))
+    logging.basicConfig(
+        level=flags.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s cube-server[{who} pid %(process)d] %(message)s",
+        handlers=handlers,
+        force=True,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(_main, argv)
+
+
+def _main(argv: Sequence[str]) -> int:
+    flags = FLAGS.parse(argv)
+    check_flags(flags)
+    setup_logging(flags)
+    ports = worker_ports(flags)
+    if flags.workers > 1 and flags.worker_index < 0:
+        return supervise(flags, list(argv), ports)
+    import uvloop
+
+    index = max(flags.worker_index, 0)
+    return uvloop.run(serve(flags, index, ports))
+
+
+def _loopback(host: str) -> str:
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+async def serve(flags: Flags, index: int, ports: list[int]) -> int:
+    """Run one worker until SIGTERM/SIGINT; 0 on a clean drain."""
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    from cube.server.control import (
+        CONTROL_SERVICE,
+        Coordinator,
+        LocalWorker,
+        RemoteWorker,
+        control_handler,
+        worker_handler,
+    )
+    from cube.server.service import DICT_SERVICE, FAST_SERVICE, SeekService
+    from cube.server.versions import (
+        LoadOptions,
+        VersionError,
+        VersionSlots,
+        load_base,
+        split_dirs,
+        startup_version,
+    )
+
+    loop = asyncio.get_running_loop()
+    data_dir = Path(flags.data_dir)
+    dirs = split_dirs(data_dir, flags.dict_split)
+    options = LoadOptions(verify=flags.verify, populate=flags.in_mem, lock_memory=flags.in_mem)
+    executor = ThreadPoolExecutor(1, thread_name_prefix="cube-loader")
+    slots = VersionSlots()
+    service = SeekService(
+        slots,
+        max_batch=flags.max_batch,
+        dict_name=flags.dict_name,
+        shard=flags.shard,
+        partitioner=flags.partitioner,
+    )
+    local = LocalWorker(index, ports[index], slots, data_dir, dirs, options, executor, service)
+
+    startup_error = ""
+    try:
+        name = startup_version(dirs)
+        if name is None:
+            log.info("no %s under %s: serving empty", "VERSION", data_dir)
+        else:
+            version = await loop.run_in_executor(executor, load_base, dirs, name, options)
+            slots.install(version)
+            log.info("serving %s (%s)", name, " > ".join(version.chain))
+    except VersionError as exc:
+        startup_error = exc.message
+        local.last_error = f"startup: {exc.message}"
+        log.error("start-up version not loaded, serving empty: %s", exc.message)
+
+    internal = _loopback(flags.host)
+    remotes = []
+    if index == 0:
+        remotes = [
+            RemoteWorker(i, port, _address(internal, port), flags.control_timeout)
+            for i, port in enumerate(ports)
+            if i != 0
+        ]
+
+    def describe() -> dict[str, Any]:
+        return {
+            "dict_name": flags.dict_name,
+            "shard": flags.shard,
+            "dict_split": flags.dict_split,
+            "partitioner": flags.partitioner,
+            "data_dir": str(data_dir.resolve()),
+            "in_mem": flags.in_mem,
+            "max_batch": flags.max_batch,
+            "workers": flags.workers,
+            "ports": ports,
+            "host": flags.host,
+            "reuseport": flags.reuseport,
+            "startup_error": startup_error,
+            "pid": os.getpid(),
+        }
+
+    coordinator = (
+        Coordinator(local, remotes, describe=describe, write_version=flags.write_version)
+        if index == 0
+        else None
+    )
+    forward = None if index == 0 else _address(internal, ports[0])
+
+    max_message = max(4 << 20, flags.max_batch * 8 + (1 << 16))
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 1 if flags.reuseport else 0),
+            ("grpc.max_receive_message_length", max_message),
+            ("grpc.max_send_message_length", -1),
+        ]
+    )
+    server.add_generic_rpc_handlers(
+        [
+            *service.handlers(),
+            control_handler(coordinator, forward, flags.control_timeout),
+            worker_handler(local),
+        ]
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    service_names = [FAST_SERVICE, DICT_SERVICE, CONTROL_SERVICE]
+    reflection.enable_server_reflection(
+        [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    binds = [_address(flags.host, ports[index])]
+    if flags.reuseport and ports[index] != flags.port:
+        binds.append(_address(flags.host, flags.port))
+    for bind in binds:
+        try:
+            bound = server.add_insecure_port(bind)
+        except RuntimeError as exc:
+            bound = 0
+            log.error("cannot bind %s: %s", bind, exc)
+        if not bound:
+            log.error("cannot listen on %s (port in use?)", bind)
+            executor.shutdown(wait=False)
+            return 1
+    await server.start()
+    for name in ("", *service_names):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info(
+        "listening on %s (worker %d of %d, dict_split %d, version %r)",
+        ", ".join(binds),
+        index,
+        flags.workers,
+        flags.dict_split,
+        slots.current.name if slots.current else "",
+    )
+
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    log.info("stopping: draining in-flight calls for up to %.1f s", flags.grace)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(flags.grace)
+    for remote in remotes:
+        await remote.close()
+    slots.close()
+    executor.shutdown(wait=False, cancel_futures=True)
+    log.info("stopped")
+    return 0
+
+
+def supervise(flags: Flags, argv: list[str], ports: list[int]) -> int:
+    """Run the workers; forward SIGTERM/SIGINT; if one dies, stop the others and fail."""
+    children: list[subprocess.Popen] = []
+    stopping = False
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    for i in range(flags.workers):
+        command = [sys.executable, "-m", "cube.server.main", *argv, f"--worker_index={i}"]
+        children.append(subprocess.Popen(command))
+    log.info(
+        "started %d workers on ports %s (pids %s)",
+        len(children),
+        ",".join(map(str, ports)),
+        ",".join(str(c.pid) for c in children),
+    )
+    failed = False
+    while not stopping:
+        time.sleep(0.2)
+        dead = [(i, c) for i, c in enumerate(children) if c.poll() is not None]
+        if dead:
+            for i, child in dead:
+                log.error("worker %d (pid %d) exited with %s", i, child.pid, child.returncode)
+            failed = True
+            break
+    for child in children:
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + flags.grace + 10.0
+    for i, child in enumerate(children):
+        try:
+            child.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.error("worker %d (pid %d) did not stop in time: killing it", i, child.pid)
+            child.kill()
+            child.wait(timeout=10)
+            failed = True
+        if child.returncode != 0:
+            failed = True
+    log.info("all workers stopped")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,518 @@
+"""Versions one server process holds: names and chains on disk, loading them into ShardStacks,
+and the slots (current, background, staged) requests and control commands work on.
+
+Layout (the original's): `<data_dir>/VERSION` names the version to serve at start and
+`<data_dir>/<version>/` holds `index.cube` + `data.cube`; with `dict_split` D > 1 every split
+has its own `<data_dir>/<split>/VERSION` and `<data_dir>/<split>/<version>/`.
+
+A version named `<base>_<cur>` is a delta on `<base>`. Its chain (base first, ending with the
+delta) is the `CHAIN` file in its directory, one name per line; the agent writes it when it
+places a delta and the server writes it when it loads a patch without one. Without a CHAIN
+file the chain is rebuilt from the directory names: the base plus every `<base>_*` delta up to
+the named one. A delta layers over the shards already mapped: nothing is copied.
+
+Everything here runs either on the event loop thread (slots, request reference counts) or in
+one loader thread (loading) while the control lock is held, so the only shared mutable state
+across threads is the shard reference count, guarded by a lock.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cube.format import ShardFormatError
+from cube.shard import Shard, ShardStack
+
+VERSION_FILE = "VERSION"
+CHAIN_FILE = "CHAIN"
+
+log = logging.getLogger("cube.server")
+
+
+class VersionError(Exception):
+    """A version that cannot be named, found or loaded. `code` is a grpc.StatusCode name."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+# ---------------------------------------------------------------------------------------------
+# names and paths (pure)
+
+
+def version_name_from_path(version_path: str, data_dir: str | os.PathLike) -> str:
+    """The version directory a control command names: "/<dir>" (the original's form, relative
+    to the data dir), "<dir>", or an absolute path inside the data dir. Anything that is not one
+    directory directly under the data dir is refused (`..`, other absolute paths, nesting)."""
+    text = (version_path or "").strip()
+    if not text:
+        raise VersionError("INVALID_ARGUMENT", "version_path is empty")
+    if "\x00" in text or "\\" in text:
+        raise VersionError("INVALID_ARGUMENT", f"version_path {text!r}: bad character")
+    root = str(Path(data_dir).resolve())
+    if text.startswith(root + "/"):
+        text = text[len(root) :]
+    name = text.strip("/")
+    if not name or "/" in name or name in (".", ".."):
+        raise VersionError(
+            "INVALID_ARGUMENT",
+            f"version_path {version_path!r} is not one version directory under the data dir"
+            f" {root} (expected '/<version>' or '<version>')",
+        )
+    return name
+
+
+def base_of(name: str) -> str:
+    """`<base>_<cur>` -> `<base>`; a base is its own base (`X_X` too, the builder's base dir)."""
+    if "_" not in name:
+        return name
+    base, _, cur = name.rpartition("_")
+    return name if base == cur else base
+
+
+def is_delta(name: str) -> bool:
+    return base_of(name) != name
+
+
+def _delta_order(name: str) -> tuple[int, int, str]:
+    """Sort deltas of one base by their `<cur>` part: numerically when it is a number."""
+    cur = name.rpartition("_")[2]
+    return (0, int(cur), "") if cur.isdigit() else (1, 0, cur)
+
+
+def split_dirs(data_dir: str | os.PathLike, dict_split: int) -> list[Path]:
+    root = Path(data_dir)
+    if dict_split <= 1:
+        return [root]
+    return [root / str(i) for i in range(dict_split)]
+
+
+def read_version_file(split_dir: Path) -> str | None:
+    """The first line of VERSION, or None when there is no such file (or it is blank)."""
+    try:
+        text = (split_dir / VERSION_FILE).read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise VersionError("FAILED_PRECONDITION", f"{split_dir / VERSION_FILE}: {exc}") from exc
+    lines = text.strip().splitlines()
+    return lines[0].strip() if lines else None
+
+
+def startup_version(dirs: list[Path]) -> str | None:
+    """The version every split's VERSION names, None when none has one; splits that disagree
+    are an error (a server serves one version name)."""
+    names = [read_version_file(d) for d in dirs]
+    present = {n for n in names if n}
+    if not present:
+        return None
+    if len(present) > 1 or None in names:
+        listing = ", ".join(f"{d / VERSION_FILE}={n!r}" for d, n in zip(dirs, names, strict=True))
+        raise VersionError("FAILED_PRECONDITION", f"splits name different versions: {listing}")
+    return present.pop()
+
+
+def read_chain(split_dir: Path, name: str) -> list[str] | None:
+    """The CHAIN file of version `name`, checked: base first, ending with `name`."""
+    path = split_dir / name / CHAIN_FILE
+    try:
+        lines = path.read_text().split()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise VersionError("FAILED_PRECONDITION", f"{path}: {exc}") from exc
+    if not lines or lines[-1] != name or lines[0] != base_of(name):
+        raise VersionError(
+            "FAILED_PRECONDITION",
+            f"{path}: a chain must start with the base {base_of(name)!r} and end with {name!r},"
+            f" got {lines!r}",
+        )
+    if len(set(lines)) != len(lines) or any(base_of(n) != lines[0] for n in lines):
+        raise VersionError("FAILED_PRECONDITION", f"{path}: bad chain {lines!r}")
+    return lines
+
+
+def resolve_chain(split_dir: Path, name: str) -> list[str]:
+    """Base first, ending with `name`: CHAIN when present, else rebuilt from directory names."""
+    chain = read_chain(split_dir, name)
+    if chain is None:
+        if not is_delta(name):
+            chain = [name]
+        else:
+            base = base_of(name)
+            try:
+                entries = [p.name for p in split_dir.iterdir() if p.is_dir()]
+            except OSError as exc:
+                raise VersionError("NOT_FOUND", f"{split_dir}: {exc}") from exc
+            deltas = sorted(
+                (n for n in entries if is_delta(n) and base_of(n) == base), key=_delta_order
+            )
+            upto = _delta_order(name)
+            chain = [base, *(d for d in deltas if _delta_order(d) <= upto)]
+    for link in chain:
+        if not (split_dir / link).is_dir():
+            raise VersionError(
+                "NOT_FOUND",
+                f"version {name!r} needs {link!r} (chain {' > '.join(chain)}) but"
+                f" {split_dir / link} does not exist",
+            )
+    return chain
+
+
+def write_chain(split_dir: Path, name: str, chain: list[str]) -> None:
+    """Record a patch's chain in `<version>/CHAIN` (temp + rename); best effort on a read-only
+    data dir."""
+    path = split_dir / name / CHAIN_FILE
+    tmp = path.with_name(f".{CHAIN_FILE}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text("".join(f"{link}\n" for link in chain))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("could not record the chain of %s in %s: %s", name, path, exc)
+        tmp.unlink(missing_ok=True)
+
+
+def write_version_file(split_dir: Path, name: str) -> None:
+    path = split_dir / VERSION_FILE
+    tmp = path.with_name(f".{VERSION_FILE}.tmp-{os.getpid()}")
+    tmp.write_text(f"{name}\n")
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# shards shared between versions
+
+
+class ShardHandle:
+    """A mapped shard that several versions may share (a delta layers over the current base):
+    it is closed when the last version holding it lets go."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, shard: Shard) -> None:
+        self.shard = shard
+        self.refs = 1
+
+    def acquire(self) -> ShardHandle:
+        with self._lock:
+            self.refs += 1
+        return self
+
+    def release(self) -> None:
+        with self._lock:
+            self.refs -= 1
+            last = self.refs == 0
+        if last:
+            self.shard.close()
+
+
+_libc: Any = None
+
+
+def lock_in_memory(shard: Shard) -> bool:
+    """Best effort mlock of a shard's mapped sections (`--in_mem true`); False if refused."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    arrays = [shard.table.slot_keys, shard.table.slot_rows, shard.values.blob]
+    ok = True
+    for array in arrays:
+        if not array.nbytes:
+            continue
+        start = array.ctypes.data
+        page = start & ~(4096 - 1)
+        length = array.nbytes + (start - page)
+        if _libc.mlock(ctypes.c_void_p(page), ctypes.c_size_t(length)) != 0:
+            ok = False
+            errno = ctypes.get_errno()
+            log.warning(
+                "mlock of %d bytes of %s failed: %s (serving from the page cache;"
+                " raise RLIMIT_MEMLOCK to pin shards)",
+                length,
+                shard.directory,
+                os.strerror(errno),
+            )
+            break
+    return ok
+
+
+@dataclass
+class SplitData:
+    """One split of a loaded version: its chain and the stack that serves it."""
+
+    directory: Path
+    chain: list[str]
+    handles: list[ShardHandle]
+    stack: ShardStack
+
+    def describe(self) -> dict[str, Any]:
+        layers = [h.shard for h in self.handles]
+        return {
+            "dir": str(self.directory),
+            "chain": self.chain,
+            "value_width": self.stack.value_width,
+            "record_count": sum(s.record_count for s in layers),
+            "base_record_count": layers[0].record_count,
+            "tombstone_count": sum(int(s.meta.get("tombstone_count", 0)) for s in layers),
+            "data_bytes": sum(
+                int(s.meta.get("value_bytes", 0)) + int(s.meta.get("data_file_size", 0))
+                for s in layers
+            ),
+            "dict_name": layers[-1].meta.get("dict_name"),
+        }
+
+
+@dataclass(eq=False)
+class LoadedVersion:
+    """A version ready to serve. Requests hold it between `acquire` and `release`; once it has
+    left every slot (`retire`) the last release unmaps its shards."""
+
+    name: str
+    splits: list[SplitData]
+    load_seconds: float = 0.0
+    loaded_at: float = field(default_factory=time.time)
+    inflight: int = 0
+    retired: bool = False
+    closed: bool = False
+
+    def __post_init__(self) -> None:
+        widths = {s.stack.value_width for s in self.splits}
+        # One width for the whole answer only when every split agrees; else variable.
+        self.value_width = widths.pop() if len(widths) == 1 else 0
+        self.stacks = [s.stack for s in self.splits]
+
+    @property
+    def chain(self) -> list[str]:
+        return self.splits[0].chain
+
+    def acquire(self) -> LoadedVersion:
+        self.inflight += 1
+        return self
+
+    def release(self) -> None:
+        self.inflight -= 1
+        if self.retired and self.inflight == 0:
+            self._close()
+
+    def retire(self) -> None:
+        self.retired = True
+        if self.inflight == 0:
+            self._close()
+
+    def _close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for split in self.splits:
+            for handle in split.handles:
+                handle.release()
+        log.info("version %s unmapped", self.name)
+
+    def describe(self) -> dict[str, Any]:
+        splits = [s.describe() for s in self.splits]
+        return {
+            "version": self.name,
+            "chain": self.chain,
+            "value_width": self.value_width,
+            "record_count": sum(s["record_count"] for s in splits),
+            "data_bytes": sum(s["data_bytes"] for s in splits),
+            "load_seconds": round(self.load_seconds, 3),
+            "loaded_at": self.loaded_at,
+            "splits": splits,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# loading (runs in a loader thread)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    verify: bool = True
+    populate: bool = False  # --in_mem: fault every page in at load
+    lock_memory: bool = False  # --in_mem: mlock, best effort
+
+
+def _open_layer(directory: Path, options: LoadOptions) -> ShardHandle:
+    try:
+        shard = Shard.open(directory, verify=options.verify, populate=options.populate)
+    except ShardFormatError as exc:
+        raise VersionError("DATA_LOSS", f"refused {directory}: {exc}") from exc
+    except OSError as exc:
+        raise VersionError("NOT_FOUND", f"cannot open {directory}: {exc}") from exc
+    if options.lock_memory:
+        lock_in_memory(shard)
+    return ShardHandle(shard)
+
+
+def _build_split(
+    directory: Path, chain: list[str], reuse: list[ShardHandle], options: LoadOptions
+) -> SplitData:
+    """Open the layers of `chain` after the `reuse`d ones (already mapped by another version)."""
+    handles = [h.acquire() for h in reuse]
+    try:
+        for link in chain[len(reuse) :]:
+            handles.append(_open_layer(directory / link, options))
+        widths = {h.shard.value_width for h in handles if h.shard.record_count}
+        if len(widths) > 1:
+            log.info("%s: layers of widths %s served as variable width", directory, widths)
+        stack = ShardStack([h.shard for h in handles])
+    except BaseException:
+        for handle in handles:
+            handle.release()
+        raise
+    return SplitData(directory / chain[-1], chain, handles, stack)
+
+
+def _require_dir(split_dir: Path, name: str) -> None:
+    if not (split_dir / name).is_dir():
+        raise VersionError("NOT_FOUND", f"version directory {split_dir / name} does not exist")
+
+
+def load_base(dirs: list[Path], name: str, options: LoadOptions) -> LoadedVersion:
+    """Load `name` from disk alone (a delta brings its whole chain: base + deltas)."""
+    started = time.monotonic()
+    splits: list[SplitData] = []
+    try:
+        for split_dir in dirs:
+            _require_dir(split_dir, name)
+            chain = resolve_chain(split_dir, name)
+            splits.append(_build_split(split_dir, chain, [], options))
+    except BaseException:
+        _release_all(splits)
+        raise
+    return LoadedVersion(name, splits, time.monotonic() - started)
+
+
+def load_patch(
+    dirs: list[Path], name: str, on: LoadedVersion | None, options: LoadOptions
+) -> LoadedVersion:
+    """Layer delta `name` over the version `on` serves now, reusing its mapped shards. The
+    result's chain is the CHAIN file when there is one (which must extend `on`'s chain; the
+    deltas `on` lacks are opened too), else `on`'s chain + `name`, then recorded in CHAIN."""
+    if not is_delta(name):
+        raise VersionError(
+            "INVALID_ARGUMENT", f"{name!r} is not a delta name (<base>_<version>); use bg_load_base"
+        )
+    if on is None:
+        raise VersionError(
+            "FAILED_PRECONDITION", f"no current version to apply patch {name!r} to; load a base"
+        )
+    if base_of(name) != on.chain[0]:
+        raise VersionError(
+            "FAILED_PRECONDITION",
+            f"patch {name!r} is on base {base_of(name)!r} but the current version"
+            f" {on.name!r} is on base {on.chain[0]!r}",
+        )
+    started = time.monotonic()
+    splits: list[SplitData] = []
+    try:
+        for split_dir, current in zip(dirs, on.splits, strict=True):
+            _require_dir(split_dir, name)
+            if name in current.chain:
+                raise VersionError(
+                    "FAILED_PRECONDITION",
+                    f"patch {name!r} is already applied in {on.name!r} ({' > '.join(on.chain)})",
+                )
+            recorded = read_chain(split_dir, name)
+            chain = recorded if recorded is not None else [*current.chain, name]
+            if chain[: len(current.chain)] != current.chain:
+                raise VersionError(
+                    "FAILED_PRECONDITION",
+                    f"{split_dir / name / CHAIN_FILE} lists {' > '.join(chain)}, which does not"
+                    f" extend the current {' > '.join(current.chain)}; load it with bg_load_base",
+                )
+            for link in chain[len(current.chain) :]:
+                _require_dir(split_dir, link)
+            splits.append(_build_split(split_dir, chain, current.handles, options))
+            if recorded is None:
+                write_chain(split_dir, name, chain)
+    except BaseException:
+        _release_all(splits)
+        raise
+    return LoadedVersion(name, splits, time.monotonic() - started)
+
+
+def _release_all(splits: list[SplitData]) -> None:
+    for split in splits:
+        for handle in split.handles:
+            handle.release()
+
+
+# ---------------------------------------------------------------------------------------------
+# slots (event loop thread only)
+
+
+class VersionSlots:
+    """current (serving), background (loaded, ready to switch to; after a switch it is the
+    previous version, kept until bg_unload so the switch can be undone) and staged (loaded by
+    the first phase of a multi-worker load, not yet visible)."""
+
+    def __init__(self) -> None:
+        self.current: LoadedVersion | None = None
+        self.background: LoadedVersion | None = None
+        self.staged: LoadedVersion | None = None
+        self.background_was_current = False
+
+    def get(self, name: str) -> LoadedVersion | None:
+        """The version a request asks for: "" = current; else current or background by name."""
+        current = self.current
+        if not name or (current is not None and current.name == name):
+            return current
+        background = self.background
+        if background is not None and background.name == name:
+            return background
+        return None
+
+    def stage(self, version: LoadedVersion) -> None:
+        self.abort()
+        self.staged = version
+
+    def commit(self) -> None:
+        """The staged version becomes the background one (the old background is dropped)."""
+        if self.staged is None:
+            raise VersionError("FAILED_PRECONDITION", "nothing staged to commit")
+        old, self.background = self.background, self.staged
+        self.staged = None
+        self.background_was_current = False
+        if old is not None:
+            old.retire()
+
+    def abort(self) -> None:
+        staged, self.staged = self.staged, None
+        if staged is not None:
+            staged.retire()
+
+    def switch(self) -> None:
+        if self.background is None:
+            raise VersionError("FAILED_PRECONDITION", "no background version to switch to")
+        self.current, self.background = self.background, self.current
+        self.background_was_current = self.background is not None
+
+    def unload_background(self) -> None:
+        old, self.background = self.background, None
+        self.background_was_current = False
+        if old is not None:
+            old.retire()
+
+    def install(self, version: LoadedVersion) -> None:
+        """Serve `version` now (start-up)."""
+        old, self.current = self.current, version
+        if old is not None:
+            old.retire()
+
+    def close(self) -> None:
+        for version in (self.current, self.background, self.staged):
+            if version is not None:
+                version.retire()
+        self.current = self.background = self.staged = None

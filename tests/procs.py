@@ -1,0 +1,232 @@
+"""Test helpers: write version directories the way the builder/agent lay them out, and run real
+cube-server processes on free loopback ports (started, waited for health SERVING, stopped by
+PID). Shared by the server and SDK tests.
+
+    with running_server(data_dir, "--dict_split", "1") as server:
+        channel = grpc.insecure_channel(server.address)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cube.index import build_table
+from cube.shard import write_shard
+from cube.values import ValueColumn
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------------------------------
+# data
+
+
+def write_version(
+    data_dir: str | os.PathLike,
+    name: str,
+    keys: Sequence[int] | np.ndarray,
+    values: ValueColumn | Sequence[bytes],
+    *,
+    deleted: Sequence[int] | np.ndarray | None = None,
+    split: int | None = None,
+    chain: Sequence[str] | None = None,
+    current: bool = False,
+    dict_name: str = "test_dict",
+) -> Path:
+    """Write `<data_dir>[/<split>]/<name>/{index.cube,data.cube}` (a base, or a delta when the
+    name is `<base>_<cur>`), optionally its CHAIN file, and VERSION when `current`."""
+    root = Path(data_dir) if split is None else Path(data_dir) / str(split)
+    keys = np.asarray(keys, dtype=np.uint64)
+    if not isinstance(values, ValueColumn):
+        values = ValueColumn.from_list(list(values)) if len(values) else ValueColumn.empty()
+    dropped = None if deleted is None else np.asarray(deleted, dtype=np.uint64)
+    directory = root / name
+    meta = {"dict_name": dict_name, "version": name}
+    write_shard(directory, build_table(keys, dropped), values, meta)
+    if chain is not None:
+        (directory / "CHAIN").write_text("".join(f"{link}\n" for link in chain))
+    if current:
+        (root / "VERSION").write_text(f"{name}\n")
+    return directory
+
+
+def fixed_values(keys: np.ndarray, width: int, tag: int = 0) -> ValueColumn:
+    """Deterministic values: key bytes (LE) + tag byte, repeated to `width` bytes."""
+    keys = np.asarray(keys, dtype=np.uint64)
+    unit = np.concatenate(
+        [keys.astype("<u8").view(np.uint8).reshape(-1, 8), np.full((len(keys), 1), tag, np.uint8)],
+        axis=1,
+    )
+    reps = -(-width // 9)
+    rows = np.tile(unit, (1, reps))[:, :width]
+    return ValueColumn.fixed(np.ascontiguousarray(rows).reshape(-1), width)
+
+
+def expected_fixed(keys: np.ndarray, width: int, tag: int = 0) -> np.ndarray:
+    return fixed_values(keys, width, tag).as_rows()
+
+
+# ---------------------------------------------------------------------------------------------
+# ports and processes
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(count: int = 1) -> list[int]:
+    """`count` consecutive free loopback ports (a server with --workers N uses port..port+N-1)."""
+    rng = np.random.default_rng()
+    for _ in range(200):
+        start = int(rng.integers(20000, 60000 - count))
+        if all(_port_free(start + i) for i in range(count)):
+            return [start + i for i in range(count)]
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
+
+
+def health_status(address: str, timeout: float = 1.0, service: str = "") -> int | None:
+    """The health status of `address`, or None when it does not answer."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
+        except grpc.RpcError:
+            return None
+    return reply.status
+
+
+@dataclass
+class ServerProc:
+    process: subprocess.Popen
+    ports: list[int]
+    data_dir: Path
+    log_path: Path
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def port(self) -> int:
+        return self.ports[0]
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.ports[0]}"
+
+    @property
+    def addresses(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.ports]
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def wait_serving(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(self.addresses)
+        while pending:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"cube-server exited with {self.process.returncode}:\n{self.log()[-4000:]}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"cube-server not SERVING on {pending} after {timeout} s:\n{self.log()[-4000:]}"
+                )
+            if health_status(pending[0], timeout=0.5) == health_pb2.HealthCheckResponse.SERVING:
+                pending.pop(0)
+            else:
+                time.sleep(0.05)
+
+    def signal(self, signum: int = signal.SIGTERM) -> None:
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signum)
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM by PID, wait; SIGKILL if it does not exit in time. Returns the exit code."""
+        if self.process.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        return self.process.returncode
+
+
+def start_server(
+    data_dir: str | os.PathLike,
+    *args: str,
+    workers: int = 1,
+    ports: list[int] | None = None,
+    log_path: str | os.PathLike | None = None,
+    timeout: float = 30.0,
+    wait: bool = True,
+) -> ServerProc:
+    """Start `cube-server --data_dir DATA --port P [--workers N] ARGS...` and wait until every
+    worker answers health SERVING. The caller must `stop()` it (or use `running_server`)."""
+    ports = ports or free_ports(workers)
+    data_dir = Path(data_dir)
+    log_path = Path(log_path) if log_path else data_dir.parent / f"cube-server-{ports[0]}.log"
+    command = [
+        sys.executable,
+        "-m",
+        "cube.server.main",
+        "--data_dir",
+        str(data_dir),
+        "--port",
+        str(ports[0]),
+        "--workers",
+        str(workers),
+        "--in_mem",
+        "false",
+        *args,
+    ]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
+        )
+    server = ServerProc(process, ports, data_dir, log_path, list(args))
+    if wait:
+        try:
+            server.wait_serving(timeout)
+        except BaseException:
+            server.stop()
+            raise
+    return server
+
+
+@contextlib.contextmanager
+def running_server(data_dir: str | os.PathLike, *args: str, **kwargs) -> Iterator[ServerProc]:
+    server = start_server(data_dir, *args, **kwargs)
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,227 @@
+"""cube-server end to end: real processes on loopback ports, real shard files.
+
+Lookups (fast and original API, fixed and variable width, deltas and tombstones), every
+bad-request status, the empty server, dict_split layout, health and reflection."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from procs import expected_fixed, fixed_values, health_status, running_server, write_version
+
+from cube.pb import cube_fast_pb2, cube_fast_pb2_grpc, cube_pb2, cube_pb2_grpc
+from cube.routing import shard_of
+
+MISS = 0xFFFFFFFF
+
+
+def seek(channel, keys, **fields) -> cube_fast_pb2.SeekResponse:
+    keys = np.asarray(keys, dtype="<u8")
+    request = cube_fast_pb2.SeekRequest(keys=keys.tobytes(), **fields)
+    return cube_fast_pb2_grpc.CubeServiceStub(channel).Seek(request, timeout=10)
+
+
+def fixed_rows(response) -> np.ndarray:
+    return np.frombuffer(response.values, np.uint8).reshape(-1, response.value_width)
+
+
+def variable_values(response) -> list[bytes]:
+    offsets = np.frombuffer(response.offsets, "<u8")
+    return [response.values[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
+
+
+def control(channel, cmd, **fields) -> cube_pb2.ControlResponse:
+    request = cube_pb2.ControlRequest(cmd=cmd, **fields)
+    return cube_pb2_grpc.ControlServiceStub(channel).cmd(request, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def fixed_server(tmp_path_factory):
+    """Base 100 (keys 1..2000 step 3, width 40) + delta 100_200 (updates, new keys, deletes)."""
+    data = tmp_path_factory.mktemp("fixed") / "data"
+    keys = np.arange(1, 6000, 3, dtype=np.uint64)
+    write_version(data, "100", keys, fixed_values(keys, 40, tag=1))
+    changed = keys[:50]
+    added = np.arange(10**12, 10**12 + 20, dtype=np.uint64)
+    delta_keys = np.concatenate([changed, added])
+    write_version(
+        data,
+        "100_200",
+        delta_keys,
+        fixed_values(delta_keys, 40, tag=2),
+        deleted=keys[100:110],
+        chain=["100", "100_200"],
+        current=True,
+    )
+    with running_server(data) as server, grpc.insecure_channel(server.address) as channel:
+        yield server, channel, keys, changed, added
+
+
+def test_fast_seek_fixed_width_with_delta_and_tombstones(fixed_server):
+    _server, channel, keys, changed, added = fixed_server
+    missing = np.array([5, 2**64 - 1], np.uint64)
+    query = np.concatenate([keys[200:300], changed[:5], added, keys[100:110], missing])
+    response = seek(channel, query, request_id=77)
+    assert response.request_id == 77 and response.version == "100_200"
+    assert response.value_width == 40 and response.offsets == b""
+    found = np.frombuffer(response.found, np.uint8)
+    assert len(found) == len(query)
+    assert found[:125].all() and not found[125:].any()
+    rows = fixed_rows(response)
+    assert (rows[:100] == expected_fixed(keys[200:300], 40, tag=1)).all()
+    assert (rows[100:105] == expected_fixed(changed[:5], 40, tag=2)).all()
+    assert (rows[105:125] == expected_fixed(added, 40, tag=2)).all()
+    assert (rows[125:] == 0).all()  # deleted and missing keys: zero rows
+
+
+def test_original_seek_in_request_order(fixed_server):
+    _server, channel, keys, changed, _added = fixed_server
+    query = [int(keys[500]), 5, int(changed[0]), int(keys[500]), int(keys[105])]
+    stub = cube_pb2_grpc.DictServiceStub(channel)
+    response = stub.seek(cube_pb2.DictRequest(keys=query), timeout=10)
+    assert not response.HasField("version")
+    assert [v.status for v in response.values] == [0, MISS, 0, 0, MISS]
+    assert response.values[0].value == expected_fixed(keys[500:501], 40, 1).tobytes()
+    assert response.values[2].value == expected_fixed(changed[:1], 40, 2).tobytes()
+    assert response.values[1].value == b"" and response.values[3] == response.values[0]
+    response = stub.seek(cube_pb2.DictRequest(keys=query, version_required=True), timeout=10)
+    assert response.version == "100_200"
+    assert len(stub.seek(cube_pb2.DictRequest(keys=[]), timeout=10).values) == 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "code", "words"),
+    [
+        ({"keys": b"\x01" * 12}, grpc.StatusCode.INVALID_ARGUMENT, "12 bytes"),
+        ({"keys": b"\x00" * 8 * 1001}, grpc.StatusCode.RESOURCE_EXHAUSTED, "1001 keys"),
+        ({"keys": b"", "dict_name": "other"}, grpc.StatusCode.NOT_FOUND, "'other'"),
+        ({"keys": b"", "dict_name": "test_dict_part3"}, grpc.StatusCode.NOT_FOUND, "part3"),
+        ({"keys": b"", "version": "999"}, grpc.StatusCode.FAILED_PRECONDITION, "'999'"),
+    ],
+)
+def test_bad_fast_requests(bad_request_server, fields, code, words):
+    _server, channel = bad_request_server
+    with pytest.raises(grpc.RpcError) as info:
+        cube_fast_pb2_grpc.CubeServiceStub(channel).Seek(
+            cube_fast_pb2.SeekRequest(request_id=9, **fields), timeout=10
+        )
+    assert info.value.code() == code
+    assert words in info.value.details()
+
+
+@pytest.fixture(scope="module")
+def bad_request_server(tmp_path_factory):
+    data = tmp_path_factory.mktemp("bad") / "data"
+    write_version(data, "5", [1, 2], [b"one", b"two!"], current=True)
+    args = ("--max_batch", "1000", "--dict_name", "test_dict", "--shard", "2")
+    with running_server(data, *args) as server, grpc.insecure_channel(server.address) as channel:
+        yield server, channel
+
+
+def test_dict_name_forms_accepted_and_original_batch_limit(bad_request_server):
+    _server, channel = bad_request_server
+    for name in ("", "test_dict", "test_dict_part2"):
+        assert seek(channel, [1], dict_name=name).found == b"\x01"
+    with pytest.raises(grpc.RpcError) as info:
+        cube_pb2_grpc.DictServiceStub(channel).seek(
+            cube_pb2.DictRequest(keys=list(range(1001))), timeout=10
+        )
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_bad_stream_request_ends_stream_with_status(bad_request_server):
+    stub = cube_fast_pb2_grpc.CubeServiceStub(bad_request_server[1])
+    requests = [
+        cube_fast_pb2.SeekRequest(keys=np.array([1], "<u8").tobytes(), request_id=1),
+        cube_fast_pb2.SeekRequest(keys=b"\x00" * 9, request_id=2),
+    ]
+    answers = []
+    with pytest.raises(grpc.RpcError) as info:
+        for answer in stub.SeekStream(iter(requests), timeout=10):
+            answers.append(answer.request_id)
+    assert answers == [1]
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "request_id=2" in info.value.details()
+
+
+def test_variable_width_values(bad_request_server):
+    response = seek(bad_request_server[1], [2, 3, 1])
+    assert response.value_width == 0
+    assert response.found == b"\x01\x00\x01"
+    assert variable_values(response) == [b"two!", b"", b"one"]
+
+
+def test_empty_server_answers_misses(tmp_path):
+    with (
+        running_server(tmp_path / "nothing") as server,
+        grpc.insecure_channel(server.address) as channel,
+    ):
+        response = seek(channel, [1, 2, 3])
+        assert response.found == b"\x00\x00\x00" and response.version == ""
+        assert variable_values(response) == [b"", b"", b""]
+        original = cube_pb2_grpc.DictServiceStub(channel).seek(
+            cube_pb2.DictRequest(keys=[4], version_required=True), timeout=10
+        )
+        assert [v.status for v in original.values] == [MISS]
+        assert original.HasField("version") and original.version == ""
+        status = control(channel, "status")
+        assert status.cur_version == "" and status.status == 0
+        assert json.loads(status.detail_json)["record_count"] == 0
+
+
+def test_dict_split_layout(tmp_path):
+    data = tmp_path / "data"
+    keys = np.arange(10, 410, dtype=np.uint64)
+    for partitioner in ("mod", "murmur3"):
+        owner = shard_of(keys, 2, partitioner)
+        for split in range(2):
+            mine = keys[owner == split]
+            write_version(
+                data, partitioner, mine, fixed_values(mine, 16, split), split=split, current=True
+            )
+        args = ("--dict_split", "2", "--partitioner", partitioner)
+        with (
+            running_server(data, *args) as server,
+            grpc.insecure_channel(server.address) as channel,
+        ):
+            query = np.concatenate([keys[::-7], np.array([1, 2, 3], np.uint64)])
+            response = seek(channel, query)
+            assert response.version == partitioner
+            assert np.frombuffer(response.found, np.uint8).tolist() == [1] * 58 + [0] * 3
+            rows = fixed_rows(response)
+            split_of = shard_of(query[:58], 2, partitioner)
+            for split in range(2):
+                mine = query[:58][split_of == split]
+                assert (rows[:58][split_of == split] == expected_fixed(mine, 16, split)).all()
+            detail = json.loads(control(channel, "status").detail_json)
+            assert [s["cur_version"] for s in detail["splits"]] == [partitioner] * 2
+
+
+def test_health_and_reflection(bad_request_server):
+    server, channel = bad_request_server
+    address = server.address
+    assert health_status(address) == health_pb2.HealthCheckResponse.SERVING
+    assert health_status(address, service="cube.v1.CubeService") == (
+        health_pb2.HealthCheckResponse.SERVING
+    )
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    request = reflection_pb2.ServerReflectionRequest(list_services="")
+    names = {
+        s.name
+        for reply in stub.ServerReflectionInfo(iter([request]), timeout=10)
+        for s in reply.list_services_response.service
+    }
+    assert {
+        "cube.v1.CubeService",
+        "rec.mcube.DictService",
+        "rec.mcube.ControlService",
+        "grpc.health.v1.Health",
+    } <= names
+    request = reflection_pb2.ServerReflectionRequest(file_containing_symbol="cube.v1.CubeService")
+    reply = next(iter(stub.ServerReflectionInfo(iter([request]), timeout=10)))
+    assert reply.file_descriptor_response.file_descriptor_proto
