@@ -1,0 +1,124 @@
+"""AsyncCubeClient: the asyncio client, same API as CubeClient with `await`. Drives the pure
+rounds (cube.client.policy) with grpc.aio: completions land in an asyncio.Queue and the
+coroutine waits on it until the next timer. Use one client per event loop (grpc.aio channels
+belong to the loop that first used them)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from cube.client.base import ClientBase
+from cube.client.core import Piece, PieceOutcome, PieceRequest, SeekResult, embeddings
+from cube.client.policy import Action, Cancel
+from cube.client.transport import AioChannels, status_of
+
+
+class AsyncCubeClient(ClientBase):
+    """asyncio client; see ClientBase for the arguments and `from_conf` for cube.conf."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._channels = AioChannels(self._wire.method)
+
+    async def seek(self, keys: object, version: str | None = None) -> SeekResult:
+        """As CubeClient.seek."""
+        pieces, flow = self._flow(keys, version)
+        try:
+            requests = next(flow)
+            while True:
+                requests = flow.send(await self._run(pieces, requests))
+        except StopIteration as done:
+            return done.value
+
+    async def get_embeddings(self, keys: object, dim: int, dtype: Any = "float32") -> np.ndarray:
+        """As CubeClient.get_embeddings."""
+        return embeddings(await self.seek(keys), dim, dtype)
+
+    async def wait_ready(self, timeout_s: float = 5.0) -> list[str]:
+        return await self._channels.wait_ready(self.endpoints, timeout_s)
+
+    async def close(self) -> None:
+        await self._channels.close()
+
+    async def __aenter__(self) -> AsyncCubeClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _run(
+        self, pieces: Sequence[Piece], requests: Sequence[PieceRequest]
+    ) -> list[PieceOutcome]:
+        now = time.monotonic()
+        round_ = self._round(pieces, requests, now)
+        events: asyncio.Queue = asyncio.Queue()
+        handles: dict[tuple[int, int], Any] = {}
+        try:
+            self._execute(round_.start(now), events, handles)
+            while not round_.done:
+                timeout = round_.next_wakeup() - time.monotonic()
+                try:
+                    if events.empty():
+                        async with asyncio.timeout(max(timeout, 0.0)):
+                            key, call = await events.get()
+                    else:
+                        key, call = events.get_nowait()
+                except TimeoutError:
+                    self._execute(round_.on_timer(time.monotonic()), events, handles)
+                    continue
+                if handles.pop(key, None) is None or call.cancelled():
+                    continue
+                try:
+                    data = await call
+                except grpc.aio.AioRpcError as error:
+                    actions = round_.on_error(key, *status_of(error), time.monotonic())
+                except Exception as error:  # a call that could not start
+                    actions = round_.on_error(key, *status_of(error), time.monotonic())
+                else:
+                    actions = round_.on_response(key, data, time.monotonic())
+                self._execute(actions + round_.on_timer(time.monotonic()), events, handles)
+        finally:
+            for call in handles.values():
+                call.cancel()
+        return round_.outcomes()
+
+    def _execute(
+        self, actions: list[Action], events: asyncio.Queue, handles: dict[tuple[int, int], Any]
+    ) -> None:
+        for action in actions:
+            if isinstance(action, Cancel):
+                call = handles.pop(action.key, None)
+                if call is not None:
+                    call.cancel()
+                continue
+            try:
+                call = self._channels.start(action.address, action.request, action.timeout_s)
+            except Exception as exc:
+                call = _Failed(exc)
+                events.put_nowait((action.key, call))
+            else:
+                call.add_done_callback(lambda c, key=action.key: events.put_nowait((key, c)))
+            handles[action.key] = call
+
+
+class _Failed:
+    """A call that could not even start, awaitable like a failed grpc.aio call."""
+
+    def __init__(self, error: BaseException) -> None:
+        self._error = error
+
+    def cancelled(self) -> bool:
+        return False
+
+    def cancel(self) -> bool:
+        return False
+
+    def __await__(self):
+        raise self._error
+        yield  # pragma: no cover - makes this a generator

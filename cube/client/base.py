@@ -1,0 +1,140 @@
+"""What the blocking and the asyncio clients share: arguments, routing, and building rounds.
+No I/O here; the subclasses drive rounds over their transport."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+from cube.client.conf import load_conf
+from cube.client.core import (
+    DEFAULT_MAX_BATCH,
+    PROTOCOLS,
+    Flow,
+    Piece,
+    PieceRequest,
+    make_plan,
+    normalize_keys,
+    seek_flow,
+)
+from cube.client.errors import ConfError
+from cube.client.policy import Cluster, Policy, Round, ShardCall
+from cube.routing import PARTITIONERS
+
+
+def normalize_shards(shards: Any) -> tuple[tuple[str, ...], ...]:
+    """`[["host:port", ...replicas], ...]` (a bare "host:port" is one replica) -> tuples."""
+    if isinstance(shards, str) or not isinstance(shards, Sequence) or not shards:
+        raise ConfError('shards must be a non-empty list like [["host:port", ...], ...]')
+    result = []
+    for number, replicas in enumerate(shards):
+        if isinstance(replicas, str):
+            replicas = [replicas]
+        if not isinstance(replicas, Sequence) or not replicas:
+            raise ConfError(f"shard {number}: expected a non-empty list of 'host:port' replicas")
+        for address in replicas:
+            host, _, port = str(address).rpartition(":")
+            if not isinstance(address, str) or not host or not port.isdigit():
+                raise ConfError(f"shard {number}: replica {address!r} is not 'host:port'")
+        result.append(tuple(replicas))
+    return tuple(result)
+
+
+class ClientBase:
+    """Arguments shared by CubeClient and AsyncCubeClient.
+
+    shards: replicas of each shard in shard order, e.g. `[["127.0.0.1:8000", "127.0.0.1:8001"],
+        ["127.0.0.1:8010"]]`; every worker port of a multi-worker server is one replica.
+    partitioner: "mod" (`key % shard_num`, the original's) or "murmur3"; the builder's.
+    timeout_ms: per attempt. retry: extra attempts, on other replicas first.
+    backup_request_ms: send a backup request to another replica after this long (0 = off).
+    load_balancer: "rr", "random" or "la" (least in flight, then lowest latency).
+    dict_name: sent with every request so a server of another dict rejects it ("" = any).
+    max_batch: keys per sub-request at most (the server's --max_batch).
+    protocol: "fast" (cube.v1, default) or "original" (rec.mcube.DictService, slower).
+    max_version_rounds: version candidates tried before VersionMismatchError.
+    """
+
+    def __init__(
+        self,
+        shards: Sequence[Sequence[str] | str],
+        partitioner: str = "mod",
+        timeout_ms: float = 1000,
+        retry: int = 2,
+        backup_request_ms: float = 0,
+        load_balancer: str = "rr",
+        dict_name: str = "",
+        max_batch: int = DEFAULT_MAX_BATCH,
+        protocol: str = "fast",
+        max_version_rounds: int = 3,
+        seed: int | None = None,
+    ) -> None:
+        self.shards = normalize_shards(shards)
+        if partitioner not in PARTITIONERS:
+            raise ConfError(f"partitioner {partitioner!r} is not one of {', '.join(PARTITIONERS)}")
+        if protocol not in PROTOCOLS:
+            raise ConfError(f"protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
+        if max_batch < 1:
+            raise ConfError(f"max_batch must be >= 1, got {max_batch}")
+        if max_version_rounds < 1:
+            raise ConfError(f"max_version_rounds must be >= 1, got {max_version_rounds}")
+        self.partitioner = partitioner
+        self.dict_name = dict_name
+        self.max_batch = max_batch
+        self.max_version_rounds = max_version_rounds
+        self.policy = Policy(
+            timeout_ms=timeout_ms, retry=retry, backup_request_ms=backup_request_ms
+        )
+        self._rng = random.Random(seed)
+        self._cluster = Cluster(self.shards, load_balancer, self._rng)
+        self._wire = PROTOCOLS[protocol]()
+
+    @classmethod
+    def from_conf(
+        cls, path: str | os.PathLike, dict_name: str | None = None, **overrides: Any
+    ) -> Any:
+        """A client for `dict_name` of the original cube.conf at `path` (see cube.client.conf);
+        keyword arguments override the file's settings."""
+        conf = load_conf(path, dict_name)
+        settings: dict[str, Any] = {
+            "shards": conf.shards,
+            "partitioner": conf.partitioner,
+            "timeout_ms": conf.timeout_ms,
+            "retry": conf.retry,
+            "backup_request_ms": conf.backup_request_ms,
+            "load_balancer": conf.load_balancer,
+            "dict_name": conf.dict_name,
+        }
+        settings.update(overrides)
+        return cls(**settings)
+
+    @property
+    def shard_num(self) -> int:
+        return self._cluster.shard_num
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [e.address for e in self._cluster.endpoints]
+
+    def _flow(self, keys: object, version: str | None) -> tuple[list[Piece], Flow]:
+        keys = normalize_keys(keys)
+        pieces = make_plan(keys, self.shard_num, self.partitioner, self.max_batch)
+        flow = seek_flow(keys, pieces, self._wire.pins_versions, self.max_version_rounds, version)
+        return pieces, flow
+
+    def _round(
+        self, pieces: Sequence[Piece], requests: Sequence[PieceRequest], now: float
+    ) -> Round:
+        calls = []
+        for index, request in enumerate(requests):
+            piece = pieces[request.piece]
+            payload = self._wire.encode(piece.keys, self.dict_name, request.version)
+            decode = partial(self._wire.decode, n=piece.size)
+            group = self._cluster.shards[piece.shard]
+            calls.append(
+                ShardCall(index, group, payload, decode, self.policy, self._rng, request.version)
+            )
+        return Round(calls, self.policy, now)

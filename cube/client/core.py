@@ -1,0 +1,545 @@
+"""The SDK's pure core: keys in, per-shard sub-requests out, answers scattered back, one version.
+
+No I/O. The transports (sync gRPC, grpc.aio) only move bytes; everything that decides what to
+send and how to read it lives here, so both clients share it and tests drive it with fakes:
+
+- `normalize_keys`: list of ints or integer array -> uint64 array, with a clear error.
+- `make_plan`: route with `cube.routing.shard_of` (the builder's function), group with
+  `group_by_owner`, split groups larger than `max_batch` into several pieces.
+- Wire: `encode_seek_request` writes `cube.v1.SeekRequest` bytes directly;
+  `decode_seek_response` reads `SeekResponse` bytes with `np.frombuffer` (no copy of values).
+  `OriginalProtocol` speaks the original `rec.mcube.DictService/seek` (one protobuf per key).
+- `assemble`: scatter piece answers back into request order with fancy indexing (fixed-width
+  answers go straight into one preallocated (n, width) buffer).
+- `seek_flow`: the version rule (a generator that yields rounds of sub-requests):
+
+  Version rule. Every answer carries the version that served it. If all pieces agree, done.
+  Otherwise try candidate versions newest first: ask every piece that has no answer at the
+  candidate for exactly that version (`SeekRequest.version`; a server answers from its current
+  or its previous version, else FAILED_PRECONDITION, and the SDK then tries the shard's other
+  replicas). The first candidate every piece answered from wins, so a batch never mixes
+  versions: during a switch the newest version wins once all shards have it, and before that
+  the shards already switched answer from their previous version. After `max_version_rounds`
+  candidates without success, `VersionMismatchError`. Servers that cannot pin a version (the
+  original protocol) are simply re-asked, and the first version complete across pieces wins.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Protocol
+
+import numpy as np
+
+from cube.client.errors import (
+    Attempt,
+    KeyRangeError,
+    RequestRejectedError,
+    ShardUnavailableError,
+    ValueSizeError,
+    VersionMismatchError,
+)
+from cube.routing import group_by_owner, shard_of
+from cube.values import ValueColumn, gather_ranges
+
+DEFAULT_MAX_BATCH = 100_000
+_EMPTY_U8 = np.empty(0, dtype=np.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys
+
+
+def normalize_keys(keys: object) -> np.ndarray:
+    """Keys as a contiguous 1-D uint64 array; ints outside [0, 2**64) raise KeyRangeError
+    naming the first bad key and its position."""
+    if isinstance(keys, np.ndarray):
+        if keys.dtype == np.uint64:
+            return np.ascontiguousarray(keys.reshape(-1))
+        if keys.dtype.kind == "i":
+            flat = keys.reshape(-1)
+            negative = np.flatnonzero(flat < 0)
+            if negative.size:
+                at = int(negative[0])
+                raise KeyRangeError(
+                    f"key {int(flat[at])} at position {at} is negative; keys are uint64"
+                )
+            return flat.astype(np.uint64)
+        if keys.dtype.kind == "u" or keys.dtype == np.bool_:
+            return keys.reshape(-1).astype(np.uint64)
+        raise KeyRangeError(f"keys must be integers, got an array of dtype {keys.dtype}")
+    if isinstance(keys, int | np.integer):
+        keys = [keys]
+    try:
+        return np.array(keys, dtype=np.uint64).reshape(-1)
+    except (OverflowError, TypeError, ValueError):
+        pass
+    # Slow path only to name the culprit.
+    for position, key in enumerate(keys):  # type: ignore[arg-type]
+        if not isinstance(key, int | np.integer) or isinstance(key, bool):
+            raise KeyRangeError(f"key {key!r} at position {position} is not an integer") from None
+        if not 0 <= int(key) < 2**64:
+            raise KeyRangeError(
+                f"key {int(key)} at position {position} is outside [0, 2**64); keys are uint64"
+            ) from None
+    raise KeyRangeError("keys must be a sequence of non-negative integers")
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan: which keys go where
+
+
+@dataclass(frozen=True, eq=False)
+class Piece:
+    """One sub-request: up to `max_batch` keys of one shard, and where they sit in the request
+    (`where` is a slice when the piece is a contiguous run of the request, else positions)."""
+
+    shard: int
+    where: slice | np.ndarray
+    keys: np.ndarray
+
+    @property
+    def size(self) -> int:
+        return int(self.keys.shape[0])
+
+
+def make_plan(
+    keys: np.ndarray, shard_num: int, partitioner: str, max_batch: int = DEFAULT_MAX_BATCH
+) -> list[Piece]:
+    """Pieces for the shards that own at least one key (shards without keys get no request)."""
+    n = int(keys.shape[0])
+    if n == 0:
+        return []
+    if shard_num == 1:
+        return [
+            Piece(0, slice(start, min(start + max_batch, n)), keys[start : start + max_batch])
+            for start in range(0, n, max_batch)
+        ]
+    grouping = group_by_owner(shard_of(keys, shard_num, partitioner), shard_num)
+    grouped_keys = keys[grouping.order]
+    bounds = grouping.bounds.tolist()
+    pieces = []
+    for shard in grouping.owners():
+        for start in range(bounds[shard], bounds[shard + 1], max_batch):
+            stop = min(start + max_batch, bounds[shard + 1])
+            pieces.append(Piece(shard, grouping.order[start:stop], grouped_keys[start:stop]))
+    return pieces
+
+
+# ---------------------------------------------------------------------------------------------
+# Wire format of cube.v1 (proto/cube_fast.proto), written and read without protobuf objects
+
+
+class BadResponse(ValueError):
+    """A response that does not match its request (wrong counts, bad offsets, bad bytes)."""
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def encode_seek_request(
+    keys: np.ndarray, dict_name: str = "", version: str = "", request_id: int = 0
+) -> bytes:
+    """`cube.v1.SeekRequest` bytes: keys as one packed little-endian uint64 field."""
+    packed = np.ascontiguousarray(keys, dtype="<u8").tobytes()
+    parts = [b"\x0a", _varint(len(packed)), packed]
+    for tag, text in ((b"\x12", dict_name), (b"\x1a", version)):
+        if text:
+            raw = text.encode()
+            parts += [tag, _varint(len(raw)), raw]
+    if request_id:
+        parts += [b"\x20", _varint(request_id)]
+    return b"".join(parts)
+
+
+def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise BadResponse("truncated varint")
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+
+
+def _fields(data: bytes) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
+    """(length-delimited fields as (offset, length), varint fields) of a protobuf message."""
+    spans: dict[int, tuple[int, int]] = {}
+    ints: dict[int, int] = {}
+    pos, end = 0, len(data)
+    while pos < end:
+        tag, pos = _read_varint(data, pos)
+        number, wire_type = tag >> 3, tag & 7
+        if wire_type == 0:
+            ints[number], pos = _read_varint(data, pos)
+        elif wire_type == 2:
+            length, pos = _read_varint(data, pos)
+            if pos + length > end:
+                raise BadResponse(f"field {number} runs past the end of the message")
+            spans[number] = (pos, length)
+            pos += length
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        else:
+            raise BadResponse(f"unsupported wire type {wire_type} for field {number}")
+    if pos != end:
+        raise BadResponse("truncated message")
+    return spans, ints
+
+
+@dataclass(frozen=True, eq=False)
+class Answer:
+    """One piece's answer: found flags, values (fixed width zero-filled, or variable), version."""
+
+    found: np.ndarray  # bool, (n,)
+    column: ValueColumn
+    version: str
+
+
+def decode_seek_response(data: bytes, n: int) -> Answer:
+    """Read `cube.v1.SeekResponse` bytes for a request of `n` keys; values stay in `data`."""
+    spans, ints = _fields(data)
+    offset, length = spans.get(1, (0, 0))
+    if length != n:
+        raise BadResponse(f"{length} found flags for {n} keys")
+    found = np.frombuffer(data, np.uint8, n, offset) != 0
+    width = ints.get(3, 0)
+    v_offset, v_length = spans.get(2, (0, 0))
+    if width:
+        if v_length != n * width:
+            raise BadResponse(f"{v_length} value bytes for {n} keys of width {width}")
+        column = ValueColumn.fixed(np.frombuffer(data, np.uint8, v_length, v_offset), width)
+    else:
+        o_offset, o_length = spans.get(4, (0, 0))
+        if o_length != 8 * (n + 1):
+            raise BadResponse(f"{o_length // 8} offsets for {n} keys (want {n + 1})")
+        offsets = np.frombuffer(data, "<u8", n + 1, o_offset).astype(np.int64)
+        if n and (offsets[0] < 0 or offsets[-1] > v_length or (np.diff(offsets) < 0).any()):
+            raise BadResponse(f"value offsets out of order or beyond {v_length} value bytes")
+        blob = np.frombuffer(data, np.uint8, v_length, v_offset) if v_length else _EMPTY_U8
+        column = ValueColumn.variable(blob, offsets)
+    v_offset, v_length = spans.get(5, (0, 0))
+    try:
+        version = data[v_offset : v_offset + v_length].decode()
+    except UnicodeDecodeError as exc:
+        raise BadResponse(f"version is not UTF-8: {exc}") from None
+    return Answer(found, column, version)
+
+
+class Wire(Protocol):
+    """How sub-requests travel: the gRPC method and the bytes both ways."""
+
+    method: str
+    pins_versions: bool
+
+    def encode(self, keys: np.ndarray, dict_name: str, version: str | None) -> bytes: ...
+
+    def decode(self, data: bytes, n: int) -> Answer: ...
+
+
+class FastProtocol:
+    """cube.v1.CubeService/Seek: packed keys, packed values (the default)."""
+
+    method = "/cube.v1.CubeService/Seek"
+    pins_versions = True
+
+    def encode(self, keys: np.ndarray, dict_name: str, version: str | None) -> bytes:
+        return encode_seek_request(keys, dict_name, version or "")
+
+    def decode(self, data: bytes, n: int) -> Answer:
+        return decode_seek_response(data, n)
+
+
+class OriginalProtocol:
+    """rec.mcube.DictService/seek, for servers that speak only the original API. It costs one
+    protobuf object per key and cannot pin a version (versions are re-asked, see seek_flow)."""
+
+    method = "/rec.mcube.DictService/seek"
+    pins_versions = False
+    MISS = 0xFFFFFFFF
+
+    def encode(self, keys: np.ndarray, dict_name: str, version: str | None) -> bytes:
+        from cube.pb import cube_pb2
+
+        return cube_pb2.DictRequest(keys=keys.tolist(), version_required=True).SerializeToString()
+
+    def decode(self, data: bytes, n: int) -> Answer:
+        from google.protobuf.message import DecodeError
+
+        from cube.pb import cube_pb2
+
+        try:
+            response = cube_pb2.DictResponse.FromString(data)
+        except DecodeError as exc:
+            raise BadResponse(f"bad DictResponse: {exc}") from None
+        if len(response.values) != n:
+            raise BadResponse(f"{len(response.values)} values for {n} keys")
+        status = np.fromiter((v.status for v in response.values), dtype=np.uint32, count=n)
+        found = status == 0
+        hits = found.tolist()
+        values = [v.value if ok else b"" for v, ok in zip(response.values, hits, strict=True)]
+        column = ValueColumn.from_list(values) if n else ValueColumn.empty()
+        if column.width and not found.all():
+            column = column.as_variable()
+        return Answer(found, column, response.version)
+
+
+PROTOCOLS: dict[str, type] = {"fast": FastProtocol, "original": OriginalProtocol}
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+
+
+@dataclass(eq=False)
+class SeekResult:
+    """Answers in request order.
+
+    - `found[i]`: key i exists. `values[i]`: its bytes, or None for a miss (built on first use;
+      prefer `column`, the raw buffer: `column.as_rows()` for fixed width `width > 0`, else
+      `column.blob` + `column.offsets`; misses are zero rows / empty ranges).
+    - `version`: the version that answered the whole batch (None if pieces disagree, which
+      only happens in the partial result of an error).
+    - `answered[i]`: False for keys of a shard that failed (only in `ShardUnavailableError
+      .result`); distinct from a miss.
+    """
+
+    keys: np.ndarray
+    found: np.ndarray
+    column: ValueColumn
+    version: str | None
+    answered: np.ndarray = field(repr=False)
+
+    def __len__(self) -> int:
+        return int(self.keys.shape[0])
+
+    @property
+    def width(self) -> int:
+        """Value width when every value has the same size (fixed layout), else 0."""
+        return self.column.width
+
+    @cached_property
+    def values(self) -> list[bytes | None]:
+        found = self.found.tolist()
+        if self.column.width:
+            width = self.column.width
+            blob = self.column.blob[: len(found) * width].tobytes()
+            return [
+                blob[i * width : (i + 1) * width] if hit else None for i, hit in enumerate(found)
+            ]
+        blob = self.column.blob.tobytes()
+        offsets = self.column.offsets.tolist()
+        return [blob[offsets[i] : offsets[i + 1]] if hit else None for i, hit in enumerate(found)]
+
+    def value(self, i: int) -> bytes | None:
+        return self.column.get(i) if self.found[i] else None
+
+
+def _empty_result(keys: np.ndarray) -> SeekResult:
+    n = keys.shape[0]
+    column = ValueColumn.variable(_EMPTY_U8, np.zeros(n + 1, np.int64))
+    return SeekResult(keys, np.zeros(n, bool), column, None, np.zeros(n, bool))
+
+
+def assemble(
+    keys: np.ndarray, pieces: Sequence[Piece], answers: Sequence[Answer | None]
+) -> SeekResult:
+    """Scatter piece answers into request order. Pieces without an answer leave their keys
+    `answered=False`, not found, empty."""
+    n = int(keys.shape[0])
+    present = [(p, a) for p, a in zip(pieces, answers, strict=True) if a is not None]
+    versions = {a.version for _, a in present}
+    version = versions.pop() if len(versions) == 1 else None
+    if not present:
+        return _empty_result(keys)
+    if len(present) == len(pieces):
+        answered = np.ones(n, dtype=bool)
+    else:
+        answered = np.zeros(n, dtype=bool)
+        for piece, _ in present:
+            answered[piece.where] = True
+    if len(pieces) == 1 and len(present) == 1:
+        ((piece, answer),) = present
+        if isinstance(piece.where, slice) and piece.where == slice(0, n):
+            return SeekResult(keys, answer.found, answer.column, version, answered)  # zero copy
+    found = np.zeros(n, dtype=bool)
+    for piece, answer in present:
+        found[piece.where] = answer.found
+    widths = {a.column.width for _, a in present}
+    if len(widths) == 1 and (width := widths.pop()):
+        rows = np.zeros((n, width), dtype=np.uint8)
+        for piece, answer in present:
+            rows[piece.where] = answer.column.as_rows()
+        return SeekResult(
+            keys, found, ValueColumn.fixed(rows.reshape(-1), width), version, answered
+        )
+    # Variable (or mixed) widths: one gather of every value's byte range, in request order.
+    starts = np.zeros(n, dtype=np.int64)
+    lengths = np.zeros(n, dtype=np.int64)
+    blobs, base = [], 0
+    for piece, answer in present:
+        column = answer.column
+        if column.width:
+            local_starts = np.arange(column.count, dtype=np.int64) * column.width
+            local_lengths = np.where(answer.found, column.width, 0)
+            blob = column.blob[: column.count * column.width]
+        else:
+            local_starts = column.offsets[:-1]
+            local_lengths = np.where(answer.found, np.diff(column.offsets), 0)
+            blob = column.blob
+        starts[piece.where] = local_starts + base
+        lengths[piece.where] = local_lengths
+        blobs.append(blob)
+        base += int(blob.shape[0])
+    blob, offsets = gather_ranges(np.concatenate(blobs), starts, lengths)
+    return SeekResult(keys, found, ValueColumn.variable(blob, offsets), version, answered)
+
+
+def embeddings(result: SeekResult, dim: int, dtype: object = "float32") -> np.ndarray:
+    """(n, dim) array of the values read as `dtype`; zero rows for misses. A found value whose
+    size is not dim * itemsize raises ValueSizeError naming the key."""
+    dt = np.dtype(dtype)
+    if dim <= 0:
+        raise ValueError(f"dim must be > 0, got {dim}")
+    row_bytes = dim * dt.itemsize
+    n = len(result)
+    out = np.zeros((n, dim), dtype=dt)
+    out_bytes = out.view(np.uint8).reshape(n, row_bytes)
+    column, found = result.column, result.found
+    if column.width != row_bytes:
+        sizes = column.lengths()
+        bad = np.flatnonzero(found & (sizes != row_bytes))
+        if bad.size:
+            at = int(bad[0])
+            raise ValueSizeError(
+                f"value of key {int(result.keys[at])} (position {at}) has {int(sizes[at])} bytes;"
+                f" expected dim {dim} x {dt.name} = {row_bytes} bytes"
+                f" ({bad.size} of {n} values have the wrong size)"
+            )
+    if column.width == row_bytes:
+        rows = column.as_rows()
+        if found.all():
+            out_bytes[:] = rows
+        else:
+            out_bytes[found] = rows[found]
+    elif found.any():
+        starts = column.offsets[:-1][found]
+        out_bytes[found] = column.blob[starts[:, None] + np.arange(row_bytes)]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Versions and the per-call flow
+
+
+_PART = re.compile(r"[_.]")
+
+
+def version_order(version: str) -> tuple:
+    """Sort key for version names: '' (nothing loaded) first; `_`/`.`-separated parts compare
+    as numbers when numeric (`1565323045_1565326078` after `1565323045`), else as text."""
+    if not version:
+        return (0, ())
+    return (1, tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in _PART.split(version)))
+
+
+@dataclass(frozen=True)
+class PieceRequest:
+    """Ask piece `piece` (an index into the plan), optionally for exactly `version`."""
+
+    piece: int
+    version: str | None
+
+
+@dataclass(frozen=True)
+class PieceOutcome:
+    """What one sub-request came to after its retries: an answer, or the failed attempts."""
+
+    answer: Answer | None
+    attempts: tuple[Attempt, ...] = ()
+    rejected: Attempt | None = None  # a non-retryable status: raise at once
+    version_unavailable: bool = False  # pinned request, no replica holds that version
+
+
+Flow = Generator[list[PieceRequest], list[PieceOutcome], SeekResult]
+
+
+def _raise_rejected(pieces: Sequence[Piece], requests: Sequence[PieceRequest], outcomes) -> None:
+    for request, outcome in zip(requests, outcomes, strict=True):
+        if outcome.rejected is not None:
+            a = outcome.rejected
+            raise RequestRejectedError(pieces[request.piece].shard, a.endpoint, a.code, a.message)
+
+
+def _failures(pieces, requests, outcomes, keep_version_unavailable: bool) -> dict[int, list]:
+    failed: dict[int, list[Attempt]] = {}
+    for request, outcome in zip(requests, outcomes, strict=True):
+        if outcome.answer is None and (keep_version_unavailable or not outcome.version_unavailable):
+            failed.setdefault(pieces[request.piece].shard, []).extend(outcome.attempts)
+    return failed
+
+
+def seek_flow(
+    keys: np.ndarray,
+    pieces: Sequence[Piece],
+    pins_versions: bool = True,
+    max_version_rounds: int = 3,
+    version: str | None = None,
+) -> Flow:
+    """Drive one seek: yields rounds of PieceRequests, receives their PieceOutcomes (same
+    order), returns the SeekResult. Implements the version rule of the module docstring."""
+    count = len(pieces)
+    if count == 0:
+        return assemble(keys, pieces, [])
+    requests = [PieceRequest(i, version) for i in range(count)]
+    outcomes = yield requests
+    _raise_rejected(pieces, requests, outcomes)
+    first = [o.answer for o in outcomes]
+    failed = _failures(pieces, requests, outcomes, keep_version_unavailable=True)
+    if failed:
+        raise ShardUnavailableError(failed, assemble(keys, pieces, first))
+    by_version: list[dict[str, Answer]] = [{a.version: a} for a in first]  # type: ignore[union-attr]
+    seen = {a.version for a in first}  # type: ignore[union-attr]
+    if len(seen) == 1:
+        return assemble(keys, pieces, first)
+    tried: list[str] = []
+    for _ in range(max_version_rounds):
+        candidates = sorted(seen.difference(tried), key=version_order, reverse=True)
+        if not candidates:
+            break
+        target = candidates[0]
+        tried.append(target)
+        missing = [i for i in range(count) if target not in by_version[i]]
+        requests = [PieceRequest(i, target if pins_versions else None) for i in missing]
+        outcomes = yield requests
+        _raise_rejected(pieces, requests, outcomes)
+        failed = _failures(pieces, requests, outcomes, keep_version_unavailable=False)
+        if failed:
+            raise ShardUnavailableError(failed, assemble(keys, pieces, first))
+        for request, outcome in zip(requests, outcomes, strict=True):
+            if outcome.answer is not None:
+                by_version[request.piece][outcome.answer.version] = outcome.answer
+                seen.add(outcome.answer.version)
+        complete = [v for v in seen if all(v in answers for answers in by_version)]
+        if complete:
+            best = max(complete, key=version_order)
+            return assemble(keys, pieces, [answers[best] for answers in by_version])
+    per_shard: dict[int, list[str]] = {}
+    for piece, answers in zip(pieces, by_version, strict=True):
+        per_shard.setdefault(piece.shard, [])
+        per_shard[piece.shard] += [v for v in answers if v not in per_shard[piece.shard]]
+    raise VersionMismatchError(per_shard, tried)

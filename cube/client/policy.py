@@ -1,0 +1,434 @@
+"""Replicas, load balancing, retries and backup requests, as a pure state machine.
+
+No I/O and no clock: every method takes `now` (seconds, monotonic) and returns actions
+(`Send`, `Cancel`) for a driver to carry out; the driver reports back responses, errors and
+timer ticks. The sync client (grpc futures) and the asyncio client (grpc.aio) are two such
+drivers, and the tests drive it with a fake clock.
+
+Per sub-request (`ShardCall`):
+- pick a replica with the shard's balancer (`rr`, `random`, `la` = fewest in flight, then
+  lowest latency EWMA), skipping replicas that failed recently (a short, capped cooldown);
+- on a retryable error (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, ...) retry on another
+  replica after a capped exponential backoff with jitter, at most `retry` times;
+- `backup_request_ms` without an answer: send the same request to another replica, take the
+  first answer and cancel the other;
+- a non-retryable status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, NOT_FOUND, ...) ends the
+  whole round at once;
+- FAILED_PRECONDITION to a version-pinned request means "this replica does not hold that
+  version": try the other replicas, without counting it against the replica's health.
+Every round also has a hard deadline (all attempts and backoffs, plus slack), so a driver
+never waits unboundedly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from cube.client.core import Answer, BadResponse, PieceOutcome
+from cube.client.errors import Attempt, ConfError
+
+LOAD_BALANCERS = ("rr", "random", "la")
+NON_RETRYABLE = frozenset(
+    {
+        "INVALID_ARGUMENT",
+        "RESOURCE_EXHAUSTED",
+        "NOT_FOUND",
+        "OUT_OF_RANGE",
+        "PERMISSION_DENIED",
+        "UNAUTHENTICATED",
+    }
+)
+# Errors that say nothing about the replica's health (no cooldown).
+NEUTRAL = frozenset({"FAILED_PRECONDITION", "CANCELLED"})
+VERSION_UNAVAILABLE = "FAILED_PRECONDITION"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Timeouts and retry budget of every sub-request (milliseconds)."""
+
+    timeout_ms: float = 1000.0  # per attempt
+    retry: int = 2  # extra attempts after the first, on other replicas when there are any
+    backup_request_ms: float = 0.0  # 0 = no backup requests
+    backoff_base_ms: float = 2.0
+    backoff_cap_ms: float = 100.0
+    cooldown_base_ms: float = 100.0  # a failed replica is avoided this long, doubling ...
+    cooldown_cap_ms: float = 2000.0  # ... up to this
+
+    def __post_init__(self) -> None:
+        if self.timeout_ms <= 0:
+            raise ConfError(f"timeout must be > 0 ms, got {self.timeout_ms}")
+        if self.retry < 0:
+            raise ConfError(f"retry must be >= 0, got {self.retry}")
+        if self.backup_request_ms < 0:
+            raise ConfError(f"backup_request must be >= 0 ms, got {self.backup_request_ms}")
+
+    def backoff_s(self, retry_index: int, rng: random.Random) -> float:
+        """Delay before retry number `retry_index` (0-based): capped exponential, jittered
+        into [half, full] so that clients do not retry in lockstep."""
+        ceiling = min(self.backoff_cap_ms, self.backoff_base_ms * (2.0**retry_index))
+        return ceiling * rng.uniform(0.5, 1.0) / 1000.0
+
+    def max_attempts(self) -> int:
+        return (1 + self.retry) * (2 if self.backup_request_ms > 0 else 1)
+
+    def round_budget_s(self) -> float:
+        """Hard bound on one round: every attempt timing out back to back, plus slack."""
+        per_try = self.timeout_ms + self.backoff_cap_ms
+        return (1 + self.retry) * per_try / 1000.0 + 1.0
+
+
+class EndpointState:
+    """Health and load of one replica endpoint (host:port), shared by all calls of a client.
+
+    Updated without a lock: under the GIL a lost update only skews load balancing a little."""
+
+    __slots__ = ("address", "down_until", "ewma_s", "failures", "inflight")
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.inflight = 0
+        self.ewma_s = 0.0  # latency EWMA; 0 = not measured yet
+        self.failures = 0  # consecutive failures
+        self.down_until = 0.0
+
+    def is_down(self, now: float) -> bool:
+        return now < self.down_until
+
+    def succeeded(self, latency_s: float) -> None:
+        self.ewma_s = latency_s if not self.ewma_s else 0.8 * self.ewma_s + 0.2 * latency_s
+        self.failures = 0
+        self.down_until = 0.0
+
+    def failed(self, now: float, policy: Policy) -> None:
+        self.failures += 1
+        cooldown = min(policy.cooldown_cap_ms, policy.cooldown_base_ms * 2 ** (self.failures - 1))
+        self.down_until = now + cooldown / 1000.0
+
+    def __repr__(self) -> str:
+        return f"EndpointState({self.address}, inflight={self.inflight}, failures={self.failures})"
+
+
+class Balancer:
+    """Chooses a replica of one shard: `rr`, `random` or `la` (least in flight, then lowest
+    latency EWMA). Replicas already tried by this call come last, replicas in cooldown
+    after those."""
+
+    def __init__(self, kind: str, rng: random.Random) -> None:
+        if kind not in LOAD_BALANCERS:
+            raise ConfError(
+                f"load_balancer {kind!r} is not supported; expected one of "
+                f"{', '.join(LOAD_BALANCERS)}"
+            )
+        self.kind = kind
+        self._rng = rng
+        self._turn = itertools.count(rng.randrange(1 << 16))  # next() is atomic in CPython
+
+    def pick(
+        self, replicas: Sequence[EndpointState], tried: set[int], now: float, reuse: bool
+    ) -> int | None:
+        """Index of the replica to use, or None when `reuse` is False and all were tried."""
+        count = len(replicas)
+        fresh = [i for i in range(count) if i not in tried]
+        if not fresh and not reuse:
+            return None
+        pool = fresh or list(range(count))
+        healthy = [i for i in pool if not replicas[i].is_down(now)]
+        pool = healthy or pool
+        if len(pool) == 1:
+            return pool[0]
+        if self.kind == "random":
+            return self._rng.choice(pool)
+        turn = next(self._turn)
+        if self.kind == "rr":
+            return pool[turn % len(pool)]
+        # la: fewest in flight, then fastest; rotate the start so ties spread evenly.
+        start = turn % len(pool)
+        rotated = pool[start:] + pool[:start]
+        known = [replicas[i].ewma_s for i in pool if replicas[i].ewma_s]
+        default = min(known) if known else 0.0
+        return min(
+            rotated,
+            key=lambda i: (replicas[i].inflight + 1) * (replicas[i].ewma_s or default or 1.0),
+        )
+
+
+class ShardReplicas:
+    """The replicas of one shard and its balancer."""
+
+    def __init__(self, shard: int, replicas: Sequence[EndpointState], balancer: Balancer) -> None:
+        self.shard = shard
+        self.replicas = list(replicas)
+        self.balancer = balancer
+
+
+class Cluster:
+    """Every shard's replicas. Endpoint states are shared by shards listing the same address
+    (ipport_parallel), so health and load are tracked per endpoint."""
+
+    def __init__(
+        self, shards: Sequence[Sequence[str]], load_balancer: str, rng: random.Random
+    ) -> None:
+        states: dict[str, EndpointState] = {}
+        self.shards = [
+            ShardReplicas(
+                number,
+                [states.setdefault(a, EndpointState(a)) for a in addresses],
+                Balancer(load_balancer, rng),
+            )
+            for number, addresses in enumerate(shards)
+        ]
+        self.endpoints = list(states.values())
+
+    @property
+    def shard_num(self) -> int:
+        return len(self.shards)
+
+
+# ---------------------------------------------------------------------------------------------
+# Actions for the driver
+
+
+@dataclass(frozen=True)
+class Send:
+    key: tuple[int, int]  # (call index in the round, attempt number): the driver's handle key
+    address: str
+    request: bytes
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Cancel:
+    key: tuple[int, int]
+
+
+Action = Send | Cancel
+
+
+class _InFlight:
+    __slots__ = ("hedge", "replica", "started")
+
+    def __init__(self, replica: int, started: float, hedge: bool) -> None:
+        self.replica = replica
+        self.started = started
+        self.hedge = hedge
+
+
+class ShardCall:
+    """One sub-request across its attempts (see the module docstring)."""
+
+    def __init__(
+        self,
+        index: int,
+        group: ShardReplicas,
+        request: bytes,
+        decode: Callable[[bytes], Answer],
+        policy: Policy,
+        rng: random.Random,
+        pinned_version: str | None = None,
+    ) -> None:
+        self.index = index
+        self.group = group
+        self.request = request
+        self.decode = decode
+        self.policy = policy
+        self.rng = rng
+        self.pinned_version = pinned_version
+        self.inflight: dict[int, _InFlight] = {}
+        self.tried: set[int] = set()
+        self.attempts: list[Attempt] = []
+        self.answer: Answer | None = None
+        self.rejected: Attempt | None = None
+        self.finished = False
+        self._next_attempt = 0
+        self._retries = 0
+        self._hedges = 0
+        self.retry_at: float | None = None
+        self.hedge_at: float | None = None
+
+    # -- driver inputs -------------------------------------------------------------------
+
+    def start(self, now: float) -> list[Action]:
+        return self._send(now, hedge=False)
+
+    def on_response(self, attempt: int, data: bytes, now: float) -> list[Action]:
+        flight = self.inflight.get(attempt)
+        if flight is None or self.finished:
+            return []
+        try:
+            answer = self.decode(data)
+        except BadResponse as exc:
+            return self.on_error(attempt, "BAD_RESPONSE", str(exc), now)
+        if self.pinned_version is not None and answer.version != self.pinned_version:
+            message = f"answered version {answer.version!r}, asked for {self.pinned_version!r}"
+            return self.on_error(attempt, VERSION_UNAVAILABLE, message, now)
+        del self.inflight[attempt]
+        replica = self.group.replicas[flight.replica]
+        replica.inflight -= 1
+        replica.succeeded(now - flight.started)
+        self.answer = answer
+        return self._finish()
+
+    def on_error(self, attempt: int, code: str, message: str, now: float) -> list[Action]:
+        flight = self.inflight.pop(attempt, None)
+        if flight is None or self.finished:
+            return []
+        replica = self.group.replicas[flight.replica]
+        replica.inflight -= 1
+        failure = Attempt(replica.address, code, message)
+        self.attempts.append(failure)
+        if code in NON_RETRYABLE:
+            self.rejected = failure
+            return self._finish()
+        if code not in NEUTRAL:
+            replica.failed(now, self.policy)
+        if self.inflight:  # a backup (or the original) is still out: wait for it
+            return []
+        if self._retries < self.policy.retry:
+            self.retry_at = now + self.policy.backoff_s(self._retries, self.rng)
+            self._retries += 1
+            self.hedge_at = None
+            return []
+        return self._finish()
+
+    def on_timer(self, now: float) -> list[Action]:
+        if self.finished:
+            return []
+        if self.retry_at is not None and now >= self.retry_at:
+            self.retry_at = None
+            return self._send(now, hedge=False)
+        if self.hedge_at is not None and now >= self.hedge_at:
+            self.hedge_at = None
+            if self.inflight:
+                return self._send(now, hedge=True)
+        return []
+
+    def abort(self, code: str, reason: str) -> list[Action]:
+        """Give up (hard deadline, or another call was rejected): cancel what is in flight."""
+        if self.finished:
+            return []
+        for flight in self.inflight.values():
+            address = self.group.replicas[flight.replica].address
+            self.attempts.append(Attempt(address, code, reason))
+        if not self.inflight:
+            self.attempts.append(Attempt("-", code, reason))
+        return self._finish()
+
+    def wakeup(self) -> float | None:
+        if self.finished:
+            return None
+        times = [t for t in (self.retry_at, self.hedge_at) if t is not None]
+        return min(times) if times else None
+
+    def outcome(self) -> PieceOutcome:
+        unavailable = (
+            self.answer is None
+            and self.pinned_version is not None
+            and any(a.code == VERSION_UNAVAILABLE for a in self.attempts)
+        )
+        return PieceOutcome(self.answer, tuple(self.attempts), self.rejected, unavailable)
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _send(self, now: float, hedge: bool) -> list[Action]:
+        group = self.group
+        busy = self.tried | {f.replica for f in self.inflight.values()}
+        choice = group.balancer.pick(group.replicas, busy, now, reuse=not hedge)
+        if choice is None:
+            return []
+        if hedge:
+            self._hedges += 1
+        attempt = self._next_attempt
+        self._next_attempt += 1
+        self.tried.add(choice)
+        self.inflight[attempt] = _InFlight(choice, now, hedge)
+        replica = group.replicas[choice]
+        replica.inflight += 1
+        backup_ms = self.policy.backup_request_ms
+        if (
+            backup_ms > 0
+            and not hedge
+            and self._hedges <= self._retries
+            and len(group.replicas) > 1
+        ):
+            self.hedge_at = now + backup_ms / 1000.0
+        return [
+            Send(
+                (self.index, attempt),
+                replica.address,
+                self.request,
+                self.policy.timeout_ms / 1000.0,
+            )
+        ]
+
+    def _finish(self) -> list[Action]:
+        self.finished = True
+        self.retry_at = self.hedge_at = None
+        cancels: list[Action] = []
+        for attempt, flight in self.inflight.items():
+            self.group.replicas[flight.replica].inflight -= 1
+            cancels.append(Cancel((self.index, attempt)))
+        self.inflight.clear()
+        return cancels
+
+
+class Round:
+    """All sub-requests of one round, run in parallel until each has an outcome, one is
+    rejected (then everything else is cancelled), or the hard deadline passes."""
+
+    def __init__(self, calls: Sequence[ShardCall], policy: Policy, now: float) -> None:
+        self.calls = list(calls)
+        self.deadline = now + policy.round_budget_s()
+        self._closed: set[int] = set()
+        self.rejected = False
+
+    @property
+    def done(self) -> bool:
+        return self.rejected or len(self._closed) == len(self.calls)
+
+    def start(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        for call in self.calls:
+            actions += self._after(call, call.start(now))
+        return actions
+
+    def on_response(self, key: tuple[int, int], data: bytes, now: float) -> list[Action]:
+        call = self.calls[key[0]]
+        return self._after(call, call.on_response(key[1], data, now))
+
+    def on_error(self, key: tuple[int, int], code: str, message: str, now: float) -> list[Action]:
+        call = self.calls[key[0]]
+        return self._after(call, call.on_error(key[1], code, message, now))
+
+    def on_timer(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        if now >= self.deadline:
+            for call in self.calls:
+                actions += self._after(call, call.abort("DEADLINE_EXCEEDED", "round deadline"))
+            return actions
+        for call in self.calls:
+            wake = call.wakeup()
+            if wake is not None and now >= wake:
+                actions += self._after(call, call.on_timer(now))
+        return actions
+
+    def next_wakeup(self) -> float:
+        times = [t for call in self.calls if (t := call.wakeup()) is not None]
+        return min([self.deadline, *times])
+
+    def outcomes(self) -> list[PieceOutcome]:
+        return [call.outcome() for call in self.calls]
+
+    def _after(self, call: ShardCall, actions: list[Action]) -> list[Action]:
+        if not call.finished or call.index in self._closed:
+            return actions
+        self._closed.add(call.index)
+        if call.rejected is not None and not self.rejected:
+            self.rejected = True
+            for other in self.calls:
+                actions += other.abort("CANCELLED", "another shard rejected the request")
+                self._closed.add(other.index)
+        return actions
