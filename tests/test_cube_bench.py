@@ -1,0 +1,293 @@
+"""cube-bench: the report and runner pieces in-process, then the real command as a subprocess
+(servers started on loopback, outputs written, every server it started gone afterwards, also
+after Ctrl-C and with a missing binary)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from bench import report
+from bench.cube_bench import check_answers
+from bench.procs import ProcessRegistry
+from bench.runner import BenchError, LevelConfig, run_attempt, run_level
+from bench.targets import Dataset, Target, make_dataset, rows_from_list
+
+REPO = Path(__file__).resolve().parent.parent
+CUBE_BENCH = Path(sys.executable).parent / "cube-bench"
+HAVE_REDIS = bool(
+    subprocess.run(["which", "redis-server"], capture_output=True, check=False).returncode == 0
+)
+
+
+# --- pure pieces ----------------------------------------------------------------------------
+
+
+def test_dataset_keys_are_distinct_and_values_sized():
+    data = make_dataset(5000, 40, seed=3)
+    assert data.keys.dtype == np.uint64 and np.unique(data.keys).shape[0] == 5000
+    assert data.values.shape == (5000, 40)
+    absent = data.absent_keys(100)
+    assert absent.shape[0] == 100 and not np.isin(absent, data.keys).any()
+    embeddings = make_dataset(100, 0, dim=8, seed=3)
+    assert embeddings.value_size == 32
+    assert embeddings.expected(np.arange(3)).dtype == np.float32
+
+
+def test_rows_from_list_zero_fills_misses_and_rejects_wrong_sizes():
+    matrix, misses = rows_from_list([b"ab", None, b"cd"], 2, 0)
+    assert misses == 1
+    assert matrix.tolist() == [[97, 98], [0, 0], [99, 100]]
+    with pytest.raises(ValueError, match="value bytes"):
+        rows_from_list([b"abc", b"de"], 2, 0)
+
+
+class _DictTarget(Target):
+    """An in-process target (no server): lets the runner be tested without processes."""
+
+    name = "dict"
+
+    def check_available(self, client_mode: str) -> None:
+        pass
+
+    def setup(self, data: Dataset) -> None:
+        self.table = {int(k): data.values[i].tobytes() for i, k in enumerate(data.keys)}
+        self.width = data.value_size
+
+    def _fetch(self, keys: np.ndarray) -> tuple[np.ndarray, int]:
+        return rows_from_list([self.table.get(k) for k in keys.tolist()], self.width, 0)
+
+    def thread_client(self):
+        target = self
+
+        class Client:
+            fetch = staticmethod(target._fetch)
+
+            def close(self) -> None:
+                pass
+
+        return Client()
+
+    def async_client(self, concurrency: int):
+        target = self
+
+        class Client:
+            async def fetch(self, keys):
+                return target._fetch(keys)
+
+            async def close(self) -> None:
+                pass
+
+        return Client()
+
+
+@pytest.fixture(scope="module")
+def dict_target(tmp_path_factory):
+    data = make_dataset(2000, 16, seed=5)
+    target = _DictTarget(ProcessRegistry(), tmp_path_factory.mktemp("dict"), {})
+    target.setup(data)
+    return target, data
+
+
+@pytest.mark.parametrize("mode", ["thread", "asyncio"])
+def test_runner_measures_a_fixed_number_of_requests(dict_target, mode):
+    target, data = dict_target
+    cfg = LevelConfig(2, 50, warmup=0.05, duration=1, requests=200, timeout=30, mode=mode)
+    attempt = run_attempt(target, data, cfg, [])
+    assert attempt.requests >= 200
+    assert attempt.misses == 0
+    assert attempt.window > 0 and (attempt.latencies_ns > 0).all()
+    row = report.summarize(run_level_result(cfg, attempt))
+    assert row["threads"] == 2 and row["qps"] > 0 and abs(row["keys_per_s"] - row["qps"] * 50) <= 50
+
+
+def run_level_result(cfg, attempt):
+    from bench.runner import LevelResult
+
+    return LevelResult(cfg, attempt, [{"other_load": attempt.other_load, "loadavg": 0.0}])
+
+
+def test_runner_reports_a_failing_client_with_target_and_level(dict_target):
+    target, data = dict_target
+
+    class Broken(_DictTarget):
+        def _fetch(self, keys):
+            raise ConnectionError("server went away")
+
+    broken = Broken(ProcessRegistry(), target.workdir, {})
+    broken.table, broken.width = target.table, target.width
+    cfg = LevelConfig(3, 10, warmup=0.05, duration=0.2, requests=0, timeout=5, mode="thread")
+    with pytest.raises(BenchError, match=r"dict, 3 threads.*server went away"):
+        run_attempt(broken, data, cfg, [])
+
+
+def test_a_level_disturbed_by_another_process_is_repeated_and_flagged(dict_target):
+    target, data = dict_target
+    # a busy process of our own, ended by PID, uses about a core: far above the threshold
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.2)
+        cfg = LevelConfig(1, 20, warmup=0.1, duration=0.4, requests=0, timeout=5, mode="thread")
+        messages: list[str] = []
+        level = run_level(target, data, cfg, max_other_load=0.2, max_repeats=1, log=messages.append)
+    finally:
+        hog.kill()
+        hog.wait(10)
+    assert len(level.attempts) == 2
+    assert level.disturbed and min(a["other_load"] for a in level.attempts) > 0.2
+    assert "repeating" in messages[0] and "no repeats left" in messages[1]
+    assert report.summarize(level)["tries"] == 2
+
+
+def test_check_answers_catches_a_wrong_value(dict_target):
+    target, data = dict_target
+    assert check_answers(target, data, 100, "asyncio", seed=1) > 100
+    key = int(data.keys[0])
+    saved = target.table[key]
+    target.table[key] = bytes(len(saved))
+    try:
+        with pytest.raises(BenchError, match=f"wrong value for key {key}"):
+            check_answers(target, data, data.keys.shape[0], "thread", seed=1)
+    finally:
+        target.table[key] = saved
+
+
+def test_markdown_has_the_seed_columns_ratios_and_disturbances():
+    rows = {
+        "redis": [_row(1, 700.0), _row(4, 1100.0)],
+        "cube": [_row(1, 900.0), _row(4, 2200.0, disturbed=True)],
+    }
+    ratios = report.ratios(rows)
+    assert ratios == [
+        {"threads": 1, "redis_qps": 700.0, "cube/redis": 1.29},
+        {"threads": 4, "redis_qps": 1100.0, "cube/redis": 2.0},
+    ]
+    result = {
+        "command": "cube-bench --targets cube,redis",
+        "started": "now",
+        "settings": {
+            "keys": 1000,
+            "value_size": 40,
+            "dim": 0,
+            "batch": 1000,
+            "client": "thread",
+            "requests": 0,
+            "duration": 1.0,
+            "warmup": 0.5,
+            "max_other_load": 0.25,
+            "max_repeats": 2,
+        },
+        "machine": {"cores": "2"},
+        "versions": {"python": "3"},
+        "targets": {name: {"levels": r} for name, r in rows.items()},
+        "ratios": ratios,
+    }
+    text = report.markdown(result, "results.png")
+    assert "| threads | batch | avg latency (µs) | QPS |" in text
+    assert "| 4 | 2.0 |" in text  # the ratio table
+    assert "cube C=4" in text and "⚠" in text
+    assert "![throughput" in text
+
+
+def _row(threads: int, qps: float, disturbed: bool = False) -> dict:
+    return {
+        "threads": threads, "batch": 1000, "avg_us": 1000.0, "p50_us": 900.0, "p99_us": 2000.0,
+        "qps": qps, "keys_per_s": int(qps * 1000), "server_cpu_us_per_req": 500.0,
+        "client_cpu_us_per_req": 700.0, "other_load": 0.5 if disturbed else 0.0,
+        "tries": 3 if disturbed else 1, "disturbed": disturbed,
+    }  # fmt: skip
+
+
+# --- the command ----------------------------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for init to reap it counts as gone)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _kill_leftovers(pids: list[int]) -> None:
+    """Cleanup if the test fails: end the servers cube-bench reported starting, by PID."""
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).kill()
+
+
+def _started_pids(output: str) -> list[int]:
+    return [int(pid) for pid in re.findall(r"^started \S+ pid (\d+)", output, re.MULTILINE)]
+
+
+def test_unknown_target_and_bad_flags_exit_2():
+    for args in (["--targets", "mongodb"], ["--batch", "0"], ["--threads", "1,x"]):
+        proc = subprocess.run(
+            [str(CUBE_BENCH), *args], capture_output=True, text=True, timeout=60, check=False
+        )
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert proc.stderr.startswith("error:")
+
+
+def test_missing_binary_is_named_with_how_to_install_it(tmp_path):
+    env = {**os.environ, "PATH": str(tmp_path)}  # no redis-server, no memcached here
+    proc = subprocess.run(
+        [str(CUBE_BENCH), "--targets", "redis", "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=60, check=False, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert (
+        "redis-server not found" in proc.stderr and "apt-get install -y redis-server" in proc.stderr
+    )
+    proc = subprocess.run(
+        [str(CUBE_BENCH), "--targets", "redis,memcached", "--skip_missing", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, check=False, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "skipping redis" in proc.stderr and "no target left" in proc.stderr
+
+
+@pytest.mark.skipif(not HAVE_REDIS, reason="redis-server not installed (make debs)")
+def test_ctrl_c_stops_every_server_it_started(tmp_path):
+    proc = subprocess.Popen(
+        [
+            str(CUBE_BENCH), "--targets", "redis", "--threads", "1", "--keys", "2000",
+            "--duration", "60", "--warmup", "0.2", "--out", str(tmp_path / "out"),
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 30
+        while not any("answers checked" in line for line in lines):
+            assert proc.poll() is None, "".join(lines)
+            assert time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.05)
+        pids = _started_pids("".join(lines))
+        assert pids and all(_alive(pid) for pid in pids)
+        time.sleep(0.5)  # inside the measured level
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130
+        reader.join(10)
+        assert "stopping servers" in "".join(lines)
+        assert not [pid for pid in pids if _alive(pid)]
+        assert not (tmp_path / "out" / "results.json").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        _kill_leftovers(pids)
