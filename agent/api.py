@@ -30,15 +30,14 @@ def envelope(success: str, message: str, data: Any = None, status: int = 200) ->
 
 
 async def _json_body(request: web.Request) -> Any:
-    if not request.can_read_body:
-        return {}
-    text = await request.text()
-    if not text.strip():
-        return {}
-    try:
-        return json.loads(text)
-    except ValueError as exc:
-        raise BadRequest(f"the body is not JSON: {exc}") from None
+    """The parsed JSON body ({} when empty), read once (auth and handler both need it)."""
+    if "json_body" not in request:
+        text = await request.text() if request.body_exists else ""
+        try:
+            request["json_body"] = json.loads(text) if text.strip() else {}
+        except ValueError as exc:
+            raise BadRequest(f"the body is not JSON: {exc}") from None
+    return request["json_body"]
 
 
 def _authorized(request: web.Request, body: Any, token: str) -> bool:
@@ -100,8 +99,8 @@ async def handle_cmd(request: web.Request) -> web.Response:
         else:
             task = agent.tasks.latest_for(work.version)
         if task is None:
-            what = work.task_command or "any"
-            return envelope(ERROR, f"no {what} task for version {work.version}", status=404)
+            what = f"{work.task_command} task" if work.task_command else "task"
+            return envelope(ERROR, f"no {what} for version {work.version}", status=404)
         return envelope(OK, task.message, task.to_json())
     try:
         task = await agent.submit(work)

@@ -1,0 +1,403 @@
+"""cube-agent as a real process: HTTP API, downloads from real HTTP/FTP servers and files,
+hostile and corrupt tars, md5 checks, resume, kill -9, token, rollback, retention.
+
+The cube-server side is a gRPC ControlService with the original's cur/bg semantics (see
+agent_helpers.FakeServer); the agent only ever talks to it over gRPC.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tarfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from agent_helpers import (
+    WAIT,
+    AgentProc,
+    FakeServer,
+    FtpFileServer,
+    HttpFileServer,
+    make_evil_tar,
+    make_shard_tar,
+    write_md5,
+)
+
+BASE, DELTA1, DELTA2 = "1700000000", "1700000000_1700000100", "1700000000_1700000200"
+
+
+@pytest.fixture
+def env(tmp_path):
+    files = tmp_path / "files"
+    files.mkdir()
+    deploy = tmp_path / "deploy"
+    http = HttpFileServer(files)
+    server = FakeServer(deploy / "data")
+    agents: list[AgentProc] = []
+
+    def agent(*extra: str, token: str | None = None, server_address: str = "") -> AgentProc:
+        proc = AgentProc(deploy, server_address or server.address, *extra, token=token)
+        agents.append(proc)
+        return proc.start()
+
+    yield SimpleNamespace(
+        tmp=tmp_path, files=files, deploy=deploy, data=deploy / "data", http=http,
+        server=server, control=server.control, agent=agent,
+    )  # fmt: skip
+    for proc in agents:
+        proc.stop()
+    http.close()
+    server.close()
+
+
+def tar_for(env, name: str, seed: int = 0, n_keys: int = 1000) -> str:
+    """Builder-style `<name>.tar` + `.md5` in the file root; returns its HTTP URL."""
+    make_shard_tar(env.files / f"{name}.tar", n_keys=n_keys, seed=seed)
+    return f"{env.http.url}/{name}.tar"
+
+
+def deploy(agent: AgentProc, version: str, source: str, **body) -> None:
+    steps = (("download", {"source": source, **body}), ("reload", {}), ("enable", {}))
+    for command, extra in steps:
+        task = agent.run(command, version, **extra)
+        assert task["state"] == "succeeded", task
+
+
+def visible_entries(data: Path) -> set[str]:
+    return {p.name for p in data.iterdir()} if data.exists() else set()
+
+
+# ------------------------------------------------------------------ the main path
+
+
+def test_base_then_delta_with_chain_and_idempotent_repeats(env):
+    agent = env.agent()
+    base_url = tar_for(env, "base", seed=1)
+    deploy(agent, BASE, base_url, dict_name="t", shard_seq=0, mode="base")
+    assert (env.data / "VERSION").read_text() == f"{BASE}\n"
+    assert sorted(p.name for p in (env.data / BASE).iterdir()) == ["data.cube", "index.cube"]
+    assert (env.deploy / "cube_data" / "0" / BASE / "base.tar").is_file()
+    assert env.control.log == [("bg_load_base", BASE), ("enable", BASE)]
+
+    chain = [BASE, DELTA1]
+    delta_url = tar_for(env, "delta1", seed=2)
+    task = agent.run("download", DELTA1, source=delta_url, mode="delta", chain=chain)
+    assert task["state"] == "succeeded", task
+    assert (env.data / "VERSION").read_text() == f"{BASE}\n"  # download never touches VERSION
+    assert (env.data / DELTA1 / "CHAIN").read_text() == f"{BASE}\n{DELTA1}\n"
+    for command in ("reload", "enable"):
+        assert agent.run(command, DELTA1)["state"] == "succeeded"
+    assert env.control.log[2:] == [("bg_load_patch", DELTA1), ("enable", DELTA1)]
+    assert (env.data / "VERSION").read_text() == f"{DELTA1}\n"
+    assert (env.control.cur, env.control.bg) == (DELTA1, BASE)
+
+    # repeats return the finished task, nothing is redone
+    requests_before, log_before = len(env.http.requests), list(env.control.log)
+    for command, extra in (("download", {"source": delta_url, "chain": chain}), ("reload", {})):
+        again = agent.cmd(command=command, version=DELTA1, **extra)
+        assert again["state"] == "succeeded" and again["runs"] == 1, again
+    assert agent.run("enable", DELTA1)["runs"] == 1
+    assert len(env.http.requests) == requests_before and env.control.log == log_before
+
+    status = agent.status()
+    assert status["current"] == DELTA1 and status["versions"] == [BASE, DELTA1]
+    assert status["server"]["reachable"] and status["server"]["cur_version"] == DELTA1
+    assert {(t["command"], t["version"]) for t in status["tasks"]} >= {("enable", DELTA1)}
+
+
+def test_original_style_version_pair_and_builder_dir_names(env):
+    agent = env.agent()
+    url = tar_for(env, "b", seed=3)
+    task = agent.run("download", f"{BASE}_{BASE}", source=url)  # the builder's base dir name
+    assert task["state"] == "succeeded" and task["version"] == BASE
+    delta = agent.cmd(
+        command="download", version="1700000100", depend=BASE, mode="delta",
+        source=tar_for(env, "d", seed=4), chain=[BASE],
+    )  # fmt: skip
+    assert delta["version"] == DELTA1
+    assert agent.wait_task("download", DELTA1)["state"] == "succeeded"
+
+
+# ------------------------------------------------------------------ sources
+
+
+def test_ftp_source_with_resume(env):
+    ftp = FtpFileServer(env.files)
+    try:
+        agent = env.agent()
+        make_shard_tar(env.files / "f.tar", n_keys=3000, seed=5)
+        whole = (env.files / "f.tar").read_bytes()
+        folder = env.deploy / "cube_data" / "0" / BASE
+        folder.mkdir(parents=True)
+        (folder / "f.tar.part").write_bytes(whole[:7000])
+        deploy(agent, BASE, f"{ftp.url}/f.tar")  # md5 from f.tar.md5 over FTP too
+        assert "7000" in ftp.rest_offsets
+        assert (folder / "f.tar").read_bytes() == whole
+    finally:
+        ftp.close()
+
+
+def test_file_url_and_plain_path(env):
+    agent = env.agent()
+    make_shard_tar(env.files / "a.tar", seed=6)
+    make_shard_tar(env.files / "b.tar", seed=7)
+    deploy(agent, "100", f"file://{env.files / 'a.tar'}")
+    deploy(agent, "200", str(env.files / "b.tar"))
+    assert env.control.cur == "200"
+    missing = agent.run("download", "300", source=str(env.files / "nope.tar"), md5="0" * 32)
+    assert missing["state"] == "failed" and "no such file" in missing["message"]
+
+
+# ------------------------------------------------------------------ integrity
+
+
+def test_resume_after_truncated_part_and_recovery_from_a_bad_part(env):
+    agent = env.agent()
+    url = tar_for(env, "r", seed=8, n_keys=20000)
+    whole = (env.files / "r.tar").read_bytes()
+    folder = env.deploy / "cube_data" / "0" / BASE
+    folder.mkdir(parents=True)
+    half = len(whole) // 2
+    (folder / "r.tar.part").write_bytes(whole[:half])
+    task = agent.run("download", BASE, source=url, size=len(whole))
+    assert task["state"] == "succeeded", task
+    assert env.http.ranges_for("r.tar") == [f"bytes={half}-"]
+
+    # a .part whose bytes are wrong: the md5 check throws it away, the next try starts over
+    url2 = tar_for(env, "r2", seed=9, n_keys=20000)
+    folder2 = env.deploy / "cube_data" / "0" / "200"
+    folder2.mkdir(parents=True)
+    (folder2 / "r2.tar.part").write_bytes(b"\0" * 1000)
+    bad = agent.run("download", "200", source=url2)
+    assert bad["state"] == "failed" and "md5 mismatch" in bad["message"], bad
+    assert not (folder2 / "r2.tar.part").exists() and not (env.data / "200").exists()
+    good = agent.run("download", "200", source=url2)
+    assert good["state"] == "succeeded" and good["runs"] == 2, good
+
+
+def test_md5_mismatch_places_nothing(env):
+    agent = env.agent()
+    url = tar_for(env, "m", seed=10)
+    task = agent.run("download", BASE, source=url, md5="0" * 32)
+    assert task["state"] == "failed"
+    assert f"md5 mismatch for {url}: expected {'0' * 32}" in task["message"]
+    assert visible_entries(env.data) == set()
+    assert not list((env.deploy / "cube_data").rglob("*.part"))
+    # a wrong .md5 file published next to the tar is caught the same way
+    (env.files / "m.tar.md5").write_text(f"{'1' * 32}  m.tar\n")
+    task = agent.run("download", "200", source=url)
+    assert task["state"] == "failed" and "md5 mismatch" in task["message"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_corrupt_tar_refused(env, damage):
+    agent = env.agent()
+    make_shard_tar(env.files / "c.tar", seed=11, n_keys=5000)
+    whole = (env.files / "c.tar").read_bytes()
+    body = whole[: len(whole) // 2] if damage == "truncated" else os.urandom(len(whole))
+    (env.files / "c.tar").write_bytes(body)
+    write_md5(env.files / "c.tar")  # the md5 matches: the builder shipped a broken tar
+    task = agent.run("download", BASE, source=f"{env.http.url}/c.tar")
+    assert task["state"] == "failed", task
+    assert "tar c.tar: corrupt or truncated tar" in task["message"], task
+    assert visible_entries(env.data) == set()
+
+
+def _member(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, link
+    return info
+
+
+@pytest.mark.parametrize(
+    "evil, why",
+    [
+        ("../evil", "'..'"),
+        ("/tmp/cube-agent-test-evil-abs", "absolute path"),
+        ("symlink", "symlink"),
+        ("hardlink", "hard link"),
+        ("fifo", "fifo"),
+        ("device", "device"),
+    ],
+)
+def test_hostile_tar_refused_and_nothing_written_outside(env, evil, why):
+    agent = env.agent()
+    make_shard_tar(env.files / "good.tar", seed=12)
+    member = {
+        "symlink": _member("./evil", tarfile.SYMTYPE, "../../evil"),
+        "hardlink": _member("./evil", tarfile.LNKTYPE, "/etc/passwd"),
+        "fifo": _member("./evil", tarfile.FIFOTYPE),
+        "device": _member("./evil", tarfile.CHRTYPE),
+    }.get(evil) or _member(evil)
+    data = b"pwned" if member.isreg() else b""
+    member.size = len(data)
+    make_evil_tar(env.files / "evil.tar", env.files / "good.tar", member, data)
+    task = agent.run("download", BASE, source=f"{env.http.url}/evil.tar")
+    assert task["state"] == "failed", task
+    assert f"refused member {member.name!r}: " in task["message"] and why in task["message"]
+    assert visible_entries(env.data) == set()
+    assert not (env.deploy / "evil").exists() and not (env.tmp / "evil").exists()
+    assert not Path("/tmp/cube-agent-test-evil-abs").exists()
+    assert not list(env.deploy.rglob("evil"))
+
+
+# ------------------------------------------------------------------ API behaviour
+
+
+def test_token_required(env):
+    agent = env.agent(token="s3cret")
+    status, reply = agent.call("GET", "/agent/status", token=None)
+    assert status == 401 and reply["success"] == "255" and "unauthorized" in reply["message"]
+    status, reply = agent.call("GET", "/agent/status", token="wrong")
+    assert status == 401
+    status, reply = agent.call("POST", "/agent/cmd", {"command": "task", "version": "1"}, None)
+    assert status == 401
+    status, reply = agent.call(
+        "POST", "/agent/cmd", {"command": "task", "version": "1", "token": "s3cret"}, None
+    )
+    assert status == 404 and reply["success"] == "255"  # authorized by the body token
+    assert agent.status()["status"] == "RUNNING"  # with the bearer header
+
+
+def test_envelopes_for_unknown_api_bad_requests_and_unknown_tasks(env):
+    agent = env.agent()
+    status, reply = agent.call("GET", "/agent/nothing")
+    assert status == 404 and reply["success"] == "2"
+    assert reply["data"]["api_list"] == ["GET /agent/status", "POST /agent/cmd"]
+    status, reply = agent.call("POST", "/agent/cmd", {"command": "download", "version": "../x"})
+    assert status == 400 and reply["success"] == "255" and "version" in reply["message"]
+    status, reply = agent.call("POST", "/agent/cmd", {"command": "task", "version": "42"})
+    assert status == 404 and reply["message"] == "no task for version 42"
+    status, reply = agent.call(
+        "POST", "/agent/cmd", {"command": "task", "version": "42", "task_command": "reload"}
+    )
+    assert status == 404 and reply["message"] == "no reload task for version 42"
+    status, reply = agent.call("POST", "/agent/cmd", None)
+    assert status == 400 and "command" in reply["message"]
+
+
+def test_server_unreachable_fails_the_task_with_a_clear_message(env):
+    agent = env.agent(server_address="127.0.0.1:1")
+    assert agent.run("download", BASE, source=tar_for(env, "u"))["state"] == "succeeded"
+    task = agent.run("reload", BASE)
+    assert task["state"] == "failed" and "127.0.0.1:1 unreachable" in task["message"], task
+    server = agent.status()["server"]
+    assert server["reachable"] is False and "unreachable" in server["message"]
+    enable = agent.run("enable", BASE)
+    assert enable["state"] == "failed" and "unreachable" in enable["message"]
+    assert not (env.data / "VERSION").exists()
+
+
+def test_enable_requires_a_loaded_version(env):
+    agent = env.agent()
+    assert agent.run("download", BASE, source=tar_for(env, "e"))["state"] == "succeeded"
+    task = agent.run("enable", BASE)
+    assert task["state"] == "failed" and "send reload first" in task["message"]
+    missing = agent.run("reload", "999")
+    assert missing["state"] == "failed" and "not on disk" in missing["message"]
+
+
+# ------------------------------------------------------------------ rollback and retention
+
+
+def test_rollback_to_previous_and_to_an_unloaded_version(env):
+    agent = env.agent("--keep", "3")
+    for i, version in enumerate(("100", "200", "300")):
+        deploy(agent, version, tar_for(env, f"v{version}", seed=20 + i))
+    assert (env.control.cur, env.control.bg) == ("300", "200")
+    task = agent.run("rollback", "200")  # the server's bg: a switch, no load
+    assert task["state"] == "succeeded", task
+    assert (env.control.cur, env.control.bg) == ("200", "300")
+    assert env.control.log[-1] == ("enable", "200")
+    assert (env.data / "VERSION").read_text() == "200\n"
+    task = agent.run("rollback", "100")  # only on disk: load, then switch
+    assert task["state"] == "succeeded", task
+    assert env.control.log[-2:] == [("bg_load_base", "100"), ("enable", "100")]
+    assert (env.data / "VERSION").read_text() == "100\n"
+    gone = agent.run("rollback", "50")
+    assert gone["state"] == "failed" and "not on disk" in gone["message"]
+
+
+def test_retention_keeps_serving_versions_and_the_current_chain(env):
+    agent = env.agent("--keep", "2")
+    deploy(agent, "100", tar_for(env, "a", seed=30))
+    for i, version in enumerate(("200", "300", "400")):  # downloaded, never enabled
+        assert (
+            agent.run("download", version, source=tar_for(env, f"x{version}", seed=31 + i))["state"]
+            == "succeeded"
+        )
+    assert visible_entries(env.data) >= {"100", "200", "300", "400"}  # download deletes nothing
+    for command in ("reload", "enable"):
+        assert agent.run(command, "400")["state"] == "succeeded"
+    # newest two (400, 300) + the server's rollback target 100 (still loaded); 200 goes
+    assert visible_entries(env.data) == {"100", "300", "400", "VERSION"}
+    assert not (env.deploy / "cube_data" / "0" / "200").exists()
+
+    # a delta chain over base B: all of it stays while it serves or is the rollback target
+    b, d1, d2 = BASE, DELTA1, DELTA2
+    deploy(agent, b, tar_for(env, "b", seed=40))
+    deploy(agent, d1, tar_for(env, "d1", seed=41), chain=[b, d1])
+    deploy(agent, d2, tar_for(env, "d2", seed=42), chain=[b, d1, d2])
+    assert (env.data / d2 / "CHAIN").read_text() == f"{b}\n{d1}\n{d2}\n"
+    assert visible_entries(env.data) == {b, d1, d2, "VERSION"}
+    deploy(agent, "1800000000", tar_for(env, "n", seed=43))  # new base; the chain is bg
+    assert visible_entries(env.data) == {b, d1, d2, "1800000000", "VERSION"}
+    deploy(agent, "1900000000", tar_for(env, "m", seed=44))
+    assert visible_entries(env.data) == {"1800000000", "1900000000", "VERSION"}
+
+
+# ------------------------------------------------------------------ crashes
+
+
+def test_kill9_during_download_then_restart_resumes(env):
+    url = tar_for(env, "k", seed=50, n_keys=40000)
+    size = (env.files / "k.tar").stat().st_size
+    slow = env.agent("--limit_rate", str(size // 8))  # about 8 s for the whole tar
+    task = slow.cmd(command="download", version=BASE, source=url)
+    assert task["state"] == "running"
+    # the same command again joins the running task; another command on the version is refused
+    assert (
+        slow.cmd(command="download", version=BASE, source=url)["started_at"] == task["started_at"]
+    )
+    status, reply = slow.call("POST", "/agent/cmd", {"command": "reload", "version": BASE})
+    assert status == 409 and reply["success"] == "255"
+    assert f"download of version {BASE} is running" in reply["message"]
+
+    part = env.deploy / "cube_data" / "0" / BASE / "k.tar.part"
+    deadline = time.monotonic() + WAIT
+    while not (part.exists() and part.stat().st_size >= size // 4):
+        assert time.monotonic() < deadline, "download made no progress"
+        time.sleep(0.05)
+    slow.kill9()
+    kept = part.stat().st_size
+    assert 0 < kept < size and visible_entries(env.data) == set()
+
+    agent = env.agent()
+    before = agent.cmd(command="task", version=BASE, task_command="download")
+    assert before["state"] == "failed" and before["message"].startswith("interrupted")
+    task = agent.run("download", BASE, source=url)
+    assert task["state"] == "succeeded" and task["runs"] == 2, task
+    resumed = [r for r in env.http.ranges_for("k.tar") if r]
+    assert resumed and int(resumed[-1].split("=")[1].rstrip("-")) >= kept
+    tar_md5 = hashlib.md5((env.deploy / "cube_data" / "0" / BASE / "k.tar").read_bytes())
+    assert tar_md5.hexdigest() == (env.files / "k.tar.md5").read_text().split()[0]
+    assert sorted(p.name for p in (env.data / BASE).iterdir()) == ["data.cube", "index.cube"]
+
+
+def test_restart_remembers_placed_versions_and_drops_half_extracted_dirs(env):
+    agent = env.agent()
+    url = tar_for(env, "p", seed=60)
+    deploy(agent, BASE, url)
+    agent.kill9()
+    half = env.data / f".tmp-{DELTA1}-99999"
+    half.mkdir()
+    (half / "index.cube").write_bytes(b"partial")
+    agent = env.agent()
+    assert not half.exists()
+    requests = len(env.http.requests)
+    again = agent.run("download", BASE, source=url)
+    assert again["state"] == "succeeded" and len(env.http.requests) == requests
+    assert agent.status()["versions"] == [BASE]

@@ -1,0 +1,329 @@
+"""cube-agent pieces in process: names, requests, tar member checks, retention rule, the task
+manager's idempotency rules, the fetcher against real local servers, the gRPC control client
+against a fake grpc.aio ControlService."""
+
+from __future__ import annotations
+
+import asyncio
+import tarfile
+from pathlib import Path
+
+import pytest
+from agent_helpers import FakeServer, FtpFileServer, HttpFileServer, make_shard_tar
+
+from agent.control import ServerControl, ServerError, ServerUnreachable
+from agent.fetch import FetchError, FetchPolicy, fetch_file, fetch_md5, parse_md5_text
+from agent.journal import Journal
+from agent.layout import (
+    BadRequest,
+    check_name,
+    normalize_chain,
+    plan_retention,
+    version_dir_name,
+)
+from agent.tasks import FAILED, INTERRUPTED, RUNNING, SUCCEEDED, TaskBusy, TaskFailed, TaskManager
+from agent.unpack import UnsafeTar, extract_shard_tar, member_problem
+from agent.work import parse_work
+
+FAST = FetchPolicy(attempts=3, backoff=0.01, timeout=20, io_timeout=5)
+
+
+# ------------------------------------------------------------------ names and requests
+
+
+@pytest.mark.parametrize("bad", ["", "..", "a/b", "../x", "/abs", "a..b", ".hidden", "x" * 129, 5])
+def test_check_name_refuses_path_tricks(bad):
+    with pytest.raises(BadRequest, match="not a valid name"):
+        check_name("version", bad)
+
+
+def test_version_dir_names():
+    assert version_dir_name("1700") == "1700"
+    assert version_dir_name("1700_1700") == "1700"  # the builder's dir name of a base
+    assert version_dir_name("1700_1800") == "1700_1800"
+    assert version_dir_name("1800", depend="1700", mode="delta") == "1700_1800"  # original pair
+    assert version_dir_name("1700", depend="1700", mode="base") == "1700"
+
+
+def test_chain_rules():
+    assert normalize_chain(["b", "b_1"], "b_1") == ["b", "b_1"]
+    assert normalize_chain(["b"], "b_1") == ["b", "b_1"]  # the delta itself is appended
+    with pytest.raises(BadRequest, match="non-empty list"):
+        normalize_chain(None, "b_1")
+    with pytest.raises(BadRequest, match="twice"):
+        normalize_chain(["b", "b_1", "b", "b_1"], "b_1")
+    with pytest.raises(BadRequest, match="not a valid name"):
+        normalize_chain(["../b"], "b_1")
+
+
+def test_parse_work_fields(tmp_path):
+    work = parse_work(
+        {"command": "download", "version": "1_2", "source": "http://h/x.tar", "chain": ["1"],
+         "shard_seq": "3", "md5": "A" * 32, "size": 10, "deploy_path": str(tmp_path)},
+        tmp_path,
+    )  # fmt: skip
+    assert (work.mode, work.chain, work.shard_seq, work.md5) == ("delta", ["1", "1_2"], 3, "a" * 32)
+    base = parse_work({"command": "download", "version": "7", "source": "/x.tar"}, tmp_path)
+    assert base.mode == "base" and base.chain == []
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ([], "JSON object"),
+        ({"command": "explode", "version": "1"}, "command"),
+        ({"command": "reload"}, "version: required"),
+        ({"command": "download", "version": "1"}, "source: required"),
+        ({"command": "download", "version": "1", "source": "a;b"}, "one tar"),
+        ({"command": "download", "version": "1", "source": "x", "md5": "zz"}, "md5"),
+        ({"command": "download", "version": "1", "source": "x", "size": -1}, "size"),
+        ({"command": "download", "version": "1", "source": "x", "mode": "delta"}, "chain"),
+        ({"command": "reload", "version": "1", "deploy_path": "/elsewhere"}, "deploy_path"),
+        ({"command": "reload", "version": "1", "mode": "weird"}, "mode"),
+        ({"command": "task", "version": "1", "task_command": "dance"}, "task_command"),
+    ],
+)
+def test_parse_work_refusals_name_the_field(tmp_path, body, field):
+    with pytest.raises(BadRequest, match=field):
+        parse_work(body, tmp_path)
+
+
+def test_md5_text():
+    assert parse_md5_text("ABCDEF0123456789abcdef0123456789  x.tar\n", "f") == "abcdef" + (
+        "0123456789abcdef0123456789"
+    )
+    with pytest.raises(FetchError, match="no md5"):
+        parse_md5_text("<html>not found</html>", "x.tar.md5")
+
+
+# ------------------------------------------------------------------ retention rule
+
+
+def test_retention_keeps_newest_and_protected():
+    newest_first = ["v5", "v4", "v3", "v2", "v1"]
+    assert plan_retention(newest_first, 2, protected=set()) == ["v3", "v2", "v1"]
+    assert plan_retention(newest_first, 2, protected={"v1", "v2"}) == ["v3"]
+    assert plan_retention(newest_first, 0, protected={"v5"}) == ["v4", "v3", "v2", "v1"]
+
+
+# ------------------------------------------------------------------ tar members
+
+
+def _info(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, link
+    return info
+
+
+@pytest.mark.parametrize(
+    "member, reason",
+    [
+        (_info("/etc/passwd"), "absolute"),
+        (_info("../evil"), "'..'"),
+        (_info("./a/../../evil"), "'..'"),
+        (_info("x", tarfile.SYMTYPE, "/etc/passwd"), "symlink"),
+        (_info("x", tarfile.LNKTYPE, "index.cube"), "hard link"),
+        (_info("x", tarfile.CHRTYPE), "device"),
+        (_info("x", tarfile.BLKTYPE), "device"),
+        (_info("x", tarfile.FIFOTYPE), "fifo"),
+    ],
+)
+def test_member_problems(member, reason):
+    assert reason in member_problem(member)
+
+
+def test_plain_members_pass():
+    assert member_problem(_info("./index.cube")) is None
+    assert member_problem(_info("./sub", tarfile.DIRTYPE)) is None
+
+
+def test_extract_refuses_tar_without_shard_files(tmp_path):
+    tar_path = tmp_path / "x.tar"
+    with tarfile.open(tar_path, "w") as tar:
+        (tmp_path / "readme").write_text("hi")
+        tar.add(tmp_path / "readme", arcname="./readme")
+    with pytest.raises(UnsafeTar, match=r"no index\.cube, data\.cube"):
+        extract_shard_tar(tar_path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_extract_good_tar(tmp_path):
+    make_shard_tar(tmp_path / "s.tar")
+    assert extract_shard_tar(tmp_path / "s.tar", tmp_path / "out") == ["data.cube", "index.cube"]
+
+
+# ------------------------------------------------------------------ fetcher on real servers
+
+
+@pytest.fixture
+def files(tmp_path) -> Path:
+    root = tmp_path / "files"
+    root.mkdir()
+    make_shard_tar(root / "s.tar", n_keys=20000)
+    return root
+
+
+def test_http_resume_uses_range(tmp_path, files):
+    http = HttpFileServer(files)
+    try:
+        whole = (files / "s.tar").read_bytes()
+        part = tmp_path / "s.tar.part"
+        part.write_bytes(whole[:12345])
+        got = asyncio.run(fetch_file(f"{http.url}/s.tar", part, size=len(whole), policy=FAST))
+        assert got == len(whole) and part.read_bytes() == whole
+        assert http.ranges_for("s.tar") == ["bytes=12345-"]
+    finally:
+        http.close()
+
+
+def test_http_retries_transient_errors_then_succeeds(tmp_path, files):
+    http = HttpFileServer(files)
+    try:
+        http.fail_next["/s.tar"] = 2
+        part = tmp_path / "s.tar.part"
+        asyncio.run(fetch_file(f"{http.url}/s.tar", part, size=None, policy=FAST))
+        assert part.read_bytes() == (files / "s.tar").read_bytes()
+        assert len(http.ranges_for("s.tar")) == 3
+    finally:
+        http.close()
+
+
+def test_http_attempts_are_bounded(tmp_path, files):
+    http = HttpFileServer(files)
+    try:
+        http.fail_next["/s.tar"] = 100
+        with pytest.raises(FetchError, match="failed after 3 attempts: HTTP 503"):
+            asyncio.run(fetch_file(f"{http.url}/s.tar", tmp_path / "p", size=None, policy=FAST))
+        assert len(http.ranges_for("s.tar")) == 3
+        with pytest.raises(FetchError, match="HTTP 404"):  # permanent: no retry
+            asyncio.run(fetch_file(f"{http.url}/nope.tar", tmp_path / "q", size=None, policy=FAST))
+        assert len(http.ranges_for("nope.tar")) == 1
+    finally:
+        http.close()
+
+
+def test_size_disagreement_is_an_error(tmp_path, files):
+    source = str(files / "s.tar")
+    with pytest.raises(FetchError, match="request says size 10"):
+        asyncio.run(fetch_file(source, tmp_path / "p", size=10, policy=FAST))
+
+
+def test_ftp_resume_uses_rest_and_md5_file(tmp_path, files):
+    ftp = FtpFileServer(files)
+    try:
+        whole = (files / "s.tar").read_bytes()
+        part = tmp_path / "s.tar.part"
+        part.write_bytes(whole[:5000])
+        asyncio.run(fetch_file(f"{ftp.url}/s.tar", part, size=None, policy=FAST))
+        assert part.read_bytes() == whole
+        assert ftp.rest_offsets == ["5000"]
+        digest = asyncio.run(fetch_md5(f"{ftp.url}/s.tar", tmp_path / "s.tar.md5", FAST))
+        assert digest == (files / "s.tar.md5").read_text().split()[0]
+        with pytest.raises(FetchError, match="550"):
+            asyncio.run(fetch_file(f"{ftp.url}/nope.tar", tmp_path / "q", size=None, policy=FAST))
+    finally:
+        ftp.close()
+
+
+def test_unsupported_scheme(tmp_path):
+    with pytest.raises(FetchError, match="unsupported scheme 'gopher'"):
+        asyncio.run(fetch_file("gopher://x/y", tmp_path / "p", size=None, policy=FAST))
+
+
+# ------------------------------------------------------------------ control client
+
+
+def test_control_client_against_fake_server(tmp_path):
+    make_shard_tar(tmp_path / "t.tar")
+    extract_shard_tar(tmp_path / "t.tar", tmp_path / "data" / "v1")
+    fake = FakeServer(tmp_path / "data")
+
+    async def scenario():
+        control = ServerControl(fake.address, timeout=5)
+        try:
+            assert (await control.status()).cur_version == ""
+            await control.cmd("bg_load_base", version_path="/v1")
+            st = await control.wait_for("v1", slot="bg", timeout=5)
+            assert st.bg_version == "v1"
+            st = await control.cmd("enable", version="v1")
+            assert (st.cur_version, st.bg_version) == ("v1", "")
+            with pytest.raises(ServerError, match="NOT_FOUND: no shard"):
+                await control.cmd("bg_load_base", version_path="/missing")
+        finally:
+            await control.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        fake.close()
+
+
+def test_control_client_unreachable():
+    async def scenario():
+        control = ServerControl("127.0.0.1:1", timeout=2)
+        try:
+            await control.status()
+        finally:
+            await control.close()
+
+    with pytest.raises(ServerUnreachable, match=r"127\.0\.0\.1:1 unreachable"):
+        asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------ task manager
+
+
+def test_task_rules(tmp_path):
+    """Idempotent repeats, restart of failed tasks, busy refusals, journal recovery."""
+    journal = Journal(tmp_path / "state")
+    journal.open()
+    runs: list[str] = []
+
+    async def scenario():
+        release = asyncio.Event()
+
+        async def slow(task, checkpoint):
+            runs.append(task.command)
+            await asyncio.wait_for(release.wait(), 10)
+            return "done"
+
+        async def fails(task, checkpoint):
+            runs.append(task.command)
+            raise TaskFailed("no luck")
+
+        async def still_done(task):
+            return True
+
+        manager = TaskManager(
+            journal,
+            {"download": slow, "reload": fails, "enable": slow, "rollback": slow},
+            exclusive={"reload", "enable", "rollback"},
+            still_done=still_done,
+        )
+        first = await manager.submit("download", "v1", {})
+        assert (await manager.submit("download", "v1", {})) is first  # repeat while running
+        with pytest.raises(TaskBusy, match="download of version v1 is running"):
+            await manager.submit("reload", "v1", {})
+        enable = await manager.submit("enable", "v0", {})
+        with pytest.raises(TaskBusy, match="one control command at a time"):
+            await manager.submit("rollback", "v9", {})
+        release.set()
+        await manager.wait_idle(10)
+        assert first.state == SUCCEEDED and enable.state == SUCCEEDED
+        assert (await manager.submit("download", "v1", {})) is first  # succeeded: not redone
+        failed = await manager.submit("reload", "v1", {})
+        await manager.wait_idle(10)
+        assert failed.state == FAILED and failed.message == "no luck"
+        again = await manager.submit("reload", "v1", {})  # failed: restarted
+        await manager.wait_idle(10)
+        assert again is not failed and again.runs == 2
+        # a task the journal says is running was cut off: it comes back failed, interrupted
+        journal.save_task({**first.to_record(), "version": "v7", "state": RUNNING})
+
+    asyncio.run(scenario())
+    assert runs == ["download", "enable", "reload", "reload"]
+    manager = TaskManager(journal, {}, set(), still_done=None)  # type: ignore[arg-type]
+    manager.recover()
+    recovered = manager.find("download", "v7")
+    assert recovered.state == FAILED and recovered.message == INTERRUPTED
+    assert manager.find("download", "v1").state == SUCCEEDED
