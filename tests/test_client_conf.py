@@ -1,0 +1,119 @@
+"""cube.conf parsing: the original's three node types, our partitioner, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cube.client import ConfError, CubeClient, load_conf, parse_conf
+from cube.client.conf import parse_all
+
+
+def entry(**changes):
+    base = {
+        "dict_name": "test_dict",
+        "shard": 2,
+        "dup": 1,
+        "timeout": 200,
+        "retry": 3,
+        "backup_request": 100,
+        "type": "ipport",
+        "nodes": [{"ip": "127.0.0.1", "port": 8000}, {"ip": "127.0.0.1", "port": 8001}],
+    }
+    base.update(changes)
+    return {k: v for k, v in base.items() if v is not None}
+
+
+def test_ipport():
+    conf = parse_conf([entry()])
+    assert conf.shards == (("127.0.0.1:8000",), ("127.0.0.1:8001",))
+    assert (conf.timeout_ms, conf.retry, conf.backup_request_ms) == (200, 3, 100)
+    assert (conf.load_balancer, conf.partitioner, conf.dict_name) == ("rr", "mod", "test_dict")
+
+
+def test_ipport_list_as_the_original_sample():
+    sample = """[{
+        "dict_name": "test_dict", "shard": 1, "dup": 1, "timeout": 200, "retry": 3,
+        "backup_request": 100, "type": "ipport_list", "load_balancer": "rr",
+        "nodes": [{"ipport_list": "list://127.0.0.1:8000,127.0.0.1:8001"}]
+    }]"""
+    conf = parse_conf(json.loads(sample))
+    assert conf.shards == (("127.0.0.1:8000", "127.0.0.1:8001"),)
+
+
+def test_ipport_parallel_uses_node_zero_for_every_shard():
+    conf = parse_conf([entry(type="ipport_parallel", shard=3, nodes=[{"ip": "h", "port": 1}])])
+    assert conf.shards == (("h:1",),) * 3
+
+
+def test_partitioner_and_load_balancer_fields():
+    conf = parse_conf([entry(partitioner="murmur3", load_balancer="la")])
+    assert (conf.partitioner, conf.load_balancer) == ("murmur3", "la")
+
+
+def test_several_dicts_need_a_name(tmp_path):
+    path = tmp_path / "cube.conf"
+    path.write_text(json.dumps([entry(), entry(dict_name="other")]))
+    with pytest.raises(ConfError, match=r"defines 2 dicts \(test_dict, other\); pass dict_name"):
+        load_conf(path)
+    assert load_conf(path, "other").dict_name == "other"
+    with pytest.raises(ConfError, match="no dict 'nope'"):
+        load_conf(path, "nope")
+    assert len(parse_all(json.loads(path.read_text()))) == 2
+    client = CubeClient.from_conf(path, dict_name="other", retry=0)
+    assert client.shard_num == 2 and client.policy.retry == 0 and client.dict_name == "other"
+    client.close()
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"shard": None}, "dict 'test_dict': missing field 'shard'"),
+        ({"shard": "2"}, "field 'shard' must be an integer >= 1, got '2'"),
+        ({"retry": -1}, "field 'retry' must be an integer >= 0"),
+        ({"type": "list"}, "field 'type' must be one of ipport, ipport_list, ipport_parallel"),
+        ({"load_balancer": "wrr"}, "field 'load_balancer' must be one of rr, random, la"),
+        ({"partitioner": "crc"}, "field 'partitioner' must be one of mod, murmur3"),
+        ({"nodes": []}, "field 'nodes' must be a non-empty array"),
+        ({"shard": 3}, "field 'nodes' has 2 entries but 'shard' is 3"),
+        ({"nodes": [{"ip": "h"}, {"ip": "h", "port": 1}]}, r"nodes\[0\]: field 'port'"),
+        ({"type": "ipport_list"}, r"nodes\[0\]: field 'ipport_list' must be a string"),
+        (
+            {"type": "ipport_list", "nodes": [{"ipport_list": "list://h:1"}, {"ipport_list": "x"}]},
+            r"nodes\[1\]: field 'ipport_list': 'x' is not host:port",
+        ),
+        ({"dict_name": ""}, "entry 0: field 'dict_name' must be a non-empty string"),
+    ],
+)
+def test_bad_conf_errors_name_dict_and_field(changes, message):
+    with pytest.raises(ConfError, match=message):
+        parse_conf([entry(**changes)], source="my.conf")
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfError, match="cannot read"):
+        load_conf(tmp_path / "missing.conf")
+    bad = tmp_path / "bad.conf"
+    bad.write_text("[{")
+    with pytest.raises(ConfError, match=r"bad\.conf: not JSON: line 1"):
+        load_conf(bad)
+    bad.write_text("[]")
+    with pytest.raises(ConfError, match="non-empty JSON array"):
+        load_conf(bad)
+    bad.write_text(json.dumps([entry(), entry()]))
+    with pytest.raises(ConfError, match="defined twice"):
+        load_conf(bad)
+
+
+def test_client_argument_errors():
+    with pytest.raises(ConfError, match="shards must be"):
+        CubeClient(shards="127.0.0.1:1")
+    with pytest.raises(ConfError, match="replica 'nohost' is not 'host:port'"):
+        CubeClient(shards=[["nohost"]])
+    with pytest.raises(ConfError, match="partitioner 'x'"):
+        CubeClient(shards=[["h:1"]], partitioner="x")
+    with pytest.raises(ConfError, match="load_balancer 'x'"):
+        CubeClient(shards=[["h:1"]], load_balancer="x")
+    with CubeClient(shards=["h:1", ["h:2", "h:3"]]) as client:
+        assert client.shards == (("h:1",), ("h:2", "h:3"))

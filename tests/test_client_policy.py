@@ -1,0 +1,221 @@
+"""Retry, backup request and load-balancing state machine, driven with a fake clock."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from cube.client.core import Answer, BadResponse
+from cube.client.errors import ConfError
+from cube.client.policy import (
+    Balancer,
+    Cancel,
+    Cluster,
+    EndpointState,
+    Policy,
+    Round,
+    Send,
+    ShardCall,
+)
+from cube.values import ValueColumn
+
+
+def fake_decode(data: bytes) -> Answer:
+    """Test responses are the version name; b"garbage" is a malformed response."""
+    if data == b"garbage":
+        raise BadResponse("garbage")
+    return Answer(np.ones(1, bool), ValueColumn.from_list([b"v"]), data.decode())
+
+
+def make_round(replicas, policy, calls=1, pinned=None, balancer="rr", now=0.0):
+    rng = random.Random(7)
+    cluster = Cluster([replicas] * calls, balancer, rng)
+    shard_calls = [
+        ShardCall(i, cluster.shards[i], b"req", fake_decode, policy, rng, pinned)
+        for i in range(calls)
+    ]
+    return Round(shard_calls, policy, now), cluster
+
+
+def sends(actions):
+    return [a for a in actions if isinstance(a, Send)]
+
+
+def test_first_answer_wins():
+    round_, _ = make_round(["a:1", "b:2"], Policy())
+    (send,) = round_.start(0.0)
+    assert send.request == b"req" and send.timeout_s == 1.0
+    assert round_.on_response(send.key, b"v9", 0.001) == []
+    assert round_.done
+    (outcome,) = round_.outcomes()
+    assert outcome.answer.version == "v9" and outcome.attempts == ()
+
+
+def test_retries_go_to_other_replicas_with_bounded_backoff_then_fail():
+    policy = Policy(retry=2, backoff_base_ms=4, backoff_cap_ms=6)
+    round_, cluster = make_round(["a:1", "b:2", "c:3"], policy)
+    (first,) = round_.start(0.0)
+    assert round_.on_error(first.key, "UNAVAILABLE", "refused", 0.0) == []
+    wake = round_.next_wakeup()
+    assert 0.002 <= wake <= 0.004  # half to full of base
+    assert round_.on_timer(wake - 1e-6) == []
+    (second,) = sends(round_.on_timer(wake))
+    assert second.address != first.address
+    round_.on_error(second.key, "DEADLINE_EXCEEDED", "slow", wake)
+    wake2 = round_.next_wakeup()
+    assert 0.003 <= wake2 - wake <= 0.006  # 2 * base capped at 6 ms, jittered
+    (third,) = sends(round_.on_timer(wake2))
+    assert {first.address, second.address, third.address} == {"a:1", "b:2", "c:3"}
+    round_.on_error(third.key, "INTERNAL", "boom", wake2)
+    assert round_.done
+    (outcome,) = round_.outcomes()
+    assert outcome.answer is None
+    assert [(a.endpoint, a.code) for a in outcome.attempts] == [
+        (first.address, "UNAVAILABLE"),
+        (second.address, "DEADLINE_EXCEEDED"),
+        (third.address, "INTERNAL"),
+    ]
+    assert all(e.is_down(wake2) for e in cluster.endpoints)
+
+
+def test_single_replica_retries_on_itself():
+    round_, _ = make_round(["a:1"], Policy(retry=1))
+    (first,) = round_.start(0.0)
+    round_.on_error(first.key, "UNAVAILABLE", "x", 0.0)
+    (second,) = sends(round_.on_timer(round_.next_wakeup()))
+    assert second.address == "a:1"
+    round_.on_response(second.key, b"v1", 0.01)
+    assert round_.outcomes()[0].answer.version == "v1"
+
+
+def test_backoff_is_capped_and_jittered():
+    policy = Policy(backoff_base_ms=2, backoff_cap_ms=100)
+    rng = random.Random(1)
+    delays = [policy.backoff_s(k, rng) for k in range(30)]
+    assert max(delays) <= 0.1 and min(delays[10:]) >= 0.05
+    assert len(set(delays)) == 30
+
+
+def test_non_retryable_status_rejects_the_round_and_cancels_the_rest():
+    round_, _ = make_round(["a:1", "b:2"], Policy(retry=3), calls=3)
+    started = round_.start(0.0)
+    assert len(started) == 3
+    actions = round_.on_error(started[1].key, "INVALID_ARGUMENT", "bad keys", 0.0)
+    assert sorted(a.key for a in actions if isinstance(a, Cancel)) == [
+        started[0].key,
+        started[2].key,
+    ]
+    assert round_.done and round_.rejected
+    outcomes = round_.outcomes()
+    assert outcomes[1].rejected.message == "bad keys"
+    assert outcomes[0].attempts[0].code == "CANCELLED"
+
+
+def test_backup_request_after_delay_and_loser_cancelled():
+    round_, cluster = make_round(["a:1", "b:2"], Policy(backup_request_ms=10))
+    (first,) = round_.start(0.0)
+    assert round_.next_wakeup() == pytest.approx(0.010)
+    assert round_.on_timer(0.005) == []
+    (backup,) = sends(round_.on_timer(0.010))
+    assert backup.address != first.address and backup.request == first.request
+    assert {e.address: e.inflight for e in cluster.endpoints} == {"a:1": 1, "b:2": 1}
+    actions = round_.on_response(backup.key, b"v1", 0.012)
+    assert actions == [Cancel(first.key)]
+    assert round_.done and round_.outcomes()[0].answer.version == "v1"
+    assert all(e.inflight == 0 for e in cluster.endpoints)
+    # A late answer of the cancelled attempt changes nothing.
+    assert round_.on_response(first.key, b"v2", 0.02) == []
+
+
+def test_no_backup_request_with_one_replica_and_failed_original_waits_for_backup():
+    round_, _ = make_round(["a:1"], Policy(backup_request_ms=10))
+    round_.start(0.0)
+    assert round_.next_wakeup() > 1.0  # only the round deadline
+    round_, _ = make_round(["a:1", "b:2"], Policy(backup_request_ms=10, retry=0))
+    (first,) = round_.start(0.0)
+    (backup,) = sends(round_.on_timer(0.01))
+    assert round_.on_error(first.key, "DEADLINE_EXCEEDED", "slow", 0.02) == []
+    assert not round_.done
+    round_.on_response(backup.key, b"v3", 0.03)
+    assert round_.outcomes()[0].answer.version == "v3"
+
+
+def test_pinned_version_tries_other_replicas_without_marking_them_down():
+    round_, cluster = make_round(["a:1", "b:2"], Policy(retry=1), pinned="6")
+    (first,) = round_.start(0.0)
+    round_.on_error(first.key, "FAILED_PRECONDITION", "version 6 not held", 0.0)
+    (second,) = sends(round_.on_timer(round_.next_wakeup()))
+    assert second.address != first.address
+    # A server that ignores the pin and answers another version counts as not holding it.
+    round_.on_response(second.key, b"5", 0.01)
+    outcome = round_.outcomes()[0]
+    assert outcome.answer is None and outcome.version_unavailable
+    assert not any(e.is_down(0.01) for e in cluster.endpoints)
+
+
+def test_bad_response_is_retried():
+    round_, _ = make_round(["a:1", "b:2"], Policy(retry=1))
+    (first,) = round_.start(0.0)
+    round_.on_response(first.key, b"garbage", 0.0)
+    (second,) = sends(round_.on_timer(round_.next_wakeup()))
+    round_.on_response(second.key, b"v1", 0.01)
+    outcome = round_.outcomes()[0]
+    assert outcome.answer.version == "v1" and outcome.attempts[0].code == "BAD_RESPONSE"
+
+
+def test_round_deadline_aborts_everything():
+    policy = Policy(timeout_ms=100, retry=1, backoff_cap_ms=10)
+    round_, _ = make_round(["a:1"], policy, calls=2)
+    started = round_.start(0.0)
+    deadline = round_.next_wakeup()
+    assert deadline == pytest.approx(2 * 0.110 + 1.0)
+    actions = round_.on_timer(deadline)
+    assert sorted(a.key for a in actions) == sorted(s.key for s in started)
+    assert round_.done
+    assert {o.attempts[0].code for o in round_.outcomes()} == {"DEADLINE_EXCEEDED"}
+
+
+def test_balancers():
+    replicas = [EndpointState(a) for a in ("a", "b", "c")]
+    rr = Balancer("rr", random.Random(0))
+    picks = [rr.pick(replicas, set(), 0.0, reuse=True) for _ in range(6)]
+    assert sorted(picks[:3]) == [0, 1, 2] and picks[:3] == picks[3:]
+    assert rr.pick(replicas, {0, 1}, 0.0, reuse=True) == 2
+    assert rr.pick(replicas, {0, 1, 2}, 0.0, reuse=False) is None
+
+    la = Balancer("la", random.Random(0))
+    replicas[0].inflight, replicas[1].inflight, replicas[2].inflight = 2, 0, 1
+    assert la.pick(replicas, set(), 0.0, reuse=True) == 1
+    replicas[1].inflight = 2
+    replicas[0].ewma_s, replicas[1].ewma_s, replicas[2].ewma_s = 0.001, 0.001, 0.01
+    assert la.pick(replicas, set(), 0.0, reuse=True) == 0  # 3 * 1 ms beats 2 * 10 ms
+
+    rnd = Balancer("random", random.Random(0))
+    assert {rnd.pick(replicas, set(), 0.0, reuse=True) for _ in range(50)} == {0, 1, 2}
+
+    replicas[0].failed(0.0, Policy())
+    assert replicas[0].is_down(0.05) and not replicas[0].is_down(0.2)
+    assert all(rr.pick(replicas, set(), 0.05, reuse=True) != 0 for _ in range(6))
+    replicas[1].failed(0.0, Policy())
+    replicas[2].failed(0.0, Policy())
+    assert rr.pick(replicas, set(), 0.05, reuse=True) is not None  # all down: still try one
+    with pytest.raises(ConfError, match="load_balancer 'wrr'"):
+        Balancer("wrr", random.Random(0))
+
+
+def test_cooldown_grows_and_is_capped():
+    endpoint, policy = EndpointState("a"), Policy(cooldown_base_ms=100, cooldown_cap_ms=400)
+    for expected in (0.1, 0.2, 0.4, 0.4):
+        endpoint.failed(0.0, policy)
+        assert endpoint.down_until == pytest.approx(expected)
+    endpoint.succeeded(0.002)
+    assert not endpoint.is_down(0.0) and endpoint.failures == 0
+
+
+def test_policy_rejects_bad_settings():
+    with pytest.raises(ConfError, match="retry"):
+        Policy(retry=-1)
+    with pytest.raises(ConfError, match="timeout"):
+        Policy(timeout_ms=0)
