@@ -55,6 +55,7 @@ FLAGS = (
     .add("write_version", bool, False, "rewrite <data_dir>/VERSION on a switch (agent's job)")
     .add("grace", float, 5.0, "seconds in-flight calls get to finish on SIGTERM")
     .add("control_timeout", float, 900.0, "seconds worker 0 waits for a worker's step")
+    .add("load_delay", float, 0.0, "testing aid: hold every version load this many seconds")
     .add("log_level", str, "INFO", "DEBUG, INFO, WARNING or ERROR")
     .add("log_dir", str, "", "also log to <log_dir>/cube-server.log (default: stderr only)")
     .add("worker_index", int, -1, "internal: which worker this process is (set by --workers)")
@@ -161,7 +162,12 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
     loop = asyncio.get_running_loop()
     data_dir = Path(flags.data_dir)
     dirs = split_dirs(data_dir, flags.dict_split)
-    options = LoadOptions(verify=flags.verify, populate=flags.in_mem, lock_memory=flags.in_mem)
+    options = LoadOptions(
+        verify=flags.verify,
+        populate=flags.in_mem,
+        lock_memory=flags.in_mem,
+        delay=flags.load_delay,
+    )
     executor = ThreadPoolExecutor(1, thread_name_prefix="cube-loader")
     slots = VersionSlots()
     service = SeekService(

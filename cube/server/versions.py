@@ -341,6 +341,7 @@ class LoadOptions:
     verify: bool = True
     populate: bool = False  # --in_mem: fault every page in at load
     lock_memory: bool = False  # --in_mem: mlock, best effort
+    delay: float = 0.0  # --load_delay (tests: makes a load last long enough to race it)
 
 
 def _open_layer(directory: Path, options: LoadOptions) -> ShardHandle:
@@ -382,6 +383,7 @@ def _require_dir(split_dir: Path, name: str) -> None:
 def load_base(dirs: list[Path], name: str, options: LoadOptions) -> LoadedVersion:
     """Load `name` from disk alone (a delta brings its whole chain: base + deltas)."""
     started = time.monotonic()
+    time.sleep(options.delay)
     splits: list[SplitData] = []
     try:
         for split_dir in dirs:
@@ -415,6 +417,7 @@ def load_patch(
             f" {on.name!r} is on base {on.chain[0]!r}",
         )
     started = time.monotonic()
+    time.sleep(options.delay)
     splits: list[SplitData] = []
     try:
         for split_dir, current in zip(dirs, on.splits, strict=True):
