@@ -1,0 +1,183 @@
+"""cube-server pieces in process: wire encoders against the generated protobuf classes, version
+names and chains, slots and reference counts, and the coordinator's rollback when a worker
+fails."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+from procs import fixed_values, write_version
+
+from cube.pb import cube_fast_pb2, cube_pb2
+from cube.server.control import ControlError, Coordinator, LocalWorker
+from cube.server.service import (
+    MISS_STATUS,
+    Answer,
+    SeekService,
+    encode_dict_response,
+    encode_seek_response,
+)
+from cube.server.versions import (
+    LoadOptions,
+    VersionError,
+    VersionSlots,
+    base_of,
+    load_base,
+    resolve_chain,
+    split_dirs,
+    version_name_from_path,
+)
+
+
+def variable_answer(values: list[bytes | None]) -> Answer:
+    found = np.array([v is not None for v in values])
+    lengths = [len(v or b"") for v in values]
+    offsets = np.zeros(len(values) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    blob = np.frombuffer(b"".join(v or b"" for v in values), np.uint8)
+    return Answer(found, blob, 0, offsets)
+
+
+@pytest.mark.parametrize("version", [None, "", "1700000000_1700000100"])
+@pytest.mark.parametrize(
+    "values",
+    [
+        [],
+        [b"a"],
+        [None],
+        [b"", None, b"xy", b"z" * 127, b"q" * 128, None, b"w" * 20000, bytes(range(256))],
+    ],
+)
+def test_dict_response_bytes_parse_back(values, version):
+    raw = encode_dict_response(variable_answer(values), version)
+    parsed = cube_pb2.DictResponse.FromString(raw)
+    assert [(v.status, v.value) for v in parsed.values] == [
+        (MISS_STATUS, b"") if v is None else (0, v) for v in values
+    ]
+    assert parsed.HasField("version") == (version is not None)
+    assert parsed.version == (version or "")
+
+
+@pytest.mark.parametrize("width", [1, 40, 200])
+def test_dict_response_fixed_width(width):
+    rows = np.random.default_rng(width).integers(0, 256, (6, width), dtype=np.uint8)
+    found = np.ones(6, bool)
+    for mask in (found, np.array([True, False, True, True, False, False])):
+        values = rows.copy()
+        values[~mask] = 0
+        parsed = cube_pb2.DictResponse.FromString(
+            encode_dict_response(Answer(mask, values, width, None), "v")
+        )
+        assert [v.status for v in parsed.values] == [0 if m else MISS_STATUS for m in mask]
+        assert [v.value for v in parsed.values] == [
+            rows[i].tobytes() if m else b"" for i, m in enumerate(mask)
+        ]
+
+
+def test_seek_response_bytes_parse_back():
+    fixed = Answer(np.array([True, False]), np.arange(8, dtype=np.uint8).reshape(2, 4), 4, None)
+    parsed = cube_fast_pb2.SeekResponse.FromString(encode_seek_response(fixed, "v1", 2**40))
+    assert parsed.found == b"\x01\x00" and parsed.value_width == 4 and parsed.offsets == b""
+    assert parsed.values == bytes(range(8)) and parsed.version == "v1"
+    assert parsed.request_id == 2**40
+    variable = variable_answer([b"abc", None, b"d" * 300])
+    parsed = cube_fast_pb2.SeekResponse.FromString(encode_seek_response(variable, "", 0))
+    assert parsed.value_width == 0 and parsed.version == "" and parsed.request_id == 0
+    assert np.frombuffer(parsed.offsets, "<u8").tolist() == [0, 3, 3, 303]
+    assert parsed.values == b"abc" + b"d" * 300
+
+
+def test_version_paths():
+    root = "/srv/data"
+    assert version_name_from_path("/1700", root) == "1700"
+    assert version_name_from_path("1700_1800/", root) == "1700_1800"
+    for bad in ("", "/", "..", "/../x", "a/b", "/etc/passwd", "x\x00"):
+        with pytest.raises(VersionError) as info:
+            version_name_from_path(bad, root)
+        assert info.value.code == "INVALID_ARGUMENT"
+    assert base_of("17_18") == "17" and base_of("17") == "17" and base_of("17_17") == "17_17"
+
+
+def test_chain_rebuilt_in_numeric_order(tmp_path):
+    for name in ("9", "9_10", "9_9x", "9_100", "9_11", "8_12"):
+        (tmp_path / name).mkdir()
+    assert resolve_chain(tmp_path, "9_100") == ["9", "9_10", "9_11", "9_100"]
+    assert resolve_chain(tmp_path, "9_11") == ["9", "9_10", "9_11"]
+    with pytest.raises(VersionError, match="'8'"):
+        resolve_chain(tmp_path, "8_12")
+
+
+def test_retired_version_unmapped_after_last_request(tmp_path):
+    keys = np.arange(10, dtype=np.uint64)
+    write_version(tmp_path, "1", keys, fixed_values(keys, 8))
+    write_version(tmp_path, "2", keys, fixed_values(keys, 8, tag=2))
+    dirs = split_dirs(tmp_path, 1)
+    slots = VersionSlots()
+    slots.install(load_base(dirs, "1", LoadOptions()))
+    slots.stage(load_base(dirs, "2", LoadOptions()))
+    slots.commit()
+    old = slots.current.acquire()  # a request in flight on version 1
+    slots.switch()
+    slots.unload_background()
+    assert old.retired and not old.closed
+    old.release()
+    assert old.closed
+    service = SeekService(slots, max_batch=100)
+    request = cube_fast_pb2.SeekRequest(keys=keys.astype("<u8").tobytes())
+    response = cube_fast_pb2.SeekResponse.FromString(service.seek(request.SerializeToString()))
+    assert response.version == "2" and response.found == b"\x01" * 10
+
+
+class FailingRemote:
+    """A worker that fails one op (and records what it was asked)."""
+
+    def __init__(self, fail: str) -> None:
+        self.fail = fail
+        self.ops: list[str] = []
+        self.index, self.port = 1, 0
+
+    async def apply(self, op, mode="", name="", timeout=None):
+        if op != "state":
+            self.ops.append(op)
+        if op == self.fail:
+            raise ControlError(grpc.StatusCode.UNAVAILABLE, "worker 1: gone")
+        return {"worker": 1}
+
+
+def make_coordinator(tmp_path, remote):
+    keys = np.arange(10, dtype=np.uint64)
+    write_version(tmp_path, "1", keys, fixed_values(keys, 8))
+    write_version(tmp_path, "2", keys, fixed_values(keys, 8, tag=2))
+    dirs = split_dirs(tmp_path, 1)
+    slots = VersionSlots()
+    slots.install(load_base(dirs, "1", LoadOptions()))
+    service = SeekService(slots, max_batch=100)
+    executor = ThreadPoolExecutor(1)
+    local = LocalWorker(0, 0, slots, tmp_path, dirs, LoadOptions(), executor, service)
+    return Coordinator(local, [remote], describe=dict), slots
+
+
+def test_failed_load_on_one_worker_rolls_back_the_others(tmp_path):
+    remote = FailingRemote("prepare")
+    coordinator, slots = make_coordinator(tmp_path, remote)
+    request = cube_pb2.ControlRequest(cmd="bg_load_base", version_path="/2")
+    with pytest.raises(ControlError, match="worker 1"):
+        asyncio.run(coordinator.command(request))
+    assert slots.staged is None and slots.background is None and slots.current.name == "1"
+    assert remote.ops == ["prepare"]  # the failing worker itself had nothing to abort
+    assert coordinator.busy is None
+
+
+def test_failed_switch_on_one_worker_switches_the_others_back(tmp_path):
+    remote = FailingRemote("switch")
+    coordinator, slots = make_coordinator(tmp_path, remote)
+    asyncio.run(coordinator.command(cube_pb2.ControlRequest(cmd="bg_load_base", version_path="2")))
+    assert slots.background.name == "2"
+    with pytest.raises(ControlError, match="gone"):
+        asyncio.run(coordinator.command(cube_pb2.ControlRequest(cmd="enable", version="2")))
+    assert slots.current.name == "1" and slots.background.name == "2"
+    assert remote.ops == ["prepare", "commit", "switch"]
