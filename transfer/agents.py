@@ -1,0 +1,189 @@
+"""Talking to cube-agents (docs/ROLLOUT.md): commands, task polls, status, and driving one
+command on one instance to an outcome within a deadline and a retry budget.
+
+Every request has its own timeout; a long command (download, reload, ...) is started with one
+POST and then polled, so a slow download never hits an HTTP timeout. A repeated command is safe:
+the agent returns the existing task, restarts a failed one, never redoes a succeeded one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from transfer.config import Instance
+
+log = logging.getLogger("cube.transfer.agents")
+
+
+class AgentUnreachable(Exception):
+    """No answer (connection refused, timeout, not JSON): the agent may come back."""
+
+
+class AgentRefused(Exception):
+    """The agent answered with an error envelope (bad request, unknown task, unauthorized)."""
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    message: str
+
+
+class AgentClient:
+    def __init__(
+        self, session: aiohttp.ClientSession, token: str = "", request_timeout: float = 10.0
+    ) -> None:
+        self.session = session
+        self.token = token
+        self.request_timeout = request_timeout
+
+    async def _request(self, inst: Instance, method: str, path: str, body: Any = None) -> Any:
+        url = f"http://{inst.agent_address}{path}"
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout)
+        try:
+            async with self.session.request(
+                method, url, json=body, headers=headers, timeout=timeout
+            ) as resp:
+                try:
+                    envelope = await resp.json(content_type=None)
+                except ValueError as exc:
+                    raise AgentUnreachable(f"agent {inst.agent_address}: HTTP {resp.status}, "
+                                           f"not JSON") from exc  # fmt: skip
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise AgentUnreachable(
+                f"agent {inst.agent_address}: {type(exc).__name__}: {exc}".rstrip(": ")
+            ) from exc
+        if not isinstance(envelope, dict):
+            raise AgentUnreachable(f"agent {inst.agent_address}: answer is not an envelope")
+        if str(envelope.get("success")) != "0":
+            raise AgentRefused(
+                f"agent {inst.agent_address}: {envelope.get('message') or 'error'} "
+                f"(success={envelope.get('success')}, HTTP {resp.status})"
+            )
+        return envelope.get("data")
+
+    async def status(self, inst: Instance) -> dict[str, Any]:
+        data = await self._request(inst, "GET", "/agent/status")
+        if not isinstance(data, dict):
+            raise AgentUnreachable(f"agent {inst.agent_address}: status without data")
+        return data
+
+    async def submit(self, inst: Instance, fields: dict[str, Any]) -> dict[str, Any]:
+        data = await self._request(inst, "POST", "/agent/cmd", fields)
+        if not isinstance(data, dict) or "state" not in data:
+            raise AgentRefused(f"agent {inst.agent_address}: {fields['command']} returned no task")
+        return data
+
+    async def task(self, inst: Instance, command: str, version: str) -> dict[str, Any]:
+        body = {"command": "task", "version": version, "task_command": command}
+        data = await self._request(inst, "POST", "/agent/cmd", body)
+        if not isinstance(data, dict) or "state" not in data:
+            raise AgentRefused(f"agent {inst.agent_address}: no task {command} {version}")
+        return data
+
+
+ProgressFn = Callable[[Instance, str, str], None]  # (instance, "running"|"ok"|"failed", message)
+
+
+async def drive(
+    client: AgentClient,
+    inst: Instance,
+    fields: dict[str, Any],
+    timeout: float,
+    retries: int,
+    progress: ProgressFn | None = None,
+    dead_timeout: float | None = None,
+    poll: float = 0.1,
+    max_poll: float = 1.0,
+) -> Outcome:
+    """Run one command on one agent until it succeeded, failed `retries + 1` times, or
+    `timeout` seconds passed. An unreachable agent is waited for (it may be restarting) and the
+    command re-sent when it answers; that does not use up a retry, but an agent silent for
+    `dead_timeout` seconds in a row is given up on (so one dead replica does not hold a phase
+    for its whole timeout)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    command, version = fields["command"], fields["version"]
+    failures = 0
+    submitted = False
+    last = "no answer yet"
+    delay = poll
+    silent_since: float | None = None
+    while True:
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return Outcome(False, f"{command} {version}: timed out after {timeout:g}s ({last})")
+        try:
+            if not submitted:
+                task = await client.submit(inst, fields)
+                submitted = True
+                if progress:
+                    progress(inst, "running", "")
+            else:
+                task = await client.task(inst, command, version)
+        except AgentUnreachable as exc:
+            last = str(exc)
+            submitted = False
+            silent_since = silent_since if silent_since is not None else loop.time()
+            if dead_timeout is not None and loop.time() - silent_since >= dead_timeout:
+                why = f"agent silent for {dead_timeout:g}s ({last})"
+                return Outcome(False, f"{command} {version}: {why}")
+            await asyncio.sleep(min(1.0, max(remaining, 0.0)))
+            continue
+        except AgentRefused as exc:
+            silent_since = None
+            last = str(exc)
+            if submitted:  # the agent lost the task (restarted with no journal?): send it again
+                submitted = False
+                continue
+            failures += 1
+            if failures > retries:
+                return Outcome(False, f"{command} {version}: {last}")
+            await asyncio.sleep(min(1.0, max(remaining, 0.0)))
+            continue
+        silent_since = None
+        if task.get("command") not in (None, command) or task.get("version") not in (None, version):
+            submitted = False  # an answer about another task; ask again
+            await asyncio.sleep(min(delay, max(remaining, 0.0)))
+            continue
+        state = task.get("state")
+        if state == "succeeded":
+            return Outcome(True, str(task.get("message") or "ok"))
+        if state == "failed":
+            failures += 1
+            last = str(task.get("message") or "failed")
+            if failures > retries:
+                return Outcome(False, f"{command} {version}: {last}")
+            log.warning("%s on %s failed (%s); retry %d of %d", command, inst.name, last,
+                        failures, retries)  # fmt: skip
+            submitted = False
+            await asyncio.sleep(min(1.0 * failures, max(remaining, 0.0)))
+            continue
+        await asyncio.sleep(min(delay, max(remaining, 0.0)))
+        delay = min(delay * 1.5, max_poll)
+
+
+async def run_phase(
+    client: AgentClient,
+    instances: list[Instance],
+    fields_for: Callable[[Instance], dict[str, Any]],
+    timeout: float,
+    retries: int,
+    progress: ProgressFn | None = None,
+    dead_timeout: float | None = None,
+) -> dict[str, Outcome]:
+    """One command on many instances at once; instance name -> outcome."""
+    outcomes = await asyncio.gather(
+        *(
+            drive(client, inst, fields_for(inst), timeout, retries, progress, dead_timeout)
+            for inst in instances
+        )
+    )
+    return {inst.name: outcome for inst, outcome in zip(instances, outcomes, strict=True)}

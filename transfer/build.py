@@ -1,0 +1,211 @@
+"""Running cube-builder for one version and checking what it produced.
+
+The builder is a subprocess started from an argv list (never a shell) with a timeout; its exit
+code is checked and the tail of its stderr becomes the version's failure reason. Before anything
+is deployed every shard's tar must exist, match its `.md5`, and list only plain files and
+directories with safe relative names (the agent checks again; a bad build should not even
+reach it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tarfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+log = logging.getLogger("cube.transfer.build")
+_STDERR_TAIL = 2000
+
+
+class BuildError(Exception):
+    """A build that cannot be deployed; the message is the version's failure reason."""
+
+
+def resolve_command(name: str) -> str:
+    """An executable for `name`: a path as given, else on PATH, else next to this Python (the
+    venv's console scripts)."""
+    if os.sep in name:
+        path = Path(name).expanduser()
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+        raise BuildError(f"buildtool_local {name!r} is not an executable file")
+    found = shutil.which(name)
+    if found:
+        return found
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    raise BuildError(f"buildtool_local {name!r} was not found on PATH nor in {beside.parent}")
+
+
+def output_dir_name(depend: str, cur: str) -> str:
+    return f"{depend}_{cur}"
+
+
+def builder_argv(
+    tool: str,
+    *,
+    dict_name: str,
+    input_path: str,
+    output_path: str,
+    shard_num: int,
+    mode: str,
+    cur_version: str,
+    depend_version: str,
+    partitioner: str,
+    delete_path: str = "",
+) -> list[str]:
+    argv = [
+        tool,
+        "-dict_name", dict_name,
+        "-input_path", input_path,
+        "-output_path", output_path,
+        "-shard_num", str(shard_num),
+        "-job_mode", mode,
+        "-cur_version", cur_version,
+        "-depend_version", depend_version,
+        "-only_build", "false",
+        "-partitioner", partitioner,
+        "-quiet",
+    ]  # fmt: skip
+    if delete_path:
+        argv += ["-delete_path", delete_path]
+    return argv
+
+
+async def run_builder(
+    argv: list[str], timeout: float, on_start: Callable[[int], None] | None = None
+) -> str:
+    """Run the builder; return its stderr. BuildError on timeout or a non-zero exit."""
+    log.info("running %s", " ".join(argv))
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        raise BuildError(f"cannot start builder {argv[0]}: {exc.strerror}") from exc
+    if on_start:
+        on_start(proc.pid)
+    try:
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        _kill_group(proc.pid)
+        await proc.wait()
+        raise BuildError(f"builder timed out after {timeout:g}s") from None
+    except asyncio.CancelledError:
+        _kill_group(proc.pid)
+        await proc.wait()
+        raise
+    text = stderr.decode("utf-8", errors="replace")
+    for line in stdout.decode("utf-8", errors="replace").splitlines()[-20:]:
+        log.debug("builder: %s", line)
+    for line in text.splitlines()[-50:]:
+        log.info("builder stderr: %s", line)
+    if proc.returncode != 0:
+        tail = text.strip()[-_STDERR_TAIL:] or "(no stderr)"
+        raise BuildError(f"builder exited with status {proc.returncode}: {tail}")
+    return text
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class ShardOutput:
+    shard: int
+    tar: Path
+    md5: str
+    size: int
+
+
+def read_md5_file(path: Path) -> str:
+    """The hash in a `<md5hex>  <name>` file."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        raise BuildError(f"{path}: missing (the builder wrote no md5)") from None
+    field = text.split()[0] if text.split() else ""
+    if len(field) != 32 or any(c not in "0123456789abcdefABCDEF" for c in field):
+        raise BuildError(f"{path}: no md5 hash in {text[:80]!r}")
+    return field.lower()
+
+
+def file_md5(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def member_problem(member: tarfile.TarInfo) -> str | None:
+    """Why a tar member must not be extracted (None when it is a safe file or directory)."""
+    name = member.name
+    if name.startswith("/") or PurePosixPath(name).is_absolute():
+        return "absolute path"
+    if ".." in PurePosixPath(name).parts:
+        return "'..' in the path"
+    if not (member.isfile() or member.isdir()):
+        return "not a regular file or directory"
+    return None
+
+
+def check_tar(path: Path) -> None:
+    try:
+        with tarfile.open(path, "r:") as tar:
+            for member in tar:
+                problem = member_problem(member)
+                if problem:
+                    raise BuildError(f"{path}: member {member.name!r}: {problem}")
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise BuildError(f"{path}: not a readable tar ({exc})") from exc
+
+
+def check_outputs(
+    out_dir: Path, dict_name: str, shard_num: int, verify: bool = True
+) -> list[ShardOutput]:
+    """Every shard's tar and md5 (verified against the tar's bytes and listed when `verify`).
+    Blocking: run in a thread."""
+    shards = []
+    for shard in range(shard_num):
+        tar = out_dir / f"{dict_name}_part{shard}.tar"
+        if not tar.is_file():
+            raise BuildError(f"{tar}: missing (the builder wrote no tar for shard {shard})")
+        expected = read_md5_file(tar.with_name(tar.name + ".md5"))
+        if verify:
+            actual = file_md5(tar)
+            if actual != expected:
+                raise BuildError(f"{tar}: md5 {actual} does not match its .md5 file ({expected})")
+            check_tar(tar)
+        shards.append(ShardOutput(shard, tar, expected, tar.stat().st_size))
+    return shards
+
+
+def read_meta_infos(output_root: Path, cur: str, depend: str, shard_num: int) -> dict[str, str]:
+    """The builder's `meta_info/<cur>_<depend>_<shard>_0.json`, shard -> JSON text."""
+    metas = {}
+    for shard in range(shard_num):
+        path = output_root / "meta_info" / f"{cur}_{depend}_{shard}_0.json"
+        try:
+            text = path.read_text(encoding="utf-8")
+            json.loads(text)
+        except (OSError, ValueError):
+            continue
+        metas[str(shard)] = text.strip()
+    return metas

@@ -1,0 +1,350 @@
+"""transfer.conf: the original's INI dialect, parsed into a validated `TransferConfig`.
+
+The format is the original cube-transfer's: `[section]` headers, `key: value` lines (`key = value`
+is accepted too), `#` comments (whole line, or after whitespace at the end of a value). Section
+`[default]` holds the dictionary and paths, `[cube_agent]` one `agent<i>_<j>: ip:port` and one
+`cube<i>_<j>: ip:port:deploy_path` per replica j of shard i. Keys we add (quorum, timeouts,
+retries, partitioner, agent_token, listen, ...) are optional, so an original file still parses.
+
+Parsing is pure (text in, config out); errors name the file, line and key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MODES = ("base_only", "base_delta")
+DOWNLOAD_MODES = ("http", "ftp")
+PARTITIONERS = ("mod", "murmur3")
+_INSTANCE_KEY = re.compile(r"(agent|cube)(\d+)_(\d+)")
+_HOSTPORT = re.compile(r"\[?([A-Za-z0-9.\-:]+?)\]?:(\d{1,5})")
+_DICT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+class ConfigError(ValueError):
+    """A transfer.conf that cannot be used; the message names the place."""
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One replica of one shard: a cube-server and the cube-agent beside it."""
+
+    shard: int
+    replica: int
+    agent_host: str
+    agent_port: int
+    server_host: str
+    server_port: int
+    deploy_path: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.shard}_{self.replica}"
+
+    @property
+    def agent_address(self) -> str:
+        return f"{self.agent_host}:{self.agent_port}"
+
+    @property
+    def server_address(self) -> str:
+        return f"{self.server_host}:{self.server_port}"
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    dict_name: str
+    mode: str
+    download_mode: str
+    wget_port: int
+    buildtool_local: str
+    donefile_address: str
+    output_address: Path
+    tmp_address: Path
+    shard_num: int
+    copy_num: int
+    transfer_address: str
+    instances: tuple[Instance, ...]
+    # ours (all optional in the file)
+    listen: str = "127.0.0.1"
+    quorum: int = 0  # replicas per shard that must have loaded before any shard switches
+    download_timeout: float = 600.0
+    reload_timeout: float = 600.0
+    enable_timeout: float = 120.0
+    build_timeout: float = 3600.0
+    fetch_timeout: float = 3600.0
+    retries: int = 3
+    partitioner: str = "mod"
+    agent_token: str = ""
+    api_token: str = ""
+    verify_output: bool = True
+    history_limit: int = 500
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def shard_instances(self, shard: int) -> list[Instance]:
+        return [inst for inst in self.instances if inst.shard == shard]
+
+    def instance(self, name: str) -> Instance:
+        for inst in self.instances:
+            if inst.name == name:
+                return inst
+        raise KeyError(name)
+
+
+def parse_ini(text: str, source: str = "transfer.conf") -> dict[str, dict[str, tuple[str, int]]]:
+    """Sections -> key -> (value, line number). Keys are lower-cased; a repeated key is an
+    error (the original silently kept one of them)."""
+    sections: dict[str, dict[str, tuple[str, int]]] = {}
+    current: dict[str, tuple[str, int]] | None = None
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = _strip_comment(raw).strip()
+        if not line:
+            continue
+        if line.startswith("["):
+            if not line.endswith("]") or len(line) < 3:
+                raise ConfigError(f"{source}:{number}: bad section header {raw.strip()!r}")
+            current = sections.setdefault(line[1:-1].strip().lower(), {})
+            continue
+        separators = [i for i in (line.find(":"), line.find("=")) if i > 0]
+        if not separators:
+            raise ConfigError(f"{source}:{number}: expected 'key: value', got {raw.strip()!r}")
+        cut = min(separators)
+        key, value = line[:cut].strip().lower(), line[cut + 1 :].strip()
+        if current is None:
+            raise ConfigError(f"{source}:{number}: key {key!r} is outside any [section]")
+        if key in current:
+            raise ConfigError(
+                f"{source}:{number}: key {key!r} repeats line {current[key][1]} of its section"
+            )
+        current[key] = (value, number)
+    return sections
+
+
+def _strip_comment(line: str) -> str:
+    stripped = line.lstrip()
+    if stripped.startswith(("#", ";", "//")):
+        return ""
+    for marker in (" #", "\t#", " //", "\t//"):
+        cut = line.find(marker)
+        if cut >= 0:
+            line = line[:cut]
+    return line
+
+
+def parse_config(
+    text: str, source: str = "transfer.conf", base_dir: Path | None = None
+) -> TransferConfig:
+    """Validate the sections into a TransferConfig. Relative paths are taken relative to
+    `base_dir` (the config file's directory)."""
+    sections = parse_ini(text, source)
+    if "default" not in sections:
+        raise ConfigError(f"{source}: no [default] section")
+    default = sections["default"]
+    base_dir = base_dir or Path.cwd()
+
+    def where(key: str) -> str:
+        return f"{source}:{default[key][1]}" if key in default else source
+
+    def text_of(key: str, fallback: str | None = None) -> str:
+        if key in default and default[key][0] != "":
+            return default[key][0]
+        if fallback is None:
+            raise ConfigError(f"{source}: [default] needs {key}")
+        return fallback
+
+    def int_of(key: str, fallback: int | None = None, low: int = 0, high: int = 1 << 31) -> int:
+        raw = text_of(key, None if fallback is None else str(fallback))
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ConfigError(f"{where(key)}: {key}: expected an integer, got {raw!r}") from None
+        if not low <= value <= high:
+            raise ConfigError(f"{where(key)}: {key}: {value} is outside [{low}, {high}]")
+        return value
+
+    def float_of(key: str, fallback: float) -> float:
+        raw = text_of(key, str(fallback))
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ConfigError(f"{where(key)}: {key}: expected a number, got {raw!r}") from None
+        if not value > 0:
+            raise ConfigError(f"{where(key)}: {key}: must be > 0, got {raw}")
+        return value
+
+    def choice_of(key: str, choices: tuple[str, ...], fallback: str) -> str:
+        value = text_of(key, fallback)
+        if value not in choices:
+            raise ConfigError(f"{where(key)}: {key}: {value!r} is not one of {', '.join(choices)}")
+        return value
+
+    def path_of(key: str) -> Path:
+        path = Path(text_of(key)).expanduser()
+        return path if path.is_absolute() else (base_dir / path).resolve()
+
+    def bool_of(key: str, fallback: bool) -> bool:
+        raw = text_of(key, "true" if fallback else "false").lower()
+        if raw in ("true", "1", "yes", "on"):
+            return True
+        if raw in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{where(key)}: {key}: expected true or false, got {raw!r}")
+
+    dict_name = text_of("dict_name")
+    if not _DICT_NAME.fullmatch(dict_name) or ".." in dict_name:
+        raise ConfigError(f"{where('dict_name')}: dict_name {dict_name!r} is not a plain name")
+    shard_num = int_of("shard_num", low=1, high=100000)
+    copy_num = int_of("copy_num", 1, low=1, high=1000)
+    quorum = int_of("quorum", copy_num, low=1, high=copy_num)
+    phase_timeout = float_of("phase_timeout", 600.0)
+    donefile = text_of("donefile_address")
+    if "://" not in donefile:
+        donefile = str(path_of("donefile_address"))
+    known = {
+        "dict_name", "mode", "download_mode", "wget_port", "buildtool_local", "donefile_address",
+        "output_address", "tmp_address", "shard_num", "copy_num", "transfer_address",
+        "deploy_path", "listen", "quorum", "phase_timeout", "download_timeout", "reload_timeout",
+        "enable_timeout", "build_timeout", "fetch_timeout", "retries", "partitioner",
+        "agent_token", "api_token", "verify_output", "history_limit",
+    }  # fmt: skip
+    transfer_address = text_of("transfer_address", "127.0.0.1")
+    return TransferConfig(
+        dict_name=dict_name,
+        mode=choice_of("mode", MODES, "base_only"),
+        download_mode=choice_of("download_mode", DOWNLOAD_MODES, "http"),
+        wget_port=int_of("wget_port", low=1, high=65535),
+        buildtool_local=text_of("buildtool_local", "cube-builder"),
+        donefile_address=donefile,
+        output_address=path_of("output_address"),
+        tmp_address=path_of("tmp_address"),
+        shard_num=shard_num,
+        copy_num=copy_num,
+        transfer_address=transfer_address,
+        instances=tuple(
+            _parse_instances(sections.get("cube_agent", {}), shard_num, copy_num, source)
+        ),
+        listen=text_of("listen", "127.0.0.1"),
+        quorum=quorum,
+        download_timeout=float_of("download_timeout", phase_timeout),
+        reload_timeout=float_of("reload_timeout", phase_timeout),
+        enable_timeout=float_of("enable_timeout", min(phase_timeout, 120.0)),
+        build_timeout=float_of("build_timeout", 3600.0),
+        fetch_timeout=float_of("fetch_timeout", 3600.0),
+        retries=int_of("retries", 3, low=0, high=100),
+        partitioner=choice_of("partitioner", PARTITIONERS, "mod"),
+        agent_token=text_of("agent_token", os.environ.get("CUBE_TOKEN", "")),
+        api_token=text_of("api_token", ""),
+        verify_output=bool_of("verify_output", True),
+        history_limit=int_of("history_limit", 500, low=10, high=100000),
+        extra={k: v for k, (v, _) in default.items() if k not in known},
+    )
+
+
+def _parse_instances(
+    section: dict[str, tuple[str, int]], shard_num: int, copy_num: int, source: str
+) -> list[Instance]:
+    agents: dict[tuple[int, int], tuple[str, int]] = {}
+    servers: dict[tuple[int, int], tuple[str, int, str]] = {}
+    for key, (value, line) in section.items():
+        match = _INSTANCE_KEY.fullmatch(key)
+        if not match:
+            raise ConfigError(
+                f"{source}:{line}: [cube_agent] key {key!r} is not agent<i>_<j> or cube<i>_<j>"
+            )
+        kind, shard, replica = match.group(1), int(match.group(2)), int(match.group(3))
+        if shard >= shard_num or replica >= copy_num:
+            raise ConfigError(
+                f"{source}:{line}: {key}: shard {shard} replica {replica} is outside "
+                f"shard_num={shard_num} copy_num={copy_num}"
+            )
+        if kind == "agent":
+            agents[(shard, replica)] = _host_port(value, f"{source}:{line}: {key}")
+        else:
+            host_port, sep, deploy_path = _split_server(value)
+            if not sep or not deploy_path:
+                raise ConfigError(
+                    f"{source}:{line}: {key}: expected ip:port:deploy_path, got {value!r}"
+                )
+            host, port = _host_port(host_port, f"{source}:{line}: {key}")
+            servers[(shard, replica)] = (host, port, deploy_path)
+    instances = []
+    for shard in range(shard_num):
+        for replica in range(copy_num):
+            if (shard, replica) not in agents:
+                raise ConfigError(f"{source}: [cube_agent] needs agent{shard}_{replica}: ip:port")
+            if (shard, replica) not in servers:
+                raise ConfigError(
+                    f"{source}: [cube_agent] needs cube{shard}_{replica}: ip:port:deploy_path"
+                )
+            agent_host, agent_port = agents[(shard, replica)]
+            server_host, server_port, deploy_path = servers[(shard, replica)]
+            instances.append(
+                Instance(
+                    shard, replica, agent_host, agent_port, server_host, server_port, deploy_path
+                )
+            )
+    return instances
+
+
+def _split_server(value: str) -> tuple[str, str, str]:
+    """`ip:port:deploy_path` -> (`ip:port`, ':', deploy_path); the path may contain ':'."""
+    first = value.find(":")
+    second = value.find(":", first + 1) if first >= 0 else -1
+    if second < 0:
+        return value, "", ""
+    return value[:second], ":", value[second + 1 :]
+
+
+def _host_port(value: str, where: str) -> tuple[str, int]:
+    match = _HOSTPORT.fullmatch(value.strip())
+    if not match or not 0 < int(match.group(2)) < 65536:
+        raise ConfigError(f"{where}: expected ip:port, got {value!r}")
+    return match.group(1), int(match.group(2))
+
+
+def load_config(path: str | os.PathLike) -> TransferConfig:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    return parse_config(text, str(path), path.resolve().parent)
+
+
+def render_config(cfg: TransferConfig) -> str:
+    """A transfer.conf that parses back into `cfg` (cube-local writes it)."""
+    lines = [
+        "# cube-transfer configuration (the original's format; extra keys are ours)",
+        "[default]",
+        f"dict_name: {cfg.dict_name}",
+        f"mode: {cfg.mode}",
+        f"download_mode: {cfg.download_mode}",
+        f"wget_port: {cfg.wget_port}",
+        f"buildtool_local: {cfg.buildtool_local}",
+        f"donefile_address: {cfg.donefile_address}",
+        f"output_address: {cfg.output_address}",
+        f"tmp_address: {cfg.tmp_address}",
+        f"shard_num: {cfg.shard_num}",
+        f"copy_num: {cfg.copy_num}",
+        f"transfer_address: {cfg.transfer_address}",
+        f"listen: {cfg.listen}",
+        f"quorum: {cfg.quorum}",
+        f"download_timeout: {cfg.download_timeout:g}",
+        f"reload_timeout: {cfg.reload_timeout:g}",
+        f"enable_timeout: {cfg.enable_timeout:g}",
+        f"build_timeout: {cfg.build_timeout:g}",
+        f"retries: {cfg.retries}",
+        f"partitioner: {cfg.partitioner}",
+        f"verify_output: {'true' if cfg.verify_output else 'false'}",
+    ]
+    if cfg.agent_token:
+        lines.append(f"agent_token: {cfg.agent_token}")
+    for key, value in cfg.extra.items():
+        lines.append(f"{key}: {value}")
+    lines += ["", "[cube_agent]"]
+    for inst in cfg.instances:
+        lines.append(f"agent{inst.shard}_{inst.replica}: {inst.agent_address}")
+        lines.append(f"cube{inst.shard}_{inst.replica}: {inst.server_address}:{inst.deploy_path}")
+    return "\n".join(lines) + "\n"

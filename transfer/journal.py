@@ -1,0 +1,97 @@
+"""Durable transfer state in `tmp_address`: a snapshot plus an append-only event log.
+
+- `transfer_state.json` is the whole `TransferState`, replaced atomically on every change (temp
+  file, fsync, rename, fsync of the directory): after a kill -9 it is the old or the new state,
+  never half of one. It is the only thing read back at start.
+- `transfer_events.jsonl` records every transition (one JSON object per line, fsync'd) for
+  people and post-mortems; rotated at 16 MiB to `.1`.
+
+The transfer saves the state *before* acting on a decision (e.g. "committed" before the first
+enable), and every phase is idempotent (agents dedupe a repeated command), so a restarted
+transfer resumes the deployment at its recorded phase without redeploying what is live.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from transfer.state import TransferState, now
+
+STATE_FILE = "transfer_state.json"
+EVENTS_FILE = "transfer_events.jsonl"
+_ROTATE_BYTES = 16 << 20
+log = logging.getLogger("cube.transfer.journal")
+
+
+class JournalError(RuntimeError):
+    """A state file that exists but cannot be used (the message names it)."""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+class Journal:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.state_path = directory / STATE_FILE
+        self.events_path = directory / EVENTS_FILE
+
+    def load(self, dict_name: str) -> TransferState:
+        """The saved state, or a fresh one. A state of another dictionary is refused (two
+        transfers must not share a tmp_address)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for stale in self.directory.glob(f".{STATE_FILE}.tmp-*"):
+            stale.unlink(missing_ok=True)
+        try:
+            raw = self.state_path.read_bytes()
+        except FileNotFoundError:
+            return TransferState(dict_name=dict_name)
+        try:
+            state = TransferState.from_json(json.loads(raw))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise JournalError(
+                f"{self.state_path}: unusable state ({exc}); move it away to start fresh "
+                "(the live version stays on the instances)"
+            ) from exc
+        if state.dict_name and state.dict_name != dict_name:
+            raise JournalError(
+                f"{self.state_path}: belongs to dict {state.dict_name!r}, not {dict_name!r}"
+            )
+        state.dict_name = dict_name
+        return state
+
+    def save(self, state: TransferState) -> None:
+        data = json.dumps(state.to_json(), indent=1, sort_keys=True).encode() + b"\n"
+        atomic_write(self.state_path, data)
+
+    def event(self, kind: str, **fields: Any) -> None:
+        """Append one event line (best effort: a full disk must not stop a rollout midway)."""
+        line = json.dumps({"time": now(), "event": kind, **fields}, sort_keys=True) + "\n"
+        try:
+            if self.events_path.exists() and self.events_path.stat().st_size > _ROTATE_BYTES:
+                os.replace(self.events_path, self.events_path.with_suffix(".jsonl.1"))
+            with open(self.events_path, "a", encoding="utf-8") as f:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            log.warning("cannot append to %s: %s", self.events_path, exc)

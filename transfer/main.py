@@ -1,0 +1,122 @@
+"""cube-transfer: `cube-transfer -p 8099 --config conf/transfer.conf [-l LEVEL] [--poll_interval S]`
+
+Watches the donefiles, builds each new version with cube-builder and rolls it out to every
+cube-agent of `[cube_agent]`; serves the query API on `-p` and the built tars on `wget_port`.
+SIGTERM/SIGINT stop it cleanly; its journal (in tmp_address) lets a restart resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from cube.flags import FlagError, FlagSet, run_cli
+from transfer.config import ConfigError, load_config
+from transfer.http_api import start_listeners
+from transfer.journal import JournalError
+from transfer.service import TransferService
+
+log = logging.getLogger("cube.transfer")
+_NUMERIC_LEVELS = {0: "ERROR", 1: "ERROR", 2: "WARNING", 3: "INFO", 4: "INFO"}
+
+
+def flag_set() -> FlagSet:
+    flags = FlagSet("cube-transfer", "Build and roll out Cube versions from donefiles.")
+    flags.add("port", int, 8099, "query API port", aliases=("p",))
+    flags.add("config", str, "conf/transfer.conf", "transfer.conf (the original's INI format)")
+    flags.add("log_level", str, "info", "debug|info|warning|error (or the original's 0-5)",
+              aliases=("l",))  # fmt: skip
+    flags.add("log_dir", str, "", "also log to <log_dir>/<log_name>.log")
+    flags.add("log_name", str, "transfer", "log file name (without .log)")
+    flags.add("poll_interval", float, 5.0, "seconds between donefile polls / reconciliations")
+    flags.add("dead_timeout", float, 60.0, "give up on a silent agent within a phase after s")
+    flags.add("keep_outputs", int, 3, "build outputs of the last N live versions to keep")
+    return flags
+
+
+def log_level(text: str) -> int:
+    if text.isdigit():
+        return logging.DEBUG if int(text) >= 5 else getattr(logging, _NUMERIC_LEVELS[int(text)])
+    level = logging.getLevelName(text.upper())
+    if not isinstance(level, int):
+        raise FlagError(f"--log_level: {text!r} is not debug, info, warning or error")
+    return level
+
+
+def setup_logging(level: int, log_dir: str, log_name: str) -> None:
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_dir:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(Path(log_dir) / f"{log_name}.log"))
+    logging.basicConfig(
+        level=level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        handlers=handlers,
+        force=True,
+    )
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    logging.getLogger("fsspec").setLevel(logging.WARNING)
+
+
+async def serve(service: TransferService, port: int) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await service.open()
+    try:
+        stop_listeners = await start_listeners(service, port)
+    except OSError as exc:
+        await service.close()
+        log.error("cannot listen: %s", exc)
+        return 1
+    worker = asyncio.create_task(service.run(stop))
+    try:
+        await stop.wait()
+        log.info("stopping")
+    finally:
+        worker.cancel()
+        try:
+            await asyncio.wait_for(
+                asyncio.shield(asyncio.gather(worker, return_exceptions=True)), 10
+            )
+        except TimeoutError:
+            log.warning("worker did not stop within 10s")
+        await stop_listeners()
+        await service.close()
+    return 0
+
+
+def run(argv: Sequence[str]) -> int:
+    flags = flag_set().parse(argv)
+    setup_logging(log_level(flags.log_level), flags.log_dir, flags.log_name)
+    if flags.poll_interval <= 0:
+        raise FlagError("--poll_interval must be > 0")
+    try:
+        cfg = load_config(flags.config)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    service = TransferService(
+        cfg,
+        poll_interval=flags.poll_interval,
+        dead_timeout=flags.dead_timeout,
+        keep_outputs=max(flags.keep_outputs, 1),
+    )
+    try:
+        return asyncio.run(serve(service, flags.port))
+    except JournalError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,756 @@
+"""The transfer itself: watch donefiles, build, roll out in phases, reconcile, roll back.
+
+One asyncio task does the work under one lock (`cycle`): resume a deployment left by a previous
+run, read new donefile lines, build and deploy pending versions one at a time, then bring lagging
+instances to the live version. The HTTP API reads the same state and may ask for a rollback.
+
+Rollout of a version (docs/ROLLOUT.md for the agent side):
+1. build: input fetched (local path or mirrored), cube-builder run, tars checked (md5, members);
+2. download on every instance, 3. reload (background load) on those that downloaded;
+   after each, every shard must have `quorum` replicas that succeeded, else the version is
+   aborted: nothing switched, every instance still serves the previous version;
+4. commit (journaled), then enable on the loaded replicas. If a shard still ends below quorum,
+   the replicas that switched are sent `rollback` to the previous version.
+Replicas left behind (dead, lagging, failed) are caught up by the reconciler when they answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+
+from transfer import build as builds
+from transfer.agents import AgentClient, AgentRefused, AgentUnreachable, Outcome, drive, run_phase
+from transfer.config import Instance, TransferConfig
+from transfer.donefile import (
+    BASE_FILE,
+    PATCH_FILE,
+    SourceUnavailable,
+    is_url,
+    mirror_input,
+    parse_line,
+    read_donefile,
+    resolve_input,
+    split_complete_lines,
+)
+from transfer.journal import Journal
+from transfer.state import (
+    Deployment,
+    InstanceState,
+    Step,
+    TransferState,
+    VersionRecord,
+    backoff_delay,
+    catch_up_plan,
+    finish,
+    ingest,
+    next_version,
+    now,
+    quorum_shortfall,
+)
+from transfer.views import source_url
+
+log = logging.getLogger("cube.transfer")
+_OUTPUT_DIR = re.compile(r"\d+_\d+")
+_PHASE_STATUS = {
+    "download": ("Downloading", "Download_Succ", "Download_Failed"),
+    "reload": ("Reloading", "Reload_Succ", "Reload_Failed"),
+    "enable": ("Enabling", "Enable_Succ", "Enable_Failed"),
+    "rollback": ("RollingBack", "Rollback_Succ", "Rollback_Failed"),
+}
+_PHASE_TIMES = {
+    "download": ("download_start_time", "downloaded_time"),
+    "reload": ("reload_start_time", "reloaded_time"),
+    "enable": ("enable_start_time", "enabled_time"),
+}
+
+
+class Busy(Exception):
+    """A request that needs the work lock while a rollout holds it."""
+
+
+class TransferService:
+    def __init__(
+        self,
+        cfg: TransferConfig,
+        poll_interval: float = 5.0,
+        dead_timeout: float = 60.0,
+        keep_outputs: int = 3,
+    ) -> None:
+        self.cfg = cfg
+        self.poll_interval = poll_interval
+        self.dead_timeout = dead_timeout
+        self.keep_outputs = keep_outputs
+        self.journal = Journal(cfg.tmp_address)
+        self.state = TransferState(dict_name=cfg.dict_name)
+        self.lock = asyncio.Lock()
+        self.wake = asyncio.Event()
+        self.by_shard = {s: [i.name for i in cfg.shard_instances(s)] for s in range(cfg.shard_num)}
+        self._session: aiohttp.ClientSession | None = None
+        self.client: AgentClient | None = None
+        self._donefile_errors: dict[str, str] = {}
+        self._builder_pid_file = cfg.tmp_address / "builder.pid"
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def open(self) -> None:
+        self.cfg.output_address.mkdir(parents=True, exist_ok=True)
+        self.state = self.journal.load(self.cfg.dict_name)
+        for inst in self.cfg.instances:
+            self.state.instances.setdefault(inst.name, InstanceState())
+        self._reap_orphan_builder()
+        self._session = aiohttp.ClientSession()
+        self.client = AgentClient(self._session, self.cfg.agent_token)
+        try:
+            builds.resolve_command(self.cfg.buildtool_local)
+        except builds.BuildError as exc:
+            log.warning("%s (builds will fail until it exists)", exc)
+        if self.state.deployment:
+            log.info(
+                "resuming %s of %s at phase %s",
+                self.state.deployment.kind,
+                self.state.deployment.version,
+                self.state.deployment.phase,
+            )
+        log.info("live version: %s", self.state.live_version or "(none)")
+
+    async def close(self) -> None:
+        if self._session:
+            await self._session.close()
+            self._session = None
+
+    def save(self) -> None:
+        self.state.trim_history(self.cfg.history_limit)
+        self.journal.save(self.state)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Work until `stop` is set; every cycle is bounded by the configured timeouts."""
+        while not stop.is_set():
+            try:
+                async with self.lock:
+                    await self.cycle()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("transfer cycle failed; retrying in %gs", self.poll_interval)
+            self.wake.clear()
+            waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self.wake.wait())]
+            _, pending = await asyncio.wait(
+                waiters, timeout=self.poll_interval, return_when=asyncio.FIRST_COMPLETED
+            )
+            for waiter in pending:
+                waiter.cancel()
+
+    async def cycle(self) -> None:
+        if self.state.deployment:
+            await self.resume()
+        await self.poll_donefiles()
+        while True:
+            rec, logs = next_version(self.state, now())
+            for line in logs:
+                log.warning("%s", line)
+                self.journal.event("refused", message=line)
+            if logs:
+                self.save()
+            if rec is None:
+                break
+            await self.start_deploy(rec)
+        await self.reconcile()
+
+    # -- donefiles ---------------------------------------------------------------------------
+    async def poll_donefiles(self) -> None:
+        files = [BASE_FILE] + ([PATCH_FILE] if self.cfg.mode == "base_delta" else [])
+        changed = False
+        for name in files:
+            try:
+                text = await read_donefile(self.cfg.donefile_address, name)
+            except SourceUnavailable as exc:
+                if self._donefile_errors.get(name) != str(exc):
+                    log.warning("donefile not readable: %s", exc)
+                self._donefile_errors[name] = str(exc)
+                continue
+            self._donefile_errors.pop(name, None)
+            lines = split_complete_lines(text)
+            cursor = self.state.cursors.get(name, 0)
+            if len(lines) < cursor:
+                log.warning(
+                    "%s shrank from %d to %d lines; reading it again from the start "
+                    "(versions already live or pending are ignored)",
+                    name,
+                    cursor,
+                    len(lines),
+                )
+                cursor = 0
+            if len(lines) == cursor:
+                continue
+            parsed = [
+                parse_line(name, cursor + i + 1, text) for i, text in enumerate(lines[cursor:])
+            ]
+            for level, message in ingest(self.state, [p for p in parsed if p], now()):
+                getattr(log, level)("%s", message)
+                self.journal.event("line", level=level, message=message)
+            self.state.cursors[name] = len(lines)
+            changed = True
+        if changed:
+            self.save()
+
+    # -- rollout ------------------------------------------------------------------------------
+    async def start_deploy(self, rec: VersionRecord) -> None:
+        self.state.deployment = Deployment(
+            kind="deploy",
+            version=rec.version,
+            phase="build",
+            prev_version=self.state.live_version,
+            prev_chain=list(self.state.live_chain),
+            targets=[inst.name for inst in self.cfg.instances],
+            started_at=now(),
+        )
+        rec.status = "building"
+        self.save()
+        self.journal.event("deploy_start", version=rec.version, line=rec.line)
+        await self.resume()
+
+    async def resume(self) -> None:
+        dep = self.state.deployment
+        assert dep is not None
+        if dep.kind == "rollback":
+            await self._resume_rollback(dep)
+            return
+        rec = self.state.record(dep.version)
+        if rec is None:
+            log.error("deployment of %s has no history record; dropping it", dep.version)
+            self.state.deployment = None
+            self.save()
+            return
+        try:
+            if dep.phase == "build":
+                await self._build(rec)
+                dep.phase = "download"
+                rec.status = "deploying"
+                self.save()
+            if dep.phase == "download":
+                await self._phase(rec, dep, "download")
+                rec.status = "downloaded"
+                dep.phase = "reload"
+                self.save()
+            if dep.phase == "reload":
+                if rec.mode == "delta":
+                    await self._drop_lagging(dep)
+                await self._phase(rec, dep, "reload")
+                rec.status = "reloaded"
+                dep.phase = "enable"
+                dep.committed = True
+                self.save()
+                self.journal.event("commit", version=rec.version, targets=dep.targets)
+            if dep.phase == "enable":
+                await self._enable(rec, dep)
+        except _Abort as exc:
+            self._fail(rec, str(exc))
+
+    def _fail(self, rec: VersionRecord, message: str) -> None:
+        finish(rec, "failed", message, now())
+        self.state.deployment = None
+        self.save()
+        self.journal.event("deploy_failed", version=rec.version, message=message)
+        log.error("version %s failed: %s", rec.version or rec.line, message)
+        self._prune_outputs()
+
+    async def _build(self, rec: VersionRecord) -> None:
+        cfg = self.cfg
+        rec.times["build_start"] = now()
+        out_name = builds.output_dir_name(rec.depend, rec.id)
+        out_dir = cfg.output_address / out_name
+        rec.output = str(out_dir)
+        shutil.rmtree(out_dir, ignore_errors=True)  # a build killed midway left half of it
+        mirror_root = cfg.tmp_address / "input"
+        try:
+            input_path = await self._fetch(
+                rec.input, mirror_root / f"{cfg.dict_name}_{rec.version}"
+            )
+            delete_path = ""
+            if rec.delete:
+                delete_path = await self._fetch(
+                    rec.delete, mirror_root / f"{cfg.dict_name}_{rec.version}_delete"
+                )
+            tool = builds.resolve_command(cfg.buildtool_local)
+            argv = builds.builder_argv(
+                tool,
+                dict_name=cfg.dict_name,
+                input_path=input_path,
+                output_path=str(cfg.output_address),
+                shard_num=cfg.shard_num,
+                mode=rec.mode,
+                cur_version=rec.id,
+                depend_version=rec.depend,
+                partitioner=cfg.partitioner,
+                delete_path=delete_path,
+            )
+            self.save()
+            try:
+                await builds.run_builder(argv, cfg.build_timeout, self._note_builder)
+            finally:
+                self._builder_pid_file.unlink(missing_ok=True)
+            shards = await asyncio.to_thread(
+                builds.check_outputs, out_dir, cfg.dict_name, cfg.shard_num, cfg.verify_output
+            )
+        except (builds.BuildError, SourceUnavailable) as exc:
+            raise _Abort(str(exc)) from exc
+        finally:
+            for path in mirror_root.glob(f"{cfg.dict_name}_{rec.version}*"):
+                shutil.rmtree(path, ignore_errors=True)
+        rec.shards = {str(s.shard): {"md5": s.md5, "size": s.size} for s in shards}
+        metas = builds.read_meta_infos(cfg.output_address, rec.id, rec.depend, cfg.shard_num)
+        rec.meta_infos.update(metas)
+        rec.times["built"] = now()
+        for inst in cfg.instances:
+            self.state.instances[inst.name].times["builded_time"] = rec.times["built"]
+        self.journal.event("built", version=rec.version, shards=rec.shards)
+        log.info("built %s in %.1fs", rec.version, rec.times["built"] - rec.times["build_start"])
+
+    async def _fetch(self, source: str, mirror: Path) -> str:
+        """A local directory holding the input: the path itself, or a mirror of a URL."""
+        where = resolve_input(self.cfg.donefile_address, source)
+        if not is_url(where) or where.startswith("file://"):
+            path = Path(where.removeprefix("file://"))
+            if not path.exists():
+                raise SourceUnavailable(f"input {path} does not exist")
+            return str(path)
+        log.info("mirroring %s into %s", where, mirror)
+        try:
+            await asyncio.wait_for(
+                asyncio.to_thread(mirror_input, where, mirror), self.cfg.fetch_timeout
+            )
+        except TimeoutError:
+            raise SourceUnavailable(
+                f"input {where}: not mirrored within {self.cfg.fetch_timeout:g}s"
+            ) from None
+        return str(mirror)
+
+    def _note_builder(self, pid: int) -> None:
+        """Remember the builder's pid, so a restarted transfer can stop an orphaned build."""
+        with contextlib.suppress(psutil.Error, OSError):
+            created = psutil.Process(pid).create_time()
+            self._builder_pid_file.write_text(f"{pid} {created}\n")
+
+    def _reap_orphan_builder(self) -> None:
+        try:
+            pid_text, created_text = self._builder_pid_file.read_text().split()
+            pid, created = int(pid_text), float(created_text)
+        except (OSError, ValueError):
+            return
+        with contextlib.suppress(psutil.Error, OSError):
+            proc = psutil.Process(pid)
+            if abs(proc.create_time() - created) < 0.01:
+                log.warning("stopping builder %d left running by a previous transfer", pid)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        self._builder_pid_file.unlink(missing_ok=True)
+
+    def _fields(self, inst: Instance, command: str, rec: VersionRecord) -> dict[str, Any]:
+        """A POST /agent/cmd body for `command` on `rec` (as the original's Work object)."""
+        fields: dict[str, Any] = {
+            "dict_name": self.cfg.dict_name,
+            "shard_seq": inst.shard,
+            "deploy_path": inst.deploy_path,
+            "command": command,
+            "version": rec.version,
+            "depend": rec.depend,
+            "mode": rec.mode,
+            "source": source_url(self.cfg, rec, inst.shard),
+            "port": inst.server_port,
+            "id": rec.id,
+            "key": rec.key,
+        }
+        shard = rec.shards.get(str(inst.shard))
+        if shard:
+            fields["md5"] = shard["md5"]
+            fields["size"] = shard["size"]
+        if rec.mode == "delta":
+            fields["chain"] = list(rec.chain)
+        return fields
+
+    def _progress(self, phase: str):
+        running, succeeded, failed = _PHASE_STATUS[phase]
+        start_key, done_key = _PHASE_TIMES.get(phase, ("", ""))
+
+        def note(inst: Instance, what: str, message: str) -> None:
+            known = self.state.instances[inst.name]
+            if what == "running":
+                known.status = running
+                if start_key:
+                    known.times[start_key] = now()
+            elif what == "ok":
+                known.status = succeeded
+                if done_key:
+                    known.times[done_key] = now()
+            else:
+                known.status = failed
+            known.message = message
+
+        return note
+
+    async def _run(
+        self, phase: str, names: list[str], rec: VersionRecord, timeout: float
+    ) -> dict[str, Outcome]:
+        assert self.client is not None
+        instances = [self.cfg.instance(n) for n in names]
+        note = self._progress(phase)
+        outcomes = await run_phase(
+            self.client,
+            instances,
+            lambda inst: self._fields(inst, phase, rec),
+            timeout,
+            self.cfg.retries,
+            note,
+            self.dead_timeout,
+        )
+        for inst in instances:
+            outcome = outcomes[inst.name]
+            note(inst, "ok" if outcome.ok else "failed", outcome.message)
+            if not outcome.ok:
+                log.warning(
+                    "%s %s on %s failed: %s", phase, rec.version, inst.name, outcome.message
+                )
+        return outcomes
+
+    async def _phase(self, rec: VersionRecord, dep: Deployment, phase: str) -> None:
+        timeout = {"download": self.cfg.download_timeout, "reload": self.cfg.reload_timeout}[phase]
+        log.info("%s %s on %d instances", phase, rec.version, len(dep.targets))
+        outcomes = await self._run(phase, dep.targets, rec, timeout)
+        dep.results[phase] = {n: ("ok" if o.ok else o.message) for n, o in outcomes.items()}
+        dep.targets = [n for n in dep.targets if outcomes[n].ok]
+        rec.times[{"download": "downloaded", "reload": "reloaded"}[phase]] = now()
+        shortfall = quorum_shortfall(set(dep.targets), self.by_shard, self.cfg.quorum)
+        if shortfall:
+            failures = {n: o.message for n, o in outcomes.items() if not o.ok}
+            failures.update(dep.results.get("lagging", {}) if phase == "reload" else {})
+            reasons = "; ".join(f"{n}: {why}" for n, why in sorted(failures.items()))
+            raise _Abort(
+                f"{phase} did not reach quorum {self.cfg.quorum} ({', '.join(shortfall)}); "
+                f"nothing was switched. {reasons}"
+            )
+        self.save()
+
+    async def _drop_lagging(self, dep: Deployment) -> None:
+        """A delta loads on top of what a server holds: only servers on the previous live
+        version take part; the others catch up later through the reconciler."""
+        assert self.client is not None
+        lagging: dict[str, str] = {}
+        for name in list(dep.targets):
+            try:
+                info = await self.client.status(self.cfg.instance(name))
+            except (AgentUnreachable, AgentRefused):
+                continue  # it may come back during the phase; the agent checks the chain too
+            server = info.get("server") or {}
+            if server.get("reachable") and server.get("cur_version") != dep.prev_version:
+                lagging[name] = (
+                    f"serves {server.get('cur_version')!r}, the delta needs {dep.prev_version!r}"
+                )
+        if lagging:
+            log.warning("lagging instances skip this delta: %s", lagging)
+            dep.results["lagging"] = lagging
+            dep.targets = [n for n in dep.targets if n not in lagging]
+
+    async def _enable(self, rec: VersionRecord, dep: Deployment) -> None:
+        log.info("enable %s on %d instances", rec.version, len(dep.targets))
+        outcomes = await self._run("enable", dep.targets, rec, self.cfg.enable_timeout)
+        dep.results["enable"] = {n: ("ok" if o.ok else o.message) for n, o in outcomes.items()}
+        enabled = {n for n, o in outcomes.items() if o.ok}
+        shortfall = quorum_shortfall(enabled, self.by_shard, self.cfg.quorum)
+        if shortfall:
+            reasons = "; ".join(
+                f"{n}: {o.message}" for n, o in sorted(outcomes.items()) if not o.ok
+            )
+            message = f"enable did not reach quorum ({', '.join(shortfall)}): {reasons}"
+            message += await self._return_to_previous(dep, sorted(enabled))
+            self._fail(rec, message)
+            return
+        at = now()
+        rec.times["enabled"] = at
+        finish(
+            rec, "finished", f"live on {len(enabled)} of {len(self.cfg.instances)} instances", at
+        )
+        self.state.live_version = rec.version
+        self.state.live_chain = list(rec.chain)
+        self.state.live_since = at
+        self.state.deployment = None
+        self.save()
+        self.journal.event("live", version=rec.version, chain=rec.chain, instances=sorted(enabled))
+        log.info(
+            "version %s is live (%d/%d instances; %.1fs after its line was seen)",
+            rec.version,
+            len(enabled),
+            len(self.cfg.instances),
+            at - rec.times.get("line_seen", at),
+        )
+        self._prune_outputs()
+        self.wake.set()  # reconcile the ones left behind soon
+
+    async def _return_to_previous(self, dep: Deployment, switched: list[str]) -> str:
+        """Send the switched instances back to the previous live version; a note for the log."""
+        prev = self.state.record(dep.prev_version)
+        if not switched:
+            return "; no instance had switched"
+        if prev is None:
+            return "; there is no previous version to return to"
+        outcomes = await self._run("rollback", switched, prev, self.cfg.enable_timeout)
+        failed = [n for n, o in outcomes.items() if not o.ok]
+        if failed:
+            return (f"; returned {len(switched) - len(failed)} instances to {prev.version}, "
+                    f"{', '.join(failed)} still to be reconciled")  # fmt: skip
+        return f"; the {len(switched)} switched instances are back on {prev.version}"
+
+    # -- rollback ----------------------------------------------------------------------------
+    async def rollback(self, version: str) -> VersionRecord:
+        """Make `version` (an earlier live version, still on the agents' disks) live again."""
+        if self.lock.locked():
+            dep = self.state.deployment
+            raise Busy(f"busy: {dep.kind} of {dep.version}" if dep else "busy: reconciling")
+        async with self.lock:
+            target = self.state.record(version)
+            if target is None or target.status != "finished":
+                raise ValueError(f"version {version!r} was never live here; cannot roll back to it")
+            if version == self.state.live_version:
+                raise ValueError(f"version {version} is already live")
+            rec = VersionRecord(
+                version=target.version,
+                depend=target.depend,
+                id=target.id,
+                key=target.key,
+                mode="rollback",
+                input=target.input,
+                output=target.output,
+                line="api",
+                chain=list(target.chain),
+                status="deploying",
+                create_time=now(),
+                times={"requested": now()},
+                shards=dict(target.shards),
+            )
+            self.state.history.append(rec)
+            self.state.deployment = Deployment(
+                kind="rollback",
+                version=version,
+                phase="rollback",
+                prev_version=self.state.live_version,
+                prev_chain=list(self.state.live_chain),
+                targets=[inst.name for inst in self.cfg.instances],
+                started_at=now(),
+            )
+            self.save()
+            self.journal.event("rollback_start", version=version, prev=self.state.live_version)
+            await self._resume_rollback(self.state.deployment)
+            return rec
+
+    async def _resume_rollback(self, dep: Deployment) -> None:
+        rec = next(
+            (
+                r
+                for r in reversed(self.state.history)
+                if r.mode == "rollback" and r.version == dep.version
+            ),
+            None,
+        )
+        target = self.state.record(dep.version)
+        if rec is None or target is None:
+            self.state.deployment = None
+            self.save()
+            return
+        log.info("rollback to %s on %d instances", dep.version, len(dep.targets))
+        timeout = self.cfg.reload_timeout + self.cfg.enable_timeout
+        outcomes = await self._run("rollback", dep.targets, target, timeout)
+        dep.results["rollback"] = {n: ("ok" if o.ok else o.message) for n, o in outcomes.items()}
+        switched = {n for n, o in outcomes.items() if o.ok}
+        shortfall = quorum_shortfall(switched, self.by_shard, self.cfg.quorum)
+        if shortfall:
+            reasons = "; ".join(
+                f"{n}: {o.message}" for n, o in sorted(outcomes.items()) if not o.ok
+            )
+            message = f"rollback did not reach quorum ({', '.join(shortfall)}): {reasons}"
+            message += await self._return_to_previous(dep, sorted(switched))
+            finish(rec, "failed", message, now())
+            self.state.deployment = None
+            self.save()
+            log.error("rollback to %s failed: %s", dep.version, message)
+            return
+        at = now()
+        finish(rec, "finished", f"rolled back on {len(switched)} instances", at)
+        self.state.live_version = target.version
+        self.state.live_chain = list(target.chain)
+        self.state.live_since = at
+        self.state.deployment = None
+        self.save()
+        self.journal.event("live", version=target.version, chain=target.chain, rollback=True)
+        log.info("rolled back to %s", target.version)
+        self.wake.set()
+
+    # -- reconciler --------------------------------------------------------------------------
+    async def refresh(self) -> dict[str, dict[str, Any] | None]:
+        """Every agent's status (None when it does not answer), noted in the state."""
+        assert self.client is not None
+
+        async def one(inst: Instance) -> dict[str, Any] | None:
+            try:
+                return await self.client.status(inst)
+            except (AgentUnreachable, AgentRefused) as exc:
+                known = self.state.instances[inst.name]
+                if known.reachable or known.status != "Dead":
+                    log.warning("instance %s: %s", inst.name, exc)
+                known.reachable = False
+                known.status = "Dead"
+                known.message = str(exc)
+                return None
+
+        infos = await asyncio.gather(*(one(inst) for inst in self.cfg.instances))
+        out = {}
+        for inst, info in zip(self.cfg.instances, infos, strict=True):
+            out[inst.name] = info
+            if info is None:
+                continue
+            known = self.state.instances[inst.name]
+            server = info.get("server") or {}
+            known.reachable = bool(server.get("reachable"))
+            known.version = str(server.get("cur_version") or "")
+            known.bg_version = str(server.get("bg_version") or "")
+            if known.status == "Dead":
+                known.status = "Init"
+                known.message = ""
+            if not known.reachable:
+                known.message = f"server {inst.server_address} unreachable"
+        return out
+
+    async def reconcile(self) -> None:
+        infos = await self.refresh()
+        chain = self.state.live_chain
+        if not chain:
+            return
+        jobs = []
+        at = now()
+        for inst in self.cfg.instances:
+            info = infos[inst.name]
+            known = self.state.instances[inst.name]
+            if info is None or not known.reachable:
+                continue
+            if known.version == chain[-1]:
+                known.catch_up_failures = 0
+                known.next_catch_up = 0.0
+                continue
+            if any(t.get("state") == "running" for t in info.get("tasks") or []):
+                continue
+            if at < known.next_catch_up:
+                continue
+            plan = catch_up_plan(known.version, chain, set(info.get("versions") or []))
+            jobs.append(self._catch_up(inst, plan))
+        if jobs:
+            await asyncio.gather(*jobs)
+            self.save()
+
+    async def _catch_up(self, inst: Instance, plan: list[Step]) -> None:
+        assert self.client is not None
+        known = self.state.instances[inst.name]
+        log.info(
+            "instance %s serves %r, live is %s: catching up (%s)",
+            inst.name,
+            known.version,
+            self.state.live_version,
+            ", ".join(f"{s.command} {s.version}" for s in plan),
+        )
+        for step in plan:
+            rec = self.state.record(step.version)
+            if rec is None:
+                known.message = f"catch-up: no record of {step.version}"
+                break
+            timeout = {
+                "download": self.cfg.download_timeout,
+                "reload": self.cfg.reload_timeout,
+                "enable": self.cfg.enable_timeout,
+            }.get(step.command, self.cfg.reload_timeout + self.cfg.enable_timeout)
+            fields = self._fields(inst, step.command, rec)
+            if step.mode == "delta":
+                fields["chain"] = list(step.chain)
+            note = self._progress(step.command)
+            outcome = await drive(
+                self.client, inst, fields, timeout, self.cfg.retries, note, self.dead_timeout
+            )
+            note(inst, "ok" if outcome.ok else "failed", outcome.message)
+            if not outcome.ok:
+                known.catch_up_failures += 1
+                delay = backoff_delay(known.catch_up_failures)
+                known.next_catch_up = now() + delay
+                log.warning("catch-up of %s failed (%s); next try in %gs", inst.name,
+                            outcome.message, delay)  # fmt: skip
+                self.journal.event("catch_up_failed", instance=inst.name, message=outcome.message)
+                return
+        known.catch_up_failures = 0
+        known.next_catch_up = 0.0
+        known.version = self.state.live_version
+        self.journal.event("caught_up", instance=inst.name, version=self.state.live_version)
+        log.info("instance %s caught up to %s", inst.name, self.state.live_version)
+
+    # -- housekeeping ------------------------------------------------------------------------
+    def _prune_outputs(self) -> None:
+        """Keep the build outputs agents may still need (chains of the last few live versions
+        and any deployment in progress); remove the others."""
+        keep: set[str] = set()
+        finished = [
+            r for r in self.state.history if r.status == "finished" and r.mode != "rollback"
+        ]
+        for rec in [
+            *finished[-self.keep_outputs :],
+            *[self.state.record(v) for v in self.state.live_chain],
+        ]:
+            if rec is None:
+                continue
+            for name in rec.chain:
+                chained = self.state.record(name)
+                if chained and chained.output:
+                    keep.add(Path(chained.output).name)
+        dep = self.state.deployment
+        if dep and (rec := self.state.record(dep.version)) and rec.output:
+            keep.add(Path(rec.output).name)
+        try:
+            entries = list(os.scandir(self.cfg.output_address))
+        except OSError:
+            return
+        for entry in entries:
+            is_output = entry.is_dir(follow_symlinks=False) and _OUTPUT_DIR.fullmatch(entry.name)
+            if is_output and entry.name not in keep:
+                shutil.rmtree(entry.path, ignore_errors=True)
+                log.info("removed old build output %s", entry.path)
+
+    # -- queries used by the HTTP API ----------------------------------------------------------
+    def register_meta(self, name: str, version: str, depend: str, shard: str, meta: str) -> None:
+        """Store a shard's builder meta in its version (the original's register call)."""
+        if name != self.cfg.dict_name:
+            raise ValueError(f"name {name!r} is not this transfer's dict {self.cfg.dict_name!r}")
+        target = None
+        for rec in reversed(self.state.history):
+            if rec.mode != "rollback" and rec.id == version and rec.depend == depend:
+                target = rec
+                break
+        if target is None:
+            raise ValueError(f"no version {version} (depend {depend}) is known")
+        target.meta_infos[str(shard)] = meta
+        self.save()
+
+    def meta_info(self, version: str, depend: str, shard: str) -> str | None:
+        for rec in reversed(self.state.history):
+            same = rec.mode != "rollback" and rec.id == version and rec.depend == depend
+            if same and str(shard) in rec.meta_infos:
+                return rec.meta_infos[str(shard)]
+        text = builds.read_meta_infos(self.cfg.output_address, version, depend, int(shard) + 1)
+        return text.get(str(shard))
+
+
+class _Abort(Exception):
+    """Stop this version's rollout; the message is its failure reason."""

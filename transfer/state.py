@@ -1,0 +1,383 @@
+"""The transfer's state and every decision about it, without I/O.
+
+`TransferState` is what the journal persists: where each donefile was read up to, every version
+seen (history, with its outcome and reason), what is live (version + delta chain), the deployment
+in progress with its phase and per-instance progress, and the last known state of each instance.
+The functions here decide what to do next (which line to build, which to refuse and why, whether a
+phase met the quorum, how a lagging instance catches up); the service carries them out.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from transfer.donefile import BASE_FILE, PATCH_FILE, BadLine, DonefileEntry
+
+# Version statuses: the original's numbers where it had one (VersionInfo.status), ours after 100.
+VERSION_STATUS = {
+    "pending": 10,
+    "building": 20,
+    "deploying": 30,
+    "downloaded": 50,
+    "reloaded": 70,
+    "finished": 90,
+    "failed": 110,
+    "refused": 120,
+    "skipped": 130,
+}
+# Instance statuses: the original's numbers (Instance.status_id); ours after 100 (Dead = no agent).
+INSTANCE_STATUS = {
+    "Init": 10,
+    "Downloading": 20,
+    "Download_Failed": 30,
+    "Download_Succ": 40,
+    "Reloading": 50,
+    "Reload_Failed": 60,
+    "Reload_Succ": 70,
+    "Enabling": 80,
+    "Enable_Failed": 90,
+    "Enable_Succ": 100,
+    "RollingBack": 110,
+    "Rollback_Failed": 120,
+    "Rollback_Succ": 130,
+    "Dead": 250,
+}
+PHASES = ("build", "download", "reload", "enable")
+TERMINAL = ("finished", "failed", "refused", "skipped")
+FORMAT = 1
+
+
+def now() -> float:
+    return round(time.time(), 3)
+
+
+@dataclass
+class VersionRecord:
+    """One donefile line's journey (or one rollback), as history shows it."""
+
+    version: str  # served name: <base id> or <base id>_<patch id>
+    depend: str
+    id: str
+    key: str
+    mode: str  # base | delta | rollback
+    input: str
+    line: str  # "base.txt:3"
+    delete: str = ""
+    output: str = ""
+    chain: list[str] = field(default_factory=list)
+    status: str = "pending"
+    message: str = ""
+    create_time: float = 0.0
+    finish_time: float = 0.0
+    times: dict[str, float] = field(default_factory=dict)
+    meta_infos: dict[str, str] = field(default_factory=dict)
+    shards: dict[str, dict[str, Any]] = field(default_factory=dict)  # shard -> {md5, size}
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> VersionRecord:
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in obj.items() if k in known})
+
+
+@dataclass
+class InstanceState:
+    """What the transfer last knew of one replica."""
+
+    status: str = "Init"
+    version: str = ""  # the version its server serves (last seen)
+    bg_version: str = ""
+    message: str = ""
+    reachable: bool = False
+    times: dict[str, float] = field(default_factory=dict)
+    next_catch_up: float = 0.0  # reconciler backoff
+    catch_up_failures: int = 0
+
+
+@dataclass
+class Deployment:
+    """The version being rolled out (or rolled back to); survives restarts."""
+
+    kind: str  # deploy | rollback
+    version: str
+    phase: str  # build | download | reload | enable | rollback
+    prev_version: str = ""
+    prev_chain: list[str] = field(default_factory=list)
+    committed: bool = False  # enable began: finish forward, or roll back explicitly
+    targets: list[str] = field(default_factory=list)  # instance names still in the rollout
+    results: dict[str, dict[str, str]] = field(default_factory=dict)  # phase -> inst -> "ok"|why
+    started_at: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class TransferState:
+    dict_name: str = ""
+    cursors: dict[str, int] = field(default_factory=lambda: {BASE_FILE: 0, PATCH_FILE: 0})
+    history: list[VersionRecord] = field(default_factory=list)
+    live_version: str = ""
+    live_chain: list[str] = field(default_factory=list)
+    live_since: float = 0.0
+    deployment: Deployment | None = None
+    instances: dict[str, InstanceState] = field(default_factory=dict)
+
+    # -- persistence -----------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "dict_name": self.dict_name,
+            "cursors": dict(self.cursors),
+            "history": [r.to_json() for r in self.history],
+            "live_version": self.live_version,
+            "live_chain": list(self.live_chain),
+            "live_since": self.live_since,
+            "deployment": self.deployment.to_json() if self.deployment else None,
+            "instances": {name: asdict(inst) for name, inst in self.instances.items()},
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> TransferState:
+        if obj.get("format") != FORMAT:
+            raise ValueError(f"state format {obj.get('format')!r} is not {FORMAT}")
+        dep = obj.get("deployment")
+        return cls(
+            dict_name=obj.get("dict_name", ""),
+            cursors={BASE_FILE: 0, PATCH_FILE: 0, **obj.get("cursors", {})},
+            history=[VersionRecord.from_json(r) for r in obj.get("history", [])],
+            live_version=obj.get("live_version", ""),
+            live_chain=list(obj.get("live_chain", [])),
+            live_since=obj.get("live_since", 0.0),
+            deployment=Deployment(**dep) if dep else None,
+            instances={n: InstanceState(**i) for n, i in obj.get("instances", {}).items()},
+        )
+
+    # -- queries ---------------------------------------------------------------------------
+    def record(self, version: str, include_rollbacks: bool = False) -> VersionRecord | None:
+        """The latest record of a version (rollback entries excluded unless asked)."""
+        for rec in reversed(self.history):
+            if rec.version == version and (include_rollbacks or rec.mode != "rollback"):
+                return rec
+        return None
+
+    def pending(self) -> list[VersionRecord]:
+        return [r for r in self.history if r.status == "pending"]
+
+    @property
+    def live_base(self) -> str:
+        return self.live_chain[0] if self.live_chain else ""
+
+    def trim_history(self, limit: int) -> None:
+        """Forget the oldest terminal records beyond `limit` (never pending/live ones)."""
+        excess = len(self.history) - limit
+        if excess <= 0:
+            return
+        keep_names = set(self.live_chain)
+        kept: list[VersionRecord] = []
+        for rec in self.history:
+            if excess > 0 and rec.terminal and rec.version not in keep_names:
+                excess -= 1
+                continue
+            kept.append(rec)
+        self.history = kept
+
+
+# ----------------------------------------------------------------------------------------------
+# donefile lines -> history
+
+
+def version_name(entry: DonefileEntry) -> str:
+    return entry.id if entry.is_base else f"{entry.key}_{entry.id}"
+
+
+def ingest(
+    state: TransferState, parsed: list[DonefileEntry | BadLine], at: float
+) -> list[tuple[str, str]]:
+    """Turn newly read lines into history records. A malformed line becomes a failed record
+    (with its reason); a line repeating a version that is pending, in progress or finished is
+    ignored (a repeat of a failed one is a retry). Returns (level, message) log lines."""
+    logs: list[tuple[str, str]] = []
+    for item in parsed:
+        if isinstance(item, BadLine):
+            rec = VersionRecord(
+                version="",
+                depend="",
+                id="",
+                key="",
+                mode="base" if item.file == BASE_FILE else "delta",
+                input="",
+                line=item.where,
+                status="failed",
+                message=f"malformed donefile line: {item.reason}; line: {item.text!r}",
+                create_time=at,
+                finish_time=at,
+            )
+            state.history.append(rec)
+            logs.append(("error", rec.message))
+            continue
+        name = version_name(item)
+        previous = state.record(name)
+        if previous is not None and previous.status not in ("failed", "refused", "skipped"):
+            logs.append(
+                ("warning", f"{item.where}: version {name} repeats {previous.line} "
+                            f"({previous.status}); ignored")
+            )  # fmt: skip
+            continue
+        state.history.append(
+            VersionRecord(
+                version=name,
+                depend=item.key,
+                id=item.id,
+                key=item.key,
+                mode="base" if item.is_base else "delta",
+                input=item.input,
+                delete=item.delete,
+                line=item.where,
+                create_time=at,
+                times={"line_seen": at},
+            )
+        )
+        logs.append(("info", f"{item.where}: new {'base' if item.is_base else 'patch'} {name}"))
+    return logs
+
+
+def finish(rec: VersionRecord, status: str, message: str, at: float) -> None:
+    rec.status = status
+    rec.message = message
+    rec.finish_time = at
+
+
+def next_version(state: TransferState, at: float) -> tuple[VersionRecord | None, list[str]]:
+    """Choose the next pending record to build and deploy; refuse or skip the ones that can no
+    longer apply (each with its reason, returned for the log).
+
+    Rules: the newest pending base wins and supersedes older pending bases and every pending
+    patch that does not belong to it; a base not newer than the live base is refused; a patch
+    applies only on the live base, in order (its id above the chain's last), else it is refused.
+    """
+    logs: list[str] = []
+    pending = state.pending()
+    bases = [r for r in pending if r.mode == "base"]
+    if bases:
+        newest = max(bases, key=lambda r: int(r.id))
+        for rec in bases:
+            if rec is not newest:
+                finish(rec, "skipped", f"superseded by the newer base {newest.version}", at)
+                logs.append(f"{rec.line}: base {rec.version} skipped: {rec.message}")
+        if state.live_base and int(newest.id) <= int(state.live_base):
+            finish(
+                newest,
+                "refused",
+                f"base {newest.version} is not newer than the live base {state.live_base}",
+                at,
+            )
+            logs.append(f"{newest.line}: {newest.message}")
+        else:
+            for rec in pending:
+                if rec.mode == "delta" and rec.key != newest.version:
+                    finish(
+                        rec,
+                        "refused",
+                        f"patch {rec.version} is for base {rec.key}, which a newer base "
+                        f"({newest.version}) replaces",
+                        at,
+                    )
+                    logs.append(f"{rec.line}: {rec.message}")
+            newest.chain = [newest.version]
+            return newest, logs
+    for rec in pending:
+        if rec.mode != "delta":
+            continue
+        if not state.live_base:
+            finish(rec, "refused", f"patch {rec.version}: no base is live (needs {rec.key})", at)
+        elif rec.key != state.live_base:
+            finish(
+                rec,
+                "refused",
+                f"patch {rec.version} is for base {rec.key}, but the live base is "
+                f"{state.live_base}",
+                at,
+            )
+        elif len(state.live_chain) > 1 and int(rec.id) <= int(state.live_chain[-1].split("_")[-1]):
+            finish(
+                rec,
+                "refused",
+                f"patch {rec.version} is not newer than the live delta {state.live_chain[-1]} "
+                "(deltas apply in order)",
+                at,
+            )
+        else:
+            rec.chain = [*state.live_chain, rec.version]
+            return rec, logs
+        logs.append(f"{rec.line}: {rec.message}")
+    return None, logs
+
+
+# ----------------------------------------------------------------------------------------------
+# quorum and catch-up
+
+
+def quorum_shortfall(
+    ok_instances: set[str], instances_by_shard: dict[int, list[str]], quorum: int
+) -> list[str]:
+    """Shards that do not have `quorum` instances in `ok_instances`, described; empty = quorum
+    met everywhere (a shard with fewer replicas than `quorum` needs all of them)."""
+    problems = []
+    for shard, names in sorted(instances_by_shard.items()):
+        have = sum(1 for n in names if n in ok_instances)
+        need = min(quorum, len(names))
+        if have < need:
+            problems.append(f"shard {shard}: {have} of {len(names)} replicas ready, need {need}")
+    return problems
+
+
+@dataclass(frozen=True)
+class Step:
+    """One command for one instance: download/reload/enable `version` (or rollback to it)."""
+
+    command: str
+    version: str
+    mode: str
+    chain: tuple[str, ...]
+
+
+def catch_up_plan(current: str, live_chain: list[str], on_disk: set[str]) -> list[Step]:
+    """Commands that bring an instance serving `current` to the last version of `live_chain`.
+
+    Forward from where it is when `current` is in the chain (each later delta in order);
+    otherwise a `rollback` when the target is already on its disk (the agent switches or
+    reloads it), else from the base up, version by version.
+    """
+    if not live_chain or current == live_chain[-1]:
+        return []
+    target = live_chain[-1]
+    if current in live_chain:
+        start = live_chain.index(current) + 1
+    elif target in on_disk and current:
+        return [Step("rollback", target, _mode(live_chain, target), tuple(live_chain))]
+    else:
+        start = 0
+    steps: list[Step] = []
+    for position in range(start, len(live_chain)):
+        version = live_chain[position]
+        chain = tuple(live_chain[: position + 1])
+        mode = "base" if position == 0 else "delta"
+        steps += [Step(cmd, version, mode, chain) for cmd in ("download", "reload", "enable")]
+    return steps
+
+
+def _mode(chain: list[str], version: str) -> str:
+    return "base" if chain and chain[0] == version else "delta"
+
+
+def backoff_delay(failures: int, base: float = 5.0, cap: float = 300.0) -> float:
+    return min(cap, base * (2 ** max(failures - 1, 0)))

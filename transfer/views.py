@@ -1,0 +1,145 @@
+"""The JSON shapes of the query interface (the original's field names; ours are added after).
+
+Pure: config + state in, JSON-ready objects out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transfer.config import Instance, TransferConfig
+from transfer.state import INSTANCE_STATUS, VERSION_STATUS, TransferState, VersionRecord
+
+_INSTANCE_TIMES = (
+    "builded_time",
+    "download_start_time",
+    "downloaded_time",
+    "reload_start_time",
+    "reloaded_time",
+    "enable_start_time",
+    "enabled_time",
+    "create_time",
+)
+
+
+def envelope(data: Any = None, message: str = "query ok", success: str = "0") -> dict[str, Any]:
+    return {"success": success, "message": message, "data": data}
+
+
+def version_info(cfg: TransferConfig, rec: VersionRecord | None) -> dict[str, Any] | None:
+    if rec is None:
+        return None
+    return {
+        "dict_name": cfg.dict_name,
+        "version": rec.version,
+        "depend": rec.depend,
+        "id": rec.id,
+        "key": rec.key,
+        "mode": rec.mode,
+        "input": rec.input,
+        "output": rec.output,
+        "status": VERSION_STATUS.get(rec.status, 0),
+        "status_str": rec.status,
+        "finish_time": int(rec.finish_time),
+        "create_time": int(rec.create_time),
+        "meta_infos": dict(rec.meta_infos),
+        # ours
+        "message": rec.message,
+        "line": rec.line,
+        "chain": list(rec.chain),
+        "times": dict(rec.times),
+    }
+
+
+def instance_info(cfg: TransferConfig, state: TransferState, inst: Instance) -> dict[str, Any]:
+    known = state.instances.get(inst.name)
+    dep = state.deployment
+    target = state.record(dep.version) if dep and dep.kind == "deploy" else None
+    live = state.record(state.live_version)
+    rec = target or live
+    times = known.times if known else {}
+    status = known.status if known else "Init"
+    out: dict[str, Any] = {
+        "dict_name": cfg.dict_name,
+        "mode": cfg.mode,
+        "version": rec.version if rec else "",
+        "depend": rec.depend if rec else "",
+        "id": rec.id if rec else "",
+        "key": rec.key if rec else "",
+        "shard": inst.shard,
+        "source": source_url(cfg, rec, inst.shard) if rec else "",
+        "deploy_path": inst.deploy_path,
+        "ip": inst.server_host,
+        "port": inst.server_port,
+        "agent_ip": inst.agent_host,
+        "agent_port": inst.agent_port,
+        "status_id": INSTANCE_STATUS.get(status, 0),
+        "status": status,
+    }
+    for name in _INSTANCE_TIMES:
+        out[name] = int(times.get(name, 0))
+    out.update(
+        {
+            "replica": inst.replica,
+            "name": inst.name,
+            "serving_version": known.version if known else "",
+            "bg_version": known.bg_version if known else "",
+            "reachable": bool(known and known.reachable),
+            "live_version": state.live_version,
+            "message": known.message if known else "",
+        }
+    )
+    return out
+
+
+def source_url(cfg: TransferConfig, rec: VersionRecord, shard: int) -> str:
+    """Where agents download a shard of `rec` from (the transfer's own file server)."""
+    out_name = rec.output.rstrip("/").rsplit("/", 1)[-1] if rec.output else ""
+    if not out_name:
+        out_name = f"{rec.depend}_{rec.id}"
+    return (
+        f"{cfg.download_mode}://{cfg.transfer_address}:{cfg.wget_port}/"
+        f"{out_name}/{cfg.dict_name}_part{shard}.tar"
+    )
+
+
+def history(cfg: TransferConfig, state: TransferState) -> list[dict[str, Any]]:
+    return [version_info(cfg, rec) for rec in state.history]
+
+
+def dict_info(cfg: TransferConfig, state: TransferState) -> dict[str, Any]:
+    instances = [instance_info(cfg, state, inst) for inst in cfg.instances]
+    dep = state.deployment
+    wait = state.record(dep.version, include_rollbacks=dep.kind == "rollback") if dep else None
+
+    def named(status_ids: tuple[int, ...]) -> int:
+        return sum(1 for inst in instances if inst["status_id"] in status_ids)
+
+    current = [
+        version_info(cfg, state.record(v)) for v in state.live_chain if state.record(v) is not None
+    ]
+    return {
+        "dict_name": cfg.dict_name,
+        "dict_mode": cfg.mode,
+        "shard_num": cfg.shard_num,
+        "copy_num": cfg.copy_num,
+        "inst_num": len(cfg.instances),
+        "deploy_path": "",
+        "donefile_addr": cfg.donefile_address,
+        "output_addr": str(cfg.output_address),
+        "tmp_addr": str(cfg.tmp_address),
+        "download_mode": cfg.download_mode,
+        "wget_port": cfg.wget_port,
+        "download_inst": named((40,)),
+        "reload_insts": named((70,)),
+        "enable_insts": named((100,)),
+        "instances": instances,
+        "wait_version_info": version_info(cfg, wait),
+        "current_version_info": current,
+        # ours
+        "live_version": state.live_version,
+        "live_chain": list(state.live_chain),
+        "live_since": int(state.live_since),
+        "quorum": cfg.quorum,
+        "deployment": dep.to_json() if dep else None,
+    }
