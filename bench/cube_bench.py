@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.cube_target import CubeTarget
 from bench.procs import (
     Interrupted,
     ProcessRegistry,
@@ -50,16 +51,11 @@ from bench.targets import (
 )
 from cube.flags import FlagError, FlagSet, run_cli
 
-TARGETS: dict[str, type[Target]] = {"redis": RedisTarget, "memcached": MemcachedTarget}
-
-
-def _register_cube() -> None:
-    """The cube target needs the server and SDK; it is registered when they import."""
-    try:
-        from bench.cube_target import CubeTarget
-    except ImportError:
-        return
-    TARGETS["cube"] = CubeTarget
+TARGETS: dict[str, type[Target]] = {
+    "cube": CubeTarget,
+    "redis": RedisTarget,
+    "memcached": MemcachedTarget,
+}
 
 
 def _int_list(text: str) -> list[int]:
@@ -211,7 +207,6 @@ def _print_flush(text: str) -> None:
 
 
 def run(flags: dict[str, Any], argv: Sequence[str]) -> int:
-    _register_cube()
     settings = {
         k: flags[k]
         for k in (
@@ -229,16 +224,13 @@ def run(flags: dict[str, Any], argv: Sequence[str]) -> int:
     workdir = Path(flags["workdir"] or tempfile.mkdtemp(prefix="cube-bench-"))
     registry = ProcessRegistry(log=_print_flush)
     for name in flags["target_names"]:
-        if name not in TARGETS:
-            reason = "the cube target needs cube.server and cube.client, which did not import"
-        else:
-            target = TARGETS[name](registry, workdir / name, flags)
-            try:
-                target.check_available(flags["client"])
-                targets.append(target)
-                continue
-            except TargetUnavailable as exc:
-                reason = str(exc)
+        target = TARGETS[name](registry, workdir / name, flags)
+        try:
+            target.check_available(flags["client"])
+            targets.append(target)
+            continue
+        except TargetUnavailable as exc:
+            reason = str(exc)
         if not flags["skip_missing"]:
             print(f"error: {reason}", file=sys.stderr)
             return 2

@@ -5,6 +5,7 @@ after Ctrl-C and with a missing binary)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -224,7 +225,11 @@ def _kill_leftovers(pids: list[int]) -> None:
     """Cleanup if the test fails: end the servers cube-bench reported starting, by PID."""
     for pid in pids:
         with contextlib.suppress(psutil.Error):
-            psutil.Process(pid).kill()
+            proc = psutil.Process(pid)
+            for child in proc.children(recursive=True):  # e.g. cube-server's workers
+                with contextlib.suppress(psutil.Error):
+                    child.kill()
+            proc.kill()
 
 
 def _started_pids(output: str) -> list[int]:
@@ -290,4 +295,38 @@ def test_ctrl_c_stops_every_server_it_started(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+        _kill_leftovers(pids)
+
+
+@pytest.mark.skipif(not HAVE_REDIS, reason="redis-server not installed (make debs)")
+def test_quick_run_of_cube_and_redis_writes_reports_and_stops_its_servers(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            str(CUBE_BENCH), "--targets", "cube,redis", "--threads", "1,2", "--keys", "3000",
+            "--batch", "200", "--duration", "0.6", "--warmup", "0.2", "--workers", "2",
+            "--max_repeats", "0", "--check_sample", "500", "--out", str(out),
+        ],
+        capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    pids = _started_pids(proc.stdout)
+    try:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        result = json.loads((out / "results.json").read_text())
+        assert set(result["targets"]) == {"cube", "redis"}
+        for name, target in result["targets"].items():
+            assert [r["threads"] for r in target["levels"]] == [1, 2], name
+            for row in target["levels"]:
+                assert row["qps"] > 0 and row["requests"] > 0, (name, row)
+                assert row["misses"] == 0, (name, row)
+                assert row["server_cpu_us_per_req"] > 0, (name, row)
+        assert len(result["targets"]["cube"]["pids"]) == 3  # supervisor + 2 workers
+        assert [r["threads"] for r in result["ratios"]] == [1, 2]
+        assert all(r["cube/redis"] > 0 for r in result["ratios"])
+        markdown = (out / "results.md").read_text()
+        assert "## cube" in markdown and "## redis" in markdown and "cube/redis" in markdown
+        assert (out / "results.png").read_bytes().startswith(b"\x89PNG")
+        every_pid = {p for t in result["targets"].values() for p in t["pids"]} | set(pids)
+        assert pids and not [pid for pid in every_pid if _alive(pid)]
+    finally:
         _kill_leftovers(pids)
