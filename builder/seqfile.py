@@ -273,20 +273,34 @@ class _Raw:
         return self
 
 
-def _fixed_chunk(buf: bytearray, base: int, marker: bytes) -> tuple[_Raw | None, int]:
-    """Vectorized parse when every record in the chunk has the layout of the first one.
+class _Scratch:
+    """A reusable buffer: the fast path joins escape-free segments into it chunk after chunk
+    without fresh (page-faulting) allocations."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def get(self, size: int) -> bytearray:
+        if len(self.buf) < size:
+            self.buf = bytearray(size)
+        return self.buf
+
+
+def _fixed_chunk(
+    buf: bytearray, end: int, base: int, marker: bytes, scratch: _Scratch
+) -> tuple[_Raw | None, int]:
+    """Vectorized parse of buf[:end] when every record has the layout of the first one.
 
     Finds the sync escapes, cuts the chunk into escape-free segments, assumes the first record's
     stride everywhere and validates every record's 8 length bytes in one pass. Returns
     (None, 0) whenever the assumption fails; the caller then walks the chunk record by record,
-    which also produces the precise error for bad input."""
-    size = len(buf)
+    which also produces the precise error for bad input. The result views `buf`/`scratch`."""
     pos = 0
-    while buf[pos : pos + 4] == SYNC_ESCAPE:
-        if not marker or buf[pos : pos + 20] != marker:
+    while end - pos >= 4 and buf[pos : pos + 4] == SYNC_ESCAPE:
+        if not marker or end - pos < 20 or buf[pos : pos + 20] != marker:
             return None, 0
         pos += 20
-    if size - pos < 8:
+    if end - pos < 8:
         return None, 0
     record_len, key_len = struct.unpack_from(">ii", buf, pos)
     if record_len < 0 or not 0 <= key_len <= record_len:
@@ -294,48 +308,55 @@ def _fixed_chunk(buf: bytearray, base: int, marker: bytes) -> tuple[_Raw | None,
     stride = record_len + 8
     escapes = []
     if marker:
-        at = buf.find(marker, pos)
+        find = buf.find
+        at = find(marker, pos, end)
         while at >= 0:
             escapes.append(at)
-            at = buf.find(marker, at + 20)
-    seg_starts = np.array([pos] + [e + 20 for e in escapes], dtype=np.int64)
-    seg_ends = np.array([*escapes, size], dtype=np.int64)
-    seg_lens = seg_ends - seg_starts
-    counts = seg_lens // stride
-    if (seg_lens[:-1] % stride).any():
-        return None, 0
-    total = int(counts.sum())
+            at = find(marker, at + 20, end)
+    if escapes:
+        seg_starts = np.array([pos] + [e + 20 for e in escapes], dtype=np.int64)
+        seg_lens = np.array([*escapes, end], dtype=np.int64) - seg_starts
+        counts = seg_lens // stride
+        if (seg_lens[:-1] % stride).any():
+            return None, 0
+        total = int(counts.sum())
+        consumed = int(seg_starts[-1] + counts[-1] * stride)
+    else:
+        total = (end - pos) // stride
+        consumed = pos + total * stride
     if total == 0:
         return None, 0
     view = memoryview(buf)
     if escapes:
-        starts_list, counts_list = seg_starts.tolist(), counts.tolist()
-        data = b"".join(
-            view[s : s + c * stride] for s, c in zip(starts_list, counts_list, strict=True) if c
-        )
+        data = scratch.get(total * stride)
+        at = 0
+        for start, count in zip(seg_starts.tolist(), counts.tolist(), strict=True):
+            size = count * stride
+            data[at : at + size] = view[start : start + size]
+            at += size
     else:
-        data = view[pos : pos + total * stride]
+        data = view[pos:consumed]
     header = np.ndarray((total,), dtype="<u8", buffer=data, offset=0, strides=(stride,))
     expected = np.frombuffer(bytes(buf[pos : pos + 8]), dtype="<u8")[0]
     if (header != expected).any():
         return None, 0
     rows = np.frombuffer(data, dtype=np.uint8, count=total * stride).reshape(total, stride)
+    # Record i sits at i * stride in the joined rows, and after one 20-byte escape per segment
+    # before it in the file.
+    offsets = np.arange(total, dtype=np.int64) * stride
+    offsets += base + pos
     if escapes:
-        first_index = np.zeros(len(counts), dtype=np.int64)
-        np.cumsum(counts[:-1], out=first_index[1:])
-        within = np.arange(total, dtype=np.int64) - np.repeat(first_index, counts)
-        offsets = np.repeat(seg_starts + base, counts) + within * stride
-    else:
-        offsets = base + pos + np.arange(total, dtype=np.int64) * stride
-    consumed = int(seg_starts[-1] + counts[-1] * stride)
+        offsets += np.repeat(np.arange(len(escapes) + 1, dtype=np.int64) * 20, counts)
     return _Raw(offsets, rows=rows, key_len=key_len, input_bytes=consumed), consumed
 
 
 def _walk_chunk(
-    buf: bytearray, base: int, sync: bytes, final: bool, path: str
+    buf: bytearray, end: int, base: int, sync: bytes, final: bool, path: str
 ) -> tuple[_Raw, int, int]:
-    """Per-record walk: (records, bytes consumed, bytes the next record needs in all)."""
-    size = len(buf)
+    """Per-record walk of buf[:end]: (records, bytes consumed, bytes the next record needs).
+
+    The result views `buf`."""
+    size = end
     pos = 0
     need = 0
     positions: list[int] = []
@@ -380,7 +401,7 @@ def _walk_chunk(
     starts = np.array(positions, dtype=np.int64)
     klens = np.array(key_lens, dtype=np.int64)
     vlens = np.array(record_lens, dtype=np.int64) - klens
-    flat = np.frombuffer(buf, dtype=np.uint8)
+    flat = np.frombuffer(buf, dtype=np.uint8, count=end)
     raw = _Raw(
         offsets=starts + base,
         key_buf=flat,
@@ -392,6 +413,17 @@ def _walk_chunk(
         input_bytes=pos,
     )
     return raw, pos, need
+
+
+def _read_into(file: BinaryIO, target: memoryview) -> int:
+    """Fill `target` from the file; fewer bytes only at end of file."""
+    done = 0
+    while done < len(target):
+        got = file.readinto(target[done:])
+        if not got:
+            break
+        done += got
+    return done
 
 
 def _decompress_values(raw: _Raw, codec: Codec, path: str) -> _Raw:
@@ -726,7 +758,8 @@ class SequenceFileReader:
             values = _decode_values(raw, self.value_framing, self.path)
             pending.append((keys, values, raw.offsets))
             pending_bytes += raw.input_bytes
-            if pending_bytes >= self.batch_bytes:
+            # Stream chunks are ~batch_bytes already (less a partial record); blocks are merged.
+            if pending_bytes >= self.batch_bytes // 2:
                 yield self._merge(pending)
                 pending, pending_bytes = [], 0
         if pending:
@@ -776,43 +809,44 @@ class SequenceFileReader:
 
     def _stream_chunks(self, chunk_bytes: int, first_only: bool) -> Iterator[_Raw]:
         """Uncompressed and record-compressed files: chunks of whole records, the partial
-        record at a chunk's end carried over to the next."""
+        record at a chunk's end carried over to the front of the next.
+
+        One input buffer (and one join buffer) is reused for the whole file, so each _Raw is
+        valid only until the next one is requested; every consumer here decodes (copies) it
+        first. Memory: about chunk_bytes, or one record when a record is larger."""
         file, sync = self._file, self.header.sync
         marker = SYNC_ESCAPE + sync if sync else b""
-        base = self.header.data_offset
+        base = self.header.data_offset  # file offset of buf[0]
         file.seek(base)
-        carry = b""
-        need = 0
+        buf = bytearray()
+        scratch = _Scratch()
+        carry = 0  # bytes of a partial record at buf[:carry]
+        need = 0  # bytes the partial record needs in all
         fast = self.header.compression == "none"
         while True:
-            remaining = self.file_size - base - len(carry)
-            want = min(max(chunk_bytes, need - len(carry)), max(remaining, 0))
-            buf = bytearray(len(carry) + want)
-            buf[: len(carry)] = carry
-            got = file.readinto(memoryview(buf)[len(carry) :]) if want else 0
-            if got != want:
-                del buf[len(carry) + got :]
-            final = got >= remaining
-            raw, consumed = _fixed_chunk(buf, base, marker) if fast else (None, 0)
-            if raw is None:
-                raw, consumed, need = _walk_chunk(buf, base, sync, final, self.path)
+            remaining = max(self.file_size - base - carry, 0)
+            want = min(max(chunk_bytes, need - carry), remaining)
+            if carry + want > len(buf):
+                grown = bytearray(carry + want)
+                grown[:carry] = buf[:carry]
+                buf = grown
+            got = _read_into(file, memoryview(buf)[carry : carry + want])
+            end = carry + got
+            final = got >= remaining or got < want
+            raw, consumed = _fixed_chunk(buf, end, base, marker, scratch) if fast else (None, 0)
+            if raw is None or (final and consumed < end):
+                # The walker also finishes (or reports) whatever the fast path left at the end.
+                raw, consumed, need = _walk_chunk(buf, end, base, sync, final, self.path)
                 if self.codec is not None and raw.count:
                     raw = _decompress_values(raw, self.codec, self.path)
             else:
                 need = 0
             yield raw
-            if first_only and raw.count:
+            if final or (first_only and raw.count):
                 return
-            carry = bytes(buf[consumed:])
+            carry = end - consumed
+            buf[:carry] = buf[consumed:end]
             base += consumed
-            if final and not carry:
-                return
-            if final:  # leftover after a fast parse: let the walker report or finish it
-                raw, consumed, need = _walk_chunk(bytearray(carry), base, sync, True, self.path)
-                if self.codec is not None and raw.count:
-                    raw = _decompress_values(raw, self.codec, self.path)
-                yield raw
-                return
 
     def _block_chunks(self, first_only: bool) -> Iterator[_Raw]:
         """Block-compressed files: one _Raw per block (Hadoop blocks are ~1 MB)."""
