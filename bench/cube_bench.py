@@ -44,6 +44,7 @@ from bench.runner import BenchError, LevelConfig, _new_event_loop, run_level
 from bench.targets import (
     Dataset,
     MemcachedTarget,
+    ModeUnsupported,
     RedisTarget,
     Target,
     TargetUnavailable,
@@ -231,7 +232,8 @@ def run(flags: dict[str, Any], argv: Sequence[str]) -> int:
             continue
         except TargetUnavailable as exc:
             reason = str(exc)
-        if not flags["skip_missing"]:
+            unsupported = isinstance(exc, ModeUnsupported)
+        if not flags["skip_missing"] and not unsupported:
             print(f"error: {reason}", file=sys.stderr)
             return 2
         print(f"skipping {name}: {reason}", file=sys.stderr)

@@ -24,7 +24,12 @@ from bench.procs import ProcessRegistry, ServerProcess, free_port
 
 
 class TargetUnavailable(RuntimeError):
-    """A target cannot run here (binary or client library missing, mode unsupported)."""
+    """A target cannot run here (binary or client library missing): an error unless the user
+    passed --skip_missing."""
+
+
+class ModeUnsupported(TargetUnavailable):
+    """The target has no client for the chosen --client mode: skipped, with a note."""
 
 
 @dataclass(frozen=True)
@@ -268,7 +273,9 @@ class MemcachedTarget(Target):
         except ImportError as exc:
             raise TargetUnavailable("pymemcache is not installed: pip install pymemcache") from exc
         if client_mode == "asyncio":
-            raise TargetUnavailable("memcached: pymemcache has no asyncio client")
+            raise ModeUnsupported(
+                "memcached: pymemcache has no asyncio client (use --client thread)"
+            )
 
     def setup(self, data: Dataset) -> None:
         from pymemcache.client.base import Client
