@@ -571,7 +571,7 @@ def _decode_keys(raw: _Raw, fmt: str, framing: str, path: str) -> np.ndarray:
             message = _key_width_error(fmt, width, int(inner[i]))
             raise SequenceFileError(path, int(raw.offsets[i]), message)
         matrix = matrix[:, 4:]
-    payload = np.ascontiguousarray(matrix)
+    payload = matrix.copy()  # always a copy: `rows` may view a buffer reused for the next chunk
     if fmt in ("cube", "bytes_le"):
         return payload.view("<u8").reshape(-1)
     return payload.view(">u8").reshape(-1).astype(np.uint64)
@@ -614,7 +614,7 @@ def _decode_values(raw: _Raw, framing: str, path: str) -> ValueColumn:
             start, width = start + 4, width - 4
         if width == 0:
             return ValueColumn.variable(np.empty(0, np.uint8), np.zeros(n + 1, np.int64))
-        blob = np.ascontiguousarray(raw.rows[:, start:]).reshape(-1)
+        blob = raw.rows[:, start:].copy().reshape(-1)  # a copy, never a view of the reused buffer
         return ValueColumn.fixed(blob, width)
     raw.ranges()
     return _decode_values_generic(raw, framing, path)
