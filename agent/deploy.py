@@ -285,10 +285,10 @@ class Agent:
         return f"loaded in background (cur {st.cur_version!r}, bg {st.bg_version!r})"
 
     async def _load(self, version: str, st: ServerStatus) -> ServerStatus:
-        """bg_load_patch when the server serves the delta's predecessor, else bg_load_base
-        (for a delta dir the server follows its CHAIN)."""
+        """bg_load_patch when the server serves a version of the delta's chain (the layers it
+        already maps are reused), else bg_load_base (for a delta the server loads its CHAIN)."""
         chain = read_chain(self.layout, version)
-        is_patch = len(chain) > 1 and st.cur_version == chain[-2]
+        is_patch = len(chain) > 1 and st.cur_version in chain[:-1]
         cmd = "bg_load_patch" if is_patch else "bg_load_base"
         await self.control.cmd(cmd, version_path=f"/{version}", timeout=self.config.reload_timeout)
         return await self.control.wait_for(version, slot="bg", timeout=self.config.reload_timeout)

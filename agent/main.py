@@ -53,7 +53,9 @@ def config_from_flags(flags: Flags) -> AgentConfig:
         raise FlagError(f"--port: {flags.port} is not a TCP port")
     if not flags.deploy_path:
         raise FlagError("--deploy_path is required")
-    for name in ("keep", "download_attempts", "limit_rate"):
+    if flags.keep < 1:
+        raise FlagError("--keep: at least 1 (the newest download must survive until enabled)")
+    for name in ("download_attempts", "limit_rate"):
         if flags[name] < 0:
             raise FlagError(f"--{name}: must not be negative")
     for name in ("download_timeout", "io_timeout", "reload_timeout", "control_timeout"):

@@ -10,6 +10,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import tarfile
@@ -44,9 +45,16 @@ def write_test_shard(directory: Path, keys: np.ndarray, width: int = 16, seed: i
     write_shard(directory, build_table(keys), ValueColumn.fixed(blob, width), {"dict_name": "t"})
 
 
+def shard_content(n_keys: int, width: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The keys and value rows (n_keys x width) of `make_shard_tar(..., seed)`."""
+    keys = np.random.default_rng(seed).integers(1, 2**63, n_keys, dtype=np.uint64)
+    blob = np.random.default_rng(seed).integers(0, 256, n_keys * width, dtype=np.uint8)
+    return keys, blob.reshape(n_keys, width)
+
+
 def make_shard_tar(tar_path: Path, n_keys: int = 1000, width: int = 16, seed: int = 0) -> str:
     """A builder-style tar (./index.cube, ./data.cube) plus `<tar>.md5`; returns the md5."""
-    keys = np.random.default_rng(seed).integers(1, 2**63, n_keys, dtype=np.uint64)
+    keys, _ = shard_content(n_keys, width, seed)
     shard_dir = tar_path.parent / f".shard-{tar_path.name}"
     write_test_shard(shard_dir, keys, width, seed)
     tar_path.parent.mkdir(parents=True, exist_ok=True)
@@ -229,6 +237,32 @@ class FakeServer:
     def close(self) -> None:
         self._loop.run(self.server.stop(grace=None))
         self._loop.close()
+
+
+# ------------------------------------------------------------------ a real cube-server
+
+
+def server_commands(server: Any) -> list[str]:
+    """Control commands a real cube-server (tests/procs.ServerProc) ran, from its log."""
+    return re.findall(r"control (\w+): ", server.log())
+
+
+def server_state(address: str) -> tuple[str, str]:
+    """(cur_version, bg_version) of a cube-server, over its control service."""
+    with grpc.insecure_channel(address) as channel:
+        reply = cube_pb2_grpc.ControlServiceStub(channel).cmd(
+            cube_pb2.ControlRequest(cmd="status"), timeout=WAIT
+        )
+    return reply.cur_version, reply.bg_version
+
+
+def seek(address: str, keys: np.ndarray) -> list[bytes | None]:
+    """Values a cube-server returns for `keys` (None for a miss), via the original seek."""
+    with grpc.insecure_channel(address) as channel:
+        reply = cube_pb2_grpc.DictServiceStub(channel).seek(
+            cube_pb2.DictRequest(keys=[int(k) for k in keys]), timeout=WAIT
+        )
+    return [v.value if v.status == 0 else None for v in reply.values]
 
 
 # ------------------------------------------------------------------ the agent process

@@ -1,8 +1,8 @@
 """cube-agent as a real process: HTTP API, downloads from real HTTP/FTP servers and files,
 hostile and corrupt tars, md5 checks, resume, kill -9, token, rollback, retention.
 
-The cube-server side is a gRPC ControlService with the original's cur/bg semantics (see
-agent_helpers.FakeServer); the agent only ever talks to it over gRPC.
+The cube-server is a real `cube-server` process (tests/procs.py) on the agent's data dir; the
+agent only ever talks to it over its gRPC control service.
 """
 
 from __future__ import annotations
@@ -18,13 +18,17 @@ import pytest
 from agent_helpers import (
     WAIT,
     AgentProc,
-    FakeServer,
     FtpFileServer,
     HttpFileServer,
     make_evil_tar,
     make_shard_tar,
+    seek,
+    server_commands,
+    server_state,
+    shard_content,
     write_md5,
 )
+from procs import start_server
 
 BASE, DELTA1, DELTA2 = "1700000000", "1700000000_1700000100", "1700000000_1700000200"
 
@@ -34,8 +38,9 @@ def env(tmp_path):
     files = tmp_path / "files"
     files.mkdir()
     deploy = tmp_path / "deploy"
+    (deploy / "data").mkdir(parents=True)
     http = HttpFileServer(files)
-    server = FakeServer(deploy / "data")
+    server = start_server(deploy / "data")
     agents: list[AgentProc] = []
 
     def agent(*extra: str, token: str | None = None, server_address: str = "") -> AgentProc:
@@ -45,12 +50,12 @@ def env(tmp_path):
 
     yield SimpleNamespace(
         tmp=tmp_path, files=files, deploy=deploy, data=deploy / "data", http=http,
-        server=server, control=server.control, agent=agent,
+        server=server, agent=agent,
     )  # fmt: skip
     for proc in agents:
         proc.stop()
     http.close()
-    server.close()
+    server.stop()
 
 
 def tar_for(env, name: str, seed: int = 0, n_keys: int = 1000) -> str:
@@ -80,7 +85,9 @@ def test_base_then_delta_with_chain_and_idempotent_repeats(env):
     assert (env.data / "VERSION").read_text() == f"{BASE}\n"
     assert sorted(p.name for p in (env.data / BASE).iterdir()) == ["data.cube", "index.cube"]
     assert (env.deploy / "cube_data" / "0" / BASE / "base.tar").is_file()
-    assert env.control.log == [("bg_load_base", BASE), ("enable", BASE)]
+    assert server_commands(env.server) == ["bg_load_base", "enable"]
+    keys, rows = shard_content(1000, 16, seed=1)
+    assert seek(env.server.address, keys[:100]) == [r.tobytes() for r in rows[:100]]
 
     chain = [BASE, DELTA1]
     delta_url = tar_for(env, "delta1", seed=2)
@@ -90,17 +97,21 @@ def test_base_then_delta_with_chain_and_idempotent_repeats(env):
     assert (env.data / DELTA1 / "CHAIN").read_text() == f"{BASE}\n{DELTA1}\n"
     for command in ("reload", "enable"):
         assert agent.run(command, DELTA1)["state"] == "succeeded"
-    assert env.control.log[2:] == [("bg_load_patch", DELTA1), ("enable", DELTA1)]
+    assert server_commands(env.server)[2:] == ["bg_load_patch", "enable"]
     assert (env.data / "VERSION").read_text() == f"{DELTA1}\n"
-    assert (env.control.cur, env.control.bg) == (DELTA1, BASE)
+    assert server_state(env.server.address) == (DELTA1, BASE)
+    delta_keys, delta_rows = shard_content(1000, 16, seed=2)
+    got = seek(env.server.address, [*delta_keys[:50], *keys[:50]])
+    assert got == [r.tobytes() for r in delta_rows[:50]] + [r.tobytes() for r in rows[:50]]
 
     # repeats return the finished task, nothing is redone
-    requests_before, log_before = len(env.http.requests), list(env.control.log)
+    requests_before, log_before = len(env.http.requests), server_commands(env.server)
     for command, extra in (("download", {"source": delta_url, "chain": chain}), ("reload", {})):
         again = agent.cmd(command=command, version=DELTA1, **extra)
         assert again["state"] == "succeeded" and again["runs"] == 1, again
     assert agent.run("enable", DELTA1)["runs"] == 1
-    assert len(env.http.requests) == requests_before and env.control.log == log_before
+    assert len(env.http.requests) == requests_before
+    assert server_commands(env.server) == log_before
 
     status = agent.status()
     assert status["current"] == DELTA1 and status["versions"] == [BASE, DELTA1]
@@ -146,7 +157,7 @@ def test_file_url_and_plain_path(env):
     make_shard_tar(env.files / "b.tar", seed=7)
     deploy(agent, "100", f"file://{env.files / 'a.tar'}")
     deploy(agent, "200", str(env.files / "b.tar"))
-    assert env.control.cur == "200"
+    assert server_state(env.server.address) == ("200", "100")
     missing = agent.run("download", "300", source=str(env.files / "nope.tar"), md5="0" * 32)
     assert missing["state"] == "failed" and "no such file" in missing["message"]
 
@@ -307,18 +318,37 @@ def test_rollback_to_previous_and_to_an_unloaded_version(env):
     agent = env.agent("--keep", "3")
     for i, version in enumerate(("100", "200", "300")):
         deploy(agent, version, tar_for(env, f"v{version}", seed=20 + i))
-    assert (env.control.cur, env.control.bg) == ("300", "200")
+    assert server_state(env.server.address) == ("300", "200")
     task = agent.run("rollback", "200")  # the server's bg: a switch, no load
     assert task["state"] == "succeeded", task
-    assert (env.control.cur, env.control.bg) == ("200", "300")
-    assert env.control.log[-1] == ("enable", "200")
+    assert server_state(env.server.address) == ("200", "300")
+    assert server_commands(env.server)[-1] == "enable"
     assert (env.data / "VERSION").read_text() == "200\n"
     task = agent.run("rollback", "100")  # only on disk: load, then switch
     assert task["state"] == "succeeded", task
-    assert env.control.log[-2:] == [("bg_load_base", "100"), ("enable", "100")]
+    assert server_commands(env.server)[-2:] == ["bg_load_base", "enable"]
+    assert server_state(env.server.address) == ("100", "200")
     assert (env.data / "VERSION").read_text() == "100\n"
     gone = agent.run("rollback", "50")
     assert gone["state"] == "failed" and "not on disk" in gone["message"]
+
+
+def test_rollback_to_a_delta_on_disk_loads_its_chain(env):
+    agent = env.agent("--keep", "5")
+    deploy(agent, BASE, tar_for(env, "b", seed=70))
+    deploy(agent, DELTA1, tar_for(env, "d1", seed=71), chain=[BASE, DELTA1])
+    for version, seed in (("1800000000", 72), ("1900000000", 73)):
+        deploy(agent, version, tar_for(env, f"n{seed}", seed=seed))
+    assert server_state(env.server.address) == ("1900000000", "1800000000")
+    task = agent.run("rollback", DELTA1)
+    assert task["state"] == "succeeded", task
+    assert server_commands(env.server)[-2:] == ["bg_load_base", "enable"]  # whole chain
+    assert server_state(env.server.address) == (DELTA1, "1900000000")
+    base_keys, base_rows = shard_content(1000, 16, seed=70)
+    delta_keys, delta_rows = shard_content(1000, 16, seed=71)
+    got = seek(env.server.address, [*base_keys[:20], *delta_keys[:20]])
+    assert got == [r.tobytes() for r in base_rows[:20]] + [r.tobytes() for r in delta_rows[:20]]
+    assert (env.data / "VERSION").read_text() == f"{DELTA1}\n"
 
 
 def test_retention_keeps_serving_versions_and_the_current_chain(env):

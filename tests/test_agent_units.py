@@ -21,6 +21,8 @@ from agent.layout import (
     plan_retention,
     version_dir_name,
 )
+from agent.main import config_from_flags, flag_set
+from agent.main import main as agent_main
 from agent.tasks import FAILED, INTERRUPTED, RUNNING, SUCCEEDED, TaskBusy, TaskFailed, TaskManager
 from agent.unpack import UnsafeTar, extract_shard_tar, member_problem
 from agent.work import parse_work
@@ -94,6 +96,16 @@ def test_md5_text():
     )
     with pytest.raises(FetchError, match="no md5"):
         parse_md5_text("<html>not found</html>", "x.tar.md5")
+
+
+def test_command_line(tmp_path, capsys):
+    config = config_from_flags(flag_set().parse(["-P", "8001", "--deploy_path", str(tmp_path)]))
+    assert config.deploy_path == tmp_path and config.keep == 2
+    assert config.server == "127.0.0.1:8000"
+    assert agent_main(["--deploy_path", str(tmp_path)]) == 2
+    assert "-P/--port is required" in capsys.readouterr().err
+    assert agent_main(["-P", "1", "--deploy_path", str(tmp_path), "--keep", "0"]) == 2
+    assert agent_main(["-P", "1", "--deploy_path", str(tmp_path), "--log_level", "LOUD"]) == 2
 
 
 # ------------------------------------------------------------------ retention rule
@@ -174,6 +186,24 @@ def test_http_resume_uses_range(tmp_path, files):
         assert http.ranges_for("s.tar") == ["bytes=12345-"]
     finally:
         http.close()
+
+
+def test_complete_part_is_not_fetched_again(tmp_path, files):
+    """A crash between the last byte and the md5 check leaves a complete .part."""
+    http = HttpFileServer(files)
+    ftp = FtpFileServer(files)
+    try:
+        whole = (files / "s.tar").read_bytes()
+        for source in (f"{http.url}/s.tar", f"{ftp.url}/s.tar", str(files / "s.tar")):
+            part = tmp_path / "s.tar.part"
+            part.write_bytes(whole)
+            assert asyncio.run(fetch_file(source, part, size=None, policy=FAST)) == len(whole)
+            assert part.read_bytes() == whole
+        assert http.ranges_for("s.tar") == [f"bytes={len(whole)}-"]
+        assert ftp.rest_offsets == []
+    finally:
+        http.close()
+        ftp.close()
 
 
 def test_http_retries_transient_errors_then_succeeds(tmp_path, files):
