@@ -353,26 +353,29 @@ class Step:
 def catch_up_plan(current: str, live_chain: list[str], on_disk: set[str]) -> list[Step]:
     """Commands that bring an instance serving `current` to the last version of `live_chain`.
 
-    Forward from where it is when `current` is in the chain (each later delta in order);
-    otherwise a `rollback` when the target is already on its disk (the agent switches or
-    reloads it), else from the base up, version by version.
+    When the target is already on its disk and `current` is not on the way to it, a `rollback`
+    (the agent switches to it or reloads it). Otherwise the chain versions it lacks are
+    downloaded (from just after `current` when that is in the chain, else from the base), then
+    the target is reloaded and enabled: the agent loads a delta on top of its predecessor or,
+    from anywhere else, the whole CHAIN from disk.
     """
     if not live_chain or current == live_chain[-1]:
         return []
     target = live_chain[-1]
+    mode = _mode(live_chain, target)
+    chain = tuple(live_chain)
     if current in live_chain:
         start = live_chain.index(current) + 1
     elif target in on_disk and current:
-        return [Step("rollback", target, _mode(live_chain, target), tuple(live_chain))]
+        return [Step("rollback", target, mode, chain)]
     else:
         start = 0
-    steps: list[Step] = []
-    for position in range(start, len(live_chain)):
-        version = live_chain[position]
-        chain = tuple(live_chain[: position + 1])
-        mode = "base" if position == 0 else "delta"
-        steps += [Step(cmd, version, mode, chain) for cmd in ("download", "reload", "enable")]
-    return steps
+    steps = [
+        Step("download", version, _mode(live_chain, version), tuple(live_chain[: i + 1]))
+        for i, version in enumerate(live_chain)
+        if i >= start or version not in on_disk
+    ]
+    return [*steps, Step("reload", target, mode, chain), Step("enable", target, mode, chain)]
 
 
 def _mode(chain: list[str], version: str) -> str:

@@ -1,0 +1,427 @@
+"""cube-transfer's rollout logic against in-process fake agents and a fake builder: phases,
+commit and quorum, abort and rollback, restart from the journal, reconciliation, bad input, and
+the HTTP API. Real processes: test_transfer_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import aiohttp
+from procs import free_port
+from transfer_helpers import FakeAgent, append_line, make_input, transfer_conf, write_fake_builder
+
+from transfer.config import parse_config
+from transfer.http_api import start_listeners
+from transfer.service import TransferService
+
+B1, B2 = "1700000000", "1700000500"
+D1, D2 = f"{B1}_1700000100", f"{B1}_1700000200"
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+@contextlib.asynccontextmanager
+async def harness(
+    tmp: Path,
+    shards: int = 2,
+    replicas: int = 2,
+    extra: str = "",
+    listeners: bool = False,
+    token: str = "",
+    mode: str = "base_delta",
+) -> AsyncIterator[SimpleNamespace]:
+    events: list[tuple[str, str, str]] = []  # (agent, command, version), in arrival order
+    agents = [
+        [FakeAgent(f"{i}_{j}", token=token, events=events) for j in range(replicas)]
+        for i in range(shards)
+    ]
+    for row in agents:
+        for agent in row:
+            await agent.start()
+    builder = write_fake_builder(tmp)
+    wget_port = free_port()
+    text = transfer_conf(
+        tmp, agents, wget_port=wget_port, builder=str(builder), extra=extra, mode=mode
+    )
+    (tmp / "transfer.conf").write_text(text)
+    cfg = parse_config(text, "transfer.conf", tmp)
+    services: list[TransferService] = []
+    stops = []
+
+    async def new_service() -> TransferService:
+        service = TransferService(cfg, poll_interval=0.05, dead_timeout=1.0)
+        await service.open()
+        services.append(service)
+        if listeners:
+            stops.append(await start_listeners(service, api_port))
+        return service
+
+    api_port = free_port()
+    h = SimpleNamespace(
+        tmp=tmp,
+        cfg=cfg,
+        agents=agents,
+        flat=[a for row in agents for a in row],
+        events=events,
+        donefile=tmp / "donefile",
+        api=f"http://127.0.0.1:{api_port}",
+        new_service=new_service,
+    )
+    h.service = await new_service()
+    try:
+        yield h
+    finally:
+        for stop in stops:
+            await stop()
+        for service in services:
+            await service.close()
+        for agent in h.flat:
+            await agent.stop()
+
+
+def base_line(h, version: str, *markers: str) -> None:
+    make_input(h.tmp, version, *markers)
+    append_line(
+        h.donefile, "base.txt", {"id": version, "key": version, "input": f"input/{version}"}
+    )
+    # inputs are relative to the donefile directory
+    (h.donefile / "input").mkdir(exist_ok=True)
+    target = h.donefile / "input" / version
+    if not target.exists():
+        target.symlink_to(h.tmp / "input" / version)
+
+
+def patch_line(h, delta: str, *markers: str) -> None:
+    base, cur = delta.split("_")
+    make_input(h.tmp, delta, *markers)
+    append_line(
+        h.donefile, "patch.txt", {"id": cur, "key": base, "input": str(h.tmp / "input" / delta)}
+    )
+
+
+def versions(h) -> list[str]:
+    return [a.cur for a in h.flat]
+
+
+def history(h) -> dict[str, str]:
+    return {(r.version or r.line): r.status for r in h.service.state.history}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_base_then_deltas_roll_out_in_phases(tmp_path):
+    async def body():
+        async with harness(tmp_path) as h:
+            base_line(h, B1)
+            await h.service.cycle()
+            assert versions(h) == [B1] * 4
+            assert h.service.state.live_version == B1 and h.service.state.live_chain == [B1]
+            # every download before any reload, every reload before any enable
+            order = [cmd for _, cmd, _ in h.events]
+            assert order == ["download"] * 4 + ["reload"] * 4 + ["enable"] * 4
+            first = h.flat[0].received[0]
+            assert first["mode"] == "base" and first["version"] == B1 and first["depend"] == B1
+            assert first["source"].endswith(f"/{B1}_{B1}/test_dict_part0.tar")
+            assert len(first["md5"]) == 32 and first["size"] > 0
+            assert first["shard_seq"] == 0 and first["deploy_path"] == "/deploy"
+            rec = h.service.state.record(B1)
+            assert rec.status == "finished" and set(rec.meta_infos) == {"0", "1"}
+            argv = json.loads((tmp_path / "output" / "argv.log").read_text().splitlines()[0])
+            assert argv[argv.index("-job_mode") + 1] == "base"
+            assert argv[argv.index("-cur_version") + 1] == B1
+
+            h.events.clear()
+            patch_line(h, D1)
+            patch_line(h, D2)
+            await h.service.cycle()
+            assert versions(h) == [D2] * 4
+            assert h.service.state.live_chain == [B1, D1, D2]
+            sent = [b for b in h.flat[3].received if b["version"] == D2]
+            assert sent[0]["chain"] == [B1, D1, D2] and sent[0]["mode"] == "delta"
+            assert sent[0]["source"].endswith(f"/{D2}/test_dict_part1.tar")
+            argv = json.loads((tmp_path / "output" / "argv.log").read_text().splitlines()[-1])
+            assert argv[argv.index("-job_mode") + 1] == "delta"
+            assert argv[argv.index("-depend_version") + 1] == B1
+
+    run(body())
+
+
+def test_no_shard_switches_when_a_shard_misses_quorum(tmp_path):
+    async def body():
+        async with harness(tmp_path, extra="retries: 1") as h:
+            base_line(h, B1)
+            await h.service.cycle()
+            h.events.clear()
+            h.agents[1][0].behavior = lambda cmd, v: "disk full" if cmd == "reload" else None
+            base_line(h, B2)
+            await h.service.cycle()
+            assert versions(h) == [B1] * 4  # nobody switched
+            assert not [e for e in h.events if e[1] == "enable"]
+            rec = h.service.state.record(B2)
+            assert rec.status == "failed"
+            assert "reload did not reach quorum 2 (shard 1: 1 of 2" in rec.message
+            assert "disk full" in rec.message and "nothing was switched" in rec.message
+            assert h.service.state.live_version == B1 and h.service.state.deployment is None
+            tries = [e for e in h.events if e[0] == "1_0" and e[1] == "reload"]
+            assert len(tries) == 2  # first try + one retry
+
+    run(body())
+
+
+def test_a_dead_replica_does_not_block_under_quorum_one_and_catches_up(tmp_path):
+    async def body():
+        async with harness(tmp_path, extra="quorum: 1") as h:
+            base_line(h, B1)
+            await h.service.cycle()
+            dead = h.agents[0][1]
+            await dead.stop()
+            base_line(h, B2)
+            await h.service.cycle()
+            assert h.service.state.live_version == B2
+            assert [a.cur for a in h.flat if a is not dead] == [B2] * 3 and dead.cur == B1
+            assert h.service.state.instances["0_1"].status == "Dead"
+            await dead.start(dead.port)
+            await h.service.cycle()  # reconciler
+            assert dead.cur == B2
+            assert h.service.state.instances["0_1"].version == B2
+
+    run(body())
+
+
+def test_a_failed_enable_returns_the_switched_replicas_to_the_previous_version(tmp_path):
+    async def body():
+        async with harness(tmp_path, extra="retries: 0") as h:
+            base_line(h, B1)
+            await h.service.cycle()
+            for agent in h.agents[1]:
+                agent.behavior = lambda cmd, v: "server crashed" if cmd == "enable" else None
+            base_line(h, B2)
+            await h.service.cycle()
+            assert versions(h) == [B1] * 4
+            assert h.agents[0][0].switches == [B1, B2, B1]
+            rec = h.service.state.record(B2)
+            assert rec.status == "failed" and "enable did not reach quorum" in rec.message
+            assert "back on 1700000000" in rec.message
+            assert h.service.state.live_version == B1
+
+    run(body())
+
+
+def test_a_lagging_replica_skips_a_delta_and_is_caught_up_by_the_reconciler(tmp_path):
+    async def body():
+        async with harness(tmp_path, extra="quorum: 1") as h:
+            base_line(h, B1)
+            await h.service.cycle()
+            lagging = h.agents[1][1]
+            lagging.cur = "1600000000"  # serves something else (restored by hand, say)
+            patch_line(h, D1)
+            await h.service.cycle()
+            assert h.service.state.live_version == D1
+            # it downloaded the delta but was never asked to load it on the wrong base
+            assert (lagging.name, "reload", D1) not in h.events
+            deploy = h.service.state.record(D1)
+            assert deploy.status == "finished"
+            # the reconciler (same cycle) brought it to D1 with a rollback to the on-disk version
+            assert (lagging.name, "rollback", D1) in h.events
+            assert versions(h) == [D1] * 4
+
+    run(body())
+
+
+def test_restart_resumes_a_deployment_without_redoing_finished_phases(tmp_path):
+    async def body():
+        async with harness(tmp_path) as h:
+            base_line(h, B1)
+            await h.service.cycle()
+            for agent in h.flat:
+                agent.delay = 0.5
+            base_line(h, B2)
+            work = asyncio.create_task(h.service.cycle())
+            for _ in range(200):
+                if any(cmd == "reload" and v == B2 for _, cmd, v in h.events):
+                    break
+                await asyncio.sleep(0.02)
+            work.cancel()  # as a kill -9 would, mid-reload (the journal says phase reload)
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            for agent in h.flat:
+                agent.delay = 0.01
+            again = await h.new_service()
+            assert again.state.deployment is not None
+            assert again.state.deployment.phase == "reload"
+            h.service = again
+            await again.cycle()
+            assert versions(h) == [B2] * 4 and again.state.live_version == B2
+            downloads = [e for e in h.events if e[1] == "download" and e[2] == B2]
+            assert len(downloads) == 4  # not downloaded again
+            assert again.state.record(B2).status == "finished"
+            # and a third start finds nothing to do
+            third = await h.new_service()
+            h.events.clear()
+            await third.cycle()
+            assert not [e for e in h.events if e[1] != "task"]
+
+    run(body())
+
+
+def test_bad_donefile_lines_and_bad_builds_fail_alone(tmp_path):
+    async def body():
+        async with harness(tmp_path, extra="retries: 0") as h:
+            append_line(h.donefile, "base.txt", '{"id": "17", "key": "17", "input": ')
+            await h.service.cycle()
+            for version, marker in (("19", "FAIL"), ("20", "BADMD5")):
+                base_line(h, version, marker)
+                await h.service.cycle()
+                assert versions(h) == [""] * 4 and h.flat[0].received == []
+            base_line(h, "21")
+            await h.service.cycle()
+            assert versions(h) == ["21"] * 4
+            return h.service.state.history
+
+    recs = run(body())
+    assert recs[0].status == "failed" and "malformed donefile line" in recs[0].message
+    assert "base.txt:1: not JSON" in recs[0].message
+    by_version = {r.version: r for r in recs if r.version}
+    assert by_version["19"].status == "failed"
+    assert "exited with status 3" in by_version["19"].message
+    assert "bad record at offset 42" in by_version["19"].message
+    assert "does not match its .md5" in by_version["20"].message
+    assert by_version["21"].status == "finished"
+
+
+def test_missing_input_fails_the_version_with_its_path(tmp_path):
+    async def body():
+        async with harness(tmp_path, shards=1, replicas=1) as h:
+            append_line(h.donefile, "base.txt", {"id": "18", "key": "18", "input": "/no/such/dir"})
+            await h.service.cycle()
+            rec = h.service.state.record("18")
+            assert rec.status == "failed" and "input /no/such/dir does not exist" in rec.message
+            assert h.flat[0].received == []
+            patch_line(h, "18_19")
+            await h.service.cycle()
+            assert "no base is live" in h.service.state.record("18_19").message
+
+    run(body())
+
+
+def test_http_api_shapes_rollback_and_meta(tmp_path):
+    async def body():
+        async with harness(tmp_path, listeners=True) as h, aiohttp.ClientSession() as http:
+            base_line(h, B1)
+            await h.service.cycle()
+            patch_line(h, D1)
+            await h.service.cycle()
+            # the file server serves the built tars read-only, with ranges
+            source = h.flat[0].received[0]["source"]
+            async with http.get(source) as resp:
+                data = await resp.read()
+                assert resp.status == 200
+            assert hashlib.md5(data).hexdigest() == h.flat[0].received[0]["md5"]
+            async with http.get(source, headers={"Range": "bytes=10-"}) as resp:
+                assert resp.status == 206 and await resp.read() == data[10:]
+            async with http.get(f"http://127.0.0.1:{h.cfg.wget_port}/../transfer.conf") as resp:
+                assert resp.status in (403, 404)
+            async with http.put(source, data=b"x") as resp:
+                assert resp.status == 405
+
+            async with http.get(h.api + "/dict/info") as resp:
+                info = await resp.json()
+            assert info["success"] == "0" and info["message"] == "query ok"
+            data = info["data"]
+            assert data["dict_name"] == "test_dict" and data["shard_num"] == 2
+            assert data["inst_num"] == 4 and data["enable_insts"] == 4
+            assert [v["version"] for v in data["current_version_info"]] == [B1, D1]
+            async with http.get(h.api + "/instance/status") as resp:
+                insts = (await resp.json())["data"]
+            assert len(insts) == 4 and insts[0]["status"] == "Enable_Succ"
+            assert insts[0]["status_id"] == 100 and insts[0]["agent_port"] == h.flat[0].port
+            assert insts[0]["enabled_time"] > 0 and insts[0]["version"] == D1
+            async with http.get(h.api + "/dict/deploy/history") as resp:
+                hist = (await resp.json())["data"]
+            assert [(v["version"], v["status"]) for v in hist] == [(B1, 90), (D1, 90)]
+            assert hist[1]["mode"] == "delta" and hist[1]["meta_infos"]["0"]
+
+            query = f"name=test_dict&version=1700000100&depend={B1}&shard=1"
+            async with http.get(h.api + "/dict/meta_info?" + query) as resp:
+                meta = (await resp.json())["data"]
+            assert meta["split"] == "0" and json.loads(meta["meta"])["index_total_count"] == "1"
+            form = {"name": "test_dict", "version": "1700000100", "depend": B1, "shard": "1",
+                    "split": "0", "meta": '{"index_total_count": "7"}'}  # fmt: skip
+            async with http.post(h.api + "/dict/meta_info/register", data=form) as resp:
+                assert (await resp.json())["data"] == "ok"
+            async with http.get(h.api + "/dict/meta_info?" + query) as resp:
+                assert "7" in (await resp.json())["data"]["meta"]
+            async with http.post(h.api + "/dict/meta_info/register", data={"name": "x"}) as resp:
+                reply = await resp.json()
+                assert resp.status == 400 and "missing form field" in reply["message"]
+
+            # a background worker would hold the lock; here the API drives the rollback itself
+            async with http.post(h.api + "/dict/rollback", json={"version": B1}) as resp:
+                reply = await resp.json()
+            assert reply["success"] == "0", reply
+            assert versions(h) == [B1] * 4 and h.service.state.live_chain == [B1]
+            async with http.post(h.api + "/dict/rollback", json={"version": "42"}) as resp:
+                reply = await resp.json()
+                assert resp.status == 400 and "never live here" in reply["message"]
+            async with http.post(h.api + "/dict/rollback", data=b"nope") as resp:
+                assert resp.status == 400
+            async with http.get(h.api + "/no/such") as resp:
+                reply = await resp.json()
+                assert reply["success"] == "2" and "GET /dict/info" in reply["data"]["api_list"]
+
+            # the next patch continues on the rolled-back chain
+            patch_line(h, D2)
+            await h.service.cycle()
+            assert h.service.state.live_chain == [B1, D2]
+            assert versions(h) == [D2] * 4
+
+    run(body())
+
+
+def test_agent_token_is_sent(tmp_path):
+    async def body():
+        async with harness(tmp_path, shards=1, replicas=1, extra="agent_token: s3cret",
+                           token="s3cret") as h:  # fmt: skip
+            base_line(h, B1)
+            await h.service.cycle()
+            assert versions(h) == [B1]
+
+    run(body())
+
+
+def test_patch_for_a_non_current_base_is_refused_with_a_reason(tmp_path):
+    async def body():
+        async with harness(tmp_path, shards=1, replicas=2) as h:
+            base_line(h, B1)
+            await h.service.cycle()
+            patch_line(h, "1600000000_1700000100")
+            await h.service.cycle()
+            rec = h.service.state.record("1600000000_1700000100")
+            assert rec.status == "refused"
+            assert f"is for base 1600000000, but the live base is {B1}" in rec.message
+            assert versions(h) == [B1, B1]
+            events = (tmp_path / "tmp" / "transfer_events.jsonl").read_text()
+            assert "1600000000_1700000100" in events
+
+    run(body())
+
+
+def test_base_only_mode_ignores_patches(tmp_path):
+    async def body():
+        async with harness(tmp_path, shards=1, replicas=1, mode="base_only") as h:
+            base_line(h, B1)
+            patch_line(h, D1)
+            await h.service.cycle()
+            assert versions(h) == [B1]
+            assert h.service.state.record(D1) is None
+
+    run(body())

@@ -1,0 +1,427 @@
+"""cube-transfer pure parts: transfer.conf, donefile lines, the version state machine, quorum,
+catch-up plans, the journal, builder output checks."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from transfer import build as builds
+from transfer.config import ConfigError, parse_config, render_config
+from transfer.donefile import (
+    BadLine,
+    DonefileEntry,
+    parse_line,
+    parse_lines,
+    resolve_input,
+    split_complete_lines,
+)
+from transfer.journal import Journal, JournalError
+from transfer.state import (
+    Deployment,
+    Step,
+    TransferState,
+    catch_up_plan,
+    ingest,
+    next_version,
+    quorum_shortfall,
+)
+
+CONF = """\
+# the original's sample, plus ours
+[default]
+dict_name: test_dict
+mode: base_delta
+download_mode: http
+wget_port: 8009   # inline comment
+buildtool_local: /bin/true
+donefile_address: /data/donefile
+output_address: out
+tmp_address: /tmp/cube-transfer
+shard_num: 2
+copy_num: 2
+transfer_address: 127.0.0.1
+quorum: 1
+phase_timeout: 30
+
+[cube_agent]
+agent0_0: 127.0.0.1:8001
+cube0_0: 127.0.0.1:8000:/home/work/cube0_0
+agent0_1: 127.0.0.1:8011
+cube0_1: 127.0.0.1:8010:/home/work/cube0_1
+agent1_0: 127.0.0.1:8021
+cube1_0: 127.0.0.1:8020:/home/work/cube1_0
+agent1_1: 127.0.0.1:8031
+cube1_1: 127.0.0.1:8030:/home/work/c:odd
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# config
+
+
+def test_config_parses_the_original_format(tmp_path):
+    cfg = parse_config(CONF, "t.conf", tmp_path)
+    assert cfg.dict_name == "test_dict" and cfg.mode == "base_delta"
+    assert cfg.wget_port == 8009
+    assert cfg.output_address == tmp_path / "out"  # relative to the config's directory
+    assert cfg.shard_num == 2 and cfg.copy_num == 2 and cfg.quorum == 1
+    assert cfg.download_timeout == 30 and cfg.reload_timeout == 30 and cfg.enable_timeout == 30
+    assert [i.name for i in cfg.instances] == ["0_0", "0_1", "1_0", "1_1"]
+    last = cfg.instance("1_1")
+    assert (last.agent_address, last.server_address) == ("127.0.0.1:8031", "127.0.0.1:8030")
+    assert last.deploy_path == "/home/work/c:odd"
+    assert [i.name for i in cfg.shard_instances(1)] == ["1_0", "1_1"]
+
+
+def test_config_defaults_quorum_to_all_replicas(tmp_path):
+    cfg = parse_config(CONF.replace("quorum: 1\n", ""), "t.conf", tmp_path)
+    assert cfg.quorum == 2
+    assert cfg.retries == 3 and cfg.partitioner == "mod" and cfg.listen == "127.0.0.1"
+
+
+def test_render_config_round_trips(tmp_path):
+    cfg = parse_config(CONF, "t.conf", tmp_path)
+    again = parse_config(render_config(cfg), "r.conf", tmp_path)
+    assert again.instances == cfg.instances
+    assert (again.quorum, again.output_address, again.mode) == (1, cfg.output_address, "base_delta")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (("shard_num: 2", "shard_num: x"), "t.conf:11: shard_num: expected an integer"),
+        (("mode: base_delta", "mode: weird"), "mode: 'weird' is not one of"),
+        (("quorum: 1", "quorum: 3"), "quorum: 3 is outside [1, 2]"),
+        (("agent1_1: 127.0.0.1:8031\n", ""), "needs agent1_1: ip:port"),
+        (("cube0_0: 127.0.0.1:8000:/home/work/cube0_0", "cube0_0: 127.0.0.1:8000"), "ip:port:"),
+        (("agent0_0: 127.0.0.1:8001", "agent0_0: localhost"), "expected ip:port"),
+        (("agent0_0: 127.0.0.1:8001", "agent5_0: 127.0.0.1:8001"), "outside shard_num=2"),
+        (("dict_name: test_dict", "dict_name: ../x"), "not a plain name"),
+        (("wget_port: 8009", "wget_port: 8009\nwget_port: 1"), "repeats line"),
+        (("[default]", "[default"), "bad section header"),
+        (("wget_port: 8009   # inline comment", "just words"), "expected 'key: value'"),
+    ],
+)
+def test_config_errors_name_the_place(tmp_path, change, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_config(CONF.replace(*change), "t.conf", tmp_path)
+
+
+def test_config_requires_the_essentials(tmp_path):
+    with pytest.raises(ConfigError, match="no \\[default\\] section"):
+        parse_config("[cube_agent]\n", "t.conf", tmp_path)
+    with pytest.raises(ConfigError, match="needs donefile_address"):
+        parse_config(CONF.replace("donefile_address: /data/donefile\n", ""), "t.conf", tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# donefile
+
+
+def test_donefile_lines_parse_ids_as_integers():
+    base = parse_line("base.txt", 1, '{"id": "1700000000", "key": 1700000000, "input": "/in/b"}')
+    assert base == DonefileEntry("base.txt", 1, "1700000000", "1700000000", "/in/b")
+    patch = parse_line(
+        "patch.txt", 4, '{"id":"1700000100","key":"1700000000","input":"p","delete":"/d"}'
+    )
+    assert isinstance(patch, DonefileEntry)
+    assert (patch.key, patch.delete, patch.where) == ("1700000000", "/d", "patch.txt:4")
+    assert parse_line("base.txt", 2, "   ") is None
+
+
+@pytest.mark.parametrize(
+    ("file", "text", "reason"),
+    [
+        ("base.txt", '{"id": "1", "key": "1", "input": "/x"', "not JSON"),
+        ("base.txt", "[1, 2]", "expected a JSON object"),
+        ("base.txt", '{"key": "1", "input": "/x"}', "'id' is missing"),
+        ("base.txt", '{"id": "1a", "key": "1a", "input": "/x"}', "decimal integer"),
+        ("base.txt", '{"id": "1", "key": "2", "input": "/x"}', "id == key"),
+        ("base.txt", '{"id": "1", "key": "1", "input": ""}', "'input' is missing or empty"),
+        ("patch.txt", '{"id": "1", "key": "1", "input": "/x", "delete": 5}', "'delete'"),
+        ("base.txt", '{"id": true, "key": "1", "input": "/x"}', "'id' is missing or not"),
+    ],
+)
+def test_bad_donefile_lines_say_why(file, text, reason):
+    parsed = parse_line(file, 7, text)
+    assert isinstance(parsed, BadLine)
+    assert reason in parsed.reason and parsed.reason.startswith(f"{file}:7:")
+
+
+def test_an_unterminated_last_line_waits_unless_complete():
+    assert split_complete_lines('{"a": 1}\n{"id": "2"') == ['{"a": 1}']
+    assert split_complete_lines('{"a": 1}\n{"b": 2}') == ['{"a": 1}', '{"b": 2}']
+    assert split_complete_lines("") == []
+    entries = parse_lines("base.txt", '{"id":"1","key":"1","input":"a"}\n\n{"id":"2",', 0)
+    assert [e.line_no for e in entries] == [1]
+
+
+def test_inputs_resolve_like_the_original():
+    assert resolve_input("/srv/donefile", "/abs/in") == "/abs/in"
+    assert resolve_input("/srv/donefile", "rel/in") == "/srv/donefile/rel/in"
+    assert (
+        resolve_input("http://h:8080/cube/donefile", "/output/2019/base")
+        == "http://h:8080/output/2019/base"
+    )
+    assert resolve_input("ftp://h/donefile", "in") == "ftp://h/donefile/in"
+    assert resolve_input("/x", "http://other/in") == "http://other/in"
+
+
+# ---------------------------------------------------------------------------------------------
+# state machine
+
+
+def _lines(state, file, *objs, start=1):
+    parsed = [parse_line(file, start + i, json.dumps(o)) for i, o in enumerate(objs)]
+    return ingest(state, parsed, 1.0)
+
+
+def _base(i, inp="/in"):
+    return {"id": str(i), "key": str(i), "input": inp}
+
+
+def _patch(i, key, inp="/in"):
+    return {"id": str(i), "key": str(key), "input": inp}
+
+
+def _go_live(state, rec):
+    rec.status = "finished"
+    state.live_version = rec.version
+    state.live_chain = list(rec.chain)
+
+
+def test_newest_base_wins_and_older_pending_are_skipped():
+    state = TransferState()
+    _lines(state, "base.txt", _base(100), _base(300), _base(200))
+    rec, logs = next_version(state, 2.0)
+    assert rec.version == "300" and rec.chain == ["300"]
+    statuses = {r.version: r.status for r in state.history}
+    assert statuses == {"100": "skipped", "300": "pending", "200": "skipped"}
+    assert any("superseded by the newer base 300" in line for line in logs)
+
+
+def test_patches_apply_in_order_on_the_live_base_only():
+    state = TransferState()
+    _lines(state, "base.txt", _base(100))
+    base, _ = next_version(state, 2.0)
+    _go_live(state, base)
+    _lines(state, "patch.txt", _patch(110, 100), _patch(105, 99), _patch(120, 100))
+    first, _ = next_version(state, 3.0)
+    assert first.version == "100_110" and first.chain == ["100", "100_110"]
+    _go_live(state, first)
+    second, _ = next_version(state, 3.0)
+    assert second.version == "100_120" and second.chain == ["100", "100_110", "100_120"]
+    refused = state.record("99_105")
+    assert refused.status == "refused"
+    assert "is for base 99, but the live base is 100" in refused.message
+    _go_live(state, second)
+    _lines(state, "patch.txt", _patch(115, 100), start=4)
+    none, _ = next_version(state, 4.0)
+    assert none is None
+    assert "not newer than the live delta 100_120" in state.record("100_115").message
+
+
+def test_a_new_base_refuses_the_old_bases_pending_patches_and_resets_the_chain():
+    state = TransferState()
+    _lines(state, "base.txt", _base(100))
+    _go_live(state, next_version(state, 1.0)[0])
+    _lines(state, "patch.txt", _patch(110, 100), _patch(210, 200))
+    _lines(state, "base.txt", _base(200), start=2)
+    rec, _ = next_version(state, 2.0)
+    assert rec.version == "200" and rec.chain == ["200"]
+    assert state.record("100_110").status == "refused"
+    assert state.record("200_210").status == "pending"  # applies once 200 is live
+    _go_live(state, rec)
+    rec, _ = next_version(state, 3.0)
+    assert rec.version == "200_210" and rec.chain == ["200", "200_210"]
+
+
+def test_old_bases_and_orphan_patches_are_refused():
+    state = TransferState()
+    _lines(state, "patch.txt", _patch(5, 1))
+    assert next_version(state, 1.0)[0] is None
+    assert "no base is live" in state.record("1_5").message
+    _lines(state, "base.txt", _base(100))
+    _go_live(state, next_version(state, 1.0)[0])
+    _lines(state, "base.txt", _base(50), start=2)
+    assert next_version(state, 1.0)[0] is None
+    assert "not newer than the live base 100" in state.record("50").message
+
+
+def test_repeated_lines_are_ignored_but_a_failed_version_may_be_retried():
+    state = TransferState()
+    _lines(state, "base.txt", _base(100))
+    logs = _lines(state, "base.txt", _base(100), start=2)
+    assert len(state.history) == 1 and "repeats base.txt:1" in logs[0][1]
+    state.history[0].status = "failed"
+    _lines(state, "base.txt", _base(100), start=3)
+    assert [r.status for r in state.history] == ["failed", "pending"]
+
+
+def test_malformed_lines_become_failed_records():
+    state = TransferState()
+    parsed = [parse_line("base.txt", 1, "{oops")]
+    logs = ingest(state, parsed, 1.0)
+    assert state.history[0].status == "failed" and "malformed donefile line" in logs[0][1]
+    assert next_version(state, 1.0)[0] is None
+
+
+def test_quorum_shortfall():
+    shards = {0: ["0_0", "0_1"], 1: ["1_0", "1_1"]}
+    assert quorum_shortfall({"0_0", "0_1", "1_0", "1_1"}, shards, 2) == []
+    assert quorum_shortfall({"0_0", "1_1"}, shards, 1) == []
+    assert quorum_shortfall({"0_0", "0_1", "1_1"}, shards, 2) == [
+        "shard 1: 1 of 2 replicas ready, need 2"
+    ]
+    assert quorum_shortfall({"0_0"}, {0: ["0_0"]}, 3) == []  # quorum capped by replicas
+
+
+def test_catch_up_plans():
+    chain = ["100", "100_110", "100_120"]
+    assert catch_up_plan("100_120", chain, set()) == []
+    forward = catch_up_plan("100_110", chain, {"100", "100_110"})
+    assert [(s.command, s.version) for s in forward] == [
+        ("download", "100_120"),
+        ("reload", "100_120"),
+        ("enable", "100_120"),
+    ]
+    assert forward[-1].chain == tuple(chain) and forward[-1].mode == "delta"
+    fresh = catch_up_plan("", chain, set())
+    assert [(s.command, s.version) for s in fresh] == [
+        ("download", "100"),
+        ("download", "100_110"),
+        ("download", "100_120"),
+        ("reload", "100_120"),
+        ("enable", "100_120"),
+    ]
+    assert fresh[0] == Step("download", "100", "base", ("100",))
+    back = catch_up_plan("100_130", chain, {"100", "100_110", "100_120", "100_130"})
+    assert back == [Step("rollback", "100_120", "delta", tuple(chain))]
+
+
+# ---------------------------------------------------------------------------------------------
+# journal
+
+
+def test_journal_round_trips_and_refuses_another_dict(tmp_path):
+    journal = Journal(tmp_path / "tmp")
+    state = journal.load("d")
+    _lines(state, "base.txt", _base(100))
+    state.cursors["base.txt"] = 1
+    state.deployment = Deployment(kind="deploy", version="100", phase="reload", targets=["0_0"])
+    journal.save(state)
+    journal.event("x", a=1)
+    again = Journal(tmp_path / "tmp").load("d")
+    assert again.to_json() == state.to_json()
+    assert json.loads((tmp_path / "tmp" / "transfer_events.jsonl").read_text())["a"] == 1
+    assert not list((tmp_path / "tmp").glob(".*tmp*"))
+    with pytest.raises(JournalError, match="belongs to dict 'd'"):
+        Journal(tmp_path / "tmp").load("other")
+    (tmp_path / "tmp" / "transfer_state.json").write_text("{not json")
+    with pytest.raises(JournalError, match="unusable state"):
+        Journal(tmp_path / "tmp").load("d")
+
+
+def test_history_trim_keeps_pending_and_live():
+    state = TransferState()
+    _lines(state, "base.txt", *[_base(i) for i in range(1, 21)])
+    for rec in state.history[:-1]:
+        rec.status = "skipped"
+    state.live_chain = ["1"]
+    state.trim_history(5)
+    names = [r.version for r in state.history]
+    assert len(names) == 5 and "1" in names and "20" in names
+
+
+# ---------------------------------------------------------------------------------------------
+# build outputs
+
+
+def _tar_bytes(members: dict[str, bytes], extra: tarfile.TarInfo | None = None) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        if extra is not None:
+            tar.addfile(extra)
+    return buf.getvalue()
+
+
+def _write_output(out: Path, shard: int, data: bytes, md5: str | None = None) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    tar = out / f"d_part{shard}.tar"
+    tar.write_bytes(data)
+    digest = md5 or hashlib.md5(data).hexdigest()
+    (out / f"d_part{shard}.tar.md5").write_text(f"{digest}  {tar.name}\n")
+    return tar
+
+
+def test_check_outputs_accepts_good_tars(tmp_path):
+    for shard in range(2):
+        _write_output(tmp_path, shard, _tar_bytes({"./index.cube": b"i", "./data.cube": b"d"}))
+    shards = builds.check_outputs(tmp_path, "d", 2)
+    assert [s.shard for s in shards] == [0, 1] and shards[0].size > 0
+
+
+def test_check_outputs_rejects_bad_builds(tmp_path):
+    good = _tar_bytes({"index.cube": b"i"})
+    _write_output(tmp_path / "a", 0, good, md5="0" * 32)
+    with pytest.raises(builds.BuildError, match=r"does not match its \.md5"):
+        builds.check_outputs(tmp_path / "a", "d", 1)
+    _write_output(tmp_path / "b", 0, _tar_bytes({"../evil": b"x"}))
+    with pytest.raises(builds.BuildError, match=r"'\.\.' in the path"):
+        builds.check_outputs(tmp_path / "b", "d", 1)
+    link = tarfile.TarInfo("link")
+    link.type = tarfile.SYMTYPE
+    link.linkname = "/etc/passwd"
+    _write_output(tmp_path / "c", 0, _tar_bytes({}, link))
+    with pytest.raises(builds.BuildError, match="not a regular file"):
+        builds.check_outputs(tmp_path / "c", "d", 1)
+    _write_output(tmp_path / "d", 0, b"garbage" * 100)
+    with pytest.raises(builds.BuildError, match="not a readable tar"):
+        builds.check_outputs(tmp_path / "d", "d", 1)
+    _write_output(tmp_path / "e", 0, good)
+    with pytest.raises(builds.BuildError, match="no tar for shard 1"):
+        builds.check_outputs(tmp_path / "e", "d", 2)
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "d_part0.tar").write_bytes(good)
+    with pytest.raises(builds.BuildError, match="the builder wrote no md5"):
+        builds.check_outputs(tmp_path / "f", "d", 1)
+
+
+def test_resolve_command(tmp_path):
+    assert builds.resolve_command("sh").endswith("/sh")
+    with pytest.raises(builds.BuildError, match="not found on PATH"):
+        builds.resolve_command("no-such-builder-here")
+    script = tmp_path / "b.sh"
+    script.write_text("#!/bin/sh\n")
+    with pytest.raises(builds.BuildError, match="not an executable file"):
+        builds.resolve_command(str(script))
+    os.chmod(script, 0o755)
+    assert builds.resolve_command(str(script)) == str(script)
+
+
+def test_builder_argv_is_a_list_without_a_shell():
+    argv = builds.builder_argv(
+        "/x/cube-builder",
+        dict_name="d",
+        input_path="/in; rm -rf /",
+        output_path="/out",
+        shard_num=2,
+        mode="delta",
+        cur_version="110",
+        depend_version="100",
+        partitioner="mod",
+        delete_path="/del",
+    )
+    assert argv[argv.index("-input_path") + 1] == "/in; rm -rf /"
+    assert argv[-2:] == ["-delete_path", "/del"] and "-quiet" in argv
