@@ -6,6 +6,8 @@ bad-request status, the empty server, dict_split layout, health and reflection."
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import grpc
 import numpy as np
@@ -225,3 +227,44 @@ def test_health_and_reflection(bad_request_server):
     request = reflection_pb2.ServerReflectionRequest(file_containing_symbol="cube.v1.CubeService")
     reply = next(iter(stub.ServerReflectionInfo(iter([request]), timeout=10)))
     assert reply.file_descriptor_response.file_descriptor_proto
+
+
+def test_flagfile_and_cli_errors(tmp_path):
+    data = tmp_path / "data"
+    write_version(data, "7", [5, 9], [b"five", b"nine!"], current=True)
+    flagfile = tmp_path / "gflags.conf"
+    flagfile.write_text("# like conf/gflags.conf\n-dict_split=1\n--in_mem=true\n--max_batch=2\n")
+    with (
+        running_server(data, "--flagfile", str(flagfile)) as server,
+        grpc.insecure_channel(server.address) as channel,
+    ):
+        assert variable_values(seek(channel, [5, 6])) == [b"five", b""]
+        with pytest.raises(grpc.RpcError) as info:
+            seek(channel, [1, 2, 3])
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert json.loads(control(channel, "status").detail_json)["in_mem"] is True
+        # a second server on the same port fails to start
+        clash = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "cube.server.main",
+                "--data_dir",
+                str(data),
+                "--port",
+                str(server.port),
+                "--in_mem",
+                "false",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert clash.returncode == 1 and "cannot listen" in clash.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "cube.server.main", "--dict_split", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "--dict_split" in bad.stderr
