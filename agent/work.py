@@ -86,7 +86,9 @@ def parse_work(body: object, deploy_path: Path) -> Work:
         )
     mode = _text(body, "mode")
     if mode and mode not in MODES:
-        raise BadRequest(f"mode: {mode!r} is not one of base, delta")
+        if command == "download":
+            raise BadRequest(f"mode: {mode!r} is not one of base, delta")
+        mode = ""  # other commands read the mode from the placed files (CHAIN)
     raw_version = _text(body, "version")
     if not raw_version:
         raise BadRequest("version: required")

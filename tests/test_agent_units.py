@@ -67,6 +67,8 @@ def test_parse_work_fields(tmp_path):
     assert (work.mode, work.chain, work.shard_seq, work.md5) == ("delta", ["1", "1_2"], 3, "a" * 32)
     base = parse_work({"command": "download", "version": "7", "source": "/x.tar"}, tmp_path)
     assert base.mode == "base" and base.chain == []
+    rollback = parse_work({"command": "rollback", "version": "7", "mode": "rollback"}, tmp_path)
+    assert rollback.mode == ""  # the server-side commands take the mode from disk
 
 
 @pytest.mark.parametrize(
@@ -81,7 +83,7 @@ def test_parse_work_fields(tmp_path):
         ({"command": "download", "version": "1", "source": "x", "size": -1}, "size"),
         ({"command": "download", "version": "1", "source": "x", "mode": "delta"}, "chain"),
         ({"command": "reload", "version": "1", "deploy_path": "/elsewhere"}, "deploy_path"),
-        ({"command": "reload", "version": "1", "mode": "weird"}, "mode"),
+        ({"command": "download", "version": "1", "source": "x", "mode": "weird"}, "mode"),
         ({"command": "task", "version": "1", "task_command": "dance"}, "task_command"),
     ],
 )
