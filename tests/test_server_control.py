@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import queue
+import signal
 import threading
 import time
 
 import grpc
 import numpy as np
+import procs
 import pytest
 from procs import expected_fixed, fixed_values, running_server, start_server, write_version
 from test_server import control, fixed_rows, seek
@@ -312,3 +314,22 @@ def test_switch_under_load_each_response_from_one_version(data):
                 thread.join(timeout=30)
         assert not failures
         assert seen.get("100") and seen.get("200")
+
+
+def test_reuseport_workers_stop_on_sigint(data, tmp_path):
+    ports = procs.free_ports(3)
+    explicit = f"{ports[0]},{ports[2]}"  # worker 1 on its own listed port
+    server = start_server(
+        data, "--reuseport", "--worker_ports", explicit, workers=2, ports=[ports[0], ports[2]]
+    )
+    try:
+        for address in server.addresses:
+            with grpc.insecure_channel(address) as channel:
+                assert tags_of(seek(channel, KEYS[:5])) == {1}
+        with grpc.insecure_channel(server.address) as channel:
+            detail = json.loads(control(channel, "status").detail_json)
+            assert detail["ports"] == [ports[0], ports[2]] and detail["reuseport"] is True
+        server.signal(signal.SIGINT)
+        assert server.process.wait(timeout=30) == 0
+    finally:
+        server.stop()
