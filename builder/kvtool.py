@@ -1,0 +1,94 @@
+"""kvtool: print a SequenceFile's header and records (the Cube tools' `kvtool.py <file>`).
+
+    kvtool FILE [--float] [--limit N] [--key_format auto|cube|bytes_be|bytes_le|long|text]
+
+One line per record: the key as a decimal uint64, a tab, and the value as hex (or, with --float,
+as float32 little-endian numbers). Keys that do not decode in the file's auto-detected format
+(e.g. genuine BytesWritable keys that are not 8 bytes) are shown as `raw:<hex>`; with an explicit
+--key_format such a key is an error naming file and offset. Exit status 1 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+from builder.seqfile import KEY_FORMATS, SequenceFileError, SequenceFileReader, decode_key
+
+
+def format_value(value: bytes, as_float: bool) -> str:
+    if not as_float:
+        return value.hex()
+    if len(value) % 4:
+        return f"raw:{value.hex()} ({len(value)} bytes, not float32s)"
+    floats = np.frombuffer(value, dtype="<f4")
+    return "[" + ", ".join(f"{x:.7g}" for x in floats.tolist()) + "]"
+
+
+def header_lines(reader: SequenceFileReader) -> list[str]:
+    header = reader.header
+    return [
+        f"# file: {reader.path}",
+        f"# version: {header.version}  key class: {header.key_class}  "
+        f"value class: {header.value_class}",
+        f"# compression: {header.compression}  codec: {header.codec or '-'}  "
+        f"key format: {reader.key_format}  dialect: {reader.dialect}",
+        f"# metadata: {header.metadata}  sync: {header.sync.hex()}",
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    explicit = args.key_format != "auto"
+    shown = 0
+    with SequenceFileReader(args.file, key_format=args.key_format) as reader:
+        for line in header_lines(reader):
+            print(line)
+        decodable = reader.key_format != "auto"
+        for offset, key, value in reader.records_with_offsets():
+            if args.limit is not None and shown >= args.limit:
+                break
+            try:
+                key_text = str(decode_key(key, reader.key_format)) if decodable else None
+            except ValueError as exc:
+                if explicit:
+                    raise SequenceFileError(reader.path, offset, str(exc)) from None
+                key_text = None
+            if key_text is None:
+                key_text = f"raw:{key.hex()}"
+            print(f"{key_text}\t{format_value(value, args.float)}")
+            shown += 1
+    print(f"# {shown} records shown")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvtool", description="Print a SequenceFile's records.")
+    p.add_argument("file", help="SequenceFile to read")
+    p.add_argument("--float", action="store_true", help="show values as float32 lists")
+    p.add_argument("--limit", type=int, default=None, help="show at most N records")
+    p.add_argument("--key_format", choices=KEY_FORMATS, default="auto", help="key decoding")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.limit is not None and args.limit < 0:
+        print("error: --limit must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        return run(args)
+    except SequenceFileError as exc:
+        sys.stdout.flush()
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `kvtool f | head`: stop quietly, and keep exit-time flushes quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
