@@ -1,0 +1,676 @@
+"""cube-builder's pipeline: SequenceFiles in, one version directory of shards out.
+
+1. Read (in up to `workers` processes, each over a contiguous run of the sorted input files):
+   record batches are routed to shards (vectorized) and appended to per-shard spill files.
+2. Finish each shard (the processes again, one shard at a time each): join its spill parts in
+   input order, map them, build the table (`cube.index.build_table`: the last record of a key
+   wins, deletions win over records), write `index.cube` + `data.cube` (`cube.shard`), then the
+   tar with its md5 computed in the same pass.
+3. Publish: everything is built in `<output>/.tmp-<depend>_<cur>-<pid>/`, renamed to
+   `<output>/<depend>_<cur>` when complete; then `meta_info/<cur>_<depend>_<shard>_0.json`.
+   On any error the staging and spill directories are removed and nothing is published.
+
+Memory: about `memory_mb` for read buffers and spill buffers while reading; while finishing,
+one shard's keys and table per worker process (values stay on an mmap of the spill).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import os
+import shutil
+import stat
+import tarfile
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from builder.meta import (
+    META_DIR,
+    ShardOutput,
+    meta_info_name,
+    shard_meta_info,
+    write_meta_file,
+)
+from builder.spill import Spiller, SpillPart, group_positions, merge_parts, open_spill, remove_part
+from cube.index import build_table
+from cube.routing import check_partitioner, shard_of
+from cube.shard import DATA_FILE, INDEX_FILE, write_shard
+from cube.values import ValueColumn
+
+MODES = ("base", "delta")
+TAR_MEMBERS = (INDEX_FILE, DATA_FILE)
+_COPY_CHUNK = 8 << 20
+_MAX_BATCH_BYTES = 64 << 20
+
+
+class BuildError(RuntimeError):
+    """A build that cannot go on; the message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    dict_name: str
+    output_path: Path
+    shard_num: int
+    mode: str  # "base" | "delta"
+    cur_version: int
+    depend_version: int
+    partitioner: str = "mod"
+    key_format: str = "auto"
+    tmp_dir: Path | None = None  # spill location; None: inside the staging directory
+    memory_mb: int = 1024
+    workers: int = 2
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.dict_name or "/" in self.dict_name or self.dict_name.startswith("."):
+            problems.append(f"dict_name {self.dict_name!r} must be a plain file name")
+        if self.shard_num < 1:
+            problems.append(f"shard_num must be >= 1, got {self.shard_num}")
+        if self.mode not in MODES:
+            problems.append(f"job_mode must be base or delta, got {self.mode!r}")
+        if self.cur_version <= 0 or self.depend_version <= 0:
+            problems.append("versions must be positive Unix times")
+        if self.mode == "delta" and self.cur_version <= self.depend_version:
+            problems.append(
+                f"a delta's cur_version ({self.cur_version}) must be later than its "
+                f"depend_version ({self.depend_version})"
+            )
+        if self.memory_mb < 1:
+            problems.append(f"memory_mb must be >= 1, got {self.memory_mb}")
+        if self.workers < 1:
+            problems.append(f"workers must be >= 1, got {self.workers}")
+        try:
+            check_partitioner(self.partitioner)
+        except ValueError as exc:
+            problems.append(str(exc))
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def version_dir_name(self) -> str:
+        """`<depend>_<cur>`: the builder's output directory (for a base, `<depend>_<depend>`)."""
+        return f"{self.depend_version}_{self.cur_version}"
+
+    @property
+    def served_version(self) -> str:
+        """The version name servers use: `<depend>` for a base, `<depend>_<cur>` for a delta."""
+        return str(self.depend_version) if self.mode == "base" else self.version_dir_name
+
+    def shard_name(self, shard: int) -> str:
+        return f"{self.dict_name}_part{shard}"
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    version_dir: Path
+    meta_paths: list[Path]
+    metas: list[dict[str, Any]]
+    shards: list[ShardOutput]
+    records_read: int
+    input_files: int
+    key_formats: tuple[str, ...]
+    seconds: float
+    phase_seconds: dict[str, float]  # read, finish, publish
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def list_input_files(root: str | os.PathLike) -> list[Path]:
+    """Every regular, non-empty file under `root` whose name (and directories' names) does not
+    start with a dot, recursively, in sorted path order (depth first, names in byte order).
+    Symlinks are skipped. Empty files (e.g. Hadoop's `_SUCCESS` marker) hold no records and
+    are skipped. `root` may itself be a regular file."""
+    root = Path(root)
+    try:
+        info = root.lstat()
+    except OSError as exc:
+        raise BuildError(f"{root}: {exc.strerror}") from None
+    if stat.S_ISREG(info.st_mode):
+        return [root] if info.st_size else []
+    if not stat.S_ISDIR(info.st_mode):
+        raise BuildError(f"{root}: not a directory or regular file")
+    found: list[tuple[tuple[bytes, ...], Path]] = []
+
+    def walk(directory: Path, parts: tuple[bytes, ...]) -> None:
+        try:
+            entries = list(os.scandir(directory))
+        except OSError as exc:
+            raise BuildError(f"{directory}: {exc.strerror}") from None
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            key = (*parts, os.fsencode(entry.name))
+            if entry.is_dir(follow_symlinks=False):
+                walk(Path(entry.path), key)
+            elif entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_size:
+                found.append((key, Path(entry.path)))
+
+    walk(root, ())
+    found.sort(key=lambda item: item[0])
+    return [path for _, path in found]
+
+
+class DeleteListError(ValueError):
+    """A line of a -delete_path file that is not a key; names the file and line."""
+
+
+def parse_delete_keys(data: bytes, source: str) -> np.ndarray:
+    """Keys to delete from text: one decimal uint64 per line; blank lines and lines starting
+    with `#` are ignored; spaces, tabs and CR around a key are allowed.
+
+    The common case (digits and whitespace only) is parsed without a per-line Python loop;
+    anything else goes line by line, which also locates the first bad line."""
+    buf = np.frombuffer(data, dtype=np.uint8)
+    is_digit = (buf >= ord("0")) & (buf <= ord("9"))
+    is_space = (buf == 32) | (buf == 9) | (buf == 13) | (buf == 10)
+    if (is_digit | is_space).all():
+        run_starts = np.flatnonzero(is_digit & ~np.concatenate([[False], is_digit[:-1]]))
+        line_of_start = np.cumsum(buf == 10)[run_starts] if run_starts.shape[0] else run_starts
+        one_per_line = not (line_of_start[1:] == line_of_start[:-1]).any()
+        tokens = data.split()
+        if one_per_line and all(len(t) <= 20 for t in tokens[:: max(1, len(tokens) // 1000)]):
+            with contextlib.suppress(OverflowError, ValueError):
+                return np.array(tokens, dtype=np.bytes_).astype(np.uint64)
+    return _parse_delete_lines(data, source)
+
+
+def _parse_delete_lines(data: bytes, source: str) -> np.ndarray:
+    keys = []
+    for number, raw in enumerate(data.split(b"\n"), 1):
+        line = raw.strip()
+        if not line or line.startswith(b"#"):
+            continue
+        shown = line[:40].decode("utf-8", "replace")
+        if not line.isdigit():
+            raise DeleteListError(f"{source} line {number}: {shown!r} is not a decimal key")
+        value = int(line)
+        if value >= 1 << 64:
+            raise DeleteListError(f"{source} line {number}: {shown} does not fit in 64 bits")
+        keys.append(value)
+    return np.array(keys, dtype=np.uint64)
+
+
+def read_delete_keys(path: str | os.PathLike) -> np.ndarray:
+    """All keys listed in a file or a directory of files (see `parse_delete_keys`)."""
+    chunks = []
+    for file in list_input_files(path):
+        try:
+            data = file.read_bytes()
+        except OSError as exc:
+            raise BuildError(f"{file}: {exc.strerror}") from None
+        chunks.append(parse_delete_keys(data, str(file)))
+    return np.concatenate(chunks) if chunks else np.empty(0, dtype=np.uint64)
+
+
+def split_runs(sizes: Sequence[int], groups: int) -> list[tuple[int, int]]:
+    """Cut a sequence into at most `groups` contiguous, non-empty runs of about equal total
+    size; returns (start, end) index pairs covering everything in order."""
+    count = len(sizes)
+    groups = max(1, min(groups, count))
+    if count == 0:
+        return []
+    cumulative = np.cumsum(np.asarray(sizes, dtype=np.float64) + 1.0)
+    targets = cumulative[-1] * np.arange(1, groups) / groups
+    cuts = np.searchsorted(cumulative, targets, side="left") + 1
+    bounds = sorted({0, count, *(int(c) for c in cuts if 0 < c < count)})
+    return list(itertools.pairwise(bounds))
+
+
+def route_keys(keys: np.ndarray, shard_num: int, partitioner: str) -> list[np.ndarray]:
+    """Keys split by owning shard (input order kept within a shard)."""
+    if shard_num == 1:
+        return [keys]
+    order, bounds = group_positions(shard_of(keys, shard_num, partitioner), shard_num)
+    grouped = keys.take(order)
+    return [grouped[bounds[s] : bounds[s + 1]] for s in range(shard_num)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 1: read and spill
+
+
+@dataclass(frozen=True)
+class ReadTask:
+    files: tuple[str, ...]
+    spill_dir: str
+    shard_num: int
+    partitioner: str
+    key_format: str
+    batch_bytes: int
+    buffer_bytes: int
+
+
+@dataclass(frozen=True)
+class ReadOutput:
+    parts: list[SpillPart]
+    records: int
+    key_formats: tuple[str, ...]
+
+
+def spill_batches(batches: Iterable[tuple[np.ndarray, ValueColumn]], spiller: Spiller) -> int:
+    """Route (keys, values) batches into the spiller; returns the record count."""
+    records = 0
+    for keys, values in batches:
+        spiller.add(keys, values)
+        records += int(keys.shape[0])
+    return records
+
+
+def read_and_spill(task: ReadTask, on_bytes: Callable[[int], None] | None = None) -> ReadOutput:
+    """Stage 1 for one run of input files (runs in a worker process or inline)."""
+    from builder.seqfile import SequenceFileReader
+
+    report = on_bytes or _report_progress
+    spiller = Spiller(Path(task.spill_dir), task.shard_num, task.partitioner, task.buffer_bytes)
+    formats: dict[str, None] = {}
+    records = 0
+    for path in task.files:
+        with SequenceFileReader(path, task.key_format, task.batch_bytes) as reader:
+            formats[reader.key_format] = None
+            done = 0
+
+            def batches(reader=reader):
+                nonlocal done
+                for batch in reader.batches():
+                    yield batch.keys, batch.values
+                    if batch.offsets.shape[0]:
+                        position = int(batch.offsets[-1])
+                        report(position - done)
+                        done = position
+
+            records += spill_batches(batches(), spiller)
+            report(reader.file_size - done)
+    return ReadOutput(spiller.finish(), records, tuple(formats))
+
+
+# Progress from worker processes: a shared byte counter set up by the pool initializer.
+_progress_counter: Any = None
+
+
+def _init_worker(counter: Any) -> None:
+    global _progress_counter
+    _progress_counter = counter
+
+
+def _report_progress(count: int) -> None:
+    if _progress_counter is not None and count:
+        with _progress_counter.get_lock():
+            _progress_counter.value += count
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 2: finish one shard
+
+
+@dataclass(frozen=True)
+class FinishTask:
+    parts: tuple[SpillPart, ...]  # this shard's spill from each reader, in input order
+    deleted: np.ndarray  # keys to tombstone in this shard
+    shard_dir: str
+    tar_path: str
+    meta: dict[str, Any]  # stored in the shard file headers
+
+
+def finish_shard(task: FinishTask, on_bytes: Callable[[int], None] | None = None) -> ShardOutput:
+    """Table, shard files, tar + md5 for one shard; removes its spill files when done."""
+    part = merge_parts(list(task.parts))
+    with open_spill(part) as (keys, values):
+        built = build_table(keys, deleted=task.deleted)
+        del keys
+        header = write_shard(task.shard_dir, built, values, task.meta)
+        del built, values
+    remove_part(part)
+    shard_dir = Path(task.shard_dir)
+    tar_size, md5 = write_tar(Path(task.tar_path), shard_dir, TAR_MEMBERS)
+    write_md5_file(Path(task.tar_path), md5)
+    return ShardOutput(
+        shard=int(task.meta["shard"]),
+        record_count=int(header["record_count"]),
+        tombstone_count=int(header["tombstone_count"]),
+        value_width=int(header["value_width"]),
+        build_id=str(header["build_id"]),
+        index_size=int(header["file_size"]),
+        data_size=int(header["data_file_size"]),
+        tar_size=tar_size,
+        md5=md5,
+    )
+
+
+class _HashingWriter:
+    """A write-only file object that feeds everything written to md5 on the way out."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.md5 = hashlib.md5()
+        self.size = 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        self.md5.update(data)
+        self.raw.write(data)
+        self.size += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self.size
+
+
+def write_tar(tar_path: Path, directory: Path, members: Sequence[str]) -> tuple[int, str]:
+    """Plain tar of `directory`'s `members` as `./<name>`, md5 computed while writing (the
+    files are read once). Written under a temp name, renamed when complete. Returns
+    (size, md5 hex)."""
+    tmp = tar_path.with_name(f".{tar_path.name}.tmp-{os.getpid()}")
+    mtime = int(time.time())
+    try:
+        with open(tmp, "wb") as raw:
+            out = _HashingWriter(raw)
+            with tarfile.open(fileobj=out, mode="w", copybufsize=_COPY_CHUNK) as tar:  # type: ignore[call-overload]
+                for name in members:
+                    path = directory / name
+                    info = tarfile.TarInfo(f"./{name}")
+                    info.size = path.stat().st_size
+                    info.mtime = mtime
+                    info.mode = 0o644
+                    with open(path, "rb") as source:
+                        tar.addfile(info, source)
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.replace(tmp, tar_path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return out.size, out.md5.hexdigest()
+
+
+def write_md5_file(tar_path: Path, md5: str) -> Path:
+    """`<tar>.md5` in md5sum's format (`md5sum -c` works from the version directory)."""
+    path = tar_path.with_name(tar_path.name + ".md5")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(f"{md5}  {tar_path.name}\n")
+    os.replace(tmp, path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole build
+
+
+@dataclass
+class Progress:
+    """Callbacks for a progress display (the CLI plugs tqdm in); all optional."""
+
+    start_reading: Callable[[int], None] = lambda total_bytes: None
+    read_bytes: Callable[[int], None] = lambda count: None
+    start_finishing: Callable[[int], None] = lambda shards: None
+    shard_done: Callable[[ShardOutput], None] = lambda output: None
+    close: Callable[[], None] = lambda: None
+
+
+@dataclass
+class _Workspace:
+    """Staging and spill directories of one build; removed unless published."""
+
+    config: BuildConfig
+    staging: Path = field(init=False)
+    spill: Path = field(init=False)
+    target: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        output = self.config.output_path
+        self.target = output / self.config.version_dir_name
+        if os.path.lexists(self.target):
+            raise BuildError(f"{self.target} already exists; refusing to overwrite it")
+        try:
+            output.mkdir(parents=True, exist_ok=True)
+            self.staging = output / f".tmp-{self.config.version_dir_name}-{os.getpid()}"
+            self.staging.mkdir()
+            if self.config.tmp_dir is None:
+                self.spill = self.staging / ".spill"
+                self.spill.mkdir()
+            else:
+                self.config.tmp_dir.mkdir(parents=True, exist_ok=True)
+                self.spill = Path(
+                    tempfile.mkdtemp(
+                        prefix=f"cube-spill-{self.config.version_dir_name}-",
+                        dir=self.config.tmp_dir,
+                    )
+                )
+        except OSError as exc:
+            self.discard()
+            raise BuildError(f"cannot create the build directories: {exc}") from None
+
+    def discard(self) -> None:
+        for path in (getattr(self, "spill", None), getattr(self, "staging", None)):
+            if path is not None:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def publish(self) -> Path:
+        shutil.rmtree(self.spill, ignore_errors=True)
+        if os.path.lexists(self.target):
+            raise BuildError(f"{self.target} appeared during the build; not replacing it")
+        os.rename(self.staging, self.target)
+        _fsync_directory(self.target.parent)
+        return self.target
+
+
+def _fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def shard_header_meta(config: BuildConfig, shard: int, key_formats: Sequence[str]) -> dict:
+    """What every shard file header records about its build."""
+    return {
+        "dict_name": config.dict_name,
+        "shard": shard,
+        "shard_num": config.shard_num,
+        "partitioner": config.partitioner,
+        "version": config.served_version,
+        "depend": str(config.depend_version),
+        "cur": str(config.cur_version),
+        "mode": config.mode,
+        "key_format": ",".join(key_formats) or config.key_format,
+    }
+
+
+def build(
+    config: BuildConfig,
+    input_path: str | os.PathLike,
+    delete_path: str | os.PathLike | None = None,
+    progress: Progress | None = None,
+) -> BuildResult:
+    """Build one version from SequenceFiles (see the module docstring)."""
+    started = time.monotonic()
+    progress = progress or Progress()
+    if delete_path is not None and config.mode != "delta":
+        raise BuildError("-delete_path needs -job_mode delta")
+    files = list_input_files(input_path)
+    deleted = read_delete_keys(delete_path) if delete_path is not None else np.empty(0, np.uint64)
+    workspace = _Workspace(config)
+    try:
+        with _Pool(config.workers) as pool:
+            reads = _read_all(pool, config, files, workspace.spill, progress)
+            phases = {"read": time.monotonic() - started}
+            formats = tuple(dict.fromkeys(f for r in reads for f in r.key_formats))
+            outputs = _finish_all(
+                pool, config, workspace.staging, reads, deleted, formats, progress
+            )
+        progress.close()
+        phases["finish"] = time.monotonic() - started - phases["read"]
+        version_dir = workspace.publish()
+    except BaseException:
+        progress.close()
+        workspace.discard()
+        raise
+    common = {
+        "dict_name": config.dict_name,
+        "version": config.served_version,
+        "depend": str(config.depend_version),
+        "cur": str(config.cur_version),
+        "mode": config.mode,
+        "partitioner": config.partitioner,
+        "shard_num": config.shard_num,
+        "key_format": ",".join(formats) or config.key_format,
+        "split": 0,
+    }
+    metas = [shard_meta_info(output, common) for output in outputs]
+    meta_dir = config.output_path / META_DIR
+    meta_paths = [
+        write_meta_file(
+            meta_dir,
+            meta_info_name(config.cur_version, config.depend_version, output.shard),
+            meta,
+        )
+        for output, meta in zip(outputs, metas, strict=True)
+    ]
+    return BuildResult(
+        version_dir=version_dir,
+        meta_paths=meta_paths,
+        metas=metas,
+        shards=outputs,
+        records_read=sum(r.records for r in reads),
+        input_files=len(files),
+        key_formats=formats,
+        seconds=time.monotonic() - started,
+        phase_seconds={
+            **phases,
+            "publish": time.monotonic() - started - phases["read"] - phases["finish"],
+        },
+    )
+
+
+def _read_all(
+    pool: _Pool, config: BuildConfig, files: list[Path], spill: Path, progress: Progress
+) -> list[ReadOutput]:
+    sizes = [f.stat().st_size for f in files]
+    runs = split_runs(sizes, pool.workers)
+    budget = (config.memory_mb << 20) // max(1, len(runs))
+    batch_bytes = max(1 << 20, min(_MAX_BATCH_BYTES, budget // 8))
+    tasks = []
+    for number, (lo, hi) in enumerate(runs):
+        directory = spill / f"reader{number}"
+        tasks.append(
+            ReadTask(
+                files=tuple(str(f) for f in files[lo:hi]),
+                spill_dir=str(directory),
+                shard_num=config.shard_num,
+                partitioner=config.partitioner,
+                key_format=config.key_format,
+                batch_bytes=batch_bytes,
+                buffer_bytes=max(1 << 20, budget // 2),
+            )
+        )
+    progress.start_reading(sum(sizes))
+    if not tasks:
+        return []
+    return pool.run(read_and_spill, tasks, progress.read_bytes, lambda _output: None)
+
+
+def _finish_all(
+    pool: _Pool,
+    config: BuildConfig,
+    staging: Path,
+    reads: list[ReadOutput],
+    deleted: np.ndarray,
+    formats: tuple[str, ...],
+    progress: Progress,
+) -> list[ShardOutput]:
+    deleted_by_shard = route_keys(deleted, config.shard_num, config.partitioner)
+    tasks = []
+    for shard in range(config.shard_num):
+        name = config.shard_name(shard)
+        parts = tuple(r.parts[shard] for r in reads if r.parts[shard].count)
+        tasks.append(
+            FinishTask(
+                parts=parts,
+                deleted=deleted_by_shard[shard],
+                shard_dir=str(staging / name),
+                tar_path=str(staging / f"{name}.tar"),
+                meta=shard_header_meta(config, shard, formats),
+            )
+        )
+    # Biggest shards first, so two workers end at about the same time.
+    tasks.sort(key=lambda t: -sum(p.count for p in t.parts))
+    progress.start_finishing(len(tasks))
+    outputs = pool.run(finish_shard, tasks, lambda _n: None, progress.shard_done)
+    return sorted(outputs, key=lambda o: o.shard)
+
+
+class _Pool:
+    """Runs tasks inline (one worker) or in worker processes, reporting progress."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = max(1, workers)
+        self._executor: ProcessPoolExecutor | None = None
+        self._counter: Any = None
+
+    def __enter__(self) -> _Pool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def _start(self) -> ProcessPoolExecutor:
+        if self._executor is None:
+            import multiprocessing
+
+            # fork is cheap and safe while this process runs no other thread
+            method = "fork" if threading.active_count() == 1 else "forkserver"
+            context = multiprocessing.get_context(method)
+            self._counter = context.Value("q", 0)
+            self._executor = ProcessPoolExecutor(
+                self.workers,
+                mp_context=context,
+                initializer=_init_worker,
+                initargs=(self._counter,),
+            )
+        return self._executor
+
+    def run(
+        self,
+        function: Callable[[Any], Any],
+        tasks: list[Any],
+        on_bytes: Callable[[int], None],
+        on_done: Callable[[Any], None],
+    ) -> list[Any]:
+        """Results in task order; the first failure is raised once every started task ends."""
+        if self.workers == 1 or len(tasks) == 1:
+            results = []
+            for task in tasks:
+                result = function(task, on_bytes)
+                on_done(result)
+                results.append(result)
+            return results
+        executor = self._start()
+        futures: list[Future] = [executor.submit(function, task) for task in tasks]
+        reported = self._counter.value
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=0.2, return_when=FIRST_EXCEPTION)
+            now = self._counter.value
+            on_bytes(now - reported)
+            reported = now
+            for future in done:
+                if future.exception() is not None:
+                    for other in pending:
+                        other.cancel()
+                    wait(pending)  # bounded: running tasks end on their own
+                    raise future.exception()  # type: ignore[misc]
+                on_done(future.result())
+        return [f.result() for f in futures]

@@ -1,0 +1,243 @@
+"""cube-builder: turn a directory of SequenceFiles into one version of sharded Cube files.
+
+Thin shell over `builder.build`: flags (the original's names, gflags style), versions, the
+progress bar, exit codes, and registering each shard's meta with a transfer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from builder.build import BuildConfig, BuildError, BuildResult, DeleteListError, Progress, build
+from builder.meta import RegisterError, ShardOutput, register_meta
+from cube.flags import FlagError, FlagSet, run_cli
+from cube.routing import PARTITIONERS
+
+KEY_FORMATS = ("auto", "cube", "bytes_be", "bytes_le", "long", "text")
+EXIT_OK, EXIT_FAILED, EXIT_BAD_FLAGS, EXIT_NOT_REGISTERED = 0, 1, 2, 3
+
+DESCRIPTION = """\
+Reads every regular, non-empty file under -input_path whose name does not start with a dot
+(recursively, sorted by path, symlinks skipped) as a SequenceFile of (uint64 key, value bytes);
+when a key occurs more than once the last record wins, across files in that order.
+
+Output (built in <output_path>/.tmp-<depend>_<cur>-<pid>/, renamed when complete):
+  <output_path>/<depend>_<cur>/<dict>_part<i>/{index.cube,data.cube}
+  <output_path>/<depend>_<cur>/<dict>_part<i>.tar       members ./index.cube, ./data.cube
+  <output_path>/<depend>_<cur>/<dict>_part<i>.tar.md5   "<md5>  <dict>_part<i>.tar"
+  <output_path>/meta_info/<cur>_<depend>_<i>_0.json
+Servers name a base version <depend> and a delta <depend>_<cur>. A delta needs only its base
+(-depend_version); -last_version is accepted for compatibility and ignored.
+
+-delete_path (delta only): a text file, or a directory of them (same file rules as the input),
+with one decimal key (0 .. 2^64-1) per line; blank lines and lines starting with # are ignored.
+Those keys become tombstones in the delta; a key both written and deleted in one delta is
+deleted.
+
+Exit status: 0 built (and registered), 1 build failed (nothing published), 2 bad flags,
+3 built and published locally but registering with -master_address failed."""
+
+
+def flag_set() -> FlagSet:
+    return (
+        FlagSet("cube-builder", DESCRIPTION)
+        .add("dict_name", str, "", "dictionary name, prefix of the shard outputs (required)")
+        .add("input_path", str, "", "directory (or file) of SequenceFiles (required)")
+        .add("output_path", str, "", "output root directory (required)")
+        .add("shard_num", int, -1, "number of shards (required)")
+        .add(
+            "job_mode",
+            str,
+            "base",
+            "base: a full table; delta: changes over a base",
+            choices=("base", "delta"),
+        )
+        .add("cur_version", int, 0, "this build's version (Unix time); see -only_build")
+        .add(
+            "depend_version",
+            int,
+            0,
+            "base version: a base's own, a delta's base (required for a delta)",
+        )
+        .add("last_version", int, 0, "accepted for compatibility; not needed")
+        .add(
+            "only_build",
+            bool,
+            True,
+            "true: use the current time instead of -cur_version "
+            "(and, for a base, -depend_version), as the original",
+        )
+        .add(
+            "master_address",
+            str,
+            "",
+            "host:port of a cube-transfer: POST each shard's meta "
+            "to http://<master>/dict/meta_info/register",
+        )
+        .add("key_format", str, "auto", "how to read keys", choices=KEY_FORMATS)
+        .add(
+            "partitioner",
+            str,
+            "mod",
+            "key to shard: mod = key % shard_num, murmur3 = murmur3_32(key) % shard_num",
+            choices=PARTITIONERS,
+        )
+        .add("delete_path", str, "", "delta only: keys to delete (see above)")
+        .add("quiet", bool, False, "no progress bar and no summary line")
+        .add("tmp_dir", str, "", "where to spill records (default: inside -output_path)")
+        .add("memory_mb", int, 1024, "read and spill buffer budget in MiB")
+        .add(
+            "workers",
+            int,
+            min(2, os.cpu_count() or 1),
+            "processes for reading and finishing "
+            "shards (each finishing one shard holds its keys and table in memory)",
+        )
+    )
+
+
+def config_from_flags(flags: dict[str, Any], now: int) -> BuildConfig:
+    """Check the flags and settle the versions; FlagError on anything wrong."""
+    for name in ("dict_name", "input_path", "output_path"):
+        if not flags[name]:
+            raise FlagError(f"--{name} is required")
+    if flags["shard_num"] < 1:
+        raise FlagError(f"--shard_num must be >= 1, got {flags['shard_num']}")
+    mode = flags["job_mode"]
+    if flags["delete_path"] and mode != "delta":
+        raise FlagError("--delete_path needs --job_mode delta")
+    depend = flags["depend_version"]
+    if flags["only_build"]:
+        cur = now
+        if mode == "base":
+            depend = now
+    else:
+        cur = flags["cur_version"]
+        if cur <= 0:
+            raise FlagError("--cur_version is required with --only_build=false")
+        if mode == "base" and depend <= 0:
+            depend = cur
+    if mode == "delta" and depend <= 0:
+        raise FlagError("--depend_version (the base version) is required for a delta")
+    try:
+        return BuildConfig(
+            dict_name=flags["dict_name"],
+            output_path=Path(flags["output_path"]),
+            shard_num=flags["shard_num"],
+            mode=mode,
+            cur_version=cur,
+            depend_version=depend,
+            partitioner=flags["partitioner"],
+            key_format=flags["key_format"],
+            tmp_dir=Path(flags["tmp_dir"]) if flags["tmp_dir"] else None,
+            memory_mb=flags["memory_mb"],
+            workers=flags["workers"],
+        )
+    except ValueError as exc:
+        raise FlagError(str(exc)) from None
+
+
+def tqdm_progress() -> Progress:
+    """Progress bars on stderr: input bytes read, then shards finished."""
+    from tqdm import tqdm
+
+    tqdm.monitor_interval = 0  # no monitor thread: worker processes are forked
+    bars: list[Any] = []
+
+    def start_reading(total: int) -> None:
+        bars.append(tqdm(total=total, unit="B", unit_scale=True, desc="read", leave=False))
+
+    def start_finishing(shards: int) -> None:
+        close()
+        bars.append(tqdm(total=shards, unit="shard", desc="finish", leave=False))
+
+    def close() -> None:
+        while bars:
+            bars.pop().close()
+
+    return Progress(
+        start_reading=start_reading,
+        read_bytes=lambda n: bars and bars[-1].update(n),
+        start_finishing=start_finishing,
+        shard_done=lambda _output: bars and bars[-1].update(1),
+        close=close,
+    )
+
+
+def register_all(master: str, config: BuildConfig, result: BuildResult) -> None:
+    for output, meta in zip(result.shards, result.metas, strict=True):
+        register_meta(master, register_fields(config, output, meta))
+
+
+def register_fields(config: BuildConfig, output: ShardOutput, meta: dict) -> dict[str, str]:
+    """The original's form fields: name, shard, split, version (= cur), depend, meta."""
+    return {
+        "name": config.dict_name,
+        "shard": str(output.shard),
+        "split": "0",
+        "version": str(config.cur_version),
+        "depend": str(config.depend_version),
+        "meta": json.dumps(meta, sort_keys=True),
+    }
+
+
+def _terminate(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds the build, which removes its staging directory
+
+
+def run(argv: Sequence[str]) -> int:
+    flags = flag_set().parse(argv)
+    config = config_from_flags(flags, int(time.time()))
+    quiet = flags["quiet"]
+    progress = tqdm_progress() if not quiet and sys.stderr.isatty() else None
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        result = build(
+            config,
+            flags["input_path"],
+            flags["delete_path"] or None,
+            progress,
+        )
+    except (BuildError, DeleteListError, ValueError, OSError) as exc:
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_FAILED
+    if not quiet:
+        rate = result.records_read / max(result.seconds, 1e-9)
+        print(
+            f"built {result.version_dir}: {result.records_read} records from "
+            f"{result.input_files} files into {config.shard_num} shards in "
+            f"{result.seconds:.2f} s ({rate:,.0f} records/s; "
+            + ", ".join(f"{k} {v:.2f} s" for k, v in result.phase_seconds.items())
+            + ")"
+        )
+    if flags["master_address"]:
+        try:
+            register_all(flags["master_address"], config, result)
+        except RegisterError as exc:
+            print(
+                f"error: built {result.version_dir}, but registering its meta failed: "
+                f"{_one_line(exc)}",
+                file=sys.stderr,
+            )
+            return EXIT_NOT_REGISTERED
+    return EXIT_OK
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return " ".join(text.split())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

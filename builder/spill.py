@@ -1,0 +1,318 @@
+"""Per-shard spill files, so a table larger than RAM builds in bounded memory.
+
+Record batches are routed to shards as they stream in (one vectorized grouping per batch) and
+appended, in record order, to three raw files per shard:
+- `<shard>.keys`: the keys, uint64 little-endian;
+- `<shard>.values`: the value bytes back to back;
+- `<shard>.lengths`: uint32 value lengths, only once a shard has seen values of different widths
+  (fixed-width shards, the embedding case, need no lengths at all).
+Appends are buffered in memory up to a budget and written in large sequential writes. A shard
+is then finished from an mmap of its files (`open_spill`): only its keys and table need RAM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from cube.routing import shard_of
+from cube.values import ValueColumn
+
+_LENGTH_DTYPE = np.dtype("<u4")
+_MAX_VALUE_LENGTH = 2**32 - 1
+SPILL_KINDS = ("keys", "values", "lengths")
+
+
+@dataclass(frozen=True)
+class SpillPart:
+    """What finishing one shard needs to find its spilled records (picklable)."""
+
+    shard: int
+    directory: str
+    count: int
+    width: int  # > 0: every value has this width; 0: lengths file (or no values at all)
+    value_bytes: int
+
+    def path(self, kind: str) -> Path:
+        return Path(self.directory) / f"{self.shard}.{kind}"
+
+
+class ShardSpill:
+    """Buffered, append-only spill of one shard's records."""
+
+    def __init__(self, directory: Path, shard: int) -> None:
+        self.directory = directory
+        self.shard = shard
+        self.count = 0
+        self.value_bytes = 0
+        self.width: int | None = None  # None until the first value; 0 once widths vary
+        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = []
+        self.pending_bytes = 0
+        self._flushed_count = 0  # records already on disk
+
+    def append(self, keys: np.ndarray, values: ValueColumn) -> None:
+        """Queue records (keys uint64, values in the same order); written by `flush`."""
+        n = int(keys.shape[0])
+        if n == 0:
+            return
+        values = values.compact()
+        if self.width is None:
+            self.width = values.width
+        lengths = None
+        if self.width and values.width != self.width:
+            self._switch_to_lengths()
+        if self.width == 0:
+            lengths = values.lengths()
+            if lengths.shape[0] and int(lengths.max()) > _MAX_VALUE_LENGTH:
+                raise ValueError(f"a value of {int(lengths.max())} bytes is too long to spill")
+            lengths = lengths.astype(_LENGTH_DTYPE)
+        blob = _value_bytes(values)
+        self._pending.append((keys.astype("<u8", copy=False), blob, lengths))
+        self.count += n
+        self.value_bytes += int(blob.shape[0])
+        self.pending_bytes += keys.nbytes + blob.nbytes + (0 if lengths is None else lengths.nbytes)
+
+    def _switch_to_lengths(self) -> None:
+        """Widths differ from now on: record the lengths of everything seen so far."""
+        width = int(self.width or 0)
+        self.width = 0
+        queued = self._pending
+        self._pending = []
+        on_disk = self._flushed_count
+        if on_disk:
+            with open(self.part().path("lengths"), "ab") as out:
+                for start in range(0, on_disk, 1 << 22):
+                    step = min(1 << 22, on_disk - start)
+                    out.write(np.full(step, width, dtype=_LENGTH_DTYPE).data)
+        for keys, blob, _none in queued:
+            lengths = np.full(keys.shape[0], width, dtype=_LENGTH_DTYPE)
+            self._pending.append((keys, blob, lengths))
+            self.pending_bytes += lengths.nbytes
+
+    def flush(self) -> None:
+        """Append the queued records to the shard's files."""
+        if not self._pending:
+            return
+        for column, kind in enumerate(SPILL_KINDS):
+            chunks = [entry[column] for entry in self._pending if entry[column] is not None]
+            if not chunks or (kind == "values" and not any(c.shape[0] for c in chunks)):
+                continue
+            with open(self.part().path(kind), "ab", buffering=0) as out:
+                for chunk in chunks:
+                    _write_all(out, chunk)
+        self._flushed_count = self.count
+        self._pending = []
+        self.pending_bytes = 0
+
+    def part(self) -> SpillPart:
+        return SpillPart(
+            self.shard, str(self.directory), self.count, self.width or 0, self.value_bytes
+        )
+
+
+def _value_bytes(values: ValueColumn) -> np.ndarray:
+    """The column's value bytes back to back (a view: offsets of a column only grow)."""
+    if values.width:
+        return values.blob[: values.count * values.width]
+    return values.blob[int(values.offsets[0]) : int(values.offsets[-1])]
+
+
+def _write_all(out, array: np.ndarray) -> None:
+    view = memoryview(np.ascontiguousarray(array)).cast("B")
+    while view:
+        written = out.write(view)
+        view = view[written:]
+
+
+class Spiller:
+    """Routes record batches to per-shard spills under one memory budget."""
+
+    def __init__(
+        self, directory: Path, shard_num: int, partitioner: str, buffer_bytes: int
+    ) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.shard_num = shard_num
+        self.partitioner = partitioner
+        self.buffer_bytes = buffer_bytes
+        self.shards = [ShardSpill(self.directory, s) for s in range(shard_num)]
+        self._pending_bytes = 0
+
+    def add(self, keys: np.ndarray, values: ValueColumn) -> None:
+        """Route one batch; records keep their order within each shard."""
+        if keys.shape[0] != values.count:
+            raise ValueError(f"{keys.shape[0]} keys for {values.count} values")
+        if keys.shape[0] == 0:
+            return
+        if self.shard_num == 1:
+            self._append(0, keys, values)
+        else:
+            owners = shard_of(keys, self.shard_num, self.partitioner)
+            order, bounds = group_positions(owners, self.shard_num)
+            keys = keys.take(order)
+            values = take_values(values, order)
+            for shard in np.flatnonzero(np.diff(bounds)).tolist():
+                lo, hi = int(bounds[shard]), int(bounds[shard + 1])
+                self._append(shard, keys[lo:hi], slice_values(values, lo, hi))
+        if self._pending_bytes >= self.buffer_bytes:
+            self.flush()
+
+    def _append(self, shard: int, keys: np.ndarray, values: ValueColumn) -> None:
+        spill = self.shards[shard]
+        before = spill.pending_bytes
+        spill.append(keys, values)
+        self._pending_bytes += spill.pending_bytes - before
+
+    def flush(self) -> None:
+        for spill in self.shards:
+            spill.flush()
+        self._pending_bytes = 0
+
+    def finish(self) -> list[SpillPart]:
+        self.flush()
+        return [spill.part() for spill in self.shards]
+
+
+def group_positions(owners: np.ndarray, owner_count: int) -> tuple[np.ndarray, np.ndarray]:
+    """Positions grouped by owner, input order kept within a group (a stable counting sort:
+    numpy's stable sort is a radix sort for 16-bit and narrower integers)."""
+    if owner_count <= 1 << 16:
+        narrow = owners.astype(np.uint16 if owner_count > 256 else np.uint8)
+        order = np.argsort(narrow, kind="stable")
+    else:
+        order = np.argsort(owners, kind="stable")
+    bounds = np.zeros(owner_count + 1, dtype=np.int64)
+    np.cumsum(np.bincount(owners, minlength=owner_count), out=bounds[1:])
+    return order, bounds
+
+
+def take_values(values: ValueColumn, rows: np.ndarray) -> ValueColumn:
+    """`values.take(rows)`, with fixed widths gathered as one item per value (faster)."""
+    if values.width:
+        items = values.blob[: values.count * values.width].view(f"V{values.width}")
+        return ValueColumn.fixed(items.take(rows).view(np.uint8), values.width)
+    return values.take(rows)
+
+
+def slice_values(values: ValueColumn, lo: int, hi: int) -> ValueColumn:
+    if values.width:
+        w = values.width
+        return ValueColumn.fixed(values.blob[lo * w : hi * w], w)
+    return ValueColumn.variable(values.blob, values.offsets[lo : hi + 1])
+
+
+@contextmanager
+def open_spill(part: SpillPart) -> Iterator[tuple[np.ndarray, ValueColumn]]:
+    """Map a shard's spill: (keys, values in record order). Keys are read into memory (the
+    table needs them anyway); values stay on the mmap."""
+    keys = _read_array(part.path("keys"), np.dtype("<u8"), part.count)
+    maps: list[mmap.mmap] = []
+    try:
+        blob = _map_bytes(part.path("values"), part.value_bytes, maps)
+        if part.count == 0:
+            values = ValueColumn.empty()
+        elif part.width:
+            values = ValueColumn.fixed(blob, part.width)
+        else:
+            lengths = _read_array(part.path("lengths"), _LENGTH_DTYPE, part.count)
+            offsets = np.zeros(part.count + 1, dtype=np.int64)
+            np.cumsum(lengths, out=offsets[1:])
+            del lengths
+            values = ValueColumn.variable(blob, offsets)
+        yield keys, values
+    finally:
+        for m in maps:
+            with contextlib.suppress(BufferError):  # arrays still use it; it goes with them
+                m.close()
+
+
+def _read_array(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
+    if count == 0:
+        return np.empty(0, dtype=dtype)
+    array = np.fromfile(path, dtype=dtype)
+    if array.shape[0] != count:
+        raise ValueError(f"{path}: spill holds {array.shape[0]} items, expected {count}")
+    return array
+
+
+def _map_bytes(path: Path, length: int, maps: list[mmap.mmap]) -> np.ndarray:
+    if length == 0:
+        return np.empty(0, dtype=np.uint8)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != length:
+            raise ValueError(f"{path}: spill holds {size} bytes, expected {length}")
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # read whole anyway
+        m = mmap.mmap(f.fileno(), length, prot=mmap.PROT_READ, flags=flags)
+    maps.append(m)
+    return np.frombuffer(m, dtype=np.uint8)
+
+
+def remove_part(part: SpillPart) -> None:
+    for kind in SPILL_KINDS:
+        part.path(kind).unlink(missing_ok=True)
+
+
+def merge_parts(parts: list[SpillPart]) -> SpillPart:
+    """One shard's spill parts (from several readers, in input order) as one: the later parts'
+    files are appended to the first non-empty part's with a kernel-side copy, then removed."""
+    filled = [p for p in parts if p.count]
+    if len(filled) <= 1:
+        return filled[0] if filled else parts[0]
+    first = filled[0]
+    fixed = first.width > 0 and all(p.width == first.width for p in filled)
+    if not fixed and first.width:
+        _append_lengths(first.path("lengths"), first.count, first.width)
+    for part in filled[1:]:
+        _append_file(part.path("keys"), first.path("keys"))
+        if part.value_bytes:
+            _append_file(part.path("values"), first.path("values"))
+        if not fixed:
+            if part.width:
+                _append_lengths(first.path("lengths"), part.count, part.width)
+            else:
+                _append_file(part.path("lengths"), first.path("lengths"))
+        remove_part(part)
+    return SpillPart(
+        first.shard,
+        first.directory,
+        sum(p.count for p in filled),
+        first.width if fixed else 0,
+        sum(p.value_bytes for p in filled),
+    )
+
+
+def _append_lengths(path: Path, count: int, width: int) -> None:
+    with open(path, "ab") as out:
+        for start in range(0, count, 1 << 22):
+            out.write(np.full(min(1 << 22, count - start), width, dtype=_LENGTH_DTYPE).data)
+
+
+def _append_file(source: Path, target: Path) -> None:
+    """Append `source` to `target` (copy_file_range: the bytes never enter this process)."""
+    with open(source, "rb") as src, open(target, "r+b") as dst:
+        size = os.fstat(src.fileno()).st_size
+        start = os.fstat(dst.fileno()).st_size
+        copied = 0
+        try:
+            while copied < size:
+                step = os.copy_file_range(
+                    src.fileno(), dst.fileno(), size - copied, copied, start + copied
+                )
+                if step == 0:
+                    raise OSError(f"{source}: ended after {copied} of {size} bytes")
+                copied += step
+        except OSError as exc:
+            if exc.errno is None:
+                raise
+            src.seek(copied)
+            dst.seek(start + copied)
+            shutil.copyfileobj(src, dst, 8 << 20)
