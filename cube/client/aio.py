@@ -15,6 +15,7 @@ import numpy as np
 
 from cube.client.base import ClientBase
 from cube.client.core import Piece, PieceOutcome, PieceRequest, SeekResult, embeddings
+from cube.client.errors import CubeError
 from cube.client.policy import Action, Cancel
 from cube.client.transport import AioChannels, status_of
 
@@ -25,9 +26,12 @@ class AsyncCubeClient(ClientBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._channels = AioChannels(self._wire.method)
+        self._closed = False
 
     async def seek(self, keys: object, version: str | None = None) -> SeekResult:
         """As CubeClient.seek."""
+        if self._closed:
+            raise CubeError("the client is closed")
         pieces, flow = self._flow(keys, version)
         try:
             requests = next(flow)
@@ -44,6 +48,7 @@ class AsyncCubeClient(ClientBase):
         return await self._channels.wait_ready(self.endpoints, timeout_s)
 
     async def close(self) -> None:
+        self._closed = True
         await self._channels.close()
 
     async def __aenter__(self) -> AsyncCubeClient:

@@ -379,11 +379,14 @@ def assemble(
     found = np.zeros(n, dtype=bool)
     for piece, answer in present:
         found[piece.where] = answer.found
-    widths = {a.column.width for _, a in present}
+    # Pieces without hits fit any width (an empty shard answers width 0): only hits decide.
+    hit_widths = {a.column.width for _, a in present if a.found.any()}
+    widths = hit_widths or {a.column.width for _, a in present} - {0}
     if len(widths) == 1 and (width := widths.pop()):
         rows = np.zeros((n, width), dtype=np.uint8)
         for piece, answer in present:
-            rows[piece.where] = answer.column.as_rows()
+            if answer.column.width == width:
+                rows[piece.where] = answer.column.as_rows()
         return SeekResult(
             keys, found, ValueColumn.fixed(rows.reshape(-1), width), version, answered
         )

@@ -1,21 +1,39 @@
 """CubeClient: the blocking client. Drives the pure rounds (cube.client.policy) with gRPC's
-sync API: every attempt is a grpc future whose completion lands in a queue, and the calling
-thread waits on that queue until the next timer (backup request, retry backoff, deadline).
-Safe to share between threads (each call has its own queue and round)."""
+blocking API.
+
+How attempts run (measured on the 2-core box, see the module report in docs): a round with a
+single sub-request and no backup requests runs its attempt inline in the calling thread (no
+thread hop at all). Otherwise attempts run on the client's thread pool, the last one of a
+batch inline when backup requests are off; completions land in a per-call queue that the
+calling thread waits on until the next timer (backup request, retry backoff, deadline).
+A blocking gRPC call cannot be cancelled, so a losing or abandoned attempt is left to finish
+on its pool thread (at most `timeout_ms`) and its answer is dropped; AsyncCubeClient cancels
+for real. Safe to share between threads (each call has its own queue and round).
+"""
 
 from __future__ import annotations
 
 import queue
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from cube.client.base import ClientBase
 from cube.client.core import Piece, PieceOutcome, PieceRequest, SeekResult, embeddings
-from cube.client.policy import Action, Cancel
-from cube.client.transport import SyncChannels, status_of
+from cube.client.errors import CubeError
+from cube.client.policy import Action, Round, Send
+from cube.client.transport import SyncChannels
+
+_Key = tuple[int, int]
+
+
+def _report(events: queue.SimpleQueue, key: _Key, future: Future) -> None:
+    if not future.cancelled():  # cancelled only when the client closes
+        events.put((key, *future.result()))
 
 
 class CubeClient(ClientBase):
@@ -24,6 +42,9 @@ class CubeClient(ClientBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._channels = SyncChannels(self._wire.method)
+        workers = max(8, 4 * len(self._cluster.endpoints))
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="cube-client")
+        self._closed = False
 
     def seek(self, keys: object, version: str | None = None) -> SeekResult:
         """Look up `keys` (ints or an integer array); one version for the whole batch.
@@ -31,6 +52,8 @@ class CubeClient(ClientBase):
         `version` asks for exactly that version (servers hold the current and the previous
         one). Raises ShardUnavailableError (with the partial result), RequestRejectedError,
         VersionMismatchError or KeyRangeError."""
+        if self._closed:
+            raise CubeError("the client is closed")
         pieces, flow = self._flow(keys, version)
         try:
             requests = next(flow)
@@ -49,7 +72,9 @@ class CubeClient(ClientBase):
         return self._channels.wait_ready(self.endpoints, timeout_s)
 
     def close(self) -> None:
+        self._closed = True
         self._channels.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> CubeClient:
         return self
@@ -58,65 +83,56 @@ class CubeClient(ClientBase):
         self.close()
 
     def _run(self, pieces: Sequence[Piece], requests: Sequence[PieceRequest]) -> list[PieceOutcome]:
-        now = time.monotonic()
-        round_ = self._round(pieces, requests, now)
+        round_ = self._round(pieces, requests, time.monotonic())
         events: queue.SimpleQueue = queue.SimpleQueue()
-        handles: dict[tuple[int, int], Any] = {}
-        try:
-            self._execute(round_.start(now), events, handles)
-            while not round_.done:
-                timeout = round_.next_wakeup() - time.monotonic()
-                try:
-                    key, future = (
-                        events.get(timeout=timeout) if timeout > 0 else events.get_nowait()
-                    )
-                except queue.Empty:
-                    self._execute(round_.on_timer(time.monotonic()), events, handles)
-                    continue
-                if handles.pop(key, None) is None or future.cancelled():
-                    continue
-                now = time.monotonic()
-                error = future.exception()
-                if error is None:
-                    actions = round_.on_response(key, future.result(), now)
-                else:
-                    actions = round_.on_error(key, *status_of(error), now)
-                self._execute(actions + round_.on_timer(now), events, handles)
-        finally:
-            for future in handles.values():
-                future.cancel()
-        return round_.outcomes()
+        pending: set[_Key] = set()
+        actions = round_.start(time.monotonic())
+        while True:
+            inline = self._execute(actions, events, pending)
+            actions = self._feed(round_, pending, *inline) if inline else []
+            if actions:
+                continue
+            if round_.done:
+                return round_.outcomes()
+            timeout = round_.next_wakeup() - time.monotonic()
+            try:
+                event = events.get(timeout=timeout) if timeout > 0 else events.get_nowait()
+            except queue.Empty:
+                actions = round_.on_timer(time.monotonic())
+                continue
+            if event[0] in pending:
+                actions = self._feed(round_, pending, *event)
+
+    def _feed(
+        self, round_: Round, pending: set[_Key], key: _Key, ok: bool, payload: Any
+    ) -> list[Action]:
+        pending.discard(key)
+        now = time.monotonic()
+        if ok:
+            actions = round_.on_response(key, payload, now)
+        else:
+            actions = round_.on_error(key, payload[0], payload[1], now)
+        return actions + round_.on_timer(now)
 
     def _execute(
-        self, actions: list[Action], events: queue.SimpleQueue, handles: dict[tuple[int, int], Any]
-    ) -> None:
+        self, actions: list[Action], events: queue.SimpleQueue, pending: set[_Key]
+    ) -> tuple[_Key, bool, Any] | None:
+        """Start the Sends (the last one inline unless backup requests are on), forget the
+        Cancels. Returns the inline attempt's (key, ok, payload), if any."""
+        sends = [a for a in actions if isinstance(a, Send)]
         for action in actions:
-            if isinstance(action, Cancel):
-                future = handles.pop(action.key, None)
-                if future is not None:
-                    future.cancel()
-                continue
-            try:
-                future = self._channels.start(action.address, action.request, action.timeout_s)
-            except Exception as exc:  # a bad address or a closed client: report as an error
-                handles[action.key] = failed = _Failed(exc)
-                events.put((action.key, failed))
-                continue
-            handles[action.key] = future
-            future.add_done_callback(lambda f, key=action.key: events.put((key, f)))
-
-
-class _Failed:
-    """A call that could not even start, shaped like a finished grpc future."""
-
-    def __init__(self, error: BaseException) -> None:
-        self._error = error
-
-    def cancelled(self) -> bool:
-        return False
-
-    def exception(self) -> BaseException:
-        return self._error
-
-    def cancel(self) -> bool:
-        return False
+            if not isinstance(action, Send):
+                pending.discard(action.key)  # its late answer will be dropped
+        if not sends:
+            return None
+        inline = sends.pop() if self.policy.backup_request_ms <= 0 else None
+        for send in sends:
+            pending.add(send.key)
+            future = self._pool.submit(
+                self._channels.call, send.address, send.request, send.timeout_s
+            )
+            future.add_done_callback(partial(_report, events, send.key))
+        if inline is None:
+            return None
+        pending.add(inline.key)
+        return (inline.key, *self._channels.call(inline.address, inline.request, inline.timeout_s))

@@ -4,6 +4,7 @@ out (request and response (de)serialization is the core's, see `cube.client.core
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -32,7 +33,9 @@ def status_of(error: BaseException) -> tuple[str, str]:
 
 
 class SyncChannels:
-    """Blocking-API channels; `start` returns a grpc future (callbacks on grpc's thread)."""
+    """Blocking-API channels. `call` blocks the calling thread: gRPC's sync `future()` starts
+    a polling thread per call when none is running, which costs more than the call itself
+    here, so the client runs blocking calls inline or on its own thread pool instead."""
 
     def __init__(self, method: str) -> None:
         self._method = method
@@ -55,8 +58,12 @@ class SyncChannels:
                     self._callables[address] = call
         return call
 
-    def start(self, address: str, request: bytes, timeout_s: float) -> grpc.Future:
-        return self._callable(address).future(request, timeout=timeout_s)
+    def call(self, address: str, request: bytes, timeout_s: float) -> tuple[bool, Any]:
+        """(True, response bytes) or (False, (status name, message)); never raises."""
+        try:
+            return True, self._callable(address)(request, timeout=timeout_s)
+        except Exception as exc:
+            return False, status_of(exc)
 
     def wait_ready(self, addresses: list[str], timeout_s: float) -> list[str]:
         """Connect to every address; return those not ready within `timeout_s`."""

@@ -1,0 +1,159 @@
+"""cube-cli: send batches of keys to a dict and print latency percentiles and throughput.
+
+    cube-cli --config_file cube.conf --keys keys.txt --dict test_dict --batch 500 \\
+             --thread_num 4 [--requests 1000] [--print_output] [--timeout ms] [--retry n]
+
+Like the original's tool: every thread sends `--requests` batches of `--batch` keys, cycling
+through the key file (one decimal key per line). Unlike it, QPS is total requests over the
+wall time of the whole run (all threads), and keys/s is reported too. Exit status: 0 when
+every request succeeded, 1 when some failed, 2 on bad flags, config or key file.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from cube.client.core import PROTOCOLS
+from cube.client.errors import CubeError
+from cube.client.sync import CubeClient
+from cube.flags import FlagError, FlagSet, run_cli
+
+FLAGS = (
+    FlagSet("cube-cli", "Look up batches of keys in a Cube dict and report latency and QPS.")
+    .add("config_file", str, "./cube.conf", "cube.conf (JSON array of dicts)")
+    .add("keys", str, "keys", "key file: one decimal uint64 key per line")
+    .add("dict", str, "", "dict to query (optional when the conf has one dict)")
+    .add("batch", int, 500, "keys per request")
+    .add("thread_num", int, 1, "client threads")
+    .add("requests", int, 1000, "requests per thread")
+    .add("print_output", bool, False, "print key:value (hex) for every key looked up")
+    .add("timeout", int, None, "per-attempt timeout in ms (default: the conf's)")
+    .add("retry", int, None, "retries (default: the conf's)")
+    .add(
+        "protocol", str, "fast", "fast (cube.v1) or original (rec.mcube)", choices=tuple(PROTOCOLS)
+    )
+)
+
+PERCENTILES = (50, 80, 90, 99, 99.9)
+
+
+def read_keys(path: str) -> np.ndarray:
+    """Keys of a key file; a bad line is named by number."""
+    try:
+        lines = Path(path).read_text().split("\n")
+    except OSError as exc:
+        raise FlagError(f"--keys {path}: {exc.strerror or exc}") from None
+    tokens = [line.strip() for line in lines]
+    numbered = [(i + 1, t) for i, t in enumerate(tokens) if t]
+    if not numbered:
+        raise FlagError(f"--keys {path}: no keys in the file")
+    try:
+        return np.array([t for _, t in numbered], dtype=np.uint64)
+    except (ValueError, OverflowError):
+        pass
+    for number, token in numbered:
+        if not token.isdigit() or int(token) >= 2**64:
+            raise FlagError(f"--keys {path}: line {number}: {token!r} is not a uint64 key")
+    raise FlagError(f"--keys {path}: cannot read keys")
+
+
+def summarize(latencies_us: np.ndarray, keys_per_request: int, wall_s: float, errors: int) -> str:
+    """The report: request/key counts, latency avg and percentiles (µs), QPS over all threads."""
+    count = int(latencies_us.shape[0])
+    lines = [f"requests {count} (failed {errors}), wall {wall_s:.3f} s"]
+    if count:
+        marks = np.percentile(latencies_us, PERCENTILES)
+        parts = [f"avg {latencies_us.mean():.0f}"] + [
+            f"p{p:g} {v:.0f}" for p, v in zip(PERCENTILES, marks, strict=True)
+        ]
+        parts.append(f"max {latencies_us.max():.0f}")
+        lines.append("latency us: " + " ".join(parts))
+    ok = count - errors
+    qps = count / wall_s if wall_s > 0 else 0.0
+    keys_s = ok * keys_per_request / wall_s if wall_s > 0 else 0.0
+    lines.append(f"qps {qps:.1f} requests/s, {keys_s:.0f} keys/s")
+    return "\n".join(lines)
+
+
+def _format_batch(result) -> str:
+    lines = []
+    for key, value in zip(result.keys.tolist(), result.values, strict=True):
+        lines.append(f"key:{key} value:{value.hex().upper() if value is not None else ''}")
+    return "\n".join(lines) + "\n"
+
+
+def run(argv: Sequence[str]) -> int:
+    flags = FLAGS.parse(argv)
+    for name in ("batch", "thread_num", "requests"):
+        if flags[name] < 1:
+            raise FlagError(f"--{name} must be >= 1, got {flags[name]}")
+    keys = read_keys(flags["keys"])  # flags.keys is dict.keys
+    overrides = {"protocol": flags.protocol}
+    if flags.timeout is not None:
+        overrides["timeout_ms"] = flags.timeout
+    if flags.retry is not None:
+        overrides["retry"] = flags.retry
+    try:
+        client = CubeClient.from_conf(flags.config_file, flags.dict or None, **overrides)
+    except CubeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    batch, per_thread = flags.batch, flags.requests
+    latencies = np.zeros((flags.thread_num, per_thread), dtype=np.float64)
+    failures = [0] * flags.thread_num
+    print_lock = threading.Lock()
+    first_error: list[str] = []
+
+    def worker(thread: int) -> None:
+        offset = thread * batch * per_thread
+        window = np.arange(batch, dtype=np.int64)
+        for request in range(per_thread):
+            batch_keys = keys[(offset + request * batch + window) % keys.shape[0]]
+            started = time.perf_counter()
+            try:
+                result = client.seek(batch_keys)
+            except CubeError as exc:
+                latencies[thread, request] = (time.perf_counter() - started) * 1e6
+                failures[thread] += 1
+                if not first_error:
+                    first_error.append(str(exc))
+                continue
+            latencies[thread, request] = (time.perf_counter() - started) * 1e6
+            if flags.print_output:
+                text = _format_batch(result)
+                with print_lock:
+                    sys.stdout.write(text)
+
+    with client:
+        client.wait_ready(timeout_s=1.0)  # warm-up only: dead replicas show up as errors
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(flags.thread_num)]
+        started = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        wall = time.perf_counter() - started
+    errors = sum(failures)
+    print(
+        f"cube-cli: dict {client.dict_name!r}, {client.shard_num} shards, batch {batch},"
+        f" {flags.thread_num} threads x {per_thread} requests"
+    )
+    print(summarize(latencies.reshape(-1), batch, wall, errors))
+    if errors:
+        print(f"error: {errors} requests failed; first: {first_error[0]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

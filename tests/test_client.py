@@ -1,0 +1,548 @@
+"""CubeClient / AsyncCubeClient against real cube-server processes on loopback.
+
+Values against what was built (fixed and variable width), misses, embeddings, murmur3 routing,
+batch splitting, every cube.conf type, replica failover (kill -9 under load), a dead shard
+(error with partial result), backup requests past a stopped replica, version reconciliation
+during a rollout, rejected requests, and cube-cli."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from procs import REPO, expected_fixed, fixed_values, start_server, write_version
+
+from cube.client import (
+    AsyncCubeClient,
+    CubeClient,
+    CubeError,
+    RequestRejectedError,
+    ShardUnavailableError,
+    ValueSizeError,
+    VersionMismatchError,
+    cli,
+)
+from cube.pb import cube_pb2, cube_pb2_grpc
+from cube.routing import shard_of
+
+WIDTH = 16  # 4 float32
+
+
+@contextlib.contextmanager
+def servers(*specs):
+    """Start servers in parallel: specs are (data_dir, args, workers). Always stopped by PID
+    (resumed first, in case a test stopped one with SIGSTOP)."""
+    started = []
+    try:
+        for data_dir, args, workers in specs:
+            started.append(start_server(data_dir, *args, workers=workers, wait=False))
+        for server in started:
+            server.wait_serving()
+        yield started
+    finally:
+        for server in started:
+            with contextlib.suppress(ProcessLookupError):
+                server.signal(signal.SIGCONT)
+            server.stop()
+
+
+def build_shards(root: Path, keys, values_for, shard_num, partitioner="mod", version="100"):
+    """Write each shard's keys (routed like the builder) to root/shard<i>/data; the dirs."""
+    owner = shard_of(keys, shard_num, partitioner)
+    dirs = []
+    for shard in range(shard_num):
+        mine = keys[owner == shard]
+        data = root / f"shard{shard}" / "data"
+        write_version(data, version, mine, values_for(mine), current=True)
+        dirs.append(data)
+    return dirs
+
+
+def variable_value(key: int) -> bytes:
+    return (b"v%d-" % key) * (1 + key % 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# A 2-shard fixed-width cluster: shard 0 = two server processes, shard 1 = one server with
+# two workers (two ports). Every port is a replica.
+
+KEYS = np.arange(1, 30_000, 3, dtype=np.uint64)
+
+
+@pytest.fixture(scope="module")
+def fixed_cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fixed")
+    dirs = build_shards(root, KEYS, lambda k: fixed_values(k, WIDTH, tag=1), 2)
+    common = ("--dict_name", "test_dict", "--max_batch", "5000")
+    specs = [
+        (dirs[0], (*common, "--shard", "0"), 1),
+        (dirs[0], (*common, "--shard", "0"), 1),
+        (dirs[1], (*common, "--shard", "1"), 2),
+    ]
+    with servers(*specs) as procs:
+        shards = [procs[0].addresses + procs[1].addresses, procs[2].addresses]
+        yield shards, root
+
+
+def query_keys(seed=0, n=1000):
+    rng = np.random.default_rng(seed)
+    keys = rng.integers(0, 30_000, n, dtype=np.uint64)
+    keys[:3] = [2**64 - 1, 0, 1]
+    keys[10:20] = keys[9]  # duplicates
+    return keys
+
+
+def check_fixed(result, keys, tag=1):
+    expect_found = np.isin(keys, KEYS)
+    assert result.found.tolist() == expect_found.tolist()
+    assert result.answered.all()
+    assert result.width == WIDTH
+    rows = result.column.as_rows()
+    assert (rows[expect_found] == expected_fixed(keys[expect_found], WIDTH, tag)).all()
+    assert (rows[~expect_found] == 0).all()
+    values = result.values
+    assert values[1] is None and values[0] is None
+    hit = int(np.flatnonzero(expect_found)[0])
+    assert values[hit] == expected_fixed(keys[hit : hit + 1], WIDTH, tag).tobytes()
+
+
+def test_seek_fixed_width_values_misses_and_order(fixed_cluster):
+    shards, _ = fixed_cluster
+    keys = query_keys()
+    with CubeClient(shards=shards, dict_name="test_dict") as client:
+        assert client.wait_ready() == []
+        result = client.seek(keys)
+        check_fixed(result, keys)
+        assert result.version == "100" and len(result) == len(keys)
+        as_list = client.seek(keys.tolist())
+        assert as_list.values == result.values
+        assert len(client.seek([])) == 0
+        with pytest.raises(CubeError, match="key -1 at position 1"):
+            client.seek([5, -1])
+
+
+@pytest.mark.parametrize("balancer", ["rr", "random", "la"])
+def test_batches_split_by_max_batch_and_balancers(fixed_cluster, balancer):
+    shards, _ = fixed_cluster
+    keys = query_keys(seed=3, n=3000)
+    with CubeClient(shards=shards, max_batch=64, load_balancer=balancer) as client:
+        check_fixed(client.seek(keys), keys)
+
+
+def test_get_embeddings(fixed_cluster):
+    shards, _ = fixed_cluster
+    keys = query_keys(seed=4, n=200)
+    with CubeClient(shards=shards) as client:
+        emb = client.get_embeddings(keys, dim=4)
+        assert emb.shape == (200, 4) and emb.dtype == np.float32
+        found = np.isin(keys, KEYS)
+        expect = expected_fixed(keys[found], WIDTH, 1).view(np.float32)
+        assert np.array_equal(emb[found], expect, equal_nan=True)
+        assert (emb[~found] == 0).all()
+        with pytest.raises(ValueSizeError, match=r"value of key \d+ .position \d+. has 16 bytes"):
+            client.get_embeddings(keys, dim=3)
+        assert client.get_embeddings(keys, dim=2, dtype="float64").shape == (200, 2)
+
+
+def test_server_rejections_are_raised_at_once(fixed_cluster):
+    shards, _ = fixed_cluster
+    with CubeClient(shards=shards, dict_name="other_dict", retry=5) as client:
+        with pytest.raises(RequestRejectedError, match=r"NOT_FOUND.*'other_dict'") as info:
+            client.seek([1, 2, 3, 4])
+        assert info.value.code == "NOT_FOUND"
+    with CubeClient(shards=shards, max_batch=100_000) as client:
+        many = np.arange(0, 6000 * 2, 2, dtype=np.uint64)  # all on shard 0: > --max_batch
+        with pytest.raises(RequestRejectedError, match=r"RESOURCE_EXHAUSTED.*6000 keys"):
+            client.seek(many)
+
+
+def test_async_client_parity(fixed_cluster):
+    shards, _ = fixed_cluster
+    keys = query_keys(seed=5)
+
+    async def main():
+        async with AsyncCubeClient(shards=shards, max_batch=300, backup_request_ms=50) as aio:
+            assert await aio.wait_ready() == []
+            results = await asyncio.gather(*(aio.seek(keys) for _ in range(4)))
+            emb = await aio.get_embeddings(keys, dim=4)
+            return results, emb
+
+    results, emb = asyncio.run(main())
+    with CubeClient(shards=shards) as client:
+        expected = client.seek(keys)
+        expected_emb = client.get_embeddings(keys, dim=4)
+    for result in results:
+        check_fixed(result, keys)
+        assert result.values == expected.values and result.version == expected.version
+    assert np.array_equal(emb, expected_emb, equal_nan=True)
+
+
+def test_original_protocol(fixed_cluster):
+    shards, _ = fixed_cluster
+    keys = query_keys(seed=6, n=300)
+    with CubeClient(shards=shards, protocol="original") as client:
+        result = client.seek(keys)
+    found = np.isin(keys, KEYS)
+    assert result.found.tolist() == found.tolist() and result.version == "100"
+    assert result.values[int(np.flatnonzero(found)[0])] is not None
+    with CubeClient(shards=shards) as fast:
+        assert fast.seek(keys).values == result.values
+
+
+def conf_file(tmp_path, entries) -> Path:
+    path = tmp_path / "cube.conf"
+    path.write_text(json.dumps(entries))
+    return path
+
+
+def conf_entry(kind, nodes, shard, **extra):
+    return {
+        "dict_name": "test_dict",
+        "shard": shard,
+        "dup": 2,
+        "timeout": 2000,
+        "retry": 2,
+        "backup_request": 0,
+        "type": kind,
+        "nodes": nodes,
+        **extra,
+    }
+
+
+def ipport(address):
+    host, port = address.rsplit(":", 1)
+    return {"ip": host, "port": int(port)}
+
+
+def test_from_conf_ipport_list_and_ipport(fixed_cluster, tmp_path):
+    shards, _ = fixed_cluster
+    keys = query_keys(seed=7, n=500)
+    nodes = [{"ipport_list": "list://" + ",".join(replicas)} for replicas in shards]
+    other = conf_entry("ipport", [ipport(shards[0][0]), ipport(shards[1][1])], 2)
+    other["dict_name"] = "second"
+    path = conf_file(tmp_path, [conf_entry("ipport_list", nodes, 2, load_balancer="la"), other])
+    with CubeClient.from_conf(path, dict_name="test_dict") as client:
+        assert client.shards == tuple(tuple(r) for r in shards)
+        check_fixed(client.seek(keys), keys)
+    with CubeClient.from_conf(path, dict_name="second") as client:
+        assert client.shards == ((shards[0][0],), (shards[1][1],))
+        with pytest.raises(RequestRejectedError, match="'second'"):
+            client.seek(keys)  # the servers hold test_dict
+
+
+# ---------------------------------------------------------------------------------------------
+# Variable-width values, murmur3 routing, and ipport_parallel against one whole-table server.
+
+VAR_KEYS = np.arange(5, 50_000, 7, dtype=np.uint64)
+
+
+@pytest.fixture(scope="module")
+def variable_cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("variable")
+
+    def values(keys):
+        return [variable_value(int(k)) for k in keys]
+
+    dirs = build_shards(root, VAR_KEYS, values, 3, partitioner="murmur3")
+    whole = root / "whole" / "data"
+    write_version(whole, "7", VAR_KEYS, values(VAR_KEYS), current=True)
+    with servers(*[(d, (), 1) for d in dirs], (whole, (), 1)) as procs:
+        yield [p.address for p in procs[:3]], procs[3].address
+
+
+def check_variable(result, keys):
+    expect = [variable_value(int(k)) if k in set(VAR_KEYS.tolist()) else None for k in keys]
+    assert result.values == expect
+    assert result.found.tolist() == [v is not None for v in expect]
+
+
+def test_variable_width_with_murmur3_routing(variable_cluster, tmp_path):
+    addresses, _ = variable_cluster
+    keys = np.random.default_rng(8).integers(0, 50_000, 700, dtype=np.uint64)
+    path = conf_file(
+        tmp_path, [conf_entry("ipport", [ipport(a) for a in addresses], 3, partitioner="murmur3")]
+    )
+    with CubeClient.from_conf(path) as client:
+        result = client.seek(keys)
+        assert result.width == 0 and result.version == "100"
+        check_variable(result, keys)
+        check_variable(client.seek(keys[:1]), keys[:1])
+    with CubeClient(shards=[[a] for a in addresses], partitioner="mod") as wrong:
+        # Routing by the wrong rule finds (almost) nothing: proves the murmur3 test routes.
+        assert wrong.seek(keys).found.sum() < 0.5 * np.isin(keys, VAR_KEYS).sum()
+
+
+def test_ipport_parallel_uses_node_zero_for_every_shard(variable_cluster, tmp_path):
+    _, whole = variable_cluster
+    keys = np.random.default_rng(9).integers(0, 50_000, 400, dtype=np.uint64)
+    path = conf_file(tmp_path, [conf_entry("ipport_parallel", [ipport(whole)], 4)])
+    with CubeClient.from_conf(path) as client:
+        assert client.shard_num == 4 and client.shards == ((whole,),) * 4
+        result = client.seek(keys)
+        assert result.version == "7"
+        check_variable(result, keys)
+
+
+# ---------------------------------------------------------------------------------------------
+# Failures
+
+
+@pytest.fixture
+def replicated_shard(tmp_path):
+    """One shard served by two separate processes (replicas), fixed width."""
+    (data,) = build_shards(tmp_path, KEYS, lambda k: fixed_values(k, WIDTH, tag=1), 1)
+    with servers((data, (), 1), (data, (), 1)) as procs:
+        yield procs
+
+
+def test_failover_when_a_replica_is_killed_under_load(replicated_shard):
+    victim, survivor = replicated_shard
+    shards = [[victim.address, survivor.address]]
+    keys = query_keys(seed=10, n=500)
+    errors: list[BaseException] = []
+    done = {"calls": 0}
+    stop = threading.Event()
+
+    def load(client):
+        while not stop.is_set():
+            try:
+                check_fixed(client.seek(keys), keys)
+                done["calls"] += 1
+            except BaseException as exc:
+                errors.append(exc)
+                return
+
+    with CubeClient(shards=shards, retry=2, timeout_ms=3000) as client:
+        threads = [threading.Thread(target=load, args=(client,)) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 20
+        while done["calls"] < 30 and time.monotonic() < deadline and not errors:
+            time.sleep(0.01)
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.process.wait(timeout=10)
+        killed_at = done["calls"]
+        while done["calls"] < killed_at + 60 and time.monotonic() < deadline and not errors:
+            time.sleep(0.01)
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
+    assert not errors, errors[0]
+    assert done["calls"] >= killed_at + 60
+
+
+def test_failover_async(replicated_shard):
+    victim, survivor = replicated_shard
+    keys = query_keys(seed=11, n=300)
+
+    async def main():
+        async with AsyncCubeClient(shards=[[victim.address, survivor.address]]) as client:
+            for _ in range(5):
+                check_fixed(await client.seek(keys), keys)
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.process.wait(timeout=10)
+            for _ in range(20):
+                check_fixed(await client.seek(keys), keys)
+
+    asyncio.run(main())
+
+
+def test_dead_shard_raises_naming_shard_and_replicas_with_partial_result(tmp_path):
+    dirs = build_shards(tmp_path, KEYS, lambda k: fixed_values(k, WIDTH, tag=1), 2)
+    with servers((dirs[0], (), 1), (dirs[1], (), 1), (dirs[1], (), 1)) as procs:
+        for proc in procs[1:]:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.process.wait(timeout=10)
+        dead = [procs[1].address, procs[2].address]
+        keys = query_keys(seed=12, n=400)
+        on_live = shard_of(keys, 2) == 0
+        shards = [[procs[0].address], dead]
+        for make in (CubeClient, AsyncCubeClient):
+            with pytest.raises(ShardUnavailableError) as info:
+                if make is CubeClient:
+                    with CubeClient(shards=shards, retry=3, timeout_ms=2000) as client:
+                        client.seek(keys)
+                else:
+                    asyncio.run(_async_seek(shards, keys, retry=3, timeout_ms=2000))
+            error = info.value
+            assert error.shard == 1 and error.shards == [1]
+            message = str(error)
+            assert "shard 1 failed" in message and all(a in message for a in dead)
+            assert "UNAVAILABLE" in message
+            assert {a.endpoint for a in error.failures[1]} == set(dead)
+            assert len(error.failures[1]) == 4  # first try + 3 retries
+            partial = error.result
+            assert partial.answered.tolist() == on_live.tolist()
+            assert not partial.found[~on_live].any()
+            assert all(
+                v is None for v, live in zip(partial.values, on_live, strict=True) if not live
+            )
+            expect_found = np.isin(keys, KEYS) & on_live
+            assert partial.found.tolist() == expect_found.tolist()
+            hit = int(np.flatnonzero(expect_found)[0])
+            assert partial.values[hit] == expected_fixed(keys[hit : hit + 1], WIDTH, 1).tobytes()
+
+
+def test_backup_request_answers_past_a_stopped_replica(replicated_shard):
+    slow, fast = replicated_shard
+    keys = query_keys(seed=13, n=300)
+    timeout_ms = 20_000
+    options = dict(retry=0, timeout_ms=timeout_ms, backup_request_ms=30, load_balancer="rr")
+    with CubeClient(shards=[[slow.address, fast.address]], **options) as client:
+        check_fixed(client.seek(keys), keys)  # connect both
+        check_fixed(client.seek(keys), keys)
+        os.kill(slow.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            for _ in range(6):  # rr: half of these go to the stopped replica first
+                check_fixed(client.seek(keys), keys)
+            sync_elapsed = time.monotonic() - started
+
+            async def hedged():
+                async with AsyncCubeClient(shards=[[slow.address, fast.address]], **options) as aio:
+                    begin = time.monotonic()
+                    for _ in range(6):
+                        check_fixed(await aio.seek(keys), keys)
+                    return time.monotonic() - begin
+
+            async_elapsed = asyncio.run(hedged())
+        finally:
+            os.kill(slow.pid, signal.SIGCONT)
+    # Without the backup request, retry=0 would fail after the 20 s timeout: answering six
+    # times in well under one timeout shows the backup answered.
+    assert sync_elapsed < timeout_ms / 1000 / 2
+    assert async_elapsed < timeout_ms / 1000 / 2
+
+
+def test_timeout_then_retry_on_the_other_replica(replicated_shard):
+    slow, fast = replicated_shard
+    keys = query_keys(seed=14, n=100)
+    with CubeClient(shards=[[slow.address, fast.address]], retry=1, timeout_ms=300) as client:
+        check_fixed(client.seek(keys), keys)
+        os.kill(slow.pid, signal.SIGSTOP)
+        try:
+            for _ in range(4):
+                check_fixed(client.seek(keys), keys)
+        finally:
+            os.kill(slow.pid, signal.SIGCONT)
+
+
+# ---------------------------------------------------------------------------------------------
+# Versions
+
+
+def control(address, cmd, **fields):
+    with grpc.insecure_channel(address) as channel:
+        stub = cube_pb2_grpc.ControlServiceStub(channel)
+        return stub.cmd(cube_pb2.ControlRequest(cmd=cmd, **fields), timeout=60)
+
+
+def test_version_reconciliation_during_a_rollout(tmp_path):
+    """Version 100 values carry tag 1, version 200 values tag 2."""
+    for tag, version in ((1, "100"), (2, "200")):
+        dirs = build_shards(
+            tmp_path, KEYS, lambda k, t=tag: fixed_values(k, WIDTH, tag=t), 2, version=version
+        )
+    for data in dirs:
+        (data / "VERSION").write_text("100\n")
+    keys = query_keys(seed=15, n=600)
+    with servers((dirs[0], (), 1), (dirs[1], (), 1)) as (s0, s1):
+        shards = [[s0.address], [s1.address]]
+        with CubeClient(shards=shards) as client:
+            check_fixed(client.seek(keys), keys, tag=1)
+            # Shard 0 switches to 200 (keeps 100 as previous); shard 1 has only 100.
+            control(s0.address, "bg_load_base", version_path="/200")
+            control(s0.address, "enable", version="200")
+            result = client.seek(keys)
+            assert result.version == "100"
+            check_fixed(result, keys, tag=1)
+            async_result = asyncio.run(_async_seek(shards, keys))
+            assert async_result.version == "100" and async_result.values == result.values
+            # Shard 1 loads 200 in the background: 200 is everywhere now and wins.
+            control(s1.address, "bg_load_base", version_path="/200")
+            result = client.seek(keys)
+            assert result.version == "200"
+            check_fixed(result, keys, tag=2)
+            # An explicit version is honoured.
+            check_fixed(client.seek(keys, version="100"), keys, tag=1)
+            # Neither holds the other's version any more: a clear error, not a mixed batch.
+            control(s0.address, "bg_unload")
+            control(s1.address, "bg_unload")
+            with pytest.raises(VersionMismatchError, match=r"shard 0: 200.*shard 1: 100"):
+                client.seek(keys)
+            # One shard alone is trivially consistent.
+            single = client.seek(keys[shard_of(keys, 2) == 1])
+            assert single.version == "100"
+
+
+async def _async_seek(shards, keys, **options):
+    async with AsyncCubeClient(shards=shards, **options) as client:
+        return await client.seek(keys)
+
+
+# ---------------------------------------------------------------------------------------------
+# cube-cli
+
+
+def run_cli(*args, timeout=120):
+    command = [sys.executable, "-m", "cube.client.cli", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def test_cube_cli_prints_latency_and_qps(fixed_cluster, tmp_path, capsys):
+    shards, _ = fixed_cluster
+    nodes = [{"ipport_list": "list://" + ",".join(replicas)} for replicas in shards]
+    path = conf_file(tmp_path, [conf_entry("ipport_list", nodes, 2)])
+    keys_file = tmp_path / "keys.txt"
+    keys_file.write_text("\n".join(str(k) for k in query_keys(seed=16, n=300)) + "\n")
+    args = ("--config_file", path, "--keys", keys_file, "--dict", "test_dict", "--batch", 50)
+    done = run_cli(*args, "--thread_num", 2, "--requests", 20)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "2 shards, batch 50, 2 threads x 20 requests" in out
+    assert "requests 40 (failed 0)" in out
+    for word in ("avg", "p50", "p90", "p99", "p99.9", "qps", "keys/s"):
+        assert word in out
+    qps = float(out.split("qps ")[1].split()[0])
+    assert qps > 0
+
+    code = cli.main([*map(str, args), "--requests", "1", "--print_output"])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    lines = [line for line in printed.out.splitlines() if line.startswith("key:")]
+    first = query_keys(seed=16, n=300)[:50]
+    assert len(lines) == 50 and lines[0].startswith(f"key:{first[0]} value:")
+    hit = int(np.flatnonzero(np.isin(first, KEYS))[0])
+    expected = expected_fixed(first[hit : hit + 1], WIDTH, 1).tobytes().hex().upper()
+    assert lines[hit] == f"key:{first[hit]} value:{expected}"
+
+
+def test_cube_cli_errors(tmp_path, capsys):
+    def run(*args):
+        code = cli.main([str(a) for a in args])
+        return code, capsys.readouterr()
+
+    keys_file = tmp_path / "keys.txt"
+    keys_file.write_text("1\n2\nx3\n")
+    code, out = run("--config_file", tmp_path / "none.conf", "--keys", keys_file)
+    assert code == 2 and "line 3: 'x3'" in out.err
+    keys_file.write_text("1\n2\n")
+    code, out = run("--config_file", tmp_path / "none.conf", "--keys", keys_file)
+    assert code == 2 and "none.conf: cannot read" in out.err
+    assert run("--bogus", 1)[0] == 2
+    assert run("--keys", keys_file, "--batch", 0)[0] == 2
+    dead = conf_file(tmp_path, [conf_entry("ipport", [{"ip": "127.0.0.1", "port": 9}], 1)])
+    code, out = run("--config_file", dead, "--keys", keys_file, "--requests", 2, "--retry", 0)
+    assert code == 1 and "requests 2 (failed 2)" in out.out
+    assert "shard 0 failed" in out.err
