@@ -1,0 +1,703 @@
+"""cube-local: a whole Cube cluster (transfer, agents, servers) on loopback, in one command.
+
+    cube-local up --shards 2 --replicas 2 --donefile DIR [--dir .local-cluster] [--base_port N]
+    cube-local status [--dir .local-cluster] [--json]
+    cube-local wait --version V [--timeout 120] [--dir .local-cluster]
+    cube-local restart --name agent0_1 [--dir .local-cluster]
+    cube-local down [--dir .local-cluster] [--timeout 10]
+
+`up` writes `transfer.conf` (the original's format) and `cube.conf` (`ipport_list`, for the SDK
+and cube-cli) into --dir, starts one cube-server + cube-agent per replica (the server's
+data_dir is the agent's deploy_path/data) and one cube-transfer watching --donefile, records
+every PID (with its start time and command line) in --dir/cluster.json, and returns once each
+answers its health check. `down` stops exactly those processes: SIGTERM, then SIGKILL after
+--timeout. Ports: --base_port N gives the transfer N (API) and N+1 (files), replica k of all
+N+10+2k (server) and N+11+2k (agent); without it free ports are picked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from cube.flags import FlagError, FlagSet, run_cli
+from transfer.config import Instance, TransferConfig, render_config
+
+CLUSTER_FILE = "cluster.json"
+DICT_NAME = "test_dict"
+
+
+class LocalError(RuntimeError):
+    """Something cube-local cannot do; the message says what and where to look."""
+
+
+@dataclass
+class Proc:
+    """One process of the cluster, as cluster.json records it."""
+
+    name: str  # transfer, server0_1, agent0_1
+    role: str
+    argv: list[str]
+    log: str
+    port: int
+    pid: int = 0
+    create_time: float = 0.0
+    shard: int = -1
+    replica: int = -1
+
+    def process(self) -> psutil.Process | None:
+        """The live process this record started (None if gone or the PID was reused)."""
+        if not self.pid:
+            return None
+        try:
+            proc = psutil.Process(self.pid)
+            if abs(proc.create_time() - self.create_time) > 0.05:
+                return None
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return None
+            return proc
+        except psutil.Error:
+            return None
+
+
+@dataclass
+class ClusterSpec:
+    dir: Path
+    shards: int
+    replicas: int
+    donefile: Path
+    dict_name: str = DICT_NAME
+    base_port: int = 0
+    dim: int = 0
+    mode: str = "base_delta"
+    quorum: int = 0
+    poll_interval: float = 1.0
+    partitioner: str = "mod"
+    phase_timeout: float = 120.0
+    dead_timeout: float = 20.0
+    transfer_args: list[str] = field(default_factory=list)
+    server_args: list[str] = field(default_factory=list)
+    agent_args: list[str] = field(default_factory=list)
+
+
+def command(name: str) -> str:
+    """A console script of this project: next to this Python first (the venv), then PATH."""
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which(name)
+    if found:
+        return found
+    raise LocalError(f"{name} not found next to {sys.executable} nor on PATH (pip install -e .)")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def plan_ports(shards: int, replicas: int, base_port: int) -> dict[str, int]:
+    """name -> port for every listener of the cluster."""
+    names = ["transfer", "files"]
+    for i in range(shards):
+        for j in range(replicas):
+            names += [f"server{i}_{j}", f"agent{i}_{j}"]
+    if base_port:
+        if base_port + 11 + 2 * shards * replicas > 65535:
+            raise LocalError(f"--base_port {base_port} leaves too few ports")
+        ports = {"transfer": base_port, "files": base_port + 1}
+        for k, name in enumerate(names[2:]):
+            ports[name] = base_port + 10 + k
+        return ports
+    picked: dict[str, int] = {}
+    while len(picked) < len(names):
+        port = _free_port()
+        if port not in picked.values():
+            picked[names[len(picked)]] = port
+    return picked
+
+
+def cluster_config(spec: ClusterSpec, ports: dict[str, int]) -> TransferConfig:
+    root = spec.dir.resolve()
+    instances = tuple(
+        Instance(
+            shard=i,
+            replica=j,
+            agent_host="127.0.0.1",
+            agent_port=ports[f"agent{i}_{j}"],
+            server_host="127.0.0.1",
+            server_port=ports[f"server{i}_{j}"],
+            deploy_path=str(root / "instances" / f"{i}_{j}"),
+        )
+        for i in range(spec.shards)
+        for j in range(spec.replicas)
+    )
+    return TransferConfig(
+        dict_name=spec.dict_name,
+        mode=spec.mode,
+        download_mode="http",
+        wget_port=ports["files"],
+        buildtool_local=command("cube-builder"),
+        donefile_address=str(spec.donefile.resolve()),
+        output_address=root / "transfer" / "output",
+        tmp_address=root / "transfer" / "tmp",
+        shard_num=spec.shards,
+        copy_num=spec.replicas,
+        transfer_address="127.0.0.1",
+        instances=instances,
+        quorum=spec.quorum or spec.replicas,
+        download_timeout=spec.phase_timeout,
+        reload_timeout=spec.phase_timeout,
+        enable_timeout=min(spec.phase_timeout, 60.0),
+        partitioner=spec.partitioner,
+    )
+
+
+def cube_conf(cfg: TransferConfig, dim: int = 0) -> list[dict[str, Any]]:
+    """The SDK's cube.conf for the cluster (`ipport_list`: every replica of a shard)."""
+    entry: dict[str, Any] = {
+        "dict_name": cfg.dict_name,
+        "shard": cfg.shard_num,
+        "dup": cfg.copy_num,
+        "timeout": 1000,
+        "retry": 3,
+        "backup_request": 100,
+        "type": "ipport_list",
+        "load_balancer": "rr",
+        "partitioner": cfg.partitioner,
+        "nodes": [
+            {"ipport_list": "list://" + ",".join(i.server_address for i in cfg.shard_instances(s))}
+            for s in range(cfg.shard_num)
+        ],
+    }
+    if dim:
+        entry["dim"] = dim
+    return [entry]
+
+
+def _processes(spec: ClusterSpec, cfg: TransferConfig, ports: dict[str, int]) -> list[Proc]:
+    root = spec.dir.resolve()
+    logs = root / "logs"
+    procs = []
+    for inst in cfg.instances:
+        suffix = inst.name
+        data = Path(inst.deploy_path) / "data"
+        procs.append(
+            Proc(
+                name=f"server{suffix}",
+                role="server",
+                argv=[
+                    command("cube-server"),
+                    "--port",
+                    str(inst.server_port),
+                    "--data_dir",
+                    str(data),
+                    "--dict_name",
+                    cfg.dict_name,
+                    "--shard",
+                    str(inst.shard),
+                    "--partitioner",
+                    cfg.partitioner,
+                    *spec.server_args,
+                ],
+                log=str(logs / f"server{suffix}.log"),
+                port=inst.server_port,
+                shard=inst.shard,
+                replica=inst.replica,
+            )
+        )
+    for inst in cfg.instances:
+        suffix = inst.name
+        procs.append(
+            Proc(
+                name=f"agent{suffix}",
+                role="agent",
+                argv=[
+                    command("cube-agent"),
+                    "-P",
+                    str(inst.agent_port),
+                    "--deploy_path",
+                    inst.deploy_path,
+                    "--server",
+                    inst.server_address,
+                    *spec.agent_args,
+                ],
+                log=str(logs / f"agent{suffix}.log"),
+                port=inst.agent_port,
+                shard=inst.shard,
+                replica=inst.replica,
+            )
+        )
+    procs.append(
+        Proc(
+            name="transfer",
+            role="transfer",
+            argv=[
+                command("cube-transfer"),
+                "-p",
+                str(ports["transfer"]),
+                "--config",
+                str(root / "transfer.conf"),
+                "--poll_interval",
+                f"{spec.poll_interval:g}",
+                "--dead_timeout",
+                f"{spec.dead_timeout:g}",
+                *spec.transfer_args,
+            ],
+            log=str(logs / "transfer.log"),
+            port=ports["transfer"],
+        )
+    )
+    return procs
+
+
+# ---------------------------------------------------------------------------------------------
+# processes
+
+
+def start(proc: Proc, cwd: Path) -> None:
+    Path(proc.log).parent.mkdir(parents=True, exist_ok=True)
+    with open(proc.log, "ab") as log:
+        child = subprocess.Popen(
+            proc.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            start_new_session=True,  # a Ctrl-C in the terminal goes to cube-local, not to them
+        )
+    proc.pid = child.pid
+    try:
+        proc.create_time = psutil.Process(child.pid).create_time()
+    except psutil.Error:
+        proc.create_time = 0.0
+
+
+def stop(procs: Sequence[Proc], timeout: float = 10.0) -> list[str]:
+    """SIGTERM the given processes (only those still the ones we started), SIGKILL whatever is
+    left after `timeout`. Returns a line per process for the user."""
+    alive = {p.name: p.process() for p in procs}
+    lines = []
+    for proc in procs:
+        handle = alive[proc.name]
+        if handle is None:
+            lines.append(f"{proc.name}: not running")
+            continue
+        with contextlib.suppress(psutil.Error):
+            handle.send_signal(signal.SIGTERM)
+    handles = [h for h in alive.values() if h is not None]
+    _, still = psutil.wait_procs(handles, timeout=timeout)
+    for handle in still:
+        with contextlib.suppress(psutil.Error):
+            handle.kill()
+    psutil.wait_procs(still, timeout=5)
+    killed = {h.pid for h in still}
+    for proc in procs:
+        if alive[proc.name] is not None:
+            how = "killed (SIGKILL)" if proc.pid in killed else "stopped"
+            lines.append(f"{proc.name}: {how} (pid {proc.pid})")
+    return lines
+
+
+def http_json(url: str, body: Any = None, timeout: float = 2.0) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method="POST" if data else "GET")
+    if data:
+        request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return json.loads(exc.read() or b"null")
+
+
+def healthy(proc: Proc) -> bool:
+    try:
+        if proc.role == "server":
+            return _grpc_answers(f"127.0.0.1:{proc.port}")
+        path = "/agent/status" if proc.role == "agent" else "/dict/info"
+        reply = http_json(f"http://127.0.0.1:{proc.port}{path}", timeout=1.0)
+        return isinstance(reply, dict) and reply.get("success") == "0"
+    except (OSError, ValueError):
+        return False
+
+
+def _grpc_answers(address: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        except grpc.RpcError as exc:
+            return exc.code() not in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            )
+    return True
+
+
+def wait_healthy(procs: Sequence[Proc], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(procs)
+    while pending:
+        for proc in list(pending):
+            if proc.process() is None:
+                raise LocalError(f"{proc.name} exited at start; see {proc.log}:\n{_tail(proc.log)}")
+            if healthy(proc):
+                pending.remove(proc)
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            names = ", ".join(p.name for p in pending)
+            raise LocalError(f"not healthy within {timeout:g}s: {names}; see {pending[0].log}")
+        time.sleep(0.1)
+
+
+def _tail(path: str, lines: int = 15) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+# ---------------------------------------------------------------------------------------------
+# the cluster
+
+
+@dataclass
+class Cluster:
+    dir: Path
+    dict_name: str
+    shards: int
+    replicas: int
+    transfer_port: int
+    processes: list[Proc]
+    created: float = 0.0
+    dim: int = 0
+
+    @property
+    def cube_conf(self) -> Path:
+        return self.dir / "cube.conf"
+
+    @property
+    def transfer_url(self) -> str:
+        return f"http://127.0.0.1:{self.transfer_port}"
+
+    def proc(self, name: str) -> Proc:
+        for proc in self.processes:
+            if proc.name == name:
+                return proc
+        raise LocalError(f"no process {name!r} in {self.dir / CLUSTER_FILE}")
+
+    def save(self) -> None:
+        data = {**asdict(self), "dir": str(self.dir)}
+        tmp = self.dir / f".{CLUSTER_FILE}.tmp"
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        os.replace(tmp, self.dir / CLUSTER_FILE)
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> Cluster:
+        path = Path(directory) / CLUSTER_FILE
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise LocalError(f"no cluster in {directory} ({path} does not exist)") from None
+        except ValueError as exc:
+            raise LocalError(f"{path}: not JSON ({exc})") from None
+        data["dir"] = Path(data["dir"])
+        data["processes"] = [Proc(**p) for p in data["processes"]]
+        return cls(**data)
+
+    def alive(self) -> list[Proc]:
+        return [p for p in self.processes if p.process() is not None]
+
+    def down(self, timeout: float = 10.0) -> list[str]:
+        order = sorted(self.processes, key=lambda p: ("transfer", "agent", "server").index(p.role))
+        lines = stop(order, timeout)
+        (self.dir / CLUSTER_FILE).unlink(missing_ok=True)
+        return lines
+
+    def restart(self, name: str, timeout: float = 30.0) -> Proc:
+        """Start `name` again with its recorded command line (stopping it first if running)."""
+        proc = self.proc(name)
+        stop([proc], timeout=10.0)
+        start(proc, self.dir)
+        self.save()
+        wait_healthy([proc], timeout)
+        return proc
+
+    # -- what is served --------------------------------------------------------------------
+    def instance_rows(self) -> list[dict[str, Any]]:
+        """One row per replica: addresses, process states, the version its server serves."""
+        transfer_view: dict[str, dict[str, Any]] = {}
+        with contextlib.suppress(OSError, ValueError):
+            reply = http_json(self.transfer_url + "/instance/status")
+            for inst in reply.get("data") or []:
+                transfer_view[f"{inst['shard']}_{inst.get('replica', 0)}"] = inst
+        rows = []
+        for i in range(self.shards):
+            for j in range(self.replicas):
+                name = f"{i}_{j}"
+                server, agent = self.proc(f"server{name}"), self.proc(f"agent{name}")
+                row: dict[str, Any] = {
+                    "instance": name,
+                    "server": f"127.0.0.1:{server.port}",
+                    "agent": f"127.0.0.1:{agent.port}",
+                    "server_up": server.process() is not None,
+                    "agent_up": agent.process() is not None,
+                    "version": "",
+                    "bg_version": "",
+                    "state": transfer_view.get(name, {}).get("status", ""),
+                }
+                if row["agent_up"]:
+                    with contextlib.suppress(OSError, ValueError):
+                        status = http_json(f"http://127.0.0.1:{agent.port}/agent/status")
+                        srv = (status.get("data") or {}).get("server") or {}
+                        row["version"] = srv.get("cur_version") or ""
+                        row["bg_version"] = srv.get("bg_version") or ""
+                        if not srv.get("reachable"):
+                            row["state"] = "server unreachable"
+                rows.append(row)
+        return rows
+
+    def transfer_info(self) -> dict[str, Any]:
+        try:
+            reply = http_json(self.transfer_url + "/dict/info")
+        except (OSError, ValueError):
+            return {}
+        return reply.get("data") or {}
+
+    def history(self) -> list[dict[str, Any]]:
+        try:
+            return http_json(self.transfer_url + "/dict/deploy/history").get("data") or []
+        except (OSError, ValueError):
+            return []
+
+    def status_table(self) -> str:
+        info = self.transfer_info()
+        transfer = self.proc("transfer")
+        lines = [
+            f"dict {self.dict_name}: {self.shards} shards x {self.replicas} replicas; "
+            f"live version {info.get('live_version') or '-'}; transfer "
+            f"{'up' if transfer.process() else 'DOWN'} at {self.transfer_url}",
+        ]
+        dep = info.get("deployment")
+        if dep:
+            lines.append(f"deploying {dep['version']} (phase {dep['phase']})")
+        header = ("INSTANCE", "SERVER", "AGENT", "PROCESSES", "VERSION", "BG_VERSION", "STATE")
+        rows = [header]
+        for row in self.instance_rows():
+            procs = f"server {'up' if row['server_up'] else 'DOWN'}, agent " + (
+                "up" if row["agent_up"] else "DOWN"
+            )
+            rows.append(
+                (
+                    row["instance"],
+                    row["server"],
+                    row["agent"],
+                    procs,
+                    row["version"] or "-",
+                    row["bg_version"] or "-",
+                    row["state"] or "-",
+                )
+            )
+        widths = [max(len(str(r[c])) for r in rows) for c in range(len(header))]
+        for r in rows:
+            lines.append(
+                "  ".join(str(v).ljust(w) for v, w in zip(r, widths, strict=True)).rstrip()
+            )
+        return "\n".join(lines)
+
+    def wait_version(self, version: str, timeout: float, poll: float = 0.3) -> float:
+        """Block until every replica's server serves `version`; seconds waited. LocalError on
+        timeout, or at once when the transfer reports the version failed."""
+        started = time.monotonic()
+        deadline = started + timeout
+        while True:
+            rows = self.instance_rows()
+            if rows and all(r["version"] == version for r in rows):
+                return time.monotonic() - started
+            for rec in self.history():
+                if rec.get("version") == version and rec.get("status_str") in ("failed", "refused"):
+                    raise LocalError(f"version {version} {rec['status_str']}: {rec.get('message')}")
+            if time.monotonic() > deadline:
+                raise LocalError(
+                    f"version {version} not served everywhere within {timeout:g}s\n"
+                    + self.status_table()
+                )
+            time.sleep(poll)
+
+
+def up(spec: ClusterSpec, health_timeout: float = 60.0) -> Cluster:
+    """Write the configs, start every process, wait until all answer. On failure whatever was
+    started is stopped again."""
+    spec.dir.mkdir(parents=True, exist_ok=True)
+    root = spec.dir.resolve()
+    with contextlib.suppress(LocalError):
+        existing = Cluster.load(root)
+        if existing.alive():
+            raise LocalError(f"a cluster is already running in {root}; run cube-local down first")
+    if spec.shards < 1 or spec.replicas < 1:
+        raise LocalError("--shards and --replicas must be >= 1")
+    spec.donefile.mkdir(parents=True, exist_ok=True)
+    ports = plan_ports(spec.shards, spec.replicas, spec.base_port)
+    cfg = cluster_config(spec, ports)
+    for inst in cfg.instances:
+        (Path(inst.deploy_path) / "data").mkdir(parents=True, exist_ok=True)
+    (root / "transfer.conf").write_text(render_config(cfg))
+    (root / "cube.conf").write_text(json.dumps(cube_conf(cfg, spec.dim), indent=1) + "\n")
+    cluster = Cluster(
+        dir=root,
+        dict_name=spec.dict_name,
+        shards=spec.shards,
+        replicas=spec.replicas,
+        transfer_port=ports["transfer"],
+        processes=_processes(spec, cfg, ports),
+        created=time.time(),
+        dim=spec.dim,
+    )
+    try:
+        for proc in cluster.processes:  # all at once: each waits for what it talks to
+            start(proc, root)
+        cluster.save()
+        wait_healthy(cluster.processes, health_timeout)
+    except BaseException:
+        stop([p for p in reversed(cluster.processes) if p.pid], timeout=5.0)
+        (root / CLUSTER_FILE).unlink(missing_ok=True)
+        raise
+    return cluster
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+
+
+def _up_flags() -> FlagSet:
+    return (
+        FlagSet("cube-local up", "Start a local cluster.")
+        .add("shards", int, 2, "shards")
+        .add("replicas", int, 2, "replicas per shard")
+        .add("donefile", str, "", "donefile directory the transfer watches (required)")
+        .add("dir", str, ".local-cluster", "cluster directory (configs, data, logs, PIDs)")
+        .add("base_port", int, 0, "first port (0: pick free ports)")
+        .add("dim", int, 0, "embedding dimension, recorded in cube.conf for tools")
+        .add("dict_name", str, DICT_NAME, "dictionary name")
+        .add("mode", str, "base_delta", "base_only|base_delta", choices=("base_only", "base_delta"))
+        .add("quorum", int, 0, "replicas per shard that must load before a switch (0: all)")
+        .add("poll_interval", float, 1.0, "transfer donefile poll interval (s)")
+        .add("partitioner", str, "mod", "mod|murmur3", choices=("mod", "murmur3"))
+        .add("phase_timeout", float, 120.0, "transfer phase timeout (s)")
+        .add("timeout", float, 60.0, "seconds to wait for every process to be healthy")
+    )
+
+
+def _dir_flags(program: str, **extra: tuple[type, Any, str]) -> FlagSet:
+    flags = FlagSet(program).add("dir", str, ".local-cluster", "cluster directory")
+    for name, (kind, default, text) in extra.items():
+        flags.add(name, kind, default, text)
+    return flags
+
+
+USAGE = """usage: cube-local up|down|status|wait|restart [flags]   (cube-local <command> --help)
+  up      --shards 2 --replicas 2 --donefile DIR [--dir .local-cluster] [--base_port N]
+  status  [--dir .local-cluster] [--json]
+  wait    --version V [--timeout 120] [--dir .local-cluster]
+  restart --name server0_1|agent0_1|transfer [--dir .local-cluster]
+  down    [--dir .local-cluster] [--timeout 10]"""
+
+
+def run(argv: Sequence[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if argv else 2
+    sub, rest = argv[0], list(argv[1:])
+    try:
+        if sub == "up":
+            flags = _up_flags().parse(rest)
+            if not flags.donefile:
+                raise FlagError("--donefile is required")
+            spec = ClusterSpec(
+                dir=Path(flags.dir),
+                shards=flags.shards,
+                replicas=flags.replicas,
+                donefile=Path(flags.donefile),
+                dict_name=flags.dict_name,
+                base_port=flags.base_port,
+                dim=flags.dim,
+                mode=flags.mode,
+                quorum=flags.quorum,
+                poll_interval=flags.poll_interval,
+                partitioner=flags.partitioner,
+                phase_timeout=flags.phase_timeout,
+            )
+            cluster = up(spec, flags.timeout)
+            print(f"cluster up in {cluster.dir}: transfer {cluster.transfer_url}, "
+                  f"cube.conf {cluster.cube_conf}")  # fmt: skip
+            print(cluster.status_table())
+            return 0
+        if sub == "down":
+            flags = _dir_flags("cube-local down", timeout=(float, 10.0, "SIGKILL after s")).parse(
+                rest
+            )
+            for line in Cluster.load(flags.dir).down(flags.timeout):
+                print(line)
+            return 0
+        if sub == "status":
+            flags = _dir_flags("cube-local status", json=(bool, False, "print JSON")).parse(rest)
+            cluster = Cluster.load(flags.dir)
+            if flags.json:
+                print(
+                    json.dumps(
+                        {"info": cluster.transfer_info(), "instances": cluster.instance_rows()}
+                    )
+                )
+            else:
+                print(cluster.status_table())
+            return 0
+        if sub == "wait":
+            flags = _dir_flags(
+                "cube-local wait",
+                version=(str, "", "version to wait for (required)"),
+                timeout=(float, 120.0, "seconds"),
+            ).parse(rest)
+            if not flags.version:
+                raise FlagError("--version is required")
+            waited = Cluster.load(flags.dir).wait_version(flags.version, flags.timeout)
+            print(f"version {flags.version} served by every replica ({waited:.1f}s)")
+            return 0
+        if sub == "restart":
+            flags = _dir_flags("cube-local restart", name=(str, "", "process name")).parse(rest)
+            cluster = Cluster.load(flags.dir)
+            proc = cluster.restart(flags.name)
+            print(f"{proc.name} restarted (pid {proc.pid})")
+            return 0
+    except LocalError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"error: unknown command {sub!r}\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
