@@ -10,6 +10,7 @@ directory that the caller renames into place, so a half-extracted version is nev
 from __future__ import annotations
 
 import os
+import shutil
 import tarfile
 from pathlib import Path, PurePosixPath
 
@@ -72,6 +73,10 @@ def extract_shard_tar(tar_path: Path, dest: Path) -> list[str]:
             missing = [f for f in REQUIRED_FILES if f not in names]
             if missing:
                 raise UnsafeTar(f"{where}: no {', '.join(missing)} at the top level")
+            unpacked = sum(m.size for m in members if m.isreg())
+            free = shutil.disk_usage(dest.parent).free
+            if unpacked > free:
+                raise UnsafeTar(f"{where}: unpacks to {unpacked} bytes, {free} free on the disk")
             dest.mkdir(parents=True)
             tar.extractall(dest, members=members, filter="data")
     except UnsafeTar:

@@ -431,3 +431,49 @@ def test_restart_remembers_placed_versions_and_drops_half_extracted_dirs(env):
     again = agent.run("download", BASE, source=url)
     assert again["state"] == "succeeded" and len(env.http.requests) == requests
     assert agent.status()["versions"] == [BASE]
+
+
+# ------------------------------------------------------------------ the transfer's own client
+
+
+def test_transfer_agent_client_drives_a_real_agent(env):
+    """cube-transfer's AgentClient/drive (transfer/agents.py) against this agent: the contract
+    as the other side reads it, with the transfer's full Work fields and a token."""
+    import asyncio
+    from urllib.parse import urlsplit
+
+    import aiohttp
+
+    from transfer.agents import AgentClient, drive
+    from transfer.config import Instance
+
+    agent = env.agent(token="t0k")
+    url = tar_for(env, "tr", seed=80)
+    md5 = (env.files / "tr.tar.md5").read_text().split()[0]
+    agent_url = urlsplit(agent.url)
+    server_port = int(env.server.address.rsplit(":", 1)[1])
+    inst = Instance(0, 0, "127.0.0.1", agent_url.port, "127.0.0.1", server_port, str(env.deploy))
+
+    def fields(command: str, version: str, **extra) -> dict:
+        return {
+            "dict_name": "t", "shard_seq": 0, "deploy_path": str(env.deploy),
+            "command": command, "version": version, "depend": BASE, "mode": "base",
+            "source": url, "port": server_port, "id": BASE, "key": "k", **extra,
+        }  # fmt: skip
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            client = AgentClient(session, token="t0k")
+            outcomes = []
+            for command in ("download", "reload", "enable"):
+                extra = {"md5": md5, "size": (env.files / "tr.tar").stat().st_size}
+                outcome = await drive(client, inst, fields(command, BASE, **extra), 60, 1)
+                outcomes.append(outcome)
+            bad = await drive(client, inst, fields("enable", "1999"), 30, 0)
+            return outcomes, bad, await client.status(inst)
+
+    outcomes, bad, status = asyncio.run(scenario())
+    assert all(o.ok for o in outcomes), outcomes
+    assert not bad.ok and "send reload first" in bad.message
+    assert status["current"] == BASE and status["server"]["cur_version"] == BASE
+    assert server_state(env.server.address) == (BASE, "")
