@@ -74,6 +74,7 @@ def extract_shard_tar(tar_path: Path, dest: Path) -> list[str]:
             if missing:
                 raise UnsafeTar(f"{where}: no {', '.join(missing)} at the top level")
             unpacked = sum(m.size for m in members if m.isreg())
+            dest.parent.mkdir(parents=True, exist_ok=True)
             free = shutil.disk_usage(dest.parent).free
             if unpacked > free:
                 raise UnsafeTar(f"{where}: unpacks to {unpacked} bytes, {free} free on the disk")
