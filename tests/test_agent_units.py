@@ -257,6 +257,14 @@ def test_ftp_resume_uses_rest_and_md5_file(tmp_path, files):
         ftp.close()
 
 
+def test_overall_deadline_stops_a_slow_download_and_keeps_the_part(tmp_path, files):
+    slow = FetchPolicy(attempts=3, backoff=0.01, timeout=0.5, limit_rate=64 * 1024, chunk=4096)
+    part = tmp_path / "s.tar.part"
+    with pytest.raises(FetchError, match=r"timed out after 0\.5 s .*kept s\.tar\.part"):
+        asyncio.run(fetch_file(str(files / "s.tar"), part, size=None, policy=slow))
+    assert 0 < part.stat().st_size < (files / "s.tar").stat().st_size
+
+
 def test_unsupported_scheme(tmp_path):
     with pytest.raises(FetchError, match="unsupported scheme 'gopher'"):
         asyncio.run(fetch_file("gopher://x/y", tmp_path / "p", size=None, policy=FAST))
