@@ -594,7 +594,7 @@ def _finish_all(
     tasks = []
     for shard in range(config.shard_num):
         name = config.shard_name(shard)
-        parts = tuple(r.parts[shard] for r in reads if r.parts[shard].count)
+        parts = tuple(r.parts[shard] for r in reads) or (SpillPart(shard, "", 0, 0, 0),)
         tasks.append(
             FinishTask(
                 parts=parts,
@@ -658,7 +658,7 @@ class _Pool:
                 results.append(result)
             return results
         executor = self._start()
-        futures: list[Future] = [executor.submit(function, task) for task in tasks]
+        futures: list[Future] = [executor.submit(_in_worker, function, task) for task in tasks]
         reported = self._counter.value
         pending = set(futures)
         while pending:
@@ -674,3 +674,15 @@ class _Pool:
                     raise future.exception()  # type: ignore[misc]
                 on_done(future.result())
         return [f.result() for f in futures]
+
+
+def _in_worker(function: Callable[[Any], Any], task: Any) -> Any:
+    """Run a task in a worker; errors come back as BuildError with the same one-line message
+    (some exception types, e.g. SequenceFileError, cannot be rebuilt from their pickle)."""
+    try:
+        return function(task)
+    except Exception as exc:
+        message = str(exc) or type(exc).__name__
+        if not isinstance(exc, (BuildError, ValueError, OSError)):
+            message = f"{type(exc).__name__}: {message}"
+        raise BuildError(message) from None

@@ -208,6 +208,9 @@ def run(argv: Sequence[str]) -> int:
     except (BuildError, DeleteListError, ValueError, OSError) as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_FAILED
+    except Exception as exc:  # a bug: still one line, and still nothing published
+        print(f"error: internal error {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_FAILED
     if not quiet:
         rate = result.records_read / max(result.seconds, 1e-9)
         print(

@@ -257,6 +257,8 @@ def _map_bytes(path: Path, length: int, maps: list[mmap.mmap]) -> np.ndarray:
 
 
 def remove_part(part: SpillPart) -> None:
+    if not part.count:  # nothing was ever written for it
+        return
     for kind in SPILL_KINDS:
         part.path(kind).unlink(missing_ok=True)
 
