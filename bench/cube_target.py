@@ -37,6 +37,7 @@ class CubeTarget(Target):
 
     def check_available(self, client_mode: str) -> None:
         try:
+            import builder.cli
             import builder.seqfile  # noqa: F401
             import cube.client
             import cube.server.main  # noqa: F401
@@ -53,9 +54,9 @@ class CubeTarget(Target):
 
         self.shard_ports: list[list[int]] = []
         for shard, part in enumerate(parts):
-            # the layout an agent leaves: <data_dir>/<version>/ and VERSION naming it; the
-            # builder's base directory is <depend>_<cur>, which the server reads as a base
-            version = part.parent.name
+            # the layout an agent leaves: <data_dir>/<version>/ and VERSION naming it; a base
+            # built into <depend>_<cur>/ is served as version <depend>
+            version = part.parent.name.partition("_")[0]
             data_dir = self.workdir / f"server{shard}" / "data"
             data_dir.mkdir(parents=True)
             part.rename(data_dir / version)  # same file system: the builder's files, moved
@@ -96,10 +97,6 @@ class CubeTarget(Target):
         with SequenceFileWriter(input_dir / "part-00000", dialect="cube") as writer:
             writer.write_batch(data.keys, ValueColumn.fixed(data.values.reshape(-1), self.width))
         output_dir = self.workdir / "output"
-        try:
-            import builder.cli  # noqa: F401
-        except ImportError:
-            return self._build_in_process(data, shard_num, output_dir)
         flags = [
             "-input_path", str(input_dir),
             "-output_path", str(output_dir),
@@ -133,26 +130,6 @@ class CubeTarget(Target):
                 )
             parts.append(found[0])
         return parts
-
-    def _build_in_process(self, data: Dataset, shard_num: int, output_dir: Path) -> list[Path]:
-        """Stand-in until cube-builder lands: the same shard files, written directly."""
-        from cube.index import build_table
-        from cube.routing import shard_of
-        from cube.shard import write_shard
-
-        self.info["notes"] = "built in-process (cube-builder not available yet)"
-        version = str(int(time.time()))
-        owners = shard_of(data.keys, shard_num, "mod")
-        for shard in range(shard_num):
-            rows = np.flatnonzero(owners == shard)
-            values = ValueColumn.fixed(data.values[rows].reshape(-1), self.width)
-            write_shard(
-                output_dir / f"{version}_{version}" / f"{DICT_NAME}_part{shard}",
-                build_table(data.keys[rows]),
-                values,
-                {"dict_name": DICT_NAME, "shard": shard, "version": version},
-            )
-        return self._parts(output_dir, shard_num)
 
     def _client_args(self) -> dict[str, Any]:
         return {

@@ -118,8 +118,18 @@ def markdown(result: dict[str, Any], plot_name: str | None) -> str:
     ]
     for name, target in result["targets"].items():
         lines += [f"## {name}", ""]
+        if target.get("build_command"):
+            lines += [
+                f"Build ({target.get('build_seconds', '?')} s): `{target['build_command']}`",
+                "",
+            ]
         if target.get("command"):
             lines += [f"Server: `{target['command']}`", ""]
+        if target.get("load_seconds") is not None:
+            lines += [
+                f"Loaded in {target['load_seconds']} s (cube: SequenceFile, build, servers up).",
+                "",
+            ]
         if target.get("notes"):
             lines += [f"{target['notes']}", ""]
         lines += [markdown_table(target["levels"]), ""]
