@@ -241,8 +241,61 @@ def _open(path: str | os.PathLike) -> BinaryIO:
 
 
 @dataclass
+class _Fixed:
+    """Records that all share one layout, as evenly spaced groups inside a chunk buffer.
+
+    Each part is (offset, groups, per_group, group_stride): `groups` runs of `per_group`
+    records `stride` bytes apart, the runs `group_stride` apart (a run plus one sync escape).
+    Fields are read through strided numpy views, so no joined copy of the chunk is made."""
+
+    buf: bytearray | memoryview
+    parts: list[tuple[int, int, int, int]]
+    stride: int
+    key_len: int
+
+    @property
+    def count(self) -> int:
+        return sum(groups * per_group for _, groups, per_group, _ in self.parts)
+
+    def field(self, part: tuple[int, int, int, int], start: int, dtype: str) -> np.ndarray:
+        offset, groups, per_group, group_stride = part
+        return np.ndarray(
+            (groups, per_group),
+            dtype=dtype,
+            buffer=self.buf,
+            offset=offset + start,
+            strides=(group_stride, self.stride),
+        )
+
+    def gather(self, start: int, dtype: str) -> np.ndarray:
+        """The field at `start` of every record, as one new array (never a view of buf)."""
+        out = np.empty(self.count, dtype=dtype)
+        at = 0
+        for part in self.parts:
+            size = part[1] * part[2]
+            out[at : at + size].reshape(part[1], part[2])[...] = self.field(part, start, dtype)
+            at += size
+        return out
+
+    def offsets(self, base: int) -> np.ndarray:
+        out = np.empty(self.count, dtype=np.int64)
+        at = 0
+        for offset, groups, per_group, group_stride in self.parts:
+            size = groups * per_group
+            grid = out[at : at + size].reshape(groups, per_group)
+            grid[...] = np.arange(per_group, dtype=np.int64) * self.stride
+            grid += (np.arange(groups, dtype=np.int64) * group_stride + (base + offset))[:, None]
+            at += size
+        return out
+
+    def all_headers_equal(self, header: bytes) -> bool:
+        expected = np.frombuffer(header, dtype="<u8")[0]
+        return all(not (self.field(part, 0, "<u8") != expected).any() for part in self.parts)
+
+
+@dataclass
 class _Raw:
-    """One chunk's records as byte ranges; `rows` set when every record has one layout."""
+    """One chunk's records: generic byte ranges, or `fixed` when all share one layout."""
 
     offsets: np.ndarray  # int64 file offset per record
     key_buf: np.ndarray | None = None  # uint8
@@ -251,8 +304,7 @@ class _Raw:
     val_buf: np.ndarray | None = None
     val_starts: np.ndarray | None = None
     val_lens: np.ndarray | None = None
-    rows: np.ndarray | None = None  # (n, stride) uint8: record_len, key_len, key, value
-    key_len: int = -1  # fixed layout only
+    fixed: _Fixed | None = None
     input_bytes: int = 0
 
     @property
@@ -261,21 +313,21 @@ class _Raw:
 
     def ranges(self) -> _Raw:
         """Fill the generic byte ranges from the fixed layout (for the less common decoders)."""
-        if self.key_starts is None and self.rows is not None:
-            n, stride = self.rows.shape
-            flat = self.rows.reshape(-1)
-            base = np.arange(n, dtype=np.int64) * stride
+        if self.key_starts is None and self.fixed is not None:
+            fixed, n = self.fixed, self.count
+            flat = fixed.gather(0, f"V{fixed.stride}").view(np.uint8)
+            starts = np.arange(n, dtype=np.int64) * fixed.stride
             self.key_buf = self.val_buf = flat
-            self.key_starts = base + 8
-            self.key_lens = np.full(n, self.key_len, dtype=np.int64)
-            self.val_starts = base + 8 + self.key_len
-            self.val_lens = np.full(n, stride - 8 - self.key_len, dtype=np.int64)
+            self.key_starts = starts + 8
+            self.key_lens = np.full(n, fixed.key_len, dtype=np.int64)
+            self.val_starts = starts + 8 + fixed.key_len
+            self.val_lens = np.full(n, fixed.stride - 8 - fixed.key_len, dtype=np.int64)
         return self
 
 
 class _Scratch:
-    """A reusable buffer: the fast path joins escape-free segments into it chunk after chunk
-    without fresh (page-faulting) allocations."""
+    """A reusable buffer for joining irregularly spaced segments, chunk after chunk, without
+    fresh (page-faulting) allocations."""
 
     def __init__(self) -> None:
         self.buf = bytearray()
@@ -291,10 +343,12 @@ def _fixed_chunk(
 ) -> tuple[_Raw | None, int]:
     """Vectorized parse of buf[:end] when every record has the layout of the first one.
 
-    Finds the sync escapes, cuts the chunk into escape-free segments, assumes the first record's
-    stride everywhere and validates every record's 8 length bytes in one pass. Returns
-    (None, 0) whenever the assumption fails; the caller then walks the chunk record by record,
-    which also produces the precise error for bad input. The result views `buf`/`scratch`."""
+    Assumes the first record's stride everywhere and sync escapes at a constant spacing (what
+    both the Cube tools and Hadoop write for fixed-length records); checks every predicted
+    escape and every record's 8 length bytes in a few numpy passes. Irregular escape spacing
+    falls back to finding each escape and joining the segments. Returns (None, 0) whenever the
+    assumption fails; the caller then walks the chunk record by record, which also produces
+    the precise error for bad input. The result views `buf` (or `scratch`)."""
     pos = 0
     while end - pos >= 4 and buf[pos : pos + 4] == SYNC_ESCAPE:
         if not marker or end - pos < 20 or buf[pos : pos + 20] != marker:
@@ -306,48 +360,100 @@ def _fixed_chunk(
     if record_len < 0 or not 0 <= key_len <= record_len:
         return None, 0
     stride = record_len + 8
-    escapes = []
-    if marker:
-        find = buf.find
-        at = find(marker, pos, end)
-        while at >= 0:
-            escapes.append(at)
-            at = find(marker, at + 20, end)
-    if escapes:
-        seg_starts = np.array([pos] + [e + 20 for e in escapes], dtype=np.int64)
-        seg_lens = np.array([*escapes, end], dtype=np.int64) - seg_starts
-        counts = seg_lens // stride
-        if (seg_lens[:-1] % stride).any():
+    header = bytes(buf[pos : pos + 8])
+    first = buf.find(marker, pos, end) if marker else -1
+    if first < 0:
+        parts = [(pos, 1, (end - pos) // stride, 0)]
+    else:
+        parts = _regular_parts(buf, end, pos, first, stride, marker)
+    if parts is not None:
+        last_offset, _, last_count, _ = parts[-1]
+        consumed = last_offset + last_count * stride
+        fixed = _Fixed(buf, [p for p in parts if p[1] * p[2]], stride, key_len)
+    else:
+        fixed = _joined_segments(buf, end, pos, first, stride, marker, scratch, key_len)
+        if fixed is None:
             return None, 0
-        total = int(counts.sum())
-        consumed = int(seg_starts[-1] + counts[-1] * stride)
-    else:
-        total = (end - pos) // stride
-        consumed = pos + total * stride
-    if total == 0:
+    total = fixed.count
+    if total == 0 or not fixed.all_headers_equal(header):
         return None, 0
+    if parts is not None:
+        offsets = fixed.offsets(base)
+    else:
+        offsets, consumed = fixed.offsets_in_file, fixed.consumed
+        offsets += base
+    return _Raw(offsets, fixed=fixed, input_bytes=consumed), consumed
+
+
+def _regular_parts(
+    buf: bytearray, end: int, pos: int, first: int, stride: int, marker: bytes
+) -> list[tuple[int, int, int, int]] | None:
+    """Parts for escapes every `spacing` bytes from `first` on, or None when they are not."""
+    if (first - pos) % stride:
+        return None
+    second = buf.find(marker, first + 20, end)
+    if second < 0:
+        spacing = end - first  # one escape: no full group, only head and tail
+        escapes = 1
+    else:
+        spacing = second - first
+        if (spacing - 20) % stride:
+            return None
+        escapes = (end - first - 20) // spacing + 1
+        # Every predicted escape must be there (records between them are checked by header).
+        at = first + np.arange(escapes, dtype=np.int64) * spacing
+        window = np.frombuffer(buf, dtype=np.uint8, count=end)[at[:, None] + np.arange(20)]
+        if (window != np.frombuffer(marker, dtype=np.uint8)).any():
+            return None
+    per_group = (spacing - 20) // stride
+    last = first + (escapes - 1) * spacing
+    parts = [(pos, 1, (first - pos) // stride, 0)]
+    if escapes > 1:
+        parts.append((first + 20, escapes - 1, per_group, spacing))
+    parts.append((last + 20, 1, (end - last - 20) // stride, 0))
+    return parts
+
+
+@dataclass
+class _Joined(_Fixed):
+    offsets_in_file: np.ndarray | None = None
+    consumed: int = 0
+
+
+def _joined_segments(
+    buf: bytearray,
+    end: int,
+    pos: int,
+    first: int,
+    stride: int,
+    marker: bytes,
+    scratch: _Scratch,
+    key_len: int,
+) -> _Joined | None:
+    """Irregularly spaced escapes: find each, join the escape-free segments into `scratch`."""
+    escapes = []
+    at = first
+    while at >= 0:
+        escapes.append(at)
+        at = buf.find(marker, at + 20, end)
+    seg_starts = np.array([pos] + [e + 20 for e in escapes], dtype=np.int64)
+    seg_lens = np.array([*escapes, end], dtype=np.int64) - seg_starts
+    counts = seg_lens // stride
+    if (seg_lens[:-1] % stride).any():
+        return None
+    total = int(counts.sum())
+    data = scratch.get(max(total * stride, len(buf)))
     view = memoryview(buf)
-    if escapes:
-        data = scratch.get(total * stride)
-        at = 0
-        for start, count in zip(seg_starts.tolist(), counts.tolist(), strict=True):
-            size = count * stride
-            data[at : at + size] = view[start : start + size]
-            at += size
-    else:
-        data = view[pos:consumed]
-    header = np.ndarray((total,), dtype="<u8", buffer=data, offset=0, strides=(stride,))
-    expected = np.frombuffer(bytes(buf[pos : pos + 8]), dtype="<u8")[0]
-    if (header != expected).any():
-        return None, 0
-    rows = np.frombuffer(data, dtype=np.uint8, count=total * stride).reshape(total, stride)
-    # Record i sits at i * stride in the joined rows, and after one 20-byte escape per segment
-    # before it in the file.
-    offsets = np.arange(total, dtype=np.int64) * stride
-    offsets += base + pos
-    if escapes:
-        offsets += np.repeat(np.arange(len(escapes) + 1, dtype=np.int64) * 20, counts)
-    return _Raw(offsets, rows=rows, key_len=key_len, input_bytes=consumed), consumed
+    at = 0
+    for start, count in zip(seg_starts.tolist(), counts.tolist(), strict=True):
+        size = count * stride
+        data[at : at + size] = view[start : start + size]
+        at += size
+    # Record i sits at i * stride in the joined rows, after one escape per segment before it.
+    offsets = np.arange(total, dtype=np.int64) * stride + pos
+    offsets += np.repeat(np.arange(len(escapes) + 1, dtype=np.int64) * 20, counts)
+    consumed = int(seg_starts[-1] + counts[-1] * stride)
+    return _Joined(data, [(0, 1, total, 0)], stride, key_len, offsets, consumed)
 
 
 def _walk_chunk(
@@ -552,10 +658,16 @@ def _decode_keys(raw: _Raw, fmt: str, framing: str, path: str) -> np.ndarray:
     if fmt == "text":
         return _decode_text_keys(raw, framing, path)
     width = 12 if fmt in ("bytes_be", "bytes_le") else 8
-    if raw.rows is not None:
-        if raw.key_len != width:
-            raise SequenceFileError(path, int(raw.offsets[0]), _key_width_error(fmt, raw.key_len))
-        matrix = raw.rows[:, 8 : 8 + width]
+    fixed = raw.fixed
+    if fixed is not None:
+        if fixed.key_len != width:
+            raise SequenceFileError(path, int(raw.offsets[0]), _key_width_error(fmt, fixed.key_len))
+        inner = fixed.gather(8, ">u4") if width == 12 else None
+        payload_at = 8 + width - 8
+        if fmt in ("cube", "bytes_le"):
+            keys = fixed.gather(payload_at, "<u8")
+        else:
+            keys = fixed.gather(payload_at, ">u8").astype(np.uint64)
     else:
         bad = np.flatnonzero(raw.key_lens != width)
         if bad.size:
@@ -563,18 +675,19 @@ def _decode_keys(raw: _Raw, fmt: str, framing: str, path: str) -> np.ndarray:
             message = _key_width_error(fmt, int(raw.key_lens[i]))
             raise SequenceFileError(path, int(raw.offsets[i]), message)
         matrix = raw.key_buf[raw.key_starts[:, None] + np.arange(width)]
-    if width == 12:
-        inner = np.ascontiguousarray(matrix[:, :4]).view(">u4").reshape(-1)
+        inner = matrix[:, :4].copy().view(">u4").reshape(-1) if width == 12 else None
+        payload = matrix[:, width - 8 :].copy()
+        if fmt in ("cube", "bytes_le"):
+            keys = payload.view("<u8").reshape(-1)
+        else:
+            keys = payload.view(">u8").reshape(-1).astype(np.uint64)
+    if inner is not None:
         bad = np.flatnonzero(inner != 8)
         if bad.size:
             i = int(bad[0])
             message = _key_width_error(fmt, width, int(inner[i]))
             raise SequenceFileError(path, int(raw.offsets[i]), message)
-        matrix = matrix[:, 4:]
-    payload = matrix.copy()  # always a copy: `rows` may view a buffer reused for the next chunk
-    if fmt in ("cube", "bytes_le"):
-        return payload.view("<u8").reshape(-1)
-    return payload.view(">u8").reshape(-1).astype(np.uint64)
+    return keys
 
 
 def _decode_text_keys(raw: _Raw, framing: str, path: str) -> np.ndarray:
@@ -598,24 +711,18 @@ def _decode_text_keys(raw: _Raw, framing: str, path: str) -> np.ndarray:
 
 
 def _decode_values(raw: _Raw, framing: str, path: str) -> ValueColumn:
-    if raw.rows is not None and framing != "text":
-        n, stride = raw.rows.shape
-        start = 8 + raw.key_len
-        width = stride - start
+    fixed = raw.fixed
+    if fixed is not None and framing != "text":
+        start = 8 + fixed.key_len
+        width = fixed.stride - start
         if framing == "byteswritable":
-            if width < 4:
-                raw.ranges()  # let the generic check report it
-                return _decode_values_generic(raw, framing, path)
-            prefix = np.ascontiguousarray(raw.rows[:, start : start + 4]).view(">u4").reshape(-1)
-            bad = np.flatnonzero(prefix != width - 4)
-            if bad.size:
-                raw.ranges()
+            if width < 4 or (fixed.gather(start, ">u4") != width - 4).any():
+                raw.ranges()  # the generic decoder reports the first bad record
                 return _decode_values_generic(raw, framing, path)
             start, width = start + 4, width - 4
         if width == 0:
-            return ValueColumn.variable(np.empty(0, np.uint8), np.zeros(n + 1, np.int64))
-        blob = raw.rows[:, start:].copy().reshape(-1)  # a copy, never a view of the reused buffer
-        return ValueColumn.fixed(blob, width)
+            return ValueColumn.variable(np.empty(0, np.uint8), np.zeros(raw.count + 1, np.int64))
+        return ValueColumn.fixed(fixed.gather(start, f"V{width}").view(np.uint8), width)
     raw.ranges()
     return _decode_values_generic(raw, framing, path)
 
@@ -825,7 +932,7 @@ class SequenceFileReader:
         fast = self.header.compression == "none"
         while True:
             remaining = max(self.file_size - base - carry, 0)
-            want = min(max(chunk_bytes, need - carry), remaining)
+            want = min(max(chunk_bytes - carry, need - carry, 4096), remaining)
             if carry + want > len(buf):
                 grown = bytearray(carry + want)
                 grown[:carry] = buf[:carry]
