@@ -30,7 +30,8 @@ never rewrites VERSION unless --write_version (the agent owns it).
 Workers (`--workers N`): a supervisor process starts N workers; worker i serves port
 `--worker_ports[i]` or `--port + i` (worker 0 = --port) and all map the same files. Clients
 spread load by treating every worker port as a replica endpoint (status detail_json "ports"
-lists them; cube.conf can list them too); `--reuseport` also binds every worker on --port.
+lists them; cube.conf can list them too). `--reuseport` also binds every worker on the shared
+--port (then the own ports default to --port + 1 + i).
 Control commands are coordinated by worker 0 (others forward to it): loads are two-phase
 (stage everywhere, then commit; any failure aborts the staged ones), switches are undone on
 the workers that switched if one fails. A worker that dies stops the whole server (exit 1).

@@ -10,7 +10,8 @@ Workers: `--workers N` starts a supervisor that runs N worker processes; worker 
 its own port, `--worker_ports` (comma list) or port + i by default, so worker 0 is on --port.
 Each maps the same shard files (one copy in the page cache). Clients spread load by treating
 every worker port as an endpoint (round robin; SO_REUSEPORT alone balances connections
-badly); `--reuseport` also binds every worker on --port for clients that know one address.
+badly); `--reuseport` also binds every worker on the shared --port for clients that know one
+address, and then the workers' own ports default to --port + 1 + i.
 status detail_json lists the ports. Control commands go to worker 0, which applies them to
 all workers (a command sent to another worker is forwarded there).
 
@@ -48,7 +49,7 @@ FLAGS = (
     .add("data_dir", str, "./data", "directory with VERSION and the version directories")
     .add("workers", int, 1, "worker processes, each on its own port (see --worker_ports)")
     .add("worker_ports", str, "", "comma list of worker ports (default: port, port+1, ...)")
-    .add("reuseport", bool, False, "also bind every worker on --port with SO_REUSEPORT")
+    .add("reuseport", bool, False, "every worker also on --port (SO_REUSEPORT); own ports +1")
     .add("max_batch", int, 100000, "most keys in one request (more: RESOURCE_EXHAUSTED)")
     .add("dict_name", str, "", "dictionary served; requests naming another get NOT_FOUND")
     .add("shard", int, -1, "shard number of this server (also accepts <dict>_part<shard>)")
@@ -64,20 +65,26 @@ FLAGS = (
 
 
 def worker_ports(flags: Flags) -> list[int]:
-    """The port of each worker: --worker_ports, else --port + i."""
-    if flags.worker_ports:
-        try:
-            ports = [int(p) for p in flags.worker_ports.split(",") if p.strip()]
-        except ValueError as exc:
-            raise FlagError(
-                f"--worker_ports: {flags.worker_ports!r} is not a list of ports"
-            ) from exc
-        if len(ports) != flags.workers:
-            raise FlagError(
-                f"--worker_ports lists {len(ports)} ports for --workers {flags.workers}"
-            )
-        return ports
-    return [flags.port + i for i in range(flags.workers)]
+    """Each worker's own port: --worker_ports, else --port + i (worker 0 on --port). With
+    --reuseport every worker also listens on the shared --port, so the own ports start at
+    --port + 1 (worker-to-worker calls need a port that reaches exactly one worker)."""
+    first = flags.port + 1 if flags.reuseport else flags.port
+    if not flags.worker_ports:
+        return [first + i for i in range(flags.workers)]
+    try:
+        ports = [int(p) for p in flags.worker_ports.split(",") if p.strip()]
+    except ValueError as exc:
+        bad = flags.worker_ports
+        raise FlagError(f"--worker_ports: {bad!r} is not a list of ports") from exc
+    if len(ports) != flags.workers:
+        raise FlagError(f"--worker_ports lists {len(ports)} ports for --workers {flags.workers}")
+    if len(set(ports)) != len(ports):
+        raise FlagError(f"--worker_ports {flags.worker_ports}: a port is listed twice")
+    if flags.reuseport and flags.port in ports:
+        raise FlagError(
+            f"--worker_ports must not list the shared --port {flags.port} with --reuseport"
+        )
+    return ports
 
 
 def check_flags(flags: Flags) -> None:
@@ -249,7 +256,7 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
         [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
     binds = [_address(flags.host, ports[index])]
-    if flags.reuseport and ports[index] != flags.port:
+    if flags.reuseport:
         binds.append(_address(flags.host, flags.port))
     for bind in binds:
         try:
