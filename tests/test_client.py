@@ -546,3 +546,14 @@ def test_cube_cli_errors(tmp_path, capsys):
     code, out = run("--config_file", dead, "--keys", keys_file, "--requests", 2, "--retry", 0)
     assert code == 1 and "requests 2 (failed 2)" in out.out
     assert "shard 0 failed" in out.err
+
+
+def test_a_shard_with_nothing_loaded_is_an_error_not_silent_misses(tmp_path):
+    (loaded,) = build_shards(tmp_path / "a", KEYS, lambda k: fixed_values(k, WIDTH, tag=1), 1)
+    with (
+        servers((loaded, (), 1), (tmp_path / "empty", (), 1)) as (s0, s1),
+        CubeClient(shards=[[s0.address], [s1.address]]) as client,
+    ):
+        with pytest.raises(VersionMismatchError, match=r"shard 1: \(nothing loaded\)"):
+            client.seek(np.arange(100, dtype=np.uint64))
+        assert client.seek([0, 2, 4]).version == "100"  # only shard 0 asked

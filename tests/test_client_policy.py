@@ -219,3 +219,10 @@ def test_policy_rejects_bad_settings():
         Policy(retry=-1)
     with pytest.raises(ConfError, match="timeout"):
         Policy(timeout_ms=0)
+
+
+def test_version_unavailable_is_not_retried_on_the_same_replicas():
+    round_, _ = make_round(["a:1"], Policy(retry=5), pinned="6")
+    (first,) = round_.start(0.0)
+    round_.on_error(first.key, "FAILED_PRECONDITION", "version 6 not held", 0.0)
+    assert round_.done and round_.outcomes()[0].version_unavailable

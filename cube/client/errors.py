@@ -84,7 +84,10 @@ class VersionMismatchError(CubeError):
     def __init__(self, versions: dict[int, Sequence[str]], tried: Sequence[str]) -> None:
         self.versions = {shard: list(v) for shard, v in versions.items()}
         self.tried = list(tried)
-        seen = ", ".join(f"shard {s}: {'/'.join(v) or '?'}" for s, v in sorted(versions.items()))
+        seen = ", ".join(
+            f"shard {s}: {'/'.join(n or '(nothing loaded)' for n in v)}"
+            for s, v in sorted(versions.items())
+        )
         super().__init__(
             f"shards answered from different versions ({seen}); re-asked for "
             f"{', '.join(repr(v) for v in tried) or 'nothing'} without getting one version "

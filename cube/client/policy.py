@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -84,16 +85,27 @@ class Policy:
 class EndpointState:
     """Health and load of one replica endpoint (host:port), shared by all calls of a client.
 
-    Updated without a lock: under the GIL a lost update only skews load balancing a little."""
+    The in-flight count is changed under a lock (calls from many threads would otherwise
+    lose updates and leave it drifting); latency and failure fields may lose an update under
+    concurrency, which only nudges load balancing."""
 
-    __slots__ = ("address", "down_until", "ewma_s", "failures", "inflight")
+    __slots__ = ("_lock", "address", "down_until", "ewma_s", "failures", "inflight")
 
     def __init__(self, address: str) -> None:
+        self._lock = threading.Lock()
         self.address = address
         self.inflight = 0
         self.ewma_s = 0.0  # latency EWMA; 0 = not measured yet
         self.failures = 0  # consecutive failures
         self.down_until = 0.0
+
+    def begin(self) -> None:
+        with self._lock:
+            self.inflight += 1
+
+    def end(self) -> None:
+        with self._lock:
+            self.inflight -= 1
 
     def is_down(self, now: float) -> bool:
         return now < self.down_until
@@ -267,7 +279,7 @@ class ShardCall:
             return self.on_error(attempt, VERSION_UNAVAILABLE, message, now)
         del self.inflight[attempt]
         replica = self.group.replicas[flight.replica]
-        replica.inflight -= 1
+        replica.end()
         replica.succeeded(now - flight.started)
         self.answer = answer
         return self._finish()
@@ -277,7 +289,7 @@ class ShardCall:
         if flight is None or self.finished:
             return []
         replica = self.group.replicas[flight.replica]
-        replica.inflight -= 1
+        replica.end()
         failure = Attempt(replica.address, code, message)
         self.attempts.append(failure)
         if code in NON_RETRYABLE:
@@ -287,6 +299,8 @@ class ShardCall:
             replica.failed(now, self.policy)
         if self.inflight:  # a backup (or the original) is still out: wait for it
             return []
+        if code == VERSION_UNAVAILABLE and len(self.tried) >= len(self.group.replicas):
+            return self._finish()  # every replica said it does not hold the version
         if self._retries < self.policy.retry:
             self.retry_at = now + self.policy.backoff_s(self._retries, self.rng)
             self._retries += 1
@@ -346,7 +360,7 @@ class ShardCall:
         self.tried.add(choice)
         self.inflight[attempt] = _InFlight(choice, now, hedge)
         replica = group.replicas[choice]
-        replica.inflight += 1
+        replica.begin()
         backup_ms = self.policy.backup_request_ms
         if (
             backup_ms > 0
@@ -369,7 +383,7 @@ class ShardCall:
         self.retry_at = self.hedge_at = None
         cancels: list[Action] = []
         for attempt, flight in self.inflight.items():
-            self.group.replicas[flight.replica].inflight -= 1
+            self.group.replicas[flight.replica].end()
             cancels.append(Cancel((self.index, attempt)))
         self.inflight.clear()
         return cancels

@@ -42,7 +42,9 @@ class CubeClient(ClientBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._channels = SyncChannels(self._wire.method)
-        workers = max(8, 4 * len(self._cluster.endpoints))
+        # Threads start only when needed; many allowed because an abandoned attempt (a backup
+        # request's loser) holds its thread until its timeout.
+        workers = max(32, 8 * len(self._cluster.endpoints))
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="cube-client")
         self._closed = False
 
