@@ -203,17 +203,18 @@ def test_md5_mismatch_places_nothing(env):
     assert task["state"] == "failed" and "md5 mismatch" in task["message"]
 
 
-@pytest.mark.parametrize("damage", ["truncated", "garbage"])
-def test_corrupt_tar_refused(env, damage):
+def test_corrupt_tars_refused(env):
     agent = env.agent()
-    make_shard_tar(env.files / "c.tar", seed=11, n_keys=5000)
-    whole = (env.files / "c.tar").read_bytes()
-    body = whole[: len(whole) // 2] if damage == "truncated" else os.urandom(len(whole))
-    (env.files / "c.tar").write_bytes(body)
-    write_md5(env.files / "c.tar")  # the md5 matches: the builder shipped a broken tar
-    task = agent.run("download", BASE, source=f"{env.http.url}/c.tar")
-    assert task["state"] == "failed", task
-    assert "tar c.tar: corrupt or truncated tar" in task["message"], task
+    for damage in ("truncated", "garbage"):
+        name = f"c-{damage}"
+        make_shard_tar(env.files / f"{name}.tar", seed=11, n_keys=5000)
+        whole = (env.files / f"{name}.tar").read_bytes()
+        body = whole[: len(whole) // 2] if damage == "truncated" else os.urandom(len(whole))
+        (env.files / f"{name}.tar").write_bytes(body)
+        write_md5(env.files / f"{name}.tar")  # the md5 matches: the builder shipped a broken tar
+        task = agent.run("download", name, source=f"{env.http.url}/{name}.tar")
+        assert task["state"] == "failed", task
+        assert f"tar {name}.tar: corrupt or truncated tar" in task["message"], task
     assert visible_entries(env.data) == set()
 
 
@@ -223,36 +224,34 @@ def _member(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile
     return info
 
 
-@pytest.mark.parametrize(
-    "evil, why",
-    [
-        ("../evil", "'..'"),
-        ("/tmp/cube-agent-test-evil-abs", "absolute path"),
-        ("symlink", "symlink"),
-        ("hardlink", "hard link"),
-        ("fifo", "fifo"),
-        ("device", "device"),
-    ],
-)
-def test_hostile_tar_refused_and_nothing_written_outside(env, evil, why):
+HOSTILE_MEMBERS = [
+    (_member("../evil"), "'..'"),
+    (_member("./sub/../../evil"), "'..'"),
+    (_member("/tmp/cube-agent-test-evil-abs"), "absolute path"),
+    (_member("./evil", tarfile.SYMTYPE, "../../evil"), "symlink"),
+    (_member("./evil", tarfile.LNKTYPE, "/etc/passwd"), "hard link"),
+    (_member("./evil", tarfile.FIFOTYPE), "fifo"),
+    (_member("./evil", tarfile.CHRTYPE), "device"),
+    (_member("./evil", tarfile.BLKTYPE), "device"),
+]
+
+
+def test_hostile_tars_refused_and_nothing_written_outside(env):
     agent = env.agent()
     make_shard_tar(env.files / "good.tar", seed=12)
-    member = {
-        "symlink": _member("./evil", tarfile.SYMTYPE, "../../evil"),
-        "hardlink": _member("./evil", tarfile.LNKTYPE, "/etc/passwd"),
-        "fifo": _member("./evil", tarfile.FIFOTYPE),
-        "device": _member("./evil", tarfile.CHRTYPE),
-    }.get(evil) or _member(evil)
-    data = b"pwned" if member.isreg() else b""
-    member.size = len(data)
-    make_evil_tar(env.files / "evil.tar", env.files / "good.tar", member, data)
-    task = agent.run("download", BASE, source=f"{env.http.url}/evil.tar")
-    assert task["state"] == "failed", task
-    assert f"refused member {member.name!r}: " in task["message"] and why in task["message"]
+    for i, (member, why) in enumerate(HOSTILE_MEMBERS):
+        data = b"pwned" if member.isreg() else b""
+        member.size = len(data)
+        make_evil_tar(env.files / f"evil{i}.tar", env.files / "good.tar", member, data)
+        task = agent.run("download", f"v{i}", source=f"{env.http.url}/evil{i}.tar")
+        assert task["state"] == "failed", task
+        assert f"refused member {member.name!r}: " in task["message"], task
+        assert why in task["message"], task
     assert visible_entries(env.data) == set()
     assert not (env.deploy / "evil").exists() and not (env.tmp / "evil").exists()
     assert not Path("/tmp/cube-agent-test-evil-abs").exists()
     assert not list(env.deploy.rglob("evil"))
+    assert not list(env.deploy.rglob("*.tar"))  # refused tars are not kept
 
 
 # ------------------------------------------------------------------ API behaviour
