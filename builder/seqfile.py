@@ -461,61 +461,70 @@ def _walk_chunk(
 ) -> tuple[_Raw, int, int]:
     """Per-record walk of buf[:end]: (records, bytes consumed, bytes the next record needs).
 
-    The result views `buf`."""
-    size = end
+    Record positions form a chain (each record's length gives the next one's start), so this
+    loop is sequential; it does the least per record (one unpack, one append) and checks the
+    key lengths afterwards in one numpy pass. The result views `buf`."""
     pos = 0
     need = 0
     positions: list[int] = []
-    key_lens: list[int] = []
-    record_lens: list[int] = []
-    unpack = struct.Struct(">ii").unpack_from
+    append = positions.append
+    unpack = struct.Struct(">i").unpack_from
+    problem = None  # reported after the records before it are checked (first error wins)
+    last_header = end - 4  # a record length needs 4 bytes
     while True:
-        left = size - pos
-        if left < 8:
-            need = 8 if left < 4 or buf[pos : pos + 4] != SYNC_ESCAPE else 4 + SYNC_SIZE
+        if pos > last_header:
+            need = 8
             break
-        record_len, key_len = unpack(buf, pos)
-        if record_len == -1:
+        (record_len,) = unpack(buf, pos)
+        if record_len < 0:
+            if record_len != -1:
+                problem = f"bad record length {record_len}"
+                break
             if not sync:
-                raise SequenceFileError(path, base + pos, "sync escape in a file without sync")
-            if left < 4 + SYNC_SIZE:
+                problem = "sync escape in a file without sync"
+                break
+            if end - pos < 4 + SYNC_SIZE:
                 need = 4 + SYNC_SIZE
                 break
             if buf[pos + 4 : pos + 4 + SYNC_SIZE] != sync:
-                raise SequenceFileError(
-                    path, base + pos, "sync marker after the escape does not match the header's"
-                )
+                problem = "sync marker after the escape does not match the header's"
+                break
             pos += 4 + SYNC_SIZE
             continue
-        if record_len < 0 or not 0 <= key_len <= record_len:
-            raise SequenceFileError(
-                path, base + pos, f"bad record lengths: record {record_len}, key {key_len}"
-            )
-        if left < 8 + record_len:
+        following = pos + 8 + record_len
+        if following > end:
             need = 8 + record_len
             break
-        positions.append(pos)
-        key_lens.append(key_len)
-        record_lens.append(record_len)
-        pos += 8 + record_len
-    if final and pos < size:
+        append(pos)
+        pos = following
+    starts = np.array(positions, dtype=np.int64)
+    flat = np.frombuffer(buf, dtype=np.uint8, count=end)
+    lengths = flat[starts[:, None] + np.arange(8)].view(">i4").astype(np.int64)
+    record_lens, key_lens = lengths[:, 0], lengths[:, 1]
+    bad = np.flatnonzero((key_lens < 0) | (key_lens > record_lens))
+    if bad.size:
+        i = int(bad[0])
+        raise SequenceFileError(
+            path,
+            base + int(starts[i]),
+            f"bad record lengths: record {int(record_lens[i])}, key {int(key_lens[i])}",
+        )
+    if problem is not None:
+        raise SequenceFileError(path, base + pos, problem)
+    if final and pos < end:
         raise SequenceFileError(
             path,
             base + pos,
-            f"truncated file: ends inside a record (needs {need} bytes, {size - pos} left)",
+            f"truncated file: ends inside a record (needs {need} bytes, {end - pos} left)",
         )
-    starts = np.array(positions, dtype=np.int64)
-    klens = np.array(key_lens, dtype=np.int64)
-    vlens = np.array(record_lens, dtype=np.int64) - klens
-    flat = np.frombuffer(buf, dtype=np.uint8, count=end)
     raw = _Raw(
         offsets=starts + base,
         key_buf=flat,
         key_starts=starts + 8,
-        key_lens=klens,
+        key_lens=key_lens,
         val_buf=flat,
-        val_starts=starts + 8 + klens,
-        val_lens=vlens,
+        val_starts=starts + 8 + key_lens,
+        val_lens=record_lens - key_lens,
         input_bytes=pos,
     )
     return raw, pos, need
