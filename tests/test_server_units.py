@@ -121,11 +121,16 @@ def test_retired_version_unmapped_after_last_request(tmp_path):
     slots.stage(load_base(dirs, "2", LoadOptions()))
     slots.commit()
     old = slots.current.acquire()  # a request in flight on version 1
+    SeekService(slots, max_batch=100).seek(b"")  # the kernel prepared its views on it
+
+    def mapped(name):
+        return str(tmp_path / name / "data.cube") in open("/proc/self/maps").read()
+
     slots.switch()
     slots.unload_background()
-    assert old.retired and not old.closed
+    assert old.retired and not old.closed and mapped("1")
     old.release()
-    assert old.closed
+    assert old.closed and not mapped("1") and mapped("2")
     service = SeekService(slots, max_batch=100)
     request = cube_fast_pb2.SeekRequest(keys=keys.astype("<u8").tobytes())
     response = cube_fast_pb2.SeekResponse.FromString(service.seek(request.SerializeToString()))
@@ -181,3 +186,19 @@ def test_failed_switch_on_one_worker_switches_the_others_back(tmp_path):
         asyncio.run(coordinator.command(cube_pb2.ControlRequest(cmd="enable", version="2")))
     assert slots.current.name == "1" and slots.background.name == "2"
     assert remote.ops == ["prepare", "commit", "switch"]
+
+
+def test_enable_accepts_path_forms_and_refuses_traversal(tmp_path):
+    remote = FailingRemote("nothing")
+    coordinator, _slots = make_coordinator(tmp_path, remote)
+
+    def run(**fields):
+        return asyncio.run(coordinator.command(cube_pb2.ControlRequest(**fields)))
+
+    run(cmd="bg_load_base", version_path="/2")
+    assert run(cmd="enable", version="/2").cur_version == "2"
+    assert run(cmd="enable", version_path="1").cur_version == "1"  # back to the previous
+    with pytest.raises(ControlError) as info:
+        run(cmd="enable", version="../1")
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert remote.ops == ["prepare", "commit", "switch", "switch"]

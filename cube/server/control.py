@@ -308,9 +308,10 @@ class Coordinator:
         response.message = message
         return response
 
-    def _version_name(self, request: cube_pb2.ControlRequest) -> str:
+    def _version_name(self, request: cube_pb2.ControlRequest, path: str | None = None) -> str:
         try:
-            return version_name_from_path(request.version_path, self.local.data_dir)
+            path = request.version_path if path is None else path
+            return version_name_from_path(path, self.local.data_dir)
         except VersionError as exc:
             raise ControlError.from_version_error(exc, f"{request.cmd}: ") from exc
 
@@ -326,9 +327,9 @@ class Coordinator:
                 return f"serving {name}"
             return f"{name} loaded in the background"
         if cmd == "enable":
-            name = request.version or (self._version_name(request) if request.version_path else "")
-            if not name:
+            if not (request.version or request.version_path):
                 raise ControlError(grpc.StatusCode.INVALID_ARGUMENT, "enable needs a version")
+            name = self._version_name(request, request.version or request.version_path)
             if name == _name(slots.current):
                 return f"{name} is already current"
             if name == _name(slots.background):

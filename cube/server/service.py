@@ -104,10 +104,9 @@ class FastGather:
 
 
 def gatherers(version: LoadedVersion) -> list[FastGather]:
-    cached = getattr(version, "_gatherers", None)
+    cached = version.kernel_cache.get("gatherers")
     if cached is None:
-        cached = [FastGather(stack) for stack in version.stacks]
-        version._gatherers = cached  # type: ignore[attr-defined]
+        cached = version.kernel_cache["gatherers"] = [FastGather(s) for s in version.stacks]
     return cached
 
 

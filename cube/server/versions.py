@@ -290,6 +290,8 @@ class LoadedVersion:
         # One width for the whole answer only when every split agrees; else variable.
         self.value_width = widths.pop() if len(widths) == 1 else 0
         self.stacks = [s.stack for s in self.splits]
+        # views the request kernel prepares on the mapped shards (dropped before unmapping)
+        self.kernel_cache: dict[str, Any] = {}
 
     @property
     def chain(self) -> list[str]:
@@ -313,6 +315,7 @@ class LoadedVersion:
         if self.closed:
             return
         self.closed = True
+        self.kernel_cache.clear()  # its array views would keep the mappings alive
         for split in self.splits:
             for handle in split.handles:
                 handle.release()
