@@ -268,3 +268,18 @@ def test_flagfile_and_cli_errors(tmp_path):
         timeout=60,
     )
     assert bad.returncode == 2 and "--dict_split" in bad.stderr
+
+
+def test_seek_stream_pipelined_in_order(fixed_server):
+    _server, channel, keys, _changed, _added = fixed_server
+    batches = [keys[200 + i * 7 : 250 + i * 7] for i in range(30)]  # past the delta's keys
+    requests = (
+        cube_fast_pb2.SeekRequest(keys=b.astype("<u8").tobytes(), request_id=i + 1)
+        for i, b in enumerate(batches)
+    )
+    stub = cube_fast_pb2_grpc.CubeServiceStub(channel)
+    answers = list(stub.SeekStream(requests, timeout=30))
+    assert [a.request_id for a in answers] == list(range(1, 31))
+    for batch, answer in zip(batches, answers, strict=True):
+        assert answer.found == b"\x01" * 50 and answer.version == "100_200"
+        assert (fixed_rows(answer) == expected_fixed(batch, 40, tag=1)).all()

@@ -202,3 +202,11 @@ def test_enable_accepts_path_forms_and_refuses_traversal(tmp_path):
         run(cmd="enable", version="../1")
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert remote.ops == ["prepare", "commit", "switch", "switch"]
+
+
+def test_write_version_flag_rewrites_version_on_switch(tmp_path):
+    coordinator, _slots = make_coordinator(tmp_path, FailingRemote("nothing"))
+    coordinator.write_version = True
+    (tmp_path / "VERSION").write_text("1\n")
+    asyncio.run(coordinator.command(cube_pb2.ControlRequest(cmd="reload_base", version_path="2")))
+    assert (tmp_path / "VERSION").read_text() == "2\n"
