@@ -13,10 +13,12 @@ from hypothesis import strategies as st
 
 from builder.codecs import CODECS, lz4_hadoop_compress, lz4_hadoop_decompress
 from builder.seqfile import (
+    BYTES_WRITABLE,
     SYNC_ESCAPE,
     SequenceFileReader,
     SequenceFileWriter,
     concat_columns,
+    encode_header,
     read_header,
 )
 from cube.values import ValueColumn
@@ -268,3 +270,63 @@ def test_property_fixed_width_fast_path(tmp_path, keys, width, batch_bytes, seed
     values = [rng.bytes(width) for _ in keys]
     path = write_file(tmp_path / "fixed.seq", keys, values)
     assert read_back(path, batch_bytes) == (keys, values)
+
+
+# ------------------------------------------------------------------ fast-path layouts
+
+
+def hand_made_file(path: Path, keys: list[int], values: list[bytes], escape_after: set[int]):
+    """A Cube-dialect file with sync escapes exactly after the given record indices; returns
+    the true file offset of every record."""
+    sync = bytes(range(100, 116))
+    out = bytearray(encode_header(BYTES_WRITABLE, BYTES_WRITABLE, sync=sync))
+    offsets = []
+    for i, (key, value) in enumerate(zip(keys, values, strict=True)):
+        offsets.append(len(out))
+        out += struct.pack(">ii", 8 + len(value), 8) + struct.pack("<Q", key) + value
+        if i in escape_after:
+            out += SYNC_ESCAPE + sync
+    path.write_bytes(bytes(out))
+    return offsets
+
+
+def read_offsets(path: Path, batch_bytes: int) -> tuple[list[int], list[bytes], list[int]]:
+    with SequenceFileReader(path, batch_bytes=batch_bytes) as reader:
+        batches = list(reader.batches())
+    return (
+        [k for b in batches for k in b.keys.tolist()],
+        [v for b in batches for v in b.values.to_list()],
+        [o for b in batches for o in b.offsets.tolist()],
+    )
+
+
+@pytest.mark.parametrize("spacing", ["regular", "irregular", "leading", "none"])
+def test_fixed_stride_offsets_are_exact(tmp_path: Path, spacing: str) -> None:
+    n = 2000
+    keys, values = sample(n, 24, seed=11)
+    rng = np.random.default_rng(12)
+    escape_after = {
+        "regular": set(range(40, n, 41)),
+        "irregular": {int(i) for i in np.cumsum(rng.integers(1, 90, n)) if i < n},
+        "leading": {0, 1, 2, 500, 501, n - 1},
+        "none": set(),
+    }[spacing]
+    path = tmp_path / "f"
+    offsets = hand_made_file(path, keys, values, escape_after)
+    for batch_bytes in (64, 700, 4096, 50_000, 1 << 20):
+        assert read_offsets(path, batch_bytes) == (keys, values, offsets)
+
+
+def test_double_escapes_and_escape_at_end(tmp_path: Path) -> None:
+    keys, values = sample(300, 16, seed=13)
+    path = tmp_path / "f"
+    offsets = hand_made_file(path, keys, values, {5, 6, 100, 299})
+    data = bytearray(path.read_bytes())
+    sync = read_header(path).sync
+    # Two escapes in a row between records 10 and 11 are legal too.
+    at = offsets[11]
+    data[at:at] = SYNC_ESCAPE + sync
+    path.write_bytes(bytes(data))
+    shifted = offsets[:11] + [o + 20 for o in offsets[11:]]
+    for batch_bytes in (64, 1000, 1 << 20):
+        assert read_offsets(path, batch_bytes) == (keys, values, shifted)
