@@ -89,6 +89,16 @@ class AgentClient:
         return data
 
 
+async def _server_down(client: AgentClient, inst: Instance) -> bool:
+    """Whether the agent answers but says its cube-server does not."""
+    try:
+        status = await client.status(inst)
+    except (AgentUnreachable, AgentRefused):
+        return False
+    server = status.get("server") or {}
+    return server.get("reachable") is False
+
+
 ProgressFn = Callable[[Instance, str, str], None]  # (instance, "running"|"ok"|"failed", message)
 
 
@@ -115,7 +125,8 @@ async def drive(
     submitted = False
     last = "no answer yet"
     delay = poll
-    silent_since: float | None = None
+    silent_since: float | None = None  # the agent does not answer
+    server_down_since: float | None = None  # the agent answers, its server does not
     while True:
         remaining = deadline - loop.time()
         if remaining <= 0:
@@ -157,13 +168,26 @@ async def drive(
         if state == "succeeded":
             return Outcome(True, str(task.get("message") or "ok"))
         if state == "failed":
-            failures += 1
             last = str(task.get("message") or "failed")
+            if last.startswith("interrupted"):  # the agent restarted mid-task: just resume it
+                submitted = False
+                await asyncio.sleep(min(delay, max(remaining, 0.0)))
+                continue
+            submitted = False
+            if await _server_down(client, inst):  # restarting, say: wait as for a silent agent
+                if server_down_since is None:
+                    server_down_since = loop.time()
+                if dead_timeout is None or loop.time() - server_down_since < dead_timeout:
+                    await asyncio.sleep(min(1.0, max(remaining, 0.0)))
+                    continue
+                last = f"{last} (its server has not answered for {dead_timeout:g}s)"
+            else:
+                server_down_since = None
+            failures += 1
             if failures > retries:
                 return Outcome(False, f"{command} {version}: {last}")
             log.warning("%s on %s failed (%s); retry %d of %d", command, inst.name, last,
                         failures, retries)  # fmt: skip
-            submitted = False
             await asyncio.sleep(min(1.0 * failures, max(remaining, 0.0)))
             continue
         await asyncio.sleep(min(delay, max(remaining, 0.0)))

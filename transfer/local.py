@@ -18,6 +18,7 @@ N+10+2k (server) and N+11+2k (agent); without it free ports are picked.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -93,6 +94,7 @@ class ClusterSpec:
     transfer_args: list[str] = field(default_factory=list)
     server_args: list[str] = field(default_factory=list)
     agent_args: list[str] = field(default_factory=list)
+    transfer_overrides: dict[str, Any] = field(default_factory=dict)  # TransferConfig fields
 
 
 def command(name: str) -> str:
@@ -148,7 +150,7 @@ def cluster_config(spec: ClusterSpec, ports: dict[str, int]) -> TransferConfig:
         for i in range(spec.shards)
         for j in range(spec.replicas)
     )
-    return TransferConfig(
+    cfg = TransferConfig(
         dict_name=spec.dict_name,
         mode=spec.mode,
         download_mode="http",
@@ -167,6 +169,7 @@ def cluster_config(spec: ClusterSpec, ports: dict[str, int]) -> TransferConfig:
         enable_timeout=min(spec.phase_timeout, 60.0),
         partitioner=spec.partitioner,
     )
+    return dataclasses.replace(cfg, **spec.transfer_overrides)
 
 
 def cube_conf(cfg: TransferConfig, dim: int = 0) -> list[dict[str, Any]]:

@@ -1,0 +1,472 @@
+"""cube-transfer end to end on real processes: a cube-local cluster (2 shards x 2 replicas of
+cube-server + cube-agent, one cube-transfer running the real cube-builder) fed through
+donefiles, checked through the SDK.
+
+One cluster serves the whole module (starting one costs seconds); every test starts from
+whatever is live, uses fresh version ids, and ends with every replica on one version. While
+processes are killed, a background prober keeps looking keys up: no request may fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from builder.seqfile import SequenceFileWriter
+from cube.client import CubeClient
+from cube.values import ValueColumn
+from transfer.local import ClusterSpec, command, http_json, up
+
+DIM = 4
+WAIT = 60.0
+_ids = itertools.count(int(time.time()) // 10 * 10, 10)
+
+WRAPPER = """\
+#!{python}
+# cube-builder, then (when the input has a .tamper file) damage shard 0's tar like a bad disk,
+# a bad copy or a hostile producer would.
+import hashlib, io, os, subprocess, sys, tarfile
+args = sys.argv[1:]
+rc = subprocess.call([{builder!r}, *args])
+if rc:
+    sys.exit(rc)
+opts = {{args[i].lstrip("-"): args[i + 1] for i in range(len(args) - 1)
+        if args[i].startswith("-") and not args[i + 1].startswith("-")}}
+marker = os.path.join(opts["input_path"], ".tamper")
+if os.path.exists(marker):
+    mode = open(marker).read().strip()
+    out = os.path.join(opts["output_path"], opts["depend_version"] + "_" + opts["cur_version"])
+    tar_path = os.path.join(out, opts["dict_name"] + "_part0.tar")
+    if mode in ("corrupt", "md5"):
+        with tarfile.open(tar_path) as tar:
+            member = next(m for m in tar if m.name.endswith("data.cube"))
+            where = member.offset_data + 4096 + 8
+        with open(tar_path, "r+b") as f:
+            f.seek(where)
+            byte = f.read(1)
+            f.seek(where)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    elif mode == "evil":
+        with tarfile.open(tar_path, "a") as tar:
+            info = tarfile.TarInfo("../evil")
+            info.size = 4
+            tar.addfile(info, io.BytesIO(b"evil"))
+    if mode != "md5":
+        digest = hashlib.md5(open(tar_path, "rb").read()).hexdigest()
+        with open(tar_path + ".md5", "w") as f:
+            f.write(digest + "  " + os.path.basename(tar_path) + "\\n")
+"""
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory):
+    root = tmp_path_factory.mktemp("transfer-e2e")
+    wrapper = root / "tampering-builder"
+    wrapper.write_text(WRAPPER.format(python=sys.executable, builder=command("cube-builder")))
+    os.chmod(wrapper, 0o755)
+    spec = ClusterSpec(
+        dir=root / "cluster",
+        shards=2,
+        replicas=2,
+        donefile=root / "donefile",
+        poll_interval=0.2,
+        phase_timeout=40.0,
+        dead_timeout=20.0,
+        transfer_overrides={"buildtool_local": str(wrapper), "retries": 1},
+    )
+    cluster = up(spec)
+    try:
+        yield SimpleNamespace(root=root, cluster=cluster, donefile=root / "donefile", tables={})
+    finally:
+        cluster.down(timeout=5.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def write_input(ctx, name: str, keys, values, tamper: str = "") -> Path:
+    path = ctx.root / "input" / name
+    path.mkdir(parents=True, exist_ok=True)
+    column = ValueColumn.fixed(np.ascontiguousarray(values).view(np.uint8).reshape(-1), DIM * 4)
+    with SequenceFileWriter(path / "part-00000") as writer:
+        writer.write_batch(np.asarray(keys, dtype=np.uint64), column)
+    if tamper:
+        (path / ".tamper").write_text(tamper)
+    return path
+
+
+def table(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    keys = np.arange(1, n + 1, dtype=np.uint64)
+    return keys, rng.standard_normal((n, DIM), dtype=np.float32)
+
+
+def append(ctx, file: str, line) -> None:
+    text = line if isinstance(line, str) else json.dumps(line)
+    with open(ctx.donefile / file, "a", encoding="utf-8") as f:
+        f.write(text + "\n")
+
+
+def new_base(ctx, n: int = 2000, tamper: str = "", wait: bool = True) -> str:
+    version = str(next(_ids))
+    keys, values = table(n, int(version))
+    path = write_input(ctx, version, keys, values, tamper)
+    append(ctx, "base.txt", {"id": version, "key": version, "input": str(path)})
+    ctx.tables[version] = (keys, values)
+    if wait:
+        ctx.cluster.wait_version(version, WAIT)
+    return version
+
+
+def new_patch(ctx, base: str, changed: int = 50, deleted=(), tamper: str = "", wait=True) -> str:
+    cur = str(next(_ids))
+    version = f"{base}_{cur}"
+    keys, values = ctx.tables[ctx.cluster.transfer_info()["live_version"]]
+    rng = np.random.default_rng(int(cur))
+    patch_keys = keys[:changed]
+    patch_values = rng.standard_normal((changed, DIM), dtype=np.float32)
+    path = write_input(ctx, version, patch_keys, patch_values, tamper)
+    line = {"id": cur, "key": base, "input": str(path)}
+    if len(deleted):
+        delete = ctx.root / "input" / f"{version}.delete"
+        delete.write_text("".join(f"{int(k)}\n" for k in deleted))
+        line["delete"] = str(delete)
+    append(ctx, "patch.txt", line)
+    new_values = values.copy()
+    new_values[:changed] = patch_values
+    if len(deleted):
+        new_values[np.isin(keys, np.asarray(deleted, dtype=np.uint64))] = 0
+    ctx.tables[version] = (keys, new_values)
+    if wait:
+        ctx.cluster.wait_version(version, WAIT)
+    return version
+
+
+def live(ctx) -> str:
+    return ctx.cluster.transfer_info()["live_version"]
+
+
+def ensure_base(ctx) -> str:
+    current = live(ctx)
+    return current if current else new_base(ctx)
+
+
+def served(ctx) -> list[str]:
+    return [row["version"] for row in ctx.cluster.instance_rows()]
+
+
+def lookup(ctx, keys) -> tuple[np.ndarray, str]:
+    with CubeClient.from_conf(ctx.cluster.cube_conf) as client:
+        result = client.seek(keys)
+        return client.get_embeddings(keys, dim=DIM), result.version
+
+
+def check_served(ctx, version: str) -> None:
+    assert served(ctx) == [version] * 4
+    keys, values = ctx.tables[version]
+    got, seen = lookup(ctx, keys)
+    assert seen == version
+    np.testing.assert_array_equal(got, values)
+
+
+def record(ctx, version: str, mode: str | None = None) -> dict:
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        for rec in reversed(ctx.cluster.history()):
+            same = rec["version"] == version and (mode is None or rec["mode"] == mode)
+            if same and rec["status_str"] in ("finished", "failed", "refused", "skipped"):
+                return rec
+        time.sleep(0.2)
+    raise AssertionError(f"no final record for {version}: {ctx.cluster.history()[-3:]}")
+
+
+def record_of_line(ctx, line: str) -> dict:
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        for rec in ctx.cluster.history():
+            if rec["line"] == line:
+                return rec
+        time.sleep(0.2)
+    raise AssertionError(f"no record for {line}")
+
+
+def line_count(ctx, file: str) -> int:
+    path = ctx.donefile / file
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def agent_task(ctx, instance: str, command: str, version: str) -> dict | None:
+    port = ctx.cluster.proc(f"agent{instance}").port
+    with contextlib.suppress(OSError, ValueError):
+        data = http_json(f"http://127.0.0.1:{port}/agent/status")["data"]
+        for task in data.get("tasks") or []:
+            if task["command"] == command and task["version"] == version:
+                return task
+    return None
+
+
+def wait_for(predicate, what: str, timeout: float = WAIT, step: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def kill9(ctx, name: str) -> None:
+    proc = ctx.cluster.proc(name)
+    os.kill(proc.pid, signal.SIGKILL)
+    wait_for(lambda: proc.process() is None, f"{name} to die", 10)
+
+
+class Prober:
+    """Looks keys up without pause in a thread; every failure is kept."""
+
+    def __init__(self, ctx, keys) -> None:
+        self.conf = ctx.cluster.cube_conf
+        self.keys = keys
+        self.errors: list[str] = []
+        self.calls = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with CubeClient.from_conf(self.conf) as client:
+            while not self._stop.is_set():
+                try:
+                    client.get_embeddings(self.keys, dim=DIM)
+                    self.calls += 1
+                except Exception as exc:  # every failure counts
+                    self.errors.append(f"{type(exc).__name__}: {exc}")
+                time.sleep(0.01)
+
+    def __enter__(self) -> Prober:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+# ---------------------------------------------------------------------------------------------
+# the happy path
+
+
+def test_base_delta_delete_and_rollback(ctx):
+    base = new_base(ctx)
+    check_served(ctx, base)
+    keys, _ = ctx.tables[base]
+    delta = new_patch(ctx, base, changed=100, deleted=keys[-10:])
+    check_served(ctx, delta)
+    got, _ = lookup(ctx, keys[-10:])
+    assert not got.any()  # deleted keys are misses (zero rows)
+    delta2 = new_patch(ctx, base, changed=20)
+    check_served(ctx, delta2)
+    info = ctx.cluster.transfer_info()
+    assert info["live_chain"] == [base, delta, delta2]
+
+    reply = http_json(ctx.cluster.transfer_url + "/dict/rollback", {"version": base}, timeout=WAIT)
+    assert reply["success"] == "0", reply
+    check_served(ctx, base)
+    assert ctx.cluster.transfer_info()["live_chain"] == [base]
+    # a later patch applies on the rolled-back chain
+    after = new_patch(ctx, base, changed=5)
+    check_served(ctx, after)
+    assert ctx.cluster.transfer_info()["live_chain"] == [base, after]
+    history = ctx.cluster.history()
+    assert [r["mode"] for r in history if r["version"] == base][-1] == "rollback"
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input: each fails alone, with its reason, and the next good line still deploys
+
+
+def test_bad_donefile_lines_fail_alone(ctx):
+    before = ensure_base(ctx)
+    n = line_count(ctx, "base.txt")
+    append(ctx, "base.txt", '{"id": "1", "key": "1", "input": "/x"')  # malformed JSON
+    rec = record_of_line(ctx, f"base.txt:{n + 1}")
+    assert rec["status_str"] == "failed" and "not JSON" in rec["message"]
+
+    missing = str(next(_ids))
+    append(ctx, "base.txt", {"id": missing, "key": missing, "input": "/no/such/input/dir"})
+    rec = record(ctx, missing)
+    assert rec["status_str"] == "failed"
+    assert "input /no/such/input/dir does not exist" in rec["message"]
+
+    broken = str(next(_ids))
+    bad_input = ctx.root / "input" / broken
+    bad_input.mkdir(parents=True)
+    (bad_input / "part-00000").write_bytes(b"this is not a SequenceFile at all")
+    append(ctx, "base.txt", {"id": broken, "key": broken, "input": str(bad_input)})
+    rec = record(ctx, broken)
+    assert rec["status_str"] == "failed" and "builder exited with status 1" in rec["message"]
+    assert "part-00000" in rec["message"]  # the builder's own explanation
+
+    orphan = f"1600000000_{next(_ids)}"
+    orphan_input = write_input(ctx, orphan, *table(10, 1))
+    cur = orphan.split("_")[1]
+    append(ctx, "patch.txt", {"id": cur, "key": "1600000000", "input": str(orphan_input)})
+    rec = record(ctx, orphan)
+    assert rec["status_str"] == "refused"
+    assert "is for base 1600000000, but the live base is" in rec["message"]
+
+    assert served(ctx) == [before] * 4  # nothing of the above reached a server
+    good = new_base(ctx)
+    check_served(ctx, good)
+
+
+@pytest.mark.parametrize(
+    ("tamper", "reason"),
+    [
+        ("md5", "does not match its .md5"),
+        ("evil", "'..' in the path"),
+        ("corrupt", "reload did not reach quorum"),
+    ],
+)
+def test_damaged_builds_deploy_nothing(ctx, tamper, reason):
+    before = ensure_base(ctx)
+    bad = new_base(ctx, tamper=tamper, wait=False)
+    rec = record(ctx, bad)
+    assert rec["status_str"] == "failed" and reason in rec["message"], rec["message"]
+    if tamper == "corrupt":  # md5 and tar were fine: the server's checksums caught it
+        assert "nothing was switched" in rec["message"]
+    assert served(ctx) == [before] * 4
+    check_served(ctx, before)
+
+
+def test_agents_refuse_damaged_tars_the_transfer_did_not_check(ctx):
+    """With verify_output off, the agents' own md5 and member checks must stop the rollout."""
+    conf = ctx.cluster.dir / "transfer.conf"
+    original = conf.read_text()
+    conf.write_text(original.replace("verify_output: true", "verify_output: false"))
+    try:
+        ctx.cluster.restart("transfer")
+        before = ensure_base(ctx)
+        for tamper, reason in (("md5", "md5"), ("evil", "..")):
+            bad = new_base(ctx, tamper=tamper, wait=False)
+            rec = record(ctx, bad)
+            assert rec["status_str"] == "failed", rec
+            assert "download did not reach quorum" in rec["message"]
+            assert reason in rec["message"]
+            assert served(ctx) == [before] * 4
+    finally:
+        conf.write_text(original)
+        ctx.cluster.restart("transfer")
+    check_served(ctx, before)
+
+
+# ---------------------------------------------------------------------------------------------
+# kill -9
+
+
+def test_kill9_agent_during_download(ctx):
+    base = ensure_base(ctx)
+    agent = ctx.cluster.proc("agent0_1")
+    original = list(agent.argv)
+    agent.argv = [*original, "--limit_rate", "40000"]
+    ctx.cluster.restart("agent0_1")
+    keys = ctx.tables[base][0][:200]
+    try:
+        with Prober(ctx, keys) as prober:
+            version = new_base(ctx, n=20000, wait=False)  # ~160 KB per shard: seconds at 40 KB/s
+            wait_for(
+                lambda: (
+                    (agent_task(ctx, "0_1", "download", version) or {}).get("state") == "running"
+                ),
+                "agent0_1 to be downloading",
+            )
+            time.sleep(0.5)
+            kill9(ctx, "agent0_1")
+            agent.argv = original
+            ctx.cluster.restart("agent0_1")
+            ctx.cluster.wait_version(version, WAIT)
+        assert prober.errors == [] and prober.calls > 0
+        task = agent_task(ctx, "0_1", "download", version)
+        assert task["state"] == "succeeded"
+        check_served(ctx, version)
+    finally:
+        agent.argv = original
+
+
+def test_kill9_server_during_load(ctx):
+    base = ensure_base(ctx)
+    server = ctx.cluster.proc("server0_1")
+    original = list(server.argv)
+    server.argv = [*original, "--load_delay", "3"]
+    ctx.cluster.restart("server0_1", timeout=WAIT)
+    keys = ctx.tables[base][0][:200]
+    try:
+        with Prober(ctx, keys) as prober:
+            version = new_patch(ctx, base.split("_")[0], changed=30, wait=False)
+            wait_for(
+                lambda: (agent_task(ctx, "0_1", "reload", version) or {}).get("state") == "running",
+                "agent0_1 to be reloading",
+            )
+            time.sleep(0.5)
+            kill9(ctx, "server0_1")
+            time.sleep(1.0)
+            server.argv = original
+            ctx.cluster.restart("server0_1", timeout=WAIT)
+            ctx.cluster.wait_version(version, WAIT)
+        assert prober.errors == [] and prober.calls > 0
+        check_served(ctx, version)
+    finally:
+        server.argv = original
+
+
+def test_kill9_transfer_mid_deploy_resumes_without_losing_the_chain(ctx):
+    base = ensure_base(ctx).split("_")[0]
+    if live(ctx) != base:
+        new_base(ctx)
+        base = live(ctx)
+    first = new_patch(ctx, base, changed=10)
+    server = ctx.cluster.proc("server1_0")
+    original = list(server.argv)
+    server.argv = [*original, "--load_delay", "4"]
+    ctx.cluster.restart("server1_0", timeout=WAIT)
+    try:
+        with Prober(ctx, ctx.tables[first][0][:200]) as prober:
+            second = new_patch(ctx, base, changed=40, wait=False)
+            wait_for(
+                lambda: (
+                    (ctx.cluster.transfer_info().get("deployment") or {}).get("phase") == "reload"
+                ),
+                "the transfer to be in its reload phase",
+            )
+            kill9(ctx, "transfer")
+            ctx.cluster.restart("transfer")
+            ctx.cluster.wait_version(second, WAIT)
+        assert prober.errors == [] and prober.calls > 0
+    finally:
+        server.argv = original
+        ctx.cluster.restart("server1_0", timeout=WAIT)
+    ctx.cluster.wait_version(second, WAIT)  # the restarted server came back on it
+    check_served(ctx, second)
+    info = ctx.cluster.transfer_info()
+    assert info["live_chain"] == [base, first, second]
+    for instance in ("0_0", "0_1", "1_0", "1_1"):  # the resumed transfer did not download again
+        task = agent_task(ctx, instance, "download", second)
+        assert task is not None and task["state"] == "succeeded"
+    events = (ctx.cluster.dir / "transfer" / "tmp" / "transfer_events.jsonl").read_text()
+    starts = [e for e in map(json.loads, events.splitlines()) if e["event"] == "deploy_start"]
+    assert [e["version"] for e in starts].count(second) == 1
+    # and the next patch continues the same chain
+    third = new_patch(ctx, base, changed=5)
+    assert ctx.cluster.transfer_info()["live_chain"] == [base, first, second, third]
+    check_served(ctx, third)
