@@ -247,16 +247,42 @@ def test_from_conf_ipport_list_and_ipport(fixed_cluster, tmp_path):
 VAR_KEYS = np.arange(5, 50_000, 7, dtype=np.uint64)
 
 
+def run_builder(root: Path, keys: np.ndarray, values: list[bytes], shard_num: int) -> list[Path]:
+    """Build with the real cube-builder CLI (murmur3); each shard's data dir (version 1000)."""
+    from builder.seqfile import SequenceFileWriter
+    from cube.values import ValueColumn
+
+    source = root / "input"
+    source.mkdir(parents=True)
+    with SequenceFileWriter(source / "part-00000") as writer:
+        writer.write_batch(keys, ValueColumn.from_list(values))
+    output = root / "output"
+    command = [sys.executable, "-m", "builder.cli", "--dict_name", "test_dict"]
+    command += ["--input_path", str(source), "--output_path", str(output)]
+    command += ["--shard_num", str(shard_num), "--partitioner", "murmur3", "--quiet"]
+    command += ["--only_build", "false", "--cur_version", "1000", "--depend_version", "1000"]
+    command += ["--workers", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    dirs = []
+    for shard in range(shard_num):
+        data = root / f"shard{shard}" / "data"
+        data.mkdir(parents=True)
+        (data / "1000").symlink_to(output / "1000_1000" / f"test_dict_part{shard}")
+        (data / "VERSION").write_text("1000\n")
+        dirs.append(data)
+    return dirs
+
+
 @pytest.fixture(scope="module")
 def variable_cluster(tmp_path_factory):
+    """3 shards built by cube-builder with murmur3 routing, variable-width values; plus one
+    server holding the whole table (for ipport_parallel)."""
     root = tmp_path_factory.mktemp("variable")
-
-    def values(keys):
-        return [variable_value(int(k)) for k in keys]
-
-    dirs = build_shards(root, VAR_KEYS, values, 3, partitioner="murmur3")
+    values = [variable_value(int(k)) for k in VAR_KEYS]
+    dirs = run_builder(root, VAR_KEYS, values, 3)
     whole = root / "whole" / "data"
-    write_version(whole, "7", VAR_KEYS, values(VAR_KEYS), current=True)
+    write_version(whole, "7", VAR_KEYS, values, current=True)
     with servers(*[(d, (), 1) for d in dirs], (whole, (), 1)) as procs:
         yield [p.address for p in procs[:3]], procs[3].address
 
@@ -267,7 +293,7 @@ def check_variable(result, keys):
     assert result.found.tolist() == [v is not None for v in expect]
 
 
-def test_variable_width_with_murmur3_routing(variable_cluster, tmp_path):
+def test_variable_width_with_murmur3_routing_as_cube_builder_shards(variable_cluster, tmp_path):
     addresses, _ = variable_cluster
     keys = np.random.default_rng(8).integers(0, 50_000, 700, dtype=np.uint64)
     path = conf_file(
@@ -275,7 +301,7 @@ def test_variable_width_with_murmur3_routing(variable_cluster, tmp_path):
     )
     with CubeClient.from_conf(path) as client:
         result = client.seek(keys)
-        assert result.width == 0 and result.version == "100"
+        assert result.width == 0 and result.version == "1000"
         check_variable(result, keys)
         check_variable(client.seek(keys[:1]), keys[:1])
     with CubeClient(shards=[[a] for a in addresses], partitioner="mod") as wrong:
