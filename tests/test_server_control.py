@@ -18,6 +18,7 @@ from procs import expected_fixed, fixed_values, running_server, start_server, wr
 from test_server import control, fixed_rows, seek
 
 from cube.format import HEADER_SIZE
+from cube.pb import cube_pb2, cube_pb2_grpc
 
 KEYS = np.arange(1, 3001, 2, dtype=np.uint64)  # 1500 keys
 WIDTH = 24
@@ -182,6 +183,15 @@ def test_concurrent_command_aborted(data):
         loader.join(timeout=30)
         assert not errors
         assert control(channel, "status").bg_version == "200"
+        # a caller that gives up does not cancel the command: it completes, status shows it
+        stub = cube_pb2_grpc.ControlServiceStub(channel)
+        request = cube_pb2.ControlRequest(cmd="bg_load_base", version_path="/100")
+        expect_error(grpc.StatusCode.DEADLINE_EXCEEDED, "", stub.cmd, request, timeout=0.3)
+        deadline = time.monotonic() + 20
+        while control(channel, "status").bg_version != "100" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        status = control(channel, "status")
+        assert (status.bg_version, status.status) == ("100", 0)
 
 
 def test_restart_on_delta_rebuilds_chain(tmp_path):

@@ -414,6 +414,7 @@ def control_handler(
 ) -> grpc.GenericRpcHandler:
     """ControlService.cmd: run it (worker 0) or forward it to worker 0 (other workers)."""
     channel: grpc.aio.Channel | None = None
+    running: set[asyncio.Future] = set()
 
     async def cmd(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         nonlocal channel
@@ -430,8 +431,13 @@ def control_handler(
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"ControlRequest does not parse: {exc}"
             )
+        # A command runs to its end even if the caller goes away (deadline, disconnect): a
+        # load half done on some workers would leave them inconsistent. Callers poll status.
+        task = asyncio.ensure_future(coordinator.command(request))
+        running.add(task)
+        task.add_done_callback(running.discard)
         try:
-            response = await coordinator.command(request)
+            response = await asyncio.shield(task)
         except ControlError as exc:
             await context.abort(exc.code, exc.message)
         return response.SerializeToString()
