@@ -781,7 +781,12 @@ def decode_key(key: bytes, key_format: str) -> int:
 
 
 class SequenceFileReader:
-    """Stream a SequenceFile as uint64-key record batches (or raw records), bounded memory."""
+    """Stream a SequenceFile as uint64-key record batches (or raw records), bounded memory.
+
+    `key_format` after construction is the resolved one: "auto" picks cube / bytes_be (from the
+    first key's length under a BytesWritable header), long (LongWritable) or text (Text) once
+    per file; for any other key class it stays "auto", records() still works and batches()
+    asks for an explicit format. The file stays open until close() (or the with block ends)."""
 
     def __init__(
         self, path: str | os.PathLike, key_format: str = "auto", batch_bytes: int = 64 << 20
@@ -824,7 +829,7 @@ class SequenceFileReader:
 
     @property
     def dialect(self) -> str:
-        """ "cube" when keys (and BytesWritable values) are raw, without Writable framing."""
+        """Cube dialect (raw keys and BytesWritable values, no framing) or "writable"."""
         return "cube" if self.key_format == "cube" else "writable"
 
     def _first_key_len(self) -> int | None:
@@ -857,7 +862,11 @@ class SequenceFileReader:
     # -- public iteration --
 
     def batches(self) -> Iterator[RecordBatch]:
-        """Record batches of about `batch_bytes` input each, keys decoded as `key_format`."""
+        """Record batches of about `batch_bytes` input each, keys decoded as `key_format`.
+
+        Keys, values and offsets are fresh arrays the caller may keep. A record that does not
+        fit the key format is a SequenceFileError naming the file and the record's offset.
+        Record-compressed values take their decompressed size in memory on top."""
         if self.key_format == "auto":
             raise SequenceFileError(
                 self.path,
@@ -1017,7 +1026,8 @@ class SequenceFileReader:
                 val_buf=np.frombuffer(buffers[3], dtype=np.uint8),
                 val_starts=_starts(val_lens),
                 val_lens=val_lens,
-                input_bytes=cur.offset - block_start,
+                # Count what the block holds in memory, not only its compressed size.
+                input_bytes=max(cur.offset - block_start, len(buffers[1]) + len(buffers[3])),
             )
             if first_only and count:
                 return
