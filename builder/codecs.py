@@ -142,6 +142,8 @@ CODECS: dict[str, Codec] = {
     )
 }
 _BY_SHORT_NAME = {codec.name: codec for codec in CODECS.values()}
+# DeflateCodec is Hadoop's DefaultCodec under another name (same zlib streams).
+CODECS["org.apache.hadoop.io.compress.DeflateCodec"] = CODECS[DEFAULT_CODEC]
 
 
 def codec_for_class(class_name: str) -> Codec | None:

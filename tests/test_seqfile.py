@@ -474,3 +474,16 @@ def test_version_1_has_no_sync_escapes(tmp_path: Path) -> None:
     path.write_bytes(old_header(1, LONG_WRITABLE, "x.V") + body + SYNC_ESCAPE + b"Z" * 16)
     with pytest.raises(SequenceFileError, match="sync escape in a file without sync"):
         all_records(path)
+
+
+def test_deflate_codec_is_read_as_zlib(tmp_path: Path) -> None:
+    """Hadoop's DeflateCodec writes the same zlib streams as DefaultCodec."""
+    source = DATA / "colinmarc_record_compressed_zlib_byteswritable.seq"
+    data = source.read_bytes()
+    renamed = data.replace(
+        encode_text(DEFAULT_CODEC), encode_text(DEFAULT_CODEC[:-12] + "DeflateCodec")
+    )
+    path = tmp_path / "deflate"
+    path.write_bytes(renamed)
+    assert read_header(path).codec.endswith("DeflateCodec")
+    assert all_records(path) == ALICE_BOB

@@ -24,7 +24,9 @@ from builder.seqfile import (
 from cube.values import ValueColumn
 
 LAYOUTS = [("none", None)] + [
-    (compression, codec.name) for compression in ("record", "block") for codec in CODECS.values()
+    (compression, name)
+    for compression in ("record", "block")
+    for name in sorted({codec.name for codec in CODECS.values()})
 ]
 EXPECTED_KEY_FORMAT = {"cube": "cube", "byteswritable": "bytes_be"}
 
