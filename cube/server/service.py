@@ -216,6 +216,8 @@ def _write_varints(out: np.ndarray, column: np.ndarray, values: np.ndarray, size
 
 _FOUND_STATUS = b"\x08\x00"
 _MISS_STATUS = b"\x08" + varint(MISS_STATUS)
+_MISS_ENTRY = b"\x0a" + varint(len(_MISS_STATUS) + 2) + _MISS_STATUS + b"\x12\x00"
+_MISS_ENTRY_ROW = np.frombuffer(_MISS_ENTRY, dtype=np.uint8)
 
 
 def encode_dict_response(answer: Answer, version: str | None) -> bytes:
@@ -229,14 +231,22 @@ def encode_dict_response(answer: Answer, version: str | None) -> bytes:
     if n == 0:
         return b"".join(tail)
     width = answer.width
-    if width and found.all():
-        # Every entry has the same bytes around its value: one (n, entry) matrix.
+    if width:
+        # Every found entry has the same bytes around its value: one (n, entry) matrix; a
+        # miss is a shorter constant entry written over its row's start, the rest masked out.
         inner = len(_FOUND_STATUS) + 1 + len(varint(width)) + width
         head = b"\x0a" + varint(inner) + _FOUND_STATUS + b"\x12" + varint(width)
         rows = np.empty((n, len(head) + width), dtype=np.uint8)
         rows[:, : len(head)] = np.frombuffer(head, dtype=np.uint8)
         rows[:, len(head) :] = answer.values
-        return b"".join([rows.tobytes(), *tail])
+        if found.all():
+            return b"".join([rows.tobytes(), *tail])
+        if rows.shape[1] >= len(_MISS_ENTRY):
+            missing = ~found
+            rows[missing, : len(_MISS_ENTRY)] = _MISS_ENTRY_ROW
+            keep = np.ones(rows.shape, dtype=bool)
+            keep[missing, len(_MISS_ENTRY) :] = False
+            return b"".join([rows[keep].tobytes(), *tail])
     if width:
         lengths = np.where(found, width, 0).astype(np.int64)
         blob = answer.values.reshape(-1)
