@@ -122,7 +122,7 @@ def make_plan(
     grouped_keys = keys[grouping.order]
     bounds = grouping.bounds.tolist()
     pieces = []
-    for shard in grouping.owners():
+    for shard in range(shard_num):  # shards without keys have an empty range: no piece
         for start in range(bounds[shard], bounds[shard + 1], max_batch):
             stop = min(start + max_batch, bounds[shard + 1])
             pieces.append(Piece(shard, grouping.order[start:stop], grouped_keys[start:stop]))
@@ -180,16 +180,20 @@ def _fields(data: bytes) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
     ints: dict[int, int] = {}
     pos, end = 0, len(data)
     while pos < end:
-        tag, pos = _read_varint(data, pos)
+        tag = data[pos]
+        if tag < 0x80:  # every field number of ours fits one tag byte
+            pos += 1
+        else:
+            tag, pos = _read_varint(data, pos)
         number, wire_type = tag >> 3, tag & 7
-        if wire_type == 0:
-            ints[number], pos = _read_varint(data, pos)
-        elif wire_type == 2:
+        if wire_type == 2:
             length, pos = _read_varint(data, pos)
             if pos + length > end:
                 raise BadResponse(f"field {number} runs past the end of the message")
             spans[number] = (pos, length)
             pos += length
+        elif wire_type == 0:
+            ints[number], pos = _read_varint(data, pos)
         elif wire_type == 1:
             pos += 8
         elif wire_type == 5:
