@@ -105,8 +105,13 @@ def timeline(record: dict[str, Any]) -> str:
 
 def run(argv: Sequence[str]) -> int:
     flags = flag_set().parse(argv)
-    if flags.ids < 10 or flags.dim < 1 or flags.files < 1:
-        raise FlagError("--ids must be >= 10, --dim and --files >= 1")
+    if flags.ids < 100 or flags.dim < 1 or flags.files < 1:
+        raise FlagError("--ids must be >= 100, --dim and --files >= 1")
+    n_batch, n_changed, n_deleted = (
+        min(10_000, flags.ids),
+        min(1000, flags.ids // 10),
+        min(100, flags.ids // 20),
+    )
     from cube.client import CubeClient
     from transfer.local import Cluster, ClusterSpec, LocalError, up
 
@@ -173,15 +178,17 @@ def run(argv: Sequence[str]) -> int:
                 say(f"   {int(key):>20d}: {np.array2string(row[:4], precision=3)} ...")
             _check(np.array_equal(got[:-1], values[probe]), "values differ from the table")
             _check(not result.found[-1] and not got[-1].any(), "the unknown id was found")
-            batch = rng.choice(keys.shape[0], size=10_000, replace=False)
+            batch = rng.choice(keys.shape[0], size=n_batch, replace=False)
             many = client.get_embeddings(keys[batch], dim=flags.dim)
-            _check(np.array_equal(many, values[batch]), "a 10,000-id batch differs")
-            say("   checked: 5 ids + a 10,000-id batch equal the table, the unknown id is a miss")
+            _check(np.array_equal(many, values[batch]), f"a {n_batch:,}-id batch differs")
+            say(f"   checked: 5 ids + a {n_batch:,}-id batch equal the table, "
+                "the unknown id is a miss")  # fmt: skip
 
-            say("== 5. a patch: 1,000 changed vectors, 100 new ids, 100 deletions")
+            say(f"== 5. a patch: {n_changed:,} changed vectors, 100 new ids, "
+                f"{n_deleted} deletions")  # fmt: skip
             patch_id = base_id + 100
-            changed = rng.choice(keys.shape[0], size=1100, replace=False)
-            deleted_rows, changed_rows = changed[:100], changed[100:]
+            changed = rng.choice(keys.shape[0], size=n_changed + n_deleted, replace=False)
+            deleted_rows, changed_rows = changed[:n_deleted], changed[n_deleted:]
             new_keys = np.arange(1, 101, dtype=np.uint64) * np.uint64(2**63 // 101) + np.uint64(7)
             patch_keys = np.concatenate([keys[changed_rows], new_keys])
             patch_values = rng.standard_normal((patch_keys.shape[0], flags.dim), dtype=np.float32)
@@ -213,7 +220,7 @@ def run(argv: Sequence[str]) -> int:
                     say(f"   {key:>20d}: deleted (miss)")
             check_keys = np.concatenate([patch_keys, keys[deleted_rows]])
             check = client.get_embeddings(check_keys, dim=flags.dim)
-            expected = np.concatenate([patch_values, np.zeros((100, flags.dim), np.float32)])
+            expected = np.concatenate([patch_values, np.zeros((n_deleted, flags.dim), np.float32)])
             _check(np.array_equal(check, expected), "the patch is not served as written")
             untouched = np.setdiff1d(np.arange(keys.shape[0]), changed)[:1000]
             same = client.get_embeddings(keys[untouched], dim=flags.dim)

@@ -553,10 +553,12 @@ def up(spec: ClusterSpec, health_timeout: float = 60.0) -> Cluster:
     started is stopped again."""
     spec.dir.mkdir(parents=True, exist_ok=True)
     root = spec.dir.resolve()
-    with contextlib.suppress(LocalError):
-        existing = Cluster.load(root)
-        if existing.alive():
-            raise LocalError(f"a cluster is already running in {root}; run cube-local down first")
+    try:
+        existing: Cluster | None = Cluster.load(root)
+    except LocalError:
+        existing = None
+    if existing is not None and existing.alive():
+        raise LocalError(f"a cluster is already running in {root}; run cube-local down first")
     if spec.shards < 1 or spec.replicas < 1:
         raise LocalError("--shards and --replicas must be >= 1")
     spec.donefile.mkdir(parents=True, exist_ok=True)

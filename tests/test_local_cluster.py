@@ -1,0 +1,191 @@
+"""cube-local as users run it: up / status / wait / restart / down on real processes, configs that
+the transfer and the SDK accept, and stopping exactly the recorded processes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from cube.client import load_conf
+from transfer.config import load_config
+from transfer.local import Proc, command, stop
+
+CLI = [sys.executable, "-m", "transfer.local"]
+
+
+def cube_local(*args: str, timeout: float = 90.0) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*CLI, *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def processes_under(path: Path) -> list[psutil.Process]:
+    """Live processes whose command line mentions `path` (what a cluster there started)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if any(str(path) in part for part in proc.info["cmdline"] or []):
+                found.append(proc)
+    return found
+
+
+@pytest.fixture
+def cluster_dir(tmp_path):
+    directory = tmp_path / "cluster"
+    yield directory
+    # whatever a failing test left behind: stop it by the PIDs it recorded
+    with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
+        data = json.loads((directory / "cluster.json").read_text())
+        stop([Proc(**p) for p in data["processes"]], timeout=5)
+    for proc in processes_under(directory):
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+
+
+def test_up_status_wait_restart_down(tmp_path, cluster_dir):
+    donefile = tmp_path / "donefile"
+    result = cube_local(
+        "up", "--shards", "1", "--replicas", "2", "--donefile", str(donefile),
+        "--dir", str(cluster_dir), "--dim", "4", "--poll_interval", "0.2",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr + result.stdout
+    assert "cluster up in" in result.stdout and "INSTANCE" in result.stdout
+    data = json.loads((cluster_dir / "cluster.json").read_text())
+    procs = {p["name"]: Proc(**p) for p in data["processes"]}
+    assert set(procs) == {"server0_0", "server0_1", "agent0_0", "agent0_1", "transfer"}
+    assert all(p.process() is not None for p in procs.values())
+
+    cfg = load_config(cluster_dir / "transfer.conf")
+    assert cfg.shard_num == 1 and cfg.copy_num == 2 and cfg.quorum == 2
+    assert cfg.donefile_address == str(donefile.resolve())
+    conf = load_conf(cluster_dir / "cube.conf")
+    assert conf.type == "ipport_list" and len(conf.shards[0]) == 2
+    for inst in cfg.instances:  # the server's data_dir is its agent's deploy_path/data
+        server = procs[f"server{inst.name}"]
+        assert server.argv[server.argv.index("--data_dir") + 1] == f"{inst.deploy_path}/data"
+        assert f"127.0.0.1:{server.port}" in conf.shards[0]
+        agent = procs[f"agent{inst.name}"]
+        assert agent.argv[agent.argv.index("--deploy_path") + 1] == inst.deploy_path
+
+    again = cube_local("up", "--donefile", str(donefile), "--dir", str(cluster_dir))
+    assert again.returncode == 1 and "already running" in again.stderr
+
+    version = str(int(time.time()))
+    inputs = write_input(tmp_path / "input" / version)
+    with open(donefile / "base.txt", "a") as f:
+        f.write(json.dumps({"id": version, "key": version, "input": str(inputs)}) + "\n")
+    waited = cube_local("wait", "--version", version, "--timeout", "60", "--dir", str(cluster_dir))
+    assert waited.returncode == 0, waited.stderr
+    status = cube_local("status", "--dir", str(cluster_dir))
+    assert status.returncode == 0
+    lines = status.stdout.splitlines()
+    assert f"live version {version}" in lines[0]
+    rows = [line for line in lines if line.startswith("0_")]
+    assert len(rows) == 2 and all(version in row and "Enable_Succ" in row for row in rows)
+    as_json = json.loads(cube_local("status", "--json", "--dir", str(cluster_dir)).stdout)
+    assert [r["version"] for r in as_json["instances"]] == [version, version]
+    missing = cube_local("wait", "--version", "1", "--timeout", "1", "--dir", str(cluster_dir))
+    assert missing.returncode == 1 and "not served everywhere within 1s" in missing.stderr
+
+    restarted = cube_local("restart", "--name", "agent0_1", "--dir", str(cluster_dir))
+    assert restarted.returncode == 0, restarted.stderr
+    new_agent = Proc(
+        **next(
+            p
+            for p in json.loads((cluster_dir / "cluster.json").read_text())["processes"]
+            if p["name"] == "agent0_1"
+        )
+    )
+    assert new_agent.pid != procs["agent0_1"].pid and new_agent.process() is not None
+    assert procs["agent0_1"].process() is None
+
+    # a recorded PID whose start time does not match is not ours any more: down leaves it alone
+    data = json.loads((cluster_dir / "cluster.json").read_text())
+    for p in data["processes"]:
+        if p["name"] == "server0_1":
+            p["create_time"] -= 1000
+    (cluster_dir / "cluster.json").write_text(json.dumps(data))
+    down = cube_local("down", "--dir", str(cluster_dir))
+    assert down.returncode == 0, down.stderr
+    assert "server0_1: not running" in down.stdout
+    assert "transfer: stopped" in down.stdout
+    foreign = procs["server0_1"]
+    assert foreign.process() is not None  # untouched
+    for name, proc in procs.items():
+        if name not in ("server0_1", "agent0_1"):
+            assert proc.process() is None, name
+    assert new_agent.process() is None
+    assert not (cluster_dir / "cluster.json").exists()
+    foreign.process().terminate()
+    gone = cube_local("status", "--dir", str(cluster_dir))
+    assert gone.returncode == 1 and "no cluster" in gone.stderr
+
+
+def write_input(path: Path) -> Path:
+    import numpy as np
+
+    from builder.seqfile import SequenceFileWriter
+    from cube.values import ValueColumn
+
+    path.mkdir(parents=True)
+    keys = np.arange(100, dtype=np.uint64)
+    values = np.arange(400, dtype=np.float32).view(np.uint8)
+    with SequenceFileWriter(path / "part-00000") as writer:
+        writer.write_batch(keys, ValueColumn.fixed(values, 16))
+    return path
+
+
+def test_up_fails_cleanly_when_a_process_cannot_start(tmp_path, cluster_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        base_port = taken.getsockname()[1]  # the transfer's API port is in use
+        result = cube_local(
+            "up", "--shards", "1", "--replicas", "1", "--donefile", str(tmp_path / "d"),
+            "--dir", str(cluster_dir), "--base_port", str(base_port), "--timeout", "30",
+        )  # fmt: skip
+    assert result.returncode == 1
+    assert "transfer exited at start" in result.stderr and "transfer.log" in result.stderr
+    assert not (cluster_dir / "cluster.json").exists()
+    deadline = time.monotonic() + 10
+    while processes_under(cluster_dir) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_under(cluster_dir) == []
+
+
+def test_stop_escalates_to_sigkill_and_reports_it(tmp_path):
+    code = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print(1, flush=True); time.sleep(60)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        child.stdout.readline()  # SIGTERM is ignored from here on
+        record = Proc("stubborn", "server", [], str(tmp_path / "log"), 0, child.pid,
+                      psutil.Process(child.pid).create_time())  # fmt: skip
+        lines = stop([record], timeout=0.5)
+        assert lines == [f"stubborn: killed (SIGKILL) (pid {child.pid})"]
+        child.wait(timeout=5)  # gone (psutil reaped it, so its status reads 0 here)
+        assert record.process() is None
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+
+
+def test_cli_usage_errors():
+    assert cube_local().returncode == 2
+    assert "usage: cube-local" in cube_local("--help").stdout
+    bad = cube_local("launch")
+    assert bad.returncode == 2 and "unknown command 'launch'" in bad.stderr
+    need = cube_local("up")
+    assert need.returncode == 2 and "--donefile is required" in need.stderr
+    assert command("cube-server").endswith("cube-server")
