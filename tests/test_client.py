@@ -583,3 +583,19 @@ def test_a_shard_with_nothing_loaded_is_an_error_not_silent_misses(tmp_path):
         with pytest.raises(VersionMismatchError, match=r"shard 1: \(nothing loaded\)"):
             client.seek(np.arange(100, dtype=np.uint64))
         assert client.seek([0, 2, 4]).version == "100"  # only shard 0 asked
+
+
+def test_large_answers_beyond_grpc_default_message_size(tmp_path):
+    """30k keys x 256 bytes = 7.7 MB per answer (gRPC's default limit is 4 MB)."""
+    keys = np.arange(30_000, dtype=np.uint64)
+    (data,) = build_shards(tmp_path, keys, lambda k: fixed_values(k, 256), 1)
+    with (
+        servers((data, (), 1)) as (server,),
+        CubeClient(shards=[[server.address]], timeout_ms=30_000) as client,
+    ):
+        query = keys[::-1].copy()
+        for max_batch in (100_000, 20_000):
+            client.max_batch = max_batch
+            result = client.seek(query)
+            assert result.found.all()
+            assert (result.column.as_rows() == expected_fixed(query, 256)).all()
