@@ -17,6 +17,7 @@ from builder.seqfile import (
     SYNC_ESCAPE,
     SequenceFileReader,
     SequenceFileWriter,
+    _column,
     concat_columns,
     encode_header,
     read_header,
@@ -332,3 +333,19 @@ def test_double_escapes_and_escape_at_end(tmp_path: Path) -> None:
     shifted = offsets[:11] + [o + 20 for o in offsets[11:]]
     for batch_bytes in (64, 1000, 1 << 20):
         assert read_offsets(path, batch_bytes) == (keys, values, shifted)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), max_size=30))
+def test_ordered_range_gather_matches_the_general_one(gaps_and_lengths) -> None:
+    """The mask-based gather used for a chunk's values equals cube.values.gather_ranges."""
+    starts, lengths, at = [], [], 0
+    for gap, length in gaps_and_lengths:
+        at += gap
+        starts.append(at)
+        lengths.append(length)
+        at += length
+    buf = np.arange(at + 3, dtype=np.int64).astype(np.uint8)
+    starts_a, lengths_a = np.array(starts, np.int64), np.array(lengths, np.int64)
+    expected = [buf[s : s + n].tobytes() for s, n in zip(starts, lengths, strict=True)]
+    assert _column(buf, starts_a, lengths_a).to_list() == expected
