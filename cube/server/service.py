@@ -198,20 +198,20 @@ def encode_seek_response(answer: Answer, version: str, request_id: int) -> bytes
 def _varint_sizes(values: np.ndarray) -> np.ndarray:
     """Bytes of each value's varint (values < 2**35)."""
     sizes = np.ones(values.shape[0], dtype=np.int64)
+    if values.shape[0] and int(values.max()) < 128:  # the common case: one byte each
+        return sizes
     for bits in (7, 14, 21, 28):
         sizes += values >= (1 << bits)
     return sizes
 
 
-def _write_varints(out: np.ndarray, column: np.ndarray, values: np.ndarray, sizes: np.ndarray):
-    """Write each row's varint into `out[row, column[row]:]` (up to 5 bytes)."""
-    rows = np.arange(values.shape[0])
-    for k in range(5):
+def _varint_columns(out: np.ndarray, used: np.ndarray, values: np.ndarray, sizes: np.ndarray):
+    """Write each value's varint into its row of `out` (n, 5), marking the bytes `used`."""
+    longest = int(sizes.max()) if sizes.shape[0] else 0
+    for k in range(longest):
         more = sizes > k + 1
-        has = sizes > k
-        byte = ((values >> (7 * k)) & 0x7F) | np.where(more, 0x80, 0)
-        sel = rows[has]
-        out[sel, column[has] + k] = byte[has]
+        out[:, k] = ((values >> (7 * k)) & 0x7F) | np.where(more, 0x80, 0)
+        used[:, k] = sizes > k
 
 
 _FOUND_STATUS = b"\x08\x00"
@@ -249,44 +249,43 @@ def encode_dict_response(answer: Answer, version: str | None) -> bytes:
             return b"".join([rows[keep].tobytes(), *tail])
     if width:
         lengths = np.where(found, width, 0).astype(np.int64)
-        blob = answer.values.reshape(-1)
-        starts = np.arange(n, dtype=np.int64) * width
+        value_bytes = answer.values[found].reshape(-1)
     else:
         lengths = np.diff(answer.offsets)
-        blob = answer.values
-        starts = answer.offsets[:-1]
+        value_bytes = answer.values[answer.offsets[0] : answer.offsets[-1]]
+    value_starts = np.cumsum(lengths) - lengths  # of each value among the value bytes
+    # Each head is [0x0a][varint inner][status: 2 or 6 bytes][0x12][varint length], laid out
+    # in fixed column groups of an (n, 18) matrix; a mask drops each row's unused columns.
     status_size = np.where(found, len(_FOUND_STATUS), len(_MISS_STATUS))
     length_size = _varint_sizes(lengths)
     inner = status_size + 1 + length_size + lengths
     inner_size = _varint_sizes(inner)
-    head_size = 1 + inner_size + status_size + 1 + length_size
     heads = np.zeros((n, 18), dtype=np.uint8)
+    used = np.zeros((n, 18), dtype=bool)
     heads[:, 0] = 0x0A
-    _write_varints(heads, np.ones(n, dtype=np.int64), inner, inner_size)
-    at = 1 + inner_size
-    miss = np.frombuffer(_MISS_STATUS, dtype=np.uint8)
-    status_cols = at[:, None] + np.arange(len(_MISS_STATUS))
-    status_rows = np.broadcast_to(np.arange(n)[:, None], status_cols.shape)
-    status_bytes = np.zeros((n, len(_MISS_STATUS)), dtype=np.uint8)
-    status_bytes[:, 0] = 0x08
-    status_bytes[~found] = miss
-    keep = np.arange(len(_MISS_STATUS)) < status_size[:, None]
-    heads[status_rows[keep], status_cols[keep]] = status_bytes[keep]
-    at = at + status_size
-    heads[np.arange(n), at] = 0x12
-    _write_varints(heads, at + 1, lengths, length_size)
-    # Interleave head i and value i: one gather over [heads | values].
-    source = np.concatenate([heads.reshape(-1), blob.reshape(-1)])
-    range_starts = np.empty(2 * n, dtype=np.int64)
-    range_starts[0::2] = np.arange(n, dtype=np.int64) * 18
-    range_starts[1::2] = starts + heads.size
-    range_lengths = np.empty(2 * n, dtype=np.int64)
-    range_lengths[0::2] = head_size
-    range_lengths[1::2] = lengths
-    total = int(range_lengths.sum())
-    shift = np.repeat(range_starts - (np.cumsum(range_lengths) - range_lengths), range_lengths)
-    shift += np.arange(total, dtype=np.int64)
-    return b"".join([source.take(shift).tobytes(), *tail])
+    used[:, 0] = True
+    _varint_columns(heads[:, 1:6], used[:, 1:6], inner, inner_size)
+    heads[:, 6] = 0x08
+    heads[~found, 7:11] = 0xFF
+    heads[~found, 11] = 0x0F
+    used[:, 6:12] = np.arange(6) < status_size[:, None]
+    heads[:, 12] = 0x12
+    used[:, 12] = True
+    _varint_columns(heads[:, 13:18], used[:, 13:18], lengths, length_size)
+    head_size = 2 + inner_size + status_size + length_size
+    head_bytes = heads[used]
+    # The values are already in answer order: put the heads between them. Head byte j of
+    # entry i goes to (head bytes before it) + (value bytes before entry i); the value bytes
+    # fill the other positions, in order, in one masked copy.
+    head_dest = np.repeat(value_starts, head_size)
+    head_dest += np.arange(head_bytes.shape[0], dtype=np.int64)
+    total = head_bytes.shape[0] + value_bytes.shape[0]
+    out = np.empty(total, dtype=np.uint8)
+    out[head_dest] = head_bytes
+    is_value = np.ones(total, dtype=bool)
+    is_value[head_dest] = False
+    out[is_value] = value_bytes
+    return b"".join([out.tobytes(), *tail])
 
 
 # ---------------------------------------------------------------------------------------------
