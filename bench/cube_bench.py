@@ -88,6 +88,7 @@ def flag_set() -> FlagSet:
     flags.add("skip_missing", bool, False, "skip a target whose server binary is missing")
     flags.add("max_other_load", float, 0.25, "cores other processes may use before a rerun")
     flags.add("max_repeats", int, 2, "reruns at most of a disturbed level")
+    flags.add("quiet_wait", float, 60.0, "seconds to wait at most for a quiet machine per try")
     flags.add("check_sample", int, 2000, "keys checked against the data set per target")
     flags.add("timeout", float, 300.0, "bound on one level's measured phase with --requests")
     flags.add("start_timeout", float, 60.0, "bound on each server's startup")
@@ -104,8 +105,8 @@ def validate(flags: dict[str, Any]) -> None:
         raise FlagError("--value_size (or --dim) must be > 0")
     if flags["duration"] <= 0 or flags["warmup"] < 0 or flags["requests"] < 0:
         raise FlagError("--duration must be > 0, --warmup and --requests >= 0")
-    if flags["max_repeats"] < 0:
-        raise FlagError("--max_repeats must be >= 0")
+    if flags["max_repeats"] < 0 or flags["quiet_wait"] < 0:
+        raise FlagError("--max_repeats and --quiet_wait must be >= 0")
     names = [t.strip() for t in flags["targets"].split(",") if t.strip()]
     if not names:
         raise FlagError("--targets is empty")
@@ -212,7 +213,8 @@ def run(flags: dict[str, Any], argv: Sequence[str]) -> int:
         k: flags[k]
         for k in (
             "threads", "batch", "requests", "duration", "warmup", "keys", "value_size", "dim",
-            "dtype", "shards", "workers", "client", "max_other_load", "max_repeats", "seed",
+            "dtype", "shards", "workers", "client", "max_other_load", "max_repeats", "quiet_wait",
+            "seed",
         )
     }  # fmt: skip
     if flags["dim"]:
@@ -283,7 +285,7 @@ def run(flags: dict[str, Any], argv: Sequence[str]) -> int:
                     )
                     level = run_level(
                         target, data, cfg, flags["max_other_load"], flags["max_repeats"],
-                        log=_print_flush,
+                        log=_print_flush, quiet_wait=flags["quiet_wait"],
                     )  # fmt: skip
                     row = summarize(level)
                     rows.append(row)

@@ -165,7 +165,8 @@ def markdown(result: dict[str, Any], plot_name: str | None) -> str:
         "",
         f"A level counts as disturbed when other processes (or hypervisor steal) used more than "
         f"{s['max_other_load']} cores during it; it is then run again, at most "
-        f"{s['max_repeats']} more times, and the least disturbed try is kept.",
+        f"{s['max_repeats']} more times, and the least disturbed try is kept. Before every try "
+        f"cube-bench waits up to {s.get('quiet_wait', 0)} s for the machine to be quiet.",
         "",
         f"- repeated: {', '.join(repeated) if repeated else 'none'}",
         f"- still disturbed (marked ⚠): {', '.join(disturbed) if disturbed else 'none'}",

@@ -239,6 +239,31 @@ def run_attempt(target: Target, data: Dataset, cfg: LevelConfig, server_pids: li
     )
 
 
+def other_load_now(server_pids: list[int], seconds: float = 1.0) -> float:
+    """Cores other processes use right now (sampled over `seconds`, our servers excluded)."""
+    before = CpuSnapshot.take(server_pids)
+    time.sleep(seconds)
+    used = cpu_between(before, CpuSnapshot.take(server_pids))
+    return (used["other"] + used["steal"]) / used["wall"]
+
+
+def wait_for_quiet(
+    server_pids: list[int], max_other_load: float, max_wait: float, log: Callable[[str], None]
+) -> float:
+    """Wait (at most `max_wait` seconds) until other processes use at most `max_other_load`
+    cores; returns the seconds waited. Levels then start on a quiet machine when one comes."""
+    if max_wait <= 0:
+        return 0.0
+    started = time.monotonic()
+    load = other_load_now(server_pids, 0.5)
+    if load <= max_other_load:
+        return 0.0
+    log(f"  waiting up to {max_wait:.0f}s for other load ({load:.2f} cores) to drop")
+    while time.monotonic() - started < max_wait and load > max_other_load:
+        load = other_load_now(server_pids, 1.0)
+    return time.monotonic() - started
+
+
 def run_level(
     target: Target,
     data: Dataset,
@@ -246,12 +271,16 @@ def run_level(
     max_other_load: float,
     max_repeats: int,
     log: Callable[[str], None] = print,
+    quiet_wait: float = 0.0,
 ) -> LevelResult:
     """Run a level; while other processes used more than `max_other_load` cores during it,
-    run it again (at most `max_repeats` more times) and keep the least disturbed attempt."""
+    run it again (at most `max_repeats` more times) and keep the least disturbed attempt.
+    Before every try, wait up to `quiet_wait` seconds for the machine to be quiet."""
     attempts: list[Attempt] = []
     for repeat in range(max_repeats + 1):
-        attempt = run_attempt(target, data, cfg, target.server_pids())
+        pids = target.server_pids()
+        wait_for_quiet(pids, max_other_load, quiet_wait, log)
+        attempt = run_attempt(target, data, cfg, pids)
         attempts.append(attempt)
         if attempt.other_load <= max_other_load:
             break

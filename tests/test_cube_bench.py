@@ -22,7 +22,7 @@ import pytest
 from bench import report
 from bench.cube_bench import check_answers
 from bench.procs import ProcessRegistry
-from bench.runner import BenchError, LevelConfig, run_attempt, run_level
+from bench.runner import BenchError, LevelConfig, run_attempt, run_level, wait_for_quiet
 from bench.targets import Dataset, Target, make_dataset, rows_from_list
 
 REPO = Path(__file__).resolve().parent.parent
@@ -141,6 +141,8 @@ def test_a_level_disturbed_by_another_process_is_repeated_and_flagged(dict_targe
         time.sleep(0.2)
         cfg = LevelConfig(1, 20, warmup=0.1, duration=0.4, requests=0, timeout=5, mode="thread")
         messages: list[str] = []
+        waited = wait_for_quiet([], 0.2, 1.2, messages.append)
+        assert waited >= 1.2 and "waiting up to" in messages.pop()
         level = run_level(target, data, cfg, max_other_load=0.2, max_repeats=1, log=messages.append)
     finally:
         hog.kill()
@@ -268,7 +270,8 @@ def test_ctrl_c_stops_every_server_it_started(tmp_path):
     proc = subprocess.Popen(
         [
             str(CUBE_BENCH), "--targets", "redis", "--threads", "1", "--keys", "2000",
-            "--duration", "60", "--warmup", "0.2", "--out", str(tmp_path / "out"),
+            "--duration", "60", "--warmup", "0.2", "--quiet_wait", "0",
+            "--out", str(tmp_path / "out"),
         ],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
@@ -305,7 +308,8 @@ def test_quick_run_of_cube_and_redis_writes_reports_and_stops_its_servers(tmp_pa
         [
             str(CUBE_BENCH), "--targets", "cube,redis", "--threads", "1,2", "--keys", "3000",
             "--batch", "200", "--duration", "0.6", "--warmup", "0.2", "--workers", "2",
-            "--max_repeats", "0", "--check_sample", "500", "--out", str(out),
+            "--max_repeats", "0", "--quiet_wait", "0", "--check_sample", "500",
+            "--out", str(out),
         ],
         capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
     )  # fmt: skip
