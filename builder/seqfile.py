@@ -646,8 +646,8 @@ def _strip_framing(
 
 def _column(buf: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> ValueColumn:
     """The byte ranges as one column. The ranges of a chunk are in file order and never
-    overlap, so a byte mask over their span selects them in one pass (a general gather would
-    build a 16-byte index per value byte)."""
+    overlap, so a byte mask over their span (alternating skip/take runs) selects them in one
+    pass; a general gather would build a 16-byte index per value byte."""
     count = starts.shape[0]
     offsets = np.zeros(count + 1, dtype=np.int64)
     np.cumsum(lens, out=offsets[1:])
@@ -656,13 +656,12 @@ def _column(buf: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> ValueColum
     ends = starts + lens
     if count > 1 and ((starts[1:] < ends[:-1]).any() or (lens < 0).any()):
         return ValueColumn.variable(*gather_ranges(buf, starts, lens)).compact()
-    filled = lens > 0
-    starts, ends = starts[filled], ends[filled]  # non-empty, in order: distinct starts and ends
     low, high = int(starts[0]), int(ends[-1])
-    edges = np.zeros(high - low + 1, dtype=np.int8)
-    edges[starts - low] += 1
-    edges[ends - low] -= 1  # a range may start where the one before ends: -1 then +1 there
-    inside = np.cumsum(edges[:-1], dtype=np.int8).view(np.bool_)
+    runs = np.empty(2 * count, dtype=np.int64)  # skip, take, skip, take, ...
+    runs[0] = 0
+    runs[2::2] = starts[1:] - ends[:-1]
+    runs[1::2] = lens
+    inside = np.repeat(np.tile(np.array([False, True]), count), runs)
     return ValueColumn.variable(buf[low:high][inside], offsets).compact()
 
 
