@@ -19,6 +19,7 @@ from transfer_helpers import FakeAgent, append_line, make_input, transfer_conf, 
 from transfer.config import parse_config
 from transfer.http_api import start_listeners
 from transfer.service import TransferService
+from transfer.state import Deployment
 
 B1, B2 = "1700000000", "1700000500"
 D1, D2 = f"{B1}_1700000100", f"{B1}_1700000200"
@@ -37,6 +38,7 @@ async def harness(
     listeners: bool = False,
     token: str = "",
     mode: str = "base_delta",
+    donefile_address: str = "",
 ) -> AsyncIterator[SimpleNamespace]:
     events: list[tuple[str, str, str]] = []  # (agent, command, version), in arrival order
     agents = [
@@ -49,7 +51,13 @@ async def harness(
     builder = write_fake_builder(tmp)
     wget_port = free_port()
     text = transfer_conf(
-        tmp, agents, wget_port=wget_port, builder=str(builder), extra=extra, mode=mode
+        tmp,
+        agents,
+        wget_port=wget_port,
+        builder=str(builder),
+        extra=extra,
+        mode=mode,
+        donefile_address=donefile_address,
     )
     (tmp / "transfer.conf").write_text(text)
     cfg = parse_config(text, "transfer.conf", tmp)
@@ -374,6 +382,11 @@ def test_http_api_shapes_rollback_and_meta(tmp_path):
                 assert resp.status == 400 and "never live here" in reply["message"]
             async with http.post(h.api + "/dict/rollback", data=b"nope") as resp:
                 assert resp.status == 400
+            h.service.state.deployment = Deployment(kind="deploy", version="x", phase="reload")
+            async with http.post(h.api + "/dict/rollback", json={"version": D1}) as resp:
+                reply = await resp.json()
+                assert resp.status == 409 and "busy: deploy of x (phase reload)" in reply["message"]
+            h.service.state.deployment = None
             async with http.get(h.api + "/no/such") as resp:
                 reply = await resp.json()
                 assert reply["success"] == "2" and "GET /dict/info" in reply["data"]["api_list"]
@@ -423,5 +436,130 @@ def test_base_only_mode_ignores_patches(tmp_path):
             await h.service.cycle()
             assert versions(h) == [B1]
             assert h.service.state.record(D1) is None
+
+    run(body())
+
+
+def _remote_tree(root: Path, version: str) -> None:
+    """What a trainer publishes on a file server: donefile/base.txt and the input directory."""
+    make_input(root, version)
+    (root / "input" / version / "part-00001").write_bytes(b"SEQ2")
+    (root / "input" / version / ".hidden").write_bytes(b"skip me")
+    append_line(root / "donefile", "base.txt", {"id": version, "key": version,
+                                                "input": f"/input/{version}"})  # fmt: skip
+
+
+def _mirrored_inputs(tmp: Path) -> list[str]:
+    return json.loads((tmp / "output" / "argv.log").read_text().splitlines()[-1])
+
+
+def test_donefile_and_input_over_http_are_mirrored(tmp_path):
+    from aiohttp import web
+
+    remote = tmp_path / "remote"
+    _remote_tree(remote, B1)
+
+    async def body():
+        app = web.Application()
+        app.router.add_static("/", remote, show_index=True)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            address = f"http://127.0.0.1:{port}/donefile"
+            async with harness(tmp_path, 1, 1, donefile_address=address) as h:
+                await h.service.cycle()
+                assert versions(h) == [B1]
+                argv = _mirrored_inputs(tmp_path)
+                mirror = argv[argv.index("-input_path") + 1]
+                assert mirror.startswith(str(tmp_path / "tmp" / "input"))
+                assert not Path(mirror).exists()  # removed after the build
+                # an unreachable donefile server is logged and retried, not fatal
+                await runner.cleanup()
+                await h.service.cycle()
+                assert h.service._donefile_errors
+        finally:
+            await runner.cleanup()
+
+    run(body())
+
+
+def test_donefile_and_input_over_ftp_are_mirrored(tmp_path):
+    from transfer.http_api import FtpFileServer
+
+    remote = tmp_path / "remote"
+    _remote_tree(remote, B1)
+    port = free_port()
+    ftp = FtpFileServer(str(remote), "127.0.0.1", port)
+    ftp.start()
+    try:
+
+        async def body():
+            address = f"ftp://127.0.0.1:{port}/donefile"
+            async with harness(tmp_path, 1, 2, donefile_address=address) as h:
+                await h.service.cycle()
+                assert versions(h) == [B1, B1]
+                rec = h.service.state.record(B1)
+                assert rec.input == f"/input/{B1}"
+
+        run(body())
+    finally:
+        ftp.stop()
+
+
+def test_ftp_file_server_is_read_only(tmp_path):
+    import ftplib
+    import io
+
+    (tmp_path / "v").mkdir()
+    (tmp_path / "v" / "d_part0.tar").write_bytes(b"tar bytes")
+    from transfer.http_api import FtpFileServer
+
+    port = free_port()
+    server = FtpFileServer(str(tmp_path), "127.0.0.1", port)
+    server.start()
+    try:
+        client = ftplib.FTP()
+        client.connect("127.0.0.1", port, timeout=10)
+        client.login()
+        data = io.BytesIO()
+        client.retrbinary("RETR /v/d_part0.tar", data.write)
+        assert data.getvalue() == b"tar bytes"
+        data = io.BytesIO()
+        client.retrbinary("RETR /v/d_part0.tar", data.write, rest=4)  # resumed download
+        assert data.getvalue() == b"bytes"
+        try:
+            client.storbinary("STOR /v/new", io.BytesIO(b"x"))
+            raise AssertionError("an upload was accepted")
+        except ftplib.error_perm:
+            pass
+        client.quit()
+    finally:
+        server.stop()
+    assert not (tmp_path / "v" / "new").exists()
+
+
+def test_a_restarted_transfer_stops_the_builder_its_predecessor_left(tmp_path):
+    import subprocess
+
+    import psutil
+
+    async def body():
+        async with harness(tmp_path, 1, 1) as h:
+            await h.service.close()
+            orphan = subprocess.Popen(["sleep", "60"], start_new_session=True)
+            created = psutil.Process(orphan.pid).create_time()
+            (tmp_path / "tmp" / "builder.pid").write_text(f"{orphan.pid} {created}\n")
+            await h.new_service()
+            orphan.wait(timeout=10)  # sleep 60 ends this soon only when killed
+            assert not (tmp_path / "tmp" / "builder.pid").exists()
+            # a pid file naming some other process (pid reused) kills nothing
+            bystander = subprocess.Popen(["sleep", "60"], start_new_session=True)
+            (tmp_path / "tmp" / "builder.pid").write_text(f"{bystander.pid} 12345.0\n")
+            await h.new_service()
+            assert bystander.poll() is None
+            bystander.kill()
+            bystander.wait()
 
     run(body())

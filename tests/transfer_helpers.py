@@ -165,6 +165,7 @@ def transfer_conf(
     builder: str,
     mode: str = "base_delta",
     extra: str = "",
+    donefile_address: str = "",
 ) -> str:
     """A transfer.conf for shard i / replica j served by `agents[i][j]` (a FakeAgent, or a tuple
     (agent_port, server_port, deploy_path))."""
@@ -175,7 +176,7 @@ def transfer_conf(
         "download_mode: http",
         f"wget_port: {wget_port}",
         f"buildtool_local: {builder}",
-        f"donefile_address: {tmp / 'donefile'}",
+        f"donefile_address: {donefile_address or tmp / 'donefile'}",
         f"output_address: {tmp / 'output'}",
         f"tmp_address: {tmp / 'tmp'}",
         f"shard_num: {len(agents)}",

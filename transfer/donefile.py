@@ -170,51 +170,53 @@ async def read_donefile(address: str, name: str, timeout: float = 30.0) -> str:
 
 
 def _filesystem(url: str):
-    import fsspec  # imported lazily: only remote donefiles need it
+    """An fsspec filesystem for `url` and the path to use with it (a fresh instance: nothing
+    cached between polls)."""
+    from fsspec.core import url_to_fs  # imported lazily: only remote donefiles need it
 
-    scheme = urlsplit(url).scheme
-    return fsspec.filesystem(scheme, skip_instance_cache=True)
+    return url_to_fs(url, skip_instance_cache=True)
 
 
 def _cat_url(url: str) -> bytes:
-    return _filesystem(url).cat_file(url)
+    fs, path = _filesystem(url)
+    return fs.cat_file(path)
 
 
 def mirror_input(source: str, dest: Path) -> list[str]:
     """Copy the files of the input directory `source` (a URL) into `dest` (replaced), through
     fsspec (HTTP directory index pages or FTP listings). Sub-directories and hidden files are
     skipped, as the builder would skip them. Returns the file names. Blocking: run in a thread."""
-    fs = _filesystem(source)
-    base = source.rstrip("/")
+    fs, base = _filesystem(source.rstrip("/"))
+    base = base.rstrip("/")
     try:
-        listing = fs.ls(base + "/", detail=True)
+        listing = fs.ls(base + "/" if "://" in base else base, detail=True)
     except FileNotFoundError as exc:
         raise SourceUnavailable(f"input {source}: not found") from exc
     except (OSError, ValueError, RuntimeError) as exc:
         raise SourceUnavailable(
             f"input {source}: cannot list: {type(exc).__name__}: {exc}"
         ) from exc
-    names = []
+    files: dict[str, str] = {}
     for item in listing:
-        full = str(item["name"]).rstrip("/")
-        name = full.rsplit("/", 1)[-1]
-        if item.get("type") == "directory" or str(item["name"]).endswith("/"):
+        full = str(item["name"])
+        name = full.rstrip("/").rsplit("/", 1)[-1]
+        if item.get("type") == "directory" or full.endswith("/"):
             continue
         if not name or name.startswith(".") or name in ("index.html", "index.htm"):
             continue
-        if not full.startswith(base + "/") and not full.startswith(urlsplit(base).path + "/"):
-            continue  # a link out of the directory (parent, absolute elsewhere)
-        names.append(name)
-    if not names:
+        if not full.startswith(base + "/"):
+            continue  # a link out of the directory (parent, elsewhere)
+        files[name] = full
+    if not files:
         raise SourceUnavailable(f"input {source}: no files")
     tmp = dest.with_name(dest.name + ".part")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for name in sorted(set(names)):
+    for name, full in sorted(files.items()):
         try:
-            fs.get_file(base + "/" + name, str(tmp / name))
+            fs.get_file(full, str(tmp / name))
         except (OSError, ValueError, RuntimeError) as exc:
-            raise SourceUnavailable(f"input {base}/{name}: {type(exc).__name__}: {exc}") from exc
+            raise SourceUnavailable(f"input {full}: {type(exc).__name__}: {exc}") from exc
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
-    return sorted(set(names))
+    return sorted(files)

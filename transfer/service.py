@@ -511,12 +511,16 @@ class TransferService:
         return f"; the {len(switched)} switched instances are back on {prev.version}"
 
     # -- rollback ----------------------------------------------------------------------------
-    async def rollback(self, version: str) -> VersionRecord:
+    async def rollback(self, version: str, lock_timeout: float = 30.0) -> VersionRecord:
         """Make `version` (an earlier live version, still on the agents' disks) live again."""
-        if self.lock.locked():
-            dep = self.state.deployment
-            raise Busy(f"busy: {dep.kind} of {dep.version}" if dep else "busy: reconciling")
-        async with self.lock:
+        dep = self.state.deployment
+        if dep is not None:
+            raise Busy(f"busy: {dep.kind} of {dep.version} (phase {dep.phase}); try again later")
+        try:  # the worker may hold the lock for a status round or a catch-up: wait a little
+            await asyncio.wait_for(self.lock.acquire(), timeout=lock_timeout)
+        except TimeoutError:
+            raise Busy(f"busy for more than {lock_timeout:g}s; try again later") from None
+        try:
             target = self.state.record(version)
             if target is None or target.status != "finished":
                 raise ValueError(f"version {version!r} was never live here; cannot roll back to it")
@@ -551,6 +555,8 @@ class TransferService:
             self.journal.event("rollback_start", version=version, prev=self.state.live_version)
             await self._resume_rollback(self.state.deployment)
             return rec
+        finally:
+            self.lock.release()
 
     async def _resume_rollback(self, dep: Deployment) -> None:
         rec = next(
