@@ -487,3 +487,18 @@ def test_deflate_codec_is_read_as_zlib(tmp_path: Path) -> None:
     path.write_bytes(renamed)
     assert read_header(path).codec.endswith("DeflateCodec")
     assert all_records(path) == ALICE_BOB
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in DATA.glob("*.seq")))
+def test_encode_header_reproduces_every_hadoop_header(name: str) -> None:
+    path = DATA / name
+    header = read_header(path)
+    encoded = encode_header(
+        header.key_class,
+        header.value_class,
+        header.compression,
+        header.codec,
+        header.metadata,
+        header.sync,
+    )
+    assert encoded == path.read_bytes()[: header.data_offset]
