@@ -326,10 +326,17 @@ class SeekResult:
     found: np.ndarray
     column: ValueColumn
     version: str | None
-    answered: np.ndarray = field(repr=False)
+    answered_mask: np.ndarray | None = field(default=None, repr=False)  # None: all answered
 
     def __len__(self) -> int:
         return int(self.keys.shape[0])
+
+    @property
+    def answered(self) -> np.ndarray:
+        """bool per key: False for keys of a shard that failed (partial results only)."""
+        if self.answered_mask is None:
+            return np.ones(len(self), dtype=bool)
+        return self.answered_mask
 
     @property
     def width(self) -> int:
@@ -370,9 +377,8 @@ def assemble(
     version = versions.pop() if len(versions) == 1 else None
     if not present:
         return _empty_result(keys)
-    if len(present) == len(pieces):
-        answered = np.ones(n, dtype=bool)
-    else:
+    answered = None  # all
+    if len(present) < len(pieces):
         answered = np.zeros(n, dtype=bool)
         for piece, _ in present:
             answered[piece.where] = True
@@ -383,13 +389,15 @@ def assemble(
     found = np.zeros(n, dtype=bool)
     for piece, answer in present:
         found[piece.where] = answer.found
-    # Pieces without hits fit any width (an empty shard answers width 0): only hits decide.
-    hit_widths = {a.column.width for _, a in present if a.found.any()}
-    widths = hit_widths or {a.column.width for _, a in present} - {0}
+    widths = {a.column.width for _, a in present}
+    if len(widths) > 1:
+        # Pieces without hits fit any width (an empty shard answers width 0): hits decide.
+        hit_widths = {a.column.width for _, a in present if a.found.any()}
+        widths = hit_widths or widths - {0}
     if len(widths) == 1 and (width := widths.pop()):
         # One void item per row: fancy indexing moves whole rows (3x faster than 2-D uint8).
         row = np.dtype((np.void, width))
-        rows = np.zeros(n, dtype=row)
+        rows = np.zeros(n * width, dtype=np.uint8).view(row)
         for piece, answer in present:
             column = answer.column
             if column.width == width:
