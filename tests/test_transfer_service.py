@@ -563,3 +563,14 @@ def test_a_restarted_transfer_stops_the_builder_its_predecessor_left(tmp_path):
             bystander.wait()
 
     run(body())
+
+
+def test_a_busy_agent_is_waited_for_without_spending_retries(tmp_path):
+    async def body():
+        async with harness(tmp_path, 1, 2, extra="retries: 0") as h:
+            h.flat[1].busy_until = asyncio.get_running_loop().time() + 1.5
+            base_line(h, B1)
+            await h.service.cycle()
+            assert versions(h) == [B1, B1]
+
+    run(body())

@@ -56,6 +56,7 @@ class FakeAgent:
     runner: web.AppRunner | None = None
     token: str = ""
     events: list[tuple[str, str, str]] | None = None  # shared (agent, command, version) log
+    busy_until: float = 0.0  # loop time until which every new command gets 409
 
     def envelope(self, data: Any, message: str = "", success: str = "0", status: int = 200):
         return web.json_response(
@@ -96,6 +97,8 @@ class FakeAgent:
             return self.envelope(task.to_json())
         if body.get("deploy_path") and body["deploy_path"] != self.deploy_path:
             return self.envelope(None, "deploy_path is not mine", "255", 400)
+        if asyncio.get_running_loop().time() < self.busy_until:
+            return self.envelope(None, "busy: another command runs", "255", 409)
         self.received.append(body)
         if self.events is not None:
             self.events.append((self.name, command, version))

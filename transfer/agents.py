@@ -26,7 +26,12 @@ class AgentUnreachable(Exception):
 
 
 class AgentRefused(Exception):
-    """The agent answered with an error envelope (bad request, unknown task, unauthorized)."""
+    """The agent answered with an error envelope (bad request, unknown task, unauthorized, or
+    409: busy with another command on that version or on its server)."""
+
+    def __init__(self, message: str, http_status: int = 0) -> None:
+        super().__init__(message)
+        self.http_status = http_status
 
 
 @dataclass
@@ -65,7 +70,8 @@ class AgentClient:
         if str(envelope.get("success")) != "0":
             raise AgentRefused(
                 f"agent {inst.agent_address}: {envelope.get('message') or 'error'} "
-                f"(success={envelope.get('success')}, HTTP {resp.status})"
+                f"(success={envelope.get('success')}, HTTP {resp.status})",
+                resp.status,
             )
         return envelope.get("data")
 
@@ -153,6 +159,9 @@ async def drive(
             last = str(exc)
             if submitted:  # the agent lost the task (restarted with no journal?): send it again
                 submitted = False
+                continue
+            if exc.http_status == 409:  # busy with another command: wait for it, no retry spent
+                await asyncio.sleep(min(1.0, max(remaining, 0.0)))
                 continue
             failures += 1
             if failures > retries:
