@@ -1,11 +1,13 @@
 """CubeClient: the blocking client. Drives the pure rounds (cube.client.policy) with gRPC's
 blocking API.
 
-How attempts run (measured on the 2-core box, see the module report in docs): a round with a
-single sub-request and no backup requests runs its attempt inline in the calling thread (no
-thread hop at all). Otherwise attempts run on the client's thread pool, the last one of a
-batch inline when backup requests are off; completions land in a per-call queue that the
-calling thread waits on until the next timer (backup request, retry backoff, deadline).
+How attempts run (chosen by measurement, bench/test_bench_sdk.py): gRPC's sync `future()`
+starts a polling thread per call, and a private asyncio loop thread adds two thread hops, so
+a round with a single sub-request and no backup requests runs its attempt inline in the
+calling thread (no thread hop at all). Otherwise attempts run on the client's thread pool,
+the last one of a batch inline when backup requests are off; completions land in a per-call
+queue that the calling thread waits on until the next timer (backup request, retry backoff,
+deadline).
 A blocking gRPC call cannot be cancelled, so a losing or abandoned attempt is left to finish
 on its pool thread (at most `timeout_ms`) and its answer is dropped; AsyncCubeClient cancels
 for real. Safe to share between threads (each call has its own queue and round).
