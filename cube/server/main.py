@@ -168,6 +168,9 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
     )
 
     loop = asyncio.get_running_loop()
+    stop = asyncio.Event()  # set by SIGTERM/SIGINT, even during the start-up load
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
     data_dir = Path(flags.data_dir)
     dirs = split_dirs(data_dir, flags.dict_split)
     options = LoadOptions(
@@ -283,9 +286,6 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
         slots.current.name if slots.current else "",
     )
 
-    stop = asyncio.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
     await stop.wait()
     log.info("stopping: draining in-flight calls for up to %.1f s", flags.grace)
     await health_servicer.enter_graceful_shutdown()
