@@ -529,13 +529,15 @@ class Cluster:
         return "\n".join(lines)
 
     def wait_version(self, version: str, timeout: float, poll: float = 0.3) -> float:
-        """Block until every replica's server serves `version`; seconds waited. LocalError on
-        timeout, or at once when the transfer reports the version failed."""
+        """Block until every replica's server serves `version` and the transfer reports it
+        live; seconds waited. LocalError on timeout, or at once when the transfer reports the
+        version failed."""
         started = time.monotonic()
         deadline = started + timeout
         while True:
             rows = self.instance_rows()
-            if rows and all(r["version"] == version for r in rows):
+            everywhere = bool(rows) and all(r["version"] == version for r in rows)
+            if everywhere and self.transfer_info().get("live_version") == version:
                 return time.monotonic() - started
             for rec in self.history():
                 if rec.get("version") == version and rec.get("status_str") in ("failed", "refused"):
