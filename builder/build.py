@@ -250,7 +250,6 @@ class ReadTask:
     partitioner: str
     key_format: str
     batch_bytes: int
-    buffer_bytes: int
 
 
 @dataclass(frozen=True)
@@ -274,7 +273,7 @@ def read_and_spill(task: ReadTask, on_bytes: Callable[[int], None] | None = None
     from builder.seqfile import SequenceFileReader
 
     report = on_bytes or _report_progress
-    spiller = Spiller(Path(task.spill_dir), task.shard_num, task.partitioner, task.buffer_bytes)
+    spiller = Spiller(Path(task.spill_dir), task.shard_num, task.partitioner)
     formats: dict[str, None] = {}
     records = 0
     for path in task.files:
@@ -560,7 +559,8 @@ def _read_all(
     sizes = [f.stat().st_size for f in files]
     runs = split_runs(sizes, pool.workers)
     budget = (config.memory_mb << 20) // max(1, len(runs))
-    batch_bytes = max(1 << 20, min(_MAX_BATCH_BYTES, budget // 8))
+    # a reader holds about 4 batches: input chunk, parsed keys/values, grouped copy, slack
+    batch_bytes = max(1 << 20, min(_MAX_BATCH_BYTES, budget // 4))
     tasks = []
     for number, (lo, hi) in enumerate(runs):
         directory = spill / f"reader{number}"
@@ -572,7 +572,6 @@ def _read_all(
                 partitioner=config.partitioner,
                 key_format=config.key_format,
                 batch_bytes=batch_bytes,
-                buffer_bytes=max(1 << 20, budget // 2),
             )
         )
     progress.start_reading(sum(sizes))

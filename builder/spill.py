@@ -6,8 +6,8 @@ appended, in record order, to three raw files per shard:
 - `<shard>.values`: the value bytes back to back;
 - `<shard>.lengths`: uint32 value lengths, only once a shard has seen values of different widths
   (fixed-width shards, the embedding case, need no lengths at all).
-Appends are buffered in memory up to a budget and written in large sequential writes. A shard
-is then finished from an mmap of its files (`open_spill`): only its keys and table need RAM.
+A shard is then finished from an mmap of its files (`open_spill`): only its keys and table
+need RAM.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -46,71 +47,59 @@ class SpillPart:
 
 
 class ShardSpill:
-    """Buffered, append-only spill of one shard's records."""
+    """Append-only spill of one shard's records, written through to its files."""
 
-    def __init__(self, directory: Path, shard: int) -> None:
+    def __init__(self, directory: Path, shard: int, keep_open: bool = True) -> None:
         self.directory = directory
         self.shard = shard
+        self.keep_open = keep_open
         self.count = 0
         self.value_bytes = 0
         self.width: int | None = None  # None until the first value; 0 once widths vary
-        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = []
-        self.pending_bytes = 0
-        self._flushed_count = 0  # records already on disk
+        self._files: dict[str, Any] = {}
 
     def append(self, keys: np.ndarray, values: ValueColumn) -> None:
-        """Queue records (keys uint64, values in the same order); written by `flush`."""
+        """Append records (keys uint64, values in the same order)."""
         n = int(keys.shape[0])
         if n == 0:
             return
         values = values.compact()
         if self.width is None:
             self.width = values.width
-        lengths = None
         if self.width and values.width != self.width:
-            self._switch_to_lengths()
+            # widths differ from now on: the records so far get their (equal) lengths
+            self._write_lengths_of_fixed(self.count, self.width)
+            self.width = 0
         if self.width == 0:
             lengths = values.lengths()
-            if lengths.shape[0] and int(lengths.max()) > _MAX_VALUE_LENGTH:
+            if int(lengths.max()) > _MAX_VALUE_LENGTH:
                 raise ValueError(f"a value of {int(lengths.max())} bytes is too long to spill")
-            lengths = lengths.astype(_LENGTH_DTYPE)
+            self._write("lengths", lengths.astype(_LENGTH_DTYPE))
+        self._write("keys", keys.astype("<u8", copy=False))
         blob = _value_bytes(values)
-        self._pending.append((keys.astype("<u8", copy=False), blob, lengths))
+        if blob.shape[0]:
+            self._write("values", blob)
         self.count += n
         self.value_bytes += int(blob.shape[0])
-        self.pending_bytes += keys.nbytes + blob.nbytes + (0 if lengths is None else lengths.nbytes)
+        if not self.keep_open:
+            self.close()
 
-    def _switch_to_lengths(self) -> None:
-        """Widths differ from now on: record the lengths of everything seen so far."""
-        width = int(self.width or 0)
-        self.width = 0
-        queued = self._pending
-        self._pending = []
-        on_disk = self._flushed_count
-        if on_disk:
-            with open(self.part().path("lengths"), "ab") as out:
-                for start in range(0, on_disk, 1 << 22):
-                    step = min(1 << 22, on_disk - start)
-                    out.write(np.full(step, width, dtype=_LENGTH_DTYPE).data)
-        for keys, blob, _none in queued:
-            lengths = np.full(keys.shape[0], width, dtype=_LENGTH_DTYPE)
-            self._pending.append((keys, blob, lengths))
-            self.pending_bytes += lengths.nbytes
+    def _write_lengths_of_fixed(self, count: int, width: int) -> None:
+        for start in range(0, count, 1 << 22):
+            self._write("lengths", np.full(min(1 << 22, count - start), width, _LENGTH_DTYPE))
 
-    def flush(self) -> None:
-        """Append the queued records to the shard's files."""
-        if not self._pending:
-            return
-        for column, kind in enumerate(SPILL_KINDS):
-            chunks = [entry[column] for entry in self._pending if entry[column] is not None]
-            if not chunks or (kind == "values" and not any(c.shape[0] for c in chunks)):
-                continue
-            with open(self.part().path(kind), "ab", buffering=0) as out:
-                for chunk in chunks:
-                    _write_all(out, chunk)
-        self._flushed_count = self.count
-        self._pending = []
-        self.pending_bytes = 0
+    def _write(self, kind: str, array: np.ndarray) -> None:
+        out = self._files.get(kind)
+        if out is None:
+            out = self._files[kind] = open(self.part().path(kind), "ab", buffering=0)  # noqa: SIM115
+        view = memoryview(np.ascontiguousarray(array)).cast("B")
+        while view:
+            view = view[out.write(view) :]
+
+    def close(self) -> None:
+        for out in self._files.values():
+            out.close()
+        self._files = {}
 
     def part(self) -> SpillPart:
         return SpillPart(
@@ -125,59 +114,57 @@ def _value_bytes(values: ValueColumn) -> np.ndarray:
     return values.blob[int(values.offsets[0]) : int(values.offsets[-1])]
 
 
-def _write_all(out, array: np.ndarray) -> None:
-    view = memoryview(np.ascontiguousarray(array)).cast("B")
-    while view:
-        written = out.write(view)
-        view = view[written:]
-
-
 class Spiller:
-    """Routes record batches to per-shard spills under one memory budget."""
+    """Routes record batches to per-shard spills. Each batch is grouped by shard into buffers
+    that are reused from batch to batch (no fresh, page-faulting memory per batch) and written
+    straight through, so memory stays at about one batch."""
 
     def __init__(
-        self, directory: Path, shard_num: int, partitioner: str, buffer_bytes: int
+        self, directory: Path, shard_num: int, partitioner: str, max_open_shards: int = 256
     ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.shard_num = shard_num
         self.partitioner = partitioner
-        self.buffer_bytes = buffer_bytes
-        self.shards = [ShardSpill(self.directory, s) for s in range(shard_num)]
-        self._pending_bytes = 0
+        keep_open = shard_num <= max_open_shards  # else open and close per append (fd limits)
+        self.shards = [ShardSpill(self.directory, s, keep_open) for s in range(shard_num)]
+        self._scratch: dict[str, np.ndarray] = {}
 
     def add(self, keys: np.ndarray, values: ValueColumn) -> None:
         """Route one batch; records keep their order within each shard."""
-        if keys.shape[0] != values.count:
-            raise ValueError(f"{keys.shape[0]} keys for {values.count} values")
-        if keys.shape[0] == 0:
+        n = int(keys.shape[0])
+        if n != values.count:
+            raise ValueError(f"{n} keys for {values.count} values")
+        if n == 0:
             return
         if self.shard_num == 1:
-            self._append(0, keys, values)
+            self.shards[0].append(keys, values)
+            return
+        owners = shard_of(keys, self.shard_num, self.partitioner)
+        order, bounds = group_positions(owners, self.shard_num)
+        keys = np.take(keys, order, out=self._buffer("keys", n, np.dtype(np.uint64)))
+        if values.width:
+            items = values.blob[: n * values.width].view(f"V{values.width}")
+            out = self._buffer("values", n, items.dtype)
+            values = ValueColumn.fixed(np.take(items, order, out=out).view(np.uint8), values.width)
         else:
-            owners = shard_of(keys, self.shard_num, self.partitioner)
-            order, bounds = group_positions(owners, self.shard_num)
-            keys = keys.take(order)
-            values = take_values(values, order)
-            for shard in np.flatnonzero(np.diff(bounds)).tolist():
-                lo, hi = int(bounds[shard]), int(bounds[shard + 1])
-                self._append(shard, keys[lo:hi], slice_values(values, lo, hi))
-        if self._pending_bytes >= self.buffer_bytes:
-            self.flush()
+            values = values.take(order)
+        for shard in np.flatnonzero(np.diff(bounds)).tolist():
+            lo, hi = int(bounds[shard]), int(bounds[shard + 1])
+            self.shards[shard].append(keys[lo:hi], slice_values(values, lo, hi))
 
-    def _append(self, shard: int, keys: np.ndarray, values: ValueColumn) -> None:
-        spill = self.shards[shard]
-        before = spill.pending_bytes
-        spill.append(keys, values)
-        self._pending_bytes += spill.pending_bytes - before
-
-    def flush(self) -> None:
-        for spill in self.shards:
-            spill.flush()
-        self._pending_bytes = 0
+    def _buffer(self, name: str, count: int, dtype: np.dtype) -> np.ndarray:
+        """`count` items of `dtype` in a scratch buffer kept across batches."""
+        need = count * dtype.itemsize
+        scratch = self._scratch.get(name)
+        if scratch is None or scratch.shape[0] < need:
+            scratch = self._scratch[name] = np.empty(need + need // 4, dtype=np.uint8)
+        return scratch[:need].view(dtype)
 
     def finish(self) -> list[SpillPart]:
-        self.flush()
+        for spill in self.shards:
+            spill.close()
+        self._scratch = {}
         return [spill.part() for spill in self.shards]
 
 
@@ -192,14 +179,6 @@ def group_positions(owners: np.ndarray, owner_count: int) -> tuple[np.ndarray, n
     bounds = np.zeros(owner_count + 1, dtype=np.int64)
     np.cumsum(np.bincount(owners, minlength=owner_count), out=bounds[1:])
     return order, bounds
-
-
-def take_values(values: ValueColumn, rows: np.ndarray) -> ValueColumn:
-    """`values.take(rows)`, with fixed widths gathered as one item per value (faster)."""
-    if values.width:
-        items = values.blob[: values.count * values.width].view(f"V{values.width}")
-        return ValueColumn.fixed(items.take(rows).view(np.uint8), values.width)
-    return values.take(rows)
 
 
 def slice_values(values: ValueColumn, lo: int, hi: int) -> ValueColumn:

@@ -298,6 +298,22 @@ def test_tar_md5_and_meta_info(tmp_path):
         assert meta["shard"] == index and meta["version"] == str(BASE)
 
 
+def test_genuine_byteswritable_input_is_detected(tmp_path):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    keys = [3, 2**64 - 1, 70000]
+    with SequenceFileWriter(inputs / "p", dialect="byteswritable") as writer:
+        for key in keys:
+            writer.write(key, value_of(key))
+    output = tmp_path / "out"
+    done = run_builder(*build_args(inputs, output, 1))
+    assert done.returncode == 0, done.stderr
+    (shard,) = open_shards(output / f"{BASE}_{BASE}", 1)
+    assert shard_contents(shard) == {k: value_of(k) for k in keys}
+    meta = json.loads((output / "meta_info" / f"{BASE}_{BASE}_0_0.json").read_text())
+    assert meta["key_format"] == shard.meta["key_format"] == "bytes_be"
+
+
 def test_only_build_uses_the_current_time(tmp_path):
     inputs = tmp_path / "in"
     write_seqfile(inputs / "p", [1, 2], [b"a", b"b"])

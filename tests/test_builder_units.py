@@ -136,9 +136,9 @@ def read_back(part) -> list[tuple[int, bytes]]:
         return list(zip(keys.tolist(), values.to_list(), strict=True))
 
 
-@pytest.mark.parametrize("buffer_bytes", [1, 1 << 20])
-def test_spiller_keeps_order_and_switches_to_lengths(tmp_path, buffer_bytes):
-    spiller = Spiller(tmp_path, 2, "mod", buffer_bytes)
+@pytest.mark.parametrize("max_open_shards", [0, 256])
+def test_spiller_keeps_order_and_switches_to_lengths(tmp_path, max_open_shards):
+    spiller = Spiller(tmp_path, 2, "mod", max_open_shards)
     spiller.add(np.array([0, 1, 2, 3], np.uint64), fixed([b"aa", b"bb", b"cc", b"dd"]))
     spiller.add(np.array([4, 6], np.uint64), fixed([b"eeee", b"gggg"]))  # width changes
     spiller.add(np.array([8, 9], np.uint64), ValueColumn.from_list([b"", b"x" * 1000]))
@@ -149,7 +149,7 @@ def test_spiller_keeps_order_and_switches_to_lengths(tmp_path, buffer_bytes):
 
 
 def test_spiller_fixed_width_needs_no_lengths(tmp_path):
-    spiller = Spiller(tmp_path, 3, "murmur3", 1)
+    spiller = Spiller(tmp_path, 3, "murmur3")
     keys = np.arange(300, dtype=np.uint64)
     for start in range(0, 300, 50):
         blob = np.repeat(keys[start : start + 50].astype(np.uint8), 5)
@@ -172,7 +172,7 @@ def test_merge_parts_in_reader_order(tmp_path):
         [(18, b"r3"), (20, b"r3-long")],  # variable
     ]
     for number, records in enumerate(contents):
-        spiller = Spiller(tmp_path / f"r{number}", 1, "mod", 1 << 20)
+        spiller = Spiller(tmp_path / f"r{number}", 1, "mod")
         if records:
             keys = np.array([k for k, _ in records], np.uint64)
             spiller.add(keys, ValueColumn.from_list([v for _, v in records]))
@@ -189,7 +189,7 @@ def test_merge_parts_in_reader_order(tmp_path):
 def test_merge_parts_fixed_stays_fixed(tmp_path):
     parts = []
     for number in range(3):
-        spiller = Spiller(tmp_path / f"r{number}", 1, "mod", 1 << 20)
+        spiller = Spiller(tmp_path / f"r{number}", 1, "mod")
         keys = np.arange(number * 10, number * 10 + 10, dtype=np.uint64)
         spiller.add(keys, ValueColumn.fixed(np.full(30, number, np.uint8), 3))
         parts.append(spiller.finish()[0])
