@@ -73,7 +73,7 @@ def home_buckets(hashes: np.ndarray, bucket_count: int) -> np.ndarray:
     high = hashes >> _SHIFT32
     high *= np.uint64(bucket_count)
     high >>= _SHIFT32
-    return high.astype(np.int64)
+    return high.view(np.int64)  # < 2**32: the same numbers, no copy
 
 
 def _choose_empty_key(sorted_hashes: np.ndarray) -> int:
@@ -153,22 +153,34 @@ def build_table(
 
     n = int(winners.shape[0])
     bucket_count = bucket_count_for(n, load_factor)
-    homes = home_buckets(sorted_hashes, bucket_count) * WINDOW
+    # In-place steps where possible: at 10M keys every temporary is 80 MB of fresh memory.
+    homes = home_buckets(sorted_hashes, bucket_count)
+    homes *= WINDOW
     ranks = np.arange(n, dtype=np.int64)
-    positions = np.maximum.accumulate(homes - ranks) + ranks if n else homes
-    max_probe = int((positions // WINDOW - homes // WINDOW).max()) if n else 0
+    positions = homes - ranks
+    np.maximum.accumulate(positions, out=positions)
+    positions += ranks
+    del ranks
+    # homes are bucket starts, so (position - home) // WINDOW is the bucket displacement
+    max_probe = int((positions - homes).max()) // WINDOW if n else 0
+    del homes
     used_buckets = max(bucket_count, int(positions[-1]) // WINDOW + 1 if n else 0)
     slot_count = (used_buckets + 1) * WINDOW  # + one empty padding bucket
 
     empty_key = _choose_empty_key(sorted_hashes)
     slot_keys = np.full(slot_count, empty_key, dtype=np.uint64)
     slot_keys[positions] = keys[winners]
-    rows = np.cumsum(~is_tombstone, dtype=np.int64) - 1
     slot_rows = np.zeros(slot_count, dtype=np.uint32)
-    slot_rows[positions] = np.where(is_tombstone, TOMBSTONE, rows).astype(np.uint32)
+    if n == live_count:  # no tombstones: rows are the slot order
+        slot_rows[positions] = np.arange(n, dtype=np.uint32)
+        live_order = winners
+    else:
+        rows = np.cumsum(~is_tombstone, dtype=np.int64) - 1
+        slot_rows[positions] = np.where(is_tombstone, TOMBSTONE, rows).astype(np.uint32)
+        live_order = winners[~is_tombstone]
 
     table = HashTable(slot_keys, slot_rows, bucket_count, empty_key, max_probe)
-    return BuiltTable(table, winners[~is_tombstone], n - live_count)
+    return BuiltTable(table, live_order, n - live_count)
 
 
 # Multiplying a one-hot 8-byte mask (byte j set) by this puts j in the top byte.
