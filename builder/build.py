@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
+import mmap
 import os
 import shutil
 import stat
@@ -348,49 +349,58 @@ def finish_shard(task: FinishTask, on_bytes: Callable[[int], None] | None = None
     )
 
 
-class _HashingWriter:
-    """A write-only file object that feeds everything written to md5 on the way out."""
-
-    def __init__(self, raw: Any) -> None:
-        self.raw = raw
-        self.md5 = hashlib.md5()
-        self.size = 0
-
-    def write(self, data: bytes | memoryview) -> int:
-        self.md5.update(data)
-        self.raw.write(data)
-        self.size += len(data)
-        return len(data)
-
-    def tell(self) -> int:
-        return self.size
-
-
 def write_tar(tar_path: Path, directory: Path, members: Sequence[str]) -> tuple[int, str]:
-    """Plain tar of `directory`'s `members` as `./<name>`, md5 computed while writing (the
-    files are read once). Written under a temp name, renamed when complete. Returns
+    """Plain tar (tarfile's headers) of `directory`'s `members` as `./<name>`, with its md5
+    computed in the same pass: each file is mapped and every byte goes to md5 and the tar
+    once (no read copies). Written under a temp name, renamed when complete. Returns
     (size, md5 hex)."""
     tmp = tar_path.with_name(f".{tar_path.name}.tmp-{os.getpid()}")
+    md5 = hashlib.md5()
+    size = 0
     mtime = int(time.time())
     try:
-        with open(tmp, "wb") as raw:
-            out = _HashingWriter(raw)
-            with tarfile.open(fileobj=out, mode="w", copybufsize=_COPY_CHUNK) as tar:  # type: ignore[call-overload]
-                for name in members:
-                    path = directory / name
+        with open(tmp, "wb", buffering=0) as out:
+
+            def emit(data: bytes | memoryview) -> None:
+                nonlocal size
+                md5.update(data)
+                view = memoryview(data)
+                while view:
+                    view = view[out.write(view) :]
+                size += len(data)
+
+            for name in members:
+                path = directory / name
+                with open(path, "rb") as source:
                     info = tarfile.TarInfo(f"./{name}")
-                    info.size = path.stat().st_size
+                    info.size = os.fstat(source.fileno()).st_size
                     info.mtime = mtime
                     info.mode = 0o644
-                    with open(path, "rb") as source:
-                        tar.addfile(info, source)
-            raw.flush()
-            os.fsync(raw.fileno())
+                    emit(info.tobuf(tarfile.DEFAULT_FORMAT, "utf-8", "surrogateescape"))
+                    if info.size:
+                        _emit_mapped(source, info.size, emit)
+                if info.size % tarfile.BLOCKSIZE:
+                    emit(bytes(tarfile.BLOCKSIZE - info.size % tarfile.BLOCKSIZE))
+            end = 2 * tarfile.BLOCKSIZE  # two zero blocks, then zeros to a whole record
+            end += -(size + end) % tarfile.RECORDSIZE
+            emit(bytes(end))
+            os.fsync(out.fileno())
         os.replace(tmp, tar_path)
     finally:
         if tmp.exists():
             tmp.unlink()
-    return out.size, out.md5.hexdigest()
+    return size, md5.hexdigest()
+
+
+def _emit_mapped(source: Any, length: int, emit: Callable[[memoryview], None]) -> None:
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    mapped = mmap.mmap(source.fileno(), length, flags=flags, prot=mmap.PROT_READ)
+    try:
+        with memoryview(mapped) as view:
+            for start in range(0, length, _COPY_CHUNK):
+                emit(view[start : start + _COPY_CHUNK])
+    finally:
+        mapped.close()
 
 
 def write_md5_file(tar_path: Path, md5: str) -> Path:
