@@ -84,6 +84,8 @@ def test_config_defaults_quorum_to_all_replicas(tmp_path):
     cfg = parse_config(CONF.replace("quorum: 1\n", ""), "t.conf", tmp_path)
     assert cfg.quorum == 2
     assert cfg.retries == 3 and cfg.partitioner == "mod" and cfg.listen == "127.0.0.1"
+    other = parse_config(CONF.replace("transfer_address: 127.0.0.1", "transfer_address: 10.0.0.7"))
+    assert other.listen == "10.0.0.7"  # agents reach the file server there
 
 
 def test_render_config_round_trips(tmp_path):

@@ -68,7 +68,7 @@ class TransferConfig:
     transfer_address: str
     instances: tuple[Instance, ...]
     # ours (all optional in the file)
-    listen: str = "127.0.0.1"
+    listen: str = "127.0.0.1"  # bind address of the API and file server (default: transfer_address)
     quorum: int = 0  # replicas per shard that must have loaded before any shard switches
     download_timeout: float = 600.0
     reload_timeout: float = 600.0
@@ -225,7 +225,7 @@ def parse_config(
         instances=tuple(
             _parse_instances(sections.get("cube_agent", {}), shard_num, copy_num, source)
         ),
-        listen=text_of("listen", "127.0.0.1"),
+        listen=text_of("listen", transfer_address),
         quorum=quorum,
         download_timeout=float_of("download_timeout", phase_timeout),
         reload_timeout=float_of("reload_timeout", phase_timeout),
