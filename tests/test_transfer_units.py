@@ -427,3 +427,23 @@ def test_builder_argv_is_a_list_without_a_shell():
     )
     assert argv[argv.index("-input_path") + 1] == "/in; rm -rf /"
     assert argv[-2:] == ["-delete_path", "/del"] and "-quiet" in argv
+
+
+def test_cube_transfer_cli_rejects_bad_configs(tmp_path):
+    import subprocess
+    import sys
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "transfer.main", *args],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+
+    missing = cli("--config", str(tmp_path / "nope.conf"))
+    assert missing.returncode == 2 and "nope.conf: cannot read" in missing.stderr
+    bad = tmp_path / "bad.conf"
+    bad.write_text(CONF.replace("shard_num: 2", "shard_num: two"))
+    result = cli("-p", "0", "--config", str(bad))
+    assert result.returncode == 2 and "bad.conf:11: shard_num" in result.stderr
+    assert cli("--no_such_flag", "1").returncode == 2
+    assert "--poll_interval" in cli("--help").stdout
