@@ -470,3 +470,31 @@ def test_kill9_transfer_mid_deploy_resumes_without_losing_the_chain(ctx):
     third = new_patch(ctx, base, changed=5)
     assert ctx.cluster.transfer_info()["live_chain"] == [base, first, second, third]
     check_served(ctx, third)
+
+
+def test_quorum_one_rolls_out_past_a_dead_replica_which_catches_up_on_return(ctx):
+    before = ensure_base(ctx)
+    conf = ctx.cluster.dir / "transfer.conf"
+    original_conf = conf.read_text()
+    transfer = ctx.cluster.proc("transfer")
+    original_argv = list(transfer.argv)
+    conf.write_text(original_conf.replace("quorum: 2", "quorum: 1"))
+    transfer.argv = [*original_argv, "--dead_timeout", "3"]
+    ctx.cluster.restart("transfer")
+    try:
+        kill9(ctx, "agent0_1")
+        version = new_base(ctx, wait=False)
+        wait_for(lambda: live(ctx) == version, "the version to go live without agent0_1")
+        rows = {r["instance"]: r["version"] for r in ctx.cluster.instance_rows()}
+        assert rows["0_0"] == rows["1_0"] == rows["1_1"] == version
+        assert ctx.cluster.proc("server0_1").process() is not None  # its server still serves
+        ctx.cluster.restart("agent0_1")
+        ctx.cluster.wait_version(version, WAIT)  # the reconciler brought it up to date
+        check_served(ctx, version)
+        assert before != version
+    finally:
+        conf.write_text(original_conf)
+        transfer.argv = original_argv
+        if ctx.cluster.proc("agent0_1").process() is None:
+            ctx.cluster.restart("agent0_1")
+        ctx.cluster.restart("transfer")
