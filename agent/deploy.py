@@ -31,11 +31,8 @@ from agent.layout import (
     TMP_PREFIX,
     BadRequest,
     Layout,
-    atomic_write_json,
-    atomic_write_text,
     chain_text,
     check_name,
-    fsync_dir,
     placed_versions,
     plan_retention,
     read_chain,
@@ -45,6 +42,7 @@ from agent.layout import (
 from agent.tasks import Task, TaskFailed, TaskManager
 from agent.unpack import UnsafeTar, extract_shard_tar
 from agent.work import SERVER_COMMANDS, Work
+from cube.fsutil import atomic_write_json, atomic_write_text, fsync_dir
 
 log = logging.getLogger("cube.agent")
 DONE_MARKER = ".download_done"

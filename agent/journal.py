@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from agent.layout import atomic_write_json
+from cube.fsutil import atomic_write_json
 
 log = logging.getLogger("cube.agent")
 

@@ -10,13 +10,13 @@ file helpers write through a temp name and rename so a reader never sees half a 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from cube.fsutil import atomic_write_text
 
 VERSION_FILE = "VERSION"
 CHAIN_FILE = "CHAIN"
@@ -90,30 +90,6 @@ class Layout:
     def create(self) -> None:
         for path in (self.data_dir, self.state_dir, self.downloads_dir):
             path.mkdir(parents=True, exist_ok=True)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or create inside `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` via a temp file, fsync and rename: old or new, never half."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
 def read_version_file(layout: Layout) -> str:

@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from cube.fsutil import atomic_write_bytes
 from transfer.state import TransferState, now
 
 STATE_FILE = "transfer_state.json"
@@ -29,24 +30,6 @@ log = logging.getLogger("cube.transfer.journal")
 
 class JournalError(RuntimeError):
     """A state file that exists but cannot be used (the message names it)."""
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 class Journal:
@@ -81,7 +64,7 @@ class Journal:
 
     def save(self, state: TransferState) -> None:
         data = json.dumps(state.to_json(), indent=1, sort_keys=True).encode() + b"\n"
-        atomic_write(self.state_path, data)
+        atomic_write_bytes(self.state_path, data)
 
     def event(self, kind: str, **fields: Any) -> None:
         """Append one event line (best effort: a full disk must not stop a rollout midway)."""
