@@ -38,8 +38,12 @@ test: $(STAMP) debs
 demo: $(STAMP)
 	$(BIN)/cube-demo
 
+# Microbenchmarks, then Cube against Redis and memcached on the seed's workload
+# (about 6 minutes on 2 cores; run on an otherwise idle machine).
 bench: $(STAMP) debs
 	$(BIN)/pytest bench -q --benchmark-enable --benchmark-only --benchmark-columns=min,median,mean,max,rounds
+	$(BIN)/cube-bench --targets cube,redis,memcached --threads 1,4,8,16,24,32 --batch 1000 \
+	    --keys 1000000 --value_size 40 --workers 2 --out bench/results/latest
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
