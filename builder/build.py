@@ -17,11 +17,14 @@ one shard's keys and table per worker process (values stay on an mmap of the spi
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import itertools
 import mmap
+import multiprocessing
 import os
 import shutil
+import signal
 import stat
 import tarfile
 import tempfile
@@ -298,11 +301,28 @@ def read_and_spill(task: ReadTask, on_bytes: Callable[[int], None] | None = None
 
 # Progress from worker processes: a shared byte counter set up by the pool initializer.
 _progress_counter: Any = None
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+_PR_SET_PDEATHSIG = 1
 
 
-def _init_worker(counter: Any) -> None:
+def _init_worker(counter: Any, parent: int) -> None:
     global _progress_counter
     _progress_counter = counter
+    # The parent decides what a signal means (abort_active_builds); a forked worker must not
+    # run the parent's handler, nor clean up the parent's directories.
+    _active_workspaces.clear()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked while forking us
+    _die_with_parent(parent)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: get SIGKILL when the parent exits, however it exits (no orphaned workers)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it exited before prctl took effect
+        os._exit(1)
 
 
 def _report_progress(count: int) -> None:
@@ -427,7 +447,7 @@ class Progress:
     close: Callable[[], None] = lambda: None
 
 
-@dataclass
+@dataclass(eq=False)
 class _Workspace:
     """Staging and spill directories of one build; removed unless published."""
 
@@ -438,32 +458,36 @@ class _Workspace:
 
     def __post_init__(self) -> None:
         output = self.config.output_path
-        self.target = output / self.config.version_dir_name
+        name = self.config.version_dir_name
+        self.target = output / name
         if os.path.lexists(self.target):
             raise BuildError(f"{self.target} already exists; refusing to overwrite it")
+        self.staging = output / f".tmp-{name}-{os.getpid()}"
+        self.spill = self.staging / ".spill"
+        _active_workspaces.append(self)  # before anything exists: a signal may come any time
         try:
             output.mkdir(parents=True, exist_ok=True)
-            self.staging = output / f".tmp-{self.config.version_dir_name}-{os.getpid()}"
             self.staging.mkdir()
             if self.config.tmp_dir is None:
-                self.spill = self.staging / ".spill"
                 self.spill.mkdir()
             else:
                 self.config.tmp_dir.mkdir(parents=True, exist_ok=True)
                 self.spill = Path(
-                    tempfile.mkdtemp(
-                        prefix=f"cube-spill-{self.config.version_dir_name}-",
-                        dir=self.config.tmp_dir,
-                    )
+                    tempfile.mkdtemp(prefix=f"cube-spill-{name}-", dir=self.config.tmp_dir)
                 )
         except OSError as exc:
-            self.discard()
+            self.close()
             raise BuildError(f"cannot create the build directories: {exc}") from None
 
+    def close(self) -> None:
+        """Forget this workspace (after publishing); discards what is left of it."""
+        self.discard()
+        if self in _active_workspaces:
+            _active_workspaces.remove(self)
+
     def discard(self) -> None:
-        for path in (getattr(self, "spill", None), getattr(self, "staging", None)):
-            if path is not None:
-                shutil.rmtree(path, ignore_errors=True)
+        for path in (self.spill, self.staging):
+            shutil.rmtree(path, ignore_errors=True)
 
     def publish(self) -> Path:
         shutil.rmtree(self.spill, ignore_errors=True)
@@ -472,6 +496,22 @@ class _Workspace:
         os.rename(self.staging, self.target)
         _fsync_directory(self.target.parent)
         return self.target
+
+
+_active_workspaces: list[_Workspace] = []
+
+
+def abort_active_builds() -> None:
+    """For a signal handler, which then exits at once with os._exit: kill this process's worker
+    processes and remove the staging and spill directories of builds in progress. (Unwinding a
+    build by raising from a signal handler can deadlock inside the process pool's locks.)"""
+    children = multiprocessing.active_children()
+    for child in children:
+        child.kill()
+    for child in children:
+        child.join(timeout=10)
+    for workspace in list(_active_workspaces):
+        workspace.discard()
 
 
 def _fsync_directory(path: Path) -> None:
@@ -524,8 +564,9 @@ def build(
         version_dir = workspace.publish()
     except BaseException:
         progress.close()
-        workspace.discard()
         raise
+    finally:
+        workspace.close()
     common = {
         "dict_name": config.dict_name,
         "version": config.served_version,
@@ -637,8 +678,6 @@ class _Pool:
 
     def _start(self) -> ProcessPoolExecutor:
         if self._executor is None:
-            import multiprocessing
-
             # fork is cheap and safe while this process runs no other thread
             method = "fork" if threading.active_count() == 1 else "forkserver"
             context = multiprocessing.get_context(method)
@@ -647,7 +686,7 @@ class _Pool:
                 self.workers,
                 mp_context=context,
                 initializer=_init_worker,
-                initargs=(self._counter,),
+                initargs=(self._counter, os.getpid()),
             )
         return self._executor
 
@@ -666,8 +705,14 @@ class _Pool:
                 on_done(result)
                 results.append(result)
             return results
-        executor = self._start()
-        futures: list[Future] = [executor.submit(_in_worker, function, task) for task in tasks]
+        # Workers are forked on the first submit: no signal handler may run (and exit) between
+        # a fork and the pool knowing its child, or that child would outlive us.
+        signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            executor = self._start()
+            futures: list[Future] = [executor.submit(_in_worker, function, t) for t in tasks]
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
         reported = self._counter.value
         pending = set(futures)
         while pending:

@@ -15,7 +15,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from builder.build import BuildConfig, BuildError, BuildResult, DeleteListError, Progress, build
+from builder.build import (
+    BuildConfig,
+    BuildError,
+    BuildResult,
+    DeleteListError,
+    Progress,
+    abort_active_builds,
+    build,
+)
 from builder.meta import RegisterError, ShardOutput, register_meta
 from cube.flags import FlagError, FlagSet, run_cli
 from cube.routing import PARTITIONERS
@@ -189,7 +197,10 @@ def register_fields(config: BuildConfig, output: ShardOutput, meta: dict) -> dic
 
 
 def _terminate(signum: int, _frame: Any) -> None:
-    raise SystemExit(128 + signum)  # unwinds the build, which removes its staging directory
+    """SIGTERM/SIGINT: stop the workers, remove the unfinished build, exit 128 + signum."""
+    abort_active_builds()
+    os.write(2, f"error: stopped by signal {signum}; the unfinished build was removed\n".encode())
+    os._exit(128 + signum)
 
 
 def run(argv: Sequence[str]) -> int:
@@ -198,6 +209,7 @@ def run(argv: Sequence[str]) -> int:
     quiet = flags["quiet"]
     progress = tqdm_progress() if not quiet and sys.stderr.isatty() else None
     signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, _terminate)
     try:
         result = build(
             config,

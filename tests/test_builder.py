@@ -6,10 +6,12 @@ import hashlib
 import http.server
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
 import threading
+import time
 import urllib.parse
 from pathlib import Path
 from typing import ClassVar
@@ -340,6 +342,60 @@ def test_existing_version_directory_is_refused(tmp_path):
     assert "already exists" in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert os.listdir(existing) == ["keep"] and (existing / "keep").read_text() == "mine"
     assert sorted(os.listdir(output)) == [existing.name]  # no meta_info, no staging
+
+
+def test_sigterm_mid_build_leaves_nothing(tmp_path):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    rng = np.random.default_rng(4)
+    for number in range(2):
+        keys = rng.integers(0, 2**64 - 1, 400_000, dtype=np.uint64)
+        blob = rng.integers(0, 256, keys.shape[0] * 40, dtype=np.uint8)
+        with SequenceFileWriter(inputs / f"part-{number}") as writer:
+            writer.write_batch(keys, ValueColumn.fixed(blob, 40))
+    output = tmp_path / "out"
+    process = subprocess.Popen(
+        [*COMMAND, *build_args(inputs, output, 2, memory_mb=4)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and process.poll() is None:
+            if output.exists() and any(p.name.startswith(".tmp-") for p in output.iterdir()):
+                break
+            time.sleep(0.01)
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+        _out, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+    if process.returncode == 0:  # finished before the signal: then it must be complete
+        assert (output / f"{BASE}_{BASE}" / "dict_part1.tar.md5").exists()
+    else:
+        assert process.returncode == 128 + signal.SIGTERM, err
+        assert_no_leftovers(output)
+    assert processes_mentioning(str(output), within=10) == []  # no orphaned worker
+
+
+def processes_mentioning(text: str, within: float) -> list[int]:
+    """PIDs whose command line contains `text`, waiting up to `within` s for them to go."""
+    deadline = time.monotonic() + within
+    while True:
+        found = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    if text.encode() in (entry / "cmdline").read_bytes():
+                        found.append(int(entry.name))
+                except OSError:
+                    continue
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
 
 
 # --- bad input: exit 1, one line naming the file and offset, nothing published -------------
