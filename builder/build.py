@@ -45,6 +45,7 @@ from builder.meta import (
     shard_meta_info,
     write_meta_file,
 )
+from builder.seqfile import SequenceFileReader
 from builder.spill import Spiller, SpillPart, group_positions, merge_parts, open_spill, remove_part
 from cube.index import build_table
 from cube.routing import check_partitioner, shard_of
@@ -274,8 +275,6 @@ def spill_batches(batches: Iterable[tuple[np.ndarray, ValueColumn]], spiller: Sp
 
 def read_and_spill(task: ReadTask, on_bytes: Callable[[int], None] | None = None) -> ReadOutput:
     """Stage 1 for one run of input files (runs in a worker process or inline)."""
-    from builder.seqfile import SequenceFileReader
-
     report = on_bytes or _report_progress
     spiller = Spiller(Path(task.spill_dir), task.shard_num, task.partitioner)
     formats: dict[str, None] = {}

@@ -25,10 +25,10 @@ from builder.build import (
     build,
 )
 from builder.meta import RegisterError, ShardOutput, register_meta
+from builder.seqfile import KEY_FORMATS
 from cube.flags import FlagError, FlagSet, run_cli
 from cube.routing import PARTITIONERS
 
-KEY_FORMATS = ("auto", "cube", "bytes_be", "bytes_le", "long", "text")
 EXIT_OK, EXIT_FAILED, EXIT_BAD_FLAGS, EXIT_NOT_REGISTERED = 0, 1, 2, 3
 
 DESCRIPTION = """\
@@ -42,7 +42,13 @@ Output (built in <output_path>/.tmp-<depend>_<cur>-<pid>/, renamed when complete
   <output_path>/<depend>_<cur>/<dict>_part<i>.tar.md5   "<md5>  <dict>_part<i>.tar"
   <output_path>/meta_info/<cur>_<depend>_<i>_0.json
 Servers name a base version <depend> and a delta <depend>_<cur>. A delta needs only its base
-(-depend_version); -last_version is accepted for compatibility and ignored.
+(-depend_version); -last_version is accepted for compatibility and ignored. With the default
+-only_build=true the build's version is the current Unix time (a base: depend = cur = now);
+with -only_build=false, -cur_version is required and a base's -depend_version defaults to it.
+An existing <output_path>/<depend>_<cur> is never overwritten (exit 1).
+
+-key_format auto: LongWritable and Text keys as such; BytesWritable keys of 8 bytes are the
+Cube tools' raw little-endian uint64, of 12 bytes genuine BytesWritable (big-endian).
 
 -delete_path (delta only): a text file, or a directory of them (same file rules as the input),
 with one decimal key (0 .. 2^64-1) per line; blank lines and lines starting with # are ignored.
