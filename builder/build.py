@@ -10,8 +10,9 @@
    `<output>/<depend>_<cur>` when complete; then `meta_info/<cur>_<depend>_<shard>_0.json`.
    On any error the staging and spill directories are removed and nothing is published.
 
-Memory: about `memory_mb` for read buffers and spill buffers while reading; while finishing,
-one shard's keys and table per worker process (values stay on an mmap of the spill).
+Memory: about `memory_mb` in all for input batches and their grouped copies while reading;
+while finishing, one shard's keys and table per worker process (its values stay on an mmap of
+the spill). Delete keys are held in memory.
 """
 
 from __future__ import annotations
