@@ -50,6 +50,8 @@ FLAGS = (
     .add("workers", int, 1, "worker processes, each on its own port (see --worker_ports)")
     .add("worker_ports", str, "", "comma list of worker ports (default: port, port+1, ...)")
     .add("reuseport", bool, False, "every worker also on --port (SO_REUSEPORT); own ports +1")
+    .add("tcp_lane", bool, True, "also serve cube.v1 Seek over plain TCP (see cube.server.lane)")
+    .add("tcp_ports", str, "", "comma list of each worker's TCP lane port (default: any free)")
     .add("max_batch", int, 100000, "most keys in one request (more: RESOURCE_EXHAUSTED)")
     .add("dict_name", str, "", "dictionary served; requests naming another get NOT_FOUND")
     .add("shard", int, -1, "shard number of this server (also accepts <dict>_part<shard>)")
@@ -84,6 +86,21 @@ def worker_ports(flags: Flags) -> list[int]:
         raise FlagError(
             f"--worker_ports must not list the shared --port {flags.port} with --reuseport"
         )
+    return ports
+
+
+def lane_ports(flags: Flags) -> list[int]:
+    """Each worker's TCP lane port (0: any free port, announced to clients over gRPC)."""
+    if not flags.tcp_ports:
+        return [0] * flags.workers
+    try:
+        ports = [int(p) for p in flags.tcp_ports.split(",") if p.strip()]
+    except ValueError as exc:
+        raise FlagError(f"--tcp_ports: {flags.tcp_ports!r} is not a list of ports") from exc
+    if len(ports) != flags.workers:
+        raise FlagError(f"--tcp_ports lists {len(ports)} ports for --workers {flags.workers}")
+    if not all(0 < p < 65536 for p in ports) or len(set(ports)) != len(ports):
+        raise FlagError(f"--tcp_ports {flags.tcp_ports}: ports must be distinct and in 1..65535")
     return ports
 
 
@@ -127,6 +144,7 @@ def _main(argv: Sequence[str]) -> int:
     check_flags(flags)
     setup_logging(flags)
     ports = worker_ports(flags)
+    lane_ports(flags)  # checked before any worker starts
     if flags.workers > 1 and flags.worker_index < 0:
         return supervise(flags, list(argv), ports)
     import uvloop
@@ -157,6 +175,7 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
         control_handler,
         worker_handler,
     )
+    from cube.server.lane import Lane
     from cube.server.service import DICT_SERVICE, FAST_SERVICE, SeekService
     from cube.server.versions import (
         LoadOptions,
@@ -226,6 +245,7 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
             "ports": ports,
             "host": flags.host,
             "reuseport": flags.reuseport,
+            "tcp_port": service.lane_port,
             "startup_error": startup_error,
             "pid": os.getpid(),
         }
@@ -272,6 +292,17 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
             executor.shutdown(wait=False)
             return 1
     await server.start()
+    lane = None
+    if flags.tcp_lane:
+        lane = Lane(service, max_message)
+        try:
+            service.lane_port = await lane.start(flags.host, lane_ports(flags)[index])
+        except OSError as exc:
+            log.error("cannot listen for the TCP lane on %s: %s", flags.host, exc)
+            await server.stop(0)
+            executor.shutdown(wait=False)
+            return 1
+        binds.append(f"{_address(flags.host, service.lane_port)} (TCP lane)")
     # Start-up objects never become garbage: keep the cyclic GC from rescanning them.
     gc.collect()
     gc.freeze()
@@ -289,6 +320,8 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
     await stop.wait()
     log.info("stopping: draining in-flight calls for up to %.1f s", flags.grace)
     await health_servicer.enter_graceful_shutdown()
+    if lane is not None:
+        await lane.stop(flags.grace)
     await server.stop(flags.grace)
     for remote in remotes:
         await remote.close()

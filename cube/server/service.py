@@ -295,11 +295,20 @@ def encode_dict_response(answer: Answer, version: str | None) -> bytes:
 class Counters:
     """Request counters of one worker (reported by status)."""
 
-    __slots__ = ("errors", "keys", "original_requests", "requests", "stream_messages", "unfound")
+    __slots__ = (
+        "errors",
+        "keys",
+        "lane_messages",
+        "original_requests",
+        "requests",
+        "stream_messages",
+        "unfound",
+    )
 
     def __init__(self) -> None:
         self.requests = 0
         self.stream_messages = 0
+        self.lane_messages = 0
         self.original_requests = 0
         self.keys = 0
         self.unfound = 0
@@ -329,6 +338,7 @@ class SeekService:
             self.accepted_names.add(f"{dict_name}_part{shard}")
         self.partitioner = partitioner
         self.counters = Counters()
+        self.lane_port = 0  # the TCP lane's port, announced to empty Seek requests (discovery)
 
     def _keys(self, raw: bytes, what: str) -> np.ndarray:
         if len(raw) % 8:
@@ -423,6 +433,8 @@ class SeekService:
     # grpc.aio handlers -------------------------------------------------------------------
 
     async def _seek_rpc(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        if not raw and self.lane_port:  # an empty request: a client asking for the TCP lane
+            await context.send_initial_metadata((("cube-tcp-port", str(self.lane_port)),))
         try:
             return self.seek(raw)
         except RequestError as exc:

@@ -1,0 +1,274 @@
+"""The TCP lane (cube.server.lane) and the SDK's use of it, on real cube-server processes.
+
+Discovery over gRPC, pipelined frames answered in order, every error status as an error frame
+(the connection stays usable), a wrong magic and an oversized frame, the SDK on the lane vs
+gRPC-only (server counters tell which one answered), a server without a lane, and a server
+restarted on the same gRPC port (new lane port) under both clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+from procs import expected_fixed, fixed_values, running_server, start_server, write_version
+
+from cube.client import AsyncCubeClient, CubeClient, RequestRejectedError
+from cube.client.core import decode_seek_response, encode_seek_request
+from cube.client.transport import LANE_MAGIC
+from cube.pb import cube_pb2, cube_pb2_grpc
+
+WIDTH = 24
+KEYS = np.arange(1, 9000, 3, dtype=np.uint64)
+
+
+def lane_port(address: str) -> int | None:
+    """The lane port a server announces to an empty Seek, or None."""
+    with grpc.insecure_channel(address) as channel:
+        _, call = channel.unary_unary("/cube.v1.CubeService/Seek").with_call(b"", timeout=10)
+    ports = [int(v) for k, v in call.initial_metadata() if k == "cube-tcp-port"]
+    return ports[0] if ports else None
+
+
+def counters(address: str) -> dict[str, int]:
+    with grpc.insecure_channel(address) as channel:
+        stub = cube_pb2_grpc.ControlServiceStub(channel)
+        reply = stub.cmd(cube_pb2.ControlRequest(cmd="status"), timeout=30)
+    return json.loads(reply.detail_json)["requests"]
+
+
+class LaneSocket:
+    """A raw client of the lane: frames out, (status, body) in."""
+
+    def __init__(self, port: int, magic: bytes = LANE_MAGIC) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.sock.sendall(magic)
+
+    def send(self, payload: bytes) -> None:
+        self.sock.sendall(struct.pack("<I", len(payload)) + payload)
+
+    def read(self) -> tuple[int, bytes]:
+        length, status = struct.unpack("<IB", self._exact(5))
+        return status, self._exact(length)
+
+    def _exact(self, size: int) -> bytes:
+        data = b""
+        while len(data) < size:
+            chunk = self.sock.recv(size - len(data))
+            if not chunk:
+                raise ConnectionError("closed")
+            data += chunk
+        return data
+
+    def closed(self) -> bool:
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    data = tmp_path_factory.mktemp("lane") / "data"
+    write_version(data, "100", KEYS, fixed_values(KEYS, WIDTH, tag=1), current=True)
+    with running_server(data, "--dict_name", "test_dict", "--max_batch", "3000") as proc:
+        yield proc
+
+
+def test_pipelined_frames_answered_in_order(server):
+    port = lane_port(server.address)
+    assert port and port != server.port
+    lane = LaneSocket(port)
+    try:
+        extra = [np.array([2, 5 + 3 * i], dtype=np.uint64) for i in range(20)]
+        batches = [np.concatenate([KEYS[i * 40 : i * 40 + 30], extra[i]]) for i in range(20)]
+        # all requests in one write: several frames per read on the server
+        lane.sock.sendall(
+            b"".join(
+                struct.pack("<I", len(r)) + r
+                for r in (encode_seek_request(b, request_id=i + 1) for i, b in enumerate(batches))
+            )
+        )
+        for batch in batches:
+            status, body = lane.read()
+            assert status == 0
+            answer = decode_seek_response(body, len(batch))
+            expect = np.isin(batch, KEYS)
+            assert answer.found.tolist() == expect.tolist() and answer.version == "100"
+            rows = answer.column.as_rows()
+            assert (rows[expect] == expected_fixed(batch[expect], WIDTH, tag=1)).all()
+            assert (rows[~expect] == 0).all()
+        # a frame split across writes, byte by byte at its start
+        request = encode_seek_request(KEYS[:5])
+        frame = struct.pack("<I", len(request)) + request
+        for i in range(6):
+            lane.sock.sendall(frame[i : i + 1])
+        lane.sock.sendall(frame[6:])
+        status, body = lane.read()
+        assert status == 0 and decode_seek_response(body, 5).found.all()
+    finally:
+        lane.close()
+
+
+@pytest.mark.parametrize(
+    "payload, code, words",
+    [
+        (b"\x0a\x03abc", grpc.StatusCode.INVALID_ARGUMENT, "not a multiple of 8"),
+        (b"\x0a\x05x", grpc.StatusCode.INVALID_ARGUMENT, "does not parse"),
+        (
+            encode_seek_request(KEYS[:2], dict_name="other"),
+            grpc.StatusCode.NOT_FOUND,
+            "'other' is not served",
+        ),
+        (
+            encode_seek_request(KEYS[:2], version="999"),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "version '999' is not loaded",
+        ),
+        (
+            encode_seek_request(np.arange(3001, dtype=np.uint64), request_id=77),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "request_id=77: 3001 keys",
+        ),
+    ],
+)
+def test_error_frames_keep_the_connection(server, payload, code, words):
+    lane = LaneSocket(lane_port(server.address))
+    try:
+        lane.send(payload)
+        lane.send(encode_seek_request(KEYS[:3]))
+        status, body = lane.read()
+        assert status == code.value[0] and words in body.decode()
+        status, body = lane.read()
+        assert status == 0 and decode_seek_response(body, 3).found.all()
+    finally:
+        lane.close()
+
+
+def test_wrong_magic_and_oversized_frame_close_the_connection(server):
+    port = lane_port(server.address)
+    stranger = LaneSocket(port, magic=b"GET / HTTP/1.1\r\n\r\n")
+    try:
+        assert stranger.closed()
+    finally:
+        stranger.close()
+    lane = LaneSocket(port)
+    try:
+        lane.sock.sendall(struct.pack("<I", 1 << 30))
+        status, body = lane.read()
+        assert status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert "exceeds" in body.decode()
+        assert lane.closed()
+    finally:
+        lane.close()
+
+
+def test_sdk_uses_the_lane_unless_told_grpc(server):
+    keys = np.concatenate([KEYS[100:400], np.array([0, 2], dtype=np.uint64)])
+    before = counters(server.address)
+    with CubeClient(shards=[[server.address]], dict_name="test_dict") as client:
+        for _ in range(5):
+            result = client.seek(keys)
+    middle = counters(server.address)
+    assert middle["lane_messages"] - before["lane_messages"] == 5
+    assert result.found.tolist() == np.isin(keys, KEYS).tolist()
+    with CubeClient(shards=[[server.address]], transport="grpc") as client:
+        assert client.seek(keys).values == result.values
+    after = counters(server.address)
+    assert after["lane_messages"] == middle["lane_messages"]
+    assert after["requests"] - middle["requests"] == 1
+
+    async def seek_async():
+        async with AsyncCubeClient(shards=[[server.address]], dict_name="test_dict") as aio:
+            return await asyncio.gather(*(aio.seek(keys) for _ in range(6)))
+
+    for answer in asyncio.run(seek_async()):
+        assert answer.values == result.values
+    assert counters(server.address)["lane_messages"] - after["lane_messages"] == 6
+    with (
+        CubeClient(shards=[[server.address]], dict_name="other") as client,
+        pytest.raises(RequestRejectedError, match="NOT_FOUND"),
+    ):
+        client.seek(keys)
+
+
+def test_server_without_a_lane_is_used_over_grpc(tmp_path):
+    data = tmp_path / "data"
+    write_version(data, "100", KEYS, fixed_values(KEYS, WIDTH, tag=1), current=True)
+    with running_server(data, "--tcp_lane", "false") as server:
+        assert lane_port(server.address) is None
+        with CubeClient(shards=[[server.address]]) as client:
+            assert client.seek(KEYS[:50]).found.all()
+
+        async def seek_async():
+            async with AsyncCubeClient(shards=[[server.address]]) as aio:
+                return await aio.seek(KEYS[:50])
+
+        assert asyncio.run(seek_async()).found.all()
+        assert counters(server.address)["requests"] == 3 + 2  # three probes (ours too), two seeks
+        assert counters(server.address)["lane_messages"] == 0
+
+
+def test_fixed_lane_ports_and_bad_flags(tmp_path):
+    data = tmp_path / "data"
+    write_version(data, "100", KEYS, fixed_values(KEYS, WIDTH, tag=1), current=True)
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()
+    with running_server(data, "--tcp_ports", str(port)) as server:
+        assert lane_port(server.address) == port
+    for flags, words in (
+        (["--tcp_ports", "1,2"], "--tcp_ports lists 2 ports"),
+        (["--tcp_ports", "x"], "is not a list of ports"),
+        (["--workers", "2", "--tcp_ports", "7,7"], "distinct"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "cube.server.main", "--data_dir", str(data), *flags],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2 and words in done.stderr
+
+
+def test_restarted_server_gets_a_new_lane_and_clients_follow(tmp_path):
+    data = tmp_path / "data"
+    write_version(data, "100", KEYS, fixed_values(KEYS, WIDTH, tag=1), current=True)
+    keys = KEYS[:200]
+    first = start_server(data)
+    ports = first.ports
+    try:
+        sync_client = CubeClient(shards=[[first.address]], retry=3, timeout_ms=5000)
+
+        async def run_async(restart):
+            async with AsyncCubeClient(shards=[[first.address]], retry=3, timeout_ms=5000) as aio:
+                assert (await aio.seek(keys)).found.all()
+                await asyncio.to_thread(restart)
+                return await aio.seek(keys)
+
+        assert sync_client.seek(keys).found.all()
+        old_lane = lane_port(first.address)
+        servers = [first]
+
+        def restart():
+            servers[-1].stop()
+            servers.append(start_server(data, ports=ports))
+
+        restart()
+        assert lane_port(first.address) != old_lane
+        assert sync_client.seek(keys).found.all()  # stale lane: re-asked, then answered
+        assert asyncio.run(run_async(restart)).found.all()
+        sync_client.close()
+    finally:
+        for proc in servers:
+            proc.stop()
