@@ -87,6 +87,7 @@ class CubeTarget(Target):
             " ".join(["cube-server", *s.argv[s.argv.index("--port") :]]) for s in self.servers
         )
         self.info["load_seconds"] = round(time.perf_counter() - started, 2)
+        self.info["load_note"] = "SequenceFile, cube-builder, servers up"
 
     def _build(self, data: Dataset, shard_num: int) -> list[Path]:
         """SequenceFile -> cube-builder -> one directory per shard (index.cube + data.cube)."""

@@ -126,10 +126,8 @@ def markdown(result: dict[str, Any], plot_name: str | None) -> str:
         if target.get("command"):
             lines += [f"Server: `{target['command']}`", ""]
         if target.get("load_seconds") is not None:
-            lines += [
-                f"Loaded in {target['load_seconds']} s (cube: SequenceFile, build, servers up).",
-                "",
-            ]
+            how = f" ({target['load_note']})" if target.get("load_note") else ""
+            lines += [f"Loaded in {target['load_seconds']} s{how}.", ""]
         if target.get("notes"):
             lines += [f"{target['notes']}", ""]
         lines += [markdown_table(target["levels"]), ""]
@@ -200,23 +198,38 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_qps, ax_p99) = plt.subplots(1, 2, figsize=(10, 4), dpi=90)
+    marked = False
     for name, target in result["targets"].items():
-        threads = [r["threads"] for r in target["levels"]]
-        ax_qps.plot(threads, [r["qps"] for r in target["levels"]], marker="o", label=name)
-        ax_p99.plot(threads, [r["p99_us"] / 1e3 for r in target["levels"]], marker="o", label=name)
+        levels = target["levels"]
+        threads = [r["threads"] for r in levels]
+        qps = [r["qps"] for r in levels]
+        p99 = [r["p99_us"] / 1e3 for r in levels]
+        line = ax_qps.plot(threads, qps, marker="o", label=name)[0]
+        ax_p99.plot(threads, p99, marker="o", label=name, color=line.get_color())
+        bad = [i for i, r in enumerate(levels) if r.get("disturbed")]
+        for ax, ys in ((ax_qps, qps), (ax_p99, p99)):
+            if bad:  # levels other processes disturbed even after the reruns
+                ax.scatter(
+                    [threads[i] for i in bad], [ys[i] for i in bad], s=140, facecolors="none",
+                    edgecolors="red", label=None if marked else "disturbed", zorder=3,
+                )  # fmt: skip
+        marked = marked or bool(bad)
     s = result["settings"]
     ax_qps.set(
         xlabel=f"concurrent clients ({s['client']})",
         ylabel=f"requests/s (batch {s['batch']})",
         title="throughput",
     )
-    ax_p99.set(xlabel=f"concurrent clients ({s['client']})", ylabel="ms", title="p99 latency")
+    ax_p99.set(
+        xlabel=f"concurrent clients ({s['client']})", ylabel="ms (log scale)", title="p99 latency"
+    )
+    ax_p99.set_yscale("log")
     levels = sorted({r["threads"] for t in result["targets"].values() for r in t["levels"]})
     for ax in (ax_qps, ax_p99):
         ax.set_xticks(levels)
-        ax.grid(True, alpha=0.3)
-        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3, which="both")
         ax.legend()
+    ax_qps.set_ylim(bottom=0)
     fig.suptitle(
         f"{s['keys']:,} keys, {s['value_size']} B values, batch {s['batch']}, fresh random keys",
         fontsize=10,

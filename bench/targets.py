@@ -211,6 +211,7 @@ class RedisTarget(Target):
             client.close()
         if stored != len(keys):
             raise RuntimeError(f"redis holds {stored} keys after loading {len(keys)}")
+        self.info["load_note"] = f"pipelined MSET of {self.load_chunk:,} pairs"
         self.info["load_seconds"] = round(time.perf_counter() - started, 2)
 
     def thread_client(self) -> Any:
@@ -319,6 +320,7 @@ class MemcachedTarget(Target):
             raise RuntimeError(
                 f"memcached holds {items} items after loading {len(keys)} (out of memory? see -m)"
             )
+        self.info["load_note"] = f"set_many of {self.load_chunk:,} keys"
         self.info["load_seconds"] = round(time.perf_counter() - started, 2)
 
     def thread_client(self) -> Any:
