@@ -83,6 +83,13 @@ def flag_set() -> FlagSet:
     flags.add("dtype", str, "float32", "embedding element type", choices=["float32"])
     flags.add("shards", int, 1, "cube: shards (one cube-server each)")
     flags.add("workers", int, 2, "cube: worker processes per cube-server")
+    flags.add(
+        "cube_transport",
+        str,
+        "auto",
+        "cube SDK transport: auto (the servers' TCP lane) or grpc",
+        choices=["auto", "grpc"],
+    )
     flags.add("client", str, "thread", "client concurrency model", choices=["thread", "asyncio"])
     flags.add("out", str, "cube-bench-out", "directory for results.json/.md/.png")
     flags.add("skip_missing", bool, False, "skip a target whose server binary is missing")
@@ -213,8 +220,8 @@ def run(flags: dict[str, Any], argv: Sequence[str]) -> int:
         k: flags[k]
         for k in (
             "threads", "batch", "requests", "duration", "warmup", "keys", "value_size", "dim",
-            "dtype", "shards", "workers", "client", "max_other_load", "max_repeats", "quiet_wait",
-            "seed",
+            "dtype", "shards", "workers", "cube_transport", "client", "max_other_load",
+            "max_repeats", "quiet_wait", "seed",
         )
     }  # fmt: skip
     if flags["dim"]:

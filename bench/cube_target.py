@@ -88,6 +88,10 @@ class CubeTarget(Target):
         )
         self.info["load_seconds"] = round(time.perf_counter() - started, 2)
         self.info["load_note"] = "SequenceFile, cube-builder, servers up"
+        self.info["notes"] = (
+            f"SDK: CubeClient(transport={self.options.get('cube_transport', 'auto')!r}), "
+            f"{workers} worker port(s) per shard as replicas, round robin."
+        )
 
     def _build(self, data: Dataset, shard_num: int) -> list[Path]:
         """SequenceFile -> cube-builder -> one directory per shard (index.cube + data.cube)."""
@@ -137,6 +141,7 @@ class CubeTarget(Target):
             "shards": [[f"127.0.0.1:{port}" for port in ports] for ports in self.shard_ports],
             "dict_name": DICT_NAME,
             "timeout_ms": _CLIENT_TIMEOUT_MS,
+            "transport": self.options.get("cube_transport", "auto"),
         }
 
     def thread_client(self) -> Any:
