@@ -698,7 +698,9 @@ class _Pool:
         on_done: Callable[[Any], None],
     ) -> list[Any]:
         """Results in task order; the first failure is raised once every started task ends."""
-        if self.workers == 1 or len(tasks) == 1:
+        # With workers, even a single task runs in one: a parent that grew while reading would
+        # make forked children pay copy-on-write faults on its freed heap.
+        if self.workers == 1:
             results = []
             for task in tasks:
                 result = function(task, on_bytes)
