@@ -48,6 +48,7 @@ from builder.meta import (
 )
 from builder.seqfile import SequenceFileReader
 from builder.spill import Spiller, SpillPart, group_positions, merge_parts, open_spill, remove_part
+from cube.fsutil import atomic_write_text, fsync_dir
 from cube.index import build_table
 from cube.routing import check_partitioner, shard_of
 from cube.shard import DATA_FILE, INDEX_FILE, write_shard
@@ -426,9 +427,7 @@ def _emit_mapped(source: Any, length: int, emit: Callable[[memoryview], None]) -
 def write_md5_file(tar_path: Path, md5: str) -> Path:
     """`<tar>.md5` in md5sum's format (`md5sum -c` works from the version directory)."""
     path = tar_path.with_name(tar_path.name + ".md5")
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(f"{md5}  {tar_path.name}\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, f"{md5}  {tar_path.name}\n")
     return path
 
 
@@ -494,7 +493,7 @@ class _Workspace:
         if os.path.lexists(self.target):
             raise BuildError(f"{self.target} appeared during the build; not replacing it")
         os.rename(self.staging, self.target)
-        _fsync_directory(self.target.parent)
+        fsync_dir(self.target.parent)
         return self.target
 
 
@@ -512,14 +511,6 @@ def abort_active_builds() -> None:
         child.join(timeout=10)
     for workspace in list(_active_workspaces):
         workspace.discard()
-
-
-def _fsync_directory(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def shard_header_meta(config: BuildConfig, shard: int, key_formats: Sequence[str]) -> dict:

@@ -9,13 +9,14 @@ them) so old tooling that reads them still works; everything else is ours:
 from __future__ import annotations
 
 import json
-import os
 import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from cube.fsutil import atomic_write_json
 
 META_DIR = "meta_info"
 REGISTER_PATH = "/dict/meta_info/register"
@@ -60,20 +61,10 @@ def shard_meta_info(output: ShardOutput, common: dict[str, Any]) -> dict[str, An
 
 
 def write_meta_file(directory: Path, name: str, meta: dict[str, Any]) -> Path:
-    """Write one meta file via a temp name + rename (never half-written)."""
+    """Write one meta file atomically and durably (never half-written)."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / name
-    tmp = directory / f".{name}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w") as out:
-            json.dump(meta, out, sort_keys=True)
-            out.write("\n")
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    atomic_write_json(path, meta, indent=None)
     return path
 
 
