@@ -185,6 +185,17 @@ class Server:
                         pass
                     time.sleep(0.1)
 
+    def counters(self) -> dict[str, int]:
+        """The request counters of all workers (control status)."""
+        import grpc
+
+        from cube.pb import cube_pb2, cube_pb2_grpc
+
+        with grpc.insecure_channel(self.addresses[0]) as channel:
+            stub = cube_pb2_grpc.ControlServiceStub(channel)
+            reply = stub.cmd(cube_pb2.ControlRequest(cmd="status"), timeout=30)
+        return json.loads(reply.detail_json)["requests"]
+
     def stop(self, timeout: float = 20.0) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -199,16 +210,22 @@ class Server:
 # CPU meters
 
 
-def cpu_seconds(pids: Sequence[int]) -> float:
-    total = 0
+def cpu_split(pids: Sequence[int]) -> tuple[float, float]:
+    """(user, system) CPU seconds of the processes (all threads), from /proc/<pid>/stat."""
+    user = system = 0
     for pid in pids:
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             continue
         fields = stat[stat.rindex(")") + 2 :].split()
-        total += int(fields[11]) + int(fields[12])
-    return total / CLOCK_TICKS
+        user += int(fields[11])
+        system += int(fields[12])
+    return user / CLOCK_TICKS, system / CLOCK_TICKS
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    return sum(cpu_split(pids))
 
 
 def machine_seconds() -> tuple[float, float]:
@@ -235,11 +252,14 @@ class Level:
     p50_us: float
     p99_us: float
     server_cpu_us: float  # per request
+    server_sys_us: float  # the kernel's part of it
     client_cpu_us: float  # per request
+    client_sys_us: float
     other_cores: float  # CPU other processes used, in cores
     irq_cores: float  # interrupt time of the machine, in cores
     loadavg: str
     misses: int
+    lane_per_pass: float  # requests answered per kernel pass of the TCP lane (server counters)
 
 
 class Recorder:
@@ -277,13 +297,15 @@ def measure(
     thread.start()
     time.sleep(warmup)
     pids = server.pids()
-    s0, c0, (m0, i0) = cpu_seconds(pids), cpu_seconds([os.getpid()]), machine_seconds()
+    k0 = server.counters()
+    s0, c0, (m0, i0) = cpu_split(pids), cpu_split([os.getpid()]), machine_seconds()
     t0 = time.perf_counter()
     recorder.measuring = True
     time.sleep(duration)
     recorder.measuring = False
     t1 = time.perf_counter()
-    s1, c1, (m1, i1) = cpu_seconds(pids), cpu_seconds([os.getpid()]), machine_seconds()
+    s1, c1, (m1, i1) = cpu_split(pids), cpu_split([os.getpid()]), machine_seconds()
+    k1 = server.counters()
     stop_at[0] = 0.0
     thread.join(60)
     if thread.is_alive():
@@ -295,7 +317,7 @@ def measure(
     if not count:
         raise RuntimeError("no request completed")
     lat = np.array(recorder.latencies) * 1e6
-    server_cpu, client_cpu = s1 - s0, c1 - c0
+    server_cpu, client_cpu = sum(s1) - sum(s0), sum(c1) - sum(c0)
     other = max(0.0, (m1 - m0) - server_cpu - client_cpu) / seconds
     return Level(
         client=client,
@@ -308,10 +330,17 @@ def measure(
         p99_us=round(float(np.percentile(lat, 99)), 1),
         server_cpu_us=round(server_cpu / count * 1e6, 1),
         client_cpu_us=round(client_cpu / count * 1e6, 1),
+        server_sys_us=round((s1[1] - s0[1]) / count * 1e6, 1),
+        client_sys_us=round((c1[1] - c0[1]) / count * 1e6, 1),
         other_cores=round(other, 2),
         irq_cores=round((i1 - i0) / seconds, 2),
         loadavg=load,
         misses=recorder.misses,
+        lane_per_pass=round(
+            (k1.get("lane_messages", 0) - k0.get("lane_messages", 0))
+            / max(1, k1.get("lane_batches", 0) - k0.get("lane_batches", 0)),
+            2,
+        ),
     )
 
 
@@ -455,13 +484,14 @@ def run_levels(flags) -> list[Level]:
 def table(levels: Sequence[Level]) -> str:
     head = (
         "| client | in flight | req/s | keys/s | p50 µs | p99 µs | server CPU µs/req "
-        "| client CPU µs/req | other cores | loadavg |"
+        "(sys) | client CPU µs/req (sys) | other cores | loadavg |"
     )
     lines = [head, "|" + "---|" * 10]
     for v in levels:
         lines.append(
             f"| {v.client} | {v.inflight} | {v.req_s:.0f} | {v.keys_s / 1e6:.2f}M | {v.p50_us:.0f}"
-            f" | {v.p99_us:.0f} | {v.server_cpu_us:.0f} | {v.client_cpu_us:.0f}"
+            f" | {v.p99_us:.0f} | {v.server_cpu_us:.0f} ({v.server_sys_us:.0f})"
+            f" | {v.client_cpu_us:.0f} ({v.client_sys_us:.0f})"
             f" | {v.other_cores:.2f} | {v.loadavg} |"
         )
     return "\n".join(lines)

@@ -272,3 +272,50 @@ def test_restarted_server_gets_a_new_lane_and_clients_follow(tmp_path):
     finally:
         for proc in servers:
             proc.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# In process: requests answered together equal requests answered one by one
+
+
+def _requests(keys: np.ndarray, count: int, seed: int, **fields) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(0, 60, count)
+    sizes[1] = 0  # an empty request among them
+    out = []
+    for i, size in enumerate(sizes):
+        batch = rng.choice(np.concatenate([keys, keys + 1]), size)  # half misses
+        out.append(encode_seek_request(batch, request_id=i + 1, **fields))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["fixed", "variable", "split", "empty"])
+def test_merged_answers_equal_single_answers(tmp_path, layout):
+    from cube.server.service import SeekService
+    from cube.server.versions import LoadOptions, VersionSlots, load_base, split_dirs
+
+    keys = np.arange(10, 3000, 7, dtype=np.uint64)
+    splits = 2 if layout == "split" else 1
+    slots = VersionSlots()
+    if layout != "empty":
+        for version, tag in (("1", 1), ("2", 2)):
+            for split in range(splits):
+                mine = keys[keys % splits == split]
+                if layout == "variable":
+                    values = [bytes([tag]) * int(1 + k % 5) for k in mine]
+                else:
+                    values = fixed_values(mine, 12, tag=tag)
+                write_version(tmp_path, version, mine, values, split=split if splits > 1 else None)
+        dirs = split_dirs(tmp_path, splits)
+        slots.install(load_base(dirs, "1", LoadOptions()))
+        slots.stage(load_base(dirs, "2", LoadOptions()))
+        slots.commit()  # 1 current, 2 background: requests may pin either
+    service = SeekService(slots, max_batch=100)
+    raws = _requests(keys, 12, seed=5)
+    if layout != "empty":
+        raws += _requests(keys, 5, seed=6, version="2") + _requests(keys, 3, seed=7, version="1")
+    raws = [raws[i] for i in np.random.default_rng(8).permutation(len(raws))]
+    merged = service.answer_seeks([service.parse_seek(r) for r in raws])
+    assert len(merged) == len(raws)
+    for raw, parts in zip(raws, merged, strict=True):
+        assert b"".join(parts) == service.seek(raw)
