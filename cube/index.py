@@ -186,12 +186,21 @@ def build_table(
 # Multiplying a one-hot 8-byte mask (byte j set) by this puts j in the top byte.
 _BYTE_INDEX = np.uint64(sum(j << (56 - 8 * j) for j in range(WINDOW)))
 _S56 = np.uint64(56)
+_S3 = np.int64(3)
 _NOTHING = np.empty(0, dtype=np.int64)
+_BUCKET = np.dtype((np.void, 8 * WINDOW))  # one bucket of keys as one item: take moves rows
 
 
 def lookup(table: HashTable, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Probe a batch: return (rows uint32, found bool). A tombstone is found with row TOMBSTONE."""
-    buckets = home_buckets(fmix64(keys), table.bucket_count)
+    """Probe a batch: return (rows uint32, found bool). A tombstone is found with row TOMBSTONE.
+
+    Every numpy call costs ~1 µs whatever its size, so the home buckets are computed in place
+    on the hashes and the common case (the key in its home bucket) takes one pass."""
+    buckets = fmix64(keys)  # a fresh array: home_buckets' steps in place, no astype copy
+    buckets >>= _SHIFT32
+    buckets *= np.uint64(table.bucket_count)
+    buckets >>= _SHIFT32
+    buckets = buckets.view(np.int64)  # < bucket_count: the same values
     rows, found, pending = _probe(table, keys, buckets)
     step = 1
     while pending.shape[0] and step <= table.max_probe:
@@ -210,24 +219,27 @@ def _probe(
     table: HashTable, keys: np.ndarray, buckets: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Read one bucket per key: rows, found, and the keys whose bucket was full without them."""
-    candidates = table.buckets.take(buckets, axis=0)
+    # One 64-byte item per bucket: a 1-D take of whole rows is cheaper than a 2-D axis=0 take.
+    candidates = table.slot_keys.view(_BUCKET).take(buckets).view(np.uint64)
     # Compare flat against each key repeated 8 times: a broadcast over an inner axis of 8 costs
     # twice as much in numpy.
-    matches = candidates.reshape(-1) == keys.repeat(WINDOW)
+    matches = candidates == keys.repeat(WINDOW)
     # A key occurs at most once in a table: the (n, 8) bool mask is a one-hot uint64 per key.
-    onehot = matches.view(np.uint64).reshape(-1)
+    onehot = matches.view(np.uint64)
     found = onehot != 0
     onehot *= _BYTE_INDEX
     onehot >>= _S56
-    positions = onehot.astype(np.int64)
-    positions += buckets * WINDOW
+    positions = onehot.view(np.int64)  # 0..7, in place
+    positions += buckets << _S3
     # clip: a key equal to empty_key matches several slots; lookup() clears its found flag
     rows = table.slot_rows.take(positions, mode="clip")
     if table.max_probe == 0 or np.count_nonzero(found) == found.shape[0]:
         return rows, found, _NOTHING
-    # Same trick for empty slots: a bucket without any is a zero uint64 of "is empty" bytes.
-    empties = (candidates.reshape(-1) == np.uint64(table.empty_key)).view(np.uint64)
-    return rows, found, np.flatnonzero((empties == 0) & ~found)
+    # A bucket's occupied slots are a prefix of it (keys sit at max(home slot, previous + 1)
+    # in home order), so a bucket is full exactly when its last slot is occupied.
+    full = candidates[WINDOW - 1 :: WINDOW] != np.uint64(table.empty_key)
+    full &= ~found
+    return rows, found, np.flatnonzero(full)
 
 
 def is_tombstone(rows: np.ndarray) -> np.ndarray:
