@@ -214,8 +214,9 @@ class Answer:
     version: str
 
 
-def decode_seek_response(data: bytes, n: int) -> Answer:
-    """Read `cube.v1.SeekResponse` bytes for a request of `n` keys; values stay in `data`."""
+def decode_seek_response(data: bytes | memoryview, n: int) -> Answer:
+    """Read `cube.v1.SeekResponse` bytes for a request of `n` keys; values stay in `data`
+    (bytes, or a memoryview of bytes from the TCP lane)."""
     spans, ints = _fields(data)
     offset, length = spans.get(1, (0, 0))
     if length != n:
@@ -238,7 +239,7 @@ def decode_seek_response(data: bytes, n: int) -> Answer:
         column = ValueColumn.variable(blob, offsets)
     v_offset, v_length = spans.get(5, (0, 0))
     try:
-        version = data[v_offset : v_offset + v_length].decode()
+        version = bytes(data[v_offset : v_offset + v_length]).decode()
     except UnicodeDecodeError as exc:
         raise BadResponse(f"version is not UTF-8: {exc}") from None
     return Answer(found, column, version)

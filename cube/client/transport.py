@@ -44,6 +44,7 @@ LANE_PORT_METADATA = "cube-tcp-port"
 TRANSPORTS = ("auto", "grpc")
 _LENGTH = struct.Struct("<I")
 _HEADER = struct.Struct("<IB")
+_TIMEVAL = struct.Struct("@ll")
 _STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 _MAX_IDLE = 64  # idle blocking connections kept per endpoint
 
@@ -90,113 +91,152 @@ class _Stale(Exception):
     lookups are idempotent)."""
 
 
+class _Connection:
+    """A blocking lane socket whose timeouts are the kernel's (SO_RCVTIMEO/SO_SNDTIMEO): one
+    syscall per send or receive, where a Python-level timeout adds a poll() to each."""
+
+    __slots__ = ("sock", "timeout_s")
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.timeout_s = 0.0
+
+    def set_timeout(self, timeout_s: float) -> None:
+        """Bound each blocking send/receive by `timeout_s` (kept when within 10% of it)."""
+        timeout_s = max(timeout_s, 1e-3)  # 0 would mean "no timeout" to the kernel
+        if abs(timeout_s - self.timeout_s) <= 0.1 * timeout_s:
+            return
+        seconds = int(timeout_s)
+        value = _TIMEVAL.pack(seconds, int((timeout_s - seconds) * 1e6))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+        self.timeout_s = timeout_s
+
+
 class SyncLane:
     """Blocking connections to one worker's TCP lane. A call takes an idle connection (or
-    opens one), writes its frame and reads the answer in the calling thread: no thread hop."""
+    opens one), writes its frame and reads the answer in the calling thread: no thread hop,
+    and usually one send and one receive syscall (the answer is read into a buffer sized
+    like the previous answer)."""
 
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
         self.broken = False  # a connection failed: the caller should ask for the lane again
-        self._idle: list[socket.socket] = []
+        self._idle: list[_Connection] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._expect = 1 << 16  # bytes of the last answer, header included: the next read size
 
     def call(self, request: bytes, timeout_s: float) -> tuple[bool, Any]:
         """(True, response bytes) or (False, (status name, message)); never raises."""
         deadline = time.monotonic() + timeout_s
-        frame = _LENGTH.pack(len(request)) + request
+        header = _LENGTH.pack(len(request))
         for _ in range(2):  # a stale idle connection is replaced once
-            sock = self._take()
-            reused = sock is not None
+            connection = self._take()
+            reused = connection is not None
             try:
-                if sock is None:
-                    sock = self._connect(deadline)
-                    sock.sendall(LANE_MAGIC + frame)
-                else:
-                    try:
-                        sock.sendall(frame)
-                    except (BrokenPipeError, ConnectionResetError):
-                        raise _Stale from None
-                status, body = self._read_answer(sock, deadline, reused)
+                if connection is None:
+                    connection = self._connect(deadline)
+                    header = LANE_MAGIC + header
+                connection.set_timeout(deadline - time.monotonic())
+                try:
+                    _send(connection.sock, header, request)
+                except (BrokenPipeError, ConnectionResetError):
+                    if not reused:
+                        raise
+                    raise _Stale from None
+                status, body = self._read_answer(connection.sock, deadline, reused)
             except _Stale:
-                sock.close()
+                assert connection is not None
+                connection.sock.close()
                 self._drop_idle()
                 continue
-            except TimeoutError:
-                if sock is not None:
-                    sock.close()  # an answer may still come: the connection is out of step
+            except (TimeoutError, BlockingIOError):  # BlockingIOError: SO_RCVTIMEO passed
+                if connection is not None:
+                    connection.sock.close()  # an answer may still come: out of step
                 return False, ("DEADLINE_EXCEEDED", f"TCP lane: no answer in {timeout_s:.3f} s")
             except OSError as exc:
-                if sock is not None:
-                    sock.close()
+                if connection is not None:
+                    connection.sock.close()
                 self._drop_idle()
                 self.broken = True
                 return False, ("UNAVAILABLE", f"TCP lane {self.host}:{self.port}: {exc}")
-            self._give_back(sock)
+            self._give_back(connection)
             if status:
-                return False, (_status_name(status), body.decode("utf-8", "replace"))
+                return False, (_status_name(status), bytes(body).decode("utf-8", "replace"))
             return True, body
         self.broken = True
         return False, ("UNAVAILABLE", f"TCP lane {self.host}:{self.port}: connection closed")
 
-    def _connect(self, deadline: float) -> socket.socket:
+    def _connect(self, deadline: float) -> _Connection:
         sock = socket.create_connection(
             (self.host, self.port), timeout=max(deadline - time.monotonic(), 1e-3)
         )
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
+        return _Connection(sock)
 
     def _read_answer(
         self, sock: socket.socket, deadline: float, reused: bool
-    ) -> tuple[int, bytearray]:
-        header = self._read(sock, _HEADER.size, deadline, stale_ok=reused)
-        length, status = _HEADER.unpack(header)
-        return status, self._read(sock, length, deadline, stale_ok=False)
-
-    @staticmethod
-    def _read(sock: socket.socket, size: int, deadline: float, stale_ok: bool) -> bytearray:
-        buffer = bytearray(size)
+    ) -> tuple[int, memoryview]:
+        """Read one answer frame: (status, body view)."""
+        buffer = bytearray(self._expect)
         view = memoryview(buffer)
-        got = 0
-        while got < size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+        got, need = 0, _HEADER.size
+        while got < need:
+            if got and time.monotonic() > deadline:
                 raise TimeoutError
-            sock.settimeout(remaining)
             try:
                 count = sock.recv_into(view[got:])
             except (ConnectionResetError, BrokenPipeError):
-                if stale_ok and got == 0:
+                if reused and got == 0:
                     raise _Stale from None
                 raise
             if count == 0:
-                if stale_ok and got == 0:
+                if reused and got == 0:
                     raise _Stale
                 raise ConnectionError("the server closed the connection")
             got += count
-        return buffer
+            if need == _HEADER.size and got >= need:
+                length, status = _HEADER.unpack_from(buffer)
+                need += length
+                if need > len(buffer):  # larger than the last answer: grow, keep what came
+                    view.release()
+                    buffer.extend(bytes(need - len(buffer)))
+                    view = memoryview(buffer)
+        self._expect = need
+        return status, view[_HEADER.size : need]
 
-    def _take(self) -> socket.socket | None:
+    def _take(self) -> _Connection | None:
         with self._lock:
             return self._idle.pop() if self._idle else None
 
-    def _give_back(self, sock: socket.socket) -> None:
+    def _give_back(self, connection: _Connection) -> None:
         with self._lock:
             if not self._closed and len(self._idle) < _MAX_IDLE:
-                self._idle.append(sock)
+                self._idle.append(connection)
                 return
-        sock.close()
+        connection.sock.close()
 
     def _drop_idle(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
-        for sock in idle:
-            sock.close()
+        for connection in idle:
+            connection.sock.close()
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
         self._drop_idle()
+
+
+def _send(sock: socket.socket, header: bytes, request: bytes) -> None:
+    """Write header + request in one sendmsg (no joined copy); finish a partial send."""
+    sent = sock.sendmsg((header, request))
+    total = len(header) + len(request)
+    if sent < total:
+        rest = (header + request)[sent:] if sent < len(header) else request[sent - len(header) :]
+        sock.sendall(rest)
 
 
 class SyncChannels:
@@ -347,12 +387,15 @@ class AioLane(asyncio.Protocol):
             future, timer = pending.popleft()
             timer.cancel()
             if not future.done():
-                body = source[start + _HEADER.size : stop]
+                if source is data:  # a view of this read's bytes: no copy of the answer
+                    body: bytes | memoryview = memoryview(data)[start + _HEADER.size : stop]
+                else:  # the reassembly buffer changes: copy
+                    body = bytes(source[start + _HEADER.size : stop])
                 if status:
                     text = bytes(body).decode("utf-8", "replace")
                     future.set_exception(LaneError(_status_name(status), text))
                 else:
-                    future.set_result(bytes(body) if isinstance(body, bytearray) else body)
+                    future.set_result(body)
             start = stop
         if source is self._buffer:
             del self._buffer[:start]
