@@ -221,7 +221,9 @@ def decode_seek_response(data: bytes | memoryview, n: int) -> Answer:
     offset, length = spans.get(1, (0, 0))
     if length != n:
         raise BadResponse(f"{length} found flags for {n} keys")
-    found = np.frombuffer(data, np.uint8, n, offset) != 0
+    # Viewed, not compared: a ufunc over 1000+ elements releases the GIL, and taking it back
+    # costs a thread switch when other threads share the client (any nonzero byte is True).
+    found = np.frombuffer(data, np.bool_, n, offset)
     width = ints.get(3, 0)
     v_offset, v_length = spans.get(2, (0, 0))
     if width:
