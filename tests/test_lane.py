@@ -22,7 +22,7 @@ from procs import expected_fixed, fixed_values, running_server, start_server, wr
 from cube.client import AsyncCubeClient, CubeClient, RequestRejectedError
 from cube.client.core import decode_seek_response, encode_seek_request
 from cube.client.transport import LANE_MAGIC
-from cube.pb import cube_pb2, cube_pb2_grpc
+from cube.pb import cube_fast_pb2, cube_pb2, cube_pb2_grpc
 
 WIDTH = 24
 KEYS = np.arange(1, 9000, 3, dtype=np.uint64)
@@ -319,3 +319,51 @@ def test_merged_answers_equal_single_answers(tmp_path, layout):
     assert len(merged) == len(raws)
     for raw, parts in zip(raws, merged, strict=True):
         assert b"".join(parts) == service.seek(raw)
+
+
+def test_unreachable_lane_falls_back_to_grpc():
+    """A server announcing a lane nobody can connect to (e.g. a firewall): calls go over gRPC
+    and the lane is asked for again only after a while."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cube.server.service import empty_answer, encode_seek_response
+
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    dead_port = dead.getsockname()[1]  # bound, never listening: connections are refused
+    calls = {"probe": 0, "seek": 0}
+
+    def seek(raw, context):
+        if not raw:
+            calls["probe"] += 1
+            context.send_initial_metadata((("cube-tcp-port", str(dead_port)),))
+            return b""
+        calls["seek"] += 1
+        request = cube_fast_pb2.SeekRequest.FromString(raw)
+        n = len(request.keys) // 8
+        return encode_seek_response(empty_answer(n), "7", request.request_id)
+
+    server = grpc.server(ThreadPoolExecutor(4))
+    handler = grpc.method_handlers_generic_handler(
+        "cube.v1.CubeService", {"Seek": grpc.unary_unary_rpc_method_handler(seek)}
+    )
+    server.add_generic_rpc_handlers([handler])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        address = f"127.0.0.1:{port}"
+        with CubeClient(shards=[[address]], retry=0) as client:
+            for _ in range(3):
+                result = client.seek(KEYS[:10])
+                assert not result.found.any() and result.version == "7"
+        assert calls == {"probe": 1, "seek": 3}
+
+        async def seek_async():
+            async with AsyncCubeClient(shards=[[address]], retry=0) as aio:
+                return [await aio.seek(KEYS[:10]) for _ in range(3)]
+
+        assert all(r.version == "7" for r in asyncio.run(seek_async()))
+        assert calls == {"probe": 2, "seek": 6}
+    finally:
+        server.stop(0)
+        dead.close()

@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 import grpc.aio
+import numpy as np
 
 # No message size limit (100k-key batches of large values), our own retries only, and a short
 # reconnect backoff so a restarted replica is used again within seconds (grpc's default grows
@@ -47,6 +48,7 @@ _HEADER = struct.Struct("<IB")
 _TIMEVAL = struct.Struct("@ll")
 _STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 _MAX_IDLE = 64  # idle blocking connections kept per endpoint
+LANE_RECHECK_S = 5.0  # an endpoint found without a (reachable) lane is asked again after this
 
 
 class LaneError(grpc.RpcError):
@@ -124,6 +126,7 @@ class SyncLane:
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
         self.broken = False  # a connection failed: the caller should ask for the lane again
+        self.unreachable = False  # could not even connect: use gRPC for a while
         self._idle: list[_Connection] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -138,7 +141,11 @@ class SyncLane:
             reused = connection is not None
             try:
                 if connection is None:
-                    connection = self._connect(deadline)
+                    try:
+                        connection = self._connect(deadline)
+                    except OSError:
+                        self.unreachable = self.broken = True
+                        raise
                     header = LANE_MAGIC + header
                 connection.set_timeout(deadline - time.monotonic())
                 try:
@@ -180,7 +187,7 @@ class SyncLane:
         self, sock: socket.socket, deadline: float, reused: bool
     ) -> tuple[int, memoryview]:
         """Read one answer frame: (status, body view)."""
-        buffer = bytearray(self._expect)
+        buffer = np.empty(self._expect, np.uint8)  # not zero-filled, unlike bytearray(n)
         view = memoryview(buffer)
         got, need = 0, _HEADER.size
         while got < need:
@@ -198,12 +205,12 @@ class SyncLane:
                 raise ConnectionError("the server closed the connection")
             got += count
             if need == _HEADER.size and got >= need:
-                length, status = _HEADER.unpack_from(buffer)
+                length, status = _HEADER.unpack_from(view)
                 need += length
-                if need > len(buffer):  # larger than the last answer: grow, keep what came
-                    view.release()
-                    buffer.extend(bytes(need - len(buffer)))
-                    view = memoryview(buffer)
+                if need > buffer.shape[0]:  # larger than the last answer: grow, keep what came
+                    grown = np.empty(need, np.uint8)
+                    grown[:got] = buffer[:got]
+                    buffer, view = grown, memoryview(grown)
         self._expect = need
         return status, view[_HEADER.size : need]
 
@@ -251,7 +258,8 @@ class SyncChannels:
         self._channels: dict[str, grpc.Channel] = {}
         self._callables: dict[str, grpc.UnaryUnaryMultiCallable] = {}
         self._use_lanes = lanes
-        self._lanes: dict[str, SyncLane | None] = {}  # None: the endpoint has no lane
+        self._lanes: dict[str, SyncLane | None] = {}  # None: no lane (until _recheck)
+        self._recheck: dict[str, float] = {}
         self._closed = False
 
     def _callable(self, address: str) -> grpc.UnaryUnaryMultiCallable:
@@ -271,22 +279,36 @@ class SyncChannels:
     def call(self, address: str, request: bytes, timeout_s: float) -> tuple[bool, Any]:
         """(True, response bytes) or (False, (status name, message)); never raises."""
         if self._use_lanes:
-            if address not in self._lanes:
-                deadline = time.monotonic() + timeout_s
+            now = time.monotonic()
+            deadline = now + timeout_s
+            lane = self._lanes.get(address, _UNKNOWN)
+            if lane is None and now > self._recheck.get(address, 0.0):
+                lane = _UNKNOWN  # time to ask again (the server may have one now)
+            if lane is _UNKNOWN:
                 failure = self._discover(address, timeout_s)
                 if failure is not None:
                     return False, failure
-                timeout_s = max(deadline - time.monotonic(), 1e-3)
-            lane = self._lanes.get(address)
-            if lane is not None:
-                ok, payload = lane.call(request, timeout_s)
-                if lane.broken:
+                lane = self._lanes.get(address)
+            if isinstance(lane, SyncLane):
+                ok, payload = lane.call(request, max(deadline - time.monotonic(), 1e-3))
+                if lane.unreachable:  # e.g. a firewall: this attempt goes over gRPC
                     self._forget(address, lane)
-                return ok, payload
+                    self._no_lane(address)
+                elif lane.broken:
+                    self._forget(address, lane)
+                    return ok, payload
+                else:
+                    return ok, payload
+            timeout_s = max(deadline - time.monotonic(), 1e-3)
         try:
             return True, self._callable(address)(request, timeout=timeout_s)
         except Exception as exc:
             return False, status_of(exc)
+
+    def _no_lane(self, address: str) -> None:
+        with self._lock:
+            self._lanes[address] = None
+            self._recheck[address] = time.monotonic() + LANE_RECHECK_S
 
     def _discover(self, address: str, timeout_s: float) -> tuple[str, str] | None:
         """Ask `address` for its lane (an empty Seek); None, or the failure of the ask."""
@@ -295,11 +317,14 @@ class SyncChannels:
             where = _lane_address(address, call.initial_metadata())
         except Exception as exc:
             return status_of(exc)
+        if where is None:
+            self._no_lane(address)
+            return None
         with self._lock:
             if self._closed:
                 return ("CANCELLED", "client is closed")
-            if address not in self._lanes:
-                self._lanes[address] = SyncLane(*where) if where else None
+            if not isinstance(self._lanes.get(address), SyncLane):
+                self._lanes[address] = SyncLane(*where)
         return None
 
     def _forget(self, address: str, lane: SyncLane | None) -> None:
@@ -435,7 +460,8 @@ class AioChannels:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._callables: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
         self._use_lanes = lanes
-        self._lanes: dict[str, AioLane | None] = {}  # None: the endpoint has no lane
+        self._lanes: dict[str, AioLane | None] = {}  # None: no lane (until _recheck)
+        self._recheck: dict[str, float] = {}
         self._connecting: dict[str, asyncio.Task] = {}
         self._closed = False
 
@@ -459,6 +485,8 @@ class AioChannels:
                     return lane.send(request, timeout_s)
                 self._forget(address, lane)
                 lane = _UNKNOWN
+            elif lane is None and time.monotonic() > self._recheck.get(address, 0.0):
+                lane = _UNKNOWN  # time to ask again (the server may have one now)
             if lane is _UNKNOWN:
                 return asyncio.ensure_future(self._connect_and_send(address, request, timeout_s))
         return self._grpc_call(address, request, timeout_s)
@@ -492,9 +520,14 @@ class AioChannels:
         lane = None
         if where is not None:
             loop = asyncio.get_running_loop()
-            _, lane = await asyncio.wait_for(
-                loop.create_connection(AioLane, where[0], where[1]), timeout_s
-            )
+            try:
+                _, lane = await asyncio.wait_for(
+                    loop.create_connection(AioLane, where[0], where[1]), timeout_s
+                )
+            except OSError:  # announced but unreachable (e.g. a firewall): gRPC for a while
+                lane = None
+        if lane is None:
+            self._recheck[address] = time.monotonic() + LANE_RECHECK_S
         if self._closed:
             if lane is not None:
                 lane.close()
