@@ -2,7 +2,8 @@
 
     cube-server --port 8000 --dict_split 1 --data_dir ./data [--workers N] [--flagfile FILE]
 
-Services on every port: cube.v1.CubeService (Seek, SeekStream: the fast API),
+Services on every port: cube.v1.CubeService (Seek, SeekStream: the fast API; also over the
+TCP lane, cube.server.lane, on a port of its own per worker: --tcp_lane, --tcp_ports),
 rec.mcube.DictService.seek (the original's), rec.mcube.ControlService.cmd (versions, see
 cube.server.control), grpc.health.v1.Health and server reflection.
 
