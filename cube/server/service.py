@@ -13,6 +13,7 @@ version is unmapped only after its last request.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -170,6 +171,7 @@ def answer_keys(
 # wire encoding
 
 
+@functools.lru_cache(maxsize=4096)  # answers repeat the same few lengths
 def varint(value: int) -> bytes:
     out = bytearray()
     while value > 0x7F:
@@ -434,6 +436,7 @@ class SeekService:
         """SeekResponse bytes (as buffers) for parsed requests, in order. Requests on the same
         version are looked up together: one kernel pass over all their keys costs far less
         than one per request (numpy's per-call costs dominate 1000-key batches)."""
+        counters = self.counters
         answers: list[Answer | None] = [None] * len(seeks)
         groups: dict[int, list[int]] = {}
         for index, parsed in enumerate(seeks):
@@ -448,22 +451,24 @@ class SeekService:
             version.acquire()
             try:
                 if len(keys) == 1:
-                    answers[members[0]] = answer_keys(version, keys[0], self.partitioner)
-                    continue
-                bounds = [0, *itertools.accumulate(k.shape[0] for k in keys)]
-                merged = answer_keys(version, np.concatenate(keys), self.partitioner)
-                for index, piece in zip(members, split_answer(merged, bounds), strict=True):
-                    answers[index] = piece
+                    merged = answers[members[0]] = answer_keys(version, keys[0], self.partitioner)
+                else:
+                    bounds = [0, *itertools.accumulate(k.shape[0] for k in keys)]
+                    merged = answer_keys(version, np.concatenate(keys), self.partitioner)
+                    for index, piece in zip(members, split_answer(merged, bounds), strict=True):
+                        answers[index] = piece
             finally:
                 version.release()
-        counters = self.counters
+            found = merged.found
+            counters.unfound += found.shape[0] - int(np.count_nonzero(found))  # once per pass
         responses = []
         for parsed, answer in zip(seeks, answers, strict=True):
             assert answer is not None
             count = parsed.keys.shape[0]
             counters.requests += 1
             counters.keys += count
-            counters.unfound += count - int(np.count_nonzero(answer.found))
+            if parsed.version is None:
+                counters.unfound += count
             name = parsed.version.name if parsed.version is not None else ""
             responses.append(seek_response_parts(answer, name, parsed.request_id))
         return responses
