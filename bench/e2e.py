@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from cube.flags import FlagError, FlagSet, run_cli
+from cube.format import FORMAT_VERSION
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _VERSION = "1"
@@ -73,7 +74,7 @@ FLAGS = (
 
 
 def shard_dir(workdir: Path, keys: int, width: int, seed: int) -> Path:
-    return workdir / f"k{keys}_w{width}_s{seed}"
+    return workdir / f"k{keys}_w{width}_s{seed}_f{FORMAT_VERSION}"
 
 
 def build_data(workdir: Path, count: int, width: int, seed: int) -> tuple[Path, np.ndarray]:

@@ -3,7 +3,8 @@
 Pure: encodes and checks headers and section tables; reading and writing files is shard.py's.
 
 Every shard version directory holds two files (one shard or one split of a shard):
-- `index.cube`: sections `slot_keys` (uint64 LE) and `slot_rows` (uint32 LE), see index.py;
+- `index.cube`: sections `slot_keys` (uint64 LE), `bucket_rows` (uint32 LE) and `deleted_keys`
+  (uint64 LE, sorted; empty but in deltas that delete), see index.py;
 - `data.cube`: section `values` and, for variable-width values, `offsets` (n+1 uint64 LE).
 
 Header (both files), little-endian:
@@ -25,12 +26,12 @@ import zlib
 from typing import Any
 
 MAGICS = {"index": b"CUBEIDX1", "data": b"CUBEDAT1"}
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-bucket rows and a deleted-key list replace per-slot rows
 HEADER_SIZE = 4096
 SECTION_ALIGN = 4096
 _PREFIX = struct.Struct("<8sIII")
 
-INDEX_SECTIONS = ("slot_keys", "slot_rows")
+INDEX_SECTIONS = ("slot_keys", "bucket_rows", "deleted_keys")
 DATA_SECTIONS = ("values",)  # plus "offsets" when value_width == 0
 
 
@@ -74,8 +75,14 @@ def decode_header(kind: str, header: bytes, path: str, file_size: int) -> dict[s
     magic, version, length, crc = _PREFIX.unpack_from(header)
     if magic != MAGICS[kind]:
         raise ShardFormatError(path, f"bad magic {magic!r}, expected {MAGICS[kind]!r}", 0)
-    if version > FORMAT_VERSION:
-        raise ShardFormatError(path, f"format {version} is newer than this reader's", 8)
+    if version != FORMAT_VERSION:
+        age = "newer" if version > FORMAT_VERSION else "older"
+        raise ShardFormatError(
+            path,
+            f"format {version} is {age} than this reader's ({FORMAT_VERSION}): rebuild the"
+            " shard with this release's cube-builder",
+            8,
+        )
     if _PREFIX.size + length > min(len(header), HEADER_SIZE):
         raise ShardFormatError(path, f"header JSON length {length} overruns the header", 12)
     body = bytes(header[_PREFIX.size : _PREFIX.size + length])

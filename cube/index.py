@@ -7,20 +7,28 @@ Pure numpy, no I/O. Layout, chosen so that loading is free and a batch resolves 
 - Keys are placed in order of their hash with linear probing and no wrap-around, so the table
   is a Robin Hood table built in one vectorized pass: with home slots `8 * bucket` sorted,
   `pos[i] = max(home[i], pos[i-1] + 1)`, which is `maximum.accumulate(home - i) + i`.
-- Two parallel arrays: `slot_keys` (uint64) and `slot_rows` (uint32 row of the key's value).
-  Empty slots hold `empty_key`, a value chosen to be absent from the shard. A padding bucket
-  at the end keeps every probe inside the arrays.
+- `slot_keys` (uint64) holds the keys; empty slots hold `empty_key`, a value chosen to be
+  absent from the shard. A padding bucket at the end keeps every probe inside the array.
+- Rows are numbered in slot order, and a bucket's keys are a prefix of it (keys sit at
+  `max(home slot, previous + 1)` in home order), so a key's row is `bucket_rows[bucket] +
+  slot within the bucket`, with `bucket_rows` one uint32 per bucket (the rows of the buckets
+  before it). That array is an eighth of the slots' size and stays in cache, so a lookup
+  misses the cache on the bucket line and the value only, not on a per-slot row array too.
 - A probe reads each key's home bucket in one numpy pass and compares. If the key is not there
   and the bucket has an empty slot, the key is absent (a bucket's keys start inside it and are
   contiguous). The few keys left (2.5% at load 0.6) read the next bucket, and so on, bounded
   by `max_probe`, the largest bucket displacement in the table.
-- Rows are numbered in slot order; `TOMBSTONE` marks a key deleted by a delta.
+- A delta's deleted keys are not in the table: `deleted_keys` (sorted uint64) lists them, and
+  a lookup reports them found with row `TOMBSTONE` (a newer layer's tombstone hides the key in
+  older layers, see cube.shard.ShardStack).
 
-Overhead at the default load factor 0.6: 12 bytes per slot / 0.6 = 20 bytes per key.
+Overhead at the default load factor 0.6: (8 bytes per slot + 4 per 8 slots) / 0.6 = 14.2 bytes
+per key.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,7 +48,8 @@ class HashTable:
     """A probe-ready table; arrays may be views on an mmap."""
 
     slot_keys: np.ndarray  # uint64, (bucket_count + overflow + 1) * WINDOW slots
-    slot_rows: np.ndarray  # uint32, same length
+    bucket_rows: np.ndarray  # uint32, one per bucket of slot_keys: row of its first slot
+    deleted_keys: np.ndarray  # uint64, sorted: keys this delta deletes (tombstones)
     bucket_count: int  # number of home buckets
     empty_key: int
     max_probe: int  # largest (bucket of position - home bucket) in the table
@@ -61,7 +70,7 @@ class BuiltTable:
 
     table: HashTable
     live_order: np.ndarray  # int64 positions into the input keys; row r holds record live_order[r]
-    tombstone_count: int
+    tombstone_count: int  # deleted keys (table.deleted_keys)
 
 
 def bucket_count_for(count: int, load_factor: float = LOAD_FACTOR) -> int:
@@ -146,12 +155,18 @@ def build_table(
     sorted_hashes = sorted_hashes[last_of_run]
     del order, last_of_run
 
-    is_tombstone = winners >= record_count
-    live_count = int(winners.shape[0] - np.count_nonzero(is_tombstone))
-    if live_count > MAX_ROWS:
-        raise ValueError(f"{live_count} records in one shard; at most {MAX_ROWS} (use more shards)")
-
+    deleted_keys = np.empty(0, dtype=np.uint64)
+    if keys.shape[0] > record_count:  # deletes win their runs; they leave the table
+        is_deleted = winners >= record_count
+        deleted_keys = np.sort(keys[winners[is_deleted]])
+        live = ~is_deleted
+        winners = winners[live]
+        sorted_hashes = sorted_hashes[live]
+        del is_deleted, live
     n = int(winners.shape[0])
+    if n > MAX_ROWS:
+        raise ValueError(f"{n} records in one shard; at most {MAX_ROWS} (use more shards)")
+
     bucket_count = bucket_count_for(n, load_factor)
     # In-place steps where possible: at 10M keys every temporary is 80 MB of fresh memory.
     homes = home_buckets(sorted_hashes, bucket_count)
@@ -165,22 +180,19 @@ def build_table(
     max_probe = int((positions - homes).max()) // WINDOW if n else 0
     del homes
     used_buckets = max(bucket_count, int(positions[-1]) // WINDOW + 1 if n else 0)
-    slot_count = (used_buckets + 1) * WINDOW  # + one empty padding bucket
+    total_buckets = used_buckets + 1  # + one empty padding bucket
 
     empty_key = _choose_empty_key(sorted_hashes)
-    slot_keys = np.full(slot_count, empty_key, dtype=np.uint64)
+    slot_keys = np.full(total_buckets * WINDOW, empty_key, dtype=np.uint64)
     slot_keys[positions] = keys[winners]
-    slot_rows = np.zeros(slot_count, dtype=np.uint32)
-    if n == live_count:  # no tombstones: rows are the slot order
-        slot_rows[positions] = np.arange(n, dtype=np.uint32)
-        live_order = winners
-    else:
-        rows = np.cumsum(~is_tombstone, dtype=np.int64) - 1
-        slot_rows[positions] = np.where(is_tombstone, TOMBSTONE, rows).astype(np.uint32)
-        live_order = winners[~is_tombstone]
+    # rows are the slot order: a bucket's first row is the count of keys in earlier buckets
+    per_bucket = np.bincount(positions // WINDOW, minlength=total_buckets)
+    bucket_rows = np.zeros(total_buckets, dtype=np.uint32)
+    np.cumsum(per_bucket[:-1], out=bucket_rows[1:], dtype=np.uint32)
+    del positions, per_bucket
 
-    table = HashTable(slot_keys, slot_rows, bucket_count, empty_key, max_probe)
-    return BuiltTable(table, live_order, n - live_count)
+    table = HashTable(slot_keys, bucket_rows, deleted_keys, bucket_count, empty_key, max_probe)
+    return BuiltTable(table, winners, int(deleted_keys.shape[0]))
 
 
 # Multiplying a one-hot 8-byte mask (byte j set) by this puts j in the top byte.
@@ -188,11 +200,13 @@ _BYTE_INDEX = np.uint64(sum(j << (56 - 8 * j) for j in range(WINDOW)))
 _S56 = np.uint64(56)
 _S3 = np.int64(3)
 _NOTHING = np.empty(0, dtype=np.int64)
+_LOW_WORD = 0 if sys.byteorder == "little" else 1  # of a uint64 viewed as two uint32
 _BUCKET = np.dtype((np.void, 8 * WINDOW))  # one bucket of keys as one item: take moves rows
 
 
 def lookup(table: HashTable, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Probe a batch: return (rows uint32, found bool). A tombstone is found with row TOMBSTONE.
+    """Probe a batch: return (rows uint32, found bool). A deleted key is found with row
+    TOMBSTONE.
 
     Every numpy call costs ~1 µs whatever its size, so the home buckets are computed in place
     on the hashes and the common case (the key in its home bucket) takes one pass."""
@@ -212,6 +226,8 @@ def lookup(table: HashTable, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         step += 1
     if keys.shape[0]:
         found &= keys != np.uint64(table.empty_key)  # it matched an empty slot
+    if table.deleted_keys.shape[0]:
+        _mark_deleted(table.deleted_keys, keys, rows, found)
     return rows, found
 
 
@@ -228,18 +244,28 @@ def _probe(
     onehot = matches.view(np.uint64)
     found = onehot != 0
     onehot *= _BYTE_INDEX
-    onehot >>= _S56
-    positions = onehot.view(np.int64)  # 0..7, in place
-    positions += buckets << _S3
-    # clip: a key equal to empty_key matches several slots; lookup() clears its found flag
-    rows = table.slot_rows.take(positions, mode="clip")
+    onehot >>= _S56  # the matching slot's place in its bucket, 0..7
+    # (a key equal to empty_key matches several slots: garbage here, lookup() clears found)
+    rows = table.bucket_rows.take(buckets)
+    rows += onehot.view(np.uint32)[_LOW_WORD::2]  # 0..7 fits the low word: no casting pass
     if table.max_probe == 0 or np.count_nonzero(found) == found.shape[0]:
         return rows, found, _NOTHING
-    # A bucket's occupied slots are a prefix of it (keys sit at max(home slot, previous + 1)
-    # in home order), so a bucket is full exactly when its last slot is occupied.
+    # A bucket's occupied slots are a prefix of it, so a bucket is full exactly when its last
+    # slot is occupied.
     full = candidates[WINDOW - 1 :: WINDOW] != np.uint64(table.empty_key)
     full &= ~found
     return rows, found, np.flatnonzero(full)
+
+
+def _mark_deleted(
+    deleted_keys: np.ndarray, keys: np.ndarray, rows: np.ndarray, found: np.ndarray
+) -> None:
+    """Report the keys in `deleted_keys` found with row TOMBSTONE (in place)."""
+    at = np.searchsorted(deleted_keys, keys)
+    np.minimum(at, deleted_keys.shape[0] - 1, out=at)
+    deleted = deleted_keys.take(at) == keys
+    found |= deleted
+    rows[deleted] = TOMBSTONE
 
 
 def is_tombstone(rows: np.ndarray) -> np.ndarray:

@@ -86,7 +86,14 @@ def write_shard(
     }
     index_sections = {
         "slot_keys": (table.slot_keys.nbytes, iter([table.slot_keys.astype("<u8", copy=False)])),
-        "slot_rows": (table.slot_rows.nbytes, iter([table.slot_rows.astype("<u4", copy=False)])),
+        "bucket_rows": (
+            table.bucket_rows.nbytes,
+            iter([table.bucket_rows.astype("<u4", copy=False)]),
+        ),
+        "deleted_keys": (
+            table.deleted_keys.nbytes,
+            iter([table.deleted_keys.astype("<u8", copy=False)]),
+        ),
     }
     return _write_file(directory / INDEX_FILE, "index", index_fields, index_sections)
 
@@ -171,7 +178,8 @@ class Shard:
         self.meta = index.fields
         self.table = HashTable(
             slot_keys=index.section("slot_keys", "<u8"),
-            slot_rows=index.section("slot_rows", "<u4"),
+            bucket_rows=index.section("bucket_rows", "<u4"),
+            deleted_keys=index.section("deleted_keys", "<u8"),
             bucket_count=int(self.meta["bucket_count"]),
             empty_key=int(self.meta["empty_key"]),
             max_probe=int(self.meta["max_probe"]),

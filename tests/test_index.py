@@ -99,8 +99,8 @@ def test_long_probe_chains_are_followed():
 def test_index_overhead_is_within_budget():
     n = 100_000
     table = build_table(np.arange(n, dtype=np.uint64)).table
-    per_key = (table.slot_keys.nbytes + table.slot_rows.nbytes) / n
-    assert per_key <= 24
+    per_key = (table.slot_keys.nbytes + table.bucket_rows.nbytes) / n
+    assert per_key <= 15
     assert table.slot_count % WINDOW == 0
 
 

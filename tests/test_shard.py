@@ -114,6 +114,8 @@ def good_shard(tmp_path) -> Path:
         ("bad magic", lambda p: corrupt(p / INDEX_FILE, 0), "bad magic"),
         ("bad header", lambda p: corrupt(p / DATA_FILE, 30), "header checksum"),
         ("missing data", lambda p: (p / DATA_FILE).unlink(), "missing"),
+        ("older format", lambda p: set_format(p / INDEX_FILE, 1), "older than this reader's"),
+        ("newer format", lambda p: set_format(p / DATA_FILE, 99), "newer than this reader's"),
     ],
 )
 def test_bad_files_are_refused_at_open(good_shard, name, mutate, message):
@@ -121,6 +123,12 @@ def test_bad_files_are_refused_at_open(good_shard, name, mutate, message):
     with pytest.raises(ShardFormatError, match=message) as info:
         Shard.open(good_shard)
     assert str(good_shard) in str(info.value)
+
+
+def set_format(path: Path, version: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[8:12] = version.to_bytes(4, "little")
+    path.write_bytes(bytes(data))
 
 
 def truncate(path: Path, drop: int) -> None:

@@ -224,7 +224,7 @@ def lock_in_memory(shard: Shard) -> bool:
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    arrays = [shard.table.slot_keys, shard.table.slot_rows, shard.values.blob]
+    arrays = [shard.table.slot_keys, shard.table.bucket_rows, shard.values.blob]
     ok = True
     for array in arrays:
         if not array.nbytes:
