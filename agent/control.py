@@ -30,6 +30,8 @@ class ServerError(Exception):
 class ServerUnreachable(ServerError):
     """No answer from the cube-server's control service."""
 
+    reason = "server_unreachable"  # a task failed by it says so (the transfer waits, see drive)
+
 
 @dataclass
 class ServerStatus:

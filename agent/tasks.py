@@ -46,6 +46,7 @@ class Task:
     finished_at: float | None = None
     progress: dict[str, Any] = field(default_factory=dict)
     runs: int = 1
+    reason: str = ""  # of a failure, for programs: e.g. "server_unreachable" (worth waiting)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -53,6 +54,7 @@ class Task:
             "version": self.version,
             "state": self.state,
             "message": self.message,
+            "reason": self.reason,
             "started_at": self.started_at,
             "finished_at": self.finished_at,
             "progress": dict(self.progress),
@@ -73,6 +75,7 @@ class Task:
             started_at=float(record.get("started_at") or 0.0),
             finished_at=record.get("finished_at"),
             progress=dict(record.get("progress") or {}),
+            reason=str(record.get("reason") or ""),
             runs=int(record.get("runs", 1)),
         )
 
@@ -165,6 +168,7 @@ class TaskManager:
             raise
         except self.expected_errors as exc:
             task.state, task.message = FAILED, str(exc)
+            task.reason = getattr(exc, "reason", "")
         except Exception as exc:
             log.exception("%s %s: internal error", task.command, task.version)
             task.state, task.message = FAILED, f"internal error: {type(exc).__name__}: {exc}"

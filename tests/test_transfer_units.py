@@ -447,3 +447,51 @@ def test_cube_transfer_cli_rejects_bad_configs(tmp_path):
     assert result.returncode == 2 and "bad.conf:11: shard_num" in result.stderr
     assert cli("--no_such_flag", "1").returncode == 2
     assert "--poll_interval" in cli("--help").stdout
+
+
+class _ScriptedAgent:
+    """An AgentClient stand-in: task answers come from a script; status says the server is
+    reachable (as it is once a killed server has restarted)."""
+
+    def __init__(self, answers: list[dict]) -> None:
+        self.answers = list(answers)
+        self.submits = 0
+
+    async def submit(self, inst, fields):
+        self.submits += 1
+        return self.answers.pop(0)
+
+    async def task(self, inst, command, version):
+        return self.answers.pop(0)
+
+    async def status(self, inst):
+        return {"server": {"reachable": True}}
+
+
+def test_drive_waits_out_an_unreachable_server_without_spending_retries():
+    """A task that failed because the server was unreachable is re-sent without counting as
+    a failure even when the server is back by the time the agent is asked (the race that made
+    a kill -9 of a loading server fail the phase)."""
+    import asyncio
+
+    from transfer.agents import drive
+    from transfer.config import Instance
+
+    inst = Instance(0, 0, "127.0.0.1", 1, "127.0.0.1", 2, "/tmp/x")
+    fields = {"command": "reload", "version": "7"}
+    unreachable = {
+        "command": "reload",
+        "version": "7",
+        "state": "failed",
+        "message": "cube-server unreachable",
+        "reason": "server_unreachable",
+    }
+    done = {"command": "reload", "version": "7", "state": "succeeded", "message": "ok"}
+    agent = _ScriptedAgent([unreachable, unreachable, done])
+    outcome = asyncio.run(drive(agent, inst, fields, 30.0, 0, poll=0.01))  # type: ignore[arg-type]
+    assert outcome.ok and agent.submits == 3
+
+    refused = {**unreachable, "reason": "", "message": "bad tar"}
+    agent = _ScriptedAgent([refused, done])
+    outcome = asyncio.run(drive(agent, inst, fields, 30.0, 0, poll=0.01))  # type: ignore[arg-type]
+    assert not outcome.ok and "bad tar" in outcome.message

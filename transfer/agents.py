@@ -183,7 +183,10 @@ async def drive(
                 await asyncio.sleep(min(delay, max(remaining, 0.0)))
                 continue
             submitted = False
-            if await _server_down(client, inst):  # restarting, say: wait as for a silent agent
+            # The server was unreachable (the task says so, or the agent does now): it may be
+            # restarting, so wait as for a silent agent, without spending a retry. The task's
+            # own reason counts even if the server is back by the time we ask the agent.
+            if task.get("reason") == "server_unreachable" or await _server_down(client, inst):
                 if server_down_since is None:
                     server_down_since = loop.time()
                 if dead_timeout is None or loop.time() - server_down_since < dead_timeout:
