@@ -17,6 +17,9 @@ Clients (`--client`):
 - `raw`: no SDK: grpc.aio SeekStream, one stream per worker port, N requests in flight spread
   round robin (what gRPC streaming alone allows the server).
 `--transport grpc` keeps the SDK on gRPC unary calls (the TCP lane is the default).
+`--busy_poll_us N` turns on busy polling on both sides (cube-server --busy_poll_us, the thread
+client's busy_poll_us): a VM's idle vCPU halts and waking it is slow, which dominates the
+latency at one request in flight; the server CPU figure then includes the polling.
 
 The shard is built with cube.index.build_table + cube.shard.write_shard (the builder's format)
 into --workdir and reused by later runs with the same --keys/--width/--seed.
@@ -59,6 +62,12 @@ FLAGS = (
     .add("client", str, "async", "async, thread or raw", choices=("async", "thread", "raw"))
     .add(
         "transport", str, "auto", "SDK transport: auto (TCP lane) or grpc", choices=("auto", "grpc")
+    )
+    .add(
+        "busy_poll_us",
+        int,
+        0,
+        "cube-server --busy_poll_us and the thread client's busy_poll_us (0: off)",
     )
     .add("server_args", str, "", "extra cube-server flags (space separated)")
     .add("workdir", str, "/tmp/cube-e2e", "where the shard is built (and reused)")
@@ -359,7 +368,7 @@ def _cycle(batches: list[np.ndarray]) -> Callable[[], np.ndarray]:
     return next_batch
 
 
-def async_load(addresses: list[str], batches: list[np.ndarray], inflight: int, transport: str):
+def async_load(addresses: list[str], batches: list[np.ndarray], inflight: int, options: dict):
     from cube.client import AsyncCubeClient
 
     def run(recorder: Recorder, keep_going: Callable[[], bool]) -> None:
@@ -375,7 +384,7 @@ def async_load(addresses: list[str], batches: list[np.ndarray], inflight: int, t
 
         async def main() -> None:
             async with AsyncCubeClient(
-                shards=[addresses], timeout_ms=30_000, transport=transport
+                shards=[addresses], timeout_ms=30_000, transport=options["transport"]
             ) as client:
                 await client.wait_ready(10)
                 await asyncio.gather(*(worker(client) for _ in range(inflight)))
@@ -385,11 +394,11 @@ def async_load(addresses: list[str], batches: list[np.ndarray], inflight: int, t
     return run
 
 
-def thread_load(addresses: list[str], batches: list[np.ndarray], inflight: int, transport: str):
+def thread_load(addresses: list[str], batches: list[np.ndarray], inflight: int, options: dict):
     from cube.client import CubeClient
 
     def run(recorder: Recorder, keep_going: Callable[[], bool]) -> None:
-        with CubeClient(shards=[addresses], timeout_ms=30_000, transport=transport) as client:
+        with CubeClient(shards=[addresses], timeout_ms=30_000, **options) as client:
             client.wait_ready(10)
             per_thread = [batches[i::inflight] for i in range(inflight)]
 
@@ -409,7 +418,7 @@ def thread_load(addresses: list[str], batches: list[np.ndarray], inflight: int, 
     return run
 
 
-def raw_load(addresses: list[str], batches: list[np.ndarray], inflight: int, transport: str):
+def raw_load(addresses: list[str], batches: list[np.ndarray], inflight: int, options: dict):
     """SeekStream without the SDK: the server's capacity on its own."""
 
     def run(recorder: Recorder, keep_going: Callable[[], bool]) -> None:
@@ -462,7 +471,11 @@ def run_levels(flags) -> list[Level]:
     print(f"building/reusing the shard under {workdir} ...", file=sys.stderr)
     data_dir, keys = build_data(workdir, flags["keys"], flags.width, flags.seed)
     batches = key_batches(keys, flags.batch, 4096, flags.seed + 1)
-    server = Server(data_dir, flags.workers, flags.server_args.split(), workdir / "server.log")
+    server_args = flags.server_args.split()
+    if flags.busy_poll_us:
+        server_args += ["--busy_poll_us", str(flags.busy_poll_us)]
+    options = {"transport": flags.transport, "busy_poll_us": flags.busy_poll_us}
+    server = Server(data_dir, flags.workers, server_args, workdir / "server.log")
     results = []
     try:
         server.wait_serving()
@@ -470,7 +483,7 @@ def run_levels(flags) -> list[Level]:
         for inflight in levels:
             best = None
             for attempt in range(1 + flags.repeats):
-                load = LOADS[flags.client](server.addresses, batches, inflight, flags.transport)
+                load = LOADS[flags.client](server.addresses, batches, inflight, options)
                 level = measure(
                     load, server, inflight, flags.client, flags.batch, flags.warmup, flags.duration
                 )

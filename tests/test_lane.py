@@ -9,19 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import struct
 import subprocess
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
 import pytest
 from procs import expected_fixed, fixed_values, running_server, start_server, write_version
 
-from cube.client import AsyncCubeClient, CubeClient, RequestRejectedError
+from cube.client import AsyncCubeClient, ConfError, CubeClient, RequestRejectedError
 from cube.client.core import decode_seek_response, encode_seek_request
-from cube.client.transport import LANE_MAGIC
+from cube.client.transport import LANE_MAGIC, BusyPoll
 from cube.pb import cube_fast_pb2, cube_pb2, cube_pb2_grpc
 
 WIDTH = 24
@@ -367,3 +371,52 @@ def test_unreachable_lane_falls_back_to_grpc():
     finally:
         server.stop(0)
         dead.close()
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_busy_polling_answers_and_stops_when_idle(tmp_path):
+    """--busy_poll_us on the server and busy_poll_us in the SDK: answers are right, several
+    threads share the client, and once traffic stops the server stops polling (a window that
+    never closed would burn a core forever)."""
+    data = tmp_path / "data"
+    write_version(data, "100", KEYS, fixed_values(KEYS, WIDTH, tag=1), current=True)
+    with (
+        running_server(data, "--busy_poll_us", "20000") as server,
+        CubeClient(shards=[[server.address]], busy_poll_us=20000) as client,
+    ):
+        for _ in range(20):
+            result = client.seek(KEYS[:500])
+            assert result.found.all()
+            assert (result.column.as_rows() == expected_fixed(KEYS[:500], WIDTH, 1)).all()
+        with ThreadPoolExecutor(4) as pool:
+            assert all(pool.map(lambda _: client.seek(KEYS).found.all(), range(40)))
+        assert counters(server.address)["lane_messages"] >= 60
+        time.sleep(0.2)  # past the 20 ms window
+        before = _cpu_seconds(server.pid)
+        time.sleep(1.0)
+        assert _cpu_seconds(server.pid) - before < 0.2
+    with pytest.raises(ConfError, match="busy_poll_us"):
+        CubeClient(shards=[["127.0.0.1:1"]], busy_poll_us=-1)
+
+
+def test_busy_poll_receives_what_comes_within_or_after_its_window():
+    ours, theirs = socket.socketpair()
+    try:
+        poll = BusyPoll(0.5)
+        buffer = bytearray(16)
+        timer = threading.Timer(0.01, theirs.send, args=(b"soon",))
+        timer.start()
+        assert poll.recv_into(ours, memoryview(buffer), time.monotonic() + 5) == 4
+        timer.join()
+        short = BusyPoll(0.001)  # the window passes: the blocking receive gets it
+        threading.Timer(0.05, theirs.send, args=(b"later",)).start()
+        assert short.recv_into(ours, memoryview(buffer), time.monotonic() + 5) == 5
+        assert bytes(buffer[:5]) == b"later" and poll._waiting == short._waiting == 0
+    finally:
+        ours.close()
+        theirs.close()

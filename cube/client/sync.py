@@ -43,7 +43,9 @@ class CubeClient(ClientBase):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._channels = SyncChannels(self._wire.method, lanes=self._use_lanes)
+        self._channels = SyncChannels(
+            self._wire.method, lanes=self._use_lanes, busy_poll_s=self._busy_poll_s
+        )
         # Threads start only when needed; many allowed because an abandoned attempt (a backup
         # request's loser) holds its thread until its timeout.
         workers = max(32, 8 * len(self._cluster.endpoints))

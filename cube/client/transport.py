@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import socket
 import struct
 import threading
@@ -117,14 +118,52 @@ class _Connection:
         self.timeout_s = timeout_s
 
 
+class BusyPoll:
+    """Wait for an answer by polling the socket for up to `seconds` before a blocking receive
+    (`busy_poll_us` of the blocking client; the server's `--busy_poll_us` is the other half).
+
+    A thread asleep in recv() lets its vCPU halt, and on a VM waking it costs the answer a
+    hypervisor round trip and cold caches. Polling happens only while one call of the client
+    waits: with several in flight the CPU has other work and a poller would take it from them
+    (and from a server on the same machine), so the calls then sleep as usual."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._lock = threading.Lock()
+        self._waiting = 0  # calls of this client waiting for an answer
+
+    def recv_into(self, sock: socket.socket, view: memoryview, deadline: float) -> int:
+        """`sock.recv_into(view)`, polling first (until `deadline` at most, monotonic) when
+        this is the only call waiting."""
+        if self.seconds <= 0:
+            return sock.recv_into(view)
+        with self._lock:
+            self._waiting += 1
+        try:
+            until = min(time.monotonic() + self.seconds, deadline)
+            while self._waiting == 1 and time.monotonic() < until:
+                try:
+                    return sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    os.sched_yield()  # a thread runnable on this CPU (the server?) goes first
+            return sock.recv_into(view)
+        finally:
+            with self._lock:
+                self._waiting -= 1
+
+
+NO_BUSY_POLL = BusyPoll(0.0)
+
+
 class SyncLane:
     """Blocking connections to one worker's TCP lane. A call takes an idle connection (or
     opens one), writes its frame and reads the answer in the calling thread: no thread hop,
     and usually one send and one receive syscall (the answer is read into a buffer sized
     like the previous answer)."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, busy_poll: BusyPoll = NO_BUSY_POLL) -> None:
         self.host, self.port = host, port
+        self.busy_poll = busy_poll
         self.broken = False  # a connection failed: the caller should ask for the lane again
         self.unreachable = False  # could not even connect: use gRPC for a while
         self._idle: list[_Connection] = []
@@ -194,7 +233,7 @@ class SyncLane:
             if got and time.monotonic() > deadline:
                 raise TimeoutError
             try:
-                count = sock.recv_into(view[got:])
+                count = self.busy_poll.recv_into(sock, view[got:], deadline)
             except (ConnectionResetError, BrokenPipeError):
                 if reused and got == 0:
                     raise _Stale from None
@@ -252,8 +291,9 @@ class SyncChannels:
     here, so the client runs blocking calls inline or on its own thread pool instead.
     With `lanes`, endpoints that offer a TCP lane are called over it (module docstring)."""
 
-    def __init__(self, method: str, lanes: bool = False) -> None:
+    def __init__(self, method: str, lanes: bool = False, busy_poll_s: float = 0.0) -> None:
         self._method = method
+        self._busy_poll = BusyPoll(busy_poll_s)
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._callables: dict[str, grpc.UnaryUnaryMultiCallable] = {}
@@ -324,7 +364,7 @@ class SyncChannels:
             if self._closed:
                 return ("CANCELLED", "client is closed")
             if not isinstance(self._lanes.get(address), SyncLane):
-                self._lanes[address] = SyncLane(*where)
+                self._lanes[address] = SyncLane(*where, self._busy_poll)
         return None
 
     def _forget(self, address: str, lane: SyncLane | None) -> None:

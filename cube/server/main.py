@@ -53,6 +53,13 @@ FLAGS = (
     .add("reuseport", bool, False, "every worker also on --port (SO_REUSEPORT); own ports +1")
     .add("tcp_lane", bool, True, "also serve cube.v1 Seek over plain TCP (see cube.server.lane)")
     .add("tcp_ports", str, "", "comma list of each worker's TCP lane port (default: any free)")
+    .add(
+        "busy_poll_us",
+        int,
+        0,
+        "after answering on the TCP lane, poll for the next request this long before sleeping"
+        " (lower latency where waking an idle CPU is slow, e.g. VMs; burns CPU when idle)",
+    )
     .add("max_batch", int, 100000, "most keys in one request (more: RESOURCE_EXHAUSTED)")
     .add("dict_name", str, "", "dictionary served; requests naming another get NOT_FOUND")
     .add("shard", int, -1, "shard number of this server (also accepts <dict>_part<shard>)")
@@ -295,7 +302,7 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
     await server.start()
     lane = None
     if flags.tcp_lane:
-        lane = Lane(service, max_message)
+        lane = Lane(service, max_message, busy_poll_s=flags.busy_poll_us / 1e6)
         try:
             service.lane_port = await lane.start(flags.host, lane_ports(flags)[index])
         except OSError as exc:
