@@ -425,7 +425,7 @@ def raw_load(addresses: list[str], batches: list[np.ndarray], inflight: int, opt
         import grpc
         import uvloop
 
-        from cube.client.core import encode_seek_request
+        from cube.wire import encode_seek_request
 
         requests = [encode_seek_request(b) for b in batches]
 

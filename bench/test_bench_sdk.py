@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 
 from cube.client import AsyncCubeClient, CubeClient
-from cube.client.core import assemble, decode_seek_response, encode_seek_request, make_plan
+from cube.client.core import assemble, make_plan
 from cube.pb import cube_fast_pb2
 from cube.routing import shard_of
+from cube.wire import decode_seek_response, encode_seek_request
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from procs import fixed_values, start_server, write_version

@@ -8,15 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cube.client.core import (
-    Answer,
-    BadResponse,
     OriginalProtocol,
     PieceOutcome,
     PieceRequest,
     assemble,
-    decode_seek_response,
     embeddings,
-    encode_seek_request,
     make_plan,
     normalize_keys,
     seek_flow,
@@ -33,6 +29,7 @@ from cube.client.errors import (
 from cube.pb import cube_fast_pb2, cube_pb2
 from cube.routing import shard_of
 from cube.values import ValueColumn
+from cube.wire import Answer, BadMessage, decode_seek_response, encode_seek_request
 
 # ---------------------------------------------------------------------------------------------
 # keys
@@ -147,7 +144,7 @@ def test_decode_variable_response():
     ],
 )
 def test_decode_rejects_responses_that_do_not_match(data, n, message):
-    with pytest.raises(BadResponse, match=message):
+    with pytest.raises(BadMessage, match=message):
         decode_seek_response(data, n)
 
 
@@ -165,7 +162,7 @@ def test_original_protocol_roundtrip():
     answer = wire.decode(reply, 2)
     assert answer.found.tolist() == [True, False]
     assert answer.column.to_list() == [b"abc", b""] and answer.version == "7"
-    with pytest.raises(BadResponse, match="1 values for 2 keys"):
+    with pytest.raises(BadMessage, match="1 values for 2 keys"):
         wire.decode(
             cube_pb2.DictResponse(
                 values=[cube_pb2.DictValue(status=0, value=b"")]

@@ -7,7 +7,6 @@ import random
 import numpy as np
 import pytest
 
-from cube.client.core import Answer, BadResponse
 from cube.client.errors import ConfError
 from cube.client.policy import (
     Balancer,
@@ -20,12 +19,13 @@ from cube.client.policy import (
     ShardCall,
 )
 from cube.values import ValueColumn
+from cube.wire import Answer, BadMessage
 
 
 def fake_decode(data: bytes) -> Answer:
     """Test responses are the version name; b"garbage" is a malformed response."""
     if data == b"garbage":
-        raise BadResponse("garbage")
+        raise BadMessage("garbage")
     return Answer(np.ones(1, bool), ValueColumn.from_list([b"v"]), data.decode())
 
 

@@ -6,9 +6,9 @@ send and how to read it lives here, so both clients share it and tests drive it 
 - `normalize_keys`: list of ints or integer array -> uint64 array, with a clear error.
 - `make_plan`: route with `cube.routing.shard_of` (the builder's function), group with
   `group_by_owner`, split groups larger than `max_batch` into several pieces.
-- Wire: `encode_seek_request` writes `cube.v1.SeekRequest` bytes directly;
-  `decode_seek_response` reads `SeekResponse` bytes with `np.frombuffer` (no copy of values).
-  `OriginalProtocol` speaks the original `rec.mcube.DictService/seek` (one protobuf per key).
+- Wire: `FastProtocol` writes and reads cube.v1 bytes with `cube.wire` (shared with the
+  server; values stay in the received buffer). `OriginalProtocol` speaks the original
+  `rec.mcube.DictService/seek` (one protobuf per key).
 - `assemble`: scatter piece answers back into request order with fancy indexing (fixed-width
   answers go straight into one preallocated (n, width) buffer).
 - `seek_flow`: the version rule (a generator that yields rounds of sub-requests):
@@ -34,6 +34,7 @@ from typing import Protocol
 
 import numpy as np
 
+from cube import wire
 from cube.client.errors import (
     Attempt,
     KeyRangeError,
@@ -44,6 +45,7 @@ from cube.client.errors import (
 )
 from cube.routing import group_by_owner, shard_of
 from cube.values import ValueColumn, gather_ranges
+from cube.wire import Answer, BadMessage
 
 DEFAULT_MAX_BATCH = 100_000
 _EMPTY_U8 = np.empty(0, dtype=np.uint8)
@@ -130,121 +132,7 @@ def make_plan(
 
 
 # ---------------------------------------------------------------------------------------------
-# Wire format of cube.v1 (proto/cube_fast.proto), written and read without protobuf objects
-
-
-class BadResponse(ValueError):
-    """A response that does not match its request (wrong counts, bad offsets, bad bytes)."""
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def encode_seek_request(
-    keys: np.ndarray, dict_name: str = "", version: str = "", request_id: int = 0
-) -> bytes:
-    """`cube.v1.SeekRequest` bytes: keys as one packed little-endian uint64 field."""
-    packed = np.ascontiguousarray(keys, dtype="<u8").tobytes()
-    parts = [b"\x0a", _varint(len(packed)), packed]
-    for tag, text in ((b"\x12", dict_name), (b"\x1a", version)):
-        if text:
-            raw = text.encode()
-            parts += [tag, _varint(len(raw)), raw]
-    if request_id:
-        parts += [b"\x20", _varint(request_id)]
-    return b"".join(parts)
-
-
-def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= len(data) or shift > 63:
-            raise BadResponse("truncated varint")
-        byte = data[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return result, pos
-        shift += 7
-
-
-def _fields(data: bytes) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
-    """(length-delimited fields as (offset, length), varint fields) of a protobuf message."""
-    spans: dict[int, tuple[int, int]] = {}
-    ints: dict[int, int] = {}
-    pos, end = 0, len(data)
-    while pos < end:
-        tag = data[pos]
-        if tag < 0x80:  # every field number of ours fits one tag byte
-            pos += 1
-        else:
-            tag, pos = _read_varint(data, pos)
-        number, wire_type = tag >> 3, tag & 7
-        if wire_type == 2:
-            length, pos = _read_varint(data, pos)
-            if pos + length > end:
-                raise BadResponse(f"field {number} runs past the end of the message")
-            spans[number] = (pos, length)
-            pos += length
-        elif wire_type == 0:
-            ints[number], pos = _read_varint(data, pos)
-        elif wire_type == 1:
-            pos += 8
-        elif wire_type == 5:
-            pos += 4
-        else:
-            raise BadResponse(f"unsupported wire type {wire_type} for field {number}")
-    if pos != end:
-        raise BadResponse("truncated message")
-    return spans, ints
-
-
-@dataclass(frozen=True, eq=False)
-class Answer:
-    """One piece's answer: found flags, values (fixed width zero-filled, or variable), version."""
-
-    found: np.ndarray  # bool, (n,)
-    column: ValueColumn
-    version: str
-
-
-def decode_seek_response(data: bytes | memoryview, n: int) -> Answer:
-    """Read `cube.v1.SeekResponse` bytes for a request of `n` keys; values stay in `data`
-    (bytes, or a memoryview of bytes from the TCP lane)."""
-    spans, ints = _fields(data)
-    offset, length = spans.get(1, (0, 0))
-    if length != n:
-        raise BadResponse(f"{length} found flags for {n} keys")
-    # Viewed, not compared: a ufunc over 1000+ elements releases the GIL, and taking it back
-    # costs a thread switch when other threads share the client (any nonzero byte is True).
-    found = np.frombuffer(data, np.bool_, n, offset)
-    width = ints.get(3, 0)
-    v_offset, v_length = spans.get(2, (0, 0))
-    if width:
-        if v_length != n * width:
-            raise BadResponse(f"{v_length} value bytes for {n} keys of width {width}")
-        column = ValueColumn.fixed(np.frombuffer(data, np.uint8, v_length, v_offset), width)
-    else:
-        o_offset, o_length = spans.get(4, (0, 0))
-        if o_length != 8 * (n + 1):
-            raise BadResponse(f"{o_length // 8} offsets for {n} keys (want {n + 1})")
-        offsets = np.frombuffer(data, "<u8", n + 1, o_offset).astype(np.int64)
-        if n and (offsets[0] < 0 or offsets[-1] > v_length or (np.diff(offsets) < 0).any()):
-            raise BadResponse(f"value offsets out of order or beyond {v_length} value bytes")
-        blob = np.frombuffer(data, np.uint8, v_length, v_offset) if v_length else _EMPTY_U8
-        column = ValueColumn.variable(blob, offsets)
-    v_offset, v_length = spans.get(5, (0, 0))
-    try:
-        version = bytes(data[v_offset : v_offset + v_length]).decode()
-    except UnicodeDecodeError as exc:
-        raise BadResponse(f"version is not UTF-8: {exc}") from None
-    return Answer(found, column, version)
+# Wire: how sub-requests are written and answers read
 
 
 class Wire(Protocol):
@@ -265,10 +153,10 @@ class FastProtocol:
     pins_versions = True
 
     def encode(self, keys: np.ndarray, dict_name: str, version: str | None) -> bytes:
-        return encode_seek_request(keys, dict_name, version or "")
+        return wire.encode_seek_request(keys, dict_name, version or "")
 
     def decode(self, data: bytes, n: int) -> Answer:
-        return decode_seek_response(data, n)
+        return wire.decode_seek_response(data, n)
 
 
 class OriginalProtocol:
@@ -292,9 +180,9 @@ class OriginalProtocol:
         try:
             response = cube_pb2.DictResponse.FromString(data)
         except DecodeError as exc:
-            raise BadResponse(f"bad DictResponse: {exc}") from None
+            raise BadMessage(f"bad DictResponse: {exc}") from None
         if len(response.values) != n:
-            raise BadResponse(f"{len(response.values)} values for {n} keys")
+            raise BadMessage(f"{len(response.values)} values for {n} keys")
         status = np.fromiter((v.status for v in response.values), dtype=np.uint32, count=n)
         found = status == 0
         hits = found.tolist()

@@ -28,8 +28,9 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cube.client.core import Answer, BadResponse, PieceOutcome
+from cube.client.core import PieceOutcome
 from cube.client.errors import Attempt, ConfError
+from cube.wire import Answer, BadMessage
 
 LOAD_BALANCERS = ("rr", "random", "la")
 NON_RETRYABLE = frozenset(
@@ -272,7 +273,7 @@ class ShardCall:
             return []
         try:
             answer = self.decode(data)
-        except BadResponse as exc:
+        except BadMessage as exc:
             return self.on_error(attempt, "BAD_RESPONSE", str(exc), now)
         if self.pinned_version is not None and answer.version != self.pinned_version:
             message = f"answered version {answer.version!r}, asked for {self.pinned_version!r}"

@@ -38,7 +38,8 @@ import time
 
 import grpc
 
-from cube.server.service import Buffer, ParsedSeek, RequestError, SeekService
+from cube.server.service import ParsedSeek, RequestError, SeekService
+from cube.wire import Buffer
 
 log = logging.getLogger("cube.server")
 

@@ -13,22 +13,22 @@ version is unmapped only after its last request.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import TypeAlias
 
 import grpc
 import numpy as np
 
+from cube import wire
 from cube.index import TOMBSTONE
 from cube.pb import cube_fast_pb2, cube_pb2
 from cube.routing import group_by_owner, shard_of
 from cube.server.versions import LoadedVersion, VersionSlots
 from cube.shard import LookupResult, ShardStack
 from cube.values import ValueColumn
+from cube.wire import Buffer, length_delimited, varint
 
 log = logging.getLogger("cube.server")
 
@@ -36,10 +36,8 @@ FAST_SERVICE = "cube.v1.CubeService"
 DICT_SERVICE = "rec.mcube.DictService"
 MISS_STATUS = 0xFFFFFFFF
 _KEY_DTYPE = np.dtype("<u8")
-_OFFSET_DTYPE = np.dtype("<u8")
 _TOMBSTONE = np.uint32(TOMBSTONE)
 _NO_LAYERS = np.empty(0, dtype=np.int16)  # a single layer's LookupResult needs none
-Buffer: TypeAlias = bytes | memoryview
 
 
 class RequestError(Exception):
@@ -171,39 +169,12 @@ def answer_keys(
 # wire encoding
 
 
-@functools.lru_cache(maxsize=4096)  # answers repeat the same few lengths
-def varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _bytes_field(tag: int, data: bytes) -> list[bytes]:
-    return [bytes((tag,)), varint(len(data)), data] if data else []
-
-
 def seek_response_parts(answer: Answer, version: str, request_id: int) -> list[Buffer]:
-    """cube.v1.SeekResponse wire bytes as buffers to write in order (proto3: default fields
-    omitted); the found flags and values are views of the answer's arrays, not copies."""
-    found = answer.found.view(np.uint8)
-    parts: list[Buffer] = []
-    if found.shape[0]:
-        parts += [b"\x0a", varint(found.shape[0]), found.data]
-    values = np.ascontiguousarray(answer.values).reshape(-1)
-    if values.shape[0]:
-        parts += [b"\x12", varint(values.shape[0]), values.data]
-    if answer.width:
-        parts += [b"\x18", varint(answer.width)]
-    else:
-        parts += _bytes_field(0x22, answer.offsets.astype(_OFFSET_DTYPE, copy=False).tobytes())
-    if version:
-        parts += _bytes_field(0x2A, version.encode())
-    if request_id:
-        parts += [b"\x30", varint(request_id)]
-    return parts
+    """cube.v1.SeekResponse wire bytes as buffers to write in order; the found flags and
+    values are views of the answer's arrays, not copies."""
+    return wire.seek_response_parts(
+        answer.found, answer.values, answer.width, answer.offsets, version, request_id
+    )
 
 
 def encode_seek_response(answer: Answer, version: str, request_id: int) -> bytes:
@@ -256,7 +227,7 @@ def encode_dict_response(answer: Answer, version: str | None) -> bytes:
     (found: status 0 and the value; miss: status 0xFFFFFFFF and an empty value)."""
     n = answer.found.shape[0]
     found = answer.found
-    tail = _bytes_field(0x12, version.encode()) if version else []
+    tail = length_delimited(0x12, version.encode()) if version else []
     if version == "":
         tail = [b"\x12\x00"]
     if n == 0:
