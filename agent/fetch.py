@@ -120,6 +120,41 @@ def _open_part(part: Path, offset: int):
     return f
 
 
+class _PartWriter:
+    """The per-block step every protocol shares: append to the .part file, report progress,
+    and say how long to pause for --limit_rate."""
+
+    def __init__(
+        self, part: Path, offset: int, total: int | None, policy: FetchPolicy, progress: ProgressFn
+    ) -> None:
+        self.pace = _Pace(policy.limit_rate)
+        self.done = offset
+        self.total = total
+        self.progress = progress
+        self.file = _open_part(part, offset)
+
+    def __enter__(self) -> _PartWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.file.close()
+
+    def write(self, block: bytes) -> float:
+        """Append `block`; the seconds to wait before the next one (0 when unlimited)."""
+        self.file.write(block)
+        self.done += len(block)
+        self.progress(self.done, self.total)
+        return self.pace.delay(len(block))
+
+    def write_in_thread(self, block: bytes, stop: threading.Event) -> None:
+        """`write` for a worker thread: abort when the caller is cancelled, pace by `stop`."""
+        if stop.is_set():
+            raise _Stop
+        wait = self.write(block)
+        if wait:
+            stop.wait(wait)
+
+
 async def _http_once(
     url: str, part: Path, offset: int, policy: FetchPolicy, progress: ProgressFn
 ) -> int | None:
@@ -157,14 +192,9 @@ async def _http_once(
             offset = 0  # the server ignored Range: take the whole body
             if resp.content_length is not None:
                 total = resp.content_length
-        pace = _Pace(policy.limit_rate)
-        done = offset
-        with _open_part(part, offset) as f:
+        with _PartWriter(part, offset, total, policy, progress) as writer:
             async for block in resp.content.iter_chunked(policy.chunk):
-                f.write(block)
-                done += len(block)
-                progress(done, total)
-                wait = pace.delay(len(block))
+                wait = writer.write(block)
                 if wait:
                     await asyncio.sleep(wait)
         return total
@@ -199,23 +229,14 @@ def _ftp_once(
         if total is not None and offset == total:
             _open_part(part, offset).close()
             return total
-        pace = _Pace(policy.limit_rate)
-        done = offset
-        with _open_part(part, offset) as f:
-
-            def write(block: bytes) -> None:
-                nonlocal done
-                if stop.is_set():
-                    raise _Stop
-                f.write(block)
-                done += len(block)
-                progress(done, total)
-                wait = pace.delay(len(block))
-                if wait:
-                    stop.wait(wait)
-
+        with _PartWriter(part, offset, total, policy, progress) as writer:
             try:
-                ftp.retrbinary(f"RETR {path}", write, blocksize=policy.chunk, rest=offset or None)
+                ftp.retrbinary(
+                    f"RETR {path}",
+                    lambda block: writer.write_in_thread(block, stop),
+                    blocksize=policy.chunk,
+                    rest=offset or None,
+                )
             except ftplib.error_perm as exc:
                 raise FetchError(f"FTP {url}: {exc}", retryable=False) from exc
         return total
@@ -244,18 +265,9 @@ def _file_once(
         if offset > total:
             offset = 0
         src.seek(offset)
-        pace = _Pace(policy.limit_rate)
-        done = offset
-        with _open_part(part, offset) as f:
+        with _PartWriter(part, offset, total, policy, progress) as writer:
             while block := src.read(policy.chunk):
-                if stop.is_set():
-                    raise _Stop
-                f.write(block)
-                done += len(block)
-                progress(done, total)
-                wait = pace.delay(len(block))
-                if wait:
-                    stop.wait(wait)
+                writer.write_in_thread(block, stop)
     return total
 
 
