@@ -427,7 +427,7 @@ class TransferService:
         timeout = {"download": self.cfg.download_timeout, "reload": self.cfg.reload_timeout}[phase]
         log.info("%s %s on %d instances", phase, rec.version, len(dep.targets))
         outcomes = await self._run(phase, dep.targets, rec, timeout)
-        dep.results[phase] = {n: ("ok" if o.ok else o.message) for n, o in outcomes.items()}
+        dep.results[phase] = _result_summary(outcomes)
         dep.targets = [n for n in dep.targets if outcomes[n].ok]
         rec.times[{"download": "downloaded", "reload": "reloaded"}[phase]] = now()
         shortfall = quorum_shortfall(set(dep.targets), self.by_shard, self.cfg.quorum)
@@ -463,17 +463,9 @@ class TransferService:
 
     async def _enable(self, rec: VersionRecord, dep: Deployment) -> None:
         log.info("enable %s on %d instances", rec.version, len(dep.targets))
-        outcomes = await self._run("enable", dep.targets, rec, self.cfg.enable_timeout)
-        dep.results["enable"] = {n: ("ok" if o.ok else o.message) for n, o in outcomes.items()}
-        enabled = {n for n, o in outcomes.items() if o.ok}
-        shortfall = quorum_shortfall(enabled, self.by_shard, self.cfg.quorum)
-        if shortfall:
-            reasons = "; ".join(
-                f"{n}: {o.message}" for n, o in sorted(outcomes.items()) if not o.ok
-            )
-            message = f"enable did not reach quorum ({', '.join(shortfall)}): {reasons}"
-            message += await self._return_to_previous(dep, sorted(enabled))
-            self._fail(rec, message)
+        enabled, failure = await self._switch("enable", dep, rec, self.cfg.enable_timeout)
+        if failure:
+            self._fail(rec, failure)
             return
         at = now()
         rec.times["enabled"] = at
@@ -495,6 +487,23 @@ class TransferService:
         )
         self._prune_outputs()
         self.wake.set()  # reconcile the ones left behind soon
+
+    async def _switch(
+        self, phase: str, dep: Deployment, rec: VersionRecord, timeout: float
+    ) -> tuple[set[str], str]:
+        """Run a switching phase (enable, rollback) on the targets: the instances that switched,
+        and, when they fall short of quorum, why (after sending the switched ones back to the
+        previous live version); "" when quorum was reached."""
+        outcomes = await self._run(phase, dep.targets, rec, timeout)
+        dep.results[phase] = _result_summary(outcomes)
+        switched = {n for n, o in outcomes.items() if o.ok}
+        shortfall = quorum_shortfall(switched, self.by_shard, self.cfg.quorum)
+        if not shortfall:
+            return switched, ""
+        reasons = "; ".join(f"{n}: {o.message}" for n, o in sorted(outcomes.items()) if not o.ok)
+        message = f"{phase} did not reach quorum ({', '.join(shortfall)}): {reasons}"
+        message += await self._return_to_previous(dep, sorted(switched))
+        return switched, message
 
     async def _return_to_previous(self, dep: Deployment, switched: list[str]) -> str:
         """Send the switched instances back to the previous live version; a note for the log."""
@@ -574,20 +583,12 @@ class TransferService:
             return
         log.info("rollback to %s on %d instances", dep.version, len(dep.targets))
         timeout = self.cfg.reload_timeout + self.cfg.enable_timeout
-        outcomes = await self._run("rollback", dep.targets, target, timeout)
-        dep.results["rollback"] = {n: ("ok" if o.ok else o.message) for n, o in outcomes.items()}
-        switched = {n for n, o in outcomes.items() if o.ok}
-        shortfall = quorum_shortfall(switched, self.by_shard, self.cfg.quorum)
-        if shortfall:
-            reasons = "; ".join(
-                f"{n}: {o.message}" for n, o in sorted(outcomes.items()) if not o.ok
-            )
-            message = f"rollback did not reach quorum ({', '.join(shortfall)}): {reasons}"
-            message += await self._return_to_previous(dep, sorted(switched))
-            finish(rec, "failed", message, now())
+        switched, failure = await self._switch("rollback", dep, target, timeout)
+        if failure:
+            finish(rec, "failed", failure, now())
             self.state.deployment = None
             self.save()
-            log.error("rollback to %s failed: %s", dep.version, message)
+            log.error("rollback to %s failed: %s", dep.version, failure)
             return
         at = now()
         finish(rec, "finished", f"rolled back on {len(switched)} instances", at)
@@ -760,3 +761,8 @@ class TransferService:
 
 class _Abort(Exception):
     """Stop this version's rollout; the message is its failure reason."""
+
+
+def _result_summary(outcomes: dict[str, Outcome]) -> dict[str, str]:
+    """instance -> "ok" or why it failed, as a deployment's results record a phase."""
+    return {name: ("ok" if o.ok else o.message) for name, o in outcomes.items()}
