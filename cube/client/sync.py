@@ -8,9 +8,10 @@ calling thread (no thread hop at all). Otherwise attempts run on the client's th
 the last one of a batch inline when backup requests are off; completions land in a per-call
 queue that the calling thread waits on until the next timer (backup request, retry backoff,
 deadline).
-A blocking gRPC call cannot be cancelled, so a losing or abandoned attempt is left to finish
-on its pool thread (at most `timeout_ms`) and its answer is dropped; AsyncCubeClient cancels
-for real. Safe to share between threads (each call has its own queue and round).
+An attempt on a pool thread is cancelled when it loses (a backup request answered first) or is
+abandoned: on a TCP lane its socket is shut down and the thread is free at once; a blocking
+gRPC call cannot be cancelled, so it is left to finish (at most `timeout_ms`) and its answer
+is dropped. Safe to share between threads (each call has its own queue and round).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from cube.client.base import ClientBase
 from cube.client.core import Piece, PieceOutcome, PieceRequest, SeekResult, embeddings
 from cube.client.errors import CubeError
 from cube.client.policy import Action, Round, Send
-from cube.client.transport import SyncChannels
+from cube.client.transport import CallHandle, SyncChannels
 
 _Key = tuple[int, int]
 
@@ -91,7 +92,7 @@ class CubeClient(ClientBase):
     def _run(self, pieces: Sequence[Piece], requests: Sequence[PieceRequest]) -> list[PieceOutcome]:
         round_ = self._round(pieces, requests, time.monotonic())
         events: queue.SimpleQueue = queue.SimpleQueue()
-        pending: set[_Key] = set()
+        pending: dict[_Key, CallHandle | None] = {}  # attempts running (None: inline)
         actions = round_.start(time.monotonic())
         while True:
             inline = self._execute(actions, events, pending)
@@ -99,6 +100,9 @@ class CubeClient(ClientBase):
             if actions:
                 continue
             if round_.done:
+                for handle in pending.values():  # attempts nobody waits for any more
+                    if handle is not None:
+                        handle.cancel()
                 return round_.outcomes()
             timeout = round_.next_wakeup() - time.monotonic()
             try:
@@ -110,9 +114,14 @@ class CubeClient(ClientBase):
                 actions = self._feed(round_, pending, *event)
 
     def _feed(
-        self, round_: Round, pending: set[_Key], key: _Key, ok: bool, payload: Any
+        self,
+        round_: Round,
+        pending: dict[_Key, CallHandle | None],
+        key: _Key,
+        ok: bool,
+        payload: Any,
     ) -> list[Action]:
-        pending.discard(key)
+        pending.pop(key, None)
         now = time.monotonic()
         if ok:
             actions = round_.on_response(key, payload, now)
@@ -121,24 +130,29 @@ class CubeClient(ClientBase):
         return actions + round_.on_timer(now)
 
     def _execute(
-        self, actions: list[Action], events: queue.SimpleQueue, pending: set[_Key]
+        self,
+        actions: list[Action],
+        events: queue.SimpleQueue,
+        pending: dict[_Key, CallHandle | None],
     ) -> tuple[_Key, bool, Any] | None:
-        """Start the Sends (the last one inline unless backup requests are on), forget the
+        """Start the Sends (the last one inline unless backup requests are on), cancel the
         Cancels. Returns the inline attempt's (key, ok, payload), if any."""
         sends = [a for a in actions if isinstance(a, Send)]
         for action in actions:
             if not isinstance(action, Send):
-                pending.discard(action.key)  # its late answer will be dropped
+                handle = pending.pop(action.key, None)  # a late answer will be dropped
+                if handle is not None:
+                    handle.cancel()
         if not sends:
             return None
         inline = sends.pop() if self.policy.backup_request_ms <= 0 else None
         for send in sends:
-            pending.add(send.key)
+            handle = pending[send.key] = CallHandle()
             future = self._pool.submit(
-                self._channels.call, send.address, send.request, send.timeout_s
+                self._channels.call, send.address, send.request, send.timeout_s, handle
             )
             future.add_done_callback(partial(_report, events, send.key))
         if inline is None:
             return None
-        pending.add(inline.key)
+        pending[inline.key] = None
         return (inline.key, *self._channels.call(inline.address, inline.request, inline.timeout_s))

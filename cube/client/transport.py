@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import os
 import socket
 import struct
@@ -153,6 +154,34 @@ class BusyPoll:
 
 
 NO_BUSY_POLL = BusyPoll(0.0)
+_CANCELLED = ("CANCELLED", "TCP lane: the call was cancelled (another attempt answered)")
+
+
+class CallHandle:
+    """A blocking lane call that another thread may cancel (a backup request's loser): the
+    cancel shuts the call's socket down, so the call returns CANCELLED at once instead of
+    holding its thread until its timeout. A gRPC call ignores its handle and runs out."""
+
+    __slots__ = ("_lock", "_sock", "cancelled")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def attach(self, sock: socket.socket | None) -> bool:
+        """Let cancel() reach `sock` (None: detach). False when already cancelled."""
+        with self._lock:
+            self._sock = sock
+            return not self.cancelled
 
 
 class SyncLane:
@@ -171,13 +200,25 @@ class SyncLane:
         self._closed = False
         self._expect = 1 << 16  # bytes of the last answer, header included: the next read size
 
-    def call(self, request: bytes, timeout_s: float) -> tuple[bool, Any]:
+    def call(
+        self, request: bytes, timeout_s: float, handle: CallHandle | None = None
+    ) -> tuple[bool, Any]:
         """(True, response bytes) or (False, (status name, message)); never raises."""
+        handle = handle or CallHandle()
+        try:
+            return self._call(request, timeout_s, handle)
+        finally:
+            handle.attach(None)
+
+    def _call(self, request: bytes, timeout_s: float, handle: CallHandle) -> tuple[bool, Any]:
         deadline = time.monotonic() + timeout_s
         header = _LENGTH.pack(len(request))
         for _ in range(2):  # a stale idle connection is replaced once
             connection = self._take()
             reused = connection is not None
+            if connection is not None and not handle.attach(connection.sock):
+                self._give_back(connection)
+                return False, _CANCELLED
             try:
                 if connection is None:
                     try:
@@ -186,6 +227,9 @@ class SyncLane:
                         self.unreachable = self.broken = True
                         raise
                     header = LANE_MAGIC + header
+                    if not handle.attach(connection.sock):
+                        connection.sock.close()
+                        return False, _CANCELLED
                 connection.set_timeout(deadline - time.monotonic())
                 try:
                     _send(connection.sock, header, request)
@@ -197,6 +241,8 @@ class SyncLane:
             except _Stale:
                 assert connection is not None
                 connection.sock.close()
+                if handle.cancelled:  # our own shutdown, not the server's
+                    return False, _CANCELLED
                 self._drop_idle()
                 continue
             except (TimeoutError, BlockingIOError):  # BlockingIOError: SO_RCVTIMEO passed
@@ -206,6 +252,8 @@ class SyncLane:
             except OSError as exc:
                 if connection is not None:
                     connection.sock.close()
+                if handle.cancelled:
+                    return False, _CANCELLED
                 self._drop_idle()
                 self.broken = True
                 return False, ("UNAVAILABLE", f"TCP lane {self.host}:{self.port}: {exc}")
@@ -316,8 +364,11 @@ class SyncChannels:
                     self._callables[address] = call
         return call
 
-    def call(self, address: str, request: bytes, timeout_s: float) -> tuple[bool, Any]:
-        """(True, response bytes) or (False, (status name, message)); never raises."""
+    def call(
+        self, address: str, request: bytes, timeout_s: float, handle: CallHandle | None = None
+    ) -> tuple[bool, Any]:
+        """(True, response bytes) or (False, (status name, message)); never raises. `handle`
+        lets another thread cancel the call while it runs on a lane."""
         if self._use_lanes:
             now = time.monotonic()
             deadline = now + timeout_s
@@ -330,7 +381,7 @@ class SyncChannels:
                     return False, failure
                 lane = self._lanes.get(address)
             if isinstance(lane, SyncLane):
-                ok, payload = lane.call(request, max(deadline - time.monotonic(), 1e-3))
+                ok, payload = lane.call(request, max(deadline - time.monotonic(), 1e-3), handle)
                 if lane.unreachable:  # e.g. a firewall: this attempt goes over gRPC
                     self._forget(address, lane)
                     self._no_lane(address)
