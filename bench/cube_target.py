@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.procs import free_port
 from bench.targets import Dataset, Target, TargetUnavailable
 from cube.values import ValueColumn
+from transfer.processes import free_port
 
 DICT_NAME = "bench_dict"
 _BUILD_TIMEOUT = 1800.0

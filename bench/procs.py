@@ -21,19 +21,14 @@ from pathlib import Path
 
 import psutil
 
+from transfer.processes import log_tail, poll_until, spawn, terminate
+
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _PR_SET_PDEATHSIG = 1
 
 
 class ServerStartError(RuntimeError):
     """A server did not come up; the message names it and quotes the end of its log."""
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.2) -> bool:
@@ -64,11 +59,7 @@ class ServerProcess:
         return self.popen.pid
 
     def log_tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join(text[-lines:]) or "(empty log)"
+        return log_tail(self.log_path, lines)
 
     def pids(self) -> list[int]:
         """This process and its live descendants (worker processes of a multi-process server)."""
@@ -100,57 +91,42 @@ class ProcessRegistry:
         """Start `argv`, then wait until every port accepts connections and `ready()` is true."""
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"{name}-{len(self.servers)}.log"
-        with open(log_path, "wb") as log:
-            popen = subprocess.Popen(
-                list(argv),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # Ctrl-C reaches cube-bench only; it stops servers in order
-                preexec_fn=_die_with_parent,
-                env=env,
-                cwd=cwd,
-            )
+        popen = spawn(argv, log_path, cwd=cwd, env=env, preexec_fn=_die_with_parent)
         server = ServerProcess(name, list(argv), popen, log_path, list(ports))
         self.servers.append(server)
         if self.log:
             self.log(f"started {name} pid {popen.pid} ports {','.join(map(str, ports))}")
-        deadline = time.monotonic() + timeout
         pending = list(ports)
-        while True:  # bounded by deadline
+
+        def running() -> None:
             code = popen.poll()
             if code is not None:
                 raise ServerStartError(
                     f"{name} exited with code {code} during startup: {' '.join(argv)}\n"
                     f"--- {log_path} ---\n{server.log_tail()}"
                 )
-            pending = [p for p in pending if not port_open(p)]
-            if not pending and (ready is None or ready()):
-                return server
-            if time.monotonic() > deadline:
-                raise ServerStartError(
-                    f"{name} not ready within {timeout:.0f}s (ports not answering: {pending}): "
-                    f"{' '.join(argv)}\n--- {log_path} ---\n{server.log_tail()}"
-                )
-            time.sleep(0.05)
+
+        def answering() -> bool:
+            pending[:] = [p for p in pending if not port_open(p)]
+            return not pending and (ready is None or ready())
+
+        if not poll_until(answering, timeout, 0.05, check=running):
+            raise ServerStartError(
+                f"{name} not ready within {timeout:.0f}s (ports not answering: {pending}): "
+                f"{' '.join(argv)}\n--- {log_path} ---\n{server.log_tail()}"
+            )
+        return server
 
     def all_pids(self) -> list[int]:
         return [pid for server in self.servers for pid in server.pids()]
 
     def stop(self, server: ServerProcess, timeout: float = 10.0) -> None:
         """SIGTERM the server and its descendants by PID; SIGKILL what is left after timeout."""
-        pids = server.pids()
         procs = []
-        for pid in reversed(pids):  # children first, then the parent
+        for pid in reversed(server.pids()):  # children first, then the parent
             with contextlib.suppress(psutil.Error):
-                proc = psutil.Process(pid)
-                proc.terminate()
-                procs.append(proc)
-        _gone, alive = psutil.wait_procs(procs, timeout=timeout)
-        for proc in alive:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        psutil.wait_procs(alive, timeout=timeout)
+                procs.append(psutil.Process(pid))
+        terminate(procs, timeout, kill_timeout=timeout)
         with contextlib.suppress(subprocess.TimeoutExpired):
             server.popen.wait(timeout=timeout)  # reap the direct child
         if server in self.servers:

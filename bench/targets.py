@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.procs import ProcessRegistry, ServerProcess, free_port
+from bench.procs import ProcessRegistry, ServerProcess
+from transfer.processes import free_port
 
 
 class TargetUnavailable(RuntimeError):

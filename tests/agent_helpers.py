@@ -30,6 +30,7 @@ from cube.index import build_table
 from cube.pb import cube_pb2, cube_pb2_grpc
 from cube.shard import DATA_FILE, INDEX_FILE, write_shard
 from cube.values import ValueColumn
+from transfer.processes import stop_child
 
 REPO = Path(__file__).resolve().parent.parent
 AGENT_BIN = REPO / ".venv" / "bin" / "cube-agent"
@@ -305,14 +306,8 @@ class AgentProc:
         self.proc.wait(timeout=WAIT)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.kill(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=WAIT)
+        if self.proc is not None:
+            stop_child(self.proc, timeout=15, kill_timeout=WAIT)
 
     # ---- HTTP
 

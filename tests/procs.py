@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cube.index import build_table
 from cube.shard import write_shard
 from cube.values import ValueColumn
+from transfer.processes import poll_until, spawn, stop_child
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -149,21 +149,24 @@ class ServerProc:
             return ""
 
     def wait_serving(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
         pending = list(self.addresses)
-        while pending:
+
+        def running() -> None:
             if self.process.poll() is not None:
                 raise RuntimeError(
                     f"cube-server exited with {self.process.returncode}:\n{self.log()[-4000:]}"
                 )
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"cube-server not SERVING on {pending} after {timeout} s:\n{self.log()[-4000:]}"
-                )
-            if health_status(pending[0], timeout=0.5) == health_pb2.HealthCheckResponse.SERVING:
+
+        def serving() -> bool:
+            serving = health_pb2.HealthCheckResponse.SERVING
+            while pending and health_status(pending[0], timeout=0.5) == serving:
                 pending.pop(0)
-            else:
-                time.sleep(0.05)
+            return not pending
+
+        if not poll_until(serving, timeout, 0.05, check=running):
+            raise TimeoutError(
+                f"cube-server not SERVING on {pending} after {timeout} s:\n{self.log()[-4000:]}"
+            )
 
     def signal(self, signum: int = signal.SIGTERM) -> None:
         if self.process.poll() is None:
@@ -171,14 +174,7 @@ class ServerProc:
 
     def stop(self, timeout: float = 20.0) -> int:
         """SIGTERM by PID, wait; SIGKILL if it does not exit in time. Returns the exit code."""
-        if self.process.poll() is None:
-            self.signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
-        return self.process.returncode
+        return stop_child(self.process, timeout)
 
 
 def start_server(
@@ -209,11 +205,7 @@ def start_server(
         "false",
         *args,
     ]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
-        )
-    server = ServerProc(process, ports, data_dir, log_path, list(args))
+    server = ServerProc(spawn(command, log_path, cwd=REPO), ports, data_dir, log_path, list(args))
     if wait:
         try:
             server.wait_serving(timeout)

@@ -22,9 +22,6 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import time
 import urllib.error
@@ -38,6 +35,15 @@ import psutil
 
 from cube.flags import FlagError, FlagSet, run_cli
 from transfer.config import Instance, TransferConfig, render_config
+from transfer.processes import (
+    create_time,
+    free_port,
+    log_tail,
+    poll_until,
+    same_process,
+    spawn,
+    terminate,
+)
 
 CLUSTER_FILE = "cluster.json"
 DICT_NAME = "test_dict"
@@ -63,17 +69,7 @@ class Proc:
 
     def process(self) -> psutil.Process | None:
         """The live process this record started (None if gone or the PID was reused)."""
-        if not self.pid:
-            return None
-        try:
-            proc = psutil.Process(self.pid)
-            if abs(proc.create_time() - self.create_time) > 0.05:
-                return None
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                return None
-            return proc
-        except psutil.Error:
-            return None
+        return same_process(self.pid, self.create_time)
 
 
 @dataclass
@@ -108,12 +104,6 @@ def command(name: str) -> str:
     raise LocalError(f"{name} not found next to {sys.executable} nor on PATH (pip install -e .)")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def plan_ports(shards: int, replicas: int, base_port: int) -> dict[str, int]:
     """name -> port for every listener of the cluster."""
     names = ["transfer", "files"]
@@ -129,7 +119,7 @@ def plan_ports(shards: int, replicas: int, base_port: int) -> dict[str, int]:
         return ports
     picked: dict[str, int] = {}
     while len(picked) < len(names):
-        port = _free_port()
+        port = free_port()
         if port not in picked.values():
             picked[names[len(picked)]] = port
     return picked
@@ -276,41 +266,17 @@ def _processes(spec: ClusterSpec, cfg: TransferConfig, ports: dict[str, int]) ->
 
 def start(proc: Proc, cwd: Path) -> None:
     Path(proc.log).parent.mkdir(parents=True, exist_ok=True)
-    with open(proc.log, "ab") as log:
-        child = subprocess.Popen(
-            proc.argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=cwd,
-            start_new_session=True,  # a Ctrl-C in the terminal goes to cube-local, not to them
-        )
-    proc.pid = child.pid
-    try:
-        proc.create_time = psutil.Process(child.pid).create_time()
-    except psutil.Error:
-        proc.create_time = 0.0
+    proc.pid = spawn(proc.argv, proc.log, append=True, cwd=cwd).pid
+    proc.create_time = create_time(proc.pid)
 
 
 def stop(procs: Sequence[Proc], timeout: float = 10.0) -> list[str]:
     """SIGTERM the given processes (only those still the ones we started), SIGKILL whatever is
     left after `timeout`. Returns a line per process for the user."""
     alive = {p.name: p.process() for p in procs}
-    lines = []
-    for proc in procs:
-        handle = alive[proc.name]
-        if handle is None:
-            lines.append(f"{proc.name}: not running")
-            continue
-        with contextlib.suppress(psutil.Error):
-            handle.send_signal(signal.SIGTERM)
+    lines = [f"{p.name}: not running" for p in procs if alive[p.name] is None]
     handles = [h for h in alive.values() if h is not None]
-    _, still = psutil.wait_procs(handles, timeout=timeout)
-    for handle in still:
-        with contextlib.suppress(psutil.Error):
-            handle.kill()
-    psutil.wait_procs(still, timeout=5)
-    killed = {h.pid for h in still}
+    killed = {h.pid for h in terminate(handles, timeout, kill_timeout=5)}
     for proc in procs:
         if alive[proc.name] is not None:
             how = "killed (SIGKILL)" if proc.pid in killed else "stopped"
@@ -357,27 +323,21 @@ def _grpc_answers(address: str) -> bool:
 
 
 def wait_healthy(procs: Sequence[Proc], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
     pending = list(procs)
-    while pending:
-        for proc in list(pending):
+
+    def none_exited() -> None:
+        for proc in pending:
             if proc.process() is None:
-                raise LocalError(f"{proc.name} exited at start; see {proc.log}:\n{_tail(proc.log)}")
-            if healthy(proc):
-                pending.remove(proc)
-        if not pending:
-            return
-        if time.monotonic() > deadline:
-            names = ", ".join(p.name for p in pending)
-            raise LocalError(f"not healthy within {timeout:g}s: {names}; see {pending[0].log}")
-        time.sleep(0.1)
+                tail = log_tail(proc.log)
+                raise LocalError(f"{proc.name} exited at start; see {proc.log}:\n{tail}")
 
+    def all_healthy() -> bool:
+        pending[:] = [p for p in pending if not healthy(p)]
+        return not pending
 
-def _tail(path: str, lines: int = 15) -> str:
-    try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
+    if not poll_until(all_healthy, timeout, 0.1, check=none_exited):
+        names = ", ".join(p.name for p in pending)
+        raise LocalError(f"not healthy within {timeout:g}s: {names}; see {pending[0].log}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,131 @@
+"""Processes started and stopped by PID: spawn with a log file, wait until ready, SIGTERM then
+SIGKILL, and tell a recorded PID from a reused one.
+
+One copy of these mechanics for cube-local (product code, hence here), cube-bench and the
+tests' server helpers; each keeps its own names, messages and readiness checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import psutil
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def log_tail(path: str | os.PathLike, lines: int = 15) -> str:
+    """The last `lines` lines of a log, for an error message that says why a process died."""
+    try:
+        text = Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(text[-lines:]) or "(empty log)"
+
+
+def spawn(
+    argv: Sequence[str],
+    log_path: str | os.PathLike,
+    *,
+    append: bool = False,
+    cwd: str | os.PathLike | None = None,
+    env: dict[str, str] | None = None,
+    preexec_fn: Callable[[], None] | None = None,
+) -> subprocess.Popen:
+    """Start `argv` with stdout and stderr in `log_path` and no stdin, in its own session, so
+    that a Ctrl-C in the terminal reaches only its starter, which stops it in order."""
+    with open(log_path, "ab" if append else "wb") as log:
+        return subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=preexec_fn,
+            env=env,
+            cwd=cwd,
+        )
+
+
+def create_time(pid: int) -> float:
+    """When `pid` started (psutil's clock), 0.0 when it is gone: recorded with a PID so that
+    `same_process` can tell it from a later process given the same PID."""
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return 0.0
+
+
+def same_process(pid: int, started: float, tolerance: float = 0.05) -> psutil.Process | None:
+    """The live process `pid` if it is the one that started at `started`; None when it is
+    gone, a zombie, or the PID now belongs to another process."""
+    if not pid:
+        return None
+    try:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - started) > tolerance:
+            return None
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return proc
+    except psutil.Error:
+        return None
+
+
+def poll_until(
+    ready: Callable[[], bool],
+    timeout: float,
+    interval: float,
+    check: Callable[[], None] = lambda: None,
+) -> bool:
+    """Call `check()` then `ready()` every `interval` s until `ready()` is true (True) or
+    `timeout` s have passed (False). `check` raises when waiting is pointless (the process
+    exited), so that a crash is reported at once rather than after the timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        check()
+        if ready():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+
+
+def terminate(
+    procs: Sequence[psutil.Process], timeout: float, kill_timeout: float
+) -> list[psutil.Process]:
+    """SIGTERM each process in the order given and wait up to `timeout` s for all of them;
+    SIGKILL those still alive and wait up to `kill_timeout` s. Returns the ones killed."""
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _gone, alive = psutil.wait_procs(procs, timeout=timeout)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=kill_timeout)
+    return alive
+
+
+def stop_child(popen: subprocess.Popen, timeout: float, kill_timeout: float = 10.0) -> int | None:
+    """SIGTERM a child we started and reap it; SIGKILL it if it has not exited after `timeout`
+    s. Returns its exit code (through Popen, which psutil's waiting would lose)."""
+    if popen.poll() is None:
+        popen.terminate()  # by PID; a no-op if it has exited meanwhile
+        try:
+            popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait(timeout=kill_timeout)
+    return popen.returncode
