@@ -20,6 +20,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cube.index import build_table
@@ -116,6 +117,24 @@ def health_status(address: str, timeout: float = 1.0, service: str = "") -> int 
         except grpc.RpcError:
             return None
     return reply.status
+
+
+def processes_under(path: str | os.PathLike) -> list[psutil.Process]:
+    """Live processes whose command line mentions `path`: what a run in that directory started,
+    found even when it did not report their PIDs."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if any(str(path) in part for part in proc.info["cmdline"] or []):
+                found.append(proc)
+    return found
+
+
+def kill_processes_under(path: str | os.PathLike) -> None:
+    """Cleanup after a failed test: SIGKILL whatever still runs from `path`."""
+    for proc in processes_under(path):
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
 
 
 @dataclass

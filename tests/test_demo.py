@@ -3,31 +3,14 @@ happens (success, Ctrl-C) it leaves no process behind."""
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import psutil
+from procs import kill_processes_under, processes_under
 
 DEMO = [sys.executable, "-m", "cube.demo"]
-
-
-def leftovers(path: Path) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        with contextlib.suppress(psutil.Error):
-            if any(str(path) in part for part in proc.info["cmdline"] or []):
-                found.append(proc)
-    return found
-
-
-def kill_leftovers(path: Path) -> None:
-    for proc in leftovers(path):
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
 
 
 def test_demo_runs_checks_and_shuts_down(tmp_path):
@@ -46,7 +29,7 @@ def test_demo_runs_checks_and_shuts_down(tmp_path):
         assert "checked: changed, new, deleted and untouched ids are all as written" in out
         assert "served by every replica" in out and "deleted (miss)" in out
         assert out.count(": stopped (pid") == 9  # transfer + 4 agents + 4 servers
-        assert leftovers(work) == []
+        assert processes_under(work) == []
         # a second run wipes its own directory and starts again
         again = subprocess.run(
             [*DEMO, "--dir", str(work), "--ids", "1000"],
@@ -57,7 +40,7 @@ def test_demo_runs_checks_and_shuts_down(tmp_path):
         )
         assert again.returncode == 0, again.stdout + again.stderr
     finally:
-        kill_leftovers(work)
+        kill_processes_under(work)
 
 
 def test_demo_refuses_to_wipe_a_foreign_directory(tmp_path):
@@ -88,14 +71,14 @@ def test_ctrl_c_stops_the_cluster(tmp_path):
             if line.startswith("== 3."):
                 break
         assert any(line.startswith("== 3.") for line in lines), "".join(lines)
-        assert leftovers(work)  # the cluster is up
+        assert processes_under(work)  # the cluster is up
         demo.send_signal(signal.SIGINT)
         rest, _ = demo.communicate(timeout=60)
         assert demo.returncode == 130, rest
         assert "interrupted" in rest and rest.count(": stopped (pid") == 9
-        assert leftovers(work) == []
+        assert processes_under(work) == []
     finally:
         if demo.poll() is None:
             demo.kill()
             demo.wait()
-        kill_leftovers(work)
+        kill_processes_under(work)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from procs import kill_processes_under, processes_under
 
 from cube.client import load_conf
 from transfer.config import load_config
@@ -27,16 +28,6 @@ def cube_local(*args: str, timeout: float = 90.0) -> subprocess.CompletedProcess
     )
 
 
-def processes_under(path: Path) -> list[psutil.Process]:
-    """Live processes whose command line mentions `path` (what a cluster there started)."""
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        with contextlib.suppress(psutil.Error):
-            if any(str(path) in part for part in proc.info["cmdline"] or []):
-                found.append(proc)
-    return found
-
-
 @pytest.fixture
 def cluster_dir(tmp_path):
     directory = tmp_path / "cluster"
@@ -45,9 +36,7 @@ def cluster_dir(tmp_path):
     with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
         data = json.loads((directory / "cluster.json").read_text())
         stop([Proc(**p) for p in data["processes"]], timeout=5)
-    for proc in processes_under(directory):
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
+    kill_processes_under(directory)
 
 
 def test_up_status_wait_restart_down(tmp_path, cluster_dir):
