@@ -184,59 +184,67 @@ def cube_conf(cfg: TransferConfig, dim: int = 0) -> list[dict[str, Any]]:
     return [entry]
 
 
+def _replica_proc(role: str, inst: Instance, port: int, argv: list[str], logs: Path) -> Proc:
+    """The record of a replica's server or agent: named `<role><shard>_<replica>`, logging to
+    `<name>.log` in `logs`."""
+    name = f"{role}{inst.name}"
+    return Proc(
+        name=name,
+        role=role,
+        argv=argv,
+        log=str(logs / f"{name}.log"),
+        port=port,
+        shard=inst.shard,
+        replica=inst.replica,
+    )
+
+
 def _processes(spec: ClusterSpec, cfg: TransferConfig, ports: dict[str, int]) -> list[Proc]:
     root = spec.dir.resolve()
     logs = root / "logs"
-    procs = []
-    for inst in cfg.instances:
-        suffix = inst.name
-        data = Path(inst.deploy_path) / "data"
-        procs.append(
-            Proc(
-                name=f"server{suffix}",
-                role="server",
-                argv=[
-                    command("cube-server"),
-                    "--port",
-                    str(inst.server_port),
-                    "--data_dir",
-                    str(data),
-                    "--dict_name",
-                    cfg.dict_name,
-                    "--shard",
-                    str(inst.shard),
-                    "--partitioner",
-                    cfg.partitioner,
-                    *spec.server_args,
-                ],
-                log=str(logs / f"server{suffix}.log"),
-                port=inst.server_port,
-                shard=inst.shard,
-                replica=inst.replica,
-            )
+    servers = [
+        _replica_proc(
+            "server",
+            inst,
+            inst.server_port,
+            [
+                command("cube-server"),
+                "--port",
+                str(inst.server_port),
+                "--data_dir",
+                str(Path(inst.deploy_path) / "data"),
+                "--dict_name",
+                cfg.dict_name,
+                "--shard",
+                str(inst.shard),
+                "--partitioner",
+                cfg.partitioner,
+                *spec.server_args,
+            ],
+            logs,
         )
-    for inst in cfg.instances:
-        suffix = inst.name
-        procs.append(
-            Proc(
-                name=f"agent{suffix}",
-                role="agent",
-                argv=[
-                    command("cube-agent"),
-                    "-P",
-                    str(inst.agent_port),
-                    "--deploy_path",
-                    inst.deploy_path,
-                    "--server",
-                    inst.server_address,
-                    *spec.agent_args,
-                ],
-                log=str(logs / f"agent{suffix}.log"),
-                port=inst.agent_port,
-                shard=inst.shard,
-                replica=inst.replica,
-            )
+        for inst in cfg.instances
+    ]
+    agents = [
+        _replica_proc(
+            "agent",
+            inst,
+            inst.agent_port,
+            [
+                command("cube-agent"),
+                "-P",
+                str(inst.agent_port),
+                "--deploy_path",
+                inst.deploy_path,
+                "--server",
+                inst.server_address,
+                *spec.agent_args,
+            ],
+            logs,
         )
+        for inst in cfg.instances
+    ]
+    procs = servers + agents
     procs.append(
         Proc(
             name="transfer",
