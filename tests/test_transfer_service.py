@@ -115,6 +115,13 @@ def patch_line(h, delta: str, *markers: str) -> None:
     )
 
 
+async def roll_out(h, version: str, *markers: str) -> None:
+    """Publish `version` in the donefile (a delta when named `<base>_<cur>`) and run one
+    transfer cycle: the step most of these tests repeat."""
+    (patch_line if "_" in version else base_line)(h, version, *markers)
+    await h.service.cycle()
+
+
 def versions(h) -> list[str]:
     return [a.cur for a in h.flat]
 
@@ -129,8 +136,7 @@ def history(h) -> dict[str, str]:
 def test_base_then_deltas_roll_out_in_phases(tmp_path):
     async def body():
         async with harness(tmp_path) as h:
-            base_line(h, B1)
-            await h.service.cycle()
+            await roll_out(h, B1)
             assert versions(h) == [B1] * 4
             assert h.service.state.live_version == B1 and h.service.state.live_chain == [B1]
             # every download before any reload, every reload before any enable
@@ -149,8 +155,7 @@ def test_base_then_deltas_roll_out_in_phases(tmp_path):
 
             h.events.clear()
             patch_line(h, D1)
-            patch_line(h, D2)
-            await h.service.cycle()
+            await roll_out(h, D2)
             assert versions(h) == [D2] * 4
             assert h.service.state.live_chain == [B1, D1, D2]
             sent = [b for b in h.flat[3].received if b["version"] == D2]
@@ -166,12 +171,10 @@ def test_base_then_deltas_roll_out_in_phases(tmp_path):
 def test_no_shard_switches_when_a_shard_misses_quorum(tmp_path):
     async def body():
         async with harness(tmp_path, extra="retries: 1") as h:
-            base_line(h, B1)
-            await h.service.cycle()
+            await roll_out(h, B1)
             h.events.clear()
             h.agents[1][0].behavior = lambda cmd, v: "disk full" if cmd == "reload" else None
-            base_line(h, B2)
-            await h.service.cycle()
+            await roll_out(h, B2)
             assert versions(h) == [B1] * 4  # nobody switched
             assert not [e for e in h.events if e[1] == "enable"]
             rec = h.service.state.record(B2)
@@ -188,12 +191,10 @@ def test_no_shard_switches_when_a_shard_misses_quorum(tmp_path):
 def test_a_dead_replica_does_not_block_under_quorum_one_and_catches_up(tmp_path):
     async def body():
         async with harness(tmp_path, extra="quorum: 1") as h:
-            base_line(h, B1)
-            await h.service.cycle()
+            await roll_out(h, B1)
             dead = h.agents[0][1]
             await dead.stop()
-            base_line(h, B2)
-            await h.service.cycle()
+            await roll_out(h, B2)
             assert h.service.state.live_version == B2
             assert [a.cur for a in h.flat if a is not dead] == [B2] * 3 and dead.cur == B1
             assert h.service.state.instances["0_1"].status == "Dead"
@@ -208,12 +209,10 @@ def test_a_dead_replica_does_not_block_under_quorum_one_and_catches_up(tmp_path)
 def test_a_failed_enable_returns_the_switched_replicas_to_the_previous_version(tmp_path):
     async def body():
         async with harness(tmp_path, extra="retries: 0") as h:
-            base_line(h, B1)
-            await h.service.cycle()
+            await roll_out(h, B1)
             for agent in h.agents[1]:
                 agent.behavior = lambda cmd, v: "server crashed" if cmd == "enable" else None
-            base_line(h, B2)
-            await h.service.cycle()
+            await roll_out(h, B2)
             assert versions(h) == [B1] * 4
             assert h.agents[0][0].switches == [B1, B2, B1]
             rec = h.service.state.record(B2)
@@ -227,12 +226,10 @@ def test_a_failed_enable_returns_the_switched_replicas_to_the_previous_version(t
 def test_a_lagging_replica_skips_a_delta_and_is_caught_up_by_the_reconciler(tmp_path):
     async def body():
         async with harness(tmp_path, extra="quorum: 1") as h:
-            base_line(h, B1)
-            await h.service.cycle()
+            await roll_out(h, B1)
             lagging = h.agents[1][1]
             lagging.cur = "1600000000"  # serves something else (restored by hand, say)
-            patch_line(h, D1)
-            await h.service.cycle()
+            await roll_out(h, D1)
             assert h.service.state.live_version == D1
             # it downloaded the delta but was never asked to load it on the wrong base
             assert (lagging.name, "reload", D1) not in h.events
@@ -248,8 +245,7 @@ def test_a_lagging_replica_skips_a_delta_and_is_caught_up_by_the_reconciler(tmp_
 def test_restart_resumes_a_deployment_without_redoing_finished_phases(tmp_path):
     async def body():
         async with harness(tmp_path) as h:
-            base_line(h, B1)
-            await h.service.cycle()
+            await roll_out(h, B1)
             for agent in h.flat:
                 agent.delay = 0.5
             base_line(h, B2)
@@ -287,11 +283,9 @@ def test_bad_donefile_lines_and_bad_builds_fail_alone(tmp_path):
             append_line(h.donefile, "base.txt", '{"id": "17", "key": "17", "input": ')
             await h.service.cycle()
             for version, marker in (("19", "FAIL"), ("20", "BADMD5")):
-                base_line(h, version, marker)
-                await h.service.cycle()
+                await roll_out(h, version, marker)
                 assert versions(h) == [""] * 4 and h.flat[0].received == []
-            base_line(h, "21")
-            await h.service.cycle()
+            await roll_out(h, "21")
             assert versions(h) == ["21"] * 4
             return h.service.state.history
 
@@ -314,8 +308,7 @@ def test_missing_input_fails_the_version_with_its_path(tmp_path):
             rec = h.service.state.record("18")
             assert rec.status == "failed" and "input /no/such/dir does not exist" in rec.message
             assert h.flat[0].received == []
-            patch_line(h, "18_19")
-            await h.service.cycle()
+            await roll_out(h, "18_19")
             assert "no base is live" in h.service.state.record("18_19").message
 
     run(body())
@@ -324,10 +317,8 @@ def test_missing_input_fails_the_version_with_its_path(tmp_path):
 def test_http_api_shapes_rollback_and_meta(tmp_path):
     async def body():
         async with harness(tmp_path, listeners=True) as h, aiohttp.ClientSession() as http:
-            base_line(h, B1)
-            await h.service.cycle()
-            patch_line(h, D1)
-            await h.service.cycle()
+            await roll_out(h, B1)
+            await roll_out(h, D1)
             # the file server serves the built tars read-only, with ranges
             source = h.flat[0].received[0]["source"]
             async with http.get(source) as resp:
@@ -392,8 +383,7 @@ def test_http_api_shapes_rollback_and_meta(tmp_path):
                 assert reply["success"] == "2" and "GET /dict/info" in reply["data"]["api_list"]
 
             # the next patch continues on the rolled-back chain
-            patch_line(h, D2)
-            await h.service.cycle()
+            await roll_out(h, D2)
             assert h.service.state.live_chain == [B1, D2]
             assert versions(h) == [D2] * 4
 
@@ -404,8 +394,7 @@ def test_agent_token_is_sent(tmp_path):
     async def body():
         async with harness(tmp_path, shards=1, replicas=1, extra="agent_token: s3cret",
                            token="s3cret") as h:  # fmt: skip
-            base_line(h, B1)
-            await h.service.cycle()
+            await roll_out(h, B1)
             assert versions(h) == [B1]
 
     run(body())
@@ -414,10 +403,8 @@ def test_agent_token_is_sent(tmp_path):
 def test_patch_for_a_non_current_base_is_refused_with_a_reason(tmp_path):
     async def body():
         async with harness(tmp_path, shards=1, replicas=2) as h:
-            base_line(h, B1)
-            await h.service.cycle()
-            patch_line(h, "1600000000_1700000100")
-            await h.service.cycle()
+            await roll_out(h, B1)
+            await roll_out(h, "1600000000_1700000100")
             rec = h.service.state.record("1600000000_1700000100")
             assert rec.status == "refused"
             assert f"is for base 1600000000, but the live base is {B1}" in rec.message
@@ -432,8 +419,7 @@ def test_base_only_mode_ignores_patches(tmp_path):
     async def body():
         async with harness(tmp_path, shards=1, replicas=1, mode="base_only") as h:
             base_line(h, B1)
-            patch_line(h, D1)
-            await h.service.cycle()
+            await roll_out(h, D1)
             assert versions(h) == [B1]
             assert h.service.state.record(D1) is None
 
@@ -569,8 +555,7 @@ def test_a_busy_agent_is_waited_for_without_spending_retries(tmp_path):
     async def body():
         async with harness(tmp_path, 1, 2, extra="retries: 0") as h:
             h.flat[1].busy_until = asyncio.get_running_loop().time() + 1.5
-            base_line(h, B1)
-            await h.service.cycle()
+            await roll_out(h, B1)
             assert versions(h) == [B1, B1]
 
     run(body())
