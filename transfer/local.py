@@ -501,21 +501,23 @@ class Cluster:
         live; seconds waited. LocalError on timeout, or at once when the transfer reports the
         version failed."""
         started = time.monotonic()
-        deadline = started + timeout
-        while True:
+
+        def served() -> bool:
             rows = self.instance_rows()
             everywhere = bool(rows) and all(r["version"] == version for r in rows)
-            if everywhere and self.transfer_info().get("live_version") == version:
-                return time.monotonic() - started
+            return everywhere and self.transfer_info().get("live_version") == version
+
+        def stop_if_failed() -> None:
             for rec in self.history():
                 if rec.get("version") == version and rec.get("status_str") in ("failed", "refused"):
                     raise LocalError(f"version {version} {rec['status_str']}: {rec.get('message')}")
-            if time.monotonic() > deadline:
-                raise LocalError(
-                    f"version {version} not served everywhere within {timeout:g}s\n"
-                    + self.status_table()
-                )
-            time.sleep(poll)
+
+        if not poll_until(served, timeout, poll, check=stop_if_failed):
+            raise LocalError(
+                f"version {version} not served everywhere within {timeout:g}s\n"
+                + self.status_table()
+            )
+        return time.monotonic() - started
 
 
 def up(spec: ClusterSpec, health_timeout: float = 60.0) -> Cluster:
