@@ -90,7 +90,19 @@ def flag_set() -> FlagSet:
         "cube SDK transport: auto (the servers' TCP lane) or grpc",
         choices=["auto", "grpc"],
     )
-    flags.add("client", str, "thread", "client concurrency model", choices=["thread", "asyncio"])
+    flags.add(
+        "cube_busy_poll_us",
+        int,
+        0,
+        "cube: cube-server --busy_poll_us and the SDK's busy_poll_us (0: off)",
+    )
+    flags.add(
+        "client",
+        str,
+        "thread",
+        "thread (a client per thread), shared (threads share one client) or asyncio",
+        choices=["thread", "shared", "asyncio"],
+    )
     flags.add("out", str, "cube-bench-out", "directory for results.json/.md/.png")
     flags.add("skip_missing", bool, False, "skip a target whose server binary is missing")
     flags.add("max_other_load", float, 0.25, "cores other processes may use before a rerun")
@@ -220,8 +232,8 @@ def run(flags: dict[str, Any], argv: Sequence[str]) -> int:
         k: flags[k]
         for k in (
             "threads", "batch", "requests", "duration", "warmup", "keys", "value_size", "dim",
-            "dtype", "shards", "workers", "cube_transport", "client", "max_other_load",
-            "max_repeats", "quiet_wait", "seed",
+            "dtype", "shards", "workers", "cube_transport", "cube_busy_poll_us", "client",
+            "max_other_load", "max_repeats", "quiet_wait", "seed",
         )
     }  # fmt: skip
     if flags["dim"]:

@@ -73,6 +73,9 @@ class CubeTarget(Target):
             ]  # fmt: skip
             if workers > 1:
                 argv += ["--worker_ports", ",".join(map(str, ports))]
+            busy_poll_us = int(self.options.get("cube_busy_poll_us", 0))
+            if busy_poll_us:
+                argv += ["--busy_poll_us", str(busy_poll_us)]
             self.servers.append(
                 self.registry.start(
                     f"cube-server{shard}",
@@ -89,7 +92,8 @@ class CubeTarget(Target):
         self.info["load_seconds"] = round(time.perf_counter() - started, 2)
         self.info["load_note"] = "SequenceFile, cube-builder, servers up"
         self.info["notes"] = (
-            f"SDK: CubeClient(transport={self.options.get('cube_transport', 'auto')!r}), "
+            f"SDK: CubeClient(transport={self.options.get('cube_transport', 'auto')!r}, "
+            f"busy_poll_us={int(self.options.get('cube_busy_poll_us', 0))}), "
             f"{workers} worker port(s) per shard as replicas, round robin."
         )
 
@@ -142,6 +146,7 @@ class CubeTarget(Target):
             "dict_name": DICT_NAME,
             "timeout_ms": _CLIENT_TIMEOUT_MS,
             "transport": self.options.get("cube_transport", "auto"),
+            "busy_poll_us": int(self.options.get("cube_busy_poll_us", 0)),
         }
 
     def thread_client(self) -> Any:

@@ -38,7 +38,7 @@ class LevelConfig:
     duration: float  # seconds measured (when requests == 0)
     requests: int  # > 0: measure this many completed requests instead of a fixed time
     timeout: float  # upper bound on the measured phase in requests mode
-    mode: str  # "thread" | "asyncio"
+    mode: str  # "thread" | "shared" (threads sharing one client) | "asyncio"
     seed: int = 0
 
 
@@ -126,8 +126,12 @@ async def _async_worker(shared: _Shared, index: int, client: Any, keys: np.ndarr
 
 
 def _start_threads(target: Target, keys: np.ndarray, cfg: LevelConfig, shared: _Shared):
-    """Threads mode: one client per thread (connections made before the clock starts)."""
-    clients = [target.thread_client() for _ in range(cfg.concurrency)]
+    """Threads mode: one client per thread, or ("shared") one client all threads use, as an
+    application server would (connections made before the clock starts)."""
+    if cfg.mode == "shared":
+        clients = [target.thread_client()] * cfg.concurrency
+    else:
+        clients = [target.thread_client() for _ in range(cfg.concurrency)]
     threads = [
         threading.Thread(
             target=_thread_worker,
@@ -144,7 +148,7 @@ def _start_threads(target: Target, keys: np.ndarray, cfg: LevelConfig, shared: _
         shared.stop.set()
         for thread in threads:
             thread.join(_JOIN_TIMEOUT)
-        for client in clients:
+        for client in {id(c): c for c in clients}.values():
             with contextlib.suppress(Exception):
                 client.close()
         if any(thread.is_alive() for thread in threads):
@@ -211,7 +215,7 @@ def _start_asyncio(target: Target, keys: np.ndarray, cfg: LevelConfig, shared: _
 def run_attempt(target: Target, data: Dataset, cfg: LevelConfig, server_pids: list[int]) -> Attempt:
     """One warm-up + measured run of a level."""
     shared = _Shared(cfg.concurrency, cfg.requests)
-    start = _start_threads if cfg.mode == "thread" else _start_asyncio
+    start = _start_asyncio if cfg.mode == "asyncio" else _start_threads
     finish: Callable[[], None] = start(target, data.keys, cfg, shared)
     try:
         shared.stop.wait(cfg.warmup)  # returns early only on a worker error

@@ -138,7 +138,8 @@ class Target(ABC):
 
     @abstractmethod
     def thread_client(self) -> Any:
-        """A client for one thread: `.fetch(keys) -> (matrix, misses)`, `.close()`."""
+        """A client for threads: `.fetch(keys) -> (matrix, misses)`, `.close()`. Safe to share
+        between threads unless check_available refuses the "shared" mode."""
 
     def async_client(self, concurrency: int) -> Any:
         """A client shared by `concurrency` tasks: `await .fetch(keys)`, `await .close()`."""
@@ -274,9 +275,9 @@ class MemcachedTarget(Target):
             import pymemcache  # noqa: F401
         except ImportError as exc:
             raise TargetUnavailable("pymemcache is not installed: pip install pymemcache") from exc
-        if client_mode == "asyncio":
+        if client_mode in ("asyncio", "shared"):
             raise ModeUnsupported(
-                "memcached: pymemcache has no asyncio client (use --client thread)"
+                f"memcached: pymemcache has no {client_mode} client (use --client thread)"
             )
 
     def setup(self, data: Dataset) -> None:

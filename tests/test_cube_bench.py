@@ -71,6 +71,7 @@ class _DictTarget(Target):
 
     def thread_client(self):
         target = self
+        self.clients_made = getattr(self, "clients_made", 0) + 1
 
         class Client:
             fetch = staticmethod(target._fetch)
@@ -101,11 +102,13 @@ def dict_target(tmp_path_factory):
     return target, data
 
 
-@pytest.mark.parametrize("mode", ["thread", "asyncio"])
+@pytest.mark.parametrize("mode", ["thread", "shared", "asyncio"])
 def test_runner_measures_a_fixed_number_of_requests(dict_target, mode):
     target, data = dict_target
     cfg = LevelConfig(2, 50, warmup=0.05, duration=1, requests=200, timeout=30, mode=mode)
+    made = getattr(target, "clients_made", 0)
     attempt = run_attempt(target, data, cfg, [])
+    assert target.clients_made - made == {"thread": 2, "shared": 1, "asyncio": 0}[mode]
     assert attempt.requests >= 200
     assert attempt.misses == 0
     assert attempt.window > 0 and (attempt.latencies_ns > 0).all()

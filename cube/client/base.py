@@ -60,9 +60,10 @@ class ClientBase:
     transport: "auto" (default: the fast protocol uses a server's TCP lane when it offers one,
         see cube.client.transport; ~10x cheaper per call than gRPC) or "grpc" (gRPC only).
     busy_poll_us: blocking client on the TCP lane only: wait for an answer by polling for up
-        to this long before sleeping (cube.client.transport.BusyPoll; pairs with the server's
-        --busy_poll_us). Lower latency where waking an idle CPU is slow (VMs), for up to one
-        core of CPU while waiting. 0 (default) = off.
+        to this long before sleeping, while it is the process's only call waiting
+        (cube.client.transport.BusyPoll; pairs with the server's --busy_poll_us). Lower
+        latency where waking an idle CPU is slow (VMs), for up to one core of CPU while
+        waiting. 0 (default) = off.
     """
 
     def __init__(

@@ -124,33 +124,36 @@ class BusyPoll:
     (`busy_poll_us` of the blocking client; the server's `--busy_poll_us` is the other half).
 
     A thread asleep in recv() lets its vCPU halt, and on a VM waking it costs the answer a
-    hypervisor round trip and cold caches. Polling happens only while one call of the client
-    waits: with several in flight the CPU has other work and a poller would take it from them
-    (and from a server on the same machine), so the calls then sleep as usual."""
+    hypervisor round trip and cold caches. Polling happens only while a single lane call in
+    the whole process waits (all clients count): with several in flight the CPU has other
+    work and pollers would take it from them (and from a server on the same machine), so the
+    calls then sleep as usual."""
+
+    _lock = threading.Lock()
+    _waiting = 0  # lane calls of this process waiting for an answer (class-wide on purpose)
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
-        self._lock = threading.Lock()
-        self._waiting = 0  # calls of this client waiting for an answer
 
     def recv_into(self, sock: socket.socket, view: memoryview, deadline: float) -> int:
         """`sock.recv_into(view)`, polling first (until `deadline` at most, monotonic) when
         this is the only call waiting."""
         if self.seconds <= 0:
             return sock.recv_into(view)
-        with self._lock:
-            self._waiting += 1
+        cls = BusyPoll
+        with cls._lock:
+            cls._waiting += 1
         try:
             until = min(time.monotonic() + self.seconds, deadline)
-            while self._waiting == 1 and time.monotonic() < until:
+            while cls._waiting == 1 and time.monotonic() < until:
                 try:
                     return sock.recv_into(view, 0, socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     os.sched_yield()  # a thread runnable on this CPU (the server?) goes first
             return sock.recv_into(view)
         finally:
-            with self._lock:
-                self._waiting -= 1
+            with cls._lock:
+                cls._waiting -= 1
 
 
 NO_BUSY_POLL = BusyPoll(0.0)
