@@ -24,7 +24,7 @@ from typing import Any
 
 from agent import __version__
 from agent.control import ServerControl, ServerError, ServerStatus
-from agent.fetch import FetchError, FetchPolicy, fetch_file, fetch_md5, file_md5, source_basename
+from agent.fetch import FetchError, FetchPolicy, fetch_file, fetch_md5, source_basename
 from agent.journal import Journal
 from agent.layout import (
     CHAIN_FILE,
@@ -42,7 +42,7 @@ from agent.layout import (
 from agent.tasks import Task, TaskFailed, TaskManager
 from agent.unpack import UnsafeTar, extract_shard_tar
 from agent.work import SERVER_COMMANDS, Work
-from cube.fsutil import atomic_write_json, atomic_write_text, fsync_dir
+from cube.fsutil import atomic_write_json, atomic_write_text, file_md5, fsync_dir
 
 log = logging.getLogger("cube.agent")
 DONE_MARKER = ".download_done"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import ftplib
-import hashlib
 import re
 import threading
 import time
@@ -22,8 +21,9 @@ from urllib.parse import unquote, urlsplit
 
 import aiohttp
 
+from cube.fsutil import md5_of_line
+
 ProgressFn = Callable[[int, "int | None"], None]
-_MD5_RE = re.compile(r"[0-9a-fA-F]{32}")
 _CONTENT_RANGE_RE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
 _UNSATISFIED_RE = re.compile(r"bytes\s+\*/(\d+)")
 MAX_MD5_FILE = 64 * 1024
@@ -83,18 +83,10 @@ def source_basename(source: str) -> str:
 
 def parse_md5_text(text: str, where: str) -> str:
     """The md5 in an `md5sum`-style line ("<hex>  <name>"), lower-case."""
-    token = text.split(maxsplit=1)[0] if text.split() else ""
-    if not _MD5_RE.fullmatch(token):
+    digest = md5_of_line(text)
+    if digest is None:
         raise FetchError(f"{where}: no md5 hex digest in {text[:80]!r}", retryable=False)
-    return token.lower()
-
-
-def file_md5(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.md5()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+    return digest
 
 
 class _Pace:

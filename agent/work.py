@@ -6,19 +6,18 @@ path component; the request's `deploy_path`, when given, must be the agent's own
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agent.layout import BadRequest, check_name, normalize_chain, version_dir_name
+from cube.fsutil import is_md5_hex
 
 LONG_COMMANDS = ("download", "reload", "enable", "rollback")
 SERVER_COMMANDS = frozenset({"reload", "enable", "rollback"})
 QUERY_COMMAND = "task"
 COMMANDS = (*LONG_COMMANDS, QUERY_COMMAND)
 MODES = ("base", "delta")
-_MD5_RE = re.compile(r"[0-9a-fA-F]{32}")
 
 
 @dataclass(frozen=True)
@@ -112,7 +111,7 @@ def parse_work(body: object, deploy_path: Path) -> Work:
         if ";" in source:
             raise BadRequest("source: one tar per request (the agent serves one shard split)")
         md5 = _text(body, "md5").lower()
-        if md5 and not _MD5_RE.fullmatch(md5):
+        if md5 and not is_md5_hex(md5):
             raise BadRequest(f"md5: {md5!r} is not 32 hex digits")
         size = _int(body, "size", None)
         if not mode:

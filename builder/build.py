@@ -48,7 +48,7 @@ from builder.meta import (
 )
 from builder.seqfile import SequenceFileReader
 from builder.spill import Spiller, SpillPart, group_positions, merge_parts, open_spill, remove_part
-from cube.fsutil import atomic_write_text, fsync_dir
+from cube.fsutil import atomic_write_text, fsync_dir, md5_line
 from cube.index import build_table
 from cube.routing import check_partitioner, shard_of
 from cube.shard import DATA_FILE, INDEX_FILE, write_shard
@@ -427,7 +427,7 @@ def _emit_mapped(source: Any, length: int, emit: Callable[[memoryview], None]) -
 def write_md5_file(tar_path: Path, md5: str) -> Path:
     """`<tar>.md5` in md5sum's format (`md5sum -c` works from the version directory)."""
     path = tar_path.with_name(tar_path.name + ".md5")
-    atomic_write_text(path, f"{md5}  {tar_path.name}\n")
+    atomic_write_text(path, md5_line(md5, tar_path.name))
     return path
 
 

@@ -1,4 +1,5 @@
-"""Durable, all-or-nothing file writes shared by the builder, agent, transfer and server.
+"""Durable, all-or-nothing file writes shared by the builder, agent, transfer and server, and
+the md5 files that travel with the builder's tars.
 
 A reader sees the old file or the new one, never half of either, even across kill -9 or power
 loss: write a temp file in the same directory, fsync it, rename it over the target, fsync the
@@ -7,8 +8,10 @@ directory.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -42,3 +45,35 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int | None = 1) -> None:
     atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=True) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# md5 files: the builder writes `<tar>.md5` in md5sum's format; the transfer and agents check it
+
+_MD5_HEX = re.compile(r"[0-9a-fA-F]{32}")
+
+
+def is_md5_hex(text: str) -> bool:
+    return _MD5_HEX.fullmatch(text) is not None
+
+
+def md5_line(md5: str, name: str) -> str:
+    """One md5sum line: `md5sum -c` accepts it."""
+    return f"{md5}  {name}\n"
+
+
+def md5_of_line(text: str) -> str | None:
+    """The digest in an md5sum-style line ("<hex>  <name>"), lower-case; None if there is
+    none (callers name the file in their own error)."""
+    fields = text.split(maxsplit=1)
+    if not fields or not is_md5_hex(fields[0]):
+        return None
+    return fields[0].lower()
+
+
+def file_md5(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

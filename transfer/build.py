@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -22,6 +21,8 @@ import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+
+from cube.fsutil import file_md5, md5_of_line
 
 log = logging.getLogger("cube.transfer.build")
 _STDERR_TAIL = 2000
@@ -140,18 +141,10 @@ def read_md5_file(path: Path) -> str:
         text = path.read_text(encoding="utf-8", errors="replace")
     except FileNotFoundError:
         raise BuildError(f"{path}: missing (the builder wrote no md5)") from None
-    field = text.split()[0] if text.split() else ""
-    if len(field) != 32 or any(c not in "0123456789abcdefABCDEF" for c in field):
+    digest = md5_of_line(text)
+    if digest is None:
         raise BuildError(f"{path}: no md5 hash in {text[:80]!r}")
-    return field.lower()
-
-
-def file_md5(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.md5(usedforsecurity=False)
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+    return digest
 
 
 def member_problem(member: tarfile.TarInfo) -> str | None:
