@@ -60,18 +60,18 @@ def length_delimited(tag: int, data: Buffer) -> list[Buffer]:
     return [bytes((tag,)), varint(len(data)), data] if len(data) else []
 
 
-def read_varint(data: Buffer, pos: int) -> tuple[int, int]:
-    """(value, position after it)."""
+def read_varint(data: Buffer, pos: int, end: int | None = None) -> tuple[int, int]:
+    """(value, position after it); `end` (default: the end of `data`) bounds the read."""
+    end = len(data) if end is None else end
     result = shift = 0
-    while True:
-        if pos >= len(data) or shift > 63:
-            raise BadMessage("truncated varint")
+    while pos < end and shift <= 63:
         byte = data[pos]
         pos += 1
         result |= (byte & 0x7F) << shift
         if byte < 0x80:
             return result, pos
         shift += 7
+    raise BadMessage("truncated varint")
 
 
 def scan_fields(data: Buffer) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
@@ -85,16 +85,16 @@ def scan_fields(data: Buffer) -> tuple[dict[int, tuple[int, int]], dict[int, int
         if tag < 0x80:  # every field number of ours fits one tag byte
             pos += 1
         else:
-            tag, pos = read_varint(data, pos)
+            tag, pos = read_varint(data, pos, end)
         number, wire_type = tag >> 3, tag & 7
         if wire_type == 2:
-            length, pos = read_varint(data, pos)
+            length, pos = read_varint(data, pos, end)
             if pos + length > end:
                 raise BadMessage(f"field {number} runs past the end of the message")
             spans[number] = (pos, length)
             pos += length
         elif wire_type == 0:
-            ints[number], pos = read_varint(data, pos)
+            ints[number], pos = read_varint(data, pos, end)
         elif wire_type == 1:
             pos += 8
         elif wire_type == 5:
