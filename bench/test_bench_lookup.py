@@ -13,6 +13,7 @@ import itertools
 import numpy as np
 import pytest
 
+from bench.e2e import key_batches
 from cube.index import build_table
 from cube.shard import Shard, ShardStack, write_shard
 from cube.values import ValueColumn
@@ -36,8 +37,7 @@ def shard_and_keys(request, tmp_path_factory):
 
 
 def batches(keys: np.ndarray, count: int = 512) -> list[np.ndarray]:
-    rng = np.random.default_rng(7)
-    return [keys[rng.integers(0, keys.shape[0], BATCH)] for _ in range(count)]
+    return key_batches(keys, BATCH, count, seed=7)
 
 
 def test_lookup_fresh_batches(benchmark, shard_and_keys):

@@ -14,6 +14,7 @@ import itertools
 import numpy as np
 import pytest
 
+from bench.e2e import key_batches
 from cube.index import build_table
 from cube.pb import cube_fast_pb2, cube_pb2
 from cube.server.service import SeekService
@@ -40,8 +41,7 @@ def service_and_keys(tmp_path_factory):
 
 
 def fresh_batches(keys: np.ndarray, count: int = 512) -> list[np.ndarray]:
-    rng = np.random.default_rng(3)
-    return [keys[rng.integers(0, keys.shape[0], BATCH)] for _ in range(count)]
+    return key_batches(keys, BATCH, count, seed=3)
 
 
 def test_fast_seek_kernel(benchmark, service_and_keys):
