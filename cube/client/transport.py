@@ -183,7 +183,7 @@ class CallHandle:
     def attach(self, sock: socket.socket | None) -> bool:
         """Let cancel() reach `sock` (None: detach). False when already cancelled."""
         with self._lock:
-            self._sock = sock
+            self._sock = None if self.cancelled else sock
             return not self.cancelled
 
 
@@ -260,7 +260,10 @@ class SyncLane:
                 self._drop_idle()
                 self.broken = True
                 return False, ("UNAVAILABLE", f"TCP lane {self.host}:{self.port}: {exc}")
-            self._give_back(connection)
+            if handle.attach(None):  # detached first: a late cancel must not hit a pooled socket
+                self._give_back(connection)
+            else:  # cancelled while the answer came: the socket may be shut down
+                connection.sock.close()
             if status:
                 return False, (_status_name(status), bytes(body).decode("utf-8", "replace"))
             return True, body
