@@ -235,6 +235,7 @@ def test_fixed_lane_ports_and_bad_flags(tmp_path):
         (["--tcp_ports", "1,2"], "--tcp_ports lists 2 ports"),
         (["--tcp_ports", "x"], "is not a list of ports"),
         (["--workers", "2", "--tcp_ports", "7,7"], "distinct"),
+        (["--busy_poll_us", "-5"], "--busy_poll_us must be in 0..1000000"),
     ):
         done = subprocess.run(
             [sys.executable, "-m", "cube.server.main", "--data_dir", str(data), *flags],

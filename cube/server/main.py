@@ -119,6 +119,8 @@ def check_flags(flags: Flags) -> None:
         raise FlagError(f"--workers must be >= 1, got {flags.workers}")
     if flags.max_batch < 1:
         raise FlagError(f"--max_batch must be >= 1, got {flags.max_batch}")
+    if not 0 <= flags.busy_poll_us <= 1_000_000:
+        raise FlagError(f"--busy_poll_us must be in 0..1000000, got {flags.busy_poll_us}")
     if not 0 <= flags.port < 65536:
         raise FlagError(f"--port {flags.port} is not a port")
     if flags.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
