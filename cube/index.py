@@ -58,11 +58,6 @@ class HashTable:
     def slot_count(self) -> int:
         return int(self.slot_keys.shape[0])
 
-    @property
-    def buckets(self) -> np.ndarray:
-        """`slot_keys` as a (buckets, WINDOW) array: one row per cache line."""
-        return self.slot_keys.reshape(-1, WINDOW)
-
 
 @dataclass(frozen=True)
 class BuiltTable:

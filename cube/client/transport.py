@@ -187,6 +187,16 @@ class CallHandle:
             return not self.cancelled
 
 
+class _Uncancellable(CallHandle):
+    """The handle of a call nobody can cancel (run inline by its caller): no lock, no state."""
+
+    def attach(self, sock: socket.socket | None) -> bool:
+        return True
+
+
+_INLINE = _Uncancellable()
+
+
 class SyncLane:
     """Blocking connections to one worker's TCP lane. A call takes an idle connection (or
     opens one), writes its frame and reads the answer in the calling thread: no thread hop,
@@ -207,7 +217,7 @@ class SyncLane:
         self, request: bytes, timeout_s: float, handle: CallHandle | None = None
     ) -> tuple[bool, Any]:
         """(True, response bytes) or (False, (status name, message)); never raises."""
-        handle = handle or CallHandle()
+        handle = handle or _INLINE
         try:
             return self._call(request, timeout_s, handle)
         finally:
