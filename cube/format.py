@@ -23,7 +23,11 @@ from __future__ import annotations
 import json
 import struct
 import zlib
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import mmap
 
 MAGICS = {"index": b"CUBEIDX1", "data": b"CUBEDAT1"}
 FORMAT_VERSION = 2  # 2: per-bucket rows and a deleted-key list replace per-slot rows
@@ -103,10 +107,22 @@ def decode_header(kind: str, header: bytes, path: str, file_size: int) -> dict[s
     return fields
 
 
-def section_crc(buffer: memoryview | bytes, offset: int, length: int) -> int:
-    """crc32 of a section, in 64 MiB steps so a huge section never needs one huge call."""
+class VerifyCancelled(Exception):
+    """A checksum pass stopped because its caller asked (see `section_crc`)."""
+
+
+def section_crc(
+    buffer: memoryview | bytes | mmap.mmap,
+    offset: int,
+    length: int,
+    cancelled: Callable[[], bool] | None = None,
+) -> int:
+    """crc32 of a section, in 64 MiB steps so a huge section never needs one huge call;
+    `cancelled()` is asked before each step (VerifyCancelled when it says so)."""
     crc = 0
     step = 64 << 20
     for start in range(offset, offset + length, step):
+        if cancelled is not None and cancelled():
+            raise VerifyCancelled(f"checksum pass stopped at offset {start}")
         crc = zlib.crc32(buffer[start : min(start + step, offset + length)], crc)
     return crc

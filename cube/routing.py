@@ -6,6 +6,7 @@ skewed (structured ids, or `dict_split` sharing a factor with `shard_num`).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,3 +59,62 @@ def group_by_owner(owner: np.ndarray, owner_count: int) -> Grouping:
     bounds = np.zeros(owner_count + 1, dtype=np.int64)
     np.cumsum(counts, out=bounds[1:])
     return Grouping(order=order, bounds=bounds)
+
+
+@dataclass(frozen=True)
+class ShardRouting:
+    """Which keys one shard holds: what a built shard's header records (dict, shard, count,
+    partitioner). A server refuses keys that do not route to it and the SDK compares it with
+    its own configuration, so a wrong shard order, count or partitioner is an error, not a
+    stream of misses."""
+
+    dict_name: str
+    shard: int
+    shard_num: int
+    partitioner: str
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> ShardRouting | None:
+        """From shard header fields; None when they do not say (hand-made or older shards)."""
+        try:
+            shard, shard_num = int(meta["shard"]), int(meta["shard_num"])
+            partitioner = check_partitioner(str(meta.get("partitioner") or "mod"))
+        except (KeyError, TypeError, ValueError):
+            return None
+        if not 0 <= shard < shard_num:
+            return None
+        return cls(str(meta.get("dict_name") or ""), shard, shard_num, partitioner)
+
+    def describe(self) -> str:
+        dict_part = f" of dict {self.dict_name!r}" if self.dict_name else ""
+        return f"shard {self.shard} of {self.shard_num} ({self.partitioner}){dict_part}"
+
+    def first_foreign(self, keys: np.ndarray) -> int:
+        """Position of the first key that routes to another shard, -1 when all are ours."""
+        if self.shard_num == 1 or not keys.shape[0]:
+            return -1
+        n = self.shard_num
+        if self.partitioner == "mod":
+            owner = keys & np.uint64(n - 1) if n & (n - 1) == 0 else keys % np.uint64(n)
+            foreign = owner != np.uint64(self.shard)
+        else:
+            foreign = murmur3_32(keys) % np.uint32(n) != np.uint32(self.shard)
+        return int(foreign.argmax()) if foreign.any() else -1
+
+    def to_text(self) -> str:
+        """The `cube-routing` metadata a server announces (compact JSON, ASCII)."""
+        fields = {
+            "dict_name": self.dict_name,
+            "shard": self.shard,
+            "shard_num": self.shard_num,
+            "partitioner": self.partitioner,
+        }
+        return json.dumps(fields, separators=(",", ":"))
+
+    @classmethod
+    def from_text(cls, text: str) -> ShardRouting | None:
+        try:
+            fields = json.loads(text)
+        except ValueError:
+            return None
+        return cls.from_meta(fields) if isinstance(fields, dict) else None

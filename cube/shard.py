@@ -10,11 +10,11 @@ tombstone in a newer layer hides the key in the older ones.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import uuid
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,40 +133,67 @@ def _write_file(path: Path, kind: str, fields: dict, sections: dict) -> dict[str
     return header_fields
 
 
-class _MappedFile:
-    """One shard file, header checked, contents mapped (or read) read-only."""
+FileHook = Callable[[int, Path], None]
 
-    def __init__(self, path: Path, kind: str, populate: bool) -> None:
+
+class _MappedFile:
+    """One shard file, header checked, contents mapped (or read) read-only.
+
+    With `on_open`, the hook sees the descriptor right after the open, before anything is read
+    (cube-server takes a lease there so that another process cannot truncate or rewrite the
+    file unnoticed), and the descriptor stays open until `close`."""
+
+    def __init__(
+        self, path: Path, kind: str, populate: bool, on_open: FileHook | None = None
+    ) -> None:
         self.path = path
+        self.fd = -1
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError as exc:
             raise fmt.ShardFormatError(str(path), "missing") from exc
         try:
+            if on_open is not None:
+                on_open(fd, path)
             size = os.fstat(fd).st_size
             header = os.pread(fd, fmt.HEADER_SIZE, 0)
             self.fields = fmt.decode_header(kind, header, str(path), size)
+            self.size = size
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
             self.buffer = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        if on_open is None:
+            os.close(fd)
+        else:
+            self.fd = fd
 
     def section(self, name: str, dtype: str) -> np.ndarray:
         offset, length, _crc = self.fields["sections"][name]
         itemsize = np.dtype(dtype).itemsize
         return np.frombuffer(self.buffer, dtype=dtype, count=length // itemsize, offset=offset)
 
-    def verify(self) -> None:
+    def verify(self, cancelled: Callable[[], bool] | None = None) -> None:
+        """Check every section's crc32; `cancelled` is asked between 64 MiB steps (a load
+        that must stop, e.g. because the file is being rewritten, stops there)."""
         for name, (offset, length, crc) in self.fields["sections"].items():
-            if fmt.section_crc(self.buffer, offset, length) != crc:
+            if fmt.section_crc(self.buffer, offset, length, cancelled) != crc:
                 raise fmt.ShardFormatError(
                     str(self.path), f"section {name} checksum mismatch (corrupted data)", offset
                 )
 
-    def close(self) -> None:
-        # BufferError: arrays still point into it; the mapping goes when they do
-        with contextlib.suppress(BufferError):
+    def close(self) -> bool:
+        """Unmap and close the descriptor; False when arrays still point into the mapping
+        (it goes when they do, and the descriptor stays open until then)."""
+        try:
             self.buffer.close()
+        except BufferError:
+            return False
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        return True
 
 
 class Shard:
@@ -200,22 +227,45 @@ class Shard:
 
     @classmethod
     def open(
-        cls, directory: str | os.PathLike, *, verify: bool = False, populate: bool = False
+        cls,
+        directory: str | os.PathLike,
+        *,
+        verify: bool = False,
+        populate: bool = False,
+        on_open: FileHook | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> Shard:
         """Map a shard directory. `verify` checks every checksum (reads all bytes);
-        `populate` faults every page in now rather than on first use."""
+        `populate` faults every page in now rather than on first use; `on_open` sees each
+        file's descriptor right after it is opened (and keeps it open while mapped);
+        `cancelled` can stop a long verify."""
         directory = Path(directory)
-        index = _MappedFile(directory / INDEX_FILE, "index", populate)
-        data = _MappedFile(directory / DATA_FILE, "data", populate)
-        if index.fields.get("build_id") != data.fields.get("build_id"):
-            raise fmt.ShardFormatError(
-                str(directory), f"{INDEX_FILE} and {DATA_FILE} come from different builds"
-            )
-        if index.fields.get("data_file_size") != data.fields["file_size"]:
-            raise fmt.ShardFormatError(str(data.path), "size differs from what the index expects")
-        shard = cls(directory, index, data)
+        index = _MappedFile(directory / INDEX_FILE, "index", populate, on_open)
+        try:
+            data = _MappedFile(directory / DATA_FILE, "data", populate, on_open)
+        except BaseException:
+            index.close()
+            raise
+        try:
+            if index.fields.get("build_id") != data.fields.get("build_id"):
+                raise fmt.ShardFormatError(
+                    str(directory), f"{INDEX_FILE} and {DATA_FILE} come from different builds"
+                )
+            if index.fields.get("data_file_size") != data.fields["file_size"]:
+                raise fmt.ShardFormatError(
+                    str(data.path), "size differs from what the index expects"
+                )
+            shard = cls(directory, index, data)
+        except BaseException:
+            index.close()
+            data.close()
+            raise
         if verify:
-            shard.verify()
+            try:
+                shard.verify(cancelled)
+            except BaseException:
+                shard.close()
+                raise
         return shard
 
     @property
@@ -226,19 +276,25 @@ class Shard:
     def value_width(self) -> int:
         return int(self.meta["value_width"])
 
-    def verify(self) -> None:
+    @property
+    def files(self) -> tuple[_MappedFile, _MappedFile]:
+        """The index and data files (path, descriptor when kept open, mapped size)."""
+        return self._files
+
+    def verify(self, cancelled: Callable[[], bool] | None = None) -> None:
         for f in self._files:
-            f.verify()
+            f.verify(cancelled)
 
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(rows, found); tombstones are found with row TOMBSTONE."""
         return lookup(self.table, keys)
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Drop the arrays and unmap; False when some array still points into a mapping."""
         self.table = None  # type: ignore[assignment]
         self.values = None  # type: ignore[assignment]
-        for f in self._files:
-            f.close()
+        closed = [f.close() for f in self._files]
+        return all(closed)
 
 
 @dataclass(frozen=True)
@@ -304,6 +360,18 @@ class ShardStack:
             if mine.shape[0]:
                 out[mine] = shard.values.as_rows().take(result.rows[mine], axis=0)
         return out
+
+    def value_bytes(self, result: LookupResult) -> int:
+        """How many value bytes `gather(result)` would produce, without gathering."""
+        if self.value_width:
+            return int(np.count_nonzero(result.found)) * self.value_width
+        total = 0
+        for index, shard in enumerate(self.layers):
+            rows = result.rows[(result.layer == index) & result.found].astype(np.int64)
+            if rows.shape[0]:
+                offsets = shard.values.offsets
+                total += int((offsets.take(rows + 1) - offsets.take(rows)).sum())
+        return total
 
     def gather(self, result: LookupResult) -> ValueColumn:
         """Values of all keys in request order; a key not found gets an empty value."""

@@ -46,16 +46,18 @@ def write_version(
     chain: Sequence[str] | None = None,
     current: bool = False,
     dict_name: str = "test_dict",
+    routing: dict | None = None,
 ) -> Path:
     """Write `<data_dir>[/<split>]/<name>/{index.cube,data.cube}` (a base, or a delta when the
-    name is `<base>_<cur>`), optionally its CHAIN file, and VERSION when `current`."""
+    name is `<base>_<cur>`), optionally its CHAIN file, and VERSION when `current`. `routing`
+    (shard, shard_num, partitioner) goes into the headers as the builder writes it."""
     root = Path(data_dir) if split is None else Path(data_dir) / str(split)
     keys = np.asarray(keys, dtype=np.uint64)
     if not isinstance(values, ValueColumn):
         values = ValueColumn.from_list(list(values)) if len(values) else ValueColumn.empty()
     dropped = None if deleted is None else np.asarray(deleted, dtype=np.uint64)
     directory = root / name
-    meta = {"dict_name": dict_name, "version": name}
+    meta = {"dict_name": dict_name, "version": name, **(routing or {})}
     write_shard(directory, build_table(keys, dropped), values, meta)
     if chain is not None:
         (directory / "CHAIN").write_text("".join(f"{link}\n" for link in chain))
@@ -167,7 +169,9 @@ class ServerProc:
         except OSError:
             return ""
 
-    def wait_serving(self, timeout: float = 30.0) -> None:
+    def wait_up(self, timeout: float = 30.0, serving: bool = False) -> None:
+        """Wait until every worker answers its health check (it loads its start-up version
+        before it listens); with `serving`, until every one says SERVING."""
         pending = list(self.addresses)
 
         def running() -> None:
@@ -176,16 +180,24 @@ class ServerProc:
                     f"cube-server exited with {self.process.returncode}:\n{self.log()[-4000:]}"
                 )
 
-        def serving() -> bool:
-            serving = health_pb2.HealthCheckResponse.SERVING
-            while pending and health_status(pending[0], timeout=0.5) == serving:
+        def ready(status: int | None) -> bool:
+            if serving:
+                return status == health_pb2.HealthCheckResponse.SERVING
+            return status is not None
+
+        def all_ready() -> bool:
+            while pending and ready(health_status(pending[0], timeout=0.5)):
                 pending.pop(0)
             return not pending
 
-        if not poll_until(serving, timeout, 0.05, check=running):
+        if not poll_until(all_ready, timeout, 0.05, check=running):
+            what = "SERVING" if serving else "answering"
             raise TimeoutError(
-                f"cube-server not SERVING on {pending} after {timeout} s:\n{self.log()[-4000:]}"
+                f"cube-server not {what} on {pending} after {timeout} s:\n{self.log()[-4000:]}"
             )
+
+    def wait_serving(self, timeout: float = 30.0) -> None:
+        self.wait_up(timeout, serving=True)
 
     def signal(self, signum: int = signal.SIGTERM) -> None:
         if self.process.poll() is None:
@@ -206,7 +218,8 @@ def start_server(
     wait: bool = True,
 ) -> ServerProc:
     """Start `cube-server --data_dir DATA --port P [--workers N] ARGS...` and wait until every
-    worker answers health SERVING. The caller must `stop()` it (or use `running_server`)."""
+    worker answers its health check (SERVING or, with nothing to serve, NOT_SERVING). The
+    caller must `stop()` it (or use `running_server`)."""
     ports = ports or free_ports(workers)
     data_dir = Path(data_dir)
     log_path = Path(log_path) if log_path else data_dir.parent / f"cube-server-{ports[0]}.log"
@@ -227,7 +240,7 @@ def start_server(
     server = ServerProc(spawn(command, log_path, cwd=REPO), ports, data_dir, log_path, list(args))
     if wait:
         try:
-            server.wait_serving(timeout)
+            server.wait_up(timeout)
         except BaseException:
             server.stop()
             raise

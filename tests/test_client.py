@@ -48,7 +48,7 @@ def servers(*specs):
         for data_dir, args, workers in specs:
             started.append(start_server(data_dir, *args, workers=workers, wait=False))
         for server in started:
-            server.wait_serving()
+            server.wait_up()
         yield started
     finally:
         for server in started:
@@ -304,9 +304,12 @@ def test_variable_width_with_murmur3_routing_as_cube_builder_shards(variable_clu
         assert result.width == 0 and result.version == "1000"
         check_variable(result, keys)
         check_variable(client.seek(keys[:1]), keys[:1])
-    with CubeClient(shards=[[a] for a in addresses], partitioner="mod") as wrong:
-        # Routing by the wrong rule finds (almost) nothing: proves the murmur3 test routes.
-        assert wrong.seek(keys).found.sum() < 0.5 * np.isin(keys, VAR_KEYS).sum()
+    # Routing by the wrong rule is refused (it used to find almost nothing, silently).
+    with (
+        CubeClient(shards=[[a] for a in addresses], partitioner="mod") as wrong,
+        pytest.raises(CubeError, match="murmur3"),
+    ):
+        wrong.seek(keys)
 
 
 def test_ipport_parallel_uses_node_zero_for_every_shard(variable_cluster, tmp_path):
@@ -578,14 +581,21 @@ def test_cube_cli_errors(tmp_path, capsys):
     assert "shard 0 failed" in out.err
 
 
-def test_a_shard_with_nothing_loaded_is_an_error_not_silent_misses(tmp_path):
+@pytest.mark.parametrize("args", [(), ("--allow_empty",)])
+def test_a_shard_with_nothing_loaded_is_an_error_not_silent_misses(tmp_path, args):
+    """A replica with nothing loaded refuses (UNAVAILABLE) or, with --allow_empty, answers
+    without a version: either way the SDK reports the shard unavailable, never misses."""
     (loaded,) = build_shards(tmp_path / "a", KEYS, lambda k: fixed_values(k, WIDTH, tag=1), 1)
     with (
-        servers((loaded, (), 1), (tmp_path / "empty", (), 1)) as (s0, s1),
-        CubeClient(shards=[[s0.address], [s1.address]]) as client,
+        servers((loaded, (), 1), (tmp_path / "empty", args, 1)) as (s0, s1),
+        CubeClient(shards=[[s0.address], [s1.address]], retry=1) as client,
     ):
-        with pytest.raises(VersionMismatchError, match=r"shard 1: \(nothing loaded\)"):
+        with pytest.raises(ShardUnavailableError) as caught:
             client.seek(np.arange(100, dtype=np.uint64))
+        assert caught.value.shards == [1]
+        assert "serve" in str(caught.value)  # "serves no version" / "serves nothing"
+        partial = caught.value.result
+        assert partial.answered[::2].all() and not partial.answered[1::2].any()
         assert client.seek([0, 2, 4]).version == "100"  # only shard 0 asked
 
 

@@ -1,7 +1,8 @@
 """cube-server end to end: real processes on loopback ports, real shard files.
 
 Lookups (fast and original API, fixed and variable width, deltas and tombstones), every
-bad-request status, the empty server, dict_split layout, health and reflection."""
+bad-request status, a server with nothing (or nothing good) to serve, dict_split layout,
+health and reflection."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from procs import expected_fixed, fixed_values, health_status, running_server, w
 
 from cube.pb import cube_fast_pb2, cube_fast_pb2_grpc, cube_pb2, cube_pb2_grpc
 from cube.routing import shard_of
+from transfer.processes import poll_until
 
 MISS = 0xFFFFFFFF
 
@@ -158,11 +160,34 @@ def test_variable_width_values(bad_request_server):
     assert variable_values(response) == [b"two!", b"", b"one"]
 
 
-def test_empty_server_answers_misses(tmp_path):
+def test_empty_server_is_not_serving_and_says_why(tmp_path):
+    """Nothing to serve: health NOT_SERVING and every lookup UNAVAILABLE with the reason, never
+    a batch of misses; an empty request (a client's first contact) is still answered."""
     with (
         running_server(tmp_path / "nothing") as server,
         grpc.insecure_channel(server.address) as channel,
     ):
+        assert health_status(server.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as caught:
+            seek(channel, [1, 2, 3])
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "does not exist" in caught.value.details()
+        with pytest.raises(grpc.RpcError) as caught:
+            cube_pb2_grpc.DictServiceStub(channel).seek(
+                cube_pb2.DictRequest(keys=[4], version_required=True), timeout=10
+            )
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert seek(channel, []).found == b""
+        detail = json.loads(control(channel, "status").detail_json)
+        assert detail["serving"] is False and "does not exist" in detail["not_serving_reason"]
+
+
+def test_allow_empty_server_answers_misses(tmp_path):
+    with (
+        running_server(tmp_path / "nothing", "--allow_empty") as server,
+        grpc.insecure_channel(server.address) as channel,
+    ):
+        assert health_status(server.address) == health_pb2.HealthCheckResponse.SERVING
         response = seek(channel, [1, 2, 3])
         assert response.found == b"\x00\x00\x00" and response.version == ""
         assert variable_values(response) == [b"", b"", b""]
@@ -174,6 +199,60 @@ def test_empty_server_answers_misses(tmp_path):
         status = control(channel, "status")
         assert status.cur_version == "" and status.status == 0
         assert json.loads(status.detail_json)["record_count"] == 0
+
+
+@pytest.mark.parametrize(
+    ("layout", "words"),
+    [
+        ("builder", "looks like cube-builder output"),
+        ("flat", "holds shard files directly"),
+        ("unnamed", "no VERSION"),
+        ("empty", "waiting for cube-agent"),
+    ],
+)
+def test_data_dir_without_a_version_is_diagnosed(tmp_path, layout, words):
+    data = tmp_path / "data"
+    data.mkdir()
+    if layout == "builder":
+        (data / "test_dict_part0").mkdir()
+        (data / "test_dict_part0.tar").write_bytes(b"")
+    elif layout == "flat":
+        write_version(tmp_path, "data", [1], [b"x"])
+    elif layout == "unnamed":
+        write_version(data, "17", [1], [b"x"])
+    with running_server(data) as server, grpc.insecure_channel(server.address) as channel:
+        assert health_status(server.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as caught:
+            seek(channel, [1])
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert words in caught.value.details()
+        assert words in server.log()
+
+
+def test_corrupt_startup_version_is_not_serving_even_with_allow_empty(tmp_path):
+    """A replica meant to serve a version it cannot load says so: NOT_SERVING, UNAVAILABLE
+    naming the file, and a load of a good version makes it serve."""
+    data = tmp_path / "data"
+    directory = write_version(data, "5", [1, 2], [b"one", b"two"], current=True)
+    with (directory / "data.cube").open("r+b") as f:  # one byte of the values section
+        f.seek(4096)
+        byte = f.read(1)
+        f.seek(4096)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    write_version(data, "6", [1, 2], [b"uno", b"dos!"])
+    with (
+        running_server(data, "--allow_empty") as server,
+        grpc.insecure_channel(server.address) as channel,
+    ):
+        assert health_status(server.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as caught:
+            seek(channel, [1])
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "data.cube" in caught.value.details() and "checksum" in caught.value.details()
+        control(channel, "reload_base", version_path="/6")
+        serving = health_pb2.HealthCheckResponse.SERVING
+        assert poll_until(lambda: health_status(server.address) == serving, 10, 0.05)
+        assert variable_values(seek(channel, [1, 2])) == [b"uno", b"dos!"]
 
 
 def test_dict_split_layout(tmp_path):

@@ -16,6 +16,8 @@ Per sub-request (`ShardCall`):
   whole round at once;
 - FAILED_PRECONDITION to a version-pinned request means "this replica does not hold that
   version": try the other replicas, without counting it against the replica's health.
+- an answer without a version comes from a replica that serves nothing: it is a failure of
+  that replica (retried elsewhere), never a batch of misses.
 Every round also has a hard deadline (all attempts and backoffs, plus slack), so a driver
 never waits unboundedly.
 """
@@ -46,6 +48,10 @@ NON_RETRYABLE = frozenset(
 # Errors that say nothing about the replica's health (no cooldown).
 NEUTRAL = frozenset({"FAILED_PRECONDITION", "CANCELLED"})
 VERSION_UNAVAILABLE = "FAILED_PRECONDITION"
+NO_VERSION = (
+    "answered without a version: the replica serves nothing (e.g. a cube-server started with"
+    " --allow_empty before its first version); its misses are not taken as answers"
+)
 
 
 @dataclass(frozen=True)
@@ -275,6 +281,8 @@ class ShardCall:
             answer = self.decode(data)
         except BadMessage as exc:
             return self.on_error(attempt, "BAD_RESPONSE", str(exc), now)
+        if not answer.version:
+            return self.on_error(attempt, "UNAVAILABLE", NO_VERSION, now)
         if self.pinned_version is not None and answer.version != self.pinned_version:
             message = f"answered version {answer.version!r}, asked for {self.pinned_version!r}"
             return self.on_error(attempt, VERSION_UNAVAILABLE, message, now)

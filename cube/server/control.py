@@ -145,6 +145,12 @@ class LocalWorker:
             raise
         finally:
             self.loading = None
+        watch = self.options.watch
+        changed = watch.changed(version.fds) if watch is not None else ""
+        if changed:  # its files changed after they were checked, before it could serve
+            version.fail(changed)
+            self.last_error = f"refused {name}: {changed}"
+            raise VersionError("DATA_LOSS", self.last_error)
         self.slots.stage(version)
         log.info(
             "worker %d loaded %s (%s, %.3f s): %s",
@@ -164,7 +170,10 @@ class LocalWorker:
             "bg_version": _name(slots.background),
             "staged_version": _name(slots.staged),
             "loading": self.loading,
+            "serving": slots.serving,
+            "not_serving_reason": "" if slots.serving else slots.why_not_serving(),
             "requests": self.service.counters.as_dict(),
+            "lane": self.service.lane_stats(),
         }
 
 
@@ -378,6 +387,8 @@ class Coordinator:
             "splits": _split_versions(slots),
             "worker_states": workers,
             "requests": totals,
+            "serving": slots.serving,
+            "not_serving_reason": "" if slots.serving else slots.why_not_serving(),
             "last_error": self.last_error or self.local.last_error,
         }
         return cube_pb2.ControlResponse(

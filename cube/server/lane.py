@@ -14,6 +14,19 @@ Responses come in request order, so a client may pipeline many requests on a con
 frame longer than `max_frame` or a wrong magic ends the connection (after an error frame for
 the former).
 
+Memory is bounded in bytes, whatever the peers do (`LaneLimits`):
+- a connection buffers at most one frame of input (`max_frame`);
+- its answers are estimated at parse time (keys x the version's longest value, exact for fixed
+  width); frames are left unparsed in its buffer, and its socket unread, while the answers it
+  already has queued or unsent exceed `connection_bytes` (one request is always let through),
+  so a client that does not read its answers stops being read;
+- across all connections, input buffers plus queued and unsent answers stay under
+  `budget_bytes`: beyond it no connection gets a new frame parsed until it drops; a connection
+  that pushes its own input buffer over the budget is told UNAVAILABLE and closed;
+- a connection holding a partial frame, or unsent answers, without progress for
+  `stall_timeout` seconds is closed (a stalled or malicious peer frees what it holds);
+- at most `max_connections` connections; the next is told UNAVAILABLE and closed.
+
 Busy polling (`--busy_poll_us`): after answering, the worker keeps its event loop polling the
 sockets without sleeping for that long, so a request arriving soon after is read at once. On a
 VM an idle vCPU halts and waking it costs the next request a hypervisor round trip and cold
@@ -35,6 +48,7 @@ import os
 import socket
 import struct
 import time
+from dataclasses import dataclass
 
 import grpc
 
@@ -44,11 +58,22 @@ from cube.wire import Buffer
 log = logging.getLogger("cube.server")
 
 MAGIC = b"CUBETCP1"
-PORT_METADATA = "cube-tcp-port"
 _LENGTH = struct.Struct("<I")
 _HEADER = struct.Struct("<IB")
 _OK = 0
-_WRITE_HIGH_WATER = 4 << 20  # pause reading a client that does not read its answers
+_WRITE_HIGH_WATER = 4 << 20  # the transport pauses us (and we stop reading) above this
+_ANSWER_OVERHEAD = 64  # header and fields of an answer besides its values (estimate)
+
+
+@dataclass(frozen=True)
+class LaneLimits:
+    """Byte and time bounds of the lane (module docstring)."""
+
+    max_frame: int = 4 << 20
+    connection_bytes: int = 16 << 20
+    budget_bytes: int = 256 << 20
+    stall_timeout: float = 30.0
+    max_connections: int = 1024
 
 
 def error_frame(code: grpc.StatusCode, message: str) -> bytes:
@@ -60,48 +85,119 @@ class LaneProtocol(asyncio.Protocol):
     """One client connection: frames in, answers out, all in the event loop's thread (the
     lookup is synchronous numpy work, like the gRPC handlers)."""
 
-    def __init__(self, service: SeekService, max_frame: int, lane: Lane) -> None:
-        self.service = service
-        self.max_frame = max_frame
+    def __init__(self, lane: Lane) -> None:
         self.lane = lane
+        self.service = lane.service
+        self.max_frame = lane.limits.max_frame
         self.transport: asyncio.Transport | None = None
-        self.buffer = bytearray()
+        self.buffer = bytearray()  # unparsed input: a partial frame, or frames held back
         self.greeted = False
-        self.refused = False  # sent a frame too long: read nothing more, close when answered
+        self.closing = False  # refused: read nothing more, close once answered
+        self.write_paused = False  # the transport's buffer is above its high-water mark
+        self.reading = True
+        self.queued = 0  # estimated bytes of answers queued, not yet written
+        self.unsent = 0  # bytes the transport still holds (sampled)
+        self.counted = 0  # what this connection adds to the lane's total
+        self.progress_at = time.monotonic()
+
+    # -- accounting ---------------------------------------------------------------------
+
+    def _account(self) -> None:
+        """Bring the lane-wide total up to date with this connection's bytes."""
+        mine = len(self.buffer) + self.queued + self.unsent
+        self.lane.total_bytes += mine - self.counted
+        self.counted = mine
+
+    def outstanding(self) -> int:
+        return self.queued + self.unsent
+
+    def sample_unsent(self) -> None:
+        transport = self.transport
+        unsent = transport.get_write_buffer_size() if transport is not None else 0
+        if unsent < self.unsent:
+            self.progress_at = time.monotonic()
+        self.unsent = unsent
+        self._account()
+
+    def stalled(self, now: float) -> bool:
+        """Holding a partial frame, or answers the peer does not take, with no progress."""
+        waiting = (self.buffer and not self.held()) or self.unsent
+        return bool(waiting) and now - self.progress_at > self.lane.limits.stall_timeout
+
+    def held(self) -> bool:
+        """Whether the next frame must wait for answers to drain (ours or the lane's)."""
+        if self.outstanding() == 0:
+            return self.lane.total_bytes - len(self.buffer) >= self.lane.limits.budget_bytes
+        return (
+            self.outstanding() >= self.lane.limits.connection_bytes
+            or self.lane.total_bytes >= self.lane.limits.budget_bytes
+        )
+
+    def _update_reading(self) -> None:
+        want = not (self.closing or self.write_paused or (self.buffer and self.held()))
+        if want != self.reading and self.transport is not None:
+            self.reading = want
+            if want:
+                self.transport.resume_reading()
+            else:
+                self.transport.pause_reading()
+
+    # -- asyncio callbacks --------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's TCPTransport
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
-        self.lane.connections.add(self)
+        transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)  # type: ignore[attr-defined]
+        lane = self.lane
+        if len(lane.connections) >= lane.limits.max_connections:
+            message = (
+                f"TCP lane: this server already has {len(lane.connections)} connections"
+                " (its limit); try another replica or later"
+            )
+            transport.write(error_frame(grpc.StatusCode.UNAVAILABLE, message))  # type: ignore[attr-defined]
+            self.closing = True
+            transport.close()
+            return
+        lane.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lane.connections.discard(self)
+        self.buffer = bytearray()
+        self.queued = self.unsent = 0
+        self._account()
         self.transport = None
 
     def pause_writing(self) -> None:
-        if self.transport is not None:
-            self.transport.pause_reading()
+        self.write_paused = True
+        self._update_reading()
 
     def resume_writing(self) -> None:
-        if self.transport is not None and not self.refused:
-            self.transport.resume_reading()
+        self.write_paused = False
+        self.sample_unsent()
+        self.resume()
 
     def data_received(self, data: bytes) -> None:
-        # Frames are read in place (memoryview slices; upb parses them without a copy); only
-        # an incomplete tail is kept for the next read.
-        if self.refused:
+        if self.closing:
             return
-        source: bytes | bytearray = data
+        self.progress_at = time.monotonic()
         if self.buffer:
             self.buffer += data
-            source = self.buffer
+            self._consume(self.buffer)
+        else:
+            self._consume(data)
+
+    # -- frames -------------------------------------------------------------------------
+
+    def _consume(self, source: bytes | bytearray) -> None:
+        """Parse the frames `source` holds (as far as the byte bounds allow) and keep the
+        rest in the buffer. Frames are read in place (memoryview slices; upb parses them
+        without a copy)."""
         start = 0
         if not self.greeted:
             if len(source) < len(MAGIC):
-                self.buffer = bytearray(source)
+                self._keep(source, 0)
                 return
             if source[: len(MAGIC)] != MAGIC:
                 log.warning("TCP lane: a client did not open with the lane's magic; closed")
@@ -110,36 +206,58 @@ class LaneProtocol(asyncio.Protocol):
             self.greeted = True
             start = len(MAGIC)
         end = len(source)
-        refused = False
+        oversized = 0
         with memoryview(source) as view:
             while end - start >= 4:
                 (length,) = _LENGTH.unpack_from(view, start)
                 if length > self.max_frame:
-                    refused = True
+                    oversized = length
                     break
-                if end - start - 4 < length:
+                if end - start - 4 < length or self.held():
                     break
                 frame = view[start + 4 : start + 4 + length]
                 try:
-                    self.lane.enqueue(self, self._parse(frame))
+                    item = self._parse(frame)
                 finally:
                     frame.release()  # no export may outlive the view (the buffer is resized)
                 start += 4 + length
-        if refused:
-            self.refused = True
-            if self.transport is not None:
-                self.transport.pause_reading()
+                if isinstance(item, ParsedSeek):
+                    self.queued += _ANSWER_OVERHEAD + item.answer_bound
+                    self._account()
+                self.lane.enqueue(self, item)
+        if oversized:
             message = (
-                f"TCP lane: a request frame of {length} bytes exceeds this server's"
+                f"TCP lane: a request frame of {oversized} bytes exceeds this server's"
                 f" {self.max_frame} (--max_batch): split the batch"
             )
-            self.lane.enqueue(self, RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, message))
-            self.lane.enqueue(self, None)  # close once the answers before it are written
+            self._refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
             return
+        self._keep(source, start)
+        lane = self.lane
+        if self.buffer and not self.outstanding() and lane.total_bytes > lane.limits.budget_bytes:
+            self._refuse(
+                grpc.StatusCode.UNAVAILABLE,
+                "TCP lane: the server's input buffers are full; retry on another replica",
+            )
+            return
+        self._update_reading()
+
+    def _keep(self, source: bytes | bytearray, start: int) -> None:
+        """Keep `source[start:]` as the buffer (in place when it is the buffer)."""
         if source is self.buffer:
             del self.buffer[:start]
-        elif start < end:
-            self.buffer = bytearray(data[start:])
+        elif start < len(source):  # (else the buffer is empty already)
+            self.buffer = bytearray(source[start:])
+        self._account()
+
+    def _refuse(self, code: grpc.StatusCode, message: str) -> None:
+        """Answer what came before with its answers, then this error, then close."""
+        self.closing = True
+        self.buffer = bytearray()
+        self._account()
+        self._update_reading()
+        self.lane.enqueue(self, RequestError(code, message))
+        self.lane.enqueue(self, None)  # close once the answers before it are written
 
     def _parse(self, raw: memoryview) -> ParsedSeek | RequestError:
         try:
@@ -147,9 +265,23 @@ class LaneProtocol(asyncio.Protocol):
         except RequestError as exc:
             return exc
 
-    def write(self, buffers: list[Buffer]) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.writelines(buffers)
+    def resume(self) -> None:
+        """Answers drained (ours or the lane's): parse what was held back, read again."""
+        if self.closing or self.transport is None:
+            return
+        if self.buffer and not self.held():
+            self._consume(self.buffer)
+        else:
+            self._update_reading()
+
+    def write(self, buffers: list[Buffer], answered: int) -> None:
+        """Write answers; `answered` is their estimate, leaving the queue."""
+        self.queued = max(0, self.queued - answered)
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.writelines(buffers)
+            self.progress_at = time.monotonic()
+        self.sample_unsent()
 
     def _close(self) -> None:
         if self.transport is not None:
@@ -169,17 +301,24 @@ class Lane:
     pipelined load this spreads the kernel's fixed cost over several requests; a lone
     request is answered at the next turn, as before."""
 
-    def __init__(self, service: SeekService, max_frame: int, busy_poll_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        service: SeekService,
+        limits: LaneLimits | None = None,
+        busy_poll_s: float = 0.0,
+    ) -> None:
         self.service = service
-        self.max_frame = max_frame
+        self.limits = limits or LaneLimits()
         self.busy_poll_s = busy_poll_s
         self._polling = False
         self._poll_until = 0.0
         self.connections: set[LaneProtocol] = set()
+        self.total_bytes = 0  # input buffers + queued + unsent answers of every connection
         self.server: asyncio.Server | None = None
         self.port = 0
         self._queue: list[tuple[LaneProtocol, _Item]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._watchdog: asyncio.Task | None = None
 
     def enqueue(self, connection: LaneProtocol, item: _Item) -> None:
         if not self._queue:
@@ -211,48 +350,85 @@ class Lane:
         try:
             answers = iter(self.service.answer_seeks(seeks))
             failure = None
-        except Exception as exc:  # a bug: answer it rather than hang the clients' pipelines
+        except Exception:  # a bug: answer it rather than hang the clients' pipelines
             log.exception("TCP lane: %d requests failed", len(seeks))
             answers = iter(())
-            failure = RequestError(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            failure = RequestError(grpc.StatusCode.INTERNAL, "the lookup failed (see the log)")
         output: dict[LaneProtocol, list[Buffer]] = {}
+        answered: dict[LaneProtocol, int] = {}
         closing = []
         for connection, item in queue:
-            if isinstance(item, ParsedSeek) and failure is None:
-                parts = next(answers)
-                frame = [_HEADER.pack(sum(len(p) for p in parts), _OK), *parts]
-                counters.lane_messages += 1
-            elif item is None:
+            if item is None:
                 closing.append(connection)
                 continue
+            if isinstance(item, ParsedSeek):
+                answered[connection] = (
+                    answered.get(connection, 0) + _ANSWER_OVERHEAD + item.answer_bound
+                )
+                answer = next(answers) if failure is None else failure
             else:
-                error = failure if isinstance(item, ParsedSeek) else item
-                assert error is not None
+                answer = item
+            if isinstance(answer, RequestError):
                 counters.errors += 1
-                frame = [error_frame(error.code, error.message)]
+                frame = [error_frame(answer.code, answer.message)]
+            else:
+                frame = [_HEADER.pack(sum(len(p) for p in answer), _OK), *answer]
+                counters.lane_messages += 1
             output.setdefault(connection, []).extend(frame)
         for connection, buffers in output.items():
-            connection.write(buffers)
+            connection.write(buffers, answered.get(connection, 0))
         for connection in closing:
             connection._close()
+        self._resume_held()
+
+    def _resume_held(self) -> None:
+        """Let connections held back by the byte bounds go on, while the bounds allow."""
+        for connection in list(self.connections):
+            if connection.buffer and not connection.reading:
+                connection.resume()
+
+    async def _watch(self) -> None:
+        """Every quarter second: sample unsent bytes (the transports drain on their own), let
+        held connections go on, close stalled ones."""
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.monotonic()
+            for connection in list(self.connections):
+                if connection.unsent:
+                    connection.sample_unsent()
+                if connection.stalled(now) and connection.transport is not None:
+                    log.warning(
+                        "TCP lane: closing a connection stalled for %.0f s (%d bytes held)",
+                        now - connection.progress_at,
+                        connection.counted,
+                    )
+                    connection.transport.abort()
+            self._resume_held()
+
+    def stats(self) -> dict[str, int]:
+        """For status: open connections and the bytes they hold (input + answers)."""
+        return {"connections": len(self.connections), "bytes": self.total_bytes}
 
     async def start(self, host: str, port: int) -> int:
         """Listen on host:port (0: any free port); returns the port."""
         loop = self._loop = asyncio.get_running_loop()
         self.server = await loop.create_server(
-            lambda: LaneProtocol(self.service, self.max_frame, self),
+            lambda: LaneProtocol(self),
             host,
             port,
             reuse_address=True,
             backlog=1024,
         )
         self.port = int(self.server.sockets[0].getsockname()[1])
+        self._watchdog = asyncio.ensure_future(self._watch())
         return self.port
 
     async def stop(self, grace: float) -> None:
         """Stop listening; close every connection once its answers are written (each answer
         is built synchronously, so none is half done), waiting at most `grace` seconds."""
         self.busy_poll_s = 0.0
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if self.server is not None:
             self.server.close()
         for connection in list(self.connections):

@@ -37,6 +37,7 @@ from typing import Any
 
 from cube.flags import FlagError, Flags, FlagSet, run_cli
 from cube.routing import PARTITIONERS
+from cube.server.service import DEFAULT_MAX_ANSWER_BYTES
 
 log = logging.getLogger("cube.server")
 
@@ -61,6 +62,45 @@ FLAGS = (
         " (lower latency where waking an idle CPU is slow, e.g. VMs; burns CPU when idle)",
     )
     .add("max_batch", int, 100000, "most keys in one request (more: RESOURCE_EXHAUSTED)")
+    .add(
+        "max_answer_bytes",
+        int,
+        DEFAULT_MAX_ANSWER_BYTES,
+        "most value bytes in one answer (more: RESOURCE_EXHAUSTED)",
+    )
+    .add(
+        "allow_empty",
+        bool,
+        False,
+        "answer misses while no version is loaded (default: NOT_SERVING and UNAVAILABLE"
+        " until one is; a replica that failed to load its version never answers misses)",
+    )
+    .add(
+        "file_leases",
+        bool,
+        True,
+        "watch mapped shard files with kernel leases (false: poll their size and mtime)",
+    )
+    .add("lane_max_connections", int, 1024, "TCP lane connections per worker at most")
+    .add(
+        "lane_budget_bytes",
+        int,
+        256 << 20,
+        "TCP lane: input buffers + queued + unsent answers per worker, at most (then no"
+        " connection's next frame is read until it drops)",
+    )
+    .add(
+        "lane_connection_bytes",
+        int,
+        16 << 20,
+        "TCP lane: a connection's queued + unsent answers, at most (then it is not read)",
+    )
+    .add(
+        "lane_stall_timeout",
+        float,
+        30.0,
+        "TCP lane: close a connection holding a partial frame or unread answers this long",
+    )
     .add("dict_name", str, "", "dictionary served; requests naming another get NOT_FOUND")
     .add("shard", int, -1, "shard number of this server (also accepts <dict>_part<shard>)")
     .add("verify", bool, True, "check every section checksum when loading a version")
@@ -119,6 +159,16 @@ def check_flags(flags: Flags) -> None:
         raise FlagError(f"--workers must be >= 1, got {flags.workers}")
     if flags.max_batch < 1:
         raise FlagError(f"--max_batch must be >= 1, got {flags.max_batch}")
+    for name in (
+        "max_answer_bytes",
+        "lane_max_connections",
+        "lane_budget_bytes",
+        "lane_connection_bytes",
+    ):
+        if flags[name] < 1:
+            raise FlagError(f"--{name} must be >= 1, got {flags[name]}")
+    if flags.lane_stall_timeout <= 0:
+        raise FlagError(f"--lane_stall_timeout must be > 0, got {flags.lane_stall_timeout}")
     if not 0 <= flags.busy_poll_us <= 1_000_000:
         raise FlagError(f"--busy_poll_us must be in 0..1000000, got {flags.busy_poll_us}")
     if not 0 <= flags.port < 65536:
@@ -185,12 +235,14 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
         control_handler,
         worker_handler,
     )
-    from cube.server.lane import Lane
+    from cube.server.guard import FileWatch
+    from cube.server.lane import Lane, LaneLimits
     from cube.server.service import DICT_SERVICE, FAST_SERVICE, SeekService
     from cube.server.versions import (
         LoadOptions,
         VersionError,
         VersionSlots,
+        diagnose_data_dir,
         load_base,
         split_dirs,
         startup_version,
@@ -202,28 +254,52 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
         loop.add_signal_handler(signum, stop.set)
     data_dir = Path(flags.data_dir)
     dirs = split_dirs(data_dir, flags.dict_split)
+    watch = FileWatch(use_leases=flags.file_leases)
     options = LoadOptions(
         verify=flags.verify,
         populate=flags.in_mem,
         lock_memory=flags.in_mem,
         delay=flags.load_delay,
+        watch=watch,
+        dict_name=flags.dict_name,
+        shard=flags.shard,
     )
     executor = ThreadPoolExecutor(1, thread_name_prefix="cube-loader")
-    slots = VersionSlots()
+    slots = VersionSlots(allow_empty=flags.allow_empty)
     service = SeekService(
         slots,
         max_batch=flags.max_batch,
+        max_answer_bytes=flags.max_answer_bytes,
         dict_name=flags.dict_name,
         shard=flags.shard,
         partitioner=flags.partitioner,
     )
     local = LocalWorker(index, ports[index], slots, data_dir, dirs, options, executor, service)
 
+    def files_changed() -> None:
+        """A lease broke (SIGIO) or the periodic check runs: stop using changed files."""
+        changed = watch.check()
+        if not changed:
+            return
+        reasons = {f.fd: f"{f.path} {f.changed}" for f in changed}
+
+        def reason_of(version: Any) -> str:
+            return next(reasons[fd] for fd in version.fds if fd in reasons)
+
+        for line in slots.drop_changed(set(reasons), reason_of):
+            log.error("stopped serving %s; reload a good copy", line)
+            local.last_error = line
+
+    # SIGIO's default action ends the process: the handler must be in place before a lease.
+    loop.add_signal_handler(signal.SIGIO, files_changed)
+
     startup_error = ""
     try:
         name = startup_version(dirs)
         if name is None:
-            log.info("no %s under %s: serving empty", "VERSION", data_dir)
+            slots.idle_reason = diagnose_data_dir(data_dir, dirs)
+            level = logging.INFO if flags.allow_empty else logging.WARNING
+            log.log(level, "no start-up version: %s", slots.idle_reason)
         else:
             version = await loop.run_in_executor(executor, load_base, dirs, name, options)
             slots.install(version)
@@ -231,7 +307,8 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
     except VersionError as exc:
         startup_error = exc.message
         local.last_error = f"startup: {exc.message}"
-        log.error("start-up version not loaded, serving empty: %s", exc.message)
+        slots.fail_startup(f"its start-up version could not be loaded: {exc.message}")
+        log.error("start-up version not loaded; NOT_SERVING until one is: %s", exc.message)
 
     internal = _loopback(flags.host)
     remotes = []
@@ -304,9 +381,17 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
     await server.start()
     lane = None
     if flags.tcp_lane:
-        lane = Lane(service, max_message, busy_poll_s=flags.busy_poll_us / 1e6)
+        limits = LaneLimits(
+            max_frame=max_message,
+            connection_bytes=flags.lane_connection_bytes,
+            budget_bytes=flags.lane_budget_bytes,
+            stall_timeout=flags.lane_stall_timeout,
+            max_connections=flags.lane_max_connections,
+        )
+        lane = Lane(service, limits, busy_poll_s=flags.busy_poll_us / 1e6)
         try:
             service.lane_port = await lane.start(flags.host, lane_ports(flags)[index])
+            service.lane_stats = lane.stats
         except OSError as exc:
             log.error("cannot listen for the TCP lane on %s: %s", flags.host, exc)
             await server.stop(0)
@@ -316,8 +401,40 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
     # Start-up objects never become garbage: keep the cyclic GC from rescanning them.
     gc.collect()
     gc.freeze()
-    for name in ("", *service_names):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    serving_state: list[bool | None] = [None]
+
+    async def publish_health() -> None:
+        """Health follows the serving state: NOT_SERVING while the replica cannot serve."""
+        while serving_state[0] != slots.serving:
+            serving_state[0] = slots.serving
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if slots.serving
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            for name in ("", *service_names):
+                await health_servicer.set(name, status)
+            if not slots.serving:
+                log.warning("NOT_SERVING: %s", slots.why_not_serving())
+
+    health_updates: set[asyncio.Future] = set()
+
+    def on_slots_changed() -> None:
+        if serving_state[0] != slots.serving:
+            update = asyncio.ensure_future(publish_health())
+            health_updates.add(update)
+            update.add_done_callback(health_updates.discard)
+
+    slots.listeners.append(on_slots_changed)
+    await publish_health()
+
+    async def check_files() -> None:  # leases signal at once; this covers polling and misses
+        while True:
+            await asyncio.sleep(1.0)
+            files_changed()
+
+    file_checker = asyncio.ensure_future(check_files())
     log.info(
         "listening on %s (worker %d of %d, dict_split %d, version %r)",
         ", ".join(binds),
@@ -328,6 +445,7 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
     )
 
     await stop.wait()
+    file_checker.cancel()
     log.info("stopping: draining in-flight calls for up to %.1f s", flags.grace)
     await health_servicer.enter_graceful_shutdown()
     if lane is not None:

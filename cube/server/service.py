@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -33,6 +33,8 @@ from cube.wire import Buffer, length_delimited, varint
 log = logging.getLogger("cube.server")
 
 FAST_SERVICE = "cube.v1.CubeService"
+PORT_METADATA = "cube-tcp-port"  # discovery: the worker's TCP lane (cube.server.lane)
+ROUTING_METADATA = "cube-routing"  # discovery: the served version's ShardRouting as JSON
 DICT_SERVICE = "rec.mcube.DictService"
 MISS_STATUS = 0xFFFFFFFF
 _KEY_DTYPE = np.dtype("<u8")
@@ -100,9 +102,19 @@ class FastGather:
         return rows
 
     def variable(self, result: LookupResult) -> ValueColumn:
-        if self.single is not None:
-            result = LookupResult(result.found, np.where(result.found, 0, -1), result.rows)
-        return self.stack.gather(result)
+        return self.stack.gather(self._layered(result))
+
+    def value_bytes(self, result: LookupResult) -> int:
+        """Bytes `fixed`/`variable` would gather for `result` (found values only)."""
+        if self.width:
+            return int(np.count_nonzero(result.found)) * self.width
+        return self.stack.value_bytes(self._layered(result))
+
+    def _layered(self, result: LookupResult) -> LookupResult:
+        """A single layer's result with the per-key layer array the stack methods read."""
+        if self.single is None:
+            return result
+        return LookupResult(result.found, np.where(result.found, 0, -1), result.rows)
 
 
 def gatherers(version: LoadedVersion) -> list[FastGather]:
@@ -118,10 +130,22 @@ def empty_answer(n: int) -> Answer:
     )
 
 
+class AnswerTooLarge(Exception):
+    """An answer that would exceed the byte bound it was built under."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"{size} bytes")
+        self.size = size
+
+
 def answer_keys(
-    version: LoadedVersion | None, keys: np.ndarray, partitioner: str = "mod"
+    version: LoadedVersion | None,
+    keys: np.ndarray,
+    partitioner: str = "mod",
+    max_bytes: int | None = None,
 ) -> Answer:
-    """Look every key up in `version` (None: an empty server, every key a miss)."""
+    """Look every key up in `version` (None: an empty server, every key a miss). With
+    `max_bytes`, variable-width values are counted before they are gathered (AnswerTooLarge)."""
     n = keys.shape[0]
     if version is None:
         return empty_answer(n)
@@ -132,6 +156,8 @@ def answer_keys(
         result = gather.lookup(keys)
         if width:
             return Answer(result.found, gather.fixed(result), width, None)
+        if max_bytes is not None and (size := gather.value_bytes(result)) > max_bytes:
+            raise AnswerTooLarge(size)
         column = gather.variable(result)
         return Answer(result.found, column.blob, 0, column.offsets)
     grouping = group_by_owner(shard_of(keys, len(gathers), partitioner), len(gathers))
@@ -144,11 +170,17 @@ def answer_keys(
             found[positions] = result.found
             values[positions] = gathers[split].fixed(result)
         return Answer(found, values, width, None)
-    lengths = np.zeros(n, dtype=np.int64)
-    pieces: list[tuple[np.ndarray, ValueColumn]] = []
+    results = []
     for split in grouping.owners():
         positions = grouping.positions(split)
-        result = gathers[split].lookup(keys[positions])
+        results.append((split, positions, gathers[split].lookup(keys[positions])))
+    if max_bytes is not None:
+        size = sum(gathers[split].value_bytes(result) for split, _, result in results)
+        if size > max_bytes:
+            raise AnswerTooLarge(size)
+    lengths = np.zeros(n, dtype=np.int64)
+    pieces: list[tuple[np.ndarray, ValueColumn]] = []
+    for split, positions, result in results:
         found[positions] = result.found
         column = gathers[split].variable(result).as_variable()
         lengths[positions] = column.lengths()
@@ -296,12 +328,17 @@ def encode_dict_response(answer: Answer, version: str | None) -> bytes:
 
 @dataclass(slots=True)
 class ParsedSeek:
-    """A checked cube.v1 SeekRequest: its keys and the version to answer from (None: the
-    server holds nothing, every key is a miss)."""
+    """A checked cube.v1 SeekRequest: its keys and the version to answer from, held (acquired)
+    from parse to answer so that it cannot be unmapped in between (None: a server that holds
+    nothing by design, every key a miss). `answer_bound` is the most bytes its values can take
+    (keys x the version's longest value); above the server's bound the size is counted exactly
+    before the values are gathered."""
 
     request_id: int
     keys: np.ndarray
     version: LoadedVersion | None
+    answer_bound: int = 0
+    count_bytes: bool = False
 
 
 class Counters:
@@ -332,20 +369,31 @@ class Counters:
         return {name: getattr(self, name) for name in self.__slots__}
 
 
+DEFAULT_MAX_ANSWER_BYTES = 64 << 20
+
+
 class SeekService:
-    """Answers lookups from the slots of one server process."""
+    """Answers lookups from the slots of one server process.
+
+    A request is refused (never answered with misses it does not deserve) when the replica
+    cannot serve (UNAVAILABLE, with the reason: nothing loaded, start-up load failed, files
+    changed under it), when a key does not route to the shard this replica holds
+    (INVALID_ARGUMENT naming the key and both routings), or when its answer would exceed
+    `max_answer_bytes` (RESOURCE_EXHAUSTED)."""
 
     def __init__(
         self,
         slots: VersionSlots,
         *,
         max_batch: int,
+        max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
         dict_name: str = "",
         shard: int = -1,
         partitioner: str = "mod",
     ) -> None:
         self.slots = slots
         self.max_batch = max_batch
+        self.max_answer_bytes = max_answer_bytes
         self.dict_name = dict_name
         self.accepted_names = {"", dict_name}
         if dict_name and shard >= 0:
@@ -353,6 +401,7 @@ class SeekService:
         self.partitioner = partitioner
         self.counters = Counters()
         self.lane_port = 0  # the TCP lane's port, announced to empty Seek requests (discovery)
+        self.lane_stats: Callable[[], dict[str, int]] = dict  # the lane's, once it runs
 
     def _keys(self, raw: bytes, what: str) -> np.ndarray:
         if len(raw) % 8:
@@ -372,13 +421,64 @@ class SeekService:
             )
         return keys
 
+    def _hold(self, name: str, keys: np.ndarray, what: str) -> tuple[LoadedVersion | None, int]:
+        """The version to answer `keys` from, acquired (None: answer misses, by design), and
+        the bound of the answer's value bytes; RequestError when the request must be refused."""
+        slots = self.slots
+        version = slots.get(name)
+        n = keys.shape[0]
+        if version is None:
+            if name:
+                raise RequestError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{what}: version {name!r} is not loaded here (current"
+                    f" {self._name(slots.current)!r}, background"
+                    f" {self._name(slots.background)!r})",
+                )
+            if n and not slots.serving:
+                raise RequestError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"{what}: this replica serves no version: {slots.why_not_serving()}",
+                )
+            return None, 0
+        if version.broken:
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{what}: version {version.name} is no longer served: {version.broken}",
+            )
+        routing = version.routing
+        if routing is not None and (at := routing.first_foreign(keys)) >= 0:
+            key = int(keys[at])
+            owner = int(shard_of(keys[at : at + 1], routing.shard_num, routing.partitioner)[0])
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{what}: key {key} (position {at}) routes to shard {owner} of"
+                f" {routing.shard_num} ({routing.partitioner}), but this server holds"
+                f" {routing.describe()}: the client's shard order, shard count or partitioner"
+                " does not match the build",
+            )
+        bound = n * version.max_value_bytes
+        if bound > self.max_answer_bytes and version.value_width:
+            raise self._too_large(what, bound)
+        return version.acquire(), bound
+
+    def _too_large(self, what: str, size: int) -> RequestError:
+        return RequestError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{what}: the answer would take {size} bytes of values, more than this server's"
+            f" {self.max_answer_bytes} (--max_answer_bytes): split the batch",
+        )
+
     def seek(self, raw: bytes) -> bytes:
         """cube.v1 SeekRequest bytes -> SeekResponse bytes."""
-        (parts,) = self.answer_seeks([self.parse_seek(raw)])
-        return b"".join(parts)
+        (answer,) = self.answer_seeks([self.parse_seek(raw)])
+        if isinstance(answer, RequestError):
+            raise answer
+        return b"".join(answer)
 
     def parse_seek(self, raw: Buffer) -> ParsedSeek:
-        """Parse and check a cube.v1 SeekRequest; RequestError names what is wrong."""
+        """Parse and check a cube.v1 SeekRequest; RequestError names what is wrong. The
+        returned request holds its version until `answer_seeks` answers it."""
         try:
             request = cube_fast_pb2.SeekRequest.FromString(raw)
         except Exception as exc:  # DecodeError
@@ -393,48 +493,39 @@ class SeekService:
                 f" {self.dict_name!r})",
             )
         keys = self._keys(request.keys, what)
-        version = self.slots.get(request.version)
-        if version is None and request.version:
-            raise RequestError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"{what}: version {request.version!r} is not loaded here (current"
-                f" {self._name(self.slots.current)!r}, background"
-                f" {self._name(self.slots.background)!r})",
-            )
-        return ParsedSeek(request.request_id, keys, version)
+        version, bound = self._hold(request.version, keys, what)
+        return ParsedSeek(request.request_id, keys, version, bound, bound > self.max_answer_bytes)
 
-    def answer_seeks(self, seeks: Sequence[ParsedSeek]) -> list[list[Buffer]]:
-        """SeekResponse bytes (as buffers) for parsed requests, in order. Requests on the same
-        version are looked up together: one kernel pass over all their keys costs far less
-        than one per request (numpy's per-call costs dominate 1000-key batches)."""
-        counters = self.counters
-        answers: list[Answer | None] = [None] * len(seeks)
-        groups: dict[int, list[int]] = {}
-        for index, parsed in enumerate(seeks):
-            if parsed.version is None:
-                answers[index] = empty_answer(parsed.keys.shape[0])
-            else:
-                groups.setdefault(id(parsed.version), []).append(index)
-        for members in groups.values():
-            version = seeks[members[0]].version
-            assert version is not None
-            keys = [seeks[i].keys for i in members]
-            version.acquire()
-            try:
-                if len(keys) == 1:
-                    merged = answers[members[0]] = answer_keys(version, keys[0], self.partitioner)
+    def answer_seeks(self, seeks: Sequence[ParsedSeek]) -> list[list[Buffer] | RequestError]:
+        """SeekResponse bytes (as buffers) for parsed requests, in order, or the error of a
+        request that could not be answered; each request's version is released here.
+        Requests on the same version are looked up together: one kernel pass over all their
+        keys costs far less than one per request (numpy's per-call costs dominate 1000-key
+        batches). A request that fails fails alone."""
+        answers: list[Answer | RequestError | None] = [None] * len(seeks)
+        try:
+            groups: dict[int, list[int]] = {}
+            for index, parsed in enumerate(seeks):
+                version = parsed.version
+                if version is None:
+                    answers[index] = empty_answer(parsed.keys.shape[0])
+                elif parsed.count_bytes:
+                    answers[index] = self._answer_one(parsed)
                 else:
-                    bounds = [0, *itertools.accumulate(k.shape[0] for k in keys)]
-                    merged = answer_keys(version, np.concatenate(keys), self.partitioner)
-                    for index, piece in zip(members, split_answer(merged, bounds), strict=True):
-                        answers[index] = piece
-            finally:
-                version.release()
-            found = merged.found
-            counters.unfound += found.shape[0] - int(np.count_nonzero(found))  # once per pass
-        responses = []
+                    groups.setdefault(id(version), []).append(index)
+            for members in groups.values():
+                self._answer_group(seeks, members, answers)
+        finally:
+            for parsed in seeks:
+                if parsed.version is not None:
+                    parsed.version.release()
+        counters = self.counters
+        responses: list[list[Buffer] | RequestError] = []
         for parsed, answer in zip(seeks, answers, strict=True):
             assert answer is not None
+            if isinstance(answer, RequestError):  # counted by the caller, like parse errors
+                responses.append(answer)
+                continue
             count = parsed.keys.shape[0]
             counters.requests += 1
             counters.keys += count
@@ -443,6 +534,66 @@ class SeekService:
             name = parsed.version.name if parsed.version is not None else ""
             responses.append(seek_response_parts(answer, name, parsed.request_id))
         return responses
+
+    def _answer_group(
+        self,
+        seeks: Sequence[ParsedSeek],
+        members: list[int],
+        answers: list[Answer | RequestError | None],
+    ) -> None:
+        """One kernel pass over the keys of requests on one version (answers set in place)."""
+        version = seeks[members[0]].version
+        assert version is not None
+        if version.broken:
+            for index in members:
+                answers[index] = self._dropped(version, seeks[index])
+            return
+        keys = [seeks[i].keys for i in members]
+        try:
+            if len(keys) == 1:
+                merged = answers[members[0]] = answer_keys(version, keys[0], self.partitioner)
+            else:
+                bounds = [0, *itertools.accumulate(k.shape[0] for k in keys)]
+                merged = answer_keys(version, np.concatenate(keys), self.partitioner)
+                for index, piece in zip(members, split_answer(merged, bounds), strict=True):
+                    answers[index] = piece
+        except Exception:
+            if len(members) == 1:
+                log.exception("answering a request of %d keys failed", keys[0].shape[0])
+                answers[members[0]] = RequestError(
+                    grpc.StatusCode.INTERNAL, "the lookup failed (see the server log)"
+                )
+                return
+            for index in members:  # one at a time: only the request at fault fails
+                self._answer_group(seeks, [index], answers)
+            return
+        found = merged.found
+        self.counters.unfound += found.shape[0] - int(np.count_nonzero(found))  # once a pass
+
+    def _answer_one(self, parsed: ParsedSeek) -> Answer | RequestError:
+        """A request whose values may exceed the byte bound: counted before gathering."""
+        version = parsed.version
+        assert version is not None
+        what = f"Seek request_id={parsed.request_id}"
+        if version.broken:
+            return self._dropped(version, parsed)
+        try:
+            answer = answer_keys(version, parsed.keys, self.partitioner, self.max_answer_bytes)
+        except AnswerTooLarge as exc:
+            return self._too_large(what, exc.size)
+        except Exception:
+            log.exception("answering %s failed", what)
+            return RequestError(grpc.StatusCode.INTERNAL, "the lookup failed (see the server log)")
+        self.counters.unfound += answer.found.shape[0] - int(np.count_nonzero(answer.found))
+        return answer
+
+    @staticmethod
+    def _dropped(version: LoadedVersion, parsed: ParsedSeek) -> RequestError:
+        return RequestError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"Seek request_id={parsed.request_id}: version {version.name} is no longer served:"
+            f" {version.broken}",
+        )
 
     def seek_original(self, raw: bytes) -> bytes:
         """rec.mcube DictRequest bytes -> DictResponse bytes."""
@@ -455,15 +606,17 @@ class SeekService:
         count = len(request.keys)
         self._check_batch(np.empty(count, dtype=np.uint64), "seek")
         keys = np.array(request.keys, dtype=np.uint64)  # 2x faster than np.fromiter here
-        version = self.slots.current
+        version, bound = self._hold("", keys, "seek")
         if version is None:
             answer = empty_answer(count)
             name = ""
         else:
-            version.acquire()
             try:
-                answer = answer_keys(version, keys, self.partitioner)
+                limit = self.max_answer_bytes if bound > self.max_answer_bytes else None
+                answer = answer_keys(version, keys, self.partitioner, limit)
                 name = version.name
+            except AnswerTooLarge as exc:
+                raise self._too_large("seek", exc.size) from None
             finally:
                 version.release()
         counters = self.counters
@@ -478,9 +631,20 @@ class SeekService:
 
     # grpc.aio handlers -------------------------------------------------------------------
 
+    def discovery_metadata(self) -> tuple[tuple[str, str], ...]:
+        """What an empty Seek (a client's first contact) is told: the TCP lane's port and the
+        routing of the version served, which the SDK checks against its configuration."""
+        metadata = []
+        if self.lane_port:
+            metadata.append((PORT_METADATA, str(self.lane_port)))
+        current = self.slots.current
+        if current is not None and current.routing is not None:
+            metadata.append((ROUTING_METADATA, current.routing.to_text()))
+        return tuple(metadata)
+
     async def _seek_rpc(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        if not raw and self.lane_port:  # an empty request: a client asking for the TCP lane
-            await context.send_initial_metadata((("cube-tcp-port", str(self.lane_port)),))
+        if not raw:  # an empty request: a client's first contact (discovery)
+            await context.send_initial_metadata(self.discovery_metadata())
         try:
             return self.seek(raw)
         except RequestError as exc:

@@ -22,13 +22,19 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cube.format import ShardFormatError
+import numpy as np
+
+from cube.format import ShardFormatError, VerifyCancelled
+from cube.routing import ShardRouting
+from cube.server.guard import FileWatch
 from cube.shard import Shard, ShardStack
 
 VERSION_FILE = "VERSION"
@@ -107,6 +113,59 @@ def read_version_file(split_dir: Path) -> str | None:
         raise VersionError("FAILED_PRECONDITION", f"{split_dir / VERSION_FILE}: {exc}") from exc
     lines = text.strip().splitlines()
     return lines[0].strip() if lines else None
+
+
+_BUILDER_OUTPUT = re.compile(r".+_part\d+(\.tar(\.md5)?)?")
+_SHARD_FILES = ("index.cube", "data.cube")
+LAYOUT_HINT = (
+    "the server reads <data_dir>/VERSION, which names a version directory"
+    " <data_dir>/<version>/ holding index.cube and data.cube (cube-agent lays it out; by hand:"
+    " mkdir -p DATA/V && tar -xf <dict>_part<shard>.tar -C DATA/V && echo V > DATA/VERSION)"
+)
+
+
+def diagnose_data_dir(data_dir: Path, dirs: list[Path]) -> str:
+    """Why a data dir without a start-up version serves nothing, in words an operator can act
+    on: a typo, a builder output folder, shard files outside a version directory, version
+    directories nobody named in VERSION, or simply empty (waiting for cube-agent)."""
+    if not data_dir.exists():
+        return (
+            f"--data_dir {data_dir} does not exist (a typo? cube-agent creates it as"
+            " <deploy_path>/data); waiting for a version to be loaded"
+        )
+    if not data_dir.is_dir():
+        return f"--data_dir {data_dir} is not a directory"
+    try:
+        names = sorted(p.name for p in data_dir.iterdir())
+    except OSError as exc:
+        return f"--data_dir {data_dir} cannot be read: {exc}"
+    built = [n for n in names if _BUILDER_OUTPUT.fullmatch(n) or n == "meta_info"]
+    nested = [
+        f"{n}/{m.name}"
+        for n in names
+        if re.fullmatch(r"\d+_\d+", n) and (data_dir / n).is_dir()
+        for m in (data_dir / n).iterdir()
+        if _BUILDER_OUTPUT.fullmatch(m.name)
+    ][:3]
+    if built or nested:
+        found = ", ".join((built or nested)[:3])
+        return f"--data_dir {data_dir} looks like cube-builder output ({found}); {LAYOUT_HINT}"
+    if any(n in names for n in _SHARD_FILES):
+        return (
+            f"--data_dir {data_dir} holds shard files directly; put them in a version"
+            f" directory and name it in VERSION: {LAYOUT_HINT}"
+        )
+    versions = [
+        n for d in dirs if d.is_dir() for n in sorted(x.name for x in d.iterdir() if x.is_dir())
+    ]
+    versions = [n for n in versions if not n.startswith(".")]
+    if versions:
+        return (
+            f"{data_dir} has version directories ({', '.join(versions[:5])}) but no VERSION"
+            " file naming the one to serve (echo <version> > VERSION, or let cube-agent enable"
+            " one)"
+        )
+    return f"{data_dir} holds no version yet: waiting for cube-agent to load one"
 
 
 def startup_version(dirs: list[Path]) -> str | None:
@@ -195,13 +254,19 @@ def write_version_file(split_dir: Path, name: str) -> None:
 
 class ShardHandle:
     """A mapped shard that several versions may share (a delta layers over the current base):
-    it is closed when the last version holding it lets go."""
+    it is closed when the last version holding it lets go (its files leave the watch first)."""
 
     _lock = threading.Lock()
 
-    def __init__(self, shard: Shard) -> None:
+    def __init__(self, shard: Shard, watch: FileWatch | None = None) -> None:
         self.shard = shard
         self.refs = 1
+        self.watch = watch
+        self.max_value_bytes = _max_value_bytes(shard)
+
+    @property
+    def fds(self) -> list[int]:
+        return [f.fd for f in self.shard.files if f.fd >= 0]
 
     def acquire(self) -> ShardHandle:
         with self._lock:
@@ -213,7 +278,18 @@ class ShardHandle:
             self.refs -= 1
             last = self.refs == 0
         if last:
-            self.shard.close()
+            if self.watch is not None:
+                self.watch.forget(self.fds)
+            if not self.shard.close():
+                log.warning("%s still referenced after close: unmapped later", self.shard.directory)
+
+
+def _max_value_bytes(shard: Shard) -> int:
+    """The longest value of a shard (its width when fixed): bounds an answer's size."""
+    values = shard.values
+    if values.width or not values.count:
+        return values.width
+    return int(np.diff(values.offsets).max())
 
 
 _libc: Any = None
@@ -248,12 +324,14 @@ def lock_in_memory(shard: Shard) -> bool:
 
 @dataclass
 class SplitData:
-    """One split of a loaded version: its chain and the stack that serves it."""
+    """One split of a loaded version: its chain, the stack that serves it, and the routing its
+    shard headers record (None when they do not say)."""
 
     directory: Path
     chain: list[str]
     handles: list[ShardHandle]
     stack: ShardStack
+    routing: ShardRouting | None = None
 
     def describe(self) -> dict[str, Any]:
         layers = [h.shard for h in self.handles]
@@ -275,7 +353,8 @@ class SplitData:
 @dataclass(eq=False)
 class LoadedVersion:
     """A version ready to serve. Requests hold it between `acquire` and `release`; once it has
-    left every slot (`retire`) the last release unmaps its shards."""
+    left every slot (`retire`) the last release unmaps its shards. `fail` unmaps it at once
+    (its files changed under the server): requests still holding it get an error."""
 
     name: str
     splits: list[SplitData]
@@ -284,18 +363,31 @@ class LoadedVersion:
     inflight: int = 0
     retired: bool = False
     closed: bool = False
+    broken: str = ""  # why it must not be read any more (set by `fail`)
 
     def __post_init__(self) -> None:
         widths = {s.stack.value_width for s in self.splits}
         # One width for the whole answer only when every split agrees; else variable.
         self.value_width = widths.pop() if len(widths) == 1 else 0
         self.stacks = [s.stack for s in self.splits]
+        # The keys this version holds, when every split's headers agree on it.
+        routings = {s.routing for s in self.splits}
+        self.routing: ShardRouting | None = routings.pop() if len(routings) == 1 else None
+        # Longest value: bounds the bytes of an answer before it is built.
+        self.max_value_bytes = max(
+            (h.max_value_bytes for s in self.splits for h in s.handles), default=0
+        )
         # views the request kernel prepares on the mapped shards (dropped before unmapping)
         self.kernel_cache: dict[str, Any] = {}
 
     @property
     def chain(self) -> list[str]:
         return self.splits[0].chain
+
+    @property
+    def fds(self) -> list[int]:
+        """Descriptors of every mapped file (kept open when the files are watched)."""
+        return [fd for s in self.splits for h in s.handles for fd in h.fds]
 
     def acquire(self) -> LoadedVersion:
         self.inflight += 1
@@ -311,6 +403,13 @@ class LoadedVersion:
         if self.inflight == 0:
             self._close()
 
+    def fail(self, reason: str) -> None:
+        """Never read this version again and unmap it now, whoever still holds it (requests
+        that do get an error): its files are being changed by another process."""
+        self.broken = reason
+        self.retired = True
+        self._close()
+
     def _close(self) -> None:
         if self.closed:
             return
@@ -323,6 +422,7 @@ class LoadedVersion:
 
     def describe(self) -> dict[str, Any]:
         splits = [s.describe() for s in self.splits]
+        routing = self.routing
         return {
             "version": self.name,
             "chain": self.chain,
@@ -331,6 +431,7 @@ class LoadedVersion:
             "data_bytes": sum(s["data_bytes"] for s in splits),
             "load_seconds": round(self.load_seconds, 3),
             "loaded_at": self.loaded_at,
+            "routing": routing.describe() if routing else None,
             "splits": splits,
         }
 
@@ -345,18 +446,86 @@ class LoadOptions:
     populate: bool = False  # --in_mem: fault every page in at load
     lock_memory: bool = False  # --in_mem: mlock, best effort
     delay: float = 0.0  # --load_delay (tests: makes a load last long enough to race it)
+    watch: FileWatch | None = None  # leases / polls the mapped files (cube.server.guard)
+    dict_name: str = ""  # --dict_name: a version of another dict is refused
+    shard: int = -1  # --shard: a version of another shard is refused
 
 
 def _open_layer(directory: Path, options: LoadOptions) -> ShardHandle:
+    watch = options.watch
+    opened: list[int] = []
+
+    def on_open(fd: int, path: Path) -> None:
+        assert watch is not None
+        watch.on_open(fd, path)
+        opened.append(fd)
+
+    def cancelled() -> bool:
+        return bool(watch is not None and watch.changed(opened))
+
     try:
-        shard = Shard.open(directory, verify=options.verify, populate=options.populate)
-    except ShardFormatError as exc:
-        raise VersionError("DATA_LOSS", f"refused {directory}: {exc}") from exc
-    except OSError as exc:
-        raise VersionError("NOT_FOUND", f"cannot open {directory}: {exc}") from exc
+        shard = Shard.open(
+            directory,
+            verify=options.verify,
+            populate=options.populate,
+            on_open=on_open if watch is not None else None,
+            cancelled=cancelled if watch is not None else None,
+        )
+        changed = cancelled() and watch.changed(opened)  # type: ignore[union-attr]
+        if changed:
+            watch.forget(opened)  # type: ignore[union-attr]
+            shard.close()
+            raise VersionError("DATA_LOSS", f"refused {directory}: {changed} during the load")
+    except VersionError:
+        raise
+    except BaseException as exc:
+        reason = watch.changed(opened) if watch is not None else ""
+        if watch is not None:
+            watch.forget(opened)  # Shard.open closed what it had opened
+        if isinstance(exc, VerifyCancelled):
+            message = f"refused {directory}: {reason} during the load"
+            raise VersionError("DATA_LOSS", message) from exc
+        if isinstance(exc, ShardFormatError):
+            raise VersionError("DATA_LOSS", f"refused {directory}: {exc}") from exc
+        if isinstance(exc, OSError):
+            raise VersionError("NOT_FOUND", f"cannot open {directory}: {exc}") from exc
+        raise
+    handle = ShardHandle(shard, watch)
     if options.lock_memory:
         lock_in_memory(shard)
-    return ShardHandle(shard)
+    return handle
+
+
+def _layer_routing(handles: list[ShardHandle], directory: Path, options: LoadOptions):
+    """The routing every layer of a chain agrees on, checked against --dict_name/--shard."""
+    routings = {ShardRouting.from_meta(h.shard.meta) for h in handles}
+    routings.discard(None)
+    if len(routings) > 1:
+        listing = "; ".join(
+            f"{h.shard.directory.name}: {r.describe() if r else 'unknown'}"
+            for h in handles
+            for r in [ShardRouting.from_meta(h.shard.meta)]
+        )
+        raise VersionError(
+            "FAILED_PRECONDITION",
+            f"{directory}: the layers of this chain were built for different shards ({listing});"
+            " every delta must be built with its base's dict, shard count and partitioner",
+        )
+    routing = routings.pop() if routings else None
+    if routing is not None:
+        if options.dict_name and routing.dict_name and routing.dict_name != options.dict_name:
+            raise VersionError(
+                "FAILED_PRECONDITION",
+                f"{directory} holds {routing.describe()}, but this server is --dict_name"
+                f" {options.dict_name!r}",
+            )
+        if options.shard >= 0 and routing.shard != options.shard:
+            raise VersionError(
+                "FAILED_PRECONDITION",
+                f"{directory} holds {routing.describe()}, but this server is --shard"
+                f" {options.shard}",
+            )
+    return routing
 
 
 def _build_split(
@@ -370,12 +539,13 @@ def _build_split(
         widths = {h.shard.value_width for h in handles if h.shard.record_count}
         if len(widths) > 1:
             log.info("%s: layers of widths %s served as variable width", directory, widths)
+        routing = _layer_routing(handles, directory / chain[-1], options)
         stack = ShardStack([h.shard for h in handles])
     except BaseException:
         for handle in handles:
             handle.release()
         raise
-    return SplitData(directory / chain[-1], chain, handles, stack)
+    return SplitData(directory / chain[-1], chain, handles, stack, routing)
 
 
 def _require_dir(split_dir: Path, name: str) -> None:
@@ -462,13 +632,30 @@ def _release_all(splits: list[SplitData]) -> None:
 class VersionSlots:
     """current (serving), background (loaded, ready to switch to; after a switch it is the
     previous version, kept until bg_unload so the switch can be undone) and staged (loaded by
-    the first phase of a multi-worker load, not yet visible)."""
+    the first phase of a multi-worker load, not yet visible).
 
-    def __init__(self) -> None:
+    Serving state: the replica serves when it has a current version, or, with `allow_empty`
+    (`--allow_empty`), when it holds nothing by design. A replica that was meant to serve a
+    version and cannot (its start-up load failed, its files changed under it) records why in
+    `problem` and does not serve, empty or not, until a version is current again. Listeners
+    hear every change (health status)."""
+
+    def __init__(self, allow_empty: bool = False) -> None:
         self.current: LoadedVersion | None = None
         self.background: LoadedVersion | None = None
         self.staged: LoadedVersion | None = None
         self.background_was_current = False
+        self.allow_empty = allow_empty
+        self.problem = ""
+        self.idle_reason = "no version has been loaded yet"
+        self.listeners: list[Callable[[], None]] = []
+
+    @property
+    def serving(self) -> bool:
+        return self.current is not None or (self.allow_empty and not self.problem)
+
+    def why_not_serving(self) -> str:
+        return self.problem or self.idle_reason
 
     def get(self, name: str) -> LoadedVersion | None:
         """The version a request asks for: "" = current; else current or background by name."""
@@ -504,6 +691,7 @@ class VersionSlots:
             raise VersionError("FAILED_PRECONDITION", "no background version to switch to")
         self.current, self.background = self.background, self.current
         self.background_was_current = self.background is not None
+        self._changed()
 
     def unload_background(self) -> None:
         old, self.background = self.background, None
@@ -516,6 +704,38 @@ class VersionSlots:
         old, self.current = self.current, version
         if old is not None:
             old.retire()
+        self._changed()
+
+    def fail_startup(self, reason: str) -> None:
+        """The version this replica was meant to serve at start could not be loaded."""
+        self.problem = reason
+        self._changed()
+
+    def drop_changed(self, fds: set[int], reason_of: Callable[[LoadedVersion], str]) -> list[str]:
+        """Stop using every version that maps one of `fds` (files changed under the server):
+        unmap it now and leave its slot empty. Returns what was dropped, for the log."""
+        dropped = []
+        for slot in ("current", "background", "staged"):
+            version: LoadedVersion | None = getattr(self, slot)
+            if version is None or not fds.intersection(version.fds):
+                continue
+            reason = reason_of(version)
+            setattr(self, slot, None)
+            if slot == "current":
+                self.problem = f"version {version.name} was dropped: {reason}"
+            elif slot == "background":
+                self.background_was_current = False
+            version.fail(reason)
+            dropped.append(f"{slot} version {version.name}: {reason}")
+        if dropped:
+            self._changed()
+        return dropped
+
+    def _changed(self) -> None:
+        if self.current is not None:
+            self.problem = ""
+        for listener in self.listeners:
+            listener()
 
     def close(self) -> None:
         for version in (self.current, self.background, self.staged):

@@ -1,0 +1,348 @@
+"""cube-server under an unlucky operator and a hostile peer, on real processes: shard files
+truncated or rewritten under the server (leases and polling), keys that do not route to the
+shard, answers bounded in bytes, and a version retired between a request's parse and answer."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2
+from procs import fixed_values, health_status, running_server, write_version
+from test_server import control, fixed_rows, seek
+
+from cube.routing import shard_of
+from transfer.processes import poll_until
+
+KEYS = np.arange(1, 3001, 2, dtype=np.uint64)
+WIDTH = 24
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def expect_status(code, words, fn, *args, **kwargs) -> str:
+    with pytest.raises(grpc.RpcError) as info:
+        fn(*args, **kwargs)
+    assert info.value.code() == code, info.value.details()
+    for word in words:
+        assert word in info.value.details(), info.value.details()
+    return info.value.details()
+
+
+def health_becomes(address: str, status: int, timeout: float = 10.0) -> bool:
+    return poll_until(lambda: health_status(address) == status, timeout, 0.05)
+
+
+@pytest.mark.parametrize("leases", ["true", "false"])
+def test_truncated_shard_file_stops_serving_not_the_process(tmp_path, leases):
+    """Today's SIGBUS: a shard file truncated under a running server. With a lease the
+    truncation waits until the server has let go of the mapping; by polling the server notices
+    within a second (the test waits for that before asking). Either way: the version stops
+    serving with a reason naming the file, the process lives, a good version serves again."""
+    data = tmp_path / "data"
+    version = write_version(data, "1", KEYS, fixed_values(KEYS, WIDTH, 1), current=True)
+    write_version(data, "2", KEYS, fixed_values(KEYS, WIDTH, 2))
+    with (
+        running_server(data, f"--file_leases={leases}") as server,
+        grpc.insecure_channel(server.address) as channel,
+    ):
+        assert np.frombuffer(seek(channel, KEYS[:10]).found, np.uint8).all()
+        os.truncate(version / "data.cube", 4096)  # waits for the server when it holds a lease
+        assert health_becomes(server.address, NOT_SERVING)
+        details = expect_status(
+            grpc.StatusCode.UNAVAILABLE, ["data.cube"], seek, channel, KEYS[:1000]
+        )
+        assert "truncated" in details or "changed size" in details
+        assert server.process.poll() is None
+        detail = json.loads(control(channel, "status").detail_json)
+        assert detail["serving"] is False and "data.cube" in detail["not_serving_reason"]
+        control(channel, "reload_base", version_path="/2")
+        assert health_becomes(server.address, SERVING)
+        assert set(fixed_rows(seek(channel, KEYS[:50]))[:, 8].tolist()) == {2}
+    assert server.process.returncode == 0, server.log()[-3000:]
+
+
+def test_rewritten_background_version_is_dropped_current_keeps_serving(tmp_path):
+    """A file of the loaded background version opened for writing: that version goes (its
+    slot empties), the current one is untouched and keeps answering."""
+    data = tmp_path / "data"
+    write_version(data, "1", KEYS, fixed_values(KEYS, WIDTH, 1), current=True)
+    other = write_version(data, "2", KEYS, fixed_values(KEYS, WIDTH, 2))
+    with running_server(data) as server, grpc.insecure_channel(server.address) as channel:
+        control(channel, "bg_load_base", version_path="/2")
+        with open(other / "index.cube", "r+b"):  # an open for writing breaks the lease
+            pass
+        assert poll_until(lambda: control(channel, "status").bg_version == "", 10, 0.05)
+        assert health_status(server.address) == SERVING
+        assert set(fixed_rows(seek(channel, KEYS[:50]))[:, 8].tolist()) == {1}
+        detail = json.loads(control(channel, "status").detail_json)
+        assert "index.cube" in detail["last_error"]
+
+
+def write_shard_of(data, name, shard, shard_num, partitioner, **kwargs):
+    owned = KEYS[shard_of(KEYS, shard_num, partitioner) == shard]
+    routing = {"shard": shard, "shard_num": shard_num, "partitioner": partitioner}
+    return owned, write_version(
+        data, name, owned, fixed_values(owned, WIDTH, shard), routing=routing, **kwargs
+    )
+
+
+@pytest.mark.parametrize("partitioner", ["mod", "murmur3"])
+def test_keys_of_another_shard_are_refused(tmp_path, partitioner):
+    """Configuration drift (wrong shard order, partitioner or shard count in a client): the
+    server refuses keys that do not route to it, naming the key and both routings."""
+    data = tmp_path / "data"
+    owned, _ = write_shard_of(data, "1", 1, 3, partitioner, current=True)
+    with running_server(data) as server, grpc.insecure_channel(server.address) as channel:
+        assert np.frombuffer(seek(channel, owned).found, np.uint8).all()
+        foreign = KEYS[shard_of(KEYS, 3, partitioner) != 1][:5]
+        query = np.concatenate([owned[:3], foreign])
+        expect_status(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            [f"key {int(foreign[0])} (position 3)", "shard 1 of 3", partitioner],
+            seek,
+            channel,
+            query,
+        )
+        from cube.pb import cube_pb2, cube_pb2_grpc
+
+        expect_status(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            ["shard 1 of 3"],
+            cube_pb2_grpc.DictServiceStub(channel).seek,
+            cube_pb2.DictRequest(keys=[int(k) for k in query]),
+            timeout=10,
+        )
+
+
+def test_version_of_another_shard_or_dict_is_refused_at_load(tmp_path):
+    data = tmp_path / "data"
+    write_shard_of(data, "1", 0, 2, "mod", current=True)
+    write_shard_of(data, "2", 1, 2, "mod")
+    write_shard_of(data, "3", 0, 2, "mod", dict_name="other_dict")
+    args = ("--shard", "0", "--dict_name", "test_dict")
+    with running_server(data, *args) as server, grpc.insecure_channel(server.address) as channel:
+        expect_status(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            ["shard 1 of 2", "--shard 0"],
+            control,
+            channel,
+            "bg_load_base",
+            version_path="/2",
+        )
+        expect_status(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            ["other_dict", "--dict_name"],
+            control,
+            channel,
+            "bg_load_base",
+            version_path="/3",
+        )
+        assert control(channel, "status").cur_version == "1"
+
+
+def test_delta_built_for_another_shard_count_is_refused(tmp_path):
+    data = tmp_path / "data"
+    write_shard_of(data, "1", 0, 2, "mod", current=True)
+    routing = {"shard": 0, "shard_num": 3, "partitioner": "mod"}
+    write_version(data, "1_2", [3], [b"x" * WIDTH], routing=routing, chain=["1", "1_2"])
+    with running_server(data) as server, grpc.insecure_channel(server.address) as channel:
+        expect_status(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            ["different shards", "shard 0 of 3", "shard 0 of 2"],
+            control,
+            channel,
+            "bg_load_patch",
+            version_path="/1_2",
+        )
+
+
+def test_answers_are_bounded_in_bytes(tmp_path):
+    """--max_answer_bytes: a fixed-width request refused before any work; a variable-width
+    one counted before its values are gathered; smaller ones answered."""
+    data = tmp_path / "data"
+    write_version(data, "1", KEYS, fixed_values(KEYS, 1000, 1), current=True)
+    light, heavy = KEYS[KEYS % 4 == 3], KEYS[KEYS % 4 == 1]
+    variable = [bytes([7]) * (1000 if k % 4 == 1 else 10) for k in KEYS.tolist()]
+    write_version(data, "2", KEYS, variable)
+    limit = 200 * 1000
+    with (
+        running_server(data, f"--max_answer_bytes={limit}") as server,
+        grpc.insecure_channel(server.address) as channel,
+    ):
+        assert len(seek(channel, KEYS[:200]).values) == 200 * 1000
+        expect_status(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            ["201000 bytes", "--max_answer_bytes"],
+            seek,
+            channel,
+            KEYS[:201],
+        )
+        control(channel, "reload_base", version_path="/2")
+        assert len(seek(channel, light[:700]).values) == 7000  # bound 700 x 1000 > limit
+        assert len(seek(channel, heavy[:200]).values) == 200 * 1000
+        expect_status(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            ["201050 bytes"],  # counted exactly: 201 x 1000 + 5 x 10
+            seek,
+            channel,
+            np.concatenate([heavy[:201], light[:5]]),
+        )
+
+
+def test_lane_request_holds_its_version_until_answered(tmp_path):
+    """A request parsed on the lane is answered in a later loop turn; the background version it
+    pinned may be unloaded in between. It must still be answered from that version (today:
+    INTERNAL errors, for it and for the requests answered with it)."""
+    from cube.server.service import SeekService
+    from cube.server.versions import LoadOptions, VersionSlots, load_base, split_dirs
+    from cube.wire import decode_seek_response, encode_seek_request
+
+    data = tmp_path / "data"
+    write_version(data, "1", KEYS, fixed_values(KEYS, WIDTH, 1))
+    write_version(data, "2", KEYS, fixed_values(KEYS, WIDTH, 2))
+    dirs = split_dirs(data, 1)
+    slots = VersionSlots()
+    slots.install(load_base(dirs, "1", LoadOptions()))
+    slots.stage(load_base(dirs, "2", LoadOptions()))
+    slots.commit()
+    service = SeekService(slots, max_batch=10_000)
+    pinned = service.parse_seek(encode_seek_request(KEYS[:100], version="2", request_id=1))
+    other = service.parse_seek(encode_seek_request(KEYS[:100], request_id=2))
+    slots.unload_background()  # version 2 leaves every slot; the parsed request still holds it
+    answers = service.answer_seeks([pinned, other])
+    first = decode_seek_response(b"".join(answers[0]), 100)
+    second = decode_seek_response(b"".join(answers[1]), 100)
+    assert first.version == "2" and set(first.column.as_rows()[:, 8].tolist()) == {2}
+    assert second.version == "1" and second.found.all()
+    assert pinned.version.closed  # released by the answer: now unmapped
+
+
+def _lane_port(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        _, call = channel.unary_unary("/cube.v1.CubeService/Seek").with_call(b"", timeout=10)
+    return next(int(v) for k, v in call.initial_metadata() if k == "cube-tcp-port")
+
+
+def _rss(pid: int) -> int:
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss
+
+
+def _send_until_blocked(sock, payload: bytes, count: int, seconds: float = 5.0) -> int:
+    """Send `payload` up to `count` times; stop when the server stops reading (timeout)."""
+    import time
+
+    sock.settimeout(0.5)
+    sent = 0
+    deadline = time.monotonic() + seconds
+    view = memoryview(payload)
+    for _ in range(count):
+        pos = 0
+        while pos < len(view) and time.monotonic() < deadline:
+            try:
+                pos += sock.send(view[pos:])
+            except TimeoutError:
+                return sent
+        sent += 1
+    return sent
+
+
+def test_lane_memory_bounded_when_answers_are_not_read(tmp_path):
+    """A client pipelines requests whose answers it never reads (each answer 40 MB): the
+    server stops reading it once its answers are queued, so memory stays bounded, and it
+    closes the connection after --lane_stall_timeout. Other clients are served meanwhile."""
+    import socket
+    import struct
+    import time
+
+    from cube.client.transport import LANE_MAGIC
+    from cube.wire import encode_seek_request
+
+    data = tmp_path / "data"
+    keys = np.arange(20_000, dtype=np.uint64)
+    write_version(data, "1", keys, fixed_values(keys, 1000, 1), current=True)
+    with (
+        running_server(data, "--lane_stall_timeout=3") as server,
+        grpc.insecure_channel(server.address) as channel,
+    ):
+        port = _lane_port(server.address)
+        before = _rss(server.pid)
+        request = encode_seek_request(np.resize(keys, 40_000), request_id=1)
+        frame = struct.pack("<I", len(request)) + request
+        attacker = socket.create_connection(("127.0.0.1", port))
+        attacker.sendall(LANE_MAGIC)
+        sent = _send_until_blocked(attacker, frame, 40)  # 40 x 40 MB of answers asked
+        time.sleep(1.0)
+        grown = _rss(server.pid) - before
+        assert np.frombuffer(seek(channel, keys[:100]).found, np.uint8).all()
+        assert grown < 200 << 20, f"server grew {grown >> 20} MiB after {sent} requests"
+        assert lane_connections(channel) == 1
+        assert poll_until(lambda: lane_connections(channel) == 0, 15, 0.2), "not closed"
+        attacker.close()
+
+
+def lane_connections(channel) -> int:
+    detail = json.loads(control(channel, "status").detail_json)
+    return sum(w["lane"]["connections"] for w in detail["worker_states"])
+
+
+def test_lane_partial_frames_bounded_and_timed_out(tmp_path):
+    """Many connections each holding most of a 4 MiB frame and then stalling: input buffers
+    stay within --lane_budget_bytes (connections beyond it are told UNAVAILABLE and closed),
+    stalled ones are closed after --lane_stall_timeout, other clients are served."""
+    import socket
+    import struct
+    import time
+
+    from cube.client.transport import LANE_MAGIC
+
+    data = tmp_path / "data"
+    write_version(data, "1", KEYS, fixed_values(KEYS, WIDTH, 1), current=True)
+    args = ("--lane_budget_bytes=33554432", "--lane_stall_timeout=2")
+    with (
+        running_server(data, *args) as server,
+        grpc.insecure_channel(server.address) as channel,
+    ):
+        port = _lane_port(server.address)
+        before = _rss(server.pid)
+        partial = LANE_MAGIC + struct.pack("<I", (4 << 20) - 16) + b"\0" * (3 << 20)
+        sockets = []
+        for _ in range(60):  # 180 MiB of partial frames offered
+            sock = socket.create_connection(("127.0.0.1", port))
+            _send_until_blocked(sock, partial, 1, seconds=2.0)
+            sockets.append(sock)
+        time.sleep(0.5)
+        grown = _rss(server.pid) - before
+        assert grown < 100 << 20, f"server grew {grown >> 20} MiB"
+        assert np.frombuffer(seek(channel, KEYS[:100]).found, np.uint8).all()
+        assert poll_until(lambda: lane_connections(channel) == 0, 15, 0.2), "not closed"
+        for sock in sockets:
+            sock.close()
+
+
+def test_lane_connections_capped(tmp_path):
+    import socket
+    import struct
+
+    from cube.client.transport import LANE_MAGIC
+
+    data = tmp_path / "data"
+    write_version(data, "1", KEYS, fixed_values(KEYS, WIDTH, 1), current=True)
+    with running_server(data, "--lane_max_connections=3") as server:
+        port = _lane_port(server.address)
+        kept = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        for sock in kept:
+            sock.sendall(LANE_MAGIC)
+        extra = socket.create_connection(("127.0.0.1", port), timeout=10)
+        header = extra.recv(5)
+        length, status = struct.unpack("<IB", header)
+        message = extra.recv(length).decode()
+        assert status == grpc.StatusCode.UNAVAILABLE.value[0] and "limit" in message
+        assert extra.recv(10) == b""
+        for sock in [*kept, extra]:
+            sock.close()
