@@ -14,6 +14,8 @@ import numpy as np
 from cube.hashing import as_keys, murmur3_32
 
 PARTITIONERS = ("mod", "murmur3")
+# Ends the server's refusal of a key routed to the wrong shard; the SDK recognises it.
+MISROUTED_HINT = "the client's shard order, shard count or partitioner does not match the build"
 
 
 def check_partitioner(name: str) -> str:

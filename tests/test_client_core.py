@@ -53,6 +53,12 @@ def test_normalize_keys_accepts_ints_and_arrays():
         (np.array([4, -1]), "key -1 at position 1 is negative"),
         (np.array([1.5]), "dtype float64"),
         ([1, "x"], "'x' at position 1 is not an integer"),
+        ([1000003.7], "key 1000003.7 at position 0 is not an integer"),
+        ([5, 2.0], "key 2.0 at position 1 is not an integer"),  # whole, but a float
+        ([np.float32(3)], "at position 0 is not an integer"),
+        ([2**64 - 1, -1], "key -1 at position 1 is outside"),
+        (1000003.7, "keys must be integers"),
+        ("123", "keys must be integers"),
     ],
 )
 def test_normalize_keys_names_the_bad_key(keys, message):

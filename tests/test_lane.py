@@ -189,7 +189,7 @@ def test_sdk_uses_the_lane_unless_told_grpc(server):
         assert client.seek(keys).values == result.values
     after = counters(server.address)
     assert after["lane_messages"] == middle["lane_messages"]
-    assert after["requests"] - middle["requests"] == 1
+    assert after["requests"] - middle["requests"] == 2  # first contact (routing) + the seek
 
     async def seek_async():
         async with AsyncCubeClient(shards=[[server.address]], dict_name="test_dict") as aio:
@@ -326,9 +326,10 @@ def test_merged_answers_equal_single_answers(tmp_path, layout):
         assert b"".join(parts) == service.seek(raw)
 
 
-def test_unreachable_lane_falls_back_to_grpc():
-    """A server announcing a lane nobody can connect to (e.g. a firewall): calls go over gRPC
-    and the lane is asked for again only after a while."""
+@pytest.mark.parametrize("announced", ["refused", "banana", "0", "70000"])
+def test_unreachable_lane_falls_back_to_grpc(announced):
+    """A server announcing a lane nobody can connect to (e.g. a firewall), or a port that is
+    not one: calls go over gRPC and the lane is asked for again only after a while."""
     from concurrent.futures import ThreadPoolExecutor
 
     from cube.server.service import empty_answer, encode_seek_response
@@ -341,7 +342,8 @@ def test_unreachable_lane_falls_back_to_grpc():
     def seek(raw, context):
         if not raw:
             calls["probe"] += 1
-            context.send_initial_metadata((("cube-tcp-port", str(dead_port)),))
+            port = str(dead_port) if announced == "refused" else announced
+            context.send_initial_metadata((("cube-tcp-port", port),))
             return b""
         calls["seek"] += 1
         request = cube_fast_pb2.SeekRequest.FromString(raw)

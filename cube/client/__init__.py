@@ -16,6 +16,7 @@ from cube.client.core import SeekResult, version_order
 from cube.client.errors import (
     Attempt,
     ConfError,
+    ConfigMismatchError,
     CubeError,
     KeyRangeError,
     RequestRejectedError,
@@ -29,6 +30,7 @@ __all__ = [
     "AsyncCubeClient",
     "Attempt",
     "ConfError",
+    "ConfigMismatchError",
     "CubeClient",
     "CubeError",
     "DictConf",

@@ -25,7 +25,9 @@ class AsyncCubeClient(ClientBase):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._channels = AioChannels(self._wire.method, lanes=self._use_lanes)
+        self._channels = AioChannels(
+            self._wire.method, lanes=self._use_lanes, check_routing=self._check_routing
+        )
         self._closed = False
 
     async def seek(self, keys: object, version: str | None = None) -> SeekResult:

@@ -23,7 +23,7 @@ from cube.client.core import (
 from cube.client.errors import ConfError
 from cube.client.policy import Cluster, Policy, Round, ShardCall
 from cube.client.transport import TRANSPORTS
-from cube.routing import PARTITIONERS
+from cube.routing import PARTITIONERS, ShardRouting
 
 
 def normalize_shards(shards: Any) -> tuple[tuple[str, ...], ...]:
@@ -131,6 +131,31 @@ class ClientBase:
     @property
     def shard_num(self) -> int:
         return self._cluster.shard_num
+
+    def _check_routing(self, address: str, routing: ShardRouting | None) -> str | None:
+        """What is wrong when the server at `address` holds other keys than this client routes
+        to it (None: nothing, or the server does not say)."""
+        if routing is None:
+            return None
+        listed = [i for i, replicas in enumerate(self.shards) if address in replicas]
+        holds = f"cube-server {address} holds {routing.describe()}"
+        if self.dict_name and routing.dict_name and routing.dict_name != self.dict_name:
+            return f"{holds}, but this client asks for dict {self.dict_name!r}"
+        if routing.shard_num == 1:
+            return None  # it holds every key of the dict
+        expected = f"{self.shard_num} shards ({self.partitioner})"
+        if routing.shard_num != self.shard_num or routing.partitioner != self.partitioner:
+            return (
+                f"{holds}, but this client routes keys over {expected}: set the client's"
+                " shard count and partitioner to the build's"
+            )
+        if routing.shard not in listed:
+            where = ", ".join(map(str, listed))
+            return (
+                f"{holds}, but this client lists it for shard {where} of {expected}: list the"
+                " servers in shard order (cube.conf nodes, transfer.conf cube<i>_<j>)"
+            )
+        return None
 
     @property
     def endpoints(self) -> list[str]:

@@ -37,13 +37,14 @@ import numpy as np
 from cube import wire
 from cube.client.errors import (
     Attempt,
+    ConfigMismatchError,
     KeyRangeError,
     RequestRejectedError,
     ShardUnavailableError,
     ValueSizeError,
     VersionMismatchError,
 )
-from cube.routing import group_by_owner, shard_of
+from cube.routing import MISROUTED_HINT, group_by_owner, shard_of
 from cube.values import ValueColumn, gather_ranges
 from cube.wire import Answer, BadMessage
 
@@ -56,38 +57,52 @@ _EMPTY_U8 = np.empty(0, dtype=np.uint8)
 
 
 def normalize_keys(keys: object) -> np.ndarray:
-    """Keys as a contiguous 1-D uint64 array; ints outside [0, 2**64) raise KeyRangeError
-    naming the first bad key and its position."""
-    if isinstance(keys, np.ndarray):
-        if keys.dtype == np.uint64:
-            return np.ascontiguousarray(keys.reshape(-1))
-        if keys.dtype.kind == "i":
-            flat = keys.reshape(-1)
-            negative = np.flatnonzero(flat < 0)
-            if negative.size:
-                at = int(negative[0])
-                raise KeyRangeError(
-                    f"key {int(flat[at])} at position {at} is negative; keys are uint64"
-                )
-            return flat.astype(np.uint64)
-        if keys.dtype.kind == "u" or keys.dtype == np.bool_:
-            return keys.reshape(-1).astype(np.uint64)
-        raise KeyRangeError(f"keys must be integers, got an array of dtype {keys.dtype}")
+    """Keys as a contiguous 1-D uint64 array. KeyRangeError names the first bad key and its
+    position: negative, 2**64 or more, or not an integer (a float is refused even when it
+    looks whole: float64 cannot hold every uint64, and 1000003.7 must not become 1000003)."""
     if isinstance(keys, int | np.integer):
         keys = [keys]
-    try:
-        return np.array(keys, dtype=np.uint64).reshape(-1)
-    except (OverflowError, TypeError, ValueError):
-        pass
-    # Slow path only to name the culprit.
-    for position, key in enumerate(keys):  # type: ignore[arg-type]
+    elif isinstance(keys, str | bytes | float | np.floating):
+        raise KeyRangeError(f"keys must be integers, got {type(keys).__name__} {keys!r}")
+    if not isinstance(keys, np.ndarray):
+        given = keys
+        try:
+            keys = np.asarray(given)
+        except (TypeError, ValueError, OverflowError):
+            keys = np.empty(0, dtype=object)
+        if keys.dtype.kind not in "iub":  # floats, strings, huge ints: check them one by one
+            keys = np.fromiter(given, dtype=object)  # type: ignore[call-overload]
+    if keys.dtype == np.uint64:
+        return np.ascontiguousarray(keys.reshape(-1))
+    if keys.dtype.kind == "i":
+        flat = keys.reshape(-1)
+        negative = np.flatnonzero(flat < 0)
+        if negative.size:
+            at = int(negative[0])
+            raise KeyRangeError(
+                f"key {int(flat[at])} at position {at} is negative; keys are uint64"
+            )
+        return flat.astype(np.uint64)
+    if keys.dtype.kind == "u" or keys.dtype == np.bool_:
+        return keys.reshape(-1).astype(np.uint64)
+    if keys.dtype != object:
+        flat = keys.reshape(-1)
+        if flat.shape[0] == 0:
+            return np.empty(0, dtype=np.uint64)
+        raise KeyRangeError(
+            f"key {flat[0]!r} at position 0 is not an integer (keys are uint64; got an array of"
+            f" dtype {keys.dtype.name})"
+        )
+    # Python ints beyond int64, or mixed objects: check each to name the culprit.
+    flat = keys.reshape(-1)
+    for position, key in enumerate(flat.tolist()):
         if not isinstance(key, int | np.integer) or isinstance(key, bool):
-            raise KeyRangeError(f"key {key!r} at position {position} is not an integer") from None
+            raise KeyRangeError(f"key {key!r} at position {position} is not an integer")
         if not 0 <= int(key) < 2**64:
             raise KeyRangeError(
                 f"key {int(key)} at position {position} is outside [0, 2**64); keys are uint64"
-            ) from None
-    raise KeyRangeError("keys must be a sequence of non-negative integers")
+            )
+    return np.array(flat.tolist(), dtype=np.uint64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -391,7 +406,12 @@ def _raise_rejected(pieces: Sequence[Piece], requests: Sequence[PieceRequest], o
     for request, outcome in zip(requests, outcomes, strict=True):
         if outcome.rejected is not None:
             a = outcome.rejected
-            raise RequestRejectedError(pieces[request.piece].shard, a.endpoint, a.code, a.message)
+            shard = pieces[request.piece].shard
+            if a.code == "CONFIG_MISMATCH" or (
+                a.code == "INVALID_ARGUMENT" and MISROUTED_HINT in a.message
+            ):
+                raise ConfigMismatchError(shard, a.endpoint, a.message)
+            raise RequestRejectedError(shard, a.endpoint, a.code, a.message)
 
 
 def _failures(pieces, requests, outcomes, keep_version_unavailable: bool) -> dict[int, list]:

@@ -18,6 +18,18 @@ class ConfError(CubeError, ValueError):
     """A bad cube.conf or client argument; the message names the file, dict and field."""
 
 
+class ConfigMismatchError(ConfError):
+    """A server holds other keys than the client's configuration routes to it (wrong shard
+    order, shard count, partitioner or dict): found on first contact, or refused by the
+    server. The message names the endpoint, what it holds and what the client expected."""
+
+    def __init__(self, shard: int, endpoint: str, details: str) -> None:
+        self.shard = shard
+        self.endpoint = endpoint
+        self.details = details
+        super().__init__(f"shard {shard} ({endpoint}): {details}")
+
+
 class KeyRangeError(CubeError, ValueError):
     """A key that is not a uint64 (negative, too large or not an integer)."""
 

@@ -43,6 +43,7 @@ NON_RETRYABLE = frozenset(
         "OUT_OF_RANGE",
         "PERMISSION_DENIED",
         "UNAUTHENTICATED",
+        "CONFIG_MISMATCH",  # the endpoint holds other keys than this client routes to it
     }
 )
 # Errors that say nothing about the replica's health (no cooldown).

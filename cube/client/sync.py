@@ -45,7 +45,10 @@ class CubeClient(ClientBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._channels = SyncChannels(
-            self._wire.method, lanes=self._use_lanes, busy_poll_s=self._busy_poll_s
+            self._wire.method,
+            lanes=self._use_lanes,
+            busy_poll_s=self._busy_poll_s,
+            check_routing=self._check_routing,
         )
         # Threads start only when needed; many allowed because an abandoned attempt (a backup
         # request's loser) holds its thread until its timeout.

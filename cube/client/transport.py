@@ -6,9 +6,13 @@
   frames, about 10x cheaper per call than gRPC in Python. For the fast protocol with
   `transport="auto"`, the first call to an endpoint asks it over gRPC (an empty Seek, answered
   with the `cube-tcp-port` metadata) and then uses the lane; endpoints without one (or with
-  `transport="grpc"`) stay on gRPC unary calls for the client's life. A lane that breaks is
-  forgotten and asked for again on the next call (a restarted server listens on a new port),
-  so failures surface as UNAVAILABLE attempts that the retry policy handles like gRPC's.
+  `transport="grpc"`) stay on gRPC unary calls. A lane that breaks is forgotten and asked for
+  again on the next call (a restarted server listens on a new port), so failures surface as
+  UNAVAILABLE attempts that the retry policy handles like gRPC's.
+- First contact (the same empty Seek, whatever the transport) also reads `cube-routing`: the
+  shard the server holds, checked by the client's `check_routing` against its configuration.
+  A mismatch (wrong shard order, shard count, partitioner or dict) fails every call to that
+  endpoint with CONFIG_MISMATCH until a later check (after LANE_RECHECK_S) finds it fixed.
 """
 
 from __future__ import annotations
@@ -21,11 +25,14 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 import grpc.aio
 import numpy as np
+
+from cube.routing import ShardRouting
 
 # No message size limit (100k-key batches of large values), our own retries only, and a short
 # reconnect backoff so a restarted replica is used again within seconds (grpc's default grows
@@ -44,7 +51,12 @@ CHANNEL_OPTIONS = (
 # The lane's wire constants (cube.server.lane; tests run the SDK against the real server).
 LANE_MAGIC = b"CUBETCP1"
 LANE_PORT_METADATA = "cube-tcp-port"
+ROUTING_METADATA = "cube-routing"
+CONFIG_MISMATCH = "CONFIG_MISMATCH"  # a status of our own: the endpoint holds other keys
 TRANSPORTS = ("auto", "grpc")
+RoutingCheck = Callable[[str, ShardRouting | None], str | None]
+_MAX_PENDING_CALLS = 1024  # per asyncio lane connection
+_MAX_UNSENT_BYTES = 16 << 20  # per asyncio lane connection: beyond it, calls fail at once
 _LENGTH = struct.Struct("<I")
 _HEADER = struct.Struct("<IB")
 _TIMEVAL = struct.Struct("@ll")
@@ -58,10 +70,11 @@ class LaneError(grpc.RpcError):
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
-        self._code = grpc.StatusCode[code]
+        # a gRPC status, or a status of our own (CONFIG_MISMATCH) kept as its name
+        self._code: grpc.StatusCode | str = grpc.StatusCode.__members__.get(code, code)
         self._message = message
 
-    def code(self) -> grpc.StatusCode:
+    def code(self) -> grpc.StatusCode | str:  # type: ignore[override]
         return self._code
 
     def details(self) -> str:
@@ -73,11 +86,26 @@ def _status_name(number: int) -> str:
 
 
 def _lane_address(address: str, metadata: Any) -> tuple[str, int] | None:
-    """The lane's (host, port) announced in `metadata`, on the host of `address`."""
+    """The lane's (host, port) announced in `metadata`, on the host of `address`; None when
+    there is none or it is not a port (then the endpoint is used over gRPC)."""
     for key, value in metadata or ():
         if key == LANE_PORT_METADATA:
             host = address.rpartition(":")[0].strip("[]")
-            return host, int(value)
+            text = str(value)
+            if not text.isdigit() or not 0 < int(text) < 65536:
+                return None
+            return host, int(text)
+    return None
+
+
+def _routing(metadata: Any) -> ShardRouting | None:
+    for key, value in metadata or ():
+        if key == ROUTING_METADATA:
+            return ShardRouting.from_text(str(value))
+    return None
+
+
+def _no_check(address: str, routing: ShardRouting | None) -> str | None:
     return None
 
 
@@ -355,15 +383,23 @@ class SyncChannels:
     here, so the client runs blocking calls inline or on its own thread pool instead.
     With `lanes`, endpoints that offer a TCP lane are called over it (module docstring)."""
 
-    def __init__(self, method: str, lanes: bool = False, busy_poll_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        method: str,
+        lanes: bool = False,
+        busy_poll_s: float = 0.0,
+        check_routing: RoutingCheck = _no_check,
+    ) -> None:
         self._method = method
         self._busy_poll = BusyPoll(busy_poll_s)
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._callables: dict[str, grpc.UnaryUnaryMultiCallable] = {}
         self._use_lanes = lanes
+        self._check_routing = check_routing
         self._lanes: dict[str, SyncLane | None] = {}  # None: no lane (until _recheck)
         self._recheck: dict[str, float] = {}
+        self._mismatch: dict[str, str] = {}  # endpoints whose routing does not match
         self._closed = False
 
     def _callable(self, address: str) -> grpc.UnaryUnaryMultiCallable:
@@ -385,28 +421,30 @@ class SyncChannels:
     ) -> tuple[bool, Any]:
         """(True, response bytes) or (False, (status name, message)); never raises. `handle`
         lets another thread cancel the call while it runs on a lane."""
-        if self._use_lanes:
-            now = time.monotonic()
-            deadline = now + timeout_s
-            lane = self._lanes.get(address, _UNKNOWN)
-            if lane is None and now > self._recheck.get(address, 0.0):
-                lane = _UNKNOWN  # time to ask again (the server may have one now)
-            if lane is _UNKNOWN:
-                failure = self._discover(address, timeout_s)
-                if failure is not None:
-                    return False, failure
-                lane = self._lanes.get(address)
-            if isinstance(lane, SyncLane):
-                ok, payload = lane.call(request, max(deadline - time.monotonic(), 1e-3), handle)
-                if lane.unreachable:  # e.g. a firewall: this attempt goes over gRPC
-                    self._forget(address, lane)
-                    self._no_lane(address)
-                elif lane.broken:
-                    self._forget(address, lane)
-                    return ok, payload
-                else:
-                    return ok, payload
-            timeout_s = max(deadline - time.monotonic(), 1e-3)
+        now = time.monotonic()
+        deadline = now + timeout_s
+        lane = self._lanes.get(address, _UNKNOWN)
+        if lane is None and now > self._recheck.get(address, 0.0):
+            lane = _UNKNOWN  # time to ask again (a lane, a fixed routing)
+        if lane is _UNKNOWN:
+            failure = self._discover(address, timeout_s)
+            if failure is not None:
+                return False, failure
+            lane = self._lanes.get(address)
+        mismatch = self._mismatch.get(address)
+        if mismatch is not None:
+            return False, (CONFIG_MISMATCH, mismatch)
+        if isinstance(lane, SyncLane):
+            ok, payload = lane.call(request, max(deadline - time.monotonic(), 1e-3), handle)
+            if lane.unreachable:  # e.g. a firewall: this attempt goes over gRPC
+                self._forget(address, lane)
+                self._no_lane(address)
+            elif lane.broken:
+                self._forget(address, lane)
+                return ok, payload
+            else:
+                return ok, payload
+        timeout_s = max(deadline - time.monotonic(), 1e-3)
         try:
             return True, self._callable(address)(request, timeout=timeout_s)
         except Exception as exc:
@@ -418,18 +456,26 @@ class SyncChannels:
             self._recheck[address] = time.monotonic() + LANE_RECHECK_S
 
     def _discover(self, address: str, timeout_s: float) -> tuple[str, str] | None:
-        """Ask `address` for its lane (an empty Seek); None, or the failure of the ask."""
+        """First contact (an empty Seek): the lane, and the routing checked; None, or the
+        failure of the ask."""
         try:
             _, call = self._callable(address).with_call(b"", timeout=timeout_s)
-            where = _lane_address(address, call.initial_metadata())
+            metadata = call.initial_metadata()
         except Exception as exc:
             return status_of(exc)
-        if where is None:
-            self._no_lane(address)
-            return None
+        problem = self._check_routing(address, _routing(metadata))
+        where = _lane_address(address, metadata) if self._use_lanes else None
         with self._lock:
             if self._closed:
                 return ("CANCELLED", "client is closed")
+            if problem is None:
+                self._mismatch.pop(address, None)
+            else:
+                self._mismatch[address] = problem
+        if where is None or problem is not None:
+            self._no_lane(address)
+            return None
+        with self._lock:
             if not isinstance(self._lanes.get(address), SyncLane):
                 self._lanes[address] = SyncLane(*where, self._busy_poll)
         return None
@@ -473,16 +519,23 @@ class SyncChannels:
 class AioLane(asyncio.Protocol):
     """One pipelined connection to a worker's TCP lane: frames go out as calls start, answers
     come back in order and complete the calls' futures. A call past its timeout fails with
-    DEADLINE_EXCEEDED and a cancelled one is dropped; their answers are skipped on arrival."""
+    DEADLINE_EXCEEDED and a cancelled one is dropped; their answers are skipped on arrival.
+
+    Bounded: a call that expires while nothing at all has arrived since it was sent means the
+    server stopped answering (SIGSTOP, a dead host): the connection is dropped, its pending
+    calls fail UNAVAILABLE and the next call connects again. More than `_MAX_PENDING_CALLS`
+    calls in flight, or more than `_MAX_UNSENT_BYTES` the socket has not taken, fail new
+    calls at once (UNAVAILABLE, retried elsewhere) instead of queueing without end."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.lost = False
-        self._pending: collections.deque[tuple[asyncio.Future, asyncio.TimerHandle]] = (
+        self._pending: collections.deque[tuple[asyncio.Future, asyncio.TimerHandle, float]] = (
             collections.deque()
         )
         self._buffer = bytearray()
         self._loop = asyncio.get_running_loop()
+        self._received_at = 0.0  # when bytes last arrived
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -493,15 +546,37 @@ class AioLane(asyncio.Protocol):
 
     def send(self, request: bytes, timeout_s: float) -> asyncio.Future:
         future = self._loop.create_future()
-        if self.lost or self.transport is None:
+        transport = self.transport
+        if self.lost or transport is None:
             future.set_exception(LaneError("UNAVAILABLE", "TCP lane: connection lost"))
             return future
-        self.transport.writelines((_LENGTH.pack(len(request)), request))
-        timer = self._loop.call_later(timeout_s, _expire, future, timeout_s)
-        self._pending.append((future, timer))
+        if len(self._pending) >= _MAX_PENDING_CALLS:
+            future.set_exception(
+                LaneError("UNAVAILABLE", f"TCP lane: {len(self._pending)} calls in flight")
+            )
+            return future
+        if transport.get_write_buffer_size() > _MAX_UNSENT_BYTES:
+            future.set_exception(
+                LaneError("UNAVAILABLE", "TCP lane: the server is not taking requests")
+            )
+            return future
+        transport.writelines((_LENGTH.pack(len(request)), request))
+        sent_at = self._loop.time()
+        timer = self._loop.call_later(timeout_s, self._expire, future, timeout_s, sent_at)
+        self._pending.append((future, timer, sent_at))
         return future
 
+    def _expire(self, future: asyncio.Future, timeout_s: float, sent_at: float) -> None:
+        if future.done():
+            return
+        future.set_exception(
+            LaneError("DEADLINE_EXCEEDED", f"TCP lane: no answer in {timeout_s:.3f} s")
+        )
+        if self._received_at < sent_at:  # not a byte since it was sent: the peer is gone
+            self._fail(f"TCP lane: nothing received for {timeout_s:.3f} s; connection dropped")
+
     def data_received(self, data: bytes) -> None:
+        self._received_at = self._loop.time()
         source: bytes | bytearray = data
         if self._buffer:
             self._buffer += data
@@ -516,7 +591,7 @@ class AioLane(asyncio.Protocol):
             if not pending:
                 self._fail("TCP lane: an answer nobody asked for")
                 return
-            future, timer = pending.popleft()
+            future, timer, _ = pending.popleft()
             timer.cancel()
             if not future.done():
                 if source is data:  # a view of this read's bytes: no copy of the answer
@@ -540,35 +615,33 @@ class AioLane(asyncio.Protocol):
     def _fail(self, message: str) -> None:
         self.lost = True
         pending, self._pending = self._pending, collections.deque()
-        for future, timer in pending:
+        for future, timer, _ in pending:
             timer.cancel()
             if not future.done():
                 future.set_exception(LaneError("UNAVAILABLE", message))
+        self._buffer = bytearray()
         if self.transport is not None:
-            self.transport.close()
+            self.transport.abort()  # drop what is still unsent
 
     def close(self) -> None:
         self._fail("TCP lane: client closed")
 
 
-def _expire(future: asyncio.Future, timeout_s: float) -> None:
-    if not future.done():
-        future.set_exception(
-            LaneError("DEADLINE_EXCEEDED", f"TCP lane: no answer in {timeout_s:.3f} s")
-        )
-
-
 class AioChannels:
     """grpc.aio channels (and TCP lanes with `lanes`), bound to the event loop they were first
-    used in."""
+    used in. First contact with an endpoint checks its routing (module docstring)."""
 
-    def __init__(self, method: str, lanes: bool = False) -> None:
+    def __init__(
+        self, method: str, lanes: bool = False, check_routing: RoutingCheck = _no_check
+    ) -> None:
         self._method = method
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._callables: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
         self._use_lanes = lanes
+        self._check_routing = check_routing
         self._lanes: dict[str, AioLane | None] = {}  # None: no lane (until _recheck)
         self._recheck: dict[str, float] = {}
+        self._mismatch: dict[str, str] = {}
         self._connecting: dict[str, asyncio.Task] = {}
         self._closed = False
 
@@ -585,17 +658,19 @@ class AioChannels:
     def start(self, address: str, request: bytes, timeout_s: float) -> Any:
         """A call in flight: an awaitable with cancel() and add_done_callback() (a grpc.aio
         call, or a future of the lane)."""
-        if self._use_lanes:
-            lane = self._lanes.get(address, _UNKNOWN)
-            if isinstance(lane, AioLane):
-                if not lane.lost:
-                    return lane.send(request, timeout_s)
-                self._forget(address, lane)
-                lane = _UNKNOWN
-            elif lane is None and time.monotonic() > self._recheck.get(address, 0.0):
-                lane = _UNKNOWN  # time to ask again (the server may have one now)
-            if lane is _UNKNOWN:
-                return asyncio.ensure_future(self._connect_and_send(address, request, timeout_s))
+        lane = self._lanes.get(address, _UNKNOWN)
+        if isinstance(lane, AioLane):
+            if not lane.lost:
+                return lane.send(request, timeout_s)
+            self._forget(address, lane)
+            lane = _UNKNOWN
+        elif lane is None and time.monotonic() > self._recheck.get(address, 0.0):
+            lane = _UNKNOWN  # time to ask again (a lane, a fixed routing)
+        if lane is _UNKNOWN:
+            return asyncio.ensure_future(self._connect_and_send(address, request, timeout_s))
+        mismatch = self._mismatch.get(address)
+        if mismatch is not None:
+            return _failed_future(CONFIG_MISMATCH, mismatch)
         return self._grpc_call(address, request, timeout_s)
 
     def _grpc_call(self, address: str, request: bytes, timeout_s: float) -> Any:
@@ -609,6 +684,9 @@ class AioChannels:
             self._connecting[address] = task
             task.add_done_callback(lambda t: self._connected(address, t))
         lane = await asyncio.shield(task)  # a cancelled caller leaves the connect to others
+        mismatch = self._mismatch.get(address)
+        if mismatch is not None:
+            raise LaneError(CONFIG_MISMATCH, mismatch)
         remaining = max(deadline - time.monotonic(), 1e-3)
         if lane is None:
             return await self._grpc_call(address, request, remaining)
@@ -620,19 +698,26 @@ class AioChannels:
             task.exception()  # retrieved here: its callers may all have gone
 
     async def _connect(self, address: str, timeout_s: float) -> AioLane | None:
-        """Ask `address` for its lane and connect to it; None when it has none."""
+        """First contact: check the routing, and connect to the lane when there is one (None:
+        use gRPC)."""
         call = self._callable(address)(b"", timeout=timeout_s)
         await call
-        where = _lane_address(address, await call.initial_metadata())
+        metadata = await call.initial_metadata()
+        problem = self._check_routing(address, _routing(metadata))
+        if problem is None:
+            self._mismatch.pop(address, None)
+        else:
+            self._mismatch[address] = problem
+        where = _lane_address(address, metadata) if self._use_lanes else None
         lane = None
-        if where is not None:
+        if where is not None and problem is None:
             loop = asyncio.get_running_loop()
             try:
                 _, lane = await asyncio.wait_for(
                     loop.create_connection(AioLane, where[0], where[1]), timeout_s
                 )
-            except OSError:  # announced but unreachable (e.g. a firewall): gRPC for a while
-                lane = None
+            except (OSError, TimeoutError, ValueError, OverflowError):
+                lane = None  # announced but unreachable (e.g. a firewall): gRPC for a while
         if lane is None:
             self._recheck[address] = time.monotonic() + LANE_RECHECK_S
         if self._closed:
@@ -673,6 +758,12 @@ class AioChannels:
         self._lanes.clear()
         for channel in channels:
             await channel.close()
+
+
+def _failed_future(code: str, message: str) -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    future.set_exception(LaneError(code, message))
+    return future
 
 
 _UNKNOWN = object()

@@ -24,7 +24,7 @@ import numpy as np
 from cube import wire
 from cube.index import TOMBSTONE
 from cube.pb import cube_fast_pb2, cube_pb2
-from cube.routing import group_by_owner, shard_of
+from cube.routing import MISROUTED_HINT, group_by_owner, shard_of
 from cube.server.versions import LoadedVersion, VersionSlots
 from cube.shard import LookupResult, ShardStack
 from cube.values import ValueColumn
@@ -454,8 +454,7 @@ class SeekService:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{what}: key {key} (position {at}) routes to shard {owner} of"
                 f" {routing.shard_num} ({routing.partitioner}), but this server holds"
-                f" {routing.describe()}: the client's shard order, shard count or partitioner"
-                " does not match the build",
+                f" {routing.describe()}: {MISROUTED_HINT}",
             )
         bound = n * version.max_value_bytes
         if bound > self.max_answer_bytes and version.value_width:
