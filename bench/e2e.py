@@ -46,6 +46,7 @@ import numpy as np
 
 from cube.flags import FlagError, FlagSet, run_cli
 from cube.format import FORMAT_VERSION
+from transfer.processes import free_ports as consecutive_free_ports
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _VERSION = "1"
@@ -144,10 +145,12 @@ class Server:
 
     def __init__(self, data_dir: Path, workers: int, extra: Sequence[str], log: Path) -> None:
         self.ports = free_ports(workers)
+        self.control_ports = consecutive_free_ports(workers, avoid=self.ports)
         command = [
             sys.executable, "-m", "cube.server.main",
             "--data_dir", str(data_dir),
             "--port", str(self.ports[0]),
+            "--control_port", str(self.control_ports[0]),
             "--workers", str(workers),
             "--log_level", "WARNING",
             *extra,
@@ -203,7 +206,7 @@ class Server:
 
         from cube.pb import cube_pb2, cube_pb2_grpc
 
-        with grpc.insecure_channel(self.addresses[0]) as channel:
+        with grpc.insecure_channel(f"127.0.0.1:{self.control_ports[0]}") as channel:
             stub = cube_pb2_grpc.ControlServiceStub(channel)
             reply = stub.cmd(cube_pb2.ControlRequest(cmd="status"), timeout=30)
         return json.loads(reply.detail_json)["requests"]

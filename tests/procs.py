@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -26,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cube.index import build_table
 from cube.shard import write_shard
 from cube.values import ValueColumn
-from transfer.processes import poll_until, spawn, stop_child
+from transfer.processes import free_ports, poll_until, spawn, stop_child
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -86,25 +85,6 @@ def expected_fixed(keys: np.ndarray, width: int, tag: int = 0) -> np.ndarray:
 # ports and processes
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_ports(count: int = 1) -> list[int]:
-    """`count` consecutive free loopback ports (a server with --workers N uses port..port+N-1)."""
-    rng = np.random.default_rng()
-    for _ in range(200):
-        start = int(rng.integers(20000, 60000 - count))
-        if all(_port_free(start + i) for i in range(count)):
-            return [start + i for i in range(count)]
-    raise RuntimeError(f"no {count} consecutive free ports found")
-
-
 def free_port() -> int:
     return free_ports(1)[0]
 
@@ -146,6 +126,7 @@ class ServerProc:
     data_dir: Path
     log_path: Path
     args: list[str] = field(default_factory=list)
+    control_ports: list[int] = field(default_factory=list)
 
     @property
     def pid(self) -> int:
@@ -162,6 +143,15 @@ class ServerProc:
     @property
     def addresses(self) -> list[str]:
         return [f"127.0.0.1:{p}" for p in self.ports]
+
+    @property
+    def control_address(self) -> str:
+        """Worker 0's control port (loads, switches, status): not the lookup port."""
+        return f"127.0.0.1:{self.control_ports[0]}"
+
+    @property
+    def control_addresses(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.control_ports]
 
     def log(self) -> str:
         try:
@@ -221,6 +211,7 @@ def start_server(
     worker answers its health check (SERVING or, with nothing to serve, NOT_SERVING). The
     caller must `stop()` it (or use `running_server`)."""
     ports = ports or free_ports(workers)
+    controls = free_ports(workers, avoid=ports)
     data_dir = Path(data_dir)
     log_path = Path(log_path) if log_path else data_dir.parent / f"cube-server-{ports[0]}.log"
     command = [
@@ -233,11 +224,15 @@ def start_server(
         str(ports[0]),
         "--workers",
         str(workers),
+        "--control_port",
+        str(controls[0]),
         "--in_mem",
         "false",
         *args,
     ]
-    server = ServerProc(spawn(command, log_path, cwd=REPO), ports, data_dir, log_path, list(args))
+    server = ServerProc(
+        spawn(command, log_path, cwd=REPO), ports, data_dir, log_path, list(args), controls
+    )
     if wait:
         try:
             server.wait_up(timeout)

@@ -44,7 +44,7 @@ def env(tmp_path):
     agents: list[AgentProc] = []
 
     def agent(*extra: str, token: str | None = None, server_address: str = "") -> AgentProc:
-        proc = AgentProc(deploy, server_address or server.address, *extra, token=token)
+        proc = AgentProc(deploy, server_address or server.control_address, *extra, token=token)
         agents.append(proc)
         return proc.start()
 
@@ -99,7 +99,7 @@ def test_base_then_delta_with_chain_and_idempotent_repeats(env):
         assert agent.run(command, DELTA1)["state"] == "succeeded"
     assert server_commands(env.server)[2:] == ["bg_load_patch", "enable"]
     assert (env.data / "VERSION").read_text() == f"{DELTA1}\n"
-    assert server_state(env.server.address) == (DELTA1, BASE)
+    assert server_state(env.server.control_address) == (DELTA1, BASE)
     delta_keys, delta_rows = shard_content(1000, 16, seed=2)
     got = seek(env.server.address, [*delta_keys[:50], *keys[:50]])
     assert got == [r.tobytes() for r in delta_rows[:50]] + [r.tobytes() for r in rows[:50]]
@@ -157,7 +157,7 @@ def test_file_url_and_plain_path(env):
     make_shard_tar(env.files / "b.tar", seed=7)
     deploy(agent, "100", f"file://{env.files / 'a.tar'}")
     deploy(agent, "200", str(env.files / "b.tar"))
-    assert server_state(env.server.address) == ("200", "100")
+    assert server_state(env.server.control_address) == ("200", "100")
     missing = agent.run("download", "300", source=str(env.files / "nope.tar"), md5="0" * 32)
     assert missing["state"] == "failed" and "no such file" in missing["message"]
 
@@ -317,16 +317,16 @@ def test_rollback_to_previous_and_to_an_unloaded_version(env):
     agent = env.agent("--keep", "3")
     for i, version in enumerate(("100", "200", "300")):
         deploy(agent, version, tar_for(env, f"v{version}", seed=20 + i))
-    assert server_state(env.server.address) == ("300", "200")
+    assert server_state(env.server.control_address) == ("300", "200")
     task = agent.run("rollback", "200")  # the server's bg: a switch, no load
     assert task["state"] == "succeeded", task
-    assert server_state(env.server.address) == ("200", "300")
+    assert server_state(env.server.control_address) == ("200", "300")
     assert server_commands(env.server)[-1] == "enable"
     assert (env.data / "VERSION").read_text() == "200\n"
     task = agent.run("rollback", "100")  # only on disk: load, then switch
     assert task["state"] == "succeeded", task
     assert server_commands(env.server)[-2:] == ["bg_load_base", "enable"]
-    assert server_state(env.server.address) == ("100", "200")
+    assert server_state(env.server.control_address) == ("100", "200")
     assert (env.data / "VERSION").read_text() == "100\n"
     gone = agent.run("rollback", "50")
     assert gone["state"] == "failed" and "not on disk" in gone["message"]
@@ -338,11 +338,11 @@ def test_rollback_to_a_delta_on_disk_loads_its_chain(env):
     deploy(agent, DELTA1, tar_for(env, "d1", seed=71), chain=[BASE, DELTA1])
     for version, seed in (("1800000000", 72), ("1900000000", 73)):
         deploy(agent, version, tar_for(env, f"n{seed}", seed=seed))
-    assert server_state(env.server.address) == ("1900000000", "1800000000")
+    assert server_state(env.server.control_address) == ("1900000000", "1800000000")
     task = agent.run("rollback", DELTA1)
     assert task["state"] == "succeeded", task
     assert server_commands(env.server)[-2:] == ["bg_load_base", "enable"]  # whole chain
-    assert server_state(env.server.address) == (DELTA1, "1900000000")
+    assert server_state(env.server.control_address) == (DELTA1, "1900000000")
     base_keys, base_rows = shard_content(1000, 16, seed=70)
     delta_keys, delta_rows = shard_content(1000, 16, seed=71)
     got = seek(env.server.address, [*base_keys[:20], *delta_keys[:20]])
@@ -475,4 +475,4 @@ def test_transfer_agent_client_drives_a_real_agent(env):
     assert all(o.ok for o in outcomes), outcomes
     assert not bad.ok and "send reload first" in bad.message
     assert status["current"] == BASE and status["server"]["cur_version"] == BASE
-    assert server_state(env.server.address) == (BASE, "")
+    assert server_state(env.server.control_address) == (BASE, "")

@@ -495,23 +495,23 @@ def test_version_reconciliation_during_a_rollout(tmp_path):
         with CubeClient(shards=shards) as client:
             check_fixed(client.seek(keys), keys, tag=1)
             # Shard 0 switches to 200 (keeps 100 as previous); shard 1 has only 100.
-            control(s0.address, "bg_load_base", version_path="/200")
-            control(s0.address, "enable", version="200")
+            control(s0.control_address, "bg_load_base", version_path="/200")
+            control(s0.control_address, "enable", version="200")
             result = client.seek(keys)
             assert result.version == "100"
             check_fixed(result, keys, tag=1)
             async_result = asyncio.run(_async_seek(shards, keys))
             assert async_result.version == "100" and async_result.values == result.values
             # Shard 1 loads 200 in the background: 200 is everywhere now and wins.
-            control(s1.address, "bg_load_base", version_path="/200")
+            control(s1.control_address, "bg_load_base", version_path="/200")
             result = client.seek(keys)
             assert result.version == "200"
             check_fixed(result, keys, tag=2)
             # An explicit version is honoured.
             check_fixed(client.seek(keys, version="100"), keys, tag=1)
             # Neither holds the other's version any more: a clear error, not a mixed batch.
-            control(s0.address, "bg_unload")
-            control(s1.address, "bg_unload")
+            control(s0.control_address, "bg_unload")
+            control(s1.control_address, "bg_unload")
             with pytest.raises(VersionMismatchError, match=r"shard 0: 200.*shard 1: 100"):
                 client.seek(keys)
             # One shard alone is trivially consistent.

@@ -178,16 +178,16 @@ def test_wrong_magic_and_oversized_frame_close_the_connection(server):
 
 def test_sdk_uses_the_lane_unless_told_grpc(server):
     keys = np.concatenate([KEYS[100:400], np.array([0, 2], dtype=np.uint64)])
-    before = counters(server.address)
+    before = counters(server.control_address)
     with CubeClient(shards=[[server.address]], dict_name="test_dict") as client:
         for _ in range(5):
             result = client.seek(keys)
-    middle = counters(server.address)
+    middle = counters(server.control_address)
     assert middle["lane_messages"] - before["lane_messages"] == 5
     assert result.found.tolist() == np.isin(keys, KEYS).tolist()
     with CubeClient(shards=[[server.address]], transport="grpc") as client:
         assert client.seek(keys).values == result.values
-    after = counters(server.address)
+    after = counters(server.control_address)
     assert after["lane_messages"] == middle["lane_messages"]
     assert after["requests"] - middle["requests"] == 2  # first contact (routing) + the seek
 
@@ -197,7 +197,7 @@ def test_sdk_uses_the_lane_unless_told_grpc(server):
 
     for answer in asyncio.run(seek_async()):
         assert answer.values == result.values
-    assert counters(server.address)["lane_messages"] - after["lane_messages"] == 6
+    assert counters(server.control_address)["lane_messages"] - after["lane_messages"] == 6
     with (
         CubeClient(shards=[[server.address]], dict_name="other") as client,
         pytest.raises(RequestRejectedError, match="NOT_FOUND"),
@@ -218,8 +218,9 @@ def test_server_without_a_lane_is_used_over_grpc(tmp_path):
                 return await aio.seek(KEYS[:50])
 
         assert asyncio.run(seek_async()).found.all()
-        assert counters(server.address)["requests"] == 3 + 2  # three probes (ours too), two seeks
-        assert counters(server.address)["lane_messages"] == 0
+        requests = counters(server.control_address)["requests"]
+        assert requests == 3 + 2  # three probes (ours too), two seeks
+        assert counters(server.control_address)["lane_messages"] == 0
 
 
 def test_fixed_lane_ports_and_bad_flags(tmp_path):
@@ -398,7 +399,7 @@ def test_busy_polling_answers_and_stops_when_idle(tmp_path):
             assert (result.column.as_rows() == expected_fixed(KEYS[:500], WIDTH, 1)).all()
         with ThreadPoolExecutor(4) as pool:
             assert all(pool.map(lambda _: client.seek(KEYS).found.all(), range(40)))
-        assert counters(server.address)["lane_messages"] >= 60
+        assert counters(server.control_address)["lane_messages"] >= 60
         time.sleep(0.2)  # past the 20 ms window
         before = _cpu_seconds(server.pid)
         time.sleep(1.0)

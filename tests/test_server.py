@@ -39,9 +39,14 @@ def variable_values(response) -> list[bytes]:
     return [response.values[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
 
 
-def control(channel, cmd, **fields) -> cube_pb2.ControlResponse:
+def control(target, cmd, *, token: str = "", **fields) -> cube_pb2.ControlResponse:
+    """A control command to `target`: a ServerProc (its control port) or an address."""
+    address = getattr(target, "control_address", target)
     request = cube_pb2.ControlRequest(cmd=cmd, **fields)
-    return cube_pb2_grpc.ControlServiceStub(channel).cmd(request, timeout=60)
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    with grpc.insecure_channel(address) as channel:
+        stub = cube_pb2_grpc.ControlServiceStub(channel)
+        return stub.cmd(request, timeout=60, metadata=metadata)
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +183,7 @@ def test_empty_server_is_not_serving_and_says_why(tmp_path):
             )
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
         assert seek(channel, []).found == b""
-        detail = json.loads(control(channel, "status").detail_json)
+        detail = json.loads(control(server, "status").detail_json)
         assert detail["serving"] is False and "does not exist" in detail["not_serving_reason"]
 
 
@@ -196,7 +201,7 @@ def test_allow_empty_server_answers_misses(tmp_path):
         )
         assert [v.status for v in original.values] == [MISS]
         assert original.HasField("version") and original.version == ""
-        status = control(channel, "status")
+        status = control(server, "status")
         assert status.cur_version == "" and status.status == 0
         assert json.loads(status.detail_json)["record_count"] == 0
 
@@ -249,7 +254,7 @@ def test_corrupt_startup_version_is_not_serving_even_with_allow_empty(tmp_path):
             seek(channel, [1])
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "data.cube" in caught.value.details() and "checksum" in caught.value.details()
-        control(channel, "reload_base", version_path="/6")
+        control(server, "reload_base", version_path="/6")
         serving = health_pb2.HealthCheckResponse.SERVING
         assert poll_until(lambda: health_status(server.address) == serving, 10, 0.05)
         assert variable_values(seek(channel, [1, 2])) == [b"uno", b"dos!"]
@@ -279,7 +284,7 @@ def test_dict_split_layout(tmp_path):
             for split in range(2):
                 mine = query[:58][split_of == split]
                 assert (rows[:58][split_of == split] == expected_fixed(mine, 16, split)).all()
-            detail = json.loads(control(channel, "status").detail_json)
+            detail = json.loads(control(server, "status").detail_json)
             assert [s["cur_version"] for s in detail["splits"]] == [partitioner] * 2
 
 
@@ -292,17 +297,18 @@ def test_health_and_reflection(bad_request_server):
     )
     stub = reflection_pb2_grpc.ServerReflectionStub(channel)
     request = reflection_pb2.ServerReflectionRequest(list_services="")
-    names = {
-        s.name
-        for reply in stub.ServerReflectionInfo(iter([request]), timeout=10)
-        for s in reply.list_services_response.service
-    }
-    assert {
-        "cube.v1.CubeService",
-        "rec.mcube.DictService",
-        "rec.mcube.ControlService",
-        "grpc.health.v1.Health",
-    } <= names
+
+    def listed(stub) -> set[str]:
+        replies = stub.ServerReflectionInfo(iter([request]), timeout=10)
+        return {s.name for reply in replies for s in reply.list_services_response.service}
+
+    names = listed(stub)
+    assert {"cube.v1.CubeService", "rec.mcube.DictService", "grpc.health.v1.Health"} <= names
+    assert "rec.mcube.ControlService" not in names  # on the control port only
+    with grpc.insecure_channel(server.control_address) as control_channel:
+        control_names = listed(reflection_pb2_grpc.ServerReflectionStub(control_channel))
+    assert {"rec.mcube.ControlService", "grpc.health.v1.Health"} <= control_names
+    assert "cube.v1.CubeService" not in control_names
     request = reflection_pb2.ServerReflectionRequest(file_containing_symbol="cube.v1.CubeService")
     reply = next(iter(stub.ServerReflectionInfo(iter([request]), timeout=10)))
     assert reply.file_descriptor_response.file_descriptor_proto
@@ -321,7 +327,7 @@ def test_flagfile_and_cli_errors(tmp_path):
         with pytest.raises(grpc.RpcError) as info:
             seek(channel, [1, 2, 3])
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert json.loads(control(channel, "status").detail_json)["in_mem"] is True
+        assert json.loads(control(server, "status").detail_json)["in_mem"] is True
         # a second server on the same port fails to start
         clash = subprocess.run(
             [

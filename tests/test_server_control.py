@@ -54,36 +54,36 @@ def data(tmp_path):
 
 def test_load_enable_undo_unload(data):
     with running_server(data) as server, grpc.insecure_channel(server.address) as channel:
-        status = control(channel, "status")
+        status = control(server, "status")
         assert (status.cur_version, status.bg_version, status.status) == ("100", "", 0)
-        loaded = control(channel, "bg_load_base", version_path="/200")
+        loaded = control(server, "bg_load_base", version_path="/200")
         assert loaded.bg_version == "200" and loaded.cur_version == "100"
         assert tags_of(seek(channel, KEYS[:50])) == {1}
         assert tags_of(seek(channel, KEYS[:50], version="200")) == {2}  # ask for the bg one
-        enabled = control(channel, "enable", version="200")
+        enabled = control(server, "enable", version="200")
         assert (enabled.cur_version, enabled.bg_version) == ("200", "100")
         detail = json.loads(enabled.detail_json)
         assert detail["previous_version"] == "100" and detail["record_count"] == len(KEYS)
         response = seek(channel, KEYS[:50])
         assert response.version == "200" and tags_of(response) == {2}
-        assert control(channel, "enable", version="200").cur_version == "200"  # already current
-        undone = control(channel, "bg_switch")  # undo
+        assert control(server, "enable", version="200").cur_version == "200"  # already current
+        undone = control(server, "bg_switch")  # undo
         assert (undone.cur_version, undone.bg_version) == ("100", "200")
         assert tags_of(seek(channel, KEYS[:50])) == {1}
         expect_error(
-            grpc.StatusCode.FAILED_PRECONDITION, "'300'", control, channel, "enable", version="300"
+            grpc.StatusCode.FAILED_PRECONDITION, "'300'", control, server, "enable", version="300"
         )
-        unloaded = control(channel, "bg_unload")
+        unloaded = control(server, "bg_unload")
         assert unloaded.bg_version == "" and unloaded.cur_version == "100"
         expect_error(
             grpc.StatusCode.FAILED_PRECONDITION, "'200'", seek, channel, [1], version="200"
         )
         expect_error(
-            grpc.StatusCode.FAILED_PRECONDITION, "no background", control, channel, "bg_switch"
+            grpc.StatusCode.FAILED_PRECONDITION, "no background", control, server, "bg_switch"
         )
-        reloaded = control(channel, "reload_base", version_path="200")
+        reloaded = control(server, "reload_base", version_path="200")
         assert (reloaded.cur_version, reloaded.bg_version) == ("200", "")
-        detail = json.loads(control(channel, "status").detail_json)
+        detail = json.loads(control(server, "status").detail_json)
         assert detail["requests"]["requests"] == 4 and detail["ports"] == [server.port]
         assert (data / "VERSION").read_text().strip() == "100"  # the agent owns VERSION
 
@@ -97,45 +97,45 @@ def test_patch_layers_over_current_and_records_chain(data):
             grpc.StatusCode.FAILED_PRECONDITION,
             "base '200'",
             control,
-            channel,
+            server,
             "bg_load_patch",
             version_path="/200_250",
         )
-        control(channel, "bg_load_patch", version_path="/100_150")
+        control(server, "bg_load_patch", version_path="/100_150")
         assert (data / "100_150" / "CHAIN").read_text().split() == ["100", "100_150"]
-        control(channel, "enable", version="100_150")
+        control(server, "enable", version="100_150")
         response = seek(channel, KEYS[:30])
         found = np.frombuffer(response.found, np.uint8)
         assert found.tolist() == [1] * 10 + [0] * 10 + [1] * 10
         rows = fixed_rows(response)
         assert (rows[:10] == expected_fixed(changed, WIDTH, 5)).all()
         assert (rows[20:] == expected_fixed(KEYS[20:30], WIDTH, 1)).all()
-        status = json.loads(control(channel, "status").detail_json)
+        status = json.loads(control(server, "status").detail_json)
         assert status["current"]["chain"] == ["100", "100_150"]
         expect_error(
             grpc.StatusCode.NOT_FOUND,
             "does not exist",
             control,
-            channel,
+            server,
             "bg_load_base",
             version_path="/nope",
         )
 
 
 def test_path_traversal_refused(data):
-    with running_server(data) as server, grpc.insecure_channel(server.address) as channel:
+    with running_server(data) as server:
         for path in ["/../data", "../x", "/etc/passwd", "a/b", "/", "..", "", str(data.parent)]:
             expect_error(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "version",
                 control,
-                channel,
+                server,
                 "bg_load_base",
                 version_path=path,
             )
-        assert control(channel, "status").bg_version == ""
+        assert control(server, "status").bg_version == ""
         # an absolute path inside the data dir is that version
-        assert control(channel, "bg_load_base", version_path=str(data / "200")).bg_version == "200"
+        assert control(server, "bg_load_base", version_path=str(data / "200")).bg_version == "200"
 
 
 def test_corrupted_version_refused_old_keeps_serving(data):
@@ -148,12 +148,12 @@ def test_corrupted_version_refused_old_keeps_serving(data):
             grpc.StatusCode.DATA_LOSS,
             "checksum",
             control,
-            channel,
+            server,
             "bg_load_base",
             version_path="/300",
         )
         assert "300" in details
-        status = control(channel, "status")
+        status = control(server, "status")
         assert (status.cur_version, status.bg_version) == ("100", "")
         assert "checksum" in json.loads(status.detail_json)["last_error"]
         assert tags_of(seek(channel, KEYS)) == {1}
@@ -168,29 +168,30 @@ def test_concurrent_command_aborted(data):
 
         def load():
             try:
-                control(channel, "bg_load_base", version_path="/200")
+                control(server, "bg_load_base", version_path="/200")
             except Exception as exc:  # reported below
                 errors.append(exc)
 
         loader = threading.Thread(target=load)
         loader.start()
         deadline = time.monotonic() + 10
-        while control(channel, "status").status != 1 and time.monotonic() < deadline:
+        while control(server, "status").status != 1 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert control(channel, "status").status == 1  # LOADING
+        assert control(server, "status").status == 1  # LOADING
         assert seek(channel, KEYS[:5]).version == "100"  # serving goes on
-        expect_error(grpc.StatusCode.ABORTED, "in progress", control, channel, "bg_switch")
+        expect_error(grpc.StatusCode.ABORTED, "in progress", control, server, "bg_switch")
         loader.join(timeout=30)
         assert not errors
-        assert control(channel, "status").bg_version == "200"
+        assert control(server, "status").bg_version == "200"
         # a caller that gives up does not cancel the command: it completes, status shows it
-        stub = cube_pb2_grpc.ControlServiceStub(channel)
-        request = cube_pb2.ControlRequest(cmd="bg_load_base", version_path="/100")
-        expect_error(grpc.StatusCode.DEADLINE_EXCEEDED, "", stub.cmd, request, timeout=0.3)
+        with grpc.insecure_channel(server.control_address) as control_channel:
+            stub = cube_pb2_grpc.ControlServiceStub(control_channel)
+            request = cube_pb2.ControlRequest(cmd="bg_load_base", version_path="/100")
+            expect_error(grpc.StatusCode.DEADLINE_EXCEEDED, "", stub.cmd, request, timeout=0.3)
         deadline = time.monotonic() + 20
-        while control(channel, "status").bg_version != "100" and time.monotonic() < deadline:
+        while control(server, "status").bg_version != "100" and time.monotonic() < deadline:
             time.sleep(0.05)
-        status = control(channel, "status")
+        status = control(server, "status")
         assert (status.bg_version, status.status) == ("100", 0)
 
 
@@ -216,12 +217,12 @@ def test_restart_on_delta_rebuilds_chain(tmp_path):
         response = seek(channel, KEYS[:5])
         assert np.frombuffer(response.found, np.uint8).tolist() == [0, 0, 1, 1, 1]
         assert (fixed_rows(response)[2:] == expected_fixed(first[2:], WIDTH, 1)).all()
-        chain = json.loads(control(channel, "status").detail_json)["current"]["chain"]
+        chain = json.loads(control(server, "status").detail_json)["current"]["chain"]
         assert chain == ["100", "100_300"]
     # A chain naming a missing link: a clear start-up error, the server starts empty.
     (data / "100_300" / "CHAIN").write_text("100\n100_250\n100_300\n")
     with running_server(data) as server, grpc.insecure_channel(server.address) as channel:
-        status = control(channel, "status")
+        status = control(server, "status")
         assert status.cur_version == ""
         assert "100_250" in json.loads(status.detail_json)["startup_error"]
 
@@ -232,9 +233,11 @@ def test_workers_share_versions(data):
         try:
             for channel in (first, second):
                 assert tags_of(seek(channel, KEYS[:20])) == {1}
-            status = control(second, "bg_load_base", version_path="/200")  # forwarded to 0
+            second_control = server.control_addresses[1]
+            status = control(second_control, "bg_load_base", version_path="/200")  # to worker 0
             assert status.bg_version == "200"
-            detail = json.loads(control(first, "enable", version="200").detail_json)
+            enabled = control(server.control_addresses[0], "enable", version="200")
+            detail = json.loads(enabled.detail_json)
             assert detail["ports"] == server.ports and detail["workers"] == 2
             states = detail["worker_states"]
             assert [(w["worker"], w["cur_version"], w["bg_version"]) for w in states] == [
@@ -284,8 +287,8 @@ def test_sigterm_drains_in_flight_stream(data):
 
 
 def test_switch_under_load_each_response_from_one_version(data):
-    with running_server(data) as server, grpc.insecure_channel(server.address) as channel:
-        control(channel, "bg_load_base", version_path="/200")
+    with running_server(data) as server:
+        control(server, "bg_load_base", version_path="/200")
         stop = threading.Event()
         seen: dict[str, int] = {}
         failures: list[str] = []
@@ -313,11 +316,11 @@ def test_switch_under_load_each_response_from_one_version(data):
             thread.start()
         try:
             for _ in range(10):
-                control(channel, "bg_switch")
+                control(server, "bg_switch")
                 time.sleep(0.03)
-            control(channel, "bg_unload")
-            control(channel, "bg_load_base", version_path="/200")
-            control(channel, "enable", version="200")
+            control(server, "bg_unload")
+            control(server, "bg_load_base", version_path="/200")
+            control(server, "enable", version="200")
         finally:
             stop.set()
             for thread in threads:
@@ -333,7 +336,7 @@ def test_reuseport_workers_stop_on_sigint(data):
         for address in server.addresses:
             with grpc.insecure_channel(address) as channel:
                 assert tags_of(seek(channel, KEYS[:5])) == {1}
-                detail = json.loads(control(channel, "status").detail_json)
+                detail = json.loads(control(server, "status").detail_json)
                 assert detail["ports"] == own and detail["reuseport"] is True
         server.signal(signal.SIGINT)
         assert server.process.wait(timeout=30) == 0

@@ -57,9 +57,9 @@ def test_truncated_shard_file_stops_serving_not_the_process(tmp_path, leases):
         )
         assert "truncated" in details or "changed size" in details
         assert server.process.poll() is None
-        detail = json.loads(control(channel, "status").detail_json)
+        detail = json.loads(control(server, "status").detail_json)
         assert detail["serving"] is False and "data.cube" in detail["not_serving_reason"]
-        control(channel, "reload_base", version_path="/2")
+        control(server, "reload_base", version_path="/2")
         assert health_becomes(server.address, SERVING)
         assert set(fixed_rows(seek(channel, KEYS[:50]))[:, 8].tolist()) == {2}
     assert server.process.returncode == 0, server.log()[-3000:]
@@ -72,13 +72,13 @@ def test_rewritten_background_version_is_dropped_current_keeps_serving(tmp_path)
     write_version(data, "1", KEYS, fixed_values(KEYS, WIDTH, 1), current=True)
     other = write_version(data, "2", KEYS, fixed_values(KEYS, WIDTH, 2))
     with running_server(data) as server, grpc.insecure_channel(server.address) as channel:
-        control(channel, "bg_load_base", version_path="/2")
+        control(server, "bg_load_base", version_path="/2")
         with open(other / "index.cube", "r+b"):  # an open for writing breaks the lease
             pass
-        assert poll_until(lambda: control(channel, "status").bg_version == "", 10, 0.05)
+        assert poll_until(lambda: control(server, "status").bg_version == "", 10, 0.05)
         assert health_status(server.address) == SERVING
         assert set(fixed_rows(seek(channel, KEYS[:50]))[:, 8].tolist()) == {1}
-        detail = json.loads(control(channel, "status").detail_json)
+        detail = json.loads(control(server, "status").detail_json)
         assert "index.cube" in detail["last_error"]
 
 
@@ -124,12 +124,12 @@ def test_version_of_another_shard_or_dict_is_refused_at_load(tmp_path):
     write_shard_of(data, "2", 1, 2, "mod")
     write_shard_of(data, "3", 0, 2, "mod", dict_name="other_dict")
     args = ("--shard", "0", "--dict_name", "test_dict")
-    with running_server(data, *args) as server, grpc.insecure_channel(server.address) as channel:
+    with running_server(data, *args) as server:
         expect_status(
             grpc.StatusCode.FAILED_PRECONDITION,
             ["shard 1 of 2", "--shard 0"],
             control,
-            channel,
+            server,
             "bg_load_base",
             version_path="/2",
         )
@@ -137,11 +137,11 @@ def test_version_of_another_shard_or_dict_is_refused_at_load(tmp_path):
             grpc.StatusCode.FAILED_PRECONDITION,
             ["other_dict", "--dict_name"],
             control,
-            channel,
+            server,
             "bg_load_base",
             version_path="/3",
         )
-        assert control(channel, "status").cur_version == "1"
+        assert control(server, "status").cur_version == "1"
 
 
 def test_delta_built_for_another_shard_count_is_refused(tmp_path):
@@ -149,12 +149,12 @@ def test_delta_built_for_another_shard_count_is_refused(tmp_path):
     write_shard_of(data, "1", 0, 2, "mod", current=True)
     routing = {"shard": 0, "shard_num": 3, "partitioner": "mod"}
     write_version(data, "1_2", [3], [b"x" * WIDTH], routing=routing, chain=["1", "1_2"])
-    with running_server(data) as server, grpc.insecure_channel(server.address) as channel:
+    with running_server(data) as server:
         expect_status(
             grpc.StatusCode.FAILED_PRECONDITION,
             ["different shards", "shard 0 of 3", "shard 0 of 2"],
             control,
-            channel,
+            server,
             "bg_load_patch",
             version_path="/1_2",
         )
@@ -181,7 +181,7 @@ def test_answers_are_bounded_in_bytes(tmp_path):
             channel,
             KEYS[:201],
         )
-        control(channel, "reload_base", version_path="/2")
+        control(server, "reload_base", version_path="/2")
         assert len(seek(channel, light[:700]).values) == 7000  # bound 700 x 1000 > limit
         assert len(seek(channel, heavy[:200]).values) == 200 * 1000
         expect_status(
@@ -281,13 +281,13 @@ def test_lane_memory_bounded_when_answers_are_not_read(tmp_path):
         grown = _rss(server.pid) - before
         assert np.frombuffer(seek(channel, keys[:100]).found, np.uint8).all()
         assert grown < 200 << 20, f"server grew {grown >> 20} MiB after {sent} requests"
-        assert lane_connections(channel) == 1
-        assert poll_until(lambda: lane_connections(channel) == 0, 15, 0.2), "not closed"
+        assert lane_connections(server) == 1
+        assert poll_until(lambda: lane_connections(server) == 0, 15, 0.2), "not closed"
         attacker.close()
 
 
-def lane_connections(channel) -> int:
-    detail = json.loads(control(channel, "status").detail_json)
+def lane_connections(server) -> int:
+    detail = json.loads(control(server, "status").detail_json)
     return sum(w["lane"]["connections"] for w in detail["worker_states"])
 
 
@@ -320,7 +320,7 @@ def test_lane_partial_frames_bounded_and_timed_out(tmp_path):
         grown = _rss(server.pid) - before
         assert grown < 100 << 20, f"server grew {grown >> 20} MiB"
         assert np.frombuffer(seek(channel, KEYS[:100]).found, np.uint8).all()
-        assert poll_until(lambda: lane_connections(channel) == 0, 15, 0.2), "not closed"
+        assert poll_until(lambda: lane_connections(server) == 0, 15, 0.2), "not closed"
         for sock in sockets:
             sock.close()
 
@@ -346,3 +346,58 @@ def test_lane_connections_capped(tmp_path):
         assert extra.recv(10) == b""
         for sock in [*kept, extra]:
             sock.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# the control plane: its own port, loopback by default, a token beyond it
+
+
+def test_data_port_refuses_control_and_internal_calls(tmp_path):
+    """Whoever reaches the lookup port cannot load, switch or unload versions, nor apply an
+    internal worker step (both used to be served on every worker's data port)."""
+    data = tmp_path / "data"
+    write_version(data, "1", KEYS, fixed_values(KEYS, WIDTH, 1), current=True)
+    write_version(data, "2", KEYS, fixed_values(KEYS, WIDTH, 2))
+    with running_server(data) as server, grpc.insecure_channel(server.address) as channel:
+        expect_status(
+            grpc.StatusCode.UNIMPLEMENTED, [], control, server.address, "reload_base",
+            version_path="/2",
+        )  # fmt: skip
+        apply = channel.unary_unary("/cube.internal.Worker/Apply")
+        expect_status(grpc.StatusCode.UNIMPLEMENTED, [], apply, b'{"op": "switch"}', timeout=10)
+        assert control(server, "status").cur_version == "1"
+
+
+def test_control_token_checked_in_constant_time(tmp_path):
+    data = tmp_path / "data"
+    write_version(data, "1", KEYS, fixed_values(KEYS, WIDTH, 1), current=True)
+    with running_server(data, "--control_token=s3cret", workers=2) as server:
+        words = ["Bearer", "--control_token"]
+        expect_status(grpc.StatusCode.UNAUTHENTICATED, words, control, server, "status")
+        expect_status(
+            grpc.StatusCode.UNAUTHENTICATED, words, control, server, "status", token="s3cre"
+        )
+        assert control(server, "status", token="s3cret").cur_version == "1"
+        # worker 1 forwards to worker 0 with the token; its internal service wants it too
+        second = server.control_addresses[1]
+        assert control(second, "bg_unload", token="s3cret").cur_version == "1"
+        with grpc.insecure_channel(second) as channel:
+            apply = channel.unary_unary("/cube.internal.Worker/Apply")
+            expect_status(grpc.StatusCode.UNAUTHENTICATED, [], apply, b"{}", timeout=10)
+        assert health_status(server.control_address) == SERVING  # health needs no token
+
+
+def test_control_port_beyond_loopback_needs_a_token(tmp_path):
+    import subprocess
+    import sys
+
+    data = tmp_path / "data"
+    command = [sys.executable, "-m", "cube.server.main", "--data_dir", str(data)]
+    refused = subprocess.run(
+        [*command, "--control_host", "0.0.0.0"], capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode == 2
+    assert "without a token" in refused.stderr and "--insecure" in refused.stderr
+    for extra in (["--insecure"], ["--control_token", "t"]):
+        with running_server(data, "--control_host", "0.0.0.0", *extra) as server:
+            assert health_status(server.control_address) is not None

@@ -109,9 +109,9 @@ def plan_ports(shards: int, replicas: int, base_port: int) -> dict[str, int]:
     names = ["transfer", "files"]
     for i in range(shards):
         for j in range(replicas):
-            names += [f"server{i}_{j}", f"agent{i}_{j}"]
+            names += [f"server{i}_{j}", f"agent{i}_{j}", f"control{i}_{j}"]
     if base_port:
-        if base_port + 11 + 2 * shards * replicas > 65535:
+        if base_port + 11 + 3 * shards * replicas > 65535:
             raise LocalError(f"--base_port {base_port} leaves too few ports")
         ports = {"transfer": base_port, "files": base_port + 1}
         for k, name in enumerate(names[2:]):
@@ -219,6 +219,8 @@ def _processes(spec: ClusterSpec, cfg: TransferConfig, ports: dict[str, int]) ->
                 str(inst.shard),
                 "--partitioner",
                 cfg.partitioner,
+                "--control_port",
+                str(ports[f"control{inst.name}"]),
                 *spec.server_args,
             ],
             logs,
@@ -237,7 +239,7 @@ def _processes(spec: ClusterSpec, cfg: TransferConfig, ports: dict[str, int]) ->
                 "--deploy_path",
                 inst.deploy_path,
                 "--server",
-                inst.server_address,
+                f"127.0.0.1:{ports[f'control{inst.name}']}",
                 *spec.agent_args,
             ],
             logs,

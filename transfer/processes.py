@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import subprocess
 import time
@@ -23,6 +24,27 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(count: int, avoid: Sequence[int] = ()) -> list[int]:
+    """`count` consecutive ports free on 127.0.0.1 now, none in `avoid` (a cube-server with
+    --workers N listens on port .. port + N - 1, and on control_port + i)."""
+    rng = random.Random()
+    for _ in range(200):
+        start = rng.randrange(20000, 60000 - count)
+        ports = list(range(start, start + count))
+        if not set(ports) & set(avoid) and all(_port_free(p) for p in ports):
+            return ports
+    raise RuntimeError(f"no {count} consecutive free ports found")
 
 
 def log_tail(path: str | os.PathLike, lines: int = 15) -> str:

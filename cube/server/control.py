@@ -1,8 +1,10 @@
 """Control plane: rec.mcube.ControlService.cmd with the original's commands, applied to every
 worker process consistently.
 
-Worker 0 (the main port; the only worker without --workers) coordinates: it runs each command
-on itself and on the other workers (over an internal raw-bytes gRPC service on their ports,
+The control port is its own (--control_port, bound to --control_host, loopback by default,
+token-checked by `TokenCheck` when --control_token is set): whoever reaches the lookup port
+cannot load, switch or unload versions. Worker 0 coordinates: it runs each command on itself
+and on the other workers (over an internal raw-bytes gRPC service on their control ports,
 `cube.internal.Worker/Apply`, JSON in and out) and answers only after all succeeded. Loads are
 two-phase: every worker loads into a staged slot, then all commit (staged -> background); if
 any worker fails, the others drop what they staged, so no worker changes. A switch that fails
@@ -34,6 +36,7 @@ from typing import Any
 import grpc
 
 from cube.pb import cube_pb2
+from cube.security import AUTH_METADATA, bearer_metadata, bearer_token, token_matches
 from cube.server.service import SeekService
 from cube.server.versions import (
     LoadedVersion,
@@ -178,13 +181,16 @@ class LocalWorker:
 
 
 class RemoteWorker:
-    """Another worker process, reached over loopback gRPC."""
+    """Another worker process, reached on its control port over loopback gRPC."""
 
-    def __init__(self, index: int, port: int, address: str, timeout: float) -> None:
+    def __init__(
+        self, index: int, port: int, address: str, timeout: float, token: str = ""
+    ) -> None:
         self.index = index
         self.port = port
         self.address = address
         self.timeout = timeout
+        self.metadata = bearer_metadata(token)
         self._channel: grpc.aio.Channel | None = None
 
     def _call(self) -> grpc.aio.UnaryUnaryMultiCallable:
@@ -197,7 +203,9 @@ class RemoteWorker:
     ) -> dict[str, Any]:
         request = json.dumps({"op": op, "mode": mode, "name": name}).encode()
         try:
-            raw = await self._call()(request, timeout=timeout or self.timeout)
+            raw = await self._call()(
+                request, timeout=timeout or self.timeout, metadata=self.metadata
+            )
         except grpc.aio.AioRpcError as exc:
             raise ControlError(
                 exc.code(), f"worker {self.index} ({self.address}): {exc.details()}"
@@ -420,12 +428,41 @@ def _split_versions(slots: VersionSlots) -> list[dict[str, Any]]:
 # gRPC handlers
 
 
+class TokenCheck(grpc.aio.ServerInterceptor):
+    """The control port's guard: every call but health and reflection must carry
+    `authorization: Bearer <token>` (compared in constant time), else UNAUTHENTICATED."""
+
+    OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+        async def deny(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "the control port needs 'authorization: Bearer <token>' (cube-server"
+                " --control_token; cube-agent --server_token)",
+            )
+            raise AssertionError("abort raises")  # pragma: no cover
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
+        if details.method.startswith(self.OPEN):
+            return await continuation(details)
+        header = dict(details.invocation_metadata or ()).get(AUTH_METADATA)
+        if token_matches(bearer_token(header), self.token):
+            return await continuation(details)
+        return self._deny
+
+
 def control_handler(
-    coordinator: Coordinator | None, forward_address: str | None, timeout: float
+    coordinator: Coordinator | None, forward_address: str | None, timeout: float, token: str = ""
 ) -> grpc.GenericRpcHandler:
     """ControlService.cmd: run it (worker 0) or forward it to worker 0 (other workers)."""
     channel: grpc.aio.Channel | None = None
     running: set[asyncio.Future] = set()
+    metadata = bearer_metadata(token)
 
     async def cmd(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         nonlocal channel
@@ -433,7 +470,9 @@ def control_handler(
             if channel is None:
                 channel = grpc.aio.insecure_channel(forward_address)
             try:
-                return await channel.unary_unary(CONTROL_CMD)(raw, timeout=timeout)
+                return await channel.unary_unary(CONTROL_CMD)(
+                    raw, timeout=timeout, metadata=metadata
+                )
             except grpc.aio.AioRpcError as exc:
                 await context.abort(exc.code(), exc.details() or "")
         try:

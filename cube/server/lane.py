@@ -46,6 +46,7 @@ import asyncio
 import logging
 import os
 import socket
+import ssl as ssl_module
 import struct
 import time
 from dataclasses import dataclass
@@ -409,8 +410,8 @@ class Lane:
         """For status: open connections and the bytes they hold (input + answers)."""
         return {"connections": len(self.connections), "bytes": self.total_bytes}
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen on host:port (0: any free port); returns the port."""
+    async def start(self, host: str, port: int, ssl: ssl_module.SSLContext | None = None) -> int:
+        """Listen on host:port (0: any free port), over TLS with `ssl`; returns the port."""
         loop = self._loop = asyncio.get_running_loop()
         self.server = await loop.create_server(
             lambda: LaneProtocol(self),
@@ -418,6 +419,7 @@ class Lane:
             port,
             reuse_address=True,
             backlog=1024,
+            ssl=ssl,
         )
         self.port = int(self.server.sockets[0].getsockname()[1])
         self._watchdog = asyncio.ensure_future(self._watch())

@@ -37,14 +37,44 @@ from typing import Any
 
 from cube.flags import FlagError, Flags, FlagSet, run_cli
 from cube.routing import PARTITIONERS
+from cube.security import SecurityError, TLSFiles, require_token, token_from
 from cube.server.service import DEFAULT_MAX_ANSWER_BYTES
 
 log = logging.getLogger("cube.server")
 
 FLAGS = (
     FlagSet("cube-server", "Serve one shard of a Cube dictionary over gRPC.")
-    .add("port", int, 8000, "gRPC port (worker 0's port with --workers)")
-    .add("host", str, "127.0.0.1", "address to bind (0.0.0.0 for all interfaces)")
+    .add("port", int, 8000, "gRPC port of the lookups (worker 0's port with --workers)")
+    .add("host", str, "127.0.0.1", "address to bind the lookups (0.0.0.0: every interface)")
+    .add(
+        "control_port",
+        int,
+        -1,
+        "port of the control service (loads, switches; worker i on control_port + i);"
+        " -1: --port + 1000",
+    )
+    .add(
+        "control_host",
+        str,
+        "127.0.0.1",
+        "address to bind the control port (beyond loopback it needs --control_token)",
+    )
+    .add(
+        "control_token",
+        str,
+        "",
+        "require 'authorization: Bearer <token>' on the control port (default: env"
+        " CUBE_CONTROL_TOKEN)",
+    )
+    .add(
+        "insecure",
+        bool,
+        False,
+        "allow a control port beyond loopback without a token (anyone reaching it can load,"
+        " switch and unload versions)",
+    )
+    .add("tls_cert", str, "", "PEM certificate: serve lookups (gRPC and TCP lane) over TLS")
+    .add("tls_key", str, "", "PEM private key of --tls_cert")
     .add("dict_split", int, 1, "sub-dicts in this shard: <data_dir>/<split>/... when > 1")
     .add("partitioner", str, "mod", "key -> split rule (the builder's)", choices=PARTITIONERS)
     .add("in_mem", bool, True, "fault shards into memory at load and mlock them (best effort)")
@@ -137,6 +167,20 @@ def worker_ports(flags: Flags) -> list[int]:
     return ports
 
 
+def control_ports(flags: Flags) -> list[int]:
+    """Each worker's control port: --control_port (or --port + 1000) + i."""
+    first = flags.control_port if flags.control_port >= 0 else flags.port + 1000
+    ports = [first + i for i in range(flags.workers)]
+    if not all(0 < p < 65536 for p in ports):
+        raise FlagError(f"--control_port {first}: control ports {ports} are not all ports")
+    taken = set(worker_ports(flags)) | {flags.port}
+    if taken.intersection(ports):
+        raise FlagError(
+            f"control ports {ports} overlap the lookup ports {sorted(taken)}: set --control_port"
+        )
+    return ports
+
+
 def lane_ports(flags: Flags) -> list[int]:
     """Each worker's TCP lane port (0: any free port, announced to clients over gRPC)."""
     if not flags.tcp_ports:
@@ -177,6 +221,25 @@ def check_flags(flags: Flags) -> None:
         raise FlagError(f"--log_level {flags.log_level!r}: expected DEBUG, INFO, WARNING, ERROR")
     if flags.worker_index >= flags.workers:
         raise FlagError(f"--worker_index {flags.worker_index} >= --workers {flags.workers}")
+    try:
+        require_token(
+            "the control port",
+            flags.control_host,
+            control_token(flags),
+            flags.insecure,
+            "--control_token (or env CUBE_CONTROL_TOKEN)",
+        )
+        tls_files(flags).check()
+    except SecurityError as exc:
+        raise FlagError(str(exc)) from None
+
+
+def control_token(flags: Flags) -> str:
+    return token_from(flags.control_token, "CUBE_CONTROL_TOKEN")
+
+
+def tls_files(flags: Flags) -> TLSFiles:
+    return TLSFiles(cert=flags.tls_cert, key=flags.tls_key)
 
 
 def setup_logging(flags: Flags) -> None:
@@ -205,6 +268,7 @@ def _main(argv: Sequence[str]) -> int:
     setup_logging(flags)
     ports = worker_ports(flags)
     lane_ports(flags)  # checked before any worker starts
+    control_ports(flags)
     if flags.workers > 1 and flags.worker_index < 0:
         return supervise(flags, list(argv), ports)
     import uvloop
@@ -227,11 +291,13 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
+    from cube.security import grpc_server_credentials, server_context
     from cube.server.control import (
         CONTROL_SERVICE,
         Coordinator,
         LocalWorker,
         RemoteWorker,
+        TokenCheck,
         control_handler,
         worker_handler,
     )
@@ -294,6 +360,93 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
     loop.add_signal_handler(signal.SIGIO, files_changed)
 
     startup_error = ""
+
+    internal = _loopback(flags.control_host)
+    token = control_token(flags)
+    controls = control_ports(flags)
+    remotes = []
+    if index == 0:
+        remotes = [
+            RemoteWorker(i, port, _address(internal, port), flags.control_timeout, token)
+            for i, port in enumerate(controls)
+            if i != 0
+        ]
+
+    def describe() -> dict[str, Any]:
+        return {
+            "dict_name": flags.dict_name,
+            "shard": flags.shard,
+            "dict_split": flags.dict_split,
+            "partitioner": flags.partitioner,
+            "data_dir": str(data_dir.resolve()),
+            "in_mem": flags.in_mem,
+            "max_batch": flags.max_batch,
+            "workers": flags.workers,
+            "ports": ports,
+            "control_ports": controls,
+            "host": flags.host,
+            "reuseport": flags.reuseport,
+            "tcp_port": service.lane_port,
+            "tls": bool(flags.tls_cert),
+            "startup_error": startup_error,
+            "pid": os.getpid(),
+        }
+
+    coordinator = (
+        Coordinator(local, remotes, describe=describe, write_version=flags.write_version)
+        if index == 0
+        else None
+    )
+    forward = None if index == 0 else _address(internal, controls[0])
+
+    # Lookups on the data port; loads and switches on the control port (loopback by default,
+    # token-checked when one is set): whoever reaches the data port cannot change versions.
+    max_message = max(4 << 20, flags.max_batch * 8 + (1 << 16))
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 1 if flags.reuseport else 0),
+            ("grpc.max_receive_message_length", max_message),
+            ("grpc.max_send_message_length", -1),
+        ]
+    )
+    server.add_generic_rpc_handlers(service.handlers())
+    control_server = grpc.aio.server(interceptors=[TokenCheck(token)] if token else [])
+    control_server.add_generic_rpc_handlers(
+        [
+            control_handler(coordinator, forward, flags.control_timeout, token),
+            worker_handler(local),
+        ]
+    )
+    health_servicer = health.aio.HealthServicer()
+    service_names = [FAST_SERVICE, DICT_SERVICE]
+    for grpc_server, names in (
+        (server, service_names),
+        (control_server, [CONTROL_SERVICE]),
+    ):
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
+        reflection.enable_server_reflection(
+            [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], grpc_server
+        )
+    tls = tls_files(flags)
+    credentials = grpc_server_credentials(tls) if tls.serves else None
+    binds = [(server, _address(flags.host, ports[index]), credentials)]
+    if flags.reuseport:
+        binds.append((server, _address(flags.host, flags.port), credentials))
+    binds.append((control_server, _address(flags.control_host, controls[index]), None))
+    for grpc_server, bind, creds in binds:
+        try:
+            if creds is None:
+                bound = grpc_server.add_insecure_port(bind)
+            else:
+                bound = grpc_server.add_secure_port(bind, creds)
+        except RuntimeError as exc:
+            bound = 0
+            log.error("cannot bind %s: %s", bind, exc)
+        if not bound:
+            log.error("cannot listen on %s (port in use?)", bind)
+            executor.shutdown(wait=False)
+            return 1
+    # Ports are bound: a port in use fails at once, not after a long load.
     try:
         name = startup_version(dirs)
         if name is None:
@@ -309,76 +462,8 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
         local.last_error = f"startup: {exc.message}"
         slots.fail_startup(f"its start-up version could not be loaded: {exc.message}")
         log.error("start-up version not loaded; NOT_SERVING until one is: %s", exc.message)
-
-    internal = _loopback(flags.host)
-    remotes = []
-    if index == 0:
-        remotes = [
-            RemoteWorker(i, port, _address(internal, port), flags.control_timeout)
-            for i, port in enumerate(ports)
-            if i != 0
-        ]
-
-    def describe() -> dict[str, Any]:
-        return {
-            "dict_name": flags.dict_name,
-            "shard": flags.shard,
-            "dict_split": flags.dict_split,
-            "partitioner": flags.partitioner,
-            "data_dir": str(data_dir.resolve()),
-            "in_mem": flags.in_mem,
-            "max_batch": flags.max_batch,
-            "workers": flags.workers,
-            "ports": ports,
-            "host": flags.host,
-            "reuseport": flags.reuseport,
-            "tcp_port": service.lane_port,
-            "startup_error": startup_error,
-            "pid": os.getpid(),
-        }
-
-    coordinator = (
-        Coordinator(local, remotes, describe=describe, write_version=flags.write_version)
-        if index == 0
-        else None
-    )
-    forward = None if index == 0 else _address(internal, ports[0])
-
-    max_message = max(4 << 20, flags.max_batch * 8 + (1 << 16))
-    server = grpc.aio.server(
-        options=[
-            ("grpc.so_reuseport", 1 if flags.reuseport else 0),
-            ("grpc.max_receive_message_length", max_message),
-            ("grpc.max_send_message_length", -1),
-        ]
-    )
-    server.add_generic_rpc_handlers(
-        [
-            *service.handlers(),
-            control_handler(coordinator, forward, flags.control_timeout),
-            worker_handler(local),
-        ]
-    )
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    service_names = [FAST_SERVICE, DICT_SERVICE, CONTROL_SERVICE]
-    reflection.enable_server_reflection(
-        [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-    )
-    binds = [_address(flags.host, ports[index])]
-    if flags.reuseport:
-        binds.append(_address(flags.host, flags.port))
-    for bind in binds:
-        try:
-            bound = server.add_insecure_port(bind)
-        except RuntimeError as exc:
-            bound = 0
-            log.error("cannot bind %s: %s", bind, exc)
-        if not bound:
-            log.error("cannot listen on %s (port in use?)", bind)
-            executor.shutdown(wait=False)
-            return 1
     await server.start()
+    await control_server.start()
     lane = None
     if flags.tcp_lane:
         limits = LaneLimits(
@@ -390,14 +475,16 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
         )
         lane = Lane(service, limits, busy_poll_s=flags.busy_poll_us / 1e6)
         try:
-            service.lane_port = await lane.start(flags.host, lane_ports(flags)[index])
+            ssl_context = server_context(tls) if tls.serves else None
+            service.lane_port = await lane.start(flags.host, lane_ports(flags)[index], ssl_context)
             service.lane_stats = lane.stats
         except OSError as exc:
             log.error("cannot listen for the TCP lane on %s: %s", flags.host, exc)
             await server.stop(0)
+            await control_server.stop(0)
             executor.shutdown(wait=False)
             return 1
-        binds.append(f"{_address(flags.host, service.lane_port)} (TCP lane)")
+        lane_bind = f"{_address(flags.host, service.lane_port)} (TCP lane)"
     # Start-up objects never become garbage: keep the cyclic GC from rescanning them.
     gc.collect()
     gc.freeze()
@@ -435,9 +522,12 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
             files_changed()
 
     file_checker = asyncio.ensure_future(check_files())
+    listening = [bind for _, bind, _ in binds[:-1]] + ([lane_bind] if lane else [])
     log.info(
-        "listening on %s (worker %d of %d, dict_split %d, version %r)",
-        ", ".join(binds),
+        "listening on %s%s, control on %s (worker %d of %d, dict_split %d, version %r)",
+        ", ".join(listening),
+        " over TLS" if tls.serves else "",
+        binds[-1][1],
         index,
         flags.workers,
         flags.dict_split,
@@ -451,6 +541,7 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
     if lane is not None:
         await lane.stop(flags.grace)
     await server.stop(flags.grace)
+    await control_server.stop(1.0)
     for remote in remotes:
         await remote.close()
     slots.close()

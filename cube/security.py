@@ -1,0 +1,140 @@
+"""Who may talk to a port: the rules every Cube process applies (docs/SECURITY.md).
+
+- A control plane (cube-server's control port, cube-agent, cube-transfer's API) that listens
+  beyond loopback needs a token, unless the operator says `--insecure` (`require_token`).
+- Tokens travel as `Authorization: Bearer <token>` (HTTP) or the `authorization` gRPC metadata
+  and are compared in constant time (`token_matches`).
+- TLS is optional and configured with PEM files: `server_context`, `client_context` for
+  sockets (the TCP lane, aiohttp), `grpc_server_credentials` / `grpc_channel_credentials` for
+  gRPC. Errors name the file at fault.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+import ssl
+from dataclasses import dataclass
+
+import grpc
+
+LOOPBACK_NAMES = ("localhost", "ip6-localhost")
+AUTH_METADATA = "authorization"
+
+
+class SecurityError(ValueError):
+    """A configuration that would expose a control plane, or TLS files that cannot be used."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps a port on this machine ("" and 0.0.0.0 do not)."""
+    name = host.strip().strip("[]").lower()
+    if name in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def require_token(what: str, host: str, token: str, insecure: bool, token_flag: str) -> None:
+    """Refuse to expose a control plane without a token: `what` listens on `host`."""
+    if token or insecure or is_loopback(host):
+        return
+    raise SecurityError(
+        f"{what} would listen on {host or 'every interface'} without a token: anyone who can"
+        f" reach it could command it. Set {token_flag}, or bind 127.0.0.1, or pass --insecure"
+        " to run without one (docs/SECURITY.md)"
+    )
+
+
+def token_matches(given: str | None, expected: str) -> bool:
+    """Constant-time comparison; an empty expected token means auth is off."""
+    if not expected:
+        return True
+    return given is not None and hmac.compare_digest(given.encode(), expected.encode())
+
+
+def bearer_token(header: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header (any case for the scheme)."""
+    if not header:
+        return None
+    scheme, _, token = header.strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """gRPC call metadata carrying `token` (nothing when there is none)."""
+    return ((AUTH_METADATA, f"Bearer {token}"),) if token else ()
+
+
+def token_from(value: str, env: str) -> str:
+    """A flag's token, else the environment variable's (tokens stay out of `ps` that way)."""
+    return value or os.environ.get(env, "")
+
+
+# ---------------------------------------------------------------------------------------------
+# TLS
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """PEM files of one process: its certificate and key (to serve TLS) and the CA bundle it
+    trusts (to verify servers it calls). Empty strings: not used."""
+
+    cert: str = ""
+    key: str = ""
+    ca: str = ""
+
+    @property
+    def serves(self) -> bool:
+        return bool(self.cert)
+
+    def check(self, flags: str = "--tls_cert/--tls_key") -> None:
+        if bool(self.cert) != bool(self.key):
+            raise SecurityError(f"{flags}: a certificate needs its key and the other way round")
+        for path in (self.cert, self.key, self.ca):
+            if path:
+                read_pem(path)
+
+
+def read_pem(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(1 << 20)
+    except OSError as exc:
+        raise SecurityError(f"TLS file {path}: {exc.strerror or exc}") from exc
+    if b"-----BEGIN " not in data:
+        raise SecurityError(f"TLS file {path}: not a PEM file (no -----BEGIN line)")
+    return data
+
+
+def server_context(files: TLSFiles) -> ssl.SSLContext:
+    """TLS for a socket server (the TCP lane, aiohttp)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(files.cert, files.key)
+    except (OSError, ssl.SSLError) as exc:
+        raise SecurityError(f"TLS certificate {files.cert} / key {files.key}: {exc}") from exc
+    return context
+
+
+def client_context(ca: str) -> ssl.SSLContext:
+    """TLS for a socket client that trusts `ca` (the system's CAs when empty)."""
+    try:
+        context = ssl.create_default_context(cafile=ca or None)
+    except (OSError, ssl.SSLError) as exc:
+        raise SecurityError(f"TLS CA bundle {ca}: {exc}") from exc
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
+
+
+def grpc_server_credentials(files: TLSFiles) -> grpc.ServerCredentials:
+    return grpc.ssl_server_credentials([(read_pem(files.key), read_pem(files.cert))])
+
+
+def grpc_channel_credentials(ca: str) -> grpc.ChannelCredentials:
+    """Credentials that trust `ca` (the system's CAs when empty)."""
+    return grpc.ssl_channel_credentials(root_certificates=read_pem(ca) if ca else None)
