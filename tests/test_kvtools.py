@@ -393,3 +393,63 @@ def test_kvtool_bad_file(tmp_path: Path) -> None:
     result = run("kvtool", path)
     assert result.returncode == 1 and f"{path} at offset" in result.stderr
     assert run("kvtool").returncode == 2  # FILE is required
+
+
+def float_file(tmp_path: Path) -> Path:
+    path = tmp_path / "feature"
+    floats = np.array([[0.5, -1.0], [3.25, 1e-3]], dtype="<f4")
+    with SequenceFileWriter(path) as writer:
+        writer.write_batch(
+            np.array([10, 11], dtype=np.uint64), ValueColumn.fixed(floats.view(np.uint8), 8)
+        )
+    return path
+
+
+def test_kvtool_help_is_gflags_style() -> None:
+    for spelling in ("-help", "--help", "-h"):
+        result = run("kvtool", spelling)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith("usage: kvtool FILE")
+        for flag in ("--float", "--limit", "--key_format", "--file", "--flagfile"):
+            assert flag in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["{f}", "--float", "--limit", "1"],
+        ["-float", "-limit=1", "{f}"],
+        ["--limit=1", "{f}", "--float=true"],
+        ["--file={f}", "-float", "-limit", "1", "-key_format", "cube"],
+        ["--flagfile", "{flagfile}", "{f}"],
+    ],
+)
+def test_kvtool_takes_gflags_forms_and_the_positional_file(tmp_path: Path, args) -> None:
+    path = float_file(tmp_path)
+    flagfile = tmp_path / "kvtool.flags"
+    flagfile.write_text("# one flag a line\n--float\n--limit=1\n")
+    argv = [a.format(f=path, flagfile=flagfile) for a in args]
+    result = run("kvtool", *argv)
+    assert result.returncode == 0, result.stderr
+    records = [line for line in result.stdout.splitlines() if not line.startswith("#")]
+    assert records == ["10\t[0.5, -1]"]
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        ([], "FILE is required"),
+        (["{f}", "{f}"], "one FILE only"),
+        (["{f}", "--file", "{f}"], "one FILE only"),
+        (["{f}", "--limit", "-1"], "--limit must be >= 0"),
+        (["{f}", "--limit", "x"], "--limit: bad value 'x'"),
+        (["{f}", "--key_format", "le"], "--key_format: 'le' is not one of"),
+        (["{f}", "--bogus"], "unknown flag '--bogus'"),
+    ],
+)
+def test_kvtool_command_line_errors(tmp_path: Path, args, problem: str) -> None:
+    path = float_file(tmp_path)
+    result = run("kvtool", *[a.format(f=path) for a in args])
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: ") and problem in result.stderr
+    assert result.stdout == ""
