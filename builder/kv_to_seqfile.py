@@ -48,6 +48,10 @@ _NUMBER_CHARS = b"0123456789+-.eE"
 MAX_LINE_BYTES = 16 << 20  # a 16 MiB line is ~1.5M floats: far past any embedding
 _BATCH_ROWS = 65536  # rows handed to the writer at a time...
 _BATCH_BYTES = 32 << 20  # ...or fewer when their values reach this size
+_MAX_TRACKED = 1 << 20  # repeated keys followed when looking for the first repeat's lines
+# What cube-transfer accepts as a version id (transfer/donefile.py), in canonical form: the
+# transfer reads "007" as 7, which would no longer match the directory written here.
+_VERSION_ID = re.compile(r"0|[1-9][0-9]{0,19}")
 DIALECT_FOR_KEY_FORMAT = {"cube": "cube", "bytes_be": "byteswritable"}
 
 
@@ -275,15 +279,46 @@ def _column(values: list[list[float] | bytes], fmt: InputFormat) -> ValueColumn:
 def write_feature(
     input_path: Path, feature: Path, fmt: InputFormat, dialect: str = "cube", dim: int = 0
 ) -> int:
-    """Write the SequenceFile; returns the record count. Nothing is left behind on error."""
+    """Write the SequenceFile; returns the record count. Nothing is left behind on error.
+
+    Keys must be unique: Cube keeps only the last record of a key, so a repeat would drop a
+    line without a word. Checking holds 8 bytes per record (one sorted copy of the keys)."""
     count = 0
+    seen: list[np.ndarray] = []
     with SequenceFileWriter(feature, dialect=dialect) as writer:
         for keys, values in read_records(input_path, fmt, dim):
-            writer.write_batch(np.array(keys, dtype=np.uint64), values)
+            batch = np.array(keys, dtype=np.uint64)
+            writer.write_batch(batch, values)
+            seen.append(batch)
             count += len(keys)
         if count == 0:
             raise InputError(f"{input_path}: no records (every line is blank)")
+        every = np.concatenate(seen)
+        del seen
+        every.sort()
+        repeated = every[1:][every[1:] == every[:-1]]
+        if repeated.size:
+            raise InputError(_first_repeat(input_path, fmt, np.unique(repeated)))
     return count
+
+
+def _first_repeat(path: Path, fmt: InputFormat, repeated: np.ndarray) -> str:
+    """The message for the earliest line whose key an earlier line had (a second pass, on the
+    error path only; it tracks at most _MAX_TRACKED of the repeated keys)."""
+    tracked = set(repeated[:_MAX_TRACKED].tolist())
+    first_line: dict[int, int] = {}
+    parser = LineParser(fmt, path)
+    for number, line in lines_of(path):
+        key = parser.parse(line, number)[0]
+        if key not in tracked:
+            continue
+        if key in first_line:
+            return (
+                f"{path} line {number}: key {key} repeats line {first_line[key]} (Cube keeps "
+                f"one record per key; {repeated.size} keys repeat in all)"
+            )
+        first_line[key] = number
+    return f"{path}: {repeated.size} keys repeat, e.g. {int(repeated[0])}"  # file changed
 
 
 def formats_that_fit(path: Path) -> tuple[int, list[str]]:
@@ -319,9 +354,9 @@ def _help() -> str:
     lines = [
         "Convert key/value text lines to a Cube SequenceFile + donefile line.",
         "",
-        "input formats (--input_format, required; keys are decimal integers in [0, 2**64);",
-        "blank lines are skipped; floats are finite decimals within float32 range, one width",
-        "per file; details in docs/INPUT_FORMATS.md):",
+        "input formats (--input_format, required; keys are decimal integers in [0, 2**64),",
+        "each on one line only; blank lines are skipped; floats are finite decimals within",
+        "float32 range, one width per file; details in docs/INPUT_FORMATS.md):",
     ]
     for fmt in FORMATS.values():
         lines.append(f"  {fmt.name:<18} {fmt.layout:<26} e.g. {fmt.example}")
@@ -349,9 +384,9 @@ FLAGS = (
     .add("dim", int, 0, "float formats: floats per row, checked on every row [0: first row's]")
     .add("output_dir", str, "./data", "data root; writes <output_dir>/<id>/base|patch/feature")
     .add("donefile_dir", str, None, "where base.txt / patch.txt live [<output_dir>/donefile]")
-    .add("id", str, None, "version id [current unix time]")
+    .add("id", str, None, "version id, a decimal integer [current unix time]")
     .add("patch", bool, False, "write a patch (delta) instead of a base")
-    .add("base_id", str, None, "with --patch: the id of the base this patch applies to")
+    .add("base_id", str, None, "with --patch: the id of the base the patch applies to")
     .add(
         "key_format",
         str,
@@ -395,8 +430,12 @@ def run(argv: Sequence[str]) -> int:
     if flags.dim and not fmt.floats:
         raise FlagError(f"--dim only applies to float formats, not {fmt.name}")
     version_id = flags.id if flags.id is not None else str(int(time.time()))
-    if not version_id or "/" in version_id or version_id in (".", ".."):
-        raise FlagError(f"--id {version_id!r} must be a plain name")
+    for name, value in (("id", version_id), ("base_id", flags.base_id)):
+        if value is not None and not _VERSION_ID.fullmatch(value):
+            raise FlagError(
+                f"--{name} {value!r} must be a decimal integer without leading zeros, at most "
+                "20 digits (cube-transfer refuses other version ids)"
+            )
     if flags.patch and not flags.base_id:
         raise FlagError("--patch needs --base_id (the base this patch applies to)")
     if flags.base_id and not flags.patch:

@@ -85,16 +85,20 @@ def test_float_lines_to_patch_with_donefile_dir(tmp_path: Path) -> None:
     source = tmp_path / "emb.txt"
     source.write_text("5 10 1 0.5 1.25 -2\n6\t3\t0\t1e3 2 3\n")
     out, done = tmp_path / "data", tmp_path / "done"
-    args = ["--input", source, "--output_dir", out, "--donefile_dir", done, "--id", "p1"]
+    args = ["--input", source, "--output_dir", out, "--donefile_dir", done, "--id", "1700000100"]
     args += ["--input_format", "show_click_floats"]
-    result = run("kv_to_seqfile", *args, "--patch", "--base_id", "b0")
+    result = run("kv_to_seqfile", *args, "--patch", "--base_id", "1700000000")
     assert result.returncode == 0, result.stderr
-    feature = out / "p1" / "patch" / "feature"
+    feature = out / "1700000100" / "patch" / "feature"
     keys, values = read_all(feature)
     assert keys == [5, 6]
     assert [np.frombuffer(v, "<f4").tolist() for v in values] == [[0.5, 1.25, -2.0], [1000, 2, 3]]
     line = json.loads((done / "patch.txt").read_text())
-    assert line == {"id": "p1", "key": "b0", "input": str(feature.parent.resolve())}
+    assert line == {
+        "id": "1700000100",
+        "key": "1700000000",
+        "input": str(feature.parent.resolve()),
+    }
     assert not (done / "base.txt").exists()
 
 
@@ -278,6 +282,42 @@ def test_donefile_failure_leaves_no_feature_behind(tmp_path: Path) -> None:
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "error:" in result.stderr and "blocker" in result.stderr
     assert_nothing_written(tmp_path)
+
+
+def test_duplicate_keys_are_refused_with_both_lines(tmp_path: Path) -> None:
+    # Cube keeps only the last record of a key, so a repeated key would drop a line silently.
+    result = convert(tmp_path, "1 0.5\n2 0.5\n\n1 0.7\n", "--input_format", "floats")
+    assert result.returncode == 1
+    assert f"{tmp_path / 'in.txt'} line 4: key 1 repeats line 1" in result.stderr
+    assert_nothing_written(tmp_path)
+    text = convert(tmp_path / "t", "7:a\n7:a\n", "--input_format", "colon_text")
+    assert text.returncode == 1 and "line 2: key 7 repeats line 1" in text.stderr
+
+
+def test_duplicate_keys_are_found_across_batches(tmp_path: Path) -> None:
+    lines = [f"{i} 1" for i in range(70_000)] + ["5 2"]
+    result = convert(tmp_path, "\n".join(lines) + "\n", "--input_format", "floats")
+    assert result.returncode == 1 and "line 70001: key 5 repeats line 6" in result.stderr
+    assert_nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("flags", "problem"),
+    [
+        (["--id", "p1"], "--id 'p1' must be a decimal integer"),
+        (["--id", "007"], "--id '007' must be a decimal integer"),
+        (["--id", "1" * 21], "must be a decimal integer"),
+        (["--id", "5", "--patch", "--base_id", "b0"], "--base_id 'b0' must be a decimal integer"),
+    ],
+)
+def test_ids_are_what_cube_transfer_accepts(tmp_path: Path, flags, problem: str) -> None:
+    # cube-transfer refuses donefile lines whose id or key is not a decimal integer.
+    source = tmp_path / "in.txt"
+    source.write_text("1:a\n")
+    args = ["--input", source, "--input_format", "colon_text", "--output_dir", tmp_path / "d"]
+    result = run("kv_to_seqfile", *args, *flags)
+    assert result.returncode == 2 and problem in result.stderr
+    assert not (tmp_path / "d").exists()
 
 
 def test_kv_to_seqfile_help_documents_every_format(tmp_path: Path) -> None:
