@@ -1339,6 +1339,8 @@ class SequenceFileWriter:
         keys = np.asarray(keys)
         if keys.shape[0] != values.count:
             raise ValueError(f"{keys.shape[0]} keys but {values.count} values")
+        if keys.dtype.kind not in "iu":  # a float cast truncates, and loses ids past 2**53
+            raise ValueError(f"keys must be an integer array (uint64), got {keys.dtype}")
         if keys.dtype != np.uint64:
             if keys.size and (keys.min() < 0):
                 raise ValueError("keys must be uint64 (found a negative key)")

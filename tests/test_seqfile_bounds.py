@@ -436,3 +436,26 @@ def test_reader_still_reads_every_layout(tmp_path: Path) -> None:
                 with SequenceFileReader(path, batch_bytes=64) as reader:
                     got = [v for b in reader.batches() for v in b.values.to_list()]
                 assert got == values, path.name
+
+
+# ------------------------------------------------------------------ writer
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [np.array([1.5, 2.0]), np.array([2.0**60 + 1, 3.0]), np.array([True, False]), ["1", "2"]],
+)
+def test_writer_refuses_keys_that_are_not_integers(tmp_path: Path, keys) -> None:
+    # float64 keys were cast to uint64 silently: 1.5 became 1, and 2**60 + 1 is not even a
+    # float64, so two distinct ids could collide.
+    path = tmp_path / "f"
+    with (
+        pytest.raises(ValueError, match="keys must be an integer array"),
+        SequenceFileWriter(path) as writer,
+    ):
+        writer.write_batch(np.asarray(keys), ValueColumn.from_list([b"a", b"b"]))
+    assert list(tmp_path.iterdir()) == []
+    with SequenceFileWriter(path) as writer:  # integers of any width are fine
+        writer.write_batch(np.array([1, 2], dtype=np.int32), ValueColumn.from_list([b"a", b"b"]))
+    with SequenceFileReader(path) as reader:
+        assert [k for b in reader.batches() for k in b.keys.tolist()] == [1, 2]
