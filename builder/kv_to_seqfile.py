@@ -445,7 +445,8 @@ def run(argv: Sequence[str]) -> int:
     output_dir = Path(flags.output_dir)
     donefile_dir = Path(flags.donefile_dir) if flags.donefile_dir else output_dir / "donefile"
     if not input_path.is_file():
-        print(f"error: --input {input_path}: no such file", file=sys.stderr)
+        problem = "not a regular file" if input_path.exists() else "no such file"
+        print(f"error: --input {input_path}: {problem}", file=sys.stderr)
         return 1
     feature_dir = output_dir / version_id / kind
     feature = feature_dir / "feature"

@@ -341,6 +341,8 @@ def test_kv_to_seqfile_flag_errors(tmp_path: Path) -> None:
     assert unknown.returncode == 2 and "colon_text" in unknown.stderr
     missing = run("kv_to_seqfile", "--input", tmp_path / "nope", "--output_dir", tmp_path, *fmt)
     assert missing.returncode == 1 and "no such file" in missing.stderr
+    directory = run("kv_to_seqfile", "--input", tmp_path, "--output_dir", tmp_path / "o", *fmt)
+    assert directory.returncode == 1 and "not a regular file" in directory.stderr
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")
     args = ["--input", empty, "--output_dir", tmp_path / "d", "--id", "3", *fmt]
