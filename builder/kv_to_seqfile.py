@@ -161,7 +161,8 @@ class LineParser:
                 raise ValueError("a character no decimal number has")
             numbers = list(map(float, fields))
         except ValueError:
-            i = next(i for i, text in enumerate(fields) if not _NUMBER.fullmatch(text))
+            bad = (i for i, text in enumerate(fields) if not _NUMBER.fullmatch(text))
+            i = next(bad, 0)  # some field fails: the regex and float() agree on these characters
             where = self._where(number, first_field + i, f"f{i + 1}")
             raise InputError(
                 f"{where}: {_show(fields[i])} is not a finite decimal number "
@@ -400,7 +401,7 @@ FLAGS = (
 def _missing_format(input_path: Path) -> FlagError:
     message = f"--input_format is required: one of {', '.join(FORMATS)} (see --help)"
     with contextlib.suppress(InputError, OSError):
-        number, fits = formats_that_fit(input_path)
+        number, fits = formats_that_fit(input_path) if input_path.is_file() else (0, [])
         if number:
             fit = ", ".join(fits) if fits else "none of them"
             message += f"; {input_path} line {number} fits: {fit}"

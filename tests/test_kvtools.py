@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import time
@@ -318,6 +319,17 @@ def test_ids_are_what_cube_transfer_accepts(tmp_path: Path, flags, problem: str)
     result = run("kv_to_seqfile", *args, *flags)
     assert result.returncode == 2 and problem in result.stderr
     assert not (tmp_path / "d").exists()
+
+
+def test_a_fifo_input_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    out = ["--output_dir", tmp_path / "d"]
+    no_format = run("kv_to_seqfile", "--input", fifo, *out)  # the hint must not open it
+    assert no_format.returncode == 2 and "--input_format is required" in no_format.stderr
+    result = run("kv_to_seqfile", "--input", fifo, "--input_format", "floats", *out)
+    assert result.returncode == 1 and "not a regular file" in result.stderr
+    assert_nothing_written(tmp_path)
 
 
 def test_kv_to_seqfile_help_documents_every_format(tmp_path: Path) -> None:
