@@ -8,6 +8,10 @@ SequenceFile reader adds the file name and offset.
 Lz4 uses Hadoop's block framing (BlockCompressorStream), not the lz4 frame format: per block a
 big-endian uint32 uncompressed length, then chunks of big-endian uint32 compressed length + one
 raw lz4 block each, until the chunks add up to the block's length.
+
+`decompress(data, limit)` refuses (CodecError) output past `limit` bytes before producing it, so
+a small hostile buffer (a "decompression bomb", or an lz4 header claiming 4 GB) costs at most
+`limit` bytes of memory; the SequenceFile reader always passes one.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import struct
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import lz4.block
 
@@ -35,36 +40,57 @@ class CodecError(ValueError):
     """Compressed bytes that do not decode; the message says what is wrong."""
 
 
+class Decompress(Protocol):
+    def __call__(self, data: bytes, limit: int | None = None) -> bytes: ...
+
+
 @dataclass(frozen=True)
 class Codec:
     name: str  # short name: default, gzip, bzip2, lz4
     class_name: str  # the Java class a SequenceFile header carries
     compress: Callable[[bytes], bytes]
-    decompress: Callable[[bytes], bytes]
+    decompress: Decompress  # (data, limit=None): CodecError past `limit` output bytes
 
 
-def _zlib_decompress(data: bytes, wbits: int, what: str) -> bytes:
-    """Decode one or more concatenated streams (Hadoop's streams may be concatenated)."""
+def _too_much(what: str, limit: int) -> CodecError:
+    return CodecError(f"{what} data decompresses to more than {limit} bytes")
+
+
+def _streams(data: bytes, new_decoder: Callable, what: str, limit: int | None) -> bytes:
+    """Decode one or more concatenated streams (Hadoop's streams may be concatenated), never
+    producing more than limit + 1 bytes. Each pass ends one stream, so the loop is bounded by
+    the input's length."""
     parts = []
+    produced = 0
     rest = bytes(data)
     while rest:
-        decoder = zlib.decompressobj(wbits)
+        decoder = new_decoder()
+        # Room for one byte past the limit, to tell "exactly the limit" from "more".
+        room = -1 if limit is None else limit - produced + 1
         try:
-            parts.append(decoder.decompress(rest))
-        except zlib.error as exc:
+            part = decoder.decompress(rest, room) if room > 0 else decoder.decompress(rest)
+        except (zlib.error, OSError, ValueError, EOFError) as exc:
             raise CodecError(f"bad {what} data: {exc}") from None
-        if not decoder.eof:
+        produced += len(part)
+        if limit is not None and produced > limit:
+            raise _too_much(what, limit)
+        if not decoder.eof:  # below the room, so all input was used up inside the stream
             raise CodecError(f"truncated {what} stream")
+        parts.append(part)
         rest = decoder.unused_data
     return b"".join(parts)
+
+
+def _zlib_decompress(data: bytes, wbits: int, what: str, limit: int | None) -> bytes:
+    return _streams(data, lambda: zlib.decompressobj(wbits), what, limit)
 
 
 def _deflate(data: bytes) -> bytes:
     return zlib.compress(data)
 
 
-def _inflate(data: bytes) -> bytes:
-    return _zlib_decompress(data, zlib.MAX_WBITS, "zlib")
+def _inflate(data: bytes, limit: int | None = None) -> bytes:
+    return _zlib_decompress(data, zlib.MAX_WBITS, "zlib", limit)
 
 
 def _gzip(data: bytes) -> bytes:
@@ -72,21 +98,16 @@ def _gzip(data: bytes) -> bytes:
     return encoder.compress(data) + encoder.flush()
 
 
-def _gunzip(data: bytes) -> bytes:
-    return _zlib_decompress(data, 16 + zlib.MAX_WBITS, "gzip")
+def _gunzip(data: bytes, limit: int | None = None) -> bytes:
+    return _zlib_decompress(data, 16 + zlib.MAX_WBITS, "gzip", limit)
 
 
 def _bzip2(data: bytes) -> bytes:
     return bz2.compress(data, 9)
 
 
-def _bunzip2(data: bytes) -> bytes:
-    if not data:
-        return b""
-    try:
-        return bz2.decompress(data)
-    except (OSError, ValueError, EOFError) as exc:
-        raise CodecError(f"bad bzip2 data: {exc}") from None
+def _bunzip2(data: bytes, limit: int | None = None) -> bytes:
+    return _streams(data, bz2.BZ2Decompressor, "bzip2", limit)
 
 
 def lz4_hadoop_compress(data: bytes) -> bytes:
@@ -101,14 +122,22 @@ def lz4_hadoop_compress(data: bytes) -> bytes:
     return b"".join(out)
 
 
-def lz4_hadoop_decompress(data: bytes) -> bytes:
-    """Undo Hadoop's block framing; every chunk is an independent raw lz4 block."""
+def lz4_hadoop_decompress(data: bytes, limit: int | None = None) -> bytes:
+    """Undo Hadoop's block framing; every chunk is an independent raw lz4 block. A block's
+    stated length is checked against `limit` before lz4 allocates it."""
     out = []
     pos, end = 0, len(data)
-    while pos < end:
+    total = 0
+    while pos < end:  # every pass consumes at least 4 bytes
         if end - pos < 4:
             raise CodecError(f"lz4: truncated block header at byte {pos}")
         (block_len,) = struct.unpack_from(">I", data, pos)
+        if limit is not None and block_len > limit - total:
+            raise CodecError(
+                f"lz4 data decompresses to more than {limit} bytes "
+                f"(block of {block_len} bytes at byte {pos})"
+            )
+        total += block_len
         pos += 4
         produced = 0
         while produced < block_len:

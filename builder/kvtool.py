@@ -5,12 +5,15 @@
 One line per record: the key as a decimal uint64, a tab, and the value as hex (or, with --float,
 as float32 little-endian numbers). Keys that do not decode in the file's auto-detected format
 (e.g. genuine BytesWritable keys that are not 8 bytes) are shown as `raw:<hex>`; with an explicit
---key_format such a key is an error naming file and offset. Exit status 1 on bad input.
+--key_format such a key is an error naming file and offset. Exit status 1 on bad input, 2 on a
+bad command line.
+
+Flags are gflags-style like every other command (cube/flags.py: `-flag value`, `--flag=value`,
+`--flagfile`, `-help`); FILE is positional as in the original, or `--file FILE`.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections.abc import Sequence
@@ -18,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from builder.seqfile import KEY_FORMATS, SequenceFileError, SequenceFileReader, decode_key
+from cube.flags import FlagError, Flags, FlagSet, run_cli
 
 
 def format_value(value: bytes, as_float: bool) -> str:
@@ -41,7 +45,8 @@ def header_lines(reader: SequenceFileReader) -> list[str]:
     ]
 
 
-def run(args: argparse.Namespace) -> int:
+def show(args: Flags) -> int:
+    """Print the header and the records; SequenceFileError on bad input."""
     explicit = args.key_format != "auto"
     shown = 0
     with SequenceFileReader(args.file, key_format=args.key_format) as reader:
@@ -65,22 +70,49 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvtool", description="Print a SequenceFile's records.")
-    p.add_argument("file", help="SequenceFile to read")
-    p.add_argument("--float", action="store_true", help="show values as float32 lists")
-    p.add_argument("--limit", type=int, default=None, help="show at most N records")
-    p.add_argument("--key_format", choices=KEY_FORMATS, default="auto", help="key decoding")
-    return p
+FLAGS = (
+    FlagSet(
+        "kvtool FILE",
+        "Print a SequenceFile's header and records: one line per record, the key as a decimal\n"
+        "uint64, a tab, the value as hex (or float32s with --float). FILE may come anywhere\n"
+        "on the line; after a bare --float, write --float=true FILE (or FILE first) when FILE\n"
+        "is named like a boolean (1, y, no, ...).",
+    )
+    .add("file", str, None, "SequenceFile to read (or the positional FILE)")
+    .add("float", bool, False, "show values as float32 lists")
+    .add("limit", int, None, "show at most N records [all]")
+    .add(
+        "key_format",
+        str,
+        "auto",
+        "key decoding [auto: from the key class and first key]",
+        choices=KEY_FORMATS,
+    )
+)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+def parse(argv: Sequence[str]) -> Flags:
+    """The flags plus the positional FILE, through FlagSet's own parser so that every form it
+    takes (`-flag value`, `--flag=value`, `--noflag`, `--flagfile`) is taken here too."""
+    values = {name: flag.default for name, flag in FLAGS.flags.items()}
+    positional: list[str] = []
+    FLAGS._parse_into(list(argv), values, positional, depth=0)
+    args = Flags(values)
+    files = positional + ([args.file] if args.file is not None else [])
+    if not files:
+        raise FlagError("FILE is required (kvtool FILE [--float] [--limit N]; see --help)")
+    if len(files) > 1:
+        raise FlagError(f"one FILE only, got {len(files)}: {', '.join(map(repr, files))}")
+    args["file"] = files[0]
     if args.limit is not None and args.limit < 0:
-        print("error: --limit must be >= 0", file=sys.stderr)
-        return 2
+        raise FlagError("--limit must be >= 0")
+    return args
+
+
+def run(argv: Sequence[str]) -> int:
+    args = parse(argv)
     try:
-        return run(args)
+        return show(args)
     except SequenceFileError as exc:
         sys.stdout.flush()
         print(f"error: {exc}", file=sys.stderr)
@@ -88,6 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `kvtool f | head`: stop quietly, and keep exit-time flushes quiet
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(run, argv)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,20 @@ key length (8 = Cube dialect, 12 with an inner length of 8 = genuine BytesWritab
 Reading is streaming with bounded memory: about `batch_bytes` of input at a time. The common
 case (uncompressed, every record the same length) is parsed with numpy in a few passes per chunk;
 anything else falls back to a per-record walker for that chunk.
+
+No length read from the file is believed before it is checked, so a hostile or truncated file
+gets a SequenceFileError (file, offset, field), never a huge allocation: header strings and the
+metadata count against the bytes left in the file and MAX_HEADER_TEXT_BYTES /
+MAX_METADATA_ENTRIES; record lengths against the bytes left and MAX_RECORD_BYTES (also the most a
+record-compressed value may decompress to); a block's record count against MAX_BLOCK_RECORDS and
+its sections (compressed and decompressed) against MAX_BLOCK_BYTES and the lengths the block
+states. Record-compressed chunks decompress about `batch_bytes` at a time.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -51,6 +60,14 @@ _METADATA_VERSION = 6
 SYNC_INTERVAL = 2000  # bytes of records between sync escapes (Hadoop's classic 100 * SYNC_SIZE)
 BLOCK_BYTES = 1_000_000  # Hadoop's io.seqfile.compress.blocksize
 _MAX_VINT_BYTES = 9
+_BLOCK_SECTIONS = ("key lengths", "keys", "value lengths", "values")
+# Sanity limits for lengths a file states (see the module docstring). Far above what Hadoop or
+# the Cube tools write: class names are < 100 bytes, values are embeddings (KB), blocks ~1 MB.
+MAX_HEADER_TEXT_BYTES = 4 << 20  # one class name, codec name or metadata key/value
+MAX_METADATA_ENTRIES = 1 << 16
+MAX_RECORD_BYTES = 256 << 20  # one record (key + value), and one decompressed value
+MAX_BLOCK_RECORDS = 1 << 22  # records in one compressed block (~40 bytes of index each)
+MAX_BLOCK_BYTES = 1 << 30  # a block's keys + values, decompressed (compressed: twice that)
 
 
 class SequenceFileError(ValueError):
@@ -133,19 +150,27 @@ def encode_text(text: str) -> bytes:
 
 
 class _Cursor:
-    """Exact reads from a file with offset tracking, for the header and block framing."""
+    """Exact reads from a file with offset tracking, for the header and block framing. A read
+    is checked against the bytes left in the file before anything is allocated for it."""
 
-    def __init__(self, file: BinaryIO, path: str, offset: int):
+    def __init__(self, file: BinaryIO, path: str, offset: int, size: int):
         self.file = file
         self.path = path
         self.offset = offset
+        self.size = size  # of the file
+
+    @property
+    def left(self) -> int:
+        return max(self.size - self.offset, 0)
 
     def error(self, problem: str, offset: int | None = None) -> SequenceFileError:
         return SequenceFileError(self.path, self.offset if offset is None else offset, problem)
 
     def read(self, n: int, what: str) -> bytes:
+        if n > self.left:
+            raise self.error(f"file ends inside {what} (needs {n} bytes, {self.left} left)")
         data = self.file.read(n)
-        if len(data) != n:
+        if len(data) != n:  # the file shrank under us
             raise self.error(f"file ends inside {what} (needs {n} bytes, {len(data)} left)")
         self.offset += n
         return data
@@ -162,8 +187,17 @@ class _Cursor:
         return value
 
     def read_text(self, what: str) -> str:
+        """A Hadoop Text; its length is checked against the file and MAX_HEADER_TEXT_BYTES."""
         start = self.offset
         size = self.read_vint(f"{what} length")
+        if size > self.left:
+            raise self.error(
+                f"{what} length {size} exceeds the {self.left} bytes left in the file", start
+            )
+        if size > MAX_HEADER_TEXT_BYTES:
+            raise self.error(
+                f"{what} length {size} exceeds the limit of {MAX_HEADER_TEXT_BYTES} bytes", start
+            )
         return self._utf8(self.read(size, what), what, start)
 
     def read_utf8(self, what: str) -> str:
@@ -187,7 +221,7 @@ class _Cursor:
 
 
 def _parse_header(file: BinaryIO, path: str) -> SequenceFileHeader:
-    cur = _Cursor(file, path, 0)
+    cur = _Cursor(file, path, 0, os.fstat(file.fileno()).st_size)
     magic = cur.read(3, "the header magic")
     if magic != MAGIC:
         raise cur.error(f"not a SequenceFile: magic {magic!r}, expected {MAGIC!r}", 0)
@@ -213,6 +247,16 @@ def _parse_header(file: BinaryIO, path: str) -> SequenceFileHeader:
         (count,) = struct.unpack(">i", cur.read(4, "the metadata count"))
         if count < 0:
             raise cur.error(f"negative metadata count {count}", start)
+        if 2 * count > cur.left:  # each entry is two Texts of at least one byte
+            raise cur.error(
+                f"metadata count {count} needs at least {2 * count} bytes, more than the "
+                f"{cur.left} bytes left in the file",
+                start,
+            )
+        if count > MAX_METADATA_ENTRIES:
+            raise cur.error(
+                f"metadata count {count} exceeds the limit of {MAX_METADATA_ENTRIES}", start
+            )
         for i in range(count):
             name = cur.read_text(f"metadata key {i}")
             metadata[name] = cur.read_text(f"metadata value {i}")
@@ -230,7 +274,11 @@ def read_header(path: str | os.PathLike) -> SequenceFileHeader:
 
 
 def _open(path: str | os.PathLike) -> BinaryIO:
+    """Open a regular file. Anything else is refused before open(): a FIFO would block until
+    some writer came, and a device or directory has no size to check lengths against."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise SequenceFileError(path, 0, "not a regular file")
         return open(path, "rb")
     except OSError as exc:
         raise SequenceFileError(path, 0, f"cannot open: {exc.strerror}") from None
@@ -357,8 +405,8 @@ def _fixed_chunk(
     if end - pos < 8:
         return None, 0
     record_len, key_len = struct.unpack_from(">ii", buf, pos)
-    if record_len < 0 or not 0 <= key_len <= record_len:
-        return None, 0
+    if record_len < 0 or not 0 <= key_len <= record_len or record_len > MAX_RECORD_BYTES:
+        return None, 0  # the walker reports it
     stride = record_len + 8
     header = bytes(buf[pos : pos + 8])
     first = buf.find(marker, pos, end) if marker else -1
@@ -457,13 +505,15 @@ def _joined_segments(
 
 
 def _walk_chunk(
-    buf: bytearray, end: int, base: int, sync: bytes, final: bool, path: str
+    buf: bytearray, end: int, base: int, sync: bytes, final: bool, path: str, file_left: int
 ) -> tuple[_Raw, int, int]:
     """Per-record walk of buf[:end]: (records, bytes consumed, bytes the next record needs).
 
     Record positions form a chain (each record's length gives the next one's start), so this
     loop is sequential; it does the least per record (one unpack, one append) and checks the
-    key lengths afterwards in one numpy pass. The result views `buf`."""
+    key lengths afterwards in one numpy pass. `file_left` is the file's size from buf[0] on: a
+    record length past it (or past MAX_RECORD_BYTES) is refused before any byte of the record
+    is read, so `need` never asks for more. The result views `buf`."""
     pos = 0
     need = 0
     positions: list[int] = []
@@ -492,6 +542,16 @@ def _walk_chunk(
             pos += 4 + SYNC_SIZE
             continue
         following = pos + 8 + record_len
+        if following > file_left:
+            left = max(file_left - pos - 8, 0)
+            problem = (
+                f"truncated file: record length {record_len} exceeds the {left} bytes "
+                "left in the file"
+            )
+            break
+        if record_len > MAX_RECORD_BYTES:
+            problem = f"record length {record_len} exceeds the limit of {MAX_RECORD_BYTES} bytes"
+            break
         if following > end:
             need = 8 + record_len
             break
@@ -541,24 +601,37 @@ def _read_into(file: BinaryIO, target: memoryview) -> int:
     return done
 
 
-def _decompress_values(raw: _Raw, codec: Codec, path: str) -> _Raw:
-    """Record compression: each value is its own compressed buffer."""
+def _decompress_values(raw: _Raw, codec: Codec, path: str, budget: int) -> tuple[_Raw, int]:
+    """Record compression: each value is its own compressed buffer, of at most
+    MAX_RECORD_BYTES decompressed. Stops after the value that brings the total to `budget`
+    (a chunk of well-compressed values can hold far more than its size): returns the first
+    records, decompressed, and how many were kept (at least one); the caller reads the rest
+    again."""
     buf = raw.val_buf
     parts = []
+    total = 0
     for i, (start, length) in enumerate(
         zip(raw.val_starts.tolist(), raw.val_lens.tolist(), strict=True)
     ):
+        if total >= budget:
+            break
         try:
-            parts.append(codec.decompress(buf[start : start + length].tobytes()))
+            part = codec.decompress(buf[start : start + length].tobytes(), MAX_RECORD_BYTES)
         except CodecError as exc:
             raise SequenceFileError(path, int(raw.offsets[i]), f"value: {exc}") from None
-    lengths = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
-    starts = np.zeros(len(parts), dtype=np.int64)
-    if len(parts) > 1:
+        parts.append(part)
+        total += len(part)
+    kept = len(parts)
+    lengths = np.fromiter((len(p) for p in parts), dtype=np.int64, count=kept)
+    starts = np.zeros(kept, dtype=np.int64)
+    if kept > 1:
         np.cumsum(lengths[:-1], out=starts[1:])
+    raw.offsets = raw.offsets[:kept]
+    raw.key_starts, raw.key_lens = raw.key_starts[:kept], raw.key_lens[:kept]
     raw.val_buf = np.frombuffer(b"".join(parts), dtype=np.uint8)
     raw.val_starts, raw.val_lens = starts, lengths
-    return raw
+    raw.input_bytes = max(raw.input_bytes, total)  # what it holds, for batches() to merge by
+    return raw, kept
 
 
 def _vint_lengths(data: bytes, count: int, what: str, path: str, offset: int) -> np.ndarray:
@@ -566,6 +639,10 @@ def _vint_lengths(data: bytes, count: int, what: str, path: str, offset: int) ->
     arr = np.frombuffer(data, dtype=np.int8)
     if arr.shape[0] == count and (arr >= 0).all():
         return arr.astype(np.int64)  # every length < 128: one byte each
+    if count > len(data):  # a vint is at least one byte; checked before allocating `count`
+        raise SequenceFileError(
+            path, offset, f"block {what}: {len(data)} bytes cannot hold {count} lengths"
+        )
     out = np.empty(count, dtype=np.int64)
     pos = 0
     try:
@@ -954,7 +1031,8 @@ class SequenceFileReader:
 
         One input buffer (and one join buffer) is reused for the whole file, so each _Raw is
         valid only until the next one is requested; every consumer here decodes (copies) it
-        first. Memory: about chunk_bytes, or one record when a record is larger."""
+        first. Memory: about chunk_bytes, or one record when a record is larger; for
+        record-compressed files about chunk_bytes of decompressed values on top."""
         file, sync = self._file, self.header.sync
         marker = SYNC_ESCAPE + sync if sync else b""
         base = self.header.data_offset  # file offset of buf[0]
@@ -977,9 +1055,13 @@ class SequenceFileReader:
             raw, consumed = _fixed_chunk(buf, end, base, marker, scratch) if fast else (None, 0)
             if raw is None or (final and consumed < end):
                 # The walker also finishes (or reports) whatever the fast path left at the end.
-                raw, consumed, need = _walk_chunk(buf, end, base, sync, final, self.path)
+                file_left = self.file_size - base
+                raw, consumed, need = _walk_chunk(buf, end, base, sync, final, self.path, file_left)
                 if self.codec is not None and raw.count:
-                    raw = _decompress_values(raw, self.codec, self.path)
+                    offsets = raw.offsets
+                    raw, kept = _decompress_values(raw, self.codec, self.path, chunk_bytes)
+                    if kept < offsets.shape[0]:  # over budget: carry the rest over
+                        consumed, need, final = int(offsets[kept]) - base, 0, False
             else:
                 need = 0
             yield raw
@@ -994,7 +1076,7 @@ class SequenceFileReader:
         file, sync, codec = self._file, self.header.sync, self.codec
         assert codec is not None
         file.seek(self.header.data_offset)
-        cur = _Cursor(file, self.path, self.header.data_offset)
+        cur = _Cursor(file, self.path, self.header.data_offset, self.file_size)
         while cur.offset < self.file_size:
             block_start = cur.offset
             head = file.read(4)
@@ -1008,45 +1090,87 @@ class SequenceFileReader:
                     )
                 if cur.offset == self.file_size:
                     return
+            at = cur.offset
             count = cur.read_vint("a block's record count")
-            buffers = []
-            for what in ("key lengths", "keys", "value lengths", "values"):
+            if count > MAX_BLOCK_RECORDS:
+                raise cur.error(
+                    f"a block's record count {count} exceeds the limit of {MAX_BLOCK_RECORDS}",
+                    at,
+                )
+            packed = []  # (offset, compressed bytes) of each section
+            for what in _BLOCK_SECTIONS:
                 at = cur.offset
                 size = cur.read_vint(f"the block's {what} size")
                 if size > self.file_size - cur.offset:
                     raise cur.error(
                         f"truncated file: block {what} of {size} bytes run past the end", at
                     )
-                data = cur.read(size, f"the block's {what}")
-                try:
-                    buffers.append(codec.decompress(data))
-                except CodecError as exc:
-                    raise cur.error(f"block {what}: {exc}", at) from None
-            key_lens = _vint_lengths(buffers[0], count, "key lengths", self.path, block_start)
-            val_lens = _vint_lengths(buffers[2], count, "value lengths", self.path, block_start)
-            for what, lens, data in (
-                ("keys", key_lens, buffers[1]),
-                ("values", val_lens, buffers[3]),
-            ):
-                if int(lens.sum()) != len(data):
+                if size > 2 * MAX_BLOCK_BYTES:
                     raise cur.error(
-                        f"block {what} are {len(data)} bytes, their lengths add up to "
-                        f"{int(lens.sum())}",
-                        block_start,
+                        f"block {what} of {size} compressed bytes exceed the limit of "
+                        f"{2 * MAX_BLOCK_BYTES} bytes",
+                        at,
                     )
+                packed.append((at, cur.read(size, f"the block's {what}")))
+            key_lens, keys, val_lens, values = self._block_sections(count, packed, block_start)
             yield _Raw(
                 offsets=np.full(count, block_start, dtype=np.int64),
-                key_buf=np.frombuffer(buffers[1], dtype=np.uint8),
+                key_buf=np.frombuffer(keys, dtype=np.uint8),
                 key_starts=_starts(key_lens),
                 key_lens=key_lens,
-                val_buf=np.frombuffer(buffers[3], dtype=np.uint8),
+                val_buf=np.frombuffer(values, dtype=np.uint8),
                 val_starts=_starts(val_lens),
                 val_lens=val_lens,
                 # Count what the block holds in memory, not only its compressed size.
-                input_bytes=max(cur.offset - block_start, len(buffers[1]) + len(buffers[3])),
+                input_bytes=max(cur.offset - block_start, len(keys) + len(values)),
             )
             if first_only and count:
                 return
+
+    def _block_sections(
+        self, count: int, packed: list[tuple[int, bytes]], block_start: int
+    ) -> tuple[np.ndarray, bytes, np.ndarray, bytes]:
+        """Decompress a block's four sections, each capped before it is produced: the length
+        sections at 9 bytes (the longest vint) per record, keys and values at the sums of their
+        stated lengths, which together must stay within MAX_BLOCK_BYTES."""
+        codec = self.codec
+        assert codec is not None
+
+        def unpack(index: int, limit: int) -> bytes:
+            at, data = packed[index]
+            try:
+                return codec.decompress(data, limit)
+            except CodecError as exc:
+                raise SequenceFileError(
+                    self.path, at, f"block {_BLOCK_SECTIONS[index]}: {exc}"
+                ) from None
+
+        lengths_limit = _MAX_VINT_BYTES * count
+        key_lens = _vint_lengths(
+            unpack(0, lengths_limit), count, "key lengths", self.path, block_start
+        )
+        val_lens = _vint_lengths(
+            unpack(2, lengths_limit), count, "value lengths", self.path, block_start
+        )
+        key_total, val_total = int(key_lens.sum()), int(val_lens.sum())
+        for what, total in (("keys", key_total), ("values", key_total + val_total)):
+            if total > MAX_BLOCK_BYTES:
+                raise SequenceFileError(
+                    self.path,
+                    block_start,
+                    f"block {what}: their lengths add up to "
+                    f"{key_total if what == 'keys' else val_total} bytes, over the limit of "
+                    f"{MAX_BLOCK_BYTES} for a block's keys and values",
+                )
+        keys, values = unpack(1, key_total), unpack(3, val_total)
+        for what, data, total in (("keys", keys, key_total), ("values", values, val_total)):
+            if len(data) != total:
+                raise SequenceFileError(
+                    self.path,
+                    block_start,
+                    f"block {what} are {len(data)} bytes, their lengths add up to {total}",
+                )
+        return key_lens, keys, val_lens, values
 
     def close(self) -> None:
         self._file.close()
@@ -1215,6 +1339,8 @@ class SequenceFileWriter:
         keys = np.asarray(keys)
         if keys.shape[0] != values.count:
             raise ValueError(f"{keys.shape[0]} keys but {values.count} values")
+        if keys.dtype.kind not in "iu":  # a float cast truncates, and loses ids past 2**53
+            raise ValueError(f"keys must be an integer array (uint64), got {keys.dtype}")
         if keys.dtype != np.uint64:
             if keys.size and (keys.min() < 0):
                 raise ValueError("keys must be uint64 (found a negative key)")
