@@ -61,10 +61,14 @@ def _int(body: dict[str, Any], name: str, default: int | None) -> int | None:
     value = body.get(name)
     if value is None or value == "":
         return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     try:
+        if isinstance(value, (bool, float)):
+            raise ValueError
         number = int(value)
     except (TypeError, ValueError):
-        raise BadRequest(f"{name}: expected an integer, got {value!r}") from None
+        raise BadRequest(f"{name}: expected an integer, got {str(value)[:40]!r}") from None
     if number < 0:
         raise BadRequest(f"{name}: must not be negative, got {number}")
     return number

@@ -12,7 +12,14 @@ import pytest
 from agent_helpers import FakeServer, FtpFileServer, HttpFileServer, make_shard_tar
 
 from agent.control import ServerControl, ServerError, ServerUnreachable
-from agent.fetch import FetchError, FetchPolicy, fetch_file, fetch_md5, parse_md5_text
+from agent.fetch import (
+    FetchError,
+    FetchPolicy,
+    SourcePolicy,
+    fetch_file,
+    fetch_md5,
+    parse_md5_text,
+)
 from agent.journal import Journal
 from agent.layout import (
     BadRequest,
@@ -27,7 +34,9 @@ from agent.tasks import FAILED, INTERRUPTED, RUNNING, SUCCEEDED, TaskBusy, TaskF
 from agent.unpack import UnsafeTar, extract_shard_tar, member_problem
 from agent.work import parse_work
 
-FAST = FetchPolicy(attempts=3, backoff=0.01, timeout=20, io_timeout=5)
+FAST = FetchPolicy(
+    attempts=3, backoff=0.01, timeout=20, io_timeout=5, sources=SourcePolicy(allow_files=True)
+)
 
 
 # ------------------------------------------------------------------ names and requests
@@ -258,7 +267,10 @@ def test_ftp_resume_uses_rest_and_md5_file(tmp_path, files):
 
 
 def test_overall_deadline_stops_a_slow_download_and_keeps_the_part(tmp_path, files):
-    slow = FetchPolicy(attempts=3, backoff=0.01, timeout=0.5, limit_rate=64 * 1024, chunk=4096)
+    slow = FetchPolicy(
+        attempts=3, backoff=0.01, timeout=0.5, limit_rate=64 * 1024, chunk=4096,
+        sources=FAST.sources,
+    )  # fmt: skip
     part = tmp_path / "s.tar.part"
     with pytest.raises(FetchError, match=r"timed out after 0\.5 s .*kept s\.tar\.part"):
         asyncio.run(fetch_file(str(files / "s.tar"), part, size=None, policy=slow))
