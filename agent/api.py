@@ -111,9 +111,8 @@ def make_app(agent: Agent, token: str = "") -> web.Application:
             return envelope(ERROR, exc.text or exc.reason, status=exc.status)
         except Exception as exc:
             log.exception("%s %s failed", request.method, request.path)
-            return envelope(
-                ERROR, f"internal error ({type(exc).__name__}); details in the agent's log", 500
-            )
+            message = f"internal error ({type(exc).__name__}); details in the agent's log"
+            return envelope(ERROR, message, status=500)
 
     app = web.Application(middlewares=[guard], client_max_size=MAX_BODY)
     app[AGENT_KEY] = agent

@@ -52,6 +52,7 @@ from agent.layout import (
     TMP_PREFIX,
     BadRequest,
     Layout,
+    chain_is_valid,
     chain_text,
     check_name,
     placed_versions,
@@ -228,9 +229,17 @@ class Agent:
             def progress(done: int, total: int | None) -> None:
                 task.progress.update(bytes=done, total=total)
 
-            phase("download", bytes=part.stat().st_size if part.exists() else 0, total=size)
+            have = part.stat().st_size if part.exists() else 0
+            phase("download", bytes=have, total=size)
+            cap = None if size is not None else (have + shutil.disk_usage(folder).free) // 2
             got = await fetch_file(
-                source, part, size=size, policy=self.config.fetch, progress=progress
+                source,
+                part,
+                size=size,
+                policy=self.config.fetch,
+                progress=progress,
+                cap=cap,  # without a size, room for the tar and its extraction bounds it
+                cap_why="half the free disk space; send size",
             )
             phase("verify", bytes=got)
             digest = await asyncio.to_thread(file_md5, part)
@@ -430,7 +439,8 @@ class Agent:
         constant time per layer (headers, pairing, sizes, CHAIN); with it every byte is read
         (the section checksums the server checks at load)."""
         damaged = {}
-        for layer in read_chain(self.layout, version):
+        layers = [v for v in read_chain(self.layout, version) if v != version] + [version]
+        for layer in layers:
             if self.layout.version_dir(layer).is_dir():
                 problem = await asyncio.to_thread(self._layer_problem, layer, verify)
                 if problem:
@@ -446,11 +456,10 @@ class Agent:
         except OSError as exc:
             return f"data/{version}: {exc.strerror or type(exc).__name__}"
         info = self.versions.get(version, {})
-        has_chain = (vdir / CHAIN_FILE).is_file()
-        if has_chain or info.get("mode") == "delta":
-            chain = read_chain(self.layout, version)
-            expected = info.get("chain") or chain
-            if not has_chain or chain[-1:] != [version] or chain != expected:
+        if (vdir / CHAIN_FILE).exists() or info.get("mode") == "delta":
+            expected = info.get("chain")
+            valid = chain_is_valid(self.layout, version)
+            if not valid or (expected and read_chain(self.layout, version) != expected):
                 return f"data/{version}/{CHAIN_FILE} is missing or not the chain it was placed with"
         return None
 

@@ -170,7 +170,10 @@ def _segments(path: str) -> tuple[str, ...] | None:
 
 def source_kind(source: str) -> str:
     """'http', 'ftp' or 'file'; anything else is refused (no shell, no surprises)."""
-    scheme = urlsplit(source).scheme.lower()
+    try:
+        scheme = urlsplit(source).scheme.lower()
+    except ValueError:  # e.g. an unclosed '[' in the host
+        raise SourceRefused("source: not a valid URL") from None
     if scheme in ("http", "https"):
         return "http"
     if scheme == "ftp":
@@ -302,10 +305,12 @@ def _open_part(part: Path, offset: int):
 
 @dataclass(frozen=True)
 class _Bound:
-    """The most bytes a fetch may bring: the declared `size` (exactly that many) or a `cap`."""
+    """The most bytes a fetch may bring: the declared `size` (exactly that many) or a `cap`
+    (`why` says where it comes from)."""
 
     size: int | None = None
     cap: int | None = None
+    why: str = ""
 
     def check_total(self, total: int | None, where: str) -> None:
         """Refuse before the first byte when the source announces another size."""
@@ -317,7 +322,9 @@ class _Bound:
                 retryable=False,
             )
         if self.cap is not None and total > self.cap:
-            raise FetchError(f"{where} has {total} bytes, more than {self.cap}", retryable=False)
+            raise FetchError(
+                f"{where} has {total} bytes, more than {self.cap} ({self.why})", retryable=False
+            )
 
     def check_done(self, done: int, where: str) -> None:
         """Abort as soon as more bytes arrive than may (the disk is not the source's to fill)."""
@@ -328,7 +335,9 @@ class _Bound:
                 retryable=False,
             )
         if self.cap is not None and done > self.cap:
-            raise FetchError(f"{where} sent more than {self.cap} bytes; stopped", retryable=False)
+            raise FetchError(
+                f"{where} sent more than {self.cap} bytes ({self.why}); stopped", retryable=False
+            )
 
 
 @dataclass
@@ -543,15 +552,17 @@ async def fetch_file(
     policy: FetchPolicy,
     progress: ProgressFn = lambda done, total: None,
     cap: int | None = None,
+    cap_why: str = "",
 ) -> int:
     """Download `source` into `part`, resuming what is already there; returns the byte count.
 
     The result is complete as far as the source is concerned (its announced size, and `size`
-    when given: more is refused as soon as it arrives; `cap` bounds a fetch of unknown size);
+    when given: more is refused as soon as it arrives; `cap` bounds a fetch of unknown size,
+    `cap_why` says why in the error);
     the caller checks the md5. On a failure resuming cannot cure, `part` is deleted.
     """
     try:
-        return await _fetch(source, part, _Bound(size, cap), policy, progress)
+        return await _fetch(source, part, _Bound(size, cap, cap_why), policy, progress)
     except FetchError as exc:
         if not exc.keep_part:
             part.unlink(missing_ok=True)
@@ -628,7 +639,7 @@ async def fetch_md5(source: str, dest: Path, policy: FetchPolicy) -> str:
         io_timeout=policy.io_timeout,
         sources=policy.sources,
     )
-    await fetch_file(source, part, size=None, policy=small, cap=MAX_MD5_FILE)
+    await fetch_file(source, part, size=None, policy=small, cap=MAX_MD5_FILE, cap_why="md5 file")
     text = part.read_text(encoding="utf-8", errors="replace")
     try:
         digest = parse_md5_text(text, shown(source))

@@ -29,7 +29,7 @@ from agent_helpers import (
 from aiohttp import web
 from procs import free_port, start_server
 
-from agent.fetch import FetchError, FetchPolicy, SourcePolicy, fetch_file
+from agent.fetch import FetchError, FetchPolicy, SourcePolicy, fetch_file, fetch_md5
 
 BASE, DELTA1 = "1700000000", "1700000000_1700000100"
 SECRET = b"TOPSECRET-c0ffee-do-not-echo"
@@ -101,6 +101,23 @@ def test_bad_json_bodies_get_a_400_envelope(env):
         assert reply["success"] == "255" and reply["data"] is None, (name, reply)
         assert reply["message"].startswith("the body is not"), (name, reply)
     assert agent.status()["status"] == "RUNNING"
+
+
+def test_bad_fields_get_a_400_not_a_500(env):
+    agent = env.agent()
+    zeros = "0" * 32
+    bodies = [
+        {"command": "reload", "version": "1", "deploy_path": "/x\0y"},
+        {"command": "download", "version": "1", "source": "http://[::1/x.tar", "md5": zeros},
+        {"command": "download", "version": "1", "source": "http://h/" + "x" * 5000, "md5": zeros},
+        {"command": "download", "version": "1", "source": "http://h:99999/x", "md5": zeros},
+        {"command": "task", "version": "v" * 100_000},
+    ]
+    for body in bodies:
+        status, reply = agent.call("POST", "/agent/cmd", body)
+        assert status == 400 and reply["success"] == "255", (body, status, reply)
+        assert len(reply["message"]) < 300, reply  # a request's megabytes are not echoed
+    assert agent.status()["tasks"] == []
 
 
 def test_oversized_body_gets_a_413_envelope(env):
@@ -287,7 +304,8 @@ def _size_server(env) -> tuple[HttpFileServer, list[int]]:
     async def long(request: web.Request) -> web.Response:
         return web.Response(body=b"y" * 300_000)
 
-    return env.http({"/endless.tar": endless, "/long.tar": long}), sent
+    routes = {"/endless.tar": endless, "/long.tar": long, "/big.tar.md5": endless}
+    return env.http(routes), sent
 
 
 def test_fetch_stops_at_the_declared_size(env):
@@ -322,6 +340,20 @@ def test_fetch_stops_at_the_declared_size(env):
         with pytest.raises(FetchError, match=f"has {real} bytes, the request says size 1000"):
             asyncio.run(fetch_file(source, part, size=1000, policy=files_ok, progress=progress))
         assert seen == [] and not part.exists(), source
+
+
+def test_fetches_of_unknown_size_are_bounded(env):
+    """No declared size: a cap still stops the transfer (the agent passes half the free disk;
+    an md5 file may have 64 KiB)."""
+    http, sent = _size_server(env)
+    part = env.tmp / "p.part"
+    with pytest.raises(FetchError, match=r"more than 200000 bytes \(room\); stopped"):
+        asyncio.run(fetch_file(f"{http.url}/endless.tar", part, size=None, policy=FAST,
+                               cap=200_000, cap_why="room"))  # fmt: skip
+    assert not part.exists()
+    with pytest.raises(FetchError, match=r"more than 65536 bytes \(md5 file\)"):
+        asyncio.run(fetch_md5(f"{http.url}/big.tar", env.tmp / "big.tar.md5", FAST))
+    assert sent[0] < 2 * 128 * 65536 and not list(env.tmp.glob("big.tar.md5*"))
 
 
 def test_parts_that_cannot_be_resumed_are_not_kept(env):
@@ -452,10 +484,12 @@ def test_download_checks_placed_files_and_never_touches_served_ones(cluster):
 
     delta = tar_source(env.files, http.url, "d", seed=6)
     assert agent.run("download", DELTA1, **delta, chain=[BASE, DELTA1])["state"] == "succeeded"
-    (env.data / DELTA1 / "CHAIN").unlink()  # a delta without its CHAIN is not placed
-    task = agent.run("download", DELTA1, **delta, chain=[BASE, DELTA1])
-    assert task["state"] == "succeeded" and task["runs"] == 2, task
-    assert (env.data / DELTA1 / "CHAIN").read_text() == f"{BASE}\n{DELTA1}\n"
+    for bad_chain in (None, f"../../outside\n{DELTA1}\n"):  # missing, or leading out of data/
+        chain_file = env.data / DELTA1 / "CHAIN"
+        chain_file.unlink() if bad_chain is None else chain_file.write_text(bad_chain)
+        task = agent.run("download", DELTA1, **delta, chain=[BASE, DELTA1])
+        assert task["state"] == "succeeded" and "placed data/" in task["message"], task
+        assert chain_file.read_text() == f"{BASE}\n{DELTA1}\n"
 
     flip_byte(env.data / BASE / "index.cube", 40)  # the header of a version the server serves
     task = agent.run("download", BASE, **served)
