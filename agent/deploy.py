@@ -463,13 +463,16 @@ class Agent:
                 return f"data/{version}/{CHAIN_FILE} is missing or not the chain it was placed with"
         return None
 
-    def _held(self, st: ServerStatus) -> set[str]:
-        """Every layer the server maps (the chains of its cur and bg versions)."""
-        held: set[str] = set()
-        for version in (st.cur_version, st.bg_version):
+    def _in_use(self, st: ServerStatus, besides: str = "") -> set[str]:
+        """Every layer the server maps (the chains of its cur and bg versions) or a running
+        task may need (the chains of their versions; `besides`: not this version's task)."""
+        versions = [st.cur_version, st.bg_version]
+        versions += [t.version for t in self.tasks.running() if t.version != besides]
+        used: set[str] = set()
+        for version in versions:
             if version:
-                held.update(read_chain(self.layout, version))
-        return held
+                used.update(read_chain(self.layout, version))
+        return used
 
     async def _remove_damaged(self, version: str, damaged: dict[str, str]) -> list[str]:
         """Remove the damaged layers and the placed versions whose chain holds one (they cannot
@@ -484,23 +487,18 @@ class Agent:
             )
         if st.status == STATUS_LOADING:
             raise TaskFailed(f"{what}; not replaced while the cube-server is loading; retry")
-        busy = {t.version for t in self.tasks.running()} - {version}
-        in_use = sorted(set(damaged) & (self._held(st) | busy))
-        if in_use:
+        in_use = self._in_use(st, besides=version)
+        blocked = sorted(set(damaged) & in_use)
+        if blocked:
             raise TaskFailed(
                 f"{what}; not replaced: the cube-server holds it or a task uses it "
-                f"({', '.join(in_use)}); switch the server to another version first",
+                f"({', '.join(blocked)}); switch the server to another version first",
                 reason=CORRUPT_VERSION,
             )
-        doomed = (
-            {
-                v
-                for v in placed_versions(self.layout)
-                if set(read_chain(self.layout, v)) & set(damaged)
-            }
-            - self._held(st)
-            - busy
-        )
+        over = {
+            v for v in placed_versions(self.layout) if set(damaged) & {*read_chain(self.layout, v)}
+        }
+        doomed = over - in_use
         for name in sorted(doomed):
             log.warning("removing damaged or dependent version %s", name)
             self._unplace(name)
@@ -530,11 +528,10 @@ class Agent:
         if st is None:
             log.warning("retention skipped: %s", problem)
             return []
-        protected = self._held(st)
+        protected = self._in_use(st)
         current = read_version_file(self.layout)
         if current:
             protected.update(read_chain(self.layout, current))
-        protected.update(t.version for t in self.tasks.running())
         doomed = plan_retention(
             self._newest_first(placed_versions(self.layout)), self.config.keep, protected
         )
@@ -554,10 +551,12 @@ class Agent:
     def _unplace(self, version: str) -> None:
         """Remove data/<version> (renamed out of sight first: never a half-deleted version) and
         forget it; its download in cube_data/ stays for placing it again."""
-        hidden = self.layout.data_dir / f"{TMP_PREFIX}del-{version}-{os.getpid()}"
-        os.rename(self.layout.version_dir(version), hidden)
-        fsync_dir(self.layout.data_dir)
-        _remove(hidden)
+        vdir = self.layout.version_dir(version)
+        if vdir.is_dir():
+            hidden = self.layout.data_dir / f"{TMP_PREFIX}del-{version}-{os.getpid()}"
+            os.rename(vdir, hidden)
+            fsync_dir(self.layout.data_dir)
+            _remove(hidden)
         self.versions.pop(version, None)
 
 

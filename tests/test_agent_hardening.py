@@ -467,6 +467,29 @@ def test_corrupt_base_under_a_delta_is_placed_again_with_its_chain(cluster):
     assert got == [r.tobytes() for r in base_rows[:50]] + [r.tobytes() for r in delta_rows[:50]]
 
 
+def test_rollback_to_a_corrupt_version_places_it_again(cluster):
+    env, http = cluster.env, cluster.http
+    cluster.agent.stop()
+    agent = env.agent("--keep", "3", server=cluster.box.server.address)
+    old = tar_source(env.files, http.url, "o", seed=7)
+    _deploy(agent, "100", **old)
+    for version, seed in (("200", 8), ("300", 9)):
+        _deploy(agent, version, **tar_source(env.files, http.url, f"v{version}", seed=seed))
+    assert server_state(cluster.box.server.address) == ("300", "200")
+    flip_byte(env.data / "100" / "data.cube", _values_offset())  # on disk only, not loaded
+    task = agent.run("rollback", "100")
+    assert task["state"] == "failed" and task["reason"] == "corrupt_version", task
+    assert "data/100/data.cube" in task["message"] and "100" not in agent.status()["versions"]
+    assert server_state(cluster.box.server.address) == ("300", "200")  # still serving
+    fetched = len(http.requests)
+    assert agent.run("download", "100", **old)["state"] == "succeeded"
+    task = agent.run("rollback", "100")
+    assert task["state"] == "succeeded", task
+    assert len(http.requests) == fetched and (env.data / "VERSION").read_text() == "100\n"
+    keys, rows = shard_content(1000, 16, seed=7)
+    assert seek(cluster.box.server.address, keys[:100]) == [r.tobytes() for r in rows[:100]]
+
+
 def test_download_checks_placed_files_and_never_touches_served_ones(cluster):
     env, agent, http = cluster.env, cluster.agent, cluster.http
     served = tar_source(env.files, http.url, "b", seed=4)

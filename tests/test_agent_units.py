@@ -415,6 +415,40 @@ def test_server_error_carries_the_grpc_code(tmp_path):
     assert failed.value.details.startswith("no shard in")
 
 
+def test_damaged_layers_under_a_running_task_are_not_removed(tmp_path):
+    """A reload of a delta needs its base: a download that finds the base damaged must not
+    remove it while that reload runs (the task's whole chain is in use, not only its name)."""
+    from agent.deploy import Agent, AgentConfig
+    from agent.tasks import Task
+
+    data = tmp_path / "deploy" / "data"
+    make_shard_tar(tmp_path / "t.tar")
+    for name in ("b", "b_1"):
+        extract_shard_tar(tmp_path / "t.tar", data / name)
+    (data / "b_1" / "CHAIN").write_text("b\nb_1\n")
+    fake = FakeServer(data)
+
+    async def scenario():
+        agent = Agent(AgentConfig(deploy_path=tmp_path / "deploy", server=fake.address))
+        agent.open()
+        try:
+            agent.tasks._tasks[("reload", "b_1")] = Task("reload", "b_1")  # running
+            with pytest.raises(TaskFailed, match=r"a task uses it \(b\)"):
+                await agent._remove_damaged("b", {"b": "data/b/index.cube: damaged"})
+            assert (data / "b").is_dir() and (data / "b_1").is_dir()
+            del agent.tasks._tasks[("reload", "b_1")]
+            removed = await agent._remove_damaged("b", {"b": "data/b/index.cube: damaged"})
+            assert removed == ["b", "b_1"]  # the delta cannot load without its base
+            assert not (data / "b").exists() and not (data / "b_1").exists()
+        finally:
+            await agent.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        fake.close()
+
+
 def test_control_client_against_fake_server(tmp_path):
     make_shard_tar(tmp_path / "t.tar")
     extract_shard_tar(tmp_path / "t.tar", tmp_path / "data" / "v1")
