@@ -196,6 +196,8 @@ class Agent:
             task.progress.update(phase=name, **extra)
             checkpoint()
 
+        dependents: list[str] = []  # removed with a damaged copy of this version
+
         if vdir.is_dir():
             placed = self.versions.get(version, {})
             if want_md5 and placed.get("md5") and placed["md5"] != want_md5:
@@ -208,9 +210,10 @@ class Agent:
                 phase("placed")
                 return f"version {version} is already placed at data/{version}"
             removed = await self._remove_damaged(version, damaged)
-            if removed != [version]:  # other layers of its chain too: those need their sources
+            if set(damaged) != {version}:  # other layers of its chain: they need their sources
                 raise TaskFailed(_corrupt_message(damaged, removed), reason=CORRUPT_VERSION)
-            log.warning("placing %s again: %s", version, "; ".join(damaged.values()))
+            log.warning("placing %s again: %s", version, damaged[version])
+            dependents = [v for v in removed if v != version]
 
         folder = self.layout.download_dir(req.get("shard_seq") or 0, version)
         folder.mkdir(parents=True, exist_ok=True)
@@ -245,7 +248,9 @@ class Agent:
             digest = await asyncio.to_thread(file_md5, part)
             if digest != want_md5:
                 part.unlink(missing_ok=True)
-                log.warning("md5 of %s: %s (%d bytes), expected %s", source, digest, got, want_md5)
+                log.warning(
+                    "md5 of %s: %s (%d bytes), not %s", shown(source), digest, got, want_md5
+                )
                 raise TaskFailed(  # not the digest got: it would tell about the fetched bytes
                     f"md5 mismatch for {shown(source)}: expected {want_md5}, the download differs; "
                     "it was discarded and nothing was placed"
@@ -284,7 +289,13 @@ class Agent:
         }
         self.journal.save_versions(self.versions)
         phase("placed")
-        return f"placed data/{version} ({len(files)} files, md5 {want_md5})"
+        message = f"placed data/{version} ({len(files)} files, md5 {want_md5})"
+        if dependents:
+            message += (
+                f"; the damaged copy it replaces took {', '.join(dependents)} (over it) along: "
+                "send download again for them"
+            )
+        return message
 
     @staticmethod
     def _tar_name(source: str, req: dict[str, Any]) -> str:

@@ -505,7 +505,7 @@ def test_download_checks_placed_files_and_never_touches_served_ones(cluster):
     assert task["state"] == "succeeded" and task["runs"] == 2, task
     assert data.stat().st_size == whole and len(http.requests) == fetched
 
-    delta = tar_source(env.files, http.url, "d", seed=6)
+    delta = tar_source(env.files, http.url, "d", seed=6)  # fetched once
     assert agent.run("download", DELTA1, **delta, chain=[BASE, DELTA1])["state"] == "succeeded"
     for bad_chain in (None, f"../../outside\n{DELTA1}\n"):  # missing, or leading out of data/
         chain_file = env.data / DELTA1 / "CHAIN"
@@ -513,6 +513,23 @@ def test_download_checks_placed_files_and_never_touches_served_ones(cluster):
         task = agent.run("download", DELTA1, **delta, chain=[BASE, DELTA1])
         assert task["state"] == "succeeded" and "placed data/" in task["message"], task
         assert chain_file.read_text() == f"{BASE}\n{DELTA1}\n"
+
+    # a damaged base (not loaded) under a placed delta: the base is placed again, the delta,
+    # removed with it (it cannot load over a missing base), comes back with its own download
+    base2, delta2 = "1900000000", "1900000000_1900000100"
+    srcs = {
+        base2: tar_source(env.files, http.url, "b2", seed=10),
+        delta2: {**tar_source(env.files, http.url, "d2", seed=11), "chain": [base2, delta2]},
+    }
+    for version, src in srcs.items():
+        assert agent.run("download", version, **src)["state"] == "succeeded"
+    os.truncate(env.data / base2 / "index.cube", HEADER)
+    task = agent.run("download", base2, **srcs[base2])
+    assert task["state"] == "succeeded" and delta2 in task["message"], task
+    assert agent.status()["versions"].count(delta2) == 0
+    task = agent.run("download", delta2, **srcs[delta2])
+    assert task["state"] == "succeeded" and task["runs"] == 2, task
+    assert len(http.requests) == fetched + 3  # d.tar, b2.tar, d2.tar once each: the rest cached
 
     flip_byte(env.data / BASE / "index.cube", 40)  # the header of a version the server serves
     task = agent.run("download", BASE, **served)
