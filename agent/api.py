@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 from typing import Any
 
 from aiohttp import web
@@ -22,6 +23,7 @@ log = logging.getLogger("cube.agent")
 
 OK, ERROR, UNKNOWN_API = "0", "255", "2"
 API_LIST = ["GET /agent/status", "POST /agent/cmd"]
+MAX_BODY = 1 << 20  # a command is a few hundred bytes
 AGENT_KEY = web.AppKey("agent", Agent)
 
 
@@ -29,22 +31,55 @@ def envelope(success: str, message: str, data: Any = None, status: int = 200) ->
     return web.json_response({"success": success, "message": message, "data": data}, status=status)
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return number
+
+
+def parse_json(raw: bytes) -> Any:
+    """Strict JSON ({} when empty): UTF-8, no NaN/Infinity, no overflowing numbers, bounded
+    nesting; anything else is BadRequest (400), never an internal error."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadRequest("the body is not UTF-8 JSON") from None
+    if not text.strip():
+        return {}
+    try:
+        return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    except RecursionError:
+        raise BadRequest("the body is not usable JSON: nested too deeply") from None
+    except ValueError as exc:
+        raise BadRequest(f"the body is not JSON: {exc}") from None
+
+
 async def _json_body(request: web.Request) -> Any:
-    """The parsed JSON body ({} when empty), read once (auth and handler both need it)."""
+    """The parsed JSON body, read once (auth and handler both need it)."""
     if "json_body" not in request:
-        text = await request.text() if request.body_exists else ""
-        try:
-            request["json_body"] = json.loads(text) if text.strip() else {}
-        except ValueError as exc:
-            raise BadRequest(f"the body is not JSON: {exc}") from None
+        raw = await request.read() if request.body_exists else b""
+        request["json_body"] = parse_json(raw)
     return request["json_body"]
 
 
-def _authorized(request: web.Request, body: Any, token: str) -> bool:
+async def _authorized(request: web.Request, token: str) -> bool:
+    """The bearer header, else (POST) a `token` body field; a body that does not parse is no
+    credential (the caller learns nothing about it before authenticating)."""
     header = request.headers.get("Authorization", "")
     scheme, _, given = header.partition(" ")
     if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode()):
         return True
+    if request.method != "POST":
+        return False
+    try:
+        body = await _json_body(request)
+    except BadRequest:
+        return False
     body_token = body.get("token") if isinstance(body, dict) else None
     return isinstance(body_token, str) and hmac.compare_digest(body_token.encode(), token.encode())
 
@@ -53,15 +88,13 @@ def make_app(agent: Agent, token: str = "") -> web.Application:
     @web.middleware
     async def guard(request: web.Request, handler) -> web.StreamResponse:
         try:
-            if token:
-                body = await _json_body(request) if request.method == "POST" else {}
-                if not _authorized(request, body, token):
-                    return envelope(
-                        ERROR,
-                        "unauthorized: send 'Authorization: Bearer <token>' (the agent's --token "
-                        "or CUBE_TOKEN)",
-                        status=401,
-                    )
+            if token and not await _authorized(request, token):
+                return envelope(
+                    ERROR,
+                    "unauthorized: send 'Authorization: Bearer <token>' (the agent's --token "
+                    "or CUBE_TOKEN)",
+                    status=401,
+                )
             return await handler(request)
         except BadRequest as exc:
             return envelope(ERROR, str(exc), status=400)
@@ -72,13 +105,16 @@ def make_app(agent: Agent, token: str = "") -> web.Application:
                 {"api_list": API_LIST},
                 status=404,
             )
-        except web.HTTPException:
-            raise
+        except web.HTTPRequestEntityTooLarge:
+            return envelope(ERROR, f"the body is larger than {MAX_BODY} bytes", status=413)
+        except web.HTTPException as exc:  # every answer carries the envelope
+            return envelope(ERROR, exc.text or exc.reason, status=exc.status)
         except Exception as exc:
             log.exception("%s %s failed", request.method, request.path)
-            return envelope(ERROR, f"internal error: {type(exc).__name__}: {exc}", status=500)
+            message = f"internal error ({type(exc).__name__}); details in the agent's log"
+            return envelope(ERROR, message, status=500)
 
-    app = web.Application(middlewares=[guard])
+    app = web.Application(middlewares=[guard], client_max_size=MAX_BODY)
     app[AGENT_KEY] = agent
     app.router.add_get("/agent/status", handle_status)
     app.router.add_post("/agent/cmd", handle_cmd)

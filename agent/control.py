@@ -24,7 +24,16 @@ _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
 class ServerError(Exception):
-    """The cube-server refused or failed a command."""
+    """The cube-server refused or failed a command. `code` is the gRPC status (None when the
+    agent itself judged the answer wrong), `details` the server's own words; callers decide on
+    the code (e.g. DATA_LOSS: the version's files are corrupt), never on the message text."""
+
+    def __init__(
+        self, message: str, code: grpc.StatusCode | None = None, details: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.details = details
 
 
 class ServerUnreachable(ServerError):
@@ -93,9 +102,11 @@ class ServerControl:
             if code in _UNREACHABLE:
                 raise ServerUnreachable(
                     f"cube-server at {self.address} unreachable ({code.name}) during {what}: "
-                    f"{details}"
+                    f"{details}",
+                    code,
+                    details,
                 ) from exc
-            raise ServerError(f"cube-server {what}: {code.name}: {details}") from exc
+            raise ServerError(f"cube-server {what}: {code.name}: {details}", code, details) from exc
         return ServerStatus.from_pb(resp)
 
     async def status(self, timeout: float | None = None) -> ServerStatus:

@@ -6,7 +6,10 @@ service. Ordering rules that make a crash harmless:
   that is renamed to `data/<version>/` only when complete (with CHAIN for a delta);
 - `data/VERSION` changes only after the server has switched (enable / rollback);
 - retention never deletes a version the server holds, the current chain, or one being worked on,
-  and removes a version by renaming it out of sight first.
+  and removes a version by renaming it out of sight first;
+- a placed version whose files fail a check (a cheap one at download, the server's full one at
+  load: DATA_LOSS) is removed the same way, unless the server holds it, and placed again by the
+  next download from the verified tar in cube_data/ (its md5 re-checked) or fetched again.
 """
 
 from __future__ import annotations
@@ -22,15 +25,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from agent import __version__
-from agent.control import ServerControl, ServerError, ServerStatus
-from agent.fetch import FetchError, FetchPolicy, fetch_file, fetch_md5, source_basename
+from agent.control import (
+    STATUS_LOADING,
+    ServerControl,
+    ServerError,
+    ServerStatus,
+    ServerUnreachable,
+)
+from agent.fetch import (
+    FetchError,
+    FetchPolicy,
+    SourceRefused,
+    check_source,
+    fetch_file,
+    fetch_md5,
+    md5_source,
+    shown,
+    source_basename,
+)
 from agent.journal import Journal
 from agent.layout import (
     CHAIN_FILE,
     TMP_PREFIX,
     BadRequest,
     Layout,
+    chain_is_valid,
     chain_text,
     check_name,
     placed_versions,
@@ -42,10 +64,13 @@ from agent.layout import (
 from agent.tasks import Task, TaskFailed, TaskManager
 from agent.unpack import UnsafeTar, extract_shard_tar
 from agent.work import SERVER_COMMANDS, Work
+from cube.format import ShardFormatError
 from cube.fsutil import atomic_write_json, atomic_write_text, file_md5, fsync_dir
+from cube.shard import Shard
 
 log = logging.getLogger("cube.agent")
 DONE_MARKER = ".download_done"
+CORRUPT_VERSION = "corrupt_version"  # Task.reason: placed files failed a check; download again
 
 
 @dataclass
@@ -57,6 +82,7 @@ class AgentConfig:
     reload_timeout: float = 1800.0  # one background load on the server
     control_timeout: float = 10.0  # any other control command
     status_timeout: float = 2.0  # the server probe inside GET /agent/status
+    md5_from_source: bool = False  # a download without md5 fetches <source>.md5 (the original)
 
 
 class Agent:
@@ -103,7 +129,23 @@ class Agent:
         await self.control.close()
 
     async def submit(self, work: Work) -> Task:
+        if work.command == "download":
+            self.check_download(work)
         return await self.tasks.submit(work.command, work.version, work.to_request())
+
+    def check_download(self, work: Work) -> None:
+        """BadRequest (400) for a download this deployment does not allow, before any fetch."""
+        if not work.md5 and not self.config.md5_from_source:
+            raise BadRequest(
+                "md5: required (32 hex digits, the tar's md5); or start cube-agent with "
+                "--md5_from_source to fetch <source>.md5 instead"
+            )
+        try:
+            check_source(work.source, self.config.fetch.sources)
+            if not work.md5:
+                check_source(md5_source(work.source), self.config.fetch.sources)
+        except SourceRefused as exc:
+            raise BadRequest(str(exc)) from None
 
     # ---------------------------------------------------------------- status
 
@@ -133,7 +175,8 @@ class Agent:
     async def _still_done(self, task: Task) -> bool:
         """Whether a succeeded task's effect is still there (else a repeat re-runs it)."""
         if task.command == "download":
-            return self.layout.version_dir(task.version).is_dir()
+            version = task.version
+            return self.layout.version_dir(version).is_dir() and not await self._damaged(version)
         st, _ = await self.server_status()
         if st is None:
             return False
@@ -153,6 +196,8 @@ class Agent:
             task.progress.update(phase=name, **extra)
             checkpoint()
 
+        dependents: list[str] = []  # removed with a damaged copy of this version
+
         if vdir.is_dir():
             placed = self.versions.get(version, {})
             if want_md5 and placed.get("md5") and placed["md5"] != want_md5:
@@ -160,8 +205,15 @@ class Agent:
                     f"version {version} is already placed from a tar with md5 {placed['md5']}, "
                     f"this request says {want_md5}; a version name is deployed only once"
                 )
-            phase("placed")
-            return f"version {version} is already placed at data/{version}"
+            damaged = await self._damaged(version)
+            if not damaged:
+                phase("placed")
+                return f"version {version} is already placed at data/{version}"
+            removed = await self._remove_damaged(version, damaged)
+            if set(damaged) != {version}:  # other layers of its chain: they need their sources
+                raise TaskFailed(_corrupt_message(damaged, removed), reason=CORRUPT_VERSION)
+            log.warning("placing %s again: %s", version, damaged[version])
+            dependents = [v for v in removed if v != version]
 
         folder = self.layout.download_dir(req.get("shard_seq") or 0, version)
         folder.mkdir(parents=True, exist_ok=True)
@@ -171,25 +223,37 @@ class Agent:
 
         if not want_md5:
             phase("md5")
-            want_md5 = await fetch_md5(source, tar.with_name(tar.name + ".md5"), self.config.fetch)
+            md5_file = tar.with_name(tar.name + ".md5")
+            want_md5 = await fetch_md5(source, md5_file, self.config.fetch)
         size = req.get("size")
-        if not self._downloaded(tar, marker, want_md5):
+        if not await self._downloaded(tar, marker, want_md5):
             self._check_space(folder, size, part)
 
             def progress(done: int, total: int | None) -> None:
                 task.progress.update(bytes=done, total=total)
 
-            phase("download", bytes=part.stat().st_size if part.exists() else 0, total=size)
+            have = part.stat().st_size if part.exists() else 0
+            phase("download", bytes=have, total=size)
+            cap = None if size is not None else (have + shutil.disk_usage(folder).free) // 2
             got = await fetch_file(
-                source, part, size=size, policy=self.config.fetch, progress=progress
+                source,
+                part,
+                size=size,
+                policy=self.config.fetch,
+                progress=progress,
+                cap=cap,  # without a size, room for the tar and its extraction bounds it
+                cap_why="half the free disk space; send size",
             )
             phase("verify", bytes=got)
             digest = await asyncio.to_thread(file_md5, part)
             if digest != want_md5:
                 part.unlink(missing_ok=True)
-                raise TaskFailed(
-                    f"md5 mismatch for {source}: expected {want_md5}, got {digest} "
-                    f"({got} bytes); the download was discarded and nothing was placed"
+                log.warning(
+                    "md5 of %s: %s (%d bytes), not %s", shown(source), digest, got, want_md5
+                )
+                raise TaskFailed(  # not the digest got: it would tell about the fetched bytes
+                    f"md5 mismatch for {shown(source)}: expected {want_md5}, the download differs; "
+                    "it was discarded and nothing was placed"
                 )
             part.replace(tar)
             atomic_write_json(marker, {"md5": digest, "size": got, "source": source})
@@ -225,7 +289,13 @@ class Agent:
         }
         self.journal.save_versions(self.versions)
         phase("placed")
-        return f"placed data/{version} ({len(files)} files, md5 {want_md5})"
+        message = f"placed data/{version} ({len(files)} files, md5 {want_md5})"
+        if dependents:
+            message += (
+                f"; the damaged copy it replaces took {', '.join(dependents)} (over it) along: "
+                "send download again for them"
+            )
+        return message
 
     @staticmethod
     def _tar_name(source: str, req: dict[str, Any]) -> str:
@@ -236,15 +306,24 @@ class Agent:
             return f"{req.get('dict_name') or 'shard'}_part{req.get('shard_seq') or 0}.tar"
 
     @staticmethod
-    def _downloaded(tar: Path, marker: Path, md5: str) -> bool:
-        """A verified tar from an earlier run (possibly before a restart) with this md5."""
+    async def _downloaded(tar: Path, marker: Path, md5: str) -> bool:
+        """A verified tar from an earlier run (possibly before a restart) with this md5. Its
+        bytes are hashed again: they are what a damaged version is placed again from, and the
+        disk that damaged the version may have damaged them too (then they are fetched again)."""
         if not (tar.is_file() and marker.is_file()):
             return False
         try:
             info = json.loads(marker.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return False
-        return info.get("md5") == md5 and info.get("size") == tar.stat().st_size
+        if info.get("md5") != md5 or info.get("size") != tar.stat().st_size:
+            return False
+        if await asyncio.to_thread(file_md5, tar) == md5:
+            return True
+        log.warning("%s no longer has md5 %s: fetching it again", tar, md5)
+        for path in (marker, tar):
+            path.unlink(missing_ok=True)
+        return False
 
     @staticmethod
     def _check_space(folder: Path, size: int | None, part: Path) -> None:
@@ -269,6 +348,14 @@ class Agent:
         vdir = self.layout.version_dir(version)
         if not vdir.is_dir():
             raise TaskFailed(f"version {version} is not on disk (no data/{version}); download it")
+        missing = [
+            v for v in read_chain(self.layout, version) if not self.layout.version_dir(v).is_dir()
+        ]
+        if missing:
+            names = " and ".join(missing)
+            raise TaskFailed(
+                f"version {version} is a delta over {names}, not on disk; download {names} first"
+            )
         return vdir
 
     async def _reload(self, task: Task, checkpoint: Callable[[], None]) -> str:
@@ -288,8 +375,29 @@ class Agent:
         chain = read_chain(self.layout, version)
         is_patch = len(chain) > 1 and st.cur_version in chain[:-1]
         cmd = "bg_load_patch" if is_patch else "bg_load_base"
-        await self.control.cmd(cmd, version_path=f"/{version}", timeout=self.config.reload_timeout)
+        try:
+            await self.control.cmd(
+                cmd, version_path=f"/{version}", timeout=self.config.reload_timeout
+            )
+        except ServerError as exc:
+            if exc.code != grpc.StatusCode.DATA_LOSS:
+                raise
+            raise await self._refused_as_corrupt(version, exc) from exc
         return await self.control.wait_for(version, slot="bg", timeout=self.config.reload_timeout)
+
+    async def _refused_as_corrupt(self, version: str, exc: ServerError) -> TaskFailed:
+        """The server found `version`'s files corrupt (DATA_LOSS): find the damaged layers with a
+        full check, remove them and what depends on them so the next downloads place them again,
+        and say so in the task's failure."""
+        damaged = await self._damaged(version, verify=True)
+        if not damaged:  # the server's check disagrees with ours: trust it, place it again
+            damaged = {version: f"data/{version}: the cube-server says: {exc.details}"}
+        refused = f"cube-server refused {version} as corrupt (DATA_LOSS)"
+        try:
+            removed = await self._remove_damaged(version, damaged)
+        except TaskFailed as failure:
+            return TaskFailed(f"{refused}: {failure}", failure.reason)
+        return TaskFailed(f"{refused}: {_corrupt_message(damaged, removed)}", CORRUPT_VERSION)
 
     async def _switch_to(self, version: str, st: ServerStatus) -> ServerStatus:
         """Make the loaded `version` current (server `enable`), then rewrite data/VERSION."""
@@ -334,6 +442,80 @@ class Agent:
         await self._switch_to(version, st)
         return f"rolled back to {version} (was {previous!r})"
 
+    # ---------------------------------------------------------------- placed files
+
+    async def _damaged(self, version: str, verify: bool = False) -> dict[str, str]:
+        """{layer: problem} for the layers of `version`'s chain on disk that cannot be served
+        (a missing layer is not damage: a download brings it). Without `verify` the check is
+        constant time per layer (headers, pairing, sizes, CHAIN); with it every byte is read
+        (the section checksums the server checks at load)."""
+        damaged = {}
+        layers = [v for v in read_chain(self.layout, version) if v != version] + [version]
+        for layer in layers:
+            if self.layout.version_dir(layer).is_dir():
+                problem = await asyncio.to_thread(self._layer_problem, layer, verify)
+                if problem:
+                    damaged[layer] = problem
+        return damaged
+
+    def _layer_problem(self, version: str, verify: bool) -> str | None:
+        vdir = self.layout.version_dir(version)
+        try:
+            Shard.open(vdir, verify=verify).close()
+        except ShardFormatError as exc:
+            return str(exc).replace(f"{self.layout.deploy_path}/", "")
+        except OSError as exc:
+            return f"data/{version}: {exc.strerror or type(exc).__name__}"
+        info = self.versions.get(version, {})
+        if (vdir / CHAIN_FILE).exists() or info.get("mode") == "delta":
+            expected = info.get("chain")
+            valid = chain_is_valid(self.layout, version)
+            if not valid or (expected and read_chain(self.layout, version) != expected):
+                return f"data/{version}/{CHAIN_FILE} is missing or not the chain it was placed with"
+        return None
+
+    def _in_use(self, st: ServerStatus, besides: str = "") -> set[str]:
+        """Every layer the server maps (the chains of its cur and bg versions) or a running
+        task may need (the chains of their versions; `besides`: not this version's task)."""
+        versions = [st.cur_version, st.bg_version]
+        versions += [t.version for t in self.tasks.running() if t.version != besides]
+        used: set[str] = set()
+        for version in versions:
+            if version:
+                used.update(read_chain(self.layout, version))
+        return used
+
+    async def _remove_damaged(self, version: str, damaged: dict[str, str]) -> list[str]:
+        """Remove the damaged layers and the placed versions whose chain holds one (they cannot
+        load without it); their tars stay in cube_data/. Never what the server holds or loads,
+        nor a version another task works on: then TaskFailed says why nothing was removed."""
+        what = "; ".join(damaged.values())
+        st, problem = await self.server_status()
+        if st is None:
+            raise TaskFailed(
+                f"{what}; not replaced: the cube-server cannot say whether it holds it ({problem})",
+                reason=ServerUnreachable.reason,
+            )
+        if st.status == STATUS_LOADING:
+            raise TaskFailed(f"{what}; not replaced while the cube-server is loading; retry")
+        in_use = self._in_use(st, besides=version)
+        blocked = sorted(set(damaged) & in_use)
+        if blocked:
+            raise TaskFailed(
+                f"{what}; not replaced: the cube-server holds it or a task uses it "
+                f"({', '.join(blocked)}); switch the server to another version first",
+                reason=CORRUPT_VERSION,
+            )
+        over = {
+            v for v in placed_versions(self.layout) if set(damaged) & {*read_chain(self.layout, v)}
+        }
+        doomed = over - in_use
+        for name in sorted(doomed):
+            log.warning("removing damaged or dependent version %s", name)
+            self._unplace(name)
+        self.journal.save_versions(self.versions)
+        return sorted(doomed)
+
     # ---------------------------------------------------------------- retention
 
     def _newest_first(self, names: list[str]) -> list[str]:
@@ -357,11 +539,10 @@ class Agent:
         if st is None:
             log.warning("retention skipped: %s", problem)
             return []
-        protected: set[str] = set()
-        for version in (st.cur_version, st.bg_version, read_version_file(self.layout)):
-            if version:
-                protected.update(read_chain(self.layout, version))
-        protected.update(t.version for t in self.tasks.running())
+        protected = self._in_use(st)
+        current = read_version_file(self.layout)
+        if current:
+            protected.update(read_chain(self.layout, current))
         doomed = plan_retention(
             self._newest_first(placed_versions(self.layout)), self.config.keep, protected
         )
@@ -373,14 +554,31 @@ class Agent:
         return doomed
 
     def _delete_version(self, version: str) -> None:
-        vdir = self.layout.version_dir(version)
-        hidden = self.layout.data_dir / f"{TMP_PREFIX}del-{version}-{os.getpid()}"
-        os.rename(vdir, hidden)  # out of sight first: never a half-deleted version
-        fsync_dir(self.layout.data_dir)
-        _remove(hidden)
+        """Remove a version and its downloads."""
+        self._unplace(version)
         for shard_dir in self.layout.downloads_dir.iterdir():
             _remove(shard_dir / version)
+
+    def _unplace(self, version: str) -> None:
+        """Remove data/<version> (renamed out of sight first: never a half-deleted version) and
+        forget it; its download in cube_data/ stays for placing it again."""
+        vdir = self.layout.version_dir(version)
+        if vdir.is_dir():
+            hidden = self.layout.data_dir / f"{TMP_PREFIX}del-{version}-{os.getpid()}"
+            os.rename(vdir, hidden)
+            fsync_dir(self.layout.data_dir)
+            _remove(hidden)
         self.versions.pop(version, None)
+
+
+def _corrupt_message(damaged: dict[str, str], removed: list[str]) -> str:
+    """What was damaged, what was removed, and what brings it back."""
+    gone = ", ".join(f"data/{v}" for v in removed) or "nothing"
+    return (
+        f"{'; '.join(damaged.values())}; removed {gone}: send download again for "
+        f"{', '.join(removed) or 'them'} (base first) to place them again (from the verified "
+        "tar kept in cube_data/ when its md5 still matches, else it is re-downloaded)"
+    )
 
 
 def _remove(path: Path) -> None:

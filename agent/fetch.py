@@ -1,44 +1,148 @@
-"""Fetch a shard tar from http(s)://, ftp://, file:// or a local path, resumably.
+"""Fetch a shard tar from http(s)://, ftp://, file:// or a local path, resumably and safely.
 
 Bytes go to a `.part` file; a new attempt continues where the last one stopped (HTTP `Range`,
-FTP `REST`, a seek for local files), so a retry or an agent restart does not start over.
-Attempts are bounded, spaced by exponential backoff, and the whole fetch has one deadline.
-HTTP uses aiohttp and FTP the standard ftplib (in a worker thread); no protocol is hand-written
-and nothing runs a shell.
+FTP `REST`, a seek for local files), so a retry or an agent restart does not start over. A
+`.part` that resuming cannot help (the source sent more than the declared size, or failed
+permanently) is deleted. Attempts are bounded, spaced by exponential backoff, and the whole
+fetch has one deadline. HTTP uses aiohttp and FTP the standard ftplib (in a worker thread); no
+protocol is hand-written and nothing runs a shell.
+
+Whoever can reach the agent chooses the source, so the source is checked against the
+deployment's `SourcePolicy` on its parsed parts (and so is every HTTP redirect, followed by
+hand), and error messages never carry what a source sent (reason phrases, replies, md5 file
+text): a source the agent may read is no way to read it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ftplib
+import http
+import logging
+import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
 
 import aiohttp
+import yarl
 
 from cube.fsutil import md5_of_line
 
+log = logging.getLogger("cube.agent")
 ProgressFn = Callable[[int, "int | None"], None]
 _CONTENT_RANGE_RE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
 _UNSATISFIED_RE = re.compile(r"bytes\s+\*/(\d+)")
 MAX_MD5_FILE = 64 * 1024
+MAX_REDIRECTS = 5
+_REDIRECTS = (301, 302, 303, 307, 308)
+_DEFAULT_PORTS = {"http": 80, "https": 443, "ftp": 21}
+_FLAGS_HINT = "--allowed_sources (comma-separated scheme://host[:port]/path prefixes)"
+_FILES_HINT = "start cube-agent with --allow_file_sources, or list a file:// prefix in " + (
+    "--allowed_sources"
+)
 
 
 class FetchError(Exception):
-    """A download that failed; `retryable` says whether another attempt may help."""
+    """A download that failed; `retryable` says whether another attempt may help, `keep_part`
+    whether the `.part` file is worth resuming (by default: when retrying may help)."""
 
-    def __init__(self, message: str, retryable: bool = True) -> None:
+    def __init__(self, message: str, retryable: bool = True, keep_part: bool | None = None) -> None:
         super().__init__(message)
         self.retryable = retryable
+        self.keep_part = retryable if keep_part is None else keep_part
+
+
+class SourceRefused(FetchError):
+    """A source (or redirect target) the agent's flags do not allow; the message names the
+    field or flag to change."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=False)
 
 
 class _Stop(Exception):
     """Raised inside a worker thread's write callback to abort a transfer."""
+
+
+# ---------------------------------------------------------------------------------------------
+# which sources the deployment allows
+
+
+@dataclass(frozen=True)
+class Target:
+    """A checked source: what is fetched (`url`: rebuilt from the checked parts; for a local
+    file its resolved path) and the parts a prefix is matched on."""
+
+    kind: str  # http | ftp | file
+    url: str
+    scheme: str
+    host: str = ""
+    port: int | None = None
+    segments: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """One --allowed_sources entry: scheme://host[:port]/path (or file:///path), matched on
+    parsed parts and whole path segments, never on the raw string."""
+
+    scheme: str
+    host: str
+    port: int | None
+    segments: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> Prefix:
+        entry = text.strip()
+        parts = urlsplit(entry)
+        scheme = parts.scheme.lower()
+        if scheme not in ("http", "https", "ftp", "file"):
+            raise ValueError(f"--allowed_sources: {entry!r}: scheme not http, https, ftp, file")
+        if parts.query or parts.fragment or "@" in parts.netloc or _unsafe_chars(entry):
+            raise ValueError(
+                f"--allowed_sources: {entry!r}: only scheme://host[:port]/path (no user, query, "
+                "fragment, spaces or backslashes)"
+            )
+        segments = _segments(unquote(parts.path))
+        if segments is None:
+            raise ValueError(f"--allowed_sources: {entry!r}: '.' or '..' in the path")
+        if scheme == "file":
+            if parts.netloc not in ("", "localhost"):
+                raise ValueError(f"--allowed_sources: {entry!r}: a file:// prefix names no host")
+            real = Path(os.path.realpath("/" + "/".join(segments)))
+            return cls("file", "", None, real.parts[1:])
+        try:
+            port = parts.port or _DEFAULT_PORTS[scheme]
+        except ValueError as exc:
+            raise ValueError(f"--allowed_sources: {entry!r}: {exc}") from None
+        if not parts.hostname:
+            raise ValueError(f"--allowed_sources: {entry!r}: no host")
+        return cls(scheme, parts.hostname, port, segments)
+
+    def matches(self, target: Target) -> bool:
+        place = (self.scheme, self.host, self.port) == (target.scheme, target.host, target.port)
+        return place and target.segments[: len(self.segments)] == self.segments
+
+
+@dataclass(frozen=True)
+class SourcePolicy:
+    """Sources a download may use. No prefixes: any http, https or ftp URL. Local files
+    (file:// or a path) only with `allow_files` or under a file:// prefix."""
+
+    prefixes: tuple[Prefix, ...] = ()
+    allow_files: bool = False
+
+    @classmethod
+    def from_flags(cls, allowed_sources: str, allow_files: bool) -> SourcePolicy:
+        """Raises ValueError naming the bad entry."""
+        entries = [e for e in allowed_sources.split(",") if e.strip()]
+        return cls(tuple(Prefix.parse(e) for e in entries), allow_files)
 
 
 @dataclass(frozen=True)
@@ -50,30 +154,116 @@ class FetchPolicy:
     io_timeout: float = 60.0  # one connect or one stalled read
     limit_rate: int = 0  # bytes per second, 0 = unlimited
     chunk: int = 1 << 20
+    sources: SourcePolicy = field(default_factory=SourcePolicy)
+
+
+def _unsafe_chars(text: str) -> bool:
+    """Characters URL parsers disagree on (or that no URL holds): controls, spaces, '\\'."""
+    return any(ord(c) <= 0x20 or ord(c) == 0x7F or c == "\\" for c in text)
+
+
+def _segments(path: str) -> tuple[str, ...] | None:
+    """The non-empty segments of a decoded path; None when one is '.' or '..'."""
+    segments = tuple(s for s in path.split("/") if s)
+    return None if any(s in (".", "..") for s in segments) else segments
 
 
 def source_kind(source: str) -> str:
     """'http', 'ftp' or 'file'; anything else is refused (no shell, no surprises)."""
-    scheme = urlsplit(source).scheme.lower()
+    try:
+        scheme = urlsplit(source).scheme.lower()
+    except ValueError:  # e.g. an unclosed '[' in the host
+        raise SourceRefused("source: not a valid URL") from None
     if scheme in ("http", "https"):
         return "http"
     if scheme == "ftp":
         return "ftp"
     if scheme in ("file", ""):
         return "file"
-    raise FetchError(
-        f"source {source!r}: unsupported scheme {scheme!r} (http, https, ftp, file or a path)",
-        retryable=False,
-    )
+    raise SourceRefused(f"source: unsupported scheme {scheme!r} (http, https, ftp, file or a path)")
 
 
-def local_path(source: str) -> Path:
+def shown(source: str) -> str:
+    """`source` for a message: a password in the URL is replaced by '***'."""
     parts = urlsplit(source)
-    if parts.scheme.lower() == "file":
+    if parts.password is None:
+        return source
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    return urlunsplit(parts._replace(netloc=f"{userinfo.partition(':')[0]}:***@{hostport}"))
+
+
+def check_source(source: str, policy: SourcePolicy) -> Target:
+    """The source as a Target, or SourceRefused naming the flag that would allow it."""
+    if _unsafe_chars(source):
+        raise SourceRefused("source: control characters, spaces or backslashes are not allowed")
+    kind = source_kind(source)
+    if kind == "file":
+        return _check_file(source, policy)
+    parts = urlsplit(source)
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port or _DEFAULT_PORTS[scheme]
+    except ValueError:
+        raise SourceRefused(f"source {shown(source)!r}: bad port") from None
+    host = parts.hostname
+    if not host:
+        raise SourceRefused(f"source {shown(source)!r}: no host")
+    segments = _segments(unquote(parts.path))
+    if segments is None:
+        raise SourceRefused(f"source {shown(source)!r}: '.' or '..' in the path")
+    userinfo, at, _ = parts.netloc.rpartition("@")
+    netloc = f"{userinfo}{at}{f'[{host}]' if ':' in host else host}:{port}"
+    url = urlunsplit((scheme, netloc, parts.path or "/", parts.query, ""))
+    try:  # what aiohttp will parse must be what was checked
+        same = yarl.URL(url, encoded=True)
+        agree = (same.host, same.port) == (host, port)
+    except ValueError:
+        agree = False
+    if not agree:
+        raise SourceRefused(f"source {shown(source)!r}: ambiguous URL")
+    target = Target(kind, url, scheme, host, port, segments)
+    if policy.prefixes and not any(p.matches(target) for p in policy.prefixes):
+        raise SourceRefused(
+            f"source {shown(source)!r} is not under an allowed prefix; to allow it, change "
+            f"{_FLAGS_HINT}"
+        )
+    return target
+
+
+def _check_file(source: str, policy: SourcePolicy) -> Target:
+    if urlsplit(source).scheme:
+        parts = urlsplit(source)
         if parts.netloc not in ("", "localhost"):
-            raise FetchError(f"source {source!r}: file:// URL names a remote host", False)
-        return Path(unquote(parts.path))
-    return Path(source)
+            raise SourceRefused(f"source {source!r}: a file:// URL names a remote host")
+        if "?" in source or "#" in source:
+            raise SourceRefused(f"source {source!r}: a file:// URL has no query or fragment")
+        path = unquote(parts.path)
+    else:
+        path = source
+    if not path.startswith("/"):
+        raise SourceRefused(f"source {source!r}: a local path must be absolute")
+    if _segments(path) is None:
+        raise SourceRefused(f"source {source!r}: '.' or '..' in the path")
+    real = Path(os.path.realpath(path))  # a symlink is judged by where it leads
+    target = Target("file", str(real), "file", segments=real.parts[1:])
+    if policy.allow_files or any(p.matches(target) for p in policy.prefixes):
+        return target
+    if any(p.scheme == "file" for p in policy.prefixes):
+        raise SourceRefused(
+            f"source {source!r} is not under an allowed file:// prefix; change --allowed_sources "
+            "or start cube-agent with --allow_file_sources"
+        )
+    raise SourceRefused(f"source {source!r}: local files are not allowed; {_FILES_HINT}")
+
+
+def md5_source(source: str) -> str:
+    """`<source>.md5`, for --md5_from_source: only for a source without query or fragment (with
+    one, the suffix would land in the query and name another file)."""
+    if "?" in source or "#" in source:
+        raise SourceRefused(
+            "source: --md5_from_source needs a source without '?' or '#'; send md5 instead"
+        )
+    return source + ".md5"
 
 
 def source_basename(source: str) -> str:
@@ -82,10 +272,11 @@ def source_basename(source: str) -> str:
 
 
 def parse_md5_text(text: str, where: str) -> str:
-    """The md5 in an `md5sum`-style line ("<hex>  <name>"), lower-case."""
+    """The md5 in an `md5sum`-style line ("<hex>  <name>"), lower-case. The error never quotes
+    the text: it came from the source."""
     digest = md5_of_line(text)
     if digest is None:
-        raise FetchError(f"{where}: no md5 hex digest in {text[:80]!r}", retryable=False)
+        raise FetchError(f"{where}: no md5 hex digest at the start of the file", retryable=False)
     return digest
 
 
@@ -112,18 +303,67 @@ def _open_part(part: Path, offset: int):
     return f
 
 
-class _PartWriter:
-    """The per-block step every protocol shares: append to the .part file, report progress,
-    and say how long to pause for --limit_rate."""
+@dataclass(frozen=True)
+class _Bound:
+    """The most bytes a fetch may bring: the declared `size` (exactly that many) or a `cap`
+    (`why` says where it comes from)."""
 
-    def __init__(
-        self, part: Path, offset: int, total: int | None, policy: FetchPolicy, progress: ProgressFn
-    ) -> None:
-        self.pace = _Pace(policy.limit_rate)
+    size: int | None = None
+    cap: int | None = None
+    why: str = ""
+
+    def check_total(self, total: int | None, where: str) -> None:
+        """Refuse before the first byte when the source announces another size."""
+        if total is None:
+            return
+        if self.size is not None and total != self.size:
+            raise FetchError(
+                f"source {where} has {total} bytes, the request says size {self.size}",
+                retryable=False,
+            )
+        if self.cap is not None and total > self.cap:
+            raise FetchError(
+                f"{where} has {total} bytes, more than {self.cap} ({self.why})", retryable=False
+            )
+
+    def check_done(self, done: int, where: str) -> None:
+        """Abort as soon as more bytes arrive than may (the disk is not the source's to fill)."""
+        if self.size is not None and done > self.size:
+            raise FetchError(
+                f"source {where} sent more than the declared size of {self.size} bytes; "
+                "the transfer was stopped and the partial file deleted",
+                retryable=False,
+            )
+        if self.cap is not None and done > self.cap:
+            raise FetchError(
+                f"{where} sent more than {self.cap} bytes ({self.why}); stopped", retryable=False
+            )
+
+
+@dataclass
+class _Attempt:
+    """What one attempt needs besides the target: where, from which offset, within which
+    bound, at which pace, reporting progress to whom."""
+
+    part: Path
+    offset: int
+    bound: _Bound
+    policy: FetchPolicy
+    progress: ProgressFn
+    where: str  # the source as messages show it
+
+
+class _PartWriter:
+    """The per-block step every protocol shares: check the bound, append to the .part file,
+    report progress, and say how long to pause for --limit_rate."""
+
+    def __init__(self, attempt: _Attempt, offset: int, total: int | None) -> None:
+        attempt.bound.check_total(total, attempt.where)
+        self.attempt = attempt
+        self.pace = _Pace(attempt.policy.limit_rate)
         self.done = offset
         self.total = total
-        self.progress = progress
-        self.file = _open_part(part, offset)
+        self.file = _open_part(attempt.part, offset)
 
     def __enter__(self) -> _PartWriter:
         return self
@@ -133,9 +373,10 @@ class _PartWriter:
 
     def write(self, block: bytes) -> float:
         """Append `block`; the seconds to wait before the next one (0 when unlimited)."""
+        self.attempt.bound.check_done(self.done + len(block), self.attempt.where)
         self.file.write(block)
         self.done += len(block)
-        self.progress(self.done, self.total)
+        self.attempt.progress(self.done, self.total)
         return self.pace.delay(len(block))
 
     def write_in_thread(self, block: bytes, stop: threading.Event) -> None:
@@ -147,10 +388,10 @@ class _PartWriter:
             stop.wait(wait)
 
 
-async def _http_once(
-    url: str, part: Path, offset: int, policy: FetchPolicy, progress: ProgressFn
-) -> int | None:
-    """One HTTP attempt from `offset`; returns the source's total size if it said so."""
+async def _http_once(target: Target, at: _Attempt) -> int | None:
+    """One HTTP attempt from `at.offset`, following at most MAX_REDIRECTS redirects, each one
+    checked like the source; returns the source's total size if it said so."""
+    policy = at.policy
     timeout = aiohttp.ClientTimeout(
         total=None,
         connect=policy.io_timeout,
@@ -158,107 +399,138 @@ async def _http_once(
         sock_read=policy.io_timeout,
     )
     headers = {"Accept-Encoding": "identity"}
-    if offset:
-        headers["Range"] = f"bytes={offset}-"
-    async with (
-        aiohttp.ClientSession(timeout=timeout, auto_decompress=False) as session,
-        session.get(url, headers=headers) as resp,
-    ):
-        if resp.status == 416 and offset:
-            match = _UNSATISFIED_RE.search(resp.headers.get("Content-Range", ""))
-            if match and int(match.group(1)) == offset:
-                return offset  # the .part already holds everything
-            _open_part(part, 0).close()
-            raise FetchError(f"HTTP 416 from {url} resuming at {offset}; restarting from 0")
-        if resp.status >= 400:
-            retry = resp.status >= 500 or resp.status in (408, 429)
-            raise FetchError(f"HTTP {resp.status} {resp.reason} from {url}", retryable=retry)
-        total: int | None = None
-        if resp.status == 206:
-            match = _CONTENT_RANGE_RE.search(resp.headers.get("Content-Range", ""))
-            if not match or int(match.group(1)) != offset:
-                _open_part(part, 0).close()
-                raise FetchError(f"bad Content-Range from {url} resuming at {offset}; restarting")
-            total = None if match.group(3) == "*" else int(match.group(3))
-        else:
-            offset = 0  # the server ignored Range: take the whole body
-            if resp.content_length is not None:
-                total = resp.content_length
-        with _PartWriter(part, offset, total, policy, progress) as writer:
-            async for block in resp.content.iter_chunked(policy.chunk):
-                wait = writer.write(block)
-                if wait:
-                    await asyncio.sleep(wait)
-        return total
+    if at.offset:
+        headers["Range"] = f"bytes={at.offset}-"
+    url = target.url
+    async with aiohttp.ClientSession(timeout=timeout, auto_decompress=False) as session:
+        for _hop in range(MAX_REDIRECTS + 1):
+            async with session.get(
+                yarl.URL(url, encoded=True), headers=headers, allow_redirects=False
+            ) as resp:
+                if resp.status in _REDIRECTS:
+                    url = _redirect_target(url, resp.headers.get("Location"), at)
+                    continue
+                return await _http_body(resp, at)
+    raise FetchError(f"{at.where}: more than {MAX_REDIRECTS} redirects", retryable=False)
 
 
-def _ftp_once(
-    url: str,
-    part: Path,
-    offset: int,
-    policy: FetchPolicy,
-    progress: ProgressFn,
-    stop: threading.Event,
-) -> int | None:
-    """One FTP attempt from `offset` (REST), in a worker thread."""
-    parts = urlsplit(url)
-    if not parts.hostname:
-        raise FetchError(f"source {url!r}: ftp URL without a host", retryable=False)
-    path = unquote(parts.path)
-    ftp = ftplib.FTP(timeout=policy.io_timeout)
+def _redirect_target(url: str, location: str | None, at: _Attempt) -> str:
+    """The checked URL a redirect leads to; the Location itself never goes into a message."""
+    if not location:
+        raise FetchError(f"{at.where}: a redirect without a Location", retryable=False)
     try:
-        ftp.connect(parts.hostname, parts.port or 21)
+        target = check_source(urljoin(url, location), at.policy.sources)
+        if target.kind != "http":
+            raise SourceRefused("not http")
+    except SourceRefused:
+        log.warning("redirect from %s to %r refused", shown(url), location[:200])
+        raise SourceRefused(
+            f"source {at.where}: a redirect leads outside the allowed sources (only http(s) "
+            f"URLs that {_FLAGS_HINT} allows are followed); not followed"
+        ) from None
+    return target.url
+
+
+async def _http_body(resp: aiohttp.ClientResponse, at: _Attempt) -> int | None:
+    """Write the body of a final (non-redirect) answer into the .part."""
+    offset, where = at.offset, at.where
+    if resp.status == 416 and offset:
+        match = _UNSATISFIED_RE.search(resp.headers.get("Content-Range", ""))
+        if match and int(match.group(1)) == offset:
+            return offset  # the .part already holds everything
+        _open_part(at.part, 0).close()
+        raise FetchError(f"HTTP 416 from {where} resuming at {offset}; restarting from 0")
+    if resp.status >= 400:
+        retry = resp.status >= 500 or resp.status in (408, 429)
+        raise FetchError(f"HTTP {_status_text(resp.status)} from {where}", retryable=retry)
+    total: int | None = None
+    if resp.status == 206:
+        match = _CONTENT_RANGE_RE.search(resp.headers.get("Content-Range", ""))
+        if not match or int(match.group(1)) != offset:
+            _open_part(at.part, 0).close()
+            raise FetchError(f"bad Content-Range from {where} resuming at {offset}; restarting")
+        total = None if match.group(3) == "*" else int(match.group(3))
+    else:
+        offset = 0  # the server ignored Range: take the whole body
+        if resp.content_length is not None:
+            total = resp.content_length
+    with _PartWriter(at, offset, total) as writer:
+        async for block in resp.content.iter_chunked(at.policy.chunk):
+            wait = writer.write(block)
+            if wait:
+                await asyncio.sleep(wait)
+    return total
+
+
+def _status_text(status: int) -> str:
+    """`404 Not Found`: the standard phrase, never the reason the server sent."""
+    try:
+        return f"{status} {http.HTTPStatus(status).phrase}"
+    except ValueError:
+        return str(status)
+
+
+def _ftp_reply(exc: BaseException) -> str:
+    """`FTP reply 550`: the code of a server reply, never its text."""
+    code = str(exc)[:3]
+    return f"FTP reply {code}" if code.isdigit() else "an unexpected FTP reply"
+
+
+def _ftp_once(target: Target, at: _Attempt, stop: threading.Event) -> int | None:
+    """One FTP attempt from `at.offset` (REST), in a worker thread."""
+    parts = urlsplit(target.url)
+    path = unquote(parts.path)
+    offset = at.offset
+    ftp = ftplib.FTP(timeout=at.policy.io_timeout)
+    try:
+        ftp.connect(target.host, target.port or 21)
         ftp.login(unquote(parts.username or "anonymous"), unquote(parts.password or "anonymous@"))
         ftp.voidcmd("TYPE I")
         try:
             total: int | None = ftp.size(path)
         except ftplib.error_perm as exc:
             if str(exc).startswith("550"):
-                raise FetchError(f"FTP {url}: {exc}", retryable=False) from exc
+                raise FetchError(f"{_ftp_reply(exc)} for {at.where}", retryable=False) from None
             total = None
         if total is not None and offset > total:
             offset = 0
         if total is not None and offset == total:
-            _open_part(part, offset).close()
+            at.bound.check_total(total, at.where)
+            _open_part(at.part, offset).close()
             return total
-        with _PartWriter(part, offset, total, policy, progress) as writer:
+        with _PartWriter(at, offset, total) as writer:
             try:
                 ftp.retrbinary(
                     f"RETR {path}",
                     lambda block: writer.write_in_thread(block, stop),
-                    blocksize=policy.chunk,
+                    blocksize=at.policy.chunk,
                     rest=offset or None,
                 )
             except ftplib.error_perm as exc:
-                raise FetchError(f"FTP {url}: {exc}", retryable=False) from exc
+                raise FetchError(f"{_ftp_reply(exc)} for {at.where}", retryable=False) from None
         return total
     finally:
         ftp.close()
 
 
-def _file_once(
-    source: str,
-    part: Path,
-    offset: int,
-    policy: FetchPolicy,
-    progress: ProgressFn,
-    stop: threading.Event,
-) -> int | None:
-    """Copy a local file from `offset`, in a worker thread."""
-    path = local_path(source)
+def _file_once(target: Target, at: _Attempt, stop: threading.Event) -> int | None:
+    """Copy a local regular file from `at.offset`, in a worker thread."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK  # no fifo wait, no late symlink swap
     try:
-        src = open(path, "rb")  # noqa: SIM115 - closed below
-    except FileNotFoundError as exc:
-        raise FetchError(f"source {source!r}: no such file", retryable=False) from exc
-    except IsADirectoryError as exc:
-        raise FetchError(f"source {source!r}: is a directory", retryable=False) from exc
-    with src:
-        total = path.stat().st_size
-        if offset > total:
-            offset = 0
+        fd = os.open(target.url, flags)
+    except FileNotFoundError:
+        raise FetchError(f"source {at.where!r}: no such file", retryable=False) from None
+    except OSError as exc:
+        raise FetchError(f"source {at.where!r}: {exc.strerror}", retryable=False) from None
+    with open(fd, "rb") as src:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise FetchError(f"source {at.where!r}: not a regular file", retryable=False)
+        total = info.st_size
+        offset = at.offset if at.offset <= total else 0
         src.seek(offset)
-        with _PartWriter(part, offset, total, policy, progress) as writer:
-            while block := src.read(policy.chunk):
+        with _PartWriter(at, offset, total) as writer:
+            while block := src.read(at.policy.chunk):
                 writer.write_in_thread(block, stop)
     return total
 
@@ -279,41 +551,54 @@ async def fetch_file(
     size: int | None,
     policy: FetchPolicy,
     progress: ProgressFn = lambda done, total: None,
+    cap: int | None = None,
+    cap_why: str = "",
 ) -> int:
     """Download `source` into `part`, resuming what is already there; returns the byte count.
 
     The result is complete as far as the source is concerned (its announced size, and `size`
-    when given); the caller checks the md5.
+    when given: more is refused as soon as it arrives; `cap` bounds a fetch of unknown size,
+    `cap_why` says why in the error);
+    the caller checks the md5. On a failure resuming cannot cure, `part` is deleted.
     """
-    kind = source_kind(source)
+    try:
+        return await _fetch(source, part, _Bound(size, cap, cap_why), policy, progress)
+    except FetchError as exc:
+        if not exc.keep_part:
+            part.unlink(missing_ok=True)
+        raise
+
+
+async def _fetch(
+    source: str, part: Path, bound: _Bound, policy: FetchPolicy, progress: ProgressFn
+) -> int:
+    target = check_source(source, policy.sources)
+    where = shown(source)
     part.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + policy.timeout
     last: Exception | None = None
     for attempt in range(1, max(policy.attempts, 1) + 1):
         offset = part.stat().st_size if part.exists() else 0
-        if size is not None and offset > size:
+        if bound.size is not None and offset > bound.size:
             offset = 0
             _open_part(part, 0).close()
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
+        at = _Attempt(part, offset, bound, policy, progress, where)
         try:
             async with asyncio.timeout(remaining):
-                if kind == "http":
-                    total = await _http_once(source, part, offset, policy, progress)
-                elif kind == "ftp":
-                    total = await _in_thread(_ftp_once, source, part, offset, policy, progress)
+                if target.kind == "http":
+                    total = await _http_once(target, at)
+                elif target.kind == "ftp":
+                    total = await _in_thread(_ftp_once, target, at)
                 else:
-                    total = await _in_thread(_file_once, source, part, offset, policy, progress)
+                    total = await _in_thread(_file_once, target, at)
             got = part.stat().st_size
-            if total is not None and size is not None and total != size:
-                raise FetchError(
-                    f"source {source} has {total} bytes, the request says size {size}",
-                    retryable=False,
-                )
-            want = size if size is not None else total
+            bound.check_total(total, where)
+            want = bound.size if bound.size is not None else total
             if want is not None and got != want:
-                raise FetchError(f"transfer of {source} stopped at {got} of {want} bytes")
+                raise FetchError(f"transfer of {where} stopped at {got} of {want} bytes")
             return got
         except FetchError as exc:
             if not exc.retryable:
@@ -328,18 +613,22 @@ async def fetch_file(
             await asyncio.sleep(max(0.0, min(pause, deadline - time.monotonic())))
     if time.monotonic() >= deadline:
         raise FetchError(
-            f"download of {source} timed out after {policy.timeout:g} s (--download_timeout); "
+            f"download of {where} timed out after {policy.timeout:g} s (--download_timeout); "
             f"kept {part.name} to resume",
             retryable=False,
+            keep_part=True,
         )
     raise FetchError(
-        f"download of {source} failed after {policy.attempts} attempts: {_describe(last)}",
+        f"download of {where} failed after {policy.attempts} attempts: {_describe(last)}",
         retryable=False,
+        keep_part=True,
     )
 
 
 async def fetch_md5(source: str, dest: Path, policy: FetchPolicy) -> str:
-    """Fetch `<source>.md5` (small; fetched whole each time) and return the digest."""
+    """Fetch `<source>.md5` (--md5_from_source; small: at most MAX_MD5_FILE bytes, fetched whole
+    each time) into `dest` and return the digest."""
+    source = md5_source(source)
     part = dest.with_name(dest.name + ".part")
     part.unlink(missing_ok=True)
     small = FetchPolicy(
@@ -348,18 +637,42 @@ async def fetch_md5(source: str, dest: Path, policy: FetchPolicy) -> str:
         backoff_max=policy.backoff_max,
         timeout=min(policy.timeout, 300.0),
         io_timeout=policy.io_timeout,
+        sources=policy.sources,
     )
-    await fetch_file(source + ".md5", part, size=None, policy=small)
-    if part.stat().st_size > MAX_MD5_FILE:
-        raise FetchError(f"{source}.md5 is larger than {MAX_MD5_FILE} bytes", retryable=False)
+    await fetch_file(source, part, size=None, policy=small, cap=MAX_MD5_FILE, cap_why="md5 file")
     text = part.read_text(encoding="utf-8", errors="replace")
-    digest = parse_md5_text(text, f"{source}.md5")
+    try:
+        digest = parse_md5_text(text, shown(source))
+    except FetchError:
+        part.unlink(missing_ok=True)
+        raise
     part.replace(dest)
     return digest
 
 
 def _describe(exc: Exception | None) -> str:
+    """Why an attempt failed, in words that never come from the source: a reply, a banner or
+    a certificate can be chosen by whoever runs the source."""
     if exc is None:
         return "no attempt made"
-    text = str(exc) or type(exc).__name__
-    return text if isinstance(exc, FetchError) else f"{type(exc).__name__}: {text}"
+    if isinstance(exc, FetchError):
+        return str(exc)
+    if isinstance(exc, TimeoutError):
+        return "timed out (--io_timeout)"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        cause = exc.os_error
+        why = getattr(cause, "strerror", None) or type(cause).__name__
+        return f"cannot connect to {exc.host}:{exc.port} ({why})"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "the server closed the connection"
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return "the body was cut short"
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return "the answer is not valid HTTP"
+    if isinstance(exc, ftplib.Error):
+        return _ftp_reply(exc)
+    if isinstance(exc, EOFError):
+        return "the connection closed early"
+    if isinstance(exc, OSError) and not isinstance(exc, aiohttp.ClientError):
+        return f"{type(exc).__name__}: {exc.strerror or 'I/O error'}"
+    return type(exc).__name__

@@ -28,14 +28,24 @@ class BadRequest(ValueError):
     """A request field that cannot be used; the message names the field."""
 
 
+def is_name(value: object) -> bool:
+    return isinstance(value, str) and bool(_NAME_RE.fullmatch(value)) and ".." not in value
+
+
 def check_name(field: str, value: object) -> str:
     """A version or dict name that is safe as one path component (no '/', no '..')."""
-    if not isinstance(value, str) or not _NAME_RE.fullmatch(value) or ".." in value:
+    if not is_name(value):
         raise BadRequest(
-            f"{field}: {value!r} is not a valid name (letters, digits, '.', '_', '-'; "
+            f"{field}: {clip(value)} is not a valid name (letters, digits, '.', '_', '-'; "
             "at most 128 characters; no '..')"
         )
     return value
+
+
+def clip(value: object, limit: int = 80) -> str:
+    """A value for a message, quoted and cut: a request can send megabytes."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def version_dir_name(version: str, depend: str = "", mode: str = "") -> str:
@@ -125,11 +135,27 @@ def normalize_chain(chain: object, version: str) -> list[str]:
 
 
 def read_chain(layout: Layout, version: str) -> list[str]:
-    """A placed version's chain: the CHAIN file of a delta, `[version]` for a base."""
+    """A placed version's chain: the CHAIN file of a delta, `[version]` for a base. A line that
+    is not a version name is left out (a chain never leads outside data/); the placed-files
+    check reports such a CHAIN as damaged."""
     try:
         text = (layout.version_dir(version) / CHAIN_FILE).read_text(encoding="utf-8")
-    except FileNotFoundError:
+    except (OSError, UnicodeDecodeError):
         return [version]
+    return [name for name in _chain_lines(text) if is_name(name)] or [version]
+
+
+def chain_is_valid(layout: Layout, version: str) -> bool:
+    """Whether data/<version>/CHAIN lists only version names, base first, ending with it."""
+    try:
+        text = (layout.version_dir(version) / CHAIN_FILE).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    lines = _chain_lines(text)
+    return bool(lines) and all(map(is_name, lines)) and lines[-1] == version
+
+
+def _chain_lines(text: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 

@@ -20,7 +20,7 @@ from aiohttp import web
 from agent import __version__
 from agent.api import make_app
 from agent.deploy import Agent, AgentConfig
-from agent.fetch import FetchPolicy
+from agent.fetch import FetchPolicy, SourcePolicy
 from cube.flags import FlagError, Flags, FlagSet, run_cli
 
 log = logging.getLogger("cube.agent")
@@ -43,6 +43,15 @@ def flag_set() -> FlagSet:
     fs.add("limit_rate", int, 0, "download rate limit in bytes/s (0 = unlimited)")
     fs.add("reload_timeout", float, 1800.0, "seconds for the server to load a version")
     fs.add("control_timeout", float, 10.0, "seconds for other server control commands")
+    fs.add(
+        "allowed_sources",
+        str,
+        "",
+        "comma-separated URL prefixes downloads may use, scheme://host[:port]/path "
+        "(file:///path for local files); default: any http, https or ftp URL",
+    )
+    fs.add("allow_file_sources", bool, False, "allow file:// and local path sources anywhere")
+    fs.add("md5_from_source", bool, False, "a download without md5 fetches <source>.md5")
     return fs
 
 
@@ -61,12 +70,17 @@ def config_from_flags(flags: Flags) -> AgentConfig:
     for name in ("download_timeout", "io_timeout", "reload_timeout", "control_timeout"):
         if flags[name] <= 0:
             raise FlagError(f"--{name}: must be positive")
+    try:
+        sources = SourcePolicy.from_flags(flags.allowed_sources, flags.allow_file_sources)
+    except ValueError as exc:
+        raise FlagError(str(exc)) from None
     policy = FetchPolicy(
         attempts=max(1, flags.download_attempts),
         backoff=flags.download_backoff,
         timeout=flags.download_timeout,
         io_timeout=flags.io_timeout,
         limit_rate=flags.limit_rate,
+        sources=sources,
     )
     return AgentConfig(
         deploy_path=Path(flags.deploy_path).absolute(),
@@ -75,6 +89,7 @@ def config_from_flags(flags: Flags) -> AgentConfig:
         fetch=policy,
         reload_timeout=flags.reload_timeout,
         control_timeout=flags.control_timeout,
+        md5_from_source=flags.md5_from_source,
     )
 
 

@@ -32,7 +32,12 @@ class TaskBusy(Exception):
 
 
 class TaskFailed(Exception):
-    """An expected failure of a task; its message is what the transfer sees."""
+    """An expected failure of a task; its message is what the transfer sees, its `reason` (if
+    any) what a program may act on (see Task.reason)."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -46,7 +51,7 @@ class Task:
     finished_at: float | None = None
     progress: dict[str, Any] = field(default_factory=dict)
     runs: int = 1
-    reason: str = ""  # of a failure, for programs: e.g. "server_unreachable" (worth waiting)
+    reason: str = ""  # of a failure, for programs: "server_unreachable", "corrupt_version"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -169,9 +174,10 @@ class TaskManager:
         except self.expected_errors as exc:
             task.state, task.message = FAILED, str(exc)
             task.reason = getattr(exc, "reason", "")
-        except Exception as exc:
+        except Exception as exc:  # its text may quote what a source sent: only in the log
             log.exception("%s %s: internal error", task.command, task.version)
-            task.state, task.message = FAILED, f"internal error: {type(exc).__name__}: {exc}"
+            task.state = FAILED
+            task.message = f"internal error ({type(exc).__name__}); details in the agent's log"
         finally:
             task.finished_at = round(time.time(), 3)
             self._handles.pop((task.command, task.version), None)

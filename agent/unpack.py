@@ -5,16 +5,23 @@ relative names that stay inside the target are allowed; absolute names, `..`, sy
 links, devices and fifos make the whole tar refused with a message naming the member. A tar that
 cannot be read to its end (truncated, garbage) is refused too. Extraction goes into a hidden temp
 directory that the caller renames into place, so a half-extracted version is never visible.
+
+Messages name members (clipped) but never quote file contents: a shard header that does not open
+is reported by file and offset, its details go to the agent's log only.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tarfile
 from pathlib import Path, PurePosixPath
 
+from cube.format import ShardFormatError
 from cube.shard import DATA_FILE, INDEX_FILE, Shard
+
+log = logging.getLogger("cube.agent")
 
 REQUIRED_FILES = (INDEX_FILE, DATA_FILE)
 
@@ -33,9 +40,9 @@ def member_problem(member: tarfile.TarInfo) -> str | None:
     if "\\" in name or "\x00" in name:
         return "backslash or NUL in the name"
     if member.issym():
-        return f"symlink (to {member.linkname!r})"
+        return f"symlink (to {clip(member.linkname)})"
     if member.islnk():
-        return f"hard link (to {member.linkname!r})"
+        return f"hard link (to {clip(member.linkname)})"
     if member.ischr() or member.isblk():
         return "device file"
     if member.isfifo():
@@ -43,6 +50,11 @@ def member_problem(member: tarfile.TarInfo) -> str | None:
     if not (member.isreg() or member.isdir()):
         return f"unsupported member type {member.type!r}"
     return None
+
+
+def clip(name: str, limit: int = 100) -> str:
+    """A member name for a message: quoted, and cut (a PAX name can be any length)."""
+    return repr(name) if len(name) <= limit else repr(name[:limit]) + "..."
 
 
 def relative_name(member: tarfile.TarInfo) -> str:
@@ -55,7 +67,7 @@ def check_members(members: list[tarfile.TarInfo], where: str) -> None:
     for member in members:
         problem = member_problem(member)
         if problem:
-            raise UnsafeTar(f"{where}: refused member {member.name!r}: {problem}")
+            raise UnsafeTar(f"{where}: refused member {clip(member.name)}: {problem}")
 
 
 def extract_shard_tar(tar_path: Path, dest: Path) -> list[str]:
@@ -83,12 +95,23 @@ def extract_shard_tar(tar_path: Path, dest: Path) -> list[str]:
     except UnsafeTar:
         raise
     except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
-        raise UnsafeTar(f"{where}: corrupt or truncated tar: {exc}") from exc
+        log.warning("%s: %r", where, str(exc))
+        if isinstance(exc, OSError) and exc.strerror:
+            raise  # a local problem (e.g. a full disk), not the tar's
+        raise UnsafeTar(f"{where}: corrupt or truncated tar ({type(exc).__name__})") from exc
     _fsync_tree(dest)
     try:
         Shard.open(dest).close()
+    except ShardFormatError as exc:  # its text can quote header bytes: the log only
+        log.warning("%s: %r", where, str(exc))
+        at = f" at offset {exc.offset}" if exc.offset is not None else ""
+        raise UnsafeTar(
+            f"{where}: does not hold a valid shard: {Path(exc.path).name}{at} is not a readable "
+            "shard file of this format (bad header, size or pairing; details in the agent's log)"
+        ) from exc
     except (OSError, ValueError) as exc:
-        raise UnsafeTar(f"{where}: does not hold a valid shard: {exc}") from exc
+        log.warning("%s: %r", where, str(exc))
+        raise UnsafeTar(f"{where}: does not hold a valid shard ({type(exc).__name__})") from exc
     return sorted(names)
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.layout import BadRequest, check_name, normalize_chain, version_dir_name
+from agent.layout import BadRequest, check_name, clip, normalize_chain, version_dir_name
 from cube.fsutil import is_md5_hex
 
 LONG_COMMANDS = ("download", "reload", "enable", "rollback")
@@ -18,6 +18,7 @@ SERVER_COMMANDS = frozenset({"reload", "enable", "rollback"})
 QUERY_COMMAND = "task"
 COMMANDS = (*LONG_COMMANDS, QUERY_COMMAND)
 MODES = ("base", "delta")
+MAX_SOURCE = 4096  # characters of a source URL or path
 
 
 @dataclass(frozen=True)
@@ -61,13 +62,24 @@ def _int(body: dict[str, Any], name: str, default: int | None) -> int | None:
     value = body.get(name)
     if value is None or value == "":
         return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     try:
+        if isinstance(value, (bool, float)):
+            raise ValueError
         number = int(value)
     except (TypeError, ValueError):
-        raise BadRequest(f"{name}: expected an integer, got {value!r}") from None
+        raise BadRequest(f"{name}: expected an integer, got {clip(value)}") from None
     if number < 0:
         raise BadRequest(f"{name}: must not be negative, got {number}")
     return number
+
+
+def _same_path(requested: str, deploy_path: Path) -> bool:
+    try:
+        return Path(requested).resolve() == deploy_path.resolve()
+    except (OSError, ValueError):  # a NUL byte, a symlink loop...
+        return False
 
 
 def parse_work(body: object, deploy_path: Path) -> Work:
@@ -76,17 +88,17 @@ def parse_work(body: object, deploy_path: Path) -> Work:
         raise BadRequest("the body must be a JSON object")
     command = _text(body, "command")
     if command not in COMMANDS:
-        raise BadRequest(f"command: {command!r} is not one of {', '.join(COMMANDS)}")
+        raise BadRequest(f"command: {clip(command)} is not one of {', '.join(COMMANDS)}")
     requested_path = _text(body, "deploy_path")
-    if requested_path and Path(requested_path).resolve() != deploy_path.resolve():
+    if requested_path and not _same_path(requested_path, deploy_path):
         raise BadRequest(
-            f"deploy_path: {requested_path!r} is not this agent's --deploy_path "
+            f"deploy_path: {clip(requested_path)} is not this agent's --deploy_path "
             f"{str(deploy_path)!r}"
         )
     mode = _text(body, "mode")
     if mode and mode not in MODES:
         if command == "download":
-            raise BadRequest(f"mode: {mode!r} is not one of base, delta")
+            raise BadRequest(f"mode: {clip(mode)} is not one of base, delta")
         mode = ""  # other commands read the mode from the placed files (CHAIN)
     raw_version = _text(body, "version")
     if not raw_version:
@@ -99,7 +111,7 @@ def parse_work(body: object, deploy_path: Path) -> Work:
     if command == QUERY_COMMAND:
         task_command = _text(body, "task_command")
         if task_command and task_command not in LONG_COMMANDS:
-            raise BadRequest(f"task_command: {task_command!r} is not one of {LONG_COMMANDS}")
+            raise BadRequest(f"task_command: {clip(task_command)} is not one of {LONG_COMMANDS}")
         return Work(command, version, task_command=task_command)
     source = md5 = ""
     size = None
@@ -108,11 +120,13 @@ def parse_work(body: object, deploy_path: Path) -> Work:
         source = _text(body, "source")
         if not source:
             raise BadRequest("source: required for download")
+        if len(source) > MAX_SOURCE:
+            raise BadRequest(f"source: longer than {MAX_SOURCE} characters")
         if ";" in source:
             raise BadRequest("source: one tar per request (the agent serves one shard split)")
         md5 = _text(body, "md5").lower()
         if md5 and not is_md5_hex(md5):
-            raise BadRequest(f"md5: {md5!r} is not 32 hex digits")
+            raise BadRequest(f"md5: {clip(md5)} is not 32 hex digits")
         size = _int(body, "size", None)
         if not mode:
             mode = "delta" if body.get("chain") or "_" in version else "base"

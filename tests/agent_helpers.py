@@ -6,12 +6,14 @@ its owner; every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import io
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import tarfile
 import threading
@@ -74,6 +76,16 @@ def write_md5(path: Path) -> str:
     return digest
 
 
+def flip_byte(path: Path, offset: int) -> None:
+    """Corrupt one byte of `path` in place (the bitwise complement), as a bad disk would."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        assert byte, f"{path} has no byte at offset {offset}"
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
 def add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     info = tarfile.TarInfo(name)
     info.size = len(data)
@@ -110,10 +122,12 @@ class LoopThread:
 
 
 class HttpFileServer:
-    """aiohttp static files (with Range support) from `root`; records each request's Range."""
+    """aiohttp static files (with Range support) from `root`; records each request's Range.
+    `routes` adds handlers (path -> async handler) in front of the static files."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, routes: dict[str, Any] | None = None) -> None:
         self.root = root
+        self.routes = dict(routes or {})
         self.requests: list[tuple[str, str]] = []  # (path, Range header)
         self.fail_next: dict[str, int] = {}  # path -> how many requests to answer 503
         self._loop = LoopThread()
@@ -130,6 +144,8 @@ class HttpFileServer:
             return await handler(request)
 
         app = web.Application(middlewares=[record])
+        for path, handler in self.routes.items():
+            app.router.add_get(path, handler)
         app.router.add_static("/", self.root)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
@@ -176,6 +192,45 @@ class FtpFileServer:
     def close(self) -> None:
         self.server.close_all()
         self.thread.join(timeout=WAIT)
+
+
+class LineServer:
+    """A hostile TCP server on loopback: sends `greeting` on connect, then `reply` for every line
+    it receives (e.g. an HTTP or FTP client pointed at some other service). Records connections."""
+
+    def __init__(self, greeting: bytes, reply: bytes) -> None:
+        self.greeting, self.reply = greeting, reply
+        self.connections = 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._talk, args=(conn,), daemon=True).start()
+
+    def _talk(self, conn: socket.socket) -> None:
+        conn.settimeout(WAIT)
+        with conn, contextlib.suppress(OSError):
+            if self.greeting:
+                conn.sendall(self.greeting)
+            for _line in conn.makefile("rb"):
+                conn.sendall(self.reply)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=WAIT)
+        self.sock.close()
 
 
 # ------------------------------------------------------------------ fake cube-server control
@@ -320,6 +375,16 @@ class AgentProc:
         request.add_header("Content-Type", "application/json")
         if token:
             request.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(request, timeout=WAIT) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    def call_raw(self, path: str, data: bytes) -> tuple[int, dict[str, Any]]:
+        """POST raw bytes (not necessarily JSON); returns (HTTP status, parsed envelope)."""
+        request = urllib.request.Request(self.url + path, data=data, method="POST")
+        request.add_header("Content-Type", "application/json")
         try:
             with urllib.request.urlopen(request, timeout=WAIT) as resp:
                 return resp.status, json.loads(resp.read())

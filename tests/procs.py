@@ -203,6 +203,7 @@ def start_server(
     *args: str,
     workers: int = 1,
     ports: list[int] | None = None,
+    control_ports: list[int] | None = None,
     log_path: str | os.PathLike | None = None,
     timeout: float = 30.0,
     wait: bool = True,
@@ -211,7 +212,7 @@ def start_server(
     worker answers its health check (SERVING or, with nothing to serve, NOT_SERVING). The
     caller must `stop()` it (or use `running_server`)."""
     ports = ports or free_ports(workers)
-    controls = free_ports(workers, avoid=ports)
+    controls = control_ports or free_ports(workers, avoid=ports)
     data_dir = Path(data_dir)
     log_path = Path(log_path) if log_path else data_dir.parent / f"cube-server-{ports[0]}.log"
     command = [

@@ -58,14 +58,15 @@ def env(tmp_path):
     server.stop()
 
 
-def tar_for(env, name: str, seed: int = 0, n_keys: int = 1000) -> str:
-    """Builder-style `<name>.tar` + `.md5` in the file root; returns its HTTP URL."""
-    make_shard_tar(env.files / f"{name}.tar", n_keys=n_keys, seed=seed)
-    return f"{env.http.url}/{name}.tar"
+def tar_for(env, name: str, seed: int = 0, n_keys: int = 1000) -> dict[str, str]:
+    """Builder-style `<name>.tar` + `.md5` in the file root; the download fields for it (its
+    HTTP URL as `source`, and its `md5`)."""
+    md5 = make_shard_tar(env.files / f"{name}.tar", n_keys=n_keys, seed=seed)
+    return {"source": f"{env.http.url}/{name}.tar", "md5": md5}
 
 
-def deploy(agent: AgentProc, version: str, source: str, **body) -> None:
-    steps = (("download", {"source": source, **body}), ("reload", {}), ("enable", {}))
+def deploy(agent: AgentProc, version: str, src: dict[str, str], **body) -> None:
+    steps = (("download", {**src, **body}), ("reload", {}), ("enable", {}))
     for command, extra in steps:
         task = agent.run(command, version, **extra)
         assert task["state"] == "succeeded", task
@@ -80,8 +81,7 @@ def visible_entries(data: Path) -> set[str]:
 
 def test_base_then_delta_with_chain_and_idempotent_repeats(env):
     agent = env.agent()
-    base_url = tar_for(env, "base", seed=1)
-    deploy(agent, BASE, base_url, dict_name="t", shard_seq=0, mode="base")
+    deploy(agent, BASE, tar_for(env, "base", seed=1), dict_name="t", shard_seq=0, mode="base")
     assert (env.data / "VERSION").read_text() == f"{BASE}\n"
     assert sorted(p.name for p in (env.data / BASE).iterdir()) == ["data.cube", "index.cube"]
     assert (env.deploy / "cube_data" / "0" / BASE / "base.tar").is_file()
@@ -90,8 +90,8 @@ def test_base_then_delta_with_chain_and_idempotent_repeats(env):
     assert seek(env.server.address, keys[:100]) == [r.tobytes() for r in rows[:100]]
 
     chain = [BASE, DELTA1]
-    delta_url = tar_for(env, "delta1", seed=2)
-    task = agent.run("download", DELTA1, source=delta_url, mode="delta", chain=chain)
+    delta = tar_for(env, "delta1", seed=2)
+    task = agent.run("download", DELTA1, **delta, mode="delta", chain=chain)
     assert task["state"] == "succeeded", task
     assert (env.data / "VERSION").read_text() == f"{BASE}\n"  # download never touches VERSION
     assert (env.data / DELTA1 / "CHAIN").read_text() == f"{BASE}\n{DELTA1}\n"
@@ -106,7 +106,7 @@ def test_base_then_delta_with_chain_and_idempotent_repeats(env):
 
     # repeats return the finished task, nothing is redone
     requests_before, log_before = len(env.http.requests), server_commands(env.server)
-    for command, extra in (("download", {"source": delta_url, "chain": chain}), ("reload", {})):
+    for command, extra in (("download", {**delta, "chain": chain}), ("reload", {})):
         again = agent.cmd(command=command, version=DELTA1, **extra)
         assert again["state"] == "succeeded" and again["runs"] == 1, again
     assert agent.run("enable", DELTA1)["runs"] == 1
@@ -121,12 +121,12 @@ def test_base_then_delta_with_chain_and_idempotent_repeats(env):
 
 def test_original_style_version_pair_and_builder_dir_names(env):
     agent = env.agent()
-    url = tar_for(env, "b", seed=3)
-    task = agent.run("download", f"{BASE}_{BASE}", source=url)  # the builder's base dir name
+    src = tar_for(env, "b", seed=3)
+    task = agent.run("download", f"{BASE}_{BASE}", **src)  # the builder's base dir name
     assert task["state"] == "succeeded" and task["version"] == BASE
     delta = agent.cmd(
         command="download", version="1700000100", depend=BASE, mode="delta",
-        source=tar_for(env, "d", seed=4), chain=[BASE],
+        **tar_for(env, "d", seed=4), chain=[BASE],
     )  # fmt: skip
     assert delta["version"] == DELTA1
     assert agent.wait_task("download", DELTA1)["state"] == "succeeded"
@@ -138,13 +138,13 @@ def test_original_style_version_pair_and_builder_dir_names(env):
 def test_ftp_source_with_resume(env):
     ftp = FtpFileServer(env.files)
     try:
-        agent = env.agent()
+        agent = env.agent("--md5_from_source")  # the original transfer sends no md5
         make_shard_tar(env.files / "f.tar", n_keys=3000, seed=5)
         whole = (env.files / "f.tar").read_bytes()
         folder = env.deploy / "cube_data" / "0" / BASE
         folder.mkdir(parents=True)
         (folder / "f.tar.part").write_bytes(whole[:7000])
-        deploy(agent, BASE, f"{ftp.url}/f.tar")  # md5 from f.tar.md5 over FTP too
+        deploy(agent, BASE, {"source": f"{ftp.url}/f.tar"})  # md5 from f.tar.md5 over FTP too
         assert "7000" in ftp.rest_offsets
         assert (folder / "f.tar").read_bytes() == whole
     finally:
@@ -152,11 +152,11 @@ def test_ftp_source_with_resume(env):
 
 
 def test_file_url_and_plain_path(env):
-    agent = env.agent()
-    make_shard_tar(env.files / "a.tar", seed=6)
-    make_shard_tar(env.files / "b.tar", seed=7)
-    deploy(agent, "100", f"file://{env.files / 'a.tar'}")
-    deploy(agent, "200", str(env.files / "b.tar"))
+    agent = env.agent("--allow_file_sources")
+    md5_a = make_shard_tar(env.files / "a.tar", seed=6)
+    md5_b = make_shard_tar(env.files / "b.tar", seed=7)
+    deploy(agent, "100", {"source": f"file://{env.files / 'a.tar'}", "md5": md5_a})
+    deploy(agent, "200", {"source": str(env.files / "b.tar"), "md5": md5_b})
     assert server_state(env.server.control_address) == ("200", "100")
     missing = agent.run("download", "300", source=str(env.files / "nope.tar"), md5="0" * 32)
     assert missing["state"] == "failed" and "no such file" in missing["message"]
@@ -167,31 +167,31 @@ def test_file_url_and_plain_path(env):
 
 def test_resume_after_truncated_part_and_recovery_from_a_bad_part(env):
     agent = env.agent()
-    url = tar_for(env, "r", seed=8, n_keys=20000)
+    src = tar_for(env, "r", seed=8, n_keys=20000)
     whole = (env.files / "r.tar").read_bytes()
     folder = env.deploy / "cube_data" / "0" / BASE
     folder.mkdir(parents=True)
     half = len(whole) // 2
     (folder / "r.tar.part").write_bytes(whole[:half])
-    task = agent.run("download", BASE, source=url, size=len(whole))
+    task = agent.run("download", BASE, **src, size=len(whole))
     assert task["state"] == "succeeded", task
     assert env.http.ranges_for("r.tar") == [f"bytes={half}-"]
 
     # a .part whose bytes are wrong: the md5 check throws it away, the next try starts over
-    url2 = tar_for(env, "r2", seed=9, n_keys=20000)
+    src2 = tar_for(env, "r2", seed=9, n_keys=20000)
     folder2 = env.deploy / "cube_data" / "0" / "200"
     folder2.mkdir(parents=True)
     (folder2 / "r2.tar.part").write_bytes(b"\0" * 1000)
-    bad = agent.run("download", "200", source=url2)
+    bad = agent.run("download", "200", **src2)
     assert bad["state"] == "failed" and "md5 mismatch" in bad["message"], bad
     assert not (folder2 / "r2.tar.part").exists() and not (env.data / "200").exists()
-    good = agent.run("download", "200", source=url2)
+    good = agent.run("download", "200", **src2)
     assert good["state"] == "succeeded" and good["runs"] == 2, good
 
 
 def test_md5_mismatch_places_nothing(env):
-    agent = env.agent()
-    url = tar_for(env, "m", seed=10)
+    agent = env.agent("--md5_from_source")
+    url = tar_for(env, "m", seed=10)["source"]
     task = agent.run("download", BASE, source=url, md5="0" * 32)
     assert task["state"] == "failed"
     assert f"md5 mismatch for {url}: expected {'0' * 32}" in task["message"]
@@ -211,8 +211,8 @@ def test_corrupt_tars_refused(env):
         whole = (env.files / f"{name}.tar").read_bytes()
         body = whole[: len(whole) // 2] if damage == "truncated" else os.urandom(len(whole))
         (env.files / f"{name}.tar").write_bytes(body)
-        write_md5(env.files / f"{name}.tar")  # the md5 matches: the builder shipped a broken tar
-        task = agent.run("download", name, source=f"{env.http.url}/{name}.tar")
+        md5 = write_md5(env.files / f"{name}.tar")  # it matches: the builder shipped a broken tar
+        task = agent.run("download", name, source=f"{env.http.url}/{name}.tar", md5=md5)
         assert task["state"] == "failed", task
         assert f"tar {name}.tar: corrupt or truncated tar" in task["message"], task
     assert visible_entries(env.data) == set()
@@ -242,8 +242,8 @@ def test_hostile_tars_refused_and_nothing_written_outside(env):
     for i, (member, why) in enumerate(HOSTILE_MEMBERS):
         data = b"pwned" if member.isreg() else b""
         member.size = len(data)
-        make_evil_tar(env.files / f"evil{i}.tar", env.files / "good.tar", member, data)
-        task = agent.run("download", f"v{i}", source=f"{env.http.url}/evil{i}.tar")
+        md5 = make_evil_tar(env.files / f"evil{i}.tar", env.files / "good.tar", member, data)
+        task = agent.run("download", f"v{i}", source=f"{env.http.url}/evil{i}.tar", md5=md5)
         assert task["state"] == "failed", task
         assert f"refused member {member.name!r}: " in task["message"], task
         assert why in task["message"], task
@@ -291,7 +291,7 @@ def test_envelopes_for_unknown_api_bad_requests_and_unknown_tasks(env):
 
 def test_server_unreachable_fails_the_task_with_a_clear_message(env):
     agent = env.agent(server_address="127.0.0.1:1")
-    assert agent.run("download", BASE, source=tar_for(env, "u"))["state"] == "succeeded"
+    assert agent.run("download", BASE, **tar_for(env, "u"))["state"] == "succeeded"
     task = agent.run("reload", BASE)
     assert task["state"] == "failed" and "127.0.0.1:1 unreachable" in task["message"], task
     server = agent.status()["server"]
@@ -303,7 +303,7 @@ def test_server_unreachable_fails_the_task_with_a_clear_message(env):
 
 def test_enable_requires_a_loaded_version(env):
     agent = env.agent()
-    assert agent.run("download", BASE, source=tar_for(env, "e"))["state"] == "succeeded"
+    assert agent.run("download", BASE, **tar_for(env, "e"))["state"] == "succeeded"
     task = agent.run("enable", BASE)
     assert task["state"] == "failed" and "send reload first" in task["message"]
     missing = agent.run("reload", "999")
@@ -355,7 +355,7 @@ def test_retention_keeps_serving_versions_and_the_current_chain(env):
     deploy(agent, "100", tar_for(env, "a", seed=30))
     for i, version in enumerate(("200", "300", "400")):  # downloaded, never enabled
         assert (
-            agent.run("download", version, source=tar_for(env, f"x{version}", seed=31 + i))["state"]
+            agent.run("download", version, **tar_for(env, f"x{version}", seed=31 + i))["state"]
             == "succeeded"
         )
     assert visible_entries(env.data) >= {"100", "200", "300", "400"}  # download deletes nothing
@@ -382,15 +382,13 @@ def test_retention_keeps_serving_versions_and_the_current_chain(env):
 
 
 def test_kill9_during_download_then_restart_resumes(env):
-    url = tar_for(env, "k", seed=50, n_keys=40000)
+    src = tar_for(env, "k", seed=50, n_keys=40000)
     size = (env.files / "k.tar").stat().st_size
     slow = env.agent("--limit_rate", str(size // 8))  # about 8 s for the whole tar
-    task = slow.cmd(command="download", version=BASE, source=url)
+    task = slow.cmd(command="download", version=BASE, **src)
     assert task["state"] == "running"
     # the same command again joins the running task; another command on the version is refused
-    assert (
-        slow.cmd(command="download", version=BASE, source=url)["started_at"] == task["started_at"]
-    )
+    assert slow.cmd(command="download", version=BASE, **src)["started_at"] == task["started_at"]
     status, reply = slow.call("POST", "/agent/cmd", {"command": "reload", "version": BASE})
     assert status == 409 and reply["success"] == "255"
     assert f"download of version {BASE} is running" in reply["message"]
@@ -407,7 +405,7 @@ def test_kill9_during_download_then_restart_resumes(env):
     agent = env.agent()
     before = agent.cmd(command="task", version=BASE, task_command="download")
     assert before["state"] == "failed" and before["message"].startswith("interrupted")
-    task = agent.run("download", BASE, source=url)
+    task = agent.run("download", BASE, **src)
     assert task["state"] == "succeeded" and task["runs"] == 2, task
     resumed = [r for r in env.http.ranges_for("k.tar") if r]
     assert resumed and int(resumed[-1].split("=")[1].rstrip("-")) >= kept
@@ -418,8 +416,8 @@ def test_kill9_during_download_then_restart_resumes(env):
 
 def test_restart_remembers_placed_versions_and_drops_half_extracted_dirs(env):
     agent = env.agent()
-    url = tar_for(env, "p", seed=60)
-    deploy(agent, BASE, url)
+    src = tar_for(env, "p", seed=60)
+    deploy(agent, BASE, src)
     agent.kill9()
     half = env.data / f".tmp-{DELTA1}-99999"
     half.mkdir()
@@ -427,7 +425,7 @@ def test_restart_remembers_placed_versions_and_drops_half_extracted_dirs(env):
     agent = env.agent()
     assert not half.exists()
     requests = len(env.http.requests)
-    again = agent.run("download", BASE, source=url)
+    again = agent.run("download", BASE, **src)
     assert again["state"] == "succeeded" and len(env.http.requests) == requests
     assert agent.status()["versions"] == [BASE]
 
@@ -447,7 +445,7 @@ def test_transfer_agent_client_drives_a_real_agent(env):
     from transfer.config import Instance
 
     agent = env.agent(token="t0k")
-    url = tar_for(env, "tr", seed=80)
+    url = tar_for(env, "tr", seed=80)["source"]
     md5 = (env.files / "tr.tar.md5").read_text().split()[0]
     agent_url = urlsplit(agent.url)
     server_port = int(env.server.address.rsplit(":", 1)[1])

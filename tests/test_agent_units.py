@@ -5,6 +5,7 @@ against a fake grpc.aio ControlService."""
 from __future__ import annotations
 
 import asyncio
+import re
 import tarfile
 from pathlib import Path
 
@@ -12,7 +13,17 @@ import pytest
 from agent_helpers import FakeServer, FtpFileServer, HttpFileServer, make_shard_tar
 
 from agent.control import ServerControl, ServerError, ServerUnreachable
-from agent.fetch import FetchError, FetchPolicy, fetch_file, fetch_md5, parse_md5_text
+from agent.fetch import (
+    FetchError,
+    FetchPolicy,
+    SourcePolicy,
+    SourceRefused,
+    check_source,
+    fetch_file,
+    fetch_md5,
+    parse_md5_text,
+    shown,
+)
 from agent.journal import Journal
 from agent.layout import (
     BadRequest,
@@ -27,7 +38,9 @@ from agent.tasks import FAILED, INTERRUPTED, RUNNING, SUCCEEDED, TaskBusy, TaskF
 from agent.unpack import UnsafeTar, extract_shard_tar, member_problem
 from agent.work import parse_work
 
-FAST = FetchPolicy(attempts=3, backoff=0.01, timeout=20, io_timeout=5)
+FAST = FetchPolicy(
+    attempts=3, backoff=0.01, timeout=20, io_timeout=5, sources=SourcePolicy(allow_files=True)
+)
 
 
 # ------------------------------------------------------------------ names and requests
@@ -85,6 +98,10 @@ def test_parse_work_fields(tmp_path):
         ({"command": "reload", "version": "1", "deploy_path": "/elsewhere"}, "deploy_path"),
         ({"command": "download", "version": "1", "source": "x", "mode": "weird"}, "mode"),
         ({"command": "task", "version": "1", "task_command": "dance"}, "task_command"),
+        ({"command": "reload", "version": "1", "deploy_path": "/x\0y"}, "deploy_path"),
+        ({"command": "download", "version": "1", "source": "/" + "x" * 5000}, "source: longer"),
+        ({"command": "download", "version": "1", "source": "x", "size": True}, "size"),
+        ({"command": "download", "version": "1", "source": "x", "size": 1.5}, "size"),
     ],
 )
 def test_parse_work_refusals_name_the_field(tmp_path, body, field):
@@ -92,12 +109,85 @@ def test_parse_work_refusals_name_the_field(tmp_path, body, field):
         parse_work(body, tmp_path)
 
 
+def test_refusal_messages_are_clipped(tmp_path):
+    with pytest.raises(BadRequest) as refused:
+        parse_work({"command": "reload", "version": "v" * 100_000}, tmp_path)
+    assert len(str(refused.value)) < 300
+
+
+@pytest.mark.parametrize(
+    "source, allowed, files, refused",
+    [
+        ("http://h/x.tar", "", False, ""),
+        ("ftp://u:p@h:2121/x.tar", "", False, ""),
+        ("http://[::1/x.tar", "", False, "not a valid URL"),
+        ("http://h:99999/x.tar", "", False, "bad port"),
+        ("http:///x.tar", "", False, "no host"),
+        ("gopher://h/x", "", False, "unsupported scheme"),
+        ("http://h/a/../x.tar", "", False, "'..'"),
+        ("http://h/a/%2e%2E/x.tar", "", False, "'..'"),
+        ("http://h/a x.tar", "", False, "spaces"),
+        ("http://h/x.tar", "http://h/a/", False, "--allowed_sources"),
+        ("http://h/a/x.tar", "http://h/a/", False, ""),
+        ("http://h:80/a/x.tar", "http://h/a", False, ""),  # the default port is the same port
+        ("http://h:8080/a/x.tar", "http://h/a", False, "--allowed_sources"),
+        ("http://h/ab/x.tar", "http://h/a", False, "--allowed_sources"),
+        ("http://h/a/x.tar", "https://h/a", False, "--allowed_sources"),
+        ("http://H/a/x.tar", "http://h/a", False, ""),  # host names are case-insensitive
+        ("http://h/a@evil/a/x.tar", "http://h/a", False, "--allowed_sources"),
+        ("http://h@evil/a/x.tar", "http://h/a", False, "--allowed_sources"),
+        ("/abs/x.tar", "", False, "--allow_file_sources"),
+        ("/abs/x.tar", "", True, ""),
+        ("file://remote/x.tar", "", True, "remote host"),
+        ("file:///abs/x.tar?y", "", True, "query"),
+        ("rel/x.tar", "", True, "absolute"),
+        ("/abs/x.tar", "file:///abs", False, ""),
+        ("/abs/../x.tar", "file:///abs", False, "'..'"),
+        ("/absx/x.tar", "file:///abs", False, "file:// prefix"),
+    ],
+)
+def test_source_checks(source, allowed, files, refused):
+    policy = SourcePolicy.from_flags(allowed, files)
+    if not refused:
+        check_source(source, policy)
+        return
+    with pytest.raises(SourceRefused, match=re.escape(refused)):
+        check_source(source, policy)
+
+
+def test_file_sources_are_judged_by_where_symlinks_lead(tmp_path):
+    (tmp_path / "ok").mkdir()
+    (tmp_path / "secret").write_text("x")
+    (tmp_path / "ok" / "link.tar").symlink_to(tmp_path / "secret")
+    policy = SourcePolicy.from_flags(f"file://{tmp_path}/ok", False)
+    with pytest.raises(SourceRefused, match="file:// prefix"):
+        check_source(str(tmp_path / "ok" / "link.tar"), policy)
+    target = check_source(str(tmp_path / "ok" / "x.tar"), policy)
+    assert target.url == str((tmp_path / "ok" / "x.tar").resolve())
+
+
+@pytest.mark.parametrize(
+    "entry",
+    ["gopher://h/", "http://u@h/", "http://h/?q", "http://h/a/../b", "file://h/x", "http://"],
+)
+def test_bad_allowed_sources_entries_are_flag_errors(entry, tmp_path):
+    with pytest.raises(ValueError, match="--allowed_sources"):
+        SourcePolicy.from_flags(entry, False)
+    assert agent_main(["-P", "1", "--deploy_path", str(tmp_path), "--allowed_sources", entry]) == 2
+
+
+def test_passwords_are_not_shown():
+    assert shown("ftp://user:s3cret@h/x.tar") == "ftp://user:***@h/x.tar"
+    assert shown("http://h/x.tar") == "http://h/x.tar"
+
+
 def test_md5_text():
     assert parse_md5_text("ABCDEF0123456789abcdef0123456789  x.tar\n", "f") == "abcdef" + (
         "0123456789abcdef0123456789"
     )
-    with pytest.raises(FetchError, match="no md5"):
+    with pytest.raises(FetchError, match="no md5") as refused:
         parse_md5_text("<html>not found</html>", "x.tar.md5")
+    assert "html" not in str(refused.value)  # the text came from the source
 
 
 def test_command_line(tmp_path, capsys):
@@ -258,7 +348,10 @@ def test_ftp_resume_uses_rest_and_md5_file(tmp_path, files):
 
 
 def test_overall_deadline_stops_a_slow_download_and_keeps_the_part(tmp_path, files):
-    slow = FetchPolicy(attempts=3, backoff=0.01, timeout=0.5, limit_rate=64 * 1024, chunk=4096)
+    slow = FetchPolicy(
+        attempts=3, backoff=0.01, timeout=0.5, limit_rate=64 * 1024, chunk=4096,
+        sources=FAST.sources,
+    )  # fmt: skip
     part = tmp_path / "s.tar.part"
     with pytest.raises(FetchError, match=r"timed out after 0\.5 s .*kept s\.tar\.part"):
         asyncio.run(fetch_file(str(files / "s.tar"), part, size=None, policy=slow))
@@ -271,6 +364,89 @@ def test_unsupported_scheme(tmp_path):
 
 
 # ------------------------------------------------------------------ control client
+
+
+def test_internal_errors_answer_500_with_the_envelope_and_no_details(tmp_path):
+    """A bug's exception text may quote anything (a source's bytes): the log has it, the
+    answer names only the type."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from agent.api import make_app
+    from agent.deploy import Agent, AgentConfig
+
+    async def scenario():
+        agent = Agent(AgentConfig(deploy_path=tmp_path, server="127.0.0.1:1"))
+        agent.open()
+
+        async def broken():
+            raise RuntimeError("TOPSECRET from somewhere")
+
+        agent.status_json = broken  # type: ignore[method-assign]
+        try:
+            async with TestClient(TestServer(make_app(agent))) as client:
+                resp = await client.get("/agent/status")
+                return resp.status, await resp.json()
+        finally:
+            await agent.close()
+
+    status, reply = asyncio.run(scenario())
+    assert status == 500 and reply["success"] == "255" and reply["data"] is None
+    assert "RuntimeError" in reply["message"] and "TOPSECRET" not in reply["message"]
+
+
+def test_server_error_carries_the_grpc_code(tmp_path):
+    import grpc
+
+    fake = FakeServer(tmp_path)
+
+    async def scenario():
+        control = ServerControl(fake.address, timeout=5)
+        try:
+            await control.cmd("bg_load_base", version_path="/missing")
+        finally:
+            await control.close()
+
+    try:
+        with pytest.raises(ServerError) as failed:
+            asyncio.run(scenario())
+    finally:
+        fake.close()
+    assert failed.value.code == grpc.StatusCode.NOT_FOUND
+    assert failed.value.details.startswith("no shard in")
+
+
+def test_damaged_layers_under_a_running_task_are_not_removed(tmp_path):
+    """A reload of a delta needs its base: a download that finds the base damaged must not
+    remove it while that reload runs (the task's whole chain is in use, not only its name)."""
+    from agent.deploy import Agent, AgentConfig
+    from agent.tasks import Task
+
+    data = tmp_path / "deploy" / "data"
+    make_shard_tar(tmp_path / "t.tar")
+    for name in ("b", "b_1"):
+        extract_shard_tar(tmp_path / "t.tar", data / name)
+    (data / "b_1" / "CHAIN").write_text("b\nb_1\n")
+    fake = FakeServer(data)
+
+    async def scenario():
+        agent = Agent(AgentConfig(deploy_path=tmp_path / "deploy", server=fake.address))
+        agent.open()
+        try:
+            agent.tasks._tasks[("reload", "b_1")] = Task("reload", "b_1")  # running
+            with pytest.raises(TaskFailed, match=r"a task uses it \(b\)"):
+                await agent._remove_damaged("b", {"b": "data/b/index.cube: damaged"})
+            assert (data / "b").is_dir() and (data / "b_1").is_dir()
+            del agent.tasks._tasks[("reload", "b_1")]
+            removed = await agent._remove_damaged("b", {"b": "data/b/index.cube: damaged"})
+            assert removed == ["b", "b_1"]  # the delta cannot load without its base
+            assert not (data / "b").exists() and not (data / "b_1").exists()
+        finally:
+            await agent.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        fake.close()
 
 
 def test_control_client_against_fake_server(tmp_path):
