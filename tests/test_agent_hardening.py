@@ -531,7 +531,14 @@ def test_download_checks_placed_files_and_never_touches_served_ones(cluster):
     assert task["state"] == "succeeded" and task["runs"] == 2, task
     assert len(http.requests) == fetched + 3  # d.tar, b2.tar, d2.tar once each: the rest cached
 
-    flip_byte(env.data / BASE / "index.cube", 40)  # the header of a version the server serves
+    # The header of a version the server serves, damaged on disk: by a rename over it, since
+    # writing into a file the server maps makes the server drop that version (cube-server's
+    # file leases), after which it is no longer served and may be placed again.
+    index = env.data / BASE / "index.cube"
+    damaged = index.with_name("damaged")
+    damaged.write_bytes(index.read_bytes())
+    flip_byte(damaged, 40)
+    os.replace(damaged, index)
     task = agent.run("download", BASE, **served)
     assert task["state"] == "failed" and "cube-server holds it" in task["message"], task
     assert (env.data / BASE).is_dir()
