@@ -160,9 +160,10 @@ class ServerProc:
             return ""
 
     def wait_up(self, timeout: float = 30.0, serving: bool = False) -> None:
-        """Wait until every worker answers its health check (it loads its start-up version
-        before it listens); with `serving`, until every one says SERVING."""
-        pending = list(self.addresses)
+        """Wait until every worker answers its health check on its control port (plaintext,
+        even when lookups use TLS; it loads its start-up version before it answers); with
+        `serving`, until every one says SERVING."""
+        pending = list(self.control_addresses)
 
         def running() -> None:
             if self.process.poll() is not None:

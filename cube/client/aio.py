@@ -26,7 +26,10 @@ class AsyncCubeClient(ClientBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._channels = AioChannels(
-            self._wire.method, lanes=self._use_lanes, check_routing=self._check_routing
+            self._wire.method,
+            lanes=self._use_lanes,
+            check_routing=self._check_routing,
+            tls=self._tls,
         )
         self._closed = False
 

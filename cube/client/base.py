@@ -22,8 +22,9 @@ from cube.client.core import (
 )
 from cube.client.errors import ConfError
 from cube.client.policy import Cluster, Policy, Round, ShardCall
-from cube.client.transport import TRANSPORTS
+from cube.client.transport import TRANSPORTS, ClientTLS
 from cube.routing import PARTITIONERS, ShardRouting
+from cube.security import SecurityError
 
 
 def normalize_shards(shards: Any) -> tuple[tuple[str, ...], ...]:
@@ -64,6 +65,10 @@ class ClientBase:
         (cube.client.transport.BusyPoll; pairs with the server's --busy_poll_us). Lower
         latency where waking an idle CPU is slow (VMs), for up to one core of CPU while
         waiting. 0 (default) = off.
+    tls_ca: None (default) = plaintext; else TLS to servers started with --tls_cert,
+        trusting this PEM CA bundle ("" = the system's CAs), over gRPC and the TCP lane.
+    tls_server_name: the name the servers' certificates carry, when it is not the host of
+        their addresses (e.g. addresses by IP, certificates by DNS name).
     """
 
     def __init__(
@@ -81,6 +86,8 @@ class ClientBase:
         seed: int | None = None,
         transport: str = "auto",
         busy_poll_us: float = 0,
+        tls_ca: str | None = None,
+        tls_server_name: str = "",
     ) -> None:
         self.shards = normalize_shards(shards)
         if partitioner not in PARTITIONERS:
@@ -108,6 +115,14 @@ class ClientBase:
         # Only the fast protocol's Seek has a TCP lane.
         self._use_lanes = transport == "auto" and protocol == "fast"
         self._busy_poll_s = busy_poll_us / 1e6
+        if tls_ca is None and tls_server_name:
+            raise ConfError('tls_server_name needs tls_ca ("" for the system\'s CAs)')
+        self._tls = None if tls_ca is None else ClientTLS(tls_ca, tls_server_name)
+        if self._tls is not None:
+            try:
+                self._tls.context  # noqa: B018 - read the CA file now: errors name it
+            except SecurityError as exc:
+                raise ConfError(str(exc)) from None
 
     @classmethod
     def from_conf(

@@ -49,6 +49,7 @@ class CubeClient(ClientBase):
             lanes=self._use_lanes,
             busy_poll_s=self._busy_poll_s,
             check_routing=self._check_routing,
+            tls=self._tls,
         )
         # Threads start only when needed; many allowed because an abandoned attempt (a backup
         # request's loser) holds its thread until its timeout.

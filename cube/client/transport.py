@@ -22,10 +22,13 @@ import collections
 import contextlib
 import os
 import socket
+import ssl
 import struct
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import grpc
@@ -33,6 +36,7 @@ import grpc.aio
 import numpy as np
 
 from cube.routing import ShardRouting
+from cube.security import client_context, grpc_channel_credentials
 
 # No message size limit (100k-key batches of large values), our own retries only, and a short
 # reconnect backoff so a restarted replica is used again within seconds (grpc's default grows
@@ -109,6 +113,41 @@ def _no_check(address: str, routing: ShardRouting | None) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class ClientTLS:
+    """TLS to the servers (their --tls_cert): trust `ca` (a PEM bundle; "" for the system's
+    CAs) and expect certificates for `server_name` (default: each address's host)."""
+
+    ca: str = ""
+    server_name: str = ""
+
+    @cached_property
+    def context(self) -> ssl.SSLContext:
+        return client_context(self.ca)
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc_channel_credentials(self.ca)
+
+    def options(self) -> tuple[tuple[str, str], ...]:
+        return (("grpc.ssl_target_name_override", self.server_name),) if self.server_name else ()
+
+    def wrap(self, sock: socket.socket, host: str) -> ssl.SSLSocket:
+        return self.context.wrap_socket(sock, server_hostname=self.server_name or host)
+
+
+def open_channel(address: str, tls: ClientTLS | None) -> grpc.Channel:
+    if tls is None:
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.secure_channel(address, tls.credentials(), options=CHANNEL_OPTIONS + tls.options())
+
+
+def open_aio_channel(address: str, tls: ClientTLS | None) -> grpc.aio.Channel:
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    options = CHANNEL_OPTIONS + tls.options()
+    return grpc.aio.secure_channel(address, tls.credentials(), options=options)
+
+
 def status_of(error: BaseException) -> tuple[str, str]:
     """(status code name, message) of a failed call."""
     if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
@@ -140,6 +179,10 @@ class _Connection:
         timeout_s = max(timeout_s, 1e-3)  # 0 would mean "no timeout" to the kernel
         if abs(timeout_s - self.timeout_s) <= 0.1 * timeout_s:
             return
+        if isinstance(self.sock, ssl.SSLSocket):  # TLS reads more than it returns: Python's
+            self.sock.settimeout(timeout_s)  # own timeout, not the kernel's per syscall
+            self.timeout_s = timeout_s
+            return
         seconds = int(timeout_s)
         value = _TIMEVAL.pack(seconds, int((timeout_s - seconds) * 1e6))
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
@@ -166,7 +209,7 @@ class BusyPoll:
     def recv_into(self, sock: socket.socket, view: memoryview, deadline: float) -> int:
         """`sock.recv_into(view)`, polling first (until `deadline` at most, monotonic) when
         this is the only call waiting."""
-        if self.seconds <= 0:
+        if self.seconds <= 0 or isinstance(sock, ssl.SSLSocket):  # (no MSG_DONTWAIT on TLS)
             return sock.recv_into(view)
         cls = BusyPoll
         with cls._lock:
@@ -231,9 +274,16 @@ class SyncLane:
     and usually one send and one receive syscall (the answer is read into a buffer sized
     like the previous answer)."""
 
-    def __init__(self, host: str, port: int, busy_poll: BusyPoll = NO_BUSY_POLL) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        busy_poll: BusyPoll = NO_BUSY_POLL,
+        tls: ClientTLS | None = None,
+    ) -> None:
         self.host, self.port = host, port
         self.busy_poll = busy_poll
+        self.tls = tls
         self.broken = False  # a connection failed: the caller should ask for the lane again
         self.unreachable = False  # could not even connect: use gRPC for a while
         self._idle: list[_Connection] = []
@@ -312,6 +362,12 @@ class SyncLane:
         sock = socket.create_connection(
             (self.host, self.port), timeout=max(deadline - time.monotonic(), 1e-3)
         )
+        if self.tls is not None:
+            try:
+                sock = self.tls.wrap(sock, self.host)  # the handshake, within the timeout
+            except BaseException:
+                sock.close()
+                raise
         return _Connection(sock)
 
     def _read_answer(
@@ -370,6 +426,9 @@ class SyncLane:
 
 def _send(sock: socket.socket, header: bytes, request: bytes) -> None:
     """Write header + request in one sendmsg (no joined copy); finish a partial send."""
+    if isinstance(sock, ssl.SSLSocket):  # no sendmsg over TLS
+        sock.sendall(header + request)
+        return
     sent = sock.sendmsg((header, request))
     total = len(header) + len(request)
     if sent < total:
@@ -389,8 +448,10 @@ class SyncChannels:
         lanes: bool = False,
         busy_poll_s: float = 0.0,
         check_routing: RoutingCheck = _no_check,
+        tls: ClientTLS | None = None,
     ) -> None:
         self._method = method
+        self._tls = tls
         self._busy_poll = BusyPoll(busy_poll_s)
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
@@ -410,7 +471,7 @@ class SyncChannels:
                     raise RuntimeError("client is closed")
                 call = self._callables.get(address)
                 if call is None:
-                    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                    channel = open_channel(address, self._tls)
                     self._channels[address] = channel
                     call = channel.unary_unary(self._method)
                     self._callables[address] = call
@@ -477,7 +538,7 @@ class SyncChannels:
             return None
         with self._lock:
             if not isinstance(self._lanes.get(address), SyncLane):
-                self._lanes[address] = SyncLane(*where, self._busy_poll)
+                self._lanes[address] = SyncLane(*where, self._busy_poll, self._tls)
         return None
 
     def _forget(self, address: str, lane: SyncLane | None) -> None:
@@ -632,9 +693,14 @@ class AioChannels:
     used in. First contact with an endpoint checks its routing (module docstring)."""
 
     def __init__(
-        self, method: str, lanes: bool = False, check_routing: RoutingCheck = _no_check
+        self,
+        method: str,
+        lanes: bool = False,
+        check_routing: RoutingCheck = _no_check,
+        tls: ClientTLS | None = None,
     ) -> None:
         self._method = method
+        self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._callables: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
         self._use_lanes = lanes
@@ -650,7 +716,7 @@ class AioChannels:
         if call is None:
             if self._closed:
                 raise RuntimeError("client is closed")
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = open_aio_channel(address, self._tls)
             self._channels[address] = channel
             call = self._callables[address] = channel.unary_unary(self._method)
         return call
@@ -712,9 +778,13 @@ class AioChannels:
         lane = None
         if where is not None and problem is None:
             loop = asyncio.get_running_loop()
+            tls = self._tls
+            secure: dict[str, Any] = {}
+            if tls is not None:
+                secure = {"ssl": tls.context, "server_hostname": tls.server_name or where[0]}
             try:
                 _, lane = await asyncio.wait_for(
-                    loop.create_connection(AioLane, where[0], where[1]), timeout_s
+                    loop.create_connection(AioLane, where[0], where[1], **secure), timeout_s
                 )
             except (OSError, TimeoutError, ValueError, OverflowError):
                 lane = None  # announced but unreachable (e.g. a firewall): gRPC for a while
