@@ -6,7 +6,6 @@ long work: commands are submitted as tasks and the transfer polls them. See docs
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import math
@@ -18,6 +17,7 @@ from agent.deploy import Agent
 from agent.layout import BadRequest
 from agent.tasks import TaskBusy
 from agent.work import QUERY_COMMAND, parse_work
+from cube.security import bearer_token, token_matches
 
 log = logging.getLogger("cube.agent")
 
@@ -70,9 +70,7 @@ async def _json_body(request: web.Request) -> Any:
 async def _authorized(request: web.Request, token: str) -> bool:
     """The bearer header, else (POST) a `token` body field; a body that does not parse is no
     credential (the caller learns nothing about it before authenticating)."""
-    header = request.headers.get("Authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode()):
+    if token_matches(bearer_token(request.headers.get("Authorization")), token):
         return True
     if request.method != "POST":
         return False
@@ -81,7 +79,7 @@ async def _authorized(request: web.Request, token: str) -> bool:
     except BadRequest:
         return False
     body_token = body.get("token") if isinstance(body, dict) else None
-    return isinstance(body_token, str) and hmac.compare_digest(body_token.encode(), token.encode())
+    return isinstance(body_token, str) and token_matches(body_token, token)
 
 
 def make_app(agent: Agent, token: str = "") -> web.Application:

@@ -17,6 +17,7 @@ import grpc
 import grpc.aio
 
 from cube.pb import cube_pb2, cube_pb2_grpc
+from cube.security import bearer_metadata
 
 STATUS_RUNNING = 0
 STATUS_LOADING = 1
@@ -74,9 +75,10 @@ class ServerStatus:
 class ServerControl:
     """One channel to the server's control port, opened lazily and reused."""
 
-    def __init__(self, address: str, timeout: float = 10.0) -> None:
+    def __init__(self, address: str, timeout: float = 10.0, token: str = "") -> None:
         self.address = address
         self.timeout = timeout
+        self.metadata = bearer_metadata(token)
         self._channel: grpc.aio.Channel | None = None
         self._stub: cube_pb2_grpc.ControlServiceStub | None = None
 
@@ -96,7 +98,9 @@ class ServerControl:
             request.version = version
         what = f"{cmd} {version or version_path}".strip()
         try:
-            resp = await self._get_stub().cmd(request, timeout=timeout or self.timeout)
+            resp = await self._get_stub().cmd(
+                request, timeout=timeout or self.timeout, metadata=self.metadata
+            )
         except grpc.aio.AioRpcError as exc:
             code, details = exc.code(), exc.details() or ""
             if code in _UNREACHABLE:

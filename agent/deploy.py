@@ -76,7 +76,8 @@ CORRUPT_VERSION = "corrupt_version"  # Task.reason: placed files failed a check;
 @dataclass
 class AgentConfig:
     deploy_path: Path
-    server: str = "127.0.0.1:8000"
+    server: str = "127.0.0.1:9000"  # the server's control port
+    server_token: str = ""  # its --control_token
     keep: int = 2
     fetch: FetchPolicy = field(default_factory=FetchPolicy)
     reload_timeout: float = 1800.0  # one background load on the server
@@ -91,7 +92,9 @@ class Agent:
     def __init__(self, config: AgentConfig, control: ServerControl | None = None) -> None:
         self.config = config
         self.layout = Layout(config.deploy_path)
-        self.control = control or ServerControl(config.server, timeout=config.control_timeout)
+        self.control = control or ServerControl(
+            config.server, timeout=config.control_timeout, token=config.server_token
+        )
         self.journal = Journal(self.layout.state_dir)
         self.versions: dict[str, dict[str, Any]] = {}
         self.tasks = TaskManager(

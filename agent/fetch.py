@@ -33,6 +33,7 @@ import aiohttp
 import yarl
 
 from cube.fsutil import md5_of_line
+from cube.security import client_context
 
 log = logging.getLogger("cube.agent")
 ProgressFn = Callable[[int, "int | None"], None]
@@ -155,6 +156,7 @@ class FetchPolicy:
     limit_rate: int = 0  # bytes per second, 0 = unlimited
     chunk: int = 1 << 20
     sources: SourcePolicy = field(default_factory=SourcePolicy)
+    tls_ca: str = ""  # PEM CA bundle trusted for https:// (default: the system's)
 
 
 def _unsafe_chars(text: str) -> bool:
@@ -402,7 +404,10 @@ async def _http_once(target: Target, at: _Attempt) -> int | None:
     if at.offset:
         headers["Range"] = f"bytes={at.offset}-"
     url = target.url
-    async with aiohttp.ClientSession(timeout=timeout, auto_decompress=False) as session:
+    connector = aiohttp.TCPConnector(ssl=client_context(policy.tls_ca))
+    async with aiohttp.ClientSession(
+        timeout=timeout, auto_decompress=False, connector=connector
+    ) as session:
         for _hop in range(MAX_REDIRECTS + 1):
             async with session.get(
                 yarl.URL(url, encoded=True), headers=headers, allow_redirects=False

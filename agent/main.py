@@ -1,15 +1,15 @@
 """cube-agent command line: `cube-agent -P 8001 --deploy_path DIR --server 127.0.0.1:8000`.
 
 Binds 127.0.0.1 unless --host says otherwise; with a token (--token or env CUBE_TOKEN) every
-request must authenticate. Prints one line `cube-agent listening on http://HOST:PORT` once bound
-(`-P 0` picks a free port), then serves until SIGTERM/SIGINT.
+request must authenticate, and beyond loopback a token is required (or --insecure). The API is
+served over TLS with --tls_cert/--tls_key. Prints one line `cube-agent listening on
+http(s)://HOST:PORT` once bound (`-P 0` picks a free port), then serves until SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -22,6 +22,7 @@ from agent.api import make_app
 from agent.deploy import Agent, AgentConfig
 from agent.fetch import FetchPolicy, SourcePolicy
 from cube.flags import FlagError, Flags, FlagSet, run_cli
+from cube.security import TLSFiles, is_loopback, require_token, server_context, token_from
 
 log = logging.getLogger("cube.agent")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -32,8 +33,29 @@ def flag_set() -> FlagSet:
     fs.add("port", int, None, "HTTP port of the agent (0 = any free port)", aliases=("P",))
     fs.add("host", str, "127.0.0.1", "address to bind")
     fs.add("deploy_path", str, None, "instance directory: data/, cube_data/, agent_state/")
-    fs.add("server", str, "127.0.0.1:8000", "cube-server gRPC address (control service)")
+    fs.add(
+        "server",
+        str,
+        "127.0.0.1:9000",
+        "the cube-server's control address (its --control_host:--control_port; by default"
+        " --port + 1000)",
+    )
+    fs.add(
+        "server_token",
+        str,
+        "",
+        "token of the server's control port (its --control_token; default: env CUBE_CONTROL_TOKEN)",
+    )
     fs.add("token", str, "", "require 'Authorization: Bearer <token>' (default: env CUBE_TOKEN)")
+    fs.add(
+        "insecure",
+        bool,
+        False,
+        "allow --host beyond loopback without a token (anyone reaching it can deploy)",
+    )
+    fs.add("tls_cert", str, "", "PEM certificate: serve the HTTP API over TLS (https)")
+    fs.add("tls_key", str, "", "PEM private key of --tls_cert")
+    fs.add("tls_ca", str, "", "PEM CA bundle trusted for https:// downloads (default: system's)")
     fs.add("keep", int, 2, "versions kept on disk besides the serving chain")
     fs.add("log_level", str, "INFO", "log level", choices=LOG_LEVELS)
     fs.add("download_timeout", float, 3600.0, "seconds for one download, all attempts")
@@ -72,6 +94,14 @@ def config_from_flags(flags: Flags) -> AgentConfig:
             raise FlagError(f"--{name}: must be positive")
     try:
         sources = SourcePolicy.from_flags(flags.allowed_sources, flags.allow_file_sources)
+        require_token(
+            "cube-agent",
+            flags.host,
+            token_from(flags.token, "CUBE_TOKEN"),
+            flags.insecure,
+            "--token (or env CUBE_TOKEN)",
+        )
+        TLSFiles(flags.tls_cert, flags.tls_key, flags.tls_ca).check()
     except ValueError as exc:
         raise FlagError(str(exc)) from None
     policy = FetchPolicy(
@@ -81,10 +111,12 @@ def config_from_flags(flags: Flags) -> AgentConfig:
         io_timeout=flags.io_timeout,
         limit_rate=flags.limit_rate,
         sources=sources,
+        tls_ca=flags.tls_ca,
     )
     return AgentConfig(
         deploy_path=Path(flags.deploy_path).absolute(),
         server=flags.server,
+        server_token=token_from(flags.server_token, "CUBE_CONTROL_TOKEN"),
         keep=flags.keep,
         fetch=policy,
         reload_timeout=flags.reload_timeout,
@@ -93,7 +125,9 @@ def config_from_flags(flags: Flags) -> AgentConfig:
     )
 
 
-async def serve(config: AgentConfig, host: str, port: int, token: str) -> int:
+async def serve(
+    config: AgentConfig, host: str, port: int, token: str, tls: TLSFiles | None = None
+) -> int:
     agent = Agent(config)
     agent.open()
     runner = web.AppRunner(make_app(agent, token), access_log=None)
@@ -103,10 +137,12 @@ async def serve(config: AgentConfig, host: str, port: int, token: str) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        site = web.TCPSite(runner, host, port)
+        ssl_context = server_context(tls) if tls is not None and tls.serves else None
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
         await site.start()
         bound = runner.addresses[0]
-        print(f"cube-agent listening on http://{bound[0]}:{bound[1]}", flush=True)
+        scheme = "https" if ssl_context else "http"
+        print(f"cube-agent listening on {scheme}://{bound[0]}:{bound[1]}", flush=True)
         log.info(
             "cube-agent %s: deploy_path %s, server %s, auth %s",
             __version__,
@@ -129,11 +165,13 @@ def _main(argv: Sequence[str]) -> int:
         level=max(level, logging.INFO), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     log.setLevel(level)  # DEBUG is for the agent, not for grpc's and asyncio's internals
-    token = flags.token or os.environ.get("CUBE_TOKEN", "")
-    if not token and flags.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("listening on %s without a token: anyone reaching it can deploy", flags.host)
+    token = token_from(flags.token, "CUBE_TOKEN")
+    if not token and not is_loopback(flags.host):
+        log.warning("listening on %s without a token (--insecure): anyone reaching it can"
+                    " deploy", flags.host)  # fmt: skip
+    tls = TLSFiles(flags.tls_cert, flags.tls_key)
     try:
-        return asyncio.run(serve(config, flags.host, flags.port, token))
+        return asyncio.run(serve(config, flags.host, flags.port, token, tls))
     except OSError as exc:
         print(f"error: cube-agent: {exc}", file=sys.stderr)
         return 1
