@@ -14,7 +14,14 @@ from types import SimpleNamespace
 
 import aiohttp
 from procs import free_port
-from transfer_helpers import FakeAgent, append_line, make_input, transfer_conf, write_fake_builder
+from transfer_helpers import (
+    FakeAgent,
+    append_line,
+    make_input,
+    transfer_conf,
+    write_fake_builder,
+    write_table,
+)
 
 from transfer.config import parse_config
 from transfer.http_api import start_listeners
@@ -39,6 +46,7 @@ async def harness(
     token: str = "",
     mode: str = "base_delta",
     donefile_address: str = "",
+    builder: str = "",
 ) -> AsyncIterator[SimpleNamespace]:
     events: list[tuple[str, str, str]] = []  # (agent, command, version), in arrival order
     agents = [
@@ -48,13 +56,13 @@ async def harness(
     for row in agents:
         for agent in row:
             await agent.start()
-    builder = write_fake_builder(tmp)
+    builder = builder or str(write_fake_builder(tmp))
     wget_port = free_port()
     text = transfer_conf(
         tmp,
         agents,
         wget_port=wget_port,
-        builder=str(builder),
+        builder=builder,
         extra=extra,
         mode=mode,
         donefile_address=donefile_address,
@@ -558,4 +566,91 @@ def test_a_busy_agent_is_waited_for_without_spending_retries(tmp_path):
             await roll_out(h, B1)
             assert versions(h) == [B1, B1]
 
+    run(body())
+
+
+# ---------------------------------------------------------------------------------------------
+# guarding the live table (issue 9)
+
+
+def _events(h) -> list[dict]:
+    text = (h.tmp / "tmp" / "transfer_events.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def _downloads(h, version: str) -> list[tuple[str, str, str]]:
+    return [e for e in h.events if e[1] == "download" and e[2] == version]
+
+
+def test_an_empty_base_from_the_real_builder_is_refused_and_the_live_version_stays(
+    tmp_path, caplog
+):
+    from transfer.local import command
+
+    def publish(h, file: str, line: dict, records: int) -> None:
+        name = f"{line['key']}_{line['id']}" if file == "patch.txt" else line["id"]
+        write_table(h.tmp / "input" / name, records)
+        append_line(h.donefile, file, {**line, "input": str(h.tmp / "input" / name)})
+
+    async def body():
+        async with harness(tmp_path, 2, 1, builder=command("cube-builder")) as h:
+            publish(h, "base.txt", {"id": B1, "key": B1}, 300)
+            await h.service.cycle()
+            assert versions(h) == [B1, B1]
+            # a delta may be empty: it goes live
+            publish(h, "patch.txt", {"id": D1.split("_")[1], "key": B1}, 0)
+            await h.service.cycle()
+            assert versions(h) == [D1, D1]
+            # an empty base is refused: nothing downloaded, nothing switched
+            publish(h, "base.txt", {"id": B2, "key": B2}, 0)
+            await h.service.cycle()
+            rec = h.service.state.record(B2)
+            assert rec.status == "refused", (rec.status, rec.message)
+            assert "has no records" in rec.message and "allow_shrink" in rec.message
+            assert _downloads(h, B2) == [] and versions(h) == [D1, D1]
+            assert h.service.state.live_version == D1 and h.service.state.deployment is None
+            refused = [e for e in _events(h) if e["event"] == "deploy_refused"]
+            assert [e["version"] for e in refused] == [B2]
+            assert "has no records" in refused[0]["message"]
+            assert any("has no records" in r.getMessage() for r in caplog.records)
+            # the same base, published again with allow_shrink, goes live
+            append_line(h.donefile, "base.txt", {"id": B2, "key": B2, "allow_shrink": True,
+                                                 "input": str(h.tmp / "input" / B2)})  # fmt: skip
+            await h.service.cycle()
+            assert versions(h) == [B2, B2] and h.service.state.record(B2).status == "finished"
+            assert h.service.state.record(B1).count("records") == 300  # from the tars' headers
+
+    run(body())
+
+
+def test_a_base_that_shrinks_the_table_too_much_is_refused(tmp_path):
+    b3, b4, b5 = "1700000600", "1700000700", "1700000800"
+
+    async def body():
+        async with harness(tmp_path, 2, 1, extra="max_shrink: 0.5") as h:
+            await roll_out(h, B1, "RECORDS_1000")  # 2000 records over 2 shards
+            await roll_out(h, D1, "RECORDS_10", "DELETED_300")  # at least 1400 still served
+            assert versions(h) == [D1, D1]
+            await roll_out(h, B2, "RECORDS_690")  # 1380 < 0.5 x 1400? no: 1380 >= 700
+            assert versions(h) == [B2, B2]
+            for shard in h.service.state.record(B2).shards.values():  # as an older journal
+                del shard["records"], shard["deleted"]
+            await roll_out(h, b3, "RECORDS_340")  # 680 < 0.5 x 1380 (counted from B2's tars)
+            rec = h.service.state.record(b3)
+            assert rec.status == "refused" and _downloads(h, b3) == []
+            assert "has 680 records, 51% fewer than the live version's 1380" in rec.message
+            assert versions(h) == [B2, B2]
+            await roll_out(h, b4, "RECORDS_0")
+            assert h.service.state.record(b4).status == "refused"
+            assert "has no records" in h.service.state.record(b4).message
+            assert versions(h) == [B2, B2]
+        # configuration: max_shrink 1 and allow_empty_base let both through
+        async with harness(tmp_path / "open", 1, 1,
+                           extra="max_shrink: 1\nallow_empty_base: true") as h:  # fmt: skip
+            await roll_out(h, B1, "RECORDS_0")  # a first base may be empty, when allowed
+            await roll_out(h, B2, "RECORDS_1000")
+            await roll_out(h, b5, "RECORDS_1")
+            assert versions(h) == [b5] and h.service.state.record(B1).status == "finished"
+
+    (tmp_path / "open").mkdir()
     run(body())

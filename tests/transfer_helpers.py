@@ -201,9 +201,13 @@ def transfer_conf(
 
 FAKE_BUILDER = '''\
 #!{python}
-"""Writes <output>/<depend>_<cur>/<dict>_part<i>.tar(.md5) and meta_info like cube-builder.
-Input files steer it: FAIL -> exit 3 with a message; BADMD5 -> wrong md5; SLOW -> sleep 30."""
+"""Writes <output>/<depend>_<cur>/<dict>_part<i>.tar(.md5) and meta_info like cube-builder; each
+tar holds an index.cube that is only a real header (record and tombstone counts).
+Input files steer it: FAIL -> exit 3 with a message; BADMD5 -> wrong md5; SLOW -> sleep 30;
+RECORDS_<n> -> n records per shard (default 1000); DELETED_<n> -> n deleted keys per shard."""
 import hashlib, io, json, os, sys, tarfile, time
+sys.path.insert(0, {root!r})
+from cube.format import HEADER_SIZE, encode_header
 args = sys.argv[1:]
 opts = {{args[i].lstrip("-"): args[i + 1] for i in range(0, len(args) - 1)
         if args[i].startswith("-") and not args[i + 1].startswith("-")}}
@@ -216,6 +220,9 @@ if "FAIL" in names:
     sys.exit(3)
 if "SLOW" in names:
     time.sleep(30)
+def counted(prefix, default):
+    return next((int(n[len(prefix):]) for n in names if n.startswith(prefix)), default)
+records, deleted = counted("RECORDS_", 1000), counted("DELETED_", 0)
 out = os.path.join(opts["output_path"], f"{{opts['depend_version']}}_{{opts['cur_version']}}")
 os.makedirs(out, exist_ok=True)
 with open(os.path.join(opts["output_path"], "argv.log"), "a") as f:
@@ -223,7 +230,9 @@ with open(os.path.join(opts["output_path"], "argv.log"), "a") as f:
 for shard in range(int(opts["shard_num"])):
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
-        data = f"{{opts['cur_version']}} shard {{shard}}".encode()
+        data = encode_header("index", {{"record_count": records, "tombstone_count": deleted,
+                                        "file_size": HEADER_SIZE, "sections": {{}},
+                                        "version": opts["cur_version"], "shard": shard}})
         info = tarfile.TarInfo("./index.cube")
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
@@ -246,7 +255,8 @@ for shard in range(int(opts["shard_num"])):
 
 def write_fake_builder(directory: Path) -> Path:
     path = directory / "fake-cube-builder"
-    path.write_text(FAKE_BUILDER.format(python=sys.executable))
+    root = str(Path(__file__).resolve().parent.parent)
+    path.write_text(FAKE_BUILDER.format(python=sys.executable, root=root))
     os.chmod(path, 0o755)
     return path
 
@@ -264,6 +274,26 @@ def make_input(root: Path, name: str, *markers: str) -> Path:
     (path / "part-00000").write_bytes(b"SEQ")
     for marker in markers:
         (path / marker).write_text(marker)
+    return path
+
+
+def write_table(path: Path, n: int, dim: int = 4, first_key: int = 1) -> Path:
+    """A directory holding one SequenceFile of `n` records (keys first_key.., float32 x dim),
+    as the real cube-builder reads it; n == 0 leaves one empty file (an input that lost its
+    data upstream)."""
+    import numpy as np
+
+    from builder.seqfile import SequenceFileWriter
+    from cube.values import ValueColumn
+
+    path.mkdir(parents=True, exist_ok=True)
+    if n == 0:
+        (path / "part-00000").write_bytes(b"")
+        return path
+    keys = np.arange(first_key, first_key + n, dtype=np.uint64)
+    values = np.arange(n * dim, dtype=np.float32).view(np.uint8)
+    with SequenceFileWriter(path / "part-00000") as writer:
+        writer.write_batch(keys, ValueColumn.fixed(values, dim * 4))
     return path
 
 

@@ -4,7 +4,10 @@ A line is `{"id": "<ts>", "key": "<ts>", "input": "<dir>"}`; for a base `id == k
 `key` is the id of the base it applies to. Ids are decimal integers (Unix timestamps in the
 original) given as a string or a number; they name versions, so nothing else is accepted. A
 patch line may also carry `"delete": "<dir or file>"` (keys to delete, passed to the builder as
-`-delete_path`).
+`-delete_path`). A base line may carry `"allow_shrink": true` (ours): this base goes live even
+when it is empty or much smaller than the live version (transfer.conf `max_shrink`,
+`allow_empty_base`); use it for an intended shrink, after a refusal says why. Other fields are
+ignored, so the original's lines stay valid.
 
 Parsing is pure. Fetching the text (a local directory, `http(s)://` or `ftp://`) and mirroring an
 input directory use aiohttp and fsspec; nothing runs a shell.
@@ -33,6 +36,7 @@ class DonefileEntry:
     key: str
     input: str
     delete: str = ""
+    allow_shrink: bool = False
 
     @property
     def is_base(self) -> bool:
@@ -98,12 +102,19 @@ def parse_line(file: str, line_no: int, text: str) -> DonefileEntry | BadLine | 
         return bad(f"field 'input' is missing or empty: {source!r}")
     delete = obj.get("delete", "")
     if not isinstance(delete, str):
-        return bad(f"field 'delete' must be a string path, got {delete!r}")
+        return bad(f"field 'delete' must be a string path, got {type(delete).__name__}")
+    allow_shrink = obj.get("allow_shrink", False)
+    if not isinstance(allow_shrink, bool):
+        return bad(f"field 'allow_shrink' must be true or false, got {type(allow_shrink).__name__}")
     if file == BASE_FILE and fields["id"] != fields["key"]:
         return bad(f"a base line needs id == key, got id {fields['id']} key {fields['key']}")
     if file == BASE_FILE and delete:
         return bad("a base line cannot carry 'delete'")
-    return DonefileEntry(file, line_no, fields["id"], fields["key"], source.strip(), delete.strip())
+    if file != BASE_FILE and allow_shrink:
+        return bad("'allow_shrink' applies to base lines only (a patch may be empty anyway)")
+    return DonefileEntry(
+        file, line_no, fields["id"], fields["key"], source.strip(), delete.strip(), allow_shrink
+    )
 
 
 def parse_lines(file: str, text: str, start_line: int = 0) -> list[DonefileEntry | BadLine]:

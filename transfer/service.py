@@ -54,9 +54,11 @@ from transfer.state import (
     catch_up_plan,
     finish,
     ingest,
+    live_records,
     next_version,
     now,
     quorum_shortfall,
+    shrink_refusal,
 )
 from transfer.views import source_url
 
@@ -234,6 +236,13 @@ class TransferService:
         try:
             if dep.phase == "build":
                 await self._build(rec)
+                await self._count_live_chain()
+                refusal = shrink_refusal(
+                    rec, live_records(self.state), self.cfg.max_shrink, self.cfg.allow_empty_base
+                )
+                if refusal:
+                    self._end(rec, "refused", refusal)
+                    return
                 dep.phase = "download"
                 rec.status = "deploying"
                 self.save()
@@ -257,11 +266,18 @@ class TransferService:
             self._fail(rec, str(exc))
 
     def _fail(self, rec: VersionRecord, message: str) -> None:
-        finish(rec, "failed", message, now())
+        self._end(rec, "failed", message)
+
+    def _end(self, rec: VersionRecord, status: str, message: str) -> None:
+        """End the deployment of `rec` without it going live: `failed`, or `refused` (the
+        build is fine but must not replace the live table); the reason is in its record, the
+        journal and the log."""
+        finish(rec, status, message, now())
         self.state.deployment = None
         self.save()
-        self.journal.event("deploy_failed", version=rec.version, message=message)
-        log.error("version %s failed: %s", rec.version or rec.line, message)
+        event = "deploy_failed" if status == "failed" else "deploy_refused"
+        self.journal.event(event, version=rec.version, message=message)
+        log.error("version %s %s: %s", rec.version or rec.line, status, message)
         self._prune_outputs()
 
     async def _build(self, rec: VersionRecord) -> None:
@@ -307,14 +323,39 @@ class TransferService:
         finally:
             for path in mirror_root.glob(f"{cfg.dict_name}_{rec.version}*"):
                 shutil.rmtree(path, ignore_errors=True)
-        rec.shards = {str(s.shard): {"md5": s.md5, "size": s.size} for s in shards}
-        metas = builds.read_meta_infos(cfg.output_address, rec.id, rec.depend, cfg.shard_num)
+        rec.shards = {
+            str(s.shard): {"md5": s.md5, "size": s.size, "records": s.records, "deleted": s.deleted}
+            for s in shards
+        }
+        metas = await asyncio.to_thread(
+            builds.read_meta_infos, cfg.output_address, rec.id, rec.depend, range(cfg.shard_num)
+        )
         rec.meta_infos.update(metas)
         rec.times["built"] = now()
         for inst in cfg.instances:
             self.state.instances[inst.name].times["builded_time"] = rec.times["built"]
         self.journal.event("built", version=rec.version, shards=rec.shards)
-        log.info("built %s in %.1fs", rec.version, rec.times["built"] - rec.times["build_start"])
+        log.info("built %s in %.1fs: %s records, %s deleted keys", rec.version,
+                 rec.times["built"] - rec.times["build_start"], rec.count("records"),
+                 rec.count("deleted"))  # fmt: skip
+
+    async def _count_live_chain(self) -> None:
+        """Record counts for live versions built before counts were kept (a journal from an
+        older transfer), read from their build outputs, which are kept while they are live."""
+        for name in self.state.live_chain:
+            rec = self.state.record(name)
+            if rec is None or rec.count("records") is not None or not rec.output:
+                continue
+            out = Path(rec.output)
+            for shard in range(self.cfg.shard_num):
+                tar = out / f"{self.cfg.dict_name}_part{shard}.tar"
+                try:
+                    records, deleted = await asyncio.to_thread(builds.read_counts, tar)
+                except builds.BuildError as exc:
+                    log.warning("cannot count the records of live %s: %s", name, exc)
+                    break
+                counts = {"records": records, "deleted": deleted}
+                rec.shards[str(shard)] = {**rec.shards.get(str(shard), {}), **counts}
 
     async def _fetch(self, source: str, mirror: Path) -> str:
         """A local directory holding the input: the path itself, or a mirror of a URL."""
@@ -755,7 +796,7 @@ class TransferService:
             same = rec.mode != "rollback" and rec.id == version and rec.depend == depend
             if same and str(shard) in rec.meta_infos:
                 return rec.meta_infos[str(shard)]
-        text = builds.read_meta_infos(self.cfg.output_address, version, depend, int(shard) + 1)
+        text = builds.read_meta_infos(self.cfg.output_address, version, depend, [int(shard)])
         return text.get(str(shard))
 
 

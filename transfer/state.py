@@ -73,11 +73,21 @@ class VersionRecord:
     finish_time: float = 0.0
     times: dict[str, float] = field(default_factory=dict)
     meta_infos: dict[str, str] = field(default_factory=dict)
-    shards: dict[str, dict[str, Any]] = field(default_factory=dict)  # shard -> {md5, size}
+    # shard -> {md5, size, records, deleted} (the counts from the shard's index header)
+    shards: dict[str, dict[str, Any]] = field(default_factory=dict)
+    allow_shrink: bool = False  # the donefile line allows an empty or much smaller base
 
     @property
     def terminal(self) -> bool:
         return self.status in TERMINAL
+
+    def count(self, what: str) -> int | None:
+        """Total `records` or `deleted` over the shards; None when a shard's count is unknown
+        (a record from before counts were kept)."""
+        counts = [shard.get(what) for shard in self.shards.values()]
+        if not counts or any(not isinstance(c, int) for c in counts):
+            return None
+        return sum(counts)  # type: ignore[arg-type]
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -244,6 +254,7 @@ def ingest(
                 line=item.where,
                 create_time=at,
                 times={"line_seen": at},
+                allow_shrink=item.allow_shrink,
             )
         )
         logs.append(("info", f"{item.where}: new {'base' if item.is_base else 'patch'} {name}"))
@@ -380,6 +391,50 @@ def catch_up_plan(current: str, live_chain: list[str], on_disk: set[str]) -> lis
 
 def _mode(chain: list[str], version: str) -> str:
     return "base" if chain and chain[0] == version else "delta"
+
+
+# ----------------------------------------------------------------------------------------------
+# guarding the live table
+
+
+def live_records(state: TransferState) -> int | None:
+    """A lower bound of the records the live version serves: its base's records minus every
+    key its deltas delete (a delta's other records update or add keys, never remove any).
+    None when a count is unknown."""
+    base = state.record(state.live_base) if state.live_base else None
+    if base is None:
+        return None
+    records = base.count("records")
+    deleted = 0
+    for name in state.live_chain[1:]:
+        delta = state.record(name)
+        count = delta.count("deleted") if delta else None
+        if count is None:
+            return None
+        deleted += count
+    return None if records is None else max(records - deleted, 0)
+
+
+def shrink_refusal(
+    rec: VersionRecord, live: int | None, max_shrink: float, allow_empty: bool
+) -> str:
+    """Why the built base `rec` must not replace a live version of `live` records ("" when it
+    may): no records at all, or more than `max_shrink` of the live count lost. A delta may be
+    empty; a line with `allow_shrink` is let through."""
+    if rec.mode != "base" or rec.allow_shrink:
+        return ""
+    records = rec.count("records")
+    how = 'publish the line again with "allow_shrink": true if this is intended'
+    if records == 0 and not allow_empty:
+        return (f"base {rec.version} has no records (empty input?); refused before download "
+                f"(allow_empty_base is off): {how}")  # fmt: skip
+    if records is None or not live or records >= live * (1.0 - max_shrink):
+        return ""
+    return (
+        f"base {rec.version} has {records} records, {1 - records / live:.0%} fewer than the "
+        f"live version's {live} (max_shrink {max_shrink:g}); refused before download: {how}, "
+        "or raise max_shrink in transfer.conf"
+    )
 
 
 def backoff_delay(failures: int, base: float = 5.0, cap: float = 300.0) -> float:
