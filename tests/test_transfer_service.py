@@ -654,3 +654,127 @@ def test_a_base_that_shrinks_the_table_too_much_is_refused(tmp_path):
 
     (tmp_path / "open").mkdir()
     run(body())
+
+
+# ---------------------------------------------------------------------------------------------
+# the query API under hostile or careless requests (issue 9)
+
+
+async def _ask(http, method: str, url: str, timeout: float = 5.0, **kwargs) -> tuple[int, dict]:
+    """One request that must be answered within `timeout` with the JSON envelope."""
+    async with asyncio.timeout(timeout):
+        async with http.request(method, url, **kwargs) as resp:
+            reply = await resp.json(content_type=None)
+    assert isinstance(reply, dict) and set(reply) == {"success", "message", "data"}, reply
+    return resp.status, reply
+
+
+def test_meta_info_with_a_huge_shard_is_refused_at_once(tmp_path):
+    async def body():
+        async with harness(tmp_path, 2, 1, listeners=True) as h, aiohttp.ClientSession() as http:
+            await roll_out(h, B1)
+            query = f"name=test_dict&version={B1}&depend={B1}&shard=3000000"
+            status, reply = await _ask(http, "GET", h.api + "/dict/meta_info?" + query)
+            assert status == 400 and reply["success"] == "255"
+            assert "shard: 3000000 is outside [0, 1]" in reply["message"]
+
+    run(body())
+
+
+BAD_QUERIES = [
+    ("shard=-1", "shard: -1 is outside [0, 1]"),
+    ("shard=2", "shard: 2 is outside [0, 1]"),
+    ("shard=1e3", "shard: expected an integer"),
+    ("shard=--1", "shard: expected an integer"),
+    ("shard=%C2%B2", "shard: expected an integer"),
+    ("shard=0&split=1", "split: only split 0 exists"),
+    ("shard=0&split=x", "split: only split 0"),
+    ("shard=0&version=../../etc/passwd", "version: expected a version id"),
+    ("shard=0&depend=1700000000/..", "depend: expected a version id"),
+    ("shard=0&name=other", "name 'other' is not this transfer's dict"),
+    ("shard=0&shard=1", "shard: given more than once"),
+    ("shard=0&verbose=1", "unknown query parameter(s): verbose"),
+]
+
+
+def test_every_query_parameter_is_validated(tmp_path):
+    async def body():
+        async with harness(tmp_path, 2, 1, listeners=True) as h, aiohttp.ClientSession() as http:
+            await roll_out(h, B1)
+            good = {"name": "test_dict", "version": B1, "depend": B1}
+            for bad, message in BAD_QUERIES:
+                params = [(k, v) for k, v in good.items() if f"{k}=" not in bad]
+                query = "&".join(f"{k}={v}" for k, v in params) + "&" + bad
+                status, reply = await _ask(http, "GET", h.api + "/dict/meta_info?" + query)
+                assert status == 400 and message in reply["message"], (bad, reply)
+            for path in ("/dict/info", "/instance/status", "/dict/deploy/history"):
+                status, reply = await _ask(http, "GET", h.api + path + "?x=1")
+                assert status == 400 and "unknown query parameter(s): x" in reply["message"]
+            # the same rules for a registration, plus a bounded meta
+            form = {"name": "test_dict", "version": B1, "depend": B1, "shard": "7", "split": "0",
+                    "meta": '{"a": 1}'}  # fmt: skip
+            url = h.api + "/dict/meta_info/register"
+            status, reply = await _ask(http, "POST", url, data=form)
+            assert status == 400 and "shard: 7 is outside [0, 1]" in reply["message"]
+            status, reply = await _ask(http, "POST", url, data={**form, "shard": "../0"})
+            assert status == 400 and "shard: expected an integer" in reply["message"]
+            big = json.dumps({"k": "x" * (70 << 10)})
+            status, reply = await _ask(http, "POST", url, data={**form, "shard": "0", "meta": big})
+            assert status == 400 and "meta: over 65536 bytes" in reply["message"]
+            assert "x" * 100 not in reply["message"]  # never echoed back
+            form_type = {"Content-Type": "application/x-www-form-urlencoded"}
+            status, reply = await _ask(http, "POST", url, data=b"x" * (2 << 20), headers=form_type)
+            assert status == 413 and reply["success"] == "255"
+            # a rollback names a version, never a path
+            url = h.api + "/dict/rollback"
+            for version in ("../../etc/passwd", "1700000000/x", "", "1" * 30, True, ["1"]):
+                status, reply = await _ask(http, "POST", url, json={"version": version})
+                assert status == 400 and "version: expected a version name" in reply["message"]
+            status, reply = await _ask(http, "POST", url, data=b"[" * (2 << 20))
+            assert status == 413
+            status, reply = await _ask(http, "GET", h.api + "/" + "a" * 5000)
+            assert status == 404 and len(reply["message"]) < 300
+
+    run(body())
+
+
+def test_a_handler_error_is_a_500_with_the_envelope(tmp_path, monkeypatch):
+    from transfer import views
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("secret detail")
+
+    async def body():
+        async with harness(tmp_path, 1, 1, listeners=True) as h, aiohttp.ClientSession() as http:
+            monkeypatch.setattr(views, "history", broken)
+            status, reply = await _ask(http, "GET", h.api + "/dict/deploy/history")
+            assert status == 500 and reply["success"] == "255"
+            assert "internal error" in reply["message"] and "secret" not in reply["message"]
+
+    run(body())
+
+
+def test_with_an_api_token_every_request_needs_it(tmp_path):
+    async def body():
+        async with (
+            harness(tmp_path, 1, 1, listeners=True, extra="api_token: t0ken") as h,
+            aiohttp.ClientSession() as http,
+        ):
+            await roll_out(h, B1)
+            for method, path in (("GET", "/dict/info"), ("GET", "/instance/status"),
+                                 ("GET", "/dict/deploy/history"), ("POST", "/dict/rollback"),
+                                 ("GET", "/no/such")):  # fmt: skip
+                status, reply = await _ask(http, method, h.api + path)
+                assert status == 401 and reply["message"].startswith("unauthorized"), path
+            auth = {"Authorization": "Bearer t0ken"}
+            status, reply = await _ask(http, "GET", h.api + "/dict/info", headers=auth)
+            assert status == 200 and reply["data"]["live_version"] == B1
+            status, reply = await _ask(http, "GET", h.api + "/dict/info",
+                                       headers={"Authorization": "Bearer wrong"})  # fmt: skip
+            assert status == 401
+            form = {"name": "test_dict", "version": B1, "depend": B1, "shard": "0",
+                    "meta": '{"a": 1}', "token": "t0ken"}  # fmt: skip
+            status, reply = await _ask(http, "POST", h.api + "/dict/meta_info/register", data=form)
+            assert status == 200, reply
+
+    run(body())

@@ -617,3 +617,78 @@ def test_drive_waits_out_an_unreachable_server_without_spending_retries():
     agent = _ScriptedAgent([refused, done])
     outcome = asyncio.run(drive(agent, inst, fields, 30.0, 0, poll=0.01))  # type: ignore[arg-type]
     assert not outcome.ok and "bad tar" in outcome.message
+
+
+# ---------------------------------------------------------------------------------------------
+# what the API shows and what peers send (issue 9 audit)
+
+
+def test_credentials_in_urls_are_never_shown(tmp_path):
+    from transfer import views
+    from transfer.donefile import redact
+
+    assert redact("ftp://u:p@ss@h:21/d and http://x@y/z, /plain@path") == (
+        "ftp://***@h:21/d and http://***@y/z, /plain@path"
+    )
+    assert redact("http://host/a@b") == "http://host/a@b"  # an '@' in the path is no userinfo
+    text = CONF.replace("/data/donefile", "ftp://trainer:hunter2@10.0.0.1/donefile")
+    cfg = parse_config(text, "t.conf", tmp_path)
+    state = TransferState(dict_name="test_dict")
+    _lines(state, "base.txt", _base(100, "ftp://trainer:hunter2@10.0.0.1/in"))
+    state.history[0].message = "input ftp://trainer:hunter2@10.0.0.1/in: not found"
+    shown = json.dumps([views.dict_info(cfg, state), views.history(cfg, state)])
+    assert "hunter2" not in shown and "ftp://***@10.0.0.1/donefile" in shown
+
+
+def test_bad_donefile_lines_do_not_echo_what_was_read():
+    secret = "x" * 50 + "<script>"
+    for text in (
+        json.dumps({"id": secret, "key": "1", "input": "/x"}),
+        json.dumps({"id": "1", "key": "1", "input": {"a": secret}}),
+        json.dumps({"id": "1", "key": "1", "input": "/x", "delete": [secret]}),
+        '{"id": "1", "key": "1", "input": "' + secret + '"',  # not JSON
+    ):
+        parsed = parse_line("base.txt", 3, text)
+        assert isinstance(parsed, BadLine) and secret not in parsed.reason
+        state = TransferState()
+        ingest(state, [parsed], 1.0)
+        assert secret not in state.history[0].message
+
+
+def test_an_agent_answer_is_bounded(tmp_path):
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from transfer.agents import MAX_ANSWER, AgentClient, AgentRefused, AgentUnreachable
+    from transfer.config import Instance
+
+    async def huge(request):
+        return web.Response(body=b" " * (MAX_ANSWER + 10), content_type="application/json")
+
+    async def chatty(request):
+        return web.json_response({"success": "255", "message": "y" * 100_000, "data": None})
+
+    async def body():
+        app = web.Application()
+        app.router.add_get("/agent/status", huge)
+        app.router.add_post("/agent/cmd", chatty)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        inst = Instance(0, 0, "127.0.0.1", port, "127.0.0.1", 1, "/d")
+        try:
+            async with aiohttp.ClientSession() as session:
+                client = AgentClient(session)
+                with pytest.raises(AgentUnreachable, match=f"answer over {MAX_ANSWER} bytes"):
+                    await client.status(inst)
+                with pytest.raises(AgentRefused) as refused:
+                    await client.submit(inst, {"command": "download", "version": "1"})
+                assert len(str(refused.value)) < 1200
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(asyncio.wait_for(body(), 30))

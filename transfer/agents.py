@@ -9,6 +9,7 @@ the agent returns the existing task, restarts a failed one, never redoes a succe
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,14 @@ import aiohttp
 from transfer.config import Instance
 
 log = logging.getLogger("cube.transfer.agents")
+MAX_ANSWER = 4 << 20  # bytes of one agent answer (a status lists its tasks: far less)
+
+
+def said(value: Any, default: str, limit: int = 1000) -> str:
+    """A message from an agent as text for a reason or a log: one line, at most `limit`
+    characters (it ends up in the history every API client reads)."""
+    text = " ".join(str(value).split()) if value else ""
+    return (text[:limit] + ("..." if len(text) > limit else "")) or default
 
 
 class AgentUnreachable(Exception):
@@ -56,8 +65,15 @@ class AgentClient:
             async with self.session.request(
                 method, url, json=body, headers=headers, timeout=timeout
             ) as resp:
+                raw = bytearray()
+                async for chunk in resp.content.iter_chunked(1 << 16):
+                    raw += chunk
+                    if len(raw) > MAX_ANSWER:  # a broken or hostile peer: do not buffer it all
+                        raise AgentUnreachable(
+                            f"agent {inst.agent_address}: answer over {MAX_ANSWER} bytes"
+                        )
                 try:
-                    envelope = await resp.json(content_type=None)
+                    envelope = json.loads(raw)
                 except ValueError as exc:
                     raise AgentUnreachable(f"agent {inst.agent_address}: HTTP {resp.status}, "
                                            f"not JSON") from exc  # fmt: skip
@@ -69,7 +85,7 @@ class AgentClient:
             raise AgentUnreachable(f"agent {inst.agent_address}: answer is not an envelope")
         if str(envelope.get("success")) != "0":
             raise AgentRefused(
-                f"agent {inst.agent_address}: {envelope.get('message') or 'error'} "
+                f"agent {inst.agent_address}: {said(envelope.get('message'), 'error')} "
                 f"(success={envelope.get('success')}, HTTP {resp.status})",
                 resp.status,
             )
@@ -175,9 +191,9 @@ async def drive(
             continue
         state = task.get("state")
         if state == "succeeded":
-            return Outcome(True, str(task.get("message") or "ok"))
+            return Outcome(True, said(task.get("message"), "ok"))
         if state == "failed":
-            last = str(task.get("message") or "failed")
+            last = said(task.get("message"), "failed")
             if last.startswith("interrupted"):  # the agent restarted mid-task: just resume it
                 submitted = False
                 await asyncio.sleep(min(delay, max(remaining, 0.0)))

@@ -148,7 +148,7 @@ def read_md5_file(path: Path) -> str:
         raise BuildError(f"{path}: missing (the builder wrote no md5)") from None
     digest = md5_of_line(text)
     if digest is None:
-        raise BuildError(f"{path}: no md5 hash in {text[:80]!r}")
+        raise BuildError(f"{path}: no md5 hash (32 hex digits) at its start")
     return digest
 
 

@@ -129,10 +129,12 @@ class TransferService:
         if self._session:
             await self._session.close()
             self._session = None
+        await asyncio.to_thread(self.journal.close)
 
-    def save(self) -> None:
+    async def save(self) -> None:
+        """Persist the state (before acting on what changed); the writing is off the loop."""
         self.state.trim_history(self.cfg.history_limit)
-        self.journal.save(self.state)
+        await self.journal.persist(self.state)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Work until `stop` is set; every cycle is bounded by the configured timeouts."""
@@ -162,7 +164,7 @@ class TransferService:
                 log.warning("%s", line)
                 self.journal.event("refused", message=line)
             if logs:
-                self.save()
+                await self.save()
             if rec is None:
                 break
             await self.start_deploy(rec)
@@ -203,7 +205,7 @@ class TransferService:
             self.state.cursors[name] = len(lines)
             changed = True
         if changed:
-            self.save()
+            await self.save()
 
     # -- rollout ------------------------------------------------------------------------------
     async def start_deploy(self, rec: VersionRecord) -> None:
@@ -217,7 +219,7 @@ class TransferService:
             started_at=now(),
         )
         rec.status = "building"
-        self.save()
+        await self.save()
         self.journal.event("deploy_start", version=rec.version, line=rec.line)
         await self.resume()
 
@@ -231,7 +233,7 @@ class TransferService:
         if rec is None:
             log.error("deployment of %s has no history record; dropping it", dep.version)
             self.state.deployment = None
-            self.save()
+            await self.save()
             return
         try:
             if dep.phase == "build":
@@ -241,16 +243,16 @@ class TransferService:
                     rec, live_records(self.state), self.cfg.max_shrink, self.cfg.allow_empty_base
                 )
                 if refusal:
-                    self._end(rec, "refused", refusal)
+                    await self._end(rec, "refused", refusal)
                     return
                 dep.phase = "download"
                 rec.status = "deploying"
-                self.save()
+                await self.save()
             if dep.phase == "download":
                 await self._phase(rec, dep, "download")
                 rec.status = "downloaded"
                 dep.phase = "reload"
-                self.save()
+                await self.save()
             if dep.phase == "reload":
                 if rec.mode == "delta":
                     await self._drop_lagging(dep)
@@ -258,27 +260,27 @@ class TransferService:
                 rec.status = "reloaded"
                 dep.phase = "enable"
                 dep.committed = True
-                self.save()
+                await self.save()
                 self.journal.event("commit", version=rec.version, targets=dep.targets)
             if dep.phase == "enable":
                 await self._enable(rec, dep)
         except _Abort as exc:
-            self._fail(rec, str(exc))
+            await self._fail(rec, str(exc))
 
-    def _fail(self, rec: VersionRecord, message: str) -> None:
-        self._end(rec, "failed", message)
+    async def _fail(self, rec: VersionRecord, message: str) -> None:
+        await self._end(rec, "failed", message)
 
-    def _end(self, rec: VersionRecord, status: str, message: str) -> None:
+    async def _end(self, rec: VersionRecord, status: str, message: str) -> None:
         """End the deployment of `rec` without it going live: `failed`, or `refused` (the
         build is fine but must not replace the live table); the reason is in its record, the
         journal and the log."""
         finish(rec, status, message, now())
         self.state.deployment = None
-        self.save()
+        await self.save()
         event = "deploy_failed" if status == "failed" else "deploy_refused"
         self.journal.event(event, version=rec.version, message=message)
         log.error("version %s %s: %s", rec.version or rec.line, status, message)
-        self._prune_outputs()
+        await self._prune_outputs()
 
     async def _build(self, rec: VersionRecord) -> None:
         cfg = self.cfg
@@ -286,7 +288,8 @@ class TransferService:
         out_name = builds.output_dir_name(rec.depend, rec.id)
         out_dir = cfg.output_address / out_name
         rec.output = str(out_dir)
-        shutil.rmtree(out_dir, ignore_errors=True)  # a build killed midway left half of it
+        # a build killed midway left half of it
+        await asyncio.to_thread(shutil.rmtree, out_dir, ignore_errors=True)
         mirror_root = cfg.tmp_address / "input"
         try:
             input_path = await self._fetch(
@@ -310,7 +313,7 @@ class TransferService:
                 partitioner=cfg.partitioner,
                 delete_path=delete_path,
             )
-            self.save()
+            await self.save()
             try:
                 await builds.run_builder(argv, cfg.build_timeout, self._note_builder)
             finally:
@@ -321,8 +324,7 @@ class TransferService:
         except (builds.BuildError, SourceUnavailable) as exc:
             raise _Abort(str(exc)) from exc
         finally:
-            for path in mirror_root.glob(f"{cfg.dict_name}_{rec.version}*"):
-                shutil.rmtree(path, ignore_errors=True)
+            await asyncio.to_thread(_remove_mirrors, mirror_root, f"{cfg.dict_name}_{rec.version}")
         rec.shards = {
             str(s.shard): {"md5": s.md5, "size": s.size, "records": s.records, "deleted": s.deleted}
             for s in shards
@@ -480,7 +482,7 @@ class TransferService:
                 f"{phase} did not reach quorum {self.cfg.quorum} ({', '.join(shortfall)}); "
                 f"nothing was switched. {reasons}"
             )
-        self.save()
+        await self.save()
 
     async def _drop_lagging(self, dep: Deployment) -> None:
         """A delta loads on top of what a server holds: only servers on the previous live
@@ -506,7 +508,7 @@ class TransferService:
         log.info("enable %s on %d instances", rec.version, len(dep.targets))
         enabled, failure = await self._switch("enable", dep, rec, self.cfg.enable_timeout)
         if failure:
-            self._fail(rec, failure)
+            await self._fail(rec, failure)
             return
         at = now()
         rec.times["enabled"] = at
@@ -517,7 +519,7 @@ class TransferService:
         self.state.live_chain = list(rec.chain)
         self.state.live_since = at
         self.state.deployment = None
-        self.save()
+        await self.save()
         self.journal.event("live", version=rec.version, chain=rec.chain, instances=sorted(enabled))
         log.info(
             "version %s is live (%d/%d instances; %.1fs after its line was seen)",
@@ -526,7 +528,7 @@ class TransferService:
             len(self.cfg.instances),
             at - rec.times.get("line_seen", at),
         )
-        self._prune_outputs()
+        await self._prune_outputs()
         self.wake.set()  # reconcile the ones left behind soon
 
     async def _switch(
@@ -601,7 +603,7 @@ class TransferService:
                 targets=[inst.name for inst in self.cfg.instances],
                 started_at=now(),
             )
-            self.save()
+            await self.save()
             self.journal.event("rollback_start", version=version, prev=self.state.live_version)
             await self._resume_rollback(self.state.deployment)
             return rec
@@ -620,7 +622,7 @@ class TransferService:
         target = self.state.record(dep.version)
         if rec is None or target is None:
             self.state.deployment = None
-            self.save()
+            await self.save()
             return
         log.info("rollback to %s on %d instances", dep.version, len(dep.targets))
         timeout = self.cfg.reload_timeout + self.cfg.enable_timeout
@@ -628,7 +630,7 @@ class TransferService:
         if failure:
             finish(rec, "failed", failure, now())
             self.state.deployment = None
-            self.save()
+            await self.save()
             log.error("rollback to %s failed: %s", dep.version, failure)
             return
         at = now()
@@ -637,7 +639,7 @@ class TransferService:
         self.state.live_chain = list(target.chain)
         self.state.live_since = at
         self.state.deployment = None
-        self.save()
+        await self.save()
         self.journal.event("live", version=target.version, chain=target.chain, rollback=True)
         log.info("rolled back to %s", target.version)
         self.wake.set()
@@ -701,7 +703,7 @@ class TransferService:
             jobs.append(self._catch_up(inst, plan))
         if jobs:
             await asyncio.gather(*jobs)
-            self.save()
+            await self.save()
 
     async def _catch_up(self, inst: Instance, plan: list[Step]) -> None:
         assert self.client is not None
@@ -746,9 +748,9 @@ class TransferService:
         log.info("instance %s caught up to %s", inst.name, self.state.live_version)
 
     # -- housekeeping ------------------------------------------------------------------------
-    def _prune_outputs(self) -> None:
+    async def _prune_outputs(self) -> None:
         """Keep the build outputs agents may still need (chains of the last few live versions
-        and any deployment in progress); remove the others."""
+        and any deployment in progress); remove the others (in a thread: tars are big)."""
         keep: set[str] = set()
         finished = [
             r for r in self.state.history if r.status == "finished" and r.mode != "rollback"
@@ -766,38 +768,51 @@ class TransferService:
         dep = self.state.deployment
         if dep and (rec := self.state.record(dep.version)) and rec.output:
             keep.add(Path(rec.output).name)
-        try:
-            entries = list(os.scandir(self.cfg.output_address))
-        except OSError:
-            return
-        for entry in entries:
-            is_output = entry.is_dir(follow_symlinks=False) and _OUTPUT_DIR.fullmatch(entry.name)
-            if is_output and entry.name not in keep:
-                shutil.rmtree(entry.path, ignore_errors=True)
-                log.info("removed old build output %s", entry.path)
+        await asyncio.to_thread(_remove_outputs, self.cfg.output_address, keep)
 
-    # -- queries used by the HTTP API ----------------------------------------------------------
-    def register_meta(self, name: str, version: str, depend: str, shard: str, meta: str) -> None:
-        """Store a shard's builder meta in its version (the original's register call)."""
-        if name != self.cfg.dict_name:
-            raise ValueError(f"name {name!r} is not this transfer's dict {self.cfg.dict_name!r}")
+    # -- queries used by the HTTP API (arguments validated there) -------------------------------
+    async def register_meta(self, version: str, depend: str, shard: int, meta: str) -> None:
+        """Store a shard's builder meta in its version (the original's register call).
+        LookupError when no such version is known."""
         target = None
         for rec in reversed(self.state.history):
             if rec.mode != "rollback" and rec.id == version and rec.depend == depend:
                 target = rec
                 break
         if target is None:
-            raise ValueError(f"no version {version} (depend {depend}) is known")
+            raise LookupError(f"no version {version} (depend {depend}) is known")
         target.meta_infos[str(shard)] = meta
-        self.save()
+        await self.save()
 
-    def meta_info(self, version: str, depend: str, shard: str) -> str | None:
+    async def meta_info(self, version: str, depend: str, shard: int) -> str | None:
+        """A shard's meta: registered or recorded at its build, else the builder's file."""
         for rec in reversed(self.state.history):
             same = rec.mode != "rollback" and rec.id == version and rec.depend == depend
             if same and str(shard) in rec.meta_infos:
                 return rec.meta_infos[str(shard)]
-        text = builds.read_meta_infos(self.cfg.output_address, version, depend, [int(shard)])
+        text = await asyncio.to_thread(
+            builds.read_meta_infos, self.cfg.output_address, version, depend, [shard]
+        )
         return text.get(str(shard))
+
+
+def _remove_mirrors(root: Path, prefix: str) -> None:
+    """Delete the mirrored inputs of one version (`<prefix>*` under `root`). Blocking."""
+    for path in root.glob(f"{prefix}*"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove_outputs(root: Path, keep: set[str]) -> None:
+    """Delete the build output directories under `root` not named in `keep`. Blocking."""
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return
+    for entry in entries:
+        is_output = entry.is_dir(follow_symlinks=False) and _OUTPUT_DIR.fullmatch(entry.name)
+        if is_output and entry.name not in keep:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            log.info("removed old build output %s", entry.path)
 
 
 class _Abort(Exception):

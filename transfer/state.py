@@ -90,7 +90,15 @@ class VersionRecord:
         return sum(counts)  # type: ignore[arg-type]
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """A copy sharing no mutable part with the record (taken on the event loop and
+        encoded elsewhere); shallow copies, as asdict's deep copy is slow on big metas."""
+        return {
+            **vars(self),
+            "chain": list(self.chain),
+            "times": dict(self.times),
+            "meta_infos": dict(self.meta_infos),
+            "shards": {k: dict(v) for k, v in self.shards.items()},
+        }
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> VersionRecord:
@@ -227,7 +235,7 @@ def ingest(
                 input="",
                 line=item.where,
                 status="failed",
-                message=f"malformed donefile line: {item.reason}; line: {item.text!r}",
+                message=f"malformed donefile line: {item.reason}",
                 create_time=at,
                 finish_time=at,
             )
