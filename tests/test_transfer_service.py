@@ -778,3 +778,82 @@ def test_with_an_api_token_every_request_needs_it(tmp_path):
             assert status == 200, reply
 
     run(body())
+
+
+# ---------------------------------------------------------------------------------------------
+# a replica that cannot load: visible, and repaired by a new download (issue 9)
+
+
+def test_a_replica_that_cannot_load_is_shown_failed_and_repaired_by_a_new_download(tmp_path):
+    async def body():
+        async with (
+            harness(tmp_path, 1, 2, extra="quorum: 1", listeners=True) as h,
+            aiohttp.ClientSession() as http,
+        ):
+            await roll_out(h, B1)
+            h.service.catch_up_backoff = 0.3
+            broken = h.agents[0][1]
+            broken.cur = "1600000000"  # restored from elsewhere; its copy of B1 is damaged
+            broken.corrupt = {B1}
+            h.events.clear()
+            await h.service.reconcile()
+            # one load, refused as corrupt: not re-sent (the copy is gone; retrying is useless)
+            assert [e[1:] for e in h.events] == [("rollback", B1)]
+            assert B1 not in broken.on_disk and broken.cur == "1600000000"
+            known = h.service.state.instances["0_1"]
+            assert known.catch_up_failures == 1 and known.next_catch_up > 0
+            status, reply = await _ask(http, "GET", h.api + "/instance/status")
+            shown = {i["name"]: i for i in reply["data"]}["0_1"]
+            assert shown["status"] == "Rollback_Failed", shown
+            assert shown["failures"] == 1 and shown["last_failure_reason"] == "corrupt_version"
+            assert "DATA_LOSS" in shown["last_failure_message"]
+            assert shown["next_retry_time"] >= int(known.next_catch_up) > 0
+            failed = [e for e in _events(h) if e["event"] == "catch_up_failed"]
+            assert failed[-1]["reason"] == "corrupt_version" and failed[-1]["instance"] == "0_1"
+            assert failed[-1]["command"] == "rollback" and failed[-1]["failures"] == 1
+            # within the backoff nothing is sent; after it, the version is downloaded again
+            await h.service.reconcile()
+            assert len(h.events) == 1
+            await asyncio.sleep(0.35)
+            await h.service.reconcile()
+            assert [e[1:] for e in h.events[1:]] == [
+                ("download", B1),
+                ("reload", B1),
+                ("enable", B1),
+            ]
+            assert versions(h) == [B1, B1]
+            status, reply = await _ask(http, "GET", h.api + "/instance/status")
+            shown = {i["name"]: i for i in reply["data"]}["0_1"]
+            assert status == 200 and shown["failures"] == 0 and shown["next_retry_time"] == 0
+            assert shown["last_failure_reason"] == "" and shown["status"] == "Enable_Succ"
+            assert _events(h)[-1]["event"] == "caught_up"
+
+    run(body())
+
+
+def test_a_replica_that_cannot_load_during_a_rollout_downloads_again(tmp_path):
+    async def body():
+        async with harness(tmp_path, 2, 2) as h:  # quorum: every replica
+            await roll_out(h, B1)
+            h.agents[1][0].corrupt = {B2}
+            await roll_out(h, B2)
+            assert versions(h) == [B2] * 4, h.service.state.record(B2).message
+            sent = [e[1] for e in h.events if e[0] == "1_0" and e[2] == B2]
+            assert sent == ["download", "reload", "download", "reload", "enable"]
+
+    run(body())
+
+
+def test_a_catch_up_without_a_record_fails_instead_of_claiming_success(tmp_path):
+    async def body():
+        async with harness(tmp_path, 1, 2, extra="quorum: 1") as h:
+            await roll_out(h, B1)
+            h.agents[0][1].cur = ""  # a fresh replica
+            h.service.state.history = [r for r in h.service.state.history if r.version != B1]
+            await h.service.reconcile()
+            known = h.service.state.instances["0_1"]
+            assert known.version == "" and known.catch_up_failures == 1
+            assert known.failure_message == f"catch-up: no record of {B1}"
+            assert known.status == "Download_Failed" and versions(h) == [B1, ""]
+
+    run(body())

@@ -403,6 +403,23 @@ def test_catch_up_plans():
     assert fresh[0] == Step("download", "100", "base", ("100",))
     back = catch_up_plan("100_130", chain, {"100", "100_110", "100_120", "100_130"})
     assert back == [Step("rollback", "100_120", "delta", tuple(chain))]
+    # the target is on disk but its base was quarantined (corrupt): a rollback would load the
+    # CHAIN from disk and fail again, forever; the base is downloaded again instead
+    repair = catch_up_plan("100_130", chain, {"100_110", "100_120", "100_130"})
+    assert [(s.command, s.version) for s in repair] == [
+        ("download", "100"),
+        ("download", "100_110"),  # placed already: the agent answers at once
+        ("download", "100_120"),
+        ("reload", "100_120"),
+        ("enable", "100_120"),
+    ]
+
+
+def test_backoff_is_bounded_however_many_failures():
+    from transfer.state import backoff_delay
+
+    assert [backoff_delay(n, 5.0) for n in (1, 2, 3)] == [5.0, 10.0, 20.0]
+    assert backoff_delay(10_000, 5.0) == 300.0  # days of failures: no float overflow
 
 
 # ---------------------------------------------------------------------------------------------
@@ -617,6 +634,25 @@ def test_drive_waits_out_an_unreachable_server_without_spending_retries():
     agent = _ScriptedAgent([refused, done])
     outcome = asyncio.run(drive(agent, inst, fields, 30.0, 0, poll=0.01))  # type: ignore[arg-type]
     assert not outcome.ok and "bad tar" in outcome.message
+
+
+def test_drive_gives_up_at_once_on_a_corrupt_copy():
+    """The agent quarantined the copy its server refused: re-sending the load cannot work, so
+    the caller learns it at once (reason corrupt_version) and downloads again."""
+    import asyncio
+
+    from transfer.agents import CORRUPT_VERSION, drive
+    from transfer.config import Instance
+
+    inst = Instance(0, 0, "127.0.0.1", 1, "127.0.0.1", 2, "/tmp/x")
+    corrupt = {"command": "reload", "version": "7", "state": "failed",
+               "message": "DATA_LOSS: checksum mismatch", "reason": CORRUPT_VERSION}  # fmt: skip
+    agent = _ScriptedAgent([corrupt, corrupt, corrupt])
+    outcome = asyncio.run(
+        drive(agent, inst, {"command": "reload", "version": "7"}, 30.0, 5, poll=0.01)  # type: ignore[arg-type]
+    )
+    assert not outcome.ok and outcome.reason == CORRUPT_VERSION and agent.submits == 1
+    assert "DATA_LOSS" in outcome.message
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ class FakeTask:
     version: str
     state: str = "running"
     message: str = ""
+    reason: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -32,6 +33,7 @@ class FakeTask:
             "version": self.version,
             "state": self.state,
             "message": self.message,
+            "reason": self.reason,
             "started_at": 0,
             "finished_at": 0,
             "progress": {},
@@ -57,6 +59,10 @@ class FakeAgent:
     token: str = ""
     events: list[tuple[str, str, str]] | None = None  # shared (agent, command, version) log
     busy_until: float = 0.0  # loop time until which every new command gets 409
+    # versions whose placed copy is damaged: loading one fails with reason corrupt_version and
+    # quarantines it (gone from disk and `versions`), as the real agent does on DATA_LOSS; a
+    # new download places a good copy
+    corrupt: set[str] = field(default_factory=set)
 
     def envelope(self, data: Any, message: str = "", success: str = "0", status: int = 200):
         return web.json_response(
@@ -103,7 +109,8 @@ class FakeAgent:
         if self.events is not None:
             self.events.append((self.name, command, version))
         task = self.tasks.get((command, version))
-        if task is not None and task.state in ("running", "succeeded"):
+        done = task is not None and task.state == "succeeded" and self._effect(command, version)
+        if task is not None and (task.state == "running" or done):
             return self.envelope(task.to_json())
         task = FakeTask(command, version)
         self.tasks[(command, version)] = task
@@ -113,10 +120,24 @@ class FakeAgent:
     async def _work(self, task: FakeTask, body: dict[str, Any]) -> None:
         await asyncio.sleep(self.delay)
         failure = self.behavior(task.command, task.version) if self.behavior else None
+        loads = task.command in ("reload", "rollback") and self.cur != task.version
+        if failure is None and loads and {task.version} <= self.corrupt & self.on_disk:
+            self.corrupt.discard(task.version)
+            self.on_disk.discard(task.version)
+            task.reason = "corrupt_version"
+            failure = f"cube-server {task.command} {task.version}: DATA_LOSS: checksum mismatch"
         if failure is None:
             failure = self._apply(task.command, task.version)
         task.state = "failed" if failure else "succeeded"
         task.message = failure or "ok"
+
+    def _effect(self, command: str, version: str) -> bool:
+        """Whether what a succeeded task did is still there (else the agent runs it again)."""
+        if command == "download":
+            return version in self.on_disk
+        if command == "reload":
+            return version in (self.cur, self.bg)
+        return self.cur == version
 
     def _apply(self, command: str, version: str) -> str | None:
         if command == "download":

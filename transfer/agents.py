@@ -43,10 +43,15 @@ class AgentRefused(Exception):
         self.http_status = http_status
 
 
+CORRUPT_VERSION = "corrupt_version"  # a task reason: the server refused the placed copy as
+# damaged (DATA_LOSS) and the agent quarantined it; only a new download can repair it
+
+
 @dataclass
 class Outcome:
     ok: bool
     message: str
+    reason: str = ""  # the failed task's reason (e.g. CORRUPT_VERSION), "" otherwise
 
 
 class AgentClient:
@@ -135,8 +140,9 @@ async def drive(
     poll: float = 0.1,
     max_poll: float = 1.0,
 ) -> Outcome:
-    """Run one command on one agent until it succeeded, failed `retries + 1` times, or
-    `timeout` seconds passed. An unreachable agent is waited for (it may be restarting) and the
+    """Run one command on one agent until it succeeded, failed `retries + 1` times, failed
+    with reason corrupt_version (at once: the caller must download again), or `timeout`
+    seconds passed. An unreachable agent is waited for (it may be restarting) and the
     command re-sent when it answers; that does not use up a retry, but an agent silent for
     `dead_timeout` seconds in a row is given up on (so one dead replica does not hold a phase
     for its whole timeout)."""
@@ -199,6 +205,8 @@ async def drive(
                 await asyncio.sleep(min(delay, max(remaining, 0.0)))
                 continue
             submitted = False
+            if task.get("reason") == CORRUPT_VERSION:  # the copy is gone: re-sending is useless
+                return Outcome(False, f"{command} {version}: {last}", CORRUPT_VERSION)
             # The server was unreachable (the task says so, or the agent does now): it may be
             # restarting, so wait as for a silent agent, without spending a retry. The task's
             # own reason counts even if the server is back by the time we ask the agent.

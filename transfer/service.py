@@ -30,7 +30,15 @@ import aiohttp
 import psutil
 
 from transfer import build as builds
-from transfer.agents import AgentClient, AgentRefused, AgentUnreachable, Outcome, drive, run_phase
+from transfer.agents import (
+    CORRUPT_VERSION,
+    AgentClient,
+    AgentRefused,
+    AgentUnreachable,
+    Outcome,
+    drive,
+    run_phase,
+)
 from transfer.config import Instance, TransferConfig
 from transfer.donefile import (
     BASE_FILE,
@@ -88,11 +96,13 @@ class TransferService:
         poll_interval: float = 5.0,
         dead_timeout: float = 60.0,
         keep_outputs: int = 3,
+        catch_up_backoff: float = 5.0,
     ) -> None:
         self.cfg = cfg
         self.poll_interval = poll_interval
         self.dead_timeout = dead_timeout
         self.keep_outputs = keep_outputs
+        self.catch_up_backoff = catch_up_backoff  # first wait after a failed catch-up (doubles)
         self.journal = Journal(cfg.tmp_address)
         self.state = TransferState(dict_name=cfg.dict_name)
         self.lock = asyncio.Lock()
@@ -470,6 +480,8 @@ class TransferService:
         timeout = {"download": self.cfg.download_timeout, "reload": self.cfg.reload_timeout}[phase]
         log.info("%s %s on %d instances", phase, rec.version, len(dep.targets))
         outcomes = await self._run(phase, dep.targets, rec, timeout)
+        if phase == "reload":
+            outcomes.update(await self._repair_corrupt(rec, outcomes, timeout))
         dep.results[phase] = _result_summary(outcomes)
         dep.targets = [n for n in dep.targets if outcomes[n].ok]
         rec.times[{"download": "downloaded", "reload": "reloaded"}[phase]] = now()
@@ -483,6 +495,21 @@ class TransferService:
                 f"nothing was switched. {reasons}"
             )
         await self.save()
+
+    async def _repair_corrupt(
+        self, rec: VersionRecord, outcomes: dict[str, Outcome], timeout: float
+    ) -> dict[str, Outcome]:
+        """Replicas whose server refused their copy as corrupt (the agent quarantined it)
+        download it again and reload once more; their new outcomes."""
+        corrupt = sorted(n for n, o in outcomes.items() if o.reason == CORRUPT_VERSION)
+        if not corrupt:
+            return {}
+        log.warning("%s: corrupt copy on %s; downloading it again", rec.version, corrupt)
+        self.journal.event("corrupt_version", version=rec.version, instances=corrupt)
+        downloads = await self._run("download", corrupt, rec, self.cfg.download_timeout)
+        again = [n for n in corrupt if downloads[n].ok]
+        reloads = await self._run("reload", again, rec, timeout) if again else {}
+        return {**{n: downloads[n] for n in corrupt if n not in again}, **reloads}
 
     async def _drop_lagging(self, dep: Deployment) -> None:
         """A delta loads on top of what a server holds: only servers on the previous live
@@ -692,8 +719,9 @@ class TransferService:
             if info is None or not known.reachable:
                 continue
             if known.version == chain[-1]:
-                known.catch_up_failures = 0
-                known.next_catch_up = 0.0
+                if known.catch_up_failures or known.status.endswith("_Failed"):
+                    known.status = "Enable_Succ"  # it serves the live version after all
+                known.recovered()
                 continue
             if any(t.get("state") == "running" for t in info.get("tasks") or []):
                 continue
@@ -717,9 +745,10 @@ class TransferService:
         )
         for step in plan:
             rec = self.state.record(step.version)
-            if rec is None:
-                known.message = f"catch-up: no record of {step.version}"
-                break
+            if rec is None:  # history trimmed past a live version: cannot happen, but say so
+                why = f"catch-up: no record of {step.version}"
+                self._catch_up_failed(inst, step, Outcome(False, why))
+                return
             timeout = {
                 "download": self.cfg.download_timeout,
                 "reload": self.cfg.reload_timeout,
@@ -734,18 +763,38 @@ class TransferService:
             )
             note(inst, "ok" if outcome.ok else "failed", outcome.message)
             if not outcome.ok:
-                known.catch_up_failures += 1
-                delay = backoff_delay(known.catch_up_failures)
-                known.next_catch_up = now() + delay
-                log.warning("catch-up of %s failed (%s); next try in %gs", inst.name,
-                            outcome.message, delay)  # fmt: skip
-                self.journal.event("catch_up_failed", instance=inst.name, message=outcome.message)
+                self._catch_up_failed(inst, step, outcome)
                 return
-        known.catch_up_failures = 0
-        known.next_catch_up = 0.0
+        known.recovered()
         known.version = self.state.live_version
         self.journal.event("caught_up", instance=inst.name, version=self.state.live_version)
         log.info("instance %s caught up to %s", inst.name, self.state.live_version)
+
+    def _catch_up_failed(self, inst: Instance, step: Step, outcome: Outcome) -> None:
+        """Record a failed catch-up where /instance/status, the journal and the log show it,
+        and when to try again (bounded exponential backoff). A corrupt copy was quarantined by
+        the agent, so the next plan downloads it again."""
+        known = self.state.instances[inst.name]
+        at = now()
+        delay = backoff_delay(known.catch_up_failures + 1, self.catch_up_backoff)
+        known.failed(step, outcome.reason, outcome.message, at, at + delay)
+        if not known.status.endswith("_Failed"):
+            known.status = _PHASE_STATUS.get(step.command, _PHASE_STATUS["rollback"])[2]
+        known.message = outcome.message
+        log.warning("catch-up of %s failed %d time(s) in a row at %s %s (%s%s); next try in %gs",
+                    inst.name, known.catch_up_failures, step.command, step.version,
+                    outcome.message, f", {outcome.reason}" if outcome.reason else "",
+                    delay)  # fmt: skip
+        self.journal.event(
+            "catch_up_failed",
+            instance=inst.name,
+            command=step.command,
+            version=step.version,
+            reason=outcome.reason,
+            message=outcome.message,
+            failures=known.catch_up_failures,
+            next_retry=known.next_catch_up,
+        )
 
     # -- housekeeping ------------------------------------------------------------------------
     async def _prune_outputs(self) -> None:

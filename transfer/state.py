@@ -116,8 +116,28 @@ class InstanceState:
     message: str = ""
     reachable: bool = False
     times: dict[str, float] = field(default_factory=dict)
-    next_catch_up: float = 0.0  # reconciler backoff
-    catch_up_failures: int = 0
+    next_catch_up: float = 0.0  # reconciler backoff: no catch-up before this time
+    catch_up_failures: int = 0  # consecutive failed catch-ups
+    # the last failed catch-up step (kept until the instance serves the live version)
+    failure_command: str = ""
+    failure_version: str = ""
+    failure_reason: str = ""  # the agent task's reason, e.g. corrupt_version
+    failure_message: str = ""
+    failed_at: float = 0.0
+
+    def failed(self, step: Step, reason: str, message: str, at: float, retry_at: float) -> None:
+        self.catch_up_failures += 1
+        self.next_catch_up = retry_at
+        self.failure_command, self.failure_version = step.command, step.version
+        self.failure_reason, self.failure_message, self.failed_at = reason, message, at
+
+    def recovered(self) -> None:
+        """It serves the live version: no failure to show, no retry pending."""
+        self.catch_up_failures = 0
+        self.next_catch_up = 0.0
+        self.failure_command = self.failure_version = ""
+        self.failure_reason = self.failure_message = ""
+        self.failed_at = 0.0
 
 
 @dataclass
@@ -372,11 +392,13 @@ class Step:
 def catch_up_plan(current: str, live_chain: list[str], on_disk: set[str]) -> list[Step]:
     """Commands that bring an instance serving `current` to the last version of `live_chain`.
 
-    When the target is already on its disk and `current` is not on the way to it, a `rollback`
-    (the agent switches to it or reloads it). Otherwise the chain versions it lacks are
-    downloaded (from just after `current` when that is in the chain, else from the base), then
-    the target is reloaded and enabled: the agent loads a delta on top of its predecessor or,
-    from anywhere else, the whole CHAIN from disk.
+    When the whole chain is already on its disk and `current` is not on the way to it, a
+    `rollback` (the agent switches to the target or loads its CHAIN). Otherwise the chain
+    versions it lacks are downloaded (from just after `current` when that is in the chain, else
+    from the base), then the target is reloaded and enabled: the agent loads a delta on top of
+    its predecessor or, from anywhere else, the whole CHAIN from disk. `on_disk` is the agent's
+    `versions`: a copy its server refused as corrupt is quarantined and missing from it, so the
+    next plan downloads it again.
     """
     if not live_chain or current == live_chain[-1]:
         return []
@@ -385,7 +407,7 @@ def catch_up_plan(current: str, live_chain: list[str], on_disk: set[str]) -> lis
     chain = tuple(live_chain)
     if current in live_chain:
         start = live_chain.index(current) + 1
-    elif target in on_disk and current:
+    elif current and on_disk.issuperset(live_chain):
         return [Step("rollback", target, mode, chain)]
     else:
         start = 0
@@ -446,4 +468,6 @@ def shrink_refusal(
 
 
 def backoff_delay(failures: int, base: float = 5.0, cap: float = 300.0) -> float:
-    return min(cap, base * (2 ** max(failures - 1, 0)))
+    """Seconds before the next try after `failures` in a row: base, 2 x base, ... up to cap
+    (the exponent is bounded too: days of failures must not overflow a float)."""
+    return min(cap, base * (2 ** min(max(failures - 1, 0), 30)))

@@ -90,6 +90,14 @@ def instance_info(cfg: TransferConfig, state: TransferState, inst: Instance) -> 
             "reachable": bool(known and known.reachable),
             "live_version": state.live_version,
             "message": redact(known.message) if known else "",
+            # a replica the reconciler fails to bring to the live version (kept until it does)
+            "failures": known.catch_up_failures if known else 0,
+            "next_retry_time": int(known.next_catch_up) if known else 0,
+            "last_failure_command": known.failure_command if known else "",
+            "last_failure_version": known.failure_version if known else "",
+            "last_failure_reason": known.failure_reason if known else "",
+            "last_failure_message": redact(known.failure_message) if known else "",
+            "last_failure_time": int(known.failed_at) if known else 0,
         }
     )
     return out
