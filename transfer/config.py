@@ -19,11 +19,15 @@ Keys we add to [default] (all optional; default in brackets):
 - `verify_output` [true]: check every built tar's md5 and members before deploying it.
 - `history_limit` [500]: version records kept (live and pending ones always are).
 - `max_shrink` [0.5]: a new base with fewer records than (1 - max_shrink) x the live version's
-  is refused before anything is downloaded; 1 turns the check off. The live version's count is
-  its base's records minus the deletions of its deltas (a lower bound of what is served, so
-  deltas that update keys never cause a refusal).
-- `allow_empty_base` [false]: a base with no records at all is refused unless this is true.
-A single base line may override both with `"allow_shrink": true` (see transfer/donefile.py).
+  is refused (status `refused`, the reason in its history record, the journal and the log)
+  before anything is downloaded; 1 turns the check off, 0 refuses any shrink. The live
+  version's count is its base's records minus the deletions of its deltas (a lower bound of
+  what is served, so deltas that update keys never cause a refusal); counts come from the
+  built shards' index headers.
+- `allow_empty_base` [false]: a base with no records at all is refused unless this is true
+  (both checks apply: an empty base replacing a live one also needs max_shrink 1).
+A base line may override both with `"allow_shrink": true` (see transfer/donefile.py); a
+patch may always be empty. A refused line can be published again with it.
 
 Parsing is pure (text in, config out); errors name the file, line and key.
 """
