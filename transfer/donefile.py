@@ -50,9 +50,10 @@ class DonefileEntry:
 
 @dataclass(frozen=True)
 class BadLine:
+    """A line that is not a version; `reason` says why without repeating the line."""
+
     file: str
     line_no: int
-    text: str
     reason: str
 
     @property
@@ -81,7 +82,7 @@ def parse_line(file: str, line_no: int, text: str) -> DonefileEntry | BadLine | 
         return None
 
     def bad(reason: str) -> BadLine:
-        return BadLine(file, line_no, text[:300], f"{file}:{line_no}: {reason}")
+        return BadLine(file, line_no, f"{file}:{line_no}: {reason}")
 
     try:
         obj = json.loads(text)

@@ -25,10 +25,11 @@ import json
 import logging
 import re
 import threading
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from multidict import MultiMapping
 
 from transfer import views
 from transfer.donefile import ID, VERSION_NAME
@@ -65,7 +66,8 @@ async def _reply(
     return web.Response(text=text, status=status, content_type="application/json")
 
 
-def _error(message: str, status: int = 400, success: str = "255", data: Any = None):
+def _error(message: str, status: int = 400, success: str = "255", data: Any = None) -> web.Response:
+    """An error envelope (small: encoded here)."""
     body = json.dumps(views.envelope(data, message, success))
     return web.Response(text=body, status=status, content_type="application/json")
 
@@ -75,7 +77,7 @@ def _echo(text: str) -> str:
     return repr(text[:_ECHO] + ("..." if len(text) > _ECHO else ""))
 
 
-def _params(given: Mapping[str, Any], allowed: tuple[str, ...], what: str) -> dict[str, str]:
+def _params(given: MultiMapping[Any], allowed: tuple[str, ...], what: str) -> dict[str, str]:
     """The `allowed` parameters of a query or form as strings; unknown, repeated or non-text
     ones are a BadRequest."""
     unknown = sorted({k for k in given if k not in allowed})
@@ -84,8 +86,7 @@ def _params(given: Mapping[str, Any], allowed: tuple[str, ...], what: str) -> di
         raise BadRequest(f"unknown {what}(s): {names} (known: {', '.join(allowed)})")
     out: dict[str, str] = {}
     for key in allowed:
-        values = given.getall(key, []) if hasattr(given, "getall") else [given.get(key)]
-        values = [v for v in values if v is not None]
+        values = given.getall(key, [])
         if len(values) > 1:
             raise BadRequest(f"{key}: given more than once")
         if values:
