@@ -857,3 +857,35 @@ def test_a_catch_up_without_a_record_fails_instead_of_claiming_success(tmp_path)
             assert known.status == "Download_Failed" and versions(h) == [B1, ""]
 
     run(body())
+
+
+def test_a_catch_up_reload_refused_as_corrupt_is_repaired_by_a_new_download(tmp_path):
+    async def body():
+        async with harness(tmp_path, 1, 2, extra="quorum: 1\nretries: 0") as h:
+            h.service.catch_up_backoff = 0.2
+            await roll_out(h, B1)
+            broken = h.agents[0][1]
+            broken.behavior = lambda command, _: "disk full" if command == "download" else None
+            await roll_out(h, D1)  # live without it; the same cycle's catch-up fails too
+            assert versions(h) == [D1, B1]
+            assert h.service.state.instances["0_1"].failure_message.endswith("disk full")
+            broken.behavior = None
+            broken.corrupt = {D1}  # the next copy is damaged on its disk
+            h.events.clear()
+            for _ in range(2):  # the reload is refused as corrupt, then the repair
+                await asyncio.sleep(0.45)
+                await h.service.reconcile()
+            assert [e[1:] for e in h.events] == [
+                ("download", D1),
+                ("reload", D1),
+                ("download", D1),
+                ("reload", D1),
+                ("enable", D1),
+            ]
+            assert versions(h) == [D1, D1]
+            failed = [e for e in _events(h) if e["event"] == "catch_up_failed"]
+            assert [e["reason"] for e in failed] == ["", "corrupt_version"]
+            assert [e["failures"] for e in failed] == [1, 2]
+            assert h.service.state.instances["0_1"].catch_up_failures == 0
+
+    run(body())
