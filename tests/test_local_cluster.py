@@ -5,27 +5,34 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 from procs import kill_processes_under, processes_under
+from transfer_helpers import write_table
 
 from cube.client import load_conf
 from transfer.config import load_config
-from transfer.local import Proc, command, stop
+from transfer.local import Proc, command, http_json, stop
 
 CLI = [sys.executable, "-m", "transfer.local"]
+TOKEN_VARS = ("CUBE_TOKEN", "CUBE_API_TOKEN")
 
 
-def cube_local(*args: str, timeout: float = 90.0) -> subprocess.CompletedProcess:
+def cube_local(
+    *args: str, timeout: float = 90.0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """The CLI, with no token in its environment unless `env` adds one."""
+    clean = {k: v for k, v in os.environ.items() if k not in TOKEN_VARS}
     return subprocess.run(
-        [*CLI, *args], capture_output=True, text=True, timeout=timeout, check=False
-    )
+        [*CLI, *args], capture_output=True, text=True, timeout=timeout, check=False,
+        env={**clean, **(env or {})},
+    )  # fmt: skip
 
 
 @pytest.fixture
@@ -68,7 +75,7 @@ def test_up_status_wait_restart_down(tmp_path, cluster_dir):
     assert again.returncode == 1 and "already running" in again.stderr
 
     version = str(int(time.time()))
-    inputs = write_input(tmp_path / "input" / version)
+    inputs = write_table(tmp_path / "input" / version, 100)
     with open(donefile / "base.txt", "a") as f:
         f.write(json.dumps({"id": version, "key": version, "input": str(inputs)}) + "\n")
     waited = cube_local("wait", "--version", version, "--timeout", "60", "--dir", str(cluster_dir))
@@ -118,20 +125,6 @@ def test_up_status_wait_restart_down(tmp_path, cluster_dir):
     assert gone.returncode == 1 and "no cluster" in gone.stderr
 
 
-def write_input(path: Path) -> Path:
-    import numpy as np
-
-    from builder.seqfile import SequenceFileWriter
-    from cube.values import ValueColumn
-
-    path.mkdir(parents=True)
-    keys = np.arange(100, dtype=np.uint64)
-    values = np.arange(400, dtype=np.float32).view(np.uint8)
-    with SequenceFileWriter(path / "part-00000") as writer:
-        writer.write_batch(keys, ValueColumn.fixed(values, 16))
-    return path
-
-
 def test_up_fails_cleanly_when_a_process_cannot_start(tmp_path, cluster_dir):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -178,3 +171,48 @@ def test_cli_usage_errors():
     need = cube_local("up")
     assert need.returncode == 2 and "--donefile is required" in need.stderr
     assert command("cube-server").endswith("cube-server")
+
+
+def test_up_passes_the_tokens_on_and_uses_them(tmp_path, cluster_dir):
+    """Tokens given to cube-local (here via CUBE_TOKEN / CUBE_API_TOKEN) protect the agents
+    and the transfer API it starts, and its own status/wait calls carry them (read from the
+    cluster's transfer.conf: those commands run without the variables)."""
+    donefile = tmp_path / "donefile"
+    tokens = {"CUBE_TOKEN": "agent-s3cret", "CUBE_API_TOKEN": "api-s3cret"}
+    result = cube_local(
+        "up", "--shards", "1", "--replicas", "1", "--donefile", str(donefile),
+        "--dir", str(cluster_dir), "--poll_interval", "0.2", env=tokens,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr + result.stdout
+    conf = cluster_dir / "transfer.conf"
+    cfg = load_config(conf)
+    assert (cfg.agent_token, cfg.api_token) == ("agent-s3cret", "api-s3cret")
+    assert conf.stat().st_mode & 0o077 == 0  # tokens inside: readable by the owner only
+    assert "s3cret" not in (cluster_dir / "cluster.json").read_text()  # nor on command lines
+
+    data = json.loads((cluster_dir / "cluster.json").read_text())
+    procs = {p["name"]: Proc(**p) for p in data["processes"]}
+    agent_url = f"http://127.0.0.1:{procs['agent0_0'].port}/agent/status"
+    api_url = f"http://127.0.0.1:{procs['transfer'].port}/dict/info"
+    assert http_json(agent_url)["success"] == "255"  # 401 without the token
+    assert http_json(agent_url, token="agent-s3cret")["success"] == "0"
+    assert http_json(api_url)["success"] == "255"
+    assert http_json(api_url, token="api-s3cret")["success"] == "0"
+
+    version = str(int(time.time()))
+    inputs = write_table(tmp_path / "input" / version, 100)
+    with open(donefile / "base.txt", "a") as f:
+        f.write(json.dumps({"id": version, "key": version, "input": str(inputs)}) + "\n")
+    waited = cube_local("wait", "--version", version, "--timeout", "60", "--dir", str(cluster_dir))
+    assert waited.returncode == 0, waited.stderr
+    status = cube_local("status", "--dir", str(cluster_dir))
+    assert status.returncode == 0 and f"live version {version}" in status.stdout, status.stdout
+    row = next(line for line in status.stdout.splitlines() if line.startswith("0_0"))
+    assert version in row and "Enable_Succ" in row
+
+    restarted = cube_local("restart", "--name", "agent0_0", "--dir", str(cluster_dir))
+    assert restarted.returncode == 0, restarted.stderr
+    assert http_json(agent_url)["success"] == "255"  # still protected after a restart
+    assert http_json(agent_url, token="agent-s3cret")["success"] == "0"
+    down = cube_local("down", "--dir", str(cluster_dir))
+    assert down.returncode == 0, down.stderr

@@ -83,7 +83,9 @@ def ctx(tmp_path_factory):
         poll_interval=0.2,
         phase_timeout=40.0,
         dead_timeout=20.0,
-        transfer_overrides={"buildtool_local": str(wrapper), "retries": 1},
+        # max_shrink: test_kill9_agent_during_download publishes a 20000-record base, which the
+        # later tests replace with 2000-record ones (a deliberate 90% shrink)
+        transfer_overrides={"buildtool_local": str(wrapper), "retries": 1, "max_shrink": 0.95},
     )
     cluster = up(spec)
     try:
@@ -329,6 +331,20 @@ def test_bad_donefile_lines_fail_alone(ctx):
     assert served(ctx) == [before] * 4  # nothing of the above reached a server
     good = new_base(ctx)
     check_served(ctx, good)
+
+
+def test_an_empty_base_is_refused_and_the_live_version_keeps_serving(ctx):
+    before = ensure_base(ctx)
+    version = str(next(_ids))
+    empty = ctx.root / "input" / version
+    empty.mkdir(parents=True)
+    (empty / "part-00000").write_bytes(b"")  # the upstream job lost its output
+    append(ctx, "base.txt", {"id": version, "key": version, "input": str(empty)})
+    rec = record(ctx, version)
+    assert rec["status_str"] == "refused" and "has no records" in rec["message"], rec
+    check_served(ctx, before)
+    for instance in ("0_0", "0_1", "1_0", "1_1"):
+        assert agent_task(ctx, instance, "download", version) is None  # nothing downloaded
 
 
 @pytest.mark.parametrize(

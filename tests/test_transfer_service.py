@@ -14,7 +14,14 @@ from types import SimpleNamespace
 
 import aiohttp
 from procs import free_port
-from transfer_helpers import FakeAgent, append_line, make_input, transfer_conf, write_fake_builder
+from transfer_helpers import (
+    FakeAgent,
+    append_line,
+    make_input,
+    transfer_conf,
+    write_fake_builder,
+    write_table,
+)
 
 from transfer.config import parse_config
 from transfer.http_api import start_listeners
@@ -39,6 +46,7 @@ async def harness(
     token: str = "",
     mode: str = "base_delta",
     donefile_address: str = "",
+    builder: str = "",
 ) -> AsyncIterator[SimpleNamespace]:
     events: list[tuple[str, str, str]] = []  # (agent, command, version), in arrival order
     agents = [
@@ -48,13 +56,13 @@ async def harness(
     for row in agents:
         for agent in row:
             await agent.start()
-    builder = write_fake_builder(tmp)
+    builder = builder or str(write_fake_builder(tmp))
     wget_port = free_port()
     text = transfer_conf(
         tmp,
         agents,
         wget_port=wget_port,
-        builder=str(builder),
+        builder=builder,
         extra=extra,
         mode=mode,
         donefile_address=donefile_address,
@@ -557,5 +565,327 @@ def test_a_busy_agent_is_waited_for_without_spending_retries(tmp_path):
             h.flat[1].busy_until = asyncio.get_running_loop().time() + 1.5
             await roll_out(h, B1)
             assert versions(h) == [B1, B1]
+
+    run(body())
+
+
+# ---------------------------------------------------------------------------------------------
+# guarding the live table (issue 9)
+
+
+def _events(h) -> list[dict]:
+    text = (h.tmp / "tmp" / "transfer_events.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def _downloads(h, version: str) -> list[tuple[str, str, str]]:
+    return [e for e in h.events if e[1] == "download" and e[2] == version]
+
+
+def test_an_empty_base_from_the_real_builder_is_refused_and_the_live_version_stays(
+    tmp_path, caplog
+):
+    from transfer.local import command
+
+    def publish(h, file: str, line: dict, records: int) -> None:
+        name = f"{line['key']}_{line['id']}" if file == "patch.txt" else line["id"]
+        write_table(h.tmp / "input" / name, records)
+        append_line(h.donefile, file, {**line, "input": str(h.tmp / "input" / name)})
+
+    async def body():
+        async with harness(tmp_path, 2, 1, builder=command("cube-builder")) as h:
+            publish(h, "base.txt", {"id": B1, "key": B1}, 300)
+            await h.service.cycle()
+            assert versions(h) == [B1, B1]
+            # a delta may be empty: it goes live
+            publish(h, "patch.txt", {"id": D1.split("_")[1], "key": B1}, 0)
+            await h.service.cycle()
+            assert versions(h) == [D1, D1]
+            # an empty base is refused: nothing downloaded, nothing switched
+            publish(h, "base.txt", {"id": B2, "key": B2}, 0)
+            await h.service.cycle()
+            rec = h.service.state.record(B2)
+            assert rec.status == "refused", (rec.status, rec.message)
+            assert "has no records" in rec.message and "allow_shrink" in rec.message
+            assert _downloads(h, B2) == [] and versions(h) == [D1, D1]
+            assert h.service.state.live_version == D1 and h.service.state.deployment is None
+            refused = [e for e in _events(h) if e["event"] == "deploy_refused"]
+            assert [e["version"] for e in refused] == [B2]
+            assert "has no records" in refused[0]["message"]
+            assert any("has no records" in r.getMessage() for r in caplog.records)
+            # the same base, published again with allow_shrink, goes live
+            append_line(h.donefile, "base.txt", {"id": B2, "key": B2, "allow_shrink": True,
+                                                 "input": str(h.tmp / "input" / B2)})  # fmt: skip
+            await h.service.cycle()
+            assert versions(h) == [B2, B2] and h.service.state.record(B2).status == "finished"
+            assert h.service.state.record(B1).count("records") == 300  # from the tars' headers
+
+    run(body())
+
+
+def test_a_base_that_shrinks_the_table_too_much_is_refused(tmp_path):
+    b3, b4, b5 = "1700000600", "1700000700", "1700000800"
+
+    async def body():
+        async with harness(tmp_path, 2, 1, extra="max_shrink: 0.5") as h:
+            await roll_out(h, B1, "RECORDS_1000")  # 2000 records over 2 shards
+            await roll_out(h, D1, "RECORDS_10", "DELETED_300")  # at least 1400 still served
+            assert versions(h) == [D1, D1]
+            await roll_out(h, B2, "RECORDS_690")  # 1380 < 0.5 x 1400? no: 1380 >= 700
+            assert versions(h) == [B2, B2]
+            for shard in h.service.state.record(B2).shards.values():  # as an older journal
+                del shard["records"], shard["deleted"]
+            await roll_out(h, b3, "RECORDS_340")  # 680 < 0.5 x 1380 (counted from B2's tars)
+            rec = h.service.state.record(b3)
+            assert rec.status == "refused" and _downloads(h, b3) == []
+            assert "has 680 records, 51% fewer than the live version's 1380" in rec.message
+            assert versions(h) == [B2, B2]
+            await roll_out(h, b4, "RECORDS_0")
+            assert h.service.state.record(b4).status == "refused"
+            assert "has no records" in h.service.state.record(b4).message
+            assert versions(h) == [B2, B2]
+        # configuration: max_shrink 1 and allow_empty_base let both through
+        async with harness(tmp_path / "open", 1, 1,
+                           extra="max_shrink: 1\nallow_empty_base: true") as h:  # fmt: skip
+            await roll_out(h, B1, "RECORDS_0")  # a first base may be empty, when allowed
+            await roll_out(h, B2, "RECORDS_1000")
+            await roll_out(h, b5, "RECORDS_1")
+            assert versions(h) == [b5] and h.service.state.record(B1).status == "finished"
+
+    (tmp_path / "open").mkdir()
+    run(body())
+
+
+# ---------------------------------------------------------------------------------------------
+# the query API under hostile or careless requests (issue 9)
+
+
+async def _ask(http, method: str, url: str, timeout: float = 5.0, **kwargs) -> tuple[int, dict]:
+    """One request that must be answered within `timeout` with the JSON envelope."""
+    async with asyncio.timeout(timeout):
+        async with http.request(method, url, **kwargs) as resp:
+            reply = await resp.json(content_type=None)
+    assert isinstance(reply, dict) and set(reply) == {"success", "message", "data"}, reply
+    return resp.status, reply
+
+
+def test_meta_info_with_a_huge_shard_is_refused_at_once(tmp_path):
+    async def body():
+        async with harness(tmp_path, 2, 1, listeners=True) as h, aiohttp.ClientSession() as http:
+            await roll_out(h, B1)
+            query = f"name=test_dict&version={B1}&depend={B1}&shard=3000000"
+            status, reply = await _ask(http, "GET", h.api + "/dict/meta_info?" + query)
+            assert status == 400 and reply["success"] == "255"
+            assert "shard: 3000000 is outside [0, 1]" in reply["message"]
+
+    run(body())
+
+
+BAD_QUERIES = [
+    ("shard=-1", "shard: -1 is outside [0, 1]"),
+    ("shard=2", "shard: 2 is outside [0, 1]"),
+    ("shard=1e3", "shard: expected an integer"),
+    ("shard=--1", "shard: expected an integer"),
+    ("shard=%C2%B2", "shard: expected an integer"),
+    ("shard=0&split=1", "split: only split 0 exists"),
+    ("shard=0&split=x", "split: only split 0"),
+    ("shard=0&version=../../etc/passwd", "version: expected a version id"),
+    ("shard=0&depend=1700000000/..", "depend: expected a version id"),
+    ("shard=0&name=other", "name 'other' is not this transfer's dict"),
+    ("shard=0&shard=1", "shard: given more than once"),
+    ("shard=0&verbose=1", "unknown query parameter(s): verbose"),
+]
+
+
+def test_every_query_parameter_is_validated(tmp_path):
+    async def body():
+        async with harness(tmp_path, 2, 1, listeners=True) as h, aiohttp.ClientSession() as http:
+            await roll_out(h, B1)
+            good = {"name": "test_dict", "version": B1, "depend": B1}
+            for bad, message in BAD_QUERIES:
+                params = [(k, v) for k, v in good.items() if f"{k}=" not in bad]
+                query = "&".join(f"{k}={v}" for k, v in params) + "&" + bad
+                status, reply = await _ask(http, "GET", h.api + "/dict/meta_info?" + query)
+                assert status == 400 and message in reply["message"], (bad, reply)
+            for path in ("/dict/info", "/instance/status", "/dict/deploy/history"):
+                status, reply = await _ask(http, "GET", h.api + path + "?x=1")
+                assert status == 400 and "unknown query parameter(s): x" in reply["message"]
+            # the same rules for a registration, plus a bounded meta
+            form = {"name": "test_dict", "version": B1, "depend": B1, "shard": "7", "split": "0",
+                    "meta": '{"a": 1}'}  # fmt: skip
+            url = h.api + "/dict/meta_info/register"
+            status, reply = await _ask(http, "POST", url, data=form)
+            assert status == 400 and "shard: 7 is outside [0, 1]" in reply["message"]
+            status, reply = await _ask(http, "POST", url, data={**form, "shard": "../0"})
+            assert status == 400 and "shard: expected an integer" in reply["message"]
+            big = json.dumps({"k": "x" * (70 << 10)})
+            status, reply = await _ask(http, "POST", url, data={**form, "shard": "0", "meta": big})
+            assert status == 400 and "meta: over 65536 bytes" in reply["message"]
+            assert "x" * 100 not in reply["message"]  # never echoed back
+            form_type = {"Content-Type": "application/x-www-form-urlencoded"}
+            status, reply = await _ask(http, "POST", url, data=b"x" * (2 << 20), headers=form_type)
+            assert status == 413 and reply["success"] == "255"
+            # a rollback names a version, never a path
+            url = h.api + "/dict/rollback"
+            for version in ("../../etc/passwd", "1700000000/x", "", "1" * 30, True, ["1"]):
+                status, reply = await _ask(http, "POST", url, json={"version": version})
+                assert status == 400 and "version: expected a version name" in reply["message"]
+            status, reply = await _ask(http, "POST", url, data=b"[" * (2 << 20))
+            assert status == 413
+            status, reply = await _ask(http, "GET", h.api + "/" + "a" * 5000)
+            assert status == 404 and len(reply["message"]) < 300
+
+    run(body())
+
+
+def test_a_handler_error_is_a_500_with_the_envelope(tmp_path, monkeypatch):
+    from transfer import views
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("secret detail")
+
+    async def body():
+        async with harness(tmp_path, 1, 1, listeners=True) as h, aiohttp.ClientSession() as http:
+            monkeypatch.setattr(views, "history", broken)
+            status, reply = await _ask(http, "GET", h.api + "/dict/deploy/history")
+            assert status == 500 and reply["success"] == "255"
+            assert "internal error" in reply["message"] and "secret" not in reply["message"]
+
+    run(body())
+
+
+def test_with_an_api_token_every_request_needs_it(tmp_path):
+    async def body():
+        async with (
+            harness(tmp_path, 1, 1, listeners=True, extra="api_token: t0ken") as h,
+            aiohttp.ClientSession() as http,
+        ):
+            await roll_out(h, B1)
+            for method, path in (("GET", "/dict/info"), ("GET", "/instance/status"),
+                                 ("GET", "/dict/deploy/history"), ("POST", "/dict/rollback"),
+                                 ("GET", "/no/such")):  # fmt: skip
+                status, reply = await _ask(http, method, h.api + path)
+                assert status == 401 and reply["message"].startswith("unauthorized"), path
+            auth = {"Authorization": "Bearer t0ken"}
+            status, reply = await _ask(http, "GET", h.api + "/dict/info", headers=auth)
+            assert status == 200 and reply["data"]["live_version"] == B1
+            status, reply = await _ask(http, "GET", h.api + "/dict/info",
+                                       headers={"Authorization": "Bearer wrong"})  # fmt: skip
+            assert status == 401
+            form = {"name": "test_dict", "version": B1, "depend": B1, "shard": "0",
+                    "meta": '{"a": 1}', "token": "t0ken"}  # fmt: skip
+            status, reply = await _ask(http, "POST", h.api + "/dict/meta_info/register", data=form)
+            assert status == 200, reply
+
+    run(body())
+
+
+# ---------------------------------------------------------------------------------------------
+# a replica that cannot load: visible, and repaired by a new download (issue 9)
+
+
+def test_a_replica_that_cannot_load_is_shown_failed_and_repaired_by_a_new_download(tmp_path):
+    async def body():
+        async with (
+            harness(tmp_path, 1, 2, extra="quorum: 1", listeners=True) as h,
+            aiohttp.ClientSession() as http,
+        ):
+            await roll_out(h, B1)
+            h.service.catch_up_backoff = 0.3
+            broken = h.agents[0][1]
+            broken.cur = "1600000000"  # restored from elsewhere; its copy of B1 is damaged
+            broken.corrupt = {B1}
+            h.events.clear()
+            await h.service.reconcile()
+            # one load, refused as corrupt: not re-sent (the copy is gone; retrying is useless)
+            assert [e[1:] for e in h.events] == [("rollback", B1)]
+            assert B1 not in broken.on_disk and broken.cur == "1600000000"
+            known = h.service.state.instances["0_1"]
+            assert known.catch_up_failures == 1 and known.next_catch_up > 0
+            status, reply = await _ask(http, "GET", h.api + "/instance/status")
+            shown = {i["name"]: i for i in reply["data"]}["0_1"]
+            assert shown["status"] == "Rollback_Failed", shown
+            assert shown["failures"] == 1 and shown["last_failure_reason"] == "corrupt_version"
+            assert "DATA_LOSS" in shown["last_failure_message"]
+            assert shown["next_retry_time"] >= int(known.next_catch_up) > 0
+            failed = [e for e in _events(h) if e["event"] == "catch_up_failed"]
+            assert failed[-1]["reason"] == "corrupt_version" and failed[-1]["instance"] == "0_1"
+            assert failed[-1]["command"] == "rollback" and failed[-1]["failures"] == 1
+            # within the backoff nothing is sent; after it, the version is downloaded again
+            await h.service.reconcile()
+            assert len(h.events) == 1
+            await asyncio.sleep(0.35)
+            await h.service.reconcile()
+            assert [e[1:] for e in h.events[1:]] == [
+                ("download", B1),
+                ("reload", B1),
+                ("enable", B1),
+            ]
+            assert versions(h) == [B1, B1]
+            status, reply = await _ask(http, "GET", h.api + "/instance/status")
+            shown = {i["name"]: i for i in reply["data"]}["0_1"]
+            assert status == 200 and shown["failures"] == 0 and shown["next_retry_time"] == 0
+            assert shown["last_failure_reason"] == "" and shown["status"] == "Enable_Succ"
+            assert _events(h)[-1]["event"] == "caught_up"
+
+    run(body())
+
+
+def test_a_replica_that_cannot_load_during_a_rollout_downloads_again(tmp_path):
+    async def body():
+        async with harness(tmp_path, 2, 2) as h:  # quorum: every replica
+            await roll_out(h, B1)
+            h.agents[1][0].corrupt = {B2}
+            await roll_out(h, B2)
+            assert versions(h) == [B2] * 4, h.service.state.record(B2).message
+            sent = [e[1] for e in h.events if e[0] == "1_0" and e[2] == B2]
+            assert sent == ["download", "reload", "download", "reload", "enable"]
+
+    run(body())
+
+
+def test_a_catch_up_without_a_record_fails_instead_of_claiming_success(tmp_path):
+    async def body():
+        async with harness(tmp_path, 1, 2, extra="quorum: 1") as h:
+            await roll_out(h, B1)
+            h.agents[0][1].cur = ""  # a fresh replica
+            h.service.state.history = [r for r in h.service.state.history if r.version != B1]
+            await h.service.reconcile()
+            known = h.service.state.instances["0_1"]
+            assert known.version == "" and known.catch_up_failures == 1
+            assert known.failure_message == f"catch-up: no record of {B1}"
+            assert known.status == "Download_Failed" and versions(h) == [B1, ""]
+
+    run(body())
+
+
+def test_a_catch_up_reload_refused_as_corrupt_is_repaired_by_a_new_download(tmp_path):
+    async def body():
+        async with harness(tmp_path, 1, 2, extra="quorum: 1\nretries: 0") as h:
+            h.service.catch_up_backoff = 0.2
+            await roll_out(h, B1)
+            broken = h.agents[0][1]
+            broken.behavior = lambda command, _: "disk full" if command == "download" else None
+            await roll_out(h, D1)  # live without it; the same cycle's catch-up fails too
+            assert versions(h) == [D1, B1]
+            assert h.service.state.instances["0_1"].failure_message.endswith("disk full")
+            broken.behavior = None
+            broken.corrupt = {D1}  # the next copy is damaged on its disk
+            h.events.clear()
+            for _ in range(2):  # the reload is refused as corrupt, then the repair
+                await asyncio.sleep(0.45)
+                await h.service.reconcile()
+            assert [e[1:] for e in h.events] == [
+                ("download", D1),
+                ("reload", D1),
+                ("download", D1),
+                ("reload", D1),
+                ("enable", D1),
+            ]
+            assert versions(h) == [D1, D1]
+            failed = [e for e in _events(h) if e["event"] == "catch_up_failed"]
+            assert [e["reason"] for e in failed] == ["", "corrupt_version"]
+            assert [e["failures"] for e in failed] == [1, 2]
+            assert h.service.state.instances["0_1"].catch_up_failures == 0
 
     run(body())

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from cube.format import HEADER_SIZE, encode_header
 from transfer import build as builds
 from transfer.config import ConfigError, parse_config, render_config
 from transfer.donefile import (
@@ -27,10 +28,13 @@ from transfer.state import (
     Deployment,
     Step,
     TransferState,
+    VersionRecord,
     catch_up_plan,
     ingest,
+    live_records,
     next_version,
     quorum_shortfall,
+    shrink_refusal,
 )
 
 CONF = """\
@@ -95,6 +99,40 @@ def test_render_config_round_trips(tmp_path):
     assert (again.quorum, again.output_address, again.mode) == (1, cfg.output_address, "base_delta")
 
 
+def test_render_config_keeps_every_field(tmp_path):
+    """cube-local writes transfer.conf with render_config: a field it drops silently falls back
+    to its default (an api_token dropped = an open API)."""
+    import dataclasses
+
+    cfg = parse_config(CONF, "t.conf", tmp_path)
+    changed = dataclasses.replace(
+        cfg, listen="127.0.0.2", download_timeout=1.5, reload_timeout=2.25, enable_timeout=3.0,
+        build_timeout=4.0, fetch_timeout=5.5, retries=7, partitioner="murmur3",
+        agent_token="agent-s3cret", api_token="api-s3cret", verify_output=False,
+        history_limit=77, max_shrink=0.25, allow_empty_base=True, extra={"mine": "x"},
+    )  # fmt: skip
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    for name in defaults:
+        if name not in ("instances", "extra") and defaults[name] is not dataclasses.MISSING:
+            assert getattr(changed, name) != defaults[name], f"test {name} with a non-default"
+    assert parse_config(render_config(changed), "r.conf", tmp_path) == changed
+    with pytest.raises(ConfigError, match="api_token: a token with whitespace"):
+        render_config(dataclasses.replace(cfg, api_token="two words"))
+
+
+def test_config_shrink_guard_keys(tmp_path):
+    cfg = parse_config(CONF, "t.conf", tmp_path)
+    assert (cfg.max_shrink, cfg.allow_empty_base) == (0.5, False)
+    text = CONF.replace("quorum: 1", "quorum: 1\nmax_shrink: 1\nallow_empty_base: yes")
+    cfg = parse_config(text, "t.conf", tmp_path)
+    assert (cfg.max_shrink, cfg.allow_empty_base) == (1.0, True)
+    for value in ("1.5", "-0.1", "nan", "half"):
+        with pytest.raises(ConfigError, match=r"t\.conf:15: max_shrink"):
+            parse_config(CONF.replace("quorum: 1", f"quorum: 1\nmax_shrink: {value}"), "t.conf")
+    with pytest.raises(ConfigError, match=r"t\.conf:15: allow_empty_base: expected"):
+        parse_config(CONF.replace("quorum: 1", "quorum: 1\nallow_empty_base: maybe"), "t.conf")
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -136,6 +174,9 @@ def test_donefile_lines_parse_ids_as_integers():
     assert isinstance(patch, DonefileEntry)
     assert (patch.key, patch.delete, patch.where) == ("1700000000", "/d", "patch.txt:4")
     assert parse_line("base.txt", 2, "   ") is None
+    assert not base.allow_shrink
+    forced = parse_line("base.txt", 3, '{"id": 5, "key": 5, "input": "b", "allow_shrink": true}')
+    assert isinstance(forced, DonefileEntry) and forced.allow_shrink
 
 
 @pytest.mark.parametrize(
@@ -149,6 +190,16 @@ def test_donefile_lines_parse_ids_as_integers():
         ("base.txt", '{"id": "1", "key": "1", "input": ""}', "'input' is missing or empty"),
         ("patch.txt", '{"id": "1", "key": "1", "input": "/x", "delete": 5}', "'delete'"),
         ("base.txt", '{"id": true, "key": "1", "input": "/x"}', "'id' is missing or not"),
+        (
+            "base.txt",
+            '{"id": "1", "key": "1", "input": "/x", "allow_shrink": "yes"}',
+            "'allow_shrink' must be true or false",
+        ),
+        (
+            "patch.txt",
+            '{"id": "2", "key": "1", "input": "/x", "allow_shrink": true}',
+            "'allow_shrink' applies to base lines only",
+        ),
     ],
 )
 def test_bad_donefile_lines_say_why(file, text, reason):
@@ -275,6 +326,52 @@ def test_malformed_lines_become_failed_records():
     assert next_version(state, 1.0)[0] is None
 
 
+def _built(version: str, mode: str, records: list[int], deleted: list[int] | None = None,
+           allow: bool = False) -> VersionRecord:  # fmt: skip
+    rec = VersionRecord(version=version, depend=version.split("_")[0], id=version.split("_")[-1],
+                        key=version.split("_")[0], mode=mode, input="/in", line="x:1",
+                        allow_shrink=allow)  # fmt: skip
+    deleted = deleted or [0] * len(records)
+    rec.shards = {str(i): {"md5": "0" * 32, "size": 1, "records": r, "deleted": d}
+                  for i, (r, d) in enumerate(zip(records, deleted, strict=True))}  # fmt: skip
+    return rec
+
+
+def test_live_records_is_a_lower_bound_of_what_is_served():
+    state = TransferState()
+    assert live_records(state) is None
+    state.history = [
+        _built("100", "base", [600, 400]),
+        _built("100_110", "delta", [50, 50], [10, 5]),
+        _built("100_120", "delta", [0, 0], [0, 85]),
+    ]
+    state.live_chain = ["100"]
+    assert live_records(state) == 1000
+    state.live_chain = ["100", "100_110", "100_120"]
+    assert live_records(state) == 900  # delta records update or add: never counted
+    state.history[1].shards["0"].pop("deleted")  # a record from before counts were kept
+    assert live_records(state) is None
+
+
+def test_a_base_may_not_empty_or_shrink_the_table_unless_allowed():
+    empty = _built("200", "base", [0, 0])
+    assert "base 200 has no records" in shrink_refusal(empty, None, 0.5, False)
+    assert "has no records" in shrink_refusal(empty, 1000, 1.0, False)
+    assert shrink_refusal(empty, None, 0.5, True) == ""  # nothing live, empty allowed
+    assert "100% fewer than the live version's 1000" in shrink_refusal(empty, 1000, 0.5, True)
+    assert shrink_refusal(empty, 1000, 1.0, True) == ""
+    assert shrink_refusal(_built("200", "base", [0, 0], allow=True), 1000, 0.5, False) == ""
+    small = _built("200", "base", [200, 299])
+    message = shrink_refusal(small, 1000, 0.5, False)
+    assert "base 200 has 499 records, 50% fewer than the live version's 1000" in message
+    assert "max_shrink 0.5" in message and '"allow_shrink": true' in message
+    assert shrink_refusal(_built("200", "base", [200, 300]), 1000, 0.5, False) == ""  # exactly
+    assert shrink_refusal(small, 1000, 0.6, False) == ""
+    assert shrink_refusal(small, None, 0.0, False) == ""  # unknown live count: no comparison
+    assert "fewer" in shrink_refusal(_built("200", "base", [999, 0]), 1000, 0.0, False)
+    assert shrink_refusal(_built("100_130", "delta", [0, 0]), 1000, 0.5, False) == ""
+
+
 def test_quorum_shortfall():
     shards = {0: ["0_0", "0_1"], 1: ["1_0", "1_1"]}
     assert quorum_shortfall({"0_0", "0_1", "1_0", "1_1"}, shards, 2) == []
@@ -306,6 +403,23 @@ def test_catch_up_plans():
     assert fresh[0] == Step("download", "100", "base", ("100",))
     back = catch_up_plan("100_130", chain, {"100", "100_110", "100_120", "100_130"})
     assert back == [Step("rollback", "100_120", "delta", tuple(chain))]
+    # the target is on disk but its base was quarantined (corrupt): a rollback would load the
+    # CHAIN from disk and fail again, forever; the base is downloaded again instead
+    repair = catch_up_plan("100_130", chain, {"100_110", "100_120", "100_130"})
+    assert [(s.command, s.version) for s in repair] == [
+        ("download", "100"),
+        ("download", "100_110"),  # placed already: the agent answers at once
+        ("download", "100_120"),
+        ("reload", "100_120"),
+        ("enable", "100_120"),
+    ]
+
+
+def test_backoff_is_bounded_however_many_failures():
+    from transfer.state import backoff_delay
+
+    assert [backoff_delay(n, 5.0) for n in (1, 2, 3)] == [5.0, 10.0, 20.0]
+    assert backoff_delay(10_000, 5.0) == 300.0  # days of failures: no float overflow
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,15 +481,40 @@ def _write_output(out: Path, shard: int, data: bytes, md5: str | None = None) ->
     return tar
 
 
-def test_check_outputs_accepts_good_tars(tmp_path):
+def _index(records: int, deleted: int = 0, **fields) -> bytes:
+    """An index.cube that is only its header (all the transfer reads of it)."""
+    header = {"record_count": records, "tombstone_count": deleted, "file_size": HEADER_SIZE,
+              "sections": {}, **fields}  # fmt: skip
+    return encode_header("index", header)
+
+
+def test_check_outputs_accepts_good_tars_and_counts_their_records(tmp_path):
     for shard in range(2):
-        _write_output(tmp_path, shard, _tar_bytes({"./index.cube": b"i", "./data.cube": b"d"}))
+        members = {"./data.cube": b"d", "./index.cube": _index(10 + shard, shard)}
+        _write_output(tmp_path, shard, _tar_bytes(members))
     shards = builds.check_outputs(tmp_path, "d", 2)
     assert [s.shard for s in shards] == [0, 1] and shards[0].size > 0
+    assert [(s.records, s.deleted) for s in shards] == [(10, 0), (11, 1)]
+    # without verify_output the counts are still read (one member header and 4 KiB)
+    assert builds.check_outputs(tmp_path, "d", 2, verify=False)[1].records == 11
+
+
+def test_check_outputs_needs_a_readable_index_header(tmp_path):
+    cases = {
+        "short": ({"index.cube": b"i"}, "too short for a header"),
+        "magic": ({"index.cube": b"x" * HEADER_SIZE}, "bad magic"),
+        "nested": ({"sub/index.cube": _index(1)}, "no top-level index.cube"),
+        "uncounted": ({"index.cube": _index("many")}, "header without a record count"),  # type: ignore[arg-type]
+        "grown": ({"index.cube": _index(1) + b"x"}, "header says 4096"),
+    }
+    for name, (members, message) in cases.items():
+        _write_output(tmp_path / name, 0, _tar_bytes(members))
+        with pytest.raises(builds.BuildError, match=message):
+            builds.check_outputs(tmp_path / name, "d", 1)
 
 
 def test_check_outputs_rejects_bad_builds(tmp_path):
-    good = _tar_bytes({"index.cube": b"i"})
+    good = _tar_bytes({"index.cube": _index(1)})
     _write_output(tmp_path / "a", 0, good, md5="0" * 32)
     with pytest.raises(builds.BuildError, match=r"does not match its \.md5"):
         builds.check_outputs(tmp_path / "a", "d", 1)
@@ -495,3 +634,97 @@ def test_drive_waits_out_an_unreachable_server_without_spending_retries():
     agent = _ScriptedAgent([refused, done])
     outcome = asyncio.run(drive(agent, inst, fields, 30.0, 0, poll=0.01))  # type: ignore[arg-type]
     assert not outcome.ok and "bad tar" in outcome.message
+
+
+def test_drive_gives_up_at_once_on_a_corrupt_copy():
+    """The agent quarantined the copy its server refused: re-sending the load cannot work, so
+    the caller learns it at once (reason corrupt_version) and downloads again."""
+    import asyncio
+
+    from transfer.agents import CORRUPT_VERSION, drive
+    from transfer.config import Instance
+
+    inst = Instance(0, 0, "127.0.0.1", 1, "127.0.0.1", 2, "/tmp/x")
+    corrupt = {"command": "reload", "version": "7", "state": "failed",
+               "message": "DATA_LOSS: checksum mismatch", "reason": CORRUPT_VERSION}  # fmt: skip
+    agent = _ScriptedAgent([corrupt, corrupt, corrupt])
+    outcome = asyncio.run(
+        drive(agent, inst, {"command": "reload", "version": "7"}, 30.0, 5, poll=0.01)  # type: ignore[arg-type]
+    )
+    assert not outcome.ok and outcome.reason == CORRUPT_VERSION and agent.submits == 1
+    assert "DATA_LOSS" in outcome.message
+
+
+# ---------------------------------------------------------------------------------------------
+# what the API shows and what peers send (issue 9 audit)
+
+
+def test_credentials_in_urls_are_never_shown(tmp_path):
+    from transfer import views
+    from transfer.donefile import redact
+
+    assert redact("ftp://u:p@ss@h:21/d and http://x@y/z, /plain@path") == (
+        "ftp://***@h:21/d and http://***@y/z, /plain@path"
+    )
+    assert redact("http://host/a@b") == "http://host/a@b"  # an '@' in the path is no userinfo
+    text = CONF.replace("/data/donefile", "ftp://trainer:hunter2@10.0.0.1/donefile")
+    cfg = parse_config(text, "t.conf", tmp_path)
+    state = TransferState(dict_name="test_dict")
+    _lines(state, "base.txt", _base(100, "ftp://trainer:hunter2@10.0.0.1/in"))
+    state.history[0].message = "input ftp://trainer:hunter2@10.0.0.1/in: not found"
+    shown = json.dumps([views.dict_info(cfg, state), views.history(cfg, state)])
+    assert "hunter2" not in shown and "ftp://***@10.0.0.1/donefile" in shown
+
+
+def test_bad_donefile_lines_do_not_echo_what_was_read():
+    secret = "x" * 50 + "<script>"
+    for text in (
+        json.dumps({"id": secret, "key": "1", "input": "/x"}),
+        json.dumps({"id": "1", "key": "1", "input": {"a": secret}}),
+        json.dumps({"id": "1", "key": "1", "input": "/x", "delete": [secret]}),
+        '{"id": "1", "key": "1", "input": "' + secret + '"',  # not JSON
+    ):
+        parsed = parse_line("base.txt", 3, text)
+        assert isinstance(parsed, BadLine) and secret not in parsed.reason
+        state = TransferState()
+        ingest(state, [parsed], 1.0)
+        assert secret not in state.history[0].message
+
+
+def test_an_agent_answer_is_bounded(tmp_path):
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from transfer.agents import MAX_ANSWER, AgentClient, AgentRefused, AgentUnreachable
+    from transfer.config import Instance
+
+    async def huge(request):
+        return web.Response(body=b" " * (MAX_ANSWER + 10), content_type="application/json")
+
+    async def chatty(request):
+        return web.json_response({"success": "255", "message": "y" * 100_000, "data": None})
+
+    async def body():
+        app = web.Application()
+        app.router.add_get("/agent/status", huge)
+        app.router.add_post("/agent/cmd", chatty)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        inst = Instance(0, 0, "127.0.0.1", port, "127.0.0.1", 1, "/d")
+        try:
+            async with aiohttp.ClientSession() as session:
+                client = AgentClient(session)
+                with pytest.raises(AgentUnreachable, match=f"answer over {MAX_ANSWER} bytes"):
+                    await client.status(inst)
+                with pytest.raises(AgentRefused) as refused:
+                    await client.submit(inst, {"command": "download", "version": "1"})
+                assert len(str(refused.value)) < 1200
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(asyncio.wait_for(body(), 30))

@@ -25,6 +25,7 @@ class FakeTask:
     version: str
     state: str = "running"
     message: str = ""
+    reason: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -32,6 +33,7 @@ class FakeTask:
             "version": self.version,
             "state": self.state,
             "message": self.message,
+            "reason": self.reason,
             "started_at": 0,
             "finished_at": 0,
             "progress": {},
@@ -57,6 +59,10 @@ class FakeAgent:
     token: str = ""
     events: list[tuple[str, str, str]] | None = None  # shared (agent, command, version) log
     busy_until: float = 0.0  # loop time until which every new command gets 409
+    # versions whose placed copy is damaged: loading one fails with reason corrupt_version and
+    # quarantines it (gone from disk and `versions`), as the real agent does on DATA_LOSS; a
+    # new download places a good copy
+    corrupt: set[str] = field(default_factory=set)
 
     def envelope(self, data: Any, message: str = "", success: str = "0", status: int = 200):
         return web.json_response(
@@ -103,7 +109,8 @@ class FakeAgent:
         if self.events is not None:
             self.events.append((self.name, command, version))
         task = self.tasks.get((command, version))
-        if task is not None and task.state in ("running", "succeeded"):
+        done = task is not None and task.state == "succeeded" and self._effect(command, version)
+        if task is not None and (task.state == "running" or done):
             return self.envelope(task.to_json())
         task = FakeTask(command, version)
         self.tasks[(command, version)] = task
@@ -113,10 +120,24 @@ class FakeAgent:
     async def _work(self, task: FakeTask, body: dict[str, Any]) -> None:
         await asyncio.sleep(self.delay)
         failure = self.behavior(task.command, task.version) if self.behavior else None
+        loads = task.command in ("reload", "rollback") and self.cur != task.version
+        if failure is None and loads and {task.version} <= self.corrupt & self.on_disk:
+            self.corrupt.discard(task.version)
+            self.on_disk.discard(task.version)
+            task.reason = "corrupt_version"
+            failure = f"cube-server {task.command} {task.version}: DATA_LOSS: checksum mismatch"
         if failure is None:
             failure = self._apply(task.command, task.version)
         task.state = "failed" if failure else "succeeded"
         task.message = failure or "ok"
+
+    def _effect(self, command: str, version: str) -> bool:
+        """Whether what a succeeded task did is still there (else the agent runs it again)."""
+        if command == "download":
+            return version in self.on_disk
+        if command == "reload":
+            return version in (self.cur, self.bg)
+        return self.cur == version
 
     def _apply(self, command: str, version: str) -> str | None:
         if command == "download":
@@ -201,9 +222,13 @@ def transfer_conf(
 
 FAKE_BUILDER = '''\
 #!{python}
-"""Writes <output>/<depend>_<cur>/<dict>_part<i>.tar(.md5) and meta_info like cube-builder.
-Input files steer it: FAIL -> exit 3 with a message; BADMD5 -> wrong md5; SLOW -> sleep 30."""
+"""Writes <output>/<depend>_<cur>/<dict>_part<i>.tar(.md5) and meta_info like cube-builder; each
+tar holds an index.cube that is only a real header (record and tombstone counts).
+Input files steer it: FAIL -> exit 3 with a message; BADMD5 -> wrong md5; SLOW -> sleep 30;
+RECORDS_<n> -> n records per shard (default 1000); DELETED_<n> -> n deleted keys per shard."""
 import hashlib, io, json, os, sys, tarfile, time
+sys.path.insert(0, {root!r})
+from cube.format import HEADER_SIZE, encode_header
 args = sys.argv[1:]
 opts = {{args[i].lstrip("-"): args[i + 1] for i in range(0, len(args) - 1)
         if args[i].startswith("-") and not args[i + 1].startswith("-")}}
@@ -216,6 +241,9 @@ if "FAIL" in names:
     sys.exit(3)
 if "SLOW" in names:
     time.sleep(30)
+def counted(prefix, default):
+    return next((int(n[len(prefix):]) for n in names if n.startswith(prefix)), default)
+records, deleted = counted("RECORDS_", 1000), counted("DELETED_", 0)
 out = os.path.join(opts["output_path"], f"{{opts['depend_version']}}_{{opts['cur_version']}}")
 os.makedirs(out, exist_ok=True)
 with open(os.path.join(opts["output_path"], "argv.log"), "a") as f:
@@ -223,7 +251,9 @@ with open(os.path.join(opts["output_path"], "argv.log"), "a") as f:
 for shard in range(int(opts["shard_num"])):
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
-        data = f"{{opts['cur_version']}} shard {{shard}}".encode()
+        data = encode_header("index", {{"record_count": records, "tombstone_count": deleted,
+                                        "file_size": HEADER_SIZE, "sections": {{}},
+                                        "version": opts["cur_version"], "shard": shard}})
         info = tarfile.TarInfo("./index.cube")
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
@@ -246,7 +276,8 @@ for shard in range(int(opts["shard_num"])):
 
 def write_fake_builder(directory: Path) -> Path:
     path = directory / "fake-cube-builder"
-    path.write_text(FAKE_BUILDER.format(python=sys.executable))
+    root = str(Path(__file__).resolve().parent.parent)
+    path.write_text(FAKE_BUILDER.format(python=sys.executable, root=root))
     os.chmod(path, 0o755)
     return path
 
@@ -264,6 +295,26 @@ def make_input(root: Path, name: str, *markers: str) -> Path:
     (path / "part-00000").write_bytes(b"SEQ")
     for marker in markers:
         (path / marker).write_text(marker)
+    return path
+
+
+def write_table(path: Path, n: int, dim: int = 4, first_key: int = 1) -> Path:
+    """A directory holding one SequenceFile of `n` records (keys first_key.., float32 x dim),
+    as the real cube-builder reads it; n == 0 leaves one empty file (an input that lost its
+    data upstream)."""
+    import numpy as np
+
+    from builder.seqfile import SequenceFileWriter
+    from cube.values import ValueColumn
+
+    path.mkdir(parents=True, exist_ok=True)
+    if n == 0:
+        (path / "part-00000").write_bytes(b"")
+        return path
+    keys = np.arange(first_key, first_key + n, dtype=np.uint64)
+    values = np.arange(n * dim, dtype=np.float32).view(np.uint8)
+    with SequenceFileWriter(path / "part-00000") as writer:
+        writer.write_batch(keys, ValueColumn.fixed(values, dim * 4))
     return path
 
 

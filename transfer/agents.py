@@ -9,6 +9,7 @@ the agent returns the existing task, restarts a failed one, never redoes a succe
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,14 @@ import aiohttp
 from transfer.config import Instance
 
 log = logging.getLogger("cube.transfer.agents")
+MAX_ANSWER = 4 << 20  # bytes of one agent answer (a status lists its tasks: far less)
+
+
+def said(value: Any, default: str, limit: int = 1000) -> str:
+    """A message from an agent as text for a reason or a log: one line, at most `limit`
+    characters (it ends up in the history every API client reads)."""
+    text = " ".join(str(value).split()) if value else ""
+    return (text[:limit] + ("..." if len(text) > limit else "")) or default
 
 
 class AgentUnreachable(Exception):
@@ -34,10 +43,15 @@ class AgentRefused(Exception):
         self.http_status = http_status
 
 
+CORRUPT_VERSION = "corrupt_version"  # a task reason: the server refused the placed copy as
+# damaged (DATA_LOSS) and the agent quarantined it; only a new download can repair it
+
+
 @dataclass
 class Outcome:
     ok: bool
     message: str
+    reason: str = ""  # the failed task's reason (e.g. CORRUPT_VERSION), "" otherwise
 
 
 class AgentClient:
@@ -56,8 +70,15 @@ class AgentClient:
             async with self.session.request(
                 method, url, json=body, headers=headers, timeout=timeout
             ) as resp:
+                raw = bytearray()
+                async for chunk in resp.content.iter_chunked(1 << 16):
+                    raw += chunk
+                    if len(raw) > MAX_ANSWER:  # a broken or hostile peer: do not buffer it all
+                        raise AgentUnreachable(
+                            f"agent {inst.agent_address}: answer over {MAX_ANSWER} bytes"
+                        )
                 try:
-                    envelope = await resp.json(content_type=None)
+                    envelope = json.loads(raw)
                 except ValueError as exc:
                     raise AgentUnreachable(f"agent {inst.agent_address}: HTTP {resp.status}, "
                                            f"not JSON") from exc  # fmt: skip
@@ -69,7 +90,7 @@ class AgentClient:
             raise AgentUnreachable(f"agent {inst.agent_address}: answer is not an envelope")
         if str(envelope.get("success")) != "0":
             raise AgentRefused(
-                f"agent {inst.agent_address}: {envelope.get('message') or 'error'} "
+                f"agent {inst.agent_address}: {said(envelope.get('message'), 'error')} "
                 f"(success={envelope.get('success')}, HTTP {resp.status})",
                 resp.status,
             )
@@ -119,8 +140,9 @@ async def drive(
     poll: float = 0.1,
     max_poll: float = 1.0,
 ) -> Outcome:
-    """Run one command on one agent until it succeeded, failed `retries + 1` times, or
-    `timeout` seconds passed. An unreachable agent is waited for (it may be restarting) and the
+    """Run one command on one agent until it succeeded, failed `retries + 1` times, failed
+    with reason corrupt_version (at once: the caller must download again), or `timeout`
+    seconds passed. An unreachable agent is waited for (it may be restarting) and the
     command re-sent when it answers; that does not use up a retry, but an agent silent for
     `dead_timeout` seconds in a row is given up on (so one dead replica does not hold a phase
     for its whole timeout)."""
@@ -175,14 +197,16 @@ async def drive(
             continue
         state = task.get("state")
         if state == "succeeded":
-            return Outcome(True, str(task.get("message") or "ok"))
+            return Outcome(True, said(task.get("message"), "ok"))
         if state == "failed":
-            last = str(task.get("message") or "failed")
+            last = said(task.get("message"), "failed")
             if last.startswith("interrupted"):  # the agent restarted mid-task: just resume it
                 submitted = False
                 await asyncio.sleep(min(delay, max(remaining, 0.0)))
                 continue
             submitted = False
+            if task.get("reason") == CORRUPT_VERSION:  # the copy is gone: re-sending is useless
+                return Outcome(False, f"{command} {version}: {last}", CORRUPT_VERSION)
             # The server was unreachable (the task says so, or the agent does now): it may be
             # restarting, so wait as for a silent agent, without spending a retry. The task's
             # own reason counts even if the server is back by the time we ask the agent.

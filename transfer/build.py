@@ -4,7 +4,8 @@ The builder is a subprocess started from an argv list (never a shell) with a tim
 code is checked and the tail of its stderr becomes the version's failure reason. Before anything
 is deployed every shard's tar must exist, match its `.md5`, and list only plain files and
 directories with safe relative names (the agent checks again; a bad build should not even
-reach it).
+reach it), and its `index.cube` header must be readable: it gives the shard's record and
+deleted-key counts, which the transfer compares with the live version before deploying a base.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import shutil
 import signal
 import sys
 import tarfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from cube import format as fmt
 from cube.fsutil import file_md5, md5_of_line
+from cube.shard import INDEX_FILE
 
 log = logging.getLogger("cube.transfer.build")
 _STDERR_TAIL = 2000
@@ -133,6 +136,8 @@ class ShardOutput:
     tar: Path
     md5: str
     size: int
+    records: int  # live records in the shard (its index header's record_count)
+    deleted: int  # keys a delta deletes (tombstone_count); 0 for a base
 
 
 def read_md5_file(path: Path) -> str:
@@ -143,7 +148,7 @@ def read_md5_file(path: Path) -> str:
         raise BuildError(f"{path}: missing (the builder wrote no md5)") from None
     digest = md5_of_line(text)
     if digest is None:
-        raise BuildError(f"{path}: no md5 hash in {text[:80]!r}")
+        raise BuildError(f"{path}: no md5 hash (32 hex digits) at its start")
     return digest
 
 
@@ -170,6 +175,30 @@ def check_tar(path: Path) -> None:
         raise BuildError(f"{path}: not a readable tar ({exc})") from exc
 
 
+def read_counts(path: Path) -> tuple[int, int]:
+    """(records, deleted keys) from the header of the tar's top-level index.cube: one member
+    header and 4 KiB read, whatever the tar's size."""
+    try:
+        with tarfile.open(path, "r:") as tar:
+            for member in tar:
+                if PurePosixPath(member.name).parts != (INDEX_FILE,) or not member.isfile():
+                    continue
+                where = f"{path}: {INDEX_FILE}"
+                handle = tar.extractfile(member)
+                assert handle is not None  # a regular file
+                fields = fmt.decode_header("index", handle.read(fmt.HEADER_SIZE), where,
+                                           member.size)  # fmt: skip
+                records, deleted = fields.get("record_count"), fields.get("tombstone_count", 0)
+                if not isinstance(records, int) or not isinstance(deleted, int) or records < 0:
+                    raise BuildError(f"{where}: header without a record count")
+                return records, max(deleted, 0)
+    except fmt.ShardFormatError as exc:
+        raise BuildError(str(exc)) from exc
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise BuildError(f"{path}: not a readable tar ({exc})") from exc
+    raise BuildError(f"{path}: no top-level {INDEX_FILE}")
+
+
 def check_outputs(
     out_dir: Path, dict_name: str, shard_num: int, verify: bool = True
 ) -> list[ShardOutput]:
@@ -186,14 +215,18 @@ def check_outputs(
             if actual != expected:
                 raise BuildError(f"{tar}: md5 {actual} does not match its .md5 file ({expected})")
             check_tar(tar)
-        shards.append(ShardOutput(shard, tar, expected, tar.stat().st_size))
+        records, deleted = read_counts(tar)
+        shards.append(ShardOutput(shard, tar, expected, tar.stat().st_size, records, deleted))
     return shards
 
 
-def read_meta_infos(output_root: Path, cur: str, depend: str, shard_num: int) -> dict[str, str]:
-    """The builder's `meta_info/<cur>_<depend>_<shard>_0.json`, shard -> JSON text."""
+def read_meta_infos(
+    output_root: Path, cur: str, depend: str, shards: Iterable[int]
+) -> dict[str, str]:
+    """The builder's `meta_info/<cur>_<depend>_<shard>_0.json` of `shards`, shard -> JSON
+    text (missing or unreadable ones left out). Blocking: run in a thread."""
     metas = {}
-    for shard in range(shard_num):
+    for shard in shards:
         path = output_root / "meta_info" / f"{cur}_{depend}_{shard}_0.json"
         try:
             text = path.read_text(encoding="utf-8")

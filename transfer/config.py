@@ -6,6 +6,29 @@ is accepted too), `#` comments (whole line, or after whitespace at the end of a 
 `cube<i>_<j>: ip:port:deploy_path` per replica j of shard i. Keys we add (quorum, timeouts,
 retries, partitioner, agent_token, listen, ...) are optional, so an original file still parses.
 
+Keys we add to [default] (all optional; default in brackets):
+- `listen` [transfer_address]: bind address of the query API and the file server.
+- `quorum` [copy_num]: replicas per shard that must have loaded a version before any switches.
+- `phase_timeout` [600], `download_timeout`, `reload_timeout` [phase_timeout], `enable_timeout`
+  [min(phase_timeout, 120)], `build_timeout` [3600], `fetch_timeout` [3600]: seconds.
+- `retries` [3]: failed agent tasks re-sent per phase and instance.
+- `partitioner` [mod]: mod | murmur3, passed to the builder.
+- `agent_token` [env CUBE_TOKEN]: sent to every agent as `Authorization: Bearer`.
+- `api_token` [none]: when set, every request to the query API must carry it (header
+  `Authorization: Bearer <token>`, or a `token` field in a POST body), reads included.
+- `verify_output` [true]: check every built tar's md5 and members before deploying it.
+- `history_limit` [500]: version records kept (live and pending ones always are).
+- `max_shrink` [0.5]: a new base with fewer records than (1 - max_shrink) x the live version's
+  is refused (status `refused`, the reason in its history record, the journal and the log)
+  before anything is downloaded; 1 turns the check off, 0 refuses any shrink. The live
+  version's count is its base's records minus the deletions of its deltas (a lower bound of
+  what is served, so deltas that update keys never cause a refusal); counts come from the
+  built shards' index headers.
+- `allow_empty_base` [false]: a base with no records at all is refused unless this is true
+  (both checks apply: an empty base replacing a live one also needs max_shrink 1).
+A base line may override both with `"allow_shrink": true` (see transfer/donefile.py); a
+patch may always be empty. A refused line can be published again with it.
+
 Parsing is pure (text in, config out); errors name the file, line and key.
 """
 
@@ -81,6 +104,8 @@ class TransferConfig:
     api_token: str = ""
     verify_output: bool = True
     history_limit: int = 500
+    max_shrink: float = 0.5  # a base may have at most this fraction fewer records than live
+    allow_empty_base: bool = False
     extra: dict[str, str] = field(default_factory=dict)
 
     def shard_instances(self, shard: int) -> list[Instance]:
@@ -174,6 +199,16 @@ def parse_config(
             raise ConfigError(f"{where(key)}: {key}: must be > 0, got {raw}")
         return value
 
+    def fraction_of(key: str, fallback: float) -> float:
+        raw = text_of(key, str(fallback))
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ConfigError(f"{where(key)}: {key}: expected a number, got {raw!r}") from None
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"{where(key)}: {key}: {raw} is outside [0, 1]")
+        return value
+
     def choice_of(key: str, choices: tuple[str, ...], fallback: str) -> str:
         value = text_of(key, fallback)
         if value not in choices:
@@ -207,7 +242,8 @@ def parse_config(
         "output_address", "tmp_address", "shard_num", "copy_num", "transfer_address",
         "deploy_path", "listen", "quorum", "phase_timeout", "download_timeout", "reload_timeout",
         "enable_timeout", "build_timeout", "fetch_timeout", "retries", "partitioner",
-        "agent_token", "api_token", "verify_output", "history_limit",
+        "agent_token", "api_token", "verify_output", "history_limit", "max_shrink",
+        "allow_empty_base",
     }  # fmt: skip
     transfer_address = text_of("transfer_address", "127.0.0.1")
     return TransferConfig(
@@ -238,6 +274,8 @@ def parse_config(
         api_token=text_of("api_token", ""),
         verify_output=bool_of("verify_output", True),
         history_limit=int_of("history_limit", 500, low=10, high=100000),
+        max_shrink=fraction_of("max_shrink", 0.5),
+        allow_empty_base=bool_of("allow_empty_base", False),
         extra={k: v for k, (v, _) in default.items() if k not in known},
     )
 
@@ -314,7 +352,8 @@ def load_config(path: str | os.PathLike) -> TransferConfig:
 
 
 def render_config(cfg: TransferConfig) -> str:
-    """A transfer.conf that parses back into `cfg` (cube-local writes it)."""
+    """A transfer.conf that parses back into `cfg`, every field included (cube-local writes
+    it; a field left out would silently fall back to its default, e.g. an open API)."""
     lines = [
         "# cube-transfer configuration (the original's format; extra keys are ours)",
         "[default]",
@@ -331,16 +370,23 @@ def render_config(cfg: TransferConfig) -> str:
         f"transfer_address: {cfg.transfer_address}",
         f"listen: {cfg.listen}",
         f"quorum: {cfg.quorum}",
-        f"download_timeout: {cfg.download_timeout:g}",
-        f"reload_timeout: {cfg.reload_timeout:g}",
-        f"enable_timeout: {cfg.enable_timeout:g}",
-        f"build_timeout: {cfg.build_timeout:g}",
+        f"download_timeout: {cfg.download_timeout!r}",
+        f"reload_timeout: {cfg.reload_timeout!r}",
+        f"enable_timeout: {cfg.enable_timeout!r}",
+        f"build_timeout: {cfg.build_timeout!r}",
+        f"fetch_timeout: {cfg.fetch_timeout!r}",
         f"retries: {cfg.retries}",
         f"partitioner: {cfg.partitioner}",
         f"verify_output: {'true' if cfg.verify_output else 'false'}",
+        f"history_limit: {cfg.history_limit}",
+        f"max_shrink: {cfg.max_shrink!r}",
+        f"allow_empty_base: {'true' if cfg.allow_empty_base else 'false'}",
     ]
-    if cfg.agent_token:
-        lines.append(f"agent_token: {cfg.agent_token}")
+    for key, token in (("agent_token", cfg.agent_token), ("api_token", cfg.api_token)):
+        if token and (token != token.strip() or any(c.isspace() for c in token)):
+            raise ConfigError(f"{key}: a token with whitespace cannot be written to transfer.conf")
+        if token:
+            lines.append(f"{key}: {token}")
     for key, value in cfg.extra.items():
         lines.append(f"{key}: {value}")
     lines += ["", "[cube_agent]"]

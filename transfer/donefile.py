@@ -4,7 +4,10 @@ A line is `{"id": "<ts>", "key": "<ts>", "input": "<dir>"}`; for a base `id == k
 `key` is the id of the base it applies to. Ids are decimal integers (Unix timestamps in the
 original) given as a string or a number; they name versions, so nothing else is accepted. A
 patch line may also carry `"delete": "<dir or file>"` (keys to delete, passed to the builder as
-`-delete_path`).
+`-delete_path`). A base line may carry `"allow_shrink": true` (ours): this base goes live even
+when it is empty or much smaller than the live version (transfer.conf `max_shrink`,
+`allow_empty_base`); use it for an intended shrink, after a refusal says why. Other fields are
+ignored, so the original's lines stay valid.
 
 Parsing is pure. Fetching the text (a local directory, `http(s)://` or `ftp://`) and mirroring an
 input directory use aiohttp and fsspec; nothing runs a shell.
@@ -22,7 +25,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 BASE_FILE = "base.txt"
 PATCH_FILE = "patch.txt"
-_ID = re.compile(r"\d{1,20}")
+ID = re.compile(r"\d{1,20}")  # a version id (a timestamp)
+VERSION_NAME = re.compile(r"\d{1,20}(?:_\d{1,20})?")  # a base <id> or a delta <base>_<id>
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,7 @@ class DonefileEntry:
     key: str
     input: str
     delete: str = ""
+    allow_shrink: bool = False
 
     @property
     def is_base(self) -> bool:
@@ -45,9 +50,10 @@ class DonefileEntry:
 
 @dataclass(frozen=True)
 class BadLine:
+    """A line that is not a version; `reason` says why without repeating the line."""
+
     file: str
     line_no: int
-    text: str
     reason: str
 
     @property
@@ -76,7 +82,7 @@ def parse_line(file: str, line_no: int, text: str) -> DonefileEntry | BadLine | 
         return None
 
     def bad(reason: str) -> BadLine:
-        return BadLine(file, line_no, text[:300], f"{file}:{line_no}: {reason}")
+        return BadLine(file, line_no, f"{file}:{line_no}: {reason}")
 
     try:
         obj = json.loads(text)
@@ -88,22 +94,35 @@ def parse_line(file: str, line_no: int, text: str) -> DonefileEntry | BadLine | 
     for name in ("id", "key"):
         value = obj.get(name)
         if isinstance(value, bool) or not isinstance(value, (str, int)):
-            return bad(f"field {name!r} is missing or not a string/integer: {value!r}")
+            return bad(f"field {name!r} is missing or not a string/integer ({_kind(value)})")
         value = str(value).strip()
-        if not _ID.fullmatch(value):
-            return bad(f"field {name!r} must be a decimal integer (a timestamp), got {value!r}")
+        if not ID.fullmatch(value):
+            return bad(f"field {name!r} must be a decimal integer of 1 to 20 digits (a timestamp)")
         fields[name] = str(int(value))
     source = obj.get("input")
     if not isinstance(source, str) or not source.strip():
-        return bad(f"field 'input' is missing or empty: {source!r}")
+        return bad(f"field 'input' is missing or empty ({_kind(source)})")
     delete = obj.get("delete", "")
     if not isinstance(delete, str):
-        return bad(f"field 'delete' must be a string path, got {delete!r}")
+        return bad(f"field 'delete' must be a string path ({_kind(delete)})")
+    allow_shrink = obj.get("allow_shrink", False)
+    if not isinstance(allow_shrink, bool):
+        return bad(f"field 'allow_shrink' must be true or false ({_kind(allow_shrink)})")
     if file == BASE_FILE and fields["id"] != fields["key"]:
         return bad(f"a base line needs id == key, got id {fields['id']} key {fields['key']}")
     if file == BASE_FILE and delete:
         return bad("a base line cannot carry 'delete'")
-    return DonefileEntry(file, line_no, fields["id"], fields["key"], source.strip(), delete.strip())
+    if file != BASE_FILE and allow_shrink:
+        return bad("'allow_shrink' applies to base lines only (a patch may be empty anyway)")
+    return DonefileEntry(
+        file, line_no, fields["id"], fields["key"], source.strip(), delete.strip(), allow_shrink
+    )
+
+
+def _kind(value: object) -> str:
+    """What a bad field holds, without repeating it (error messages never echo what was
+    fetched)."""
+    return "missing" if value is None else f"a JSON {type(value).__name__}"
 
 
 def parse_lines(file: str, text: str, start_line: int = 0) -> list[DonefileEntry | BadLine]:
@@ -122,6 +141,22 @@ def count_complete_lines(text: str) -> int:
 
 # ----------------------------------------------------------------------------------------------
 # where things are
+
+
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)([^/\s]*)@")
+
+
+def redact(text: str) -> str:
+    """`text` with the user and password of every URL in it hidden (`ftp://***@host/...`):
+    what the API shows of addresses, inputs and messages must not hand out credentials."""
+    return _USERINFO.sub(r"\1***@", text)
+
+
+def short_error(exc: BaseException, limit: int = 200) -> str:
+    """An exception from a remote source as `Type: text`, the text cut to `limit` characters
+    (it may quote what a server sent, e.g. a reason phrase)."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
 
 
 def is_url(address: str) -> bool:
@@ -154,18 +189,19 @@ async def read_donefile(address: str, name: str, timeout: float = 30.0) -> str:
     if not is_url(address) or urlsplit(address).scheme == "file":
         base = Path(urlsplit(address).path if is_url(address) else address)
         try:
-            return (base / name).read_text(encoding="utf-8", errors="replace")
+            data = await asyncio.to_thread((base / name).read_bytes)
         except FileNotFoundError:
             return ""
         except OSError as exc:
             raise SourceUnavailable(f"{base / name}: {exc.strerror}") from exc
+        return data.decode("utf-8", errors="replace")
     url = address.rstrip("/") + "/" + name
     try:
         data = await asyncio.wait_for(asyncio.to_thread(_cat_url, url), timeout)
     except FileNotFoundError:
         return ""
     except (TimeoutError, OSError, ValueError, RuntimeError) as exc:
-        raise SourceUnavailable(f"{url}: {type(exc).__name__}: {exc}") from exc
+        raise SourceUnavailable(f"{url}: {short_error(exc)}") from exc
     return data.decode("utf-8", errors="replace")
 
 
@@ -193,9 +229,7 @@ def mirror_input(source: str, dest: Path) -> list[str]:
     except FileNotFoundError as exc:
         raise SourceUnavailable(f"input {source}: not found") from exc
     except (OSError, ValueError, RuntimeError) as exc:
-        raise SourceUnavailable(
-            f"input {source}: cannot list: {type(exc).__name__}: {exc}"
-        ) from exc
+        raise SourceUnavailable(f"input {source}: cannot list: {short_error(exc)}") from exc
     files: dict[str, str] = {}
     for item in listing:
         full = str(item["name"])
@@ -216,7 +250,7 @@ def mirror_input(source: str, dest: Path) -> list[str]:
         try:
             fs.get_file(full, str(tmp / name))
         except (OSError, ValueError, RuntimeError) as exc:
-            raise SourceUnavailable(f"input {full}: {type(exc).__name__}: {exc}") from exc
+            raise SourceUnavailable(f"input {full}: {short_error(exc)}") from exc
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
     return sorted(files)

@@ -1,7 +1,17 @@
 """The transfer's two listeners: the query API (the original's `/dict/*`, `/instance/status`,
 plus `/dict/rollback`) and the file server agents download built tars from.
 
-The API answers with the original's envelope `{"success": "0"|"255"|"2", "message", "data"}`.
+The API answers with the original's envelope `{"success": "0"|"255"|"2", "message", "data"}`,
+errors included (400 bad request, 401 no token, 404 unknown, 409 busy, 413 body too big, 500 a
+bug: the traceback goes to the log, never to the client). Every query parameter and form field
+is checked before use: numbers are integers in range (`shard` in [0, shard_num), `split` 0),
+versions look like version ids or names (never paths), `name` must be this dict; unknown or
+repeated parameters are refused. Bodies are at most 1 MiB, a registered meta 64 KiB. Answers are
+encoded to JSON in a thread (a history with per-shard metas can be big), and file reads happen
+in threads: a request never holds the event loop the file server and the rollout share. With
+`api_token` every request needs it (`Authorization: Bearer <token>`, or a `token` field in a
+POST body), reads included.
+
 The file server serves `output_address` read-only (GET/HEAD, byte ranges for resumed downloads,
 no directory listings, no symlinks out of the tree): aiohttp's static handler for `http`, an
 anonymous read-only pyftpdlib server for `ftp`.
@@ -13,17 +23,25 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from multidict import MultiMapping
 
 from transfer import views
+from transfer.donefile import ID, VERSION_NAME
 from transfer.service import Busy, TransferService
 
 log = logging.getLogger("cube.transfer.http")
-Handler = Callable[[web.Request], Awaitable[web.Response]]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+MAX_BODY = 1 << 20  # bytes of a request body (a meta registration or a rollback is tiny)
+MAX_META = 64 << 10  # bytes of one registered meta (the builder's are under 1 KiB)
+_INTEGER = re.compile(r"-?[0-9]{1,12}")
+_ECHO = 100  # characters of a request path or value repeated in an error message
 
 API_LIST = [
     "GET /dict/info",
@@ -35,95 +53,187 @@ API_LIST = [
 ]
 
 
-def _reply(data: Any = None, message: str = "query ok", success: str = "0", status: int = 200):
-    return web.json_response(views.envelope(data, message, success), status=status)
+class BadRequest(Exception):
+    """A request that cannot be served as sent; the message names the parameter."""
 
 
-def _error(message: str, status: int = 400) -> web.Response:
-    return _reply(None, message, "255", status)
+async def _reply(
+    data: Any = None, message: str = "query ok", success: str = "0", status: int = 200
+) -> web.Response:
+    """The envelope, encoded in a thread (`data` must be a copy the loop no longer changes:
+    the views build fresh objects)."""
+    text = await asyncio.to_thread(json.dumps, views.envelope(data, message, success))
+    return web.Response(text=text, status=status, content_type="application/json")
+
+
+def _error(message: str, status: int = 400, success: str = "255", data: Any = None) -> web.Response:
+    """An error envelope (small: encoded here)."""
+    body = json.dumps(views.envelope(data, message, success))
+    return web.Response(text=body, status=status, content_type="application/json")
+
+
+def _echo(text: str) -> str:
+    """A client-sent string, shortened, for an error message."""
+    return repr(text[:_ECHO] + ("..." if len(text) > _ECHO else ""))
+
+
+def _params(given: MultiMapping[Any], allowed: tuple[str, ...], what: str) -> dict[str, str]:
+    """The `allowed` parameters of a query or form as strings; unknown, repeated or non-text
+    ones are a BadRequest."""
+    unknown = sorted({k for k in given if k not in allowed})
+    if unknown:
+        names = ", ".join(_echo(k)[1:-1] for k in unknown[:5])
+        raise BadRequest(f"unknown {what}(s): {names} (known: {', '.join(allowed)})")
+    out: dict[str, str] = {}
+    for key in allowed:
+        values = given.getall(key, [])
+        if len(values) > 1:
+            raise BadRequest(f"{key}: given more than once")
+        if values:
+            if not isinstance(values[0], str):
+                raise BadRequest(f"{key}: expected text, not a file")
+            out[key] = values[0]
+    return out
+
+
+def _required(fields: dict[str, str], names: tuple[str, ...], what: str) -> None:
+    missing = [k for k in names if not fields.get(k)]
+    if missing:
+        raise BadRequest(f"missing {what}(s): {', '.join(missing)}")
+
+
+def _version_id(fields: dict[str, str], key: str) -> str:
+    value = fields[key]
+    if not ID.fullmatch(value):
+        raise BadRequest(f"{key}: expected a version id (decimal digits), got {_echo(value)}")
+    return str(int(value))
+
+
+def _shard(fields: dict[str, str], shard_num: int) -> int:
+    raw = fields["shard"]
+    if not _INTEGER.fullmatch(raw):
+        raise BadRequest(f"shard: expected an integer, got {_echo(raw)}")
+    shard = int(raw)
+    if not 0 <= shard < shard_num:
+        raise BadRequest(f"shard: {shard} is outside [0, {shard_num - 1}]")
+    split = fields.get("split", "0")
+    if split != "0":
+        raise BadRequest(f"split: only split 0 exists (no dict_split), got {_echo(split)}")
+    return shard
 
 
 def build_api(service: TransferService) -> web.Application:
     cfg = service.cfg
 
-    def authorized(request: web.Request, body: dict[str, Any] | None = None) -> bool:
-        if not cfg.api_token:
-            return True
-        header = request.headers.get("Authorization", "")
-        given = header[7:] if header.startswith("Bearer ") else str((body or {}).get("token", ""))
-        return hmac.compare_digest(given.encode(), cfg.api_token.encode())
+    def _name(fields: dict[str, str]) -> None:
+        if fields["name"] != cfg.dict_name:
+            raise BadRequest(
+                f"name {_echo(fields['name'])} is not this transfer's dict {cfg.dict_name!r}"
+            )
+
+    async def _body_token(request: web.Request) -> str:
+        """A `token` field of a POST body (form or JSON object), "" when there is none."""
+        if request.method != "POST" or not request.body_exists:
+            return ""
+        if request.content_type in ("application/x-www-form-urlencoded", "multipart/form-data"):
+            token = (await request.post()).get("token")
+        else:
+            try:
+                body = json.loads(await request.read())
+            except ValueError:
+                return ""
+            token = body.get("token") if isinstance(body, dict) else None
+        return token if isinstance(token, str) else ""
+
+    async def authorized(request: web.Request) -> bool:
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            given = await _body_token(request)
+        return bool(given) and hmac.compare_digest(given.strip().encode(), cfg.api_token.encode())
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Token check, and every failure as the envelope."""
+        try:
+            if cfg.api_token and not await authorized(request):
+                return _error("unauthorized: send 'Authorization: Bearer <token>' (api_token)", 401)
+            return await handler(request)
+        except BadRequest as exc:
+            return _error(str(exc))
+        except web.HTTPRequestEntityTooLarge:
+            return _error(f"request body over {MAX_BODY} bytes", 413)
+        except web.HTTPException as exc:
+            return _error(f"{exc.status} {exc.reason}", exc.status)
+        except Exception:
+            log.exception("%s %s failed", request.method, request.path[:_ECHO])
+            return _error("internal error (the transfer's log has the details)", 500)
 
     async def dict_info(request: web.Request) -> web.Response:
-        return _reply(views.dict_info(cfg, service.state))
+        _params(request.query, (), "query parameter")
+        return await _reply(views.dict_info(cfg, service.state))
 
     async def instance_status(request: web.Request) -> web.Response:
-        return _reply([views.instance_info(cfg, service.state, i) for i in cfg.instances])
+        _params(request.query, (), "query parameter")
+        return await _reply([views.instance_info(cfg, service.state, i) for i in cfg.instances])
 
     async def deploy_history(request: web.Request) -> web.Response:
-        return _reply(views.history(cfg, service.state))
+        _params(request.query, (), "query parameter")
+        return await _reply(views.history(cfg, service.state))
 
     async def meta_info(request: web.Request) -> web.Response:
-        query = request.query
-        missing = [k for k in ("name", "version", "depend", "shard") if not query.get(k)]
-        if missing:
-            return _error(f"missing query parameter(s): {', '.join(missing)}")
-        if query["name"] != cfg.dict_name:
-            return _error(f"name {query['name']!r} is not this transfer's dict {cfg.dict_name!r}")
-        meta = service.meta_info(query["version"], query["depend"], query["shard"])
+        query = _params(
+            request.query, ("name", "version", "depend", "shard", "split"), "query parameter"
+        )
+        _required(query, ("name", "version", "depend", "shard"), "query parameter")
+        _name(query)
+        version, depend = _version_id(query, "version"), _version_id(query, "depend")
+        shard = _shard(query, cfg.shard_num)
+        meta = await service.meta_info(version, depend, shard)
         if meta is None:
-            return _error(
-                f"no meta for version {query['version']} depend {query['depend']} "
-                f"shard {query['shard']}",
-                404,
-            )
-        data = {
-            "name": query["name"],
-            "version": query["version"],
-            "depend": query["depend"],
-            "shard": query["shard"],
-            "split": query.get("split", "0"),
-            "meta": meta,
-        }
-        return _reply(data)
+            return _error(f"no meta for version {version} depend {depend} shard {shard}", 404)
+        data = {"name": cfg.dict_name, "version": version, "depend": depend, "shard": str(shard),
+                "split": "0", "meta": meta}  # fmt: skip
+        return await _reply(data)
 
     async def register_meta(request: web.Request) -> web.Response:
-        form = await request.post()
-        fields = {
-            k: str(form.get(k, "")) for k in ("name", "version", "depend", "shard", "split", "meta")
-        }
-        if not authorized(request, fields):
-            return _error("unauthorized", 401)
-        missing = [k for k in ("name", "version", "depend", "shard", "meta") if not fields[k]]
-        if missing:
-            return _error(f"missing form field(s): {', '.join(missing)}")
+        if request.content_type not in (
+            "application/x-www-form-urlencoded",
+            "multipart/form-data",
+        ):
+            raise BadRequest("the body must be a form (name, version, depend, shard, split, meta)")
+        names = ("name", "version", "depend", "shard", "split", "meta", "token")
+        fields = _params(await request.post(), names, "form field")
+        _required(fields, ("name", "version", "depend", "shard", "meta"), "form field")
+        _name(fields)
+        version, depend = _version_id(fields, "version"), _version_id(fields, "depend")
+        shard = _shard(fields, cfg.shard_num)
+        if len(fields["meta"].encode()) > MAX_META:
+            raise BadRequest(f"meta: over {MAX_META} bytes")
         try:
             meta = json.loads(fields["meta"])
         except ValueError as exc:
-            return _error(f"meta: not JSON ({exc})")
+            raise BadRequest(f"meta: not JSON ({exc.msg} at column {exc.colno})") from None
         if not isinstance(meta, dict) or not meta:
-            return _error("meta: expected a non-empty JSON object")
+            raise BadRequest("meta: expected a non-empty JSON object")
         try:
-            service.register_meta(
-                fields["name"], fields["version"], fields["depend"], fields["shard"], fields["meta"]
-            )
-        except ValueError as exc:
+            await service.register_meta(version, depend, shard, fields["meta"])
+        except LookupError as exc:
             return _error(str(exc), 404)
-        return _reply("ok", "register ok")
+        return await _reply("ok", "register ok")
 
     async def rollback(request: web.Request) -> web.Response:
         try:
-            body = await request.json()
+            body = json.loads(await request.read())
         except ValueError:
-            return _error('the body must be JSON: {"version": "<version>"}')
+            raise BadRequest('the body must be JSON: {"version": "<version>"}') from None
         if not isinstance(body, dict):
-            return _error('the body must be a JSON object: {"version": "<version>"}')
-        if not authorized(request, body):
-            return _error("unauthorized", 401)
+            raise BadRequest('the body must be a JSON object: {"version": "<version>"}')
         version = body.get("version")
         if isinstance(version, int) and not isinstance(version, bool):
             version = str(version)
-        if not isinstance(version, str) or not version:
-            return _error("version: expected a version name")
+        if not isinstance(version, str) or not VERSION_NAME.fullmatch(version):
+            shown = _echo(version) if isinstance(version, str) else type(version).__name__
+            raise BadRequest(f"version: expected a version name (<id> or <base>_<id>), got {shown}")
         try:
             rec = await service.rollback(version)
         except Busy as exc:
@@ -132,15 +242,14 @@ def build_api(service: TransferService) -> web.Application:
             return _error(str(exc), 400)
         info = views.version_info(cfg, rec)
         if rec.status != "finished":
-            return _reply(info, f"rollback to {version} failed: {rec.message}", "255", 500)
-        return _reply(info, f"rolled back to {version}")
+            return await _reply(info, f"rollback to {version} failed: {rec.message}", "255", 500)
+        return await _reply(info, f"rolled back to {version}")
 
     async def unknown(request: web.Request) -> web.Response:
-        return _reply(
-            {"api_list": API_LIST}, f"unknown api {request.method} {request.path}", "2", 404
-        )
+        message = f"unknown api {request.method[:10]} {_echo(request.path)[1:-1]}"
+        return _error(message, 404, "2", {"api_list": API_LIST})
 
-    app = web.Application(client_max_size=16 << 20)
+    app = web.Application(client_max_size=MAX_BODY, middlewares=[guard])
     app.router.add_get("/dict/info", dict_info)
     app.router.add_get("/instance/status", instance_status)
     app.router.add_get("/dict/deploy/history", deploy_history)
@@ -172,6 +281,7 @@ class FtpFileServer:
         handler = type("ReadOnlyHandler", (FTPHandler,), {"authorizer": authorizer})
         handler.banner = "cube-transfer"
         self.server = FTPServer((host, port), handler)
+        self.server.max_cons, self.server.max_cons_per_ip = 256, 32  # bounded, as any listener
         self.thread = threading.Thread(target=self._serve, name="ftp-file-server", daemon=True)
         self._stop = threading.Event()
 

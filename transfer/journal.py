@@ -9,13 +9,19 @@
 The transfer saves the state *before* acting on a decision (e.g. "committed" before the first
 enable), and every phase is idempotent (agents dedupe a repeated command), so a restarted
 transfer resumes the deployment at its recorded phase without redeploying what is live.
+
+`persist` keeps the event loop free while a big state (history with per-shard metas) is
+encoded and fsync'd: the snapshot is copied on the loop, then written by one writer thread, so
+snapshots reach the disk in the order they were taken.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +43,7 @@ class Journal:
         self.directory = directory
         self.state_path = directory / STATE_FILE
         self.events_path = directory / EVENTS_FILE
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal")
 
     def load(self, dict_name: str) -> TransferState:
         """The saved state, or a fresh one. A state of another dictionary is refused (two
@@ -63,8 +70,21 @@ class Journal:
         return state
 
     def save(self, state: TransferState) -> None:
-        data = json.dumps(state.to_json(), indent=1, sort_keys=True).encode() + b"\n"
+        """Write the state now (blocking); an event loop uses `persist`."""
+        self._write(state.to_json())
+
+    async def persist(self, state: TransferState) -> None:
+        """Write the state without blocking the loop: copied now, encoded and written by the
+        writer thread after every earlier snapshot."""
+        snapshot = state.to_json()
+        await asyncio.get_running_loop().run_in_executor(self._writer, self._write, snapshot)
+
+    def _write(self, snapshot: dict[str, Any]) -> None:
+        data = json.dumps(snapshot, indent=1, sort_keys=True).encode() + b"\n"
         atomic_write_bytes(self.state_path, data)
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
 
     def event(self, kind: str, **fields: Any) -> None:
         """Append one event line (best effort: a full disk must not stop a rollout midway)."""

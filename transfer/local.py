@@ -13,6 +13,11 @@ every PID (with its start time and command line) in --dir/cluster.json, and retu
 answers its health check. `down` stops exactly those processes: SIGTERM, then SIGKILL after
 --timeout. Ports: --base_port N gives the transfer N (API) and N+1 (files), replica k of all
 N+10+2k (server) and N+11+2k (agent); without it free ports are picked.
+
+Tokens: the agents' token (env CUBE_TOKEN, or `--agent_token`) and the transfer API's (env
+CUBE_API_TOKEN, or `--api_token`) are written into transfer.conf (mode 0600), handed to the
+agents through their environment (never on a command line: cluster.json records those), and
+read back from transfer.conf by status, wait and restart for their own requests.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from typing import Any
 import psutil
 
 from cube.flags import FlagError, FlagSet, run_cli
-from transfer.config import Instance, TransferConfig, render_config
+from transfer.config import ConfigError, Instance, TransferConfig, load_config, render_config
 from transfer.processes import (
     create_time,
     free_port,
@@ -46,7 +51,10 @@ from transfer.processes import (
 )
 
 CLUSTER_FILE = "cluster.json"
+CONF_FILE = "transfer.conf"
 DICT_NAME = "test_dict"
+TOKEN_ENV = "CUBE_TOKEN"  # the agents' token (cube-agent and cube-transfer read it too)
+API_TOKEN_ENV = "CUBE_API_TOKEN"
 
 
 class LocalError(RuntimeError):
@@ -158,8 +166,19 @@ def cluster_config(spec: ClusterSpec, ports: dict[str, int]) -> TransferConfig:
         reload_timeout=spec.phase_timeout,
         enable_timeout=min(spec.phase_timeout, 60.0),
         partitioner=spec.partitioner,
+        agent_token=os.environ.get(TOKEN_ENV, ""),
+        api_token=os.environ.get(API_TOKEN_ENV, ""),
     )
     return dataclasses.replace(cfg, **spec.transfer_overrides)
+
+
+def child_env(role: str, agent_token: str) -> dict[str, str]:
+    """The environment of a process of the cluster: ours without CUBE_TOKEN (transfer.conf
+    is the transfer's only source), plus the agents' token for an agent."""
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    if role == "agent" and agent_token:
+        env[TOKEN_ENV] = agent_token
+    return env
 
 
 def cube_conf(cfg: TransferConfig, dim: int = 0) -> list[dict[str, Any]]:
@@ -256,7 +275,7 @@ def _processes(spec: ClusterSpec, cfg: TransferConfig, ports: dict[str, int]) ->
                 "-p",
                 str(ports["transfer"]),
                 "--config",
-                str(root / "transfer.conf"),
+                str(root / CONF_FILE),
                 "--poll_interval",
                 f"{spec.poll_interval:g}",
                 "--dead_timeout",
@@ -274,9 +293,10 @@ def _processes(spec: ClusterSpec, cfg: TransferConfig, ports: dict[str, int]) ->
 # processes
 
 
-def start(proc: Proc, cwd: Path) -> None:
+def start(proc: Proc, cwd: Path, agent_token: str = "") -> None:
     Path(proc.log).parent.mkdir(parents=True, exist_ok=True)
-    proc.pid = spawn(proc.argv, proc.log, append=True, cwd=cwd).pid
+    env = child_env(proc.role, agent_token)
+    proc.pid = spawn(proc.argv, proc.log, append=True, cwd=cwd, env=env).pid
     proc.create_time = create_time(proc.pid)
 
 
@@ -294,11 +314,15 @@ def stop(procs: Sequence[Proc], timeout: float = 10.0) -> list[str]:
     return lines
 
 
-def http_json(url: str, body: Any = None, timeout: float = 2.0) -> Any:
+def http_json(url: str, body: Any = None, timeout: float = 2.0, token: str = "") -> Any:
+    """GET (or POST `body` as JSON) `url` and return the answer's JSON, error answers
+    included; `token` goes in an Authorization header."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method="POST" if data else "GET")
     if data:
         request.add_header("Content-Type", "application/json")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(request, timeout=timeout) as resp:
             return json.loads(resp.read())
@@ -306,12 +330,24 @@ def http_json(url: str, body: Any = None, timeout: float = 2.0) -> Any:
         return json.loads(exc.read() or b"null")
 
 
-def healthy(proc: Proc) -> bool:
+@dataclass(frozen=True)
+class Tokens:
+    """The tokens of a cluster (from its transfer.conf): the agents' and the transfer API's."""
+
+    agent: str = ""
+    api: str = ""
+
+    def of(self, role: str) -> str:
+        return {"agent": self.agent, "transfer": self.api}.get(role, "")
+
+
+def healthy(proc: Proc, tokens: Tokens = Tokens()) -> bool:
     try:
         if proc.role == "server":
             return _grpc_answers(f"127.0.0.1:{proc.port}")
         path = "/agent/status" if proc.role == "agent" else "/dict/info"
-        reply = http_json(f"http://127.0.0.1:{proc.port}{path}", timeout=1.0)
+        url = f"http://127.0.0.1:{proc.port}{path}"
+        reply = http_json(url, timeout=1.0, token=tokens.of(proc.role))
         return isinstance(reply, dict) and reply.get("success") == "0"
     except (OSError, ValueError):
         return False
@@ -332,7 +368,7 @@ def _grpc_answers(address: str) -> bool:
     return True
 
 
-def wait_healthy(procs: Sequence[Proc], timeout: float) -> None:
+def wait_healthy(procs: Sequence[Proc], timeout: float, tokens: Tokens = Tokens()) -> None:
     pending = list(procs)
 
     def none_exited() -> None:
@@ -342,7 +378,7 @@ def wait_healthy(procs: Sequence[Proc], timeout: float) -> None:
                 raise LocalError(f"{proc.name} exited at start; see {proc.log}:\n{tail}")
 
     def all_healthy() -> bool:
-        pending[:] = [p for p in pending if not healthy(p)]
+        pending[:] = [p for p in pending if not healthy(p, tokens)]
         return not pending
 
     if not poll_until(all_healthy, timeout, 0.1, check=none_exited):
@@ -407,21 +443,36 @@ class Cluster:
         (self.dir / CLUSTER_FILE).unlink(missing_ok=True)
         return lines
 
+    @property
+    def tokens(self) -> Tokens:
+        """The cluster's tokens, from its transfer.conf (read once)."""
+        if not hasattr(self, "_tokens"):
+            try:
+                cfg = load_config(self.dir / CONF_FILE)
+            except ConfigError as exc:
+                raise LocalError(f"cannot read the cluster's tokens: {exc}") from None
+            self._tokens = Tokens(cfg.agent_token, cfg.api_token)
+        return self._tokens
+
     def restart(self, name: str, timeout: float = 30.0) -> Proc:
         """Start `name` again with its recorded command line (stopping it first if running)."""
         proc = self.proc(name)
         stop([proc], timeout=10.0)
-        start(proc, self.dir)
+        start(proc, self.dir, self.tokens.agent)
         self.save()
-        wait_healthy([proc], timeout)
+        wait_healthy([proc], timeout, self.tokens)
         return proc
+
+    def api(self, path: str, body: Any = None, timeout: float = 2.0) -> Any:
+        """The transfer API's answer (JSON) to GET `path`, or POST `body`, with its token."""
+        return http_json(self.transfer_url + path, body, timeout, self.tokens.api)
 
     # -- what is served --------------------------------------------------------------------
     def instance_rows(self) -> list[dict[str, Any]]:
         """One row per replica: addresses, process states, the version its server serves."""
         transfer_view: dict[str, dict[str, Any]] = {}
         with contextlib.suppress(OSError, ValueError):
-            reply = http_json(self.transfer_url + "/instance/status")
+            reply = self.api("/instance/status")
             for inst in reply.get("data") or []:
                 transfer_view[f"{inst['shard']}_{inst.get('replica', 0)}"] = inst
         rows = []
@@ -441,7 +492,8 @@ class Cluster:
                 }
                 if row["agent_up"]:
                     with contextlib.suppress(OSError, ValueError):
-                        status = http_json(f"http://127.0.0.1:{agent.port}/agent/status")
+                        url = f"http://127.0.0.1:{agent.port}/agent/status"
+                        status = http_json(url, token=self.tokens.agent)
                         srv = (status.get("data") or {}).get("server") or {}
                         row["version"] = srv.get("cur_version") or ""
                         row["bg_version"] = srv.get("bg_version") or ""
@@ -452,14 +504,14 @@ class Cluster:
 
     def transfer_info(self) -> dict[str, Any]:
         try:
-            reply = http_json(self.transfer_url + "/dict/info")
+            reply = self.api("/dict/info")
         except (OSError, ValueError):
             return {}
         return reply.get("data") or {}
 
     def history(self) -> list[dict[str, Any]]:
         try:
-            return http_json(self.transfer_url + "/dict/deploy/history").get("data") or []
+            return self.api("/dict/deploy/history").get("data") or []
         except (OSError, ValueError):
             return []
 
@@ -522,6 +574,19 @@ class Cluster:
         return time.monotonic() - started
 
 
+def _write_private(path: Path, text: str) -> None:
+    """Write `path` readable by its owner only (mode 0600 from the start), via a temp file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def up(spec: ClusterSpec, health_timeout: float = 60.0) -> Cluster:
     """Write the configs, start every process, wait until all answer. On failure whatever was
     started is stopped again."""
@@ -540,7 +605,11 @@ def up(spec: ClusterSpec, health_timeout: float = 60.0) -> Cluster:
     cfg = cluster_config(spec, ports)
     for inst in cfg.instances:
         (Path(inst.deploy_path) / "data").mkdir(parents=True, exist_ok=True)
-    (root / "transfer.conf").write_text(render_config(cfg))
+    try:
+        conf_text = render_config(cfg)
+    except ConfigError as exc:
+        raise LocalError(str(exc)) from None
+    _write_private(root / CONF_FILE, conf_text)  # it holds the tokens
     (root / "cube.conf").write_text(json.dumps(cube_conf(cfg, spec.dim), indent=1) + "\n")
     cluster = Cluster(
         dir=root,
@@ -554,9 +623,9 @@ def up(spec: ClusterSpec, health_timeout: float = 60.0) -> Cluster:
     )
     try:
         for proc in cluster.processes:  # all at once: each waits for what it talks to
-            start(proc, root)
+            start(proc, root, cfg.agent_token)
         cluster.save()
-        wait_healthy(cluster.processes, health_timeout)
+        wait_healthy(cluster.processes, health_timeout, cluster.tokens)
     except BaseException:
         stop([p for p in reversed(cluster.processes) if p.pid], timeout=5.0)
         (root / CLUSTER_FILE).unlink(missing_ok=True)
@@ -584,6 +653,8 @@ def _up_flags() -> FlagSet:
         .add("partitioner", str, "mod", "mod|murmur3", choices=("mod", "murmur3"))
         .add("phase_timeout", float, 120.0, "transfer phase timeout (s)")
         .add("timeout", float, 60.0, "seconds to wait for every process to be healthy")
+        .add("agent_token", str, "", f"the agents' token (default: env {TOKEN_ENV})")
+        .add("api_token", str, "", f"the transfer API's token (default: env {API_TOKEN_ENV})")
     )
 
 
@@ -596,6 +667,7 @@ def _dir_flags(program: str, **extra: tuple[type, Any, str]) -> FlagSet:
 
 USAGE = """usage: cube-local up|down|status|wait|restart [flags]   (cube-local <command> --help)
   up      --shards 2 --replicas 2 --donefile DIR [--dir .local-cluster] [--base_port N]
+          (tokens: env CUBE_TOKEN for the agents, CUBE_API_TOKEN for the transfer API)
   status  [--dir .local-cluster] [--json]
   wait    --version V [--timeout 120] [--dir .local-cluster]
   restart --name server0_1|agent0_1|transfer [--dir .local-cluster]
@@ -625,6 +697,14 @@ def run(argv: Sequence[str]) -> int:
                 poll_interval=flags.poll_interval,
                 partitioner=flags.partitioner,
                 phase_timeout=flags.phase_timeout,
+                transfer_overrides={
+                    name: value
+                    for name, value in (
+                        ("agent_token", flags.agent_token),
+                        ("api_token", flags.api_token),
+                    )
+                    if value
+                },
             )
             cluster = up(spec, flags.timeout)
             print(f"cluster up in {cluster.dir}: transfer {cluster.transfer_url}, "

@@ -30,7 +30,15 @@ import aiohttp
 import psutil
 
 from transfer import build as builds
-from transfer.agents import AgentClient, AgentRefused, AgentUnreachable, Outcome, drive, run_phase
+from transfer.agents import (
+    CORRUPT_VERSION,
+    AgentClient,
+    AgentRefused,
+    AgentUnreachable,
+    Outcome,
+    drive,
+    run_phase,
+)
 from transfer.config import Instance, TransferConfig
 from transfer.donefile import (
     BASE_FILE,
@@ -54,9 +62,11 @@ from transfer.state import (
     catch_up_plan,
     finish,
     ingest,
+    live_records,
     next_version,
     now,
     quorum_shortfall,
+    shrink_refusal,
 )
 from transfer.views import source_url
 
@@ -86,11 +96,13 @@ class TransferService:
         poll_interval: float = 5.0,
         dead_timeout: float = 60.0,
         keep_outputs: int = 3,
+        catch_up_backoff: float = 5.0,
     ) -> None:
         self.cfg = cfg
         self.poll_interval = poll_interval
         self.dead_timeout = dead_timeout
         self.keep_outputs = keep_outputs
+        self.catch_up_backoff = catch_up_backoff  # first wait after a failed catch-up (doubles)
         self.journal = Journal(cfg.tmp_address)
         self.state = TransferState(dict_name=cfg.dict_name)
         self.lock = asyncio.Lock()
@@ -127,10 +139,12 @@ class TransferService:
         if self._session:
             await self._session.close()
             self._session = None
+        await asyncio.to_thread(self.journal.close)
 
-    def save(self) -> None:
+    async def save(self) -> None:
+        """Persist the state (before acting on what changed); the writing is off the loop."""
         self.state.trim_history(self.cfg.history_limit)
-        self.journal.save(self.state)
+        await self.journal.persist(self.state)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Work until `stop` is set; every cycle is bounded by the configured timeouts."""
@@ -160,7 +174,7 @@ class TransferService:
                 log.warning("%s", line)
                 self.journal.event("refused", message=line)
             if logs:
-                self.save()
+                await self.save()
             if rec is None:
                 break
             await self.start_deploy(rec)
@@ -201,7 +215,7 @@ class TransferService:
             self.state.cursors[name] = len(lines)
             changed = True
         if changed:
-            self.save()
+            await self.save()
 
     # -- rollout ------------------------------------------------------------------------------
     async def start_deploy(self, rec: VersionRecord) -> None:
@@ -215,7 +229,7 @@ class TransferService:
             started_at=now(),
         )
         rec.status = "building"
-        self.save()
+        await self.save()
         self.journal.event("deploy_start", version=rec.version, line=rec.line)
         await self.resume()
 
@@ -229,19 +243,26 @@ class TransferService:
         if rec is None:
             log.error("deployment of %s has no history record; dropping it", dep.version)
             self.state.deployment = None
-            self.save()
+            await self.save()
             return
         try:
             if dep.phase == "build":
                 await self._build(rec)
+                await self._count_live_chain()
+                refusal = shrink_refusal(
+                    rec, live_records(self.state), self.cfg.max_shrink, self.cfg.allow_empty_base
+                )
+                if refusal:
+                    await self._end(rec, "refused", refusal)
+                    return
                 dep.phase = "download"
                 rec.status = "deploying"
-                self.save()
+                await self.save()
             if dep.phase == "download":
                 await self._phase(rec, dep, "download")
                 rec.status = "downloaded"
                 dep.phase = "reload"
-                self.save()
+                await self.save()
             if dep.phase == "reload":
                 if rec.mode == "delta":
                     await self._drop_lagging(dep)
@@ -249,20 +270,27 @@ class TransferService:
                 rec.status = "reloaded"
                 dep.phase = "enable"
                 dep.committed = True
-                self.save()
+                await self.save()
                 self.journal.event("commit", version=rec.version, targets=dep.targets)
             if dep.phase == "enable":
                 await self._enable(rec, dep)
         except _Abort as exc:
-            self._fail(rec, str(exc))
+            await self._fail(rec, str(exc))
 
-    def _fail(self, rec: VersionRecord, message: str) -> None:
-        finish(rec, "failed", message, now())
+    async def _fail(self, rec: VersionRecord, message: str) -> None:
+        await self._end(rec, "failed", message)
+
+    async def _end(self, rec: VersionRecord, status: str, message: str) -> None:
+        """End the deployment of `rec` without it going live: `failed`, or `refused` (the
+        build is fine but must not replace the live table); the reason is in its record, the
+        journal and the log."""
+        finish(rec, status, message, now())
         self.state.deployment = None
-        self.save()
-        self.journal.event("deploy_failed", version=rec.version, message=message)
-        log.error("version %s failed: %s", rec.version or rec.line, message)
-        self._prune_outputs()
+        await self.save()
+        event = "deploy_failed" if status == "failed" else "deploy_refused"
+        self.journal.event(event, version=rec.version, message=message)
+        log.error("version %s %s: %s", rec.version or rec.line, status, message)
+        await self._prune_outputs()
 
     async def _build(self, rec: VersionRecord) -> None:
         cfg = self.cfg
@@ -270,7 +298,8 @@ class TransferService:
         out_name = builds.output_dir_name(rec.depend, rec.id)
         out_dir = cfg.output_address / out_name
         rec.output = str(out_dir)
-        shutil.rmtree(out_dir, ignore_errors=True)  # a build killed midway left half of it
+        # a build killed midway left half of it
+        await asyncio.to_thread(shutil.rmtree, out_dir, ignore_errors=True)
         mirror_root = cfg.tmp_address / "input"
         try:
             input_path = await self._fetch(
@@ -294,7 +323,7 @@ class TransferService:
                 partitioner=cfg.partitioner,
                 delete_path=delete_path,
             )
-            self.save()
+            await self.save()
             try:
                 await builds.run_builder(argv, cfg.build_timeout, self._note_builder)
             finally:
@@ -305,16 +334,40 @@ class TransferService:
         except (builds.BuildError, SourceUnavailable) as exc:
             raise _Abort(str(exc)) from exc
         finally:
-            for path in mirror_root.glob(f"{cfg.dict_name}_{rec.version}*"):
-                shutil.rmtree(path, ignore_errors=True)
-        rec.shards = {str(s.shard): {"md5": s.md5, "size": s.size} for s in shards}
-        metas = builds.read_meta_infos(cfg.output_address, rec.id, rec.depend, cfg.shard_num)
+            await asyncio.to_thread(_remove_mirrors, mirror_root, f"{cfg.dict_name}_{rec.version}")
+        rec.shards = {
+            str(s.shard): {"md5": s.md5, "size": s.size, "records": s.records, "deleted": s.deleted}
+            for s in shards
+        }
+        metas = await asyncio.to_thread(
+            builds.read_meta_infos, cfg.output_address, rec.id, rec.depend, range(cfg.shard_num)
+        )
         rec.meta_infos.update(metas)
         rec.times["built"] = now()
         for inst in cfg.instances:
             self.state.instances[inst.name].times["builded_time"] = rec.times["built"]
         self.journal.event("built", version=rec.version, shards=rec.shards)
-        log.info("built %s in %.1fs", rec.version, rec.times["built"] - rec.times["build_start"])
+        log.info("built %s in %.1fs: %s records, %s deleted keys", rec.version,
+                 rec.times["built"] - rec.times["build_start"], rec.count("records"),
+                 rec.count("deleted"))  # fmt: skip
+
+    async def _count_live_chain(self) -> None:
+        """Record counts for live versions built before counts were kept (a journal from an
+        older transfer), read from their build outputs, which are kept while they are live."""
+        for name in self.state.live_chain:
+            rec = self.state.record(name)
+            if rec is None or rec.count("records") is not None or not rec.output:
+                continue
+            out = Path(rec.output)
+            for shard in range(self.cfg.shard_num):
+                tar = out / f"{self.cfg.dict_name}_part{shard}.tar"
+                try:
+                    records, deleted = await asyncio.to_thread(builds.read_counts, tar)
+                except builds.BuildError as exc:
+                    log.warning("cannot count the records of live %s: %s", name, exc)
+                    break
+                counts = {"records": records, "deleted": deleted}
+                rec.shards[str(shard)] = {**rec.shards.get(str(shard), {}), **counts}
 
     async def _fetch(self, source: str, mirror: Path) -> str:
         """A local directory holding the input: the path itself, or a mirror of a URL."""
@@ -427,6 +480,8 @@ class TransferService:
         timeout = {"download": self.cfg.download_timeout, "reload": self.cfg.reload_timeout}[phase]
         log.info("%s %s on %d instances", phase, rec.version, len(dep.targets))
         outcomes = await self._run(phase, dep.targets, rec, timeout)
+        if phase == "reload":
+            outcomes.update(await self._repair_corrupt(rec, outcomes, timeout))
         dep.results[phase] = _result_summary(outcomes)
         dep.targets = [n for n in dep.targets if outcomes[n].ok]
         rec.times[{"download": "downloaded", "reload": "reloaded"}[phase]] = now()
@@ -439,7 +494,22 @@ class TransferService:
                 f"{phase} did not reach quorum {self.cfg.quorum} ({', '.join(shortfall)}); "
                 f"nothing was switched. {reasons}"
             )
-        self.save()
+        await self.save()
+
+    async def _repair_corrupt(
+        self, rec: VersionRecord, outcomes: dict[str, Outcome], timeout: float
+    ) -> dict[str, Outcome]:
+        """Replicas whose server refused their copy as corrupt (the agent quarantined it)
+        download it again and reload once more; their new outcomes."""
+        corrupt = sorted(n for n, o in outcomes.items() if o.reason == CORRUPT_VERSION)
+        if not corrupt:
+            return {}
+        log.warning("%s: corrupt copy on %s; downloading it again", rec.version, corrupt)
+        self.journal.event("corrupt_version", version=rec.version, instances=corrupt)
+        downloads = await self._run("download", corrupt, rec, self.cfg.download_timeout)
+        again = [n for n in corrupt if downloads[n].ok]
+        reloads = await self._run("reload", again, rec, timeout) if again else {}
+        return {**{n: downloads[n] for n in corrupt if n not in again}, **reloads}
 
     async def _drop_lagging(self, dep: Deployment) -> None:
         """A delta loads on top of what a server holds: only servers on the previous live
@@ -465,7 +535,7 @@ class TransferService:
         log.info("enable %s on %d instances", rec.version, len(dep.targets))
         enabled, failure = await self._switch("enable", dep, rec, self.cfg.enable_timeout)
         if failure:
-            self._fail(rec, failure)
+            await self._fail(rec, failure)
             return
         at = now()
         rec.times["enabled"] = at
@@ -476,7 +546,7 @@ class TransferService:
         self.state.live_chain = list(rec.chain)
         self.state.live_since = at
         self.state.deployment = None
-        self.save()
+        await self.save()
         self.journal.event("live", version=rec.version, chain=rec.chain, instances=sorted(enabled))
         log.info(
             "version %s is live (%d/%d instances; %.1fs after its line was seen)",
@@ -485,7 +555,7 @@ class TransferService:
             len(self.cfg.instances),
             at - rec.times.get("line_seen", at),
         )
-        self._prune_outputs()
+        await self._prune_outputs()
         self.wake.set()  # reconcile the ones left behind soon
 
     async def _switch(
@@ -560,7 +630,7 @@ class TransferService:
                 targets=[inst.name for inst in self.cfg.instances],
                 started_at=now(),
             )
-            self.save()
+            await self.save()
             self.journal.event("rollback_start", version=version, prev=self.state.live_version)
             await self._resume_rollback(self.state.deployment)
             return rec
@@ -579,7 +649,7 @@ class TransferService:
         target = self.state.record(dep.version)
         if rec is None or target is None:
             self.state.deployment = None
-            self.save()
+            await self.save()
             return
         log.info("rollback to %s on %d instances", dep.version, len(dep.targets))
         timeout = self.cfg.reload_timeout + self.cfg.enable_timeout
@@ -587,7 +657,7 @@ class TransferService:
         if failure:
             finish(rec, "failed", failure, now())
             self.state.deployment = None
-            self.save()
+            await self.save()
             log.error("rollback to %s failed: %s", dep.version, failure)
             return
         at = now()
@@ -596,7 +666,7 @@ class TransferService:
         self.state.live_chain = list(target.chain)
         self.state.live_since = at
         self.state.deployment = None
-        self.save()
+        await self.save()
         self.journal.event("live", version=target.version, chain=target.chain, rollback=True)
         log.info("rolled back to %s", target.version)
         self.wake.set()
@@ -649,8 +719,9 @@ class TransferService:
             if info is None or not known.reachable:
                 continue
             if known.version == chain[-1]:
-                known.catch_up_failures = 0
-                known.next_catch_up = 0.0
+                if known.catch_up_failures or known.status.endswith("_Failed"):
+                    known.status = "Enable_Succ"  # it serves the live version after all
+                known.recovered()
                 continue
             if any(t.get("state") == "running" for t in info.get("tasks") or []):
                 continue
@@ -660,7 +731,7 @@ class TransferService:
             jobs.append(self._catch_up(inst, plan))
         if jobs:
             await asyncio.gather(*jobs)
-            self.save()
+            await self.save()
 
     async def _catch_up(self, inst: Instance, plan: list[Step]) -> None:
         assert self.client is not None
@@ -674,9 +745,10 @@ class TransferService:
         )
         for step in plan:
             rec = self.state.record(step.version)
-            if rec is None:
-                known.message = f"catch-up: no record of {step.version}"
-                break
+            if rec is None:  # history trimmed past a live version: cannot happen, but say so
+                why = f"catch-up: no record of {step.version}"
+                self._catch_up_failed(inst, step, Outcome(False, why))
+                return
             timeout = {
                 "download": self.cfg.download_timeout,
                 "reload": self.cfg.reload_timeout,
@@ -691,23 +763,43 @@ class TransferService:
             )
             note(inst, "ok" if outcome.ok else "failed", outcome.message)
             if not outcome.ok:
-                known.catch_up_failures += 1
-                delay = backoff_delay(known.catch_up_failures)
-                known.next_catch_up = now() + delay
-                log.warning("catch-up of %s failed (%s); next try in %gs", inst.name,
-                            outcome.message, delay)  # fmt: skip
-                self.journal.event("catch_up_failed", instance=inst.name, message=outcome.message)
+                self._catch_up_failed(inst, step, outcome)
                 return
-        known.catch_up_failures = 0
-        known.next_catch_up = 0.0
+        known.recovered()
         known.version = self.state.live_version
         self.journal.event("caught_up", instance=inst.name, version=self.state.live_version)
         log.info("instance %s caught up to %s", inst.name, self.state.live_version)
 
+    def _catch_up_failed(self, inst: Instance, step: Step, outcome: Outcome) -> None:
+        """Record a failed catch-up where /instance/status, the journal and the log show it,
+        and when to try again (bounded exponential backoff). A corrupt copy was quarantined by
+        the agent, so the next plan downloads it again."""
+        known = self.state.instances[inst.name]
+        at = now()
+        delay = backoff_delay(known.catch_up_failures + 1, self.catch_up_backoff)
+        known.failed(step, outcome.reason, outcome.message, at, at + delay)
+        if not known.status.endswith("_Failed"):
+            known.status = _PHASE_STATUS.get(step.command, _PHASE_STATUS["rollback"])[2]
+        known.message = outcome.message
+        log.warning("catch-up of %s failed %d time(s) in a row at %s %s (%s%s); next try in %gs",
+                    inst.name, known.catch_up_failures, step.command, step.version,
+                    outcome.message, f", {outcome.reason}" if outcome.reason else "",
+                    delay)  # fmt: skip
+        self.journal.event(
+            "catch_up_failed",
+            instance=inst.name,
+            command=step.command,
+            version=step.version,
+            reason=outcome.reason,
+            message=outcome.message,
+            failures=known.catch_up_failures,
+            next_retry=known.next_catch_up,
+        )
+
     # -- housekeeping ------------------------------------------------------------------------
-    def _prune_outputs(self) -> None:
+    async def _prune_outputs(self) -> None:
         """Keep the build outputs agents may still need (chains of the last few live versions
-        and any deployment in progress); remove the others."""
+        and any deployment in progress); remove the others (in a thread: tars are big)."""
         keep: set[str] = set()
         finished = [
             r for r in self.state.history if r.status == "finished" and r.mode != "rollback"
@@ -725,38 +817,51 @@ class TransferService:
         dep = self.state.deployment
         if dep and (rec := self.state.record(dep.version)) and rec.output:
             keep.add(Path(rec.output).name)
-        try:
-            entries = list(os.scandir(self.cfg.output_address))
-        except OSError:
-            return
-        for entry in entries:
-            is_output = entry.is_dir(follow_symlinks=False) and _OUTPUT_DIR.fullmatch(entry.name)
-            if is_output and entry.name not in keep:
-                shutil.rmtree(entry.path, ignore_errors=True)
-                log.info("removed old build output %s", entry.path)
+        await asyncio.to_thread(_remove_outputs, self.cfg.output_address, keep)
 
-    # -- queries used by the HTTP API ----------------------------------------------------------
-    def register_meta(self, name: str, version: str, depend: str, shard: str, meta: str) -> None:
-        """Store a shard's builder meta in its version (the original's register call)."""
-        if name != self.cfg.dict_name:
-            raise ValueError(f"name {name!r} is not this transfer's dict {self.cfg.dict_name!r}")
+    # -- queries used by the HTTP API (arguments validated there) -------------------------------
+    async def register_meta(self, version: str, depend: str, shard: int, meta: str) -> None:
+        """Store a shard's builder meta in its version (the original's register call).
+        LookupError when no such version is known."""
         target = None
         for rec in reversed(self.state.history):
             if rec.mode != "rollback" and rec.id == version and rec.depend == depend:
                 target = rec
                 break
         if target is None:
-            raise ValueError(f"no version {version} (depend {depend}) is known")
+            raise LookupError(f"no version {version} (depend {depend}) is known")
         target.meta_infos[str(shard)] = meta
-        self.save()
+        await self.save()
 
-    def meta_info(self, version: str, depend: str, shard: str) -> str | None:
+    async def meta_info(self, version: str, depend: str, shard: int) -> str | None:
+        """A shard's meta: registered or recorded at its build, else the builder's file."""
         for rec in reversed(self.state.history):
             same = rec.mode != "rollback" and rec.id == version and rec.depend == depend
             if same and str(shard) in rec.meta_infos:
                 return rec.meta_infos[str(shard)]
-        text = builds.read_meta_infos(self.cfg.output_address, version, depend, int(shard) + 1)
+        text = await asyncio.to_thread(
+            builds.read_meta_infos, self.cfg.output_address, version, depend, [shard]
+        )
         return text.get(str(shard))
+
+
+def _remove_mirrors(root: Path, prefix: str) -> None:
+    """Delete the mirrored inputs of one version (`<prefix>*` under `root`). Blocking."""
+    for path in root.glob(f"{prefix}*"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove_outputs(root: Path, keep: set[str]) -> None:
+    """Delete the build output directories under `root` not named in `keep`. Blocking."""
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return
+    for entry in entries:
+        is_output = entry.is_dir(follow_symlinks=False) and _OUTPUT_DIR.fullmatch(entry.name)
+        if is_output and entry.name not in keep:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            log.info("removed old build output %s", entry.path)
 
 
 class _Abort(Exception):

@@ -73,14 +73,32 @@ class VersionRecord:
     finish_time: float = 0.0
     times: dict[str, float] = field(default_factory=dict)
     meta_infos: dict[str, str] = field(default_factory=dict)
-    shards: dict[str, dict[str, Any]] = field(default_factory=dict)  # shard -> {md5, size}
+    # shard -> {md5, size, records, deleted} (the counts from the shard's index header)
+    shards: dict[str, dict[str, Any]] = field(default_factory=dict)
+    allow_shrink: bool = False  # the donefile line allows an empty or much smaller base
 
     @property
     def terminal(self) -> bool:
         return self.status in TERMINAL
 
+    def count(self, what: str) -> int | None:
+        """Total `records` or `deleted` over the shards; None when a shard's count is unknown
+        (a record from before counts were kept)."""
+        counts = [shard.get(what) for shard in self.shards.values()]
+        if not counts or any(not isinstance(c, int) for c in counts):
+            return None
+        return sum(counts)  # type: ignore[arg-type]
+
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """A copy sharing no mutable part with the record (taken on the event loop and
+        encoded elsewhere); shallow copies, as asdict's deep copy is slow on big metas."""
+        return {
+            **vars(self),
+            "chain": list(self.chain),
+            "times": dict(self.times),
+            "meta_infos": dict(self.meta_infos),
+            "shards": {k: dict(v) for k, v in self.shards.items()},
+        }
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> VersionRecord:
@@ -98,8 +116,28 @@ class InstanceState:
     message: str = ""
     reachable: bool = False
     times: dict[str, float] = field(default_factory=dict)
-    next_catch_up: float = 0.0  # reconciler backoff
-    catch_up_failures: int = 0
+    next_catch_up: float = 0.0  # reconciler backoff: no catch-up before this time
+    catch_up_failures: int = 0  # consecutive failed catch-ups
+    # the last failed catch-up step (kept until the instance serves the live version)
+    failure_command: str = ""
+    failure_version: str = ""
+    failure_reason: str = ""  # the agent task's reason, e.g. corrupt_version
+    failure_message: str = ""
+    failed_at: float = 0.0
+
+    def failed(self, step: Step, reason: str, message: str, at: float, retry_at: float) -> None:
+        self.catch_up_failures += 1
+        self.next_catch_up = retry_at
+        self.failure_command, self.failure_version = step.command, step.version
+        self.failure_reason, self.failure_message, self.failed_at = reason, message, at
+
+    def recovered(self) -> None:
+        """It serves the live version: no failure to show, no retry pending."""
+        self.catch_up_failures = 0
+        self.next_catch_up = 0.0
+        self.failure_command = self.failure_version = ""
+        self.failure_reason = self.failure_message = ""
+        self.failed_at = 0.0
 
 
 @dataclass
@@ -217,7 +255,7 @@ def ingest(
                 input="",
                 line=item.where,
                 status="failed",
-                message=f"malformed donefile line: {item.reason}; line: {item.text!r}",
+                message=f"malformed donefile line: {item.reason}",
                 create_time=at,
                 finish_time=at,
             )
@@ -244,6 +282,7 @@ def ingest(
                 line=item.where,
                 create_time=at,
                 times={"line_seen": at},
+                allow_shrink=item.allow_shrink,
             )
         )
         logs.append(("info", f"{item.where}: new {'base' if item.is_base else 'patch'} {name}"))
@@ -353,11 +392,13 @@ class Step:
 def catch_up_plan(current: str, live_chain: list[str], on_disk: set[str]) -> list[Step]:
     """Commands that bring an instance serving `current` to the last version of `live_chain`.
 
-    When the target is already on its disk and `current` is not on the way to it, a `rollback`
-    (the agent switches to it or reloads it). Otherwise the chain versions it lacks are
-    downloaded (from just after `current` when that is in the chain, else from the base), then
-    the target is reloaded and enabled: the agent loads a delta on top of its predecessor or,
-    from anywhere else, the whole CHAIN from disk.
+    When the whole chain is already on its disk and `current` is not on the way to it, a
+    `rollback` (the agent switches to the target or loads its CHAIN). Otherwise the chain
+    versions it lacks are downloaded (from just after `current` when that is in the chain, else
+    from the base), then the target is reloaded and enabled: the agent loads a delta on top of
+    its predecessor or, from anywhere else, the whole CHAIN from disk. `on_disk` is the agent's
+    `versions`: a copy its server refused as corrupt is quarantined and missing from it, so the
+    next plan downloads it again.
     """
     if not live_chain or current == live_chain[-1]:
         return []
@@ -366,7 +407,7 @@ def catch_up_plan(current: str, live_chain: list[str], on_disk: set[str]) -> lis
     chain = tuple(live_chain)
     if current in live_chain:
         start = live_chain.index(current) + 1
-    elif target in on_disk and current:
+    elif current and on_disk.issuperset(live_chain):
         return [Step("rollback", target, mode, chain)]
     else:
         start = 0
@@ -382,5 +423,51 @@ def _mode(chain: list[str], version: str) -> str:
     return "base" if chain and chain[0] == version else "delta"
 
 
+# ----------------------------------------------------------------------------------------------
+# guarding the live table
+
+
+def live_records(state: TransferState) -> int | None:
+    """A lower bound of the records the live version serves: its base's records minus every
+    key its deltas delete (a delta's other records update or add keys, never remove any).
+    None when a count is unknown."""
+    base = state.record(state.live_base) if state.live_base else None
+    if base is None:
+        return None
+    records = base.count("records")
+    deleted = 0
+    for name in state.live_chain[1:]:
+        delta = state.record(name)
+        count = delta.count("deleted") if delta else None
+        if count is None:
+            return None
+        deleted += count
+    return None if records is None else max(records - deleted, 0)
+
+
+def shrink_refusal(
+    rec: VersionRecord, live: int | None, max_shrink: float, allow_empty: bool
+) -> str:
+    """Why the built base `rec` must not replace a live version of `live` records ("" when it
+    may): no records at all, or more than `max_shrink` of the live count lost. A delta may be
+    empty; a line with `allow_shrink` is let through."""
+    if rec.mode != "base" or rec.allow_shrink:
+        return ""
+    records = rec.count("records")
+    how = 'publish the line again with "allow_shrink": true if this is intended'
+    if records == 0 and not allow_empty:
+        return (f"base {rec.version} has no records (empty input?); refused before download "
+                f"(allow_empty_base is off): {how}")  # fmt: skip
+    if records is None or not live or records >= live * (1.0 - max_shrink):
+        return ""
+    return (
+        f"base {rec.version} has {records} records, {1 - records / live:.0%} fewer than the "
+        f"live version's {live} (max_shrink {max_shrink:g}); refused before download: {how}, "
+        "or raise max_shrink in transfer.conf"
+    )
+
+
 def backoff_delay(failures: int, base: float = 5.0, cap: float = 300.0) -> float:
-    return min(cap, base * (2 ** max(failures - 1, 0)))
+    """Seconds before the next try after `failures` in a row: base, 2 x base, ... up to cap
+    (the exponent is bounded too: days of failures must not overflow a float)."""
+    return min(cap, base * (2 ** min(max(failures - 1, 0), 30)))

@@ -1,6 +1,8 @@
 """The JSON shapes of the query interface (the original's field names; ours are added after).
 
-Pure: config + state in, JSON-ready objects out.
+Pure: config + state in, JSON-ready objects out: fresh objects sharing nothing mutable with the
+state (the API encodes them in a thread). Credentials in URLs (an ftp donefile's user and
+password, say) are hidden in everything shown.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from transfer.config import Instance, TransferConfig
+from transfer.donefile import redact
 from transfer.state import INSTANCE_STATUS, VERSION_STATUS, TransferState, VersionRecord
 
 _INSTANCE_TIMES = (
@@ -36,7 +39,7 @@ def version_info(cfg: TransferConfig, rec: VersionRecord | None) -> dict[str, An
         "id": rec.id,
         "key": rec.key,
         "mode": rec.mode,
-        "input": rec.input,
+        "input": redact(rec.input),
         "output": rec.output,
         "status": VERSION_STATUS.get(rec.status, 0),
         "status_str": rec.status,
@@ -44,7 +47,7 @@ def version_info(cfg: TransferConfig, rec: VersionRecord | None) -> dict[str, An
         "create_time": int(rec.create_time),
         "meta_infos": dict(rec.meta_infos),
         # ours
-        "message": rec.message,
+        "message": redact(rec.message),
         "line": rec.line,
         "chain": list(rec.chain),
         "times": dict(rec.times),
@@ -86,7 +89,15 @@ def instance_info(cfg: TransferConfig, state: TransferState, inst: Instance) -> 
             "bg_version": known.bg_version if known else "",
             "reachable": bool(known and known.reachable),
             "live_version": state.live_version,
-            "message": known.message if known else "",
+            "message": redact(known.message) if known else "",
+            # a replica the reconciler fails to bring to the live version (kept until it does)
+            "failures": known.catch_up_failures if known else 0,
+            "next_retry_time": int(known.next_catch_up) if known else 0,
+            "last_failure_command": known.failure_command if known else "",
+            "last_failure_version": known.failure_version if known else "",
+            "last_failure_reason": known.failure_reason if known else "",
+            "last_failure_message": redact(known.failure_message) if known else "",
+            "last_failure_time": int(known.failed_at) if known else 0,
         }
     )
     return out
@@ -125,7 +136,7 @@ def dict_info(cfg: TransferConfig, state: TransferState) -> dict[str, Any]:
         "copy_num": cfg.copy_num,
         "inst_num": len(cfg.instances),
         "deploy_path": "",
-        "donefile_addr": cfg.donefile_address,
+        "donefile_addr": redact(cfg.donefile_address),
         "output_addr": str(cfg.output_address),
         "tmp_addr": str(cfg.tmp_address),
         "download_mode": cfg.download_mode,
