@@ -193,7 +193,7 @@ def test_md5_text():
 def test_command_line(tmp_path, capsys):
     config = config_from_flags(flag_set().parse(["-P", "8001", "--deploy_path", str(tmp_path)]))
     assert config.deploy_path == tmp_path and config.keep == 2
-    assert config.server == "127.0.0.1:8000"
+    assert config.server == "127.0.0.1:9000"  # the control port: --port + 1000
     assert agent_main(["--deploy_path", str(tmp_path)]) == 2
     assert "-P/--port is required" in capsys.readouterr().err
     assert agent_main(["-P", "1", "--deploy_path", str(tmp_path), "--keep", "0"]) == 2
