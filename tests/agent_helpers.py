@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import tarfile
 import threading
@@ -340,6 +341,7 @@ class AgentProc:
         self.token = token
         self.proc: subprocess.Popen | None = None
         self.url = ""
+        self.ssl_context: ssl.SSLContext | None = None  # trusts the agent's --tls_cert
 
     def start(self) -> AgentProc:
         self.deploy.mkdir(parents=True, exist_ok=True)
@@ -376,7 +378,7 @@ class AgentProc:
         if token:
             request.add_header("Authorization", f"Bearer {token}")
         try:
-            with urllib.request.urlopen(request, timeout=WAIT) as resp:
+            with urllib.request.urlopen(request, timeout=WAIT, context=self.ssl_context) as resp:
                 return resp.status, json.loads(resp.read())
         except urllib.error.HTTPError as exc:
             return exc.code, json.loads(exc.read())

@@ -55,15 +55,23 @@ class Outcome:
 
 
 class AgentClient:
+    """HTTP calls to agents: `https` when they serve TLS (the transfer's agent_tls_ca, the
+    session's connector trusting it), with the agent token as a bearer header."""
+
     def __init__(
-        self, session: aiohttp.ClientSession, token: str = "", request_timeout: float = 10.0
+        self,
+        session: aiohttp.ClientSession,
+        token: str = "",
+        request_timeout: float = 10.0,
+        scheme: str = "http",
     ) -> None:
         self.session = session
         self.token = token
         self.request_timeout = request_timeout
+        self.scheme = scheme
 
     async def _request(self, inst: Instance, method: str, path: str, body: Any = None) -> Any:
-        url = f"http://{inst.agent_address}{path}"
+        url = f"{self.scheme}://{inst.agent_address}{path}"
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         timeout = aiohttp.ClientTimeout(total=self.request_timeout)
         try:

@@ -14,8 +14,14 @@ Keys we add to [default] (all optional; default in brackets):
 - `retries` [3]: failed agent tasks re-sent per phase and instance.
 - `partitioner` [mod]: mod | murmur3, passed to the builder.
 - `agent_token` [env CUBE_TOKEN]: sent to every agent as `Authorization: Bearer`.
-- `api_token` [none]: when set, every request to the query API must carry it (header
-  `Authorization: Bearer <token>`, or a `token` field in a POST body), reads included.
+- `api_token` [env CUBE_API_TOKEN]: when set, every request to the query API must carry it
+  (header `Authorization: Bearer <token>`, or a `token` field in a POST body), reads included.
+  A `listen` address beyond loopback without it refuses to start unless `insecure: true`.
+- `insecure` [false]: allow the API beyond loopback without `api_token`.
+- `tls_cert`, `tls_key` [none]: PEM files; the query API and the http file server speak TLS
+  (agents are then sent https:// sources and need the CA: cube-agent --tls_ca).
+- `agent_tls_ca` [none]: PEM CA bundle; agents are called over https (cube-agent --tls_cert)
+  trusting it.
 - `verify_output` [true]: check every built tar's md5 and members before deploying it.
 - `history_limit` [500]: version records kept (live and pending ones always are).
 - `max_shrink` [0.5]: a new base with fewer records than (1 - max_shrink) x the live version's
@@ -102,6 +108,10 @@ class TransferConfig:
     partitioner: str = "mod"
     agent_token: str = ""
     api_token: str = ""
+    insecure: bool = False
+    tls_cert: str = ""
+    tls_key: str = ""
+    agent_tls_ca: str = ""
     verify_output: bool = True
     history_limit: int = 500
     max_shrink: float = 0.5  # a base may have at most this fraction fewer records than live
@@ -243,7 +253,7 @@ def parse_config(
         "deploy_path", "listen", "quorum", "phase_timeout", "download_timeout", "reload_timeout",
         "enable_timeout", "build_timeout", "fetch_timeout", "retries", "partitioner",
         "agent_token", "api_token", "verify_output", "history_limit", "max_shrink",
-        "allow_empty_base",
+        "allow_empty_base", "insecure", "tls_cert", "tls_key", "agent_tls_ca",
     }  # fmt: skip
     transfer_address = text_of("transfer_address", "127.0.0.1")
     return TransferConfig(
@@ -271,7 +281,11 @@ def parse_config(
         retries=int_of("retries", 3, low=0, high=100),
         partitioner=choice_of("partitioner", PARTITIONERS, "mod"),
         agent_token=text_of("agent_token", os.environ.get("CUBE_TOKEN", "")),
-        api_token=text_of("api_token", ""),
+        api_token=text_of("api_token", os.environ.get("CUBE_API_TOKEN", "")),
+        insecure=bool_of("insecure", False),
+        tls_cert=text_of("tls_cert", ""),
+        tls_key=text_of("tls_key", ""),
+        agent_tls_ca=text_of("agent_tls_ca", ""),
         verify_output=bool_of("verify_output", True),
         history_limit=int_of("history_limit", 500, low=10, high=100000),
         max_shrink=fraction_of("max_shrink", 0.5),
@@ -381,7 +395,11 @@ def render_config(cfg: TransferConfig) -> str:
         f"history_limit: {cfg.history_limit}",
         f"max_shrink: {cfg.max_shrink!r}",
         f"allow_empty_base: {'true' if cfg.allow_empty_base else 'false'}",
+        f"insecure: {'true' if cfg.insecure else 'false'}",
     ]
+    for key in ("tls_cert", "tls_key", "agent_tls_ca"):
+        if getattr(cfg, key):
+            lines.append(f"{key}: {getattr(cfg, key)}")
     for key, token in (("agent_token", cfg.agent_token), ("api_token", cfg.api_token)):
         if token and (token != token.strip() or any(c.isspace() for c in token)):
             raise ConfigError(f"{key}: a token with whitespace cannot be written to transfer.conf")

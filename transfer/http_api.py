@@ -20,7 +20,6 @@ anonymous read-only pyftpdlib server for `ftp`.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import re
@@ -31,6 +30,7 @@ from typing import Any
 from aiohttp import web
 from multidict import MultiMapping
 
+from cube.security import TLSFiles, bearer_token, server_context, token_matches
 from transfer import views
 from transfer.donefile import ID, VERSION_NAME
 from transfer.service import Busy, TransferService
@@ -146,10 +146,10 @@ def build_api(service: TransferService) -> web.Application:
         return token if isinstance(token, str) else ""
 
     async def authorized(request: web.Request) -> bool:
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer":
+        given = bearer_token(request.headers.get("Authorization"))
+        if given is None:
             given = await _body_token(request)
-        return bool(given) and hmac.compare_digest(given.strip().encode(), cfg.api_token.encode())
+        return bool(given) and token_matches(given.strip(), cfg.api_token)
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -303,16 +303,18 @@ async def start_listeners(service: TransferService, api_port: int) -> Callable[[
     cfg = service.cfg
     runners: list[web.AppRunner] = []
     ftp: FtpFileServer | None = None
+    tls = TLSFiles(cfg.tls_cert, cfg.tls_key)
+    ssl_context = server_context(tls) if tls.serves else None
     try:
         api = web.AppRunner(build_api(service), access_log=None)
         await api.setup()
         runners.append(api)
-        await web.TCPSite(api, cfg.listen, api_port).start()
+        await web.TCPSite(api, cfg.listen, api_port, ssl_context=ssl_context).start()
         if cfg.download_mode == "http":
             files = web.AppRunner(build_file_server(service), access_log=None)
             await files.setup()
             runners.append(files)
-            await web.TCPSite(files, cfg.listen, cfg.wget_port).start()
+            await web.TCPSite(files, cfg.listen, cfg.wget_port, ssl_context=ssl_context).start()
         else:
             ftp = FtpFileServer(str(cfg.output_address), cfg.listen, cfg.wget_port)
             ftp.start()
@@ -321,7 +323,8 @@ async def start_listeners(service: TransferService, api_port: int) -> Callable[[
             await runner.cleanup()
         raise
     log.info(
-        "API on http://%s:%d, files (%s) on %s:%d from %s",
+        "API on %s://%s:%d, files (%s) on %s:%d from %s",
+        "https" if ssl_context else "http",
         cfg.listen,
         api_port,
         cfg.download_mode,

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cube.flags import FlagError, FlagSet, run_cli
+from cube.security import SecurityError, TLSFiles, require_token
 from transfer.config import ConfigError, load_config
 from transfer.http_api import start_listeners
 from transfer.journal import JournalError
@@ -98,7 +99,15 @@ def run(argv: Sequence[str]) -> int:
         raise FlagError("--poll_interval must be > 0")
     try:
         cfg = load_config(flags.config)
-    except ConfigError as exc:
+        require_token(
+            "cube-transfer's API",
+            cfg.listen,
+            cfg.api_token,
+            cfg.insecure,
+            f"api_token in {flags.config} (or env CUBE_API_TOKEN)",
+        )
+        TLSFiles(cfg.tls_cert, cfg.tls_key, cfg.agent_tls_ca).check("tls_cert/tls_key")
+    except (ConfigError, SecurityError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     service = TransferService(

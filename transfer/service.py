@@ -29,6 +29,7 @@ from typing import Any
 import aiohttp
 import psutil
 
+from cube.security import client_context
 from transfer import build as builds
 from transfer.agents import (
     CORRUPT_VERSION,
@@ -120,8 +121,12 @@ class TransferService:
         for inst in self.cfg.instances:
             self.state.instances.setdefault(inst.name, InstanceState())
         self._reap_orphan_builder()
-        self._session = aiohttp.ClientSession()
-        self.client = AgentClient(self._session, self.cfg.agent_token)
+        ca = self.cfg.agent_tls_ca
+        connector = aiohttp.TCPConnector(ssl=client_context(ca)) if ca else None
+        self._session = aiohttp.ClientSession(connector=connector)
+        self.client = AgentClient(
+            self._session, self.cfg.agent_token, scheme="https" if ca else "http"
+        )
         try:
             builds.resolve_command(self.cfg.buildtool_local)
         except builds.BuildError as exc:

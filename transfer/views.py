@@ -108,8 +108,9 @@ def source_url(cfg: TransferConfig, rec: VersionRecord, shard: int) -> str:
     out_name = rec.output.rstrip("/").rsplit("/", 1)[-1] if rec.output else ""
     if not out_name:
         out_name = f"{rec.depend}_{rec.id}"
+    scheme = "https" if cfg.download_mode == "http" and cfg.tls_cert else cfg.download_mode
     return (
-        f"{cfg.download_mode}://{cfg.transfer_address}:{cfg.wget_port}/"
+        f"{scheme}://{cfg.transfer_address}:{cfg.wget_port}/"
         f"{out_name}/{cfg.dict_name}_part{shard}.tar"
     )
 

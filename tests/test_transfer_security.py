@@ -1,0 +1,141 @@
+"""cube-transfer secure by default, and the whole rollout plane over TLS, on real processes:
+an API beyond loopback needs api_token (or `insecure: true`); with TLS files the query API and
+the file server speak https, the transfer calls agents over https with their token, agents
+download over https trusting the CA and command their server's control port with its token."""
+
+from __future__ import annotations
+
+import json
+import ssl
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trustme
+from agent_helpers import AgentProc
+from procs import start_server
+
+from builder.seqfile import SequenceFileWriter
+from cube.client import CubeClient
+from cube.values import ValueColumn
+from transfer.local import command
+from transfer.processes import free_port, poll_until, spawn, stop_child
+
+WAIT = 60.0
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pki")
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    files = {"ca": root / "ca.pem", "cert": root / "cert.pem", "key": root / "key.pem"}
+    ca.cert_pem.write_to_path(str(files["ca"]))
+    cert.cert_chain_pems[0].write_to_path(str(files["cert"]))
+    cert.private_key_pem.write_to_path(str(files["key"]))
+    return {k: str(v) for k, v in files.items()}
+
+
+def transfer_conf(root: Path, agent: str, server: str, deploy: Path, **extra: str) -> Path:
+    lines = [
+        "[default]",
+        "dict_name: secure_dict",
+        "mode: base_only",
+        "download_mode: http",
+        f"wget_port: {free_port()}",
+        f"buildtool_local: {command('cube-builder')}",
+        f"donefile_address: {root / 'donefile'}",
+        f"output_address: {root / 'output'}",
+        f"tmp_address: {root / 'tmp'}",
+        "shard_num: 1",
+        "copy_num: 1",
+        "transfer_address: 127.0.0.1",
+        *(f"{k}: {v}" for k, v in extra.items()),
+        "",
+        "[cube_agent]",
+        f"agent0_0: {agent}",
+        f"cube0_0: {server}:{deploy}",
+    ]
+    (root / "donefile").mkdir(parents=True, exist_ok=True)
+    path = root / "transfer.conf"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_api_beyond_loopback_needs_a_token(tmp_path):
+    conf = transfer_conf(tmp_path, "127.0.0.1:1", "127.0.0.1:2", tmp_path / "d", listen="0.0.0.0")
+    argv = [sys.executable, "-m", "transfer.main", "-p", "0", "--config", str(conf)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=WAIT)
+    assert done.returncode == 2
+    assert "without a token" in done.stderr and "api_token" in done.stderr
+
+
+def test_rollout_over_tls_with_tokens(tmp_path, pki):
+    deploy = tmp_path / "deploy"
+    (deploy / "data").mkdir(parents=True)
+    server = start_server(deploy / "data", "--control_token=ctl")
+    agent = AgentProc(
+        deploy,
+        server.control_address,
+        "--server_token", "ctl",
+        "--tls_cert", pki["cert"], "--tls_key", pki["key"], "--tls_ca", pki["ca"],
+        token="agent-t0k",
+    )  # fmt: skip
+    agent.ssl_context = ssl.create_default_context(cafile=pki["ca"])
+    agent.start()
+    api_port = free_port()
+    conf = transfer_conf(
+        tmp_path / "transfer",
+        agent.url.removeprefix("https://"),
+        server.address,
+        deploy,
+        tls_cert=pki["cert"],
+        tls_key=pki["key"],
+        agent_tls_ca=pki["ca"],
+        agent_token="agent-t0k",
+        api_token="api-t0k",
+    )
+    transfer = spawn(
+        [command("cube-transfer"), "-p", str(api_port), "--config", str(conf),
+         "--poll_interval", "0.5"],
+        tmp_path / "transfer.log",
+    )  # fmt: skip
+    try:
+        keys = np.arange(1, 501, dtype=np.uint64)
+        values = np.random.default_rng(3).standard_normal((500, 4), dtype=np.float32)
+        source = tmp_path / "input" / "100"
+        source.mkdir(parents=True)
+        column = ValueColumn.fixed(values.view(np.uint8).reshape(-1), 16)
+        with SequenceFileWriter(source / "part-00000") as writer:
+            writer.write_batch(keys, column)
+        line = {"id": "100", "key": "100", "input": str(source)}
+        (tmp_path / "transfer" / "donefile" / "base.txt").write_text(json.dumps(line) + "\n")
+
+        def served() -> bool:
+            return agent.status()["server"].get("cur_version") == "100"
+
+        assert poll_until(served, WAIT, 0.2), (tmp_path / "transfer.log").read_text()[-3000:]
+        with CubeClient(shards=[[server.address]]) as client:
+            got = client.get_embeddings(keys, dim=4)
+        assert (got == values).all()
+        task = agent.cmd(command="task", version="100", task_command="download")
+        assert task["state"] == "succeeded"
+
+        api = f"https://127.0.0.1:{api_port}/dict/info"
+        trusted = ssl.create_default_context(cafile=pki["ca"])
+        request = urllib.request.Request(api, headers={"Authorization": "Bearer api-t0k"})
+        with urllib.request.urlopen(request, context=trusted, timeout=10) as resp:
+            assert json.loads(resp.read())["success"] == "0"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(api, context=trusted, timeout=10)
+        assert refused.value.code == 401
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+            urllib.request.urlopen(request, context=ssl.create_default_context(), timeout=10)
+    finally:
+        stop_child(transfer, 15)
+        agent.stop()
+        server.stop()
