@@ -342,3 +342,41 @@ def test_reuseport_workers_stop_on_sigint(data):
         assert server.process.wait(timeout=30) == 0
     finally:
         server.stop()
+
+
+def test_a_dead_worker_is_restarted_on_what_its_peers_serve(data):
+    """kill -9 of one worker of two: the other keeps serving, the dead one comes back on the
+    version its peer serves (200, enabled after start; VERSION still says 100), and a crash
+    loop beyond --worker_restarts stops the whole server with an error."""
+    import psutil
+    from procs import health_status
+
+    with running_server(data, "--worker_restarts", "2", workers=2) as server:
+        control(server, "reload_base", version_path="/200")
+        supervisor = psutil.Process(server.pid)
+
+        def worker(index: int) -> psutil.Process:
+            flag = f"--worker_index={index}"
+            return next(c for c in supervisor.children() if flag in c.cmdline())
+
+        for round_ in range(2):
+            victim = worker(1)
+            victim.kill()
+            victim.wait(10)
+            with grpc.insecure_channel(server.addresses[0]) as channel:
+                assert tags_of(seek(channel, KEYS[:20])) == {2}  # worker 0 serves on
+            assert procs.poll_until(
+                lambda v=victim: (
+                    health_status(server.control_addresses[1]) is not None
+                    and worker(1).pid != v.pid
+                ),
+                30,
+                0.1,
+            ), f"round {round_}: worker 1 not back\n{server.log()[-2000:]}"
+            with grpc.insecure_channel(server.addresses[1]) as channel:
+                response = seek(channel, KEYS[:20])
+            assert response.version == "200" and tags_of(response) == {2}
+        worker(1).kill()  # a third death within a minute: more than --worker_restarts 2
+        assert procs.poll_until(lambda: server.process.poll() is not None, 30, 0.1)
+        assert server.process.returncode == 1
+        assert "more than --worker_restarts" in server.log()

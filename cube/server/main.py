@@ -14,7 +14,9 @@ every worker port as an endpoint (round robin; SO_REUSEPORT alone balances conne
 badly); `--reuseport` also binds every worker on the shared --port for clients that know one
 address, and then the workers' own ports default to --port + 1 + i.
 status detail_json lists the ports. Control commands go to worker 0, which applies them to
-all workers (a command sent to another worker is forwarded there).
+all workers (a command sent to another worker is forwarded there). A worker that dies is
+restarted on the version its peers serve while the others keep serving (--worker_restarts
+bounds a crash loop; then the whole server stops with an error).
 
 SIGTERM / SIGINT: stop taking new calls, let in-flight ones finish for up to --grace seconds,
 exit 0. The supervisor forwards the signal to its workers and waits for them.
@@ -140,7 +142,15 @@ FLAGS = (
     .add("load_delay", float, 0.0, "testing aid: hold every version load this many seconds")
     .add("log_level", str, "INFO", "DEBUG, INFO, WARNING or ERROR")
     .add("log_dir", str, "", "also log to <log_dir>/cube-server.log (default: stderr only)")
+    .add(
+        "worker_restarts",
+        int,
+        3,
+        "a worker that dies is restarted (on the version its peers serve) up to this many"
+        " times a minute; beyond that the whole server stops with an error",
+    )
     .add("worker_index", int, -1, "internal: which worker this process is (set by --workers)")
+    .add("worker_peer", int, -1, "internal: a restarted worker takes its version from this one")
 )
 
 
@@ -221,6 +231,8 @@ def check_flags(flags: Flags) -> None:
         raise FlagError(f"--log_level {flags.log_level!r}: expected DEBUG, INFO, WARNING, ERROR")
     if flags.worker_index >= flags.workers:
         raise FlagError(f"--worker_index {flags.worker_index} >= --workers {flags.workers}")
+    if flags.worker_restarts < 0:
+        raise FlagError(f"--worker_restarts must be >= 0, got {flags.worker_restarts}")
     try:
         require_token(
             "the control port",
@@ -449,6 +461,8 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
     # Ports are bound: a port in use fails at once, not after a long load.
     try:
         name = startup_version(dirs)
+        if flags.worker_peer >= 0:  # restarted: serve what the other workers serve
+            name = await peer_version(flags, controls, token) or name
         if name is None:
             slots.idle_reason = diagnose_data_dir(data_dir, dirs)
             level = logging.INFO if flags.allow_empty else logging.WARNING
@@ -550,9 +564,28 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
     return 0
 
 
+async def peer_version(flags: Flags, controls: list[int], token: str) -> str | None:
+    """The current version of worker --worker_peer (None when it does not say in time)."""
+    from cube.server.control import ControlError, RemoteWorker
+
+    peer = flags.worker_peer
+    address = _address(_loopback(flags.control_host), controls[peer])
+    remote = RemoteWorker(peer, controls[peer], address, 10.0, token)
+    try:
+        state = await remote.apply("state")
+    except ControlError as exc:
+        log.warning("worker %d did not say what it serves (%s): using VERSION", peer, exc)
+        return None
+    finally:
+        await remote.close()
+    return str(state.get("cur_version") or "") or None
+
+
 def supervise(flags: Flags, argv: list[str], ports: list[int]) -> int:
-    """Run the workers; forward SIGTERM/SIGINT; if one dies, stop the others and fail."""
-    children: list[subprocess.Popen] = []
+    """Run the workers; forward SIGTERM/SIGINT. A worker that dies is started again, told to
+    load the version a live peer serves (not VERSION, which may lag a switch), so the other
+    workers keep serving meanwhile; more than --worker_restarts deaths of one worker within a
+    minute (a crash loop) stop them all and fail."""
     stopping = False
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -561,24 +594,46 @@ def supervise(flags: Flags, argv: list[str], ports: list[int]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    for i in range(flags.workers):
-        command = [sys.executable, "-m", "cube.server.main", *argv, f"--worker_index={i}"]
-        children.append(subprocess.Popen(command))
+
+    def start(i: int, peer: int = -1) -> subprocess.Popen:
+        extra = [f"--worker_index={i}"] + ([f"--worker_peer={peer}"] if peer >= 0 else [])
+        return subprocess.Popen([sys.executable, "-m", "cube.server.main", *argv, *extra])
+
+    children = [start(i) for i in range(flags.workers)]
     log.info(
         "started %d workers on ports %s (pids %s)",
         len(children),
         ",".join(map(str, ports)),
         ",".join(str(c.pid) for c in children),
     )
+    deaths: list[list[float]] = [[] for _ in children]
     failed = False
-    while not stopping:
+    while not stopping and not failed:
         time.sleep(0.2)
-        dead = [(i, c) for i, c in enumerate(children) if c.poll() is not None]
-        if dead:
-            for i, child in dead:
-                log.error("worker %d (pid %d) exited with %s", i, child.pid, child.returncode)
-            failed = True
-            break
+        for i, child in enumerate(children):
+            if child.poll() is None or stopping:
+                continue
+            now = time.monotonic()
+            deaths[i] = [t for t in deaths[i] if now - t < 60.0] + [now]
+            log.error("worker %d (pid %d) exited with %s", i, child.pid, child.returncode)
+            if len(deaths[i]) > flags.worker_restarts:
+                log.error(
+                    "worker %d died %d times within a minute (more than --worker_restarts %d):"
+                    " stopping the server",
+                    i,
+                    len(deaths[i]),
+                    flags.worker_restarts,
+                )
+                failed = True
+                break
+            alive = [j for j, c in enumerate(children) if j != i and c.poll() is None]
+            children[i] = start(i, alive[0] if alive else -1)
+            log.warning(
+                "worker %d restarted (pid %d), on the version worker %s serves",
+                i,
+                children[i].pid,
+                alive[0] if alive else "(none: VERSION)",
+            )
     for child in children:
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
