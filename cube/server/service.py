@@ -378,7 +378,8 @@ class SeekService:
     A request is refused (never answered with misses it does not deserve) when the replica
     cannot serve (UNAVAILABLE, with the reason: nothing loaded, start-up load failed, files
     changed under it), when a key does not route to the shard this replica holds
-    (INVALID_ARGUMENT naming the key and both routings), or when its answer would exceed
+    (INVALID_ARGUMENT naming the key and both routings; checked on the misses only, since a
+    key of another shard is never found here), or when its answer would exceed
     `max_answer_bytes` (RESOURCE_EXHAUSTED)."""
 
     def __init__(
@@ -446,20 +447,36 @@ class SeekService:
                 grpc.StatusCode.UNAVAILABLE,
                 f"{what}: version {version.name} is no longer served: {version.broken}",
             )
-        routing = version.routing
-        if routing is not None and (at := routing.first_foreign(keys)) >= 0:
-            key = int(keys[at])
-            owner = int(shard_of(keys[at : at + 1], routing.shard_num, routing.partitioner)[0])
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{what}: key {key} (position {at}) routes to shard {owner} of"
-                f" {routing.shard_num} ({routing.partitioner}), but this server holds"
-                f" {routing.describe()}: {MISROUTED_HINT}",
-            )
         bound = n * version.max_value_bytes
         if bound > self.max_answer_bytes and version.value_width:
             raise self._too_large(what, bound)
         return version.acquire(), bound
+
+    @staticmethod
+    def _misrouted(
+        version: LoadedVersion, keys: np.ndarray, found: np.ndarray, what: str
+    ) -> RequestError | None:
+        """The refusal of a request with a key that routes to another shard. Only misses are
+        checked: a found key is in this shard's build, so it routes here; a key routed
+        elsewhere is always a miss (this costs nothing when every key is found)."""
+        routing = version.routing
+        if routing is None or routing.shard_num == 1:
+            return None
+        missed = np.flatnonzero(~found)
+        if not missed.shape[0]:
+            return None
+        at = routing.first_foreign(keys[missed])
+        if at < 0:
+            return None
+        position = int(missed[at])
+        key = keys[position : position + 1]
+        owner = int(shard_of(key, routing.shard_num, routing.partitioner)[0])
+        return RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{what}: key {int(key[0])} (position {position}) routes to shard {owner} of"
+            f" {routing.shard_num} ({routing.partitioner}), but this server holds"
+            f" {routing.describe()}: {MISROUTED_HINT}",
+        )
 
     def _too_large(self, what: str, size: int) -> RequestError:
         return RequestError(
@@ -567,7 +584,17 @@ class SeekService:
                 self._answer_group(seeks, [index], answers)
             return
         found = merged.found
-        self.counters.unfound += found.shape[0] - int(np.count_nonzero(found))  # once a pass
+        unfound = found.shape[0] - int(np.count_nonzero(found))
+        self.counters.unfound += unfound  # once a pass
+        if unfound and version.routing is not None:
+            for index in members:
+                answer = answers[index]
+                assert isinstance(answer, Answer)
+                parsed = seeks[index]
+                what = f"Seek request_id={parsed.request_id}"
+                refusal = self._misrouted(version, parsed.keys, answer.found, what)
+                if refusal is not None:
+                    answers[index] = refusal
 
     def _answer_one(self, parsed: ParsedSeek) -> Answer | RequestError:
         """A request whose values may exceed the byte bound: counted before gathering."""
@@ -584,7 +611,7 @@ class SeekService:
             log.exception("answering %s failed", what)
             return RequestError(grpc.StatusCode.INTERNAL, "the lookup failed (see the server log)")
         self.counters.unfound += answer.found.shape[0] - int(np.count_nonzero(answer.found))
-        return answer
+        return self._misrouted(version, parsed.keys, answer.found, what) or answer
 
     @staticmethod
     def _dropped(version: LoadedVersion, parsed: ParsedSeek) -> RequestError:
@@ -618,6 +645,9 @@ class SeekService:
                 raise self._too_large("seek", exc.size) from None
             finally:
                 version.release()
+            refusal = self._misrouted(version, keys, answer.found, "seek")
+            if refusal is not None:
+                raise refusal
         counters = self.counters
         counters.original_requests += 1
         counters.keys += count
