@@ -139,8 +139,10 @@ class LaneProtocol(asyncio.Protocol):
         if want != self.reading and self.transport is not None:
             self.reading = want
             if want:
+                self.lane.paused.discard(self)
                 self.transport.resume_reading()
             else:
+                self.lane.paused.add(self)
                 self.transport.pause_reading()
 
     # -- asyncio callbacks --------------------------------------------------------------
@@ -165,6 +167,7 @@ class LaneProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lane.connections.discard(self)
+        self.lane.paused.discard(self)
         self.buffer = bytearray()
         self.queued = self.unsent = 0
         self._account()
@@ -314,6 +317,7 @@ class Lane:
         self._polling = False
         self._poll_until = 0.0
         self.connections: set[LaneProtocol] = set()
+        self.paused: set[LaneProtocol] = set()  # not read: held back or answers unread
         self.total_bytes = 0  # input buffers + queued + unsent answers of every connection
         self.server: asyncio.Server | None = None
         self.port = 0
@@ -384,9 +388,10 @@ class Lane:
 
     def _resume_held(self) -> None:
         """Let connections held back by the byte bounds go on, while the bounds allow."""
-        for connection in list(self.connections):
-            if connection.buffer and not connection.reading:
-                connection.resume()
+        if self.paused:
+            for connection in list(self.paused):
+                if connection.buffer:
+                    connection.resume()
 
     async def _watch(self) -> None:
         """Every quarter second: sample unsent bytes (the transports drain on their own), let
