@@ -79,3 +79,72 @@ def test_original_seek_kernel(benchmark, service_and_keys):
     cycle = itertools.cycle(requests)
     raw = benchmark(lambda: service.seek_original(next(cycle)))
     assert len(cube_pb2.DictResponse.FromString(raw).values) == BATCH
+
+
+class _Transport:
+    """Enough of an asyncio transport for the lane's protocol: counts what is written."""
+
+    def __init__(self) -> None:
+        self.frames = 0
+
+    def get_extra_info(self, name: str) -> None:
+        return None
+
+    def set_write_buffer_limits(self, high: int | None = None) -> None:
+        pass
+
+    def writelines(self, buffers) -> None:
+        self.frames += 1
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_lane_request_path(benchmark, service_and_keys):
+    """One lane request as the server handles it: a frame arrives (`data_received`: framing,
+    byte accounting, parse, the version held), the loop turn answers it (`_answer_queued`:
+    lookup, encode, write), without the sockets."""
+    import asyncio
+    import struct
+
+    from cube.server.lane import MAGIC, Lane, LaneProtocol
+
+    service, keys = service_and_keys
+    frames = []
+    for i, batch in enumerate(fresh_batches(keys)):
+        raw = cube_fast_pb2.SeekRequest(keys=batch.astype("<u8").tobytes(), request_id=i + 1)
+        body = raw.SerializeToString()
+        frames.append(struct.pack("<I", len(body)) + body)
+    cycle = itertools.cycle(frames)
+    loop = asyncio.new_event_loop()
+    try:
+        lane = Lane(service)
+        lane._loop = loop
+        connection = LaneProtocol(lane)
+        transport = _Transport()
+        connection.connection_made(transport)  # type: ignore[arg-type]
+        connection.data_received(MAGIC)
+
+        def one() -> None:
+            connection.data_received(next(cycle))
+            lane._answer_queued()
+
+        benchmark(one)
+        assert transport.frames >= 1
+    finally:
+        loop.close()
