@@ -10,21 +10,8 @@ import urllib.error
 import urllib.request
 
 import pytest
-import trustme
 from agent_helpers import AGENT_BIN, WAIT, AgentProc
 from procs import running_server
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pki")
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    files = {"ca": root / "ca.pem", "cert": root / "cert.pem", "key": root / "key.pem"}
-    ca.cert_pem.write_to_path(str(files["ca"]))
-    cert.cert_chain_pems[0].write_to_path(str(files["cert"]))
-    cert.private_key_pem.write_to_path(str(files["key"]))
-    return {k: str(v) for k, v in files.items()}
 
 
 def run_agent(tmp_path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:

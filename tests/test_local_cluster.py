@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -22,6 +23,17 @@ from transfer.local import Proc, command, http_json, stop
 
 CLI = [sys.executable, "-m", "transfer.local"]
 TOKEN_VARS = ("CUBE_TOKEN", "CUBE_API_TOKEN")
+
+
+def publish_base(tmp_path: Path, donefile: Path, cluster_dir: Path) -> str:
+    """A new base of 100 records in base.txt, waited for with `cube-local wait`."""
+    version = str(int(time.time()))
+    inputs = write_table(tmp_path / "input" / version, 100)
+    with open(donefile / "base.txt", "a") as f:
+        f.write(json.dumps({"id": version, "key": version, "input": str(inputs)}) + "\n")
+    waited = cube_local("wait", "--version", version, "--timeout", "60", "--dir", str(cluster_dir))
+    assert waited.returncode == 0, waited.stderr
+    return version
 
 
 def cube_local(
@@ -74,12 +86,7 @@ def test_up_status_wait_restart_down(tmp_path, cluster_dir):
     again = cube_local("up", "--donefile", str(donefile), "--dir", str(cluster_dir))
     assert again.returncode == 1 and "already running" in again.stderr
 
-    version = str(int(time.time()))
-    inputs = write_table(tmp_path / "input" / version, 100)
-    with open(donefile / "base.txt", "a") as f:
-        f.write(json.dumps({"id": version, "key": version, "input": str(inputs)}) + "\n")
-    waited = cube_local("wait", "--version", version, "--timeout", "60", "--dir", str(cluster_dir))
-    assert waited.returncode == 0, waited.stderr
+    version = publish_base(tmp_path, donefile, cluster_dir)
     status = cube_local("status", "--dir", str(cluster_dir))
     assert status.returncode == 0
     lines = status.stdout.splitlines()
@@ -199,12 +206,7 @@ def test_up_passes_the_tokens_on_and_uses_them(tmp_path, cluster_dir):
     assert http_json(api_url)["success"] == "255"
     assert http_json(api_url, token="api-s3cret")["success"] == "0"
 
-    version = str(int(time.time()))
-    inputs = write_table(tmp_path / "input" / version, 100)
-    with open(donefile / "base.txt", "a") as f:
-        f.write(json.dumps({"id": version, "key": version, "input": str(inputs)}) + "\n")
-    waited = cube_local("wait", "--version", version, "--timeout", "60", "--dir", str(cluster_dir))
-    assert waited.returncode == 0, waited.stderr
+    version = publish_base(tmp_path, donefile, cluster_dir)
     status = cube_local("status", "--dir", str(cluster_dir))
     assert status.returncode == 0 and f"live version {version}" in status.stdout, status.stdout
     row = next(line for line in status.stdout.splitlines() if line.startswith("0_0"))

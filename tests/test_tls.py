@@ -9,29 +9,12 @@ import json
 
 import numpy as np
 import pytest
-import trustme
 from procs import fixed_values, running_server, write_version
 from test_server import control
 
 from cube.client import AsyncCubeClient, CubeClient, ShardUnavailableError
 
 KEYS = np.arange(1, 2001, 2, dtype=np.uint64)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    """A CA, a server certificate for 127.0.0.1/localhost signed by it, and another CA."""
-    root = tmp_path_factory.mktemp("pki")
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    paths = {"ca": root / "ca.pem", "cert": root / "cert.pem", "key": root / "key.pem"}
-    ca.cert_pem.write_to_path(str(paths["ca"]))
-    cert.cert_chain_pems[0].write_to_path(str(paths["cert"]))
-    cert.private_key_pem.write_to_path(str(paths["key"]))
-    other = root / "other-ca.pem"
-    trustme.CA().cert_pem.write_to_path(str(other))
-    paths["other"] = other
-    return {k: str(v) for k, v in paths.items()}
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import trustme
 from agent_helpers import AgentProc
 from procs import start_server
 
@@ -26,18 +25,6 @@ from transfer.local import command
 from transfer.processes import free_port, poll_until, spawn, stop_child
 
 WAIT = 60.0
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pki")
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    files = {"ca": root / "ca.pem", "cert": root / "cert.pem", "key": root / "key.pem"}
-    ca.cert_pem.write_to_path(str(files["ca"]))
-    cert.cert_chain_pems[0].write_to_path(str(files["cert"]))
-    cert.private_key_pem.write_to_path(str(files["key"]))
-    return {k: str(v) for k, v in files.items()}
 
 
 def transfer_conf(root: Path, agent: str, server: str, deploy: Path, **extra: str) -> Path:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -199,25 +200,21 @@ def parse_config(
             raise ConfigError(f"{where(key)}: {key}: {value} is outside [{low}, {high}]")
         return value
 
-    def float_of(key: str, fallback: float) -> float:
+    def number_of(key: str, fallback: float, ok: Callable[[float], bool], rule: str) -> float:
         raw = text_of(key, str(fallback))
         try:
             value = float(raw)
         except ValueError:
             raise ConfigError(f"{where(key)}: {key}: expected a number, got {raw!r}") from None
-        if not value > 0:
-            raise ConfigError(f"{where(key)}: {key}: must be > 0, got {raw}")
+        if not ok(value):
+            raise ConfigError(f"{where(key)}: {key}: must be {rule}, got {raw}")
         return value
 
+    def float_of(key: str, fallback: float) -> float:
+        return number_of(key, fallback, lambda v: v > 0, "> 0")
+
     def fraction_of(key: str, fallback: float) -> float:
-        raw = text_of(key, str(fallback))
-        try:
-            value = float(raw)
-        except ValueError:
-            raise ConfigError(f"{where(key)}: {key}: expected a number, got {raw!r}") from None
-        if not 0.0 <= value <= 1.0:
-            raise ConfigError(f"{where(key)}: {key}: {raw} is outside [0, 1]")
-        return value
+        return number_of(key, fallback, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
 
     def choice_of(key: str, choices: tuple[str, ...], fallback: str) -> str:
         value = text_of(key, fallback)
