@@ -12,11 +12,11 @@ import math
 from typing import Any
 
 from aiohttp import web
+from cube.agent.deploy import Agent
+from cube.agent.layout import BadRequest
+from cube.agent.tasks import TaskBusy
+from cube.agent.work import QUERY_COMMAND, parse_work
 
-from agent.deploy import Agent
-from agent.layout import BadRequest
-from agent.tasks import TaskBusy
-from agent.work import QUERY_COMMAND, parse_work
 from cube.security import bearer_token, token_matches
 
 log = logging.getLogger("cube.agent")

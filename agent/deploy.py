@@ -26,16 +26,15 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-
-from agent import __version__
-from agent.control import (
+from cube.agent import __version__
+from cube.agent.control import (
     STATUS_LOADING,
     ServerControl,
     ServerError,
     ServerStatus,
     ServerUnreachable,
 )
-from agent.fetch import (
+from cube.agent.fetch import (
     FetchError,
     FetchPolicy,
     SourceRefused,
@@ -46,8 +45,8 @@ from agent.fetch import (
     shown,
     source_basename,
 )
-from agent.journal import Journal
-from agent.layout import (
+from cube.agent.journal import Journal
+from cube.agent.layout import (
     CHAIN_FILE,
     TMP_PREFIX,
     BadRequest,
@@ -61,9 +60,10 @@ from agent.layout import (
     read_version_file,
     write_version_file,
 )
-from agent.tasks import Task, TaskFailed, TaskManager
-from agent.unpack import UnsafeTar, extract_shard_tar
-from agent.work import SERVER_COMMANDS, Work
+from cube.agent.tasks import Task, TaskFailed, TaskManager
+from cube.agent.unpack import UnsafeTar, extract_shard_tar
+from cube.agent.work import SERVER_COMMANDS, Work
+
 from cube.format import ShardFormatError
 from cube.fsutil import atomic_write_json, atomic_write_text, file_md5, fsync_dir
 from cube.shard import Shard

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.journal import Journal
+from cube.agent.journal import Journal
 
 log = logging.getLogger("cube.agent")
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.layout import BadRequest, check_name, clip, normalize_chain, version_dir_name
+from cube.agent.layout import BadRequest, check_name, clip, normalize_chain, version_dir_name
+
 from cube.fsutil import is_md5_hex
 
 LONG_COMMANDS = ("download", "reload", "enable", "rollback")

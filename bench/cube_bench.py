@@ -30,18 +30,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from bench.cube_target import CubeTarget
-from bench.procs import (
+from cube.bench.cube_target import CubeTarget
+from cube.bench.procs import (
     Interrupted,
     ProcessRegistry,
     ServerStartError,
     signals_ignored,
     signals_raise,
 )
-from bench.report import markdown_table, ratios, summarize, write_outputs
-from bench.runner import BenchError, LevelConfig, _new_event_loop, run_level
-from bench.targets import (
+from cube.bench.report import markdown_table, ratios, summarize, write_outputs
+from cube.bench.runner import BenchError, LevelConfig, _new_event_loop, run_level
+from cube.bench.targets import (
     Dataset,
     MemcachedTarget,
     ModeUnsupported,
@@ -50,6 +49,7 @@ from bench.targets import (
     TargetUnavailable,
     make_dataset,
 )
+
 from cube.flags import FlagError, FlagSet, run_cli
 
 TARGETS: dict[str, type[Target]] = {

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from cube.bench.targets import Dataset, Target, TargetUnavailable
+from cube.transfer.processes import free_port
 
-from bench.targets import Dataset, Target, TargetUnavailable
 from cube.values import ValueColumn
-from transfer.processes import free_port
 
 DICT_NAME = "bench_dict"
 _BUILD_TIMEOUT = 1800.0
@@ -37,8 +37,9 @@ class CubeTarget(Target):
 
     def check_available(self, client_mode: str) -> None:
         try:
-            import builder.cli
-            import builder.seqfile  # noqa: F401
+            import cube.builder.cli
+            import cube.builder.seqfile
+
             import cube.client
             import cube.server.main  # noqa: F401
         except ImportError as exc:
@@ -99,7 +100,7 @@ class CubeTarget(Target):
 
     def _build(self, data: Dataset, shard_num: int) -> list[Path]:
         """SequenceFile -> cube-builder -> one directory per shard (index.cube + data.cube)."""
-        from builder.seqfile import SequenceFileWriter
+        from cube.builder.seqfile import SequenceFileWriter
 
         input_dir = self.workdir / "input"
         input_dir.mkdir(parents=True)
@@ -116,7 +117,7 @@ class CubeTarget(Target):
             "-quiet",
         ]  # fmt: skip
         self.info["build_command"] = " ".join(["cube-builder", *flags])
-        argv = [*_console_script("cube-builder", "builder.cli"), *flags]
+        argv = [*_console_script("cube-builder", "cube.builder.cli"), *flags]
         log = self.workdir / "builder.log"
         with open(log, "wb") as out:
             proc = subprocess.run(

@@ -2,7 +2,7 @@
 `cube-server --workers W` on a 1M-key, 40-byte shard, driven with N requests in flight for a
 fixed time, fresh random keys every request.
 
-    python -m bench.e2e --inflight 1,8 --duration 10 --client async
+    python -m cube.bench.e2e --inflight 1,8 --duration 10 --client async
 
 Reports per level: req/s, keys/s, p50/p99 latency, server CPU µs per request (utime+stime of
 the supervisor and every worker from /proc/<pid>/stat), client CPU µs per request, and the CPU
@@ -43,10 +43,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from cube.transfer.processes import free_ports as consecutive_free_ports
 
 from cube.flags import FlagError, FlagSet, run_cli
 from cube.format import FORMAT_VERSION
-from transfer.processes import free_ports as consecutive_free_ports
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _VERSION = "1"

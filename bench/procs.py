@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-
-from transfer.processes import log_tail, poll_until, spawn, terminate
+from cube.transfer.processes import log_tail, poll_until, spawn, terminate
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _PR_SET_PDEATHSIG = 1

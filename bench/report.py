@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from bench.runner import LevelResult
+from cube.bench.runner import LevelResult
 
 
 def summarize(level: LevelResult) -> dict[str, Any]:

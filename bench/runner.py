@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
-from bench.procs import CpuSnapshot, cpu_between
-from bench.targets import Dataset, Target
+from cube.bench.procs import CpuSnapshot, cpu_between
+from cube.bench.targets import Dataset, Target
 
 _NEVER = 2**63 - 1
 _JOIN_TIMEOUT = 60.0  # clients have 30 s socket timeouts; a worker gone longer is stuck

@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from bench.procs import ProcessRegistry, ServerProcess
-from transfer.processes import free_port
+from cube.bench.procs import ProcessRegistry, ServerProcess
+from cube.transfer.processes import free_port
 
 
 class TargetUnavailable(RuntimeError):

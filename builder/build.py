@@ -38,16 +38,23 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from builder.meta import (
+from cube.builder.meta import (
     META_DIR,
     ShardOutput,
     meta_info_name,
     shard_meta_info,
     write_meta_file,
 )
-from builder.seqfile import SequenceFileReader
-from builder.spill import Spiller, SpillPart, group_positions, merge_parts, open_spill, remove_part
+from cube.builder.seqfile import SequenceFileReader
+from cube.builder.spill import (
+    Spiller,
+    SpillPart,
+    group_positions,
+    merge_parts,
+    open_spill,
+    remove_part,
+)
+
 from cube.fsutil import atomic_write_text, fsync_dir, md5_line
 from cube.index import build_table
 from cube.routing import check_partitioner, shard_of

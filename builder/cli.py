@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from builder.build import (
+from cube.builder.build import (
     BuildConfig,
     BuildError,
     BuildResult,
@@ -24,8 +24,9 @@ from builder.build import (
     abort_active_builds,
     build,
 )
-from builder.meta import RegisterError, ShardOutput, register_meta
-from builder.seqfile import KEY_FORMATS
+from cube.builder.meta import RegisterError, ShardOutput, register_meta
+from cube.builder.seqfile import KEY_FORMATS
+
 from cube.flags import FlagError, FlagSet, run_cli
 from cube.routing import PARTITIONERS
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from cube.builder.seqfile import SequenceFileWriter
 
-from builder.seqfile import SequenceFileWriter
 from cube.flags import FlagError, FlagSet, run_cli
 from cube.values import ValueColumn
 

@@ -58,7 +58,7 @@ def sample_table(count: int, dim: int, seed: int) -> tuple[np.ndarray, np.ndarra
 
 
 def write_seqfiles(directory: Path, keys: np.ndarray, values: np.ndarray, files: int) -> None:
-    from builder.seqfile import SequenceFileWriter
+    from cube.builder.seqfile import SequenceFileWriter
     from cube.values import ValueColumn
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -113,7 +113,7 @@ def run(argv: Sequence[str]) -> int:
         min(100, flags.ids // 20),
     )
     from cube.client import CubeClient
-    from transfer.local import Cluster, ClusterSpec, LocalError, up
+    from cube.transfer.local import Cluster, ClusterSpec, LocalError, up
 
     started = time.monotonic()
     work = Path(flags.dir).resolve()

@@ -20,12 +20,12 @@ from pathlib import Path
 import grpc
 import numpy as np
 import psutil
+from cube.transfer.processes import free_ports, poll_until, spawn, stop_child
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cube.index import build_table
 from cube.shard import write_shard
 from cube.values import ValueColumn
-from transfer.processes import free_ports, poll_until, spawn, stop_child
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -440,9 +440,8 @@ def test_transfer_agent_client_drives_a_real_agent(env):
     from urllib.parse import urlsplit
 
     import aiohttp
-
-    from transfer.agents import AgentClient, drive
-    from transfer.config import Instance
+    from cube.transfer.agents import AgentClient, drive
+    from cube.transfer.config import Instance
 
     agent = env.agent(token="t0k")
     url = tar_for(env, "tr", seed=80)["source"]

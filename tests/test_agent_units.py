@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 from agent_helpers import FakeServer, FtpFileServer, HttpFileServer, make_shard_tar
-
-from agent.control import ServerControl, ServerError, ServerUnreachable
-from agent.fetch import (
+from cube.agent.control import ServerControl, ServerError, ServerUnreachable
+from cube.agent.fetch import (
     FetchError,
     FetchPolicy,
     SourcePolicy,
@@ -24,19 +23,27 @@ from agent.fetch import (
     parse_md5_text,
     shown,
 )
-from agent.journal import Journal
-from agent.layout import (
+from cube.agent.journal import Journal
+from cube.agent.layout import (
     BadRequest,
     check_name,
     normalize_chain,
     plan_retention,
     version_dir_name,
 )
-from agent.main import config_from_flags, flag_set
-from agent.main import main as agent_main
-from agent.tasks import FAILED, INTERRUPTED, RUNNING, SUCCEEDED, TaskBusy, TaskFailed, TaskManager
-from agent.unpack import UnsafeTar, extract_shard_tar, member_problem
-from agent.work import parse_work
+from cube.agent.main import config_from_flags, flag_set
+from cube.agent.main import main as agent_main
+from cube.agent.tasks import (
+    FAILED,
+    INTERRUPTED,
+    RUNNING,
+    SUCCEEDED,
+    TaskBusy,
+    TaskFailed,
+    TaskManager,
+)
+from cube.agent.unpack import UnsafeTar, extract_shard_tar, member_problem
+from cube.agent.work import parse_work
 
 FAST = FetchPolicy(
     attempts=3, backoff=0.01, timeout=20, io_timeout=5, sources=SourcePolicy(allow_files=True)
@@ -370,9 +377,8 @@ def test_internal_errors_answer_500_with_the_envelope_and_no_details(tmp_path):
     """A bug's exception text may quote anything (a source's bytes): the log has it, the
     answer names only the type."""
     from aiohttp.test_utils import TestClient, TestServer
-
-    from agent.api import make_app
-    from agent.deploy import Agent, AgentConfig
+    from cube.agent.api import make_app
+    from cube.agent.deploy import Agent, AgentConfig
 
     async def scenario():
         agent = Agent(AgentConfig(deploy_path=tmp_path, server="127.0.0.1:1"))
@@ -418,8 +424,8 @@ def test_server_error_carries_the_grpc_code(tmp_path):
 def test_damaged_layers_under_a_running_task_are_not_removed(tmp_path):
     """A reload of a delta needs its base: a download that finds the base damaged must not
     remove it while that reload runs (the task's whole chain is in use, not only its name)."""
-    from agent.deploy import Agent, AgentConfig
-    from agent.tasks import Task
+    from cube.agent.deploy import Agent, AgentConfig
+    from cube.agent.tasks import Task
 
     data = tmp_path / "deploy" / "data"
     make_shard_tar(tmp_path / "t.tar")

@@ -19,15 +19,15 @@ from typing import ClassVar
 import mmh3
 import numpy as np
 import pytest
+from cube.builder.seqfile import SYNC_ESCAPE, SequenceFileWriter, encode_header
 
-from builder.seqfile import SYNC_ESCAPE, SequenceFileWriter, encode_header
 from cube.routing import shard_of
 from cube.shard import Shard, ShardStack
 from cube.values import ValueColumn
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / ".venv" / "bin" / "cube-builder"
-COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "builder.cli"]
+COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "cube.builder.cli"]
 BASE, DELTA = 1_700_000_000, 1_700_000_100
 
 

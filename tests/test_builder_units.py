@@ -6,10 +6,7 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from builder.build import (
+from cube.builder.build import (
     DeleteListError,
     FinishTask,
     list_input_files,
@@ -17,7 +14,10 @@ from builder.build import (
     route_keys,
     split_runs,
 )
-from builder.spill import Spiller, merge_parts, open_spill, remove_part
+from cube.builder.spill import Spiller, merge_parts, open_spill, remove_part
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from cube.index import build_table, stable_hash_order
 from cube.routing import shard_of
 from cube.values import ValueColumn

@@ -249,7 +249,8 @@ VAR_KEYS = np.arange(5, 50_000, 7, dtype=np.uint64)
 
 def run_builder(root: Path, keys: np.ndarray, values: list[bytes], shard_num: int) -> list[Path]:
     """Build with the real cube-builder CLI (murmur3); each shard's data dir (version 1000)."""
-    from builder.seqfile import SequenceFileWriter
+    from cube.builder.seqfile import SequenceFileWriter
+
     from cube.values import ValueColumn
 
     source = root / "input"
@@ -257,7 +258,7 @@ def run_builder(root: Path, keys: np.ndarray, values: list[bytes], shard_num: in
     with SequenceFileWriter(source / "part-00000") as writer:
         writer.write_batch(keys, ValueColumn.from_list(values))
     output = root / "output"
-    command = [sys.executable, "-m", "builder.cli", "--dict_name", "test_dict"]
+    command = [sys.executable, "-m", "cube.builder.cli", "--dict_name", "test_dict"]
     command += ["--input_path", str(source), "--output_path", str(output)]
     command += ["--shard_num", str(shard_num), "--partitioner", "murmur3", "--quiet"]
     command += ["--only_build", "false", "--cur_version", "1000", "--depend_version", "1000"]

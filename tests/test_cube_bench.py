@@ -18,12 +18,11 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-
-from bench import report
-from bench.cube_bench import check_answers
-from bench.procs import ProcessRegistry
-from bench.runner import BenchError, LevelConfig, run_attempt, run_level, wait_for_quiet
-from bench.targets import Dataset, Target, make_dataset, rows_from_list
+from cube.bench import report
+from cube.bench.cube_bench import check_answers
+from cube.bench.procs import ProcessRegistry
+from cube.bench.runner import BenchError, LevelConfig, run_attempt, run_level, wait_for_quiet
+from cube.bench.targets import Dataset, Target, make_dataset, rows_from_list
 
 REPO = Path(__file__).resolve().parent.parent
 CUBE_BENCH = Path(sys.executable).parent / "cube-bench"
@@ -117,7 +116,7 @@ def test_runner_measures_a_fixed_number_of_requests(dict_target, mode):
 
 
 def run_level_result(cfg, attempt):
-    from bench.runner import LevelResult
+    from cube.bench.runner import LevelResult
 
     return LevelResult(cfg, attempt, [{"other_load": attempt.other_load, "loadavg": 0.0}])
 

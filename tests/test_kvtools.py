@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cube.builder.seqfile import SequenceFileReader, SequenceFileWriter, read_header
 
-from builder.seqfile import SequenceFileReader, SequenceFileWriter, read_header
 from cube.values import ValueColumn
 
 BIN = Path(__file__).resolve().parent.parent / ".venv" / "bin"
@@ -263,7 +263,7 @@ def test_a_bad_line_after_a_full_batch_leaves_no_output(tmp_path: Path) -> None:
 
 
 def test_overlong_line_is_refused_without_reading_it_whole(tmp_path, monkeypatch, capsys):
-    from builder import kv_to_seqfile
+    from cube.builder import kv_to_seqfile
 
     monkeypatch.setattr(kv_to_seqfile, "MAX_LINE_BYTES", 64)
     source = tmp_path / "in.txt"

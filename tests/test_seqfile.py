@@ -8,9 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from builder.codecs import DEFAULT_CODEC
-from builder.seqfile import (
+from cube.builder.codecs import DEFAULT_CODEC
+from cube.builder.seqfile import (
     BYTES_WRITABLE,
     LONG_WRITABLE,
     SYNC_ESCAPE,
@@ -25,6 +24,7 @@ from builder.seqfile import (
     encode_vint,
     read_header,
 )
+
 from cube.values import ValueColumn
 
 DATA = Path(__file__).parent / "data" / "seqfiles"

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from builder import seqfile
-from builder.codecs import (
+from cube.builder import seqfile
+from cube.builder.codecs import (
     BZIP2_CODEC,
     CODECS,
     DEFAULT_CODEC,
@@ -26,7 +25,7 @@ from builder.codecs import (
     codec_by_name,
     lz4_hadoop_decompress,
 )
-from builder.seqfile import (
+from cube.builder.seqfile import (
     BYTES_WRITABLE,
     SYNC_ESCAPE,
     SequenceFileError,
@@ -37,6 +36,7 @@ from builder.seqfile import (
     encode_vint,
     read_header,
 )
+
 from cube.values import ValueColumn
 
 SYNC = b"S" * 16

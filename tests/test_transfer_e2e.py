@@ -22,11 +22,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from cube.builder.seqfile import SequenceFileWriter
+from cube.transfer.local import ClusterSpec, command, http_json, up
 
-from builder.seqfile import SequenceFileWriter
 from cube.client import CubeClient
 from cube.values import ValueColumn
-from transfer.local import ClusterSpec, command, http_json, up
 
 DIM = 4
 WAIT = 60.0

@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from agent_helpers import AgentProc
+from cube.builder.seqfile import SequenceFileWriter
+from cube.transfer.local import command
+from cube.transfer.processes import free_port, poll_until, spawn, stop_child
 from procs import start_server
 
-from builder.seqfile import SequenceFileWriter
 from cube.client import CubeClient
 from cube.values import ValueColumn
-from transfer.local import command
-from transfer.processes import free_port, poll_until, spawn, stop_child
 
 WAIT = 60.0
 
@@ -55,7 +55,7 @@ def transfer_conf(root: Path, agent: str, server: str, deploy: Path, **extra: st
 
 def test_api_beyond_loopback_needs_a_token(tmp_path):
     conf = transfer_conf(tmp_path, "127.0.0.1:1", "127.0.0.1:2", tmp_path / "d", listen="0.0.0.0")
-    argv = [sys.executable, "-m", "transfer.main", "-p", "0", "--config", str(conf)]
+    argv = [sys.executable, "-m", "cube.transfer.main", "-p", "0", "--config", str(conf)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=WAIT)
     assert done.returncode == 2
     assert "without a token" in done.stderr and "api_token" in done.stderr

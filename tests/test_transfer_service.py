@@ -13,6 +13,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import aiohttp
+from cube.transfer.config import parse_config
+from cube.transfer.http_api import start_listeners
+from cube.transfer.service import TransferService
+from cube.transfer.state import Deployment
 from procs import free_port
 from transfer_helpers import (
     FakeAgent,
@@ -22,11 +26,6 @@ from transfer_helpers import (
     write_fake_builder,
     write_table,
 )
-
-from transfer.config import parse_config
-from transfer.http_api import start_listeners
-from transfer.service import TransferService
-from transfer.state import Deployment
 
 B1, B2 = "1700000000", "1700000500"
 D1, D2 = f"{B1}_1700000100", f"{B1}_1700000200"
@@ -480,7 +479,7 @@ def test_donefile_and_input_over_http_are_mirrored(tmp_path):
 
 
 def test_donefile_and_input_over_ftp_are_mirrored(tmp_path):
-    from transfer.http_api import FtpFileServer
+    from cube.transfer.http_api import FtpFileServer
 
     remote = tmp_path / "remote"
     _remote_tree(remote, B1)
@@ -508,7 +507,7 @@ def test_ftp_file_server_is_read_only(tmp_path):
 
     (tmp_path / "v").mkdir()
     (tmp_path / "v" / "d_part0.tar").write_bytes(b"tar bytes")
-    from transfer.http_api import FtpFileServer
+    from cube.transfer.http_api import FtpFileServer
 
     port = free_port()
     server = FtpFileServer(str(tmp_path), "127.0.0.1", port)
@@ -585,7 +584,7 @@ def _downloads(h, version: str) -> list[tuple[str, str, str]]:
 def test_an_empty_base_from_the_real_builder_is_refused_and_the_live_version_stays(
     tmp_path, caplog
 ):
-    from transfer.local import command
+    from cube.transfer.local import command
 
     def publish(h, file: str, line: dict, records: int) -> None:
         name = f"{line['key']}_{line['id']}" if file == "patch.txt" else line["id"]
@@ -739,7 +738,7 @@ def test_every_query_parameter_is_validated(tmp_path):
 
 
 def test_a_handler_error_is_a_500_with_the_envelope(tmp_path, monkeypatch):
-    from transfer import views
+    from cube.transfer import views
 
     def broken(*args, **kwargs):
         raise RuntimeError("secret detail")

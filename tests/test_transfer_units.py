@@ -11,11 +11,9 @@ import tarfile
 from pathlib import Path
 
 import pytest
-
-from cube.format import HEADER_SIZE, encode_header
-from transfer import build as builds
-from transfer.config import ConfigError, parse_config, render_config
-from transfer.donefile import (
+from cube.transfer import build as builds
+from cube.transfer.config import ConfigError, parse_config, render_config
+from cube.transfer.donefile import (
     BadLine,
     DonefileEntry,
     parse_line,
@@ -23,8 +21,8 @@ from transfer.donefile import (
     resolve_input,
     split_complete_lines,
 )
-from transfer.journal import Journal, JournalError
-from transfer.state import (
+from cube.transfer.journal import Journal, JournalError
+from cube.transfer.state import (
     Deployment,
     Step,
     TransferState,
@@ -36,6 +34,8 @@ from transfer.state import (
     quorum_shortfall,
     shrink_refusal,
 )
+
+from cube.format import HEADER_SIZE, encode_header
 
 CONF = """\
 # the original's sample, plus ours
@@ -418,7 +418,7 @@ def test_catch_up_plans():
 
 
 def test_backoff_is_bounded_however_many_failures():
-    from transfer.state import backoff_delay
+    from cube.transfer.state import backoff_delay
 
     assert [backoff_delay(n, 5.0) for n in (1, 2, 3)] == [5.0, 10.0, 20.0]
     assert backoff_delay(10_000, 5.0) == 300.0  # days of failures: no float overflow
@@ -576,7 +576,7 @@ def test_cube_transfer_cli_rejects_bad_configs(tmp_path):
 
     def cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "transfer.main", *args],
+            [sys.executable, "-m", "cube.transfer.main", *args],
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
 
@@ -615,8 +615,8 @@ def test_drive_waits_out_an_unreachable_server_without_spending_retries():
     a kill -9 of a loading server fail the phase)."""
     import asyncio
 
-    from transfer.agents import drive
-    from transfer.config import Instance
+    from cube.transfer.agents import drive
+    from cube.transfer.config import Instance
 
     inst = Instance(0, 0, "127.0.0.1", 1, "127.0.0.1", 2, "/tmp/x")
     fields = {"command": "reload", "version": "7"}
@@ -643,8 +643,8 @@ def test_drive_gives_up_at_once_on_a_corrupt_copy():
     the caller learns it at once (reason corrupt_version) and downloads again."""
     import asyncio
 
-    from transfer.agents import CORRUPT_VERSION, drive
-    from transfer.config import Instance
+    from cube.transfer.agents import CORRUPT_VERSION, drive
+    from cube.transfer.config import Instance
 
     inst = Instance(0, 0, "127.0.0.1", 1, "127.0.0.1", 2, "/tmp/x")
     corrupt = {"command": "reload", "version": "7", "state": "failed",
@@ -662,8 +662,8 @@ def test_drive_gives_up_at_once_on_a_corrupt_copy():
 
 
 def test_credentials_in_urls_are_never_shown(tmp_path):
-    from transfer import views
-    from transfer.donefile import redact
+    from cube.transfer import views
+    from cube.transfer.donefile import redact
 
     assert redact("ftp://u:p@ss@h:21/d and http://x@y/z, /plain@path") == (
         "ftp://***@h:21/d and http://***@y/z, /plain@path"
@@ -698,9 +698,8 @@ def test_an_agent_answer_is_bounded(tmp_path):
 
     import aiohttp
     from aiohttp import web
-
-    from transfer.agents import MAX_ANSWER, AgentClient, AgentRefused, AgentUnreachable
-    from transfer.config import Instance
+    from cube.transfer.agents import MAX_ANSWER, AgentClient, AgentRefused, AgentUnreachable
+    from cube.transfer.config import Instance
 
     async def huge(request):
         return web.Response(body=b" " * (MAX_ANSWER + 10), content_type="application/json")

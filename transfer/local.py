@@ -37,10 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-
-from cube.flags import FlagError, FlagSet, run_cli
-from transfer.config import ConfigError, Instance, TransferConfig, load_config, render_config
-from transfer.processes import (
+from cube.transfer.config import ConfigError, Instance, TransferConfig, load_config, render_config
+from cube.transfer.processes import (
     create_time,
     free_port,
     log_tail,
@@ -49,6 +47,8 @@ from transfer.processes import (
     spawn,
     terminate,
 )
+
+from cube.flags import FlagError, FlagSet, run_cli
 
 CLUSTER_FILE = "cluster.json"
 CONF_FILE = "transfer.conf"

@@ -28,10 +28,8 @@ from typing import Any
 
 import aiohttp
 import psutil
-
-from cube.security import client_context
-from transfer import build as builds
-from transfer.agents import (
+from cube.transfer import build as builds
+from cube.transfer.agents import (
     CORRUPT_VERSION,
     AgentClient,
     AgentRefused,
@@ -40,8 +38,8 @@ from transfer.agents import (
     drive,
     run_phase,
 )
-from transfer.config import Instance, TransferConfig
-from transfer.donefile import (
+from cube.transfer.config import Instance, TransferConfig
+from cube.transfer.donefile import (
     BASE_FILE,
     PATCH_FILE,
     SourceUnavailable,
@@ -52,8 +50,8 @@ from transfer.donefile import (
     resolve_input,
     split_complete_lines,
 )
-from transfer.journal import Journal
-from transfer.state import (
+from cube.transfer.journal import Journal
+from cube.transfer.state import (
     Deployment,
     InstanceState,
     Step,
@@ -69,7 +67,9 @@ from transfer.state import (
     quorum_shortfall,
     shrink_refusal,
 )
-from transfer.views import source_url
+from cube.transfer.views import source_url
+
+from cube.security import client_context
 
 log = logging.getLogger("cube.transfer")
 _OUTPUT_DIR = re.compile(r"\d+_\d+")

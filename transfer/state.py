@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from transfer.donefile import BASE_FILE, PATCH_FILE, BadLine, DonefileEntry
+from cube.transfer.donefile import BASE_FILE, PATCH_FILE, BadLine, DonefileEntry
 
 # Version statuses: the original's numbers where it had one (VersionInfo.status), ours after 100.
 VERSION_STATUS = {

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from transfer.config import Instance, TransferConfig
-from transfer.donefile import redact
-from transfer.state import INSTANCE_STATUS, VERSION_STATUS, TransferState, VersionRecord
+from cube.transfer.config import Instance, TransferConfig
+from cube.transfer.donefile import redact
+from cube.transfer.state import INSTANCE_STATUS, VERSION_STATUS, TransferState, VersionRecord
 
 _INSTANCE_TIMES = (
     "builded_time",

@@ -1,7 +1,7 @@
 """CubeClient: the blocking client. Drives the pure rounds (cube.client.policy) with gRPC's
 blocking API.
 
-How attempts run (chosen by measurement, bench/test_bench_sdk.py): gRPC's sync `future()`
+How attempts run (chosen by measurement, bench/micro/test_bench_sdk.py): gRPC's sync `future()`
 starts a polling thread per call, and a private asyncio loop thread adds two thread hops, so
 a round with a single sub-request and no backup requests runs its attempt inline in the
 calling thread (no thread hop at all). Otherwise attempts run on the client's thread pool,

@@ -4,8 +4,8 @@ values, 1000-key batches of fresh random keys, client and server on the same mac
 - one request in flight: latency of `CubeClient.seek` (target: p99 <= 1.2 ms);
 - eight in flight (8 threads sharing one CubeClient): a round is 64 seeks; keys/s and the
   server's CPU per request go to extra_info (targets: >= 3.3M keys/s, <= 300 µs per request).
-The same workload with a CLI, levels and disturbance checks: `python -m bench.e2e`.
-Run: .venv/bin/pytest bench/test_bench_e2e.py --benchmark-enable
+The same workload with a CLI, levels and disturbance checks: `python -m cube.bench.e2e`.
+Run: .venv/bin/pytest bench/micro/test_bench_e2e.py --benchmark-enable
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cube.bench.e2e import Server, build_data, cpu_seconds, key_batches
 
-from bench.e2e import Server, build_data, cpu_seconds, key_batches
 from cube.client import CubeClient
 
 COUNT = 1_000_000

@@ -4,7 +4,7 @@ across 2 shards, and whole seeks against local cube-server processes.
 The seek benchmarks compare the two ways a blocking client can run gRPC (the choice made in
 cube.client.sync): blocking calls inline / on a thread pool (CubeClient) versus an asyncio
 client on a private event-loop thread; and AsyncCubeClient inside its own loop.
-Run: .venv/bin/pytest bench/test_bench_sdk.py --benchmark-enable
+Run: .venv/bin/pytest bench/micro/test_bench_sdk.py --benchmark-enable
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from cube.pb import cube_fast_pb2
 from cube.routing import shard_of
 from cube.wire import decode_seek_response, encode_seek_request
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from procs import fixed_values, start_server, write_version
 
 BATCH = 1000

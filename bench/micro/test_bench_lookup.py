@@ -3,7 +3,7 @@
 Targets (issue 2): <= 100 µs at 1M keys, <= 180 µs at 10M keys, in-process.
 `fresh` draws a different batch every round (the serving case: cache-cold index lines);
 `same` repeats one batch (cache-warm, the number most kernels are quoted with).
-Run: make bench   (or .venv/bin/pytest bench/test_bench_lookup.py --benchmark-enable)
+Run: make bench   (or .venv/bin/pytest bench/micro/test_bench_lookup.py --benchmark-enable)
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import itertools
 
 import numpy as np
 import pytest
+from cube.bench.e2e import key_batches
 
-from bench.e2e import key_batches
 from cube.index import build_table
 from cube.shard import Shard, ShardStack, write_shard
 from cube.values import ValueColumn

@@ -5,7 +5,7 @@ Target (issue): 10M records build at >= 1M records/s end to end on the 2-core ma
 The 1M case runs by default; the 10M case needs CUBE_BENCH_FULL=1 (input ~540 MB, written once
 into a temp dir; each round ~1.6 GB of output).
 Run: make bench, or
-    CUBE_BENCH_FULL=1 .venv/bin/pytest bench/test_bench_builder.py --benchmark-enable
+    CUBE_BENCH_FULL=1 .venv/bin/pytest bench/micro/test_bench_builder.py --benchmark-enable
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cube.builder.seqfile import SequenceFileWriter
 
-from builder.seqfile import SequenceFileWriter
 from cube.values import ValueColumn
 
 WIDTH = 40
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / ".venv" / "bin" / "cube-builder"
-COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "builder.cli"]
+COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "cube.builder.cli"]
 FULL = os.environ.get("CUBE_BENCH_FULL") == "1"
 SIZES = [
     pytest.param((1_000_000, 4), id="1M"),

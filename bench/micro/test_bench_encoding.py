@@ -4,7 +4,7 @@
 Each step of a lookup's life on the wire, client and server side:
 request build (client), request parse (server), response build (server), response parse
 (client, into a (batch, width) matrix as an application wants it).
-Run: make bench   (or .venv/bin/pytest bench/test_bench_encoding.py --benchmark-enable)
+Run: make bench   (or .venv/bin/pytest bench/micro/test_bench_encoding.py --benchmark-enable)
 """
 
 from __future__ import annotations

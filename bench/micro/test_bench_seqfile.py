@@ -4,15 +4,15 @@ Target (issue: builder >= 1M records/s end to end for 10M records of 40-byte val
 reader alone should parse >= 4M records/s on the common case, an uncompressed Cube-dialect file
 with fixed-length records and a sync escape every ~2000 bytes (the vectorized path). The
 variable-length case (per-record walker) and the writer are measured for comparison.
-Run: .venv/bin/pytest bench/test_bench_seqfile.py --benchmark-enable
+Run: .venv/bin/pytest bench/micro/test_bench_seqfile.py --benchmark-enable
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from cube.builder.seqfile import SequenceFileReader, SequenceFileWriter
 
-from builder.seqfile import SequenceFileReader, SequenceFileWriter
 from cube.values import ValueColumn
 
 WIDTH = 40

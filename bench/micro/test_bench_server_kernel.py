@@ -4,7 +4,7 @@ the gRPC handlers run per call (parse, lookup, gather, encode), minus gRPC itsel
 1M keys, 40-byte values, a fresh random batch of 1000 keys each round. Target context
 (perf-notes): a prototype kernel took 134 µs; the server budget is <= 300 µs of CPU per
 1000-key request including gRPC's ~200 µs per-call floor.
-Run: .venv/bin/pytest bench/test_bench_server_kernel.py --benchmark-enable
+Run: .venv/bin/pytest bench/micro/test_bench_server_kernel.py --benchmark-enable
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import itertools
 
 import numpy as np
 import pytest
+from cube.bench.e2e import key_batches
 
-from bench.e2e import key_batches
 from cube.index import build_table
 from cube.pb import cube_fast_pb2, cube_pb2
 from cube.server.service import SeekService

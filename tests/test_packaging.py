@@ -1,0 +1,64 @@
+"""The distribution: one top-level `cube` package (the repo's builder/, agent/, transfer/ and
+bench/ install as cube.builder, cube.agent, cube.transfer, cube.bench), the pytest
+microbenchmarks left out, py.typed shipped, and every console script importable from the
+installed wheel alone (not through the editable install of the repo)."""
+
+from __future__ import annotations
+
+import configparser
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(out), str(REPO)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    (found,) = out.glob("cube_py-*.whl")
+    return found
+
+
+def test_one_top_level_package(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"cube"}
+    for sub in ("builder", "agent", "transfer", "bench", "client", "server", "pb"):
+        assert f"cube/{sub}/__init__.py" in names
+    assert "cube/py.typed" in names
+    assert not [n for n in names if "test_bench" in n or "/results/" in n]
+
+
+def test_console_scripts_import_from_the_installed_wheel(wheel, tmp_path):
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
+         str(wheel)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    entry_points = configparser.ConfigParser()
+    (info,) = target.glob("cube_py-*.dist-info")
+    entry_points.read(info / "entry_points.txt")
+    modules = sorted({v.split(":")[0] for v in entry_points["console_scripts"].values()})
+    assert all(m.startswith("cube.") for m in modules), modules
+    # -S: no site processing, so the repo's editable finder is not installed; the venv's
+    # site-packages come after the wheel's copy only for third-party packages.
+    path = f"{target}:{sysconfig.get_paths()['purelib']}"
+    code = "import importlib, sys; [importlib.import_module(m) for m in sys.argv[1:]];"
+    code += " import cube; print(cube.__file__)"
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", code, *modules],
+        capture_output=True, text=True, timeout=120, env={"PYTHONPATH": path}, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().startswith(str(target))
