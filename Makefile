@@ -12,7 +12,7 @@ DEB_PACKAGES := redis-server memcached
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,bench]'
+	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)

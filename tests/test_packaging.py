@@ -6,6 +6,7 @@ installed wheel alone (not through the editable install of the repo)."""
 from __future__ import annotations
 
 import configparser
+import re
 import subprocess
 import sys
 import sysconfig
@@ -51,6 +52,9 @@ def test_console_scripts_import_from_the_installed_wheel(wheel, tmp_path):
     entry_points.read(info / "entry_points.txt")
     modules = sorted({v.split(":")[0] for v in entry_points["console_scripts"].values()})
     assert all(m.startswith("cube.") for m in modules), modules
+    launched = re.findall(r'"(cube\.[a-z_.]+)"\)', (REPO / "cube" / "entry.py").read_text())
+    assert len(launched) == len(entry_points["console_scripts"])
+    modules += launched
     # -S: no site processing, so the repo's editable finder is not installed; the venv's
     # site-packages come after the wheel's copy only for third-party packages.
     path = f"{target}:{sysconfig.get_paths()['purelib']}"
@@ -62,3 +66,41 @@ def test_console_scripts_import_from_the_installed_wheel(wheel, tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().startswith(str(target))
+
+
+def test_a_command_without_its_extra_says_what_to_install(monkeypatch, capsys):
+    from cube import entry
+
+    monkeypatch.setitem(entry.EXTRAS, "server", ("uvloop", "no_such_package_here"))
+    assert entry.cube_server() == 2
+    err = capsys.readouterr().err
+    assert "cube-server needs the cube-py[server] extra" in err
+    assert "no_such_package_here not installed" in err and "pip install 'cube-py[server]'" in err
+
+
+def test_every_extra_names_importable_packages_here():
+    """The test install has every extra (cube-py[test] includes [all]): all present."""
+    from cube import entry
+
+    assert {extra: entry.missing(extra) for extra in entry.EXTRAS} == {
+        extra: [] for extra in entry.EXTRAS
+    }
+
+
+def test_the_sdk_imports_without_the_extras(tmp_path):
+    """`pip install cube-py` (no extra) is enough for the SDK: cube.client must not import a
+    package of any extra (checked by making every extra's package unimportable)."""
+    from cube import entry
+
+    blocked = sorted({name for names in entry.EXTRAS.values() for name in names})
+    code = (
+        "import sys\n"
+        f"for name in {blocked!r}:\n"
+        "    sys.modules[name] = None  # import fails\n"
+        "import cube.client, cube.routing, cube.shard, cube.wire\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
