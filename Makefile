@@ -33,6 +33,7 @@ stubs: $(STAMP)
 test: $(STAMP) debs
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 	$(BIN)/pytest -q
 
 demo: $(STAMP)
@@ -48,6 +49,7 @@ bench: $(STAMP) debs
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .

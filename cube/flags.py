@@ -162,7 +162,7 @@ def _read_flagfile(path: str) -> list[str]:
     return args
 
 
-class Flags(dict):
+class Flags(dict[str, Any]):
     """Parsed flag values; attribute access for convenience (`flags.port`)."""
 
     def __getattr__(self, name: str) -> Any:

@@ -101,6 +101,8 @@ def decode_header(kind: str, header: bytes, path: str, file_size: int) -> dict[s
         raise ShardFormatError(
             path, f"file is {file_size} bytes, header says {expected} (truncated or extended)"
         )
+    if not isinstance(fields, dict):
+        raise ShardFormatError(path, "header JSON is not an object", _PREFIX.size)
     for name, (offset, length, _crc) in fields.get("sections", {}).items():
         if offset < HEADER_SIZE or offset + length > file_size:
             raise ShardFormatError(path, f"section {name} [{offset}, +{length}) out of bounds")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
+def fsync_dir(path: str | os.PathLike[str]) -> None:
     """Make a rename or create inside `path` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -25,7 +25,7 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -39,11 +39,11 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int | None = 1) -> None:
+def atomic_write_json(path: str | os.PathLike[str], obj: Any, indent: int | None = 1) -> None:
     atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=True) + "\n")
 
 
@@ -71,7 +71,7 @@ def md5_of_line(text: str) -> str | None:
     return fields[0].lower()
 
 
-def file_md5(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+def file_md5(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
     digest = hashlib.md5(usedforsecurity=False)
     with open(path, "rb") as f:
         while block := f.read(chunk):

@@ -264,4 +264,4 @@ def _mark_deleted(
 
 
 def is_tombstone(rows: np.ndarray) -> np.ndarray:
-    return rows == _TOMBSTONE_U4
+    return np.asarray(rows == _TOMBSTONE_U4)

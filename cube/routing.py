@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -76,7 +77,7 @@ class ShardRouting:
     partitioner: str
 
     @classmethod
-    def from_meta(cls, meta: dict) -> ShardRouting | None:
+    def from_meta(cls, meta: dict[str, Any]) -> ShardRouting | None:
         """From shard header fields; None when they do not say (hand-made or older shards)."""
         try:
             shard, shard_num = int(meta["shard"]), int(meta["shard_num"])

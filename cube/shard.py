@@ -14,7 +14,7 @@ import mmap
 import os
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ _WRITE_CHUNK_ROWS = 1 << 20
 
 
 def write_shard(
-    directory: str | os.PathLike,
+    directory: str | os.PathLike[str],
     built: BuiltTable,
     values: ValueColumn,
     meta: dict[str, Any],
@@ -59,7 +59,7 @@ def write_shard(
         np.cumsum(lengths, out=offsets[1:])
         value_bytes = int(offsets[-1])
 
-    def value_chunks():
+    def value_chunks() -> Iterator[np.ndarray]:
         for start in range(0, count, _WRITE_CHUNK_ROWS):
             yield values.take(order[start : start + _WRITE_CHUNK_ROWS]).blob[:]
 
@@ -98,7 +98,9 @@ def write_shard(
     return _write_file(directory / INDEX_FILE, "index", index_fields, index_sections)
 
 
-def _write_file(path: Path, kind: str, fields: dict, sections: dict) -> dict[str, Any]:
+def _write_file(
+    path: Path, kind: str, fields: dict[str, Any], sections: dict[str, Any]
+) -> dict[str, Any]:
     """Write header + sections to a temp name, fsync, rename. Sections are (length, chunks)."""
     placed, file_size = fmt.layout_sections(
         {name: length for name, (length, _) in sections.items()}
@@ -114,7 +116,7 @@ def _write_file(path: Path, kind: str, fields: dict, sections: dict) -> dict[str
                 crc = 0
                 written = 0
                 for chunk in chunks:
-                    view = memoryview(np.ascontiguousarray(chunk)).cast("B")
+                    view = np.ascontiguousarray(chunk).data.cast("B")
                     crc = zlib.crc32(view, crc)
                     out.write(view)
                     written += len(view)
@@ -228,7 +230,7 @@ class Shard:
     @classmethod
     def open(
         cls,
-        directory: str | os.PathLike,
+        directory: str | os.PathLike[str],
         *,
         verify: bool = False,
         populate: bool = False,

@@ -13,11 +13,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+_NO_OFFSETS = np.empty(0, dtype=np.int64)  # a fixed-width column's (unused) offsets
+
 
 @dataclass(frozen=True)
 class ValueColumn:
     blob: np.ndarray  # uint8, 1-D
-    offsets: np.ndarray | None  # int64 (count + 1,), or None for fixed width
+    offsets: np.ndarray  # int64 (count + 1,) for variable width; empty for fixed width
     width: int  # > 0 for fixed width, 0 for variable
     count: int
 
@@ -28,7 +30,7 @@ class ValueColumn:
         blob = blob.reshape(-1)
         if blob.shape[0] % width:
             raise ValueError(f"{blob.shape[0]} value bytes are not a multiple of width {width}")
-        return cls(blob, None, width, blob.shape[0] // width)
+        return cls(blob, _NO_OFFSETS, width, blob.shape[0] // width)
 
     @classmethod
     def variable(cls, blob: np.ndarray, offsets: np.ndarray) -> ValueColumn:

@@ -1,5 +1,5 @@
 """AsyncCubeClient: the asyncio client, same API as CubeClient with `await`. Drives the pure
-rounds (cube.client.policy) with grpc.aio: completions land in an asyncio.Queue and the
+rounds (cube.client.policy) with grpc.aio: completions land in an asyncio.Queue[Any] and the
 coroutine waits on it until the next timer. Use one client per event loop (grpc.aio channels
 belong to the loop that first used them)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import grpc
@@ -43,7 +43,8 @@ class AsyncCubeClient(ClientBase):
             while True:
                 requests = flow.send(await self._run(pieces, requests))
         except StopIteration as done:
-            return done.value
+            result: SeekResult = done.value
+            return result
 
     async def get_embeddings(self, keys: object, dim: int, dtype: Any = "float32") -> np.ndarray:
         """As CubeClient.get_embeddings."""
@@ -67,7 +68,7 @@ class AsyncCubeClient(ClientBase):
     ) -> list[PieceOutcome]:
         now = time.monotonic()
         round_ = self._round(pieces, requests, now)
-        events: asyncio.Queue = asyncio.Queue()
+        events: asyncio.Queue[Any] = asyncio.Queue()
         handles: dict[tuple[int, int], Any] = {}
         try:
             self._execute(round_.start(now), events, handles)
@@ -99,7 +100,7 @@ class AsyncCubeClient(ClientBase):
         return round_.outcomes()
 
     def _execute(
-        self, actions: list[Action], events: asyncio.Queue, handles: dict[tuple[int, int], Any]
+        self, actions: list[Action], events: asyncio.Queue[Any], handles: dict[tuple[int, int], Any]
     ) -> None:
         for action in actions:
             if isinstance(action, Cancel):
@@ -129,6 +130,6 @@ class _Failed:
     def cancel(self) -> bool:
         return False
 
-    def __await__(self):
+    def __await__(self) -> Generator[Any, None, Any]:
         raise self._error
         yield  # pragma: no cover - makes this a generator

@@ -126,7 +126,7 @@ class ClientBase:
 
     @classmethod
     def from_conf(
-        cls, path: str | os.PathLike, dict_name: str | None = None, **overrides: Any
+        cls, path: str | os.PathLike[str], dict_name: str | None = None, **overrides: Any
     ) -> Any:
         """A client for `dict_name` of the original cube.conf at `path` (see cube.client.conf);
         keyword arguments override the file's settings."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cube.client.core import PROTOCOLS
+from cube.client.core import PROTOCOLS, SeekResult
 from cube.client.errors import CubeError
 from cube.client.sync import CubeClient
 from cube.flags import FlagError, FlagSet, run_cli
@@ -81,7 +81,7 @@ def summarize(latencies_us: np.ndarray, keys_per_request: int, wall_s: float, er
     return "\n".join(lines)
 
 
-def _format_batch(result) -> str:
+def _format_batch(result: SeekResult) -> str:
     lines = []
     for key, value in zip(result.keys.tolist(), result.values, strict=True):
         lines.append(f"key:{key} value:{value.hex().upper() if value is not None else ''}")

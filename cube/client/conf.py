@@ -42,7 +42,7 @@ class DictConf:
     dup: int = 1
 
 
-def load_conf(path: str | os.PathLike, dict_name: str | None = None) -> DictConf:
+def load_conf(path: str | os.PathLike[str], dict_name: str | None = None) -> DictConf:
     """Read `path` and return the dict named `dict_name` (optional if the file has one)."""
     try:
         text = Path(path).read_text()

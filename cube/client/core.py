@@ -30,9 +30,10 @@ import re
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from cube import wire
 from cube.client.errors import (
@@ -60,22 +61,22 @@ def normalize_keys(keys: object) -> np.ndarray:
     """Keys as a contiguous 1-D uint64 array. KeyRangeError names the first bad key and its
     position: negative, 2**64 or more, or not an integer (a float is refused even when it
     looks whole: float64 cannot hold every uint64, and 1000003.7 must not become 1000003)."""
-    if isinstance(keys, int | np.integer):
-        keys = [keys]
-    elif isinstance(keys, str | bytes | float | np.floating):
-        raise KeyRangeError(f"keys must be integers, got {type(keys).__name__} {keys!r}")
-    if not isinstance(keys, np.ndarray):
-        given = keys
+    given: object = [keys] if isinstance(keys, int | np.integer) else keys
+    if isinstance(given, str | bytes | float | np.floating):
+        raise KeyRangeError(f"keys must be integers, got {type(given).__name__} {given!r}")
+    if isinstance(given, np.ndarray):
+        array = given
+    else:
         try:
-            keys = np.asarray(given)
+            array = np.asarray(given)
         except (TypeError, ValueError, OverflowError):
-            keys = np.empty(0, dtype=object)
-        if keys.dtype.kind not in "iub":  # floats, strings, huge ints: check them one by one
-            keys = np.fromiter(given, dtype=object)  # type: ignore[call-overload]
-    if keys.dtype == np.uint64:
-        return np.ascontiguousarray(keys.reshape(-1))
-    if keys.dtype.kind == "i":
-        flat = keys.reshape(-1)
+            array = np.empty(0, dtype=object)
+        if array.dtype.kind not in "iub":  # floats, strings, huge ints: check them one by one
+            array = np.fromiter(given, dtype=object)  # type: ignore[call-overload]
+    if array.dtype == np.uint64:
+        return np.ascontiguousarray(array.reshape(-1))
+    if array.dtype.kind == "i":
+        flat = array.reshape(-1)
         negative = np.flatnonzero(flat < 0)
         if negative.size:
             at = int(negative[0])
@@ -83,18 +84,18 @@ def normalize_keys(keys: object) -> np.ndarray:
                 f"key {int(flat[at])} at position {at} is negative; keys are uint64"
             )
         return flat.astype(np.uint64)
-    if keys.dtype.kind == "u" or keys.dtype == np.bool_:
-        return keys.reshape(-1).astype(np.uint64)
-    if keys.dtype != object:
-        flat = keys.reshape(-1)
+    if array.dtype.kind == "u" or array.dtype == np.bool_:
+        return array.reshape(-1).astype(np.uint64)
+    if array.dtype != object:
+        flat = array.reshape(-1)
         if flat.shape[0] == 0:
             return np.empty(0, dtype=np.uint64)
         raise KeyRangeError(
             f"key {flat[0]!r} at position 0 is not an integer (keys are uint64; got an array of"
-            f" dtype {keys.dtype.name})"
+            f" dtype {array.dtype.name})"
         )
     # Python ints beyond int64, or mixed objects: check each to name the culprit.
-    flat = keys.reshape(-1)
+    flat = array.reshape(-1)
     for position, key in enumerate(flat.tolist()):
         if not isinstance(key, int | np.integer) or isinstance(key, bool):
             raise KeyRangeError(f"key {key!r} at position {position} is not an integer")
@@ -332,7 +333,7 @@ def assemble(
     return SeekResult(keys, found, ValueColumn.variable(blob, offsets), version, answered)
 
 
-def embeddings(result: SeekResult, dim: int, dtype: object = "float32") -> np.ndarray:
+def embeddings(result: SeekResult, dim: int, dtype: DTypeLike = "float32") -> np.ndarray:
     """(n, dim) array of the values read as `dtype`; zero rows for misses. A found value whose
     size is not dim * itemsize raises ValueSizeError naming the key."""
     dt = np.dtype(dtype)
@@ -373,7 +374,7 @@ def embeddings(result: SeekResult, dim: int, dtype: object = "float32") -> np.nd
 _PART = re.compile(r"[_.]")
 
 
-def version_order(version: str) -> tuple:
+def version_order(version: str) -> tuple[Any, ...]:
     """Sort key for version names: '' (nothing loaded) first; `_`/`.`-separated parts compare
     as numbers when numeric (`1565323045_1565326078` after `1565323045`), else as text."""
     if not version:
@@ -402,7 +403,9 @@ class PieceOutcome:
 Flow = Generator[list[PieceRequest], list[PieceOutcome], SeekResult]
 
 
-def _raise_rejected(pieces: Sequence[Piece], requests: Sequence[PieceRequest], outcomes) -> None:
+def _raise_rejected(
+    pieces: Sequence[Piece], requests: Sequence[PieceRequest], outcomes: Sequence[PieceOutcome]
+) -> None:
     for request, outcome in zip(requests, outcomes, strict=True):
         if outcome.rejected is not None:
             a = outcome.rejected
@@ -414,12 +417,17 @@ def _raise_rejected(pieces: Sequence[Piece], requests: Sequence[PieceRequest], o
             raise RequestRejectedError(shard, a.endpoint, a.code, a.message)
 
 
-def _failures(pieces, requests, outcomes, keep_version_unavailable: bool) -> dict[int, list]:
+def _failures(
+    pieces: Sequence[Piece],
+    requests: Sequence[PieceRequest],
+    outcomes: Sequence[PieceOutcome],
+    keep_version_unavailable: bool,
+) -> dict[int, Sequence[Attempt]]:
     failed: dict[int, list[Attempt]] = {}
     for request, outcome in zip(requests, outcomes, strict=True):
         if outcome.answer is None and (keep_version_unavailable or not outcome.version_unavailable):
             failed.setdefault(pieces[request.piece].shard, []).extend(outcome.attempts)
-    return failed
+    return dict(failed)
 
 
 def seek_flow(
@@ -441,8 +449,9 @@ def seek_flow(
     failed = _failures(pieces, requests, outcomes, keep_version_unavailable=True)
     if failed:
         raise ShardUnavailableError(failed, assemble(keys, pieces, first))
-    by_version: list[dict[str, Answer]] = [{a.version: a} for a in first]  # type: ignore[union-attr]
-    seen = {a.version for a in first}  # type: ignore[union-attr]
+    answered = [a for a in first if a is not None]  # every piece answered (else raised above)
+    by_version: list[dict[str, Answer]] = [{a.version: a} for a in answered]
+    seen = {a.version for a in answered}
     if len(seen) == 1:
         return assemble(keys, pieces, first)
     tried: list[str] = []

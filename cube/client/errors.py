@@ -3,7 +3,7 @@ tried and what each answered, so an operator can act on the message alone."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -71,7 +71,9 @@ class ShardUnavailableError(CubeError):
     the partial SeekResult: keys of failed shards have `answered == False` (and
     `found == False`, value None), which is distinct from a miss (`answered == True`)."""
 
-    def __init__(self, failures: dict[int, Sequence[Attempt]], result: SeekResult | None) -> None:
+    def __init__(
+        self, failures: Mapping[int, Sequence[Attempt]], result: SeekResult | None
+    ) -> None:
         self.failures = {shard: list(attempts) for shard, attempts in failures.items()}
         self.result = result
         self.shards = sorted(self.failures)
@@ -93,7 +95,7 @@ class VersionMismatchError(CubeError):
     """Shards answered from different versions and no single version could answer the whole
     batch within the bounded number of re-asks. `versions` maps shard -> versions seen."""
 
-    def __init__(self, versions: dict[int, Sequence[str]], tried: Sequence[str]) -> None:
+    def __init__(self, versions: Mapping[int, Sequence[str]], tried: Sequence[str]) -> None:
         self.versions = {shard: list(v) for shard, v in versions.items()}
         self.tried = list(tried)
         seen = ", ".join(

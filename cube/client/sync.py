@@ -34,7 +34,7 @@ from cube.client.transport import CallHandle, SyncChannels
 _Key = tuple[int, int]
 
 
-def _report(events: queue.SimpleQueue, key: _Key, future: Future) -> None:
+def _report(events: queue.SimpleQueue[Any], key: _Key, future: Future[Any]) -> None:
     if not future.cancelled():  # cancelled only when the client closes
         events.put((key, *future.result()))
 
@@ -71,7 +71,8 @@ class CubeClient(ClientBase):
             while True:
                 requests = flow.send(self._run(pieces, requests))
         except StopIteration as done:
-            return done.value
+            result: SeekResult = done.value
+            return result
 
     def get_embeddings(self, keys: object, dim: int, dtype: Any = "float32") -> np.ndarray:
         """(n, dim) array of `dtype`, zero rows for misses; ValueSizeError names a key whose
@@ -95,7 +96,7 @@ class CubeClient(ClientBase):
 
     def _run(self, pieces: Sequence[Piece], requests: Sequence[PieceRequest]) -> list[PieceOutcome]:
         round_ = self._round(pieces, requests, time.monotonic())
-        events: queue.SimpleQueue = queue.SimpleQueue()
+        events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         pending: dict[_Key, CallHandle | None] = {}  # attempts running (None: inline)
         actions = round_.start(time.monotonic())
         while True:
@@ -136,7 +137,7 @@ class CubeClient(ClientBase):
     def _execute(
         self,
         actions: list[Action],
-        events: queue.SimpleQueue,
+        events: queue.SimpleQueue[Any],
         pending: dict[_Key, CallHandle | None],
     ) -> tuple[_Key, bool, Any] | None:
         """Start the Sends (the last one inline unless backup requests are on), cancel the

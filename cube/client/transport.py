@@ -375,7 +375,7 @@ class SyncLane:
     ) -> tuple[int, memoryview]:
         """Read one answer frame: (status, body view)."""
         buffer = np.empty(self._expect, np.uint8)  # not zero-filled, unlike bytearray(n)
-        view = memoryview(buffer)
+        view = buffer.data
         got, need = 0, _HEADER.size
         while got < need:
             if got and time.monotonic() > deadline:
@@ -397,7 +397,7 @@ class SyncLane:
                 if need > buffer.shape[0]:  # larger than the last answer: grow, keep what came
                     grown = np.empty(need, np.uint8)
                     grown[:got] = buffer[:got]
-                    buffer, view = grown, memoryview(grown)
+                    buffer, view = grown, grown.data
         self._expect = need
         return status, view[_HEADER.size : need]
 
@@ -455,7 +455,7 @@ class SyncChannels:
         self._busy_poll = BusyPoll(busy_poll_s)
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
-        self._callables: dict[str, grpc.UnaryUnaryMultiCallable] = {}
+        self._callables: dict[str, grpc.UnaryUnaryMultiCallable[bytes, bytes]] = {}
         self._use_lanes = lanes
         self._check_routing = check_routing
         self._lanes: dict[str, SyncLane | None] = {}  # None: no lane (until _recheck)
@@ -463,7 +463,7 @@ class SyncChannels:
         self._mismatch: dict[str, str] = {}  # endpoints whose routing does not match
         self._closed = False
 
-    def _callable(self, address: str) -> grpc.UnaryUnaryMultiCallable:
+    def _callable(self, address: str) -> grpc.UnaryUnaryMultiCallable[bytes, bytes]:
         call = self._callables.get(address)
         if call is None:
             with self._lock:
@@ -591,7 +591,7 @@ class AioLane(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.lost = False
-        self._pending: collections.deque[tuple[asyncio.Future, asyncio.TimerHandle, float]] = (
+        self._pending: collections.deque[tuple[asyncio.Future[Any], asyncio.TimerHandle, float]] = (
             collections.deque()
         )
         self._buffer = bytearray()
@@ -605,7 +605,7 @@ class AioLane(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         transport.write(LANE_MAGIC)  # type: ignore[attr-defined]
 
-    def send(self, request: bytes, timeout_s: float) -> asyncio.Future:
+    def send(self, request: bytes, timeout_s: float) -> asyncio.Future[Any]:
         future = self._loop.create_future()
         transport = self.transport
         if self.lost or transport is None:
@@ -627,7 +627,7 @@ class AioLane(asyncio.Protocol):
         self._pending.append((future, timer, sent_at))
         return future
 
-    def _expire(self, future: asyncio.Future, timeout_s: float, sent_at: float) -> None:
+    def _expire(self, future: asyncio.Future[Any], timeout_s: float, sent_at: float) -> None:
         if future.done():
             return
         future.set_exception(
@@ -702,16 +702,16 @@ class AioChannels:
         self._method = method
         self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._callables: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
+        self._callables: dict[str, grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]] = {}
         self._use_lanes = lanes
         self._check_routing = check_routing
         self._lanes: dict[str, AioLane | None] = {}  # None: no lane (until _recheck)
         self._recheck: dict[str, float] = {}
         self._mismatch: dict[str, str] = {}
-        self._connecting: dict[str, asyncio.Task] = {}
+        self._connecting: dict[str, asyncio.Task[Any]] = {}
         self._closed = False
 
-    def _callable(self, address: str) -> grpc.aio.UnaryUnaryMultiCallable:
+    def _callable(self, address: str) -> grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]:
         call = self._callables.get(address)
         if call is None:
             if self._closed:
@@ -755,10 +755,12 @@ class AioChannels:
             raise LaneError(CONFIG_MISMATCH, mismatch)
         remaining = max(deadline - time.monotonic(), 1e-3)
         if lane is None:
-            return await self._grpc_call(address, request, remaining)
-        return await lane.send(request, remaining)
+            answer: bytes = await self._grpc_call(address, request, remaining)
+        else:
+            answer = await lane.send(request, remaining)
+        return answer
 
-    def _connected(self, address: str, task: asyncio.Task) -> None:
+    def _connected(self, address: str, task: asyncio.Task[Any]) -> None:
         self._connecting.pop(address, None)
         if not task.cancelled():
             task.exception()  # retrieved here: its callers may all have gone
@@ -830,7 +832,7 @@ class AioChannels:
             await channel.close()
 
 
-def _failed_future(code: str, message: str) -> asyncio.Future:
+def _failed_future(code: str, message: str) -> asyncio.Future[Any]:
     future = asyncio.get_running_loop().create_future()
     future.set_exception(LaneError(code, message))
     return future
