@@ -47,12 +47,10 @@ from cube.agent.fetch import (
 )
 from cube.agent.journal import Journal
 from cube.agent.layout import (
-    CHAIN_FILE,
     TMP_PREFIX,
     BadRequest,
     Layout,
     chain_is_valid,
-    chain_text,
     check_name,
     placed_versions,
     plan_retention,
@@ -66,6 +64,7 @@ from cube.agent.work import SERVER_COMMANDS, Work
 
 from cube.format import ShardFormatError
 from cube.fsutil import atomic_write_json, atomic_write_text, file_md5, fsync_dir
+from cube.layout import CHAIN_FILE, chain_text, tar_name
 from cube.shard import Shard
 
 log = logging.getLogger("cube.agent")
@@ -306,7 +305,7 @@ class Agent:
         try:
             return check_name("source file name", name)
         except BadRequest:
-            return f"{req.get('dict_name') or 'shard'}_part{req.get('shard_seq') or 0}.tar"
+            return tar_name(req.get("dict_name") or "shard", req.get("shard_seq") or 0)
 
     @staticmethod
     async def _downloaded(tar: Path, marker: Path, md5: str) -> bool:

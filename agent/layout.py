@@ -11,41 +11,35 @@ file helpers write through a temp name and rename so a reader never sees half a 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from cube.fsutil import atomic_write_text
+from cube.layout import (
+    CHAIN_FILE,
+    NAME_RULE,
+    VERSION_FILE,
+    LayoutError,
+    clip,
+    is_name,
+    parse_chain,
+    parse_version,
+    version_text,
+)
 
-VERSION_FILE = "VERSION"
-CHAIN_FILE = "CHAIN"
 TMP_PREFIX = ".tmp-"
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class BadRequest(ValueError):
     """A request field that cannot be used; the message names the field."""
 
 
-def is_name(value: object) -> bool:
-    return isinstance(value, str) and bool(_NAME_RE.fullmatch(value)) and ".." not in value
-
-
 def check_name(field: str, value: object) -> str:
     """A version or dict name that is safe as one path component (no '/', no '..')."""
     if not is_name(value):
-        raise BadRequest(
-            f"{field}: {clip(value)} is not a valid name (letters, digits, '.', '_', '-'; "
-            "at most 128 characters; no '..')"
-        )
+        raise BadRequest(f"{field}: {clip(value, 80)} is not a valid name ({NAME_RULE})")
     return value
-
-
-def clip(value: object, limit: int = 80) -> str:
-    """A value for a message, quoted and cut: a request can send megabytes."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def version_dir_name(version: str, depend: str = "", mode: str = "") -> str:
@@ -103,20 +97,16 @@ class Layout:
 
 
 def read_version_file(layout: Layout) -> str:
-    """The first line of data/VERSION, or '' when there is none."""
+    """The version data/VERSION names (cube.layout.parse_version), or '' when there is none."""
     try:
-        lines = layout.version_file.read_text(encoding="utf-8").splitlines()
+        text = layout.version_file.read_text(encoding="utf-8")
     except FileNotFoundError:
         return ""
-    return lines[0].strip() if lines else ""
+    return parse_version(text) or ""
 
 
 def write_version_file(layout: Layout, version: str) -> None:
-    atomic_write_text(layout.version_file, version + "\n")
-
-
-def chain_text(chain: Sequence[str]) -> str:
-    return "".join(f"{name}\n" for name in chain)
+    atomic_write_text(layout.version_file, version_text(version))
 
 
 def normalize_chain(chain: object, version: str) -> list[str]:
@@ -146,13 +136,13 @@ def read_chain(layout: Layout, version: str) -> list[str]:
 
 
 def chain_is_valid(layout: Layout, version: str) -> bool:
-    """Whether data/<version>/CHAIN lists only version names, base first, ending with it."""
+    """Whether data/<version>/CHAIN is a chain the server accepts (cube.layout.parse_chain)."""
     try:
         text = (layout.version_dir(version) / CHAIN_FILE).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
+        parse_chain(text, version)
+    except (OSError, UnicodeDecodeError, LayoutError):
         return False
-    lines = _chain_lines(text)
-    return bool(lines) and all(map(is_name, lines)) and lines[-1] == version
+    return True
 
 
 def _chain_lines(text: str) -> list[str]:

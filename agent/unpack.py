@@ -19,6 +19,7 @@ import tarfile
 from pathlib import Path, PurePosixPath
 
 from cube.format import ShardFormatError
+from cube.layout import clip, member_problem
 from cube.shard import DATA_FILE, INDEX_FILE, Shard
 
 log = logging.getLogger("cube.agent")
@@ -28,33 +29,6 @@ REQUIRED_FILES = (INDEX_FILE, DATA_FILE)
 
 class UnsafeTar(ValueError):
     """A tar the agent refuses to extract; the message names the tar and the member."""
-
-
-def member_problem(member: tarfile.TarInfo) -> str | None:
-    """Why `member` may not be extracted, or None when it is a plain file or directory."""
-    name = member.name
-    if name.startswith("/") or PurePosixPath(name).is_absolute():
-        return "absolute path"
-    if ".." in PurePosixPath(name).parts:
-        return "path leaves the target directory ('..')"
-    if "\\" in name or "\x00" in name:
-        return "backslash or NUL in the name"
-    if member.issym():
-        return f"symlink (to {clip(member.linkname)})"
-    if member.islnk():
-        return f"hard link (to {clip(member.linkname)})"
-    if member.ischr() or member.isblk():
-        return "device file"
-    if member.isfifo():
-        return "fifo"
-    if not (member.isreg() or member.isdir()):
-        return f"unsupported member type {member.type!r}"
-    return None
-
-
-def clip(name: str, limit: int = 100) -> str:
-    """A member name for a message: quoted, and cut (a PAX name can be any length)."""
-    return repr(name) if len(name) <= limit else repr(name[:limit]) + "..."
 
 
 def relative_name(member: tarfile.TarInfo) -> str:

@@ -17,6 +17,7 @@ import numpy as np
 from cube.bench.targets import Dataset, Target, TargetUnavailable
 from cube.transfer.processes import free_port
 
+from cube.layout import part_name
 from cube.values import ValueColumn
 
 DICT_NAME = "bench_dict"
@@ -131,7 +132,7 @@ class CubeTarget(Target):
     def _parts(self, output_dir: Path, shard_num: int) -> list[Path]:
         parts = []
         for shard in range(shard_num):
-            found = sorted(output_dir.glob(f"*/{DICT_NAME}_part{shard}"))
+            found = sorted(output_dir.glob(f"*/{part_name(DICT_NAME, shard)}"))
             found = [p for p in found if p.is_dir()]
             if len(found) != 1:
                 raise RuntimeError(

@@ -57,6 +57,7 @@ from cube.builder.spill import (
 
 from cube.fsutil import atomic_write_text, fsync_dir, md5_line
 from cube.index import build_table
+from cube.layout import output_dir_name, part_name, served_version
 from cube.routing import check_partitioner, shard_of
 from cube.shard import DATA_FILE, INDEX_FILE, write_shard
 from cube.values import ValueColumn
@@ -114,15 +115,15 @@ class BuildConfig:
     @property
     def version_dir_name(self) -> str:
         """`<depend>_<cur>`: the builder's output directory (for a base, `<depend>_<depend>`)."""
-        return f"{self.depend_version}_{self.cur_version}"
+        return output_dir_name(str(self.depend_version), str(self.cur_version))
 
     @property
     def served_version(self) -> str:
         """The version name servers use: `<depend>` for a base, `<depend>_<cur>` for a delta."""
-        return str(self.depend_version) if self.mode == "base" else self.version_dir_name
+        return served_version(str(self.depend_version), str(self.cur_version), self.mode == "base")
 
     def shard_name(self, shard: int) -> str:
-        return f"{self.dict_name}_part{shard}"
+        return part_name(self.dict_name, shard)
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,10 @@ from cube.agent.tasks import (
     TaskFailed,
     TaskManager,
 )
-from cube.agent.unpack import UnsafeTar, extract_shard_tar, member_problem
+from cube.agent.unpack import UnsafeTar, extract_shard_tar
 from cube.agent.work import parse_work
+
+from cube.layout import member_problem
 
 FAST = FetchPolicy(
     attempts=3, backoff=0.01, timeout=20, io_timeout=5, sources=SourcePolicy(allow_files=True)

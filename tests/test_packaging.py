@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import configparser
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -21,11 +22,14 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    leftover = not (REPO / "build").exists()  # setuptools builds in REPO/build: tidy it
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
          "-w", str(out), str(REPO)],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
+    if leftover:
+        shutil.rmtree(REPO / "build", ignore_errors=True)
     (found,) = out.glob("cube_py-*.whl")
     return found
 

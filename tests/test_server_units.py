@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from procs import fixed_values, write_version
 
+from cube.layout import base_of
 from cube.pb import cube_fast_pb2, cube_pb2
 from cube.server.control import ControlError, Coordinator, LocalWorker
 from cube.server.service import (
@@ -25,7 +26,6 @@ from cube.server.versions import (
     LoadOptions,
     VersionError,
     VersionSlots,
-    base_of,
     load_base,
     resolve_chain,
     split_dirs,

@@ -351,7 +351,7 @@ def test_an_empty_base_is_refused_and_the_live_version_keeps_serving(ctx):
     ("tamper", "reason"),
     [
         ("md5", "does not match its .md5"),
-        ("evil", "'..' in the path"),
+        ("evil", "leaves the target directory ('..')"),
         ("corrupt", "reload did not reach quorum"),
     ],
 )

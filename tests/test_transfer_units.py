@@ -521,13 +521,13 @@ def test_check_outputs_rejects_bad_builds(tmp_path):
     with pytest.raises(builds.BuildError, match=r"does not match its \.md5"):
         builds.check_outputs(tmp_path / "a", "d", 1)
     _write_output(tmp_path / "b", 0, _tar_bytes({"../evil": b"x"}))
-    with pytest.raises(builds.BuildError, match=r"'\.\.' in the path"):
+    with pytest.raises(builds.BuildError, match=r"leaves the target directory"):
         builds.check_outputs(tmp_path / "b", "d", 1)
     link = tarfile.TarInfo("link")
     link.type = tarfile.SYMTYPE
     link.linkname = "/etc/passwd"
     _write_output(tmp_path / "c", 0, _tar_bytes({}, link))
-    with pytest.raises(builds.BuildError, match="not a regular file"):
+    with pytest.raises(builds.BuildError, match="symlink"):
         builds.check_outputs(tmp_path / "c", "d", 1)
     _write_output(tmp_path / "d", 0, b"garbage" * 100)
     with pytest.raises(builds.BuildError, match="not a readable tar"):

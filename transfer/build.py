@@ -25,6 +25,7 @@ from pathlib import Path, PurePosixPath
 
 from cube import format as fmt
 from cube.fsutil import file_md5, md5_of_line
+from cube.layout import member_problem, tar_name
 from cube.shard import INDEX_FILE
 
 log = logging.getLogger("cube.transfer.build")
@@ -50,10 +51,6 @@ def resolve_command(name: str) -> str:
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
     raise BuildError(f"buildtool_local {name!r} was not found on PATH nor in {beside.parent}")
-
-
-def output_dir_name(depend: str, cur: str) -> str:
-    return f"{depend}_{cur}"
 
 
 def builder_argv(
@@ -152,18 +149,6 @@ def read_md5_file(path: Path) -> str:
     return digest
 
 
-def member_problem(member: tarfile.TarInfo) -> str | None:
-    """Why a tar member must not be extracted (None when it is a safe file or directory)."""
-    name = member.name
-    if name.startswith("/") or PurePosixPath(name).is_absolute():
-        return "absolute path"
-    if ".." in PurePosixPath(name).parts:
-        return "'..' in the path"
-    if not (member.isfile() or member.isdir()):
-        return "not a regular file or directory"
-    return None
-
-
 def check_tar(path: Path) -> None:
     try:
         with tarfile.open(path, "r:") as tar:
@@ -206,7 +191,7 @@ def check_outputs(
     Blocking: run in a thread."""
     shards = []
     for shard in range(shard_num):
-        tar = out_dir / f"{dict_name}_part{shard}.tar"
+        tar = out_dir / tar_name(dict_name, shard)
         if not tar.is_file():
             raise BuildError(f"{tar}: missing (the builder wrote no tar for shard {shard})")
         expected = read_md5_file(tar.with_name(tar.name + ".md5"))

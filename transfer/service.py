@@ -69,6 +69,7 @@ from cube.transfer.state import (
 )
 from cube.transfer.views import source_url
 
+from cube.layout import output_dir_name, tar_name
 from cube.security import client_context
 
 log = logging.getLogger("cube.transfer")
@@ -300,7 +301,7 @@ class TransferService:
     async def _build(self, rec: VersionRecord) -> None:
         cfg = self.cfg
         rec.times["build_start"] = now()
-        out_name = builds.output_dir_name(rec.depend, rec.id)
+        out_name = output_dir_name(rec.depend, rec.id)
         out_dir = cfg.output_address / out_name
         rec.output = str(out_dir)
         # a build killed midway left half of it
@@ -365,7 +366,7 @@ class TransferService:
                 continue
             out = Path(rec.output)
             for shard in range(self.cfg.shard_num):
-                tar = out / f"{self.cfg.dict_name}_part{shard}.tar"
+                tar = out / tar_name(self.cfg.dict_name, shard)
                 try:
                     records, deleted = await asyncio.to_thread(builds.read_counts, tar)
                 except builds.BuildError as exc:

@@ -15,6 +15,8 @@ from typing import Any
 
 from cube.transfer.donefile import BASE_FILE, PATCH_FILE, BadLine, DonefileEntry
 
+from cube.layout import served_version
+
 # Version statuses: the original's numbers where it had one (VersionInfo.status), ours after 100.
 VERSION_STATUS = {
     "pending": 10,
@@ -234,7 +236,7 @@ class TransferState:
 
 
 def version_name(entry: DonefileEntry) -> str:
-    return entry.id if entry.is_base else f"{entry.key}_{entry.id}"
+    return served_version(entry.key, entry.id, entry.is_base)
 
 
 def ingest(

@@ -13,6 +13,8 @@ from cube.transfer.config import Instance, TransferConfig
 from cube.transfer.donefile import redact
 from cube.transfer.state import INSTANCE_STATUS, VERSION_STATUS, TransferState, VersionRecord
 
+from cube.layout import tar_name
+
 _INSTANCE_TIMES = (
     "builded_time",
     "download_start_time",
@@ -111,7 +113,7 @@ def source_url(cfg: TransferConfig, rec: VersionRecord, shard: int) -> str:
     scheme = "https" if cfg.download_mode == "http" and cfg.tls_cert else cfg.download_mode
     return (
         f"{scheme}://{cfg.transfer_address}:{cfg.wget_port}/"
-        f"{out_name}/{cfg.dict_name}_part{shard}.tar"
+        f"{out_name}/{tar_name(cfg.dict_name, shard)}"
     )
 
 

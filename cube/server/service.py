@@ -23,6 +23,7 @@ import numpy as np
 
 from cube import wire
 from cube.index import TOMBSTONE
+from cube.layout import part_name
 from cube.pb import cube_fast_pb2, cube_pb2
 from cube.routing import MISROUTED_HINT, group_by_owner, shard_of
 from cube.server.versions import LoadedVersion, VersionSlots
@@ -398,7 +399,7 @@ class SeekService:
         self.dict_name = dict_name
         self.accepted_names = {"", dict_name}
         if dict_name and shard >= 0:
-            self.accepted_names.add(f"{dict_name}_part{shard}")
+            self.accepted_names.add(part_name(dict_name, shard))
         self.partitioner = partitioner
         self.counters = Counters()
         self.lane_port = 0  # the TCP lane's port, announced to empty Seek requests (discovery)

@@ -33,12 +33,22 @@ from typing import Any
 import numpy as np
 
 from cube.format import ShardFormatError, VerifyCancelled
+from cube.layout import (
+    CHAIN_FILE,
+    PART_RE,
+    VERSION_FILE,
+    LayoutError,
+    base_of,
+    chain_text,
+    delta_order,
+    is_delta,
+    parse_chain,
+    parse_version,
+    version_text,
+)
 from cube.routing import ShardRouting
 from cube.server.guard import FileWatch
 from cube.shard import Shard, ShardStack
-
-VERSION_FILE = "VERSION"
-CHAIN_FILE = "CHAIN"
 
 log = logging.getLogger("cube.server")
 
@@ -78,24 +88,6 @@ def version_name_from_path(version_path: str, data_dir: str | os.PathLike) -> st
     return name
 
 
-def base_of(name: str) -> str:
-    """`<base>_<cur>` -> `<base>`; a base is its own base (`X_X` too, the builder's base dir)."""
-    if "_" not in name:
-        return name
-    base, _, cur = name.rpartition("_")
-    return name if base == cur else base
-
-
-def is_delta(name: str) -> bool:
-    return base_of(name) != name
-
-
-def _delta_order(name: str) -> tuple[int, int, str]:
-    """Sort deltas of one base by their `<cur>` part: numerically when it is a number."""
-    cur = name.rpartition("_")[2]
-    return (0, int(cur), "") if cur.isdigit() else (1, 0, cur)
-
-
 def split_dirs(data_dir: str | os.PathLike, dict_split: int) -> list[Path]:
     root = Path(data_dir)
     if dict_split <= 1:
@@ -104,18 +96,16 @@ def split_dirs(data_dir: str | os.PathLike, dict_split: int) -> list[Path]:
 
 
 def read_version_file(split_dir: Path) -> str | None:
-    """The first line of VERSION, or None when there is no such file (or it is blank)."""
+    """The version VERSION names, or None when there is no such file (or it is blank)."""
     try:
         text = (split_dir / VERSION_FILE).read_text()
     except FileNotFoundError:
         return None
-    except OSError as exc:
+    except (OSError, UnicodeDecodeError) as exc:
         raise VersionError("FAILED_PRECONDITION", f"{split_dir / VERSION_FILE}: {exc}") from exc
-    lines = text.strip().splitlines()
-    return lines[0].strip() if lines else None
+    return parse_version(text)
 
 
-_BUILDER_OUTPUT = re.compile(r".+_part\d+(\.tar(\.md5)?)?")
 _SHARD_FILES = ("index.cube", "data.cube")
 LAYOUT_HINT = (
     "the server reads <data_dir>/VERSION, which names a version directory"
@@ -139,13 +129,13 @@ def diagnose_data_dir(data_dir: Path, dirs: list[Path]) -> str:
         names = sorted(p.name for p in data_dir.iterdir())
     except OSError as exc:
         return f"--data_dir {data_dir} cannot be read: {exc}"
-    built = [n for n in names if _BUILDER_OUTPUT.fullmatch(n) or n == "meta_info"]
+    built = [n for n in names if PART_RE.fullmatch(n) or n == "meta_info"]
     nested = [
         f"{n}/{m.name}"
         for n in names
         if re.fullmatch(r"\d+_\d+", n) and (data_dir / n).is_dir()
         for m in (data_dir / n).iterdir()
-        if _BUILDER_OUTPUT.fullmatch(m.name)
+        if PART_RE.fullmatch(m.name)
     ][:3]
     if built or nested:
         found = ", ".join((built or nested)[:3])
@@ -182,23 +172,18 @@ def startup_version(dirs: list[Path]) -> str | None:
 
 
 def read_chain(split_dir: Path, name: str) -> list[str] | None:
-    """The CHAIN file of version `name`, checked: base first, ending with `name`."""
+    """The CHAIN file of version `name`, checked (cube.layout.parse_chain); None if absent."""
     path = split_dir / name / CHAIN_FILE
     try:
-        lines = path.read_text().split()
+        text = path.read_text()
     except FileNotFoundError:
         return None
-    except OSError as exc:
+    except (OSError, UnicodeDecodeError) as exc:
         raise VersionError("FAILED_PRECONDITION", f"{path}: {exc}") from exc
-    if not lines or lines[-1] != name or lines[0] != base_of(name):
-        raise VersionError(
-            "FAILED_PRECONDITION",
-            f"{path}: a chain must start with the base {base_of(name)!r} and end with {name!r},"
-            f" got {lines!r}",
-        )
-    if len(set(lines)) != len(lines) or any(base_of(n) != lines[0] for n in lines):
-        raise VersionError("FAILED_PRECONDITION", f"{path}: bad chain {lines!r}")
-    return lines
+    try:
+        return parse_chain(text, name)
+    except LayoutError as exc:
+        raise VersionError("FAILED_PRECONDITION", f"{path}: {exc}") from None
 
 
 def resolve_chain(split_dir: Path, name: str) -> list[str]:
@@ -214,10 +199,10 @@ def resolve_chain(split_dir: Path, name: str) -> list[str]:
             except OSError as exc:
                 raise VersionError("NOT_FOUND", f"{split_dir}: {exc}") from exc
             deltas = sorted(
-                (n for n in entries if is_delta(n) and base_of(n) == base), key=_delta_order
+                (n for n in entries if is_delta(n) and base_of(n) == base), key=delta_order
             )
-            upto = _delta_order(name)
-            chain = [base, *(d for d in deltas if _delta_order(d) <= upto)]
+            upto = delta_order(name)
+            chain = [base, *(d for d in deltas if delta_order(d) <= upto)]
     for link in chain:
         if not (split_dir / link).is_dir():
             raise VersionError(
@@ -234,7 +219,7 @@ def write_chain(split_dir: Path, name: str, chain: list[str]) -> None:
     path = split_dir / name / CHAIN_FILE
     tmp = path.with_name(f".{CHAIN_FILE}.tmp-{os.getpid()}")
     try:
-        tmp.write_text("".join(f"{link}\n" for link in chain))
+        tmp.write_text(chain_text(chain))
         os.replace(tmp, path)
     except OSError as exc:
         log.warning("could not record the chain of %s in %s: %s", name, path, exc)
@@ -244,7 +229,7 @@ def write_chain(split_dir: Path, name: str, chain: list[str]) -> None:
 def write_version_file(split_dir: Path, name: str) -> None:
     path = split_dir / VERSION_FILE
     tmp = path.with_name(f".{VERSION_FILE}.tmp-{os.getpid()}")
-    tmp.write_text(f"{name}\n")
+    tmp.write_text(version_text(name))
     os.replace(tmp, path)
 
 

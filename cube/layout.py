@@ -1,0 +1,149 @@
+"""The on-disk contract every Cube process shares: names, the data layout, chains, tar members.
+
+Pure (text in, decisions out; the shells read and write the files). One home for rules the
+builder, transfer, agent and server each used to spell out on their own:
+
+- Names: a dict or version name is one safe path component (`NAME_RE`).
+- Build output: `<output>/<depend>_<cur>/<dict>_part<shard>/` and `<dict>_part<shard>.tar`
+  (`output_dir_name`, `part_name`, `tar_name`); a base's output `<d>_<d>` is served as `<d>`
+  (`served_version`).
+- Versions: a base is `<depend>`, a delta `<depend>_<cur>` (`base_of`, `is_delta`,
+  `delta_order`); the original's pair (version=<cur>, depend=<depend>) maps to the same name.
+- Data layout (the server's --data_dir, the agent's deploy_path/data): `VERSION` names the
+  version to serve at start (its first line; missing or blank: none), `<version>/` holds
+  `index.cube` + `data.cube`, and a delta's `CHAIN` lists its chain, base first, ending with it.
+- Tar members a shard tar may hold: plain files and directories with relative names that stay
+  inside the target (`member_problem`).
+"""
+
+from __future__ import annotations
+
+import re
+import tarfile
+from collections.abc import Sequence
+from pathlib import PurePosixPath
+
+VERSION_FILE = "VERSION"
+CHAIN_FILE = "CHAIN"
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+NAME_RULE = "letters, digits, '.', '_', '-'; at most 128 characters; no '..'"
+
+
+class LayoutError(ValueError):
+    """A name, VERSION or CHAIN that breaks the contract; the message says which and why."""
+
+
+# ---------------------------------------------------------------------------------------------
+# names
+
+
+def is_name(value: object) -> bool:
+    """A dict or version name: one path component, no '..'."""
+    return isinstance(value, str) and bool(NAME_RE.fullmatch(value)) and ".." not in value
+
+
+def part_name(dict_name: str, shard: int) -> str:
+    """A shard's build directory (and, with .tar, its archive): `<dict>_part<shard>`."""
+    return f"{dict_name}_part{shard}"
+
+
+def tar_name(dict_name: str, shard: int) -> str:
+    return f"{part_name(dict_name, shard)}.tar"
+
+
+PART_RE = re.compile(r".+_part\d+(\.tar(\.md5)?)?")  # what build output looks like
+
+
+def output_dir_name(depend: str, cur: str) -> str:
+    """The builder's output directory of a version: `<depend>_<cur>` (a base: `<d>_<d>`)."""
+    return f"{depend}_{cur}"
+
+
+def served_version(depend: str, cur: str, is_base: bool) -> str:
+    """The version name servers and agents use: `<depend>` for a base, else `<depend>_<cur>`."""
+    return str(depend) if is_base else output_dir_name(depend, cur)
+
+
+def base_of(name: str) -> str:
+    """`<base>_<cur>` -> `<base>`; a base is its own base (`X_X` too, the builder's base dir)."""
+    if "_" not in name:
+        return name
+    base, _, cur = name.rpartition("_")
+    return name if base == cur else base
+
+
+def is_delta(name: str) -> bool:
+    return base_of(name) != name
+
+
+def delta_order(name: str) -> tuple[int, int, str]:
+    """Sort deltas of one base by their `<cur>` part: numerically when it is a number."""
+    cur = name.rpartition("_")[2]
+    return (0, int(cur), "") if cur.isdigit() else (1, 0, cur)
+
+
+# ---------------------------------------------------------------------------------------------
+# VERSION and CHAIN
+
+
+def parse_version(text: str) -> str | None:
+    """The version VERSION names: its first line, stripped; None when blank."""
+    lines = text.strip().splitlines()
+    return lines[0].strip() if lines and lines[0].strip() else None
+
+
+def version_text(name: str) -> str:
+    return f"{name}\n"
+
+
+def chain_text(chain: Sequence[str]) -> str:
+    return "".join(f"{name}\n" for name in chain)
+
+
+def parse_chain(text: str, name: str) -> list[str]:
+    """The chain a CHAIN file of version `name` lists, checked: version names, base first,
+    ending with `name`, no repeats, one base. LayoutError says what is wrong."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines or lines[-1] != name or lines[0] != base_of(name):
+        raise LayoutError(
+            f"a chain must start with the base {base_of(name)!r} and end with {name!r},"
+            f" got {lines[:8]!r}"
+        )
+    if not all(map(is_name, lines)):
+        raise LayoutError(f"a chain lists only version names, got {lines[:8]!r}")
+    if len(set(lines)) != len(lines) or any(base_of(n) != lines[0] for n in lines):
+        raise LayoutError(f"bad chain {lines[:8]!r} (a repeat, or a delta of another base)")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# tar members
+
+
+def member_problem(member: tarfile.TarInfo) -> str | None:
+    """Why a shard tar member may not be extracted, or None when it is a plain file or
+    directory whose relative name stays inside the target."""
+    name = member.name
+    if name.startswith("/") or PurePosixPath(name).is_absolute():
+        return "absolute path"
+    if ".." in PurePosixPath(name).parts:
+        return "path leaves the target directory ('..')"
+    if "\\" in name or "\x00" in name:
+        return "backslash or NUL in the name"
+    if member.issym():
+        return f"symlink (to {clip(member.linkname)})"
+    if member.islnk():
+        return f"hard link (to {clip(member.linkname)})"
+    if member.ischr() or member.isblk():
+        return "device file"
+    if member.isfifo():
+        return "fifo"
+    if not (member.isreg() or member.isdir()):
+        return f"unsupported member type {member.type!r}"
+    return None
+
+
+def clip(value: object, limit: int = 100) -> str:
+    """A value for a message, quoted and cut (a name or a request field can be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -1,0 +1,68 @@
+"""cube.layout: the one definition of names, build output names, version names, VERSION and
+CHAIN, and which tar members a shard tar may hold (builder, transfer, agent and server use it)."""
+
+from __future__ import annotations
+
+import tarfile
+
+import pytest
+
+from cube import layout
+
+
+def test_names():
+    assert layout.is_name("1700000000_1700000100") and layout.is_name("my.dict-2")
+    for bad in ("", "..", "a/b", ".hidden", "a..b", "x" * 129, None, 7):
+        assert not layout.is_name(bad)
+    assert layout.part_name("d", 3) == "d_part3" and layout.tar_name("d", 3) == "d_part3.tar"
+    assert layout.PART_RE.fullmatch("d_part3.tar.md5") and not layout.PART_RE.fullmatch("d_x3")
+
+
+def test_version_names():
+    assert layout.output_dir_name("100", "100") == "100_100"
+    assert layout.served_version("100", "100", is_base=True) == "100"
+    assert layout.served_version("100", "150", is_base=False) == "100_150"
+    assert layout.base_of("100_150") == "100" and layout.base_of("100_100") == "100_100"
+    assert layout.is_delta("100_150") and not layout.is_delta("100")
+    deltas = ["100_90", "100_1000", "100_b", "100_200"]
+    assert sorted(deltas, key=layout.delta_order) == ["100_90", "100_200", "100_1000", "100_b"]
+
+
+def test_version_and_chain_files():
+    assert layout.parse_version("100\nignored\n") == "100"
+    assert layout.parse_version("  \n") is None and layout.parse_version("") is None
+    chain = ["100", "100_150", "100_200"]
+    assert layout.parse_chain(layout.chain_text(chain), "100_200") == chain
+    for text, words in [
+        ("100\n100_150\n", "end with"),
+        ("100_150\n100_200\n", "start with the base"),
+        ("100\n../x\n100_200\n", "base"),
+        ("100\n100_150\n100_150\n100_200\n", "repeat"),
+    ]:
+        with pytest.raises(layout.LayoutError, match=words):
+            layout.parse_chain(text, "100_200")
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "words"),
+    [
+        ("/abs", tarfile.REGTYPE, "absolute"),
+        ("a/../../x", tarfile.REGTYPE, "leaves the target"),
+        ("a\\b", tarfile.REGTYPE, "backslash"),
+        ("link", tarfile.SYMTYPE, "symlink"),
+        ("hard", tarfile.LNKTYPE, "hard link"),
+        ("dev", tarfile.CHRTYPE, "device"),
+        ("fifo", tarfile.FIFOTYPE, "fifo"),
+    ],
+)
+def test_tar_members_refused(name, kind, words):
+    member = tarfile.TarInfo(name)
+    member.type = kind
+    assert words in (layout.member_problem(member) or "")
+
+
+def test_tar_members_allowed():
+    for name, kind in (("./index.cube", tarfile.REGTYPE), ("sub", tarfile.DIRTYPE)):
+        member = tarfile.TarInfo(name)
+        member.type = kind
+        assert layout.member_problem(member) is None
