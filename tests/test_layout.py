@@ -36,7 +36,7 @@ def test_version_and_chain_files():
     for text, words in [
         ("100\n100_150\n", "end with"),
         ("100_150\n100_200\n", "start with the base"),
-        ("100\n../x\n100_200\n", "base"),
+        ("100\n../x\n100_200\n", "only version names"),
         ("100\n100_150\n100_150\n100_200\n", "repeat"),
     ]:
         with pytest.raises(layout.LayoutError, match=words):
