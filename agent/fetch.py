@@ -32,6 +32,7 @@ from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
 import aiohttp
 import yarl
 
+from cube.backoff import Backoff
 from cube.fsutil import md5_of_line
 from cube.security import client_context
 
@@ -614,7 +615,7 @@ async def _fetch(
                 break
             last = exc
         if attempt < policy.attempts:
-            pause = min(policy.backoff * 2 ** (attempt - 1), policy.backoff_max)
+            pause = Backoff(policy.backoff, policy.backoff_max).delay(attempt - 1)
             await asyncio.sleep(max(0.0, min(pause, deadline - time.monotonic())))
     if time.monotonic() >= deadline:
         raise FetchError(

@@ -66,3 +66,20 @@ def test_tar_members_allowed():
         member = tarfile.TarInfo(name)
         member.type = kind
         assert layout.member_problem(member) is None
+
+
+def test_one_backoff_rule():
+    import random
+
+    from cube.backoff import Backoff
+
+    plain = Backoff(5.0, 300.0)
+    assert [plain.delay(i) for i in range(8)] == [5, 10, 20, 40, 80, 160, 300, 300]
+    assert plain.delay(10**6) == 300.0  # days of failures: bounded, no overflow
+    jittered = Backoff(0.002, 0.1, jitter=0.5)
+    rng = random.Random(1)
+    for retry in range(10):
+        ceiling = min(0.1, 0.002 * 2**retry)
+        assert ceiling / 2 <= jittered.delay(retry, rng) <= ceiling
+    with pytest.raises(ValueError, match="jitter"):
+        Backoff(1, 2, jitter=2)

@@ -15,6 +15,7 @@ from typing import Any
 
 from cube.transfer.donefile import BASE_FILE, PATCH_FILE, BadLine, DonefileEntry
 
+from cube.backoff import Backoff
 from cube.layout import served_version
 
 # Version statuses: the original's numbers where it had one (VersionInfo.status), ours after 100.
@@ -472,4 +473,4 @@ def shrink_refusal(
 def backoff_delay(failures: int, base: float = 5.0, cap: float = 300.0) -> float:
     """Seconds before the next try after `failures` in a row: base, 2 x base, ... up to cap
     (the exponent is bounded too: days of failures must not overflow a float)."""
-    return min(cap, base * (2 ** min(max(failures - 1, 0), 30)))
+    return Backoff(base, cap).delay(failures - 1)

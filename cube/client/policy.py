@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from cube.backoff import Backoff
 from cube.client.core import PieceOutcome
 from cube.client.errors import Attempt, ConfError
 from cube.wire import Answer, BadMessage
@@ -78,8 +79,8 @@ class Policy:
     def backoff_s(self, retry_index: int, rng: random.Random) -> float:
         """Delay before retry number `retry_index` (0-based): capped exponential, jittered
         into [half, full] so that clients do not retry in lockstep."""
-        ceiling = min(self.backoff_cap_ms, self.backoff_base_ms * (2.0**retry_index))
-        return ceiling * rng.uniform(0.5, 1.0) / 1000.0
+        backoff = Backoff(self.backoff_base_ms / 1000.0, self.backoff_cap_ms / 1000.0, 0.5)
+        return backoff.delay(retry_index, rng)
 
     def max_attempts(self) -> int:
         return (1 + self.retry) * (2 if self.backup_request_ms > 0 else 1)
