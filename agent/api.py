@@ -17,18 +17,19 @@ from cube.agent.layout import BadRequest
 from cube.agent.tasks import TaskBusy
 from cube.agent.work import QUERY_COMMAND, parse_work
 
+from cube import protocol
+from cube.protocol import ERROR, OK, UNKNOWN_API
 from cube.security import bearer_token, token_matches
 
 log = logging.getLogger("cube.agent")
 
-OK, ERROR, UNKNOWN_API = "0", "255", "2"
 API_LIST = ["GET /agent/status", "POST /agent/cmd"]
 MAX_BODY = 1 << 20  # a command is a few hundred bytes
 AGENT_KEY = web.AppKey("agent", Agent)
 
 
 def envelope(success: str, message: str, data: Any = None, status: int = 200) -> web.Response:
-    return web.json_response({"success": success, "message": message, "data": data}, status=status)
+    return web.json_response(protocol.envelope(data, message, success), status=status)
 
 
 def _no_constant(name: str) -> Any:

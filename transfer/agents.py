@@ -18,6 +18,8 @@ from typing import Any
 import aiohttp
 from cube.transfer.config import Instance
 
+from cube.protocol import read_envelope
+
 log = logging.getLogger("cube.transfer.agents")
 MAX_ANSWER = 4 << 20  # bytes of one agent answer (a status lists its tasks: far less)
 
@@ -93,15 +95,16 @@ class AgentClient:
             raise AgentUnreachable(
                 f"agent {inst.agent_address}: {type(exc).__name__}: {exc}".rstrip(": ")
             ) from exc
-        if not isinstance(envelope, dict):
+        reply = read_envelope(envelope)
+        if reply is None:
             raise AgentUnreachable(f"agent {inst.agent_address}: answer is not an envelope")
-        if str(envelope.get("success")) != "0":
+        if not reply.ok:
             raise AgentRefused(
-                f"agent {inst.agent_address}: {said(envelope.get('message'), 'error')} "
-                f"(success={envelope.get('success')}, HTTP {resp.status})",
+                f"agent {inst.agent_address}: {said(reply.message, 'error')} "
+                f"(success={reply.success}, HTTP {resp.status})",
                 resp.status,
             )
-        return envelope.get("data")
+        return reply.data
 
     async def status(self, inst: Instance) -> dict[str, Any]:
         data = await self._request(inst, "GET", "/agent/status")

@@ -13,7 +13,9 @@ from cube.transfer.config import Instance, TransferConfig
 from cube.transfer.donefile import redact
 from cube.transfer.state import INSTANCE_STATUS, VERSION_STATUS, TransferState, VersionRecord
 
+from cube import protocol
 from cube.layout import tar_name
+from cube.protocol import OK
 
 _INSTANCE_TIMES = (
     "builded_time",
@@ -27,8 +29,8 @@ _INSTANCE_TIMES = (
 )
 
 
-def envelope(data: Any = None, message: str = "query ok", success: str = "0") -> dict[str, Any]:
-    return {"success": success, "message": message, "data": data}
+def envelope(data: Any = None, message: str = "query ok", success: str = OK) -> dict[str, Any]:
+    return protocol.envelope(data, message, success)
 
 
 def version_info(cfg: TransferConfig, rec: VersionRecord | None) -> dict[str, Any] | None:
