@@ -21,8 +21,6 @@ empty version directory, no donefile line; the exit status is 1 (2 for a bad com
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import re
 import sys
 import time
@@ -33,6 +31,7 @@ from pathlib import Path
 import numpy as np
 from cube.builder.seqfile import SequenceFileWriter
 
+from cube.donefile import append_line, format_line
 from cube.flags import FlagError, FlagSet, run_cli
 from cube.values import ValueColumn
 
@@ -49,7 +48,7 @@ MAX_LINE_BYTES = 16 << 20  # a 16 MiB line is ~1.5M floats: far past any embeddi
 _BATCH_ROWS = 65536  # rows handed to the writer at a time...
 _BATCH_BYTES = 32 << 20  # ...or fewer when their values reach this size
 _MAX_TRACKED = 1 << 20  # repeated keys followed when looking for the first repeat's lines
-# What cube-transfer accepts as a version id (transfer/donefile.py), in canonical form: the
+# What cube-transfer accepts as a version id (cube/donefile.py), in canonical form: the
 # transfer reads "007" as 7, which would no longer match the directory written here.
 _VERSION_ID = re.compile(r"0|[1-9][0-9]{0,19}")
 DIALECT_FOR_KEY_FORMAT = {"cube": "cube", "bytes_be": "byteswritable"}
@@ -338,17 +337,7 @@ def formats_that_fit(path: Path) -> tuple[int, list[str]]:
 
 
 def donefile_line(version_id: str, key: str, input_dir: Path) -> str:
-    return json.dumps({"id": version_id, "key": key, "input": str(input_dir.resolve())})
-
-
-def append_line(path: Path, line: str) -> None:
-    """Append one whole line with a single write, so readers never see half of it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (line + "\n").encode())
-    finally:
-        os.close(fd)
+    return format_line(version_id, key, str(input_dir.resolve()))
 
 
 def _help() -> str:

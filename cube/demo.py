@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import signal
 import sys
@@ -22,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from cube.donefile import BASE_FILE, PATCH_FILE, append_line, format_line
 from cube.flags import FlagError, FlagSet, run_cli
 
 MARKER = ".cube-demo"
@@ -69,11 +69,6 @@ def write_seqfiles(directory: Path, keys: np.ndarray, values: np.ndarray, files:
         column = ValueColumn.fixed(np.ascontiguousarray(v).view(np.uint8).reshape(-1), width)
         with SequenceFileWriter(directory / f"part-{part:05d}", dialect="cube") as writer:
             writer.write_batch(k, column)
-
-
-def append_line(donefile: Path, name: str, line: dict[str, Any]) -> None:
-    with open(donefile / name, "a", encoding="utf-8") as f:
-        f.write(json.dumps(line) + "\n")
 
 
 def fresh_dir(path: Path) -> None:
@@ -155,9 +150,9 @@ def run(argv: Sequence[str]) -> int:
 
         say(f"== 3. donefile line for base {base_id} -> build, download, load, enable")
         t = time.monotonic()
-        line = {"id": str(base_id), "key": str(base_id), "input": str(base_input)}
-        append_line(donefile, "base.txt", line)
-        say(f"   {donefile / 'base.txt'}: {json.dumps(line)}")
+        line = format_line(str(base_id), str(base_id), str(base_input))
+        append_line(donefile / BASE_FILE, line)
+        say(f"   {donefile / BASE_FILE}: {line}")
         cluster.wait_version(str(base_id), flags.timeout)
         served = time.monotonic() - t
         record = _record(cluster, str(base_id))
@@ -198,9 +193,8 @@ def run(argv: Sequence[str]) -> int:
             delete_file.write_text("".join(f"{int(k)}\n" for k in keys[deleted_rows]))
             version = f"{base_id}_{patch_id}"
             t = time.monotonic()
-            line = {"id": str(patch_id), "key": str(base_id), "input": str(patch_input),
-                    "delete": str(delete_file)}  # fmt: skip
-            append_line(donefile, "patch.txt", line)
+            line = format_line(str(patch_id), str(base_id), str(patch_input), str(delete_file))
+            append_line(donefile / PATCH_FILE, line)
             cluster.wait_version(version, flags.timeout)
             say(f"   {version} served by every replica {time.monotonic() - t:.1f}s after its "
                 f"line ({timeline(_record(cluster, version))})")  # fmt: skip

@@ -83,3 +83,17 @@ def test_one_backoff_rule():
         assert ceiling / 2 <= jittered.delay(retry, rng) <= ceiling
     with pytest.raises(ValueError, match="jitter"):
         Backoff(1, 2, jitter=2)
+
+
+def test_donefile_lines_written_and_read_by_one_module():
+    from cube.donefile import BASE_FILE, PATCH_FILE, BadLine, format_line, parse_line
+
+    line = format_line("200", "100", "/in/200", delete="/in/200.del")
+    entry = parse_line(PATCH_FILE, 3, line)
+    assert (entry.id, entry.key, entry.input) == ("200", "100", "/in/200")
+    assert entry.delete == "/in/200.del"
+    base = parse_line(BASE_FILE, 1, format_line("100", "100", "/in/100", allow_shrink=True))
+    assert base.is_base and base.allow_shrink
+    # a number too long for int(): used to crash the poll with AttributeError
+    huge = parse_line(BASE_FILE, 4, '{"id": ' + "1" * 5000 + ', "key": 1, "input": "/x"}')
+    assert isinstance(huge, BadLine) and "not JSON" in huge.reason

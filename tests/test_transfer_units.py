@@ -13,14 +13,7 @@ from pathlib import Path
 import pytest
 from cube.transfer import build as builds
 from cube.transfer.config import ConfigError, parse_config, render_config
-from cube.transfer.donefile import (
-    BadLine,
-    DonefileEntry,
-    parse_line,
-    parse_lines,
-    resolve_input,
-    split_complete_lines,
-)
+from cube.transfer.donefile import resolve_input
 from cube.transfer.journal import Journal, JournalError
 from cube.transfer.state import (
     Deployment,
@@ -35,6 +28,7 @@ from cube.transfer.state import (
     shrink_refusal,
 )
 
+from cube.donefile import BadLine, DonefileEntry, parse_line, parse_lines, split_complete_lines
 from cube.format import HEADER_SIZE, encode_header
 
 CONF = """\

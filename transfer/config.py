@@ -32,7 +32,7 @@ Keys we add to [default] (all optional; default in brackets):
   built shards' index headers.
 - `allow_empty_base` [false]: a base with no records at all is refused unless this is true
   (both checks apply: an empty base replacing a live one also needs max_shrink 1).
-A base line may override both with `"allow_shrink": true` (see transfer/donefile.py); a
+A base line may override both with `"allow_shrink": true` (see cube/donefile.py); a
 patch may always be empty. A refused line can be published again with it.
 
 Parsing is pure (text in, config out); errors name the file, line and key.

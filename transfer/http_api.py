@@ -29,10 +29,10 @@ from typing import Any
 
 from aiohttp import web
 from cube.transfer import views
-from cube.transfer.donefile import ID, VERSION_NAME
 from cube.transfer.service import Busy, TransferService
 from multidict import MultiMapping
 
+from cube.donefile import ID, VERSION_NAME
 from cube.security import TLSFiles, bearer_token, server_context, token_matches
 
 log = logging.getLogger("cube.transfer.http")

@@ -40,15 +40,11 @@ from cube.transfer.agents import (
 )
 from cube.transfer.config import Instance, TransferConfig
 from cube.transfer.donefile import (
-    BASE_FILE,
-    PATCH_FILE,
     SourceUnavailable,
     is_url,
     mirror_input,
-    parse_line,
     read_donefile,
     resolve_input,
-    split_complete_lines,
 )
 from cube.transfer.journal import Journal
 from cube.transfer.state import (
@@ -69,6 +65,7 @@ from cube.transfer.state import (
 )
 from cube.transfer.views import source_url
 
+from cube.donefile import BASE_FILE, PATCH_FILE, parse_line, split_complete_lines
 from cube.layout import output_dir_name, tar_name
 from cube.security import client_context
 

@@ -13,9 +13,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from cube.transfer.donefile import BASE_FILE, PATCH_FILE, BadLine, DonefileEntry
-
 from cube.backoff import Backoff
+from cube.donefile import BASE_FILE, PATCH_FILE, BadLine, DonefileEntry
 from cube.layout import served_version
 
 # Version statuses: the original's numbers where it had one (VersionInfo.status), ours after 100.
