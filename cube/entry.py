@@ -77,4 +77,4 @@ def cube_bench() -> int:
 
 
 def cube_demo() -> int:
-    return launch("cube-demo", ("transfer", "server", "agent"), "cube.demo")
+    return launch("cube-demo", ("transfer", "server", "agent"), "cube.transfer.demo")

@@ -10,7 +10,7 @@ import time
 
 from procs import kill_processes_under, processes_under
 
-DEMO = [sys.executable, "-m", "cube.demo"]
+DEMO = [sys.executable, "-m", "cube.transfer.demo"]
 
 
 def test_demo_runs_checks_and_shuts_down(tmp_path):
