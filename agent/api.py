@@ -12,12 +12,12 @@ import math
 from typing import Any
 
 from aiohttp import web
+
+from cube import protocol
 from cube.agent.deploy import Agent
 from cube.agent.layout import BadRequest
 from cube.agent.tasks import TaskBusy
 from cube.agent.work import QUERY_COMMAND, parse_work
-
-from cube import protocol
 from cube.protocol import ERROR, OK, UNKNOWN_API
 from cube.security import bearer_token, token_matches
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
 from cube.agent import __version__
 from cube.agent.control import (
     STATUS_LOADING,
@@ -61,7 +62,6 @@ from cube.agent.layout import (
 from cube.agent.tasks import Task, TaskFailed, TaskManager
 from cube.agent.unpack import UnsafeTar, extract_shard_tar
 from cube.agent.work import SERVER_COMMANDS, Work
-
 from cube.format import ShardFormatError
 from cube.fsutil import atomic_write_json, atomic_write_text, file_md5, fsync_dir
 from cube.layout import CHAIN_FILE, chain_text, tar_name

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from aiohttp import web
+
 from cube.agent import __version__
 from cube.agent.api import make_app
 from cube.agent.deploy import Agent, AgentConfig
 from cube.agent.fetch import FetchPolicy, SourcePolicy
-
 from cube.flags import FlagError, Flags, FlagSet, run_cli
 from cube.security import TLSFiles, is_loopback, require_token, server_context, token_from
 

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from cube.agent.layout import BadRequest, check_name, clip, normalize_chain, version_dir_name
-
 from cube.fsutil import is_md5_hex
 
 LONG_COMMANDS = ("download", "reload", "enable", "rollback")

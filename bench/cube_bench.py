@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from cube.bench.cube_target import CubeTarget
 from cube.bench.procs import (
     Interrupted,
@@ -49,7 +50,6 @@ from cube.bench.targets import (
     TargetUnavailable,
     make_dataset,
 )
-
 from cube.flags import FlagError, FlagSet, run_cli
 
 TARGETS: dict[str, type[Target]] = {

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from cube.bench.targets import Dataset, Target, TargetUnavailable
-from cube.transfer.processes import free_port
 
+from cube.bench.targets import Dataset, Target, TargetUnavailable
 from cube.layout import part_name
+from cube.transfer.processes import free_port
 from cube.values import ValueColumn
 
 DICT_NAME = "bench_dict"
@@ -40,7 +40,6 @@ class CubeTarget(Target):
         try:
             import cube.builder.cli
             import cube.builder.seqfile
-
             import cube.client
             import cube.server.main  # noqa: F401
         except ImportError as exc:

@@ -43,10 +43,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from cube.transfer.processes import free_ports as consecutive_free_ports
 
 from cube.flags import FlagError, FlagSet, run_cli
 from cube.format import FORMAT_VERSION
+from cube.transfer.processes import free_ports as consecutive_free_ports
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _VERSION = "1"

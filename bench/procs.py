@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
 from cube.transfer.processes import log_tail, poll_until, spawn, terminate
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")

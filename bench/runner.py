@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from cube.bench.procs import CpuSnapshot, cpu_between
 from cube.bench.targets import Dataset, Target
 

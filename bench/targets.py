@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from cube.bench.procs import ProcessRegistry, ServerProcess
 from cube.transfer.processes import free_port
 

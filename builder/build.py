@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from cube.builder.meta import (
     META_DIR,
     ShardOutput,
@@ -54,7 +55,6 @@ from cube.builder.spill import (
     open_spill,
     remove_part,
 )
-
 from cube.fsutil import atomic_write_text, fsync_dir, md5_line
 from cube.index import build_table
 from cube.layout import output_dir_name, part_name, served_version

@@ -26,7 +26,6 @@ from cube.builder.build import (
 )
 from cube.builder.meta import RegisterError, ShardOutput, register_meta
 from cube.builder.seqfile import KEY_FORMATS
-
 from cube.flags import FlagError, FlagSet, run_cli
 from cube.routing import PARTITIONERS
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from cube.builder.seqfile import SequenceFileWriter
 
+from cube.builder.seqfile import SequenceFileWriter
 from cube.donefile import append_line, format_line
 from cube.flags import FlagError, FlagSet, run_cli
 from cube.values import ValueColumn

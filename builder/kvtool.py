@@ -19,8 +19,8 @@ import sys
 from collections.abc import Sequence
 
 import numpy as np
-from cube.builder.seqfile import KEY_FORMATS, SequenceFileError, SequenceFileReader, decode_key
 
+from cube.builder.seqfile import KEY_FORMATS, SequenceFileError, SequenceFileReader, decode_key
 from cube.flags import FlagError, Flags, FlagSet, run_cli
 
 

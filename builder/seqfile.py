@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
-from cube.builder.codecs import DEFAULT_CODEC, Codec, CodecError, codec_by_name, codec_for_class
 
+from cube.builder.codecs import DEFAULT_CODEC, Codec, CodecError, codec_by_name, codec_for_class
 from cube.values import ValueColumn, gather_ranges
 
 MAGIC = b"SEQ"

@@ -28,11 +28,11 @@ import grpc
 import grpc.aio
 import numpy as np
 from aiohttp import web
-from cube.transfer.processes import stop_child
 
 from cube.index import build_table
 from cube.pb import cube_pb2, cube_pb2_grpc
 from cube.shard import DATA_FILE, INDEX_FILE, write_shard
+from cube.transfer.processes import stop_child
 from cube.values import ValueColumn
 
 REPO = Path(__file__).resolve().parent.parent

@@ -440,6 +440,7 @@ def test_transfer_agent_client_drives_a_real_agent(env):
     from urllib.parse import urlsplit
 
     import aiohttp
+
     from cube.transfer.agents import AgentClient, drive
     from cube.transfer.config import Instance
 

@@ -27,8 +27,9 @@ from agent_helpers import (
     write_md5,
 )
 from aiohttp import web
-from cube.agent.fetch import FetchError, FetchPolicy, SourcePolicy, fetch_file, fetch_md5
 from procs import free_port, start_server
+
+from cube.agent.fetch import FetchError, FetchPolicy, SourcePolicy, fetch_file, fetch_md5
 
 BASE, DELTA1 = "1700000000", "1700000000_1700000100"
 SECRET = b"TOPSECRET-c0ffee-do-not-echo"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from agent_helpers import FakeServer, FtpFileServer, HttpFileServer, make_shard_tar
+
 from cube.agent.control import ServerControl, ServerError, ServerUnreachable
 from cube.agent.fetch import (
     FetchError,
@@ -44,7 +45,6 @@ from cube.agent.tasks import (
 )
 from cube.agent.unpack import UnsafeTar, extract_shard_tar
 from cube.agent.work import parse_work
-
 from cube.layout import member_problem
 
 FAST = FetchPolicy(
@@ -379,6 +379,7 @@ def test_internal_errors_answer_500_with_the_envelope_and_no_details(tmp_path):
     """A bug's exception text may quote anything (a source's bytes): the log has it, the
     answer names only the type."""
     from aiohttp.test_utils import TestClient, TestServer
+
     from cube.agent.api import make_app
     from cube.agent.deploy import Agent, AgentConfig
 

@@ -19,8 +19,8 @@ from typing import ClassVar
 import mmh3
 import numpy as np
 import pytest
-from cube.builder.seqfile import SYNC_ESCAPE, SequenceFileWriter, encode_header
 
+from cube.builder.seqfile import SYNC_ESCAPE, SequenceFileWriter, encode_header
 from cube.routing import shard_of
 from cube.shard import Shard, ShardStack
 from cube.values import ValueColumn

@@ -6,6 +6,9 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from cube.builder.build import (
     DeleteListError,
     FinishTask,
@@ -15,9 +18,6 @@ from cube.builder.build import (
     split_runs,
 )
 from cube.builder.spill import Spiller, merge_parts, open_spill, remove_part
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from cube.index import build_table, stable_hash_order
 from cube.routing import shard_of
 from cube.values import ValueColumn

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+
 from cube.bench import report
 from cube.bench.cube_bench import check_answers
 from cube.bench.procs import ProcessRegistry

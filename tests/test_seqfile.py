@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from cube.builder.codecs import DEFAULT_CODEC
 from cube.builder.seqfile import (
     BYTES_WRITABLE,
@@ -24,7 +25,6 @@ from cube.builder.seqfile import (
     encode_vint,
     read_header,
 )
-
 from cube.values import ValueColumn
 
 DATA = Path(__file__).parent / "data" / "seqfiles"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from cube.builder import seqfile
 from cube.builder.codecs import (
     BZIP2_CODEC,
@@ -36,7 +37,6 @@ from cube.builder.seqfile import (
     encode_vint,
     read_header,
 )
-
 from cube.values import ValueColumn
 
 SYNC = b"S" * 16

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from cube.builder.codecs import CODECS, lz4_hadoop_compress, lz4_hadoop_decompress
 from cube.builder.seqfile import (
     BYTES_WRITABLE,
@@ -19,9 +22,6 @@ from cube.builder.seqfile import (
     encode_header,
     read_header,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from cube.values import ValueColumn
 
 LAYOUTS = [("none", None)] + [

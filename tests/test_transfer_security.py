@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from agent_helpers import AgentProc
-from cube.builder.seqfile import SequenceFileWriter
-from cube.transfer.local import command
-from cube.transfer.processes import free_port, poll_until, spawn, stop_child
 from procs import start_server
 
+from cube.builder.seqfile import SequenceFileWriter
 from cube.client import CubeClient
+from cube.transfer.local import command
+from cube.transfer.processes import free_port, poll_until, spawn, stop_child
 from cube.values import ValueColumn
 
 WAIT = 60.0

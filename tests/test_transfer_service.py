@@ -13,10 +13,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import aiohttp
-from cube.transfer.config import parse_config
-from cube.transfer.http_api import start_listeners
-from cube.transfer.service import TransferService
-from cube.transfer.state import Deployment
 from procs import free_port
 from transfer_helpers import (
     FakeAgent,
@@ -26,6 +22,11 @@ from transfer_helpers import (
     write_fake_builder,
     write_table,
 )
+
+from cube.transfer.config import parse_config
+from cube.transfer.http_api import start_listeners
+from cube.transfer.service import TransferService
+from cube.transfer.state import Deployment
 
 B1, B2 = "1700000000", "1700000500"
 D1, D2 = f"{B1}_1700000100", f"{B1}_1700000200"

@@ -11,6 +11,9 @@ import tarfile
 from pathlib import Path
 
 import pytest
+
+from cube.donefile import BadLine, DonefileEntry, parse_line, parse_lines, split_complete_lines
+from cube.format import HEADER_SIZE, encode_header
 from cube.transfer import build as builds
 from cube.transfer.config import ConfigError, parse_config, render_config
 from cube.transfer.donefile import resolve_input
@@ -27,9 +30,6 @@ from cube.transfer.state import (
     quorum_shortfall,
     shrink_refusal,
 )
-
-from cube.donefile import BadLine, DonefileEntry, parse_line, parse_lines, split_complete_lines
-from cube.format import HEADER_SIZE, encode_header
 
 CONF = """\
 # the original's sample, plus ours
@@ -692,6 +692,7 @@ def test_an_agent_answer_is_bounded(tmp_path):
 
     import aiohttp
     from aiohttp import web
+
     from cube.transfer.agents import MAX_ANSWER, AgentClient, AgentRefused, AgentUnreachable
     from cube.transfer.config import Instance
 

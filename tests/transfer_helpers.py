@@ -303,8 +303,8 @@ def write_table(path: Path, n: int, dim: int = 4, first_key: int = 1) -> Path:
     as the real cube-builder reads it; n == 0 leaves one empty file (an input that lost its
     data upstream)."""
     import numpy as np
-    from cube.builder.seqfile import SequenceFileWriter
 
+    from cube.builder.seqfile import SequenceFileWriter
     from cube.values import ValueColumn
 
     path.mkdir(parents=True, exist_ok=True)

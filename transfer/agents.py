@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from cube.transfer.config import Instance
 
 from cube.protocol import read_envelope
+from cube.transfer.config import Instance
 
 log = logging.getLogger("cube.transfer.agents")
 MAX_ANSWER = 4 << 20  # bytes of one agent answer (a status lists its tasks: far less)

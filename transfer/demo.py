@@ -59,7 +59,6 @@ def sample_table(count: int, dim: int, seed: int) -> tuple[np.ndarray, np.ndarra
 
 def write_seqfiles(directory: Path, keys: np.ndarray, values: np.ndarray, files: int) -> None:
     from cube.builder.seqfile import SequenceFileWriter
-
     from cube.values import ValueColumn
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -108,9 +107,8 @@ def run(argv: Sequence[str]) -> int:
         min(1000, flags.ids // 10),
         min(100, flags.ids // 20),
     )
-    from cube.transfer.local import Cluster, ClusterSpec, LocalError, up
-
     from cube.client import CubeClient
+    from cube.transfer.local import Cluster, ClusterSpec, LocalError, up
 
     started = time.monotonic()
     work = Path(flags.dir).resolve()

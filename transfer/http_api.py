@@ -28,12 +28,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
-from cube.transfer import views
-from cube.transfer.service import Busy, TransferService
 from multidict import MultiMapping
 
 from cube.donefile import ID, VERSION_NAME
 from cube.security import TLSFiles, bearer_token, server_context, token_matches
+from cube.transfer import views
+from cube.transfer.service import Busy, TransferService
 
 log = logging.getLogger("cube.transfer.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

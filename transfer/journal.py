@@ -25,9 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from cube.transfer.state import TransferState, now
-
 from cube.fsutil import atomic_write_bytes
+from cube.transfer.state import TransferState, now
 
 STATE_FILE = "transfer_state.json"
 EVENTS_FILE = "transfer_events.jsonl"

@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+from cube.flags import FlagError, FlagSet, run_cli
 from cube.transfer.config import ConfigError, Instance, TransferConfig, load_config, render_config
 from cube.transfer.processes import (
     create_time,
@@ -47,8 +49,6 @@ from cube.transfer.processes import (
     spawn,
     terminate,
 )
-
-from cube.flags import FlagError, FlagSet, run_cli
 
 CLUSTER_FILE = "cluster.json"
 CONF_FILE = "transfer.conf"

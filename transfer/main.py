@@ -14,13 +14,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from cube.flags import FlagError, FlagSet, run_cli
+from cube.security import SecurityError, TLSFiles, require_token
 from cube.transfer.config import ConfigError, load_config
 from cube.transfer.http_api import start_listeners
 from cube.transfer.journal import JournalError
 from cube.transfer.service import TransferService
-
-from cube.flags import FlagError, FlagSet, run_cli
-from cube.security import SecurityError, TLSFiles, require_token
 
 log = logging.getLogger("cube.transfer")
 _NUMERIC_LEVELS = {0: "ERROR", 1: "ERROR", 2: "WARNING", 3: "INFO", 4: "INFO"}

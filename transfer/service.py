@@ -28,6 +28,10 @@ from typing import Any
 
 import aiohttp
 import psutil
+
+from cube.donefile import BASE_FILE, PATCH_FILE, parse_line, split_complete_lines
+from cube.layout import output_dir_name, tar_name
+from cube.security import client_context
 from cube.transfer import build as builds
 from cube.transfer.agents import (
     CORRUPT_VERSION,
@@ -64,10 +68,6 @@ from cube.transfer.state import (
     shrink_refusal,
 )
 from cube.transfer.views import source_url
-
-from cube.donefile import BASE_FILE, PATCH_FILE, parse_line, split_complete_lines
-from cube.layout import output_dir_name, tar_name
-from cube.security import client_context
 
 log = logging.getLogger("cube.transfer")
 _OUTPUT_DIR = re.compile(r"\d+_\d+")

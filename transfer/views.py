@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from cube.transfer.config import Instance, TransferConfig
-from cube.transfer.donefile import redact
-from cube.transfer.state import INSTANCE_STATUS, VERSION_STATUS, TransferState, VersionRecord
-
 from cube import protocol
 from cube.layout import tar_name
 from cube.protocol import OK
+from cube.transfer.config import Instance, TransferConfig
+from cube.transfer.donefile import redact
+from cube.transfer.state import INSTANCE_STATUS, VERSION_STATUS, TransferState, VersionRecord
 
 _INSTANCE_TIMES = (
     "builded_time",

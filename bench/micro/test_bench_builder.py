@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cube.builder.seqfile import SequenceFileWriter
 
+from cube.builder.seqfile import SequenceFileWriter
 from cube.values import ValueColumn
 
 WIDTH = 40

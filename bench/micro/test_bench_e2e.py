@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cube.bench.e2e import Server, build_data, cpu_seconds, key_batches
 
+from cube.bench.e2e import Server, build_data, cpu_seconds, key_batches
 from cube.client import CubeClient
 
 COUNT = 1_000_000

@@ -12,8 +12,8 @@ import itertools
 
 import numpy as np
 import pytest
-from cube.bench.e2e import key_batches
 
+from cube.bench.e2e import key_batches
 from cube.index import build_table
 from cube.shard import Shard, ShardStack, write_shard
 from cube.values import ValueColumn

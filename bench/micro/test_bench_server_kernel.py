@@ -13,8 +13,8 @@ import itertools
 
 import numpy as np
 import pytest
-from cube.bench.e2e import key_batches
 
+from cube.bench.e2e import key_batches
 from cube.index import build_table
 from cube.pb import cube_fast_pb2, cube_pb2
 from cube.server.service import SeekService
