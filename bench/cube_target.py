@@ -39,8 +39,8 @@ class CubeTarget(Target):
     def check_available(self, client_mode: str) -> None:
         try:
             import cube.builder.cli
-            import cube.builder.seqfile
             import cube.client
+            import cube.seqfile
             import cube.server.main  # noqa: F401
         except ImportError as exc:
             raise TargetUnavailable(f"cube: {exc} (is the package installed?)") from exc
@@ -100,7 +100,7 @@ class CubeTarget(Target):
 
     def _build(self, data: Dataset, shard_num: int) -> list[Path]:
         """SequenceFile -> cube-builder -> one directory per shard (index.cube + data.cube)."""
-        from cube.builder.seqfile import SequenceFileWriter
+        from cube.seqfile import SequenceFileWriter
 
         input_dir = self.workdir / "input"
         input_dir.mkdir(parents=True)

@@ -46,7 +46,6 @@ from cube.builder.meta import (
     shard_meta_info,
     write_meta_file,
 )
-from cube.builder.seqfile import SequenceFileReader
 from cube.builder.spill import (
     Spiller,
     SpillPart,
@@ -59,6 +58,7 @@ from cube.fsutil import atomic_write_text, fsync_dir, md5_line
 from cube.index import build_table
 from cube.layout import output_dir_name, part_name, served_version
 from cube.routing import check_partitioner, shard_of
+from cube.seqfile import SequenceFileReader
 from cube.shard import DATA_FILE, INDEX_FILE, write_shard
 from cube.values import ValueColumn
 

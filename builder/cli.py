@@ -25,9 +25,9 @@ from cube.builder.build import (
     build,
 )
 from cube.builder.meta import RegisterError, ShardOutput, register_meta
-from cube.builder.seqfile import KEY_FORMATS
 from cube.flags import FlagError, FlagSet, run_cli
 from cube.routing import PARTITIONERS
+from cube.seqfile import KEY_FORMATS
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_FLAGS, EXIT_NOT_REGISTERED = 0, 1, 2, 3
 

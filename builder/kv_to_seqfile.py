@@ -30,9 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
-from cube.builder.seqfile import SequenceFileWriter
 from cube.donefile import append_line, format_line
 from cube.flags import FlagError, FlagSet, run_cli
+from cube.seqfile import SequenceFileWriter
 from cube.values import ValueColumn
 
 _MAX_KEY = (1 << 64) - 1

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cube.builder.seqfile import KEY_FORMATS, SequenceFileError, SequenceFileReader, decode_key
 from cube.flags import FlagError, Flags, FlagSet, run_cli
+from cube.seqfile import KEY_FORMATS, SequenceFileError, SequenceFileReader, decode_key
 
 
 def format_value(value: bytes, as_float: bool) -> str:

@@ -20,8 +20,8 @@ import mmh3
 import numpy as np
 import pytest
 
-from cube.builder.seqfile import SYNC_ESCAPE, SequenceFileWriter, encode_header
 from cube.routing import shard_of
+from cube.seqfile import SYNC_ESCAPE, SequenceFileWriter, encode_header
 from cube.shard import Shard, ShardStack
 from cube.values import ValueColumn
 

@@ -249,7 +249,7 @@ VAR_KEYS = np.arange(5, 50_000, 7, dtype=np.uint64)
 
 def run_builder(root: Path, keys: np.ndarray, values: list[bytes], shard_num: int) -> list[Path]:
     """Build with the real cube-builder CLI (murmur3); each shard's data dir (version 1000)."""
-    from cube.builder.seqfile import SequenceFileWriter
+    from cube.seqfile import SequenceFileWriter
     from cube.values import ValueColumn
 
     source = root / "input"

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cube.builder.seqfile import SequenceFileReader, SequenceFileWriter, read_header
+from cube.seqfile import SequenceFileReader, SequenceFileWriter, read_header
 from cube.values import ValueColumn
 
 BIN = Path(__file__).resolve().parent.parent / ".venv" / "bin"

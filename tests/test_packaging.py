@@ -92,8 +92,9 @@ def test_every_extra_names_importable_packages_here():
 
 
 def test_the_sdk_imports_without_the_extras(tmp_path):
-    """`pip install cube-py` (no extra) is enough for the SDK: cube.client must not import a
-    package of any extra (checked by making every extra's package unimportable)."""
+    """`pip install cube-py` (no extra) is enough for the SDK and the formats: they import no
+    package of any extra (checked by making every extra's package unimportable); an Lz4Codec
+    SequenceFile then says which extra to install."""
     from cube import entry
 
     blocked = sorted({name for names in entry.EXTRAS.values() for name in names})
@@ -101,7 +102,11 @@ def test_the_sdk_imports_without_the_extras(tmp_path):
         "import sys\n"
         f"for name in {blocked!r}:\n"
         "    sys.modules[name] = None  # import fails\n"
-        "import cube.client, cube.routing, cube.shard, cube.wire\n"
+        "import cube.client, cube.routing, cube.shard, cube.wire, cube.seqfile, cube.codecs\n"
+        "try:\n"
+        "    cube.codecs.codec_by_name('lz4').decompress(b'\\0\\0\\0\\1\\0\\0\\0\\1x')\n"
+        "except cube.codecs.CodecError as exc:\n"
+        '    assert "cube-py[builder]" in str(exc), exc\n'
         "print('ok')\n"
     )
     done = subprocess.run(

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cube.builder.codecs import DEFAULT_CODEC
-from cube.builder.seqfile import (
+from cube.codecs import DEFAULT_CODEC
+from cube.seqfile import (
     BYTES_WRITABLE,
     LONG_WRITABLE,
     SYNC_ESCAPE,

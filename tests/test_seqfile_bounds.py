@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cube.builder import seqfile
-from cube.builder.codecs import (
+from cube import seqfile
+from cube.codecs import (
     BZIP2_CODEC,
     CODECS,
     DEFAULT_CODEC,
@@ -26,7 +26,7 @@ from cube.builder.codecs import (
     codec_by_name,
     lz4_hadoop_decompress,
 )
-from cube.builder.seqfile import (
+from cube.seqfile import (
     BYTES_WRITABLE,
     SYNC_ESCAPE,
     SequenceFileError,

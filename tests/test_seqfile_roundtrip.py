@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cube.builder.codecs import CODECS, lz4_hadoop_compress, lz4_hadoop_decompress
-from cube.builder.seqfile import (
+from cube.codecs import CODECS, lz4_hadoop_compress, lz4_hadoop_decompress
+from cube.seqfile import (
     BYTES_WRITABLE,
     SYNC_ESCAPE,
     SequenceFileReader,

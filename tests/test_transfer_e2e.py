@@ -23,8 +23,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cube.builder.seqfile import SequenceFileWriter
 from cube.client import CubeClient
+from cube.seqfile import SequenceFileWriter
 from cube.transfer.local import ClusterSpec, command, http_json, up
 from cube.values import ValueColumn
 

@@ -18,8 +18,8 @@ import pytest
 from agent_helpers import AgentProc
 from procs import start_server
 
-from cube.builder.seqfile import SequenceFileWriter
 from cube.client import CubeClient
+from cube.seqfile import SequenceFileWriter
 from cube.transfer.local import command
 from cube.transfer.processes import free_port, poll_until, spawn, stop_child
 from cube.values import ValueColumn

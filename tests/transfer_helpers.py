@@ -304,7 +304,7 @@ def write_table(path: Path, n: int, dim: int = 4, first_key: int = 1) -> Path:
     data upstream)."""
     import numpy as np
 
-    from cube.builder.seqfile import SequenceFileWriter
+    from cube.seqfile import SequenceFileWriter
     from cube.values import ValueColumn
 
     path.mkdir(parents=True, exist_ok=True)

@@ -58,7 +58,7 @@ def sample_table(count: int, dim: int, seed: int) -> tuple[np.ndarray, np.ndarra
 
 
 def write_seqfiles(directory: Path, keys: np.ndarray, values: np.ndarray, files: int) -> None:
-    from cube.builder.seqfile import SequenceFileWriter
+    from cube.seqfile import SequenceFileWriter
     from cube.values import ValueColumn
 
     directory.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cube.builder.seqfile import SequenceFileWriter
+from cube.seqfile import SequenceFileWriter
 from cube.values import ValueColumn
 
 WIDTH = 40

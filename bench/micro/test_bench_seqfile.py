@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cube.builder.seqfile import SequenceFileReader, SequenceFileWriter
+from cube.seqfile import SequenceFileReader, SequenceFileWriter
 from cube.values import ValueColumn
 
 WIDTH = 40

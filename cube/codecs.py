@@ -21,9 +21,8 @@ import struct
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Protocol
-
-import lz4.block
 
 DEFAULT_CODEC = "org.apache.hadoop.io.compress.DefaultCodec"
 GZIP_CODEC = "org.apache.hadoop.io.compress.GzipCodec"
@@ -38,6 +37,18 @@ _LZ4_MAX_INPUT = _LZ4_BUFFER - (_LZ4_BUFFER // 255 + 16)
 
 class CodecError(ValueError):
     """Compressed bytes that do not decode; the message says what is wrong."""
+
+
+def _lz4_block() -> ModuleType:
+    """The lz4 package, imported on first use: the SDK and the formats install without it
+    (it comes with cube-py[builder]); only an Lz4Codec file needs it."""
+    try:
+        import lz4.block
+    except ImportError:
+        raise CodecError(
+            "an Lz4Codec SequenceFile needs the lz4 package: pip install 'cube-py[builder]'"
+        ) from None
+    return lz4.block
 
 
 class Decompress(Protocol):
@@ -112,11 +123,12 @@ def _bunzip2(data: bytes, limit: int | None = None) -> bytes:
 
 def lz4_hadoop_compress(data: bytes) -> bytes:
     """Hadoop Lz4Codec framing: one block per MAX_INPUT slice, one chunk per block."""
+    lz4_block = _lz4_block()
     out = []
     view = memoryview(data)
     for start in range(0, len(data), _LZ4_MAX_INPUT):
         piece = view[start : start + _LZ4_MAX_INPUT]
-        packed = lz4.block.compress(piece, store_size=False)
+        packed = lz4_block.compress(piece, store_size=False)
         out.append(struct.pack(">II", len(piece), len(packed)))
         out.append(packed)
     return b"".join(out)
@@ -125,6 +137,7 @@ def lz4_hadoop_compress(data: bytes) -> bytes:
 def lz4_hadoop_decompress(data: bytes, limit: int | None = None) -> bytes:
     """Undo Hadoop's block framing; every chunk is an independent raw lz4 block. A block's
     stated length is checked against `limit` before lz4 allocates it."""
+    lz4_block = _lz4_block()
     out = []
     pos, end = 0, len(data)
     total = 0
@@ -148,10 +161,10 @@ def lz4_hadoop_decompress(data: bytes, limit: int | None = None) -> bytes:
             if chunk_len > end - pos:
                 raise CodecError(f"lz4: chunk of {chunk_len} bytes at byte {pos} is truncated")
             try:
-                piece = lz4.block.decompress(
+                piece = lz4_block.decompress(
                     data[pos : pos + chunk_len], uncompressed_size=block_len - produced
                 )
-            except lz4.block.LZ4BlockError as exc:
+            except lz4_block.LZ4BlockError as exc:
                 raise CodecError(f"lz4: bad chunk at byte {pos}: {exc}") from None
             pos += chunk_len
             if not piece:

@@ -38,7 +38,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from cube.builder.codecs import DEFAULT_CODEC, Codec, CodecError, codec_by_name, codec_for_class
+from cube.codecs import DEFAULT_CODEC, Codec, CodecError, codec_by_name, codec_for_class
 from cube.values import ValueColumn, gather_ranges
 
 MAGIC = b"SEQ"
