@@ -20,6 +20,7 @@ from transfer_helpers import write_table
 from cube.client import load_conf
 from cube.transfer.config import load_config
 from cube.transfer.local import Proc, command, http_json, stop
+from cube.transfer.processes import free_ports
 
 CLI = [sys.executable, "-m", "cube.transfer.local"]
 TOKEN_VARS = ("CUBE_TOKEN", "CUBE_API_TOKEN")
@@ -133,10 +134,10 @@ def test_up_status_wait_restart_down(tmp_path, cluster_dir):
 
 
 def test_up_fails_cleanly_when_a_process_cannot_start(tmp_path, cluster_dir):
+    base_port = free_ports(16)[0]  # the cluster's ports are free but for the first one
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        base_port = taken.getsockname()[1]  # the transfer's API port is in use
+        taken.bind(("127.0.0.1", base_port))
+        taken.listen()  # the transfer's API port is in use
         result = cube_local(
             "up", "--shards", "1", "--replicas", "1", "--donefile", str(tmp_path / "d"),
             "--dir", str(cluster_dir), "--base_port", str(base_port), "--timeout", "30",
