@@ -15,8 +15,9 @@ agree by construction (tests check the bytes against the generated protobuf clas
 from __future__ import annotations
 
 import functools
+import struct
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import NamedTuple, TypeAlias
 
 import numpy as np
 
@@ -184,3 +185,64 @@ def decode_seek_response(data: Buffer, n: int) -> Answer:
     except UnicodeDecodeError as exc:
         raise BadMessage(f"version is not UTF-8: {exc}") from None
     return Answer(found, column, version)
+
+
+# ---------------------------------------------------------------------------------------------
+# TCP lane frames (cube.server.lane serves them, cube.client.transport speaks them)
+#
+# The client opens a connection with LANE_MAGIC. A request frame is a u32 length then the
+# SeekRequest bytes; an answer frame is a u32 length, a u8 status (0: a SeekResponse follows;
+# else a gRPC status code number and a UTF-8 message), then the bytes. All little-endian.
+
+LANE_MAGIC = b"CUBETCP1"
+REQUEST_HEADER = struct.Struct("<I")
+ANSWER_HEADER = struct.Struct("<IB")
+
+
+class FrameTooLarge(BadMessage):
+    """A frame longer than the reader accepts (`max_frame`)."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__(f"a frame of {length} bytes")
+        self.length = length
+
+
+class Frame(NamedTuple):
+    """A complete frame in a buffer: its body is `buffer[start:stop]`; `status` for answers."""
+
+    start: int
+    stop: int
+    status: int = 0
+
+
+def next_frame(
+    data: Buffer | bytearray, pos: int, end: int, answers: bool, max_frame: int = 0
+) -> Frame | None:
+    """The complete frame at `data[pos:end]`, or None when it has not all arrived (the caller
+    keeps the bytes and reads on). Requests, or answers with `answers`; FrameTooLarge past
+    `max_frame` (0: no bound), found from the header alone."""
+    header = ANSWER_HEADER if answers else REQUEST_HEADER
+    if end - pos < header.size:
+        return None
+    fields = header.unpack_from(data, pos)
+    length = fields[0]
+    if max_frame and length > max_frame:
+        raise FrameTooLarge(length)
+    start = pos + header.size
+    if end - start < length:
+        return None
+    return Frame(start, start + length, fields[1] if answers else 0)
+
+
+def request_header(length: int) -> bytes:
+    return REQUEST_HEADER.pack(length)
+
+
+def answer_header(length: int, status: int = 0) -> bytes:
+    return ANSWER_HEADER.pack(length, status)
+
+
+def error_frame(status: int, message: str) -> bytes:
+    """An answer frame refusing a request: the gRPC status number and the message."""
+    body = message.encode("utf-8", "replace")
+    return ANSWER_HEADER.pack(len(body), status) + body

@@ -24,9 +24,9 @@ import pytest
 from procs import expected_fixed, fixed_values, running_server, start_server, write_version
 
 from cube.client import AsyncCubeClient, ConfError, CubeClient, RequestRejectedError
-from cube.client.transport import LANE_MAGIC, BusyPoll
+from cube.client.transport import BusyPoll
 from cube.pb import cube_fast_pb2, cube_pb2, cube_pb2_grpc
-from cube.wire import decode_seek_response, encode_seek_request
+from cube.wire import LANE_MAGIC, decode_seek_response, encode_seek_request
 
 WIDTH = 24
 KEYS = np.arange(1, 9000, 3, dtype=np.uint64)

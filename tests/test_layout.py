@@ -97,3 +97,20 @@ def test_donefile_lines_written_and_read_by_one_module():
     # a number too long for int(): used to crash the poll with AttributeError
     huge = parse_line(BASE_FILE, 4, '{"id": ' + "1" * 5000 + ', "key": 1, "input": "/x"}')
     assert isinstance(huge, BadLine) and "not JSON" in huge.reason
+
+
+def test_lane_frames_scanned_by_one_function():
+    from cube.wire import FrameTooLarge, answer_header, error_frame, next_frame, request_header
+
+    data = request_header(3) + b"abc" + request_header(5) + b"de"  # the second is partial
+    first = next_frame(data, 0, len(data), answers=False)
+    assert first is not None and data[first.start : first.stop] == b"abc"
+    assert next_frame(data, first.stop, len(data), answers=False) is None
+    with pytest.raises(FrameTooLarge) as caught:
+        next_frame(request_header(10) + b"x" * 10, 0, 14, answers=False, max_frame=9)
+    assert caught.value.length == 10
+    answer = answer_header(2) + b"ok" + error_frame(9, "no such version")
+    ok = next_frame(answer, 0, len(answer), answers=True)
+    refused = next_frame(answer, ok.stop, len(answer), answers=True)
+    assert (ok.status, answer[ok.start : ok.stop]) == (0, b"ok")
+    assert refused.status == 9 and answer[refused.start : refused.stop] == b"no such version"

@@ -260,8 +260,7 @@ def test_lane_memory_bounded_when_answers_are_not_read(tmp_path):
     import struct
     import time
 
-    from cube.client.transport import LANE_MAGIC
-    from cube.wire import encode_seek_request
+    from cube.wire import LANE_MAGIC, encode_seek_request
 
     data = tmp_path / "data"
     keys = np.arange(20_000, dtype=np.uint64)
@@ -299,7 +298,7 @@ def test_lane_partial_frames_bounded_and_timed_out(tmp_path):
     import struct
     import time
 
-    from cube.client.transport import LANE_MAGIC
+    from cube.wire import LANE_MAGIC
 
     data = tmp_path / "data"
     write_version(data, "1", KEYS, fixed_values(KEYS, WIDTH, 1), current=True)
@@ -329,7 +328,7 @@ def test_lane_connections_capped(tmp_path):
     import socket
     import struct
 
-    from cube.client.transport import LANE_MAGIC
+    from cube.wire import LANE_MAGIC
 
     data = tmp_path / "data"
     write_version(data, "1", KEYS, fixed_values(KEYS, WIDTH, 1), current=True)

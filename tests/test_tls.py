@@ -71,8 +71,7 @@ def test_plaintext_lane_connection_gets_nothing(tls_server):
 
     import grpc
 
-    from cube.client.transport import LANE_MAGIC
-    from cube.wire import encode_seek_request
+    from cube.wire import LANE_MAGIC, encode_seek_request
 
     with grpc.secure_channel(
         tls_server.address,

@@ -37,6 +37,7 @@ import numpy as np
 
 from cube.routing import ShardRouting
 from cube.security import client_context, grpc_channel_credentials
+from cube.wire import ANSWER_HEADER, LANE_MAGIC, next_frame, request_header
 
 # No message size limit (100k-key batches of large values), our own retries only, and a short
 # reconnect backoff so a restarted replica is used again within seconds (grpc's default grows
@@ -53,7 +54,6 @@ CHANNEL_OPTIONS = (
 
 
 # The lane's wire constants (cube.server.lane; tests run the SDK against the real server).
-LANE_MAGIC = b"CUBETCP1"
 LANE_PORT_METADATA = "cube-tcp-port"
 ROUTING_METADATA = "cube-routing"
 CONFIG_MISMATCH = "CONFIG_MISMATCH"  # a status of our own: the endpoint holds other keys
@@ -61,8 +61,6 @@ TRANSPORTS = ("auto", "grpc")
 RoutingCheck = Callable[[str, ShardRouting | None], str | None]
 _MAX_PENDING_CALLS = 1024  # per asyncio lane connection
 _MAX_UNSENT_BYTES = 16 << 20  # per asyncio lane connection: beyond it, calls fail at once
-_LENGTH = struct.Struct("<I")
-_HEADER = struct.Struct("<IB")
 _TIMEVAL = struct.Struct("@ll")
 _STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 _MAX_IDLE = 64  # idle blocking connections kept per endpoint
@@ -303,7 +301,7 @@ class SyncLane:
 
     def _call(self, request: bytes, timeout_s: float, handle: CallHandle) -> tuple[bool, Any]:
         deadline = time.monotonic() + timeout_s
-        header = _LENGTH.pack(len(request))
+        header = request_header(len(request))
         for _ in range(2):  # a stale idle connection is replaced once
             connection = self._take()
             reused = connection is not None
@@ -376,7 +374,7 @@ class SyncLane:
         """Read one answer frame: (status, body view)."""
         buffer = np.empty(self._expect, np.uint8)  # not zero-filled, unlike bytearray(n)
         view = buffer.data
-        got, need = 0, _HEADER.size
+        got, need = 0, ANSWER_HEADER.size
         while got < need:
             if got and time.monotonic() > deadline:
                 raise TimeoutError
@@ -391,15 +389,15 @@ class SyncLane:
                     raise _Stale
                 raise ConnectionError("the server closed the connection")
             got += count
-            if need == _HEADER.size and got >= need:
-                length, status = _HEADER.unpack_from(view)
+            if need == ANSWER_HEADER.size and got >= need:
+                length, status = ANSWER_HEADER.unpack_from(view)
                 need += length
                 if need > buffer.shape[0]:  # larger than the last answer: grow, keep what came
                     grown = np.empty(need, np.uint8)
                     grown[:got] = buffer[:got]
                     buffer, view = grown, grown.data
         self._expect = need
-        return status, view[_HEADER.size : need]
+        return status, view[ANSWER_HEADER.size : need]
 
     def _take(self) -> _Connection | None:
         with self._lock:
@@ -621,7 +619,7 @@ class AioLane(asyncio.Protocol):
                 LaneError("UNAVAILABLE", "TCP lane: the server is not taking requests")
             )
             return future
-        transport.writelines((_LENGTH.pack(len(request)), request))
+        transport.writelines((request_header(len(request)), request))
         sent_at = self._loop.time()
         timer = self._loop.call_later(timeout_s, self._expire, future, timeout_s, sent_at)
         self._pending.append((future, timer, sent_at))
@@ -644,11 +642,7 @@ class AioLane(asyncio.Protocol):
             source = self._buffer
         start, end = 0, len(source)
         pending = self._pending
-        while end - start >= _HEADER.size:
-            length, status = _HEADER.unpack_from(source, start)
-            stop = start + _HEADER.size + length
-            if stop > end:
-                break
+        while (frame := next_frame(source, start, end, answers=True)) is not None:
             if not pending:
                 self._fail("TCP lane: an answer nobody asked for")
                 return
@@ -656,15 +650,15 @@ class AioLane(asyncio.Protocol):
             timer.cancel()
             if not future.done():
                 if source is data:  # a view of this read's bytes: no copy of the answer
-                    body: bytes | memoryview = memoryview(data)[start + _HEADER.size : stop]
+                    body: bytes | memoryview = memoryview(data)[frame.start : frame.stop]
                 else:  # the reassembly buffer changes: copy
-                    body = bytes(source[start + _HEADER.size : stop])
-                if status:
+                    body = bytes(source[frame.start : frame.stop])
+                if frame.status:
                     text = bytes(body).decode("utf-8", "replace")
-                    future.set_exception(LaneError(_status_name(status), text))
+                    future.set_exception(LaneError(_status_name(frame.status), text))
                 else:
                     future.set_result(body)
-            start = stop
+            start = frame.stop
         if source is self._buffer:
             del self._buffer[:start]
         elif start < end:

@@ -47,21 +47,18 @@ import logging
 import os
 import socket
 import ssl as ssl_module
-import struct
 import time
 from dataclasses import dataclass
 
 import grpc
 
+from cube import wire
 from cube.server.service import ParsedSeek, RequestError, SeekService
-from cube.wire import Buffer
+from cube.wire import LANE_MAGIC, Buffer, FrameTooLarge, answer_header, next_frame
 
 log = logging.getLogger("cube.server")
 
-MAGIC = b"CUBETCP1"
-_LENGTH = struct.Struct("<I")
-_HEADER = struct.Struct("<IB")
-_OK = 0
+MAGIC = LANE_MAGIC
 _WRITE_HIGH_WATER = 4 << 20  # the transport pauses us (and we stop reading) above this
 _ANSWER_OVERHEAD = 64  # header and fields of an answer besides its values (estimate)
 
@@ -78,8 +75,7 @@ class LaneLimits:
 
 
 def error_frame(code: grpc.StatusCode, message: str) -> bytes:
-    body = message.encode("utf-8", "replace")
-    return _HEADER.pack(len(body), code.value[0]) + body
+    return wire.error_frame(code.value[0], message)
 
 
 class LaneProtocol(asyncio.Protocol):
@@ -212,19 +208,20 @@ class LaneProtocol(asyncio.Protocol):
         end = len(source)
         oversized = 0
         with memoryview(source) as view:
-            while end - start >= 4:
-                (length,) = _LENGTH.unpack_from(view, start)
-                if length > self.max_frame:
-                    oversized = length
+            while True:
+                try:
+                    found = next_frame(view, start, end, answers=False, max_frame=self.max_frame)
+                except FrameTooLarge as exc:
+                    oversized = exc.length
                     break
-                if end - start - 4 < length or self.held():
+                if found is None or self.held():
                     break
-                frame = view[start + 4 : start + 4 + length]
+                frame = view[found.start : found.stop]
                 try:
                     item = self._parse(frame)
                 finally:
                     frame.release()  # no export may outlive the view (the buffer is resized)
-                start += 4 + length
+                start = found.stop
                 if isinstance(item, ParsedSeek):
                     self.queued += _ANSWER_OVERHEAD + item.answer_bound
                     self._account()
@@ -377,7 +374,7 @@ class Lane:
                 counters.errors += 1
                 frame = [error_frame(answer.code, answer.message)]
             else:
-                frame = [_HEADER.pack(sum(len(p) for p in answer), _OK), *answer]
+                frame = [answer_header(sum(len(p) for p in answer)), *answer]
                 counters.lane_messages += 1
             output.setdefault(connection, []).extend(frame)
         for connection, buffers in output.items():
