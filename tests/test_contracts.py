@@ -1,4 +1,4 @@
-"""cube.layout: the one definition of names, build output names, version names, VERSION and
+"""The shared contracts, each in one module: cube.layout (names, build output names, version names, VERSION and
 CHAIN, and which tar members a shard tar may hold (builder, transfer, agent and server use it)."""
 
 from __future__ import annotations
