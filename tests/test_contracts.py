@@ -1,5 +1,6 @@
-"""The shared contracts, each in one module: cube.layout (names, build output names, version names, VERSION and
-CHAIN, and which tar members a shard tar may hold (builder, transfer, agent and server use it)."""
+"""The contracts each process shares, each in one module: cube.layout (names, build output
+and version names, VERSION and CHAIN, tar members), cube.backoff, cube.donefile (lines) and
+cube.wire's TCP lane frames."""
 
 from __future__ import annotations
 
