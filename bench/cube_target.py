@@ -17,7 +17,7 @@ import numpy as np
 
 from cube.bench.targets import Dataset, Target, TargetUnavailable
 from cube.layout import part_name
-from cube.transfer.processes import free_port
+from cube.processes import free_port
 from cube.values import ValueColumn
 
 DICT_NAME = "bench_dict"

@@ -28,12 +28,9 @@ into --workdir and reused by later runs with the same --keys/--width/--seed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -46,9 +43,13 @@ import numpy as np
 
 from cube.flags import FlagError, FlagSet, run_cli
 from cube.format import FORMAT_VERSION
-from cube.transfer.processes import free_ports as consecutive_free_ports
+from cube.processes import (
+    cpu_split,
+    die_with_parent,
+    free_ports,
+    machine_seconds,
+)
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _VERSION = "1"
 
 FLAGS = (
@@ -122,30 +123,12 @@ def key_batches(keys: np.ndarray, batch: int, count: int, seed: int) -> list[np.
 # the server process
 
 
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
 class Server:
     """`cube-server --workers W` started here, stopped by its PID."""
 
     def __init__(self, data_dir: Path, workers: int, extra: Sequence[str], log: Path) -> None:
         self.ports = free_ports(workers)
-        self.control_ports = consecutive_free_ports(workers, avoid=self.ports)
+        self.control_ports = free_ports(workers, avoid=self.ports)
         command = [
             sys.executable, "-m", "cube.server.main",
             "--data_dir", str(data_dir),
@@ -161,7 +144,7 @@ class Server:
         self.log = log
         with open(log, "wb") as out:
             self.process = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+                command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
             )
 
     @property
@@ -222,36 +205,6 @@ class Server:
 
 
 # ---------------------------------------------------------------------------------------------
-# CPU meters
-
-
-def cpu_split(pids: Sequence[int]) -> tuple[float, float]:
-    """(user, system) CPU seconds of the processes (all threads), from /proc/<pid>/stat."""
-    user = system = 0
-    for pid in pids:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        user += int(fields[11])
-        system += int(fields[12])
-    return user / CLOCK_TICKS, system / CLOCK_TICKS
-
-
-def cpu_seconds(pids: Sequence[int]) -> float:
-    return sum(cpu_split(pids))
-
-
-def machine_seconds() -> tuple[float, float, float]:
-    """(task time, interrupt time, steal) of the whole machine: what processes ran, irq+softirq
-    (mostly loopback networking, largely ours), and time the hypervisor took away."""
-    with open("/proc/stat") as f:
-        parts = [int(v) for v in f.readline().split()[1:9]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = parts
-    return (user + nice + system) / CLOCK_TICKS, (irq + softirq) / CLOCK_TICKS, steal / CLOCK_TICKS
-
-
 # ---------------------------------------------------------------------------------------------
 # load
 

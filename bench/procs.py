@@ -9,7 +9,6 @@ PR_SET_PDEATHSIG so they die if cube-bench itself is killed with SIGKILL.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -21,10 +20,16 @@ from pathlib import Path
 
 import psutil
 
-from cube.transfer.processes import log_tail, poll_until, spawn, terminate
-
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-_PR_SET_PDEATHSIG = 1
+from cube.processes import (
+    cpu_seconds,
+    die_with_parent,
+    loadavg,
+    log_tail,
+    machine_seconds,
+    poll_until,
+    spawn,
+    terminate,
+)
 
 
 class ServerStartError(RuntimeError):
@@ -37,13 +42,6 @@ def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.2) -> bool:
             return True
     except OSError:
         return False
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when cube-bench dies, even by SIGKILL."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 @dataclass
@@ -91,7 +89,7 @@ class ProcessRegistry:
         """Start `argv`, then wait until every port accepts connections and `ready()` is true."""
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"{name}-{len(self.servers)}.log"
-        popen = spawn(argv, log_path, cwd=cwd, env=env, preexec_fn=_die_with_parent)
+        popen = spawn(argv, log_path, cwd=cwd, env=env, preexec_fn=die_with_parent)
         server = ServerProcess(name, list(argv), popen, log_path, list(ports))
         self.servers.append(server)
         if self.log:
@@ -171,39 +169,13 @@ def signals_ignored():
             signal.signal(sig, old)
 
 
-# --- CPU meters -----------------------------------------------------------------------------
-
-
-def process_cpu_seconds(pids: Sequence[int]) -> float:
-    """utime + stime of the given processes (all their threads), from /proc/<pid>/stat."""
-    total = 0
-    for pid in pids:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue  # gone
-        fields = stat[stat.rindex(")") + 2 :].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
-    return total / CLOCK_TICKS
+# --- CPU meters (cube.processes) --------------------------------------------------------------
 
 
 def system_cpu_seconds() -> dict[str, float]:
-    """Machine-wide CPU seconds since boot, all cores: `tasks` (user+nice+system: what
-    processes ran), `irq` (irq+softirq, mostly loopback networking: ours) and `steal`
-    (the hypervisor gave our cores to someone else)."""
-    with open("/proc/stat") as f:
-        first = f.readline().split()
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in first[1:9])
-    return {
-        "tasks": (user + nice + system) / CLOCK_TICKS,
-        "irq": (irq + softirq) / CLOCK_TICKS,
-        "steal": steal / CLOCK_TICKS,
-    }
-
-
-def loadavg() -> float:
-    with open("/proc/loadavg") as f:
-        return float(f.read().split()[0])
+    """Machine-wide CPU seconds since boot as a dict (cube.processes.machine_seconds)."""
+    tasks, irq, steal = machine_seconds()
+    return {"tasks": tasks, "irq": irq, "steal": steal}
 
 
 @dataclass(frozen=True)
@@ -218,8 +190,8 @@ class CpuSnapshot:
     def take(cls, server_pids: Sequence[int]) -> CpuSnapshot:
         return cls(
             at_ns=time.perf_counter_ns(),
-            client=process_cpu_seconds([os.getpid()]),
-            servers=process_cpu_seconds(server_pids),
+            client=cpu_seconds([os.getpid()]),
+            servers=cpu_seconds(server_pids),
             system=system_cpu_seconds(),
             loadavg=loadavg(),
         )

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from cube.bench.procs import ProcessRegistry, ServerProcess
-from cube.transfer.processes import free_port
+from cube.processes import free_port
 
 
 class TargetUnavailable(RuntimeError):

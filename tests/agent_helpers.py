@@ -31,8 +31,8 @@ from aiohttp import web
 
 from cube.index import build_table
 from cube.pb import cube_pb2, cube_pb2_grpc
+from cube.processes import stop_child
 from cube.shard import DATA_FILE, INDEX_FILE, write_shard
-from cube.transfer.processes import stop_child
 from cube.values import ValueColumn
 
 REPO = Path(__file__).resolve().parent.parent

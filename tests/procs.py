@@ -23,8 +23,8 @@ import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cube.index import build_table
+from cube.processes import free_ports, poll_until, spawn, stop_child
 from cube.shard import write_shard
-from cube.transfer.processes import free_ports, poll_until, spawn, stop_child
 from cube.values import ValueColumn
 
 REPO = Path(__file__).resolve().parent.parent

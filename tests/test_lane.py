@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
 import struct
 import subprocess
@@ -26,6 +25,7 @@ from procs import expected_fixed, fixed_values, running_server, start_server, wr
 from cube.client import AsyncCubeClient, ConfError, CubeClient, RequestRejectedError
 from cube.client.transport import BusyPoll
 from cube.pb import cube_fast_pb2, cube_pb2, cube_pb2_grpc
+from cube.processes import cpu_seconds
 from cube.wire import LANE_MAGIC, decode_seek_response, encode_seek_request
 
 WIDTH = 24
@@ -377,12 +377,6 @@ def test_unreachable_lane_falls_back_to_grpc(announced):
         dead.close()
 
 
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def test_busy_polling_answers_and_stops_when_idle(tmp_path):
     """--busy_poll_us on the server and busy_poll_us in the SDK: answers are right, several
     threads share the client, and once traffic stops the server stops polling (a window that
@@ -401,9 +395,9 @@ def test_busy_polling_answers_and_stops_when_idle(tmp_path):
             assert all(pool.map(lambda _: client.seek(KEYS).found.all(), range(40)))
         assert counters(server.control_address)["lane_messages"] >= 60
         time.sleep(0.2)  # past the 20 ms window
-        before = _cpu_seconds(server.pid)
+        before = cpu_seconds([server.pid])
         time.sleep(1.0)
-        assert _cpu_seconds(server.pid) - before < 0.2
+        assert cpu_seconds([server.pid]) - before < 0.2
     with pytest.raises(ConfError, match="busy_poll_us"):
         CubeClient(shards=[["127.0.0.1:1"]], busy_poll_us=-1)
 

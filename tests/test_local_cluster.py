@@ -18,9 +18,9 @@ from procs import kill_processes_under, processes_under
 from transfer_helpers import write_table
 
 from cube.client import load_conf
+from cube.processes import free_ports
 from cube.transfer.config import load_config
 from cube.transfer.local import Proc, command, http_json, stop
-from cube.transfer.processes import free_ports
 
 CLI = [sys.executable, "-m", "cube.transfer.local"]
 TOKEN_VARS = ("CUBE_TOKEN", "CUBE_API_TOKEN")

@@ -18,8 +18,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from procs import expected_fixed, fixed_values, health_status, running_server, write_version
 
 from cube.pb import cube_fast_pb2, cube_fast_pb2_grpc, cube_pb2, cube_pb2_grpc
+from cube.processes import poll_until
 from cube.routing import shard_of
-from cube.transfer.processes import poll_until
 
 MISS = 0xFFFFFFFF
 

@@ -14,8 +14,8 @@ from grpc_health.v1 import health_pb2
 from procs import fixed_values, health_status, running_server, write_version
 from test_server import control, fixed_rows, seek
 
+from cube.processes import poll_until
 from cube.routing import shard_of
-from cube.transfer.processes import poll_until
 
 KEYS = np.arange(1, 3001, 2, dtype=np.uint64)
 WIDTH = 24

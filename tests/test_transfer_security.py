@@ -19,9 +19,9 @@ from agent_helpers import AgentProc
 from procs import start_server
 
 from cube.client import CubeClient
+from cube.processes import free_port, poll_until, spawn, stop_child
 from cube.seqfile import SequenceFileWriter
 from cube.transfer.local import command
-from cube.transfer.processes import free_port, poll_until, spawn, stop_child
 from cube.values import ValueColumn
 
 WAIT = 60.0

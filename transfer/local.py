@@ -39,8 +39,7 @@ from typing import Any
 import psutil
 
 from cube.flags import FlagError, FlagSet, run_cli
-from cube.transfer.config import ConfigError, Instance, TransferConfig, load_config, render_config
-from cube.transfer.processes import (
+from cube.processes import (
     create_time,
     free_port,
     log_tail,
@@ -49,6 +48,7 @@ from cube.transfer.processes import (
     spawn,
     terminate,
 )
+from cube.transfer.config import ConfigError, Instance, TransferConfig, load_config, render_config
 
 CLUSTER_FILE = "cluster.json"
 CONF_FILE = "transfer.conf"

@@ -20,8 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cube.bench.e2e import Server, build_data, cpu_seconds, key_batches
+from cube.bench.e2e import Server, build_data, key_batches
 from cube.client import CubeClient
+from cube.processes import cpu_seconds
 
 COUNT = 1_000_000
 WIDTH = 40

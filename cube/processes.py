@@ -8,8 +8,10 @@ tests' server helpers; each keeps its own names, messages and readiness checks.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import random
+import signal
 import socket
 import subprocess
 import time
@@ -151,3 +153,51 @@ def stop_child(popen: subprocess.Popen, timeout: float, kill_timeout: float = 10
             popen.kill()
             popen.wait(timeout=kill_timeout)
     return popen.returncode
+
+
+# ---------------------------------------------------------------------------------------------
+# children that die with us, and CPU meters (benchmarks and tests measure what they started)
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """For `preexec_fn`: in the child before exec, ask for SIGTERM when the parent dies, even
+    by SIGKILL (a benchmark killed midway leaves no server behind)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def cpu_split(pids: Sequence[int]) -> tuple[float, float]:
+    """(user, system) CPU seconds of the processes (all their threads), /proc/<pid>/stat;
+    a process that is gone counts nothing."""
+    user = system = 0
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        user += int(fields[11])  # utime, stime: fields 14 and 15 of stat
+        system += int(fields[12])
+    return user / CLOCK_TICKS, system / CLOCK_TICKS
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    return sum(cpu_split(pids))
+
+
+def machine_seconds() -> tuple[float, float, float]:
+    """(task time, interrupt time, steal) of the whole machine since boot, all cores: what
+    processes ran, irq + softirq (mostly loopback networking), and what the hypervisor took."""
+    with open("/proc/stat") as f:
+        parts = [int(v) for v in f.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = parts
+    return (user + nice + system) / CLOCK_TICKS, (irq + softirq) / CLOCK_TICKS, steal / CLOCK_TICKS
+
+
+def loadavg() -> float:
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
