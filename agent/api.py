@@ -15,10 +15,8 @@ from aiohttp import web
 
 from cube import protocol
 from cube.agent.deploy import Agent
-from cube.agent.layout import BadRequest
 from cube.agent.tasks import TaskBusy
-from cube.agent.work import QUERY_COMMAND, parse_work
-from cube.protocol import ERROR, OK, UNKNOWN_API
+from cube.protocol import ERROR, OK, QUERY_COMMAND, UNKNOWN_API, BadRequest, parse_work
 from cube.security import bearer_token, token_matches
 
 log = logging.getLogger("cube.agent")

@@ -17,6 +17,7 @@ import grpc
 import grpc.aio
 
 from cube.pb import cube_pb2, cube_pb2_grpc
+from cube.protocol import SERVER_UNREACHABLE
 from cube.security import bearer_metadata
 
 STATUS_RUNNING = 0
@@ -40,7 +41,7 @@ class ServerError(Exception):
 class ServerUnreachable(ServerError):
     """No answer from the cube-server's control service."""
 
-    reason = "server_unreachable"  # a task failed by it says so (the transfer waits, see drive)
+    reason = SERVER_UNREACHABLE  # a task failed by it says so (the transfer waits, see drive)
 
 
 @dataclass

@@ -49,10 +49,8 @@ from cube.agent.fetch import (
 from cube.agent.journal import Journal
 from cube.agent.layout import (
     TMP_PREFIX,
-    BadRequest,
     Layout,
     chain_is_valid,
-    check_name,
     placed_versions,
     plan_retention,
     read_chain,
@@ -61,15 +59,14 @@ from cube.agent.layout import (
 )
 from cube.agent.tasks import Task, TaskFailed, TaskManager
 from cube.agent.unpack import UnsafeTar, extract_shard_tar
-from cube.agent.work import SERVER_COMMANDS, Work
 from cube.format import ShardFormatError
 from cube.fsutil import atomic_write_json, atomic_write_text, file_md5, fsync_dir
 from cube.layout import CHAIN_FILE, chain_text, tar_name
+from cube.protocol import CORRUPT_VERSION, SERVER_COMMANDS, BadRequest, Work, check_name
 from cube.shard import Shard
 
 log = logging.getLogger("cube.agent")
 DONE_MARKER = ".download_done"
-CORRUPT_VERSION = "corrupt_version"  # Task.reason: placed files failed a check; download again
 
 
 @dataclass

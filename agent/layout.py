@@ -18,10 +18,8 @@ from pathlib import Path
 from cube.fsutil import atomic_write_text
 from cube.layout import (
     CHAIN_FILE,
-    NAME_RULE,
     VERSION_FILE,
     LayoutError,
-    clip,
     is_name,
     parse_chain,
     parse_version,
@@ -29,35 +27,6 @@ from cube.layout import (
 )
 
 TMP_PREFIX = ".tmp-"
-
-
-class BadRequest(ValueError):
-    """A request field that cannot be used; the message names the field."""
-
-
-def check_name(field: str, value: object) -> str:
-    """A version or dict name that is safe as one path component (no '/', no '..')."""
-    if not is_name(value):
-        raise BadRequest(f"{field}: {clip(value, 80)} is not a valid name ({NAME_RULE})")
-    return value
-
-
-def version_dir_name(version: str, depend: str = "", mode: str = "") -> str:
-    """The directory name a version is placed and served under.
-
-    Accepts the directory name itself (`<depend>` for a base, `<depend>_<cur>` for a delta) or the
-    original's pair (`version=<cur>`, `depend=<depend>`, `mode=delta`). The builder names a base's
-    output `<depend>_<depend>`; it is served as `<depend>`.
-    """
-    check_name("version", version)
-    if depend:
-        check_name("depend", depend)
-    head, sep, tail = version.partition("_")
-    if sep and head == tail:
-        return head
-    if mode == "delta" and depend and not sep and version != depend:
-        return f"{depend}_{version}"
-    return version
 
 
 @dataclass(frozen=True)
@@ -107,21 +76,6 @@ def read_version_file(layout: Layout) -> str:
 
 def write_version_file(layout: Layout, version: str) -> None:
     atomic_write_text(layout.version_file, version_text(version))
-
-
-def normalize_chain(chain: object, version: str) -> list[str]:
-    """Validate a delta's chain (base first); it must end with the delta itself (appended if
-    the sender left it out)."""
-    if not isinstance(chain, list) or not chain:
-        raise BadRequest(f"chain: a delta ({version}) needs a non-empty list, base first")
-    names = [check_name("chain entry", name) for name in chain]
-    if names[-1] != version:
-        names.append(version)
-    if len(names) < 2:
-        raise BadRequest(f"chain: {names} has no base before the delta {version}")
-    if len(set(names)) != len(names):
-        raise BadRequest(f"chain: {names} names a version twice")
-    return names
 
 
 def read_chain(layout: Layout, version: str) -> list[str]:

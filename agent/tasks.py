@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cube.agent.journal import Journal
+from cube.protocol import FAILED, RUNNING, SUCCEEDED
 
 log = logging.getLogger("cube.agent")
 
-RUNNING, SUCCEEDED, FAILED = "running", "succeeded", "failed"
 MAX_FINISHED_TASKS = 256
 INTERRUPTED = (
     "interrupted: the agent stopped while this task ran; send the same command again to resume it"

@@ -22,6 +22,7 @@ import re
 import tarfile
 from collections.abc import Sequence
 from pathlib import PurePosixPath
+from typing import TypeGuard
 
 VERSION_FILE = "VERSION"
 CHAIN_FILE = "CHAIN"
@@ -37,7 +38,7 @@ class LayoutError(ValueError):
 # names
 
 
-def is_name(value: object) -> bool:
+def is_name(value: object) -> TypeGuard[str]:
     """A dict or version name: one path component, no '..'."""
     return isinstance(value, str) and bool(NAME_RE.fullmatch(value)) and ".." not in value
 

@@ -25,13 +25,7 @@ from cube.agent.fetch import (
     shown,
 )
 from cube.agent.journal import Journal
-from cube.agent.layout import (
-    BadRequest,
-    check_name,
-    normalize_chain,
-    plan_retention,
-    version_dir_name,
-)
+from cube.agent.layout import plan_retention
 from cube.agent.main import config_from_flags, flag_set
 from cube.agent.main import main as agent_main
 from cube.agent.tasks import (
@@ -44,8 +38,8 @@ from cube.agent.tasks import (
     TaskManager,
 )
 from cube.agent.unpack import UnsafeTar, extract_shard_tar
-from cube.agent.work import parse_work
 from cube.layout import member_problem
+from cube.protocol import BadRequest, check_name, normalize_chain, parse_work, version_dir_name
 
 FAST = FetchPolicy(
     attempts=3, backoff=0.01, timeout=20, io_timeout=5, sources=SourcePolicy(allow_files=True)

@@ -115,3 +115,27 @@ def test_lane_frames_scanned_by_one_function():
     refused = next_frame(answer, ok.stop, len(answer), answers=True)
     assert (ok.status, answer[ok.start : ok.stop]) == (0, b"ok")
     assert refused.status == 9 and answer[refused.start : refused.stop] == b"no such version"
+
+
+def test_agent_commands_and_task_reports_round_trip(tmp_path):
+    """What the transfer sends is what the agent parses; what the agent reports is what the
+    transfer reads (one module, cube.protocol, on both sides)."""
+    from cube.agent.tasks import Task
+    from cube.protocol import CORRUPT_VERSION, FAILED, TaskReport, Work, parse_work
+
+    sent = Work(
+        command="download", version="100_150", mode="delta", dict_name="d", shard_seq=3,
+        source="http://transfer:8080/100_150/d_part3.tar", md5="a" * 32, size=4096,
+        chain=["100", "100_150"], depend="100", deploy_path=str(tmp_path), port=8000,
+        id="150", key="100",
+    )  # fmt: skip
+    parsed = parse_work(sent.to_json(), tmp_path)
+    kept = ("command", "version", "mode", "dict_name", "shard_seq", "source", "md5", "size")
+    assert all(getattr(parsed, name) == getattr(sent, name) for name in kept)
+    assert parsed.chain == sent.chain
+    query = parse_work(Work("task", "100_150", task_command="reload").to_json(), tmp_path)
+    assert (query.command, query.task_command) == ("task", "reload")
+    task = Task("reload", "100_150", state=FAILED, message="refused", reason=CORRUPT_VERSION)
+    report = TaskReport.from_json(task.to_json())
+    assert report is not None and (report.state, report.reason) == (FAILED, CORRUPT_VERSION)
+    assert TaskReport.from_json({"state": "bogus"}) is None

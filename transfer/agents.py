@@ -17,7 +17,16 @@ from typing import Any
 
 import aiohttp
 
-from cube.protocol import read_envelope
+from cube.protocol import (
+    CORRUPT_VERSION,
+    FAILED,
+    QUERY_COMMAND,
+    SERVER_UNREACHABLE,
+    SUCCEEDED,
+    TaskReport,
+    Work,
+    read_envelope,
+)
 from cube.transfer.config import Instance
 
 log = logging.getLogger("cube.transfer.agents")
@@ -42,10 +51,6 @@ class AgentRefused(Exception):
     def __init__(self, message: str, http_status: int = 0) -> None:
         super().__init__(message)
         self.http_status = http_status
-
-
-CORRUPT_VERSION = "corrupt_version"  # a task reason: the server refused the placed copy as
-# damaged (DATA_LOSS) and the agent quarantined it; only a new download can repair it
 
 
 @dataclass
@@ -114,14 +119,14 @@ class AgentClient:
 
     async def submit(self, inst: Instance, fields: dict[str, Any]) -> dict[str, Any]:
         data = await self._request(inst, "POST", "/agent/cmd", fields)
-        if not isinstance(data, dict) or "state" not in data:
+        if TaskReport.from_json(data) is None:
             raise AgentRefused(f"agent {inst.agent_address}: {fields['command']} returned no task")
         return data
 
     async def task(self, inst: Instance, command: str, version: str) -> dict[str, Any]:
-        body = {"command": "task", "version": version, "task_command": command}
+        body = Work(QUERY_COMMAND, version, task_command=command).to_json()
         data = await self._request(inst, "POST", "/agent/cmd", body)
-        if not isinstance(data, dict) or "state" not in data:
+        if TaskReport.from_json(data) is None:
             raise AgentRefused(f"agent {inst.agent_address}: no task {command} {version}")
         return data
 
@@ -206,9 +211,9 @@ async def drive(
             await asyncio.sleep(min(delay, max(remaining, 0.0)))
             continue
         state = task.get("state")
-        if state == "succeeded":
+        if state == SUCCEEDED:
             return Outcome(True, said(task.get("message"), "ok"))
-        if state == "failed":
+        if state == FAILED:
             last = said(task.get("message"), "failed")
             if last.startswith("interrupted"):  # the agent restarted mid-task: just resume it
                 submitted = False
@@ -220,7 +225,7 @@ async def drive(
             # The server was unreachable (the task says so, or the agent does now): it may be
             # restarting, so wait as for a silent agent, without spending a retry. The task's
             # own reason counts even if the server is back by the time we ask the agent.
-            if task.get("reason") == "server_unreachable" or await _server_down(client, inst):
+            if task.get("reason") == SERVER_UNREACHABLE or await _server_down(client, inst):
                 if server_down_since is None:
                     server_down_since = loop.time()
                 if dead_timeout is None or loop.time() - server_down_since < dead_timeout:

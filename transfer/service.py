@@ -31,10 +31,10 @@ import psutil
 
 from cube.donefile import BASE_FILE, PATCH_FILE, parse_line, split_complete_lines
 from cube.layout import output_dir_name, tar_name
+from cube.protocol import CORRUPT_VERSION, Work
 from cube.security import client_context
 from cube.transfer import build as builds
 from cube.transfer.agents import (
-    CORRUPT_VERSION,
     AgentClient,
     AgentRefused,
     AgentUnreachable,
@@ -414,26 +414,24 @@ class TransferService:
 
     def _fields(self, inst: Instance, command: str, rec: VersionRecord) -> dict[str, Any]:
         """A POST /agent/cmd body for `command` on `rec` (as the original's Work object)."""
-        fields: dict[str, Any] = {
-            "dict_name": self.cfg.dict_name,
-            "shard_seq": inst.shard,
-            "deploy_path": inst.deploy_path,
-            "command": command,
-            "version": rec.version,
-            "depend": rec.depend,
-            "mode": rec.mode,
-            "source": source_url(self.cfg, rec, inst.shard),
-            "port": inst.server_port,
-            "id": rec.id,
-            "key": rec.key,
-        }
-        shard = rec.shards.get(str(inst.shard))
-        if shard:
-            fields["md5"] = shard["md5"]
-            fields["size"] = shard["size"]
-        if rec.mode == "delta":
-            fields["chain"] = list(rec.chain)
-        return fields
+        shard = rec.shards.get(str(inst.shard)) or {}
+        work = Work(
+            command=command,
+            version=rec.version,
+            mode=rec.mode,
+            dict_name=self.cfg.dict_name,
+            shard_seq=inst.shard,
+            source=source_url(self.cfg, rec, inst.shard),
+            md5=str(shard.get("md5") or ""),
+            size=shard.get("size"),
+            chain=list(rec.chain) if rec.mode == "delta" else [],
+            depend=rec.depend,
+            deploy_path=inst.deploy_path,
+            port=inst.server_port,
+            id=rec.id,
+            key=rec.key,
+        )
+        return work.to_json()
 
     def _progress(self, phase: str):
         running, succeeded, failed = _PHASE_STATUS[phase]
