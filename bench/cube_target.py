@@ -145,7 +145,7 @@ class CubeTarget(Target):
         return {
             "shards": [[f"127.0.0.1:{port}" for port in ports] for ports in self.shard_ports],
             "dict_name": DICT_NAME,
-            "timeout_ms": _CLIENT_TIMEOUT_MS,
+            "timeout": _CLIENT_TIMEOUT_MS / 1000.0,
             "transport": self.options.get("cube_transport", "auto"),
             "busy_poll_us": int(self.options.get("cube_busy_poll_us", 0)),
         }
@@ -158,12 +158,14 @@ class CubeTarget(Target):
     def async_client(self, concurrency: int) -> Any:
         from cube.client import AsyncCubeClient
 
-        return _AsyncCubeClient(AsyncCubeClient(**self._client_args()), self.dim)
+        args = self._client_args()
+        args.pop("busy_poll_us")  # the blocking client's: the asyncio one waits in its loop
+        return _AsyncCubeClient(AsyncCubeClient(**args), self.dim)
 
 
 def _matrix(result: Any, dim: int) -> tuple[np.ndarray, int]:
     """What the application gets: the (n, width) rows or, with --dim, get_embeddings' array."""
-    from cube.client.core import embeddings
+    from cube.client._core import embeddings
 
     misses = int(result.found.shape[0] - np.count_nonzero(result.found))
     if dim:

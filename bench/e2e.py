@@ -340,7 +340,7 @@ def async_load(addresses: list[str], batches: list[np.ndarray], inflight: int, o
 
         async def main() -> None:
             async with AsyncCubeClient(
-                shards=[addresses], timeout_ms=30_000, transport=options["transport"]
+                shards=[addresses], timeout=30.0, transport=options["transport"]
             ) as client:
                 await client.wait_ready(10)
                 await asyncio.gather(*(worker(client) for _ in range(inflight)))
@@ -354,7 +354,7 @@ def thread_load(addresses: list[str], batches: list[np.ndarray], inflight: int, 
     from cube.client import CubeClient
 
     def run(recorder: Recorder, keep_going: Callable[[], bool]) -> None:
-        with CubeClient(shards=[addresses], timeout_ms=30_000, **options) as client:
+        with CubeClient(shards=[addresses], timeout=30.0, **options) as client:
             client.wait_ready(10)
             per_thread = [batches[i::inflight] for i in range(inflight)]
 

@@ -188,7 +188,7 @@ def decode_seek_response(data: Buffer, n: int) -> Answer:
 
 
 # ---------------------------------------------------------------------------------------------
-# TCP lane frames (cube.server.lane serves them, cube.client.transport speaks them)
+# TCP lane frames (cube.server.lane serves them, cube.client._transport speaks them)
 #
 # The client opens a connection with LANE_MAGIC. A request frame is a u32 length then the
 # SeekRequest bytes; an answer frame is a u32 length, a u8 status (0: a SeekResponse follows;

@@ -29,6 +29,7 @@ from cube.client import (
     CubeError,
     RequestRejectedError,
     ShardUnavailableError,
+    Timeouts,
     ValueSizeError,
     VersionMismatchError,
     cli,
@@ -172,7 +173,9 @@ def test_async_client_parity(fixed_cluster):
     keys = query_keys(seed=5)
 
     async def main():
-        async with AsyncCubeClient(shards=shards, max_batch=300, backup_request_ms=50) as aio:
+        async with AsyncCubeClient(
+            shards=shards, max_batch=300, timeout=Timeouts(backup_after=0.05)
+        ) as aio:
             assert await aio.wait_ready() == []
             results = await asyncio.gather(*(aio.seek(keys) for _ in range(4)))
             emb = await aio.get_embeddings(keys, dim=4)
@@ -352,7 +355,7 @@ def test_failover_when_a_replica_is_killed_under_load(replicated_shard):
                 errors.append(exc)
                 return
 
-    with CubeClient(shards=shards, retry=2, timeout_ms=3000) as client:
+    with CubeClient(shards=shards, retry=2, timeout=3.0) as client:
         threads = [threading.Thread(target=load, args=(client,)) for _ in range(3)]
         for thread in threads:
             thread.start()
@@ -400,10 +403,10 @@ def test_dead_shard_raises_naming_shard_and_replicas_with_partial_result(tmp_pat
         for make in (CubeClient, AsyncCubeClient):
             with pytest.raises(ShardUnavailableError) as info:
                 if make is CubeClient:
-                    with CubeClient(shards=shards, retry=3, timeout_ms=2000) as client:
+                    with CubeClient(shards=shards, retry=3, timeout=2.0) as client:
                         client.seek(keys)
                 else:
-                    asyncio.run(_async_seek(shards, keys, retry=3, timeout_ms=2000))
+                    asyncio.run(_async_seek(shards, keys, retry=3, timeout=2.0))
             error = info.value
             assert error.shard == 1 and error.shards == [1]
             message = str(error)
@@ -427,7 +430,7 @@ def test_backup_request_answers_past_a_stopped_replica(replicated_shard):
     slow, fast = replicated_shard
     keys = query_keys(seed=13, n=300)
     timeout_ms = 20_000
-    options = dict(retry=0, timeout_ms=timeout_ms, backup_request_ms=30, load_balancer="rr")
+    options = dict(retry=0, timeout=Timeouts(timeout_ms / 1000, 0.03), load_balancer="rr")
     with CubeClient(shards=[[slow.address, fast.address]], **options) as client:
         check_fixed(client.seek(keys), keys)  # connect both
         check_fixed(client.seek(keys), keys)
@@ -461,7 +464,7 @@ def test_backup_request_answers_past_a_stopped_replica(replicated_shard):
 def test_timeout_then_retry_on_the_other_replica(replicated_shard):
     slow, fast = replicated_shard
     keys = query_keys(seed=14, n=100)
-    with CubeClient(shards=[[slow.address, fast.address]], retry=1, timeout_ms=300) as client:
+    with CubeClient(shards=[[slow.address, fast.address]], retry=1, timeout=0.3) as client:
         check_fixed(client.seek(keys), keys)
         os.kill(slow.pid, signal.SIGSTOP)
         try:
@@ -540,7 +543,7 @@ def test_cube_cli_prints_latency_and_qps(fixed_cluster, tmp_path, capsys):
     keys_file = tmp_path / "keys.txt"
     keys_file.write_text("\n".join(str(k) for k in query_keys(seed=16, n=300)) + "\n")
     args = ("--config_file", path, "--keys", keys_file, "--dict", "test_dict", "--batch", 50)
-    done = run_cli(*args, "--thread_num", 2, "--requests", 20)
+    done = run_cli(*args, "--thread_num", 2, "--requests", 20, "--timeout", 2000, "--retry", 1)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "2 shards, batch 50, 2 threads x 20 requests" in out
@@ -605,7 +608,7 @@ def test_large_answers_beyond_grpc_default_message_size(tmp_path):
     (data,) = build_shards(tmp_path, keys, lambda k: fixed_values(k, 256), 1)
     with (
         servers((data, (), 1)) as (server,),
-        CubeClient(shards=[[server.address]], timeout_ms=30_000) as client,
+        CubeClient(shards=[[server.address]], timeout=30.0) as client,
     ):
         query = keys[::-1].copy()
         for max_batch in (100_000, 20_000):

@@ -117,3 +117,20 @@ def test_client_argument_errors():
         CubeClient(shards=[["h:1"]], load_balancer="x")
     with CubeClient(shards=["h:1", ["h:2", "h:3"]]) as client:
         assert client.shards == (("h:1",), ("h:2", "h:3"))
+
+
+def test_from_conf_timeout_override_keeps_the_files_backup_request(tmp_path):
+    import json
+
+    from cube.client import CubeClient, Timeouts
+
+    entry = {
+        "dict_name": "d", "shard": 1, "dup": 1, "timeout": 800, "retry": 1,
+        "backup_request": 20, "type": "ipport", "nodes": [{"ip": "127.0.0.1", "port": 1}],
+    }  # fmt: skip
+    path = tmp_path / "cube.conf"
+    path.write_text(json.dumps([entry]))
+    with CubeClient.from_conf(path) as client:
+        assert client.timeouts == Timeouts(0.8, 0.02) and client.retry.attempts == 1
+    with CubeClient.from_conf(path, timeout=0.1) as client:
+        assert client.timeouts == Timeouts(0.1, 0.02)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cube.client.core import (
+from cube.client._core import (
     OriginalProtocol,
     PieceOutcome,
     PieceRequest,

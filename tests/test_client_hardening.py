@@ -94,9 +94,7 @@ def test_async_client_bounded_and_recovering_when_a_server_stops(tmp_path):
     try:
 
         async def run() -> tuple[int, int, int]:
-            async with AsyncCubeClient(
-                shards=[[server.address]], timeout_ms=300, retry=0
-            ) as client:
+            async with AsyncCubeClient(shards=[[server.address]], timeout=0.3, retry=0) as client:
                 assert (await client.seek(keys[:100])).found.all()
                 gc.collect()
                 before = me.memory_info().rss

@@ -7,8 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from cube.client.errors import ConfError
-from cube.client.policy import (
+from cube.client._policy import (
     Balancer,
     Cancel,
     Cluster,
@@ -18,6 +17,7 @@ from cube.client.policy import (
     Send,
     ShardCall,
 )
+from cube.client.errors import ConfError
 from cube.values import ValueColumn
 from cube.wire import Answer, BadMessage
 

@@ -23,7 +23,7 @@ import pytest
 from procs import expected_fixed, fixed_values, running_server, start_server, write_version
 
 from cube.client import AsyncCubeClient, ConfError, CubeClient, RequestRejectedError
-from cube.client.transport import BusyPoll
+from cube.client._transport import BusyPoll
 from cube.pb import cube_fast_pb2, cube_pb2, cube_pb2_grpc
 from cube.processes import cpu_seconds
 from cube.wire import LANE_MAGIC, decode_seek_response, encode_seek_request
@@ -254,10 +254,10 @@ def test_restarted_server_gets_a_new_lane_and_clients_follow(tmp_path):
     first = start_server(data)
     ports = first.ports
     try:
-        sync_client = CubeClient(shards=[[first.address]], retry=3, timeout_ms=5000)
+        sync_client = CubeClient(shards=[[first.address]], retry=3, timeout=5.0)
 
         async def run_async(restart):
-            async with AsyncCubeClient(shards=[[first.address]], retry=3, timeout_ms=5000) as aio:
+            async with AsyncCubeClient(shards=[[first.address]], retry=3, timeout=5.0) as aio:
                 assert (await aio.seek(keys)).found.all()
                 await asyncio.to_thread(restart)
                 return await aio.seek(keys)

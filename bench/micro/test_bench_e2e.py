@@ -47,7 +47,7 @@ def served(tmp_path_factory):
 def test_e2e_one_in_flight(benchmark, served):
     server, batches = served
     cycle = itertools.cycle(batches)
-    with CubeClient(shards=[server.addresses], timeout_ms=10_000) as client:
+    with CubeClient(shards=[server.addresses], timeout=10.0) as client:
         for _ in range(20):  # connect both workers' lanes
             client.seek(next(cycle))
         result = benchmark(lambda: client.seek(next(cycle)))
@@ -74,7 +74,7 @@ def test_e2e_eight_in_flight(benchmark, served):
 
     pids = server.pids()
     with (
-        CubeClient(shards=[server.addresses], timeout_ms=10_000) as client,
+        CubeClient(shards=[server.addresses], timeout=10.0) as client,
         ThreadPoolExecutor(INFLIGHT) as pool,
     ):
         round_()

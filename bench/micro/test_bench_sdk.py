@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from cube.client import AsyncCubeClient, CubeClient
-from cube.client.core import assemble, make_plan
+from cube.client._core import assemble, make_plan
 from cube.pb import cube_fast_pb2
 from cube.routing import shard_of
 from cube.wire import decode_seek_response, encode_seek_request

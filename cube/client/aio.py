@@ -1,5 +1,5 @@
 """AsyncCubeClient: the asyncio client, same API as CubeClient with `await`. Drives the pure
-rounds (cube.client.policy) with grpc.aio: completions land in an asyncio.Queue[Any] and the
+rounds (cube.client._policy) with grpc.aio: completions land in an asyncio.Queue[Any] and the
 coroutine waits on it until the next timer. Use one client per event loop (grpc.aio channels
 belong to the loop that first used them)."""
 
@@ -13,18 +13,22 @@ from typing import Any
 import grpc
 import numpy as np
 
-from cube.client.base import ClientBase
-from cube.client.core import Piece, PieceOutcome, PieceRequest, SeekResult, embeddings
-from cube.client.errors import CubeError
-from cube.client.policy import Action, Cancel
-from cube.client.transport import AioChannels, status_of
+from cube.client._base import ClientBase
+from cube.client._core import Piece, PieceOutcome, PieceRequest, SeekResult, embeddings
+from cube.client._policy import Action, Cancel
+from cube.client._transport import AioChannels, status_of
+from cube.client.errors import ConfError, CubeError
 
 
 class AsyncCubeClient(ClientBase):
     """asyncio client; see ClientBase for the arguments and `from_conf` for cube.conf."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def _open(self) -> None:
+        if self._busy_poll_s:
+            raise ConfError(
+                "busy_poll_us is for CubeClient (a thread waiting on a socket); AsyncCubeClient"
+                " waits in its event loop: leave it 0"
+            )
         self._channels = AioChannels(
             self._wire.method,
             lanes=self._use_lanes,
@@ -51,11 +55,15 @@ class AsyncCubeClient(ClientBase):
         return embeddings(await self.seek(keys), dim, dtype)
 
     async def wait_ready(self, timeout_s: float = 5.0) -> list[str]:
+        if self._injected is not None:
+            return []
         return await self._channels.wait_ready(self.endpoints, timeout_s)
 
     async def close(self) -> None:
         self._closed = True
         await self._channels.close()
+        if self._injected is not None:
+            self._injected.close()
 
     async def __aenter__(self) -> AsyncCubeClient:
         return self
@@ -109,7 +117,12 @@ class AsyncCubeClient(ClientBase):
                     call.cancel()
                 continue
             try:
-                call = self._channels.start(action.address, action.request, action.timeout_s)
+                if self._injected is not None:
+                    call = asyncio.ensure_future(
+                        self._injected.acall(action.address, action.request, action.timeout_s)
+                    )
+                else:
+                    call = self._channels.start(action.address, action.request, action.timeout_s)
             except Exception as exc:
                 call = _Failed(exc)
                 events.put_nowait((action.key, call))

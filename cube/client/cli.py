@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cube.client.core import PROTOCOLS, SeekResult
+from cube.client._core import PROTOCOLS, SeekResult
 from cube.client.errors import CubeError
 from cube.client.sync import CubeClient
 from cube.flags import FlagError, FlagSet, run_cli
@@ -96,7 +96,7 @@ def run(argv: Sequence[str]) -> int:
     keys = read_keys(flags["keys"])  # flags.keys is dict.keys
     overrides = {"protocol": flags.protocol}
     if flags.timeout is not None:
-        overrides["timeout_ms"] = flags.timeout
+        overrides["timeout"] = flags.timeout / 1000.0  # --timeout is in ms, as the original's
     if flags.retry is not None:
         overrides["retry"] = flags.retry
     try:

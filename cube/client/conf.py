@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cube.client._policy import LOAD_BALANCERS
 from cube.client.errors import ConfError
-from cube.client.policy import LOAD_BALANCERS
 from cube.routing import PARTITIONERS
 
 TYPES = ("ipport", "ipport_list", "ipport_parallel")

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from cube.client.core import SeekResult
+    from cube.client._core import SeekResult
 
 
 class CubeError(Exception):

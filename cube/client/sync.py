@@ -1,4 +1,4 @@
-"""CubeClient: the blocking client. Drives the pure rounds (cube.client.policy) with gRPC's
+"""CubeClient: the blocking client. Drives the pure rounds (cube.client._policy) with gRPC's
 blocking API.
 
 How attempts run (chosen by measurement, bench/micro/test_bench_sdk.py): gRPC's sync `future()`
@@ -25,11 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from cube.client.base import ClientBase
-from cube.client.core import Piece, PieceOutcome, PieceRequest, SeekResult, embeddings
+from cube.client._base import ClientBase
+from cube.client._core import Piece, PieceOutcome, PieceRequest, SeekResult, embeddings
+from cube.client._policy import Action, Round, Send
+from cube.client._transport import CallHandle, SyncChannels, status_of
 from cube.client.errors import CubeError
-from cube.client.policy import Action, Round, Send
-from cube.client.transport import CallHandle, SyncChannels
 
 _Key = tuple[int, int]
 
@@ -39,11 +39,13 @@ def _report(events: queue.SimpleQueue[Any], key: _Key, future: Future[Any]) -> N
         events.put((key, *future.result()))
 
 
+_Outcome = tuple[bool, Any]  # (True, answer bytes) or (False, (status name, message))
+
+
 class CubeClient(ClientBase):
     """Blocking client; see ClientBase for the arguments and `from_conf` for cube.conf."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def _open(self) -> None:
         self._channels = SyncChannels(
             self._wire.method,
             lanes=self._use_lanes,
@@ -81,11 +83,15 @@ class CubeClient(ClientBase):
 
     def wait_ready(self, timeout_s: float = 5.0) -> list[str]:
         """Connect to every endpoint; return the ones not ready within `timeout_s`."""
+        if self._injected is not None:
+            return []
         return self._channels.wait_ready(self.endpoints, timeout_s)
 
     def close(self) -> None:
         self._closed = True
         self._channels.close()
+        if self._injected is not None:
+            self._injected.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> CubeClient:
@@ -154,10 +160,21 @@ class CubeClient(ClientBase):
         for send in sends:
             handle = pending[send.key] = CallHandle()
             future = self._pool.submit(
-                self._channels.call, send.address, send.request, send.timeout_s, handle
+                self._attempt, send.address, send.request, send.timeout_s, handle
             )
             future.add_done_callback(partial(_report, events, send.key))
         if inline is None:
             return None
         pending[inline.key] = None
-        return (inline.key, *self._channels.call(inline.address, inline.request, inline.timeout_s))
+        return (inline.key, *self._attempt(inline.address, inline.request, inline.timeout_s))
+
+    def _attempt(
+        self, address: str, request: bytes, timeout_s: float, handle: CallHandle | None = None
+    ) -> _Outcome:
+        """One attempt through the transport (the built-in one, or the injected one)."""
+        try:
+            if self._injected is not None:
+                return True, self._injected.call(address, request, timeout_s)
+            return True, self._channels.call(address, request, timeout_s, handle)
+        except Exception as exc:  # TransportError, or an injected transport's bug
+            return False, status_of(exc)

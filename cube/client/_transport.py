@@ -1,5 +1,5 @@
 """Transports: bytes in, bytes out (request and response (de)serialization is the core's, see
-`cube.client.core`).
+`cube.client._core`).
 
 - gRPC: one channel per endpoint, created on first use and kept.
 - The TCP lane (`cube.server.lane`): the same cube.v1 Seek bytes over plain length-prefixed
@@ -29,15 +29,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import grpc.aio
 import numpy as np
 
+from cube.client.errors import CubeError
 from cube.routing import ShardRouting
 from cube.security import client_context, grpc_channel_credentials
-from cube.wire import ANSWER_HEADER, LANE_MAGIC, next_frame, request_header
+from cube.wire import ANSWER_HEADER, LANE_MAGIC, Buffer, next_frame, request_header
 
 # No message size limit (100k-key batches of large values), our own retries only, and a short
 # reconnect backoff so a restarted replica is used again within seconds (grpc's default grows
@@ -67,20 +68,29 @@ _MAX_IDLE = 64  # idle blocking connections kept per endpoint
 LANE_RECHECK_S = 5.0  # an endpoint found without a (reachable) lane is asked again after this
 
 
-class LaneError(grpc.RpcError):
-    """A failed TCP-lane call, shaped like a gRPC error (code(), details())."""
+class TransportError(CubeError):
+    """A call that failed: `code` is a gRPC status name (UNAVAILABLE, DEADLINE_EXCEEDED, ...)
+    or one of ours (CONFIG_MISMATCH); `message` says what happened. Every transport raises
+    it (the lanes, gRPC through `status_of`, a MockTransport's handler), so the retry policy
+    sees one shape whichever moved the bytes."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
-        # a gRPC status, or a status of our own (CONFIG_MISMATCH) kept as its name
-        self._code: grpc.StatusCode | str = grpc.StatusCode.__members__.get(code, code)
-        self._message = message
+        self.code = code
+        self.message = message
 
-    def code(self) -> grpc.StatusCode | str:  # type: ignore[override]
-        return self._code
 
-    def details(self) -> str:
-        return self._message
+class Transport(Protocol):
+    """How a client moves a request's bytes to a server and the answer's bytes back. A
+    transport passed as `transport=` replaces the built-in gRPC/TCP-lane one (MockTransport
+    for tests): CubeClient calls `call`, AsyncCubeClient awaits `acall`; both return the
+    cube.v1 SeekResponse bytes or raise TransportError."""
+
+    def call(self, address: str, request: bytes, timeout_s: float) -> bytes: ...
+
+    async def acall(self, address: str, request: bytes, timeout_s: float) -> bytes: ...
+
+    def close(self) -> None: ...
 
 
 def _status_name(number: int) -> str:
@@ -148,6 +158,8 @@ def open_aio_channel(address: str, tls: ClientTLS | None) -> grpc.aio.Channel:
 
 def status_of(error: BaseException) -> tuple[str, str]:
     """(status code name, message) of a failed call."""
+    if isinstance(error, TransportError):
+        return error.code, error.message
     if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
         code = error.code()
         name = code.name if isinstance(code, grpc.StatusCode) else str(code)
@@ -477,9 +489,10 @@ class SyncChannels:
 
     def call(
         self, address: str, request: bytes, timeout_s: float, handle: CallHandle | None = None
-    ) -> tuple[bool, Any]:
-        """(True, response bytes) or (False, (status name, message)); never raises. `handle`
-        lets another thread cancel the call while it runs on a lane."""
+    ) -> Buffer:
+        """The response bytes (a view of the received buffer on a lane); TransportError when
+        the call failed. `handle` lets another
+        thread cancel the call while it runs on a lane."""
         now = time.monotonic()
         deadline = now + timeout_s
         lane = self._lanes.get(address, _UNKNOWN)
@@ -488,26 +501,29 @@ class SyncChannels:
         if lane is _UNKNOWN:
             failure = self._discover(address, timeout_s)
             if failure is not None:
-                return False, failure
+                raise TransportError(*failure)
             lane = self._lanes.get(address)
         mismatch = self._mismatch.get(address)
         if mismatch is not None:
-            return False, (CONFIG_MISMATCH, mismatch)
+            raise TransportError(CONFIG_MISMATCH, mismatch)
         if isinstance(lane, SyncLane):
             ok, payload = lane.call(request, max(deadline - time.monotonic(), 1e-3), handle)
             if lane.unreachable:  # e.g. a firewall: this attempt goes over gRPC
                 self._forget(address, lane)
                 self._no_lane(address)
-            elif lane.broken:
-                self._forget(address, lane)
-                return ok, payload
             else:
-                return ok, payload
+                if lane.broken:
+                    self._forget(address, lane)
+                if ok:
+                    body: Buffer = payload
+                    return body
+                raise TransportError(*payload)
         timeout_s = max(deadline - time.monotonic(), 1e-3)
         try:
-            return True, self._callable(address)(request, timeout=timeout_s)
+            answer: bytes = self._callable(address)(request, timeout=timeout_s)
         except Exception as exc:
-            return False, status_of(exc)
+            raise TransportError(*status_of(exc)) from None
+        return answer
 
     def _no_lane(self, address: str) -> None:
         with self._lock:
@@ -607,16 +623,16 @@ class AioLane(asyncio.Protocol):
         future = self._loop.create_future()
         transport = self.transport
         if self.lost or transport is None:
-            future.set_exception(LaneError("UNAVAILABLE", "TCP lane: connection lost"))
+            future.set_exception(TransportError("UNAVAILABLE", "TCP lane: connection lost"))
             return future
         if len(self._pending) >= _MAX_PENDING_CALLS:
             future.set_exception(
-                LaneError("UNAVAILABLE", f"TCP lane: {len(self._pending)} calls in flight")
+                TransportError("UNAVAILABLE", f"TCP lane: {len(self._pending)} calls in flight")
             )
             return future
         if transport.get_write_buffer_size() > _MAX_UNSENT_BYTES:
             future.set_exception(
-                LaneError("UNAVAILABLE", "TCP lane: the server is not taking requests")
+                TransportError("UNAVAILABLE", "TCP lane: the server is not taking requests")
             )
             return future
         transport.writelines((request_header(len(request)), request))
@@ -629,7 +645,7 @@ class AioLane(asyncio.Protocol):
         if future.done():
             return
         future.set_exception(
-            LaneError("DEADLINE_EXCEEDED", f"TCP lane: no answer in {timeout_s:.3f} s")
+            TransportError("DEADLINE_EXCEEDED", f"TCP lane: no answer in {timeout_s:.3f} s")
         )
         if self._received_at < sent_at:  # not a byte since it was sent: the peer is gone
             self._fail(f"TCP lane: nothing received for {timeout_s:.3f} s; connection dropped")
@@ -655,7 +671,7 @@ class AioLane(asyncio.Protocol):
                     body = bytes(source[frame.start : frame.stop])
                 if frame.status:
                     text = bytes(body).decode("utf-8", "replace")
-                    future.set_exception(LaneError(_status_name(frame.status), text))
+                    future.set_exception(TransportError(_status_name(frame.status), text))
                 else:
                     future.set_result(body)
             start = frame.stop
@@ -673,7 +689,7 @@ class AioLane(asyncio.Protocol):
         for future, timer, _ in pending:
             timer.cancel()
             if not future.done():
-                future.set_exception(LaneError("UNAVAILABLE", message))
+                future.set_exception(TransportError("UNAVAILABLE", message))
         self._buffer = bytearray()
         if self.transport is not None:
             self.transport.abort()  # drop what is still unsent
@@ -746,7 +762,7 @@ class AioChannels:
         lane = await asyncio.shield(task)  # a cancelled caller leaves the connect to others
         mismatch = self._mismatch.get(address)
         if mismatch is not None:
-            raise LaneError(CONFIG_MISMATCH, mismatch)
+            raise TransportError(CONFIG_MISMATCH, mismatch)
         remaining = max(deadline - time.monotonic(), 1e-3)
         if lane is None:
             answer: bytes = await self._grpc_call(address, request, remaining)
@@ -789,7 +805,7 @@ class AioChannels:
         if self._closed:
             if lane is not None:
                 lane.close()
-            raise LaneError("CANCELLED", "client is closed")
+            raise TransportError("CANCELLED", "client is closed")
         self._lanes[address] = lane
         return lane
 
@@ -828,7 +844,7 @@ class AioChannels:
 
 def _failed_future(code: str, message: str) -> asyncio.Future[Any]:
     future = asyncio.get_running_loop().create_future()
-    future.set_exception(LaneError(code, message))
+    future.set_exception(TransportError(code, message))
     return future
 
 

@@ -7,10 +7,9 @@ import os
 import random
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
+from typing import Any, Self
 
-from cube.client.conf import load_conf
-from cube.client.core import (
+from cube.client._core import (
     DEFAULT_MAX_BATCH,
     PROTOCOLS,
     Flow,
@@ -20,9 +19,18 @@ from cube.client.core import (
     normalize_keys,
     seek_flow,
 )
+from cube.client._policy import Cluster, Policy, Round, ShardCall
+from cube.client._transport import TRANSPORTS, ClientTLS, Transport
+from cube.client.conf import load_conf
 from cube.client.errors import ConfError
-from cube.client.policy import Cluster, Policy, Round, ShardCall
-from cube.client.transport import TRANSPORTS, ClientTLS
+from cube.client.options import (
+    LoadBalancer,
+    Partitioner,
+    Retry,
+    Timeouts,
+    TransportName,
+    WireProtocol,
+)
 from cube.routing import PARTITIONERS, ShardRouting
 from cube.security import SecurityError
 
@@ -46,48 +54,50 @@ def normalize_shards(shards: Any) -> tuple[tuple[str, ...], ...]:
 
 
 class ClientBase:
-    """Arguments shared by CubeClient and AsyncCubeClient.
+    """What CubeClient and AsyncCubeClient share: the arguments, routing, building rounds.
 
     shards: replicas of each shard in shard order, e.g. `[["127.0.0.1:8000", "127.0.0.1:8001"],
         ["127.0.0.1:8010"]]`; every worker port of a multi-worker server is one replica.
     partitioner: "mod" (`key % shard_num`, the original's) or "murmur3"; the builder's.
-    timeout_ms: per attempt. retry: extra attempts, on other replicas first.
-    backup_request_ms: send a backup request to another replica after this long (0 = off).
+    timeout: seconds per attempt, or `Timeouts(attempt=..., backup_after=...)` to also send
+        backup requests (the first answer wins).
+    retry: extra attempts (on other replicas first), or `Retry(attempts, backoff, cooldown)`.
     load_balancer: "rr", "random" or "la" (least in flight, then lowest latency).
     dict_name: sent with every request so a server of another dict rejects it ("" = any).
     max_batch: keys per sub-request at most (the server's --max_batch).
     protocol: "fast" (cube.v1, default) or "original" (rec.mcube.DictService, slower).
     max_version_rounds: version candidates tried before VersionMismatchError.
     transport: "auto" (default: the fast protocol uses a server's TCP lane when it offers one,
-        see cube.client.transport; ~10x cheaper per call than gRPC) or "grpc" (gRPC only).
-    busy_poll_us: blocking client on the TCP lane only: wait for an answer by polling for up
-        to this long before sleeping, while it is the process's only call waiting
-        (cube.client.transport.BusyPoll; pairs with the server's --busy_poll_us). Lower
-        latency where waking an idle CPU is slow (VMs), for up to one core of CPU while
-        waiting. 0 (default) = off.
+        ~10x cheaper per call than gRPC), "grpc" (gRPC only), or a Transport object (e.g.
+        `MockTransport` in tests: no server needed).
+    busy_poll_us: CubeClient on the TCP lane only: wait for an answer by polling for up to
+        this long before sleeping, while it is the process's only call waiting (pairs with
+        the server's --busy_poll_us). Lower latency where waking an idle CPU is slow (VMs), for
+        up to one core of CPU while waiting. 0 (default) = off. AsyncCubeClient refuses it.
     tls_ca: None (default) = plaintext; else TLS to servers started with --tls_cert,
         trusting this PEM CA bundle ("" = the system's CAs), over gRPC and the TCP lane.
     tls_server_name: the name the servers' certificates carry, when it is not the host of
         their addresses (e.g. addresses by IP, certificates by DNS name).
+    seed: of the load balancer's and the retries' randomness (tests).
     """
 
     def __init__(
         self,
         shards: Sequence[Sequence[str] | str],
-        partitioner: str = "mod",
-        timeout_ms: float = 1000,
-        retry: int = 2,
-        backup_request_ms: float = 0,
-        load_balancer: str = "rr",
+        *,
+        partitioner: Partitioner = "mod",
+        timeout: Timeouts | float = 1.0,
+        retry: Retry | int = 2,
+        load_balancer: LoadBalancer = "rr",
         dict_name: str = "",
         max_batch: int = DEFAULT_MAX_BATCH,
-        protocol: str = "fast",
+        protocol: WireProtocol = "fast",
         max_version_rounds: int = 3,
-        seed: int | None = None,
-        transport: str = "auto",
+        transport: TransportName | Transport = "auto",
         busy_poll_us: float = 0,
         tls_ca: str | None = None,
         tls_server_name: str = "",
+        seed: int | None = None,
     ) -> None:
         self.shards = normalize_shards(shards)
         if partitioner not in PARTITIONERS:
@@ -96,19 +106,19 @@ class ClientBase:
             raise ConfError(f"protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
         if max_batch < 1:
             raise ConfError(f"max_batch must be >= 1, got {max_batch}")
-        if transport not in TRANSPORTS:
+        if isinstance(transport, str) and transport not in TRANSPORTS:
             raise ConfError(f"transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
         if busy_poll_us < 0:
             raise ConfError(f"busy_poll_us must be >= 0, got {busy_poll_us}")
         if max_version_rounds < 1:
             raise ConfError(f"max_version_rounds must be >= 1, got {max_version_rounds}")
+        self.timeouts = timeout if isinstance(timeout, Timeouts) else Timeouts(float(timeout))
+        self.retry = retry if isinstance(retry, Retry) else Retry(attempts=int(retry))
         self.partitioner = partitioner
         self.dict_name = dict_name
         self.max_batch = max_batch
         self.max_version_rounds = max_version_rounds
-        self.policy = Policy(
-            timeout_ms=timeout_ms, retry=retry, backup_request_ms=backup_request_ms
-        )
+        self.policy = Policy.from_options(self.timeouts, self.retry)
         self._rng = random.Random(seed)
         self._cluster = Cluster(self.shards, load_balancer, self._rng)
         self._wire = PROTOCOLS[protocol]()
@@ -123,25 +133,33 @@ class ClientBase:
                 self._tls.context  # noqa: B018 - read the CA file now: errors name it
             except SecurityError as exc:
                 raise ConfError(str(exc)) from None
+        self._injected: Transport | None = None if isinstance(transport, str) else transport
+        self._open()
+
+    def _open(self) -> None:
+        """Set up the transport (the blocking or the asyncio one)."""
+        raise NotImplementedError
 
     @classmethod
     def from_conf(
         cls, path: str | os.PathLike[str], dict_name: str | None = None, **overrides: Any
-    ) -> Any:
+    ) -> Self:
         """A client for `dict_name` of the original cube.conf at `path` (see cube.client.conf);
-        keyword arguments override the file's settings."""
+        keyword arguments override the file's settings (a `timeout` in seconds keeps the
+        file's backup request)."""
         conf = load_conf(path, dict_name)
+        backup = conf.backup_request_ms / 1000.0 if conf.backup_request_ms > 0 else None
         settings: dict[str, Any] = {
-            "shards": conf.shards,
             "partitioner": conf.partitioner,
-            "timeout_ms": conf.timeout_ms,
+            "timeout": Timeouts(conf.timeout_ms / 1000.0, backup),
             "retry": conf.retry,
-            "backup_request_ms": conf.backup_request_ms,
             "load_balancer": conf.load_balancer,
             "dict_name": conf.dict_name,
         }
+        if "timeout" in overrides and not isinstance(overrides["timeout"], Timeouts):
+            overrides = {**overrides, "timeout": Timeouts(float(overrides["timeout"]), backup)}
         settings.update(overrides)
-        return cls(**settings)
+        return cls(conf.shards, **settings)
 
     @property
     def shard_num(self) -> int:

@@ -31,8 +31,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cube.backoff import Backoff
-from cube.client.core import PieceOutcome
+from cube.client._core import PieceOutcome
 from cube.client.errors import Attempt, ConfError
+from cube.client.options import Retry, Timeouts
 from cube.wire import Answer, BadMessage
 
 LOAD_BALANCERS = ("rr", "random", "la")
@@ -65,8 +66,23 @@ class Policy:
     backup_request_ms: float = 0.0  # 0 = no backup requests
     backoff_base_ms: float = 2.0
     backoff_cap_ms: float = 100.0
+    backoff_jitter: float = 0.5
     cooldown_base_ms: float = 100.0  # a failed replica is avoided this long, doubling ...
     cooldown_cap_ms: float = 2000.0  # ... up to this
+
+    @classmethod
+    def from_options(cls, timeouts: Timeouts, retry: Retry) -> Policy:
+        """The state machine's settings (milliseconds) from the public option objects."""
+        return cls(
+            timeout_ms=timeouts.attempt * 1000.0,
+            retry=retry.attempts,
+            backup_request_ms=(timeouts.backup_after or 0.0) * 1000.0,
+            backoff_base_ms=retry.backoff.base * 1000.0,
+            backoff_cap_ms=retry.backoff.cap * 1000.0,
+            backoff_jitter=retry.backoff.jitter,
+            cooldown_base_ms=retry.cooldown.base * 1000.0,
+            cooldown_cap_ms=retry.cooldown.cap * 1000.0,
+        )
 
     def __post_init__(self) -> None:
         if self.timeout_ms <= 0:
@@ -79,7 +95,9 @@ class Policy:
     def backoff_s(self, retry_index: int, rng: random.Random) -> float:
         """Delay before retry number `retry_index` (0-based): capped exponential, jittered
         into [half, full] so that clients do not retry in lockstep."""
-        backoff = Backoff(self.backoff_base_ms / 1000.0, self.backoff_cap_ms / 1000.0, 0.5)
+        backoff = Backoff(
+            self.backoff_base_ms / 1000.0, self.backoff_cap_ms / 1000.0, self.backoff_jitter
+        )
         return backoff.delay(retry_index, rng)
 
     def max_attempts(self) -> int:

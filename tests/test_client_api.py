@@ -1,0 +1,121 @@
+"""The SDK's public surface: what cube.client exports, typed constructors visible to
+inspect.signature (keyword-only after `shards`), the option objects, one transport shape, and
+MockTransport driving the real client code without a server."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+import numpy as np
+import pytest
+
+import cube.client
+from cube.client import (
+    AsyncCubeClient,
+    Backoff,
+    ConfError,
+    CubeClient,
+    MockTransport,
+    RequestRejectedError,
+    Retry,
+    ShardUnavailableError,
+    Timeouts,
+    TransportError,
+)
+
+PUBLIC = {
+    "AsyncCubeClient", "Attempt", "Backoff", "ConfError", "ConfigMismatchError", "CubeClient",
+    "CubeError", "DictConf", "KeyRangeError", "LoadBalancer", "MockTransport", "Partitioner",
+    "RequestRejectedError", "Retry", "SeekResult", "ShardUnavailableError", "Timeouts",
+    "Transport", "TransportError", "TransportName", "ValueSizeError", "VersionMismatchError",
+    "WireProtocol", "load_conf", "parse_conf", "version_order",
+}  # fmt: skip
+
+
+def test_the_public_surface_is_what_cube_client_exports():
+    assert set(cube.client.__all__) == PUBLIC
+    assert all(hasattr(cube.client, name) for name in PUBLIC)
+
+
+@pytest.mark.parametrize("cls", [CubeClient, AsyncCubeClient])
+def test_constructors_declare_their_parameters(cls):
+    parameters = inspect.signature(cls).parameters
+    kinds = {p.kind for p in parameters.values()}
+    assert inspect.Parameter.VAR_POSITIONAL not in kinds
+    assert inspect.Parameter.VAR_KEYWORD not in kinds
+    names = list(parameters)
+    assert names[0] == "shards" and parameters["shards"].kind.name == "POSITIONAL_OR_KEYWORD"
+    assert all(parameters[n].kind == inspect.Parameter.KEYWORD_ONLY for n in names[1:])
+    for name in ("partitioner", "timeout", "retry", "load_balancer", "transport", "tls_ca"):
+        assert name in parameters
+    assert "Literal" in str(parameters["partitioner"].annotation) or "Partitioner" in str(
+        parameters["partitioner"].annotation
+    )
+    assert "Self" in str(inspect.signature(cls.from_conf).return_annotation)
+
+
+def test_positional_options_are_refused():
+    with pytest.raises(TypeError):
+        CubeClient([["h:1"]], "murmur3")  # type: ignore[misc]
+
+
+def test_option_objects():
+    assert Retry().attempts == 2 and Retry().backoff == Backoff(0.002, 0.1, jitter=0.5)
+    assert Timeouts().attempt == 1.0 and Timeouts().backup_after is None
+    for bad in (lambda: Timeouts(0), lambda: Timeouts(1, 0), lambda: Retry(-1)):
+        with pytest.raises(ConfError):
+            bad()
+    client = CubeClient([["h:1"]], timeout=0.25, retry=5, transport=MockTransport(lambda a, k: []))
+    assert client.timeouts == Timeouts(0.25) and client.retry.attempts == 5
+    client.close()
+    with pytest.raises(ConfError, match="busy_poll_us is for CubeClient"):
+        AsyncCubeClient([["h:1"]], busy_poll_us=100)
+
+
+TABLE = {k: f"v{k}".encode() for k in range(0, 1000, 3)}
+
+
+def handler_with_a_dead_replica(address: str, keys: np.ndarray) -> list[bytes | None]:
+    if address == "dead:1":
+        raise TransportError("UNAVAILABLE", "replica down")
+    return [TABLE.get(int(k)) for k in keys]
+
+
+def test_mock_transport_drives_the_real_client_sync_and_async():
+    """Routing over 2 shards, a dead replica retried on the other one, misses, order kept."""
+    shards = [["dead:1", "a:1"], ["b:1"]]
+    keys = np.arange(0, 60, dtype=np.uint64)
+    mock = MockTransport(handler_with_a_dead_replica, version="17")
+    with CubeClient(shards, transport=mock, retry=Retry(attempts=2), seed=1) as client:
+        result = client.seek(keys)
+    assert result.version == "17"
+    assert result.found.tolist() == [int(k) % 3 == 0 for k in keys]
+    assert result.values[3] == b"v3" and result.values[4] is None
+    assert {address for address, _ in mock.calls} >= {"a:1", "b:1"}
+
+    async def run() -> bytes | None:
+        async with AsyncCubeClient(shards, transport=mock, seed=2) as client:
+            return (await client.seek([9, 10])).values[0]
+
+    assert asyncio.run(run()) == b"v9"
+
+
+def test_mock_transport_errors_reach_the_caller_as_the_real_ones_do():
+    def refuse(address: str, keys: np.ndarray) -> list[bytes | None]:
+        raise TransportError("INVALID_ARGUMENT", "no")
+
+    with (
+        CubeClient([["a:1"]], transport=MockTransport(refuse)) as client,
+        pytest.raises(RequestRejectedError, match="INVALID_ARGUMENT"),
+    ):
+        client.seek([1])
+
+    def down(address: str, keys: np.ndarray) -> list[bytes | None]:
+        raise TransportError("UNAVAILABLE", "down")
+
+    with (
+        CubeClient([["a:1", "b:1"]], transport=MockTransport(down), retry=1) as client,
+        pytest.raises(ShardUnavailableError, match="down"),
+    ):
+        client.seek([1])
