@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEB_PACKAGES := redis-server memcached
 
-.PHONY: demo test bench lint format install debs stubs clean
+.PHONY: demo test quick bench lint format install debs stubs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,13 @@ test: $(STAMP) debs
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/pytest -q
+
+# The inner loop: lint, types and the tests without the real-process end-to-end modules
+# (marked slow; about a minute). `make test` runs everything.
+quick: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/pytest -q -m "not slow"
 
 demo: $(STAMP)
 	$(BIN)/cube-demo

@@ -30,6 +30,8 @@ from agent_helpers import (
 )
 from procs import start_server
 
+pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
+
 BASE, DELTA1, DELTA2 = "1700000000", "1700000000_1700000100", "1700000000_1700000200"
 
 

@@ -31,6 +31,8 @@ from procs import free_port, start_server
 
 from cube.agent.fetch import FetchError, FetchPolicy, SourcePolicy, fetch_file, fetch_md5
 
+pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
+
 BASE, DELTA1 = "1700000000", "1700000000_1700000100"
 SECRET = b"TOPSECRET-c0ffee-do-not-echo"
 LEAK = SECRET[:8].decode()  # even the 8 bytes a bad-magic message would show

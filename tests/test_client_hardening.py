@@ -17,6 +17,8 @@ from procs import fixed_values, start_server, write_version
 from cube.client import AsyncCubeClient, ConfigMismatchError, CubeClient
 from cube.routing import shard_of
 
+pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
+
 KEYS = np.arange(1, 30_001, 3, dtype=np.uint64)
 WIDTH = 16
 

@@ -25,6 +25,8 @@ from cube.bench.procs import ProcessRegistry
 from cube.bench.runner import BenchError, LevelConfig, run_attempt, run_level, wait_for_quiet
 from cube.bench.targets import Dataset, Target, make_dataset, rows_from_list
 
+pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
+
 REPO = Path(__file__).resolve().parent.parent
 CUBE_BENCH = Path(sys.executable).parent / "cube-bench"
 HAVE_REDIS = bool(

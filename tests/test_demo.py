@@ -8,7 +8,10 @@ import subprocess
 import sys
 import time
 
+import pytest
 from procs import kill_processes_under, processes_under
+
+pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
 
 DEMO = [sys.executable, "-m", "cube.transfer.demo"]
 

@@ -22,6 +22,8 @@ from cube.processes import free_ports
 from cube.transfer.config import load_config
 from cube.transfer.local import Proc, command, http_json, stop
 
+pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
+
 CLI = [sys.executable, "-m", "cube.transfer.local"]
 TOKEN_VARS = ("CUBE_TOKEN", "CUBE_API_TOKEN")
 

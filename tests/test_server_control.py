@@ -20,6 +20,8 @@ from test_server import control, fixed_rows, seek
 from cube.format import HEADER_SIZE
 from cube.pb import cube_pb2, cube_pb2_grpc
 
+pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
+
 KEYS = np.arange(1, 3001, 2, dtype=np.uint64)  # 1500 keys
 WIDTH = 24
 

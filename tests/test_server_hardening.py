@@ -17,6 +17,8 @@ from test_server import control, fixed_rows, seek
 from cube.processes import poll_until
 from cube.routing import shard_of
 
+pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
+
 KEYS = np.arange(1, 3001, 2, dtype=np.uint64)
 WIDTH = 24
 SERVING = health_pb2.HealthCheckResponse.SERVING

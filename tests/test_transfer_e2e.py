@@ -28,6 +28,8 @@ from cube.seqfile import SequenceFileWriter
 from cube.transfer.local import ClusterSpec, command, http_json, up
 from cube.values import ValueColumn
 
+pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
+
 DIM = 4
 WAIT = 60.0
 _ids = itertools.count(int(time.time()) // 10 * 10, 10)

@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import aiohttp
+import pytest
 from procs import free_port
 from transfer_helpers import (
     FakeAgent,
@@ -27,6 +28,8 @@ from cube.transfer.config import parse_config
 from cube.transfer.http_api import start_listeners
 from cube.transfer.service import TransferService
 from cube.transfer.state import Deployment
+
+pytestmark = pytest.mark.slow  # seconds of rollouts and timeouts: `make quick` skips them
 
 B1, B2 = "1700000000", "1700000500"
 D1, D2 = f"{B1}_1700000100", f"{B1}_1700000200"
