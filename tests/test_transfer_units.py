@@ -724,3 +724,24 @@ def test_an_agent_answer_is_bounded(tmp_path):
             await runner.cleanup()
 
     asyncio.run(asyncio.wait_for(body(), 30))
+
+
+def test_the_rollout_table():
+    """One table says how a deploy walks its phases and what every status becomes; the
+    statuses keep the original's names and numbers in JSON."""
+    from cube.transfer.state import INSTANCE_STATUS, ROLLOUT, VERSION_STATUS, Phase
+
+    walk, phase = [], Phase.BUILD
+    while phase is not None:
+        walk.append(phase.value)
+        phase = ROLLOUT[phase].next
+    assert walk == ["build", "download", "reload", "enable"]
+    assert [ROLLOUT[Phase(p)].version_status for p in walk] == [
+        "deploying", "downloaded", "reloaded", "finished"
+    ]  # fmt: skip
+    for phase in (Phase.DOWNLOAD, Phase.RELOAD, Phase.ENABLE, Phase.ROLLBACK):
+        rule = ROLLOUT[phase]
+        assert rule.failed.endswith("_Failed") and rule.succeeded.endswith("_Succ")
+    assert (INSTANCE_STATUS["Enable_Succ"], INSTANCE_STATUS["Dead"]) == (100, 250)
+    assert (VERSION_STATUS["finished"], VERSION_STATUS["refused"]) == (90, 120)
+    assert json.dumps({"phase": Phase.RELOAD}) == '{"phase": "reload"}'

@@ -52,11 +52,15 @@ from cube.transfer.donefile import (
 )
 from cube.transfer.journal import Journal
 from cube.transfer.state import (
+    ROLLOUT,
     Deployment,
     InstanceState,
+    InstanceStatus,
+    Phase,
     Step,
     TransferState,
     VersionRecord,
+    VersionStatus,
     backoff_delay,
     catch_up_plan,
     finish,
@@ -71,17 +75,6 @@ from cube.transfer.views import source_url
 
 log = logging.getLogger("cube.transfer")
 _OUTPUT_DIR = re.compile(r"\d+_\d+")
-_PHASE_STATUS = {
-    "download": ("Downloading", "Download_Succ", "Download_Failed"),
-    "reload": ("Reloading", "Reload_Succ", "Reload_Failed"),
-    "enable": ("Enabling", "Enable_Succ", "Enable_Failed"),
-    "rollback": ("RollingBack", "Rollback_Succ", "Rollback_Failed"),
-}
-_PHASE_TIMES = {
-    "download": ("download_start_time", "downloaded_time"),
-    "reload": ("reload_start_time", "reloaded_time"),
-    "enable": ("enable_start_time", "enabled_time"),
-}
 
 
 class Busy(Exception):
@@ -231,7 +224,7 @@ class TransferService:
             targets=[inst.name for inst in self.cfg.instances],
             started_at=now(),
         )
-        rec.status = "building"
+        rec.status = VersionStatus.BUILDING
         await self.save()
         self.journal.event("deploy_start", version=rec.version, line=rec.line)
         await self.resume()
@@ -249,39 +242,45 @@ class TransferService:
             await self.save()
             return
         try:
-            if dep.phase == "build":
-                await self._build(rec)
-                await self._count_live_chain()
-                refusal = shrink_refusal(
-                    rec, live_records(self.state), self.cfg.max_shrink, self.cfg.allow_empty_base
-                )
-                if refusal:
-                    await self._end(rec, "refused", refusal)
+            while dep.phase != Phase.ENABLE:
+                phase = Phase(dep.phase)
+                if not await self._deploy_step(phase, rec, dep):
                     return
-                dep.phase = "download"
-                rec.status = "deploying"
+                rule = ROLLOUT[phase]
+                assert rule.next is not None and rule.version_status is not None
+                rec.status = rule.version_status
+                dep.phase = rule.next
+                if rule.next == Phase.ENABLE:  # every shard has its quorum loaded: commit
+                    dep.committed = True
                 await self.save()
-            if dep.phase == "download":
-                await self._phase(rec, dep, "download")
-                rec.status = "downloaded"
-                dep.phase = "reload"
-                await self.save()
-            if dep.phase == "reload":
-                if rec.mode == "delta":
-                    await self._drop_lagging(dep)
-                await self._phase(rec, dep, "reload")
-                rec.status = "reloaded"
-                dep.phase = "enable"
-                dep.committed = True
-                await self.save()
-                self.journal.event("commit", version=rec.version, targets=dep.targets)
-            if dep.phase == "enable":
-                await self._enable(rec, dep)
+                if dep.committed and phase == Phase.RELOAD:
+                    self.journal.event("commit", version=rec.version, targets=dep.targets)
+            await self._enable(rec, dep)
         except _Abort as exc:
             await self._fail(rec, str(exc))
 
+    async def _deploy_step(self, phase: Phase, rec: VersionRecord, dep: Deployment) -> bool:
+        """Run one phase of a deploy before the switch (ROLLOUT says what comes next); False
+        when the version stops here without failing (refused)."""
+        if phase == Phase.BUILD:
+            await self._build(rec)
+            await self._count_live_chain()
+            refusal = shrink_refusal(
+                rec, live_records(self.state), self.cfg.max_shrink, self.cfg.allow_empty_base
+            )
+            if refusal:
+                await self._end(rec, VersionStatus.REFUSED, refusal)
+                return False
+        elif phase == Phase.DOWNLOAD:
+            await self._phase(rec, dep, "download")
+        elif phase == Phase.RELOAD:
+            if rec.mode == "delta":
+                await self._drop_lagging(dep)
+            await self._phase(rec, dep, "reload")
+        return True
+
     async def _fail(self, rec: VersionRecord, message: str) -> None:
-        await self._end(rec, "failed", message)
+        await self._end(rec, VersionStatus.FAILED, message)
 
     async def _end(self, rec: VersionRecord, status: str, message: str) -> None:
         """End the deployment of `rec` without it going live: `failed`, or `refused` (the
@@ -434,8 +433,10 @@ class TransferService:
         return work.to_json()
 
     def _progress(self, phase: str):
-        running, succeeded, failed = _PHASE_STATUS[phase]
-        start_key, done_key = _PHASE_TIMES.get(phase, ("", ""))
+        rule = ROLLOUT[Phase(phase)]
+        running, succeeded, failed = rule.running, rule.succeeded, rule.failed
+        assert running is not None and succeeded is not None and failed is not None
+        start_key, done_key = rule.times or ("", "")
 
         def note(inst: Instance, what: str, message: str) -> None:
             known = self.state.instances[inst.name]
@@ -540,9 +541,8 @@ class TransferService:
             return
         at = now()
         rec.times["enabled"] = at
-        finish(
-            rec, "finished", f"live on {len(enabled)} of {len(self.cfg.instances)} instances", at
-        )
+        live_on = f"live on {len(enabled)} of {len(self.cfg.instances)} instances"
+        finish(rec, VersionStatus.FINISHED, live_on, at)
         self.state.live_version = rec.version
         self.state.live_chain = list(rec.chain)
         self.state.live_since = at
@@ -602,7 +602,7 @@ class TransferService:
             raise Busy(f"busy for more than {lock_timeout:g}s; try again later") from None
         try:
             target = self.state.record(version)
-            if target is None or target.status != "finished":
+            if target is None or target.status != VersionStatus.FINISHED:
                 raise ValueError(f"version {version!r} was never live here; cannot roll back to it")
             if version == self.state.live_version:
                 raise ValueError(f"version {version} is already live")
@@ -656,13 +656,13 @@ class TransferService:
         timeout = self.cfg.reload_timeout + self.cfg.enable_timeout
         switched, failure = await self._switch("rollback", dep, target, timeout)
         if failure:
-            finish(rec, "failed", failure, now())
+            finish(rec, VersionStatus.FAILED, failure, now())
             self.state.deployment = None
             await self.save()
             log.error("rollback to %s failed: %s", dep.version, failure)
             return
         at = now()
-        finish(rec, "finished", f"rolled back on {len(switched)} instances", at)
+        finish(rec, VersionStatus.FINISHED, f"rolled back on {len(switched)} instances", at)
         self.state.live_version = target.version
         self.state.live_chain = list(target.chain)
         self.state.live_since = at
@@ -682,10 +682,10 @@ class TransferService:
                 return await self.client.status(inst)
             except (AgentUnreachable, AgentRefused) as exc:
                 known = self.state.instances[inst.name]
-                if known.reachable or known.status != "Dead":
+                if known.reachable or known.status != InstanceStatus.DEAD:
                     log.warning("instance %s: %s", inst.name, exc)
                 known.reachable = False
-                known.status = "Dead"
+                known.status = InstanceStatus.DEAD
                 known.message = str(exc)
                 return None
 
@@ -700,8 +700,8 @@ class TransferService:
             known.reachable = bool(server.get("reachable"))
             known.version = str(server.get("cur_version") or "")
             known.bg_version = str(server.get("bg_version") or "")
-            if known.status == "Dead":
-                known.status = "Init"
+            if known.status == InstanceStatus.DEAD:
+                known.status = InstanceStatus.INIT
                 known.message = ""
             if not known.reachable:
                 known.message = f"server {inst.server_address} unreachable"
@@ -721,7 +721,7 @@ class TransferService:
                 continue
             if known.version == chain[-1]:
                 if known.catch_up_failures or known.status.endswith("_Failed"):
-                    known.status = "Enable_Succ"  # it serves the live version after all
+                    known.status = InstanceStatus.ENABLE_SUCC  # it serves the live version
                 known.recovered()
                 continue
             if any(t.get("state") == "running" for t in info.get("tasks") or []):
@@ -780,7 +780,7 @@ class TransferService:
         delay = backoff_delay(known.catch_up_failures + 1, self.catch_up_backoff)
         known.failed(step, outcome.reason, outcome.message, at, at + delay)
         if not known.status.endswith("_Failed"):
-            known.status = _PHASE_STATUS.get(step.command, _PHASE_STATUS["rollback"])[2]
+            known.status = ROLLOUT[Phase(step.command)].failed or InstanceStatus.DEAD
         known.message = outcome.message
         log.warning("catch-up of %s failed %d time(s) in a row at %s %s (%s%s); next try in %gs",
                     inst.name, known.catch_up_failures, step.command, step.version,
@@ -803,7 +803,9 @@ class TransferService:
         and any deployment in progress); remove the others (in a thread: tars are big)."""
         keep: set[str] = set()
         finished = [
-            r for r in self.state.history if r.status == "finished" and r.mode != "rollback"
+            r
+            for r in self.state.history
+            if r.status == VersionStatus.FINISHED and r.mode != "rollback"
         ]
         for rec in [
             *finished[-self.keep_outputs :],

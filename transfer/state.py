@@ -11,43 +11,125 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from cube.backoff import Backoff
 from cube.donefile import BASE_FILE, PATCH_FILE, BadLine, DonefileEntry
 from cube.layout import served_version
 
-# Version statuses: the original's numbers where it had one (VersionInfo.status), ours after 100.
+
+class VersionStatus(StrEnum):
+    """Where a version (a donefile line, or a rollback) stands."""
+
+    PENDING = "pending"
+    BUILDING = "building"
+    DEPLOYING = "deploying"
+    DOWNLOADED = "downloaded"
+    RELOADED = "reloaded"
+    FINISHED = "finished"
+    FAILED = "failed"
+    REFUSED = "refused"
+    SKIPPED = "skipped"
+
+
+class InstanceStatus(StrEnum):
+    """Where a replica stands (the original's Instance.status)."""
+
+    INIT = "Init"
+    DOWNLOADING = "Downloading"
+    DOWNLOAD_FAILED = "Download_Failed"
+    DOWNLOAD_SUCC = "Download_Succ"
+    RELOADING = "Reloading"
+    RELOAD_FAILED = "Reload_Failed"
+    RELOAD_SUCC = "Reload_Succ"
+    ENABLING = "Enabling"
+    ENABLE_FAILED = "Enable_Failed"
+    ENABLE_SUCC = "Enable_Succ"
+    ROLLING_BACK = "RollingBack"
+    ROLLBACK_FAILED = "Rollback_Failed"
+    ROLLBACK_SUCC = "Rollback_Succ"
+    DEAD = "Dead"
+
+
+class Phase(StrEnum):
+    """A step of a rollout (a deploy walks BUILD to ENABLE; a rollback is one step)."""
+
+    BUILD = "build"
+    DOWNLOAD = "download"
+    RELOAD = "reload"
+    ENABLE = "enable"
+    ROLLBACK = "rollback"
+
+
+@dataclass(frozen=True)
+class PhaseRule:
+    """One row of the rollout table: the phase a deploy goes to after this one, the version's
+    status once it succeeded, the instance statuses while it runs / after it succeeded /
+    after it failed on that instance, and the instance time fields it sets (start, done)."""
+
+    next: Phase | None
+    version_status: VersionStatus | None
+    running: InstanceStatus | None
+    succeeded: InstanceStatus | None
+    failed: InstanceStatus | None
+    times: tuple[str, str] | None = None
+
+
+ROLLOUT: dict[Phase, PhaseRule] = {
+    Phase.BUILD: PhaseRule(Phase.DOWNLOAD, VersionStatus.DEPLOYING, None, None, None),
+    Phase.DOWNLOAD: PhaseRule(
+        Phase.RELOAD,
+        VersionStatus.DOWNLOADED,
+        InstanceStatus.DOWNLOADING,
+        InstanceStatus.DOWNLOAD_SUCC,
+        InstanceStatus.DOWNLOAD_FAILED,
+        ("download_start_time", "downloaded_time"),
+    ),
+    Phase.RELOAD: PhaseRule(
+        Phase.ENABLE,
+        VersionStatus.RELOADED,
+        InstanceStatus.RELOADING,
+        InstanceStatus.RELOAD_SUCC,
+        InstanceStatus.RELOAD_FAILED,
+        ("reload_start_time", "reloaded_time"),
+    ),
+    Phase.ENABLE: PhaseRule(
+        None,
+        VersionStatus.FINISHED,
+        InstanceStatus.ENABLING,
+        InstanceStatus.ENABLE_SUCC,
+        InstanceStatus.ENABLE_FAILED,
+        ("enable_start_time", "enabled_time"),
+    ),
+    Phase.ROLLBACK: PhaseRule(
+        None,
+        VersionStatus.FINISHED,
+        InstanceStatus.ROLLING_BACK,
+        InstanceStatus.ROLLBACK_SUCC,
+        InstanceStatus.ROLLBACK_FAILED,
+    ),
+}
+
+# The numbers JSON shows: the original's (VersionInfo.status, Instance.status_id) where it had
+# one, ours after 100 (Dead = no agent).
 VERSION_STATUS = {
-    "pending": 10,
-    "building": 20,
-    "deploying": 30,
-    "downloaded": 50,
-    "reloaded": 70,
-    "finished": 90,
-    "failed": 110,
-    "refused": 120,
-    "skipped": 130,
+    status: number
+    for status, number in zip(VersionStatus, (10, 20, 30, 50, 70, 90, 110, 120, 130), strict=True)
 }
-# Instance statuses: the original's numbers (Instance.status_id); ours after 100 (Dead = no agent).
 INSTANCE_STATUS = {
-    "Init": 10,
-    "Downloading": 20,
-    "Download_Failed": 30,
-    "Download_Succ": 40,
-    "Reloading": 50,
-    "Reload_Failed": 60,
-    "Reload_Succ": 70,
-    "Enabling": 80,
-    "Enable_Failed": 90,
-    "Enable_Succ": 100,
-    "RollingBack": 110,
-    "Rollback_Failed": 120,
-    "Rollback_Succ": 130,
-    "Dead": 250,
+    status: number
+    for status, number in zip(
+        InstanceStatus, (10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120, 130, 250), strict=True
+    )
 }
-PHASES = ("build", "download", "reload", "enable")
-TERMINAL = ("finished", "failed", "refused", "skipped")
+PHASES = tuple(p.value for p in (Phase.BUILD, Phase.DOWNLOAD, Phase.RELOAD, Phase.ENABLE))
+TERMINAL = (
+    VersionStatus.FINISHED,
+    VersionStatus.FAILED,
+    VersionStatus.REFUSED,
+    VersionStatus.SKIPPED,
+)
 FORMAT = 1
 
 
