@@ -794,7 +794,7 @@ def test_a_replica_that_cannot_load_is_shown_failed_and_repaired_by_a_new_downlo
             aiohttp.ClientSession() as http,
         ):
             await roll_out(h, B1)
-            h.service.catch_up_backoff = 0.3
+            h.service.reconciler.catch_up_backoff = 0.3
             broken = h.agents[0][1]
             broken.cur = "1600000000"  # restored from elsewhere; its copy of B1 is damaged
             broken.corrupt = {B1}
@@ -865,7 +865,7 @@ def test_a_catch_up_without_a_record_fails_instead_of_claiming_success(tmp_path)
 def test_a_catch_up_reload_refused_as_corrupt_is_repaired_by_a_new_download(tmp_path):
     async def body():
         async with harness(tmp_path, 1, 2, extra="quorum: 1\nretries: 0") as h:
-            h.service.catch_up_backoff = 0.2
+            h.service.reconciler.catch_up_backoff = 0.2
             await roll_out(h, B1)
             broken = h.agents[0][1]
             broken.behavior = lambda command, _: "disk full" if command == "download" else None

@@ -17,61 +17,42 @@ Replicas left behind (dead, lagging, failed) are caught up by the reconciler whe
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import re
 import shutil
-import signal
 from pathlib import Path
-from typing import Any
 
 import aiohttp
-import psutil
 
 from cube.donefile import BASE_FILE, PATCH_FILE, parse_line, split_complete_lines
-from cube.layout import output_dir_name, tar_name
-from cube.protocol import CORRUPT_VERSION, Work
+from cube.protocol import CORRUPT_VERSION
 from cube.security import client_context
 from cube.transfer import build as builds
-from cube.transfer.agents import (
-    AgentClient,
-    AgentRefused,
-    AgentUnreachable,
-    Outcome,
-    drive,
-    run_phase,
-)
-from cube.transfer.config import Instance, TransferConfig
-from cube.transfer.donefile import (
-    SourceUnavailable,
-    is_url,
-    mirror_input,
-    read_donefile,
-    resolve_input,
-)
+from cube.transfer.agents import AgentClient, AgentRefused, AgentUnreachable, Outcome, run_phase
+from cube.transfer.build_runner import BuildFailed, BuildRunner
+from cube.transfer.config import TransferConfig
+from cube.transfer.donefile import SourceUnavailable, read_donefile
 from cube.transfer.journal import Journal
+from cube.transfer.reconcile import Reconciler
 from cube.transfer.state import (
     ROLLOUT,
     Deployment,
     InstanceState,
-    InstanceStatus,
     Phase,
-    Step,
     TransferState,
     VersionRecord,
     VersionStatus,
-    backoff_delay,
-    catch_up_plan,
     finish,
     ingest,
     live_records,
     next_version,
     now,
+    progress_recorder,
     quorum_shortfall,
     shrink_refusal,
 )
-from cube.transfer.views import source_url
+from cube.transfer.views import work_for
 
 log = logging.getLogger("cube.transfer")
 _OUTPUT_DIR = re.compile(r"\d+_\d+")
@@ -102,8 +83,9 @@ class TransferService:
         self.by_shard = {s: [i.name for i in cfg.shard_instances(s)] for s in range(cfg.shard_num)}
         self._session: aiohttp.ClientSession | None = None
         self.client: AgentClient | None = None
+        self.reconciler: Reconciler | None = None
+        self.builder = BuildRunner(cfg)
         self._donefile_errors: dict[str, str] = {}
-        self._builder_pid_file = cfg.tmp_address / "builder.pid"
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def open(self) -> None:
@@ -111,12 +93,15 @@ class TransferService:
         self.state = self.journal.load(self.cfg.dict_name)
         for inst in self.cfg.instances:
             self.state.instances.setdefault(inst.name, InstanceState())
-        self._reap_orphan_builder()
+        self.builder.reap_orphan()
         ca = self.cfg.agent_tls_ca
         connector = aiohttp.TCPConnector(ssl=client_context(ca)) if ca else None
         self._session = aiohttp.ClientSession(connector=connector)
         self.client = AgentClient(
             self._session, self.cfg.agent_token, scheme="https" if ca else "http"
+        )
+        self.reconciler = Reconciler(
+            self.cfg, self.client, self.journal, self.dead_timeout, self.catch_up_backoff
         )
         try:
             builds.resolve_command(self.cfg.buildtool_local)
@@ -264,7 +249,6 @@ class TransferService:
         when the version stops here without failing (refused)."""
         if phase == Phase.BUILD:
             await self._build(rec)
-            await self._count_live_chain()
             refusal = shrink_refusal(
                 rec, live_records(self.state), self.cfg.max_shrink, self.cfg.allow_empty_base
             )
@@ -295,175 +279,34 @@ class TransferService:
         await self._prune_outputs()
 
     async def _build(self, rec: VersionRecord) -> None:
-        cfg = self.cfg
         rec.times["build_start"] = now()
-        out_name = output_dir_name(rec.depend, rec.id)
-        out_dir = cfg.output_address / out_name
-        rec.output = str(out_dir)
-        # a build killed midway left half of it
-        await asyncio.to_thread(shutil.rmtree, out_dir, ignore_errors=True)
-        mirror_root = cfg.tmp_address / "input"
+        rec.output = str(self.builder.output_dir(rec))
+        await self.save()
         try:
-            input_path = await self._fetch(
-                rec.input, mirror_root / f"{cfg.dict_name}_{rec.version}"
-            )
-            delete_path = ""
-            if rec.delete:
-                delete_path = await self._fetch(
-                    rec.delete, mirror_root / f"{cfg.dict_name}_{rec.version}_delete"
-                )
-            tool = builds.resolve_command(cfg.buildtool_local)
-            argv = builds.builder_argv(
-                tool,
-                dict_name=cfg.dict_name,
-                input_path=input_path,
-                output_path=str(cfg.output_address),
-                shard_num=cfg.shard_num,
-                mode=rec.mode,
-                cur_version=rec.id,
-                depend_version=rec.depend,
-                partitioner=cfg.partitioner,
-                delete_path=delete_path,
-            )
-            await self.save()
-            try:
-                await builds.run_builder(argv, cfg.build_timeout, self._note_builder)
-            finally:
-                self._builder_pid_file.unlink(missing_ok=True)
-            shards = await asyncio.to_thread(
-                builds.check_outputs, out_dir, cfg.dict_name, cfg.shard_num, cfg.verify_output
-            )
-        except (builds.BuildError, SourceUnavailable) as exc:
+            await self.builder.build(rec)
+        except BuildFailed as exc:
             raise _Abort(str(exc)) from exc
-        finally:
-            await asyncio.to_thread(_remove_mirrors, mirror_root, f"{cfg.dict_name}_{rec.version}")
-        rec.shards = {
-            str(s.shard): {"md5": s.md5, "size": s.size, "records": s.records, "deleted": s.deleted}
-            for s in shards
-        }
-        metas = await asyncio.to_thread(
-            builds.read_meta_infos, cfg.output_address, rec.id, rec.depend, range(cfg.shard_num)
-        )
-        rec.meta_infos.update(metas)
         rec.times["built"] = now()
-        for inst in cfg.instances:
+        for inst in self.cfg.instances:
             self.state.instances[inst.name].times["builded_time"] = rec.times["built"]
         self.journal.event("built", version=rec.version, shards=rec.shards)
         log.info("built %s in %.1fs: %s records, %s deleted keys", rec.version,
                  rec.times["built"] - rec.times["build_start"], rec.count("records"),
                  rec.count("deleted"))  # fmt: skip
-
-    async def _count_live_chain(self) -> None:
-        """Record counts for live versions built before counts were kept (a journal from an
-        older transfer), read from their build outputs, which are kept while they are live."""
-        for name in self.state.live_chain:
-            rec = self.state.record(name)
-            if rec is None or rec.count("records") is not None or not rec.output:
-                continue
-            out = Path(rec.output)
-            for shard in range(self.cfg.shard_num):
-                tar = out / tar_name(self.cfg.dict_name, shard)
-                try:
-                    records, deleted = await asyncio.to_thread(builds.read_counts, tar)
-                except builds.BuildError as exc:
-                    log.warning("cannot count the records of live %s: %s", name, exc)
-                    break
-                counts = {"records": records, "deleted": deleted}
-                rec.shards[str(shard)] = {**rec.shards.get(str(shard), {}), **counts}
-
-    async def _fetch(self, source: str, mirror: Path) -> str:
-        """A local directory holding the input: the path itself, or a mirror of a URL."""
-        where = resolve_input(self.cfg.donefile_address, source)
-        if not is_url(where) or where.startswith("file://"):
-            path = Path(where.removeprefix("file://"))
-            if not path.exists():
-                raise SourceUnavailable(f"input {path} does not exist")
-            return str(path)
-        log.info("mirroring %s into %s", where, mirror)
-        try:
-            await asyncio.wait_for(
-                asyncio.to_thread(mirror_input, where, mirror), self.cfg.fetch_timeout
-            )
-        except TimeoutError:
-            raise SourceUnavailable(
-                f"input {where}: not mirrored within {self.cfg.fetch_timeout:g}s"
-            ) from None
-        return str(mirror)
-
-    def _note_builder(self, pid: int) -> None:
-        """Remember the builder's pid, so a restarted transfer can stop an orphaned build."""
-        with contextlib.suppress(psutil.Error, OSError):
-            created = psutil.Process(pid).create_time()
-            self._builder_pid_file.write_text(f"{pid} {created}\n")
-
-    def _reap_orphan_builder(self) -> None:
-        try:
-            pid_text, created_text = self._builder_pid_file.read_text().split()
-            pid, created = int(pid_text), float(created_text)
-        except (OSError, ValueError):
-            return
-        with contextlib.suppress(psutil.Error, OSError):
-            proc = psutil.Process(pid)
-            if abs(proc.create_time() - created) < 0.01:
-                log.warning("stopping builder %d left running by a previous transfer", pid)
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-        self._builder_pid_file.unlink(missing_ok=True)
-
-    def _fields(self, inst: Instance, command: str, rec: VersionRecord) -> dict[str, Any]:
-        """A POST /agent/cmd body for `command` on `rec` (as the original's Work object)."""
-        shard = rec.shards.get(str(inst.shard)) or {}
-        work = Work(
-            command=command,
-            version=rec.version,
-            mode=rec.mode,
-            dict_name=self.cfg.dict_name,
-            shard_seq=inst.shard,
-            source=source_url(self.cfg, rec, inst.shard),
-            md5=str(shard.get("md5") or ""),
-            size=shard.get("size"),
-            chain=list(rec.chain) if rec.mode == "delta" else [],
-            depend=rec.depend,
-            deploy_path=inst.deploy_path,
-            port=inst.server_port,
-            id=rec.id,
-            key=rec.key,
-        )
-        return work.to_json()
-
-    def _progress(self, phase: str):
-        rule = ROLLOUT[Phase(phase)]
-        running, succeeded, failed = rule.running, rule.succeeded, rule.failed
-        assert running is not None and succeeded is not None and failed is not None
-        start_key, done_key = rule.times or ("", "")
-
-        def note(inst: Instance, what: str, message: str) -> None:
-            known = self.state.instances[inst.name]
-            if what == "running":
-                known.status = running
-                if start_key:
-                    known.times[start_key] = now()
-            elif what == "ok":
-                known.status = succeeded
-                if done_key:
-                    known.times[done_key] = now()
-            else:
-                known.status = failed
-            known.message = message
-
-        return note
+        for name in self.state.live_chain:  # the live side of the shrink check
+            if (live := self.state.record(name)) is not None:
+                await self.builder.count_records(live)
 
     async def _run(
         self, phase: str, names: list[str], rec: VersionRecord, timeout: float
     ) -> dict[str, Outcome]:
         assert self.client is not None
         instances = [self.cfg.instance(n) for n in names]
-        note = self._progress(phase)
+        note = progress_recorder(self.state, Phase(phase))
         outcomes = await run_phase(
             self.client,
             instances,
-            lambda inst: self._fields(inst, phase, rec),
+            lambda inst: work_for(self.cfg, inst, phase, rec),
             timeout,
             self.cfg.retries,
             note,
@@ -673,129 +516,11 @@ class TransferService:
         self.wake.set()
 
     # -- reconciler --------------------------------------------------------------------------
-    async def refresh(self) -> dict[str, dict[str, Any] | None]:
-        """Every agent's status (None when it does not answer), noted in the state."""
-        assert self.client is not None
-
-        async def one(inst: Instance) -> dict[str, Any] | None:
-            try:
-                return await self.client.status(inst)
-            except (AgentUnreachable, AgentRefused) as exc:
-                known = self.state.instances[inst.name]
-                if known.reachable or known.status != InstanceStatus.DEAD:
-                    log.warning("instance %s: %s", inst.name, exc)
-                known.reachable = False
-                known.status = InstanceStatus.DEAD
-                known.message = str(exc)
-                return None
-
-        infos = await asyncio.gather(*(one(inst) for inst in self.cfg.instances))
-        out = {}
-        for inst, info in zip(self.cfg.instances, infos, strict=True):
-            out[inst.name] = info
-            if info is None:
-                continue
-            known = self.state.instances[inst.name]
-            server = info.get("server") or {}
-            known.reachable = bool(server.get("reachable"))
-            known.version = str(server.get("cur_version") or "")
-            known.bg_version = str(server.get("bg_version") or "")
-            if known.status == InstanceStatus.DEAD:
-                known.status = InstanceStatus.INIT
-                known.message = ""
-            if not known.reachable:
-                known.message = f"server {inst.server_address} unreachable"
-        return out
-
     async def reconcile(self) -> None:
-        infos = await self.refresh()
-        chain = self.state.live_chain
-        if not chain:
-            return
-        jobs = []
-        at = now()
-        for inst in self.cfg.instances:
-            info = infos[inst.name]
-            known = self.state.instances[inst.name]
-            if info is None or not known.reachable:
-                continue
-            if known.version == chain[-1]:
-                if known.catch_up_failures or known.status.endswith("_Failed"):
-                    known.status = InstanceStatus.ENABLE_SUCC  # it serves the live version
-                known.recovered()
-                continue
-            if any(t.get("state") == "running" for t in info.get("tasks") or []):
-                continue
-            if at < known.next_catch_up:
-                continue
-            plan = catch_up_plan(known.version, chain, set(info.get("versions") or []))
-            jobs.append(self._catch_up(inst, plan))
-        if jobs:
-            await asyncio.gather(*jobs)
+        """Bring the replicas that answer to the live version (transfer/reconcile.py)."""
+        assert self.reconciler is not None
+        if await self.reconciler.run(self.state):
             await self.save()
-
-    async def _catch_up(self, inst: Instance, plan: list[Step]) -> None:
-        assert self.client is not None
-        known = self.state.instances[inst.name]
-        log.info(
-            "instance %s serves %r, live is %s: catching up (%s)",
-            inst.name,
-            known.version,
-            self.state.live_version,
-            ", ".join(f"{s.command} {s.version}" for s in plan),
-        )
-        for step in plan:
-            rec = self.state.record(step.version)
-            if rec is None:  # history trimmed past a live version: cannot happen, but say so
-                why = f"catch-up: no record of {step.version}"
-                self._catch_up_failed(inst, step, Outcome(False, why))
-                return
-            timeout = {
-                "download": self.cfg.download_timeout,
-                "reload": self.cfg.reload_timeout,
-                "enable": self.cfg.enable_timeout,
-            }.get(step.command, self.cfg.reload_timeout + self.cfg.enable_timeout)
-            fields = self._fields(inst, step.command, rec)
-            if step.mode == "delta":
-                fields["chain"] = list(step.chain)
-            note = self._progress(step.command)
-            outcome = await drive(
-                self.client, inst, fields, timeout, self.cfg.retries, note, self.dead_timeout
-            )
-            note(inst, "ok" if outcome.ok else "failed", outcome.message)
-            if not outcome.ok:
-                self._catch_up_failed(inst, step, outcome)
-                return
-        known.recovered()
-        known.version = self.state.live_version
-        self.journal.event("caught_up", instance=inst.name, version=self.state.live_version)
-        log.info("instance %s caught up to %s", inst.name, self.state.live_version)
-
-    def _catch_up_failed(self, inst: Instance, step: Step, outcome: Outcome) -> None:
-        """Record a failed catch-up where /instance/status, the journal and the log show it,
-        and when to try again (bounded exponential backoff). A corrupt copy was quarantined by
-        the agent, so the next plan downloads it again."""
-        known = self.state.instances[inst.name]
-        at = now()
-        delay = backoff_delay(known.catch_up_failures + 1, self.catch_up_backoff)
-        known.failed(step, outcome.reason, outcome.message, at, at + delay)
-        if not known.status.endswith("_Failed"):
-            known.status = ROLLOUT[Phase(step.command)].failed or InstanceStatus.DEAD
-        known.message = outcome.message
-        log.warning("catch-up of %s failed %d time(s) in a row at %s %s (%s%s); next try in %gs",
-                    inst.name, known.catch_up_failures, step.command, step.version,
-                    outcome.message, f", {outcome.reason}" if outcome.reason else "",
-                    delay)  # fmt: skip
-        self.journal.event(
-            "catch_up_failed",
-            instance=inst.name,
-            command=step.command,
-            version=step.version,
-            reason=outcome.reason,
-            message=outcome.message,
-            failures=known.catch_up_failures,
-            next_retry=known.next_catch_up,
-        )
 
     # -- housekeeping ------------------------------------------------------------------------
     async def _prune_outputs(self) -> None:
@@ -846,12 +571,6 @@ class TransferService:
             builds.read_meta_infos, self.cfg.output_address, version, depend, [shard]
         )
         return text.get(str(shard))
-
-
-def _remove_mirrors(root: Path, prefix: str) -> None:
-    """Delete the mirrored inputs of one version (`<prefix>*` under `root`). Blocking."""
-    for path in root.glob(f"{prefix}*"):
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _remove_outputs(root: Path, keep: set[str]) -> None:

@@ -10,9 +10,10 @@ phase met the quorum, how a lagging instance catches up); the service carries th
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 from cube.backoff import Backoff
 from cube.donefile import BASE_FILE, PATCH_FILE, BadLine, DonefileEntry
@@ -214,6 +215,23 @@ class InstanceState:
         self.next_catch_up = retry_at
         self.failure_command, self.failure_version = step.command, step.version
         self.failure_reason, self.failure_message, self.failed_at = reason, message, at
+
+    def progressed(self, phase: Phase, what: str, message: str, at: float) -> None:
+        """A rollout command on this replica is `what` ("running", "ok", anything else:
+        failed): its status and time fields as ROLLOUT says for `phase`."""
+        rule = ROLLOUT[phase]
+        start_key, done_key = rule.times or ("", "")
+        if what == "running":
+            self.status = rule.running or self.status
+            if start_key:
+                self.times[start_key] = at
+        elif what == "ok":
+            self.status = rule.succeeded or self.status
+            if done_key:
+                self.times[done_key] = at
+        else:
+            self.status = rule.failed or self.status
+        self.message = message
 
     def recovered(self) -> None:
         """It serves the live version: no failure to show, no retry pending."""
@@ -549,6 +567,20 @@ def shrink_refusal(
         f"live version's {live} (max_shrink {max_shrink:g}); refused before download: {how}, "
         "or raise max_shrink in transfer.conf"
     )
+
+
+class _Named(Protocol):
+    name: str
+
+
+def progress_recorder(state: TransferState, phase: Phase) -> Callable[[_Named, str, str], None]:
+    """The progress callback of a rollout command (instance, what, message): noted in that
+    instance's state as ROLLOUT says for `phase`."""
+
+    def note(inst: _Named, what: str, message: str) -> None:
+        state.instances[inst.name].progressed(phase, what, message, now())
+
+    return note
 
 
 def backoff_delay(failures: int, base: float = 5.0, cap: float = 300.0) -> float:

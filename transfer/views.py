@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from cube import protocol
-from cube.layout import tar_name
-from cube.protocol import OK
+from cube.layout import output_dir_name, tar_name
+from cube.protocol import OK, Work
 from cube.transfer.config import Instance, TransferConfig
 from cube.transfer.donefile import redact
 from cube.transfer.state import INSTANCE_STATUS, VERSION_STATUS, TransferState, VersionRecord
@@ -110,12 +110,37 @@ def source_url(cfg: TransferConfig, rec: VersionRecord, shard: int) -> str:
     """Where agents download a shard of `rec` from (the transfer's own file server)."""
     out_name = rec.output.rstrip("/").rsplit("/", 1)[-1] if rec.output else ""
     if not out_name:
-        out_name = f"{rec.depend}_{rec.id}"
+        out_name = output_dir_name(rec.depend, rec.id)
     scheme = "https" if cfg.download_mode == "http" and cfg.tls_cert else cfg.download_mode
     return (
         f"{scheme}://{cfg.transfer_address}:{cfg.wget_port}/"
         f"{out_name}/{tar_name(cfg.dict_name, shard)}"
     )
+
+
+def work_for(
+    cfg: TransferConfig, inst: Instance, command: str, rec: VersionRecord
+) -> dict[str, Any]:
+    """The POST /agent/cmd body that runs `command` for `rec` on `inst` (the original's Work
+    object, ours added)."""
+    shard = rec.shards.get(str(inst.shard)) or {}
+    work = Work(
+        command=command,
+        version=rec.version,
+        mode=rec.mode,
+        dict_name=cfg.dict_name,
+        shard_seq=inst.shard,
+        source=source_url(cfg, rec, inst.shard),
+        md5=str(shard.get("md5") or ""),
+        size=shard.get("size"),
+        chain=list(rec.chain) if rec.mode == "delta" else [],
+        depend=rec.depend,
+        deploy_path=inst.deploy_path,
+        port=inst.server_port,
+        id=rec.id,
+        key=rec.key,
+    )
+    return work.to_json()
 
 
 def history(cfg: TransferConfig, state: TransferState) -> list[dict[str, Any]]:

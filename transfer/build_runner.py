@@ -1,0 +1,151 @@
+"""The build phase of a rollout: fetch a version's input, run cube-builder, check its tars.
+
+`BuildRunner` owns what a build leaves on disk: the mirrored input (removed after the build),
+the output directory (removed before a build starts: a killed build left half of it) and the
+builder's pid file, so that a restarted transfer can stop a builder its predecessor left
+running. It reads and fills a `VersionRecord`; the rollout state around it is the service's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import psutil
+
+from cube.layout import output_dir_name, tar_name
+from cube.transfer import build as builds
+from cube.transfer.config import TransferConfig
+from cube.transfer.donefile import SourceUnavailable, is_url, mirror_input, resolve_input
+from cube.transfer.state import VersionRecord
+
+log = logging.getLogger("cube.transfer")
+
+
+class BuildFailed(Exception):
+    """This version cannot be built or its output cannot be deployed; the message says why."""
+
+
+class BuildRunner:
+    def __init__(self, cfg: TransferConfig) -> None:
+        self.cfg = cfg
+        self.pid_file = cfg.tmp_address / "builder.pid"
+        self.mirror_root = cfg.tmp_address / "input"
+
+    def output_dir(self, rec: VersionRecord) -> Path:
+        return self.cfg.output_address / output_dir_name(rec.depend, rec.id)
+
+    async def build(self, rec: VersionRecord) -> None:
+        """Build `rec` into `output_dir(rec)` and record its shards (md5, size, counts) and
+        metas in it. BuildFailed when the input is unavailable, the builder fails or times
+        out, or its output is not deployable."""
+        cfg = self.cfg
+        out_dir = self.output_dir(rec)
+        await asyncio.to_thread(shutil.rmtree, out_dir, ignore_errors=True)
+        mirror = self.mirror_root / f"{cfg.dict_name}_{rec.version}"
+        try:
+            input_path = await self._fetch(rec.input, mirror)
+            delete_path = ""
+            if rec.delete:
+                delete_mirror = mirror.with_name(f"{mirror.name}_delete")
+                delete_path = await self._fetch(rec.delete, delete_mirror)
+            argv = builds.builder_argv(
+                builds.resolve_command(cfg.buildtool_local),
+                dict_name=cfg.dict_name,
+                input_path=input_path,
+                output_path=str(cfg.output_address),
+                shard_num=cfg.shard_num,
+                mode=rec.mode,
+                cur_version=rec.id,
+                depend_version=rec.depend,
+                partitioner=cfg.partitioner,
+                delete_path=delete_path,
+            )
+            try:
+                await builds.run_builder(argv, cfg.build_timeout, self._note_builder)
+            finally:
+                self.pid_file.unlink(missing_ok=True)
+            shards = await asyncio.to_thread(
+                builds.check_outputs, out_dir, cfg.dict_name, cfg.shard_num, cfg.verify_output
+            )
+        except (builds.BuildError, SourceUnavailable) as exc:
+            raise BuildFailed(str(exc)) from exc
+        finally:
+            await asyncio.to_thread(_remove_mirrors, self.mirror_root, mirror.name)
+        rec.shards = {
+            str(s.shard): {"md5": s.md5, "size": s.size, "records": s.records, "deleted": s.deleted}
+            for s in shards
+        }
+        metas = await asyncio.to_thread(
+            builds.read_meta_infos, cfg.output_address, rec.id, rec.depend, range(cfg.shard_num)
+        )
+        rec.meta_infos.update(metas)
+
+    async def count_records(self, rec: VersionRecord) -> None:
+        """Fill in the record counts of a version built before counts were kept (a journal
+        from an older transfer), read from its build output; nothing when they are known or
+        the output is gone."""
+        if rec.count("records") is not None or not rec.output:
+            return
+        for shard in range(self.cfg.shard_num):
+            tar = Path(rec.output) / tar_name(self.cfg.dict_name, shard)
+            try:
+                records, deleted = await asyncio.to_thread(builds.read_counts, tar)
+            except builds.BuildError as exc:
+                log.warning("cannot count the records of %s: %s", rec.version, exc)
+                return
+            counts = {"records": records, "deleted": deleted}
+            rec.shards[str(shard)] = {**rec.shards.get(str(shard), {}), **counts}
+
+    def reap_orphan(self) -> None:
+        """Stop a builder a previous transfer left running (killed mid-build), if that pid is
+        still the same process (its creation time matches)."""
+        try:
+            pid_text, created_text = self.pid_file.read_text().split()
+            pid, created = int(pid_text), float(created_text)
+        except (OSError, ValueError):
+            return
+        with contextlib.suppress(psutil.Error, OSError):
+            proc = psutil.Process(pid)
+            if abs(proc.create_time() - created) < 0.01:
+                log.warning("stopping builder %d left running by a previous transfer", pid)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        self.pid_file.unlink(missing_ok=True)
+
+    async def _fetch(self, source: str, mirror: Path) -> str:
+        """A local directory holding the input: the path itself, or a mirror of a URL."""
+        where = resolve_input(self.cfg.donefile_address, source)
+        if not is_url(where) or where.startswith("file://"):
+            path = Path(where.removeprefix("file://"))
+            if not path.exists():
+                raise SourceUnavailable(f"input {path} does not exist")
+            return str(path)
+        log.info("mirroring %s into %s", where, mirror)
+        try:
+            await asyncio.wait_for(
+                asyncio.to_thread(mirror_input, where, mirror), self.cfg.fetch_timeout
+            )
+        except TimeoutError:
+            raise SourceUnavailable(
+                f"input {where}: not mirrored within {self.cfg.fetch_timeout:g}s"
+            ) from None
+        return str(mirror)
+
+    def _note_builder(self, pid: int) -> None:
+        """Remember the builder's pid, so a restarted transfer can stop an orphaned build."""
+        with contextlib.suppress(psutil.Error, OSError):
+            created = psutil.Process(pid).create_time()
+            self.pid_file.write_text(f"{pid} {created}\n")
+
+
+def _remove_mirrors(root: Path, prefix: str) -> None:
+    """Delete the mirrored inputs of one version (`<prefix>*` under `root`). Blocking."""
+    for path in root.glob(f"{prefix}*"):
+        shutil.rmtree(path, ignore_errors=True)
