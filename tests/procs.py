@@ -9,6 +9,8 @@ PID). Shared by the server and SDK tests.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import json
 import os
 import signal
 import subprocess
@@ -28,6 +30,7 @@ from cube.shard import write_shard
 from cube.values import ValueColumn
 
 REPO = Path(__file__).resolve().parent.parent
+_SERVER_IDS = itertools.count()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,16 +124,30 @@ def kill_processes_under(path: str | os.PathLike) -> None:
 
 @dataclass
 class ServerProc:
+    """A cube-server process. Started on port 0, its ports are unknown until it writes its
+    port file (`resolve_ports`, done by `wait_up` and on first use of an address)."""
+
     process: subprocess.Popen
-    ports: list[int]
+    lookup_ports: list[int]
     data_dir: Path
     log_path: Path
     args: list[str] = field(default_factory=list)
-    control_ports: list[int] = field(default_factory=list)
+    given_control_ports: list[int] = field(default_factory=list)
+    port_file: Path | None = None
 
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    @property
+    def ports(self) -> list[int]:
+        self.resolve_ports()
+        return self.lookup_ports
+
+    @property
+    def control_ports(self) -> list[int]:
+        self.resolve_ports()
+        return self.given_control_ports
 
     @property
     def port(self) -> int:
@@ -153,6 +170,30 @@ class ServerProc:
     def control_addresses(self) -> list[str]:
         return [f"127.0.0.1:{p}" for p in self.control_ports]
 
+    def resolve_ports(self, timeout: float = 30.0) -> None:
+        """Wait for the server's --port_file (it is written once every port is bound and
+        the start-up load is done) and take the bound ports from it."""
+        if self.port_file is None or all(self.lookup_ports + self.given_control_ports):
+            return
+        path = self.port_file
+
+        def written() -> bool:
+            return path.exists()
+
+        if not poll_until(written, timeout, 0.05, check=self._running):
+            raise TimeoutError(
+                f"cube-server wrote no port file after {timeout} s:\n{self.log()[-4000:]}"
+            )
+        report = json.loads(path.read_text())
+        self.lookup_ports[:] = report["ports"]
+        self.given_control_ports[:] = report["control_ports"]
+
+    def _running(self) -> None:
+        if self.process.poll() is not None:
+            raise RuntimeError(
+                f"cube-server exited with {self.process.returncode}:\n{self.log()[-4000:]}"
+            )
+
     def log(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")
@@ -163,13 +204,8 @@ class ServerProc:
         """Wait until every worker answers its health check on its control port (plaintext,
         even when lookups use TLS; it loads its start-up version before it answers); with
         `serving`, until every one says SERVING."""
+        self.resolve_ports(timeout)
         pending = list(self.control_addresses)
-
-        def running() -> None:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"cube-server exited with {self.process.returncode}:\n{self.log()[-4000:]}"
-                )
 
         def ready(status: int | None) -> bool:
             if serving:
@@ -181,7 +217,7 @@ class ServerProc:
                 pending.pop(0)
             return not pending
 
-        if not poll_until(all_ready, timeout, 0.05, check=running):
+        if not poll_until(all_ready, timeout, 0.05, check=self._running):
             what = "SERVING" if serving else "answering"
             raise TimeoutError(
                 f"cube-server not {what} on {pending} after {timeout} s:\n{self.log()[-4000:]}"
@@ -211,11 +247,24 @@ def start_server(
 ) -> ServerProc:
     """Start `cube-server --data_dir DATA --port P [--workers N] ARGS...` and wait until every
     worker answers its health check (SERVING or, with nothing to serve, NOT_SERVING). The
-    caller must `stop()` it (or use `running_server`)."""
-    ports = ports or free_ports(workers)
-    controls = control_ports or free_ports(workers, avoid=ports)
+    caller must `stop()` it (or use `running_server`).
+
+    One worker binds port 0 (lookups and control) and reports the bound ports in its
+    --port_file: no port is picked by a bind-then-release that another process could win.
+    With several workers (and --reuseport) the ports must be known in advance, so free ones
+    are picked; explicit `ports` restart a server where a stopped one was."""
     data_dir = Path(data_dir)
-    log_path = Path(log_path) if log_path else data_dir.parent / f"cube-server-{ports[0]}.log"
+    name = f"cube-server-{os.getpid()}-{next(_SERVER_IDS)}"
+    log_path = Path(log_path) if log_path else data_dir.parent / f"{name}.log"
+    port_file = None
+    if workers == 1 and "--reuseport" not in args:
+        ports = ports or [0]
+        controls = control_ports or [0]
+        port_file = data_dir.parent / f"{name}.ports.json"
+        port_file.unlink(missing_ok=True)
+    else:
+        ports = ports or free_ports(workers)
+        controls = control_ports or free_ports(workers, avoid=ports)
     command = [
         sys.executable,
         "-m",
@@ -230,10 +279,17 @@ def start_server(
         str(controls[0]),
         "--in_mem",
         "false",
+        *(["--port_file", str(port_file)] if port_file else []),
         *args,
     ]
     server = ServerProc(
-        spawn(command, log_path, cwd=REPO), ports, data_dir, log_path, list(args), controls
+        spawn(command, log_path, cwd=REPO),
+        list(ports),
+        data_dir,
+        log_path,
+        list(args),
+        list(controls),
+        port_file,
     )
     if wait:
         try:

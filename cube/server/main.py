@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from cube.flags import FlagError, Flags, FlagSet, run_cli
+from cube.fsutil import atomic_write_json
 from cube.routing import PARTITIONERS
 from cube.security import SecurityError, TLSFiles, require_token, token_from
 from cube.server.service import DEFAULT_MAX_ANSWER_BYTES
@@ -46,14 +47,27 @@ log = logging.getLogger("cube.server")
 
 FLAGS = (
     FlagSet("cube-server", "Serve one shard of a Cube dictionary over gRPC.")
-    .add("port", int, 8000, "gRPC port of the lookups (worker 0's port with --workers)")
+    .add(
+        "port",
+        int,
+        8000,
+        "gRPC port of the lookups (worker 0's port with --workers); 0: any free port"
+        " (--workers 1 only), see --port_file",
+    )
+    .add(
+        "port_file",
+        str,
+        "",
+        "once listening, write the bound ports here as JSON {pid, ports, control_ports,"
+        " tcp_ports} (for tools that start the server on --port 0)",
+    )
     .add("host", str, "127.0.0.1", "address to bind the lookups (0.0.0.0: every interface)")
     .add(
         "control_port",
         int,
         -1,
         "port of the control service (loads, switches; worker i on control_port + i);"
-        " -1: --port + 1000",
+        " -1: --port + 1000 (any free port when --port is 0)",
     )
     .add(
         "control_host",
@@ -178,9 +192,15 @@ def worker_ports(flags: Flags) -> list[int]:
 
 
 def control_ports(flags: Flags) -> list[int]:
-    """Each worker's control port: --control_port (or --port + 1000) + i."""
-    first = flags.control_port if flags.control_port >= 0 else flags.port + 1000
+    """Each worker's control port: --control_port (or --port + 1000) + i; 0 (any free port,
+    one worker only) when --port is 0 and --control_port is not given."""
+    if flags.control_port >= 0:
+        first = flags.control_port
+    else:
+        first = flags.port + 1000 if flags.port else 0
     ports = [first + i for i in range(flags.workers)]
+    if first == 0 and flags.workers == 1:
+        return ports
     if not all(0 < p < 65536 for p in ports):
         raise FlagError(f"--control_port {first}: control ports {ports} are not all ports")
     taken = set(worker_ports(flags)) | {flags.port}
@@ -227,6 +247,11 @@ def check_flags(flags: Flags) -> None:
         raise FlagError(f"--busy_poll_us must be in 0..1000000, got {flags.busy_poll_us}")
     if not 0 <= flags.port < 65536:
         raise FlagError(f"--port {flags.port} is not a port")
+    if flags.port == 0 and (flags.workers > 1 or flags.reuseport) and not flags.worker_ports:
+        raise FlagError(
+            "--port 0 (any free port) needs --workers 1 without --reuseport: clients and"
+            " worker 0 must know every worker's port in advance (give --port or --worker_ports)"
+        )
     if flags.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise FlagError(f"--log_level {flags.log_level!r}: expected DEBUG, INFO, WARNING, ERROR")
     if flags.worker_index >= flags.workers:
@@ -441,11 +466,17 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
         )
     tls = tls_files(flags)
     credentials = grpc_server_credentials(tls) if tls.serves else None
-    binds = [(server, _address(flags.host, ports[index]), credentials)]
+    # Every port is bound before the start-up load: a port in use fails at once, not after a
+    # long load. Port 0 binds any free port; the bound one is what describe() and the port
+    # file report.
+    shared = [flags.port]
+    binds = [(server, flags.host, ports, index, credentials)]
     if flags.reuseport:
-        binds.append((server, _address(flags.host, flags.port), credentials))
-    binds.append((control_server, _address(flags.control_host, controls[index]), None))
-    for grpc_server, bind, creds in binds:
+        binds.append((server, flags.host, shared, 0, credentials))
+    binds.append((control_server, flags.control_host, controls, index, None))
+    listening = []
+    for grpc_server, host, port_list, slot, creds in binds:
+        bind = _address(host, port_list[slot])
         try:
             if creds is None:
                 bound = grpc_server.add_insecure_port(bind)
@@ -458,7 +489,27 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
             log.error("cannot listen on %s (port in use?)", bind)
             executor.shutdown(wait=False)
             return 1
-    # Ports are bound: a port in use fails at once, not after a long load.
+        port_list[slot] = bound
+        listening.append(_address(host, bound))
+    lane = None
+    if flags.tcp_lane:
+        limits = LaneLimits(
+            max_frame=max_message,
+            connection_bytes=flags.lane_connection_bytes,
+            budget_bytes=flags.lane_budget_bytes,
+            stall_timeout=flags.lane_stall_timeout,
+            max_connections=flags.lane_max_connections,
+        )
+        lane = Lane(service, limits, busy_poll_s=flags.busy_poll_us / 1e6)
+        try:
+            ssl_context = server_context(tls) if tls.serves else None
+            service.lane_port = await lane.start(flags.host, lane_ports(flags)[index], ssl_context)
+            service.lane_stats = lane.stats
+        except OSError as exc:
+            log.error("cannot listen for the TCP lane on %s: %s", flags.host, exc)
+            executor.shutdown(wait=False)
+            return 1
+        lane_bind = f"{_address(flags.host, service.lane_port)} (TCP lane)"
     try:
         name = startup_version(dirs)
         if flags.worker_peer >= 0:  # restarted: serve what the other workers serve
@@ -478,27 +529,6 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
         log.error("start-up version not loaded; NOT_SERVING until one is: %s", exc.message)
     await server.start()
     await control_server.start()
-    lane = None
-    if flags.tcp_lane:
-        limits = LaneLimits(
-            max_frame=max_message,
-            connection_bytes=flags.lane_connection_bytes,
-            budget_bytes=flags.lane_budget_bytes,
-            stall_timeout=flags.lane_stall_timeout,
-            max_connections=flags.lane_max_connections,
-        )
-        lane = Lane(service, limits, busy_poll_s=flags.busy_poll_us / 1e6)
-        try:
-            ssl_context = server_context(tls) if tls.serves else None
-            service.lane_port = await lane.start(flags.host, lane_ports(flags)[index], ssl_context)
-            service.lane_stats = lane.stats
-        except OSError as exc:
-            log.error("cannot listen for the TCP lane on %s: %s", flags.host, exc)
-            await server.stop(0)
-            await control_server.stop(0)
-            executor.shutdown(wait=False)
-            return 1
-        lane_bind = f"{_address(flags.host, service.lane_port)} (TCP lane)"
     # Start-up objects never become garbage: keep the cyclic GC from rescanning them.
     gc.collect()
     gc.freeze()
@@ -536,17 +566,28 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
             files_changed()
 
     file_checker = asyncio.ensure_future(check_files())
-    listening = [bind for _, bind, _ in binds[:-1]] + ([lane_bind] if lane else [])
+    lookups = listening[:-1] + ([lane_bind] if lane else [])
     log.info(
         "listening on %s%s, control on %s (worker %d of %d, dict_split %d, version %r)",
-        ", ".join(listening),
+        ", ".join(lookups),
         " over TLS" if tls.serves else "",
-        binds[-1][1],
+        listening[-1],
         index,
         flags.workers,
         flags.dict_split,
         slots.current.name if slots.current else "",
     )
+    if flags.port_file and index == 0:
+        report = {
+            "pid": os.getpid(),
+            "ports": ports,
+            "control_ports": controls,
+            "tcp_ports": [service.lane_port] if lane is not None and flags.workers == 1 else [],
+        }
+        try:
+            atomic_write_json(flags.port_file, report, indent=None)
+        except OSError as exc:
+            log.error("cannot write --port_file %s: %s", flags.port_file, exc)
 
     await stop.wait()
     file_checker.cancel()
@@ -560,6 +601,8 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
         await remote.close()
     slots.close()
     executor.shutdown(wait=False, cancel_futures=True)
+    if flags.port_file and index == 0:  # the ports are no longer ours
+        Path(flags.port_file).unlink(missing_ok=True)
     log.info("stopped")
     return 0
 
