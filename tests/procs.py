@@ -88,10 +88,6 @@ def expected_fixed(keys: np.ndarray, width: int, tag: int = 0) -> np.ndarray:
 # ports and processes
 
 
-def free_port() -> int:
-    return free_ports(1)[0]
-
-
 def health_status(address: str, timeout: float = 1.0, service: str = "") -> int | None:
     """The health status of `address`, or None when it does not answer."""
     with grpc.insecure_channel(address) as channel:

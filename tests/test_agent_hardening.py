@@ -27,9 +27,10 @@ from agent_helpers import (
     write_md5,
 )
 from aiohttp import web
-from procs import free_port, start_server
+from procs import start_server
 
 from cube.agent.fetch import FetchError, FetchPolicy, SourcePolicy, fetch_file, fetch_md5
+from cube.processes import free_port
 
 pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
 

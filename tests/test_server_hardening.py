@@ -402,3 +402,31 @@ def test_control_port_beyond_loopback_needs_a_token(tmp_path):
     for extra in (["--insecure"], ["--control_token", "t"]):
         with running_server(data, "--control_host", "0.0.0.0", *extra) as server:
             assert health_status(server.control_address) is not None
+
+
+@pytest.mark.parametrize("taken_flag", ["--port", "--tcp_ports"])
+def test_port_in_use_fails_before_the_start_up_load(tmp_path, taken_flag):
+    """Every port is bound before the shard is loaded: an operator hears "port in use" at
+    once, not after a long load, and nothing is mapped."""
+    import socket
+    import subprocess
+    import sys
+
+    data = tmp_path / "data"
+    write_version(data, "1700000000", KEYS, fixed_values(KEYS, WIDTH), current=True)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        flags = ["--port", "0", "--tcp_ports", str(port)]
+        if taken_flag == "--port":
+            flags = ["--port", str(port)]
+        failed = subprocess.run(
+            [sys.executable, "-m", "cube.server.main", "--data_dir", str(data), *flags],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert failed.returncode != 0
+    assert f"127.0.0.1:{port}" in failed.stderr and "in use" in failed.stderr, failed.stderr
+    assert "serving 1700000000" not in failed.stderr  # the load never began

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from cube.client import CubeClient
+from cube.processes import poll_until
 from cube.seqfile import SequenceFileWriter
 from cube.transfer.local import ClusterSpec, command, http_json, up
 from cube.values import ValueColumn
@@ -186,24 +187,21 @@ def check_served(ctx, version: str) -> None:
 
 
 def record(ctx, version: str, mode: str | None = None) -> dict:
-    deadline = time.monotonic() + WAIT
-    while time.monotonic() < deadline:
+    def final() -> dict | None:
         for rec in reversed(ctx.cluster.history()):
             same = rec["version"] == version and (mode is None or rec["mode"] == mode)
             if same and rec["status_str"] in ("finished", "failed", "refused", "skipped"):
                 return rec
-        time.sleep(0.2)
-    raise AssertionError(f"no final record for {version}: {ctx.cluster.history()[-3:]}")
+        return None
+
+    return wait_for(final, f"a final record for {version}", step=0.2)
 
 
 def record_of_line(ctx, line: str) -> dict:
-    deadline = time.monotonic() + WAIT
-    while time.monotonic() < deadline:
-        for rec in ctx.cluster.history():
-            if rec["line"] == line:
-                return rec
-        time.sleep(0.2)
-    raise AssertionError(f"no record for {line}")
+    def found() -> dict | None:
+        return next((rec for rec in ctx.cluster.history() if rec["line"] == line), None)
+
+    return wait_for(found, f"a record for {line}", step=0.2)
 
 
 def line_count(ctx, file: str) -> int:
@@ -222,13 +220,17 @@ def agent_task(ctx, instance: str, command: str, version: str) -> dict | None:
 
 
 def wait_for(predicate, what: str, timeout: float = WAIT, step: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step)
-    raise AssertionError(f"timed out waiting for {what}")
+    """poll_until, returning what the predicate found (the record, the task)."""
+    found = None
+
+    def ready() -> bool:
+        nonlocal found
+        found = predicate()
+        return bool(found)
+
+    if not poll_until(ready, timeout, step):
+        raise AssertionError(f"timed out waiting for {what}")
+    return found
 
 
 def kill9(ctx, name: str) -> None:
@@ -405,11 +407,12 @@ def test_kill9_agent_during_download(ctx):
             version = new_base(ctx, n=20000, wait=False)  # ~160 KB per shard: seconds at 40 KB/s
             wait_for(
                 lambda: (
-                    (agent_task(ctx, "0_1", "download", version) or {}).get("state") == "running"
+                    (agent_task(ctx, "0_1", "download", version) or {})
+                    .get("progress", {})
+                    .get("bytes")
                 ),
-                "agent0_1 to be downloading",
+                "agent0_1 to have downloaded some bytes",
             )
-            time.sleep(0.5)
             kill9(ctx, "agent0_1")
             agent.argv = original
             ctx.cluster.restart("agent0_1")
@@ -433,12 +436,15 @@ def test_kill9_server_during_load(ctx):
         with Prober(ctx, keys) as prober:
             version = new_patch(ctx, base.split("_")[0], changed=30, wait=False)
             wait_for(
-                lambda: (agent_task(ctx, "0_1", "reload", version) or {}).get("state") == "running",
-                "agent0_1 to be reloading",
+                lambda: (
+                    (agent_task(ctx, "0_1", "reload", version) or {})
+                    .get("progress", {})
+                    .get("phase")
+                    == "load"
+                ),
+                "agent0_1 to have asked its server to load",
             )
-            time.sleep(0.5)
-            kill9(ctx, "server0_1")
-            time.sleep(1.0)
+            kill9(ctx, "server0_1")  # mid-load: --load_delay holds the load for 3 s
             server.argv = original
             ctx.cluster.restart("server0_1", timeout=WAIT)
             ctx.cluster.wait_version(version, WAIT)

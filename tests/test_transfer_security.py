@@ -6,6 +6,8 @@ download over https trusting the CA and command their server's control port with
 from __future__ import annotations
 
 import json
+import re
+import socket
 import ssl
 import subprocess
 import sys
@@ -19,7 +21,7 @@ from agent_helpers import AgentProc
 from procs import start_server
 
 from cube.client import CubeClient
-from cube.processes import free_port, poll_until, spawn, stop_child
+from cube.processes import poll_until, spawn, stop_child
 from cube.seqfile import SequenceFileWriter
 from cube.transfer.local import command
 from cube.values import ValueColumn
@@ -33,7 +35,7 @@ def transfer_conf(root: Path, agent: str, server: str, deploy: Path, **extra: st
         "dict_name: secure_dict",
         "mode: base_only",
         "download_mode: http",
-        f"wget_port: {free_port()}",
+        "wget_port: 0",  # any free port: the agents are told the bound one
         f"buildtool_local: {command('cube-builder')}",
         f"donefile_address: {root / 'donefile'}",
         f"output_address: {root / 'output'}",
@@ -51,6 +53,21 @@ def transfer_conf(root: Path, agent: str, server: str, deploy: Path, **extra: st
     path = root / "transfer.conf"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def listening_port(log: Path, process: subprocess.Popen) -> int:
+    """The API port a cube-transfer started with `-p 0` logged once listening."""
+    found: list[str] = []
+
+    def logged() -> bool:
+        found[:] = re.findall(r"API on https?://[^ ]*:(\d+),", log.read_text())
+        return bool(found)
+
+    def running() -> None:
+        assert process.poll() is None, log.read_text()[-2000:]
+
+    assert poll_until(logged, WAIT, 0.05, check=running), log.read_text()[-2000:]
+    return int(found[0])
 
 
 def test_api_beyond_loopback_needs_a_token(tmp_path):
@@ -74,7 +91,6 @@ def test_rollout_over_tls_with_tokens(tmp_path, pki):
     )  # fmt: skip
     agent.ssl_context = ssl.create_default_context(cafile=pki["ca"])
     agent.start()
-    api_port = free_port()
     conf = transfer_conf(
         tmp_path / "transfer",
         agent.url.removeprefix("https://"),
@@ -87,11 +103,11 @@ def test_rollout_over_tls_with_tokens(tmp_path, pki):
         api_token="api-t0k",
     )
     transfer = spawn(
-        [command("cube-transfer"), "-p", str(api_port), "--config", str(conf),
-         "--poll_interval", "0.5"],
+        [command("cube-transfer"), "-p", "0", "--config", str(conf), "--poll_interval", "0.5"],
         tmp_path / "transfer.log",
     )  # fmt: skip
     try:
+        api_port = listening_port(tmp_path / "transfer.log", transfer)
         keys = np.arange(1, 501, dtype=np.uint64)
         values = np.random.default_rng(3).standard_normal((500, 4), dtype=np.float32)
         source = tmp_path / "input" / "100"
@@ -126,3 +142,16 @@ def test_rollout_over_tls_with_tokens(tmp_path, pki):
         stop_child(transfer, 15)
         agent.stop()
         server.stop()
+
+
+def test_port_in_use_is_reported_at_once(tmp_path):
+    """The API and file ports are bound before the journal is opened or the donefile read."""
+    conf = transfer_conf(tmp_path, "127.0.0.1:1", "127.0.0.1:2", tmp_path / "d")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = [sys.executable, "-m", "cube.transfer.main", "-p", str(port), "--config", str(conf)]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=WAIT)
+    assert done.returncode == 1
+    assert f"the API (-p) on 127.0.0.1:{port}: port in use" in done.stderr, done.stderr

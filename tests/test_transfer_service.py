@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import aiohttp
 import pytest
-from procs import free_port
 from transfer_helpers import (
     FakeAgent,
     append_line,
@@ -25,7 +26,7 @@ from transfer_helpers import (
 )
 
 from cube.transfer.config import parse_config
-from cube.transfer.http_api import start_listeners
+from cube.transfer.http_api import bind_listeners, start_listeners
 from cube.transfer.service import TransferService
 from cube.transfer.state import Deployment
 
@@ -60,11 +61,10 @@ async def harness(
         for agent in row:
             await agent.start()
     builder = builder or str(write_fake_builder(tmp))
-    wget_port = free_port()
     text = transfer_conf(
         tmp,
         agents,
-        wget_port=wget_port,
+        wget_port=0,  # any free port, resolved by bind_listeners
         builder=builder,
         extra=extra,
         mode=mode,
@@ -72,6 +72,9 @@ async def harness(
     )
     (tmp / "transfer.conf").write_text(text)
     cfg = parse_config(text, "transfer.conf", tmp)
+    sockets = bind_listeners(cfg, 0) if listeners else None
+    if sockets is not None:
+        cfg = dataclasses.replace(cfg, wget_port=sockets.files_port)
     services: list[TransferService] = []
     stops = []
 
@@ -79,11 +82,10 @@ async def harness(
         service = TransferService(cfg, poll_interval=0.05, dead_timeout=1.0)
         await service.open()
         services.append(service)
-        if listeners:
-            stops.append(await start_listeners(service, api_port))
+        if sockets is not None:
+            stops.append(await start_listeners(service, sockets))
         return service
 
-    api_port = free_port()
     h = SimpleNamespace(
         tmp=tmp,
         cfg=cfg,
@@ -91,7 +93,7 @@ async def harness(
         flat=[a for row in agents for a in row],
         events=events,
         donefile=tmp / "donefile",
-        api=f"http://127.0.0.1:{api_port}",
+        api=f"http://127.0.0.1:{sockets.api_port}" if sockets else "",
         new_service=new_service,
     )
     h.service = await new_service()
@@ -461,8 +463,8 @@ def test_donefile_and_input_over_http_are_mirrored(tmp_path):
         app.router.add_static("/", remote, show_index=True)
         runner = web.AppRunner(app)
         await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
         try:
             address = f"http://127.0.0.1:{port}/donefile"
             async with harness(tmp_path, 1, 1, donefile_address=address) as h:
@@ -487,8 +489,8 @@ def test_donefile_and_input_over_ftp_are_mirrored(tmp_path):
 
     remote = tmp_path / "remote"
     _remote_tree(remote, B1)
-    port = free_port()
-    ftp = FtpFileServer(str(remote), "127.0.0.1", port)
+    ftp = FtpFileServer(str(remote), socket.create_server(("127.0.0.1", 0)))
+    port = ftp.port
     ftp.start()
     try:
 
@@ -513,8 +515,8 @@ def test_ftp_file_server_is_read_only(tmp_path):
     (tmp_path / "v" / "d_part0.tar").write_bytes(b"tar bytes")
     from cube.transfer.http_api import FtpFileServer
 
-    port = free_port()
-    server = FtpFileServer(str(tmp_path), "127.0.0.1", port)
+    server = FtpFileServer(str(tmp_path), socket.create_server(("127.0.0.1", 0)))
+    port = server.port
     server.start()
     try:
         client = ftplib.FTP()

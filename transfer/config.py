@@ -257,7 +257,7 @@ def parse_config(
         dict_name=dict_name,
         mode=choice_of("mode", MODES, "base_only"),
         download_mode=choice_of("download_mode", DOWNLOAD_MODES, "http"),
-        wget_port=int_of("wget_port", low=1, high=65535),
+        wget_port=int_of("wget_port", low=0, high=65535),  # 0: any free port
         buildtool_local=text_of("buildtool_local", "cube-builder"),
         donefile_address=donefile,
         output_address=path_of("output_address"),

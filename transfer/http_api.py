@@ -20,11 +20,14 @@ anonymous read-only pyftpdlib server for `ftp`.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import re
+import socket
 import threading
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -33,6 +36,7 @@ from multidict import MultiMapping
 from cube.donefile import ID, VERSION_NAME
 from cube.security import TLSFiles, bearer_token, server_context, token_matches
 from cube.transfer import views
+from cube.transfer.config import TransferConfig
 from cube.transfer.service import Busy, TransferService
 
 log = logging.getLogger("cube.transfer.http")
@@ -269,7 +273,7 @@ def build_file_server(service: TransferService) -> web.Application:
 class FtpFileServer:
     """Anonymous, read-only FTP over output_address (download_mode: ftp), in a thread."""
 
-    def __init__(self, root: str, host: str, port: int) -> None:
+    def __init__(self, root: str, sock: socket.socket) -> None:
         try:
             from pyftpdlib.authorizers import DummyAuthorizer
             from pyftpdlib.handlers import FTPHandler
@@ -280,10 +284,14 @@ class FtpFileServer:
         authorizer.add_anonymous(root, perm="elr")
         handler = type("ReadOnlyHandler", (FTPHandler,), {"authorizer": authorizer})
         handler.banner = "cube-transfer"
-        self.server = FTPServer((host, port), handler)
+        self.server = FTPServer(sock, handler)
         self.server.max_cons, self.server.max_cons_per_ip = 256, 32  # bounded, as any listener
         self.thread = threading.Thread(target=self._serve, name="ftp-file-server", daemon=True)
         self._stop = threading.Event()
+
+    @property
+    def port(self) -> int:
+        return int(self.server.socket.getsockname()[1])
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -298,8 +306,55 @@ class FtpFileServer:
         self.server.close_all()
 
 
-async def start_listeners(service: TransferService, api_port: int) -> Callable[[], Awaitable[None]]:
-    """Start the API and the file server on `listen`; returns an async stop function."""
+@dataclass
+class ListenSockets:
+    """The API's and the file server's sockets, bound before the service opens: a port in use
+    fails at once, and port 0 (any free port) is resolved before the file server's port goes
+    into the agents' source URLs."""
+
+    api: socket.socket
+    files: socket.socket
+
+    @property
+    def api_port(self) -> int:
+        return int(self.api.getsockname()[1])
+
+    @property
+    def files_port(self) -> int:
+        return int(self.files.getsockname()[1])
+
+    def close(self) -> None:
+        self.api.close()
+        self.files.close()
+
+
+def _listen_socket(host: str, port: int, what: str) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=128)
+    except OSError as exc:
+        reason = "port in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+        raise OSError(exc.errno, f"cannot listen for {what} on {host}:{port}: {reason}") from exc
+
+
+def bind_listeners(cfg: TransferConfig, api_port: int) -> ListenSockets:
+    """Bind the API port (`-p`; 0: any free port) and the file server's `wget_port` (0: any
+    free port) on `listen`."""
+    api = _listen_socket(cfg.listen, api_port, "the API (-p)")
+    try:
+        what = f"the {cfg.download_mode} file server (wget_port)"
+        files = _listen_socket(cfg.listen, cfg.wget_port, what)
+    except OSError:
+        api.close()
+        raise
+    return ListenSockets(api, files)
+
+
+async def start_listeners(
+    service: TransferService, sockets: ListenSockets
+) -> Callable[[], Awaitable[None]]:
+    """Serve the API and the built files on the bound `sockets`; returns an async stop
+    function. `service.cfg.wget_port` must be the files socket's port (see bind_listeners)."""
     cfg = service.cfg
     runners: list[web.AppRunner] = []
     ftp: FtpFileServer | None = None
@@ -309,27 +364,28 @@ async def start_listeners(service: TransferService, api_port: int) -> Callable[[
         api = web.AppRunner(build_api(service), access_log=None)
         await api.setup()
         runners.append(api)
-        await web.TCPSite(api, cfg.listen, api_port, ssl_context=ssl_context).start()
+        await web.SockSite(api, sockets.api, ssl_context=ssl_context).start()
         if cfg.download_mode == "http":
             files = web.AppRunner(build_file_server(service), access_log=None)
             await files.setup()
             runners.append(files)
-            await web.TCPSite(files, cfg.listen, cfg.wget_port, ssl_context=ssl_context).start()
+            await web.SockSite(files, sockets.files, ssl_context=ssl_context).start()
         else:
-            ftp = FtpFileServer(str(cfg.output_address), cfg.listen, cfg.wget_port)
+            ftp = FtpFileServer(str(cfg.output_address), sockets.files)
             ftp.start()
     except BaseException:
         for runner in runners:
             await runner.cleanup()
+        sockets.close()
         raise
     log.info(
         "API on %s://%s:%d, files (%s) on %s:%d from %s",
         "https" if ssl_context else "http",
         cfg.listen,
-        api_port,
+        sockets.api_port,
         cfg.download_mode,
         cfg.listen,
-        cfg.wget_port,
+        sockets.files_port,
         cfg.output_address,
     )
 
@@ -338,5 +394,6 @@ async def start_listeners(service: TransferService, api_port: int) -> Callable[[
             await runner.cleanup()
         if ftp is not None:
             await asyncio.to_thread(ftp.stop)
+        sockets.close()
 
     return stop

@@ -8,6 +8,7 @@ SIGTERM/SIGINT stop it cleanly; its journal (in tmp_address) lets a restart resu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -17,7 +18,7 @@ from pathlib import Path
 from cube.flags import FlagError, FlagSet, run_cli
 from cube.security import SecurityError, TLSFiles, require_token
 from cube.transfer.config import ConfigError, load_config
-from cube.transfer.http_api import start_listeners
+from cube.transfer.http_api import ListenSockets, bind_listeners, start_listeners
 from cube.transfer.journal import JournalError
 from cube.transfer.service import TransferService
 
@@ -27,7 +28,7 @@ _NUMERIC_LEVELS = {0: "ERROR", 1: "ERROR", 2: "WARNING", 3: "INFO", 4: "INFO"}
 
 def flag_set() -> FlagSet:
     flags = FlagSet("cube-transfer", "Build and roll out Cube versions from donefiles.")
-    flags.add("port", int, 8099, "query API port", aliases=("p",))
+    flags.add("port", int, 8099, "query API port (0: any free port, logged)", aliases=("p",))
     flags.add("config", str, "conf/transfer.conf", "transfer.conf (the original's INI format)")
     flags.add("log_level", str, "info", "debug|info|warning|error (or the original's 0-5)",
               aliases=("l",))  # fmt: skip
@@ -63,14 +64,14 @@ def setup_logging(level: int, log_dir: str, log_name: str) -> None:
     logging.getLogger("fsspec").setLevel(logging.WARNING)
 
 
-async def serve(service: TransferService, port: int) -> int:
+async def serve(service: TransferService, sockets: ListenSockets) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await service.open()
     try:
-        stop_listeners = await start_listeners(service, port)
+        stop_listeners = await start_listeners(service, sockets)
     except OSError as exc:
         await service.close()
         log.error("cannot listen: %s", exc)
@@ -97,6 +98,8 @@ def run(argv: Sequence[str]) -> int:
     setup_logging(log_level(flags.log_level), flags.log_dir, flags.log_name)
     if flags.poll_interval <= 0:
         raise FlagError("--poll_interval must be > 0")
+    if not 0 <= flags.port < 65536:
+        raise FlagError(f"-p {flags.port} is not a port")
     try:
         cfg = load_config(flags.config)
         require_token(
@@ -110,6 +113,13 @@ def run(argv: Sequence[str]) -> int:
     except (ConfigError, SecurityError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:
+        sockets = bind_listeners(cfg, flags.port)  # before anything else: "in use" at once
+    except OSError as exc:
+        print(f"error: {exc.strerror}", file=sys.stderr)
+        return 1
+    if cfg.wget_port == 0:
+        cfg = dataclasses.replace(cfg, wget_port=sockets.files_port)
     service = TransferService(
         cfg,
         poll_interval=flags.poll_interval,
@@ -117,7 +127,7 @@ def run(argv: Sequence[str]) -> int:
         keep_outputs=max(flags.keep_outputs, 1),
     )
     try:
-        return asyncio.run(serve(service, flags.port))
+        return asyncio.run(serve(service, sockets))
     except JournalError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -25,6 +25,7 @@ exit 0. The supervisor forwards the signal to its workers and waits for them.
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import logging
 import os
@@ -501,12 +502,18 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
             max_connections=flags.lane_max_connections,
         )
         lane = Lane(service, limits, busy_poll_s=flags.busy_poll_us / 1e6)
+        wanted = lane_ports(flags)[index]
         try:
             ssl_context = server_context(tls) if tls.serves else None
-            service.lane_port = await lane.start(flags.host, lane_ports(flags)[index], ssl_context)
+            service.lane_port = await lane.start(flags.host, wanted, ssl_context)
             service.lane_stats = lane.stats
         except OSError as exc:
-            log.error("cannot listen for the TCP lane on %s: %s", flags.host, exc)
+            reason = "port in use" if exc.errno == errno.EADDRINUSE else exc.strerror or exc
+            log.error(
+                "cannot listen for the TCP lane on %s (--tcp_ports): %s",
+                _address(flags.host, wanted),
+                reason,
+            )
             executor.shutdown(wait=False)
             return 1
         lane_bind = f"{_address(flags.host, service.lane_port)} (TCP lane)"
