@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
 import pytest
 import trustme
+from agent_helpers import AgentProc, HttpFileServer
+from procs import ServerProc, start_server
+
+from cube.processes import free_port
 
 
 @pytest.fixture(scope="module")
@@ -19,3 +26,54 @@ def pki(tmp_path_factory) -> dict[str, str]:
     cert.private_key_pem.write_to_path(str(files["key"]))
     trustme.CA().cert_pem.write_to_path(str(files["other"]))
     return {k: str(v) for k, v in files.items()}
+
+
+class Deployment:
+    """One machine's cube-agent deployment in a test: a files dir that file servers serve, a
+    deploy dir (`data/` inside), and what a test starts on demand: file servers, a cube-server
+    on `data/`, agents. Everything started is stopped, by PID, at teardown (`close`)."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.files = tmp / "files"
+        self.files.mkdir()
+        self.deploy = tmp / "deploy"
+        self.data = self.deploy / "data"
+        self.data.mkdir(parents=True)
+        self.server: ServerProc | None = None
+        self.http: HttpFileServer | None = None  # the file server, when a fixture starts one
+        self.closers: list[Callable[[], object]] = []  # run last first
+
+    def serve_files(self, routes: dict | None = None) -> HttpFileServer:
+        """An HTTP file server on `files` (`routes` in front of the static files)."""
+        http = HttpFileServer(self.files, routes)
+        self.closers.append(http.close)
+        return http
+
+    def start_server(self, *flags: str) -> ServerProc:
+        """The cube-server on `data`, the default `--server` of the agents started after it."""
+        self.server = start_server(self.data, *flags)
+        self.closers.append(self.server.stop)
+        return self.server
+
+    def agent(self, *extra: str, server: str = "", token: str | None = None) -> AgentProc:
+        """A started cube-agent on `deploy`; its server: `server`, else the one started here,
+        else a closed port (an agent with no server to talk to)."""
+        if not server:
+            server = self.server.control_address if self.server else f"127.0.0.1:{free_port()}"
+        proc = AgentProc(self.deploy, server, *extra, token=token)
+        self.closers.append(proc.stop)
+        return proc.start()
+
+    def close(self) -> None:
+        for close in reversed(self.closers):
+            close()
+
+
+@pytest.fixture
+def deployment(tmp_path) -> Iterator[Deployment]:
+    box = Deployment(tmp_path)
+    try:
+        yield box
+    finally:
+        box.close()

@@ -12,14 +12,12 @@ import os
 import tarfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from agent_helpers import (
     WAIT,
     AgentProc,
     FtpFileServer,
-    HttpFileServer,
     make_evil_tar,
     make_shard_tar,
     seek,
@@ -28,7 +26,6 @@ from agent_helpers import (
     shard_content,
     write_md5,
 )
-from procs import start_server
 
 pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
 
@@ -36,28 +33,12 @@ BASE, DELTA1, DELTA2 = "1700000000", "1700000000_1700000100", "1700000000_170000
 
 
 @pytest.fixture
-def env(tmp_path):
-    files = tmp_path / "files"
-    files.mkdir()
-    deploy = tmp_path / "deploy"
-    (deploy / "data").mkdir(parents=True)
-    http = HttpFileServer(files)
-    server = start_server(deploy / "data")
-    agents: list[AgentProc] = []
-
-    def agent(*extra: str, token: str | None = None, server_address: str = "") -> AgentProc:
-        proc = AgentProc(deploy, server_address or server.control_address, *extra, token=token)
-        agents.append(proc)
-        return proc.start()
-
-    yield SimpleNamespace(
-        tmp=tmp_path, files=files, deploy=deploy, data=deploy / "data", http=http,
-        server=server, agent=agent,
-    )  # fmt: skip
-    for proc in agents:
-        proc.stop()
-    http.close()
-    server.stop()
+def env(deployment):
+    """The shared deployment (tests/conftest.py) with its HTTP file server (`env.http`) and
+    its cube-server (`env.server`) running."""
+    deployment.http = deployment.serve_files()
+    deployment.start_server()
+    return deployment
 
 
 def tar_for(env, name: str, seed: int = 0, n_keys: int = 1000) -> dict[str, str]:
@@ -292,7 +273,7 @@ def test_envelopes_for_unknown_api_bad_requests_and_unknown_tasks(env):
 
 
 def test_server_unreachable_fails_the_task_with_a_clear_message(env):
-    agent = env.agent(server_address="127.0.0.1:1")
+    agent = env.agent(server="127.0.0.1:1")
     assert agent.run("download", BASE, **tar_for(env, "u"))["state"] == "succeeded"
     task = agent.run("reload", BASE)
     assert task["state"] == "failed" and "127.0.0.1:1 unreachable" in task["message"], task

@@ -30,7 +30,6 @@ from aiohttp import web
 from procs import start_server
 
 from cube.agent.fetch import FetchError, FetchPolicy, SourcePolicy, fetch_file, fetch_md5
-from cube.processes import free_port
 
 pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
 
@@ -53,32 +52,11 @@ def no_secret_anywhere(agent: AgentProc) -> None:
 
 
 @pytest.fixture
-def env(tmp_path):
-    """Files served over HTTP, a deploy dir, and agents started on demand (no cube-server
-    unless a test starts one: the agent's --server then points at a closed port)."""
-    files = tmp_path / "files"
-    files.mkdir()
-    deploy = tmp_path / "deploy"
-    (deploy / "data").mkdir(parents=True)
-    started: list[AgentProc] = []
-    closers: list = []
-
-    def agent(*extra: str, server: str = "") -> AgentProc:
-        proc = AgentProc(deploy, server or f"127.0.0.1:{free_port()}", *extra)
-        started.append(proc)
-        return proc.start()
-
-    def http(routes: dict | None = None) -> HttpFileServer:
-        server = HttpFileServer(files, routes)
-        closers.append(server.close)
-        return server
-
-    yield SimpleNamespace(tmp=tmp_path, files=files, deploy=deploy, data=deploy / "data",
-                          agent=agent, http=http, closers=closers)  # fmt: skip
-    for proc in started:
-        proc.stop()
-    for close in reversed(closers):
-        close()
+def env(deployment):
+    """The shared deployment (tests/conftest.py): files served over HTTP on demand, agents
+    started on demand (no cube-server unless a test starts one: an agent's --server then
+    points at a closed port)."""
+    return deployment
 
 
 # ------------------------------------------------------------------ 4. the HTTP API
@@ -136,7 +114,7 @@ def test_oversized_body_gets_a_413_envelope(env):
 
 
 def test_download_requires_md5_unless_md5_from_source(env):
-    http = env.http()
+    http = env.serve_files()
     agent = env.agent()
     src = tar_source(env.files, http.url, "s")
     body = {"command": "download", "version": "1", "source": src["source"]}
@@ -184,7 +162,7 @@ def test_file_sources_refused_unless_enabled(env):
 
 
 def test_allowed_sources_match_the_parsed_url_and_every_redirect(env):
-    other = env.http()  # a server the deployment does not allow
+    other = env.serve_files()  # a server the deployment does not allow
     (env.files / "ok").mkdir()
     md5 = tar_source(env.files / "ok", "", "s")["md5"]
     own: dict[str, str] = {}
@@ -198,7 +176,7 @@ def test_allowed_sources_match_the_parsed_url_and_every_redirect(env):
     async def relative(request):
         return _redirect("../s.tar")
 
-    http = env.http({"/ok/moved.tar": moved, "/ok/away.tar": away, "/ok/up.tar": relative})
+    http = env.serve_files({"/ok/moved.tar": moved, "/ok/away.tar": away, "/ok/up.tar": relative})
     own["url"] = http.url
     agent = env.agent("--allowed_sources", f"http://127.0.0.1:{http.port}/ok/,ftp://h.example/x")
     refused = [
@@ -254,7 +232,7 @@ def test_fetched_content_never_appears_in_messages(env):
     async def reason(request):
         return web.Response(status=404, reason=SECRET.decode())
 
-    http = env.http({"/reason.tar": reason})
+    http = env.serve_files({"/reason.tar": reason})
     banner = LineServer(b"", SECRET + b"\r\n\r\n")
     ftp_liar = LineServer(b"220 ready\r\n", b"530 " + SECRET + b"\r\n")
     env.closers += [banner.close, ftp_liar.close]
@@ -308,7 +286,7 @@ def _size_server(env) -> tuple[HttpFileServer, list[int]]:
         return web.Response(body=b"y" * 300_000)
 
     routes = {"/endless.tar": endless, "/long.tar": long, "/big.tar.md5": endless}
-    return env.http(routes), sent
+    return env.serve_files(routes), sent
 
 
 def test_fetch_stops_at_the_declared_size(env):
@@ -360,7 +338,7 @@ def test_fetches_of_unknown_size_are_bounded(env):
 
 
 def test_parts_that_cannot_be_resumed_are_not_kept(env):
-    http = env.http()
+    http = env.serve_files()
     part = env.tmp / "gone.tar.part"
     part.write_bytes(b"z" * 5000)  # from an earlier attempt; the source has gone since
     with pytest.raises(FetchError, match="HTTP 404"):
@@ -387,10 +365,10 @@ def test_agent_download_with_a_wrong_size_fails_at_once_and_keeps_nothing(env):
 @pytest.fixture
 def cluster(env):
     """`env` plus a real cube-server on the deploy's data dir and an agent driving it."""
-    http = env.http()
-    box = SimpleNamespace(server=start_server(env.data))
-    env.closers.append(lambda: box.server.stop())
-    agent = env.agent(server=box.server.control_address)
+    http = env.serve_files()
+    box = SimpleNamespace(server=env.start_server())
+    env.closers.append(lambda: box.server.stop())  # the restarted one
+    agent = env.agent()
 
     def restart_server() -> None:
         ports, controls = box.server.ports, box.server.control_ports
