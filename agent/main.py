@@ -29,10 +29,25 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def flag_set() -> FlagSet:
-    fs = FlagSet("cube-agent", "Deploys shard versions onto one cube-server (docs/ROLLOUT.md).")
-    fs.add("port", int, None, "HTTP port of the agent (0 = any free port)", aliases=("P",))
+    fs = FlagSet(
+        "cube-agent", "Deploys shard versions onto one cube-server (docs/reference/agent-api.md)."
+    )
+    fs.add(
+        "port",
+        int,
+        None,
+        "HTTP port of the agent (0 = any free port)",
+        aliases=("P",),
+        required=True,
+    )
     fs.add("host", str, "127.0.0.1", "address to bind")
-    fs.add("deploy_path", str, None, "instance directory: data/, cube_data/, agent_state/")
+    fs.add(
+        "deploy_path",
+        str,
+        None,
+        "instance directory: data/, cube_data/, agent_state/",
+        required=True,
+    )
     fs.add(
         "server",
         str,
@@ -78,8 +93,6 @@ def flag_set() -> FlagSet:
 
 
 def config_from_flags(flags: Flags) -> AgentConfig:
-    if flags.port is None:
-        raise FlagError("-P/--port is required")
     if not 0 <= flags.port <= 65535:
         raise FlagError(f"--port: {flags.port} is not a TCP port")
     if not flags.deploy_path:

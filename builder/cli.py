@@ -62,10 +62,10 @@ Exit status: 0 built (and registered), 1 build failed (nothing published), 2 bad
 def flag_set() -> FlagSet:
     return (
         FlagSet("cube-builder", DESCRIPTION)
-        .add("dict_name", str, "", "dictionary name, prefix of the shard outputs (required)")
-        .add("input_path", str, "", "directory (or file) of SequenceFiles (required)")
-        .add("output_path", str, "", "output root directory (required)")
-        .add("shard_num", int, -1, "number of shards (required)")
+        .add("dict_name", str, "", "dictionary name, prefix of the shard outputs", required=True)
+        .add("input_path", str, "", "directory (or file) of SequenceFiles", required=True)
+        .add("output_path", str, "", "output root directory", required=True)
+        .add("shard_num", int, 0, "number of shards", required=True)
         .add(
             "job_mode",
             str,

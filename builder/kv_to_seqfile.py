@@ -363,7 +363,7 @@ def _help() -> str:
 
 FLAGS = (
     FlagSet("kv_to_seqfile", _help())
-    .add("input", str, None, "text file of key/value lines (required)")
+    .add("input", str, None, "text file of key/value lines", required=True)
     .add(
         "input_format",
         str,

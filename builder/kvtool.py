@@ -72,13 +72,14 @@ def show(args: Flags) -> int:
 
 FLAGS = (
     FlagSet(
-        "kvtool FILE",
+        "kvtool",
         "Print a SequenceFile's header and records: one line per record, the key as a decimal\n"
         "uint64, a tab, the value as hex (or float32s with --float). FILE may come anywhere\n"
         "on the line; after a bare --float, write --float=true FILE (or FILE first) when FILE\n"
         "is named like a boolean (1, y, no, ...).",
     )
-    .add("file", str, None, "SequenceFile to read (or the positional FILE)")
+    .positional("FILE", "the SequenceFile to read (or --file)", flag="file")
+    .add("file", str, None, "the SequenceFile to read (or the positional FILE)")
     .add("float", bool, False, "show values as float32 lists")
     .add("limit", int, None, "show at most N records [all]")
     .add(
@@ -92,18 +93,7 @@ FLAGS = (
 
 
 def parse(argv: Sequence[str]) -> Flags:
-    """The flags plus the positional FILE, through FlagSet's own parser so that every form it
-    takes (`-flag value`, `--flag=value`, `--noflag`, `--flagfile`) is taken here too."""
-    values = {name: flag.default for name, flag in FLAGS.flags.items()}
-    positional: list[str] = []
-    FLAGS._parse_into(list(argv), values, positional, depth=0)
-    args = Flags(values)
-    files = positional + ([args.file] if args.file is not None else [])
-    if not files:
-        raise FlagError("FILE is required (kvtool FILE [--float] [--limit N]; see --help)")
-    if len(files) > 1:
-        raise FlagError(f"one FILE only, got {len(files)}: {', '.join(map(repr, files))}")
-    args["file"] = files[0]
+    args = FLAGS.parse(argv)
     if args.limit is not None and args.limit < 0:
         raise FlagError("--limit must be >= 0")
     return args

@@ -5,12 +5,17 @@ bare `--flag`, `--noflag`, or with `true/false/1/0/yes/no`; `--flagfile FILE` re
 line (`--port=8000`, blank lines and `#` comments skipped), as the original's conf/gflags.conf.
 Later flags override earlier ones, so command-line flags after `--flagfile` win.
 
-One parser for every command of the project (builder, server, cli, agent, transfer).
+One parser for every command of the project (builder, server, cli, agent, transfer, kvtool,
+cube-local's subcommands): flags marked `required`, positional arguments declared with
+`positional`, an unknown flag answered with the closest known one ("did you mean"), and a
+`CommandSet` for tools with subcommands.
 """
 
 from __future__ import annotations
 
+import difflib
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,10 +46,64 @@ class Flag:
     help: str
     choices: Sequence[str] | None = None
     aliases: Sequence[str] = ()
+    required: bool = False
 
     @property
     def is_bool(self) -> bool:
         return self.type is bool
+
+    @property
+    def called(self) -> str:
+        """How an error names it: `--port`, or `-P/--port` when it has a short alias."""
+        short = [f"-{a}" for a in self.aliases if len(a) == 1]
+        return "/".join([*short, f"--{self.name}"])
+
+    @property
+    def spelled(self) -> str:
+        """`--name, -a` as the usage shows it, with a placeholder for the value."""
+        names = ", ".join(f"-{n}" if len(n) == 1 else f"--{n}" for n in (self.name, *self.aliases))
+        if self.is_bool:
+            return names
+        if self.choices:
+            return f"{names} {'|'.join(self.choices)}"
+        path = self.name in _PATH_FLAGS or self.name.endswith(
+            ("_dir", "_path", "_file", "_address")
+        )
+        placeholder = "PATH" if path and self.type is str else _PLACEHOLDERS.get(self.type, "VALUE")
+        return f"{names} {placeholder}"
+
+    def described(self) -> str:
+        """The help text, with the default once (unless the text already says it, or there is
+        none to say)."""
+        text = self.help
+        if self.required:  # listed under "required flags"
+            return text
+        if "default" in text or text.endswith("]") or self.default in (None, "", False):
+            return text
+        if self.default is True:
+            return f"{text} (on by default; --no{self.name} turns it off)"
+        return f"{text} (default: {self.default})"
+
+
+_PLACEHOLDERS: dict[Any, str] = {int: "N", float: "X", str: "TEXT"}
+_PATH_FLAGS = {
+    "input",
+    "config",
+    "keys",
+    "file",
+    "donefile",
+    "dir",
+    "tls_cert",
+    "tls_key",
+    "tls_ca",
+}
+
+
+@dataclass
+class Positional:
+    name: str  # as the usage shows it: FILE
+    help: str
+    flag: str | None = None  # a flag that may name it instead (kvtool's --file)
 
 
 @dataclass
@@ -54,6 +113,7 @@ class FlagSet:
     program: str
     description: str = ""
     flags: dict[str, Flag] = field(default_factory=dict)
+    positionals: list[Positional] = field(default_factory=list)
     _names: dict[str, str] = field(default_factory=dict)
 
     def add(
@@ -64,34 +124,96 @@ class FlagSet:
         help: str = "",
         choices: Sequence[str] | None = None,
         aliases: Sequence[str] = (),
+        required: bool = False,
     ) -> FlagSet:
-        flag = Flag(name, type, default, help, choices, aliases)
+        flag = Flag(name, type, default, help, choices, aliases, required)
         self.flags[name] = flag
         for alias in (name, *aliases):
             self._names[alias] = name
         return self
 
+    def positional(self, name: str, help: str, flag: str | None = None) -> FlagSet:
+        """A required positional argument (`kvtool FILE`); `flag` names a flag that may give it
+        instead. Positionals may come anywhere among the flags."""
+        self.positionals.append(Positional(name, help, flag))
+        return self
+
     def usage(self) -> str:
-        lines = [f"usage: {self.program} [--flag value ...]", self.description, "", "flags:"]
-        for flag in self.flags.values():
-            names = ", ".join(
-                f"-{n}" if len(n) == 1 else f"--{n}" for n in (flag.name, *flag.aliases)
-            )
-            choice = f" ({'|'.join(flag.choices)})" if flag.choices else ""
-            lines.append(f"  {names}{choice}  {flag.help} [default: {flag.default}]")
-        lines.append("  --flagfile FILE  read flags from FILE, one per line")
+        shape = " ".join([self.program, *(p.name for p in self.positionals), "[flags]"])
+        lines = [f"usage: {shape}"]
+        if self.description:
+            lines += [self.description]
+        rows = [(p.name, p.help) for p in self.positionals]
+        required = [f for f in self.flags.values() if f.required]
+        optional = [f for f in self.flags.values() if not f.required]
+        sections = [
+            ("arguments", rows),
+            ("required flags", [(f.spelled, f.described()) for f in required]),
+        ]
+        sections.append(("flags", [(f.spelled, f.described()) for f in optional]))
+        sections[-1][1].append(("--flagfile FILE", "read flags from FILE, one per line"))
+        width = min(28, max(len(name) for _title, rows in sections for name, _text in rows) + 2)
+        for title, section in sections:
+            if not section:
+                continue
+            lines += ["", f"{title}:"]
+            for name, text in section:
+                lines += _row(name, text, width)
+        lines += [
+            "",
+            "Flags take gflags forms: -flag value, --flag=value, --flag / --noflag for booleans.",
+        ]
         return "\n".join(lines)
 
     def parse(self, argv: Sequence[str]) -> Flags:
         values = {name: flag.default for name, flag in self.flags.items()}
+        given: set[str] = set()
         positional: list[str] = []
-        self._parse_into(list(argv), values, positional, depth=0)
-        if positional:
-            raise FlagError(f"unexpected argument {positional[0]!r} (flags look like --name value)")
+        self._parse_into(list(argv), values, given, positional, depth=0)
+        self._take_positionals(positional, values, given)
+        missing = [f.called for f in self.flags.values() if f.required and f.name not in given]
+        if missing:
+            verb = "is" if len(missing) == 1 else "are"
+            raise FlagError(f"{', '.join(missing)} {verb} required (see {self.program} --help)")
         return Flags(values)
 
+    def _take_positionals(self, args: list[str], values: dict[str, Any], given: set[str]) -> None:
+        declared = self.positionals
+        if not declared:
+            if args:
+                raise FlagError(f"unexpected argument {args[0]!r} (flags look like --name value)")
+            return
+        if len(declared) != 1:
+            raise NotImplementedError("one positional argument per command")
+        only = declared[0]
+        if only.flag and only.flag in given:
+            args = [*args, values[only.flag]]
+        if not args:
+            raise FlagError(f"{only.name} is required (see {self.program} --help)")
+        if len(args) > 1:
+            raise FlagError(f"one {only.name} only, got {len(args)}: {', '.join(map(repr, args))}")
+        values[only.flag or only.name.lower()] = args[0]
+
+    def _unknown(self, arg: str, name: str) -> FlagError:
+        """The error for an unknown flag, with the closest known one."""
+        spelled = name.replace("-", "_")
+        names = [*self._names, "flagfile"]
+        if spelled != name and spelled in names:
+            hint = f"; did you mean --{spelled}? (flags use underscores)"
+        else:
+            close = difflib.get_close_matches(spelled, names, n=1, cutoff=0.6)
+            hint = (
+                f"; did you mean {'-' if len(close[0]) == 1 else '--'}{close[0]}?" if close else ""
+            )
+        return FlagError(f"unknown flag {arg!r}{hint} (see {self.program} --help)")
+
     def _parse_into(
-        self, args: list[str], values: dict[str, Any], positional: list[str], depth: int
+        self,
+        args: list[str],
+        values: dict[str, Any],
+        given: set[str],
+        positional: list[str],
+        depth: int,
     ) -> None:
         i = 0
         while i < len(args):
@@ -113,15 +235,16 @@ class FlagSet:
                     i += 1
                 if depth > 8:
                     raise FlagError(f"--flagfile {text}: nested too deeply")
-                self._parse_into(_read_flagfile(text), values, positional, depth + 1)
+                self._parse_into(_read_flagfile(text), values, given, positional, depth + 1)
                 continue
             key = self._names.get(name)
             negated = False
             if key is None and name.startswith("no") and self._names.get(name[2:]):
                 key, negated = self._names[name[2:]], True
             if key is None:
-                raise FlagError(f"unknown flag {arg!r}; see --help")
+                raise self._unknown(arg, name)
             flag = self.flags[key]
+            given.add(key)
             if flag.is_bool:
                 if negated:
                     values[key] = False
@@ -149,6 +272,16 @@ class FlagSet:
             raise FlagError(f"--{flag.name}: bad value {text!r}: {exc}") from exc
 
 
+def _row(name: str, text: str, width: int) -> list[str]:
+    """One usage row: the flag, then its help wrapped under a column (on the next line when
+    the flag is wider than the column)."""
+    indent = " " * (2 + width)
+    wrapped = textwrap.wrap(text, 100 - len(indent)) or [""]
+    if len(name) >= width:
+        return [f"  {name}", *(indent + line for line in wrapped)]
+    return [f"  {name.ljust(width)}{wrapped[0]}", *(indent + line for line in wrapped[1:])]
+
+
 def _read_flagfile(path: str) -> list[str]:
     try:
         lines = Path(path).read_text().splitlines()
@@ -160,6 +293,49 @@ def _read_flagfile(path: str) -> list[str]:
         if line and not line.startswith("#"):
             args.append(line)
     return args
+
+
+@dataclass
+class Command:
+    flags: FlagSet
+    run: Callable[[Flags], int]
+
+
+@dataclass
+class CommandSet:
+    """A tool with subcommands (`cube-local up|status|...`): each a FlagSet (its program is
+    `<tool> <name>`, its description the first line of the tool's usage) and a function."""
+
+    program: str
+    description: str = ""
+    commands: dict[str, Command] = field(default_factory=dict)
+
+    def add(self, name: str, flags: FlagSet, run: Callable[[Flags], int]) -> CommandSet:
+        self.commands[name] = Command(flags, run)
+        return self
+
+    def usage(self) -> str:
+        lines = [f"usage: {self.program} COMMAND [flags]   ({self.program} COMMAND --help)"]
+        if self.description:
+            lines.append(self.description)
+        lines += ["", "commands:"]
+        width = max(len(name) for name in self.commands) + 4
+        for name, command in self.commands.items():
+            lines += _row(name, command.flags.description.split("\n")[0], width)
+        return "\n".join(lines)
+
+    def run(self, argv: Sequence[str]) -> int:
+        if not argv or argv[0] in ("-h", "--help", "-help", "help"):
+            print(self.usage(), file=sys.stdout if argv else sys.stderr)
+            return 0 if argv else 2
+        name, rest = argv[0], argv[1:]
+        command = self.commands.get(name)
+        if command is None:
+            close = difflib.get_close_matches(name, list(self.commands), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            known = "|".join(self.commands)
+            raise FlagError(f"unknown command {name!r}{hint} ({self.program} {known})")
+        return command.run(command.flags.parse(rest))
 
 
 class Flags(dict[str, Any]):

@@ -61,3 +61,59 @@ def test_errors_name_the_flag(tmp_path):
 
 def test_alias():
     assert flagset().parse(["-P", "8001"]).port_alias_target == 8001
+
+
+def test_unknown_flags_get_the_closest_known_one():
+    fs = flagset()
+    with pytest.raises(FlagError, match=r"did you mean --in_mem\? \(flags use underscores\)"):
+        fs.parse(["--in-mem"])
+    with pytest.raises(FlagError, match=r"did you mean --port\?"):
+        fs.parse(["--prot", "1"])
+    with pytest.raises(FlagError) as far:
+        fs.parse(["--zzzz"])
+    assert "did you mean" not in str(far.value)
+
+
+def test_required_flags_and_positionals(tmp_path):
+    fs = FlagSet("tool").positional("FILE", "input", flag="file").add("file", str, None)
+    fs.add("shards", int, 0, "shards", required=True).add("dim", int, 8, "width")
+    with pytest.raises(FlagError, match=r"--shards is required \(see tool --help\)"):
+        fs.parse(["a.seq"])
+    with pytest.raises(FlagError, match="FILE is required"):
+        fs.parse(["--shards", "2"])
+    with pytest.raises(FlagError, match="one FILE only, got 2"):
+        fs.parse(["a", "--shards", "2", "b"])
+    assert fs.parse(["--shards", "2", "a"]).file == "a"
+    assert fs.parse(["--file=b", "--shards", "2"]).file == "b"
+    conf = tmp_path / "flags"
+    conf.write_text("--shards=3\n")
+    assert fs.parse(["--flagfile", str(conf), "a"]).shards == 3  # given in a flagfile counts
+
+
+def test_usage_lists_required_flags_and_each_default_once():
+    fs = FlagSet("tool", "Does things.").add("shards", int, 0, "shards", required=True)
+    fs.add("port", int, 8000, "the port").add("host", str, "", "address (default: loopback)")
+    fs.add("in_mem", bool, True, "map in memory").add("verbose", bool, False, "talk more")
+    text = fs.usage()
+    required, optional = text.split("required flags:")[1].split("\nflags:")
+    assert "--shards N" in required and "default" not in required
+    assert "--port N" in optional and "the port (default: 8000)" in optional
+    assert "(default: loopback)" in optional and optional.count("default") == 3
+    assert "on by default; --noin_mem turns it off" in optional
+    assert "talk more\n" in optional  # a false boolean needs no default
+
+
+def test_command_set_dispatches_and_describes(capsys):
+    from cube.flags import CommandSet
+
+    ran = []
+    tool = CommandSet("tool", "Several things.")
+    tool.add("up", FlagSet("tool up", "Start it.\nMore."), lambda f: ran.append("up") or 0)
+    tool.add("down", FlagSet("tool down", "Stop it."), lambda f: ran.append("down") or 3)
+    assert tool.run(["down"]) == 3 and ran == ["down"]
+    assert tool.run(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "  up      Start it.\n  down    Stop it.\n" in out and "More" not in out
+    with pytest.raises(FlagError, match="unknown command 'dwon'; did you mean 'down'"):
+        tool.run(["dwon"])
+    assert tool.run([]) == 2  # no command: the usage on stderr

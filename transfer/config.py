@@ -46,9 +46,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cube.routing import PARTITIONERS
+
 MODES = ("base_only", "base_delta")
 DOWNLOAD_MODES = ("http", "ftp")
-PARTITIONERS = ("mod", "murmur3")
 _INSTANCE_KEY = re.compile(r"(agent|cube)(\d+)_(\d+)")
 _HOSTPORT = re.compile(r"\[?([A-Za-z0-9.\-:]+?)\]?:(\d{1,5})")
 _DICT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")

@@ -38,7 +38,7 @@ from typing import Any
 
 import psutil
 
-from cube.flags import FlagError, FlagSet, run_cli
+from cube.flags import CommandSet, Flags, FlagSet, run_cli
 from cube.processes import (
     create_time,
     free_port,
@@ -48,7 +48,15 @@ from cube.processes import (
     spawn,
     terminate,
 )
-from cube.transfer.config import ConfigError, Instance, TransferConfig, load_config, render_config
+from cube.transfer.config import (
+    MODES,
+    PARTITIONERS,
+    ConfigError,
+    Instance,
+    TransferConfig,
+    load_config,
+    render_config,
+)
 
 CLUSTER_FILE = "cluster.json"
 CONF_FILE = "transfer.conf"
@@ -78,6 +86,18 @@ class Proc:
     def process(self) -> psutil.Process | None:
         """The live process this record started (None if gone or the PID was reused)."""
         return same_process(self.pid, self.create_time)
+
+
+def _instance_state(row: dict[str, Any], agent_answered: bool) -> str:
+    """The STATE column: the transfer's status of the replica, except where it lags behind
+    what cube-local sees itself: a replica whose processes run but that the transfer has not
+    reached yet (just started, or restarted) is "starting", not the transfer's "Dead"."""
+    state = row["state"]
+    if not row["agent_up"]:
+        return "agent down"
+    if not agent_answered or state in ("", "Dead"):
+        return "starting"
+    return state
 
 
 @dataclass
@@ -490,15 +510,18 @@ class Cluster:
                     "bg_version": "",
                     "state": transfer_view.get(name, {}).get("status", ""),
                 }
+                answered = False
                 if row["agent_up"]:
                     with contextlib.suppress(OSError, ValueError):
                         url = f"http://127.0.0.1:{agent.port}/agent/status"
                         status = http_json(url, token=self.tokens.agent)
+                        answered = True
                         srv = (status.get("data") or {}).get("server") or {}
                         row["version"] = srv.get("cur_version") or ""
                         row["bg_version"] = srv.get("bg_version") or ""
                         if not srv.get("reachable"):
                             row["state"] = "server unreachable"
+                row["state"] = _instance_state(row, answered)
                 rows.append(row)
         return rows
 
@@ -639,18 +662,24 @@ def up(spec: ClusterSpec, health_timeout: float = 60.0) -> Cluster:
 
 def _up_flags() -> FlagSet:
     return (
-        FlagSet("cube-local up", "Start a local cluster.")
+        FlagSet(
+            "cube-local up",
+            "Start a cluster on loopback that rolls out what --donefile announces.\n"
+            "A cube-server and a cube-agent per shard replica and a cube-transfer watching\n"
+            "--donefile; cube.conf (for clients) and transfer.conf are written into --dir.\n"
+            f"Tokens: env {TOKEN_ENV} for the agents, {API_TOKEN_ENV} for the transfer API.",
+        )
+        .add("donefile", str, "", "donefile directory the transfer watches", required=True)
         .add("shards", int, 2, "shards")
         .add("replicas", int, 2, "replicas per shard")
-        .add("donefile", str, "", "donefile directory the transfer watches (required)")
         .add("dir", str, ".local-cluster", "cluster directory (configs, data, logs, PIDs)")
-        .add("base_port", int, 0, "first port (0: pick free ports)")
+        .add("base_port", int, 0, "first port of the cluster's port block (0: pick free ports)")
         .add("dim", int, 0, "embedding dimension, recorded in cube.conf for tools")
         .add("dict_name", str, DICT_NAME, "dictionary name")
-        .add("mode", str, "base_delta", "base_only|base_delta", choices=("base_only", "base_delta"))
+        .add("mode", str, "base_delta", "what the transfer rolls out", choices=MODES)
         .add("quorum", int, 0, "replicas per shard that must load before a switch (0: all)")
         .add("poll_interval", float, 1.0, "transfer donefile poll interval (s)")
-        .add("partitioner", str, "mod", "mod|murmur3", choices=("mod", "murmur3"))
+        .add("partitioner", str, "mod", "key to shard rule", choices=PARTITIONERS)
         .add("phase_timeout", float, 120.0, "transfer phase timeout (s)")
         .add("timeout", float, 60.0, "seconds to wait for every process to be healthy")
         .add("agent_token", str, "", f"the agents' token (default: env {TOKEN_ENV})")
@@ -658,100 +687,107 @@ def _up_flags() -> FlagSet:
     )
 
 
-def _dir_flags(program: str, **extra: tuple[type, Any, str]) -> FlagSet:
-    flags = FlagSet(program).add("dir", str, ".local-cluster", "cluster directory")
-    for name, (kind, default, text) in extra.items():
-        flags.add(name, kind, default, text)
-    return flags
+def _dir_flags(program: str, description: str) -> FlagSet:
+    return FlagSet(program, description).add(
+        "dir", str, ".local-cluster", "cluster directory (of cube-local up --dir)"
+    )
 
 
-USAGE = """usage: cube-local up|down|status|wait|restart [flags]   (cube-local <command> --help)
-  up      --shards 2 --replicas 2 --donefile DIR [--dir .local-cluster] [--base_port N]
-          (tokens: env CUBE_TOKEN for the agents, CUBE_API_TOKEN for the transfer API)
-  status  [--dir .local-cluster] [--json]
-  wait    --version V [--timeout 120] [--dir .local-cluster]
-  restart --name server0_1|agent0_1|transfer [--dir .local-cluster]
-  down    [--dir .local-cluster] [--timeout 10]"""
+def _run_up(flags: Flags) -> int:
+    spec = ClusterSpec(
+        dir=Path(flags.dir),
+        shards=flags.shards,
+        replicas=flags.replicas,
+        donefile=Path(flags.donefile),
+        dict_name=flags.dict_name,
+        base_port=flags.base_port,
+        dim=flags.dim,
+        mode=flags.mode,
+        quorum=flags.quorum,
+        poll_interval=flags.poll_interval,
+        partitioner=flags.partitioner,
+        phase_timeout=flags.phase_timeout,
+        transfer_overrides={
+            name: value
+            for name, value in (("agent_token", flags.agent_token), ("api_token", flags.api_token))
+            if value
+        },
+    )
+    cluster = up(spec, flags.timeout)
+    print(f"cluster up in {cluster.dir}: transfer {cluster.transfer_url}, "
+          f"cube.conf {cluster.cube_conf}")  # fmt: skip
+    print(cluster.status_table())
+    return 0
+
+
+def _run_down(flags: Flags) -> int:
+    for line in Cluster.load(flags.dir).down(flags.timeout):
+        print(line)
+    return 0
+
+
+def _run_status(flags: Flags) -> int:
+    cluster = Cluster.load(flags.dir)
+    if flags.json:
+        print(json.dumps({"info": cluster.transfer_info(), "instances": cluster.instance_rows()}))
+    else:
+        print(cluster.status_table())
+    return 0
+
+
+def _run_wait(flags: Flags) -> int:
+    waited = Cluster.load(flags.dir).wait_version(flags.version, flags.timeout)
+    print(f"version {flags.version} served by every replica ({waited:.1f}s)")
+    return 0
+
+
+def _run_restart(flags: Flags) -> int:
+    proc = Cluster.load(flags.dir).restart(flags.name)
+    print(f"{proc.name} restarted (pid {proc.pid})")
+    return 0
+
+
+COMMANDS = (
+    CommandSet("cube-local", "A whole Cube cluster on loopback, for trying Cube and for tests.")
+    .add("up", _up_flags(), _run_up)
+    .add(
+        "status",
+        _dir_flags(
+            "cube-local status",
+            "Show each process (running, starting, dead) and the version each replica serves.",
+        ).add("json", bool, False, "print JSON (the transfer's info and the instance rows)"),
+        _run_status,
+    )
+    .add(
+        "wait",
+        _dir_flags("cube-local wait", "Wait until every replica serves --version.")
+        .add("version", str, "", "version to wait for (a base, or <base>_<delta>)", required=True)
+        .add("timeout", float, 120.0, "seconds to wait at most (then exit 1)"),
+        _run_wait,
+    )
+    .add(
+        "restart",
+        _dir_flags("cube-local restart", "Restart one process of the cluster by its name.").add(
+            "name", str, "", "server<i>_<j>, agent<i>_<j> or transfer", required=True
+        ),
+        _run_restart,
+    )
+    .add(
+        "down",
+        _dir_flags(
+            "cube-local down", "Stop every process of the cluster (SIGTERM, then SIGKILL)."
+        ).add("timeout", float, 10.0, "seconds after SIGTERM before SIGKILL"),
+        _run_down,
+    )
+)
 
 
 def run(argv: Sequence[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(USAGE)
-        return 0 if argv else 2
-    sub, rest = argv[0], list(argv[1:])
     try:
-        if sub == "up":
-            flags = _up_flags().parse(rest)
-            if not flags.donefile:
-                raise FlagError("--donefile is required")
-            spec = ClusterSpec(
-                dir=Path(flags.dir),
-                shards=flags.shards,
-                replicas=flags.replicas,
-                donefile=Path(flags.donefile),
-                dict_name=flags.dict_name,
-                base_port=flags.base_port,
-                dim=flags.dim,
-                mode=flags.mode,
-                quorum=flags.quorum,
-                poll_interval=flags.poll_interval,
-                partitioner=flags.partitioner,
-                phase_timeout=flags.phase_timeout,
-                transfer_overrides={
-                    name: value
-                    for name, value in (
-                        ("agent_token", flags.agent_token),
-                        ("api_token", flags.api_token),
-                    )
-                    if value
-                },
-            )
-            cluster = up(spec, flags.timeout)
-            print(f"cluster up in {cluster.dir}: transfer {cluster.transfer_url}, "
-                  f"cube.conf {cluster.cube_conf}")  # fmt: skip
-            print(cluster.status_table())
-            return 0
-        if sub == "down":
-            flags = _dir_flags("cube-local down", timeout=(float, 10.0, "SIGKILL after s")).parse(
-                rest
-            )
-            for line in Cluster.load(flags.dir).down(flags.timeout):
-                print(line)
-            return 0
-        if sub == "status":
-            flags = _dir_flags("cube-local status", json=(bool, False, "print JSON")).parse(rest)
-            cluster = Cluster.load(flags.dir)
-            if flags.json:
-                print(
-                    json.dumps(
-                        {"info": cluster.transfer_info(), "instances": cluster.instance_rows()}
-                    )
-                )
-            else:
-                print(cluster.status_table())
-            return 0
-        if sub == "wait":
-            flags = _dir_flags(
-                "cube-local wait",
-                version=(str, "", "version to wait for (required)"),
-                timeout=(float, 120.0, "seconds"),
-            ).parse(rest)
-            if not flags.version:
-                raise FlagError("--version is required")
-            waited = Cluster.load(flags.dir).wait_version(flags.version, flags.timeout)
-            print(f"version {flags.version} served by every replica ({waited:.1f}s)")
-            return 0
-        if sub == "restart":
-            flags = _dir_flags("cube-local restart", name=(str, "", "process name")).parse(rest)
-            cluster = Cluster.load(flags.dir)
-            proc = cluster.restart(flags.name)
-            print(f"{proc.name} restarted (pid {proc.pid})")
-            return 0
+        return COMMANDS.run(argv)
     except LocalError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"error: unknown command {sub!r}\n{USAGE}", file=sys.stderr)
-    return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
