@@ -120,6 +120,11 @@ def validate(flags: dict[str, Any]) -> None:
     for name in ("batch", "keys", "shards", "workers", "check_sample"):
         if flags[name] <= 0:
             raise FlagError(f"--{name} must be > 0, got {flags[name]}")
+    if flags["keys"] < flags["batch"]:
+        raise FlagError(
+            f"--keys {flags['keys']} is below --batch {flags['batch']}: every request would ask"
+            " for some keys twice, which no real workload does (raise --keys or lower --batch)"
+        )
     if flags["dim"] < 0 or (not flags["dim"] and flags["value_size"] <= 0):
         raise FlagError("--value_size (or --dim) must be > 0")
     if flags["duration"] <= 0 or flags["warmup"] < 0 or flags["requests"] < 0:

@@ -14,7 +14,6 @@ Flags are gflags-style like every other command (cube/flags.py: `-flag value`, `
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Sequence
 
@@ -107,9 +106,6 @@ def run(argv: Sequence[str]) -> int:
         sys.stdout.flush()
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except BrokenPipeError:  # `kvtool f | head`: stop quietly, and keep exit-time flushes quiet
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,6 +14,7 @@ cube-local's subcommands): flags marked `required`, positional arguments declare
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
@@ -349,9 +350,16 @@ class Flags(dict[str, Any]):
 
 
 def run_cli(main: Callable[[Sequence[str]], int], argv: Sequence[str] | None = None) -> int:
-    """Run a CLI body: FlagError and other user errors print one line to stderr, exit 2."""
+    """Run a CLI body: FlagError and other user errors print one line to stderr, exit 2; a
+    closed stdout (`tool | head`) ends it quietly, with no traceback at exit either."""
     try:
         return main(sys.argv[1:] if argv is None else argv)
     except FlagError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # Python flushes stdout again at exit; point it at /dev/null so that flush is quiet.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 0

@@ -28,6 +28,7 @@ from cube.client import (
     CubeClient,
     CubeError,
     RequestRejectedError,
+    SeekResult,
     ShardUnavailableError,
     Timeouts,
     ValueSizeError,
@@ -36,6 +37,7 @@ from cube.client import (
 )
 from cube.pb import cube_pb2, cube_pb2_grpc
 from cube.routing import shard_of
+from cube.values import ValueColumn
 
 WIDTH = 16  # 4 float32
 
@@ -558,10 +560,29 @@ def test_cube_cli_prints_latency_and_qps(fixed_cluster, tmp_path, capsys):
     assert code == 0, printed.err
     lines = [line for line in printed.out.splitlines() if line.startswith("key:")]
     first = query_keys(seed=16, n=300)[:50]
-    assert len(lines) == 50 and lines[0].startswith(f"key:{first[0]} value:")
+    assert len(lines) == 50 and lines[0].startswith(f"key:{first[0]} ")
     hit = int(np.flatnonzero(np.isin(first, KEYS))[0])
     expected = expected_fixed(first[hit : hit + 1], WIDTH, 1).tobytes().hex().upper()
     assert lines[hit] == f"key:{first[hit]} value:{expected}"
+    miss = int(np.flatnonzero(~np.isin(first, KEYS))[0])
+    assert lines[miss] == f"key:{first[miss]} miss"
+
+    # a reader that stops reading (`cube-cli --print_output | head -1`): no traceback
+    command = [sys.executable, "-m", "cube.client.cli", *map(str, args), "--print_output"]
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
+    ) as reader:
+        assert reader.stdout.readline().startswith("key:")
+        reader.stdout.close()
+        err = reader.stderr.read()
+        assert reader.wait(timeout=60) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_cube_cli_prints_a_miss_apart_from_an_empty_value():
+    column = ValueColumn.from_list([b"", b"\x01\x02", b""])
+    result = SeekResult(np.array([5, 6, 7], np.uint64), np.array([True, True, False]), column, "1")
+    assert cli.format_batch(result) == "key:5 value:\nkey:6 value:0102\nkey:7 miss\n"
 
 
 def test_cube_cli_errors(tmp_path, capsys):
@@ -581,7 +602,11 @@ def test_cube_cli_errors(tmp_path, capsys):
     dead = conf_file(tmp_path, [conf_entry("ipport", [{"ip": "127.0.0.1", "port": 9}], 1)])
     code, out = run("--config_file", dead, "--keys", keys_file, "--requests", 2, "--retry", 0)
     assert code == 1 and "requests 2 (failed 2)" in out.out
-    assert "shard 0 failed" in out.err
+    assert "latency" not in out.out  # no figures from failures
+    assert "shard 0 failed on 1 tries; last: 127.0.0.1:9" in out.err
+    assert ".result" not in out.err  # CLI words, not the SDK's attribute names
+    code, out = run("--config_file", dead, "--keys", keys_file, "--timeout", 0)
+    assert code == 2 and "--timeout must be >= 1 (ms)" in out.err
 
 
 @pytest.mark.parametrize("args", [(), ("--allow_empty",)])

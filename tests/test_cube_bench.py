@@ -244,7 +244,13 @@ def _started_pids(output: str) -> list[int]:
 
 
 def test_unknown_target_and_bad_flags_exit_2():
-    for args in (["--targets", "mongodb"], ["--batch", "0"], ["--threads", "1,x"]):
+    settings = (
+        ["--targets", "mongodb"],
+        ["--batch", "0"],
+        ["--threads", "1,x"],
+        ["--keys", "100", "--batch", "1000"],  # every request would repeat keys
+    )
+    for args in settings:
         proc = subprocess.run(
             [str(CUBE_BENCH), *args], capture_output=True, text=True, timeout=60, check=False
         )

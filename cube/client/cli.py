@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from cube.client._core import PROTOCOLS, SeekResult
-from cube.client.errors import CubeError
+from cube.client.errors import CubeError, ShardUnavailableError
 from cube.client.sync import CubeClient
 from cube.flags import FlagError, FlagSet, run_cli
 
@@ -63,29 +63,48 @@ def read_keys(path: str) -> np.ndarray:
     raise FlagError(f"--keys {path}: cannot read keys")
 
 
-def summarize(latencies_us: np.ndarray, keys_per_request: int, wall_s: float, errors: int) -> str:
-    """The report: request/key counts, latency avg and percentiles (µs), QPS over all threads."""
+def summarize(
+    latencies_us: np.ndarray, failed: np.ndarray, keys_per_request: int, wall_s: float
+) -> str:
+    """The report: request counts, latency avg and percentiles (µs) of the requests that
+    succeeded (none when all failed), requests/s over all threads and keys/s answered."""
     count = int(latencies_us.shape[0])
+    errors = int(failed.sum())
     lines = [f"requests {count} (failed {errors}), wall {wall_s:.3f} s"]
-    if count:
-        marks = np.percentile(latencies_us, PERCENTILES)
-        parts = [f"avg {latencies_us.mean():.0f}"] + [
+    succeeded = latencies_us[~failed]
+    if succeeded.shape[0]:
+        marks = np.percentile(succeeded, PERCENTILES)
+        parts = [f"avg {succeeded.mean():.0f}"] + [
             f"p{p:g} {v:.0f}" for p, v in zip(PERCENTILES, marks, strict=True)
         ]
-        parts.append(f"max {latencies_us.max():.0f}")
+        parts.append(f"max {succeeded.max():.0f}")
         lines.append("latency us: " + " ".join(parts))
-    ok = count - errors
     qps = count / wall_s if wall_s > 0 else 0.0
-    keys_s = ok * keys_per_request / wall_s if wall_s > 0 else 0.0
-    lines.append(f"qps {qps:.1f} requests/s, {keys_s:.0f} keys/s")
+    keys_s = succeeded.shape[0] * keys_per_request / wall_s if wall_s > 0 else 0.0
+    lines.append(f"qps {qps:.1f} requests/s, {keys_s:.0f} keys/s answered")
     return "\n".join(lines)
 
 
-def _format_batch(result: SeekResult) -> str:
+def format_batch(result: SeekResult) -> str:
+    """--print_output lines: `key:K value:HEX` for a hit (an empty value prints `value:`),
+    `key:K miss` for a key the dict does not hold."""
     lines = []
     for key, value in zip(result.keys.tolist(), result.values, strict=True):
-        lines.append(f"key:{key} value:{value.hex().upper() if value is not None else ''}")
+        shown = "miss" if value is None else f"value:{value.hex().upper()}"
+        lines.append(f"key:{key} {shown}")
     return "\n".join(lines) + "\n"
+
+
+def describe_failure(exc: CubeError) -> str:
+    """A failed request in the CLI's words: for an unavailable shard, how many tries and the
+    last error, rather than the SDK's full attempt list."""
+    if isinstance(exc, ShardUnavailableError):
+        parts = []
+        for shard, attempts in exc.failures.items():
+            last = f"; last: {attempts[-1]!r}" if attempts else ""
+            parts.append(f"shard {shard} failed on {len(attempts)} tries{last}")
+        return "; ".join(parts)
+    return str(exc)
 
 
 def run(argv: Sequence[str]) -> int:
@@ -93,6 +112,10 @@ def run(argv: Sequence[str]) -> int:
     for name in ("batch", "thread_num", "requests"):
         if flags[name] < 1:
             raise FlagError(f"--{name} must be >= 1, got {flags[name]}")
+    if flags.timeout is not None and flags.timeout < 1:
+        raise FlagError(f"--timeout must be >= 1 (ms), got {flags.timeout}")
+    if flags.retry is not None and flags.retry < 0:
+        raise FlagError(f"--retry must be >= 0, got {flags.retry}")
     keys = read_keys(flags["keys"])  # flags.keys is dict.keys
     overrides = {"protocol": flags.protocol}
     if flags.timeout is not None:
@@ -106,29 +129,37 @@ def run(argv: Sequence[str]) -> int:
         return 2
     batch, per_thread = flags.batch, flags.requests
     latencies = np.zeros((flags.thread_num, per_thread), dtype=np.float64)
-    failures = [0] * flags.thread_num
+    failed = np.zeros((flags.thread_num, per_thread), dtype=bool)
     print_lock = threading.Lock()
     first_error: list[str] = []
+    output_closed = threading.Event()  # `cube-cli --print_output | head`: stop, quietly
 
     def worker(thread: int) -> None:
         offset = thread * batch * per_thread
         window = np.arange(batch, dtype=np.int64)
         for request in range(per_thread):
+            if output_closed.is_set():
+                return
             batch_keys = keys[(offset + request * batch + window) % keys.shape[0]]
             started = time.perf_counter()
             try:
                 result = client.seek(batch_keys)
             except CubeError as exc:
                 latencies[thread, request] = (time.perf_counter() - started) * 1e6
-                failures[thread] += 1
+                failed[thread, request] = True
                 if not first_error:
-                    first_error.append(str(exc))
+                    first_error.append(describe_failure(exc))
                 continue
             latencies[thread, request] = (time.perf_counter() - started) * 1e6
             if flags.print_output:
-                text = _format_batch(result)
+                text = format_batch(result)
                 with print_lock:
-                    sys.stdout.write(text)
+                    try:
+                        sys.stdout.write(text)
+                        sys.stdout.flush()
+                    except BrokenPipeError:
+                        output_closed.set()
+                        return
 
     with client:
         client.wait_ready(timeout_s=1.0)  # warm-up only: dead replicas show up as errors
@@ -139,12 +170,14 @@ def run(argv: Sequence[str]) -> int:
         for thread in threads:
             thread.join()
         wall = time.perf_counter() - started
-    errors = sum(failures)
+    if output_closed.is_set():
+        raise BrokenPipeError  # the reader is gone: no report to write (see run_cli)
+    errors = int(failed.sum())
     print(
         f"cube-cli: dict {client.dict_name!r}, {client.shard_num} shards, batch {batch},"
         f" {flags.thread_num} threads x {per_thread} requests"
     )
-    print(summarize(latencies.reshape(-1), batch, wall, errors))
+    print(summarize(latencies.reshape(-1), failed.reshape(-1), batch, wall))
     if errors:
         print(f"error: {errors} requests failed; first: {first_error[0]}", file=sys.stderr)
         return 1
