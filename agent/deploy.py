@@ -171,10 +171,15 @@ class Agent:
             "tasks": [t.to_json() for t in self.tasks.all()],
         }
 
-    async def _still_done(self, task: Task) -> bool:
-        """Whether a succeeded task's effect is still there (else a repeat re-runs it)."""
+    async def _still_done(self, task: Task, request: dict[str, Any]) -> bool:
+        """Whether a succeeded task's effect is still there and is what `request`, a repeat
+        of it, asks for (else the repeat re-runs it: a download of another tar under the
+        same version name then fails, loudly, instead of answering the old success)."""
         if task.command == "download":
             version = task.version
+            asked, done = request.get("md5"), task.request.get("md5")
+            if asked and done and asked != done:
+                return False
             return self.layout.version_dir(version).is_dir() and not await self._damaged(version)
         st, _ = await self.server_status()
         if st is None:

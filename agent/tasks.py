@@ -96,7 +96,7 @@ class TaskManager:
         journal: Journal,
         runners: dict[str, Runner],
         exclusive: set[str],
-        still_done: Callable[[Task], Awaitable[bool]],
+        still_done: Callable[[Task, dict[str, Any]], Awaitable[bool]],
         expected_errors: tuple[type[BaseException], ...] = (),
     ) -> None:
         self.journal = journal
@@ -151,7 +151,7 @@ class TaskManager:
             if (
                 existing is not None
                 and existing.state == SUCCEEDED
-                and await self.still_done(existing)
+                and await self.still_done(existing, request)
             ):
                 return existing
             task = Task(command, version, request, runs=existing.runs + 1 if existing else 1)

@@ -38,13 +38,21 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def require_token(what: str, host: str, token: str, insecure: bool, token_flag: str) -> None:
-    """Refuse to expose a control plane without a token: `what` listens on `host`."""
+def require_token(
+    what: str,
+    host: str,
+    token: str,
+    insecure: bool,
+    token_flag: str,
+    insecure_flag: str = "pass --insecure",
+) -> None:
+    """Refuse to expose a control plane without a token: `what` listens on `host`.
+    `token_flag` and `insecure_flag` say how this command takes a token or runs without."""
     if token or insecure or is_loopback(host):
         return
     raise SecurityError(
         f"{what} would listen on {host or 'every interface'} without a token: anyone who can"
-        f" reach it could command it. Set {token_flag}, or bind 127.0.0.1, or pass --insecure"
+        f" reach it could command it. Set {token_flag}, or bind 127.0.0.1, or {insecure_flag}"
         " to run without one (docs/SECURITY.md)"
     )
 

@@ -102,6 +102,20 @@ def test_base_then_delta_with_chain_and_idempotent_repeats(env):
     assert {(t["command"], t["version"]) for t in status["tasks"]} >= {("enable", DELTA1)}
 
 
+def test_another_tar_under_a_placed_version_name_fails_loudly(env):
+    """A repeat of a succeeded download is answered from the task only when it asks for the
+    same tar: another build under the same version name fails, and the placed one stays."""
+    agent = env.agent()
+    first = tar_for(env, "b1", seed=1)
+    assert agent.run("download", BASE, **first)["state"] == "succeeded"
+    assert agent.run("download", BASE, **first)["runs"] == 1  # the same tar: already done
+    placed = (env.data / BASE / "data.cube").read_bytes()
+    other = tar_for(env, "b2", seed=2)
+    task = agent.run("download", BASE, **other)
+    assert task["state"] == "failed" and "deployed only once" in task["message"], task
+    assert (env.data / BASE / "data.cube").read_bytes() == placed
+
+
 def test_original_style_version_pair_and_builder_dir_names(env):
     agent = env.agent()
     src = tar_for(env, "b", seed=3)

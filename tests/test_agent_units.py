@@ -510,7 +510,7 @@ def test_task_rules(tmp_path):
             runs.append(task.command)
             raise TaskFailed("no luck")
 
-        async def still_done(task):
+        async def still_done(task, request):
             return True
 
         manager = TaskManager(

@@ -607,6 +607,12 @@ def test_cube_cli_errors(tmp_path, capsys):
     assert ".result" not in out.err  # CLI words, not the SDK's attribute names
     code, out = run("--config_file", dead, "--keys", keys_file, "--timeout", 0)
     assert code == 2 and "--timeout must be >= 1 (ms)" in out.err
+    node = [{"ip": "127.0.0.1", "port": 9}]
+    two = conf_file(
+        tmp_path, [conf_entry("ipport", node, 1), conf_entry("ipport", node, 1, dict_name="b")]
+    )
+    code, out = run("--config_file", two, "--keys", keys_file)
+    assert code == 2 and "defines 2 dicts (test_dict, b); pass --dict" in out.err
 
 
 @pytest.mark.parametrize("args", [(), ("--allow_empty",)])

@@ -140,6 +140,10 @@ def test_config_shrink_guard_keys(tmp_path):
         (("agent0_0: 127.0.0.1:8001", "agent0_0: localhost"), "expected ip:port"),
         (("agent0_0: 127.0.0.1:8001", "agent5_0: 127.0.0.1:8001"), "outside shard_num=2"),
         (("dict_name: test_dict", "dict_name: ../x"), "not a plain name"),
+        (
+            ("wget_port: 8009", "wget_port: 8009\nwget_prot: 1"),
+            "unknown key 'wget_prot'; did you mean wget_port?",
+        ),
         (("wget_port: 8009", "wget_port: 8009\nwget_port: 1"), "repeats line"),
         (("[default]", "[default"), "bad section header"),
         (("wget_port: 8009   # inline comment", "just words"), "expected 'key: value'"),
@@ -148,6 +152,19 @@ def test_config_shrink_guard_keys(tmp_path):
 def test_config_errors_name_the_place(tmp_path, change, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         parse_config(CONF.replace(*change), "t.conf", tmp_path)
+
+
+def test_config_keeps_keys_it_does_not_use_but_says_so(tmp_path, caplog):
+    """Keys of the original's configs that cube-transfer does not use are kept (written back
+    by render_config) and logged, so a config carries over; a near miss of a key it uses is
+    an error (above), since it would silently leave the default in place."""
+    cfg = parse_config(
+        CONF.replace("wget_port: 8009", "wget_port: 8009\nstorage_place: LOCAL"), "t.conf", tmp_path
+    )
+    assert cfg.extra == {"storage_place": "LOCAL"}
+    assert (
+        "t.conf:" in caplog.text and "'storage_place' is not one cube-transfer uses" in caplog.text
+    )
 
 
 def test_config_requires_the_essentials(tmp_path):

@@ -40,6 +40,8 @@ Parsing is pure (text in, config out); errors name the file, line and key.
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 import re
 from collections.abc import Callable
@@ -47,6 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cube.routing import PARTITIONERS
+
+log = logging.getLogger("cube.transfer")
 
 MODES = ("base_only", "base_delta")
 DOWNLOAD_MODES = ("http", "ftp")
@@ -253,6 +257,12 @@ def parse_config(
         "agent_token", "api_token", "verify_output", "history_limit", "max_shrink",
         "allow_empty_base", "insecure", "tls_cert", "tls_key", "agent_tls_ca",
     }  # fmt: skip
+    for key, (_value, line) in default.items():
+        close = [] if key in known else difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+        if close:  # a typo would silently leave the default in place
+            raise ConfigError(f"{source}:{line}: unknown key {key!r}; did you mean {close[0]}?")
+        if key not in known:
+            log.warning("%s:%d: key %r is not one cube-transfer uses (ignored)", source, line, key)
     transfer_address = text_of("transfer_address", "127.0.0.1")
     return TransferConfig(
         dict_name=dict_name,

@@ -108,6 +108,7 @@ def run(argv: Sequence[str]) -> int:
             cfg.api_token,
             cfg.insecure,
             f"api_token in {flags.config} (or env CUBE_API_TOKEN)",
+            f"set insecure: true in {flags.config}",
         )
         TLSFiles(cfg.tls_cert, cfg.tls_key, cfg.agent_tls_ca).check("tls_cert/tls_key")
     except (ConfigError, SecurityError) as exc:

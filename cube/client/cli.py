@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from cube.client._core import PROTOCOLS, SeekResult
-from cube.client.errors import CubeError, ShardUnavailableError
+from cube.client.errors import CubeError, DictNotChosenError, ShardUnavailableError
 from cube.client.sync import CubeClient
 from cube.flags import FlagError, FlagSet, run_cli
 
@@ -124,6 +124,9 @@ def run(argv: Sequence[str]) -> int:
         overrides["retry"] = flags.retry
     try:
         client = CubeClient.from_conf(flags.config_file, flags.dict or None, **overrides)
+    except DictNotChosenError as exc:
+        print(f"error: {DictNotChosenError(exc.source, exc.names, 'pass --dict')}", file=sys.stderr)
+        return 2
     except CubeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

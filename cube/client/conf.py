@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from cube.client._policy import LOAD_BALANCERS
-from cube.client.errors import ConfError
+from cube.client.errors import ConfError, DictNotChosenError
 from cube.routing import PARTITIONERS
 
 TYPES = ("ipport", "ipport_list", "ipport_parallel")
@@ -78,10 +78,7 @@ def parse_conf(data: Any, dict_name: str | None = None, source: str = "cube.conf
     confs = parse_all(data, source)
     if dict_name is None:
         if len(confs) > 1:
-            raise ConfError(
-                f"{source} defines {len(confs)} dicts "
-                f"({', '.join(c.dict_name for c in confs)}); pass dict_name"
-            )
+            raise DictNotChosenError(source, [c.dict_name for c in confs])
         return confs[0]
     for conf in confs:
         if conf.dict_name == dict_name:

@@ -18,6 +18,14 @@ class ConfError(CubeError, ValueError):
     """A bad cube.conf or client argument; the message names the file, dict and field."""
 
 
+class DictNotChosenError(ConfError):
+    """The cube.conf defines several dicts and none was named; `names` lists them."""
+
+    def __init__(self, source: str, names: list[str], how: str = "pass dict_name") -> None:
+        self.source, self.names = source, names
+        super().__init__(f"{source} defines {len(names)} dicts ({', '.join(names)}); {how}")
+
+
 class ConfigMismatchError(ConfError):
     """A server holds other keys than the client's configuration routes to it (wrong shard
     order, shard count, partitioner or dict): found on first contact, or refused by the
