@@ -63,6 +63,17 @@ class ConfigError(ValueError):
     """A transfer.conf that cannot be used; the message names the place."""
 
 
+# The keys of [default] cube-transfer reads (docs/reference/transfer-conf.md lists each).
+DEFAULT_KEYS = frozenset({
+    "dict_name", "mode", "download_mode", "wget_port", "buildtool_local", "donefile_address",
+    "output_address", "tmp_address", "shard_num", "copy_num", "transfer_address",
+    "deploy_path", "listen", "quorum", "phase_timeout", "download_timeout", "reload_timeout",
+    "enable_timeout", "build_timeout", "fetch_timeout", "retries", "partitioner",
+    "agent_token", "api_token", "verify_output", "history_limit", "max_shrink",
+    "allow_empty_base", "insecure", "tls_cert", "tls_key", "agent_tls_ca",
+})  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Instance:
     """One replica of one shard: a cube-server and the cube-agent beside it."""
@@ -249,20 +260,13 @@ def parse_config(
     donefile = text_of("donefile_address")
     if "://" not in donefile:
         donefile = str(path_of("donefile_address"))
-    known = {
-        "dict_name", "mode", "download_mode", "wget_port", "buildtool_local", "donefile_address",
-        "output_address", "tmp_address", "shard_num", "copy_num", "transfer_address",
-        "deploy_path", "listen", "quorum", "phase_timeout", "download_timeout", "reload_timeout",
-        "enable_timeout", "build_timeout", "fetch_timeout", "retries", "partitioner",
-        "agent_token", "api_token", "verify_output", "history_limit", "max_shrink",
-        "allow_empty_base", "insecure", "tls_cert", "tls_key", "agent_tls_ca",
-    }  # fmt: skip
     for key, (_value, line) in default.items():
-        close = [] if key in known else difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+        if key in DEFAULT_KEYS:
+            continue
+        close = difflib.get_close_matches(key, DEFAULT_KEYS, n=1, cutoff=0.8)
         if close:  # a typo would silently leave the default in place
             raise ConfigError(f"{source}:{line}: unknown key {key!r}; did you mean {close[0]}?")
-        if key not in known:
-            log.warning("%s:%d: key %r is not one cube-transfer uses (ignored)", source, line, key)
+        log.warning("%s:%d: key %r is not one cube-transfer uses (ignored)", source, line, key)
     transfer_address = text_of("transfer_address", "127.0.0.1")
     return TransferConfig(
         dict_name=dict_name,
@@ -298,7 +302,7 @@ def parse_config(
         history_limit=int_of("history_limit", 500, low=10, high=100000),
         max_shrink=fraction_of("max_shrink", 0.5),
         allow_empty_base=bool_of("allow_empty_base", False),
-        extra={k: v for k, (v, _) in default.items() if k not in known},
+        extra={k: v for k, (v, _) in default.items() if k not in DEFAULT_KEYS},
     )
 
 

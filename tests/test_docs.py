@@ -1,0 +1,61 @@
+"""The documentation keeps up with the code: every relative link resolves, and the reference
+pages name every transfer.conf key, agent flag and command, and HTTP route the code has."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from cube.agent.api import make_app as agent_app
+from cube.agent.main import flag_set as agent_flags
+from cube.protocol import COMMANDS
+from cube.transfer.config import DEFAULT_KEYS, parse_config
+from cube.transfer.http_api import build_api
+
+REPO = Path(__file__).resolve().parent.parent
+PAGES = sorted([REPO / "README.md", *REPO.glob("docs/**/*.md"), *REPO.glob("bench/*.md")])
+REFERENCE = REPO / "docs" / "reference"
+LINK = re.compile(r"\]\(([^)#\s]+)(#[^)\s]*)?\)")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_relative_links_resolve(page):
+    for target, _anchor in LINK.findall(page.read_text()):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        assert (page.parent / target).exists(), f"{page.relative_to(REPO)}: broken link {target}"
+
+
+def test_every_transfer_conf_key_is_documented():
+    text = (REFERENCE / "transfer-conf.md").read_text()
+    missing = [key for key in sorted(DEFAULT_KEYS) if f"`{key}`" not in text]
+    assert not missing, f"docs/reference/transfer-conf.md lacks {missing}"
+
+
+def test_every_agent_flag_and_command_is_documented():
+    text = (REFERENCE / "agent-api.md").read_text()
+    missing = [f"--{name}" for name in agent_flags().flags if f"--{name}" not in text]
+    missing += [command for command in COMMANDS if f"`{command}`" not in text]
+    assert not missing, f"docs/reference/agent-api.md lacks {missing}"
+
+
+def _routes(app) -> set[str]:
+    paths = {route.resource.canonical for route in app.router.routes() if route.resource}
+    return {path for path in paths if path.startswith(("/agent", "/dict", "/instance"))}
+
+
+def test_every_http_route_is_documented(tmp_path):
+    conf = "[default]\ndict_name: d\nwget_port: 0\nshard_num: 1\n"
+    conf += f"donefile_address: {tmp_path}\noutput_address: {tmp_path}\ntmp_address: {tmp_path}\n"
+    conf += "[cube_agent]\nagent0_0: 127.0.0.1:1\ncube0_0: 127.0.0.1:2:/d\n"
+    service = SimpleNamespace(cfg=parse_config(conf, "t.conf", tmp_path))
+    transfer_routes, agent_routes = _routes(build_api(service)), _routes(agent_app(None))
+    assert len(transfer_routes) >= 6 and len(agent_routes) == 2  # the routes were found
+    transfer = (REFERENCE / "transfer-api.md").read_text()
+    missing = [path for path in sorted(transfer_routes) if path not in transfer]
+    agent = (REFERENCE / "agent-api.md").read_text()
+    missing += [path for path in sorted(agent_routes) if path not in agent]
+    assert not missing, f"the HTTP reference pages lack {missing}"
