@@ -46,7 +46,7 @@ quick: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/cube-demo
 
-# Microbenchmarks, then Cube against Redis and memcached on the seed's workload
+# Microbenchmarks, then Cube against Redis and memcached on the reference workload (bench/README.md)
 # (about 6 minutes on 2 cores; run on an otherwise idle machine).
 bench: $(STAMP) debs
 	$(BIN)/pytest bench -q --benchmark-enable --benchmark-only --benchmark-columns=min,median,mean,max,rounds

@@ -52,8 +52,8 @@ def flag_set() -> FlagSet:
         "server",
         str,
         "127.0.0.1:9000",
-        "the cube-server's control address (its --control_host:--control_port; by default"
-        " --port + 1000)",
+        "the cube-server's control address: its --control_host:--control_port (a server's"
+        " control port is its --port + 1000 unless set)",
     )
     fs.add(
         "server_token",
