@@ -628,6 +628,35 @@ def test_an_empty_base_from_the_real_builder_is_refused_and_the_live_version_sta
     run(body())
 
 
+def test_a_version_published_again_after_a_failed_rollout_ships_the_same_tars(tmp_path):
+    """Agents that downloaded a version keep it: when its line is published again after the
+    rollout failed, the transfer deploys the build it kept, not a new build under the same
+    name (which those agents would refuse: a version name is deployed once)."""
+    from cube.transfer.local import command
+
+    async def body():
+        async with harness(tmp_path, 1, 2, builder=command("cube-builder")) as h:
+            write_table(h.tmp / "input" / B1, 200)
+            line = {"id": B1, "key": B1, "input": str(h.tmp / "input" / B1)}
+            h.agents[0][1].behavior = lambda cmd, v: "disk full" if cmd == "reload" else None
+            append_line(h.donefile, "base.txt", line)
+            await h.service.cycle()
+            assert h.service.state.record(B1).status == "failed"
+            kept = Path(h.service.state.record(B1).output)
+            assert kept.is_dir()  # downloaded by agents: not pruned
+            h.agents[0][1].behavior = None
+            append_line(h.donefile, "base.txt", line)
+            await h.service.cycle()
+            assert versions(h) == [B1, B1] and h.service.state.record(B1).status == "finished"
+            md5s = {
+                r["md5"] for a in h.flat for r in a.received
+                if r.get("command") == "download" and r.get("version") == B1
+            }  # fmt: skip
+            assert len(md5s) == 1, md5s  # the first build's tar, both times
+
+    run(body())
+
+
 def test_a_base_that_shrinks_the_table_too_much_is_refused(tmp_path):
     b3, b4, b5 = "1700000600", "1700000700", "1700000800"
 

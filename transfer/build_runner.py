@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -40,12 +41,15 @@ class BuildRunner:
     def output_dir(self, rec: VersionRecord) -> Path:
         return self.cfg.output_address / output_dir_name(rec.depend, rec.id)
 
-    async def build(self, rec: VersionRecord) -> None:
+    async def build(self, rec: VersionRecord, reuse: bool = False) -> None:
         """Build `rec` into `output_dir(rec)` and record its shards (md5, size, counts) and
-        metas in it. BuildFailed when the input is unavailable, the builder fails or times
-        out, or its output is not deployable."""
+        metas in it; with `reuse`, take the build already there when it is complete and of
+        this config (`_reuse`). BuildFailed when the input is unavailable, the builder fails
+        or times out, or its output is not deployable."""
         cfg = self.cfg
         out_dir = self.output_dir(rec)
+        if reuse and await asyncio.to_thread(self._reuse, rec, out_dir):
+            return
         await asyncio.to_thread(shutil.rmtree, out_dir, ignore_errors=True)
         mirror = self.mirror_root / f"{cfg.dict_name}_{rec.version}"
         try:
@@ -77,14 +81,47 @@ class BuildRunner:
             raise BuildFailed(str(exc)) from exc
         finally:
             await asyncio.to_thread(_remove_mirrors, self.mirror_root, mirror.name)
+        metas = await asyncio.to_thread(
+            builds.read_meta_infos, cfg.output_address, rec.id, rec.depend, range(cfg.shard_num)
+        )
+        self._record(rec, shards, metas)
+
+    def _record(
+        self, rec: VersionRecord, shards: list[builds.ShardOutput], metas: dict[str, str]
+    ) -> None:
         rec.shards = {
             str(s.shard): {"md5": s.md5, "size": s.size, "records": s.records, "deleted": s.deleted}
             for s in shards
         }
-        metas = await asyncio.to_thread(
-            builds.read_meta_infos, cfg.output_address, rec.id, rec.depend, range(cfg.shard_num)
-        )
         rec.meta_infos.update(metas)
+
+    def _reuse(self, rec: VersionRecord, out_dir: Path) -> bool:
+        """Take the earlier build of this version (published again after a rollout that
+        failed once agents had downloaded it): every replica must get the same tars, and an
+        agent refuses another tar under a name it has placed. True when reused: its tars
+        verify and its metas say this dict's shard count and partitioner. Blocking."""
+        cfg = self.cfg
+        if not out_dir.is_dir():
+            return False
+        try:
+            shards = builds.check_outputs(out_dir, cfg.dict_name, cfg.shard_num, verify=True)
+        except builds.BuildError as exc:
+            log.info("version %s: not reusing %s (%s); building again", rec.version, out_dir, exc)
+            return False
+        metas = builds.read_meta_infos(cfg.output_address, rec.id, rec.depend, range(cfg.shard_num))
+        for shard in shards:
+            meta = json.loads(metas.get(str(shard.shard), "{}"))
+            same = (
+                meta.get("md5") == shard.md5
+                and meta.get("shard_num") == cfg.shard_num
+                and meta.get("partitioner") == cfg.partitioner
+            )
+            if not same:
+                log.info("version %s: %s is another config's build", rec.version, out_dir)
+                return False
+        log.info("version %s: reusing its build in %s", rec.version, out_dir)
+        self._record(rec, shards, metas)
+        return True
 
     async def count_records(self, rec: VersionRecord) -> None:
         """Fill in the record counts of a version built before counts were kept (a journal

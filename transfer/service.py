@@ -282,8 +282,14 @@ class TransferService:
         rec.times["build_start"] = now()
         rec.output = str(self.builder.output_dir(rec))
         await self.save()
+        # published again after a rollout that failed once agents had downloaded it: the
+        # same tars again (a version name is built once), when the build is still there
+        downloaded = any(
+            r.version == rec.version and r is not rec and "downloaded" in r.times
+            for r in self.state.history
+        )
         try:
-            await self.builder.build(rec)
+            await self.builder.build(rec, reuse=downloaded)
         except BuildFailed as exc:
             raise _Abort(str(exc)) from exc
         rec.times["built"] = now()
@@ -545,6 +551,13 @@ class TransferService:
         dep = self.state.deployment
         if dep and (rec := self.state.record(dep.version)) and rec.output:
             keep.add(Path(rec.output).name)
+        # failed after agents downloaded them: kept to be deployed again as they are
+        downloaded = [
+            r
+            for r in self.state.history
+            if r.status == VersionStatus.FAILED and "downloaded" in r.times and r.output
+        ]
+        keep.update(Path(r.output).name for r in downloaded[-self.keep_outputs :])
         await asyncio.to_thread(_remove_outputs, self.cfg.output_address, keep)
 
     # -- queries used by the HTTP API (arguments validated there) -------------------------------
