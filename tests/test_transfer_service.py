@@ -923,3 +923,25 @@ def test_a_catch_up_reload_refused_as_corrupt_is_repaired_by_a_new_download(tmp_
             assert h.service.state.instances["0_1"].catch_up_failures == 0
 
     run(body())
+
+
+def test_a_rollback_waiting_for_the_lock_sees_a_deployment_that_began_meanwhile(tmp_path):
+    from cube.transfer.service import Busy
+
+    async def body():
+        async with harness(tmp_path, 1, 1) as h:
+            await roll_out(h, B1)
+            await roll_out(h, B2)
+            await h.service.lock.acquire()  # a cycle holds it
+            waiting = asyncio.create_task(h.service.rollback(B1, lock_timeout=10))
+            await asyncio.sleep(0.05)
+            assert not waiting.done()
+            started = Deployment(kind="deploy", version="1700000900", phase="build")
+            h.service.state.deployment = started
+            h.service.lock.release()
+            with pytest.raises(Busy, match="deploy of 1700000900"):
+                await waiting
+            assert h.service.state.deployment.version == "1700000900"  # not overwritten
+            h.service.state.deployment = None
+
+    run(body())

@@ -440,16 +440,20 @@ class TransferService:
         return f"; the {len(switched)} switched instances are back on {prev.version}"
 
     # -- rollback ----------------------------------------------------------------------------
-    async def rollback(self, version: str, lock_timeout: float = 30.0) -> VersionRecord:
-        """Make `version` (an earlier live version, still on the agents' disks) live again."""
+    def _refuse_during_a_deployment(self) -> None:
         dep = self.state.deployment
         if dep is not None:
             raise Busy(f"busy: {dep.kind} of {dep.version} (phase {dep.phase}); try again later")
+
+    async def rollback(self, version: str, lock_timeout: float = 30.0) -> VersionRecord:
+        """Make `version` (an earlier live version, still on the agents' disks) live again."""
+        self._refuse_during_a_deployment()  # at once, without waiting for the lock
         try:  # the worker may hold the lock for a status round or a catch-up: wait a little
             await asyncio.wait_for(self.lock.acquire(), timeout=lock_timeout)
         except TimeoutError:
             raise Busy(f"busy for more than {lock_timeout:g}s; try again later") from None
         try:
+            self._refuse_during_a_deployment()  # one may have begun while we waited
             target = self.state.record(version)
             if target is None or target.status != VersionStatus.FINISHED:
                 raise ValueError(f"version {version!r} was never live here; cannot roll back to it")
