@@ -19,7 +19,6 @@ across threads is the shard reference count, guarded by a lock.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import re
@@ -284,7 +283,9 @@ def lock_in_memory(shard: Shard) -> bool:
     """Best effort mlock of a shard's mapped sections (`--in_mem true`); False if refused."""
     global _libc
     if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        # the symbols already in the process (libc among them): find_library would spawn
+        # `ldconfig -p`, a child process a PID count or a CPU meter would catch
+        _libc = ctypes.CDLL(None, use_errno=True)
     arrays = [shard.table.slot_keys, shard.table.bucket_rows, shard.values.blob]
     ok = True
     for array in arrays:
