@@ -1,0 +1,619 @@
+"""A Kubernetes node on this machine, for tests: it runs the objects `helm template` rendered,
+one network namespace per pod, so that what crosses a network really does.
+
+- **Network**: a bridge with a gateway address in the root namespace; each pod (and each
+  client namespace a test asks for) gets a network namespace, a veth on the bridge and its
+  own IP. `cut(pod)` takes the pod's link down; `heal(pod)` brings it back.
+- **DNS**: `/etc/netns/<ns>/hosts` (which `ip netns exec` binds over `/etc/hosts`) names every
+  pod as the cluster DNS would for headless Services:
+  `<pod>.<service>.<namespace>.svc.cluster.local` and `<service>.<namespace>.svc.cluster.local`.
+- **Volumes**: each container runs in a mount namespace of its own, with its volumes bound at
+  their `mountPath`s (emptyDir and volumeClaimTemplates: directories of the pod; configMap:
+  the rendered files; hostPath: the path), the root file system read-only when the container
+  asks for it, and the user of `runAsUser` (through setpriv).
+- **Containers** run the rendered command, args and env (secretKeyRef resolved from the
+  rendered Secret); the venv's console scripts stand in for the image's.
+- **Kubelet**: a thread runs the startup, readiness and liveness probes (tcpSocket, grpc) from
+  the root namespace, as a kubelet does from the node, and restarts a container that exits or
+  fails its liveness probe (restartPolicy Always), with a short backoff.
+
+Needs root, iproute2 and util-linux (unshare, setpriv); `require_root_network()` says why not
+when they are missing. Every namespace, link, process and directory it made is removed by
+`close()`, by name and PID.
+
+    with SimNode(docs, workdir) as node:
+        node.start()
+        node.wait_ready(timeout=60)
+        client = node.namespace("client")
+        client.run([python, "-c", "..."])
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import itertools
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cube.processes import poll_until
+
+BIN = Path(sys.executable).parent  # the venv's console scripts stand in for the image's
+_RUNS = itertools.count()
+
+
+def require_root_network() -> str:
+    """Why this machine cannot run a SimNode ("" when it can)."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, mounts)"
+    for tool in ("ip", "unshare", "setpriv", "mount"):
+        if shutil.which(tool) is None:
+            return f"needs {tool} (iproute2, util-linux)"
+    return ""
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=check)
+
+
+# ---------------------------------------------------------------------------------------------
+# the rendered objects, as pods
+
+
+@dataclass
+class ContainerSpec:
+    name: str
+    command: list[str]
+    env: dict[str, str]
+    ports: dict[str, int]  # name -> containerPort
+    mounts: list[tuple[str, str, bool]]  # (volume, mountPath, readOnly)
+    probes: dict[str, dict[str, Any]]  # startupProbe / readinessProbe / livenessProbe
+    read_only_root: bool
+    user: int | None
+
+
+@dataclass
+class PodSpec:
+    name: str
+    namespace: str
+    labels: dict[str, str]
+    subdomain: str  # the headless Service of its StatefulSet
+    containers: list[ContainerSpec]
+    volumes: dict[str, dict[str, Any]]  # name -> volume source ({} for a claim template)
+    grace: float
+    fs_group: int | None
+
+
+def _secrets(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    return {
+        d["metadata"]["name"]: {
+            k: base64.b64decode(v).decode() for k, v in (d.get("data") or {}).items()
+        }
+        for d in docs
+        if d["kind"] == "Secret"
+    }
+
+
+def _container(
+    spec: dict[str, Any], secrets: dict[str, dict[str, str]], pod_sc: dict
+) -> ContainerSpec:
+    env = {}
+    for entry in spec.get("env") or []:
+        if "value" in entry:
+            env[entry["name"]] = entry["value"]
+        else:
+            ref = entry["valueFrom"]["secretKeyRef"]
+            env[entry["name"]] = secrets[ref["name"]][ref["key"]]
+    security = spec.get("securityContext") or {}
+    user = security.get("runAsUser", pod_sc.get("runAsUser"))
+    return ContainerSpec(
+        name=spec["name"],
+        command=[*spec.get("command", []), *spec.get("args", [])],
+        env=env,
+        ports={
+            p.get("name", str(p["containerPort"])): p["containerPort"]
+            for p in spec.get("ports") or []
+        },
+        mounts=[
+            (m["name"], m["mountPath"], bool(m.get("readOnly")))
+            for m in spec.get("volumeMounts") or []
+        ],
+        probes={
+            k: spec[k] for k in ("startupProbe", "readinessProbe", "livenessProbe") if k in spec
+        },
+        read_only_root=bool(security.get("readOnlyRootFilesystem")),
+        user=user,
+    )
+
+
+def pods_of(docs: list[dict[str, Any]], include_tests: bool = False) -> list[PodSpec]:
+    """The pods the objects ask for: each StatefulSet's replicas `<name>-<i>`, and bare Pods
+    (`helm test` hooks only with `include_tests`)."""
+    secrets = _secrets(docs)
+    pods = []
+    for doc in docs:
+        meta = doc["metadata"]
+        if doc["kind"] == "StatefulSet":
+            template = doc["spec"]["template"]
+            names = [f"{meta['name']}-{i}" for i in range(doc["spec"].get("replicas", 1))]
+            subdomain = doc["spec"]["serviceName"]
+            claims = {
+                c["metadata"]["name"]: {} for c in doc["spec"].get("volumeClaimTemplates") or []
+            }
+        elif doc["kind"] == "Pod" and (
+            include_tests or "helm.sh/hook" not in (meta.get("annotations") or {})
+        ):
+            template, names, subdomain, claims = doc, [meta["name"]], "", {}
+        else:
+            continue
+        spec = template["spec"]
+        pod_sc = spec.get("securityContext") or {}
+        for name in names:
+            pods.append(
+                PodSpec(
+                    name=name,
+                    namespace=meta.get("namespace", "default"),
+                    labels=dict(template["metadata"].get("labels") or {}),
+                    subdomain=subdomain,
+                    containers=[_container(c, secrets, pod_sc) for c in spec["containers"]],
+                    volumes={**claims, **{v["name"]: v for v in spec.get("volumes") or []}},
+                    grace=float(spec.get("terminationGracePeriodSeconds", 30)),
+                    fs_group=pod_sc.get("fsGroup"),
+                )
+            )
+    return pods
+
+
+# ---------------------------------------------------------------------------------------------
+# namespaces
+
+
+@dataclass
+class Namespace:
+    """A network namespace on the node's bridge: a pod's, or a client's."""
+
+    name: str  # of the netns
+    ip: str
+    host_link: str  # the veth end on the bridge
+
+    def run(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+        """Start `argv` in this namespace (with its /etc/hosts)."""
+        return subprocess.Popen(["ip", "netns", "exec", self.name, *argv], **kwargs)
+
+    def call(
+        self, argv: Sequence[str], timeout: float = 60, **kwargs: Any
+    ) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["ip", "netns", "exec", self.name, *argv],
+            capture_output=True, text=True, timeout=timeout, **kwargs,
+        )  # fmt: skip
+
+
+@dataclass
+class Container:
+    spec: ContainerSpec
+    log: Path
+    process: subprocess.Popen | None = None
+    restarts: int = 0
+    started: bool = False  # the startup probe passed (or there is none)
+    ready: bool = False
+    failures: dict[str, int] = field(default_factory=dict)  # probe -> consecutive failures
+    next_probe: dict[str, float] = field(default_factory=dict)
+    restart_at: float = 0.0
+    backoff: float = 0.2
+    held: bool = False  # a test stopped it: no restart until `release`
+
+
+@dataclass
+class Pod:
+    spec: PodSpec
+    ns: Namespace
+    root: Path  # its volumes
+    containers: dict[str, Container]
+    stopped: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return all(c.ready for c in self.containers.values())
+
+    @property
+    def ip(self) -> str:
+        return self.ns.ip
+
+
+class SimNode:
+    """One node running the rendered pods; see the module docstring."""
+
+    def __init__(
+        self,
+        docs: list[dict[str, Any]],
+        workdir: Path,
+        host_paths: dict[str, Path] | None = None,
+        restart_backoff: float = 0.2,
+    ) -> None:
+        self.docs = docs
+        self.workdir = workdir
+        self.host_paths = host_paths or {}  # a hostPath volume's path -> the directory to use
+        self.restart_backoff = restart_backoff
+        run = f"{os.getpid() % 10000}{next(_RUNS)}"
+        self.prefix = f"cs{run}"
+        self.bridge = f"{self.prefix}br"
+        octet = 16 + (os.getpid() + int(run)) % 200
+        self.subnet = f"10.{octet}"
+        self.gateway = f"{self.subnet}.0.1"
+        self.pods: dict[str, Pod] = {}
+        self.namespaces: list[Namespace] = []
+        self._ips = itertools.count(2)
+        self._made_dirs: list[Path] = []
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._kubelet: threading.Thread | None = None
+        self.events: list[str] = []  # what the kubelet did, for failure messages
+        self._users: dict[int, bool] = {}  # uid -> the venv's Python runs as it
+
+    # -- set-up --------------------------------------------------------------------------------
+    def __enter__(self) -> SimNode:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """The bridge, every pod's namespace, the hosts files, then every container and the
+        kubelet."""
+        _run("ip", "link", "add", self.bridge, "type", "bridge")
+        _run("ip", "addr", "add", f"{self.gateway}/16", "dev", self.bridge)
+        _run("ip", "link", "set", self.bridge, "up")
+        specs = pods_of(self.docs)
+        for spec in specs:
+            ns = self._namespace(spec.name)
+            root = self.workdir / "pods" / spec.name
+            containers = {
+                c.name: Container(c, self.workdir / "logs" / f"{spec.name}.{c.name}.log")
+                for c in spec.containers
+            }
+            self.pods[spec.name] = Pod(spec, ns, root, containers)
+        self.write_hosts()
+        for pod in self.pods.values():
+            self._prepare_volumes(pod)
+            for container in pod.containers.values():
+                self._launch(pod, container)
+        self._kubelet = threading.Thread(target=self._supervise, name="kubelet", daemon=True)
+        self._kubelet.start()
+
+    def _namespace(self, name: str) -> Namespace:
+        index = next(self._ips)
+        ip = f"{self.subnet}.{index // 250}.{index % 250 + 2}"
+        netns = f"{self.prefix}-{index}"
+        host_link = f"{self.prefix}v{index}"
+        _run("ip", "netns", "add", netns)
+        _run("ip", "link", "add", host_link, "type", "veth", "peer", "name", "eth0", "netns", netns)
+        _run("ip", "link", "set", host_link, "master", self.bridge, "up")
+        _run("ip", "-n", netns, "addr", "add", f"{ip}/16", "dev", "eth0")
+        _run("ip", "-n", netns, "link", "set", "eth0", "up")
+        _run("ip", "-n", netns, "link", "set", "lo", "up")
+        _run("ip", "-n", netns, "route", "add", "default", "via", self.gateway)
+        namespace = Namespace(netns, ip, host_link)
+        self.namespaces.append(namespace)
+        return namespace
+
+    def namespace(self, name: str) -> Namespace:
+        """A client namespace on the bridge, resolving the cluster's names."""
+        namespace = self._namespace(name)
+        self.write_hosts()
+        return namespace
+
+    def dns(self) -> dict[str, list[str]]:
+        """Name -> addresses, as the cluster DNS answers for headless Services (which publish
+        not-ready addresses in this chart)."""
+        names: dict[str, list[str]] = {}
+        services = [d for d in self.docs if d["kind"] == "Service"]
+        for service in services:
+            meta = service["metadata"]
+            selector = service["spec"].get("selector") or {}
+            fqdn = f"{meta['name']}.{meta.get('namespace', 'default')}.svc.cluster.local"
+            for pod in self.pods.values():
+                if selector.items() <= pod.spec.labels.items():
+                    names.setdefault(fqdn, []).append(pod.ip)
+                    if pod.spec.subdomain == meta["name"]:
+                        names[f"{pod.spec.name}.{fqdn}"] = [pod.ip]
+        return names
+
+    def write_hosts(self) -> None:
+        lines = ["127.0.0.1 localhost", "::1 localhost"]
+        for name, addresses in sorted(self.dns().items()):
+            lines += [f"{address} {name}" for address in addresses]
+        text = "\n".join(lines) + "\n"
+        for namespace in self.namespaces:
+            directory = Path("/etc/netns") / namespace.name
+            if not directory.parent.exists():
+                self._made_dirs.append(directory.parent)
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / "hosts").write_text(text)
+
+    def _prepare_volumes(self, pod: Pod) -> None:
+        owner = pod.spec.fs_group
+        for name, source in pod.spec.volumes.items():
+            target = pod.root / "volumes" / name
+            if "configMap" in source:
+                data = self._config_map(source["configMap"]["name"])
+                target.mkdir(parents=True, exist_ok=True)
+                for key, value in data.items():
+                    (target / key).write_text(value)
+            elif "hostPath" in source:
+                continue  # bound from host_paths at launch
+            else:  # emptyDir, a claim template's volume, a persistentVolumeClaim
+                target.mkdir(parents=True, exist_ok=True)
+                if owner is not None:
+                    os.chown(target, owner, owner)
+        for container in pod.containers.values():
+            for _volume, mount_path, _ro in container.spec.mounts:
+                point = Path(mount_path)
+                if not point.exists():  # a mount point on the host: removed at close
+                    missing = [p for p in (point, *point.parents) if not p.exists()]
+                    point.mkdir(parents=True)
+                    self._made_dirs += missing
+            container.log.parent.mkdir(parents=True, exist_ok=True)
+
+    def _config_map(self, name: str) -> dict[str, str]:
+        for doc in self.docs:
+            if doc["kind"] == "ConfigMap" and doc["metadata"]["name"] == name:
+                return dict(doc.get("data") or {})
+        raise KeyError(f"no ConfigMap {name} in the rendered objects")
+
+    def _source_of(self, pod: Pod, volume: str) -> Path:
+        source = pod.spec.volumes[volume]
+        if "hostPath" in source:
+            path = source["hostPath"]["path"]
+            return self.host_paths.get(path, Path(path))
+        return pod.root / "volumes" / volume
+
+    # -- containers ----------------------------------------------------------------------------
+    def _launch(self, pod: Pod, container: Container) -> None:
+        spec = container.spec
+        mounts = [(str(self._source_of(pod, v)), path, ro) for v, path, ro in spec.mounts]
+
+        def hides_a_source(mount: tuple[str, str, bool]) -> bool:
+            """A mount over /tmp hides a source under /tmp: bind it after the others."""
+            return any(source.startswith(mount[1].rstrip("/") + "/") for source, _, _ in mounts)
+
+        binds = [
+            f"mount --bind {source} {mount_path}"
+            + (f" && mount -o remount,bind,ro {mount_path}" if read_only else "")
+            for source, mount_path, read_only in sorted(mounts, key=hides_a_source)
+        ]
+        if spec.read_only_root:
+            binds += ["mount --bind / /", "mount -o remount,bind,ro /"]
+        user = (
+            f"setpriv --reuid {spec.user} --regid {spec.user} --clear-groups "
+            if spec.user is not None and self._can_run_as(spec.user)
+            else ""
+        )
+        script = " && ".join([*binds, f'exec {user}"$@"'])
+        command = [str(BIN / spec.command[0]), *spec.command[1:]]
+        env = {"PATH": f"{BIN}:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", **spec.env}
+        with open(container.log, "ab") as log:
+            container.process = pod.ns.run(
+                ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script,
+                 "sh", *command],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                start_new_session=True,
+            )  # fmt: skip
+        container.started = "startupProbe" not in spec.probes
+        container.ready = False
+        container.failures.clear()
+        container.next_probe.clear()
+        self.events.append(
+            f"{time.monotonic():.1f} started {pod.spec.name}/{spec.name}"
+            f" pid {container.process.pid}"
+        )
+
+    def _can_run_as(self, uid: int) -> bool:
+        """Whether the venv's Python runs as `uid` here (in the image it does; on a machine
+        whose Python lives under a private home it cannot, and containers run as root)."""
+        if uid not in self._users:
+            probe = subprocess.run(
+                ["setpriv", "--reuid", str(uid), "--regid", str(uid), "--clear-groups",
+                 "sh", "-c", f'exec "{sys.executable}" -c pass'],
+                capture_output=True, timeout=30, cwd="/",
+            )  # fmt: skip
+            self._users[uid] = probe.returncode == 0
+            if not self._users[uid]:
+                self.events.append(f"runAsUser {uid} not honored: {sys.executable} unreachable")
+        return self._users[uid]
+
+    def _supervise(self) -> None:
+        while not self._stop.wait(0.1):
+            with self._lock:
+                for pod in list(self.pods.values()):
+                    if pod.stopped:
+                        continue
+                    for container in pod.containers.values():
+                        with contextlib.suppress(Exception):
+                            self._tend(pod, container)
+
+    def _tend(self, pod: Pod, container: Container) -> None:
+        now = time.monotonic()
+        process = container.process
+        if container.held:
+            return
+        if process is None or process.poll() is not None:
+            if process is not None and container.restart_at == 0.0:
+                container.restart_at = now + container.backoff
+                container.ready = False
+                self.events.append(
+                    f"{now:.1f} {pod.spec.name}/{container.spec.name} exited {process.returncode}"
+                )
+            if now >= container.restart_at:
+                container.restarts += 1
+                container.backoff = min(container.backoff * 2, 5.0)
+                container.restart_at = 0.0
+                self._launch(pod, container)
+            return
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = container.spec.probes.get(kind)
+            if probe is None or (kind != "startupProbe" and not container.started):
+                continue
+            if kind == "startupProbe" and container.started:
+                continue
+            if now < container.next_probe.get(kind, 0.0):
+                continue
+            container.next_probe[kind] = now + min(float(probe.get("periodSeconds", 10)), 1.0)
+            ok = self._probe(pod, container, probe)
+            failures = 0 if ok else container.failures.get(kind, 0) + 1
+            container.failures[kind] = failures
+            threshold = int(probe.get("failureThreshold", 3))
+            if kind == "startupProbe" and ok:
+                container.started = True
+            elif kind == "readinessProbe":
+                container.ready = ok or (container.ready and failures < threshold)
+            elif kind == "livenessProbe" and failures >= threshold:
+                self.events.append(
+                    f"{now:.1f} {pod.spec.name}/{container.spec.name} liveness failed"
+                )
+                self._signal(container, signal.SIGKILL)
+            elif kind == "startupProbe" and failures >= threshold:
+                self._signal(container, signal.SIGKILL)
+        if "readinessProbe" not in container.spec.probes:
+            container.ready = container.started
+
+    def _probe(self, pod: Pod, container: Container, probe: dict[str, Any]) -> bool:
+        def port_of(value: Any) -> int:
+            return container.spec.ports[value] if isinstance(value, str) else int(value)
+
+        if "tcpSocket" in probe:
+            try:
+                with socket.create_connection((pod.ip, port_of(probe["tcpSocket"]["port"])), 1.0):
+                    return True
+            except OSError:
+                return False
+        if "grpc" in probe:
+            address = f"{pod.ip}:{port_of(probe['grpc']['port'])}"
+            with grpc.insecure_channel(address) as channel:
+                try:
+                    reply = health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(service=probe["grpc"].get("service", "")),
+                        timeout=1.0,
+                    )
+                except grpc.RpcError:
+                    return False
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+        raise ValueError(f"probe {probe}: only tcpSocket and grpc probes are simulated")
+
+    def _signal(self, container: Container, sig: int) -> None:
+        process = container.process
+        if process is not None and process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, sig)  # by PID: the container's process itself
+
+    # -- what tests do -------------------------------------------------------------------------
+    def pod(self, name: str) -> Pod:
+        return self.pods[name]
+
+    def kill(self, pod: str, container: str, sig: int = signal.SIGKILL) -> int:
+        """Signal one container (kill -9 by default); the kubelet restarts it. Its PID."""
+        with self._lock:
+            target = self.pods[pod].containers[container]
+            assert target.process is not None
+            self._signal(target, sig)
+            return target.process.pid
+
+    def kill_pod(self, pod: str) -> None:
+        """kill -9 every container of a pod (a crashed pod); each is restarted."""
+        for name in self.pods[pod].containers:
+            self.kill(pod, name)
+
+    def delete_pod(self, pod: str, timeout: float = 60) -> None:
+        """As `kubectl delete pod`: SIGTERM, the grace period, SIGKILL; then the StatefulSet
+        controller starts it again (same name and volumes)."""
+        target = self.pods[pod]
+        with self._lock:
+            for container in target.containers.values():
+                container.held = True
+                self._signal(container, signal.SIGTERM)
+        deadline = time.monotonic() + min(target.spec.grace, timeout)
+        for container in target.containers.values():
+            if container.process is not None:
+                try:
+                    container.process.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    self._signal(container, signal.SIGKILL)
+                    container.process.wait(10)
+        with self._lock:
+            for container in target.containers.values():
+                container.held = False
+                container.backoff = self.restart_backoff
+                container.restart_at = 0.0
+                self._launch(target, container)
+
+    def cut(self, pod: str) -> None:
+        """Take the pod's network link down (a partitioned node)."""
+        _run("ip", "link", "set", self.pods[pod].ns.host_link, "down")
+
+    def heal(self, pod: str) -> None:
+        _run("ip", "link", "set", self.pods[pod].ns.host_link, "up")
+
+    def wait_ready(self, pods: Sequence[str] | None = None, timeout: float = 60) -> None:
+        names = list(pods or self.pods)
+        if not poll_until(lambda: all(self.pods[n].ready for n in names), timeout, 0.1):
+            waiting = [n for n in names if not self.pods[n].ready]
+            raise AssertionError(f"not ready after {timeout}s: {waiting}\n{self.report()}")
+
+    def report(self, lines: int = 20) -> str:
+        """The kubelet's events and the end of every container's log (for failures)."""
+        out = ["events:", *self.events[-40:]]
+        for pod in self.pods.values():
+            for container in pod.containers.values():
+                text = container.log.read_text(errors="replace") if container.log.exists() else ""
+                out.append(
+                    f"--- {pod.spec.name}/{container.spec.name} (restarts {container.restarts})"
+                )
+                out += text.splitlines()[-lines:]
+        return "\n".join(out)
+
+    def containers(self) -> Iterator[tuple[Pod, Container]]:
+        for pod in self.pods.values():
+            for container in pod.containers.values():
+                yield pod, container
+
+    # -- tear-down -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the kubelet and every container (SIGTERM, then SIGKILL, by PID), then remove the
+        namespaces, links, hosts files and mount points this node made."""
+        self._stop.set()
+        if self._kubelet is not None:
+            self._kubelet.join(timeout=10)
+        with self._lock:
+            for _pod, container in self.containers():
+                container.held = True
+                self._signal(container, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            for _pod, container in self.containers():
+                if container.process is None:
+                    continue
+                try:
+                    container.process.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    self._signal(container, signal.SIGKILL)
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        container.process.wait(10)
+        for namespace in self.namespaces:
+            _run("ip", "netns", "del", namespace.name, check=False)
+            shutil.rmtree(Path("/etc/netns") / namespace.name, ignore_errors=True)
+        _run("ip", "link", "del", self.bridge, check=False)
+        for directory in sorted(self._made_dirs, key=lambda p: -len(p.parts)):
+            with contextlib.suppress(OSError):
+                directory.rmdir()
