@@ -263,6 +263,7 @@ class SimNode:
         self._kubelet: threading.Thread | None = None
         self.events: list[str] = []  # what the kubelet did, for failure messages
         self._users: dict[int, bool] = {}  # uid -> the venv's Python runs as it
+        self.overrides: dict[str, dict[str, list[str]]] = {}  # netns -> name -> addresses
 
     # -- set-up --------------------------------------------------------------------------------
     def __enter__(self) -> SimNode:
@@ -333,11 +334,14 @@ class SimNode:
         return names
 
     def write_hosts(self) -> None:
-        lines = ["127.0.0.1 localhost", "::1 localhost"]
-        for name, addresses in sorted(self.dns().items()):
-            lines += [f"{address} {name}" for address in addresses]
-        text = "\n".join(lines) + "\n"
+        """Every namespace's /etc/hosts: the cluster's names, then its own overrides."""
+        names = self.dns()
         for namespace in self.namespaces:
+            lines = ["127.0.0.1 localhost", "::1 localhost"]
+            own = {**names, **self.overrides.get(namespace.name, {})}
+            for name, addresses in sorted(own.items()):
+                lines += [f"{address} {name}" for address in addresses]
+            text = "\n".join(lines) + "\n"
             directory = Path("/etc/netns") / namespace.name
             if not directory.parent.exists():
                 self._made_dirs.append(directory.parent)
@@ -558,6 +562,12 @@ class SimNode:
                 container.backoff = self.restart_backoff
                 container.restart_at = 0.0
                 self._launch(target, container)
+
+    def resolve(self, namespace: Namespace, name: str, addresses: list[str]) -> None:
+        """Make `name` resolve to `addresses` in `namespace` only (e.g. a relay in front of a
+        replica, for one client)."""
+        self.overrides.setdefault(namespace.name, {})[name] = addresses
+        self.write_hosts()
 
     def cut(self, pod: str) -> None:
         """Take the pod's network link down (a partitioned node)."""

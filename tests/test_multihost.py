@@ -7,9 +7,16 @@ Skipped, saying why, without root or iproute2."""
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import itertools
 import json
 import subprocess
 import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -80,16 +87,84 @@ class Client:
             self.process.wait(10)
 
 
-@pytest.fixture
-def cluster(tmp_path):
+KEYS = np.arange(1, 100_001, dtype=np.uint64)  # 1.6 MB of values: a download takes ~1 s
+CHECK = KEYS[::97]  # the keys looked up to check a version
+
+
+@dataclass
+class Cluster:
+    node: SimNode
+    client: Client
+    donefile: Path
+    conf: Path
+    api: str
+    api_token: str
+    versions: Iterator[str]
+    live: str = ""
+
+    def info(self) -> dict:
+        request = urllib.request.Request(
+            f"{self.api}/dict/info", headers={"Authorization": f"Bearer {self.api_token}"}
+        )
+        with urllib.request.urlopen(request, timeout=5) as reply:
+            return json.loads(reply.read())["data"]
+
+    def phase(self) -> str | None:
+        """The phase of the rollout in progress ("" when none); None while the API is down."""
+        with contextlib.suppress(OSError, ValueError):
+            return (self.info().get("deployment") or {}).get("phase", "")
+        return None
+
+    def new_base(self, tag: float) -> str:
+        version = next(self.versions)
+        publish(self.donefile, version, KEYS, tag)
+        return version
+
+    def settled(self, timeout: float = WAIT) -> str:
+        """Wait until no rollout runs, a version is live and every shard pod is ready."""
+        assert poll_until(lambda: self.phase() == "" and self.info()["live_version"], timeout, 0.2)
+        self.node.wait_ready(shard_pods(self.node), timeout)
+        self.live = self.info()["live_version"]
+        return self.live
+
+    def background_load(self, seconds: float, conf: Path | None = None) -> Load:
+        return Load(self.node, conf or self.conf, seconds)
+
+
+class Load:
+    """Lookups without pause from another client namespace, in a thread; `result()` waits."""
+
+    def __init__(self, node: SimNode, conf: Path, seconds: float) -> None:
+        self.client = Client(node, conf)
+        self.answer: dict = {}
+        self.thread = threading.Thread(
+            target=lambda: self.answer.update(
+                self.client.ask({"load": CHECK[:200].tolist(), "seconds": seconds})
+            ),
+            daemon=True,
+        )
+        self.thread.start()
+
+    def result(self) -> dict:
+        self.thread.join(WAIT)
+        self.client.close()
+        return self.answer
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("multihost")
     donefile = tmp_path / "donefile"
     donefile.mkdir()
     values = {
         "dict": {"name": "sim_dict", "shards": 2, "replicas": 2},
         "server": {"grace": 2, "inMem": False},
+        "agent": {"extraArgs": ["--limit_rate=1500000"]},  # rollouts long enough to cut into
         "client": {"timeoutMs": 1000, "backupRequestMs": 100},
         "transfer": {
-            "pollInterval": 0.5,
+            "pollInterval": 0.3,
+            "deadTimeout": 5,
+            "quorum": 1,
             "donefile": {"address": "/donefile", "volume": {"hostPath": {"path": "/srv/donefile"}}},
         },
     }
@@ -98,12 +173,16 @@ def cluster(tmp_path):
     conf = tmp_path / "cube.conf"
     cube_conf = next(d for d in docs if d["metadata"]["name"].endswith("-cube-conf"))
     conf.write_text(cube_conf["data"]["cube.conf"])
+    secret = next(d for d in docs if d["kind"] == "Secret")
+    token = base64.b64decode(secret["data"]["api-token"]).decode()
     node = SimNode(docs, tmp_path / "node", host_paths={"/srv/donefile": donefile})
     try:
         node.start()
         client = Client(node, conf)
         try:
-            yield node, client, donefile
+            api = f"http://{node.pod('t-cube-transfer-0').ip}:8099"
+            ids = (str(1700000000 + 1000 * i) for i in itertools.count())
+            yield Cluster(node, client, donefile, conf, api, token, ids)
         finally:
             client.close()
     except BaseException:
@@ -121,39 +200,76 @@ def served(client: Client, keys: np.ndarray) -> dict:
     return client.ask({"seek": keys.tolist(), "dim": DIM})
 
 
-def test_base_then_delta_reach_every_replica_across_hosts(cluster):
-    node, client, donefile = cluster
-    keys = np.arange(1, 2001, dtype=np.uint64)
-    publish(donefile, BASE, keys, 1.0)
-    node.wait_ready(shard_pods(node), WAIT)  # ready = serving a version
-    answer = served(client, keys)
-    assert answer.get("version") == BASE, answer
-    np.testing.assert_array_equal(np.asarray(answer["values"], np.float32), table(keys, 1.0))
+def assert_serves(cluster: Cluster, version: str, expected: np.ndarray, keys: np.ndarray = CHECK):
+    answer = served(cluster.client, keys)
+    assert answer.get("version") == version, answer
+    np.testing.assert_array_equal(np.asarray(answer["values"], np.float32), expected)
 
-    changed = keys[::10]
-    publish(donefile, DELTA, changed, 2.0, base=BASE)
-    delta = f"{BASE}_{DELTA}"
-    assert poll_until(lambda: served(client, keys).get("version") == delta, WAIT, 0.5), (
-        served(client, keys),
+
+def assert_clean(load: dict) -> None:
+    """No failed request and no batch that mixed versions."""
+    assert load["calls"] > 0, load
+    assert load["error_count"] == 0, load["errors"]
+    assert load["mixed"] == 0, load
+
+
+def test_base_then_delta_reach_every_replica_across_hosts(cluster):
+    node, client = cluster.node, cluster.client
+    base = cluster.new_base(1.0)
+    cluster.settled()
+    assert_serves(cluster, base, table(CHECK, 1.0))
+
+    changed = KEYS[::10]
+    delta_id = next(cluster.versions)
+    publish(cluster.donefile, delta_id, changed, 2.0, base=base)
+    delta = f"{base}_{delta_id}"
+    assert poll_until(lambda: served(client, CHECK).get("version") == delta, WAIT, 0.3), (
+        served(client, CHECK),
         node.report(),
     )
-    expected = table(keys, 1.0)
+    expected = table(KEYS, 1.0)
     expected[::10] = table(changed, 2.0)
-    np.testing.assert_array_equal(np.asarray(served(client, keys)["values"], np.float32), expected)
+    assert_serves(cluster, delta, expected[::97])
     # every replica of every shard serves it, not only those the client happened to ask
-    conf = json.loads(client.conf.read_text())
+    conf = json.loads(cluster.conf.read_text())
     for replica in range(2):
         only = [dict(conf[0], nodes=[{"ipport_list": node_["ipport_list"].split(",")[replica]
                                       .removeprefix("list://")}
                                      for node_ in conf[0]["nodes"]])]  # fmt: skip
-        path = client.conf.with_name(f"replica{replica}.conf")
+        path = cluster.conf.with_name(f"replica{replica}.conf")
         path.write_text(json.dumps(only))
         single = Client(node, path)
         try:
-            answer = served(single, keys)
+            answer = served(single, CHECK)
         finally:
             single.close()
         assert answer.get("version") == delta, answer
-        np.testing.assert_array_equal(np.asarray(answer["values"], np.float32), expected)
+        np.testing.assert_array_equal(np.asarray(answer["values"], np.float32), expected[::97])
     for pod, container in node.containers():
         assert container.restarts == 0, (pod.spec.name, container.spec.name, node.report())
+
+
+@pytest.mark.parametrize(
+    ("pod", "container", "phase"),
+    [
+        ("t-cube-shard-0-1", "cube-server", "reload"),
+        ("t-cube-shard-1-0", "cube-agent", "download"),
+        ("t-cube-transfer-0", "cube-transfer", "download"),
+    ],
+)
+def test_kill9_mid_rollout(cluster, pod, container, phase):
+    """kill -9 of a server, an agent or the transfer while a base rolls out: the kubelet
+    restarts it, the rollout completes (or aborts to the previous version), every replica
+    serves the live version again, and no request fails or mixes versions."""
+    before = cluster.settled()
+    load = cluster.background_load(12)
+    tag = float(int(before) % 1000 + 3)
+    version = cluster.new_base(tag)
+    assert poll_until(lambda: cluster.phase() == phase, WAIT, 0.05), cluster.info()
+    cluster.node.kill(pod, container)
+    live = cluster.settled()
+    assert live in (version, before)
+    assert_clean(load.result())
+    if live == version:
+        assert_serves(cluster, version, table(CHECK, tag))
+    assert cluster.node.pod(pod).containers[container].restarts >= 1
