@@ -542,7 +542,8 @@ class SimNode:
 
     def delete_pod(self, pod: str, timeout: float = 60) -> None:
         """As `kubectl delete pod`: SIGTERM, the grace period, SIGKILL; then the StatefulSet
-        controller starts it again (same name and volumes)."""
+        controller starts it again under the same name: its claims' volumes are kept, its
+        emptyDir volumes start empty."""
         target = self.pods[pod]
         with self._lock:
             for container in target.containers.values():
@@ -556,6 +557,10 @@ class SimNode:
                 except subprocess.TimeoutExpired:
                     self._signal(container, signal.SIGKILL)
                     container.process.wait(10)
+        for name, source in target.spec.volumes.items():
+            if "emptyDir" in source:
+                shutil.rmtree(target.root / "volumes" / name, ignore_errors=True)
+        self._prepare_volumes(target)
         with self._lock:
             for container in target.containers.values():
                 container.held = False

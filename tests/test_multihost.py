@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from clustersim import SimNode, require_root_network
+from clustersim import Namespace, SimNode, require_root_network
 from test_helm import HELM, render
 
 from cube.donefile import append_line, format_line
@@ -63,9 +63,9 @@ def publish(donefile: Path, version: str, keys: np.ndarray, tag: float, base: st
 class Client:
     """tests/sim_client.py in a client namespace: one JSON request, one JSON answer."""
 
-    def __init__(self, node: SimNode, conf: Path) -> None:
+    def __init__(self, node: SimNode, conf: Path, namespace: Namespace | None = None) -> None:
         self.conf = conf
-        self.ns = node.namespace("client")
+        self.ns = namespace or node.namespace("client")
         self.process = self.ns.run(
             [sys.executable, str(Path(__file__).parent / "sim_client.py"), str(conf)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -130,12 +130,29 @@ class Cluster:
     def background_load(self, seconds: float, conf: Path | None = None) -> Load:
         return Load(self.node, conf or self.conf, seconds)
 
+    def instances(self) -> dict[str, dict]:
+        """The transfer's view of each replica (/instance/status), by name."""
+        request = urllib.request.Request(
+            f"{self.api}/instance/status", headers={"Authorization": f"Bearer {self.api_token}"}
+        )
+        with urllib.request.urlopen(request, timeout=5) as reply:
+            return {i["name"]: i for i in json.loads(reply.read())["data"]}
+
+    def conf_with(self, name: str, **fields: object) -> Path:
+        """A copy of the rendered cube.conf with some fields changed."""
+        conf = json.loads(self.conf.read_text())
+        path = self.conf.with_name(name)
+        path.write_text(json.dumps([dict(conf[0], **fields)]))
+        return path
+
 
 class Load:
     """Lookups without pause from another client namespace, in a thread; `result()` waits."""
 
-    def __init__(self, node: SimNode, conf: Path, seconds: float) -> None:
-        self.client = Client(node, conf)
+    def __init__(
+        self, node: SimNode, conf: Path, seconds: float, namespace: Namespace | None = None
+    ) -> None:
+        self.client = Client(node, conf, namespace)
         self.answer: dict = {}
         self.thread = threading.Thread(
             target=lambda: self.answer.update(
@@ -273,3 +290,75 @@ def test_kill9_mid_rollout(cluster, pod, container, phase):
     if live == version:
         assert_serves(cluster, version, table(CHECK, tag))
     assert cluster.node.pod(pod).containers[container].restarts >= 1
+
+
+def test_a_replica_cut_off_during_a_rollout(cluster):
+    """Its link goes down while a base rolls out: clients fail over without a failed request,
+    the transfer goes on with the quorum (1) it has, and the replica catches up once back."""
+    before = cluster.settled()
+    cut = "t-cube-shard-0-1"
+    load = cluster.background_load(10)
+    tag = float(int(before) % 1000 + 5)
+    version = cluster.new_base(tag)
+    assert poll_until(lambda: cluster.phase() == "download", WAIT, 0.05), cluster.info()
+    cluster.node.cut(cut)
+    try:
+        went_live = lambda: cluster.phase() == "" and cluster.info()["live_version"] == version  # noqa: E731
+        assert poll_until(went_live, WAIT, 0.2), cluster.info()
+        assert_clean(load.result())
+        assert_serves(cluster, version, table(CHECK, tag))
+    finally:
+        cluster.node.heal(cut)
+    caught_up = lambda: cluster.instances()["0_1"]["serving_version"] == version  # noqa: E731
+    assert poll_until(caught_up, WAIT, 0.3), cluster.instances()["0_1"]
+    cluster.settled()
+
+
+def test_a_slow_replica_is_hedged(cluster):
+    """50 ms more round trip to one replica (a relay: this kernel has no netem): with a 10 ms
+    hedge the client's p99 stays near the healthy p99, far under the added 50 ms."""
+    cluster.settled()
+    node = cluster.node
+    hedged = cluster.conf_with("hedged.conf", backup_request=10, load_balancer="la")
+    healthy = Load(node, hedged, 6).result()
+    assert_clean(healthy)
+    slow_pod = node.pod("t-cube-shard-0-1")
+    relay = node.namespace("relay")
+    relaying = relay.run(
+        [sys.executable, str(Path(__file__).parent / "delay_relay.py"), "0.0.0.0", slow_pod.ip,
+         "8000,8100", "50"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert relaying.stdout is not None and relaying.stdout.readline().strip() == "relaying"
+        client_ns = node.namespace("slow-client")
+        name = f"{slow_pod.spec.name}.{slow_pod.spec.subdomain}.ml.svc.cluster.local"
+        node.resolve(client_ns, name, [relay.ip])
+        slowed = Load(node, hedged, 6, namespace=client_ns).result()
+        unhedged = Load(
+            node, cluster.conf_with("unhedged.conf", backup_request=0, load_balancer="rr"), 4,
+            namespace=client_ns,
+        ).result()  # fmt: skip
+    finally:
+        relaying.terminate()
+        relaying.wait(10)
+    assert_clean(slowed)
+    print(
+        f"p99 healthy {healthy['p99_ms']:.1f} ms; one replica +50 ms: hedged"
+        f" {slowed['p99_ms']:.1f} ms, unhedged {unhedged['p99_ms']:.1f} ms"
+    )
+    assert unhedged["p99_ms"] > 45  # the relay does slow that replica down
+    assert slowed["p99_ms"] < healthy["p99_ms"] + 15, (healthy, slowed)
+
+
+def test_rolling_restart_under_load(cluster):
+    """Each shard pod deleted in turn (as the PodDisruptionBudget allows: the next one only
+    when the last is ready again), with fresh emptyDir volumes: no failed request."""
+    cluster.settled()
+    load = cluster.background_load(45)
+    for pod in shard_pods(cluster.node):
+        cluster.node.delete_pod(pod)
+        cluster.node.wait_ready([pod], WAIT)
+    result = load.result()
+    assert_clean(result)
+    cluster.settled()
