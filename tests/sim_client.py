@@ -56,6 +56,7 @@ def load(client: CubeClient, keys: list[int], seconds: float) -> dict:
         "mixed": mixed,
         "p50_ms": float(marks[0]),
         "p99_ms": float(marks[1]),
+        "max_ms": max(latencies, default=0.0) * 1000,
     }
 
 

@@ -129,6 +129,29 @@ def test_backup_request_after_delay_and_loser_cancelled():
     assert round_.on_response(first.key, b"v2", 0.02) == []
 
 
+def test_la_learns_a_replica_whose_attempts_always_lose_to_backups():
+    """A slow replica never answers first, so it never reports a latency of its own; the
+    time its outrun attempts waited counts instead, and `la` stops picking it first."""
+    policy = Policy(backup_request_ms=10)
+    rng = random.Random(3)
+    cluster = Cluster([["slow:1", "fast:2"]], "la", rng)
+    firsts = []
+    for call in range(40):
+        now = call * 1.0
+        call_ = ShardCall(0, cluster.shards[0], b"req", fake_decode, policy, rng)
+        round_ = Round([call_], policy, now)
+        (first,) = round_.start(now)
+        firsts.append(first.address)
+        if first.address == "fast:2":
+            round_.on_response(first.key, b"v", now + 0.001)
+            continue
+        (backup,) = sends(round_.on_timer(now + 0.010))
+        assert round_.on_response(backup.key, b"v", now + 0.011) == [Cancel(first.key)]
+    slow, fast = cluster.endpoints
+    assert slow.ewma_s > 0.010 > fast.ewma_s  # at least the time it was outrun after
+    assert firsts[-20:].count("slow:1") <= 1, firsts
+
+
 def test_no_backup_request_with_one_replica_and_failed_original_waits_for_backup():
     round_, _ = make_round(["a:1"], Policy(backup_request_ms=10))
     round_.start(0.0)

@@ -142,6 +142,13 @@ class EndpointState:
         self.failures = 0
         self.down_until = 0.0
 
+    def outrun(self, waited_s: float) -> None:
+        """An attempt here lost to a backup request after `waited_s` without an answer: its
+        latency is at least that. Counted when it raises the EWMA, so that `la` learns a
+        replica is slow even though its attempts never finish (each loses to a hedge)."""
+        if waited_s > self.ewma_s:
+            self.ewma_s = waited_s if not self.ewma_s else 0.8 * self.ewma_s + 0.2 * waited_s
+
     def failed(self, now: float, policy: Policy) -> None:
         self.failures += 1
         cooldown = min(policy.cooldown_cap_ms, policy.cooldown_base_ms * 2 ** (self.failures - 1))
@@ -311,7 +318,7 @@ class ShardCall:
         replica.end()
         replica.succeeded(now - flight.started)
         self.answer = answer
-        return self._finish()
+        return self._finish(now)
 
     def on_error(self, attempt: int, code: str, message: str, now: float) -> list[Action]:
         flight = self.inflight.pop(attempt, None)
@@ -407,12 +414,17 @@ class ShardCall:
             )
         ]
 
-    def _finish(self) -> list[Action]:
+    def _finish(self, answered_at: float | None = None) -> list[Action]:
+        """End the call; cancel the attempts still out (outrun by the answer at
+        `answered_at`, when there is one)."""
         self.finished = True
         self.retry_at = self.hedge_at = None
         cancels: list[Action] = []
         for attempt, flight in self.inflight.items():
-            self.group.replicas[flight.replica].end()
+            replica = self.group.replicas[flight.replica]
+            replica.end()
+            if answered_at is not None:
+                replica.outrun(answered_at - flight.started)
             cancels.append(Cancel((self.index, attempt)))
         self.inflight.clear()
         return cancels
