@@ -52,6 +52,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cube.processes import poll_until
 
 BIN = Path(sys.executable).parent  # the venv's console scripts stand in for the image's
+# The node's names are in /etc/hosts (there is no DNS server): gRPC's native resolver reads
+# it, its default c-ares one asks a DNS server first. Set for containers and clients alike.
+RESOLVER = {"GRPC_DNS_RESOLVER": "native"}
 _RUNS = itertools.count()
 
 
@@ -95,6 +98,7 @@ class PodSpec:
     volumes: dict[str, dict[str, Any]]  # name -> volume source ({} for a claim template)
     grace: float
     fs_group: int | None
+    test_hook: bool = False  # a `helm test` Pod: run by run_test_pods, not kept running
 
 
 def _secrets(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
@@ -139,6 +143,10 @@ def _container(
     )
 
 
+def _is_hook(meta: dict[str, Any]) -> bool:
+    return "helm.sh/hook" in (meta.get("annotations") or {})
+
+
 def pods_of(docs: list[dict[str, Any]], include_tests: bool = False) -> list[PodSpec]:
     """The pods the objects ask for: each StatefulSet's replicas `<name>-<i>`, and bare Pods
     (`helm test` hooks only with `include_tests`)."""
@@ -153,9 +161,7 @@ def pods_of(docs: list[dict[str, Any]], include_tests: bool = False) -> list[Pod
             claims = {
                 c["metadata"]["name"]: {} for c in doc["spec"].get("volumeClaimTemplates") or []
             }
-        elif doc["kind"] == "Pod" and (
-            include_tests or "helm.sh/hook" not in (meta.get("annotations") or {})
-        ):
+        elif doc["kind"] == "Pod" and (include_tests or not _is_hook(meta)):
             template, names, subdomain, claims = doc, [meta["name"]], "", {}
         else:
             continue
@@ -172,6 +178,7 @@ def pods_of(docs: list[dict[str, Any]], include_tests: bool = False) -> list[Pod
                     volumes={**claims, **{v["name"]: v for v in spec.get("volumes") or []}},
                     grace=float(spec.get("terminationGracePeriodSeconds", 30)),
                     fs_group=pod_sc.get("fsGroup"),
+                    test_hook=_is_hook(meta) and "test" in meta["annotations"]["helm.sh/hook"],
                 )
             )
     return pods
@@ -408,7 +415,8 @@ class SimNode:
         )
         script = " && ".join([*binds, f'exec {user}"$@"'])
         command = [str(BIN / spec.command[0]), *spec.command[1:]]
-        env = {"PATH": f"{BIN}:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", **spec.env}
+        env = {"PATH": f"{BIN}:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", **RESOLVER}
+        env.update(spec.env)
         with open(container.log, "ab") as log:
             container.process = pod.ns.run(
                 ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script,
@@ -573,6 +581,33 @@ class SimNode:
         replica, for one client)."""
         self.overrides.setdefault(namespace.name, {})[name] = addresses
         self.write_hosts()
+
+    def run_test_pods(self, timeout: float = 60) -> dict[str, int]:
+        """`helm test`: run each test hook Pod (restartPolicy Never) to its end; the exit code
+        of each, by pod name (its containers in turn; the first failure counts)."""
+        codes = {}
+        for spec in pods_of(self.docs, include_tests=True):
+            if not spec.test_hook:
+                continue
+            pod = Pod(spec, self._namespace(spec.name), self.workdir / "pods" / spec.name, {
+                c.name: Container(c, self.workdir / "logs" / f"{spec.name}.{c.name}.log")
+                for c in spec.containers
+            })  # fmt: skip
+            self.write_hosts()
+            self._prepare_volumes(pod)
+            code = 0
+            for container in pod.containers.values():
+                container.held = True  # not the kubelet's to restart
+                self._launch(pod, container)
+                assert container.process is not None
+                try:
+                    result = container.process.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    self._signal(container, signal.SIGKILL)
+                    result = container.process.wait(10)
+                code = code or result
+            codes[spec.name] = code
+        return codes
 
     def cut(self, pod: str) -> None:
         """Take the pod's network link down (a partitioned node)."""

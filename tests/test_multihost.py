@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from clustersim import Namespace, SimNode, require_root_network
+from clustersim import RESOLVER, Namespace, SimNode, require_root_network
 from test_helm import HELM, render
 
 from cube.donefile import append_line, format_line
@@ -68,9 +68,7 @@ class Client:
     def __init__(self, node: SimNode, conf: Path, namespace: Namespace | None = None) -> None:
         self.conf = conf
         self.ns = namespace or node.namespace("client")
-        # the names are in /etc/hosts, as a pod's resolver would serve them: gRPC's native
-        # resolver reads it (its c-ares one asks a DNS server first, and there is none here)
-        env = {**os.environ, "GRPC_DNS_RESOLVER": "native"}
+        env = {**os.environ, **RESOLVER}  # the node's names are in /etc/hosts
         self.process = self.ns.run(
             [sys.executable, str(Path(__file__).parent / "sim_client.py"), str(conf)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
@@ -251,6 +249,8 @@ def test_base_then_delta_reach_every_replica_across_hosts(cluster):
     took = time.monotonic() - started
     print(f"\nMEASURED first base of {len(KEYS)} keys live on 2 x 2 pods: {took:.1f} s")
     assert_serves(cluster, base, table(CHECK, 1.0))
+    # `helm test`: the chart's lookup pod, in a namespace of its own, reaches every shard
+    assert node.run_test_pods() == {"t-cube-test-lookup": 0}, node.report()
 
     changed = KEYS[::10]
     delta_id = next(cluster.versions)
