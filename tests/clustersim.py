@@ -262,6 +262,7 @@ class SimNode:
         self.subnet = f"10.{octet}"
         self.gateway = f"{self.subnet}.0.1"
         self.pods: dict[str, Pod] = {}
+        self.secrets = _secrets(docs)
         self.namespaces: list[Namespace] = []
         self._ips = itertools.count(2)
         self._made_dirs: list[Path] = []
@@ -359,17 +360,23 @@ class SimNode:
         owner = pod.spec.fs_group
         for name, source in pod.spec.volumes.items():
             target = pod.root / "volumes" / name
-            if "configMap" in source:
-                data = self._config_map(source["configMap"]["name"])
+            if "configMap" in source or "secret" in source:
+                data = (
+                    self._config_map(source["configMap"]["name"])
+                    if "configMap" in source
+                    else self.secrets[source["secret"]["secretName"]]
+                )
                 target.mkdir(parents=True, exist_ok=True)
                 for key, value in data.items():
                     (target / key).write_text(value)
             elif "hostPath" in source:
                 continue  # bound from host_paths at launch
-            else:  # emptyDir, a claim template's volume, a persistentVolumeClaim
-                target.mkdir(parents=True, exist_ok=True)
+            elif not source or {"emptyDir", "persistentVolumeClaim"} & source.keys():
+                target.mkdir(parents=True, exist_ok=True)  # ({}: a claim template's volume)
                 if owner is not None:
                     os.chown(target, owner, owner)
+            else:
+                raise ValueError(f"pod {pod.spec.name}: volume {name}: {source} is not simulated")
         for container in pod.containers.values():
             for _volume, mount_path, _ro in container.spec.mounts:
                 point = Path(mount_path)
