@@ -177,6 +177,12 @@ class LocalWorker:
             "not_serving_reason": "" if slots.serving else slots.why_not_serving(),
             "requests": self.service.counters.as_dict(),
             "lane": self.service.lane_stats(),
+            "metrics": self.service.counters.snapshot(),
+            "versions": {
+                slot: version.describe()
+                for slot, version in (("current", slots.current), ("background", slots.background))
+                if version is not None
+            },
         }
 
 
@@ -366,15 +372,25 @@ class Coordinator:
             return f"unloaded {name}" if name else "no background version"
         raise ControlError(grpc.StatusCode.INVALID_ARGUMENT, f"unhandled cmd {cmd!r}")
 
-    async def status(self) -> cube_pb2.ControlResponse:
-        slots = self.local.slots
-        loading = self.busy is not None and ("load" in self.busy or self.local.loading is not None)
+    async def worker_states(self) -> list[dict[str, Any]]:
+        """Every worker's state (LocalWorker.state), this one's first; a worker that does not
+        answer is {"worker", "port", "error"}. For status and the metrics endpoint."""
         workers = [self.local.state()]
         for remote in self.remotes:
             try:
                 workers.append(await remote.apply("state", timeout=2.0))
             except ControlError as exc:
                 workers.append({"worker": remote.index, "port": remote.port, "error": exc.message})
+        return workers
+
+    @property
+    def loading(self) -> bool:
+        return self.busy is not None and ("load" in self.busy or self.local.loading is not None)
+
+    async def status(self) -> cube_pb2.ControlResponse:
+        slots = self.local.slots
+        loading = self.loading
+        workers = await self.worker_states()
         totals: dict[str, int] = {}
         for worker in workers:
             for key, value in worker.get("requests", {}).items():

@@ -349,13 +349,16 @@ class Lane:
         seeks = [item for _, item in queue if isinstance(item, ParsedSeek)]
         counters = self.service.counters
         counters.lane_batches += 1
+        lane = counters.api["lane"]
+        started = time.perf_counter()
         try:
-            answers = iter(self.service.answer_seeks(seeks))
+            answers = iter(self.service.answer_seeks(seeks, "lane"))
             failure = None
         except Exception:  # a bug: answer it rather than hang the clients' pipelines
             log.exception("TCP lane: %d requests failed", len(seeks))
             answers = iter(())
             failure = RequestError(grpc.StatusCode.INTERNAL, "the lookup failed (see the log)")
+        passed = time.perf_counter() - started
         output: dict[LaneProtocol, list[Buffer]] = {}
         answered: dict[LaneProtocol, int] = {}
         closing = []
@@ -371,11 +374,11 @@ class Lane:
             else:
                 answer = item
             if isinstance(answer, RequestError):
-                counters.errors += 1
+                lane.error(answer.code)
                 frame = [error_frame(answer.code, answer.message)]
             else:
                 frame = [answer_header(sum(len(p) for p in answer)), *answer]
-                counters.lane_messages += 1
+                lane.latency.observe(passed)  # the kernel pass that answered it
             output.setdefault(connection, []).extend(frame)
         for connection, buffers in output.items():
             connection.write(buffers, answered.get(connection, 0))

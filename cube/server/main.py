@@ -64,6 +64,20 @@ FLAGS = (
     )
     .add("host", str, "127.0.0.1", "address to bind the lookups (0.0.0.0: every interface)")
     .add(
+        "metrics_port",
+        int,
+        -1,
+        "Prometheus metrics of every worker at http://<metrics_host>:<port>/metrics, served by"
+        " worker 0; -1: off, 0: any free port (in --port_file)",
+    )
+    .add(
+        "metrics_host",
+        str,
+        "127.0.0.1",
+        "address to bind the metrics (no token: they reveal counts, versions and timings, not"
+        " data)",
+    )
+    .add(
         "control_port",
         int,
         -1,
@@ -248,6 +262,8 @@ def check_flags(flags: Flags) -> None:
         raise FlagError(f"--busy_poll_us must be in 0..1000000, got {flags.busy_poll_us}")
     if not 0 <= flags.port < 65536:
         raise FlagError(f"--port {flags.port} is not a port")
+    if not -1 <= flags.metrics_port < 65536:
+        raise FlagError(f"--metrics_port {flags.metrics_port} is not a port (or -1: off)")
     if flags.port == 0 and (flags.workers > 1 or flags.reuseport) and not flags.worker_ports:
         raise FlagError(
             "--port 0 (any free port) needs --workers 1 without --reuseport: clients and"
@@ -517,6 +533,21 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
             executor.shutdown(wait=False)
             return 1
         lane_bind = f"{_address(flags.host, service.lane_port)} (TCP lane)"
+    metrics_server, metrics_port, metrics_note = None, 0, ""
+    if index == 0 and flags.metrics_port >= 0 and coordinator is not None:
+        from cube.server.metrics import serve_metrics
+
+        try:
+            metrics_server, metrics_port = serve_metrics(
+                flags.metrics_host, flags.metrics_port, coordinator.worker_states, loop
+            )
+        except OSError as exc:
+            reason = "port in use" if exc.errno == errno.EADDRINUSE else exc.strerror or exc
+            where = _address(flags.metrics_host, flags.metrics_port)
+            log.error("cannot serve metrics on %s (--metrics_port): %s", where, reason)
+            executor.shutdown(wait=False)
+            return 1
+        metrics_note = f", metrics on http://{_address(flags.metrics_host, metrics_port)}/metrics"
     try:
         name = startup_version(dirs)
         if flags.worker_peer >= 0:  # restarted: serve what the other workers serve
@@ -575,10 +606,11 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
     file_checker = asyncio.ensure_future(check_files())
     lookups = listening[:-1] + ([lane_bind] if lane else [])
     log.info(
-        "listening on %s%s, control on %s (worker %d of %d, dict_split %d, version %r)",
+        "listening on %s%s, control on %s%s (worker %d of %d, dict_split %d, version %r)",
         ", ".join(lookups),
         " over TLS" if tls.serves else "",
         listening[-1],
+        metrics_note,
         index,
         flags.workers,
         flags.dict_split,
@@ -590,6 +622,7 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
             "ports": ports,
             "control_ports": controls,
             "tcp_ports": [service.lane_port] if lane is not None and flags.workers == 1 else [],
+            "metrics_port": metrics_port,
         }
         try:
             atomic_write_json(flags.port_file, report, indent=None)
@@ -604,6 +637,8 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
         await lane.stop(flags.grace)
     await server.stop(flags.grace)
     await control_server.stop(1.0)
+    if metrics_server is not None:
+        metrics_server.shutdown()
     for remote in remotes:
         await remote.close()
     slots.close()

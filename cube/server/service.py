@@ -13,10 +13,13 @@ version is unmapped only after its last request.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
@@ -342,32 +345,91 @@ class ParsedSeek:
     count_bytes: bool = False
 
 
-class Counters:
-    """Request counters of one worker (reported by status)."""
+class Histogram:
+    """Counts per bucket (bounds are upper bounds; the last bucket is +Inf) and the sum: one
+    bisect and two additions an observation, snapshotted for the metrics at scrape time."""
 
-    __slots__ = (
-        "errors",
-        "keys",
-        "lane_batches",
-        "lane_messages",
-        "original_requests",
-        "requests",
-        "stream_messages",
-        "unfound",
-    )
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"counts": list(self.counts), "sum": self.total}
+
+
+# server-side request time (seconds) and keys per request
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+BATCH_BUCKETS = (1, 10, 100, 500, 1000, 2000, 5000, 10000, 50000)
+APIS = ("seek", "seek_stream", "lane", "original")  # cube.v1 unary, stream, TCP lane, rec.mcube
+
+
+class ApiCounters:
+    """What one lookup API of one worker answered: updated once per request (and misses once
+    per kernel pass), never per key."""
+
+    __slots__ = ("batch", "errors", "keys", "latency", "misses", "requests")
 
     def __init__(self) -> None:
-        self.requests = 0
-        self.stream_messages = 0
-        self.lane_messages = 0
-        self.lane_batches = 0  # kernel passes of the lane (lane_messages / this = requests each)
-        self.original_requests = 0
+        self.requests = 0  # answered
         self.keys = 0
-        self.unfound = 0
-        self.errors = 0
+        self.misses = 0
+        self.errors: dict[str, int] = {}  # gRPC status name -> requests refused with it
+        self.latency = Histogram(LATENCY_BUCKETS)
+        self.batch = Histogram(BATCH_BUCKETS)
+
+    def error(self, code: grpc.StatusCode) -> None:
+        self.errors[code.name] = self.errors.get(code.name, 0) + 1
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "keys": self.keys,
+            "misses": self.misses,
+            "errors": dict(self.errors),
+            "latency": self.latency.snapshot(),
+            "batch": self.batch.snapshot(),
+        }
+
+
+class Counters:
+    """Request counters of one worker, per API (reported by status and the metrics)."""
+
+    __slots__ = ("api", "inflight", "lane_batches")
+
+    def __init__(self) -> None:
+        self.api = {name: ApiCounters() for name in APIS}
+        self.lane_batches = 0  # kernel passes of the lane
+        self.inflight = 0  # gRPC lookups being answered
 
     def as_dict(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in self.__slots__}
+        """The totals status has always shown."""
+        api = self.api
+        fast = api["seek"].requests + api["seek_stream"].requests + api["lane"].requests
+        return {
+            "requests": fast,
+            "stream_messages": api["seek_stream"].requests,
+            "lane_messages": api["lane"].requests,
+            "lane_batches": self.lane_batches,
+            "original_requests": api["original"].requests,
+            "keys": sum(c.keys for c in api.values()),
+            "unfound": sum(c.misses for c in api.values()),
+            "errors": sum(sum(c.errors.values()) for c in api.values()),
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything, for the metrics endpoint (worker 0 gathers every worker's)."""
+        return {
+            "api": {name: c.snapshot() for name, c in self.api.items()},
+            "lane_batches": self.lane_batches,
+            "inflight": self.inflight,
+        }
 
 
 DEFAULT_MAX_ANSWER_BYTES = 64 << 20
@@ -486,9 +548,9 @@ class SeekService:
             f" {self.max_answer_bytes} (--max_answer_bytes): split the batch",
         )
 
-    def seek(self, raw: bytes) -> bytes:
+    def seek(self, raw: bytes, api: str = "seek") -> bytes:
         """cube.v1 SeekRequest bytes -> SeekResponse bytes."""
-        (answer,) = self.answer_seeks([self.parse_seek(raw)])
+        (answer,) = self.answer_seeks([self.parse_seek(raw)], api)
         if isinstance(answer, RequestError):
             raise answer
         return b"".join(answer)
@@ -513,7 +575,9 @@ class SeekService:
         version, bound = self._hold(request.version, keys, what)
         return ParsedSeek(request.request_id, keys, version, bound, bound > self.max_answer_bytes)
 
-    def answer_seeks(self, seeks: Sequence[ParsedSeek]) -> list[list[Buffer] | RequestError]:
+    def answer_seeks(
+        self, seeks: Sequence[ParsedSeek], api: str = "lane"
+    ) -> list[list[Buffer] | RequestError]:
         """SeekResponse bytes (as buffers) for parsed requests, in order, or the error of a
         request that could not be answered; each request's version is released here.
         Requests on the same version are looked up together: one kernel pass over all their
@@ -527,16 +591,16 @@ class SeekService:
                 if version is None:
                     answers[index] = empty_answer(parsed.keys.shape[0])
                 elif parsed.count_bytes:
-                    answers[index] = self._answer_one(parsed)
+                    answers[index] = self._answer_one(parsed, api)
                 else:
                     groups.setdefault(id(version), []).append(index)
             for members in groups.values():
-                self._answer_group(seeks, members, answers)
+                self._answer_group(seeks, members, answers, api)
         finally:
             for parsed in seeks:
                 if parsed.version is not None:
                     parsed.version.release()
-        counters = self.counters
+        counters = self.counters.api[api]
         responses: list[list[Buffer] | RequestError] = []
         for parsed, answer in zip(seeks, answers, strict=True):
             assert answer is not None
@@ -546,8 +610,9 @@ class SeekService:
             count = parsed.keys.shape[0]
             counters.requests += 1
             counters.keys += count
+            counters.batch.observe(count)
             if parsed.version is None:
-                counters.unfound += count
+                counters.misses += count
             name = parsed.version.name if parsed.version is not None else ""
             responses.append(seek_response_parts(answer, name, parsed.request_id))
         return responses
@@ -557,6 +622,7 @@ class SeekService:
         seeks: Sequence[ParsedSeek],
         members: list[int],
         answers: list[Answer | RequestError | None],
+        api: str,
     ) -> None:
         """One kernel pass over the keys of requests on one version (answers set in place)."""
         version = seeks[members[0]].version
@@ -582,11 +648,11 @@ class SeekService:
                 )
                 return
             for index in members:  # one at a time: only the request at fault fails
-                self._answer_group(seeks, [index], answers)
+                self._answer_group(seeks, [index], answers, api)
             return
         found = merged.found
         unfound = found.shape[0] - int(np.count_nonzero(found))
-        self.counters.unfound += unfound  # once a pass
+        self.counters.api[api].misses += unfound  # once a pass
         if unfound and version.routing is not None:
             for index in members:
                 answer = answers[index]
@@ -597,7 +663,7 @@ class SeekService:
                 if refusal is not None:
                     answers[index] = refusal
 
-    def _answer_one(self, parsed: ParsedSeek) -> Answer | RequestError:
+    def _answer_one(self, parsed: ParsedSeek, api: str) -> Answer | RequestError:
         """A request whose values may exceed the byte bound: counted before gathering."""
         version = parsed.version
         assert version is not None
@@ -611,7 +677,8 @@ class SeekService:
         except Exception:
             log.exception("answering %s failed", what)
             return RequestError(grpc.StatusCode.INTERNAL, "the lookup failed (see the server log)")
-        self.counters.unfound += answer.found.shape[0] - int(np.count_nonzero(answer.found))
+        misses = answer.found.shape[0] - int(np.count_nonzero(answer.found))
+        self.counters.api[api].misses += misses
         return self._misrouted(version, parsed.keys, answer.found, what) or answer
 
     @staticmethod
@@ -649,10 +716,11 @@ class SeekService:
             refusal = self._misrouted(version, keys, answer.found, "seek")
             if refusal is not None:
                 raise refusal
-        counters = self.counters
-        counters.original_requests += 1
+        counters = self.counters.api["original"]
+        counters.requests += 1
         counters.keys += count
-        counters.unfound += count - int(np.count_nonzero(answer.found))
+        counters.batch.observe(count)
+        counters.misses += count - int(np.count_nonzero(answer.found))
         return encode_dict_response(answer, name if request.version_required else None)
 
     @staticmethod
@@ -675,12 +743,19 @@ class SeekService:
     async def _seek_rpc(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         if not raw:  # an empty request: a client's first contact (discovery)
             await context.send_initial_metadata(self.discovery_metadata())
+        counters = self.counters
+        started = time.perf_counter()
+        counters.inflight += 1
         try:
-            return self.seek(raw)
+            answer = self.seek(raw)
         except RequestError as exc:
-            self.counters.errors += 1
+            counters.api["seek"].error(exc.code)
             await context.abort(exc.code, exc.message)
             raise  # not reached: abort raises
+        finally:
+            counters.inflight -= 1
+        counters.api["seek"].latency.observe(time.perf_counter() - started)
+        return answer
 
     async def _seek_stream_rpc(
         self, _requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
@@ -690,22 +765,30 @@ class SeekService:
             raw = await context.read()
             if raw is grpc.aio.EOF:
                 return
+            started = time.perf_counter()
             try:
-                answer = self.seek(raw)
+                answer = self.seek(raw, "seek_stream")
             except RequestError as exc:
-                self.counters.errors += 1
+                self.counters.api["seek_stream"].error(exc.code)
                 await context.abort(exc.code, exc.message)
                 return
-            self.counters.stream_messages += 1
+            self.counters.api["seek_stream"].latency.observe(time.perf_counter() - started)
             await context.write(answer)
 
     async def _dict_seek_rpc(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        counters = self.counters
+        started = time.perf_counter()
+        counters.inflight += 1
         try:
-            return self.seek_original(raw)
+            answer = self.seek_original(raw)
         except RequestError as exc:
-            self.counters.errors += 1
+            counters.api["original"].error(exc.code)
             await context.abort(exc.code, exc.message)
             raise
+        finally:
+            counters.inflight -= 1
+        counters.api["original"].latency.observe(time.perf_counter() - started)
+        return answer
 
     def handlers(self) -> list[grpc.GenericRpcHandler]:
         """Raw-bytes handlers for both lookup services."""

@@ -1,0 +1,159 @@
+"""Prometheus metrics of a cube-server, one scrape endpoint for all its workers.
+
+The hot path only adds to plain per-worker counters (`service.Counters`: once per request,
+misses once per kernel pass, never per key). At scrape time worker 0 gathers every worker's
+snapshot over the internal control channel (`Coordinator.worker_states`) and `ServerCollector`
+turns them into metric families, each labelled by `worker` (a restarted worker's counters
+restart at zero, which Prometheus reads as a counter reset). prometheus_client serves them
+from its own thread (`start_http_server`), which asks the event loop for the snapshots.
+Names and units follow Prometheus conventions; no label takes a key, and a version appears
+only in `cube_server_version_info` (at most two series per worker at a time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+from prometheus_client import start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from cube.server.service import APIS, BATCH_BUCKETS, LATENCY_BUCKETS
+
+log = logging.getLogger("cube.server")
+
+GATHER_TIMEOUT = 5.0  # seconds a scrape waits for the workers' snapshots
+
+
+def _buckets(bounds: tuple[float, ...], snapshot: dict[str, Any]) -> list[tuple[str, float]]:
+    """Cumulative (upper bound, count) pairs, ending with +Inf, from per-bucket counts."""
+    out, running = [], 0
+    for bound, count in zip((*bounds, float("inf")), snapshot["counts"], strict=True):
+        running += count
+        out.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
+    return out
+
+
+class ServerCollector(Collector):
+    """Metric families from the workers' states (`LocalWorker.state()` dicts)."""
+
+    def __init__(self, gather: Callable[[], list[dict[str, Any]]]) -> None:
+        self.gather = gather
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            states = self.gather()
+        except Exception as exc:  # a scrape must answer; say what failed in the log
+            log.warning("metrics: cannot gather the workers' state: %s", exc)
+            states = []
+        worker_up = GaugeMetricFamily(
+            "cube_server_worker_up", "1 when the worker answered this scrape", labels=["worker"]
+        )
+        requests = CounterMetricFamily(
+            "cube_server_requests", "Lookup requests answered", labels=["worker", "api"]
+        )
+        keys = CounterMetricFamily(
+            "cube_server_keys", "Keys looked up, by outcome", labels=["worker", "api", "outcome"]
+        )
+        errors = CounterMetricFamily(
+            "cube_server_request_errors",
+            "Lookup requests refused, by gRPC status",
+            labels=["worker", "api", "code"],
+        )
+        latency = HistogramMetricFamily(
+            "cube_server_request_duration_seconds",
+            "Server-side time to answer a request (the TCP lane: its kernel pass)",
+            labels=["worker", "api"],
+        )
+        batch = HistogramMetricFamily(
+            "cube_server_request_keys", "Keys per request", labels=["worker", "api"]
+        )
+        inflight = GaugeMetricFamily(
+            "cube_server_inflight_requests", "gRPC lookups being answered", labels=["worker"]
+        )
+        connections = GaugeMetricFamily(
+            "cube_server_lane_connections", "Open TCP lane connections", labels=["worker"]
+        )
+        serving = GaugeMetricFamily(
+            "cube_server_serving", "1 when the worker serves a version", labels=["worker"]
+        )
+        loading = GaugeMetricFamily(
+            "cube_server_loading", "1 while a version is being loaded", labels=["worker"]
+        )
+        info = GaugeMetricFamily(
+            "cube_server_version_info",
+            "The versions a worker holds (slot: current or background)",
+            labels=["worker", "slot", "version"],
+        )
+        records = GaugeMetricFamily(
+            "cube_server_version_records", "Records of a held version", labels=["worker", "slot"]
+        )
+        data = GaugeMetricFamily(
+            "cube_server_version_data_bytes",
+            "Value bytes mapped for a held version",
+            labels=["worker", "slot"],
+        )
+        load = GaugeMetricFamily(
+            "cube_server_version_load_seconds",
+            "Time the held version took to load",
+            labels=["worker", "slot"],
+        )
+        for state in states:
+            worker = str(state.get("worker", "?"))
+            up = "error" not in state
+            worker_up.add_metric([worker], 1.0 if up else 0.0)
+            if not up:
+                continue
+            metrics = state["metrics"]
+            for api in APIS:
+                counters = metrics["api"][api]
+                requests.add_metric([worker, api], counters["requests"])
+                misses = counters["misses"]
+                keys.add_metric([worker, api, "hit"], counters["keys"] - misses)
+                keys.add_metric([worker, api, "miss"], misses)
+                for code, count in sorted(counters["errors"].items()):
+                    errors.add_metric([worker, api, code], count)
+                for family, bounds, name in (
+                    (latency, LATENCY_BUCKETS, "latency"),
+                    (batch, BATCH_BUCKETS, "batch"),
+                ):
+                    snapshot = counters[name]
+                    family.add_metric([worker, api], _buckets(bounds, snapshot), snapshot["sum"])
+            inflight.add_metric([worker], metrics["inflight"])
+            connections.add_metric([worker], state.get("lane", {}).get("connections", 0))
+            serving.add_metric([worker], 1.0 if state.get("serving") else 0.0)
+            loading.add_metric([worker], 1.0 if state.get("loading") else 0.0)
+            for slot, version in state.get("versions", {}).items():
+                info.add_metric([worker, slot, version["version"]], 1.0)
+                records.add_metric([worker, slot], version["record_count"])
+                data.add_metric([worker, slot], version["data_bytes"])
+                load.add_metric([worker, slot], version["load_seconds"])
+        yield from (worker_up, requests, keys, errors, latency, batch, inflight, connections)
+        yield from (serving, loading, info, records, data, load)
+
+
+def serve_metrics(
+    host: str,
+    port: int,
+    gather: Callable[[], Awaitable[list[dict[str, Any]]]],
+    loop: asyncio.AbstractEventLoop,
+) -> tuple[Any, int]:
+    """Serve /metrics on host:port (0: any free port) from prometheus_client's thread; the
+    snapshots are gathered on `loop`. Returns (the HTTP server, to shut down; its port)."""
+
+    def gather_now() -> list[dict[str, Any]]:
+        future = asyncio.run_coroutine_threadsafe(gather(), loop)
+        return future.result(GATHER_TIMEOUT)
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ServerCollector(gather_now))
+    server, _thread = start_http_server(port, host, registry=registry)
+    return server, int(server.server_port)

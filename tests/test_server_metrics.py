@@ -1,0 +1,141 @@
+"""cube-server's Prometheus endpoint on real processes: the counts match the requests sent on
+every API (TCP lane, gRPC Seek, the original DictService), misses and errors are counted
+apart, the versions match what is served, and one endpoint covers every worker."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from procs import fixed_values, running_server, write_version
+from prometheus_client.parser import text_string_to_metric_families
+
+from cube.client import CubeClient
+from cube.pb import cube_pb2
+from cube.processes import free_port
+
+pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
+
+KEYS = np.arange(1, 2001, dtype=np.uint64)
+WIDTH = 16
+VERSION = "1700000000"
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the endpoint: (name, sorted labels) -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        assert reply.headers["Content-Type"].startswith("text/plain")
+        text = reply.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def metrics_port(server) -> int:
+    return int(json.loads(server.port_file.read_text())["metrics_port"])
+
+
+@pytest.fixture
+def data(tmp_path):
+    write_version(tmp_path / "data", VERSION, KEYS, fixed_values(KEYS, WIDTH), current=True)
+    return tmp_path / "data"
+
+
+def test_counts_match_the_requests_sent_on_each_api(data):
+    with running_server(data, "--metrics_port", "0") as server:
+        port = metrics_port(server)
+        before = scrape(port)
+        assert value(before, "cube_server_worker_up", worker="0") == 1
+        assert value(before, "cube_server_version_info", worker="0", slot="current",
+                     version=VERSION) == 1  # fmt: skip
+        assert value(before, "cube_server_serving", worker="0") == 1
+        asked = np.concatenate([KEYS[:150], np.arange(10**6, 10**6 + 50, dtype=np.uint64)])
+        with CubeClient(shards=[[server.address]]) as lane:  # the TCP lane by default
+            for _ in range(7):
+                lane.seek(asked)
+        with CubeClient(shards=[[server.address]], transport="grpc") as unary:
+            for _ in range(3):
+                unary.seek(asked)
+        with grpc.insecure_channel(server.address) as channel:
+            original = channel.unary_unary("/rec.mcube.DictService/seek")
+            request = cube_pb2.DictRequest(keys=[int(k) for k in asked[:100]])
+            for _ in range(2):
+                original(request.SerializeToString(), timeout=10)
+            with pytest.raises(grpc.RpcError) as refused:  # keys of 7 bytes: INVALID_ARGUMENT
+                channel.unary_unary("/cube.v1.CubeService/Seek")(_bad_seek(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        after = scrape(port)
+
+    def delta(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    # the SDK's first contact (discovery) is an empty Seek: answered, with no keys
+    assert delta("cube_server_requests_total", worker="0", api="lane") == 7
+    assert delta("cube_server_keys_total", worker="0", api="lane", outcome="hit") == 7 * 150
+    assert delta("cube_server_keys_total", worker="0", api="lane", outcome="miss") == 7 * 50
+    grpc_requests = delta("cube_server_requests_total", worker="0", api="seek")
+    assert grpc_requests >= 3  # plus the discovery calls of both clients
+    assert delta("cube_server_keys_total", worker="0", api="seek", outcome="hit") == 3 * 150
+    assert delta("cube_server_keys_total", worker="0", api="seek", outcome="miss") == 3 * 50
+    assert delta("cube_server_requests_total", worker="0", api="original") == 2
+    assert delta("cube_server_keys_total", worker="0", api="original", outcome="hit") == 200
+    errors = delta(
+        "cube_server_request_errors_total", worker="0", api="seek", code="INVALID_ARGUMENT"
+    )
+    assert errors == 1
+    for api, count in (("lane", 7), ("seek", grpc_requests), ("original", 2)):
+        assert delta("cube_server_request_duration_seconds_count", worker="0", api=api) == count
+        assert delta("cube_server_request_keys_count", worker="0", api=api) == count
+    # 200 keys a request: in the (100, 500] bucket of the batch histogram
+    in_bucket = delta("cube_server_request_keys_bucket", worker="0", api="lane", le="500.0")
+    below = delta("cube_server_request_keys_bucket", worker="0", api="lane", le="100.0")
+    assert in_bucket - below == 7
+
+
+def _bad_seek() -> bytes:
+    from cube.pb import cube_fast_pb2
+
+    return cube_fast_pb2.SeekRequest(keys=b"1234567", request_id=9).SerializeToString()
+
+
+def test_one_endpoint_covers_every_worker(data):
+    port = free_port()
+    with running_server(data, "--metrics_port", str(port), workers=2) as server:
+        with CubeClient(shards=[[f"127.0.0.1:{server.ports[1]}"]]) as client:  # worker 1 only
+            for _ in range(4):
+                client.seek(KEYS[:10])
+        samples = scrape(port)
+    assert value(samples, "cube_server_worker_up", worker="0") == 1
+    assert value(samples, "cube_server_worker_up", worker="1") == 1
+    assert value(samples, "cube_server_requests_total", worker="1", api="lane") == 4
+    assert value(samples, "cube_server_requests_total", worker="0", api="lane") == 0
+    for worker in ("0", "1"):
+        assert value(samples, "cube_server_version_info", worker=worker, slot="current",
+                     version=VERSION) == 1  # fmt: skip
+
+
+def test_metrics_port_in_use_is_refused_at_once(data, tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "cube.server.main", "--data_dir", str(data), "--port", "0",
+             "--metrics_port", str(port)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert done.returncode == 1
+    assert f"127.0.0.1:{port} (--metrics_port): port in use" in done.stderr, done.stderr
