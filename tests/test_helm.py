@@ -265,3 +265,35 @@ def test_dockerfile_lints_and_pins_the_project_version():
     assert "USER 10001" in text and ":latest" not in text
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert chart["appVersion"] == version
+
+
+def test_metrics_port_annotations_and_service_monitor():
+    docs = objects(render())
+    assert of_kind(docs, "ServiceMonitor") == []  # no Prometheus Operator API: none
+    policy = next(
+        d for d in of_kind(docs, "NetworkPolicy") if d["metadata"]["name"].endswith("-shards")
+    )
+    open_ports = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    for doc, container in containers(docs):
+        if container["name"] != "cube-server":
+            continue
+        declared = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert int(arg(container, "metrics_port")) == declared["metrics"] in open_ports
+        annotations = doc["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/port"] == str(declared["metrics"])
+    docs = objects(
+        render("--set", "metrics.serviceMonitor.enabled=true",
+               "--api-versions", "monitoring.coreos.com/v1/ServiceMonitor")
+    )  # fmt: skip
+    monitors = of_kind(docs, "ServiceMonitor")
+    services = {d["metadata"]["name"]: d for d in of_kind(docs, "Service")}
+    assert len(monitors) == 2
+    for monitor in monitors:
+        service = services[monitor["metadata"]["name"]]
+        assert (
+            monitor["spec"]["selector"]["matchLabels"].items()
+            <= service["metadata"]["labels"].items()
+        )
+        assert monitor["spec"]["endpoints"][0]["port"] in {
+            p["name"] for p in service["spec"]["ports"]
+        }

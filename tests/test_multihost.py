@@ -212,6 +212,19 @@ def cluster(tmp_path_factory):
         node.close()
 
 
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a Prometheus endpoint: (name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
 def shard_pods(node: SimNode) -> list[str]:
     return sorted(name for name in node.pods if "-shard-" in name)
 
@@ -278,6 +291,19 @@ def test_base_then_delta_reach_every_replica_across_hosts(cluster):
             single.close()
         assert answer.get("version") == delta, answer
         np.testing.assert_array_equal(np.asarray(answer["values"], np.float32), expected[::97])
+    # each replica's metrics, scraped across the bridge as Prometheus would: the version it
+    # serves, and the lookups it answered (each replica of each shard answered some)
+    for pod in shard_pods(node):
+        samples = scrape(f"http://{node.pod(pod).ip}:9100/metrics")
+        held = [
+            dict(labels)["version"]
+            for (name, labels), v in samples.items()
+            if name == "cube_server_version_info" and dict(labels)["slot"] == "current" and v
+        ]
+        assert held == [delta], (pod, held)
+        answered = [v for (name, _), v in samples.items() if name == "cube_server_requests_total"]
+        answered = sum(answered)
+        assert answered > 0, pod
     for pod, container in node.containers():
         assert container.restarts == 0, (pod.spec.name, container.spec.name, node.report())
 
