@@ -103,7 +103,8 @@ def test_rollout_over_tls_with_tokens(tmp_path, pki):
         api_token="api-t0k",
     )
     transfer = spawn(
-        [command("cube-transfer"), "-p", "0", "--config", str(conf), "--poll_interval", "0.5"],
+        [command("cube-transfer"), "-p", "0", "--config", str(conf), "--poll_interval", "0.5",
+         "--metrics_port", "0"],
         tmp_path / "transfer.log",
     )  # fmt: skip
     try:
@@ -122,6 +123,19 @@ def test_rollout_over_tls_with_tokens(tmp_path, pki):
             return agent.status()["server"].get("cur_version") == "100"
 
         assert poll_until(served, WAIT, 0.2), (tmp_path / "transfer.log").read_text()[-3000:]
+        # the metrics endpoint (plain http, no token: counts and versions, never data)
+        (metrics_port,) = re.findall(
+            r"metrics on http://127.0.0.1:(\d+)/metrics", (tmp_path / "transfer.log").read_text()
+        )
+
+        def metrics() -> str:
+            url = f"http://127.0.0.1:{metrics_port}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                return reply.read().decode()
+
+        committed = 'cube_transfer_rollouts_total{dict="secure_dict",outcome="committed"} 1.0'
+        assert poll_until(lambda: committed in metrics(), WAIT, 0.2), metrics()
+        assert 'cube_transfer_live_version_info{dict="secure_dict",version="100"} 1.0' in metrics()
         with CubeClient(shards=[[server.address]]) as client:
             got = client.get_embeddings(keys, dim=4)
         assert (got == values).all()

@@ -945,3 +945,50 @@ def test_a_rollback_waiting_for_the_lock_sees_a_deployment_that_began_meanwhile(
             h.service.state.deployment = None
 
     run(body())
+
+
+def test_metrics_follow_the_rollouts(tmp_path):
+    """The transfer's metrics after real rollouts (fake agents): outcomes counted, phase
+    durations of committed rollouts, the live version, each replica's status and lag."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.registry import CollectorRegistry
+
+    from cube.transfer.metrics import TransferCollector
+
+    def scrape(h) -> dict:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(TransferCollector(h.service.metrics_snapshot))
+        text = generate_latest(registry).decode()
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    def get(samples, name, **labels):
+        return samples.get((name, tuple(sorted({"dict": "test_dict", **labels}.items()))))
+
+    async def body():
+        async with harness(tmp_path, 1, 2, extra="retries: 0") as h:
+            await roll_out(h, B1)
+            await roll_out(h, D1)
+            await roll_out(h, "1700000300", "FAIL")  # the build fails: aborted
+            samples = scrape(h)
+            assert get(samples, "cube_transfer_live_version_info", version=D1) == 1
+            assert get(samples, "cube_transfer_rollouts_total", outcome="committed") == 2
+            assert get(samples, "cube_transfer_rollouts_total", outcome="aborted") == 1
+            for phase in ("build", "download", "reload", "enable"):
+                count = get(samples, "cube_transfer_phase_duration_seconds_count", phase=phase)
+                assert count == 2, phase
+            for name in ("0_0", "0_1"):
+                assert get(samples, "cube_transfer_instance_behind", instance=name) == 0
+                assert get(samples, "cube_transfer_instance_reachable", instance=name) == 1
+            assert get(samples, "cube_transfer_last_success_timestamp_seconds") > 0
+            await h.service.rollback(B1)
+            samples = scrape(h)
+            assert get(samples, "cube_transfer_rollouts_total", outcome="rolled_back") == 1
+            assert get(samples, "cube_transfer_live_version_info", version=B1) == 1
+            assert get(samples, "cube_transfer_live_version_info", version=D1) is None
+
+    run(body())

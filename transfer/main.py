@@ -37,6 +37,8 @@ def flag_set() -> FlagSet:
     flags.add("poll_interval", float, 5.0, "seconds between donefile polls / reconciliations")
     flags.add("dead_timeout", float, 60.0, "give up on a silent agent within a phase after s")
     flags.add("keep_outputs", int, 3, "build outputs of the last N live versions to keep")
+    flags.add("metrics_port", int, -1, "Prometheus metrics at :PORT/metrics; -1: off, 0: any")
+    flags.add("metrics_host", str, "127.0.0.1", "address to bind the metrics (no token)")
     return flags
 
 
@@ -64,11 +66,23 @@ def setup_logging(level: int, log_dir: str, log_name: str) -> None:
     logging.getLogger("fsspec").setLevel(logging.WARNING)
 
 
-async def serve(service: TransferService, sockets: ListenSockets) -> int:
+async def serve(
+    service: TransferService, sockets: ListenSockets, metrics: tuple[str, int] | None = None
+) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    metrics_server = None
+    if metrics is not None:
+        from cube.transfer.metrics import serve_transfer_metrics
+
+        try:
+            metrics_server, port = serve_transfer_metrics(*metrics, service.metrics_snapshot, loop)
+        except OSError as exc:
+            log.error("cannot serve metrics on %s:%d (--metrics_port): %s", *metrics, exc.strerror)
+            return 1
+        log.info("metrics on http://%s:%d/metrics", metrics[0], port)
     await service.open()
     try:
         stop_listeners = await start_listeners(service, sockets)
@@ -90,6 +104,8 @@ async def serve(service: TransferService, sockets: ListenSockets) -> int:
             log.warning("worker did not stop within 10s")
         await stop_listeners()
         await service.close()
+        if metrics_server is not None:
+            metrics_server.shutdown()
     return 0
 
 
@@ -128,7 +144,8 @@ def run(argv: Sequence[str]) -> int:
         keep_outputs=max(flags.keep_outputs, 1),
     )
     try:
-        return asyncio.run(serve(service, sockets))
+        metrics = (flags.metrics_host, flags.metrics_port) if flags.metrics_port >= 0 else None
+        return asyncio.run(serve(service, sockets, metrics))
     except JournalError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -34,6 +35,7 @@ from cube.transfer.build_runner import BuildFailed, BuildRunner
 from cube.transfer.config import TransferConfig
 from cube.transfer.donefile import SourceUnavailable, read_donefile
 from cube.transfer.journal import Journal
+from cube.transfer.metrics import RolloutCounters
 from cube.transfer.reconcile import Reconciler
 from cube.transfer.state import (
     ROLLOUT,
@@ -86,6 +88,7 @@ class TransferService:
         self.reconciler: Reconciler | None = None
         self.builder = BuildRunner(cfg)
         self._donefile_errors: dict[str, str] = {}
+        self.rollout_counters = RolloutCounters()
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def open(self) -> None:
@@ -169,6 +172,7 @@ class TransferService:
             try:
                 text = await read_donefile(self.cfg.donefile_address, name)
             except SourceUnavailable as exc:
+                self.rollout_counters.donefile_errors += 1
                 if self._donefile_errors.get(name) != str(exc):
                     log.warning("donefile not readable: %s", exc)
                 self._donefile_errors[name] = str(exc)
@@ -271,6 +275,7 @@ class TransferService:
         build is fine but must not replace the live table); the reason is in its record, the
         journal and the log."""
         finish(rec, status, message, now())
+        self.rollout_counters.ended("aborted" if status == VersionStatus.FAILED else "refused")
         self.state.deployment = None
         await self.save()
         event = "deploy_failed" if status == "failed" else "deploy_refused"
@@ -392,6 +397,7 @@ class TransferService:
         rec.times["enabled"] = at
         live_on = f"live on {len(enabled)} of {len(self.cfg.instances)} instances"
         finish(rec, VersionStatus.FINISHED, live_on, at)
+        self.rollout_counters.ended("committed", rec.times, at)
         self.state.live_version = rec.version
         self.state.live_chain = list(rec.chain)
         self.state.live_since = at
@@ -510,12 +516,14 @@ class TransferService:
         switched, failure = await self._switch("rollback", dep, target, timeout)
         if failure:
             finish(rec, VersionStatus.FAILED, failure, now())
+            self.rollout_counters.ended("rollback_failed")
             self.state.deployment = None
             await self.save()
             log.error("rollback to %s failed: %s", dep.version, failure)
             return
         at = now()
         finish(rec, VersionStatus.FINISHED, f"rolled back on {len(switched)} instances", at)
+        self.rollout_counters.ended("rolled_back", at=at)
         self.state.live_version = target.version
         self.state.live_chain = list(target.chain)
         self.state.live_since = at
@@ -563,6 +571,26 @@ class TransferService:
         ]
         keep.update(Path(r.output).name for r in downloaded[-self.keep_outputs :])
         await asyncio.to_thread(_remove_outputs, self.cfg.output_address, keep)
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        """What the metrics show, taken on the event loop (transfer.metrics)."""
+        dep = self.state.deployment
+        return {
+            "dict": self.cfg.dict_name,
+            "live_version": self.state.live_version,
+            "live_since": self.state.live_since,
+            "phase": dep.phase if dep is not None else "",
+            "counters": self.rollout_counters.snapshot(),
+            "instances": {
+                name: {
+                    "status": str(inst.status),
+                    "version": inst.version,
+                    "reachable": inst.reachable,
+                    "catch_up_failures": inst.catch_up_failures,
+                }
+                for name, inst in self.state.instances.items()
+            },
+        }
 
     # -- queries used by the HTTP API (arguments validated there) -------------------------------
     async def register_meta(self, version: str, depend: str, shard: int, meta: str) -> None:

@@ -17,29 +17,20 @@ import logging
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-from prometheus_client import start_http_server
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
-from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.registry import Collector
 
+from cube.metrics import cumulative_buckets, serve_registry
 from cube.server.service import APIS, BATCH_BUCKETS, LATENCY_BUCKETS
 
 log = logging.getLogger("cube.server")
 
 GATHER_TIMEOUT = 5.0  # seconds a scrape waits for the workers' snapshots
-
-
-def _buckets(bounds: tuple[float, ...], snapshot: dict[str, Any]) -> list[tuple[str, float]]:
-    """Cumulative (upper bound, count) pairs, ending with +Inf, from per-bucket counts."""
-    out, running = [], 0
-    for bound, count in zip((*bounds, float("inf")), snapshot["counts"], strict=True):
-        running += count
-        out.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
-    return out
 
 
 class ServerCollector(Collector):
@@ -126,7 +117,8 @@ class ServerCollector(Collector):
                     (batch, BATCH_BUCKETS, "batch"),
                 ):
                     snapshot = counters[name]
-                    family.add_metric([worker, api], _buckets(bounds, snapshot), snapshot["sum"])
+                    buckets = cumulative_buckets(bounds, snapshot)
+                    family.add_metric([worker, api], buckets, snapshot["sum"])
             inflight.add_metric([worker], metrics["inflight"])
             connections.add_metric([worker], state.get("lane", {}).get("connections", 0))
             serving.add_metric([worker], 1.0 if state.get("serving") else 0.0)
@@ -146,14 +138,10 @@ def serve_metrics(
     gather: Callable[[], Awaitable[list[dict[str, Any]]]],
     loop: asyncio.AbstractEventLoop,
 ) -> tuple[Any, int]:
-    """Serve /metrics on host:port (0: any free port) from prometheus_client's thread; the
-    snapshots are gathered on `loop`. Returns (the HTTP server, to shut down; its port)."""
+    """Serve the server's metrics on host:port (0: any free port); the snapshots are gathered
+    on `loop` when scraped. Returns (the HTTP server, to shut down; its port)."""
 
     def gather_now() -> list[dict[str, Any]]:
-        future = asyncio.run_coroutine_threadsafe(gather(), loop)
-        return future.result(GATHER_TIMEOUT)
+        return asyncio.run_coroutine_threadsafe(gather(), loop).result(GATHER_TIMEOUT)
 
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(ServerCollector(gather_now))
-    server, _thread = start_http_server(port, host, registry=registry)
-    return server, int(server.server_port)
+    return serve_registry(host, port, ServerCollector(gather_now))

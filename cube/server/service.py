@@ -13,7 +13,6 @@ version is unmapped only after its last request.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import logging
 import time
@@ -27,6 +26,7 @@ import numpy as np
 from cube import wire
 from cube.index import TOMBSTONE
 from cube.layout import part_name
+from cube.metrics import Histogram
 from cube.pb import cube_fast_pb2, cube_pb2
 from cube.routing import MISROUTED_HINT, group_by_owner, shard_of
 from cube.server.versions import LoadedVersion, VersionSlots
@@ -343,25 +343,6 @@ class ParsedSeek:
     version: LoadedVersion | None
     answer_bound: int = 0
     count_bytes: bool = False
-
-
-class Histogram:
-    """Counts per bucket (bounds are upper bounds; the last bucket is +Inf) and the sum: one
-    bisect and two additions an observation, snapshotted for the metrics at scrape time."""
-
-    __slots__ = ("bounds", "counts", "total")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.total = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
-
-    def snapshot(self) -> dict[str, Any]:
-        return {"counts": list(self.counts), "sum": self.total}
 
 
 # server-side request time (seconds) and keys per request

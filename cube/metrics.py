@@ -1,0 +1,55 @@
+"""Metrics shared by the servers: a cheap histogram the hot paths update (one bisect and two
+additions), its Prometheus form, and the scrape endpoint. The servers keep plain counters and
+turn snapshots of them into metric families only when scraped (a custom Collector), which
+costs the hot path nothing beyond the additions.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+INF = float("inf")
+
+
+class Histogram:
+    """Counts per bucket (bounds are upper bounds; the last bucket is +Inf) and the sum: one
+    bisect and two additions an observation, snapshotted for the metrics at scrape time."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"counts": list(self.counts), "sum": self.total}
+
+
+def cumulative_buckets(
+    bounds: tuple[float, ...], snapshot: dict[str, Any]
+) -> list[tuple[str, float]]:
+    """Prometheus histogram buckets (cumulative, ending with +Inf) from a Histogram snapshot."""
+    out, running = [], 0
+    for bound, count in zip((*bounds, INF), snapshot["counts"], strict=True):
+        running += count
+        out.append(("+Inf" if bound == INF else repr(float(bound)), running))
+    return out
+
+
+def serve_registry(host: str, port: int, collector: Any) -> tuple[Any, int]:
+    """Serve `collector` at http://host:port/metrics (0: any free port) from
+    prometheus_client's own thread; returns (the server, to `shutdown()`; its port). No token:
+    the metrics say counts, versions and timings, never data."""
+    from prometheus_client import start_http_server
+    from prometheus_client.registry import CollectorRegistry
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    server, _thread = start_http_server(port, host, registry=registry)
+    return server, int(server.server_port)

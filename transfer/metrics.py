@@ -1,0 +1,164 @@
+"""Prometheus metrics of cube-transfer: where each dictionary stands (the live version, since
+when, the rollout in progress and its phase), how rollouts end, how long each phase takes, each
+replica's state and whether it is behind, and donefile poll errors.
+
+`RolloutCounters` is updated by the service as rollouts end (plain counters, monotonic for the
+life of the process); `TransferCollector` reads a snapshot taken on the event loop at scrape
+time. Labels are bounded: the dict, an outcome, a phase, an instance name from transfer.conf,
+an instance status; a version appears only in `cube_transfer_live_version_info`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from cube.metrics import Histogram, cumulative_buckets, serve_registry
+
+OUTCOMES = ("committed", "aborted", "refused", "rolled_back", "rollback_failed")
+PHASES = ("build", "download", "reload", "enable")
+# rollout phases take seconds to an hour
+PHASE_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+# (phase, the record time it starts at, the one it ends at)
+PHASE_TIMES = (
+    ("build", "build_start", "built"),
+    ("download", "built", "downloaded"),
+    ("reload", "downloaded", "reloaded"),
+    ("enable", "reloaded", "enabled"),
+)
+
+
+class RolloutCounters:
+    """How rollouts ended and how long their phases took, since the transfer started."""
+
+    def __init__(self) -> None:
+        self.outcomes = dict.fromkeys(OUTCOMES, 0)
+        self.phases = {phase: Histogram(PHASE_BUCKETS) for phase in PHASES}
+        self.donefile_errors = 0
+        self.last_success = 0.0  # when the last rollout (or rollback) made a version live
+
+    def ended(self, outcome: str, times: dict[str, float] | None = None, at: float = 0.0) -> None:
+        """A rollout ended with `outcome`; a committed one's phase durations from `times`."""
+        self.outcomes[outcome] += 1
+        if outcome in ("committed", "rolled_back"):
+            self.last_success = at
+        for phase, start, end in PHASE_TIMES if times and outcome == "committed" else ():
+            if start in times and end in times:
+                self.phases[phase].observe(times[end] - times[start])
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "outcomes": dict(self.outcomes),
+            "phases": {phase: h.snapshot() for phase, h in self.phases.items()},
+            "donefile_errors": self.donefile_errors,
+            "last_success": self.last_success,
+        }
+
+
+class TransferCollector(Collector):
+    """Metric families from `snapshot()`, a dict taken on the event loop (`service_snapshot`)."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot()
+        d = s["dict"]
+        live = GaugeMetricFamily(
+            "cube_transfer_live_version_info", "The version live now", labels=["dict", "version"]
+        )
+        if s["live_version"]:
+            live.add_metric([d, s["live_version"]], 1.0)
+        since = GaugeMetricFamily(
+            "cube_transfer_live_since_timestamp_seconds",
+            "When the live version went live (Unix time; 0: none yet)",
+            labels=["dict"],
+        )
+        since.add_metric([d], s["live_since"])
+        success = GaugeMetricFamily(
+            "cube_transfer_last_success_timestamp_seconds",
+            "When a rollout or rollback last made a version live, in this process (Unix time)",
+            labels=["dict"],
+        )
+        success.add_metric([d], s["counters"]["last_success"])
+        rollouts = CounterMetricFamily(
+            "cube_transfer_rollouts", "Rollouts ended, by outcome", labels=["dict", "outcome"]
+        )
+        for outcome, count in s["counters"]["outcomes"].items():
+            rollouts.add_metric([d, outcome], count)
+        phases = HistogramMetricFamily(
+            "cube_transfer_phase_duration_seconds",
+            "Duration of each phase of committed rollouts",
+            labels=["dict", "phase"],
+        )
+        for phase, snapshot in s["counters"]["phases"].items():
+            buckets = cumulative_buckets(PHASE_BUCKETS, snapshot)
+            phases.add_metric([d, phase], buckets, snapshot["sum"])
+        deploying = GaugeMetricFamily(
+            "cube_transfer_rollout_phase",
+            "1 for the phase of the rollout in progress (none: no rollout)",
+            labels=["dict", "phase"],
+        )
+        if s["phase"]:
+            deploying.add_metric([d, s["phase"]], 1.0)
+        errors = CounterMetricFamily(
+            "cube_transfer_donefile_poll_errors",
+            "Donefile reads that failed",
+            labels=["dict"],
+        )
+        errors.add_metric([d], s["counters"]["donefile_errors"])
+        state = GaugeMetricFamily(
+            "cube_transfer_instance_status",
+            "1 for each replica's status (the original's Instance.status names)",
+            labels=["dict", "instance", "status"],
+        )
+        behind = GaugeMetricFamily(
+            "cube_transfer_instance_behind",
+            "1 when a replica does not serve the live version",
+            labels=["dict", "instance"],
+        )
+        reachable = GaugeMetricFamily(
+            "cube_transfer_instance_reachable",
+            "1 when the replica's agent and server answer",
+            labels=["dict", "instance"],
+        )
+        failures = GaugeMetricFamily(
+            "cube_transfer_instance_catch_up_failures",
+            "Consecutive failed catch-ups of a replica",
+            labels=["dict", "instance"],
+        )
+        for name, inst in s["instances"].items():
+            state.add_metric([d, name, inst["status"]], 1.0)
+            lagging = bool(s["live_version"]) and inst["version"] != s["live_version"]
+            behind.add_metric([d, name], 1.0 if lagging else 0.0)
+            reachable.add_metric([d, name], 1.0 if inst["reachable"] else 0.0)
+            failures.add_metric([d, name], inst["catch_up_failures"])
+        yield from (live, since, success, rollouts, phases, deploying, errors)
+        yield from (state, behind, reachable, failures)
+
+
+def serve_transfer_metrics(
+    host: str,
+    port: int,
+    snapshot: Callable[[], dict[str, Any]],
+    loop: asyncio.AbstractEventLoop,
+) -> tuple[Any, int]:
+    """Serve the transfer's metrics on host:port (0: any free port); `snapshot` runs on
+    `loop` at scrape time. Returns (the HTTP server, to shut down; its port)."""
+
+    async def on_loop() -> dict[str, Any]:
+        return snapshot()
+
+    def snapshot_now() -> dict[str, Any]:
+        return asyncio.run_coroutine_threadsafe(on_loop(), loop).result(5.0)
+
+    return serve_registry(host, port, TransferCollector(snapshot_now))
