@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-DEB_PACKAGES := redis-server memcached
+DEB_PACKAGES := redis-server memcached prometheus
 
 .PHONY: demo test quick bench lint format install debs stubs tools clean
 
@@ -30,13 +30,14 @@ $(TOOLS_STAMP): deploy/tools/fetch_helm.py | $(STAMP)
 
 tools: $(TOOLS_STAMP)
 
-# Debian packages the tests and benchmarks need (redis-server, memcached), installed if missing.
+# Debian packages the tests and benchmarks need (redis-server, memcached; prometheus for its
+# promtool), installed if missing.
 debs:
 	@missing=""; for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages:$$missing"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	fi
 
 # Stubs are checked in; this regenerates them after a proto change (tests fail when stale).

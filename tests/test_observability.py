@@ -1,0 +1,128 @@
+"""The alert rules (deploy/prometheus/alerts.yml) and the Grafana dashboard
+(deploy/grafana/cube.json) stay true to what the services export: promtool checks the rules
+and every dashboard query (as recording rules), promtool's rule tests check that alerts fire,
+and every metric name they use is one the collectors produce."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import CollectorRegistry
+
+from cube.server.metrics import ServerCollector
+from cube.server.service import Counters
+from cube.transfer.metrics import RolloutCounters, TransferCollector
+
+REPO = Path(__file__).resolve().parent.parent
+ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
+DASHBOARD = REPO / "deploy" / "grafana" / "cube.json"
+RULE_TESTS = Path(__file__).parent / "prometheus" / "alerts_test.yml"
+PROMTOOL = shutil.which("promtool")
+needs_promtool = pytest.mark.skipif(
+    PROMTOOL is None, reason="promtool comes with Debian's prometheus package (make debs)"
+)
+METRIC = re.compile(r"\bcube_[a-z0-9_]+")
+
+
+def exported_names() -> set[str]:
+    """Every sample name the server and transfer collectors produce (from real counters)."""
+    counters = Counters()
+    counters.api["seek"].error(grpc.StatusCode.UNAVAILABLE)
+    worker = {
+        "worker": 0,
+        "metrics": counters.snapshot(),
+        "lane": {"connections": 1},
+        "serving": True,
+        "loading": False,
+        "versions": {
+            "current": {"version": "1", "record_count": 1, "data_bytes": 8, "load_seconds": 0.1}
+        },
+    }
+    rollouts = RolloutCounters()
+    rollouts.ended("committed", {"build_start": 0, "built": 1, "downloaded": 2}, 3.0)
+    transfer = {
+        "dict": "d",
+        "live_version": "1",
+        "live_since": 3.0,
+        "phase": "download",
+        "counters": rollouts.snapshot(),
+        "instances": {"0_0": {"status": "Init", "version": "1", "reachable": True,
+                              "catch_up_failures": 0}},
+    }  # fmt: skip
+    names = set()
+    for collector in (ServerCollector(lambda: [worker]), TransferCollector(lambda: transfer)):
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(collector)
+        for family in text_string_to_metric_families(generate_latest(registry).decode()):
+            names.update(sample.name for sample in family.samples)
+    return names
+
+
+def dashboard_queries() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+
+
+def alert_queries() -> list[str]:
+    rules = yaml.safe_load(ALERTS.read_text())
+    return [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
+
+
+def test_every_metric_used_is_exported():
+    names = exported_names()
+    for where, queries in (("alerts.yml", alert_queries()), ("cube.json", dashboard_queries())):
+        used = {m for q in queries for m in METRIC.findall(q)}
+        assert used, where
+        assert used <= names, f"{where} uses metrics nobody exports: {sorted(used - names)}"
+
+
+def test_metric_names_follow_the_conventions():
+    for name in exported_names():
+        assert name.startswith(("cube_server_", "cube_transfer_")), name
+        if "seconds" in name or "bytes" in name:
+            assert re.search(r"_(seconds|bytes)(_total|_bucket|_sum|_count)?$", name), name
+
+
+def test_dashboard_is_well_formed():
+    dashboard = json.loads(DASHBOARD.read_text())
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids)) and dashboard["uid"]
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    for panel in dashboard["panels"]:
+        assert panel["targets"] and panel["gridPos"]["w"] > 0, panel["title"]
+        for target in panel["targets"]:
+            for variable in re.findall(r"\$\{?(\w+)", json.dumps(target)):
+                assert variable in variables, (panel["title"], variable)
+
+
+@needs_promtool
+def test_promtool_checks_the_rules_and_every_dashboard_query(tmp_path):
+    done = subprocess.run([PROMTOOL, "check", "rules", str(ALERTS)], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    # dashboard queries as recording rules: promtool parses each as PromQL
+    records = [
+        {"record": f"cube:dashboard_query_{i}", "expr": query.replace("$job", ".*")}
+        for i, query in enumerate(dashboard_queries())
+    ]
+    rules = tmp_path / "dashboard_rules.yml"
+    rules.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": records}]}))
+    done = subprocess.run([PROMTOOL, "check", "rules", str(rules)], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@needs_promtool
+def test_alerts_fire_on_the_series_they_watch():
+    done = subprocess.run([PROMTOOL, "test", "rules", str(RULE_TESTS)], capture_output=True,
+                          text=True, timeout=60, cwd=RULE_TESTS.parent)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
