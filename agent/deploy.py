@@ -57,7 +57,8 @@ from cube.agent.layout import (
     read_version_file,
     write_version_file,
 )
-from cube.agent.tasks import Task, TaskFailed, TaskManager
+from cube.agent.metrics import AgentCounters, tree_bytes
+from cube.agent.tasks import SUCCEEDED, Task, TaskFailed, TaskManager
 from cube.agent.unpack import UnsafeTar, extract_shard_tar
 from cube.format import ShardFormatError
 from cube.fsutil import atomic_write_json, atomic_write_text, file_md5, fsync_dir
@@ -104,7 +105,29 @@ class Agent:
             exclusive=set(SERVER_COMMANDS),
             still_done=self._still_done,
             expected_errors=(BadRequest, FetchError, UnsafeTar, ServerError, OSError),
+            on_end=self._task_ended,
         )
+        self.counters = AgentCounters()
+
+    def _task_ended(self, task: Task) -> None:
+        seconds = max(0.0, task.finished_at - task.started_at)
+        self.counters.task_ended(task.command, task.state == SUCCEEDED, task.reason, seconds)
+
+    async def metrics_snapshot(self) -> dict[str, Any]:
+        """What the metrics show (agent.metrics); the disk walk runs in a thread."""
+        running: dict[str, int] = {}
+        for task in self.tasks.running():
+            running[task.command] = running.get(task.command, 0) + 1
+        disk = {
+            "data": await asyncio.to_thread(tree_bytes, self.layout.data_dir),
+            "downloads": await asyncio.to_thread(tree_bytes, self.layout.downloads_dir),
+        }
+        return {
+            "counters": self.counters.snapshot(),
+            "running": running,
+            "versions": len(self.versions),
+            "disk": disk,
+        }
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -239,6 +262,7 @@ class Agent:
             have = part.stat().st_size if part.exists() else 0
             phase("download", bytes=have, total=size)
             cap = None if size is not None else (have + shutil.disk_usage(folder).free) // 2
+            fetching = time.monotonic()
             got = await fetch_file(
                 source,
                 part,
@@ -248,8 +272,12 @@ class Agent:
                 cap=cap,  # without a size, room for the tar and its extraction bounds it
                 cap_why="half the free disk space; send size",
             )
+            self.counters.step("fetch", time.monotonic() - fetching)
+            self.counters.downloaded_bytes += max(0, got - have)
             phase("verify", bytes=got)
+            verifying = time.monotonic()
             digest = await asyncio.to_thread(file_md5, part)
+            self.counters.step("verify", time.monotonic() - verifying)
             if digest != want_md5:
                 part.unlink(missing_ok=True)
                 log.warning(
@@ -266,7 +294,9 @@ class Agent:
         tmp = self.layout.extract_dir(version)
         _remove(tmp)
         try:
+            extracting = time.monotonic()
             files = await asyncio.to_thread(extract_shard_tar, tar, tmp)
+            self.counters.step("extract", time.monotonic() - extracting)
             if req.get("mode") == "delta":
                 atomic_write_text(tmp / CHAIN_FILE, chain_text(req["chain"]))
             if vdir.exists():

@@ -41,6 +41,8 @@ def flag_set() -> FlagSet:
         required=True,
     )
     fs.add("host", str, "127.0.0.1", "address to bind")
+    fs.add("metrics_port", int, -1, "Prometheus metrics at :PORT/metrics; -1: off, 0: any")
+    fs.add("metrics_host", str, "127.0.0.1", "address to bind the metrics (no token)")
     fs.add(
         "deploy_path",
         str,
@@ -139,10 +141,23 @@ def config_from_flags(flags: Flags) -> AgentConfig:
 
 
 async def serve(
-    config: AgentConfig, host: str, port: int, token: str, tls: TLSFiles | None = None
+    config: AgentConfig,
+    host: str,
+    port: int,
+    token: str,
+    tls: TLSFiles | None = None,
+    metrics: tuple[str, int] | None = None,
 ) -> int:
     agent = Agent(config)
     agent.open()
+    metrics_server, metrics_line = None, ""
+    if metrics is not None:
+        from cube.agent.metrics import serve_agent_metrics
+
+        metrics_server, metrics_port = serve_agent_metrics(
+            *metrics, agent.metrics_snapshot, asyncio.get_running_loop()
+        )
+        metrics_line = f"cube-agent metrics on http://{metrics[0]}:{metrics_port}/metrics"
     runner = web.AppRunner(make_app(agent, token), access_log=None)
     await runner.setup()
     stop = asyncio.Event()
@@ -156,6 +171,8 @@ async def serve(
         bound = runner.addresses[0]
         scheme = "https" if ssl_context else "http"
         print(f"cube-agent listening on {scheme}://{bound[0]}:{bound[1]}", flush=True)
+        if metrics_server is not None:  # a second line, after the one tools wait for
+            print(metrics_line, flush=True)
         log.info(
             "cube-agent %s: deploy_path %s, server %s, auth %s",
             __version__,
@@ -167,6 +184,8 @@ async def serve(
     finally:
         await runner.cleanup()
         await agent.close()
+        if metrics_server is not None:
+            metrics_server.shutdown()
     return 0
 
 
@@ -184,7 +203,8 @@ def _main(argv: Sequence[str]) -> int:
                     " deploy", flags.host)  # fmt: skip
     tls = TLSFiles(flags.tls_cert, flags.tls_key)
     try:
-        return asyncio.run(serve(config, flags.host, flags.port, token, tls))
+        metrics = (flags.metrics_host, flags.metrics_port) if flags.metrics_port >= 0 else None
+        return asyncio.run(serve(config, flags.host, flags.port, token, tls, metrics))
     except OSError as exc:
         print(f"error: cube-agent: {exc}", file=sys.stderr)
         return 1

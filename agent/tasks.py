@@ -98,7 +98,9 @@ class TaskManager:
         exclusive: set[str],
         still_done: Callable[[Task, dict[str, Any]], Awaitable[bool]],
         expected_errors: tuple[type[BaseException], ...] = (),
+        on_end: Callable[[Task], None] = lambda task: None,
     ) -> None:
+        self.on_end = on_end  # told of every task that ends (the metrics count them)
         self.journal = journal
         self.runners = runners
         self.exclusive = exclusive
@@ -182,6 +184,7 @@ class TaskManager:
             task.finished_at = round(time.time(), 3)
             self._handles.pop((task.command, task.version), None)
             self._save(task)
+            self.on_end(task)
             log.info("%s %s: %s: %s", task.command, task.version, task.state, task.message)
 
     def _save(self, task: Task) -> None:

@@ -341,6 +341,7 @@ class AgentProc:
         self.token = token
         self.proc: subprocess.Popen | None = None
         self.url = ""
+        self.metrics_url = ""  # with --metrics_port: its http://.../metrics
         self.ssl_context: ssl.SSLContext | None = None  # trusts the agent's --tls_cert
 
     def start(self) -> AgentProc:
@@ -355,6 +356,8 @@ class AgentProc:
             self.stop()
             raise RuntimeError(f"cube-agent did not start: {line!r}")
         self.url = line.rsplit(" ", 1)[-1].strip()
+        if "--metrics_port" in self.args:
+            self.metrics_url = _read_line(self.proc, WAIT).rsplit(" ", 1)[-1].strip()
         return self
 
     def kill9(self) -> None:

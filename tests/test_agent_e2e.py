@@ -471,3 +471,44 @@ def test_transfer_agent_client_drives_a_real_agent(env):
     assert not bad.ok and "send reload first" in bad.message
     assert status["current"] == BASE and status["server"]["cur_version"] == BASE
     assert server_state(env.server.control_address) == (BASE, "")
+
+
+def test_metrics_count_tasks_steps_and_bytes(env):
+    """The agent's metrics endpoint after real tasks: outcomes, step timings, bytes fetched
+    and what is on disk."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape(url: str) -> dict:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            text = reply.read().decode()
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    agent = env.agent("--metrics_port", "0")
+    assert agent.metrics_url.startswith("http://127.0.0.1:")
+    src = tar_for(env, "b", seed=5)
+    deploy(agent, BASE, src)
+    bad = agent.run("download", "1700000500", source=src["source"], md5="0" * 32)
+    assert bad["state"] == "failed"
+    samples = scrape(agent.metrics_url)
+
+    def get(name: str, **labels: str) -> float:
+        return samples[(name, tuple(sorted(labels.items())))]
+
+    ok = {"outcome": "succeeded", "reason": ""}
+    for command in ("download", "reload", "enable"):
+        assert get("cube_agent_tasks_total", command=command, **ok) == 1
+    assert get("cube_agent_tasks_total", command="download", outcome="failed", reason="") == 1
+    size = (env.files / "b.tar").stat().st_size
+    assert get("cube_agent_downloaded_bytes_total") == 2 * size  # the failed one was fetched too
+    assert get("cube_agent_download_step_duration_seconds_count", step="fetch") == 2
+    assert get("cube_agent_download_step_duration_seconds_count", step="verify") == 2
+    assert get("cube_agent_download_step_duration_seconds_count", step="extract") == 1
+    assert get("cube_agent_versions_placed") == 1
+    assert get("cube_agent_disk_bytes", area="data") > 0
+    assert get("cube_agent_tasks_running", command="download") == 0
