@@ -25,11 +25,11 @@ from cube.client import (
 )
 
 PUBLIC = {
-    "AsyncCubeClient", "Attempt", "Backoff", "ConfError", "ConfigMismatchError", "CubeClient",
-    "CubeError", "DictConf", "KeyRangeError", "LoadBalancer", "MockTransport", "Partitioner",
-    "RequestRejectedError", "Retry", "SeekResult", "ShardUnavailableError", "Timeouts",
-    "Transport", "TransportError", "TransportName", "ValueSizeError", "VersionMismatchError",
-    "WireProtocol", "load_conf", "parse_conf", "version_order",
+    "AsyncCubeClient", "Attempt", "Backoff", "ClientStats", "ConfError", "ConfigMismatchError",
+    "CubeClient", "CubeError", "DictConf", "KeyRangeError", "LoadBalancer", "MockTransport",
+    "Partitioner", "RequestRejectedError", "Retry", "SeekResult", "ShardUnavailableError",
+    "Timeouts", "Transport", "TransportError", "TransportName", "ValueSizeError",
+    "VersionMismatchError", "WireProtocol", "load_conf", "parse_conf", "version_order",
 }  # fmt: skip
 
 
@@ -119,3 +119,35 @@ def test_mock_transport_errors_reach_the_caller_as_the_real_ones_do():
         pytest.raises(ShardUnavailableError, match="down"),
     ):
         client.seek([1])
+
+
+def test_client_stats_count_calls_retries_failovers_and_errors():
+    """ClientStats through the real client (a mock transport): a dead first replica makes
+    a retry and a failover on shard 0; the Prometheus collector exports it all."""
+    from prometheus_client import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    from cube.client import ClientStats
+    from cube.client.prometheus import ClientCollector
+
+    stats = ClientStats()
+    shards = [["dead:1", "a:1"], ["b:1"]]
+    mock = MockTransport(handler_with_a_dead_replica, version="17")
+    with CubeClient(shards, transport=mock, retry=2, stats=stats, load_balancer="rr",
+                    seed=1) as client:  # fmt: skip
+        for _ in range(4):
+            client.seek(np.arange(0, 60, dtype=np.uint64))
+    snap = stats.snapshot()
+    assert snap["calls"] == {"ok": 4} and sum(snap["latency"]["counts"]) == 4
+    shard0, shard1 = snap["shards"][0], snap["shards"][1]
+    assert shard0["sub_requests"] == 4 and shard1["sub_requests"] == 4
+    dead_first = shard0["retries"]  # rounds whose first try was the dead replica
+    assert dead_first >= 1 and shard0["failovers"] == dead_first and shard0["failed"] == 0
+    assert shard1 == {"sub_requests": 4, "retries": 0, "hedges": 0, "hedges_won": 0,
+                      "failovers": 0, "failed": 0}  # fmt: skip
+    assert [[0, "UNAVAILABLE", dead_first]] == snap["attempt_errors"]
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ClientCollector(stats, dict_name="emb"))
+    text = generate_latest(registry).decode()
+    assert 'cube_client_calls_total{dict="emb",outcome="ok"} 4.0' in text
+    assert f'cube_client_shard_failovers_total{{dict="emb",shard="0"}} {float(dead_first)}' in text

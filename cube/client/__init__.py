@@ -39,12 +39,14 @@ from cube.client.options import (
     TransportName,
     WireProtocol,
 )
+from cube.client.stats import ClientStats
 from cube.client.sync import CubeClient
 
 __all__ = [
     "AsyncCubeClient",
     "Attempt",
     "Backoff",
+    "ClientStats",
     "ConfError",
     "ConfigMismatchError",
     "CubeClient",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from collections.abc import Sequence
 from functools import partial
 from typing import Any, Self
@@ -14,6 +15,7 @@ from cube.client._core import (
     PROTOCOLS,
     Flow,
     Piece,
+    PieceOutcome,
     PieceRequest,
     make_plan,
     normalize_keys,
@@ -31,6 +33,7 @@ from cube.client.options import (
     TransportName,
     WireProtocol,
 )
+from cube.client.stats import ClientStats
 from cube.routing import PARTITIONERS, ShardRouting
 from cube.security import SecurityError
 
@@ -78,6 +81,9 @@ class ClientBase:
         trusting this PEM CA bundle ("" = the system's CAs), over gRPC and the TCP lane.
     tls_server_name: the name the servers' certificates carry, when it is not the host of
         their addresses (e.g. addresses by IP, certificates by DNS name).
+    stats: a `ClientStats` to count calls, latency, retries, backup requests won, failovers
+        and failed attempts per shard into (None, the default: nothing counted); export them
+        with `cube.client.prometheus.ClientCollector`.
     seed: of the load balancer's and the retries' randomness (tests).
     """
 
@@ -97,9 +103,11 @@ class ClientBase:
         busy_poll_us: float = 0,
         tls_ca: str | None = None,
         tls_server_name: str = "",
+        stats: ClientStats | None = None,
         seed: int | None = None,
     ) -> None:
         self.shards = normalize_shards(shards)
+        self.stats = stats
         if partitioner not in PARTITIONERS:
             raise ConfError(f"partitioner {partitioner!r} is not one of {', '.join(PARTITIONERS)}")
         if protocol not in PROTOCOLS:
@@ -160,6 +168,21 @@ class ClientBase:
             overrides = {**overrides, "timeout": Timeouts(float(overrides["timeout"]), backup)}
         settings.update(overrides)
         return cls(conf.shards, **settings)
+
+    def _observe_round(
+        self,
+        pieces: Sequence[Piece],
+        requests: Sequence[PieceRequest],
+        outcomes: list[PieceOutcome],
+    ) -> list[PieceOutcome]:
+        if self.stats is not None:
+            self.stats.round([pieces[r.piece].shard for r in requests], outcomes)
+        return outcomes
+
+    def _observe_call(self, started: float, error: BaseException | None = None) -> None:
+        if self.stats is not None:
+            outcome = "ok" if error is None else type(error).__name__
+            self.stats.call(outcome, time.perf_counter() - started)
 
     @property
     def shard_num(self) -> int:

@@ -398,6 +398,10 @@ class PieceOutcome:
     attempts: tuple[Attempt, ...] = ()
     rejected: Attempt | None = None  # a non-retryable status: raise at once
     version_unavailable: bool = False  # pinned request, no replica holds that version
+    retries: int = 0  # attempts after a failure
+    hedges: int = 0  # backup requests sent
+    hedge_won: bool = False  # the answer came from a backup request
+    failover: bool = False  # the answer came from another replica than the first one tried
 
 
 Flow = Generator[list[PieceRequest], list[PieceOutcome], SeekResult]

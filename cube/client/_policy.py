@@ -292,6 +292,8 @@ class ShardCall:
         self._next_attempt = 0
         self._retries = 0
         self._hedges = 0
+        self._first: int | None = None  # the replica tried first
+        self._won: _InFlight | None = None  # the attempt that answered
         self.retry_at: float | None = None
         self.hedge_at: float | None = None
 
@@ -314,6 +316,7 @@ class ShardCall:
             message = f"answered version {answer.version!r}, asked for {self.pinned_version!r}"
             return self.on_error(attempt, VERSION_UNAVAILABLE, message, now)
         del self.inflight[attempt]
+        self._won = flight
         replica = self.group.replicas[flight.replica]
         replica.end()
         replica.succeeded(now - flight.started)
@@ -379,7 +382,17 @@ class ShardCall:
             and self.pinned_version is not None
             and any(a.code == VERSION_UNAVAILABLE for a in self.attempts)
         )
-        return PieceOutcome(self.answer, tuple(self.attempts), self.rejected, unavailable)
+        won = self._won
+        return PieceOutcome(
+            self.answer,
+            tuple(self.attempts),
+            self.rejected,
+            unavailable,
+            retries=self._retries,
+            hedges=self._hedges,
+            hedge_won=won is not None and won.hedge,
+            failover=won is not None and not won.hedge and won.replica != self._first,
+        )
 
     # -- internals -----------------------------------------------------------------------
 
@@ -393,6 +406,8 @@ class ShardCall:
             self._hedges += 1
         attempt = self._next_attempt
         self._next_attempt += 1
+        if self._first is None:
+            self._first = choice
         self.tried.add(choice)
         self.inflight[attempt] = _InFlight(choice, now, hedge)
         replica = group.replicas[choice]

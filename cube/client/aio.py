@@ -41,14 +41,19 @@ class AsyncCubeClient(ClientBase):
         """As CubeClient.seek."""
         if self._closed:
             raise CubeError("the client is closed")
-        pieces, flow = self._flow(keys, version)
+        started = time.perf_counter()
         try:
+            pieces, flow = self._flow(keys, version)
             requests = next(flow)
             while True:
                 requests = flow.send(await self._run(pieces, requests))
         except StopIteration as done:
+            self._observe_call(started)
             result: SeekResult = done.value
             return result
+        except CubeError as exc:
+            self._observe_call(started, exc)
+            raise
 
     async def get_embeddings(self, keys: object, dim: int, dtype: Any = "float32") -> np.ndarray:
         """As CubeClient.get_embeddings."""
@@ -105,7 +110,7 @@ class AsyncCubeClient(ClientBase):
         finally:
             for call in handles.values():
                 call.cancel()
-        return round_.outcomes()
+        return self._observe_round(pieces, requests, round_.outcomes())
 
     def _execute(
         self, actions: list[Action], events: asyncio.Queue[Any], handles: dict[tuple[int, int], Any]

@@ -67,14 +67,19 @@ class CubeClient(ClientBase):
         VersionMismatchError or KeyRangeError."""
         if self._closed:
             raise CubeError("the client is closed")
-        pieces, flow = self._flow(keys, version)
+        started = time.perf_counter()
         try:
+            pieces, flow = self._flow(keys, version)
             requests = next(flow)
             while True:
                 requests = flow.send(self._run(pieces, requests))
         except StopIteration as done:
+            self._observe_call(started)
             result: SeekResult = done.value
             return result
+        except CubeError as exc:
+            self._observe_call(started, exc)
+            raise
 
     def get_embeddings(self, keys: object, dim: int, dtype: Any = "float32") -> np.ndarray:
         """(n, dim) array of `dtype`, zero rows for misses; ValueSizeError names a key whose
@@ -114,7 +119,7 @@ class CubeClient(ClientBase):
                 for handle in pending.values():  # attempts nobody waits for any more
                     if handle is not None:
                         handle.cancel()
-                return round_.outcomes()
+                return self._observe_round(pieces, requests, round_.outcomes())
             timeout = round_.next_wakeup() - time.monotonic()
             try:
                 event = events.get(timeout=timeout) if timeout > 0 else events.get_nowait()
