@@ -18,6 +18,10 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
+from cube.agent.metrics import AgentCollector, AgentCounters
+from cube.client import Attempt, ClientStats
+from cube.client._core import PieceOutcome
+from cube.client.prometheus import ClientCollector
 from cube.server.metrics import ServerCollector
 from cube.server.service import Counters
 from cube.transfer.metrics import RolloutCounters, TransferCollector
@@ -58,13 +62,33 @@ def exported_names() -> set[str]:
         "instances": {"0_0": {"status": "Init", "version": "1", "reachable": True,
                               "catch_up_failures": 0}},
     }  # fmt: skip
+    agent_counters = AgentCounters()
+    agent_counters.task_ended("download", True, "", 1.0)
+    agent = {"counters": agent_counters.snapshot(), "running": {}, "versions": 1,
+             "disk": {"data": 1, "downloads": 1}}  # fmt: skip
+    stats = ClientStats()
+    stats.call("ok", 0.001)
+    stats.round([0], [PieceOutcome(None, (Attempt("a:1", "UNAVAILABLE", "down"),))])
+    collectors = (
+        ServerCollector(lambda: [worker]),
+        TransferCollector(lambda: transfer),
+        AgentCollector(lambda: agent),
+        ClientCollector(stats),
+    )
     names = set()
-    for collector in (ServerCollector(lambda: [worker]), TransferCollector(lambda: transfer)):
+    for collector in collectors:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(collector)
         for family in text_string_to_metric_families(generate_latest(registry).decode()):
             names.update(sample.name for sample in family.samples)
     return names
+
+
+def test_every_metric_is_documented():
+    text = (REPO / "docs" / "METRICS.md").read_text()
+    families = {re.sub(r"_(total|bucket|sum|count)$", "", name) for name in exported_names()}
+    missing = sorted(f for f in families if f"`{f}" not in text)
+    assert not missing, f"docs/METRICS.md lacks {missing}"
 
 
 def dashboard_queries() -> list[str]:
@@ -87,7 +111,7 @@ def test_every_metric_used_is_exported():
 
 def test_metric_names_follow_the_conventions():
     for name in exported_names():
-        assert name.startswith(("cube_server_", "cube_transfer_")), name
+        assert name.startswith(("cube_server_", "cube_transfer_", "cube_agent_", "cube_client_"))
         if "seconds" in name or "bytes" in name:
             assert re.search(r"_(seconds|bytes)(_total|_bucket|_sum|_count)?$", name), name
 
