@@ -22,6 +22,7 @@ from cube.agent.api import make_app
 from cube.agent.deploy import Agent, AgentConfig
 from cube.agent.fetch import FetchPolicy, SourcePolicy
 from cube.flags import FlagError, Flags, FlagSet, run_cli
+from cube.logs import LOG_FORMATS, setup_logging
 from cube.security import TLSFiles, is_loopback, require_token, server_context, token_from
 
 log = logging.getLogger("cube.agent")
@@ -75,6 +76,7 @@ def flag_set() -> FlagSet:
     fs.add("tls_ca", str, "", "PEM CA bundle trusted for https:// downloads (default: system's)")
     fs.add("keep", int, 2, "versions kept on disk besides the serving chain")
     fs.add("log_level", str, "INFO", "log level", choices=LOG_LEVELS)
+    fs.add("log_format", str, "text", "text lines, or one JSON object a line", choices=LOG_FORMATS)
     fs.add("download_timeout", float, 3600.0, "seconds for one download, all attempts")
     fs.add("download_attempts", int, 5, "attempts per download (each resumes the .part)")
     fs.add("download_backoff", float, 1.0, "seconds before the 2nd attempt, doubled each time")
@@ -193,9 +195,7 @@ def _main(argv: Sequence[str]) -> int:
     flags = flag_set().parse(argv)
     config = config_from_flags(flags)
     level = getattr(logging, flags.log_level)
-    logging.basicConfig(
-        level=max(level, logging.INFO), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging("cube-agent", max(level, logging.INFO), flags.log_format)
     log.setLevel(level)  # DEBUG is for the agent, not for grpc's and asyncio's internals
     token = token_from(flags.token, "CUBE_TOKEN")
     if not token and not is_loopback(flags.host):

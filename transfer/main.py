@@ -15,7 +15,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from cube.flags import FlagError, FlagSet, run_cli
+from cube.flags import FlagError, Flags, FlagSet, run_cli
+from cube.logs import LOG_FORMATS, setup_logging
 from cube.security import SecurityError, TLSFiles, require_token
 from cube.transfer.config import ConfigError, load_config
 from cube.transfer.http_api import ListenSockets, bind_listeners, start_listeners
@@ -34,6 +35,8 @@ def flag_set() -> FlagSet:
               aliases=("l",))  # fmt: skip
     flags.add("log_dir", str, "", "also log to <log_dir>/<log_name>.log")
     flags.add("log_name", str, "transfer", "log file name (without .log)")
+    flags.add("log_format", str, "text", "text lines, or one JSON object a line",
+              choices=LOG_FORMATS)  # fmt: skip
     flags.add("poll_interval", float, 5.0, "seconds between donefile polls / reconciliations")
     flags.add("dead_timeout", float, 60.0, "give up on a silent agent within a phase after s")
     flags.add("keep_outputs", int, 3, "build outputs of the last N live versions to keep")
@@ -51,17 +54,9 @@ def log_level(text: str) -> int:
     return level
 
 
-def setup_logging(level: int, log_dir: str, log_name: str) -> None:
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
-    if log_dir:
-        Path(log_dir).mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(Path(log_dir) / f"{log_name}.log"))
-    logging.basicConfig(
-        level=level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        handlers=handlers,
-        force=True,
-    )
+def configure_logging(flags: Flags) -> None:
+    log_file = Path(flags.log_dir) / f"{flags.log_name}.log" if flags.log_dir else None
+    setup_logging("cube-transfer", log_level(flags.log_level), flags.log_format, log_file)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     logging.getLogger("fsspec").setLevel(logging.WARNING)
 
@@ -111,7 +106,7 @@ async def serve(
 
 def run(argv: Sequence[str]) -> int:
     flags = flag_set().parse(argv)
-    setup_logging(log_level(flags.log_level), flags.log_dir, flags.log_name)
+    configure_logging(flags)
     if flags.poll_interval <= 0:
         raise FlagError("--poll_interval must be > 0")
     if not 0 <= flags.port < 65536:

@@ -40,6 +40,7 @@ from typing import Any
 
 from cube.flags import FlagError, Flags, FlagSet, run_cli
 from cube.fsutil import atomic_write_json
+from cube.logs import LOG_FORMATS, setup_logging
 from cube.routing import PARTITIONERS
 from cube.security import SecurityError, TLSFiles, require_token, token_from
 from cube.server.service import DEFAULT_MAX_ANSWER_BYTES
@@ -171,6 +172,7 @@ FLAGS = (
     .add("load_delay", float, 0.0, "testing aid: hold every version load this many seconds")
     .add("log_level", str, "INFO", "DEBUG, INFO, WARNING or ERROR")
     .add("log_dir", str, "", "also log to <log_dir>/cube-server.log (default: stderr only)")
+    .add("log_format", str, "text", "text lines, or one JSON object a line", choices=LOG_FORMATS)
     .add(
         "worker_restarts",
         int,
@@ -296,19 +298,17 @@ def tls_files(flags: Flags) -> TLSFiles:
     return TLSFiles(cert=flags.tls_cert, key=flags.tls_key)
 
 
-def setup_logging(flags: Flags) -> None:
+def configure_logging(flags: Flags) -> None:
     who = f"worker {flags.worker_index}" if flags.worker_index >= 0 else "server"
     if flags.workers > 1 and flags.worker_index < 0:
         who = "supervisor"
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
-    if flags.log_dir:
-        Path(flags.log_dir).mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(Path(flags.log_dir) / "cube-server.log"))
-    logging.basicConfig(
-        level=flags.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s cube-server[{who} pid %(process)d] %(message)s",
-        handlers=handlers,
-        force=True,
+    setup_logging(
+        "cube-server",
+        flags.log_level.upper(),
+        flags.log_format,
+        Path(flags.log_dir) / "cube-server.log" if flags.log_dir else None,
+        text_format=f"%(asctime)s %(levelname)s cube-server[{who} pid %(process)d] %(message)s",
+        tag=who,
     )
 
 
@@ -319,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str]) -> int:
     flags = FLAGS.parse(argv)
     check_flags(flags)
-    setup_logging(flags)
+    configure_logging(flags)
     ports = worker_ports(flags)
     lane_ports(flags)  # checked before any worker starts
     control_ports(flags)
