@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-DEB_PACKAGES := redis-server memcached prometheus
+DEB_PACKAGES := redis-server memcached prometheus chromium chromium-driver
 
 .PHONY: demo test quick bench lint format install debs stubs tools clean
 
@@ -30,8 +30,9 @@ $(TOOLS_STAMP): deploy/tools/fetch_helm.py | $(STAMP)
 
 tools: $(TOOLS_STAMP)
 
-# Debian packages the tests and benchmarks need (redis-server, memcached; prometheus for its
-# promtool), installed if missing.
+# Debian packages the tests and benchmarks need, installed if missing: redis-server and
+# memcached (benchmarks), prometheus (its promtool checks the alerts), chromium and
+# chromium-driver (the status page's browser test).
 debs:
 	@missing=""; for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import html
 import json
 import logging
 import re
@@ -28,6 +29,7 @@ import socket
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -126,6 +128,14 @@ def _shard(fields: dict[str, str], shard_num: int) -> int:
     return shard
 
 
+PAGE_DIR = Path(__file__).parent / "page"
+PAGE_FILES = {  # path -> (file under page/, content type)
+    "/": ("status.html", "text/html"),
+    "/status.js": ("status.js", "text/javascript"),
+    "/status.css": ("status.css", "text/css"),
+}
+
+
 def build_api(service: TransferService) -> web.Application:
     cfg = service.cfg
 
@@ -157,9 +167,11 @@ def build_api(service: TransferService) -> web.Application:
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Token check, and every failure as the envelope."""
+        """Token check (not for the status page's own files: they hold no data, and the page
+        asks for the token), and every failure as the envelope."""
         try:
-            if cfg.api_token and not await authorized(request):
+            public = request.method == "GET" and request.path in PAGE_FILES
+            if cfg.api_token and not public and not await authorized(request):
                 return _error("unauthorized: send 'Authorization: Bearer <token>' (api_token)", 401)
             return await handler(request)
         except BadRequest as exc:
@@ -253,7 +265,31 @@ def build_api(service: TransferService) -> web.Application:
         message = f"unknown api {request.method[:10]} {_echo(request.path)[1:-1]}"
         return _error(message, 404, "2", {"api_list": API_LIST})
 
+    async def page(request: web.Request) -> web.Response:
+        """The rollout status page: HTML with the dict's shape filled in, its script and style
+        (the script polls the JSON API below)."""
+        name, content_type = PAGE_FILES[request.path]
+        text = (PAGE_DIR / name).read_text()
+        if name.endswith(".html"):
+            text = text.format(
+                dict_name=html.escape(cfg.dict_name),
+                shard_num=cfg.shard_num,
+                copy_num=cfg.copy_num,
+                mode=html.escape(cfg.mode),
+            )
+        return web.Response(
+            text=text,
+            content_type=content_type,
+            headers={
+                "Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'",
+                "X-Content-Type-Options": "nosniff",
+                "Cache-Control": "no-store",
+            },
+        )
+
     app = web.Application(client_max_size=MAX_BODY, middlewares=[guard])
+    for path in PAGE_FILES:
+        app.router.add_get(path, page)
     app.router.add_get("/dict/info", dict_info)
     app.router.add_get("/instance/status", instance_status)
     app.router.add_get("/dict/deploy/history", deploy_history)

@@ -1,0 +1,108 @@
+"""cube-transfer's status page in a real headless browser (Debian's chromium through
+selenium) against a live local cluster: the token prompt, a rollout shown in progress and then
+the new version, the rollback button, and a screenshot written by the test."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cube.donefile import append_line, format_line
+from cube.processes import poll_until
+from cube.seqfile import SequenceFileWriter
+from cube.transfer.local import ClusterSpec, up
+from cube.values import ValueColumn
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (shutil.which("chromium") and shutil.which("chromedriver")),
+        reason="needs Debian's chromium and chromium-driver (make debs)",
+    ),
+]
+
+TOKEN = "page-t0ken"
+WAIT = 90.0
+B1, B2 = "1700000000", "1700001000"
+
+
+def publish(donefile: Path, root: Path, version: str, n: int) -> None:
+    keys = np.arange(1, n + 1, dtype=np.uint64)
+    values = np.random.default_rng(int(version) % 97).standard_normal((n, 16)).astype(np.float32)
+    source = root / "input" / version
+    source.mkdir(parents=True)
+    with SequenceFileWriter(source / "part-00000") as writer:
+        writer.write_batch(keys, ValueColumn.fixed(values.view(np.uint8).reshape(-1), 64))
+    append_line(donefile / "base.txt", format_line(version, version, str(source)))
+
+
+@pytest.fixture
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,900"):
+        options.add_argument(argument)
+    options.binary_location = shutil.which("chromium") or ""
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def test_status_page_follows_a_rollout_and_rolls_back(tmp_path, browser):
+    from selenium.webdriver.common.by import By
+
+    donefile = tmp_path / "donefile"
+    spec = ClusterSpec(
+        dir=tmp_path / "cluster", shards=1, replicas=2, donefile=donefile, poll_interval=0.2,
+        transfer_overrides={"api_token": TOKEN},
+    )  # fmt: skip
+    cluster = up(spec)
+    try:
+        publish(donefile, tmp_path, B1, 2000)
+        cluster.wait_version(B1, WAIT)
+        browser.get(f"{cluster.transfer_url}/?poll_ms=200")
+
+        def text(element_id: str) -> str:
+            return browser.find_element(By.ID, element_id).text
+
+        # the API needs its token: the page asks for it once
+        assert poll_until(lambda: browser.find_element(By.ID, "login").is_displayed(), 20, 0.1)
+        assert "token" in text("problem")
+        browser.find_element(By.ID, "token").send_keys(TOKEN)
+        browser.find_element(By.CSS_SELECTOR, "#login button").click()
+        assert poll_until(lambda: text("live") == B1, 20, 0.1), text("problem")
+        rows = browser.find_elements(By.CSS_SELECTOR, "#replicas tbody tr")
+        assert len(rows) == 2 and all(B1 in row.text for row in rows)
+
+        # a bigger base: the page shows the rollout in progress, then the new version
+        publish(donefile, tmp_path, B2, 300_000)
+        phases: set[str] = set()
+
+        def watching() -> bool:
+            if browser.find_element(By.ID, "rollout").is_displayed():
+                phases.add(text("rollout-phase"))
+            return text("live") == B2
+
+        assert poll_until(watching, WAIT, 0.05), (phases, text("problem"))
+        assert phases, "the rollout was never shown in progress"
+        assert phases <= {"build", "download", "reload", "enable"}, phases
+        assert not browser.find_element(By.ID, "rollout").is_displayed()
+        screenshot = tmp_path / "status-page.png"
+        assert browser.save_screenshot(str(screenshot))
+        assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+        # roll back from the page (the token it was given is used)
+        button = browser.find_element(By.XPATH, f"//button[text()='Roll back to {B1}']")
+        button.click()
+        browser.switch_to.alert.accept()
+        assert poll_until(lambda: text("live") == B1, WAIT, 0.1), text("problem")
+        assert cluster.transfer_info()["live_version"] == B1  # the transfer agrees
+    finally:
+        cluster.down(timeout=5.0)

@@ -1,0 +1,129 @@
+// The rollout status page: polls the transfer's JSON API and renders it. Text goes in with
+// textContent only (never as HTML). The API token, when one is set, is asked for once and
+// kept in this tab's sessionStorage.
+"use strict";
+(function () {
+  const params = new URLSearchParams(location.search);
+  const every = Math.max(200, Number(params.get("poll_ms")) || 2000);
+  const $ = (id) => document.getElementById(id);
+  let token = sessionStorage.getItem("cube-api-token") || "";
+
+  async function api(path, options = {}) {
+    const headers = Object.assign({}, options.headers || {});
+    if (token) headers["Authorization"] = "Bearer " + token;
+    const reply = await fetch(path, Object.assign({}, options, { headers }));
+    if (reply.status === 401) {
+      $("login").hidden = false;
+      throw new Error("the API needs its token (api_token)");
+    }
+    const body = await reply.json();
+    if (body.success !== "0") throw new Error(body.message || reply.statusText);
+    return body.data;
+  }
+
+  function cell(row, text, cls) {
+    const td = row.insertCell();
+    td.textContent = text === undefined || text === null ? "" : String(text);
+    if (cls) td.className = cls;
+    return td;
+  }
+
+  function when(seconds) {
+    return seconds ? new Date(seconds * 1000).toLocaleString() : "";
+  }
+
+  function took(record) {
+    const start = record.create_time, end = record.finish_time;
+    return start && end && end >= start ? (end - start).toFixed(1) + " s" : "";
+  }
+
+  function render(info, instances, history) {
+    $("live").textContent = info.live_version || "none yet";
+    $("since").textContent = info.live_since ? "since " + when(info.live_since) : "";
+    const dep = info.deployment;
+    $("rollout").hidden = !dep;
+    if (dep) {
+      $("rollout-version").textContent = dep.version;
+      $("rollout-phase").textContent = dep.phase;
+      const done = Object.entries((dep.results || {})[dep.phase] || {});
+      $("rollout-detail").textContent = dep.kind + (dep.committed ? ", committed" : "") +
+        "; " + (dep.targets || []).length + " instances in the rollout" +
+        (done.length ? "; " + done.map(([n, r]) => n + ": " + r).join(", ") : "");
+    }
+    const replicas = $("replicas").tBodies[0];
+    replicas.replaceChildren();
+    for (const inst of instances) {
+      const row = replicas.insertRow();
+      row.dataset.instance = inst.name;
+      cell(row, inst.shard);
+      cell(row, inst.replica);
+      cell(row, inst.serving_version || "-", "serves");
+      cell(row, inst.bg_version || "");
+      cell(row, inst.status, inst.status);
+      cell(row, inst.message || inst.last_failure_message || "");
+    }
+    const table = $("history").tBodies[0];
+    table.replaceChildren();
+    for (const record of history.slice().reverse().slice(0, 50)) {
+      const row = table.insertRow();
+      row.dataset.version = record.version;
+      cell(row, record.version || record.line);
+      cell(row, record.mode);
+      cell(row, record.status_str, record.status_str);
+      cell(row, took(record));
+      cell(row, when(record.finish_time));
+      cell(row, record.message);
+      const action = row.insertCell();
+      const rollbackable = record.status_str === "finished" && record.mode !== "rollback" &&
+        record.version && record.version !== info.live_version;
+      if (rollbackable) {
+        const button = document.createElement("button");
+        button.textContent = "Roll back to " + record.version;
+        button.addEventListener("click", () => rollback(record.version));
+        action.appendChild(button);
+      }
+    }
+  }
+
+  async function rollback(version) {
+    if (!confirm("Make " + version + " live again on every replica?")) return;
+    try {
+      await api("dict/rollback", {
+        method: "POST",
+        headers: { "Content-Type": "application/json" },
+        body: JSON.stringify({ version }),
+      });
+      problem("");
+    } catch (error) {
+      problem("rollback to " + version + " failed: " + error.message);
+    }
+    refresh();
+  }
+
+  function problem(text) {
+    $("problem").hidden = !text;
+    $("problem").textContent = text;
+  }
+
+  async function refresh() {
+    try {
+      const [info, instances, history] = await Promise.all([
+        api("dict/info"), api("instance/status"), api("dict/deploy/history"),
+      ]);
+      render(info, instances, history);
+      problem("");
+    } catch (error) {
+      problem(error.message);
+    }
+  }
+
+  $("login").addEventListener("submit", (event) => {
+    event.preventDefault();
+    token = $("token").value.trim();
+    sessionStorage.setItem("cube-api-token", token);
+    $("login").hidden = true;
+    refresh();
+  });
+  refresh();
+  setInterval(refresh, every);
+})();
