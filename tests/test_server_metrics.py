@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cube.client import CubeClient
 from cube.pb import cube_pb2
-from cube.processes import free_port
+from cube.processes import free_port, poll_until
 
 pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
 
@@ -139,3 +139,23 @@ def test_metrics_port_in_use_is_refused_at_once(data, tmp_path):
         )  # fmt: skip
     assert done.returncode == 1
     assert f"127.0.0.1:{port} (--metrics_port): port in use" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("transport", ["auto", "grpc"])
+def test_a_refusal_names_the_request_id_in_the_error_and_the_server_log(data, transport):
+    """The SDK sends each call's request id with its sub-requests and puts it on the error it
+    raises; the server logs the refusal with the same id (rate-limited)."""
+    from cube.client import RequestRejectedError
+
+    with running_server(data, "--max_batch", "10") as server:
+        with (
+            CubeClient(shards=[[server.address]], max_batch=100, transport=transport) as client,
+            pytest.raises(RequestRejectedError) as refused,
+        ):
+            client.seek(KEYS[:50])  # more keys than the server's --max_batch
+        request_id = refused.value.request_id
+        assert request_id and f"request id {request_id}" in "".join(refused.value.__notes__)
+        assert poll_until(
+            lambda: f"request_id={request_id}" in server.log_path.read_text(), 10, 0.05
+        ), server.log_path.read_text()[-2000:]
+        assert "refused (" in server.log_path.read_text()

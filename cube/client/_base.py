@@ -24,7 +24,7 @@ from cube.client._core import (
 from cube.client._policy import Cluster, Policy, Round, ShardCall
 from cube.client._transport import TRANSPORTS, ClientTLS, Transport
 from cube.client.conf import load_conf
-from cube.client.errors import ConfError
+from cube.client.errors import ConfError, CubeError
 from cube.client.options import (
     LoadBalancer,
     Partitioner,
@@ -128,6 +128,7 @@ class ClientBase:
         self.max_version_rounds = max_version_rounds
         self.policy = Policy.from_options(self.timeouts, self.retry)
         self._rng = random.Random(seed)
+        self._ids = random.Random()  # request ids: never seeded, unlike the balancer
         self._cluster = Cluster(self.shards, load_balancer, self._rng)
         self._wire = PROTOCOLS[protocol]()
         # Only the fast protocol's Seek has a TCP lane.
@@ -179,6 +180,16 @@ class ClientBase:
             self.stats.round([pieces[r.piece].shard for r in requests], outcomes)
         return outcomes
 
+    def _request_id(self) -> int:
+        """A fresh id for one seek() call: sent with its sub-requests (cube.v1 request_id),
+        named in the servers' log lines about them and on the error the call raises."""
+        return self._ids.getrandbits(48) or 1
+
+    @staticmethod
+    def _tag(error: CubeError, request_id: int) -> None:
+        error.request_id = request_id
+        error.add_note(f"request id {request_id} (the servers log it with their refusals)")
+
     def _observe_call(self, started: float, error: BaseException | None = None) -> None:
         if self.stats is not None:
             outcome = "ok" if error is None else type(error).__name__
@@ -224,12 +235,16 @@ class ClientBase:
         return pieces, flow
 
     def _round(
-        self, pieces: Sequence[Piece], requests: Sequence[PieceRequest], now: float
+        self,
+        pieces: Sequence[Piece],
+        requests: Sequence[PieceRequest],
+        now: float,
+        request_id: int = 0,
     ) -> Round:
         calls = []
         for index, request in enumerate(requests):
             piece = pieces[request.piece]
-            payload = self._wire.encode(piece.keys, self.dict_name, request.version)
+            payload = self._wire.encode(piece.keys, self.dict_name, request.version, request_id)
             decode = partial(self._wire.decode, n=piece.size)
             group = self._cluster.shards[piece.shard]
             calls.append(

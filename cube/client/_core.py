@@ -157,7 +157,9 @@ class Wire(Protocol):
     method: str
     pins_versions: bool
 
-    def encode(self, keys: np.ndarray, dict_name: str, version: str | None) -> bytes: ...
+    def encode(
+        self, keys: np.ndarray, dict_name: str, version: str | None, request_id: int = 0
+    ) -> bytes: ...
 
     def decode(self, data: bytes, n: int) -> Answer: ...
 
@@ -168,8 +170,10 @@ class FastProtocol:
     method = "/cube.v1.CubeService/Seek"
     pins_versions = True
 
-    def encode(self, keys: np.ndarray, dict_name: str, version: str | None) -> bytes:
-        return wire.encode_seek_request(keys, dict_name, version or "")
+    def encode(
+        self, keys: np.ndarray, dict_name: str, version: str | None, request_id: int = 0
+    ) -> bytes:
+        return wire.encode_seek_request(keys, dict_name, version or "", request_id)
 
     def decode(self, data: bytes, n: int) -> Answer:
         return wire.decode_seek_response(data, n)
@@ -183,8 +187,10 @@ class OriginalProtocol:
     pins_versions = False
     MISS = 0xFFFFFFFF
 
-    def encode(self, keys: np.ndarray, dict_name: str, version: str | None) -> bytes:
-        from cube.pb import cube_pb2
+    def encode(
+        self, keys: np.ndarray, dict_name: str, version: str | None, request_id: int = 0
+    ) -> bytes:
+        from cube.pb import cube_pb2  # the original's request has no request id
 
         return cube_pb2.DictRequest(keys=keys.tolist(), version_required=True).SerializeToString()
 

@@ -42,17 +42,19 @@ class AsyncCubeClient(ClientBase):
         if self._closed:
             raise CubeError("the client is closed")
         started = time.perf_counter()
+        request_id = self._request_id()
         try:
             pieces, flow = self._flow(keys, version)
             requests = next(flow)
             while True:
-                requests = flow.send(await self._run(pieces, requests))
+                requests = flow.send(await self._run(pieces, requests, request_id))
         except StopIteration as done:
             self._observe_call(started)
             result: SeekResult = done.value
             return result
         except CubeError as exc:
             self._observe_call(started, exc)
+            self._tag(exc, request_id)
             raise
 
     async def get_embeddings(self, keys: object, dim: int, dtype: Any = "float32") -> np.ndarray:
@@ -77,10 +79,10 @@ class AsyncCubeClient(ClientBase):
         await self.close()
 
     async def _run(
-        self, pieces: Sequence[Piece], requests: Sequence[PieceRequest]
+        self, pieces: Sequence[Piece], requests: Sequence[PieceRequest], request_id: int = 0
     ) -> list[PieceOutcome]:
         now = time.monotonic()
-        round_ = self._round(pieces, requests, now)
+        round_ = self._round(pieces, requests, now, request_id)
         events: asyncio.Queue[Any] = asyncio.Queue()
         handles: dict[tuple[int, int], Any] = {}
         try:

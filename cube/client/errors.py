@@ -11,7 +11,10 @@ if TYPE_CHECKING:
 
 
 class CubeError(Exception):
-    """Base class of every SDK error."""
+    """Base class of every SDK error. `request_id`: the id a failed seek() call sent its
+    sub-requests with (the servers' logs name it), when the error comes from one."""
+
+    request_id: int | None = None
 
 
 class ConfError(CubeError, ValueError):

@@ -68,17 +68,19 @@ class CubeClient(ClientBase):
         if self._closed:
             raise CubeError("the client is closed")
         started = time.perf_counter()
+        request_id = self._request_id()
         try:
             pieces, flow = self._flow(keys, version)
             requests = next(flow)
             while True:
-                requests = flow.send(self._run(pieces, requests))
+                requests = flow.send(self._run(pieces, requests, request_id))
         except StopIteration as done:
             self._observe_call(started)
             result: SeekResult = done.value
             return result
         except CubeError as exc:
             self._observe_call(started, exc)
+            self._tag(exc, request_id)
             raise
 
     def get_embeddings(self, keys: object, dim: int, dtype: Any = "float32") -> np.ndarray:
@@ -105,8 +107,10 @@ class CubeClient(ClientBase):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _run(self, pieces: Sequence[Piece], requests: Sequence[PieceRequest]) -> list[PieceOutcome]:
-        round_ = self._round(pieces, requests, time.monotonic())
+    def _run(
+        self, pieces: Sequence[Piece], requests: Sequence[PieceRequest], request_id: int = 0
+    ) -> list[PieceOutcome]:
+        round_ = self._round(pieces, requests, time.monotonic(), request_id)
         events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         pending: dict[_Key, CallHandle | None] = {}  # attempts running (None: inline)
         actions = round_.start(time.monotonic())

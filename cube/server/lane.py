@@ -374,7 +374,7 @@ class Lane:
             else:
                 answer = item
             if isinstance(answer, RequestError):
-                lane.error(answer.code)
+                self.service.refused("lane", answer)
                 frame = [error_frame(answer.code, answer.message)]
             else:
                 frame = [answer_header(sum(len(p) for p in answer)), *answer]

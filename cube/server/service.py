@@ -414,6 +414,7 @@ class Counters:
 
 
 DEFAULT_MAX_ANSWER_BYTES = 64 << 20
+REFUSALS_LOGGED = 10  # a second per worker: a flood of bad requests must not flood the log
 
 
 class SeekService:
@@ -445,8 +446,25 @@ class SeekService:
             self.accepted_names.add(part_name(dict_name, shard))
         self.partitioner = partitioner
         self.counters = Counters()
+        self._refusal_window = 0.0
+        self._refusals_logged = self._refusals_unlogged = 0
         self.lane_port = 0  # the TCP lane's port, announced to empty Seek requests (discovery)
         self.lane_stats: Callable[[], dict[str, int]] = dict  # the lane's, once it runs
+
+    def refused(self, api: str, error: RequestError) -> None:
+        """Count a refused request and log it (its message names the request id the SDK sent,
+        which the SDK's error carries too), at most REFUSALS_LOGGED a second per worker."""
+        self.counters.api[api].error(error.code)
+        now = time.monotonic()
+        if now - self._refusal_window >= 1.0:
+            if self._refusals_unlogged:
+                log.info("%d more refused requests in the last second", self._refusals_unlogged)
+            self._refusal_window, self._refusals_logged, self._refusals_unlogged = now, 0, 0
+        if self._refusals_logged < REFUSALS_LOGGED:
+            self._refusals_logged += 1
+            log.info("refused (%s) %s: %s", api, error.code.name, error.message)
+        else:
+            self._refusals_unlogged += 1
 
     def _keys(self, raw: bytes, what: str) -> np.ndarray:
         if len(raw) % 8:
@@ -730,7 +748,7 @@ class SeekService:
         try:
             answer = self.seek(raw)
         except RequestError as exc:
-            counters.api["seek"].error(exc.code)
+            self.refused("seek", exc)
             await context.abort(exc.code, exc.message)
             raise  # not reached: abort raises
         finally:
@@ -750,7 +768,7 @@ class SeekService:
             try:
                 answer = self.seek(raw, "seek_stream")
             except RequestError as exc:
-                self.counters.api["seek_stream"].error(exc.code)
+                self.refused("seek_stream", exc)
                 await context.abort(exc.code, exc.message)
                 return
             self.counters.api["seek_stream"].latency.observe(time.perf_counter() - started)
@@ -763,7 +781,7 @@ class SeekService:
         try:
             answer = self.seek_original(raw)
         except RequestError as exc:
-            counters.api["original"].error(exc.code)
+            self.refused("original", exc)
             await context.abort(exc.code, exc.message)
             raise
         finally:
