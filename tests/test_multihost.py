@@ -225,6 +225,26 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
+def served_versions(node: SimNode, pod: str) -> list[str]:
+    """The current versions a replica's metrics report."""
+    samples = scrape(f"http://{node.pod(pod).ip}:9100/metrics")
+    return [
+        dict(labels)["version"]
+        for (name, labels), value in samples.items()
+        if name == "cube_server_version_info" and dict(labels)["slot"] == "current" and value
+    ]
+
+
+def answered(node: SimNode) -> float:
+    """Lookup requests all replicas answered, from their metrics."""
+    return sum(
+        value
+        for pod in shard_pods(node)
+        for (name, _labels), value in scrape(f"http://{node.pod(pod).ip}:9100/metrics").items()
+        if name == "cube_server_requests_total"
+    )
+
+
 def shard_pods(node: SimNode) -> list[str]:
     return sorted(name for name in node.pods if "-shard-" in name)
 
@@ -341,10 +361,14 @@ def test_a_replica_cut_off_during_a_rollout(cluster):
     the transfer goes on with the quorum (1) it has, and the replica catches up once back."""
     before = cluster.settled()
     cut = "t-cube-shard-0-1"
+    answered_before = answered(cluster.node)
     load = cluster.background_load(10)
     tag = float(int(before) % 1000 + 5)
     version = cluster.new_base(tag)
     assert poll_until(lambda: cluster.phase() == "download", WAIT, 0.05), cluster.info()
+    # scraped mid-rollout, under load: every replica still reports the version it serves
+    for pod in shard_pods(cluster.node):
+        assert served_versions(cluster.node, pod) == [before], pod
     cluster.node.cut(cut)
     try:
         went_live = lambda: cluster.phase() == "" and cluster.info()["live_version"] == version  # noqa: E731
@@ -358,6 +382,10 @@ def test_a_replica_cut_off_during_a_rollout(cluster):
     caught_up = lambda: cluster.instances()["0_1"]["serving_version"] == version  # noqa: E731
     assert poll_until(caught_up, WAIT, 0.3), cluster.instances()["0_1"]
     cluster.settled()
+    # the servers counted what the client sent: each lookup is one request to each of the 2
+    # shards, and a hedge or a retry adds one (the client's own lookups add a few)
+    counted = answered(cluster.node) - answered_before
+    assert 2 * result["calls"] <= counted <= 2.5 * result["calls"] + 100, (counted, result)
 
 
 def test_a_slow_replica_is_hedged(cluster):

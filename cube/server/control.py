@@ -178,6 +178,7 @@ class LocalWorker:
             "requests": self.service.counters.as_dict(),
             "lane": self.service.lane_stats(),
             "metrics": self.service.counters.snapshot(),
+            "draining": self.service.draining,
             "versions": {
                 slot: version.describe()
                 for slot, version in (("current", slots.current), ("background", slots.background))

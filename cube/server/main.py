@@ -630,6 +630,7 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
             log.error("cannot write --port_file %s: %s", flags.port_file, exc)
 
     await stop.wait()
+    service.draining = True  # for the metrics, while in-flight calls finish
     file_checker.cancel()
     log.info("stopping: draining in-flight calls for up to %.1f s", flags.grace)
     await health_servicer.enter_graceful_shutdown()

@@ -79,6 +79,11 @@ class ServerCollector(Collector):
         loading = GaugeMetricFamily(
             "cube_server_loading", "1 while a version is being loaded", labels=["worker"]
         )
+        draining = GaugeMetricFamily(
+            "cube_server_draining",
+            "1 once the worker is stopping: in-flight calls finish, no new ones",
+            labels=["worker"],
+        )
         info = GaugeMetricFamily(
             "cube_server_version_info",
             "The versions a worker holds (slot: current or background)",
@@ -123,13 +128,14 @@ class ServerCollector(Collector):
             connections.add_metric([worker], state.get("lane", {}).get("connections", 0))
             serving.add_metric([worker], 1.0 if state.get("serving") else 0.0)
             loading.add_metric([worker], 1.0 if state.get("loading") else 0.0)
+            draining.add_metric([worker], 1.0 if state.get("draining") else 0.0)
             for slot, version in state.get("versions", {}).items():
                 info.add_metric([worker, slot, version["version"]], 1.0)
                 records.add_metric([worker, slot], version["record_count"])
                 data.add_metric([worker, slot], version["data_bytes"])
                 load.add_metric([worker, slot], version["load_seconds"])
         yield from (worker_up, requests, keys, errors, latency, batch, inflight, connections)
-        yield from (serving, loading, info, records, data, load)
+        yield from (serving, loading, draining, info, records, data, load)
 
 
 def serve_metrics(

@@ -446,6 +446,7 @@ class SeekService:
             self.accepted_names.add(part_name(dict_name, shard))
         self.partitioner = partitioner
         self.counters = Counters()
+        self.draining = False  # SIGTERM received: in-flight calls finish, no new ones
         self._refusal_window = 0.0
         self._refusals_logged = self._refusals_unlogged = 0
         self.lane_port = 0  # the TCP lane's port, announced to empty Seek requests (discovery)
