@@ -56,6 +56,7 @@ def browser():
 
 
 def test_status_page_follows_a_rollout_and_rolls_back(tmp_path, browser):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
     donefile = tmp_path / "donefile"
@@ -78,17 +79,25 @@ def test_status_page_follows_a_rollout_and_rolls_back(tmp_path, browser):
         browser.find_element(By.ID, "token").send_keys(TOKEN)
         browser.find_element(By.CSS_SELECTOR, "#login button").click()
         assert poll_until(lambda: text("live") == B1, 20, 0.1), text("problem")
-        rows = browser.find_elements(By.CSS_SELECTOR, "#replicas tbody tr")
-        assert len(rows) == 2 and all(B1 in row.text for row in rows)
+        # the page re-renders its tables as it polls: read them in one script call
+        rows = browser.execute_script(
+            "return [...document.querySelectorAll('#replicas tbody tr')].map(r => r.textContent)"
+        )
+        assert len(rows) == 2 and all(B1 in row for row in rows), rows
 
         # a bigger base: the page shows the rollout in progress, then the new version
         publish(donefile, tmp_path, B2, 300_000)
         phases: set[str] = set()
 
         def watching() -> bool:
-            if browser.find_element(By.ID, "rollout").is_displayed():
-                phases.add(text("rollout-phase"))
-            return text("live") == B2
+            shown = browser.execute_script(  # one read: the page may re-render in between
+                "const r = document.getElementById('rollout');"
+                " return [r.hidden ? null : document.getElementById('rollout-phase').textContent,"
+                " document.getElementById('live').textContent];"
+            )
+            if shown[0] is not None:
+                phases.add(shown[0])
+            return shown[1] == B2
 
         assert poll_until(watching, WAIT, 0.05), (phases, text("problem"))
         assert phases, "the rollout was never shown in progress"
@@ -99,8 +108,14 @@ def test_status_page_follows_a_rollout_and_rolls_back(tmp_path, browser):
         assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
         # roll back from the page (the token it was given is used)
-        button = browser.find_element(By.XPATH, f"//button[text()='Roll back to {B1}']")
-        button.click()
+        def click_rollback() -> bool:
+            try:  # the row may be re-rendered between finding the button and clicking it
+                browser.find_element(By.XPATH, f"//button[text()='Roll back to {B1}']").click()
+            except StaleElementReferenceException:
+                return False
+            return True
+
+        assert poll_until(click_rollback, 20, 0.05)
         browser.switch_to.alert.accept()
         assert poll_until(lambda: text("live") == B1, WAIT, 0.1), text("problem")
         assert cluster.transfer_info()["live_version"] == B1  # the transfer agrees
