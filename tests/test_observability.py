@@ -48,7 +48,14 @@ def exported_names() -> set[str]:
         "serving": True,
         "loading": False,
         "versions": {
-            "current": {"version": "1", "record_count": 1, "data_bytes": 8, "load_seconds": 0.1}
+            "current": {
+                "version": "1",
+                "record_count": 1,
+                "data_bytes": 8,
+                "load_seconds": 0.1,
+                "mapped_bytes": 64,
+                "locked_bytes": 0,
+            }
         },
     }
     rollouts = RolloutCounters()

@@ -58,6 +58,10 @@ def test_counts_match_the_requests_sent_on_each_api(data):
         assert value(before, "cube_server_version_info", worker="0", slot="current",
                      version=VERSION) == 1  # fmt: skip
         assert value(before, "cube_server_serving", worker="0") == 1
+        mapped = value(before, "cube_server_version_mapped_bytes", worker="0", slot="current")
+        assert mapped >= len(KEYS) * (WIDTH + 8)  # the values and at least the index keys
+        locked = value(before, "cube_server_version_locked_bytes", worker="0", slot="current")
+        assert 0 <= locked <= mapped  # --in_mem locks it, as far as RLIMIT_MEMLOCK allows
         asked = np.concatenate([KEYS[:150], np.arange(10**6, 10**6 + 50, dtype=np.uint64)])
         with CubeClient(shards=[[server.address]]) as lane:  # the TCP lane by default
             for _ in range(7):

@@ -97,6 +97,16 @@ class ServerCollector(Collector):
             "Value bytes mapped for a held version",
             labels=["worker", "slot"],
         )
+        mapped = GaugeMetricFamily(
+            "cube_server_version_mapped_bytes",
+            "Bytes of index and values mapped for a held version (a delta: its layers)",
+            labels=["worker", "slot"],
+        )
+        locked = GaugeMetricFamily(
+            "cube_server_version_locked_bytes",
+            "Of those, bytes locked in memory (--in_mem; fewer when RLIMIT_MEMLOCK refuses)",
+            labels=["worker", "slot"],
+        )
         load = GaugeMetricFamily(
             "cube_server_version_load_seconds",
             "Time the held version took to load",
@@ -134,8 +144,10 @@ class ServerCollector(Collector):
                 records.add_metric([worker, slot], version["record_count"])
                 data.add_metric([worker, slot], version["data_bytes"])
                 load.add_metric([worker, slot], version["load_seconds"])
+                mapped.add_metric([worker, slot], version.get("mapped_bytes", 0))
+                locked.add_metric([worker, slot], version.get("locked_bytes", 0))
         yield from (worker_up, requests, keys, errors, latency, batch, inflight, connections)
-        yield from (serving, loading, draining, info, records, data, load)
+        yield from (serving, loading, draining, info, records, data, mapped, locked, load)
 
 
 def serve_metrics(

@@ -247,6 +247,8 @@ class ShardHandle:
         self.refs = 1
         self.watch = watch
         self.max_value_bytes = _max_value_bytes(shard)
+        self.mapped_bytes = sum(int(a.nbytes) for a in mapped_arrays(shard))
+        self.locked_bytes = 0  # set by the load with --in_mem
 
     @property
     def fds(self) -> list[int]:
@@ -279,23 +281,27 @@ def _max_value_bytes(shard: Shard) -> int:
 _libc: Any = None
 
 
-def lock_in_memory(shard: Shard) -> bool:
-    """Best effort mlock of a shard's mapped sections (`--in_mem true`); False if refused."""
+def mapped_arrays(shard: Shard) -> list[np.ndarray]:
+    """The sections of a shard that lookups read: the index and the values."""
+    return [shard.table.slot_keys, shard.table.bucket_rows, shard.values.blob]
+
+
+def lock_in_memory(shard: Shard) -> int:
+    """Best effort mlock of a shard's mapped sections (`--in_mem true`); the bytes locked
+    (fewer than mapped when refused: RLIMIT_MEMLOCK)."""
     global _libc
     if _libc is None:
         # the symbols already in the process (libc among them): find_library would spawn
         # `ldconfig -p`, a child process a PID count or a CPU meter would catch
         _libc = ctypes.CDLL(None, use_errno=True)
-    arrays = [shard.table.slot_keys, shard.table.bucket_rows, shard.values.blob]
-    ok = True
-    for array in arrays:
+    locked = 0
+    for array in mapped_arrays(shard):
         if not array.nbytes:
             continue
         start = array.ctypes.data
         page = start & ~(4096 - 1)
         length = array.nbytes + (start - page)
         if _libc.mlock(ctypes.c_void_p(page), ctypes.c_size_t(length)) != 0:
-            ok = False
             errno = ctypes.get_errno()
             log.warning(
                 "mlock of %d bytes of %s failed: %s (serving from the page cache;"
@@ -305,7 +311,8 @@ def lock_in_memory(shard: Shard) -> bool:
                 os.strerror(errno),
             )
             break
-    return ok
+        locked += array.nbytes
+    return locked
 
 
 @dataclass
@@ -333,6 +340,8 @@ class SplitData:
                 for s in layers
             ),
             "dict_name": layers[-1].meta.get("dict_name"),
+            "mapped_bytes": sum(h.mapped_bytes for h in self.handles),
+            "locked_bytes": sum(h.locked_bytes for h in self.handles),
         }
 
 
@@ -416,6 +425,8 @@ class LoadedVersion:
             "record_count": sum(s["record_count"] for s in splits),
             "data_bytes": sum(s["data_bytes"] for s in splits),
             "load_seconds": round(self.load_seconds, 3),
+            "mapped_bytes": sum(s["mapped_bytes"] for s in splits),
+            "locked_bytes": sum(s["locked_bytes"] for s in splits),
             "loaded_at": self.loaded_at,
             "routing": routing.describe() if routing else None,
             "splits": splits,
@@ -478,7 +489,7 @@ def _open_layer(directory: Path, options: LoadOptions) -> ShardHandle:
         raise
     handle = ShardHandle(shard, watch)
     if options.lock_memory:
-        lock_in_memory(shard)
+        handle.locked_bytes = lock_in_memory(shard)
     return handle
 
 
