@@ -231,6 +231,9 @@ class Pod:
     root: Path  # its volumes
     containers: dict[str, Container]
     stopped: bool = False
+    # cut off from the other pods and clients, not from its node's kubelet, which still
+    # reaches it: its probes (run from here, across the bridge) are paused, results kept
+    cut: bool = False
 
     @property
     def ready(self) -> bool:
@@ -482,6 +485,8 @@ class SimNode:
                 container.restart_at = 0.0
                 self._launch(pod, container)
             return
+        if pod.cut:
+            return
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = container.spec.probes.get(kind)
             if probe is None or (kind != "startupProbe" and not container.started):
@@ -617,11 +622,16 @@ class SimNode:
         return codes
 
     def cut(self, pod: str) -> None:
-        """Take the pod's network link down (a partitioned node)."""
+        """Take the pod's network link down: partitioned from the other pods and the clients.
+        Its kubelet would still reach it on its node, so its probes pause (see Pod.cut)."""
+        with self._lock:
+            self.pods[pod].cut = True
         _run("ip", "link", "set", self.pods[pod].ns.host_link, "down")
 
     def heal(self, pod: str) -> None:
         _run("ip", "link", "set", self.pods[pod].ns.host_link, "up")
+        with self._lock:
+            self.pods[pod].cut = False
 
     def wait_ready(self, pods: Sequence[str] | None = None, timeout: float = 60) -> None:
         names = list(pods or self.pods)

@@ -303,3 +303,26 @@ def running_server(data_dir: str | os.PathLike, *args: str, **kwargs) -> Iterato
         yield server
     finally:
         server.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics
+
+
+def samples_of(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a Prometheus exposition: (name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The samples a metrics endpoint serves now."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return samples_of(reply.read().decode())

@@ -476,18 +476,7 @@ def test_transfer_agent_client_drives_a_real_agent(env):
 def test_metrics_count_tasks_steps_and_bytes(env):
     """The agent's metrics endpoint after real tasks: outcomes, step timings, bytes fetched
     and what is on disk."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    def scrape(url: str) -> dict:
-        with urllib.request.urlopen(url, timeout=10) as reply:
-            text = reply.read().decode()
-        return {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-        }
+    from procs import scrape
 
     agent = env.agent("--metrics_port", "0")
     assert agent.metrics_url.startswith("http://127.0.0.1:")

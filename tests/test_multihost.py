@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import yaml
 from clustersim import RESOLVER, Namespace, SimNode, require_root_network
+from procs import scrape
 from test_helm import HELM, render
 
 from cube.donefile import append_line, format_line
@@ -212,19 +213,6 @@ def cluster(tmp_path_factory):
         node.close()
 
 
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of a Prometheus endpoint: (name, sorted labels) -> value."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        text = reply.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
 def served_versions(node: SimNode, pod: str) -> list[str]:
     """The current versions a replica's metrics report."""
     samples = scrape(f"http://{node.pod(pod).ip}:9100/metrics")
@@ -369,6 +357,8 @@ def test_a_replica_cut_off_during_a_rollout(cluster):
     # scraped mid-rollout, under load: every replica still reports the version it serves
     for pod in shard_pods(cluster.node):
         assert served_versions(cluster.node, pod) == [before], pod
+    cut_server = cluster.node.pod(cut).containers["cube-server"]
+    restarts_before = cut_server.restarts
     cluster.node.cut(cut)
     try:
         went_live = lambda: cluster.phase() == "" and cluster.info()["live_version"] == version  # noqa: E731
@@ -377,6 +367,8 @@ def test_a_replica_cut_off_during_a_rollout(cluster):
         measured("a replica cut off during a rollout", result)
         assert_clean(result)
         assert_serves(cluster, version, table(CHECK, tag))
+        # partitioned, not dead: its kubelet (on its node) leaves it be
+        assert cut_server.restarts == restarts_before
     finally:
         cluster.node.heal(cut)
     caught_up = lambda: cluster.instances()["0_1"]["serving_version"] == version  # noqa: E731

@@ -5,13 +5,11 @@ apart, the versions match what is served, and one endpoint covers every worker."
 from __future__ import annotations
 
 import json
-import urllib.request
 
 import grpc
 import numpy as np
 import pytest
-from procs import fixed_values, running_server, write_version
-from prometheus_client.parser import text_string_to_metric_families
+from procs import fixed_values, running_server, scrape, write_version
 
 from cube.client import CubeClient
 from cube.pb import cube_pb2
@@ -24,16 +22,8 @@ WIDTH = 16
 VERSION = "1700000000"
 
 
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of the endpoint: (name, sorted labels) -> value."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        assert reply.headers["Content-Type"].startswith("text/plain")
-        text = reply.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
+def scrape_port(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return scrape(f"http://127.0.0.1:{port}/metrics")
 
 
 def value(samples, name: str, **labels: str) -> float:
@@ -53,7 +43,7 @@ def data(tmp_path):
 def test_counts_match_the_requests_sent_on_each_api(data):
     with running_server(data, "--metrics_port", "0") as server:
         port = metrics_port(server)
-        before = scrape(port)
+        before = scrape_port(port)
         assert value(before, "cube_server_worker_up", worker="0") == 1
         assert value(before, "cube_server_version_info", worker="0", slot="current",
                      version=VERSION) == 1  # fmt: skip
@@ -77,7 +67,7 @@ def test_counts_match_the_requests_sent_on_each_api(data):
             with pytest.raises(grpc.RpcError) as refused:  # keys of 7 bytes: INVALID_ARGUMENT
                 channel.unary_unary("/cube.v1.CubeService/Seek")(_bad_seek(), timeout=10)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        after = scrape(port)
+        after = scrape_port(port)
 
     def delta(name, **labels):
         return value(after, name, **labels) - value(before, name, **labels)
@@ -117,7 +107,7 @@ def test_one_endpoint_covers_every_worker(data):
         with CubeClient(shards=[[f"127.0.0.1:{server.ports[1]}"]]) as client:  # worker 1 only
             for _ in range(4):
                 client.seek(KEYS[:10])
-        samples = scrape(port)
+        samples = scrape_port(port)
     assert value(samples, "cube_server_worker_up", worker="0") == 1
     assert value(samples, "cube_server_worker_up", worker="1") == 1
     assert value(samples, "cube_server_requests_total", worker="1", api="lane") == 4
