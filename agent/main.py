@@ -154,10 +154,11 @@ async def serve(
     agent.open()
     metrics_server, metrics_line = None, ""
     if metrics is not None:
-        from cube.agent.metrics import serve_agent_metrics
+        from cube.agent.metrics import AgentCollector
+        from cube.metrics import serve_collector
 
-        metrics_server, metrics_port = serve_agent_metrics(
-            *metrics, agent.metrics_snapshot, asyncio.get_running_loop()
+        metrics_server, metrics_port = serve_collector(
+            *metrics, AgentCollector, agent.metrics_snapshot, asyncio.get_running_loop()
         )
         metrics_line = f"cube-agent metrics on http://{metrics[0]}:{metrics_port}/metrics"
     runner = web.AppRunner(make_app(agent, token), access_log=None)

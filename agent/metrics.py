@@ -9,9 +9,8 @@ step, a task state; never a version.
 
 from __future__ import annotations
 
-import asyncio
 import os
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from cube.metrics import Histogram, cumulative_buckets, serve_registry
+from cube.metrics import Histogram, cumulative_buckets
 
 COMMANDS = ("download", "reload", "enable", "rollback")
 STEPS = ("fetch", "verify", "extract")
@@ -112,18 +111,3 @@ class AgentCollector(Collector):
         for area, size in s["disk"].items():
             disk.add_metric([area], size)
         yield from (tasks, durations, steps, downloaded, running, versions, disk)
-
-
-def serve_agent_metrics(
-    host: str,
-    port: int,
-    snapshot: Callable[[], Awaitable[dict[str, Any]]],
-    loop: asyncio.AbstractEventLoop,
-) -> tuple[Any, int]:
-    """Serve the agent's metrics on host:port (0: any free port); `snapshot` runs on `loop`
-    at scrape time. Returns (the HTTP server, to shut down; its port)."""
-
-    def snapshot_now() -> dict[str, Any]:
-        return asyncio.run_coroutine_threadsafe(snapshot(), loop).result(10.0)
-
-    return serve_registry(host, port, AgentCollector(snapshot_now))

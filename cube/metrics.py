@@ -6,10 +6,13 @@ costs the hot path nothing beyond the additions.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 INF = float("inf")
+T = TypeVar("T")
 
 
 class Histogram:
@@ -42,14 +45,25 @@ def cumulative_buckets(
     return out
 
 
-def serve_registry(host: str, port: int, collector: Any) -> tuple[Any, int]:
-    """Serve `collector` at http://host:port/metrics (0: any free port) from
-    prometheus_client's own thread; returns (the server, to `shutdown()`; its port). No token:
-    the metrics say counts, versions and timings, never data."""
+def serve_collector(
+    host: str,
+    port: int,
+    collector: Callable[[Callable[[], T]], Any],
+    snapshot: Callable[[], Coroutine[Any, Any, T]],
+    loop: asyncio.AbstractEventLoop,
+    timeout: float = 10.0,
+) -> tuple[Any, int]:
+    """Serve `collector(read)` at http://host:port/metrics (0: any free port) from
+    prometheus_client's own thread, where `read()` runs `snapshot()` on `loop` (the service's
+    state lives there) and waits at most `timeout`. Returns (the server, to `shutdown()`; its
+    port). No token: the metrics say counts, versions and timings, never data."""
     from prometheus_client import start_http_server
     from prometheus_client.registry import CollectorRegistry
 
+    def read() -> T:
+        return asyncio.run_coroutine_threadsafe(snapshot(), loop).result(timeout)
+
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(collector)
+    registry.register(collector(read))
     server, _thread = start_http_server(port, host, registry=registry)
     return server, int(server.server_port)

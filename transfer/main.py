@@ -14,6 +14,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from cube.flags import FlagError, Flags, FlagSet, run_cli
 from cube.logs import LOG_FORMATS, setup_logging
@@ -70,10 +71,14 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     metrics_server = None
     if metrics is not None:
-        from cube.transfer.metrics import serve_transfer_metrics
+        from cube.metrics import serve_collector
+        from cube.transfer.metrics import TransferCollector
+
+        async def snapshot() -> dict[str, Any]:
+            return service.metrics_snapshot()
 
         try:
-            metrics_server, port = serve_transfer_metrics(*metrics, service.metrics_snapshot, loop)
+            metrics_server, port = serve_collector(*metrics, TransferCollector, snapshot, loop)
         except OSError as exc:
             log.error("cannot serve metrics on %s:%d (--metrics_port): %s", *metrics, exc.strerror)
             return 1

@@ -10,7 +10,6 @@ an instance status; a version appears only in `cube_transfer_live_version_info`.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,7 +21,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from cube.metrics import Histogram, cumulative_buckets, serve_registry
+from cube.metrics import Histogram, cumulative_buckets
 
 OUTCOMES = ("committed", "aborted", "refused", "rolled_back", "rollback_failed")
 PHASES = ("build", "download", "reload", "enable")
@@ -144,21 +143,3 @@ class TransferCollector(Collector):
             failures.add_metric([d, name], inst["catch_up_failures"])
         yield from (live, since, success, rollouts, phases, deploying, errors)
         yield from (state, behind, reachable, failures)
-
-
-def serve_transfer_metrics(
-    host: str,
-    port: int,
-    snapshot: Callable[[], dict[str, Any]],
-    loop: asyncio.AbstractEventLoop,
-) -> tuple[Any, int]:
-    """Serve the transfer's metrics on host:port (0: any free port); `snapshot` runs on
-    `loop` at scrape time. Returns (the HTTP server, to shut down; its port)."""
-
-    async def on_loop() -> dict[str, Any]:
-        return snapshot()
-
-    def snapshot_now() -> dict[str, Any]:
-        return asyncio.run_coroutine_threadsafe(on_loop(), loop).result(5.0)
-
-    return serve_registry(host, port, TransferCollector(snapshot_now))

@@ -535,11 +535,16 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
         lane_bind = f"{_address(flags.host, service.lane_port)} (TCP lane)"
     metrics_server, metrics_port, metrics_note = None, 0, ""
     if index == 0 and flags.metrics_port >= 0 and coordinator is not None:
-        from cube.server.metrics import serve_metrics
+        from cube.metrics import serve_collector
+        from cube.server.metrics import ServerCollector
 
         try:
-            metrics_server, metrics_port = serve_metrics(
-                flags.metrics_host, flags.metrics_port, coordinator.worker_states, loop
+            metrics_server, metrics_port = serve_collector(
+                flags.metrics_host,
+                flags.metrics_port,
+                ServerCollector,
+                coordinator.worker_states,
+                loop,
             )
         except OSError as exc:
             reason = "port in use" if exc.errno == errno.EADDRINUSE else exc.strerror or exc

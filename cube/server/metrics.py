@@ -12,9 +12,8 @@ only in `cube_server_version_info` (at most two series per worker at a time).
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client.core import (
@@ -25,12 +24,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from cube.metrics import cumulative_buckets, serve_registry
+from cube.metrics import cumulative_buckets
 from cube.server.service import APIS, BATCH_BUCKETS, LATENCY_BUCKETS
 
 log = logging.getLogger("cube.server")
-
-GATHER_TIMEOUT = 5.0  # seconds a scrape waits for the workers' snapshots
 
 
 class ServerCollector(Collector):
@@ -148,18 +145,3 @@ class ServerCollector(Collector):
                 locked.add_metric([worker, slot], version.get("locked_bytes", 0))
         yield from (worker_up, requests, keys, errors, latency, batch, inflight, connections)
         yield from (serving, loading, draining, info, records, data, mapped, locked, load)
-
-
-def serve_metrics(
-    host: str,
-    port: int,
-    gather: Callable[[], Awaitable[list[dict[str, Any]]]],
-    loop: asyncio.AbstractEventLoop,
-) -> tuple[Any, int]:
-    """Serve the server's metrics on host:port (0: any free port); the snapshots are gathered
-    on `loop` when scraped. Returns (the HTTP server, to shut down; its port)."""
-
-    def gather_now() -> list[dict[str, Any]]:
-        return asyncio.run_coroutine_threadsafe(gather(), loop).result(GATHER_TIMEOUT)
-
-    return serve_registry(host, port, ServerCollector(gather_now))
