@@ -207,7 +207,7 @@ def _main(argv: Sequence[str]) -> int:
         metrics = (flags.metrics_host, flags.metrics_port) if flags.metrics_port >= 0 else None
         return asyncio.run(serve(config, flags.host, flags.port, token, tls, metrics))
     except OSError as exc:
-        print(f"error: cube-agent: {exc}", file=sys.stderr)
+        print(f"error: cube-agent: {exc.strerror or exc}", file=sys.stderr)
         return 1
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import errno
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -65,5 +66,11 @@ def serve_collector(
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector(read))
-    server, _thread = start_http_server(port, host, registry=registry)
+    try:
+        server, _thread = start_http_server(port, host, registry=registry)
+    except OSError as exc:  # the same words from every command
+        reason = "port in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        message = f"cannot serve metrics on {where} (--metrics_port): {reason}"
+        raise OSError(exc.errno, message) from exc
     return server, int(server.server_port)

@@ -80,7 +80,7 @@ async def serve(
         try:
             metrics_server, port = serve_collector(*metrics, TransferCollector, snapshot, loop)
         except OSError as exc:
-            log.error("cannot serve metrics on %s:%d (--metrics_port): %s", *metrics, exc.strerror)
+            log.error("%s", exc.strerror)
             return 1
         log.info("metrics on http://%s:%d/metrics", metrics[0], port)
     await service.open()

@@ -547,9 +547,7 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
                 loop,
             )
         except OSError as exc:
-            reason = "port in use" if exc.errno == errno.EADDRINUSE else exc.strerror or exc
-            where = _address(flags.metrics_host, flags.metrics_port)
-            log.error("cannot serve metrics on %s (--metrics_port): %s", where, reason)
+            log.error("%s", exc.strerror)
             executor.shutdown(wait=False)
             return 1
         metrics_note = f", metrics on http://{_address(flags.metrics_host, metrics_port)}/metrics"
