@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from cube import format as fmt
-from cube.index import TOMBSTONE, BuiltTable, HashTable, lookup
+from cube import kernel
+from cube.index import TOMBSTONE, BuiltTable, HashTable
 from cube.values import ValueColumn
 
 INDEX_FILE = "index.cube"
@@ -213,6 +214,7 @@ class Shard:
             empty_key=int(self.meta["empty_key"]),
             max_probe=int(self.meta["max_probe"]),
         )
+        self.kernel_table = kernel.prepare(self.table)
         count = int(self.meta["record_count"])
         width = int(self.meta["value_width"])
         blob = data.section("values", "u1")
@@ -289,11 +291,12 @@ class Shard:
 
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(rows, found); tombstones are found with row TOMBSTONE."""
-        return lookup(self.table, keys)
+        return kernel.lookup(self.kernel_table, keys)
 
     def close(self) -> bool:
         """Drop the arrays and unmap; False when some array still points into a mapping."""
         self.table = None  # type: ignore[assignment]
+        self.kernel_table = None  # type: ignore[assignment]
         self.values = None  # type: ignore[assignment]
         closed = [f.close() for f in self._files]
         return all(closed)

@@ -345,6 +345,7 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
+    from cube import kernel
     from cube.security import grpc_server_credentials, server_context
     from cube.server.control import (
         CONTROL_SERVICE,
@@ -443,6 +444,7 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
             "tcp_port": service.lane_port,
             "tls": bool(flags.tls_cert),
             "startup_error": startup_error,
+            "kernel": kernel.describe(),
             "pid": os.getpid(),
         }
 
@@ -551,6 +553,9 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
             executor.shutdown(wait=False)
             return 1
         metrics_note = f", metrics on http://{_address(flags.metrics_host, metrics_port)}/metrics"
+    # The compiled lookup kernel loads from numba's cache (or compiles, the first time on a
+    # machine) beside the start-up load, so the first request does not pay for it.
+    warming = loop.run_in_executor(None, kernel.warm)
     try:
         name = startup_version(dirs)
         if flags.worker_peer >= 0:  # restarted: serve what the other workers serve
@@ -568,6 +573,7 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
         local.last_error = f"startup: {exc.message}"
         slots.fail_startup(f"its start-up version could not be loaded: {exc.message}")
         log.error("start-up version not loaded; NOT_SERVING until one is: %s", exc.message)
+    log.info("lookup kernel: %s, ready in %.2f s", kernel.describe(), await warming)
     await server.start()
     await control_server.start()
     # Start-up objects never become garbage: keep the cyclic GC from rescanning them.

@@ -1,0 +1,187 @@
+"""The compiled lookup kernel against the numpy path (the oracle): same rows, same found flags,
+same gathered bytes, on random tables with hits, misses, deleted keys, overflowing buckets and
+delta stacks; and the numpy fallback when the kernel is switched off."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cube import kernel
+from cube.index import TOMBSTONE, build_table
+from cube.index import lookup as numpy_lookup
+from cube.shard import Shard, ShardStack, write_shard
+from cube.values import ValueColumn
+
+pytestmark = pytest.mark.skipif(not kernel.COMPILED, reason="numba not installed")
+
+
+def _query(rng: np.random.Generator, keys: np.ndarray, deleted: np.ndarray, n: int) -> np.ndarray:
+    """Present keys, deleted keys and absent keys, shuffled."""
+    parts = [rng.integers(0, 2**64 - 1, n, dtype=np.uint64)]
+    if keys.shape[0]:
+        parts.append(rng.choice(keys, n))
+    if deleted.shape[0]:
+        parts.append(rng.choice(deleted, max(1, n // 4)))
+    query = np.concatenate(parts)
+    rng.shuffle(query)
+    return query
+
+
+def _assert_same(prepared: kernel.KernelTable, query: np.ndarray) -> None:
+    want_rows, want_found = numpy_lookup(prepared.table, query)
+    rows, found = kernel.lookup(prepared, query)
+    np.testing.assert_array_equal(found, want_found)
+    np.testing.assert_array_equal(rows[found], want_rows[want_found])
+    codes = kernel.lookup_rows(prepared, query)
+    np.testing.assert_array_equal(codes[~found], np.uint32(kernel.MISS))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    count=st.integers(0, 3000),
+    deleted=st.integers(0, 200),
+    load=st.sampled_from([0.3, 0.6, 0.95, 1.0]),
+    small_keys=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_lookup_matches_numpy(
+    count: int, deleted: int, load: float, small_keys: bool, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    high = 5000 if small_keys else 2**64 - 1  # small keys: duplicates and dense ranges
+    keys = rng.integers(0, high, count, dtype=np.uint64)
+    gone = rng.integers(0, high, deleted, dtype=np.uint64)
+    built = build_table(keys, gone, load_factor=load)
+    prepared = kernel.prepare(built.table)
+    _assert_same(prepared, _query(rng, keys, built.table.deleted_keys, 500))
+
+
+def test_full_buckets_probe_past_home() -> None:
+    """At load 1.0 many keys live beyond their home bucket (max_probe > 0)."""
+    rng = np.random.default_rng(3)
+    keys = rng.integers(0, 2**64 - 1, 20_000, dtype=np.uint64)
+    built = build_table(keys, load_factor=1.0)
+    assert built.table.max_probe >= 2
+    _assert_same(kernel.prepare(built.table), _query(rng, keys, np.empty(0, np.uint64), 5000))
+
+
+def test_empty_key_and_edges() -> None:
+    """The table's empty-slot marker, 0 and 2**64-1 are absent keys like any other; a deleted
+    key equal to the marker is still a tombstone."""
+    built = build_table(np.array([1, 2, 3], dtype=np.uint64))
+    prepared = kernel.prepare(built.table)
+    edges = np.array([built.table.empty_key, 0, 2**64 - 1, 2], dtype=np.uint64)
+    _assert_same(prepared, edges)
+    assert kernel.lookup(prepared, edges)[1].tolist() == [False, False, False, True]
+    deleted = build_table(np.array([5], np.uint64), np.array([2**64 - 1], np.uint64))
+    prepared = kernel.prepare(deleted.table)
+    rows, found = kernel.lookup(prepared, np.array([2**64 - 1, 5, 6], np.uint64))
+    assert found.tolist() == [True, True, False] and rows[0] == TOMBSTONE
+    assert kernel.lookup(prepared, np.empty(0, np.uint64))[0].shape == (0,)
+
+
+def test_keys_of_any_layout() -> None:
+    """Strided, writable or read-only, signed: all normalised, same answers."""
+    keys = np.arange(1, 2001, dtype=np.uint64)
+    prepared = kernel.prepare(build_table(keys).table)
+    strided = np.arange(1, 4001, dtype=np.uint64)[::2]
+    assert kernel.lookup(prepared, strided)[1].sum() == 1000
+    readonly = keys.copy()
+    readonly.flags.writeable = False
+    assert kernel.lookup(prepared, readonly)[1].all()
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 4, 6, 8, 12, 40, 64])
+def test_seek_fixed_gathers_values(width: int) -> None:
+    rng = np.random.default_rng(width)
+    keys = rng.integers(0, 2**64 - 1, 5000, dtype=np.uint64)
+    gone = rng.choice(keys, 100)
+    built = build_table(keys, gone)
+    values = rng.integers(0, 256, (keys.shape[0], width), dtype=np.uint8)
+    rows_by_row = values[built.live_order]  # row r holds record live_order[r]
+    prepared = kernel.prepare(built.table)
+    query = _query(rng, keys, built.table.deleted_keys, 2000)
+    found, out, misses = kernel.seek_fixed(
+        prepared, kernel.value_words(rows_by_row), query, width
+    )
+    want_rows, want_found = numpy_lookup(built.table, query)
+    want_found &= want_rows != np.uint32(TOMBSTONE)  # deleted keys are not served
+    np.testing.assert_array_equal(found, want_found)
+    assert misses == int((~want_found).sum())
+    np.testing.assert_array_equal(out[found], rows_by_row[want_rows[want_found]])
+    assert not out[~found].any()
+    # the fallback (what runs without numba) gives the same bytes
+    kernel.COMPILED = False
+    try:
+        found_np, out_np, misses_np = kernel.seek_fixed(
+            prepared, kernel.value_words(rows_by_row), query, width
+        )
+    finally:
+        kernel.COMPILED = True
+    np.testing.assert_array_equal(found_np, found)
+    np.testing.assert_array_equal(out_np, out)
+    assert misses_np == misses
+
+
+def test_stack_of_deltas_matches_numpy(tmp_path) -> None:
+    """A base and two deltas (updates, inserts, deletes, a re-insert after a delete) mapped
+    from disk: the stack answers the same with the compiled kernel and the numpy one."""
+    rng = np.random.default_rng(9)
+    width = 16
+
+    def write(name: str, keys: np.ndarray, deleted: np.ndarray | None = None) -> Shard:
+        values = ValueColumn.fixed(
+            rng.integers(0, 256, keys.shape[0] * width, dtype=np.uint8), width
+        )
+        write_shard(tmp_path / name, build_table(keys, deleted), values, {"version": name})
+        return Shard.open(tmp_path / name)
+
+    base_keys = rng.integers(0, 2**64 - 1, 20_000, dtype=np.uint64)
+    delta1_deleted = base_keys[:500]
+    delta1 = rng.choice(base_keys, 2000)
+    delta2 = np.concatenate([delta1_deleted[:100], rng.integers(0, 2**64 - 1, 300, np.uint64)])
+    layers = [
+        write("base", base_keys),
+        write("d1", delta1, delta1_deleted),
+        write("d2", delta2, rng.choice(delta1, 50)),
+    ]
+    stack = ShardStack(layers)
+    query = _query(rng, base_keys, delta1_deleted, 4000)
+    compiled = stack.lookup(query)
+    values = stack.gather_fixed(compiled)
+    kernel.COMPILED = False
+    try:
+        oracle = stack.lookup(query)
+        oracle_values = stack.gather_fixed(oracle)
+    finally:
+        kernel.COMPILED = True
+    np.testing.assert_array_equal(compiled.found, oracle.found)
+    np.testing.assert_array_equal(compiled.layer, oracle.layer)
+    np.testing.assert_array_equal(compiled.rows[compiled.found], oracle.rows[oracle.found])
+    np.testing.assert_array_equal(values, oracle_values)
+    assert not compiled.found[np.isin(query, delta1_deleted[100:500])].any()
+    assert compiled.found[np.isin(query, delta1_deleted[:100])].all()  # re-inserted by d2
+    stack.close()
+
+
+def test_numpy_fallback_when_switched_off(tmp_path) -> None:
+    """CUBE_KERNEL=numpy (or no numba) runs the numpy path and says so."""
+    code = (
+        "import numpy as np; from cube import kernel; from cube.index import build_table;"
+        "p = kernel.prepare(build_table(np.arange(1, 100, dtype=np.uint64)).table);"
+        "print(kernel.describe(), kernel.COMPILED, int(kernel.lookup(p, np.arange(0, 200,"
+        " dtype=np.uint64))[1].sum()), kernel.warm() < 1)"
+    )
+    env = {**os.environ, "CUBE_KERNEL": "numpy"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["numpy", "(CUBE_KERNEL=numpy)", "False", "99", "True"]
