@@ -352,7 +352,7 @@ class Lane:
         lane = counters.api["lane"]
         started = time.perf_counter()
         try:
-            answers = iter(self.service.answer_seeks(seeks, "lane"))
+            answers = iter(self.service.answer_seeks(seeks, "lane", frames=True))
             failure = None
         except Exception:  # a bug: answer it rather than hang the clients' pipelines
             log.exception("TCP lane: %d requests failed", len(seeks))
@@ -375,9 +375,12 @@ class Lane:
                 answer = item
             if isinstance(answer, RequestError):
                 self.service.refused("lane", answer)
-                frame = [error_frame(answer.code, answer.message)]
+                frame: list[Buffer] = [error_frame(answer.code, answer.message)]
             else:
-                frame = [answer_header(sum(len(p) for p in answer)), *answer]
+                if isinstance(answer, bytearray):  # a whole frame already
+                    frame = [answer]
+                else:
+                    frame = [answer_header(sum(len(p) for p in answer)), *answer]
                 lane.latency.observe(passed)  # the kernel pass that answered it
             output.setdefault(connection, []).extend(frame)
         for connection, buffers in output.items():

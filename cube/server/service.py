@@ -13,6 +13,7 @@ version is unmapped only after its last request.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -65,6 +66,7 @@ class Answer:
     values: np.ndarray  # uint8: (n, width) zero-filled when width > 0, else found values
     width: int
     offsets: np.ndarray | None  # int64 (n + 1,) when width == 0
+    frame: bytearray | None = None  # the whole lane answer, when found/values are views of it
 
 
 class FastGather:
@@ -86,6 +88,12 @@ class FastGather:
             rows = self.single.values.as_rows()
             self.rows_view = rows.view(np.dtype((np.void, self.width))).reshape(-1)
             self.words = kernel.value_words(rows)
+
+    def fixed_values_into(self, keys: np.ndarray, found: np.ndarray, values: np.ndarray) -> int:
+        """Found flags and values of a single layer written into the given arrays; returns
+        the count not found. Needs `words` (a single layer of fixed-width values)."""
+        assert self.single is not None and self.words is not None
+        return kernel.seek_fixed_into(self.single.kernel_table, self.words, keys, found, values)
 
     def fixed_values(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(found, (n, width) uint8 values with zero rows for misses) of fixed-width keys."""
@@ -229,6 +237,45 @@ def seek_response_parts(answer: Answer, version: str, request_id: int) -> list[B
 def encode_seek_response(answer: Answer, version: str, request_id: int) -> bytes:
     """cube.v1.SeekResponse wire bytes."""
     return b"".join(seek_response_parts(answer, version, request_id))
+
+
+@functools.lru_cache(maxsize=256)  # a server answers few batch sizes from few versions
+def _frame_layout(n: int, width: int, version: str) -> tuple[bytes, bytes, bytes, int]:
+    """The fixed parts of a lane answer frame of n fixed-width values (no request id): the
+    bytes before the found flags, the bytes between them and the values, the bytes after
+    the values, and the frame's size."""
+    value_bytes = n * width
+    body_head = b"\x0a" + varint(n)
+    between = b"\x12" + varint(value_bytes)
+    tail = b"".join([b"\x18", varint(width), *length_delimited(0x2A, version.encode())])
+    body = len(body_head) + n + len(between) + value_bytes + len(tail)
+    return body_head, between, tail, wire.ANSWER_HEADER.size + body
+
+
+def lane_answer_frame(
+    n: int, width: int, version: str, request_id: int
+) -> tuple[bytearray, np.ndarray, np.ndarray]:
+    """A lane answer frame (header + cube.v1.SeekResponse, byte for byte what `answer_header`
+    + `seek_response_parts` give) with the found flags and values left for the kernel to
+    write: (frame, found view (n,) bool, values view (n, width) uint8). One buffer, so the
+    answer leaves in one write with no copy of the values. Needs n > 0 and width > 0."""
+    body_head, between, tail, size = _frame_layout(n, width, version)
+    if request_id:
+        request_field = b"\x30" + wire._varint(request_id)  # ids do not repeat: not cached
+        tail += request_field
+        size += len(request_field)
+    frame = bytearray(size)
+    header = wire.ANSWER_HEADER.size
+    frame[:header] = wire.answer_header(size - header)
+    at = header + len(body_head)
+    frame[header:at] = body_head
+    found = np.frombuffer(frame, dtype=bool, count=n, offset=at)
+    at += n
+    frame[at : at + len(between)] = between
+    at += len(between)
+    values = np.frombuffer(frame, dtype=np.uint8, count=n * width, offset=at).reshape(n, width)
+    frame[size - len(tail) :] = tail
+    return frame, found, values
 
 
 def split_answer(answer: Answer, bounds: list[int]) -> list[Answer]:
@@ -589,13 +636,17 @@ class SeekService:
         return ParsedSeek(request.request_id, keys, version, bound, bound > self.max_answer_bytes)
 
     def answer_seeks(
-        self, seeks: Sequence[ParsedSeek], api: str = "lane"
-    ) -> list[list[Buffer] | RequestError]:
+        self, seeks: Sequence[ParsedSeek], api: str = "lane", frames: bool = False
+    ) -> list[list[Buffer] | bytearray | RequestError]:
         """SeekResponse bytes (as buffers) for parsed requests, in order, or the error of a
         request that could not be answered; each request's version is released here.
         Requests on the same version are looked up together: one kernel pass over all their
         keys costs far less than one per request (numpy's per-call costs dominate 1000-key
-        batches). A request that fails fails alone."""
+        batches). A request that fails fails alone.
+
+        With `frames` (the TCP lane), a request on a single layer of fixed-width values is
+        answered with its whole lane frame (`lane_answer_frame`), the compiled kernel writing
+        the values into it: one buffer to write, no copies, no merging needed."""
         answers: list[Answer | RequestError | None] = [None] * len(seeks)
         try:
             groups: dict[int, list[int]] = {}
@@ -605,6 +656,8 @@ class SeekService:
                     answers[index] = empty_answer(parsed.keys.shape[0])
                 elif parsed.count_bytes:
                     answers[index] = self._answer_one(parsed, api)
+                elif frames and (gather := self._framed(parsed)) is not None:
+                    answers[index] = self._answer_in_frame(parsed, gather, api)
                 else:
                     groups.setdefault(id(version), []).append(index)
             for members in groups.values():
@@ -614,7 +667,7 @@ class SeekService:
                 if parsed.version is not None:
                     parsed.version.release()
         counters = self.counters.api[api]
-        responses: list[list[Buffer] | RequestError] = []
+        responses: list[list[Buffer] | bytearray | RequestError] = []
         for parsed, answer in zip(seeks, answers, strict=True):
             assert answer is not None
             if isinstance(answer, RequestError):  # counted by the caller, like parse errors
@@ -626,9 +679,45 @@ class SeekService:
             counters.batch.observe(count)
             if parsed.version is None:
                 counters.misses += count
+            if answer.frame is not None:
+                responses.append(answer.frame)
+                continue
             name = parsed.version.name if parsed.version is not None else ""
             responses.append(seek_response_parts(answer, name, parsed.request_id))
         return responses
+
+    @staticmethod
+    def _framed(parsed: ParsedSeek) -> FastGather | None:
+        """The gatherer that can answer `parsed` straight into a lane frame, if any."""
+        version = parsed.version
+        if version is None or version.broken or not parsed.keys.shape[0]:
+            return None
+        gathers = gatherers(version)
+        if len(gathers) != 1 or gathers[0].words is None:
+            return None
+        return gathers[0]
+
+    def _answer_in_frame(
+        self, parsed: ParsedSeek, gather: FastGather, api: str
+    ) -> Answer | RequestError:
+        version = parsed.version
+        assert version is not None
+        keys = parsed.keys
+        frame, found, values = lane_answer_frame(
+            keys.shape[0], gather.width, version.name, parsed.request_id
+        )
+        try:
+            misses = gather.fixed_values_into(keys, found, values)
+        except Exception:
+            log.exception("answering a request of %d keys failed", keys.shape[0])
+            return RequestError(grpc.StatusCode.INTERNAL, "the lookup failed (see the server log)")
+        self.counters.api[api].misses += misses
+        if misses:
+            what = f"Seek request_id={parsed.request_id}"
+            refusal = self._misrouted(version, keys, found, what)
+            if refusal is not None:
+                return refusal
+        return Answer(found, values, gather.width, None, frame)
 
     def _answer_group(
         self,
