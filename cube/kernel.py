@@ -283,22 +283,23 @@ def seek_fixed(
     n = keys.shape[0]
     found = np.empty(n, dtype=bool)
     out = np.empty((n, width), dtype=np.uint8)
-    return found, out, seek_fixed_into(prepared, words, keys, found, out)
+    return found, out, seek_fixed_into(prepared, words, keys, found, _words(out))
 
 
 def seek_fixed_into(
     prepared: KernelTable, words: np.ndarray, keys: np.ndarray, found: np.ndarray, out: np.ndarray
 ) -> int:
     """`seek_fixed` into given arrays (e.g. views of an answer's wire buffer): found (n,) bool
-    and out (n, width) uint8; returns the count not found."""
+    and out (n, words per row) of `words.dtype`, aligned; returns the count not found."""
     if COMPILED:
-        return int(_seek_fixed(*prepared.args, words, _keys(keys), found, _words(out)))
+        return int(_seek_fixed(*prepared.args, words, _keys(keys), found, out))
     rows, hit = numpy_lookup(prepared.table, keys)
     hit &= rows != np.uint32(TOMBSTONE)
-    by_row = words.view(np.uint8).reshape(-1, out.shape[1])
+    out_bytes = out.view(np.uint8)
+    by_row = words.view(np.uint8).reshape(-1, out_bytes.shape[1])
     if by_row.shape[0]:
-        by_row.take(np.where(hit, rows, 0), axis=0, out=out)
-    out[~hit] = 0
+        by_row.take(np.where(hit, rows, 0), axis=0, out=out_bytes)
+    out_bytes[~hit] = 0
     found[:] = hit
     return keys.shape[0] - int(np.count_nonzero(hit))
 

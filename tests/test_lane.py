@@ -418,3 +418,30 @@ def test_busy_poll_receives_what_comes_within_or_after_its_window():
     finally:
         ours.close()
         theirs.close()
+
+
+@pytest.mark.parametrize(
+    ("n", "width", "version", "request_id", "word"),
+    [
+        (1000, 40, "1", 5, np.uint64),
+        (3, 8, "", 0, np.uint64),
+        (200, 64, "20261123_1", 2**40, np.uint64),
+        (7, 6, "x", 1, np.uint16),
+        (5, 3, "y", 300, np.uint8),
+    ],
+)
+def test_lane_answer_frame_is_header_and_response_bytes(n, width, version, request_id, word):
+    """The one-buffer answer the kernel writes into is byte for byte the answer header + the
+    SeekResponse parts, with the values aligned for the kernel's word copies."""
+    from cube.server.service import Answer, lane_answer_frame, seek_response_parts
+    from cube.wire import answer_header
+
+    frame, found, values = lane_answer_frame(n, width, version, request_id, np.dtype(word))
+    assert values.ctypes.data % np.dtype(word).itemsize == 0
+    rng = np.random.default_rng(n)
+    found[:] = rng.random(n) < 0.5
+    as_bytes = values.view(np.uint8)
+    as_bytes[:] = rng.integers(0, 256, (n, width), dtype=np.uint8)
+    answer = Answer(found.copy(), as_bytes.copy(), width, None)
+    body = b"".join(bytes(p) for p in seek_response_parts(answer, version, request_id))
+    assert bytes(frame) == answer_header(len(body)) + body

@@ -377,7 +377,7 @@ class Lane:
                 self.service.refused("lane", answer)
                 frame: list[Buffer] = [error_frame(answer.code, answer.message)]
             else:
-                if isinstance(answer, bytearray):  # a whole frame already
+                if isinstance(answer, memoryview):  # a whole frame already
                     frame = [answer]
                 else:
                     frame = [answer_header(sum(len(p) for p in answer)), *answer]

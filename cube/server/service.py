@@ -66,7 +66,7 @@ class Answer:
     values: np.ndarray  # uint8: (n, width) zero-filled when width > 0, else found values
     width: int
     offsets: np.ndarray | None  # int64 (n + 1,) when width == 0
-    frame: bytearray | None = None  # the whole lane answer, when found/values are views of it
+    frame: memoryview | None = None  # the whole lane answer, when found/values are views of it
 
 
 class FastGather:
@@ -90,8 +90,9 @@ class FastGather:
             self.words = kernel.value_words(rows)
 
     def fixed_values_into(self, keys: np.ndarray, found: np.ndarray, values: np.ndarray) -> int:
-        """Found flags and values of a single layer written into the given arrays; returns
-        the count not found. Needs `words` (a single layer of fixed-width values)."""
+        """Found flags and values (rows of `words.dtype`) of a single layer written into the
+        given arrays; returns the count not found. Needs `words` (a single layer of
+        fixed-width values)."""
         assert self.single is not None and self.words is not None
         return kernel.seek_fixed_into(self.single.kernel_table, self.words, keys, found, values)
 
@@ -253,29 +254,31 @@ def _frame_layout(n: int, width: int, version: str) -> tuple[bytes, bytes, bytes
 
 
 def lane_answer_frame(
-    n: int, width: int, version: str, request_id: int
-) -> tuple[bytearray, np.ndarray, np.ndarray]:
+    n: int, width: int, version: str, request_id: int, word: np.dtype
+) -> tuple[memoryview, np.ndarray, np.ndarray]:
     """A lane answer frame (header + cube.v1.SeekResponse, byte for byte what `answer_header`
     + `seek_response_parts` give) with the found flags and values left for the kernel to
-    write: (frame, found view (n,) bool, values view (n, width) uint8). One buffer, so the
-    answer leaves in one write with no copy of the values. Needs n > 0 and width > 0."""
+    write: (frame, found view (n,) bool, values view (n, width / word size) of `word`). One
+    buffer, so the answer leaves in one write with no copy of the values; it starts where
+    the values land 8-byte aligned, so the kernel copies whole words. n > 0 and width > 0."""
     body_head, between, tail, size = _frame_layout(n, width, version)
     if request_id:
         request_field = b"\x30" + wire._varint(request_id)  # ids do not repeat: not cached
         tail += request_field
         size += len(request_field)
-    frame = bytearray(size)
     header = wire.ANSWER_HEADER.size
-    frame[:header] = wire.answer_header(size - header)
-    at = header + len(body_head)
-    frame[header:at] = body_head
-    found = np.frombuffer(frame, dtype=bool, count=n, offset=at)
-    at += n
-    frame[at : at + len(between)] = between
-    at += len(between)
-    values = np.frombuffer(frame, dtype=np.uint8, count=n * width, offset=at).reshape(n, width)
-    frame[size - len(tail) :] = tail
-    return frame, found, values
+    found_at = header + len(body_head)
+    values_at = found_at + n + len(between)
+    shift = -values_at % 8
+    frame = np.empty(size + shift, dtype=np.uint8)[shift:]  # no zero fill: all is written
+    view = memoryview(frame)
+    view[:header] = wire.answer_header(size - header)
+    view[header:found_at] = body_head
+    view[found_at + n : values_at] = between
+    view[size - len(tail) :] = tail
+    found = frame[found_at : found_at + n].view(bool)
+    values = frame[values_at : values_at + n * width].view(word).reshape(n, -1)
+    return view, found, values
 
 
 def split_answer(answer: Answer, bounds: list[int]) -> list[Answer]:
@@ -637,7 +640,7 @@ class SeekService:
 
     def answer_seeks(
         self, seeks: Sequence[ParsedSeek], api: str = "lane", frames: bool = False
-    ) -> list[list[Buffer] | bytearray | RequestError]:
+    ) -> list[list[Buffer] | memoryview | RequestError]:
         """SeekResponse bytes (as buffers) for parsed requests, in order, or the error of a
         request that could not be answered; each request's version is released here.
         Requests on the same version are looked up together: one kernel pass over all their
@@ -667,7 +670,7 @@ class SeekService:
                 if parsed.version is not None:
                     parsed.version.release()
         counters = self.counters.api[api]
-        responses: list[list[Buffer] | bytearray | RequestError] = []
+        responses: list[list[Buffer] | memoryview | RequestError] = []
         for parsed, answer in zip(seeks, answers, strict=True):
             assert answer is not None
             if isinstance(answer, RequestError):  # counted by the caller, like parse errors
@@ -703,8 +706,9 @@ class SeekService:
         version = parsed.version
         assert version is not None
         keys = parsed.keys
+        assert gather.words is not None
         frame, found, values = lane_answer_frame(
-            keys.shape[0], gather.width, version.name, parsed.request_id
+            keys.shape[0], gather.width, version.name, parsed.request_id, gather.words.dtype
         )
         try:
             misses = gather.fixed_values_into(keys, found, values)
@@ -717,7 +721,7 @@ class SeekService:
             refusal = self._misrouted(version, keys, found, what)
             if refusal is not None:
                 return refusal
-        return Answer(found, values, gather.width, None, frame)
+        return Answer(found, values.view(np.uint8), gather.width, None, frame)
 
     def _answer_group(
         self,
