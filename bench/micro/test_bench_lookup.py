@@ -1,76 +1,103 @@
-"""The lookup kernel: a 1000-key batch against 1M- and 10M-key shards mapped from disk.
+"""The lookup kernel: a 1000-key batch against 1M-, 10M- (and, opt-in, 100M-) key shards mapped
+from disk, compiled kernel (cube.kernel) against the numpy path it replaced (cube.index).
 
-Targets (issue 2): <= 100 µs at 1M keys, <= 180 µs at 10M keys, in-process.
-`fresh` draws a different batch every round (the serving case: cache-cold index lines);
-`same` repeats one batch (cache-warm, the number most kernels are quoted with).
-Run: make bench   (or .venv/bin/pytest bench/micro/test_bench_lookup.py --benchmark-enable)
+Targets: issue 2's <= 100 µs at 1M keys and <= 180 µs at 10M for the numpy path; issue 13's
+C reference for the compiled one (lookup + 40-byte gather of 1000 random keys in one C loop:
+17 µs at 1M keys, 48 µs at 10M). `fresh` draws a different batch every round (the serving
+case: cache-cold index lines); `same` repeats one batch (cache-warm).
+Values are random bytes written to disk, so a gather reads real, distinct pages.
+Run: make bench, or
+    .venv/bin/pytest bench/micro/test_bench_lookup.py --benchmark-enable
+    CUBE_BENCH_FULL=1 ... adds 100M keys (builds a 5.4 GB shard under the temp dir, ~2 min)
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 
 import numpy as np
 import pytest
 
+from cube import kernel
 from cube.bench.e2e import key_batches
 from cube.index import build_table
+from cube.index import lookup as numpy_lookup
 from cube.shard import Shard, ShardStack, write_shard
 from cube.values import ValueColumn
 
 BATCH = 1000
+WIDTH = 40
+SIZES = [1_000_000, 10_000_000] + ([100_000_000] if os.environ.get("CUBE_BENCH_FULL") else [])
 
 
 def build_shard(path, count: int, width: int) -> tuple[Shard, np.ndarray]:
     rng = np.random.default_rng(count)
     keys = rng.integers(0, 2**64 - 1, count, dtype=np.uint64)
-    values = ValueColumn.fixed(np.zeros(count * width, dtype=np.uint8), width)
+    values = ValueColumn.fixed(rng.integers(0, 256, count * width, dtype=np.uint8), width)
     write_shard(path, build_table(keys), values, {"version": "bench"})
+    del values
     return Shard.open(path, populate=True), keys
 
 
-@pytest.fixture(scope="module", params=[1_000_000, 10_000_000], ids=["1M", "10M"])
+@pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"{n // 1_000_000}M")
 def shard_and_keys(request, tmp_path_factory):
-    shard, keys = build_shard(tmp_path_factory.mktemp("shard"), request.param, 40)
+    shard, keys = build_shard(tmp_path_factory.mktemp("shard"), request.param, WIDTH)
     yield shard, keys
     shard.close()
+
+
+@pytest.fixture(params=["compiled", "numpy"])
+def kernel_kind(request, monkeypatch):
+    if request.param == "compiled" and not kernel.COMPILED:
+        pytest.skip("numba not installed")
+    monkeypatch.setattr(kernel, "COMPILED", request.param == "compiled")
+    return request.param
 
 
 def batches(keys: np.ndarray, count: int = 512) -> list[np.ndarray]:
     return key_batches(keys, BATCH, count, seed=7)
 
 
-def test_lookup_fresh_batches(benchmark, shard_and_keys):
+def test_lookup_fresh_batches(benchmark, shard_and_keys, kernel_kind):
     shard, keys = shard_and_keys
     cycle = itertools.cycle(batches(keys))
-    benchmark.extra_info["keys"] = keys.shape[0]
+    benchmark.extra_info.update(keys=keys.shape[0], kernel=kernel_kind)
     _rows, found = benchmark(lambda: shard.lookup(next(cycle)))
     assert found.all()
 
 
-def test_lookup_same_batch(benchmark, shard_and_keys):
+def test_lookup_same_batch(benchmark, shard_and_keys, kernel_kind):
     shard, keys = shard_and_keys
     batch = batches(keys, 1)[0]
+    benchmark.extra_info.update(keys=keys.shape[0], kernel=kernel_kind)
     _rows, found = benchmark(shard.lookup, batch)
     assert found.all()
 
 
-def test_lookup_and_gather_40_bytes(benchmark, shard_and_keys):
-    """What a request handler does: lookup, gather 40-byte values, produce response bytes."""
+def test_lookup_and_gather_40_bytes(benchmark, shard_and_keys, kernel_kind):
+    """What the server does per request: lookup and gather 40-byte values, fresh keys. The
+    compiled kernel does both in one pass (seek_fixed); numpy looks up, then takes rows."""
     shard, keys = shard_and_keys
     stack = ShardStack([shard])
+    words = kernel.value_words(shard.values.as_rows())
     cycle = itertools.cycle(batches(keys))
+    benchmark.extra_info.update(keys=keys.shape[0], kernel=kernel_kind)
 
-    def handle() -> bytes:
-        result = stack.lookup(next(cycle))
-        return stack.gather_fixed(result).tobytes()
+    def handle() -> np.ndarray:
+        if kernel_kind == "compiled":
+            return kernel.seek_fixed(shard.kernel_table, words, next(cycle), WIDTH)[1]
+        return stack.gather_fixed(stack.lookup(next(cycle)))
 
-    assert len(benchmark(handle)) == BATCH * 40
+    assert handle().shape == (BATCH, WIDTH)
+    benchmark(handle)
 
 
-def test_lookup_misses(benchmark, shard_and_keys):
+def test_lookup_misses(benchmark, shard_and_keys, kernel_kind):
     shard, _keys = shard_and_keys
     rng = np.random.default_rng(11)
     misses = rng.integers(0, 2**64 - 1, BATCH, dtype=np.uint64)
+    benchmark.extra_info.update(kernel=kernel_kind)
     _rows, found = benchmark(shard.lookup, misses)
     assert found.sum() <= 1
+    assert (found == numpy_lookup(shard.table, misses)[1]).all()
