@@ -263,7 +263,7 @@ def lane_answer_frame(
     the values land 8-byte aligned, so the kernel copies whole words. n > 0 and width > 0."""
     body_head, between, tail, size = _frame_layout(n, width, version)
     if request_id:
-        request_field = b"\x30" + wire._varint(request_id)  # ids do not repeat: not cached
+        request_field = b"\x30" + varint.__wrapped__(request_id)  # ids do not repeat: uncached
         tail += request_field
         size += len(request_field)
     header = wire.ANSWER_HEADER.size
