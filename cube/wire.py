@@ -32,7 +32,7 @@ class BadMessage(ValueError):
     """Bytes that do not form the expected message (truncated, wrong counts, bad offsets)."""
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)  # (not frozen: that costs per answer; do not change one)
 class Answer:
     """What a lookup answered for n keys: found flags, values (fixed width zero-filled, or
     variable), and the version that answered."""
@@ -115,13 +115,43 @@ def encode_seek_request(
     keys: np.ndarray, dict_name: str = "", version: str = "", request_id: int = 0
 ) -> bytes:
     """`cube.v1.SeekRequest` bytes: keys as one packed little-endian uint64 field."""
-    packed = np.ascontiguousarray(keys, dtype="<u8").tobytes()
-    parts: list[Buffer] = [b"\x0a", varint(len(packed)), packed]
-    parts += length_delimited(0x12, dict_name.encode())
-    parts += length_delimited(0x1A, version.encode())
+    packed = np.ascontiguousarray(keys, dtype="<u8").data
+    tail = _request_tail(dict_name, version)
     if request_id:
-        parts += [b"\x20", varint(request_id)]
-    return b"".join(parts)
+        return b"".join(
+            (b"\x0a", varint(packed.nbytes), packed, tail, b"\x20", _varint(request_id))
+        )
+    return b"".join((b"\x0a", varint(packed.nbytes), packed, tail))
+
+
+@functools.lru_cache(maxsize=64)  # a client sends the same dict name and few versions
+def _request_tail(dict_name: str, version: str) -> bytes:
+    """A SeekRequest's dict_name and version fields."""
+    return b"".join(
+        length_delimited(0x12, dict_name.encode()) + length_delimited(0x1A, version.encode())
+    )
+
+
+def _varint(value: int) -> bytes:
+    """`varint` without the cache: for values that do not repeat (request ids). Ids of 43
+    to 49 bits (most 48-bit random ids) take seven bytes, spread with a few int operations."""
+    if 1 << 42 <= value < 1 << 49:
+        spread = (
+            (value & 0x7F)
+            | (value & 0x3F80) << 1
+            | (value & 0x1FC000) << 2
+            | (value & 0xFE00000) << 3
+            | (value & 0x7F0000000) << 4
+            | (value & 0x3F800000000) << 5
+            | (value >> 42) << 48
+        )
+        return (spread | 0x808080808080).to_bytes(7, "little")
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 def seek_response_parts(
@@ -157,34 +187,142 @@ def seek_response_parts(
 def decode_seek_response(data: Buffer, n: int) -> Answer:
     """The answer in `cube.v1.SeekResponse` bytes for `n` keys; its arrays are views of `data`
     (bytes, or a memoryview of a received buffer)."""
-    spans, ints = scan_fields(data)
-    offset, length = spans.get(1, (0, 0))
-    if length != n:
-        raise BadMessage(f"{length} found flags for {n} keys")
+    found_at, found_length, values_at, values_length, width, offsets_at, offsets_length, version = (
+        _scan_response(data)
+    )
+    if found_length != n:
+        raise BadMessage(f"{found_length} found flags for {n} keys")
     # Viewed, not compared: a ufunc over 1000+ elements releases the GIL, and taking it back
     # costs a thread switch when other threads share the client (any nonzero byte is True).
-    found = np.frombuffer(data, np.bool_, n, offset)
-    width = ints.get(3, 0)
-    v_offset, v_length = spans.get(2, (0, 0))
+    found = np.frombuffer(data, np.bool_, n, found_at)
     if width:
-        if v_length != n * width:
-            raise BadMessage(f"{v_length} value bytes for {n} keys of width {width}")
-        column = ValueColumn.fixed(np.frombuffer(data, np.uint8, v_length, v_offset), width)
-    else:
-        o_offset, o_length = spans.get(4, (0, 0))
-        if o_length != 8 * (n + 1):
-            raise BadMessage(f"{o_length // 8} offsets for {n} keys (want {n + 1})")
-        offsets = np.frombuffer(data, _OFFSET_DTYPE, n + 1, o_offset).astype(np.int64)
-        if n and (offsets[0] < 0 or offsets[-1] > v_length or (np.diff(offsets) < 0).any()):
-            raise BadMessage(f"value offsets out of order or beyond {v_length} value bytes")
-        blob = np.frombuffer(data, np.uint8, v_length, v_offset) if v_length else _EMPTY_U8
-        column = ValueColumn.variable(blob, offsets)
-    v_offset, v_length = spans.get(5, (0, 0))
+        if values_length != n * width:
+            raise BadMessage(f"{values_length} value bytes for {n} keys of width {width}")
+        blob = np.frombuffer(data, np.uint8, values_length, values_at)
+        return Answer(found, ValueColumn(blob, _NO_OFFSETS, width, n), version)
+    if offsets_length != 8 * (n + 1):
+        raise BadMessage(f"{offsets_length // 8} offsets for {n} keys (want {n + 1})")
+    offsets = np.frombuffer(data, _OFFSET_DTYPE, n + 1, offsets_at).astype(np.int64)
+    if n and (offsets[0] < 0 or offsets[-1] > values_length or (np.diff(offsets) < 0).any()):
+        raise BadMessage(f"value offsets out of order or beyond {values_length} value bytes")
+    blob = np.frombuffer(data, np.uint8, values_length, values_at) if values_length else _EMPTY_U8
+    return Answer(found, ValueColumn.variable(blob, offsets), version)
+
+
+_NO_OFFSETS = np.empty(0, dtype=np.int64)
+
+
+def answer_width(body: Buffer) -> int:
+    """The value width of a SeekResponse laid out as servers write it (found flags first,
+    then fixed-width values); 0 for another layout. With `answer_values_at`, receivers place
+    answers so that their values come out aligned."""
     try:
-        version = bytes(data[v_offset : v_offset + v_length]).decode()
+        if body[0] != 0x0A:
+            return 0
+        n, pos = read_varint(body, 1)
+        pos += n
+        if body[pos] != 0x12:
+            return 0
+        length = read_varint(body, pos + 1)[0]
+    except (IndexError, BadMessage):
+        return 0
+    return length // n if n and length % n == 0 else 0
+
+
+def answer_values_at(request: Buffer, width: int) -> int:
+    """Where the values of the answer to `request` (SeekRequest bytes) start in its body,
+    when they are `width` bytes each and laid out as `answer_width` reads them."""
+    try:
+        n = read_varint(request, 1)[0] // 8  # the keys field comes first (tag 0x0a)
+    except (IndexError, BadMessage):
+        return 0
+    return 2 + _varint_size(n) + n + _varint_size(n * width)
+
+
+def _varint_size(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)
+
+
+def _scan_response(data: Buffer) -> tuple[int, int, int, int, int, int, int, str]:
+    """A SeekResponse's fields: (found offset, length, values offset, length, width, offsets
+    offset, length, version). What `scan_fields` finds (the last occurrence of a field wins,
+    unknown fields are skipped), in one pass with few Python operations (this runs on every
+    answer): short varints are read inline, and varints whose value is not needed (the
+    request id) are skipped with bytes methods."""
+    found_at = found_length = values_at = values_length = width = 0
+    offsets_at = offsets_length = version_at = version_length = 0
+    pos, end = 0, len(data)
+    while pos < end:
+        tag = data[pos]
+        if tag < 0x80:
+            pos += 1
+        else:
+            tag, pos = read_varint(data, pos, end)
+        wire_type = tag & 7
+        if wire_type == 0 and tag != 0x18:  # an int we do not use: skip its varint
+            size = bytes(data[pos : pos + 10]).translate(_VARINT_ENDS).find(0) + 1
+            if size == 0:
+                read_varint(data, pos, end)  # raises: truncated
+            pos += size
+            continue
+        if wire_type != 0 and wire_type != 2:
+            if wire_type == 1:
+                pos += 8
+            elif wire_type == 5:
+                pos += 4
+            else:
+                raise BadMessage(f"unsupported wire type {wire_type} for field {tag >> 3}")
+            continue
+        # the value: the width, or a length (inline up to three bytes)
+        if pos + 2 < end:
+            low = data[pos]
+            if low < 0x80:
+                value = low
+                pos += 1
+            elif (middle := data[pos + 1]) < 0x80:
+                value = (low & 0x7F) | middle << 7
+                pos += 2
+            elif (high := data[pos + 2]) < 0x80:
+                value = (low & 0x7F) | (middle & 0x7F) << 7 | high << 14
+                pos += 3
+            else:
+                value, pos = read_varint(data, pos, end)
+        else:
+            value, pos = read_varint(data, pos, end)
+        if wire_type == 0:
+            width = value
+            continue
+        if pos + value > end:
+            raise BadMessage(f"field {tag >> 3} runs past the end of the message")
+        if tag == 0x0A:
+            found_at, found_length = pos, value
+        elif tag == 0x12:
+            values_at, values_length = pos, value
+        elif tag == 0x22:
+            offsets_at, offsets_length = pos, value
+        elif tag == 0x2A:
+            version_at, version_length = pos, value
+        pos += value
+    if pos != end:
+        raise BadMessage("truncated message")
+    try:
+        version = str(data[version_at : version_at + version_length], "utf-8")
     except UnicodeDecodeError as exc:
         raise BadMessage(f"version is not UTF-8: {exc}") from None
-    return Answer(found, column, version)
+    return (
+        found_at,
+        found_length,
+        values_at,
+        values_length,
+        width,
+        offsets_at,
+        offsets_length,
+        version,
+    )
+
+
+# bytes.translate table: a varint's last byte (high bit clear) -> 0, others -> 1
+_VARINT_ENDS = bytes(0 if b < 0x80 else 1 for b in range(256))
 
 
 # ---------------------------------------------------------------------------------------------

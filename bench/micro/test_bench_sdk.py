@@ -4,7 +4,13 @@ across 2 shards, and whole seeks against local cube-server processes.
 The seek benchmarks compare the two ways a blocking client can run gRPC (the choice made in
 cube.client.sync): blocking calls inline / on a thread pool (CubeClient) versus an asyncio
 client on a private event-loop thread; and AsyncCubeClient inside its own loop.
+
+The `sdk-cpu` group measures the client process's CPU time (time.process_time: every thread
+of this process, the server's excluded) of 1000 requests of 1000 keys against one local
+cube-server over the TCP lane: its figures in milliseconds are microseconds of SDK CPU per
+request (issue 13's targets: seek <= 60 us, get_embeddings <= 70 us).
 Run: .venv/bin/pytest bench/micro/test_bench_sdk.py --benchmark-enable
+(only the CPU group: add `-k cpu`)
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import asyncio
 import itertools
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -161,3 +168,117 @@ def test_seek_async_client_in_its_loop(benchmark, cluster, shards):
     finally:
         loop.close()
     assert result.found.all()
+
+
+# ---------------------------------------------------------------------------------------------
+# SDK CPU per request: one shard, 1000 keys, over the TCP lane (transport "auto"). One round
+# is REQUESTS requests; the timer is this process's CPU time, so a round's milliseconds are
+# microseconds of client CPU per request. Async requests run inside one coroutine per round
+# (run_until_complete's own cost, a loop iteration and a task, is not the SDK's).
+
+REQUESTS = 1000
+DIM = 16  # float32[16]: 64-byte rows
+CPU = {"group": "sdk-cpu", "timer": time.process_time}
+
+
+@pytest.fixture(scope="module")
+def one_shard(tmp_path_factory):
+    """{"seek": address, "emb": address}: one server of 40-byte values, one of float32[16]."""
+    root = tmp_path_factory.mktemp("sdk-cpu")
+    keys = np.arange(COUNT, dtype=np.uint64)
+    servers = {}
+    try:
+        for name, width in (("seek", WIDTH), ("emb", DIM * 4)):
+            write_version(root / name, "1", keys, fixed_values(keys, width), current=True)
+            servers[name] = start_server(root / name, wait=False)
+        for server in servers.values():
+            server.wait_serving()
+        yield {name: server.address for name, server in servers.items()}
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def _one_shard_batches(count: int = 64) -> list[np.ndarray]:
+    rng = np.random.default_rng(3)
+    return [rng.integers(0, COUNT, BATCH, dtype=np.uint64) for _ in range(count)]
+
+
+def _sync_round(call):
+    """A round of REQUESTS blocking calls; wall microseconds per request in `wall`."""
+    batches = _one_shard_batches()
+    wall: list[float] = []
+
+    def run():
+        started = time.perf_counter()
+        for i in range(REQUESTS):
+            result = call(batches[i % len(batches)])
+        wall.append((time.perf_counter() - started) / REQUESTS * 1e6)
+        return result
+
+    return run, wall
+
+
+def _async_round(loop, call):
+    batches = _one_shard_batches()
+    wall: list[float] = []
+
+    async def many():
+        for i in range(REQUESTS):
+            result = await call(batches[i % len(batches)])
+        return result
+
+    def run():
+        started = time.perf_counter()
+        result = loop.run_until_complete(many())
+        wall.append((time.perf_counter() - started) / REQUESTS * 1e6)
+        return result
+
+    return run, wall
+
+
+def _record(benchmark, wall: list[float]) -> None:
+    stats = benchmark.stats.stats
+    benchmark.extra_info["cpu_us_per_request_median"] = round(stats.median * 1e6 / REQUESTS, 1)
+    benchmark.extra_info["wall_us_per_request_median"] = round(float(np.median(wall)), 1)
+
+
+@pytest.mark.benchmark(**CPU)
+@pytest.mark.parametrize("api", ["seek", "get_embeddings"])
+def test_cpu_x1000_blocking_client(benchmark, one_shard, api):
+    server = one_shard["seek" if api == "seek" else "emb"]
+    with CubeClient(shards=[[server]]) as client:
+        if api == "seek":
+            run, wall = _sync_round(client.seek)
+        else:
+            run, wall = _sync_round(lambda keys: client.get_embeddings(keys, DIM))
+        run()  # connect, warm up
+        result = benchmark.pedantic(run, rounds=7, iterations=1)
+    _record(benchmark, wall)
+    if api == "seek":
+        assert result.found.all() and result.width == WIDTH
+    else:
+        assert result.shape == (BATCH, DIM) and result.dtype == np.float32
+
+
+@pytest.mark.benchmark(**CPU)
+@pytest.mark.parametrize("api", ["seek", "get_embeddings"])
+def test_cpu_x1000_async_client(benchmark, one_shard, api):
+    server = one_shard["seek" if api == "seek" else "emb"]
+    loop = asyncio.new_event_loop()
+    client = AsyncCubeClient(shards=[[server]])
+    try:
+        if api == "seek":
+            run, wall = _async_round(loop, client.seek)
+        else:
+            run, wall = _async_round(loop, lambda keys: client.get_embeddings(keys, DIM))
+        run()
+        result = benchmark.pedantic(run, rounds=7, iterations=1)
+        loop.run_until_complete(client.close())
+    finally:
+        loop.close()
+    _record(benchmark, wall)
+    if api == "seek":
+        assert result.found.all() and result.width == WIDTH
+    else:
+        assert result.shape == (BATCH, DIM) and result.dtype == np.float32

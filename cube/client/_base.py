@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any, Self
 
+import numpy as np
+
 from cube.client._core import (
     DEFAULT_MAX_BATCH,
     PROTOCOLS,
@@ -17,11 +19,13 @@ from cube.client._core import (
     Piece,
     PieceOutcome,
     PieceRequest,
+    SeekResult,
+    assemble,
     make_plan,
     normalize_keys,
     seek_flow,
 )
-from cube.client._policy import Cluster, Policy, Round, ShardCall
+from cube.client._policy import Cluster, EndpointState, Policy, Round, ShardCall
 from cube.client._transport import TRANSPORTS, ClientTLS, Transport
 from cube.client.conf import load_conf
 from cube.client.errors import ConfError, CubeError
@@ -36,6 +40,9 @@ from cube.client.options import (
 from cube.client.stats import ClientStats
 from cube.routing import PARTITIONERS, ShardRouting
 from cube.security import SecurityError
+from cube.wire import Answer, BadMessage, Buffer
+
+_NONE_TRIED: frozenset[int] = frozenset()
 
 
 def normalize_shards(shards: Any) -> tuple[tuple[str, ...], ...]:
@@ -127,6 +134,9 @@ class ClientBase:
         self.max_batch = max_batch
         self.max_version_rounds = max_version_rounds
         self.policy = Policy.from_options(self.timeouts, self.retry)
+        # A batch of one sub-request runs its first attempt on the fast path (see
+        # _first_attempt) unless backup requests need the state machine's timers.
+        self._lone_fast = self.policy.backup_request_ms <= 0
         self._rng = random.Random(seed)
         self._ids = random.Random()  # request ids: never seeded, unlike the balancer
         self._cluster = Cluster(self.shards, load_balancer, self._rng)
@@ -228,11 +238,76 @@ class ClientBase:
     def endpoints(self) -> list[str]:
         return [e.address for e in self._cluster.endpoints]
 
-    def _flow(self, keys: object, version: str | None) -> tuple[list[Piece], Flow]:
+    def _plan(self, keys: object) -> tuple[np.ndarray, list[Piece]]:
         keys = normalize_keys(keys)
-        pieces = make_plan(keys, self.shard_num, self.partitioner, self.max_batch)
-        flow = seek_flow(keys, pieces, self._wire.pins_versions, self.max_version_rounds, version)
-        return pieces, flow
+        return keys, make_plan(keys, self.shard_num, self.partitioner, self.max_batch)
+
+    def _flow(self, keys: np.ndarray, pieces: list[Piece], version: str | None) -> Flow:
+        return seek_flow(keys, pieces, self._wire.pins_versions, self.max_version_rounds, version)
+
+    # The fast path. Most calls are one sub-request (one shard, or a batch routed to one)
+    # whose first attempt answers. Such a call runs that attempt without the state machine:
+    # no flow generator, round, shard call, actions or outcome objects. What the state
+    # machine would do is done here in the same order (pick the replica as ShardCall.start
+    # does, begin, send, accept the answer as ShardCall.on_response does, end, count); any
+    # other end of the attempt (an error, a bad answer, another version) hands it over to
+    # the state machine (`_adopted_round`), which carries on as if it had sent it itself:
+    # the same retries, errors and statistics.
+
+    def _first_attempt(
+        self, piece: Piece, version: str | None, request_id: int
+    ) -> tuple[EndpointState, int, bytes, float]:
+        """(replica, its index, request bytes, monotonic start) of a lone sub-request's first
+        attempt, the replica picked as ShardCall.start picks it and its begin() done."""
+        group = self._cluster.shards[piece.shard]
+        now = time.monotonic()
+        choice = group.balancer.pick(group.replicas, _NONE_TRIED, now, reuse=True)
+        assert choice is not None  # reuse=True always picks one
+        replica = group.replicas[choice]
+        replica.begin()
+        request = self._wire.encode(piece.keys, self.dict_name, version, request_id)
+        return replica, choice, request, now
+
+    def _accept(self, data: Buffer, piece: Piece, version: str | None) -> Answer | None:
+        """The answer in `data` when ShardCall.on_response would take it, else None (the
+        state machine then reads it again and says what is wrong)."""
+        try:
+            answer: Answer = self._wire.decode(data, piece.size)
+        except BadMessage:
+            return None
+        if not answer.version or (version is not None and answer.version != version):
+            return None
+        return answer
+
+    def _lone_result(
+        self,
+        keys: np.ndarray,
+        pieces: list[Piece],
+        answer: Answer,
+        replica: EndpointState,
+        latency_s: float,
+    ) -> SeekResult:
+        """The result of a first attempt accepted on the fast path; the replica's health and
+        the statistics updated as the state machine would."""
+        replica.end()
+        replica.succeeded(latency_s)
+        if self.stats is not None:
+            self.stats.round([pieces[0].shard], [PieceOutcome(answer)])
+        return assemble(keys, pieces, [answer])
+
+    def _adopted_round(
+        self,
+        pieces: Sequence[Piece],
+        requests: Sequence[PieceRequest],
+        request_id: int,
+        choice: int,
+        started: float,
+    ) -> Round:
+        """The round of the fast path's sub-request, its first attempt (to replica `choice`,
+        sent at `started`) taken over by the state machine."""
+        round_ = self._round(pieces, requests, started, request_id)
+        round_.calls[0].adopt(choice, started)
+        return round_
 
     def _round(
         self,

@@ -28,6 +28,7 @@ import itertools
 import random
 import threading
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from cube.backoff import Backoff
@@ -99,6 +100,11 @@ class Policy:
             self.backoff_base_ms / 1000.0, self.backoff_cap_ms / 1000.0, self.backoff_jitter
         )
         return backoff.delay(retry_index, rng)
+
+    @property
+    def timeout_s(self) -> float:
+        """Seconds per attempt."""
+        return self.timeout_ms / 1000.0
 
     def max_attempts(self) -> int:
         return (1 + self.retry) * (2 if self.backup_request_ms > 0 else 1)
@@ -174,10 +180,12 @@ class Balancer:
         self._turn = itertools.count(rng.randrange(1 << 16))  # next() is atomic in CPython
 
     def pick(
-        self, replicas: Sequence[EndpointState], tried: set[int], now: float, reuse: bool
+        self, replicas: Sequence[EndpointState], tried: AbstractSet[int], now: float, reuse: bool
     ) -> int | None:
         """Index of the replica to use, or None when `reuse` is False and all were tried."""
         count = len(replicas)
+        if count == 1:  # nothing to choose (the common single-replica shard: no lists)
+            return None if tried and not reuse else 0
         fresh = [i for i in range(count) if i not in tried]
         if not fresh and not reuse:
             return None
@@ -396,12 +404,23 @@ class ShardCall:
 
     # -- internals -----------------------------------------------------------------------
 
+    def adopt(self, choice: int, now: float) -> None:
+        """Take over a first attempt that a driver already sent to replica `choice` at `now`
+        (its `begin()` done) without this object: the state `start(now)` would have left,
+        had the balancer picked `choice`. The drivers' fast path for a lone sub-request
+        builds the state machine only when that attempt does not simply succeed."""
+        self._launch(choice, now, hedge=False, begin=False)
+
     def _send(self, now: float, hedge: bool) -> list[Action]:
         group = self.group
         busy = self.tried | {f.replica for f in self.inflight.values()}
         choice = group.balancer.pick(group.replicas, busy, now, reuse=not hedge)
         if choice is None:
             return []
+        return [self._launch(choice, now, hedge)]
+
+    def _launch(self, choice: int, now: float, hedge: bool, begin: bool = True) -> Send:
+        group = self.group
         if hedge:
             self._hedges += 1
         attempt = self._next_attempt
@@ -411,7 +430,8 @@ class ShardCall:
         self.tried.add(choice)
         self.inflight[attempt] = _InFlight(choice, now, hedge)
         replica = group.replicas[choice]
-        replica.begin()
+        if begin:
+            replica.begin()
         backup_ms = self.policy.backup_request_ms
         if (
             backup_ms > 0
@@ -420,14 +440,7 @@ class ShardCall:
             and len(group.replicas) > 1
         ):
             self.hedge_at = now + backup_ms / 1000.0
-        return [
-            Send(
-                (self.index, attempt),
-                replica.address,
-                self.request,
-                self.policy.timeout_ms / 1000.0,
-            )
-        ]
+        return Send((self.index, attempt), replica.address, self.request, self.policy.timeout_s)
 
     def _finish(self, answered_at: float | None = None) -> list[Action]:
         """End the call; cancel the attempts still out (outrun by the answer at

@@ -38,7 +38,14 @@ import numpy as np
 from cube.client.errors import CubeError
 from cube.routing import ShardRouting
 from cube.security import client_context, grpc_channel_credentials
-from cube.wire import ANSWER_HEADER, LANE_MAGIC, Buffer, next_frame, request_header
+from cube.wire import (
+    ANSWER_HEADER,
+    LANE_MAGIC,
+    Buffer,
+    answer_values_at,
+    answer_width,
+    request_header,
+)
 
 # No message size limit (100k-key batches of large values), our own retries only, and a short
 # reconnect backoff so a restarted replica is used again within seconds (grpc's default grows
@@ -65,6 +72,10 @@ _MAX_UNSENT_BYTES = 16 << 20  # per asyncio lane connection: beyond it, calls fa
 _TIMEVAL = struct.Struct("@ll")
 _STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 _MAX_IDLE = 64  # idle blocking connections kept per endpoint
+_ALIGN = 16  # answers are read so that their values start at this alignment (malloc's)
+_MIN_READ = 4096  # an asyncio lane's new buffer has room for at least this much
+_NO_BYTES = np.empty(0, np.uint8)
+_CLOCK_RESOLUTION = time.get_clock_info("monotonic").resolution  # asyncio's timer slack
 LANE_RECHECK_S = 5.0  # an endpoint found without a (reachable) lane is asked again after this
 
 
@@ -176,20 +187,21 @@ class _Connection:
     """A blocking lane socket whose timeouts are the kernel's (SO_RCVTIMEO/SO_SNDTIMEO): one
     syscall per send or receive, where a Python-level timeout adds a poll() to each."""
 
-    __slots__ = ("sock", "timeout_s")
+    __slots__ = ("sock", "timeout_s", "tls")
 
     def __init__(self, sock: socket.socket) -> None:
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         self.timeout_s = 0.0
+        self.tls = isinstance(sock, ssl.SSLSocket)
 
     def set_timeout(self, timeout_s: float) -> None:
         """Bound each blocking send/receive by `timeout_s` (kept when within 10% of it)."""
         timeout_s = max(timeout_s, 1e-3)  # 0 would mean "no timeout" to the kernel
         if abs(timeout_s - self.timeout_s) <= 0.1 * timeout_s:
             return
-        if isinstance(self.sock, ssl.SSLSocket):  # TLS reads more than it returns: Python's
+        if self.tls:  # TLS reads more than it returns: Python's
             self.sock.settimeout(timeout_s)  # own timeout, not the kernel's per syscall
             self.timeout_s = timeout_s
             return
@@ -278,6 +290,29 @@ class _Uncancellable(CallHandle):
 _INLINE = _Uncancellable()
 
 
+class _Placement:
+    """Where in a buffer of its own to start receiving an answer (a frame) so that its values
+    come out aligned, and get_embeddings can return a view of them: from the request's key
+    count and the value width of the answers so far (as servers lay answers out)."""
+
+    __slots__ = ("length", "width")
+
+    def __init__(self) -> None:
+        self.width = 0  # of the answers' values; 0: not known (no padding)
+        self.length = -1  # of the last answer: its width is read again when it changes
+
+    def pad(self, request: bytes) -> int:
+        """Where the frame of the answer to `request` starts, modulo _ALIGN."""
+        if not self.width:
+            return 0
+        return -(ANSWER_HEADER.size + answer_values_at(request, self.width)) % _ALIGN
+
+    def learn(self, body: memoryview) -> None:
+        if len(body) != self.length:
+            self.length = len(body)
+            self.width = answer_width(body)
+
+
 class SyncLane:
     """Blocking connections to one worker's TCP lane. A call takes an idle connection (or
     opens one), writes its frame and reads the answer in the calling thread: no thread hop,
@@ -300,6 +335,8 @@ class SyncLane:
         self._lock = threading.Lock()
         self._closed = False
         self._expect = 1 << 16  # bytes of the last answer, header included: the next read size
+        self._place = _Placement()
+        self._poll = busy_poll.seconds > 0
 
     def call(
         self, request: bytes, timeout_s: float, handle: CallHandle | None = None
@@ -333,12 +370,13 @@ class SyncLane:
                         return False, _CANCELLED
                 connection.set_timeout(deadline - time.monotonic())
                 try:
-                    _send(connection.sock, header, request)
+                    _send(connection, header, request)
                 except (BrokenPipeError, ConnectionResetError):
                     if not reused:
                         raise
                     raise _Stale from None
-                status, body = self._read_answer(connection.sock, deadline, reused)
+                pad = self._place.pad(request)
+                status, body = self._read_answer(connection, deadline, reused, pad)
             except _Stale:
                 assert connection is not None
                 connection.sock.close()
@@ -381,35 +419,44 @@ class SyncLane:
         return _Connection(sock)
 
     def _read_answer(
-        self, sock: socket.socket, deadline: float, reused: bool
+        self, connection: _Connection, deadline: float, reused: bool, pad: int
     ) -> tuple[int, memoryview]:
-        """Read one answer frame: (status, body view)."""
-        buffer = np.empty(self._expect, np.uint8)  # not zero-filled, unlike bytearray(n)
+        """Read one answer frame: (status, body view). The buffer is the answer's own (its
+        arrays are views of it), read from `pad` on (see _Placement)."""
+        buffer = np.empty(pad + self._expect, np.uint8)  # not zero-filled, unlike bytearray(n)
         view = buffer.data
-        got, need = 0, ANSWER_HEADER.size
+        sock = connection.sock
+        poll = self._poll and not connection.tls
+        got, need = pad, pad + ANSWER_HEADER.size
+        status = 0
         while got < need:
-            if got and time.monotonic() > deadline:
+            if got > pad and time.monotonic() > deadline:
                 raise TimeoutError
             try:
-                count = self.busy_poll.recv_into(sock, view[got:], deadline)
+                if poll:
+                    count = self.busy_poll.recv_into(sock, view[got:], deadline)
+                else:
+                    count = sock.recv_into(view[got:])
             except (ConnectionResetError, BrokenPipeError):
-                if reused and got == 0:
+                if reused and got == pad:
                     raise _Stale from None
                 raise
             if count == 0:
-                if reused and got == 0:
+                if reused and got == pad:
                     raise _Stale
                 raise ConnectionError("the server closed the connection")
             got += count
-            if need == ANSWER_HEADER.size and got >= need:
-                length, status = ANSWER_HEADER.unpack_from(view)
+            if need == pad + ANSWER_HEADER.size and got >= need:
+                length, status = ANSWER_HEADER.unpack_from(view, pad)
                 need += length
                 if need > buffer.shape[0]:  # larger than the last answer: grow, keep what came
                     grown = np.empty(need, np.uint8)
                     grown[:got] = buffer[:got]
                     buffer, view = grown, grown.data
-        self._expect = need
-        return status, view[ANSWER_HEADER.size : need]
+        body = view[pad + ANSWER_HEADER.size : need]
+        self._expect = need - pad
+        self._place.learn(body)
+        return status, body
 
     def _take(self) -> _Connection | None:
         with self._lock:
@@ -434,9 +481,10 @@ class SyncLane:
         self._drop_idle()
 
 
-def _send(sock: socket.socket, header: bytes, request: bytes) -> None:
+def _send(connection: _Connection, header: bytes, request: bytes) -> None:
     """Write header + request in one sendmsg (no joined copy); finish a partial send."""
-    if isinstance(sock, ssl.SSLSocket):  # no sendmsg over TLS
+    sock = connection.sock
+    if connection.tls:  # no sendmsg over TLS
         sock.sendall(header + request)
         return
     sent = sock.sendmsg((header, request))
@@ -591,7 +639,7 @@ class SyncChannels:
             channel.close()
 
 
-class AioLane(asyncio.Protocol):
+class AioLane(asyncio.BufferedProtocol):
     """One pipelined connection to a worker's TCP lane: frames go out as calls start, answers
     come back in order and complete the calls' futures. A call past its timeout fails with
     DEADLINE_EXCEEDED and a cancelled one is dropped; their answers are skipped on arrival.
@@ -600,17 +648,31 @@ class AioLane(asyncio.Protocol):
     server stopped answering (SIGSTOP, a dead host): the connection is dropped, its pending
     calls fail UNAVAILABLE and the next call connects again. More than `_MAX_PENDING_CALLS`
     calls in flight, or more than `_MAX_UNSENT_BYTES` the socket has not taken, fail new
-    calls at once (UNAVAILABLE, retried elsewhere) instead of queueing without end."""
+    calls at once (UNAVAILABLE, retried elsewhere) instead of queueing without end.
+
+    Cheap per call: answers are received into buffers of our own (numpy, writable) that are
+    never reused, so each answer is handed out as a view, placed so that its values start
+    aligned (get_embeddings returns a view of them); one timer (the watchdog) stands for all
+    the calls' timeouts, armed at the earliest deadline, instead of a timer per call."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.lost = False
-        self._pending: collections.deque[tuple[asyncio.Future[Any], asyncio.TimerHandle, float]] = (
+        # (future, deadline, when sent, timeout, pad) per call, in the order the answers come
+        self._pending: collections.deque[tuple[asyncio.Future[Any], float, float, float, int]] = (
             collections.deque()
         )
-        self._buffer = bytearray()
         self._loop = asyncio.get_running_loop()
         self._received_at = 0.0  # when bytes last arrived
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._watch_at = 0.0
+        # Received bytes not yet handed out are _buffer[_start:_end]; bytes before _start
+        # belong to answers handed out (views), so a buffer is only ever written past _end.
+        self._buffer = _NO_BYTES
+        self._view = _NO_BYTES.data
+        self._start = self._end = 0
+        self._expect = 1 << 16  # bytes of the last answer frame: room for the next one
+        self._place = _Placement()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -637,48 +699,89 @@ class AioLane(asyncio.Protocol):
             return future
         transport.writelines((request_header(len(request)), request))
         sent_at = self._loop.time()
-        timer = self._loop.call_later(timeout_s, self._expire, future, timeout_s, sent_at)
-        self._pending.append((future, timer, sent_at))
+        deadline = sent_at + timeout_s
+        self._pending.append((future, deadline, sent_at, timeout_s, self._place.pad(request)))
+        if self._watchdog is None or deadline < self._watch_at:
+            self._arm(deadline)
         return future
 
-    def _expire(self, future: asyncio.Future[Any], timeout_s: float, sent_at: float) -> None:
-        if future.done():
-            return
-        future.set_exception(
-            TransportError("DEADLINE_EXCEEDED", f"TCP lane: no answer in {timeout_s:.3f} s")
-        )
-        if self._received_at < sent_at:  # not a byte since it was sent: the peer is gone
-            self._fail(f"TCP lane: nothing received for {timeout_s:.3f} s; connection dropped")
+    def _arm(self, when: float) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        self._watch_at = when
+        self._watchdog = self._loop.call_at(when, self._expire)
 
-    def data_received(self, data: bytes) -> None:
+    def _expire(self) -> None:
+        """The watchdog: fail the calls past their deadline, re-arm for the next deadline."""
+        self._watchdog = None
+        now = self._loop.time() + _CLOCK_RESOLUTION  # as the loop decides a timer is due
+        earliest = None
+        for future, deadline, sent_at, timeout_s, _ in self._pending:
+            if future.done():
+                continue
+            if deadline > now:
+                earliest = deadline if earliest is None else min(earliest, deadline)
+                continue
+            future.set_exception(
+                TransportError("DEADLINE_EXCEEDED", f"TCP lane: no answer in {timeout_s:.3f} s")
+            )
+            if self._received_at < sent_at:  # not a byte since it was sent: the peer is gone
+                self._fail(f"TCP lane: nothing received for {timeout_s:.3f} s; connection dropped")
+                return
+        if earliest is not None:
+            self._arm(earliest)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        """Where the next bytes go: after the bytes held, with room for the rest of the
+        frame they start (or for an answer like the last one); a new buffer when the current
+        one has not that room (the partial frame, if any, moves over)."""
+        start, end = self._start, self._end
+        pad = self._pending[0][4] if self._pending else 0  # of the answer coming next
+        if start == end:  # between answers: start the next one where its values will align
+            start = end = end + (pad - end) % _ALIGN
+            room = self._expect
+        elif end - start >= ANSWER_HEADER.size:
+            room = ANSWER_HEADER.size + ANSWER_HEADER.unpack_from(self._view, start)[0]
+            room -= end - start
+        else:
+            room = self._expect
+        if self._buffer.shape[0] - end < room:
+            held = end - start
+            buffer = np.empty(pad + held + max(room, _MIN_READ), np.uint8)
+            buffer[pad : pad + held] = self._buffer[start:end]
+            self._buffer, self._view = buffer, buffer.data
+            start, end = pad, pad + held
+        self._start, self._end = start, end
+        return self._view[end:]
+
+    def buffer_updated(self, nbytes: int) -> None:
         self._received_at = self._loop.time()
-        source: bytes | bytearray = data
-        if self._buffer:
-            self._buffer += data
-            source = self._buffer
-        start, end = 0, len(source)
+        self._end += nbytes
+        start, end, view = self._start, self._end, self._view
         pending = self._pending
-        while (frame := next_frame(source, start, end, answers=True)) is not None:
+        while end - start >= ANSWER_HEADER.size:
+            length, status = ANSWER_HEADER.unpack_from(view, start)
+            stop = start + ANSWER_HEADER.size + length
+            if stop > end:
+                break
             if not pending:
                 self._fail("TCP lane: an answer nobody asked for")
                 return
-            future, timer, _ = pending.popleft()
-            timer.cancel()
+            future = pending.popleft()[0]
+            body = view[start + ANSWER_HEADER.size : stop]
+            self._expect = ANSWER_HEADER.size + length
+            self._place.learn(body)
             if not future.done():
-                if source is data:  # a view of this read's bytes: no copy of the answer
-                    body: bytes | memoryview = memoryview(data)[frame.start : frame.stop]
-                else:  # the reassembly buffer changes: copy
-                    body = bytes(source[frame.start : frame.stop])
-                if frame.status:
+                if status:
                     text = bytes(body).decode("utf-8", "replace")
-                    future.set_exception(TransportError(_status_name(frame.status), text))
+                    future.set_exception(TransportError(_status_name(status), text))
                 else:
-                    future.set_result(body)
-            start = frame.stop
-        if source is self._buffer:
-            del self._buffer[:start]
-        elif start < end:
-            self._buffer = bytearray(data[start:])
+                    future.set_result(body)  # a view: the buffer is never written there again
+            start = stop
+        self._start = start
+        if not pending and self._watchdog is not None and start == end:
+            self._watchdog.cancel()  # nothing left to time out
+            self._watchdog = None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(f"TCP lane: connection lost ({exc or 'closed by the server'})")
@@ -686,11 +789,14 @@ class AioLane(asyncio.Protocol):
     def _fail(self, message: str) -> None:
         self.lost = True
         pending, self._pending = self._pending, collections.deque()
-        for future, timer, _ in pending:
-            timer.cancel()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        for future, *_ in pending:
             if not future.done():
                 future.set_exception(TransportError("UNAVAILABLE", message))
-        self._buffer = bytearray()
+        self._buffer, self._view = _NO_BYTES, _NO_BYTES.data
+        self._start = self._end = 0
         if self.transport is not None:
             self.transport.abort()  # drop what is still unsent
 
@@ -730,6 +836,11 @@ class AioChannels:
             self._channels[address] = channel
             call = self._callables[address] = channel.unary_unary(self._method)
         return call
+
+    def lane(self, address: str) -> AioLane | None:
+        """The endpoint's lane when it has a live one now (else `start` finds the way)."""
+        lane = self._lanes.get(address)
+        return lane if lane is not None and not lane.lost else None
 
     def start(self, address: str, request: bytes, timeout_s: float) -> Any:
         """A call in flight: an awaitable with cancel() and add_done_callback() (a grpc.aio

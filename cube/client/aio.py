@@ -19,6 +19,10 @@ from cube.client._policy import Action, Cancel
 from cube.client._transport import AioChannels, status_of
 from cube.client.errors import ConfError, CubeError
 
+# The fast path's first attempt handed over: (replica index, monotonic start, its call in
+# flight or done, or None when it is still to start).
+_Adopted = tuple[int, float, Any]
+
 
 class AsyncCubeClient(ClientBase):
     """asyncio client; see ClientBase for the arguments and `from_conf` for cube.conf."""
@@ -44,22 +48,69 @@ class AsyncCubeClient(ClientBase):
         started = time.perf_counter()
         request_id = self._request_id()
         try:
-            pieces, flow = self._flow(keys, version)
-            requests = next(flow)
-            while True:
-                requests = flow.send(await self._run(pieces, requests, request_id))
-        except StopIteration as done:
-            self._observe_call(started)
-            result: SeekResult = done.value
-            return result
+            keys, pieces = self._plan(keys)
+            if len(pieces) == 1 and self._lone_fast:
+                result = await self._seek_lone(keys, pieces, version, request_id)
+            else:
+                result = await self._seek_rounds(keys, pieces, version, request_id)
         except CubeError as exc:
             self._observe_call(started, exc)
             self._tag(exc, request_id)
             raise
+        self._observe_call(started)
+        return result
+
+    async def _seek_rounds(
+        self,
+        keys: np.ndarray,
+        pieces: list[Piece],
+        version: str | None,
+        request_id: int,
+        adopted: _Adopted | None = None,
+    ) -> SeekResult:
+        """The state machine's way: rounds of sub-requests until the flow has its result
+        (`adopted`: the fast path's first attempt, which the first round takes over)."""
+        flow = self._flow(keys, pieces, version)
+        try:
+            requests = next(flow)
+            outcomes = await self._run(pieces, requests, request_id, adopted)
+            while True:
+                requests = flow.send(outcomes)
+                outcomes = await self._run(pieces, requests, request_id)
+        except StopIteration as done:
+            result: SeekResult = done.value
+            return result
+
+    async def _seek_lone(
+        self, keys: np.ndarray, pieces: list[Piece], version: str | None, request_id: int
+    ) -> SeekResult:
+        """One sub-request without backup requests (ClientBase's fast path): on a lane, its
+        first attempt is awaited here (the lane times it out); the state machine takes over
+        unless it simply answers, and runs attempts that are not on a lane."""
+        piece = pieces[0]
+        replica, choice, request, started = self._first_attempt(piece, version, request_id)
+        lane = self._channels.lane(replica.address) if self._injected is None else None
+        if lane is None:  # first contact, gRPC or an injected transport: not this way
+            return await self._seek_rounds(
+                keys, pieces, version, request_id, (choice, started, None)
+            )
+        future = lane.send(request, self.policy.timeout_s)
+        try:
+            data = await future
+        except asyncio.CancelledError:
+            replica.end()  # as the state machine does for a call cancelled (its in-flight count)
+            raise
+        except Exception:  # TransportError: the state machine reads it from the future
+            pass
+        else:
+            if (answer := self._accept(data, piece, version)) is not None:
+                latency_s = time.monotonic() - started
+                return self._lone_result(keys, pieces, answer, replica, latency_s)
+        return await self._seek_rounds(keys, pieces, version, request_id, (choice, started, future))
 
     async def get_embeddings(self, keys: object, dim: int, dtype: Any = "float32") -> np.ndarray:
         """As CubeClient.get_embeddings."""
-        return embeddings(await self.seek(keys), dim, dtype)
+        return embeddings(await self.seek(keys), dim, dtype, own=True)
 
     async def wait_ready(self, timeout_s: float = 5.0) -> list[str]:
         if self._injected is not None:
@@ -79,14 +130,30 @@ class AsyncCubeClient(ClientBase):
         await self.close()
 
     async def _run(
-        self, pieces: Sequence[Piece], requests: Sequence[PieceRequest], request_id: int = 0
+        self,
+        pieces: Sequence[Piece],
+        requests: Sequence[PieceRequest],
+        request_id: int = 0,
+        adopted: _Adopted | None = None,
     ) -> list[PieceOutcome]:
-        now = time.monotonic()
-        round_ = self._round(pieces, requests, now, request_id)
         events: asyncio.Queue[Any] = asyncio.Queue()
         handles: dict[tuple[int, int], Any] = {}
+        if adopted is None:
+            now = time.monotonic()
+            round_ = self._round(pieces, requests, now, request_id)
+            actions = round_.start(now)
+        else:  # the fast path's first attempt: in flight (a lane's future), or to start
+            choice, now, call = adopted
+            round_ = self._adopted_round(pieces, requests, request_id, choice, now)
+            actions = []
+            first = round_.calls[0]
+            if call is None:
+                address = first.group.replicas[choice].address
+                self._start((0, 0), address, first.request, self.policy.timeout_s, events, handles)
+            else:
+                self._track((0, 0), call, events, handles)
         try:
-            self._execute(round_.start(now), events, handles)
+            self._execute(actions, events, handles)
             while not round_.done:
                 timeout = round_.next_wakeup() - time.monotonic()
                 try:
@@ -112,6 +179,9 @@ class AsyncCubeClient(ClientBase):
         finally:
             for call in handles.values():
                 call.cancel()
+            if not round_.done:  # cancelled: release the replicas' in-flight counts
+                for shard_call in round_.calls:
+                    shard_call.abort("CANCELLED", "the call was cancelled")
         return self._observe_round(pieces, requests, round_.outcomes())
 
     def _execute(
@@ -123,19 +193,39 @@ class AsyncCubeClient(ClientBase):
                 if call is not None:
                     call.cancel()
                 continue
-            try:
-                if self._injected is not None:
-                    call = asyncio.ensure_future(
-                        self._injected.acall(action.address, action.request, action.timeout_s)
-                    )
-                else:
-                    call = self._channels.start(action.address, action.request, action.timeout_s)
-            except Exception as exc:
-                call = _Failed(exc)
-                events.put_nowait((action.key, call))
+            key, address, request = action.key, action.address, action.request
+            self._start(key, address, request, action.timeout_s, events, handles)
+
+    def _start(
+        self,
+        key: tuple[int, int],
+        address: str,
+        request: bytes,
+        timeout_s: float,
+        events: asyncio.Queue[Any],
+        handles: dict[tuple[int, int], Any],
+    ) -> None:
+        """Start an attempt; its completion lands in `events`."""
+        try:
+            if self._injected is not None:
+                call = asyncio.ensure_future(self._injected.acall(address, request, timeout_s))
             else:
-                call.add_done_callback(lambda c, key=action.key: events.put_nowait((key, c)))
-            handles[action.key] = call
+                call = self._channels.start(address, request, timeout_s)
+        except Exception as exc:
+            handles[key] = _Failed(exc)
+            events.put_nowait((key, handles[key]))
+        else:
+            self._track(key, call, events, handles)
+
+    @staticmethod
+    def _track(
+        key: tuple[int, int],
+        call: Any,
+        events: asyncio.Queue[Any],
+        handles: dict[tuple[int, int], Any],
+    ) -> None:
+        call.add_done_callback(lambda c: events.put_nowait((key, c)))
+        handles[key] = call
 
 
 class _Failed:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -70,23 +70,65 @@ class CubeClient(ClientBase):
         started = time.perf_counter()
         request_id = self._request_id()
         try:
-            pieces, flow = self._flow(keys, version)
-            requests = next(flow)
-            while True:
-                requests = flow.send(self._run(pieces, requests, request_id))
-        except StopIteration as done:
-            self._observe_call(started)
-            result: SeekResult = done.value
-            return result
+            keys, pieces = self._plan(keys)
+            if len(pieces) == 1 and self._lone_fast:
+                result = self._seek_lone(keys, pieces, version, request_id)
+            else:
+                result = self._seek_rounds(keys, pieces, version, request_id)
         except CubeError as exc:
             self._observe_call(started, exc)
             self._tag(exc, request_id)
             raise
+        self._observe_call(started)
+        return result
+
+    def _seek_rounds(
+        self,
+        keys: np.ndarray,
+        pieces: list[Piece],
+        version: str | None,
+        request_id: int,
+        first_round: Callable[[list[PieceRequest]], list[PieceOutcome]] | None = None,
+    ) -> SeekResult:
+        """The state machine's way: rounds of sub-requests until the flow has its result
+        (`first_round` runs the first one when the fast path already started it)."""
+        flow = self._flow(keys, pieces, version)
+        try:
+            requests = next(flow)
+            if first_round is not None:
+                outcomes = first_round(requests)
+            else:
+                outcomes = self._run(pieces, requests, request_id)
+            while True:
+                requests = flow.send(outcomes)
+                outcomes = self._run(pieces, requests, request_id)
+        except StopIteration as done:
+            result: SeekResult = done.value
+            return result
+
+    def _seek_lone(
+        self, keys: np.ndarray, pieces: list[Piece], version: str | None, request_id: int
+    ) -> SeekResult:
+        """One sub-request without backup requests (ClientBase's fast path): its first
+        attempt runs inline; the state machine takes over unless it simply answers."""
+        piece = pieces[0]
+        replica, choice, request, started = self._first_attempt(piece, version, request_id)
+        ok, payload = self._attempt(replica.address, request, self.policy.timeout_s)
+        if ok and (answer := self._accept(payload, piece, version)) is not None:
+            return self._lone_result(keys, pieces, answer, replica, time.monotonic() - started)
+
+        def take_over(requests: list[PieceRequest]) -> list[PieceOutcome]:
+            round_ = self._adopted_round(pieces, requests, request_id, choice, started)
+            pending: dict[_Key, CallHandle | None] = {}
+            actions = self._feed(round_, pending, (0, 0), ok, payload)
+            return self._drive(pieces, requests, round_, pending, actions)
+
+        return self._seek_rounds(keys, pieces, version, request_id, take_over)
 
     def get_embeddings(self, keys: object, dim: int, dtype: Any = "float32") -> np.ndarray:
         """(n, dim) array of `dtype`, zero rows for misses; ValueSizeError names a key whose
         value is not dim * itemsize bytes."""
-        return embeddings(self.seek(keys), dim, dtype)
+        return embeddings(self.seek(keys), dim, dtype, own=True)
 
     def wait_ready(self, timeout_s: float = 5.0) -> list[str]:
         """Connect to every endpoint; return the ones not ready within `timeout_s`."""
@@ -111,9 +153,18 @@ class CubeClient(ClientBase):
         self, pieces: Sequence[Piece], requests: Sequence[PieceRequest], request_id: int = 0
     ) -> list[PieceOutcome]:
         round_ = self._round(pieces, requests, time.monotonic(), request_id)
+        return self._drive(pieces, requests, round_, {}, round_.start(time.monotonic()))
+
+    def _drive(
+        self,
+        pieces: Sequence[Piece],
+        requests: Sequence[PieceRequest],
+        round_: Round,
+        pending: dict[_Key, CallHandle | None],  # attempts running (None: inline)
+        actions: list[Action],
+    ) -> list[PieceOutcome]:
+        """Carry out the round's actions and feed it answers and timers until it is done."""
         events: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        pending: dict[_Key, CallHandle | None] = {}  # attempts running (None: inline)
-        actions = round_.start(time.monotonic())
         while True:
             inline = self._execute(actions, events, pending)
             actions = self._feed(round_, pending, *inline) if inline else []
