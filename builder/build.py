@@ -47,25 +47,28 @@ from cube.builder.meta import (
     write_meta_file,
 )
 from cube.builder.spill import (
+    SourceFile,
     Spiller,
     SpillPart,
     group_positions,
-    merge_parts,
-    open_spill,
+    open_parts,
     remove_part,
 )
 from cube.fsutil import atomic_write_text, fsync_dir, md5_line
-from cube.index import build_table
+from cube.index import COMPILED_MIN_KEYS, build_table, compiled_kernels
 from cube.layout import output_dir_name, part_name, served_version
 from cube.routing import check_partitioner, shard_of
-from cube.seqfile import SequenceFileReader
-from cube.shard import DATA_FILE, INDEX_FILE, write_shard
+from cube.seqfile import LocatedBatch, SequenceFileReader
+from cube.shard_writer import DATA_FILE, INDEX_FILE, Writeback, write_shard
 from cube.values import ValueColumn
 
 MODES = ("base", "delta")
 TAR_MEMBERS = (INDEX_FILE, DATA_FILE)
 _COPY_CHUNK = 8 << 20
-_MAX_BATCH_BYTES = 64 << 20
+# Input size from which the compiled loops repay their load (~0.7 s): COMPILED_MIN_KEYS
+# records of 48 bytes (8-byte keys, 32-byte values and the framing).
+_WARM_INPUT_BYTES = COMPILED_MIN_KEYS * 48
+_MAX_BATCH_BYTES = 4 << 20  # cache-sized: per-batch temporaries stay warm and are reused
 
 
 class BuildError(RuntimeError):
@@ -284,7 +287,8 @@ def spill_batches(batches: Iterable[tuple[np.ndarray, ValueColumn]], spiller: Sp
 
 
 def read_and_spill(task: ReadTask, on_bytes: Callable[[int], None] | None = None) -> ReadOutput:
-    """Stage 1 for one run of input files (runs in a worker process or inline)."""
+    """Stage 1 for one run of input files (runs in a worker process or inline). The values of
+    an uncompressed file stay in it: only where each one is gets spilled."""
     report = on_bytes or _report_progress
     spiller = Spiller(Path(task.spill_dir), task.shard_num, task.partitioner)
     formats: dict[str, None] = {}
@@ -293,17 +297,21 @@ def read_and_spill(task: ReadTask, on_bytes: Callable[[int], None] | None = None
         with SequenceFileReader(path, task.key_format, task.batch_bytes) as reader:
             formats[reader.key_format] = None
             done = 0
-
-            def batches(reader=reader):
-                nonlocal done
-                for batch in reader.batches():
-                    yield batch.keys, batch.values
-                    if batch.offsets.shape[0]:
-                        position = int(batch.offsets[-1])
-                        report(position - done)
-                        done = position
-
-            records += spill_batches(batches(), spiller)
+            source = -1
+            if reader.values_in_place:
+                info = os.fstat(reader.fileno())
+                source = spiller.add_source(SourceFile.of(path, info))
+            batches = reader.located_batches() if source >= 0 else reader.batches()
+            for batch in batches:
+                if isinstance(batch, LocatedBatch):
+                    spiller.add_located(batch.keys, source, batch.locations)
+                else:
+                    spiller.add(batch.keys, batch.values)
+                records += len(batch)
+                if batch.offsets.shape[0]:
+                    position = int(batch.offsets[-1])
+                    report(position - done)
+                    done = position
             report(reader.file_size - done)
     return ReadOutput(spiller.finish(), records, tuple(formats))
 
@@ -355,15 +363,23 @@ class FinishTask:
 
 def finish_shard(task: FinishTask, on_bytes: Callable[[int], None] | None = None) -> ShardOutput:
     """Table, shard files, tar + md5 for one shard; removes its spill files when done."""
-    part = merge_parts(list(task.parts))
-    with open_spill(part) as (keys, values):
+    with open_parts(list(task.parts)) as (keys, values):
         built = build_table(keys, deleted=task.deleted)
         del keys
-        header = write_shard(task.shard_dir, built, values, task.meta)
+        # not synced yet: the disk writes them while the tar is made, synced after it
+        header = write_shard(task.shard_dir, built, values, task.meta, sync=False)
         del built, values
-    remove_part(part)
+    for part in task.parts:
+        if part.directory:
+            remove_part(part)
     shard_dir = Path(task.shard_dir)
     tar_size, md5 = write_tar(Path(task.tar_path), shard_dir, TAR_MEMBERS)
+    for name in TAR_MEMBERS:
+        fd = os.open(shard_dir / name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     write_md5_file(Path(task.tar_path), md5)
     return ShardOutput(
         shard=int(task.meta["shard"]),
@@ -389,6 +405,7 @@ def write_tar(tar_path: Path, directory: Path, members: Sequence[str]) -> tuple[
     mtime = int(time.time())
     try:
         with open(tmp, "wb", buffering=0) as out:
+            writeback = Writeback(out.fileno())
 
             def emit(data: bytes | memoryview) -> None:
                 nonlocal size
@@ -397,6 +414,7 @@ def write_tar(tar_path: Path, directory: Path, members: Sequence[str]) -> tuple[
                 while view:
                     view = view[out.write(view) :]
                 size += len(data)
+                writeback.wrote(size)
 
             for name in members:
                 path = directory / name
@@ -549,6 +567,7 @@ def build(
         raise BuildError("-delete_path needs -job_mode delta")
     files = list_input_files(input_path)
     deleted = read_delete_keys(delete_path) if delete_path is not None else np.empty(0, np.uint64)
+    _warm_kernels(files)
     workspace = _Workspace(config)
     try:
         with _Pool(config.workers) as pool:
@@ -601,6 +620,19 @@ def build(
             "publish": time.monotonic() - started - phases["read"] - phases["finish"],
         },
     )
+
+
+def _warm_kernels(files: list[Path]) -> None:
+    """For a large input, load the compiled build loops before the workers fork (they
+    inherit them: one load instead of one per worker); a small one builds with numpy."""
+    size = 0
+    for path in files:
+        with contextlib.suppress(OSError):
+            size += path.stat().st_size
+    if size >= _WARM_INPUT_BYTES:
+        kernels = compiled_kernels(COMPILED_MIN_KEYS)
+        if kernels is not None:
+            kernels.warm()
 
 
 def _read_all(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 
@@ -141,6 +142,9 @@ def build_table(
     record_count = keys.shape[0]
     if deleted is not None and deleted.shape[0]:
         keys = np.concatenate([keys, np.ascontiguousarray(deleted, dtype=np.uint64)])
+    kernels = compiled_kernels(keys.shape[0])
+    if kernels is not None:
+        return _build_compiled(kernels, keys, record_count, load_factor)
     hashes = fmix64(keys)
     order, sorted_hashes = stable_hash_order(hashes)
     del hashes
@@ -187,6 +191,62 @@ def build_table(
     del positions, per_bucket
 
     table = HashTable(slot_keys, bucket_rows, deleted_keys, bucket_count, empty_key, max_probe)
+    return BuiltTable(table, winners, int(deleted_keys.shape[0]))
+
+
+# Below this many keys the numpy build is fast enough not to import numba and load the
+# compiled loops for it (~0.7 s); once something in the process loaded them, they are used.
+COMPILED_MIN_KEYS = 4 << 20
+_SLACK_BUCKETS = 64  # room past the home buckets for the table's overflow (rarely > 2)
+
+
+def compiled_kernels(count: int) -> ModuleType | None:
+    """cube.build_kernels when compiled loops should do a build step over `count` items (a
+    table's keys, a shard's values), else None (the numpy code does it)."""
+    if count < 2 or count >= 1 << 32:  # the packed sort needs a prefix of 32 bits or more
+        return None
+    if count < COMPILED_MIN_KEYS and "cube.build_kernels" not in sys.modules:
+        return None
+    from cube import build_kernels
+
+    return build_kernels if build_kernels.COMPILED else None
+
+
+def _build_compiled(
+    kernels: ModuleType, keys: np.ndarray, record_count: int, load_factor: float
+) -> BuiltTable:
+    """build_table's work in three compiled loops and one numpy sort, same bytes out: pack
+    (hash prefix, position) as in stable_hash_order, sort, resolve runs (exact hash order,
+    last record wins, deletions win and leave), place."""
+    bits = max(1, (keys.shape[0] - 1).bit_length())
+    packed = kernels.pack_hashes(keys, bits)
+    packed.sort()
+    win_keys, winners, dead = kernels.resolve_runs(packed, keys, bits, record_count)
+    deleted_keys = np.sort(dead)
+    n = int(winners.shape[0])
+    if n > MAX_ROWS:
+        raise ValueError(f"{n} records in one shard; at most {MAX_ROWS} (use more shards)")
+    candidate = 2**64 - 1
+    while kernels.is_live(packed, keys, bits, record_count, np.uint64(candidate)):
+        candidate -= 1  # ends: at most n candidates can be taken
+    del packed
+    bucket_count = bucket_count_for(n, load_factor)
+    for room in (_SLACK_BUCKETS, n // WINDOW + 2):
+        slot_keys = np.empty((bucket_count + room + 1) * WINDOW, dtype=np.uint64)
+        bucket_rows = np.empty(bucket_count + room + 1, dtype=np.uint32)
+        total, max_probe = kernels.place(
+            win_keys, bucket_count, np.uint64(candidate), slot_keys, bucket_rows
+        )
+        if total > 0:
+            break
+    table = HashTable(
+        slot_keys[: total * WINDOW],
+        bucket_rows[:total],
+        deleted_keys,
+        bucket_count,
+        candidate,
+        int(max_probe),
+    )
     return BuiltTable(table, winners, int(deleted_keys.shape[0]))
 
 

@@ -103,6 +103,31 @@ class RecordBatch:
         return int(self.keys.shape[0])
 
 
+@dataclass(frozen=True)
+class ValueLocations:
+    """Where each record's value payload sits in its (uncompressed) file, Writable framing
+    already checked and stripped: a builder reads the values from the file when it writes
+    them in their final order, instead of copying every value once more while routing."""
+
+    starts: np.ndarray  # int64 file offset of each value's first payload byte
+    width: int  # > 0: every value is `width` bytes; 0: see `lengths`
+    lengths: np.ndarray | None = None  # int64 per value when width == 0
+
+    def __len__(self) -> int:
+        return int(self.starts.shape[0])
+
+
+@dataclass(frozen=True)
+class LocatedBatch:
+    keys: np.ndarray  # uint64
+    locations: ValueLocations
+    path: str
+    offsets: np.ndarray  # int64 file offset of each record
+
+    def __len__(self) -> int:
+        return int(self.keys.shape[0])
+
+
 # --------------------------------------------------------------------------------------------
 # Hadoop vints (WritableUtils.writeVLong / readVLong)
 
@@ -829,6 +854,34 @@ def _decode_values(raw: _Raw, framing: str, path: str) -> ValueColumn:
     return _decode_values_generic(raw, framing, path)
 
 
+def _locate_values(raw: _Raw, framing: str, path: str) -> ValueLocations:
+    """File offsets of the value payloads of an uncompressed chunk (see ValueLocations); the
+    framing checks are `_decode_values`', so bad input fails the same way."""
+    fixed = raw.fixed
+    if fixed is not None and framing != "text":
+        start = 8 + fixed.key_len
+        width = fixed.stride - start
+        framed = framing == "byteswritable"
+        # a bad BytesWritable length: the generic path below reports the first bad record
+        if not framed or (width >= 4 and not (fixed.gather(start, ">u4") != width - 4).any()):
+            if framed:
+                start, width = start + 4, width - 4
+            starts = raw.offsets + start
+            if width == 0:
+                return ValueLocations(starts, 0, np.zeros(raw.count, np.int64))
+            return ValueLocations(starts, width)
+    raw.ranges()
+    starts, lens = _strip_framing(
+        framing, raw.val_buf, raw.val_starts, raw.val_lens, raw.offsets, "value", path
+    )
+    # raw.key_starts - 8 is where each record starts in the chunk, raw.offsets in the file
+    starts = starts + (raw.offsets - raw.key_starts + 8)
+    width = int(lens[0]) if lens.shape[0] else 0
+    if width and (lens == width).all():
+        return ValueLocations(starts, width)
+    return ValueLocations(starts, 0, lens)
+
+
 def _decode_values_generic(raw: _Raw, framing: str, path: str) -> ValueColumn:
     starts, lens = _strip_framing(
         framing, raw.val_buf, raw.val_starts, raw.val_lens, raw.offsets, "value", path
@@ -960,13 +1013,7 @@ class SequenceFileReader:
         Keys, values and offsets are fresh arrays the caller may keep. A record that does not
         fit the key format is a SequenceFileError naming the file and the record's offset.
         Record-compressed values take their decompressed size in memory on top."""
-        if self.key_format == "auto":
-            raise SequenceFileError(
-                self.path,
-                self.header.data_offset,
-                f"cannot choose a key format for key class {self.header.key_class}; pass "
-                f"key_format (one of {', '.join(KEY_FORMATS[1:])})",
-            )
+        self._check_key_format()
         pending: list[tuple[np.ndarray, ValueColumn, np.ndarray]] = []
         pending_bytes = 0
         for raw in self._raw_chunks():
@@ -982,6 +1029,65 @@ class SequenceFileReader:
                 pending, pending_bytes = [], 0
         if pending:
             yield self._merge(pending)
+
+    @property
+    def values_in_place(self) -> bool:
+        """Whether every value's bytes sit verbatim in the file (no compression), so that
+        `located_batches` can say where instead of copying them."""
+        return self.header.compression == "none"
+
+    def located_batches(self) -> Iterator[LocatedBatch]:
+        """Like `batches`, but each value is returned as its place in the file (an
+        uncompressed file only, see `values_in_place`): keys are decoded and every record's
+        framing checked as by `batches`, value bytes are not copied."""
+        if not self.values_in_place:
+            raise ValueError(f"{self.path}: values of a compressed file are not in place")
+        self._check_key_format()
+        pending: list[tuple[np.ndarray, ValueLocations, np.ndarray]] = []
+        pending_bytes = 0
+        for raw in self._raw_chunks():
+            if not raw.count:
+                continue
+            keys = _decode_keys(raw, self.key_format, self.key_framing, self.path)
+            located = _locate_values(raw, self.value_framing, self.path)
+            pending.append((keys, located, raw.offsets))
+            pending_bytes += raw.input_bytes
+            if pending_bytes >= self.batch_bytes // 2:
+                yield self._merge_located(pending)
+                pending, pending_bytes = [], 0
+        if pending:
+            yield self._merge_located(pending)
+
+    def _check_key_format(self) -> None:
+        if self.key_format == "auto":
+            raise SequenceFileError(
+                self.path,
+                self.header.data_offset,
+                f"cannot choose a key format for key class {self.header.key_class}; pass "
+                f"key_format (one of {', '.join(KEY_FORMATS[1:])})",
+            )
+
+    def _merge_located(
+        self, parts: list[tuple[np.ndarray, ValueLocations, np.ndarray]]
+    ) -> LocatedBatch:
+        if len(parts) == 1:
+            keys, located, offsets = parts[0]
+            return LocatedBatch(keys, located, self.path, offsets)
+        keys = np.concatenate([p[0] for p in parts])
+        offsets = np.concatenate([p[2] for p in parts])
+        starts = np.concatenate([p[1].starts for p in parts])
+        width = parts[0][1].width
+        if width and all(p[1].width == width for p in parts):
+            located = ValueLocations(starts, width)
+        else:
+            lengths = np.concatenate(
+                [
+                    p[1].lengths if p[1].lengths is not None else np.full(len(p[1]), p[1].width)
+                    for p in parts
+                ]
+            )
+            located = ValueLocations(starts, 0, lengths.astype(np.int64, copy=False))
+        return LocatedBatch(keys, located, self.path, offsets)
 
     def _merge(self, parts: list[tuple[np.ndarray, ValueColumn, np.ndarray]]) -> RecordBatch:
         if len(parts) == 1:
@@ -1171,6 +1277,10 @@ class SequenceFileReader:
                     f"block {what} are {len(data)} bytes, their lengths add up to {total}",
                 )
         return key_lens, keys, val_lens, values
+
+    def fileno(self) -> int:
+        """The open file's descriptor (to fstat the very file being read)."""
+        return self._file.fileno()
 
     def close(self) -> None:
         self._file.close()

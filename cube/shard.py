@@ -1,4 +1,5 @@
-"""Shard files on disk: write them (builder), map and probe them (server, demo, tests).
+"""Shard files on disk: map and probe them (server, demo, tests); `write_shard` (in
+cube.shard_writer, which the builder imports without the lookup kernel) writes them.
 
 A shard opens in constant time: the header is checked and the sections are mapped, nothing is
 rebuilt; several processes mapping the same files share one copy in the page cache. `verify()`
@@ -12,128 +13,28 @@ from __future__ import annotations
 
 import mmap
 import os
-import uuid
-import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from cube import format as fmt
 from cube import kernel
-from cube.index import TOMBSTONE, BuiltTable, HashTable
+from cube.index import TOMBSTONE, HashTable
+from cube.shard_writer import DATA_FILE, INDEX_FILE, ValueSource, Writeback, write_shard
 from cube.values import ValueColumn
 
-INDEX_FILE = "index.cube"
-DATA_FILE = "data.cube"
-_WRITE_CHUNK_ROWS = 1 << 20
-
-
-def write_shard(
-    directory: str | os.PathLike[str],
-    built: BuiltTable,
-    values: ValueColumn,
-    meta: dict[str, Any],
-) -> dict[str, Any]:
-    """Write `index.cube` and `data.cube` into `directory`.
-
-    `values` holds the input records' values in input order (it may be a view of a spill file);
-    row r of the shard gets `values[built.live_order[r]]`. `meta` is free-form description
-    (dict_name, shard, version, ...) stored in both headers. Files appear under their final
-    names only when complete. Returns the index header fields.
-    """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    table = built.table
-    order = built.live_order
-    count = int(order.shape[0])
-    width = values.width if count else 0
-    build_id = uuid.uuid4().hex
-
-    if width:
-        value_bytes = count * width
-    else:
-        lengths = values.lengths().take(order) if count else np.empty(0, np.int64)
-        offsets = np.zeros(count + 1, dtype=np.uint64)
-        np.cumsum(lengths, out=offsets[1:])
-        value_bytes = int(offsets[-1])
-
-    def value_chunks() -> Iterator[np.ndarray]:
-        for start in range(0, count, _WRITE_CHUNK_ROWS):
-            yield values.take(order[start : start + _WRITE_CHUNK_ROWS]).blob[:]
-
-    data_sections: dict[str, Any] = {"values": (value_bytes, value_chunks())}
-    if not width:
-        data_sections["offsets"] = (offsets.nbytes, iter([offsets.astype("<u8")]))
-    common = {
-        **meta,
-        "build_id": build_id,
-        "record_count": count,
-        "tombstone_count": built.tombstone_count,
-        "value_width": width,
-        "value_bytes": value_bytes,
-    }
-    data_header = _write_file(directory / DATA_FILE, "data", common, data_sections)
-    index_fields = {
-        **common,
-        "bucket_count": table.bucket_count,
-        "slot_count": table.slot_count,
-        "empty_key": str(table.empty_key),
-        "max_probe": table.max_probe,
-        "hash": "fmix64-fastrange-bucket8",
-        "data_file_size": data_header["file_size"],
-    }
-    index_sections = {
-        "slot_keys": (table.slot_keys.nbytes, iter([table.slot_keys.astype("<u8", copy=False)])),
-        "bucket_rows": (
-            table.bucket_rows.nbytes,
-            iter([table.bucket_rows.astype("<u4", copy=False)]),
-        ),
-        "deleted_keys": (
-            table.deleted_keys.nbytes,
-            iter([table.deleted_keys.astype("<u8", copy=False)]),
-        ),
-    }
-    return _write_file(directory / INDEX_FILE, "index", index_fields, index_sections)
-
-
-def _write_file(
-    path: Path, kind: str, fields: dict[str, Any], sections: dict[str, Any]
-) -> dict[str, Any]:
-    """Write header + sections to a temp name, fsync, rename. Sections are (length, chunks)."""
-    placed, file_size = fmt.layout_sections(
-        {name: length for name, (length, _) in sections.items()}
-    )
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    section_table = {}
-    try:
-        with open(tmp, "wb") as out:
-            out.truncate(file_size)
-            for name, (length, chunks) in sections.items():
-                offset = placed[name][0]
-                out.seek(offset)
-                crc = 0
-                written = 0
-                for chunk in chunks:
-                    view = np.ascontiguousarray(chunk).data.cast("B")
-                    crc = zlib.crc32(view, crc)
-                    out.write(view)
-                    written += len(view)
-                if written != length:
-                    raise RuntimeError(f"{path}: section {name} wrote {written} of {length} bytes")
-                section_table[name] = [offset, length, crc]
-            header_fields = {**fields, "file_size": file_size, "sections": section_table}
-            out.seek(0)
-            out.write(fmt.encode_header(kind, header_fields))
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return header_fields
+__all__ = [
+    "DATA_FILE",
+    "INDEX_FILE",
+    "LookupResult",
+    "Shard",
+    "ShardStack",
+    "ValueSource",
+    "Writeback",
+    "write_shard",
+]
 
 
 FileHook = Callable[[int, Path], None]

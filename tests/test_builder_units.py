@@ -17,9 +17,10 @@ from cube.builder.build import (
     route_keys,
     split_runs,
 )
-from cube.builder.spill import Spiller, merge_parts, open_spill, remove_part
+from cube.builder.spill import SourceFile, Spiller, open_parts, open_spill, remove_part
 from cube.index import build_table, stable_hash_order
 from cube.routing import shard_of
+from cube.seqfile import ValueLocations
 from cube.values import ValueColumn
 
 # --- cube.index.stable_hash_order: must equal a stable argsort ------------------------------
@@ -163,7 +164,12 @@ def test_spiller_fixed_width_needs_no_lengths(tmp_path):
         assert read_back(part) == expected
 
 
-def test_merge_parts_in_reader_order(tmp_path):
+def read_parts(parts) -> list[tuple[int, bytes]]:
+    with open_parts(parts) as (keys, values):
+        return list(zip(keys.tolist(), values.to_list(), strict=True))
+
+
+def test_open_parts_in_reader_order(tmp_path):
     readers = []
     contents = [
         [(10, b"r0-a"), (12, b"r0-b")],  # fixed 4
@@ -177,27 +183,77 @@ def test_merge_parts_in_reader_order(tmp_path):
             keys = np.array([k for k, _ in records], np.uint64)
             spiller.add(keys, ValueColumn.from_list([v for _, v in records]))
         readers.append(spiller.finish()[0])
-    merged = merge_parts(readers)
-    assert merged.count == 6 and merged.width == 0
-    assert read_back(merged) == [kv for records in contents for kv in records]
-    for part in readers[1:]:
-        assert not any(part.path(k).exists() for k in ("keys", "values", "lengths"))
-    remove_part(merged)
-    assert not any(merged.path(k).exists() for k in ("keys", "values", "lengths"))
+    assert read_parts(readers) == [kv for records in contents for kv in records]
+    for part in readers:
+        remove_part(part)
+        assert not any(part.path(k).exists() for k in ("keys", "locs", "lengths", "values"))
 
 
-def test_merge_parts_fixed_stays_fixed(tmp_path):
+def test_open_parts_fixed_stays_fixed(tmp_path):
     parts = []
     for number in range(3):
         spiller = Spiller(tmp_path / f"r{number}", 1, "mod")
         keys = np.arange(number * 10, number * 10 + 10, dtype=np.uint64)
         spiller.add(keys, ValueColumn.fixed(np.full(30, number, np.uint8), 3))
         parts.append(spiller.finish()[0])
-    merged = merge_parts(parts)
-    assert merged.width == 3 and merged.count == 30
-    records = read_back(merged)
-    assert [k for k, _ in records] == list(range(30))
-    assert [v for _, v in records] == [bytes([k // 10] * 3) for k in range(30)]
+    with open_parts(parts) as (keys, values):
+        assert values.width == 3 and keys.shape[0] == 30
+        assert keys.tolist() == list(range(30))
+        assert values.to_list() == [bytes([k // 10] * 3) for k in range(30)]
+
+
+def write_source(path, records: list[tuple[int, bytes]]) -> tuple[SourceFile, list[int]]:
+    """A file of the values back to back with junk between them; their offsets."""
+    blob, offsets = bytearray(b"head"), []
+    for _, value in records:
+        offsets.append(len(blob))
+        blob += value + b"~junk~"
+    path.write_bytes(bytes(blob))
+    return SourceFile.of(str(path), os.stat(path)), offsets
+
+
+@pytest.mark.parametrize("width", [0, 5])
+def test_located_values_mixed_with_copied_ones(tmp_path, width):
+    """Values left in input files (two readers, two files each) and values copied into the
+    spill (a compressed input) come back in record order, per shard."""
+    expected: dict[int, list[tuple[int, bytes]]] = {0: [], 1: []}
+    readers = []
+    key = 0
+    for reader in range(2):
+        spiller = Spiller(tmp_path / f"r{reader}", 2, "mod")
+        for number in range(3):
+            records = []
+            for _ in range(7):
+                value = bytes([65 + key % 26]) * (width or 1 + key % 4)
+                records.append((key, value))
+                key += 1
+            keys = np.array([k for k, _ in records], np.uint64)
+            if number == 1:  # values copied (what a compressed file's records get)
+                column = ValueColumn.from_list([v for _, v in records])
+                spiller.add(keys, column)
+            else:
+                source, offsets = write_source(tmp_path / f"in-{reader}-{number}", records)
+                lengths = np.array([len(v) for _, v in records], np.int64)
+                located = ValueLocations(
+                    np.array(offsets, np.int64), width, None if width else lengths
+                )
+                spiller.add_located(keys, spiller.add_source(source), located)
+            for k, v in records:
+                expected[k % 2].append((k, v))
+        readers.append(spiller.finish())
+    for shard in (0, 1):
+        assert read_parts([parts[shard] for parts in readers]) == expected[shard]
+
+
+def test_a_changed_input_fails_the_finish(tmp_path):
+    spiller = Spiller(tmp_path / "r", 1, "mod")
+    source, offsets = write_source(tmp_path / "in", [(1, b"abc"), (2, b"def")])
+    located = ValueLocations(np.array(offsets, np.int64), 3)
+    spiller.add_located(np.array([1, 2], np.uint64), spiller.add_source(source), located)
+    parts = spiller.finish()
+    (tmp_path / "in").write_bytes(b"another file of another size")
+    with pytest.raises(ValueError, match="changed during the build"), open_parts(parts):
+        pass
 
 
 def test_finish_task_is_picklable():
@@ -205,3 +261,111 @@ def test_finish_task_is_picklable():
 
     task = FinishTask((), np.array([1], np.uint64), "d", "t", {"shard": 0})
     assert pickle.loads(pickle.dumps(task)).deleted.tolist() == [1]
+
+
+# --- compiled build loops (cube.build_kernels) against the numpy code ------------------------
+
+kernels = pytest.importorskip("cube.build_kernels")
+compiled = pytest.mark.skipif(not kernels.COMPILED, reason="numba missing or CUBE_KERNEL=numpy")
+
+
+def unmix64(hashes: np.ndarray) -> np.ndarray:
+    """The keys whose fmix64 are `hashes` (fmix64 is a bijection): crafts hash collisions."""
+    h = hashes.astype(np.uint64)
+    shift = np.uint64(33)
+    for multiplier in (0xC4CEB9FE1A85EC53, 0xFF51AFD7ED558CCD):
+        h ^= h >> shift
+        h *= np.uint64(pow(multiplier, -1, 1 << 64))
+    h ^= h >> shift
+    return h
+
+
+def assert_same_tables(keys, deleted, load_factor, monkeypatch):
+    import cube.index as index
+
+    monkeypatch.setattr(index, "COMPILED_MIN_KEYS", 2)
+    fast = build_table(keys, deleted, load_factor)
+    with monkeypatch.context() as numpy_only:
+        numpy_only.setattr(index, "compiled_kernels", lambda count: None)
+        slow = build_table(keys, deleted, load_factor)
+    for name in ("slot_keys", "bucket_rows", "deleted_keys"):
+        assert np.array_equal(getattr(fast.table, name), getattr(slow.table, name)), name
+        assert getattr(fast.table, name).dtype == getattr(slow.table, name).dtype, name
+    for name in ("bucket_count", "empty_key", "max_probe"):
+        assert getattr(fast.table, name) == getattr(slow.table, name), name
+    assert np.array_equal(fast.live_order, slow.live_order)
+    assert fast.tombstone_count == slow.tombstone_count
+
+
+@compiled
+@given(
+    n=st.integers(2, 2000),
+    space=st.sampled_from([3, 50, 1 << 64]),
+    collisions=st.booleans(),
+    deletes=st.integers(0, 3),
+    top_keys=st.booleans(),
+    load_factor=st.sampled_from([0.3, 0.6, 0.97]),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=80, deadline=None)
+def test_compiled_build_table_is_the_numpy_one(
+    n, space, collisions, deletes, top_keys, load_factor, seed
+):
+    rng = np.random.default_rng(seed)
+    keys = rng.integers(0, space - 1, n, dtype=np.uint64, endpoint=True)
+    if collisions:  # hashes equal but for their low bits: the prefix sort's tie runs
+        hashes = rng.integers(0, 1 << 64, n // 3 + 1, dtype=np.uint64)
+        twins = hashes ^ rng.integers(0, 64, hashes.shape[0], dtype=np.uint64)
+        keys = np.concatenate([keys, unmix64(hashes), unmix64(twins)])
+        rng.shuffle(keys)
+    if top_keys:  # the empty key's first candidates
+        keys = np.concatenate([keys, np.array([2**64 - 1, 2**64 - 2], np.uint64)])
+    deleted = None
+    if deletes:
+        deleted = np.concatenate(
+            [
+                rng.choice(keys, min(keys.shape[0], 5 * deletes)),
+                rng.integers(0, 1 << 64, deletes, dtype=np.uint64),
+                np.array([2**64 - 1][: deletes % 2], np.uint64),
+            ]
+        )
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        assert_same_tables(keys, deleted, load_factor, monkeypatch)
+
+
+@compiled
+def test_compiled_build_table_edge_cases(monkeypatch):
+    assert_same_tables(np.full(1000, 7, np.uint64), None, 0.6, monkeypatch)
+    top = np.full(10, 2**64 - 1, np.uint64)
+    assert_same_tables(top, np.array([2**64 - 1], np.uint64), 0.6, monkeypatch)
+    assert_same_tables(np.array([5, 6], np.uint64), np.array([5, 6], np.uint64), 0.6, monkeypatch)
+    # every key in the last home bucket: the overflow outgrows the first guess of room
+    hashes = np.full(1000, 0xFFFFFFFF00000000, np.uint64) + np.arange(1000, dtype=np.uint64)
+    assert_same_tables(unmix64(hashes), None, 0.6, monkeypatch)
+
+
+@compiled
+@pytest.mark.parametrize("width", [1, 5, 64])
+def test_compiled_gather_is_the_numpy_one(tmp_path, width, monkeypatch):
+    import cube.builder.spill as spill
+
+    spiller = Spiller(tmp_path / "r", 1, "mod")
+    rng = np.random.default_rng(width)
+    expected = []
+    for number in range(3):
+        records = [(k, bytes(rng.integers(0, 256, width, np.uint8))) for k in range(50)]
+        source, offsets = write_source(tmp_path / f"in{number}", records)
+        located = ValueLocations(np.array(offsets, np.int64), width)
+        spiller.add_located(np.arange(50, dtype=np.uint64), spiller.add_source(source), located)
+        expected += [v for _, v in records]
+    column = ValueColumn.from_list([bytes([k % 256]) * width for k in range(40)])
+    spiller.add(np.arange(40, dtype=np.uint64), column)
+    expected += column.to_list()
+    parts = spiller.finish()
+    rows = rng.permutation(len(expected))
+    monkeypatch.setattr(spill, "compiled_kernels", lambda count: kernels)
+    with open_parts(parts) as (_keys, values):
+        assert values.take(rows).to_list() == [expected[r] for r in rows]
+    monkeypatch.setattr(spill, "compiled_kernels", lambda count: None)
+    with open_parts(parts) as (_keys, values):
+        assert values.take(rows).to_list() == [expected[r] for r in rows]

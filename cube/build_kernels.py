@@ -1,0 +1,293 @@
+"""Compiled loops for building a shard: the hash table's placement (cube.index.build_table)
+and the builder's gather of values from their input files.
+
+Why: the numpy build makes ~15 passes over a shard's keys with as many fresh temporaries (at
+5M keys each is 40 MB of page faults), and a numpy gather of 64-byte values at random places
+pays a memmove call and a cache miss per value one after another. Here each step is one loop
+that keeps its state in registers, and the gather prefetches a few values ahead so that their
+cache misses overlap. Compiled by numba (`cache=True`: a process loads the machine code from
+the cache instead of compiling; `nogil=True`).
+
+Imported only when a build is large enough to repay numba's import (cube.index decides), never
+by the servers or the SDK. `COMPILED` is False without numba or with `CUBE_KERNEL=numpy`; the
+numpy code in cube.index and cube.builder.spill then does the same work, and stays the oracle
+the tests compare these loops against.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+try:  # an optional accelerator: the numpy path builds the same bytes without it
+    import numba
+except ImportError:  # pragma: no cover - exercised by CUBE_KERNEL=numpy in the tests
+    numba = None  # type: ignore[assignment]
+
+COMPILED = numba is not None and os.environ.get("CUBE_KERNEL", "compiled") != "numpy"
+
+WINDOW = 8  # cube.index.WINDOW (not imported: cube.index imports this module lazily)
+OFFSET_BITS = 40  # cube.builder.spill.OFFSET_BITS: locations are source << 40 | offset
+
+# Filled in below when COMPILED; typed loosely so the module imports without numba.
+pack_hashes: Any = None
+resolve_runs: Any = None
+is_live: Any = None
+place: Any = None
+gather_fixed: Any = None
+
+if COMPILED:
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    _jit = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+
+    def _prefetch_typer(typingctx: Any, array: Any, index: Any) -> Any:
+        """Start loading byte `index` of a 1-D array into cache without waiting for it."""
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            array_type, index_type = signature.args
+            ary = context.make_array(array_type)(context, builder, args[0])
+            offset = context.cast(builder, args[1], index_type, types.intp)
+            byte = ir.IntType(8).as_pointer()
+            address = builder.gep(builder.bitcast(ary.data, byte), [offset])
+            i32 = ir.IntType(32)
+            function = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+                builder.module,
+                ir.FunctionType(ir.VoidType(), [byte, i32, i32, i32]),
+                "llvm.prefetch.p0",
+            )
+            builder.call(function, [address, i32(0), i32(3), i32(1)])
+            return context.get_dummy_value()
+
+        return types.void(array, index), codegen
+
+    def _copy_typer(
+        typingctx: Any, dst: Any, dst_at: Any, src: Any, src_at: Any, count: Any
+    ) -> Any:
+        """memcpy of `count` bytes between two uint8 arrays (no per-byte loop)."""
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            dst_type, dst_at_type, src_type, src_at_type, count_type = signature.args
+            byte = ir.IntType(8).as_pointer()
+            dst_ary = context.make_array(dst_type)(context, builder, args[0])
+            src_ary = context.make_array(src_type)(context, builder, args[2])
+            intp = context.get_value_type(types.intp)
+            to = builder.gep(
+                builder.bitcast(dst_ary.data, byte),
+                [context.cast(builder, args[1], dst_at_type, types.intp)],
+            )
+            start = builder.gep(
+                builder.bitcast(src_ary.data, byte),
+                [context.cast(builder, args[3], src_at_type, types.intp)],
+            )
+            length = context.cast(builder, args[4], count_type, types.intp)
+            cgutils.raw_memcpy(builder, to, start, length, intp(1))  # type: ignore[no-untyped-call]
+            return context.get_dummy_value()
+
+        return types.void(dst, dst_at, src, src_at, count), codegen
+
+    _prefetch: Any = intrinsic(_prefetch_typer)
+    _copy: Any = intrinsic(_copy_typer)
+
+    _M1 = np.uint64(0xFF51AFD7ED558CCD)
+    _M2 = np.uint64(0xC4CEB9FE1A85EC53)
+    _S32 = np.uint64(32)
+    _S33 = np.uint64(33)
+    _AHEAD = 8  # values between a prefetch and its copy
+    _AHEAD_KEYS = 16  # keys between a prefetch and their read
+
+    @_jit
+    def _fmix64(key):  # type: ignore[no-untyped-def]
+        h = key ^ (key >> _S33)
+        h *= _M1
+        h ^= h >> _S33
+        h *= _M2
+        h ^= h >> _S33
+        return h
+
+    @_jit
+    def _pack_hashes(keys, bits):  # type: ignore[no-untyped-def]
+        """fmix64 of each key with its low `bits` replaced by its position (see
+        cube.index.stable_hash_order): one sort then orders by (hash prefix, position)."""
+        n = keys.shape[0]
+        low = np.uint64((1 << bits) - 1)
+        high = ~low
+        packed = np.empty(n, dtype=np.uint64)
+        for i in range(n):
+            packed[i] = (_fmix64(keys[i]) & high) | np.uint64(i)
+        return packed
+
+    @_jit
+    def _resolve_runs(packed, keys, bits, record_count):  # type: ignore[no-untyped-def]
+        """From the sorted packed hashes: the keys that win (last record of each key) in exact
+        (hash, position) order, their positions, and the deleted keys that won (unsorted).
+
+        Equal prefixes are rare runs: equal keys (duplicates) or a prefix collision, put in
+        exact order by (full hash, position) before the last of each key is taken."""
+        n = packed.shape[0]
+        low = np.uint64((1 << bits) - 1)
+        high = ~low
+        win_keys = np.empty(n, dtype=np.uint64)
+        win_pos = np.empty(n, dtype=np.int64)
+        dead = np.empty(n - record_count, dtype=np.uint64)
+        live = 0
+        dropped = 0
+        for j in range(min(_AHEAD_KEYS, n)):
+            _prefetch(keys, np.int64(packed[j] & low) * 8)
+        i = 0
+        while i < n:
+            if i + _AHEAD_KEYS < n:  # keys are read in hash order: at random places
+                _prefetch(keys, np.int64(packed[i + _AHEAD_KEYS] & low) * 8)
+            prefix = packed[i] & high
+            end = i + 1
+            while end < n and (packed[end] & high) == prefix:
+                end += 1
+            if end == i + 1:  # the common case: a key alone under its prefix
+                pos = np.int64(packed[i] & low)
+                key = keys[pos]
+                if pos < record_count:
+                    win_keys[live] = key
+                    win_pos[live] = pos
+                    live += 1
+                else:
+                    dead[dropped] = key
+                    dropped += 1
+                i = end
+                continue
+            count = end - i
+            run_pos = np.empty(count, dtype=np.int64)
+            run_hash = np.empty(count, dtype=np.uint64)
+            mixed = False
+            for j in range(count):
+                pos = np.int64(packed[i + j] & low)
+                run_pos[j] = pos
+                run_hash[j] = _fmix64(keys[pos])
+                if run_hash[j] != run_hash[0]:
+                    mixed = True
+            if mixed:  # positions ascend within the run: a stable sort by hash finishes it
+                order = np.argsort(run_hash, kind="mergesort")
+                run_pos = run_pos[order]
+                run_hash = run_hash[order]
+            for j in range(count):
+                if j + 1 < count and run_hash[j + 1] == run_hash[j]:
+                    continue  # not the last record of its key
+                pos = run_pos[j]
+                key = keys[pos]
+                if pos < record_count:
+                    win_keys[live] = key
+                    win_pos[live] = pos
+                    live += 1
+                else:
+                    dead[dropped] = key
+                    dropped += 1
+            i = end
+        return win_keys[:live], win_pos[:live], dead[:dropped]
+
+    @_jit
+    def _is_live(packed, keys, bits, record_count, candidate):  # type: ignore[no-untyped-def]
+        """Whether `candidate` is a record key of the table that no deletion removes."""
+        low = np.uint64((1 << bits) - 1)
+        prefix = _fmix64(candidate) & ~low
+        at = np.searchsorted(packed, prefix)
+        present = False
+        deleted = False
+        while at < packed.shape[0] and (packed[at] & ~low) == prefix:
+            pos = np.int64(packed[at] & low)
+            if keys[pos] == candidate:
+                if pos < record_count:
+                    present = True
+                else:
+                    deleted = True
+            at += 1
+        return present and not deleted
+
+    @_jit
+    def _place(keys, bucket_count, empty_key, slot_keys, bucket_rows):  # type: ignore[no-untyped-def]
+        """Linear-probing placement of keys in hash order (cube.index's module docstring):
+        slot_keys with every empty slot written, bucket_rows, all in one sequential pass.
+        Returns (buckets used including the padding one, max probe), or (-1, 0) when the
+        arrays are too short (the caller retries with room for the worst case)."""
+        n = keys.shape[0]
+        window = np.int64(WINDOW)
+        capacity = slot_keys.shape[0] // window
+        previous = np.int64(-1)
+        next_bucket = np.int64(0)
+        longest = np.int64(0)
+        count = np.uint64(bucket_count)
+        for i in range(n):
+            key = keys[i]
+            home = np.int64(((_fmix64(key) >> _S32) * count) >> _S32) * window
+            position = home if home > previous else previous + 1
+            if position // window + 1 >= capacity:
+                return np.int64(-1), np.int64(0)
+            for j in range(previous + 1, position):
+                slot_keys[j] = empty_key
+            slot_keys[position] = key
+            if position - home > longest:
+                longest = position - home
+            while next_bucket * window <= position:
+                bucket_rows[next_bucket] = i
+                next_bucket += 1
+            previous = position
+        used = np.int64(bucket_count)
+        if n and previous // window + 1 > used:
+            used = previous // window + 1
+        total = used + 1  # + one empty padding bucket
+        for j in range(previous + 1, total * window):
+            slot_keys[j] = empty_key
+        while next_bucket < total:
+            bucket_rows[next_bucket] = n
+            next_bucket += 1
+        return total, longest // window
+
+    @_jit
+    def _gather_fixed(region, bases, locs, rows, width, out):  # type: ignore[no-untyped-def]
+        """out[i] = the `width` bytes at location locs[rows[i]] (source << 40 | offset, the
+        source's base in `region` from `bases`). Both random reads are prefetched ahead."""
+        n = rows.shape[0]
+        mask = np.uint64((1 << OFFSET_BITS) - 1)
+        shift = np.uint64(OFFSET_BITS)
+        for i in range(min(2 * _AHEAD, n)):
+            _prefetch(locs, rows[i] * 8)
+        for i in range(n):
+            if i + 2 * _AHEAD < n:
+                _prefetch(locs, rows[i + 2 * _AHEAD] * 8)
+            if i + _AHEAD < n:
+                ahead = locs[rows[i + _AHEAD]]
+                _prefetch(region, bases[ahead >> shift] + (ahead & mask))
+            here = locs[rows[i]]
+            _copy(out, i * width, region, bases[here >> shift] + (here & mask), width)
+
+    pack_hashes = _pack_hashes
+    resolve_runs = _resolve_runs
+    is_live = _is_live
+    place = _place
+    gather_fixed = _gather_fixed
+
+
+def warm() -> None:
+    """Load every loop's machine code now (from numba's cache, compiling on a first run), so
+    that processes forked after this have them ready."""
+    if not COMPILED:
+        return
+    keys = np.array([3, 1, 3, 2], dtype=np.uint64)
+    packed = pack_hashes(keys, 2)
+    packed.sort()
+    win_keys, _, _ = resolve_runs(packed, keys, 2, 3)
+    is_live(packed, keys, 2, 3, np.uint64(2**64 - 1))
+    place(win_keys, 1, np.uint64(0), np.empty(32, np.uint64), np.empty(4, np.uint32))
+    region = np.zeros(16, dtype=np.uint8)
+    region.flags.writeable = False  # the mapped sources are read-only: the same signature
+    gather_fixed(
+        region,
+        np.zeros(1, np.uint64),
+        np.zeros(2, np.uint64),
+        np.zeros(1, np.int64),
+        4,
+        np.empty(4, np.uint8),
+    )
