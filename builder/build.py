@@ -567,12 +567,14 @@ def build(
         raise BuildError("-delete_path needs -job_mode delta")
     files = list_input_files(input_path)
     deleted = read_delete_keys(delete_path) if delete_path is not None else np.empty(0, np.uint64)
-    _warm_kernels(files)
+    warmer = _Warmer(files)
     workspace = _Workspace(config)
     try:
-        with _Pool(config.workers) as pool:
+        with _Pool(config.workers, after_fork=warmer.start) as pool:
             reads = _read_all(pool, config, files, workspace.spill, progress)
             phases = {"read": time.monotonic() - started}
+            if warmer.finish():  # the readers were forked before the loops were loaded
+                pool.restart()
             formats = tuple(dict.fromkeys(f for r in reads for f in r.key_formats))
             outputs = _finish_all(
                 pool, config, workspace.staging, reads, deleted, formats, progress
@@ -622,17 +624,51 @@ def build(
     )
 
 
-def _warm_kernels(files: list[Path]) -> None:
-    """For a large input, load the compiled build loops before the workers fork (they
-    inherit them: one load instead of one per worker); a small one builds with numpy."""
-    size = 0
-    for path in files:
-        with contextlib.suppress(OSError):
-            size += path.stat().st_size
-    if size >= _WARM_INPUT_BYTES:
-        kernels = compiled_kernels(COMPILED_MIN_KEYS)
-        if kernels is not None:
-            kernels.warm()
+class _Warmer:
+    """Loads the compiled build loops (numba's import and cached code, ~0.7 s) for a large
+    input: in a thread of the parent while the readers run, then the shards are finished by
+    workers forked after it, which inherit them (one load, and not before the readers start).
+    A small input builds with numpy and loads nothing."""
+
+    def __init__(self, files: list[Path]) -> None:
+        size = 0
+        for path in files:
+            with contextlib.suppress(OSError):
+                size += path.stat().st_size
+        self.wanted = size >= _WARM_INPUT_BYTES
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self) -> None:
+        """Called once the readers are forked: from now on a thread is harmless to them."""
+        if self.wanted and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="warm-kernels", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            _load_kernels()
+        except BaseException as exc:  # reported by finish(), in the building thread
+            self._error = exc
+
+    def finish(self) -> bool:
+        """Wait for the loading (or load now, when no thread ran); True when it ran in a
+        thread, i.e. the current workers lack the loops and new ones should be forked."""
+        if not self.wanted:
+            return False
+        if self._thread is None:
+            _load_kernels()
+            return False
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return True
+
+
+def _load_kernels() -> None:
+    kernels = compiled_kernels(COMPILED_MIN_KEYS)
+    if kernels is not None:
+        kernels.warm()
 
 
 def _read_all(
@@ -695,8 +731,9 @@ def _finish_all(
 class _Pool:
     """Runs tasks inline (one worker) or in worker processes, reporting progress."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, after_fork: Callable[[], None] = lambda: None) -> None:
         self.workers = max(1, workers)
+        self.after_fork = after_fork  # called once the first workers exist
         self._executor: ProcessPoolExecutor | None = None
         self._counter: Any = None
 
@@ -704,8 +741,13 @@ class _Pool:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.restart()
+
+    def restart(self) -> None:
+        """End the workers; the next run forks new ones from this process as it is now."""
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
 
     def _start(self) -> ProcessPoolExecutor:
         if self._executor is None:
@@ -746,6 +788,7 @@ class _Pool:
             futures: list[Future] = [executor.submit(_in_worker, function, t) for t in tasks]
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+        self.after_fork()
         reported = self._counter.value
         pending = set(futures)
         while pending:

@@ -6,6 +6,7 @@ progress bar, exit codes, and registering each shard's meta with a transfer.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -216,6 +217,10 @@ def run(argv: Sequence[str]) -> int:
     progress = tqdm_progress() if not quiet and sys.stderr.isatty() else None
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGINT, _terminate)
+    # A build makes few reference cycles but many objects (numba's import alone triggers
+    # hundreds of collections): no cyclic GC in this short-lived process and its workers.
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         result = build(
             config,
@@ -229,6 +234,12 @@ def run(argv: Sequence[str]) -> int:
     except Exception as exc:  # a bug: still one line, and still nothing published
         print(f"error: internal error {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
         return EXIT_FAILED
+    finally:
+        # what the build loaded (numpy, numba) stays to the end: freezing it spares the exit's
+        # collections a walk over it (~0.3 s once numba is loaded)
+        gc.freeze()
+        if collecting:
+            gc.enable()
     if not quiet:
         rate = result.records_read / max(result.seconds, 1e-9)
         print(
