@@ -1,9 +1,11 @@
-"""cube-builder end to end: the CLI building Cube-dialect SequenceFiles of 40-byte values.
+"""cube-builder end to end: the CLI building Cube-dialect SequenceFiles of fixed-width values.
 
-Target (issue): 10M records build at >= 1M records/s end to end on the 2-core machine
-(`-shard_num 2`; reading in 2 processes, then one process per shard finishing it).
-The 1M case runs by default; the 10M case needs CUBE_BENCH_FULL=1 (input ~540 MB, written once
-into a temp dir; each round ~1.6 GB of output).
+Target (issue 13): >= 3M records/s end to end on the 2-core machine for fixed-width records
+(40-byte values, and 64-byte float32[16] embeddings), `-shard_num 2`: reading in 2 processes,
+then one process per shard finishing it. The test asserts only a floor of 1M records/s (the
+machine is shared; bench/RESULTS.md has the measured figures). The 1M cases run by default; the
+10M cases need CUBE_BENCH_FULL=1 (input 540 MB / 770 MB, written once into a temp dir; each round
+writes about twice that as output).
 Run: make bench, or
     CUBE_BENCH_FULL=1 .venv/bin/pytest bench/micro/test_bench_builder.py --benchmark-enable
 """
@@ -22,23 +24,21 @@ import pytest
 from cube.seqfile import SequenceFileWriter
 from cube.values import ValueColumn
 
-WIDTH = 40
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / ".venv" / "bin" / "cube-builder"
 COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "cube.builder.cli"]
 FULL = os.environ.get("CUBE_BENCH_FULL") == "1"
+_FULL_ONLY = pytest.mark.skipif(not FULL, reason="set CUBE_BENCH_FULL=1 for the 10M builds")
 SIZES = [
-    pytest.param((1_000_000, 4), id="1M"),
-    pytest.param(
-        (10_000_000, 8),
-        id="10M",
-        marks=pytest.mark.skipif(not FULL, reason="set CUBE_BENCH_FULL=1 for the 10M build"),
-    ),
+    pytest.param((1_000_000, 4, 40), id="1M-40B"),
+    pytest.param((1_000_000, 4, 64), id="1M-64B"),
+    pytest.param((10_000_000, 8, 40), id="10M-40B", marks=_FULL_ONLY),
+    pytest.param((10_000_000, 8, 64), id="10M-64B", marks=_FULL_ONLY),
 ]
 
 
-def write_input(directory: Path, count: int, files: int) -> None:
-    """`files` Cube-dialect SequenceFiles holding `count` random keys with 40-byte values."""
+def write_input(directory: Path, count: int, files: int, width: int) -> None:
+    """`files` Cube-dialect SequenceFiles holding `count` random keys with `width`-byte values."""
     rng = np.random.default_rng(count)
     per_file = count // files
     step = 1_000_000
@@ -47,15 +47,15 @@ def write_input(directory: Path, count: int, files: int) -> None:
             for start in range(0, per_file, step):
                 n = min(step, per_file - start)
                 keys = rng.integers(0, 2**64 - 1, n, dtype=np.uint64)
-                blob = rng.integers(0, 256, n * WIDTH, dtype=np.uint8)
-                writer.write_batch(keys, ValueColumn.fixed(blob, WIDTH))
+                blob = rng.integers(0, 256, n * width, dtype=np.uint8)
+                writer.write_batch(keys, ValueColumn.fixed(blob, width))
 
 
 @pytest.fixture(scope="module", params=SIZES)
 def generated_input(request, tmp_path_factory):
-    count, files = request.param
-    directory = tmp_path_factory.mktemp(f"builder-input-{count}")
-    write_input(directory, count, files)
+    count, files, width = request.param
+    directory = tmp_path_factory.mktemp(f"builder-input-{count}-{width}")
+    write_input(directory, count, files, width)
     yield directory, count
     shutil.rmtree(directory, ignore_errors=True)
 
