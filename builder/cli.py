@@ -16,6 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+# numpy's OpenBLAS starts a thread per core at import; a build never calls BLAS, and on a
+# small machine those threads only compete with the workers
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 from cube.builder.build import (
     BuildConfig,
     BuildError,

@@ -230,18 +230,7 @@ class Spiller:
         if self.shard_num == 1:
             self.shards[0].append_located(keys, locs, located.width, lengths)
             return
-        owners = self._owners(keys)
-        if self.shard_num == 2:  # two boolean compressions beat a sort and two takes
-            second = owners.astype(bool)
-            for shard, pick in ((0, ~second), (1, second)):
-                self.shards[shard].append_located(
-                    keys[pick],
-                    locs[pick],
-                    located.width,
-                    None if lengths is None else lengths[pick],
-                )
-            return
-        order, bounds = group_positions(owners, self.shard_num)
+        order, bounds = group_positions(self._owners(keys), self.shard_num)
         keys, locs = keys.take(order), locs.take(order)
         lengths = None if lengths is None else lengths.take(order)
         for shard in np.flatnonzero(np.diff(bounds)).tolist():
@@ -254,7 +243,10 @@ class Spiller:
             )
 
     def _owners(self, keys: np.ndarray) -> np.ndarray:
-        return shard_of(keys, self.shard_num, self.partitioner)
+        n = self.shard_num
+        if self.partitioner == "mod" and n & (n - 1) == 0:  # a mask, not a 64-bit division
+            return (keys & np.uint64(n - 1)).astype(np.int64)
+        return shard_of(keys, n, self.partitioner)
 
     def finish(self) -> list[SpillPart]:
         for spill in self.shards:
