@@ -427,10 +427,13 @@ def write_tar(
     try:
         with _TarSink(tmp) as out:
 
-            def emit(data: bytes | memoryview) -> None:
+            def emit(data: bytes | memoryview, in_place: bool = False) -> None:
                 nonlocal size
                 md5.update(data)
-                out.write(data)
+                if in_place:
+                    out.write_in_place(memoryview(data))
+                else:
+                    out.write(data)
                 size += len(data)
 
             for name in members:
@@ -442,7 +445,7 @@ def write_tar(
                     info.mode = 0o644
                     emit(info.tobuf(tarfile.DEFAULT_FORMAT, "utf-8", "surrogateescape"))
                     if info.size:
-                        _emit_mapped(source, info.size, emit)
+                        _emit_mapped(source, info.size, emit, out.wait)
                 if info.size % tarfile.BLOCKSIZE:
                     emit(bytes(tarfile.BLOCKSIZE - info.size % tarfile.BLOCKSIZE))
             end = 2 * tarfile.BLOCKSIZE  # two zero blocks, then zeros to a whole record
@@ -459,13 +462,14 @@ def write_tar(
 
 
 class _TarSink:
-    """Where write_tar's bytes go: the file opened with O_DIRECT where the system allows, fed
-    from two reused, page-aligned buffers by a writer thread. Why: the tar is the second copy
-    of a shard's bytes and nothing reads it back here, so it need not pass through the page
-    cache; each buffered byte costs a copy into a freshly allocated page (the build's largest
-    single cost after md5), while the disk has to write it either way. The md5 of the next
-    buffer overlaps the write of the previous one. Elsewhere: a plain buffered file, with
-    writeback started as it grows."""
+    """Where write_tar's bytes go: the file opened with O_DIRECT where the system allows, the
+    writes done by a thread while the caller hashes the next piece. Why: the tar is the second
+    copy of a shard's bytes and nothing reads it back here, so it need not pass through the
+    page cache; each buffered byte costs a copy into a freshly allocated page (after md5 the
+    build's largest cost), while the disk has to write it either way. Whole blocks of a
+    member's body go to disk straight from its mapping (`write_in_place`); headers, padding and
+    a body's last partial block through a reused, page-aligned buffer. Elsewhere: a plain
+    buffered file, with writeback started as it grows."""
 
     def __init__(self, path: Path) -> None:
         self.fd = -1
@@ -480,10 +484,10 @@ class _TarSink:
                 self.fd = -1
         if self.fd < 0:
             self.fd = os.open(path, flags, 0o644)
-        self.offset = 0  # file offset of the current buffer's first byte
+        self.offset = 0  # file offset of the next byte handed to the writer (or written)
         self.writeback = Writeback(self.fd)
         self._buffers = [mmap.mmap(-1, _DIRECT_CHUNK) for _ in range(2)] if self.direct else []
-        self._filled = 0
+        self._filled = 0  # bytes waiting in the current buffer
         self._current = 0
         self._pending: Future | None = None
         self._thread = ThreadPoolExecutor(1) if self.direct else None
@@ -495,6 +499,7 @@ class _TarSink:
         self.close()
 
     def write(self, data: bytes | memoryview) -> None:
+        """Copy `data` out (it may be reused at once)."""
         view = memoryview(data).cast("B")
         if not self.direct:
             self._write_all(view, -1)
@@ -502,28 +507,57 @@ class _TarSink:
             return
         while view:
             buffer = self._buffers[self._current]
-            room = _DIRECT_CHUNK - self._filled
-            step = min(room, len(view))
+            step = min(_DIRECT_CHUNK - self._filled, len(view))
             buffer[self._filled : self._filled + step] = view[:step]
             self._filled += step
             view = view[step:]
             if self._filled == _DIRECT_CHUNK:
-                self._submit()
+                self._submit_buffer()
 
-    def _submit(self) -> None:
+    def write_in_place(self, view: memoryview) -> None:
+        """Like `write`, for a view that stays valid until `wait()`: its whole blocks are
+        written from where they are (no copy) when the file is at a block boundary."""
+        aligned = len(view) and np.frombuffer(view, np.uint8).ctypes.data % mmap.PAGESIZE == 0
+        if not self.direct or self._filled % tarfile.BLOCKSIZE or not aligned:
+            self.write(view)
+            return
+        if self._filled:
+            self._submit_buffer()
+        whole = len(view) - len(view) % tarfile.BLOCKSIZE
+        for start in range(0, whole, _DIRECT_CHUNK):
+            piece = view[start : min(start + _DIRECT_CHUNK, whole)]
+            self._submit(piece, len(piece))
+        self.write(view[whole:])
+
+    def _submit_buffer(self) -> None:
         """Hand the current buffer to the writer thread and switch to the other one."""
-        assert self._thread is not None
-        if self._pending is not None:
-            self._pending.result()  # the other buffer is free again
-        buffer, length, offset = self._buffers[self._current], self._filled, self.offset
-        self._pending = self._thread.submit(self._write_at, buffer, length, offset)
-        self.offset += length
+        self._submit(self._buffers[self._current], self._filled)
         self._current ^= 1
         self._filled = 0
 
-    def _write_at(self, buffer: mmap.mmap, length: int, offset: int) -> None:
-        with memoryview(buffer) as view:
-            self._write_all(view[:length], offset)
+    def _submit(self, source: Any, length: int) -> None:
+        assert self._thread is not None
+        self.wait()  # one write in flight: the other buffer is free again
+        self._pending = self._thread.submit(self._write_at, source, length, self.offset)
+        self.offset += length
+
+    def wait(self) -> None:
+        """Wait for the write in flight (then views given to write_in_place may go)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def _write_at(self, source: Any, length: int, offset: int) -> None:
+        with memoryview(source) as view:
+            try:
+                self._write_all(view[:length], offset)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or not self.direct:
+                    raise
+                # this file system or device wants other alignments: through the cache
+                buffered = fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, buffered)
+                self._write_all(view[:length], offset)
 
     def _write_all(self, view: memoryview, offset: int) -> None:
         """Every byte of `view` at `offset` (-1: at the file position, buffered)."""
@@ -540,28 +574,16 @@ class _TarSink:
         (a tar is whole 512-byte blocks, a device may want 4096) goes through the cache."""
         if not self.direct:
             return
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
+        self.wait()
         if self._filled:
-            buffer = self._buffers[self._current]
-            try:
-                self._write_at(buffer, self._filled, self.offset)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                fcntl.fcntl(
-                    self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT
-                )
-                self._write_at(buffer, self._filled, self.offset)
+            self._write_at(self._buffers[self._current], self._filled, self.offset)
             self.offset += self._filled
             self._filled = 0
 
     def close(self) -> None:
         if self._thread is not None:
-            if self._pending is not None:
-                with contextlib.suppress(Exception):  # an error was raised already
-                    self._pending.result()
+            with contextlib.suppress(Exception):  # an error was raised already
+                self.wait()
             self._thread.shutdown(wait=True)
             self._thread = None
         for buffer in self._buffers:
@@ -572,13 +594,22 @@ class _TarSink:
             self.fd = -1
 
 
-def _emit_mapped(source: Any, length: int, emit: Callable[[memoryview], None]) -> None:
+def _emit_mapped(
+    source: Any,
+    length: int,
+    emit: Callable[[memoryview, bool], None],
+    release: Callable[[], None],
+) -> None:
+    """The file's bytes to `emit`, in place from a mapping; `release()` before unmapping."""
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
     mapped = mmap.mmap(source.fileno(), length, flags=flags, prot=mmap.PROT_READ)
     try:
         with memoryview(mapped) as view:
-            for start in range(0, length, _COPY_CHUNK):
-                emit(view[start : start + _COPY_CHUNK])
+            try:
+                for start in range(0, length, _COPY_CHUNK):
+                    emit(view[start : start + _COPY_CHUNK], True)
+            finally:
+                release()
     finally:
         mapped.close()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 
 import numpy as np
@@ -375,7 +376,9 @@ def test_compiled_gather_is_the_numpy_one(tmp_path, width, monkeypatch):
 
 
 @pytest.mark.parametrize("direct", [True, False])
-@pytest.mark.parametrize("sizes", [[1000], [5, 3 << 20, 7 << 20, 512, 1], [8 << 20, 8 << 20]])
+@pytest.mark.parametrize(
+    "sizes", [[1000], [5, 3 << 20, 7 << 20, 512, 1], [8 << 20, 8 << 20], [512, 9 << 20, 1024]]
+)
 def test_tar_sink_writes_every_byte_in_order(tmp_path, monkeypatch, direct, sizes):
     """Direct writes of whole buffers, a tail that is not whole blocks (1000 bytes: EINVAL
     under O_DIRECT, written through the cache instead), and the buffered fallback."""
@@ -386,8 +389,16 @@ def test_tar_sink_writes_every_byte_in_order(tmp_path, monkeypatch, direct, size
     rng = np.random.default_rng(len(sizes))
     pieces = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for size in sizes]
     path = tmp_path / "out"
-    with build_module._TarSink(path) as sink:
-        for piece in pieces:
-            sink.write(piece)
-        sink.flush()
-    assert path.read_bytes() == b"".join(pieces)
+    for in_place in (False, True):
+        maps = []
+        with build_module._TarSink(path) as sink:
+            for piece in pieces:
+                if in_place:  # whole blocks straight from a page-aligned piece, the rest copied
+                    maps.append(mmap.mmap(-1, len(piece)))
+                    maps[-1][:] = piece
+                    sink.write_in_place(memoryview(maps[-1]))
+                else:
+                    sink.write(piece)
+            sink.wait()
+            sink.flush()
+        assert path.read_bytes() == b"".join(pieces)
