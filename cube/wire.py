@@ -115,7 +115,7 @@ def encode_seek_request(
     keys: np.ndarray, dict_name: str = "", version: str = "", request_id: int = 0
 ) -> bytes:
     """`cube.v1.SeekRequest` bytes: keys as one packed little-endian uint64 field."""
-    packed = np.ascontiguousarray(keys, dtype="<u8").data
+    packed = np.ascontiguousarray(keys, dtype=_KEY_DTYPE).data
     tail = _request_tail(dict_name, version)
     if request_id:
         return b"".join(
@@ -133,25 +133,31 @@ def _request_tail(dict_name: str, version: str) -> bytes:
 
 
 def _varint(value: int) -> bytes:
-    """`varint` without the cache: for values that do not repeat (request ids). Ids of 43
-    to 49 bits (most 48-bit random ids) take seven bytes, spread with a few int operations."""
-    if 1 << 42 <= value < 1 << 49:
-        spread = (
-            (value & 0x7F)
-            | (value & 0x3F80) << 1
-            | (value & 0x1FC000) << 2
-            | (value & 0xFE00000) << 3
-            | (value & 0x7F0000000) << 4
-            | (value & 0x3F800000000) << 5
-            | (value >> 42) << 48
-        )
-        return (spread | 0x808080808080).to_bytes(7, "little")
+    """`varint` for values that change with every call (request ids, which a client counts
+    up): the bytes of `value >> 7` are kept from the last call, so most calls only add the
+    low seven bits."""
+    global _HIGH
+    if value < 0x80:
+        return bytes((value,))
+    high = value >> 7
+    kept = _HIGH
+    if kept[0] != high:
+        kept = _HIGH = (high, varint(high) if high < 0x4000 else _varint_uncached(high))
+    return _LOW_BYTES[value & 0x7F] + kept[1]
+
+
+def _varint_uncached(value: int) -> bytes:
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
         value >>= 7
     out.append(value)
     return bytes(out)
+
+
+_KEY_DTYPE = np.dtype("<u8")
+_HIGH: tuple[int, bytes] = (-1, b"")  # (value >> 7, its varint) of the last `_varint`
+_LOW_BYTES = tuple(bytes((low | 0x80,)) for low in range(0x80))  # a varint's first byte
 
 
 def seek_response_parts(
@@ -188,7 +194,7 @@ def decode_seek_response(data: Buffer, n: int) -> Answer:
     """The answer in `cube.v1.SeekResponse` bytes for `n` keys; its arrays are views of `data`
     (bytes, or a memoryview of a received buffer)."""
     found_at, found_length, values_at, values_length, width, offsets_at, offsets_length, version = (
-        _scan_response(data)
+        _scan_usual(data, n) or _scan_response(data)
     )
     if found_length != n:
         raise BadMessage(f"{found_length} found flags for {n} keys")
@@ -232,15 +238,72 @@ def answer_width(body: Buffer) -> int:
 def answer_values_at(request: Buffer, width: int) -> int:
     """Where the values of the answer to `request` (SeekRequest bytes) start in its body,
     when they are `width` bytes each and laid out as `answer_width` reads them."""
-    try:
-        n = read_varint(request, 1)[0] // 8  # the keys field comes first (tag 0x0a)
-    except (IndexError, BadMessage):
+    if len(request) < 3:
         return 0
+    low, middle = request[1], request[2]  # the keys field comes first (tag 0x0a)
+    if low < 0x80:
+        n = low >> 3
+    elif middle < 0x80:
+        n = ((low & 0x7F) | middle << 7) >> 3
+    else:
+        try:
+            n = read_varint(request, 1)[0] >> 3
+        except BadMessage:
+            return 0
     return 2 + _varint_size(n) + n + _varint_size(n * width)
 
 
 def _varint_size(value: int) -> int:
-    return max(1, (value.bit_length() + 6) // 7)
+    return 1 if value < 0x80 else 2 if value < 0x4000 else (value.bit_length() + 6) // 7
+
+
+def _scan_usual(data: Buffer, n: int) -> tuple[int, int, int, int, int, int, int, str] | None:
+    """`_scan_response` of the layout servers write for fixed-width values (found flags for
+    `n` keys, values of a width under 128, a version under 128 bytes, a request id or none;
+    each once, in that order), in fewer operations (a third fewer instructions); None for
+    anything else."""
+    head = _found_head(n)
+    pos, end = len(head) + n, len(data)
+    if end < pos + 8 or data[pos] != 0x12 or data[: len(head)] != head:
+        return None
+    low, middle, high = _THREE_BYTES.unpack_from(data, pos + 1)
+    if low < 0x80:
+        values_length, pos = low, pos + 2
+    elif middle < 0x80:
+        values_length, pos = (low & 0x7F) | middle << 7, pos + 3
+    elif high < 0x80:
+        values_length, pos = (low & 0x7F) | (middle & 0x7F) << 7 | high << 14, pos + 4
+    else:
+        return None
+    values_at = pos
+    pos += values_length
+    if pos + 4 > end:
+        return None
+    width_tag, width, version_tag, version_length = _FOUR_BYTES.unpack_from(data, pos)
+    if width_tag != 0x18 or not 0 < width < 0x80 or version_tag != 0x2A or version_length > 0x7F:
+        return None
+    version_at = pos + 4
+    pos = version_at + version_length
+    if pos < end:  # the request id: a varint that ends the message
+        ends = bytes(data[pos + 1 : end]).translate(_VARINT_ENDS)
+        if data[pos] != 0x30 or not 0 < len(ends) <= 10 or ends.find(0) != len(ends) - 1:
+            return None
+    elif pos > end:
+        return None
+    try:
+        version = str(data[version_at:pos], "utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadMessage(f"version is not UTF-8: {exc}") from None
+    return len(head), n, values_at, values_length, width, 0, 0, version
+
+
+@functools.lru_cache(maxsize=64)
+def _found_head(n: int) -> bytes:
+    return b"\x0a" + varint(n)
+
+
+_THREE_BYTES = struct.Struct("3B")
+_FOUR_BYTES = struct.Struct("4B")
 
 
 def _scan_response(data: Buffer) -> tuple[int, int, int, int, int, int, int, str]:

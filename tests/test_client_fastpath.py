@@ -25,9 +25,11 @@ from cube.client import (
 )
 from cube.client._core import SeekResult, embeddings
 from cube.client.mock import _response
+from cube.pb import cube_fast_pb2
 from cube.wire import (
     BadMessage,
     _scan_response,
+    _scan_usual,
     _varint,
     decode_seek_response,
     scan_fields,
@@ -217,14 +219,72 @@ def test_response_scan_agrees_with_the_generic_field_scan(fields, cut, junk):
     assert _scan_response(data) == expected
 
 
+@settings(max_examples=600, deadline=None)
+@given(
+    n=st.sampled_from([0, 1, 5, 127, 128, 1000]),
+    width=st.sampled_from([0, 1, 8, 64, 127, 128, 300]),
+    version=st.sampled_from(["", "1", "1700000000", "x" * 127, "x" * 128, "\xe9"]),
+    request_id=st.sampled_from([0, 1, 2**47 + 3, 2**63 + 1]),
+    damage=st.one_of(
+        st.none(),
+        st.tuples(st.just("byte"), st.integers(0, 10**6), st.integers(0, 255)),
+        st.tuples(st.just("cut"), st.integers(0, 10**6), st.none()),
+        st.tuples(
+            st.just("append"),
+            st.sampled_from([b"\x30\x05", b"\x2a\x012", b"\x30", b"\x80"]),
+            st.none(),
+        ),
+    ),
+    claimed=st.sampled_from([0, 1]),
+)
+def test_usual_layout_scan_agrees_with_the_generic_one(
+    n, width, version, request_id, damage, claimed
+):
+    message = cube_fast_pb2.SeekResponse(
+        found=bytes(n), values=bytes(n * width), value_width=width, version=version,
+        request_id=request_id,
+    )  # fmt: skip
+    if not width:
+        message.offsets = bytes(8 * (n + 1))
+    data = bytearray(message.SerializeToString())
+    if damage is not None and data:
+        kind, where, value = damage
+        if kind == "byte":
+            data[where % len(data)] = value
+        elif kind == "cut":
+            del data[where % len(data) :]
+        else:
+            data += where
+    view = memoryview(bytes(data))
+    try:
+        generic: Any = _scan_response(view)
+    except BadMessage as exc:
+        generic = exc
+    try:
+        usual = _scan_usual(view, n + claimed)
+    except BadMessage:
+        assert isinstance(generic, BadMessage)
+        return
+    if usual is not None:
+        assert usual == generic and usual[1] == n + claimed
+
+
 @given(st.integers(0, 2**64 - 1))
 def test_request_id_varint(value):
     assert _varint(value) == varint(value)
 
 
-def test_request_id_varint_edges():
+def test_request_id_varint_edges_and_runs():
     for value in (0, 127, 128, 2**42 - 1, 2**42, 2**48 - 1, 2**49 - 1, 2**49, 2**64 - 1):
         assert _varint(value) == varint(value)
+    for value in range(2**47 - 300, 2**47 + 300):  # a client's ids count up
+        assert _varint(value) == varint(value)
+
+
+def test_request_ids_are_fresh_for_every_call():
+    client = CubeClient([["a:1"]], transport=Scripted([good()]))
+    ids = [client._request_id() for _ in range(1000)]
+    assert len(set(ids)) == 1000 and all(0 < i < 2**48 for i in ids)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ No I/O here; the subclasses drive rounds over their transport."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import time
@@ -43,6 +44,7 @@ from cube.security import SecurityError
 from cube.wire import Answer, BadMessage, Buffer
 
 _NONE_TRIED: frozenset[int] = frozenset()
+_ID_MASK = (1 << 48) - 1
 
 
 def normalize_shards(shards: Any) -> tuple[tuple[str, ...], ...]:
@@ -138,7 +140,9 @@ class ClientBase:
         # _first_attempt) unless backup requests need the state machine's timers.
         self._lone_fast = self.policy.backup_request_ms <= 0
         self._rng = random.Random(seed)
-        self._ids = random.Random()  # request ids: never seeded, unlike the balancer
+        # request ids count up from a random start (never seeded, unlike the balancer):
+        # fresh for every call, and cheap to write (see cube.wire._varint)
+        self._ids = itertools.count(random.Random().getrandbits(48))
         self._cluster = Cluster(self.shards, load_balancer, self._rng)
         self._wire = PROTOCOLS[protocol]()
         # Only the fast protocol's Seek has a TCP lane.
@@ -193,7 +197,7 @@ class ClientBase:
     def _request_id(self) -> int:
         """A fresh id for one seek() call: sent with its sub-requests (cube.v1 request_id),
         named in the servers' log lines about them and on the error the call raises."""
-        return self._ids.getrandbits(48) or 1
+        return next(self._ids) & _ID_MASK or 1  # next() is atomic: safe across threads
 
     @staticmethod
     def _tag(error: CubeError, request_id: int) -> None:
@@ -293,7 +297,9 @@ class ClientBase:
         replica.succeeded(latency_s)
         if self.stats is not None:
             self.stats.round([pieces[0].shard], [PieceOutcome(answer)])
-        return assemble(keys, pieces, [answer])
+        if type(pieces[0].where) is slice:  # a lone piece in request order holds every key
+            return SeekResult(keys, answer.found, answer.column, answer.version)
+        return assemble(keys, pieces, [answer])  # a batch routed to one of several shards
 
     def _adopted_round(
         self,

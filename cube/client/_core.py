@@ -113,7 +113,7 @@ def normalize_keys(keys: object) -> np.ndarray:
 # Plan: which keys go where
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)  # (not frozen: cheaper to build, one per call; never changed)
 class Piece:
     """One sub-request: up to `max_batch` keys of one shard, and where they sit in the request
     (`where` is a slice when the piece is a contiguous run of the request, else positions)."""

@@ -41,6 +41,7 @@ from cube.security import client_context, grpc_channel_credentials
 from cube.wire import (
     ANSWER_HEADER,
     LANE_MAGIC,
+    REQUEST_HEADER,
     Buffer,
     answer_values_at,
     answer_width,
@@ -288,6 +289,7 @@ class _Uncancellable(CallHandle):
 
 
 _INLINE = _Uncancellable()
+_REQUEST_HEADER = REQUEST_HEADER.pack
 
 
 class _Placement:
@@ -295,22 +297,34 @@ class _Placement:
     come out aligned, and get_embeddings can return a view of them: from the request's key
     count and the value width of the answers so far (as servers lay answers out)."""
 
-    __slots__ = ("length", "width")
+    __slots__ = ("_pads", "length", "width")
 
     def __init__(self) -> None:
         self.width = 0  # of the answers' values; 0: not known (no padding)
         self.length = -1  # of the last answer: its width is read again when it changes
+        # pad by request size: the same size is the same key count (but for a rare pinned
+        # version of just the right length, which then costs get_embeddings a copy)
+        self._pads: dict[int, int] = {}
 
     def pad(self, request: bytes) -> int:
         """Where the frame of the answer to `request` starts, modulo _ALIGN."""
-        if not self.width:
-            return 0
-        return -(ANSWER_HEADER.size + answer_values_at(request, self.width)) % _ALIGN
+        pad = self._pads.get(len(request))
+        if pad is None:
+            pad = 0
+            if self.width:
+                pad = -(ANSWER_HEADER.size + answer_values_at(request, self.width)) % _ALIGN
+            if len(self._pads) >= 256:
+                self._pads.clear()
+            self._pads[len(request)] = pad
+        return pad
 
     def learn(self, body: memoryview) -> None:
         if len(body) != self.length:
             self.length = len(body)
-            self.width = answer_width(body)
+            width = answer_width(body)
+            if width != self.width:
+                self.width = width
+                self._pads.clear()
 
 
 class SyncLane:
@@ -350,7 +364,7 @@ class SyncLane:
 
     def _call(self, request: bytes, timeout_s: float, handle: CallHandle) -> tuple[bool, Any]:
         deadline = time.monotonic() + timeout_s
-        header = request_header(len(request))
+        header = _REQUEST_HEADER(len(request))
         for _ in range(2):  # a stale idle connection is replaced once
             connection = self._take()
             reused = connection is not None
@@ -459,8 +473,10 @@ class SyncLane:
         return status, body
 
     def _take(self) -> _Connection | None:
-        with self._lock:
-            return self._idle.pop() if self._idle else None
+        try:
+            return self._idle.pop()  # atomic (the GIL): no lock
+        except IndexError:
+            return None
 
     def _give_back(self, connection: _Connection) -> None:
         with self._lock:
@@ -541,10 +557,32 @@ class SyncChannels:
         """The response bytes (a view of the received buffer on a lane); TransportError when
         the call failed. `handle` lets another
         thread cancel the call while it runs on a lane."""
-        now = time.monotonic()
-        deadline = now + timeout_s
+        deadline = time.monotonic() + timeout_s
         lane = self._lanes.get(address, _UNKNOWN)
-        if lane is None and now > self._recheck.get(address, 0.0):
+        if type(lane) is not SyncLane or address in self._mismatch:  # not the usual case
+            lane = self._resolve(address, lane, timeout_s)
+        if lane is not None:
+            ok, payload = lane.call(request, max(deadline - time.monotonic(), 1e-3), handle)
+            if not lane.unreachable:
+                if lane.broken:
+                    self._forget(address, lane)
+                if ok:
+                    body: Buffer = payload
+                    return body
+                raise TransportError(*payload)
+            self._forget(address, lane)  # e.g. a firewall: this attempt goes over gRPC
+            self._no_lane(address)
+        timeout_s = max(deadline - time.monotonic(), 1e-3)
+        try:
+            answer: bytes = self._callable(address)(request, timeout=timeout_s)
+        except Exception as exc:
+            raise TransportError(*status_of(exc)) from None
+        return answer
+
+    def _resolve(self, address: str, lane: Any, timeout_s: float) -> SyncLane | None:
+        """The endpoint's lane (None: gRPC), after first contact or a recheck when due;
+        TransportError when that failed or the endpoint's routing does not match."""
+        if lane is None and time.monotonic() > self._recheck.get(address, 0.0):
             lane = _UNKNOWN  # time to ask again (a lane, a fixed routing)
         if lane is _UNKNOWN:
             failure = self._discover(address, timeout_s)
@@ -554,24 +592,7 @@ class SyncChannels:
         mismatch = self._mismatch.get(address)
         if mismatch is not None:
             raise TransportError(CONFIG_MISMATCH, mismatch)
-        if isinstance(lane, SyncLane):
-            ok, payload = lane.call(request, max(deadline - time.monotonic(), 1e-3), handle)
-            if lane.unreachable:  # e.g. a firewall: this attempt goes over gRPC
-                self._forget(address, lane)
-                self._no_lane(address)
-            else:
-                if lane.broken:
-                    self._forget(address, lane)
-                if ok:
-                    body: Buffer = payload
-                    return body
-                raise TransportError(*payload)
-        timeout_s = max(deadline - time.monotonic(), 1e-3)
-        try:
-            answer: bytes = self._callable(address)(request, timeout=timeout_s)
-        except Exception as exc:
-            raise TransportError(*status_of(exc)) from None
-        return answer
+        return lane if isinstance(lane, SyncLane) else None
 
     def _no_lane(self, address: str) -> None:
         with self._lock:
@@ -778,10 +799,7 @@ class AioLane(asyncio.BufferedProtocol):
                 else:
                     future.set_result(body)  # a view: the buffer is never written there again
             start = stop
-        self._start = start
-        if not pending and self._watchdog is not None and start == end:
-            self._watchdog.cancel()  # nothing left to time out
-            self._watchdog = None
+        self._start = start  # (the watchdog stays armed: when it fires, it finds no call)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(f"TCP lane: connection lost ({exc or 'closed by the server'})")
