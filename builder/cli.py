@@ -52,6 +52,10 @@ Servers name a base version <depend> and a delta <depend>_<cur>. A delta needs o
 with -only_build=false, -cur_version is required and a base's -depend_version defaults to it.
 An existing <output_path>/<depend>_<cur> is never overwritten (exit 1).
 
+The values of uncompressed input files are not copied: the shards are written from the input
+files themselves, which must stay unchanged until the build ends (a changed file fails it).
+Spill files (-tmp_dir) hold 16 bytes a record, plus the values of compressed input.
+
 -key_format auto: LongWritable and Text keys as such; BytesWritable keys of 8 bytes are the
 Cube tools' raw little-endian uint64, of 12 bytes genuine BytesWritable (big-endian).
 
