@@ -26,6 +26,7 @@ send and how to read it lives here, so both clients share it and tests drive it 
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
@@ -357,7 +358,7 @@ def embeddings(
     `own`: the caller hands `result` over (get_embeddings): when its values are fixed-width
     rows of dim * itemsize bytes in a writable, aligned buffer (a lane's received buffer, or
     the rows scattered from several shards), the array is a view of them, not a copy."""
-    dt = np.dtype(dtype)
+    dt = _dtype(dtype)
     if dim <= 0:
         raise ValueError(f"dim must be > 0, got {dim}")
     row_bytes = dim * dt.itemsize
@@ -392,6 +393,22 @@ def embeddings(
         starts = column.offsets[:-1][found]
         out_bytes[found] = column.blob[starts[:, None] + np.arange(row_bytes)]
     return out
+
+
+def _dtype(dtype: DTypeLike) -> np.dtype[Any]:
+    """np.dtype(dtype), remembered for the few a program asks for (parsing "float32" costs
+    more than the rest of a view)."""
+    try:
+        return _DTYPES[dtype]
+    except (KeyError, TypeError):  # TypeError: not hashable (a structured dtype's spec)
+        dt = np.dtype(dtype)
+        if len(_DTYPES) < 64:
+            with contextlib.suppress(TypeError):
+                _DTYPES[dtype] = dt
+        return dt
+
+
+_DTYPES: dict[Any, np.dtype[Any]] = {}
 
 
 def _all_found(found: np.ndarray) -> bool:

@@ -45,7 +45,6 @@ from cube.wire import (
     Buffer,
     answer_values_at,
     answer_width,
-    request_header,
 )
 
 # No message size limit (100k-key batches of large values), our own retries only, and a short
@@ -75,7 +74,8 @@ _STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 _MAX_IDLE = 64  # idle blocking connections kept per endpoint
 _ALIGN = 16  # answers are read so that their values start at this alignment (malloc's)
 _MIN_READ = 4096  # an asyncio lane's new buffer has room for at least this much
-_NO_BYTES = np.empty(0, np.uint8)
+_U8 = np.dtype(np.uint8)
+_NO_BYTES = np.empty(0, _U8)
 _CLOCK_RESOLUTION = time.get_clock_info("monotonic").resolution  # asyncio's timer slack
 LANE_RECHECK_S = 5.0  # an endpoint found without a (reachable) lane is asked again after this
 
@@ -437,7 +437,7 @@ class SyncLane:
     ) -> tuple[int, memoryview]:
         """Read one answer frame: (status, body view). The buffer is the answer's own (its
         arrays are views of it), read from `pad` on (see _Placement)."""
-        buffer = np.empty(pad + self._expect, np.uint8)  # not zero-filled, unlike bytearray(n)
+        buffer = np.empty(pad + self._expect, _U8)  # not zero-filled, unlike bytearray(n)
         view = buffer.data
         sock = connection.sock
         poll = self._poll and not connection.tls
@@ -718,7 +718,7 @@ class AioLane(asyncio.BufferedProtocol):
                 TransportError("UNAVAILABLE", "TCP lane: the server is not taking requests")
             )
             return future
-        transport.writelines((request_header(len(request)), request))
+        transport.write(_REQUEST_HEADER(len(request)) + request)  # (writelines joins too)
         sent_at = self._loop.time()
         deadline = sent_at + timeout_s
         self._pending.append((future, deadline, sent_at, timeout_s, self._place.pad(request)))
@@ -768,8 +768,9 @@ class AioLane(asyncio.BufferedProtocol):
             room = self._expect
         if self._buffer.shape[0] - end < room:
             held = end - start
-            buffer = np.empty(pad + held + max(room, _MIN_READ), np.uint8)
-            buffer[pad : pad + held] = self._buffer[start:end]
+            buffer = np.empty(pad + held + max(room, _MIN_READ), _U8)
+            if held:
+                buffer[pad : pad + held] = self._buffer[start:end]
             self._buffer, self._view = buffer, buffer.data
             start, end = pad, pad + held
         self._start, self._end = start, end
