@@ -5,57 +5,12 @@ they compute and why; these functions take the arrays `cube.kernel.prepare` make
 
 from __future__ import annotations
 
-from typing import Any
-
-import numba
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
 
+from cube._jit import fmix64, jit, prefetch
 from cube.index import MAX_ROWS, TOMBSTONE, WINDOW
 
-
-def _jit(function):
-    """Compile lazily; cache the machine code on disk when a cache directory is writable
-    (`__pycache__` beside this file, else NUMBA_CACHE_DIR or the user's cache), else
-    compile in every process (a read-only install without a cache directory)."""
-    try:
-        return numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")(function)
-    except RuntimeError:  # "cannot cache function ...: no locator available"
-        return numba.njit(nogil=True, boundscheck=False, error_model="numpy")(function)
-
-
-def _prefetch_typer(typingctx, array, index):
-    """Ask the CPU to start loading item `index` of a 1-D array (row `index` of a 2-D
-    one) into cache, without waiting for it: `llvm.prefetch`, read, high locality."""
-
-    def codegen(context, builder, signature, args):
-        array_type, index_type = signature.args
-        ary = context.make_array(array_type)(context, builder, args[0])
-        stride = builder.extract_value(ary.strides, 0)
-        offset = builder.mul(context.cast(builder, args[1], index_type, types.intp), stride)
-        byte = ir.IntType(8).as_pointer()
-        address = builder.gep(builder.bitcast(ary.data, byte), [offset])
-        i32 = ir.IntType(32)
-        function = cgutils.get_or_insert_function(
-            builder.module,
-            ir.FunctionType(ir.VoidType(), [byte, i32, i32, i32]),
-            "llvm.prefetch.p0",
-        )
-        builder.call(function, [address, i32(0), i32(3), i32(1)])
-        return context.get_dummy_value()
-
-    return types.void(array, index), codegen
-
-
-_prefetch: Any = intrinsic(_prefetch_typer)
-
-_M1 = np.uint64(0xFF51AFD7ED558CCD)
-_M2 = np.uint64(0xC4CEB9FE1A85EC53)
 _S32 = np.uint64(32)
-_S33 = np.uint64(33)
 _W = np.uint64(WINDOW)
 _TOMB = np.uint32(TOMBSTONE)
 _MISS = np.uint32(MAX_ROWS)  # cube.kernel.MISS
@@ -63,22 +18,16 @@ _MISS = np.uint32(MAX_ROWS)  # cube.kernel.MISS
 _AHEAD = 8  # keys between a prefetch and its use: enough misses in flight to hide DRAM
 
 
-@_jit
+@jit
 def _home_buckets(keys, bucket_count):
     """Each key's home bucket: fmix64 then fastrange (cube.index.home_buckets)."""
     buckets = np.empty(keys.shape[0], dtype=np.uint64)
     for i in range(keys.shape[0]):
-        key = keys[i]
-        h = key ^ (key >> _S33)
-        h *= _M1
-        h ^= h >> _S33
-        h *= _M2
-        h ^= h >> _S33
-        buckets[i] = ((h >> _S32) * bucket_count) >> _S32
+        buckets[i] = ((fmix64(keys[i]) >> _S32) * bucket_count) >> _S32
     return buckets
 
 
-@_jit
+@jit
 def _probe(slot_keys, bucket_rows, empty_key, max_probe, key, bucket):
     """Row code (module docstring) of one key, from its home bucket on; deleted keys are
     `_mark_deleted`'s. The eight slots are compared into a bit mask, without a branch per
@@ -109,7 +58,7 @@ def _probe(slot_keys, bucket_rows, empty_key, max_probe, key, bucket):
     return row
 
 
-@_jit
+@jit
 def _probe_all(slot_keys, bucket_rows, bucket_count, empty_key, max_probe, keys):
     """The row code of every key. While key i is probed, the key line and first row of
     key i + _AHEAD are prefetched, so their cache misses overlap instead of coming one
@@ -117,19 +66,19 @@ def _probe_all(slot_keys, bucket_rows, bucket_count, empty_key, max_probe, keys)
     n = keys.shape[0]
     buckets = _home_buckets(keys, bucket_count)
     for i in range(min(_AHEAD, n)):
-        _prefetch(slot_keys, buckets[i] * _W)
-        _prefetch(bucket_rows, buckets[i])
+        prefetch(slot_keys, buckets[i] * _W)
+        prefetch(bucket_rows, buckets[i])
     rows = np.empty(n, dtype=np.uint32)
     for i in range(n):
         if i + _AHEAD < n:
             ahead = buckets[i + _AHEAD]
-            _prefetch(slot_keys, ahead * _W)
-            _prefetch(bucket_rows, ahead)
+            prefetch(slot_keys, ahead * _W)
+            prefetch(bucket_rows, ahead)
         rows[i] = _probe(slot_keys, bucket_rows, empty_key, max_probe, keys[i], buckets[i])
     return rows
 
 
-@_jit
+@jit
 def _mark_deleted(deleted_keys, keys, rows):
     """A pass of its own over the misses (inside the probe loop the search made the whole
     loop 2-3x slower): a key the table lacks and the delta deletes gets row TOMBSTONE."""
@@ -141,7 +90,7 @@ def _mark_deleted(deleted_keys, keys, rows):
                 rows[i] = _TOMB
 
 
-@_jit
+@jit
 def _lookup_rows(slot_keys, bucket_rows, deleted_keys, bucket_count, empty_key, max_probe, keys):
     rows = _probe_all(slot_keys, bucket_rows, bucket_count, empty_key, max_probe, keys)
     if deleted_keys.shape[0]:
@@ -149,7 +98,7 @@ def _lookup_rows(slot_keys, bucket_rows, deleted_keys, bucket_count, empty_key, 
     return rows
 
 
-@_jit
+@jit
 def _seek_fixed(
     slot_keys,
     bucket_rows,
@@ -171,12 +120,12 @@ def _seek_fixed(
         _mark_deleted(deleted_keys, keys, rows)
     for i in range(min(_AHEAD, n)):
         if rows[i] < _MISS:
-            _prefetch(values, rows[i])
+            prefetch(values, rows[i])
     words = values.shape[1]
     misses = 0
     for i in range(n):
         if i + _AHEAD < n and rows[i + _AHEAD] < _MISS:
-            _prefetch(values, rows[i + _AHEAD])
+            prefetch(values, rows[i + _AHEAD])
         row = rows[i]
         if row < _MISS:
             found[i] = True

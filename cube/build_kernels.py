@@ -16,17 +16,11 @@ the tests compare these loops against.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
-try:  # an optional accelerator: the numpy path builds the same bytes without it
-    import numba
-except ImportError:  # pragma: no cover - exercised by CUBE_KERNEL=numpy in the tests
-    numba = None  # type: ignore[assignment]
-
-COMPILED = numba is not None and os.environ.get("CUBE_KERNEL", "compiled") != "numpy"
+from cube.kernel import COMPILED as COMPILED  # numba installed, CUBE_KERNEL not "numpy"
 
 WINDOW = 8  # cube.index.WINDOW (not imported: cube.index imports this module lazily)
 OFFSET_BITS = 40  # cube.builder.spill.OFFSET_BITS: locations are source << 40 | offset
@@ -39,76 +33,14 @@ place: Any = None
 gather_fixed: Any = None
 
 if COMPILED:
-    from llvmlite import ir
-    from numba import types
-    from numba.core import cgutils
-    from numba.extending import intrinsic
+    from cube._jit import copy as _copy
+    from cube._jit import fmix64 as _fmix64
+    from cube._jit import jit as _jit
+    from cube._jit import prefetch as _prefetch
 
-    _jit = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
-
-    def _prefetch_typer(typingctx: Any, array: Any, index: Any) -> Any:
-        """Start loading byte `index` of a 1-D array into cache without waiting for it."""
-
-        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            array_type, index_type = signature.args
-            ary = context.make_array(array_type)(context, builder, args[0])
-            offset = context.cast(builder, args[1], index_type, types.intp)
-            byte = ir.IntType(8).as_pointer()
-            address = builder.gep(builder.bitcast(ary.data, byte), [offset])
-            i32 = ir.IntType(32)
-            function = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-                builder.module,
-                ir.FunctionType(ir.VoidType(), [byte, i32, i32, i32]),
-                "llvm.prefetch.p0",
-            )
-            builder.call(function, [address, i32(0), i32(3), i32(1)])
-            return context.get_dummy_value()
-
-        return types.void(array, index), codegen
-
-    def _copy_typer(
-        typingctx: Any, dst: Any, dst_at: Any, src: Any, src_at: Any, count: Any
-    ) -> Any:
-        """memcpy of `count` bytes between two uint8 arrays (no per-byte loop)."""
-
-        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            dst_type, dst_at_type, src_type, src_at_type, count_type = signature.args
-            byte = ir.IntType(8).as_pointer()
-            dst_ary = context.make_array(dst_type)(context, builder, args[0])
-            src_ary = context.make_array(src_type)(context, builder, args[2])
-            intp = context.get_value_type(types.intp)
-            to = builder.gep(
-                builder.bitcast(dst_ary.data, byte),
-                [context.cast(builder, args[1], dst_at_type, types.intp)],
-            )
-            start = builder.gep(
-                builder.bitcast(src_ary.data, byte),
-                [context.cast(builder, args[3], src_at_type, types.intp)],
-            )
-            length = context.cast(builder, args[4], count_type, types.intp)
-            cgutils.raw_memcpy(builder, to, start, length, intp(1))  # type: ignore[no-untyped-call]
-            return context.get_dummy_value()
-
-        return types.void(dst, dst_at, src, src_at, count), codegen
-
-    _prefetch: Any = intrinsic(_prefetch_typer)
-    _copy: Any = intrinsic(_copy_typer)
-
-    _M1 = np.uint64(0xFF51AFD7ED558CCD)
-    _M2 = np.uint64(0xC4CEB9FE1A85EC53)
     _S32 = np.uint64(32)
-    _S33 = np.uint64(33)
     _AHEAD = 8  # values between a prefetch and its copy
     _AHEAD_KEYS = 16  # keys between a prefetch and their read
-
-    @_jit
-    def _fmix64(key):  # type: ignore[no-untyped-def]
-        h = key ^ (key >> _S33)
-        h *= _M1
-        h ^= h >> _S33
-        h *= _M2
-        h ^= h >> _S33
-        return h
 
     @_jit
     def _pack_hashes(keys, bits):  # type: ignore[no-untyped-def]
@@ -138,11 +70,11 @@ if COMPILED:
         live = 0
         dropped = 0
         for j in range(min(_AHEAD_KEYS, n)):
-            _prefetch(keys, np.int64(packed[j] & low) * 8)
+            _prefetch(keys, np.int64(packed[j] & low))
         i = 0
         while i < n:
             if i + _AHEAD_KEYS < n:  # keys are read in hash order: at random places
-                _prefetch(keys, np.int64(packed[i + _AHEAD_KEYS] & low) * 8)
+                _prefetch(keys, np.int64(packed[i + _AHEAD_KEYS] & low))
             prefix = packed[i] & high
             end = i + 1
             while end < n and (packed[end] & high) == prefix:
@@ -253,10 +185,10 @@ if COMPILED:
         mask = np.uint64((1 << OFFSET_BITS) - 1)
         shift = np.uint64(OFFSET_BITS)
         for i in range(min(2 * _AHEAD, n)):
-            _prefetch(locs, rows[i] * 8)
+            _prefetch(locs, rows[i])
         for i in range(n):
             if i + 2 * _AHEAD < n:
-                _prefetch(locs, rows[i + 2 * _AHEAD] * 8)
+                _prefetch(locs, rows[i + 2 * _AHEAD])
             if i + _AHEAD < n:
                 ahead = locs[rows[i + _AHEAD]]
                 _prefetch(region, bases[ahead >> shift] + (ahead & mask))

@@ -31,7 +31,8 @@ from cube.index import lookup as numpy_lookup
 
 MISS = MAX_ROWS  # 0xFFFFFFFE: no row has it
 
-# numba is an optional accelerator: the numpy path answers the same without it.
+# numba is an optional accelerator: the numpy paths answer the same without it. This decides
+# for every compiled loop (cube._jit, lookups here, builds in cube.build_kernels).
 _HAVE_NUMBA = importlib.util.find_spec("numba") is not None
 COMPILED = _HAVE_NUMBA and os.environ.get("CUBE_KERNEL", "compiled") != "numpy"
 _compiled: Any = None  # cube._kernel_jit, imported by the first lookup (or warm)
