@@ -112,9 +112,10 @@ def scan_fields(data: Buffer) -> tuple[dict[int, tuple[int, int]], dict[int, int
 
 
 def encode_seek_request(
-    keys: np.ndarray, dict_name: str = "", version: str = "", request_id: int = 0
+    keys: np.ndarray, dict_name: str = "", version: str | None = "", request_id: int = 0
 ) -> bytes:
-    """`cube.v1.SeekRequest` bytes: keys as one packed little-endian uint64 field."""
+    """`cube.v1.SeekRequest` bytes: keys as one packed little-endian uint64 field (`version`
+    None or "": any version)."""
     packed = np.ascontiguousarray(keys, dtype=_KEY_DTYPE).data
     tail = _request_tail(dict_name, version)
     if request_id:
@@ -125,10 +126,11 @@ def encode_seek_request(
 
 
 @functools.lru_cache(maxsize=64)  # a client sends the same dict name and few versions
-def _request_tail(dict_name: str, version: str) -> bytes:
+def _request_tail(dict_name: str, version: str | None) -> bytes:
     """A SeekRequest's dict_name and version fields."""
     return b"".join(
-        length_delimited(0x12, dict_name.encode()) + length_delimited(0x1A, version.encode())
+        length_delimited(0x12, dict_name.encode())
+        + length_delimited(0x1A, (version or "").encode())
     )
 
 

@@ -244,7 +244,7 @@ class ClientBase:
 
     def _plan(self, keys: object) -> tuple[np.ndarray, list[Piece]]:
         keys = normalize_keys(keys)
-        return keys, make_plan(keys, self.shard_num, self.partitioner, self.max_batch)
+        return keys, make_plan(keys, len(self.shards), self.partitioner, self.max_batch)
 
     def _flow(self, keys: np.ndarray, pieces: list[Piece], version: str | None) -> Flow:
         return seek_flow(keys, pieces, self._wire.pins_versions, self.max_version_rounds, version)

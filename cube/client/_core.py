@@ -175,14 +175,9 @@ class FastProtocol:
 
     method = "/cube.v1.CubeService/Seek"
     pins_versions = True
-
-    def encode(
-        self, keys: np.ndarray, dict_name: str, version: str | None, request_id: int = 0
-    ) -> bytes:
-        return wire.encode_seek_request(keys, dict_name, version or "", request_id)
-
-    def decode(self, data: bytes, n: int) -> Answer:
-        return wire.decode_seek_response(data, n)
+    # cube.wire's functions themselves (no wrapper call per request)
+    encode = staticmethod(wire.encode_seek_request)
+    decode = staticmethod(wire.decode_seek_response)
 
 
 class OriginalProtocol:

@@ -57,7 +57,8 @@ class AsyncCubeClient(ClientBase):
             self._observe_call(started, exc)
             self._tag(exc, request_id)
             raise
-        self._observe_call(started)
+        if self.stats is not None:
+            self._observe_call(started)
         return result
 
     async def _seek_rounds(

@@ -79,7 +79,8 @@ class CubeClient(ClientBase):
             self._observe_call(started, exc)
             self._tag(exc, request_id)
             raise
-        self._observe_call(started)
+        if self.stats is not None:
+            self._observe_call(started)
         return result
 
     def _seek_rounds(
