@@ -473,10 +473,8 @@ class SyncLane:
         return status, body
 
     def _take(self) -> _Connection | None:
-        try:
-            return self._idle.pop()  # atomic (the GIL): no lock
-        except IndexError:
-            return None
+        with self._lock:  # (not a bare pop: _drop_idle may be closing the list it holds)
+            return self._idle.pop() if self._idle else None
 
     def _give_back(self, connection: _Connection) -> None:
         with self._lock:
