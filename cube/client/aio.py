@@ -1,7 +1,9 @@
 """AsyncCubeClient: the asyncio client, same API as CubeClient with `await`. Drives the pure
 rounds (cube.client._policy) with grpc.aio: completions land in an asyncio.Queue[Any] and the
-coroutine waits on it until the next timer. Use one client per event loop (grpc.aio channels
-belong to the loop that first used them)."""
+coroutine waits on it until the next timer. A batch of one sub-request on a TCP lane awaits
+its first attempt's future directly instead (ClientBase's fast path; the lane times it out)
+and hands it to the rounds unless it simply answers. Use one client per event loop (grpc.aio
+channels belong to the loop that first used them)."""
 
 from __future__ import annotations
 
