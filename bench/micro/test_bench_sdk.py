@@ -238,6 +238,8 @@ def _async_round(loop, call):
 
 
 def _record(benchmark, wall: list[float]) -> None:
+    if benchmark.stats is None:  # --benchmark-disable (the default): ran once, as a test
+        return
     stats = benchmark.stats.stats
     benchmark.extra_info["cpu_us_per_request_median"] = round(stats.median * 1e6 / REQUESTS, 1)
     benchmark.extra_info["wall_us_per_request_median"] = round(float(np.median(wall)), 1)
