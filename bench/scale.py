@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import resource
 import shutil
@@ -47,6 +48,7 @@ from cube.values import ValueColumn
 ROOT = Path(__file__).resolve().parents[1]
 SALT = np.uint64(0x5CA1AB1E5CA1AB1E)
 _CHUNK = 1 << 20  # records generated per write
+_MADV_POPULATE_READ = 22  # Linux 5.14: fault a range in (readable) without reading it here
 
 
 def keys_of(ids: np.ndarray) -> np.ndarray:
@@ -152,6 +154,18 @@ def measure_lookups(
     return report
 
 
+def _pmd_mapped_mb() -> float:
+    """How much of this process's file mappings use 2 MiB page table entries (Linux)."""
+    try:
+        text = Path("/proc/self/smaps_rollup").read_text()
+    except OSError:
+        return -1.0
+    for line in text.splitlines():
+        if line.startswith("FilePmdMapped:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def check_space(directory: Path, count: int, width: int) -> None:
     need = count * (width + 16) + 2 * count * (width + 16) + (256 << 20)
     free = shutil.disk_usage(directory).free
@@ -174,12 +188,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tmp", default=tempfile.gettempdir(), help="where the files go")
     parser.add_argument("--keep", action="store_true", help="keep the temp directory")
     parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument(
+        "--hugepage",
+        action="store_true",
+        help="open without populate, madvise(MADV_HUGEPAGE) the mappings, then fault them in"
+        " (shows what 2 MiB mappings would do for the lookups; the default is Shard.open's)",
+    )
     args = parser.parse_args(argv)
     files = args.files or max(1, args.keys * (args.width + 16) // (1 << 30))
     base = Path(args.tmp)
     check_space(base, args.keys, args.width)
     work = Path(tempfile.mkdtemp(prefix="cube-scale-", dir=base))
     report: dict[str, Any] = {
+        "hugepage": args.hugepage,
         "keys": args.keys,
         "width": args.width,
         "shards": args.shards,
@@ -192,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         write_input(work / "input", args.keys, args.width, files)
         report["input_s"] = time.perf_counter() - started
         report["input_bytes"] = sum(p.stat().st_size for p in (work / "input").iterdir())
+        os.sync()  # the input on disk first: its writeback would compete with the build's
         build = run_build(work / "input", work / "output", args.shards)
         build["records_per_s"] = args.keys / build["wall_s"]
         report["build"] = build
@@ -200,10 +222,18 @@ def main(argv: list[str] | None = None) -> int:
         data_bytes = sum((d / "data.cube").stat().st_size for d in dirs)
         report["index_bytes_per_key"] = index_bytes / args.keys
         report["data_bytes_per_key"] = data_bytes / args.keys
-        shutil.rmtree(work / "input")  # the lookups need the shards only (and the page cache)
+        os.sync()
         started = time.perf_counter()
-        shards = [Shard.open(d, populate=True) for d in dirs]
+        if args.hugepage:  # madvise first, then fault in: the mapping can use 2 MiB entries
+            shards = [Shard.open(d) for d in dirs]
+            for shard in shards:
+                for mapped in shard.files:
+                    mapped.buffer.madvise(mmap.MADV_HUGEPAGE)
+                    mapped.buffer.madvise(_MADV_POPULATE_READ)
+        else:
+            shards = [Shard.open(d, populate=True) for d in dirs]
         report["open_populate_s"] = time.perf_counter() - started
+        report["file_pmd_mapped_mb"] = _pmd_mapped_mb()
         try:
             report["lookup"] = measure_lookups(
                 shards, args.keys, args.width, args.batch, args.batches, args.warmup, args.seed

@@ -505,11 +505,21 @@ def open_parts(parts: list[SpillPart]) -> Iterator[tuple[np.ndarray, LocatedValu
         at += part.count
     region = _Region(table)
     try:
-        values = LocatedValues(region.array, region.bases, locs, width if fixed else 0, lengths)
-        yield keys, values
+        value_width = width if fixed else 0
+        opened = [keys, LocatedValues(region.array, region.bases, locs, value_width, lengths)]
+        del keys, locs, lengths
+        # handed over, not kept: the caller can free the keys once the table is built
+        yield _hand_over(opened)
         region.check_unchanged()
     finally:
         region.close()
+
+
+def _hand_over(items: list[Any]) -> tuple[Any, ...]:
+    """The items as a tuple, the list emptied (no reference left behind)."""
+    out = tuple(items)
+    items.clear()
+    return out
 
 
 @contextmanager
