@@ -108,9 +108,7 @@ def test_seek_fixed_gathers_values(width: int) -> None:
     rows_by_row = values[built.live_order]  # row r holds record live_order[r]
     prepared = kernel.prepare(built.table)
     query = _query(rng, keys, built.table.deleted_keys, 2000)
-    found, out, misses = kernel.seek_fixed(
-        prepared, kernel.value_words(rows_by_row), query, width
-    )
+    found, out, misses = kernel.seek_fixed(prepared, kernel.value_words(rows_by_row), query, width)
     want_rows, want_found = numpy_lookup(built.table, query)
     want_found &= want_rows != np.uint32(TOMBSTONE)  # deleted keys are not served
     np.testing.assert_array_equal(found, want_found)
