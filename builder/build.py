@@ -383,10 +383,7 @@ def finish_shard(task: FinishTask, on_bytes: Callable[[int], None] | None = None
             remove_part(part)
     shard_dir = Path(task.shard_dir)
     tar_size, md5 = write_tar(Path(task.tar_path), shard_dir, TAR_MEMBERS, sync=False)
-    members = [shard_dir / name for name in TAR_MEMBERS]
-    sync_files([*members, Path(task.tar_path)])
-    for path in members:  # on disk now, and not read here again: leave the memory to others
-        _drop_cached(path)
+    sync_files([*(shard_dir / name for name in TAR_MEMBERS), Path(task.tar_path)])
     write_md5_file(Path(task.tar_path), md5)
     return ShardOutput(
         shard=int(task.meta["shard"]),
@@ -414,19 +411,6 @@ def sync_files(paths: Sequence[Path]) -> None:
 
     with ThreadPoolExecutor(max(1, len(paths))) as threads:
         list(threads.map(sync, paths))
-
-
-def _drop_cached(path: Path) -> None:
-    """Tell the kernel a written, synced file's pages are not needed (a build at the size of
-    the machine's memory would otherwise push the other shards' input out of the cache)."""
-    advise = getattr(os, "posix_fadvise", None)
-    if advise is None:
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def write_tar(
