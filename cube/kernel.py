@@ -20,7 +20,9 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,13 @@ MISS = MAX_ROWS  # 0xFFFFFFFE: no row has it
 _HAVE_NUMBA = importlib.util.find_spec("numba") is not None
 COMPILED = _HAVE_NUMBA and os.environ.get("CUBE_KERNEL", "compiled") != "numpy"
 _compiled: Any = None  # cube._kernel_jit, imported by the first lookup (or warm)
+_warming = False  # warm() runs in the background: lookups take the numpy path meanwhile
+
+
+def _use_compiled() -> bool:
+    """The compiled loops, unless a background warm() is still compiling them (a lookup would
+    otherwise compile them itself, holding its caller for seconds)."""
+    return COMPILED and not _warming
 
 
 def _loops() -> Any:
@@ -85,7 +94,7 @@ def prepare(table: HashTable) -> KernelTable:
 
 def lookup_rows(prepared: KernelTable, keys: np.ndarray) -> np.ndarray:
     """Row code (module docstring) of each key, uint32."""
-    if COMPILED:
+    if _use_compiled():
         return _loops()._lookup_rows(*prepared.args, _keys(keys))  # type: ignore[no-any-return]
     found_rows, found = numpy_lookup(prepared.table, keys)
     rows = found_rows.astype(np.uint32)
@@ -95,7 +104,7 @@ def lookup_rows(prepared: KernelTable, keys: np.ndarray) -> np.ndarray:
 
 def lookup(prepared: KernelTable, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """cube.index.lookup's contract (rows, found; deleted keys found with row TOMBSTONE)."""
-    if not COMPILED:
+    if not _use_compiled():
         return numpy_lookup(prepared.table, keys)
     rows = lookup_rows(prepared, keys)
     return rows, rows != np.uint32(MISS)
@@ -133,7 +142,7 @@ def seek_fixed_into(
 ) -> int:
     """`seek_fixed` into given arrays (e.g. views of an answer's wire buffer): found (n,) bool
     and out (n, words per row) of `words.dtype`, aligned; returns the count not found."""
-    if COMPILED:
+    if _use_compiled():
         return int(_loops()._seek_fixed(*prepared.args, words, _keys(keys), found, out))
     rows, hit = numpy_lookup(prepared.table, keys)
     hit &= rows != np.uint32(TOMBSTONE)
@@ -149,7 +158,12 @@ def seek_fixed_into(
 def describe() -> str:
     """Which kernel runs, for logs and status."""
     if COMPILED:
-        return f"compiled (numba {importlib.metadata.version('numba')})"
+        version = importlib.metadata.version("numba")
+        return (
+            f"numpy until the compiled one loads (numba {version})"
+            if _warming
+            else (f"compiled (numba {version})")
+        )
     if _HAVE_NUMBA:
         return "numpy (CUBE_KERNEL=numpy)"
     return "numpy (numba is not installed)"
@@ -162,10 +176,37 @@ def warm() -> float:
     if COMPILED:
         from cube.index import build_table
 
-        keys = np.arange(1, 65, dtype=np.uint64)
+        loops = _loops()
+        keys = _keys(np.arange(1, 65, dtype=np.uint64))
         prepared = prepare(build_table(keys, deleted=np.array([99], dtype=np.uint64)).table)
-        lookup_rows(prepared, keys)
+        loops._lookup_rows(*prepared.args, keys)
         for width in (8, 4, 2, 3):  # each word size value_words can pick
-            values = np.zeros((keys.shape[0], width), dtype=np.uint8)
-            seek_fixed(prepared, value_words(values), keys, width)
+            words = value_words(np.zeros((keys.shape[0], width), dtype=np.uint8))
+            found = np.empty(keys.shape[0], dtype=bool)
+            out = _words(np.empty((keys.shape[0], width), dtype=np.uint8))
+            loops._seek_fixed(*prepared.args, words, keys, found, out)
     return time.perf_counter() - started
+
+
+def warm_in_background() -> Future[float]:
+    """Run `warm` in a thread of its own; until it is done, lookups take the numpy path (the
+    same answers, slower) instead of compiling in their caller. Servers start serving at once
+    this way, even on a machine whose cache is cold (compiling takes seconds)."""
+    global _warming
+    done: Future[float] = Future()
+    if not COMPILED:
+        done.set_result(0.0)
+        return done
+
+    def run() -> None:
+        global _warming
+        try:
+            done.set_result(warm())
+        except BaseException as exc:  # a compile error: stay on the numpy path, and say why
+            done.set_exception(exc)
+            return
+        _warming = False
+
+    _warming = True
+    threading.Thread(target=run, name="cube-kernel-warm", daemon=True).start()
+    return done

@@ -183,3 +183,13 @@ def test_numpy_fallback_when_switched_off(tmp_path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["numpy", "(CUBE_KERNEL=numpy)", "False", "99", "True"]
+
+
+def test_warm_in_background_then_compiled() -> None:
+    """A server warms the kernel in a thread; lookups answer (numpy path) meanwhile and use
+    the compiled loops once it is done."""
+    prepared = kernel.prepare(build_table(np.arange(1, 100, dtype=np.uint64)).table)
+    done = kernel.warm_in_background()
+    assert kernel.lookup(prepared, np.arange(0, 200, dtype=np.uint64))[1].sum() == 99
+    assert done.result(timeout=120) >= 0
+    assert kernel.describe().startswith("compiled") and kernel._use_compiled()

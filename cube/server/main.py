@@ -554,8 +554,16 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
             return 1
         metrics_note = f", metrics on http://{_address(flags.metrics_host, metrics_port)}/metrics"
     # The compiled lookup kernel loads from numba's cache (or compiles, the first time on a
-    # machine) beside the start-up load, so the first request does not pay for it.
-    warming = loop.run_in_executor(None, kernel.warm)
+    # machine) in the background; lookups take the numpy path until it is ready.
+    warming = kernel.warm_in_background()
+
+    def kernel_ready(done: Any) -> None:
+        if done.exception() is not None:
+            log.error("lookup kernel: not compiled, lookups stay on numpy: %s", done.exception())
+        else:
+            log.info("lookup kernel: %s, ready in %.2f s", kernel.describe(), done.result())
+
+    warming.add_done_callback(kernel_ready)
     try:
         name = startup_version(dirs)
         if flags.worker_peer >= 0:  # restarted: serve what the other workers serve
@@ -573,7 +581,6 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
         local.last_error = f"startup: {exc.message}"
         slots.fail_startup(f"its start-up version could not be loaded: {exc.message}")
         log.error("start-up version not loaded; NOT_SERVING until one is: %s", exc.message)
-    log.info("lookup kernel: %s, ready in %.2f s", kernel.describe(), await warming)
     await server.start()
     await control_server.start()
     # Start-up objects never become garbage: keep the cyclic GC from rescanning them.
