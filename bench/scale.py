@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from cube import kernel
 from cube.hashing import fmix64
 from cube.routing import shard_of
 from cube.seqfile import SequenceFileWriter
@@ -151,7 +152,26 @@ def measure_lookups(
         probe = probes[warmup:] / 1000.0
         report["lookup_median_us"] = float(np.median(probe))
         report["gather_median_us"] = float(np.median(measured - probe))
+        report["seek_fixed_median_us"] = _measure_seek_fixed(shards[0], count, width, drawn, seed)
     return report
+
+
+def _measure_seek_fixed(
+    shard: Shard, count: int, width: int, drawn: np.ndarray, seed: int
+) -> float:
+    """Median µs per batch of what cube-server runs per request on one layer of fixed-width
+    values: the fused compiled lookup + gather (cube.kernel.seek_fixed), on fresh batches."""
+    words = kernel.value_words(shard.values.as_rows())
+    rng = np.random.default_rng(seed + 1)
+    fresh = keys_of(rng.integers(0, count, drawn.shape))
+    times = np.empty(fresh.shape[0], dtype=np.float64)
+    for number, keys in enumerate(fresh):
+        started = time.perf_counter_ns()
+        found, out, _misses = kernel.seek_fixed(shard.kernel_table, words, keys, width)
+        times[number] = time.perf_counter_ns() - started
+        if not found.all() or not np.array_equal(out, values_of(keys, width)):
+            raise AssertionError(f"seek_fixed batch {number}: wrong answer")
+    return float(np.median(times[fresh.shape[0] // 10 :])) / 1000.0
 
 
 def _pmd_mapped_mb() -> float:
