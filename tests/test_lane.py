@@ -400,7 +400,7 @@ def test_busy_polling_answers_and_stops_when_idle(tmp_path):
         assert counters(server.control_address)["lane_messages"] >= 60
         # the lookup kernel loads in the background after start-up: not idle work to count
         assert poll_until(
-            lambda: not status(server.control_address)["kernel"].startswith("numpy until"), 120
+            lambda: not status(server.control_address)["kernel"].startswith("numpy until"), 120, 0.1
         )
         time.sleep(0.2)  # past the 20 ms window
         before = cpu_seconds([server.pid])
