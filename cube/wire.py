@@ -148,13 +148,7 @@ def _varint(value: int) -> bytes:
     return _LOW_BYTES[value & 0x7F] + kept[1]
 
 
-def _varint_uncached(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
+_varint_uncached = varint.__wrapped__  # for values that rarely repeat (request ids)
 
 
 _KEY_DTYPE = np.dtype("<u8")
