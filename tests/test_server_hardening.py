@@ -229,6 +229,18 @@ def _lane_port(address: str) -> int:
     return next(int(v) for k, v in call.initial_metadata() if k == "cube-tcp-port")
 
 
+def _kernel_loaded(server) -> None:
+    """Wait until the server's lookup kernel has loaded in the background (numba and its
+    compiled code: ~100 MiB and some CPU after start-up, which is not what a test of the
+    lane's bounds measures)."""
+
+    def loaded() -> bool:
+        detail = json.loads(control(server, "status").detail_json)
+        return not detail["kernel"].startswith("numpy until")
+
+    assert poll_until(loaded, 120, 0.1), "the lookup kernel did not load"
+
+
 def _rss(pid: int) -> int:
     import psutil
 
@@ -272,6 +284,7 @@ def test_lane_memory_bounded_when_answers_are_not_read(tmp_path):
         grpc.insecure_channel(server.address) as channel,
     ):
         port = _lane_port(server.address)
+        _kernel_loaded(server)
         before = _rss(server.pid)
         request = encode_seek_request(np.resize(keys, 40_000), request_id=1)
         frame = struct.pack("<I", len(request)) + request
@@ -310,6 +323,7 @@ def test_lane_partial_frames_bounded_and_timed_out(tmp_path):
         grpc.insecure_channel(server.address) as channel,
     ):
         port = _lane_port(server.address)
+        _kernel_loaded(server)
         before = _rss(server.pid)
         partial = LANE_MAGIC + struct.pack("<I", (4 << 20) - 16) + b"\0" * (3 << 20)
         sockets = []
