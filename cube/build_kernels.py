@@ -55,6 +55,17 @@ if COMPILED:
         return packed
 
     @_jit
+    def _keep(keys, pos, record_count, win_keys, win_pos, dead, live, dropped):  # type: ignore[no-untyped-def]
+        """Keep the winning record at `pos` (the last of its key): a live row, or a key to
+        delete when it is one of the deletes (after the records). Returns (live, dropped)."""
+        if pos < record_count:
+            win_keys[live] = keys[pos]
+            win_pos[live] = pos
+            return live + 1, dropped
+        dead[dropped] = keys[pos]
+        return live, dropped + 1
+
+    @_jit
     def _resolve_runs(packed, keys, bits, record_count):  # type: ignore[no-untyped-def]
         """From the sorted packed hashes: the keys that win (last record of each key) in exact
         (hash, position) order, their positions, and the deleted keys that won (unsorted).
@@ -81,14 +92,9 @@ if COMPILED:
                 end += 1
             if end == i + 1:  # the common case: a key alone under its prefix
                 pos = np.int64(packed[i] & low)
-                key = keys[pos]
-                if pos < record_count:
-                    win_keys[live] = key
-                    win_pos[live] = pos
-                    live += 1
-                else:
-                    dead[dropped] = key
-                    dropped += 1
+                live, dropped = _keep(
+                    keys, pos, record_count, win_keys, win_pos, dead, live, dropped
+                )
                 i = end
                 continue
             count = end - i
@@ -108,15 +114,9 @@ if COMPILED:
             for j in range(count):
                 if j + 1 < count and run_hash[j + 1] == run_hash[j]:
                     continue  # not the last record of its key
-                pos = run_pos[j]
-                key = keys[pos]
-                if pos < record_count:
-                    win_keys[live] = key
-                    win_pos[live] = pos
-                    live += 1
-                else:
-                    dead[dropped] = key
-                    dropped += 1
+                live, dropped = _keep(
+                    keys, run_pos[j], record_count, win_keys, win_pos, dead, live, dropped
+                )
             i = end
         return win_keys[:live], win_pos[:live], dead[:dropped]
 

@@ -39,6 +39,7 @@ _HAVE_NUMBA = importlib.util.find_spec("numba") is not None
 COMPILED = _HAVE_NUMBA and os.environ.get("CUBE_KERNEL", "compiled") != "numpy"
 _compiled: Any = None  # cube._kernel_jit, imported by the first lookup (or warm)
 _warming = False  # warm() runs in the background: lookups take the numpy path meanwhile
+_warm_failed = ""  # why the background warm() failed (lookups then stay on numpy)
 
 
 def _use_compiled() -> bool:
@@ -159,11 +160,11 @@ def describe() -> str:
     """Which kernel runs, for logs and status."""
     if COMPILED:
         version = importlib.metadata.version("numba")
-        return (
-            f"numpy until the compiled one loads (numba {version})"
-            if _warming
-            else (f"compiled (numba {version})")
-        )
+        if _warm_failed:
+            return f"numpy (numba {version} failed to compile: {_warm_failed})"
+        if _warming:
+            return f"numpy until the compiled one loads (numba {version})"
+        return f"compiled (numba {version})"
     if _HAVE_NUMBA:
         return "numpy (CUBE_KERNEL=numpy)"
     return "numpy (numba is not installed)"
@@ -199,10 +200,11 @@ def warm_in_background() -> Future[float]:
         return done
 
     def run() -> None:
-        global _warming
+        global _warming, _warm_failed
         try:
             done.set_result(warm())
         except BaseException as exc:  # a compile error: stay on the numpy path, and say why
+            _warm_failed = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
             done.set_exception(exc)
             return
         _warming = False

@@ -193,3 +193,20 @@ def test_warm_in_background_then_compiled() -> None:
     assert kernel.lookup(prepared, np.arange(0, 200, dtype=np.uint64))[1].sum() == 99
     assert done.result(timeout=120) >= 0
     assert kernel.describe().startswith("compiled") and kernel._use_compiled()
+
+
+def test_a_failed_warm_stays_on_numpy_and_says_why(monkeypatch) -> None:
+    monkeypatch.setattr(kernel, "_warming", False)  # restored after the test
+    monkeypatch.setattr(kernel, "_warm_failed", "")
+
+    def broken() -> float:
+        raise RuntimeError("LLVM ERROR: no such target\nmore lines")
+
+    monkeypatch.setattr(kernel, "warm", broken)
+    done = kernel.warm_in_background()
+    with pytest.raises(RuntimeError):
+        done.result(timeout=60)
+    assert not kernel._use_compiled()
+    assert "failed to compile: RuntimeError: LLVM ERROR: no such target)" in kernel.describe()
+    prepared = kernel.prepare(build_table(np.arange(1, 10, dtype=np.uint64)).table)
+    assert kernel.lookup(prepared, np.arange(0, 20, dtype=np.uint64))[1].sum() == 9

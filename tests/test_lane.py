@@ -438,13 +438,13 @@ def test_busy_poll_receives_what_comes_within_or_after_its_window():
         (5, 3, "y", 300, np.uint8),
     ],
 )
-def test_lane_answer_frame_is_header_and_response_bytes(n, width, version, request_id, word):
+def test_fixed_answer_frame_is_header_and_response_bytes(n, width, version, request_id, word):
     """The one-buffer answer the kernel writes into is byte for byte the answer header + the
     SeekResponse parts, with the values aligned for the kernel's word copies."""
-    from cube.server.service import Answer, lane_answer_frame, seek_response_parts
-    from cube.wire import answer_header
+    from cube.server.service import Answer, seek_response_parts
+    from cube.wire import answer_header, fixed_answer_frame
 
-    frame, found, values = lane_answer_frame(n, width, version, request_id, np.dtype(word))
+    frame, found, values = fixed_answer_frame(n, width, version, request_id, np.dtype(word))
     assert values.ctypes.data % np.dtype(word).itemsize == 0
     rng = np.random.default_rng(n)
     found[:] = rng.random(n) < 0.5

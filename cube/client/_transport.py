@@ -45,6 +45,7 @@ from cube.wire import (
     Buffer,
     answer_values_at,
     answer_width,
+    next_frame,
 )
 
 # No message size limit (100k-key batches of large values), our own retries only, and a short
@@ -779,25 +780,21 @@ class AioLane(asyncio.BufferedProtocol):
         self._end += nbytes
         start, end, view = self._start, self._end, self._view
         pending = self._pending
-        while end - start >= ANSWER_HEADER.size:
-            length, status = ANSWER_HEADER.unpack_from(view, start)
-            stop = start + ANSWER_HEADER.size + length
-            if stop > end:
-                break
+        while (frame := next_frame(view, start, end, answers=True)) is not None:
             if not pending:
                 self._fail("TCP lane: an answer nobody asked for")
                 return
             future = pending.popleft()[0]
-            body = view[start + ANSWER_HEADER.size : stop]
-            self._expect = ANSWER_HEADER.size + length
+            body = view[frame.start : frame.stop]
+            self._expect = frame.stop - start
             self._place.learn(body)
             if not future.done():
-                if status:
+                if frame.status:
                     text = bytes(body).decode("utf-8", "replace")
-                    future.set_exception(TransportError(_status_name(status), text))
+                    future.set_exception(TransportError(_status_name(frame.status), text))
                 else:
                     future.set_result(body)  # a view: the buffer is never written there again
-            start = stop
+            start = frame.stop
         self._start = start  # (the watchdog stays armed: when it fires, it finds no call)
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -13,7 +13,6 @@ version is unmapped only after its last request.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import time
@@ -72,22 +71,19 @@ class Answer:
 class FastGather:
     """Per-stack lookup + gather prepared once per version. A single layer of fixed-width
     values is looked up and gathered in one compiled pass (cube.kernel.seek_fixed); other
-    stacks are probed layer by layer and gathered through a 1-D void view (one `take` of
-    whole rows, ~3x cheaper than a 2-D uint8 take)."""
+    stacks are probed layer by layer (a single layer without a per-key layer array) and
+    gathered by the stack."""
 
-    __slots__ = ("rows_view", "single", "stack", "tombstones", "width", "words")
+    __slots__ = ("single", "stack", "tombstones", "width", "words")
 
     def __init__(self, stack: ShardStack) -> None:
         self.stack = stack
         self.width = stack.value_width
         self.single = stack.layers[0] if len(stack.layers) == 1 else None
         self.tombstones = bool(self.single is not None and self.single.meta.get("tombstone_count"))
-        self.rows_view = None
         self.words = None
         if self.width and self.single is not None and self.single.values.count:
-            rows = self.single.values.as_rows()
-            self.rows_view = rows.view(np.dtype((np.void, self.width))).reshape(-1)
-            self.words = kernel.value_words(rows)
+            self.words = kernel.value_words(self.single.values.as_rows())
 
     def fixed_values_into(self, keys: np.ndarray, found: np.ndarray, values: np.ndarray) -> int:
         """Found flags and values (rows of `words.dtype`) of a single layer written into the
@@ -105,7 +101,7 @@ class FastGather:
             )
             return found, values
         result = self.lookup(keys)
-        return result.found, self.fixed(result)
+        return result.found, self.stack.gather_fixed(result)
 
     def lookup(self, keys: np.ndarray) -> LookupResult:
         if self.single is None:
@@ -115,24 +111,11 @@ class FastGather:
             found &= rows != _TOMBSTONE
         return LookupResult(found, _NO_LAYERS, rows)
 
-    def fixed(self, result: LookupResult) -> np.ndarray:
-        """(n, width) uint8, zero rows for misses."""
-        if self.rows_view is None:
-            return self.stack.gather_fixed(result)
-        found = result.found
-        if found.all():
-            out = self.rows_view.take(result.rows)
-            return out.view(np.uint8).reshape(-1, self.width)
-        out = self.rows_view.take(np.where(found, result.rows, 0))
-        rows = out.view(np.uint8).reshape(-1, self.width)
-        rows[~found] = 0
-        return rows
-
     def variable(self, result: LookupResult) -> ValueColumn:
         return self.stack.gather(self._layered(result))
 
     def value_bytes(self, result: LookupResult) -> int:
-        """Bytes `fixed`/`variable` would gather for `result` (found values only)."""
+        """Bytes `fixed_values`/`variable` would gather for `result` (found values only)."""
         if self.width:
             return int(np.count_nonzero(result.found)) * self.width
         return self.stack.value_bytes(self._layered(result))
@@ -238,47 +221,6 @@ def seek_response_parts(answer: Answer, version: str, request_id: int) -> list[B
 def encode_seek_response(answer: Answer, version: str, request_id: int) -> bytes:
     """cube.v1.SeekResponse wire bytes."""
     return b"".join(seek_response_parts(answer, version, request_id))
-
-
-@functools.lru_cache(maxsize=256)  # a server answers few batch sizes from few versions
-def _frame_layout(n: int, width: int, version: str) -> tuple[bytes, bytes, bytes, int]:
-    """The fixed parts of a lane answer frame of n fixed-width values (no request id): the
-    bytes before the found flags, the bytes between them and the values, the bytes after
-    the values, and the frame's size."""
-    value_bytes = n * width
-    body_head = b"\x0a" + varint(n)
-    between = b"\x12" + varint(value_bytes)
-    tail = b"".join([b"\x18", varint(width), *length_delimited(0x2A, version.encode())])
-    body = len(body_head) + n + len(between) + value_bytes + len(tail)
-    return body_head, between, tail, wire.ANSWER_HEADER.size + body
-
-
-def lane_answer_frame(
-    n: int, width: int, version: str, request_id: int, word: np.dtype
-) -> tuple[memoryview, np.ndarray, np.ndarray]:
-    """A lane answer frame (header + cube.v1.SeekResponse, byte for byte what `answer_header`
-    + `seek_response_parts` give) with the found flags and values left for the kernel to
-    write: (frame, found view (n,) bool, values view (n, width / word size) of `word`). One
-    buffer, so the answer leaves in one write with no copy of the values; it starts where
-    the values land 8-byte aligned, so the kernel copies whole words. n > 0 and width > 0."""
-    body_head, between, tail, size = _frame_layout(n, width, version)
-    if request_id:
-        request_field = b"\x30" + varint.__wrapped__(request_id)  # ids do not repeat: uncached
-        tail += request_field
-        size += len(request_field)
-    header = wire.ANSWER_HEADER.size
-    found_at = header + len(body_head)
-    values_at = found_at + n + len(between)
-    shift = -values_at % 8
-    frame = np.empty(size + shift, dtype=np.uint8)[shift:]  # no zero fill: all is written
-    view = memoryview(frame)
-    view[:header] = wire.answer_header(size - header)
-    view[header:found_at] = body_head
-    view[found_at + n : values_at] = between
-    view[size - len(tail) :] = tail
-    found = frame[found_at : found_at + n].view(bool)
-    values = frame[values_at : values_at + n * width].view(word).reshape(n, -1)
-    return view, found, values
 
 
 def split_answer(answer: Answer, bounds: list[int]) -> list[Answer]:
@@ -643,13 +585,14 @@ class SeekService:
     ) -> list[list[Buffer] | memoryview | RequestError]:
         """SeekResponse bytes (as buffers) for parsed requests, in order, or the error of a
         request that could not be answered; each request's version is released here.
-        Requests on the same version are looked up together: one kernel pass over all their
-        keys costs far less than one per request (numpy's per-call costs dominate 1000-key
+        Requests on the same version are looked up together: one pass over all their keys
+        costs less than one per request (the numpy path's per-call costs dominate 1000-key
         batches). A request that fails fails alone.
 
         With `frames` (the TCP lane), a request on a single layer of fixed-width values is
-        answered with its whole lane frame (`lane_answer_frame`), the compiled kernel writing
-        the values into it: one buffer to write, no copies, no merging needed."""
+        answered alone, with its whole lane frame (`cube.wire.fixed_answer_frame`) that the
+        compiled kernel writes into: one buffer to write and no copies, where merging would
+        copy every answer out of the merged one."""
         answers: list[Answer | RequestError | None] = [None] * len(seeks)
         try:
             groups: dict[int, list[int]] = {}
@@ -707,7 +650,7 @@ class SeekService:
         assert version is not None
         keys = parsed.keys
         assert gather.words is not None
-        frame, found, values = lane_answer_frame(
+        frame, found, values = wire.fixed_answer_frame(
             keys.shape[0], gather.width, version.name, parsed.request_id, gather.words.dtype
         )
         try:
