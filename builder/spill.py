@@ -62,7 +62,10 @@ class SourceFile:
 
     def check(self, info: os.stat_result) -> None:
         if (info.st_size, info.st_mtime_ns, info.st_ino) != (self.size, self.mtime_ns, self.inode):
-            raise ValueError(f"{self.path}: the file changed during the build")
+            raise ValueError(
+                f"{self.path}: the file changed during the build (its values are read again"
+                " while the shards are written: leave inputs alone until the build ends)"
+            )
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,10 @@ class ShardSpill:
             starts = (values.offsets[:-1] - values.offsets[0]).astype(np.uint64)
         starts += np.uint64(self.value_bytes | (OWN_SOURCE << OFFSET_BITS))
         if self.value_bytes + blob.shape[0] > MAX_SOURCE_BYTES:
-            raise ValueError(f"more than {MAX_SOURCE_BYTES} value bytes in one shard spill")
+            raise ValueError(
+                f"more than {MAX_SOURCE_BYTES} value bytes in one shard's spill: use more shards"
+                " (-shard_num)"
+            )
         lengths = None if values.width else values.lengths()
         self._append(keys, starts, values.width, lengths)
         if blob.shape[0]:
@@ -369,7 +375,8 @@ class _Region:
                         raise OSError("not Linux: no MAP_FIXED mapping side by side")
                     self.array = _map_side_by_side(fds, sizes, self.bases, total)
                 except OSError:
-                    self.array = _read_side_by_side(fds, sizes, self.bases, total)
+                    paths = [path for _, path, _ in entries]
+                    self.array = _read_side_by_side(fds, paths, sizes, self.bases, total)
             for (source, _, _), fd in zip(entries, fds, strict=True):
                 if source is not None and fd >= 0:
                     self.checks.append((source, os.dup(fd)))
@@ -459,17 +466,19 @@ def _map_side_by_side(
 
 
 def _read_side_by_side(
-    fds: list[int], sizes: list[int], bases: np.ndarray, total: int
+    fds: list[int], paths: list[str], sizes: list[int], bases: np.ndarray, total: int
 ) -> np.ndarray:
     """The portable fallback: every file read into one buffer at its base."""
     array = np.empty(total, dtype=np.uint8)
-    for fd, size, base in zip(fds, sizes, bases.tolist(), strict=True):
+    for fd, path, size, base in zip(fds, paths, sizes, bases.tolist(), strict=True):
         view = memoryview(array[base : base + size])
         done = 0
         while done < size:
             got = os.preadv(fd, [view[done:]], done)
             if not got:
-                raise ValueError(f"a source file ended after {done} of {size} bytes")
+                raise ValueError(
+                    f"{path}: ended after {done} of {size} bytes (changed during the build?)"
+                )
             done += got
     array.flags.writeable = False
     return array
