@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEB_PACKAGES := redis-server memcached prometheus chromium chromium-driver
 
-.PHONY: demo test quick bench lint format install debs stubs tools clean
+.PHONY: demo demo-ctr test quick bench lint format install debs stubs tools clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -61,6 +61,10 @@ quick: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/cube-demo
+
+# The ElasticCTR loop (examples/ctr/README.md): streaming trainer -> Cube -> CTR predictor.
+demo-ctr: $(STAMP)
+	$(BIN)/python -m examples.ctr.demo
 
 # Microbenchmarks, then Cube against Redis and memcached on the reference workload (bench/README.md)
 # (about 6 minutes on 2 cores; run on an otherwise idle machine).

@@ -230,6 +230,7 @@ class SeekResult:
     - `found[i]`: key i exists. `values[i]`: its bytes, or None for a miss (built on first use;
       prefer `column`, the raw buffer: `column.as_rows()` for fixed width `width > 0`, else
       `column.blob` + `column.offsets`; misses are zero rows / empty ranges).
+    - `embeddings(dim)`: the values as an (n, dim) array (zero rows for misses).
     - `version`: the version that answered the whole batch (None if pieces disagree, which
       only happens in the partial result of an error).
     - `answered[i]`: False for keys of a shard that failed (only in `ShardUnavailableError
@@ -272,6 +273,12 @@ class SeekResult:
 
     def value(self, i: int) -> bytes | None:
         return self.column.get(i) if self.found[i] else None
+
+    def embeddings(self, dim: int, dtype: DTypeLike = "float32") -> np.ndarray:
+        """(n, dim) array of the values read as `dtype`, zero rows for misses: what
+        get_embeddings returns, for a caller that also needs `version` or `found` of the same
+        answer (a model whose dense part must match the version of its embeddings)."""
+        return embeddings(self, dim, dtype)
 
 
 def _empty_result(keys: np.ndarray) -> SeekResult:

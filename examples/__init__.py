@@ -1,0 +1,1 @@
+"""Runnable examples around Cube (importable, so the tests can drive them)."""

@@ -1,0 +1,356 @@
+"""`make demo-ctr`: the ElasticCTR loop around Cube on this machine, in a few minutes.
+
+1. a local Cube cluster (cube-local: transfer + 2 shards x 2 replicas), the streaming trainer
+   (a process watching the data directory) and the predictor (a process on the cluster's
+   cube.conf and the trainer's models);
+2. a background client that keeps asking the predictor for CTRs the whole time, so every
+   rollout happens under load;
+3. for each split of the stream: the split appears (data + its donefile), the trainer trains a
+   pass and saves a base (first pass of a day) or a delta with its donefile line, cube-transfer
+   rolls it out, and the held-out samples of that split are replayed against the predictor;
+4. per pass: the trainer's offline AUC, the AUC served through Cube, the version served, the
+   rollout time and the keys served. The served AUC must equal the offline AUC of the same
+   version within 0.002 (the embeddings served are the ones trained), else exit 1.
+
+    python -m examples.ctr.demo [--dir .demo-ctr] [--days 2] [--splits_per_day 3]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cube.flags import FlagSet, run_cli
+from cube.processes import free_port, log_tail, poll_until, spawn, stop_child
+from cube.transfer.demo import fresh_dir, timeline
+from examples.ctr import client as ctr_client
+from examples.ctr.data import StreamSpec, split_path, split_time, write_split
+from examples.ctr.store import ModelMeta, announced_ids, model_dir, read_meta
+
+REPO = Path(__file__).resolve().parents[2]
+TOLERANCE = 0.002
+
+
+class DemoError(RuntimeError):
+    """A step or a check of the demo that failed; the message says which."""
+
+
+def say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def python_env() -> dict[str, str]:
+    """The environment of the example's processes: the repository importable."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def start_trainer(work: Path, logs: Path, extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+    argv = [
+        sys.executable,
+        "-m",
+        "examples.ctr.trainer",
+        "--data_dir",
+        str(work / "stream" / "data"),
+        "--heldout_dir",
+        str(work / "stream" / "heldout"),
+        "--out_dir",
+        str(work / "out"),
+        "--wait_timeout",
+        "600",
+        "--poll",
+        "0.2",
+        *extra,
+    ]
+    return spawn(argv, logs / "trainer.log", append=True, env=python_env())
+
+
+def start_predictor(
+    cube_conf: Path, models: Path, logs: Path, timeout: float = 30.0
+) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "examples.ctr.predictor",
+        "--cube_conf",
+        str(cube_conf),
+        "--model_dir",
+        str(models),
+        "--port",
+        str(port),
+    ]
+    proc = spawn(argv, logs / "predictor.log", env=python_env())
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1.0) as response:
+                return bool(response.status == 200)
+        except OSError:
+            return False
+
+    def alive() -> None:
+        if proc.poll() is not None:
+            raise DemoError(f"the predictor exited:\n{log_tail(logs / 'predictor.log')}")
+
+    if not poll_until(up, timeout, 0.2, check=alive):
+        stop_child(proc, 5.0)
+        raise DemoError(f"the predictor did not answer within {timeout:g}s")
+    return proc, url
+
+
+def wait_model(
+    work: Path, version_id: int, trainer: subprocess.Popen[bytes], timeout: float
+) -> ModelMeta:
+    """The meta of the model `version_id`, once the trainer has announced it."""
+
+    def announced() -> bool:
+        return str(version_id) in announced_ids(work / "out")
+
+    def alive() -> None:
+        if trainer.poll() is not None:
+            log = log_tail(work / "logs" / "trainer.log")
+            raise DemoError(f"the trainer exited ({trainer.returncode}):\n{log}")
+
+    if not poll_until(announced, timeout, 0.2, check=alive):
+        raise DemoError(f"the trainer did not announce version {version_id} within {timeout:g}s")
+    return read_meta(model_dir(work / "out", version_id))
+
+
+class Background:
+    """A client that replays samples against the predictor without pause, in a thread, until
+    stopped; it counts answers per version and every error."""
+
+    def __init__(self, url: str, lines: list[str]) -> None:
+        self.url, self.lines = url, lines
+        self.requests = 0
+        self.errors: list[str] = []
+        self.versions: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="background-load", daemon=True)
+
+    def start(self) -> Background:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            result = asyncio.run(ctr_client.replay(self.url, self.lines, batch=50, concurrency=2))
+            self.requests += len(result.latencies)
+            self.errors.extend(result.errors)
+            for version in result.versions:
+                if version:
+                    self.versions[version] = self.versions.get(version, 0) + 1
+
+
+def flag_set() -> FlagSet:
+    d = StreamSpec()
+    return (
+        FlagSet("python -m examples.ctr.demo", "The ElasticCTR loop around a local Cube cluster.")
+        .add("dir", str, ".demo-ctr", "work directory (wiped first)")
+        .add("days", int, 2, "days of the stream")
+        .add("splits_per_day", int, d.splits_per_day, "splits (passes) per day")
+        .add("samples", int, d.samples, "training samples per split")
+        .add("heldout", int, d.heldout, "held-out samples per split")
+        .add("shards", int, 2, "Cube shards")
+        .add("replicas", int, 2, "replicas per shard")
+        .add("shrink_after", int, 2, "the trainer drops features unseen for this many passes")
+        .add("timeout", float, 120.0, "seconds each step may take")
+    )
+
+
+def run(argv: Sequence[str]) -> int:
+    flags = flag_set().parse(argv)
+    from cube.transfer.local import Cluster, ClusterSpec, LocalError, up
+
+    spec = StreamSpec(
+        splits_per_day=flags.splits_per_day, samples=flags.samples, heldout=flags.heldout
+    )
+    spec.check()
+    started = time.monotonic()
+    work = Path(flags.dir).resolve()
+    fresh_dir(work)
+    logs = work / "logs"
+    logs.mkdir()
+    (work / "out" / "donefile").mkdir(parents=True)
+    stream = work / "stream"
+    cluster: Cluster | None = None
+    children: list[subprocess.Popen[bytes]] = []
+    background: Background | None = None
+    rows: list[dict[str, Any]] = []
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        say(
+            f"== 1. local cluster ({flags.shards} shards x {flags.replicas} replicas), "
+            "trainer, predictor"
+        )
+        cluster = up(
+            ClusterSpec(
+                dir=work / "cluster",
+                shards=flags.shards,
+                replicas=flags.replicas,
+                donefile=work / "out" / "donefile",
+                dim=8,
+                poll_interval=0.3,
+            )
+        )
+        trainer = start_trainer(work, logs, ["--shrink_after", str(flags.shrink_after)])
+        children.append(trainer)
+        predictor, url = start_predictor(cluster.cube_conf, work / "out" / "models", logs)
+        children.append(predictor)
+        say(
+            f"   cluster up (transfer {cluster.transfer_url}), trainer pid {trainer.pid}, "
+            f"predictor {url}"
+        )
+        say(
+            f"== 2. the stream: {flags.days} days x {spec.splits_per_day} splits of "
+            f"{spec.samples:,} samples ({spec.heldout:,} held out each)"
+        )
+        for index in range(flags.days * spec.splits_per_day):
+            when = split_time(spec, index)
+            write_split(spec, stream, index)
+            meta = wait_model(work, int(when.timestamp()), trainer, flags.timeout)
+            rollout = cluster.wait_version(meta.version, flags.timeout)
+            record = next(
+                (r for r in reversed(cluster.history()) if r.get("version") == meta.version), {}
+            )
+            heldout = ctr_client.read_samples(split_path(stream, when, "heldout"))
+            if background is None:
+                background = Background(url, heldout).start()
+            served = asyncio.run(ctr_client.replay(url, heldout, batch=100, concurrency=2))
+            row = {
+                "pass": meta.pass_no,
+                "split": meta.split,
+                "kind": meta.kind,
+                "version": meta.version,
+                "offline_auc": meta.offline_auc,
+                "streaming_auc": meta.streaming_auc,
+                "served_auc": served.auc(meta.version),
+                "served_versions": sorted(set(served.versions)),
+                "rollout_s": rollout,
+                "timeline": timeline(record),
+                "table_keys": meta.table_size,
+                "saved": meta.features,
+                "deleted": meta.deleted,
+                "looked_up": served.features,
+                "missing": served.missing_features,
+                "p99_ms": served.summary()["p99_ms"],
+                "errors": served.errors,
+            }
+            rows.append(row)
+            say(
+                f"   pass {row['pass']} {row['split']} {row['kind']:<5} {row['version']:<21} "
+                f"offline AUC {row['offline_auc']:.4f} served {row['served_auc']:.4f} "
+                f"(streaming {row['streaming_auc']:.4f}); rollout {rollout:.1f}s "
+                f"({row['timeline']}); {row['table_keys']:,} keys, {row['saved']:,} saved, "
+                f"{row['deleted']:,} deleted"
+            )
+        if background is not None:
+            background.stop()
+        say()
+        say(report(rows, background))
+        failures = check(rows, background)
+        for failure in failures:
+            say(f"FAILED: {failure}")
+        (work / "report.json").write_text(json.dumps(rows, indent=1))
+        say(
+            f"\ndone in {time.monotonic() - started:.1f}s; per-pass figures in "
+            f"{work / 'report.json'}"
+        )
+        return 1 if failures else 0
+    except KeyboardInterrupt:
+        say("\ninterrupted")
+        return 130
+    except (LocalError, DemoError) as exc:
+        say(f"\nerror: {exc}\nlogs: {logs}")
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if background is not None:
+            background.stop()
+        for child in reversed(children):
+            stop_child(child, 10.0)
+        if cluster is not None:
+            say("== shutting down")
+            for line in cluster.down():
+                say(f"   {line}")
+
+
+def report(rows: list[dict[str, Any]], background: Background | None) -> str:
+    head = (
+        f"{'pass':>4}  {'split':<13} {'kind':<5} {'version':<21} {'offline':>7} "
+        f"{'served':>7} {'diff':>7} {'rollout':>8} {'keys':>7} {'looked up':>9} "
+        f"{'missing':>7} {'p99 ms':>6}"
+    )
+    lines = [head]
+    for r in rows:
+        diff = r["served_auc"] - r["offline_auc"]
+        lines.append(
+            f"{r['pass']:>4}  {r['split']:<13} {r['kind']:<5} {r['version']:<21} "
+            f"{r['offline_auc']:>7.4f} {r['served_auc']:>7.4f} {diff:>+7.4f} "
+            f"{r['rollout_s']:>7.1f}s {r['table_keys']:>7,} {r['looked_up']:>9,} "
+            f"{r['missing']:>7,} {r['p99_ms']:>6.1f}"
+        )
+    if background is not None:
+        seen = ", ".join(f"{v}: {n:,}" for v, n in sorted(background.versions.items()))
+        lines.append(
+            f"\nbackground load during the rollouts: {background.requests:,} requests, "
+            f"{len(background.errors)} errors; samples answered by version: {seen}"
+        )
+    return "\n".join(lines)
+
+
+def check(rows: list[dict[str, Any]], background: Background | None) -> list[str]:
+    failures = []
+    for r in rows:
+        diff = abs(r["served_auc"] - r["offline_auc"])
+        if not math.isfinite(diff) or diff > TOLERANCE:
+            failures.append(
+                f"pass {r['pass']} ({r['version']}): served AUC {r['served_auc']:.4f}"
+                f" vs offline {r['offline_auc']:.4f} (> {TOLERANCE})"
+            )
+        if r["served_versions"] != [r["version"]]:
+            failures.append(
+                f"pass {r['pass']}: answers came from {r['served_versions']}, "
+                f"not only {r['version']}"
+            )
+        if r["errors"]:
+            failures.append(
+                f"pass {r['pass']}: {len(r['errors'])} failed requests: {r['errors'][0]}"
+            )
+    if background is not None and background.errors:
+        failures.append(
+            f"background load: {len(background.errors)} failed requests: {background.errors[0]}"
+        )
+    return failures
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(run, argv)
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())

@@ -1,0 +1,280 @@
+"""CTR prediction service: sparse part from Cube, dense part of the same version, HTTP JSON.
+
+    python -m examples.ctr.predictor --cube_conf cube.conf --model_dir OUT/models --port 8400
+
+    POST /predict   {"samples": ["1 0 123:1 456:2 ...", "789:1 ...", ...]}
+                 -> {"version": "1795392000_1795395600", "ctr": [0.31, ...],
+                     "features": 24, "missing_features": 3}
+    GET /status     versions answered, dense parameters loaded, counters (JSON)
+    GET /metrics    the same for Prometheus
+    GET /health     200 when the predictor can answer
+
+A request's feature ids go to Cube in one batched lookup (the distinct ids); the SDK answers a
+batch from one version on every shard, and the predictor runs the MLP saved with that same
+version (`<model_dir>/<last id of the version>/dense.npz`), so no prediction mixes the
+embeddings of one version with the dense part of another while a rollout switches shards. A
+version whose dense part is not there is an error (503), never an answer from another version.
+Features Cube does not have pool as zero vectors and are counted in `missing_features`.
+
+Off loopback the service needs `--token` (or env CTR_PREDICTOR_TOKEN; clients send
+`Authorization: Bearer <token>`) or an explicit `--insecure`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from cube.client import AsyncCubeClient, CubeError
+from cube.flags import FlagError, FlagSet, run_cli
+from cube.security import SecurityError, bearer_token, require_token, token_from, token_matches
+from examples.ctr.model import Dense, pool
+from examples.ctr.samples import SampleError, parse_lines
+from examples.ctr.store import load_dense
+
+TOKEN_ENV = "CTR_PREDICTOR_TOKEN"
+MAX_BODY_BYTES = 8 << 20
+log = logging.getLogger("ctr.predictor")
+
+
+class PredictError(Exception):
+    """A request the predictor cannot answer; `status` is the HTTP status to send."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class DenseCache:
+    """Dense parameters by version, the most recent `capacity` kept. Loading happens in a thread
+    (file I/O), once per version even when many requests want it at the same time."""
+
+    def __init__(self, models_root: Path, capacity: int = 8) -> None:
+        self.models_root = models_root
+        self.capacity = capacity
+        self._loaded: OrderedDict[str, Dense] = OrderedDict()
+        self._loading: dict[str, asyncio.Future[Dense]] = {}
+
+    async def get(self, version: str) -> Dense:
+        if (dense := self._loaded.get(version)) is not None:
+            self._loaded.move_to_end(version)
+            return dense
+        if (pending := self._loading.get(version)) is None:
+            pending = asyncio.ensure_future(asyncio.to_thread(self._load, version))
+            self._loading[version] = pending
+            pending.add_done_callback(lambda _: self._loading.pop(version, None))
+        dense = await asyncio.shield(pending)
+        self._loaded[version] = dense
+        while len(self._loaded) > self.capacity:
+            self._loaded.popitem(last=False)
+        return dense
+
+    def _load(self, version: str) -> Dense:
+        try:
+            return load_dense(self.models_root, version)[0]
+        except (OSError, ValueError) as exc:
+            where = f"{self.models_root}/<id>/dense.npz"
+            raise PredictError(
+                503, f"no usable dense parameters for version {version} ({where}): {exc}"
+            ) from None
+
+    def versions(self) -> list[str]:
+        return list(self._loaded)
+
+
+class Predictor:
+    def __init__(
+        self, client: AsyncCubeClient, models_root: Path, max_samples: int = 10_000
+    ) -> None:
+        self.client = client
+        self.dense = DenseCache(models_root)
+        self.max_samples = max_samples
+        self.by_version: dict[str, int] = {}
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "ctr_predict_requests", "requests by outcome", ["code"], registry=self.registry
+        )
+        self.samples = Counter("ctr_predict_samples", "samples predicted", registry=self.registry)
+        self.features = Counter(
+            "ctr_predict_features", "features looked up", registry=self.registry
+        )
+        self.missing = Counter(
+            "ctr_predict_missing_features", "features Cube did not have", registry=self.registry
+        )
+        self.latency = Histogram(
+            "ctr_predict_seconds",
+            "request latency",
+            registry=self.registry,
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2),
+        )
+
+    async def predict(self, lines: Sequence[str]) -> dict[str, Any]:
+        if len(lines) > self.max_samples:
+            raise PredictError(413, f"{len(lines)} samples; at most {self.max_samples} a request")
+        try:
+            samples = parse_lines(lines, where="sample", first_line=0)
+        except SampleError as exc:
+            raise PredictError(400, str(exc)) from None
+        if not len(samples):
+            return {"version": None, "ctr": [], "features": 0, "missing_features": 0}
+        unique, inverse = np.unique(samples.feasigns, return_inverse=True)
+        try:
+            result = await self.client.seek(unique)
+        except CubeError as exc:
+            raise PredictError(503, f"embedding lookup failed: {exc}") from None
+        version = result.version
+        if version is None:
+            raise PredictError(503, "the lookup was not answered by one version")
+        dense = await self.dense.get(version)
+        try:
+            rows = result.embeddings(dense.dim)[inverse]
+            ctr = dense.predict(pool(rows, samples, dense.slot_ids))
+        except SampleError as exc:
+            raise PredictError(400, str(exc)) from None
+        except CubeError as exc:  # a value of the wrong size: the table is not this model's
+            raise PredictError(503, f"version {version}: {exc}") from None
+        missing = int(np.count_nonzero(~result.found[inverse]))
+        self.by_version[version] = self.by_version.get(version, 0) + 1
+        self.samples.inc(len(samples))
+        self.features.inc(int(samples.feasigns.shape[0]))
+        self.missing.inc(missing)
+        return {
+            "version": version,
+            "ctr": ctr.tolist(),
+            "features": int(samples.feasigns.shape[0]),
+            "missing_features": missing,
+        }
+
+    def status(self) -> dict[str, Any]:
+        def total(name: str) -> int:
+            return int(self.registry.get_sample_value(f"{name}_total") or 0)
+
+        return {
+            "answers_by_version": self.by_version,
+            "dense_loaded": self.dense.versions(),
+            "samples": total("ctr_predict_samples"),
+            "features": total("ctr_predict_features"),
+            "missing_features": total("ctr_predict_missing_features"),
+        }
+
+
+def make_app(predictor: Predictor, token: str = "") -> web.Application:
+    @web.middleware
+    async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path != "/health" and not token_matches(
+            bearer_token(request.headers.get("Authorization")), token
+        ):
+            return web.json_response({"error": "missing or wrong bearer token"}, status=401)
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    async def predict(request: web.Request) -> web.Response:
+        started = time.monotonic()
+        try:
+            try:
+                body = await request.json()
+            except (ValueError, UnicodeDecodeError):
+                raise PredictError(400, "the body is not JSON") from None
+            lines = body.get("samples") if isinstance(body, dict) else None
+            if not isinstance(lines, list) or not all(isinstance(x, str) for x in lines):
+                raise PredictError(400, 'expected {"samples": [<sample line>, ...]}')
+            answer = await predictor.predict(lines)
+        except PredictError as exc:
+            predictor.requests.labels(str(exc.status)).inc()
+            return web.json_response({"error": str(exc)}, status=exc.status)
+        predictor.requests.labels("200").inc()
+        predictor.latency.observe(time.monotonic() - started)
+        return web.json_response(answer, dumps=_dumps)
+
+    async def status(request: web.Request) -> web.Response:
+        return web.json_response(predictor.status())
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(predictor.registry), content_type="text/plain", charset="utf-8"
+        )
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    app = web.Application(middlewares=[guard], client_max_size=MAX_BODY_BYTES)
+    app.add_routes(
+        [
+            web.post("/predict", predict),
+            web.get("/status", status),
+            web.get("/metrics", metrics),
+            web.get("/health", health),
+        ]
+    )
+    return app
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def flag_set() -> FlagSet:
+    return (
+        FlagSet("python -m examples.ctr.predictor", "CTR predictions from Cube's embeddings.")
+        .add("cube_conf", str, "", "the SDK's cube.conf (cube-local writes one)", required=True)
+        .add("dict_name", str, "", "dictionary in cube.conf (default: its only one)")
+        .add("model_dir", str, "", "the trainer's <out>/models (dense parts)", required=True)
+        .add("host", str, "127.0.0.1", "address to bind")
+        .add("port", int, 8400, "port (0: any free one, printed at start)")
+        .add("token", str, "", f"bearer token clients must send (or env {TOKEN_ENV})")
+        .add("insecure", bool, False, "allow binding off loopback without a token")
+        .add("max_samples", int, 10_000, "samples per request at most")
+        .add("timeout", float, 0.5, "seconds a Cube lookup may take")
+    )
+
+
+async def serve(flags: Any, token: str) -> None:
+    kwargs: dict[str, Any] = {"timeout": flags.timeout}
+    client = AsyncCubeClient.from_conf(flags.cube_conf, flags.dict_name or None, **kwargs)
+    predictor = Predictor(client, Path(flags.model_dir), flags.max_samples)
+    runner = web.AppRunner(make_app(predictor, token), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, flags.host, flags.port)
+    await site.start()
+    port = runner.addresses[0][1]
+    print(f"ctr predictor listening on http://{flags.host}:{port}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+        await client.close()
+
+
+def run(argv: Sequence[str]) -> int:
+    flags = flag_set().parse(argv)
+    if flags.max_samples < 1 or flags.timeout <= 0:
+        raise FlagError("--max_samples must be >= 1 and --timeout > 0")
+    token = token_from(flags.token, TOKEN_ENV)
+    try:
+        require_token("the CTR predictor", flags.host, token, flags.insecure, "--token")
+    except SecurityError as exc:
+        raise FlagError(str(exc)) from None
+    logging.basicConfig(level=logging.WARNING)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(flags, token))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

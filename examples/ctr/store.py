@@ -1,0 +1,182 @@
+"""Where the trainer's models live, and how a version name leads to its dense parameters.
+
+    <out>/models/<id>/sparse/part-00000   Cube SequenceFile: uint64 feasign -> float32[dim]
+                                          (a base: every feature; a delta: changed and new ones)
+    <out>/models/<id>/delete.txt          a delta's deleted feasigns, one per line (shrunk away)
+    <out>/models/<id>/dense.npz           the MLP of this version (model.Dense)
+    <out>/models/<id>/meta.json           what the trainer knows of it (pass, split, AUCs, counts)
+    <out>/donefile/base.txt, patch.txt    the lines cube-transfer reads, appended last
+
+`<id>` is the Unix time of the split the version was trained on. cube-transfer names a base
+version `<id>` and a delta `<base id>_<id>`; either way the dense parameters of a served version
+are those of `models/<last id>`. A model directory is written under a temporary name and renamed
+into place, and its donefile line is appended only after that: a version is either whole and
+announced, or not visible at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cube.donefile import (
+    BASE_FILE,
+    PATCH_FILE,
+    VERSION_NAME,
+    DonefileEntry,
+    append_line,
+    format_line,
+    parse_lines,
+)
+from cube.fsutil import atomic_write_json, fsync_dir
+from examples.ctr.model import Dense
+
+MODELS = "models"
+DONEFILE = "donefile"
+SAVE_PAUSE_ENV = "CTR_TRAINER_SAVE_PAUSE"  # fault injection for tests: seconds to stall mid-save
+
+
+@dataclass(frozen=True)
+class ModelMeta:
+    id: int
+    kind: str  # base | delta
+    base: int  # the base id (== id for a base)
+    pass_no: int
+    split: str  # YYYYMMDD/HHMM
+    features: int  # rows in sparse/
+    deleted: int  # keys in delete.txt
+    table_size: int  # features the model has after this version
+    streaming_auc: float  # on this split's training data, predicted before training on it
+    offline_auc: float  # on this split's held-out data, with this version as saved (nan: none)
+    heldout_samples: int
+    dim: int
+    written_at: float
+
+    @property
+    def version(self) -> str:
+        """The name cube-transfer gives this version."""
+        return str(self.id) if self.kind == "base" else f"{self.base}_{self.id}"
+
+
+def model_dir(out: Path, version_id: int) -> Path:
+    return out / MODELS / str(version_id)
+
+
+def last_id(version: str) -> str:
+    """The id whose model holds the dense part of a served version (`B` or `B_D` -> D)."""
+    if not VERSION_NAME.fullmatch(version):
+        raise ValueError("not a version name (<base id> or <base id>_<delta id>)")
+    return version.rpartition("_")[2]
+
+
+def read_meta(directory: Path) -> ModelMeta:
+    return ModelMeta(**json.loads((directory / "meta.json").read_text()))
+
+
+def write_model(
+    out: Path,
+    meta: ModelMeta,
+    keys: np.ndarray,
+    embeddings: np.ndarray,
+    deleted: np.ndarray,
+    dense: Dense,
+) -> Path:
+    """Write a whole model directory, then rename it into place (replacing an unannounced one a
+    crashed run left). Returns its path."""
+    from cube.seqfile import SequenceFileWriter
+    from cube.values import ValueColumn
+
+    final = model_dir(out, meta.id)
+    tmp = final.with_name(f".tmp-{meta.id}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "sparse").mkdir(parents=True)
+    rows = np.ascontiguousarray(embeddings, dtype=np.float32)
+    column = ValueColumn.fixed(rows.view(np.uint8).reshape(-1), meta.dim * 4)
+    with SequenceFileWriter(tmp / "sparse" / "part-00000", dialect="cube") as writer:
+        writer.write_batch(np.ascontiguousarray(keys, dtype=np.uint64), column)
+    _stall_for_tests()
+    if meta.kind == "delta":
+        _write_synced(tmp / "delete.txt", "".join(f"{k}\n" for k in deleted.tolist()).encode())
+    dense.save(tmp / "dense.npz")
+    atomic_write_json(tmp / "meta.json", asdict(meta))
+    with open(tmp / "sparse" / "part-00000", "rb") as file:
+        os.fsync(file.fileno())
+    fsync_dir(tmp / "sparse")
+    fsync_dir(tmp)
+    if final.exists():  # left by a run killed before its donefile line: never announced
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    return final
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _stall_for_tests() -> None:
+    pause = float(os.environ.get(SAVE_PAUSE_ENV, "0") or 0)
+    if pause > 0:
+        time.sleep(min(pause, 60.0))
+
+
+def remove_stale_temporaries(out: Path) -> list[str]:
+    """Temporary model directories of killed runs (never announced); their names."""
+    models = out / MODELS
+    removed = []
+    if models.is_dir():
+        for path in models.iterdir():
+            if path.name.startswith(".tmp-"):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path.name)
+    return removed
+
+
+def donefile_line(out: Path, meta: ModelMeta) -> tuple[Path, str]:
+    """The donefile and line that announce `meta`'s model to cube-transfer."""
+    directory = model_dir(out, meta.id).resolve()
+    if meta.kind == "base":
+        return out / DONEFILE / BASE_FILE, format_line(
+            str(meta.id), str(meta.id), str(directory / "sparse")
+        )
+    return out / DONEFILE / PATCH_FILE, format_line(
+        str(meta.id), str(meta.base), str(directory / "sparse"), str(directory / "delete.txt")
+    )
+
+
+def announced_ids(out: Path) -> set[str]:
+    """Ids that have a donefile line (base.txt and patch.txt)."""
+    ids: set[str] = set()
+    for name in (BASE_FILE, PATCH_FILE):
+        path = out / DONEFILE / name
+        if path.is_file():
+            entries = parse_lines(name, path.read_text())
+            ids.update(e.id for e in entries if isinstance(e, DonefileEntry))
+    return ids
+
+
+def announce(out: Path, meta: ModelMeta) -> bool:
+    """Append `meta`'s donefile line unless it is there already; whether it was appended."""
+    if str(meta.id) in announced_ids(out):
+        return False
+    path, line = donefile_line(out, meta)
+    append_line(path, line)
+    return True
+
+
+def load_dense(models_root: Path, version: str) -> tuple[Dense, dict[str, Any]]:
+    """The dense part and meta of a served `version` from `<models_root>/<last id>/`."""
+    directory = models_root / last_id(version)
+    dense = Dense.load(directory / "dense.npz")
+    meta = json.loads((directory / "meta.json").read_text())
+    return dense, meta
