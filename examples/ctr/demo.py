@@ -58,24 +58,17 @@ def python_env() -> dict[str, str]:
     return env
 
 
-def start_trainer(work: Path, logs: Path, extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+def start_trainer(
+    work: Path, logs: Path, extra: Sequence[str] = (), env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """The streaming trainer on `work`/stream, saving into `work`/out (its log appended)."""
+    stream = work / "stream"
     argv = [
-        sys.executable,
-        "-m",
-        "examples.ctr.trainer",
-        "--data_dir",
-        str(work / "stream" / "data"),
-        "--heldout_dir",
-        str(work / "stream" / "heldout"),
-        "--out_dir",
-        str(work / "out"),
-        "--wait_timeout",
-        "600",
-        "--poll",
-        "0.2",
-        *extra,
-    ]
-    return spawn(argv, logs / "trainer.log", append=True, env=python_env())
+        sys.executable, "-m", "examples.ctr.trainer",
+        "--data_dir", str(stream / "data"), "--heldout_dir", str(stream / "heldout"),
+        "--out_dir", str(work / "out"), "--wait_timeout", "600", "--poll", "0.2", *extra,
+    ]  # fmt: skip
+    return spawn(argv, logs / "trainer.log", append=True, env={**python_env(), **(env or {})})
 
 
 def start_predictor(
@@ -135,11 +128,13 @@ class Background:
     """A client that replays samples against the predictor without pause, in a thread, until
     stopped; it counts answers per version and every error."""
 
-    def __init__(self, url: str, lines: list[str]) -> None:
+    def __init__(self, url: str, lines: list[str], keep: int = 0) -> None:
         self.url, self.lines = url, lines
         self.requests = 0
         self.errors: list[str] = []
         self.versions: dict[str, int] = {}
+        self.kept: list[ctr_client.Replay] = []  # the first `keep` replays, for checks
+        self.keep = keep
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="background-load", daemon=True)
 
@@ -156,6 +151,8 @@ class Background:
             result = asyncio.run(ctr_client.replay(self.url, self.lines, batch=50, concurrency=2))
             self.requests += len(result.latencies)
             self.errors.extend(result.errors)
+            if len(self.kept) < self.keep:
+                self.kept.append(result)
             for version in result.versions:
                 if version:
                     self.versions[version] = self.versions.get(version, 0) + 1

@@ -53,10 +53,10 @@ def slot_index(slot_ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
 
 def pool(rows: np.ndarray, samples: Samples, slot_ids: np.ndarray) -> np.ndarray:
     """Sum `rows` (one embedding per feature of `samples`, in their order) per sample and slot:
-    (n, slots * dim) float32."""
+    (n, slots * dim), float32 for float32 rows."""
     n, n_slots, dim = len(samples), slot_ids.shape[0], rows.shape[1]
     segment = samples.sample_of * n_slots + slot_index(slot_ids, samples.slots)
-    pooled = np.zeros((n * n_slots, dim), dtype=np.float32)
+    pooled = np.zeros((n * n_slots, dim), dtype=rows.dtype)
     np.add.at(pooled, segment, rows)
     return pooled.reshape(n, n_slots * dim)
 
@@ -283,27 +283,34 @@ class Model:
     def _step(self, samples: Samples, pass_no: int, rng: np.random.Generator) -> float:
         unique, inverse = np.unique(samples.feasigns, return_inverse=True)
         rows = self.table.rows(unique, rng)
-        emb = self.table.emb[rows][inverse]
-        pooled = pool(emb, samples, self.dense.slot_ids)
-        logits, pre, hidden = self.dense.logits(pooled)
+        loss, dense_grads, row_grads = self.gradients(samples, self.table.emb[rows][inverse])
+        d_rows = np.zeros((unique.shape[0], self.dense.dim), np.float32)
+        np.add.at(d_rows, inverse, row_grads)  # summed per distinct feature
+        self._adagrad(rows, d_rows, pass_no)
+        self._adam(dense_grads)
+        return loss
+
+    def gradients(
+        self, samples: Samples, emb: np.ndarray
+    ) -> tuple[float, dict[str, np.ndarray], np.ndarray]:
+        """Summed log loss of `samples` given the embedding of each feature `emb` (nnz, dim),
+        the gradients of its mean over the batch w.r.t. the dense parameters, and w.r.t. each
+        feature's embedding (nnz, dim)."""
+        d = self.dense
+        pooled = pool(emb, samples, d.slot_ids)
+        logits, pre, hidden = d.logits(pooled)
         p = _sigmoid(logits.astype(np.float64))
         y = samples.labels.astype(np.float64)
         eps = 1e-7
         loss = float(-(y * np.log(p + eps) + (1 - y) * np.log(1 - p + eps)).sum())
-        d_logit = ((p - y) / len(samples)).astype(np.float32)[:, None]
-        d = self.dense
+        d_logit = ((p - y) / len(samples)).astype(pooled.dtype)[:, None]
         grads = {"w2": hidden.T @ d_logit, "b2": d_logit.sum(axis=0)}
         d_pre = (d_logit @ d.w2.T) * (pre > 0)
         grads["w1"] = pooled.T @ d_pre
         grads["b1"] = d_pre.sum(axis=0)
         d_pooled = (d_pre @ d.w1.T).reshape(-1, d.dim)
-        # back to the features, then summed per distinct feature
         segment = samples.sample_of * d.slot_ids.shape[0] + slot_index(d.slot_ids, samples.slots)
-        d_rows = np.zeros((unique.shape[0], d.dim), np.float32)
-        np.add.at(d_rows, inverse, d_pooled[segment])
-        self._adagrad(rows, d_rows, pass_no)
-        self._adam(grads)
-        return loss
+        return loss, grads, d_pooled[segment]
 
     def _adagrad(self, rows: np.ndarray, grad: np.ndarray, pass_no: int) -> None:
         t = self.table

@@ -180,3 +180,42 @@ def load_dense(models_root: Path, version: str) -> tuple[Dense, dict[str, Any]]:
     dense = Dense.load(directory / "dense.npz")
     meta = json.loads((directory / "meta.json").read_text())
     return dense, meta
+
+
+def read_sparse(directory: Path, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Keys and (n, dim) float32 rows of every SequenceFile in a model's `sparse/`."""
+    from cube.seqfile import SequenceFileReader
+
+    keys, rows = [np.zeros(0, np.uint64)], [np.zeros((0, dim), np.float32)]
+    for path in sorted(directory.iterdir()):
+        with SequenceFileReader(path) as reader:
+            for batch in reader.batches():
+                keys.append(batch.keys)
+                rows.append(batch.values.as_rows().view(np.float32).reshape(-1, dim).copy())
+    return np.concatenate(keys), np.concatenate(rows)
+
+
+def version_table(out: Path, version: str, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """What Cube should serve for `version`, rebuilt from the model files alone: the base, then
+    each delta of that base up to the version's id in order (upserts, then its deletes).
+    Sorted keys and their rows. An oracle for tests and a tool to inspect a version."""
+    target = int(last_id(version))
+    base = int(version.partition("_")[0])
+    keys, rows = read_sparse(model_dir(out, base) / "sparse", dim)
+    table = dict(zip(keys.tolist(), rows, strict=True))
+    chain = sorted(
+        int(p.name)
+        for p in (out / MODELS).iterdir()
+        if p.name.isdigit() and base < int(p.name) <= target
+    )
+    for delta_id in chain:
+        directory = model_dir(out, delta_id)
+        if read_meta(directory).base != base:
+            continue
+        k, r = read_sparse(directory / "sparse", dim)
+        table.update(zip(k.tolist(), r, strict=True))
+        for key in (directory / "delete.txt").read_text().split():
+            table.pop(int(key), None)
+    ordered = sorted(table)
+    stacked = np.stack([table[k] for k in ordered]) if ordered else np.zeros((0, dim), np.float32)
+    return np.array(ordered, dtype=np.uint64), stacked

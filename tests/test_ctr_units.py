@@ -1,0 +1,280 @@
+"""examples/ctr without a cluster: the sample format, the model's math, the trainer's saves,
+checkpoints and restarts (tests/test_ctr_e2e.py runs the loop with Cube)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cube.donefile import BASE_FILE, PATCH_FILE, DonefileEntry, parse_lines
+from examples.ctr import samples as sample_io
+from examples.ctr.data import SPLIT_DONE, StreamSpec, generate, list_splits, write_split
+from examples.ctr.model import Dense, Hyper, Model, SparseTable, auc
+from examples.ctr.store import last_id, load_dense, model_dir, read_meta, read_sparse, version_table
+from examples.ctr.trainer import run as trainer_run
+
+SMALL = StreamSpec(samples=3000, heldout=1000, vocab=400, growth=40, churn=60, splits_per_day=2)
+
+
+# -- the sample format ---------------------------------------------------------------------------
+
+
+def test_lines_round_trip_and_labels():
+    batch = generate(SMALL, 0, 50, 0)
+    lines = sample_io.format_lines(batch)
+    back = sample_io.parse_lines(lines)
+    for name in ("shows", "clicks", "offsets", "feasigns", "slots"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(batch, name))
+    assert back.labels.tolist() == (batch.clicks > 0).astype(np.float32).tolist()
+
+
+def test_a_line_without_show_and_click_is_a_request_sample():
+    samples = sample_io.parse_lines(["18446744073709551615:3 5:1", "1 1 7:2"])
+    assert samples.feasigns.tolist() == [2**64 - 1, 5, 7]
+    assert samples.slots.tolist() == [3, 1, 2]
+    assert samples.offsets.tolist() == [0, 2, 3]
+    assert samples.clicks.tolist() == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        ("1 0 12:3 99", "sample 2: feature 2 is not `feasign:slot`"),
+        ("1 0 1:2:3 5", "sample 2: feature 1 is not `feasign:slot`"),
+        ("1 0 18446744073709551616:1", "sample 2: feature 1"),
+        ("x 0 12:3", "sample 2: show is not a non-negative integer"),
+        ("1 -1 12:3", "sample 2: click is not a non-negative integer"),
+        ("1 12:3", "sample 2: expected `show click feasign:slot ...`"),
+        ("1 0 ²:3", "sample 2: feature 1"),
+    ],
+)
+def test_a_bad_line_is_named_and_not_echoed(line, problem):
+    with pytest.raises(sample_io.SampleError) as err:
+        sample_io.parse_lines(["1 0 5:1", line], where="sample", first_line=1)
+    assert problem in str(err.value)
+    assert line not in str(err.value)
+
+
+# -- the model ---------------------------------------------------------------------------------
+
+
+def test_auc_matches_counting_pairs_with_ties():
+    rng = np.random.default_rng(3)
+    labels = rng.integers(0, 2, 300)
+    scores = rng.integers(0, 20, 300).astype(float)  # many ties
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    pairs = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+    assert auc(labels, scores) == pytest.approx(pairs / (pos.size * neg.size), abs=1e-12)
+    assert np.isnan(auc(np.ones(4), np.arange(4.0)))
+
+
+def test_gradients_match_finite_differences():
+    rng = np.random.default_rng(5)
+    model = Model.initial(np.arange(1, 4), Hyper(dim=3, hidden=5), rng)
+    model.dense.b1[:] = 0.3  # keep every unit active: relu is not differentiable at 0
+    samples = sample_io.parse_lines(["1 1 10:1 11:2 12:3", "1 0 10:1 13:3 14:3", "1 1 11:2"])
+    emb = rng.standard_normal((samples.feasigns.shape[0], 3)).astype(np.float64)
+    model.dense = Dense(model.dense.slot_ids, 3,
+                        *(p.astype(np.float64) for p in model.dense.params.values()))  # fmt: skip
+    n = len(samples)
+    _, dense_grads, emb_grads = model.gradients(samples, emb)
+    h = 1e-6
+
+    def mean_loss(e: np.ndarray) -> float:
+        return model.gradients(samples, e)[0] / n
+
+    for index in [(0, 0), (2, 1), (4, 2)]:
+        bumped = emb.copy()
+        bumped[index] += h
+        lower = emb.copy()
+        lower[index] -= h
+        numeric = (mean_loss(bumped) - mean_loss(lower)) / (2 * h)
+        assert emb_grads[index] == pytest.approx(numeric, rel=1e-4, abs=1e-7)
+    for name, index in [("w1", (2, 3)), ("b1", (1,)), ("w2", (4, 0)), ("b2", (0,))]:
+        param = model.dense.params[name]
+        saved = param[index]
+        param[index] = saved + h
+        up = mean_loss(emb)
+        param[index] = saved - h
+        down = mean_loss(emb)
+        param[index] = saved
+        assert dense_grads[name][index] == pytest.approx((up - down) / (2 * h), rel=1e-4, abs=1e-7)
+
+
+def test_training_learns_the_planted_truth():
+    spec = StreamSpec(samples=20_000, heldout=4000)
+    rng = np.random.default_rng(1)
+    model = Model.initial(np.arange(1, spec.slots + 1), Hyper(), rng)
+    for index in range(2):
+        model.train(generate(spec, index, spec.samples, 0), index + 1, rng)
+    heldout = generate(spec, 1, spec.heldout, 1)
+    assert auc(heldout.labels, model.predict(heldout)) >= 0.70
+
+
+def test_sparse_table_finds_adds_and_shrinks():
+    rng = np.random.default_rng(0)
+    table = SparseTable(dim=2)
+    rows = table.rows(np.array([30, 10, 20], np.uint64), rng)
+    assert sorted(rows.tolist()) == [0, 1, 2]
+    assert table.find(np.array([20, 99], np.uint64))[1] == -1
+    table.last_seen[table.find(np.array([10], np.uint64))] = 5
+    dropped = table.shrink(now=5, unseen_passes=2)
+    assert dropped.tolist() == [20, 30]
+    assert table.keys.tolist() == [10]
+    assert table.embeddings(np.array([10, 20], np.uint64))[1].tolist() == [0.0, 0.0]
+
+
+def test_dense_file_that_is_not_one_is_named(tmp_path):
+    bad = tmp_path / "dense.npz"
+    bad.write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match=str(bad)):
+        Dense.load(bad)
+
+
+def test_version_names_lead_to_the_last_id():
+    assert last_id("1795392000") == "1795392000"
+    assert last_id("1795392000_1795395600") == "1795395600"
+    with pytest.raises(ValueError):
+        last_id("../etc")
+
+
+# -- the stream and the trainer ------------------------------------------------------------------
+
+
+def test_an_incomplete_split_is_not_listed(tmp_path):
+    write_split(SMALL, tmp_path, 0)
+    second = write_split(SMALL, tmp_path, 1)
+    (second / SPLIT_DONE).unlink()
+    assert [s.name for s in list_splits(tmp_path / "data")] == ["20261123/0000"]
+
+
+def train(root: Path, out: Path, *extra: str) -> int:
+    return trainer_run(["--data_dir", str(root / "data"), "--heldout_dir", str(root / "heldout"),
+                        "--out_dir", str(out), "--wait_timeout", "0", "--shrink_after", "1",
+                        *extra])  # fmt: skip
+
+
+def donefile_entries(out: Path) -> list[DonefileEntry]:
+    entries = []
+    for name in (BASE_FILE, PATCH_FILE):
+        path = out / "donefile" / name
+        if path.exists():
+            entries += [e for e in parse_lines(name, path.read_text())
+                        if isinstance(e, DonefileEntry)]  # fmt: skip
+    return entries
+
+
+@pytest.fixture(scope="module")
+def stream(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stream")
+    for index in range(4):  # two days of two splits: base, delta, base, delta
+        write_split(SMALL, root, index)
+    return root
+
+
+@pytest.fixture(scope="module")
+def trained(stream, tmp_path_factory):
+    out = tmp_path_factory.mktemp("out")
+    assert train(stream, out) == 0
+    return out
+
+
+def test_a_base_per_day_and_a_delta_per_pass(trained):
+    entries = sorted(donefile_entries(trained), key=lambda e: int(e.id))
+    kinds = [(e.file, e.id == e.key) for e in entries]
+    assert kinds == [(BASE_FILE, True), (PATCH_FILE, False)] * 2
+    metas = [read_meta(model_dir(trained, int(e.id))) for e in entries]
+    assert [m.kind for m in metas] == ["base", "delta", "base", "delta"]
+    assert entries[1].key == entries[0].id and entries[3].key == entries[2].id
+    for entry, meta in zip(entries, metas, strict=True):
+        assert Path(entry.input) == model_dir(trained, meta.id).resolve() / "sparse"
+        keys, _ = read_sparse(Path(entry.input), meta.dim)
+        assert keys.shape[0] == meta.features
+    assert metas[-1].offline_auc >= 0.6 and metas[-1].heldout_samples == SMALL.heldout
+
+
+def test_a_delta_deletes_what_shrink_dropped_and_a_base_leaves_it_out(trained):
+    metas = [read_meta(p) for p in sorted((trained / "models").iterdir())]
+    delta = metas[3]
+    deleted = np.array((model_dir(trained, delta.id) / "delete.txt").read_text().split(),
+                       dtype=np.uint64)  # fmt: skip
+    assert delta.deleted == deleted.shape[0] > 0
+    before, _ = version_table(trained, metas[2].version, delta.dim)
+    after, _ = version_table(trained, delta.version, delta.dim)
+    assert np.isin(deleted, before).all() and not np.isin(deleted, after).any()
+    assert after.shape[0] == delta.table_size
+    base_keys, _ = read_sparse(model_dir(trained, metas[2].id) / "sparse", delta.dim)
+    assert base_keys.shape[0] == metas[2].table_size  # a base is the whole table after shrink
+
+
+def test_the_saved_version_predicts_what_the_trainer_evaluated(trained, stream):
+    from examples.ctr.model import pool
+
+    meta = read_meta(sorted((trained / "models").iterdir())[-1])
+    keys, rows = version_table(trained, meta.version, meta.dim)
+    dense, _ = load_dense(trained / "models", meta.version)
+    heldout = sample_io.read_file(str(stream / "heldout" / meta.split / "part-00000"))
+    pos = np.minimum(np.searchsorted(keys, heldout.feasigns), keys.shape[0] - 1)
+    hit = keys[pos] == heldout.feasigns
+    emb = np.where(hit[:, None], rows[pos], 0).astype(np.float32)
+    served = dense.predict(pool(emb, heldout, dense.slot_ids))
+    assert auc(heldout.labels, served) == pytest.approx(meta.offline_auc, abs=1e-9)
+
+
+def test_a_restart_resumes_where_it_stopped_and_writes_the_same_models(stream, trained, tmp_path):
+    out = tmp_path / "out"
+    assert train(stream, out, "--max_passes", "1") == 0
+    assert train(stream, out, "--max_passes", "2") == 0
+    assert train(stream, out) == 0
+    assert sorted(e.id for e in donefile_entries(out)) == sorted(
+        e.id for e in donefile_entries(trained)
+    )
+    for directory in sorted((trained / "models").iterdir()):
+        again = out / "models" / directory.name
+        for mine, theirs in zip(read_sparse(again / "sparse", 8),
+                                read_sparse(directory / "sparse", 8), strict=True):  # fmt: skip
+            np.testing.assert_array_equal(mine, theirs, err_msg=f"{directory.name}/sparse")
+        for name, param in Dense.load(again / "dense.npz").params.items():
+            np.testing.assert_array_equal(
+                param, Dense.load(directory / "dense.npz").params[name], err_msg=directory.name
+            )
+
+
+def test_a_crash_between_checkpoint_and_donefile_line_is_announced_on_restart(stream, tmp_path):
+    out = tmp_path / "out"
+    assert train(stream, out, "--max_passes", "2") == 0
+    patch = out / "donefile" / PATCH_FILE
+    lines = patch.read_text().splitlines(keepends=True)
+    patch.write_text("".join(lines[:-1]))  # as if killed after the checkpoint, before the line
+    assert train(stream, out, "--max_passes", "0", "--wait_timeout", "0") == 0
+    ids = [e.id for e in donefile_entries(out)]
+    assert len(ids) == len(set(ids)) == 4
+
+
+def test_stale_temporary_models_are_removed(stream, tmp_path):
+    out = tmp_path / "out"
+    stale = out / "models" / ".tmp-1795392000-123"
+    (stale / "sparse").mkdir(parents=True)
+    assert train(stream, out, "--max_passes", "1") == 0
+    assert not stale.exists()
+
+
+def test_a_bad_split_stops_the_trainer_with_its_file_and_line(tmp_path):
+    write_split(SMALL, tmp_path, 0)
+    part = tmp_path / "data" / "20261123" / "0000" / "part-00000"
+    lines = part.read_text().splitlines()
+    lines[6] = "1 0 not-a-feature"
+    part.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    assert train(tmp_path, out) == 1
+    assert not (out / "donefile" / BASE_FILE).exists()
+
+
+def test_meta_is_json_with_the_auc_figures(trained):
+    meta = json.loads(next((trained / "models").iterdir()).joinpath("meta.json").read_text())
+    assert {"streaming_auc", "offline_auc", "features", "deleted", "table_size"} <= set(meta)
+    assert os.path.isdir(trained / "checkpoint")
