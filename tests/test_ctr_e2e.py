@@ -263,3 +263,20 @@ def test_a_trainer_killed_mid_save_announces_nothing_half_written(loop):
     served = asyncio.run(ctr_client.replay(loop["url"], heldout, batch=100, concurrency=2))
     assert set(served.versions) == {meta.version}
     assert auc(served.labels, served.ctr) == pytest.approx(meta.offline_auc, abs=0.002)
+
+
+def test_the_demo_command_reports_every_pass_and_checks_the_auc(tmp_path):
+    """`make demo-ctr` at a small size: a day of two splits on 2 shards x 1 replica."""
+    done = subprocess.run(
+        [sys.executable, "-m", "examples.ctr.demo", "--dir", str(tmp_path / "demo"), "--days",
+         "1", "--splits_per_day", "2", "--samples", "3000", "--heldout", "1000",
+         "--replicas", "1"],
+        capture_output=True, text=True, env=python_env(), timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "offline  served    diff" in done.stdout
+    report = json.loads((tmp_path / "demo" / "report.json").read_text())
+    assert [r["kind"] for r in report] == ["base", "delta"]
+    for row in report:
+        assert abs(row["served_auc"] - row["offline_auc"]) <= 0.002
+    assert "0 errors" in done.stdout and "FAILED" not in done.stdout

@@ -251,10 +251,11 @@ def test_existing_secret_and_pvc_storage(tmp_path):
 
 def test_dockerfile_lints_and_pins_the_project_version():
     dockerfile = REPO / "deploy" / "docker" / "Dockerfile"
-    done = subprocess.run(
-        [str(VENV_BIN / "hadolint"), str(dockerfile)], capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    for path in (dockerfile, REPO / "examples" / "ctr" / "k8s" / "Dockerfile"):
+        done = subprocess.run(
+            [str(VENV_BIN / "hadolint"), str(path)], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, f"{path}: {done.stdout}{done.stderr}"
     text = dockerfile.read_text()
     version = next(
         line.split('"')[1]
@@ -297,3 +298,54 @@ def test_metrics_port_annotations_and_service_monitor():
         assert monitor["spec"]["endpoints"][0]["port"] in {
             p["name"] for p in service["spec"]["ports"]
         }
+
+
+def test_ctr_example_runs_its_predictor_beside_the_chart(tmp_path):
+    """examples/ctr/k8s: the chart with the example's values and the predictor's manifest
+    validate, and fit together: the ConfigMap it mounts exists, the NetworkPolicy admits its
+    pods to the lookup ports, its flags parse and name the chart's dictionary, and the trainer's
+    volume is mounted at the same path in the transfer and the predictor."""
+    from examples.ctr.predictor import flag_set as predictor_flags
+
+    example = REPO / "examples" / "ctr" / "k8s"
+    values = yaml.safe_load((example / "values.yaml").read_text())
+    chart_text = helm("template", "ctr", str(CHART), "--namespace", NAMESPACE, "--values",
+                      str(example / "values.yaml"))  # fmt: skip
+    assert chart_text.returncode == 0, chart_text.stderr
+    manifest = (example / "predictor.yaml").read_text()
+    combined = tmp_path / "ctr.yaml"
+    combined.write_text(chart_text.stdout + "\n---\n" + manifest)
+    done = subprocess.run(
+        [str(VENV_BIN / "kubernetes-validate"), "--strict", "-k", "1.30.0", str(combined)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    docs, mine = objects(chart_text.stdout), objects(manifest)
+    deployment = of_kind(mine, "Deployment")[0]
+    pod = deployment["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    maps = {d["metadata"]["name"]: d["data"] for d in of_kind(docs, "ConfigMap")}
+    conf_map = next(v["configMap"]["name"] for v in pod["spec"]["volumes"] if "configMap" in v)
+    conf = parse_conf(json.loads(maps[conf_map]["cube.conf"]))
+    flags = predictor_flags().parse(container["args"])
+    assert flags.dict_name == conf.dict_name == values["dict"]["name"]
+    policy = of_kind(docs, "NetworkPolicy")
+    admitted = [
+        rule for p in policy for rule in p["spec"].get("ingress", [])
+        if any(src.get("podSelector", {}).get("matchLabels", {}).items()
+               <= pod["metadata"]["labels"].items() for src in rule["from"])
+        and {port["port"] for port in rule["ports"]} == {8000, 8100}
+    ]  # fmt: skip
+    assert admitted, "the NetworkPolicy does not let the predictor reach the lookup ports"
+    transfer = next(d for d in of_kind(docs, "StatefulSet") if d["metadata"]["name"].endswith(
+        "transfer"))  # fmt: skip
+    claim = values["transfer"]["donefile"]["volume"]["persistentVolumeClaim"]["claimName"]
+    claims = {v["name"]: v.get("persistentVolumeClaim", {}) for v in pod["spec"]["volumes"]}
+    model_volume = next(name for name, source in claims.items() if source.get("claimName") == claim)
+    mount = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == model_volume)
+    transfer_mounts = [m["mountPath"] for c in transfer["spec"]["template"]["spec"]["containers"]
+                       for m in c.get("volumeMounts", []) if m["name"] == "donefile"]  # fmt: skip
+    assert transfer_mounts == [mount] and flags.model_dir.startswith(mount + "/")
+    assert values["transfer"]["donefile"]["address"].startswith(mount + "/")
+    service = of_kind(mine, "Service")[0]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
