@@ -16,7 +16,10 @@ from cube.transfer.config import DEFAULT_KEYS, parse_config
 from cube.transfer.http_api import build_api
 
 REPO = Path(__file__).resolve().parent.parent
-PAGES = sorted([REPO / "README.md", *REPO.glob("docs/**/*.md"), *REPO.glob("bench/*.md")])
+PAGES = sorted(
+    [REPO / "README.md", *REPO.glob("docs/**/*.md"), *REPO.glob("bench/*.md"),
+     *REPO.glob("examples/**/*.md")]
+)  # fmt: skip
 REFERENCE = REPO / "docs" / "reference"
 LINK = re.compile(r"\]\(([^)#\s]+)(#[^)\s]*)?\)")
 
