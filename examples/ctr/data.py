@@ -206,16 +206,24 @@ def write_split(spec: StreamSpec, root: Path, index: int) -> Path:
     return train_dir
 
 
-def flag_set() -> FlagSet:
+def with_stream_flags(flags: FlagSet) -> FlagSet:
+    """The flags every command that makes a stream takes (data, demo)."""
     d = StreamSpec()
     return (
-        FlagSet("python -m examples.ctr.data", "Write a synthetic ElasticCTR click-log stream.")
-        .add("out", str, "", "root directory (data/ and heldout/ go under it)", required=True)
-        .add("days", int, 2, "days of data")
-        .add("splits_per_day", int, d.splits_per_day, "splits per day")
-        .add("split_minutes", int, d.split_minutes, "minutes between splits")
+        flags.add("days", int, 2, "days of data")
+        .add("splits_per_day", int, d.splits_per_day, "splits (trainer passes) per day")
         .add("samples", int, d.samples, "training samples per split (the rate)")
         .add("heldout", int, d.heldout, "held-out samples per split")
+    )
+
+
+def flag_set() -> FlagSet:
+    d = StreamSpec()
+    flags = FlagSet("python -m examples.ctr.data", "Write a synthetic ElasticCTR click-log stream.")
+    return (
+        with_stream_flags(flags)
+        .add("out", str, "", "root directory (data/ and heldout/ go under it)", required=True)
+        .add("split_minutes", int, d.split_minutes, "minutes between splits")
         .add("slots", int, d.slots, "slots (fields) per sample")
         .add("multi_hot_slots", int, d.multi_hot_slots, "slots with 1-3 features per sample")
         .add("vocab", int, d.vocab, "live features per slot at the start")
@@ -226,17 +234,18 @@ def flag_set() -> FlagSet:
 
 
 def spec_from(flags: object) -> StreamSpec:
+    """A StreamSpec of the flags that name its fields (the rest keep their defaults)."""
     names = StreamSpec.__dataclass_fields__.keys()
     spec = StreamSpec(**{n: getattr(flags, n) for n in names if hasattr(flags, n)})
     spec.check()
+    if getattr(flags, "days", 1) < 1:
+        raise FlagError("--days must be >= 1")
     return spec
 
 
 def run(argv: Sequence[str]) -> int:
     flags = flag_set().parse(argv)
     spec = spec_from(flags)
-    if flags.days < 1:
-        raise FlagError("--days must be >= 1")
     root = Path(flags.out)
     for index in range(flags.days * spec.splits_per_day):
         path = write_split(spec, root, index)

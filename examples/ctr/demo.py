@@ -36,7 +36,7 @@ from cube.flags import FlagSet, run_cli
 from cube.processes import free_port, log_tail, poll_until, spawn, stop_child
 from cube.transfer.demo import fresh_dir, timeline
 from examples.ctr import client as ctr_client
-from examples.ctr.data import StreamSpec, split_path, split_time, write_split
+from examples.ctr.data import spec_from, split_path, split_time, with_stream_flags, write_split
 from examples.ctr.store import ModelMeta, announced_ids, model_dir, read_meta
 
 REPO = Path(__file__).resolve().parents[2]
@@ -159,14 +159,10 @@ class Background:
 
 
 def flag_set() -> FlagSet:
-    d = StreamSpec()
+    flags = FlagSet("python -m examples.ctr.demo", "The ElasticCTR loop around a local Cube.")
     return (
-        FlagSet("python -m examples.ctr.demo", "The ElasticCTR loop around a local Cube cluster.")
+        with_stream_flags(flags)
         .add("dir", str, ".demo-ctr", "work directory (wiped first)")
-        .add("days", int, 2, "days of the stream")
-        .add("splits_per_day", int, d.splits_per_day, "splits (passes) per day")
-        .add("samples", int, d.samples, "training samples per split")
-        .add("heldout", int, d.heldout, "held-out samples per split")
         .add("shards", int, 2, "Cube shards")
         .add("replicas", int, 2, "replicas per shard")
         .add("shrink_after", int, 2, "the trainer drops features unseen for this many passes")
@@ -178,10 +174,7 @@ def run(argv: Sequence[str]) -> int:
     flags = flag_set().parse(argv)
     from cube.transfer.local import Cluster, ClusterSpec, LocalError, up
 
-    spec = StreamSpec(
-        splits_per_day=flags.splits_per_day, samples=flags.samples, heldout=flags.heldout
-    )
-    spec.check()
+    spec = spec_from(flags)
     started = time.monotonic()
     work = Path(flags.dir).resolve()
     fresh_dir(work)
