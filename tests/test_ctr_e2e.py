@@ -27,7 +27,7 @@ from examples.ctr.data import StreamSpec, split_path, split_time, write_split
 from examples.ctr.demo import Background, python_env, start_predictor, start_trainer, wait_model
 from examples.ctr.model import auc, pool
 from examples.ctr.samples import parse_lines
-from examples.ctr.store import SAVE_PAUSE_ENV, announced_ids, load_dense, model_dir, version_table
+from examples.ctr.store import SAVE_PAUSE_ENV, announced_ids, find_model, load_dense, version_table
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +74,9 @@ def loop(tmp_path_factory):
                 served = asyncio.run(ctr_client.replay(url, heldout, batch=100, concurrency=2))
                 deleted = (
                     np.array(
-                        (model_dir(work / "out", meta.id) / "delete.txt").read_text().split(),
+                        (find_model(work / "out" / "models", meta.id) / "delete.txt")
+                        .read_text()
+                        .split(),
                         dtype=np.uint64,
                     )
                     if meta.kind == "delta"
@@ -240,22 +242,21 @@ def test_a_trainer_killed_mid_save_announces_nothing_half_written(loop):
         write_split(SPEC, work / "stream", index)
         version_id = int(split_time(SPEC, index).timestamp())
         models = work / "out" / "models"
-        assert poll_until(
-            lambda: any(p.name.startswith(f".tmp-{version_id}") for p in models.iterdir()), 60, 0.05
-        )
+        assert poll_until(lambda: bool(list(models.glob("[0-9]*/.tmp-base-*"))), 60, 0.05)
         os.kill(doomed.pid, signal.SIGKILL)
         doomed.wait(timeout=10)
     finally:
         stop_child(doomed, 5.0)
     assert str(version_id) not in announced_ids(work / "out")
-    assert not model_dir(work / "out", version_id).exists()
+    with pytest.raises(FileNotFoundError):
+        find_model(models, version_id)
     time.sleep(1.5)  # several transfer polls
     assert cluster.transfer_info().get("live_version") == live
     assert all(r.get("version") != str(version_id) for r in cluster.history())
     restarted = start_trainer(work, logs, ["--shrink_after", "1"])
     loop["children"].append(restarted)
     meta = wait_model(work, version_id, restarted, 60)
-    assert meta.kind == "base" and not list(models.glob(".tmp-*"))
+    assert meta.kind == "base" and not list(models.glob("*/.tmp-*"))
     cluster.wait_version(meta.version, 90)
     heldout = ctr_client.read_samples(
         split_path(work / "stream", split_time(SPEC, index), "heldout")

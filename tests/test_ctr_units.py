@@ -14,7 +14,14 @@ from cube.donefile import BASE_FILE, PATCH_FILE, DonefileEntry, parse_lines
 from examples.ctr import samples as sample_io
 from examples.ctr.data import SPLIT_DONE, StreamSpec, generate, list_splits, write_split
 from examples.ctr.model import Dense, Hyper, Model, SparseTable, auc
-from examples.ctr.store import last_id, load_dense, model_dir, read_meta, read_sparse, version_table
+from examples.ctr.store import (
+    all_models,
+    find_model,
+    last_id,
+    load_dense,
+    read_sparse,
+    version_table,
+)
 from examples.ctr.trainer import run as trainer_run
 
 SMALL = StreamSpec(samples=3000, heldout=1000, vocab=400, growth=40, churn=60, splits_per_day=2)
@@ -187,34 +194,36 @@ def test_a_base_per_day_and_a_delta_per_pass(trained):
     entries = sorted(donefile_entries(trained), key=lambda e: int(e.id))
     kinds = [(e.file, e.id == e.key) for e in entries]
     assert kinds == [(BASE_FILE, True), (PATCH_FILE, False)] * 2
-    metas = [read_meta(model_dir(trained, int(e.id))) for e in entries]
+    models = {meta.id: (meta, path) for meta, path in all_models(trained / "models")}
+    metas = [models[int(e.id)][0] for e in entries]
+    assert [models[int(e.id)][1].name for e in entries] == ["base", "delta_2"] * 2
     assert [m.kind for m in metas] == ["base", "delta", "base", "delta"]
     assert entries[1].key == entries[0].id and entries[3].key == entries[2].id
     for entry, meta in zip(entries, metas, strict=True):
-        assert Path(entry.input) == model_dir(trained, meta.id).resolve() / "sparse"
+        assert Path(entry.input) == models[meta.id][1].resolve() / "sparse"
         keys, _ = read_sparse(Path(entry.input), meta.dim)
         assert keys.shape[0] == meta.features
     assert metas[-1].offline_auc >= 0.6 and metas[-1].heldout_samples == SMALL.heldout
 
 
 def test_a_delta_deletes_what_shrink_dropped_and_a_base_leaves_it_out(trained):
-    metas = [read_meta(p) for p in sorted((trained / "models").iterdir())]
+    metas = [meta for meta, _ in all_models(trained / "models")]
     delta = metas[3]
-    deleted = np.array((model_dir(trained, delta.id) / "delete.txt").read_text().split(),
-                       dtype=np.uint64)  # fmt: skip
+    delete_file = find_model(trained / "models", delta.id) / "delete.txt"
+    deleted = np.array(delete_file.read_text().split(), dtype=np.uint64)
     assert delta.deleted == deleted.shape[0] > 0
     before, _ = version_table(trained, metas[2].version, delta.dim)
     after, _ = version_table(trained, delta.version, delta.dim)
     assert np.isin(deleted, before).all() and not np.isin(deleted, after).any()
     assert after.shape[0] == delta.table_size
-    base_keys, _ = read_sparse(model_dir(trained, metas[2].id) / "sparse", delta.dim)
+    base_keys, _ = read_sparse(find_model(trained / "models", metas[2].id) / "sparse", delta.dim)
     assert base_keys.shape[0] == metas[2].table_size  # a base is the whole table after shrink
 
 
 def test_the_saved_version_predicts_what_the_trainer_evaluated(trained, stream):
     from examples.ctr.model import pool
 
-    meta = read_meta(sorted((trained / "models").iterdir())[-1])
+    meta = all_models(trained / "models")[-1][0]
     keys, rows = version_table(trained, meta.version, meta.dim)
     dense, _ = load_dense(trained / "models", meta.version)
     heldout = sample_io.read_file(str(stream / "heldout" / meta.split / "part-00000"))
@@ -233,14 +242,16 @@ def test_a_restart_resumes_where_it_stopped_and_writes_the_same_models(stream, t
     assert sorted(e.id for e in donefile_entries(out)) == sorted(
         e.id for e in donefile_entries(trained)
     )
-    for directory in sorted((trained / "models").iterdir()):
-        again = out / "models" / directory.name
-        for mine, theirs in zip(read_sparse(again / "sparse", 8),
-                                read_sparse(directory / "sparse", 8), strict=True):  # fmt: skip
-            np.testing.assert_array_equal(mine, theirs, err_msg=f"{directory.name}/sparse")
+    for meta, directory in all_models(trained / "models"):
+        again = find_model(out / "models", meta.id)
+        assert again.relative_to(out) == directory.relative_to(trained)
+        for mine, theirs in zip(
+            read_sparse(again / "sparse", 8), read_sparse(directory / "sparse", 8), strict=True
+        ):
+            np.testing.assert_array_equal(mine, theirs, err_msg=f"{directory}/sparse")
         for name, param in Dense.load(again / "dense.npz").params.items():
             np.testing.assert_array_equal(
-                param, Dense.load(directory / "dense.npz").params[name], err_msg=directory.name
+                param, Dense.load(directory / "dense.npz").params[name], err_msg=str(directory)
             )
 
 
@@ -257,7 +268,7 @@ def test_a_crash_between_checkpoint_and_donefile_line_is_announced_on_restart(st
 
 def test_stale_temporary_models_are_removed(stream, tmp_path):
     out = tmp_path / "out"
-    stale = out / "models" / ".tmp-1795392000-123"
+    stale = out / "models" / "20261123" / ".tmp-base-123"
     (stale / "sparse").mkdir(parents=True)
     assert train(stream, out, "--max_passes", "1") == 0
     assert not stale.exists()
@@ -275,6 +286,6 @@ def test_a_bad_split_stops_the_trainer_with_its_file_and_line(tmp_path):
 
 
 def test_meta_is_json_with_the_auc_figures(trained):
-    meta = json.loads(next((trained / "models").iterdir()).joinpath("meta.json").read_text())
+    meta = json.loads((all_models(trained / "models")[0][1] / "meta.json").read_text())
     assert {"streaming_auc", "offline_auc", "features", "deleted", "table_size"} <= set(meta)
     assert os.path.isdir(trained / "checkpoint")

@@ -37,7 +37,7 @@ from cube.processes import free_port, log_tail, poll_until, spawn, stop_child
 from cube.transfer.demo import fresh_dir, timeline
 from examples.ctr import client as ctr_client
 from examples.ctr.data import spec_from, split_path, split_time, with_stream_flags, write_split
-from examples.ctr.store import ModelMeta, announced_ids, model_dir, read_meta
+from examples.ctr.store import MODELS, ModelMeta, announced_ids, find_model, read_meta
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.002
@@ -121,7 +121,7 @@ def wait_model(
 
     if not poll_until(announced, timeout, 0.2, check=alive):
         raise DemoError(f"the trainer did not announce version {version_id} within {timeout:g}s")
-    return read_meta(model_dir(work / "out", version_id))
+    return read_meta(find_model(work / "out" / MODELS, version_id))
 
 
 class Background:

@@ -11,7 +11,7 @@
 
 A request's feature ids go to Cube in one batched lookup (the distinct ids); the SDK answers a
 batch from one version on every shard, and the predictor runs the MLP saved with that same
-version (`<model_dir>/<last id of the version>/dense.npz`), so no prediction mixes the
+version (`dense.npz` of the model whose id ends the version's name), so no prediction mixes the
 embeddings of one version with the dense part of another while a rollout switches shards. A
 version whose dense part is not there is an error (503), never an answer from another version.
 Features Cube does not have pool as zero vectors and are counted in `missing_features`.
@@ -85,9 +85,9 @@ class DenseCache:
         try:
             return load_dense(self.models_root, version)[0]
         except (OSError, ValueError) as exc:
-            where = f"{self.models_root}/<id>/dense.npz"
             raise PredictError(
-                503, f"no usable dense parameters for version {version} ({where}): {exc}"
+                503,
+                f"no usable dense parameters for version {version} in {self.models_root}: {exc}",
             ) from None
 
     def versions(self) -> list[str]:

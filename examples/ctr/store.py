@@ -1,21 +1,23 @@
 """Where the trainer's models live, and how a version name leads to its dense parameters.
 
-    <out>/models/<id>/sparse/part-00000   Cube SequenceFile: uint64 feasign -> float32[dim]
-                                          (a base: every feature; a delta: changed and new ones)
-    <out>/models/<id>/delete.txt          a delta's deleted feasigns, one per line (shrunk away)
-    <out>/models/<id>/dense.npz           the MLP of this version (model.Dense)
-    <out>/models/<id>/meta.json           what the trainer knows of it (pass, split, AUCs, counts)
+    <out>/models/<YYYYMMDD>/base/           the day's base; `delta_<n>/` for its n-th pass
+    <model>/sparse/part-00000   Cube SequenceFile: uint64 feasign -> float32[dim]
+                                (a base: every feature; a delta: changed and new ones)
+    <model>/delete.txt          a delta's deleted feasigns, one per line (shrunk away)
+    <model>/dense.npz           the MLP of this version (model.Dense)
+    <model>/meta.json           what the trainer knows of it (id, pass, split, AUCs, counts)
     <out>/donefile/base.txt, patch.txt    the lines cube-transfer reads, appended last
 
-`<id>` is the Unix time of the split the version was trained on. cube-transfer names a base
-version `<id>` and a delta `<base id>_<id>`; either way the dense parameters of a served version
-are those of `models/<last id>`. A model directory is written under a temporary name and renamed
-into place, and its donefile line is appended only after that: a version is either whole and
-announced, or not visible at all.
+A version's id is the Unix time of the split it was trained on, so its day directory follows
+from the id. cube-transfer names a base version `<id>` and a delta `<base id>_<id>`; either way
+the dense parameters of a served version are those of the model whose id is the last one. A model
+directory is written under a temporary name and renamed into place, and its donefile line is
+appended only after that: a version is either whole and announced, or not visible at all.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import shutil
@@ -49,6 +51,7 @@ class ModelMeta:
     kind: str  # base | delta
     base: int  # the base id (== id for a base)
     pass_no: int
+    day_pass: int  # 1 for the day's base, then 2, 3, ... (the n of delta_<n>)
     split: str  # YYYYMMDD/HHMM
     features: int  # rows in sparse/
     deleted: int  # keys in delete.txt
@@ -60,13 +63,39 @@ class ModelMeta:
     written_at: float
 
     @property
+    def day(self) -> str:
+        return self.split[:8]
+
+    @property
+    def name(self) -> str:
+        return "base" if self.kind == "base" else f"delta_{self.day_pass}"
+
+    @property
     def version(self) -> str:
         """The name cube-transfer gives this version."""
         return str(self.id) if self.kind == "base" else f"{self.base}_{self.id}"
 
 
-def model_dir(out: Path, version_id: int) -> Path:
-    return out / MODELS / str(version_id)
+def model_dir(out: Path, meta: ModelMeta) -> Path:
+    return out / MODELS / meta.day / meta.name
+
+
+def all_models(models_root: Path) -> list[tuple[ModelMeta, Path]]:
+    """Every whole model under `models_root` (temporaries skipped), by id."""
+    found = [
+        (read_meta(path.parent), path.parent) for path in models_root.glob("[0-9]*/[!.]*/meta.json")
+    ]
+    return sorted(found, key=lambda pair: pair[0].id)
+
+
+def find_model(models_root: Path, version_id: int | str) -> Path:
+    """The directory of the model `version_id` (looked for in the day the id falls on)."""
+    when = dt.datetime.fromtimestamp(int(version_id), dt.UTC)
+    day = models_root / when.strftime("%Y%m%d")
+    for path in sorted(day.glob("[!.]*/meta.json")):
+        if read_meta(path.parent).id == int(version_id):
+            return path.parent
+    raise FileNotFoundError(f"no model with id {version_id} in {day}")
 
 
 def last_id(version: str) -> str:
@@ -93,10 +122,10 @@ def write_model(
     from cube.seqfile import SequenceFileWriter
     from cube.values import ValueColumn
 
-    final = model_dir(out, meta.id)
-    tmp = final.with_name(f".tmp-{meta.id}-{os.getpid()}")
+    final = model_dir(out, meta)
+    tmp = final.with_name(f".tmp-{meta.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "sparse").mkdir(parents=True)
+    (tmp / "sparse").mkdir(parents=True)  # and the day's directory
     rows = np.ascontiguousarray(embeddings, dtype=np.float32)
     column = ValueColumn.fixed(rows.view(np.uint8).reshape(-1), meta.dim * 4)
     with SequenceFileWriter(tmp / "sparse" / "part-00000", dialect="cube") as writer:
@@ -130,21 +159,17 @@ def _stall_for_tests() -> None:
         time.sleep(min(pause, 60.0))
 
 
-def remove_stale_temporaries(out: Path) -> list[str]:
-    """Temporary model directories of killed runs (never announced); their names."""
-    models = out / MODELS
-    removed = []
-    if models.is_dir():
-        for path in models.iterdir():
-            if path.name.startswith(".tmp-"):
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path.name)
-    return removed
+def remove_stale_temporaries(out: Path) -> list[Path]:
+    """Temporary model directories of killed runs (never announced), removed."""
+    stale = sorted((out / MODELS).glob("[0-9]*/.tmp-*"))
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
 
 
 def donefile_line(out: Path, meta: ModelMeta) -> tuple[Path, str]:
     """The donefile and line that announce `meta`'s model to cube-transfer."""
-    directory = model_dir(out, meta.id).resolve()
+    directory = model_dir(out, meta).resolve()
     if meta.kind == "base":
         return out / DONEFILE / BASE_FILE, format_line(
             str(meta.id), str(meta.id), str(directory / "sparse")
@@ -175,8 +200,8 @@ def announce(out: Path, meta: ModelMeta) -> bool:
 
 
 def load_dense(models_root: Path, version: str) -> tuple[Dense, dict[str, Any]]:
-    """The dense part and meta of a served `version` from `<models_root>/<last id>/`."""
-    directory = models_root / last_id(version)
+    """The dense part and meta of a served `version`: those of the model of its last id."""
+    directory = find_model(models_root, last_id(version))
     dense = Dense.load(directory / "dense.npz")
     meta = json.loads((directory / "meta.json").read_text())
     return dense, meta
@@ -201,16 +226,10 @@ def version_table(out: Path, version: str, dim: int) -> tuple[np.ndarray, np.nda
     Sorted keys and their rows. An oracle for tests and a tool to inspect a version."""
     target = int(last_id(version))
     base = int(version.partition("_")[0])
-    keys, rows = read_sparse(model_dir(out, base) / "sparse", dim)
+    keys, rows = read_sparse(find_model(out / MODELS, base) / "sparse", dim)
     table = dict(zip(keys.tolist(), rows, strict=True))
-    chain = sorted(
-        int(p.name)
-        for p in (out / MODELS).iterdir()
-        if p.name.isdigit() and base < int(p.name) <= target
-    )
-    for delta_id in chain:
-        directory = model_dir(out, delta_id)
-        if read_meta(directory).base != base:
+    for meta, directory in all_models(out / MODELS):
+        if meta.kind != "delta" or meta.base != base or meta.id > target:
             continue
         k, r = read_sparse(directory / "sparse", dim)
         table.update(zip(k.tolist(), r, strict=True))

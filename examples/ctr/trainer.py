@@ -39,9 +39,10 @@ from examples.ctr import samples as sample_io
 from examples.ctr.data import Split, list_splits
 from examples.ctr.model import Hyper, Model, auc
 from examples.ctr.store import (
+    MODELS,
     ModelMeta,
     announce,
-    model_dir,
+    find_model,
     read_meta,
     remove_stale_temporaries,
     write_model,
@@ -58,6 +59,7 @@ class Progress:
     pass_no: int = 0
     last_split: str = ""  # YYYYMMDD/HHMM of the last pass
     last_id: int = 0  # the version id of the last pass
+    day_pass: int = 0  # passes of the current day so far
     base_id: int = 0
     base_day: str = ""
     rng: dict[str, Any] | None = None
@@ -80,8 +82,8 @@ class StreamingTrainer:
     def resume(self) -> bool:
         """Load the latest checkpoint, if any, and announce its version if a crash came between
         writing the model and appending the line. Whether there was one."""
-        for name in remove_stale_temporaries(self.out):
-            say(f"removed {self.out / 'models' / name}: a save that never finished")
+        for path in remove_stale_temporaries(self.out):
+            say(f"removed {path}: a save that never finished")
         pointer = self.out / CHECKPOINTS / LATEST
         if not pointer.is_file():
             return False
@@ -93,7 +95,7 @@ class StreamingTrainer:
             self.model = Model.from_state(self.hyper, {k: npz[k] for k in npz.files})
         if self.progress.rng is not None:
             self.rng.bit_generator.state = self.progress.rng
-        meta = read_meta(model_dir(self.out, self.progress.last_id))
+        meta = read_meta(find_model(self.out / MODELS, self.progress.last_id))
         if announce(self.out, meta):
             say(f"announced version {meta.version}: its model was saved before the last stop")
         return True
@@ -155,6 +157,7 @@ class StreamingTrainer:
             kind="base" if is_base else "delta",
             base=base_id,
             pass_no=pass_no,
+            day_pass=1 if is_base else self.progress.day_pass + 1,
             split=split.name,
             features=int(rows.shape[0]),
             deleted=0 if is_base else int(dropped.shape[0]),
@@ -171,7 +174,7 @@ class StreamingTrainer:
         table.dirty[:] = False
         self.progress.pass_no, self.progress.last_split = pass_no, split.name
         self.progress.last_id, self.progress.base_id = version_id, base_id
-        self.progress.base_day = split.day
+        self.progress.base_day, self.progress.day_pass = split.day, meta.day_pass
         self.checkpoint()
         announce(self.out, meta)
         say(
