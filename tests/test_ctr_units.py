@@ -289,3 +289,16 @@ def test_meta_is_json_with_the_auc_figures(trained):
     meta = json.loads((all_models(trained / "models")[0][1] / "meta.json").read_text())
     assert {"streaming_auc", "offline_auc", "features", "deleted", "table_size"} <= set(meta)
     assert os.path.isdir(trained / "checkpoint")
+
+
+def test_a_version_without_its_dense_part_is_an_error_not_another_version(trained, tmp_path):
+    import asyncio
+
+    from examples.ctr.predictor import DenseCache, PredictError
+
+    cache = DenseCache(trained / "models")
+    first = all_models(trained / "models")[0][0]
+    assert asyncio.run(cache.get(first.version)).dim == first.dim
+    with pytest.raises(PredictError) as err:
+        asyncio.run(cache.get(f"{first.id}_1795399999"))
+    assert err.value.status == 503 and "1795392000_1795399999" in str(err.value)
