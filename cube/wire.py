@@ -189,6 +189,14 @@ def fixed_answer_frame(
     return view, found, values
 
 
+def _utf8(data: Buffer, at: int, length: int) -> str:
+    """A string field as protobuf reads it: BadMessage unless it is UTF-8."""
+    try:
+        return str(data[at : at + length], "utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadMessage(f"version is not UTF-8: {exc}") from None
+
+
 def decode_seek_response(data: Buffer, n: int) -> Answer:
     """The answer in `cube.v1.SeekResponse` bytes for `n` keys; its arrays are views of `data`
     (bytes, or a memoryview of a received buffer)."""
@@ -314,14 +322,13 @@ def _scan_response(data: Buffer) -> tuple[int, int, int, int, int, int, int, str
         elif tag == 0x22:
             offsets_at, offsets_length = pos, value
         elif tag == 0x2A:
+            if version_length:  # repeated: the last wins, but every one must be UTF-8
+                _utf8(data, version_at, version_length)
             version_at, version_length = pos, value
         pos += value
     if pos != end:
         raise BadMessage("truncated message")
-    try:
-        version = str(data[version_at : version_at + version_length], "utf-8")
-    except UnicodeDecodeError as exc:
-        raise BadMessage(f"version is not UTF-8: {exc}") from None
+    version = _utf8(data, version_at, version_length)
     return (
         found_at,
         found_length,

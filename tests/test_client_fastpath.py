@@ -198,6 +198,9 @@ FIELD = st.one_of(
     cut=400,
     junk=b"",
 ).via("repeated fields")
+@example(fields=[(5, 2, b"\x80"), (5, 2, b"")], cut=400, junk=b"").via(
+    "a version that is not UTF-8, then a good one: protobuf refuses the message"
+)
 def test_response_scan_reads_what_protobuf_reads(fields, cut, junk):
     """The SDK's one-pass scan against the generated class on any mix of known, unknown,
     repeated and damaged fields: same fields, same errors (the width is a uint32 to protobuf,
