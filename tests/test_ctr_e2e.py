@@ -130,7 +130,7 @@ def test_features_shrunk_away_miss_after_their_delta(loop):
     first = deltas[0]
     index = loop["passes"].index(first)
     previous = loop["passes"][index - 1]["meta"].version
-    keys, _ = version_table(loop["work"] / "out", previous, DIM)
+    keys = version_table(loop["work"] / "out", previous, DIM).keys
     assert np.isin(first["deleted"], keys).all()
 
 
@@ -145,10 +145,8 @@ def test_no_answer_mixes_versions_during_the_switches(loop):
     out = loop["work"] / "out"
     expected: dict[str, np.ndarray] = {}
     for version in background.versions:
-        keys, rows = version_table(out, version, DIM)
+        emb = version_table(out, version, DIM).embeddings(samples.feasigns)
         dense, _ = load_dense(out / "models", version)
-        pos = np.minimum(np.searchsorted(keys, samples.feasigns), keys.shape[0] - 1)
-        emb = np.where((keys[pos] == samples.feasigns)[:, None], rows[pos], 0).astype(np.float32)
         expected[version] = dense.predict(pool(emb, samples, dense.slot_ids))
     ordered = sorted(expected)
     for a, b in itertools.pairwise(ordered):  # versions are told apart by their CTRs
@@ -185,8 +183,8 @@ def test_predictor_answers_bad_requests_with_what_is_wrong(loop):
     url = loop["url"]
     code, body = post(url, {"samples": ["1 0 5:1", "1 0 12:3 oops"]})
     assert code == 400 and "sample 1: feature 2" in body["error"] and "oops" not in body["error"]
-    code, body = post(url, {"samples": ["1 0 5:99"]})
-    assert code == 400 and "slot 99" in body["error"]
+    code, body = post(url, {"samples": ["1 0 5:1", "1 0 5:1 6:99"]})
+    assert code == 400 and "sample 1: feature 2 is in slot 99" in body["error"]
     code, body = post(url, b"{not json")
     assert code == 400 and "not JSON" in body["error"]
     code, body = post(url, {"samples": "1 0 5:1"})

@@ -212,8 +212,8 @@ def test_a_delta_deletes_what_shrink_dropped_and_a_base_leaves_it_out(trained):
     delete_file = find_model(trained / "models", delta.id) / "delete.txt"
     deleted = np.array(delete_file.read_text().split(), dtype=np.uint64)
     assert delta.deleted == deleted.shape[0] > 0
-    before, _ = version_table(trained, metas[2].version, delta.dim)
-    after, _ = version_table(trained, delta.version, delta.dim)
+    before = version_table(trained, metas[2].version, delta.dim).keys
+    after = version_table(trained, delta.version, delta.dim).keys
     assert np.isin(deleted, before).all() and not np.isin(deleted, after).any()
     assert after.shape[0] == delta.table_size
     base_keys, _ = read_sparse(find_model(trained / "models", metas[2].id) / "sparse", delta.dim)
@@ -224,12 +224,10 @@ def test_the_saved_version_predicts_what_the_trainer_evaluated(trained, stream):
     from examples.ctr.model import pool
 
     meta = all_models(trained / "models")[-1][0]
-    keys, rows = version_table(trained, meta.version, meta.dim)
+    table = version_table(trained, meta.version, meta.dim)
     dense, _ = load_dense(trained / "models", meta.version)
     heldout = sample_io.read_file(str(stream / "heldout" / meta.split / "part-00000"))
-    pos = np.minimum(np.searchsorted(keys, heldout.feasigns), keys.shape[0] - 1)
-    hit = keys[pos] == heldout.feasigns
-    emb = np.where(hit[:, None], rows[pos], 0).astype(np.float32)
+    emb = table.embeddings(heldout.feasigns)
     served = dense.predict(pool(emb, heldout, dense.slot_ids))
     assert auc(heldout.labels, served) == pytest.approx(meta.offline_auc, abs=1e-9)
 
@@ -274,7 +272,7 @@ def test_stale_temporary_models_are_removed(stream, tmp_path):
     assert not stale.exists()
 
 
-def test_a_bad_split_stops_the_trainer_with_its_file_and_line(tmp_path):
+def test_a_bad_split_stops_the_trainer_with_its_file_and_line(tmp_path, capsys):
     write_split(SMALL, tmp_path, 0)
     part = tmp_path / "data" / "20261123" / "0000" / "part-00000"
     lines = part.read_text().splitlines()
@@ -282,6 +280,7 @@ def test_a_bad_split_stops_the_trainer_with_its_file_and_line(tmp_path):
     part.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
     assert train(tmp_path, out) == 1
+    assert f"error: {part} 7: feature 1 is not `feasign:slot`" in capsys.readouterr().out
     assert not (out / "donefile" / BASE_FILE).exists()
 
 
@@ -302,3 +301,11 @@ def test_a_version_without_its_dense_part_is_an_error_not_another_version(traine
     with pytest.raises(PredictError) as err:
         asyncio.run(cache.get(f"{first.id}_1795399999"))
     assert err.value.status == 503 and "1795392000_1795399999" in str(err.value)
+
+
+def test_a_slot_the_model_lacks_is_named_by_sample_and_feature():
+    from examples.ctr.model import slot_index
+
+    samples = sample_io.parse_lines(["1 0 5:1 6:2", "7:2 8:9 9:1"])
+    with pytest.raises(sample_io.SampleError, match=r"sample 1: feature 2 is in slot 9,"):
+        slot_index(np.arange(1, 4), samples)

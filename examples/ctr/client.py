@@ -43,12 +43,10 @@ class Replay:
 
     @property
     def answered(self) -> np.ndarray:
-        return np.array([v != "" for v in self.versions], dtype=bool)
+        return np.array(self.versions) != ""
 
     def auc(self, version: str | None = None) -> float:
-        mask = self.answered
-        if version is not None:
-            mask &= np.array([v == version for v in self.versions], dtype=bool)
+        mask = self.answered if version is None else np.array(self.versions) == version
         return auc(self.labels[mask], self.ctr[mask])
 
     def summary(self) -> dict[str, Any]:

@@ -16,7 +16,6 @@ model that learns the weights reaches a known AUC (`bayes_auc`).
 from __future__ import annotations
 
 import datetime as dt
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from cube.flags import FlagError, FlagSet, run_cli
+from cube.fsutil import atomic_write_text
+from examples.ctr.model import auc
 from examples.ctr.samples import Samples, format_lines
 
 SPLIT_DONE = "to.hadoop.done"  # the marker a split's writer leaves last
@@ -173,21 +174,14 @@ def generate(spec: StreamSpec, index: int, count: int, stream: int) -> Samples:
 
 def bayes_auc(spec: StreamSpec, index: int) -> float:
     """The AUC of the true probabilities on split `index`'s held-out samples: a ceiling."""
-    from examples.ctr.model import auc
-
     samples = generate(spec, index, max(spec.heldout, 1000), 1)
     return auc(samples.labels, click_probability(spec, samples))
 
 
 def _write_text(path: Path, lines: Sequence[str]) -> None:
-    """Write a part file whole: into a temporary name, then renamed."""
+    """Write a part file whole (a temporary name, synced, renamed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="ascii") as file:
-        file.write("\n".join(lines) + "\n" if lines else "")
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, "\n".join(lines) + "\n" if lines else "")
 
 
 def write_split(spec: StreamSpec, root: Path, index: int) -> Path:

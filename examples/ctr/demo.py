@@ -34,21 +34,13 @@ from typing import Any
 
 from cube.flags import FlagSet, run_cli
 from cube.processes import free_port, log_tail, poll_until, spawn, stop_child
-from cube.transfer.demo import fresh_dir, timeline
+from cube.transfer.demo import DemoError, fresh_dir, say, timeline
 from examples.ctr import client as ctr_client
 from examples.ctr.data import spec_from, split_path, split_time, with_stream_flags, write_split
 from examples.ctr.store import MODELS, ModelMeta, announced_ids, find_model, read_meta
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.002
-
-
-class DemoError(RuntimeError):
-    """A step or a check of the demo that failed; the message says which."""
-
-
-def say(text: str = "") -> None:
-    print(text, flush=True)
 
 
 def python_env() -> dict[str, str]:

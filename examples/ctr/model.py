@@ -36,26 +36,27 @@ def auc(labels: np.ndarray, scores: np.ndarray) -> float:
     return (rank_sum - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg)
 
 
-def slot_index(slot_ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
-    """The position of each slot in the model's sorted `slot_ids`; SampleError for a slot the
-    model does not have."""
-    pos = np.searchsorted(slot_ids, slots)
-    pos_clipped = np.minimum(pos, slot_ids.shape[0] - 1)
-    bad = slot_ids[pos_clipped] != slots
+def slot_index(slot_ids: np.ndarray, samples: Samples) -> np.ndarray:
+    """The position of each feature's slot in the model's sorted `slot_ids`; SampleError naming
+    the sample and feature whose slot the model does not have."""
+    pos = np.minimum(np.searchsorted(slot_ids, samples.slots), slot_ids.shape[0] - 1)
+    bad = slot_ids[pos] != samples.slots
     if bad.any():
         at = int(np.flatnonzero(bad)[0])
+        sample = int(np.searchsorted(samples.offsets, at, side="right")) - 1
         raise SampleError(
-            f"feature {at} of the batch is in slot {int(slots[at])}, which the model does not "
-            f"have (slots {int(slot_ids[0])}..{int(slot_ids[-1])})"
+            f"sample {sample}: feature {at - int(samples.offsets[sample]) + 1} is in slot "
+            f"{int(samples.slots[at])}, which the model does not have (slots "
+            f"{int(slot_ids[0])}..{int(slot_ids[-1])})"
         )
-    return pos_clipped
+    return pos
 
 
 def pool(rows: np.ndarray, samples: Samples, slot_ids: np.ndarray) -> np.ndarray:
     """Sum `rows` (one embedding per feature of `samples`, in their order) per sample and slot:
     (n, slots * dim), float32 for float32 rows."""
     n, n_slots, dim = len(samples), slot_ids.shape[0], rows.shape[1]
-    segment = samples.sample_of * n_slots + slot_index(slot_ids, samples.slots)
+    segment = samples.sample_of * n_slots + slot_index(slot_ids, samples)
     pooled = np.zeros((n * n_slots, dim), dtype=rows.dtype)
     np.add.at(pooled, segment, rows)
     return pooled.reshape(n, n_slots * dim)
@@ -226,6 +227,22 @@ class SparseTable:
         }
 
     @classmethod
+    def of(cls, keys: np.ndarray, emb: np.ndarray) -> SparseTable:
+        """A table of these rows and no training state (to look a saved version up)."""
+        n, dim = emb.shape
+        return cls.from_arrays(
+            dim,
+            0.0,
+            {
+                "keys": keys,
+                "emb": emb,
+                "g2": np.zeros_like(emb),
+                "last_seen": np.zeros(n, np.int64),
+                "dirty": np.zeros(n, bool),
+            },
+        )
+
+    @classmethod
     def from_arrays(cls, dim: int, init_scale: float, arrays: dict[str, np.ndarray]) -> SparseTable:
         table = cls(
             dim, init_scale, **{k: arrays[k] for k in ("keys", "emb", "g2", "last_seen", "dirty")}
@@ -309,7 +326,7 @@ class Model:
         grads["w1"] = pooled.T @ d_pre
         grads["b1"] = d_pre.sum(axis=0)
         d_pooled = (d_pre @ d.w1.T).reshape(-1, d.dim)
-        segment = samples.sample_of * d.slot_ids.shape[0] + slot_index(d.slot_ids, samples.slots)
+        segment = samples.sample_of * d.slot_ids.shape[0] + slot_index(d.slot_ids, samples)
         return loss, grads, d_pooled[segment]
 
     def _adagrad(self, rows: np.ndarray, grad: np.ndarray, pass_no: int) -> None:

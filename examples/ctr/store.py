@@ -37,8 +37,8 @@ from cube.donefile import (
     format_line,
     parse_lines,
 )
-from cube.fsutil import atomic_write_json, fsync_dir
-from examples.ctr.model import Dense
+from cube.fsutil import atomic_write_json, atomic_write_text, fsync_dir
+from examples.ctr.model import Dense, SparseTable
 
 MODELS = "models"
 DONEFILE = "donefile"
@@ -132,7 +132,7 @@ def write_model(
         writer.write_batch(np.ascontiguousarray(keys, dtype=np.uint64), column)
     _stall_for_tests()
     if meta.kind == "delta":
-        _write_synced(tmp / "delete.txt", "".join(f"{k}\n" for k in deleted.tolist()).encode())
+        atomic_write_text(tmp / "delete.txt", "".join(f"{k}\n" for k in deleted.tolist()))
     dense.save(tmp / "dense.npz")
     atomic_write_json(tmp / "meta.json", asdict(meta))
     with open(tmp / "sparse" / "part-00000", "rb") as file:
@@ -144,13 +144,6 @@ def write_model(
     os.replace(tmp, final)
     fsync_dir(final.parent)
     return final
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
 
 
 def _stall_for_tests() -> None:
@@ -220,10 +213,10 @@ def read_sparse(directory: Path, dim: int) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(keys), np.concatenate(rows)
 
 
-def version_table(out: Path, version: str, dim: int) -> tuple[np.ndarray, np.ndarray]:
+def version_table(out: Path, version: str, dim: int) -> SparseTable:
     """What Cube should serve for `version`, rebuilt from the model files alone: the base, then
-    each delta of that base up to the version's id in order (upserts, then its deletes).
-    Sorted keys and their rows. An oracle for tests and a tool to inspect a version."""
+    each delta of that base up to the version's id in order (upserts, then its deletes). An
+    oracle for tests and a tool to inspect a version (`.keys`, `.embeddings(feasigns)`)."""
     target = int(last_id(version))
     base = int(version.partition("_")[0])
     keys, rows = read_sparse(find_model(out / MODELS, base) / "sparse", dim)
@@ -237,4 +230,4 @@ def version_table(out: Path, version: str, dim: int) -> tuple[np.ndarray, np.nda
             table.pop(int(key), None)
     ordered = sorted(table)
     stacked = np.stack([table[k] for k in ordered]) if ordered else np.zeros((0, dim), np.float32)
-    return np.array(ordered, dtype=np.uint64), stacked
+    return SparseTable.of(np.array(ordered, dtype=np.uint64), stacked)
