@@ -189,6 +189,8 @@ def test_predictor_answers_bad_requests_with_what_is_wrong(loop):
     assert code == 400 and "not JSON" in body["error"]
     code, body = post(url, {"samples": "1 0 5:1"})
     assert code == 400
+    code, body = post(url, {"samples": ["1 0", "0 0"]})
+    assert code == 400 and "none of the 2 samples has a feature" in body["error"]
     code, body = post(url, {"samples": ["5:1"] * 10_001})
     assert code == 413
     code, body = post(url, {"samples": ["1 0 5:1 6:2", "7:3"]})

@@ -129,6 +129,8 @@ class Predictor:
             raise PredictError(400, str(exc)) from None
         if not len(samples):
             return {"version": None, "ctr": [], "features": 0, "missing_features": 0}
+        if not samples.feasigns.shape[0]:  # the version, and so the dense part, comes from Cube
+            raise PredictError(400, f"none of the {len(samples)} samples has a feature")
         unique, inverse = np.unique(samples.feasigns, return_inverse=True)
         try:
             result = await self.client.seek(unique)
