@@ -382,7 +382,9 @@ def finish_shard(task: FinishTask, on_bytes: Callable[[int], None] | None = None
         if part.directory:
             remove_part(part)
     shard_dir = Path(task.shard_dir)
-    tar_size, md5 = write_tar(Path(task.tar_path), shard_dir, TAR_MEMBERS, sync=False)
+    tar_size, md5 = write_tar(
+        Path(task.tar_path), shard_dir, TAR_MEMBERS, mtime=int(task.meta["cur"]), sync=False
+    )
     sync_files([*(shard_dir / name for name in TAR_MEMBERS), Path(task.tar_path)])
     write_md5_file(Path(task.tar_path), md5)
     return ShardOutput(
@@ -414,16 +416,18 @@ def sync_files(paths: Sequence[Path]) -> None:
 
 
 def write_tar(
-    tar_path: Path, directory: Path, members: Sequence[str], sync: bool = True
+    tar_path: Path, directory: Path, members: Sequence[str], mtime: int, sync: bool = True
 ) -> tuple[int, str]:
     """Plain tar (tarfile's headers) of `directory`'s `members` as `./<name>`, with its md5
     computed in the same pass: each file is mapped and every byte goes to md5 and the tar
     once (no read copies). Written under a temp name (fsynced unless `sync` is False: then
-    the caller does), renamed when complete. Returns (size, md5 hex)."""
+    the caller does), renamed when complete. Returns (size, md5 hex).
+
+    Every member gets `mtime` (the builder passes the version's cur_version, a Unix time) and
+    no owner names: the same shard files make the same tar, whoever builds them and when."""
     tmp = tar_path.with_name(f".{tar_path.name}.tmp-{os.getpid()}")
     md5 = hashlib.md5()
     size = 0
-    mtime = int(time.time())
     try:
         with _TarSink(tmp) as out:
 

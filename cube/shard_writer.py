@@ -8,9 +8,10 @@ neither. cube.shard re-exports everything here.
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
 import os
 import sys
-import uuid
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,13 +65,19 @@ def write_shard(
     order = built.live_order
     count = int(order.shape[0])
     width = values.width if count else 0
-    build_id = uuid.uuid4().hex
+    lengths = np.empty(0, np.int64)
+    if count and not width:
+        # The layout depends on the live values alone: fixed width when they all have one
+        # non-zero length, however the input was batched (a batch of mixed lengths reads as
+        # variable even where this shard's share of it is not).
+        lengths = values.lengths().take(order)
+        if lengths[0] > 0 and (lengths == lengths[0]).all():
+            width = int(lengths[0])
 
     if width:
         value_bytes = count * width
         step = max(1, _WRITE_CHUNK_BYTES // width)
     else:
-        lengths = values.lengths().take(order) if count else np.empty(0, np.int64)
         offsets = np.zeros(count + 1, dtype=np.uint64)
         np.cumsum(lengths, out=offsets[1:])
         value_bytes = int(offsets[-1])
@@ -83,24 +90,6 @@ def write_shard(
     data_sections: dict[str, Any] = {"values": (value_bytes, value_chunks())}
     if not width:
         data_sections["offsets"] = (offsets.nbytes, iter([offsets.astype("<u8")]))
-    common = {
-        **meta,
-        "build_id": build_id,
-        "record_count": count,
-        "tombstone_count": built.tombstone_count,
-        "value_width": width,
-        "value_bytes": value_bytes,
-    }
-    data_header = _write_file(directory / DATA_FILE, "data", common, data_sections, sync)
-    index_fields = {
-        **common,
-        "bucket_count": table.bucket_count,
-        "slot_count": table.slot_count,
-        "empty_key": str(table.empty_key),
-        "max_probe": table.max_probe,
-        "hash": "fmix64-fastrange-bucket8",
-        "data_file_size": data_header["file_size"],
-    }
     index_sections = {
         "slot_keys": (table.slot_keys.nbytes, iter([table.slot_keys.astype("<u8", copy=False)])),
         "bucket_rows": (
@@ -112,47 +101,97 @@ def write_shard(
             iter([table.deleted_keys.astype("<u8", copy=False)]),
         ),
     }
-    return _write_file(directory / INDEX_FILE, "index", index_fields, index_sections, sync)
+    common = {
+        **meta,
+        "record_count": count,
+        "tombstone_count": built.tombstone_count,
+        "value_width": width,
+        "value_bytes": value_bytes,
+    }
+    with (
+        _SectionFile(directory / DATA_FILE, data_sections) as data_file,
+        _SectionFile(directory / INDEX_FILE, index_sections) as index_file,
+    ):
+        data_file.write_sections()
+        index_file.write_sections()
+        common["build_id"] = content_build_id(
+            common, data_file.section_table, index_file.section_table
+        )
+        data_header = data_file.finish("data", common, sync)
+        index_fields = {
+            **common,
+            "bucket_count": table.bucket_count,
+            "slot_count": table.slot_count,
+            "empty_key": str(table.empty_key),
+            "max_probe": table.max_probe,
+            "hash": "fmix64-fastrange-bucket8",
+            "data_file_size": data_header["file_size"],
+        }
+        return index_file.finish("index", index_fields, sync)
 
 
-def _write_file(
-    path: Path, kind: str, fields: dict[str, Any], sections: dict[str, Any], sync: bool = True
-) -> dict[str, Any]:
-    """Write header + sections to a temp name, (fsync,) rename. Sections are (length, chunks)."""
-    placed, file_size = fmt.layout_sections(
-        {name: length for name, (length, _) in sections.items()}
-    )
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    section_table = {}
-    try:
-        with open(tmp, "wb", buffering=0) as out:
-            out.truncate(file_size)
-            writeback = Writeback(out.fileno())
-            for name, (length, chunks) in sections.items():
-                offset = placed[name][0]
-                out.seek(offset)
-                crc = 0
-                written = 0
-                for chunk in chunks:
-                    view = np.ascontiguousarray(chunk).data.cast("B")
-                    crc = zlib.crc32(view, crc)
-                    written += len(view)
-                    while view:
-                        view = view[out.write(view) :]
-                    writeback.wrote(offset + written)
-                if written != length:
-                    raise RuntimeError(f"{path}: section {name} wrote {written} of {length} bytes")
-                section_table[name] = [offset, length, crc]
-            header_fields = {**fields, "file_size": file_size, "sections": section_table}
-            out.seek(0)
-            out.write(fmt.encode_header(kind, header_fields))
-            if sync:
-                os.fsync(out.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return header_fields
+def content_build_id(fields: dict[str, Any], *section_tables: dict[str, list[int]]) -> str:
+    """The id that pairs a shard's two files, derived from what they hold (the header fields
+    and every section's length and crc32) rather than drawn at random: the same input and
+    flags build the same bytes, on one machine or on a Spark cluster, and a shard rebuilt
+    from other data gets another id."""
+    described = json.dumps([fields, *section_tables], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(described.encode()).hexdigest()[:32]
+
+
+class _SectionFile:
+    """One shard file being written: sections first (under a temp name), the header last,
+    once the caller knows every section's crc; renamed into place by `finish`. Removed if
+    the `with` block ends without `finish`."""
+
+    def __init__(self, path: Path, sections: dict[str, Any]) -> None:
+        self.path = path
+        self.sections = sections  # name -> (length, chunks)
+        self.placed, self.file_size = fmt.layout_sections(
+            {name: length for name, (length, _) in sections.items()}
+        )
+        self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        self.section_table: dict[str, list[int]] = {}
+        self._out = open(self.tmp, "wb", buffering=0)  # noqa: SIM115 - closed by finish/exit
+
+    def __enter__(self) -> _SectionFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._out.close()
+        if self.tmp.exists():
+            self.tmp.unlink()
+
+    def write_sections(self) -> None:
+        out = self._out
+        out.truncate(self.file_size)
+        writeback = Writeback(out.fileno())
+        for name, (length, chunks) in self.sections.items():
+            offset = self.placed[name][0]
+            out.seek(offset)
+            crc = 0
+            written = 0
+            for chunk in chunks:
+                view = np.ascontiguousarray(chunk).data.cast("B")
+                crc = zlib.crc32(view, crc)
+                written += len(view)
+                while view:
+                    view = view[out.write(view) :]
+                writeback.wrote(offset + written)
+            if written != length:
+                raise RuntimeError(f"{self.path}: section {name} wrote {written} of {length} bytes")
+            self.section_table[name] = [offset, length, crc]
+
+    def finish(self, kind: str, fields: dict[str, Any], sync: bool) -> dict[str, Any]:
+        """Write the header, (fsync,) close and rename; returns the header fields."""
+        header_fields = {**fields, "file_size": self.file_size, "sections": self.section_table}
+        self._out.seek(0)
+        self._out.write(fmt.encode_header(kind, header_fields))
+        if sync:
+            os.fsync(self._out.fileno())
+        self._out.close()
+        os.replace(self.tmp, self.path)
+        return header_fields
 
 
 class Writeback:

@@ -24,6 +24,7 @@ from cube.routing import shard_of
 from cube.seqfile import SYNC_ESCAPE, SequenceFileWriter, encode_header
 from cube.shard import Shard, ShardStack
 from cube.values import ValueColumn
+from tests.build_inputs import output_digests, write_mixed_input
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / ".venv" / "bin" / "cube-builder"
@@ -569,3 +570,34 @@ def test_master_unreachable_exits_3_and_keeps_output(tmp_path):
     assert "registering" in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert (output / f"{BASE}_{BASE}" / "dict_part0.tar").exists()
     assert (output / "meta_info" / f"{BASE}_{BASE}_0_0.json").exists()
+
+
+def test_the_same_input_builds_the_same_bytes(tmp_path):
+    """A build is a function of its input and flags: two builds with different batching and
+    worker counts, seconds apart, write byte-identical shards, tars, md5s and meta_info (build
+    ids come from the content, tar times from the version)."""
+    inputs, deleted = write_mixed_input(tmp_path)
+    digests = []
+    for run, (memory, workers) in enumerate([(1024, 2), (1, 1)]):
+        output = tmp_path / f"out{run}"
+        base = run_builder(*build_args(inputs, output, 3, memory_mb=memory, workers=workers))
+        assert base.returncode == 0, base.stderr
+        delta = run_builder(
+            *build_args(
+                inputs / "sub",
+                output,
+                3,
+                job_mode="delta",
+                cur_version=DELTA,
+                depend_version=BASE,
+                delete_path=deleted,
+                memory_mb=memory,
+                workers=workers,
+            )
+        )
+        assert delta.returncode == 0, delta.stderr
+        digests.append(output_digests(output))
+        if run == 0:
+            time.sleep(1.1)  # a tar stamped with the clock would now differ
+    assert digests[0] == digests[1]
+    assert len(digests[0]) == 2 * 3 * 4 + 2 * 3  # per shard: 2 files, tar, md5; meta_info
