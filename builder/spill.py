@@ -200,19 +200,8 @@ class Spiller:
             raise ValueError(f"{n} keys for {values.count} values")
         if n == 0:
             return
-        if self.shard_num == 1:
-            self.shards[0].append(keys, values)
-            return
-        order, bounds = group_positions(self._owners(keys), self.shard_num)
-        keys = keys.take(order)
-        if values.width:
-            items = values.blob[: n * values.width].view(f"V{values.width}")
-            values = ValueColumn.fixed(items.take(order).view(np.uint8), values.width)
-        else:
-            values = values.take(order)
-        for shard in np.flatnonzero(np.diff(bounds)).tolist():
-            lo, hi = int(bounds[shard]), int(bounds[shard + 1])
-            self.shards[shard].append(keys[lo:hi], slice_values(values, lo, hi))
+        for shard, shard_keys, shard_values in route_batch(keys, values, self._owners(keys)):
+            self.shards[shard].append(shard_keys, shard_values)
 
     def add_source(self, source: SourceFile) -> int:
         """Register an input file whose values `add_located` will point into; its number."""
@@ -249,10 +238,7 @@ class Spiller:
             )
 
     def _owners(self, keys: np.ndarray) -> np.ndarray:
-        n = self.shard_num
-        if self.partitioner == "mod" and n & (n - 1) == 0:  # a mask, not a 64-bit division
-            return (keys & np.uint64(n - 1)).astype(np.int64)
-        return shard_of(keys, n, self.partitioner)
+        return shard_owners(keys, self.shard_num, self.partitioner)
 
     def finish(self) -> list[SpillPart]:
         for spill in self.shards:
@@ -272,6 +258,33 @@ def group_positions(owners: np.ndarray, owner_count: int) -> tuple[np.ndarray, n
     bounds = np.zeros(owner_count + 1, dtype=np.int64)
     np.cumsum(np.bincount(owners, minlength=owner_count), out=bounds[1:])
     return order, bounds
+
+
+def shard_owners(keys: np.ndarray, shard_num: int, partitioner: str) -> np.ndarray:
+    """Each key's shard as int64 (cube.routing's rule; a power-of-two `mod` is a mask)."""
+    if partitioner == "mod" and shard_num & (shard_num - 1) == 0:
+        return (keys & np.uint64(shard_num - 1)).astype(np.int64)
+    return shard_of(keys, shard_num, partitioner)
+
+
+def route_batch(
+    keys: np.ndarray, values: ValueColumn, owners: np.ndarray
+) -> Iterator[tuple[int, np.ndarray, ValueColumn]]:
+    """(shard, keys, values) for every shard that owns records of the batch, in shard order,
+    input order kept within each shard; `owners` is each record's shard (cube.routing)."""
+    if owners.shape[0] and (owners == owners[0]).all():
+        yield int(owners[0]), keys, values
+        return
+    order, bounds = group_positions(owners, int(owners.max()) + 1)
+    keys = keys.take(order)
+    if values.width:
+        items = values.blob[: keys.shape[0] * values.width].view(f"V{values.width}")
+        values = ValueColumn.fixed(items.take(order).view(np.uint8), values.width)
+    else:
+        values = values.take(order)
+    for shard in np.flatnonzero(np.diff(bounds)).tolist():
+        lo, hi = int(bounds[shard]), int(bounds[shard + 1])
+        yield shard, keys[lo:hi], slice_values(values, lo, hi)
 
 
 def slice_values(values: ValueColumn, lo: int, hi: int) -> ValueColumn:
