@@ -381,14 +381,19 @@ def finish_shard(task: FinishTask, on_bytes: Callable[[int], None] | None = None
     for part in task.parts:
         if part.directory:
             remove_part(part)
-    shard_dir = Path(task.shard_dir)
-    tar_size, md5 = write_tar(
-        Path(task.tar_path), shard_dir, TAR_MEMBERS, mtime=int(task.meta["cur"]), sync=False
-    )
-    sync_files([*(shard_dir / name for name in TAR_MEMBERS), Path(task.tar_path)])
-    write_md5_file(Path(task.tar_path), md5)
+    return package_shard(header, Path(task.shard_dir), Path(task.tar_path), task.meta)
+
+
+def package_shard(
+    header: dict[str, Any], shard_dir: Path, tar_path: Path, meta: dict[str, Any]
+) -> ShardOutput:
+    """After `write_shard(..., sync=False)`: the tar and its md5 file, everything fsynced;
+    what the shard's meta_info will say."""
+    tar_size, md5 = write_tar(tar_path, shard_dir, TAR_MEMBERS, mtime=int(meta["cur"]), sync=False)
+    sync_files([*(shard_dir / name for name in TAR_MEMBERS), tar_path])
+    write_md5_file(tar_path, md5)
     return ShardOutput(
-        shard=int(task.meta["shard"]),
+        shard=int(meta["shard"]),
         record_count=int(header["record_count"]),
         tombstone_count=int(header["tombstone_count"]),
         value_width=int(header["value_width"]),
@@ -755,6 +760,28 @@ def build(
         raise
     finally:
         workspace.close()
+    metas, meta_paths = write_meta_infos(config, outputs, formats)
+    return BuildResult(
+        version_dir=version_dir,
+        meta_paths=meta_paths,
+        metas=metas,
+        shards=outputs,
+        records_read=sum(r.records for r in reads),
+        input_files=len(files),
+        key_formats=formats,
+        seconds=time.monotonic() - started,
+        phase_seconds={
+            **phases,
+            "publish": time.monotonic() - started - phases["read"] - phases["finish"],
+        },
+    )
+
+
+def write_meta_infos(
+    config: BuildConfig, outputs: Sequence[ShardOutput], formats: Sequence[str]
+) -> tuple[list[dict[str, Any]], list[Path]]:
+    """`meta_info/<cur>_<depend>_<shard>_0.json` for each built shard (after the version
+    directory is published); returns the metas and their paths."""
     common = {
         "dict_name": config.dict_name,
         "version": config.served_version,
@@ -781,20 +808,7 @@ def build(
                 zip(outputs, metas, strict=True),
             )
         )
-    return BuildResult(
-        version_dir=version_dir,
-        meta_paths=meta_paths,
-        metas=metas,
-        shards=outputs,
-        records_read=sum(r.records for r in reads),
-        input_files=len(files),
-        key_formats=formats,
-        seconds=time.monotonic() - started,
-        phase_seconds={
-            **phases,
-            "publish": time.monotonic() - started - phases["read"] - phases["finish"],
-        },
-    )
+    return metas, meta_paths
 
 
 class _Warmer:
