@@ -57,7 +57,12 @@ COMPRESSIONS = ("none", "record", "block")
 _BLOCK_COMPRESS_VERSION = 4
 _CUSTOM_COMPRESS_VERSION = 5
 _METADATA_VERSION = 6
-SYNC_INTERVAL = 2000  # bytes of records between sync escapes (Hadoop's classic 100 * SYNC_SIZE)
+# Where a writer puts sync escapes, per dialect. The Cube tools (kv_to_seqfile) write one once
+# the record lengths since the last add up to CUBE_SYNC_INTERVAL; Hadoop 3's SequenceFile.Writer
+# writes one before a record that starts HADOOP_SYNC_INTERVAL or more bytes past the last
+# (5 * 1024 * (escape + marker)). Readers take escapes anywhere.
+CUBE_SYNC_INTERVAL = 2000
+HADOOP_SYNC_INTERVAL = 5 * 1024 * (len(SYNC_ESCAPE) + SYNC_SIZE)
 BLOCK_BYTES = 1_000_000  # Hadoop's io.seqfile.compress.blocksize
 _MAX_VINT_BYTES = 9
 _BLOCK_SECTIONS = ("key lengths", "keys", "value lengths", "values")
@@ -1402,14 +1407,14 @@ class SequenceFileWriter:
 
     def _write_record(self, key_bytes: bytes, value_bytes: bytes) -> None:
         record_len = len(key_bytes) + len(value_bytes)
-        if self.dialect == "byteswritable" and self._pos >= self._last_sync + SYNC_INTERVAL:
+        if self.dialect == "byteswritable" and self._pos >= self._last_sync + HADOOP_SYNC_INTERVAL:
             self._write_sync()
         data = struct.pack(">ii", record_len, len(key_bytes)) + key_bytes + value_bytes
         self._out.write(data)
         self._pos += len(data)
         if self.dialect == "cube":
             self._since_sync += record_len
-            if self._since_sync >= SYNC_INTERVAL:
+            if self._since_sync >= CUBE_SYNC_INTERVAL:
                 self._write_sync()
 
     def _write_sync(self) -> None:
@@ -1484,12 +1489,12 @@ class SequenceFileWriter:
         rows[:, at:] = values.as_rows()
         # Sync escapes go before record indices first, first + every, first + 2 * every, ...
         if self.dialect == "cube":  # after the record that brings the total to >= interval
-            every = -(-SYNC_INTERVAL // record_len)
-            first = -(-(SYNC_INTERVAL - self._since_sync) // record_len)
+            every = -(-CUBE_SYNC_INTERVAL // record_len)
+            first = -(-(CUBE_SYNC_INTERVAL - self._since_sync) // record_len)
             lo, hi = 1, n
         else:  # before a record that starts >= interval past the last escape
-            every = -(-SYNC_INTERVAL // stride)
-            first = max(0, -(-(self._last_sync + SYNC_INTERVAL - self._pos) // stride))
+            every = -(-HADOOP_SYNC_INTERVAL // stride)
+            first = max(0, -(-(self._last_sync + HADOOP_SYNC_INTERVAL - self._pos) // stride))
             lo, hi = 0, n - 1
         cuts = list(range(first, hi + 1, every)) if first >= lo else []
         self._write_rows_with_escapes(rows, cuts, every)

@@ -319,8 +319,8 @@ def test_bad_sync_marker_in_block_file(tmp_path: Path) -> None:
 
 
 def test_unknown_codec_names_codec_and_file(tmp_path: Path) -> None:
-    path = tmp_path / "snappy.seq"
-    codec = "org.apache.hadoop.io.compress.SnappyCodec"
+    path = tmp_path / "lzo.seq"
+    codec = "com.hadoop.compression.lzo.LzoCodec"  # GPL, outside Hadoop: not supported
     path.write_bytes(encode_header(BYTES_WRITABLE, BYTES_WRITABLE, "block", codec, sync=b"s" * 16))
     with pytest.raises(SequenceFileError) as caught:
         SequenceFileReader(path)

@@ -105,11 +105,12 @@ def test_located_batches_of_real_files(name, key_format):
 
 def test_located_batches_report_bad_records_like_batches(tmp_path):
     path = tmp_path / "bad"
-    keys = np.arange(100, dtype=np.uint64)
+    n = 4000  # 32-byte records: Hadoop's sync interval (102400 bytes) comes after ~3200
+    keys = np.arange(n, dtype=np.uint64)
     with SequenceFileWriter(path, dialect="byteswritable") as writer:
-        writer.write_batch(keys, ValueColumn.fixed(np.zeros(100 * 8, np.uint8), 8))
+        writer.write_batch(keys, ValueColumn.fixed(np.zeros(n * 8, np.uint8), 8))
     data = bytearray(path.read_bytes())
-    at = data.rindex(SYNC_ESCAPE) - 30  # a value's BytesWritable length, before the last sync
+    at = data.rindex(SYNC_ESCAPE) - 12  # a value's BytesWritable length, before the last sync
     data[at : at + 4] = b"\x00\x00\x00\x07"
     path.write_bytes(bytes(data))
     expected = outcome(copied_records, path, "bytes_be", 1 << 20)
