@@ -331,7 +331,7 @@ _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 _PR_SET_PDEATHSIG = 1
 
 
-def _init_worker(counter: Any, parent: int) -> None:
+def _init_worker(counter: Any, parent: int | None) -> None:
     global _progress_counter
     _progress_counter = counter
     # The parent decides what a signal means (abort_active_builds); a forked worker must not
@@ -343,11 +343,12 @@ def _init_worker(counter: Any, parent: int) -> None:
     _die_with_parent(parent)
 
 
-def _die_with_parent(parent: int) -> None:
-    """Linux: get SIGKILL when the parent exits, however it exits (no orphaned workers)."""
+def _die_with_parent(parent: int | None) -> None:
+    """Linux: get SIGKILL when the parent exits, however it exits (no orphaned workers).
+    `parent`: the builder's pid when it forked us itself, else None (no check)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # it exited before prctl took effect
+    if parent is not None and os.getppid() != parent:  # it exited before prctl took effect
         os._exit(1)
 
 
@@ -946,7 +947,8 @@ class _Pool:
                 self.workers,
                 mp_context=context,
                 initializer=_init_worker,
-                initargs=(self._counter, os.getpid()),
+                # a forkserver's children are the server's, not ours: it ends when we do
+                initargs=(self._counter, os.getpid() if method == "fork" else None),
             )
         return self._executor
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +32,8 @@ from cube.builder.build import (
     build,
 )
 from cube.builder.meta import RegisterError, ShardOutput, register_meta
+from cube.builder.sources import fetch_inputs, is_remote
+from cube.builder.spark_build import DEFAULT_SHARD_MB, SparkSettings, SparkStats, build_on_spark
 from cube.flags import FlagError, FlagSet, run_cli
 from cube.routing import PARTITIONERS
 from cube.seqfile import KEY_FORMATS
@@ -64,6 +68,21 @@ with one decimal key (0 .. 2^64-1) per line; blank lines and lines starting with
 Those keys become tombstones in the delta; a key both written and deleted in one delta is
 deleted.
 
+Remote input: -input_path and -delete_path may be s3://bucket/prefix (credentials, endpoint
+and region from the AWS environment: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL,
+AWS_DEFAULT_REGION, ...; needs pip install 'cube-py[s3]') or webhdfs://namenode:port/path
+(the namenode's HTTP port; hdfs:// is refused). The local engine fetches the files first, same
+rules and order, into a temporary directory under -tmp_dir (default: -output_path), removed
+when the build ends; -fetch_timeout bounds the fetch.
+
+-engine spark runs the same build on a Spark cluster (pip install 'cube-py[spark]', Java 17+):
+one map task per input file, a shuffle keyed by shard, one task per shard writing its files
+with the same writer. Same flags, same output, byte for byte; -workers, -memory_mb and -tmp_dir
+are the local engine's. The master is -spark_master, else what spark-submit or
+spark-defaults.conf say, else local[*]; -output_path must be a file system the driver and
+every executor see. A shard whose records pass -spark_shard_mb is refused (raise it with
+spark.executor.memory at about 3x, or use more shards).
+
 Exit status: 0 built (and registered), 1 build failed (nothing published), 2 bad flags,
 3 built and published locally but registering with -master_address failed."""
 
@@ -72,7 +91,13 @@ def flag_set() -> FlagSet:
     return (
         FlagSet("cube-builder", DESCRIPTION)
         .add("dict_name", str, "", "dictionary name, prefix of the shard outputs", required=True)
-        .add("input_path", str, "", "directory (or file) of SequenceFiles", required=True)
+        .add(
+            "input_path",
+            str,
+            "",
+            "directory (or file) of SequenceFiles; or s3://, webhdfs:// (see above)",
+            required=True,
+        )
         .add("output_path", str, "", "output root directory", required=True)
         .add("shard_num", int, 0, "number of shards", required=True)
         .add(
@@ -113,9 +138,31 @@ def flag_set() -> FlagSet:
             choices=PARTITIONERS,
         )
         .add("delete_path", str, "", "delta only: keys to delete (see above)")
+        .add("fetch_timeout", float, 3600.0, "seconds to fetch a remote input (all its files)")
         .add("quiet", bool, False, "no progress bar and no summary line")
         .add("tmp_dir", str, "", "where to spill records (default: inside -output_path)")
         .add("memory_mb", int, 1024, "read and spill buffer budget in MiB")
+        .add(
+            "engine",
+            str,
+            "local",
+            "local: processes on this machine; spark: a Spark cluster (see above)",
+            choices=("local", "spark"),
+        )
+        .add("spark_master", str, "", "-engine spark: the master URL (e.g. local[2], yarn)")
+        .add(
+            "spark_conf",
+            str,
+            "",
+            "-engine spark: extra settings, comma-separated key=value "
+            "(e.g. spark.executor.memory=12g)",
+        )
+        .add(
+            "spark_shard_mb",
+            int,
+            DEFAULT_SHARD_MB,
+            "-engine spark: the most records (keys + values) one shard task may hold, in MiB",
+        )
         .add(
             "workers",
             int,
@@ -194,6 +241,20 @@ def tqdm_progress() -> Progress:
     )
 
 
+def spark_settings(flags: dict[str, Any]) -> SparkSettings:
+    """-spark_master, -spark_conf (key=value,...) and -spark_shard_mb; FlagError if malformed."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in flags["spark_conf"].split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise FlagError(f"--spark_conf: {item!r} is not key=value")
+        pairs.append((key.strip(), value.strip()))
+    try:
+        return SparkSettings(flags["spark_master"], tuple(pairs), flags["spark_shard_mb"])
+    except ValueError as exc:
+        raise FlagError(f"--{exc}") from None
+
+
 def register_all(master: str, config: BuildConfig, result: BuildResult) -> None:
     for output, meta in zip(result.shards, result.metas, strict=True):
         register_meta(master, register_fields(config, output, meta))
@@ -211,9 +272,49 @@ def register_fields(config: BuildConfig, output: ShardOutput, meta: dict) -> dic
     }
 
 
+_fetch_dirs: list[Path] = []  # remote inputs fetched for the build in progress
+
+
+def fetch_remote(flags: dict[str, Any], config: BuildConfig) -> tuple[str, str | None]:
+    """The local input and delete paths to build from: remote ones (s3://, webhdfs://)
+    fetched into a new directory under -tmp_dir (default: -output_path), which `cleanup`
+    removes. BuildError when a fetch fails."""
+    input_path, delete_path = flags["input_path"], flags["delete_path"] or None
+    if not is_remote(input_path) and not (delete_path and is_remote(delete_path)):
+        return input_path, delete_path
+    parent = config.tmp_dir or config.output_path
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        fetched = Path(tempfile.mkdtemp(prefix=f".fetch-{os.getpid()}-", dir=parent))
+    except OSError as exc:
+        raise BuildError(f"cannot create a directory for the fetched input in {parent}: "
+                         f"{exc.strerror}") from None  # fmt: skip
+    _fetch_dirs.append(fetched)
+    started = time.monotonic()
+    deadline = started + flags["fetch_timeout"]
+    paths = []
+    for name, path in (("input", input_path), ("delete", delete_path)):
+        if path and is_remote(path):
+            files = fetch_inputs(path, fetched / name, max(deadline - time.monotonic(), 0.001))
+            if not flags["quiet"]:
+                size = sum(f.stat().st_size for f in files)
+                print(f"fetched {len(files)} files ({size} bytes) of {path} in "
+                      f"{time.monotonic() - started:.2f} s")  # fmt: skip
+            path = str(fetched / name)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def cleanup() -> None:
+    """Remove what fetch_remote fetched."""
+    while _fetch_dirs:
+        shutil.rmtree(_fetch_dirs.pop(), ignore_errors=True)
+
+
 def _terminate(signum: int, _frame: Any) -> None:
     """SIGTERM/SIGINT: stop the workers, remove the unfinished build, exit 128 + signum."""
     abort_active_builds()
+    cleanup()
     os.write(2, f"error: stopped by signal {signum}; the unfinished build was removed\n".encode())
     os._exit(128 + signum)
 
@@ -221,6 +322,7 @@ def _terminate(signum: int, _frame: Any) -> None:
 def run(argv: Sequence[str]) -> int:
     flags = flag_set().parse(argv)
     config = config_from_flags(flags, int(time.time()))
+    settings = spark_settings(flags)
     quiet = flags["quiet"]
     progress = tqdm_progress() if not quiet and sys.stderr.isatty() else None
     signal.signal(signal.SIGTERM, _terminate)
@@ -229,13 +331,15 @@ def run(argv: Sequence[str]) -> int:
     # hundreds of collections): no cyclic GC in this short-lived process and its workers.
     collecting = gc.isenabled()
     gc.disable()
+    stats: SparkStats | None = None
     try:
-        result = build(
-            config,
-            flags["input_path"],
-            flags["delete_path"] or None,
-            progress,
-        )
+        if flags["engine"] == "spark":
+            result, stats = build_on_spark(
+                config, flags["input_path"], flags["delete_path"] or None, settings
+            )
+        else:
+            input_path, delete_path = fetch_remote(flags, config)
+            result = build(config, input_path, delete_path, progress)
     except (BuildError, DeleteListError, ValueError, OSError) as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_FAILED
@@ -243,6 +347,7 @@ def run(argv: Sequence[str]) -> int:
         print(f"error: internal error {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
         return EXIT_FAILED
     finally:
+        cleanup()
         # what the build loaded (numpy, numba) stays to the end: freezing it spares the exit's
         # collections a walk over it (~0.3 s once numba is loaded)
         gc.freeze()
@@ -256,6 +361,12 @@ def run(argv: Sequence[str]) -> int:
             f"{result.seconds:.2f} s ({rate:,.0f} records/s; "
             + ", ".join(f"{k} {v:.2f} s" for k, v in result.phase_seconds.items())
             + ")"
+            + (
+                f"; spark: {stats.map_tasks} map tasks, {stats.shard_tasks} shard tasks, "
+                f"{stats.shuffled_bytes / max(result.records_read, 1):.1f} shuffled bytes/record"
+                if stats
+                else ""
+            )
         )
     if flags["master_address"]:
         try:

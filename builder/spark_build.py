@@ -402,6 +402,16 @@ def _job_failure(exc: BaseException) -> str:
     return f"the Spark job failed: {first[:300]}"
 
 
+def prepare_worker_environment() -> None:
+    """Before a session starts (its JVM and Python workers inherit this environment): the
+    workers run this Python unless PYSPARK_PYTHON says otherwise, and do not put their working
+    directory first on sys.path (`python -m` would: a checkout's `cube/` folder there would
+    hide the installed package's modules)."""
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    os.environ.setdefault("PYTHONSAFEPATH", "1")
+
+
 def start_session(settings: SparkSettings, app_name: str) -> tuple[Any, bool]:
     """A SparkSession: the master and settings spark-submit gave, else -spark_master (else
     local[*]); executors run this Python unless PYSPARK_PYTHON says otherwise. Returns the
@@ -417,8 +427,7 @@ def start_session(settings: SparkSettings, app_name: str) -> tuple[Any, bool]:
     active = SparkSession.getActiveSession()
     if active is not None:
         return active, False
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    prepare_worker_environment()
     conf = SparkConf()
     conf.setAppName(app_name)
     if settings.master:

@@ -1,0 +1,158 @@
+"""cube-builder -engine spark on a local[2] Spark: the same bytes as the local builder, the
+same refusals, nothing published by a failed job."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cube.builder.build import BuildConfig, BuildError, build
+from tests.build_inputs import output_digests, write_mixed_input
+
+pyspark = pytest.importorskip("pyspark", reason="PySpark is not installed (cube-py[spark])")
+if shutil.which("java") is None and not __import__("os").environ.get("JAVA_HOME"):
+    pytest.skip(
+        "no Java: Spark needs Java 17+ (java on PATH or JAVA_HOME)", allow_module_level=True
+    )
+
+from cube.builder.spark_build import (  # noqa: E402
+    SparkSettings,
+    build_on_spark,
+    prepare_worker_environment,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+ROOT = Path(__file__).resolve().parents[1]
+BASE, DELTA = 1_700_000_000, 1_700_000_100
+LOCAL2 = SparkSettings(master="local[2]")
+
+
+@pytest.fixture(scope="module")
+def spark():
+    """One local[2] session for the module (a session takes seconds to start); the builds
+    use it as the active session and leave it running."""
+    from pyspark.sql import SparkSession
+
+    prepare_worker_environment()
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("cube-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .getOrCreate()
+    )
+    yield session
+    session.stop()
+
+
+def both_engines(root: Path, inputs: Path, builds: list[dict]) -> tuple[dict, dict]:
+    """Run the same builds on each engine into its own output root; the outputs' digests."""
+    for engine in ("local", "spark"):
+        for flags in builds:
+            flags = dict(flags)
+            source = flags.pop("input", inputs)
+            deleted = flags.pop("delete_path", None)
+            config = BuildConfig("dict", root / engine, **flags)
+            if engine == "local":
+                build(config, source, deleted)
+            else:
+                build_on_spark(config, str(source), deleted and str(deleted), LOCAL2)
+    return output_digests(root / "local"), output_digests(root / "spark")
+
+
+def test_spark_and_local_builds_are_byte_identical(tmp_path, spark):
+    inputs, deleted = write_mixed_input(tmp_path)
+    local, on_spark = both_engines(
+        tmp_path,
+        inputs,
+        [
+            dict(shard_num=3, mode="base", cur_version=BASE, depend_version=BASE),
+            dict(
+                shard_num=3,
+                mode="delta",
+                cur_version=DELTA,
+                depend_version=BASE,
+                input=inputs / "sub",
+                delete_path=deleted,
+            ),
+        ],
+    )
+    assert len(local) == 2 * (3 * 4 + 3)
+    assert local == on_spark
+
+
+def test_murmur3_and_a_shard_with_no_records(tmp_path, spark):
+    inputs, _ = write_mixed_input(tmp_path, records=40)
+    local, on_spark = both_engines(
+        tmp_path,
+        inputs,
+        [dict(shard_num=64, mode="base", cur_version=BASE, depend_version=BASE,
+              partitioner="murmur3")],
+    )  # fmt: skip
+    assert local == on_spark
+
+
+def test_a_shard_too_large_for_one_task_is_refused_by_name(tmp_path, spark):
+    inputs, _ = write_mixed_input(tmp_path, records=30000)
+    config = BuildConfig("dict", tmp_path / "out", 2, "base", BASE, BASE)
+    with pytest.raises(BuildError) as caught:
+        build_on_spark(config, str(inputs), None, SparkSettings("local[2]", shard_mb=1))
+    message = str(caught.value)
+    assert "shard " in message and "(dict_part" in message
+    assert "-spark_shard_mb" in message and "-shard_num" in message
+    assert_nothing_published(tmp_path / "out")
+
+
+def test_a_bad_input_file_fails_the_job_naming_the_file(tmp_path, spark):
+    inputs, _ = write_mixed_input(tmp_path, records=200)
+    bad = inputs / "sub" / "part-00003"
+    bad.write_bytes(bad.read_bytes()[:-7])  # truncated inside its last record
+    config = BuildConfig("dict", tmp_path / "out", 2, "base", BASE, BASE)
+    with pytest.raises(BuildError) as caught:
+        build_on_spark(config, str(inputs), None, LOCAL2)
+    assert str(bad) in str(caught.value)
+    assert "\n" not in str(caught.value)
+    assert_nothing_published(tmp_path / "out")
+
+
+def assert_nothing_published(output: Path) -> None:
+    """No version directory, no staging left, no meta_info."""
+    left = sorted(p.name for p in output.iterdir()) if output.exists() else []
+    assert left == [], left
+
+
+def test_the_cli_builds_on_spark_as_it_builds_locally(tmp_path):
+    """`cube-builder -engine spark` in a process of its own (its own session), compared with
+    `cube-builder` on the same flags."""
+    inputs, _ = write_mixed_input(tmp_path, records=500)
+    common = ["-dict_name", "dict", "-input_path", str(inputs), "-shard_num", "2",
+              "-only_build", "false", "-cur_version", str(BASE)]  # fmt: skip
+    local = subprocess.run(
+        [sys.executable, "-m", "cube.builder.cli", *common, "-output_path", str(tmp_path / "a")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert local.returncode == 0, local.stderr
+    on_spark = subprocess.run(
+        [sys.executable, "-m", "cube.builder.cli", *common, "-output_path", str(tmp_path / "b"),
+         "-engine", "spark", "-spark_master", "local[2]",
+         "-spark_conf", "spark.ui.enabled=false"],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert on_spark.returncode == 0, on_spark.stderr[-3000:]
+    assert "2 shard tasks" in on_spark.stdout and "shuffled bytes/record" in on_spark.stdout
+    assert output_digests(tmp_path / "a") == output_digests(tmp_path / "b")
+
+
+def test_bad_spark_flags_exit_2(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "cube.builder.cli", "-dict_name", "d", "-input_path", "x",
+         "-output_path", str(tmp_path), "-shard_num", "1", "-engine", "spark",
+         "-spark_conf", "no-equals-sign"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "no-equals-sign" in result.stderr and "key=value" in result.stderr
