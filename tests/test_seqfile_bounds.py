@@ -241,7 +241,7 @@ def record_compressed(path: Path, values: list[bytes], codec: str = "default") -
     return path
 
 
-@pytest.mark.parametrize("codec", ["default", "gzip", "bzip2", "lz4"])
+@pytest.mark.parametrize("codec", ["default", "gzip", "bzip2", "lz4", "snappy", "zstd"])
 def test_record_compressed_value_bomb(tmp_path: Path, monkeypatch, codec: str) -> None:
     monkeypatch.setattr(seqfile, "MAX_RECORD_BYTES", 1 << 20)
     path = record_compressed(tmp_path / "f", [b"ok", bytes(8 << 20)], codec)
@@ -394,7 +394,7 @@ def test_lz4_block_length_claim_is_checked_before_allocating(tmp_path: Path) -> 
 # ------------------------------------------------------------------ codecs
 
 
-@pytest.mark.parametrize("name", ["default", "gzip", "bzip2", "lz4"])
+@pytest.mark.parametrize("name", ["default", "gzip", "bzip2", "lz4", "snappy", "zstd"])
 def test_every_codec_stops_at_its_limit(name: str) -> None:
     codec = codec_by_name(name)
     data = bytes(range(256)) * 40
@@ -403,7 +403,7 @@ def test_every_codec_stops_at_its_limit(name: str) -> None:
     assert codec.decompress(packed, limit=len(data)) == data
     with pytest.raises(CodecError, match=f"more than {len(data) - 1} bytes"):
         codec.decompress(packed, limit=len(data) - 1)
-    if name != "lz4":  # Hadoop's zlib, gzip and bzip2 streams may be concatenated
+    if name != "lz4":  # Hadoop's streams may be concatenated (zstd: frames, snappy: blocks)
         twice = packed + packed
         assert codec.decompress(twice, limit=2 * len(data)) == data * 2
         with pytest.raises(CodecError, match=f"more than {2 * len(data) - 1} bytes"):
@@ -427,7 +427,8 @@ def test_reader_still_reads_every_layout(tmp_path: Path) -> None:
     values = [rng.bytes(n) for n in (0, 1, 300, 70_000)]
     for dialect in ("cube", "byteswritable"):
         for compression in ("none", "record", "block"):
-            for codec in (None,) if compression == "none" else ("default", "bzip2", "lz4"):
+            codecs = ("default", "bzip2", "lz4", "snappy", "zstd")
+            for codec in (None,) if compression == "none" else codecs:
                 path = tmp_path / f"{dialect}-{compression}-{codec}"
                 with SequenceFileWriter(
                     path, dialect=dialect, compression=compression, codec=codec
