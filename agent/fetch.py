@@ -1,16 +1,21 @@
-"""Fetch a shard tar from http(s)://, ftp://, file:// or a local path, resumably and safely.
+"""Fetch a shard tar from http(s)://, ftp://, s3://, file:// or a local path, resumably and
+safely.
 
 Bytes go to a `.part` file; a new attempt continues where the last one stopped (HTTP `Range`,
-FTP `REST`, a seek for local files), so a retry or an agent restart does not start over. A
-`.part` that resuming cannot help (the source sent more than the declared size, or failed
-permanently) is deleted. Attempts are bounded, spaced by exponential backoff, and the whole
-fetch has one deadline. HTTP uses aiohttp and FTP the standard ftplib (in a worker thread); no
-protocol is hand-written and nothing runs a shell.
+FTP `REST`, ranged reads from S3, a seek for local files), so a retry or an agent restart does
+not start over. A `.part` that resuming cannot help (the source sent more than the declared
+size, or failed permanently) is deleted. Attempts are bounded, spaced by exponential backoff,
+and the whole fetch has one deadline. HTTP uses aiohttp, FTP the standard ftplib and S3 s3fs
+through cube.remote (both in a worker thread; S3 credentials, endpoint and region from the AWS
+environment); no protocol is hand-written and nothing runs a shell.
 
 Whoever can reach the agent chooses the source, so the source is checked against the
 deployment's `SourcePolicy` on its parsed parts (and so is every HTTP redirect, followed by
 hand), and error messages never carry what a source sent (reason phrases, replies, md5 file
-text): a source the agent may read is no way to read it.
+text): a source the agent may read is no way to read it. An s3:// source is read with the
+agent's own credentials, so, like a local file, it must be under an s3:// prefix that
+--allowed_sources lists (the bucket is the prefix's "host"; the key is matched literally, by
+whole segments).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
 import aiohttp
 import yarl
 
+from cube import remote
 from cube.backoff import Backoff
 from cube.fsutil import md5_of_line
 from cube.security import client_context
@@ -48,6 +54,8 @@ _FLAGS_HINT = "--allowed_sources (comma-separated scheme://host[:port]/path pref
 _FILES_HINT = "start cube-agent with --allow_file_sources, or list a file:// prefix in " + (
     "--allowed_sources"
 )
+_S3_HINT = "list its s3://bucket/prefix in --allowed_sources"
+_BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 
 
 class FetchError(Exception):
@@ -81,7 +89,7 @@ class Target:
     """A checked source: what is fetched (`url`: rebuilt from the checked parts; for a local
     file its resolved path) and the parts a prefix is matched on."""
 
-    kind: str  # http | ftp | file
+    kind: str  # http | ftp | s3 | file
     url: str
     scheme: str
     host: str = ""
@@ -91,8 +99,9 @@ class Target:
 
 @dataclass(frozen=True)
 class Prefix:
-    """One --allowed_sources entry: scheme://host[:port]/path (or file:///path), matched on
-    parsed parts and whole path segments, never on the raw string."""
+    """One --allowed_sources entry: scheme://host[:port]/path (or file:///path, or
+    s3://bucket/prefix), matched on parsed parts and whole path segments, never on the raw
+    string."""
 
     scheme: str
     host: str
@@ -104,13 +113,15 @@ class Prefix:
         entry = text.strip()
         parts = urlsplit(entry)
         scheme = parts.scheme.lower()
-        if scheme not in ("http", "https", "ftp", "file"):
-            raise ValueError(f"--allowed_sources: {entry!r}: scheme not http, https, ftp, file")
+        if scheme not in ("http", "https", "ftp", "file", "s3"):
+            raise ValueError(f"--allowed_sources: {entry!r}: scheme not http, https, ftp, s3, file")
         if parts.query or parts.fragment or "@" in parts.netloc or _unsafe_chars(entry):
             raise ValueError(
                 f"--allowed_sources: {entry!r}: only scheme://host[:port]/path (no user, query, "
                 "fragment, spaces or backslashes)"
             )
+        if scheme == "s3":
+            return cls._s3(entry, parts.netloc, parts.path)
         segments = _segments(unquote(parts.path))
         if segments is None:
             raise ValueError(f"--allowed_sources: {entry!r}: '.' or '..' in the path")
@@ -127,6 +138,15 @@ class Prefix:
             raise ValueError(f"--allowed_sources: {entry!r}: no host")
         return cls(scheme, parts.hostname, port, segments)
 
+    @classmethod
+    def _s3(cls, entry: str, bucket: str, path: str) -> Prefix:
+        if not _BUCKET.fullmatch(bucket):
+            raise ValueError(f"--allowed_sources: {entry!r}: s3://bucket/prefix needs a bucket")
+        segments = _segments(path)  # S3 keys are literal: no percent-decoding
+        if segments is None or "%" in path:
+            raise ValueError(f"--allowed_sources: {entry!r}: '.', '..' or '%' in the path")
+        return cls("s3", bucket, None, segments)
+
     def matches(self, target: Target) -> bool:
         place = (self.scheme, self.host, self.port) == (target.scheme, target.host, target.port)
         return place and target.segments[: len(self.segments)] == self.segments
@@ -135,7 +155,8 @@ class Prefix:
 @dataclass(frozen=True)
 class SourcePolicy:
     """Sources a download may use. No prefixes: any http, https or ftp URL. Local files
-    (file:// or a path) only with `allow_files` or under a file:// prefix."""
+    (file:// or a path) only with `allow_files` or under a file:// prefix; s3:// objects only
+    under an s3:// prefix (both are read with the agent's own rights)."""
 
     prefixes: tuple[Prefix, ...] = ()
     allow_files: bool = False
@@ -172,18 +193,20 @@ def _segments(path: str) -> tuple[str, ...] | None:
 
 
 def source_kind(source: str) -> str:
-    """'http', 'ftp' or 'file'; anything else is refused (no shell, no surprises)."""
+    """'http', 'ftp', 's3' or 'file'; anything else is refused (no shell, no surprises)."""
     try:
         scheme = urlsplit(source).scheme.lower()
     except ValueError:  # e.g. an unclosed '[' in the host
         raise SourceRefused("source: not a valid URL") from None
     if scheme in ("http", "https"):
         return "http"
-    if scheme == "ftp":
-        return "ftp"
+    if scheme in ("ftp", "s3"):
+        return scheme
     if scheme in ("file", ""):
         return "file"
-    raise SourceRefused(f"source: unsupported scheme {scheme!r} (http, https, ftp, file or a path)")
+    raise SourceRefused(
+        f"source: unsupported scheme {scheme!r} (http, https, ftp, s3, file or a path)"
+    )
 
 
 def shown(source: str) -> str:
@@ -202,6 +225,8 @@ def check_source(source: str, policy: SourcePolicy) -> Target:
     kind = source_kind(source)
     if kind == "file":
         return _check_file(source, policy)
+    if kind == "s3":
+        return _check_s3(source, policy)
     parts = urlsplit(source)
     scheme = parts.scheme.lower()
     try:
@@ -257,6 +282,28 @@ def _check_file(source: str, policy: SourcePolicy) -> Target:
             "or start cube-agent with --allow_file_sources"
         )
     raise SourceRefused(f"source {source!r}: local files are not allowed; {_FILES_HINT}")
+
+
+def _check_s3(source: str, policy: SourcePolicy) -> Target:
+    """An s3://bucket/key source: a bucket, a key without '.' or '..' segments, nothing else
+    (no user, port, query, fragment), under an s3:// prefix of --allowed_sources."""
+    parts = urlsplit(source)
+    problem = remote.check_url(source)
+    where = remote.redact(source)
+    if problem or not _BUCKET.fullmatch(parts.netloc):
+        raise SourceRefused(f"source {where!r}: {problem or 'not s3://bucket/key'}")
+    if "%" in parts.path:  # a key is literal: nothing to decode, nothing to disagree on
+        raise SourceRefused(f"source {where!r}: no '%' in an s3:// key")
+    segments = _segments(parts.path)
+    if segments is None:
+        raise SourceRefused(f"source {where!r}: '.' or '..' in the key")
+    if not segments:
+        raise SourceRefused(f"source {where!r}: no key")
+    url = f"s3://{parts.netloc}/{'/'.join(segments)}"
+    target = Target("s3", url, "s3", parts.netloc, None, segments)
+    if any(p.matches(target) for p in policy.prefixes):
+        return target
+    raise SourceRefused(f"source {where!r}: an s3:// source must be allowed; {_S3_HINT}")
 
 
 def md5_source(source: str) -> str:
@@ -519,6 +566,30 @@ def _ftp_once(target: Target, at: _Attempt, stop: threading.Event) -> int | None
         ftp.close()
 
 
+def _s3_once(target: Target, at: _Attempt, stop: threading.Event) -> int | None:
+    """One S3 attempt from `at.offset`: ranged reads of at least `chunk` bytes, in a worker
+    thread. A failure becomes a FetchError in words of our own (cube.remote.failure)."""
+    window = max(at.policy.chunk, remote.BLOCK)
+    try:
+        with remote.Reader(target.url, at.policy.io_timeout, window) as reader:
+            total = reader.size
+            offset = at.offset if at.offset <= total else 0
+            if offset == total:
+                at.bound.check_total(total, at.where)
+                _open_part(at.part, offset).close()
+                return total
+            with _PartWriter(at, offset, total) as writer:
+                for block in reader.blocks(offset):
+                    view = memoryview(block)
+                    for start in range(0, len(view), at.policy.chunk):
+                        writer.write_in_thread(bytes(view[start : start + at.policy.chunk]), stop)
+        return total
+    except remote.RemoteError as exc:  # a .part of an object that is gone is no use
+        raise FetchError(
+            f"source {at.where}: {exc}", retryable=exc.retryable, keep_part=not exc.missing
+        ) from None
+
+
 def _file_once(target: Target, at: _Attempt, stop: threading.Event) -> int | None:
     """Copy a local regular file from `at.offset`, in a worker thread."""
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK  # no fifo wait, no late symlink swap
@@ -598,6 +669,8 @@ async def _fetch(
                     total = await _http_once(target, at)
                 elif target.kind == "ftp":
                     total = await _in_thread(_ftp_once, target, at)
+                elif target.kind == "s3":
+                    total = await _in_thread(_s3_once, target, at)
                 else:
                     total = await _in_thread(_file_once, target, at)
             got = part.stat().st_size

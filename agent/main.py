@@ -17,6 +17,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from cube import remote
 from cube.agent import __version__
 from cube.agent.api import make_app
 from cube.agent.deploy import Agent, AgentConfig
@@ -89,7 +90,8 @@ def flag_set() -> FlagSet:
         str,
         "",
         "comma-separated URL prefixes downloads may use, scheme://host[:port]/path "
-        "(file:///path for local files); default: any http, https or ftp URL",
+        "(file:///path for local files, s3://bucket/prefix for S3 objects, which need one); "
+        "default: any http, https or ftp URL",
     )
     fs.add("allow_file_sources", bool, False, "allow file:// and local path sources anywhere")
     fs.add("md5_from_source", bool, False, "a download without md5 fetches <source>.md5")
@@ -111,6 +113,12 @@ def config_from_flags(flags: Flags) -> AgentConfig:
             raise FlagError(f"--{name}: must be positive")
     try:
         sources = SourcePolicy.from_flags(flags.allowed_sources, flags.allow_file_sources)
+        for prefix in sources.prefixes:
+            if prefix.scheme == "s3":  # s3fs installed: said now, not at the first download
+                try:
+                    remote.require(f"s3://{prefix.host}/")
+                except remote.RemoteError as exc:
+                    raise ValueError(f"--allowed_sources: {exc}") from None
         require_token(
             "cube-agent",
             flags.host,
@@ -197,6 +205,8 @@ def _main(argv: Sequence[str]) -> int:
     config = config_from_flags(flags)
     level = getattr(logging, flags.log_level)
     setup_logging("cube-agent", max(level, logging.INFO), flags.log_format)
+    for name in ("fsspec", "s3fs", "botocore", "aiobotocore"):  # their INFO/DEBUG: not ours
+        logging.getLogger(name).setLevel(logging.WARNING)
     log.setLevel(level)  # DEBUG is for the agent, not for grpc's and asyncio's internals
     token = token_from(flags.token, "CUBE_TOKEN")
     if not token and not is_loopback(flags.host):

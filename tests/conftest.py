@@ -9,8 +9,17 @@ import pytest
 import trustme
 from agent_helpers import AgentProc, HttpFileServer
 from procs import ServerProc, start_server
+from s3_helpers import MotoServer
 
 from cube.processes import free_port
+
+
+@pytest.fixture(scope="session")
+def moto(tmp_path_factory) -> Iterator[MotoServer]:
+    """moto's S3 server, a process on a free loopback port, shared by the session's s3:// tests
+    (each points the AWS environment at it for its own duration: s3_helpers.aws_environment)."""
+    with MotoServer(tmp_path_factory.mktemp("moto") / "moto.log") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -105,7 +105,7 @@ def test_render_config_keeps_every_field(tmp_path):
         agent_token="agent-s3cret", api_token="api-s3cret", verify_output=False,
         history_limit=77, max_shrink=0.25, allow_empty_base=True, extra={"mine": "x"},
         insecure=True, tls_cert="/pki/cert.pem", tls_key="/pki/key.pem",
-        agent_tls_ca="/pki/ca.pem",
+        agent_tls_ca="/pki/ca.pem", download_mode="s3", upload_address="s3://builds/cube",
     )  # fmt: skip
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     for name in defaults:

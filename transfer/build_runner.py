@@ -20,10 +20,18 @@ from pathlib import Path
 import psutil
 
 from cube.layout import output_dir_name, tar_name
+from cube.remote import RemoteError
 from cube.transfer import build as builds
 from cube.transfer.config import TransferConfig
-from cube.transfer.donefile import SourceUnavailable, is_url, mirror_input, resolve_input
+from cube.transfer.donefile import (
+    SourceUnavailable,
+    is_url,
+    mirror_input,
+    redact,
+    resolve_input,
+)
 from cube.transfer.state import VersionRecord
+from cube.transfer.upload import upload_outputs
 
 log = logging.getLogger("cube.transfer")
 
@@ -164,16 +172,25 @@ class BuildRunner:
             if not path.exists():
                 raise SourceUnavailable(f"input {path} does not exist")
             return str(path)
-        log.info("mirroring %s into %s", where, mirror)
-        try:
-            await asyncio.wait_for(
-                asyncio.to_thread(mirror_input, where, mirror), self.cfg.fetch_timeout
-            )
+        log.info("mirroring %s into %s", redact(where), mirror)
+        timeout = self.cfg.fetch_timeout
+        try:  # mirror_input bounds an object store's mirror itself; wait_for, an HTTP/FTP one
+            await asyncio.wait_for(asyncio.to_thread(mirror_input, where, mirror, timeout), timeout)
         except TimeoutError:
             raise SourceUnavailable(
-                f"input {where}: not mirrored within {self.cfg.fetch_timeout:g}s"
+                f"input {redact(where)}: not mirrored within {self.cfg.fetch_timeout:g}s"
             ) from None
         return str(mirror)
+
+    async def upload(self, rec: VersionRecord) -> None:
+        """download_mode s3: copy the build of `rec` to upload_address (transfer/upload.py),
+        within fetch_timeout. BuildFailed naming the object when an upload fails."""
+        out_dir = Path(rec.output) if rec.output else self.output_dir(rec)
+        log.info("uploading %s to %s", out_dir, redact(self.cfg.upload_address))
+        try:
+            await asyncio.to_thread(upload_outputs, self.cfg, out_dir, self.cfg.fetch_timeout)
+        except RemoteError as exc:
+            raise BuildFailed(str(exc)) from None
 
     def _note_builder(self, pid: int) -> None:
         """Remember the builder's pid, so a restarted transfer can stop an orphaned build."""

@@ -32,6 +32,8 @@ Keys we add to [default] (all optional; default in brackets):
   built shards' index headers.
 - `allow_empty_base` [false]: a base with no records at all is refused unless this is true
   (both checks apply: an empty base replacing a live one also needs max_shrink 1).
+- `upload_address` [none]: with `download_mode: s3`, the s3://bucket/prefix each built version's
+  tars and md5s are uploaded to (transfer/upload.py); agents download from there.
 A base line may override both with `"allow_shrink": true` (see cube/donefile.py); a
 patch may always be empty. A refused line can be published again with it.
 
@@ -48,12 +50,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cube import remote
 from cube.routing import PARTITIONERS
+from cube.transfer.donefile import address_problem
 
 log = logging.getLogger("cube.transfer")
 
 MODES = ("base_only", "base_delta")
-DOWNLOAD_MODES = ("http", "ftp")
+DOWNLOAD_MODES = ("http", "ftp", "s3")
 _INSTANCE_KEY = re.compile(r"(agent|cube)(\d+)_(\d+)")
 _HOSTPORT = re.compile(r"\[?([A-Za-z0-9.\-:]+?)\]?:(\d{1,5})")
 _DICT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -70,7 +74,7 @@ DEFAULT_KEYS = frozenset({
     "deploy_path", "listen", "quorum", "phase_timeout", "download_timeout", "reload_timeout",
     "enable_timeout", "build_timeout", "fetch_timeout", "retries", "partitioner",
     "agent_token", "api_token", "verify_output", "history_limit", "max_shrink",
-    "allow_empty_base", "insecure", "tls_cert", "tls_key", "agent_tls_ca",
+    "allow_empty_base", "insecure", "tls_cert", "tls_key", "agent_tls_ca", "upload_address",
 })  # fmt: skip
 
 
@@ -133,6 +137,7 @@ class TransferConfig:
     history_limit: int = 500
     max_shrink: float = 0.5  # a base may have at most this fraction fewer records than live
     allow_empty_base: bool = False
+    upload_address: str = ""  # download_mode s3: s3://bucket/prefix the builds are uploaded to
     extra: dict[str, str] = field(default_factory=dict)
 
     def shard_instances(self, shard: int) -> list[Instance]:
@@ -260,6 +265,24 @@ def parse_config(
     donefile = text_of("donefile_address")
     if "://" not in donefile:
         donefile = str(path_of("donefile_address"))
+    problem = address_problem(donefile)
+    if problem:
+        raise ConfigError(f"{where('donefile_address')}: donefile_address: {problem}")
+    download_mode = choice_of("download_mode", DOWNLOAD_MODES, "http")
+    upload = text_of("upload_address", "")
+    if download_mode == "s3":
+        if remote.scheme_of(upload) != "s3":
+            raise ConfigError(
+                f"{where('upload_address')}: download_mode s3 needs upload_address: "
+                "s3://bucket/prefix (where the builds are uploaded for the agents)"
+            )
+        problem = address_problem(upload)
+        if problem:
+            raise ConfigError(f"{where('upload_address')}: upload_address: {problem}")
+    elif upload:
+        raise ConfigError(
+            f"{where('upload_address')}: upload_address is used only with download_mode: s3"
+        )
     for key, (_value, line) in default.items():
         if key in DEFAULT_KEYS:
             continue
@@ -271,8 +294,9 @@ def parse_config(
     return TransferConfig(
         dict_name=dict_name,
         mode=choice_of("mode", MODES, "base_only"),
-        download_mode=choice_of("download_mode", DOWNLOAD_MODES, "http"),
-        wget_port=int_of("wget_port", low=0, high=65535),  # 0: any free port
+        download_mode=download_mode,
+        # 0: any free port; unused with download_mode s3 (agents download from upload_address)
+        wget_port=int_of("wget_port", 0 if download_mode == "s3" else None, low=0, high=65535),
         buildtool_local=text_of("buildtool_local", "cube-builder"),
         donefile_address=donefile,
         output_address=path_of("output_address"),
@@ -302,6 +326,7 @@ def parse_config(
         history_limit=int_of("history_limit", 500, low=10, high=100000),
         max_shrink=fraction_of("max_shrink", 0.5),
         allow_empty_base=bool_of("allow_empty_base", False),
+        upload_address=upload,
         extra={k: v for k, (v, _) in default.items() if k not in DEFAULT_KEYS},
     )
 
@@ -409,7 +434,7 @@ def render_config(cfg: TransferConfig) -> str:
         f"allow_empty_base: {'true' if cfg.allow_empty_base else 'false'}",
         f"insecure: {'true' if cfg.insecure else 'false'}",
     ]
-    for key in ("tls_cert", "tls_key", "agent_tls_ca"):
+    for key in ("tls_cert", "tls_key", "agent_tls_ca", "upload_address"):
         if getattr(cfg, key):
             lines.append(f"{key}: {getattr(cfg, key)}")
     for key, token in (("agent_token", cfg.agent_token), ("api_token", cfg.api_token)):

@@ -1,23 +1,22 @@
 """Donefiles for cube-transfer: where they and their inputs come from (the line format itself
-is cube.donefile). Fetching the text (a local directory, `http(s)://` or `ftp://`) and mirroring an
-input directory use aiohttp and fsspec; nothing runs a shell.
+is cube.donefile). Fetching the text (a local directory, `http(s)://`, `ftp://`, `s3://` or
+`webhdfs://`) and mirroring an input directory use fsspec; nothing runs a shell. Object stores
+and WebHDFS go through cube.remote (lazy s3fs, timeouts, messages of our own) and, for inputs,
+through the builder's own lister (cube.builder.sources), so a mirror holds exactly the files,
+in the order, that the builder would read there.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 import shutil
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)([^/\s]*)@")
+from cube import remote
+from cube.remote import redact
 
-
-def redact(text: str) -> str:
-    """`text` with the user and password of every URL in it hidden (`ftp://***@host/...`):
-    what the API shows of addresses, inputs and messages must not hand out credentials."""
-    return _USERINFO.sub(r"\1***@", text)
+# redact: one rule for URLs in messages, also the API's (views)
 
 
 def short_error(exc: BaseException, limit: int = 200) -> str:
@@ -27,8 +26,26 @@ def short_error(exc: BaseException, limit: int = 200) -> str:
     return f"{type(exc).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
 
 
+URL_SCHEMES = ("http", "https", "ftp", "file", *remote.SCHEMES, "hdfs")  # hdfs: to refuse it
+DONEFILE_LIMIT = 64 << 20  # bytes of a donefile read from an object store or WebHDFS
+
+
 def is_url(address: str) -> bool:
-    return urlsplit(address).scheme in ("http", "https", "ftp", "file")
+    return urlsplit(address).scheme in URL_SCHEMES
+
+
+def address_problem(address: str) -> str | None:
+    """Why a donefile address (or upload address) URL cannot be used, None when it can: an
+    unknown scheme, hdfs:// (use webhdfs://), an s3:// URL without a bucket, ..."""
+    scheme = remote.scheme_of(address)
+    if scheme in ("", "file"):
+        return None
+    if scheme not in URL_SCHEMES:
+        kinds = "a directory, file://, http(s)://, ftp://, s3:// or webhdfs://"
+        return f"unsupported scheme {scheme!r} ({kinds})"
+    if scheme in remote.SCHEMES or scheme == "hdfs":
+        return remote.check_url(address)
+    return None
 
 
 def resolve_input(donefile_address: str, source: str) -> str:
@@ -64,12 +81,26 @@ async def read_donefile(address: str, name: str, timeout: float = 30.0) -> str:
             raise SourceUnavailable(f"{base / name}: {exc.strerror}") from exc
         return data.decode("utf-8", errors="replace")
     url = address.rstrip("/") + "/" + name
+    if remote.is_remote(url) and urlsplit(url).scheme not in ("http", "https", "ftp"):
+        return await _read_remote(url, timeout)
     try:
         data = await asyncio.wait_for(asyncio.to_thread(_cat_url, url), timeout)
     except FileNotFoundError:
         return ""
     except (TimeoutError, OSError, ValueError, RuntimeError) as exc:
         raise SourceUnavailable(f"{url}: {short_error(exc)}") from exc
+    return data.decode("utf-8", errors="replace")
+
+
+async def _read_remote(url: str, timeout: float) -> str:
+    """A donefile in an object store or on WebHDFS: '' when the object does not exist."""
+    try:
+        data = await asyncio.to_thread(remote.read_bytes, url, DONEFILE_LIMIT, timeout,
+                                       min(timeout, 30.0))  # fmt: skip
+    except remote.RemoteError as exc:
+        if exc.missing:
+            return ""
+        raise SourceUnavailable(f"{redact(url)}: {exc}") from None
     return data.decode("utf-8", errors="replace")
 
 
@@ -86,10 +117,14 @@ def _cat_url(url: str) -> bytes:
     return fs.cat_file(path)
 
 
-def mirror_input(source: str, dest: Path) -> list[str]:
+def mirror_input(source: str, dest: Path, timeout: float = 3600.0) -> list[str]:
     """Copy the files of the input directory `source` (a URL) into `dest` (replaced), through
-    fsspec (HTTP directory index pages or FTP listings). Sub-directories and hidden files are
-    skipped, as the builder would skip them. Returns the file names. Blocking: run in a thread."""
+    fsspec. HTTP directory index pages and FTP listings: the files of the directory itself,
+    sub-directories and hidden files skipped. s3:// and webhdfs://: every file the builder
+    would read there (recursively, same rules), at the same relative paths, within `timeout`
+    seconds. Returns the file names (relative paths). Blocking: run in a thread."""
+    if urlsplit(source).scheme not in ("http", "https", "ftp"):
+        return _mirror_remote(source, dest, timeout)
     fs, base = _filesystem(source.rstrip("/"))
     base = base.rstrip("/")
     try:
@@ -122,3 +157,19 @@ def mirror_input(source: str, dest: Path) -> list[str]:
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
     return sorted(files)
+
+
+def _mirror_remote(source: str, dest: Path, timeout: float) -> list[str]:
+    from cube.builder.build import BuildError  # imported here: the transfer reads few inputs
+    from cube.builder.sources import fetch_inputs
+
+    tmp = dest.with_name(dest.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        files = fetch_inputs(source, tmp, timeout)
+    except BuildError as exc:  # it names the URL (credential-free) and says why
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SourceUnavailable(f"input {redact(str(exc))}") from None
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return [str(path.relative_to(tmp)) for path in files]

@@ -39,6 +39,7 @@ from cube.donefile import ID, VERSION_NAME
 from cube.security import TLSFiles, bearer_token, server_context, token_matches
 from cube.transfer import views
 from cube.transfer.config import TransferConfig
+from cube.transfer.donefile import redact
 from cube.transfer.service import Busy, TransferService
 
 log = logging.getLogger("cube.transfer.http")
@@ -349,7 +350,7 @@ class ListenSockets:
     into the agents' source URLs."""
 
     api: socket.socket
-    files: socket.socket
+    files: socket.socket | None  # None with download_mode s3: agents download from S3
 
     @property
     def api_port(self) -> int:
@@ -357,11 +358,12 @@ class ListenSockets:
 
     @property
     def files_port(self) -> int:
-        return int(self.files.getsockname()[1])
+        return int(self.files.getsockname()[1]) if self.files is not None else 0
 
     def close(self) -> None:
         self.api.close()
-        self.files.close()
+        if self.files is not None:
+            self.files.close()
 
 
 def _listen_socket(host: str, port: int, what: str) -> socket.socket:
@@ -375,8 +377,10 @@ def _listen_socket(host: str, port: int, what: str) -> socket.socket:
 
 def bind_listeners(cfg: TransferConfig, api_port: int) -> ListenSockets:
     """Bind the API port (`-p`; 0: any free port) and the file server's `wget_port` (0: any
-    free port) on `listen`."""
+    free port) on `listen`; no file server with download_mode s3."""
     api = _listen_socket(cfg.listen, api_port, "the API (-p)")
+    if cfg.download_mode == "s3":
+        return ListenSockets(api, None)
     try:
         what = f"the {cfg.download_mode} file server (wget_port)"
         files = _listen_socket(cfg.listen, cfg.wget_port, what)
@@ -401,7 +405,9 @@ async def start_listeners(
         await api.setup()
         runners.append(api)
         await web.SockSite(api, sockets.api, ssl_context=ssl_context).start()
-        if cfg.download_mode == "http":
+        if sockets.files is None:
+            pass  # download_mode s3: the builds are uploaded to upload_address
+        elif cfg.download_mode == "http":
             files = web.AppRunner(build_file_server(service), access_log=None)
             await files.setup()
             runners.append(files)
@@ -414,14 +420,17 @@ async def start_listeners(
             await runner.cleanup()
         sockets.close()
         raise
+    where = (
+        f"uploaded to {redact(cfg.upload_address)}"
+        if sockets.files is None
+        else f"({cfg.download_mode}) on {cfg.listen}:{sockets.files_port}"
+    )
     log.info(
-        "API on %s://%s:%d, files (%s) on %s:%d from %s",
+        "API on %s://%s:%d, files %s from %s",
         "https" if ssl_context else "http",
         cfg.listen,
         sockets.api_port,
-        cfg.download_mode,
-        cfg.listen,
-        sockets.files_port,
+        where,
         cfg.output_address,
     )
 

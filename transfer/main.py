@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cube import remote
 from cube.flags import FlagError, Flags, FlagSet, run_cli
 from cube.logs import LOG_FORMATS, setup_logging
 from cube.security import SecurityError, TLSFiles, require_token
@@ -59,7 +60,8 @@ def configure_logging(flags: Flags) -> None:
     log_file = Path(flags.log_dir) / f"{flags.log_name}.log" if flags.log_dir else None
     setup_logging("cube-transfer", log_level(flags.log_level), flags.log_format, log_file)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    logging.getLogger("fsspec").setLevel(logging.WARNING)
+    for name in ("fsspec", "s3fs", "botocore", "aiobotocore"):  # their INFO/DEBUG: not ours
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 async def serve(
@@ -127,6 +129,11 @@ def run(argv: Sequence[str]) -> int:
             f"set insecure: true in {flags.config}",
         )
         TLSFiles(cfg.tls_cert, cfg.tls_key, cfg.agent_tls_ca).check("tls_cert/tls_key")
+        for key in ("donefile_address", "upload_address"):
+            try:  # s3fs present for an s3:// address: said now, not at the first poll
+                remote.require(getattr(cfg, key))
+            except remote.RemoteError as exc:
+                raise ConfigError(f"{flags.config}: {key}: {exc}") from None
     except (ConfigError, SecurityError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -259,6 +259,11 @@ class TransferService:
             if refusal:
                 await self._end(rec, VersionStatus.REFUSED, refusal)
                 return False
+            if self.cfg.download_mode == "s3":  # agents download the tars from upload_address
+                try:
+                    await self.builder.upload(rec)
+                except BuildFailed as exc:
+                    raise _Abort(str(exc)) from exc
         elif phase == Phase.DOWNLOAD:
             await self._phase(rec, dep, "download")
         elif phase == Phase.RELOAD:

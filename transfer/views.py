@@ -15,6 +15,7 @@ from cube.protocol import OK, Work
 from cube.transfer.config import Instance, TransferConfig
 from cube.transfer.donefile import redact
 from cube.transfer.state import INSTANCE_STATUS, VERSION_STATUS, TransferState, VersionRecord
+from cube.transfer.upload import object_url
 
 _INSTANCE_TIMES = (
     "builded_time",
@@ -107,10 +108,13 @@ def instance_info(cfg: TransferConfig, state: TransferState, inst: Instance) -> 
 
 
 def source_url(cfg: TransferConfig, rec: VersionRecord, shard: int) -> str:
-    """Where agents download a shard of `rec` from (the transfer's own file server)."""
+    """Where agents download a shard of `rec` from: the transfer's own file server, or with
+    download_mode s3 the copy uploaded under upload_address (transfer/upload.py)."""
     out_name = rec.output.rstrip("/").rsplit("/", 1)[-1] if rec.output else ""
     if not out_name:
         out_name = output_dir_name(rec.depend, rec.id)
+    if cfg.download_mode == "s3":
+        return object_url(cfg, out_name, tar_name(cfg.dict_name, shard))
     scheme = "https" if cfg.download_mode == "http" and cfg.tls_cert else cfg.download_mode
     return (
         f"{scheme}://{cfg.transfer_address}:{cfg.wget_port}/"
@@ -170,6 +174,7 @@ def dict_info(cfg: TransferConfig, state: TransferState) -> dict[str, Any]:
         "tmp_addr": str(cfg.tmp_address),
         "download_mode": cfg.download_mode,
         "wget_port": cfg.wget_port,
+        "upload_addr": redact(cfg.upload_address),
         "download_inst": named((40,)),
         "reload_insts": named((70,)),
         "enable_insts": named((100,)),

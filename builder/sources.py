@@ -1,0 +1,156 @@
+"""The builder's inputs wherever they are: a local path, or `s3://bucket/prefix` and
+`webhdfs://namenode:port/path` through fsspec (cube/remote.py). The one place the builder side
+lists and fetches inputs: cube-builder (-input_path, -delete_path), the Spark build and the
+transfer's mirrors of remote inputs use it.
+
+A remote input is listed as a local one is (`builder.build.list_input_files`): every regular,
+non-empty file under the path, recursively, no name starting with "." at any level, sorted by
+path components compared as bytes (depth first); the same files fetched under a local
+directory with their relative paths are listed there in the same order (`fetch_inputs`).
+Errors are BuildError naming the URL and a short reason of our own (never what a server sent,
+never a credential).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from cube import remote
+from cube.builder.build import BuildError, list_input_files
+
+FETCH_TIMEOUT = 3600.0  # seconds for one file
+IO_TIMEOUT = 60.0  # one connect or one stalled read
+LIST_TIMEOUT = 600.0
+
+
+@dataclass(frozen=True)
+class InputFile:
+    url: str  # a local path, or the file's URL
+    size: int
+
+
+def is_remote(path: str) -> bool:
+    """A URL with a scheme other than file:// (a path has none)."""
+    return remote.is_remote(path)
+
+
+def _local(path: str) -> str:
+    return urlsplit(path).path if path.startswith("file://") else path
+
+
+def _open(url: str) -> tuple[Any, str]:
+    try:
+        return remote.open_fs(url, IO_TIMEOUT)
+    except remote.RemoteError as exc:
+        raise BuildError(f"{remote.redact(url)}: {exc}") from None
+
+
+def list_inputs(path: str) -> list[InputFile]:
+    """Every regular, non-empty, non-hidden file under `path` (or `path` itself when it is a
+    file), in the order the builder reads them. BuildError when `path` does not exist or
+    cannot be listed."""
+    if not is_remote(path):
+        files = list_input_files(_local(path))
+        return [InputFile(str(file), file.stat().st_size) for file in files]
+    fs, root = _open(path)
+    return _list_remote(fs, root, path)
+
+
+def _list_remote(fs: Any, root: str, path: str) -> list[InputFile]:
+    base = path.rstrip("/")
+    try:
+        info = remote.call(fs, "info", root, timeout=LIST_TIMEOUT)
+        if info.get("type") != "directory":
+            size = int(info.get("size") or 0)
+            return [InputFile(base, size)] if size else []
+        found = remote.find_files(fs, root, LIST_TIMEOUT)
+    except remote.RemoteError as exc:
+        raise BuildError(f"{remote.redact(path)}: {exc}") from None
+    prefix = root.rstrip("/") + "/"
+    keyed = []
+    for name, size in found.items():
+        if not name.startswith(prefix) or not size:
+            continue  # outside the directory (fsspec should not list it), or empty
+        relative = name[len(prefix) :]
+        parts = relative.split("/")
+        if any(not part or part.startswith(".") for part in parts):
+            continue  # hidden at some level (or a marker object ending in '/')
+        keyed.append((tuple(os.fsencode(part) for part in parts), relative, size))
+    keyed.sort(key=lambda item: item[0])  # as list_input_files: components as bytes
+    return [InputFile(f"{base}/{relative}", size) for _key, relative, size in keyed]
+
+
+def relative_name(root: str, url: str) -> str:
+    """The path of `url` under the input `root` (its base name when `url` is the root)."""
+    base = root.rstrip("/")
+    if url == base:
+        return base.rsplit("/", 1)[-1]
+    if not url.startswith(base + "/"):
+        raise BuildError(f"{remote.redact(url)} is not under {remote.redact(root)}")
+    return url[len(base) + 1 :]
+
+
+def fetch_input(url: str, dest: Path, timeout: float = FETCH_TIMEOUT, fs: Any = None) -> Path:
+    """Copy the remote file `url` to `dest` (a temp file beside it, renamed when complete, so
+    `dest` is whole or absent), within `timeout` seconds. BuildError naming the URL. `fs`:
+    a filesystem of the same bucket or namenode to reuse (cube.remote.open_fs)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.part-{os.getpid()}")
+    deadline = time.monotonic() + timeout
+    try:
+        reader = remote.Reader(url, min(IO_TIMEOUT, timeout), fs=fs)
+        with reader, open(tmp, "wb") as out:
+            for block in reader.blocks(0, deadline):
+                out.write(block)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, dest)
+    except remote.RemoteError as exc:
+        raise BuildError(f"{remote.redact(url)}: {exc}") from None
+    except OSError as exc:
+        raise BuildError(f"{remote.redact(url)}: cannot write {dest}: {exc.strerror}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest
+
+
+def fetch_inputs(path: str, dest: Path, timeout: float = FETCH_TIMEOUT) -> list[Path]:
+    """Fetch every input file of the remote `path` (list_inputs) to the same relative path
+    under the directory `dest`, so that building from `dest` reads the same files in the same
+    order; all within `timeout` seconds. Returns the local files. BuildError when there is no
+    input file at all."""
+    deadline = time.monotonic() + timeout
+    fs, root = _open(path)  # one client for the listing and every file
+    files = _list_remote(fs, root, path)
+    if not files:
+        raise BuildError(f"{remote.redact(path)}: no input files (only empty or hidden ones)")
+    local = []
+    for file in files:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise BuildError(f"{remote.redact(path)}: not fetched within {timeout:g} s")
+        local.append(fetch_input(file.url, dest / relative_name(path, file.url), left, fs))
+    return local
+
+
+def read_bytes(url: str, limit: int) -> bytes:
+    """The content of a small file (a delete list), local or remote; BuildError when it holds
+    more than `limit` bytes."""
+    if not is_remote(url):
+        local = Path(_local(url))
+        try:
+            size = local.stat().st_size
+            if size > limit:
+                raise BuildError(f"{url}: {size} bytes, more than the {limit} allowed")
+            return local.read_bytes()
+        except OSError as exc:
+            raise BuildError(f"{url}: {exc.strerror}") from None
+    try:
+        return remote.read_bytes(url, limit, FETCH_TIMEOUT, IO_TIMEOUT)
+    except remote.RemoteError as exc:
+        raise BuildError(f"{remote.redact(url)}: {exc}") from None

@@ -1,0 +1,378 @@
+"""Remote files through fsspec: `s3://bucket/key` (s3fs) and `webhdfs://namenode:port/path`
+(fsspec's own WebHDFS client). The one place for what every reader of them needs:
+
+- which URLs are accepted (`check_url`): `hdfs://` is refused with the `webhdfs://` URL to use
+  instead (HDFS's RPC protocol needs a JVM and libhdfs; WebHDFS is plain HTTP on the namenode),
+  and credentials in a URL are refused (they belong in the environment);
+- a filesystem per endpoint (`open_fs`), with connect and read timeouts, kept for at most
+  REUSE_SECONDS (a new S3 client costs a few hundred milliseconds) and dropped at once after
+  a failure of the credentials or the connection, so that fixed credentials or a moved
+  endpoint are used at the next try. No listing is cached. S3 credentials, endpoint and
+  region come from what botocore reads (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+  AWS_SESSION_TOKEN, AWS_ENDPOINT_URL, AWS_DEFAULT_REGION, AWS_PROFILE, config files, instance
+  roles) and fsspec's FSSPEC_S3_* variables;
+- s3fs imported lazily, its absence an error saying what to install;
+- failures in words of our own (`failure`): never the text a server sent, never a credential.
+
+A shell helper (network I/O), like cube/security.py: used by builder/sources.py (the builder's
+inputs), transfer/donefile.py (donefiles and input mirrors), transfer/upload.py (download_mode
+s3) and agent/fetch.py (s3:// shard sources).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import http
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+SCHEMES = ("s3", "webhdfs")  # what open_fs reads
+S3_INSTALL = "pip install 'cube-py[s3]'"
+CREDENTIALS = "check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_SESSION_TOKEN or AWS_PROFILE"
+HDFS_HINT = (
+    "hdfs:// (HDFS's RPC protocol) is not supported; use webhdfs://<namenode>:<http port>/<path>"
+    " (the namenode's dfs.namenode.http-address, port 9870 on Hadoop 3, 50070 on Hadoop 2)"
+)
+BLOCK = 8 << 20  # bytes per ranged read
+
+
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)([^/\s]*)@")
+
+
+def redact(text: str) -> str:
+    """`text` with the user and password of every URL in it hidden (`ftp://***@host/...`):
+    what messages and APIs show of addresses and inputs must not hand out credentials."""
+    return _USERINFO.sub(r"\1***@", text)
+
+
+class RemoteError(Exception):
+    """A remote file that could not be used; the message is short and credential-free.
+    `missing`: the object or path does not exist; `retryable`: another attempt may help."""
+
+    def __init__(
+        self, message: str, *, missing: bool = False, retryable: bool = False, denied: bool = False
+    ) -> None:
+        super().__init__(message)
+        self.missing = missing
+        self.retryable = retryable
+        self.denied = denied  # the credentials (or their rights) were refused
+
+
+def scheme_of(url: str) -> str:
+    """The lower-cased scheme of `url` ('' for a path or a malformed URL)."""
+    if "://" not in url:
+        return ""
+    try:
+        return urlsplit(url).scheme.lower()
+    except ValueError:
+        return ""
+
+
+def is_remote(path: str) -> bool:
+    """Whether `path` is a URL with a scheme other than file:// (a local path has none)."""
+    return scheme_of(path) not in ("", "file")
+
+
+def check_url(url: str) -> str | None:
+    """Why `url` cannot be read here (None when it can): a scheme open_fs does not read,
+    hdfs://, a bucket or namenode missing, credentials or a query in the URL."""
+    scheme = scheme_of(url)
+    if scheme == "hdfs":
+        return HDFS_HINT
+    if scheme not in SCHEMES:
+        return f"unsupported scheme {scheme or '(none)'!r} (s3:// or webhdfs://)"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return "not a valid URL (bad host or port)"
+    if parts.query or parts.fragment:
+        return "a query or fragment ('?', '#') is not allowed"
+    if scheme == "s3" and "@" in parts.netloc:
+        return f"credentials do not belong in an s3:// URL: {CREDENTIALS}"
+    if parts.password is not None:
+        return "a password does not belong in the URL (webhdfs://<user>@<namenode>:<port>/<path>)"
+    if not parts.hostname:
+        return "no bucket" if scheme == "s3" else "no namenode host"
+    if scheme == "s3" and port is not None:
+        return "an s3:// URL names a bucket, not host:port (set AWS_ENDPOINT_URL for the endpoint)"
+    if scheme == "webhdfs" and port is None:
+        return "no port: webhdfs://<namenode>:<http port>/<path> (9870 on Hadoop 3)"
+    return None
+
+
+REUSE_SECONDS = 300.0
+_ENV_PREFIXES = ("AWS_", "FSSPEC_")  # what a filesystem's client was made from
+_filesystems: dict[tuple[Any, ...], tuple[float, Any]] = {}
+_lock = threading.Lock()
+
+
+def open_fs(url: str, io_timeout: float = 60.0) -> tuple[Any, str]:
+    """An fsspec filesystem for `url` and the path to use with it. `io_timeout` bounds one
+    connect and one stalled read. RemoteError for a URL check_url refuses or a missing package.
+
+    The filesystem of the same endpoint, settings and environment (AWS_*, FSSPEC_*) is reused
+    for REUSE_SECONDS, unless a call through it failed on credentials or the connection."""
+    problem = check_url(url)
+    if problem:
+        raise RemoteError(problem)
+    parts = urlsplit(url)
+    scheme = scheme_of(url)
+    settings = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)))
+    key = (scheme, parts.hostname if scheme != "s3" else "", parts.port, parts.username,
+           io_timeout, settings)  # fmt: skip
+    now = time.monotonic()
+    with _lock:
+        for old in [k for k, (born, _fs) in _filesystems.items() if now - born > REUSE_SECONDS]:
+            del _filesystems[old]
+        if key in _filesystems:
+            return _filesystems[key][1], path_of(url)
+    fs = _new_fs(url, io_timeout)
+    fs._cube_key = key
+    with _lock:
+        _filesystems[key] = (now, fs)
+    return fs, path_of(url)
+
+
+def forget(fs: Any) -> None:
+    """Stop reusing `fs` (after a failure that a new client may not have)."""
+    with _lock:
+        _filesystems.pop(getattr(fs, "_cube_key", None), None)  # type: ignore[arg-type]
+
+
+def _new_fs(url: str, io_timeout: float) -> Any:
+    parts = urlsplit(url)
+    if scheme_of(url) == "s3":
+        try:
+            import fsspec.config  # type: ignore[import-untyped]
+            import s3fs  # type: ignore[import-untyped]
+        except ImportError:
+            raise RemoteError(f"s3:// needs s3fs: {S3_INSTALL}") from None
+        settings = fsspec.config.conf.get("s3", {})
+        config = {"connect_timeout": io_timeout, "read_timeout": io_timeout}
+        config.update(settings.get("config_kwargs") or {})  # FSSPEC_S3_CONFIG_KWARGS wins
+        return s3fs.S3FileSystem(
+            skip_instance_cache=True, use_listings_cache=False, config_kwargs=config
+        )
+    try:
+        from fsspec.implementations.webhdfs import WebHDFS  # type: ignore[import-untyped]
+    except ImportError:
+        raise RemoteError(f"webhdfs:// needs fsspec and requests: {S3_INSTALL} requests") from None
+    fs = WebHDFS(parts.hostname, parts.port, user=parts.username, skip_instance_cache=True)
+    # requests waits forever by default: every call of this session gets the timeouts
+    fs.session.request = functools.partial(fs.session.request, timeout=(io_timeout, io_timeout))
+    return fs
+
+
+def path_of(url: str) -> str:
+    """The path of `url` for its open_fs filesystem: `bucket/key` for s3://, `/path` for
+    webhdfs:// (a filesystem serves every URL of its bucket or namenode)."""
+    parts = urlsplit(url)
+    if scheme_of(url) == "s3":
+        return f"{parts.netloc}{parts.path}".rstrip("/")
+    return parts.path.rstrip("/") or "/"
+
+
+def require(url: str) -> None:
+    """RemoteError when the packages `url` needs are not installed (a start-up check, so that
+    a daemon says so at once rather than at its first poll)."""
+    if is_remote(url) and check_url(url) is None:
+        open_fs(url)
+
+
+def call(fs: Any, method: str, *args: Any, timeout: float | None, **kwargs: Any) -> Any:
+    """`fs.<method>(*args, **kwargs)` bounded by `timeout` seconds where fsspec can bound it
+    (the async filesystem, s3; WebHDFS calls are bounded per request by open_fs's timeouts);
+    any failure as a RemoteError (`failure`)."""
+    if timeout is not None and getattr(fs, "async_impl", False):
+        kwargs["timeout"] = timeout
+    try:
+        return getattr(fs, method)(*args, **kwargs)
+    except RemoteError:
+        raise
+    except Exception as exc:
+        raise _failed(fs, exc) from exc
+
+
+def _failed(fs: Any, exc: BaseException) -> RemoteError:
+    """`exc` in our words; a failure a new client might not have stops the reuse of `fs`."""
+    error = failure(exc, _scheme(fs))
+    if error.retryable or error.denied:
+        forget(fs)
+    return error
+
+
+def _scheme(fs: Any) -> str:
+    protocol = getattr(fs, "protocol", "")
+    return str(protocol[0] if isinstance(protocol, (tuple, list)) else protocol).lower()
+
+
+def find_files(fs: Any, path: str, timeout: float) -> dict[str, int]:
+    """Every file under the directory `path`: its path -> size. Errors raise (fsspec's walk
+    would silently skip a directory it cannot list)."""
+    kwargs: dict[str, Any] = {"detail": True, "withdirs": False}
+    if not getattr(fs, "async_impl", False):
+        kwargs["on_error"] = "raise"
+    found = call(fs, "find", path, timeout=timeout, **kwargs)
+    return {
+        str(name): int(info.get("size") or 0)
+        for name, info in found.items()
+        if info.get("type", "file") == "file"
+    }
+
+
+class Reader:
+    """Ranged reads of one remote file: `size`, then `blocks(offset)` yields what follows
+    `offset` in reads of `block` bytes (one request each, so a failed read loses one block).
+    `fs`: an open_fs filesystem of the same bucket or namenode to reuse (a new S3 client
+    costs a few hundred milliseconds)."""
+
+    def __init__(
+        self, url: str, io_timeout: float = 60.0, block: int = BLOCK, fs: Any = None
+    ) -> None:
+        self.url = url
+        self.block = block
+        self.io_timeout = io_timeout
+        if fs is None:
+            fs, path = open_fs(url, io_timeout)
+        else:
+            path = path_of(url)
+        self.fs = fs
+        self.file = call(fs, "open", path, "rb", block_size=block, cache_type="none", timeout=None)
+        self.size = int(self.file.size)
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):  # closing a file read sends nothing that matters
+            self.file.close()
+
+    def blocks(self, offset: int = 0, deadline: float | None = None) -> Iterator[bytes]:
+        """Yield the bytes from `offset` to the end; RemoteError on a failed read, a read that
+        ends short of `size`, or `deadline` (time.monotonic()) passed."""
+        position = offset
+        while position < self.size:
+            if deadline is not None and time.monotonic() > deadline:
+                raise RemoteError("timed out", retryable=True)
+            want = min(self.block, self.size - position)
+            try:
+                self.file.seek(position)
+                data = self.file.read(want)
+            except Exception as exc:
+                raise _failed(self.fs, exc) from exc
+            if len(data) != want:
+                raise RemoteError(
+                    f"a read at offset {position} got {len(data)} of {want} bytes", retryable=True
+                )
+            position += len(data)
+            yield data
+
+
+def read_bytes(url: str, limit: int, timeout: float, io_timeout: float = 60.0) -> bytes:
+    """The whole of a small remote file; RemoteError when it holds more than `limit` bytes."""
+    deadline = time.monotonic() + timeout
+    with Reader(url, min(io_timeout, timeout)) as reader:
+        if reader.size > limit:
+            raise RemoteError(f"{reader.size} bytes, more than the {limit} allowed")
+        return b"".join(reader.blocks(0, deadline))
+
+
+def put_file(local: str, url: str, timeout: float, io_timeout: float = 60.0) -> None:
+    """Upload the local file `local` to `url` (one object, visible whole or not at all)."""
+    fs, path = open_fs(url, io_timeout)
+    call(fs, "put_file", local, path, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------------------------
+# failures, in our words
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _named(exc: BaseException, *names: str) -> bool:
+    return any(cls.__name__ in names for cls in type(exc).__mro__)
+
+
+def _s3_error(exc: BaseException) -> tuple[str, int]:
+    """(error code, HTTP status) of the botocore ClientError behind `exc`, if any."""
+    for link in _chain(exc):
+        response = getattr(link, "response", None)
+        if isinstance(response, dict) and "Error" in response:
+            code = str(response.get("Error", {}).get("Code") or "")
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            return code, int(status)
+    return "", 0
+
+
+def _status_text(status: int) -> str:
+    try:
+        return f"HTTP {status} {http.HTTPStatus(status).phrase}"
+    except ValueError:
+        return f"HTTP {status}"
+
+
+def _endpoint(exc: BaseException) -> str:
+    """scheme://host[:port] of the endpoint a botocore connection error names."""
+    for link in _chain(exc):
+        url = (getattr(link, "kwargs", None) or {}).get("endpoint_url")
+        if url:
+            parts = urlsplit(str(url))
+            return f" {parts.scheme}://{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return ""
+
+
+def failure(exc: BaseException, scheme: str = "s3") -> RemoteError:
+    """`exc`, raised by s3fs, botocore, fsspec or requests reading a `scheme` URL, as a
+    RemoteError whose message is ours: what happened and what to check, never the server's
+    text (an S3 message, a namenode's RemoteException, a reason phrase), never a credential."""
+    if isinstance(exc, RemoteError):
+        return exc
+    code, status = _s3_error(exc)
+    response = getattr(exc, "response", None)  # requests' HTTPError
+    if not status and isinstance(getattr(response, "status_code", None), int):
+        status = int(response.status_code)  # type: ignore[union-attr]
+    if code == "NoSuchBucket":
+        return RemoteError("the bucket does not exist")
+    if isinstance(exc, FileNotFoundError) or code == "NoSuchKey" or status == 404:
+        return RemoteError("not found", missing=True)
+    if isinstance(exc, PermissionError) or status in (401, 403):
+        if scheme == "webhdfs":
+            return RemoteError(
+                "access denied (check the user, webhdfs://<user>@<namenode>:<port>/<path>, and "
+                "the HDFS permissions)",
+                denied=True,
+            )
+        return RemoteError(f"access denied ({CREDENTIALS}, and the permissions)", denied=True)
+    if _named(exc, "NoCredentialsError", "PartialCredentialsError", "NoAuthTokenError"):
+        return RemoteError(f"no S3 credentials found ({CREDENTIALS})", denied=True)
+    if _named(exc, "FSTimeoutError", "TimeoutError", "Timeout", "ReadTimeoutError",
+              "ConnectTimeoutError"):  # fmt: skip
+        return RemoteError("timed out", retryable=True)
+    if _named(exc, "EndpointConnectionError", "ConnectionClosedError", "ProxyConnectionError"):
+        return RemoteError(f"cannot connect to the S3 endpoint{_endpoint(exc)}", retryable=True)
+    if _named(exc, "ConnectionError", "ConnectionRefusedError", "ClientConnectorError"):
+        return RemoteError("cannot connect", retryable=True)
+    if status:
+        return RemoteError(_status_text(status), retryable=status >= 500 or status in (408, 429))
+    if isinstance(exc, ValueError) and _named(exc, "JSONDecodeError"):
+        return RemoteError("the answer is not what the protocol says (not JSON)")
+    if isinstance(exc, (ValueError, RuntimeError)):
+        return RemoteError(f"the server refused the request ({type(exc).__name__})")
+    return RemoteError(f"failed ({type(exc).__name__})", retryable=True)

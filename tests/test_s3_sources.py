@@ -1,0 +1,418 @@
+"""s3:// and webhdfs:// sources below the processes: URL checks, the builder's lister and
+fetcher (builder/sources.py), the transfer's donefile reads and input mirrors, the agent's
+source policy and ranged S3 downloads, and the errors of each (a missing object, bad
+credentials, an unreachable endpoint, s3fs not installed): short, naming the URL, never a
+credential nor what a server sent. Against moto's S3 server (a process, tests/conftest.py
+`moto`) and a fake WebHDFS namenode (tests/s3_helpers.py); the real-process end to end is
+tests/test_s3_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from s3_helpers import (
+    ACCESS_KEY,
+    SECRET_KEY,
+    FakeNamenode,
+    MotoServer,
+    aws_environment,
+    s3_filesystem,
+)
+
+from cube import remote
+from cube.agent.fetch import (
+    FetchError,
+    FetchPolicy,
+    SourcePolicy,
+    SourceRefused,
+    check_source,
+    fetch_file,
+    fetch_md5,
+)
+from cube.builder import sources
+from cube.builder.build import BuildError, list_input_files
+from cube.processes import free_port
+from cube.transfer.config import ConfigError, parse_config
+from cube.transfer.donefile import SourceUnavailable, mirror_input, read_donefile, resolve_input
+
+BUCKET = "cube-test"
+TREE = {  # names whose byte order differs from their string order once '/' is involved
+    "a.txt": b"1",
+    "a/x": b"22",
+    "a/.hidden/y": b"hidden",
+    "b/part-00001": b"333",
+    "B": b"4444",
+    "_SUCCESS": b"",
+    ".staging": b"hidden",
+    "d/e/f": b"55555",
+    "\u00e9t\u00e9": b"666666",
+}
+
+
+@pytest.fixture(scope="module")
+def s3(moto, tmp_path_factory):
+    """The AWS environment pointed at the session's moto server for this module, a bucket,
+    and an s3fs filesystem to put objects with."""
+    root = tmp_path_factory.mktemp("s3-sources")
+    with aws_environment(moto.url, root):
+        fs = s3_filesystem()
+        if not fs.exists(BUCKET):
+            fs.mkdir(BUCKET)
+        yield SimpleNamespace(root=root, fs=fs, url=moto.url)
+
+
+def put_tree(fs, prefix: str, tree: dict[str, bytes]) -> str:
+    for name, data in tree.items():
+        fs.pipe_file(f"{BUCKET}/{prefix}/{name}", data)
+    return f"s3://{BUCKET}/{prefix}"
+
+
+def write_tree(root: Path, tree: dict[str, bytes]) -> Path:
+    for name, data in tree.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return root
+
+
+def relative(files, root: str) -> list[str]:
+    return [str(f.url if hasattr(f, "url") else f)[len(root.rstrip("/")) + 1 :] for f in files]
+
+
+def clean(message: str) -> None:
+    """A message shows no credential and nothing a server sent."""
+    for secret in (SECRET_KEY, ACCESS_KEY, "namenode-internal-detail", "hunter2"):
+        assert secret not in message, message
+
+
+# ---------------------------------------------------------------------------------------------
+# URLs and configuration (no network)
+
+
+@pytest.mark.parametrize(
+    "url, problem",
+    [
+        ("hdfs://nn:8020/data/in", "use webhdfs://<namenode>:<http port>/<path>"),
+        ("s3://AKIA:hunter2@bucket/in", "credentials do not belong in an s3:// URL"),
+        ("s3://bucket:9000/in", "set AWS_ENDPOINT_URL"),
+        ("s3:///in", "no bucket"),
+        ("s3://bucket/in?versionId=3", "query or fragment"),
+        ("webhdfs://nn/in", "no port: webhdfs://<namenode>:<http port>/<path>"),
+        ("webhdfs://alice:hunter2@nn:9870/in", "a password does not belong in the URL"),
+        ("gs://bucket/in", "unsupported scheme 'gs'"),
+    ],
+)
+def test_remote_urls_are_refused_with_what_to_use(url, problem):
+    assert problem in (remote.check_url(url) or "")
+    with pytest.raises(BuildError) as refused:
+        sources.list_inputs(url)
+    assert problem in str(refused.value)
+    clean(str(refused.value))
+
+
+def test_which_paths_are_remote():
+    for path in ("s3://b/in", "webhdfs://nn:9870/in", "http://h/in", "hdfs://nn:8020/in"):
+        assert sources.is_remote(path), path
+    for path in ("/data/in", "data/in", "file:///data/in", "odd:name/in"):
+        assert not sources.is_remote(path), path
+    assert remote.check_url("s3://bucket/in") is None
+    assert remote.check_url("webhdfs://alice@nn:9870/in") is None
+
+
+def test_s3fs_missing_says_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # `import s3fs` now raises ImportError
+    with pytest.raises(BuildError, match=re.escape("s3://b/in: s3:// needs s3fs: pip install")):
+        sources.list_inputs("s3://b/in")
+    with pytest.raises(SourceUnavailable, match=re.escape("pip install 'cube-py[s3]'")):
+        asyncio.run(read_donefile("s3://b/donefile", "base.txt"))
+    policy = FetchPolicy(attempts=3, sources=SourcePolicy.from_flags("s3://b/", False))
+    started = time.monotonic()
+    with pytest.raises(FetchError, match=re.escape("pip install 'cube-py[s3]'")):
+        asyncio.run(fetch_file("s3://b/x.tar", tmp_path / "x.part", size=None, policy=policy))
+    assert time.monotonic() - started < 5  # not retried: installing is not a retry
+
+
+CONF = """\
+[default]
+dict_name: emb
+shard_num: 2
+output_address: out
+tmp_address: tmp
+{extra}
+[cube_agent]
+agent0_0: 127.0.0.1:8001
+cube0_0: 127.0.0.1:8000:/srv/0
+agent1_0: 127.0.0.1:8011
+cube1_0: 127.0.0.1:8010:/srv/1
+"""
+
+
+@pytest.mark.parametrize(
+    "extra, error",
+    [
+        ("donefile_address: hdfs://nn:8020/donefile\nwget_port: 0", "use webhdfs://"),
+        ("donefile_address: gs://b/donefile\nwget_port: 0", "unsupported scheme 'gs'"),
+        ("donefile_address: s3://b/d\ndownload_mode: s3", "download_mode s3 needs upload_address"),
+        ("donefile_address: /d\ndownload_mode: s3\nupload_address: http://h/x", "upload_address"),
+        ("donefile_address: /d\nwget_port: 0\nupload_address: s3://b/x", "only with download_mode"),
+        ("donefile_address: /d\ndownload_mode: s3\nupload_address: s3://k:hunter2@b/x", "creden"),
+    ],
+)
+def test_transfer_conf_refuses_remote_addresses_it_cannot_use(tmp_path, extra, error):
+    with pytest.raises(ConfigError, match=re.escape(error)) as refused:
+        parse_config(CONF.format(extra=extra), "t.conf", tmp_path)
+    assert "t.conf:" in str(refused.value)
+    clean(str(refused.value))
+
+
+def test_download_mode_s3_sends_agents_to_the_uploaded_copy(tmp_path):
+    from cube.transfer.state import VersionRecord
+    from cube.transfer.views import source_url
+
+    extra = "donefile_address: s3://trainer/donefile\ndownload_mode: s3\n"
+    cfg = parse_config(CONF.format(extra=extra + "upload_address: s3://builds/emb/"), "t", tmp_path)
+    assert cfg.wget_port == 0 and cfg.donefile_address == "s3://trainer/donefile"
+    rec = VersionRecord("100", "100", "100", "100", "base", "", "base.txt:1")
+    rec.output = str(tmp_path / "out" / "100_100")
+    assert source_url(cfg, rec, 1) == "s3://builds/emb/100_100/emb_part1.tar"
+    donefile = cfg.donefile_address
+    assert resolve_input(donefile, "inputs/100") == "s3://trainer/donefile/inputs/100"
+    assert resolve_input(donefile, "/inputs/100") == "s3://trainer/inputs/100"
+    assert resolve_input(donefile, "s3://other/in") == "s3://other/in"
+    assert resolve_input("webhdfs://nn:9870/d", "in") == "webhdfs://nn:9870/d/in"
+
+
+@pytest.mark.parametrize(
+    "source, allowed, refused",
+    [
+        ("s3://bkt/shards/v1/t_part0.tar", "", "must be allowed; list its s3://bucket/prefix"),
+        ("s3://bkt/shards/v1/t_part0.tar", "http://h/", "must be allowed"),
+        ("s3://bkt/shards/v1/t_part0.tar", "s3://bkt/shards", ""),
+        ("s3://bkt/shards/v1/t_part0.tar", "s3://bkt", ""),
+        ("s3://bkt/shards/v1/t_part0.tar", "s3://other/shards", "must be allowed"),
+        ("s3://bkt/shardsx/t_part0.tar", "s3://bkt/shards", "must be allowed"),  # whole segments
+        ("s3://bkt/shards/../secret.tar", "s3://bkt/shards", "'..'"),
+        ("s3://bkt/shards/%2e%2e/t.tar", "s3://bkt/shards", "no '%'"),  # keys are literal
+        ("s3://k:hunter2@bkt/shards/t.tar", "s3://bkt/shards", "credentials do not belong"),
+        ("s3://bkt:9000/shards/t.tar", "s3://bkt/shards", "not host:port"),
+        ("s3://bkt", "s3://bkt", "no key"),
+        ("s3://bkt/shards/t.tar?versionId=1", "s3://bkt/shards", "query"),
+    ],
+)
+def test_agent_s3_sources_need_an_allowed_prefix(source, allowed, refused):
+    policy = SourcePolicy.from_flags(allowed, False)
+    if not refused:
+        target = check_source(source, policy)
+        assert (target.kind, target.host, target.url) == ("s3", "bkt", source)
+        return
+    with pytest.raises(SourceRefused, match=re.escape(refused)) as caught:
+        check_source(source, policy)
+    clean(str(caught.value))
+
+
+@pytest.mark.parametrize(
+    "entry", ["s3://", "s3://b:1/x", "s3://u@b/x", "s3://b/a/../x", "s3://b/a%2Fb"]
+)
+def test_bad_s3_allowed_sources_entries_are_flag_errors(entry):
+    with pytest.raises(ValueError, match="--allowed_sources"):
+        SourcePolicy.from_flags(entry, False)
+
+
+# ---------------------------------------------------------------------------------------------
+# moto
+
+
+def test_inputs_are_listed_and_fetched_in_the_builders_order(s3, tmp_path):
+    url = put_tree(s3.fs, "inputs/order", TREE)
+    local = write_tree(tmp_path / "local", TREE)
+    expected = [str(p.relative_to(local)) for p in list_input_files(local)]
+    assert expected == ["B", "a/x", "a.txt", "b/part-00001", "d/e/f", "\u00e9t\u00e9"]
+    listed = sources.list_inputs(url + "/")
+    assert relative(listed, url) == expected
+    assert [f.size for f in listed] == [len(TREE[name]) for name in expected]
+    # the local lister is list_input_files itself
+    assert [f.url for f in sources.list_inputs(str(local))] == [
+        str(p) for p in list_input_files(local)
+    ]
+    fetched = sources.fetch_inputs(url, tmp_path / "fetched")
+    assert fetched == list_input_files(tmp_path / "fetched")  # same files, same order
+    assert [p.read_bytes() for p in fetched] == [TREE[name] for name in expected]
+    assert not [p for p in (tmp_path / "fetched").rglob("*") if p.name.startswith(".")]
+    # a file as the input, and small files read whole
+    assert sources.list_inputs(f"{url}/a.txt") == [sources.InputFile(f"{url}/a.txt", 1)]
+    assert sources.list_inputs(f"{url}/_SUCCESS") == []
+    assert sources.read_bytes(f"{url}/d/e/f", 5) == b"55555"
+    with pytest.raises(BuildError, match=re.escape(f"{url}/d/e/f: 5 bytes, more than the 4")):
+        sources.read_bytes(f"{url}/d/e/f", 4)
+
+
+def test_missing_objects_and_buckets(s3, tmp_path):
+    missing = f"s3://{BUCKET}/inputs/never-written"
+    with pytest.raises(BuildError, match=f"^{re.escape(missing)}: not found$"):
+        sources.list_inputs(missing)
+    with pytest.raises(BuildError, match=f"^{re.escape(missing)}/x: not found$"):
+        sources.fetch_input(f"{missing}/x", tmp_path / "x")
+    assert not list(tmp_path.iterdir())  # nothing half-written left behind
+    with pytest.raises(BuildError, match="s3://no-such-bucket/in: the bucket does not exist"):
+        sources.list_inputs("s3://no-such-bucket/in")
+    # the transfer: a donefile not written yet is empty, a missing input names its URL
+    assert asyncio.run(read_donefile(f"s3://{BUCKET}/donefile-none", "base.txt")) == ""
+    with pytest.raises(SourceUnavailable, match="the bucket does not exist"):
+        asyncio.run(read_donefile("s3://no-such-bucket/donefile", "base.txt"))
+    with pytest.raises(SourceUnavailable, match=f"^input {re.escape(missing)}: not found$"):
+        mirror_input(missing, tmp_path / "mirror")
+    put_tree(s3.fs, "inputs/only-empty", {"_SUCCESS": b"", ".x": b"x"})
+    with pytest.raises(SourceUnavailable, match="no input files"):
+        mirror_input(f"s3://{BUCKET}/inputs/only-empty", tmp_path / "mirror")
+
+
+def test_donefile_lines_and_inputs_from_s3(s3, tmp_path):
+    address = f"s3://{BUCKET}/donefile-poll"
+    assert asyncio.run(read_donefile(address, "base.txt")) == ""  # not written yet
+    first = '{"id": "100", "key": "100", "input": "inputs/100"}\n'
+    s3.fs.pipe_file(f"{BUCKET}/donefile-poll/base.txt", first.encode())
+    assert asyncio.run(read_donefile(address + "/", "base.txt")) == first
+    second = first + '{"id": "200", "key": "200", "input": "inputs/200"}\n'
+    s3.fs.pipe_file(f"{BUCKET}/donefile-poll/base.txt", second.encode())  # "appended"
+    assert (
+        asyncio.run(read_donefile(address, "base.txt")).splitlines()[1].startswith('{"id": "200"')
+    )
+    # the line's relative input resolves under the donefile's prefix and is mirrored
+    source = resolve_input(address, "inputs/100")
+    put_tree(s3.fs, "donefile-poll/inputs/100", TREE)
+    names = mirror_input(source, tmp_path / "mirror")
+    assert names == ["B", "a/x", "a.txt", "b/part-00001", "d/e/f", "\u00e9t\u00e9"]
+    assert (tmp_path / "mirror" / "d" / "e" / "f").read_bytes() == b"55555"
+    assert not (tmp_path / "mirror.part").exists()
+
+
+def _policy(**changes) -> FetchPolicy:
+    settings = {"attempts": 3, "backoff": 0.05, "timeout": 30.0, "io_timeout": 5.0}
+    settings.update(changes)
+    return FetchPolicy(sources=SourcePolicy.from_flags(f"s3://{BUCKET}/shards", False), **settings)
+
+
+def test_agent_fetches_s3_objects_resuming_from_the_part(s3, tmp_path):
+    data = os.urandom(remote.BLOCK + 300_000)  # two ranged reads
+    s3.fs.pipe_file(f"{BUCKET}/shards/v1/t_part0.tar", data)
+    s3.fs.pipe_file(f"{BUCKET}/shards/v1/t_part0.tar.md5",
+                    f"{hashlib.md5(data).hexdigest()}  t_part0.tar\n".encode())  # fmt: skip
+    source = f"s3://{BUCKET}/shards/v1/t_part0.tar"
+    part = tmp_path / "t_part0.tar.part"
+    part.write_bytes(data[:1_000_000])  # an earlier attempt's bytes
+    seen: list[int] = []
+
+    def progress(done: int, total: int | None) -> None:
+        seen.append(done)
+
+    got = asyncio.run(fetch_file(source, part, size=len(data), policy=_policy(), progress=progress))
+    assert got == len(data) and part.read_bytes() == data
+    assert seen[0] > 1_000_000  # it went on from the offset
+    md5 = asyncio.run(fetch_md5(source, tmp_path / "t_part0.tar.md5", _policy()))
+    assert md5 == hashlib.md5(data).hexdigest()
+    # a size the object does not have: refused before the first byte, nothing kept
+    part.unlink()
+    with pytest.raises(FetchError, match="has 8688608 bytes, the request says size 5"):
+        asyncio.run(fetch_file(source, part, size=5, policy=_policy()))
+    assert not part.exists()
+
+
+def test_agent_s3_errors_are_short_and_final(s3, tmp_path):
+    part = tmp_path / "x.part"
+    missing = f"s3://{BUCKET}/shards/v1/gone.tar"
+    started = time.monotonic()
+    with pytest.raises(FetchError, match=f"^source {re.escape(missing)}: not found$") as caught:
+        asyncio.run(fetch_file(missing, part, size=None, policy=_policy(backoff=5.0)))
+    assert not caught.value.retryable and time.monotonic() - started < 5  # no attempt again
+    assert not part.exists()
+    with pytest.raises(SourceRefused, match="must be allowed"):
+        asyncio.run(fetch_file(f"s3://{BUCKET}/elsewhere/x.tar", part, size=None,
+                               policy=_policy()))  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# credentials and endpoints that do not work
+
+
+def test_bad_credentials_are_a_clear_error_without_the_secret(tmp_path):
+    """Against a moto server that authenticates every request: keys it does not know are
+    refused (403) as AWS refuses them."""
+    with (
+        MotoServer(tmp_path / "moto-auth.log", auth=True) as strict,
+        aws_environment(strict.url, tmp_path),
+    ):
+        with pytest.raises(SourceUnavailable) as unread:
+            asyncio.run(read_donefile(f"s3://{BUCKET}/donefile", "base.txt"))
+        with pytest.raises(BuildError) as unlisted:
+            sources.list_inputs(f"s3://{BUCKET}/inputs")
+        with pytest.raises(FetchError) as unfetched:
+            policy = _policy(backoff=5.0)
+            asyncio.run(fetch_file(f"s3://{BUCKET}/shards/t.tar", tmp_path / "t.part",
+                                   size=None, policy=policy))  # fmt: skip
+    assert str(unread.value) == (
+        f"s3://{BUCKET}/donefile/base.txt: access denied (check AWS_ACCESS_KEY_ID/"
+        "AWS_SECRET_ACCESS_KEY/AWS_SESSION_TOKEN or AWS_PROFILE, and the permissions)"
+    )
+    assert str(unlisted.value).startswith(f"s3://{BUCKET}/inputs: access denied (check AWS_")
+    assert "access denied" in str(unfetched.value) and not unfetched.value.retryable
+    for error in (unread, unlisted, unfetched):
+        clean(str(error.value))
+
+
+def test_unreachable_endpoints_fail_fast_and_say_where(tmp_path):
+    port = free_port()  # nothing listens there
+    with aws_environment(f"http://127.0.0.1:{port}", tmp_path, AWS_MAX_ATTEMPTS="1"):
+        started = time.monotonic()
+        with pytest.raises(SourceUnavailable) as unread:
+            asyncio.run(read_donefile(f"s3://{BUCKET}/donefile", "base.txt", timeout=20))
+        assert time.monotonic() - started < 20
+    assert str(unread.value) == (
+        f"s3://{BUCKET}/donefile/base.txt: cannot connect to the S3 endpoint "
+        f"http://127.0.0.1:{port}"
+    )
+    webhdfs = f"webhdfs://127.0.0.1:{port}/data"
+    started = time.monotonic()
+    with pytest.raises(BuildError, match=f"^{re.escape(webhdfs)}/in: cannot connect$"):
+        sources.list_inputs(f"{webhdfs}/in")
+    with pytest.raises(SourceUnavailable, match=f"^{re.escape(webhdfs)}/base.txt: cannot conn"):
+        asyncio.run(read_donefile(webhdfs, "base.txt"))
+    assert time.monotonic() - started < 10
+
+
+# ---------------------------------------------------------------------------------------------
+# WebHDFS (a fake namenode: no HDFS runs here)
+
+
+def test_webhdfs_inputs_and_donefiles(tmp_path):
+    write_tree(tmp_path / "hdfs" / "in", TREE)
+    (tmp_path / "hdfs" / "donefile").mkdir()
+    (tmp_path / "hdfs" / "donefile" / "base.txt").write_text('{"id": "1"}\n')
+    (tmp_path / "hdfs" / "denied").mkdir()
+    namenode = FakeNamenode(tmp_path / "hdfs")
+    try:
+        base = f"webhdfs://alice@127.0.0.1:{namenode.port}"
+        listed = sources.list_inputs(f"{base}/in")
+        expected = [str(p.relative_to(tmp_path / "hdfs" / "in"))
+                    for p in list_input_files(tmp_path / "hdfs" / "in")]  # fmt: skip
+        assert relative(listed, f"{base}/in") == expected
+        fetched = sources.fetch_inputs(f"{base}/in", tmp_path / "fetched")
+        assert [p.read_bytes() for p in fetched] == [TREE[name] for name in expected]
+        assert set(namenode.users) == {"alice"}  # the URL's user is the HDFS user
+        assert asyncio.run(read_donefile(f"{base}/donefile", "base.txt")) == '{"id": "1"}\n'
+        assert asyncio.run(read_donefile(f"{base}/donefile", "patch.txt")) == ""
+        shown = f"webhdfs://***@127.0.0.1:{namenode.port}"  # no user either, as redact shows
+        with pytest.raises(BuildError, match=f"^{re.escape(shown)}/nothing: not found$"):
+            sources.list_inputs(f"{base}/nothing")
+        with pytest.raises(BuildError, match="denied/x: access denied \\(check the user") as no:
+            sources.list_inputs(f"{base}/denied/x")
+        clean(str(no.value))
+    finally:
+        namenode.close()
