@@ -555,3 +555,29 @@ def test_byteswritable_writer_is_byte_identical_to_hadoop(spark, tmp_path: Path)
     with SequenceFileWriter(ours, dialect="byteswritable", sync=header.sync) as writer:
         writer.write_batch(np.array(keys, dtype=np.uint64), ValueColumn.from_list(values))
     assert ours.read_bytes() == hadoop.read_bytes()
+
+
+def test_without_cramjam_snappy_and_zstd_name_the_extra(tmp_path: Path) -> None:
+    """cramjam is imported on first use: the formats import without it, and a Snappy or
+    ZStandard file then says which extra to install."""
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["cramjam"] = None  # import fails
+        import cube.codecs, cube.seqfile
+        for name, data in (("snappy", b"\\0\\0\\0\\1\\0\\0\\0\\1x"), ("zstd", b"(\\xb5/\\xfd")):
+            for call in (lambda: cube.codecs.codec_by_name(name).decompress(data, 100),
+                         lambda: cube.codecs.codec_by_name(name).compress(b"x")):
+                try:
+                    call()
+                except cube.codecs.CodecError as exc:
+                    assert "cramjam" in str(exc) and "cube-py[builder]" in str(exc), exc
+                else:
+                    raise AssertionError(name)
+        print("ok")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
