@@ -367,6 +367,9 @@ def failure(exc: BaseException, scheme: str = "s3") -> RemoteError:
         return RemoteError("timed out", retryable=True)
     if _named(exc, "EndpointConnectionError", "ConnectionClosedError", "ProxyConnectionError"):
         return RemoteError(f"cannot connect to the S3 endpoint{_endpoint(exc)}", retryable=True)
+    if _named(exc, "ConnectionResetError", "BrokenPipeError", "ServerDisconnectedError",
+              "ChunkedEncodingError", "IncompleteRead", "ClientPayloadError"):  # fmt: skip
+        return RemoteError("the connection was lost", retryable=True)
     if _named(exc, "ConnectionError", "ConnectionRefusedError", "ClientConnectorError"):
         return RemoteError("cannot connect", retryable=True)
     if status:

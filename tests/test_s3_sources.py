@@ -140,6 +140,48 @@ def test_s3fs_missing_says_what_to_install(monkeypatch, tmp_path):
     assert time.monotonic() - started < 5  # not retried: installing is not a retry
 
 
+def test_failures_are_told_in_our_words():
+    import requests
+    from botocore.exceptions import ClientError, EndpointConnectionError
+
+    said = "server-said-hunter2"
+
+    def client_error(code: str, status: int) -> OSError:
+        answer = {"Error": {"Code": code, "Message": said}}
+        cause = ClientError({**answer, "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
+        error = OSError(5, said)
+        error.__cause__ = cause
+        return error
+
+    reply = requests.Response()
+    reply.status_code = 503
+    cases = [
+        (FileNotFoundError(said), "not found", "missing"),
+        (client_error("NoSuchBucket", 404), "the bucket does not exist", ""),
+        (PermissionError(said), "access denied (check AWS_ACCESS_KEY_ID", "denied"),
+        (client_error("SlowDown", 503), "HTTP 503 Service Unavailable", "retryable"),
+        (client_error("InvalidRange", 416), "HTTP 416 Requested Range Not Satisfiable", ""),
+        (requests.HTTPError(said, response=reply), "HTTP 503 Service Unavailable", "retryable"),
+        (
+            EndpointConnectionError(endpoint_url=f"http://s3.local:9000/b/{said}"),
+            "cannot connect to the S3 endpoint http://s3.local:9000",
+            "retryable",
+        ),
+        (requests.ConnectionError(said), "cannot connect", "retryable"),
+        (ConnectionResetError(104, said), "the connection was lost", "retryable"),
+        (requests.ReadTimeout(said), "timed out", "retryable"),
+        (RuntimeError(said), "the server refused the request (RuntimeError)", ""),
+        (KeyError(said), "failed (KeyError)", "retryable"),
+    ]
+    for exc, message, flag in cases:
+        error = remote.failure(exc)
+        assert str(error).startswith(message), (exc, str(error))
+        assert said not in str(error) and "hunter2" not in str(error)
+        assert {f for f in ("missing", "denied", "retryable") if getattr(error, f)} == (
+            {flag} if flag else set()
+        ), exc
+
+
 CONF = """\
 [default]
 dict_name: emb
@@ -188,6 +230,30 @@ def test_download_mode_s3_sends_agents_to_the_uploaded_copy(tmp_path):
     assert resolve_input(donefile, "/inputs/100") == "s3://trainer/inputs/100"
     assert resolve_input(donefile, "s3://other/in") == "s3://other/in"
     assert resolve_input("webhdfs://nn:9870/d", "in") == "webhdfs://nn:9870/d/in"
+
+
+def test_daemons_configured_for_s3_without_s3fs_stop_at_start(monkeypatch, tmp_path, capsys):
+    import subprocess
+
+    from cube.agent.main import main as agent_main
+
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "s3fs.py").write_text("raise ImportError('s3fs is not installed here')\n")
+    conf = tmp_path / "t.conf"
+    extra = "donefile_address: s3://trainer/donefile\nwget_port: 0\n"
+    conf.write_text(CONF.format(extra=extra))
+    env = {**os.environ, "PYTHONPATH": str(shadow)}
+    run = subprocess.run([sys.executable, "-m", "cube.transfer.main", "--config", str(conf)],
+                         capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    assert run.returncode == 2
+    assert f"{conf}: donefile_address: s3:// needs s3fs: pip install 'cube-py[s3]'" in run.stderr
+    monkeypatch.setitem(sys.modules, "s3fs", None)
+    flags = ["-P", "0", "--deploy_path", str(tmp_path), "--allowed_sources", "s3://b/shards"]
+    assert agent_main(flags) == 2
+    assert (
+        "--allowed_sources: s3:// needs s3fs: pip install 'cube-py[s3]'" in capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize(
