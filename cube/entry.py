@@ -11,9 +11,9 @@ import sys
 # extra -> the import names it brings (pyproject.toml [project.optional-dependencies])
 EXTRAS: dict[str, tuple[str, ...]] = {
     "server": ("uvloop", "grpc_health", "grpc_reflection"),
-    "builder": ("lz4", "tqdm"),
+    "builder": ("lz4", "cramjam", "tqdm"),
     "agent": ("aiohttp",),
-    "transfer": ("aiohttp", "fsspec", "psutil", "pyftpdlib", "lz4", "tqdm"),
+    "transfer": ("aiohttp", "fsspec", "psutil", "pyftpdlib", "lz4", "cramjam", "tqdm"),
     "bench": ("redis", "pymemcache", "matplotlib", "psutil", "uvloop", "lz4"),
 }
 
