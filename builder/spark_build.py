@@ -55,7 +55,6 @@ from cube.builder.build import (
     BuildError,
     BuildResult,
     _Workspace,
-    list_input_files,
     package_shard,
     parse_delete_keys,
     read_delete_keys,
@@ -64,6 +63,7 @@ from cube.builder.build import (
     write_meta_infos,
 )
 from cube.builder.meta import ShardOutput
+from cube.builder.sources import fetch_input, is_remote, list_inputs, read_bytes
 from cube.builder.spill import route_batch, shard_owners
 from cube.index import build_table
 from cube.seqfile import SequenceFileReader, concat_columns
@@ -133,32 +133,19 @@ class SparkStats:
 
 
 def list_splits(input_path: str) -> list[InputSplit]:
-    """The input files in the builder's order (local: `list_input_files`; a URL: through
-    `builder.sources`), one split each."""
-    if _is_remote(input_path):
-        from cube.builder.sources import list_inputs
-
-        found = [(f.url, f.size) for f in list_inputs(input_path)]
-    else:
-        found = [(str(p), p.stat().st_size) for p in list_input_files(input_path)]
-    return [InputSplit(number, url, size) for number, (url, size) in enumerate(found)]
+    """The input files in the builder's order (`builder.sources`: local or a URL), one split
+    each."""
+    return [InputSplit(n, f.url, f.size) for n, f in enumerate(list_inputs(input_path))]
 
 
 def load_delete_keys(delete_path: str) -> np.ndarray:
-    if _is_remote(delete_path):
-        from cube.builder.sources import list_inputs, read_bytes
-
-        chunks = [
-            parse_delete_keys(read_bytes(f.url, _MAX_DELETE_LIST_BYTES), f.url)
-            for f in list_inputs(delete_path)
-        ]
-        return np.concatenate(chunks) if chunks else np.empty(0, np.uint64)
-    return read_delete_keys(delete_path)
-
-
-def _is_remote(path: str) -> bool:
-    scheme, sep, _ = path.partition("://")
-    return bool(sep) and scheme.lower() != "file"
+    if not is_remote(delete_path):
+        return read_delete_keys(delete_path)
+    chunks = [
+        parse_delete_keys(read_bytes(f.url, _MAX_DELETE_LIST_BYTES), f.url)
+        for f in list_inputs(delete_path)
+    ]
+    return np.concatenate(chunks) if chunks else np.empty(0, np.uint64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,10 +198,8 @@ class _local_copy:
         self.tmp: str | None = None
 
     def __enter__(self) -> str:
-        if not _is_remote(self.url):
+        if not is_remote(self.url):
             return self.url
-        from cube.builder.sources import fetch_input
-
         self.tmp = tempfile.mkdtemp(prefix="cube-spark-input-")
         try:
             return str(fetch_input(self.url, Path(self.tmp) / "input"))

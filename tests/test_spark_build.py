@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cube.builder.build import BuildConfig, BuildError, build
+from cube.shard import Shard, ShardStack
 from tests.build_inputs import output_digests, write_mixed_input
 
 pyspark = pytest.importorskip("pyspark", reason="PySpark is not installed (cube-py[spark])")
@@ -156,3 +157,67 @@ def test_bad_spark_flags_exit_2(tmp_path):
     )  # fmt: skip
     assert result.returncode == 2
     assert "no-equals-sign" in result.stderr and "key=value" in result.stderr
+
+
+def test_the_transfer_runs_the_spark_build_on_inputs_in_s3(moto, tmp_path):
+    """The whole path at scale's shape: cube-transfer polls a donefile in S3 (moto's server),
+    hands the input's s3:// URL to `cube-builder -engine spark` (builder_flags, mirror_input
+    false: the executors fetch their files), waits for it as for a local build, and the
+    agents and servers answer with the last record of every key."""
+    import json
+
+    import numpy as np
+    from s3_helpers import aws_environment, s3_filesystem
+
+    from cube.client import CubeClient
+    from cube.transfer.local import ClusterSpec, up
+
+    with aws_environment(moto.url, tmp_path):
+        fs = s3_filesystem()
+        if not fs.exists("cube-spark"):
+            fs.mkdir("cube-spark")
+        inputs, _ = write_mixed_input(tmp_path, records=400)
+        fs.put(str(inputs), "cube-spark/inputs/base", recursive=True)
+        spec = ClusterSpec(
+            dir=tmp_path / "cluster",
+            shards=2,
+            replicas=1,
+            donefile=tmp_path / "unused",
+            poll_interval=0.2,
+            phase_timeout=60.0,
+            transfer_overrides={
+                "donefile_address": "s3://cube-spark/donefile",
+                "builder_flags": (
+                    "-engine",
+                    "spark",
+                    "-spark_master",
+                    "local[1]",
+                    "-spark_conf",
+                    "spark.ui.enabled=false",
+                ),
+                "mirror_input": False,
+                "build_timeout": 240,
+            },
+        )
+        cluster = up(spec)
+        try:
+            line = {"id": str(BASE), "key": str(BASE), "input": "s3://cube-spark/inputs/base"}
+            fs.pipe_file("cube-spark/donefile/base.txt", (json.dumps(line) + "\n").encode())
+            cluster.wait_version(str(BASE), 240.0)
+            # the table the local builder makes of the same files is what the servers answer
+            build(BuildConfig("dict", tmp_path / "local", 1, "base", BASE, BASE), inputs)
+            [shard] = [
+                Shard.open(p, verify=True) for p in (tmp_path / "local").glob("*/dict_part0")
+            ]
+            keys = np.asarray(shard.table.slot_keys)
+            keys = keys[keys != np.uint64(shard.table.empty_key)]
+            want = ShardStack([shard]).gather(ShardStack([shard]).lookup(keys)).to_list()
+            with CubeClient.from_conf(cluster.cube_conf) as client:
+                result = client.seek(keys)
+            assert result.version == str(BASE) and result.found.all()
+            assert list(result.values) == want
+            transfer_log = next((tmp_path / "cluster").rglob("transfer.log")).read_text()
+            assert "-engine spark" in transfer_log and "s3://cube-spark/inputs/base" in transfer_log
+            assert "mirroring" not in transfer_log  # the executors fetched the input
+        finally:
+            cluster.down(timeout=5.0)

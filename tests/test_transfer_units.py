@@ -106,6 +106,7 @@ def test_render_config_keeps_every_field(tmp_path):
         history_limit=77, max_shrink=0.25, allow_empty_base=True, extra={"mine": "x"},
         insecure=True, tls_cert="/pki/cert.pem", tls_key="/pki/key.pem",
         agent_tls_ca="/pki/ca.pem", download_mode="s3", upload_address="s3://builds/cube",
+        builder_flags=("-engine", "spark", "-spark_conf", "a=b c,d=#e"), mirror_input=False,
     )  # fmt: skip
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     for name in defaults:
@@ -579,6 +580,34 @@ def test_builder_argv_is_a_list_without_a_shell():
     )
     assert argv[argv.index("-input_path") + 1] == "/in; rm -rf /"
     assert argv[-2:] == ["-delete_path", "/del"] and "-quiet" in argv
+
+
+def test_builder_flags_follow_the_flags_the_transfer_sets(tmp_path):
+    """builder_flags is split like a shell would split it (quotes kept together, nothing run)
+    and appended to the builder's argv; a flag the transfer sets itself is refused."""
+    text = CONF.replace(
+        "quorum: 1", "quorum: 1\nbuilder_flags: -engine spark -spark_conf 'a=b c'\nmirror_input: no"
+    )
+    cfg = parse_config(text, "t.conf", tmp_path)
+    assert cfg.builder_flags == ("-engine", "spark", "-spark_conf", "a=b c")
+    assert cfg.mirror_input is False
+    argv = builds.builder_argv(
+        "/x/cube-builder", dict_name="d", input_path="s3://b/in", output_path="/out",
+        shard_num=2, mode="base", cur_version="100", depend_version="100", partitioner="mod",
+        extra_flags=cfg.builder_flags,
+    )  # fmt: skip
+    assert argv[-4:] == ["-engine", "spark", "-spark_conf", "a=b c"]
+    assert parse_config(CONF, "t.conf", tmp_path).mirror_input is True
+    for flags, message in [
+        (
+            "-output_path /elsewhere",
+            "t.conf:15: builder_flags: -output_path is set by cube-transfer",
+        ),
+        ("--shard_num=4", "builder_flags: --shard_num is set by cube-transfer"),
+        ("-engine 'spark", "t.conf:15: builder_flags: No closing quotation"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            parse_config(CONF.replace("quorum: 1", f"quorum: 1\nbuilder_flags: {flags}"), "t.conf")
 
 
 def test_cube_transfer_cli_rejects_bad_configs(tmp_path):

@@ -65,6 +65,7 @@ def builder_argv(
     depend_version: str,
     partitioner: str,
     delete_path: str = "",
+    extra_flags: tuple[str, ...] = (),
 ) -> list[str]:
     argv = [
         tool,
@@ -81,7 +82,7 @@ def builder_argv(
     ]  # fmt: skip
     if delete_path:
         argv += ["-delete_path", delete_path]
-    return argv
+    return argv + list(extra_flags)
 
 
 async def run_builder(

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 
+from cube import remote
 from cube.layout import output_dir_name, tar_name
 from cube.remote import RemoteError
 from cube.transfer import build as builds
@@ -77,6 +78,7 @@ class BuildRunner:
                 depend_version=rec.depend,
                 partitioner=cfg.partitioner,
                 delete_path=delete_path,
+                extra_flags=cfg.builder_flags,
             )
             try:
                 await builds.run_builder(argv, cfg.build_timeout, self._note_builder)
@@ -165,13 +167,16 @@ class BuildRunner:
         self.pid_file.unlink(missing_ok=True)
 
     async def _fetch(self, source: str, mirror: Path) -> str:
-        """A local directory holding the input: the path itself, or a mirror of a URL."""
+        """Where the builder finds the input: a local path itself; a URL mirrored into a local
+        directory, or as it is with mirror_input: false."""
         where = resolve_input(self.cfg.donefile_address, source)
         if not is_url(where) or where.startswith("file://"):
             path = Path(where.removeprefix("file://"))
             if not path.exists():
                 raise SourceUnavailable(f"input {path} does not exist")
             return str(path)
+        if not self.cfg.mirror_input and remote.scheme_of(where) in remote.SCHEMES:
+            return where  # the builder fetches it itself (mirror_input: false)
         log.info("mirroring %s into %s", redact(where), mirror)
         timeout = self.cfg.fetch_timeout
         try:  # mirror_input bounds an object store's mirror itself; wait_for, an HTTP/FTP one

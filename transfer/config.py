@@ -32,6 +32,12 @@ Keys we add to [default] (all optional; default in brackets):
   built shards' index headers.
 - `allow_empty_base` [false]: a base with no records at all is refused unless this is true
   (both checks apply: an empty base replacing a live one also needs max_shrink 1).
+- `builder_flags` [none]: more flags for the builder, after the ones the transfer sets, split as
+  a shell would split them (never run by one), e.g. `-engine spark -spark_master yarn`; the
+  flags the transfer sets itself (input, output, versions, shards, mode) are refused here.
+- `mirror_input` [true]: copy a remote input (http, ftp, s3, webhdfs) to tmp_address before the
+  builder runs; false hands the builder the URL itself (cube-builder fetches it; with
+  `-engine spark` each executor fetches its own files, so the transfer's disk never holds them).
 - `upload_address` [none]: with `download_mode: s3`, the s3://bucket/prefix each built version's
   tars and md5s are uploaded to (transfer/upload.py); agents download from there.
 A base line may override both with `"allow_shrink": true` (see cube/donefile.py); a
@@ -46,6 +52,7 @@ import difflib
 import logging
 import os
 import re
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +82,7 @@ DEFAULT_KEYS = frozenset({
     "enable_timeout", "build_timeout", "fetch_timeout", "retries", "partitioner",
     "agent_token", "api_token", "verify_output", "history_limit", "max_shrink",
     "allow_empty_base", "insecure", "tls_cert", "tls_key", "agent_tls_ca", "upload_address",
+    "builder_flags", "mirror_input",
 })  # fmt: skip
 
 
@@ -138,6 +146,8 @@ class TransferConfig:
     max_shrink: float = 0.5  # a base may have at most this fraction fewer records than live
     allow_empty_base: bool = False
     upload_address: str = ""  # download_mode s3: s3://bucket/prefix the builds are uploaded to
+    builder_flags: tuple[str, ...] = ()  # appended to the builder's argv
+    mirror_input: bool = True  # False: remote inputs go to the builder as URLs
     extra: dict[str, str] = field(default_factory=dict)
 
     def shard_instances(self, shard: int) -> list[Instance]:
@@ -283,6 +293,7 @@ def parse_config(
         raise ConfigError(
             f"{where('upload_address')}: upload_address is used only with download_mode: s3"
         )
+    builder_flags = _builder_flags(text_of("builder_flags", ""), where("builder_flags"))
     for key, (_value, line) in default.items():
         if key in DEFAULT_KEYS:
             continue
@@ -327,6 +338,8 @@ def parse_config(
         max_shrink=fraction_of("max_shrink", 0.5),
         allow_empty_base=bool_of("allow_empty_base", False),
         upload_address=upload,
+        builder_flags=builder_flags,
+        mirror_input=bool_of("mirror_input", True),
         extra={k: v for k, (v, _) in default.items() if k not in DEFAULT_KEYS},
     )
 
@@ -402,6 +415,32 @@ def load_config(path: str | os.PathLike) -> TransferConfig:
     return parse_config(text, str(path), path.resolve().parent)
 
 
+# Flags the transfer passes to the builder itself (transfer/build.py: builder_argv).
+_BUILDER_FLAGS_SET = frozenset({
+    "dict_name", "input_path", "output_path", "shard_num", "job_mode", "cur_version",
+    "depend_version", "last_version", "only_build", "partitioner", "delete_path", "quiet",
+    "master_address",
+})  # fmt: skip
+
+
+def _builder_flags(text: str, where: str) -> tuple[str, ...]:
+    """builder_flags split like a shell would; ConfigError for bad quoting or a flag the
+    transfer sets itself (a second -output_path would build somewhere the transfer never
+    looks)."""
+    try:
+        flags = tuple(shlex.split(text, comments=False))
+    except ValueError as exc:
+        raise ConfigError(f"{where}: builder_flags: {exc}") from None
+    for flag in flags:
+        name = flag.lstrip("-").partition("=")[0]
+        if flag.startswith("-") and name in _BUILDER_FLAGS_SET:
+            raise ConfigError(
+                f"{where}: builder_flags: {flag.partition('=')[0]} is set by cube-transfer "
+                "(from the config and the donefile line); leave it out"
+            )
+    return flags
+
+
 def render_config(cfg: TransferConfig) -> str:
     """A transfer.conf that parses back into `cfg`, every field included (cube-local writes
     it; a field left out would silently fall back to its default, e.g. an open API)."""
@@ -434,6 +473,9 @@ def render_config(cfg: TransferConfig) -> str:
         f"allow_empty_base: {'true' if cfg.allow_empty_base else 'false'}",
         f"insecure: {'true' if cfg.insecure else 'false'}",
     ]
+    lines.append(f"mirror_input: {'true' if cfg.mirror_input else 'false'}")
+    if cfg.builder_flags:
+        lines.append(f"builder_flags: {shlex.join(cfg.builder_flags)}")
     for key in ("tls_cert", "tls_key", "agent_tls_ca", "upload_address"):
         if getattr(cfg, key):
             lines.append(f"{key}: {getattr(cfg, key)}")
