@@ -8,9 +8,7 @@ import bz2
 import os
 import struct
 import subprocess
-import tracemalloc
 import zlib
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -38,21 +36,11 @@ from cube.seqfile import (
     read_header,
 )
 from cube.values import ValueColumn
+from tests.measure import peak_bytes
 
 SYNC = b"S" * 16
 HUGE = 1 << 40
 BIN = Path(__file__).resolve().parent.parent / ".venv" / "bin"
-
-
-def peak_bytes(action: Callable[[], object]) -> int:
-    """Peak traced allocation while `action` runs (numpy and bytes buffers are traced)."""
-    tracemalloc.start()
-    try:
-        action()
-    finally:
-        _, peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-    return peak
 
 
 def read_everything(path: Path, **kwargs) -> None:

@@ -11,7 +11,6 @@ import struct
 import subprocess
 import sys
 import textwrap
-import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,6 +43,7 @@ from cube.seqfile import (
     read_header,
 )
 from cube.values import ValueColumn
+from tests.measure import peak_bytes
 
 DATA = Path(__file__).resolve().parent / "data" / "hadoop_written"
 MANIFEST = json.loads((DATA / "expected.json").read_text())
@@ -71,17 +71,6 @@ def read_batches(path: Path, batch_bytes: int, **kwargs) -> tuple[list[int], lis
         [k for b in batches for k in b.keys.tolist()],
         [v for b in batches for v in b.values.to_list()],
     )
-
-
-def peak_bytes(action: Callable[[], object]) -> int:
-    """Peak traced allocation while `action` runs (numpy and bytes buffers are traced)."""
-    tracemalloc.start()
-    try:
-        action()
-    finally:
-        _, peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-    return peak
 
 
 def check_reads_expected(path: Path, spec: dict) -> None:
