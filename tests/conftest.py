@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -12,6 +13,11 @@ from procs import ServerProc, start_server
 from s3_helpers import MotoServer
 
 from cube.processes import free_port
+
+# py4j (PySpark's bridge) logs at INFO from an atexit hook, after pytest has closed the streams
+# it captured: a "--- Logging error ---" traceback after the summary. Its INFO lines say nothing
+# the tests need.
+logging.getLogger("py4j").setLevel(logging.WARNING)
 
 
 @pytest.fixture(scope="session")
