@@ -30,6 +30,19 @@ log = logging.getLogger("cube.agent")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
+# The original agent's -l numbers (its logger's levels) in ours.
+_ORIGINAL_LEVELS = {"16": "DEBUG", "8": "DEBUG", "4": "INFO", "2": "WARNING", "1": "ERROR",
+                    "0": "CRITICAL"}  # fmt: skip
+
+
+def log_level(text: str) -> str:
+    """A level name, or one of the original agent's -l numbers."""
+    name = _ORIGINAL_LEVELS.get(text.strip(), text.strip().upper())
+    if name not in (*LOG_LEVELS, "CRITICAL"):
+        raise ValueError(f"not one of {', '.join(LOG_LEVELS)} or 16, 8, 4, 2, 1, 0")
+    return name
+
+
 def flag_set() -> FlagSet:
     fs = FlagSet(
         "cube-agent", "Deploys shard versions onto one cube-server (docs/reference/agent-api.md)."
@@ -76,7 +89,22 @@ def flag_set() -> FlagSet:
     fs.add("tls_key", str, "", "PEM private key of --tls_cert")
     fs.add("tls_ca", str, "", "PEM CA bundle trusted for https:// downloads (default: system's)")
     fs.add("keep", int, 2, "versions kept on disk besides the serving chain")
-    fs.add("log_level", str, "INFO", "log level", choices=LOG_LEVELS)
+    fs.add(
+        "log_level",
+        log_level,
+        "INFO",
+        "DEBUG, INFO, WARNING or ERROR; -l takes the original agent's numbers too"
+        " (16 debug, 8 trace, 4 notice, 2 warning, 1 fatal, 0 none)",
+        aliases=("l",),
+    )
+    fs.add("log_dir", str, "", "also log to <log_dir>/<log_name>.log (default: stderr only)")
+    fs.add("log_name", str, "cube-agent", "the log file's name in --log_dir, without .log")
+    fs.ignore(
+        ["n", "q"],
+        True,
+        "the original agent's worker and queue sizes; this agent runs each instance's tasks"
+        " in order and bounds them itself",
+    )
     fs.add("log_format", str, "text", "text lines, or one JSON object a line", choices=LOG_FORMATS)
     fs.add("download_timeout", float, 3600.0, "seconds for one download, all attempts")
     fs.add("download_attempts", int, 5, "attempts per download (each resumes the .part)")
@@ -204,7 +232,8 @@ def _main(argv: Sequence[str]) -> int:
     flags = flag_set().parse(argv)
     config = config_from_flags(flags)
     level = getattr(logging, flags.log_level)
-    setup_logging("cube-agent", max(level, logging.INFO), flags.log_format)
+    log_file = Path(flags.log_dir) / f"{flags.log_name}.log" if flags.log_dir else None
+    setup_logging("cube-agent", max(level, logging.INFO), flags.log_format, log_file)
     for name in ("fsspec", "s3fs", "botocore", "aiobotocore"):  # their INFO/DEBUG: not ours
         logging.getLogger(name).setLevel(logging.WARNING)
     log.setLevel(level)  # DEBUG is for the agent, not for grpc's and asyncio's internals

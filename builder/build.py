@@ -106,8 +106,8 @@ class BuildConfig:
             problems.append(f"shard_num must be >= 1, got {self.shard_num}")
         if self.mode not in MODES:
             problems.append(f"job_mode must be base or delta, got {self.mode!r}")
-        if self.cur_version <= 0 or self.depend_version <= 0:
-            problems.append("versions must be positive Unix times")
+        if self.cur_version < 0 or self.depend_version < 0:
+            problems.append("versions must be Unix times (or 0, the original's local mode)")
         if self.mode == "delta" and self.cur_version <= self.depend_version:
             problems.append(
                 f"a delta's cur_version ({self.cur_version}) must be later than its "

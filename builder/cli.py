@@ -107,12 +107,18 @@ def flag_set() -> FlagSet:
             "base: a full table; delta: changes over a base",
             choices=("base", "delta"),
         )
-        .add("cur_version", int, 0, "this build's version (Unix time); see -only_build")
+        .add(
+            "cur_version",
+            int,
+            -1,
+            "this build's version (Unix time; 0 as in the original's local mode); -1: unset;"
+            " see -only_build",
+        )
         .add(
             "depend_version",
             int,
-            0,
-            "base version: a base's own, a delta's base (required for a delta)",
+            -1,
+            "base version: a base's own, a delta's base (required for a delta); -1: unset",
         )
         .add("last_version", int, 0, "accepted for compatibility; not needed")
         .add(
@@ -190,11 +196,11 @@ def config_from_flags(flags: dict[str, Any], now: int) -> BuildConfig:
             depend = now
     else:
         cur = flags["cur_version"]
-        if cur <= 0:
+        if cur < 0:
             raise FlagError("--cur_version is required with --only_build=false")
-        if mode == "base" and depend <= 0:
+        if mode == "base" and depend < 0:
             depend = cur
-    if mode == "delta" and depend <= 0:
+    if mode == "delta" and depend < 0:
         raise FlagError("--depend_version (the base version) is required for a delta")
     try:
         return BuildConfig(

@@ -9,6 +9,12 @@ One parser for every command of the project (builder, server, cli, agent, transf
 cube-local's subcommands): flags marked `required`, positional arguments declared with
 `positional`, an unknown flag answered with the closest known one ("did you mean"), and a
 `CommandSet` for tools with subcommands.
+
+Migration aids: `ignore(...)` declares flags of the original's runtime (brpc, glog) that mean
+nothing here; they are accepted and ignored with a warning on stderr instead of refused, so an
+original command line or conf/gflags.conf still starts. `default_flagfile` is read first when
+it exists (cube-server's `conf/gflags.conf`, which the original always reads); flags given on
+the command line win over it.
 """
 
 from __future__ import annotations
@@ -100,6 +106,22 @@ _PATH_FLAGS = {
 }
 
 
+# Flags of the original C++ tools' runtime (brpc, bvar, glog) that an original command line or
+# conf/gflags.conf may carry; they mean nothing here (FlagSet.ignore_original_runtime).
+ORIGINAL_RUNTIME_SWITCHES = (
+    "bvar_dump", "usercode_in_pthread", "enable_rpcz", "rpcz_save_span", "log_connected",
+    "log_error_text", "graceful_quit_on_sigterm", "reuse_port", "logtostderr",
+    "alsologtostderr", "stop_logging_if_full_disk", "colorlogtostderr",
+)  # fmt: skip
+ORIGINAL_RUNTIME_VALUES = (
+    "bvar_dump_interval", "bvar_dump_file", "bvar_dump_include", "bvar_dump_exclude",
+    "bvar_dump_prefix", "bvar_dump_tabs", "idle_timeout_second", "max_body_size",
+    "max_connection_pool_size", "socket_max_unwritten_bytes", "health_check_interval",
+    "event_dispatcher_num", "bthread_concurrency", "defer_close_second", "logbufsecs",
+    "logbuflevel", "v", "minloglevel", "stderrthreshold", "max_log_size",
+)  # fmt: skip
+
+
 @dataclass
 class Positional:
     name: str  # as the usage shows it: FILE
@@ -115,6 +137,8 @@ class FlagSet:
     description: str = ""
     flags: dict[str, Flag] = field(default_factory=dict)
     positionals: list[Positional] = field(default_factory=list)
+    default_flagfile: str | None = None  # read first when it exists (relative to the cwd)
+    ignored: dict[str, tuple[bool, str]] = field(default_factory=dict)  # name: (value?, why)
     _names: dict[str, str] = field(default_factory=dict)
 
     def add(
@@ -132,6 +156,19 @@ class FlagSet:
         for alias in (name, *aliases):
             self._names[alias] = name
         return self
+
+    def ignore(self, names: Sequence[str], takes_value: bool, why: str) -> FlagSet:
+        """Accept these flags (`--name value` when `takes_value`, else `--name` or
+        `--name=value`) and ignore them with a warning that says `why`."""
+        for name in names:
+            self.ignored[name] = (takes_value, why)
+        return self
+
+    def ignore_original_runtime(self) -> FlagSet:
+        """Accept (and ignore, warning) the brpc/bvar/glog flags of the original's C++ tools."""
+        why = "a brpc/glog flag of the original; this implementation does not use it"
+        self.ignore([n for n in ORIGINAL_RUNTIME_SWITCHES if n not in self.flags], False, why)
+        return self.ignore([n for n in ORIGINAL_RUNTIME_VALUES if n not in self.flags], True, why)
 
     def positional(self, name: str, help: str, flag: str | None = None) -> FlagSet:
         """A required positional argument (`kvtool FILE`); `flag` names a flag that may give it
@@ -170,7 +207,10 @@ class FlagSet:
         values = {name: flag.default for name, flag in self.flags.items()}
         given: set[str] = set()
         positional: list[str] = []
-        self._parse_into(list(argv), values, given, positional, depth=0)
+        args = list(argv)
+        if self.default_flagfile and Path(self.default_flagfile).is_file():
+            args = ["--flagfile", self.default_flagfile, *args]
+        self._parse_into(args, values, given, positional, depth=0)
         self._take_positionals(positional, values, given)
         missing = [f.called for f in self.flags.values() if f.required and f.name not in given]
         if missing:
@@ -242,6 +282,14 @@ class FlagSet:
             negated = False
             if key is None and name.startswith("no") and self._names.get(name[2:]):
                 key, negated = self._names[name[2:]], True
+            if key is None and name in self.ignored:
+                takes_value, why = self.ignored[name]
+                if takes_value and not has_value:
+                    if i >= len(args):
+                        raise FlagError(f"--{name} needs a value")
+                    i += 1
+                print(f"warning: {arg.partition('=')[0]} ignored: {why}", file=sys.stderr)
+                continue
             if key is None:
                 raise self._unknown(arg, name)
             flag = self.flags[key]

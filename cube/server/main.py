@@ -48,7 +48,12 @@ from cube.server.service import DEFAULT_MAX_ANSWER_BYTES
 log = logging.getLogger("cube.server")
 
 FLAGS = (
-    FlagSet("cube-server", "Serve one shard of a Cube dictionary over gRPC.")
+    FlagSet(
+        "cube-server",
+        "Serve one shard of a Cube dictionary over gRPC. Reads conf/gflags.conf first when it"
+        " exists (as the original does); flags on the command line win over it.",
+        default_flagfile="conf/gflags.conf",
+    )
     .add(
         "port",
         int,
@@ -182,6 +187,7 @@ FLAGS = (
     )
     .add("worker_index", int, -1, "internal: which worker this process is (set by --workers)")
     .add("worker_peer", int, -1, "internal: a restarted worker takes its version from this one")
+    .ignore_original_runtime()
 )
 
 
@@ -364,7 +370,9 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
         VersionError,
         VersionSlots,
         diagnose_data_dir,
+        flat_layout,
         load_base,
+        load_flat,
         split_dirs,
         startup_version,
     )
@@ -568,7 +576,14 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
         name = startup_version(dirs)
         if flags.worker_peer >= 0:  # restarted: serve what the other workers serve
             name = await peer_version(flags, controls, token) or name
-        if name is None:
+        if name is None and flat_layout(dirs):
+            version = await loop.run_in_executor(executor, load_flat, dirs, options)
+            slots.install(version)
+            log.info(
+                "serving the shard files in %s directly as version %s (the original's local"
+                " mode: no VERSION file)", data_dir, version.name,
+            )  # fmt: skip
+        elif name is None:
             slots.idle_reason = diagnose_data_dir(data_dir, dirs)
             level = logging.INFO if flags.allow_empty else logging.WARNING
             log.log(level, "no start-up version: %s", slots.idle_reason)

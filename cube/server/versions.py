@@ -566,6 +566,49 @@ def load_base(dirs: list[Path], name: str, options: LoadOptions) -> LoadedVersio
     return LoadedVersion(name, splits, time.monotonic() - started)
 
 
+def flat_layout(dirs: list[Path]) -> bool:
+    """The original's local mode: no VERSION, and `index.cube` + `data.cube` directly in every
+    split directory (a shard's files copied into ./data, which the original serves as is)."""
+    return all(
+        not (d / VERSION_FILE).exists() and all((d / f).is_file() for f in _SHARD_FILES)
+        for d in dirs
+    )
+
+
+def load_flat(dirs: list[Path], options: LoadOptions) -> LoadedVersion:
+    """Serve the shard files of a `flat_layout` data dir as the version their headers name. A
+    delta's files alone are refused: without its base they would answer misses for its keys."""
+    started = time.monotonic()
+    splits: list[SplitData] = []
+    names: set[str] = set()
+    try:
+        for split_dir in dirs:
+            handle = _open_layer(split_dir, options)
+            meta = handle.shard.meta
+            name = str(meta.get("version") or "")
+            if meta.get("mode") == "delta" or is_delta(name):
+                handle.release()
+                raise VersionError(
+                    "FAILED_PRECONDITION",
+                    f"{split_dir} holds the files of delta {name!r}; a delta needs its base:"
+                    f" {LAYOUT_HINT}",
+                )
+            names.add(name)
+            routing = _layer_routing([handle], split_dir, options)
+            splits.append(
+                SplitData(split_dir, [name], [handle], ShardStack([handle.shard]), routing)
+            )
+        if len(names) != 1 or not next(iter(names)):
+            raise VersionError(
+                "FAILED_PRECONDITION",
+                f"the shard files in {', '.join(map(str, dirs))} name versions {sorted(names)}",
+            )
+    except BaseException:
+        _release_all(splits)
+        raise
+    return LoadedVersion(names.pop(), splits, time.monotonic() - started)
+
+
 def load_patch(
     dirs: list[Path], name: str, on: LoadedVersion | None, options: LoadOptions
 ) -> LoadedVersion:
