@@ -2,6 +2,8 @@
 
 Every response is `{"success": "0"|"255"|"2", "message": str, "data": ...}`. Handlers never do
 long work: commands are submitted as tasks and the transfer polls them. See docs/ROLLOUT.md.
+A command from the original cube-transfer (`asked_the_original_way`) is answered when its task
+ends, as the original agent answered, within --sync_reply_timeout.
 """
 
 from __future__ import annotations
@@ -15,8 +17,18 @@ from aiohttp import web
 
 from cube import protocol
 from cube.agent.deploy import Agent
-from cube.agent.tasks import TaskBusy
-from cube.protocol import ERROR, OK, QUERY_COMMAND, UNKNOWN_API, BadRequest, parse_work
+from cube.agent.tasks import Task, TaskBusy
+from cube.protocol import (
+    ERROR,
+    FAILED,
+    OK,
+    QUERY_COMMAND,
+    SUCCEEDED,
+    UNKNOWN_API,
+    BadRequest,
+    asked_the_original_way,
+    parse_work,
+)
 from cube.security import bearer_token, token_matches
 
 log = logging.getLogger("cube.agent")
@@ -118,6 +130,24 @@ def make_app(agent: Agent, token: str = "") -> web.Application:
     return app
 
 
+async def _reply_when_done(agent: Agent, task: Task) -> web.Response:
+    """The original agent's synchronous answer: success "0" once the work is done, "255" with
+    the reason when it failed, or when it still runs after --sync_reply_timeout (the same
+    command sent again waits for the same task)."""
+    await agent.tasks.wait_for(task, agent.config.sync_reply_timeout)
+    summary = f"{task.command} of {task.version}"
+    if task.state == SUCCEEDED:
+        return envelope(OK, f"{summary}: done", task.to_json())
+    if task.state == FAILED:
+        return envelope(ERROR, f"{summary} failed: {task.message}", task.to_json())
+    return envelope(
+        ERROR,
+        f"{summary} still running after {agent.config.sync_reply_timeout:g}s; send it again"
+        " to wait for it",
+        task.to_json(),
+    )
+
+
 async def handle_status(request: web.Request) -> web.Response:
     agent = request.app[AGENT_KEY]
     return envelope(OK, "", await agent.status_json())
@@ -139,5 +169,7 @@ async def handle_cmd(request: web.Request) -> web.Response:
         task = await agent.submit(work)
     except TaskBusy as exc:
         return envelope(ERROR, str(exc), status=409)
+    if asked_the_original_way(await _json_body(request)):
+        return await _reply_when_done(agent, task)
     summary = f"{task.command} of {task.version}: {task.state}"
     return envelope(OK, f"{summary}: {task.message}" if task.message else summary, task.to_json())

@@ -81,6 +81,7 @@ class AgentConfig:
     control_timeout: float = 10.0  # any other control command
     status_timeout: float = 2.0  # the server probe inside GET /agent/status
     md5_from_source: bool = False  # a download without md5 fetches <source>.md5 (the original)
+    sync_reply_timeout: float = 110.0  # the original transfer's commands: reply when done
 
 
 class Agent:

@@ -121,6 +121,14 @@ def flag_set() -> FlagSet:
         "(file:///path for local files, s3://bucket/prefix for S3 objects, which need one); "
         "default: any http, https or ftp URL",
     )
+    fs.add(
+        "sync_reply_timeout",
+        float,
+        110.0,
+        "a command from the original cube-transfer (which takes the reply as the outcome) is"
+        " answered when its task ends, or after this many seconds with 'still running' (the"
+        " original transfer gives up after 120)",
+    )
     fs.add("allow_file_sources", bool, False, "allow file:// and local path sources anywhere")
     fs.add("md5_from_source", bool, False, "a download without md5 fetches <source>.md5")
     return fs
@@ -136,7 +144,10 @@ def config_from_flags(flags: Flags) -> AgentConfig:
     for name in ("download_attempts", "limit_rate"):
         if flags[name] < 0:
             raise FlagError(f"--{name}: must not be negative")
-    for name in ("download_timeout", "io_timeout", "reload_timeout", "control_timeout"):
+    for name in (
+        "download_timeout", "io_timeout", "reload_timeout", "control_timeout",
+        "sync_reply_timeout",
+    ):  # fmt: skip
         if flags[name] <= 0:
             raise FlagError(f"--{name}: must be positive")
     try:
@@ -175,6 +186,7 @@ def config_from_flags(flags: Flags) -> AgentConfig:
         reload_timeout=flags.reload_timeout,
         control_timeout=flags.control_timeout,
         md5_from_source=flags.md5_from_source,
+        sync_reply_timeout=flags.sync_reply_timeout,
     )
 
 

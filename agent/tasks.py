@@ -199,6 +199,13 @@ class TaskManager:
             del self._tasks[(task.command, task.version)]
             self.journal.drop_task(task.command, task.version)
 
+    async def wait_for(self, task: Task, timeout: float) -> None:
+        """Wait up to `timeout` s for `task` to end (it goes on running after a timeout or if
+        the waiter is cancelled)."""
+        handle = self._handles.get((task.command, task.version))
+        if handle is not None and task.state == RUNNING:
+            await asyncio.wait([asyncio.shield(handle)], timeout=timeout)
+
     async def wait_idle(self, timeout: float) -> None:
         """Wait (bounded) for running tasks; for tests and shutdown."""
         handles = list(self._handles.values())

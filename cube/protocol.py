@@ -195,6 +195,18 @@ def _same_path(requested: str, deploy_path: Path) -> bool:
         return False
 
 
+# Fields the original cube-transfer's command body always carries (its Go struct has no
+# omitempty on them) and this project's transfer never sends.
+_ORIGINAL_TRANSFER_FIELDS = ("finish_status", "rollback_info")
+
+
+def asked_the_original_way(body: object) -> bool:
+    """Whether a POST /agent/cmd body comes from the original cube-transfer, which takes the
+    reply as the outcome (its agent answered when the work was done); this project's transfer
+    polls the task instead."""
+    return isinstance(body, dict) and any(key in body for key in _ORIGINAL_TRANSFER_FIELDS)
+
+
 def parse_work(body: object, deploy_path: Path) -> Work:
     """Validate a POST /agent/cmd body; BadRequest names the offending field."""
     if not isinstance(body, dict):

@@ -501,3 +501,49 @@ def test_metrics_count_tasks_steps_and_bytes(env):
     assert get("cube_agent_versions_placed") == 1
     assert get("cube_agent_disk_bytes", area="data") > 0
     assert get("cube_agent_tasks_running", command="download") == 0
+
+
+def original_transfer_body(command: str, version: str, **fields: object) -> dict:
+    """A POST /agent/cmd body as the original cube-transfer marshals it (every field of its
+    command struct, zero values included)."""
+    body: dict = {"dict_name": "t", "shard_seq": 0, "deploy_path": "", "command": command,
+                  "version": version, "depend": version, "source": "", "mode": "base",
+                  "dict_mode": "base_only", "port": "", "rollback_info": None, "status": "",
+                  "finish_status": ""}  # fmt: skip
+    return {**body, **fields}
+
+
+def test_the_original_transfer_gets_its_answer_when_the_work_is_done(env):
+    """The original transfer takes the reply to each command as its outcome: the agent waits
+    for the task and answers "0" once done, "255" with the reason when it failed, and "255"
+    saying so when it still runs after --sync_reply_timeout (this project's transfer, which
+    polls, still gets the running task at once)."""
+    agent = env.agent("--md5_from_source", "--allowed_sources", env.http.url)
+    source = tar_for(env, "base", seed=1)["source"]
+    write_md5(env.files / "base.tar")  # the original sends no md5: the agent fetches <tar>.md5
+    body = original_transfer_body("download", BASE, source=source)
+    status, reply = agent.call("POST", "/agent/cmd", body)
+    assert (status, reply["success"]) == (200, "0"), reply
+    assert reply["data"]["state"] == "succeeded"  # answered when done, not when started
+    for command in ("reload", "enable"):
+        status, reply = agent.call("POST", "/agent/cmd", original_transfer_body(command, BASE))
+        assert reply["success"] == "0" and reply["data"]["state"] == "succeeded", reply
+    assert server_state(env.server.control_address)[0] == BASE
+
+    (env.files / "bad.tar").write_bytes(b"not a tar" * 100)
+    write_md5(env.files / "bad.tar")
+    status, reply = agent.call("POST", "/agent/cmd", original_transfer_body(
+        "download", "1700000300", source=f"{env.http.url}/bad.tar"))  # fmt: skip
+    assert reply["success"] == "255" and "failed" in reply["message"], reply
+
+    agent.stop()
+    slow = env.agent("--md5_from_source", "--allowed_sources", env.http.url,
+                     "--sync_reply_timeout", "0.2", "--limit_rate", "20000")  # fmt: skip
+    big = tar_for(env, "big", seed=3, n_keys=20000)["source"]
+    write_md5(env.files / "big.tar")
+    body = original_transfer_body("download", "1700000400", source=big)
+    status, reply = slow.call("POST", "/agent/cmd", body)
+    assert reply["success"] == "255" and "still running after 0.2s" in reply["message"], reply
+    ours = slow.call("POST", "/agent/cmd", {"command": "download", "version": "1700000400",
+                                            "source": big, "mode": "base"})[1]  # fmt: skip
+    assert ours["success"] == "0" and ours["data"]["state"] == "running"
