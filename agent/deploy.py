@@ -15,6 +15,7 @@ service. Ordering rules that make a crash harmless:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -62,7 +63,7 @@ from cube.agent.tasks import SUCCEEDED, Task, TaskFailed, TaskManager
 from cube.agent.unpack import UnsafeTar, extract_shard_tar
 from cube.format import ShardFormatError
 from cube.fsutil import atomic_write_json, atomic_write_text, file_md5, fsync_dir
-from cube.layout import CHAIN_FILE, chain_text, tar_name
+from cube.layout import CHAIN_FILE, base_of, chain_text, tar_name
 from cube.protocol import CORRUPT_VERSION, SERVER_COMMANDS, BadRequest, Work, check_name
 from cube.shard import Shard
 
@@ -154,7 +155,30 @@ class Agent:
     async def submit(self, work: Work) -> Task:
         if work.command == "download":
             self.check_download(work)
+            if work.mode == "delta" and not work.chain:
+                work = dataclasses.replace(work, chain=self.chain_over_current(work.version))
         return await self.tasks.submit(work.command, work.version, work.to_request())
+
+    def chain_over_current(self, version: str) -> list[str]:
+        """The chain of a delta sent without one (the original transfer's way): the enabled
+        version's chain, then the delta, as the original server layered a patch over what it
+        served. BadRequest when that version is on another base, or nothing is enabled."""
+        placed = read_chain(self.layout, version)
+        if len(placed) > 1:  # sent again: the chain it was placed with
+            return placed
+        current = read_version_file(self.layout)
+        if not current:
+            raise BadRequest(
+                f"chain: delta {version} came without one and no version is enabled here to"
+                " layer it over; send the base first, or the chain"
+            )
+        chain = [*read_chain(self.layout, current), version]
+        if chain[0] != base_of(version):
+            raise BadRequest(
+                f"chain: delta {version} came without one, and the enabled version {current}"
+                f" is on base {chain[0]}, not {base_of(version)}; send the chain"
+            )
+        return chain
 
     def check_download(self, work: Work) -> None:
         """BadRequest (400) for a download this deployment does not allow, before any fetch."""

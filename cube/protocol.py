@@ -208,7 +208,9 @@ def asked_the_original_way(body: object) -> bool:
 
 
 def parse_work(body: object, deploy_path: Path) -> Work:
-    """Validate a POST /agent/cmd body; BadRequest names the offending field."""
+    """Validate a POST /agent/cmd body; BadRequest names the offending field. A delta's
+    `chain` is required, except from the original transfer (which has none): its Work has an
+    empty chain, for the agent to take from what it serves (`Agent.submit`)."""
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     command = _text(body, "command")
@@ -255,7 +257,7 @@ def parse_work(body: object, deploy_path: Path) -> Work:
         size = _int(body, "size", None)
         if not mode:
             mode = "delta" if body.get("chain") or "_" in version else "base"
-        if mode == "delta":
+        if mode == "delta" and (body.get("chain") or not asked_the_original_way(body)):
             chain = normalize_chain(body.get("chain"), version)
     return Work(command, version, mode, dict_name, shard_seq, source, md5, size, chain)
 

@@ -547,3 +547,27 @@ def test_the_original_transfer_gets_its_answer_when_the_work_is_done(env):
     ours = slow.call("POST", "/agent/cmd", {"command": "download", "version": "1700000400",
                                             "source": big, "mode": "base"})[1]  # fmt: skip
     assert ours["success"] == "0" and ours["data"]["state"] == "running"
+
+
+def test_a_delta_from_the_original_transfer_layers_over_the_enabled_version(env):
+    """The original transfer sends no chain: the delta goes over the version enabled here (its
+    chain, then the delta), as the original server layered a patch over what it served; one
+    on another base is refused by name."""
+    agent = env.agent("--md5_from_source", "--allowed_sources", env.http.url)
+    deploy(agent, BASE, tar_for(env, "base", seed=1), mode="base")
+    for name, version in (("d1", DELTA1), ("d2", DELTA2)):
+        source = tar_for(env, name, seed=2)["source"]
+        write_md5(env.files / f"{name}.tar")
+        cur = version.split("_")[1]
+        body = original_transfer_body("download", cur, depend=BASE, mode="delta", source=source)
+        reply = agent.call("POST", "/agent/cmd", body)[1]
+        assert reply["success"] == "0", reply
+        for command in ("reload", "enable"):
+            body = original_transfer_body(command, cur, depend=BASE, mode="delta")
+            assert agent.call("POST", "/agent/cmd", body)[1]["success"] == "0"
+    assert (env.data / DELTA2 / "CHAIN").read_text() == f"{BASE}\n{DELTA1}\n{DELTA2}\n"
+    assert server_state(env.server.control_address)[0] == DELTA2
+    body = original_transfer_body("download", "1800000100", depend="1800000000", mode="delta",
+                                  source=f"{env.http.url}/d1.tar")  # fmt: skip
+    status, reply = agent.call("POST", "/agent/cmd", body)
+    assert status == 400 and "is on base 1700000000, not 1800000000" in reply["message"]
