@@ -52,6 +52,10 @@ def cube_builder() -> int:
     return launch("cube-builder", ("builder",), "cube.builder.cli")
 
 
+def cube_import() -> int:
+    return launch("cube-import", (), "cube.builder.import_original")
+
+
 def kvtool() -> int:
     return launch("kvtool", ("builder",), "cube.builder.kvtool")
 
