@@ -473,38 +473,68 @@ class TokenCheck(grpc.aio.ServerInterceptor):
         return self._deny
 
 
+class ControlRunner:
+    """Runs ControlService.cmd for any transport (gRPC, HTTP+JSON, baidu_std): worker 0 runs
+    it, other workers forward it to worker 0's control port. Raises ControlError."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator | None,
+        forward_address: str | None,
+        timeout: float,
+        token: str = "",
+    ) -> None:
+        self.coordinator = coordinator
+        self.forward_address = forward_address
+        self.timeout = timeout
+        self.metadata = bearer_metadata(token)
+        self._channel: grpc.aio.Channel | None = None
+        self._running: set[asyncio.Future] = set()
+
+    async def forward(self, raw: bytes) -> bytes:
+        """ControlRequest bytes -> ControlResponse bytes, from worker 0."""
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.forward_address)
+        try:
+            return await self._channel.unary_unary(CONTROL_CMD)(  # type: ignore[no-any-return]
+                raw, timeout=self.timeout, metadata=self.metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise ControlError(exc.code(), exc.details() or "") from exc
+
+    async def run(self, request: cube_pb2.ControlRequest) -> cube_pb2.ControlResponse:
+        if self.coordinator is None:
+            raw = await self.forward(request.SerializeToString())
+            return cube_pb2.ControlResponse.FromString(raw)
+        # A command runs to its end even if the caller goes away (deadline, disconnect): a
+        # load half done on some workers would leave them inconsistent. Callers poll status.
+        task = asyncio.ensure_future(self.coordinator.command(request))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+        return await asyncio.shield(task)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+
+
 def control_handler(
     coordinator: Coordinator | None, forward_address: str | None, timeout: float, token: str = ""
 ) -> grpc.GenericRpcHandler:
     """ControlService.cmd: run it (worker 0) or forward it to worker 0 (other workers)."""
-    channel: grpc.aio.Channel | None = None
-    running: set[asyncio.Future] = set()
-    metadata = bearer_metadata(token)
+    runner = ControlRunner(coordinator, forward_address, timeout, token)
 
     async def cmd(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        nonlocal channel
-        if coordinator is None:
-            if channel is None:
-                channel = grpc.aio.insecure_channel(forward_address)
+        try:
+            if coordinator is None:
+                return await runner.forward(raw)
             try:
-                return await channel.unary_unary(CONTROL_CMD)(
-                    raw, timeout=timeout, metadata=metadata
-                )
-            except grpc.aio.AioRpcError as exc:
-                await context.abort(exc.code(), exc.details() or "")
-        try:
-            request = cube_pb2.ControlRequest.FromString(raw)
-        except Exception as exc:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"ControlRequest does not parse: {exc}"
-            )
-        # A command runs to its end even if the caller goes away (deadline, disconnect): a
-        # load half done on some workers would leave them inconsistent. Callers poll status.
-        task = asyncio.ensure_future(coordinator.command(request))
-        running.add(task)
-        task.add_done_callback(running.discard)
-        try:
-            response = await asyncio.shield(task)
+                request = cube_pb2.ControlRequest.FromString(raw)
+            except Exception as exc:
+                raise ControlError(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"ControlRequest does not parse: {exc}"
+                ) from exc
+            response = await runner.run(request)
         except ControlError as exc:
             await context.abort(exc.code, exc.message)
         return response.SerializeToString()

@@ -128,6 +128,21 @@ FLAGS = (
         "after answering on the TCP lane, poll for the next request this long before sleeping"
         " (lower latency where waking an idle CPU is slow, e.g. VMs; burns CPU when idle)",
     )
+    .add(
+        "http_port",
+        int,
+        -1,
+        "also serve the original's HTTP+JSON (POST /DictService/seek, /ControlService/cmd) on"
+        " this port, worker i on port + i; -1: off, 0: any free port (in --port_file)",
+    )
+    .add(
+        "baidu_std_port",
+        int,
+        -1,
+        "also serve the original's brpc baidu_std protocol (DictService.seek and"
+        " ControlService.cmd, as the C++ cube-api calls them) on this port, worker i on"
+        " port + i; -1: off, 0: any free port (in --port_file)",
+    )
     .add("max_batch", int, 100000, "most keys in one request (more: RESOURCE_EXHAUSTED)")
     .add(
         "max_answer_bytes",
@@ -328,6 +343,9 @@ def _main(argv: Sequence[str]) -> int:
     configure_logging(flags)
     ports = worker_ports(flags)
     lane_ports(flags)  # checked before any worker starts
+    from cube.server.original_faces import check_face_flags
+
+    check_face_flags(flags)
     control_ports(flags)
     if flags.workers > 1 and flags.worker_index < 0:
         return supervise(flags, list(argv), ports)
@@ -355,6 +373,7 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
     from cube.security import grpc_server_credentials, server_context
     from cube.server.control import (
         CONTROL_SERVICE,
+        ControlRunner,
         Coordinator,
         LocalWorker,
         RemoteWorker,
@@ -364,6 +383,7 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
     )
     from cube.server.guard import FileWatch
     from cube.server.lane import Lane, LaneLimits
+    from cube.server.original_faces import start_faces
     from cube.server.service import DICT_SERVICE, FAST_SERVICE, SeekService
     from cube.server.versions import (
         LoadOptions,
@@ -543,6 +563,18 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
             executor.shutdown(wait=False)
             return 1
         lane_bind = f"{_address(flags.host, service.lane_port)} (TCP lane)"
+    faces = await start_faces(  # the original's HTTP+JSON and baidu_std (--http_port, ...)
+        flags,
+        index,
+        service,
+        ControlRunner(coordinator, forward, flags.control_timeout, token),
+        token,
+        max_message,
+        server_context(tls) if tls.serves else None,
+    )
+    if faces is None:
+        executor.shutdown(wait=False)
+        return 1
     metrics_server, metrics_port, metrics_note = None, 0, ""
     if index == 0 and flags.metrics_port >= 0 and coordinator is not None:
         from cube.metrics import serve_collector
@@ -636,6 +668,7 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
 
     file_checker = asyncio.ensure_future(check_files())
     lookups = listening[:-1] + ([lane_bind] if lane else [])
+    lookups += faces.binds(lambda port: _address(flags.host, port))
     log.info(
         "listening on %s%s, control on %s%s (worker %d of %d, dict_split %d, version %r)",
         ", ".join(lookups),
@@ -654,6 +687,7 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
             "control_ports": controls,
             "tcp_ports": [service.lane_port] if lane is not None and flags.workers == 1 else [],
             "metrics_port": metrics_port,
+            **faces.report(flags.workers == 1),
         }
         try:
             atomic_write_json(flags.port_file, report, indent=None)
@@ -667,6 +701,7 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
     await health_servicer.enter_graceful_shutdown()
     if lane is not None:
         await lane.stop(flags.grace)
+    await faces.stop(flags.grace)
     await server.stop(flags.grace)
     await control_server.stop(1.0)
     if metrics_server is not None:

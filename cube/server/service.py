@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -44,6 +44,7 @@ MISS_STATUS = 0xFFFFFFFF
 _KEY_DTYPE = np.dtype("<u8")
 _TOMBSTONE = np.uint32(TOMBSTONE)
 _NO_LAYERS = np.empty(0, dtype=np.int16)  # a single layer's LookupResult needs none
+T = TypeVar("T")
 
 
 class RequestError(Exception):
@@ -353,7 +354,8 @@ class ParsedSeek:
 # server-side request time (seconds) and keys per request
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 BATCH_BUCKETS = (1, 10, 100, 500, 1000, 2000, 5000, 10000, 50000)
-APIS = ("seek", "seek_stream", "lane", "original")  # cube.v1 unary, stream, TCP lane, rec.mcube
+# cube.v1 unary, stream and TCP lane; rec.mcube.DictService over gRPC, HTTP+JSON and baidu_std
+APIS = ("seek", "seek_stream", "lane", "original", "http", "baidu_std")
 
 
 class ApiCounters:
@@ -404,6 +406,8 @@ class Counters:
             "lane_messages": api["lane"].requests,
             "lane_batches": self.lane_batches,
             "original_requests": api["original"].requests,
+            "http_requests": api["http"].requests,
+            "baidu_std_requests": api["baidu_std"].requests,
             "keys": sum(c.keys for c in api.values()),
             "unfound": sum(c.misses for c in api.values()),
             "errors": sum(sum(c.errors.values()) for c in api.values()),
@@ -482,13 +486,17 @@ class SeekService:
         return self._check_batch(np.frombuffer(raw, dtype=_KEY_DTYPE), what)
 
     def _check_batch(self, keys: np.ndarray, what: str) -> np.ndarray:
-        if keys.shape[0] > self.max_batch:
+        self.check_key_count(keys.shape[0], what)
+        return keys
+
+    def check_key_count(self, count: int, what: str) -> None:
+        """RESOURCE_EXHAUSTED beyond --max_batch keys (checked before the keys are converted)."""
+        if count > self.max_batch:
             raise RequestError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{what}: {keys.shape[0]} keys in one request; this server takes at most"
+                f"{what}: {count} keys in one request; this server takes at most"
                 f" {self.max_batch} (--max_batch): split the batch",
             )
-        return keys
 
     def _hold(self, name: str, keys: np.ndarray, what: str) -> tuple[LoadedVersion | None, int]:
         """The version to answer `keys` from, acquired (None: answer misses, by design), and
@@ -738,17 +746,26 @@ class SeekService:
             f" {version.broken}",
         )
 
-    def seek_original(self, raw: bytes) -> bytes:
-        """rec.mcube DictRequest bytes -> DictResponse bytes."""
+    def seek_original(self, raw: Buffer, api: str = "original") -> bytes:
+        """rec.mcube DictRequest bytes -> DictResponse bytes (gRPC, and baidu_std's body)."""
         try:
             request = cube_pb2.DictRequest.FromString(raw)
         except Exception as exc:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"DictRequest does not parse: {exc}"
             ) from exc
-        count = len(request.keys)
-        self._check_batch(np.empty(count, dtype=np.uint64), "seek")
+        self.check_key_count(len(request.keys), "seek")
         keys = np.array(request.keys, dtype=np.uint64)  # 2x faster than np.fromiter here
+        answer, name = self.answer_original(keys, api)
+        return encode_dict_response(answer, name if request.version_required else None)
+
+    def answer_original(self, keys: np.ndarray, api: str) -> tuple[Answer, str]:
+        """The original API's lookup, whatever carried it (gRPC, HTTP+JSON, baidu_std): every
+        key's answer from the current version and that version's name ("" for none), counted
+        under `api`. RequestError when the request is refused (the replica cannot serve, a
+        key of another shard, an answer over --max_answer_bytes); the caller checked the key
+        count (`check_key_count`)."""
+        count = keys.shape[0]
         version, bound = self._hold("", keys, "seek")
         if version is None:
             answer = empty_answer(count)
@@ -765,12 +782,28 @@ class SeekService:
             refusal = self._misrouted(version, keys, answer.found, "seek")
             if refusal is not None:
                 raise refusal
-        counters = self.counters.api["original"]
+        counters = self.counters.api[api]
         counters.requests += 1
         counters.keys += count
         counters.batch.observe(count)
         counters.misses += count - int(np.count_nonzero(answer.found))
-        return encode_dict_response(answer, name if request.version_required else None)
+        return answer, name
+
+    def timed(self, api: str, call: Callable[[], T]) -> T:
+        """Run one lookup of `api` (any transport): a refusal (RequestError, re-raised) is
+        counted and logged, an answer's time observed."""
+        counters = self.counters
+        started = time.perf_counter()
+        counters.inflight += 1
+        try:
+            result = call()
+        except RequestError as exc:
+            self.refused(api, exc)
+            raise
+        finally:
+            counters.inflight -= 1
+        counters.api[api].latency.observe(time.perf_counter() - started)
+        return result
 
     @staticmethod
     def _name(version: LoadedVersion | None) -> str:
@@ -825,19 +858,11 @@ class SeekService:
             await context.write(answer)
 
     async def _dict_seek_rpc(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        counters = self.counters
-        started = time.perf_counter()
-        counters.inflight += 1
         try:
-            answer = self.seek_original(raw)
+            return self.timed("original", lambda: self.seek_original(raw))
         except RequestError as exc:
-            self.refused("original", exc)
             await context.abort(exc.code, exc.message)
             raise
-        finally:
-            counters.inflight -= 1
-        counters.api["original"].latency.observe(time.perf_counter() - started)
-        return answer
 
     def handlers(self) -> list[grpc.GenericRpcHandler]:
         """Raw-bytes handlers for both lookup services."""
