@@ -81,7 +81,9 @@ from cube.original_format import (
 from cube.shard_writer import write_shard
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_FLAGS = 0, 1, 2
-KEY_FORMAT = "original"  # what the shard headers say the keys were read from
+# What the headers say the keys were read as: the original read a record's key as its raw 8
+# bytes, little-endian (builder_job.cpp), cube-builder's "cube" key format.
+KEY_FORMAT = "cube"
 _VERSION_RE = re.compile(r"(0|[1-9][0-9]{0,18})(?:_(0|[1-9][0-9]{0,18}))?")
 _PART_RE = re.compile(r"(?P<dict>.+)_part(?P<shard>0|[1-9][0-9]{0,5})")
 _MD5_CHUNK = 8 << 20

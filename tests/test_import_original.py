@@ -16,14 +16,20 @@ import numpy as np
 import pytest
 
 from cube.agent.unpack import extract_shard_tar
+from cube.seqfile import SequenceFileWriter
 from cube.shard import Shard, ShardStack
 from cube.transfer.build import check_outputs
+from cube.values import ValueColumn
 from tests.original_cube import OriginalBuilder, deploy
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / ".venv" / "bin" / "cube-import"
 COMMAND = (
     [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "cube.builder.import_original"]
+)
+BUILDER_SCRIPT = ROOT / ".venv" / "bin" / "cube-builder"
+BUILDER = (
+    [str(BUILDER_SCRIPT)] if BUILDER_SCRIPT.exists() else [sys.executable, "-m", "cube.builder.cli"]
 )
 BASE, PATCH1, PATCH2, PATCH3 = 1_700_000_000, 1_700_000_100, 1_700_000_200, 1_700_000_300
 SHARDS = 4
@@ -204,6 +210,59 @@ def test_tars_only_give_the_same_bytes(original, tmp_path):
     assert len(files) > 40
     for name in files:
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+def test_the_same_bytes_as_cube_builder_from_the_same_records(original, tmp_path):
+    """What the original built from some SequenceFiles imports to exactly what cube-builder
+    builds from them (same partitioning, last record wins, same writer), base and patches."""
+    root, _ = original
+    imported(
+        "-input_path",
+        str(root),
+        "-output_path",
+        str(tmp_path / "imported"),
+        "-dict_name",
+        DICT,
+        "-shard_num",
+        str(SHARDS),
+    )
+    built = tmp_path / "built"
+    for number, (records, (cur, base)) in enumerate(zip(make_versions(), VERSIONS, strict=True)):
+        seqfile = tmp_path / "input" / str(cur) / "part-00000"
+        seqfile.parent.mkdir(parents=True)
+        keys = np.array([k for k, _ in records], dtype=np.uint64)
+        with SequenceFileWriter(seqfile) as writer:
+            writer.write_batch(keys, ValueColumn.from_list([v for _, v in records]))
+        mode = ["-job_mode", "base"] if base else ["-job_mode", "delta"]
+        done = subprocess.run(
+            [
+                *BUILDER,
+                "-dict_name",
+                DICT,
+                "-input_path",
+                str(seqfile.parent),
+                "-output_path",
+                str(built),
+                "-shard_num",
+                str(SHARDS),
+                "-only_build=false",
+                "-cur_version",
+                str(cur),
+                "-depend_version",
+                str(BASE),
+                "-quiet",
+                *mode,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
+        assert done.returncode == 0, (number, done.stderr)
+    files = sorted(p.relative_to(built) for p in built.rglob("*") if p.is_file())
+    assert len(files) == len(VERSIONS) * (SHARDS * 4 + SHARDS)
+    for name in files:
+        assert (tmp_path / "imported" / name).read_bytes() == (built / name).read_bytes(), name
 
 
 def test_fixed_width_values(tmp_path):
