@@ -575,7 +575,7 @@ def make_plan(inventory: Inventory, shard_num: int, check_md5: bool) -> Plan:
             is_base = name == order[0]
             dep, cur = parsed[name]
             if is_base != (dep == cur):
-                what = "a patch's" if is_base else "a base's"
+                what = "a base's" if is_base else "a patch's"
                 raise ImportError_(
                     f"version {name}: its name says {'base' if dep == cur else 'patch'}, but it "
                     f"holds {what} files ({'index.0' if is_base else 'no index.0'})"

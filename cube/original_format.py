@@ -476,7 +476,8 @@ def _u32_at(data: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     words = np.ndarray(
         (data.shape[0] - LENGTH_BYTES + 1,), dtype=_U32, buffer=data, strides=(1,)
     )  # a 4-byte item starting at every byte
-    return words[offsets].astype(np.uint32)  # (indexing: far faster than take on strided items)
+    picked: np.ndarray = words[offsets]  # indexing: far faster than take on strided items
+    return picked.astype(np.uint32)
 
 
 # ---------------------------------------------------------------------------------------------

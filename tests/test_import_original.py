@@ -359,6 +359,32 @@ def test_deployment_adopted_into_a_data_dir(original, tmp_path, where):
     header.close()
 
 
+def test_copied_deployment_files_cannot_be_attributed(original, tmp_path):
+    """data/<version>/ holding copies (not the agent's links) of the base's and patches' files:
+    which version brought which record is lost, so it is refused, not served as a base."""
+    _root, dirs = original
+    deploy_path = deploy(dirs[:2], DICT, 0, tmp_path / "deploy")
+    served = deploy_path / "data" / f"{BASE}_{PATCH1}"
+    for link in served.iterdir():
+        target = link.resolve()
+        link.unlink()
+        shutil.copy(target, link)
+    message = failed(
+        "-input_path",
+        str(deploy_path / "data"),
+        "-data_dir",
+        str(tmp_path / "x"),
+        "-dict_name",
+        DICT,
+        "-shard_num",
+        str(SHARDS),
+        "-shard",
+        "0",
+    )
+    assert f"version {BASE}_{PATCH1}: its name says patch, but it holds a base's files" in message
+    assert_nothing_published(tmp_path / "x")
+
+
 def test_data_dir_from_build_output_picks_a_shard(original, tmp_path):
     root, _ = original
     flags = ["-input_path", str(root), "-dict_name", DICT, "-shard_num", str(SHARDS)]
