@@ -524,6 +524,30 @@ def test_corrupt_original_files_are_located(original, tmp_path, corrupt, expecte
     assert_nothing_published(out)
 
 
+def test_a_late_failure_leaves_a_data_dir_untouched(original, tmp_path):
+    """The base and patch 1 are written (aside) before patch 2's damage is found: none of
+    them, nor VERSION, appears."""
+    root, _ = original
+    path = _part(root, PATCH2) / sorted(os.listdir(_part(root, PATCH2)))[0]
+    assert path.name.startswith("data.")
+    _corrupt_file(path, 0, b"\xff\xff\0\0")
+    target = tmp_path / "ours"
+    message = failed(
+        "-input_path",
+        str(root),
+        "-data_dir",
+        str(target),
+        "-dict_name",
+        DICT,
+        "-shard_num",
+        str(SHARDS),
+        "-shard",
+        "1",
+    )
+    assert f"{BASE}_{PATCH2}/{DICT}_part1/{path.name} at offset 0: length field 65535" in message
+    assert_nothing_published(target)
+
+
 def test_damaged_tars_are_refused(original, tmp_path):
     root, dirs = original
     tar = dirs[1] / f"{DICT}_part2.tar"
