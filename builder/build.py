@@ -647,7 +647,7 @@ class Progress:
 
 
 @dataclass(eq=False)
-class _Workspace:
+class Workspace:
     """Staging and spill directories of one build; removed unless published."""
 
     config: BuildConfig
@@ -697,7 +697,7 @@ class _Workspace:
         return self.target
 
 
-_active_workspaces: list[_Workspace] = []
+_active_workspaces: list[Workspace] = []
 
 
 def abort_active_builds() -> None:
@@ -742,7 +742,7 @@ def build(
     files = list_input_files(input_path)
     deleted = read_delete_keys(delete_path) if delete_path is not None else np.empty(0, np.uint64)
     warmer = _Warmer(files)
-    workspace = _Workspace(config)
+    workspace = Workspace(config)
     try:
         with _Pool(config.workers, after_fork=warmer.start) as pool:
             reads = _read_all(pool, config, files, workspace.spill, progress)

@@ -3,7 +3,7 @@
 Thin shell over `cube.original_format` (the format, its checks, the values): this module finds
 the original's files, maps them, and writes each shard with the builder's own writer and
 packer (`cube.shard_writer.write_shard`, `cube.builder.build.package_shard`,
-`write_meta_infos`, `_Workspace`), one shard of one version at a time: one shard's keys and
+`write_meta_infos`, `Workspace`), one shard of one version at a time: one shard's keys and
 addresses in memory (16 bytes a record, plus the table), its values read from the mapped
 files as they are written.
 
@@ -48,7 +48,7 @@ import numpy as np
 from cube.builder.build import (
     BuildConfig,
     BuildError,
-    _Workspace,
+    Workspace,
     abort_active_builds,
     package_shard,
     shard_header_meta,
@@ -667,13 +667,13 @@ def write_build_outputs(
                     f"version {version.original} has no shard {missing[0]} of {shard_num}: a build "
                     "output needs every shard (a deployment holds one: import it with -data_dir)"
                 )
-    staged: list[tuple[_Workspace, BuildConfig, list[ShardOutput]]] = []
+    staged: list[tuple[Workspace, BuildConfig, list[ShardOutput]]] = []
     try:
         for family in plan.families:
             for version in family:
                 config = _config(version, dict_name, output, shard_num)
                 try:
-                    workspace = _Workspace(config)
+                    workspace = Workspace(config)
                 except BuildError as exc:
                     raise ImportError_(str(exc)) from None
                 outputs: list[ShardOutput] = []

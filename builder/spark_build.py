@@ -54,7 +54,7 @@ from cube.builder.build import (
     BuildConfig,
     BuildError,
     BuildResult,
-    _Workspace,
+    Workspace,
     package_shard,
     parse_delete_keys,
     read_delete_keys,
@@ -311,7 +311,7 @@ def build_on_spark(
     splits = list_splits(str(input_path))
     deleted = load_delete_keys(delete_path) if delete_path else np.empty(0, np.uint64)
     deleted_by_shard = route_keys(deleted, config.shard_num, config.partitioner)
-    workspace = _Workspace(config)
+    workspace = Workspace(config)
     try:
         spec = _JobSpec(
             shard_num=config.shard_num,
