@@ -25,8 +25,9 @@ from cube.client import (
 )
 
 PUBLIC = {
-    "AsyncCubeClient", "Attempt", "Backoff", "ClientStats", "ConfError", "ConfigMismatchError",
-    "CubeClient", "CubeError", "DictConf", "KeyRangeError", "LoadBalancer", "MockTransport",
+    "AsyncCubeClient", "AsyncCubeClients", "Attempt", "Backoff", "ClientStats", "ConfError",
+    "ConfigMismatchError", "CubeClient", "CubeClients", "CubeError", "DeadlineExceededError",
+    "DictConf", "KeyRangeError", "LoadBalancer", "MockTransport",
     "Partitioner", "RequestRejectedError", "Retry", "SeekResult", "ShardUnavailableError",
     "Timeouts", "Transport", "TransportError", "TransportName", "ValueSizeError",
     "VersionMismatchError", "WireProtocol", "load_conf", "parse_conf", "version_order",
@@ -63,7 +64,13 @@ def test_positional_options_are_refused():
 def test_option_objects():
     assert Retry().attempts == 2 and Retry().backoff == Backoff(0.002, 0.1, jitter=0.5)
     assert Timeouts().attempt == 1.0 and Timeouts().backup_after is None
-    for bad in (lambda: Timeouts(0), lambda: Timeouts(1, 0), lambda: Retry(-1)):
+    assert Timeouts().total is None and Timeouts(0.2, 0.02, 0.5).total == 0.5
+    for bad in (
+        lambda: Timeouts(0),
+        lambda: Timeouts(1, 0),
+        lambda: Timeouts(1, total=0),
+        lambda: Retry(-1),
+    ):
         with pytest.raises(ConfError):
             bad()
     client = CubeClient([["h:1"]], timeout=0.25, retry=5, transport=MockTransport(lambda a, k: []))

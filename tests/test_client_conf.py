@@ -73,7 +73,7 @@ def test_several_dicts_need_a_name(tmp_path):
         ({"shard": "2"}, "field 'shard' must be an integer >= 1, got '2'"),
         ({"retry": -1}, "field 'retry' must be an integer >= 0"),
         ({"type": "list"}, "field 'type' must be one of ipport, ipport_list, ipport_parallel"),
-        ({"load_balancer": "wrr"}, "field 'load_balancer' must be one of rr, random, la"),
+        ({"load_balancer": "lalb"}, "field 'load_balancer' must be one of brpc's balancers rr,"),
         ({"partitioner": "crc"}, "field 'partitioner' must be one of mod, murmur3"),
         ({"nodes": []}, "field 'nodes' must be a non-empty array"),
         ({"shard": 3}, "field 'nodes' has 2 entries but 'shard' is 3"),
@@ -130,7 +130,10 @@ def test_from_conf_timeout_override_keeps_the_files_backup_request(tmp_path):
     }  # fmt: skip
     path = tmp_path / "cube.conf"
     path.write_text(json.dumps([entry]))
+    # cube.conf's timeout bounds the whole call (as the original's brpc timeout_ms did)
     with CubeClient.from_conf(path) as client:
-        assert client.timeouts == Timeouts(0.8, 0.02) and client.retry.attempts == 1
+        assert client.timeouts == Timeouts(0.8, 0.02, total=0.8) and client.retry.attempts == 1
     with CubeClient.from_conf(path, timeout=0.1) as client:
-        assert client.timeouts == Timeouts(0.1, 0.02)
+        assert client.timeouts == Timeouts(0.1, 0.02, total=0.1)
+    with CubeClient.from_conf(path, timeout=Timeouts(0.3)) as client:
+        assert client.timeouts == Timeouts(0.3)

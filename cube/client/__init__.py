@@ -6,7 +6,11 @@
         emb = client.get_embeddings(keys, dim=8)  # (n, 8) float32, zero rows for misses
 
     CubeClient([["10.0.0.5:8000", "10.0.0.6:8000"], ["10.0.0.7:8000"]],
-               timeout=Timeouts(attempt=0.2, backup_after=0.02), retry=Retry(attempts=3))
+               timeout=Timeouts(attempt=0.2, backup_after=0.02, total=0.5), retry=Retry(3))
+
+    with CubeClients.from_conf("cube.conf") as cube:  # every dict of the file, by name
+        cube.get_table_names()
+        cube.seek("test_dict", [1, 2, 3])
 
 Routing, grouping and scattering are vectorized (cube.routing); replicas get load balancing,
 retries with backoff and backup requests; a batch is answered from one version. What this
@@ -24,6 +28,7 @@ from cube.client.errors import (
     ConfError,
     ConfigMismatchError,
     CubeError,
+    DeadlineExceededError,
     KeyRangeError,
     RequestRejectedError,
     ShardUnavailableError,
@@ -31,6 +36,7 @@ from cube.client.errors import (
     VersionMismatchError,
 )
 from cube.client.mock import MockTransport
+from cube.client.multi import AsyncCubeClients, CubeClients
 from cube.client.options import (
     LoadBalancer,
     Partitioner,
@@ -44,13 +50,16 @@ from cube.client.sync import CubeClient
 
 __all__ = [
     "AsyncCubeClient",
+    "AsyncCubeClients",
     "Attempt",
     "Backoff",
     "ClientStats",
     "ConfError",
     "ConfigMismatchError",
     "CubeClient",
+    "CubeClients",
     "CubeError",
+    "DeadlineExceededError",
     "DictConf",
     "KeyRangeError",
     "LoadBalancer",

@@ -26,9 +26,9 @@ from cube.client._core import (
     normalize_keys,
     seek_flow,
 )
-from cube.client._policy import Cluster, EndpointState, Policy, Round, ShardCall
+from cube.client._policy import MIN_ATTEMPT_S, Cluster, EndpointState, Policy, Round, ShardCall
 from cube.client._transport import TRANSPORTS, ClientTLS, Transport
-from cube.client.conf import load_conf
+from cube.client.conf import DictConf, load_conf
 from cube.client.errors import ConfError, CubeError
 from cube.client.options import (
     LoadBalancer,
@@ -71,10 +71,14 @@ class ClientBase:
     shards: replicas of each shard in shard order, e.g. `[["127.0.0.1:8000", "127.0.0.1:8001"],
         ["127.0.0.1:8010"]]`; every worker port of a multi-worker server is one replica.
     partitioner: "mod" (`key % shard_num`, the original's) or "murmur3"; the builder's.
-    timeout: seconds per attempt, or `Timeouts(attempt=..., backup_after=...)` to also send
-        backup requests (the first answer wins).
+    timeout: seconds per attempt, or `Timeouts(attempt=..., backup_after=..., total=...)` to
+        also send backup requests (the first answer wins) and bound the whole call (retries,
+        backup requests and version re-asks included: DeadlineExceededError past it). A
+        number bounds each attempt only, as before; `from_conf` bounds the whole call by
+        cube.conf's `timeout`, as the original did.
     retry: extra attempts (on other replicas first), or `Retry(attempts, backoff, cooldown)`.
-    load_balancer: "rr", "random" or "la" (least in flight, then lowest latency).
+    load_balancer: "rr", "random" or "la" (least in flight, then lowest latency); cube.conf
+        also takes brpc's names (see cube.client.conf).
     dict_name: sent with every request so a server of another dict rejects it ("" = any).
     max_batch: keys per sub-request at most (the server's --max_batch).
     protocol: "fast" (cube.v1, default) or "original" (rec.mcube.DictService, slower).
@@ -136,6 +140,7 @@ class ClientBase:
         self.max_batch = max_batch
         self.max_version_rounds = max_version_rounds
         self.policy = Policy.from_options(self.timeouts, self.retry)
+        self._total_s = self.timeouts.total  # the whole call's bound (None: none)
         # A batch of one sub-request runs its first attempt on the fast path (see
         # _first_attempt) unless backup requests need the state machine's timers.
         self._lone_fast = self.policy.backup_request_ms <= 0
@@ -167,20 +172,33 @@ class ClientBase:
     def from_conf(
         cls, path: str | os.PathLike[str], dict_name: str | None = None, **overrides: Any
     ) -> Self:
-        """A client for `dict_name` of the original cube.conf at `path` (see cube.client.conf);
-        keyword arguments override the file's settings (a `timeout` in seconds keeps the
-        file's backup request)."""
-        conf = load_conf(path, dict_name)
+        """A client for `dict_name` of the original cube.conf at `path` (see cube.client.conf;
+        for several dicts in one object: CubeClients / AsyncCubeClients). The file's `timeout`
+        bounds the whole call, as in the original (`Timeouts.total`), and each attempt
+        unless `attempt_timeout` is smaller. Keyword arguments override the file's settings:
+        a number as `timeout` (seconds) replaces the file's `timeout` (the whole call) and
+        keeps its backup request; a `Timeouts` object replaces them all."""
+        return cls._from_dict_conf(load_conf(path, dict_name), **overrides)
+
+    @classmethod
+    def _from_dict_conf(cls, conf: DictConf, **overrides: Any) -> Self:
+        """A client for one parsed cube.conf entry (`load_conf`, `parse_conf`), with
+        `from_conf`'s overrides."""
         backup = conf.backup_request_ms / 1000.0 if conf.backup_request_ms > 0 else None
         settings: dict[str, Any] = {
             "partitioner": conf.partitioner,
-            "timeout": Timeouts(conf.timeout_ms / 1000.0, backup),
+            "timeout": conf_timeouts(conf),
             "retry": conf.retry,
             "load_balancer": conf.load_balancer,
             "dict_name": conf.dict_name,
         }
-        if "timeout" in overrides and not isinstance(overrides["timeout"], Timeouts):
-            overrides = {**overrides, "timeout": Timeouts(float(overrides["timeout"]), backup)}
+        timeout = overrides.get("timeout")
+        if timeout is not None and not isinstance(timeout, Timeouts):
+            total = float(timeout)
+            attempt = total
+            if conf.attempt_timeout_ms is not None:
+                attempt = min(total, conf.attempt_timeout_ms / 1000.0)
+            overrides = {**overrides, "timeout": Timeouts(attempt, backup, total)}
         settings.update(overrides)
         return cls(conf.shards, **settings)
 
@@ -247,7 +265,27 @@ class ClientBase:
         return keys, make_plan(keys, len(self.shards), self.partitioner, self.max_batch)
 
     def _flow(self, keys: np.ndarray, pieces: list[Piece], version: str | None) -> Flow:
-        return seek_flow(keys, pieces, self._wire.pins_versions, self.max_version_rounds, version)
+        return seek_flow(
+            keys,
+            pieces,
+            self._wire.pins_versions,
+            self.max_version_rounds,
+            version,
+            self._total_s,
+            self.dict_name,
+        )
+
+    def _deadline(self) -> float | None:
+        """The monotonic time a call starting now must end by (None: no whole-call bound)."""
+        total = self._total_s
+        return None if total is None else time.monotonic() + total
+
+    def _first_timeout(self, started: float, deadline: float | None) -> float:
+        """The fast path's first attempt's timeout: the attempt's, cut to the call's deadline."""
+        timeout_s = self.policy.timeout_s
+        if deadline is not None and deadline - started < timeout_s:
+            return max(deadline - started, MIN_ATTEMPT_S)
+        return timeout_s
 
     # The fast path. Most calls are one sub-request (one shard, or a batch routed to one)
     # whose first attempt answers. Such a call runs that attempt without the state machine:
@@ -308,10 +346,11 @@ class ClientBase:
         request_id: int,
         choice: int,
         started: float,
+        deadline: float | None = None,
     ) -> Round:
         """The round of the fast path's sub-request, its first attempt (to replica `choice`,
         sent at `started`) taken over by the state machine."""
-        round_ = self._round(pieces, requests, started, request_id)
+        round_ = self._round(pieces, requests, started, request_id, deadline)
         round_.calls[0].adopt(choice, started)
         return round_
 
@@ -321,6 +360,7 @@ class ClientBase:
         requests: Sequence[PieceRequest],
         now: float,
         request_id: int = 0,
+        deadline: float | None = None,
     ) -> Round:
         calls = []
         for index, request in enumerate(requests):
@@ -331,4 +371,14 @@ class ClientBase:
             calls.append(
                 ShardCall(index, group, payload, decode, self.policy, self._rng, request.version)
             )
-        return Round(calls, self.policy, now)
+        return Round(calls, self.policy, now, deadline)
+
+
+def conf_timeouts(conf: DictConf) -> Timeouts:
+    """cube.conf's timeouts as the original means them: `timeout` bounds the whole call (brpc's
+    channel timeout_ms is a deadline over the retries and backup requests), `attempt_timeout`
+    (ours, optional) each attempt, `backup_request` (0 = off) the wait before a backup."""
+    total = conf.timeout_ms / 1000.0
+    attempt = total if conf.attempt_timeout_ms is None else conf.attempt_timeout_ms / 1000.0
+    backup = conf.backup_request_ms / 1000.0 if conf.backup_request_ms > 0 else None
+    return Timeouts(attempt, backup, total)

@@ -40,6 +40,7 @@ from cube import wire
 from cube.client.errors import (
     Attempt,
     ConfigMismatchError,
+    DeadlineExceededError,
     KeyRangeError,
     RequestRejectedError,
     ShardUnavailableError,
@@ -454,6 +455,7 @@ class PieceOutcome:
     hedges: int = 0  # backup requests sent
     hedge_won: bool = False  # the answer came from a backup request
     failover: bool = False  # the answer came from another replica than the first one tried
+    deadline_exceeded: bool = False  # no answer because the call's whole-call timeout passed
 
 
 Flow = Generator[list[PieceRequest], list[PieceOutcome], SeekResult]
@@ -486,15 +488,35 @@ def _failures(
     return dict(failed)
 
 
+def _unavailable(
+    failed: dict[int, Sequence[Attempt]],
+    partial: SeekResult,
+    outcomes: Sequence[PieceOutcome],
+    call_timeout_s: float | None,
+    dict_name: str,
+) -> ShardUnavailableError:
+    """The error for shards that failed: DeadlineExceededError when the call's timeout is
+    what ended one of them."""
+    if call_timeout_s is not None and any(
+        o.deadline_exceeded for o in outcomes if o.answer is None
+    ):
+        return DeadlineExceededError(failed, partial, call_timeout_s, dict_name)
+    return ShardUnavailableError(failed, partial)
+
+
 def seek_flow(
     keys: np.ndarray,
     pieces: Sequence[Piece],
     pins_versions: bool = True,
     max_version_rounds: int = 3,
     version: str | None = None,
+    call_timeout_s: float | None = None,
+    dict_name: str = "",
 ) -> Flow:
     """Drive one seek: yields rounds of PieceRequests, receives their PieceOutcomes (same
-    order), returns the SeekResult. Implements the version rule of the module docstring."""
+    order), returns the SeekResult. Implements the version rule of the module docstring.
+    `call_timeout_s` and `dict_name` only name the call's timeout and dict in the error
+    raised when that timeout ended it."""
     count = len(pieces)
     if count == 0:
         return assemble(keys, pieces, [])
@@ -504,7 +526,8 @@ def seek_flow(
     first = [o.answer for o in outcomes]
     failed = _failures(pieces, requests, outcomes, keep_version_unavailable=True)
     if failed:
-        raise ShardUnavailableError(failed, assemble(keys, pieces, first))
+        partial = assemble(keys, pieces, first)
+        raise _unavailable(failed, partial, outcomes, call_timeout_s, dict_name)
     answered = [a for a in first if a is not None]  # every piece answered (else raised above)
     by_version: list[dict[str, Answer]] = [{a.version: a} for a in answered]
     seen = {a.version for a in answered}
@@ -523,7 +546,19 @@ def seek_flow(
         _raise_rejected(pieces, requests, outcomes)
         failed = _failures(pieces, requests, outcomes, keep_version_unavailable=False)
         if failed:
-            raise ShardUnavailableError(failed, assemble(keys, pieces, first))
+            partial = assemble(keys, pieces, first)
+            raise _unavailable(failed, partial, outcomes, call_timeout_s, dict_name)
+        if call_timeout_s is not None and any(
+            o.deadline_exceeded and o.answer is None for o in outcomes
+        ):
+            # a pinned re-ask cut short by the call's timeout: no version can be completed
+            failed = {
+                pieces[r.piece].shard: o.attempts
+                for r, o in zip(requests, outcomes, strict=True)
+                if o.deadline_exceeded and o.answer is None
+            }
+            partial = assemble(keys, pieces, first)
+            raise DeadlineExceededError(failed, partial, call_timeout_s, dict_name)
         for request, outcome in zip(requests, outcomes, strict=True):
             if outcome.answer is not None:
                 by_version[request.piece][outcome.answer.version] = outcome.answer

@@ -19,7 +19,11 @@ Per sub-request (`ShardCall`):
 - an answer without a version comes from a replica that serves nothing: it is a failure of
   that replica (retried elsewhere), never a batch of misses.
 Every round also has a hard deadline (all attempts and backoffs, plus slack), so a driver
-never waits unboundedly.
+never waits unboundedly. With a whole-call timeout (`Policy.total_ms`, cube.conf's `timeout`)
+the driver gives each round the call's deadline: attempts are cut to what remains of it, no
+retry or backup request is started when it would begin past it, and at the deadline the
+round aborts what is in flight (DEADLINE_EXCEEDED); the outcomes then say the deadline ended
+them (`deadline_exceeded`), which the flow raises as DeadlineExceededError.
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ NON_RETRYABLE = frozenset(
 # Errors that say nothing about the replica's health (no cooldown).
 NEUTRAL = frozenset({"FAILED_PRECONDITION", "CANCELLED"})
 VERSION_UNAVAILABLE = "FAILED_PRECONDITION"
+CALL_DEADLINE = "DEADLINE_EXCEEDED"
+# An attempt is not started with less than this left before the call's deadline.
+MIN_ATTEMPT_S = 0.001
 NO_VERSION = (
     "answered without a version: the replica serves nothing (e.g. a cube-server started with"
     " --allow_empty before its first version); its misses are not taken as answers"
@@ -63,6 +70,7 @@ class Policy:
     """Timeouts and retry budget of every sub-request (milliseconds)."""
 
     timeout_ms: float = 1000.0  # per attempt
+    total_ms: float = 0.0  # the whole call (every round, retry and backup); 0 = no bound
     retry: int = 2  # extra attempts after the first, on other replicas when there are any
     backup_request_ms: float = 0.0  # 0 = no backup requests
     backoff_base_ms: float = 2.0
@@ -76,6 +84,7 @@ class Policy:
         """The state machine's settings (milliseconds) from the public option objects."""
         return cls(
             timeout_ms=timeouts.attempt * 1000.0,
+            total_ms=(timeouts.total or 0.0) * 1000.0,
             retry=retry.attempts,
             backup_request_ms=(timeouts.backup_after or 0.0) * 1000.0,
             backoff_base_ms=retry.backoff.base * 1000.0,
@@ -92,6 +101,8 @@ class Policy:
             raise ConfError(f"retry must be >= 0, got {self.retry}")
         if self.backup_request_ms < 0:
             raise ConfError(f"backup_request must be >= 0 ms, got {self.backup_request_ms}")
+        if self.total_ms < 0:
+            raise ConfError(f"the call's timeout must be >= 0 ms, got {self.total_ms}")
 
     def backoff_s(self, retry_index: int, rng: random.Random) -> float:
         """Delay before retry number `retry_index` (0-based): capped exponential, jittered
@@ -105,6 +116,14 @@ class Policy:
     def timeout_s(self) -> float:
         """Seconds per attempt."""
         return self.timeout_ms / 1000.0
+
+    @property
+    def total_s(self) -> float | None:
+        """Seconds the whole call may take (None: no bound)."""
+        return self.total_ms / 1000.0 if self.total_ms > 0 else None
+
+    def deadline_reason(self) -> str:
+        return f"the call's timeout of {self.total_ms:g} ms passed"
 
     def max_attempts(self) -> int:
         return (1 + self.retry) * (2 if self.backup_request_ms > 0 else 1)
@@ -263,12 +282,13 @@ Action = Send | Cancel
 
 
 class _InFlight:
-    __slots__ = ("hedge", "replica", "started")
+    __slots__ = ("capped", "hedge", "replica", "started")
 
-    def __init__(self, replica: int, started: float, hedge: bool) -> None:
+    def __init__(self, replica: int, started: float, hedge: bool, capped: bool) -> None:
         self.replica = replica
         self.started = started
         self.hedge = hedge
+        self.capped = capped  # its timeout was cut to the call's deadline
 
 
 class ShardCall:
@@ -304,6 +324,8 @@ class ShardCall:
         self._won: _InFlight | None = None  # the attempt that answered
         self.retry_at: float | None = None
         self.hedge_at: float | None = None
+        self.deadline: float | None = None  # the call's (set by the Round); None: no bound
+        self.deadline_hit = False  # the call's deadline is what ended this sub-request
 
     # -- driver inputs -------------------------------------------------------------------
 
@@ -344,12 +366,18 @@ class ShardCall:
             return self._finish()
         if code not in NEUTRAL:
             replica.failed(now, self.policy)
+        if code == CALL_DEADLINE and flight.capped:
+            self.deadline_hit = True  # it had what remained of the call: the call is over
         if self.inflight:  # a backup (or the original) is still out: wait for it
             return []
         if code == VERSION_UNAVAILABLE and len(self.tried) >= len(self.group.replicas):
             return self._finish()  # every replica said it does not hold the version
         if self._retries < self.policy.retry:
-            self.retry_at = now + self.policy.backoff_s(self._retries, self.rng)
+            retry_at = now + self.policy.backoff_s(self._retries, self.rng)
+            if self.deadline is not None and retry_at + MIN_ATTEMPT_S > self.deadline:
+                self.deadline_hit = True  # a retry would start too late: give up now
+                return self._finish()
+            self.retry_at = retry_at
             self._retries += 1
             self.hedge_at = None
             return []
@@ -367,10 +395,12 @@ class ShardCall:
                 return self._send(now, hedge=True)
         return []
 
-    def abort(self, code: str, reason: str) -> list[Action]:
-        """Give up (hard deadline, or another call was rejected): cancel what is in flight."""
+    def abort(self, code: str, reason: str, deadline: bool = False) -> list[Action]:
+        """Give up (hard deadline, or another call was rejected): cancel what is in flight.
+        `deadline`: the call's deadline is the reason."""
         if self.finished:
             return []
+        self.deadline_hit = self.deadline_hit or deadline
         for flight in self.inflight.values():
             address = self.group.replicas[flight.replica].address
             self.attempts.append(Attempt(address, code, reason))
@@ -400,6 +430,7 @@ class ShardCall:
             hedges=self._hedges,
             hedge_won=won is not None and won.hedge,
             failover=won is not None and not won.hedge and won.replica != self._first,
+            deadline_exceeded=self.deadline_hit and self.answer is None,
         )
 
     # -- internals -----------------------------------------------------------------------
@@ -412,6 +443,10 @@ class ShardCall:
         self._launch(choice, now, hedge=False, begin=False)
 
     def _send(self, now: float, hedge: bool) -> list[Action]:
+        if self.deadline is not None and self.deadline - now < MIN_ATTEMPT_S:
+            if hedge:
+                return []
+            return self.abort(CALL_DEADLINE, self.policy.deadline_reason(), deadline=True)
         group = self.group
         busy = self.tried | {f.replica for f in self.inflight.values()}
         choice = group.balancer.pick(group.replicas, busy, now, reuse=not hedge)
@@ -428,7 +463,12 @@ class ShardCall:
         if self._first is None:
             self._first = choice
         self.tried.add(choice)
-        self.inflight[attempt] = _InFlight(choice, now, hedge)
+        timeout_s = self.policy.timeout_s
+        capped = False
+        if self.deadline is not None and self.deadline - now < timeout_s:
+            timeout_s = max(self.deadline - now, MIN_ATTEMPT_S)
+            capped = True
+        self.inflight[attempt] = _InFlight(choice, now, hedge, capped)
         replica = group.replicas[choice]
         if begin:
             replica.begin()
@@ -439,8 +479,10 @@ class ShardCall:
             and self._hedges <= self._retries
             and len(group.replicas) > 1
         ):
-            self.hedge_at = now + backup_ms / 1000.0
-        return Send((self.index, attempt), replica.address, self.request, self.policy.timeout_s)
+            hedge_at = now + backup_ms / 1000.0
+            if self.deadline is None or hedge_at + MIN_ATTEMPT_S <= self.deadline:
+                self.hedge_at = hedge_at
+        return Send((self.index, attempt), replica.address, self.request, timeout_s)
 
     def _finish(self, answered_at: float | None = None) -> list[Action]:
         """End the call; cancel the attempts still out (outrun by the answer at
@@ -460,11 +502,24 @@ class ShardCall:
 
 class Round:
     """All sub-requests of one round, run in parallel until each has an outcome, one is
-    rejected (then everything else is cancelled), or the hard deadline passes."""
+    rejected (then everything else is cancelled), or the hard deadline passes: the round's
+    own budget, or `call_deadline` (monotonic seconds: the whole call's, None: none) when
+    that comes first."""
 
-    def __init__(self, calls: Sequence[ShardCall], policy: Policy, now: float) -> None:
+    def __init__(
+        self,
+        calls: Sequence[ShardCall],
+        policy: Policy,
+        now: float,
+        call_deadline: float | None = None,
+    ) -> None:
         self.calls = list(calls)
-        self.deadline = now + policy.round_budget_s()
+        self.policy = policy
+        self.call_deadline = call_deadline
+        budget = now + policy.round_budget_s()
+        self.deadline = budget if call_deadline is None else min(budget, call_deadline)
+        for call in self.calls:
+            call.deadline = call_deadline
         self._closed: set[int] = set()
         self.rejected = False
 
@@ -474,7 +529,7 @@ class Round:
 
     def start(self, now: float) -> list[Action]:
         actions: list[Action] = []
-        for call in self.calls:
+        for call in self.calls:  # (past the call's deadline, each call aborts at once)
             actions += self._after(call, call.start(now))
         return actions
 
@@ -486,9 +541,17 @@ class Round:
         call = self.calls[key[0]]
         return self._after(call, call.on_error(key[1], code, message, now))
 
-    def on_timer(self, now: float) -> list[Action]:
+    def on_timer(self, now: float, expire: bool = True) -> list[Action]:
+        """Start the retries and backup requests that are due; at the deadline, end the round
+        (unless `expire` is False: a driver that has answers still to read, e.g. right after
+        feeding one, must read them before the deadline may abort calls they answer)."""
         actions: list[Action] = []
-        if now >= self.deadline:
+        if now >= self.deadline and expire:
+            if self.call_deadline is not None and now >= self.call_deadline:
+                reason = self.policy.deadline_reason()
+                for call in self.calls:
+                    actions += self._after(call, call.abort(CALL_DEADLINE, reason, deadline=True))
+                return actions
             for call in self.calls:
                 actions += self._after(call, call.abort("DEADLINE_EXCEEDED", "round deadline"))
             return actions

@@ -49,12 +49,13 @@ class AsyncCubeClient(ClientBase):
             raise CubeError("the client is closed")
         started = time.perf_counter()
         request_id = self._request_id()
+        deadline = self._deadline()
         try:
             keys, pieces = self._plan(keys)
             if len(pieces) == 1 and self._lone_fast:
-                result = await self._seek_lone(keys, pieces, version, request_id)
+                result = await self._seek_lone(keys, pieces, version, request_id, deadline)
             else:
-                result = await self._seek_rounds(keys, pieces, version, request_id)
+                result = await self._seek_rounds(keys, pieces, version, request_id, deadline)
         except CubeError as exc:
             self._observe_call(started, exc)
             self._tag(exc, request_id)
@@ -69,6 +70,7 @@ class AsyncCubeClient(ClientBase):
         pieces: list[Piece],
         version: str | None,
         request_id: int,
+        deadline: float | None = None,
         adopted: _Adopted | None = None,
     ) -> SeekResult:
         """The state machine's way: rounds of sub-requests until the flow has its result
@@ -76,16 +78,21 @@ class AsyncCubeClient(ClientBase):
         flow = self._flow(keys, pieces, version)
         try:
             requests = next(flow)
-            outcomes = await self._run(pieces, requests, request_id, adopted)
+            outcomes = await self._run(pieces, requests, request_id, deadline, adopted)
             while True:
                 requests = flow.send(outcomes)
-                outcomes = await self._run(pieces, requests, request_id)
+                outcomes = await self._run(pieces, requests, request_id, deadline)
         except StopIteration as done:
             result: SeekResult = done.value
             return result
 
     async def _seek_lone(
-        self, keys: np.ndarray, pieces: list[Piece], version: str | None, request_id: int
+        self,
+        keys: np.ndarray,
+        pieces: list[Piece],
+        version: str | None,
+        request_id: int,
+        deadline: float | None,
     ) -> SeekResult:
         """One sub-request without backup requests (ClientBase's fast path): on a lane, its
         first attempt is awaited here (the lane times it out); the state machine takes over
@@ -95,9 +102,9 @@ class AsyncCubeClient(ClientBase):
         lane = self._channels.lane(replica.address) if self._injected is None else None
         if lane is None:  # first contact, gRPC or an injected transport: not this way
             return await self._seek_rounds(
-                keys, pieces, version, request_id, (choice, started, None)
+                keys, pieces, version, request_id, deadline, (choice, started, None)
             )
-        future = lane.send(request, self.policy.timeout_s)
+        future = lane.send(request, self._first_timeout(started, deadline))
         try:
             data = await future
         except asyncio.CancelledError:
@@ -109,7 +116,8 @@ class AsyncCubeClient(ClientBase):
             if (answer := self._accept(data, piece, version)) is not None:
                 latency_s = time.monotonic() - started
                 return self._lone_result(keys, pieces, answer, replica, latency_s)
-        return await self._seek_rounds(keys, pieces, version, request_id, (choice, started, future))
+        adopted = (choice, started, future)
+        return await self._seek_rounds(keys, pieces, version, request_id, deadline, adopted)
 
     async def get_embeddings(self, keys: object, dim: int, dtype: Any = "float32") -> np.ndarray:
         """As CubeClient.get_embeddings."""
@@ -137,22 +145,24 @@ class AsyncCubeClient(ClientBase):
         pieces: Sequence[Piece],
         requests: Sequence[PieceRequest],
         request_id: int = 0,
+        deadline: float | None = None,
         adopted: _Adopted | None = None,
     ) -> list[PieceOutcome]:
         events: asyncio.Queue[Any] = asyncio.Queue()
         handles: dict[tuple[int, int], Any] = {}
         if adopted is None:
             now = time.monotonic()
-            round_ = self._round(pieces, requests, now, request_id)
+            round_ = self._round(pieces, requests, now, request_id, deadline)
             actions = round_.start(now)
         else:  # the fast path's first attempt: in flight (a lane's future), or to start
             choice, now, call = adopted
-            round_ = self._adopted_round(pieces, requests, request_id, choice, now)
+            round_ = self._adopted_round(pieces, requests, request_id, choice, now, deadline)
             actions = []
             first = round_.calls[0]
             if call is None:
                 address = first.group.replicas[choice].address
-                self._start((0, 0), address, first.request, self.policy.timeout_s, events, handles)
+                timeout_s = self._first_timeout(now, deadline)
+                self._start((0, 0), address, first.request, timeout_s, events, handles)
             else:
                 self._track((0, 0), call, events, handles)
         try:
@@ -178,7 +188,8 @@ class AsyncCubeClient(ClientBase):
                     actions = round_.on_error(key, *status_of(error), time.monotonic())
                 else:
                     actions = round_.on_response(key, data, time.monotonic())
-                self._execute(actions + round_.on_timer(time.monotonic()), events, handles)
+                timers = round_.on_timer(time.monotonic(), expire=False)  # answers queued first
+                self._execute(actions + timers, events, handles)
         finally:
             for call in handles.values():
                 call.cancel()

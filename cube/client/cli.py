@@ -33,7 +33,7 @@ FLAGS = (
     .add("thread_num", int, 1, "client threads")
     .add("requests", int, 1000, "requests per thread")
     .add("print_output", bool, False, "print key:value (hex) for every key looked up")
-    .add("timeout", int, None, "per-attempt timeout in ms (default: the conf's)")
+    .add("timeout", int, None, "timeout of a whole call in ms (default: the conf's timeout)")
     .add("retry", int, None, "retries (default: the conf's)")
     .add(
         "protocol", str, "fast", "fast (cube.v1) or original (rec.mcube)", choices=tuple(PROTOCOLS)

@@ -5,26 +5,69 @@ Fields (original-cube.md §7.1): `dict_name`, `shard`, `dup`, `timeout` (ms), `r
 - `ipport`: `nodes[i] = {"ip", "port"}` is shard i (one replica);
 - `ipport_list`: `nodes[i] = {"ipport_list": "list://ip:port,ip:port"}`, shard i's replicas;
 - `ipport_parallel`: every shard uses `nodes[0]` (`{"ip","port"}`, or an `ipport_list`).
-Ours, optional: `partitioner` (`mod`, the default, or `murmur3`; must match the builder's).
-`dup` is read and checked but, as in the original, does not limit anything.
+Ours, optional: `partitioner` (`mod`, the default, or `murmur3`; must match the builder's) and
+`attempt_timeout` (ms, at most `timeout`). `dup` is read and checked but, as in the original,
+does not limit anything.
 
-Parsing is pure (`parse_conf` takes the decoded JSON); errors name the source, dict and field.
+`timeout` is the whole call's bound, as brpc's `timeout_ms` was for the original (a deadline
+over the retries and backup requests); `attempt_timeout` bounds each attempt within it
+(default: `timeout`, i.e. an attempt may use what remains of the call, as in brpc).
+
+`load_balancer` takes every name brpc registers (BRPC_LOAD_BALANCERS): each is served by the
+nearest policy of this SDK, with a warning when that is not the same name, or refused with
+the reason where it cannot be honoured (see `_balancer` and docs/reference/cube-conf.md).
+
+Parsing is pure (`parse_conf` takes the decoded JSON) but for those warnings (logger
+`cube.client`); errors name the source, dict and field.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cube.client._policy import LOAD_BALANCERS
 from cube.client.errors import ConfError, DictNotChosenError
 from cube.routing import PARTITIONERS
 
+log = logging.getLogger("cube.client")
+
 TYPES = ("ipport", "ipport_list", "ipport_parallel")
 _REQUIRED_INTS = ("shard", "dup", "timeout", "retry", "backup_request")
+
+# Every load balancer brpc registers (src/brpc/global.cpp), and the policy of this SDK that
+# serves it (LOAD_BALANCERS), or None: honoured only where there is nothing to choose (every
+# shard has one replica), refused elsewhere.
+BRPC_LOAD_BALANCERS: dict[str, str | None] = {
+    "rr": "rr",
+    "random": "random",
+    "la": "la",
+    "wrr": "rr",  # weighted round robin: rr when a shard's replicas have the same weight
+    "wr": "random",  # weighted random: random when a shard's replicas have the same weight
+    "p2c": "la",  # power of two choices over latency x in flight: la scores replicas alike
+    "c_murmurhash": None,  # consistent hashing on a request code the original never set
+    "c_md5": None,
+    "c_ketama": None,
+    "_dynpart": None,  # brpc's internal balancer of a DynamicPartitionChannel's sub-channels
+}
+_WEIGHTED = ("wrr", "wr")
+_ACCEPTED = (
+    "accepted: rr, random, la; wrr and wr when the replicas of each shard have the same"
+    " weight; p2c (served as la); c_murmurhash, c_md5, c_ketama and _dynpart only where every"
+    " shard has one replica"
+)
+_WHY_NOT = {
+    "c_murmurhash": "brpc's consistent hashing needs a request code per call, which the"
+    " original client never set (brpc failed every call with it); this SDK has no such"
+    " policy",
+    "_dynpart": "it is brpc's internal balancer of DynamicPartitionChannel sub-channels, not"
+    " meant for a list of servers",
+}
+_WHY_NOT["c_md5"] = _WHY_NOT["c_ketama"] = _WHY_NOT["c_murmurhash"]
 
 
 @dataclass(frozen=True)
@@ -36,14 +79,35 @@ class DictConf:
     timeout_ms: int
     retry: int
     backup_request_ms: int
-    load_balancer: str = "rr"
+    load_balancer: str = "rr"  # this SDK's policy (rr, random, la) serving the file's name
     partitioner: str = "mod"
     type: str = "ipport"
     dup: int = 1
+    attempt_timeout_ms: int | None = None  # None: an attempt may use the whole `timeout`
 
 
 def load_conf(path: str | os.PathLike[str], dict_name: str | None = None) -> DictConf:
     """Read `path` and return the dict named `dict_name` (optional if the file has one)."""
+    return parse_conf(_read(path), dict_name, source=str(path))
+
+
+def load_all(
+    path: str | os.PathLike[str], dict_names: Sequence[str] | None = None
+) -> list[DictConf]:
+    """Read `path` and return every dict, in file order (or those named, in that order)."""
+    confs = parse_all(_read(path), source=str(path))
+    if dict_names is None:
+        return confs
+    by_name = {conf.dict_name: conf for conf in confs}
+    missing = [name for name in dict_names if name not in by_name]
+    if missing:
+        raise ConfError(
+            f"{path}: no dict {', '.join(map(repr, missing))} (has {', '.join(by_name)})"
+        )
+    return [by_name[name] for name in dict_names]
+
+
+def _read(path: str | os.PathLike[str]) -> Any:
     try:
         text = Path(path).read_text()
     except OSError as exc:
@@ -54,7 +118,7 @@ def load_conf(path: str | os.PathLike[str], dict_name: str | None = None) -> Dic
         raise ConfError(
             f"{path}: not JSON: line {exc.lineno} column {exc.colno}: {exc.msg}"
         ) from None
-    return parse_conf(data, dict_name, source=str(path))
+    return data
 
 
 def parse_all(data: Any, source: str = "cube.conf") -> list[DictConf]:
@@ -114,11 +178,21 @@ def _parse_dict(entry: Any, source: str, position: int) -> DictConf:
     kind = entry.get("type")
     if kind not in TYPES:
         raise ConfError(f"{where}: field 'type' must be one of {', '.join(TYPES)}, got {kind!r}")
-    balancer = entry.get("load_balancer", "rr")
-    if balancer not in LOAD_BALANCERS:
+    attempt_ms = entry.get("attempt_timeout")
+    if attempt_ms is not None and (
+        isinstance(attempt_ms, bool)
+        or not isinstance(attempt_ms, int)
+        or not 1 <= attempt_ms <= ints["timeout"]
+    ):
         raise ConfError(
-            f"{where}: field 'load_balancer' must be one of {', '.join(LOAD_BALANCERS)}, "
-            f"got {balancer!r}"
+            f"{where}: field 'attempt_timeout' must be an integer in 1..{ints['timeout']}"
+            f" (ms, at most 'timeout', which bounds the whole call), got {attempt_ms!r}"
+        )
+    balancer = entry.get("load_balancer", "rr")
+    if not isinstance(balancer, str):
+        raise ConfError(
+            f"{where}: field 'load_balancer' must be a string (a brpc load balancer name),"
+            f" got {balancer!r}"
         )
     partitioner = entry.get("partitioner", "mod")
     if partitioner not in PARTITIONERS:
@@ -131,32 +205,82 @@ def _parse_dict(entry: Any, source: str, position: int) -> DictConf:
         raise ConfError(f"{where}: field 'nodes' must be a non-empty array")
     shard_num = ints["shard"]
     if kind == "ipport_parallel":
-        shards = (_node(nodes[0], f"{where}: nodes[0]"),) * shard_num
+        tagged = (_node(nodes[0], f"{where}: nodes[0]"),) * shard_num
     else:
         if len(nodes) != shard_num:
             raise ConfError(
                 f"{where}: field 'nodes' has {len(nodes)} entries but 'shard' is {shard_num}"
                 " (one node per shard, in shard order)"
             )
-        shards = tuple(
+        tagged = tuple(
             _node(node, f"{where}: nodes[{i}]", list_only=kind == "ipport_list")
             for i, node in enumerate(nodes)
         )
     return DictConf(
         dict_name=name,
-        shards=shards,
+        shards=tuple(tuple(address for address, _ in replicas) for replicas in tagged),
         timeout_ms=ints["timeout"],
         retry=ints["retry"],
         backup_request_ms=ints["backup_request"],
-        load_balancer=balancer,
+        load_balancer=_balancer(balancer, tagged, where),
         partitioner=partitioner,
         type=kind,
         dup=ints["dup"],
+        attempt_timeout_ms=attempt_ms,
     )
 
 
-def _node(node: Any, where: str, list_only: bool | None = None) -> tuple[str, ...]:
-    """Replicas of one node entry: `{"ip","port"}` or `{"ipport_list": "list://a:p,b:q"}`."""
+def _balancer(text: str, shards: Sequence[Sequence[tuple[str, str]]], where: str) -> str:
+    """This SDK's policy for the brpc load balancer `text` (`name` or `name:parameters`) over
+    `shards` (each replica's address and brpc tag), or ConfError where it cannot be honoured.
+    A warning says which policy serves a name that is not one of ours."""
+    name, _, parameters = text.partition(":")
+    if name not in BRPC_LOAD_BALANCERS:
+        raise ConfError(
+            f"{where}: field 'load_balancer' must be one of brpc's balancers"
+            f" {', '.join(BRPC_LOAD_BALANCERS)}, got {text!r} ({_ACCEPTED})"
+        )
+    policy = BRPC_LOAD_BALANCERS[name]
+    notes = []
+    if parameters:
+        notes.append(f"its parameters {parameters!r} are ignored")
+    if policy is None:
+        if any(len(replicas) > 1 for replicas in shards):
+            raise ConfError(
+                f"{where}: field 'load_balancer' {text!r} cannot be honoured for a shard with"
+                f" several replicas: {_WHY_NOT[name]} ({_ACCEPTED})"
+            )
+        policy = "rr"
+        notes.append("every shard has one replica, so there is nothing to choose")
+    elif name in _WEIGHTED:
+        for number, replicas in enumerate(shards):
+            weights = {tag for _, tag in replicas}
+            if len(weights) > 1:
+                listed = ", ".join(f"{a} {t or '(none)'}" for a, t in replicas)
+                raise ConfError(
+                    f"{where}: field 'load_balancer' {text!r} cannot be honoured: shard"
+                    f" {number}'s replicas have different weights ({listed}) and this SDK"
+                    f" balances a shard's replicas evenly; give them one weight, or use"
+                    f" {policy} ({_ACCEPTED})"
+                )
+        notes.append(f"with one weight per shard it is {policy}")
+    elif name != policy:
+        notes.append(f"{policy} scores replicas by in-flight requests x latency, as it does")
+    if name != policy or notes:
+        log.warning(
+            "%s: load_balancer %r is served by this SDK's %r policy (%s)",
+            where,
+            text,
+            policy,
+            "; ".join(notes),
+        )
+    return policy
+
+
+def _node(node: Any, where: str, list_only: bool | None = None) -> tuple[tuple[str, str], ...]:
+    """Replicas of one node entry, as (address, brpc tag): `{"ip","port"}` or
+    `{"ipport_list": "list://a:p,b:q"}` (an entry may carry a tag after a space: its weight
+    for brpc's wrr and wr)."""
     if not isinstance(node, dict):
         raise ConfError(f"{where}: expected an object, got {node!r}")
     if "ipport_list" in node or list_only:
@@ -166,18 +290,21 @@ def _node(node: Any, where: str, list_only: bool | None = None) -> tuple[str, ..
                 f"{where}: field 'ipport_list' must be a string like list://ip:port,ip:port"
             )
         body = text.removeprefix("list://")
-        replicas = tuple(part.strip().split()[0] for part in body.split(",") if part.strip())
+        replicas = []
+        for part in body.split(","):
+            if part.strip():
+                address, *tag = part.split(None, 1)  # brpc: a tag may follow a space
+                _check_address(address, f"{where}: field 'ipport_list'")
+                replicas.append((address, tag[0].strip() if tag else ""))
         if not replicas:
             raise ConfError(f"{where}: field 'ipport_list' lists no replicas: {text!r}")
-        for replica in replicas:
-            _check_address(replica, f"{where}: field 'ipport_list'")
-        return replicas
+        return tuple(replicas)
     ip, port = node.get("ip"), node.get("port")
     if not isinstance(ip, str) or not ip:
         raise ConfError(f"{where}: field 'ip' must be a non-empty string, got {ip!r}")
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise ConfError(f"{where}: field 'port' must be an integer in 1..65535, got {port!r}")
-    return (f"{ip}:{port}",)
+    return ((f"{ip}:{port}", ""),)
 
 
 def _check_address(address: str, where: str) -> None:

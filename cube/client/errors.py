@@ -24,7 +24,12 @@ class ConfError(CubeError, ValueError):
 class DictNotChosenError(ConfError):
     """The cube.conf defines several dicts and none was named; `names` lists them."""
 
-    def __init__(self, source: str, names: list[str], how: str = "pass dict_name") -> None:
+    def __init__(
+        self,
+        source: str,
+        names: list[str],
+        how: str = "pass dict_name (or open them all: CubeClients.from_conf, AsyncCubeClients)",
+    ) -> None:
         self.source, self.names = source, names
         super().__init__(f"{source} defines {len(names)} dicts ({', '.join(names)}); {how}")
 
@@ -83,7 +88,10 @@ class ShardUnavailableError(CubeError):
     `found == False`, value None), which is distinct from a miss (`answered == True`)."""
 
     def __init__(
-        self, failures: Mapping[int, Sequence[Attempt]], result: SeekResult | None
+        self,
+        failures: Mapping[int, Sequence[Attempt]],
+        result: SeekResult | None,
+        lead: str = "",
     ) -> None:
         self.failures = {shard: list(attempts) for shard, attempts in failures.items()}
         self.result = result
@@ -99,7 +107,28 @@ class ShardUnavailableError(CubeError):
                 f" ({int(result.answered.sum())} of {len(result)} keys answered by other shards;"
                 " see .result)"
             )
-        super().__init__("; ".join(parts) + answered)
+        super().__init__(lead + "; ".join(parts) + answered)
+
+
+class DeadlineExceededError(ShardUnavailableError, TimeoutError):
+    """The call's whole-call timeout (`Timeouts.total`; cube.conf's `timeout`) passed before
+    every shard answered: what was in flight was cancelled and no retry or backup request
+    was started past it. A `ShardUnavailableError` (`failures`, `shards` and the partial
+    `result` as there) and a `TimeoutError`. `timeout_s`: the bound; `dict_name`: the dict
+    ("" when the client was not given one)."""
+
+    def __init__(
+        self,
+        failures: Mapping[int, Sequence[Attempt]],
+        result: SeekResult | None,
+        timeout_s: float,
+        dict_name: str = "",
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.dict_name = dict_name
+        where = f"dict {dict_name!r}: " if dict_name else ""
+        lead = f"{where}no answer within the call's timeout of {timeout_s * 1000:g} ms: "
+        super().__init__(failures, result, lead)
 
 
 class VersionMismatchError(CubeError):

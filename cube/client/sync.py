@@ -12,6 +12,8 @@ An attempt on a pool thread is cancelled when it loses (a backup request answere
 abandoned: on a TCP lane its socket is shut down and the thread is free at once; a blocking
 gRPC call cannot be cancelled, so it is left to finish (at most `timeout_ms`) and its answer
 is dropped. Safe to share between threads (each call has its own queue and round).
+With a whole-call timeout (Timeouts.total) every attempt's timeout is cut to the call's
+deadline and the waits end at it, so seek() returns (or raises DeadlineExceededError) by then.
 """
 
 from __future__ import annotations
@@ -69,12 +71,13 @@ class CubeClient(ClientBase):
             raise CubeError("the client is closed")
         started = time.perf_counter()
         request_id = self._request_id()
+        deadline = self._deadline()
         try:
             keys, pieces = self._plan(keys)
             if len(pieces) == 1 and self._lone_fast:
-                result = self._seek_lone(keys, pieces, version, request_id)
+                result = self._seek_lone(keys, pieces, version, request_id, deadline)
             else:
-                result = self._seek_rounds(keys, pieces, version, request_id)
+                result = self._seek_rounds(keys, pieces, version, request_id, deadline)
         except CubeError as exc:
             self._observe_call(started, exc)
             self._tag(exc, request_id)
@@ -89,6 +92,7 @@ class CubeClient(ClientBase):
         pieces: list[Piece],
         version: str | None,
         request_id: int,
+        deadline: float | None = None,
         first_round: Callable[[list[PieceRequest]], list[PieceOutcome]] | None = None,
     ) -> SeekResult:
         """The state machine's way: rounds of sub-requests until the flow has its result
@@ -99,32 +103,38 @@ class CubeClient(ClientBase):
             if first_round is not None:
                 outcomes = first_round(requests)
             else:
-                outcomes = self._run(pieces, requests, request_id)
+                outcomes = self._run(pieces, requests, request_id, deadline)
             while True:
                 requests = flow.send(outcomes)
-                outcomes = self._run(pieces, requests, request_id)
+                outcomes = self._run(pieces, requests, request_id, deadline)
         except StopIteration as done:
             result: SeekResult = done.value
             return result
 
     def _seek_lone(
-        self, keys: np.ndarray, pieces: list[Piece], version: str | None, request_id: int
+        self,
+        keys: np.ndarray,
+        pieces: list[Piece],
+        version: str | None,
+        request_id: int,
+        deadline: float | None,
     ) -> SeekResult:
         """One sub-request without backup requests (ClientBase's fast path): its first
         attempt runs inline; the state machine takes over unless it simply answers."""
         piece = pieces[0]
         replica, choice, request, started = self._first_attempt(piece, version, request_id)
-        ok, payload = self._attempt(replica.address, request, self.policy.timeout_s)
+        timeout_s = self._first_timeout(started, deadline)
+        ok, payload = self._attempt(replica.address, request, timeout_s)
         if ok and (answer := self._accept(payload, piece, version)) is not None:
             return self._lone_result(keys, pieces, answer, replica, time.monotonic() - started)
 
         def take_over(requests: list[PieceRequest]) -> list[PieceOutcome]:
-            round_ = self._adopted_round(pieces, requests, request_id, choice, started)
+            round_ = self._adopted_round(pieces, requests, request_id, choice, started, deadline)
             pending: dict[_Key, CallHandle | None] = {}
             actions = self._feed(round_, pending, (0, 0), ok, payload)
             return self._drive(pieces, requests, round_, pending, actions)
 
-        return self._seek_rounds(keys, pieces, version, request_id, take_over)
+        return self._seek_rounds(keys, pieces, version, request_id, deadline, take_over)
 
     def get_embeddings(self, keys: object, dim: int, dtype: Any = "float32") -> np.ndarray:
         """(n, dim) array of `dtype`, zero rows for misses; ValueSizeError names a key whose
@@ -151,9 +161,13 @@ class CubeClient(ClientBase):
         self.close()
 
     def _run(
-        self, pieces: Sequence[Piece], requests: Sequence[PieceRequest], request_id: int = 0
+        self,
+        pieces: Sequence[Piece],
+        requests: Sequence[PieceRequest],
+        request_id: int = 0,
+        deadline: float | None = None,
     ) -> list[PieceOutcome]:
-        round_ = self._round(pieces, requests, time.monotonic(), request_id)
+        round_ = self._round(pieces, requests, time.monotonic(), request_id, deadline)
         return self._drive(pieces, requests, round_, {}, round_.start(time.monotonic()))
 
     def _drive(
@@ -199,7 +213,7 @@ class CubeClient(ClientBase):
             actions = round_.on_response(key, payload, now)
         else:
             actions = round_.on_error(key, payload[0], payload[1], now)
-        return actions + round_.on_timer(now)
+        return actions + round_.on_timer(now, expire=False)  # answers queued are read first
 
     def _execute(
         self,
