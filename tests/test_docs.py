@@ -1,5 +1,6 @@
 """The documentation keeps up with the code: every relative link resolves, and the reference
-pages name every transfer.conf key, agent flag and command, and HTTP route the code has."""
+pages name every transfer.conf key, server and agent flag, agent command, and HTTP route the
+code has."""
 
 from __future__ import annotations
 
@@ -36,6 +37,14 @@ def test_every_transfer_conf_key_is_documented():
     text = (REFERENCE / "transfer-conf.md").read_text()
     missing = [key for key in sorted(DEFAULT_KEYS) if f"`{key}`" not in text]
     assert not missing, f"docs/reference/transfer-conf.md lacks {missing}"
+
+
+def test_every_server_flag_is_documented():
+    from cube.server.main import FLAGS as server_flags
+
+    text = (REFERENCE / "cube-server.md").read_text()
+    missing = [f"--{name}" for name in server_flags.flags if f"`--{name}`" not in text]
+    assert not missing, f"docs/reference/cube-server.md lacks {missing}"
 
 
 def test_every_agent_flag_and_command_is_documented():

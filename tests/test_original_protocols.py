@@ -29,6 +29,7 @@ from brpc_client import BrpcClient, closed_without_answer, frame, request_meta
 from procs import expected_fixed, fixed_values, running_server, write_version
 
 from cube.pb import cube_pb2, cube_pb2_grpc
+from cube.processes import _port_free, free_port
 from cube.server.original import control_request, keys_array, seek_json, seek_request
 from cube.server.service import Answer, RequestError
 
@@ -227,11 +228,12 @@ def test_http_seek_as_the_original_clients_send_it(server):
         {"version": "100"},
     )
     request = cube_pb2.DictRequest(keys=QUERY, version_required=True).SerializeToString()
-    status, rtype, reply = post(
-        server.http, "/DictService/seek", request, {"Content-Type": "application/proto"}
-    )
-    assert status == 200 and rtype == "application/proto"
-    assert cube_pb2.DictResponse.FromString(reply) == grpc_seek(server.proc, QUERY)
+    for ctype in ("application/proto", "application/x-protobuf"):
+        status, rtype, reply = post(
+            server.http, "/DictService/seek", request, {"Content-Type": ctype}
+        )
+        assert status == 200 and rtype == ctype
+        assert cube_pb2.DictResponse.FromString(reply) == grpc_seek(server.proc, QUERY)
 
 
 @pytest.mark.parametrize(
@@ -490,6 +492,40 @@ def test_variable_values_and_splits_agree_over_every_transport(tmp_path):
             request = cube_pb2.DictRequest(keys=query, version_required=True)
             reply = client.call(DICT, "seek", request.SerializeToString())
         assert cube_pb2.DictResponse.FromString(reply.message) == expected
+
+
+def _consecutive_free_ports(count: int) -> int:
+    """The first of `count` consecutive free loopback ports (worker i listens on port + i)."""
+    for _ in range(50):
+        first = free_port()
+        if first + count <= 65535 and all(_port_free(first + i) for i in range(1, count)):
+            return first
+    raise RuntimeError("no run of free ports")
+
+
+@pytest.mark.slow
+def test_every_worker_serves_both_faces_and_forwards_control(tmp_path):
+    """--workers 2: worker i on port + i for both faces; control sent to worker 1 is run by
+    worker 0 (forwarded over the internal channel), as on the control port."""
+    write_version(tmp_path / "data", "100", KEYS[:50], fixed_values(KEYS[:50], 12, 1), current=True)
+    http, brpc = _consecutive_free_ports(2), _consecutive_free_ports(2)
+    args = ("--http_port", str(http), "--baidu_std_port", str(brpc))
+    with running_server(tmp_path / "data", *args, workers=2) as proc:
+        proc.wait_serving()
+        for worker in range(2):
+            payload = {"keys": [int(KEYS[3]), 2], "version_required": True}
+            status, answer = post_json(http + worker, "/DictService/seek", payload)
+            assert status == 200 and answer["version"] == "100"
+            assert [v["status"] for v in answer["values"]] == [0, MISS]
+            with BrpcClient(brpc + worker) as client:
+                reply = client.call(
+                    DICT, "seek", cube_pb2.DictRequest(keys=[1]).SerializeToString()
+                )
+                assert reply.error_code == 0
+                reply = client.call("ControlService", "cmd", attachment=b'{"cmd": "status"}')
+                assert json.loads(reply.attachment)["cur_version"] == "100"
+        status, answer = post_json(http + 1, "/ControlService/cmd", {"cmd": "bg_unload"})
+        assert status == 200 and answer["message"] == "no background version"
 
 
 def test_idle_baidu_std_connection_does_not_hold_up_a_stop(tmp_path):

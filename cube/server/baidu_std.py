@@ -123,10 +123,10 @@ class BaiduStdServer:
         self.limits = limits
         self.server: asyncio.Server | None = None
         self.port = 0
-        self.connections: set[asyncio.Task] = set()
-        self.idle: set[asyncio.Task] = set()  # connections waiting for their next frame
+        self.connections: set[asyncio.Task[None]] = set()
+        self.idle: set[asyncio.Task[None]] = set()  # connections waiting for their next frame
         self.reading_bytes = 0  # bodies being read, across connections (the budget)
-        self._commands: set[asyncio.Future] = set()  # control commands under way
+        self._commands: set[asyncio.Future[None]] = set()  # control commands under way
         self._warned_at = 0.0
 
     def _warn(self, message: str, *args: object) -> None:
@@ -162,7 +162,7 @@ class BaiduStdServer:
             writer.close()
 
     async def _serve(
-        self, task: asyncio.Task, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self, task: asyncio.Task[None], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         limits = self.limits
         transport = writer.transport
@@ -193,7 +193,7 @@ class BaiduStdServer:
                 self.reading_bytes -= body_size
             view = memoryview(body)
             try:
-                meta = RpcMeta.FromString(view[:meta_size])
+                meta = RpcMeta.FromString(view[:meta_size])  # type: ignore[arg-type]
             except Exception:  # DecodeError
                 raise BadFrame("a meta that does not parse") from None
             if not meta.HasField("request"):
@@ -301,8 +301,8 @@ class BaiduStdServer:
             self.server.close()
         for task in list(self.idle):
             task.cancel()
-        pending = [*self.connections, *self._commands]
+        pending: list[asyncio.Future[None]] = [*self.connections, *self._commands]
         if pending:
             _done, late = await asyncio.wait(pending, timeout=grace)
-            for task in late:
-                task.cancel()
+            for future in late:
+                future.cancel()

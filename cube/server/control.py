@@ -489,16 +489,16 @@ class ControlRunner:
         self.timeout = timeout
         self.metadata = bearer_metadata(token)
         self._channel: grpc.aio.Channel | None = None
-        self._running: set[asyncio.Future] = set()
+        self._running: set[asyncio.Future[cube_pb2.ControlResponse]] = set()
 
     async def forward(self, raw: bytes) -> bytes:
         """ControlRequest bytes -> ControlResponse bytes, from worker 0."""
         if self._channel is None:
+            assert self.forward_address is not None
             self._channel = grpc.aio.insecure_channel(self.forward_address)
+        call: Any = self._channel.unary_unary(CONTROL_CMD)
         try:
-            return await self._channel.unary_unary(CONTROL_CMD)(  # type: ignore[no-any-return]
-                raw, timeout=self.timeout, metadata=self.metadata
-            )
+            return bytes(await call(raw, timeout=self.timeout, metadata=self.metadata))
         except grpc.aio.AioRpcError as exc:
             raise ControlError(exc.code(), exc.details() or "") from exc
 

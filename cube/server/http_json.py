@@ -6,8 +6,9 @@
 These are the requests the original's Python and Go demo clients, curl and the original
 cube-agent send to brpc's HTTP port (the bodies: cube.server.original). As brpc does, the
 paths also take a service's full name (`/rec.mcube.DictService/seek`), and a seek body is
-JSON whatever its Content-Type (curl -d sends form-urlencoded) except `application/proto`: the
-DictRequest's protobuf bytes, answered with DictResponse bytes.
+JSON whatever its Content-Type (curl -d sends form-urlencoded) except `application/proto` (or
+`application/x-protobuf`): the DictRequest's protobuf bytes, answered with DictResponse
+bytes.
 
 Lookups go through the same `SeekService.answer_original` as rec.mcube.DictService over gRPC
 (counted under api="http"); a refusal is an HTTP status with a one-line text body:
@@ -46,7 +47,7 @@ from cube.server.service import RequestError, SeekService
 log = logging.getLogger("cube.server")
 
 API = "http"  # the metrics' api label
-PROTO_TYPE = "application/proto"
+PROTO_TYPES = ("application/proto", "application/x-protobuf")  # as brpc reads Content-Type
 _KEY_TEXT = 32  # JSON bytes a key may take in a body ("18446744073709551615", quotes, comma)
 
 
@@ -106,12 +107,13 @@ class HttpFace:
         if isinstance(body, RequestError):
             self.service.refused(API, body)
             return _text(413, body.message)
-        proto = request.content_type == PROTO_TYPE
+        proto = request.content_type in PROTO_TYPES
         try:
             answer = self.service.timed(API, lambda: self._seek(body, proto))
         except RequestError as exc:  # counted and logged by `timed`
             return _text(http_status(exc.code), exc.message)
-        return web.Response(body=answer, content_type=PROTO_TYPE if proto else "application/json")
+        answer_type = request.content_type if proto else "application/json"
+        return web.Response(body=answer, content_type=answer_type)
 
     def _seek(self, body: bytes, proto: bool) -> bytes:
         service = self.service

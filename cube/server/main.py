@@ -66,7 +66,8 @@ FLAGS = (
         str,
         "",
         "once listening, write the bound ports here as JSON {pid, ports, control_ports,"
-        " tcp_ports} (for tools that start the server on --port 0)",
+        " tcp_ports, metrics_port, http_ports, baidu_std_ports} (for tools that start the"
+        " server on --port 0)",
     )
     .add("host", str, "127.0.0.1", "address to bind the lookups (0.0.0.0: every interface)")
     .add(
