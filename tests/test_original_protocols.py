@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import grpc
 import numpy as np
 import pytest
-from brpc_client import BrpcClient, closed_without_answer, frame, request_meta
+from brpc_client import BrpcClient, closed_without_answer, frame, read_reply, request_meta
 from procs import expected_fixed, fixed_values, running_server, write_version
 
 from cube.pb import cube_pb2, cube_pb2_grpc
@@ -300,8 +300,6 @@ def test_baidu_std_pipelined_requests_answer_in_order(server):
             keys = cube_pb2.DictRequest(keys=[int(KEYS[i]), 2]).SerializeToString()
             frames += frame(request_meta(DICT, "seek", 100 + i), keys)
         client.sock.sendall(frames)
-        from brpc_client import read_reply
-
         for i in range(20):
             reply = read_reply(client.sock)
             values = cube_pb2.DictResponse.FromString(reply.message).values
@@ -492,6 +490,31 @@ def test_variable_values_and_splits_agree_over_every_transport(tmp_path):
             request = cube_pb2.DictRequest(keys=query, version_required=True)
             reply = client.call(DICT, "seek", request.SerializeToString())
         assert cube_pb2.DictResponse.FromString(reply.message) == expected
+
+
+def test_both_faces_over_tls(tmp_path, pki):
+    """With --tls_cert the faces serve TLS, like the other lookup ports: HTTPS and baidu_std
+    in TLS, verified with the test CA; a plaintext peer gets nothing."""
+    import ssl
+
+    write_version(tmp_path / "data", "1", [1], [b"tls!"], current=True)
+    args = ("--http_port", "0", "--baidu_std_port", "0", "--tls_cert", pki["cert"])
+    with running_server(tmp_path / "data", *args, "--tls_key", pki["key"]) as proc:
+        ports = ports_of(proc)
+        context = ssl.create_default_context(cafile=pki["ca"])
+        https = http.client.HTTPSConnection("127.0.0.1", ports["http_ports"][0], context=context)
+        https.request("POST", "/DictService/seek", b'{"keys": [1, 2]}')
+        answer = json.loads(https.getresponse().read())
+        https.close()
+        assert [base64.b64decode(v["value"]) for v in answer["values"]] == [b"tls!", b""]
+        raw = socket.create_connection(("127.0.0.1", ports["baidu_std_ports"][0]), timeout=10)
+        with context.wrap_socket(raw, server_hostname="127.0.0.1") as sock:
+            sock.sendall(frame(request_meta(DICT, "seek", 9), b"\x08\x01"))  # keys: [1]
+            reply = read_reply(sock)
+        assert reply.correlation_id == 9
+        assert cube_pb2.DictResponse.FromString(reply.message).values[0].value == b"tls!"
+        with pytest.raises((ConnectionError, OSError)):
+            post(ports["http_ports"][0], "/DictService/seek", b'{"keys": [1]}')
 
 
 def _consecutive_free_ports(count: int) -> int:
