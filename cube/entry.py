@@ -10,7 +10,7 @@ import sys
 
 # extra -> the import names it brings (pyproject.toml [project.optional-dependencies])
 EXTRAS: dict[str, tuple[str, ...]] = {
-    "server": ("uvloop", "grpc_health", "grpc_reflection"),
+    "server": ("uvloop", "aiohttp", "grpc_health", "grpc_reflection"),
     "builder": ("lz4", "cramjam", "tqdm"),
     "agent": ("aiohttp",),
     "transfer": ("aiohttp", "fsspec", "psutil", "pyftpdlib", "lz4", "cramjam", "tqdm"),
