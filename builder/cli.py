@@ -34,7 +34,7 @@ from cube.builder.build import (
 from cube.builder.meta import RegisterError, ShardOutput, register_meta
 from cube.builder.sources import fetch_inputs, is_remote
 from cube.builder.spark_build import DEFAULT_SHARD_MB, SparkSettings, SparkStats, build_on_spark
-from cube.flags import FlagError, FlagSet, run_cli
+from cube.flags import FlagError, FlagSet, one_line, run_cli
 from cube.routing import PARTITIONERS
 from cube.seqfile import KEY_FORMATS
 
@@ -347,10 +347,10 @@ def run(argv: Sequence[str]) -> int:
             input_path, delete_path = fetch_remote(flags, config)
             result = build(config, input_path, delete_path, progress)
     except (BuildError, DeleteListError, ValueError, OSError) as exc:
-        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return EXIT_FAILED
     except Exception as exc:  # a bug: still one line, and still nothing published
-        print(f"error: internal error {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
+        print(f"error: internal error {type(exc).__name__}: {one_line(exc)}", file=sys.stderr)
         return EXIT_FAILED
     finally:
         cleanup()
@@ -380,16 +380,11 @@ def run(argv: Sequence[str]) -> int:
         except RegisterError as exc:
             print(
                 f"error: built {result.version_dir}, but registering its meta failed: "
-                f"{_one_line(exc)}",
+                f"{one_line(exc)}",
                 file=sys.stderr,
             )
             return EXIT_NOT_REGISTERED
     return EXIT_OK
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return " ".join(text.split())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

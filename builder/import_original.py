@@ -55,7 +55,7 @@ from cube.builder.build import (
     write_meta_infos,
 )
 from cube.builder.meta import ShardOutput
-from cube.flags import FlagError, FlagSet, run_cli
+from cube.flags import FlagError, FlagSet, one_line, run_cli
 from cube.fsutil import atomic_write_text, fsync_dir, md5_of_line
 from cube.index import build_table
 from cube.layout import (
@@ -926,10 +926,10 @@ def run(argv: Sequence[str]) -> int:
             )
             serving = f"; VERSION names {serve}"
     except (ImportError_, OriginalFormatError, BuildError, ValueError, OSError) as exc:
-        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return EXIT_FAILED
     except Exception as exc:  # a bug: still one line, and still nothing published
-        print(f"error: internal error {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
+        print(f"error: internal error {type(exc).__name__}: {one_line(exc)}", file=sys.stderr)
         return EXIT_FAILED
     finally:
         gc.freeze()
@@ -947,11 +947,6 @@ def run(argv: Sequence[str]) -> int:
             f"{flags['output_path'] or flags['data_dir']}{serving}"
         )
     return EXIT_OK
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return " ".join(text.split())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

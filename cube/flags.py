@@ -397,6 +397,11 @@ class Flags(dict[str, Any]):
             raise AttributeError(name) from None
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception as one line for a CLI's `error: ...` (its text, whitespace collapsed)."""
+    return " ".join((str(exc) or type(exc).__name__).split())
+
+
 def run_cli(main: Callable[[Sequence[str]], int], argv: Sequence[str] | None = None) -> int:
     """Run a CLI body: FlagError and other user errors print one line to stderr, exit 2; a
     closed stdout (`tool | head`) ends it quietly, with no traceback at exit either."""
