@@ -176,6 +176,8 @@ class AsyncCubeClient(ClientBase):
                     else:
                         key, call = events.get_nowait()
                 except TimeoutError:
+                    if not events.empty():  # an answer came with the timer: read it first
+                        continue
                     self._execute(round_.on_timer(time.monotonic()), events, handles)
                     continue
                 if handles.pop(key, None) is None or call.cancelled():
