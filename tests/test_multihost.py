@@ -181,7 +181,8 @@ def cluster(tmp_path_factory):
         "dict": {"name": "sim_dict", "shards": 2, "replicas": 2},
         "server": {"grace": 2, "inMem": False},
         "agent": {"extraArgs": ["--limit_rate=1500000"]},  # rollouts long enough to cut into
-        "client": {"timeoutMs": 1000, "backupRequestMs": 100},
+        # 1 s per attempt as before; the whole call may outlast the ~2 s stall of a kill -9
+        "client": {"timeoutMs": 8000, "attemptTimeoutMs": 1000, "backupRequestMs": 100},
         "transfer": {
             "pollInterval": 0.3,
             "deadTimeout": 5,
