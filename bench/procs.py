@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 
 from cube.processes import (
+    cpu_by_pid,
     cpu_seconds,
     die_with_parent,
     loadavg,
@@ -182,7 +183,7 @@ def system_cpu_seconds() -> dict[str, float]:
 class CpuSnapshot:
     at_ns: int  # time.perf_counter_ns()
     client: float  # seconds of CPU used by this process (all threads)
-    servers: float  # seconds of CPU used by the server processes
+    servers: dict[int, float]  # seconds of CPU used by each server process still running
     system: dict[str, float]  # system_cpu_seconds()
     loadavg: float
 
@@ -191,7 +192,7 @@ class CpuSnapshot:
         return cls(
             at_ns=time.perf_counter_ns(),
             client=cpu_seconds([os.getpid()]),
-            servers=cpu_seconds(server_pids),
+            servers={pid: u + s for pid, (u, s) in cpu_by_pid(server_pids).items()},
             system=system_cpu_seconds(),
             loadavg=loadavg(),
         )
@@ -201,7 +202,11 @@ def cpu_between(start: CpuSnapshot, end: CpuSnapshot) -> dict[str, float]:
     """CPU seconds used between two snapshots: by us (client), the servers, other processes
     (machine task time minus ours), interrupts and steal; plus the wall time."""
     client = end.client - start.client
-    servers = end.servers - start.servers
+    # processes present at both ends only: one that exits (or restarts) in between would
+    # otherwise subtract all the CPU it ever used
+    servers = sum(
+        end.servers[pid] - start.servers[pid] for pid in end.servers.keys() & start.servers
+    )
     tasks = end.system["tasks"] - start.system["tasks"]
     return {
         "wall": (end.at_ns - start.at_ns) / 1e9,

@@ -170,19 +170,25 @@ def die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
-def cpu_split(pids: Sequence[int]) -> tuple[float, float]:
-    """(user, system) CPU seconds of the processes (all their threads), /proc/<pid>/stat;
-    a process that is gone counts nothing."""
-    user = system = 0
+def cpu_by_pid(pids: Sequence[int]) -> dict[int, tuple[float, float]]:
+    """(user, system) CPU seconds of each process still there (all its threads), from
+    /proc/<pid>/stat; a process that is gone is left out."""
+    found = {}
     for pid in pids:
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             continue
         fields = stat[stat.rindex(")") + 2 :].split()
-        user += int(fields[11])  # utime, stime: fields 14 and 15 of stat
-        system += int(fields[12])
-    return user / CLOCK_TICKS, system / CLOCK_TICKS
+        # utime, stime: fields 14 and 15 of stat
+        found[pid] = (int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS)
+    return found
+
+
+def cpu_split(pids: Sequence[int]) -> tuple[float, float]:
+    """(user, system) CPU seconds of the processes; a process that is gone counts nothing."""
+    times = cpu_by_pid(pids).values()
+    return sum(u for u, _ in times), sum(s for _, s in times)
 
 
 def cpu_seconds(pids: Sequence[int]) -> float:
