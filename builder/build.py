@@ -1001,7 +1001,14 @@ def _in_worker(function: Callable[[Any], Any], task: Any) -> Any:
     try:
         return function(task)
     except Exception as exc:
-        message = str(exc) or type(exc).__name__
-        if not isinstance(exc, (BuildError, ValueError, OSError)):
-            message = f"{type(exc).__name__}: {message}"
-        raise BuildError(message) from None
+        raise BuildError(task_error_message(exc)) from None
+
+
+def task_error_message(exc: Exception) -> str:
+    """The one-line message of a task's failure, to send back to the driving process: the
+    text of an expected error (BuildError, ValueError, OSError), else prefixed with its type
+    (a bug)."""
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    if not isinstance(exc, (BuildError, ValueError, OSError)):
+        message = f"{type(exc).__name__}: {message}"
+    return message

@@ -36,6 +36,7 @@ would pickle every record).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -60,6 +61,7 @@ from cube.builder.build import (
     read_delete_keys,
     route_keys,
     shard_header_meta,
+    task_error_message,
     write_meta_infos,
 )
 from cube.builder.meta import ShardOutput
@@ -157,7 +159,7 @@ def map_file(spec: _JobSpec, split: InputSplit) -> Iterator[tuple[int, tuple]]:
     every shard's share of every batch. A chunk is ("R", file, chunk number, keys bytes,
     value width, value bytes, value offsets bytes)."""
     with (
-        _task_errors(split.url),
+        _task_errors(),
         _local_copy(split.url) as path,
         SequenceFileReader(path, spec.key_format, _MAP_BATCH_BYTES) as reader,
     ):
@@ -189,47 +191,30 @@ def _decode(chunk: tuple) -> tuple[np.ndarray, ValueColumn]:
     return np.frombuffer(keys, np.uint64), values
 
 
-class _local_copy:
+@contextlib.contextmanager
+def _local_copy(url: str) -> Iterator[str]:
     """A local path for the file: itself, or a copy of a remote one in the executor's local
     directory for the life of the `with` block."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.tmp: str | None = None
-
-    def __enter__(self) -> str:
-        if not is_remote(self.url):
-            return self.url
-        self.tmp = tempfile.mkdtemp(prefix="cube-spark-input-")
-        try:
-            return str(fetch_input(self.url, Path(self.tmp) / "input"))
-        except BaseException:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        if self.tmp:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+    if not is_remote(url):
+        yield url
+        return
+    tmp = tempfile.mkdtemp(prefix="cube-spark-input-")
+    try:
+        yield str(fetch_input(url, Path(tmp) / "input"))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
-class _task_errors:
-    """Inside a task: any failure becomes one marked line the driver can find in Spark's
-    report (which wraps it in a Java stack trace)."""
-
-    def __init__(self, where: str) -> None:
-        self.where = where
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type | None, exc: BaseException | None, tb: object) -> None:
-        if exc is None or not isinstance(exc, Exception):
-            return
-        message = " ".join(str(exc).split()) or type(exc).__name__
-        if not isinstance(exc, (BuildError, ValueError, OSError)):
-            message = f"{type(exc).__name__}: {message}"
+@contextlib.contextmanager
+def _task_errors() -> Iterator[None]:
+    """Inside a task: a failure becomes one marked line the driver finds in Spark's report
+    (which wraps it in a Java stack trace); the same line the local engine's workers send."""
+    try:
+        yield
+    except Exception as exc:
+        message = task_error_message(exc)
         if _ERROR_MARK in message:
-            raise exc
+            raise
         raise RuntimeError(f"{_ERROR_MARK}{message}") from None
 
 
@@ -243,7 +228,7 @@ def finish_shard(
     """The shard task: gather, order, build, write, package (see the module docstring)."""
     config = spec.config
     name = config.shard_name(shard)
-    with _task_errors(f"shard {shard}"):
+    with _task_errors():
         formats: dict[int, str] = {}
         chunks: list[tuple] = []
         held = 0
