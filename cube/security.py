@@ -3,7 +3,8 @@
 - A control plane (cube-server's control port, cube-agent, cube-transfer's API) that listens
   beyond loopback needs a token, unless the operator says `--insecure` (`require_token`).
 - Tokens travel as `Authorization: Bearer <token>` (HTTP) or the `authorization` gRPC metadata
-  and are compared in constant time (`token_matches`).
+  and are compared in constant time (`token_matches`). Whether one control call is answered is
+  `control_refusal`, for every transport that carries control.
 - TLS is optional and configured with PEM files: `server_context`, `client_context` for
   sockets (the TCP lane, aiohttp), `grpc_server_credentials` / `grpc_channel_credentials` for
   gRPC. Errors name the file at fault.
@@ -48,13 +49,34 @@ def require_token(
 ) -> None:
     """Refuse to expose a control plane without a token: `what` listens on `host`.
     `token_flag` and `insecure_flag` say how this command takes a token or runs without."""
-    if token or insecure or is_loopback(host):
+    if _control_allowed(host, token, insecure):
         return
     raise SecurityError(
         f"{what} would listen on {host or 'every interface'} without a token: anyone who can"
         f" reach it could command it. Set {token_flag}, or bind 127.0.0.1, or {insecure_flag}"
         " to run without one (docs/SECURITY.md)"
     )
+
+
+def _control_allowed(host: str, token: str, insecure: bool) -> bool:
+    """The token rule: control is open to callers with a token, or without one on loopback
+    or with --insecure."""
+    return bool(token) or insecure or is_loopback(host)
+
+
+def control_refusal(
+    host: str, token: str, insecure: bool, given: str | None
+) -> grpc.StatusCode | None:
+    """Why one control call on a port bound to `host` is refused (None: answer it), `given`
+    being the token the caller sent (None: none). With a `token`, `given` must match it:
+    UNAUTHENTICATED otherwise. Without one, control is answered only on loopback or with
+    `insecure` (`require_token`'s rule): PERMISSION_DENIED otherwise. The transport says it in
+    its own terms (gRPC status, HTTP 401/403, brpc ERPCAUTH) and how to send the token."""
+    if token:
+        return None if token_matches(given, token) else grpc.StatusCode.UNAUTHENTICATED
+    if _control_allowed(host, token, insecure):
+        return None
+    return grpc.StatusCode.PERMISSION_DENIED
 
 
 def token_matches(given: str | None, expected: str) -> bool:

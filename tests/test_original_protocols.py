@@ -29,7 +29,7 @@ from brpc_client import BrpcClient, closed_without_answer, frame, read_reply, re
 from procs import expected_fixed, fixed_values, running_server, write_version
 
 from cube.pb import cube_pb2, cube_pb2_grpc
-from cube.processes import _port_free, free_port
+from cube.processes import _port_free, free_port, poll_until
 from cube.server.original import control_request, keys_array, seek_json, seek_request
 from cube.server.service import Answer, RequestError
 
@@ -371,6 +371,7 @@ def test_baidu_std_control_on_loopback_without_a_token(server):
 
 def test_the_faces_are_counted_apart(server):
     post_json(server.http, "/DictService/seek", {"keys": [1, 2, 3]})
+    assert post_json(server.http, "/DictService/seek", {"keys": [-1]})[0] == 400
     with BrpcClient(server.brpc) as client:
         client.call(DICT, "seek", cube_pb2.DictRequest(keys=[1, 2]).SerializeToString())
     post_json(server.http, "/ControlService/cmd", {"cmd": "status"})
@@ -381,6 +382,55 @@ def test_the_faces_are_counted_apart(server):
     assert metrics["http"]["requests"] >= 1 and metrics["baidu_std"]["requests"] >= 1
     assert metrics["http"]["errors"].get("INVALID_ARGUMENT", 0) >= 1
     assert detail["requests"]["http_requests"] == metrics["http"]["requests"]
+
+
+def _connections(proc) -> dict:
+    with grpc.insecure_channel(proc.control_address) as channel:
+        stub = cube_pb2_grpc.ControlServiceStub(channel)
+        detail = json.loads(stub.cmd(cube_pb2.ControlRequest(cmd="status")).detail_json)
+    return detail["worker_states"][0]["lane"]
+
+
+def test_the_faces_share_the_lane_limits(tmp_path):
+    """--lane_max_connections counts every socket port of a worker, and a peer that stalls
+    halfway through a request is closed after --lane_stall_timeout on either face, while a
+    keep-alive HTTP connection idle between requests is left open."""
+    write_version(tmp_path / "data", "1", [1, 2], [b"ab", b"cd"], current=True)
+    args = ("--http_port", "0", "--baidu_std_port", "0")
+    limits = ("--lane_max_connections=3", "--lane_stall_timeout=1")
+    with running_server(tmp_path / "data", *args, *limits) as proc:
+        ports = ports_of(proc)
+        http_port, brpc = ports["http_ports"][0], ports["baidu_std_ports"][0]
+        idle = http.client.HTTPConnection("127.0.0.1", http_port, timeout=30)
+        idle.request("POST", "/DictService/seek", b'{"keys": [1]}')
+        assert idle.getresponse().read()  # answered; the connection stays open
+        half_http = socket.create_connection(("127.0.0.1", http_port), timeout=30)
+        half_http.sendall(
+            b"POST /DictService/seek HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
+        )
+        half_brpc = socket.create_connection(("127.0.0.1", brpc), timeout=30)
+        half_brpc.sendall(frame(request_meta(DICT, "seek", 1), b"\x08\x01")[:14])  # a partial frame
+
+        def held() -> tuple[int, int]:
+            counts = _connections(proc)
+            return counts["http_connections"], counts["baidu_std_connections"]
+
+        assert poll_until(lambda: held() == (2, 1), 10, 0.05), held()
+        with socket.create_connection(("127.0.0.1", http_port), timeout=30) as extra:
+            reply = extra.recv(4096)  # the fourth connection: refused, on the HTTP face
+            assert reply.startswith(b"HTTP/1.1 503") and b"limit" in reply
+        started = time.monotonic()
+        assert closed_without_answer(half_brpc, 15)  # stalled: closed by the watchdog
+        answer = b""
+        while chunk := half_http.recv(4096):  # a stalled body: 408, then closed
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408") and b"--lane_stall_timeout" in answer
+        assert time.monotonic() - started < 10
+        assert poll_until(lambda: held() == (1, 0), 10, 0.1), held()
+        idle.request("POST", "/DictService/seek", b'{"keys": [2]}')
+        assert json.loads(idle.getresponse().read())["values"][0]["value"] == "Y2Q="
+        for sock in (half_http, half_brpc, idle):
+            sock.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,11 +496,12 @@ def test_control_token_rule_and_a_rollout_over_http(tmp_path):
 
 def test_control_beyond_loopback_needs_a_token_or_insecure():
     """The rule, without binding a public address: a face bound beyond loopback refuses
-    control with no token unless --insecure."""
+    control with no token unless --insecure; with a token, only the right one passes."""
     from cube.pb.baidu_std_pb2 import RpcMeta
+    from cube.security import control_refusal
     from cube.server.baidu_std import BaiduStdServer
+    from cube.server.bounds import Bounds
     from cube.server.http_json import HttpFace
-    from cube.server.lane import LaneLimits
 
     request = SimpleNamespace(headers={})
     meta = RpcMeta()
@@ -462,11 +513,14 @@ def test_control_beyond_loopback_needs_a_token_or_insecure():
         ("localhost", False, False),
     ):
         rule = {"host": host, "token": "", "insecure": insecure}
-        http = HttpFace(None, None, max_body=1, **rule)  # type: ignore[arg-type]
-        refusal = http._control_refusal(request)  # type: ignore[arg-type]
+        http = HttpFace(None, None, max_body=1, bounds=Bounds(), **rule)  # type: ignore[arg-type]
+        refusal = http.control_refused(request)  # type: ignore[arg-type]
         assert (refusal is not None and refusal.status == 403) == refused
-        brpc = BaiduStdServer(None, None, limits=LaneLimits(), **rule)  # type: ignore[arg-type]
-        assert bool(brpc._control_refusal(meta)) == refused
+        brpc = BaiduStdServer(None, None, bounds=Bounds(), max_frame=1, **rule)  # type: ignore[arg-type]
+        assert bool(brpc.control_refused(meta)) == refused
+    assert control_refusal("0.0.0.0", "s3cret", False, "s3cret") is None
+    assert control_refusal("127.0.0.1", "s3cret", True, "wrong") == grpc.StatusCode.UNAUTHENTICATED
+    assert control_refusal("127.0.0.1", "s3cret", False, None) == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_variable_values_and_splits_agree_over_every_transport(tmp_path):

@@ -36,7 +36,7 @@ from typing import Any
 import grpc
 
 from cube.pb import cube_pb2
-from cube.security import AUTH_METADATA, bearer_metadata, bearer_token, token_matches
+from cube.security import AUTH_METADATA, bearer_metadata, bearer_token, control_refusal
 from cube.server.service import SeekService
 from cube.server.versions import (
     LoadedVersion,
@@ -447,12 +447,15 @@ def _split_versions(slots: VersionSlots) -> list[dict[str, Any]]:
 
 class TokenCheck(grpc.aio.ServerInterceptor):
     """The control port's guard: every call but health and reflection must carry
-    `authorization: Bearer <token>` (compared in constant time), else UNAUTHENTICATED."""
+    `authorization: Bearer <token>` (compared in constant time), else UNAUTHENTICATED
+    (`cube.security.control_refusal`, the rule of every transport that carries control)."""
 
     OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, host: str = "127.0.0.1", insecure: bool = False) -> None:
         self.token = token
+        self.host = host
+        self.insecure = insecure
 
         async def deny(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             await context.abort(
@@ -467,8 +470,8 @@ class TokenCheck(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
         if details.method.startswith(self.OPEN):
             return await continuation(details)
-        header = dict(details.invocation_metadata or ()).get(AUTH_METADATA)
-        if token_matches(bearer_token(header), self.token):
+        given = bearer_token(dict(details.invocation_metadata or ()).get(AUTH_METADATA))
+        if control_refusal(self.host, self.token, self.insecure, given) is None:
             return await continuation(details)
         return self._deny
 
@@ -518,15 +521,13 @@ class ControlRunner:
             await self._channel.close()
 
 
-def control_handler(
-    coordinator: Coordinator | None, forward_address: str | None, timeout: float, token: str = ""
-) -> grpc.GenericRpcHandler:
-    """ControlService.cmd: run it (worker 0) or forward it to worker 0 (other workers)."""
-    runner = ControlRunner(coordinator, forward_address, timeout, token)
+def control_handler(runner: ControlRunner) -> grpc.GenericRpcHandler:
+    """ControlService.cmd through `runner` (the worker's, shared with the original's faces):
+    run it (worker 0) or forward it to worker 0 (other workers)."""
 
     async def cmd(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
-            if coordinator is None:
+            if runner.coordinator is None:
                 return await runner.forward(raw)
             try:
                 request = cube_pb2.ControlRequest.FromString(raw)

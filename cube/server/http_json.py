@@ -16,23 +16,37 @@ Lookups go through the same `SeekService.answer_original` as rec.mcube.DictServi
 (--max_batch) or an answer over --max_answer_bytes; 413 a body over the byte bound (derived
 from --max_batch); 503 a replica that cannot serve (never silent misses).
 
-Control runs the same commands as the control port (cube.server.control), under the same rule:
-with --control_token every call needs `Authorization: Bearer <token>` (401 without); without
-one, control is answered only when this port is bound to loopback or with --insecure (403
-otherwise: the lookup port must not let whoever reaches it switch versions). Answers are 200
-with {"cur_version", "bg_version", "status"} (+ "message"), as the original cube-agent reads
-them; a failed command is 4xx/5xx with the reason as text (the original answered 500).
+Control runs the same commands as the control port (cube.server.control), under the same rule
+(`cube.security.control_refusal`): with --control_token every call needs
+`Authorization: Bearer <token>` (401 without); without one, control is answered only when this
+port is bound to loopback or with --insecure (403 otherwise: the lookup port must not let
+whoever reaches it switch versions). Answers are 200 with {"cur_version", "bg_version",
+"status"} (+ "message"), as the original cube-agent reads them; a failed command is 4xx/5xx
+with the reason as text (the original answered 500).
+
+Bounds, the worker's `Bounds` shared with the TCP lane and baidu_std (cube.server.bounds):
+at most --lane_max_connections connections per worker (the next is answered 503 and closed);
+a request body is charged against --lane_budget_bytes before it is read, by its
+Content-Length (a chunked body: by the byte bound), until its answer is built (503 when the
+budget is spent); a body that makes no progress for --lane_stall_timeout is answered 408 and
+its connection closed, as is a connection holding part of a request, or answers its peer
+does not read, that long. aiohttp serves the protocol: each connection goes through an
+`HttpConnection`, which counts it and what it has not sent.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import ssl as ssl_module
+import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 from aiohttp import web
 
-from cube.security import bearer_token, is_loopback, token_matches
+from cube.security import bearer_token, control_refusal
+from cube.server.bounds import Bounds
 from cube.server.control import ControlError, ControlRunner
 from cube.server.original import (
     control_json,
@@ -49,6 +63,17 @@ log = logging.getLogger("cube.server")
 API = "http"  # the metrics' api label
 PROTO_TYPES = ("application/proto", "application/x-protobuf")  # as brpc reads Content-Type
 _KEY_TEXT = 32  # JSON bytes a key may take in a body ("18446744073709551615", quotes, comma)
+_FLUSH = 1.0  # seconds a stop gives answers still being written, after the grace
+# After a refusal that left a body unread (413, 408), aiohttp reads on for this long before it
+# closes, so that the peer sees the answer rather than a reset; its default, 10 s, let a
+# stalled peer keep its connection ten times --lane_stall_timeout's second.
+_LINGER = 1.0
+# A body refused before it is read, or cut off while read: the status that says so.
+_BODY_STATUS = {
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 413,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 408,
+}
 
 
 def max_body_bytes(max_message: int, max_batch: int) -> int:
@@ -61,18 +86,120 @@ def _text(status: int, message: str) -> web.Response:
     return web.Response(status=status, text=message + "\n", content_type="text/plain")
 
 
+def _closing_text(status: int, message: str) -> web.Response:
+    response = _text(status, message)
+    response.force_close()
+    return response
+
+
+def refusal_bytes(reason: str) -> bytes:
+    """A whole 503 response, written to a connection refused before it sends anything."""
+    text = f"HTTP: {reason}\n".encode()
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+        f"Content-Length: {len(text)}\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode() + text
+
+
+class HttpConnection(asyncio.Protocol):
+    """One HTTP connection as the worker's `Bounds` see it, in front of aiohttp's own
+    protocol (`handler`), to which it passes everything: it counts the connection against
+    the limit, samples the bytes its transport has not sent, and tells the watchdog when it
+    stalls. Idle between requests, it is left open (aiohttp's keep-alive timeout applies)."""
+
+    kind = "http"
+    buffer = b""  # never held back by the bounds (Bounds.resume_held skips it)
+
+    def __init__(self, face: HttpFace, handler: web.RequestHandler) -> None:
+        self.face = face
+        self.bounds = face.bounds
+        self.handler = handler
+        self.transport: asyncio.Transport | None = None
+        self.refused = False
+        self.unsent = 0  # sampled by the watchdog
+        self.counted = 0
+        now = time.monotonic()
+        self.sent_at = now  # the last progress of the answers being written
+        self.data_at = 0.0  # when bytes last came in
+        self.read_at = now  # when the request being handled had come in whole
+        self.idle_since = now  # no request being handled since (its bytes all read)
+        self.busy = 0  # requests being handled
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        reason = self.bounds.admit(self)
+        if reason is not None:
+            self.refused = True
+            self.transport.write(refusal_bytes(reason))  # type: ignore[union-attr]
+            transport.close()
+            return
+        self.face.tracked[transport] = self
+        self.handler.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.refused:
+            self.data_at = time.monotonic()
+            self.handler.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return None if self.refused else self.handler.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.bounds.leave(self)
+        self.face.tracked.pop(self.transport, None)
+        self.unsent = 0
+        self._account()
+        if not self.refused:
+            self.handler.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if not self.refused:
+            self.handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        if not self.refused:
+            self.handler.resume_writing()
+
+    def _account(self) -> None:
+        self.bounds.total_bytes += self.unsent - self.counted
+        self.counted = self.unsent
+
+    def watch(self, now: float) -> None:
+        """The watchdog's round: sample unsent bytes; close the connection when a request
+        came in part and stopped, or its answers are not read, for the stall timeout."""
+        transport = self.transport
+        if transport is None or self.refused:
+            return
+        unsent = transport.get_write_buffer_size()
+        if unsent < self.unsent or not self.unsent:
+            self.sent_at = now
+        self.unsent = unsent
+        self._account()
+        stall = self.face.stall_timeout
+        if unsent and now - self.sent_at > stall:
+            what = f"{unsent} bytes of answers not read"
+        elif not self.busy and self.data_at > self.idle_since and now - self.data_at > stall:
+            what = "a request cut short"
+        else:
+            return
+        log.warning("HTTP: closing a connection stalled for over %.0f s (%s)", stall, what)
+        transport.abort()
+
+
 class HttpFace:
     """The HTTP+JSON listener of one worker."""
 
     def __init__(
         self,
         service: SeekService,
-        control: ControlRunner | None,
+        control: ControlRunner,
         *,
         host: str,
         token: str,
         insecure: bool,
         max_body: int,
+        bounds: Bounds,
     ) -> None:
         self.service = service
         self.control = control
@@ -80,38 +207,113 @@ class HttpFace:
         self.token = token
         self.insecure = insecure
         self.max_body = max_body
+        self.bounds = bounds
+        self.stall_timeout = bounds.limits.stall_timeout
+        self.tracked: dict[object, HttpConnection] = {}  # by transport
         self.runner: web.AppRunner | None = None
+        self.listener: asyncio.Server | None = None
         self.port = 0
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body)
+        app = web.Application(client_max_size=self.max_body, middlewares=[self._track])
         for prefix in ("", "rec.mcube."):
             app.router.add_post(f"/{prefix}DictService/seek", self.seek)
             app.router.add_post(f"/{prefix}ControlService/cmd", self.cmd)
         return app
 
-    async def _body(self, request: web.Request, what: str) -> bytes | RequestError:
+    @web.middleware
+    async def _track(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Whether a connection is handling a request (then it is not stalled in one)."""
+        connection = self.tracked.get(request.transport)
+        if connection is None:
+            return await handler(request)
+        connection.busy += 1
+        connection.read_at = time.monotonic()
         try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge:
+            return await handler(request)
+        finally:
+            connection.busy -= 1
+            connection.idle_since = connection.read_at
+
+    # -- request bodies ------------------------------------------------------------------
+
+    def _charge(self, request: web.Request, what: str) -> int | RequestError:
+        """Charge the body's bytes to the worker's budget before it is read: its
+        Content-Length, or the byte bound when it is chunked."""
+        if not request.body_exists:
+            return 0
+        size = request.content_length
+        if size is not None and size > self.max_body:
+            return self._too_large(what)
+        charge = self.max_body if size is None else size
+        if not self.bounds.charge(charge):
             return RequestError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{what}: the body exceeds this server's {self.max_body} bytes (set by"
-                " --max_batch): split the batch",
+                grpc.StatusCode.UNAVAILABLE,
+                f"{what}: the server's buffers are full (--lane_budget_bytes); retry on another"
+                " replica",
             )
+        return charge
+
+    def _too_large(self, what: str) -> RequestError:
+        return RequestError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{what}: the body exceeds this server's {self.max_body} bytes (set by"
+            " --max_batch): split the batch",
+        )
+
+    async def _read(self, request: web.Request, what: str) -> bytes | RequestError:
+        """The body, unless it passes the byte bound or stops coming for the stall timeout."""
+        content = request.content
+        parts = []
+        size = 0
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.stall_timeout) as timer:
+                while True:
+                    chunk = await content.readany()
+                    if not chunk:
+                        break
+                    size += len(chunk)
+                    if size > self.max_body:
+                        return self._too_large(what)
+                    parts.append(chunk)
+                    timer.reschedule(loop.time() + self.stall_timeout)
+        except TimeoutError:
+            log.warning("HTTP: a body stalled for %.0f s; connection closed", self.stall_timeout)
+            return RequestError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"{what}: the body stopped coming for {self.stall_timeout:g} s"
+                " (--lane_stall_timeout)",
+            )
+        connection = self.tracked.get(request.transport)
+        if connection is not None:
+            connection.read_at = time.monotonic()
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def _body(self, request: web.Request, what: str, charged: int) -> bytes | RequestError:
+        return await self._read(request, what) if charged else b""
 
     # -- DictService/seek ----------------------------------------------------------------
 
     async def seek(self, request: web.Request) -> web.Response:
-        body = await self._body(request, "seek")
-        if isinstance(body, RequestError):
-            self.service.refused(API, body)
-            return _text(413, body.message)
+        charged = self._charge(request, "seek")
+        if isinstance(charged, RequestError):
+            self.service.refused(API, charged)
+            return _closing_text(_BODY_STATUS[charged.code], charged.message)
         proto = request.content_type in PROTO_TYPES
         try:
-            answer = self.service.timed(API, lambda: self._seek(body, proto))
-        except RequestError as exc:  # counted and logged by `timed`
-            return _text(http_status(exc.code), exc.message)
+            body = await self._body(request, "seek", charged)
+            if isinstance(body, RequestError):
+                self.service.refused(API, body)
+                return _closing_text(_BODY_STATUS[body.code], body.message)
+            try:
+                answer = self.service.timed(API, lambda: self._seek(body, proto))
+            except RequestError as exc:  # counted and logged by `timed`
+                return _text(http_status(exc.code), exc.message)
+        finally:
+            self.bounds.release(charged)
         answer_type = request.content_type if proto else "application/json"
         return web.Response(body=answer, content_type=answer_type)
 
@@ -126,11 +328,13 @@ class HttpFace:
 
     # -- ControlService/cmd --------------------------------------------------------------
 
-    def _control_refusal(self, request: web.Request) -> web.Response | None:
-        if self.token:
-            given = bearer_token(request.headers.get("Authorization"))
-            if token_matches(given, self.token):
-                return None
+    def control_refused(self, request: web.Request) -> web.Response | None:
+        """The token rule (cube.security.control_refusal) as 401 or 403."""
+        given = bearer_token(request.headers.get("Authorization"))
+        code = control_refusal(self.host, self.token, self.insecure, given)
+        if code is None:
+            return None
+        if code == grpc.StatusCode.UNAUTHENTICATED:
             response = _text(
                 401,
                 "ControlService/cmd needs 'Authorization: Bearer <token>' (cube-server"
@@ -138,8 +342,6 @@ class HttpFace:
             )
             response.headers["WWW-Authenticate"] = "Bearer"
             return response
-        if self.insecure or is_loopback(self.host):
-            return None
         return _text(
             403,
             f"ControlService/cmd is not served on {self.host}: beyond loopback it needs"
@@ -147,14 +349,18 @@ class HttpFace:
         )
 
     async def cmd(self, request: web.Request) -> web.Response:
-        refusal = self._control_refusal(request)
+        refusal = self.control_refused(request)
         if refusal is not None:
             return refusal
-        if self.control is None:
-            return _text(503, "ControlService/cmd: this worker has no control service")
-        body = await self._body(request, "ControlService/cmd")
+        charged = self._charge(request, "ControlService/cmd")
+        if isinstance(charged, RequestError):
+            return _closing_text(_BODY_STATUS[charged.code], charged.message)
+        try:
+            body = await self._body(request, "ControlService/cmd", charged)
+        finally:
+            self.bounds.release(charged)  # a command's JSON is small; a load takes minutes
         if isinstance(body, RequestError):
-            return _text(413, body.message)
+            return _closing_text(_BODY_STATUS[body.code], body.message)
         try:
             command = control_request(body)
             response = await self.control.run(command)
@@ -164,24 +370,33 @@ class HttpFace:
 
     # -- the listener --------------------------------------------------------------------
 
-    async def start(
-        self, port: int, ssl: ssl_module.SSLContext | None = None, grace: float = 5.0
-    ) -> int:
+    async def start(self, port: int, ssl: ssl_module.SSLContext | None = None) -> int:
         """Listen on host:port (0: any free port); returns the bound port. OSError when the
         port cannot be bound."""
-        runner = web.AppRunner(self.app(), access_log=None)
+        runner = web.AppRunner(
+            self.app(), access_log=None, shutdown_timeout=_FLUSH, lingering_time=_LINGER
+        )
         await runner.setup()
+        handlers = runner.server  # aiohttp's protocol factory
+        assert handlers is not None
+        loop = asyncio.get_running_loop()
         try:
-            site = web.TCPSite(
-                runner, self.host, port, ssl_context=ssl, shutdown_timeout=grace, backlog=1024
+            self.listener = await loop.create_server(
+                lambda: HttpConnection(self, handlers()),
+                self.host,
+                port,
+                ssl=ssl,
+                backlog=1024,
+                reuse_address=True,
             )
-            await site.start()
         except BaseException:
             await runner.cleanup()
             raise
         self.runner = runner
-        self.port = int(runner.addresses[0][1])
-        if not self.token and not self.insecure and not is_loopback(self.host):
+        self.port = int(self.listener.sockets[0].getsockname()[1])
+        self.bounds.attach()
+        refusal = control_refusal(self.host, self.token, self.insecure, None)
+        if refusal == grpc.StatusCode.PERMISSION_DENIED:
             log.warning(
                 "HTTP port %d: ControlService/cmd refused on %s without --control_token",
                 self.port,
@@ -189,8 +404,21 @@ class HttpFace:
             )
         return self.port
 
-    async def stop(self, _grace: float = 0.0) -> None:
-        """Stop listening; requests in flight get the grace given to `start`."""
-        if self.runner is not None:
-            await self.runner.cleanup()
-            self.runner = None
+    async def stop(self, grace: float) -> None:
+        """Stop listening; close idle connections at once, the others once the request they
+        handle is answered, waiting at most `grace` seconds (then aiohttp cancels them)."""
+        if self.listener is None or self.runner is None:
+            return
+        self.listener.close()
+        self.listener = None
+        for connection in list(self.tracked.values()):
+            if connection.busy:
+                connection.handler.close()  # no more requests: closed once this one ends
+            else:
+                connection.handler.force_close()  # closed once what it wrote is sent
+        deadline = asyncio.get_running_loop().time() + grace
+        while self.tracked and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        await self.runner.cleanup()
+        self.runner = None
+        self.bounds.detach()

@@ -14,18 +14,20 @@ Responses come in request order, so a client may pipeline many requests on a con
 frame longer than `max_frame` or a wrong magic ends the connection (after an error frame for
 the former).
 
-Memory is bounded in bytes, whatever the peers do (`LaneLimits`):
+Memory is bounded in bytes, whatever the peers do, by the worker's `Bounds`
+(cube.server.bounds, shared with the baidu_std and HTTP+JSON ports; `LaneLimits`):
 - a connection buffers at most one frame of input (`max_frame`);
 - its answers are estimated at parse time (keys x the version's longest value, exact for fixed
   width); frames are left unparsed in its buffer, and its socket unread, while the answers it
   already has queued or unsent exceed `connection_bytes` (one request is always let through),
   so a client that does not read its answers stops being read;
-- across all connections, input buffers plus queued and unsent answers stay under
+- across the worker's connections, input buffers plus queued and unsent answers stay under
   `budget_bytes`: beyond it no connection gets a new frame parsed until it drops; a connection
   that pushes its own input buffer over the budget is told UNAVAILABLE and closed;
 - a connection holding a partial frame, or unsent answers, without progress for
   `stall_timeout` seconds is closed (a stalled or malicious peer frees what it holds);
-- at most `max_connections` connections; the next is told UNAVAILABLE and closed.
+- at most `max_connections` connections per worker (all its socket ports); the next is told
+  UNAVAILABLE and closed.
 
 Busy polling (`--busy_poll_us`): after answering, the worker keeps its event loop polling the
 sockets without sleeping for that long, so a request arriving soon after is read at once. On a
@@ -45,138 +47,45 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import ssl as ssl_module
 import time
-from dataclasses import dataclass
 
 import grpc
 
 from cube import wire
+from cube.server.bounds import BoundedProtocol, Bounds, LaneLimits
 from cube.server.service import ParsedSeek, RequestError, SeekService
 from cube.wire import LANE_MAGIC, Buffer, FrameTooLarge, answer_header, next_frame
 
 log = logging.getLogger("cube.server")
 
 MAGIC = LANE_MAGIC
-_WRITE_HIGH_WATER = 4 << 20  # the transport pauses us (and we stop reading) above this
 _ANSWER_OVERHEAD = 64  # header and fields of an answer besides its values (estimate)
 
-
-@dataclass(frozen=True)
-class LaneLimits:
-    """Byte and time bounds of the lane (module docstring)."""
-
-    max_frame: int = 4 << 20
-    connection_bytes: int = 16 << 20
-    budget_bytes: int = 256 << 20
-    stall_timeout: float = 30.0
-    max_connections: int = 1024
+__all__ = ["MAGIC", "Lane", "LaneLimits", "LaneProtocol", "error_frame"]
 
 
 def error_frame(code: grpc.StatusCode, message: str) -> bytes:
     return wire.error_frame(code.value[0], message)
 
 
-class LaneProtocol(asyncio.Protocol):
+class LaneProtocol(BoundedProtocol):
     """One client connection: frames in, answers out, all in the event loop's thread (the
-    lookup is synchronous numpy work, like the gRPC handlers)."""
+    lookup is synchronous numpy work, like the gRPC handlers). Its bytes are accounted by
+    `BoundedProtocol`."""
+
+    kind = "lane"
+    label = "TCP lane"
 
     def __init__(self, lane: Lane) -> None:
+        super().__init__(lane.bounds)
         self.lane = lane
         self.service = lane.service
         self.max_frame = lane.limits.max_frame
-        self.transport: asyncio.Transport | None = None
-        self.buffer = bytearray()  # unparsed input: a partial frame, or frames held back
         self.greeted = False
-        self.closing = False  # refused: read nothing more, close once answered
-        self.write_paused = False  # the transport's buffer is above its high-water mark
-        self.reading = True
-        self.queued = 0  # estimated bytes of answers queued, not yet written
-        self.unsent = 0  # bytes the transport still holds (sampled)
-        self.counted = 0  # what this connection adds to the lane's total
-        self.progress_at = time.monotonic()
 
-    # -- accounting ---------------------------------------------------------------------
-
-    def _account(self) -> None:
-        """Bring the lane-wide total up to date with this connection's bytes."""
-        mine = len(self.buffer) + self.queued + self.unsent
-        self.lane.total_bytes += mine - self.counted
-        self.counted = mine
-
-    def outstanding(self) -> int:
-        return self.queued + self.unsent
-
-    def sample_unsent(self) -> None:
-        transport = self.transport
-        unsent = transport.get_write_buffer_size() if transport is not None else 0
-        if unsent < self.unsent:
-            self.progress_at = time.monotonic()
-        self.unsent = unsent
-        self._account()
-
-    def stalled(self, now: float) -> bool:
-        """Holding a partial frame, or answers the peer does not take, with no progress."""
-        waiting = (self.buffer and not self.held()) or self.unsent
-        return bool(waiting) and now - self.progress_at > self.lane.limits.stall_timeout
-
-    def held(self) -> bool:
-        """Whether the next frame must wait for answers to drain (ours or the lane's)."""
-        if self.outstanding() == 0:
-            return self.lane.total_bytes - len(self.buffer) >= self.lane.limits.budget_bytes
-        return (
-            self.outstanding() >= self.lane.limits.connection_bytes
-            or self.lane.total_bytes >= self.lane.limits.budget_bytes
-        )
-
-    def _update_reading(self) -> None:
-        want = not (self.closing or self.write_paused or (self.buffer and self.held()))
-        if want != self.reading and self.transport is not None:
-            self.reading = want
-            if want:
-                self.lane.paused.discard(self)
-                self.transport.resume_reading()
-            else:
-                self.lane.paused.add(self)
-                self.transport.pause_reading()
-
-    # -- asyncio callbacks --------------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's TCPTransport
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)  # type: ignore[attr-defined]
-        lane = self.lane
-        if len(lane.connections) >= lane.limits.max_connections:
-            message = (
-                f"TCP lane: this server already has {len(lane.connections)} connections"
-                " (its limit); try another replica or later"
-            )
-            transport.write(error_frame(grpc.StatusCode.UNAVAILABLE, message))  # type: ignore[attr-defined]
-            self.closing = True
-            transport.close()
-            return
-        lane.connections.add(self)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.lane.connections.discard(self)
-        self.lane.paused.discard(self)
-        self.buffer = bytearray()
-        self.queued = self.unsent = 0
-        self._account()
-        self.transport = None
-
-    def pause_writing(self) -> None:
-        self.write_paused = True
-        self._update_reading()
-
-    def resume_writing(self) -> None:
-        self.write_paused = False
-        self.sample_unsent()
-        self.resume()
+    def refuse_connection(self, transport: asyncio.Transport, reason: str) -> None:
+        transport.write(error_frame(grpc.StatusCode.UNAVAILABLE, f"TCP lane: {reason}"))
 
     def data_received(self, data: bytes) -> None:
         if self.closing:
@@ -234,22 +143,14 @@ class LaneProtocol(asyncio.Protocol):
             self._refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
             return
         self._keep(source, start)
-        lane = self.lane
-        if self.buffer and not self.outstanding() and lane.total_bytes > lane.limits.budget_bytes:
+        total = self.bounds.total_bytes
+        if self.buffer and not (self.queued + self.unsent) and total > self.budget:
             self._refuse(
                 grpc.StatusCode.UNAVAILABLE,
                 "TCP lane: the server's input buffers are full; retry on another replica",
             )
             return
         self._update_reading()
-
-    def _keep(self, source: bytes | bytearray, start: int) -> None:
-        """Keep `source[start:]` as the buffer (in place when it is the buffer)."""
-        if source is self.buffer:
-            del self.buffer[:start]
-        elif start < len(source):  # (else the buffer is empty already)
-            self.buffer = bytearray(source[start:])
-        self._account()
 
     def _refuse(self, code: grpc.StatusCode, message: str) -> None:
         """Answer what came before with its answers, then this error, then close."""
@@ -267,7 +168,7 @@ class LaneProtocol(asyncio.Protocol):
             return exc
 
     def resume(self) -> None:
-        """Answers drained (ours or the lane's): parse what was held back, read again."""
+        """Answers drained (ours or the worker's): parse what was held back, read again."""
         if self.closing or self.transport is None:
             return
         if self.buffer and not self.held():
@@ -283,10 +184,6 @@ class LaneProtocol(asyncio.Protocol):
             transport.writelines(buffers)
             self.progress_at = time.monotonic()
         self.sample_unsent()
-
-    def _close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
 
 
 # What a connection asked, in order: a parsed request, a refusal, or None (close it).
@@ -307,20 +204,18 @@ class Lane:
         service: SeekService,
         limits: LaneLimits | None = None,
         busy_poll_s: float = 0.0,
+        bounds: Bounds | None = None,
     ) -> None:
         self.service = service
-        self.limits = limits or LaneLimits()
+        self.bounds = bounds or Bounds(limits)  # the worker's, shared with its other ports
+        self.limits = limits or self.bounds.limits
         self.busy_poll_s = busy_poll_s
         self._polling = False
         self._poll_until = 0.0
-        self.connections: set[LaneProtocol] = set()
-        self.paused: set[LaneProtocol] = set()  # not read: held back or answers unread
-        self.total_bytes = 0  # input buffers + queued + unsent answers of every connection
         self.server: asyncio.Server | None = None
         self.port = 0
         self._queue: list[tuple[LaneProtocol, _Item]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._watchdog: asyncio.Task | None = None
 
     def enqueue(self, connection: LaneProtocol, item: _Item) -> None:
         if not self._queue:
@@ -387,36 +282,10 @@ class Lane:
             connection.write(buffers, answered.get(connection, 0))
         for connection in closing:
             connection._close()
-        self._resume_held()
+        self.bounds.resume_held()
 
-    def _resume_held(self) -> None:
-        """Let connections held back by the byte bounds go on, while the bounds allow."""
-        if self.paused:
-            for connection in list(self.paused):
-                if connection.buffer:
-                    connection.resume()
-
-    async def _watch(self) -> None:
-        """Every quarter second: sample unsent bytes (the transports drain on their own), let
-        held connections go on, close stalled ones."""
-        while True:
-            await asyncio.sleep(0.25)
-            now = time.monotonic()
-            for connection in list(self.connections):
-                if connection.unsent:
-                    connection.sample_unsent()
-                if connection.stalled(now) and connection.transport is not None:
-                    log.warning(
-                        "TCP lane: closing a connection stalled for %.0f s (%d bytes held)",
-                        now - connection.progress_at,
-                        connection.counted,
-                    )
-                    connection.transport.abort()
-            self._resume_held()
-
-    def stats(self) -> dict[str, int]:
-        """For status: open connections and the bytes they hold (input + answers)."""
-        return {"connections": len(self.connections), "bytes": self.total_bytes}
+    def connections(self) -> list[LaneProtocol]:
+        return [c for c in self.bounds.of_kind(LaneProtocol.kind) if c.lane is self]
 
     async def start(self, host: str, port: int, ssl: ssl_module.SSLContext | None = None) -> int:
         """Listen on host:port (0: any free port), over TLS with `ssl`; returns the port."""
@@ -430,22 +299,23 @@ class Lane:
             ssl=ssl,
         )
         self.port = int(self.server.sockets[0].getsockname()[1])
-        self._watchdog = asyncio.ensure_future(self._watch())
+        self.bounds.attach()
         return self.port
 
     async def stop(self, grace: float) -> None:
         """Stop listening; close every connection once its answers are written (each answer
         is built synchronously, so none is half done), waiting at most `grace` seconds."""
         self.busy_poll_s = 0.0
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-        if self.server is not None:
-            self.server.close()
-        for connection in list(self.connections):
+        if self.server is None:
+            return
+        self.server.close()
+        self.server = None
+        for connection in self.connections():
             connection._close()  # closes after the buffered answers are sent
         deadline = asyncio.get_running_loop().time() + grace
-        while self.connections and asyncio.get_running_loop().time() < deadline:
+        while self.connections() and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.02)
-        for connection in list(self.connections):
+        for connection in self.connections():
             if connection.transport is not None:
                 connection.transport.abort()
+        self.bounds.detach()

@@ -265,6 +265,22 @@ def lane_ports(flags: Flags) -> list[int]:
     return ports
 
 
+def fixed_ports(flags: Flags, ports: list[int]) -> dict[int, str]:
+    """The server's ports other than the original's faces, port -> the flag that sets it,
+    (checked: FlagError); 0 where any free port is taken."""
+    taken: dict[int, str] = {}
+    for port in lane_ports(flags):
+        taken[port] = "--tcp_ports"
+    if flags.metrics_port > 0:
+        taken[flags.metrics_port] = "--metrics_port"
+    for port in control_ports(flags):
+        taken[port] = "--control_port"
+    for port in ports:
+        taken[port] = "--worker_ports" if flags.worker_ports else "--port"
+    taken[flags.port] = "--port"
+    return taken
+
+
 def check_flags(flags: Flags) -> None:
     if flags.dict_split < 1:
         raise FlagError(f"--dict_split must be >= 1, got {flags.dict_split}")
@@ -343,11 +359,9 @@ def _main(argv: Sequence[str]) -> int:
     check_flags(flags)
     configure_logging(flags)
     ports = worker_ports(flags)
-    lane_ports(flags)  # checked before any worker starts
     from cube.server.original_faces import check_face_flags
 
-    check_face_flags(flags)
-    control_ports(flags)
+    check_face_flags(flags, fixed_ports(flags, ports))  # checks them all before any worker
     if flags.workers > 1 and flags.worker_index < 0:
         return supervise(flags, list(argv), ports)
     import uvloop
@@ -372,6 +386,7 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
 
     from cube import kernel
     from cube.security import grpc_server_credentials, server_context
+    from cube.server.bounds import Bounds, LaneLimits
     from cube.server.control import (
         CONTROL_SERVICE,
         ControlRunner,
@@ -383,7 +398,7 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
         worker_handler,
     )
     from cube.server.guard import FileWatch
-    from cube.server.lane import Lane, LaneLimits
+    from cube.server.lane import Lane
     from cube.server.original_faces import start_faces
     from cube.server.service import DICT_SERVICE, FAST_SERVICE, SeekService
     from cube.server.versions import (
@@ -486,7 +501,9 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
 
     # Lookups on the data port; loads and switches on the control port (loopback by default,
     # token-checked when one is set): whoever reaches the data port cannot change versions.
-    max_message = max(4 << 20, flags.max_batch * 8 + (1 << 16))
+    # A DictRequest's key takes up to 11 bytes (proto2 repeated uint64 is not packed: a tag
+    # and a varint of up to 10 bytes), a cube.v1 one 8 or 9.
+    max_message = max(4 << 20, flags.max_batch * 11 + (1 << 16))
     server = grpc.aio.server(
         options=[
             ("grpc.so_reuseport", 1 if flags.reuseport else 0),
@@ -495,13 +512,12 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
         ]
     )
     server.add_generic_rpc_handlers(service.handlers())
-    control_server = grpc.aio.server(interceptors=[TokenCheck(token)] if token else [])
-    control_server.add_generic_rpc_handlers(
-        [
-            control_handler(coordinator, forward, flags.control_timeout, token),
-            worker_handler(local),
-        ]
-    )
+    checks = [TokenCheck(token, flags.control_host, flags.insecure)] if token else []
+    control_server = grpc.aio.server(interceptors=checks)
+    # One ControlRunner serves every transport of control: the control port, HTTP+JSON and
+    # baidu_std.
+    runner = ControlRunner(coordinator, forward, flags.control_timeout, token)
+    control_server.add_generic_rpc_handlers([control_handler(runner), worker_handler(local)])
     health_servicer = health.aio.HealthServicer()
     service_names = [FAST_SERVICE, DICT_SERVICE]
     for grpc_server, names in (
@@ -539,21 +555,24 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
             return 1
         port_list[slot] = bound
         listening.append(_address(host, bound))
+    # The byte, connection and stall bounds of the worker's socket ports (TCP lane, HTTP+JSON,
+    # baidu_std): one budget and one connection count for them all.
+    limits = LaneLimits(
+        max_frame=max_message,
+        connection_bytes=flags.lane_connection_bytes,
+        budget_bytes=flags.lane_budget_bytes,
+        stall_timeout=flags.lane_stall_timeout,
+        max_connections=flags.lane_max_connections,
+    )
+    bounds = Bounds(limits)
+    service.lane_stats = bounds.stats
     lane = None
     if flags.tcp_lane:
-        limits = LaneLimits(
-            max_frame=max_message,
-            connection_bytes=flags.lane_connection_bytes,
-            budget_bytes=flags.lane_budget_bytes,
-            stall_timeout=flags.lane_stall_timeout,
-            max_connections=flags.lane_max_connections,
-        )
-        lane = Lane(service, limits, busy_poll_s=flags.busy_poll_us / 1e6)
+        lane = Lane(service, limits, busy_poll_s=flags.busy_poll_us / 1e6, bounds=bounds)
         wanted = lane_ports(flags)[index]
         try:
             ssl_context = server_context(tls) if tls.serves else None
             service.lane_port = await lane.start(flags.host, wanted, ssl_context)
-            service.lane_stats = lane.stats
         except OSError as exc:
             reason = "port in use" if exc.errno == errno.EADDRINUSE else exc.strerror or exc
             log.error(
@@ -568,9 +587,10 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
         flags,
         index,
         service,
-        ControlRunner(coordinator, forward, flags.control_timeout, token),
+        runner,
         token,
         max_message,
+        bounds,
         server_context(tls) if tls.serves else None,
     )
     if faces is None:
@@ -709,6 +729,7 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
         metrics_server.shutdown()
     for remote in remotes:
         await remote.close()
+    await runner.close()
     slots.close()
     executor.shutdown(wait=False, cancel_futures=True)
     if flags.port_file and index == 0:  # the ports are no longer ours

@@ -2,8 +2,9 @@
 `--http_port` (cube.server.http_json) and baidu_std on `--baidu_std_port`
 (cube.server.baidu_std). Each flag: -1 off (the default), 0 any free port (one worker; the
 bound port is in --port_file as http_ports / baidu_std_ports), else worker i listens on
-port + i. Both bind --host, serve TLS with --tls_cert, and take the TCP lane's byte and
-connection bounds (--lane_*) and the gRPC message bound (from --max_batch)."""
+port + i. Both bind --host, serve TLS with --tls_cert, share the worker's byte, connection and
+stall bounds with the TCP lane (`Bounds`, from --lane_*) and take the gRPC message bound
+(from --max_batch)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cube.flags import FlagError, Flags
+from cube.server.bounds import Bounds
 from cube.server.control import ControlRunner
-from cube.server.lane import LaneLimits
 from cube.server.service import SeekService
 
 log = logging.getLogger("cube.server")
@@ -41,16 +42,18 @@ def face_ports(flags: Flags, name: str) -> list[int]:
     return ports
 
 
-def check_face_flags(flags: Flags) -> None:
-    """The faces' ports are ports, and distinct from each other's (FlagError)."""
-    taken: dict[int, str] = {}
+def check_face_flags(flags: Flags, taken: dict[int, str]) -> None:
+    """The faces' ports are ports, distinct from each other's and from the server's other
+    fixed ports (`taken`: port -> the flag that takes it; FlagError). Port 0 (any free
+    port) never collides."""
+    taken = {port: flag for port, flag in taken.items() if port}
     for name in FLAGS:
         if int(flags[name]) < -1:
             raise FlagError(f"--{name} {flags[name]} is not a port (or -1: off)")
         for port in face_ports(flags, name):
             if port and port in taken:
-                raise FlagError(f"--{name} and --{taken[port]} both take port {port}")
-            taken[port] = name
+                raise FlagError(f"--{name} and {taken[port]} both take port {port}")
+            taken[port] = f"--{name}"
 
 
 @dataclass
@@ -86,12 +89,14 @@ async def start_faces(
     control: ControlRunner,
     token: str,
     max_message: int,
+    bounds: Bounds,
     ssl_context: ssl.SSLContext | None,
 ) -> Faces | None:
     """Listen on this worker's face ports (before the start-up load, like every port); None
-    (logged) when a port cannot be bound or aiohttp is missing."""
+    (logged) when a port cannot be bound or aiohttp is missing. `max_message` bounds a
+    DictRequest (as gRPC's message bound); `bounds` are the worker's, shared with the lane."""
     faces = Faces()
-    security = {"host": flags.host, "token": token, "insecure": flags.insecure}
+    host, insecure = flags.host, flags.insecure
     for name in FLAGS:
         ports = face_ports(flags, name)
         if not ports:
@@ -106,20 +111,30 @@ async def start_faces(
                     await faces.stop(0.0)
                     return None
                 body = max_body_bytes(max_message, flags.max_batch)
-                http = HttpFace(service, control, max_body=body, **security)
-                faces.ports[name] = await http.start(port, ssl_context, flags.grace)
+                http = HttpFace(
+                    service,
+                    control,
+                    host=host,
+                    token=token,
+                    insecure=insecure,
+                    max_body=body,
+                    bounds=bounds,
+                )
+                faces.ports[name] = await http.start(port, ssl_context)
                 faces.stoppers.append(http.stop)
             else:
-                from cube.server.baidu_std import BaiduStdServer
+                from cube.server.baidu_std import MAX_META, BaiduStdServer
 
-                limits = LaneLimits(
-                    max_frame=max_message,
-                    connection_bytes=flags.lane_connection_bytes,
-                    budget_bytes=flags.lane_budget_bytes,
-                    stall_timeout=flags.lane_stall_timeout,
-                    max_connections=flags.lane_max_connections,
+                frame = max_message + MAX_META  # a DictRequest and its RpcMeta
+                baidu = BaiduStdServer(
+                    service,
+                    control,
+                    host=host,
+                    token=token,
+                    insecure=insecure,
+                    max_frame=frame,
+                    bounds=bounds,
                 )
-                baidu = BaiduStdServer(service, control, limits=limits, **security)
                 faces.ports[name] = await baidu.start(port, ssl_context)
                 faces.stoppers.append(baidu.stop)
         except OSError as exc:

@@ -584,20 +584,22 @@ def load_flat(dirs: list[Path], options: LoadOptions) -> LoadedVersion:
     try:
         for split_dir in dirs:
             handle = _open_layer(split_dir, options)
-            meta = handle.shard.meta
-            name = str(meta.get("version") or "")
-            if meta.get("mode") == "delta" or is_delta(name):
+            try:  # until the split holds it, the handle is released here
+                meta = handle.shard.meta
+                name = str(meta.get("version") or "")
+                if meta.get("mode") == "delta" or is_delta(name):
+                    raise VersionError(
+                        "FAILED_PRECONDITION",
+                        f"{split_dir} holds the files of delta {name!r}; a delta needs its"
+                        f" base: {LAYOUT_HINT}",
+                    )
+                routing = _layer_routing([handle], split_dir, options)
+                split = SplitData(split_dir, [name], [handle], ShardStack([handle.shard]), routing)
+            except BaseException:
                 handle.release()
-                raise VersionError(
-                    "FAILED_PRECONDITION",
-                    f"{split_dir} holds the files of delta {name!r}; a delta needs its base:"
-                    f" {LAYOUT_HINT}",
-                )
+                raise
             names.add(name)
-            routing = _layer_routing([handle], split_dir, options)
-            splits.append(
-                SplitData(split_dir, [name], [handle], ShardStack([handle.shard]), routing)
-            )
+            splits.append(split)
         if len(names) != 1 or not next(iter(names)):
             raise VersionError(
                 "FAILED_PRECONDITION",
