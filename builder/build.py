@@ -648,16 +648,19 @@ class Progress:
 
 @dataclass(eq=False)
 class Workspace:
-    """Staging and spill directories of one build; removed unless published."""
+    """Staging and spill directories of one build; removed unless published. The target is
+    `<output_path>/<version_dir_name>`, or `<output_path>/<target_name>` when one is given
+    (cube-import's data directories name a version as the server does)."""
 
     config: BuildConfig
+    target_name: str | None = None
     staging: Path = field(init=False)
     spill: Path = field(init=False)
     target: Path = field(init=False)
 
     def __post_init__(self) -> None:
         output = self.config.output_path
-        name = self.config.version_dir_name
+        name = self.target_name or self.config.version_dir_name
         self.target = output / name
         if os.path.lexists(self.target):
             raise BuildError(f"{self.target} already exists; refusing to overwrite it")

@@ -3,20 +3,24 @@
 Thin shell over `cube.original_format` (the format, its checks, the values): this module finds
 the original's files, maps them, and writes each shard with the builder's own writer and
 packer (`cube.shard_writer.write_shard`, `cube.builder.build.package_shard`,
-`write_meta_infos`, `Workspace`), one shard of one version at a time: one shard's keys and
-addresses in memory (16 bytes a record, plus the table), its values read from the mapped
-files as they are written.
+`write_meta_infos`, `Workspace`), one shard of one version at a time. Memory follows one
+shard of one version: its keys, value offsets and lengths (16 bytes a record, 18 with several
+data files) and the table built from the keys; the values are read from the mapped files as
+they are written. Peak traced memory, measured with tracemalloc over 1-2M-record shards: about
+63 bytes a record (build_table's own peak included), whatever the value sizes.
 
 Inputs (-input_path, comma-separated for several), found by their layout:
 - the original cube-builder's output: its -output_path (version directories `<depend>_<cur>`),
   one version directory (`<dict>_part<i>/` directories and/or `<dict>_part<i>.tar`), one shard
   directory or one shard tar;
 - a deployment of the original: its deploy path, its `cube_data/` (downloads,
-  `<shard>/<version>/`, unpacked next to the tar) or its `data/` (`VERSION` and
-  `<version>/`, whose files link into `cube_data/`), or a local-mode `data/` holding one
-  version's files (give -version).
+  `<shard>/<version>/`, unpacked next to the tar; `<shard>/<version>-<dict>/`, the tar alone,
+  in the agent's service mode) or its `data/` (`VERSION` and `<version>/`, whose files link
+  into `cube_data/`), or a local-mode `data/` holding one version's files (give -version).
 
-Outputs, each version written aside and renamed into place only when all are complete:
+Outputs: every target is checked and staged before anything is converted, and all of them are
+renamed into place (SIGINT and SIGTERM blocked meanwhile) only when every version is complete;
+a failure or a signal before that leaves nothing published, a failed rename undoes the others:
 - -output_path: build output as cube-builder writes it, `<depend>_<cur>/<dict>_part<i>/`, tar,
   md5 and `meta_info/`: what cube-transfer checks and cube-agent places;
 - -data_dir: a cube-server data directory for one shard, `<version>/` (with CHAIN for a
@@ -27,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import hashlib
 import mmap
 import os
 import re
@@ -36,9 +39,9 @@ import signal
 import sys
 import tarfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as cube-builder: no BLAS threads needed
@@ -54,9 +57,9 @@ from cube.builder.build import (
     shard_header_meta,
     write_meta_infos,
 )
-from cube.builder.meta import ShardOutput
+from cube.builder.meta import META_DIR, ShardOutput, meta_info_name
 from cube.flags import FlagError, FlagSet, one_line, run_cli
-from cube.fsutil import atomic_write_text, fsync_dir, md5_of_line
+from cube.fsutil import Md5Error, atomic_write_text, check_md5_file, fsync_dir
 from cube.index import build_table
 from cube.layout import (
     CHAIN_FILE,
@@ -64,7 +67,9 @@ from cube.layout import (
     chain_text,
     is_name,
     parse_version,
+    part_name,
     served_version,
+    tar_name,
     version_text,
 )
 from cube.original_format import (
@@ -84,14 +89,20 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_FLAGS = 0, 1, 2
 # What the headers say the keys were read as: the original read a record's key as its raw 8
 # bytes, little-endian (builder_job.cpp), cube-builder's "cube" key format.
 KEY_FORMAT = "cube"
+FORMAT_FILES = "data.N, index.N, data.n, index.n"  # the original's shard files, for messages
 _VERSION_RE = re.compile(r"(0|[1-9][0-9]{0,18})(?:_(0|[1-9][0-9]{0,18}))?")
+_VERSION_RULE = "<depend>_<cur> or <depend>, positive numbers without leading zeros"
 _PART_RE = re.compile(r"(?P<dict>.+)_part(?P<shard>0|[1-9][0-9]{0,5})")
-_MD5_CHUNK = 8 << 20
-_staging: list[Path] = []  # -data_dir versions being written (removed on failure or signal)
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 class ImportError_(RuntimeError):
     """An import that cannot go on; the message is one line for the user."""
+
+
+def warn(message: str) -> None:
+    """A warning: stderr, always (-quiet silences the summary only)."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,7 +126,7 @@ class Inventory:
     sources: dict[tuple[str, int], Source] = field(default_factory=dict)
     served: str | None = None  # the version a deployment's VERSION names
     served_from: str = ""
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # warnings for the user
 
     def add(self, source: Source) -> None:
         key = (source.version, source.shard)
@@ -132,7 +143,7 @@ class Inventory:
 class Hints:
     dict_name: str
     shard: int | None  # -shard
-    version: str | None  # -version
+    version: str | None  # -version (checked by parse_version_name)
 
 
 def parse_version_name(name: str) -> tuple[int, int] | None:
@@ -146,29 +157,51 @@ def parse_version_name(name: str) -> tuple[int, int] | None:
     return (depend, cur) if depend > 0 and cur > 0 else None
 
 
+def version_name(name: str, origin: str, hints: Hints | None = None) -> str:
+    """Every version name the import uses comes through here: `name` when it is one, else
+    -version when `hints` allow it (a directory's name: local mode, version 0), else
+    ImportError_ saying where the name came from (`origin`: "<file> names",
+    "<dir>: its directory name"). -version itself is checked as a flag (exit 2)."""
+    if parse_version_name(name):
+        return name
+    if hints is not None and hints.version:
+        return hints.version
+    give = "; give -version" if hints is not None else ""
+    raise ImportError_(
+        f"{origin} {name!r}, not a version of the original ({_VERSION_RULE}; the local "
+        f"mode's 0 is none){give}"
+    )
+
+
 def _is_shard_dir(path: Path) -> bool:
     try:
         names = os.listdir(path)
     except OSError:
         return False
-    return any(n in (INDEX_LIST, DATA_LIST) or numbered_file(n) for n in names)
+    return any(_wanted(n) for n in names)
 
 
-def _version_of(name: str, where: Path, hints: Hints) -> str:
-    if parse_version_name(name):
-        return name
-    if hints.version:
-        return hints.version
-    raise ImportError_(
-        f"{where}: cannot tell which version this is ({name!r} is not a version name such as "
-        "<depend>_<cur>, or it is version 0): give -version"
-    )
+def _version_of(directory: Path, where: Path, hints: Hints) -> str:
+    """The version a directory's name gives (-version when it gives none)."""
+    return version_name(directory.name, f"{where}: its directory name", hints)
 
 
 def _shard_hint(where: Path, hints: Hints) -> int:
     if hints.shard is None:
         raise ImportError_(f"{where}: cannot tell which shard this is: give -shard")
     return hints.shard
+
+
+def _check_dict(path: Path, match: re.Match[str], hints: Hints) -> None:
+    if match["dict"] != hints.dict_name:
+        raise ImportError_(
+            f"{path} is a part of dict {match['dict']!r}, not of -dict_name {hints.dict_name!r}"
+        )
+
+
+def _foreign(where: Path | str, names: Sequence[str]) -> ImportError_:
+    shown = ", ".join(sorted(names)[:6]) + (", ..." if len(names) > 6 else "")
+    return ImportError_(f"{where}: holds {shown}: not the original's format ({FORMAT_FILES})")
 
 
 def find_sources(paths: Sequence[Path], hints: Hints) -> Inventory:
@@ -184,13 +217,13 @@ def find_sources(paths: Sequence[Path], hints: Hints) -> Inventory:
         elif _is_shard_dir(path):
             _add_shard_dir(inventory, path, hints)
         elif _parts(path, hints.dict_name):
-            _add_version_dir(inventory, path, path.name, hints)
+            _add_version_dir(inventory, path, hints)
         elif (path / "cube_data").is_dir():
             served = path / "data" / VERSION_FILE
             _add_cube_data(inventory, path / "cube_data", hints, served)
         elif (path / "data").is_dir() and (path / "data" / VERSION_FILE).is_file():
             _add_data_dir(inventory, path / "data", hints)
-        elif _shard_seq_dirs(path):
+        elif _shard_seq_dirs(path, hints.dict_name):
             _add_cube_data(inventory, path, hints, None)
         else:
             versions = [
@@ -208,7 +241,7 @@ def find_sources(paths: Sequence[Path], hints: Hints) -> Inventory:
                     "or tar, or a deployment's deploy path, data/ or cube_data/"
                 )
             for version in found:
-                _add_version_dir(inventory, version, version.name, hints)
+                _add_version_dir(inventory, version, hints)
     if not inventory.sources:
         raise ImportError_(
             f"no shard of dict {hints.dict_name!r} found in {', '.join(map(str, paths))}"
@@ -235,22 +268,24 @@ def _parts(directory: Path, dict_name: str) -> list[int]:
 
 
 def _add_tar(inventory: Inventory, path: Path, hints: Hints) -> None:
-    match = _PART_RE.fullmatch(path.name.removesuffix(".tar"))
     if not path.name.endswith(".tar"):
         raise ImportError_(f"{path}: not a shard tar (<dict>_part<i>.tar) nor a directory")
+    match = _PART_RE.fullmatch(path.name.removesuffix(".tar"))
+    if match:
+        _check_dict(path, match, hints)
     shard = int(match["shard"]) if match else _shard_hint(path, hints)
     if match and hints.shard is not None and shard != hints.shard:
         raise ImportError_(f"{path} is shard {shard}, not -shard {hints.shard}")
-    version = _version_of(path.parent.name, path, hints)
-    inventory.add(Source(version, shard, "tar", path))
+    inventory.add(Source(_version_of(path.parent, path, hints), shard, "tar", path))
 
 
 def _add_shard_dir(inventory: Inventory, path: Path, hints: Hints) -> None:
     match = _PART_RE.fullmatch(path.name)
     if match:  # the builder's <dict>_part<i>/ inside <depend>_<cur>/
-        shard, version = int(match["shard"]), _version_of(path.parent.name, path, hints)
+        _check_dict(path, match, hints)
+        shard, version = int(match["shard"]), _version_of(path.parent, path, hints)
     else:  # a deployment's cube_data/<shard>/<version>/ or data/<version>/, or local mode
-        version = _version_of(path.name, path, hints)
+        version = _version_of(path, path, hints)
         seq = path.parent.name
         in_downloads = seq.isdigit() and path.parent.parent.name == "cube_data"
         shard = int(seq) if in_downloads else _shard_hint(path, hints)
@@ -259,19 +294,22 @@ def _add_shard_dir(inventory: Inventory, path: Path, hints: Hints) -> None:
     inventory.add(Source(version, shard, "dir", path))
 
 
-def _add_version_dir(inventory: Inventory, path: Path, name: str, hints: Hints) -> None:
-    version = _version_of(name, path, hints)
+def _add_version_dir(inventory: Inventory, path: Path, hints: Hints) -> None:
+    version = _version_of(path, path, hints)
     for shard in _parts(path, hints.dict_name):
         if hints.shard is not None and shard != hints.shard:
             continue
-        directory = path / f"{hints.dict_name}_part{shard}"
-        tar = directory.with_name(directory.name + ".tar")
-        if directory.is_dir() and _is_shard_dir(directory):
+        directory = path / part_name(hints.dict_name, shard)
+        tar = path / tar_name(hints.dict_name, shard)
+        names = os.listdir(directory) if directory.is_dir() else []
+        if names and _is_shard_dir(directory):
             inventory.add(Source(version, shard, "dir", directory))
         elif tar.is_file():
             inventory.add(Source(version, shard, "tar", tar))
-        elif directory.is_dir() and not os.listdir(directory):
+        elif directory.is_dir() and not names:
             inventory.add(Source(version, shard, "empty", directory))
+        elif names:
+            raise _foreign(directory, names)
         else:
             raise ImportError_(f"{directory}: neither the shard's files nor its tar are here")
 
@@ -292,50 +330,52 @@ def _add_data_dir(inventory: Inventory, path: Path, hints: Hints) -> None:
     the files of the base and of every patch loaded over it. Links are followed to the
     directories the versions were unpacked in (cube_data/<shard>/<version>/), each a version."""
     served_dir = _served_dir(path)
+    version_file = path / VERSION_FILE
     if served_dir is None:
-        text = (path / VERSION_FILE).read_text(encoding="utf-8", errors="replace")
+        text = version_file.read_text(encoding="utf-8", errors="replace")
         named = parse_version(text) or ""
         if named and (path / "0" / named).is_dir():
             raise ImportError_(
                 f"{path}: a dict_split layout (data/<split>/<version>/): not supported, the "
                 "original cube-builder builds one split per shard"
             )
-        raise ImportError_(f"{path}/{VERSION_FILE} names {named!r}, which holds no shard files")
-    inventory.served, inventory.served_from = served_dir.name, str(path / VERSION_FILE)
+        raise ImportError_(f"{version_file} names {named!r}, which holds no shard files")
+    served = version_name(served_dir.name, f"{version_file} names")
+    inventory.served, inventory.served_from = served, str(version_file)
     homes: dict[Path, None] = {}
     for name in sorted(os.listdir(served_dir)):
-        if name in (INDEX_LIST, DATA_LIST) or numbered_file(name):
+        if _wanted(name):
             homes[Path(os.path.realpath(served_dir / name)).parent] = None
-    if list(homes) == [Path(os.path.realpath(served_dir))]:
-        inventory.add(Source(served_dir.name, _data_shard(served_dir, hints), "dir", served_dir))
+    if list(homes) == [Path(os.path.realpath(served_dir))]:  # copies, or local mode
+        inventory.add(Source(served, _shard_hint(served_dir, hints), "dir", served_dir))
         return
     for home in homes:
         _add_shard_dir(inventory, home, hints)
 
 
-def _data_shard(served_dir: Path, hints: Hints) -> int:
-    if hints.shard is None:
-        raise ImportError_(
-            f"{served_dir}: cannot tell which shard this deployment serves: give -shard"
-        )
-    return hints.shard
+def _download_name(name: str, dict_name: str) -> str:
+    """A download directory's version: the agent names it `<version>`, or `<version>-<dict>`
+    in its service mode (and writes cube_data/VERSION the same way: agent/work.go,
+    GetDownloadDirs and DoDownload)."""
+    return name.removesuffix(f"-{dict_name}")
 
 
-def _shard_seq_dirs(path: Path) -> list[Path]:
+def _shard_seq_dirs(path: Path, dict_name: str) -> list[Path]:
     """cube_data/<shard_seq>/ directories holding version directories."""
     found = []
     for entry in sorted(path.iterdir()):
         if entry.is_dir() and entry.name.isdigit():
-            children = [c for c in entry.iterdir() if c.is_dir()]
-            if any(_VERSION_RE.fullmatch(c.name) for c in children):
+            children = [c.name for c in entry.iterdir() if c.is_dir()]
+            if any(_VERSION_RE.fullmatch(_download_name(c, dict_name)) for c in children):
                 found.append(entry)
     return found
 
 
 def _add_cube_data(inventory: Inventory, path: Path, hints: Hints, served: Path | None) -> None:
     """A deployment's cube_data/: <shard_seq>/<version>/ per download, the tar unpacked next to
-    it. VERSION: data/VERSION (what the server loads at start) else cube_data/VERSION."""
-    for seq in _shard_seq_dirs(path):
+    it (<version>-<dict>/, the tar alone, in the agent's service mode). VERSION: data/VERSION
+    (what the server loads at start), else cube_data/VERSION-<dict>, else cube_data/VERSION."""
+    for seq in _shard_seq_dirs(path, hints.dict_name):
         shard = int(seq.name)
         if hints.shard is not None and shard != hints.shard:
             continue
@@ -348,23 +388,34 @@ def _add_cube_data(inventory: Inventory, path: Path, hints: Hints, served: Path 
                     f"{entry}: a dict_split layout (cube_data/<shard>/<split>/<version>/): "
                     "not supported, the original cube-builder builds one split per shard"
                 )
-            if not _VERSION_RE.fullmatch(entry.name):
-                inventory.notes.append(f"skipped {entry} (not a version directory)")
+            name = _download_name(entry.name, hints.dict_name)
+            if not _VERSION_RE.fullmatch(name):
+                inventory.notes.append(
+                    f"skipped {entry} (not a download of a version of {hints.dict_name})"
+                )
                 continue
+            version = version_name(name, f"{entry}: its directory name")
             tars = sorted(entry.glob("*.tar"))
+            for tar in tars:
+                match = _PART_RE.fullmatch(tar.name.removesuffix(".tar"))
+                if match:
+                    _check_dict(tar, match, hints)
             if _is_shard_dir(entry):
-                inventory.add(Source(entry.name, shard, "dir", entry))
+                inventory.add(Source(version, shard, "dir", entry))
             elif len(tars) == 1:
-                inventory.add(Source(entry.name, shard, "tar", tars[0]))
+                inventory.add(Source(version, shard, "tar", tars[0]))
             else:
                 what = "several tars" if tars else "no tar and no unpacked files"
                 inventory.notes.append(f"skipped {entry} ({what}: an unfinished download?)")
-    for candidate in (served, path / VERSION_FILE):
+    own = path / f"{VERSION_FILE}-{hints.dict_name}"  # the agent copies VERSION to it
+    for candidate in (served, own, path / VERSION_FILE):
         if candidate is not None and candidate.is_file():
             text = candidate.read_text(encoding="utf-8", errors="replace")
             named = parse_version(text)
             if named:
-                inventory.served, inventory.served_from = named.split("-")[0], str(candidate)
+                name = _download_name(named, hints.dict_name)
+                inventory.served = version_name(name, f"{candidate} names")
+                inventory.served_from = str(candidate)
                 break
 
 
@@ -374,11 +425,13 @@ def _add_cube_data(inventory: Inventory, path: Path, hints: Hints, served: Path 
 
 @dataclass
 class _Files:
-    """A source's files: each name -> (bytes as a uint8 array, or None until mapped; size)."""
+    """A source's files of the format (name -> bytes as a uint8 array, mapped) and the names
+    of the other regular files it holds."""
 
     where: str
     arrays: dict[str, np.ndarray]
     maps: list[mmap.mmap]
+    others: list[str] = field(default_factory=list)
 
     def close(self) -> None:
         self.arrays.clear()
@@ -408,17 +461,20 @@ def open_source(source: Source, check_md5: bool) -> Iterator[_Files]:
     try:
         if source.kind == "dir":
             for name in sorted(os.listdir(source.path)):
-                if _wanted(name) and (source.path / name).is_file():
-                    array, mapped = _map(source.path / name)
+                path = source.path / name
+                if _wanted(name) and path.is_file():
+                    array, mapped = _map(path)
                     files.arrays[name] = array
                     if mapped is not None:
                         files.maps.append(mapped)
                 elif _wanted(name):
-                    raise ImportError_(f"{source.path / name}: not a regular file")
+                    raise ImportError_(f"{path}: not a regular file")
+                else:
+                    files.others.append(name)
         elif source.kind == "tar":
             if check_md5:
                 _check_md5(source.path)
-            members = _tar_members(source.path)
+            members, files.others = _tar_members(source.path)
             if members:
                 whole, mapped = _map(source.path)
                 if mapped is not None:
@@ -430,22 +486,32 @@ def open_source(source: Source, check_md5: bool) -> Iterator[_Files]:
         files.close()
 
 
-def _tar_members(path: Path) -> dict[str, tuple[int, int]]:
+def _tar_members(path: Path) -> tuple[dict[str, tuple[int, int]], list[str]]:
     """The format's files in a shard tar (the original packs `./data.0`, ..., `./index.n`):
-    name -> (offset, size) of its bytes in the tar. Checked against the tar's size."""
+    name -> (offset, size) of its bytes in the tar, checked against the tar's size; and the
+    names of its other regular files."""
     found: dict[str, tuple[int, int]] = {}
+    others: list[str] = []
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             with tarfile.open(fileobj=f, mode="r:") as tar:
                 for member in tar:
-                    name = member.name.removeprefix("./").strip("/")
+                    name = "/".join(PurePosixPath(member.name).parts)  # ./x, ././x -> x
                     if not _wanted(name):
+                        if not member.isdir():
+                            others.append(name)
                         continue
                     if not member.isreg():
                         raise ImportError_(
                             f"{path}: member {member.name} is not a regular file (at offset "
                             f"{member.offset})"
+                        )
+                    if member.issparse():
+                        raise ImportError_(
+                            f"{path}: member {member.name} is a sparse file (at offset "
+                            f"{member.offset}): its bytes are not stored in one piece; the "
+                            "original's tars hold plain files"
                         )
                     end = member.offset_data + member.size
                     if end > size:
@@ -456,32 +522,25 @@ def _tar_members(path: Path) -> dict[str, tuple[int, int]]:
                     found[name] = (member.offset_data, member.size)
     except tarfile.TarError as exc:
         raise ImportError_(f"{path}: not a readable plain tar ({exc})") from None
-    return found
+    return found, others
 
 
 def _check_md5(tar: Path) -> None:
     """Against `<tar>.md5` (md5sum's line, as the original writes it) when there is one."""
-    md5_file = tar.with_name(tar.name + ".md5")
-    if not md5_file.is_file():
-        return
-    expected = md5_of_line(md5_file.read_text(encoding="utf-8", errors="replace"))
-    if expected is None:
-        raise ImportError_(f"{md5_file}: not an md5sum line")
-    digest = hashlib.md5(usedforsecurity=False)
-    with open(tar, "rb") as f:
-        while block := f.read(_MD5_CHUNK):
-            digest.update(block)
-    if digest.hexdigest() != expected:
-        raise ImportError_(
-            f"{tar}: md5 {digest.hexdigest()} does not match {md5_file.name} ({expected}): the "
-            "tar is damaged (-check_md5=false skips this check)"
-        )
+    try:
+        check_md5_file(tar)
+    except Md5Error as exc:
+        raise ImportError_(f"{exc} (-check_md5=false skips this check)") from None
 
 
 def plan_source(source: Source, files: _Files) -> Layer:
-    """The layer a source holds (cube.original_format.plan_layer on its lists and sizes)."""
+    """The layer a source holds (cube.original_format.plan_layer on its lists and sizes). A
+    source without any regular file is an empty base shard, as the original leaves it; one
+    holding other files only is not the original's."""
     arrays = files.arrays
-    if source.kind == "empty" or not arrays:  # a dir or tar holding none of the files
+    if source.kind == "empty" or not arrays:
+        if files.others:
+            raise _foreign(files.where, files.others)
         return Layer.empty_base(str(source.path))
     for name in (INDEX_LIST, DATA_LIST):
         if name not in arrays:
@@ -524,10 +583,30 @@ class Plan:
     served: str | None
 
 
+def keep_shard(inventory: Inventory, shard: int | None) -> int:
+    """-data_dir: the one shard to import (-shard, or the only one found); the inventory keeps
+    only its sources, so that nothing else is opened or hashed."""
+    shards = sorted({source.shard for source in inventory.sources.values()})
+    if shard is None:
+        if len(shards) != 1:
+            raise ImportError_(
+                f"the input holds shards {', '.join(map(str, shards))}; a data directory "
+                "serves one: give -shard"
+            )
+        shard = shards[0]
+    if shard not in shards:
+        raise ImportError_(
+            f"no shard {shard} in the input (it holds {', '.join(map(str, shards))})"
+        )
+    inventory.sources = {k: s for k, s in inventory.sources.items() if s.shard == shard}
+    return shard
+
+
 def make_plan(inventory: Inventory, shard_num: int, check_md5: bool) -> Plan:
     """Every source's layer checked (tars against their .md5 files too), the versions grouped
     by base and ordered."""
     layers: dict[tuple[str, int], Layer] = {}
+    parsed: dict[str, tuple[int, int]] = {}
     for key, source in sorted(inventory.sources.items()):
         if source.shard >= shard_num:
             raise ImportError_(
@@ -536,17 +615,16 @@ def make_plan(inventory: Inventory, shard_num: int, check_md5: bool) -> Plan:
         with open_source(source, check_md5) as files:
             layers[key] = plan_source(source, files)
         pair = parse_version_name(source.version)
-        if layers[key].no_files and pair is not None and pair[0] != pair[1]:
-            raise ImportError_(f"{source.path}: holds none of the original's shard files")
-    names = {version for version, _shard in layers}
-    parsed = {}
-    for name in names:
-        pair = parse_version_name(name)
-        if pair is None:  # -version gave it; a base
-            raise ImportError_(f"-version {name!r}: not a version (a positive number)")
-        parsed[name] = pair
+        assert pair is not None, source  # every name came through version_name
+        parsed[source.version] = pair
+        if layers[key].no_files and pair[0] != pair[1]:
+            raise ImportError_(
+                f"{source.path}: an empty shard, but version {source.version} is a patch, and "
+                "the original writes data.n and index.n into every shard of a patch (an "
+                "incomplete copy?)"
+            )
     by_depend: dict[int, list[str]] = {}
-    for name in names:
+    for name in sorted(parsed):
         by_depend.setdefault(parsed[name][0], []).append(name)
     shards = sorted({shard for _version, shard in layers})
     families = []
@@ -575,14 +653,43 @@ def make_plan(inventory: Inventory, shard_num: int, check_md5: bool) -> Plan:
             is_base = name == order[0]
             dep, cur = parsed[name]
             if is_base != (dep == cur):
-                what = "a base's" if is_base else "a patch's"
-                raise ImportError_(
-                    f"version {name}: its name says {'base' if dep == cur else 'patch'}, but it "
-                    f"holds {what} files ({'index.0' if is_base else 'no index.0'})"
-                )
+                raise ImportError_(_misnamed(name, is_base))
             versions.append(Version(name, dep, cur, is_base))
+            if all(layers[(name, shard)].no_files for shard in shards):
+                inventory.notes.append(_empty_note(name, shards))
         families.append(versions)
     return Plan(families, layers, shards, inventory.served)
+
+
+def _empty_note(name: str, shards: Sequence[int]) -> str:
+    """A version without records where it is imported (one empty shard among others is not
+    worth a word). The original builder leaves an empty directory and a tar of ./ for a base
+    shard that got no record; imported, it is an empty shard."""
+    if len(shards) == 1:
+        return (
+            f"version {name} shard {shards[0]} holds no record (an empty directory or a tar "
+            "of ./ only, what the original builder leaves for a shard that got none): "
+            "imported as an empty shard"
+        )
+    return (
+        f"version {name}: none of its {len(shards)} shards holds a record (each an empty "
+        "directory or a tar of ./ only, what the original builder leaves for a base built "
+        "from no input): imported as empty shards"
+    )
+
+
+def _misnamed(name: str, is_base: bool) -> str:
+    if is_base:
+        return (
+            f"version {name}: its name says patch, but it holds a base's files (index.0): "
+            "which version brought which file is lost, as when a deployment's data/<version>/ "
+            "holds copies rather than the agent's links into cube_data/; give the deployment's "
+            "cube_data/ (or the builder's output) instead"
+        )
+    return (
+        f"version {name}: its name says base, but it holds a patch's files (no index.0): a "
+        "patch's directory renamed? give it its <depend>_<cur> name"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -596,24 +703,6 @@ class Totals:
     versions: list[str] = field(default_factory=list)
 
 
-@contextlib.contextmanager
-def _records(
-    source: Source, layer: Layer, shard: int, shard_num: int
-) -> Iterator[tuple[np.ndarray, OriginalValues]]:
-    """The keys and values of one shard of one version, its files mapped while the block runs
-    (a tar's md5 was checked by make_plan)."""
-    with open_source(source, check_md5=False) as files:
-        if not layer.index_files:
-            none = np.empty(0, np.int64)
-            yield np.empty(0, np.uint64), OriginalValues([], none, none, none)
-            return
-        index = {k: files.arrays[f"index.{k}"] for k in layer.index_files}
-        data = {j: files.arrays[f"data.{j}"] for j in layer.data_files}
-        records = read_layer(layer, index, data, shard, shard_num)
-        del index, data
-        yield records.keys, records.values
-
-
 def convert_shard(
     source: Source,
     layer: Layer,
@@ -624,9 +713,24 @@ def convert_shard(
     sync: bool,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """One shard of one version written into `directory` (index.cube + data.cube); returns the
-    index header fields and the meta stored in the headers."""
+    index header fields and the meta stored in the headers. The original's files are mapped
+    while this runs (a tar's md5 was checked by make_plan); each array is let go as soon as
+    it has served."""
     meta = shard_header_meta(config, shard, (KEY_FORMAT,))
-    with _records(source, layer, shard, config.shard_num) as (keys, values):
+    with open_source(source, check_md5=False) as files:
+        if layer.index_files:
+            records = read_layer(
+                layer,
+                {k: files.arrays[f"index.{k}"] for k in layer.index_files},
+                {j: files.arrays[f"data.{j}"] for j in layer.data_files},
+                shard,
+                config.shard_num,
+            )
+            keys, values = records.keys, records.values
+            del records
+        else:
+            none = np.empty(0, np.uint32)
+            keys, values = np.empty(0, np.uint64), OriginalValues([], none, none, none)
         built = build_table(keys)
         totals.records += int(keys.shape[0])
         del keys
@@ -650,6 +754,64 @@ def _config(version: Version, dict_name: str, output: Path, shard_num: int) -> B
     )
 
 
+@dataclass
+class _State:
+    """What a signal handler must know: whether targets are being renamed (the signals are
+    blocked then; one that reaches the handler anyway waits) or all were."""
+
+    publishing: bool = False
+    published: bool = False
+    deferred: int = 0
+
+
+_state = _State()
+
+
+@contextlib.contextmanager
+def staged(targets: Sequence[tuple[BuildConfig, str | None]]) -> Iterator[list[Workspace]]:
+    """A workspace for every target (config, target name), all created (each target checked
+    absent) before the block runs; what is not published is removed at the end, as the
+    builder's (abort_active_builds removes it on a signal)."""
+    workspaces: list[Workspace] = []
+    try:
+        for config, name in targets:
+            try:
+                workspaces.append(Workspace(config, name))
+            except BuildError as exc:
+                raise ImportError_(str(exc)) from None
+        yield workspaces
+    finally:
+        for workspace in workspaces:
+            workspace.close()
+
+
+def publish(workspaces: Sequence[Workspace], finish: Callable[[], None]) -> list[Path]:
+    """Rename every staged version into place, then `finish` (meta_info, VERSION), with SIGINT
+    and SIGTERM blocked; if anything fails, the targets already renamed are removed again."""
+    published: list[Path] = []
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    _state.publishing = True
+    try:
+        try:
+            for workspace in workspaces:
+                published.append(workspace.publish())
+            finish()
+        except BaseException:
+            for target in published:
+                shutil.rmtree(target, ignore_errors=True)
+            for parent in {target.parent for target in published}:
+                with contextlib.suppress(OSError):
+                    fsync_dir(parent)
+            raise
+        _state.published = True
+    finally:
+        _state.publishing = False
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+    if _state.deferred:
+        _terminate(_state.deferred, None)
+    return published
+
+
 def write_build_outputs(
     plan: Plan,
     inventory: Inventory,
@@ -659,49 +821,54 @@ def write_build_outputs(
     totals: Totals,
 ) -> list[Path]:
     """Every version as cube-builder's output under `output`; all staged, then published."""
-    for family in plan.families:
-        for version in family:
-            missing = [s for s in range(shard_num) if (version.original, s) not in plan.layers]
-            if missing:
-                raise ImportError_(
-                    f"version {version.original} has no shard {missing[0]} of {shard_num}: a build "
-                    "output needs every shard (a deployment holds one: import it with -data_dir)"
+    versions = [version for family in plan.families for version in family]
+    for version in versions:
+        missing = [s for s in range(shard_num) if (version.original, s) not in plan.layers]
+        if missing:
+            raise ImportError_(
+                f"version {version.original} has no shard {missing[0]} of {shard_num}: a build "
+                "output needs every shard (a deployment holds one: import it with -data_dir)"
+            )
+    configs = [_config(version, dict_name, output, shard_num) for version in versions]
+    outputs: list[list[ShardOutput]] = [[] for _ in versions]
+    with staged([(config, None) for config in configs]) as workspaces:
+        for version, config, workspace, done in zip(
+            versions, configs, workspaces, outputs, strict=True
+        ):
+            for shard in range(shard_num):
+                name = config.shard_name(shard)
+                directory = workspace.staging / name
+                header, meta = convert_shard(
+                    inventory.sources[(version.original, shard)],
+                    plan.layers[(version.original, shard)],
+                    config,
+                    shard,
+                    directory,
+                    totals,
+                    sync=False,
                 )
-    staged: list[tuple[Workspace, BuildConfig, list[ShardOutput]]] = []
-    try:
-        for family in plan.families:
-            for version in family:
-                config = _config(version, dict_name, output, shard_num)
-                try:
-                    workspace = Workspace(config)
-                except BuildError as exc:
-                    raise ImportError_(str(exc)) from None
-                outputs: list[ShardOutput] = []
-                staged.append((workspace, config, outputs))
-                for shard in range(shard_num):
-                    source = inventory.sources[(version.original, shard)]
-                    name = config.shard_name(shard)
-                    directory = workspace.staging / name
-                    header, meta = convert_shard(
-                        source,
-                        plan.layers[(version.original, shard)],
-                        config,
-                        shard,
-                        directory,
-                        totals,
-                        sync=False,
-                    )
-                    outputs.append(
-                        package_shard(header, directory, workspace.staging / f"{name}.tar", meta)
-                    )
-                totals.versions.append(config.version_dir_name)
-        published = [stage[0].publish() for stage in staged]
-    finally:
-        for stage in staged:
-            stage[0].close()
-    for _workspace, config, outputs in staged:
-        write_meta_infos(config, outputs, (KEY_FORMAT,))
-    return published
+                done.append(
+                    package_shard(header, directory, workspace.staging / f"{name}.tar", meta)
+                )
+            totals.versions.append(config.version_dir_name)
+        meta_dir = output / META_DIR
+        metas = [
+            meta_dir / meta_info_name(config.cur_version, config.depend_version, shard)
+            for config in configs
+            for shard in range(shard_num)
+        ]
+        new_metas = [path for path in metas if not os.path.lexists(path)]
+
+        def write_metas() -> None:
+            try:
+                for config, done in zip(configs, outputs, strict=True):
+                    write_meta_infos(config, done, (KEY_FORMAT,))
+            except BaseException:
+                for path in new_metas:
+                    path.unlink(missing_ok=True)
+                raise
+
+        return publish(workspaces, write_metas)
 
 
 def _pick_family(plan: Plan, inventory: Inventory) -> tuple[list[Version], str]:
@@ -717,9 +884,7 @@ def _pick_family(plan: Plan, inventory: Inventory) -> tuple[list[Version], str]:
         )
     family = plan.families[-1]
     if len(plan.families) > 1:
-        inventory.notes.append(
-            f"several bases found; importing the newest, {family[0].served}, and its patches"
-        )
+        warn(f"several bases found; importing the newest, {family[0].served}, and its patches")
     return family, family[-1].served
 
 
@@ -729,20 +894,12 @@ def write_data_dir(
     dict_name: str,
     data_dir: Path,
     shard_num: int,
-    shard: int | None,
+    shard: int,
     totals: Totals,
 ) -> tuple[list[Path], str]:
     """One shard's versions as a cube-server data directory: `<version>/` (+ CHAIN for a
-    patch), then VERSION. Every version is written aside and renamed in when all are done."""
-    if shard is None:
-        if len(plan.shards) != 1:
-            raise ImportError_(
-                f"the input holds shards {', '.join(map(str, plan.shards))}; a data directory "
-                "serves one: give -shard"
-            )
-        shard = plan.shards[0]
-    if shard not in plan.shards:
-        raise ImportError_(f"no shard {shard} in the input (it holds {plan.shards})")
+    patch), then VERSION. Every version is staged first, and all are renamed in when all are
+    done."""
     family, serve = _pick_family(plan, inventory)
     version_file = data_dir / VERSION_FILE
     if version_file.is_file():
@@ -752,45 +909,32 @@ def write_data_dir(
                 f"{version_file} names {named}; refusing to change what that server loads at "
                 f"start to {serve} (import into an empty directory)"
             )
-    for version in family:
-        if os.path.lexists(data_dir / version.served):
-            raise ImportError_(f"{data_dir / version.served} already exists; not replacing it")
-    data_dir.mkdir(parents=True, exist_ok=True)
-    placed: list[tuple[Path, Path]] = []
-    chain: list[str] = []
-    try:
-        for version in family:
+    configs = [_config(version, dict_name, data_dir, shard_num) for version in family]
+    targets = [(config, version.served) for config, version in zip(configs, family, strict=True)]
+    with staged(targets) as workspaces:
+        chain: list[str] = []
+        for version, config, workspace in zip(family, configs, workspaces, strict=True):
             chain.append(version.served)
-            tmp = data_dir / f".tmp-{version.served}-{os.getpid()}"
-            _staging.append(tmp)
-            shutil.rmtree(tmp, ignore_errors=True)
-            config = _config(version, dict_name, data_dir, shard_num)
             convert_shard(
                 inventory.sources[(version.original, shard)],
                 plan.layers[(version.original, shard)],
                 config,
                 shard,
-                tmp,
+                workspace.staging,
                 totals,
                 sync=True,
             )
             if not version.is_base:
-                atomic_write_text(tmp / CHAIN_FILE, chain_text(chain))
-            fsync_dir(tmp)
-            placed.append((tmp, data_dir / version.served))
+                atomic_write_text(workspace.staging / CHAIN_FILE, chain_text(chain))
+            shutil.rmtree(workspace.spill, ignore_errors=True)  # not part of a version
+            fsync_dir(workspace.staging)
             totals.versions.append(version.served)
-        for tmp, target in placed:
-            if os.path.lexists(target):
-                raise ImportError_(f"{target} appeared during the import; not replacing it")
-            os.rename(tmp, target)
-            _staging.remove(tmp)
-        fsync_dir(data_dir)
-        atomic_write_text(version_file, version_text(serve))
-    finally:
-        for tmp in list(_staging):
-            shutil.rmtree(tmp, ignore_errors=True)
-            _staging.remove(tmp)
-    return [target for _tmp, target in placed], serve
+
+        def write_version() -> None:
+            fsync_dir(data_dir)
+            atomic_write_text(version_file, version_text(serve))
+
+        return publish(workspaces, write_version), serve
 
 
 # ---------------------------------------------------------------------------------------------
@@ -806,8 +950,8 @@ this project's builder code.
   directory (<dict>_part<i>/ and/or <dict>_part<i>.tar, .tar.md5 checked when present), one
   shard directory or tar; or a deployment of the original: its deploy path, its data/ (VERSION
   names the served version; its links lead to the versions in cube_data/), or its cube_data/
-  (<shard>/<version>/ downloads). A local-mode data/ (one version's files, no VERSION) needs
-  -version and -shard.
+  (<shard>/<version>/ downloads; <shard>/<version>-<dict>/ in the agent's service mode). A
+  local-mode data/ (one version's files, no VERSION) needs -version and -shard.
 
 The versions and their order come from the original's files: a base holds index.0, each
 patch's index.n and data.n lists start with those of the version before it (the check the
@@ -815,6 +959,8 @@ original server makes), and its files are the next ones. Every key must belong t
 the original's rule, key % shard_num (the same as -partitioner mod here): a wrong -shard_num is
 refused. Every address, length field and byte of the data files is checked; a problem names
 the file and offset. The original has no deletions and no checksums (a tar's .md5 aside).
+Files of another format (e.g. this project's index.cube and data.cube) are refused, never
+read as an empty shard.
 
 Output (exactly one):
   -output_path OUT  build output as cube-builder writes it: OUT/<depend>_<cur>/<dict>_part<i>/
@@ -825,9 +971,11 @@ Output (exactly one):
                     DIR/<version>/ (a patch with CHAIN) and DIR/VERSION naming the version the
                     deployment's VERSION named (else the newest); an existing version directory
                     or a VERSION naming another version is refused
-Each version is written aside and renamed into place once every one is complete: an import that
-fails publishes nothing. Memory: one shard's keys and addresses (16 bytes a record) and its
-table; values are read from the mapped original files.
+Every target is checked and every version written aside before any is renamed into place:
+an import that fails, or is stopped by SIGINT or SIGTERM, publishes nothing. Memory: one
+shard of one version at a time, about 63 bytes a record at the peak (its keys, value
+offsets and lengths, and the table built from them); values are read from the mapped files.
+Warnings (skipped downloads, several bases, empty versions) go to stderr, -quiet or not.
 
 Exit status: 0 imported, 1 failed (nothing published), 2 bad flags."""
 
@@ -860,29 +1008,32 @@ def flag_set() -> FlagSet:
             "the version of an input that names none (local mode) or names 0, e.g. 1700000000",
         )
         .add("check_md5", bool, True, "check each tar against its .md5 file when there is one")
-        .add("quiet", bool, False, "no summary line")
+        .add("quiet", bool, False, "no summary line (warnings still go to stderr)")
     )
 
 
 def _check_flags(flags: dict[str, Any]) -> None:
+    """Flag errors spell flags as this tool's other messages do: -name."""
     if not flags["dict_name"] or not is_name(flags["dict_name"]):
-        raise FlagError(f"--dict_name {flags['dict_name']!r} must be a plain name")
+        raise FlagError(f"-dict_name {flags['dict_name']!r} must be a plain name")
     if flags["shard_num"] < 1:
-        raise FlagError(f"--shard_num must be >= 1, got {flags['shard_num']}")
+        raise FlagError(f"-shard_num must be >= 1, got {flags['shard_num']}")
     if bool(flags["output_path"]) == bool(flags["data_dir"]):
-        raise FlagError("give exactly one of --output_path (build output) and --data_dir")
+        raise FlagError("give exactly one of -output_path (build output) and -data_dir")
     if flags["shard"] < -1 or flags["shard"] >= flags["shard_num"]:
-        raise FlagError(f"--shard must be in 0..{flags['shard_num'] - 1}, got {flags['shard']}")
+        raise FlagError(f"-shard must be in 0..{flags['shard_num'] - 1}, got {flags['shard']}")
     version = flags["version"]
-    if version and (not version.isdigit() or int(version) <= 0 or len(version) > 19):
-        raise FlagError(f"--version must be a positive number (a base's version), got {version!r}")
+    if version and parse_version_name(version) is None:
+        raise FlagError(f"-version {version!r} is not a version name ({_VERSION_RULE})")
 
 
 def _terminate(signum: int, _frame: Any) -> None:
-    abort_active_builds()
-    for path in list(_staging):
-        shutil.rmtree(path, ignore_errors=True)
-    os.write(2, f"error: stopped by signal {signum}; nothing was published\n".encode())
+    if _state.publishing:  # blocked meanwhile, but delivered to another thread: after it
+        _state.deferred = signum
+        return
+    abort_active_builds()  # the staged versions: removed
+    done = "the import was published before" if _state.published else "nothing was published"
+    os.write(2, f"error: stopped by signal {signum}; {done}\n".encode())
     os._exit(128 + signum)
 
 
@@ -897,14 +1048,22 @@ def run(argv: Sequence[str]) -> int:
     paths = [Path(p.strip()) for p in flags["input_path"].split(",") if p.strip()]
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGINT, _terminate)
+    _state.published, _state.deferred = False, 0
     started = time.monotonic()
     totals = Totals()
     collecting = gc.isenabled()
     gc.disable()
     try:
         inventory = find_sources(paths, hints)
+        for note in inventory.notes:
+            warn(note)
+        inventory.notes.clear()
+        # -data_dir: one shard, chosen before any tar is opened or hashed
+        shard = keep_shard(inventory, hints.shard) if flags["data_dir"] else None
         plan = make_plan(inventory, flags["shard_num"], flags["check_md5"])
-        if flags["output_path"]:
+        for note in inventory.notes:
+            warn(note)
+        if shard is None:
             written = write_build_outputs(
                 plan,
                 inventory,
@@ -921,7 +1080,7 @@ def run(argv: Sequence[str]) -> int:
                 flags["dict_name"],
                 Path(flags["data_dir"]),
                 flags["shard_num"],
-                hints.shard,
+                shard,
                 totals,
             )
             serving = f"; VERSION names {serve}"
@@ -936,8 +1095,6 @@ def run(argv: Sequence[str]) -> int:
         if collecting:
             gc.enable()
     if not flags["quiet"]:
-        for note in inventory.notes:
-            print(f"note: {note}")
         seconds = time.monotonic() - started
         rate = totals.records / max(seconds, 1e-9)
         print(

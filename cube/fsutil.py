@@ -77,3 +77,27 @@ def file_md5(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+class Md5Error(ValueError):
+    """A file that does not match its `.md5` file, or an `.md5` file without a digest; the
+    message names the file."""
+
+
+def check_md5_file(path: str | os.PathLike[str], verify: bool = True) -> str | None:
+    """The digest `<path>.md5` (md5sum's line) gives, `path` checked against it when `verify`;
+    None when there is no `<path>.md5` (the caller decides whether that is an error).
+    Md5Error when the digests differ or the file holds no digest."""
+    md5_path = Path(f"{os.fspath(path)}.md5")
+    try:
+        text = md5_path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return None
+    expected = md5_of_line(text)
+    if expected is None:
+        raise Md5Error(f"{md5_path}: no md5 hash (32 hex digits) at its start")
+    if verify:
+        actual = file_md5(path)
+        if actual != expected:
+            raise Md5Error(f"{path}: md5 {actual} does not match its .md5 file ({expected})")
+    return expected

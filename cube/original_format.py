@@ -45,6 +45,7 @@ import itertools
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 
@@ -176,10 +177,6 @@ class Layer:
         its lists (`done()` fails without a data file), leaving an empty directory or tar."""
         return cls(where, IndexList(HASH_INDEX, 0, ()), DataList(()), range(0), range(0), True)
 
-    @property
-    def records(self) -> int:
-        return sum(self.index_list.lengths[k] for k in self.index_files) // RECORD_BYTES
-
     def name(self, file: str) -> str:
         return f"{self.where}/{file}"
 
@@ -267,10 +264,20 @@ def order_layers(layers: Mapping[str, Layer], cur_of: Mapping[str, int]) -> list
             layers[names[0]].where, "no base among these versions (none holds index.0): "
             f"{', '.join(names)}",
         )  # fmt: skip
-    if len(bases) > 1 or bases[0] != names[0]:
+    if len(bases) > 1:
         raise OriginalFormatError(
-            layers[bases[-1]].where, f"more than one version holds a base's files (index.0): "
-            f"{', '.join(bases)}" if len(bases) > 1 else f"{names[0]} sorts before the base",
+            layers[bases[-1]].where, "more than one version holds a base's files (index.0): "
+            f"{', '.join(bases)}",
+        )  # fmt: skip
+    base, first = bases[0], names[0]
+    if first != base:
+        old, new = layers[base], layers[first]
+        raise OriginalFormatError(
+            new.where, f"version {first} cannot be a patch of base {base}: it lists "
+            f"{len(new.index_list.lengths)} index and {len(new.data_list.lengths)} data files, "
+            f"the base {len(old.index_list.lengths)} and {len(old.data_list.lengths)}, and a "
+            "patch lists its base's files and then its own (a patch of another build of that "
+            "base?)",
         )  # fmt: skip
     for before, after in itertools.pairwise(names):
         _check_continues(before, layers[before], after, layers[after])
@@ -322,6 +329,9 @@ class LayerRecords:
     values: OriginalValues
 
 
+_CHUNK = 1 << 20  # records per step where a step makes 8-byte temporaries
+
+
 def read_layer(
     layer: Layer,
     index_files: Mapping[int, np.ndarray],
@@ -333,7 +343,12 @@ def read_layer(
     `data_files` map the layer's own file numbers to their bytes (uint8 arrays, e.g. views of
     a mapping; kept by the returned values). Checks: every key belongs to `shard` by the
     original's rule (key % shard_num), every address points into a data file of this version,
-    every length field fits its file, and the records tile the data files exactly."""
+    the addresses increase as the builder wrote them, every length field fits its file, and
+    the records tile the data files exactly.
+
+    Kept per record: the key (8 bytes), the value's offset and length (4 each: data.n gives
+    file sizes as uint32) and, with several data files, the file (2 bytes up to 65535 files,
+    else 4); the addresses are read from the index files in steps, never copied whole."""
     for kind, files, own in (
         ("index", index_files, layer.index_files),
         ("data", data_files, layer.data_files),
@@ -341,12 +356,9 @@ def read_layer(
         if sorted(files) != list(own):
             raise ValueError(f"{layer.where}: {kind} files {sorted(files)} given, {list(own)} held")
     pairs = [np.asarray(index_files[k]).view("<u8").reshape(-1, 2) for k in layer.index_files]
-    counts = np.array([0] + [p.shape[0] for p in pairs], dtype=np.int64)
-    starts_of = np.cumsum(counts)  # record number where each index file starts
+    starts_of = np.cumsum([0] + [p.shape[0] for p in pairs], dtype=np.int64)
+    n = int(starts_of[-1])  # record number where each index file starts, then the count
     keys = np.concatenate([p[:, 0] for p in pairs]) if pairs else np.empty(0, np.uint64)
-    addresses = np.concatenate([p[:, 1] for p in pairs]) if pairs else np.empty(0, np.uint64)
-    del pairs
-    n = int(keys.shape[0])
 
     def at_record(position: int) -> tuple[str, int]:
         file = int(np.searchsorted(starts_of, position, side="right")) - 1
@@ -368,27 +380,47 @@ def read_layer(
             )  # fmt: skip
         del owners, wrong
 
-    file_of = (addresses >> _SHIFT32).astype(np.int64)
-    offsets = (addresses & _LOW32).astype(np.int64)
     own = layer.data_files
-    outside = np.flatnonzero((file_of < own.start) | (file_of >= own.stop))
-    if outside.shape[0]:
-        file, offset = at_record(int(outside[0]))
-        held = f"data.{own.start} to data.{own.stop - 1}" if own else "no data file"
-        raise OriginalFormatError(
-            file, f"key {int(keys[outside[0]])} points at data.{int(file_of[outside[0]])}, "
-            f"but this version holds {held}", offset + 8,
-        )  # fmt: skip
+    several = len(own) > 1
+    file_type = np.uint16 if len(own) < 1 << 16 else np.uint32  # holds len(own) too
+    file_of = np.empty(n if several else 0, dtype=file_type)  # position in `own`
+    offsets = np.empty(n, dtype=np.uint32)  # of the length fields, then of the values
+    lowest, first_file = np.uint64(own.start << 32), np.uint64(own.start)
+    beyond = own.stop << 32  # the first address past this version's data files
+    previous = -1  # the address of the record before
+    for pair, first in zip(pairs, starts_of[:-1].tolist(), strict=True):
+        for lo in range(0, pair.shape[0], _CHUNK):
+            addresses = pair[lo : lo + _CHUNK, 1]  # a strided view of the index bytes
+            outside = addresses < lowest
+            if beyond < 1 << 64:
+                outside |= addresses >= np.uint64(beyond)
+            if outside.any():
+                i = int(np.flatnonzero(outside)[0])
+                file, offset = at_record(first + lo + i)
+                held = f"data.{own.start} to data.{own.stop - 1}" if own else "no data file"
+                raise OriginalFormatError(
+                    file, f"key {int(keys[first + lo + i])} points at "
+                    f"data.{int(addresses[i]) >> 32}, but this version holds {held}", offset + 8,
+                )  # fmt: skip
+            back = np.flatnonzero(addresses[1:] <= addresses[:-1])
+            if int(addresses[0]) <= previous or back.shape[0]:
+                i = 0 if int(addresses[0]) <= previous else int(back[0]) + 1
+                before = previous if i == 0 else int(addresses[i - 1])
+                _out_of_order(layer, keys, first + lo + i, int(addresses[i]), before, at_record)
+            previous = int(addresses[-1])
+            offsets[first + lo : first + lo + addresses.shape[0]] = addresses & _LOW32
+            if several:
+                file_of[first + lo : first + lo + addresses.shape[0]] = (
+                    addresses >> _SHIFT32
+                ) - first_file
+    del pairs
 
-    # In address order: the builder's order already (checked), sorted only if not
-    increasing = n < 2 or bool((addresses[1:] > addresses[:-1]).all())
-    order = None if increasing else np.argsort(addresses, kind="stable")
-    del addresses
-    sorted_files = file_of if order is None else file_of[order]
-    sorted_offsets = offsets if order is None else offsets[order]
-    lengths = np.empty(n, dtype=np.int64)  # value bytes, in address order for now
-    bounds = np.searchsorted(sorted_files, np.arange(own.start, own.stop + 1))
-    for number, lo, hi in zip(own, bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+    lengths = np.empty(n, dtype=np.uint32)  # of the values
+    if several:  # addresses increase: each file's records are one run
+        bounds = np.searchsorted(file_of, np.arange(len(own) + 1, dtype=file_type)).tolist()
+    else:
+        bounds = [0, n] if own else [0]
+    for number, lo, hi in zip(own, bounds[:-1], bounds[1:], strict=True):
         file = layer.name(f"data.{number}")
         data = np.asarray(data_files[number])
         if lo == hi:
@@ -397,32 +429,43 @@ def read_layer(
             )
 
         def record(i: int, lo: int = lo) -> str:
-            position = lo + i if order is None else int(order[lo + i])
-            index_file, offset = at_record(position)
-            return f"the record of key {int(keys[position])} ({index_file} at offset {offset})"
+            index_file, offset = at_record(lo + i)
+            return f"the record of key {int(keys[lo + i])} ({index_file} at offset {offset})"
 
-        lengths[lo:hi] = _check_tiling(file, data, sorted_offsets[lo:hi], record)
-    if order is not None:
-        unsorted = np.empty_like(lengths)
-        unsorted[order] = lengths
-        lengths = unsorted
-    offsets += LENGTH_BYTES
-    file_of -= own.start
-    if len(own) < 2:
-        file_of = np.empty(0, dtype=np.int64)  # one data file: nothing to tell apart
+        lengths[lo:hi] = _check_tiling(file, data, offsets[lo:hi], record)
+    offsets += np.uint32(LENGTH_BYTES)  # < a file size listed as uint32: no overflow
     value_files = [np.asarray(data_files[number]) for number in own]
     return LayerRecords(keys, OriginalValues(value_files, file_of, offsets, lengths))
+
+
+def _out_of_order(
+    layer: Layer,
+    keys: np.ndarray,
+    position: int,
+    address: int,
+    before: int,
+    at_record: Callable[[int], tuple[str, int]],
+) -> NoReturn:
+    file, offset = at_record(position)
+    raise OriginalFormatError(
+        file, f"index records not in the builder's order: the record of key "
+        f"{int(keys[position])} points at data.{address >> 32} offset {address & 0xFFFFFFFF}, "
+        f"not past the record before it (data.{before >> 32} offset {before & 0xFFFFFFFF}); "
+        "the builder appends each value after the previous one and indexes it in that order "
+        "(corrupt or rewritten index)", offset + 8,
+    )  # fmt: skip
 
 
 def _check_tiling(
     file: str, data: np.ndarray, offsets: np.ndarray, describe: Callable[[int], str]
 ) -> np.ndarray:
-    """The value lengths of the records at `offsets` (sorted) in one data file, checked: each
-    length field fits the file, and the records cover it end to end with no gap or overlap.
-    `describe(i)` tells which record the i-th offset is (for messages)."""
+    """The value lengths (uint32) of the records whose length fields are at `offsets` (uint32,
+    increasing) in one data file, checked: each length field fits the file, and the records
+    cover it end to end with no gap or overlap. `describe(i)` tells which record the i-th
+    offset is (for messages)."""
     size = int(data.shape[0])
-    past = np.flatnonzero(offsets + LENGTH_BYTES > size)
-    if past.shape[0]:
+    past = np.flatnonzero(offsets > size - LENGTH_BYTES) if size >= LENGTH_BYTES else [0]
+    if len(past):
         i = int(past[0])
         raise OriginalFormatError(
             file, f"{describe(i)} points here, past the last length field of this {size}-byte "
@@ -436,7 +479,8 @@ def _check_tiling(
             file, f"length field {int(fields[i])} is less than the field's own 4 bytes "
             f"({describe(i)}; corrupt)", int(offsets[i]),
         )  # fmt: skip
-    ends = offsets + fields
+    ends = offsets.astype(np.int64)
+    ends += fields
     over = np.flatnonzero(ends > size)
     if over.shape[0]:
         i = int(over[0])
@@ -466,7 +510,9 @@ def _check_tiling(
             file, f"bytes {int(ends[-1])} to {size} belong to no indexed record (corrupt length "
             "field or index)", int(ends[-1]),
         )  # fmt: skip
-    return fields.astype(np.int64) - LENGTH_BYTES
+    del ends
+    fields -= np.uint32(LENGTH_BYTES)
+    return fields
 
 
 def _u32_at(data: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -477,7 +523,7 @@ def _u32_at(data: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         (data.shape[0] - LENGTH_BYTES + 1,), dtype=_U32, buffer=data, strides=(1,)
     )  # a 4-byte item starting at every byte
     picked: np.ndarray = words[offsets]  # indexing: far faster than take on strided items
-    return picked.astype(np.uint32)
+    return picked.astype(np.uint32, copy=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -497,10 +543,10 @@ class OriginalValues:
         lengths: np.ndarray,
     ) -> None:
         self._files = list(files)
-        self._file_of = file_of  # int64: position in files of each record's data file (unused
-        # with one file)
-        self._starts = starts  # int64: byte offset of each value in its file
-        self._lengths = lengths  # int64
+        self._file_of = file_of  # position in files of each record's data file (empty with one
+        # file): uint16, or uint32 past 65535 files
+        self._starts = starts  # uint32: byte offset of each value in its file
+        self._lengths = lengths  # uint32
         self.count = int(lengths.shape[0])
         width = int(lengths[0]) if self.count else 0
         self.width = width if width and bool((lengths == width).all()) else 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -40,6 +41,14 @@ def run_import(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
         [*COMMAND, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
     )
+
+
+def to_output(source: Path, output: Path, shards: int = SHARDS) -> list[str]:
+    """The flags of an import of `source` into build output `output`."""
+    return [
+        *("-input_path", str(source), "-output_path", str(output)),
+        *("-dict_name", DICT, "-shard_num", str(shards)),
+    ]
 
 
 def imported(*args: str) -> subprocess.CompletedProcess:
@@ -148,16 +157,7 @@ def test_build_output_base_and_patches_every_key(original, tmp_path):
     assert len(list((dirs[0] / f"{DICT}_part0").glob("data.*"))) > 3  # several data files
     assert not (dirs[3] / f"{DICT}_part1" / "index.3").exists()  # a patch without records
     out = tmp_path / "out"
-    done = imported(
-        "-input_path",
-        str(root),
-        "-output_path",
-        str(out),
-        "-dict_name",
-        DICT,
-        "-shard_num",
-        str(SHARDS),
-    )
+    done = imported(*to_output(root, out))
     assert "records/s" in done.stdout
     names = [f"{BASE}_{cur}" for cur, _ in VERSIONS]
     assert version_dirs(out) == names
@@ -308,21 +308,51 @@ def test_empty_base_shard(tmp_path):
 def test_an_existing_version_is_not_replaced(original, tmp_path):
     root, _ = original
     out = tmp_path / "out"
-    flags = [
-        "-input_path",
-        str(root),
-        "-output_path",
-        str(out),
-        "-dict_name",
-        DICT,
-        "-shard_num",
-        str(SHARDS),
-    ]
+    flags = to_output(root, out)
     imported(*flags)
     before = (out / f"{BASE}_{PATCH1}" / f"{DICT}_part0.tar").read_bytes()
     assert "already exists" in failed(*flags)
     assert (out / f"{BASE}_{PATCH1}" / f"{DICT}_part0.tar").read_bytes() == before
     assert not [n for n in os.listdir(out) if n.startswith(".tmp-")]
+
+
+def test_a_later_target_that_exists_stops_the_import_before_anything_is_written(original, tmp_path):
+    """Every target is checked before any version is converted: with patch 2's directory
+    already there, the base and patch 1 are not published either."""
+    root, _ = original
+    out = tmp_path / "out"
+    (out / f"{BASE}_{PATCH2}").mkdir(parents=True)
+    message = failed(*to_output(root, out))
+    assert f"{BASE}_{PATCH2} already exists" in message
+    assert sorted(os.listdir(out)) == [f"{BASE}_{PATCH2}"]  # nothing else, no staging
+
+
+def test_files_of_another_format_are_not_an_empty_shard(tmp_path):
+    """A shard directory holding files, none of them the original's (here this project's
+    own shard files), is refused; only a directory with no files is an empty shard."""
+    records = [[(k, b"v%d" % k) for k in range(0, 300, 2)]]
+    dirs = build_original(tmp_path / "orig", records, shards=2)
+    part = dirs[0] / f"{DICT}_part1"
+    shutil.rmtree(part)
+    part.mkdir()
+    (part / "index.cube").write_bytes(b"not the original's")
+    (part / "data.cube").write_bytes(b"")
+    (dirs[0] / f"{DICT}_part1.tar").unlink()
+    out = tmp_path / "out"
+    message = failed(*to_output(dirs[0], out, shards=2))
+    assert f"{DICT}_part1: holds data.cube, index.cube: not the original's format" in message
+    assert_nothing_published(out)
+
+
+def test_a_directory_name_that_is_no_version_is_blamed_not_the_flag(tmp_path):
+    """A version's name comes from its directory: the error names the directory and asks for
+    -version, which was not given."""
+    records = [[(k, b"v%d" % k) for k in range(0, 30)]]
+    dirs = build_original(tmp_path / "orig", records, shards=1)
+    renamed = dirs[0].rename(dirs[0].with_name("latest"))
+    message = failed(*to_output(renamed, tmp_path / "out", shards=1))
+    assert "latest: its directory name 'latest', not a version of the original" in message
+    assert "give -version" in message
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,16 +539,7 @@ def test_corrupt_original_files_are_located(original, tmp_path, corrupt, expecte
     root, _ = original
     corrupt(root)
     out = tmp_path / "out"
-    message = failed(
-        "-input_path",
-        str(root),
-        "-output_path",
-        str(out),
-        "-dict_name",
-        DICT,
-        "-shard_num",
-        str(SHARDS),
-    )
+    message = failed(*to_output(root, out))
     for text in expected:
         assert text in message, message
     assert_nothing_published(out)
@@ -557,16 +578,7 @@ def test_damaged_tars_are_refused(original, tmp_path):
         member = archive.getmember("./index.1")
     os.truncate(tar, member.offset_data + 10)
     out = tmp_path / "out"
-    flags = [
-        "-input_path",
-        str(root),
-        "-output_path",
-        str(out),
-        "-dict_name",
-        DICT,
-        "-shard_num",
-        str(SHARDS),
-    ]
+    flags = to_output(root, out)
     message = failed(*flags)
     assert f"{tar}: md5 " in message and "does not match" in message
     message = failed(*flags, "-check_md5=false")
@@ -622,7 +634,8 @@ def test_versions_must_follow_each_other(original, tmp_path):
 def test_bad_flags_exit_2(args, tmp_path):
     done = run_import(*args)
     assert done.returncode == 2, done.stderr
-    assert done.stderr.startswith("error: ") and "--" in done.stderr
+    assert done.stderr.startswith("error: ")
+    assert re.search(r"(^|\s)-{1,2}[a-z_]+", done.stderr), done.stderr  # names the flag
 
 
 def test_help_names_the_layouts():

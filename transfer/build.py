@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from cube import format as fmt
-from cube.fsutil import file_md5, md5_of_line
+from cube.fsutil import Md5Error, check_md5_file
 from cube.layout import member_problem, tar_name
 from cube.shard import INDEX_FILE
 
@@ -138,18 +138,6 @@ class ShardOutput:
     deleted: int  # keys a delta deletes (tombstone_count); 0 for a base
 
 
-def read_md5_file(path: Path) -> str:
-    """The hash in a `<md5hex>  <name>` file."""
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        raise BuildError(f"{path}: missing (the builder wrote no md5)") from None
-    digest = md5_of_line(text)
-    if digest is None:
-        raise BuildError(f"{path}: no md5 hash (32 hex digits) at its start")
-    return digest
-
-
 def check_tar(path: Path) -> None:
     try:
         with tarfile.open(path, "r:") as tar:
@@ -195,11 +183,13 @@ def check_outputs(
         tar = out_dir / tar_name(dict_name, shard)
         if not tar.is_file():
             raise BuildError(f"{tar}: missing (the builder wrote no tar for shard {shard})")
-        expected = read_md5_file(tar.with_name(tar.name + ".md5"))
+        try:
+            expected = check_md5_file(tar, verify=verify)
+        except Md5Error as exc:
+            raise BuildError(str(exc)) from None
+        if expected is None:
+            raise BuildError(f"{tar}.md5: missing (the builder wrote no md5)")
         if verify:
-            actual = file_md5(tar)
-            if actual != expected:
-                raise BuildError(f"{tar}: md5 {actual} does not match its .md5 file ({expected})")
             check_tar(tar)
         records, deleted = read_counts(tar)
         shards.append(ShardOutput(shard, tar, expected, tar.stat().st_size, records, deleted))

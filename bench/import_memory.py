@@ -1,0 +1,50 @@
+"""Peak traced memory of cube-import per record: one shard in the original's format (written
+by tests.original_cube, which follows the original builder byte by byte), converted in-process
+under tracemalloc (numpy's arrays are traced; the mapped input files are not).
+
+    python -m bench.import_memory --records 2000000 --width 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+
+from cube.builder.import_original import run
+from tests.original_cube import OriginalBuilder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--records", type=int, default=1_000_000)
+    parser.add_argument("--width", type=int, default=40, help="value bytes")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="cube-import-memory-"))
+    try:
+        keys = np.random.default_rng(1).choice(1 << 40, args.records, replace=False)
+        value = bytes(args.width)
+        OriginalBuilder(root / "orig", "emb", 1).build(((int(k), value) for k in keys), 1, True)
+        tracemalloc.start()
+        code = run(
+            ["-dict_name", "emb", "-shard_num", "1", "-quiet"]
+            + ["-input_path", str(root / "orig"), "-output_path", str(root / "out")]
+        )
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        if code != 0:
+            raise SystemExit(f"cube-import failed (exit {code})")
+        print(
+            f"{args.records} records x {args.width} B: peak traced {peak / 1e6:.1f} MB, "
+            f"{peak / args.records:.1f} B a record"
+        )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
