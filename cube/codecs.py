@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Protocol
 
+import numpy as np
+
 DEFAULT_CODEC = "org.apache.hadoop.io.compress.DefaultCodec"
 GZIP_CODEC = "org.apache.hadoop.io.compress.GzipCodec"
 BZIP2_CODEC = "org.apache.hadoop.io.compress.BZip2Codec"
@@ -370,7 +372,7 @@ def zstd_decompress(data: bytes, limit: int | None = None) -> bytes:
     cramjam = _cramjam("ZStandardCodec")
     bound = _zstd_bound(data, limit)
     room = bound if limit is None else min(bound, limit + 1)
-    out = bytearray(room)
+    out = np.empty(room, np.uint8)  # not zero-filled: a 64 MB bound costs no page until used
     try:
         size = cramjam.zstd.decompress_into(data, out)
     except cramjam.DecompressionError as exc:
@@ -379,11 +381,11 @@ def zstd_decompress(data: bytes, limit: int | None = None) -> bytes:
         if limit is not None and room > limit:
             raise _too_much("zstd", limit) from None
         raise CodecError(
-            f"bad zstd data: decodes to more than its frames allow ({bound})"
+            f"bad zstd data: its frames decode to more than the {bound} bytes their headers state"
         ) from None
     if limit is not None and size > limit:
         raise _too_much("zstd", limit)
-    return bytes(memoryview(out)[:size])
+    return out[:size].tobytes()
 
 
 CODECS: dict[str, Codec] = {

@@ -1374,7 +1374,10 @@ class SequenceFileWriter:
         self._out.write(header)
         self._pos = len(header)
         self._since_sync = 0  # Cube rule: record bytes since the last sync escape
-        self._last_sync = self._pos  # Hadoop rule: file position of the last sync escape
+        # Hadoop rule: file position of the last sync escape. Hadoop's Writer starts it at 0,
+        # not at the header's end (its Snappy file in tests/data/hadoop_written has its first
+        # escape at 102428, before 102400 + its 137-byte header).
+        self._last_sync = 0
         self._block: list[bytearray] = [bytearray(), bytearray(), bytearray(), bytearray()]
         self._block_records = 0
         self.count = 0

@@ -208,7 +208,9 @@ def zstd_frame(data: bytes, content_size: bool) -> bytes:
     import cramjam
 
     if content_size:
-        return bytes(cramjam.zstd.compress(data, level=3))
+        frame = bytes(cramjam.zstd.compress(data, level=3))
+        assert frame[4] & 0xC0 or frame[4] & 0x20, "expected a content size (cramjam >= 2.14)"
+        return frame
     stream = cramjam.zstd.Compressor(level=3)
     stream.compress(data)
     frame = bytes(stream.finish())
