@@ -21,7 +21,6 @@ s3) and agent/fetch.py (s3:// shard sources).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import http
 import os
@@ -157,17 +156,24 @@ def _new_fs(url: str, io_timeout: float) -> Any:
         settings = fsspec.config.conf.get("s3", {})
         config = {"connect_timeout": io_timeout, "read_timeout": io_timeout}
         config.update(settings.get("config_kwargs") or {})  # FSSPEC_S3_CONFIG_KWARGS wins
-        return s3fs.S3FileSystem(
+        # retries=1: s3fs's own retry loop (5 tries by default) would multiply every timeout;
+        # callers retry with their own backoff and deadlines (botocore's attempts,
+        # AWS_MAX_ATTEMPTS, stay the operator's, and `call` bounds them all in wall time)
+        fs = s3fs.S3FileSystem(
             skip_instance_cache=True, use_listings_cache=False, config_kwargs=config
         )
+        fs.retries = 1  # (a class attribute, not a constructor argument)
+        return fs
     try:
         from fsspec.implementations.webhdfs import WebHDFS  # type: ignore[import-untyped]
     except ImportError:
         raise RemoteError(f"webhdfs:// needs fsspec and requests: {S3_INSTALL} requests") from None
-    fs = WebHDFS(parts.hostname, parts.port, user=parts.username, skip_instance_cache=True)
+    webhdfs = WebHDFS(parts.hostname, parts.port, user=parts.username, skip_instance_cache=True)
     # requests waits forever by default: every call of this session gets the timeouts
-    fs.session.request = functools.partial(fs.session.request, timeout=(io_timeout, io_timeout))
-    return fs
+    webhdfs.session.request = functools.partial(
+        webhdfs.session.request, timeout=(io_timeout, io_timeout)
+    )
+    return webhdfs
 
 
 def path_of(url: str) -> str:
@@ -244,8 +250,8 @@ class Reader:
         else:
             path = path_of(url)
         self.fs = fs
-        self.file = call(fs, "open", path, "rb", block_size=block, cache_type="none", timeout=None)
-        self.size = int(self.file.size)
+        self.path = path
+        self.size = int(call(fs, "info", path, timeout=io_timeout)["size"])
 
     def __enter__(self) -> Reader:
         return self
@@ -254,22 +260,25 @@ class Reader:
         self.close()
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):  # closing a file read sends nothing that matters
-            self.file.close()
+        """Nothing stays open between reads (each is one ranged request)."""
 
     def blocks(self, offset: int = 0, deadline: float | None = None) -> Iterator[bytes]:
         """Yield the bytes from `offset` to the end; RemoteError on a failed read, a read that
-        ends short of `size`, or `deadline` (time.monotonic()) passed."""
+        ends short of `size`, or `deadline` (time.monotonic()) passed. Each read is bounded by
+        the I/O timeout and by what is left before `deadline`, in wall time (S3; a WebHDFS
+        request by the session's timeouts)."""
         position = offset
         while position < self.size:
-            if deadline is not None and time.monotonic() > deadline:
-                raise RemoteError("timed out", retryable=True)
+            bound = self.io_timeout
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RemoteError("timed out", retryable=True)
+                bound = min(bound, left)
             want = min(self.block, self.size - position)
-            try:
-                self.file.seek(position)
-                data = self.file.read(want)
-            except Exception as exc:
-                raise _failed(self.fs, exc) from exc
+            data = call(
+                self.fs, "cat_file", self.path, start=position, end=position + want, timeout=bound
+            )
             if len(data) != want:
                 raise RemoteError(
                     f"a read at offset {position} got {len(data)} of {want} bytes", retryable=True
@@ -281,7 +290,7 @@ class Reader:
 def read_bytes(url: str, limit: int, timeout: float, io_timeout: float = 60.0) -> bytes:
     """The whole of a small remote file; RemoteError when it holds more than `limit` bytes."""
     deadline = time.monotonic() + timeout
-    with Reader(url, min(io_timeout, timeout)) as reader:
+    with Reader(url, min(io_timeout, timeout)) as reader:  # (its size: one io_timeout)
         if reader.size > limit:
             raise RemoteError(f"{reader.size} bytes, more than the {limit} allowed")
         return b"".join(reader.blocks(0, deadline))

@@ -10,6 +10,7 @@ tests/test_s3_e2e.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import re
@@ -379,9 +380,10 @@ def test_agent_fetches_s3_objects_resuming_from_the_part(s3, tmp_path):
     def progress(done: int, total: int | None) -> None:
         seen.append(done)
 
-    got = asyncio.run(fetch_file(source, part, size=len(data), policy=_policy(), progress=progress))
+    policy = _policy()
+    got = asyncio.run(fetch_file(source, part, size=len(data), policy=policy, progress=progress))
     assert got == len(data) and part.read_bytes() == data
-    assert seen[0] > 1_000_000  # it went on from the offset
+    assert seen[0] == 1_000_000 + policy.chunk  # its first write went on from the offset
     md5 = asyncio.run(fetch_md5(source, tmp_path / "t_part0.tar.md5", _policy()))
     assert md5 == hashlib.md5(data).hexdigest()
     # a size the object does not have: refused before the first byte, nothing kept
@@ -451,6 +453,51 @@ def test_unreachable_endpoints_fail_fast_and_say_where(tmp_path):
     with pytest.raises(SourceUnavailable, match=f"^{re.escape(webhdfs)}/base.txt: cannot conn"):
         asyncio.run(read_donefile(webhdfs, "base.txt"))
     assert time.monotonic() - started < 10
+
+
+class SilentEndpoint:
+    """A TCP port that accepts connections and never answers (a stalled S3 endpoint)."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.held: list = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                self.held.append(self.listener.accept()[0])
+
+    def close(self) -> None:
+        self.listener.close()
+        for sock in self.held:
+            sock.close()
+
+
+def test_a_stalled_endpoint_is_given_up_on_within_the_timeout(tmp_path):
+    """Timeouts are wall time, whatever botocore's and s3fs's own retries would add: a
+    donefile read, a small object and a listing against an endpoint that accepts and never
+    answers all fail as timed out within their timeout (they took 25-84 s for 2 s)."""
+    silent = SilentEndpoint()
+    try:
+        endpoint = f"http://127.0.0.1:{silent.port}"
+        with aws_environment(endpoint, tmp_path, AWS_MAX_ATTEMPTS="5"):
+            for attempt in (
+                lambda: asyncio.run(read_donefile(f"s3://{BUCKET}/d", "base.txt", timeout=2)),
+                lambda: remote.read_bytes(f"s3://{BUCKET}/k", 100, timeout=2, io_timeout=2),
+                lambda: remote.find_files(remote.open_fs(f"s3://{BUCKET}/in", 2)[0],
+                                          f"{BUCKET}/in", timeout=2),
+            ):  # fmt: skip
+                started = time.monotonic()
+                with pytest.raises((SourceUnavailable, remote.RemoteError), match="timed out"):
+                    attempt()
+                assert time.monotonic() - started < 5
+    finally:
+        silent.close()
 
 
 # ---------------------------------------------------------------------------------------------

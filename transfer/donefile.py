@@ -94,9 +94,11 @@ async def read_donefile(address: str, name: str, timeout: float = 30.0) -> str:
 
 async def _read_remote(url: str, timeout: float) -> str:
     """A donefile in an object store or on WebHDFS: '' when the object does not exist."""
-    try:
-        data = await asyncio.to_thread(remote.read_bytes, url, DONEFILE_LIMIT, timeout,
-                                       min(timeout, 30.0))  # fmt: skip
+    read = asyncio.to_thread(remote.read_bytes, url, DONEFILE_LIMIT, timeout, min(timeout, 30.0))
+    try:  # read_bytes bounds itself; wait_for too, as the other branch, whatever a client does
+        data = await asyncio.wait_for(read, timeout + 1.0)
+    except TimeoutError:
+        raise SourceUnavailable(f"{redact(url)}: timed out") from None
     except remote.RemoteError as exc:
         if exc.missing:
             return ""
