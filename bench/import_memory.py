@@ -30,10 +30,9 @@ def main() -> None:
         value = bytes(args.width)
         OriginalBuilder(root / "orig", "emb", 1).build(((int(k), value) for k in keys), 1, True)
         tracemalloc.start()
-        code = run(
-            ["-dict_name", "emb", "-shard_num", "1", "-quiet"]
-            + ["-input_path", str(root / "orig"), "-output_path", str(root / "out")]
-        )
+        source, output = str(root / "orig"), str(root / "out")
+        flags = ["-dict_name", "emb", "-shard_num", "1", "-quiet"]
+        code = run([*flags, "-input_path", source, "-output_path", output])
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         if code != 0:

@@ -356,7 +356,22 @@ def test_http_api_shapes_rollback_and_meta(tmp_path):
                 insts = (await resp.json())["data"]
             assert len(insts) == 4 and insts[0]["status"] == "Enable_Succ"
             assert insts[0]["status_id"] == 100 and insts[0]["agent_port"] == h.flat[0].port
-            assert insts[0]["enabled_time"] > 0 and insts[0]["version"] == D1
+            assert insts[0]["enabled_time"] > 0 and insts[0]["version"] == 1700000100
+            assert isinstance(data["wget_port"], str)  # the original's JSON types
+            async with http.get(h.api + "/dict/scaler?shard=1") as resp:
+                scaled = json.loads((await resp.json())["data"])  # a JSON string, as the original's
+            assert [(v["version"], v["shard"], v["mode"]) for v in scaled] == [
+                (B1, 1, "base"),
+                (D1, 1, "delta"),
+            ]
+            shard1 = [w for a in h.flat for w in a.received if w["shard_seq"] == 1]
+            assert scaled[1]["data_source"] == shard1[-1]["source"]  # what agents were sent
+            async with http.get(scaled[0]["data_source"]) as resp:
+                assert resp.status == 200  # where the agents download it
+            async with http.get(h.api + "/dict/scaler") as resp:  # shard 0 by default
+                assert json.loads((await resp.json())["data"])[0]["shard"] == 0
+            async with http.get(h.api + "/dict/scaler?shard=2") as resp:
+                assert resp.status == 400 and "outside [0, 1]" in (await resp.json())["message"]
             async with http.get(h.api + "/dict/deploy/history") as resp:
                 hist = (await resp.json())["data"]
             assert [(v["version"], v["status"]) for v in hist] == [(B1, 90), (D1, 90)]
@@ -365,7 +380,8 @@ def test_http_api_shapes_rollback_and_meta(tmp_path):
             query = f"name=test_dict&version=1700000100&depend={B1}&shard=1"
             async with http.get(h.api + "/dict/meta_info?" + query) as resp:
                 meta = (await resp.json())["data"]
-            assert meta["split"] == "0" and json.loads(meta["meta"])["index_total_count"] == "1"
+            assert (meta["version"], meta["shard"], meta["split"]) == (1700000100, 1, 0)
+            assert json.loads(meta["meta"])["index_total_count"] == "1"
             form = {"name": "test_dict", "version": "1700000100", "depend": B1, "shard": "1",
                     "split": "0", "meta": '{"index_total_count": "7"}'}  # fmt: skip
             async with http.post(h.api + "/dict/meta_info/register", data=form) as resp:

@@ -54,6 +54,7 @@ API_LIST = [
     "GET /dict/info",
     "GET /instance/status",
     "GET /dict/deploy/history",
+    "GET /dict/scaler?shard=",
     "GET /dict/meta_info?name=&version=&depend=&shard=[&split=0]",
     "POST /dict/meta_info/register (form: name, version, depend, shard, split, meta)",
     'POST /dict/rollback (JSON {"version": "<version>"})',
@@ -197,6 +198,12 @@ def build_api(service: TransferService) -> web.Application:
         _params(request.query, (), "query parameter")
         return await _reply(views.history(cfg, service.state))
 
+    async def scaler(request: web.Request) -> web.Response:
+        """The original's shape: `data` is the list as a JSON string; shard defaults to 0."""
+        query = _params(request.query, ("shard",), "query parameter")
+        shard = _shard({"shard": "0", **query}, cfg.shard_num)
+        return await _reply(json.dumps(views.scaler(cfg, service.state, shard)))
+
     async def meta_info(request: web.Request) -> web.Response:
         query = _params(
             request.query, ("name", "version", "depend", "shard", "split"), "query parameter"
@@ -208,8 +215,14 @@ def build_api(service: TransferService) -> web.Application:
         meta = await service.meta_info(version, depend, shard)
         if meta is None:
             return _error(f"no meta for version {version} depend {depend} shard {shard}", 404)
-        data = {"name": cfg.dict_name, "version": version, "depend": depend, "shard": str(shard),
-                "split": "0", "meta": meta}  # fmt: skip
+        data = {
+            "name": cfg.dict_name,
+            "version": views.number(version),
+            "depend": views.number(depend),
+            "shard": shard,
+            "split": 0,
+            "meta": meta,
+        }  # fmt: skip  (ints, as the original's)
         return await _reply(data)
 
     async def register_meta(request: web.Request) -> web.Response:
@@ -294,6 +307,7 @@ def build_api(service: TransferService) -> web.Application:
     app.router.add_get("/dict/info", dict_info)
     app.router.add_get("/instance/status", instance_status)
     app.router.add_get("/dict/deploy/history", deploy_history)
+    app.router.add_get("/dict/scaler", scaler)
     app.router.add_get("/dict/meta_info", meta_info)
     app.router.add_post("/dict/meta_info/register", register_meta)
     app.router.add_post("/dict/rollback", rollback)

@@ -29,6 +29,14 @@ _INSTANCE_TIMES = (
 )
 
 
+def number(text: str) -> int:
+    """A field the original typed int from ours, a string: a version name gives its id (the
+    last part of `<base>_<id>`, as the original's version was), 0 when there is no number, as
+    the original left such fields unset."""
+    last = text.rsplit("_", 1)[-1]
+    return int(last) if last.isascii() and last.isdigit() else 0
+
+
 def envelope(data: Any = None, message: str = "query ok", success: str = OK) -> dict[str, Any]:
     return protocol.envelope(data, message, success)
 
@@ -69,10 +77,10 @@ def instance_info(cfg: TransferConfig, state: TransferState, inst: Instance) -> 
     out: dict[str, Any] = {
         "dict_name": cfg.dict_name,
         "mode": cfg.mode,
-        "version": rec.version if rec else "",
-        "depend": rec.depend if rec else "",
-        "id": rec.id if rec else "",
-        "key": rec.key if rec else "",
+        "version": number(rec.version) if rec else 0,  # ints, as the original's
+        "depend": number(rec.depend) if rec else 0,
+        "id": number(rec.id) if rec else 0,
+        "key": number(rec.key) if rec else 0,
         "shard": inst.shard,
         "source": source_url(cfg, rec, inst.shard) if rec else "",
         "deploy_path": inst.deploy_path,
@@ -151,6 +159,32 @@ def history(cfg: TransferConfig, state: TransferState) -> list[dict[str, Any]]:
     return [version_info(cfg, rec) for rec in state.history]
 
 
+def scaler(cfg: TransferConfig, state: TransferState, shard: int) -> list[dict[str, Any]]:
+    """The original's `/dict/scaler` list for one shard: every version of the live chain, then
+    the one being rolled out once built, each with where its shard is downloaded from (the
+    real URL: the original's had a stray `/<version>/` segment)."""
+    records = [state.record(v) for v in state.live_chain]
+    dep = state.deployment
+    if dep is not None and dep.kind == "deploy":
+        rec = state.record(dep.version)
+        if rec is not None and rec.shards and rec.version not in state.live_chain:
+            records.append(rec)
+    return [
+        {
+            "name": cfg.dict_name,
+            "version": rec.version,
+            "depend": rec.depend,
+            "id": rec.id,
+            "key": rec.key,
+            "shard": shard,
+            "mode": rec.mode,
+            "data_source": source_url(cfg, rec, shard),
+        }
+        for rec in records
+        if rec is not None
+    ]
+
+
 def dict_info(cfg: TransferConfig, state: TransferState) -> dict[str, Any]:
     instances = [instance_info(cfg, state, inst) for inst in cfg.instances]
     dep = state.deployment
@@ -173,7 +207,7 @@ def dict_info(cfg: TransferConfig, state: TransferState) -> dict[str, Any]:
         "output_addr": str(cfg.output_address),
         "tmp_addr": str(cfg.tmp_address),
         "download_mode": cfg.download_mode,
-        "wget_port": cfg.wget_port,
+        "wget_port": str(cfg.wget_port),  # a string in the original's JSON
         "upload_addr": redact(cfg.upload_address),
         "download_inst": named((40,)),
         "reload_insts": named((70,)),
