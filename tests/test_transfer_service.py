@@ -9,7 +9,9 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import re
 import socket
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,7 +27,8 @@ from transfer_helpers import (
     write_table,
 )
 
-from cube.transfer.config import parse_config
+from cube.processes import _port_free, free_port, poll_until, spawn, stop_child
+from cube.transfer.config import ConfigError, parse_config
 from cube.transfer.http_api import bind_listeners, start_listeners
 from cube.transfer.service import TransferService
 from cube.transfer.state import Deployment
@@ -51,6 +54,7 @@ async def harness(
     mode: str = "base_delta",
     donefile_address: str = "",
     builder: str = "",
+    wget_port: int = 0,
 ) -> AsyncIterator[SimpleNamespace]:
     events: list[tuple[str, str, str]] = []  # (agent, command, version), in arrival order
     agents = [
@@ -64,7 +68,7 @@ async def harness(
     text = transfer_conf(
         tmp,
         agents,
-        wget_port=0,  # any free port, resolved by bind_listeners
+        wget_port=wget_port,  # 0: any free port, resolved by bind_listeners
         builder=builder,
         extra=extra,
         mode=mode,
@@ -73,7 +77,7 @@ async def harness(
     (tmp / "transfer.conf").write_text(text)
     cfg = parse_config(text, "transfer.conf", tmp)
     sockets = bind_listeners(cfg, 0) if listeners else None
-    if sockets is not None:
+    if sockets is not None and sockets.files is not None:
         cfg = dataclasses.replace(cfg, wget_port=sockets.files_port)
     services: list[TransferService] = []
     stops = []
@@ -417,6 +421,59 @@ def test_http_api_shapes_rollback_and_meta(tmp_path):
             assert versions(h) == [D2] * 4
 
     run(body())
+
+
+def test_an_external_file_server_on_wget_port_serves_the_builds(tmp_path):
+    """With download_address, agents are sent URLs of a file server the transfer does not run:
+    here one already listening on wget_port (the original's clash), serving a directory above
+    output_address, as a server serving `/` gives the original's absolute URLs."""
+    port = free_port()
+    server = spawn(
+        [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port),
+         "--directory", str(tmp_path)],
+        tmp_path / "http.log",
+    )  # fmt: skip
+    try:
+        assert poll_until(lambda: not _port_free(port), 15, 0.05), "http.server did not start"
+        extra = f"download_address: http://127.0.0.1:{port}/output/"
+
+        async def body():
+            async with (
+                harness(tmp_path, 1, 1, extra=extra, listeners=True, wget_port=port) as h,
+                aiohttp.ClientSession() as http,
+            ):
+                await roll_out(h, B1)
+                work = h.flat[0].received[0]
+                assert work["source"] == (
+                    f"http://127.0.0.1:{port}/output/{B1}_{B1}/test_dict_part0.tar"
+                )
+                async with http.get(work["source"]) as resp:  # the external server's copy
+                    assert resp.status == 200
+                    assert hashlib.md5(await resp.read()).hexdigest() == work["md5"]
+                async with http.get(h.api + "/dict/info") as resp:
+                    info = (await resp.json())["data"]
+                assert info["download_addr"] == f"http://127.0.0.1:{port}/output"
+
+        asyncio.run(body())
+    finally:
+        stop_child(server, timeout=10)
+
+
+@pytest.mark.parametrize(
+    ("line", "error"),
+    [
+        ("download_address: ftp://h/out", "expected a http or https:// URL"),
+        ("download_address: http://h/out?x=1", "no query or fragment"),
+        ("download_address: /data/output", "expected a http or https:// URL"),
+        ("download_mode: s3\nupload_address: s3://b/p\ndownload_address: http://h/o",
+         "download_address is for download_mode http or ftp"),
+    ],
+)  # fmt: skip
+def test_bad_download_addresses_are_refused(tmp_path, line, error):
+    text = transfer_conf(tmp_path, [[(1, 2, "/d")]], wget_port=0, builder="b", extra=line)
+    text = text.replace("download_mode: http\n", "", 1) if "download_mode" in line else text
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        parse_config(text, "transfer.conf", tmp_path)
 
 
 def test_agent_token_is_sent(tmp_path):

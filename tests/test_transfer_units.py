@@ -110,9 +110,13 @@ def test_render_config_keeps_every_field(tmp_path):
     )  # fmt: skip
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     for name in defaults:
-        if name not in ("instances", "extra") and defaults[name] is not dataclasses.MISSING:
+        # download_address goes with download_mode http or ftp, not s3: checked below
+        skipped = ("instances", "extra", "download_address")
+        if name not in skipped and defaults[name] is not dataclasses.MISSING:
             assert getattr(changed, name) != defaults[name], f"test {name} with a non-default"
     assert parse_config(render_config(changed), "r.conf", tmp_path) == changed
+    external = dataclasses.replace(cfg, download_address="https://files:8443/cube/output")
+    assert parse_config(render_config(external), "r.conf", tmp_path) == external
     with pytest.raises(ConfigError, match="api_token: a token with whitespace"):
         render_config(dataclasses.replace(cfg, api_token="two words"))
 

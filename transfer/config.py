@@ -40,6 +40,12 @@ Keys we add to [default] (all optional; default in brackets):
   `-engine spark` each executor fetches its own files, so the transfer's disk never holds them).
 - `upload_address` [none]: with `download_mode: s3`, the s3://bucket/prefix each built version's
   tars and md5s are uploaded to (transfer/upload.py); agents download from there.
+- `download_address` [none]: with `download_mode: http` or `ftp`, the URL of a file server
+  that already serves `output_address` (an http(s):// or ftp:// URL, as the mode says); agents
+  are sent `<download_address>/<depend>_<id>/<dict>_part<i>.tar`, and the transfer runs no file
+  server (`wget_port` is not bound). The original's URLs, `http://<transfer_address>:
+  <wget_port><output_address>/...`, come from a server on wget_port serving `/`:
+  `download_address: http://<transfer_address>:<wget_port><output_address>`.
 A base line may override both with `"allow_shrink": true` (see cube/donefile.py); a
 patch may always be empty. A refused line can be published again with it.
 
@@ -56,6 +62,7 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from cube import remote
 from cube.routing import PARTITIONERS
@@ -82,7 +89,7 @@ DEFAULT_KEYS = frozenset({
     "enable_timeout", "build_timeout", "fetch_timeout", "retries", "partitioner",
     "agent_token", "api_token", "verify_output", "history_limit", "max_shrink",
     "allow_empty_base", "insecure", "tls_cert", "tls_key", "agent_tls_ca", "upload_address",
-    "builder_flags", "mirror_input",
+    "builder_flags", "mirror_input", "download_address",
 })  # fmt: skip
 
 
@@ -146,6 +153,13 @@ class TransferConfig:
     max_shrink: float = 0.5  # a base may have at most this fraction fewer records than live
     allow_empty_base: bool = False
     upload_address: str = ""  # download_mode s3: s3://bucket/prefix the builds are uploaded to
+    download_address: str = ""  # http/ftp: an external file server's URL of output_address
+
+    @property
+    def serves_files(self) -> bool:
+        """Whether the transfer runs its own file server on wget_port."""
+        return self.download_mode != "s3" and not self.download_address
+
     builder_flags: tuple[str, ...] = ()  # appended to the builder's argv
     mirror_input: bool = True  # False: remote inputs go to the builder as URLs
     extra: dict[str, str] = field(default_factory=dict)
@@ -293,6 +307,9 @@ def parse_config(
         raise ConfigError(
             f"{where('upload_address')}: upload_address is used only with download_mode: s3"
         )
+    download_address = _download_address(
+        text_of("download_address", ""), download_mode, where("download_address")
+    )
     builder_flags = _builder_flags(text_of("builder_flags", ""), where("builder_flags"))
     for key, (_value, line) in default.items():
         if key in DEFAULT_KEYS:
@@ -307,7 +324,13 @@ def parse_config(
         mode=choice_of("mode", MODES, "base_only"),
         download_mode=download_mode,
         # 0: any free port; unused with download_mode s3 (agents download from upload_address)
-        wget_port=int_of("wget_port", 0 if download_mode == "s3" else None, low=0, high=65535),
+        # or a download_address (an external file server)
+        wget_port=int_of(
+            "wget_port",
+            0 if download_mode == "s3" or download_address else None,
+            low=0,
+            high=65535,
+        ),
         buildtool_local=text_of("buildtool_local", "cube-builder"),
         donefile_address=donefile,
         output_address=path_of("output_address"),
@@ -338,6 +361,7 @@ def parse_config(
         max_shrink=fraction_of("max_shrink", 0.5),
         allow_empty_base=bool_of("allow_empty_base", False),
         upload_address=upload,
+        download_address=download_address,
         builder_flags=builder_flags,
         mirror_input=bool_of("mirror_input", True),
         extra={k: v for k, (v, _) in default.items() if k not in DEFAULT_KEYS},
@@ -441,6 +465,34 @@ def _builder_flags(text: str, where: str) -> tuple[str, ...]:
     return flags
 
 
+_DOWNLOAD_SCHEMES = {"http": ("http", "https"), "ftp": ("ftp",)}
+
+
+def _download_address(text: str, download_mode: str, where: str) -> str:
+    """download_address checked: a URL of the mode's scheme, no query or fragment (a path is
+    appended to it); '' when not given."""
+    if not text:
+        return ""
+    schemes = _DOWNLOAD_SCHEMES.get(download_mode)
+    if schemes is None:
+        raise ConfigError(
+            f"{where}: download_address is for download_mode http or ftp (with s3, agents "
+            "download from upload_address)"
+        )
+    parts = urlsplit(text)
+    if parts.scheme not in schemes or not parts.hostname:
+        raise ConfigError(
+            f"{where}: download_address: expected a {' or '.join(schemes)}:// URL with a host "
+            f"(download_mode {download_mode}), got {remote.redact(text)!r}"
+        )
+    if parts.query or parts.fragment:
+        raise ConfigError(f"{where}: download_address: no query or fragment: a path is appended")
+    problem = address_problem(text)
+    if problem:
+        raise ConfigError(f"{where}: download_address: {problem}")
+    return text.rstrip("/")
+
+
 def render_config(cfg: TransferConfig) -> str:
     """A transfer.conf that parses back into `cfg`, every field included (cube-local writes
     it; a field left out would silently fall back to its default, e.g. an open API)."""
@@ -476,7 +528,7 @@ def render_config(cfg: TransferConfig) -> str:
     lines.append(f"mirror_input: {'true' if cfg.mirror_input else 'false'}")
     if cfg.builder_flags:
         lines.append(f"builder_flags: {shlex.join(cfg.builder_flags)}")
-    for key in ("tls_cert", "tls_key", "agent_tls_ca", "upload_address"):
+    for key in ("tls_cert", "tls_key", "agent_tls_ca", "upload_address", "download_address"):
         if getattr(cfg, key):
             lines.append(f"{key}: {getattr(cfg, key)}")
     for key, token in (("agent_token", cfg.agent_token), ("api_token", cfg.api_token)):

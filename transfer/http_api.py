@@ -391,9 +391,9 @@ def _listen_socket(host: str, port: int, what: str) -> socket.socket:
 
 def bind_listeners(cfg: TransferConfig, api_port: int) -> ListenSockets:
     """Bind the API port (`-p`; 0: any free port) and the file server's `wget_port` (0: any
-    free port) on `listen`; no file server with download_mode s3."""
+    free port) on `listen`; no file server with download_mode s3 or a download_address."""
     api = _listen_socket(cfg.listen, api_port, "the API (-p)")
-    if cfg.download_mode == "s3":
+    if not cfg.serves_files:
         return ListenSockets(api, None)
     try:
         what = f"the {cfg.download_mode} file server (wget_port)"
@@ -420,7 +420,7 @@ async def start_listeners(
         runners.append(api)
         await web.SockSite(api, sockets.api, ssl_context=ssl_context).start()
         if sockets.files is None:
-            pass  # download_mode s3: the builds are uploaded to upload_address
+            pass  # uploaded to upload_address (s3), or served by download_address's server
         elif cfg.download_mode == "http":
             files = web.AppRunner(build_file_server(service), access_log=None)
             await files.setup()
@@ -434,11 +434,12 @@ async def start_listeners(
             await runner.cleanup()
         sockets.close()
         raise
-    where = (
-        f"uploaded to {redact(cfg.upload_address)}"
-        if sockets.files is None
-        else f"({cfg.download_mode}) on {cfg.listen}:{sockets.files_port}"
-    )
+    if cfg.download_address:
+        where = f"served by {redact(cfg.download_address)} (not by this transfer)"
+    elif sockets.files is None:
+        where = f"uploaded to {redact(cfg.upload_address)}"
+    else:
+        where = f"({cfg.download_mode}) on {cfg.listen}:{sockets.files_port}"
     log.info(
         "API on %s://%s:%d, files %s from %s",
         "https" if ssl_context else "http",

@@ -142,7 +142,7 @@ def run(argv: Sequence[str]) -> int:
     except OSError as exc:
         print(f"error: {exc.strerror}", file=sys.stderr)
         return 1
-    if cfg.wget_port == 0:
+    if cfg.wget_port == 0 and sockets.files is not None:
         cfg = dataclasses.replace(cfg, wget_port=sockets.files_port)
     service = TransferService(
         cfg,

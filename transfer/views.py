@@ -82,7 +82,7 @@ def instance_info(cfg: TransferConfig, state: TransferState, inst: Instance) -> 
         "id": number(rec.id) if rec else 0,
         "key": number(rec.key) if rec else 0,
         "shard": inst.shard,
-        "source": source_url(cfg, rec, inst.shard) if rec else "",
+        "source": redact(source_url(cfg, rec, inst.shard)) if rec else "",
         "deploy_path": inst.deploy_path,
         "ip": inst.server_host,
         "port": inst.server_port,
@@ -123,6 +123,8 @@ def source_url(cfg: TransferConfig, rec: VersionRecord, shard: int) -> str:
         out_name = output_dir_name(rec.depend, rec.id)
     if cfg.download_mode == "s3":
         return object_url(cfg, out_name, tar_name(cfg.dict_name, shard))
+    if cfg.download_address:  # an external file server of output_address
+        return f"{cfg.download_address}/{out_name}/{tar_name(cfg.dict_name, shard)}"
     scheme = "https" if cfg.download_mode == "http" and cfg.tls_cert else cfg.download_mode
     return (
         f"{scheme}://{cfg.transfer_address}:{cfg.wget_port}/"
@@ -178,7 +180,7 @@ def scaler(cfg: TransferConfig, state: TransferState, shard: int) -> list[dict[s
             "key": rec.key,
             "shard": shard,
             "mode": rec.mode,
-            "data_source": source_url(cfg, rec, shard),
+            "data_source": redact(source_url(cfg, rec, shard)),
         }
         for rec in records
         if rec is not None
@@ -209,6 +211,7 @@ def dict_info(cfg: TransferConfig, state: TransferState) -> dict[str, Any]:
         "download_mode": cfg.download_mode,
         "wget_port": str(cfg.wget_port),  # a string in the original's JSON
         "upload_addr": redact(cfg.upload_address),
+        "download_addr": redact(cfg.download_address),
         "download_inst": named((40,)),
         "reload_insts": named((70,)),
         "enable_insts": named((100,)),
