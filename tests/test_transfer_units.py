@@ -598,9 +598,9 @@ def test_builder_flags_follow_the_flags_the_transfer_sets(tmp_path):
     argv = builds.builder_argv(
         "/x/cube-builder", dict_name="d", input_path="s3://b/in", output_path="/out",
         shard_num=2, mode="base", cur_version="100", depend_version="100", partitioner="mod",
-        extra_flags=cfg.builder_flags,
+        fetch_timeout=cfg.fetch_timeout, extra_flags=cfg.builder_flags,
     )  # fmt: skip
-    assert argv[-4:] == ["-engine", "spark", "-spark_conf", "a=b c"]
+    assert argv[-6:] == ["-fetch_timeout", "3600", "-engine", "spark", "-spark_conf", "a=b c"]
     assert parse_config(CONF, "t.conf", tmp_path).mirror_input is True
     for flags, message in [
         (
@@ -608,6 +608,7 @@ def test_builder_flags_follow_the_flags_the_transfer_sets(tmp_path):
             "t.conf:15: builder_flags: -output_path is set by cube-transfer",
         ),
         ("--shard_num=4", "builder_flags: --shard_num is set by cube-transfer"),
+        ("-fetch_timeout 5", "builder_flags: -fetch_timeout is set by cube-transfer"),
         ("-engine 'spark", "t.conf:15: builder_flags: No closing quotation"),
     ]:
         with pytest.raises(ConfigError, match=message):

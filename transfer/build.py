@@ -53,6 +53,15 @@ def resolve_command(name: str) -> str:
     raise BuildError(f"buildtool_local {name!r} was not found on PATH nor in {beside.parent}")
 
 
+# The builder's flags the transfer sets itself (builder_argv; last_version and master_address
+# as the original's transfer set them): transfer.conf's builder_flags may not repeat them.
+TRANSFER_SET_FLAGS = frozenset({
+    "dict_name", "input_path", "output_path", "shard_num", "job_mode", "cur_version",
+    "depend_version", "last_version", "only_build", "partitioner", "delete_path", "quiet",
+    "master_address", "fetch_timeout",
+})  # fmt: skip
+
+
 def builder_argv(
     tool: str,
     *,
@@ -65,8 +74,11 @@ def builder_argv(
     depend_version: str,
     partitioner: str,
     delete_path: str = "",
+    fetch_timeout: float | None = None,
     extra_flags: tuple[str, ...] = (),
 ) -> list[str]:
+    """The builder's command line; `fetch_timeout` for an input it fetches itself (a remote
+    one, not mirrored)."""
     argv = [
         tool,
         "-dict_name", dict_name,
@@ -82,6 +94,8 @@ def builder_argv(
     ]  # fmt: skip
     if delete_path:
         argv += ["-delete_path", delete_path]
+    if fetch_timeout is not None:
+        argv += ["-fetch_timeout", f"{fetch_timeout:g}"]
     return argv + list(extra_flags)
 
 

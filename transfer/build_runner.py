@@ -78,6 +78,8 @@ class BuildRunner:
                 depend_version=rec.depend,
                 partitioner=cfg.partitioner,
                 delete_path=delete_path,
+                # an input not mirrored is fetched by the builder, within fetch_timeout too
+                fetch_timeout=None if cfg.mirror_input else cfg.fetch_timeout,
                 extra_flags=cfg.builder_flags,
             )
             try:

@@ -66,6 +66,7 @@ from urllib.parse import urlsplit
 
 from cube import remote
 from cube.routing import PARTITIONERS
+from cube.transfer.build import TRANSFER_SET_FLAGS
 from cube.transfer.donefile import address_problem
 
 log = logging.getLogger("cube.transfer")
@@ -440,13 +441,6 @@ def load_config(path: str | os.PathLike) -> TransferConfig:
 
 
 # Flags the transfer passes to the builder itself (transfer/build.py: builder_argv).
-_BUILDER_FLAGS_SET = frozenset({
-    "dict_name", "input_path", "output_path", "shard_num", "job_mode", "cur_version",
-    "depend_version", "last_version", "only_build", "partitioner", "delete_path", "quiet",
-    "master_address",
-})  # fmt: skip
-
-
 def _builder_flags(text: str, where: str) -> tuple[str, ...]:
     """builder_flags split like a shell would; ConfigError for bad quoting or a flag the
     transfer sets itself (a second -output_path would build somewhere the transfer never
@@ -457,7 +451,7 @@ def _builder_flags(text: str, where: str) -> tuple[str, ...]:
         raise ConfigError(f"{where}: builder_flags: {exc}") from None
     for flag in flags:
         name = flag.lstrip("-").partition("=")[0]
-        if flag.startswith("-") and name in _BUILDER_FLAGS_SET:
+        if flag.startswith("-") and name in TRANSFER_SET_FLAGS:
             raise ConfigError(
                 f"{where}: builder_flags: {flag.partition('=')[0]} is set by cube-transfer "
                 "(from the config and the donefile line); leave it out"
