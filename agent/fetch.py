@@ -294,6 +294,8 @@ def _check_s3(source: str, policy: SourcePolicy) -> Target:
         raise SourceRefused(f"source {where!r}: {problem or 'not s3://bucket/key'}")
     if "%" in parts.path:  # a key is literal: nothing to decode, nothing to disagree on
         raise SourceRefused(f"source {where!r}: no '%' in an s3:// key")
+    if "//" in parts.path or parts.path.endswith("/"):  # a//b is its own key, not a/b
+        raise SourceRefused(f"source {where!r}: an empty segment ('//' or a final '/') in the key")
     segments = _segments(parts.path)
     if segments is None:
         raise SourceRefused(f"source {where!r}: '.' or '..' in the key")

@@ -99,10 +99,10 @@ def fetch_input(url: str, dest: Path, timeout: float = FETCH_TIMEOUT, fs: Any = 
     """Copy the remote file `url` to `dest` (a temp file beside it, renamed when complete, so
     `dest` is whole or absent), within `timeout` seconds. BuildError naming the URL. `fs`:
     a filesystem of the same bucket or namenode to reuse (cube.remote.open_fs)."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.part-{os.getpid()}")
     deadline = time.monotonic() + timeout
     try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
         reader = remote.Reader(url, min(IO_TIMEOUT, timeout), fs=fs)
         with reader, open(tmp, "wb") as out:
             for block in reader.blocks(0, deadline):

@@ -233,6 +233,17 @@ def test_download_mode_s3_sends_agents_to_the_uploaded_copy(tmp_path):
     assert resolve_input("webhdfs://nn:9870/d", "in") == "webhdfs://nn:9870/d/in"
 
 
+def test_an_upload_of_a_missing_build_file_blames_the_build_not_s3(tmp_path):
+    from cube.transfer.upload import upload_outputs
+
+    extra = "donefile_address: /d\ndownload_mode: s3\nupload_address: s3://builds/emb\n"
+    cfg = parse_config(CONF.format(extra=extra), "t", tmp_path)
+    (tmp_path / "100_100").mkdir()
+    with pytest.raises(remote.RemoteError, match=re.escape("emb_part0.tar is missing")) as caught:
+        upload_outputs(cfg, tmp_path / "100_100", timeout=5)
+    assert str(caught.value).startswith("upload to s3://builds/emb/100_100/emb_part0.tar: ")
+
+
 def test_daemons_configured_for_s3_without_s3fs_stop_at_start(monkeypatch, tmp_path, capsys):
     import subprocess
 
@@ -271,6 +282,8 @@ def test_daemons_configured_for_s3_without_s3fs_stop_at_start(monkeypatch, tmp_p
         ("s3://k:hunter2@bkt/shards/t.tar", "s3://bkt/shards", "credentials do not belong"),
         ("s3://bkt:9000/shards/t.tar", "s3://bkt/shards", "not host:port"),
         ("s3://bkt", "s3://bkt", "no key"),
+        ("s3://bkt/shards//t.tar", "s3://bkt/shards", "an empty segment"),  # not shards/t.tar
+        ("s3://bkt/shards/t/", "s3://bkt/shards", "an empty segment"),
         ("s3://bkt/shards/t.tar?versionId=1", "s3://bkt/shards", "query"),
     ],
 )

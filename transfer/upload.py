@@ -36,8 +36,11 @@ def upload_outputs(cfg: TransferConfig, out_dir: Path, timeout: float) -> list[s
         left = deadline - time.monotonic()
         if left <= 0:
             raise remote.RemoteError(f"upload to {url}: not done within {timeout:g} s")
+        local = out_dir / name
+        if not local.is_file():  # ours to say: put_file would blame the remote side
+            raise remote.RemoteError(f"upload to {url}: {local} is missing (the build wrote none)")
         try:
-            remote.put_file(str(out_dir / name), url, left, min(left, 60.0))
+            remote.put_file(str(local), url, left, min(left, 60.0))
         except remote.RemoteError as exc:
             raise remote.RemoteError(f"upload to {url}: {exc}") from None
         written.append(url)
