@@ -4,6 +4,10 @@ Every response is `{"success": "0"|"255"|"2", "message": str, "data": ...}`. Han
 long work: commands are submitted as tasks and the transfer polls them. See docs/ROLLOUT.md.
 A command from the original cube-transfer (`asked_the_original_way`) is answered when its task
 ends, as the original agent answered, within --sync_reply_timeout.
+
+One agent may serve several instances (--instances), as the original's did: a command goes to
+the instance its `deploy_path` names, `GET /agent/status?deploy_path=` reports one, and without
+it the status of every instance is listed.
 """
 
 from __future__ import annotations
@@ -11,11 +15,14 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from cube import protocol
+from cube.agent import __version__
 from cube.agent.deploy import Agent
 from cube.agent.tasks import Task, TaskBusy
 from cube.protocol import (
@@ -28,6 +35,7 @@ from cube.protocol import (
     BadRequest,
     asked_the_original_way,
     parse_work,
+    pick_deploy_path,
 )
 from cube.security import bearer_token, token_matches
 
@@ -35,7 +43,7 @@ log = logging.getLogger("cube.agent")
 
 API_LIST = ["GET /agent/status", "POST /agent/cmd"]
 MAX_BODY = 1 << 20  # a command is a few hundred bytes
-AGENT_KEY = web.AppKey("agent", Agent)
+AGENTS_KEY = web.AppKey("agents", dict[Path, Agent])
 
 
 def envelope(success: str, message: str, data: Any = None, status: int = 200) -> web.Response:
@@ -93,7 +101,15 @@ async def _authorized(request: web.Request, token: str) -> bool:
     return isinstance(body_token, str) and token_matches(body_token, token)
 
 
-def make_app(agent: Agent, token: str = "") -> web.Application:
+def _agent_for(request: web.Request, requested: str) -> Agent:
+    """The instance's Agent a request names by deploy_path (BadRequest when it names none)."""
+    agents = request.app[AGENTS_KEY]
+    return agents[pick_deploy_path(requested, list(agents))]
+
+
+def make_app(agents: Agent | Sequence[Agent], token: str = "") -> web.Application:
+    """The API of one agent process: `agents`, one per instance (--deploy_path, --instances)."""
+
     @web.middleware
     async def guard(request: web.Request, handler) -> web.StreamResponse:
         try:
@@ -124,7 +140,8 @@ def make_app(agent: Agent, token: str = "") -> web.Application:
             return envelope(ERROR, message, status=500)
 
     app = web.Application(middlewares=[guard], client_max_size=MAX_BODY)
-    app[AGENT_KEY] = agent
+    listed = [agents] if isinstance(agents, Agent) else list(agents)
+    app[AGENTS_KEY] = {agent.layout.deploy_path: agent for agent in listed}
     app.router.add_get("/agent/status", handle_status)
     app.router.add_post("/agent/cmd", handle_cmd)
     return app
@@ -149,13 +166,20 @@ async def _reply_when_done(agent: Agent, task: Task) -> web.Response:
 
 
 async def handle_status(request: web.Request) -> web.Response:
-    agent = request.app[AGENT_KEY]
-    return envelope(OK, "", await agent.status_json())
+    """One instance's status (the only one, or `?deploy_path=`); several: each listed."""
+    agents = request.app[AGENTS_KEY]
+    requested = request.query.get("deploy_path", "")
+    if len(agents) == 1 or requested:
+        return envelope(OK, "", await _agent_for(request, requested).status_json())
+    statuses = [await agent.status_json() for agent in agents.values()]
+    return envelope(OK, "", {"status": "RUNNING", "version": __version__, "instances": statuses})
 
 
 async def handle_cmd(request: web.Request) -> web.Response:
-    agent = request.app[AGENT_KEY]
-    work = parse_work(await _json_body(request), agent.layout.deploy_path)
+    body = await _json_body(request)
+    requested = body.get("deploy_path") if isinstance(body, dict) else None
+    agent = _agent_for(request, requested.strip() if isinstance(requested, str) else "")
+    work = parse_work(body, agent.layout.deploy_path)
     if work.command == QUERY_COMMAND:
         if work.task_command:
             task = agent.tasks.find(work.task_command, work.version)

@@ -88,7 +88,12 @@ class AgentConfig:
 class Agent:
     """The agent of one instance (one cube-server and its deploy_path)."""
 
-    def __init__(self, config: AgentConfig, control: ServerControl | None = None) -> None:
+    def __init__(
+        self,
+        config: AgentConfig,
+        control: ServerControl | None = None,
+        counters: AgentCounters | None = None,
+    ) -> None:
         self.config = config
         self.layout = Layout(config.deploy_path)
         self.control = control or ServerControl(
@@ -109,7 +114,7 @@ class Agent:
             expected_errors=(BadRequest, FetchError, UnsafeTar, ServerError, OSError),
             on_end=self._task_ended,
         )
-        self.counters = AgentCounters()
+        self.counters = counters or AgentCounters()  # shared by the instances of one process
 
     def _task_ended(self, task: Task) -> None:
         seconds = max(0.0, task.finished_at - task.started_at)

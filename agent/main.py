@@ -1,5 +1,9 @@
 """cube-agent command line: `cube-agent -P 8001 --deploy_path DIR --server 127.0.0.1:8000`.
 
+One agent may serve several instances, as the original's did: `--instances
+DIR=HOST:PORT,...` adds instances (their deploy path and their server's control address) to
+the one of --deploy_path and --server; requests name theirs by `deploy_path`.
+
 Binds 127.0.0.1 unless --host says otherwise; with a token (--token or env CUBE_TOKEN) every
 request must authenticate, and beyond loopback a token is required (or --insecure). The API is
 served over TLS with --tls_cert/--tls_key. Prints one line `cube-agent listening on
@@ -9,11 +13,13 @@ http(s)://HOST:PORT` once bound (`-P 0` picks a free port), then serves until SI
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -22,6 +28,7 @@ from cube.agent import __version__
 from cube.agent.api import make_app
 from cube.agent.deploy import Agent, AgentConfig
 from cube.agent.fetch import FetchPolicy, SourcePolicy
+from cube.agent.metrics import AgentCounters
 from cube.flags import FlagError, Flags, FlagSet, run_cli
 from cube.logs import LOG_FORMATS, setup_logging
 from cube.security import TLSFiles, is_loopback, require_token, server_context, token_from
@@ -71,6 +78,13 @@ def flag_set() -> FlagSet:
         "127.0.0.1:9000",
         "the cube-server's control address: its --control_host:--control_port (a server's"
         " control port is its --port + 1000 unless set)",
+    )
+    fs.add(
+        "instances",
+        str,
+        "",
+        "more instances this agent serves, comma-separated DEPLOY_PATH=HOST:PORT (each server's"
+        " control address); requests name theirs by deploy_path",
     )
     fs.add(
         "server_token",
@@ -134,6 +148,29 @@ def flag_set() -> FlagSet:
     return fs
 
 
+def instance_configs(first: AgentConfig, text: str) -> list[AgentConfig]:
+    """`first` and the instances of --instances (DEPLOY_PATH=HOST:PORT, comma-separated), each
+    with its own deploy path and server, the rest shared. FlagError for a malformed entry or a
+    deploy path or server given twice."""
+    configs = [first]
+    for entry in (part.strip() for part in text.split(",")):
+        if not entry:
+            continue
+        path, sep, server = entry.rpartition("=")
+        host, colon, port = server.rpartition(":")
+        if not sep or not path or not colon or not host or not port.isdigit():
+            raise FlagError(f"--instances: {entry!r} is not DEPLOY_PATH=HOST:PORT")
+        configs.append(dataclasses.replace(first, deploy_path=Path(path).absolute(), server=server))
+    for what in ("deploy_path", "server"):
+        seen: set[object] = set()
+        for config in configs:
+            value = getattr(config, what)
+            if value in seen:
+                raise FlagError(f"--instances: {what} {str(value)!r} is given twice")
+            seen.add(value)
+    return configs
+
+
 def config_from_flags(flags: Flags) -> AgentConfig:
     if not 0 <= flags.port <= 65535:
         raise FlagError(f"--port: {flags.port} is not a TCP port")
@@ -190,26 +227,51 @@ def config_from_flags(flags: Flags) -> AgentConfig:
     )
 
 
+def combined_snapshot(agents: Sequence[Agent]) -> Callable[[], Coroutine[Any, Any, dict[str, Any]]]:
+    """The metrics of every instance of the process: the shared counters, the other figures
+    summed."""
+
+    async def snapshot() -> dict[str, Any]:
+        parts = [await agent.metrics_snapshot() for agent in agents]
+        running: dict[str, int] = {}
+        disk: dict[str, int] = {}
+        for part in parts:
+            for command, count in part["running"].items():
+                running[command] = running.get(command, 0) + count
+            for area, size in part["disk"].items():
+                disk[area] = disk.get(area, 0) + size
+        return {
+            "counters": parts[0]["counters"],
+            "running": running,
+            "versions": sum(part["versions"] for part in parts),
+            "disk": disk,
+        }
+
+    return snapshot
+
+
 async def serve(
-    config: AgentConfig,
+    configs: Sequence[AgentConfig],
     host: str,
     port: int,
     token: str,
     tls: TLSFiles | None = None,
     metrics: tuple[str, int] | None = None,
 ) -> int:
-    agent = Agent(config)
-    agent.open()
+    counters = AgentCounters()
+    agents = [Agent(config, counters=counters) for config in configs]
+    for agent in agents:
+        agent.open()
     metrics_server, metrics_line = None, ""
     if metrics is not None:
         from cube.agent.metrics import AgentCollector
         from cube.metrics import serve_collector
 
         metrics_server, metrics_port = serve_collector(
-            *metrics, AgentCollector, agent.metrics_snapshot, asyncio.get_running_loop()
+            *metrics, AgentCollector, combined_snapshot(agents), asyncio.get_running_loop()
         )
         metrics_line = f"cube-agent metrics on http://{metrics[0]}:{metrics_port}/metrics"
-    runner = web.AppRunner(make_app(agent, token), access_log=None)
+    runner = web.AppRunner(make_app(agents, token), access_log=None)
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -225,16 +287,16 @@ async def serve(
         if metrics_server is not None:  # a second line, after the one tools wait for
             print(metrics_line, flush=True)
         log.info(
-            "cube-agent %s: deploy_path %s, server %s, auth %s",
+            "cube-agent %s: %s, auth %s",
             __version__,
-            config.deploy_path,
-            config.server,
+            "; ".join(f"deploy_path {c.deploy_path}, server {c.server}" for c in configs),
             "on" if token else "OFF",
         )
         await stop.wait()
     finally:
         await runner.cleanup()
-        await agent.close()
+        for agent in agents:
+            await agent.close()
         if metrics_server is not None:
             metrics_server.shutdown()
     return 0
@@ -242,7 +304,7 @@ async def serve(
 
 def _main(argv: Sequence[str]) -> int:
     flags = flag_set().parse(argv)
-    config = config_from_flags(flags)
+    configs = instance_configs(config_from_flags(flags), flags.instances)
     level = getattr(logging, flags.log_level)
     log_file = Path(flags.log_dir) / f"{flags.log_name}.log" if flags.log_dir else None
     setup_logging("cube-agent", max(level, logging.INFO), flags.log_format, log_file)
@@ -256,7 +318,7 @@ def _main(argv: Sequence[str]) -> int:
     tls = TLSFiles(flags.tls_cert, flags.tls_key)
     try:
         metrics = (flags.metrics_host, flags.metrics_port) if flags.metrics_port >= 0 else None
-        return asyncio.run(serve(config, flags.host, flags.port, token, tls, metrics))
+        return asyncio.run(serve(configs, flags.host, flags.port, token, tls, metrics))
     except OSError as exc:
         print(f"error: cube-agent: {exc.strerror or exc}", file=sys.stderr)
         return 1

@@ -11,6 +11,7 @@ requests, and the agent's task reports and the transfer's reading of them, canno
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,28 @@ def _same_path(requested: str, deploy_path: Path) -> bool:
         return False
 
 
+def pick_deploy_path(requested: str, deploy_paths: Sequence[Path]) -> Path:
+    """The instance a request is for, among an agent's deploy paths (its --deploy_path, then
+    --instances): the one `requested` names (it must name one; it may be left out when there
+    is only one). BadRequest otherwise."""
+    if len(deploy_paths) == 1 and not requested:
+        return deploy_paths[0]
+    for path in deploy_paths:
+        if requested and _same_path(requested, path):
+            return path
+    served = ", ".join(repr(str(path)) for path in deploy_paths)
+    if not requested:
+        raise BadRequest(f"deploy_path: required: this agent serves several instances ({served})")
+    if len(deploy_paths) == 1:
+        raise BadRequest(
+            f"deploy_path: {clip(requested)} is not this agent's --deploy_path {served}"
+        )
+    raise BadRequest(
+        f"deploy_path: {clip(requested)} is none of this agent's instances ({served};"
+        " --deploy_path and --instances)"
+    )
+
+
 # Fields the original cube-transfer's command body always carries (its Go struct has no
 # omitempty on them) and this project's transfer never sends.
 _ORIGINAL_TRANSFER_FIELDS = ("finish_status", "rollback_info")
@@ -217,11 +240,8 @@ def parse_work(body: object, deploy_path: Path) -> Work:
     if command not in COMMANDS:
         raise BadRequest(f"command: {clip(command)} is not one of {', '.join(COMMANDS)}")
     requested_path = _text(body, "deploy_path")
-    if requested_path and not _same_path(requested_path, deploy_path):
-        raise BadRequest(
-            f"deploy_path: {clip(requested_path)} is not this agent's --deploy_path "
-            f"{str(deploy_path)!r}"
-        )
+    if requested_path:
+        pick_deploy_path(requested_path, [deploy_path])
     mode = _text(body, "mode")
     if mode and mode not in MODES:
         if command == "download":

@@ -473,6 +473,63 @@ def test_transfer_agent_client_drives_a_real_agent(env):
     assert server_state(env.server.control_address) == (BASE, "")
 
 
+def test_one_agent_serves_two_instances_told_apart_by_deploy_path(env):
+    """As the original's transfer.conf has it: two instances (deploy path + cube-server) under
+    one agent (--instances). The transfer's AgentClient drives each by its deploy_path; a
+    command that names none is refused, naming both; each server serves its own table."""
+    import asyncio
+    from urllib.parse import urlsplit
+
+    import aiohttp
+    from procs import start_server
+
+    from cube.transfer.agents import AgentClient, drive
+    from cube.transfer.config import Instance
+
+    second = env.tmp / "deploy2"
+    (second / "data").mkdir(parents=True)
+    server2 = start_server(second / "data")
+    env.closers.append(server2.stop)
+    agent = env.agent("--instances", f"{second}={server2.control_address}")
+    port = urlsplit(agent.url).port
+    places = [(env.deploy, env.server, 1), (second, server2, 2)]
+    insts = [
+        Instance(0, j, "127.0.0.1", port, "127.0.0.1", int(server.address.rsplit(":", 1)[1]),
+                 str(deploy))
+        for j, (deploy, server, _seed) in enumerate(places)
+    ]  # fmt: skip
+    sources = [tar_for(env, f"i{seed}", seed=seed) for _d, _s, seed in places]
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            client = AgentClient(session)
+            for inst, src in zip(insts, sources, strict=True):
+                for command in ("download", "reload", "enable"):
+                    fields = {"command": command, "version": BASE, "depend": BASE,
+                              "mode": "base", "dict_name": "t", "shard_seq": 0,
+                              "deploy_path": inst.deploy_path, **src}  # fmt: skip
+                    outcome = await drive(client, inst, fields, 60, 0)
+                    assert outcome.ok, outcome
+            return [await client.status(inst) for inst in insts]
+
+    statuses = asyncio.run(scenario())
+    assert [s["deploy_path"] for s in statuses] == [str(env.deploy), str(second)]
+    for (deploy, server, seed), status in zip(places, statuses, strict=True):
+        assert status["server"]["address"] == server.control_address
+        assert server_state(server.control_address) == (BASE, "")
+        keys, rows = shard_content(1000, 16, seed=seed)
+        assert seek(server.address, keys[:50]) == [r.tobytes() for r in rows[:50]]
+        assert (deploy / "data" / "VERSION").read_text() == f"{BASE}\n"
+    both = agent.status()  # no deploy_path: every instance
+    assert [i["deploy_path"] for i in both["instances"]] == [str(env.deploy), str(second)]
+    status, reply = agent.call("POST", "/agent/cmd", {"command": "enable", "version": BASE})
+    assert status == 400 and "deploy_path: required" in reply["message"]
+    assert str(env.deploy) in reply["message"] and str(second) in reply["message"]
+    body = {"command": "enable", "version": BASE, "deploy_path": str(env.tmp / "other")}
+    status, reply = agent.call("POST", "/agent/cmd", body)
+    assert status == 400 and "is none of this agent's instances" in reply["message"]
+
+
 def test_metrics_count_tasks_steps_and_bytes(env):
     """The agent's metrics endpoint after real tasks: outcomes, step timings, bytes fetched
     and what is on disk."""

@@ -64,7 +64,7 @@ def test_every_http_route_is_documented(tmp_path):
     conf += f"donefile_address: {tmp_path}\noutput_address: {tmp_path}\ntmp_address: {tmp_path}\n"
     conf += "[cube_agent]\nagent0_0: 127.0.0.1:1\ncube0_0: 127.0.0.1:2:/d\n"
     service = SimpleNamespace(cfg=parse_config(conf, "t.conf", tmp_path))
-    transfer_routes, agent_routes = _routes(build_api(service)), _routes(agent_app(None))
+    transfer_routes, agent_routes = _routes(build_api(service)), _routes(agent_app([]))
     assert len(transfer_routes) >= 6 and len(agent_routes) == 2  # the routes were found
     transfer = (REFERENCE / "transfer-api.md").read_text()
     missing = [path for path in sorted(transfer_routes) if path not in transfer]

@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import tarfile
 from pathlib import Path
 
@@ -796,3 +797,40 @@ def test_the_rollout_table():
     assert (INSTANCE_STATUS["Enable_Succ"], INSTANCE_STATUS["Dead"]) == (100, 250)
     assert (VERSION_STATUS["finished"], VERSION_STATUS["refused"]) == (90, 120)
     assert json.dumps({"phase": Phase.RELOAD}) == '{"phase": "reload"}'
+
+
+def test_instances_may_share_an_agent_but_not_its_deploy_path(tmp_path):
+    """The original's shipped transfer.conf puts several instances under one agent: allowed
+    (cube-agent --instances), told apart by deploy_path; the same deploy_path twice is not."""
+    shared = CONF.replace("agent0_1: 127.0.0.1:8011", "agent0_1: 127.0.0.1:8001")
+    cfg = parse_config(shared, "t.conf", tmp_path)
+    assert cfg.instances[0].agent_address == cfg.instances[1].agent_address
+    clash = shared.replace("/home/work/cube0_1", "/home/work/cube0_0")
+    with pytest.raises(ConfigError, match=r"instances 0_0 and 0_1 share agent 127\.0\.0\.1:8001"):
+        parse_config(clash, "t.conf", tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("/d2", "is not DEPLOY_PATH=HOST:PORT"),
+        ("/d2=host", "is not DEPLOY_PATH=HOST:PORT"),
+        ("/d2=h:x", "is not DEPLOY_PATH=HOST:PORT"),
+        ("/d1=h:2", "deploy_path '/d1' is given twice"),
+        ("/d2=h:1", "server 'h:1' is given twice"),
+    ],
+)
+def test_agent_instances_flag(text, error):
+    from pathlib import Path
+
+    from cube.agent.deploy import AgentConfig
+    from cube.agent.main import instance_configs
+    from cube.flags import FlagError
+
+    first = AgentConfig(deploy_path=Path("/d1"), server="h:1")
+    with pytest.raises(FlagError, match=re.escape(error)):
+        instance_configs(first, text)
+    configs = instance_configs(first, "/d2=h:2, /d3=other:9")
+    assert [(str(c.deploy_path), c.server) for c in configs] == [
+        ("/d1", "h:1"), ("/d2", "h:2"), ("/d3", "other:9")
+    ]  # fmt: skip

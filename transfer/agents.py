@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlencode
 
 import aiohttp
 
@@ -112,7 +113,9 @@ class AgentClient:
         return reply.data
 
     async def status(self, inst: Instance) -> dict[str, Any]:
-        data = await self._request(inst, "GET", "/agent/status")
+        # the instance by its deploy_path: one agent may serve several (as the original's)
+        query = urlencode({"deploy_path": inst.deploy_path})
+        data = await self._request(inst, "GET", f"/agent/status?{query}")
         if not isinstance(data, dict):
             raise AgentUnreachable(f"agent {inst.agent_address}: status without data")
         return data
@@ -124,7 +127,9 @@ class AgentClient:
         return data
 
     async def task(self, inst: Instance, command: str, version: str) -> dict[str, Any]:
-        body = Work(QUERY_COMMAND, version, task_command=command).to_json()
+        body = Work(
+            QUERY_COMMAND, version, task_command=command, deploy_path=inst.deploy_path
+        ).to_json()
         data = await self._request(inst, "POST", "/agent/cmd", body)
         if TaskReport.from_json(data) is None:
             raise AgentRefused(f"agent {inst.agent_address}: no task {command} {version}")

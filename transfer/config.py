@@ -412,6 +412,17 @@ def _parse_instances(
                     shard, replica, agent_host, agent_port, server_host, server_port, deploy_path
                 )
             )
+    # One agent may serve several instances (cube-agent --instances), told apart by deploy_path
+    by_place: dict[tuple[str, str], str] = {}
+    for inst in instances:
+        place = (inst.agent_address, inst.deploy_path)
+        if place in by_place:
+            raise ConfigError(
+                f"{source}: [cube_agent] instances {by_place[place]} and {inst.name} share agent "
+                f"{inst.agent_address} and deploy_path {inst.deploy_path!r}: an agent tells its "
+                "instances apart by their deploy_path"
+            )
+        by_place[place] = inst.name
     return instances
 
 
