@@ -22,6 +22,7 @@ from typing import Any
 # small machine those threads only compete with the workers
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+from cube import remote
 from cube.builder.build import (
     BuildConfig,
     BuildError,
@@ -32,7 +33,7 @@ from cube.builder.build import (
     build,
 )
 from cube.builder.meta import RegisterError, ShardOutput, register_meta
-from cube.builder.sources import fetch_inputs, is_remote
+from cube.builder.sources import fetch_inputs
 from cube.builder.spark_build import DEFAULT_SHARD_MB, SparkSettings, SparkStats, build_on_spark
 from cube.flags import FlagError, FlagSet, one_line, run_cli
 from cube.routing import PARTITIONERS
@@ -286,7 +287,7 @@ def fetch_remote(flags: dict[str, Any], config: BuildConfig) -> tuple[str, str |
     fetched into a new directory under -tmp_dir (default: -output_path), which `cleanup`
     removes. BuildError when a fetch fails."""
     input_path, delete_path = flags["input_path"], flags["delete_path"] or None
-    if not is_remote(input_path) and not (delete_path and is_remote(delete_path)):
+    if not remote.is_remote(input_path) and not (delete_path and remote.is_remote(delete_path)):
         return input_path, delete_path
     parent = config.tmp_dir or config.output_path
     try:
@@ -300,7 +301,7 @@ def fetch_remote(flags: dict[str, Any], config: BuildConfig) -> tuple[str, str |
     deadline = started + flags["fetch_timeout"]
     paths = []
     for name, path in (("input", input_path), ("delete", delete_path)):
-        if path and is_remote(path):
+        if path and remote.is_remote(path):
             files = fetch_inputs(path, fetched / name, max(deadline - time.monotonic(), 0.001))
             if not flags["quiet"]:
                 size = sum(f.stat().st_size for f in files)

@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import numpy as np
+
 from cube import remote
-from cube.builder.build import BuildError, list_input_files
+from cube.builder.build import BuildError, list_input_files, parse_delete_keys, read_delete_keys
 
 FETCH_TIMEOUT = 3600.0  # seconds for one file
 IO_TIMEOUT = 60.0  # one connect or one stalled read
@@ -32,11 +34,6 @@ LIST_TIMEOUT = 600.0
 class InputFile:
     url: str  # a local path, or the file's URL
     size: int
-
-
-def is_remote(path: str) -> bool:
-    """A URL with a scheme other than file:// (a path has none)."""
-    return remote.is_remote(path)
 
 
 def _local(path: str) -> str:
@@ -54,7 +51,7 @@ def list_inputs(path: str) -> list[InputFile]:
     """Every regular, non-empty, non-hidden file under `path` (or `path` itself when it is a
     file), in the order the builder reads them. BuildError when `path` does not exist or
     cannot be listed."""
-    if not is_remote(path):
+    if not remote.is_remote(path):
         files = list_input_files(_local(path))
         return [InputFile(str(file), file.stat().st_size) for file in files]
     fs, root = _open(path)
@@ -139,18 +136,17 @@ def fetch_inputs(path: str, dest: Path, timeout: float = FETCH_TIMEOUT) -> list[
 
 
 def read_bytes(url: str, limit: int) -> bytes:
-    """The content of a small file (a delete list), local or remote; BuildError when it holds
-    more than `limit` bytes."""
-    if not is_remote(url):
-        local = Path(_local(url))
-        try:
-            size = local.stat().st_size
-            if size > limit:
-                raise BuildError(f"{url}: {size} bytes, more than the {limit} allowed")
-            return local.read_bytes()
-        except OSError as exc:
-            raise BuildError(f"{url}: {exc.strerror}") from None
+    """The content of a small remote file; BuildError when it holds more than `limit` bytes."""
     try:
         return remote.read_bytes(url, limit, FETCH_TIMEOUT, IO_TIMEOUT)
     except remote.RemoteError as exc:
         raise BuildError(f"{remote.redact(url)}: {exc}") from None
+
+
+def read_delete_list(path: str, limit: int) -> np.ndarray:
+    """Every key a delete list holds (a file or a directory of files, local or remote; see
+    `parse_delete_keys`); a remote file over `limit` bytes is a BuildError."""
+    if not remote.is_remote(path):
+        return read_delete_keys(path)
+    chunks = [parse_delete_keys(read_bytes(f.url, limit), f.url) for f in list_inputs(path)]
+    return np.concatenate(chunks) if chunks else np.empty(0, np.uint64)

@@ -51,21 +51,20 @@ from typing import Any
 
 import numpy as np
 
+from cube import remote
 from cube.builder.build import (
     BuildConfig,
     BuildError,
     BuildResult,
     Workspace,
     package_shard,
-    parse_delete_keys,
-    read_delete_keys,
     route_keys,
     shard_header_meta,
     task_error_message,
     write_meta_infos,
 )
 from cube.builder.meta import ShardOutput
-from cube.builder.sources import fetch_input, is_remote, list_inputs, read_bytes
+from cube.builder.sources import fetch_input, list_inputs, read_delete_list
 from cube.builder.spill import route_batch, shard_owners
 from cube.index import build_table
 from cube.seqfile import SequenceFileReader, concat_columns
@@ -140,16 +139,6 @@ def list_splits(input_path: str) -> list[InputSplit]:
     return [InputSplit(n, f.url, f.size) for n, f in enumerate(list_inputs(input_path))]
 
 
-def load_delete_keys(delete_path: str) -> np.ndarray:
-    if not is_remote(delete_path):
-        return read_delete_keys(delete_path)
-    chunks = [
-        parse_delete_keys(read_bytes(f.url, _MAX_DELETE_LIST_BYTES), f.url)
-        for f in list_inputs(delete_path)
-    ]
-    return np.concatenate(chunks) if chunks else np.empty(0, np.uint64)
-
-
 # ---------------------------------------------------------------------------------------------
 # Stage 1: one file -> (shard, chunk) pairs
 
@@ -195,7 +184,7 @@ def _decode(chunk: tuple) -> tuple[np.ndarray, ValueColumn]:
 def _local_copy(url: str) -> Iterator[str]:
     """A local path for the file: itself, or a copy of a remote one in the executor's local
     directory for the life of the `with` block."""
-    if not is_remote(url):
+    if not remote.is_remote(url):
         yield url
         return
     tmp = tempfile.mkdtemp(prefix="cube-spark-input-")
@@ -294,7 +283,8 @@ def build_on_spark(
     if delete_path and config.mode != "delta":
         raise BuildError("-delete_path needs -job_mode delta")
     splits = list_splits(str(input_path))
-    deleted = load_delete_keys(delete_path) if delete_path else np.empty(0, np.uint64)
+    no_keys = np.empty(0, np.uint64)
+    deleted = read_delete_list(delete_path, _MAX_DELETE_LIST_BYTES) if delete_path else no_keys
     deleted_by_shard = route_keys(deleted, config.shard_num, config.partitioner)
     workspace = Workspace(config)
     try:

@@ -121,9 +121,9 @@ def test_remote_urls_are_refused_with_what_to_use(url, problem):
 
 def test_which_paths_are_remote():
     for path in ("s3://b/in", "webhdfs://nn:9870/in", "http://h/in", "hdfs://nn:8020/in"):
-        assert sources.is_remote(path), path
+        assert remote.is_remote(path), path
     for path in ("/data/in", "data/in", "file:///data/in", "odd:name/in"):
-        assert not sources.is_remote(path), path
+        assert not remote.is_remote(path), path
     assert remote.check_url("s3://bucket/in") is None
     assert remote.check_url("webhdfs://alice@nn:9870/in") is None
 
