@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import ftplib
-import http
 import logging
 import os
 import re
@@ -496,8 +495,8 @@ async def _http_body(resp: aiohttp.ClientResponse, at: _Attempt) -> int | None:
         _open_part(at.part, 0).close()
         raise FetchError(f"HTTP 416 from {where} resuming at {offset}; restarting from 0")
     if resp.status >= 400:
-        retry = resp.status >= 500 or resp.status in (408, 429)
-        raise FetchError(f"HTTP {_status_text(resp.status)} from {where}", retryable=retry)
+        retry = remote.retryable_status(resp.status)
+        raise FetchError(f"{remote.status_text(resp.status)} from {where}", retryable=retry)
     total: int | None = None
     if resp.status == 206:
         match = _CONTENT_RANGE_RE.search(resp.headers.get("Content-Range", ""))
@@ -515,14 +514,6 @@ async def _http_body(resp: aiohttp.ClientResponse, at: _Attempt) -> int | None:
             if wait:
                 await asyncio.sleep(wait)
     return total
-
-
-def _status_text(status: int) -> str:
-    """`404 Not Found`: the standard phrase, never the reason the server sent."""
-    try:
-        return f"{status} {http.HTTPStatus(status).phrase}"
-    except ValueError:
-        return str(status)
 
 
 def _ftp_reply(exc: BaseException) -> str:

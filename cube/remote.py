@@ -330,11 +330,18 @@ def _s3_error(exc: BaseException) -> tuple[str, int]:
     return "", 0
 
 
-def _status_text(status: int) -> str:
+def status_text(status: int) -> str:
+    """`HTTP 404 Not Found`: the standard phrase, never the reason the server sent (the
+    agent's HTTP downloads say it in the same words)."""
     try:
         return f"HTTP {status} {http.HTTPStatus(status).phrase}"
     except ValueError:
         return f"HTTP {status}"
+
+
+def retryable_status(status: int) -> bool:
+    """Whether another attempt may get another answer: a server error, a timeout, throttling."""
+    return status >= 500 or status in (408, 429)
 
 
 def _endpoint(exc: BaseException) -> str:
@@ -382,7 +389,7 @@ def failure(exc: BaseException, scheme: str = "s3") -> RemoteError:
     if _named(exc, "ConnectionError", "ConnectionRefusedError", "ClientConnectorError"):
         return RemoteError("cannot connect", retryable=True)
     if status:
-        return RemoteError(_status_text(status), retryable=status >= 500 or status in (408, 429))
+        return RemoteError(status_text(status), retryable=retryable_status(status))
     if isinstance(exc, ValueError) and _named(exc, "JSONDecodeError"):
         return RemoteError("the answer is not what the protocol says (not JSON)")
     if isinstance(exc, (ValueError, RuntimeError)):
