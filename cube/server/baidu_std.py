@@ -332,17 +332,9 @@ class BaiduStdServer:
 
     async def start(self, port: int, ssl: ssl_module.SSLContext | None = None) -> int:
         """Listen on host:port (0: any free port); returns the bound port."""
-        loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(
-            lambda: BaiduStdProtocol(self),
-            self.host,
-            port,
-            reuse_address=True,
-            backlog=1024,
-            ssl=ssl,
+        self.server, self.port = await self.bounds.listen(
+            lambda: BaiduStdProtocol(self), self.host, port, ssl
         )
-        self.port = int(self.server.sockets[0].getsockname()[1])
-        self.bounds.attach()
         return self.port
 
     async def stop(self, grace: float) -> None:

@@ -27,7 +27,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl as ssl_module
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +118,22 @@ class Bounds:
             "http_connections": kinds.get("http", 0),
             "bytes": self.total_bytes,
         }
+
+    async def listen(
+        self,
+        protocol: Callable[[], asyncio.Protocol],
+        host: str,
+        port: int,
+        ssl: ssl_module.SSLContext | None,
+    ) -> tuple[asyncio.Server, int]:
+        """A listener of one port under these bounds (0: any free port): the server and the
+        bound port; the watchdog runs until it `detach`es."""
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(
+            protocol, host, port, reuse_address=True, backlog=1024, ssl=ssl
+        )
+        self.attach()
+        return server, int(server.sockets[0].getsockname()[1])
 
     # -- the watchdog --------------------------------------------------------------------
 

@@ -379,22 +379,14 @@ class HttpFace:
         await runner.setup()
         handlers = runner.server  # aiohttp's protocol factory
         assert handlers is not None
-        loop = asyncio.get_running_loop()
         try:
-            self.listener = await loop.create_server(
-                lambda: HttpConnection(self, handlers()),
-                self.host,
-                port,
-                ssl=ssl,
-                backlog=1024,
-                reuse_address=True,
+            self.listener, self.port = await self.bounds.listen(
+                lambda: HttpConnection(self, handlers()), self.host, port, ssl
             )
         except BaseException:
             await runner.cleanup()
             raise
         self.runner = runner
-        self.port = int(self.listener.sockets[0].getsockname()[1])
-        self.bounds.attach()
         refusal = control_refusal(self.host, self.token, self.insecure, None)
         if refusal == grpc.StatusCode.PERMISSION_DENIED:
             log.warning(

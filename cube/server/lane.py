@@ -289,17 +289,10 @@ class Lane:
 
     async def start(self, host: str, port: int, ssl: ssl_module.SSLContext | None = None) -> int:
         """Listen on host:port (0: any free port), over TLS with `ssl`; returns the port."""
-        loop = self._loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(
-            lambda: LaneProtocol(self),
-            host,
-            port,
-            reuse_address=True,
-            backlog=1024,
-            ssl=ssl,
+        self._loop = asyncio.get_running_loop()
+        self.server, self.port = await self.bounds.listen(
+            lambda: LaneProtocol(self), host, port, ssl
         )
-        self.port = int(self.server.sockets[0].getsockname()[1])
-        self.bounds.attach()
         return self.port
 
     async def stop(self, grace: float) -> None:
