@@ -11,9 +11,14 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from collections.abc import Callable
 
 
-async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
+async def pump(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: Callable[[], float]
+) -> None:
+    """Copy `reader` to `writer`, each chunk held `delay()` seconds (read when the chunk comes
+    in: a caller may change it while connections are open), in order."""
     queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(maxsize=1024)
 
     async def deliver() -> None:
@@ -31,25 +36,36 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dela
     delivery = asyncio.create_task(deliver())
     try:
         while chunk := await reader.read(65536):
-            await queue.put((time.monotonic() + delay, chunk))
+            await queue.put((time.monotonic() + delay(), chunk))
     except (ConnectionError, OSError):
         pass
     finally:
-        await queue.put((time.monotonic() + delay, b""))
+        await queue.put((time.monotonic() + delay(), b""))
         try:
             await asyncio.wait_for(delivery, 30)
         except (ConnectionError, OSError, TimeoutError):
             writer.close()
 
 
+async def relay_connection(
+    client_r: asyncio.StreamReader,
+    client_w: asyncio.StreamWriter,
+    target: str,
+    port: int,
+    delay: Callable[[], float],
+) -> None:
+    """Relay one accepted connection to target:port, `delay()` seconds each way."""
+    try:
+        server_r, server_w = await asyncio.wait_for(asyncio.open_connection(target, port), 5)
+    except (OSError, TimeoutError):
+        client_w.close()
+        return
+    await asyncio.gather(pump(client_r, server_w, delay), pump(server_r, client_w, delay))
+
+
 async def _serve(listen: str, target: str, port: int, delay: float) -> asyncio.Server:
     async def relay(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        try:
-            server_r, server_w = await asyncio.wait_for(asyncio.open_connection(target, port), 5)
-        except (OSError, TimeoutError):
-            client_w.close()
-            return
-        await asyncio.gather(_pump(client_r, server_w, delay), _pump(server_r, client_w, delay))
+        await relay_connection(client_r, client_w, target, port, lambda: delay)
 
     return await asyncio.start_server(relay, listen, port)
 

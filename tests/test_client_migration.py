@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from delay_relay import relay_connection
 from procs import expected_fixed, fixed_values, start_server, write_version
 
 from cube.client import (
@@ -140,8 +141,8 @@ class Relay:
     """A TCP relay in a thread: listens on 127.0.0.2 at each of `ports` and forwards to the
     same port on 127.0.0.1 (a server's lookup port and its TCP lane port, which the SDK finds
     on the host it was given), holding every chunk of bytes `delay`/2 seconds each way, in
-    order. `delay` may change while connections are open (tests/delay_relay.py, a process,
-    has one delay for its life: a client could not connect before the server turns slow)."""
+    order. `delay` may change while connections are open (tests/delay_relay.py's relay, run
+    here in a thread; as a process it has one delay for its life)."""
 
     def __init__(self, ports: list[int]) -> None:
         self.delay = 0.0
@@ -156,33 +157,9 @@ class Relay:
     async def _relay(self, reader, writer) -> None:
         port = writer.get_extra_info("sockname")[1]
         try:
-            upstream_r, upstream_w = await asyncio.open_connection("127.0.0.1", port)
-            await asyncio.gather(self._pump(reader, upstream_w), self._pump(upstream_r, writer))
-        except (OSError, asyncio.CancelledError):  # (cancelled: the relay closes)
+            await relay_connection(reader, writer, "127.0.0.1", port, lambda: self.delay / 2)
+        except asyncio.CancelledError:  # the relay closes
             writer.close()
-
-    async def _pump(self, reader, writer) -> None:
-        chunks: asyncio.Queue = asyncio.Queue()
-
-        async def deliver() -> None:
-            while True:
-                due, chunk = await chunks.get()
-                await asyncio.sleep(max(0.0, due - time.monotonic()))
-                if not chunk:
-                    break
-                writer.write(chunk)
-                await writer.drain()
-            writer.close()
-
-        delivery = asyncio.ensure_future(deliver())
-        try:
-            while chunk := await reader.read(65536):
-                chunks.put_nowait((time.monotonic() + self.delay / 2, chunk))
-        except OSError:
-            pass
-        chunks.put_nowait((time.monotonic() + self.delay / 2, b""))
-        with contextlib.suppress(OSError):
-            await delivery
 
     def close(self) -> None:
         async def stop() -> None:
