@@ -119,16 +119,6 @@ class BaiduStdProtocol(BoundedProtocol):
     def refuse_connection(self, transport: asyncio.Transport, reason: str) -> None:
         self.face.warn("%s: one closed", reason)  # baidu_std has no frame to say it in
 
-    def data_received(self, data: bytes) -> None:
-        if self.closing:
-            return
-        self.progress_at = time.monotonic()
-        if self.buffer:
-            self.buffer += data
-            self._consume(self.buffer)
-        else:
-            self._consume(data)
-
     def resume(self) -> None:
         if self.closing or self.transport is None:
             return

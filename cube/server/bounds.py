@@ -252,6 +252,11 @@ class BoundedProtocol(asyncio.Protocol):
         """Answers drained (ours or the worker's): parse what was held back, read again."""
         raise NotImplementedError
 
+    def _consume(self, source: bytes | bytearray) -> None:
+        """Parse and answer the whole frames at the start of `source` (the buffer, or bytes
+        just read while the buffer was empty), keeping the rest (`_keep`)."""
+        raise NotImplementedError
+
     def refuse_connection(self, transport: asyncio.Transport, reason: str) -> None:
         """The worker has its connections' limit: say so (in the port's protocol) before the
         connection is closed."""
@@ -276,6 +281,16 @@ class BoundedProtocol(asyncio.Protocol):
         self.queued = self.unsent = 0
         self._account()
         self.transport = None
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing:
+            return
+        self.progress_at = time.monotonic()
+        if self.buffer:
+            self.buffer += data
+            self._consume(self.buffer)
+        else:
+            self._consume(data)  # no copy into the buffer when whole frames came
 
     def pause_writing(self) -> None:
         self.write_paused = True

@@ -87,16 +87,6 @@ class LaneProtocol(BoundedProtocol):
     def refuse_connection(self, transport: asyncio.Transport, reason: str) -> None:
         transport.write(error_frame(grpc.StatusCode.UNAVAILABLE, f"TCP lane: {reason}"))
 
-    def data_received(self, data: bytes) -> None:
-        if self.closing:
-            return
-        self.progress_at = time.monotonic()
-        if self.buffer:
-            self.buffer += data
-            self._consume(self.buffer)
-        else:
-            self._consume(data)
-
     # -- frames -------------------------------------------------------------------------
 
     def _consume(self, source: bytes | bytearray) -> None:
