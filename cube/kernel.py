@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import logging
 import os
 import threading
 import time
@@ -40,6 +41,9 @@ COMPILED = _HAVE_NUMBA and os.environ.get("CUBE_KERNEL", "compiled") != "numpy"
 _compiled: Any = None  # cube._kernel_jit, imported by the first lookup (or warm)
 _warming = False  # warm() runs in the background: lookups take the numpy path meanwhile
 _warm_failed = ""  # why the background warm() failed (lookups then stay on numpy)
+_sealed = False  # seal(): the loops compile nothing more; an unforeseen signature takes numpy
+unwarmed: set[str] = set()  # the signatures a sealed kernel refused (and answered on numpy)
+log = logging.getLogger("cube.kernel")
 
 
 def _use_compiled() -> bool:
@@ -93,10 +97,41 @@ def prepare(table: HashTable) -> KernelTable:
     return KernelTable(table, args)
 
 
+def _sealed_call(function: Any, *args: Any) -> Any:
+    """`function(*args)`, or None when the kernel is sealed and `args` need a compile: that
+    compile would hold the request (and the event loop) for a second or more, so the caller
+    answers on the numpy path instead, and the signature is logged once (warm() misses it)."""
+    try:
+        return function(*args)
+    except TypeError:
+        if not _sealed:
+            raise
+        signature = ", ".join(_describe_arg(a) for a in args)
+        if signature not in unwarmed:
+            unwarmed.add(signature)
+            log.warning(
+                "lookup kernel: %s(%s) was not compiled ahead (cube.kernel.warm): answering"
+                " on the numpy path", function.__name__, signature,
+            )  # fmt: skip
+        return None
+
+
+def _describe_arg(arg: Any) -> str:
+    if isinstance(arg, np.ndarray):
+        writable = "" if arg.flags.writeable else " readonly"
+        layout = "C" if arg.flags.c_contiguous else "A"
+        return f"{arg.dtype}[{arg.ndim}d {layout}{writable}]"
+    return type(arg).__name__
+
+
 def lookup_rows(prepared: KernelTable, keys: np.ndarray) -> np.ndarray:
     """Row code (module docstring) of each key, uint32."""
+    if not keys.shape[0]:
+        return np.empty(0, dtype=np.uint32)
     if _use_compiled():
-        return _loops()._lookup_rows(*prepared.args, _keys(keys))  # type: ignore[no-any-return]
+        rows = _sealed_call(_loops()._lookup_rows, *prepared.args, _keys(keys))
+        if rows is not None:
+            return rows  # type: ignore[no-any-return]
     found_rows, found = numpy_lookup(prepared.table, keys)
     rows = found_rows.astype(np.uint32)
     rows[~found] = MISS
@@ -143,8 +178,12 @@ def seek_fixed_into(
 ) -> int:
     """`seek_fixed` into given arrays (e.g. views of an answer's wire buffer): found (n,) bool
     and out (n, words per row) of `words.dtype`, aligned; returns the count not found."""
+    if not keys.shape[0]:  # no call: an empty (n, w) array has other strides, another compile
+        return 0
     if _use_compiled():
-        return int(_loops()._seek_fixed(*prepared.args, words, _keys(keys), found, out))
+        misses = _sealed_call(_loops()._seek_fixed, *prepared.args, words, _keys(keys), found, out)
+        if misses is not None:
+            return int(misses)
     rows, hit = numpy_lookup(prepared.table, keys)
     hit &= rows != np.uint32(TOMBSTONE)
     out_bytes = out.view(np.uint8)
@@ -189,10 +228,22 @@ def warm() -> float:
     return time.perf_counter() - started
 
 
-def warm_in_background() -> Future[float]:
-    """Run `warm` in a thread of its own; until it is done, lookups take the numpy path (the
-    same answers, slower) instead of compiling in their caller. Servers start serving at once
-    this way, even on a machine whose cache is cold (compiling takes seconds)."""
+def seal() -> None:
+    """Compile nothing more: after `warm`, a server's lookups run only the signatures it
+    compiled, and one it did not foresee answers on the numpy path (logged, in `unwarmed`)
+    instead of compiling for a second or more in the request path."""
+    global _sealed
+    if COMPILED:
+        loops = _loops()
+        for dispatcher in (loops._lookup_rows, loops._seek_fixed):
+            dispatcher.disable_compile()
+        _sealed = True
+
+
+def warm_in_background(sealed: bool = False) -> Future[float]:
+    """Run `warm` (then `seal` when `sealed`) in a thread of its own; until it is done,
+    lookups take the numpy path (the same answers, slower) instead of compiling in their
+    caller. A server reports itself ready only once this is done (cube.server.versions)."""
     global _warming
     done: Future[float] = Future()
     if not COMPILED:
@@ -202,12 +253,15 @@ def warm_in_background() -> Future[float]:
     def run() -> None:
         global _warming, _warm_failed
         try:
-            done.set_result(warm())
+            seconds = warm()
+            if sealed:
+                seal()
         except BaseException as exc:  # a compile error: stay on the numpy path, and say why
             _warm_failed = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
             done.set_exception(exc)
             return
-        _warming = False
+        _warming = False  # before the result: whoever waits for it finds the compiled path
+        done.set_result(seconds)
 
     _warming = True
     threading.Thread(target=run, name="cube-kernel-warm", daemon=True).start()

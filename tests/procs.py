@@ -25,6 +25,7 @@ import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cube.index import build_table
+from cube.pb import cube_pb2
 from cube.processes import free_ports, poll_until, spawn, stop_child
 from cube.shard import write_shard
 from cube.values import ValueColumn
@@ -198,15 +199,16 @@ class ServerProc:
 
     def wait_up(self, timeout: float = 30.0, serving: bool = False) -> None:
         """Wait until every worker answers its health check on its control port (plaintext,
-        even when lookups use TLS; it loads its start-up version before it answers); with
-        `serving`, until every one says SERVING."""
+        even when lookups use TLS; it loads its start-up version before it answers) and has
+        settled: SERVING, or NOT_SERVING for a reason other than getting ready (the lookup
+        kernel loading); with `serving`, until every one says SERVING."""
         self.resolve_ports(timeout)
         pending = list(self.control_addresses)
 
         def ready(status: int | None) -> bool:
-            if serving:
+            if serving or status == health_pb2.HealthCheckResponse.SERVING:
                 return status == health_pb2.HealthCheckResponse.SERVING
-            return status is not None
+            return status is not None and not self.getting_ready(pending[0])
 
         def all_ready() -> bool:
             while pending and ready(health_status(pending[0], timeout=0.5)):
@@ -218,6 +220,23 @@ class ServerProc:
             raise TimeoutError(
                 f"cube-server not {what} on {pending} after {timeout} s:\n{self.log()[-4000:]}"
             )
+
+    def getting_ready(self, control_address: str) -> bool:
+        """Whether the worker on `control_address` says it is getting ready (`not_ready`)."""
+        args = [part for arg in self.args for part in arg.split("=", 1)]
+        token = args[args.index("--control_token") + 1] if "--control_token" in args else ""
+        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        request = cube_pb2.ControlRequest(cmd="status").SerializeToString()
+        with grpc.insecure_channel(control_address) as channel:
+            call = channel.unary_unary("/rec.mcube.ControlService/cmd")
+            try:
+                reply = cube_pb2.ControlResponse.FromString(
+                    call(request, timeout=2.0, metadata=metadata)
+                )
+            except grpc.RpcError as exc:  # not up, or slow: ask again; a token we lack: settled
+                return bool(exc.code() != grpc.StatusCode.UNAUTHENTICATED)
+        detail = json.loads(reply.detail_json)
+        return any(worker.get("not_ready") for worker in detail.get("worker_states", [detail]))
 
     def wait_serving(self, timeout: float = 30.0) -> None:
         self.wait_up(timeout, serving=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -210,3 +211,57 @@ def test_a_failed_warm_stays_on_numpy_and_says_why(monkeypatch) -> None:
     assert "failed to compile: RuntimeError: LLVM ERROR: no such target)" in kernel.describe()
     prepared = kernel.prepare(build_table(np.arange(1, 10, dtype=np.uint64)).table)
     assert kernel.lookup(prepared, np.arange(0, 20, dtype=np.uint64))[1].sum() == 9
+
+
+SEALED_SCRIPT = r"""
+import sys
+from pathlib import Path
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from procs import fixed_values, write_version
+from cube import kernel
+from cube.pb import cube_fast_pb2
+from cube.server.service import SeekService
+from cube.server.versions import LoadOptions, VersionSlots, load_base, split_dirs
+
+kernel.warm()
+kernel.seal()
+root = sys.argv[2]
+rng = np.random.default_rng(3)
+keys = np.arange(1, 3001, dtype=np.uint64)
+for width in (1, 2, 3, 4, 5, 8, 12, 16, 32, 40, 64, 0):
+    data = f"{root}/w{width}"
+    values = fixed_values(keys, width) if width else [bytes(int(k) % 7) for k in keys]
+    write_version(data, "1", keys, values)
+    write_version(data, "2", keys, fixed_values(keys, width, tag=1) if width else values)
+    write_version(data, "2_3", keys[:50], fixed_values(keys[:50], width, 2) if width
+                  else values[:50], deleted=keys[100:120])
+    for name in ("1", "2_3"):
+        slots = VersionSlots()
+        slots.install(load_base(split_dirs(data, 1), name, LoadOptions()))
+        service = SeekService(slots, max_batch=5000)
+        for n in (0, 1, 2, 7, 1000):
+            query = rng.integers(0, 3500, n).astype(np.uint64)
+            raw = cube_fast_pb2.SeekRequest(keys=query.astype("<u8").tobytes()).SerializeToString()
+            service.seek(raw)
+            service.answer_seeks([service.parse_seek(raw)], frames=True)
+            service.answer_original(query, "original")
+        slots.close()
+print(sorted(kernel.unwarmed))
+"""
+
+
+def test_every_server_lookup_runs_a_signature_warm_compiled(tmp_path) -> None:
+    """A server seals its kernel after warm(): no lookup may need a signature warm() did not
+    compile (it would compile for a second or more inside a request, on every replica at
+    once: the stall of issue 24). Every width, n = 0..1000, base and delta, gRPC, lane and the
+    original's face, in a fresh process with the sealed kernel: none falls back."""
+    tests_dir = str(Path(__file__).parent)
+    done = subprocess.run(
+        [sys.executable, "-c", SEALED_SCRIPT, tests_dir, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr[-2000:]

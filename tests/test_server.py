@@ -167,7 +167,8 @@ def test_variable_width_values(bad_request_server):
 
 def test_empty_server_is_not_serving_and_says_why(tmp_path):
     """Nothing to serve: health NOT_SERVING and every lookup UNAVAILABLE with the reason, never
-    a batch of misses; an empty request (a client's first contact) is still answered."""
+    a batch of misses; an empty request (the SDK's first contact) too, so that a client
+    does not take the replica for one that serves."""
     with (
         running_server(tmp_path / "nothing") as server,
         grpc.insecure_channel(server.address) as channel,
@@ -182,7 +183,10 @@ def test_empty_server_is_not_serving_and_says_why(tmp_path):
                 cube_pb2.DictRequest(keys=[4], version_required=True), timeout=10
             )
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert seek(channel, []).found == b""
+        with pytest.raises(grpc.RpcError) as caught:
+            seek(channel, [])
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "does not exist" in caught.value.details()
         detail = json.loads(control(server, "status").detail_json)
         assert detail["serving"] is False and "does not exist" in detail["not_serving_reason"]
 

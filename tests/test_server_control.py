@@ -351,8 +351,10 @@ def test_a_dead_worker_is_restarted_on_what_its_peers_serve(data):
     version its peer serves (200, enabled after start; VERSION still says 100), and a crash
     loop beyond --worker_restarts stops the whole server with an error."""
     import psutil
+    from grpc_health.v1 import health_pb2
     from procs import health_status
 
+    SERVING = health_pb2.HealthCheckResponse.SERVING
     with running_server(data, "--worker_restarts", "2", workers=2) as server:
         control(server, "reload_base", version_path="/200")
         supervisor = psutil.Process(server.pid)
@@ -368,9 +370,8 @@ def test_a_dead_worker_is_restarted_on_what_its_peers_serve(data):
             with grpc.insecure_channel(server.addresses[0]) as channel:
                 assert tags_of(seek(channel, KEYS[:20])) == {2}  # worker 0 serves on
             assert procs.poll_until(
-                lambda v=victim: (
-                    health_status(server.control_addresses[1]) is not None
-                    and worker(1).pid != v.pid
+                lambda v=victim: (  # back, and ready (its kernel loaded)
+                    health_status(server.control_addresses[1]) == SERVING and worker(1).pid != v.pid
                 ),
                 30,
                 0.1,

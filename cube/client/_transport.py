@@ -631,7 +631,10 @@ class SyncChannels:
             lane.close()
 
     def wait_ready(self, addresses: list[str], timeout_s: float) -> list[str]:
-        """Connect to every address; return those not ready within `timeout_s`."""
+        """First contact with every address (connection, routing check, lane), as a call
+        would make it; return those that did not answer ready (a replica that cannot serve
+        yet refuses it) within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
         futures = {}
         for address in addresses:
             self._callable(address)
@@ -639,9 +642,13 @@ class SyncChannels:
         not_ready = []
         for address, future in futures.items():
             try:
-                future.result(timeout=timeout_s)
+                future.result(timeout=max(deadline - time.monotonic(), 1e-3))
             except grpc.FutureTimeoutError:
                 future.cancel()
+                not_ready.append(address)
+                continue
+            failure = self._discover(address, max(deadline - time.monotonic(), 1e-3))
+            if failure is not None or address in self._mismatch:
                 not_ready.append(address)
         return not_ready
 
@@ -879,12 +886,7 @@ class AioChannels:
 
     async def _connect_and_send(self, address: str, request: bytes, timeout_s: float) -> bytes:
         deadline = time.monotonic() + timeout_s
-        task = self._connecting.get(address)
-        if task is None:
-            task = asyncio.ensure_future(self._connect(address, timeout_s))
-            self._connecting[address] = task
-            task.add_done_callback(lambda t: self._connected(address, t))
-        lane = await asyncio.shield(task)  # a cancelled caller leaves the connect to others
+        lane = await self._first_contact(address, timeout_s)
         mismatch = self._mismatch.get(address)
         if mismatch is not None:
             raise TransportError(CONFIG_MISMATCH, mismatch)
@@ -894,6 +896,16 @@ class AioChannels:
         else:
             answer = await lane.send(request, remaining)
         return answer
+
+    def _first_contact(self, address: str, timeout_s: float) -> Any:
+        """An awaitable of the endpoint's first contact (`_connect`), one at a time per
+        endpoint; a cancelled caller leaves it to the others."""
+        task = self._connecting.get(address)
+        if task is None:
+            task = asyncio.ensure_future(self._connect(address, timeout_s))
+            self._connecting[address] = task
+            task.add_done_callback(lambda t: self._connected(address, t))
+        return asyncio.shield(task)
 
     def _connected(self, address: str, task: asyncio.Task[Any]) -> None:
         self._connecting.pop(address, None)
@@ -939,14 +951,15 @@ class AioChannels:
             del self._lanes[address]
 
     async def wait_ready(self, addresses: list[str], timeout_s: float) -> list[str]:
-        for address in addresses:
-            self._callable(address)
+        """As SyncChannels.wait_ready, the endpoints in parallel."""
 
         async def ready(address: str) -> bool:
-            try:
-                await asyncio.wait_for(self._channels[address].channel_ready(), timeout_s)
+            if self.lane(address) is not None:  # contact made, and its lane is up
                 return True
-            except TimeoutError:
+            try:
+                await asyncio.wait_for(self._first_contact(address, timeout_s), timeout_s)
+                return address not in self._mismatch
+            except (TimeoutError, grpc.aio.AioRpcError, TransportError):
                 return False
 
         flags = await asyncio.gather(*(ready(a) for a in addresses))

@@ -124,6 +124,7 @@ class AsyncCubeClient(ClientBase):
         return embeddings(await self.seek(keys), dim, dtype, own=True)
 
     async def wait_ready(self, timeout_s: float = 5.0) -> list[str]:
+        """As CubeClient.wait_ready."""
         if self._injected is not None:
             return []
         return await self._channels.wait_ready(self.endpoints, timeout_s)

@@ -142,7 +142,9 @@ class CubeClient(ClientBase):
         return embeddings(self.seek(keys), dim, dtype, own=True)
 
     def wait_ready(self, timeout_s: float = 5.0) -> list[str]:
-        """Connect to every endpoint; return the ones not ready within `timeout_s`."""
+        """Make first contact with every endpoint (connection, routing check, TCP lane);
+        return the ones not ready within `timeout_s`: unreachable, refusing (a replica that
+        cannot serve at its normal latency yet says so), or of another routing."""
         if self._injected is not None:
             return []
         return self._channels.wait_ready(self.endpoints, timeout_s)

@@ -37,7 +37,7 @@ import grpc
 
 from cube.pb import cube_pb2
 from cube.security import AUTH_METADATA, bearer_metadata, bearer_token, control_refusal
-from cube.server.service import SeekService
+from cube.server.service import SeekService, warm_version
 from cube.server.versions import (
     LoadedVersion,
     LoadOptions,
@@ -143,6 +143,14 @@ class LocalWorker:
                 version = await loop.run_in_executor(
                     self.executor, load_base, self.dirs, name, self.options
                 )
+            try:
+                await loop.run_in_executor(
+                    self.executor, warm_version, version, self.service.partitioner
+                )
+            except Exception as exc:  # a lookup that fails here would fail every request
+                reason = f"its warm-up lookup failed: {exc}"
+                version.fail(reason)
+                raise VersionError("DATA_LOSS", f"{name}: {reason}") from exc
         except VersionError as exc:
             self.last_error = exc.message
             raise
@@ -175,6 +183,7 @@ class LocalWorker:
             "loading": self.loading,
             "serving": slots.serving,
             "not_serving_reason": "" if slots.serving else slots.why_not_serving(),
+            "not_ready": slots.not_ready,  # getting ready (not a fault): serving soon
             "requests": self.service.counters.as_dict(),
             "lane": self.service.lane_stats(),
             "metrics": self.service.counters.snapshot(),

@@ -43,7 +43,7 @@ from cube.fsutil import atomic_write_json
 from cube.logs import LOG_FORMATS, setup_logging
 from cube.routing import PARTITIONERS
 from cube.security import SecurityError, TLSFiles, require_token, token_from
-from cube.server.service import DEFAULT_MAX_ANSWER_BYTES
+from cube.server.service import DEFAULT_MAX_ANSWER_BYTES, warm_version
 
 log = logging.getLogger("cube.server")
 
@@ -614,15 +614,19 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
             executor.shutdown(wait=False)
             return 1
         metrics_note = f", metrics on http://{_address(flags.metrics_host, metrics_port)}/metrics"
-    # The compiled lookup kernel loads from numba's cache (or compiles, the first time on a
-    # machine) in the background; lookups take the numpy path until it is ready.
-    warming = kernel.warm_in_background()
+    # The compiled lookup kernel loads from its cache (or compiles, where none matches) in
+    # the background, then is sealed: nothing compiles in a request. Until then the replica
+    # is not ready (UNAVAILABLE at once, health NOT_SERVING), so clients use the others.
+    warming = kernel.warm_in_background(sealed=True)
+    if not warming.done():
+        slots.set_not_ready("the compiled lookup kernel is loading")
 
     def kernel_ready(done: Any) -> None:
         if done.exception() is not None:
             log.error("lookup kernel: not compiled, lookups stay on numpy: %s", done.exception())
         else:
             log.info("lookup kernel: %s, ready in %.2f s", kernel.describe(), done.result())
+        loop.call_soon_threadsafe(slots.set_not_ready, "")
 
     warming.add_done_callback(kernel_ready)
     try:
@@ -631,6 +635,7 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
             name = await peer_version(flags, controls, token) or name
         if name is None and flat_layout(dirs):
             version = await loop.run_in_executor(executor, load_flat, dirs, options)
+            await loop.run_in_executor(executor, warm_version, version, flags.partitioner)
             slots.install(version)
             log.info(
                 "serving the shard files in %s directly as version %s (the original's local"
@@ -642,6 +647,7 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
             log.log(level, "no start-up version: %s", slots.idle_reason)
         else:
             version = await loop.run_in_executor(executor, load_base, dirs, name, options)
+            await loop.run_in_executor(executor, warm_version, version, flags.partitioner)
             slots.install(version)
             log.info("serving %s (%s)", name, " > ".join(version.chain))
     except VersionError as exc:
@@ -668,8 +674,11 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
             )
             for name in ("", *service_names):
                 await health_servicer.set(name, status)
-            if not slots.serving:
-                log.warning("NOT_SERVING: %s", slots.why_not_serving())
+            if not slots.serving:  # still getting ready is no fault
+                level = logging.INFO if slots.not_ready else logging.WARNING
+                log.log(level, "NOT_SERVING: %s", slots.why_not_serving())
+            else:
+                log.info("SERVING %s", slots.current.name if slots.current else "(empty)")
 
     health_updates: set[asyncio.Future] = set()
 

@@ -135,6 +135,21 @@ def gatherers(version: LoadedVersion) -> list[FastGather]:
     return cached
 
 
+WARM_KEYS = 256  # keys of a version looked up before it serves (version_warmed)
+
+
+def warm_version(version: LoadedVersion, partitioner: str = "mod") -> None:
+    """What a version's first request would otherwise pay, paid before it serves (called in
+    the loader's thread): its gatherers (the value word views) and one lookup of a few keys
+    of each split, through the path requests take (index and data pages, kernel calls)."""
+    samples = []
+    for stack in version.stacks:
+        table = stack.layers[0].table
+        head = np.asarray(table.slot_keys[: WARM_KEYS * 4])
+        samples.append(head[head != table.empty_key][:WARM_KEYS])
+    answer_keys(version, np.concatenate(samples), partitioner)
+
+
 def empty_answer(n: int) -> Answer:
     return Answer(
         np.zeros(n, dtype=bool), np.empty(0, np.uint8), 0, np.zeros(n + 1, dtype=np.int64)
@@ -502,6 +517,13 @@ class SeekService:
         """The version to answer `keys` from, acquired (None: answer misses, by design), and
         the bound of the answer's value bytes; RequestError when the request must be refused."""
         slots = self.slots
+        # An empty request is refused too: it is the SDK's handshake, which must not pass
+        # while the replica cannot answer at its normal latency.
+        if slots.not_ready:
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{what}: this replica is not ready: {slots.not_ready}",
+            )
         version = slots.get(name)
         n = keys.shape[0]
         if version is None:
@@ -512,7 +534,7 @@ class SeekService:
                     f" {self._name(slots.current)!r}, background"
                     f" {self._name(slots.background)!r})",
                 )
-            if n and not slots.serving:
+            if not slots.serving:
                 raise RequestError(
                     grpc.StatusCode.UNAVAILABLE,
                     f"{what}: this replica serves no version: {slots.why_not_serving()}",

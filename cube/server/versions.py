@@ -677,10 +677,11 @@ class VersionSlots:
     the first phase of a multi-worker load, not yet visible).
 
     Serving state: the replica serves when it has a current version, or, with `allow_empty`
-    (`--allow_empty`), when it holds nothing by design. A replica that was meant to serve a
-    version and cannot (its start-up load failed, its files changed under it) records why in
-    `problem` and does not serve, empty or not, until a version is current again. Listeners
-    hear every change (health status)."""
+    (`--allow_empty`), when it holds nothing by design, and when nothing it needs to answer at
+    its normal latency is still on its way (`not_ready`: the compiled lookup kernel loading).
+    A replica that was meant to serve a version and cannot (its start-up load failed, its
+    files changed under it) records why in `problem` and does not serve, empty or not, until
+    a version is current again. Listeners hear every change (health status)."""
 
     def __init__(self, allow_empty: bool = False) -> None:
         self.current: LoadedVersion | None = None
@@ -690,14 +691,24 @@ class VersionSlots:
         self.allow_empty = allow_empty
         self.problem = ""
         self.idle_reason = "no version has been loaded yet"
+        self.not_ready = ""  # why it cannot answer fast yet, though it may hold a version
         self.listeners: list[Callable[[], None]] = []
 
     @property
     def serving(self) -> bool:
-        return self.current is not None or (self.allow_empty and not self.problem)
+        holds = self.current is not None or (self.allow_empty and not self.problem)
+        return holds and not self.not_ready
 
     def why_not_serving(self) -> str:
-        return self.problem or self.idle_reason
+        if self.current is None and (self.problem or not self.allow_empty):
+            return self.problem or self.idle_reason
+        return self.not_ready
+
+    def set_not_ready(self, reason: str) -> None:
+        """Not serving until `set_not_ready("")`, for `reason` (health follows)."""
+        self.not_ready = reason
+        for listener in self.listeners:
+            listener()
 
     def get(self, name: str) -> LoadedVersion | None:
         """The version a request asks for: "" = current; else current or background by name."""

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -96,6 +97,26 @@ def start_predictor(
         stop_child(proc, 5.0)
         raise DemoError(f"the predictor did not answer within {timeout:g}s")
     return proc, url
+
+
+def wait_predictor_ready(url: str, timeout: float) -> None:
+    """Until the predictor says it is ready (`/ready`: a serving replica of every shard, a
+    version answered, its dense part loaded), so that no replayed request pays for that."""
+    reason = ["no answer"]
+
+    def ready() -> bool:
+        try:
+            with urllib.request.urlopen(f"{url}/ready", timeout=2.0) as response:
+                return bool(response.status == 200)
+        except urllib.error.HTTPError as exc:
+            reason[0] = exc.read(500).decode("utf-8", "replace")
+            return False
+        except OSError as exc:
+            reason[0] = str(exc)
+            return False
+
+    if not poll_until(ready, timeout, 0.1):
+        raise DemoError(f"the predictor was not ready within {timeout:g}s: {reason[0]}")
 
 
 def wait_model(
@@ -219,6 +240,7 @@ def run(argv: Sequence[str]) -> int:
                 (r for r in reversed(cluster.history()) if r.get("version") == meta.version), {}
             )
             heldout = ctr_client.read_samples(split_path(stream, when, "heldout"))
+            wait_predictor_ready(url, flags.timeout)
             if background is None:
                 background = Background(url, heldout).start()
             served = asyncio.run(ctr_client.replay(url, heldout, batch=100, concurrency=2))

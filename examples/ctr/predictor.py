@@ -5,9 +5,12 @@
     POST /predict   {"samples": ["1 0 123:1 456:2 ...", "789:1 ...", ...]}
                  -> {"version": "1795392000_1795395600", "ctr": [0.31, ...],
                      "features": 24, "missing_features": 3}
-    GET /status     versions answered, dense parameters loaded, counters (JSON)
+    GET /status     versions answered, dense parameters loaded, readiness, counters (JSON)
     GET /metrics    the same for Prometheus
-    GET /health     200 when the predictor can answer
+    GET /health     200 while the process runs (liveness)
+    GET /ready      200 when it can answer at its normal latency, else 503 with the reason:
+                    a serving replica of every Cube shard reached, a version answered and its
+                    dense part loaded (readiness; rechecked every second)
 
 A request's feature ids go to Cube in one batched lookup (the distinct ids); the SDK answers a
 batch from one version on every shard, and the predictor runs the MLP saved with that same
@@ -94,12 +97,52 @@ class DenseCache:
         return list(self._loaded)
 
 
+class Readiness:
+    """Whether the predictor's dependencies let it answer at its normal latency: for every
+    Cube shard a replica that made first contact (connected, routing checked, serving), a
+    lookup answered by one version, and that version's dense part loaded. `check` is run by
+    a background task every second; `/ready` reports its last result."""
+
+    def __init__(self, client: AsyncCubeClient, dense: DenseCache) -> None:
+        self.client = client
+        self.dense = dense
+        self.reason = "not checked yet"
+
+    @property
+    def ready(self) -> bool:
+        return not self.reason
+
+    async def check(self, timeout_s: float) -> str:
+        """The reason the predictor is not ready ("" when it is), also kept in `reason`."""
+        self.reason = await self._why_not(timeout_s)
+        return self.reason
+
+    async def _why_not(self, timeout_s: float) -> str:
+        late = set(await self.client.wait_ready(timeout_s))
+        for shard, replicas in enumerate(self.client.shards):
+            if all(replica in late for replica in replicas):
+                return f"no replica of Cube shard {shard} is ready ({', '.join(replicas)})"
+        try:
+            probe = np.arange(max(64, 4 * len(self.client.shards)), dtype=np.uint64)
+            result = await self.client.seek(probe)  # keys of every shard, most likely
+        except CubeError as exc:
+            return f"a Cube lookup failed: {exc}"
+        if result.version is None:
+            return "the Cube lookup was not answered by one version"
+        try:
+            await self.dense.get(result.version)
+        except PredictError as exc:
+            return str(exc)
+        return ""
+
+
 class Predictor:
     def __init__(
         self, client: AsyncCubeClient, models_root: Path, max_samples: int = 10_000
     ) -> None:
         self.client = client
         self.dense = DenseCache(models_root)
+        self.readiness = Readiness(client, self.dense)
         self.max_samples = max_samples
         self.by_version: dict[str, int] = {}
         self.registry = CollectorRegistry()
@@ -164,6 +207,8 @@ class Predictor:
             return int(self.registry.get_sample_value(f"{name}_total") or 0)
 
         return {
+            "ready": self.readiness.ready,
+            "not_ready_reason": self.readiness.reason,
             "answers_by_version": self.by_version,
             "dense_loaded": self.dense.versions(),
             "samples": total("ctr_predict_samples"),
@@ -175,7 +220,7 @@ class Predictor:
 def make_app(predictor: Predictor, token: str = "") -> web.Application:
     @web.middleware
     async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.path != "/health" and not token_matches(
+        if request.path not in ("/health", "/ready") and not token_matches(
             bearer_token(request.headers.get("Authorization")), token
         ):
             return web.json_response({"error": "missing or wrong bearer token"}, status=401)
@@ -211,6 +256,12 @@ def make_app(predictor: Predictor, token: str = "") -> web.Application:
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
+    async def ready(request: web.Request) -> web.Response:
+        readiness = predictor.readiness
+        if readiness.ready:
+            return web.json_response({"ready": True})
+        return web.json_response({"ready": False, "reason": readiness.reason}, status=503)
+
     app = web.Application(middlewares=[guard], client_max_size=MAX_BODY_BYTES)
     app.add_routes(
         [
@@ -218,6 +269,7 @@ def make_app(predictor: Predictor, token: str = "") -> web.Application:
             web.get("/status", status),
             web.get("/metrics", metrics),
             web.get("/health", health),
+            web.get("/ready", ready),
         ]
     )
     return app
@@ -252,11 +304,24 @@ async def serve(flags: Any, token: str) -> None:
     await site.start()
     port = runner.addresses[0][1]
     print(f"ctr predictor listening on http://{flags.host}:{port}", flush=True)
+    watch = asyncio.ensure_future(watch_readiness(predictor.readiness, flags.timeout))
     try:
         await asyncio.Event().wait()
     finally:
+        watch.cancel()
         await runner.cleanup()
         await client.close()
+
+
+async def watch_readiness(readiness: Readiness, timeout_s: float, every_s: float = 1.0) -> None:
+    """Recheck readiness every `every_s` seconds, logging each change."""
+    last: str | None = None
+    while True:
+        reason = await readiness.check(timeout_s)
+        if reason != last:
+            log.info("ready" if not reason else "not ready: %s", reason)
+            last = reason
+        await asyncio.sleep(every_s)
 
 
 def run(argv: Sequence[str]) -> int:
@@ -268,7 +333,7 @@ def run(argv: Sequence[str]) -> int:
         require_token("the CTR predictor", flags.host, token, flags.insecure, "--token")
     except SecurityError as exc:
         raise FlagError(str(exc)) from None
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(flags, token))
     return 0
