@@ -259,6 +259,7 @@ def start_server(
     log_path: str | os.PathLike | None = None,
     timeout: float = 30.0,
     wait: bool = True,
+    env: dict[str, str] | None = None,
 ) -> ServerProc:
     """Start `cube-server --data_dir DATA --port P [--workers N] ARGS...` and wait until every
     worker answers its health check (SERVING or, with nothing to serve, NOT_SERVING). The
@@ -298,7 +299,7 @@ def start_server(
         *args,
     ]
     server = ServerProc(
-        spawn(command, log_path, cwd=REPO),
+        spawn(command, log_path, cwd=REPO, env={**os.environ, **env} if env else None),
         list(ports),
         data_dir,
         log_path,

@@ -24,7 +24,14 @@ from cube.client import CubeClient
 from cube.processes import poll_until, stop_child
 from examples.ctr import client as ctr_client
 from examples.ctr.data import StreamSpec, split_path, split_time, write_split
-from examples.ctr.demo import Background, python_env, start_predictor, start_trainer, wait_model
+from examples.ctr.demo import (
+    Background,
+    python_env,
+    start_predictor,
+    start_trainer,
+    wait_model,
+    wait_predictor_ready,
+)
 from examples.ctr.model import auc, pool
 from examples.ctr.samples import parse_lines
 from examples.ctr.store import SAVE_PAUSE_ENV, announced_ids, find_model, load_dense, version_table
@@ -62,12 +69,14 @@ def loop(tmp_path_factory):
         predictor, url = start_predictor(cluster.cube_conf, work / "out" / "models", logs)
         children.append(predictor)
         passes = []
+        before_any_version = ready_answer(url)
         with CubeClient.from_conf(cluster.cube_conf) as cube:
             for index in range(PASSES):
                 when = split_time(SPEC, index)
                 write_split(SPEC, work / "stream", index)
                 meta = wait_model(work, int(when.timestamp()), trainer, 60)
                 cluster.wait_version(meta.version, 90)
+                wait_predictor_ready(url, 60)
                 heldout = ctr_client.read_samples(split_path(work / "stream", when, "heldout"))
                 if background is None:
                     background = Background(url, heldout, keep=400).start()
@@ -101,6 +110,7 @@ def loop(tmp_path_factory):
             "background": background,
             "trainer": trainer,
             "children": children,
+            "before_any_version": before_any_version,
         }
     finally:
         if background is not None:
@@ -108,6 +118,24 @@ def loop(tmp_path_factory):
         for child in reversed(children):
             stop_child(child, 10.0)
         cluster.down()
+
+
+def ready_answer(url: str) -> tuple[int, dict]:
+    """The predictor's /ready status and body."""
+    try:
+        with urllib.request.urlopen(f"{url}/ready", timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_the_predictor_is_ready_only_when_cube_serves_it(loop):
+    """Before any version is live the predictor runs (/health) but is not ready, and says
+    what it waits for; once a version is live and its dense part loaded, it is."""
+    status, body = loop["before_any_version"]
+    assert status == 503 and body["ready"] is False
+    assert "Cube" in body["reason"], body
+    assert ready_answer(loop["url"]) == (200, {"ready": True})
 
 
 def test_served_auc_equals_offline_auc_of_each_version(loop):

@@ -6,6 +6,7 @@ health and reflection."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -15,8 +16,16 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from procs import expected_fixed, fixed_values, health_status, running_server, write_version
+from procs import (
+    expected_fixed,
+    fixed_values,
+    health_status,
+    running_server,
+    start_server,
+    write_version,
+)
 
+from cube.client import AsyncCubeClient, CubeClient
 from cube.pb import cube_fast_pb2, cube_fast_pb2_grpc, cube_pb2, cube_pb2_grpc
 from cube.processes import poll_until
 from cube.routing import shard_of
@@ -189,6 +198,15 @@ def test_empty_server_is_not_serving_and_says_why(tmp_path):
         assert "does not exist" in caught.value.details()
         detail = json.loads(control(server, "status").detail_json)
         assert detail["serving"] is False and "does not exist" in detail["not_serving_reason"]
+        # the SDK's readiness is its first contact: a replica that cannot serve is not ready
+        with CubeClient(shards=[[server.address]]) as client:
+            assert client.wait_ready(5.0) == [server.address]
+
+        async def first_contact() -> list[str]:
+            async with AsyncCubeClient(shards=[[server.address]]) as client:
+                return await client.wait_ready(5.0)
+
+        assert asyncio.run(first_contact()) == [server.address]
 
 
 def test_allow_empty_server_answers_misses(tmp_path):
@@ -373,3 +391,37 @@ def test_seek_stream_pipelined_in_order(fixed_server):
     for batch, answer in zip(batches, answers, strict=True):
         assert answer.found == b"\x01" * 50 and answer.version == "100_200"
         assert (fixed_rows(answer) == expected_fixed(batch, 40, tag=1)).all()
+
+
+def test_a_replica_is_not_serving_until_its_kernel_is_compiled(tmp_path):
+    """A server whose kernel cache is cold compiles it at start (seconds). Meanwhile it is
+    NOT_SERVING from its first health answer on, says why in its status, and only then says
+    SERVING: a client never meets it serving at numpy speed or stalled on a compile."""
+    data = tmp_path / "data"
+    keys = np.arange(1, 100, dtype=np.uint64)
+    write_version(data, "1", keys, fixed_values(keys, 16), current=True)
+    cache = tmp_path / "numba-cache"  # empty: nothing to load, everything to compile
+    server = start_server(data, wait=False, env={"NUMBA_CACHE_DIR": str(cache)})
+    try:
+        server.resolve_ports(60)
+        seen = []
+
+        def answered() -> bool:
+            status = health_status(server.control_address)
+            if status is not None and (not seen or seen[-1] != status):
+                seen.append(status)
+            return status == health_pb2.HealthCheckResponse.SERVING
+
+        assert poll_until(answered, 120, 0.02), server.log()[-3000:]
+        assert seen == [
+            health_pb2.HealthCheckResponse.NOT_SERVING,
+            health_pb2.HealthCheckResponse.SERVING,
+        ], server.log()[-3000:]
+        log = server.log()
+        loading = log.index("NOT_SERVING: the compiled lookup kernel is loading")
+        assert loading < log.index("lookup kernel: compiled") < log.index("SERVING 1")
+        with grpc.insecure_channel(server.address) as channel:
+            assert seek(channel, keys[:5]).found == b"\x01" * 5
+        assert any(cache.rglob("*.nbi"))  # it compiled, and cached what it compiled
+    finally:
+        server.stop()

@@ -18,6 +18,7 @@ from cube.server.control import ControlError, Coordinator, LocalWorker
 from cube.server.service import (
     MISS_STATUS,
     Answer,
+    RequestError,
     SeekService,
     encode_dict_response,
     encode_seek_response,
@@ -210,3 +211,35 @@ def test_write_version_flag_rewrites_version_on_switch(tmp_path):
     (tmp_path / "VERSION").write_text("1\n")
     asyncio.run(coordinator.command(cube_pb2.ControlRequest(cmd="reload_base", version_path="2")))
     assert (tmp_path / "VERSION").read_text() == "2\n"
+
+
+def test_a_replica_getting_ready_refuses_every_request_at_once(tmp_path):
+    """While the replica gets ready (its kernel loading) it holds a version but does not
+    serve: every request, the SDK's empty handshake included, is refused UNAVAILABLE with the
+    reason (clients fail over at once), health and status follow; then it serves."""
+    keys = np.arange(10, dtype=np.uint64)
+    write_version(tmp_path, "1", keys, fixed_values(keys, 8))
+    slots = VersionSlots()
+    slots.install(load_base(split_dirs(tmp_path, 1), "1", LoadOptions()))
+    heard = []
+    slots.listeners.append(lambda: heard.append(slots.serving))
+    slots.set_not_ready("the compiled lookup kernel is loading")
+    assert not slots.serving and heard == [False]
+    assert slots.why_not_serving() == "the compiled lookup kernel is loading"
+    service = SeekService(slots, max_batch=100)
+    request = cube_fast_pb2.SeekRequest(keys=keys.astype("<u8").tobytes()).SerializeToString()
+    for call in (
+        lambda: service.seek(b""),
+        lambda: service.seek(request),
+        lambda: service.answer_original(keys, "original"),
+        lambda: service.seek(cube_fast_pb2.SeekRequest(version="1").SerializeToString()),
+    ):
+        with pytest.raises(RequestError) as refused:
+            call()
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "not ready: the compiled lookup kernel is loading" in refused.value.message
+    slots.set_not_ready("")
+    assert slots.serving and heard == [False, True]
+    response = cube_fast_pb2.SeekResponse.FromString(service.seek(request))
+    assert response.found == b"\x01" * 10 and response.version == "1"
+    slots.close()

@@ -655,12 +655,6 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
         local.last_error = f"startup: {exc.message}"
         slots.fail_startup(f"its start-up version could not be loaded: {exc.message}")
         log.error("start-up version not loaded; NOT_SERVING until one is: %s", exc.message)
-    await server.start()
-    await control_server.start()
-    # Start-up objects never become garbage: keep the cyclic GC from rescanning them.
-    gc.collect()
-    gc.freeze()
-
     serving_state: list[bool | None] = [None]
 
     async def publish_health() -> None:
@@ -689,7 +683,12 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
             update.add_done_callback(health_updates.discard)
 
     slots.listeners.append(on_slots_changed)
-    await publish_health()
+    await publish_health()  # before the ports answer: the health servicer starts at SERVING
+    await server.start()
+    await control_server.start()
+    # Start-up objects never become garbage: keep the cyclic GC from rescanning them.
+    gc.collect()
+    gc.freeze()
 
     async def check_files() -> None:  # leases signal at once; this covers polling and misses
         while True:
