@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test]'
-	$(BIN)/python -c 'from cube import kernel; print("lookup kernel:", kernel.describe(), "compiled in %.1f s" % kernel.warm())'
+	$(BIN)/python -m cube.kernel_cache --require
 	touch $(STAMP)
 
 install: $(STAMP)

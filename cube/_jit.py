@@ -8,24 +8,92 @@ process that never needs them does not pay numba's ~0.4 s import. Without numba,
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from cube.kernel import COMPILED
 
+PACKAGE_DIR = Path(__file__).resolve().parent
+SHIPPED_CACHE = PACKAGE_DIR / "_numba_cache"  # built with the wheel (setup.py), or by make
+CACHE_ENV = "CUBE_KERNEL_CACHE"
+# Machine code for a generic CPU of the architecture: a cache built on one machine (the
+# wheel's, the image's) loads on every other; measured as fast as host-tuned code for these
+# memory-bound loops (bench/RESULTS.md). Set before numba is imported, unless the user chose.
+os.environ.setdefault("NUMBA_CPU_NAME", "generic")
+
+
+def _writable(path: Path) -> bool:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError:
+        return False
+    return True
+
+
+def kernel_cache_dir() -> Path | None:
+    """Where the compiled loops' machine code is cached: $CUBE_KERNEL_CACHE when set; else the
+    package's own `_numba_cache` (what the wheel ships) when writable; else a per-user folder
+    ($NUMBA_CACHE_DIR or ~/.cache, then cube-kernel) seeded with the shipped files, so a
+    read-only install loads them too; None: no cache (every process compiles)."""
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit) if _writable(Path(explicit)) else None
+    if _writable(SHIPPED_CACHE):
+        return SHIPPED_CACHE
+    root = os.environ.get("NUMBA_CACHE_DIR") or str(Path.home() / ".cache")
+    folder = Path(root) / "cube-kernel"
+    if not _writable(folder):
+        return None
+    for shipped in SHIPPED_CACHE.glob("*.nb[ic]"):
+        copy = folder / shipped.name
+        try:
+            if not copy.exists() or copy.stat().st_mtime < shipped.stat().st_mtime:
+                shutil.copy2(shipped, copy)
+        except OSError:
+            break  # compiles what it lacks, and caches that
+    return folder
+
+
 if COMPILED:
     import numba
     from llvmlite import ir
     from numba import types
-    from numba.core import cgutils
+    from numba.core import caching, cgutils
     from numba.extending import intrinsic
 
+    class _KernelCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):
+        """numba's cache locator for this package's compiled loops (`kernel_cache_dir`); the
+        index stamps sources by content, so the cache is valid wherever the files land."""
+
+        def __init__(self, py_func: Any, py_file: str, directory: Path) -> None:
+            self._py_file = py_file
+            self._lineno = py_func.__code__.co_firstlineno
+            self._cache_path = str(directory)
+
+        def get_cache_path(self) -> str:
+            return self._cache_path
+
+        @classmethod
+        def from_function(cls, py_func: Any, py_file: str) -> Any:
+            if Path(py_file).resolve().parent != PACKAGE_DIR:
+                return None  # not ours: numba's own locators decide
+            directory = kernel_cache_dir()
+            return None if directory is None else cls(py_func, py_file, directory)
+
+    _locators: list[Any] = caching.CacheImpl._locator_classes
+    if _KernelCacheLocator not in _locators:
+        _locators.insert(0, _KernelCacheLocator)
+
     def jit(function: Callable[..., Any]) -> Any:
-        """Compile lazily; cache the machine code on disk when a cache directory is writable
-        (`__pycache__` beside the module, else NUMBA_CACHE_DIR or the user's cache), else
-        compile in every process (a read-only install without a cache directory)."""
+        """Compile lazily; cache the machine code on disk (`kernel_cache_dir`), or, with no
+        writable cache directory anywhere, compile in every process."""
         options: dict[str, Any] = {"nogil": True, "boundscheck": False, "error_model": "numpy"}
         try:
             return numba.njit(cache=True, **options)(function)

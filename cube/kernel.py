@@ -195,6 +195,15 @@ def seek_fixed_into(
     return int(keys.shape[0]) - int(np.count_nonzero(hit))
 
 
+def compiled_now() -> int:
+    """How many of the lookup loops' signatures this process compiled rather than loaded from
+    the cache (0 after a warm() that found them all: an install's shipped cache)."""
+    if not COMPILED or _compiled is None:
+        return 0
+    loops = _compiled
+    return sum(len(d.stats.cache_misses) for d in (loops._lookup_rows, loops._seek_fixed))
+
+
 def describe() -> str:
     """Which kernel runs, for logs and status."""
     if COMPILED:
@@ -203,7 +212,9 @@ def describe() -> str:
             return f"numpy (numba {version} failed to compile: {_warm_failed})"
         if _warming:
             return f"numpy until the compiled one loads (numba {version})"
-        return f"compiled (numba {version})"
+        compiled = compiled_now()
+        source = f"{compiled} signatures compiled now" if compiled else "loaded from its cache"
+        return f"compiled (numba {version}, {source})"
     if _HAVE_NUMBA:
         return "numpy (CUBE_KERNEL=numpy)"
     return "numpy (numba is not installed)"

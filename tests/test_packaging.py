@@ -113,3 +113,58 @@ def test_the_sdk_imports_without_the_extras(tmp_path):
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_a_server_from_the_wheel_loads_the_shipped_kernel(wheel, tmp_path):
+    """The wheel ships the lookup kernel compiled (setup.py): a server installed from it, on a
+    machine with no kernel cache of its own, loads it and compiles nothing at its first start
+    (a compile there would hold the replica not ready for seconds)."""
+    from cube.processes import poll_until, stop_child
+
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
+         str(wheel)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    shipped = sorted(p.name for p in (target / "cube" / "_numba_cache").glob("*.nbc"))
+    assert any(name.startswith("_kernel_jit._seek_fixed") for name in shipped)
+    env = {
+        "PYTHONPATH": f"{target}:{sysconfig.get_paths()['purelib']}",
+        "HOME": str(tmp_path / "home"),  # no user cache
+        "PATH": "/usr/bin:/bin",
+    }
+    log = tmp_path / "server.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-S", "-m", "cube.server.main", "--data_dir", str(tmp_path / "d"),
+             "--port", "0", "--control_port", "0"],
+            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
+        )  # fmt: skip
+    try:
+        assert poll_until(lambda: "lookup kernel:" in log.read_text(), 120, 0.1), log.read_text()
+    finally:
+        stop_child(server, 20)
+    text = log.read_text()
+    assert "lookup kernel: compiled (numba" in text and "loaded from its cache" in text, text
+    assert sorted(p.name for p in (target / "cube" / "_numba_cache").glob("*.nbc")) == shipped
+
+
+def test_a_read_only_install_seeds_a_user_cache_with_the_shipped_kernel(tmp_path, monkeypatch):
+    """Where the package's folder is read-only (an image's site-packages), the kernel cache
+    is a per-user folder seeded with the shipped files."""
+    from cube import _jit
+
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    (shipped / "_kernel_jit._probe-30.py311.nbi").write_bytes(b"index")
+    (shipped / "_kernel_jit._probe-30.py311.1.nbc").write_bytes(b"code")
+    monkeypatch.setattr(_jit, "SHIPPED_CACHE", shipped)
+    monkeypatch.delenv(_jit.CACHE_ENV, raising=False)
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "user"))
+    writable = _jit._writable
+    monkeypatch.setattr(_jit, "_writable", lambda path: path != shipped and writable(path))
+    folder = _jit.kernel_cache_dir()
+    assert folder == tmp_path / "user" / "cube-kernel"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in shipped.iterdir())
+    assert (folder / "_kernel_jit._probe-30.py311.1.nbc").read_bytes() == b"code"

@@ -401,7 +401,7 @@ def test_a_replica_is_not_serving_until_its_kernel_is_compiled(tmp_path):
     keys = np.arange(1, 100, dtype=np.uint64)
     write_version(data, "1", keys, fixed_values(keys, 16), current=True)
     cache = tmp_path / "numba-cache"  # empty: nothing to load, everything to compile
-    server = start_server(data, wait=False, env={"NUMBA_CACHE_DIR": str(cache)})
+    server = start_server(data, wait=False, env={"CUBE_KERNEL_CACHE": str(cache)})
     try:
         server.resolve_ports(60)
         seen = []
@@ -419,7 +419,9 @@ def test_a_replica_is_not_serving_until_its_kernel_is_compiled(tmp_path):
         ], server.log()[-3000:]
         log = server.log()
         loading = log.index("NOT_SERVING: the compiled lookup kernel is loading")
-        assert loading < log.index("lookup kernel: compiled") < log.index("SERVING 1")
+        compiled = log.index("lookup kernel: compiled (numba")
+        assert loading < compiled < log.index("SERVING 1")
+        assert "signatures compiled now" in log[compiled : log.index("\n", compiled)]
         with grpc.insecure_channel(server.address) as channel:
             assert seek(channel, keys[:5]).found == b"\x01" * 5
         assert any(cache.rglob("*.nbi"))  # it compiled, and cached what it compiled

@@ -1,0 +1,41 @@
+"""The build step pyproject.toml cannot declare: a wheel ships the lookup kernel's machine code.
+
+After the sources are copied into the build tree, `python -m cube.kernel_cache` compiles the
+kernel there, into `cube/_numba_cache` (cube/_jit.py: for a generic CPU of the build machine's
+architecture, stamped by source content), so that an installed wheel's server loads it
+instead of compiling at its first start. Editable installs skip it (`make install` warms the
+kernel in the checkout instead).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+
+class BuildPyWithKernel(build_py):
+    def run(self) -> None:
+        super().run()
+        if self.editable_mode or self.dry_run:
+            return
+        build_lib = Path(self.build_lib).resolve()
+        cache = build_lib / "cube" / "_numba_cache"
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(build_lib),
+            "CUBE_KERNEL_CACHE": str(cache),
+            "NUMBA_CPU_NAME": "generic",
+        }
+        env.pop("CUBE_KERNEL", None)  # a numpy-only environment would build nothing
+        subprocess.run(
+            [sys.executable, "-m", "cube.kernel_cache", "--require"],
+            check=True, env=env, cwd=build_lib, timeout=900,
+        )  # fmt: skip
+
+
+setup(cmdclass={"build_py": BuildPyWithKernel})
