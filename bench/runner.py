@@ -212,16 +212,31 @@ def _start_asyncio(target: Target, keys: np.ndarray, cfg: LevelConfig, shared: _
     return finish
 
 
+_SIGNAL_SLICE = 0.1  # seconds the main thread waits at most before it runs Python again
+
+
+def wait_event(event: threading.Event, seconds: float) -> None:
+    """`event.wait(seconds)` in short slices. The kernel may deliver Ctrl-C to any thread;
+    Python handles it only when the main thread runs again, so one long wait in the main
+    thread held a Ctrl-C for the rest of the level (a 60 s level ran on to its end)."""
+    deadline = time.monotonic() + seconds
+    while not event.is_set():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        event.wait(min(left, _SIGNAL_SLICE))
+
+
 def run_attempt(target: Target, data: Dataset, cfg: LevelConfig, server_pids: list[int]) -> Attempt:
     """One warm-up + measured run of a level."""
     shared = _Shared(cfg.concurrency, cfg.requests)
     start = _start_asyncio if cfg.mode == "asyncio" else _start_threads
     finish: Callable[[], None] = start(target, data.keys, cfg, shared)
     try:
-        shared.stop.wait(cfg.warmup)  # returns early only on a worker error
+        wait_event(shared.stop, cfg.warmup)  # returns early only on a worker error
         before = CpuSnapshot.take(server_pids)
         shared.measure_from_ns = before.at_ns
-        shared.stop.wait(cfg.timeout if cfg.requests else cfg.duration)
+        wait_event(shared.stop, cfg.timeout if cfg.requests else cfg.duration)
         after = CpuSnapshot.take(server_pids)
     finally:
         finish()
@@ -246,7 +261,7 @@ def run_attempt(target: Target, data: Dataset, cfg: LevelConfig, server_pids: li
 def other_load_now(server_pids: list[int], seconds: float = 1.0) -> float:
     """Cores other processes use right now (sampled over `seconds`, our servers excluded)."""
     before = CpuSnapshot.take(server_pids)
-    time.sleep(seconds)
+    wait_event(threading.Event(), seconds)
     used = cpu_between(before, CpuSnapshot.take(server_pids))
     return (used["other"] + used["steal"]) / used["wall"]
 

@@ -75,6 +75,12 @@ def test_ctrl_c_stops_the_cluster(tmp_path):
                 break
         assert any(line.startswith("== 3.") for line in lines), "".join(lines)
         assert processes_under(work)  # the cluster is up
+        # hold the rollout (the transfer stopped) so that the Ctrl-C lands while the demo
+        # waits for it, however fast this machine would finish the demo
+        (transfer,) = [p for p in processes_under(work) if "cube-transfer" in " ".join(p.cmdline())]
+        transfer.suspend()
+        time.sleep(0.5)
+        transfer.resume()
         demo.send_signal(signal.SIGINT)
         rest, _ = demo.communicate(timeout=60)
         assert demo.returncode == 130, rest
