@@ -23,8 +23,9 @@ Services (every worker port; all on raw-bytes generic handlers, listed by reflec
   0xFFFFFFFF with an empty value, version only when version_required).
 - `rec.mcube.ControlService/cmd`: status, bg_load_base, bg_load_patch, enable, bg_switch,
   bg_unload, reload_base, reload_patch (see `cube.server.control`).
-- `grpc.health.v1.Health` (SERVING once the start-up version is loaded and the port bound;
-  NOT_SERVING while draining) and server reflection.
+- `grpc.health.v1.Health` (SERVING once a version is current and the compiled kernel loaded:
+  ready means fast, docs/reference/cube-server.md; NOT_SERVING before and while draining)
+  and server reflection.
 
 Data layout: `<data_dir>/VERSION` names the version served at start; `<data_dir>/<version>/`
 holds index.cube + data.cube (with --dict_split D > 1: `<data_dir>/<split>/...` per split, key
