@@ -763,6 +763,43 @@ def test_a_base_that_shrinks_the_table_too_much_is_refused(tmp_path):
     run(body())
 
 
+def test_a_delta_of_another_value_width_is_refused_unless_variable_width(tmp_path):
+    """A delta of 8-byte values over a chain of 16-byte ones would go live and make every
+    get_embeddings fail: refused before download, naming both widths and versions."""
+    d3, d4 = f"{B1}_1700000300", f"{B1}_1700000400"
+
+    def argv(h) -> list[str]:
+        return json.loads((h.tmp / "output" / "argv.log").read_text().splitlines()[-1])
+
+    async def body():
+        async with harness(tmp_path, 2, 1) as h:
+            await roll_out(h, B1)  # 16-byte values
+            assert "-allow_empty" in argv(h) and "-variable_width" not in argv(h)
+            await roll_out(h, D1, "WIDTH_8")
+            rec = h.service.state.record(D1)
+            assert rec.status == "refused" and _downloads(h, D1) == []
+            assert (f"delta {D1} has 8-byte values, the live version {B1} (base {B1}) "
+                    "16-byte values") in rec.message  # fmt: skip
+            assert "variable_width: true" in rec.message
+            assert versions(h) == [B1, B1]
+            await roll_out(h, D2, "RECORDS_0", "DELETED_5", "WIDTH_8")  # no values: no width
+            assert versions(h) == [D2, D2]
+            for shard in h.service.state.record(B1).shards.values():  # as an older journal
+                del shard["value_width"]
+            await roll_out(h, d3, "WIDTH_4")  # B1's width read back from its tars
+            assert h.service.state.record(d3).status == "refused"
+            assert "has 4-byte values" in h.service.state.record(d3).message
+            await roll_out(h, d4)  # the same width goes live
+            assert versions(h) == [d4, d4]
+        async with harness(tmp_path / "variable", 1, 1, extra="variable_width: true") as h:
+            await roll_out(h, B1)
+            await roll_out(h, D1, "WIDTH_8")
+            assert versions(h) == [D1] and "-variable_width" in argv(h)
+
+    (tmp_path / "variable").mkdir()
+    run(body())
+
+
 # ---------------------------------------------------------------------------------------------
 # the query API under hostile or careless requests (issue 9)
 

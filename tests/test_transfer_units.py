@@ -30,6 +30,7 @@ from cube.transfer.state import (
     next_version,
     quorum_shortfall,
     shrink_refusal,
+    width_refusal,
 )
 
 CONF = """\
@@ -108,6 +109,7 @@ def test_render_config_keeps_every_field(tmp_path):
         insecure=True, tls_cert="/pki/cert.pem", tls_key="/pki/key.pem",
         agent_tls_ca="/pki/ca.pem", download_mode="s3", upload_address="s3://builds/cube",
         builder_flags=("-engine", "spark", "-spark_conf", "a=b c,d=#e"), mirror_input=False,
+        variable_width=True,
     )  # fmt: skip
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     for name in defaults:
@@ -389,6 +391,41 @@ def test_a_base_may_not_empty_or_shrink_the_table_unless_allowed():
     assert shrink_refusal(small, None, 0.0, False) == ""  # unknown live count: no comparison
     assert "fewer" in shrink_refusal(_built("200", "base", [999, 0]), 1000, 0.0, False)
     assert shrink_refusal(_built("100_130", "delta", [0, 0]), 1000, 0.5, False) == ""
+
+
+def _widths(rec: VersionRecord, *widths: int | None) -> VersionRecord:
+    for shard, width in zip(rec.shards.values(), widths, strict=True):
+        if width is not None:
+            shard["value_width"] = width
+    return rec
+
+
+def test_a_delta_must_keep_the_live_chains_value_width():
+    from cube.layout import width_change
+
+    state = TransferState()
+    state.history = [_widths(_built("100", "base", [600, 0]), 16, 0),  # shard 1 holds nothing
+                     _widths(_built("100_110", "delta", [5, 5]), 16, 16)]  # fmt: skip
+    state.live_version, state.live_chain = "100_110", ["100", "100_110"]
+    narrow = _widths(_built("100_120", "delta", [3, 0]), 8, 0)
+    message = width_refusal(state, narrow, variable_width=False)
+    assert message.startswith("delta 100_120 has 8-byte values, the live version 100_110 (base "
+                              "100) 16-byte values")  # fmt: skip
+    assert width_refusal(state, narrow, variable_width=True) == ""
+    varying = _widths(_built("100_120", "delta", [3, 3]), 8, 16)
+    assert "values of varying width, the live version" in width_refusal(state, varying, False)
+    assert width_refusal(state, _widths(_built("100_120", "delta", [0, 0], [4, 0]), 0, 0),
+                         False) == ""  # fmt: skip  # deletions only: no width
+    assert width_refusal(state, _widths(_built("100_120", "delta", [1, 1]), 16, 16), False) == ""
+    assert width_refusal(state, _built("100_120", "delta", [1, 1]), False) == ""  # unknown
+    assert width_refusal(state, _widths(_built("200", "base", [1, 1]), 8, 8), False) == ""
+    state.history[0].shards["0"]["value_width"] = 0  # a base whose values vary already
+    assert width_refusal(state, narrow, False) == ""
+    del state.history[1].shards["0"]["value_width"]  # a live record from an older journal
+    state.history[0].shards["0"]["value_width"] = 16
+    assert width_refusal(state, narrow, False) == ""
+    assert width_change(set(), {8}) is None  # nothing live holds values yet
+    assert width_change({16}, {16, 8}) == ("16-byte values", "values of varying width")
 
 
 def test_quorum_shortfall():

@@ -32,6 +32,9 @@ Keys we add to [default] (all optional; default in brackets):
   built shards' index headers.
 - `allow_empty_base` [false]: a base with no records at all is refused unless this is true
   (both checks apply: an empty base replacing a live one also needs max_shrink 1).
+- `variable_width` [false]: the dictionary's values may vary in width. Otherwise a delta whose
+  values have another width than the live chain's is refused before download (clients reading
+  fixed-width values would fail on every lookup); passed to the builder as -variable_width.
 - `builder_flags` [none]: more flags for the builder, after the ones the transfer sets, split as
   a shell would split them (never run by one), e.g. `-engine spark -spark_master yarn`; the
   flags the transfer sets itself (input, output, versions, shards, mode) are refused here.
@@ -90,7 +93,7 @@ DEFAULT_KEYS = frozenset({
     "enable_timeout", "build_timeout", "fetch_timeout", "retries", "partitioner",
     "agent_token", "api_token", "verify_output", "history_limit", "max_shrink",
     "allow_empty_base", "insecure", "tls_cert", "tls_key", "agent_tls_ca", "upload_address",
-    "builder_flags", "mirror_input", "download_address",
+    "builder_flags", "mirror_input", "download_address", "variable_width",
 })  # fmt: skip
 
 
@@ -153,6 +156,7 @@ class TransferConfig:
     history_limit: int = 500
     max_shrink: float = 0.5  # a base may have at most this fraction fewer records than live
     allow_empty_base: bool = False
+    variable_width: bool = False  # a delta may change the dictionary's value width
     upload_address: str = ""  # download_mode s3: s3://bucket/prefix the builds are uploaded to
     download_address: str = ""  # http/ftp: an external file server's URL of output_address
 
@@ -361,6 +365,7 @@ def parse_config(
         history_limit=int_of("history_limit", 500, low=10, high=100000),
         max_shrink=fraction_of("max_shrink", 0.5),
         allow_empty_base=bool_of("allow_empty_base", False),
+        variable_width=bool_of("variable_width", False),
         upload_address=upload,
         download_address=download_address,
         builder_flags=builder_flags,
@@ -528,6 +533,7 @@ def render_config(cfg: TransferConfig) -> str:
         f"history_limit: {cfg.history_limit}",
         f"max_shrink: {cfg.max_shrink!r}",
         f"allow_empty_base: {'true' if cfg.allow_empty_base else 'false'}",
+        f"variable_width: {'true' if cfg.variable_width else 'false'}",
         f"insecure: {'true' if cfg.insecure else 'false'}",
     ]
     lines.append(f"mirror_input: {'true' if cfg.mirror_input else 'false'}")

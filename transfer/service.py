@@ -53,6 +53,7 @@ from cube.transfer.state import (
     progress_recorder,
     quorum_shortfall,
     shrink_refusal,
+    width_refusal,
 )
 from cube.transfer.views import work_for
 
@@ -255,7 +256,7 @@ class TransferService:
             await self._build(rec)
             refusal = shrink_refusal(
                 rec, live_records(self.state), self.cfg.max_shrink, self.cfg.allow_empty_base
-            )
+            ) or width_refusal(self.state, rec, self.cfg.variable_width)
             if refusal:
                 await self._end(rec, VersionStatus.REFUSED, refusal)
                 return False

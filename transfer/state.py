@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from cube.backoff import Backoff
 from cube.donefile import BASE_FILE, PATCH_FILE, BadLine, DonefileEntry
-from cube.layout import served_version
+from cube.layout import served_version, value_widths, width_change
 
 
 class VersionStatus(StrEnum):
@@ -173,6 +173,17 @@ class VersionRecord:
         if not counts or any(not isinstance(c, int) for c in counts):
             return None
         return sum(counts)  # type: ignore[arg-type]
+
+    def value_widths(self) -> frozenset[int] | None:
+        """The value widths of its shards that hold values (cube.layout.value_widths); None
+        when a shard's count or width is unknown (a record from before they were kept)."""
+        pairs = []
+        for shard in self.shards.values():
+            records, width = shard.get("records"), shard.get("value_width")
+            if not isinstance(records, int) or (records and not isinstance(width, int)):
+                return None
+            pairs.append((records, width or 0))
+        return value_widths(pairs) if pairs else None
 
     def to_json(self) -> dict[str, Any]:
         """A copy sharing no mutable part with the record (taken on the event loop and
@@ -566,6 +577,31 @@ def shrink_refusal(
         f"base {rec.version} has {records} records, {1 - records / live:.0%} fewer than the "
         f"live version's {live} (max_shrink {max_shrink:g}); refused before download: {how}, "
         "or raise max_shrink in transfer.conf"
+    )
+
+
+def width_refusal(state: TransferState, rec: VersionRecord, variable_width: bool) -> str:
+    """Why the built delta `rec` must not go over the live chain ("" when it may): its values
+    have another width than the chain's (cube.layout.width_change), and the dictionary is not
+    declared variable-width. Nothing to compare when a width is unknown."""
+    if rec.mode != "delta" or variable_width:
+        return ""
+    chain: set[int] = set()
+    for name in state.live_chain:
+        live = state.record(name)
+        widths = live.value_widths() if live is not None else None
+        if widths is None:
+            return ""
+        chain |= widths
+    delta = rec.value_widths()
+    change = width_change(chain, delta) if delta is not None else None
+    if change is None:
+        return ""
+    return (
+        f"delta {rec.version} has {change[1]}, the live version {state.live_version} (base "
+        f"{state.live_base}) {change[0]}: clients reading {change[0]} would fail on every "
+        "lookup; refused before download (set variable_width: true in transfer.conf if the "
+        "dictionary's values may vary in width, and publish the line again)"
     )
 
 
