@@ -78,6 +78,7 @@ def ctx(tmp_path_factory):
     wrapper = root / "tampering-builder"
     wrapper.write_text(WRAPPER.format(python=sys.executable, builder=command("cube-builder")))
     os.chmod(wrapper, 0o755)
+    (root / "donefile").mkdir()
     spec = ClusterSpec(
         dir=root / "cluster",
         shards=2,

@@ -423,6 +423,35 @@ def test_http_api_shapes_rollback_and_meta(tmp_path):
     run(body())
 
 
+def test_the_transfer_refuses_a_missing_donefile_directory_unless_told_to_create_it(tmp_path):
+    """A donefile_address with a typo used to be watched, empty, forever: cube-transfer exits 2
+    naming it; --create_donefile_dir creates it; the log says which donefiles are watched."""
+    import subprocess
+
+    typo = tmp_path / "typo"
+    conf = tmp_path / "transfer.conf"
+    conf.write_text(transfer_conf(tmp_path, [[(1, 2, "/deploy")]], wget_port=0, builder="x",
+                                  donefile_address=str(typo)))  # fmt: skip
+    argv = [sys.executable, "-m", "cube.transfer.main", "-p", "0", "--config", str(conf)]
+    refused = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert refused.returncode == 2, refused.stderr
+    assert (f"donefile_address: donefile directory {typo}: no such directory; create it, or "
+            "start with --create_donefile_dir") in refused.stderr  # fmt: skip
+    assert not typo.exists()
+    log = tmp_path / "transfer.log"
+    transfer = spawn([*argv, "--create_donefile_dir"], log)
+    try:
+        watching = f"watching donefiles {typo}/base.txt, {typo}/patch.txt"
+
+        def exited() -> None:
+            assert transfer.poll() is None, log.read_text()
+
+        assert poll_until(lambda: watching in log.read_text(), 60, 0.1, exited), log.read_text()
+        assert typo.is_dir() and f"created the donefile directory {typo}" in log.read_text()
+    finally:
+        assert stop_child(transfer, timeout=10) == 0
+
+
 def test_an_external_file_server_on_wget_port_serves_the_builds(tmp_path):
     """With download_address, agents are sent URLs of a file server the transfer does not run:
     here one already listening on wget_port (the original's clash), serving a directory above

@@ -33,7 +33,7 @@ from cube.transfer import build as builds
 from cube.transfer.agents import AgentClient, AgentRefused, AgentUnreachable, Outcome, run_phase
 from cube.transfer.build_runner import BuildFailed, BuildRunner
 from cube.transfer.config import TransferConfig
-from cube.transfer.donefile import SourceUnavailable, read_donefile
+from cube.transfer.donefile import SourceUnavailable, donefile_urls, read_donefile
 from cube.transfer.journal import Journal
 from cube.transfer.metrics import RolloutCounters
 from cube.transfer.reconcile import Reconciler
@@ -111,6 +111,10 @@ class TransferService:
             builds.resolve_command(self.cfg.buildtool_local)
         except builds.BuildError as exc:
             log.warning("%s (builds will fail until it exists)", exc)
+        log.info(
+            "watching donefiles %s",
+            ", ".join(donefile_urls(self.cfg.donefile_address, self.donefile_names)),
+        )
         if self.state.deployment:
             log.info(
                 "resuming %s of %s at phase %s",
@@ -166,10 +170,14 @@ class TransferService:
         await self.reconcile()
 
     # -- donefiles ---------------------------------------------------------------------------
+    @property
+    def donefile_names(self) -> list[str]:
+        """The donefiles this mode reads: base.txt, and patch.txt with base_delta."""
+        return [BASE_FILE] + ([PATCH_FILE] if self.cfg.mode == "base_delta" else [])
+
     async def poll_donefiles(self) -> None:
-        files = [BASE_FILE] + ([PATCH_FILE] if self.cfg.mode == "base_delta" else [])
         changed = False
-        for name in files:
+        for name in self.donefile_names:
             try:
                 text = await read_donefile(self.cfg.donefile_address, name)
             except SourceUnavailable as exc:
