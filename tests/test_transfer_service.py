@@ -325,7 +325,12 @@ def test_missing_input_fails_the_version_with_its_path(tmp_path):
             rec = h.service.state.record("18")
             assert rec.status == "failed" and "input /no/such/dir does not exist" in rec.message
             assert h.flat[0].received == []
-            await roll_out(h, "18_19")
+            assert rec.retry_at > 0  # the input may appear: tried again later
+            await roll_out(h, "18_19")  # its patch waits for the base's retry, not refused
+            assert h.service.state.record("18_19").status == "pending"
+            h.service.state.record("18").retry_at = 0.0  # as if its retries were spent
+            h.service.state.record("18").abandoned = "gave up after 9 attempts"
+            await h.service.cycle()
             assert "no base is live" in h.service.state.record("18_19").message
 
     run(body())
@@ -419,6 +424,51 @@ def test_http_api_shapes_rollback_and_meta(tmp_path):
             await roll_out(h, D2)
             assert h.service.state.live_chain == [B1, D2]
             assert versions(h) == [D2] * 4
+
+    run(body())
+
+
+def test_a_first_base_failed_on_unreachable_replicas_is_retried_across_a_restart(
+    tmp_path, monkeypatch
+):
+    """Every replica unreachable: the first base fails and is tried again on its own after the
+    backoff (a fake clock), also by a restarted transfer (the journal keeps the retry), and
+    goes live once the replicas answer; the status API and the metrics show the retry."""
+    from cube.transfer import service as service_module
+    from cube.transfer.views import dict_info, history
+
+    clock = [1000.0]
+    monkeypatch.setattr(service_module, "now", lambda: clock[0])
+
+    async def body():
+        async with harness(tmp_path, 1, 2, extra="version_retry_backoff: 20") as h:
+            for agent in h.flat:
+                await agent.stop()
+            await roll_out(h, B1)
+            rec = h.service.state.record(B1)
+            assert rec.status == "failed" and "download did not reach quorum" in rec.message
+            assert (rec.attempts, rec.retry_at) == (1, 1020.0)
+            info = dict_info(h.cfg, h.service.state)
+            [waiting] = info["awaiting_retry"]
+            assert (waiting["version"], waiting["attempts"], waiting["max_attempts"]) == (B1, 1, 9)
+            assert waiting["retry_at"] == 1020.0 and "quorum" in waiting["last_error"]
+            snapshot = h.service.metrics_snapshot()
+            assert snapshot["retry"] == {"awaiting": 1, "next_at": 1020.0}
+            for agent in h.flat:
+                await agent.start(agent.port)
+            clock[0] = 1019.0
+            await h.service.cycle()  # not due yet
+            assert _downloads(h, B1) == [] and versions(h) == ["", ""]
+            h.service = await h.new_service()  # a restart: the retry comes from the journal
+            assert h.service.state.record(B1).retry_at == 1020.0
+            clock[0] = 1020.0
+            await h.service.cycle()
+            assert versions(h) == [B1, B1]
+            rec = h.service.state.record(B1)
+            assert rec.status == "finished" and rec.attempts == 2 and rec.retry_at == 0.0
+            assert len([r for r in history(h.cfg, h.service.state) if r["version"] == B1]) == 1
+            assert h.service.metrics_snapshot()["counters"]["retries"] == 1
+            assert [e["attempt"] for e in _events(h) if e["event"] == "retry"] == [2]
 
     run(body())
 

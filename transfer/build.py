@@ -34,7 +34,13 @@ _STDERR_TAIL = 2000
 
 
 class BuildError(Exception):
-    """A build that cannot be deployed; the message is the version's failure reason."""
+    """A build that cannot be deployed; the message is the version's failure reason.
+    `permanent`: the builder ran and refused the input (bad records, an empty input, a
+    delta of another value width): building the same line again would fail again."""
+
+    def __init__(self, message: str, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
 
 
 def resolve_command(name: str) -> str:
@@ -139,7 +145,10 @@ async def run_builder(
         log.info("builder stderr: %s", line)
     if proc.returncode != 0:
         tail = text.strip()[-_STDERR_TAIL:] or "(no stderr)"
-        raise BuildError(f"builder exited with status {proc.returncode}: {tail}")
+        # an exit status is the builder's verdict on the input; a signal (< 0) is not
+        raise BuildError(
+            f"builder exited with status {proc.returncode}: {tail}", proc.returncode > 0
+        )
     return text
 
 

@@ -39,7 +39,12 @@ log = logging.getLogger("cube.transfer")
 
 
 class BuildFailed(Exception):
-    """This version cannot be built or its output cannot be deployed; the message says why."""
+    """This version cannot be built or its output cannot be deployed; the message says why.
+    `permanent`: the builder refused the input (a retry would fail the same way)."""
+
+    def __init__(self, message: str, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
 
 
 class BuildRunner:
@@ -91,7 +96,9 @@ class BuildRunner:
             shards = await asyncio.to_thread(
                 builds.check_outputs, out_dir, cfg.dict_name, cfg.shard_num, cfg.verify_output
             )
-        except (builds.BuildError, SourceUnavailable) as exc:
+        except builds.BuildError as exc:
+            raise BuildFailed(str(exc), exc.permanent) from exc
+        except SourceUnavailable as exc:
             raise BuildFailed(str(exc)) from exc
         finally:
             await asyncio.to_thread(_remove_mirrors, self.mirror_root, mirror.name)

@@ -12,6 +12,10 @@ Keys we add to [default] (all optional; default in brackets):
 - `phase_timeout` [600], `download_timeout`, `reload_timeout` [phase_timeout], `enable_timeout`
   [min(phase_timeout, 120)], `build_timeout` [3600], `fetch_timeout` [3600]: seconds.
 - `retries` [3]: failed agent tasks re-sent per phase and instance.
+- `version_retries` [8], `version_retry_backoff` [30]: a version whose rollout failed for a
+  reason that may pass (replicas unreachable, quorum missed, input not there yet, a timeout)
+  is rolled out again up to version_retries times, the first retry version_retry_backoff
+  seconds after the failure, each wait twice the last, at most max(600, backoff) seconds.
 - `partitioner` [mod]: mod | murmur3, passed to the builder.
 - `agent_token` [env CUBE_TOKEN]: sent to every agent as `Authorization: Bearer`.
 - `api_token` [env CUBE_API_TOKEN]: when set, every request to the query API must carry it
@@ -68,9 +72,11 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from cube import remote
+from cube.backoff import Backoff
 from cube.routing import PARTITIONERS
 from cube.transfer.build import TRANSFER_SET_FLAGS
 from cube.transfer.donefile import address_problem
+from cube.transfer.state import RetryPolicy
 
 log = logging.getLogger("cube.transfer")
 
@@ -93,7 +99,8 @@ DEFAULT_KEYS = frozenset({
     "enable_timeout", "build_timeout", "fetch_timeout", "retries", "partitioner",
     "agent_token", "api_token", "verify_output", "history_limit", "max_shrink",
     "allow_empty_base", "insecure", "tls_cert", "tls_key", "agent_tls_ca", "upload_address",
-    "builder_flags", "mirror_input", "download_address", "variable_width",
+    "builder_flags", "mirror_input", "download_address", "variable_width", "version_retries",
+    "version_retry_backoff",
 })  # fmt: skip
 
 
@@ -145,6 +152,8 @@ class TransferConfig:
     build_timeout: float = 3600.0
     fetch_timeout: float = 3600.0
     retries: int = 3
+    version_retries: int = 8  # a failed version's rollout is tried again this many times
+    version_retry_backoff: float = 30.0  # seconds before the first retry (then doubling)
     partitioner: str = "mod"
     agent_token: str = ""
     api_token: str = ""
@@ -159,6 +168,12 @@ class TransferConfig:
     variable_width: bool = False  # a delta may change the dictionary's value width
     upload_address: str = ""  # download_mode s3: s3://bucket/prefix the builds are uploaded to
     download_address: str = ""  # http/ftp: an external file server's URL of output_address
+
+    @property
+    def retry_policy(self) -> RetryPolicy:
+        """How a failed version is tried again (version_retries, version_retry_backoff)."""
+        backoff = self.version_retry_backoff
+        return RetryPolicy(self.version_retries, Backoff(backoff, max(600.0, backoff)))
 
     @property
     def serves_files(self) -> bool:
@@ -354,6 +369,8 @@ def parse_config(
         build_timeout=float_of("build_timeout", 3600.0),
         fetch_timeout=float_of("fetch_timeout", 3600.0),
         retries=int_of("retries", 3, low=0, high=100),
+        version_retries=int_of("version_retries", 8, low=0, high=1000),
+        version_retry_backoff=float_of("version_retry_backoff", 30.0),
         partitioner=choice_of("partitioner", PARTITIONERS, "mod"),
         agent_token=text_of("agent_token", os.environ.get("CUBE_TOKEN", "")),
         api_token=text_of("api_token", os.environ.get("CUBE_API_TOKEN", "")),
@@ -528,6 +545,8 @@ def render_config(cfg: TransferConfig) -> str:
         f"build_timeout: {cfg.build_timeout!r}",
         f"fetch_timeout: {cfg.fetch_timeout!r}",
         f"retries: {cfg.retries}",
+        f"version_retries: {cfg.version_retries}",
+        f"version_retry_backoff: {cfg.version_retry_backoff!r}",
         f"partitioner: {cfg.partitioner}",
         f"verify_output: {'true' if cfg.verify_output else 'false'}",
         f"history_limit: {cfg.history_limit}",

@@ -553,6 +553,10 @@ class Cluster:
         dep = info.get("deployment")
         if dep:
             lines.append(f"deploying {dep['version']} (phase {dep['phase']})")
+        for rec in info.get("awaiting_retry") or []:
+            when = time.strftime("%H:%M:%S", time.localtime(rec["retry_at"]))
+            lines.append(f"retrying {rec['version']} at {when} (attempt {rec['attempts'] + 1} "
+                         f"of {rec['max_attempts']}); last error: {rec['last_error']}")  # fmt: skip
         header = ("INSTANCE", "SERVER", "AGENT", "PROCESSES", "VERSION", "BG_VERSION", "STATE")
         rows = [header]
         for row in self.instance_rows():
@@ -588,10 +592,10 @@ class Cluster:
             everywhere = bool(rows) and all(r["version"] == version for r in rows)
             return everywhere and self.transfer_info().get("live_version") == version
 
-        def stop_if_failed() -> None:
-            for rec in self.history():
-                if rec.get("version") == version and rec.get("status_str") in ("failed", "refused"):
-                    raise LocalError(f"version {version} {rec['status_str']}: {rec.get('message')}")
+        def stop_if_failed() -> None:  # its latest record ended without a retry to come
+            rec = next((r for r in reversed(self.history()) if r.get("version") == version), {})
+            if rec.get("status_str") in ("failed", "refused") and not rec.get("retry_at"):
+                raise LocalError(f"version {version} {rec['status_str']}: {rec.get('message')}")
 
         if not poll_until(served, timeout, poll, check=stop_if_failed):
             raise LocalError(
