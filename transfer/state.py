@@ -338,9 +338,6 @@ class TransferState:
                 return rec
         return None
 
-    def pending(self) -> list[VersionRecord]:
-        return [r for r in self.history if r.status == "pending"]
-
     @property
     def live_base(self) -> str:
         return self.live_chain[0] if self.live_chain else ""
@@ -448,10 +445,12 @@ class RetryPolicy:
 
 
 def begin_attempt(rec: VersionRecord) -> None:
-    """A rollout of `rec` starts (its first, or a retry)."""
+    """A rollout of `rec` starts (its first, or a retry: the last failure stays in
+    `last_error`, not in the message of a version in progress)."""
     rec.attempts += 1
     rec.retry_at = 0.0
-    rec.abandoned = ""
+    rec.abandoned = rec.message = ""
+    rec.finish_time = 0.0
 
 
 def abandon(rec: VersionRecord, why: str) -> None:
