@@ -23,6 +23,7 @@ import errno
 import fcntl
 import hashlib
 import itertools
+import json
 import mmap
 import multiprocessing
 import os
@@ -64,7 +65,14 @@ from cube.builder.spill import (
 )
 from cube.fsutil import atomic_write_text, fsync_dir, md5_line
 from cube.index import COMPILED_MIN_KEYS, build_table, compiled_kernels
-from cube.layout import output_dir_name, part_name, served_version
+from cube.layout import (
+    describe_widths,
+    output_dir_name,
+    part_name,
+    served_version,
+    value_widths,
+    width_change,
+)
 from cube.routing import check_partitioner, shard_of
 from cube.seqfile import LocatedBatch, SequenceFileReader
 from cube.shard_writer import DATA_FILE, INDEX_FILE, Writeback, write_shard
@@ -97,6 +105,8 @@ class BuildConfig:
     tmp_dir: Path | None = None  # spill location; None: inside the staging directory
     memory_mb: int = 1024
     workers: int = 2
+    allow_empty: bool = False  # build a version with no record and no deletion
+    variable_width: bool = False  # a delta's values may have another width than its base's
 
     def __post_init__(self) -> None:
         problems = []
@@ -149,6 +159,7 @@ class BuildResult:
     key_formats: tuple[str, ...]
     seconds: float
     phase_seconds: dict[str, float]  # read, finish, publish
+    warnings: tuple[str, ...] = ()  # for the user (the CLI prints them on stderr)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,6 +251,24 @@ def read_delete_keys(path: str | os.PathLike) -> np.ndarray:
             raise BuildError(f"{file}: {exc.strerror}") from None
         chunks.append(parse_delete_keys(data, str(file)))
     return np.concatenate(chunks) if chunks else np.empty(0, dtype=np.uint64)
+
+
+def refuse_empty_input(
+    config: BuildConfig, source: str, files: int, records: int | None, deletions: int
+) -> None:
+    """BuildError when the build would hold nothing, no record and no deletion (an input
+    directory left empty upstream, a typo in its path), unless `config.allow_empty`.
+    `records` is None before the input is read: then only "no input file" is refused."""
+    if config.allow_empty or deletions:
+        return
+    how = "pass -allow_empty to build an empty version on purpose"
+    if not files:
+        raise BuildError(
+            f"{source}: no input files (an empty directory, or only empty or hidden files); "
+            f"nothing to build: {how}"
+        )
+    if records == 0:
+        raise BuildError(f"{source}: {files} input files hold no record; nothing to build: {how}")
 
 
 def split_runs(sizes: Sequence[int], groups: int) -> list[tuple[int, int]]:
@@ -736,19 +765,25 @@ def build(
     input_path: str | os.PathLike,
     delete_path: str | os.PathLike | None = None,
     progress: Progress | None = None,
+    input_name: str = "",
 ) -> BuildResult:
-    """Build one version from SequenceFiles (see the module docstring)."""
+    """Build one version from SequenceFiles (see the module docstring). `input_name` names
+    the input in messages (a remote input fetched into `input_path`; default: input_path)."""
     started = time.monotonic()
     progress = progress or Progress()
     if delete_path is not None and config.mode != "delta":
         raise BuildError("-delete_path needs -job_mode delta")
     files = list_input_files(input_path)
     deleted = read_delete_keys(delete_path) if delete_path is not None else np.empty(0, np.uint64)
+    source = input_name or str(input_path)
+    refuse_empty_input(config, source, len(files), None, int(deleted.shape[0]))
     warmer = _Warmer(files)
     workspace = Workspace(config)
     try:
         with _Pool(config.workers, after_fork=warmer.start) as pool:
             reads = _read_all(pool, config, files, workspace.spill, progress)
+            records = sum(r.records for r in reads)
+            refuse_empty_input(config, source, len(files), records, int(deleted.shape[0]))
             phases = {"read": time.monotonic() - started}
             if warmer.finish():  # the readers were forked before the loops were loaded
                 pool.restart()
@@ -757,6 +792,7 @@ def build(
                 pool, config, workspace.staging, reads, deleted, formats, progress
             )
         progress.close()
+        warnings = check_delta_width(config, outputs)
         phases["finish"] = time.monotonic() - started - phases["read"]
         version_dir = workspace.publish()
     except BaseException:
@@ -770,7 +806,7 @@ def build(
         meta_paths=meta_paths,
         metas=metas,
         shards=outputs,
-        records_read=sum(r.records for r in reads),
+        records_read=records,
         input_files=len(files),
         key_formats=formats,
         seconds=time.monotonic() - started,
@@ -778,6 +814,57 @@ def build(
             **phases,
             "publish": time.monotonic() - started - phases["read"] - phases["finish"],
         },
+        warnings=warnings,
+    )
+
+
+def base_widths(config: BuildConfig) -> tuple[frozenset[int] | None, str]:
+    """The value widths of a delta's base (`value_widths`), from the base's
+    `meta_info/<depend>_<depend>_<shard>_0.json` in the output path (the builder wrote them
+    with the base); (None, why) when they cannot be read there."""
+    depend = config.depend_version
+    meta_dir = config.output_path / META_DIR
+    paths = sorted(meta_dir.glob(f"{depend}_{depend}_*_0.json"))
+    if not paths:
+        return None, f"no {meta_info_name(depend, depend, 0)} (nor other shards') in {meta_dir}"
+    shards = []
+    for path in paths:
+        try:
+            meta = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            return None, f"{path}: unreadable ({type(exc).__name__})"
+        if not isinstance(meta, dict) or meta.get("dict_name") != config.dict_name:
+            return None, f"{path} is not a meta_info of dict {config.dict_name}"
+        records, width = meta.get("record_count"), meta.get("value_width")
+        if not isinstance(records, int) or not isinstance(width, int):
+            return None, f"{path} has no record_count and value_width"
+        shards.append((records, width))
+    return value_widths(shards), ""
+
+
+def check_delta_width(config: BuildConfig, outputs: Sequence[ShardOutput]) -> tuple[str, ...]:
+    """A delta whose values have another width than its base's is a BuildError (naming both
+    widths and versions), unless `config.variable_width` (`cube.layout.width_change` says
+    when). Returns warnings: the base's width could not be read."""
+    if config.mode != "delta" or config.variable_width:
+        return ()
+    delta = value_widths((o.record_count, o.value_width) for o in outputs)
+    if not delta:
+        return ()  # no values (empty, or deletions only): no width to compare
+    base, why = base_widths(config)
+    if base is None:
+        return (
+            f"warning: the value width of delta {config.served_version} "
+            f"({describe_widths(delta)}) is not checked against its base "
+            f"{config.depend_version}: {why}",
+        )
+    change = width_change(base, delta)
+    if change is None:
+        return ()
+    raise BuildError(
+        f"delta {config.served_version} has {change[1]}, its base {config.depend_version} "
+        f"{change[0]}: clients reading {change[0]} would fail on every lookup; refused "
+        "(pass -variable_width if the dictionary's values may vary in width)"
     )
 
 

@@ -69,6 +69,18 @@ with one decimal key (0 .. 2^64-1) per line; blank lines and lines starting with
 Those keys become tombstones in the delta; a key both written and deleted in one delta is
 deleted.
 
+A build that would hold nothing (no input file, or input files without a record, and no
+key to delete) is refused (exit 1, naming -input_path) unless -allow_empty: an empty input
+directory is more often a failed upstream job or a typo than an intended empty version. A
+delta that only deletes keys is not empty.
+
+A delta's values must have the width of its base's (the base's meta_info in -output_path
+says it): a fixed-width dictionary whose delta brings values of another width would serve
+both, and a client reading fixed-width values (get_embeddings) would fail on every lookup.
+Such a delta is refused (exit 1, naming both widths) unless -variable_width. An empty delta
+or one that only deletes keys has no width; a base whose values vary in width already
+(value_width 0) takes deltas of any width.
+
 Remote input: -input_path and -delete_path may be s3://bucket/prefix (credentials, endpoint
 and region from the AWS environment: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL,
 AWS_DEFAULT_REGION, ...; needs pip install 'cube-py[s3]') or webhdfs://namenode:port/path
@@ -145,6 +157,19 @@ def flag_set() -> FlagSet:
             choices=PARTITIONERS,
         )
         .add("delete_path", str, "", "delta only: keys to delete (see above)")
+        .add(
+            "allow_empty",
+            bool,
+            False,
+            "build a version with no record and no deletion (an empty input is refused otherwise)",
+        )
+        .add(
+            "variable_width",
+            bool,
+            False,
+            "the dictionary's values may vary in width: a delta may have values of another "
+            "width than its base's (refused otherwise)",
+        )
         .add("fetch_timeout", float, 3600.0, "seconds to fetch a remote input (all its files)")
         .add("quiet", bool, False, "no progress bar and no summary line")
         .add("tmp_dir", str, "", "where to spill records (default: inside -output_path)")
@@ -216,6 +241,8 @@ def config_from_flags(flags: dict[str, Any], now: int) -> BuildConfig:
             tmp_dir=Path(flags["tmp_dir"]) if flags["tmp_dir"] else None,
             memory_mb=flags["memory_mb"],
             workers=flags["workers"],
+            allow_empty=flags["allow_empty"],
+            variable_width=flags["variable_width"],
         )
     except ValueError as exc:
         raise FlagError(str(exc)) from None
@@ -302,7 +329,8 @@ def fetch_remote(flags: dict[str, Any], config: BuildConfig) -> tuple[str, str |
     paths = []
     for name, path in (("input", input_path), ("delete", delete_path)):
         if path and remote.is_remote(path):
-            files = fetch_inputs(path, fetched / name, max(deadline - time.monotonic(), 0.001))
+            left = max(deadline - time.monotonic(), 0.001)
+            files = fetch_inputs(path, fetched / name, left, config.allow_empty)
             if not flags["quiet"]:
                 size = sum(f.stat().st_size for f in files)
                 print(f"fetched {len(files)} files ({size} bytes) of {path} in "
@@ -346,7 +374,9 @@ def run(argv: Sequence[str]) -> int:
             )
         else:
             input_path, delete_path = fetch_remote(flags, config)
-            result = build(config, input_path, delete_path, progress)
+            result = build(
+                config, input_path, delete_path, progress, remote.redact(flags["input_path"])
+            )
     except (BuildError, DeleteListError, ValueError, OSError) as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return EXIT_FAILED
@@ -360,6 +390,8 @@ def run(argv: Sequence[str]) -> int:
         gc.freeze()
         if collecting:
             gc.enable()
+    for warning in result.warnings:
+        print(warning, file=sys.stderr)
     if not quiet:
         rate = result.records_read / max(result.seconds, 1e-9)
         print(

@@ -116,15 +116,19 @@ def fetch_input(url: str, dest: Path, timeout: float = FETCH_TIMEOUT, fs: Any = 
     return dest
 
 
-def fetch_inputs(path: str, dest: Path, timeout: float = FETCH_TIMEOUT) -> list[Path]:
+def fetch_inputs(
+    path: str, dest: Path, timeout: float = FETCH_TIMEOUT, allow_empty: bool = False
+) -> list[Path]:
     """Fetch every input file of the remote `path` (list_inputs) to the same relative path
     under the directory `dest`, so that building from `dest` reads the same files in the same
     order; all within `timeout` seconds. Returns the local files. BuildError when there is no
-    input file at all."""
+    input file at all, unless `allow_empty` (then `dest` is an empty directory)."""
     deadline = time.monotonic() + timeout
     fs, root = _open(path)  # one client for the listing and every file
     files = _list_remote(fs, root, path)
-    if not files:
+    if not files and allow_empty:
+        dest.mkdir(parents=True, exist_ok=True)
+    elif not files:
         raise BuildError(f"{remote.redact(path)}: no input files (only empty or hidden ones)")
     local = []
     for file in files:

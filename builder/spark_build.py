@@ -57,7 +57,9 @@ from cube.builder.build import (
     BuildError,
     BuildResult,
     Workspace,
+    check_delta_width,
     package_shard,
+    refuse_empty_input,
     route_keys,
     shard_header_meta,
     task_error_message,
@@ -285,6 +287,7 @@ def build_on_spark(
     splits = list_splits(str(input_path))
     no_keys = np.empty(0, np.uint64)
     deleted = read_delete_list(delete_path, _MAX_DELETE_LIST_BYTES) if delete_path else no_keys
+    refuse_empty_input(config, remote.redact(str(input_path)), len(splits), None, deleted.size)
     deleted_by_shard = route_keys(deleted, config.shard_num, config.partitioner)
     workspace = Workspace(config)
     try:
@@ -304,12 +307,17 @@ def build_on_spark(
         finally:
             if ours:
                 spark.stop()
+        records = sum(r.records for r in results)
+        refuse_empty_input(
+            config, remote.redact(str(input_path)), len(splits), records, deleted.size
+        )
+        results.sort(key=lambda r: r.output.shard)
+        outputs = [r.output for r in results]
+        warnings = check_delta_width(config, outputs)
         phases = {"spark": time.monotonic() - started}
         version_dir = workspace.publish()
     finally:
         workspace.close()
-    results.sort(key=lambda r: r.output.shard)
-    outputs = [r.output for r in results]
     formats = results[0].formats if results else ()
     metas, meta_paths = write_meta_infos(config, outputs, formats)
     phases["publish"] = time.monotonic() - started - phases["spark"]
@@ -318,11 +326,12 @@ def build_on_spark(
         meta_paths=meta_paths,
         metas=metas,
         shards=outputs,
-        records_read=sum(r.records for r in results),
+        records_read=records,
         input_files=len(splits),
         key_formats=formats,
         seconds=time.monotonic() - started,
         phase_seconds=phases,
+        warnings=warnings,
     )
     stats = SparkStats(len(splits), config.shard_num, sum(r.shuffled_bytes for r in results))
     return result, stats

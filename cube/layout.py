@@ -12,6 +12,7 @@ builder, transfer, agent and server each used to spell out on their own:
 - Data layout (the server's --data_dir, the agent's deploy_path/data): `VERSION` names the
   version to serve at start (its first line; missing or blank: none), `<version>/` holds
   `index.cube` + `data.cube`, and a delta's `CHAIN` lists its chain, base first, ending with it.
+- Value widths: a delta keeps its chain's value width (`value_widths`, `width_change`).
 - Tar members a shard tar may hold: plain files and directories with relative names that stay
   inside the target (`member_problem`).
 """
@@ -20,7 +21,8 @@ from __future__ import annotations
 
 import re
 import tarfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from pathlib import PurePosixPath
 from typing import TypeGuard
 
@@ -148,3 +150,32 @@ def clip(value: object, limit: int = 100) -> str:
     """A value for a message, quoted and cut (a name or a request field can be megabytes)."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+# ---------------------------------------------------------------------------------------------
+# value widths
+
+
+def value_widths(shards: Iterable[tuple[int, int]]) -> frozenset[int]:
+    """The value widths of the shards that hold values, from (record_count, value_width) per
+    shard as their headers say (width 0: values of varying width). Empty: no values at all."""
+    return frozenset(width for records, width in shards if records)
+
+
+def describe_widths(widths: AbstractSet[int]) -> str:
+    """`8-byte values`, or `values of varying width`."""
+    if len(widths) == 1 and 0 not in widths:
+        return f"{next(iter(widths))}-byte values"
+    return "values of varying width"
+
+
+def width_change(chain: AbstractSet[int], delta: AbstractSet[int]) -> tuple[str, str] | None:
+    """Whether a delta would change the value width of a fixed-width dictionary: (the chain's
+    widths, the delta's) described when it would, else None. `chain`: `value_widths` of the
+    versions the delta goes over; `delta`: its own. Why it matters: a server serves such a
+    chain as variable-width, and a client reading fixed-width values (get_embeddings) fails
+    on every lookup. Nothing to compare when the delta holds no value (empty, or deletions
+    only) or the chain none; a chain whose values vary already is not fixed-width."""
+    if len(chain) != 1 or 0 in chain or not delta or delta == chain:
+        return None
+    return describe_widths(chain), describe_widths(delta)

@@ -482,6 +482,81 @@ def test_bad_delete_list_names_file_and_line(tmp_path):
     assert done.returncode == 1 and f"{deletes} line 1" in done.stderr
 
 
+def test_an_empty_input_is_refused_unless_allow_empty(tmp_path):
+    """An empty input directory (a failed upstream job, a typo) would build an empty version
+    that looks like a success: refused, naming the input, nothing published."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "_SUCCESS").write_bytes(b"")  # skipped: it holds no record
+    output = tmp_path / "out"
+    done = run_builder(*build_args(empty, output, 2))
+    assert done.returncode == 1, done.stdout
+    assert f"{empty}: no input files" in done.stderr and "-allow_empty" in done.stderr
+    assert_no_leftovers(output)
+    headers_only = tmp_path / "headers"
+    write_seqfile(headers_only / "part-0", [], [])
+    done = run_builder(*build_args(headers_only, output, 2))
+    assert done.returncode == 1
+    assert f"{headers_only}: 1 input files hold no record" in done.stderr
+    assert_no_leftovers(output)
+    done = run_builder(*build_args(empty, output, 2, "-allow_empty"), "-quiet=false")
+    assert done.returncode == 0, done.stderr
+    assert "0 records from 0 files" in done.stdout
+    assert [s.record_count for s in open_shards(output / f"{BASE}_{BASE}", 2)] == [0, 0]
+    # a delta that only deletes keys is not empty
+    deletes = tmp_path / "deletes.txt"
+    deletes.write_text("7\n")
+    args = build_args(empty, output, 2, job_mode="delta", cur_version=DELTA, delete_path=deletes)
+    done = run_builder(*args)
+    assert done.returncode == 0, done.stderr
+    assert sum(s.meta["tombstone_count"] for s in open_shards(output / f"{BASE}_{DELTA}", 2)) == 1
+
+
+def test_a_delta_of_another_value_width_than_its_base_is_refused(tmp_path):
+    """A fixed-width base (12-byte values) and a delta of 8-byte values would be served as
+    variable-width: every get_embeddings would fail. Refused, naming both widths and versions,
+    unless -variable_width; a delta without values, or over a base of varying widths, passes."""
+    base_in, narrow = tmp_path / "base", tmp_path / "narrow"
+    write_seqfile(base_in / "p", range(100, 160), [value_of(k) for k in range(100, 160)])
+    write_seqfile(narrow / "p", range(100, 110), [value_of(k, width=8) for k in range(100, 110)])
+    output = tmp_path / "out"
+    assert run_builder(*build_args(base_in, output, 2)).returncode == 0
+    delta = build_args(narrow, output, 2, job_mode="delta", cur_version=DELTA)
+    done = run_builder(*delta)
+    assert done.returncode == 1, done.stdout
+    assert f"delta {BASE}_{DELTA} has 8-byte values, its base {BASE} 12-byte values" in done.stderr
+    assert "-variable_width" in done.stderr
+    assert not (output / f"{BASE}_{DELTA}").exists()
+    assert not list((output / "meta_info").glob(f"{DELTA}_*"))
+    same = tmp_path / "same"
+    write_seqfile(same / "p", [7], [value_of(7)])
+    done = run_builder(*build_args(same, output, 2, job_mode="delta", cur_version=DELTA))
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    done = run_builder(*build_args(narrow, output, 2, "-variable_width", job_mode="delta",
+                                   cur_version=DELTA + 1))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    # deletions only: no width to compare
+    deletes = tmp_path / "deletes.txt"
+    deletes.write_text("100\n")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    done = run_builder(*build_args(empty, output, 2, job_mode="delta", cur_version=DELTA + 2,
+                                   delete_path=deletes))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    # a base whose values vary in width takes deltas of any width
+    mixed = tmp_path / "mixed"
+    write_seqfile(mixed / "p", [1, 2], [b"a", b"bcd"])
+    other = tmp_path / "other"
+    assert run_builder(*build_args(mixed, other, 1)).returncode == 0
+    done = run_builder(*build_args(narrow, other, 1, job_mode="delta", cur_version=DELTA))
+    assert done.returncode == 0, done.stderr
+    # a base the builder cannot see: built, with a warning
+    elsewhere = tmp_path / "elsewhere"
+    done = run_builder(*build_args(narrow, elsewhere, 1, job_mode="delta", cur_version=DELTA))
+    assert done.returncode == 0, done.stderr
+    assert f"not checked against its base {BASE}" in done.stderr
+
+
 @pytest.mark.parametrize(
     "args",
     [

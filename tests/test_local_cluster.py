@@ -65,9 +65,10 @@ def test_up_status_wait_restart_down(tmp_path, cluster_dir):
     donefile = tmp_path / "donefile"
     result = cube_local(
         "up", "--shards", "1", "--replicas", "2", "--donefile", str(donefile),
-        "--dir", str(cluster_dir), "--dim", "4", "--poll_interval", "0.2",
+        "--dir", str(cluster_dir), "--dim", "4", "--poll_interval", "0.2", "--create_donefile_dir",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr + result.stdout
+    assert donefile.is_dir()  # created: asked for
     assert "cluster up in" in result.stdout and "INSTANCE" in result.stdout
     data = json.loads((cluster_dir / "cluster.json").read_text())
     procs = {p["name"]: Proc(**p) for p in data["processes"]}
@@ -137,6 +138,7 @@ def test_up_status_wait_restart_down(tmp_path, cluster_dir):
 
 def test_up_fails_cleanly_when_a_process_cannot_start(tmp_path, cluster_dir):
     base_port = free_ports(16)[0]  # the cluster's ports are free but for the first one
+    (tmp_path / "d").mkdir()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", base_port))
         taken.listen()  # the transfer's API port is in use
@@ -151,6 +153,22 @@ def test_up_fails_cleanly_when_a_process_cannot_start(tmp_path, cluster_dir):
     while processes_under(cluster_dir) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert processes_under(cluster_dir) == []
+
+
+def test_up_refuses_a_donefile_directory_that_does_not_exist(tmp_path, cluster_dir):
+    """`--donefile ./typo` used to create the directory and wait on it forever: refused, naming
+    it, before anything starts; the transfer refuses it too unless told to create it."""
+    typo = tmp_path / "typo"
+    result = cube_local("up", "--shards", "1", "--replicas", "1", "--donefile", str(typo),
+                        "--dir", str(cluster_dir))  # fmt: skip
+    assert result.returncode == 1, result.stdout
+    assert f"--donefile {typo}: donefile directory {typo}: no such directory" in result.stderr
+    assert "--create_donefile_dir" in result.stderr
+    assert not typo.exists() and not (cluster_dir / "cluster.json").exists()
+    assert processes_under(cluster_dir) == []
+    (tmp_path / "file").write_text("")
+    result = cube_local("up", "--donefile", str(tmp_path / "file"), "--dir", str(cluster_dir))
+    assert result.returncode == 1 and "not a directory" in result.stderr
 
 
 def test_stop_escalates_to_sigkill_and_reports_it(tmp_path):
@@ -188,6 +206,7 @@ def test_up_passes_the_tokens_on_and_uses_them(tmp_path, cluster_dir):
     and the transfer API it starts, and its own status/wait calls carry them (read from the
     cluster's transfer.conf: those commands run without the variables)."""
     donefile = tmp_path / "donefile"
+    donefile.mkdir()
     tokens = {"CUBE_TOKEN": "agent-s3cret", "CUBE_API_TOKEN": "api-s3cret"}
     result = cube_local(
         "up", "--shards", "1", "--replicas", "1", "--donefile", str(donefile),

@@ -66,6 +66,7 @@ def exported_names() -> set[str]:
         "live_since": 3.0,
         "phase": "download",
         "counters": rollouts.snapshot(),
+        "retry": {"awaiting": 1, "next_at": 4.0},
         "instances": {"0_0": {"status": "Init", "version": "1", "reachable": True,
                               "catch_up_failures": 0}},
     }  # fmt: skip

@@ -60,6 +60,7 @@ def test_status_page_follows_a_rollout_and_rolls_back(tmp_path, browser):
     from selenium.webdriver.common.by import By
 
     donefile = tmp_path / "donefile"
+    donefile.mkdir()
     spec = ClusterSpec(
         dir=tmp_path / "cluster", shards=1, replicas=2, donefile=donefile, poll_interval=0.2,
         transfer_overrides={"api_token": TOKEN},

@@ -78,6 +78,7 @@ def ctx(tmp_path_factory):
     wrapper = root / "tampering-builder"
     wrapper.write_text(WRAPPER.format(python=sys.executable, builder=command("cube-builder")))
     os.chmod(wrapper, 0o755)
+    (root / "donefile").mkdir()
     spec = ClusterSpec(
         dir=root / "cluster",
         shards=2,
@@ -87,8 +88,15 @@ def ctx(tmp_path_factory):
         phase_timeout=40.0,
         dead_timeout=20.0,
         # max_shrink: test_kill9_agent_during_download publishes a 20000-record base, which the
-        # later tests replace with 2000-record ones (a deliberate 90% shrink)
-        transfer_overrides={"buildtool_local": str(wrapper), "retries": 1, "max_shrink": 0.95},
+        # later tests replace with 2000-record ones (a deliberate 90% shrink); version_retries:
+        # the failures these tests cause end there, not retried behind the next tests' backs
+        # (test_a_base_failed_on_unreachable_replicas_is_retried_once_they_answer: its own)
+        transfer_overrides={
+            "buildtool_local": str(wrapper),
+            "retries": 1,
+            "max_shrink": 0.95,
+            "version_retries": 0,
+        },
     )
     cluster = up(spec)
     try:
@@ -571,3 +579,50 @@ def test_a_corrupt_replica_never_answers_misses_and_is_repaired(ctx):
         if '"caught_up"' in line and '"0_1"' in line
     ]
     assert redownloads, "no catch-up of 0_1 recorded"
+
+
+# ---------------------------------------------------------------------------------------------
+# retries
+
+
+def test_a_base_failed_on_unreachable_replicas_is_retried_once_they_answer(tmp_path):
+    """The first base fails because no agent answers; once they are started it goes live on
+    its own, without its line being published again."""
+    from cube.transfer.local import stop
+
+    donefile = tmp_path / "donefile"
+    donefile.mkdir()
+    spec = ClusterSpec(
+        dir=tmp_path / "cluster", shards=1, replicas=2, donefile=donefile, poll_interval=0.2,
+        phase_timeout=30.0, dead_timeout=2.0,
+        transfer_overrides={"version_retry_backoff": 1.0, "version_retries": 30},
+    )  # fmt: skip
+    cluster = up(spec)
+    try:
+        agents = [cluster.proc("agent0_0"), cluster.proc("agent0_1")]
+        stop(agents, timeout=10.0)
+        version = str(next(_ids))
+        ctx = SimpleNamespace(root=tmp_path, donefile=donefile)
+        keys, values = table(500, int(version))
+        path = write_input(ctx, version, keys, values)
+        append(ctx, "base.txt", {"id": version, "key": version, "input": str(path)})
+
+        def failed_with_a_retry() -> bool:
+            recs = [r for r in cluster.history() if r["version"] == version]
+            return bool(recs) and recs[-1]["status_str"] == "failed" and recs[-1]["retry_at"] > 0
+
+        assert poll_until(failed_with_a_retry, WAIT, 0.2), cluster.history()
+        rec = next(r for r in cluster.history() if r["version"] == version)
+        assert "download did not reach quorum" in rec["last_error"], rec
+        # the retries come sooner than the agents: cube-local status shows one waiting
+        assert poll_until(lambda: f"retrying {version}" in cluster.status_table(), WAIT, 0.1)
+        for agent in agents:
+            cluster.restart(agent.name)
+        cluster.wait_version(version, 3 * WAIT)
+        [rec] = [r for r in cluster.history() if r["version"] == version]
+        assert rec["status_str"] == "finished" and rec["attempts"] >= 2, rec
+        assert len((donefile / "base.txt").read_text().splitlines()) == 1  # not published again
+        with CubeClient.from_conf(cluster.cube_conf) as client:
+            np.testing.assert_array_equal(client.get_embeddings(keys, dim=DIM), values)
+    finally:
+        cluster.down(timeout=5.0)

@@ -325,7 +325,12 @@ def test_missing_input_fails_the_version_with_its_path(tmp_path):
             rec = h.service.state.record("18")
             assert rec.status == "failed" and "input /no/such/dir does not exist" in rec.message
             assert h.flat[0].received == []
-            await roll_out(h, "18_19")
+            assert rec.retry_at > 0  # the input may appear: tried again later
+            await roll_out(h, "18_19")  # its patch waits for the base's retry, not refused
+            assert h.service.state.record("18_19").status == "pending"
+            h.service.state.record("18").retry_at = 0.0  # as if its retries were spent
+            h.service.state.record("18").abandoned = "gave up after 9 attempts"
+            await h.service.cycle()
             assert "no base is live" in h.service.state.record("18_19").message
 
     run(body())
@@ -421,6 +426,80 @@ def test_http_api_shapes_rollback_and_meta(tmp_path):
             assert versions(h) == [D2] * 4
 
     run(body())
+
+
+def test_a_first_base_failed_on_unreachable_replicas_is_retried_across_a_restart(
+    tmp_path, monkeypatch
+):
+    """Every replica unreachable: the first base fails and is tried again on its own after the
+    backoff (a fake clock), also by a restarted transfer (the journal keeps the retry), and
+    goes live once the replicas answer; the status API and the metrics show the retry."""
+    from cube.transfer import service as service_module
+    from cube.transfer.views import dict_info, history
+
+    clock = [1000.0]
+    monkeypatch.setattr(service_module, "now", lambda: clock[0])
+
+    async def body():
+        async with harness(tmp_path, 1, 2, extra="version_retry_backoff: 20") as h:
+            for agent in h.flat:
+                await agent.stop()
+            await roll_out(h, B1)
+            rec = h.service.state.record(B1)
+            assert rec.status == "failed" and "download did not reach quorum" in rec.message
+            assert (rec.attempts, rec.retry_at) == (1, 1020.0)
+            info = dict_info(h.cfg, h.service.state)
+            [waiting] = info["awaiting_retry"]
+            assert (waiting["version"], waiting["attempts"], waiting["max_attempts"]) == (B1, 1, 9)
+            assert waiting["retry_at"] == 1020.0 and "quorum" in waiting["last_error"]
+            snapshot = h.service.metrics_snapshot()
+            assert snapshot["retry"] == {"awaiting": 1, "next_at": 1020.0}
+            for agent in h.flat:
+                await agent.start(agent.port)
+            clock[0] = 1019.0
+            await h.service.cycle()  # not due yet
+            assert _downloads(h, B1) == [] and versions(h) == ["", ""]
+            h.service = await h.new_service()  # a restart: the retry comes from the journal
+            assert h.service.state.record(B1).retry_at == 1020.0
+            clock[0] = 1020.0
+            await h.service.cycle()
+            assert versions(h) == [B1, B1]
+            rec = h.service.state.record(B1)
+            assert rec.status == "finished" and rec.attempts == 2 and rec.retry_at == 0.0
+            assert len([r for r in history(h.cfg, h.service.state) if r["version"] == B1]) == 1
+            assert h.service.metrics_snapshot()["counters"]["retries"] == 1
+            assert [e["attempt"] for e in _events(h) if e["event"] == "retry"] == [2]
+
+    run(body())
+
+
+def test_the_transfer_refuses_a_missing_donefile_directory_unless_told_to_create_it(tmp_path):
+    """A donefile_address with a typo used to be watched, empty, forever: cube-transfer exits 2
+    naming it; --create_donefile_dir creates it; the log says which donefiles are watched."""
+    import subprocess
+
+    typo = tmp_path / "typo"
+    conf = tmp_path / "transfer.conf"
+    conf.write_text(transfer_conf(tmp_path, [[(1, 2, "/deploy")]], wget_port=0, builder="x",
+                                  donefile_address=str(typo)))  # fmt: skip
+    argv = [sys.executable, "-m", "cube.transfer.main", "-p", "0", "--config", str(conf)]
+    refused = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert refused.returncode == 2, refused.stderr
+    assert (f"donefile_address: donefile directory {typo}: no such directory; create it, or "
+            "start with --create_donefile_dir") in refused.stderr  # fmt: skip
+    assert not typo.exists()
+    log = tmp_path / "transfer.log"
+    transfer = spawn([*argv, "--create_donefile_dir"], log)
+    try:
+        watching = f"watching donefiles {typo}/base.txt, {typo}/patch.txt"
+
+        def exited() -> None:
+            assert transfer.poll() is None, log.read_text()
+
+        assert poll_until(lambda: watching in log.read_text(), 60, 0.1, exited), log.read_text()
+        assert typo.is_dir() and f"created the donefile directory {typo}" in log.read_text()
+    finally:
+        assert stop_child(transfer, timeout=10) == 0
 
 
 def test_an_external_file_server_on_wget_port_serves_the_builds(tmp_path):
@@ -760,6 +839,43 @@ def test_a_base_that_shrinks_the_table_too_much_is_refused(tmp_path):
             assert versions(h) == [b5] and h.service.state.record(B1).status == "finished"
 
     (tmp_path / "open").mkdir()
+    run(body())
+
+
+def test_a_delta_of_another_value_width_is_refused_unless_variable_width(tmp_path):
+    """A delta of 8-byte values over a chain of 16-byte ones would go live and make every
+    get_embeddings fail: refused before download, naming both widths and versions."""
+    d3, d4 = f"{B1}_1700000300", f"{B1}_1700000400"
+
+    def argv(h) -> list[str]:
+        return json.loads((h.tmp / "output" / "argv.log").read_text().splitlines()[-1])
+
+    async def body():
+        async with harness(tmp_path, 2, 1) as h:
+            await roll_out(h, B1)  # 16-byte values
+            assert "-allow_empty" in argv(h) and "-variable_width" not in argv(h)
+            await roll_out(h, D1, "WIDTH_8")
+            rec = h.service.state.record(D1)
+            assert rec.status == "refused" and _downloads(h, D1) == []
+            assert (f"delta {D1} has 8-byte values, the live version {B1} (base {B1}) "
+                    "16-byte values") in rec.message  # fmt: skip
+            assert "variable_width: true" in rec.message
+            assert versions(h) == [B1, B1]
+            await roll_out(h, D2, "RECORDS_0", "DELETED_5", "WIDTH_8")  # no values: no width
+            assert versions(h) == [D2, D2]
+            for shard in h.service.state.record(B1).shards.values():  # as an older journal
+                del shard["value_width"]
+            await roll_out(h, d3, "WIDTH_4")  # B1's width read back from its tars
+            assert h.service.state.record(d3).status == "refused"
+            assert "has 4-byte values" in h.service.state.record(d3).message
+            await roll_out(h, d4)  # the same width goes live
+            assert versions(h) == [d4, d4]
+        async with harness(tmp_path / "variable", 1, 1, extra="variable_width: true") as h:
+            await roll_out(h, B1)
+            await roll_out(h, D1, "WIDTH_8")
+            assert versions(h) == [D1] and "-variable_width" in argv(h)
+
+    (tmp_path / "variable").mkdir()
     run(body())
 
 

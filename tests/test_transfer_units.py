@@ -30,6 +30,7 @@ from cube.transfer.state import (
     next_version,
     quorum_shortfall,
     shrink_refusal,
+    width_refusal,
 )
 
 CONF = """\
@@ -108,6 +109,7 @@ def test_render_config_keeps_every_field(tmp_path):
         insecure=True, tls_cert="/pki/cert.pem", tls_key="/pki/key.pem",
         agent_tls_ca="/pki/ca.pem", download_mode="s3", upload_address="s3://builds/cube",
         builder_flags=("-engine", "spark", "-spark_conf", "a=b c,d=#e"), mirror_input=False,
+        variable_width=True, version_retries=2, version_retry_backoff=0.5,
     )  # fmt: skip
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     for name in defaults:
@@ -337,6 +339,125 @@ def test_repeated_lines_are_ignored_but_a_failed_version_may_be_retried():
     assert [r.status for r in state.history] == ["failed", "pending"]
 
 
+class FakeClock:
+    """Seconds that move only when a test says so."""
+
+    def __init__(self, at: float = 1000.0) -> None:
+        self.at = at
+
+    def __call__(self) -> float:
+        return self.at
+
+
+def _fail_attempt(rec, clock, policy, message="download did not reach quorum 2", final=""):
+    """What the service does with a version whose rollout attempt failed."""
+    from cube.transfer.state import after_failure, begin_attempt, finish
+
+    begin_attempt(rec)
+    finish(rec, "failed", message, clock())
+    return after_failure(rec, not final, final, policy, clock())
+
+
+def test_a_failed_version_is_retried_with_bounded_backoff_then_abandoned():
+    from cube.backoff import Backoff
+    from cube.transfer.state import RetryPolicy
+
+    clock, policy = FakeClock(), RetryPolicy(3, Backoff(30.0, 100.0))
+    state = TransferState()
+    _lines(state, "base.txt", _base(100))
+    _lines(state, "patch.txt", _patch(110, 100))
+    rec, _ = next_version(state, clock())
+    waits = []
+    for attempt in range(1, 5):
+        assert rec is not None and rec.version == "100", attempt
+        note = _fail_attempt(rec, clock, policy)
+        if attempt == 4:
+            break
+        assert rec.status == "failed" and rec.awaiting_retry and not rec.terminal
+        assert f"attempt {attempt} of 4 failed" in note
+        waits.append(rec.retry_at - clock())
+        clock.at = rec.retry_at - 0.001
+        assert next_version(state, clock())[0] is None  # not yet
+        assert state.record("100_110").status == "pending"  # its patch waits with it
+        clock.at += 0.001
+        rec, _ = next_version(state, clock())
+    assert waits == [30.0, 60.0, 100.0]  # doubling, capped
+    assert rec.attempts == 4 and rec.retry_at == 0.0 and rec.terminal
+    assert rec.abandoned == "gave up after 4 attempts" and "abandoned" in note
+    assert rec.last_error == "download did not reach quorum 2"
+    assert next_version(state, clock.at + 1e6)[0] is None  # never again
+    assert "no base is live" in state.record("100_110").message  # now its patch can't apply
+
+
+def test_a_failure_retrying_cannot_help_is_abandoned_at_once():
+    from cube.transfer.state import RetryPolicy
+
+    clock, state = FakeClock(), TransferState()
+    _lines(state, "base.txt", _base(100))
+    rec, _ = next_version(state, clock())
+    _fail_attempt(rec, clock, RetryPolicy(), "builder exited with status 1", "bad input")
+    assert rec.abandoned == "not retried: bad input" and not rec.awaiting_retry
+    assert next_version(state, clock() + 1e6)[0] is None
+
+
+def test_a_retry_is_abandoned_when_a_newer_base_or_its_line_again_supersedes_it():
+    from cube.transfer.state import RetryPolicy
+
+    clock, state = FakeClock(), TransferState()
+    _lines(state, "base.txt", _base(100))
+    first, _ = next_version(state, clock())
+    _fail_attempt(first, clock, RetryPolicy())
+    logs = _lines(state, "base.txt", _base(100), start=2)  # published again: a new attempt
+    assert "published again" in logs[0][1]
+    assert first.abandoned == "its line was published again (base.txt:2)" and first.terminal
+    again, _ = next_version(state, clock())
+    assert again is not first and again.version == "100" and again.attempts == 0
+    _fail_attempt(again, clock, RetryPolicy())
+    _lines(state, "patch.txt", _patch(110, 100))
+    _lines(state, "base.txt", _base(200), start=3)
+    rec, logs = next_version(state, clock())  # before the retry is due: the newer base wins
+    assert rec.version == "200"
+    assert again.status == "failed" and again.abandoned == "superseded by the newer base 200"
+    assert again.last_error == again.message == "download did not reach quorum 2"
+    assert state.record("100_110").status == "refused"
+    assert any("abandoned: superseded by the newer base 200" in line for line in logs)
+
+
+def test_patches_after_a_patch_awaiting_its_retry_wait_for_it():
+    from cube.transfer.state import RetryPolicy
+
+    clock, state = FakeClock(), TransferState()
+    _lines(state, "base.txt", _base(100))
+    _go_live(state, next_version(state, clock())[0])
+    _lines(state, "patch.txt", _patch(110, 100), _patch(120, 100))
+    first, _ = next_version(state, clock())
+    assert first.version == "100_110"
+    _fail_attempt(first, clock, RetryPolicy())
+    assert next_version(state, clock())[0] is None  # 100_120 waits: deltas apply in order
+    assert state.record("100_120").status == "pending"
+    clock.at = first.retry_at
+    retried, _ = next_version(state, clock())
+    assert retried is first and first.chain == ["100", "100_110"]
+    _go_live(state, first)
+    assert next_version(state, clock())[0].version == "100_120"
+
+
+def test_retry_state_survives_the_journal(tmp_path):
+    from cube.transfer.state import RetryPolicy
+
+    clock, journal = FakeClock(), Journal(tmp_path / "tmp")
+    state = journal.load("d")
+    _lines(state, "base.txt", _base(100), *[_base(i) for i in range(1, 30)])
+    rec, _ = next_version(state, clock())
+    _fail_attempt(rec, clock, RetryPolicy())
+    state.trim_history(10)  # a record awaiting its retry is never trimmed
+    assert state.record("100") is rec
+    journal.save(state)
+    again = Journal(tmp_path / "tmp").load("d").record("100")
+    assert (again.attempts, again.retry_at, again.last_error) == (1, 1030.0, rec.last_error)
+    assert again.awaiting_retry
+
+
 def test_malformed_lines_become_failed_records():
     state = TransferState()
     parsed = [parse_line("base.txt", 1, "{oops")]
@@ -389,6 +510,41 @@ def test_a_base_may_not_empty_or_shrink_the_table_unless_allowed():
     assert shrink_refusal(small, None, 0.0, False) == ""  # unknown live count: no comparison
     assert "fewer" in shrink_refusal(_built("200", "base", [999, 0]), 1000, 0.0, False)
     assert shrink_refusal(_built("100_130", "delta", [0, 0]), 1000, 0.5, False) == ""
+
+
+def _widths(rec: VersionRecord, *widths: int | None) -> VersionRecord:
+    for shard, width in zip(rec.shards.values(), widths, strict=True):
+        if width is not None:
+            shard["value_width"] = width
+    return rec
+
+
+def test_a_delta_must_keep_the_live_chains_value_width():
+    from cube.layout import width_change
+
+    state = TransferState()
+    state.history = [_widths(_built("100", "base", [600, 0]), 16, 0),  # shard 1 holds nothing
+                     _widths(_built("100_110", "delta", [5, 5]), 16, 16)]  # fmt: skip
+    state.live_version, state.live_chain = "100_110", ["100", "100_110"]
+    narrow = _widths(_built("100_120", "delta", [3, 0]), 8, 0)
+    message = width_refusal(state, narrow, variable_width=False)
+    assert message.startswith("delta 100_120 has 8-byte values, the live version 100_110 (base "
+                              "100) 16-byte values")  # fmt: skip
+    assert width_refusal(state, narrow, variable_width=True) == ""
+    varying = _widths(_built("100_120", "delta", [3, 3]), 8, 16)
+    assert "values of varying width, the live version" in width_refusal(state, varying, False)
+    assert width_refusal(state, _widths(_built("100_120", "delta", [0, 0], [4, 0]), 0, 0),
+                         False) == ""  # fmt: skip  # deletions only: no width
+    assert width_refusal(state, _widths(_built("100_120", "delta", [1, 1]), 16, 16), False) == ""
+    assert width_refusal(state, _built("100_120", "delta", [1, 1]), False) == ""  # unknown
+    assert width_refusal(state, _widths(_built("200", "base", [1, 1]), 8, 8), False) == ""
+    state.history[0].shards["0"]["value_width"] = 0  # a base whose values vary already
+    assert width_refusal(state, narrow, False) == ""
+    del state.history[1].shards["0"]["value_width"]  # a live record from an older journal
+    state.history[0].shards["0"]["value_width"] = 16
+    assert width_refusal(state, narrow, False) == ""
+    assert width_change(set(), {8}) is None  # nothing live holds values yet
+    assert width_change({16}, {16, 8}) == ("16-byte values", "values of varying width")
 
 
 def test_quorum_shortfall():

@@ -225,7 +225,8 @@ FAKE_BUILDER = '''\
 """Writes <output>/<depend>_<cur>/<dict>_part<i>.tar(.md5) and meta_info like cube-builder; each
 tar holds an index.cube that is only a real header (record and tombstone counts).
 Input files steer it: FAIL -> exit 3 with a message; BADMD5 -> wrong md5; SLOW -> sleep 30;
-RECORDS_<n> -> n records per shard (default 1000); DELETED_<n> -> n deleted keys per shard."""
+RECORDS_<n> -> n records per shard (default 1000); DELETED_<n> -> n deleted keys per shard;
+WIDTH_<n> -> values n bytes wide (default 16)."""
 import hashlib, io, json, os, sys, tarfile, time
 sys.path.insert(0, {root!r})
 from cube.format import HEADER_SIZE, encode_header
@@ -244,6 +245,7 @@ if "SLOW" in names:
 def counted(prefix, default):
     return next((int(n[len(prefix):]) for n in names if n.startswith(prefix)), default)
 records, deleted = counted("RECORDS_", 1000), counted("DELETED_", 0)
+width = counted("WIDTH_", 16)
 out = os.path.join(opts["output_path"], f"{{opts['depend_version']}}_{{opts['cur_version']}}")
 os.makedirs(out, exist_ok=True)
 with open(os.path.join(opts["output_path"], "argv.log"), "a") as f:
@@ -252,6 +254,7 @@ for shard in range(int(opts["shard_num"])):
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         data = encode_header("index", {{"record_count": records, "tombstone_count": deleted,
+                                        "value_width": width,
                                         "file_size": HEADER_SIZE, "sections": {{}},
                                         "version": opts["cur_version"], "shard": shard}})
         info = tarfile.TarInfo("./index.cube")

@@ -5,7 +5,8 @@ code is checked and the tail of its stderr becomes the version's failure reason.
 is deployed every shard's tar must exist, match its `.md5`, and list only plain files and
 directories with safe relative names (the agent checks again; a bad build should not even
 reach it), and its `index.cube` header must be readable: it gives the shard's record and
-deleted-key counts, which the transfer compares with the live version before deploying a base.
+deleted-key counts and value width, which the transfer compares with the live version before
+deploying (a base that empties or shrinks the table, a delta of another value width).
 """
 
 from __future__ import annotations
@@ -33,7 +34,13 @@ _STDERR_TAIL = 2000
 
 
 class BuildError(Exception):
-    """A build that cannot be deployed; the message is the version's failure reason."""
+    """A build that cannot be deployed; the message is the version's failure reason.
+    `permanent`: the builder ran and refused the input (bad records, an empty input, a
+    delta of another value width): building the same line again would fail again."""
+
+    def __init__(self, message: str, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
 
 
 def resolve_command(name: str) -> str:
@@ -58,7 +65,7 @@ def resolve_command(name: str) -> str:
 TRANSFER_SET_FLAGS = frozenset({
     "dict_name", "input_path", "output_path", "shard_num", "job_mode", "cur_version",
     "depend_version", "last_version", "only_build", "partitioner", "delete_path", "quiet",
-    "master_address", "fetch_timeout",
+    "master_address", "fetch_timeout", "allow_empty", "variable_width",
 })  # fmt: skip
 
 
@@ -75,10 +82,12 @@ def builder_argv(
     partitioner: str,
     delete_path: str = "",
     fetch_timeout: float | None = None,
+    variable_width: bool = False,
     extra_flags: tuple[str, ...] = (),
 ) -> list[str]:
     """The builder's command line; `fetch_timeout` for an input it fetches itself (a remote
-    one, not mirrored)."""
+    one, not mirrored). Always `-allow_empty`: the transfer decides about empty versions
+    itself (a patch may be empty; an empty base is refused unless allow_empty_base)."""
     argv = [
         tool,
         "-dict_name", dict_name,
@@ -91,7 +100,10 @@ def builder_argv(
         "-only_build", "false",
         "-partitioner", partitioner,
         "-quiet",
+        "-allow_empty",
     ]  # fmt: skip
+    if variable_width:
+        argv.append("-variable_width")
     if delete_path:
         argv += ["-delete_path", delete_path]
     if fetch_timeout is not None:
@@ -133,7 +145,10 @@ async def run_builder(
         log.info("builder stderr: %s", line)
     if proc.returncode != 0:
         tail = text.strip()[-_STDERR_TAIL:] or "(no stderr)"
-        raise BuildError(f"builder exited with status {proc.returncode}: {tail}")
+        # an exit status is the builder's verdict on the input; a signal (< 0) is not
+        raise BuildError(
+            f"builder exited with status {proc.returncode}: {tail}", proc.returncode > 0
+        )
     return text
 
 
@@ -150,6 +165,7 @@ class ShardOutput:
     size: int
     records: int  # live records in the shard (its index header's record_count)
     deleted: int  # keys a delta deletes (tombstone_count); 0 for a base
+    value_width: int | None = None  # its header's value_width (0: varying); None: not said
 
 
 def check_tar(path: Path) -> None:
@@ -163,9 +179,10 @@ def check_tar(path: Path) -> None:
         raise BuildError(f"{path}: not a readable tar ({exc})") from exc
 
 
-def read_counts(path: Path) -> tuple[int, int]:
-    """(records, deleted keys) from the header of the tar's top-level index.cube: one member
-    header and 4 KiB read, whatever the tar's size."""
+def read_counts(path: Path) -> tuple[int, int, int | None]:
+    """(records, deleted keys, value width) from the header of the tar's top-level
+    index.cube: one member header and 4 KiB read, whatever the tar's size. The width is None
+    when the header has none."""
     try:
         with tarfile.open(path, "r:") as tar:
             for member in tar:
@@ -179,7 +196,9 @@ def read_counts(path: Path) -> tuple[int, int]:
                 records, deleted = fields.get("record_count"), fields.get("tombstone_count", 0)
                 if not isinstance(records, int) or not isinstance(deleted, int) or records < 0:
                     raise BuildError(f"{where}: header without a record count")
-                return records, max(deleted, 0)
+                width = fields.get("value_width")
+                valid = isinstance(width, int) and not isinstance(width, bool) and width >= 0
+                return records, max(deleted, 0), width if valid else None
     except fmt.ShardFormatError as exc:
         raise BuildError(str(exc)) from exc
     except (tarfile.TarError, OSError, EOFError) as exc:
@@ -205,8 +224,9 @@ def check_outputs(
             raise BuildError(f"{tar}.md5: missing (the builder wrote no md5)")
         if verify:
             check_tar(tar)
-        records, deleted = read_counts(tar)
-        shards.append(ShardOutput(shard, tar, expected, tar.stat().st_size, records, deleted))
+        records, deleted, width = read_counts(tar)
+        size = tar.stat().st_size
+        shards.append(ShardOutput(shard, tar, expected, size, records, deleted, width))
     return shards
 
 

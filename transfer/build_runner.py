@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -38,7 +39,12 @@ log = logging.getLogger("cube.transfer")
 
 
 class BuildFailed(Exception):
-    """This version cannot be built or its output cannot be deployed; the message says why."""
+    """This version cannot be built or its output cannot be deployed; the message says why.
+    `permanent`: the builder refused the input (a retry would fail the same way)."""
+
+    def __init__(self, message: str, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
 
 
 class BuildRunner:
@@ -80,6 +86,7 @@ class BuildRunner:
                 delete_path=delete_path,
                 # an input not mirrored is fetched by the builder, within fetch_timeout too
                 fetch_timeout=None if cfg.mirror_input else cfg.fetch_timeout,
+                variable_width=cfg.variable_width,
                 extra_flags=cfg.builder_flags,
             )
             try:
@@ -89,7 +96,9 @@ class BuildRunner:
             shards = await asyncio.to_thread(
                 builds.check_outputs, out_dir, cfg.dict_name, cfg.shard_num, cfg.verify_output
             )
-        except (builds.BuildError, SourceUnavailable) as exc:
+        except builds.BuildError as exc:
+            raise BuildFailed(str(exc), exc.permanent) from exc
+        except SourceUnavailable as exc:
             raise BuildFailed(str(exc)) from exc
         finally:
             await asyncio.to_thread(_remove_mirrors, self.mirror_root, mirror.name)
@@ -101,10 +110,7 @@ class BuildRunner:
     def _record(
         self, rec: VersionRecord, shards: list[builds.ShardOutput], metas: dict[str, str]
     ) -> None:
-        rec.shards = {
-            str(s.shard): {"md5": s.md5, "size": s.size, "records": s.records, "deleted": s.deleted}
-            for s in shards
-        }
+        rec.shards = {str(s.shard): shard_fields(s) for s in shards}
         rec.meta_infos.update(metas)
 
     def _reuse(self, rec: VersionRecord, out_dir: Path) -> bool:
@@ -136,19 +142,22 @@ class BuildRunner:
         return True
 
     async def count_records(self, rec: VersionRecord) -> None:
-        """Fill in the record counts of a version built before counts were kept (a journal
-        from an older transfer), read from its build output; nothing when they are known or
-        the output is gone."""
-        if rec.count("records") is not None or not rec.output:
+        """Fill in the record counts and value widths of a version built before they were
+        kept (a journal from an older transfer), read from its build output; nothing when
+        they are known or the output is gone."""
+        known = rec.count("records") is not None and rec.value_widths() is not None
+        if known or not rec.output:
             return
         for shard in range(self.cfg.shard_num):
             tar = Path(rec.output) / tar_name(self.cfg.dict_name, shard)
             try:
-                records, deleted = await asyncio.to_thread(builds.read_counts, tar)
+                records, deleted, width = await asyncio.to_thread(builds.read_counts, tar)
             except builds.BuildError as exc:
                 log.warning("cannot count the records of %s: %s", rec.version, exc)
                 return
-            counts = {"records": records, "deleted": deleted}
+            counts: dict[str, int] = {"records": records, "deleted": deleted}
+            if width is not None:
+                counts["value_width"] = width
             rec.shards[str(shard)] = {**rec.shards.get(str(shard), {}), **counts}
 
     def reap_orphan(self) -> None:
@@ -204,6 +213,16 @@ class BuildRunner:
         with contextlib.suppress(psutil.Error, OSError):
             created = psutil.Process(pid).create_time()
             self.pid_file.write_text(f"{pid} {created}\n")
+
+
+def shard_fields(shard: builds.ShardOutput) -> dict[str, Any]:
+    """What a version record keeps of a built shard (md5, size, counts, value width)."""
+    fields: dict[str, Any] = {
+        "md5": shard.md5, "size": shard.size, "records": shard.records, "deleted": shard.deleted
+    }  # fmt: skip
+    if shard.value_width is not None:
+        fields["value_width"] = shard.value_width
+    return fields
 
 
 def _remove_mirrors(root: Path, prefix: str) -> None:

@@ -12,6 +12,10 @@ Keys we add to [default] (all optional; default in brackets):
 - `phase_timeout` [600], `download_timeout`, `reload_timeout` [phase_timeout], `enable_timeout`
   [min(phase_timeout, 120)], `build_timeout` [3600], `fetch_timeout` [3600]: seconds.
 - `retries` [3]: failed agent tasks re-sent per phase and instance.
+- `version_retries` [8], `version_retry_backoff` [30]: a version whose rollout failed for a
+  reason that may pass (replicas unreachable, quorum missed, input not there yet, a timeout)
+  is rolled out again up to version_retries times, the first retry version_retry_backoff
+  seconds after the failure, each wait twice the last, at most max(600, backoff) seconds.
 - `partitioner` [mod]: mod | murmur3, passed to the builder.
 - `agent_token` [env CUBE_TOKEN]: sent to every agent as `Authorization: Bearer`.
 - `api_token` [env CUBE_API_TOKEN]: when set, every request to the query API must carry it
@@ -32,6 +36,9 @@ Keys we add to [default] (all optional; default in brackets):
   built shards' index headers.
 - `allow_empty_base` [false]: a base with no records at all is refused unless this is true
   (both checks apply: an empty base replacing a live one also needs max_shrink 1).
+- `variable_width` [false]: the dictionary's values may vary in width. Otherwise a delta whose
+  values have another width than the live chain's is refused before download (clients reading
+  fixed-width values would fail on every lookup); passed to the builder as -variable_width.
 - `builder_flags` [none]: more flags for the builder, after the ones the transfer sets, split as
   a shell would split them (never run by one), e.g. `-engine spark -spark_master yarn`; the
   flags the transfer sets itself (input, output, versions, shards, mode) are refused here.
@@ -65,9 +72,11 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from cube import remote
+from cube.backoff import Backoff
 from cube.routing import PARTITIONERS
 from cube.transfer.build import TRANSFER_SET_FLAGS
 from cube.transfer.donefile import address_problem
+from cube.transfer.state import RetryPolicy
 
 log = logging.getLogger("cube.transfer")
 
@@ -90,7 +99,8 @@ DEFAULT_KEYS = frozenset({
     "enable_timeout", "build_timeout", "fetch_timeout", "retries", "partitioner",
     "agent_token", "api_token", "verify_output", "history_limit", "max_shrink",
     "allow_empty_base", "insecure", "tls_cert", "tls_key", "agent_tls_ca", "upload_address",
-    "builder_flags", "mirror_input", "download_address",
+    "builder_flags", "mirror_input", "download_address", "variable_width", "version_retries",
+    "version_retry_backoff",
 })  # fmt: skip
 
 
@@ -142,6 +152,8 @@ class TransferConfig:
     build_timeout: float = 3600.0
     fetch_timeout: float = 3600.0
     retries: int = 3
+    version_retries: int = 8  # a failed version's rollout is tried again this many times
+    version_retry_backoff: float = 30.0  # seconds before the first retry (then doubling)
     partitioner: str = "mod"
     agent_token: str = ""
     api_token: str = ""
@@ -153,8 +165,15 @@ class TransferConfig:
     history_limit: int = 500
     max_shrink: float = 0.5  # a base may have at most this fraction fewer records than live
     allow_empty_base: bool = False
+    variable_width: bool = False  # a delta may change the dictionary's value width
     upload_address: str = ""  # download_mode s3: s3://bucket/prefix the builds are uploaded to
     download_address: str = ""  # http/ftp: an external file server's URL of output_address
+
+    @property
+    def retry_policy(self) -> RetryPolicy:
+        """How a failed version is tried again (version_retries, version_retry_backoff)."""
+        backoff = self.version_retry_backoff
+        return RetryPolicy(self.version_retries, Backoff(backoff, max(600.0, backoff)))
 
     @property
     def serves_files(self) -> bool:
@@ -350,6 +369,8 @@ def parse_config(
         build_timeout=float_of("build_timeout", 3600.0),
         fetch_timeout=float_of("fetch_timeout", 3600.0),
         retries=int_of("retries", 3, low=0, high=100),
+        version_retries=int_of("version_retries", 8, low=0, high=1000),
+        version_retry_backoff=float_of("version_retry_backoff", 30.0),
         partitioner=choice_of("partitioner", PARTITIONERS, "mod"),
         agent_token=text_of("agent_token", os.environ.get("CUBE_TOKEN", "")),
         api_token=text_of("api_token", os.environ.get("CUBE_API_TOKEN", "")),
@@ -361,6 +382,7 @@ def parse_config(
         history_limit=int_of("history_limit", 500, low=10, high=100000),
         max_shrink=fraction_of("max_shrink", 0.5),
         allow_empty_base=bool_of("allow_empty_base", False),
+        variable_width=bool_of("variable_width", False),
         upload_address=upload,
         download_address=download_address,
         builder_flags=builder_flags,
@@ -523,11 +545,14 @@ def render_config(cfg: TransferConfig) -> str:
         f"build_timeout: {cfg.build_timeout!r}",
         f"fetch_timeout: {cfg.fetch_timeout!r}",
         f"retries: {cfg.retries}",
+        f"version_retries: {cfg.version_retries}",
+        f"version_retry_backoff: {cfg.version_retry_backoff!r}",
         f"partitioner: {cfg.partitioner}",
         f"verify_output: {'true' if cfg.verify_output else 'false'}",
         f"history_limit: {cfg.history_limit}",
         f"max_shrink: {cfg.max_shrink!r}",
         f"allow_empty_base: {'true' if cfg.allow_empty_base else 'false'}",
+        f"variable_width: {'true' if cfg.variable_width else 'false'}",
         f"insecure: {'true' if cfg.insecure else 'false'}",
     ]
     lines.append(f"mirror_input: {'true' if cfg.mirror_input else 'false'}")

@@ -9,6 +9,7 @@ in the order, that the builder would read there.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -67,6 +68,44 @@ def resolve_input(donefile_address: str, source: str) -> str:
 
 class SourceUnavailable(Exception):
     """A donefile or input that could not be read this time (the message says why)."""
+
+
+def local_donefile_dir(address: str) -> Path | None:
+    """The directory a local donefile address names (a path, or a file:// URL); None for a
+    remote one."""
+    if not is_url(address):
+        return Path(address)
+    parts = urlsplit(address)
+    return Path(parts.path) if parts.scheme == "file" else None
+
+
+def donefile_urls(address: str, names: list[str]) -> list[str]:
+    """Where each donefile `names` is read, as the log may show it (credentials hidden)."""
+    local = local_donefile_dir(address)
+    if local is not None:
+        return [str(local / name) for name in names]
+    return [redact(address.rstrip("/") + "/" + name) for name in names]
+
+
+def ensure_donefile_dir(address: str, create: bool) -> bool:
+    """Check that a local donefile address names an existing directory (a typo would
+    otherwise be watched, empty, forever); with `create`, make it (and its parents) when
+    missing. True when it was created now. SourceUnavailable names the directory and what is
+    wrong. A remote address is not checked (its first read says)."""
+    directory = local_donefile_dir(address)
+    if directory is None or directory.is_dir():
+        return False
+    if os.path.lexists(directory):
+        raise SourceUnavailable(f"donefile directory {directory}: not a directory")
+    if not create:
+        raise SourceUnavailable(f"donefile directory {directory}: no such directory")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SourceUnavailable(
+            f"donefile directory {directory}: cannot create it: {exc.strerror}"
+        ) from None
+    return True
 
 
 async def read_donefile(address: str, name: str, timeout: float = 30.0) -> str:

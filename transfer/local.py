@@ -1,12 +1,14 @@
 """cube-local: a whole Cube cluster (transfer, agents, servers) on loopback, in one command.
 
-    cube-local up --shards 2 --replicas 2 --donefile DIR [--dir .local-cluster] [--base_port N]
+    cube-local up --shards 2 --replicas 2 --donefile DIR [--create_donefile_dir]
+                  [--dir .local-cluster] [--base_port N]
     cube-local status [--dir .local-cluster] [--json]
     cube-local wait --version V [--timeout 120] [--dir .local-cluster]
     cube-local restart --name agent0_1 [--dir .local-cluster]
     cube-local down [--dir .local-cluster] [--timeout 10]
 
-`up` writes `transfer.conf` (the original's format) and `cube.conf` (`ipport_list`, for the SDK
+`up` checks that --donefile is a directory (--create_donefile_dir creates it), writes
+`transfer.conf` (the original's format) and `cube.conf` (`ipport_list`, for the SDK
 and cube-cli) into --dir, starts one cube-server + cube-agent per replica (the server's
 data_dir is the agent's deploy_path/data) and one cube-transfer watching --donefile, records
 every PID (with its start time and command line) in --dir/cluster.json, and returns once each
@@ -57,6 +59,7 @@ from cube.transfer.config import (
     load_config,
     render_config,
 )
+from cube.transfer.donefile import SourceUnavailable, ensure_donefile_dir
 
 CLUSTER_FILE = "cluster.json"
 CONF_FILE = "transfer.conf"
@@ -119,6 +122,7 @@ class ClusterSpec:
     server_args: list[str] = field(default_factory=list)
     agent_args: list[str] = field(default_factory=list)
     transfer_overrides: dict[str, Any] = field(default_factory=dict)  # TransferConfig fields
+    create_donefile_dir: bool = False  # a missing --donefile directory is an error otherwise
 
 
 def command(name: str) -> str:
@@ -549,6 +553,10 @@ class Cluster:
         dep = info.get("deployment")
         if dep:
             lines.append(f"deploying {dep['version']} (phase {dep['phase']})")
+        for rec in info.get("awaiting_retry") or []:
+            when = time.strftime("%H:%M:%S", time.localtime(rec["retry_at"]))
+            lines.append(f"retrying {rec['version']} at {when} (attempt {rec['attempts'] + 1} "
+                         f"of {rec['max_attempts']}); last error: {rec['last_error']}")  # fmt: skip
         header = ("INSTANCE", "SERVER", "AGENT", "PROCESSES", "VERSION", "BG_VERSION", "STATE")
         rows = [header]
         for row in self.instance_rows():
@@ -584,10 +592,10 @@ class Cluster:
             everywhere = bool(rows) and all(r["version"] == version for r in rows)
             return everywhere and self.transfer_info().get("live_version") == version
 
-        def stop_if_failed() -> None:
-            for rec in self.history():
-                if rec.get("version") == version and rec.get("status_str") in ("failed", "refused"):
-                    raise LocalError(f"version {version} {rec['status_str']}: {rec.get('message')}")
+        def stop_if_failed() -> None:  # its latest record ended without a retry to come
+            rec = next((r for r in reversed(self.history()) if r.get("version") == version), {})
+            if rec.get("status_str") in ("failed", "refused") and not rec.get("retry_at"):
+                raise LocalError(f"version {version} {rec['status_str']}: {rec.get('message')}")
 
         if not poll_until(served, timeout, poll, check=stop_if_failed):
             raise LocalError(
@@ -623,9 +631,13 @@ def up(spec: ClusterSpec, health_timeout: float = 60.0) -> Cluster:
         raise LocalError(f"a cluster is already running in {root}; run cube-local down first")
     if spec.shards < 1 or spec.replicas < 1:
         raise LocalError("--shards and --replicas must be >= 1")
-    spec.donefile.mkdir(parents=True, exist_ok=True)
     ports = plan_ports(spec.shards, spec.replicas, spec.base_port)
     cfg = cluster_config(spec, ports)
+    try:  # a typo would be watched, empty, forever
+        ensure_donefile_dir(cfg.donefile_address, spec.create_donefile_dir)
+    except SourceUnavailable as exc:
+        how = "" if spec.create_donefile_dir else "; create it, or pass --create_donefile_dir"
+        raise LocalError(f"--donefile {spec.donefile}: {exc}{how}") from None
     for inst in cfg.instances:
         (Path(inst.deploy_path) / "data").mkdir(parents=True, exist_ok=True)
     try:
@@ -670,6 +682,7 @@ def _up_flags() -> FlagSet:
             f"Tokens: env {TOKEN_ENV} for the agents, {API_TOKEN_ENV} for the transfer API.",
         )
         .add("donefile", str, "", "donefile directory the transfer watches", required=True)
+        .add("create_donefile_dir", bool, False, "create --donefile when it does not exist")
         .add("shards", int, 2, "shards")
         .add("replicas", int, 2, "replicas per shard")
         .add("dir", str, ".local-cluster", "cluster directory (configs, data, logs, PIDs)")
@@ -707,6 +720,7 @@ def _run_up(flags: Flags) -> int:
         poll_interval=flags.poll_interval,
         partitioner=flags.partitioner,
         phase_timeout=flags.phase_timeout,
+        create_donefile_dir=flags.create_donefile_dir,
         transfer_overrides={
             name: value
             for name, value in (("agent_token", flags.agent_token), ("api_token", flags.api_token))

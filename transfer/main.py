@@ -21,6 +21,7 @@ from cube.flags import FlagError, Flags, FlagSet, run_cli
 from cube.logs import LOG_FORMATS, setup_logging
 from cube.security import SecurityError, TLSFiles, require_token
 from cube.transfer.config import ConfigError, load_config
+from cube.transfer.donefile import SourceUnavailable, ensure_donefile_dir
 from cube.transfer.http_api import ListenSockets, bind_listeners, start_listeners
 from cube.transfer.journal import JournalError
 from cube.transfer.service import TransferService
@@ -44,6 +45,9 @@ def flag_set() -> FlagSet:
     flags.add("keep_outputs", int, 3, "build outputs of the last N live versions to keep")
     flags.add("metrics_port", int, -1, "Prometheus metrics at :PORT/metrics; -1: off, 0: any")
     flags.add("metrics_host", str, "127.0.0.1", "address to bind the metrics (no token)")
+    flags.add("create_donefile_dir", bool, False,
+              "create donefile_address (a local directory) when it does not exist; "
+              "without it a missing one stops the start (exit 2)")  # fmt: skip
     return flags
 
 
@@ -136,6 +140,15 @@ def run(argv: Sequence[str]) -> int:
                 raise ConfigError(f"{flags.config}: {key}: {exc}") from None
     except (ConfigError, SecurityError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if ensure_donefile_dir(cfg.donefile_address, flags.create_donefile_dir):
+            log.info("created the donefile directory %s", cfg.donefile_address)
+    except SourceUnavailable as exc:
+        how = (
+            "" if flags.create_donefile_dir else "; create it, or start with --create_donefile_dir"
+        )
+        print(f"error: {flags.config}: donefile_address: {exc}{how}", file=sys.stderr)
         return 2
     try:
         sockets = bind_listeners(cfg, flags.port)  # before anything else: "in use" at once

@@ -1,6 +1,7 @@
 """Prometheus metrics of cube-transfer: where each dictionary stands (the live version, since
-when, the rollout in progress and its phase), how rollouts end, how long each phase takes, each
-replica's state and whether it is behind, and donefile poll errors.
+when, the rollout in progress and its phase), how rollouts end, how long each phase takes,
+failed versions tried again or abandoned and the next retry, each replica's state and whether
+it is behind, and donefile poll errors.
 
 `RolloutCounters` is updated by the service as rollouts end (plain counters, monotonic for the
 life of the process); `TransferCollector` reads a snapshot taken on the event loop at scrape
@@ -44,6 +45,8 @@ class RolloutCounters:
         self.phases = {phase: Histogram(PHASE_BUCKETS) for phase in PHASES}
         self.donefile_errors = 0
         self.last_success = 0.0  # when the last rollout (or rollback) made a version live
+        self.retries = 0  # rollouts begun again after a failure
+        self.abandoned = 0  # failed versions that will not be tried again
 
     def ended(self, outcome: str, times: dict[str, float] | None = None, at: float = 0.0) -> None:
         """A rollout ended with `outcome`; a committed one's phase durations from `times`."""
@@ -60,6 +63,8 @@ class RolloutCounters:
             "phases": {phase: h.snapshot() for phase, h in self.phases.items()},
             "donefile_errors": self.donefile_errors,
             "last_success": self.last_success,
+            "retries": self.retries,
+            "abandoned": self.abandoned,
         }
 
 
@@ -109,6 +114,30 @@ class TransferCollector(Collector):
         )
         if s["phase"]:
             deploying.add_metric([d, s["phase"]], 1.0)
+        retries = CounterMetricFamily(
+            "cube_transfer_version_retries",
+            "Rollouts of a failed version begun again (its retry)",
+            labels=["dict"],
+        )
+        retries.add_metric([d], s["counters"]["retries"])
+        abandoned = CounterMetricFamily(
+            "cube_transfer_versions_abandoned",
+            "Failed versions given up on (attempts spent, superseded, or not retryable)",
+            labels=["dict"],
+        )
+        abandoned.add_metric([d], s["counters"]["abandoned"])
+        awaiting = GaugeMetricFamily(
+            "cube_transfer_versions_awaiting_retry",
+            "Failed versions with a retry scheduled",
+            labels=["dict"],
+        )
+        awaiting.add_metric([d], s["retry"]["awaiting"])
+        next_retry = GaugeMetricFamily(
+            "cube_transfer_next_retry_timestamp_seconds",
+            "When the next retry of a failed version is due (Unix time; 0: none scheduled)",
+            labels=["dict"],
+        )
+        next_retry.add_metric([d], s["retry"]["next_at"])
         errors = CounterMetricFamily(
             "cube_transfer_donefile_poll_errors",
             "Donefile reads that failed",
@@ -142,4 +171,5 @@ class TransferCollector(Collector):
             reachable.add_metric([d, name], 1.0 if inst["reachable"] else 0.0)
             failures.add_metric([d, name], inst["catch_up_failures"])
         yield from (live, since, success, rollouts, phases, deploying, errors)
+        yield from (retries, abandoned, awaiting, next_retry)
         yield from (state, behind, reachable, failures)

@@ -12,6 +12,8 @@ Rollout of a version (docs/ROLLOUT.md for the agent side):
 4. commit (journaled), then enable on the loaded replicas. If a shard still ends below quorum,
    the replicas that switched are sent `rollback` to the previous version.
 Replicas left behind (dead, lagging, failed) are caught up by the reconciler when they answer.
+A version that failed is rolled out again later (`state.after_failure`, the config's
+`retry_policy`) unless retrying cannot help; `next_version` picks it when it is due.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from cube.transfer import build as builds
 from cube.transfer.agents import AgentClient, AgentRefused, AgentUnreachable, Outcome, run_phase
 from cube.transfer.build_runner import BuildFailed, BuildRunner
 from cube.transfer.config import TransferConfig
-from cube.transfer.donefile import SourceUnavailable, read_donefile
+from cube.transfer.donefile import SourceUnavailable, donefile_urls, read_donefile
 from cube.transfer.journal import Journal
 from cube.transfer.metrics import RolloutCounters
 from cube.transfer.reconcile import Reconciler
@@ -45,6 +47,9 @@ from cube.transfer.state import (
     TransferState,
     VersionRecord,
     VersionStatus,
+    after_failure,
+    awaiting_retry,
+    begin_attempt,
     finish,
     ingest,
     live_records,
@@ -53,6 +58,7 @@ from cube.transfer.state import (
     progress_recorder,
     quorum_shortfall,
     shrink_refusal,
+    width_refusal,
 )
 from cube.transfer.views import work_for
 
@@ -87,6 +93,7 @@ class TransferService:
         self.client: AgentClient | None = None
         self.reconciler: Reconciler | None = None
         self.builder = BuildRunner(cfg)
+        self.retry_policy = cfg.retry_policy
         self._donefile_errors: dict[str, str] = {}
         self.rollout_counters = RolloutCounters()
 
@@ -110,6 +117,10 @@ class TransferService:
             builds.resolve_command(self.cfg.buildtool_local)
         except builds.BuildError as exc:
             log.warning("%s (builds will fail until it exists)", exc)
+        log.info(
+            "watching donefiles %s",
+            ", ".join(donefile_urls(self.cfg.donefile_address, self.donefile_names)),
+        )
         if self.state.deployment:
             log.info(
                 "resuming %s of %s at phase %s",
@@ -151,24 +162,38 @@ class TransferService:
     async def cycle(self) -> None:
         if self.state.deployment:
             await self.resume()
+        before = {id(r) for r in awaiting_retry(self.state)}
         await self.poll_donefiles()
         while True:
             rec, logs = next_version(self.state, now())
             for line in logs:
                 log.warning("%s", line)
                 self.journal.event("refused", message=line)
+            self._count_abandoned(before)
             if logs:
                 await self.save()
             if rec is None:
                 break
             await self.start_deploy(rec)
+            before = {id(r) for r in awaiting_retry(self.state)}
         await self.reconcile()
 
+    def _count_abandoned(self, before: set[int]) -> None:
+        """Count the versions that awaited a retry (`before`) and were abandoned since."""
+        for rec in self.state.history:
+            if id(rec) in before and not rec.awaiting_retry and rec.abandoned:
+                self.rollout_counters.abandoned += 1
+                before.discard(id(rec))
+
     # -- donefiles ---------------------------------------------------------------------------
+    @property
+    def donefile_names(self) -> list[str]:
+        """The donefiles this mode reads: base.txt, and patch.txt with base_delta."""
+        return [BASE_FILE] + ([PATCH_FILE] if self.cfg.mode == "base_delta" else [])
+
     async def poll_donefiles(self) -> None:
-        files = [BASE_FILE] + ([PATCH_FILE] if self.cfg.mode == "base_delta" else [])
         changed = False
-        for name in files:
+        for name in self.donefile_names:
             try:
                 text = await read_donefile(self.cfg.donefile_address, name)
             except SourceUnavailable as exc:
@@ -204,6 +229,12 @@ class TransferService:
 
     # -- rollout ------------------------------------------------------------------------------
     async def start_deploy(self, rec: VersionRecord) -> None:
+        begin_attempt(rec)
+        if rec.attempts > 1:
+            self.rollout_counters.retries += 1
+            log.info("%s %s: attempt %d of %d (the last one failed: %s)", rec.mode, rec.version,
+                     rec.attempts, self.retry_policy.attempts, rec.last_error)  # fmt: skip
+            self.journal.event("retry", version=rec.version, attempt=rec.attempts)
         self.state.deployment = Deployment(
             kind="deploy",
             version=rec.version,
@@ -246,7 +277,7 @@ class TransferService:
                     self.journal.event("commit", version=rec.version, targets=dep.targets)
             await self._enable(rec, dep)
         except _Abort as exc:
-            await self._fail(rec, str(exc))
+            await self._fail(rec, str(exc), exc.final)
 
     async def _deploy_step(self, phase: Phase, rec: VersionRecord, dep: Deployment) -> bool:
         """Run one phase of a deploy before the switch (ROLLOUT says what comes next); False
@@ -255,7 +286,7 @@ class TransferService:
             await self._build(rec)
             refusal = shrink_refusal(
                 rec, live_records(self.state), self.cfg.max_shrink, self.cfg.allow_empty_base
-            )
+            ) or width_refusal(self.state, rec, self.cfg.variable_width)
             if refusal:
                 await self._end(rec, VersionStatus.REFUSED, refusal)
                 return False
@@ -272,20 +303,30 @@ class TransferService:
             await self._phase(rec, dep, "reload")
         return True
 
-    async def _fail(self, rec: VersionRecord, message: str) -> None:
-        await self._end(rec, VersionStatus.FAILED, message)
+    async def _fail(self, rec: VersionRecord, message: str, final: str = "") -> None:
+        """`rec` failed; `final` says why retrying cannot help ("": it may be retried)."""
+        await self._end(rec, VersionStatus.FAILED, message, final)
 
-    async def _end(self, rec: VersionRecord, status: str, message: str) -> None:
-        """End the deployment of `rec` without it going live: `failed`, or `refused` (the
-        build is fine but must not replace the live table); the reason is in its record, the
+    async def _end(self, rec: VersionRecord, status: str, message: str, final: str = "") -> None:
+        """End the deployment of `rec` without it going live: `failed` (retried later as the
+        retry policy says, unless `final` says why that cannot help), or `refused` (the build
+        is fine but must not replace the live table); the reason is in its record, the
         journal and the log."""
-        finish(rec, status, message, now())
+        at = now()
+        finish(rec, status, message, at)
         self.rollout_counters.ended("aborted" if status == VersionStatus.FAILED else "refused")
+        retry = ""
+        if status == VersionStatus.FAILED:
+            retry = after_failure(rec, not final, final, self.retry_policy, at)
+            self.rollout_counters.abandoned += 1 if rec.abandoned else 0
         self.state.deployment = None
         await self.save()
         event = "deploy_failed" if status == "failed" else "deploy_refused"
-        self.journal.event(event, version=rec.version, message=message)
+        self.journal.event(event, version=rec.version, message=message, attempt=rec.attempts,
+                           retry_at=rec.retry_at, abandoned=rec.abandoned)  # fmt: skip
         log.error("version %s %s: %s", rec.version or rec.line, status, message)
+        if retry:
+            log.warning("%s", retry)
         await self._prune_outputs()
 
     async def _build(self, rec: VersionRecord) -> None:
@@ -294,14 +335,15 @@ class TransferService:
         await self.save()
         # published again after a rollout that failed once agents had downloaded it: the
         # same tars again (a version name is built once), when the build is still there
+        # (also this record's own earlier attempt, when this is a retry)
         downloaded = any(
-            r.version == rec.version and r is not rec and "downloaded" in r.times
-            for r in self.state.history
+            r.version == rec.version and "downloaded" in r.times for r in self.state.history
         )
         try:
             await self.builder.build(rec, reuse=downloaded)
         except BuildFailed as exc:
-            raise _Abort(str(exc)) from exc
+            final = "the builder refused this input; publish the line again once it is fixed"
+            raise _Abort(str(exc), final if exc.permanent else "") from exc
         rec.times["built"] = now()
         for inst in self.cfg.instances:
             self.state.instances[inst.name].times["builded_time"] = rec.times["built"]
@@ -575,17 +617,24 @@ class TransferService:
             if r.status == VersionStatus.FAILED and "downloaded" in r.times and r.output
         ]
         keep.update(Path(r.output).name for r in downloaded[-self.keep_outputs :])
+        # to be retried: the retry takes the same tars when agents downloaded them
+        keep.update(Path(r.output).name for r in downloaded if r.awaiting_retry)
         await asyncio.to_thread(_remove_outputs, self.cfg.output_address, keep)
 
     def metrics_snapshot(self) -> dict[str, Any]:
         """What the metrics show, taken on the event loop (transfer.metrics)."""
         dep = self.state.deployment
+        waiting = awaiting_retry(self.state)
         return {
             "dict": self.cfg.dict_name,
             "live_version": self.state.live_version,
             "live_since": self.state.live_since,
             "phase": dep.phase if dep is not None else "",
             "counters": self.rollout_counters.snapshot(),
+            "retry": {
+                "awaiting": len(waiting),
+                "next_at": min((r.retry_at for r in waiting), default=0.0),
+            },
             "instances": {
                 name: {
                     "status": str(inst.status),
@@ -637,7 +686,12 @@ def _remove_outputs(root: Path, keep: set[str]) -> None:
 
 
 class _Abort(Exception):
-    """Stop this version's rollout; the message is its failure reason."""
+    """Stop this version's rollout; the message is its failure reason. `final`: why trying
+    the version again cannot help ("": it may be retried)."""
+
+    def __init__(self, message: str, final: str = "") -> None:
+        super().__init__(message)
+        self.final = final
 
 
 def _result_summary(outcomes: dict[str, Outcome]) -> dict[str, str]:

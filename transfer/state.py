@@ -4,7 +4,16 @@
 seen (history, with its outcome and reason), what is live (version + delta chain), the deployment
 in progress with its phase and per-instance progress, and the last known state of each instance.
 The functions here decide what to do next (which line to build, which to refuse and why, whether a
-phase met the quorum, how a lagging instance catches up); the service carries them out.
+phase met the quorum, how a lagging instance catches up, when a failed version is tried again);
+the service carries them out.
+
+Retries: a version whose rollout failed for a reason that may pass (replicas unreachable, an
+input not there yet, a timeout) stays `failed` with `retry_at` set (`after_failure`, with the
+`RetryPolicy`'s capped backoff), and `next_version` picks it again once that time has come, as
+it would a pending line; until then it holds its place (its patches, and later patches of
+its base, wait for it). It is abandoned, with the reason in `abandoned`, after the policy's
+attempts, when a newer base supersedes it, when its line is published again (the new line is
+the new attempt), or at once when retrying cannot help (the builder refused the input).
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ from typing import Any, Protocol
 
 from cube.backoff import Backoff
 from cube.donefile import BASE_FILE, PATCH_FILE, BadLine, DonefileEntry
-from cube.layout import served_version
+from cube.layout import served_version, value_widths, width_change
 
 
 class VersionStatus(StrEnum):
@@ -161,10 +170,19 @@ class VersionRecord:
     # shard -> {md5, size, records, deleted} (the counts from the shard's index header)
     shards: dict[str, dict[str, Any]] = field(default_factory=dict)
     allow_shrink: bool = False  # the donefile line allows an empty or much smaller base
+    attempts: int = 0  # rollouts of this record begun (1 once the first one starts)
+    retry_at: float = 0.0  # failed, tried again at this time (0: no retry scheduled)
+    last_error: str = ""  # why the last attempt failed (kept while the next one runs)
+    abandoned: str = ""  # failed and never tried again: why
+
+    @property
+    def awaiting_retry(self) -> bool:
+        """Failed, with another attempt scheduled (`retry_at`)."""
+        return self.status == VersionStatus.FAILED and self.retry_at > 0
 
     @property
     def terminal(self) -> bool:
-        return self.status in TERMINAL
+        return self.status in TERMINAL and not self.awaiting_retry
 
     def count(self, what: str) -> int | None:
         """Total `records` or `deleted` over the shards; None when a shard's count is unknown
@@ -173,6 +191,17 @@ class VersionRecord:
         if not counts or any(not isinstance(c, int) for c in counts):
             return None
         return sum(counts)  # type: ignore[arg-type]
+
+    def value_widths(self) -> frozenset[int] | None:
+        """The value widths of its shards that hold values (cube.layout.value_widths); None
+        when a shard's count or width is unknown (a record from before they were kept)."""
+        pairs = []
+        for shard in self.shards.values():
+            records, width = shard.get("records"), shard.get("value_width")
+            if not isinstance(records, int) or (records and not isinstance(width, int)):
+                return None
+            pairs.append((records, width or 0))
+        return value_widths(pairs) if pairs else None
 
     def to_json(self) -> dict[str, Any]:
         """A copy sharing no mutable part with the record (taken on the event loop and
@@ -309,9 +338,6 @@ class TransferState:
                 return rec
         return None
 
-    def pending(self) -> list[VersionRecord]:
-        return [r for r in self.history if r.status == "pending"]
-
     @property
     def live_base(self) -> str:
         return self.live_chain[0] if self.live_chain else ""
@@ -366,7 +392,11 @@ def ingest(
             continue
         name = version_name(item)
         previous = state.record(name)
-        if previous is not None and previous.status not in ("failed", "refused", "skipped"):
+        if previous is not None and previous.awaiting_retry:  # the new line is the new attempt
+            abandon(previous, f"its line was published again ({item.where})")
+            logs.append(("info", f"{item.where}: version {name} published again: a new "
+                                 f"attempt now, not the retry of {previous.line}"))  # fmt: skip
+        elif previous is not None and previous.status not in ("failed", "refused", "skipped"):
             logs.append(
                 ("warning", f"{item.where}: version {name} repeats {previous.line} "
                             f"({previous.status}); ignored")
@@ -397,69 +427,132 @@ def finish(rec: VersionRecord, status: str, message: str, at: float) -> None:
     rec.finish_time = at
 
 
-def next_version(state: TransferState, at: float) -> tuple[VersionRecord | None, list[str]]:
-    """Choose the next pending record to build and deploy; refuse or skip the ones that can no
-    longer apply (each with its reason, returned for the log).
+# ----------------------------------------------------------------------------------------------
+# retries
 
-    Rules: the newest pending base wins and supersedes older pending bases and every pending
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often a failed version is tried again: up to `retries` more attempts, attempt n + 2
+    `backoff.delay(n)` seconds after attempt n + 1 failed."""
+
+    retries: int = 8
+    backoff: Backoff = field(default_factory=lambda: Backoff(30.0, 600.0))
+
+    @property
+    def attempts(self) -> int:
+        return self.retries + 1
+
+
+def begin_attempt(rec: VersionRecord) -> None:
+    """A rollout of `rec` starts (its first, or a retry: the last failure stays in
+    `last_error`, not in the message of a version in progress)."""
+    rec.attempts += 1
+    rec.retry_at = 0.0
+    rec.abandoned = rec.message = ""
+    rec.finish_time = 0.0
+
+
+def abandon(rec: VersionRecord, why: str) -> None:
+    """No further attempt of the failed `rec`, for the reason `why` (shown with it)."""
+    rec.retry_at = 0.0
+    rec.abandoned = why
+
+
+def after_failure(
+    rec: VersionRecord, retryable: bool, final: str, policy: RetryPolicy, at: float
+) -> str:
+    """The attempt of `rec` just failed (its message says why): schedule the next one, or
+    abandon it: when not `retryable` (`final` says why retrying cannot help) or its attempts
+    are spent. Returns a line for the log."""
+    rec.last_error = rec.message
+    name = rec.version or rec.line
+    if not retryable:
+        abandon(rec, f"not retried: {final}")
+    elif rec.attempts >= policy.attempts:
+        abandon(rec, f"gave up after {rec.attempts} attempts")
+    else:
+        rec.retry_at = round(at + policy.backoff.delay(rec.attempts - 1), 3)
+        return (f"version {name}: attempt {rec.attempts} of {policy.attempts} failed; next "
+                f"attempt in {rec.retry_at - at:g}s")  # fmt: skip
+    return f"version {name} abandoned ({rec.abandoned})"
+
+
+def awaiting_retry(state: TransferState) -> list[VersionRecord]:
+    return [r for r in state.history if r.awaiting_retry]
+
+
+def _waiting(rec: VersionRecord) -> bool:
+    """Pending, or failed with a retry scheduled: still to be rolled out."""
+    return rec.status == VersionStatus.PENDING or rec.awaiting_retry
+
+
+def _due(rec: VersionRecord, at: float) -> bool:
+    return rec.status == VersionStatus.PENDING or rec.retry_at <= at
+
+
+def _drop(rec: VersionRecord, status: str, message: str, at: float, logs: list[str]) -> None:
+    """`rec` can no longer apply: a pending one ends `status` (skipped or refused), one
+    awaiting a retry is abandoned (it stays failed, with its last error)."""
+    if rec.awaiting_retry:
+        abandon(rec, message)
+        logs.append(f"{rec.line}: {rec.mode} {rec.version} abandoned: {message}")
+    elif status == "skipped":
+        finish(rec, status, message, at)
+        logs.append(f"{rec.line}: base {rec.version} skipped: {message}")
+    else:
+        finish(rec, status, message, at)
+        logs.append(f"{rec.line}: {message}")
+
+
+def next_version(state: TransferState, at: float) -> tuple[VersionRecord | None, list[str]]:
+    """Choose the next record to build and deploy (pending, or failed and due for a retry);
+    refuse, skip or abandon the ones that can no longer apply (each with its reason, returned
+    for the log). None also while the one that goes next waits for its retry.
+
+    Rules: the newest waiting base wins and supersedes older waiting bases and every waiting
     patch that does not belong to it; a base not newer than the live base is refused; a patch
-    applies only on the live base, in order (its id above the chain's last), else it is refused.
+    applies only on the live base, in order (its id above the chain's last), else it is refused;
+    the patches after one awaiting its retry wait for it.
     """
     logs: list[str] = []
-    pending = state.pending()
-    bases = [r for r in pending if r.mode == "base"]
+    waiting = [r for r in state.history if _waiting(r)]
+    bases = [r for r in waiting if r.mode == "base"]
     if bases:
         newest = max(bases, key=lambda r: int(r.id))
         for rec in bases:
             if rec is not newest:
-                finish(rec, "skipped", f"superseded by the newer base {newest.version}", at)
-                logs.append(f"{rec.line}: base {rec.version} skipped: {rec.message}")
+                _drop(rec, "skipped", f"superseded by the newer base {newest.version}", at, logs)
         if state.live_base and int(newest.id) <= int(state.live_base):
-            finish(
-                newest,
-                "refused",
-                f"base {newest.version} is not newer than the live base {state.live_base}",
-                at,
-            )
-            logs.append(f"{newest.line}: {newest.message}")
+            message = f"base {newest.version} is not newer than the live base {state.live_base}"
+            _drop(newest, "refused", message, at, logs)
         else:
-            for rec in pending:
+            for rec in waiting:
                 if rec.mode == "delta" and rec.key != newest.version:
-                    finish(
-                        rec,
-                        "refused",
-                        f"patch {rec.version} is for base {rec.key}, which a newer base "
-                        f"({newest.version}) replaces",
-                        at,
-                    )
-                    logs.append(f"{rec.line}: {rec.message}")
+                    message = (f"patch {rec.version} is for base {rec.key}, which a newer base "
+                               f"({newest.version}) replaces")  # fmt: skip
+                    _drop(rec, "refused", message, at, logs)
+            if not _due(newest, at):
+                return None, logs  # it waits for its retry, and its patches with it
             newest.chain = [newest.version]
             return newest, logs
-    for rec in pending:
-        if rec.mode != "delta":
+    for rec in waiting:
+        if rec.mode != "delta" or not _waiting(rec):
             continue
         if not state.live_base:
-            finish(rec, "refused", f"patch {rec.version}: no base is live (needs {rec.key})", at)
+            message = f"patch {rec.version}: no base is live (needs {rec.key})"
         elif rec.key != state.live_base:
-            finish(
-                rec,
-                "refused",
-                f"patch {rec.version} is for base {rec.key}, but the live base is "
-                f"{state.live_base}",
-                at,
-            )
+            message = (f"patch {rec.version} is for base {rec.key}, but the live base is "
+                       f"{state.live_base}")  # fmt: skip
         elif len(state.live_chain) > 1 and int(rec.id) <= int(state.live_chain[-1].split("_")[-1]):
-            finish(
-                rec,
-                "refused",
-                f"patch {rec.version} is not newer than the live delta {state.live_chain[-1]} "
-                "(deltas apply in order)",
-                at,
-            )
+            message = (f"patch {rec.version} is not newer than the live delta "
+                       f"{state.live_chain[-1]} (deltas apply in order)")  # fmt: skip
+        elif not _due(rec, at):
+            return None, logs  # deltas apply in order: the later ones wait for this retry
         else:
             rec.chain = [*state.live_chain, rec.version]
             return rec, logs
-        logs.append(f"{rec.line}: {rec.message}")
+        _drop(rec, "refused", message, at, logs)
     return None, logs
 
 
@@ -566,6 +659,31 @@ def shrink_refusal(
         f"base {rec.version} has {records} records, {1 - records / live:.0%} fewer than the "
         f"live version's {live} (max_shrink {max_shrink:g}); refused before download: {how}, "
         "or raise max_shrink in transfer.conf"
+    )
+
+
+def width_refusal(state: TransferState, rec: VersionRecord, variable_width: bool) -> str:
+    """Why the built delta `rec` must not go over the live chain ("" when it may): its values
+    have another width than the chain's (cube.layout.width_change), and the dictionary is not
+    declared variable-width. Nothing to compare when a width is unknown."""
+    if rec.mode != "delta" or variable_width:
+        return ""
+    chain: set[int] = set()
+    for name in state.live_chain:
+        live = state.record(name)
+        widths = live.value_widths() if live is not None else None
+        if widths is None:
+            return ""
+        chain |= widths
+    delta = rec.value_widths()
+    change = width_change(chain, delta) if delta is not None else None
+    if change is None:
+        return ""
+    return (
+        f"delta {rec.version} has {change[1]}, the live version {state.live_version} (base "
+        f"{state.live_base}) {change[0]}: clients reading {change[0]} would fail on every "
+        "lookup; refused before download (set variable_width: true in transfer.conf if the "
+        "dictionary's values may vary in width, and publish the line again)"
     )
 
 

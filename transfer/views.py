@@ -14,7 +14,13 @@ from cube.layout import output_dir_name, tar_name
 from cube.protocol import OK, Work
 from cube.transfer.config import Instance, TransferConfig
 from cube.transfer.donefile import redact
-from cube.transfer.state import INSTANCE_STATUS, VERSION_STATUS, TransferState, VersionRecord
+from cube.transfer.state import (
+    INSTANCE_STATUS,
+    VERSION_STATUS,
+    TransferState,
+    VersionRecord,
+    awaiting_retry,
+)
 from cube.transfer.upload import object_url
 
 _INSTANCE_TIMES = (
@@ -63,6 +69,13 @@ def version_info(cfg: TransferConfig, rec: VersionRecord | None) -> dict[str, An
         "line": rec.line,
         "chain": list(rec.chain),
         "times": dict(rec.times),
+        # retries of a failed version: attempts so far, when the next begins (0: none), why
+        # the last failed, why there will be no other (abandoned)
+        "attempts": rec.attempts,
+        "max_attempts": cfg.version_retries + 1,
+        "retry_at": rec.retry_at,
+        "last_error": redact(rec.last_error),
+        "abandoned": redact(rec.abandoned),
     }
 
 
@@ -224,4 +237,5 @@ def dict_info(cfg: TransferConfig, state: TransferState) -> dict[str, Any]:
         "live_since": int(state.live_since),
         "quorum": cfg.quorum,
         "deployment": dep.to_json() if dep else None,
+        "awaiting_retry": [version_info(cfg, rec) for rec in awaiting_retry(state)],
     }

@@ -32,6 +32,17 @@
     return seconds ? new Date(seconds * 1000).toLocaleString() : "";
   }
 
+  // A failed version's retries: "attempt 2 of 9", when the next one begins, or why none will.
+  function attempts(record) {
+    return record.attempts > 1 || record.retry_at
+      ? record.attempts + " of " + record.max_attempts : "";
+  }
+
+  function retryNote(record) {
+    if (record.retry_at) return "next attempt at " + when(record.retry_at);
+    return record.abandoned ? "abandoned: " + record.abandoned : "";
+  }
+
   function took(record) {
     const start = record.create_time, end = record.finish_time;
     return start && end && end >= start ? (end - start).toFixed(1) + " s" : "";
@@ -50,6 +61,16 @@
         "; " + (dep.targets || []).length + " instances in the rollout" +
         (done.length ? "; " + done.map(([n, r]) => n + ": " + r).join(", ") : "");
     }
+    const waiting = info.awaiting_retry || [];
+    $("retry").hidden = !waiting.length;
+    $("retry-list").replaceChildren(...waiting.map((record) => {
+      const item = document.createElement("li");
+      item.dataset.version = record.version;
+      item.textContent = record.version + ": attempt " + record.attempts + " of " +
+        record.max_attempts + " failed (" + record.last_error + "); next attempt at " +
+        when(record.retry_at);
+      return item;
+    }));
     const replicas = $("replicas").tBodies[0];
     replicas.replaceChildren();
     for (const inst of instances) {
@@ -70,9 +91,10 @@
       cell(row, record.version || record.line);
       cell(row, record.mode);
       cell(row, record.status_str, record.status_str);
+      cell(row, attempts(record));
       cell(row, took(record));
       cell(row, when(record.finish_time));
-      cell(row, record.message);
+      cell(row, [record.message, retryNote(record)].filter(Boolean).join("; "));
       const action = row.insertCell();
       const rollbackable = record.status_str === "finished" && record.mode !== "rollback" &&
         record.version && record.version !== info.live_version;
