@@ -50,6 +50,7 @@ from cube.agent.fetch import (
 from cube.agent.journal import Journal
 from cube.agent.layout import (
     TMP_PREFIX,
+    DeployLock,
     Layout,
     chain_is_valid,
     placed_versions,
@@ -96,6 +97,7 @@ class Agent:
     ) -> None:
         self.config = config
         self.layout = Layout(config.deploy_path)
+        self.lock = DeployLock(config.deploy_path)
         self.control = control or ServerControl(
             config.server, timeout=config.control_timeout, token=config.server_token
         )
@@ -139,7 +141,12 @@ class Agent:
     # ---------------------------------------------------------------- lifecycle
 
     def open(self) -> None:
-        """Create the layout, clear what a crash left half-done, load the journal."""
+        """Make the directory this agent's (DeployLock: DeployPathTaken when another agent
+        process manages it, or one it lies in or holds), create the layout, clear what a crash
+        left half-done, load the journal. The lock comes first: clearing would remove another
+        agent's extraction in progress."""
+        self.layout.deploy_path.mkdir(parents=True, exist_ok=True)
+        self.lock.acquire()
         self.layout.create()
         self.journal.open()
         for entry in os.scandir(self.layout.data_dir):
@@ -156,6 +163,7 @@ class Agent:
     async def close(self) -> None:
         await self.tasks.close()
         await self.control.close()
+        self.lock.release()
 
     async def submit(self, work: Work) -> Task:
         if work.command == "download":
@@ -325,7 +333,7 @@ class Agent:
         _remove(tmp)
         try:
             extracting = time.monotonic()
-            files = await asyncio.to_thread(extract_shard_tar, tar, tmp)
+            files = await asyncio.to_thread(extract_shard_tar, tar, tmp, req.get("size"))
             self.counters.step("extract", time.monotonic() - extracting)
             if req.get("mode") == "delta":
                 atomic_write_text(tmp / CHAIN_FILE, chain_text(req["chain"]))

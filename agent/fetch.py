@@ -402,6 +402,7 @@ class _Attempt:
     policy: FetchPolicy
     progress: ProgressFn
     where: str  # the source as messages show it
+    deadline: float | None = None  # time.monotonic() the whole fetch must end by
 
 
 class _PartWriter:
@@ -561,10 +562,13 @@ def _ftp_once(target: Target, at: _Attempt, stop: threading.Event) -> int | None
 
 def _s3_once(target: Target, at: _Attempt, stop: threading.Event) -> int | None:
     """One S3 attempt from `at.offset`: ranged reads of at least `chunk` bytes, in a worker
-    thread. A failure becomes a FetchError in words of our own (cube.remote.failure)."""
+    thread, each (the size too) ending by the fetch's deadline, so that the thread does not
+    outlive the fetch. A failure becomes a FetchError in words of our own
+    (cube.remote.failure)."""
     window = max(at.policy.chunk, remote.BLOCK)
     try:
-        with remote.Reader(target.url, at.policy.io_timeout, window) as reader:
+        with remote.Reader(target.url, at.policy.io_timeout, window,
+                           deadline=at.deadline) as reader:  # fmt: skip
             total = reader.size
             offset = at.offset if at.offset <= total else 0
             if offset == total:
@@ -655,7 +659,7 @@ async def _fetch(
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
-        at = _Attempt(part, offset, bound, policy, progress, where)
+        at = _Attempt(part, offset, bound, policy, progress, where, deadline)
         try:
             async with asyncio.timeout(remaining):
                 if target.kind == "http":

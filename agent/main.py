@@ -28,6 +28,7 @@ from cube.agent import __version__
 from cube.agent.api import make_app
 from cube.agent.deploy import Agent, AgentConfig
 from cube.agent.fetch import FetchPolicy, SourcePolicy
+from cube.agent.layout import DeployPathTaken, overlap
 from cube.agent.metrics import AgentCounters
 from cube.flags import FlagError, Flags, FlagSet, run_cli
 from cube.logs import LOG_FORMATS, setup_logging
@@ -168,6 +169,11 @@ def instance_configs(first: AgentConfig, text: str) -> list[AgentConfig]:
             if value in seen:
                 raise FlagError(f"--instances: {what} {str(value)!r} is given twice")
             seen.add(value)
+    for i, config in enumerate(configs):  # by real path: a symlink, or one inside another
+        for other in configs[i + 1 :]:
+            problem = overlap(config.deploy_path, other.deploy_path)
+            if problem:
+                raise FlagError(f"--instances: {problem}: one agent instance per directory")
     return configs
 
 
@@ -260,8 +266,13 @@ async def serve(
 ) -> int:
     counters = AgentCounters()
     agents = [Agent(config, counters=counters) for config in configs]
-    for agent in agents:
-        agent.open()
+    try:
+        for agent in agents:
+            agent.open()
+    except BaseException:
+        for agent in agents:
+            agent.lock.release()
+        raise
     metrics_server, metrics_line = None, ""
     if metrics is not None:
         from cube.agent.metrics import AgentCollector
@@ -319,6 +330,9 @@ def _main(argv: Sequence[str]) -> int:
     try:
         metrics = (flags.metrics_host, flags.metrics_port) if flags.metrics_port >= 0 else None
         return asyncio.run(serve(configs, flags.host, flags.port, token, tls, metrics))
+    except DeployPathTaken as exc:
+        print(f"error: cube-agent: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"error: cube-agent: {exc.strerror or exc}", file=sys.stderr)
         return 1

@@ -6,6 +6,14 @@ links, devices and fifos make the whole tar refused with a message naming the me
 cannot be read to its end (truncated, garbage) is refused too. Extraction goes into a hidden temp
 directory that the caller renames into place, so a half-extracted version is never visible.
 
+What a tar may unpack to is bounded before a byte is written: a shard tar is a plain tar (as
+cube-builder and the original write it), so its files hold at most the tar's own size, which its
+build recorded (the `size` a download carries). A compressed tar is refused, and so is one whose
+members claim more (a sparse member expanding to gigabytes); the files must also fit in the free
+disk space with a margin (`DISK_MARGIN`), so that an extraction never fills the disk the server
+and the other versions share. The members are read one by one and the first one past a bound
+stops the check: nothing is decompressed or expanded beyond it.
+
 Messages name members (clipped) but never quote file contents: a shard header that does not open
 is reported by file and offset, its details go to the agent's log only.
 """
@@ -14,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import tarfile
 from pathlib import Path, PurePosixPath
 
@@ -25,6 +32,9 @@ from cube.shard import DATA_FILE, INDEX_FILE, Shard
 log = logging.getLogger("cube.agent")
 
 REQUIRED_FILES = (INDEX_FILE, DATA_FILE)
+DISK_MARGIN = (64 << 20, 0.01)  # bytes kept free after an extraction: 64 MiB, or 1 % of the disk
+_COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz",
+               b"\x28\xb5\x2f\xfd": "zstd"}  # fmt: skip
 
 
 class UnsafeTar(ValueError):
@@ -37,33 +47,74 @@ def relative_name(member: tarfile.TarInfo) -> str:
     return "/".join(parts)
 
 
-def check_members(members: list[tarfile.TarInfo], where: str) -> None:
-    for member in members:
-        problem = member_problem(member)
-        if problem:
-            raise UnsafeTar(f"{where}: refused member {clip(member.name)}: {problem}")
+def free_for_extraction(directory: Path) -> int:
+    """Bytes an extraction into `directory` may write: what statvfs says is free to this
+    process, less the margin kept for the server and the other versions (DISK_MARGIN)."""
+    fs = os.statvfs(directory)
+    keep = max(DISK_MARGIN[0], int(DISK_MARGIN[1] * fs.f_blocks * fs.f_frsize))
+    return fs.f_bavail * fs.f_frsize - keep
 
 
-def extract_shard_tar(tar_path: Path, dest: Path) -> list[str]:
+def compression_of(tar_path: Path) -> str | None:
+    """The compression a file's first bytes announce (gzip, bzip2, xz, zstd), else None."""
+    with open(tar_path, "rb") as f:
+        head = f.read(6)
+    return next((kind for magic, kind in _COMPRESSED.items() if head.startswith(magic)), None)
+
+
+def extract_shard_tar(tar_path: Path, dest: Path, recorded: int | None = None) -> list[str]:
     """Check then extract `tar_path` into the new directory `dest`; returns the file names.
 
-    `dest` must not exist. The shard headers are opened once so a tar holding something else
-    than a shard is refused here rather than by the server. Files are fsynced before returning.
+    `dest` must not exist. The members may unpack to at most `recorded` bytes (the tar's size
+    its build recorded; default: the tar's size) and must fit in the free disk space
+    (`free_for_extraction`): UnsafeTar otherwise, before anything is written. The shard headers
+    are opened once so a tar holding something else than a shard is refused here rather than
+    by the server. Files are fsynced before returning.
     """
     where = f"tar {tar_path.name}"
     try:
-        with tarfile.open(tar_path, "r:*") as tar:
-            members = tar.getmembers()
-            check_members(members, where)
+        size = tar_path.stat().st_size
+        limit = size if recorded is None else recorded
+        compression = compression_of(tar_path)
+        if compression:
+            raise UnsafeTar(
+                f"{where}: a {compression}-compressed tar; a shard tar is a plain tar (as "
+                "cube-builder writes it), which unpacks to no more than its own size"
+            )
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        room = free_for_extraction(dest.parent)
+        with tarfile.open(tar_path, "r:") as tar:
+            members = []
+            unpacked = 0
+            for member in tar:  # one by one: the first past a bound stops the reading
+                problem = member_problem(member)
+                if problem:
+                    raise UnsafeTar(f"{where}: refused member {clip(member.name)}: {problem}")
+                stored_end = member.offset_data + member.size
+                if member.isreg() and not member.issparse() and stored_end > size:
+                    raise UnsafeTar(
+                        f"{where}: corrupt or truncated tar (member {clip(member.name)} at offset "
+                        f"{member.offset} claims {member.size} bytes, the tar ends at {size})"
+                    )
+                members.append(member)
+                unpacked += member.size if member.isreg() else 0
+                if unpacked > limit:
+                    raise UnsafeTar(
+                        f"{where}: its files unpack to more than {limit} bytes, the size of the "
+                        f"tar its build recorded (member {clip(member.name)} at offset "
+                        f"{member.offset} brings them to {unpacked}; a sparse member?); refused "
+                        "before extracting"
+                    )
+                if unpacked > room:
+                    raise UnsafeTar(
+                        f"{where}: its files unpack to {unpacked} bytes or more, and "
+                        f"{dest.parent} has {max(room, 0)} bytes free beyond the margin kept "
+                        "for the server and the other versions; refused before extracting"
+                    )
             names = {relative_name(m) for m in members if m.isreg()}
             missing = [f for f in REQUIRED_FILES if f not in names]
             if missing:
                 raise UnsafeTar(f"{where}: no {', '.join(missing)} at the top level")
-            unpacked = sum(m.size for m in members if m.isreg())
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            free = shutil.disk_usage(dest.parent).free
-            if unpacked > free:
-                raise UnsafeTar(f"{where}: unpacks to {unpacked} bytes, {free} free on the disk")
             dest.mkdir(parents=True)
             tar.extractall(dest, members=members, filter="data")
     except UnsafeTar:

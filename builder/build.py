@@ -1007,11 +1007,17 @@ def _finish_all(
 
 
 class _Pool:
-    """Runs tasks inline (one worker) or in worker processes, reporting progress."""
+    """Runs tasks inline (one worker) or in worker processes, reporting progress. `isolate`:
+    in a worker process even with one worker (cube-import: a SIGBUS from a mapped input cut
+    short kills the worker, not the process that owns the staging directories; the run then
+    raises BrokenProcessPool)."""
 
-    def __init__(self, workers: int, after_fork: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self, workers: int, after_fork: Callable[[], None] = lambda: None, isolate: bool = False
+    ) -> None:
         self.workers = max(1, workers)
         self.after_fork = after_fork  # called once the first workers exist
+        self.isolate = isolate
         self._executor: ProcessPoolExecutor | None = None
         self._counter: Any = None
 
@@ -1052,7 +1058,7 @@ class _Pool:
         """Results in task order; the first failure is raised once every started task ends."""
         # With workers, even a single task runs in one: a parent that grew while reading would
         # make forked children pay copy-on-write faults on its freed heap.
-        if self.workers == 1:
+        if self.workers == 1 and not self.isolate:
             results = []
             for task in tasks:
                 result = function(task, on_bytes)

@@ -86,7 +86,7 @@ and region from the AWS environment: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, A
 AWS_DEFAULT_REGION, ...; needs pip install 'cube-py[s3]') or webhdfs://namenode:port/path
 (the namenode's HTTP port; hdfs:// is refused). The local engine fetches the files first, same
 rules and order, into a temporary directory under -tmp_dir (default: -output_path), removed
-when the build ends; -fetch_timeout bounds the fetch.
+when the build ends; -fetch_timeout bounds the listing and the fetch.
 
 -engine spark runs the same build on a Spark cluster (pip install 'cube-py[spark]', Java 17+):
 one map task per input file, a shuffle keyed by shard, one task per shard writing its files
@@ -170,7 +170,12 @@ def flag_set() -> FlagSet:
             "the dictionary's values may vary in width: a delta may have values of another "
             "width than its base's (refused otherwise)",
         )
-        .add("fetch_timeout", float, 3600.0, "seconds to fetch a remote input (all its files)")
+        .add(
+            "fetch_timeout",
+            float,
+            3600.0,
+            "seconds to list and fetch a remote input (all its files) and delete list",
+        )
         .add("quiet", bool, False, "no progress bar and no summary line")
         .add("tmp_dir", str, "", "where to spill records (default: inside -output_path)")
         .add("memory_mb", int, 1024, "read and spill buffer budget in MiB")
@@ -370,7 +375,11 @@ def run(argv: Sequence[str]) -> int:
     try:
         if flags["engine"] == "spark":
             result, stats = build_on_spark(
-                config, flags["input_path"], flags["delete_path"] or None, settings
+                config,
+                flags["input_path"],
+                flags["delete_path"] or None,
+                settings,
+                flags["fetch_timeout"],
             )
         else:
             input_path, delete_path = fetch_remote(flags, config)

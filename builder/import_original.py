@@ -1,9 +1,11 @@
 """cube-import: tables the original Cube built, converted into this project's format.
 
 Thin shell over `cube.original_format` (the format, its checks, the values): this module finds
-the original's files, maps them, and writes each shard with the builder's own writer and
-packer (`cube.shard_writer.write_shard`, `cube.builder.build.package_shard`,
-`write_meta_infos`, `Workspace`), one shard of one version at a time. Memory follows one
+the original's files and writes each shard with the builder's own writer and packer
+(`cube.shard_writer.write_shard`, `cube.builder.build.package_shard`, `write_meta_infos`,
+`Workspace`), one shard of one version at a time, in a worker process that maps the files (a
+file cut short under it kills the worker with SIGBUS, not the import: `convert_shard`, which
+says why). Memory follows one
 shard of one version: its keys, value offsets and lengths (16 bytes a record, 18 with several
 data files) and the table built from the keys; the values are read from the mapped files as
 they are written. Peak traced memory, measured with tracemalloc over 1-2M-record shards: about
@@ -40,6 +42,7 @@ import sys
 import tarfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -52,6 +55,7 @@ from cube.builder.build import (
     BuildConfig,
     BuildError,
     Workspace,
+    _Pool,
     abort_active_builds,
     package_shard,
     shard_header_meta,
@@ -423,67 +427,126 @@ def _add_cube_data(inventory: Inventory, path: Path, hints: Hints, served: Path 
 # opening one source
 
 
+@dataclass(frozen=True)
+class _Extent:
+    """Where the bytes of one of the format's files are: a file of its own (offset 0) or a
+    member of a tar."""
+
+    path: Path
+    offset: int
+    size: int
+
+
+_Stamp = tuple[int, int, int, int]  # (device, inode, size, mtime in ns) of a file
+
+
+def _stamp(path: Path) -> _Stamp:
+    info = os.stat(path)
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+
+
 @dataclass
 class _Files:
-    """A source's files of the format (name -> bytes as a uint8 array, mapped) and the names
-    of the other regular files it holds."""
+    """A source's files of the format (name -> where its bytes are), the names of the other
+    regular files it holds, and each file's stamp when it was checked: the conversion refuses
+    a file that changed since, and a worker killed while reading is explained by them."""
 
     where: str
-    arrays: dict[str, np.ndarray]
-    maps: list[mmap.mmap]
+    extents: dict[str, _Extent] = field(default_factory=dict)
     others: list[str] = field(default_factory=list)
+    stamps: dict[Path, _Stamp] = field(default_factory=dict)
 
-    def close(self) -> None:
-        self.arrays.clear()
-        for mapped in self.maps:
-            with contextlib.suppress(BufferError):  # a view still held: unmapped when freed
-                mapped.close()
-        self.maps.clear()
-
-
-def _map(path: Path) -> tuple[np.ndarray, mmap.mmap | None]:
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if not size:
-            return np.empty(0, dtype=np.uint8), None
-        mapped = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
-    return np.frombuffer(mapped, dtype=np.uint8), mapped
+    def changed(self) -> str:
+        """What happened to the files since they were checked ('' when nothing did): the
+        first one cut short (at which offset), gone or rewritten."""
+        for path, (device, inode, size, mtime) in self.stamps.items():
+            try:
+                now = _stamp(path)
+            except OSError:
+                return f"{path}: gone while cube-import read it"
+            if now[2] < size:
+                lost = sorted(n for n, e in self.extents.items()
+                              if e.path == path and e.offset + e.size > now[2])  # fmt: skip
+                members = f"; it held {', '.join(lost)}" if path.suffix == ".tar" and lost else ""
+                return (
+                    f"{path} at offset {now[2]}: cut short while cube-import read it "
+                    f"({size} bytes when checked, {now[2]} now{members})"
+                )
+            if now != (device, inode, size, mtime):
+                return f"{path}: changed while cube-import read it"
+        return ""
 
 
 def _wanted(name: str) -> bool:
     return name in (INDEX_LIST, DATA_LIST) or numbered_file(name) is not None
 
 
+def list_source(source: Source, check_md5: bool) -> _Files:
+    """The source's files of the format, found and stamped, none of their bytes read but a
+    tar's headers (and its md5 when `check_md5`)."""
+    files = _Files(str(source.path))
+    if source.kind == "dir":
+        for name in sorted(os.listdir(source.path)):
+            path = source.path / name
+            if _wanted(name) and path.is_file():
+                files.stamps[path] = _stamp(path)
+                files.extents[name] = _Extent(path, 0, files.stamps[path][2])
+            elif _wanted(name):
+                raise ImportError_(f"{path}: not a regular file")
+            else:
+                files.others.append(name)
+    elif source.kind == "tar":
+        files.stamps[source.path] = _stamp(source.path)
+        if check_md5:
+            _check_md5(source.path)
+        members, files.others = _tar_members(source.path)
+        for name, (offset, size) in members.items():
+            files.extents[name] = _Extent(source.path, offset, size)
+    return files
+
+
+def _read_small(name: str, extent: _Extent) -> bytes:
+    """The bytes of a small file (a list), read, not mapped."""
+    with open(extent.path, "rb") as f:
+        data = os.pread(f.fileno(), extent.size, extent.offset)
+    if len(data) != extent.size:
+        raise ImportError_(f"{extent.path} at offset {extent.offset + len(data)}: {name} "
+                           f"ends early (cut short since it was listed?)")  # fmt: skip
+    return data
+
+
 @contextlib.contextmanager
-def open_source(source: Source, check_md5: bool) -> Iterator[_Files]:
-    """The source's files of the format, mapped read-only (closed at the end)."""
-    files = _Files(str(source.path), {}, [])
+def mapped(files: _Files) -> Iterator[dict[str, np.ndarray]]:
+    """The source's files of the format as uint8 arrays, mapped read-only (unmapped at the
+    end); ImportError_ when a file is not the one `files` stamped (changed since it was
+    checked). To be used in a worker process only (see `convert_shard`)."""
+    arrays: dict[str, np.ndarray] = {}
+    maps: list[mmap.mmap] = []
+    whole: dict[Path, np.ndarray] = {}
     try:
-        if source.kind == "dir":
-            for name in sorted(os.listdir(source.path)):
-                path = source.path / name
-                if _wanted(name) and path.is_file():
-                    array, mapped = _map(path)
-                    files.arrays[name] = array
-                    if mapped is not None:
-                        files.maps.append(mapped)
-                elif _wanted(name):
-                    raise ImportError_(f"{path}: not a regular file")
-                else:
-                    files.others.append(name)
-        elif source.kind == "tar":
-            if check_md5:
-                _check_md5(source.path)
-            members, files.others = _tar_members(source.path)
-            if members:
-                whole, mapped = _map(source.path)
-                if mapped is not None:
-                    files.maps.append(mapped)
-                for name, (offset, size) in members.items():
-                    files.arrays[name] = whole[offset : offset + size]
-        yield files
+        for path, stamp in files.stamps.items():
+            with open(path, "rb") as f:
+                info = os.fstat(f.fileno())
+                now = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+                if now != stamp:
+                    was = f"{stamp[2]} bytes" if now[2] != stamp[2] else "another modification time"
+                    raise ImportError_(f"{path}: changed since it was checked ({now[2]} bytes, "
+                                       f"{was} then)")  # fmt: skip
+                if not info.st_size:
+                    whole[path] = np.empty(0, dtype=np.uint8)
+                    continue
+                maps.append(mmap.mmap(f.fileno(), info.st_size, prot=mmap.PROT_READ))
+                whole[path] = np.frombuffer(maps[-1], dtype=np.uint8)
+        for name, extent in files.extents.items():
+            arrays[name] = whole[extent.path][extent.offset : extent.offset + extent.size]
+        whole.clear()
+        yield arrays
     finally:
-        files.close()
+        arrays.clear()
+        whole.clear()
+        for mapping in maps:
+            with contextlib.suppress(BufferError):  # a view still held: unmapped when freed
+                mapping.close()
 
 
 def _tar_members(path: Path) -> tuple[dict[str, tuple[int, int]], list[str]]:
@@ -537,23 +600,23 @@ def plan_source(source: Source, files: _Files) -> Layer:
     """The layer a source holds (cube.original_format.plan_layer on its lists and sizes). A
     source without any regular file is an empty base shard, as the original leaves it; one
     holding other files only is not the original's."""
-    arrays = files.arrays
-    if source.kind == "empty" or not arrays:
+    extents = files.extents
+    if source.kind == "empty" or not extents:
         if files.others:
             raise _foreign(files.where, files.others)
         return Layer.empty_base(str(source.path))
     for name in (INDEX_LIST, DATA_LIST):
-        if name not in arrays:
+        if name not in extents:
             raise ImportError_(f"{files.where}: no {name} (an incomplete copy?)")
     sizes: dict[str, dict[int, int]] = {"index": {}, "data": {}}
-    for name, array in arrays.items():
+    for name, extent in extents.items():
         numbered = numbered_file(name)
         if numbered:
-            sizes[numbered[0]][numbered[1]] = int(array.shape[0])
+            sizes[numbered[0]][numbered[1]] = extent.size
     return plan_layer(
         files.where,
-        arrays[INDEX_LIST].tobytes(),
-        arrays[DATA_LIST].tobytes(),
+        _read_small(INDEX_LIST, extents[INDEX_LIST]),
+        _read_small(DATA_LIST, extents[DATA_LIST]),
         sizes["index"],
         sizes["data"],
     )
@@ -581,6 +644,7 @@ class Plan:
     layers: dict[tuple[str, int], Layer]
     shards: list[int]
     served: str | None
+    files: dict[tuple[str, int], _Files] = field(default_factory=dict)  # as checked
 
 
 def keep_shard(inventory: Inventory, shard: int | None) -> int:
@@ -606,14 +670,15 @@ def make_plan(inventory: Inventory, shard_num: int, check_md5: bool) -> Plan:
     """Every source's layer checked (tars against their .md5 files too), the versions grouped
     by base and ordered."""
     layers: dict[tuple[str, int], Layer] = {}
+    checked: dict[tuple[str, int], _Files] = {}
     parsed: dict[str, tuple[int, int]] = {}
     for key, source in sorted(inventory.sources.items()):
         if source.shard >= shard_num:
             raise ImportError_(
                 f"{source.path} is shard {source.shard}, but -shard_num is {shard_num}"
             )
-        with open_source(source, check_md5) as files:
-            layers[key] = plan_source(source, files)
+        checked[key] = list_source(source, check_md5)
+        layers[key] = plan_source(source, checked[key])
         pair = parse_version_name(source.version)
         assert pair is not None, source  # every name came through version_name
         parsed[source.version] = pair
@@ -658,7 +723,7 @@ def make_plan(inventory: Inventory, shard_num: int, check_md5: bool) -> Plan:
             if all(layers[(name, shard)].no_files for shard in shards):
                 inventory.notes.append(_empty_note(name, shards))
         families.append(versions)
-    return Plan(families, layers, shards, inventory.served)
+    return Plan(families, layers, shards, inventory.served, checked)
 
 
 def _empty_note(name: str, shards: Sequence[int]) -> str:
@@ -703,8 +768,21 @@ class Totals:
     versions: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _ShardTask:
+    """One shard of one version to convert, as a worker process gets it."""
+
+    files: _Files
+    layer: Layer
+    config: BuildConfig
+    shard: int
+    directory: Path
+    sync: bool
+
+
 def convert_shard(
-    source: Source,
+    pool: _Pool,
+    files: _Files,
     layer: Layer,
     config: BuildConfig,
     shard: int,
@@ -713,31 +791,67 @@ def convert_shard(
     sync: bool,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """One shard of one version written into `directory` (index.cube + data.cube); returns the
-    index header fields and the meta stored in the headers. The original's files are mapped
-    while this runs (a tar's md5 was checked by make_plan); each array is let go as soon as
-    it has served."""
-    meta = shard_header_meta(config, shard, (KEY_FORMAT,))
-    with open_source(source, check_md5=False) as files:
-        if layer.index_files:
-            records = read_layer(
-                layer,
-                {k: files.arrays[f"index.{k}"] for k in layer.index_files},
-                {j: files.arrays[f"data.{j}"] for j in layer.data_files},
-                shard,
-                config.shard_num,
-            )
-            keys, values = records.keys, records.values
-            del records
-        else:
-            none = np.empty(0, np.uint32)
-            keys, values = np.empty(0, np.uint64), OriginalValues([], none, none, none)
-        built = build_table(keys)
-        totals.records += int(keys.shape[0])
-        del keys
-        header = write_shard(directory, built, values, meta, sync=sync)
-        del built, values
+    index header fields and the meta stored in the headers.
+
+    The original's files are mapped and read in a worker process (`pool`, isolated), never in
+    this one. A mapped file that another process cuts short (a file being rewritten on NFS, a
+    live deployment's) turns the next read of a missing page into SIGBUS, which kills the
+    process: Python cannot recover from it (the faulting instruction runs again; a handler
+    would run only after the C code returned), so this process would die with its staging
+    folders in the output. The alternatives fall short: reading instead of mapping would hold
+    the data files in memory (values are gathered in hash order, at random over files of up
+    to 1 GiB) or cost a read per record; a read lease (what cube-server does,
+    cube/server/guard.py) is granted only to the file's owner on a local filesystem (not on
+    NFS, nor on another user's deployment), and would hold up the deployment's own writer.
+    So a SIGBUS kills the worker only, and this process, which owns the staging, says which
+    file changed (and from which offset it is gone: `_Files.changed`) and removes what it
+    staged. A file changed between its check and its mapping is refused by the worker."""
+    task = _ShardTask(files, layer, config, shard, directory, sync)
+    try:
+        [(header, meta, records)] = pool.run(_convert_task, [task], _ignore, _ignore)
+    except BrokenProcessPool:
+        what = files.changed() or (
+            f"{files.where}: the process reading it was killed (out of memory? a signal?)"
+        )
+        raise ImportError_(f"{what}; nothing was published") from None
+    totals.records += records
     totals.shards += 1
     return header, meta
+
+
+def _ignore(_value: object) -> None:
+    """A progress report nobody reads."""
+
+
+def _convert_task(task: _ShardTask, _on_bytes: object = None) -> tuple[dict, dict, int]:
+    """In the worker process: map, read and check the layer, write the shard; returns the
+    index header fields, the meta and the count of records read. Each array is let go as
+    soon as it has served."""
+    layer, config, shard = task.layer, task.config, task.shard
+    meta = shard_header_meta(config, shard, (KEY_FORMAT,))
+    try:
+        with mapped(task.files) as arrays:
+            if layer.index_files:
+                records = read_layer(
+                    layer,
+                    {k: arrays[f"index.{k}"] for k in layer.index_files},
+                    {j: arrays[f"data.{j}"] for j in layer.data_files},
+                    shard,
+                    config.shard_num,
+                )
+                keys, values = records.keys, records.values
+                del records
+            else:
+                none = np.empty(0, np.uint32)
+                keys, values = np.empty(0, np.uint64), OriginalValues([], none, none, none)
+            built = build_table(keys)
+            count = int(keys.shape[0])
+            del keys
+            header = write_shard(task.directory, built, values, meta, sync=task.sync)
+            del built, values
+    except ImportError_ as exc:  # the pool sends back the message of a BuildError as it is
+        raise BuildError(str(exc)) from None
+    return header, meta, count
 
 
 def _config(version: Version, dict_name: str, output: Path, shard_num: int) -> BuildConfig:
@@ -831,7 +945,10 @@ def write_build_outputs(
             )
     configs = [_config(version, dict_name, output, shard_num) for version in versions]
     outputs: list[list[ShardOutput]] = [[] for _ in versions]
-    with staged([(config, None) for config in configs]) as workspaces:
+    with (
+        staged([(config, None) for config in configs]) as workspaces,
+        _Pool(1, isolate=True) as pool,
+    ):
         for version, config, workspace, done in zip(
             versions, configs, workspaces, outputs, strict=True
         ):
@@ -839,7 +956,8 @@ def write_build_outputs(
                 name = config.shard_name(shard)
                 directory = workspace.staging / name
                 header, meta = convert_shard(
-                    inventory.sources[(version.original, shard)],
+                    pool,
+                    plan.files[(version.original, shard)],
                     plan.layers[(version.original, shard)],
                     config,
                     shard,
@@ -911,12 +1029,13 @@ def write_data_dir(
             )
     configs = [_config(version, dict_name, data_dir, shard_num) for version in family]
     targets = [(config, version.served) for config, version in zip(configs, family, strict=True)]
-    with staged(targets) as workspaces:
+    with staged(targets) as workspaces, _Pool(1, isolate=True) as pool:
         chain: list[str] = []
         for version, config, workspace in zip(family, configs, workspaces, strict=True):
             chain.append(version.served)
             convert_shard(
-                inventory.sources[(version.original, shard)],
+                pool,
+                plan.files[(version.original, shard)],
                 plan.layers[(version.original, shard)],
                 config,
                 shard,
@@ -972,7 +1091,9 @@ Output (exactly one):
                     deployment's VERSION named (else the newest); an existing version directory
                     or a VERSION naming another version is refused
 Every target is checked and every version written aside before any is renamed into place:
-an import that fails, or is stopped by SIGINT or SIGTERM, publishes nothing. Memory: one
+an import that fails, or is stopped by SIGINT or SIGTERM, publishes nothing and leaves no
+staging folder; an input file cut short or rewritten while it is read (a live deployment's)
+fails the import, naming the file and the offset where it now ends. Memory: one
 shard of one version at a time, about 63 bytes a record at the peak (its keys, value
 offsets and lengths, and the table built from them); values are read from the mapped files.
 Warnings (skipped downloads, several bases, empty versions) go to stderr, -quiet or not.

@@ -8,7 +8,8 @@ non-empty file under the path, recursively, no name starting with "." at any lev
 path components compared as bytes (depth first); the same files fetched under a local
 directory with their relative paths are listed there in the same order (`fetch_inputs`).
 Errors are BuildError naming the URL and a short reason of our own (never what a server sent,
-never a credential).
+never a credential). Every remote step has a timeout of wall time (a listing included: the
+caller's, e.g. -fetch_timeout, bounds the listing and the fetch together), cube.remote.call.
 """
 
 from __future__ import annotations
@@ -40,32 +41,40 @@ def _local(path: str) -> str:
     return urlsplit(path).path if path.startswith("file://") else path
 
 
-def _open(url: str) -> tuple[Any, str]:
+def _open(url: str, timeout: float) -> tuple[Any, str]:
     try:
-        return remote.open_fs(url, IO_TIMEOUT)
+        return remote.open_fs(url, min(IO_TIMEOUT, timeout))
     except remote.RemoteError as exc:
         raise BuildError(f"{remote.redact(url)}: {exc}") from None
 
 
-def list_inputs(path: str) -> list[InputFile]:
+def _left(deadline: float, url: str, timeout: float) -> float:
+    """Seconds left before `deadline`; BuildError naming `url` when none are."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise BuildError(f"{remote.redact(url)}: not fetched within {timeout:g} s")
+    return left
+
+
+def list_inputs(path: str, timeout: float = LIST_TIMEOUT) -> list[InputFile]:
     """Every regular, non-empty, non-hidden file under `path` (or `path` itself when it is a
     file), in the order the builder reads them. BuildError when `path` does not exist or
-    cannot be listed."""
+    cannot be listed within `timeout` seconds."""
     if not remote.is_remote(path):
         files = list_input_files(_local(path))
         return [InputFile(str(file), file.stat().st_size) for file in files]
-    fs, root = _open(path)
-    return _list_remote(fs, root, path)
+    fs, root = _open(path, timeout)
+    return _list_remote(fs, root, path, time.monotonic() + timeout)
 
 
-def _list_remote(fs: Any, root: str, path: str) -> list[InputFile]:
+def _list_remote(fs: Any, root: str, path: str, deadline: float) -> list[InputFile]:
     base = path.rstrip("/")
     try:
-        info = remote.call(fs, "info", root, timeout=LIST_TIMEOUT)
+        info = remote.call(fs, "info", root, timeout=max(deadline - time.monotonic(), 0.001))
         if info.get("type") != "directory":
             size = int(info.get("size") or 0)
             return [InputFile(base, size)] if size else []
-        found = remote.find_files(fs, root, LIST_TIMEOUT)
+        found = remote.find_files(fs, root, max(deadline - time.monotonic(), 0.001))
     except remote.RemoteError as exc:
         raise BuildError(f"{remote.redact(path)}: {exc}") from None
     prefix = root.rstrip("/") + "/"
@@ -100,9 +109,9 @@ def fetch_input(url: str, dest: Path, timeout: float = FETCH_TIMEOUT, fs: Any = 
     deadline = time.monotonic() + timeout
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        reader = remote.Reader(url, min(IO_TIMEOUT, timeout), fs=fs)
+        reader = remote.Reader(url, min(IO_TIMEOUT, timeout), fs=fs, deadline=deadline)
         with reader, open(tmp, "wb") as out:
-            for block in reader.blocks(0, deadline):
+            for block in reader.blocks(0):
                 out.write(block)
             out.flush()
             os.fsync(out.fileno())
@@ -121,36 +130,41 @@ def fetch_inputs(
 ) -> list[Path]:
     """Fetch every input file of the remote `path` (list_inputs) to the same relative path
     under the directory `dest`, so that building from `dest` reads the same files in the same
-    order; all within `timeout` seconds. Returns the local files. BuildError when there is no
-    input file at all, unless `allow_empty` (then `dest` is an empty directory)."""
+    order; all within `timeout` seconds, the listing included. Returns the local files.
+    BuildError when there is no input file at all, unless `allow_empty` (then `dest` is an
+    empty directory)."""
     deadline = time.monotonic() + timeout
-    fs, root = _open(path)  # one client for the listing and every file
-    files = _list_remote(fs, root, path)
+    fs, root = _open(path, timeout)  # one client for the listing and every file
+    files = _list_remote(fs, root, path, deadline)
     if not files and allow_empty:
         dest.mkdir(parents=True, exist_ok=True)
     elif not files:
         raise BuildError(f"{remote.redact(path)}: no input files (only empty or hidden ones)")
     local = []
     for file in files:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise BuildError(f"{remote.redact(path)}: not fetched within {timeout:g} s")
+        left = _left(deadline, path, timeout)
         local.append(fetch_input(file.url, dest / relative_name(path, file.url), left, fs))
     return local
 
 
-def read_bytes(url: str, limit: int) -> bytes:
-    """The content of a small remote file; BuildError when it holds more than `limit` bytes."""
+def read_bytes(url: str, limit: int, timeout: float = FETCH_TIMEOUT) -> bytes:
+    """The content of a small remote file, within `timeout` seconds; BuildError when it holds
+    more than `limit` bytes."""
     try:
-        return remote.read_bytes(url, limit, FETCH_TIMEOUT, IO_TIMEOUT)
+        return remote.read_bytes(url, limit, timeout, min(IO_TIMEOUT, timeout))
     except remote.RemoteError as exc:
         raise BuildError(f"{remote.redact(url)}: {exc}") from None
 
 
-def read_delete_list(path: str, limit: int) -> np.ndarray:
+def read_delete_list(path: str, limit: int, timeout: float = FETCH_TIMEOUT) -> np.ndarray:
     """Every key a delete list holds (a file or a directory of files, local or remote; see
-    `parse_delete_keys`); a remote file over `limit` bytes is a BuildError."""
+    `parse_delete_keys`), listed and read within `timeout` seconds; a remote file over
+    `limit` bytes is a BuildError."""
     if not remote.is_remote(path):
         return read_delete_keys(path)
-    chunks = [parse_delete_keys(read_bytes(f.url, limit), f.url) for f in list_inputs(path)]
+    deadline = time.monotonic() + timeout
+    chunks = [
+        parse_delete_keys(read_bytes(f.url, limit, _left(deadline, path, timeout)), f.url)
+        for f in list_inputs(path, timeout)
+    ]
     return np.concatenate(chunks) if chunks else np.empty(0, np.uint64)

@@ -66,7 +66,7 @@ from cube.builder.build import (
     write_meta_infos,
 )
 from cube.builder.meta import ShardOutput
-from cube.builder.sources import fetch_input, list_inputs, read_delete_list
+from cube.builder.sources import FETCH_TIMEOUT, fetch_input, list_inputs, read_delete_list
 from cube.builder.spill import route_batch, shard_owners
 from cube.index import build_table
 from cube.seqfile import SequenceFileReader, concat_columns
@@ -112,6 +112,7 @@ class _JobSpec:
     staging: str
     shard_bytes: int
     config: BuildConfig
+    fetch_timeout: float = FETCH_TIMEOUT  # seconds to copy one remote input file
 
 
 @dataclass(frozen=True)
@@ -135,10 +136,11 @@ class SparkStats:
 # Inputs
 
 
-def list_splits(input_path: str) -> list[InputSplit]:
-    """The input files in the builder's order (`builder.sources`: local or a URL), one split
-    each."""
-    return [InputSplit(n, f.url, f.size) for n, f in enumerate(list_inputs(input_path))]
+def list_splits(input_path: str, timeout: float = FETCH_TIMEOUT) -> list[InputSplit]:
+    """The input files in the builder's order (`builder.sources`: local or a URL, listed
+    within `timeout` seconds), one split each."""
+    files = list_inputs(input_path, timeout)
+    return [InputSplit(n, f.url, f.size) for n, f in enumerate(files)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +153,7 @@ def map_file(spec: _JobSpec, split: InputSplit) -> Iterator[tuple[int, tuple]]:
     value width, value bytes, value offsets bytes)."""
     with (
         _task_errors(),
-        _local_copy(split.url) as path,
+        _local_copy(split.url, spec.fetch_timeout) as path,
         SequenceFileReader(path, spec.key_format, _MAP_BATCH_BYTES) as reader,
     ):
         for shard in range(spec.shard_num):
@@ -183,15 +185,15 @@ def _decode(chunk: tuple) -> tuple[np.ndarray, ValueColumn]:
 
 
 @contextlib.contextmanager
-def _local_copy(url: str) -> Iterator[str]:
-    """A local path for the file: itself, or a copy of a remote one in the executor's local
-    directory for the life of the `with` block."""
+def _local_copy(url: str, timeout: float) -> Iterator[str]:
+    """A local path for the file: itself, or a copy of a remote one (fetched within `timeout`
+    seconds) in the executor's local directory for the life of the `with` block."""
     if not remote.is_remote(url):
         yield url
         return
     tmp = tempfile.mkdtemp(prefix="cube-spark-input-")
     try:
-        yield str(fetch_input(url, Path(tmp) / "input"))
+        yield str(fetch_input(url, Path(tmp) / "input", timeout))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -278,15 +280,21 @@ def build_on_spark(
     input_path: str,
     delete_path: str | None = None,
     settings: SparkSettings | None = None,
+    fetch_timeout: float = FETCH_TIMEOUT,
 ) -> tuple[BuildResult, SparkStats]:
-    """Build one version on Spark; same result, files and errors as `builder.build.build`."""
+    """Build one version on Spark; same result, files and errors as `builder.build.build`.
+    `fetch_timeout` bounds the driver's listing and delete list, and each input a task copies
+    (-fetch_timeout)."""
     started = time.monotonic()
     settings = settings or SparkSettings()
     if delete_path and config.mode != "delta":
         raise BuildError("-delete_path needs -job_mode delta")
-    splits = list_splits(str(input_path))
-    no_keys = np.empty(0, np.uint64)
-    deleted = read_delete_list(delete_path, _MAX_DELETE_LIST_BYTES) if delete_path else no_keys
+    deadline = time.monotonic() + fetch_timeout
+    splits = list_splits(str(input_path), fetch_timeout)
+    deleted = np.empty(0, np.uint64)
+    if delete_path:
+        left = max(deadline - time.monotonic(), 0.001)
+        deleted = read_delete_list(delete_path, _MAX_DELETE_LIST_BYTES, left)
     refuse_empty_input(config, remote.redact(str(input_path)), len(splits), None, deleted.size)
     deleted_by_shard = route_keys(deleted, config.shard_num, config.partitioner)
     workspace = Workspace(config)
@@ -298,6 +306,7 @@ def build_on_spark(
             staging=str(workspace.staging),
             shard_bytes=settings.shard_mb << 20,
             config=config,
+            fetch_timeout=fetch_timeout,
         )
         spark, ours = start_session(
             settings, f"cube-builder {config.dict_name} {config.served_version}"

@@ -12,7 +12,12 @@
   AWS_SESSION_TOKEN, AWS_ENDPOINT_URL, AWS_DEFAULT_REGION, AWS_PROFILE, config files, instance
   roles) and fsspec's FSSPEC_S3_* variables;
 - s3fs imported lazily, its absence an error saying what to install;
-- failures in words of our own (`failure`): never the text a server sent, never a credential.
+- failures in words of our own (`failure`): never the text a server sent, never a credential;
+- every call bounded in wall time (`call`): S3 by fsspec's own timeout (the coroutine is
+  cancelled), WebHDFS by a watchdog that cuts the call's HTTP connections at its deadline
+  (requests has no total timeout: a server that answers a byte now and then, or a listing of
+  many directories, would go on for ever), each request's own timeouts also shortened to what
+  is left.
 
 A shell helper (network I/O), like cube/security.py: used by builder/sources.py (the builder's
 inputs), transfer/donefile.py (donefiles and input mirrors), transfer/upload.py (download_mode
@@ -21,10 +26,12 @@ s3) and agent/fetch.py (s3:// shard sources).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http
 import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -169,10 +176,13 @@ def _new_fs(url: str, io_timeout: float) -> Any:
     except ImportError:
         raise RemoteError(f"webhdfs:// needs fsspec and requests: {S3_INSTALL} requests") from None
     webhdfs = WebHDFS(parts.hostname, parts.port, user=parts.username, skip_instance_cache=True)
-    # requests waits forever by default: every call of this session gets the timeouts
-    webhdfs.session.request = functools.partial(
-        webhdfs.session.request, timeout=(io_timeout, io_timeout)
-    )
+    # requests waits forever by default: every request of this session gets the timeouts (no
+    # more than what is left of the call), on connections a call's watchdog can cut
+    webhdfs.session.request = functools.partial(_bounded_request, webhdfs.session.request,
+                                                io_timeout)  # fmt: skip
+    adapter = _cuttable_adapter()()
+    webhdfs.session.mount("http://", adapter)
+    webhdfs.session.mount("https://", adapter)
     return webhdfs
 
 
@@ -193,17 +203,127 @@ def require(url: str) -> None:
 
 
 def call(fs: Any, method: str, *args: Any, timeout: float | None, **kwargs: Any) -> Any:
-    """`fs.<method>(*args, **kwargs)` bounded by `timeout` seconds where fsspec can bound it
-    (the async filesystem, s3; WebHDFS calls are bounded per request by open_fs's timeouts);
-    any failure as a RemoteError (`failure`)."""
+    """`fs.<method>(*args, **kwargs)` within `timeout` seconds of wall time, whatever the
+    server does (accepts and never answers, answers a byte at a time) and however many
+    requests the call makes (a listing); RemoteError("timed out") past it, any failure as a
+    RemoteError (`failure`). S3 (fsspec's async filesystem): fsspec cancels the call at the
+    timeout. WebHDFS (requests, blocking): each request waits no longer than what is left,
+    and a watchdog cuts the call's connections at the deadline (`_Cut`)."""
     if timeout is not None and getattr(fs, "async_impl", False):
         kwargs["timeout"] = timeout
+        cut = None
+    else:
+        cut = _Cut(timeout) if timeout is not None else None
     try:
-        return getattr(fs, method)(*args, **kwargs)
+        with cut or contextlib.nullcontext():
+            result = getattr(fs, method)(*args, **kwargs)
     except RemoteError:
         raise
     except Exception as exc:
+        if cut is not None and cut.expired:
+            forget(fs)  # its connections were cut
+            raise RemoteError("timed out", retryable=True) from exc
         raise _failed(fs, exc) from exc
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# WebHDFS calls bounded in wall time
+
+_current = threading.local()  # .cut: the bounded call running on this thread (a _Cut)
+CUT_REPEAT = 0.05  # seconds between two cuts of a call past its deadline
+CUT_FOR = 10.0  # seconds a watchdog keeps cutting before it leaves the call to its timeouts
+
+
+class _Cut:
+    """The deadline of one blocking call and the HTTP connections it has used: past the
+    deadline, a watchdog thread shuts their sockets down (a blocked read returns at once) and
+    keeps doing so for what the call opens next, until the call returns."""
+
+    def __init__(self, timeout: float) -> None:
+        self.deadline = time.monotonic() + timeout
+        self.expired = False
+        self.connections: list[Any] = []  # urllib3 connections (their .sock)
+        self._done = threading.Event()
+        self._outer: _Cut | None = None
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def __enter__(self) -> _Cut:
+        self._outer = getattr(_current, "cut", None)
+        _current.cut = self
+        threading.Thread(target=self._watch, name="cube-remote-cut", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._done.set()
+        _current.cut = self._outer
+
+    def _watch(self) -> None:
+        if self._done.wait(max(self.left(), 0.0)):
+            return
+        self.expired = True
+        for _ in range(int(CUT_FOR / CUT_REPEAT)):
+            for connection in list(self.connections):
+                sock = getattr(connection, "sock", None)
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+            if self._done.wait(CUT_REPEAT):
+                return
+
+
+def _bounded_request(request: Any, io_timeout: float, *args: Any, **kwargs: Any) -> Any:
+    """A WebHDFS session's request: connect and read timeouts of `io_timeout`, or what is
+    left of the call when less; TimeoutError when nothing is left."""
+    wait = io_timeout
+    cut = getattr(_current, "cut", None)
+    if cut is not None:
+        left = cut.left()
+        if left <= 0:
+            cut.expired = True
+            raise TimeoutError("the call's deadline has passed")
+        wait = min(wait, left)
+    kwargs["timeout"] = (wait, wait)
+    return request(*args, **kwargs)
+
+
+@functools.cache
+def _cuttable_adapter() -> Any:
+    """A requests adapter whose connections tell the bounded call running on their thread
+    (`_Cut`) that they are in use, so that its watchdog can cut them."""
+    from requests.adapters import HTTPAdapter
+    from urllib3.connection import HTTPConnection, HTTPSConnection
+    from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+
+    def note(connection: Any) -> None:
+        cut = getattr(_current, "cut", None)
+        if cut is not None and connection not in cut.connections:
+            cut.connections.append(connection)
+
+    class Connection(HTTPConnection):
+        def request(self, *args: Any, **kwargs: Any) -> None:
+            note(self)
+            super().request(*args, **kwargs)
+
+    class SecureConnection(HTTPSConnection):
+        def request(self, *args: Any, **kwargs: Any) -> None:
+            note(self)
+            super().request(*args, **kwargs)
+
+    class Pool(HTTPConnectionPool):
+        ConnectionCls = Connection
+
+    class SecurePool(HTTPSConnectionPool):
+        ConnectionCls = SecureConnection
+
+    class Adapter(HTTPAdapter):
+        def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+            super().init_poolmanager(*args, **kwargs)
+            self.poolmanager.pool_classes_by_scheme = {"http": Pool, "https": SecurePool}
+
+    return Adapter
 
 
 def _failed(fs: Any, exc: BaseException) -> RemoteError:
@@ -237,21 +357,37 @@ class Reader:
     """Ranged reads of one remote file: `size`, then `blocks(offset)` yields what follows
     `offset` in reads of `block` bytes (one request each, so a failed read loses one block).
     `fs`: an open_fs filesystem of the same bucket or namenode to reuse (a new S3 client
-    costs a few hundred milliseconds)."""
+    costs a few hundred milliseconds). `deadline` (time.monotonic()): when the size and every
+    read must be done by (RemoteError "timed out" past it), besides one io_timeout each."""
 
     def __init__(
-        self, url: str, io_timeout: float = 60.0, block: int = BLOCK, fs: Any = None
+        self,
+        url: str,
+        io_timeout: float = 60.0,
+        block: int = BLOCK,
+        fs: Any = None,
+        deadline: float | None = None,
     ) -> None:
         self.url = url
         self.block = block
         self.io_timeout = io_timeout
+        self.deadline = deadline
         if fs is None:
             fs, path = open_fs(url, io_timeout)
         else:
             path = path_of(url)
         self.fs = fs
         self.path = path
-        self.size = int(call(fs, "info", path, timeout=io_timeout)["size"])
+        self.size = int(call(fs, "info", path, timeout=self._bound(deadline))["size"])
+
+    def _bound(self, deadline: float | None) -> float:
+        """One call's timeout: io_timeout, or what is left before `deadline` when less."""
+        if deadline is None:
+            return self.io_timeout
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RemoteError("timed out", retryable=True)
+        return min(self.io_timeout, left)
 
     def __enter__(self) -> Reader:
         return self
@@ -264,17 +400,13 @@ class Reader:
 
     def blocks(self, offset: int = 0, deadline: float | None = None) -> Iterator[bytes]:
         """Yield the bytes from `offset` to the end; RemoteError on a failed read, a read that
-        ends short of `size`, or `deadline` (time.monotonic()) passed. Each read is bounded by
-        the I/O timeout and by what is left before `deadline`, in wall time (S3; a WebHDFS
-        request by the session's timeouts)."""
+        ends short of `size`, or `deadline` (time.monotonic(); default: the reader's) passed.
+        Each read is bounded in wall time by the I/O timeout and by what is left."""
         position = offset
+        if deadline is None:
+            deadline = self.deadline
         while position < self.size:
-            bound = self.io_timeout
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RemoteError("timed out", retryable=True)
-                bound = min(bound, left)
+            bound = self._bound(deadline)
             want = min(self.block, self.size - position)
             data = call(
                 self.fs, "cat_file", self.path, start=position, end=position + want, timeout=bound
@@ -290,10 +422,10 @@ class Reader:
 def read_bytes(url: str, limit: int, timeout: float, io_timeout: float = 60.0) -> bytes:
     """The whole of a small remote file; RemoteError when it holds more than `limit` bytes."""
     deadline = time.monotonic() + timeout
-    with Reader(url, min(io_timeout, timeout)) as reader:  # (its size: one io_timeout)
+    with Reader(url, min(io_timeout, timeout), deadline=deadline) as reader:
         if reader.size > limit:
             raise RemoteError(f"{reader.size} bytes, more than the {limit} allowed")
-        return b"".join(reader.blocks(0, deadline))
+        return b"".join(reader.blocks(0))
 
 
 def put_file(local: str, url: str, timeout: float, io_timeout: float = 60.0) -> None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import socket
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -108,6 +110,49 @@ def s3_filesystem() -> Any:
     import s3fs
 
     return s3fs.S3FileSystem(skip_instance_cache=True)
+
+
+class SilentEndpoint:
+    """A TCP port on 127.0.0.1 that accepts connections and never answers (a stalled S3
+    endpoint or namenode). With `drip`, it answers each connection's first read with those
+    bytes, one every `every` seconds (a server slow enough that no read ever times out)."""
+
+    def __init__(self, drip: bytes = b"", every: float = 0.2) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.drip = drip
+        self.every = every
+        self.held: list[socket.socket] = []
+        self._closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                sock = self.listener.accept()[0]
+                self.held.append(sock)
+                if self.drip:
+                    threading.Thread(target=self._drip, args=(sock,), daemon=True).start()
+
+    def _drip(self, sock: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            sock.recv(65536)
+            for byte in self.drip:  # bounded: the bytes given, then silence
+                if self._closed.wait(self.every):
+                    return
+                sock.sendall(bytes([byte]))
+
+    def close(self) -> None:
+        self._closed.set()
+        self.listener.close()
+        for sock in list(self.held):
+            sock.close()
+
+    def __enter__(self) -> SilentEndpoint:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 # ---------------------------------------------------------------------------------------------

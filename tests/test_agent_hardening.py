@@ -6,14 +6,20 @@ never echoed, the declared size enforced, and the HTTP API's envelope for every 
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
+import shutil
+import subprocess
 import tarfile
 from pathlib import Path
 from types import SimpleNamespace
 
+import grpc
 import pytest
 from agent_helpers import (
+    AGENT_BIN,
+    WAIT,
     AgentProc,
     FtpFileServer,
     HttpFileServer,
@@ -30,6 +36,8 @@ from aiohttp import web
 from procs import start_server
 
 from cube.agent.fetch import FetchError, FetchPolicy, SourcePolicy, fetch_file, fetch_md5
+from cube.pb import cube_pb2, cube_pb2_grpc
+from cube.processes import free_port, stop_child
 
 pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
 
@@ -122,6 +130,7 @@ def test_download_requires_md5_unless_md5_from_source(env):
     assert status == 400 and reply["success"] == "255", reply
     assert reply["message"].startswith("md5: required") and "--md5_from_source" in reply["message"]
     assert http.requests == []  # nothing fetched
+    agent.stop()  # (one agent a directory)
     compatible = env.agent("--md5_from_source")  # the original transfer's behaviour, on request
     task = compatible.run("download", "1", source=src["source"])
     assert task["state"] == "succeeded", task
@@ -524,3 +533,150 @@ def test_download_checks_placed_files_and_never_touches_served_ones(cluster):
     assert task["state"] == "failed" and "cube-server holds it" in task["message"], task
     assert (env.data / BASE).is_dir()
     assert server_state(cluster.box.server.control_address)[0] == BASE
+
+
+# ------------------------------------------------------------------ issue 24: one agent a directory
+
+
+def refused_agent(deploy: Path, *extra: str) -> subprocess.CompletedProcess:
+    """A cube-agent started on `deploy` that is expected to refuse to start (it is stopped
+    after WAIT seconds if it does not: then its return code is None)."""
+    argv = [str(AGENT_BIN), "-P", "0", "--deploy_path", str(deploy), "--server",
+            f"127.0.0.1:{free_port()}", *extra]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=WAIT)
+    except subprocess.TimeoutExpired:
+        stop_child(proc, timeout=10)
+        out, err = proc.communicate(timeout=WAIT)
+        return subprocess.CompletedProcess(argv, None, out, err)  # type: ignore[arg-type]
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def test_a_second_agent_process_on_the_same_directory_is_refused(env):
+    """Through a symlink to the first agent's deploy path, or the same path: the second agent
+    process exits 1 naming the directory and the first agent's pid, and the first agent's
+    extraction in progress (its .tmp-* folder) is left alone (a second agent used to remove
+    it at start, then both managed the directory)."""
+    first = env.agent()
+    staging = env.data / ".tmp-1700000000-99999"
+    staging.mkdir()
+    (staging / "index.cube").write_bytes(b"half-written")
+    link = env.tmp / "link-to-deploy"
+    link.symlink_to(env.deploy)
+    for path in (link, env.deploy):
+        done = refused_agent(path)
+        assert done.returncode == 1, (done.returncode, done.stderr)
+        assert f"deploy_path {path} ({env.deploy}) is managed by another cube-agent" in done.stderr
+        assert f"(pid {first.proc.pid}, at {env.deploy})" in done.stderr
+    assert (staging / "index.cube").read_bytes() == b"half-written"
+    first.stop()
+    second = AgentProc(link, f"127.0.0.1:{free_port()}").start()  # the first is gone: fine
+    env.closers.append(second.stop)
+
+
+def test_nested_deploy_paths_are_refused_both_ways(env):
+    """An agent whose deploy path lies inside another agent's (or holds one) would take the
+    other's files for its own: refused at start, in either order, naming both; and within one
+    process (--instances), a flag error naming both."""
+    outer = env.agent()
+    inner = env.deploy / "cube_data" / "nested"
+    done = refused_agent(inner)
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    assert f"deploy_path {inner} ({inner}) lies inside {env.deploy}, which another cube-agent" \
+        in done.stderr  # fmt: skip
+    outer.stop()
+    inner_agent = AgentProc(inner, f"127.0.0.1:{free_port()}").start()
+    env.closers.append(inner_agent.stop)
+    done = refused_agent(env.deploy)
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    assert f"deploy_path {env.deploy} ({env.deploy}) holds {inner}, which another" in done.stderr
+    inner_agent.stop()
+
+    link = env.tmp / "again"
+    link.symlink_to(env.deploy)
+    server = f"127.0.0.1:{free_port()}"
+    for other, problem in (
+        (link, f"deploy_path {env.deploy} and {link} are one directory ({env.deploy})"),
+        (inner, f"deploy_path {inner} lies inside deploy_path {env.deploy}"),
+    ):
+        done = refused_agent(env.deploy, "--instances", f"{other}={server}")
+        assert done.returncode == 2, (done.returncode, done.stderr)
+        assert f"--instances: {problem}" in done.stderr
+
+
+def test_the_agents_staging_folder_cannot_be_loaded_as_a_version(cluster):
+    """A control token holder naming the agent's hidden staging folder (`.tmp-*`, half
+    written while the agent extracts) as a version is refused by the server (it loaded it)
+    and by the agent; the served version keeps serving."""
+    env, agent, http = cluster.env, cluster.agent, cluster.http
+    _deploy(agent, BASE, **tar_source(env.files, http.url, "b", seed=1))
+    staging = env.data / ".tmp-1700000200-4242"
+    shutil.copytree(env.data / BASE, staging)  # an extraction in progress, as the agent names it
+    server = cluster.box.server
+    with grpc.insecure_channel(server.control_address) as channel:
+        stub = cube_pb2_grpc.ControlServiceStub(channel)
+        for cmd, field in (("bg_load_base", "version_path"), ("enable", "version")):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.cmd(cube_pb2.ControlRequest(cmd=cmd, **{field: f"/{staging.name}"}),
+                         timeout=WAIT)  # fmt: skip
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, cmd
+            assert f"'{staging.name}' is not a version name" in refused.value.details()
+            assert "an agent's staging folder" in refused.value.details()
+    assert server_state(server.control_address) == (BASE, "")
+    status, reply = agent.call("POST", "/agent/cmd", {"command": "reload", "version": staging.name})
+    assert status == 400 and "is not a valid name" in reply["message"], reply
+
+
+def _sparse_shard_tar(path: Path, good_tar: Path, claimed: int) -> str:
+    """A plain tar with the good tar's index.cube and a GNU sparse data.cube that stores 512
+    bytes and unpacks to `claimed` bytes (Python's tarfile reads such members but cannot write
+    them: the header is made here); its md5."""
+    with tarfile.open(good_tar) as good:
+        index = good.extractfile("./index.cube").read()
+    plain = tarfile.TarInfo("./index.cube")
+    plain.size = len(index)
+    sparse = tarfile.TarInfo("./data.cube")
+    sparse.size, sparse.type = 512, tarfile.GNUTYPE_SPARSE
+    header = bytearray(sparse.tobuf(tarfile.GNU_FORMAT))
+    header[386:410] = b"%011o\0%011o\0" % (0, 512)  # one region: 512 bytes at offset 0
+    header[483:495] = b"%011o\0" % claimed  # the size it unpacks to
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\0 " % sum(header)  # the header checksum, over the new fields
+    path.write_bytes(
+        plain.tobuf(tarfile.GNU_FORMAT) + index + bytes(-len(index) % 512)
+        + bytes(header) + b"\1" * 512 + bytes(1024)
+    )  # fmt: skip
+    return write_md5(path)
+
+
+def test_a_tar_that_unpacks_past_its_recorded_size_is_refused_before_extraction(env):
+    """A 300 MB of zeros gzipped into a few hundred KB (it was extracted in full), and a plain
+    tar whose sparse member claims 300 MB: refused before a byte is written, naming the bound,
+    with no partial directory left in data/."""
+    http = env.serve_files()
+    agent = env.agent()
+    make_shard_tar(env.files / "good.tar", n_keys=100)
+    bomb = env.files / "bomb.tar"
+    with tarfile.open(bomb, "w:gz", compresslevel=9) as tar:
+        with tarfile.open(env.files / "good.tar") as good:
+            add_bytes(tar, "./index.cube", good.extractfile("./index.cube").read())
+        info = tarfile.TarInfo("./data.cube")
+        info.size = 300 << 20
+        tar.addfile(info, io.BufferedReader(io.BytesIO(bytes(300 << 20))))
+    assert bomb.stat().st_size < 400_000
+    sparse = env.files / "sparse.tar"
+    md5s = {"bomb": write_md5(bomb), "sparse": _sparse_shard_tar(sparse, env.files / "good.tar",
+                                                                 300 << 20)}  # fmt: skip
+    expected = {
+        "bomb": "tar bomb.tar: a gzip-compressed tar; a shard tar is a plain tar",
+        "sparse": f"tar sparse.tar: its files unpack to more than {sparse.stat().st_size} bytes,"
+        " the size of the tar its build recorded",
+    }
+    for version, name in (("1", "bomb"), ("2", "sparse")):
+        source = f"{http.url}/{name}.tar"
+        size = (env.files / f"{name}.tar").stat().st_size
+        task = agent.run("download", version, source=source, md5=md5s[name], size=size)
+        assert task["state"] == "failed", task
+        assert expected[name] in task["message"], task["message"]
+        assert not [p.name for p in env.data.iterdir()], list(env.data.iterdir())

@@ -259,6 +259,32 @@ def test_extract_good_tar(tmp_path):
     assert extract_shard_tar(tmp_path / "s.tar", tmp_path / "out") == ["data.cube", "index.cube"]
 
 
+def test_extract_keeps_a_margin_of_free_disk(tmp_path, monkeypatch):
+    """The files must fit in the free space less a margin (64 MiB or 1 % of the disk) kept for
+    the server and the other versions: refused before anything is written (it extracted
+    whenever the files alone fitted, and could fill the disk)."""
+    from types import SimpleNamespace
+
+    from cube.agent import unpack
+
+    make_shard_tar(tmp_path / "s.tar", n_keys=2000)
+    with tarfile.open(tmp_path / "s.tar") as tar:
+        files = sum(m.size for m in tar if m.isreg())
+    free = files + (32 << 20)  # room for the files, not for the margin too
+    disk = SimpleNamespace(f_bavail=free // 4096, f_bfree=free // 4096, f_frsize=4096,
+                           f_blocks=(1 << 30) // 4096)  # fmt: skip
+    monkeypatch.setattr(unpack.os, "statvfs", lambda path: disk)
+    with pytest.raises(UnsafeTar, match=r"tar s\.tar: its files unpack to \d+ bytes or more, and "):
+        extract_shard_tar(tmp_path / "s.tar", tmp_path / "data" / "v1")
+    assert not (tmp_path / "data" / "v1").exists()
+    assert unpack.free_for_extraction(tmp_path) == disk.f_bavail * 4096 - (64 << 20)
+    disk.f_bavail += (64 << 20) // 4096
+    assert extract_shard_tar(tmp_path / "s.tar", tmp_path / "data" / "v1") == [
+        "data.cube",
+        "index.cube",
+    ]
+
+
 # ------------------------------------------------------------------ fetcher on real servers
 
 

@@ -8,15 +8,18 @@ import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from cube.agent.unpack import extract_shard_tar
+from cube.processes import poll_until
 from cube.seqfile import SequenceFileWriter
 from cube.shard import Shard, ShardStack
 from cube.transfer.build import check_outputs
@@ -567,6 +570,80 @@ def test_a_late_failure_leaves_a_data_dir_untouched(original, tmp_path):
     )
     assert f"{BASE}_{PATCH2}/{DICT}_part1/{path.name} at offset 0: length field 65535" in message
     assert_nothing_published(target)
+
+
+# A cube-import whose conversion (in its worker, after the layer was mapped, read and checked
+# by size: build_table runs next) is interfered with, deterministically, by a hook.
+HOOKED = """
+import os, signal, sys, time
+from pathlib import Path
+import cube.builder.import_original as cube_import
+action, target, pid_file = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+importer = os.getpid()
+real_build_table = cube_import.build_table
+
+def build_table(keys):
+    pid_file.write_text(str(os.getpid()))
+    if action == "truncate":  # a deployment rewriting the file in place
+        os.truncate(target, 4096)
+    else:  # stop the import while a shard is being converted
+        os.kill(importer, getattr(signal, action))
+        time.sleep(60)
+    return real_build_table(keys)
+
+cube_import.build_table = build_table
+sys.exit(cube_import.main(sys.argv[4:]))
+"""
+
+
+def run_hooked(action: str, target: Path, pid_file: Path, *args: str):
+    argv = [sys.executable, "-c", HOOKED, action, str(target), str(pid_file), *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+@pytest.mark.parametrize("kind", ["dir", "tar"])
+def test_an_input_cut_short_while_it_is_read_is_named_and_nothing_is_left(tmp_path, kind):
+    """The original's data file (or tar) is cut to 4096 bytes after it was mapped and checked,
+    before its values are read: the reader gets SIGBUS at the first missing page. cube-import
+    exits 1 naming the file and the offset where it now ends, and leaves no staging folder
+    (it was killed by SIGBUS, its .tmp-* folder left in the output)."""
+    rng = random.Random(5)
+    records = [[(k, bytes(rng.randrange(256) for _ in range(60))) for k in range(4000)]]
+    (version,) = build_original(tmp_path / "orig", records, shards=1, limit=1 << 20)
+    part = version / f"{DICT}_part0"
+    if kind == "dir":
+        target, source = part / "data.0", part
+    else:
+        shutil.rmtree(part)
+        target = source = version / f"{DICT}_part0.tar"
+    size = target.stat().st_size
+    assert size > 4 * 4096
+    with tarfile.open(version / f"{DICT}_part0.tar") as tar:  # the members past the cut
+        lost = sorted(m.name[2:] for m in tar if m.isreg() and m.offset_data + m.size > 4096)
+    out = tmp_path / "out"
+    done = run_hooked("truncate", target, tmp_path / "pid", *to_output(source, out, shards=1))
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    message = f"{target} at offset 4096: cut short while cube-import read it ({size} bytes when "
+    message += "checked, 4096 now"
+    if kind == "tar":
+        message += f"; it held {', '.join(lost)}"
+    assert done.stderr == f"error: {message}); nothing was published\n"
+    assert_nothing_published(out)
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_a_signal_during_a_conversion_leaves_nothing(original, tmp_path, signum):
+    """Stopped while a shard is being converted: the worker process that reads the original's
+    files is gone with the import, and so is every staging folder."""
+    root, _ = original
+    out = tmp_path / "out"
+    done = run_hooked(signum, root, tmp_path / "pid", *to_output(root, out))
+    number = getattr(signal, signum)
+    assert done.returncode == 128 + number, done.stderr
+    assert f"stopped by signal {number}; nothing was published" in done.stderr
+    assert_nothing_published(out)
+    worker = int((tmp_path / "pid").read_text())
+    assert poll_until(lambda: not psutil.pid_exists(worker), 10, 0.05)
 
 
 def test_damaged_tars_are_refused(original, tmp_path):

@@ -11,13 +11,14 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from agent_helpers import flip_byte, make_shard_tar
-from s3_helpers import SECRET_KEY, aws_environment, s3_filesystem
+from s3_helpers import SECRET_KEY, SilentEndpoint, aws_environment, s3_filesystem
 
 from cube.client import CubeClient
 from cube.seqfile import SequenceFileWriter
@@ -101,6 +102,32 @@ def test_cube_builder_builds_from_s3_what_it_builds_from_disk(s3):
     run = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and run.stderr.strip() == f"error: {missing}: not found"
     assert SECRET_KEY not in run.stderr
+
+
+def test_cube_builder_gives_up_on_a_stalled_source_within_fetch_timeout(tmp_path):
+    """-fetch_timeout bounds the listing too: against an S3 endpoint or a namenode that
+    accepts and never answers, cube-builder exits 1 soon after it, naming the input (its
+    user redacted), and leaves no fetched directory (it listed for 313 s with -fetch_timeout
+    5: the listing had a timeout of its own)."""
+    fetch_timeout = 3.0
+    builder = command("cube-builder")
+    common = ["-dict_name", "emb", "-shard_num", "2", "-only_build=false", "-cur_version",
+              "1700000000", "-quiet", "-fetch_timeout", f"{fetch_timeout:g}"]  # fmt: skip
+    with SilentEndpoint() as silent, aws_environment(f"http://127.0.0.1:{silent.port}", tmp_path):
+        for source, shown in (
+            (f"s3://{BUCKET}/stalled/in", f"s3://{BUCKET}/stalled/in"),
+            (f"webhdfs://alice@127.0.0.1:{silent.port}/in",
+             f"webhdfs://***@127.0.0.1:{silent.port}/in"),
+        ):  # fmt: skip
+            out = tmp_path / f"out-{source[:2]}"
+            started = time.monotonic()
+            argv = [builder, *common, "-input_path", source, "-output_path", str(out)]
+            run = subprocess.run(argv, capture_output=True, text=True, timeout=90)
+            took = time.monotonic() - started
+            assert run.returncode == 1, run.stderr
+            assert run.stderr.strip() == f"error: {shown}: timed out"
+            assert took < fetch_timeout + 20  # the process's own start-up, on a loaded machine
+            assert not list(out.glob(".fetch-*"))
 
 
 def test_agent_refuses_a_corrupted_s3_object_and_places_a_good_one(s3, deployment):

@@ -10,12 +10,12 @@ tests/test_s3_e2e.py.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,6 +25,7 @@ from s3_helpers import (
     SECRET_KEY,
     FakeNamenode,
     MotoServer,
+    SilentEndpoint,
     aws_environment,
     s3_filesystem,
 )
@@ -468,49 +469,83 @@ def test_unreachable_endpoints_fail_fast_and_say_where(tmp_path):
     assert time.monotonic() - started < 10
 
 
-class SilentEndpoint:
-    """A TCP port that accepts connections and never answers (a stalled S3 endpoint)."""
-
-    def __init__(self) -> None:
-        import socket
-        import threading
-
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.held: list = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                self.held.append(self.listener.accept()[0])
-
-    def close(self) -> None:
-        self.listener.close()
-        for sock in self.held:
-            sock.close()
+TIMEOUT = 1.0  # the configured timeout of each call below
+SLACK = 3.0  # what a loaded 2-core machine may add (a first S3 client, fsspec's 1 s polls)
 
 
-def test_a_stalled_endpoint_is_given_up_on_within_the_timeout(tmp_path):
-    """Timeouts are wall time, whatever botocore's and s3fs's own retries would add: a
-    donefile read, a small object and a listing against an endpoint that accepts and never
-    answers all fail as timed out within their timeout (they took 25-84 s for 2 s)."""
-    silent = SilentEndpoint()
-    try:
-        endpoint = f"http://127.0.0.1:{silent.port}"
-        with aws_environment(endpoint, tmp_path, AWS_MAX_ATTEMPTS="5"):
-            for attempt in (
-                lambda: asyncio.run(read_donefile(f"s3://{BUCKET}/d", "base.txt", timeout=2)),
-                lambda: remote.read_bytes(f"s3://{BUCKET}/k", 100, timeout=2, io_timeout=2),
-                lambda: remote.find_files(remote.open_fs(f"s3://{BUCKET}/in", 2)[0],
-                                          f"{BUCKET}/in", timeout=2),
-            ):  # fmt: skip
-                started = time.monotonic()
-                with pytest.raises((SourceUnavailable, remote.RemoteError), match="timed out"):
-                    attempt()
-                assert time.monotonic() - started < 5
-    finally:
-        silent.close()
+def every_remote_call(base: str, tmp: Path) -> dict[str, Callable[[], object]]:
+    """Each kind of remote call our code makes on `base` (s3://bucket or webhdfs://nn:port),
+    every one configured to end within TIMEOUT seconds and its I/O timeout left long (60 s),
+    so that only a bound on the whole call can end it in time."""
+    (tmp / "local.tar").write_bytes(b"x" * 100)
+
+    def on(url: str, method: str, **kwargs: object) -> object:
+        fs, path = remote.open_fs(url, 60.0)
+        return remote.call(fs, method, path, timeout=TIMEOUT, **kwargs)
+
+    calls: dict[str, Callable[[], object]] = {
+        "builder listing": lambda: sources.list_inputs(f"{base}/in", TIMEOUT),
+        "builder fetch (listing first)": lambda: sources.fetch_inputs(
+            f"{base}/in", tmp / "fetched", TIMEOUT
+        ),
+        "builder fetch of one file": lambda: sources.fetch_input(
+            f"{base}/in/x", tmp / "x", TIMEOUT
+        ),
+        "delete list": lambda: sources.read_delete_list(f"{base}/delete", 1000, TIMEOUT),
+        "size": lambda: remote.Reader(f"{base}/in/x", 60.0, deadline=time.monotonic() + TIMEOUT),
+        "exists/info": lambda: on(f"{base}/in", "info"),
+        "listing": lambda: remote.find_files(*remote.open_fs(f"{base}/in", 60.0), TIMEOUT),
+        "ranged read": lambda: on(f"{base}/in/x", "cat_file", start=0, end=10),
+        "small file": lambda: remote.read_bytes(f"{base}/k", 100, TIMEOUT, 60.0),
+        "donefile": lambda: asyncio.run(read_donefile(f"{base}/d", "base.txt", TIMEOUT)),
+        "upload": lambda: remote.put_file(str(tmp / "local.tar"), f"{base}/up/t.tar", TIMEOUT),
+    }
+    if base.startswith("s3://"):
+        policy = _policy(timeout=TIMEOUT, io_timeout=60.0, attempts=1)
+        calls["agent download"] = lambda: asyncio.run(fetch_file(
+            f"{base}/shards/t.tar", tmp / "t.part", size=None, policy=policy))  # fmt: skip
+    return calls
+
+
+def assert_each_ends_in_time(calls: dict[str, Callable[[], object]], shown: str) -> None:
+    """Every call fails as timed out, in our words naming the source where the caller does,
+    within TIMEOUT + SLACK seconds."""
+    for kind, attempt in calls.items():
+        started = time.monotonic()
+        with pytest.raises(Exception) as failed:
+            attempt()
+        took = time.monotonic() - started
+        message = str(failed.value)
+        assert isinstance(failed.value, (BuildError, remote.RemoteError, SourceUnavailable,
+                                         FetchError)), (kind, repr(failed.value))  # fmt: skip
+        assert re.search("timed out|not fetched within", message), (kind, message)
+        if not isinstance(failed.value, remote.RemoteError):
+            assert shown in message, (kind, message)
+        clean(message)
+        assert took < TIMEOUT + SLACK, (kind, took)
+
+
+def test_every_s3_call_ends_within_its_timeout_on_a_stalled_endpoint(tmp_path):
+    """Timeouts are wall time, whatever botocore's and s3fs's own retries would add: listings,
+    sizes, reads, donefiles, delete lists, uploads and the agent's downloads against an
+    endpoint that accepts and never answers all fail as timed out within their timeout (the
+    builder's listing took 313 s with -fetch_timeout 5: it had a timeout of its own)."""
+    with (
+        SilentEndpoint() as silent,
+        aws_environment(f"http://127.0.0.1:{silent.port}", tmp_path, AWS_MAX_ATTEMPTS="5"),
+    ):
+        assert_each_ends_in_time(every_remote_call(f"s3://{BUCKET}", tmp_path), f"s3://{BUCKET}/")
+
+
+@pytest.mark.parametrize("drip", [b"", b"HTTP/1.1 200 OK\r\n" + b"X-Slow: 1\r\n" * 100])
+def test_every_webhdfs_call_ends_within_its_timeout_on_a_stalled_namenode(tmp_path, drip):
+    """The same for WebHDFS (requests, which has no total timeout): a namenode that accepts
+    and never answers, and one that answers a byte every 0.2 s (no read ever times out), are
+    cut at the call's deadline (a call waited for its I/O timeout, or for ever)."""
+    with SilentEndpoint(drip) as silent:
+        base = f"webhdfs://alice@127.0.0.1:{silent.port}"
+        shown = f"webhdfs://***@127.0.0.1:{silent.port}/"  # the user is redacted too
+        assert_each_ends_in_time(every_remote_call(base, tmp_path), shown)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,13 +34,16 @@ import numpy as np
 from cube.format import ShardFormatError, VerifyCancelled
 from cube.layout import (
     CHAIN_FILE,
+    NAME_RULE,
     PART_RE,
     VERSION_FILE,
     LayoutError,
     base_of,
     chain_text,
+    clip,
     delta_order,
     is_delta,
+    is_name,
     parse_chain,
     parse_version,
     version_text,
@@ -68,7 +71,9 @@ class VersionError(Exception):
 def version_name_from_path(version_path: str, data_dir: str | os.PathLike) -> str:
     """The version directory a control command names: "/<dir>" (the original's form, relative
     to the data dir), "<dir>", or an absolute path inside the data dir. Anything that is not one
-    directory directly under the data dir is refused (`..`, other absolute paths, nesting)."""
+    directory directly under the data dir is refused (`..`, other absolute paths, nesting), and
+    so is a name that is not a version name (cube.layout.is_name): a hidden directory is an
+    agent's staging or removal folder (`.tmp-*`), half-written or half-deleted."""
     text = (version_path or "").strip()
     if not text:
         raise VersionError("INVALID_ARGUMENT", "version_path is empty")
@@ -83,6 +88,13 @@ def version_name_from_path(version_path: str, data_dir: str | os.PathLike) -> st
             "INVALID_ARGUMENT",
             f"version_path {version_path!r} is not one version directory under the data dir"
             f" {root} (expected '/<version>' or '<version>')",
+        )
+    if not is_name(name):
+        hidden = "; a name starting with '.' is an agent's staging folder" if name[0] == "." else ""
+        raise VersionError(
+            "INVALID_ARGUMENT",
+            f"version_path {version_path!r}: {clip(name)} is not a version name "
+            f"(it starts with a letter or digit; {NAME_RULE}){hidden}",
         )
     return name
 
