@@ -16,6 +16,7 @@ else holds that port (cube/server/main.py).
 from __future__ import annotations
 
 import errno
+import resource
 import socket
 from typing import Any
 
@@ -80,3 +81,18 @@ def grpc_listen(server: Any, host: str, port: int, what: str, credentials: Any =
         return int(bound)
     check_free(host, port, what)  # raises with the reason
     raise ListenError(errno.EADDRINUSE, f"cannot listen on {bind} ({what}): gRPC cannot bind it")
+
+
+def raise_open_files(wanted: int) -> int:
+    """Raise this process's soft limit of open files toward `wanted`, as far as the hard limit
+    allows (a server that is to hold N connections needs N descriptors, and many systems start
+    processes with a soft limit of 1024); returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return wanted
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (OSError, ValueError):
+        return soft
+    return target

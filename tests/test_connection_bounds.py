@@ -37,7 +37,7 @@ class Fake:
     def watch(self, now: float) -> None:
         pass
 
-    def expire(self, reason: str) -> None:
+    def expire(self, reason: str, slow: bool = False) -> None:
         self.closed = reason
 
     def __repr__(self) -> str:

@@ -66,8 +66,8 @@ class Bounds:
     """One worker's connections on its socket ports and the bytes they hold (module
     docstring). A connection is anything with `kind`, `counted` (its bytes in `total_bytes`),
     `watch(now)` (sample what it holds, close it when stalled), `waiting()` (cube.idle),
-    `expire(reason)` (close it, idle or too slow) and, when held back in `paused`,
-    `resume()`. `clock` is time.monotonic, or a test's."""
+    `expire(reason, slow)` (close it: idle, to make room, or `slow` to send its request) and,
+    when held back in `paused`, `resume()`. `clock` is time.monotonic, or a test's."""
 
     def __init__(
         self, limits: LaneLimits | None = None, clock: Callable[[], float] = time.monotonic
@@ -90,6 +90,7 @@ class Bounds:
             ),
         }
         self.closed = dict.fromkeys(self.reasons, 0)  # connections closed, by reason
+        self.refused = 0  # connections refused: the worker full, every connection busy
         self._reported = dict(self.closed)
         self._reported_at = clock()
         self._users = 0
@@ -103,6 +104,7 @@ class Bounds:
         if len(self.connections) >= self.limits.max_connections:
             victim = self.idle.make_room(self.connections)
             if victim is None:
+                self.refused += 1
                 return (
                     f"this server already has {len(self.connections)} connections, all busy"
                     " (its limit, --lane_max_connections); try another replica or later"
@@ -117,7 +119,7 @@ class Bounds:
         """Close a connection the server owes nothing (`reason`: a key of `reasons`); its
         place is free at once."""
         self.closed[reason] += 1
-        connection.expire(self.reasons[reason])
+        connection.expire(self.reasons[reason], slow=reason == SLOW)
         self.leave(connection)
 
     def leave(self, connection: Any) -> None:
@@ -151,7 +153,8 @@ class Bounds:
 
     def stats(self) -> dict[str, int]:
         """For status: the TCP lane's connections (`connections`), the other ports', the
-        bytes they all hold, and how many were closed idle, too slow or to make room."""
+        bytes they all hold, how many were closed idle, too slow or to make room, and how many
+        were refused (every connection busy)."""
         kinds = self.kinds
         return {
             "connections": kinds.get("lane", 0),
@@ -161,6 +164,7 @@ class Bounds:
             "closed_idle": self.closed[IDLE],
             "closed_slow": self.closed[SLOW],
             "evicted": self.closed[EVICTED],
+            "refused": self.refused,
         }
 
     async def listen(
@@ -176,8 +180,13 @@ class Bounds:
         watchdog runs until it `detach`es."""
         sock = listen_socket(host, port, what)
         loop = asyncio.get_running_loop()
-        try:  # (the backlog again: create_server listens anew, by default with 100)
-            server = await loop.create_server(protocol, sock=sock, ssl=ssl, backlog=BACKLOG)
+        # (the backlog again: create_server listens anew, by default with 100); a TLS
+        # handshake, before the connection is counted, gets the time a request gets
+        handshake = self.limits.request_timeout if ssl is not None else None
+        try:
+            server = await loop.create_server(
+                protocol, sock=sock, ssl=ssl, backlog=BACKLOG, ssl_handshake_timeout=handshake
+            )
         except BaseException:
             sock.close()
             raise
@@ -326,7 +335,7 @@ class BoundedProtocol(asyncio.Protocol):
             return None if self.held() else Waiting(self.partial_since, partial=True)
         return Waiting(self.progress_at)
 
-    def expire(self, reason: str) -> None:
+    def expire(self, reason: str, slow: bool = False) -> None:
         """Close the connection for the idle policy (nothing is owed to it)."""
         self.closing = True
         self._update_reading()

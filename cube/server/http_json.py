@@ -213,14 +213,15 @@ class HttpConnection(asyncio.Protocol):
             return Waiting(self.request_from, partial=True)
         return Waiting(self.answered_at)
 
-    def expire(self, reason: str) -> None:
+    def expire(self, reason: str, slow: bool = False) -> None:
         """Close the connection for the idle policy; one part-way through a request's head
-        gets a 408 first."""
+        is told why first (408 when it was too slow to send it, else 503)."""
         transport = self.transport
         if transport is None:
             return
         if self.data_at > self.idle_since:
-            transport.write(status_bytes(408, "Request Timeout", f"HTTP: {reason}"))
+            status, phrase = (408, "Request Timeout") if slow else (503, "Service Unavailable")
+            transport.write(status_bytes(status, phrase, f"HTTP: {reason}"))
         transport.close()
 
 

@@ -91,13 +91,14 @@ class LaneProtocol(BoundedProtocol):
     def refuse_connection(self, transport: asyncio.Transport, reason: str) -> None:
         transport.write(error_frame(grpc.StatusCode.UNAVAILABLE, f"TCP lane: {reason}"))
 
-    def expire(self, reason: str) -> None:
+    def expire(self, reason: str, slow: bool = False) -> None:
         """Closed by the idle policy: a peer part-way through a frame is told why (an idle
         one is not: a client about to reuse its connection sees it closed, and resends)."""
         if self.buffer and self.transport is not None:
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if slow else grpc.StatusCode.UNAVAILABLE
             message = f"TCP lane: {reason}; connection closed"
-            self.transport.write(error_frame(grpc.StatusCode.DEADLINE_EXCEEDED, message))
-        super().expire(reason)
+            self.transport.write(error_frame(code, message))
+        super().expire(reason, slow)
 
     # -- frames -------------------------------------------------------------------------
 

@@ -39,7 +39,14 @@ from typing import Any
 
 from cube.flags import FlagError, Flags, FlagSet, run_cli
 from cube.fsutil import atomic_write_json
-from cube.listen import GRPC_OPTIONS, ListenError, address, check_free, grpc_listen
+from cube.listen import (
+    GRPC_OPTIONS,
+    ListenError,
+    address,
+    check_free,
+    grpc_listen,
+    raise_open_files,
+)
 from cube.logs import LOG_FORMATS, setup_logging
 from cube.routing import PARTITIONERS
 from cube.security import SecurityError, TLSFiles, require_token, token_from
@@ -50,6 +57,9 @@ log = logging.getLogger("cube.server")
 # server at once rather than restarting it on a port someone else holds (the server itself
 # exits 1).
 EXIT_CANNOT_LISTEN = 3
+# Open files a worker needs besides its socket ports' connections (gRPC connections, shard
+# files, the metrics endpoint's connections, ...).
+FILES_BESIDES_CONNECTIONS = 512
 
 FLAGS = (
     FlagSet(
@@ -597,13 +607,27 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
         return EXIT_CANNOT_LISTEN
     listening.append(address(flags.control_host, controls[index]))
     # The byte, connection and stall bounds of the worker's socket ports (TCP lane, HTTP+JSON,
-    # baidu_std): one budget and one connection count for them all.
+    # baidu_std): one budget and one connection count for them all. The process must be able
+    # to hold that many connections, twice (a burst of newcomers is accepted while as many
+    # connections they made room for are still closing), besides its other files: else the
+    # limit is never reached, the idle never make room, and accept fails instead.
+    max_connections = flags.lane_max_connections
+    files = raise_open_files(2 * max_connections + FILES_BESIDES_CONNECTIONS)
+    if files < 2 * max_connections + FILES_BESIDES_CONNECTIONS:
+        max_connections = max((files - FILES_BESIDES_CONNECTIONS) // 2, 64)
+        log.warning(
+            "--lane_max_connections %d lowered to %d: this process may open %d files"
+            " (raise the hard RLIMIT_NOFILE, ulimit -Hn)",
+            flags.lane_max_connections,
+            max_connections,
+            files,
+        )
     limits = LaneLimits(
         max_frame=max_message,
         connection_bytes=flags.lane_connection_bytes,
         budget_bytes=flags.lane_budget_bytes,
         stall_timeout=flags.lane_stall_timeout,
-        max_connections=flags.lane_max_connections,
+        max_connections=max_connections,
         idle_timeout=flags.lane_idle_timeout,
         request_timeout=flags.lane_request_timeout,
     )
