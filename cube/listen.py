@@ -46,13 +46,14 @@ def _reason(exc: OSError) -> str:
 
 def listen_socket(host: str, port: int, what: str, backlog: int = BACKLOG) -> socket.socket:
     """A socket listening on host:port (0: any free port) that no other socket may share;
-    `what` names the flag or setting that chose the port, for the error."""
+    `what` names the flag or setting that chose the port, for the error. A host name binds
+    the first address it resolves to ("" is 0.0.0.0; "::" is IPv6 only)."""
     try:
         found = socket.getaddrinfo(
             host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
-        family = found[0][0]
-        return socket.create_server((host, port), family=family, backlog=backlog)
+        family, where = found[0][0], found[0][4]
+        return socket.create_server(where, family=family, backlog=backlog)
     except OSError as exc:  # (socket.gaierror is one)
         code = exc.errno or errno.EINVAL
         message = f"cannot listen on {address(host, port)} ({what}): {_reason(exc)}"
