@@ -31,6 +31,7 @@ from cube.agent.fetch import FetchPolicy, SourcePolicy
 from cube.agent.layout import DeployPathTaken, overlap
 from cube.agent.metrics import AgentCounters
 from cube.flags import FlagError, Flags, FlagSet, run_cli
+from cube.listen import address, listen_socket
 from cube.logs import LOG_FORMATS, setup_logging
 from cube.security import TLSFiles, is_loopback, require_token, server_context, token_from
 
@@ -266,22 +267,31 @@ async def serve(
 ) -> int:
     counters = AgentCounters()
     agents = [Agent(config, counters=counters) for config in configs]
-    try:
-        for agent in agents:
-            agent.open()
-    except BaseException:
-        for agent in agents:
-            agent.lock.release()
-        raise
+    api = listen_socket(host, port, "-P")  # both ports before the instances open
     metrics_server, metrics_line = None, ""
     if metrics is not None:
         from cube.agent.metrics import AgentCollector
         from cube.metrics import serve_collector
 
-        metrics_server, metrics_port = serve_collector(
-            *metrics, AgentCollector, combined_snapshot(agents), asyncio.get_running_loop()
-        )
-        metrics_line = f"cube-agent metrics on http://{metrics[0]}:{metrics_port}/metrics"
+        try:
+            metrics_server = await serve_collector(
+                *metrics, AgentCollector, combined_snapshot(agents)
+            )
+        except BaseException:
+            api.close()
+            raise
+        where = address(metrics[0], metrics_server.port)
+        metrics_line = f"cube-agent metrics on http://{where}/metrics"
+    try:
+        for agent in agents:
+            agent.open()
+    except BaseException:  # another agent holds a directory: nothing of ours stays open
+        for agent in agents:
+            agent.lock.release()
+        api.close()
+        if metrics_server is not None:
+            await metrics_server.close()
+        raise
     runner = web.AppRunner(make_app(agents, token), access_log=None)
     await runner.setup()
     stop = asyncio.Event()
@@ -290,11 +300,11 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     try:
         ssl_context = server_context(tls) if tls is not None and tls.serves else None
-        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
+        site = web.SockSite(runner, api, ssl_context=ssl_context)
         await site.start()
-        bound = runner.addresses[0]
+        bound = api.getsockname()
         scheme = "https" if ssl_context else "http"
-        print(f"cube-agent listening on {scheme}://{bound[0]}:{bound[1]}", flush=True)
+        print(f"cube-agent listening on {scheme}://{address(bound[0], bound[1])}", flush=True)
         if metrics_server is not None:  # a second line, after the one tools wait for
             print(metrics_line, flush=True)
         log.info(
@@ -309,7 +319,7 @@ async def serve(
         for agent in agents:
             await agent.close()
         if metrics_server is not None:
-            metrics_server.shutdown()
+            await metrics_server.close()
     return 0
 
 

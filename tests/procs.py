@@ -15,7 +15,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -260,6 +260,7 @@ def start_server(
     timeout: float = 30.0,
     wait: bool = True,
     env: dict[str, str] | None = None,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> ServerProc:
     """Start `cube-server --data_dir DATA --port P [--workers N] ARGS...` and wait until every
     worker answers its health check (SERVING or, with nothing to serve, NOT_SERVING). The
@@ -268,7 +269,8 @@ def start_server(
     One worker binds port 0 (lookups and control) and reports the bound ports in its
     --port_file: no port is picked by a bind-then-release that another process could win.
     With several workers (and --reuseport) the ports must be known in advance, so free ones
-    are picked; explicit `ports` restart a server where a stopped one was."""
+    are picked; explicit `ports` restart a server where a stopped one was. `preexec_fn` runs
+    in the child before it starts (to set a limit, say)."""
     data_dir = Path(data_dir)
     name = f"cube-server-{os.getpid()}-{next(_SERVER_IDS)}"
     log_path = Path(log_path) if log_path else data_dir.parent / f"{name}.log"
@@ -299,7 +301,13 @@ def start_server(
         *args,
     ]
     server = ServerProc(
-        spawn(command, log_path, cwd=REPO, env={**os.environ, **env} if env else None),
+        spawn(
+            command,
+            log_path,
+            cwd=REPO,
+            env={**os.environ, **env} if env else None,
+            preexec_fn=preexec_fn,
+        ),
         list(ports),
         data_dir,
         log_path,

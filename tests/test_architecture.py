@@ -11,8 +11,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 CORE = [
-    "backoff", "donefile", "format", "hashing", "index", "layout", "original_format", "protocol",
-    "routing", "values", "wire",
+    "backoff", "donefile", "format", "hashing", "idle", "index", "layout", "original_format",
+    "protocol", "routing", "values", "wire",
 ]  # fmt: skip
 SHELLS = ("cube.server", "cube.client", "cube.agent", "cube.transfer", "cube.builder", "cube.bench")
 IO = ("grpc", "aiohttp", "asyncio", "socket", "subprocess", "urllib", "ftplib", "mmap")

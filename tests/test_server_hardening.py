@@ -340,27 +340,214 @@ def test_lane_partial_frames_bounded_and_timed_out(tmp_path):
             sock.close()
 
 
-def test_lane_connections_capped(tmp_path):
+def _lane_call(port: int, keys, timeout: float = 10.0) -> tuple[int, bytes]:
+    """One seek on a new lane connection: (status, body) of its answer frame."""
     import socket
     import struct
+
+    from cube.wire import LANE_MAGIC, encode_seek_request
+
+    request = encode_seek_request(np.asarray(keys, dtype=np.uint64), request_id=1)
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(LANE_MAGIC + struct.pack("<I", len(request)) + request)
+        head = b""
+        while len(head) < 5 and (chunk := sock.recv(5 - len(head))):
+            head += chunk
+        length, status = struct.unpack("<IB", head)
+        body = b""
+        while len(body) < length and (chunk := sock.recv(length - len(body))):
+            body += chunk
+    return status, body
+
+
+def test_lane_connections_capped(tmp_path):
+    """--lane_max_connections: at the limit, a new connection closes the one idle longest to
+    make room; only when every connection is busy (here: HTTP requests whose bodies are
+    being read) is it told UNAVAILABLE and closed."""
+    import socket
 
     from cube.wire import LANE_MAGIC
 
     data = tmp_path / "data"
     write_version(data, "1", KEYS, fixed_values(KEYS, WIDTH, 1), current=True)
-    with running_server(data, "--lane_max_connections=3") as server:
+    with running_server(data, "--lane_max_connections=3", "--http_port", "0") as server:
         port = _lane_port(server.address)
-        kept = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        http_port = json.loads(server.port_file.read_text())["http_ports"][0]
+        kept = []
+        for _ in range(3):  # idle: the magic, then nothing
+            kept.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+            kept[-1].sendall(LANE_MAGIC)
+        unavailable = grpc.StatusCode.UNAVAILABLE.value[0]
+
+        def fourth_answered() -> bool:  # (refused until the watchdog has seen them idle)
+            status, body = _lane_call(port, KEYS[:3])
+            assert status in (0, unavailable), body
+            return status == 0
+
+        assert poll_until(fourth_answered, 10, 0.1)
+        assert kept[0].recv(10) == b""  # the one idle longest made room
         for sock in kept:
-            sock.sendall(LANE_MAGIC)
-        extra = socket.create_connection(("127.0.0.1", port), timeout=10)
-        header = extra.recv(5)
-        length, status = struct.unpack("<IB", header)
-        message = extra.recv(length).decode()
-        assert status == grpc.StatusCode.UNAVAILABLE.value[0] and "limit" in message
-        assert extra.recv(10) == b""
-        for sock in [*kept, extra]:
             sock.close()
+        assert poll_until(lambda: lane_connections(server) == 0, 10, 0.05)
+        busy = []
+        for _ in range(3):
+            busy.append(socket.create_connection(("127.0.0.1", http_port), timeout=10))
+            busy[-1].sendall(
+                b"POST /DictService/seek HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
+            )
+
+        def bodies_read() -> bool:  # each handler charges its body before reading it
+            detail = json.loads(control(server, "status").detail_json)
+            return detail["worker_states"][0]["lane"]["bytes"] >= 300
+
+        assert poll_until(bodies_read, 10, 0.05)
+        status, body = _lane_call(port, KEYS[:3])
+        assert status == unavailable and b"limit" in body and b"busy" in body, body
+        for sock in busy:
+            sock.close()
+
+
+def _open_files_at_least(count: int) -> None:
+    """Raise this process's soft limit of open files toward `count` (up to the hard limit)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = count if hard == resource.RLIM_INFINITY else min(count, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft != resource.RLIM_INFINITY and soft < count:
+        pytest.skip(f"needs {count} open files, the hard limit is {hard}")
+
+
+def _soft_open_files(count: int):
+    """A preexec_fn: the child's soft limit of open files is `count` (its hard one stays)."""
+
+    def limit() -> None:
+        import resource
+
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (count, hard))
+
+    return limit
+
+
+def test_idle_connections_cannot_starve_the_lane(tmp_path):
+    """Issue 24: 3000 connections that send nothing to each face (TCP lane, HTTP+JSON,
+    baidu_std), far over the worker's 1024 (--lane_max_connections), then one connection a
+    face dripping a request a byte a second (and an HTTP body). A new SDK lane connection is
+    served within its one second (idle ones make room), and the drips are closed after
+    --lane_request_timeout (told why, where the protocol can say it). The server starts with a
+    soft limit of 1024 open files, as many systems start processes: it raises it to hold its
+    1024 connections."""
+    import contextlib
+    import socket
+
+    from cube.client import CubeClient
+    from cube.wire import LANE_MAGIC
+
+    flood = 3000
+    _open_files_at_least(3 * flood + 512)
+    data = tmp_path / "data"
+    write_version(data, "1", KEYS, fixed_values(KEYS, WIDTH, 1), current=True)
+    args = ("--http_port", "0", "--baidu_std_port", "0", "--lane_request_timeout", "4")
+    with running_server(
+        data, *args, "--dict_name", "test_dict", preexec_fn=_soft_open_files(1024)
+    ) as server:
+        ports = json.loads(server.port_file.read_text())
+        faces = {
+            "lane": _lane_port(server.address),
+            "http": ports["http_ports"][0],
+            "baidu_std": ports["baidu_std_ports"][0],
+        }
+        requests = {  # what each drip sends, a byte a second
+            "lane": LANE_MAGIC + b"\x10\x00\x00\x00" + b"\x00" * 16,
+            "http": b"POST /DictService/seek HTTP/1.1\r\nHost: x\r\n\r\n",
+            "baidu_std": b"PRPC\x00\x00\x00\x10\x00\x00\x00\x04" + b"\x00" * 16,
+            "http body": b'{"keys": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]}',
+        }
+        body_head = b"POST /DictService/seek HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+        idle: list[socket.socket] = []
+        drips: dict[str, socket.socket] = {}
+        sent = [0]
+
+        def drip() -> None:
+            for face, sock in drips.items():
+                with contextlib.suppress(OSError):  # (closed by the server)
+                    sock.sendall(requests[face][sent[0] : sent[0] + 1])
+            sent[0] += 1
+
+        try:
+            for port in faces.values():
+                idle += [socket.create_connection(("127.0.0.1", port), timeout=30)
+                         for _ in range(flood)]  # fmt: skip
+
+            def flood_taken() -> bool:  # every connection accepted, the oldest closed
+                stats = _lane_stats(server)
+                return stats["evicted"] == 3 * flood - 1024 and _held(server) == 1024
+
+            assert poll_until(flood_taken, 60, 0.2), (_lane_stats(server), _held(server))
+            for face, port in [*faces.items(), ("http body", faces["http"])]:
+                drips[face] = socket.create_connection(("127.0.0.1", port), timeout=10)
+            drips["http body"].sendall(body_head % len(requests["http body"]))  # then its body
+            drip()
+            before = _lane_messages(server)
+            with CubeClient(shards=[[server.address]], dict_name="test_dict", retry=0) as client:
+                result = client.seek(KEYS[:100])  # one attempt, a new lane connection, 1 s
+            assert result.found.all() and _lane_messages(server) == before + 1
+            assert idle[0].recv(1) == b""  # the oldest idle made room
+            answers: dict[str, bytes] = {}
+
+            def drips_closed() -> bool:
+                drip()
+                for face, sock in drips.items():
+                    if face not in answers and _closed(sock):
+                        answers[face] = _read_to_eof(sock)
+                return len(answers) == len(drips)
+
+            assert poll_until(drips_closed, 30, 1.0), set(drips) - set(answers)
+            assert sent[0] < 20, f"a drip lived {sent[0]} s"
+            for face in ("http", "http body"):
+                assert answers[face].startswith(b"HTTP/1.1 408"), answers[face]
+            for face in ("http", "http body", "lane"):  # (baidu_std has no frame for it)
+                assert b"--lane_request_timeout" in answers[face], answers[face]
+            assert _lane_stats(server)["closed_slow"] >= 3
+        finally:
+            for sock in idle + list(drips.values()):
+                sock.close()
+
+
+def _closed(sock) -> bool:
+    """Whether the server has answered or closed `sock` (it says nothing to a drip before)."""
+    import select
+
+    poller = select.poll()  # (select() takes no descriptor past 1023)
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def _lane_stats(server) -> dict:
+    return json.loads(control(server, "status").detail_json)["worker_states"][0]["lane"]
+
+
+def _held(server) -> int:
+    stats = _lane_stats(server)
+    return sum(stats[k] for k in ("connections", "http_connections", "baidu_std_connections"))
+
+
+def _read_to_eof(sock) -> bytes:
+    sock.settimeout(10)
+    data = b""
+    try:
+        while chunk := sock.recv(4096):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def _lane_messages(server) -> int:
+    return int(json.loads(control(server, "status").detail_json)["requests"]["lane_messages"])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -135,6 +135,33 @@ def test_metrics_port_in_use_is_refused_at_once(data, tmp_path):
     assert f"127.0.0.1:{port} (--metrics_port): port in use" in done.stderr, done.stderr
 
 
+def test_idle_connections_to_the_metrics_port_hold_no_threads(data):
+    """Issue 24: prometheus_client's server started a thread a connection (500 idle
+    connections made 515 threads). The endpoint now serves from the event loop with one
+    thread of its own, keeps at most a few connections (the one idle longest makes room),
+    and a scrape still gets through 500 idle connections."""
+    import socket
+
+    import psutil
+
+    with running_server(data, "--metrics_port", "0") as server:
+        port = metrics_port(server)
+        assert value(scrape_port(port), "cube_server_worker_up", worker="0") == 1
+        threads = psutil.Process(server.pid).num_threads()
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(500)]
+        try:
+            half = idle[-1]
+            half.sendall(b"GET /metrics HTTP/1.1\r\n")  # and then nothing
+            samples = scrape_port(port)
+            assert value(samples, "cube_server_worker_up", worker="0") == 1
+            grown = psutil.Process(server.pid).num_threads() - threads
+            assert grown <= 2, f"{grown} more threads with 500 idle connections"
+            assert idle[0].recv(1) == b""  # the idle ones made room
+        finally:
+            for sock in idle:
+                sock.close()
+
+
 @pytest.mark.parametrize("transport", ["auto", "grpc"])
 def test_a_refusal_names_the_request_id_in_the_error_and_the_server_log(data, transport):
     """The SDK sends each call's request id with its sub-requests and puts it on the error it

@@ -168,4 +168,4 @@ def test_port_in_use_is_reported_at_once(tmp_path):
         argv = [sys.executable, "-m", "cube.transfer.main", "-p", str(port), "--config", str(conf)]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=WAIT)
     assert done.returncode == 1
-    assert f"the API (-p) on 127.0.0.1:{port}: port in use" in done.stderr, done.stderr
+    assert f"127.0.0.1:{port} (-p, the API): port in use" in done.stderr, done.stderr

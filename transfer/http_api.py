@@ -20,7 +20,6 @@ anonymous read-only pyftpdlib server for `ftp`.
 from __future__ import annotations
 
 import asyncio
-import errno
 import html
 import json
 import logging
@@ -36,6 +35,7 @@ from aiohttp import web
 from multidict import MultiMapping
 
 from cube.donefile import ID, VERSION_NAME
+from cube.listen import listen_socket
 from cube.security import TLSFiles, bearer_token, server_context, token_matches
 from cube.transfer import views
 from cube.transfer.config import TransferConfig
@@ -380,24 +380,16 @@ class ListenSockets:
             self.files.close()
 
 
-def _listen_socket(host: str, port: int, what: str) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        return socket.create_server((host, port), family=family, backlog=128)
-    except OSError as exc:
-        reason = "port in use" if exc.errno == errno.EADDRINUSE else exc.strerror
-        raise OSError(exc.errno, f"cannot listen for {what} on {host}:{port}: {reason}") from exc
-
-
 def bind_listeners(cfg: TransferConfig, api_port: int) -> ListenSockets:
     """Bind the API port (`-p`; 0: any free port) and the file server's `wget_port` (0: any
-    free port) on `listen`; no file server with download_mode s3 or a download_address."""
-    api = _listen_socket(cfg.listen, api_port, "the API (-p)")
+    free port) on `listen`, each for this process alone (cube.listen: ListenError when
+    one is in use); no file server with download_mode s3 or a download_address."""
+    api = listen_socket(cfg.listen, api_port, "-p, the API", backlog=128)
     if not cfg.serves_files:
         return ListenSockets(api, None)
     try:
-        what = f"the {cfg.download_mode} file server (wget_port)"
-        files = _listen_socket(cfg.listen, cfg.wget_port, what)
+        what = f"wget_port, the {cfg.download_mode} file server"
+        files = listen_socket(cfg.listen, cfg.wget_port, what, backlog=128)
     except OSError:
         api.close()
         raise

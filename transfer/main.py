@@ -18,6 +18,7 @@ from typing import Any
 
 from cube import remote
 from cube.flags import FlagError, Flags, FlagSet, run_cli
+from cube.listen import ListenError, address
 from cube.logs import LOG_FORMATS, setup_logging
 from cube.security import SecurityError, TLSFiles, require_token
 from cube.transfer.config import ConfigError, load_config
@@ -84,11 +85,11 @@ async def serve(
             return service.metrics_snapshot()
 
         try:
-            metrics_server, port = serve_collector(*metrics, TransferCollector, snapshot, loop)
-        except OSError as exc:
-            log.error("%s", exc.strerror)
+            metrics_server = await serve_collector(*metrics, TransferCollector, snapshot)
+        except ListenError as exc:
+            log.error("%s", exc)
             return 1
-        log.info("metrics on http://%s:%d/metrics", metrics[0], port)
+        log.info("metrics on http://%s/metrics", address(metrics[0], metrics_server.port))
     await service.open()
     try:
         stop_listeners = await start_listeners(service, sockets)
@@ -111,7 +112,7 @@ async def serve(
         await stop_listeners()
         await service.close()
         if metrics_server is not None:
-            metrics_server.shutdown()
+            await metrics_server.close()
     return 0
 
 

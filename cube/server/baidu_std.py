@@ -50,6 +50,7 @@ import time
 
 import grpc
 
+from cube.idle import Waiting
 from cube.pb.baidu_std_pb2 import RpcMeta
 from cube.security import bearer_token, control_refusal
 from cube.server.bounds import BoundedProtocol, Bounds
@@ -118,6 +119,9 @@ class BaiduStdProtocol(BoundedProtocol):
 
     def refuse_connection(self, transport: asyncio.Transport, reason: str) -> None:
         self.face.warn("%s: one closed", reason)  # baidu_std has no frame to say it in
+
+    def waiting(self) -> Waiting | None:
+        return None if self.commands else super().waiting()
 
     def resume(self) -> None:
         if self.closing or self.transport is None:
@@ -323,7 +327,7 @@ class BaiduStdServer:
     async def start(self, port: int, ssl: ssl_module.SSLContext | None = None) -> int:
         """Listen on host:port (0: any free port); returns the bound port."""
         self.server, self.port = await self.bounds.listen(
-            lambda: BaiduStdProtocol(self), self.host, port, ssl
+            lambda: BaiduStdProtocol(self), self.host, port, ssl, "--baidu_std_port"
         )
         return self.port
 

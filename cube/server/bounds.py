@@ -13,8 +13,12 @@ share one `Bounds` per worker (`LaneLimits`, from the --lane_* flags):
   read;
 - a connection holding a partial frame (or request), or answers the peer does not take,
   without progress for `stall_timeout` seconds is closed by the watchdog, which runs every
-  quarter second (a stalled or malicious peer frees what it holds). A connection idle
-  between requests holds nothing and is never closed for it.
+  quarter second (a stalled or malicious peer frees what it holds);
+- a connection the server owes nothing is closed when its peer sends nothing for
+  `idle_timeout` seconds after it connected or was last answered, or does not complete a
+  request it began within `request_timeout` seconds; and when a new connection comes to a
+  full worker, the connection idle longest makes room for it (cube/idle.py: the policy).
+  So idle connections, however many, cannot keep the SDK out.
 
 `BoundedProtocol` is the accounting of one framed connection (the lane's and baidu_std's):
 its input buffer, its answers' bytes, whether it is held back; the subclasses parse and answer
@@ -33,10 +37,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from cube.idle import IDLE, SLOW, IdleConnections, IdlePolicy, Waiting
+from cube.listen import BACKLOG, listen_socket
+
 log = logging.getLogger("cube.server")
 
 WRITE_HIGH_WATER = 4 << 20  # the transport pauses us (and we stop reading) above this
 WATCH_EVERY = 0.25  # seconds between the watchdog's rounds
+REPORT_EVERY = 10.0  # seconds between log lines about connections closed for the bounds
+EVICTED = "evicted"  # closed to make room for a new connection (besides cube.idle's reasons)
 
 
 @dataclass(frozen=True)
@@ -49,35 +58,69 @@ class LaneLimits:
     budget_bytes: int = 256 << 20
     stall_timeout: float = 30.0
     max_connections: int = 1024
+    idle_timeout: float = 60.0
+    request_timeout: float = 30.0
 
 
 class Bounds:
     """One worker's connections on its socket ports and the bytes they hold (module
     docstring). A connection is anything with `kind`, `counted` (its bytes in `total_bytes`),
-    `watch(now)` (sample what it holds, close it when stalled) and, when held back in
-    `paused`, `resume()`."""
+    `watch(now)` (sample what it holds, close it when stalled), `waiting()` (cube.idle),
+    `expire(reason, slow)` (close it: idle, to make room, or `slow` to send its request) and,
+    when held back in `paused`, `resume()`. `clock` is time.monotonic, or a test's."""
 
-    def __init__(self, limits: LaneLimits | None = None) -> None:
-        self.limits = limits or LaneLimits()
+    def __init__(
+        self, limits: LaneLimits | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.limits = limits = limits or LaneLimits()
+        self.clock = clock
         self.total_bytes = 0  # input buffers + queued + unsent answers + HTTP bodies
         self.connections: set[Any] = set()
         self.kinds: dict[str, int] = {}  # connections per kind ("lane", "baidu_std", "http")
         self.paused: set[Any] = set()  # not read: held back by the bounds or answers unread
+        self.idle = IdleConnections[Any](IdlePolicy(limits.idle_timeout, limits.request_timeout))
+        self.reasons = {
+            IDLE: f"idle for {limits.idle_timeout:g} s (--lane_idle_timeout)",
+            SLOW: (
+                f"a request not whole within {limits.request_timeout:g} s (--lane_request_timeout)"
+            ),
+            EVICTED: (
+                f"closed for a new connection: the worker had its {limits.max_connections}"
+                " (--lane_max_connections)"
+            ),
+        }
+        self.closed = dict.fromkeys(self.reasons, 0)  # connections closed, by reason
+        self.refused = 0  # connections refused: the worker full, every connection busy
+        self._reported = dict(self.closed)
+        self._reported_at = clock()
         self._users = 0
         self._watchdog: asyncio.Task[None] | None = None
 
     # -- connections ---------------------------------------------------------------------
 
     def admit(self, connection: Any) -> str | None:
-        """Count a new connection in; the reason it is refused when the worker is full."""
+        """Count a new connection in; the reason it is refused when the worker is full and
+        no connection is idle to make room."""
         if len(self.connections) >= self.limits.max_connections:
-            return (
-                f"this server already has {len(self.connections)} connections (its limit,"
-                " --lane_max_connections); try another replica or later"
-            )
+            victim = self.idle.make_room(self.connections)
+            if victim is None:
+                self.refused += 1
+                return (
+                    f"this server already has {len(self.connections)} connections, all busy"
+                    " (its limit, --lane_max_connections); try another replica or later"
+                )
+            self._expire(victim, EVICTED)
         self.connections.add(connection)
         self.kinds[connection.kind] = self.kinds.get(connection.kind, 0) + 1
+        self.idle.admitted(connection)
         return None
+
+    def _expire(self, connection: Any, reason: str) -> None:
+        """Close a connection the server owes nothing (`reason`: a key of `reasons`); its
+        place is free at once."""
+        self.closed[reason] += 1
+        connection.expire(self.reasons[reason], slow=reason == SLOW)
+        self.leave(connection)
 
     def leave(self, connection: Any) -> None:
         """A connection closed (admitted or not)."""
@@ -109,14 +152,19 @@ class Bounds:
                     connection.resume()
 
     def stats(self) -> dict[str, int]:
-        """For status: the TCP lane's connections (`connections`), the other ports', and the
-        bytes they all hold."""
+        """For status: the TCP lane's connections (`connections`), the other ports', the
+        bytes they all hold, how many were closed idle, too slow or to make room, and how many
+        were refused (every connection busy)."""
         kinds = self.kinds
         return {
             "connections": kinds.get("lane", 0),
             "baidu_std_connections": kinds.get("baidu_std", 0),
             "http_connections": kinds.get("http", 0),
             "bytes": self.total_bytes,
+            "closed_idle": self.closed[IDLE],
+            "closed_slow": self.closed[SLOW],
+            "evicted": self.closed[EVICTED],
+            "refused": self.refused,
         }
 
     async def listen(
@@ -125,15 +173,25 @@ class Bounds:
         host: str,
         port: int,
         ssl: ssl_module.SSLContext | None,
+        what: str,
     ) -> tuple[asyncio.Server, int]:
-        """A listener of one port under these bounds (0: any free port): the server and the
-        bound port; the watchdog runs until it `detach`es."""
+        """A listener of one port under these bounds (0: any free port; `what`: the flag
+        that chose it, for cube.listen's ListenError): the server and the bound port; the
+        watchdog runs until it `detach`es."""
+        sock = listen_socket(host, port, what)
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(
-            protocol, host, port, reuse_address=True, backlog=1024, ssl=ssl
-        )
+        # (the backlog again: create_server listens anew, by default with 100); a TLS
+        # handshake, before the connection is counted, gets the time a request gets
+        handshake = self.limits.request_timeout if ssl is not None else None
+        try:
+            server = await loop.create_server(
+                protocol, sock=sock, ssl=ssl, backlog=BACKLOG, ssl_handshake_timeout=handshake
+            )
+        except BaseException:
+            sock.close()
+            raise
         self.attach()
-        return server, int(server.sockets[0].getsockname()[1])
+        return server, int(sock.getsockname()[1])
 
     # -- the watchdog --------------------------------------------------------------------
 
@@ -151,14 +209,30 @@ class Bounds:
             self._watchdog = None
 
     async def _watch(self) -> None:
-        """Every quarter second: sample unsent bytes (the transports drain on their own),
-        close stalled connections, let held ones go on."""
         while True:
             await asyncio.sleep(WATCH_EVERY)
-            now = time.monotonic()
-            for connection in list(self.connections):
-                connection.watch(now)
-            self.resume_held()
+            self.sweep(self.clock())
+
+    def sweep(self, now: float) -> None:
+        """The watchdog's round, every quarter second: sample unsent bytes (the transports
+        drain on their own), close stalled connections and those idle or too slow for the
+        policy, let held ones go on; now and then, say how many were closed."""
+        for connection in list(self.connections):
+            connection.watch(now)
+        for connection, reason in self.idle.sweep(list(self.connections), now):
+            self._expire(connection, reason)
+        self.resume_held()
+        if now - self._reported_at >= REPORT_EVERY:
+            self._report(now)
+
+    def _report(self, now: float) -> None:
+        counts = {key: self.closed[key] - self._reported[key] for key in self.closed}
+        self._reported, self._reported_at = dict(self.closed), now
+        said = [f"{count} {self.reasons[key]}" for key, count in counts.items() if count]
+        if said:
+            level = logging.WARNING if counts[EVICTED] or counts[SLOW] else logging.INFO
+            text = "; ".join(said)
+            log.log(level, "connections closed in the last %.0f s: %s", REPORT_EVERY, text)
 
 
 class BoundedProtocol(asyncio.Protocol):
@@ -184,7 +258,8 @@ class BoundedProtocol(asyncio.Protocol):
         self.queued = 0  # estimated bytes of answers queued, not yet written
         self.unsent = 0  # bytes the transport still holds (sampled)
         self.counted = 0  # what this connection adds to the worker's total
-        self.progress_at = time.monotonic()
+        self.progress_at = time.monotonic()  # bytes last came in or went out
+        self.partial_since = self.progress_at  # the first byte of the partial frame held
 
     # -- accounting ----------------------------------------------------------------------
 
@@ -248,6 +323,24 @@ class BoundedProtocol(asyncio.Protocol):
             )
             self.transport.abort()
 
+    def waiting(self) -> Waiting | None:
+        """For the idle policy (cube.idle): since when the connection has waited for its
+        peer's next frame, or None while it is owed answers, held back or closing."""
+        transport = self.transport
+        if self.queued or self.unsent or self.closing or transport is None:
+            return None
+        if transport.is_closing():
+            return None
+        if self.buffer:
+            return None if self.held() else Waiting(self.partial_since, partial=True)
+        return Waiting(self.progress_at)
+
+    def expire(self, reason: str, slow: bool = False) -> None:
+        """Close the connection for the idle policy (nothing is owed to it)."""
+        self.closing = True
+        self._update_reading()
+        self._close()
+
     def resume(self) -> None:
         """Answers drained (ours or the worker's): parse what was held back, read again."""
         raise NotImplementedError
@@ -302,11 +395,16 @@ class BoundedProtocol(asyncio.Protocol):
         self.resume()
 
     def _keep(self, source: bytes | bytearray, start: int) -> None:
-        """Keep `source[start:]` as the buffer (in place when it is the buffer)."""
+        """Keep `source[start:]` as the buffer (in place when it is the buffer). A frame
+        left partial after whole ones, or begun in bytes just read, began when bytes last
+        came (`partial_since`, for the idle policy)."""
         if source is self.buffer:
-            del self.buffer[:start]
+            if start:
+                del self.buffer[:start]
+                self.partial_since = self.progress_at
         elif start < len(source):  # (else the buffer is empty already)
             self.buffer = bytearray(source[start:])
+            self.partial_since = self.progress_at
         self._account()
 
     def _close(self) -> None:

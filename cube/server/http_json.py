@@ -25,13 +25,17 @@ whoever reaches it switch versions). Answers are 200 with {"cur_version", "bg_ve
 with the reason as text (the original answered 500).
 
 Bounds, the worker's `Bounds` shared with the TCP lane and baidu_std (cube.server.bounds):
-at most --lane_max_connections connections per worker (the next is answered 503 and closed);
+at most --lane_max_connections connections per worker (the next, when none waits idle to make
+room for it, is answered 503 and closed);
 a request body is charged against --lane_budget_bytes before it is read, by its
 Content-Length (a chunked body: by the byte bound), until its answer is built (503 when the
-budget is spent); a body that makes no progress for --lane_stall_timeout is answered 408 and
-its connection closed, as is a connection holding part of a request, or answers its peer
-does not read, that long. aiohttp serves the protocol: each connection goes through an
-`HttpConnection`, which counts it and what it has not sent.
+budget is spent); a body that makes no progress for --lane_stall_timeout, or is not whole
+within --lane_request_timeout, is answered 408 and its connection closed, as is a connection
+holding part of a request, or answers its peer does not read, that long. A connection that
+sends nothing for --lane_idle_timeout after it connected or was last answered is closed, and
+one of them makes room when the worker has its most connections (cube.idle). aiohttp serves
+the protocol: each connection goes through an `HttpConnection`, which counts it, what it has
+not sent and how long it has waited.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 from aiohttp import web
 
+from cube.idle import Waiting
 from cube.security import bearer_token, control_refusal
 from cube.server.bounds import Bounds
 from cube.server.control import ControlError, ControlRunner
@@ -92,11 +97,12 @@ def _closing_text(status: int, message: str) -> web.Response:
     return response
 
 
-def refusal_bytes(reason: str) -> bytes:
-    """A whole 503 response, written to a connection refused before it sends anything."""
-    text = f"HTTP: {reason}\n".encode()
+def status_bytes(status: int, phrase: str, message: str) -> bytes:
+    """A whole response with a one-line text body, written to a connection aiohttp does not
+    answer (refused before it sends anything, or closed before its request came whole)."""
+    text = f"{message}\n".encode()
     head = (
-        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+        f"HTTP/1.1 {status} {phrase}\r\nContent-Type: text/plain; charset=utf-8\r\n"
         f"Content-Length: {len(text)}\r\nConnection: close\r\n\r\n"
     )
     return head.encode() + text
@@ -105,8 +111,10 @@ def refusal_bytes(reason: str) -> bytes:
 class HttpConnection(asyncio.Protocol):
     """One HTTP connection as the worker's `Bounds` see it, in front of aiohttp's own
     protocol (`handler`), to which it passes everything: it counts the connection against
-    the limit, samples the bytes its transport has not sent, and tells the watchdog when it
-    stalls. Idle between requests, it is left open (aiohttp's keep-alive timeout applies)."""
+    the limit, samples the bytes its transport has not sent, tells the watchdog when it
+    stalls and the idle policy (cube.idle) how long it has waited for a request: idle after
+    connecting or between requests, it is closed after --lane_idle_timeout; a request's
+    head not whole within --lane_request_timeout of its first byte is answered 408."""
 
     kind = "http"
     buffer = b""  # never held back by the bounds (Bounds.resume_held skips it)
@@ -124,6 +132,8 @@ class HttpConnection(asyncio.Protocol):
         self.data_at = 0.0  # when bytes last came in
         self.read_at = now  # when the request being handled had come in whole
         self.idle_since = now  # no request being handled since (its bytes all read)
+        self.request_from = now  # the first byte of the request coming
+        self.answered_at = now  # connected, or the last request's handler ended
         self.busy = 0  # requests being handled
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -131,7 +141,9 @@ class HttpConnection(asyncio.Protocol):
         reason = self.bounds.admit(self)
         if reason is not None:
             self.refused = True
-            self.transport.write(refusal_bytes(reason))  # type: ignore[union-attr]
+            self.transport.write(  # type: ignore[union-attr]
+                status_bytes(503, "Service Unavailable", f"HTTP: {reason}")
+            )
             transport.close()
             return
         self.face.tracked[transport] = self
@@ -139,7 +151,10 @@ class HttpConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if not self.refused:
-            self.data_at = time.monotonic()
+            now = time.monotonic()
+            if self.data_at <= self.read_at:  # the first bytes since a request was read
+                self.request_from = now
+            self.data_at = now
             self.handler.data_received(data)
 
     def eof_received(self) -> bool | None:
@@ -186,6 +201,29 @@ class HttpConnection(asyncio.Protocol):
         log.warning("HTTP: closing a connection stalled for over %.0f s (%s)", stall, what)
         transport.abort()
 
+    def waiting(self) -> Waiting | None:
+        """For the idle policy (cube.idle): since when it has waited for a request (part of
+        one came: since its first byte), or None while a request is handled or answered."""
+        transport = self.transport
+        if self.refused or self.busy or self.unsent or transport is None:
+            return None
+        if transport.is_closing():
+            return None
+        if self.data_at > self.idle_since:
+            return Waiting(self.request_from, partial=True)
+        return Waiting(self.answered_at)
+
+    def expire(self, reason: str, slow: bool = False) -> None:
+        """Close the connection for the idle policy; one part-way through a request's head
+        is told why first (408 when it was too slow to send it, else 503)."""
+        transport = self.transport
+        if transport is None:
+            return
+        if self.data_at > self.idle_since:
+            status, phrase = (408, "Request Timeout") if slow else (503, "Service Unavailable")
+            transport.write(status_bytes(status, phrase, f"HTTP: {reason}"))
+        transport.close()
+
 
 class HttpFace:
     """The HTTP+JSON listener of one worker."""
@@ -209,6 +247,7 @@ class HttpFace:
         self.max_body = max_body
         self.bounds = bounds
         self.stall_timeout = bounds.limits.stall_timeout
+        self.request_timeout = bounds.limits.request_timeout
         self.tracked: dict[object, HttpConnection] = {}  # by transport
         self.runner: web.AppRunner | None = None
         self.listener: asyncio.Server | None = None
@@ -236,6 +275,7 @@ class HttpFace:
         finally:
             connection.busy -= 1
             connection.idle_since = connection.read_at
+            connection.answered_at = time.monotonic()
 
     # -- request bodies ------------------------------------------------------------------
 
@@ -264,13 +304,15 @@ class HttpFace:
         )
 
     async def _read(self, request: web.Request, what: str) -> bytes | RequestError:
-        """The body, unless it passes the byte bound or stops coming for the stall timeout."""
+        """The body, unless it passes the byte bound, stops coming for the stall timeout or
+        is not whole within the request timeout (a drip)."""
         content = request.content
         parts = []
         size = 0
         loop = asyncio.get_running_loop()
+        stall, whole = self.stall_timeout, loop.time() + self.request_timeout
         try:
-            async with asyncio.timeout(self.stall_timeout) as timer:
+            async with asyncio.timeout_at(min(loop.time() + stall, whole)) as timer:
                 while True:
                     chunk = await content.readany()
                     if not chunk:
@@ -279,13 +321,16 @@ class HttpFace:
                     if size > self.max_body:
                         return self._too_large(what)
                     parts.append(chunk)
-                    timer.reschedule(loop.time() + self.stall_timeout)
+                    timer.reschedule(min(loop.time() + stall, whole))
         except TimeoutError:
-            log.warning("HTTP: a body stalled for %.0f s; connection closed", self.stall_timeout)
+            if loop.time() >= whole:
+                why = f"did not come whole within {self.request_timeout:g} s"
+                flag = "--lane_request_timeout"
+            else:
+                why, flag = f"stopped coming for {stall:g} s", "--lane_stall_timeout"
+            log.warning("HTTP: a body %s; connection closed", why)
             return RequestError(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"{what}: the body stopped coming for {self.stall_timeout:g} s"
-                " (--lane_stall_timeout)",
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"{what}: the body {why} ({flag})"
             )
         connection = self.tracked.get(request.transport)
         if connection is not None:
@@ -381,7 +426,7 @@ class HttpFace:
         assert handlers is not None
         try:
             self.listener, self.port = await self.bounds.listen(
-                lambda: HttpConnection(self, handlers()), self.host, port, ssl
+                lambda: HttpConnection(self, handlers()), self.host, port, ssl, "--http_port"
             )
         except BaseException:
             await runner.cleanup()

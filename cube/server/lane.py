@@ -26,8 +26,12 @@ Memory is bounded in bytes, whatever the peers do, by the worker's `Bounds`
   that pushes its own input buffer over the budget is told UNAVAILABLE and closed;
 - a connection holding a partial frame, or unsent answers, without progress for
   `stall_timeout` seconds is closed (a stalled or malicious peer frees what it holds);
-- at most `max_connections` connections per worker (all its socket ports); the next is told
-  UNAVAILABLE and closed.
+- a connection that sends nothing for `idle_timeout` seconds after it connected or was last
+  answered is closed, as is one that does not complete a frame within `request_timeout`
+  seconds of its first byte (told DEADLINE_EXCEEDED);
+- at most `max_connections` connections per worker (all its socket ports); the next makes
+  room by closing the connection idle longest, or, when every one is being answered, is
+  told UNAVAILABLE and closed.
 
 Busy polling (`--busy_poll_us`): after answering, the worker keeps its event loop polling the
 sockets without sleeping for that long, so a request arriving soon after is read at once. On a
@@ -86,6 +90,15 @@ class LaneProtocol(BoundedProtocol):
 
     def refuse_connection(self, transport: asyncio.Transport, reason: str) -> None:
         transport.write(error_frame(grpc.StatusCode.UNAVAILABLE, f"TCP lane: {reason}"))
+
+    def expire(self, reason: str, slow: bool = False) -> None:
+        """Closed by the idle policy: a peer part-way through a frame is told why (an idle
+        one is not: a client about to reuse its connection sees it closed, and resends)."""
+        if self.buffer and self.transport is not None:
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if slow else grpc.StatusCode.UNAVAILABLE
+            message = f"TCP lane: {reason}; connection closed"
+            self.transport.write(error_frame(code, message))
+        super().expire(reason, slow)
 
     # -- frames -------------------------------------------------------------------------
 
@@ -281,7 +294,7 @@ class Lane:
         """Listen on host:port (0: any free port), over TLS with `ssl`; returns the port."""
         self._loop = asyncio.get_running_loop()
         self.server, self.port = await self.bounds.listen(
-            lambda: LaneProtocol(self), host, port, ssl
+            lambda: LaneProtocol(self), host, port, ssl, "--tcp_ports"
         )
         return self.port
 

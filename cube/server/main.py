@@ -25,7 +25,6 @@ exit 0. The supervisor forwards the signal to its workers and waits for them.
 from __future__ import annotations
 
 import asyncio
-import errno
 import gc
 import logging
 import os
@@ -40,12 +39,27 @@ from typing import Any
 
 from cube.flags import FlagError, Flags, FlagSet, run_cli
 from cube.fsutil import atomic_write_json
+from cube.listen import (
+    GRPC_OPTIONS,
+    ListenError,
+    address,
+    check_free,
+    grpc_listen,
+    raise_open_files,
+)
 from cube.logs import LOG_FORMATS, setup_logging
 from cube.routing import PARTITIONERS
 from cube.security import SecurityError, TLSFiles, require_token, token_from
 from cube.server.service import DEFAULT_MAX_ANSWER_BYTES, warm_version
 
 log = logging.getLogger("cube.server")
+# A worker that cannot listen on one of its ports exits with this: its supervisor stops the
+# server at once rather than restarting it on a port someone else holds (the server itself
+# exits 1).
+EXIT_CANNOT_LISTEN = 3
+# Open files a worker needs besides its socket ports' connections (gRPC connections, shard
+# files, the metrics endpoint's connections, ...).
+FILES_BESIDES_CONNECTIONS = 512
 
 FLAGS = (
     FlagSet(
@@ -119,7 +133,13 @@ FLAGS = (
     .add("data_dir", str, "./data", "directory with VERSION and the version directories")
     .add("workers", int, 1, "worker processes, each on its own port (see --worker_ports)")
     .add("worker_ports", str, "", "comma list of worker ports (default: port, port+1, ...)")
-    .add("reuseport", bool, False, "every worker also on --port (SO_REUSEPORT); own ports +1")
+    .add(
+        "reuseport",
+        bool,
+        False,
+        "every worker also on --port (SO_REUSEPORT; refused when another process holds it);"
+        " own ports +1",
+    )
     .add("tcp_lane", bool, True, "also serve cube.v1 Seek over plain TCP (see cube.server.lane)")
     .add("tcp_ports", str, "", "comma list of each worker's TCP lane port (default: any free)")
     .add(
@@ -164,7 +184,13 @@ FLAGS = (
         True,
         "watch mapped shard files with kernel leases (false: poll their size and mtime)",
     )
-    .add("lane_max_connections", int, 1024, "TCP lane connections per worker at most")
+    .add(
+        "lane_max_connections",
+        int,
+        1024,
+        "connections per worker at most, TCP lane, HTTP+JSON and baidu_std together (a new one"
+        " closes the one idle longest to make room)",
+    )
     .add(
         "lane_budget_bytes",
         int,
@@ -183,6 +209,20 @@ FLAGS = (
         float,
         30.0,
         "TCP lane: close a connection holding a partial frame or unread answers this long",
+    )
+    .add(
+        "lane_idle_timeout",
+        float,
+        60.0,
+        "TCP lane, HTTP+JSON, baidu_std: close a connection that sends nothing this long after"
+        " it connected or was last answered",
+    )
+    .add(
+        "lane_request_timeout",
+        float,
+        30.0,
+        "TCP lane, HTTP+JSON, baidu_std: close a connection whose request is not whole this"
+        " long after its first byte (a drip)",
     )
     .add("dict_name", str, "", "dictionary served; requests naming another get NOT_FOUND")
     .add("shard", int, -1, "shard number of this server (also accepts <dict>_part<shard>)")
@@ -296,8 +336,9 @@ def check_flags(flags: Flags) -> None:
     ):
         if flags[name] < 1:
             raise FlagError(f"--{name} must be >= 1, got {flags[name]}")
-    if flags.lane_stall_timeout <= 0:
-        raise FlagError(f"--lane_stall_timeout must be > 0, got {flags.lane_stall_timeout}")
+    for name in ("lane_stall_timeout", "lane_idle_timeout", "lane_request_timeout"):
+        if flags[name] <= 0:
+            raise FlagError(f"--{name} must be > 0, got {flags[name]}")
     if not 0 <= flags.busy_poll_us <= 1_000_000:
         raise FlagError(f"--busy_poll_us must be in 0..1000000, got {flags.busy_poll_us}")
     if not 0 <= flags.port < 65536:
@@ -362,20 +403,28 @@ def _main(argv: Sequence[str]) -> int:
     from cube.server.original_faces import check_face_flags
 
     check_face_flags(flags, fixed_ports(flags, ports))  # checks them all before any worker
+    if flags.reuseport and flags.worker_index < 0:
+        # The workers bind --port with SO_REUSEPORT, which any process of this user that
+        # sets it too may join: first make sure no other holds it (a second server started
+        # with --reuseport on the same port is refused here).
+        try:
+            check_free(flags.host, flags.port, "--port, shared by --reuseport")
+        except ListenError as exc:
+            log.error("%s", exc)
+            return 1
     if flags.workers > 1 and flags.worker_index < 0:
         return supervise(flags, list(argv), ports)
     import uvloop
 
     index = max(flags.worker_index, 0)
-    return uvloop.run(serve(flags, index, ports))
+    code = uvloop.run(serve(flags, index, ports))
+    if code == EXIT_CANNOT_LISTEN and flags.worker_index < 0:
+        return 1  # (EXIT_CANNOT_LISTEN is a worker's word to its supervisor)
+    return code
 
 
 def _loopback(host: str) -> str:
     return "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host
-
-
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 async def serve(flags: Flags, index: int, ports: list[int]) -> int:
@@ -466,7 +515,7 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
     remotes = []
     if index == 0:
         remotes = [
-            RemoteWorker(i, port, _address(internal, port), flags.control_timeout, token)
+            RemoteWorker(i, port, address(internal, port), flags.control_timeout, token)
             for i, port in enumerate(controls)
             if i != 0
         ]
@@ -497,72 +546,90 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
         if index == 0
         else None
     )
-    forward = None if index == 0 else _address(internal, controls[0])
+    forward = None if index == 0 else address(internal, controls[0])
 
     # Lookups on the data port; loads and switches on the control port (loopback by default,
     # token-checked when one is set): whoever reaches the data port cannot change versions.
     # A DictRequest's key takes up to 11 bytes (proto2 repeated uint64 is not packed: a tag
     # and a varint of up to 10 bytes), a cube.v1 one 8 or 9.
     max_message = max(4 << 20, flags.max_batch * 11 + (1 << 16))
-    server = grpc.aio.server(
-        options=[
-            ("grpc.so_reuseport", 1 if flags.reuseport else 0),
-            ("grpc.max_receive_message_length", max_message),
-            ("grpc.max_send_message_length", -1),
-        ]
-    )
+    health_servicer = health.aio.HealthServicer()
+    service_names = [FAST_SERVICE, DICT_SERVICE]
+
+    def grpc_server(names: list[str], options: list[tuple[str, Any]], checks: list[Any]) -> Any:
+        """A gRPC server with health and reflection (the handlers are added by the caller)."""
+        made = grpc.aio.server(interceptors=checks, options=options)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, made)
+        reflection.enable_server_reflection(
+            [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], made
+        )
+        return made
+
+    lookup_options = [
+        ("grpc.max_receive_message_length", max_message),
+        ("grpc.max_send_message_length", -1),
+    ]
+    server = grpc_server(service_names, [*GRPC_OPTIONS, *lookup_options], [])
     server.add_generic_rpc_handlers(service.handlers())
     checks = [TokenCheck(token, flags.control_host, flags.insecure)] if token else []
-    control_server = grpc.aio.server(interceptors=checks)
+    control_server = grpc_server([CONTROL_SERVICE], [*GRPC_OPTIONS], checks)
     # One ControlRunner serves every transport of control: the control port, HTTP+JSON and
     # baidu_std.
     runner = ControlRunner(coordinator, forward, flags.control_timeout, token)
     control_server.add_generic_rpc_handlers([control_handler(runner), worker_handler(local)])
-    health_servicer = health.aio.HealthServicer()
-    service_names = [FAST_SERVICE, DICT_SERVICE]
-    for grpc_server, names in (
-        (server, service_names),
-        (control_server, [CONTROL_SERVICE]),
-    ):
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
-        reflection.enable_server_reflection(
-            [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], grpc_server
-        )
+    # --reuseport: the shared --port is the one socket bound with SO_REUSEPORT, on a server of
+    # its own (the worker's own ports stay exclusive); `_main` made sure no other process held
+    # it before the workers started (cube.listen).
+    shared_server = None
+    if flags.reuseport:
+        shared_options = [("grpc.so_reuseport", 1), *lookup_options]
+        shared_server = grpc_server(service_names, shared_options, [])
+        shared_server.add_generic_rpc_handlers(service.handlers())
+    grpc_servers = [s for s in (server, shared_server, control_server) if s is not None]
     tls = tls_files(flags)
     credentials = grpc_server_credentials(tls) if tls.serves else None
     # Every port is bound before the start-up load: a port in use fails at once, not after a
     # long load. Port 0 binds any free port; the bound one is what describe() and the port
     # file report.
-    shared = [flags.port]
-    binds = [(server, flags.host, ports, index, credentials)]
-    if flags.reuseport:
-        binds.append((server, flags.host, shared, 0, credentials))
-    binds.append((control_server, flags.control_host, controls, index, None))
-    listening = []
-    for grpc_server, host, port_list, slot, creds in binds:
-        bind = _address(host, port_list[slot])
-        try:
-            if creds is None:
-                bound = grpc_server.add_insecure_port(bind)
-            else:
-                bound = grpc_server.add_secure_port(bind, creds)
-        except RuntimeError as exc:
-            bound = 0
-            log.error("cannot bind %s: %s", bind, exc)
-        if not bound:
-            log.error("cannot listen on %s (port in use?)", bind)
-            executor.shutdown(wait=False)
-            return 1
-        port_list[slot] = bound
-        listening.append(_address(host, bound))
+    port_flag = "--worker_ports" if flags.worker_ports else "--port"
+    try:
+        ports[index] = grpc_listen(server, flags.host, ports[index], port_flag, credentials)
+        listening = [address(flags.host, ports[index])]
+        if shared_server is not None:
+            grpc_listen(shared_server, flags.host, flags.port, "--port, --reuseport", credentials)
+            listening.append(address(flags.host, flags.port))
+        controls[index] = grpc_listen(
+            control_server, flags.control_host, controls[index], "--control_port"
+        )
+    except ListenError as exc:
+        log.error("%s", exc)
+        executor.shutdown(wait=False)
+        return EXIT_CANNOT_LISTEN
+    listening.append(address(flags.control_host, controls[index]))
     # The byte, connection and stall bounds of the worker's socket ports (TCP lane, HTTP+JSON,
-    # baidu_std): one budget and one connection count for them all.
+    # baidu_std): one budget and one connection count for them all. The process must be able
+    # to hold that many connections, twice (a burst of newcomers is accepted while as many
+    # connections they made room for are still closing), besides its other files: else the
+    # limit is never reached, the idle never make room, and accept fails instead.
+    max_connections = flags.lane_max_connections
+    files = raise_open_files(2 * max_connections + FILES_BESIDES_CONNECTIONS)
+    if files < 2 * max_connections + FILES_BESIDES_CONNECTIONS:
+        max_connections = max((files - FILES_BESIDES_CONNECTIONS) // 2, 64)
+        log.warning(
+            "--lane_max_connections %d lowered to %d: this process may open %d files"
+            " (raise the hard RLIMIT_NOFILE, ulimit -Hn)",
+            flags.lane_max_connections,
+            max_connections,
+            files,
+        )
     limits = LaneLimits(
         max_frame=max_message,
         connection_bytes=flags.lane_connection_bytes,
         budget_bytes=flags.lane_budget_bytes,
         stall_timeout=flags.lane_stall_timeout,
-        max_connections=flags.lane_max_connections,
+        max_connections=max_connections,
+        idle_timeout=flags.lane_idle_timeout,
+        request_timeout=flags.lane_request_timeout,
     )
     bounds = Bounds(limits)
     service.lane_stats = bounds.stats
@@ -573,16 +640,11 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
         try:
             ssl_context = server_context(tls) if tls.serves else None
             service.lane_port = await lane.start(flags.host, wanted, ssl_context)
-        except OSError as exc:
-            reason = "port in use" if exc.errno == errno.EADDRINUSE else exc.strerror or exc
-            log.error(
-                "cannot listen for the TCP lane on %s (--tcp_ports): %s",
-                _address(flags.host, wanted),
-                reason,
-            )
+        except ListenError as exc:
+            log.error("%s", exc)
             executor.shutdown(wait=False)
-            return 1
-        lane_bind = f"{_address(flags.host, service.lane_port)} (TCP lane)"
+            return EXIT_CANNOT_LISTEN
+        lane_bind = f"{address(flags.host, service.lane_port)} (TCP lane)"
     faces = await start_faces(  # the original's HTTP+JSON and baidu_std (--http_port, ...)
         flags,
         index,
@@ -595,25 +657,25 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
     )
     if faces is None:
         executor.shutdown(wait=False)
-        return 1
+        return EXIT_CANNOT_LISTEN
     metrics_server, metrics_port, metrics_note = None, 0, ""
     if index == 0 and flags.metrics_port >= 0 and coordinator is not None:
         from cube.metrics import serve_collector
         from cube.server.metrics import ServerCollector
 
         try:
-            metrics_server, metrics_port = serve_collector(
+            metrics_server = await serve_collector(
                 flags.metrics_host,
                 flags.metrics_port,
                 ServerCollector,
                 coordinator.worker_states,
-                loop,
             )
-        except OSError as exc:
-            log.error("%s", exc.strerror)
+        except ListenError as exc:
+            log.error("%s", exc)
             executor.shutdown(wait=False)
-            return 1
-        metrics_note = f", metrics on http://{_address(flags.metrics_host, metrics_port)}/metrics"
+            return EXIT_CANNOT_LISTEN
+        metrics_port = metrics_server.port
+        metrics_note = f", metrics on http://{address(flags.metrics_host, metrics_port)}/metrics"
     # The compiled lookup kernel loads from its cache (or compiles, where none matches) in
     # the background, then is sealed: nothing compiles in a request. Until then the replica
     # is not ready (UNAVAILABLE at once, health NOT_SERVING), so clients use the others.
@@ -684,8 +746,8 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
 
     slots.listeners.append(on_slots_changed)
     await publish_health()  # before the ports answer: the health servicer starts at SERVING
-    await server.start()
-    await control_server.start()
+    for each in grpc_servers:
+        await each.start()
     # Start-up objects never become garbage: keep the cyclic GC from rescanning them.
     gc.collect()
     gc.freeze()
@@ -697,7 +759,7 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
 
     file_checker = asyncio.ensure_future(check_files())
     lookups = listening[:-1] + ([lane_bind] if lane else [])
-    lookups += faces.binds(lambda port: _address(flags.host, port))
+    lookups += faces.binds(lambda port: address(flags.host, port))
     log.info(
         "listening on %s%s, control on %s%s (worker %d of %d, dict_split %d, version %r)",
         ", ".join(lookups),
@@ -732,9 +794,11 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
         await lane.stop(flags.grace)
     await faces.stop(flags.grace)
     await server.stop(flags.grace)
+    if shared_server is not None:
+        await shared_server.stop(flags.grace)
     await control_server.stop(1.0)
     if metrics_server is not None:
-        metrics_server.shutdown()
+        await metrics_server.close()
     for remote in remotes:
         await remote.close()
     await runner.close()
@@ -751,8 +815,8 @@ async def peer_version(flags: Flags, controls: list[int], token: str) -> str | N
     from cube.server.control import ControlError, RemoteWorker
 
     peer = flags.worker_peer
-    address = _address(_loopback(flags.control_host), controls[peer])
-    remote = RemoteWorker(peer, controls[peer], address, 10.0, token)
+    where = address(_loopback(flags.control_host), controls[peer])
+    remote = RemoteWorker(peer, controls[peer], where, 10.0, token)
     try:
         state = await remote.apply("state")
     except ControlError as exc:
@@ -798,6 +862,10 @@ def supervise(flags: Flags, argv: list[str], ports: list[int]) -> int:
             now = time.monotonic()
             deaths[i] = [t for t in deaths[i] if now - t < 60.0] + [now]
             log.error("worker %d (pid %d) exited with %s", i, child.pid, child.returncode)
+            if child.returncode == EXIT_CANNOT_LISTEN:
+                log.error("worker %d cannot listen on its ports: stopping the server", i)
+                failed = True
+                break
             if len(deaths[i]) > flags.worker_restarts:
                 log.error(
                     "worker %d died %d times within a minute (more than --worker_restarts %d):"

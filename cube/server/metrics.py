@@ -4,8 +4,9 @@ The hot path only adds to plain per-worker counters (`service.Counters`: once pe
 misses once per kernel pass, never per key). At scrape time worker 0 gathers every worker's
 snapshot over the internal control channel (`Coordinator.worker_states`) and `ServerCollector`
 turns them into metric families, each labelled by `worker` (a restarted worker's counters
-restart at zero, which Prometheus reads as a counter reset). prometheus_client serves them
-from its own thread (`start_http_server`), which asks the event loop for the snapshots.
+restart at zero, which Prometheus reads as a counter reset). `cube.metrics.MetricsEndpoint`
+serves them from worker 0's event loop; its thread renders them and asks the loop for the
+snapshots.
 Names and units follow Prometheus conventions; no label takes a key, and a version appears
 only in `cube_server_version_info` (at most two series per worker at a time).
 """

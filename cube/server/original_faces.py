@@ -8,13 +8,13 @@ stall bounds with the TCP lane (`Bounds`, from --lane_*) and take the gRPC messa
 
 from __future__ import annotations
 
-import errno
 import logging
 import ssl
 from dataclasses import dataclass, field
 from typing import Any
 
 from cube.flags import FlagError, Flags
+from cube.listen import ListenError
 from cube.server.bounds import Bounds
 from cube.server.control import ControlRunner
 from cube.server.service import SeekService
@@ -137,9 +137,8 @@ async def start_faces(
                 )
                 faces.ports[name] = await baidu.start(port, ssl_context)
                 faces.stoppers.append(baidu.stop)
-        except OSError as exc:
-            reason = "port in use" if exc.errno == errno.EADDRINUSE else exc.strerror or exc
-            log.error("cannot listen on %s:%d (--%s): %s", flags.host, port, name, reason)
+        except ListenError as exc:
+            log.error("%s", exc)
             await faces.stop(0.0)
             return None
     return faces
