@@ -17,7 +17,7 @@ import numpy as np
 
 from cube.bench.targets import Dataset, Target, TargetUnavailable
 from cube.layout import part_name
-from cube.processes import free_port
+from cube.processes import SERVING, free_port, health_status
 from cube.values import ValueColumn
 
 DICT_NAME = "bench_dict"
@@ -84,6 +84,9 @@ class CubeTarget(Target):
                     ports,
                     self.workdir / "logs",
                     timeout=float(self.options.get("start_timeout", 60.0)),
+                    ready=lambda ports=ports: all(  # ready: its kernel loaded, version served
+                        health_status(f"127.0.0.1:{port}") == SERVING for port in ports
+                    ),
                 )
             )
             self.shard_ports.append(ports)

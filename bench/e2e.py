@@ -44,10 +44,13 @@ import numpy as np
 from cube.flags import FlagError, FlagSet, run_cli
 from cube.format import FORMAT_VERSION
 from cube.processes import (
+    SERVING,
     cpu_split,
     die_with_parent,
     free_ports,
+    health_status,
     machine_seconds,
+    poll_until,
 )
 
 _VERSION = "1"
@@ -163,25 +166,15 @@ class Server:
         return pids
 
     def wait_serving(self, timeout: float = 120.0) -> None:
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        def exited() -> None:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"cube-server exited: see {self.log}")
 
-        deadline = time.monotonic() + timeout
-        for address in self.addresses:
-            with grpc.insecure_channel(address) as channel:
-                stub = health_pb2_grpc.HealthStub(channel)
-                while True:
-                    if self.process.poll() is not None:
-                        raise RuntimeError(f"cube-server exited: see {self.log}")
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"cube-server not serving in {timeout} s: {self.log}")
-                    try:
-                        reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
-                        if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                            break
-                    except grpc.RpcError:
-                        pass
-                    time.sleep(0.1)
+        def serving() -> bool:
+            return all(health_status(a, timeout=0.5) == SERVING for a in self.addresses)
+
+        if not poll_until(serving, timeout, 0.1, check=exited):
+            raise TimeoutError(f"cube-server not serving in {timeout} s: {self.log}")
 
     def counters(self) -> dict[str, int]:
         """The request counters of all workers (control status)."""

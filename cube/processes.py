@@ -49,6 +49,26 @@ def free_ports(count: int, avoid: Sequence[int] = ()) -> list[int]:
     raise RuntimeError(f"no {count} consecutive free ports found")
 
 
+def health_status(address: str, timeout: float = 1.0, service: str = "") -> int | None:
+    """The gRPC health status of `address` (a `HealthCheckResponse.ServingStatus` value, SERVING
+    = 1), or None when it does not answer within `timeout`. cube-server says SERVING only
+    when it can answer at its normal latency (docs/reference/cube-server.md)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
+        except grpc.RpcError:
+            return None
+    return int(reply.status)
+
+
+SERVING = 1  # grpc.health.v1 HealthCheckResponse.SERVING
+
+
 def log_tail(path: str | os.PathLike, lines: int = 15) -> str:
     """The last `lines` lines of a log, for an error message that says why a process died."""
     try:

@@ -22,11 +22,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 import psutil
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from cube.index import build_table
 from cube.pb import cube_pb2
-from cube.processes import free_ports, poll_until, spawn, stop_child
+from cube.processes import free_ports, health_status, poll_until, spawn, stop_child
 from cube.shard import write_shard
 from cube.values import ValueColumn
 
@@ -87,18 +87,6 @@ def expected_fixed(keys: np.ndarray, width: int, tag: int = 0) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------
 # ports and processes
-
-
-def health_status(address: str, timeout: float = 1.0, service: str = "") -> int | None:
-    """The health status of `address`, or None when it does not answer."""
-    with grpc.insecure_channel(address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout
-            )
-        except grpc.RpcError:
-            return None
-    return reply.status
 
 
 def processes_under(path: str | os.PathLike) -> list[psutil.Process]:
@@ -236,7 +224,8 @@ class ServerProc:
             except grpc.RpcError as exc:  # not up, or slow: ask again; a token we lack: settled
                 return bool(exc.code() != grpc.StatusCode.UNAUTHENTICATED)
         detail = json.loads(reply.detail_json)
-        return any(worker.get("not_ready") for worker in detail.get("worker_states", [detail]))
+        workers = detail.get("worker_states", [detail])
+        return any(worker.get("not_ready") or "error" in worker for worker in workers)
 
     def wait_serving(self, timeout: float = 30.0) -> None:
         self.wait_up(timeout, serving=True)

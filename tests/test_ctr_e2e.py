@@ -69,7 +69,10 @@ def loop(tmp_path_factory):
         predictor, url = start_predictor(cluster.cube_conf, work / "out" / "models", logs)
         children.append(predictor)
         passes = []
-        before_any_version = ready_answer(url)
+        checked = poll_until(
+            lambda: ready_answer(url)[1].get("reason") != "not checked yet", 30, 0.1
+        )
+        before_any_version = ready_answer(url) if checked else (0, {})
         with CubeClient.from_conf(cluster.cube_conf) as cube:
             for index in range(PASSES):
                 when = split_time(SPEC, index)

@@ -27,7 +27,7 @@ from procs import (
 
 from cube.client import AsyncCubeClient, CubeClient
 from cube.pb import cube_fast_pb2, cube_fast_pb2_grpc, cube_pb2, cube_pb2_grpc
-from cube.processes import poll_until
+from cube.processes import free_ports, poll_until
 from cube.routing import shard_of
 
 MISS = 0xFFFFFFFF
@@ -401,9 +401,15 @@ def test_a_replica_is_not_serving_until_its_kernel_is_compiled(tmp_path):
     keys = np.arange(1, 100, dtype=np.uint64)
     write_version(data, "1", keys, fixed_values(keys, 16), current=True)
     cache = tmp_path / "numba-cache"  # empty: nothing to load, everything to compile
-    server = start_server(data, wait=False, env={"CUBE_KERNEL_CACHE": str(cache)})
+    lookup, control_port = free_ports(2)  # known now: the port file waits for the kernel
+    server = start_server(
+        data,
+        wait=False,
+        env={"CUBE_KERNEL_CACHE": str(cache)},
+        ports=[lookup],
+        control_ports=[control_port],
+    )
     try:
-        server.resolve_ports(60)
         seen = []
 
         def answered() -> bool:
@@ -424,6 +430,8 @@ def test_a_replica_is_not_serving_until_its_kernel_is_compiled(tmp_path):
         assert "signatures compiled now" in log[compiled : log.index("\n", compiled)]
         with grpc.insecure_channel(server.address) as channel:
             assert seek(channel, keys[:5]).found == b"\x01" * 5
+        assert server.port_file is not None
+        assert poll_until(server.port_file.exists, 30, 0.05)  # written once it had settled
         assert any(cache.rglob("*.nbi"))  # it compiled, and cached what it compiled
     finally:
         server.stop()

@@ -44,6 +44,7 @@ from cube.flags import CommandSet, Flags, FlagSet, run_cli
 from cube.processes import (
     create_time,
     free_port,
+    health_status,
     log_tail,
     poll_until,
     same_process,
@@ -368,28 +369,13 @@ class Tokens:
 def healthy(proc: Proc, tokens: Tokens = Tokens()) -> bool:
     try:
         if proc.role == "server":
-            return _grpc_answers(f"127.0.0.1:{proc.port}")
+            return health_status(f"127.0.0.1:{proc.port}") is not None
         path = "/agent/status" if proc.role == "agent" else "/dict/info"
         url = f"http://127.0.0.1:{proc.port}{path}"
         reply = http_json(url, timeout=1.0, token=tokens.of(proc.role))
         return isinstance(reply, dict) and reply.get("success") == "0"
     except (OSError, ValueError):
         return False
-
-
-def _grpc_answers(address: str) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        try:
-            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-        except grpc.RpcError as exc:
-            return exc.code() not in (
-                grpc.StatusCode.UNAVAILABLE,
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-            )
-    return True
 
 
 def wait_healthy(procs: Sequence[Proc], timeout: float, tokens: Tokens = Tokens()) -> None:

@@ -771,7 +771,15 @@ async def serve(flags: Flags, index: int, ports: list[int]) -> int:
         flags.dict_split,
         slots.current.name if slots.current else "",
     )
-    if flags.port_file and index == 0:
+    # --port_file says the server has settled: ports answering, start-up version loaded and
+    # kernel ready, so a tool that waits for the file finds it serving what it loaded.
+    warmed = asyncio.wrap_future(warming)
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({warmed, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if warmed.done() and not warmed.cancelled():
+        warmed.exception()  # a failed warm-up was logged by kernel_ready
+    if flags.port_file and index == 0 and not stop.is_set():
         report = {
             "pid": os.getpid(),
             "ports": ports,

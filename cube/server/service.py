@@ -517,13 +517,6 @@ class SeekService:
         """The version to answer `keys` from, acquired (None: answer misses, by design), and
         the bound of the answer's value bytes; RequestError when the request must be refused."""
         slots = self.slots
-        # An empty request is refused too: it is the SDK's handshake, which must not pass
-        # while the replica cannot answer at its normal latency.
-        if slots.not_ready:
-            raise RequestError(
-                grpc.StatusCode.UNAVAILABLE,
-                f"{what}: this replica is not ready: {slots.not_ready}",
-            )
         version = slots.get(name)
         n = keys.shape[0]
         if version is None:
@@ -534,12 +527,17 @@ class SeekService:
                     f" {self._name(slots.current)!r}, background"
                     f" {self._name(slots.background)!r})",
                 )
-            if not slots.serving:
+            if not slots.serving:  # an empty request too: the SDK's first contact
                 raise RequestError(
                     grpc.StatusCode.UNAVAILABLE,
                     f"{what}: this replica serves no version: {slots.why_not_serving()}",
                 )
             return None, 0
+        if slots.not_ready:  # an empty request too: the first contact must not pass
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{what}: this replica is not ready: {slots.not_ready}",
+            )
         if version.broken:
             raise RequestError(
                 grpc.StatusCode.UNAVAILABLE,
