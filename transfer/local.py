@@ -499,6 +499,7 @@ class Cluster:
                     "version": "",
                     "bg_version": "",
                     "state": transfer_view.get(name, {}).get("status", ""),
+                    "serving": False,  # its server answers at its normal latency (ready)
                 }
                 answered = False
                 if row["agent_up"]:
@@ -508,6 +509,7 @@ class Cluster:
                         answered = True
                         srv = (status.get("data") or {}).get("server") or {}
                         row["version"] = srv.get("cur_version") or ""
+                        row["serving"] = bool((srv.get("detail") or {}).get("serving"))
                         row["bg_version"] = srv.get("bg_version") or ""
                         if not srv.get("reachable"):
                             row["state"] = "server unreachable"
@@ -575,7 +577,7 @@ class Cluster:
 
         def served() -> bool:
             rows = self.instance_rows()
-            everywhere = bool(rows) and all(r["version"] == version for r in rows)
+            everywhere = bool(rows) and all(r["version"] == version and r["serving"] for r in rows)
             return everywhere and self.transfer_info().get("live_version") == version
 
         def stop_if_failed() -> None:  # its latest record ended without a retry to come
