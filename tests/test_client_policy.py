@@ -235,6 +235,10 @@ def test_cooldown_grows_and_is_capped():
         assert endpoint.down_until == pytest.approx(expected)
     endpoint.succeeded(0.002)
     assert not endpoint.is_down(0.0) and endpoint.failures == 0
+    endpoint = EndpointState("b")  # a replica down for a long time under load
+    for _ in range(5000):  # (the doubling overflowed at 1025 failures in a row)
+        endpoint.failed(1.0, Policy())
+    assert endpoint.down_until == pytest.approx(1.0 + Policy().cooldown_cap_ms / 1000)
 
 
 def test_policy_rejects_bad_settings():

@@ -120,6 +120,12 @@ class Policy:
         )
         return backoff.delay(retry_index, rng)
 
+    def cooldown_s(self, failures: int) -> float:
+        """How long a replica is avoided after `failures` failures in a row (doubling, capped;
+        any number of them: a replica down for hours used to overflow the doubling)."""
+        cooldown = Backoff(self.cooldown_base_ms / 1000.0, self.cooldown_cap_ms / 1000.0)
+        return cooldown.delay(failures - 1)
+
     @property
     def timeout_s(self) -> float:
         """Seconds per attempt."""
@@ -189,8 +195,7 @@ class EndpointState:
 
     def failed(self, now: float, policy: Policy) -> None:
         self.failures += 1
-        cooldown = min(policy.cooldown_cap_ms, policy.cooldown_base_ms * 2 ** (self.failures - 1))
-        self.down_until = now + cooldown / 1000.0
+        self.down_until = now + policy.cooldown_s(self.failures)
 
     def __repr__(self) -> str:
         return f"EndpointState({self.address}, inflight={self.inflight}, failures={self.failures})"
