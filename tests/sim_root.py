@@ -101,8 +101,9 @@ def main(argv: list[str]) -> None:
     command = argv[argv.index("--") + 1 :]
     with open("/proc/self/mountinfo") as mountinfo:
         host_mounts = top_mounts(mountinfo.read())
+    tools = {**os.environ, "PATH": os.environ.get("PATH", "") + ":/usr/sbin:/sbin:/usr/bin:/bin"}
     for step in plan(spec, host_mounts):
-        done = subprocess.run(step, capture_output=True, text=True, timeout=30)
+        done = subprocess.run(step, capture_output=True, text=True, timeout=30, env=tools)
         if done.returncode:
             sys.exit(f"sim_root: {' '.join(step)}: {done.stderr.strip()}")
     os.chroot(f"{spec['root']}/root")
