@@ -182,12 +182,27 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _PR_SET_PDEATHSIG = 1
 
 
+def _find_prctl() -> Callable[..., int] | None:
+    try:
+        prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+    return prctl
+
+
+# Looked up here, in the parent: the child of a threaded process must not dlopen between fork
+# and exec (another thread may have held the loader's lock when it forked).
+_PRCTL = _find_prctl()
+
+
 def die_with_parent() -> None:
     """For `preexec_fn`: in the child before exec, ask for SIGTERM when the parent dies, even
-    by SIGKILL (a benchmark killed midway leaves no server behind)."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    by SIGKILL (a benchmark killed midway leaves no server behind; a test process killed by
+    its timeout leaves no child). "The parent" is the thread that started the child: start
+    such children from a thread that lives as long as they should. Kept across exec, but not
+    across a change of user (setpriv --pdeathsig keep restores it)."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def cpu_by_pid(pids: Sequence[int]) -> dict[int, tuple[float, float]]:

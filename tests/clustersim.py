@@ -7,19 +7,27 @@ one network namespace per pod, so that what crosses a network really does.
 - **DNS**: `/etc/netns/<ns>/hosts` (which `ip netns exec` binds over `/etc/hosts`) names every
   pod as the cluster DNS would for headless Services:
   `<pod>.<service>.<namespace>.svc.cluster.local` and `<service>.<namespace>.svc.cluster.local`.
-- **Volumes**: each container runs in a mount namespace of its own, with its volumes bound at
-  their `mountPath`s (emptyDir and volumeClaimTemplates: directories of the pod; configMap:
-  the rendered files; hostPath: the path), the root file system read-only when the container
-  asks for it, and the user of `runAsUser` (through setpriv).
+- **Volumes**: each container runs in a mount namespace and a root of its own
+  (tests/sim_root.py: the host's `/` under a private overlay, so that no mount point is made
+  on the host), with its volumes bound at their `mountPath`s (emptyDir and
+  volumeClaimTemplates: directories of the pod; configMap: the rendered files; hostPath: the
+  path, or the directory a test maps it to), the root file system read-only when the
+  container asks for it, and the user of `runAsUser` (through setpriv).
 - **Containers** run the rendered command, args and env (secretKeyRef resolved from the
-  rendered Secret); the venv's console scripts stand in for the image's.
+  rendered Secret); the venv's console scripts stand in for the image's (the checkout and
+  the venv are bound again where a volume hides them: a checkout under /tmp works).
+- **Children**: every process started in a namespace dies with the test process (SIGTERM
+  when the thread that started it ends: cube.processes.die_with_parent), so a test killed by
+  its timeout leaves none behind.
+- **Private names**: each node takes a free name prefix and a free /16 under a lock, so two
+  runs on one machine do not share a bridge, a namespace or a subnet.
 - **Kubelet**: a thread runs the startup, readiness and liveness probes (tcpSocket, grpc) from
   the root namespace, as a kubelet does from the node, and restarts a container that exits or
   fails its liveness probe (restartPolicy Always), with a short backoff.
 
-Needs root, iproute2 and util-linux (unshare, setpriv); `require_root_network()` says why not
-when they are missing. Every namespace, link, process and directory it made is removed by
-`close()`, by name and PID.
+Needs root, iproute2, util-linux (unshare, setpriv) and overlayfs; `require_root_network()`
+says why not when they are missing. Every namespace, link, process and directory it made is
+removed by `close()`, by name and PID.
 
     with SimNode(docs, workdir) as node:
         node.start()
@@ -32,8 +40,11 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import fcntl
 import itertools
+import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -49,9 +60,15 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cube.processes import poll_until
+from cube.processes import create_time, die_with_parent, poll_until, same_process
 
 BIN = Path(sys.executable).parent  # the venv's console scripts stand in for the image's
+SIM_ROOT = Path(__file__).with_name("sim_root.py")
+# What a container's command needs of the host: the checkout (an editable install) and the
+# venv and Python it runs from (bound again where a volume hides them).
+CODE = sorted({str(Path(__file__).resolve().parent.parent), sys.prefix, sys.base_prefix})
+LOCK = Path("/run/lock/cube-clustersim.lock")  # held while a node picks its names
+OWNERS = Path("/run/cube-clustersim")  # <prefix>: "pid start-time" of the process using it
 # The node's names are in /etc/hosts (there is no DNS server): gRPC's native resolver reads
 # it, its default c-ares one asks a DNS server first. Set for containers and clients alike.
 RESOLVER = {"GRPC_DNS_RESOLVER": "native"}
@@ -65,11 +82,34 @@ def require_root_network() -> str:
     for tool in ("ip", "unshare", "setpriv", "mount"):
         if shutil.which(tool) is None:
             return f"needs {tool} (iproute2, util-linux)"
+    if "overlay" not in Path("/proc/filesystems").read_text():
+        return "needs overlayfs (each container's root)"
     return ""
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=check)
+
+
+def _reap_dead_nodes() -> None:
+    """Remove what nodes of processes that are gone left behind (killed: no close()): their
+    namespaces, hosts files and bridge, found by the prefix they recorded in OWNERS (their
+    processes died with them: die_with_parent). Called under LOCK."""
+    if not OWNERS.is_dir():
+        return
+    netns = _run("ip", "netns", "list").stdout.split()
+    for record in OWNERS.iterdir():
+        pid, _, started = record.read_text().partition(" ")
+        with contextlib.suppress(ValueError):
+            if same_process(int(pid), float(started)) is not None:
+                continue  # a node in use
+        prefix = record.name
+        for name in netns:
+            if name.startswith(f"{prefix}-"):
+                _run("ip", "netns", "del", name, check=False)
+                shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
+        _run("ip", "link", "del", f"{prefix}br", check=False)
+        record.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,7 +237,9 @@ class Namespace:
     host_link: str  # the veth end on the bridge
 
     def run(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
-        """Start `argv` in this namespace (with its /etc/hosts)."""
+        """Start `argv` in this namespace (with its /etc/hosts); it dies with the thread that
+        starts it (die_with_parent)."""
+        kwargs.setdefault("preexec_fn", die_with_parent)
         return subprocess.Popen(["ip", "netns", "exec", self.name, *argv], **kwargs)
 
     def call(
@@ -258,12 +300,7 @@ class SimNode:
         self.workdir = workdir
         self.host_paths = host_paths or {}  # a hostPath volume's path -> the directory to use
         self.restart_backoff = restart_backoff
-        run = f"{os.getpid() % 10000}{next(_RUNS)}"
-        self.prefix = f"cs{run}"
-        self.bridge = f"{self.prefix}br"
-        octet = 16 + (os.getpid() + int(run)) % 200
-        self.subnet = f"10.{octet}"
-        self.gateway = f"{self.subnet}.0.1"
+        self.prefix = self.bridge = self.subnet = self.gateway = ""  # chosen by start()
         self.pods: dict[str, Pod] = {}
         self.secrets = _secrets(docs)
         self.namespaces: list[Namespace] = []
@@ -286,9 +323,7 @@ class SimNode:
     def start(self) -> None:
         """The bridge, every pod's namespace, the hosts files, then every container and the
         kubelet."""
-        _run("ip", "link", "add", self.bridge, "type", "bridge")
-        _run("ip", "addr", "add", f"{self.gateway}/16", "dev", self.bridge)
-        _run("ip", "link", "set", self.bridge, "up")
+        self._make_bridge()
         specs = pods_of(self.docs)
         for spec in specs:
             ns = self._namespace(spec.name)
@@ -305,6 +340,35 @@ class SimNode:
                 self._launch(pod, container)
         self._kubelet = threading.Thread(target=self._supervise, name="kubelet", daemon=True)
         self._kubelet.start()
+
+    def _make_bridge(self) -> None:
+        """The node's bridge, on a name prefix and a /16 no other node (of this run or
+        another) uses: chosen and taken under a lock (flock, released if we die)."""
+        LOCK.parent.mkdir(parents=True, exist_ok=True)
+        with open(LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # (each holder keeps it for a few `ip` calls)
+            _reap_dead_nodes()
+            links = _run("ip", "-o", "link", "show").stdout
+            used = set(re.findall(r"inet 10\.(\d+)\.", _run("ip", "-o", "-4", "addr").stdout))
+            used |= set(re.findall(r"^10\.(\d+)\.", _run("ip", "-4", "route").stdout, re.M))
+            netns = set(_run("ip", "netns", "list").stdout.split())
+            taken = {f"cs{n}" for n in re.findall(r" cs(\d+)br:", links)}
+            taken |= {n.split("-")[0] for n in netns if n.startswith("cs")}
+            start = os.getpid() % 10000
+            prefix = next(
+                (f"cs{n}" for n in range(start, start + 10000) if f"cs{n}" not in taken), ""
+            )  # (no more than 10000 nodes at once)
+            octets = [o for o in range(16, 250) if str(o) not in used]
+            if not octets:
+                raise RuntimeError("no free 10.x.0.0/16 for a simulated node")
+            self.prefix, self.bridge = prefix, f"{prefix}br"
+            OWNERS.mkdir(parents=True, exist_ok=True)
+            (OWNERS / prefix).write_text(f"{os.getpid()} {create_time(os.getpid())}")
+            self.subnet = f"10.{octets[(os.getpid() + next(_RUNS)) % len(octets)]}"
+            self.gateway = f"{self.subnet}.0.1"
+            _run("ip", "link", "add", self.bridge, "type", "bridge")
+            _run("ip", "addr", "add", f"{self.gateway}/16", "dev", self.bridge)
+            _run("ip", "link", "set", self.bridge, "up")
 
     def _namespace(self, name: str) -> Namespace:
         index = next(self._ips)
@@ -381,13 +445,8 @@ class SimNode:
             else:
                 raise ValueError(f"pod {pod.spec.name}: volume {name}: {source} is not simulated")
         for container in pod.containers.values():
-            for _volume, mount_path, _ro in container.spec.mounts:
-                point = Path(mount_path)
-                if not point.exists():  # a mount point on the host: removed at close
-                    missing = [p for p in (point, *point.parents) if not p.exists()]
-                    point.mkdir(parents=True)
-                    self._made_dirs += missing
             container.log.parent.mkdir(parents=True, exist_ok=True)
+            (pod.root / "roots" / container.spec.name).mkdir(parents=True, exist_ok=True)
 
     def _config_map(self, name: str) -> dict[str, str]:
         for doc in self.docs:
@@ -405,32 +464,20 @@ class SimNode:
     # -- containers ----------------------------------------------------------------------------
     def _launch(self, pod: Pod, container: Container) -> None:
         spec = container.spec
-        mounts = [(str(self._source_of(pod, v)), path, ro) for v, path, ro in spec.mounts]
-
-        def hides_a_source(mount: tuple[str, str, bool]) -> bool:
-            """A mount over /tmp hides a source under /tmp: bind it after the others."""
-            return any(source.startswith(mount[1].rstrip("/") + "/") for source, _, _ in mounts)
-
-        binds = [
-            f"mount --bind {source} {mount_path}"
-            + (f" && mount -o remount,bind,ro {mount_path}" if read_only else "")
-            for source, mount_path, read_only in sorted(mounts, key=hides_a_source)
-        ]
-        if spec.read_only_root:
-            binds += ["mount --bind / /", "mount -o remount,bind,ro /"]
-        user = (
-            f"setpriv --reuid {spec.user} --regid {spec.user} --clear-groups "
-            if spec.user is not None and self._can_run_as(spec.user)
-            else ""
-        )
-        script = " && ".join([*binds, f'exec {user}"$@"'])
+        root = {
+            "root": str(pod.root / "roots" / spec.name),  # an empty directory of the pod
+            "volumes": [(str(self._source_of(pod, v)), path, ro) for v, path, ro in spec.mounts],
+            "expose": CODE,
+            "read_only_root": spec.read_only_root,
+            "user": spec.user if spec.user is not None and self._can_run_as(spec.user) else None,
+        }
         command = [str(BIN / spec.command[0]), *spec.command[1:]]
         env = {"PATH": f"{BIN}:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", **RESOLVER}
         env.update(spec.env)
         with open(container.log, "ab") as log:
             container.process = pod.ns.run(
-                ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script,
-                 "sh", *command],
+                ["unshare", "--mount", "--propagation", "private", "--", sys.executable,
+                 str(SIM_ROOT), json.dumps(root), "--", *command],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                 start_new_session=True,
             )  # fmt: skip
@@ -681,6 +728,8 @@ class SimNode:
             _run("ip", "netns", "del", namespace.name, check=False)
             shutil.rmtree(Path("/etc/netns") / namespace.name, ignore_errors=True)
         _run("ip", "link", "del", self.bridge, check=False)
+        if self.prefix:
+            (OWNERS / self.prefix).unlink(missing_ok=True)
         for directory in sorted(self._made_dirs, key=lambda p: -len(p.parts)):
             with contextlib.suppress(OSError):
                 directory.rmdir()

@@ -36,6 +36,7 @@ from cube.client import (
     cli,
 )
 from cube.pb import cube_pb2, cube_pb2_grpc
+from cube.processes import poll_until
 from cube.routing import shard_of
 from cube.values import ValueColumn
 
@@ -428,6 +429,97 @@ def test_dead_shard_raises_naming_shard_and_replicas_with_partial_result(tmp_pat
             assert partial.values[hit] == expected_fixed(keys[hit : hit + 1], WIDTH, 1).tobytes()
 
 
+# A client process, against links of tests/delay_relay.py (Link) in front of a replica. First,
+# 30 calls to a shard of three: one behind a link that goes down (no reset: connects hang,
+# bytes go unanswered), one behind a link far slower than the call's timeout, one healthy.
+# Then a call to a replica whose lane port is cut off (as a firewall that drops it: the gRPC
+# first contact answers, the lane connect hangs), with 30 s to wait, and the client closed
+# while it waits. It prints what failed and how long that call took to end after close(),
+# and exits (the links stay as they are: closing them would end hung connects).
+PARTIAL_FAILURE_CLIENT = r"""
+import json, sys, threading, time
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from delay_relay import Link
+from cube.client import CubeClient, CubeError, Timeouts
+
+address, report = sys.argv[2], json.loads(sys.argv[3])
+ports, lane_ports = report["ports"], report["tcp_ports"]
+dead, slow, no_lane = (Link(ports + lane_ports, f"127.0.0.{i}") for i in (2, 3, 4))
+port = ports[0]
+keys = np.arange(1, 3000, 7, dtype=np.uint64)
+timeouts = Timeouts(attempt=1.0, backup_after=0.02, total=1.0)
+calls = CubeClient(
+    [[f"127.0.0.2:{port}", f"127.0.0.3:{port}", address]], timeout=timeouts, load_balancer="rr"
+)
+for _ in range(3):  # rr: one call each: every replica connected, its lane known
+    calls.seek(keys)
+dead.cut()
+slow.delay = 60.0
+failed = []
+for _ in range(30):
+    try:
+        calls.seek(keys)
+    except CubeError as exc:
+        failed.append(str(exc)[:400])
+calls.close()
+
+no_lane.cut(lane_ports)
+stuck = CubeClient([[f"127.0.0.4:{port}"], [address]], timeout=30.0, retry=0)  # 2 shards
+ended = []
+
+
+def seek():
+    try:
+        stuck.seek(keys)  # shard 0's sub-request: on a pool thread, connecting to the lane
+    except CubeError as exc:
+        ended.append(str(exc)[:200])
+    ended.append(time.monotonic())
+
+
+waiting = threading.Thread(target=seek, daemon=True)
+waiting.start()
+time.sleep(1.0)
+closed = time.monotonic()
+stuck.close()
+waiting.join(60)
+print(json.dumps({"failed": failed, "ended": ended, "after_close": ended[-1] - closed}))
+"""
+
+
+def test_a_replica_behind_a_link_down_neither_fails_calls_nor_holds_the_exit(replicated_shard):
+    """Issue 24, item 10, on loopback. Before: about one call in three failed by its deadline
+    (its first attempt on the dead replica, its one backup request on the slow one, although
+    the third answers at once: the dead replica never cooled down, its attempts being
+    cancelled or ended by the deadline timer, never failed, and a call sent one backup
+    request only); a closed client's call waited on a lane connect that could not be
+    cancelled, and the process did not exit until that attempt's 30 s ran out (a
+    ThreadPoolExecutor's threads are joined at exit)."""
+    server, _ = replicated_shard
+    report = json.loads(server.port_file.read_text())
+    tests = str(Path(__file__).parent)
+    process = subprocess.Popen(
+        [sys.executable, "-c", PARTIAL_FAILURE_CLIENT, tests, server.address, json.dumps(report)],
+        stdout=subprocess.PIPE, text=True, cwd=REPO,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        outcome = json.loads(process.stdout.readline() or "{}")
+        printed = time.monotonic()
+        process.wait(60)
+        exit_s = time.monotonic() - printed
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+    failed = outcome["failed"]
+    assert failed == [], f"{len(failed)} of 30 calls failed: {failed[:3]}"
+    assert outcome["after_close"] < 3, outcome  # the call in flight ended with close()
+    assert "CANCELLED" in outcome["ended"][0], outcome
+    assert process.returncode == 0
+    assert exit_s < 5, f"the process exited {exit_s:.1f} s after closing its clients"
+
+
 def test_backup_request_answers_past_a_stopped_replica(replicated_shard):
     slow, fast = replicated_shard
     keys = query_keys(seed=13, n=300)
@@ -444,7 +536,7 @@ def test_backup_request_answers_past_a_stopped_replica(replicated_shard):
             sync_elapsed = time.monotonic() - started
             # The losing attempts (on the stopped replica's lane) were cancelled: no pool
             # thread still waits for them (they would until the 20 s timeout).
-            client._pool.shutdown(wait=True)
+            assert poll_until(lambda: client._pool.busy == 0, timeout_ms / 1000 / 2, 0.01)
             assert time.monotonic() - started < timeout_ms / 1000 / 2
 
             async def hedged():

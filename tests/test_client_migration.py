@@ -6,7 +6,7 @@ processes on loopback:
   within the timeout plus slack, even with retries and backup requests left; `attempt_timeout`
   bounds each attempt inside it; a number given to the constructor still bounds each attempt.
   Replicas are made slow by stopping them (SIGSTOP: connected, never answering) or through a
-  relay that delays every byte by an amount the test changes (`Relay`).
+  relay that delays every byte by an amount the test changes (tests/delay_relay.py's `Link`).
 - every load balancer name brpc registers is accepted (served by the nearest policy, with a
   warning) or refused with the reason and what is accepted;
 - several dicts from one object (CubeClients / AsyncCubeClients: seek(dict_name, keys),
@@ -24,13 +24,12 @@ import logging
 import os
 import random
 import signal
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from delay_relay import relay_connection
+from delay_relay import Link
 from procs import expected_fixed, fixed_values, start_server, write_version
 
 from cube.client import (
@@ -137,50 +136,12 @@ def stopped(*procs):
             os.kill(proc.pid, signal.SIGCONT)
 
 
-class Relay:
-    """A TCP relay in a thread: listens on 127.0.0.2 at each of `ports` and forwards to the
-    same port on 127.0.0.1 (a server's lookup port and its TCP lane port, which the SDK finds
-    on the host it was given), holding every chunk of bytes `delay`/2 seconds each way, in
-    order. `delay` may change while connections are open (tests/delay_relay.py's relay, run
-    here in a thread; as a process it has one delay for its life)."""
-
-    def __init__(self, ports: list[int]) -> None:
-        self.delay = 0.0
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.servers = [self._run(asyncio.start_server(self._relay, "127.0.0.2", p)) for p in ports]
-
-    def _run(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(10)
-
-    async def _relay(self, reader, writer) -> None:
-        port = writer.get_extra_info("sockname")[1]
-        try:
-            await relay_connection(reader, writer, "127.0.0.1", port, lambda: self.delay / 2)
-        except asyncio.CancelledError:  # the relay closes
-            writer.close()
-
-    def close(self) -> None:
-        async def stop() -> None:
-            for server in self.servers:
-                server.close()
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        self._run(stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
-
-
 @contextlib.contextmanager
 def relayed(server):
-    """A Relay in front of `server`; yields (relay, the relayed lookup address)."""
+    """A delaying Link (tests/delay_relay.py) in front of `server` on 127.0.0.2; yields (the
+    link, the relayed lookup address)."""
     report = json.loads(server.port_file.read_text())
-    relay = Relay([*report["ports"], *report["tcp_ports"]])
+    relay = Link([*report["ports"], *report["tcp_ports"]])
     try:
         yield relay, f"127.0.0.2:{report['ports'][0]}"
     finally:

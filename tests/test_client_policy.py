@@ -235,6 +235,10 @@ def test_cooldown_grows_and_is_capped():
         assert endpoint.down_until == pytest.approx(expected)
     endpoint.succeeded(0.002)
     assert not endpoint.is_down(0.0) and endpoint.failures == 0
+    endpoint = EndpointState("b")  # a replica down for a long time under load
+    for _ in range(5000):  # (the doubling overflowed at 1025 failures in a row)
+        endpoint.failed(1.0, Policy())
+    assert endpoint.down_until == pytest.approx(1.0 + Policy().cooldown_cap_ms / 1000)
 
 
 def test_policy_rejects_bad_settings():
@@ -249,3 +253,126 @@ def test_version_unavailable_is_not_retried_on_the_same_replicas():
     (first,) = round_.start(0.0)
     round_.on_error(first.key, "FAILED_PRECONDITION", "version 6 not held", 0.0)
     assert round_.done and round_.outcomes()[0].version_unavailable
+
+
+# ---------------------------------------------------------------------------------------------
+# Partial failure (issue 24, item 10): a replica whose link is down (connects hang, no reset),
+# another too slow for the call's timeout, a third healthy; hedging on, `rr`.
+
+NEVER = None  # a replica that never answers: its attempts end by their timeout
+
+
+def drive(cluster, policy, latency, calls, gap_s=0.01, late_s=1e-4):
+    """Sequential calls through the state machine on a fake clock, as the drivers run them:
+    an attempt's answer arrives `latency[address]` after it was sent; an attempt that gets
+    none reports DEADLINE_EXCEEDED `late_s` after its timeout, i.e. just after the driver's
+    own timer at the call's deadline (the race the drivers see). Returns the outcomes and
+    every Send."""
+    rng = random.Random(11)
+    now, outcomes, sent = 0.0, [], []
+    for _ in range(calls):
+        call = ShardCall(0, cluster.shards[0], b"req", fake_decode, policy, rng)
+        round_ = Round([call], policy, now, now + policy.total_s if policy.total_s else None)
+        due: dict = {}  # key -> (when, answered)
+
+        def carry_out(actions, at, due=due):
+            for action in actions:
+                if isinstance(action, Send):
+                    sent.append(action)
+                    took = latency[action.address]
+                    if took is NEVER or took > action.timeout_s:
+                        due[action.key] = (at + action.timeout_s + late_s, False)
+                    else:
+                        due[action.key] = (at + took, True)
+                else:
+                    due.pop(action.key, None)
+
+        carry_out(round_.start(now), now)
+        for _ in range(1000):  # bounded: a round is a handful of events
+            if round_.done:
+                break
+            key = min(due, key=lambda k: due[k][0], default=None)
+            if key is None or round_.next_wakeup() <= due[key][0]:
+                now = max(now, round_.next_wakeup())
+                carry_out(round_.on_timer(now), now)
+                continue
+            now, answered = due.pop(key)
+            if answered:
+                actions = round_.on_response(key, b"v1", now)
+            else:
+                actions = round_.on_error(key, "DEADLINE_EXCEEDED", "no answer", now)
+            carry_out(actions + round_.on_timer(now, expire=False), now)
+        assert round_.done
+        outcomes += round_.outcomes()
+        now += gap_s
+    return outcomes, sent
+
+
+# the chart's client defaults: 200 ms for the whole call (and so for each attempt), a backup
+# request after 20 ms, 2 retries
+CHART = Policy(timeout_ms=200, total_ms=200, retry=2, backup_request_ms=20)
+DEAD_SLOW_OK = {"dead:1": NEVER, "slow:2": 0.300, "ok:3": 0.001}
+
+
+def test_no_call_fails_while_a_replica_answers():
+    """Before: a call whose first attempt went to the dead replica and its one backup request
+    to the slow one waited for them until its deadline (about one call in three), although
+    the third replica would have answered at once."""
+    cluster = Cluster([list(DEAD_SLOW_OK)], "rr", random.Random(5))
+    outcomes, _ = drive(cluster, CHART, DEAD_SLOW_OK, calls=300)
+    failed = [o for o in outcomes if o.answer is None]
+    assert not failed, f"{len(failed)} of 300 calls failed, e.g. {failed[0].attempts}"
+
+
+def test_a_replica_that_never_answers_is_avoided_though_backups_save_every_call():
+    """Before: its attempts always lost to a backup request (cancelled, never failed) or were
+    ended by the driver's deadline timer (aborted, never failed), so it never cooled down and
+    `rr` sent it a third of all first attempts, each call paying the backup delay."""
+    latency = {"dead:1": NEVER, "ok:2": 0.001, "ok:3": 0.001}
+    cluster = Cluster([list(latency)], "rr", random.Random(5))
+    outcomes, sent = drive(cluster, CHART, latency, calls=300)  # 3 s of calls
+    assert all(o.answer is not None for o in outcomes)
+    to_dead = [s for s in sent if s.address == "dead:1"]
+    # cooldowns of 0.1, 0.2, 0.4, 0.8, 1.6 s (then 2 s): about 6 tries in 3 s, not 100
+    assert len(to_dead) <= 10, len(to_dead)
+
+
+def test_the_deadline_fails_the_replicas_it_ends_whichever_reports_first():
+    for transport_first in (True, False):
+        round_, cluster = make_round(["a:1", "b:2"], CHART)
+        round_ = Round(round_.calls, CHART, 0.0, call_deadline=0.2)
+        (first,) = round_.start(0.0)
+        assert len(sends(round_.on_timer(0.02))) == 1  # the backup request
+        if transport_first:  # the attempt's own timeout (cut to the deadline) reports it
+            round_.on_error(first.key, "DEADLINE_EXCEEDED", "no answer", 0.2)
+        round_.on_timer(0.2)  # the driver's timer at the call's deadline
+        assert round_.done and round_.outcomes()[0].deadline_exceeded
+        assert all(e.is_down(0.25) for e in cluster.endpoints), transport_first
+
+
+def test_backup_requests_go_on_to_replicas_not_tried_yet():
+    round_, cluster = make_round(["a:1", "b:2", "c:3"], Policy(backup_request_ms=10, retry=1))
+    (first,) = round_.start(0.0)
+    (backup,) = sends(round_.on_timer(0.010))
+    (third,) = sends(round_.on_timer(0.020))
+    assert {first.address, backup.address, third.address} == {"a:1", "b:2", "c:3"}
+    assert round_.next_wakeup() > 1.0  # every replica has the request: no more backups
+    assert set(round_.on_response(third.key, b"v1", 0.021)) == {
+        Cancel(first.key),
+        Cancel(backup.key),
+    }
+    outcome = round_.outcomes()[0]
+    assert outcome.hedges == 2 and outcome.hedge_won
+    # the two that had waited 21 and 11 ms for what the third answered in 1 ms cool down
+    assert [e.is_down(0.05) for e in cluster.endpoints].count(True) == 2
+    # the budget: 1 + retry backup requests
+    round_, _ = make_round(["a:1", "b:2", "c:3", "d:4"], Policy(backup_request_ms=10, retry=0))
+    round_.start(0.0)
+    assert len(sends(round_.on_timer(0.010))) == 1
+    assert round_.next_wakeup() > 1.0
+    # a loser about as fast as the winner (waited 25 ms; the winner took 15) does not cool down
+    round_, cluster = make_round(["a:1", "b:2"], Policy(backup_request_ms=10))
+    (first,) = round_.start(0.0)
+    (backup,) = sends(round_.on_timer(0.010))
+    round_.on_response(backup.key, b"v1", 0.025)
+    assert not any(e.is_down(0.026) for e in cluster.endpoints)

@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import json
 import os
+import selectors
 import subprocess
 import sys
 import threading
@@ -25,7 +26,7 @@ import numpy as np
 import pytest
 import yaml
 from clustersim import RESOLVER, Namespace, SimNode, require_root_network
-from procs import scrape
+from procs import REPO, scrape
 from test_helm import HELM, render
 
 from cube.donefile import append_line, format_line
@@ -35,6 +36,9 @@ from cube.values import ValueColumn
 
 pytestmark = [
     pytest.mark.slow,
+    # signal: a test past its timeout ends with an exception, so that its finalizers stop the
+    # processes it started (close_clients; every one also dies with this process)
+    pytest.mark.timeout(300, method="signal"),
     pytest.mark.skipif(bool(require_root_network()), reason=require_root_network() or "ok"),
     pytest.mark.skipif(not HELM.exists(), reason="helm comes from `make tools` (.tools/)"),
 ]
@@ -63,8 +67,13 @@ def publish(donefile: Path, version: str, keys: np.ndarray, tag: float, base: st
     append_line(donefile / ("patch.txt" if base else "base.txt"), line)
 
 
+OPEN_CLIENTS: list[Client] = []  # (the fixture's client lives across tests)
+
+
 class Client:
-    """tests/sim_client.py in a client namespace: one JSON request, one JSON answer."""
+    """tests/sim_client.py in a client namespace: one JSON request, one JSON answer. Every
+    client a test starts is closed when the test ends (`close_clients`), and dies with the
+    test process (die_with_parent)."""
 
     def __init__(self, node: SimNode, conf: Path, namespace: Namespace | None = None) -> None:
         self.conf = conf
@@ -74,21 +83,47 @@ class Client:
             [sys.executable, str(Path(__file__).parent / "sim_client.py"), str(conf)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
         )  # fmt: skip
+        OPEN_CLIENTS.append(self)
 
-    def ask(self, request: dict) -> dict:
+    def ask(self, request: dict, timeout: float = 2 * WAIT) -> dict:
+        """Its answer, or {"error": ...} when it has none within `timeout` s (a longer
+        request, a `load`, adds its seconds) or exited."""
         assert self.process.stdin is not None and self.process.stdout is not None
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
-        return json.loads(self.process.stdout.readline())
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.process.stdout, selectors.EVENT_READ)
+            if not selector.select(timeout + request.get("seconds", 0)):
+                return {"error": f"no answer in {timeout} s"}
+        line = self.process.stdout.readline()  # (the client writes whole lines)
+        return json.loads(line) if line else {"error": f"exited {self.process.poll()}"}
 
-    def close(self) -> None:
+    def close(self, timeout: float = 15) -> float:
+        """Close its stdin and wait for it to exit (killed after `timeout` s); the seconds it
+        took to exit by itself (inf when killed)."""
+        if self in OPEN_CLIENTS:
+            OPEN_CLIENTS.remove(self)
+        started = time.monotonic()
         if self.process.stdin:
-            self.process.stdin.close()
+            with contextlib.suppress(OSError):  # (a client that is gone)
+                self.process.stdin.close()
         try:
-            self.process.wait(15)
+            self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(10)
+            return float("inf")
+        return time.monotonic() - started
+
+
+@pytest.fixture(autouse=True)
+def close_clients():
+    """The clients a test started are closed when it ends, also when it fails or times out
+    (pytest-timeout's signal method ends the test with an exception, then this runs)."""
+    before = list(OPEN_CLIENTS)
+    yield
+    for client in [c for c in OPEN_CLIENTS if c not in before]:
+        client.close(timeout=5)
 
 
 KEYS = np.arange(1, 100_001, dtype=np.uint64)  # 1.6 MB of values: a download takes ~1 s
@@ -167,8 +202,9 @@ class Load:
         self.thread.start()
 
     def result(self) -> dict:
+        """The load's answer; `exit_s`: how long the client then took to exit."""
         self.thread.join(WAIT)
-        self.client.close()
+        self.answer["exit_s"] = self.client.close()
         return self.answer
 
 
@@ -261,6 +297,40 @@ def assert_clean(load: dict) -> None:
     assert load["calls"] > 0, load
     assert load["error_count"] == 0, load["errors"]
     assert load["mixed"] == 0, load
+
+
+def test_a_pod_runs_from_a_checkout_its_volume_hides_and_makes_no_host_directory(tmp_path):
+    """Any checkout, any machine (issue 24 item 9, issue 26 item 5). Before: a clone under /tmp
+    could not run a pod (its /tmp volume hid the venv and the sources), and every mount path
+    was made on the host (/var/lib/cube, /donefile: shared by two runs on one machine, one
+    run removing what the other still used)."""
+    mount_point = f"/var/lib/cube-sim-{os.getpid()}"  # made by no one else
+    check = f"import cube.client, os; assert os.path.isdir({mount_point!r})"
+    pod = {
+        "kind": "Pod",
+        "metadata": {"name": "hidden-code", "annotations": {"helm.sh/hook": "test"}},
+        "spec": {
+            "containers": [{
+                "name": "check",
+                "command": ["python", "-c", check],
+                "volumeMounts": [  # a volume over the checkout (and its venv), as /tmp's
+                    {"name": "over", "mountPath": str(REPO)},
+                    {"name": "data", "mountPath": mount_point},
+                ],
+                "securityContext": {"readOnlyRootFilesystem": True},
+            }],
+            "volumes": [{"name": "over", "emptyDir": {}}, {"name": "data", "emptyDir": {}}],
+        },
+    }  # fmt: skip
+    node = SimNode([pod], tmp_path / "node")
+    try:
+        node.start()
+        codes = node.run_test_pods(timeout=60)
+        made = Path(mount_point).exists()
+    finally:
+        node.close()
+    assert codes == {"hidden-code": 0}, node.report()
+    assert not made
 
 
 def test_base_then_delta_reach_every_replica_across_hosts(cluster):
@@ -420,6 +490,54 @@ def test_a_slow_replica_is_hedged(cluster):
     )
     assert unhedged["p99_ms"] > 45  # the relay does slow that replica down
     assert slowed["p99_ms"] < healthy["p99_ms"] + 5, (healthy, slowed)  # within a few ms
+
+
+def test_a_replica_cut_off_and_another_slow_neither_fail_calls_nor_hold_the_exit(cluster):
+    """Issue 24, item 10: shard 0 listed with three replicas, one whose link goes down (its
+    connects hang: no reset), one behind a relay far slower than the call's timeout, one
+    healthy; a backup request after 20 ms, `rr`. Before, about one call in three failed by
+    its deadline (its first attempt on the cut replica and its one backup request on the
+    slow one, or the reverse: neither ever cooled down, their attempts being cancelled or
+    ended by the deadline timer, never failed) although the third replica answers at once.
+    Now no call fails, and the client exits within seconds once its stdin closes."""
+    cluster.settled()
+    node = cluster.node
+    cut, slow = node.pod("t-cube-shard-0-0"), node.pod("t-cube-shard-0-1")
+    relay = node.namespace("relay-3s")
+    relaying = relay.run(
+        [sys.executable, str(Path(__file__).parent / "delay_relay.py"), "0.0.0.0", slow.ip,
+         "8000,8100", "3000"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    heal = False
+    try:
+        assert relaying.stdout is not None and relaying.stdout.readline().strip() == "relaying"
+        client_ns = node.namespace("partial-client")
+        node.resolve(client_ns, "slow-replica.cube.test", [relay.ip])
+        conf = json.loads(cluster.conf.read_text())[0]
+        names = [f"{p.spec.name}.{p.spec.subdomain}.ml.svc.cluster.local:8000" for p in (cut, slow)]
+        shard_0 = [names[0], "slow-replica.cube.test:8000", names[1]]
+        nodes = [{"ipport_list": "list://" + ",".join(shard_0)}, conf["nodes"][1]]
+        path = cluster.conf_with(
+            "partial.conf", nodes=nodes, dup=3, timeout=1000, attempt_timeout=1000,
+            backup_request=20, load_balancer="rr", retry=2,
+        )  # fmt: skip
+        client = Client(node, path, client_ns)
+        warm = client.ask({"load": CHECK[:200].tolist(), "seconds": 1})  # every link up
+        assert warm.get("calls"), warm
+        node.cut(cut.spec.name)
+        heal = True
+        load = client.ask({"load": CHECK[:200].tolist(), "seconds": 8})
+        load["exit_s"] = client.close()
+    finally:
+        if heal:
+            node.heal(cut.spec.name)
+        relaying.terminate()
+        relaying.wait(10)
+    measured("shard 0: a replica cut off, one 3 s slow, one healthy; hedged at 20 ms", load)
+    print(f"MEASURED the client exited {load['exit_s']:.2f} s after its stdin closed")
+    assert_clean(load)
+    assert load["exit_s"] < 5, load
 
 
 def test_rolling_restart_under_load(cluster):

@@ -11,13 +11,21 @@ Per sub-request (`ShardCall`):
 - on a retryable error (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, ...) retry on another
   replica after a capped exponential backoff with jitter, at most `retry` times;
 - `backup_request_ms` without an answer: send the same request to another replica, take the
-  first answer and cancel the other;
+  first answer and cancel the others; still none after another `backup_request_ms`: to a
+  third replica not tried yet, and so on (at most `1 + retry` backup requests), so that a
+  dead replica and a slow one picked first cannot hold a call while a third could answer;
 - a non-retryable status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, NOT_FOUND, ...) ends the
   whole round at once;
 - FAILED_PRECONDITION to a version-pinned request means "this replica does not hold that
   version": try the other replicas, without counting it against the replica's health.
 - an answer without a version comes from a replica that serves nothing: it is a failure of
   that replica (retried elsewhere), never a batch of misses.
+- A replica fails (and cools down) when an attempt on it errs, when the deadline ends an
+  attempt still waiting on it (whether the driver's timer or the transport's own timeout
+  reports it first), and when it is outrun: another replica answered the same request while
+  this one had waited at least twice as long as the answer took. A replica that never
+  answers (a link down: connects hang, no reset) is thus avoided even when every call it
+  is part of is saved by a backup request; without that, `rr` kept picking it first.
 Every round also has a hard deadline (all attempts and backoffs, plus slack), so a driver
 never waits unboundedly. With a whole-call timeout (`Policy.total_ms`, cube.conf's `timeout`)
 the driver gives each round the call's deadline: attempts are cut to what remains of it, no
@@ -112,6 +120,12 @@ class Policy:
         )
         return backoff.delay(retry_index, rng)
 
+    def cooldown_s(self, failures: int) -> float:
+        """How long a replica is avoided after `failures` failures in a row (doubling, capped;
+        any number of them: a replica down for hours used to overflow the doubling)."""
+        cooldown = Backoff(self.cooldown_base_ms / 1000.0, self.cooldown_cap_ms / 1000.0)
+        return cooldown.delay(failures - 1)
+
     @property
     def timeout_s(self) -> float:
         """Seconds per attempt."""
@@ -127,6 +141,11 @@ class Policy:
 
     def max_attempts(self) -> int:
         return (1 + self.retry) * (2 if self.backup_request_ms > 0 else 1)
+
+    @property
+    def max_hedges(self) -> int:
+        """Backup requests one sub-request may send (0 without backup requests)."""
+        return 1 + self.retry if self.backup_request_ms > 0 else 0
 
     def round_budget_s(self) -> float:
         """Hard bound on one round: every attempt timing out back to back, plus slack."""
@@ -176,8 +195,7 @@ class EndpointState:
 
     def failed(self, now: float, policy: Policy) -> None:
         self.failures += 1
-        cooldown = min(policy.cooldown_cap_ms, policy.cooldown_base_ms * 2 ** (self.failures - 1))
-        self.down_until = now + cooldown / 1000.0
+        self.down_until = now + policy.cooldown_s(self.failures)
 
     def __repr__(self) -> str:
         return f"EndpointState({self.address}, inflight={self.inflight}, failures={self.failures})"
@@ -395,15 +413,21 @@ class ShardCall:
                 return self._send(now, hedge=True)
         return []
 
-    def abort(self, code: str, reason: str, deadline: bool = False) -> list[Action]:
+    def abort(
+        self, code: str, reason: str, deadline: bool = False, now: float | None = None
+    ) -> list[Action]:
         """Give up (hard deadline, or another call was rejected): cancel what is in flight.
-        `deadline`: the call's deadline is the reason."""
+        `deadline`: the call's deadline is the reason. With `now` and a code that speaks of the
+        replicas (DEADLINE_EXCEEDED, not CANCELLED), each replica still waited on failed, as
+        when its attempt's own timeout reports it: the same health whichever comes first."""
         if self.finished:
             return []
         self.deadline_hit = self.deadline_hit or deadline
         for flight in self.inflight.values():
-            address = self.group.replicas[flight.replica].address
-            self.attempts.append(Attempt(address, code, reason))
+            replica = self.group.replicas[flight.replica]
+            self.attempts.append(Attempt(replica.address, code, reason))
+            if now is not None and code not in NEUTRAL:
+                replica.failed(now, self.policy)
         if not self.inflight:
             self.attempts.append(Attempt("-", code, reason))
         return self._finish()
@@ -446,7 +470,8 @@ class ShardCall:
         if self.deadline is not None and self.deadline - now < MIN_ATTEMPT_S:
             if hedge:
                 return []
-            return self.abort(CALL_DEADLINE, self.policy.deadline_reason(), deadline=True)
+            reason = self.policy.deadline_reason()
+            return self.abort(CALL_DEADLINE, reason, deadline=True, now=now)
         group = self.group
         busy = self.tried | {f.replica for f in self.inflight.values()}
         choice = group.balancer.pick(group.replicas, busy, now, reuse=not hedge)
@@ -472,17 +497,19 @@ class ShardCall:
         replica = group.replicas[choice]
         if begin:
             replica.begin()
-        backup_ms = self.policy.backup_request_ms
-        if (
-            backup_ms > 0
-            and not hedge
-            and self._hedges <= self._retries
-            and len(group.replicas) > 1
-        ):
-            hedge_at = now + backup_ms / 1000.0
-            if self.deadline is None or hedge_at + MIN_ATTEMPT_S <= self.deadline:
-                self.hedge_at = hedge_at
+        self._schedule_hedge(now)
         return Send((self.index, attempt), replica.address, self.request, timeout_s)
+
+    def _schedule_hedge(self, now: float) -> None:
+        """The next backup request, `backup_request_ms` after the attempt just sent, while
+        the budget lasts and a replica is left that is neither tried nor waited on."""
+        if self._hedges >= self.policy.max_hedges:
+            return
+        if len(self.tried) >= len(self.group.replicas):
+            return
+        hedge_at = now + self.policy.backup_request_ms / 1000.0
+        if self.deadline is None or hedge_at + MIN_ATTEMPT_S <= self.deadline:
+            self.hedge_at = hedge_at
 
     def _finish(self, answered_at: float | None = None) -> list[Action]:
         """End the call; cancel the attempts still out (outrun by the answer at
@@ -490,11 +517,15 @@ class ShardCall:
         self.finished = True
         self.retry_at = self.hedge_at = None
         cancels: list[Action] = []
+        won = self._won
         for attempt, flight in self.inflight.items():
             replica = self.group.replicas[flight.replica]
             replica.end()
-            if answered_at is not None:
-                replica.outrun(answered_at - flight.started)
+            if answered_at is not None and won is not None:
+                waited = answered_at - flight.started
+                replica.outrun(waited)
+                if waited >= 2 * (answered_at - won.started):  # clearly slower: see above
+                    replica.failed(answered_at, self.policy)
             cancels.append(Cancel((self.index, attempt)))
         self.inflight.clear()
         return cancels
@@ -550,10 +581,12 @@ class Round:
             if self.call_deadline is not None and now >= self.call_deadline:
                 reason = self.policy.deadline_reason()
                 for call in self.calls:
-                    actions += self._after(call, call.abort(CALL_DEADLINE, reason, deadline=True))
+                    aborted = call.abort(CALL_DEADLINE, reason, deadline=True, now=now)
+                    actions += self._after(call, aborted)
                 return actions
             for call in self.calls:
-                actions += self._after(call, call.abort("DEADLINE_EXCEEDED", "round deadline"))
+                aborted = call.abort("DEADLINE_EXCEEDED", "round deadline", now=now)
+                actions += self._after(call, aborted)
             return actions
         for call in self.calls:
             wake = call.wakeup()

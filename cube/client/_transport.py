@@ -153,7 +153,11 @@ class ClientTLS:
         return (("grpc.ssl_target_name_override", self.server_name),) if self.server_name else ()
 
     def wrap(self, sock: socket.socket, host: str) -> ssl.SSLSocket:
-        return self.context.wrap_socket(sock, server_hostname=self.server_name or host)
+        """`sock` in TLS, its handshake not done yet (`do_handshake()`: the caller first lets
+        a cancel reach the new socket object)."""
+        return self.context.wrap_socket(
+            sock, server_hostname=self.server_name or host, do_handshake_on_connect=False
+        )
 
 
 def open_channel(address: str, tls: ClientTLS | None) -> grpc.Channel:
@@ -256,9 +260,11 @@ _CANCELLED = ("CANCELLED", "TCP lane: the call was cancelled (another attempt an
 
 
 class CallHandle:
-    """A blocking lane call that another thread may cancel (a backup request's loser): the
-    cancel shuts the call's socket down, so the call returns CANCELLED at once instead of
-    holding its thread until its timeout. A gRPC call ignores its handle and runs out."""
+    """A blocking lane call that another thread may cancel (a backup request's loser, or
+    every call in flight when the client closes): the cancel shuts the call's socket down,
+    which ends a send, a receive and also a connect that hangs (a link down: SYNs go
+    unanswered), so the call returns CANCELLED at once instead of holding its thread until
+    its timeout. A gRPC call ignores its handle (closing the client's channels ends it)."""
 
     __slots__ = ("_lock", "_sock", "cancelled")
 
@@ -375,14 +381,13 @@ class SyncLane:
             try:
                 if connection is None:
                     try:
-                        connection = self._connect(deadline)
+                        connection = self._connect(deadline, handle)
                     except OSError:
+                        if handle.cancelled:  # our own shutdown ended the connect
+                            return False, _CANCELLED
                         self.unreachable = self.broken = True
                         raise
                     header = LANE_MAGIC + header
-                    if not handle.attach(connection.sock):
-                        connection.sock.close()
-                        return False, _CANCELLED
                 connection.set_timeout(deadline - time.monotonic())
                 try:
                     _send(connection, header, request)
@@ -421,17 +426,33 @@ class SyncLane:
         self.broken = True
         return False, ("UNAVAILABLE", f"TCP lane {self.host}:{self.port}: connection closed")
 
-    def _connect(self, deadline: float) -> _Connection:
-        sock = socket.create_connection(
-            (self.host, self.port), timeout=max(deadline - time.monotonic(), 1e-3)
-        )
-        if self.tls is not None:
+    def _connect(self, deadline: float, handle: CallHandle) -> _Connection:
+        """A new connection (and its TLS handshake) by `deadline`. Its socket is attached to
+        `handle` before it connects, so that a cancel ends a connect that hangs; OSError
+        when it could not connect, was cancelled (`handle.cancelled`) or timed out."""
+        error: OSError = ConnectionError(f"{self.host}:{self.port}: no address")
+        for family, kind, proto, _, address in socket.getaddrinfo(
+            self.host, self.port, type=socket.SOCK_STREAM
+        ):
+            sock: socket.socket = socket.socket(family, kind, proto)
             try:
-                sock = self.tls.wrap(sock, self.host)  # the handshake, within the timeout
-            except BaseException:
+                if not handle.attach(sock):
+                    raise ConnectionAbortedError("cancelled")
+                sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+                sock.connect(address)
+                if self.tls is not None:
+                    sock = self.tls.wrap(sock, self.host)
+                    if not handle.attach(sock):
+                        raise ConnectionAbortedError("cancelled")
+                    sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+                    sock.do_handshake()  # within the timeout
+                return _Connection(sock)
+            except OSError as exc:
                 sock.close()
-                raise
-        return _Connection(sock)
+                if handle.cancelled:
+                    raise
+                error = exc
+        raise error
 
     def _read_answer(
         self, connection: _Connection, deadline: float, reused: bool, pad: int

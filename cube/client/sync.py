@@ -9,19 +9,24 @@ the last one of a batch inline when backup requests are off; completions land in
 queue that the calling thread waits on until the next timer (backup request, retry backoff,
 deadline).
 An attempt on a pool thread is cancelled when it loses (a backup request answered first) or is
-abandoned: on a TCP lane its socket is shut down and the thread is free at once; a blocking
-gRPC call cannot be cancelled, so it is left to finish (at most `timeout_ms`) and its answer
-is dropped. Safe to share between threads (each call has its own queue and round).
+abandoned: on a TCP lane its socket is shut down (also while it connects) and the thread is
+free at once; a blocking gRPC call cannot be cancelled, so it is left to finish (at most
+`timeout_ms`) and its answer is dropped. Safe to share between threads (each call has its own
+queue and round).
+`close()` is bounded: it cancels every attempt the pool runs and closes the channels (which
+ends their gRPC calls), and the pool's threads are daemons, so a process exits at once even
+with an attempt hung on a dead link (a ThreadPoolExecutor's threads are joined at exit).
 With a whole-call timeout (Timeouts.total) every attempt's timeout is cut to the call's
 deadline and the waits end at it, so seek() returns (or raises DeadlineExceededError) by then.
 """
 
 from __future__ import annotations
 
+import itertools
 import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
@@ -34,14 +39,102 @@ from cube.client._transport import CallHandle, SyncChannels, status_of
 from cube.client.errors import CubeError
 
 _Key = tuple[int, int]
-
-
-def _report(events: queue.SimpleQueue[Any], key: _Key, future: Future[Any]) -> None:
-    if not future.cancelled():  # cancelled only when the client closes
-        events.put((key, *future.result()))
-
-
 _Outcome = tuple[bool, Any]  # (True, answer bytes) or (False, (status name, message))
+_CLOSED: _Outcome = (False, ("CANCELLED", "the client is closed"))
+_Job = tuple[Callable[[CallHandle], _Outcome], CallHandle, Callable[[_Outcome], None]]
+
+
+class AttemptPool:
+    """Threads that run attempts off the calling thread (backup requests, several shards):
+    daemon threads, started when no idle one is left (up to `limit`) and kept, taking jobs
+    from one queue. `close()` cancels the attempts running and ends the threads; a job
+    submitted after it is answered CANCELLED at once. Daemons, unlike a ThreadPoolExecutor's,
+    so that an interpreter exits without waiting for attempts hung on a dead link."""
+
+    _names = itertools.count()
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._running: set[CallHandle] = set()
+        self._threads = 0
+        self._idle = 0
+        self._queued = 0
+        self._closed = False
+
+    def submit(
+        self,
+        attempt: Callable[[CallHandle], _Outcome],
+        handle: CallHandle,
+        report: Callable[[_Outcome], None],
+    ) -> None:
+        """Run `attempt(handle)` on a pool thread, then `report` its outcome."""
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._queued += 1
+                start = self._queued > self._idle and self._threads < self._limit
+                self._threads += start
+                self._jobs.put((attempt, handle, report))  # (under the lock: before close())
+        if closed:
+            report(_CLOSED)
+            return
+        if start:
+            name = f"cube-client-{next(self._names)}"
+            threading.Thread(target=self._work, name=name, daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            job = self._jobs.get()  # (an idle daemon thread waits here until close())
+            with self._lock:
+                self._idle -= 1
+                if job is None:
+                    self._threads -= 1
+                    return
+                self._queued -= 1
+                attempt, handle, report = job
+                self._running.add(handle)
+                if self._closed:
+                    handle.cancel()
+            try:
+                outcome = attempt(handle)
+            finally:
+                with self._lock:
+                    self._running.discard(handle)
+            report(outcome)
+
+    @property
+    def busy(self) -> int:
+        """Attempts running or waiting for a thread."""
+        with self._lock:
+            return len(self._running) + self._queued
+
+    def close(self) -> None:
+        """Cancel what runs, answer what waits CANCELLED, end the threads; returns at once."""
+        with self._lock:
+            self._closed = True
+            running = list(self._running)
+            threads = self._threads
+        for handle in running:
+            handle.cancel()
+        while True:  # jobs not started yet: answered, never run
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                with self._lock:
+                    self._queued -= 1
+                job[2](_CLOSED)
+        for _ in range(threads):
+            self._jobs.put(None)
+
+
+def _report(events: queue.SimpleQueue[Any], key: _Key, outcome: _Outcome) -> None:
+    events.put((key, *outcome))
 
 
 class CubeClient(ClientBase):
@@ -55,10 +148,9 @@ class CubeClient(ClientBase):
             check_routing=self._check_routing,
             tls=self._tls,
         )
-        # Threads start only when needed; many allowed because an abandoned attempt (a backup
-        # request's loser) holds its thread until its timeout.
-        workers = max(32, 8 * len(self._cluster.endpoints))
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="cube-client")
+        # Threads start only when needed; many allowed because an abandoned gRPC attempt (a
+        # backup request's loser) holds its thread until its timeout.
+        self._pool = AttemptPool(max(32, 8 * len(self._cluster.endpoints)))
         self._closed = False
 
     def seek(self, keys: object, version: str | None = None) -> SeekResult:
@@ -150,11 +242,13 @@ class CubeClient(ClientBase):
         return self._channels.wait_ready(self.endpoints, timeout_s)
 
     def close(self) -> None:
+        """Close the connections and cancel the attempts in flight; returns at once (module
+        docstring). Calls still running in other threads end with an error."""
         self._closed = True
+        self._pool.close()
         self._channels.close()
         if self._injected is not None:
             self._injected.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> CubeClient:
         return self
@@ -236,10 +330,8 @@ class CubeClient(ClientBase):
         inline = sends.pop() if self.policy.backup_request_ms <= 0 else None
         for send in sends:
             handle = pending[send.key] = CallHandle()
-            future = self._pool.submit(
-                self._attempt, send.address, send.request, send.timeout_s, handle
-            )
-            future.add_done_callback(partial(_report, events, send.key))
+            attempt = partial(self._attempt, send.address, send.request, send.timeout_s)
+            self._pool.submit(attempt, handle, partial(_report, events, send.key))
         if inline is None:
             return None
         pending[inline.key] = None
@@ -249,6 +341,8 @@ class CubeClient(ClientBase):
         self, address: str, request: bytes, timeout_s: float, handle: CallHandle | None = None
     ) -> _Outcome:
         """One attempt through the transport (the built-in one, or the injected one)."""
+        if self._closed:
+            return _CLOSED
         try:
             if self._injected is not None:
                 return True, self._injected.call(address, request, timeout_s)
