@@ -44,13 +44,18 @@ def test_one_top_level_package(wheel):
     assert not [n for n in names if "test_bench" in n or "/results/" in n]
 
 
-def test_console_scripts_import_from_the_installed_wheel(wheel, tmp_path):
-    target = tmp_path / "site"
+def install(wheel: Path, target: Path) -> Path:
+    """`pip install --target` of the wheel alone (no dependencies); returns `target`."""
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
          str(wheel)],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
+    return target
+
+
+def test_console_scripts_import_from_the_installed_wheel(wheel, tmp_path):
+    target = install(wheel, tmp_path / "site")
     entry_points = configparser.ConfigParser()
     (info,) = target.glob("cube_py-*.dist-info")
     entry_points.read(info / "entry_points.txt")
@@ -121,12 +126,7 @@ def test_a_server_from_the_wheel_loads_the_shipped_kernel(wheel, tmp_path):
     (a compile there would hold the replica not ready for seconds)."""
     from cube.processes import poll_until, stop_child
 
-    target = tmp_path / "site"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
-         str(wheel)],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
+    target = install(wheel, tmp_path / "site")
     shipped = sorted(p.name for p in (target / "cube" / "_numba_cache").glob("*.nbc"))
     assert any(name.startswith("_kernel_jit._seek_fixed") for name in shipped)
     env = {
