@@ -49,6 +49,7 @@ def test_text_is_the_default_and_a_bad_format_is_refused(capsys):
 )
 def test_commands_take_log_format_json(tmp_path, argv):
     """What a command logs with --log_format json is JSON objects, one a line."""
+    (tmp_path / "donefile").mkdir()  # the transfer refuses a donefile directory that is not
     (tmp_path / "transfer.conf").write_text(
         "[default]\ndict_name: d\nwget_port: 0\nshard_num: 1\n"
         f"donefile_address: {tmp_path}/donefile\noutput_address: {tmp_path}/out\n"
