@@ -243,3 +243,32 @@ def test_a_replica_getting_ready_refuses_every_request_at_once(tmp_path):
     response = cube_fast_pb2.SeekResponse.FromString(service.seek(request))
     assert response.found == b"\x01" * 10 and response.version == "1"
     slots.close()
+
+
+def test_a_worker_reaches_a_peer_that_came_up_after_its_first_try(tmp_path):
+    """Worker 0 asks worker 1 while worker 1 is not listening yet (starting, or restarted by
+    the supervisor); once it listens, the next command reaches it: the channel to a loopback
+    peer neither fails for gRPC's default reconnect backoff (a second or more, during which
+    every command failed with the first refusal) nor fails before its timeout."""
+    from cube.processes import free_port
+    from cube.server.control import RemoteWorker, worker_handler
+
+    coordinator, slots = make_coordinator(tmp_path, None)
+    port = free_port()
+
+    async def scenario() -> dict:
+        peer = RemoteWorker(1, port, f"127.0.0.1:{port}", 5.0)
+        with pytest.raises(ControlError):
+            await peer.apply("state", timeout=0.3)  # nobody listens yet
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers([worker_handler(coordinator.local)])
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        try:
+            return await peer.apply("state", timeout=0.5)
+        finally:
+            await peer.close()
+            await server.stop(None)
+
+    assert asyncio.run(scenario())["cur_version"] == "1"
+    slots.close()

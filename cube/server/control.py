@@ -209,9 +209,18 @@ class RemoteWorker:
         self.metadata = bearer_metadata(token)
         self._channel: grpc.aio.Channel | None = None
 
+    # A peer on loopback that is not up yet (starting, or restarted by the supervisor) is up
+    # within a second: retry connecting that soon, not after gRPC's default backoff (1 s
+    # growing to 120 s, during which every call failed with the first refusal).
+    CHANNEL_OPTIONS = (
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    )
+
     def _call(self) -> grpc.aio.UnaryUnaryMultiCallable:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address)
+            self._channel = grpc.aio.insecure_channel(self.address, options=self.CHANNEL_OPTIONS)
         return self._channel.unary_unary(WORKER_APPLY)
 
     async def apply(
@@ -219,8 +228,11 @@ class RemoteWorker:
     ) -> dict[str, Any]:
         request = json.dumps({"op": op, "mode": mode, "name": name}).encode()
         try:
-            raw = await self._call()(
-                request, timeout=timeout or self.timeout, metadata=self.metadata
+            raw = await self._call()(  # waits for a peer still starting, within the timeout
+                request,
+                timeout=timeout or self.timeout,
+                metadata=self.metadata,
+                wait_for_ready=True,
             )
         except grpc.aio.AioRpcError as exc:
             raise ControlError(
