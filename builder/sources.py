@@ -56,31 +56,35 @@ def _left(deadline: float, url: str, timeout: float) -> float:
     return left
 
 
-def list_inputs(path: str, timeout: float = LIST_TIMEOUT) -> list[InputFile]:
+def list_inputs(
+    path: str, timeout: float = LIST_TIMEOUT, include_empty: bool = False
+) -> list[InputFile]:
     """Every regular, non-empty, non-hidden file under `path` (or `path` itself when it is a
-    file), in the order the builder reads them. BuildError when `path` does not exist or
-    cannot be listed within `timeout` seconds."""
+    file), in the order the builder reads them; empty files too with `include_empty`.
+    BuildError when `path` does not exist or cannot be listed within `timeout` seconds."""
     if not remote.is_remote(path):
-        files = list_input_files(_local(path))
+        files = list_input_files(_local(path), include_empty)
         return [InputFile(str(file), file.stat().st_size) for file in files]
     fs, root = _open(path, timeout)
-    return _list_remote(fs, root, path, time.monotonic() + timeout)
+    return _list_remote(fs, root, path, time.monotonic() + timeout, include_empty)
 
 
-def _list_remote(fs: Any, root: str, path: str, deadline: float) -> list[InputFile]:
+def _list_remote(
+    fs: Any, root: str, path: str, deadline: float, include_empty: bool = False
+) -> list[InputFile]:
     base = path.rstrip("/")
     try:
         info = remote.call(fs, "info", root, timeout=max(deadline - time.monotonic(), 0.001))
         if info.get("type") != "directory":
             size = int(info.get("size") or 0)
-            return [InputFile(base, size)] if size else []
+            return [InputFile(base, size)] if size or include_empty else []
         found = remote.find_files(fs, root, max(deadline - time.monotonic(), 0.001))
     except remote.RemoteError as exc:
         raise BuildError(f"{remote.redact(path)}: {exc}") from None
     prefix = root.rstrip("/") + "/"
     keyed = []
     for name, size in found.items():
-        if not name.startswith(prefix) or not size:
+        if not name.startswith(prefix) or not (size or include_empty):
             continue  # outside the directory (fsspec should not list it), or empty
         relative = name[len(prefix) :]
         parts = relative.split("/")
