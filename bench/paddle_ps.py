@@ -2,9 +2,10 @@
 of CtrCommonAccessor + adagrad rows (D=8: key and 13 numbers, written as Paddle writes them,
 6 significant digits), parsed alone per core, then built end to end.
 
-    python -m bench.paddle_ps --rows 10000000 --parts 8 [--gzip] [--workers 1,2]
+    python -m bench.paddle_ps --rows 10000000 --parts 8 [--gzip] [--workers 1,2] [--shards 2]
 
-Prints the parse-only rate on one core (compiled parser; the numpy fallback on a slice), and
+Prints the reading rate on one core in rows per CPU second (read, gunzip, compiled parser: the
+builder's reader; the numpy parser on a slice), and
 for each -workers value the whole build's wall time, CPU time (parent and workers), rows per
 second, rows per CPU second, and the largest resident set of the builder's processes.
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cube.builder.paddle_ps import table_batches
 from cube.paddle_ps import ACCESSORS, SGD_RULES, TableLayout, ValueSpec, parse_rows
 
 LAYOUT = TableLayout(ACCESSORS["ctr_common"], 8, SGD_RULES["adagrad"], SGD_RULES["adagrad"])
@@ -56,7 +58,7 @@ def write_save(root: Path, rows: int, parts: int, compress: bool) -> int:
     returns the table's text bytes."""
     rng = np.random.default_rng(25)
     block = row_block(rng)
-    keys = rng.choice(np.uint64(1) << np.uint64(63), rows, replace=False).astype(np.uint64)
+    keys = rng.integers(0, 2**64 - 1, rows, dtype=np.uint64)  # repeats: ~none in 2^64
     (root / "000").mkdir(parents=True)
     (root / "001").mkdir()
     with gzip.open(root / "001" / "part-000.gz", "wt") as dense:
@@ -75,38 +77,40 @@ def write_save(root: Path, rows: int, parts: int, compress: bool) -> int:
     return text_bytes
 
 
-def parse_rate(root: Path, compiled: bool, limit_bytes: int) -> tuple[float, int]:
-    """Rows per second of decompressing (when gzip) and parsing up to `limit_bytes` of text
-    in 4 MiB chunks, in this process (one core)."""
-    value = ValueSpec()
+def parse_rate(root: Path, limit_bytes: int) -> tuple[float, int]:
+    """Rows per CPU second of what a build's reader does with the table's files (read,
+    decompress when gzip, parse with the compiled parser, values to bytes: the builder's
+    `table_batches`, 4 MiB batches), up to `limit_bytes` of files, in this process: one core,
+    CPU time so that other load on the machine does not count."""
+    parse_rows(b"1 0 0 0 1 1 0.5 0.1\n", LAYOUT, ValueSpec(), "warm", 1, True)  # numba's load
     rows = 0
-    seconds = 0.0
+    started = time.process_time()
     done = 0
     for path in sorted((root / "000").iterdir()):
-        with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as stream:
-            carry = b""
-            while done < limit_bytes:
-                started = time.perf_counter()
-                block = stream.read(4 << 20)
-                if not block:
-                    break
-                data = carry + block
-                cut = data.rfind(b"\n") + 1
-                carry = data[cut:]
-                parsed = parse_rows(memoryview(data)[:cut], LAYOUT, value, str(path), 1, compiled)
-                seconds += time.perf_counter() - started
-                rows += int(parsed.keys.shape[0])
-                done += cut
+        for keys, _, _ in table_batches(str(path), LAYOUT, ValueSpec(), 4 << 20):
+            rows += int(keys.shape[0])
+        done += path.stat().st_size
         if done >= limit_bytes:
             break
-    return rows / seconds, rows
+    return rows / (time.process_time() - started), rows
 
 
-def build(root: Path, output: Path, workers: int) -> dict[str, float]:
+def numpy_rate(root: Path, limit_bytes: int) -> tuple[float, int]:
+    """The same for the numpy parser alone, on the first `limit_bytes` of text."""
+    path = sorted((root / "000").iterdir())[0]
+    with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as stream:
+        data = stream.read(limit_bytes)
+    data = data[: data.rfind(b"\n") + 1]
+    started = time.process_time()
+    rows = parse_rows(data, LAYOUT, ValueSpec(), str(path), 1, False).keys.shape[0]
+    return rows / (time.process_time() - started), int(rows)
+
+
+def build(root: Path, output: Path, workers: int, shards: int) -> dict[str, float]:
     flags = ["-dict_name", "emb", "-input_path", str(root), "-output_path", str(output),
-             "-shard_num", "2", "-input_format", "paddle_ps", "-paddle_accessor", "ctr_common",
-             "-paddle_dim", "8", "-paddle_optimizer", "adagrad", "-workers", str(workers),
-             "-quiet"]  # fmt: skip
+             "-shard_num", str(shards), "-input_format", "paddle_ps", "-paddle_accessor",
+             "ctr_common", "-paddle_dim", "8", "-paddle_optimizer", "adagrad", "-workers",
+             str(workers), "-quiet"]  # fmt: skip
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
     done = subprocess.run(
@@ -127,6 +131,7 @@ def main() -> None:
     parser.add_argument("--parts", type=int, default=8, help="part files (table shards)")
     parser.add_argument("--gzip", action="store_true", help="gzip parts (save modes 0 and 3)")
     parser.add_argument("--workers", default="1,2", help="-workers values to build with")
+    parser.add_argument("--shards", type=int, default=2, help="-shard_num of the builds")
     parser.add_argument("--dir", default="", help="where to write (default: a temp dir)")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="cube-paddle-bench-", dir=args.dir or None))
@@ -138,13 +143,13 @@ def main() -> None:
               f" ({'gzip' if args.gzip else 'plain'}), written in "
               f"{time.monotonic() - started:.0f} s")  # fmt: skip
         os.sync()
-        compiled, counted = parse_rate(root / "save", True, 512 << 20)
-        numpy_rate, numpy_rows = parse_rate(root / "save", False, 16 << 20)
-        print(f"parse only, one core: compiled {compiled / 1e6:.2f}M rows/s ({counted} rows), "
-              f"numpy {numpy_rate / 1e6:.2f}M rows/s ({numpy_rows} rows)")  # fmt: skip
+        compiled, counted = parse_rate(root / "save", 512 << 20)
+        slow, slow_rows = numpy_rate(root / "save", 16 << 20)
+        print(f"read and parse, one core: compiled {compiled / 1e6:.2f}M rows per CPU second "
+              f"({counted} rows), numpy {slow / 1e6:.2f}M ({slow_rows} rows)")  # fmt: skip
         for workers in (int(w) for w in args.workers.split(",")):
             output = root / f"out{workers}"
-            result = build(root / "save", output, workers)
+            result = build(root / "save", output, workers, args.shards)
             print(
                 f"build -workers {workers}: {result['wall']:.2f} s wall, {result['cpu']:.2f} s "
                 f"CPU, {args.rows / result['wall'] / 1e6:.2f}M rows/s, "

@@ -141,6 +141,31 @@ def test_the_compiled_parser_builds_the_same_bytes(tmp_path, monkeypatch):
     assert output_digests(tmp_path / "numpy") == output_digests(tmp_path / "compiled")
 
 
+def test_gzip_parts_of_several_members_and_small_batches_read_the_same(tmp_path):
+    """A part written as several gzip members (as appending writers do), and batches that
+    cut a member and a line anywhere: the same rows."""
+    save = tmp_path / "save"
+    shutil.copytree(DATA / "ctr_common_adagrad" / "batch_model", save)
+    part = save / "000" / "part-000-00001.gz"
+    text = gzip.decompress(part.read_bytes())
+    thirds = [
+        text[: len(text) // 3],
+        text[len(text) // 3 : 2 * len(text) // 3],
+        text[2 * len(text) // 3 :],
+    ]
+    part.write_bytes(b"".join(gzip.compress(piece) for piece in thirds))
+    layout = source_for("ctr_common_adagrad").layout_for(None)
+    original = DATA / "ctr_common_adagrad" / "batch_model" / "000" / "part-000-00001.gz"
+    for batch_bytes in (64, 1000, 1 << 20):
+        got = list(shell.table_batches(str(part), layout, ValueSpec(), batch_bytes))
+        want = list(shell.table_batches(str(original), layout, ValueSpec(), 1 << 20))
+        got_keys = np.concatenate([keys for keys, _, _ in got])
+        assert got_keys.tolist() == np.concatenate([keys for keys, _, _ in want]).tolist()
+        values = b"".join(v.blob.tobytes() for _, v, _ in got)
+        assert values == b"".join(v.blob.tobytes() for _, v, _ in want)
+        assert got[-1][2] == part.stat().st_size  # progress ends at the file's size
+
+
 # ---------------------------------------------------------------------------------------------
 # Finding the table
 
@@ -292,7 +317,7 @@ def truncated_gzip(save: Path) -> tuple[Path, str]:
     part = save / "000" / "part-000-00001.gz"
     data = gzip.compress(gzip.decompress(part.read_bytes()) * 30)
     part.write_bytes(data[: len(data) // 2])
-    return part, "not a whole gzip file (Compressed file ended before the end-of-stream"
+    return part, "not a whole gzip file (it ends inside a compressed stream, near byte"
 
 
 def corrupt_gzip(save: Path) -> tuple[Path, str]:
@@ -300,7 +325,13 @@ def corrupt_gzip(save: Path) -> tuple[Path, str]:
     data = bytearray(part.read_bytes())
     data[-8] ^= 0xFF  # the CRC
     part.write_bytes(bytes(data))
-    return part, "not a whole gzip file (CRC check failed"
+    return part, "not a whole gzip file (Error -3 while decompressing data: incorrect data check"
+
+
+def garbage_after_gzip(save: Path) -> tuple[Path, str]:
+    part = save / "000" / "part-000-00002.gz"
+    part.write_bytes(part.read_bytes() + b"\0\0\0\0")
+    return part, "not a whole gzip file (something else than a gzip member follows one"
 
 
 def endless_line(save: Path) -> tuple[Path, str]:
@@ -318,6 +349,7 @@ def endless_line(save: Path) -> tuple[Path, str]:
         ("checkpoint", short_row_in_gzip),
         ("checkpoint", truncated_gzip),
         ("checkpoint", corrupt_gzip),
+        ("checkpoint", garbage_after_gzip),
         ("delta", endless_line),
     ],
     ids=lambda value: value if isinstance(value, str) else value.__name__,
