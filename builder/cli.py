@@ -461,7 +461,8 @@ def fetch_remote(flags: dict[str, Any], config: BuildConfig) -> tuple[str, str |
     for name, path in (("input", input_path), ("delete", delete_path)):
         if path and remote.is_remote(path):
             left = max(deadline - time.monotonic(), 0.001)
-            files = fetch_inputs(path, fetched / name, left, config.allow_empty)
+            whole_save = name == "input" and config.input_format == "paddle_ps"
+            files = fetch_inputs(path, fetched / name, left, config.allow_empty, whole_save)
             if not flags["quiet"]:
                 size = sum(f.stat().st_size for f in files)
                 print(f"fetched {len(files)} files ({size} bytes) of {path} in "

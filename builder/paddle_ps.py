@@ -3,7 +3,8 @@
 The shell around the pure `cube.paddle_ps`: which folder of a save holds the sparse table
 (`find_table`), the trainer's PSParameter text (`load_config`), and each part file read in
 batches of whole lines, plain or gzip (`table_batches`), for the local build's readers and the
-Spark build's map tasks alike. docs/INPUT_FORMATS.md is the user's page.
+Spark build's map tasks alike; `iter_table` / `read_table` give a save's served values as
+arrays to other tools. docs/INPUT_FORMATS.md is the user's page.
 
 A save (`fleet.save_persistables(exe, dir, mode)`) is one folder per table, named by table id
 (`000`, `001`, ...): a sparse table writes `part-<server>-<shard>` per table shard (gzip with a
@@ -287,6 +288,31 @@ def _gunzip(raw: BinaryIO, path: str, size: int, batch_bytes: int) -> Iterator[b
             pending = rest
             if not pending and not (pending := raw.read(1 << 20)):
                 return
+
+
+def iter_table(
+    input_path: str, source: PaddleSource, batch_bytes: int = 4 << 20
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The rows of a save's sparse table (`find_table`), part file after part file, as
+    (uint64 keys, values: rows x value count of the value dtype): what a build would serve,
+    for tools (a trainer's check of what it saved, the transfer's look at a save) that want
+    the numbers rather than shards. Local files; BuildError as for a build."""
+    table = find_table(input_path, source)
+    value = source.value
+    dtype = np.dtype(value.dtype).newbyteorder("<")
+    for path in local_paths(table):
+        for keys, values, _ in table_batches(str(path), table.layout, value, batch_bytes):
+            yield keys, values.blob.view(dtype).reshape(len(keys), value.count(table.layout))
+
+
+def read_table(input_path: str, source: PaddleSource) -> tuple[np.ndarray, np.ndarray]:
+    """All of `iter_table` at once (the whole table in memory: for small tables and tests)."""
+    parts = list(iter_table(input_path, source))
+    if not parts:
+        table = find_table(input_path, source)
+        dtype = np.dtype(source.value.dtype).newbyteorder("<")
+        return np.empty(0, np.uint64), np.empty((0, source.value.count(table.layout)), dtype)
+    return np.concatenate([k for k, _ in parts]), np.concatenate([v for _, v in parts])
 
 
 def describe(table: PaddleTable) -> str:

@@ -130,16 +130,21 @@ def fetch_input(url: str, dest: Path, timeout: float = FETCH_TIMEOUT, fs: Any = 
 
 
 def fetch_inputs(
-    path: str, dest: Path, timeout: float = FETCH_TIMEOUT, allow_empty: bool = False
+    path: str,
+    dest: Path,
+    timeout: float = FETCH_TIMEOUT,
+    allow_empty: bool = False,
+    include_empty: bool = False,
 ) -> list[Path]:
     """Fetch every input file of the remote `path` (list_inputs) to the same relative path
     under the directory `dest`, so that building from `dest` reads the same files in the same
     order; all within `timeout` seconds, the listing included. Returns the local files.
     BuildError when there is no input file at all, unless `allow_empty` (then `dest` is an
-    empty directory)."""
+    empty directory). `include_empty`: empty files too (a parameter-server save's empty
+    shards: its layout is told by its file names)."""
     deadline = time.monotonic() + timeout
     fs, root = _open(path, timeout)  # one client for the listing and every file
-    files = _list_remote(fs, root, path, deadline)
+    files = _list_remote(fs, root, path, deadline, include_empty)
     if not files and allow_empty:
         dest.mkdir(parents=True, exist_ok=True)
     elif not files:

@@ -12,8 +12,8 @@ with 6 significant digits (Paddle's `ParseToString`):
         embedx_w x embedx_dim [embedx optimizer state]
 
 The embedx part (from embedx_w on) is written only for rows whose show/click score reached the
-table's `embedx_threshold`: a "short" row. Its embedx_w is served as zeros (the trainer saved
-none; reloading the save, Paddle would draw fresh random ones).
+table's `embedx_threshold`: a "short" row. Its embedx_w is served as zeros, which is what the
+trainer's own lookup returns for such a key (tests/test_paddle_ps.py compares with it).
 
 The parser's contract: a served value is `dtype(float64(text))`, numpy's conversion of the
 correctly rounded double, byte for byte what a SequenceFile of the same rows holds when its
@@ -582,7 +582,8 @@ def describe_line(line: bytes, layout: TableLayout) -> str:
     if not key.isdigit():
         sign = " (keys are uint64: no sign)" if key[:1] in (b"-", b"+") else ""
         return f"field 1 (key): {shown!r} is not an unsigned decimal integer{sign}"
-    if int(key) >= 1 << 64:
+    digits = key.lstrip(b"0")
+    if len(digits) > 20 or int(digits or b"0") >= 1 << 64:  # (int() refuses 4300+ digits)
         return f"field 1 (key): {shown} does not fit in 64 bits"
     floats = len(fields) - 1
     if floats not in (layout.full, layout.short):

@@ -131,6 +131,23 @@ def test_served_values_are_the_trainers_lookups(tmp_path):
     assert result.metas[0]["value_width"] == 32 and result.key_formats == ("cube",)
 
 
+def test_read_table_gives_a_saves_values_as_arrays():
+    """The reader API other tools call (the transfer, a trainer's check): a save's rows as
+    arrays, the trainer's lookups; an empty save as empty arrays of the value's shape."""
+    from cube.builder.paddle_ps import read_table
+
+    info = json.loads((DATA / "sparse_adam" / "expected.json").read_text())
+    record = info["saves"]["base"]["tables"]["emb"]
+    keys, values = read_table(str(DATA / "sparse_adam" / "base"), source_for("sparse_adam"))
+    assert keys.tolist() == record["keys"] and values.shape == (len(keys), 8)
+    lookup = np.frombuffer(bytes.fromhex("".join(record["lookup_f32le_hex"])), "<f4")
+    assert np.all(np.abs(values - lookup.reshape(values.shape)) <= 5e-6 * np.abs(values))
+    empty = DATA / "ctr_common_adagrad" / "delta_empty"
+    keys, values = read_table(str(empty), source_for("ctr_common_adagrad", value=ValueSpec(
+        ("show", "embed_w"), "float16")))  # fmt: skip
+    assert keys.shape == (0,) and values.shape == (0, 2) and values.dtype == np.float16
+
+
 @pytest.mark.skipif(not COMPILED, reason="numba is not installed (or CUBE_KERNEL=numpy)")
 def test_the_compiled_parser_builds_the_same_bytes(tmp_path, monkeypatch):
     save = DATA / "sparse_adam" / "checkpoint"

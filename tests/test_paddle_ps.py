@@ -287,6 +287,7 @@ BAD_ROWS = [
     ("-12 0 0 0 1 1 0.5 0.1", "field 1 (key): '-12' is not an unsigned decimal integer (keys ar"),
     ("18446744073709551616 0 0 0 1 1 0.5 0.1", "field 1 (key): 18446744073709551616 does not"),
     ("99999999999999999999999 0 0 0 1 1 0.5 0.1", "does not fit in 64 bits"),
+    ("9" * 5000 + " 0 0 0 1 1 0.5 0.1", "field 1 (key): 9999999999"),
     ("0x1f 0 0 0 1 1 0.5 0.1", "field 1 (key): '0x1f' is not an unsigned decimal integer"),
     ("12.0 0 0 0 1 1 0.5 0.1", "field 1 (key): '12.0' is not an unsigned decimal integer"),
     ("12 0 0 0 1 1 1e999 0.1", "field 7 (embed_w): inf is not a finite number"),
@@ -296,7 +297,7 @@ BAD_ROWS = [
 
 
 @pytest.mark.parametrize("compiled", PARSERS, ids=["numpy", "compiled"][: len(PARSERS)])
-@pytest.mark.parametrize(("row", "message"), BAD_ROWS)
+@pytest.mark.parametrize(("row", "message"), BAD_ROWS, ids=[m[:30] for _, m in BAD_ROWS])
 def test_a_bad_row_is_named_by_source_line_and_field(row, message, compiled):
     good = "7 0 0 0 1 1 0.5 0.1 0.2 0.3 0.4 0.5 0.6 0.7\n"
     data = (good + "\n" + row + "\n" + good).encode()  # the bad row is line 3
