@@ -171,6 +171,7 @@ class BuildResult:
     seconds: float
     phase_seconds: dict[str, float]  # read, finish, publish
     warnings: tuple[str, ...] = ()  # for the user (the CLI prints them on stderr)
+    input_note: str = ""  # what was read, when not SequenceFiles (the table of a save)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -811,12 +812,14 @@ def build(
         raise BuildError("-delete_path needs -job_mode delta")
     source = input_name or str(input_path)
     paddle = None
+    note = ""
     if config.paddle is not None:
-        from cube.builder.paddle_ps import find_table, local_paths
+        from cube.builder.paddle_ps import describe, find_table, local_paths
 
         table = find_table(str(input_path), config.paddle)
         files = local_paths(table)
         paddle = (table.layout, config.paddle.value)
+        note = describe(table)
     else:
         files = list_input_files(input_path)
     deleted = read_delete_keys(delete_path) if delete_path is not None else np.empty(0, np.uint64)
@@ -861,6 +864,7 @@ def build(
             "publish": time.monotonic() - started - phases["read"] - phases["finish"],
         },
         warnings=warnings,
+        input_note=note,
     )
 
 

@@ -317,7 +317,7 @@ def read_table(input_path: str, source: PaddleSource) -> tuple[np.ndarray, np.nd
 
 def describe(table: PaddleTable) -> str:
     """One line for the build's summary."""
-    return f"{table.folder}: {len(table.files)} part files, {table.layout.describe()}"
+    return f"{table.folder}, {table.layout.describe()}"
 
 
 def local_paths(table: PaddleTable) -> list[Path]:

@@ -316,12 +316,14 @@ def build_on_spark(
         raise BuildError("-delete_path needs -job_mode delta")
     deadline = time.monotonic() + fetch_timeout
     paddle = None
+    note = ""
     if config.paddle is not None:
-        from cube.builder.paddle_ps import find_table
+        from cube.builder.paddle_ps import describe, find_table
 
         table = find_table(str(input_path), config.paddle, fetch_timeout)
         splits = [InputSplit(n, f.url, f.size) for n, f in enumerate(table.files)]
         paddle = (table.layout, config.paddle.value)
+        note = describe(table)
     else:
         splits = list_splits(str(input_path), fetch_timeout)
     deleted = np.empty(0, np.uint64)
@@ -377,6 +379,7 @@ def build_on_spark(
         seconds=time.monotonic() - started,
         phase_seconds=phases,
         warnings=warnings,
+        input_note=note,
     )
     stats = SparkStats(len(splits), config.shard_num, sum(r.shuffled_bytes for r in results))
     return result, stats
