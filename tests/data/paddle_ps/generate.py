@@ -8,9 +8,9 @@ after the save), so that the tests compare our parser with the framework, not wi
 Re-run (about a minute; needs paddlepaddle 2.6.2, whose CPU wheel has the parameter-server
 runtime, in a venv of its own because of its numpy and protobuf pins):
 
-    python3 -m venv /work/paddle-venv
-    /work/paddle-venv/bin/pip install paddlepaddle==2.6.2 "numpy<2" "protobuf>=4.21,<5"
-    /work/paddle-venv/bin/python tests/data/paddle_ps/generate.py
+    python3.11 -m venv /tmp/paddle-venv      # any place outside the checkout
+    /tmp/paddle-venv/bin/pip install paddlepaddle==2.6.2 "numpy<2" "protobuf>=4.21,<5"
+    /tmp/paddle-venv/bin/python tests/data/paddle_ps/generate.py [scenario ...]
 
 Each scenario is one job of 1 pserver + 1 trainer (`python -m paddle.distributed.launch
 --server_num=1 --worker_num=1`, this same file in the job role), static graph, a_sync,
