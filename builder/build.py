@@ -1,4 +1,5 @@
-"""cube-builder's pipeline: SequenceFiles in, one version directory of shards out.
+"""cube-builder's pipeline: SequenceFiles (or a PaddlePaddle parameter-server save's sparse
+table, `cube.builder.paddle_ps`) in, one version directory of shards out.
 
 1. Read (in up to `workers` processes, each over a contiguous run of the sorted input files):
    record batches are routed to shards (vectorized) and appended to per-shard spill files.
@@ -73,12 +74,14 @@ from cube.layout import (
     value_widths,
     width_change,
 )
+from cube.paddle_ps import KEY_FORMAT, PaddleSource, TableLayout, ValueSpec
 from cube.routing import check_partitioner, shard_of
 from cube.seqfile import LocatedBatch, SequenceFileReader
 from cube.shard_writer import DATA_FILE, INDEX_FILE, Writeback, write_shard
 from cube.values import ValueColumn
 
 MODES = ("base", "delta")
+INPUT_FORMATS = ("seqfile", "paddle_ps")
 TAR_MEMBERS = (INDEX_FILE, DATA_FILE)
 _COPY_CHUNK = 8 << 20
 _DIRECT_CHUNK = 8 << 20  # bytes per direct write of a tar (a multiple of any block size)
@@ -107,9 +110,17 @@ class BuildConfig:
     workers: int = 2
     allow_empty: bool = False  # build a version with no record and no deletion
     variable_width: bool = False  # a delta's values may have another width than its base's
+    input_format: str = "seqfile"  # seqfile | paddle_ps (a parameter-server save)
+    paddle: PaddleSource | None = None  # how to read a save (-input_format paddle_ps)
 
     def __post_init__(self) -> None:
         problems = []
+        if self.input_format not in INPUT_FORMATS:
+            problems.append(f"input_format must be one of {', '.join(INPUT_FORMATS)}")
+        if (self.input_format == "paddle_ps") != (self.paddle is not None):
+            problems.append("input_format paddle_ps goes with the -paddle_* settings")
+        if self.input_format == "paddle_ps" and self.key_format != "auto":
+            problems.append("-key_format is for SequenceFiles (a save's keys are decimal)")
         if not self.dict_name or "/" in self.dict_name or self.dict_name.startswith("."):
             problems.append(f"dict_name {self.dict_name!r} must be a plain file name")
         if self.shard_num < 1:
@@ -160,24 +171,26 @@ class BuildResult:
     seconds: float
     phase_seconds: dict[str, float]  # read, finish, publish
     warnings: tuple[str, ...] = ()  # for the user (the CLI prints them on stderr)
+    input_note: str = ""  # what was read, when not SequenceFiles (the table of a save)
 
 
 # ---------------------------------------------------------------------------------------------
 # Inputs
 
 
-def list_input_files(root: str | os.PathLike) -> list[Path]:
+def list_input_files(root: str | os.PathLike, include_empty: bool = False) -> list[Path]:
     """Every regular, non-empty file under `root` whose name (and directories' names) does not
     start with a dot, recursively, in sorted path order (depth first, names in byte order).
     Symlinks are skipped. Empty files (e.g. Hadoop's `_SUCCESS` marker) hold no records and
-    are skipped. `root` may itself be a regular file."""
+    are skipped, unless `include_empty` (a save's layout is told by its file names, empty
+    ones included). `root` may itself be a regular file."""
     root = Path(root)
     try:
         info = root.lstat()
     except OSError as exc:
         raise BuildError(f"{root}: {exc.strerror}") from None
     if stat.S_ISREG(info.st_mode):
-        return [root] if info.st_size else []
+        return [root] if info.st_size or include_empty else []
     if not stat.S_ISDIR(info.st_mode):
         raise BuildError(f"{root}: not a directory or regular file")
     found: list[tuple[tuple[bytes, ...], Path]] = []
@@ -193,7 +206,9 @@ def list_input_files(root: str | os.PathLike) -> list[Path]:
             key = (*parts, os.fsencode(entry.name))
             if entry.is_dir(follow_symlinks=False):
                 walk(Path(entry.path), key)
-            elif entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_size:
+            elif entry.is_file(follow_symlinks=False) and (
+                include_empty or entry.stat(follow_symlinks=False).st_size
+            ):
                 found.append((key, Path(entry.path)))
 
     walk(root, ())
@@ -306,6 +321,7 @@ class ReadTask:
     partitioner: str
     key_format: str
     batch_bytes: int
+    paddle: tuple[TableLayout, ValueSpec] | None = None  # a parameter-server table's files
 
 
 @dataclass(frozen=True)
@@ -331,6 +347,8 @@ def read_and_spill(task: ReadTask, on_bytes: Callable[[int], None] | None = None
     spiller = Spiller(Path(task.spill_dir), task.shard_num, task.partitioner)
     formats: dict[str, None] = {}
     records = 0
+    if task.paddle is not None:
+        return _read_paddle(task, spiller, report)
     for path in task.files:
         with SequenceFileReader(path, task.key_format, task.batch_bytes) as reader:
             formats[reader.key_format] = None
@@ -352,6 +370,24 @@ def read_and_spill(task: ReadTask, on_bytes: Callable[[int], None] | None = None
                     done = position
             report(reader.file_size - done)
     return ReadOutput(spiller.finish(), records, tuple(formats))
+
+
+def _read_paddle(task: ReadTask, spiller: Spiller, report: Callable[[int], None]) -> ReadOutput:
+    """read_and_spill for the part files of a parameter-server table (their values are
+    parsed, so spilled as bytes)."""
+    from cube.builder.paddle_ps import table_batches
+
+    assert task.paddle is not None
+    layout, value = task.paddle
+    records = 0
+    for path in task.files:
+        done = 0
+        for keys, values, position in table_batches(path, layout, value, task.batch_bytes):
+            spiller.add(keys, values)
+            records += int(keys.shape[0])
+            report(position - done)
+            done = position
+    return ReadOutput(spiller.finish(), records, (KEY_FORMAT,))
 
 
 # Progress from worker processes: a shared byte counter set up by the pool initializer.
@@ -767,27 +803,40 @@ def build(
     progress: Progress | None = None,
     input_name: str = "",
 ) -> BuildResult:
-    """Build one version from SequenceFiles (see the module docstring). `input_name` names
+    """Build one version from SequenceFiles, or from a parameter-server save's sparse table
+    with `config.paddle` (see the module docstring). `input_name` names
     the input in messages (a remote input fetched into `input_path`; default: input_path)."""
     started = time.monotonic()
     progress = progress or Progress()
     if delete_path is not None and config.mode != "delta":
         raise BuildError("-delete_path needs -job_mode delta")
-    files = list_input_files(input_path)
-    deleted = read_delete_keys(delete_path) if delete_path is not None else np.empty(0, np.uint64)
     source = input_name or str(input_path)
+    paddle = None
+    note = ""
+    if config.paddle is not None:
+        from cube.builder.paddle_ps import describe, find_table, local_paths
+
+        table = find_table(str(input_path), config.paddle)
+        files = local_paths(table)
+        paddle = (table.layout, config.paddle.value)
+        note = describe(table)
+    else:
+        files = list_input_files(input_path)
+    deleted = read_delete_keys(delete_path) if delete_path is not None else np.empty(0, np.uint64)
     refuse_empty_input(config, source, len(files), None, int(deleted.shape[0]))
     warmer = _Warmer(files)
     workspace = Workspace(config)
     try:
         with _Pool(config.workers, after_fork=warmer.start) as pool:
-            reads = _read_all(pool, config, files, workspace.spill, progress)
+            reads = _read_all(pool, config, files, workspace.spill, progress, paddle)
             records = sum(r.records for r in reads)
             refuse_empty_input(config, source, len(files), records, int(deleted.shape[0]))
             phases = {"read": time.monotonic() - started}
             if warmer.finish():  # the readers were forked before the loops were loaded
                 pool.restart()
             formats = tuple(dict.fromkeys(f for r in reads for f in r.key_formats))
+            if paddle is not None:  # a save's keys are uint64s, whether or not it has rows
+                formats = (KEY_FORMAT,)
             outputs = _finish_all(
                 pool, config, workspace.staging, reads, deleted, formats, progress
             )
@@ -815,6 +864,7 @@ def build(
             "publish": time.monotonic() - started - phases["read"] - phases["finish"],
         },
         warnings=warnings,
+        input_note=note,
     )
 
 
@@ -950,7 +1000,12 @@ def _load_kernels() -> None:
 
 
 def _read_all(
-    pool: _Pool, config: BuildConfig, files: list[Path], spill: Path, progress: Progress
+    pool: _Pool,
+    config: BuildConfig,
+    files: list[Path],
+    spill: Path,
+    progress: Progress,
+    paddle: tuple[TableLayout, ValueSpec] | None = None,
 ) -> list[ReadOutput]:
     sizes = [f.stat().st_size for f in files]
     runs = split_runs(sizes, pool.workers)
@@ -968,6 +1023,7 @@ def _read_all(
                 partitioner=config.partitioner,
                 key_format=config.key_format,
                 batch_bytes=batch_bytes,
+                paddle=paddle,
             )
         )
     progress.start_reading(sum(sizes))

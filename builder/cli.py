@@ -24,6 +24,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from cube import remote
 from cube.builder.build import (
+    INPUT_FORMATS,
     BuildConfig,
     BuildError,
     BuildResult,
@@ -33,9 +34,20 @@ from cube.builder.build import (
     build,
 )
 from cube.builder.meta import RegisterError, ShardOutput, register_meta
+from cube.builder.paddle_ps import load_config
 from cube.builder.sources import fetch_inputs
 from cube.builder.spark_build import DEFAULT_SHARD_MB, SparkSettings, SparkStats, build_on_spark
 from cube.flags import FlagError, FlagSet, one_line, run_cli
+from cube.paddle_ps import (
+    ACCESSORS,
+    DEFAULT_VALUE,
+    DTYPES,
+    SGD_RULES,
+    VALUE_FIELDS,
+    PaddleSource,
+    ValueSpec,
+    parse_value_fields,
+)
 from cube.routing import PARTITIONERS
 from cube.seqfile import KEY_FORMATS
 
@@ -45,6 +57,15 @@ DESCRIPTION = """\
 Reads every regular, non-empty file under -input_path whose name does not start with a dot
 (recursively, sorted by path, symlinks skipped) as a SequenceFile of (uint64 key, value bytes);
 when a key occurs more than once the last record wins, across files in that order.
+
+-input_format paddle_ps reads a PaddlePaddle parameter-server save instead (what
+fleet.save_persistables writes, any mode): -input_path is the save directory (its numbered
+table folders), one table's folder, or one part file; plain and gzip part files. The sparse
+table is found by its files and rows (or -paddle_config, or named with -paddle_table); its rows'
+columns are given by -paddle_accessor, -paddle_dim and -paddle_optimizer, or by -paddle_config
+(the trainer's PSParameter text). Each row's value is its -paddle_value columns as
+-paddle_dtype; a row saved without its embedx part has zeros there. A row that does not fit is
+an error naming the file and line. docs/INPUT_FORMATS.md has the details.
 
 Output (built in <output_path>/.tmp-<depend>_<cur>-<pid>/, renamed when complete):
   <output_path>/<depend>_<cur>/<dict>_part<i>/{index.cube,data.cube}
@@ -201,6 +222,65 @@ def flag_set() -> FlagSet:
             "-engine spark: the most records (keys + values) one shard task may hold, in MiB",
         )
         .add(
+            "input_format",
+            str,
+            "seqfile",
+            "seqfile: SequenceFiles; paddle_ps: a PaddlePaddle parameter-server save (see above)",
+            choices=INPUT_FORMATS,
+        )
+        .add(
+            "paddle_accessor",
+            str,
+            "",
+            "paddle_ps: the table's accessor: "
+            + ", ".join(f"{a.name} ({a.paddle_class})" for a in ACCESSORS.values())
+            + "; default: -paddle_config's",
+        )
+        .add(
+            "paddle_dim",
+            int,
+            0,
+            "paddle_ps: the model's embedding size D (sparse_embedding size=[_, D]; embedx_dim "
+            "is D-3 for ctr_common, D-1 for sparse); default: -paddle_config's",
+        )
+        .add(
+            "paddle_optimizer",
+            str,
+            "",
+            "paddle_ps: the table's optimizer rule, "
+            + "|".join(SGD_RULES)
+            + ", or embed_rule,embedx_rule; default: -paddle_config's",
+        )
+        .add(
+            "paddle_config",
+            str,
+            "",
+            "paddle_ps: the trainer's PSParameter in protobuf text (fleet_desc.prototxt): "
+            "tables, accessors, dims and rules (local, s3:// or webhdfs://)",
+        )
+        .add(
+            "paddle_table",
+            str,
+            "",
+            "paddle_ps: the sparse table to read when the save has several: its folder (000), "
+            "table id, or table name (with -paddle_config)",
+        )
+        .add(
+            "paddle_value",
+            str,
+            ",".join(DEFAULT_VALUE),
+            "paddle_ps: the columns of a served value, in order, from "
+            + ", ".join(VALUE_FIELDS)
+            + " (show,click,embed_w,embedx_w: what a model with a cvm op looks up)",
+        )
+        .add(
+            "paddle_dtype",
+            str,
+            "float32",
+            "paddle_ps: the served numbers' type (little-endian)",
+            choices=DTYPES,
+        )
+        .add(
             "workers",
             int,
             min(2, os.cpu_count() or 1),
@@ -210,8 +290,52 @@ def flag_set() -> FlagSet:
     )
 
 
+PADDLE_FLAGS = (
+    "paddle_accessor",
+    "paddle_dim",
+    "paddle_optimizer",
+    "paddle_config",
+    "paddle_table",
+    "paddle_value",
+    "paddle_dtype",
+)
+
+
+def paddle_source(flags: dict[str, Any]) -> PaddleSource | None:
+    """The -paddle_* flags (-paddle_config read: BuildError if it cannot be); FlagError when
+    they do not go together, or are given without -input_format paddle_ps."""
+    defaults = flag_set().flags
+    if flags["input_format"] != "paddle_ps":
+        given = [f"-{n}" for n in PADDLE_FLAGS if flags[n] != defaults[n].default]
+        if given:
+            verb = "needs" if len(given) == 1 else "need"
+            raise FlagError(f"{', '.join(given)} {verb} -input_format paddle_ps")
+        return None
+    if flags["key_format"] != "auto":
+        raise FlagError("-key_format is for SequenceFiles (a save's keys are decimal text)")
+    try:
+        value = ValueSpec(parse_value_fields(flags["paddle_value"]), flags["paddle_dtype"])
+        config = (
+            load_config(flags["paddle_config"], flags["fetch_timeout"])
+            if flags["paddle_config"]
+            else ()
+        )
+        return PaddleSource(
+            accessor=flags["paddle_accessor"],
+            dim=flags["paddle_dim"],
+            optimizer=flags["paddle_optimizer"],
+            table=flags["paddle_table"],
+            value=value,
+            config=config,
+            config_name=flags["paddle_config"],
+        )
+    except ValueError as exc:
+        raise FlagError(str(exc)) from None
+
+
 def config_from_flags(flags: dict[str, Any], now: int) -> BuildConfig:
-    """Check the flags and settle the versions; FlagError on anything wrong."""
+    """Check the flags and settle the versions; FlagError on anything wrong (BuildError when
+    -paddle_config cannot be read)."""
     for name in ("dict_name", "input_path", "output_path"):
         if not flags[name]:
             raise FlagError(f"--{name} is required")
@@ -248,6 +372,8 @@ def config_from_flags(flags: dict[str, Any], now: int) -> BuildConfig:
             workers=flags["workers"],
             allow_empty=flags["allow_empty"],
             variable_width=flags["variable_width"],
+            input_format=flags["input_format"],
+            paddle=paddle_source(flags),
         )
     except ValueError as exc:
         raise FlagError(str(exc)) from None
@@ -335,7 +461,8 @@ def fetch_remote(flags: dict[str, Any], config: BuildConfig) -> tuple[str, str |
     for name, path in (("input", input_path), ("delete", delete_path)):
         if path and remote.is_remote(path):
             left = max(deadline - time.monotonic(), 0.001)
-            files = fetch_inputs(path, fetched / name, left, config.allow_empty)
+            whole_save = name == "input" and config.input_format == "paddle_ps"
+            files = fetch_inputs(path, fetched / name, left, config.allow_empty, whole_save)
             if not flags["quiet"]:
                 size = sum(f.stat().st_size for f in files)
                 print(f"fetched {len(files)} files ({size} bytes) of {path} in "
@@ -361,7 +488,11 @@ def _terminate(signum: int, _frame: Any) -> None:
 
 def run(argv: Sequence[str]) -> int:
     flags = flag_set().parse(argv)
-    config = config_from_flags(flags, int(time.time()))
+    try:
+        config = config_from_flags(flags, int(time.time()))
+    except BuildError as exc:  # -paddle_config unreadable
+        print(f"error: {one_line(exc)}", file=sys.stderr)
+        return EXIT_FAILED
     settings = spark_settings(flags)
     quiet = flags["quiet"]
     progress = tqdm_progress() if not quiet and sys.stderr.isatty() else None
@@ -405,7 +536,9 @@ def run(argv: Sequence[str]) -> int:
         rate = result.records_read / max(result.seconds, 1e-9)
         print(
             f"built {result.version_dir}: {result.records_read} records from "
-            f"{result.input_files} files into {config.shard_num} shards in "
+            f"{result.input_files} files"
+            + (f" ({result.input_note})" if result.input_note else "")
+            + f" into {config.shard_num} shards in "
             f"{result.seconds:.2f} s ({rate:,.0f} records/s; "
             + ", ".join(f"{k} {v:.2f} s" for k, v in result.phase_seconds.items())
             + ")"

@@ -56,31 +56,35 @@ def _left(deadline: float, url: str, timeout: float) -> float:
     return left
 
 
-def list_inputs(path: str, timeout: float = LIST_TIMEOUT) -> list[InputFile]:
+def list_inputs(
+    path: str, timeout: float = LIST_TIMEOUT, include_empty: bool = False
+) -> list[InputFile]:
     """Every regular, non-empty, non-hidden file under `path` (or `path` itself when it is a
-    file), in the order the builder reads them. BuildError when `path` does not exist or
-    cannot be listed within `timeout` seconds."""
+    file), in the order the builder reads them; empty files too with `include_empty`.
+    BuildError when `path` does not exist or cannot be listed within `timeout` seconds."""
     if not remote.is_remote(path):
-        files = list_input_files(_local(path))
+        files = list_input_files(_local(path), include_empty)
         return [InputFile(str(file), file.stat().st_size) for file in files]
     fs, root = _open(path, timeout)
-    return _list_remote(fs, root, path, time.monotonic() + timeout)
+    return _list_remote(fs, root, path, time.monotonic() + timeout, include_empty)
 
 
-def _list_remote(fs: Any, root: str, path: str, deadline: float) -> list[InputFile]:
+def _list_remote(
+    fs: Any, root: str, path: str, deadline: float, include_empty: bool = False
+) -> list[InputFile]:
     base = path.rstrip("/")
     try:
         info = remote.call(fs, "info", root, timeout=max(deadline - time.monotonic(), 0.001))
         if info.get("type") != "directory":
             size = int(info.get("size") or 0)
-            return [InputFile(base, size)] if size else []
+            return [InputFile(base, size)] if size or include_empty else []
         found = remote.find_files(fs, root, max(deadline - time.monotonic(), 0.001))
     except remote.RemoteError as exc:
         raise BuildError(f"{remote.redact(path)}: {exc}") from None
     prefix = root.rstrip("/") + "/"
     keyed = []
     for name, size in found.items():
-        if not name.startswith(prefix) or not size:
+        if not name.startswith(prefix) or not (size or include_empty):
             continue  # outside the directory (fsspec should not list it), or empty
         relative = name[len(prefix) :]
         parts = relative.split("/")
@@ -126,16 +130,21 @@ def fetch_input(url: str, dest: Path, timeout: float = FETCH_TIMEOUT, fs: Any = 
 
 
 def fetch_inputs(
-    path: str, dest: Path, timeout: float = FETCH_TIMEOUT, allow_empty: bool = False
+    path: str,
+    dest: Path,
+    timeout: float = FETCH_TIMEOUT,
+    allow_empty: bool = False,
+    include_empty: bool = False,
 ) -> list[Path]:
     """Fetch every input file of the remote `path` (list_inputs) to the same relative path
     under the directory `dest`, so that building from `dest` reads the same files in the same
     order; all within `timeout` seconds, the listing included. Returns the local files.
     BuildError when there is no input file at all, unless `allow_empty` (then `dest` is an
-    empty directory)."""
+    empty directory). `include_empty`: empty files too (a parameter-server save's empty
+    shards: its layout is told by its file names)."""
     deadline = time.monotonic() + timeout
     fs, root = _open(path, timeout)  # one client for the listing and every file
-    files = _list_remote(fs, root, path, deadline)
+    files = _list_remote(fs, root, path, deadline, include_empty)
     if not files and allow_empty:
         dest.mkdir(parents=True, exist_ok=True)
     elif not files:

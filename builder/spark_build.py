@@ -3,7 +3,8 @@ reading, routing and shard writing.
 
 One job of two stages:
 1. **Map**, one task per input file (in the builder's sorted file order, numbered): the
-   project's SequenceFile reader parses the file in batches (a remote file is first copied to
+   project's SequenceFile reader parses the file in batches (a part file of a parameter-server
+   save: `builder.paddle_ps`, the table found by the driver; a remote file is first copied to
    the executor's local disk by `builder.sources`); each batch is routed by the build's
    partitioner and each shard's share becomes one chunk: (file number, chunk number, keys,
    values) as plain arrays. Each task also sends every shard a marker with its file's key
@@ -69,6 +70,7 @@ from cube.builder.meta import ShardOutput
 from cube.builder.sources import FETCH_TIMEOUT, fetch_input, list_inputs, read_delete_list
 from cube.builder.spill import route_batch, shard_owners
 from cube.index import build_table
+from cube.paddle_ps import KEY_FORMAT, TableLayout, ValueSpec
 from cube.seqfile import SequenceFileReader, concat_columns
 from cube.shard_writer import DATA_FILE, INDEX_FILE, write_shard
 from cube.values import ValueColumn
@@ -113,6 +115,7 @@ class _JobSpec:
     shard_bytes: int
     config: BuildConfig
     fetch_timeout: float = FETCH_TIMEOUT  # seconds to copy one remote input file
+    paddle: tuple[TableLayout, ValueSpec] | None = None  # a parameter-server table's files
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,9 @@ def map_file(spec: _JobSpec, split: InputSplit) -> Iterator[tuple[int, tuple]]:
     """Read one input file; yield (shard, marker) for every shard, then (shard, chunk) for
     every shard's share of every batch. A chunk is ("R", file, chunk number, keys bytes,
     value width, value bytes, value offsets bytes)."""
+    if spec.paddle is not None:
+        yield from _map_paddle_file(spec, split)
+        return
     with (
         _task_errors(),
         _local_copy(split.url, spec.fetch_timeout) as path,
@@ -163,6 +169,23 @@ def map_file(spec: _JobSpec, split: InputSplit) -> Iterator[tuple[int, tuple]]:
             owners = shard_owners(batch.keys, spec.shard_num, spec.partitioner)
             for shard, keys, values in route_batch(batch.keys, batch.values, owners):
                 yield shard, ("R", split.number, chunk, *_encode(keys, values))
+                chunk += 1
+
+
+def _map_paddle_file(spec: _JobSpec, split: InputSplit) -> Iterator[tuple[int, tuple]]:
+    """map_file for a part file of a parameter-server table (`cube.builder.paddle_ps`)."""
+    from cube.builder.paddle_ps import table_batches
+
+    assert spec.paddle is not None
+    layout, value = spec.paddle
+    with _task_errors(), _local_copy(split.url, spec.fetch_timeout) as path:
+        for shard in range(spec.shard_num):
+            yield shard, ("F", split.number, KEY_FORMAT)
+        chunk = 0
+        for keys, values, _ in table_batches(path, layout, value, _MAP_BATCH_BYTES):
+            owners = shard_owners(keys, spec.shard_num, spec.partitioner)
+            for shard, shard_keys, shard_values in route_batch(keys, values, owners):
+                yield shard, ("R", split.number, chunk, *_encode(shard_keys, shard_values))
                 chunk += 1
 
 
@@ -245,6 +268,8 @@ def finish_shard(
         values = concat_columns([v for _, v in decoded])
         del decoded
         key_formats = tuple(dict.fromkeys(formats[number] for number in sorted(formats)))
+        if spec.paddle is not None:  # a save's keys are uint64s, whether or not it has rows
+            key_formats = (KEY_FORMAT,)
         meta = shard_header_meta(config, shard, key_formats)
         built = build_table(keys, deleted=deleted.value[shard])
         records = int(keys.shape[0])
@@ -290,7 +315,17 @@ def build_on_spark(
     if delete_path and config.mode != "delta":
         raise BuildError("-delete_path needs -job_mode delta")
     deadline = time.monotonic() + fetch_timeout
-    splits = list_splits(str(input_path), fetch_timeout)
+    paddle = None
+    note = ""
+    if config.paddle is not None:
+        from cube.builder.paddle_ps import describe, find_table
+
+        table = find_table(str(input_path), config.paddle, fetch_timeout)
+        splits = [InputSplit(n, f.url, f.size) for n, f in enumerate(table.files)]
+        paddle = (table.layout, config.paddle.value)
+        note = describe(table)
+    else:
+        splits = list_splits(str(input_path), fetch_timeout)
     deleted = np.empty(0, np.uint64)
     if delete_path:
         left = max(deadline - time.monotonic(), 0.001)
@@ -307,6 +342,7 @@ def build_on_spark(
             shard_bytes=settings.shard_mb << 20,
             config=config,
             fetch_timeout=fetch_timeout,
+            paddle=paddle,
         )
         spark, ours = start_session(
             settings, f"cube-builder {config.dict_name} {config.served_version}"
@@ -328,6 +364,8 @@ def build_on_spark(
     finally:
         workspace.close()
     formats = results[0].formats if results else ()
+    if paddle is not None:
+        formats = (KEY_FORMAT,)
     metas, meta_paths = write_meta_infos(config, outputs, formats)
     phases["publish"] = time.monotonic() - started - phases["spark"]
     result = BuildResult(
@@ -341,6 +379,7 @@ def build_on_spark(
         seconds=time.monotonic() - started,
         phase_seconds=phases,
         warnings=warnings,
+        input_note=note,
     )
     stats = SparkStats(len(splits), config.shard_num, sum(r.shuffled_bytes for r in results))
     return result, stats

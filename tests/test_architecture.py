@@ -12,7 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 CORE = [
     "backoff", "donefile", "format", "hashing", "idle", "index", "layout", "original_format",
-    "protocol", "routing", "values", "wire",
+    "paddle_ps", "_paddle_ps_jit", "protocol", "routing", "values", "wire",
 ]  # fmt: skip
 SHELLS = ("cube.server", "cube.client", "cube.agent", "cube.transfer", "cube.builder", "cube.bench")
 IO = ("grpc", "aiohttp", "asyncio", "socket", "subprocess", "urllib", "ftplib", "mmap")

@@ -54,6 +54,16 @@ def test_every_agent_flag_and_command_is_documented():
     assert not missing, f"docs/reference/agent-api.md lacks {missing}"
 
 
+def test_every_paddle_ps_flag_of_the_builder_is_documented():
+    from cube.builder.cli import flag_set as builder_flags
+
+    text = (REPO / "docs" / "INPUT_FORMATS.md").read_text()
+    names = [n for n in builder_flags().flags if n.startswith("paddle_") or n == "input_format"]
+    assert len(names) >= 8
+    missing = [f"-{name}" for name in names if f"`-{name}" not in text]
+    assert not missing, f"docs/INPUT_FORMATS.md lacks {missing}"
+
+
 def _routes(app) -> set[str]:
     paths = {route.resource.canonical for route in app.router.routes() if route.resource}
     return {path for path in paths if path.startswith(("/agent", "/dict", "/instance"))}

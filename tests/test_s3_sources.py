@@ -45,6 +45,7 @@ from cube.builder.build import BuildError, list_input_files
 from cube.processes import free_port
 from cube.transfer.config import ConfigError, parse_config
 from cube.transfer.donefile import SourceUnavailable, mirror_input, read_donefile, resolve_input
+from tests.build_inputs import output_digests
 
 BUCKET = "cube-test"
 TREE = {  # names whose byte order differs from their string order once '/' is involved
@@ -333,6 +334,26 @@ def test_inputs_are_listed_and_fetched_in_the_builders_order(s3, tmp_path):
     assert sources.read_bytes(f"{url}/d/e/f", 5) == b"55555"
     with pytest.raises(BuildError, match=re.escape(f"{url}/d/e/f: 5 bytes, more than the 4")):
         sources.read_bytes(f"{url}/d/e/f", 4)
+
+
+def test_a_parameter_server_save_in_s3_builds_with_its_empty_shards(s3, tmp_path):
+    """cube-builder -input_format paddle_ps on s3://: the save is fetched with its empty part
+    files (an empty delta's table folder holds nothing else), the table found as locally."""
+    from tests.test_builder import build_args, run_builder
+    from tests.test_builder_paddle_ps import CTR_FLAGS, DATA
+
+    for save in ("delta", "delta_empty"):
+        folder = DATA / "ctr_common_adagrad" / save
+        tree = {
+            str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()
+        }
+        url = put_tree(s3.fs, f"saves/{save}", tree)
+        for where, source in (("local", folder), ("s3", url)):
+            args = build_args(source, tmp_path / where / save, 2, allow_empty="true", **CTR_FLAGS)
+            done = run_builder(*args)
+            assert done.returncode == 0, done.stderr
+    local, fetched = (output_digests(tmp_path / where) for where in ("local", "s3"))
+    assert local == fetched and len(local) == 2 * (2 * 4 + 2)
 
 
 def test_missing_objects_and_buckets(s3, tmp_path):

@@ -97,6 +97,37 @@ def test_murmur3_and_a_shard_with_no_records(tmp_path, spark):
     assert local == on_spark
 
 
+def test_a_paddle_ps_save_builds_the_same_bytes_on_spark(tmp_path, spark):
+    """-input_format paddle_ps on both engines: a real trainer's save (gzip parts, short rows,
+    keys past 2^63) as a base, and a delta save (plain parts) over it."""
+    from cube.paddle_ps import PaddleSource, ValueSpec
+
+    saves = ROOT / "tests" / "data" / "paddle_ps" / "ctr_common_adagrad"
+    paddle = PaddleSource(
+        accessor="ctr_common",
+        dim=8,
+        optimizer="adagrad",
+        value=ValueSpec(("show", "click", "embed_w", "embedx_w"), "float16"),
+    )
+    common = dict(shard_num=3, input_format="paddle_ps", paddle=paddle)
+    local, on_spark = both_engines(
+        tmp_path,
+        saves / "checkpoint",
+        [
+            dict(mode="base", cur_version=BASE, depend_version=BASE, **common),
+            dict(
+                mode="delta",
+                cur_version=DELTA,
+                depend_version=BASE,
+                input=saves / "delta",
+                **common,
+            ),
+        ],
+    )
+    assert len(local) == 2 * (3 * 4 + 3)
+    assert local == on_spark
+
+
 def test_a_shard_too_large_for_one_task_is_refused_by_name(tmp_path, spark):
     inputs, _ = write_mixed_input(tmp_path, records=30000)
     config = BuildConfig("dict", tmp_path / "out", 2, "base", BASE, BASE)

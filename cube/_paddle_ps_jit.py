@@ -1,0 +1,158 @@
+"""The compiled row parser of cube.paddle_ps: one pass over the bytes of a parameter-server
+text table, keys and served columns out.
+
+Why compiled: the numpy parser (split into tokens, numpy's string-to-double) runs at ~0.2M rows
+per second for a CtrCommonAccessor row of 14 fields; this loop reads each byte once and does
+~3M (bench/RESULTS.md). Imported only when cube.paddle_ps decides to use it (numba installed,
+CUBE_KERNEL not numpy, a large enough input).
+
+Numbers: a decimal of at most 19 significant digits whose power of ten is within 10^+-22 is
+the double `m * 10^e` (or `m / 10^-e`): both factors exact, one IEEE operation, so correctly
+rounded (Clinger's fast path). Paddle writes 6 digits, so that is every number it writes but
+subnormal-range ones; the others are noted in `slow` (row, place, start, end) for Python's
+`float` to convert. Non-served columns are checked, not converted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from cube._jit import jit
+
+_POW10 = np.array([10.0**i for i in range(23)])
+_MAX_EXACT = np.uint64(1 << 53)
+_TEN = np.uint64(10)
+_U64_DIV10 = np.uint64(1844674407370955161)  # (2^64 - 1) // 10; its last digit is 5
+
+
+@jit
+def _blank(c: Any) -> Any:
+    return c == 32 or c == 9 or c == 13
+
+
+@jit
+def parse(buf, full, short, targets, keys, floats, row_lines, slow):
+    """Parse whole lines of `buf`. Returns (rows, lines, short rows, error line, error line's
+    start offset, slow count): error line -1 when every line fits (key: unsigned decimal
+    < 2^64; then `full` or `short` decimal numbers, separated by spaces, tabs or CR); else
+    the caller describes the line. `targets[c]`: the value place of float column c, or -1."""
+    n = buf.shape[0]
+    pos = 0
+    row = 0
+    line = 0
+    short_rows = 0
+    slow_count = 0
+    slow_room = slow.shape[0]
+    while pos < n:
+        line_start = pos
+        while pos < n and _blank(buf[pos]):
+            pos += 1
+        if pos >= n:
+            break
+        if buf[pos] == 10:  # a blank line
+            pos += 1
+            line += 1
+            continue
+        # the key
+        key = np.uint64(0)
+        digits = 0
+        overflow = False
+        while pos < n and 48 <= buf[pos] <= 57:
+            d = np.uint64(buf[pos] - 48)
+            if key > _U64_DIV10 or (key == _U64_DIV10 and d > np.uint64(5)):
+                overflow = True
+            key = key * _TEN + d
+            digits += 1
+            pos += 1
+        if digits == 0 or overflow or (pos < n and not _blank(buf[pos]) and buf[pos] != 10):
+            return row, line, short_rows, line, line_start, slow_count
+        keys[row] = key
+        column = 0
+        while True:
+            while pos < n and _blank(buf[pos]):
+                pos += 1
+            if pos >= n or buf[pos] == 10:
+                break
+            start = pos
+            negative = False
+            if buf[pos] == 45 or buf[pos] == 43:
+                negative = buf[pos] == 45
+                pos += 1
+            mantissa = np.uint64(0)
+            significant = 0  # digits in the mantissa, leading zeros not counted
+            scale = 0  # the decimal exponent of the mantissa's last digit
+            seen = 0
+            dropped = False  # a non-zero digit beyond the 19 the mantissa holds
+            while pos < n and 48 <= buf[pos] <= 57:
+                seen += 1
+                if significant < 19:
+                    mantissa = mantissa * _TEN + np.uint64(buf[pos] - 48)
+                    if mantissa != 0:
+                        significant += 1
+                else:
+                    scale += 1
+                    if buf[pos] != 48:
+                        dropped = True
+                pos += 1
+            if pos < n and buf[pos] == 46:
+                pos += 1
+                while pos < n and 48 <= buf[pos] <= 57:
+                    seen += 1
+                    if significant < 19:
+                        mantissa = mantissa * _TEN + np.uint64(buf[pos] - 48)
+                        if mantissa != 0:
+                            significant += 1
+                        scale -= 1
+                    elif buf[pos] != 48:
+                        dropped = True
+                    pos += 1
+            if seen == 0:
+                return row, line, short_rows, line, line_start, slow_count
+            if pos < n and (buf[pos] == 101 or buf[pos] == 69):
+                pos += 1
+                exponent_negative = False
+                if pos < n and (buf[pos] == 45 or buf[pos] == 43):
+                    exponent_negative = buf[pos] == 45
+                    pos += 1
+                exponent = 0
+                exponent_digits = 0
+                while pos < n and 48 <= buf[pos] <= 57:
+                    if exponent < 100000:
+                        exponent = exponent * 10 + (buf[pos] - 48)
+                    exponent_digits += 1
+                    pos += 1
+                if exponent_digits == 0:
+                    return row, line, short_rows, line, line_start, slow_count
+                scale += -exponent if exponent_negative else exponent
+            if pos < n and not _blank(buf[pos]) and buf[pos] != 10:
+                return row, line, short_rows, line, line_start, slow_count
+            if column < full:
+                place = targets[column]
+                if place >= 0:
+                    number = 0.0
+                    if mantissa == 0 and not dropped:
+                        number = 0.0
+                    elif not dropped and mantissa <= _MAX_EXACT and -22 <= scale <= 22:
+                        # two exact factors, one rounding
+                        exact = float(mantissa)
+                        number = exact * _POW10[scale] if scale >= 0 else exact / _POW10[-scale]
+                    else:
+                        if slow_count < slow_room:
+                            slow[slow_count, 0] = row
+                            slow[slow_count, 1] = place
+                            slow[slow_count, 2] = start
+                            slow[slow_count, 3] = pos
+                        slow_count += 1
+                    floats[row, place] = -number if negative else number
+            column += 1
+        if column != full and column != short:
+            return row, line, short_rows, line, line_start, slow_count
+        if column == short:
+            short_rows += 1
+        row_lines[row] = line
+        row += 1
+        line += 1
+        pos += 1
+    return row, line, short_rows, -1, 0, slow_count

@@ -1,0 +1,761 @@
+"""PaddlePaddle parameter-server sparse tables as text, what `fleet.save_persistables` writes:
+the accessors' row layouts, which columns become a served value, and the parser from bytes to
+(uint64 keys, value rows).
+
+Pure: bytes in, arrays out, no I/O. cube-builder's shell (`cube.builder.paddle_ps`) finds the
+table in a save directory and reads its part files; docs/INPUT_FORMATS.md is the user's page.
+
+A row is `key` then the accessor's float columns, space-separated, written by C++ `ostream`
+with 6 significant digits (Paddle's `ParseToString`):
+
+    slot unseen_days delta_score show click embed_w [embed optimizer state]
+        embedx_w x embedx_dim [embedx optimizer state]
+
+The embedx part (from embedx_w on) is written only for rows whose show/click score reached the
+table's `embedx_threshold`: a "short" row. Its embedx_w is served as zeros, which is what the
+trainer's own lookup returns for such a key (tests/test_paddle_ps.py compares with it).
+
+The parser's contract: a served value is `dtype(float64(text))`, numpy's conversion of the
+correctly rounded double, byte for byte what a SequenceFile of the same rows holds when its
+writer converts the same way. The compiled parser (`cube._paddle_ps_jit`, numba) gets the
+double exactly for the decimals Paddle prints (Clinger's fast path: <= 19 digits and a power of
+ten <= 22, one correctly rounded operation) and hands every other token to Python's `float`;
+the numpy parser below is the fallback without numba and the oracle the tests compare with.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cube.kernel import COMPILED
+
+# ---------------------------------------------------------------------------------------------
+# Layouts
+
+
+@dataclass(frozen=True)
+class Accessor:
+    """One of Paddle's sparse-table accessors (paddle/fluid/distributed/ps/table/*_accessor.cc)."""
+
+    name: str  # our flag value
+    paddle_class: str  # accessor_class in Paddle's config
+    non_embedx: int  # D - embedx_dim: the lookup's columns before embedx_w
+    lookup: tuple[str, ...]  # the value fields the trainer's own lookup returns, in order
+
+
+ACCESSORS = {
+    a.name: a
+    for a in (
+        Accessor("ctr_common", "CtrCommonAccessor", 3, ("show", "click", "embed_w", "embedx_w")),
+        Accessor("sparse", "SparseAccessor", 1, ("embed_w", "embedx_w")),
+    )
+}
+# The other accessors Paddle has, and why their saves are not read (docs/INPUT_FORMATS.md).
+UNSUPPORTED_ACCESSORS = {
+    "CtrDymfAccessor": "GPU parameter server only (its CPU update is a no-op); each row has "
+    "its own embedx width (mf_dim, per slot) and another column order",
+    "CtrDoubleAccessor": "another column order (unseen_days first, show/click as doubles, "
+    "slot after embed_g2sum); no save of it was available to test against",
+    "DownpourCtrAccessor": "the legacy (pslib) layout, with its own column order",
+    "DownpourCtrDoubleAccessor": "the legacy (pslib) layout, with its own column order",
+    "CommMergeAccessor": "dense and barrier tables: not an embedding table",
+    "TensorAccessor": "dense tensors: not an embedding table",
+}
+
+
+@dataclass(frozen=True)
+class SgdRule:
+    """An optimizer rule of a sparse table (sparse_sgd_rule.h) and the state it saves."""
+
+    name: str
+    paddle_class: str
+
+    def state(self, prefix: str, dim: int) -> tuple[str, ...]:
+        """Names of the state columns it keeps for a part of `dim` weights."""
+        if self.name == "naive":
+            return ()
+        if self.name == "adagrad":
+            return (f"{prefix}_g2sum",)
+        if self.name == "std_adagrad":
+            return tuple(f"{prefix}_g2sum[{i}]" for i in range(dim))
+        if self.name == "adam":
+            return (
+                *(f"{prefix}_gsum[{i}]" for i in range(dim)),
+                *(f"{prefix}_g2sum[{i}]" for i in range(dim)),
+                f"{prefix}_beta1_pow",
+                f"{prefix}_beta2_pow",
+            )
+        if self.name == "shared_adam":
+            return tuple(f"{prefix}_{s}" for s in ("gsum", "g2sum", "beta1_pow", "beta2_pow"))
+        raise ValueError(f"unknown optimizer rule {self.name}")
+
+
+SGD_RULES = {
+    r.name: r
+    for r in (
+        SgdRule("naive", "SparseNaiveSGDRule"),
+        SgdRule("adagrad", "SparseAdaGradSGDRule"),
+        SgdRule("std_adagrad", "StdAdaGradSGDRule"),
+        SgdRule("adam", "SparseAdamSGDRule"),
+        SgdRule("shared_adam", "SparseSharedAdamSGDRule"),
+    )
+}
+# What shard headers and meta_info record as the key format of a save: "cube", the keys are
+# the uint64s themselves (as in a Cube-dialect SequenceFile), so a save builds the same bytes
+# as a SequenceFile of its rows.
+KEY_FORMAT = "cube"
+VALUE_FIELDS = ("show", "click", "embed_w", "embedx_w")
+DTYPES = ("float32", "float16", "float64")
+DEFAULT_VALUE = ("embed_w", "embedx_w")
+_LEADING = ("slot", "unseen_days", "delta_score", "show", "click", "embed_w")
+
+
+@dataclass(frozen=True)
+class TableLayout:
+    """The float columns of one sparse table's rows: accessor, the model's embedding size D
+    (`sparse_embedding(size=[_, D])`) and the optimizer rule of each part."""
+
+    accessor: Accessor
+    dim: int
+    embed_rule: SgdRule
+    embedx_rule: SgdRule
+
+    def __post_init__(self) -> None:
+        if self.dim <= self.accessor.non_embedx:
+            raise ValueError(
+                f"an embedding size of {self.dim} leaves no embedx column: {self.accessor.name}"
+                f" needs -paddle_dim > {self.accessor.non_embedx}"
+            )
+
+    @property
+    def embedx_dim(self) -> int:
+        return self.dim - self.accessor.non_embedx
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """Every float column of a full row, in order (the key not counted)."""
+        return (
+            *_LEADING,
+            *self.embed_rule.state("embed", 1),
+            *(f"embedx_w[{i}]" for i in range(self.embedx_dim)),
+            *self.embedx_rule.state("embedx", self.embedx_dim),
+        )
+
+    @property
+    def full(self) -> int:
+        """Floats after the key in a full row."""
+        return len(self.columns)
+
+    @property
+    def short(self) -> int:
+        """Floats after the key in a row saved without its embedx part."""
+        return len(_LEADING) + len(self.embed_rule.state("embed", 1))
+
+    @property
+    def embedx_start(self) -> int:
+        return self.short
+
+    def field_columns(self, field: str) -> list[int]:
+        """The columns of one value field."""
+        if field == "embedx_w":
+            return list(range(self.embedx_start, self.embedx_start + self.embedx_dim))
+        return [_LEADING.index(field)]
+
+    def describe(self) -> str:
+        rules = (
+            self.embed_rule.name
+            if self.embed_rule == self.embedx_rule
+            else f"{self.embed_rule.name},{self.embedx_rule.name}"
+        )
+        return f"{self.accessor.name} (dim {self.dim}, optimizer {rules})"
+
+
+@dataclass(frozen=True)
+class ValueSpec:
+    """Which columns make the served value, in order, and their type."""
+
+    fields: tuple[str, ...] = DEFAULT_VALUE
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        unknown = [f for f in self.fields if f not in VALUE_FIELDS]
+        if not self.fields or unknown:
+            raise ValueError(
+                f"-paddle_value {','.join(self.fields)!r}: each field one of "
+                f"{', '.join(VALUE_FIELDS)}" + (f" (not {', '.join(unknown)})" if unknown else "")
+            )
+        if len(set(self.fields)) != len(self.fields):
+            raise ValueError(f"-paddle_value {','.join(self.fields)}: a field is named twice")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"-paddle_dtype {self.dtype!r}: one of {', '.join(DTYPES)}")
+
+    def targets(self, layout: TableLayout) -> np.ndarray:
+        """For each float column of a full row, its place in the value (or -1: not served)."""
+        target = np.full(layout.full, -1, dtype=np.int64)
+        place = 0
+        for field in self.fields:
+            for column in layout.field_columns(field):
+                target[column] = place
+                place += 1
+        return target
+
+    def count(self, layout: TableLayout) -> int:
+        return sum(len(layout.field_columns(f)) for f in self.fields)
+
+    def width(self, layout: TableLayout) -> int:
+        """Bytes per served value."""
+        return self.count(layout) * np.dtype(self.dtype).itemsize
+
+
+def parse_value_fields(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def accessor_named(name: str) -> Accessor:
+    """Our name (ctr_common, sparse) or Paddle's class name; ValueError naming the others."""
+    for accessor in ACCESSORS.values():
+        if name in (accessor.name, accessor.paddle_class):
+            return accessor
+    if name in UNSUPPORTED_ACCESSORS:
+        raise ValueError(f"accessor {name} is not supported: {UNSUPPORTED_ACCESSORS[name]}")
+    known = ", ".join(f"{a.name} ({a.paddle_class})" for a in ACCESSORS.values())
+    raise ValueError(f"unknown accessor {name!r}: one of {known}")
+
+
+def rule_named(name: str) -> SgdRule:
+    for rule in SGD_RULES.values():
+        if name in (rule.name, rule.paddle_class):
+            return rule
+    known = ", ".join(f"{r.name} ({r.paddle_class})" for r in SGD_RULES.values())
+    raise ValueError(f"unknown optimizer rule {name!r}: one of {known}")
+
+
+def rules_named(text: str) -> tuple[SgdRule, SgdRule]:
+    """-paddle_optimizer: one rule for both parts, or `embed_rule,embedx_rule`."""
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) == 1:
+        rule = rule_named(parts[0])
+        return rule, rule
+    if len(parts) == 2:
+        return rule_named(parts[0]), rule_named(parts[1])
+    raise ValueError(f"-paddle_optimizer {text!r}: one rule, or two (embed,embedx)")
+
+
+# the hint's order: the seed's CtrCommonAccessor + adagrad and Paddle's default SparseAccessor
+# + adam first, then by rule
+_COMMON = [("ctr_common", "adagrad"), ("sparse", "adam")] + [
+    (a, r) for r in ("adagrad", "adam", "naive", "std_adagrad", "shared_adam") for a in ACCESSORS
+]
+
+
+def layouts_with(floats: int, limit: int = 3) -> list[str]:
+    """Flag sets (accessor, dim, one optimizer for both parts) whose full rows have `floats`
+    numbers after the key: the hint for a save read with the wrong flags."""
+    found = []
+    for accessor, rule in dict.fromkeys((ACCESSORS[a], SGD_RULES[r]) for a, r in _COMMON):
+        for dim in range(accessor.non_embedx + 1, 4097):
+            layout = TableLayout(accessor, dim, rule, rule)
+            if layout.full == floats:
+                found.append(
+                    f"-paddle_accessor {accessor.name} -paddle_dim {dim} "
+                    f"-paddle_optimizer {rule.name}"
+                )
+            if layout.full >= floats:
+                break
+    return found[:limit]
+
+
+# ---------------------------------------------------------------------------------------------
+# Paddle's own configuration: the PSParameter text (fleet_desc.prototxt, the_one_ps's desc)
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """What a PSParameter says about one table (downpour_table_param)."""
+
+    table_id: int
+    table_class: str
+    table_type: str  # PS_SPARSE_TABLE, PS_DENSE_TABLE, ...
+    table_name: str  # common.table_name: the embedding's parameter name
+    accessor_class: str
+    embedx_dim: int
+    embedx_threshold: float
+    embed_rule: str
+    embedx_rule: str
+
+    @property
+    def sparse(self) -> bool:
+        return self.table_type == "PS_SPARSE_TABLE" or (
+            not self.table_type and "Sparse" in self.table_class
+        )
+
+    @property
+    def folder(self) -> str:
+        """The save's folder of this table (table_id, 3 digits)."""
+        return f"{self.table_id:03d}"
+
+    def layout(self) -> TableLayout:
+        accessor = accessor_named(self.accessor_class)
+        return TableLayout(
+            accessor,
+            self.embedx_dim + accessor.non_embedx,
+            rule_named(self.embed_rule or "SparseAdamSGDRule"),
+            rule_named(self.embedx_rule or "SparseAdamSGDRule"),
+        )
+
+
+_TOKEN = re.compile(
+    rb"""\s*(?:(\#[^\n]*)|("(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*')|([{}<>:;,\[\]])|([^\s{}<>:;,\[\]"'#]+))""",
+    re.S,
+)
+_Message = list[tuple[str, Any]]
+
+
+def _protobuf_text(text: bytes, source: str) -> _Message:
+    """A protobuf text-format message as nested (field, value) lists: scalars as their token
+    text (quotes removed), sub-messages as lists. Enough of the format for Paddle's configs."""
+    tokens = []
+    pos = 0
+    while pos < len(text):
+        match = _TOKEN.match(text, pos)
+        if not match or match.end() == pos:
+            if text[pos:].strip():
+                raise ValueError(f"{source}: not protobuf text at byte {pos}")
+            break
+        pos = match.end()
+        comment, quoted, mark, word = match.groups()
+        if comment is not None:
+            continue
+        if quoted is not None:
+            tokens.append(("s", quoted[1:-1].decode("utf-8", "replace")))
+        elif mark is not None:
+            tokens.append((mark.decode(), ""))
+        elif word is not None:
+            tokens.append(("w", word.decode("utf-8", "replace")))
+    stack: list[_Message] = [[]]
+    index = 0
+    while index < len(tokens):
+        kind, value = tokens[index]
+        if kind in ("}", ">"):
+            if len(stack) == 1:
+                raise ValueError(f"{source}: unbalanced {kind}")
+            stack.pop()
+            index += 1
+            continue
+        if kind in (";", ","):
+            index += 1
+            continue
+        if kind != "w":
+            raise ValueError(f"{source}: a field name expected, found {value or kind!r}")
+        name = value
+        index += 1
+        if index < len(tokens) and tokens[index][0] == ":":
+            index += 1
+        if index < len(tokens) and tokens[index][0] in ("{", "<"):
+            child: _Message = []
+            stack[-1].append((name, child))
+            stack.append(child)
+            index += 1
+            continue
+        if index >= len(tokens) or tokens[index][0] not in ("w", "s"):
+            raise ValueError(f"{source}: field {name} has no value")
+        stack[-1].append((name, tokens[index][1]))
+        index += 1
+    if len(stack) != 1:
+        raise ValueError(f"{source}: a message is not closed")
+    return stack[0]
+
+
+def _fields(message: _Message, name: str) -> Iterator[Any]:
+    return (value for key, value in message if key == name)
+
+
+def _first(message: _Message, name: str, default: Any = None) -> Any:
+    return next(_fields(message, name), default)
+
+
+def _walk(message: _Message, name: str) -> Iterator[_Message]:
+    """Every sub-message called `name`, at any depth."""
+    for key, value in message:
+        if isinstance(value, list):
+            if key == name:
+                yield value
+            else:
+                yield from _walk(value, name)
+
+
+def parse_fleet_desc(text: bytes, source: str) -> list[TableConfig]:
+    """The tables of a PSParameter in text format (its worker and server parts list the same
+    tables: each table_id once). ValueError naming `source` when it is not one."""
+    tables: dict[int, TableConfig] = {}
+    for param in _walk(_protobuf_text(text, source), "downpour_table_param"):
+        try:
+            table_id = int(_first(param, "table_id", "-1"))
+            accessor = _first(param, "accessor", [])
+            common = _first(param, "common", [])
+            embed = _first(accessor, "embed_sgd_param", [])
+            embedx = _first(accessor, "embedx_sgd_param", [])
+            config = TableConfig(
+                table_id=table_id,
+                table_class=str(_first(param, "table_class", "")),
+                table_type=str(_first(param, "type", "")),
+                table_name=str(_first(common, "table_name", "")),
+                accessor_class=str(_first(accessor, "accessor_class", "")),
+                embedx_dim=int(_first(accessor, "embedx_dim", "0")),
+                embedx_threshold=float(_first(accessor, "embedx_threshold", "0")),
+                embed_rule=str(_first(embed, "name", "")),
+                embedx_rule=str(_first(embedx, "name", "")),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: a downpour_table_param is malformed ({exc})") from None
+        if table_id >= 0:
+            tables.setdefault(table_id, config)
+    if not tables:
+        raise ValueError(f"{source}: no downpour_table_param (not a Paddle PSParameter)")
+    return [tables[t] for t in sorted(tables)]
+
+
+# ---------------------------------------------------------------------------------------------
+# What the user said (cube-builder's -paddle_* flags)
+
+
+@dataclass(frozen=True)
+class PaddleSource:
+    """How to read a save: the -paddle_* flags, and the tables of -paddle_config. The layout
+    comes from the flags, from the configuration's entry for the chosen table, or from both
+    when they agree (`layout_for`)."""
+
+    accessor: str = ""  # "" = from the configuration
+    dim: int = 0  # the model's embedding size D; 0 = from the configuration
+    optimizer: str = ""  # one rule, or embed,embedx; "" = from the configuration
+    table: str = ""  # a folder name, table id or (with a configuration) table name
+    value: ValueSpec = ValueSpec()
+    config: tuple[TableConfig, ...] = ()
+    config_name: str = ""  # where the configuration came from, for messages
+
+    def __post_init__(self) -> None:
+        if self.accessor:
+            accessor_named(self.accessor)
+        if self.optimizer:
+            rules_named(self.optimizer)
+        if self.dim < 0:
+            raise ValueError(f"-paddle_dim must be > 0, got {self.dim}")
+        if not self.config and not (self.accessor and self.dim and self.optimizer):
+            missing = [
+                f"-{flag}"
+                for flag, given in (
+                    ("paddle_accessor", self.accessor),
+                    ("paddle_dim", self.dim),
+                    ("paddle_optimizer", self.optimizer),
+                )
+                if not given
+            ]
+            raise ValueError(
+                f"-input_format paddle_ps needs {', '.join(missing)} (the row layout), or "
+                "-paddle_config (the trainer's PSParameter text, which names them)"
+            )
+
+    @property
+    def sparse_tables(self) -> list[TableConfig]:
+        return [t for t in self.config if t.sparse]
+
+    def config_for(self, folder: str) -> TableConfig | None:
+        return next((t for t in self.config if t.folder == folder), None)
+
+    def layout_for(self, table: TableConfig | None) -> TableLayout:
+        """The layout of the table in `folder` (its configuration entry, if any): each of
+        accessor, dim and optimizer from the flag or the configuration, which must agree."""
+        accessor = accessor_named(self.accessor) if self.accessor else None
+        dim = self.dim or None
+        rules = rules_named(self.optimizer) if self.optimizer else None
+        if table is not None:
+            configured = table.layout()
+            where = f"{self.config_name} (table {table.table_id}, {table.table_name})"
+            if accessor and accessor != configured.accessor:
+                raise ValueError(
+                    f"-paddle_accessor {accessor.name}, but {where} says "
+                    f"{configured.accessor.paddle_class}"
+                )
+            if dim and dim != configured.dim:
+                raise ValueError(
+                    f"-paddle_dim {dim}, but {where} says embedx_dim "
+                    f"{configured.embedx_dim}: dim {configured.dim}"
+                )
+            both = (configured.embed_rule, configured.embedx_rule)
+            if rules and rules != both:
+                raise ValueError(
+                    f"-paddle_optimizer {self.optimizer}, but {where} says "
+                    f"{both[0].paddle_class},{both[1].paddle_class}"
+                )
+            return configured
+        if accessor is None or dim is None or rules is None:
+            raise ValueError(
+                f"{self.config_name} has no entry for this table: give -paddle_accessor, "
+                "-paddle_dim and -paddle_optimizer"
+            )
+        return TableLayout(accessor, dim, *rules)
+
+    def names(self, folder: str) -> bool:
+        """Whether -paddle_table names this folder (by its name, its number, or the table
+        name the configuration gives it)."""
+        wanted = self.table
+        if not wanted:
+            return False
+        if folder == wanted or (
+            wanted.isdigit() and folder.isdigit() and int(folder) == int(wanted)
+        ):
+            return True
+        table = self.config_for(folder)
+        return table is not None and table.table_name == wanted
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding the table in a save
+
+SPARSE_PART = re.compile(r"part-\d+-\d+(\.gz)?")  # part-<server>-<shard>: one per table shard
+DENSE_PART = re.compile(r"part-\d+(\.gz)?")  # part-<server>: a dense table's parameters
+
+
+def sparse_folder_problem(names: list[str], first_row: bytes | None) -> str:
+    """Why a numbered folder of a save is not a sparse table ("" when it is one): its files
+    must be part-<server>-<shard>[.gz] (Paddle's sparse tables; a dense table writes
+    part-<server>), and its first row a key then at least 6 numbers (a dense row is 1 to 3
+    numbers, no key). `first_row`: the first line of the first non-empty file (None: all empty)."""
+    if not names:
+        return "no files"
+    if all(DENSE_PART.fullmatch(n) for n in names):
+        return f"dense parameters ({names[0]})"
+    others = [n for n in names if not SPARSE_PART.fullmatch(n)]
+    if others:
+        return f"not part-<server>-<shard> files ({others[0]})"
+    if first_row is None:
+        return ""
+    fields = first_row.split()
+    if not fields or not fields[0].isdigit() or len(fields) < 1 + len(_LEADING):
+        shown = first_row[:60].decode("utf-8", "replace")
+        return f"its first row {shown!r} is not a key and 6 or more numbers"
+    return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows
+
+
+class PaddleRowError(ValueError):
+    """A row that does not fit the layout; the message names the source, line and field."""
+
+
+@dataclass(frozen=True)
+class ParsedRows:
+    keys: np.ndarray  # uint64
+    values: np.ndarray  # (rows, value count) of the value dtype, little-endian
+    lines: int  # lines consumed, blank ones included
+    short_rows: int  # rows saved without their embedx part
+
+    def value_bytes(self) -> np.ndarray:
+        """The values as one uint8 buffer, row after row."""
+        return np.ascontiguousarray(self.values).reshape(-1).view(np.uint8)
+
+
+_NUMBER = re.compile(rb"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+_NON_FINITE = re.compile(rb"[+-]?(?:nan|inf|infinity)", re.I)
+COMPILED_MIN_BYTES = 4 << 20  # from here a chunk repays loading the compiled parser (~0.5 s)
+
+
+def _field_name(layout: TableLayout, column: int) -> str:
+    return layout.columns[column] if column < layout.full else f"#{column + 1}"
+
+
+def describe_line(line: bytes, layout: TableLayout) -> str:
+    """What is wrong with one line (without its newline), in words; "" when nothing is."""
+    fields = line.replace(b"\t", b" ").replace(b"\r", b" ").split()
+    if not fields:
+        return ""
+    key = fields[0]
+    shown = key[:40].decode("utf-8", "replace")
+    if not key.isdigit():
+        sign = " (keys are uint64: no sign)" if key[:1] in (b"-", b"+") else ""
+        return f"field 1 (key): {shown!r} is not an unsigned decimal integer{sign}"
+    digits = key.lstrip(b"0")
+    if len(digits) > 20 or int(digits or b"0") >= 1 << 64:  # (int() refuses 4300+ digits)
+        return f"field 1 (key): {shown} does not fit in 64 bits"
+    floats = len(fields) - 1
+    if floats not in (layout.full, layout.short):
+        fits = layouts_with(floats)
+        hint = f"; a row of {floats} fits {' or '.join(fits)}" if fits else ""
+        return (
+            f"{floats} numbers after the key; {layout.describe()} rows have {layout.full} "
+            f"(or {layout.short} without the embedx part){hint}"
+        )
+    for column, token in enumerate(fields[1:]):
+        what = f"field {column + 2} ({_field_name(layout, column)})"
+        text = token[:40].decode("utf-8", "replace")
+        if _NON_FINITE.fullmatch(token):
+            return f"{what}: {text!r} is not a finite number"
+        if not _NUMBER.fullmatch(token):
+            return f"{what}: {text!r} is not a decimal number"
+    return ""
+
+
+def _line_error(
+    data: Any, start: int, layout: TableLayout, source: str, line: int, problem: str = ""
+) -> PaddleRowError:
+    end = bytes(data[start : start + (1 << 20)]).find(b"\n")
+    text = bytes(data[start : start + end if end >= 0 else start + (1 << 20)])
+    problem = problem or describe_line(text, layout) or "cannot be read (a parser bug)"
+    return PaddleRowError(f"{source} line {line}: {problem}")
+
+
+def parse_rows(
+    data: Any,
+    layout: TableLayout,
+    value: ValueSpec,
+    source: str,
+    first_line: int = 1,
+    compiled: bool | None = None,
+) -> ParsedRows:
+    """Every row of `data` (bytes of whole lines; the last may lack its newline): keys and
+    served values. Blank lines are skipped. PaddleRowError naming `source` and the line
+    (`first_line` is the number of data's first line) at the first row that does not fit.
+    `compiled`: the numba parser (True), numpy's (False), or by size (None)."""
+    if compiled is None:
+        compiled = COMPILED and (
+            len(data) >= COMPILED_MIN_BYTES or "cube._paddle_ps_jit" in sys.modules
+        )
+    if compiled and not COMPILED:
+        raise ValueError("the compiled parser needs numba (and CUBE_KERNEL other than numpy)")
+    buf = np.frombuffer(data, dtype=np.uint8)
+    if compiled:
+        keys, floats, lines, short, row_lines = _parse_compiled(
+            data, buf, layout, value, source, first_line
+        )
+    else:
+        keys, floats, lines, short, row_lines = _parse_numpy(
+            data, buf, layout, value, source, first_line
+        )
+    values = _to_dtype(floats, value, layout, source, row_lines, first_line)
+    return ParsedRows(keys, values, lines, short)
+
+
+def _to_dtype(
+    floats: np.ndarray,
+    value: ValueSpec,
+    layout: TableLayout,
+    source: str,
+    row_lines: np.ndarray,
+    first_line: int,
+) -> np.ndarray:
+    """The doubles as the value type (little-endian); an error naming the line and field of
+    the first one that is not finite there (1e999 as a double, 70000 as a float16)."""
+    with np.errstate(over="ignore"):  # found below, with the line
+        values = floats.astype(np.dtype(value.dtype).newbyteorder("<"))
+    finite = np.isfinite(values)
+    if finite.all():
+        return values
+    row, place = (int(i) for i in np.argwhere(~finite)[0])
+    column = int(np.flatnonzero(value.targets(layout) == place)[0])
+    number = float(floats[row, place])
+    why = f"does not fit {value.dtype}" if np.isfinite(number) else "is not a finite number"
+    raise PaddleRowError(
+        f"{source} line {first_line + int(row_lines[row])}: field {column + 2} "
+        f"({_field_name(layout, column)}): {number!r} {why}"
+    )
+
+
+# -- the compiled parser
+
+
+def _parse_compiled(
+    data: Any, buf: np.ndarray, layout: TableLayout, value: ValueSpec, source: str, first: int
+) -> tuple[np.ndarray, np.ndarray, int, int, np.ndarray]:
+    from cube import _paddle_ps_jit as jit
+
+    capacity = int(np.count_nonzero(buf == 10)) + 1
+    keys = np.empty(capacity, dtype=np.uint64)
+    floats = np.zeros((capacity, value.count(layout)), dtype=np.float64)
+    row_lines = np.empty(capacity, dtype=np.int64)
+    slow = np.empty((min(capacity, 1 << 16), 4), dtype=np.int64)
+    targets = value.targets(layout)
+    rows, lines, short, error_line, error_start, slow_count = jit.parse(
+        buf, layout.full, layout.short, targets, keys, floats, row_lines, slow
+    )
+    if error_line >= 0:
+        raise _line_error(data, int(error_start), layout, source, first + int(error_line))
+    if slow_count > slow.shape[0]:  # more long or huge-exponent numbers than noted: numpy's
+        return _parse_numpy(data, buf, layout, value, source, first)
+    for row, place, start, end in slow[:slow_count].tolist():
+        floats[row, place] = float(bytes(data[start:end]))
+    return keys[:rows], floats[:rows], int(lines), int(short), row_lines[:rows]
+
+
+# -- the numpy parser (no numba; the tests' oracle)
+
+_ALLOWED = np.zeros(256, dtype=bool)
+_ALLOWED[list(b"0123456789.+-eE \t\r\n")] = True
+
+
+def _parse_numpy(
+    data: Any, buf: np.ndarray, layout: TableLayout, value: ValueSpec, source: str, first: int
+) -> tuple[np.ndarray, np.ndarray, int, int, np.ndarray]:
+    """Whole-buffer numpy passes: tokens by byte class, rows by newline, numbers by numpy's
+    own conversion; anything unexpected sends the first bad line to `describe_line`."""
+    newline = buf == 10
+    lines = int(np.count_nonzero(newline)) + (1 if buf.size and buf[-1] != 10 else 0)
+    empty = np.empty(0, dtype=np.int64)
+    nothing = (np.empty(0, np.uint64), np.empty((0, value.count(layout))), lines, 0, empty)
+    if not _ALLOWED[buf].all():
+        return _first_bad_line(data, layout, source, first)
+    separator = newline | (buf == 32) | (buf == 9) | (buf == 13)
+    token = ~separator
+    starts = np.flatnonzero(token & ~np.concatenate(([False], token[:-1])))
+    line_index = np.searchsorted(np.flatnonzero(newline), starts)  # newlines before each
+    counts = np.bincount(line_index, minlength=lines)
+    used = np.flatnonzero(counts)
+    if not used.size:
+        return nothing
+    floats_per_row = counts[used] - 1
+    is_short = floats_per_row == layout.short
+    if not ((floats_per_row == layout.full) | is_short).all():
+        return _first_bad_line(data, layout, source, first)
+    tokens = np.array(bytes(data).split())
+    row_start = np.concatenate(([0], np.cumsum(counts[used])[:-1]))
+    key_tokens = tokens[row_start]
+    width = value.count(layout)
+    targets = value.targets(layout)
+    try:
+        if not np.strings.isdigit(key_tokens).all():
+            raise ValueError("key")
+        digits = np.strings.lstrip(key_tokens, b"0")
+        lengths = np.strings.str_len(digits)
+        if (lengths > 20).any() or ((lengths == 20) & (digits > b"18446744073709551615")).any():
+            raise ValueError("key range")
+        keys = key_tokens.astype(np.uint64)
+        numbers = np.delete(tokens, row_start).astype(np.float64)
+    except (ValueError, OverflowError):
+        return _first_bad_line(data, layout, source, first)
+    floats = np.zeros((used.shape[0], width), dtype=np.float64)
+    offsets = np.concatenate(([0], np.cumsum(floats_per_row)[:-1]))
+    for column in np.flatnonzero(targets >= 0).tolist():
+        present = floats_per_row > column
+        floats[present, targets[column]] = numbers[offsets[present] + column]
+    return keys, floats, lines, int(np.count_nonzero(is_short)), used
+
+
+def _first_bad_line(
+    data: Any, layout: TableLayout, source: str, first: int
+) -> tuple[np.ndarray, np.ndarray, int, int, np.ndarray]:
+    """The error path: the first line `describe_line` finds fault with (a loop over lines,
+    run only once something is wrong)."""
+    start = 0
+    for number, line in enumerate(bytes(data).split(b"\n")):
+        problem = describe_line(line, layout)
+        if problem:
+            raise _line_error(data, start, layout, source, first + number, problem)
+        start += len(line) + 1
+    raise PaddleRowError(f"{source}: cannot be read (a parser bug: no line is at fault)")

@@ -1,0 +1,336 @@
+"""cube.paddle_ps, the pure part of `-input_format paddle_ps`: row layouts, the parsers (compiled
+and numpy) and Paddle's configuration text, checked against saves the real trainer wrote
+(tests/data/paddle_ps, written by its generate.py with paddlepaddle 2.6.2) and against what
+that trainer's own lookup returned for every saved key."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cube import paddle_ps as pp
+from cube.kernel import COMPILED
+
+DATA = Path(__file__).resolve().parent / "data" / "paddle_ps"
+PARSERS = [False, True] if COMPILED else [False]
+SCENARIOS = {  # scenario -> (accessor, optimizer) per table, as generate.py configured them
+    "ctr_common_adagrad": ("ctr_common", "adagrad"),
+    "sparse_adam": ("sparse", "adam"),
+    "sparse_naive_2tables": ("sparse", "naive"),
+}
+
+
+def expected(scenario: str) -> dict:
+    return json.loads((DATA / scenario / "expected.json").read_text())
+
+
+def part_text(path: Path) -> bytes:
+    data = path.read_bytes()
+    return gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data
+
+
+def layout(accessor: str, dim: int, rule: str, embedx_rule: str | None = None) -> pp.TableLayout:
+    return pp.TableLayout(
+        pp.ACCESSORS[accessor], dim, pp.SGD_RULES[rule], pp.SGD_RULES[embedx_rule or rule]
+    )
+
+
+CTR8 = layout("ctr_common", 8, "adagrad")
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts: the column counts Paddle's sources give (ctr_accessor.h, sparse_sgd_rule.h)
+
+
+@pytest.mark.parametrize(
+    ("accessor", "dim", "rule", "full", "short"),
+    [
+        ("ctr_common", 8, "adagrad", 6 + 1 + 5 + 1, 6 + 1),  # the reference's 13 columns
+        ("sparse", 8, "adam", 6 + 4 + 7 + (2 * 7 + 2), 6 + 4),  # the reference's 33
+        ("sparse", 4, "naive", 6 + 0 + 3 + 0, 6),
+        ("ctr_common", 10, "std_adagrad", 6 + 1 + 7 + 7, 7),
+        ("sparse", 9, "shared_adam", 6 + 4 + 8 + 4, 10),
+    ],
+)
+def test_layouts_have_paddles_column_counts(accessor, dim, rule, full, short):
+    table = layout(accessor, dim, rule)
+    assert (table.full, table.short) == (full, short)
+    assert table.columns[:6] == ("slot", "unseen_days", "delta_score", "show", "click", "embed_w")
+    assert table.columns[table.embedx_start] == "embedx_w[0]"
+    assert len(table.field_columns("embedx_w")) == dim - pp.ACCESSORS[accessor].non_embedx
+
+
+def test_mixed_rules_and_the_value_places():
+    table = layout("ctr_common", 8, "naive", "adam")
+    assert table.full == 6 + 0 + 5 + 12 and table.embedx_start == 6
+    spec = pp.ValueSpec(("show", "click", "embed_w", "embedx_w"), "float16")
+    targets = spec.targets(table)
+    assert targets[[3, 4, 5]].tolist() == [0, 1, 2]
+    assert targets[6:11].tolist() == [3, 4, 5, 6, 7] and (targets[11:] == -1).all()
+    assert spec.width(table) == 8 * 2
+    assert pp.ValueSpec().width(CTR8) == 6 * 4
+
+
+def test_bad_layout_and_value_settings_say_which_flag():
+    with pytest.raises(ValueError, match="-paddle_dim > 3"):
+        layout("ctr_common", 3, "adagrad")
+    with pytest.raises(ValueError, match=r"-paddle_value.*not bogus"):
+        pp.ValueSpec(("embed_w", "bogus"))
+    with pytest.raises(ValueError, match="named twice"):
+        pp.ValueSpec(("embed_w", "embed_w"))
+    with pytest.raises(ValueError, match="CtrDymfAccessor is not supported: GPU"):
+        pp.accessor_named("CtrDymfAccessor")
+    with pytest.raises(ValueError, match="unknown optimizer rule 'rmsprop'"):
+        pp.rules_named("rmsprop")
+    with pytest.raises(ValueError, match="needs -paddle_dim, -paddle_optimizer"):
+        pp.PaddleSource(accessor="sparse")
+    assert pp.rules_named("SparseAdaGradSGDRule,adam") == (
+        pp.SGD_RULES["adagrad"],
+        pp.SGD_RULES["adam"],
+    )
+
+
+def test_the_hint_names_the_flags_a_row_would_fit():
+    fits = pp.layouts_with(13, limit=10)
+    assert "-paddle_accessor ctr_common -paddle_dim 8 -paddle_optimizer adagrad" in fits
+    assert "-paddle_accessor sparse -paddle_dim 8 -paddle_optimizer adam" in pp.layouts_with(33, 10)
+
+
+# ---------------------------------------------------------------------------------------------
+# The real trainer's saves
+
+
+def saves():
+    for scenario in SCENARIOS:
+        for save, record in expected(scenario)["saves"].items():
+            for table in record["tables"]:
+                yield scenario, save, table
+
+
+@pytest.mark.parametrize("compiled", PARSERS, ids=["numpy", "compiled"][: len(PARSERS)])
+@pytest.mark.parametrize(("scenario", "save", "table"), list(saves()))
+def test_every_real_save_parses_to_what_the_trainer_looks_up(scenario, save, table, compiled):
+    """Every mode (0-3, an empty delta), both accessors, three optimizer rules, plain and gzip
+    parts: the keys are those saved, in file order, and each served value (with -paddle_value
+    set to what the lookup returns) equals the trainer's own lookup right after the save, to
+    the 6 significant digits the text keeps; a row saved without its embedx part serves zeros
+    there, as the trainer's lookup returned."""
+    info = expected(scenario)
+    meta = info["tables"][table]
+    record = info["saves"][save]
+    accessor, rule = SCENARIOS[scenario]
+    table_layout = layout(accessor, meta["dim"], rule)
+    spec = pp.ValueSpec(pp.parse_value_fields(meta["lookup"]))
+    folder = DATA / scenario / save / meta["folder"]
+    keys, values, short = [], [], 0
+    for part in sorted(folder.iterdir()):
+        rows = pp.parse_rows(part_text(part), table_layout, spec, str(part), compiled=compiled)
+        keys.append(rows.keys)
+        values.append(rows.values)
+        short += rows.short_rows
+    got_keys = np.concatenate(keys)
+    assert got_keys.tolist() == record["tables"][table]["keys"]
+    if not got_keys.size:
+        assert save == "delta_empty"
+        return
+    got = np.concatenate(values)
+    lookup = np.frombuffer(
+        bytes.fromhex("".join(record["tables"][table]["lookup_f32le_hex"])), "<f4"
+    ).reshape(got.shape)
+    assert np.all(np.abs(got - lookup) <= 5e-6 * np.abs(lookup)), scenario
+    if accessor == "ctr_common":  # embedx_threshold 3: some rows are saved short
+        assert short > 0
+        short_rows = np.all(got[:, 3:] == 0, axis=1)
+        assert np.count_nonzero(short_rows) >= short
+
+
+def test_the_saves_hold_every_mode_gzip_and_empty_parts():
+    """The checked-in data covers what the tests above claim."""
+    for scenario in ("ctr_common_adagrad", "sparse_adam"):
+        modes = {r["mode"] for r in expected(scenario)["saves"].values()}
+        assert modes == {0, 1, 2, 3}
+        names = {p.name for p in (DATA / scenario).rglob("part-*-*")}
+        assert any(n.endswith(".gz") for n in names) and not all(n.endswith(".gz") for n in names)
+        assert any(p.stat().st_size == 0 for p in (DATA / scenario).rglob("part-*"))
+    keys = expected("ctr_common_adagrad")["saves"]["checkpoint"]["tables"]["emb"]["keys"]
+    assert max(keys) > 1 << 63  # uint64 keys an int64 feed carried
+
+
+def test_paddles_configuration_text_is_read():
+    text = (DATA / "ctr_common_adagrad" / "fleet_desc.prototxt").read_bytes()
+    tables = pp.parse_fleet_desc(text, "fleet_desc.prototxt")
+    sparse = [t for t in tables if t.sparse]
+    assert [t.table_id for t in tables] == [0, 1, 2] and len(sparse) == 1
+    assert sparse[0].layout() == CTR8 and sparse[0].table_name == "emb"
+    assert sparse[0].embedx_threshold == 3
+    two = pp.parse_fleet_desc(
+        (DATA / "sparse_naive_2tables" / "fleet_desc.prototxt").read_bytes(), "f"
+    )
+    assert [(t.folder, t.table_name, t.layout().dim) for t in two if t.sparse] == [
+        ("000", "emb_a", 4),
+        ("001", "emb_b", 6),
+    ]
+    assert (
+        pp.TableConfig(0, "", "", "", "SparseAccessor", 7, 0, "", "").layout().embed_rule
+        == (pp.SGD_RULES["adam"])
+    )  # Paddle's default rule when the config names none
+    with pytest.raises(ValueError, match="not a Paddle PSParameter"):
+        pp.parse_fleet_desc(b"name: 'x'\n", "f")
+    with pytest.raises(ValueError, match="not closed"):
+        pp.parse_fleet_desc(b"downpour_table_param { table_id: 0\n", "f")
+
+
+def test_flags_and_configuration_must_agree():
+    text = (DATA / "ctr_common_adagrad" / "fleet_desc.prototxt").read_bytes()
+    config = tuple(pp.parse_fleet_desc(text, "fleet_desc.prototxt"))
+    source = pp.PaddleSource(config=config, config_name="fleet_desc.prototxt")
+    assert source.layout_for(config[0]) == CTR8
+    same = pp.PaddleSource(dim=8, optimizer="adagrad", config=config, config_name="c")
+    assert same.layout_for(config[0]) == CTR8
+    with pytest.raises(ValueError, match=r"-paddle_dim 9, but c .* says embedx_dim 5"):
+        pp.PaddleSource(dim=9, config=config, config_name="c").layout_for(config[0])
+    with pytest.raises(ValueError, match="-paddle_accessor sparse, but c"):
+        pp.PaddleSource(accessor="sparse", config=config, config_name="c").layout_for(config[0])
+    with pytest.raises(ValueError, match="no entry for this table"):
+        source.layout_for(None)
+    assert source.names("000") is False
+    named = pp.PaddleSource(table="emb", config=config, config_name="c")
+    assert named.names("000") and not named.names("001")
+    assert pp.PaddleSource(table="0", config=config).names("000")
+
+
+# ---------------------------------------------------------------------------------------------
+# The parsers against Python's float and int, on every form a number may take
+
+
+def oracle(data: bytes, table: pp.TableLayout, spec: pp.ValueSpec):
+    """Keys and values by Python's int and float, line by line (the slow, obvious way)."""
+    targets = spec.targets(table)
+    keys, rows = [], []
+    for line in data.split(b"\n"):
+        fields = line.split()
+        if not fields:
+            continue
+        keys.append(int(fields[0]))
+        row = [0.0] * spec.count(table)
+        for column, token in enumerate(fields[1:]):
+            if targets[column] >= 0:
+                row[targets[column]] = float(token)
+        rows.append(row)
+    values = np.array(rows, dtype=np.float64).reshape(-1, spec.count(table))
+    return np.array(keys, dtype=np.uint64), values.astype(spec.dtype)
+
+
+NUMBERS = [
+    "0", "-0", "1", "-1", "2771", "57.4", "-0.00115728", "1.18718e-09", "6.66879e-05", "3.74447",
+    "1e-40", "-1.4e-45", "1e-310", "9.99999e+37", "3.40282e+38", "5.", ".5", "+1.5", "1E+05",
+    "12345678901234567890", "0.000000000000000000001234", "1234567890123456789012345e-20",
+    "123456789012345678", "9007199254740993", "1e22", "1e23", "4.9e-324", "00012.5000",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", pp.DTYPES)
+def test_both_parsers_equal_pythons_float_on_every_form(dtype):
+    rng = random.Random(11)
+    table = layout("sparse", 4, "naive")  # 9 numbers a row: embed_w and embedx_w x 3 served
+    spec = pp.ValueSpec(("show", "click", "embed_w", "embedx_w"), dtype)
+    lines = []
+    for i in range(400):
+        key = rng.choice([0, 1, 2**64 - 1, 2**63, rng.randrange(2**64)])
+        numbers = [rng.choice(NUMBERS) for _ in range(9 if i % 5 else 6)]
+        if dtype == "float16":
+            numbers = [n if abs(float(n)) < 6e4 else "1" for n in numbers]
+        elif dtype == "float32":
+            numbers = [n if abs(float(n)) < 3e38 else "2" for n in numbers]
+        separator = rng.choice([" ", "  ", "\t", " \t"])
+        end = rng.choice(["\n", "\r\n", " \n"])
+        prefix = "000" if i == 7 else ""
+        lines.append(prefix + str(key) + separator + separator.join(numbers) + end)
+    lines.insert(5, "\n")
+    lines.insert(9, "   \n")
+    data = "".join(lines).rstrip("\n").encode()  # the last line without its newline
+    want_keys, want_values = oracle(data, table, spec)
+    for compiled in PARSERS:
+        rows = pp.parse_rows(data, table, spec, "t", compiled=compiled)
+        assert rows.keys.tolist() == want_keys.tolist()
+        assert rows.values.dtype == np.dtype(dtype).newbyteorder("<")
+        assert rows.values.tobytes() == want_values.tobytes(), compiled  # -0.0 and all
+        assert rows.short_rows == 80 and rows.lines == 402
+
+
+def test_a_large_buffer_takes_many_slow_numbers():
+    """More numbers than the compiled parser notes for Python's float: the numpy parser
+    takes over, same answer."""
+    table = layout("sparse", 4, "naive")
+    line = "5 " + " ".join(["1e-40"] * 9) + "\n"
+    data = (line * 70000).encode()
+    for compiled in PARSERS:
+        rows = pp.parse_rows(data, table, pp.ValueSpec(), "t", compiled=compiled)
+        assert rows.values.shape == (70000, 4)
+        assert (rows.values == np.float32(1e-40)).all()
+
+
+BAD_ROWS = [
+    # (line 3 of the input, what the message says)
+    ("12 0 0 0 1 1 0.5 0.1 0.2 0.3 0.4 0.5 0.6", "12 numbers after the key; ctr_common (dim 8"),
+    ("12 0 0 0 1 1 0.5 0.1 0.2", "8 numbers after the key"),
+    ("12 0 0 0 1 1 0.5 0.1 0.2 x 0.4 0.5 0.6 0.7", "field 10 (embedx_w[1]): 'x' is not a decimal"),
+    ("12 0 0 0 1 1 nan 0.1 0.2 0.3 0.4 0.5 0.6 0.7", "field 7 (embed_w): 'nan' is not a finite"),
+    ("12 0 0 0 1 1 0.5 -inf 0.2 0.3 0.4 0.5 0.6 0.7", "field 8 (embed_g2sum): '-inf' is not a fi"),
+    ("12 0 0 0 1 1 0.5 0.1 0.2 1.2.3 0.4 0.5 0.6 0.7", "field 10 (embedx_w[1]): '1.2.3' is not"),
+    ("12 0 0 0 1 1 0.5 0.1 0.2 1e 0.4 0.5 0.6 0.7", "field 10 (embedx_w[1]): '1e' is not a deci"),
+    ("-12 0 0 0 1 1 0.5 0.1", "field 1 (key): '-12' is not an unsigned decimal integer (keys ar"),
+    ("18446744073709551616 0 0 0 1 1 0.5 0.1", "field 1 (key): 18446744073709551616 does not"),
+    ("99999999999999999999999 0 0 0 1 1 0.5 0.1", "does not fit in 64 bits"),
+    ("9" * 5000 + " 0 0 0 1 1 0.5 0.1", "field 1 (key): 9999999999"),
+    ("0x1f 0 0 0 1 1 0.5 0.1", "field 1 (key): '0x1f' is not an unsigned decimal integer"),
+    ("12.0 0 0 0 1 1 0.5 0.1", "field 1 (key): '12.0' is not an unsigned decimal integer"),
+    ("12 0 0 0 1 1 1e999 0.1", "field 7 (embed_w): inf is not a finite number"),
+    ("12 0 0 0 1 1 1e39 0.1", "field 7 (embed_w): 1e+39 does not fit float32"),
+    ("12 0 0 0 1 1 0.5 0.1 0.2 0.3 0.4 0.5 0.6 0.7\x00", "field 14 (embedx_g2sum): '0.7\\x00'"),
+]
+
+
+@pytest.mark.parametrize("compiled", PARSERS, ids=["numpy", "compiled"][: len(PARSERS)])
+@pytest.mark.parametrize(("row", "message"), BAD_ROWS, ids=[m[:30] for _, m in BAD_ROWS])
+def test_a_bad_row_is_named_by_source_line_and_field(row, message, compiled):
+    good = "7 0 0 0 1 1 0.5 0.1 0.2 0.3 0.4 0.5 0.6 0.7\n"
+    data = (good + "\n" + row + "\n" + good).encode()  # the bad row is line 3
+    with pytest.raises(pp.PaddleRowError) as caught:
+        pp.parse_rows(data, CTR8, pp.ValueSpec(), "save/000/part-000-00001", 41, compiled)
+    text = str(caught.value)
+    assert text.startswith("save/000/part-000-00001 line 43: "), text
+    assert message in text, text
+
+
+def test_float16_overflow_names_the_field():
+    data = b"7 0 0 0 70000 1 0.5 0.1 0.2 0.3 0.4 0.5 0.6 0.7\n"
+    for compiled in PARSERS:
+        with pytest.raises(pp.PaddleRowError, match=r"line 1: field 5 \(show\): 70000.0 does not"):
+            pp.parse_rows(
+                data, CTR8, pp.ValueSpec(("show", "embed_w"), "float16"), "f", 1, compiled
+            )
+        rows = pp.parse_rows(data, CTR8, pp.ValueSpec(("embed_w",), "float16"), "f", 1, compiled)
+        assert rows.values.tolist() == [[np.float16(0.5)]]
+
+
+def test_a_wrong_layout_hints_at_the_right_flags():
+    data = (DATA / "sparse_adam" / "delta" / "000" / "part-000-00001").read_bytes()
+    with pytest.raises(pp.PaddleRowError) as caught:
+        pp.parse_rows(data, CTR8, pp.ValueSpec(), "part-000-00001")
+    assert "line 1: 33 numbers after the key" in str(caught.value)
+    assert "-paddle_accessor sparse -paddle_dim 8 -paddle_optimizer adam" in str(caught.value)
+
+
+def test_which_folders_are_sparse_tables():
+    row = b"7 0 0 0 1 1 0.5 0.1 0.2 0.3 0.4 0.5 0.6 0.7"
+    assert pp.sparse_folder_problem(["part-000-00000", "part-000-00001.gz"], row) == ""
+    assert pp.sparse_folder_problem(["part-000-00000"], None) == ""  # all empty: by name
+    assert "dense parameters" in pp.sparse_folder_problem(["part-000.gz"], b"0.1 0.2 0.3")
+    assert "not a key and 6" in pp.sparse_folder_problem(["part-000-00000"], b"0 0 0")
+    assert "not part-<server>-<shard>" in pp.sparse_folder_problem(["part-000-00000", "x"], row)
