@@ -407,6 +407,16 @@ def test_probes_ports_and_network_policy(rendered):
         assert container["livenessProbe"]["tcpSocket"] == {"port": "grpc"}
         grace = float(arg(container, "grace"))
         assert doc["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > grace
+    # the `helm test` pod may look up, whatever networkPolicy.clientPodSelector admits
+    (test_pod,) = of_kind(docs, "Pod")
+    lookup_rule = next(
+        r for r in shard_policy["ingress"] if values["server"]["port"] in
+        {p["port"] for p in r["ports"]}
+    )  # fmt: skip
+    assert any(
+        peer["podSelector"].get("matchLabels", {}).items() <= test_pod["metadata"]["labels"].items()
+        for peer in lookup_rule["from"]
+    )
     agent_port = values["agent"]["port"]
     agent_rule = next(
         r for r in shard_policy["ingress"] if {p["port"] for p in r["ports"]} == {agent_port}
@@ -470,19 +480,27 @@ def test_every_container_runs_a_command_line_our_commands_take(rendered, monkeyp
     assert seen == set(COMMANDS)
 
 
-def conf_maps(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
-    return {d["metadata"]["name"].rsplit("-", 2)[-1]: d["data"] for d in of_kind(docs, "ConfigMap")}
+def client_conf(docs: list[dict[str, Any]]) -> dict[str, str]:
+    """The data of the cube.conf ConfigMap (<fullname>-cube-conf)."""
+    (found,) = [
+        d for d in of_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-cube-conf")
+    ]
+    return found["data"]
+
+
+def transfer_conf(docs: list[dict[str, Any]], tmp_path: Path) -> Any:
+    """The transfer's parsed transfer.conf (its ConfigMap is named as its StatefulSet)."""
+    name = transfer_set(docs)["metadata"]["name"]
+    (found,) = [d for d in of_kind(docs, "ConfigMap") if d["metadata"]["name"] == name]
+    return parse_config(found["data"]["transfer.conf"], "transfer.conf", tmp_path)
 
 
 def test_rendered_configs_parse_and_name_the_replicas(rendered, tmp_path):
     docs, values = rendered.docs, rendered.values
     shards, replicas = values["dict"]["shards"], values["dict"]["replicas"]
-    transfer = transfer_set(docs)
-    transfer_name = transfer["metadata"]["name"]
-    maps = {d["metadata"]["name"]: d["data"] for d in of_kind(docs, "ConfigMap")}
-    cfg = parse_config(maps[transfer_name]["transfer.conf"], "transfer.conf", tmp_path)
-    conf_text = maps[transfer_name.removesuffix("-transfer") + "-cube-conf"]["cube.conf"]
-    conf = parse_conf(json.loads(conf_text))
+    transfer_name = transfer_set(docs)["metadata"]["name"]
+    cfg = transfer_conf(docs, tmp_path)
+    conf = parse_conf(json.loads(client_conf(docs)["cube.conf"]))
     assert cfg.dict_name == conf.dict_name == values["dict"]["name"]
     assert cfg.shard_num == len(conf.shards) == shards and cfg.copy_num == replicas
     assert cfg.partitioner == conf.partitioner == values["dict"]["partitioner"]
@@ -501,10 +519,9 @@ def test_rendered_configs_parse_and_name_the_replicas(rendered, tmp_path):
     assert all(len(replicas_) == replicas * workers for replicas_ in conf.shards)
     if rendered.name == "3x2-tokens":
         assert cfg.quorum == 1 and cfg.extra == {} and cfg.max_shrink == 0.3
-    for text in maps.values():  # tokens reach pods from the Secret only
-        assert "t0ken" not in json.dumps(text)
-    keys = [int(k) for k in maps[transfer_name.removesuffix("-transfer") + "-cube-conf"][
-        "probe-keys.txt"].split()]  # fmt: skip
+    for config_map in of_kind(docs, "ConfigMap"):  # tokens reach pods from the Secret only
+        assert "t0ken" not in json.dumps(config_map["data"])
+    keys = [int(k) for k in client_conf(docs)["probe-keys.txt"].split()]
     assert keys == list(range(256))
 
 
@@ -597,12 +614,11 @@ def test_tls_reaches_every_hop(renders, tmp_path):
                 assert arg(container, "allowed_sources").startswith("https://")
             if command == "cube-transfer":
                 conf_map = next(v for v in spec["volumes"] if v["name"] == "config")
-                text = conf_maps(docs)["transfer"]["transfer.conf"]
-                cfg = parse_config(text, "transfer.conf", tmp_path)
+                cfg = transfer_conf(docs, tmp_path)
                 files = [cfg.tls_cert, cfg.tls_key, cfg.agent_tls_ca]
                 assert conf_map["configMap"]["name"] == doc["metadata"]["name"]
             if command == "cube-cli":
-                conf = parse_conf(json.loads(conf_maps(docs)["conf"]["cube.conf"]))
+                conf = parse_conf(json.loads(client_conf(docs)["cube.conf"]))
                 assert conf.tls_ca == f"{TLS_DIR}/ca.crt"
                 files = [conf.tls_ca]
             for path in files:
@@ -610,10 +626,8 @@ def test_tls_reaches_every_hop(renders, tmp_path):
                 assert key in ("tls.crt", "tls.key", "ca.crt")
                 secret = secret or volume["secret"]["secretName"]
                 assert volume["secret"]["secretName"] == secret
-                assert (
-                    volume["secret"].get("items", [{"key": key}]) == [{"key": key, "path": key}]
-                    or command != "cube-cli"
-                )
+                if command == "cube-cli":  # the test pod gets the CA, never the key
+                    assert volume["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
             if files:
                 seen.add(command)
         assert seen == set(COMMANDS)
@@ -623,9 +637,9 @@ def test_tls_reaches_every_hop(renders, tmp_path):
             assert certificate["spec"]["secretName"] == secret
             assert certificate["spec"]["issuerRef"] == values["tls"]["certManager"]["issuerRef"]
             names = certificate["spec"]["dnsNames"]
-            conf = parse_conf(json.loads(conf_maps(docs)["conf"]["cube.conf"]))
+            conf = parse_conf(json.loads(client_conf(docs)["cube.conf"]))
             hosts = [a.rsplit(":", 1)[0] for replicas in conf.shards for a in replicas]
-            cfg = parse_config(conf_maps(docs)["transfer"]["transfer.conf"], "t.conf", tmp_path)
+            cfg = transfer_conf(docs, tmp_path)
             hosts.append(cfg.transfer_address)
             for host in hosts:  # a wildcard stands for one label, as TLS clients check it
                 assert any(
@@ -660,7 +674,7 @@ def test_object_store_credentials_reach_the_transfer_only(renders, tmp_path):
         for shard_container in shard_spec["containers"]:
             assert "envFrom" not in shard_container
             assert not any(e["name"].startswith("AWS_") for e in shard_container["env"])
-    cfg = parse_config(conf_maps(docs)["transfer"]["transfer.conf"], "t.conf", tmp_path)
+    cfg = transfer_conf(docs, tmp_path)
     assert cfg.donefile_address == values["transfer"]["donefile"]["address"]
 
 

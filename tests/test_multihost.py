@@ -769,9 +769,6 @@ def test_upgrade_from_the_previous_chart_under_load(tmp_path):
         assert "replaced t-cube-transfer-0" in shrink  # its config changed: 2 replicas a shard
         assert not any(s.startswith("replaced t-cube-shard") for s in shrink)
         assert sorted(made.instances()) == ["0_0", "0_1", "1_0", "1_1"]
-        # what the API server refuses: another shard count is other StatefulSets
-        with pytest.raises(ValueError, match="not simulated"):
-            made.node.apply(rendered(tmp_path, {**VALUES, "dict": {**VALUES["dict"], "shards": 3}}))
 
 
 def test_the_harness_runs_by_hand_with_your_values(tmp_path):
