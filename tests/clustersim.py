@@ -24,6 +24,9 @@ one network namespace per pod, so that what crosses a network really does.
 - **Kubelet**: a thread runs the startup, readiness and liveness probes (tcpSocket, grpc) from
   the root namespace, as a kubelet does from the node, and restarts a container that exits or
   fails its liveness probe (restartPolicy Always), with a short backoff.
+- **Upgrades**: `apply(docs)` is `helm upgrade` to other objects and what the StatefulSet
+  controller then does (immutable fields refused, pods added and removed, changed pods
+  replaced one at a time, highest ordinal first, each once the later ones are ready).
 
 Needs root, iproute2, util-linux (unshare, setpriv) and overlayfs; `require_root_network()`
 says why not when they are missing. Every namespace, link, process and directory it made is
@@ -34,6 +37,11 @@ removed by `close()`, by name and PID.
         node.wait_ready(timeout=60)
         client = node.namespace("client")
         client.run([python, "-c", "..."])
+
+By hand, with the chart and values of your own (as root; docs/DEPLOY.md, "How it is tested"):
+
+    .venv/bin/python tests/clustersim.py --values my-values.yaml \\
+        --host_path /srv/donefile=/tmp/my-donefile --workdir /tmp/my-node
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import fcntl
+import hashlib
 import itertools
 import json
 import os
@@ -72,6 +81,13 @@ OWNERS = Path("/run/cube-clustersim")  # <prefix>: "pid start-time" of the proce
 # The node's names are in /etc/hosts (there is no DNS server): gRPC's native resolver reads
 # it, its default c-ares one asks a DNS server first. Set for containers and clients alike.
 RESOLVER = {"GRPC_DNS_RESOLVER": "native"}
+# what the API server refuses to change in a StatefulSet
+IMMUTABLE_STATEFULSET_FIELDS = (
+    "selector",
+    "serviceName",
+    "podManagementPolicy",
+    "volumeClaimTemplates",
+)
 _RUNS = itertools.count()
 
 
@@ -139,6 +155,7 @@ class PodSpec:
     grace: float
     fs_group: int | None
     test_hook: bool = False  # a `helm test` Pod: run by run_test_pods, not kept running
+    revision: str = ""  # of its StatefulSet's pod template (annotations included)
 
 
 def _secrets(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
@@ -219,6 +236,9 @@ def pods_of(docs: list[dict[str, Any]], include_tests: bool = False) -> list[Pod
                     grace=float(spec.get("terminationGracePeriodSeconds", 30)),
                     fs_group=pod_sc.get("fsGroup"),
                     test_hook=_is_hook(meta) and "test" in meta["annotations"]["helm.sh/hook"],
+                    revision=hashlib.sha256(
+                        json.dumps(template, sort_keys=True).encode()
+                    ).hexdigest()[:10],
                 )
             )
     return pods
@@ -277,9 +297,15 @@ class Pod:
     # reaches it: its probes (run from here, across the bridge) are paused, results kept
     cut: bool = False
 
+    ready_since: float = 0.0  # monotonic time it became ready (0: not ready)
+
     @property
     def ready(self) -> bool:
         return all(c.ready for c in self.containers.values())
+
+    def ready_for(self) -> float:
+        """Seconds it has been ready (0 when it is not)."""
+        return time.monotonic() - self.ready_since if self.ready and self.ready_since else 0.0
 
     @property
     def ip(self) -> str:
@@ -328,10 +354,7 @@ class SimNode:
         for spec in specs:
             ns = self._namespace(spec.name)
             root = self.workdir / "pods" / spec.name
-            containers = {
-                c.name: Container(c, self.workdir / "logs" / f"{spec.name}.{c.name}.log")
-                for c in spec.containers
-            }
+            containers = {c.name: Container(c, self._log(spec, c)) for c in spec.containers}
             self.pods[spec.name] = Pod(spec, ns, root, containers)
         self.write_hosts()
         for pod in self.pods.values():
@@ -428,11 +451,15 @@ class SimNode:
         for name, source in pod.spec.volumes.items():
             target = pod.root / "volumes" / name
             if "configMap" in source or "secret" in source:
+                kind = "configMap" if "configMap" in source else "secret"
                 data = (
                     self._config_map(source["configMap"]["name"])
-                    if "configMap" in source
+                    if kind == "configMap"
                     else self.secrets[source["secret"]["secretName"]]
                 )
+                items = source[kind].get("items")
+                if items is not None:  # only these keys, at these paths
+                    data = {item["path"]: data[item["key"]] for item in items}
                 target.mkdir(parents=True, exist_ok=True)
                 for key, value in data.items():
                     (target / key).write_text(value)
@@ -513,14 +540,21 @@ class SimNode:
                     for container in pod.containers.values():
                         with contextlib.suppress(Exception):
                             self._tend(pod, container)
+                    if not pod.ready:
+                        pod.ready_since = 0.0
+                    elif not pod.ready_since:
+                        pod.ready_since = time.monotonic()
 
     def _tend(self, pod: Pod, container: Container) -> None:
         now = time.monotonic()
         process = container.process
         if container.held:
             return
-        if process is None or process.poll() is not None:
-            if process is not None and container.restart_at == 0.0:
+        if process is None:  # a new pod's container: started here, by the kubelet's thread
+            self._launch(pod, container)
+            return
+        if process.poll() is not None:
+            if container.restart_at == 0.0:
                 container.restart_at = now + container.backoff
                 container.ready = False
                 self.events.append(
@@ -611,7 +645,12 @@ class SimNode:
         """As `kubectl delete pod`: SIGTERM, the grace period, SIGKILL; then the StatefulSet
         controller starts it again under the same name: its claims' volumes are kept, its
         emptyDir volumes start empty."""
-        target = self.pods[pod]
+        self._stop_pod(self.pods[pod], timeout)
+        self._restart_pod(self.pods[pod])
+
+    def _stop_pod(self, target: Pod, timeout: float = 60) -> None:
+        """SIGTERM to every container, SIGKILL to those alive after the pod's grace period
+        (at most `timeout`); none is restarted until `_restart_pod`."""
         with self._lock:
             for container in target.containers.values():
                 container.held = True
@@ -624,16 +663,128 @@ class SimNode:
                 except subprocess.TimeoutExpired:
                     self._signal(container, signal.SIGKILL)
                     container.process.wait(10)
+
+    def _restart_pod(self, target: Pod) -> None:
+        """Start a stopped pod again, as a new pod of the same name: fresh emptyDir volumes.
+        The kubelet's thread starts its containers (a child dies with the thread that started
+        it: not a test's or a rollout's, which end before the pod)."""
         for name, source in target.spec.volumes.items():
             if "emptyDir" in source:
                 shutil.rmtree(target.root / "volumes" / name, ignore_errors=True)
         self._prepare_volumes(target)
         with self._lock:
+            target.ready_since = 0.0
             for container in target.containers.values():
+                container.process = None
+                container.ready = False
                 container.held = False
                 container.backoff = self.restart_backoff
                 container.restart_at = 0.0
-                self._launch(target, container)
+
+    def apply(self, docs: list[dict[str, Any]], timeout: float = 120) -> list[str]:
+        """`helm upgrade` to these objects, then what the controllers do about it, as in a
+        cluster: the API server refuses a change to a StatefulSet's immutable fields
+        (ValueError); each StatefulSet (podManagementPolicy Parallel) creates its new pods
+        and deletes those past its replicas at once, then replaces every pod whose template
+        changed one at a time, highest ordinal first, each only once the pods after it are
+        ready (for minReadySeconds); the StatefulSets roll at the same time; ConfigMap volumes
+        of the pods kept are rewritten (the kubelet syncs them). A replaced pod keeps its
+        network namespace (its IP) and starts with empty emptyDir volumes. Returns what was
+        done, in order; AssertionError when a rollout does not end within `timeout` s."""
+        old_sets = {d["metadata"]["name"]: d for d in self.docs if d["kind"] == "StatefulSet"}
+        new_sets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "StatefulSet"}
+        for name in old_sets.keys() & new_sets.keys():
+            for key in IMMUTABLE_STATEFULSET_FIELDS:
+                if old_sets[name]["spec"].get(key) != new_sets[name]["spec"].get(key):
+                    raise ValueError(
+                        f"StatefulSet {name}: spec.{key} is immutable (the API server refuses"
+                        " the upgrade)"
+                    )
+        if old_sets.keys() != new_sets.keys():
+            raise ValueError("StatefulSets added or removed: not simulated (a shard count change)")
+        specs = {spec.name: spec for spec in pods_of(docs)}
+        done: list[str] = []
+        with self._lock:
+            self.docs = docs
+            self.secrets = _secrets(docs)
+            gone = [p for p in self.pods.values() if p.spec.subdomain and p.spec.name not in specs]
+        for pod in gone:  # scaled down (Parallel: at once)
+            self._stop_pod(pod)
+            with self._lock:
+                del self.pods[pod.spec.name]
+            _run("ip", "link", "del", pod.ns.host_link, check=False)
+            done.append(f"deleted {pod.spec.name}")
+        created = []
+        for name, spec in specs.items():
+            if name not in self.pods:  # scaled up: new pods of the new template
+                created.append(self._add_pod(spec))
+                done.append(f"created {name}")
+        self.write_hosts()  # (before the new pods start: `ip netns exec` binds their hosts)
+        with self._lock:  # (for the pods kept: their ConfigMap and Secret files anew)
+            for pod in self.pods.values():
+                self._prepare_volumes(pod)
+            for pod in created:  # (the kubelet's thread starts them)
+                for container in pod.containers.values():
+                    container.held = False
+        rollouts = [
+            threading.Thread(
+                target=self._roll, args=(old_sets[name], new_sets[name], specs, done, timeout),
+                name=f"rollout {name}", daemon=True,
+            )
+            for name in new_sets
+        ]  # fmt: skip
+        for thread in rollouts:
+            thread.start()
+        for thread in rollouts:
+            thread.join(timeout + 30)
+        problems = [e for e in done if e.startswith("stuck")]
+        assert not problems and not any(t.is_alive() for t in rollouts), (
+            f"{problems}\n{self.report()}"
+        )
+        return done
+
+    def _roll(
+        self,
+        old: dict[str, Any],
+        new: dict[str, Any],
+        specs: dict[str, PodSpec],
+        done: list[str],
+        timeout: float,
+    ) -> None:
+        """One StatefulSet's rolling update (see `apply`)."""
+        name = new["metadata"]["name"]
+        ready_for = float(new["spec"].get("minReadySeconds", 0))
+        deadline = time.monotonic() + timeout
+        for ordinal in reversed(range(new["spec"].get("replicas", 1))):
+            pod = self.pods[f"{name}-{ordinal}"]
+            if pod.spec.revision != specs[pod.spec.name].revision:
+                self._stop_pod(pod)
+                with self._lock:
+                    pod.spec = specs[pod.spec.name]
+                    pod.containers = {  # held: `_restart_pod` starts them, not the kubelet
+                        c.name: Container(c, self._log(pod.spec, c), held=True)
+                        for c in pod.spec.containers
+                    }
+                self._restart_pod(pod)
+                done.append(f"replaced {pod.spec.name}")
+            available = lambda: pod.ready and pod.ready_for() >= ready_for  # noqa: E731, B023
+            if not poll_until(available, max(0.0, deadline - time.monotonic()), 0.1):
+                done.append(f"stuck: {pod.spec.name} not ready")
+                return
+
+    def _log(self, spec: PodSpec, container: ContainerSpec) -> Path:
+        return self.workdir / "logs" / f"{spec.name}.{container.name}.log"
+
+    def _add_pod(self, spec: PodSpec) -> Pod:
+        """A new pod of a StatefulSet, its containers held (not started) until the caller
+        launches them."""
+        ns = self._namespace(spec.name)
+        containers = {c.name: Container(c, self._log(spec, c), held=True) for c in spec.containers}
+        pod = Pod(spec, ns, self.workdir / "pods" / spec.name, containers)
+        self._prepare_volumes(pod)
+        with self._lock:
+            self.pods[spec.name] = pod
+        return pod
 
     def resolve(self, namespace: Namespace, name: str, addresses: list[str]) -> None:
         """Make `name` resolve to `addresses` in `namespace` only (e.g. a relay in front of a
@@ -649,8 +800,7 @@ class SimNode:
             if not spec.test_hook:
                 continue
             pod = Pod(spec, self._namespace(spec.name), self.workdir / "pods" / spec.name, {
-                c.name: Container(c, self.workdir / "logs" / f"{spec.name}.{c.name}.log")
-                for c in spec.containers
+                c.name: Container(c, self._log(spec, c)) for c in spec.containers
             })  # fmt: skip
             self.write_hosts()
             self._prepare_volumes(pod)
@@ -733,3 +883,84 @@ class SimNode:
         for directory in sorted(self._made_dirs, key=lambda p: -len(p.parts)):
             with contextlib.suppress(OSError):
                 directory.rmdir()
+
+
+# ---------------------------------------------------------------------------------------------
+# by hand
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Render the chart with the given values and run it as a node until SIGINT or SIGTERM
+    (or --seconds): pods, their IPs and a client namespace are printed, the rendered
+    cube.conf is in the work directory; everything is removed at the end."""
+    import argparse
+    import tempfile
+
+    import yaml
+
+    started = time.monotonic()
+    repo = Path(__file__).resolve().parent.parent
+    parser = argparse.ArgumentParser(prog="clustersim", description=main.__doc__)
+    parser.add_argument("--chart", default=str(repo / "deploy" / "helm" / "cube"))
+    parser.add_argument("--release", default="t")
+    parser.add_argument("--namespace", default="ml")
+    parser.add_argument("--values", action="append", default=[], help="a values file (repeat)")
+    parser.add_argument("--set", action="append", default=[], help="key=value (repeat)")
+    parser.add_argument(
+        "--host_path", action="append", default=[],
+        help="PATH=DIR: a hostPath volume's path -> a directory of yours (repeat)",
+    )  # fmt: skip
+    parser.add_argument("--workdir", default="", help="default: a new temporary directory")
+    parser.add_argument("--seconds", type=float, default=3600.0, help="run at most this long")
+    parser.add_argument("--ready_timeout", type=float, default=120.0)
+    args = parser.parse_args(argv)
+    if why := require_root_network():
+        print(f"clustersim: {why}", file=sys.stderr)
+        return 2
+    helm = [str(repo / ".tools" / "bin" / "helm"), "template", args.release, args.chart,
+            "--namespace", args.namespace]  # fmt: skip
+    helm += [a for v in args.values for a in ("--values", v)]
+    helm += [a for v in args.set for a in ("--set", v)]
+    rendered = subprocess.run(helm, capture_output=True, text=True, timeout=120)
+    if rendered.returncode:
+        print(f"clustersim: helm template: {rendered.stderr.strip()}", file=sys.stderr)
+        return 2
+    docs = [d for d in yaml.safe_load_all(rendered.stdout) if d]
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="clustersim-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    host_paths = {k: Path(v) for k, _, v in (h.partition("=") for h in args.host_path)}
+    for conf in (d for d in docs if d["kind"] == "ConfigMap"):
+        if "cube.conf" in (conf.get("data") or {}):
+            (workdir / "cube.conf").write_text(conf["data"]["cube.conf"])
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    node = SimNode(docs, workdir / "node", host_paths=host_paths)
+    try:
+        node.start()
+        client = node.namespace("client")
+        for pod in node.pods.values():
+            print(f"pod {pod.spec.name}: {pod.ip} (netns {pod.ns.name})", flush=True)
+        print(f"client namespace {client.name} ({client.ip}), cube.conf {workdir / 'cube.conf'}:")
+        print(f"  sudo ip netns exec {client.name} env GRPC_DNS_RESOLVER=native"
+              f" {BIN / 'cube-cli'} --config_file {workdir / 'cube.conf'} --keys KEYS")  # fmt: skip
+        print(f"logs: {workdir / 'node' / 'logs'}", flush=True)
+        deadline = min(started + args.ready_timeout, started + args.seconds)
+        while not stop.wait(1.0) and time.monotonic() < deadline:
+            if all(p.ready for p in node.pods.values()):
+                print("every pod is ready", flush=True)
+                break
+        else:
+            if not stop.is_set():
+                waiting = sorted(n for n, p in node.pods.items() if not p.ready)
+                print(f"not ready after {args.ready_timeout} s: {waiting} (a new install"
+                      " serves once a base is published)", flush=True)  # fmt: skip
+        stop.wait(max(0.0, started + args.seconds - time.monotonic()))
+    finally:
+        node.close()
+        print("closed", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

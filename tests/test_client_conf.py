@@ -137,3 +137,35 @@ def test_from_conf_timeout_override_keeps_the_files_backup_request(tmp_path):
         assert client.timeouts == Timeouts(0.1, 0.02, total=0.1)
     with CubeClient.from_conf(path, timeout=Timeouts(0.3)) as client:
         assert client.timeouts == Timeouts(0.3)
+
+
+def test_tls_fields(tmp_path, pki):
+    """cube.conf's `tls_ca` (and `tls_server_name`) turn TLS on for from_conf clients: the
+    file alone says how to reach servers started with --tls_cert (the Helm chart's cube.conf
+    with TLS on). Absent: plaintext, as before."""
+    assert parse_conf([entry()]).tls_ca is None
+    conf = parse_conf([entry(tls_ca="/etc/cube-tls/ca.crt", tls_server_name="cube.example")])
+    assert (conf.tls_ca, conf.tls_server_name) == ("/etc/cube-tls/ca.crt", "cube.example")
+    assert parse_conf([entry(tls_ca="")]).tls_ca == ""  # the system's CAs
+    path = tmp_path / "cube.conf"
+    path.write_text(json.dumps([entry(tls_ca=pki["ca"], tls_server_name="localhost")]))
+    with CubeClient.from_conf(path) as client:
+        assert client._tls is not None and client._tls.server_name == "localhost"
+    with CubeClient.from_conf(path, tls_ca=None, tls_server_name="") as client:
+        assert client._tls is None  # keyword arguments still win
+    path.write_text(json.dumps([entry(tls_ca=str(tmp_path / "nope.pem"))]))
+    with pytest.raises(ConfError, match=r"nope\.pem"):
+        CubeClient.from_conf(path)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"tls_ca": 1}, "field 'tls_ca' must be a string"),
+        ({"tls_ca": "ca.pem", "tls_server_name": 7}, "field 'tls_server_name' must be a string"),
+        ({"tls_server_name": "cube.example"}, "field 'tls_server_name' needs 'tls_ca'"),
+    ],
+)
+def test_bad_tls_fields(changes, message):
+    with pytest.raises(ConfError, match=message):
+        parse_conf([entry(**changes)], source="my.conf")

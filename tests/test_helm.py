@@ -1,17 +1,26 @@
 """The Helm chart (deploy/helm/cube) and the image (deploy/docker/Dockerfile), offline: helm
-lint, renders of two configurations validated against the Kubernetes schemas
-(kubernetes-validate) and a policy linter (checkov), hadolint on the Dockerfile, and asserts on
-what the API server would not catch: selectors that miss the pods, a PDB with both bounds,
-ports the NetworkPolicy forgets, flags the commands do not take, configs our parsers refuse.
+lint, renders of six configurations (defaults; 3 x 2 with tokens; names at Kubernetes' limits;
+TLS; an S3 donefile; every option set, in deploy/helm/cube/ci) validated against the Kubernetes
+1.27-1.32 schemas (kubernetes-validate) and a policy linter (checkov), hadolint on the
+Dockerfile, and asserts on what the API server would not catch: names and labels past 63
+characters, selectors that miss the pods, a PDB with both bounds, ports the NetworkPolicy
+forgets, flags the commands do not take, configs our parsers refuse, what an upgrade from the
+previous chart would have to change in place, values no template reads.
 
 The tools come from `make tools` (.tools/); without them these tests are skipped, saying so.
 """
 
 from __future__ import annotations
 
+import base64
+import copy
+import fnmatch
 import json
+import re
+import shutil
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +37,21 @@ from cube.transfer.main import flag_set as transfer_flags
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "deploy" / "helm" / "cube"
+CI = CHART / "ci"
 TOOLS = REPO / ".tools"
 HELM = TOOLS / "bin" / "helm"
 VENV_BIN = TOOLS / "venv" / "bin"
 NAMESPACE = "ml"
-SECOND = CHART / "ci" / "3x2-tokens-values.yaml"
+SECOND = CI / "3x2-tokens-values.yaml"
+# the chart as released before (0.1.0, `helm package` of commit b3c7d55): upgrades start there
+PREVIOUS_CHART = Path(__file__).parent / "data" / "charts" / "cube-0.1.0.tgz"
+KUBERNETES_VERSIONS = ("1.27.0", "1.28.0", "1.29.0", "1.30.0", "1.31.0", "1.32.0")
+LONGEST_RELEASE = "a-release-name-of-fifty-three-characters-helm-allows1"  # Helm's limit: 53
+OPERATOR_APIS = (
+    "--api-versions", "monitoring.coreos.com/v1/ServiceMonitor",
+    "--api-versions", "monitoring.coreos.com/v1/PrometheusRule",
+    "--api-versions", "cert-manager.io/v1/Certificate",
+)  # fmt: skip
 
 pytestmark = pytest.mark.skipif(
     not (HELM.exists() and (VENV_BIN / "checkov").exists()),
@@ -47,12 +66,52 @@ COMMANDS = {
 }
 
 
+@dataclass(frozen=True)
+class Config:
+    release: str
+    values_file: Path | None
+    operator_apis: bool = False  # render with the Prometheus Operator's and cert-manager's APIs
+
+    def values_args(self) -> tuple[str, ...]:
+        return ("--values", str(self.values_file)) if self.values_file else ()
+
+    def args(self) -> tuple[str, ...]:
+        return (*self.values_args(), *(OPERATOR_APIS if self.operator_apis else ()))
+
+    def values(self) -> dict[str, Any]:
+        """The values the chart sees: its defaults under the file's."""
+        defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+        given = yaml.safe_load(self.values_file.read_text()) if self.values_file else {}
+        return merged(defaults, given)
+
+
+CONFIGS = {
+    "default": Config("t", None),
+    "3x2-tokens": Config("t", SECOND),
+    "long-names": Config(LONGEST_RELEASE, CI / "long-names-values.yaml"),
+    "tls": Config("t", CI / "tls-values.yaml"),
+    "s3": Config("t", CI / "s3-values.yaml"),
+    "full": Config("t", CI / "full-values.yaml", operator_apis=True),
+}
+
+
+def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Helm's coalescing of values: maps merge, everything else replaces."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
 def helm(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(HELM), *args], capture_output=True, text=True, timeout=120)
 
 
-def render(*args: str) -> str:
-    done = helm("template", "t", str(CHART), "--namespace", NAMESPACE, *args)
+def render(*args: str, release: str = "t", chart: Path = CHART) -> str:
+    done = helm("template", release, str(chart), "--namespace", NAMESPACE, *args)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -65,13 +124,35 @@ def of_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [doc for doc in docs if doc["kind"] == kind]
 
 
+def named(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in of_kind(docs, kind)}
+
+
+def pod_spec(doc: dict[str, Any]) -> dict[str, Any]:
+    return doc["spec"]["template"]["spec"] if doc["kind"] == "StatefulSet" else doc["spec"]
+
+
 def containers(docs: list[dict[str, Any]]) -> Iterator[tuple[dict, dict]]:
     """(object, container) of every workload."""
     for doc in docs:
         if doc["kind"] in ("StatefulSet", "Pod"):
-            spec = doc["spec"]["template"]["spec"] if doc["kind"] == "StatefulSet" else doc["spec"]
-            for container in spec["containers"]:
+            for container in pod_spec(doc)["containers"]:
                 yield doc, container
+
+
+def component(doc: dict[str, Any]) -> str:
+    return doc["metadata"]["labels"]["app.kubernetes.io/component"]
+
+
+def shard_sets(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The shards' StatefulSets, in shard order."""
+    sets = [d for d in of_kind(docs, "StatefulSet") if component(d) == "shard"]
+    return sorted(sets, key=lambda d: int(d["metadata"]["labels"]["cube.shard"]))
+
+
+def transfer_set(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (found,) = [d for d in of_kind(docs, "StatefulSet") if component(d) == "transfer"]
+    return found
 
 
 def arg(container: dict, flag: str) -> str:
@@ -79,149 +160,386 @@ def arg(container: dict, flag: str) -> str:
     return next(a.removeprefix(prefix) for a in container["args"] if a.startswith(prefix))
 
 
-CONFIGS = {"default": (), "3x2-tokens": ("--values", str(SECOND))}
+def mounted_file(spec: dict[str, Any], container: dict[str, Any], path: str) -> tuple[dict, str]:
+    """The volume that puts `path` in the container, and the key of it that is the file."""
+    for mount in container.get("volumeMounts", []):
+        prefix = mount["mountPath"].rstrip("/") + "/"
+        if path.startswith(prefix):
+            volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+            return volume, path.removeprefix(prefix)
+    raise AssertionError(f"{container['name']}: nothing mounted at {path}")
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def rendered(request, tmp_path_factory) -> tuple[str, list[dict[str, Any]], Path]:
-    text = render(*CONFIGS[request.param])
-    path = tmp_path_factory.mktemp("rendered") / f"{request.param}.yaml"
-    path.write_text(text)
-    return request.param, objects(text), path
+@dataclass
+class Rendered:
+    name: str
+    config: Config
+    docs: list[dict[str, Any]]
+    path: Path
+    values: dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def renders(tmp_path_factory) -> dict[str, Rendered]:
+    out = {}
+    folder = tmp_path_factory.mktemp("rendered")
+    for name, config in CONFIGS.items():
+        text = render(*config.args(), release=config.release)
+        path = folder / f"{name}.yaml"
+        path.write_text(text)
+        out[name] = Rendered(name, config, objects(text), path, config.values())
+    return out
+
+
+@pytest.fixture(params=list(CONFIGS))
+def rendered(request, renders) -> Rendered:
+    return renders[request.param]
 
 
 def test_lint_strict():
-    for values in ((), ("--values", str(SECOND))):
-        done = helm("lint", "--strict", str(CHART), *values)
-        assert done.returncode == 0, done.stdout + done.stderr
+    for config in CONFIGS.values():
+        done = helm("lint", "--strict", str(CHART), *config.values_args())
+        assert done.returncode == 0, (config, done.stdout + done.stderr)
 
 
-def test_objects_validate_against_the_kubernetes_schemas(rendered):
-    _name, _docs, path = rendered
-    for version in ("1.27.0", "1.30.0"):
-        done = subprocess.run(
-            [str(VENV_BIN / "kubernetes-validate"), "--strict", "-k", version, str(path)],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stdout + done.stderr
-
-
-def test_policy_linter_finds_nothing_unexplained(rendered):
-    _name, _docs, path = rendered
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_objects_validate_against_the_kubernetes_schemas(renders, version):
+    """Every configuration, every Kubernetes version the chart supports (kubeVersion >=1.27).
+    The custom resources (ServiceMonitor, PrometheusRule, Certificate) have no schema here:
+    their fields are asserted below."""
     done = subprocess.run(
-        [str(VENV_BIN / "checkov"), "--skip-download", "--quiet", "--compact",
-         "--framework", "kubernetes", "--config-file", str(CHART / ".checkov.yaml"),
-         "-f", str(path)],
+        [str(VENV_BIN / "kubernetes-validate"), "--strict", "--no-warn", "-k", version,
+         *(str(r.path) for r in renders.values())],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+
+
+def test_policy_linter_finds_nothing_unexplained(renders):
+    files = [arg for r in renders.values() for arg in ("-f", str(r.path))]
+    done = subprocess.run(
+        [str(VENV_BIN / "checkov"), "--skip-download", "--quiet", "--compact",
+         "--framework", "kubernetes", "--config-file", str(CHART / ".checkov.yaml"), *files],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# names
+
+
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+LABEL_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
+REVISION_HASH = 10  # characters of the controller-revision-hash after "<statefulset>-"
+
+
+def labels_of(doc: dict[str, Any]) -> Iterator[tuple[str, dict[str, str]]]:
+    """Every label map an object carries or selects with: its own, its pod template's, its
+    claim templates', its selectors', and those of its affinity terms."""
+
+    def walk(node: Any, where: str) -> Iterator[tuple[str, dict[str, str]]]:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in ("labels", "matchLabels") and isinstance(value, dict):
+                    yield f"{where}.{key}", value
+                elif key == "selector" and doc["kind"] == "Service":
+                    yield f"{where}.selector", value
+                else:
+                    yield from walk(value, f"{where}.{key}")
+        elif isinstance(node, list):
+            for i, item in enumerate(node):
+                yield from walk(item, f"{where}[{i}]")
+
+    yield from walk(doc, doc["kind"])
+
+
+def label_problems(where: str, labels: dict[str, str]) -> Iterator[str]:
+    for key, value in labels.items():
+        prefix, _, name = key.rpartition("/")
+        if len(name) > 63 or not LABEL_NAME.fullmatch(name):
+            yield f"{where}: label name {key!r}"
+        if prefix and (len(prefix) > 253 or not SUBDOMAIN.fullmatch(prefix)):
+            yield f"{where}: label prefix {key!r}"
+        if not isinstance(value, str) or len(value) > 63 or not LABEL_VALUE.fullmatch(value):
+            yield f"{where}: label {key}={value!r}"
+
+
+def name_problems(docs: list[dict[str, Any]]) -> list[str]:
+    """What the API server, the StatefulSet controller or the kubelet would refuse, or never
+    manage to create, among the objects' names and labels."""
+    problems = []
+    for doc in docs:
+        name = doc["metadata"]["name"]
+        what = f"{doc['kind']} {name}"
+        if len(name) > 253 or not SUBDOMAIN.fullmatch(name):
+            problems.append(f"{what}: not a DNS subdomain")
+        if doc["kind"] == "Service" and (len(name) > 63 or not DNS_1035.fullmatch(name)):
+            problems.append(f"{what}: a Service name is a DNS label of at most 63")
+        if doc["kind"] == "StatefulSet":
+            # the pods' controller-revision-hash label is <name>-<hash>, at most 63
+            if len(name) + 1 + REVISION_HASH > 63:
+                problems.append(f"{what}: {len(name)} characters, pods never get created")
+            last_pod = f"{name}-{doc['spec']['replicas'] - 1}"  # also a hostname and a label
+            if len(last_pod) > 63 or not DNS_LABEL.fullmatch(last_pod):
+                problems.append(f"{what}: pod {last_pod} is no DNS label")
+            for claim in doc["spec"].get("volumeClaimTemplates", []):
+                if len(f"{claim['metadata']['name']}-{last_pod}") > 253:
+                    problems.append(f"{what}: claim names too long")
+        for where, labels in labels_of(doc):
+            problems += label_problems(f"{what} {where}", labels)
+        for _doc, container in [(doc, c) for d, c in containers([doc])]:
+            for port in container.get("ports", []):
+                if len(port.get("name", "")) > 15:
+                    problems.append(f"{what}: port name {port['name']}")
+    return problems
+
+
+def test_names_and_labels_fit_kubernetes_limits(rendered):
+    """Issue 26 item 1: a 53-character release with 12 shards made 62-character StatefulSet
+    names (no pod was ever created) and a 128-character dict name went verbatim into a
+    label. Now every name and label fits, in every configuration."""
+    assert name_problems(rendered.docs) == []
+    if rendered.name == "long-names":
+        sets = of_kind(rendered.docs, "StatefulSet")
+        assert len(sets) == 13 and max(len(d["metadata"]["name"]) for d in sets) == 52
+        label = rendered.docs[0]["metadata"]["labels"]["cube.dict"]
+        assert len(label) <= 63 and rendered.values["dict"]["name"].startswith(label)
+
+
+def fullname(*args: str, release: str = "t") -> str:
+    docs = objects(render(*args, release=release))
+    return transfer_set(docs)["metadata"]["name"].removesuffix("-transfer")
+
+
+def test_name_overrides_and_long_names_stay_apart():
+    assert fullname() == "t-cube"
+    assert fullname(release="my-cube") == "my-cube"  # already says cube
+    assert fullname("--set", "nameOverride=emb") == "t-emb"
+    assert fullname("--set", "fullnameOverride=search") == "search"
+    docs = objects(render("--set", "nameOverride=emb"))
+    assert {d["metadata"]["labels"]["app.kubernetes.io/name"] for d in docs} == {"emb"}
+    # cut to fit, and two long names that differ only past the cut still differ
+    first, second = LONGEST_RELEASE, LONGEST_RELEASE[:-1] + "2"
+    names = {fullname("--set", "dict.shards=100", release=r) for r in (first, second)}
+    assert len(names) == 2 and all(len(n) == 52 - len("-shard-99") for n in names)
+    assert len(fullname("--set", f"fullnameOverride={'x' * 63}")) == 52 - len("-transfer")
+    # a name that fits is kept, as the previous chart made it (an upgrade renames nothing)
+    assert fullname(release="r" * 38) == "r" * 38 + "-cube"
 
 
 def test_one_statefulset_headless_service_and_pdb_per_shard(rendered):
-    name, docs, _path = rendered
-    shards = 3 if name == "3x2-tokens" else 2
-    replicas = 2
-    sets = {d["metadata"]["name"]: d for d in of_kind(docs, "StatefulSet")}
-    services = {d["metadata"]["name"]: d for d in of_kind(docs, "Service")}
-    budgets = {d["metadata"]["name"]: d for d in of_kind(docs, "PodDisruptionBudget")}
-    for shard in range(shards):
-        shard_name = f"t-cube-shard-{shard}"
-        workload, service, budget = sets[shard_name], services[shard_name], budgets[shard_name]
+    docs, values = rendered.docs, rendered.values
+    shards, replicas = values["dict"]["shards"], values["dict"]["replicas"]
+    services, budgets = named(docs, "Service"), named(docs, "PodDisruptionBudget")
+    sets = shard_sets(docs)
+    assert [int(d["metadata"]["labels"]["cube.shard"]) for d in sets] == list(range(shards))
+    budget_values = values["podDisruptionBudget"]
+    for shard, workload in enumerate(sets):
+        shard_name = workload["metadata"]["name"]
+        assert shard_name.endswith(f"-shard-{shard}")
+        service = services[shard_name]
         labels = workload["spec"]["template"]["metadata"]["labels"]
         assert workload["spec"]["replicas"] == replicas
         assert workload["spec"]["serviceName"] == shard_name
-        choosers = (
-            workload["spec"]["selector"]["matchLabels"],
-            service["spec"]["selector"],
-            budget["spec"]["selector"]["matchLabels"],
-        )
+        choosers = [workload["spec"]["selector"]["matchLabels"], service["spec"]["selector"]]
+        if budget_values["enabled"]:
+            budget = budgets[shard_name]
+            choosers.append(budget["spec"]["selector"]["matchLabels"])
+            bound = ("minAvailable", budget_values["minAvailable"])
+            if budget_values["minAvailable"] == "":
+                bound = ("maxUnavailable", budget_values["maxUnavailable"])
+            assert budget["spec"] == {bound[0]: bound[1], "selector": budget["spec"]["selector"]}
         for chooser in choosers:
             assert chooser.items() <= labels.items(), (chooser, labels)  # selects the pods
             assert chooser["cube.shard"] == str(shard)
         assert service["spec"]["clusterIP"] == "None"
         assert service["spec"]["publishNotReadyAddresses"] is True  # agents of unready pods
-        assert budget["spec"] == {"maxUnavailable": 1, "selector": budget["spec"]["selector"]}
-        affinity = workload["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
-        hard = "requiredDuringSchedulingIgnoredDuringExecution" in affinity
-        assert hard == (name == "3x2-tokens")
+        affinity = workload["spec"]["template"]["spec"]["affinity"]
+        if values["server"]["affinity"]:
+            assert affinity == values["server"]["affinity"]
+        else:
+            hard = "requiredDuringSchedulingIgnoredDuringExecution" in affinity["podAntiAffinity"]
+            assert hard == (values["antiAffinity"] == "hard")
     assert len(of_kind(docs, "StatefulSet")) == shards + 1  # and the transfer
     for doc in docs:
         assert doc["metadata"]["namespace"] == NAMESPACE
 
 
 def test_probes_ports_and_network_policy(rendered):
-    _name, docs, _path = rendered
-    policies = {d["metadata"]["name"]: d for d in of_kind(docs, "NetworkPolicy")}
-    shard_policy = policies["t-cube-shards"]["spec"]["ingress"]
-    open_ports = {p["port"] for rule in shard_policy for p in rule["ports"]}
-    for doc, container in containers(docs):
-        if container["name"] != "cube-server":
-            continue
+    """Ready means serving at normal latency (gRPC health); with TLS on, the kubelet (which
+    cannot speak TLS to a gRPC probe) asks it on the control port, plaintext and reached from
+    the node only: no NetworkPolicy admits a pod to it."""
+    docs, values = rendered.docs, rendered.values
+    tls = values["tls"]["enabled"]
+    policies = named(docs, "NetworkPolicy")
+    shard_policy = next(p for n, p in policies.items() if n.endswith("-shards"))["spec"]
+    open_ports = {p["port"] for rule in shard_policy["ingress"] for p in rule["ports"]}
+    servers = [(d, c) for d, c in containers(docs) if c["name"] == "cube-server"]
+    assert len(servers) == values["dict"]["shards"]
+    for doc, container in servers:
         declared = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert int(arg(container, "port")) == declared["grpc"]
-        assert int(arg(container, "tcp_ports")) == declared["lane"]  # the lane port is pinned
-        assert {declared["grpc"], declared["lane"]} <= open_ports
-        assert arg(container, "control_host") == "127.0.0.1"  # control stays in the pod
-        assert int(arg(container, "control_port")) not in open_ports
-        ready = container["readinessProbe"]["grpc"]
-        assert ready == {"port": declared["grpc"], "service": "cube.v1.CubeService"}
-        assert "tcpSocket" in container["startupProbe"]
-        assert "tcpSocket" in container["livenessProbe"]
+        lanes = [int(p) for p in arg(container, "tcp_ports").split(",")]  # pinned, 1 a worker
+        workers = values["server"]["workers"]
+        assert lanes == [declared["lane"] + i for i in range(workers)]
+        for rule in shard_policy["ingress"]:
+            if any(p["port"] == declared["grpc"] for p in rule["ports"]):
+                spans = {(p["port"], p.get("endPort", p["port"])) for p in rule["ports"]}
+                assert spans == {(declared[n], declared[n] + workers - 1) for n in ("grpc", "lane")}
+        control = int(arg(container, "control_port"))
+        assert control not in open_ports  # control stays in the pod (and its node)
+        assert arg(container, "control_host") == ("0.0.0.0" if tls else "127.0.0.1")
+        ready = container["readinessProbe"]
+        assert ready["grpc"] == {
+            "port": control if tls else declared["grpc"],
+            "service": "cube.v1.CubeService",
+        }
+        assert ("--tls_cert" in " ".join(container["args"])) == tls
+        for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+            probe = container[kind]
+            timing = {k: v for k, v in probe.items() if k not in ("grpc", "tcpSocket")}
+            assert timing == values["server"][kind], kind
+        assert container["startupProbe"]["tcpSocket"] == {"port": "grpc"}
+        assert container["livenessProbe"]["tcpSocket"] == {"port": "grpc"}
         grace = float(arg(container, "grace"))
         assert doc["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > grace
-    agent_rule = next(r for r in shard_policy if {p["port"] for p in r["ports"]} == {8001})
-    assert agent_rule["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == (
-        "transfer"
+    # the `helm test` pod may look up, whatever networkPolicy.clientPodSelector admits
+    (test_pod,) = of_kind(docs, "Pod")
+    lookup_rule = next(
+        r for r in shard_policy["ingress"] if values["server"]["port"] in
+        {p["port"] for p in r["ports"]}
+    )  # fmt: skip
+    assert any(
+        peer["podSelector"].get("matchLabels", {}).items() <= test_pod["metadata"]["labels"].items()
+        for peer in lookup_rule["from"]
     )
+    agent_port = values["agent"]["port"]
+    agent_rule = next(
+        r for r in shard_policy["ingress"] if {p["port"] for p in r["ports"]} == {agent_port}
+    )
+    transfer_only = agent_rule["from"][0]["podSelector"]["matchLabels"]
+    assert transfer_only["app.kubernetes.io/component"] == "transfer"
 
 
-def test_every_container_runs_a_command_line_our_commands_take(rendered):
+def test_egress_is_only_what_each_component_needs(renders):
+    for rendered in renders.values():
+        values, docs = rendered.values, rendered.docs
+        policies = {n.rsplit("-", 1)[1]: p["spec"] for n, p in named(docs, "NetworkPolicy").items()}
+        egress = values["networkPolicy"]["egress"]
+        shards, transfer = policies["shards"], policies["transfer"]
+        assert ("Egress" in shards["policyTypes"]) == egress["enabled"]
+        if egress["enabled"]:
+            dns, files, *extra = shards["egress"]
+            assert {p["port"] for p in dns["ports"]} == {53} and "to" not in dns
+            assert files["to"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == (
+                "transfer"
+            )
+            assert [p["port"] for p in files["ports"]] == [values["transfer"]["filePort"]]
+            assert extra == egress["shards"]
+        limited = egress["enabled"] and bool(egress["transfer"])
+        assert ("Egress" in transfer["policyTypes"]) == limited  # else open: unknown servers
+        if limited:
+            dns, agents, *extra = transfer["egress"]
+            assert [p["port"] for p in agents["ports"]] == [values["agent"]["port"]]
+            assert extra == egress["transfer"]
+
+
+def test_every_container_runs_a_command_line_our_commands_take(rendered, monkeypatch):
     """What each pod runs is what the commands parse: a flag typo in a template fails here,
-    not in a cluster."""
-    _name, docs, _path = rendered
+    not in a cluster. (The pods have the control token in their environment; the TLS files
+    are in their volumes: test_tls_reaches_every_hop.)"""
+    from cube.security import TLSFiles
+    from cube.server import main as server_main
+
+    monkeypatch.setenv("CUBE_CONTROL_TOKEN", "from-the-secret")
+    monkeypatch.setattr(server_main, "tls_files", lambda flags: TLSFiles())
     seen = set()
-    for _doc, container in containers(docs):
-        (command,) = container["command"]
-        flags = COMMANDS[command].parse(container["args"])
-        if command == "cube-server":
-            check_flags(flags)
-        seen.add(command)
+    for _doc, container in containers(rendered.docs):
+        command = container.get("command", [""])[0]
         security = container["securityContext"]
         assert security["readOnlyRootFilesystem"] and not security["allowPrivilegeEscalation"]
         assert security["capabilities"] == {"drop": ["ALL"]}
+        if command not in COMMANDS:  # a sidecar of the values
+            assert container["name"] in {
+                c["name"] for c in rendered.values["server"]["sidecars"]
+            } | {c["name"] for c in rendered.values["transfer"]["sidecars"]}
+            continue
+        flags = COMMANDS[command].parse(container["args"])
+        if command == "cube-server":
+            check_flags(flags)
+            server_main.fixed_ports(flags, server_main.worker_ports(flags))  # no overlap
+            declared = {p["containerPort"] for p in container["ports"]}
+            assert set(server_main.worker_ports(flags)) | set(server_main.lane_ports(flags)) <= (
+                declared
+            )
+        seen.add(command)
     assert seen == set(COMMANDS)
 
 
+def client_conf(docs: list[dict[str, Any]]) -> dict[str, str]:
+    """The data of the cube.conf ConfigMap (<fullname>-cube-conf)."""
+    (found,) = [
+        d for d in of_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-cube-conf")
+    ]
+    return found["data"]
+
+
+def transfer_conf(docs: list[dict[str, Any]], tmp_path: Path) -> Any:
+    """The transfer's parsed transfer.conf (its ConfigMap is named as its StatefulSet)."""
+    name = transfer_set(docs)["metadata"]["name"]
+    (found,) = [d for d in of_kind(docs, "ConfigMap") if d["metadata"]["name"] == name]
+    return parse_config(found["data"]["transfer.conf"], "transfer.conf", tmp_path)
+
+
 def test_rendered_configs_parse_and_name_the_replicas(rendered, tmp_path):
-    name, docs, _path = rendered
-    shards, dict_name = (3, "ctr_embeddings") if name == "3x2-tokens" else (2, "embeddings")
-    maps = {d["metadata"]["name"]: d["data"] for d in of_kind(docs, "ConfigMap")}
-    cfg = parse_config(maps["t-cube-transfer"]["transfer.conf"], "transfer.conf", tmp_path)
-    assert cfg.dict_name == dict_name and cfg.shard_num == shards and cfg.copy_num == 2
-    assert cfg.transfer_address == f"t-cube-transfer.{NAMESPACE}.svc.cluster.local"
-    conf = parse_conf(json.loads(maps["t-cube-cube-conf"]["cube.conf"]))
-    assert conf.dict_name == dict_name and len(conf.shards) == shards
+    docs, values = rendered.docs, rendered.values
+    shards, replicas = values["dict"]["shards"], values["dict"]["replicas"]
+    transfer_name = transfer_set(docs)["metadata"]["name"]
+    cfg = transfer_conf(docs, tmp_path)
+    conf = parse_conf(json.loads(client_conf(docs)["cube.conf"]))
+    assert cfg.dict_name == conf.dict_name == values["dict"]["name"]
+    assert cfg.shard_num == len(conf.shards) == shards and cfg.copy_num == replicas
+    assert cfg.partitioner == conf.partitioner == values["dict"]["partitioner"]
+    domain = f"{NAMESPACE}.svc.{values['clusterDomain']}"
+    assert cfg.transfer_address == f"{transfer_name}.{domain}"
+    assert cfg.donefile_address == values["transfer"]["donefile"]["address"]
+    sets = shard_sets(docs)
+    workers = values["server"]["workers"]
     for inst in cfg.instances:
-        host = f"t-cube-shard-{inst.shard}-{inst.replica}.t-cube-shard-{inst.shard}"
-        assert inst.agent_address == f"{host}.{NAMESPACE}.svc.cluster.local:8001"
-        assert f"{host}.{NAMESPACE}.svc.cluster.local:8000" in conf.shards[inst.shard]
-    if name == "3x2-tokens":
-        assert cfg.partitioner == conf.partitioner == "murmur3" and cfg.quorum == 1
-        assert cfg.extra == {} and cfg.max_shrink == 0.3
-    for text in maps.values():  # tokens reach pods from the Secret only
-        assert "t0ken" not in json.dumps(text)
-    keys = [int(k) for k in maps["t-cube-cube-conf"]["probe-keys.txt"].split()]
+        shard_name = sets[inst.shard]["metadata"]["name"]
+        host = f"{shard_name}-{inst.replica}.{shard_name}.{domain}"
+        assert inst.agent_address == f"{host}:{values['agent']['port']}"
+        for worker in range(workers):  # each worker a replica of the shard for clients
+            assert f"{host}:{values['server']['port'] + worker}" in conf.shards[inst.shard]
+    assert len(cfg.instances) == shards * replicas
+    assert all(len(replicas_) == replicas * workers for replicas_ in conf.shards)
+    if rendered.name == "3x2-tokens":
+        assert cfg.quorum == 1 and cfg.extra == {} and cfg.max_shrink == 0.3
+    for config_map in of_kind(docs, "ConfigMap"):  # tokens reach pods from the Secret only
+        assert "t0ken" not in json.dumps(config_map["data"])
+    keys = [int(k) for k in client_conf(docs)["probe-keys.txt"].split()]
     assert keys == list(range(256))
 
 
 def test_tokens_come_from_the_secret(rendered):
-    _name, docs, _path = rendered
-    (secret,) = of_kind(docs, "Secret")
-    assert set(secret["data"]) == {"agent-token", "api-token", "control-token"}
+    docs, values = rendered.docs, rendered.values
+    secrets = of_kind(docs, "Secret")
+    if values["auth"]["existingSecret"]:
+        assert secrets == []
+        secret_name = values["auth"]["existingSecret"]
+    else:
+        (secret,) = secrets
+        assert set(secret["data"]) == {"agent-token", "api-token", "control-token"}
+        secret_name = secret["metadata"]["name"]
     for _doc, container in containers(docs):
         for env in container.get("env", []):
-            assert set(env) == {"name", "valueFrom"}, env  # never a literal value
-            assert env["valueFrom"]["secretKeyRef"]["name"] == secret["metadata"]["name"]
+            if env["name"].startswith("CUBE_") and env["name"].endswith("TOKEN"):
+                assert set(env) == {"name", "valueFrom"}, env  # never a literal value
+                assert env["valueFrom"]["secretKeyRef"]["name"] == secret_name
 
 
 def test_values_schema_refuses_bad_values():
@@ -232,21 +550,312 @@ def test_values_schema_refuses_bad_values():
         ("agent.storage.type=hostPath", "agent.storage.type"),
         ("server.port=70000", "server.port"),
         ("dict.name=../etc", "dict.name"),
+        ("dict.name=emb_", "dict.name"),  # no label value may end in '_', '-' or '.'
+        ("dict.name=" + "e" * 129, "dict.name"),
+        ("fullnameOverride=Cube_1", "fullnameOverride"),
+        ("nameOverride=" + "n" * 64, "nameOverride"),
+        ("podDisruptionBudget.maxUnavailable=0", "podDisruptionBudget.maxUnavailable"),
+        ("server.readinessProbe.period=5", "server.readinessProbe"),
+        ("tls.certManager.duration=90d", "tls.certManager.duration"),
+        ("transfer.apiService.type=ExternalName", "transfer.apiService.type"),
+        ("agent.storage.accessModes[0]=RWO", "agent.storage.accessModes"),
         ("nonsense=1", "nonsense"),
     ):
         done = helm("template", "t", str(CHART), "--set", setting)
         assert done.returncode != 0 and complaint in done.stderr, (setting, done.stderr)
 
 
+def test_tls_needs_a_certificate():
+    for settings, complaint in (
+        (["tls.enabled=true"], "tls.existingSecret"),
+        (["tls.enabled=true", "tls.existingSecret=a", "tls.certManager.enabled=true"], "not both"),
+        (["tls.enabled=true", "tls.certManager.enabled=true"], "issuerRef.name"),
+    ):
+        args = [a for s in settings for a in ("--set", s)]
+        done = helm("template", "t", str(CHART), *args)
+        assert done.returncode != 0 and complaint in done.stderr, (settings, done.stderr)
+
+
 def test_existing_secret_and_pvc_storage(tmp_path):
     docs = objects(render("--set", "auth.existingSecret=mine", "--set", "agent.storage.type=pvc"))
     assert of_kind(docs, "Secret") == []
-    shard = next(d for d in of_kind(docs, "StatefulSet") if d["metadata"]["name"].endswith("-0"))
+    shard = shard_sets(docs)[0]
     assert shard["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
     assert all(v["name"] != "data" for v in shard["spec"]["template"]["spec"]["volumes"])
     for _doc, container in containers(docs):
         for env in container.get("env", []):
             assert env["valueFrom"]["secretKeyRef"]["name"] == "mine"
+
+
+# ---------------------------------------------------------------------------------------------
+# TLS, object stores, every option
+
+
+TLS_DIR = "/etc/cube-tls"
+
+
+def test_tls_reaches_every_hop(renders, tmp_path):
+    """Issue 26 item 2: the certificate is mounted where each command's TLS flag or key names
+    it (server, agent, transfer), cube.conf names the CA the `helm test` pod mounts, agents
+    download from the transfer over https, and a cert-manager Certificate names every address
+    clients and the transfer use."""
+    for name in ("tls", "full"):
+        docs, values = renders[name].docs, renders[name].values
+        secret = values["tls"]["existingSecret"] or None
+        seen = set()
+        for doc, container in containers(docs):
+            spec = pod_spec(doc)
+            command = container.get("command", [""])[0]
+            files: list[str] = []
+            if command in ("cube-server", "cube-agent"):
+                files = [arg(container, "tls_cert"), arg(container, "tls_key")]
+            if command == "cube-agent":
+                files.append(arg(container, "tls_ca"))
+                assert arg(container, "allowed_sources").startswith("https://")
+            if command == "cube-transfer":
+                conf_map = next(v for v in spec["volumes"] if v["name"] == "config")
+                cfg = transfer_conf(docs, tmp_path)
+                files = [cfg.tls_cert, cfg.tls_key, cfg.agent_tls_ca]
+                assert conf_map["configMap"]["name"] == doc["metadata"]["name"]
+            if command == "cube-cli":
+                conf = parse_conf(json.loads(client_conf(docs)["cube.conf"]))
+                assert conf.tls_ca == f"{TLS_DIR}/ca.crt"
+                files = [conf.tls_ca]
+            for path in files:
+                volume, key = mounted_file(spec, container, path)
+                assert key in ("tls.crt", "tls.key", "ca.crt")
+                secret = secret or volume["secret"]["secretName"]
+                assert volume["secret"]["secretName"] == secret
+                if command == "cube-cli":  # the test pod gets the CA, never the key
+                    assert volume["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
+            if files:
+                seen.add(command)
+        assert seen == set(COMMANDS)
+        if values["tls"]["certManager"]["enabled"]:
+            (certificate,) = of_kind(docs, "Certificate")
+            assert certificate["apiVersion"] == "cert-manager.io/v1"
+            assert certificate["spec"]["secretName"] == secret
+            assert certificate["spec"]["issuerRef"] == values["tls"]["certManager"]["issuerRef"]
+            names = certificate["spec"]["dnsNames"]
+            conf = parse_conf(json.loads(client_conf(docs)["cube.conf"]))
+            hosts = [a.rsplit(":", 1)[0] for replicas in conf.shards for a in replicas]
+            cfg = transfer_conf(docs, tmp_path)
+            hosts.append(cfg.transfer_address)
+            for host in hosts:  # a wildcard stands for one label, as TLS clients check it
+                assert any(
+                    fnmatch.fnmatch(host, n) and host.count(".") == n.count(".") for n in names
+                ), host
+        else:
+            assert of_kind(docs, "Certificate") == []
+
+
+def test_object_store_credentials_reach_the_transfer_only(renders, tmp_path):
+    """Issue 26 item 3: an S3 donefile's credentials from a Secret of the operator's (or a
+    role through the transfer's own service account), as the AWS_* environment botocore
+    reads; the shard pods get neither."""
+    docs, values = renders["s3"].docs, renders["s3"].values
+    store = values["transfer"]["objectStore"]
+    transfer = transfer_set(docs)
+    spec = pod_spec(transfer)
+    (container,) = spec["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["AWS_ENDPOINT_URL"] == store["endpointUrl"]
+    assert env["AWS_DEFAULT_REGION"] == store["region"]
+    assert container["envFrom"] == [{"secretRef": {"name": store["existingSecret"]}}]
+    accounts = named(docs, "ServiceAccount")
+    account = accounts[spec["serviceAccountName"]]
+    assert account["metadata"]["annotations"] == values["transfer"]["serviceAccount"]["annotations"]
+    assert account["automountServiceAccountToken"] is False and not spec[
+        "automountServiceAccountToken"]  # fmt: skip
+    for shard in shard_sets(docs):
+        shard_spec = pod_spec(shard)
+        assert shard_spec["serviceAccountName"] != spec["serviceAccountName"]
+        assert "annotations" not in accounts[shard_spec["serviceAccountName"]]["metadata"]
+        for shard_container in shard_spec["containers"]:
+            assert "envFrom" not in shard_container
+            assert not any(e["name"].startswith("AWS_") for e in shard_container["env"])
+    cfg = transfer_conf(docs, tmp_path)
+    assert cfg.donefile_address == values["transfer"]["donefile"]["address"]
+
+
+def leaves(schema: dict[str, Any], root: dict[str, Any], path: str = "") -> Iterator[str]:
+    """The value paths the schema describes: where it stops listing properties (a probe's
+    timing fields are one value, the probe's)."""
+    if schema.get("$ref") == "#/definitions/probeTiming":
+        yield path
+        return
+    if "$ref" in schema:
+        schema = root["definitions"][schema["$ref"].rsplit("/", 1)[1]]
+    if "properties" in schema and schema.get("additionalProperties") is False:
+        for key, sub in schema["properties"].items():
+            yield from leaves(sub, root, f"{path}.{key}" if path else key)
+    else:
+        yield path
+
+
+def value_at(values: dict[str, Any], path: str) -> Any:
+    for part in path.split("."):
+        values = values[part]
+    return values
+
+
+def schema_leaves() -> list[str]:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    return list(leaves(schema, schema))
+
+
+def test_every_value_is_in_the_schema_and_the_deploy_table():
+    """values.yaml sets nothing the schema does not describe (else helm lint fails) and the
+    schema describes nothing values.yaml lacks; docs/DEPLOY.md's table names each value."""
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    paths = schema_leaves()
+    for path in paths:
+        value_at(defaults, path)  # KeyError: a value of the schema with no default
+    table = (REPO / "docs" / "DEPLOY.md").read_text()
+    missing = [path for path in paths if f"`{path}`" not in table]
+    assert not missing, f"docs/DEPLOY.md's table of values lacks {missing}"
+
+
+# Values the full configuration leaves at their defaults, and why (their effect is asserted
+# elsewhere): the TLS switches need each other, and it uses a token Secret of its own.
+SWITCHES = {"tls.enabled", "tls.existingSecret", "tls.certManager.enabled"}
+TOKENS = {"auth.agentToken", "auth.apiToken", "auth.controlToken"}
+# Values that take effect with another one set (in both renders compared), by path prefix:
+# more workers need ports apart from the default agent port (8001); claim settings need
+# claims; a mount path a volume; a Service, a monitor or a rule to be asked for.
+COMPANIONS = {
+    "server.workers": {"agent.port": 8500},
+    "agent.storage.": {"agent.storage.type": "pvc"},
+    "transfer.donefile.mountPath": {"transfer.donefile.volume": {"emptyDir": {}}},
+    "transfer.apiService.": {"transfer.apiService.enabled": True},
+    "metrics.serviceMonitor.": {"metrics.serviceMonitor.enabled": True},
+    "metrics.prometheusRule.": {"metrics.prometheusRule.enabled": True},
+    # TLS values other than the switches: over TLS from cert-manager
+    "tls.": {"tls.enabled": True, "tls.certManager.enabled": True,
+             "tls.certManager.issuerRef": {"name": "ca"}},
+}  # fmt: skip
+
+
+def set_json(settings: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(a for k, v in settings.items() for a in ("--set-json", f"{k}={json.dumps(v)}"))
+
+
+def test_every_value_changes_what_is_rendered():
+    """No value is read by no template: each value, set alone over the defaults to what the
+    full configuration gives it (a switch it keeps on: off), renders something else than the
+    defaults (with fixed tokens: random ones would differ anyway; with its COMPANIONS). Renders
+    run 4 at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    full = CONFIGS["full"].values()
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    fixed = {"auth.agentToken": "a", "auth.apiToken": "b", "auth.controlToken": "c"}
+    cases = []  # (path, the render without it, the render with it)
+    for path in schema_leaves():
+        if path in SWITCHES or path in TOKENS:
+            continue
+        given, default = value_at(full, path), value_at(defaults, path)
+        if given == default and isinstance(default, bool):
+            given = not default  # a switch the full configuration needs on: try it off
+        assert given != default, f"ci/full-values.yaml leaves {path} as it is"
+        companions = {k: v for prefix, c in COMPANIONS.items() if path.startswith(prefix)
+                      for k, v in c.items() if k != path}  # fmt: skip
+        base = (*OPERATOR_APIS, *set_json({**fixed, **companions}))
+        cases.append((path, base, (*base, *set_json({path: given}))))
+    bases = sorted({base for _, base, _ in cases})
+    with ThreadPoolExecutor(4) as pool:
+        baselines = dict(zip(bases, pool.map(lambda b: render(*b), bases), strict=True))
+        changed = list(pool.map(lambda c: render(*c[2]), cases))
+    quiet = [
+        path
+        for (path, base, _), text in zip(cases, changed, strict=True)
+        if text == baselines[base]
+    ]
+    assert not quiet, f"values no template reads: {quiet}"
+
+
+# ---------------------------------------------------------------------------------------------
+# upgrades
+
+
+IMMUTABLE = ("selector", "serviceName", "podManagementPolicy", "volumeClaimTemplates")
+
+
+def test_an_upgrade_from_the_previous_chart_changes_nothing_kubernetes_keeps(tmp_path):
+    """Issue 26 item 6: `helm upgrade` from the previous chart (0.1.0) with the same values
+    would be refused by the API server if a StatefulSet's immutable fields changed
+    (selector, serviceName, podManagementPolicy, claim templates) or a Service's clusterIP:
+    they are the same, as are the names of every object that holds state (tests/
+    test_multihost.py then runs such an upgrade under load)."""
+    for args in ((), ("--values", str(SECOND)), ("--set", "agent.storage.type=pvc")):
+        before = objects(render(*args, chart=PREVIOUS_CHART))
+        after = objects(render(*args))
+        old_sets, new_sets = named(before, "StatefulSet"), named(after, "StatefulSet")
+        assert old_sets.keys() == new_sets.keys()
+        for name, old in old_sets.items():
+            for field in IMMUTABLE:
+                assert old["spec"].get(field) == new_sets[name]["spec"].get(field), (name, field)
+        old_services, new_services = named(before, "Service"), named(after, "Service")
+        assert old_services.keys() <= new_services.keys()
+        for name, old in old_services.items():
+            assert old["spec"]["clusterIP"] == new_services[name]["spec"]["clusterIP"]
+        for kind in ("Secret", "ConfigMap", "PodDisruptionBudget", "NetworkPolicy"):
+            assert named(before, kind).keys() == named(after, kind).keys(), kind
+    assert yaml.safe_load((CHART / "Chart.yaml").read_text())["version"] != "0.1.0"
+
+
+# ---------------------------------------------------------------------------------------------
+# what the chart offers besides
+
+
+def test_prometheus_rule_is_the_alerts_file():
+    """One source of truth: the chart's copy is deploy/prometheus/alerts.yml (Helm reads only
+    files inside the chart), and the PrometheusRule holds its groups."""
+    source = REPO / "deploy" / "prometheus" / "alerts.yml"
+    assert (CHART / "files" / "alerts.yml").read_bytes() == source.read_bytes(), (
+        "cp deploy/prometheus/alerts.yml deploy/helm/cube/files/alerts.yml"
+    )
+    assert (
+        of_kind(objects(render("--set", "metrics.prometheusRule.enabled=true")), "PrometheusRule")
+        == []
+    )  # fmt: skip  (no Prometheus Operator API: none)
+    docs = objects(render("--set", "metrics.prometheusRule.enabled=true", *OPERATOR_APIS))
+    (rule,) = of_kind(docs, "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["spec"] == yaml.safe_load(source.read_text())
+
+
+def test_icon_is_the_charts_svg():
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    prefix = "data:image/svg+xml;base64,"
+    assert chart["icon"].startswith(prefix)
+    assert base64.b64decode(chart["icon"].removeprefix(prefix)) == (CHART / "icon.svg").read_bytes()
+
+
+def notes(tmp_path: Path, *args: str) -> str:
+    """NOTES.txt as `helm install` prints it (`helm template` skips it: a copy of the chart
+    renders it into a ConfigMap)."""
+    chart = tmp_path / "cube"
+    shutil.copytree(CHART, chart)
+    text = (chart / "templates" / "NOTES.txt").read_text()
+    (chart / "templates" / "NOTES.txt").unlink()
+    (chart / "templates" / "_notes.tpl").write_text('{{- define "notes" }}' + text + "{{- end }}")
+    (chart / "templates" / "notes.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n"
+        'data: {notes: {{ include "notes" . | toJson }}}\n'
+    )
+    docs = objects(render(*args, "--show-only", "templates/notes.yaml", chart=chart))
+    return docs[0]["data"]["notes"]
+
+
+def test_notes_say_how_to_reach_publish_and_watch(tmp_path):
+    text = notes(tmp_path)
+    for expected in ("base.txt", "/donefile", "t-cube-cube-conf", "CubeClient.from_conf",
+                     "port-forward svc/t-cube-transfer 8099", "t-cube-tokens", "helm test t",
+                     "http://127.0.0.1:8099/", "cannot change with `helm upgrade`"):  # fmt: skip
+        assert expected in text, expected
+    text = notes(tmp_path / "tls", "--values", str(CI / "tls-values.yaml"))
+    assert "https://127.0.0.1:8099/" in text and "/etc/cube-tls/ca.crt" in text
 
 
 def test_dockerfile_lints_and_pins_the_project_version():

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import http.client
 import itertools
 import json
 import os
 import selectors
+import signal
+import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -21,13 +25,14 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import yaml
 from clustersim import RESOLVER, Namespace, SimNode, require_root_network
 from procs import REPO, scrape
-from test_helm import HELM, render
+from test_helm import HELM, PREVIOUS_CHART, render
 
 from cube.donefile import append_line, format_line
 from cube.processes import poll_until
@@ -130,6 +135,19 @@ KEYS = np.arange(1, 100_001, dtype=np.uint64)  # 1.6 MB of values: a download ta
 CHECK = KEYS[::97]  # the keys looked up to check a version
 
 
+class PinnedHTTPS(http.client.HTTPSConnection):
+    """HTTPS to `ip`, checking the certificate for `name` (the cluster's name of the host,
+    which the test's own namespace does not resolve)."""
+
+    def __init__(self, name: str, ip: str, port: int, ca: str) -> None:
+        super().__init__(name, port, timeout=5, context=ssl.create_default_context(cafile=ca))
+        self.ip = ip
+
+    def connect(self) -> None:
+        sock = socket.create_connection((self.ip, self.port), self.timeout)
+        self.sock = self._context.wrap_socket(sock, server_hostname=self.host)  # type: ignore[attr-defined]
+
+
 @dataclass
 class Cluster:
     node: SimNode
@@ -140,13 +158,30 @@ class Cluster:
     api_token: str
     versions: Iterator[str]
     live: str = ""
+    # with TLS: the CA and the transfer's name in its certificate
+    tls_ca: str = ""
+    api_name: str = ""
 
-    def info(self) -> dict:
-        request = urllib.request.Request(
-            f"{self.api}/dict/info", headers={"Authorization": f"Bearer {self.api_token}"}
-        )
+    def get(self, path: str) -> Any:
+        """The `data` of a GET on the transfer's API (https when the cluster has TLS)."""
+        headers = {"Authorization": f"Bearer {self.api_token}"}
+        if self.tls_ca:
+            ip, port = self.api.removeprefix("https://").rsplit(":", 1)
+            connection = PinnedHTTPS(self.api_name, ip, int(port), self.tls_ca)
+            try:
+                connection.request("GET", path, headers=headers)
+                reply = connection.getresponse()
+                if reply.status != 200:
+                    raise OSError(f"{path}: HTTP {reply.status}")
+                return json.loads(reply.read())["data"]
+            finally:
+                connection.close()
+        request = urllib.request.Request(f"{self.api}{path}", headers=headers)
         with urllib.request.urlopen(request, timeout=5) as reply:
             return json.loads(reply.read())["data"]
+
+    def info(self) -> dict:
+        return self.get("/dict/info")
 
     def phase(self) -> str | None:
         """The phase of the rollout in progress ("" when none); None while the API is down."""
@@ -161,7 +196,10 @@ class Cluster:
 
     def settled(self, timeout: float = WAIT) -> str:
         """Wait until no rollout runs, a version is live and every shard pod is ready."""
-        assert poll_until(lambda: self.phase() == "" and self.info()["live_version"], timeout, 0.2)
+        settled = lambda: self.phase() == "" and self.info()["live_version"]  # noqa: E731
+        if not poll_until(settled, timeout, 0.2):
+            self.info()  # (its error)
+            raise AssertionError(f"phase {self.phase()!r}")
         self.node.wait_ready(shard_pods(self.node), timeout)
         self.live = self.info()["live_version"]
         return self.live
@@ -171,11 +209,7 @@ class Cluster:
 
     def instances(self) -> dict[str, dict]:
         """The transfer's view of each replica (/instance/status), by name."""
-        request = urllib.request.Request(
-            f"{self.api}/instance/status", headers={"Authorization": f"Bearer {self.api_token}"}
-        )
-        with urllib.request.urlopen(request, timeout=5) as reply:
-            return {i["name"]: i for i in json.loads(reply.read())["data"]}
+        return {i["name"]: i for i in self.get("/instance/status")}
 
     def conf_with(self, name: str, **fields: object) -> Path:
         """A copy of the rendered cube.conf with some fields changed."""
@@ -186,61 +220,129 @@ class Cluster:
 
 
 class Load:
-    """Lookups without pause from another client namespace, in a thread; `result()` waits."""
+    """Lookups without pause from another client namespace, in a thread; `result()` waits.
+    With `until`, in rounds of `seconds` until that event is set (then `result()` merges
+    them: p50 the rounds' median, p99 and max their highest)."""
 
     def __init__(
-        self, node: SimNode, conf: Path, seconds: float, namespace: Namespace | None = None
+        self,
+        node: SimNode,
+        conf: Path,
+        seconds: float,
+        namespace: Namespace | None = None,
+        until: threading.Event | None = None,
     ) -> None:
         self.client = Client(node, conf, namespace)
         self.answer: dict = {}
-        self.thread = threading.Thread(
-            target=lambda: self.answer.update(
-                self.client.ask({"load": CHECK[:200].tolist(), "seconds": seconds})
-            ),
-            daemon=True,
-        )
+        self.rounds: list[dict] = []
+
+        def run() -> None:
+            while True:
+                self.rounds.append(
+                    self.client.ask({"load": CHECK[:200].tolist(), "seconds": seconds})
+                )
+                if until is None or until.is_set() or "error" in self.rounds[-1]:
+                    break
+            self.answer.update(merged_loads(self.rounds))
+
+        self.thread = threading.Thread(target=run, daemon=True)
         self.thread.start()
 
-    def result(self) -> dict:
+    def result(self, timeout: float = WAIT) -> dict:
         """The load's answer; `exit_s`: how long the client then took to exit."""
-        self.thread.join(WAIT)
+        self.thread.join(timeout)
         self.answer["exit_s"] = self.client.close()
         return self.answer
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("multihost")
+def merged_loads(rounds: list[dict]) -> dict:
+    if len(rounds) == 1 or any("error" in r for r in rounds):
+        return next((r for r in rounds if "error" in r), rounds[0])
+    versions: dict[str, int] = {}
+    for r in rounds:
+        for version, calls in r["versions"].items():
+            versions[version] = versions.get(version, 0) + calls
+    return {
+        "calls": sum(r["calls"] for r in rounds),
+        "errors": [e for r in rounds for e in r["errors"]][:20],
+        "error_count": sum(r["error_count"] for r in rounds),
+        "versions": versions,
+        "mixed": sum(r["mixed"] for r in rounds),
+        "p50_ms": float(np.median([r["p50_ms"] for r in rounds])),
+        "p99_ms": max(r["p99_ms"] for r in rounds),
+        "max_ms": max(r["max_ms"] for r in rounds),
+    }
+
+
+# The values of the simulated clusters: rollouts long enough to cut into, short timeouts.
+VALUES: dict[str, Any] = {
+    "dict": {"name": "sim_dict", "shards": 2, "replicas": 2},
+    "server": {"grace": 2, "inMem": False},
+    "agent": {"extraArgs": ["--limit_rate=1500000"]},
+    # 1 s per attempt as before; the whole call may outlast the ~2 s stall of a kill -9
+    "client": {"timeoutMs": 8000, "attemptTimeoutMs": 1000, "backupRequestMs": 100},
+    "transfer": {
+        "pollInterval": 0.3,
+        "deadTimeout": 5,
+        "quorum": 1,
+        "donefile": {"address": "/donefile", "volume": {"hostPath": {"path": "/srv/donefile"}}},
+    },
+}
+
+
+def rendered(tmp_path: Path, values: dict, chart: Path | None = None) -> list[dict]:
+    """The chart's objects for `values` (the chart of this checkout, or `chart`)."""
+    path = tmp_path / f"values-{next(_RENDERS)}.yaml"
+    path.write_text(yaml.safe_dump(values))
+    text = render("--values", str(path), **({"chart": chart} if chart else {}))
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+_RENDERS = itertools.count()
+
+
+def upgraded(installed: list[dict], docs: list[dict]) -> list[dict]:
+    """`docs` as `helm upgrade` would apply them over `installed`: the chart's token Secret
+    keeps the tokens installed (its `lookup` finds them in a cluster; `helm template` has no
+    cluster to ask, so every render makes new random ones)."""
+    old = {d["metadata"]["name"]: d for d in installed if d["kind"] == "Secret"}
+    return [
+        {**d, "data": old[d["metadata"]["name"]]["data"]}
+        if d["kind"] == "Secret" and d["metadata"]["name"] in old
+        else d
+        for d in docs
+    ]
+
+
+def cube_conf(docs: list[dict], path: Path) -> Path:
+    """The rendered cube.conf, written to `path`."""
+    conf = next(d for d in docs if d["metadata"]["name"].endswith("-cube-conf"))
+    path.write_text(conf["data"]["cube.conf"])
+    return path
+
+
+@contextlib.contextmanager
+def running(tmp_path: Path, docs: list[dict], tls_ca: str = "") -> Iterator[Cluster]:
+    """A node running `docs` (the donefile directory of hostPath /srv/donefile is
+    tmp_path/donefile) and a client of the rendered cube.conf; closed at the end."""
     donefile = tmp_path / "donefile"
     donefile.mkdir()
-    values = {
-        "dict": {"name": "sim_dict", "shards": 2, "replicas": 2},
-        "server": {"grace": 2, "inMem": False},
-        "agent": {"extraArgs": ["--limit_rate=1500000"]},  # rollouts long enough to cut into
-        # 1 s per attempt as before; the whole call may outlast the ~2 s stall of a kill -9
-        "client": {"timeoutMs": 8000, "attemptTimeoutMs": 1000, "backupRequestMs": 100},
-        "transfer": {
-            "pollInterval": 0.3,
-            "deadTimeout": 5,
-            "quorum": 1,
-            "donefile": {"address": "/donefile", "volume": {"hostPath": {"path": "/srv/donefile"}}},
-        },
-    }
-    (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
-    docs = [d for d in yaml.safe_load_all(render("--values", str(tmp_path / "values.yaml"))) if d]
-    conf = tmp_path / "cube.conf"
-    cube_conf = next(d for d in docs if d["metadata"]["name"].endswith("-cube-conf"))
-    conf.write_text(cube_conf["data"]["cube.conf"])
-    secret = next(d for d in docs if d["kind"] == "Secret")
+    conf = cube_conf(docs, tmp_path / "cube.conf")
+    if tls_ca:  # the client runs in a namespace, not a pod: the CA at its host path
+        conf.write_text(json.dumps([dict(json.loads(conf.read_text())[0], tls_ca=tls_ca)]))
+    secret = next(d for d in docs if d["kind"] == "Secret" and "api-token" in d["data"])
     token = base64.b64decode(secret["data"]["api-token"]).decode()
     node = SimNode(docs, tmp_path / "node", host_paths={"/srv/donefile": donefile})
     try:
         node.start()
         client = Client(node, conf)
         try:
-            api = f"http://{node.pod('t-cube-transfer-0').ip}:8099"
+            transfer = node.pod("t-cube-transfer-0")
+            scheme = "https" if tls_ca else "http"
+            api = f"{scheme}://{transfer.ip}:8099"
             ids = (str(1700000000 + 1000 * i) for i in itertools.count())
-            yield Cluster(node, client, donefile, conf, api, token, ids)
+            name = f"{transfer.spec.subdomain}.ml.svc.cluster.local"
+            yield Cluster(node, client, donefile, conf, api, token, ids, "", tls_ca, name)
         finally:
             client.close()
     except BaseException:
@@ -248,6 +350,13 @@ def cluster(tmp_path_factory):
         raise
     finally:
         node.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("multihost")
+    with running(tmp_path, rendered(tmp_path, VALUES)) as made:
+        yield made
 
 
 def served_versions(node: SimNode, pod: str) -> list[str]:
@@ -552,3 +661,154 @@ def test_rolling_restart_under_load(cluster):
     measured("rolling restart of every shard pod", result)
     assert_clean(result)
     cluster.settled()
+
+
+# ---------------------------------------------------------------------------------------------
+# TLS, upgrades and the harness by hand: clusters of their own
+
+
+def tls_secret(tmp_path: Path, docs: list[dict]) -> tuple[dict, str]:
+    """A Secret as an operator would make for `tls.existingSecret` (tls.crt, tls.key, ca.crt)
+    whose certificate names every shard's replicas and the transfer, as the chart's
+    cert-manager Certificate asks; and the CA's path on the host."""
+    import trustme
+
+    ca = trustme.CA()
+    services = [d["metadata"]["name"] for d in docs if d["kind"] == "Service"]
+    names = [f"*.{s}.ml.svc.cluster.local" for s in services if "-shard-" in s]
+    names += [f"{s}.ml.svc.cluster.local" for s in services if s.endswith("-transfer")]
+    cert = ca.issue_cert(*names)
+    ca_path = tmp_path / "ca.crt"
+    ca.cert_pem.write_to_path(str(ca_path))
+    data = {
+        "tls.crt": b"".join(blob.bytes() for blob in cert.cert_chain_pems),
+        "tls.key": cert.private_key_pem.bytes(),
+        "ca.crt": ca.cert_pem.bytes(),
+    }
+    secret = {
+        "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+        "metadata": {"name": "cube-tls", "namespace": "ml"},
+        "data": {k: base64.b64encode(v).decode() for k, v in data.items()},
+    }  # fmt: skip
+    return secret, str(ca_path)
+
+
+def test_tls_end_to_end(tmp_path):
+    """Issue 26 item 2, with `tls.enabled` and a certificate Secret: the servers serve lookups
+    (gRPC and the lane) over TLS, the agents their API, the transfer its API and the tars
+    (agents download over https, the transfer calls them over https); the kubelet's readiness
+    probe, which cannot speak TLS, asks the control port, and the replicas get ready; the
+    `helm test` pod's cube-cli finds the CA through cube.conf; a client that trusts the CA gets
+    the right values, a plaintext client and a plaintext API call get nothing."""
+    values = {**VALUES, "dict": {"name": "sim_dict", "shards": 2, "replicas": 1},
+              "agent": {}, "tls": {"enabled": True, "existingSecret": "cube-tls"}}  # fmt: skip
+    docs = rendered(tmp_path, values)
+    secret, ca = tls_secret(tmp_path, docs)
+    with running(tmp_path, [*docs, secret], tls_ca=ca) as made:
+        started = time.monotonic()
+        base = made.new_base(7.0)
+        made.settled()  # (the pods are ready: their probes work with TLS on)
+        print(
+            f"\nMEASURED TLS: first base live on 2 x 1 pods in {time.monotonic() - started:.1f} s"
+        )
+        assert_serves(made, base, table(CHECK, 7.0))
+        assert made.node.run_test_pods() == {"t-cube-test-lookup": 0}, made.node.report()
+        plain = Client(made.node, made.conf_with("plain.conf", tls_ca=None))
+        try:
+            assert "error" in served(plain, CHECK[:10])
+        finally:
+            plain.close()
+        with pytest.raises(OSError):  # the API speaks https only
+            urllib.request.urlopen(made.api.replace("https", "http") + "/dict/info", timeout=5)
+        for pod in shard_pods(made.node):  # called over https, downloads from https only
+            agent = made.node.pod(pod).containers["cube-agent"]
+            assert "listening on https://" in agent.log.read_text()
+            sources = "--allowed_sources=https://t-cube-transfer.ml.svc.cluster.local:8009/"
+            assert sources in agent.spec.command
+
+
+def test_upgrade_from_the_previous_chart_under_load(tmp_path):
+    """Issue 26 item 6: installed with the previous chart (0.1.0), `helm upgrade` to this one
+    with 3 replicas instead of 2 and a new image, then to 2 replicas again (shards
+    unchanged): the new replicas get the live version from the transfer, every pod is
+    replaced one at a time per shard, and a client under load all along (with the cube.conf
+    it started with) has no failed request."""
+    before = rendered(tmp_path, VALUES, chart=PREVIOUS_CHART)
+    grown = {**VALUES, "dict": {**VALUES["dict"], "replicas": 3}, "image": {"tag": "0.1.1"}}
+    with running(tmp_path, before) as made:
+        base = made.new_base(3.0)
+        made.settled()
+        steps = []
+        for values, name in (
+            (grown, "2 x 2 -> 2 x 3, new image"),
+            ({**grown, "dict": VALUES["dict"]}, "2 x 3 -> 2 x 2"),
+        ):
+            docs = upgraded(made.node.docs, rendered(tmp_path, values))
+            stop = threading.Event()
+            load = Load(made.node, made.conf, 2, until=stop)
+            started = time.monotonic()
+            try:
+                done = made.node.apply(docs, timeout=WAIT)
+                made.settled()
+            finally:
+                stop.set()
+            took = time.monotonic() - started
+            result = load.result()
+            measured(f"helm upgrade {name} ({took:.0f} s)", result)
+            assert_clean(result)
+            steps.append(done)
+            made.conf = cube_conf(docs, made.conf)  # clients move to the new cube.conf
+            made.client.close()
+            made.client = Client(made.node, made.conf)
+            assert_serves(made, base, table(CHECK, 3.0))
+        grow, shrink = steps
+        assert {"created t-cube-shard-0-2", "created t-cube-shard-1-2"} <= set(grow)
+        replaced = [s for s in grow if s.startswith("replaced t-cube-shard-0-")]
+        assert replaced == ["replaced t-cube-shard-0-1", "replaced t-cube-shard-0-0"]
+        assert {"deleted t-cube-shard-0-2", "deleted t-cube-shard-1-2"} <= set(shrink)
+        assert "replaced t-cube-transfer-0" in shrink  # its config changed: 2 replicas a shard
+        assert not any(s.startswith("replaced t-cube-shard") for s in shrink)
+        assert sorted(made.instances()) == ["0_0", "0_1", "1_0", "1_1"]
+
+
+def test_the_harness_runs_by_hand_with_your_values(tmp_path):
+    """Issue 26 item 5 (docs/DEPLOY.md): `python tests/clustersim.py --values ...` runs the
+    chart with an operator's values until stopped, prints its pods and a client namespace,
+    and leaves nothing behind."""
+    values = tmp_path / "mine.yaml"
+    values.write_text(yaml.safe_dump({"dict": {"name": "by_hand", "shards": 1, "replicas": 1}}))
+    process = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("clustersim.py")), "--values", str(values),
+         "--workdir", str(tmp_path / "node"), "--seconds", "60", "--ready_timeout", "5"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("logs:"):
+                break
+        conf = json.loads((tmp_path / "node" / "cube.conf").read_text())
+        assert conf[0]["dict_name"] == "by_hand"
+        namespace = next(line.split()[2] for line in lines if line.startswith("client namespace"))
+        assert (
+            namespace
+            in subprocess.run(
+                ["ip", "netns", "list"], capture_output=True, text=True, timeout=30
+            ).stdout
+        )
+        assert any(line.startswith("pod t-cube-shard-0-0: ") for line in lines), lines
+        process.send_signal(signal.SIGTERM)
+        rest, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+    assert process.returncode == 0 and rest.rstrip().endswith("closed"), rest
+    assert (
+        namespace
+        not in subprocess.run(
+            ["ip", "netns", "list"], capture_output=True, text=True, timeout=30
+        ).stdout
+    )

@@ -108,3 +108,33 @@ def test_bad_tls_files_are_named(tmp_path, pki):
     assert done.returncode == 2 and str(missing) in done.stderr
     with pytest.raises(Exception, match=r"nope\.pem"):
         CubeClient(shards=[["127.0.0.1:1"]], tls_ca=str(missing))
+
+
+def test_cube_conf_tls_fields_reach_the_sdk_and_cube_cli(tls_server, pki, tmp_path, capsys):
+    """cube.conf's tls_ca (the Helm chart writes it with TLS on) is all a client needs:
+    CubeClient.from_conf and cube-cli (the chart's `helm test` pod) are answered over TLS;
+    the same file without it is refused, unless cube-cli's --tls_ca gives the CA."""
+    from cube.client import cli
+
+    host, port = tls_server.address.rsplit(":", 1)
+    entry = {
+        "dict_name": "test_dict", "shard": 1, "dup": 1, "timeout": 5000, "retry": 0,
+        "backup_request": 0, "type": "ipport", "nodes": [{"ip": host, "port": int(port)}],
+    }  # fmt: skip
+    keys = tmp_path / "keys.txt"
+    keys.write_text("\n".join(map(str, KEYS[:50].tolist())))
+    plain, secure = tmp_path / "plain.conf", tmp_path / "tls.conf"
+    plain.write_text(json.dumps([entry]))
+    secure.write_text(json.dumps([dict(entry, tls_ca=pki["ca"])]))
+    with CubeClient.from_conf(secure, dict_name="test_dict") as client:
+        assert client.seek(KEYS[:300]).found.all()
+
+    def cube_cli(conf, *extra):
+        args = ["--config_file", str(conf), "--keys", str(keys), "--batch", "50"]
+        return cli.main([*args, "--requests", "1", "--dict", "test_dict", *extra])
+
+    assert cube_cli(secure) == 0
+    assert cube_cli(plain) == 1  # plaintext against a TLS port: the request fails
+    assert cube_cli(plain, "--tls_ca", pki["ca"]) == 0
+    assert cube_cli(secure, "--tls_ca", pki["other"]) == 1  # the flag wins: another CA
+    capsys.readouterr()

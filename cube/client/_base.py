@@ -175,7 +175,8 @@ class ClientBase:
         """A client for `dict_name` of the original cube.conf at `path` (see cube.client.conf;
         for several dicts in one object: CubeClients / AsyncCubeClients). The file's `timeout`
         bounds the whole call, as in the original (`Timeouts.total`), and each attempt
-        unless `attempt_timeout` is smaller. Keyword arguments override the file's settings:
+        unless `attempt_timeout` is smaller; its `tls_ca` and `tls_server_name` turn TLS on.
+        Keyword arguments override the file's settings:
         a number as `timeout` (seconds) replaces the file's `timeout` (the whole call) and
         keeps its backup request; a `Timeouts` object replaces them all."""
         return cls._from_dict_conf(load_conf(path, dict_name), **overrides)
@@ -192,6 +193,8 @@ class ClientBase:
             "load_balancer": conf.load_balancer,
             "dict_name": conf.dict_name,
         }
+        if conf.tls_ca is not None:
+            settings.update(tls_ca=conf.tls_ca, tls_server_name=conf.tls_server_name)
         timeout = overrides.get("timeout")
         if timeout is not None and not isinstance(timeout, Timeouts):
             total = float(timeout)

@@ -2,6 +2,7 @@
 
     cube-cli --config_file cube.conf --keys keys.txt --dict test_dict --batch 500 \\
              --thread_num 4 [--requests 1000] [--print_output] [--timeout ms] [--retry n]
+             [--tls_ca ca.pem [--tls_server_name name]]
 
 Like the original's tool: every thread sends `--requests` batches of `--batch` keys, cycling
 through the key file (one decimal key per line). Unlike it, QPS is total requests over the
@@ -35,6 +36,19 @@ FLAGS = (
     .add("print_output", bool, False, "print key:value (hex) for every key looked up")
     .add("timeout", int, None, "timeout of a whole call in ms (default: the conf's timeout)")
     .add("retry", int, None, "retries (default: the conf's)")
+    .add(
+        "tls_ca",
+        str,
+        None,
+        "PEM CA bundle: TLS to servers started with --tls_cert (default: the conf's tls_ca;"
+        " none there: plaintext)",
+    )
+    .add(
+        "tls_server_name",
+        str,
+        None,
+        "the name the servers' certificates carry (default: the conf's tls_server_name)",
+    )
     .add(
         "protocol", str, "fast", "fast (cube.v1) or original (rec.mcube)", choices=tuple(PROTOCOLS)
     )
@@ -122,6 +136,10 @@ def run(argv: Sequence[str]) -> int:
         overrides["timeout"] = flags.timeout / 1000.0  # --timeout is in ms, as the original's
     if flags.retry is not None:
         overrides["retry"] = flags.retry
+    if flags.tls_ca is not None:
+        overrides["tls_ca"] = flags.tls_ca
+    if flags.tls_server_name is not None:
+        overrides["tls_server_name"] = flags.tls_server_name
     try:
         client = CubeClient.from_conf(flags.config_file, flags.dict or None, **overrides)
     except DictNotChosenError as exc:

@@ -5,9 +5,11 @@ Fields (original-cube.md §7.1): `dict_name`, `shard`, `dup`, `timeout` (ms), `r
 - `ipport`: `nodes[i] = {"ip", "port"}` is shard i (one replica);
 - `ipport_list`: `nodes[i] = {"ipport_list": "list://ip:port,ip:port"}`, shard i's replicas;
 - `ipport_parallel`: every shard uses `nodes[0]` (`{"ip","port"}`, or an `ipport_list`).
-Ours, optional: `partitioner` (`mod`, the default, or `murmur3`; must match the builder's) and
-`attempt_timeout` (ms, at most `timeout`). `dup` is read and checked but, as in the original,
-does not limit anything.
+Ours, optional: `partitioner` (`mod`, the default, or `murmur3`; must match the builder's),
+`attempt_timeout` (ms, at most `timeout`), and `tls_ca` (a PEM CA bundle, "" for the system's:
+TLS to servers started with --tls_cert) with `tls_server_name` (the name their certificates
+carry, when not the host of their addresses). `dup` is read and checked but, as in the
+original, does not limit anything.
 
 `timeout` is the whole call's bound, as brpc's `timeout_ms` was for the original (a deadline
 over the retries and backup requests); `attempt_timeout` bounds each attempt within it
@@ -84,6 +86,8 @@ class DictConf:
     type: str = "ipport"
     dup: int = 1
     attempt_timeout_ms: int | None = None  # None: an attempt may use the whole `timeout`
+    tls_ca: str | None = None  # None: plaintext; "": TLS trusting the system's CAs
+    tls_server_name: str = ""
 
 
 def load_conf(path: str | os.PathLike[str], dict_name: str | None = None) -> DictConf:
@@ -200,6 +204,7 @@ def _parse_dict(entry: Any, source: str, position: int) -> DictConf:
             f"{where}: field 'partitioner' must be one of {', '.join(PARTITIONERS)}, "
             f"got {partitioner!r}"
         )
+    tls_ca, tls_server_name = _tls_fields(entry, where)
     nodes = entry.get("nodes")
     if not isinstance(nodes, list) or not nodes:
         raise ConfError(f"{where}: field 'nodes' must be a non-empty array")
@@ -227,7 +232,27 @@ def _parse_dict(entry: Any, source: str, position: int) -> DictConf:
         type=kind,
         dup=ints["dup"],
         attempt_timeout_ms=attempt_ms,
+        tls_ca=tls_ca,
+        tls_server_name=tls_server_name,
     )
+
+
+def _tls_fields(entry: dict[str, Any], where: str) -> tuple[str | None, str]:
+    """`tls_ca` (None when absent: plaintext) and `tls_server_name` of one dict entry."""
+    tls_ca = entry.get("tls_ca")
+    server_name = entry.get("tls_server_name", "")
+    if tls_ca is not None and not isinstance(tls_ca, str):
+        raise ConfError(
+            f"{where}: field 'tls_ca' must be a string (a PEM CA bundle's path, \"\" for the"
+            f" system's CAs), got {tls_ca!r}"
+        )
+    if not isinstance(server_name, str):
+        raise ConfError(f"{where}: field 'tls_server_name' must be a string, got {server_name!r}")
+    if server_name and tls_ca is None:
+        raise ConfError(
+            f"{where}: field 'tls_server_name' needs 'tls_ca' (\"\" for the system's CAs)"
+        )
+    return tls_ca, server_name
 
 
 def _balancer(text: str, shards: Sequence[Sequence[tuple[str, str]]], where: str) -> str:

@@ -1,24 +1,46 @@
-{{/* Names: <release>-cube unless the release name already says cube; 63 characters at most. */}}
-{{- define "cube.fullname" -}}
-{{- if contains "cube" .Release.Name -}}
-{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
-{{- else -}}
-{{- printf "%s-cube" .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{/* The chart's name: "cube", or nameOverride (in app.kubernetes.io/name, a selector label). */}}
+{{- define "cube.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
+
+{{/*
+The prefix of every object's name: fullnameOverride, else <release>-<name> (the release name
+alone when it already contains the name). A StatefulSet's name and a 10-character hash form
+the controller-revision-hash label of its pods, at most 63 characters: so the longest
+StatefulSet name, <fullname>-transfer or <fullname>-shard-<last shard>, may have 52. A longer
+fullname is cut and ends with 5 characters of its hash instead (two long names stay apart).
+*/}}
+{{- define "cube.fullname" -}}
+{{- $name := include "cube.name" . -}}
+{{- $full := .Values.fullnameOverride -}}
+{{- if not $full -}}
+{{- $full = ternary .Release.Name (printf "%s-%s" .Release.Name $name) (contains $name .Release.Name) -}}
+{{- end -}}
+{{- $suffix := max (len "-transfer") (len (printf "-shard-%d" (sub (int .Values.dict.shards) 1))) -}}
+{{- $most := sub 52 $suffix | int -}}
+{{- if gt (len $full) $most -}}
+{{- $full = printf "%s-%s" (regexReplaceAll "[-.]+$" ($full | trunc (sub $most 6 | int)) "") (sha256sum $full | trunc 5) -}}
+{{- end -}}
+{{- $full -}}
+{{- end -}}
+
+{{/* A label value: at most 63 characters, alphanumeric at both ends. */}}
+{{- define "cube.labelValue" -}}
+{{- regexReplaceAll "[-_.]+$" (. | toString | trunc 63) "" | quote -}}
 {{- end -}}
 
 {{- define "cube.labels" -}}
-app.kubernetes.io/name: cube
-app.kubernetes.io/instance: {{ .Release.Name }}
-app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/name: {{ include "cube.name" . | quote }}
+app.kubernetes.io/instance: {{ .Release.Name | quote }}
+app.kubernetes.io/version: {{ include "cube.labelValue" .Chart.AppVersion }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
-helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
-cube.dict: {{ .Values.dict.name }}
+helm.sh/chart: {{ include "cube.labelValue" (printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_") }}
+cube.dict: {{ include "cube.labelValue" .Values.dict.name }}
 {{- end -}}
 
 {{- define "cube.selector" -}}
-app.kubernetes.io/name: cube
-app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/name: {{ include "cube.name" . | quote }}
+app.kubernetes.io/instance: {{ .Release.Name | quote }}
 {{- end -}}
 
 {{/* The StatefulSet (and its headless Service) of shard .shard */}}
@@ -26,10 +48,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s-shard-%d" (include "cube.fullname" .root) (int .shard) -}}
 {{- end -}}
 
+{{- define "cube.domain" -}}
+{{- printf "%s.svc.%s" .Release.Namespace .Values.clusterDomain -}}
+{{- end -}}
+
 {{/* The stable DNS name of replica .replica of shard .shard */}}
 {{- define "cube.replicaHost" -}}
 {{- $shard := include "cube.shardName" . -}}
-{{- printf "%s-%d.%s.%s.svc.cluster.local" $shard (int .replica) $shard .root.Release.Namespace -}}
+{{- printf "%s-%d.%s.%s" $shard (int .replica) $shard (include "cube.domain" .root) -}}
 {{- end -}}
 
 {{- define "cube.transferName" -}}
@@ -37,7 +63,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{- define "cube.transferHost" -}}
-{{- printf "%s.%s.svc.cluster.local" (include "cube.transferName" .) .Release.Namespace -}}
+{{- printf "%s.%s" (include "cube.transferName" .) (include "cube.domain" .) -}}
 {{- end -}}
 
 {{- define "cube.secretName" -}}
@@ -62,19 +88,74 @@ app.kubernetes.io/instance: {{ .Release.Name }}
       key: {{ .key }}
 {{- end -}}
 
-{{- define "cube.podSecurityContext" -}}
-runAsNonRoot: true
-runAsUser: 10001
-runAsGroup: 10001
-fsGroup: 10001
-seccompProfile:
-  type: RuntimeDefault
+{{/* Service accounts: the shard pods' (.component "shard") and the transfer's */}}
+{{- define "cube.serviceAccountName" -}}
+{{- $account := ternary .root.Values.transfer.serviceAccount .root.Values.serviceAccount (eq .component "transfer") -}}
+{{- $made := ternary (include "cube.transferName" .root) (include "cube.fullname" .root) (eq .component "transfer") -}}
+{{- $account.name | default (ternary $made "default" $account.create) -}}
 {{- end -}}
 
-{{- define "cube.containerSecurityContext" -}}
-allowPrivilegeEscalation: false
-readOnlyRootFilesystem: true
-runAsNonRoot: true
-capabilities:
-  drop: [ALL]
+{{/* What every pod spec of the chart starts with */}}
+{{- define "cube.podBasics" -}}
+serviceAccountName: {{ include "cube.serviceAccountName" . }}
+automountServiceAccountToken: false
+securityContext:
+  {{- toYaml .root.Values.podSecurityContext | nindent 2 }}
+{{- with .root.Values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .root.Values.image.pullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .root.Values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .root.Values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* TLS: where the certificate is mounted, the Secret that holds it */}}
+{{- define "cube.tlsDir" -}}/etc/cube-tls{{- end -}}
+
+{{- define "cube.tlsSecretName" -}}
+{{- $tls := .Values.tls -}}
+{{- if and $tls.existingSecret $tls.certManager.enabled -}}
+{{- fail "tls: set tls.existingSecret or tls.certManager.enabled, not both" -}}
+{{- else if $tls.existingSecret -}}
+{{- $tls.existingSecret -}}
+{{- else if $tls.certManager.enabled -}}
+{{- printf "%s-tls" (include "cube.fullname" .) -}}
+{{- else -}}
+{{- fail "tls.enabled: give the certificate, tls.existingSecret (a Secret with tls.crt, tls.key and ca.crt) or tls.certManager.enabled with tls.certManager.issuerRef" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The TLS volume of a pod (.items: only these keys) */}}
+{{- define "cube.tlsVolume" -}}
+- name: tls
+  secret:
+    secretName: {{ include "cube.tlsSecretName" .root }}
+    defaultMode: 0440
+    {{- with .items }}
+    items:
+      {{- range . }}
+      - {key: {{ . }}, path: {{ . }}}
+      {{- end }}
+    {{- end }}
+{{- end -}}
+
+{{/* The lookup scheme of the transfer's file server: https with TLS */}}
+{{- define "cube.fileScheme" -}}
+{{- ternary "https" "http" .Values.tls.enabled -}}
+{{- end -}}
+
+{{/* A probe's timing fields (the values), under its action (the chart's) */}}
+{{- define "cube.probeTiming" -}}
+{{- range $key, $value := . }}
+{{ $key }}: {{ $value }}
+{{- end }}
 {{- end -}}
