@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from cube.index import compiled_kernels
+from cube.kernel_constants import OFFSET_BITS
 from cube.routing import shard_of
 from cube.seqfile import ValueLocations
 from cube.values import ValueColumn, gather_ranges
@@ -39,7 +40,6 @@ _LENGTH_DTYPE = np.dtype("<u4")
 _LOC_DTYPE = np.dtype("<u8")
 _MAX_VALUE_LENGTH = 2**32 - 1
 SPILL_KINDS = ("keys", "locs", "lengths", "values")
-OFFSET_BITS = 40  # a source file may be up to 1 TiB
 MAX_SOURCE_BYTES = 1 << OFFSET_BITS
 OWN_SOURCE = (1 << (64 - OFFSET_BITS)) - 1  # source number of the shard's own `.values` file
 _OFFSET_MASK = np.uint64(MAX_SOURCE_BYTES - 1)

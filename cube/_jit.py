@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from cube.kernel import COMPILED
+from cube.kernel_constants import COMPILED
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 SHIPPED_CACHE = PACKAGE_DIR / "_numba_cache"  # built with the wheel (setup.py), or by make

@@ -18,9 +18,7 @@ key the table does not hold (rows stop at `MAX_ROWS` - 1, so both codes are free
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import logging
-import os
 import threading
 import time
 from concurrent.futures import Future
@@ -29,15 +27,12 @@ from typing import Any
 
 import numpy as np
 
-from cube.index import MAX_ROWS, TOMBSTONE, HashTable
+from cube.index import HashTable
 from cube.index import lookup as numpy_lookup
+from cube.kernel_constants import COMPILED as COMPILED  # (tests switch it off here)
+from cube.kernel_constants import HAVE_NUMBA, TOMBSTONE
+from cube.kernel_constants import MISS as MISS  # 0xFFFFFFFE: no row has it
 
-MISS = MAX_ROWS  # 0xFFFFFFFE: no row has it
-
-# numba is an optional accelerator: the numpy paths answer the same without it. This decides
-# for every compiled loop (cube._jit, lookups here, builds in cube.build_kernels).
-_HAVE_NUMBA = importlib.util.find_spec("numba") is not None
-COMPILED = _HAVE_NUMBA and os.environ.get("CUBE_KERNEL", "compiled") != "numpy"
 _compiled: Any = None  # cube._kernel_jit, imported by the first lookup (or warm)
 _warming = False  # warm() runs in the background: lookups take the numpy path meanwhile
 _warm_failed = ""  # why the background warm() failed (lookups then stay on numpy)
@@ -215,7 +210,7 @@ def describe() -> str:
         compiled = compiled_now()
         source = f"{compiled} signatures compiled now" if compiled else "loaded from its cache"
         return f"compiled (numba {version}, {source})"
-    if _HAVE_NUMBA:
+    if HAVE_NUMBA:
         return "numpy (CUBE_KERNEL=numpy)"
     return "numpy (numba is not installed)"
 
