@@ -543,7 +543,10 @@ def _walk_chunk(
     loop is sequential; it does the least per record (one unpack, one append) and checks the
     key lengths afterwards in one numpy pass. `file_left` is the file's size from buf[0] on: a
     record length past it (or past MAX_RECORD_BYTES) is refused before any byte of the record
-    is read, so `need` never asks for more. The result views `buf`."""
+    is read, so `need` never asks for more. The result views `buf`.
+
+    Long: the walk is one loop in one frame (a call per record would cost as much as the walk).
+    """
     pos = 0
     need = 0
     positions: list[int] = []

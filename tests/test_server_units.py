@@ -272,3 +272,26 @@ def test_a_worker_reaches_a_peer_that_came_up_after_its_first_try(tmp_path):
 
     assert asyncio.run(scenario())["cur_version"] == "1"
     slots.close()
+
+
+def test_the_supervisor_restarts_a_worker_until_it_crash_loops():
+    """--worker_restarts 2: a worker may die twice within the window and is restarted; a third
+    death within it stops the server; deaths older than the window are forgotten."""
+    from cube.server.supervisor import Restarts
+
+    restarts = Restarts(limit=2, window_s=60.0)
+    assert restarts.died(1, -9, now=0.0) is None
+    assert restarts.died(1, -9, now=10.0) is None
+    assert restarts.died(0, 1, now=11.0) is None  # another worker counts apart
+    why = restarts.died(1, -9, now=59.0)
+    assert why is not None and "worker 1 died 3 times within 60 s" in why
+    later = Restarts(limit=2, window_s=60.0)
+    for now in (0.0, 50.0, 100.0, 150.0):  # never more than 2 within any 60 s
+        assert later.died(0, -9, now) is None
+
+
+def test_the_supervisor_stops_at_once_when_a_worker_cannot_listen():
+    from cube.server.supervisor import EXIT_CANNOT_LISTEN, Restarts
+
+    why = Restarts(limit=3).died(2, EXIT_CANNOT_LISTEN, now=0.0)
+    assert why == "worker 2 cannot listen on its ports"
