@@ -99,7 +99,7 @@ def test_header_string_longer_than_the_file(tmp_path: Path, field: str) -> None:
 
 
 def test_header_string_longer_than_the_limit(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(seqfile, "MAX_HEADER_TEXT_BYTES", 40)
+    monkeypatch.setattr(seqfile.limits, "MAX_HEADER_TEXT_BYTES", 40)
     ok, long = tmp_path / "ok", tmp_path / "long"
     ok.write_bytes(
         encode_header(BYTES_WRITABLE, BYTES_WRITABLE, metadata={"k": "v" * 40}, sync=SYNC)
@@ -130,7 +130,7 @@ def test_metadata_count_beyond_the_file(tmp_path: Path) -> None:
 
 
 def test_metadata_count_beyond_the_limit(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(seqfile, "MAX_METADATA_ENTRIES", 2)
+    monkeypatch.setattr(seqfile.limits, "MAX_METADATA_ENTRIES", 2)
     path = tmp_path / "count"
     path.write_bytes(
         encode_header(BYTES_WRITABLE, BYTES_WRITABLE, metadata={"a": "1", "b": "2"}, sync=SYNC)
@@ -208,7 +208,7 @@ def test_record_length_beyond_the_file(tmp_path: Path, batch_bytes: int) -> None
 
 @pytest.mark.parametrize("fixed", [True, False])
 def test_record_length_beyond_the_limit(tmp_path: Path, monkeypatch, fixed: bool) -> None:
-    monkeypatch.setattr(seqfile, "MAX_RECORD_BYTES", 100)
+    monkeypatch.setattr(seqfile.limits, "MAX_RECORD_BYTES", 100)
     values = [b"v" * 93] * 3 if fixed else [b"v" * 92, b"w" * 93, b"x"]
     path, offsets = cube_file(tmp_path / "f", values)
     bad = offsets[0] if fixed else offsets[1]
@@ -218,7 +218,7 @@ def test_record_length_beyond_the_limit(tmp_path: Path, monkeypatch, fixed: bool
             read_everything(path, batch_bytes=batch_bytes)
         assert caught.value.offset == bad
         assert caught.value.problem == f"record length {record_len} exceeds the limit of 100 bytes"
-    monkeypatch.setattr(seqfile, "MAX_RECORD_BYTES", record_len)
+    monkeypatch.setattr(seqfile.limits, "MAX_RECORD_BYTES", record_len)
     read_everything(path)
 
 
@@ -231,7 +231,7 @@ def record_compressed(path: Path, values: list[bytes], codec: str = "default") -
 
 @pytest.mark.parametrize("codec", ["default", "gzip", "bzip2", "lz4", "snappy", "zstd"])
 def test_record_compressed_value_bomb(tmp_path: Path, monkeypatch, codec: str) -> None:
-    monkeypatch.setattr(seqfile, "MAX_RECORD_BYTES", 1 << 20)
+    monkeypatch.setattr(seqfile.limits, "MAX_RECORD_BYTES", 1 << 20)
     path = record_compressed(tmp_path / "f", [b"ok", bytes(8 << 20)], codec)
     second = record_offsets(path)[1]
 
@@ -290,7 +290,7 @@ def test_block_record_count_beyond_the_limit(tmp_path: Path) -> None:
         read_everything(path)
     assert caught.value.offset == start + 20
     assert caught.value.problem == (
-        f"a block's record count {HUGE} exceeds the limit of {seqfile.MAX_BLOCK_RECORDS}"
+        f"a block's record count {HUGE} exceeds the limit of {seqfile.limits.MAX_BLOCK_RECORDS}"
     )
 
 
@@ -342,7 +342,7 @@ def test_block_section_decompression_bomb(tmp_path: Path, what: str, limit: int)
 
 
 def test_block_lengths_beyond_the_block_limit(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(seqfile, "MAX_BLOCK_BYTES", 1000)
+    monkeypatch.setattr(seqfile.limits, "MAX_BLOCK_BYTES", 1000)
     path = tmp_path / "f"
     block_file(path, 1, zsections(b"\x08", bytes(8), encode_vint(5000), bytes(5000)))
     with pytest.raises(SequenceFileError, match="block values: their lengths add up to 5000"):
@@ -350,7 +350,7 @@ def test_block_lengths_beyond_the_block_limit(tmp_path: Path, monkeypatch) -> No
 
 
 def test_block_compressed_section_beyond_the_limit(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(seqfile, "MAX_BLOCK_BYTES", 100)
+    monkeypatch.setattr(seqfile.limits, "MAX_BLOCK_BYTES", 100)
     path = tmp_path / "f"
     noise = np.random.default_rng(1).bytes(300)
     start = block_file(path, 1, [*zsections(b"\x08", bytes(8), b"\x01", b"v")[:3], noise])

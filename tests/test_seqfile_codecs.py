@@ -371,7 +371,7 @@ def test_zstd_stated_content_size_is_refused_before_decoding(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("codec", ["snappy", "zstd"])
 def test_record_value_bomb_costs_at_most_the_limit(tmp_path: Path, monkeypatch, codec: str) -> None:
-    monkeypatch.setattr(seqfile, "MAX_RECORD_BYTES", 1 << 20)
+    monkeypatch.setattr(seqfile.limits, "MAX_RECORD_BYTES", 1 << 20)
     value = bytes(8 << 20)
     if codec == "zstd":  # no content size, as Hadoop writes it: found out only by decoding
         packed = zstd_frames_without_size(struct.pack(">I", len(value)) + value)

@@ -17,11 +17,11 @@ from cube.seqfile import (
     SYNC_ESCAPE,
     SequenceFileReader,
     SequenceFileWriter,
-    _column,
     concat_columns,
     encode_header,
     read_header,
 )
+from cube.seqfile.decode import _column
 from cube.values import ValueColumn
 
 LAYOUTS = [("none", None)] + [
