@@ -382,7 +382,7 @@ def test_compiled_gather_is_the_numpy_one(tmp_path, width, monkeypatch):
 def test_tar_sink_writes_every_byte_in_order(tmp_path, monkeypatch, direct, sizes):
     """Direct writes of whole buffers, a tail that is not whole blocks (1000 bytes: EINVAL
     under O_DIRECT, written through the cache instead), and the buffered fallback."""
-    import cube.builder.build as build_module
+    import cube.builder.tarball as tarball
 
     if not direct:
         monkeypatch.delattr(os, "O_DIRECT", raising=False)
@@ -391,7 +391,7 @@ def test_tar_sink_writes_every_byte_in_order(tmp_path, monkeypatch, direct, size
     path = tmp_path / "out"
     for in_place in (False, True):
         maps = []
-        with build_module._TarSink(path) as sink:
+        with tarball._TarSink(path) as sink:
             for piece in pieces:
                 if in_place:  # whole blocks straight from a page-aligned piece, the rest copied
                     maps.append(mmap.mmap(-1, len(piece)))

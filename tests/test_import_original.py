@@ -578,9 +578,10 @@ HOOKED = """
 import os, signal, sys, time
 from pathlib import Path
 import cube.builder.import_original as cube_import
+from cube.builder.import_original import write as converter
 action, target, pid_file = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 importer = os.getpid()
-real_build_table = cube_import.build_table
+real_build_table = converter.build_table
 
 def build_table(keys):
     pid_file.write_text(str(os.getpid()))
@@ -591,7 +592,7 @@ def build_table(keys):
         time.sleep(60)
     return real_build_table(keys)
 
-cube_import.build_table = build_table
+converter.build_table = build_table
 sys.exit(cube_import.main(sys.argv[4:]))
 """
 
