@@ -5,6 +5,7 @@ from anywhere (the SDK, the Spark build, tests) and never imports upward."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -183,3 +184,15 @@ def test_no_function_is_long_without_saying_why():
     assert not [w for w in long if w.split(" ")[0] not in KNOWN_LONG], long
     fixed = KNOWN_LONG - {w.split(" ")[0] for w in long}
     assert not fixed, f"short now (or saying why): remove from KNOWN_LONG: {sorted(fixed)}"
+
+
+def test_the_module_table_lists_every_module():
+    """docs/ARCHITECTURE.md's module table has one row per module of the tree, and no row for a
+    module that is not there (a module added, moved or removed needs its row)."""
+    text = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    section = text.split("\n## Modules\n", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\| `([^`]+\.py)` \|", section, flags=re.MULTILINE)
+    tree = {str(path.relative_to(REPO)) for path in modules().values()}
+    assert len(listed) == len(set(listed)), "a module is listed twice"
+    assert not tree - set(listed), f"missing from the module table: {sorted(tree - set(listed))}"
+    assert not set(listed) - tree, f"listed but not in the tree: {sorted(set(listed) - tree)}"

@@ -23,7 +23,7 @@ import pytest
 from procs import expected_fixed, fixed_values, running_server, start_server, write_version
 
 from cube.client import AsyncCubeClient, ConfError, CubeClient, RequestRejectedError
-from cube.client._transport import BusyPoll
+from cube.client._sync_transport import BusyPoll
 from cube.pb import cube_fast_pb2, cube_pb2, cube_pb2_grpc
 from cube.processes import cpu_seconds, poll_until
 from cube.wire import LANE_MAGIC, decode_seek_response, encode_seek_request
@@ -337,7 +337,7 @@ def test_unreachable_lane_falls_back_to_grpc(announced):
     not one: calls go over gRPC and the lane is asked for again only after a while."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from cube.server.service import empty_answer, encode_seek_response
+    from cube.server.encoders import empty_answer, encode_seek_response
 
     dead = socket.socket()
     dead.bind(("127.0.0.1", 0))
@@ -441,7 +441,7 @@ def test_busy_poll_receives_what_comes_within_or_after_its_window():
 def test_fixed_answer_frame_is_header_and_response_bytes(n, width, version, request_id, word):
     """The one-buffer answer the kernel writes into is byte for byte the answer header + the
     SeekResponse parts, with the values aligned for the kernel's word copies."""
-    from cube.server.service import Answer, seek_response_parts
+    from cube.server.encoders import Answer, seek_response_parts
     from cube.wire import answer_header, fixed_answer_frame
 
     frame, found, values = fixed_answer_frame(n, width, version, request_id, np.dtype(word))

@@ -30,8 +30,9 @@ from procs import expected_fixed, fixed_values, running_server, write_version
 
 from cube.pb import cube_pb2, cube_pb2_grpc
 from cube.processes import _port_free, free_port, poll_until
+from cube.server.encoders import Answer
 from cube.server.original import control_request, keys_array, seek_json, seek_request
-from cube.server.service import Answer, RequestError
+from cube.server.service import RequestError
 
 MISS = 0xFFFFFFFF
 DICT = "rec.mcube.DictService"

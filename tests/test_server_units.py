@@ -15,14 +15,8 @@ from procs import fixed_values, write_version
 from cube.layout import base_of
 from cube.pb import cube_fast_pb2, cube_pb2
 from cube.server.control import ControlError, Coordinator, LocalWorker
-from cube.server.service import (
-    MISS_STATUS,
-    Answer,
-    RequestError,
-    SeekService,
-    encode_dict_response,
-    encode_seek_response,
-)
+from cube.server.encoders import MISS_STATUS, Answer, encode_dict_response, encode_seek_response
+from cube.server.service import RequestError, SeekService
 from cube.server.versions import (
     LoadOptions,
     VersionError,

@@ -15,10 +15,11 @@ from typing import Any
 import grpc
 import numpy as np
 
+from cube.client._aio_transport import AioChannels
 from cube.client._base import ClientBase
 from cube.client._core import Piece, PieceOutcome, PieceRequest, SeekResult, embeddings
 from cube.client._policy import Action, Cancel
-from cube.client._transport import AioChannels, status_of
+from cube.client._transport import status_of
 from cube.client.errors import ConfError, CubeError
 
 # The fast path's first attempt handed over: (replica index, monotonic start, its call in

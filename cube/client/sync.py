@@ -35,7 +35,8 @@ import numpy as np
 from cube.client._base import ClientBase
 from cube.client._core import Piece, PieceOutcome, PieceRequest, SeekResult, embeddings
 from cube.client._policy import Action, Round, Send
-from cube.client._transport import CallHandle, SyncChannels, status_of
+from cube.client._sync_transport import CallHandle, SyncChannels
+from cube.client._transport import status_of
 from cube.client.errors import CubeError
 
 _Key = tuple[int, int]

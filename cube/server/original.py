@@ -28,7 +28,8 @@ import grpc
 import numpy as np
 
 from cube.pb import cube_pb2
-from cube.server.service import Answer, RequestError
+from cube.server.encoders import Answer
+from cube.server.service import RequestError
 
 # brpc's error codes (its errno.proto), as a baidu_std response's error_code
 ENOSERVICE, ENOMETHOD, EREQUEST, ERPCAUTH = 1001, 1002, 1003, 1004
