@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEB_PACKAGES := redis-server memcached prometheus chromium chromium-driver
 
-.PHONY: demo demo-ctr test quick bench lint format install debs stubs tools clean
+.PHONY: demo demo-ctr demo-ctr-paddle paddle-env test-paddle-env test quick bench lint format install debs stubs tools clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,28 @@ $(TOOLS_STAMP): deploy/tools/fetch_helm.py | $(STAMP)
 
 tools: $(TOOLS_STAMP)
 
+# The CTR example's trainer on real PaddlePaddle (make demo-ctr-paddle): paddlepaddle 2.6.2, the
+# last CPU wheel with a parameter-server runtime, pins numpy<2 and protobuf<5, so it gets a venv
+# of its own; the predictor runs the trainer's inference models with paddlepaddle 3.3.1 in the
+# project's venv (the ctr-paddle extra: it installs beside numpy 2 and protobuf 7).
+PADDLE_VENV := .paddle-venv
+PADDLE_STAMP := $(PADDLE_VENV)/.installed
+$(PADDLE_STAMP): examples/ctr/requirements-paddle.txt pyproject.toml | $(STAMP)
+	rm -f $(PADDLE_VENV)/UNAVAILABLE
+	test -x $(PADDLE_VENV)/bin/python || $(PYTHON) -m venv $(PADDLE_VENV)
+	$(PADDLE_VENV)/bin/pip install --quiet -r examples/ctr/requirements-paddle.txt
+	$(BIN)/pip install --quiet -e '.[ctr-paddle]'
+	touch $@
+
+paddle-env: $(PADDLE_STAMP)
+
+# make test installs it too; when the wheels cannot be installed here, the reason is kept in
+# .paddle-venv/UNAVAILABLE and the test that needs them (tests/test_ctr_paddle.py) skips with it.
+test-paddle-env: $(STAMP)
+	@$(MAKE) --no-print-directory paddle-env || { mkdir -p $(PADDLE_VENV); \
+	  echo "make paddle-env failed: the paddlepaddle wheels could not be installed (its output is above)" \
+	  > $(PADDLE_VENV)/UNAVAILABLE; }
+
 # Debian packages the tests and benchmarks need, installed if missing: redis-server and
 # memcached (benchmarks), prometheus (its promtool checks the alerts), chromium and
 # chromium-driver (the status page's browser test).
@@ -46,7 +68,7 @@ debs:
 stubs: $(STAMP)
 	$(BIN)/python -m cube.pb.generate
 
-test: $(STAMP) debs tools
+test: $(STAMP) debs tools test-paddle-env
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
@@ -66,6 +88,11 @@ demo: $(STAMP)
 demo-ctr: $(STAMP)
 	$(BIN)/python -m examples.ctr.demo
 
+# The same loop on real PaddlePaddle: a Fleet parameter-server trainer, its saves read by Cube
+# as they are (examples/ctr/README.md).
+demo-ctr-paddle: $(STAMP) $(PADDLE_STAMP)
+	$(BIN)/python -m examples.ctr.demo --trainer paddle --paddle_python $(PADDLE_VENV)/bin/python
+
 # Microbenchmarks, then Cube against Redis and memcached on the reference workload (bench/README.md)
 # (about 6 minutes on 2 cores; run on an otherwise idle machine).
 bench: $(STAMP) debs
@@ -83,4 +110,4 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 
 clean:
-	rm -rf $(VENV) $(TOOLS) .pytest_cache .ruff_cache .benchmarks .demo .local-cluster
+	rm -rf $(VENV) $(TOOLS) $(PADDLE_VENV) .pytest_cache .ruff_cache .benchmarks .demo .local-cluster

@@ -9,6 +9,12 @@ patch line may also carry `"delete": "<dir or file>"` (keys to delete, passed to
 when it is empty or much smaller than the live version (transfer.conf `max_shrink`,
 `allow_empty_base`); use it for an intended shrink, after a refusal says why. Other fields are
 ignored, so the original's lines stay valid.
+
+The same lines come from PaddlePaddle's trainers under other file names (`DonefileFormat`):
+Fleet's `FleetUtil.write_xbox_donefile` appends to `xbox_base_done.txt` / `xbox_patch_done.txt`
+and PaddleRec's `write_inference_donefile` to `base_donefile.txt` / `patch_donefile.txt`, each
+line `{"id", "key", "input": "<model>/<day>/base/000" or ".../<day>/delta-<pass>/000", ...}`
+naming a parameter-server save (`paddle_save_of`). The original Cube's format came from there.
 """
 
 from __future__ import annotations
@@ -26,6 +32,63 @@ VERSION_NAME = re.compile(r"\d{1,20}(?:_\d{1,20})?")  # a base <id> or a delta <
 
 
 @dataclass(frozen=True)
+class DonefileFormat:
+    """Which two files announce bases and patches, and what their inputs are."""
+
+    name: str  # transfer.conf's source_format
+    base_file: str
+    patch_file: str
+    paddle_saves: bool  # inputs are parameter-server saves: <day>/base, <day>/delta-<pass>
+    writer: str  # who writes these files (for messages)
+
+
+DONEFILE_FORMATS = {
+    f.name: f
+    for f in (
+        DonefileFormat("seqfile", BASE_FILE, PATCH_FILE, False, "kv_to_seqfile or a trainer"),
+        # paddle.incubate.distributed.fleet.fleet_util.FleetUtil.write_xbox_donefile
+        DonefileFormat(
+            "paddle_fleet", "xbox_base_done.txt", "xbox_patch_done.txt", True, "Paddle's FleetUtil"
+        ),
+        # PaddleRec tools/utils/static_ps/flow_helper.py write_inference_donefile
+        DonefileFormat(
+            "paddlerec", "base_donefile.txt", "patch_donefile.txt", True, "PaddleRec's trainer"
+        ),
+    )
+}
+SEQFILE = DONEFILE_FORMATS["seqfile"]
+BASE_FILES = frozenset(f.base_file for f in DONEFILE_FORMATS.values())
+
+# <day>/base or <day>/delta-<pass> (Fleet's and PaddleRec's; delta_<pass> too), then the
+# table's folder the writers append (they hard-code 000: the first table's id)
+_PADDLE_SAVE = re.compile(
+    r"(?:^|/)(?P<day>\d{8})/(?P<kind>base|delta[-_](?P<pass>\d{1,9}))(?:/(?P<table>\d{1,9}))?/*$"
+)
+
+
+@dataclass(frozen=True)
+class PaddleSave:
+    """What the path of a parameter-server save says of it."""
+
+    day: str  # YYYYMMDD
+    is_base: bool
+    folder: str  # base | delta-<pass>
+    save_dir: str  # the path without the table folder a writer appended (`.../000`)
+
+
+def paddle_save_of(path: str) -> PaddleSave | None:
+    """The save a donefile `input` names, when it follows the trainers' layout
+    (`<model>/<day>/base[/<table>]`, `<model>/<day>/delta-<pass>[/<table>]`); None otherwise.
+    Works on paths and URLs alike (it reads the end of the string)."""
+    match = _PADDLE_SAVE.search(path)
+    if match is None:
+        return None
+    save_dir = path[: match.end("kind")] if match.group("table") else path.rstrip("/")
+    kind = match.group("kind")
+    return PaddleSave(match.group("day"), kind == "base", kind, save_dir)
+
+
+@dataclass(frozen=True)
 class DonefileEntry:
     file: str  # base.txt | patch.txt
     line_no: int  # 1-based
@@ -37,7 +100,7 @@ class DonefileEntry:
 
     @property
     def is_base(self) -> bool:
-        return self.file == BASE_FILE
+        return self.file in BASE_FILES
 
     @property
     def where(self) -> str:
@@ -72,8 +135,12 @@ def split_complete_lines(text: str) -> list[str]:
     return [line.rstrip("\r") for line in lines]
 
 
-def parse_line(file: str, line_no: int, text: str) -> DonefileEntry | BadLine | None:
-    """One donefile line; None for a blank line."""
+def parse_line(
+    file: str, line_no: int, text: str, donefile_format: DonefileFormat = SEQFILE
+) -> DonefileEntry | BadLine | None:
+    """One donefile line; None for a blank line. `file` is one of the format's two files; for
+    parameter-server saves (`paddle_saves`), a line whose input is a save of the other kind
+    is refused (`save_kind_problem`)."""
     if not text.strip():
         return None
 
@@ -106,14 +173,41 @@ def parse_line(file: str, line_no: int, text: str) -> DonefileEntry | BadLine | 
     allow_shrink = obj.get("allow_shrink", False)
     if not isinstance(allow_shrink, bool):
         return bad(f"field 'allow_shrink' must be true or false ({_kind(allow_shrink)})")
-    if file == BASE_FILE and fields["id"] != fields["key"]:
+    is_base = file in BASE_FILES
+    if is_base and fields["id"] != fields["key"]:
         return bad(f"a base line needs id == key, got id {fields['id']} key {fields['key']}")
-    if file == BASE_FILE and delete:
+    if is_base and delete:
         return bad("a base line cannot carry 'delete'")
-    if file != BASE_FILE and allow_shrink:
+    if not is_base and allow_shrink:
         return bad("'allow_shrink' applies to base lines only (a patch may be empty anyway)")
+    if donefile_format.paddle_saves:
+        problem = save_kind_problem(donefile_format, is_base, source.strip())
+        if problem:
+            return bad(problem)
     return DonefileEntry(
         file, line_no, fields["id"], fields["key"], source.strip(), delete.strip(), allow_shrink
+    )
+
+
+def save_kind_problem(donefile_format: DonefileFormat, is_base: bool, path: str) -> str:
+    """Why a line's parameter-server save cannot be what its file announces ("" when it can,
+    or when its path does not tell). A base replaces the whole table, and shrink deletions
+    leave no marker in deltas, so a base save must never be applied as a patch (the keys
+    shrunk away would stay served) and a delta save, which holds only the rows changed since
+    the last save, never replaces a table."""
+    save = paddle_save_of(path)
+    if save is None or save.is_base == is_base:
+        return ""
+    if save.is_base:
+        return (
+            f"input is a base save ({save.day}/{save.folder}), but the line is in "
+            f"{donefile_format.patch_file}: a base replaces the whole table (keys shrunk away "
+            f"leave no mark in a delta); announce it in {donefile_format.base_file}"
+        )
+    return (
+        f"input is a delta save ({save.day}/{save.folder}), but the line is in "
+        f"{donefile_format.base_file}: a delta holds only the rows changed since the last "
+        f"save; announce it in {donefile_format.patch_file}"
     )
 
 
@@ -123,11 +217,13 @@ def _kind(value: object) -> str:
     return "missing" if value is None else f"a JSON {type(value).__name__}"
 
 
-def parse_lines(file: str, text: str, start_line: int = 0) -> list[DonefileEntry | BadLine]:
+def parse_lines(
+    file: str, text: str, start_line: int = 0, donefile_format: DonefileFormat = SEQFILE
+) -> list[DonefileEntry | BadLine]:
     """Entries of the complete lines after the first `start_line` lines."""
     out: list[DonefileEntry | BadLine] = []
     for offset, line in enumerate(split_complete_lines(text)[start_line:]):
-        parsed = parse_line(file, start_line + offset + 1, line)
+        parsed = parse_line(file, start_line + offset + 1, line, donefile_format)
         if parsed is not None:
             out.append(parsed)
     return out
@@ -150,6 +246,29 @@ def format_line(
         fields["delete"] = delete
     if allow_shrink:
         fields["allow_shrink"] = True
+    return json.dumps(fields)
+
+
+def format_fleet_line(
+    version_id: str, key: str, input_path: str, output_path: str, day: str, mpi_size: int = 1
+) -> str:
+    """A line as Paddle's `FleetUtil.write_xbox_donefile` writes it (fleet_util.py
+    `_get_xbox_str`: the same fields, in its order; `record_count` is its constant, the
+    job fields empty as outside a cluster). For the example trainer and the tests."""
+    fields = {
+        "id": version_id,
+        "key": key,
+        "input": input_path,
+        "record_count": "111111",
+        "partition_type": "2",
+        "job_name": "default_job_name",
+        "ins_tag": "feasign",
+        "ins_path": "",
+        "job_id": "",
+        "monitor_data": "",
+        "monitor_path": output_path.rstrip("/") + "/monitor/" + day + ".txt",
+        "mpi_size": str(mpi_size),
+    }
     return json.dumps(fields)
 
 

@@ -13,7 +13,7 @@ import pytest
 from cube.donefile import BASE_FILE, PATCH_FILE, DonefileEntry, parse_lines
 from examples.ctr import samples as sample_io
 from examples.ctr.data import SPLIT_DONE, StreamSpec, generate, list_splits, write_split
-from examples.ctr.model import Dense, Hyper, Model, SparseTable, auc
+from examples.ctr.model import Dense, Hyper, Model, SparseTable, auc, pool
 from examples.ctr.store import (
     all_models,
     find_model,
@@ -309,3 +309,98 @@ def test_a_slot_the_model_lacks_is_named_by_sample_and_feature():
     samples = sample_io.parse_lines(["1 0 5:1 6:2", "7:2 8:9 9:1"])
     with pytest.raises(sample_io.SampleError, match=r"sample 1: feature 2 is in slot 9,"):
         slot_index(np.arange(1, 4), samples)
+
+
+# ---------------------------------------------------------------------------------------------
+# the Paddle trainer's numbers (numpy; the Fleet job itself: tests/test_ctr_paddle.py)
+
+
+def _mlp(rng, inputs):
+    return [
+        (rng.standard_normal((inputs, 16)).astype(np.float32) * 0.4, rng.standard_normal(16)
+         .astype(np.float32) * 0.1),
+        (rng.standard_normal((16, 8)).astype(np.float32) * 0.4, np.zeros(8, np.float32)),
+        (rng.standard_normal((8, 1)).astype(np.float32) * 0.6, np.zeros(1, np.float32)),
+    ]  # fmt: skip
+
+
+def _prob(layers, x):
+    h = x.astype(np.float64)
+    for w, b in layers[:-1]:
+        h = np.maximum(h @ w + b, 0.0)
+    return 1.0 / (1.0 + np.exp(-(h @ layers[-1][0] + layers[-1][1])[:, 0]))
+
+
+def test_the_probability_bound_covers_the_six_digit_text():
+    """The served embeddings are the trainer's printed with 6 significant digits and read as
+    float32: the bound derived from that (without the allowance for two runtimes) holds for
+    every sample of a random model, and is not loose by orders of magnitude."""
+    from examples.ctr.paddle_trainer import EVAL_NOISE, mlp_gradients, probability_bounds
+
+    rng = np.random.default_rng(3)
+    samples = sample_io.parse_lines(
+        [" ".join(f"{k}:{1 + k % 4}" for k in rng.integers(1, 400, 7)) for _ in range(3000)]
+    )
+    slot_ids = np.arange(1, 5, dtype=np.int64)
+    exact = (rng.standard_normal((samples.feasigns.shape[0], 6)) * 0.5).astype(np.float32)
+    printed = np.array([[float(f"{v:.6g}") for v in row] for row in exact.tolist()], np.float32)
+    pooled, served = pool(exact, samples, slot_ids), pool(printed, samples, slot_ids)
+    layers = _mlp(rng, pooled.shape[1])
+    mine = _prob(layers, pooled)
+    bound = probability_bounds(
+        mine, mlp_gradients(pooled, layers), pool(np.abs(exact), samples, slot_ids)
+    )
+    diff = np.abs(_prob(layers, served) - mine)
+    assert (diff <= bound - EVAL_NOISE + 1e-12).all()
+    assert diff.max() > 0.02 * (bound - EVAL_NOISE).max()  # a bound, not a wild guess
+
+
+def test_the_trainer_takes_the_saved_rows_as_the_save_wrote_them():
+    """A real save (tests/data/paddle_ps): the rows' served columns as the text has them, a
+    row saved without its embedx part serves zeros there (whatever the trainer holds), and a
+    pulled value that differs from the text by more than its digits is an error."""
+    from examples.ctr.paddle_trainer import ServedTable, as_saved, saved_rows
+
+    save = Path(__file__).parent / "data" / "paddle_ps" / "ctr_common_adagrad"
+    expected = json.loads((save / "expected.json").read_text())["saves"]["base"]["tables"]["emb"]
+    keys, text, full = saved_rows(save / "base" / "000", 5)
+    assert keys.tolist() == expected["keys"] and not full.all() and full.any()
+    lookup = np.array(
+        [np.frombuffer(bytes.fromhex(h), "<f4") for h in expected["lookup_f32le_hex"]]
+    )
+    pulled = lookup[:, 2:].copy()  # without show, click
+    pulled[~full, 1:] = 0.5  # embedx weights the trainer holds but the save left out
+    rows = as_saved("base", text, full, pulled)
+    assert (rows[~full, 1:] == 0).all() and (rows[full] == pulled[full]).all()
+    pulled[3, 0] += 1e-3 + abs(pulled[3, 0]) * 1e-4
+    with pytest.raises(RuntimeError, match="base: 1 saved rows differ from the pserver's"):
+        as_saved("base", text, full, pulled)
+    table = ServedTable(6)
+    table.apply(keys, rows, base=True)
+    table.apply(keys[:2], rows[:2] + 1, base=False)
+    table.apply(np.array([2**64 - 1], np.uint64), np.ones((1, 6), np.float32), base=False)
+    assert table.keys.shape[0] == keys.shape[0] + 1
+    assert (table.lookup(keys[:2]) == rows[:2] + 1).all()
+    assert (table.lookup(np.array([12345678], np.uint64)) == 0).all()  # not served: zeros
+    table.apply(keys[:1], rows[:1], base=True)  # a base replaces the whole table
+    assert table.keys.tolist() == keys[:1].tolist()
+
+
+def test_the_paddle_demo_says_which_pass_failed_and_by_how_much():
+    from examples.ctr.demo import check
+
+    row = {
+        "pass": 3, "version": "1_3", "offline_auc": 0.7, "served_auc": 0.7015,
+        "served_versions": ["1_3"], "errors": [], "max_prob_diff": 3e-5, "max_bound": 1e-5,
+        "over_bound": 2, "worst": {"sample": 17, "diff": 3e-5, "bound": 1e-5},
+    }  # fmt: skip
+    failures = check([row], None)
+    assert failures == [
+        "pass 3 (1_3): served AUC 0.7015 vs offline 0.7000: off by 0.0015 (> 0.001)",
+        "pass 3 (1_3): 2 served probabilities differ from the trainer's by more than the "
+        "6-digit text allows; worst: held-out sample 17, off by 3.000e-05 (bound 1.000e-05)",
+    ]
+    within = {**row, "served_auc": 0.7009, "over_bound": 0, "max_prob_diff": 9e-6}
+    assert check([within], None) == []
+    numpy_row = {k: v for k, v in within.items() if k not in ("max_prob_diff", "over_bound")}
+    assert check([{**numpy_row, "served_auc": 0.7015}], None) == []  # 0.002 for numpy's

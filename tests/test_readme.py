@@ -31,7 +31,7 @@ def tour_blocks() -> list[tuple[str, str]]:
 
 
 def test_the_quick_tour_runs(tmp_path):
-    setup, build, serve, lookup = tour_blocks()
+    setup, build, serve, lookup, paddle, transfer_conf = tour_blocks()
     assert setup[1].strip() == "make install && . .venv/bin/activate"
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     built = subprocess.run(
@@ -62,3 +62,20 @@ def test_the_quick_tour_runs(tmp_path):
     finally:
         for process in servers:
             stop_child(process, 15)
+    # From PaddleRec: run from the repository's root (its test saves are under tests/)
+    (tmp_path / "tests").symlink_to(REPO / "tests")
+    built = subprocess.run(
+        ["bash", "-euc", paddle[1]], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    for shard in (0, 1):
+        assert (tmp_path / "ps-output" / "1700000100_1700000100" / f"ctr_part{shard}.tar").is_file()
+    # its transfer.conf lines are keys cube-transfer takes
+    from cube.transfer.config import parse_config
+
+    conf = "[default]\ndict_name: ctr\nwget_port: 0\noutput_address: o\ntmp_address: t\n"
+    conf += "shard_num: 1\n" + transfer_conf[1]
+    conf += "[cube_agent]\nagent0_0: 127.0.0.1:1\ncube0_0: 127.0.0.1:2:/d\n"
+    cfg = parse_config(conf, "README.md", tmp_path)
+    assert cfg.donefile_format.base_file == "base_donefile.txt" and cfg.paddle_saves

@@ -356,6 +356,38 @@ def test_a_parameter_server_save_in_s3_builds_with_its_empty_shards(s3, tmp_path
     assert local == fetched and len(local) == 2 * (2 * 4 + 2)
 
 
+def test_the_transfer_mirrors_a_parameter_server_save_with_its_empty_shards(s3, tmp_path):
+    """cube-transfer with source_format paddle_fleet: a Fleet line's input (`.../000`, the
+    table folder) is mirrored as its save directory, empty part files included, so an empty
+    delta keeps its table folder and the builder finds it; a save over http is refused."""
+    from cube.transfer.build_runner import BuildRunner
+    from tests.test_builder_paddle_ps import DATA
+
+    folder = DATA / "ctr_common_adagrad" / "delta_empty"
+    tree = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    assert not any(tree[name] for name in tree if name.startswith("000/"))  # all empty
+    url = put_tree(s3.fs, "models/20261128/delta-2", tree)
+    cfg = parse_config(
+        "[default]\ndict_name: d\nwget_port: 0\ndonefile_address: /x\noutput_address: o\n"
+        f"tmp_address: {tmp_path}\nshard_num: 1\nsource_format: paddle_fleet\n"
+        "builder_flags: -paddle_config /c\n"
+        "[cube_agent]\nagent0_0: 127.0.0.1:1\ncube0_0: 127.0.0.1:2:/d\n",
+        "t.conf",
+        tmp_path,
+    )
+    runner = BuildRunner(cfg)
+    source = runner.build_input(f"{url}/000")
+    assert source == url
+    mirror = tmp_path / "mirror"
+    where = asyncio.run(runner._fetch(source, mirror, cfg.paddle_saves))
+    assert where == str(mirror)
+    mirrored = sorted(str(p.relative_to(mirror)) for p in mirror.rglob("*") if p.is_file())
+    assert mirrored == sorted(tree)
+    with pytest.raises(SourceUnavailable, match="a parameter-server save is read from a local "
+                       "path, s3:// or webhdfs://, not over http"):  # fmt: skip
+        asyncio.run(runner._fetch("http://127.0.0.1:1/models/20261128/base", mirror, True))
+
+
 def test_missing_objects_and_buckets(s3, tmp_path):
     missing = f"s3://{BUCKET}/inputs/never-written"
     with pytest.raises(BuildError, match=f"^{re.escape(missing)}: not found$"):

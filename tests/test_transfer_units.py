@@ -108,8 +108,9 @@ def test_render_config_keeps_every_field(tmp_path):
         history_limit=77, max_shrink=0.25, allow_empty_base=True, extra={"mine": "x"},
         insecure=True, tls_cert="/pki/cert.pem", tls_key="/pki/key.pem",
         agent_tls_ca="/pki/ca.pem", download_mode="s3", upload_address="s3://builds/cube",
-        builder_flags=("-engine", "spark", "-spark_conf", "a=b c,d=#e"), mirror_input=False,
-        variable_width=True, version_retries=2, version_retry_backoff=0.5,
+        builder_flags=("-engine", "spark", "-spark_conf", "a=b c,d=#e", "-paddle_config", "/f"),
+        mirror_input=False, variable_width=True, version_retries=2, version_retry_backoff=0.5,
+        source_format="paddlerec",
     )  # fmt: skip
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     for name in defaults:
@@ -990,3 +991,114 @@ def test_agent_instances_flag(text, error):
     assert [(str(c.deploy_path), c.server) for c in configs] == [
         ("/d1", "h:1"), ("/d2", "h:2"), ("/d3", "other:9")
     ]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# a PaddlePaddle trainer's donefiles (source_format paddle_fleet / paddlerec)
+
+
+def test_fleet_and_paddlerec_lines_announce_parameter_server_saves():
+    """The lines Paddle's FleetUtil.write_xbox_donefile and PaddleRec's trainer write parse as
+    they are (their extra fields ignored), from their own file names; the base/patch kind comes
+    from the file, and a save of the other kind is refused with the reason."""
+    from cube.donefile import DONEFILE_FORMATS, format_fleet_line, paddle_save_of
+
+    fleet = DONEFILE_FORMATS["paddle_fleet"]
+    assert (fleet.base_file, fleet.patch_file) == ("xbox_base_done.txt", "xbox_patch_done.txt")
+    rec = DONEFILE_FORMATS["paddlerec"]
+    assert (rec.base_file, rec.patch_file) == ("base_donefile.txt", "patch_donefile.txt")
+    line = format_fleet_line("1795478400", "1795478400", "/m/20261124/base/000", "/m", "20261124")
+    assert list(json.loads(line))[:3] == ["id", "key", "input"]
+    base = parse_line(fleet.base_file, 1, line, fleet)
+    assert base.is_base and base.input == "/m/20261124/base/000"
+    # PaddleRec's: id, key, input, monitor_data
+    text = '{"id": "1795482000", "key": "1795478400", "input": "/m/20261124/delta-2/000", '
+    patch = parse_line(rec.patch_file, 2, text + '"monitor_data": ""}', rec)
+    assert not patch.is_base and (patch.key, patch.id) == ("1795478400", "1795482000")
+    # the other kind of save, in either file
+    as_patch = parse_line(fleet.patch_file, 3, line, fleet)
+    assert isinstance(as_patch, BadLine)
+    assert (
+        "input is a base save (20261124/base), but the line is in xbox_patch_done.txt: a "
+        "base replaces the whole table" in as_patch.reason
+    )
+    delta = format_fleet_line("7", "7", "/m/20261124/delta-3/000", "/m", "20261124")
+    as_base = parse_line(fleet.base_file, 4, delta, fleet)
+    assert isinstance(as_base, BadLine)
+    assert (
+        "input is a delta save (20261124/delta-3), but the line is in "
+        "xbox_base_done.txt" in as_base.reason
+    )
+    # other paths are not judged; seqfile donefiles never are
+    assert parse_line(fleet.base_file, 5, format_fleet_line("7", "7", "/x/y", "/m", "1"), fleet)
+    assert not isinstance(parse_line("base.txt", 6, delta), BadLine)
+    # what a path says of its save
+    save = paddle_save_of("s3://b/m/20261124/delta-12/000")
+    assert (save.day, save.is_base, save.folder) == ("20261124", False, "delta-12")
+    assert save.save_dir == "s3://b/m/20261124/delta-12"
+    assert paddle_save_of("/m/20261124/delta_2/").save_dir == "/m/20261124/delta_2"
+    assert paddle_save_of("/m/20261124/base").save_dir == "/m/20261124/base"
+    for other in ("/data/1700000000/base", "/m/20261124/base/sparse", "/m/base/000", "base"):
+        assert paddle_save_of(other) is None, other
+
+
+def test_source_format_configures_the_donefiles_and_the_builder(tmp_path):
+    from cube.transfer.build_runner import BuildRunner
+
+    fleet = CONF.replace(
+        "phase_timeout: 30", "phase_timeout: 30\nsource_format: paddle_fleet\n"
+        "builder_flags: -paddle_config /conf/fleet_desc.prototxt -paddle_value show,click,embed_w"
+    )  # fmt: skip
+    cfg = parse_config(fleet, "t.conf", tmp_path)
+    assert cfg.donefile_format.base_file == "xbox_base_done.txt" and cfg.paddle_saves
+    runner = BuildRunner(cfg)
+    assert runner.extra_flags[:2] == ("-input_format", "paddle_ps")
+    assert runner.extra_flags[2:] == cfg.builder_flags
+    # the save, not the table folder the writer appended: the builder finds the sparse table
+    assert runner.build_input("/m/20261124/delta-2/000") == "/m/20261124/delta-2"
+    assert runner.build_input("/m/other/000") == "/m/other/000"
+    seqfile = parse_config(CONF, "t.conf", tmp_path)
+    assert not seqfile.paddle_saves and BuildRunner(seqfile).extra_flags == ()
+    assert BuildRunner(seqfile).build_input("/m/20261124/delta-2/000").endswith("/000")
+    # SequenceFile donefiles naming saves: the builder flag says so (mirrors keep empty files)
+    flagged = CONF.replace("phase_timeout: 30", "phase_timeout: 30\nbuilder_flags: "
+                           "-input_format=paddle_ps -paddle_config /c")  # fmt: skip
+    assert parse_config(flagged, "t.conf", tmp_path).paddle_saves
+    with pytest.raises(ConfigError, match=r"t.conf:\d+: source_format: 'paddle' is not one of "
+                       "seqfile, paddle_fleet, paddlerec"):  # fmt: skip
+        parse_config(fleet.replace("paddle_fleet", "paddle"), "t.conf", tmp_path)
+    with pytest.raises(ConfigError, match="-input_format is set by cube-transfer"):
+        parse_config(fleet.replace("-paddle_config", "-input_format paddle_ps -paddle_config"),
+                     "t.conf", tmp_path)  # fmt: skip
+    no_layout = fleet.replace("-paddle_config /conf/fleet_desc.prototxt", "-paddle_dim 8")
+    with pytest.raises(ConfigError, match=r"add -paddle_config FILE .* or -paddle_accessor, "
+                       r"-paddle_optimizer$"):  # fmt: skip
+        parse_config(no_layout, "t.conf", tmp_path)
+    layout = "-paddle_accessor ctr_common -paddle_dim 8 -paddle_optimizer adagrad"
+    assert parse_config(no_layout.replace("-paddle_dim 8", layout), "t.conf", tmp_path)
+
+
+def test_a_parameter_server_delta_applies_on_its_own_days_base():
+    """A day's base follows the shrink, whose deletions no delta carries: a delta save of
+    another day than its base's is refused, whatever its key says."""
+    state = TransferState()
+    fleet = ("xbox_base_done.txt", "xbox_patch_done.txt")
+    _lines(state, fleet[0], _base(100, "/m/20261124/base/000"))
+    _go_live(state, next_version(state, 1.0, paddle_saves=True)[0])
+    _lines(state, fleet[1], _patch(110, 100, "/m/20261125/delta-1/000"), start=1)
+    _lines(state, fleet[1], _patch(120, 100, "/m/20261124/delta-2/000"), start=2)
+    rec, logs = next_version(state, 2.0, paddle_saves=True)
+    assert rec.version == "100_120"
+    assert state.record("100_110").status == "refused"
+    assert (
+        logs
+        and "patch 100_110 is a save of day 20261125, but its base 100 is of day "
+        "20261124: a delta applies on its own day's base"
+        in logs[0]
+    )
+    # without parameter-server saves, paths are not read
+    state = TransferState()
+    _lines(state, "base.txt", _base(100, "/m/20261124/base/000"))
+    _go_live(state, next_version(state, 1.0)[0])
+    _lines(state, "patch.txt", _patch(110, 100, "/m/20261125/delta-1/000"))
+    assert next_version(state, 2.0)[0].version == "100_110"

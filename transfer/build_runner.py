@@ -21,6 +21,7 @@ from typing import Any
 import psutil
 
 from cube import remote
+from cube.donefile import paddle_save_of
 from cube.layout import output_dir_name, tar_name
 from cube.remote import RemoteError
 from cube.transfer import build as builds
@@ -68,7 +69,7 @@ class BuildRunner:
         await asyncio.to_thread(shutil.rmtree, out_dir, ignore_errors=True)
         mirror = self.mirror_root / f"{cfg.dict_name}_{rec.version}"
         try:
-            input_path = await self._fetch(rec.input, mirror)
+            input_path = await self._fetch(self.build_input(rec.input), mirror, cfg.paddle_saves)
             delete_path = ""
             if rec.delete:
                 delete_mirror = mirror.with_name(f"{mirror.name}_delete")
@@ -87,7 +88,7 @@ class BuildRunner:
                 # an input not mirrored is fetched by the builder, within fetch_timeout too
                 fetch_timeout=None if cfg.mirror_input else cfg.fetch_timeout,
                 variable_width=cfg.variable_width,
-                extra_flags=cfg.builder_flags,
+                extra_flags=self.extra_flags,
             )
             try:
                 await builds.run_builder(argv, cfg.build_timeout, self._note_builder)
@@ -106,6 +107,23 @@ class BuildRunner:
             builds.read_meta_infos, cfg.output_address, rec.id, rec.depend, range(cfg.shard_num)
         )
         self._record(rec, shards, metas)
+
+    @property
+    def extra_flags(self) -> tuple[str, ...]:
+        """The builder's flags after the ones `builder_argv` sets: -input_format paddle_ps for
+        a trainer's donefiles (source_format), then builder_flags."""
+        paddle = ("-input_format", "paddle_ps") if self.cfg.donefile_format.paddle_saves else ()
+        return (*paddle, *self.cfg.builder_flags)
+
+    def build_input(self, source: str) -> str:
+        """What the builder reads for a line's `input`: for parameter-server saves, the save
+        directory when the line names a table's folder in it (Fleet's and PaddleRec's writers
+        append `/000`, the first table's id: the builder finds the sparse table itself, by its
+        files or -paddle_config, whatever its number); else the input as it is."""
+        if not self.cfg.paddle_saves:
+            return source
+        save = paddle_save_of(source)
+        return save.save_dir if save is not None else source
 
     def _record(
         self, rec: VersionRecord, shards: list[builds.ShardOutput], metas: dict[str, str]
@@ -177,9 +195,12 @@ class BuildRunner:
                 proc.wait(timeout=10)
         self.pid_file.unlink(missing_ok=True)
 
-    async def _fetch(self, source: str, mirror: Path) -> str:
+    async def _fetch(self, source: str, mirror: Path, paddle_save: bool = False) -> str:
         """Where the builder finds the input: a local path itself; a URL mirrored into a local
-        directory, or as it is with mirror_input: false."""
+        directory, or as it is with mirror_input: false. A parameter-server save
+        (`paddle_save`) is mirrored with its empty files (they tell its layout), and only from
+        s3:// or webhdfs:// (the HTTP/FTP mirror copies one directory's files, not a save's
+        table folders)."""
         where = resolve_input(self.cfg.donefile_address, source)
         if not is_url(where) or where.startswith("file://"):
             path = Path(where.removeprefix("file://"))
@@ -188,10 +209,16 @@ class BuildRunner:
             return str(path)
         if not self.cfg.mirror_input and remote.scheme_of(where) in remote.SCHEMES:
             return where  # the builder fetches it itself (mirror_input: false)
+        if paddle_save and remote.scheme_of(where) not in remote.SCHEMES:
+            raise SourceUnavailable(
+                f"input {redact(where)}: a parameter-server save is read from a local path, "
+                "s3:// or webhdfs://, not over http(s) or ftp (its tables are folders)"
+            )
         log.info("mirroring %s into %s", redact(where), mirror)
         timeout = self.cfg.fetch_timeout
+        fetch = asyncio.to_thread(mirror_input, where, mirror, timeout, paddle_save)
         try:  # mirror_input bounds an object store's mirror itself; wait_for, an HTTP/FTP one
-            await asyncio.wait_for(asyncio.to_thread(mirror_input, where, mirror, timeout), timeout)
+            await asyncio.wait_for(fetch, timeout)
         except TimeoutError:
             raise SourceUnavailable(
                 f"input {redact(where)}: not mirrored within {self.cfg.fetch_timeout:g}s"

@@ -45,6 +45,12 @@ Keys we add to [default] (all optional; default in brackets):
 - `mirror_input` [true]: copy a remote input (http, ftp, s3, webhdfs) to tmp_address before the
   builder runs; false hands the builder the URL itself (cube-builder fetches it; with
   `-engine spark` each executor fetches its own files, so the transfer's disk never holds them).
+- `source_format` [seqfile]: who writes the donefiles and what their inputs are
+  (cube.donefile.DONEFILE_FORMATS): `seqfile` (base.txt / patch.txt, SequenceFiles unless
+  builder_flags say otherwise), `paddle_fleet` (xbox_base_done.txt / xbox_patch_done.txt, from
+  Paddle's FleetUtil) or `paddlerec` (base_donefile.txt / patch_donefile.txt, from PaddleRec's
+  streaming trainer): parameter-server saves, built with -input_format paddle_ps (the layout
+  flags go in builder_flags), each from its save directory.
 - `upload_address` [none]: with `download_mode: s3`, the s3://bucket/prefix each built version's
   tars and md5s are uploaded to (transfer/upload.py); agents download from there.
 - `download_address` [none]: with `download_mode: http` or `ftp`, the URL of a file server
@@ -73,6 +79,7 @@ from urllib.parse import urlsplit
 
 from cube import remote
 from cube.backoff import Backoff
+from cube.donefile import DONEFILE_FORMATS, DonefileFormat
 from cube.routing import PARTITIONERS
 from cube.transfer.build import TRANSFER_SET_FLAGS
 from cube.transfer.donefile import address_problem
@@ -100,7 +107,7 @@ DEFAULT_KEYS = frozenset({
     "agent_token", "api_token", "verify_output", "history_limit", "max_shrink",
     "allow_empty_base", "insecure", "tls_cert", "tls_key", "agent_tls_ca", "upload_address",
     "builder_flags", "mirror_input", "download_address", "variable_width", "version_retries",
-    "version_retry_backoff",
+    "version_retry_backoff", "source_format",
 })  # fmt: skip
 
 
@@ -182,6 +189,21 @@ class TransferConfig:
 
     builder_flags: tuple[str, ...] = ()  # appended to the builder's argv
     mirror_input: bool = True  # False: remote inputs go to the builder as URLs
+    source_format: str = "seqfile"  # cube.donefile.DONEFILE_FORMATS: the donefiles' writer
+
+    @property
+    def donefile_format(self) -> DonefileFormat:
+        return DONEFILE_FORMATS[self.source_format]
+
+    @property
+    def paddle_saves(self) -> bool:
+        """Whether inputs are parameter-server saves: the source format says so, or the
+        builder is told to read them (builder_flags -input_format paddle_ps)."""
+        return (
+            self.donefile_format.paddle_saves
+            or _flag_value(self.builder_flags, "input_format") == "paddle_ps"
+        )
+
     extra: dict[str, str] = field(default_factory=dict)
 
     def shard_instances(self, shard: int) -> list[Instance]:
@@ -330,7 +352,12 @@ def parse_config(
     download_address = _download_address(
         text_of("download_address", ""), download_mode, where("download_address")
     )
-    builder_flags = _builder_flags(text_of("builder_flags", ""), where("builder_flags"))
+    source_format = choice_of("source_format", tuple(DONEFILE_FORMATS), "seqfile")
+    builder_flags = _builder_flags(
+        text_of("builder_flags", ""),
+        where("builder_flags"),
+        DONEFILE_FORMATS[source_format].paddle_saves,
+    )
     for key, (_value, line) in default.items():
         if key in DEFAULT_KEYS:
             continue
@@ -387,6 +414,7 @@ def parse_config(
         download_address=download_address,
         builder_flags=builder_flags,
         mirror_input=bool_of("mirror_input", True),
+        source_format=source_format,
         extra={k: v for k, (v, _) in default.items() if k not in DEFAULT_KEYS},
     )
 
@@ -474,10 +502,10 @@ def load_config(path: str | os.PathLike) -> TransferConfig:
 
 
 # Flags the transfer passes to the builder itself (transfer/build.py: builder_argv).
-def _builder_flags(text: str, where: str) -> tuple[str, ...]:
+def _builder_flags(text: str, where: str, paddle_source: bool = False) -> tuple[str, ...]:
     """builder_flags split like a shell would; ConfigError for bad quoting or a flag the
     transfer sets itself (a second -output_path would build somewhere the transfer never
-    looks)."""
+    looks; -input_format when source_format names a trainer's donefiles)."""
     try:
         flags = tuple(shlex.split(text, comments=False))
     except ValueError as exc:
@@ -489,7 +517,38 @@ def _builder_flags(text: str, where: str) -> tuple[str, ...]:
                 f"{where}: builder_flags: {flag.partition('=')[0]} is set by cube-transfer "
                 "(from the config and the donefile line); leave it out"
             )
+        if flag.startswith("-") and name == "input_format" and paddle_source:
+            raise ConfigError(
+                f"{where}: builder_flags: {flag.partition('=')[0]} is set by cube-transfer "
+                "(source_format names parameter-server saves: -input_format paddle_ps); "
+                "leave it out"
+            )
+    layout = ("paddle_accessor", "paddle_dim", "paddle_optimizer")
+    if paddle_source and _flag_value(flags, "paddle_config") is None:
+        missing = [f"-{name}" for name in layout if _flag_value(flags, name) is None]
+        if missing:
+            raise ConfigError(
+                f"{where}: builder_flags: source_format names parameter-server saves, whose "
+                f"row layout the builder needs: add -paddle_config FILE (the trainer's "
+                f"PSParameter text), or {', '.join(missing)}"
+            )
     return flags
+
+
+def _flag_value(flags: tuple[str, ...], name: str) -> str | None:
+    """The value of `-name v` / `--name=v` in a builder argv tail (the last one), else None."""
+    value = None
+    for i, flag in enumerate(flags):
+        if not flag.startswith("-"):
+            continue
+        flag_name, eq, inline = flag.lstrip("-").partition("=")
+        if flag_name != name:
+            continue
+        if eq:
+            value = inline
+        elif i + 1 < len(flags):
+            value = flags[i + 1]
+    return value
 
 
 _DOWNLOAD_SCHEMES = {"http": ("http", "https"), "ftp": ("ftp",)}
@@ -556,6 +615,7 @@ def render_config(cfg: TransferConfig) -> str:
         f"insecure: {'true' if cfg.insecure else 'false'}",
     ]
     lines.append(f"mirror_input: {'true' if cfg.mirror_input else 'false'}")
+    lines.append(f"source_format: {cfg.source_format}")
     if cfg.builder_flags:
         lines.append(f"builder_flags: {shlex.join(cfg.builder_flags)}")
     for key in ("tls_cert", "tls_key", "agent_tls_ca", "upload_address", "download_address"):

@@ -158,14 +158,18 @@ def _cat_url(url: str) -> bytes:
     return fs.cat_file(path)
 
 
-def mirror_input(source: str, dest: Path, timeout: float = 3600.0) -> list[str]:
+def mirror_input(
+    source: str, dest: Path, timeout: float = 3600.0, include_empty: bool = False
+) -> list[str]:
     """Copy the files of the input directory `source` (a URL) into `dest` (replaced), through
     fsspec. HTTP directory index pages and FTP listings: the files of the directory itself,
     sub-directories and hidden files skipped. s3:// and webhdfs://: every file the builder
     would read there (recursively, same rules), at the same relative paths, within `timeout`
-    seconds. Returns the file names (relative paths). Blocking: run in a thread."""
+    seconds; empty files too with `include_empty` (a parameter-server save's empty shards: its
+    layout is told by its file names). Returns the file names (relative paths). Blocking: run
+    in a thread."""
     if urlsplit(source).scheme not in ("http", "https", "ftp"):
-        return _mirror_remote(source, dest, timeout)
+        return _mirror_remote(source, dest, timeout, include_empty)
     fs, base = _filesystem(source.rstrip("/"))
     base = base.rstrip("/")
     try:
@@ -200,14 +204,14 @@ def mirror_input(source: str, dest: Path, timeout: float = 3600.0) -> list[str]:
     return sorted(files)
 
 
-def _mirror_remote(source: str, dest: Path, timeout: float) -> list[str]:
+def _mirror_remote(source: str, dest: Path, timeout: float, include_empty: bool) -> list[str]:
     from cube.builder.build import BuildError  # imported here: the transfer reads few inputs
     from cube.builder.sources import fetch_inputs
 
     tmp = dest.with_name(dest.name + ".part")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        files = fetch_inputs(source, tmp, timeout)
+        files = fetch_inputs(source, tmp, timeout, include_empty=include_empty)
     except BuildError as exc:  # it names the URL (credential-free) and says why
         shutil.rmtree(tmp, ignore_errors=True)
         raise SourceUnavailable(f"input {redact(str(exc))}") from None

@@ -28,7 +28,7 @@ from typing import Any
 
 import aiohttp
 
-from cube.donefile import BASE_FILE, PATCH_FILE, parse_line, split_complete_lines
+from cube.donefile import parse_line, split_complete_lines
 from cube.protocol import CORRUPT_VERSION
 from cube.security import client_context
 from cube.transfer import build as builds
@@ -165,7 +165,7 @@ class TransferService:
         before = {id(r) for r in awaiting_retry(self.state)}
         await self.poll_donefiles()
         while True:
-            rec, logs = next_version(self.state, now())
+            rec, logs = next_version(self.state, now(), self.cfg.paddle_saves)
             for line in logs:
                 log.warning("%s", line)
                 self.journal.event("refused", message=line)
@@ -188,8 +188,10 @@ class TransferService:
     # -- donefiles ---------------------------------------------------------------------------
     @property
     def donefile_names(self) -> list[str]:
-        """The donefiles this mode reads: base.txt, and patch.txt with base_delta."""
-        return [BASE_FILE] + ([PATCH_FILE] if self.cfg.mode == "base_delta" else [])
+        """The donefiles this mode reads: the base file (base.txt, or source_format's), and
+        the patch file with base_delta."""
+        fmt = self.cfg.donefile_format
+        return [fmt.base_file] + ([fmt.patch_file] if self.cfg.mode == "base_delta" else [])
 
     async def poll_donefiles(self) -> None:
         changed = False
@@ -216,8 +218,9 @@ class TransferService:
                 cursor = 0
             if len(lines) == cursor:
                 continue
+            fmt = self.cfg.donefile_format
             parsed = [
-                parse_line(name, cursor + i + 1, text) for i, text in enumerate(lines[cursor:])
+                parse_line(name, cursor + i + 1, text, fmt) for i, text in enumerate(lines[cursor:])
             ]
             for level, message in ingest(self.state, [p for p in parsed if p], now()):
                 getattr(log, level)("%s", message)

@@ -25,7 +25,7 @@ from enum import StrEnum
 from typing import Any, Protocol
 
 from cube.backoff import Backoff
-from cube.donefile import BASE_FILE, PATCH_FILE, BadLine, DonefileEntry
+from cube.donefile import BASE_FILE, BASE_FILES, PATCH_FILE, BadLine, DonefileEntry, paddle_save_of
 from cube.layout import served_version, value_widths, width_change
 
 
@@ -379,7 +379,7 @@ def ingest(
                 depend="",
                 id="",
                 key="",
-                mode="base" if item.file == BASE_FILE else "delta",
+                mode="base" if item.file in BASE_FILES else "delta",
                 input="",
                 line=item.where,
                 status="failed",
@@ -505,7 +505,9 @@ def _drop(rec: VersionRecord, status: str, message: str, at: float, logs: list[s
         logs.append(f"{rec.line}: {message}")
 
 
-def next_version(state: TransferState, at: float) -> tuple[VersionRecord | None, list[str]]:
+def next_version(
+    state: TransferState, at: float, paddle_saves: bool = False
+) -> tuple[VersionRecord | None, list[str]]:
     """Choose the next record to build and deploy (pending, or failed and due for a retry);
     refuse, skip or abandon the ones that can no longer apply (each with its reason, returned
     for the log). None also while the one that goes next waits for its retry.
@@ -513,7 +515,9 @@ def next_version(state: TransferState, at: float) -> tuple[VersionRecord | None,
     Rules: the newest waiting base wins and supersedes older waiting bases and every waiting
     patch that does not belong to it; a base not newer than the live base is refused; a patch
     applies only on the live base, in order (its id above the chain's last), else it is refused;
-    the patches after one awaiting its retry wait for it.
+    the patches after one awaiting its retry wait for it. With `paddle_saves` (inputs are
+    parameter-server saves), a patch whose save is of another day than its base's is refused:
+    a day's base follows the shrink, whose deletions no delta carries (`day_problem`).
     """
     logs: list[str] = []
     waiting = [r for r in state.history if _waiting(r)]
@@ -547,6 +551,8 @@ def next_version(state: TransferState, at: float) -> tuple[VersionRecord | None,
         elif len(state.live_chain) > 1 and int(rec.id) <= int(state.live_chain[-1].split("_")[-1]):
             message = (f"patch {rec.version} is not newer than the live delta "
                        f"{state.live_chain[-1]} (deltas apply in order)")  # fmt: skip
+        elif paddle_saves and (problem := day_problem(rec, state.record(state.live_base))):
+            message = problem
         elif not _due(rec, at):
             return None, logs  # deltas apply in order: the later ones wait for this retry
         else:
@@ -554,6 +560,24 @@ def next_version(state: TransferState, at: float) -> tuple[VersionRecord | None,
             return rec, logs
         _drop(rec, "refused", message, at, logs)
     return None, logs
+
+
+def day_problem(patch: VersionRecord, base: VersionRecord | None) -> str:
+    """Why a parameter-server delta cannot apply on `base` ("" when it can, or when the paths
+    do not tell): their saves are of different days (`<day>/delta-<n>` on `<day>/base`). A
+    trainer saves a day's base after its shrink and the day's deltas after it; a delta holds
+    the rows changed since the last save and no deletion, so on another day's base the keys
+    that shrink deleted would stay served."""
+    if base is None:
+        return ""
+    ours, theirs = paddle_save_of(patch.input), paddle_save_of(base.input)
+    if ours is None or theirs is None or ours.day == theirs.day:
+        return ""
+    return (
+        f"patch {patch.version} is a save of day {ours.day}, but its base {base.version} is "
+        f"of day {theirs.day}: a delta applies on its own day's base (the base after the "
+        "shrink; deltas carry no deletions)"
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,6 +13,15 @@
    version within 0.002 (the embeddings served are the ones trained), else exit 1.
 
     python -m examples.ctr.demo [--dir .demo-ctr] [--days 2] [--splits_per_day 3]
+
+`--trainer paddle` (`make demo-ctr-paddle`) runs the loop on real PaddlePaddle instead: the
+trainer is a Fleet parameter-server job (paddle_trainer.py, in the paddlepaddle 2.6.2 venv
+`--paddle_python`), Cube reads its saves through Fleet's donefiles (`source_format:
+paddle_fleet`, cube-builder -input_format paddle_ps) and the predictor runs each version's
+inference model with paddle.inference. Checked per pass, else exit 1 naming the pass and by how
+much: the served AUC equals the offline AUC within 0.001, and every served probability equals
+the trainer's own (its exact embeddings as saved, its own program) within the bound the
+6-digit text allows for that sample (`paddle_trainer.probability_bounds`, about 1e-5).
 """
 
 from __future__ import annotations
@@ -33,7 +42,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cube.flags import FlagSet, run_cli
+import numpy as np
+
+from cube.donefile import DONEFILE_FORMATS, SEQFILE, DonefileFormat
+from cube.flags import FlagError, FlagSet, run_cli
 from cube.processes import free_port, log_tail, poll_until, spawn, stop_child
 from cube.transfer.demo import DemoError, fresh_dir, say, timeline
 from examples.ctr import client as ctr_client
@@ -42,6 +54,9 @@ from examples.ctr.store import MODELS, ModelMeta, announced_ids, find_model, rea
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.002
+PADDLE_TOLERANCE = 0.001  # the served AUC of the Paddle trainer's versions
+PADDLE_PYTHON = REPO / ".paddle-venv" / "bin" / "python"  # make paddle-env
+FLEET = DONEFILE_FORMATS["paddle_fleet"]
 
 
 def python_env() -> dict[str, str]:
@@ -62,6 +77,21 @@ def start_trainer(
         "--out_dir", str(work / "out"), "--wait_timeout", "600", "--poll", "0.2", *extra,
     ]  # fmt: skip
     return spawn(argv, logs / "trainer.log", append=True, env={**python_env(), **(env or {})})
+
+
+def start_paddle_trainer(
+    work: Path, logs: Path, python: Path, passes: int
+) -> subprocess.Popen[bytes]:
+    """The Paddle trainer (a Fleet job) on `work`/stream, saving into `work`/out/models."""
+    if not python.is_file():
+        raise DemoError(f"no paddlepaddle 2.6.2 environment at {python}: run make paddle-env")
+    stream = work / "stream"
+    argv = [
+        str(python), "-m", "examples.ctr.paddle_trainer",
+        "--data_dir", str(stream / "data"), "--heldout_dir", str(stream / "heldout"),
+        "--out_dir", str(work / "out"), "--passes", str(passes), "--wait_timeout", "600",
+    ]  # fmt: skip
+    return spawn(argv, logs / "trainer.log", append=True, env=python_env())
 
 
 def start_predictor(
@@ -120,12 +150,16 @@ def wait_predictor_ready(url: str, timeout: float) -> None:
 
 
 def wait_model(
-    work: Path, version_id: int, trainer: subprocess.Popen[bytes], timeout: float
+    work: Path,
+    version_id: int,
+    trainer: subprocess.Popen[bytes],
+    timeout: float,
+    donefile_format: DonefileFormat = SEQFILE,
 ) -> ModelMeta:
     """The meta of the model `version_id`, once the trainer has announced it."""
 
     def announced() -> bool:
-        return str(version_id) in announced_ids(work / "out")
+        return str(version_id) in announced_ids(work / "out", donefile_format)
 
     def alive() -> None:
         if trainer.poll() is not None:
@@ -180,6 +214,8 @@ def flag_set() -> FlagSet:
         .add("replicas", int, 2, "replicas per shard")
         .add("shrink_after", int, 2, "the trainer drops features unseen for this many passes")
         .add("timeout", float, 120.0, "seconds each step may take")
+        .add("trainer", str, "numpy", "numpy (the framework-free trainer) or paddle (Fleet)")
+        .add("paddle_python", str, str(PADDLE_PYTHON), "python of the paddlepaddle 2.6.2 venv")
     )
 
 
@@ -188,12 +224,17 @@ def run(argv: Sequence[str]) -> int:
     from cube.transfer.local import Cluster, ClusterSpec, LocalError, up
 
     spec = spec_from(flags)
+    if flags.trainer not in ("numpy", "paddle"):
+        raise FlagError(f"--trainer {flags.trainer!r}: numpy or paddle")
+    paddle = flags.trainer == "paddle"
+    donefile_format = FLEET if paddle else SEQFILE
     started = time.monotonic()
     work = Path(flags.dir).resolve()
     fresh_dir(work)
     logs = work / "logs"
     logs.mkdir()
-    (work / "out" / "donefile").mkdir(parents=True)
+    donefiles = work / "out" / (MODELS if paddle else "donefile")
+    donefiles.mkdir(parents=True)
     stream = work / "stream"
     cluster: Cluster | None = None
     children: list[subprocess.Popen[bytes]] = []
@@ -209,17 +250,31 @@ def run(argv: Sequence[str]) -> int:
             f"== 1. local cluster ({flags.shards} shards x {flags.replicas} replicas), "
             "trainer, predictor"
         )
+        overrides: dict[str, Any] = {}
+        if paddle:  # Fleet's donefiles and saves; the job writes its PSParameter first
+            config = donefiles / "fleet_desc.prototxt"
+            overrides = {
+                "source_format": FLEET.name,
+                "builder_flags": ("-paddle_config", str(config)),
+                "max_shrink": 0.9,
+            }
         cluster = up(
             ClusterSpec(
                 dir=work / "cluster",
                 shards=flags.shards,
                 replicas=flags.replicas,
-                donefile=work / "out" / "donefile",
+                donefile=donefiles,
                 dim=8,
                 poll_interval=0.3,
+                transfer_overrides=overrides,
             )
         )
-        trainer = start_trainer(work, logs, ["--shrink_after", str(flags.shrink_after)])
+        passes = flags.days * spec.splits_per_day
+        if paddle:
+            python = Path(flags.paddle_python)
+            trainer = start_paddle_trainer(work, logs, python, passes)
+        else:
+            trainer = start_trainer(work, logs, ["--shrink_after", str(flags.shrink_after)])
         children.append(trainer)
         predictor, url = start_predictor(cluster.cube_conf, work / "out" / "models", logs)
         children.append(predictor)
@@ -234,7 +289,7 @@ def run(argv: Sequence[str]) -> int:
         for index in range(flags.days * spec.splits_per_day):
             when = split_time(spec, index)
             write_split(spec, stream, index)
-            meta = wait_model(work, int(when.timestamp()), trainer, flags.timeout)
+            meta = wait_model(work, int(when.timestamp()), trainer, flags.timeout, donefile_format)
             rollout = cluster.wait_version(meta.version, flags.timeout)
             record = next(
                 (r for r in reversed(cluster.history()) if r.get("version") == meta.version), {}
@@ -263,6 +318,8 @@ def run(argv: Sequence[str]) -> int:
                 "p99_ms": served.summary()["p99_ms"],
                 "errors": served.errors,
             }
+            if paddle:
+                row.update(probability_check(work, meta, served))
             rows.append(row)
             say(
                 f"   pass {row['pass']} {row['split']} {row['kind']:<5} {row['version']:<21} "
@@ -270,6 +327,12 @@ def run(argv: Sequence[str]) -> int:
                 f"(streaming {row['streaming_auc']:.4f}); rollout {rollout:.1f}s "
                 f"({row['timeline']}); {row['table_keys']:,} keys, {row['saved']:,} saved, "
                 f"{row['deleted']:,} deleted"
+                + (
+                    f"; probabilities: max |served - trainer's| {row['max_prob_diff']:.2e} "
+                    f"(bound {row['max_bound']:.2e})"
+                    if paddle
+                    else ""
+                )
             )
         if background is not None:
             background.stop()
@@ -302,12 +365,33 @@ def run(argv: Sequence[str]) -> int:
                 say(f"   {line}")
 
 
+def probability_check(work: Path, meta: ModelMeta, served: ctr_client.Replay) -> dict[str, Any]:
+    """The served probabilities against the trainer's own for the same held-out samples
+    (`heldout.npz` beside the version's model: its probabilities and per-sample bounds)."""
+    with np.load(find_model(work / "out" / MODELS, meta.id) / "heldout.npz") as saved:
+        mine, bound = saved["probability"].astype(np.float64), saved["bound"]
+    if mine.shape != served.ctr.shape:
+        raise DemoError(f"pass {meta.pass_no}: {mine.shape[0]} probabilities saved by the "
+                        f"trainer, {served.ctr.shape[0]} served")  # fmt: skip
+    diff = np.abs(served.ctr - mine)
+    diff[~np.isfinite(diff)] = np.inf  # an unanswered sample
+    excess = diff - bound
+    worst = int(np.argmax(excess))
+    return {
+        "max_prob_diff": float(diff.max()),
+        "max_bound": float(bound.max()),
+        "over_bound": int((excess > 0).sum()),
+        "worst": {"sample": worst, "diff": float(diff[worst]), "bound": float(bound[worst])},
+    }
+
+
 def report(rows: list[dict[str, Any]], background: Background | None) -> str:
+    probabilities = any("max_prob_diff" in r for r in rows)
     head = (
         f"{'pass':>4}  {'split':<13} {'kind':<5} {'version':<21} {'offline':>7} "
         f"{'served':>7} {'diff':>7} {'rollout':>8} {'keys':>7} {'looked up':>9} "
         f"{'missing':>7} {'p99 ms':>6}"
-    )
+    ) + (f" {'max |dp|':>9} {'bound':>9}" if probabilities else "")
     lines = [head]
     for r in rows:
         diff = r["served_auc"] - r["offline_auc"]
@@ -316,6 +400,7 @@ def report(rows: list[dict[str, Any]], background: Background | None) -> str:
             f"{r['offline_auc']:>7.4f} {r['served_auc']:>7.4f} {diff:>+7.4f} "
             f"{r['rollout_s']:>7.1f}s {r['table_keys']:>7,} {r['looked_up']:>9,} "
             f"{r['missing']:>7,} {r['p99_ms']:>6.1f}"
+            + (f" {r['max_prob_diff']:>9.2e} {r['max_bound']:>9.2e}" if probabilities else "")
         )
     if background is not None:
         seen = ", ".join(f"{v}: {n:,}" for v, n in sorted(background.versions.items()))
@@ -330,10 +415,18 @@ def check(rows: list[dict[str, Any]], background: Background | None) -> list[str
     failures = []
     for r in rows:
         diff = abs(r["served_auc"] - r["offline_auc"])
-        if not math.isfinite(diff) or diff > TOLERANCE:
+        tolerance = PADDLE_TOLERANCE if "max_prob_diff" in r else TOLERANCE
+        if not math.isfinite(diff) or diff > tolerance:
             failures.append(
                 f"pass {r['pass']} ({r['version']}): served AUC {r['served_auc']:.4f}"
-                f" vs offline {r['offline_auc']:.4f} (> {TOLERANCE})"
+                f" vs offline {r['offline_auc']:.4f}: off by {diff:.4f} (> {tolerance})"
+            )
+        if r.get("over_bound"):
+            w = r["worst"]
+            failures.append(
+                f"pass {r['pass']} ({r['version']}): {r['over_bound']} served probabilities "
+                f"differ from the trainer's by more than the 6-digit text allows; worst: "
+                f"held-out sample {w['sample']}, off by {w['diff']:.3e} (bound {w['bound']:.3e})"
             )
         if r["served_versions"] != [r["version"]]:
             failures.append(

@@ -14,8 +14,10 @@
 
 A request's feature ids go to Cube in one batched lookup (the distinct ids); the SDK answers a
 batch from one version on every shard, and the predictor runs the MLP saved with that same
-version (`dense.npz` of the model whose id ends the version's name), so no prediction mixes the
-embeddings of one version with the dense part of another while a rollout switches shards. A
+version (`dense.npz` of the model whose id ends the version's name; for the Paddle trainer's
+versions its inference model, `dnn_plugin/`, with paddle.inference: paddle_dense.py), so no
+prediction mixes the embeddings of one version with the dense part of another while a rollout
+switches shards. A
 version whose dense part is not there is an error (503), never an answer from another version.
 Features Cube does not have pool as zero vectors and are counted in `missing_features`.
 
@@ -44,6 +46,7 @@ from cube.client import AsyncCubeClient, CubeError
 from cube.flags import FlagError, FlagSet, run_cli
 from cube.security import SecurityError, bearer_token, require_token, token_from, token_matches
 from examples.ctr.model import Dense, pool
+from examples.ctr.paddle_dense import PaddleDense
 from examples.ctr.samples import SampleError, parse_lines
 from examples.ctr.store import load_dense
 
@@ -67,10 +70,10 @@ class DenseCache:
     def __init__(self, models_root: Path, capacity: int = 8) -> None:
         self.models_root = models_root
         self.capacity = capacity
-        self._loaded: OrderedDict[str, Dense] = OrderedDict()
-        self._loading: dict[str, asyncio.Future[Dense]] = {}
+        self._loaded: OrderedDict[str, Dense | PaddleDense] = OrderedDict()
+        self._loading: dict[str, asyncio.Future[Dense | PaddleDense]] = {}
 
-    async def get(self, version: str) -> Dense:
+    async def get(self, version: str) -> Dense | PaddleDense:
         if (dense := self._loaded.get(version)) is not None:
             self._loaded.move_to_end(version)
             return dense
@@ -84,10 +87,10 @@ class DenseCache:
             self._loaded.popitem(last=False)
         return dense
 
-    def _load(self, version: str) -> Dense:
+    def _load(self, version: str) -> Dense | PaddleDense:
         try:
             return load_dense(self.models_root, version)[0]
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, ImportError) as exc:
             raise PredictError(
                 503,
                 f"no usable dense parameters for version {version} in {self.models_root}: {exc}",

@@ -8,6 +8,10 @@
     <model>/meta.json           what the trainer knows of it (id, pass, split, AUCs, counts)
     <out>/donefile/base.txt, patch.txt    the lines cube-transfer reads, appended last
 
+The Paddle trainer (paddle_trainer.py) writes Fleet's layout under the same `<out>/models`:
+`<day>/base/`, `<day>/delta-<n>/` (a parameter-server save, its inference model in `dnn_plugin/`
+and the same meta.json) and Fleet's donefiles `xbox_base_done.txt`, `xbox_patch_done.txt`.
+
 A version's id is the Unix time of the split it was trained on, so its day directory follows
 from the id. cube-transfer names a base version `<id>` and a delta `<base id>_<id>`; either way
 the dense parameters of a served version are those of the model whose id is the last one. A model
@@ -31,14 +35,17 @@ import numpy as np
 from cube.donefile import (
     BASE_FILE,
     PATCH_FILE,
+    SEQFILE,
     VERSION_NAME,
     DonefileEntry,
+    DonefileFormat,
     append_line,
     format_line,
     parse_lines,
 )
 from cube.fsutil import atomic_write_json, atomic_write_text, fsync_dir
 from examples.ctr.model import Dense, SparseTable
+from examples.ctr.paddle_dense import PLUGIN, PaddleDense
 
 MODELS = "models"
 DONEFILE = "donefile"
@@ -172,13 +179,15 @@ def donefile_line(out: Path, meta: ModelMeta) -> tuple[Path, str]:
     )
 
 
-def announced_ids(out: Path) -> set[str]:
-    """Ids that have a donefile line (base.txt and patch.txt)."""
+def announced_ids(out: Path, donefile_format: DonefileFormat = SEQFILE) -> set[str]:
+    """Ids that have a donefile line: in `out`/donefile (base.txt and patch.txt), or for a
+    Paddle trainer's (`paddle_fleet`) in `out`/models, where Fleet writes its own."""
     ids: set[str] = set()
-    for name in (BASE_FILE, PATCH_FILE):
-        path = out / DONEFILE / name
+    directory = out / (MODELS if donefile_format.paddle_saves else DONEFILE)
+    for name in (donefile_format.base_file, donefile_format.patch_file):
+        path = directory / name
         if path.is_file():
-            entries = parse_lines(name, path.read_text())
+            entries = parse_lines(name, path.read_text(), 0, donefile_format)
             ids.update(e.id for e in entries if isinstance(e, DonefileEntry))
     return ids
 
@@ -192,10 +201,12 @@ def announce(out: Path, meta: ModelMeta) -> bool:
     return True
 
 
-def load_dense(models_root: Path, version: str) -> tuple[Dense, dict[str, Any]]:
-    """The dense part and meta of a served `version`: those of the model of its last id."""
+def load_dense(models_root: Path, version: str) -> tuple[Dense | PaddleDense, dict[str, Any]]:
+    """The dense part and meta of a served `version`: those of the model of its last id (the
+    numpy trainer's dense.npz, or the Paddle trainer's inference model in dnn_plugin/)."""
     directory = find_model(models_root, last_id(version))
-    dense = Dense.load(directory / "dense.npz")
+    plugin = directory / PLUGIN
+    dense = PaddleDense.load(plugin) if plugin.is_dir() else Dense.load(directory / "dense.npz")
     meta = json.loads((directory / "meta.json").read_text())
     return dense, meta
 
