@@ -75,7 +75,8 @@ test: $(STAMP) debs tools test-paddle-env
 	$(BIN)/pytest -q
 
 # The inner loop: lint, types and the tests without the real-process end-to-end modules
-# (marked slow; about a minute). `make test` runs everything.
+# (marked slow; tests/conftest.py fails an unmarked test that starts a process, itself or by a
+# fixture). Under a minute on 2 cores. `make test` runs everything.
 quick: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy

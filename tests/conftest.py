@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import multiprocessing.process
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import trustme
@@ -18,6 +22,41 @@ from cube.processes import free_port
 # it captured: a "--- Logging error ---" traceback after the summary. Its INFO lines say nothing
 # the tests need.
 logging.getLogger("py4j").setLevel(logging.WARNING)
+
+
+class StartsAProcess(RuntimeError):
+    """A test not marked slow started a process (make quick runs those tests)."""
+
+
+@contextlib.contextmanager
+def _no_process_unless_slow(item: pytest.Item) -> Iterator[None]:
+    """`make quick` runs the tests not marked slow and must stay within a minute on 2 cores:
+    a test that starts a process (a server, a CLI, a worker pool), itself or through a fixture
+    of any scope, is marked `slow`. This turns the rule into a failure instead of a drift."""
+    if item.get_closest_marker("slow"):
+        yield
+        return
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise StartsAProcess(f"{item.nodeid} starts a process: mark it @pytest.mark.slow")
+
+    with (
+        mock.patch.object(subprocess.Popen, "__init__", refuse),
+        mock.patch.object(multiprocessing.process.BaseProcess, "start", refuse),
+    ):
+        yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    with _no_process_unless_slow(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    with _no_process_unless_slow(item):
+        return (yield)
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,9 @@ import pytest
 from agent_helpers import AGENT_BIN, WAIT, AgentProc
 from procs import running_server
 
+# Every test here starts processes (servers, CLIs): make quick skips them.
+pytestmark = pytest.mark.slow
+
 
 def run_agent(tmp_path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
     argv = [str(AGENT_BIN), "-P", "0", "--deploy_path", str(tmp_path / "deploy"), *extra]

@@ -26,6 +26,9 @@ from cube.shard import Shard, ShardStack
 from cube.values import ValueColumn
 from tests.build_inputs import output_digests, write_mixed_input
 
+# Every test here starts processes (servers, CLIs): make quick skips them.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / ".venv" / "bin" / "cube-builder"
 COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "cube.builder.cli"]

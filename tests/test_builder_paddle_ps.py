@@ -106,6 +106,7 @@ def test_a_save_builds_the_bytes_of_a_sequencefile_of_its_rows(tmp_path, scenari
     assert len(built) == 3 * 4 + 3  # 3 shards: index, data, tar, md5 each; 3 meta_info
 
 
+@pytest.mark.slow
 def test_served_values_are_the_trainers_lookups(tmp_path):
     """Build, open the shards as a server does, look every key up: the value is what the
     trainer's own lookup returned for it (show, click, embed_w, embedx_w: the cvm input)."""
@@ -148,6 +149,7 @@ def test_read_table_gives_a_saves_values_as_arrays():
     assert keys.shape == (0,) and values.shape == (0, 2) and values.dtype == np.float16
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not COMPILED, reason="numba is not installed (or CUBE_KERNEL=numpy)")
 def test_the_compiled_parser_builds_the_same_bytes(tmp_path, monkeypatch):
     save = DATA / "sparse_adam" / "checkpoint"
@@ -187,6 +189,7 @@ def test_gzip_parts_of_several_members_and_small_batches_read_the_same(tmp_path)
 # Finding the table
 
 
+@pytest.mark.slow
 def test_the_sparse_table_is_found_by_content_whatever_its_number(tmp_path):
     """The dense part is 001 in this save and 000 in another job's (and 002 with two sparse
     tables): swap the folders, the same table is found."""
@@ -260,6 +263,7 @@ def test_a_save_without_a_sparse_table_says_what_each_folder_is(tmp_path):
         shell.find_table(str(DATA / "sparse_adam"), source_for("sparse_adam"))
 
 
+@pytest.mark.slow
 def test_an_empty_delta_builds_only_with_allow_empty(tmp_path):
     save = DATA / "ctr_common_adagrad" / "delta_empty"
     args = build_args(save, tmp_path / "out", 2, **CTR_FLAGS)
@@ -276,6 +280,7 @@ def test_an_empty_delta_builds_only_with_allow_empty(tmp_path):
 # The command line and bad saves
 
 
+@pytest.mark.slow
 def test_the_cli_builds_a_save_with_the_configuration_only(tmp_path):
     save = DATA / "sparse_naive_2tables" / "checkpoint"
     desc = DATA / "sparse_naive_2tables" / "fleet_desc.prototxt"
@@ -358,6 +363,7 @@ def endless_line(save: Path) -> tuple[Path, str]:
     return part, "line 1: longer than 1048576 bytes (not a parameter-server text table)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("save", "corrupt"),
     [
@@ -388,6 +394,7 @@ def test_a_bad_save_fails_naming_the_file_and_line_and_publishes_nothing(tmp_pat
     assert list(spill.iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -406,6 +413,7 @@ def test_bad_paddle_flags_exit_2(tmp_path, extra, message):
     assert message in done.stderr, done.stderr
 
 
+@pytest.mark.slow
 def test_an_unreadable_configuration_exits_1(tmp_path):
     (tmp_path / "desc.txt").write_text("not { a config\n")
     for path, message in ((tmp_path / "missing", "No such file"), (tmp_path / "desc.txt", "not")):

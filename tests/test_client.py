@@ -40,6 +40,9 @@ from cube.processes import poll_until
 from cube.routing import shard_of
 from cube.values import ValueColumn
 
+# Every test here starts processes (servers, CLIs): make quick skips them.
+pytestmark = pytest.mark.slow
+
 WIDTH = 16  # 4 float32
 
 

@@ -319,6 +319,7 @@ def _expected(keys: np.ndarray) -> np.ndarray:
 SIZES = [1, 7, 1000, 999, 1000, 3, 1000]
 
 
+@pytest.mark.slow
 def test_lane_answers_become_aligned_views(one_shard):
     rng = np.random.default_rng(0)
     with CubeClient([[one_shard]]) as client:
@@ -332,6 +333,7 @@ def test_lane_answers_become_aligned_views(one_shard):
         assert client.seek(keys).version == "5"
 
 
+@pytest.mark.slow
 def test_asyncio_lane_pipelined_answers(one_shard):
     rng = np.random.default_rng(1)
     batches = [rng.integers(0, 20_000, SIZES[i % len(SIZES)], dtype=np.uint64) for i in range(60)]
@@ -346,6 +348,7 @@ def test_asyncio_lane_pipelined_answers(one_shard):
         assert (out == _expected(keys)).all()
 
 
+@pytest.mark.slow
 def test_asyncio_lane_answers_one_at_a_time_become_views(one_shard):
     rng = np.random.default_rng(2)
 

@@ -26,6 +26,9 @@ from cube.transfer.build import check_outputs
 from cube.values import ValueColumn
 from tests.original_cube import OriginalBuilder, deploy
 
+# Every test here starts processes (servers, CLIs): make quick skips them.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / ".venv" / "bin" / "cube-import"
 COMMAND = (

@@ -170,6 +170,7 @@ def test_stack_of_deltas_matches_numpy(tmp_path) -> None:
     stack.close()
 
 
+@pytest.mark.slow
 def test_numpy_fallback_when_switched_off(tmp_path) -> None:
     """CUBE_KERNEL=numpy (or no numba) runs the numpy path and says so."""
     code = (
@@ -251,6 +252,7 @@ print(sorted(kernel.unwarmed))
 """
 
 
+@pytest.mark.slow
 def test_every_server_lookup_runs_a_signature_warm_compiled(tmp_path) -> None:
     """A server seals its kernel after warm(): no lookup may need a signature warm() did not
     compile (it would compile for a second or more inside a request, on every replica at

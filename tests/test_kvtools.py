@@ -15,6 +15,9 @@ import pytest
 from cube.seqfile import SequenceFileReader, SequenceFileWriter, read_header
 from cube.values import ValueColumn
 
+# Every test here starts processes (servers, CLIs): make quick skips them.
+pytestmark = pytest.mark.slow
+
 BIN = Path(__file__).resolve().parent.parent / ".venv" / "bin"
 DATA = Path(__file__).parent / "data" / "seqfiles"
 

@@ -92,6 +92,7 @@ def server(tmp_path_factory):
         yield proc
 
 
+@pytest.mark.slow
 def test_pipelined_frames_answered_in_order(server):
     port = lane_port(server.address)
     assert port and port != server.port
@@ -127,6 +128,7 @@ def test_pipelined_frames_answered_in_order(server):
         lane.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "payload, code, words",
     [
@@ -162,6 +164,7 @@ def test_error_frames_keep_the_connection(server, payload, code, words):
         lane.close()
 
 
+@pytest.mark.slow
 def test_wrong_magic_and_oversized_frame_close_the_connection(server):
     port = lane_port(server.address)
     stranger = LaneSocket(port, magic=b"GET / HTTP/1.1\r\n\r\n")
@@ -180,6 +183,7 @@ def test_wrong_magic_and_oversized_frame_close_the_connection(server):
         lane.close()
 
 
+@pytest.mark.slow
 def test_sdk_uses_the_lane_unless_told_grpc(server):
     keys = np.concatenate([KEYS[100:400], np.array([0, 2], dtype=np.uint64)])
     before = counters(server.control_address)
@@ -209,6 +213,7 @@ def test_sdk_uses_the_lane_unless_told_grpc(server):
         client.seek(keys)
 
 
+@pytest.mark.slow
 def test_server_without_a_lane_is_used_over_grpc(tmp_path):
     data = tmp_path / "data"
     write_version(data, "100", KEYS, fixed_values(KEYS, WIDTH, tag=1), current=True)
@@ -227,6 +232,7 @@ def test_server_without_a_lane_is_used_over_grpc(tmp_path):
         assert counters(server.control_address)["lane_messages"] == 0
 
 
+@pytest.mark.slow
 def test_fixed_lane_ports_and_bad_flags(tmp_path):
     data = tmp_path / "data"
     write_version(data, "100", KEYS, fixed_values(KEYS, WIDTH, tag=1), current=True)
@@ -251,6 +257,7 @@ def test_fixed_lane_ports_and_bad_flags(tmp_path):
         assert done.returncode == 2 and words in done.stderr
 
 
+@pytest.mark.slow
 def test_restarted_server_gets_a_new_lane_and_clients_follow(tmp_path):
     data = tmp_path / "data"
     write_version(data, "100", KEYS, fixed_values(KEYS, WIDTH, tag=1), current=True)
@@ -381,6 +388,7 @@ def test_unreachable_lane_falls_back_to_grpc(announced):
         dead.close()
 
 
+@pytest.mark.slow
 def test_busy_polling_answers_and_stops_when_idle(tmp_path):
     """--busy_poll_us on the server and busy_poll_us in the SDK: answers are right, several
     threads share the client, and once traffic stops the server stops polling (a window that

@@ -11,6 +11,9 @@ import pytest
 
 from cube.logs import setup_logging
 
+# Every test here starts processes (servers, CLIs): make quick skips them.
+pytestmark = pytest.mark.slow
+
 
 def test_json_lines_carry_fields_extras_and_exceptions(tmp_path, capsys):
     log_file = tmp_path / "logs" / "tool.log"

@@ -26,6 +26,9 @@ from cube.server.metrics import ServerCollector
 from cube.server.service import Counters
 from cube.transfer.metrics import RolloutCounters, TransferCollector
 
+# Every test here starts processes (servers, CLIs): make quick skips them.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parent.parent
 ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
 DASHBOARD = REPO / "deploy" / "grafana" / "cube.json"

@@ -20,6 +20,9 @@ from cube.processes import poll_until, spawn, stop_child
 from cube.seqfile import SequenceFileWriter
 from cube.values import ValueColumn
 
+# Every test here starts processes (servers, CLIs): make quick skips them.
+pytestmark = pytest.mark.slow
+
 # The original cube-server's conf/gflags.conf, as shipped, plus a port file for the test.
 ORIGINAL_GFLAGS = "--port=8000\n--dict_split=1\n--in_mem=true\n--log_dir=./log/\n"
 

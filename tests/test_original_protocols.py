@@ -193,6 +193,7 @@ def server(tmp_path_factory):
 QUERY = [int(KEYS[7]), 2, int(KEYS[0]), 2**64 - 1, int(KEYS[7]), int(KEYS[-1])]
 
 
+@pytest.mark.slow
 def test_http_seek_hits_misses_order_and_version(server):
     status, answer = post_json(server.http, "/DictService/seek", {"keys": QUERY})
     assert status == 200
@@ -208,6 +209,7 @@ def test_http_seek_hits_misses_order_and_version(server):
     assert answer == as_json(grpc_seek(server.proc, QUERY)) and answer["version"] == "100"
 
 
+@pytest.mark.slow
 def test_http_seek_as_the_original_clients_send_it(server):
     """The Go demo (application/json), curl -d (form-urlencoded), the full service name,
     decimal-string keys, no keys at all, and the protobuf body brpc takes as well."""
@@ -237,6 +239,7 @@ def test_http_seek_as_the_original_clients_send_it(server):
         assert cube_pb2.DictResponse.FromString(reply) == grpc_seek(server.proc, QUERY)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("body", "words"),
     [
@@ -253,6 +256,7 @@ def test_http_bad_json_is_400_naming_the_field(server, body, words):
     assert words in reply.decode() and SECRET not in reply.decode()
 
 
+@pytest.mark.slow
 def test_http_too_many_keys_and_oversized_body(server):
     status, _type, reply = post(
         server.http, "/DictService/seek", b'{"keys": [%s]}' % b",".join([b"1"] * 1001)
@@ -265,6 +269,7 @@ def test_http_too_many_keys_and_oversized_body(server):
     assert status == 404
 
 
+@pytest.mark.slow
 def test_http_control_on_loopback_without_a_token(server):
     status, answer = post_json(server.http, "/ControlService/cmd", {"cmd": "status"})
     assert status == 200 and answer == {"cur_version": "100", "bg_version": "", "status": 0}
@@ -274,6 +279,7 @@ def test_http_control_on_loopback_without_a_token(server):
     assert status == 400 and "cmd" in text
 
 
+@pytest.mark.slow
 def test_baidu_std_seek_hits_misses_order_and_version(server):
     request = cube_pb2.DictRequest(keys=QUERY, version_required=True).SerializeToString()
     with BrpcClient(server.brpc) as client:
@@ -294,6 +300,7 @@ def test_baidu_std_seek_hits_misses_order_and_version(server):
         assert client.call(DICT, "seek").message == b""  # no keys: an empty DictResponse
 
 
+@pytest.mark.slow
 def test_baidu_std_pipelined_requests_answer_in_order(server):
     with BrpcClient(server.brpc) as client:
         frames = b""
@@ -308,6 +315,7 @@ def test_baidu_std_pipelined_requests_answer_in_order(server):
             assert values[0].value == expected_fixed(KEYS[i : i + 1], 12, 1).tobytes()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("service", "method", "meta", "code", "words"),
     [
@@ -328,6 +336,7 @@ def test_baidu_std_refusals_are_error_responses(server, service, method, meta, c
         assert reply.error_code == 0
 
 
+@pytest.mark.slow
 def test_baidu_std_bad_request_and_too_many_keys(server):
     with BrpcClient(server.brpc) as client:
         reply = client.call(DICT, "seek", b"\xff\xff" + SECRET.encode())
@@ -343,6 +352,7 @@ def _raw(port: int, data: bytes) -> socket.socket:
     return sock
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "data",
     [
@@ -361,6 +371,7 @@ def test_baidu_std_bad_frames_close_without_an_answer(server, data):
         assert client.call(DICT, "seek").error_code == 0
 
 
+@pytest.mark.slow
 def test_baidu_std_control_on_loopback_without_a_token(server):
     with BrpcClient(server.brpc) as client:
         reply = client.call("rec.mcube.ControlService", "cmd", attachment=b'{"cmd": "status"}')
@@ -370,6 +381,7 @@ def test_baidu_std_control_on_loopback_without_a_token(server):
         assert reply.error_code == 1003 and SECRET not in reply.error_text
 
 
+@pytest.mark.slow
 def test_the_faces_are_counted_apart(server):
     post_json(server.http, "/DictService/seek", {"keys": [1, 2, 3]})
     assert post_json(server.http, "/DictService/seek", {"keys": [-1]})[0] == 400
@@ -392,6 +404,7 @@ def _connections(proc) -> dict:
     return detail["worker_states"][0]["lane"]
 
 
+@pytest.mark.slow
 def test_the_faces_share_the_lane_limits(tmp_path):
     """--lane_max_connections counts every socket port of a worker: at the limit, a new
     connection on any face closes the idle one (here an HTTP keep-alive connection between
@@ -449,6 +462,7 @@ def test_the_faces_share_the_lane_limits(tmp_path):
 # a replica that cannot serve, the token rule, variable values over every transport
 
 
+@pytest.mark.slow
 def test_not_serving_replica_refuses_on_both_faces(tmp_path):
     args = ("--http_port", "0", "--baidu_std_port", "0")
     with running_server(tmp_path / "nothing", *args) as proc:
@@ -461,6 +475,7 @@ def test_not_serving_replica_refuses_on_both_faces(tmp_path):
         assert reply.message == b""
 
 
+@pytest.mark.slow
 def test_control_token_rule_and_a_rollout_over_http(tmp_path):
     """With --control_token, control over HTTP needs the bearer token and over baidu_std the
     token as authentication_data; with it, the original agent's commands load and enable."""
@@ -535,6 +550,7 @@ def test_control_beyond_loopback_needs_a_token_or_insecure():
     assert control_refusal("127.0.0.1", "s3cret", False, None) == grpc.StatusCode.UNAUTHENTICATED
 
 
+@pytest.mark.slow
 def test_variable_values_and_splits_agree_over_every_transport(tmp_path):
     data = tmp_path / "data"
     keys = np.arange(0, 400, dtype=np.uint64)
@@ -558,6 +574,7 @@ def test_variable_values_and_splits_agree_over_every_transport(tmp_path):
         assert cube_pb2.DictResponse.FromString(reply.message) == expected
 
 
+@pytest.mark.slow
 def test_both_faces_over_tls(tmp_path, pki):
     """With --tls_cert the faces serve TLS, like the other lookup ports: HTTPS and baidu_std
     in TLS, verified with the test CA; a plaintext peer gets nothing."""
@@ -617,6 +634,7 @@ def test_every_worker_serves_both_faces_and_forwards_control(tmp_path):
         assert status == 200 and answer["message"] == "no background version"
 
 
+@pytest.mark.slow
 def test_idle_baidu_std_connection_does_not_hold_up_a_stop(tmp_path):
     write_version(tmp_path / "data", "1", [1], [b"x"], current=True)
     with running_server(tmp_path / "data", "--baidu_std_port", "0", "--grace", "20") as proc:
@@ -629,6 +647,7 @@ def test_idle_baidu_std_connection_does_not_hold_up_a_stop(tmp_path):
         client.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "words"),
     [
@@ -648,6 +667,7 @@ def test_face_flags_are_checked(tmp_path, args, words):
     assert result.returncode == 2 and words in result.stderr
 
 
+@pytest.mark.slow
 def test_help_lists_the_flags():
     result = subprocess.run(
         [sys.executable, "-m", "cube.server.main", "--help"],

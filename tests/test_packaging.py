@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+# Every test here starts processes (servers, CLIs): make quick skips them.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -3,6 +3,11 @@
 import subprocess
 import sys
 
+import pytest
+
+# Every test here starts processes (servers, CLIs): make quick skips them.
+pytestmark = pytest.mark.slow
+
 
 def test_stubs_are_not_stale():
     result = subprocess.run(

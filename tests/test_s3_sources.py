@@ -246,6 +246,7 @@ def test_an_upload_of_a_missing_build_file_blames_the_build_not_s3(tmp_path):
     assert str(caught.value).startswith("upload to s3://builds/emb/100_100/emb_part0.tar: ")
 
 
+@pytest.mark.slow
 def test_daemons_configured_for_s3_without_s3fs_stop_at_start(monkeypatch, tmp_path, capsys):
     import subprocess
 
@@ -312,6 +313,7 @@ def test_bad_s3_allowed_sources_entries_are_flag_errors(entry):
 # moto
 
 
+@pytest.mark.slow
 def test_inputs_are_listed_and_fetched_in_the_builders_order(s3, tmp_path):
     url = put_tree(s3.fs, "inputs/order", TREE)
     local = write_tree(tmp_path / "local", TREE)
@@ -336,6 +338,7 @@ def test_inputs_are_listed_and_fetched_in_the_builders_order(s3, tmp_path):
         sources.read_bytes(f"{url}/d/e/f", 4)
 
 
+@pytest.mark.slow
 def test_a_parameter_server_save_in_s3_builds_with_its_empty_shards(s3, tmp_path):
     """cube-builder -input_format paddle_ps on s3://: the save is fetched with its empty part
     files (an empty delta's table folder holds nothing else), the table found as locally."""
@@ -356,6 +359,7 @@ def test_a_parameter_server_save_in_s3_builds_with_its_empty_shards(s3, tmp_path
     assert local == fetched and len(local) == 2 * (2 * 4 + 2)
 
 
+@pytest.mark.slow
 def test_the_transfer_mirrors_a_parameter_server_save_with_its_empty_shards(s3, tmp_path):
     """cube-transfer with source_format paddle_fleet: a Fleet line's input (`.../000`, the
     table folder) is mirrored as its save directory, empty part files included, so an empty
@@ -388,6 +392,7 @@ def test_the_transfer_mirrors_a_parameter_server_save_with_its_empty_shards(s3, 
         asyncio.run(runner._fetch("http://127.0.0.1:1/models/20261128/base", mirror, True))
 
 
+@pytest.mark.slow
 def test_missing_objects_and_buckets(s3, tmp_path):
     missing = f"s3://{BUCKET}/inputs/never-written"
     with pytest.raises(BuildError, match=f"^{re.escape(missing)}: not found$"):
@@ -408,6 +413,7 @@ def test_missing_objects_and_buckets(s3, tmp_path):
         mirror_input(f"s3://{BUCKET}/inputs/only-empty", tmp_path / "mirror")
 
 
+@pytest.mark.slow
 def test_donefile_lines_and_inputs_from_s3(s3, tmp_path):
     address = f"s3://{BUCKET}/donefile-poll"
     assert asyncio.run(read_donefile(address, "base.txt")) == ""  # not written yet
@@ -434,6 +440,7 @@ def _policy(**changes) -> FetchPolicy:
     return FetchPolicy(sources=SourcePolicy.from_flags(f"s3://{BUCKET}/shards", False), **settings)
 
 
+@pytest.mark.slow
 def test_agent_fetches_s3_objects_resuming_from_the_part(s3, tmp_path):
     data = os.urandom(remote.BLOCK + 300_000)  # two ranged reads
     s3.fs.pipe_file(f"{BUCKET}/shards/v1/t_part0.tar", data)
@@ -460,6 +467,7 @@ def test_agent_fetches_s3_objects_resuming_from_the_part(s3, tmp_path):
     assert not part.exists()
 
 
+@pytest.mark.slow
 def test_agent_s3_errors_are_short_and_final(s3, tmp_path):
     part = tmp_path / "x.part"
     missing = f"s3://{BUCKET}/shards/v1/gone.tar"
@@ -477,6 +485,7 @@ def test_agent_s3_errors_are_short_and_final(s3, tmp_path):
 # credentials and endpoints that do not work
 
 
+@pytest.mark.slow
 def test_bad_credentials_are_a_clear_error_without_the_secret(tmp_path):
     """Against a moto server that authenticates every request: keys it does not know are
     refused (403) as AWS refuses them."""
@@ -578,6 +587,7 @@ def assert_each_ends_in_time(calls: dict[str, Callable[[], object]], shown: str)
         assert took < TIMEOUT + SLACK, (kind, took)
 
 
+@pytest.mark.slow  # real time: each call waits out its timeout
 def test_every_s3_call_ends_within_its_timeout_on_a_stalled_endpoint(tmp_path):
     """Timeouts are wall time, whatever botocore's and s3fs's own retries would add: listings,
     sizes, reads, donefiles, delete lists, uploads and the agent's downloads against an
@@ -590,6 +600,7 @@ def test_every_s3_call_ends_within_its_timeout_on_a_stalled_endpoint(tmp_path):
         assert_each_ends_in_time(every_remote_call(f"s3://{BUCKET}", tmp_path), f"s3://{BUCKET}/")
 
 
+@pytest.mark.slow  # real time: each call waits out its timeout
 @pytest.mark.parametrize("drip", [b"", b"HTTP/1.1 200 OK\r\n" + b"X-Slow: 1\r\n" * 100])
 def test_every_webhdfs_call_ends_within_its_timeout_on_a_stalled_namenode(tmp_path, drip):
     """The same for WebHDFS (requests, which has no total timeout): a namenode that accepts

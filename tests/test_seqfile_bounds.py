@@ -142,6 +142,7 @@ def test_metadata_count_beyond_the_limit(tmp_path: Path, monkeypatch) -> None:
         read_header(path)
 
 
+@pytest.mark.slow
 def test_kvtool_on_a_huge_header_string(tmp_path: Path) -> None:
     path = tmp_path / "huge.seq"
     path.write_bytes(b"SEQ\x06" + encode_vint(HUGE) + b"x" * 10)
@@ -155,6 +156,7 @@ def test_kvtool_on_a_huge_header_string(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.slow
 def test_a_fifo_is_refused_instead_of_waiting_for_a_writer(tmp_path: Path) -> None:
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)

@@ -389,6 +389,7 @@ def test_record_value_bomb_costs_at_most_the_limit(tmp_path: Path, monkeypatch, 
     assert peak_bytes(read) < 3 << 20  # not the 8 MiB the value holds
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
 def test_zstd_bomb_without_content_size_stays_within_the_limit_in_memory(tmp_path: Path) -> None:
     """The decoder's own (untraced) buffers too: a 1 GiB frame without content size, limited
@@ -548,6 +549,7 @@ def test_byteswritable_writer_is_byte_identical_to_hadoop(spark, tmp_path: Path)
     assert ours.read_bytes() == hadoop.read_bytes()
 
 
+@pytest.mark.slow
 def test_without_cramjam_snappy_and_zstd_name_the_extra(tmp_path: Path) -> None:
     """cramjam is imported on first use: the formats import without it, and a Snappy or
     ZStandard file then says which extra to install."""

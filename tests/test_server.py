@@ -30,6 +30,9 @@ from cube.pb import cube_fast_pb2, cube_fast_pb2_grpc, cube_pb2, cube_pb2_grpc
 from cube.processes import free_ports, poll_until
 from cube.routing import shard_of
 
+# Every test here starts processes (servers, CLIs): make quick skips them.
+pytestmark = pytest.mark.slow
+
 MISS = 0xFFFFFFFF
 
 

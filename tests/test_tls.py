@@ -14,6 +14,9 @@ from test_server import control
 
 from cube.client import AsyncCubeClient, CubeClient, ShardUnavailableError
 
+# Every test here starts processes (servers, CLIs): make quick skips them.
+pytestmark = pytest.mark.slow
+
 KEYS = np.arange(1, 2001, 2, dtype=np.uint64)
 
 
@@ -95,6 +98,7 @@ def tls_server_ca_path(server) -> str:
     return args[args.index("--tls_cert") + 1].replace("cert.pem", "ca.pem")
 
 
+@pytest.mark.slow
 def test_bad_tls_files_are_named(tmp_path, pki):
     import subprocess
     import sys

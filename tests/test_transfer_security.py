@@ -26,6 +26,9 @@ from cube.seqfile import SequenceFileWriter
 from cube.transfer.local import command
 from cube.values import ValueColumn
 
+# Every test here starts processes (servers, CLIs): make quick skips them.
+pytestmark = pytest.mark.slow
+
 WAIT = 60.0
 
 

@@ -773,6 +773,7 @@ def test_builder_flags_follow_the_flags_the_transfer_sets(tmp_path):
             parse_config(CONF.replace("quorum: 1", f"quorum: 1\nbuilder_flags: {flags}"), "t.conf")
 
 
+@pytest.mark.slow
 def test_cube_transfer_cli_rejects_bad_configs(tmp_path):
     import subprocess
     import sys
