@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from cube.flags import FlagError, Flags, FlagSet, run_cli
+from cube.flags import FlagError, FlagSet, flag, run_cli
 from cube.seqfile import KEY_FORMATS, SequenceFileError, SequenceFileReader, decode_key
 
 
@@ -44,7 +45,7 @@ def header_lines(reader: SequenceFileReader) -> list[str]:
     ]
 
 
-def show(args: Flags) -> int:
+def show(args: KvtoolFlags) -> int:
     """Print the header and the records; SequenceFileError on bad input."""
     explicit = args.key_format != "auto"
     shown = 0
@@ -69,29 +70,31 @@ def show(args: Flags) -> int:
     return 0
 
 
-FLAGS = (
-    FlagSet(
-        "kvtool",
-        "Print a SequenceFile's header and records: one line per record, the key as a decimal\n"
-        "uint64, a tab, the value as hex (or float32s with --float). FILE may come anywhere\n"
-        "on the line; after a bare --float, write --float=true FILE (or FILE first) when FILE\n"
-        "is named like a boolean (1, y, no, ...).",
-    )
-    .positional("FILE", "the SequenceFile to read (or --file)", flag="file")
-    .add("file", str, None, "the SequenceFile to read (or the positional FILE)")
-    .add("float", bool, False, "show values as float32 lists")
-    .add("limit", int, None, "show at most N records [all]")
-    .add(
-        "key_format",
-        str,
+@dataclass(frozen=True)
+class KvtoolFlags:
+    """kvtool's flags; `file` is also the positional FILE."""
+
+    file: str = flag("", "the SequenceFile to read (or the positional FILE)", metavar="PATH")
+    float: bool = flag(False, "show values as float32 lists")
+    limit: int | None = flag(None, "show at most N records (default: all)")
+    key_format: str = flag(
         "auto",
-        "key decoding [auto: from the key class and first key]",
+        "key decoding (auto: from the key class and first key)",
         choices=KEY_FORMATS,
     )
-)
 
 
-def parse(argv: Sequence[str]) -> Flags:
+FLAGS = FlagSet(
+    "kvtool",
+    "Print a SequenceFile's header and records: one line per record, the key as a decimal\n"
+    "uint64, a tab, the value as hex (or float32s with --float). FILE may come anywhere\n"
+    "on the line; after a bare --float, write --float=true FILE (or FILE first) when FILE\n"
+    "is named like a boolean (1, y, no, ...).",
+    spec=KvtoolFlags,
+).positional("FILE", "the SequenceFile to read (or --file)", flag="file")
+
+
+def parse(argv: Sequence[str]) -> KvtoolFlags:
     args = FLAGS.parse(argv)
     if args.limit is not None and args.limit < 0:
         raise FlagError("--limit must be >= 0")
