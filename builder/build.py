@@ -167,6 +167,12 @@ class BuildResult:
     warnings: tuple[str, ...] = ()  # for the user (the CLI prints them on stderr)
     input_note: str = ""  # what was read, when not SequenceFiles (the table of a save)
 
+    @property
+    def distinct_keys(self) -> int:
+        """Keys the shards hold: a key read several times is one (its last record), a
+        deleted key none."""
+        return sum(shard.record_count for shard in self.shards)
+
 
 # ---------------------------------------------------------------------------------------------
 # Inputs

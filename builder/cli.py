@@ -500,7 +500,7 @@ def run(argv: Sequence[str]) -> int:
             f"built {result.version_dir}: {result.records_read} records from "
             f"{result.input_files} files"
             + (f" ({result.input_note})" if result.input_note else "")
-            + f" into {config.shard_num} shards in "
+            + f", {result.distinct_keys} distinct keys, into {config.shard_num} shards in "
             f"{result.seconds:.2f} s ({rate:,.0f} records/s; "
             + ", ".join(f"{k} {v:.2f} s" for k, v in result.phase_seconds.items())
             + ")"

@@ -14,6 +14,7 @@ Flags are gflags-style like every other command (cube/flags.py: `-flag value`, `
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,17 +46,45 @@ def header_lines(reader: SequenceFileReader) -> list[str]:
     ]
 
 
+@dataclass
+class _Shown:
+    """What kvtool has printed so far."""
+
+    header: bool = False
+    records: int = 0
+
+
 def show(args: KvtoolFlags) -> int:
-    """Print the header and the records; SequenceFileError on bad input."""
+    """Print the header and the records; SequenceFileError on bad input, after the records
+    before the damage (a file cut short shows what it still holds)."""
+    shown = _Shown()
+    try:
+        _show(args, shown)
+    except SequenceFileError as exc:
+        # read again as if the file ended where the damage starts: the records before it
+        with contextlib.suppress(SequenceFileError):
+            _show(args, shown, end=exc.offset)
+        print(f"# {shown.records} records shown, then the damage at offset {exc.offset}")
+        raise
+    print(f"# {shown.records} records shown")
+    return 0
+
+
+def _show(args: KvtoolFlags, shown: _Shown, end: int | None = None) -> None:
+    """Print what `shown` has not yet (the header, then records past the first
+    shown.records), reading the file up to `end`."""
     explicit = args.key_format != "auto"
-    shown = 0
-    with SequenceFileReader(args.file, key_format=args.key_format) as reader:
-        for line in header_lines(reader):
-            print(line)
+    with SequenceFileReader(args.file, key_format=args.key_format, end=end) as reader:
+        if not shown.header:
+            for line in header_lines(reader):
+                print(line)
+            shown.header = True
         decodable = reader.key_format != "auto"
-        for offset, key, value in reader.records_with_offsets():
-            if args.limit is not None and shown >= args.limit:
+        for index, (offset, key, value) in enumerate(reader.records_with_offsets()):
+            if args.limit is not None and shown.records >= args.limit:
                 break
+            if index < shown.records:
+                continue
             try:
                 key_text = str(decode_key(key, reader.key_format)) if decodable else None
             except ValueError as exc:
@@ -65,9 +94,7 @@ def show(args: KvtoolFlags) -> int:
             if key_text is None:
                 key_text = f"raw:{key.hex()}"
             print(f"{key_text}\t{format_value(value, args.float)}")
-            shown += 1
-    print(f"# {shown} records shown")
-    return 0
+            shown.records += 1
 
 
 @dataclass(frozen=True)

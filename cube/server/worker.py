@@ -483,7 +483,7 @@ class Worker:
             "ports": self.ports,
             "control_ports": self.controls,
             "tcp_ports": [self.service.lane_port] if self.lane is not None and one else [],
-            "metrics_port": self.metrics.port if self.metrics is not None else 0,
+            "metrics_port": self.metrics.port if self.metrics is not None else None,  # off
             **self.faces.report(one),
         }
         try:
