@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -325,7 +326,9 @@ def _cycle(batches: list[np.ndarray]) -> Callable[[], np.ndarray]:
     return next_batch
 
 
-def async_load(addresses: list[str], batches: list[np.ndarray], inflight: int, options: dict):
+def async_load(
+    addresses: list[str], batches: list[np.ndarray], inflight: int, options: dict[str, Any]
+):
     from cube.client import AsyncCubeClient
 
     def run(recorder: Recorder, keep_going: Callable[[], bool]) -> None:
@@ -351,7 +354,9 @@ def async_load(addresses: list[str], batches: list[np.ndarray], inflight: int, o
     return run
 
 
-def thread_load(addresses: list[str], batches: list[np.ndarray], inflight: int, options: dict):
+def thread_load(
+    addresses: list[str], batches: list[np.ndarray], inflight: int, options: dict[str, Any]
+):
     from cube.client import CubeClient
 
     def run(recorder: Recorder, keep_going: Callable[[], bool]) -> None:
@@ -375,7 +380,9 @@ def thread_load(addresses: list[str], batches: list[np.ndarray], inflight: int, 
     return run
 
 
-def raw_load(addresses: list[str], batches: list[np.ndarray], inflight: int, options: dict):
+def raw_load(
+    addresses: list[str], batches: list[np.ndarray], inflight: int, options: dict[str, Any]
+):
     """SeekStream without the SDK: the server's capacity on its own."""
 
     def run(recorder: Recorder, keep_going: Callable[[], bool]) -> None:

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -154,7 +155,7 @@ def _baidu_std(server: Server, ports: dict[str, int]):
     return encode, call, sock.close
 
 
-CLIENTS: dict[str, Callable] = {
+CLIENTS: dict[str, Callable[..., Any]] = {
     "lane": _lane_or_grpc("auto"),
     "grpc": _lane_or_grpc("grpc"),
     "grpc-original": _grpc_original,
@@ -163,7 +164,7 @@ CLIENTS: dict[str, Callable] = {
 }
 
 
-def measure(way: str, server: Server, ports: dict[str, int], batches, flags) -> dict:
+def measure(way: str, server: Server, ports: dict[str, int], batches, flags) -> dict[str, Any]:
     encode, call, close = CLIENTS[way](server, ports)
     try:
         requests = [encode(b) for b in batches[: flags.warmup + flags.requests]]

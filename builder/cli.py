@@ -359,11 +359,19 @@ def tqdm_progress() -> Progress:
         while bars:
             bars.pop().close()
 
+    def read_bytes(count: int) -> None:
+        if bars:
+            bars[-1].update(count)
+
+    def shard_done(_output: ShardOutput) -> None:
+        if bars:
+            bars[-1].update(1)
+
     return Progress(
         start_reading=start_reading,
-        read_bytes=lambda n: bars and bars[-1].update(n),
+        read_bytes=read_bytes,
         start_finishing=start_finishing,
-        shard_done=lambda _output: bars and bars[-1].update(1),
+        shard_done=shard_done,
         close=close,
     )
 
@@ -387,7 +395,9 @@ def register_all(master: str, config: BuildConfig, result: BuildResult) -> None:
         register_meta(master, register_fields(config, output, meta))
 
 
-def register_fields(config: BuildConfig, output: ShardOutput, meta: dict) -> dict[str, str]:
+def register_fields(
+    config: BuildConfig, output: ShardOutput, meta: dict[str, Any]
+) -> dict[str, str]:
     """The original's form fields: name, shard, split, version (= cur), depend, meta."""
     return {
         "name": config.dict_name,
@@ -419,7 +429,7 @@ def fetch_remote(flags: BuilderFlags, config: BuildConfig) -> tuple[str, str | N
     _fetch_dirs.append(fetched)
     started = time.monotonic()
     deadline = started + flags.fetch_timeout
-    paths = []
+    paths: list[str | None] = []
     for name, path in (("input", input_path), ("delete", delete_path)):
         if path and remote.is_remote(path):
             left = max(deadline - time.monotonic(), 0.001)
@@ -431,7 +441,7 @@ def fetch_remote(flags: BuilderFlags, config: BuildConfig) -> tuple[str, str | N
                       f"{time.monotonic() - started:.2f} s")  # fmt: skip
             path = str(fetched / name)
         paths.append(path)
-    return paths[0], paths[1]
+    return input_path if paths[0] is None else paths[0], paths[1]
 
 
 def cleanup() -> None:

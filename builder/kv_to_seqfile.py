@@ -440,7 +440,7 @@ def run(argv: Sequence[str]) -> int:
     if flags.base_id and not flags.patch:
         raise FlagError("--base_id only makes sense with --patch")
     kind = "patch" if flags.patch else "base"
-    key = flags.base_id if flags.patch else version_id
+    key = flags.base_id if flags.patch and flags.base_id else version_id
     output_dir = Path(flags.output_dir)
     donefile_dir = Path(flags.donefile_dir) if flags.donefile_dir else output_dir / "donefile"
     if not input_path.is_file():

@@ -51,9 +51,9 @@ from cube.processes import (
     spawn,
     terminate,
 )
+from cube.routing import PARTITIONERS
 from cube.transfer.config import (
     MODES,
-    PARTITIONERS,
     ConfigError,
     Instance,
     TransferConfig,
@@ -101,7 +101,7 @@ def _instance_state(row: dict[str, Any], agent_answered: bool) -> str:
         return "agent down"
     if not agent_answered or state in ("", "Dead"):
         return "starting"
-    return state
+    return str(state)
 
 
 @dataclass
@@ -432,7 +432,7 @@ class Cluster:
         os.replace(tmp, self.dir / CLUSTER_FILE)
 
     @classmethod
-    def load(cls, directory: str | os.PathLike) -> Cluster:
+    def load(cls, directory: str | os.PathLike[str]) -> Cluster:
         path = Path(directory) / CLUSTER_FILE
         try:
             data = json.loads(path.read_text())
@@ -581,7 +581,9 @@ class Cluster:
             return everywhere and self.transfer_info().get("live_version") == version
 
         def stop_if_failed() -> None:  # its latest record ended without a retry to come
-            rec = next((r for r in reversed(self.history()) if r.get("version") == version), {})
+            rec: dict[str, Any] = next(
+                (r for r in reversed(self.history()) if r.get("version") == version), {}
+            )
             if rec.get("status_str") in ("failed", "refused") and not rec.get("retry_at"):
                 raise LocalError(f"version {version} {rec['status_str']}: {rec.get('message')}")
 
