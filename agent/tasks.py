@@ -107,7 +107,7 @@ class TaskManager:
         self.still_done = still_done
         self.expected_errors = (TaskFailed, *expected_errors)
         self._tasks: dict[tuple[str, str], Task] = {}
-        self._handles: dict[tuple[str, str], asyncio.Task] = {}
+        self._handles: dict[tuple[str, str], asyncio.Task[Any]] = {}
         self._lock = asyncio.Lock()
 
     def recover(self) -> None:

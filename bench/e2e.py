@@ -38,10 +38,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from cube.flags import FlagError, FlagSet, run_cli
+from cube.flags import FlagError, FlagSet, flag, run_cli
 from cube.format import FORMAT_VERSION
 from cube.processes import (
     SERVING,
@@ -55,31 +56,39 @@ from cube.processes import (
 
 _VERSION = "1"
 
-FLAGS = (
-    FlagSet("bench-e2e", "Drive a local cube-server with N requests in flight; report rates.")
-    .add("keys", int, 1_000_000, "keys in the shard")
-    .add("width", int, 40, "value bytes per key")
-    .add("batch", int, 1000, "keys per request")
-    .add("workers", int, 2, "cube-server --workers")
-    .add("inflight", str, "1,8", "comma list of in-flight request counts, one level each")
-    .add("duration", float, 10.0, "measured seconds per level")
-    .add("warmup", float, 2.0, "unmeasured seconds before each level")
-    .add("client", str, "async", "async, thread or raw", choices=("async", "thread", "raw"))
-    .add(
-        "transport", str, "auto", "SDK transport: auto (TCP lane) or grpc", choices=("auto", "grpc")
+
+@dataclass(frozen=True)
+class E2eFlags:
+    """bench-e2e's flags."""
+
+    keys: int = flag(1_000_000, "keys in the shard")
+    width: int = flag(40, "value bytes per key")
+    batch: int = flag(1000, "keys per request")
+    workers: int = flag(2, "cube-server --workers")
+    inflight: str = flag(
+        "1,8", "comma list of in-flight request counts, one level each", metavar="N,..."
     )
-    .add(
-        "busy_poll_us",
-        int,
-        0,
-        "cube-server --busy_poll_us and the thread client's busy_poll_us (0: off)",
+    duration: float = flag(10.0, "measured seconds per level")
+    warmup: float = flag(2.0, "unmeasured seconds before each level")
+    client: str = flag("async", "async, thread or raw", choices=("async", "thread", "raw"))
+    transport: str = flag(
+        "auto", "SDK transport: auto (TCP lane) or grpc", choices=("auto", "grpc")
     )
-    .add("server_args", str, "", "extra cube-server flags (space separated)")
-    .add("workdir", str, "/tmp/cube-e2e", "where the shard is built (and reused)")
-    .add("seed", int, 7, "seed of the shard's keys and values")
-    .add("max_other", float, 0.3, "a level is disturbed when others used more cores")
-    .add("repeats", int, 2, "extra tries of a disturbed level")
-    .add("json", str, "", "also write the results to this file")
+    busy_poll_us: int = flag(
+        0, "cube-server --busy_poll_us and the thread client's busy_poll_us (0: off)"
+    )
+    server_args: str = flag("", "extra cube-server flags (space separated)", metavar="FLAGS")
+    workdir: str = flag("/tmp/cube-e2e", "where the shard is built (and reused)", metavar="DIR")
+    seed: int = flag(7, "seed of the shard's keys and values")
+    max_other: float = flag(0.3, "a level is disturbed when others used more cores")
+    repeats: int = flag(2, "extra tries of a disturbed level")
+    json: str = flag("", "also write the results to this file", metavar="PATH")
+
+
+FLAGS = FlagSet(
+    "bench-e2e",
+    "Drive a local cube-server with N requests in flight; report rates.",
+    spec=E2eFlags,
 )
 
 
@@ -317,7 +326,9 @@ def _cycle(batches: list[np.ndarray]) -> Callable[[], np.ndarray]:
     return next_batch
 
 
-def async_load(addresses: list[str], batches: list[np.ndarray], inflight: int, options: dict):
+def async_load(
+    addresses: list[str], batches: list[np.ndarray], inflight: int, options: dict[str, Any]
+):
     from cube.client import AsyncCubeClient
 
     def run(recorder: Recorder, keep_going: Callable[[], bool]) -> None:
@@ -343,7 +354,9 @@ def async_load(addresses: list[str], batches: list[np.ndarray], inflight: int, o
     return run
 
 
-def thread_load(addresses: list[str], batches: list[np.ndarray], inflight: int, options: dict):
+def thread_load(
+    addresses: list[str], batches: list[np.ndarray], inflight: int, options: dict[str, Any]
+):
     from cube.client import CubeClient
 
     def run(recorder: Recorder, keep_going: Callable[[], bool]) -> None:
@@ -367,7 +380,9 @@ def thread_load(addresses: list[str], batches: list[np.ndarray], inflight: int, 
     return run
 
 
-def raw_load(addresses: list[str], batches: list[np.ndarray], inflight: int, options: dict):
+def raw_load(
+    addresses: list[str], batches: list[np.ndarray], inflight: int, options: dict[str, Any]
+):
     """SeekStream without the SDK: the server's capacity on its own."""
 
     def run(recorder: Recorder, keep_going: Callable[[], bool]) -> None:
@@ -412,13 +427,13 @@ def raw_load(addresses: list[str], batches: list[np.ndarray], inflight: int, opt
 LOADS = {"async": async_load, "thread": thread_load, "raw": raw_load}
 
 
-def run_levels(flags) -> list[Level]:
+def run_levels(flags: E2eFlags) -> list[Level]:
     levels = [int(v) for v in flags.inflight.split(",") if v.strip()]
     if not levels or min(levels) < 1:
         raise FlagError(f"--inflight {flags.inflight!r}: expected a list of counts >= 1")
     workdir = Path(flags.workdir)
     print(f"building/reusing the shard under {workdir} ...", file=sys.stderr)
-    data_dir, keys = build_data(workdir, flags["keys"], flags.width, flags.seed)
+    data_dir, keys = build_data(workdir, flags.keys, flags.width, flags.seed)
     batches = key_batches(keys, flags.batch, 4096, flags.seed + 1)
     server_args = flags.server_args.split()
     if flags.busy_poll_us:

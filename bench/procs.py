@@ -49,7 +49,7 @@ def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.2) -> bool:
 class ServerProcess:
     name: str
     argv: list[str]
-    popen: subprocess.Popen
+    popen: subprocess.Popen[bytes]
     log_path: Path
     ports: list[int] = field(default_factory=list)
 

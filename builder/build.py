@@ -167,12 +167,18 @@ class BuildResult:
     warnings: tuple[str, ...] = ()  # for the user (the CLI prints them on stderr)
     input_note: str = ""  # what was read, when not SequenceFiles (the table of a save)
 
+    @property
+    def distinct_keys(self) -> int:
+        """Keys the shards hold: a key read several times is one (its last record), a
+        deleted key none."""
+        return sum(shard.record_count for shard in self.shards)
+
 
 # ---------------------------------------------------------------------------------------------
 # Inputs
 
 
-def list_input_files(root: str | os.PathLike, include_empty: bool = False) -> list[Path]:
+def list_input_files(root: str | os.PathLike[str], include_empty: bool = False) -> list[Path]:
     """Every regular, non-empty file under `root` whose name (and directories' names) does not
     start with a dot, recursively, in sorted path order (depth first, names in byte order).
     Symlinks are skipped. Empty files (e.g. Hadoop's `_SUCCESS` marker) hold no records and
@@ -250,7 +256,7 @@ def _parse_delete_lines(data: bytes, source: str) -> np.ndarray:
     return np.array(keys, dtype=np.uint64)
 
 
-def read_delete_keys(path: str | os.PathLike) -> np.ndarray:
+def read_delete_keys(path: str | os.PathLike[str]) -> np.ndarray:
     """All keys listed in a file or a directory of files (see `parse_delete_keys`)."""
     chunks = []
     for file in list_input_files(path):
@@ -550,7 +556,9 @@ def abort_active_builds() -> None:
         workspace.discard()
 
 
-def shard_header_meta(config: BuildConfig, shard: int, key_formats: Sequence[str]) -> dict:
+def shard_header_meta(
+    config: BuildConfig, shard: int, key_formats: Sequence[str]
+) -> dict[str, Any]:
     """What every shard file header records about its build."""
     return {
         "dict_name": config.dict_name,
@@ -567,8 +575,8 @@ def shard_header_meta(config: BuildConfig, shard: int, key_formats: Sequence[str
 
 def build(
     config: BuildConfig,
-    input_path: str | os.PathLike,
-    delete_path: str | os.PathLike | None = None,
+    input_path: str | os.PathLike[str],
+    delete_path: str | os.PathLike[str] | None = None,
     progress: Progress | None = None,
     input_name: str = "",
 ) -> BuildResult:
@@ -895,7 +903,7 @@ class _Pool:
         signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
         try:
             executor = self._start()
-            futures: list[Future] = [executor.submit(_in_worker, function, t) for t in tasks]
+            futures: list[Future[Any]] = [executor.submit(_in_worker, function, t) for t in tasks]
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
         self.after_fork()

@@ -120,7 +120,7 @@ class _TarSink:
         self._buffers = [mmap.mmap(-1, _DIRECT_CHUNK) for _ in range(2)] if self.direct else []
         self._filled = 0  # bytes waiting in the current buffer
         self._current = 0
-        self._pending: Future | None = None
+        self._pending: Future[Any] | None = None
         self._thread = ThreadPoolExecutor(1) if self.direct else None
 
     def __enter__(self) -> _TarSink:

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -39,7 +40,7 @@ _SERVER_IDS = itertools.count()
 
 
 def write_version(
-    data_dir: str | os.PathLike,
+    data_dir: str | os.PathLike[str],
     name: str,
     keys: Sequence[int] | np.ndarray,
     values: ValueColumn | Sequence[bytes],
@@ -49,7 +50,7 @@ def write_version(
     chain: Sequence[str] | None = None,
     current: bool = False,
     dict_name: str = "test_dict",
-    routing: dict | None = None,
+    routing: dict[str, Any] | None = None,
 ) -> Path:
     """Write `<data_dir>[/<split>]/<name>/{index.cube,data.cube}` (a base, or a delta when the
     name is `<base>_<cur>`), optionally its CHAIN file, and VERSION when `current`. `routing`
@@ -89,7 +90,7 @@ def expected_fixed(keys: np.ndarray, width: int, tag: int = 0) -> np.ndarray:
 # ports and processes
 
 
-def processes_under(path: str | os.PathLike) -> list[psutil.Process]:
+def processes_under(path: str | os.PathLike[str]) -> list[psutil.Process]:
     """Live processes whose command line mentions `path`: what a run in that directory started,
     found even when it did not report their PIDs."""
     found = []
@@ -100,7 +101,7 @@ def processes_under(path: str | os.PathLike) -> list[psutil.Process]:
     return found
 
 
-def kill_processes_under(path: str | os.PathLike) -> None:
+def kill_processes_under(path: str | os.PathLike[str]) -> None:
     """Cleanup after a failed test: SIGKILL whatever still runs from `path`."""
     for proc in processes_under(path):
         with contextlib.suppress(psutil.Error):
@@ -112,7 +113,7 @@ class ServerProc:
     """A cube-server process. Started on port 0, its ports are unknown until it writes its
     port file (`resolve_ports`, done by `wait_up` and on first use of an address)."""
 
-    process: subprocess.Popen
+    process: subprocess.Popen[bytes]
     lookup_ports: list[int]
     data_dir: Path
     log_path: Path
@@ -240,12 +241,12 @@ class ServerProc:
 
 
 def start_server(
-    data_dir: str | os.PathLike,
+    data_dir: str | os.PathLike[str],
     *args: str,
     workers: int = 1,
     ports: list[int] | None = None,
     control_ports: list[int] | None = None,
-    log_path: str | os.PathLike | None = None,
+    log_path: str | os.PathLike[str] | None = None,
     timeout: float = 30.0,
     wait: bool = True,
     env: dict[str, str] | None = None,
@@ -314,7 +315,7 @@ def start_server(
 
 
 @contextlib.contextmanager
-def running_server(data_dir: str | os.PathLike, *args: str, **kwargs) -> Iterator[ServerProc]:
+def running_server(data_dir: str | os.PathLike[str], *args: str, **kwargs) -> Iterator[ServerProc]:
     server = start_server(data_dir, *args, **kwargs)
     try:
         yield server

@@ -679,3 +679,16 @@ def test_the_same_input_builds_the_same_bytes(tmp_path):
             time.sleep(1.1)  # a tar stamped with the clock would now differ
     assert digests[0] == digests[1]
     assert len(digests[0]) == 2 * 3 * 4 + 2 * 3  # per shard: 2 files, tar, md5; meta_info
+
+
+def test_the_summary_counts_distinct_keys_as_well_as_records_read(tmp_path):
+    """Records of one key in two files are two records read and one key built (the last
+    wins), and the summary says both."""
+    write_seqfile(tmp_path / "in" / "part-0", [1, 2, 3], [value_of(k) for k in (1, 2, 3)])
+    write_seqfile(tmp_path / "in" / "part-1", [3, 4], [value_of(k, b"w") for k in (3, 4)])
+    output = tmp_path / "out"
+    done = run_builder(*build_args(tmp_path / "in", output, 2), "-quiet=false")
+    assert done.returncode == 0, done.stderr
+    assert "5 records from 2 files" in done.stdout and "4 distinct keys" in done.stdout
+    shards = open_shards(output / f"{BASE}_{BASE}", 2)
+    assert sum(s.record_count for s in shards) == 4

@@ -98,9 +98,9 @@ def test_usage_lists_required_flags_and_each_default_once():
     required, optional = text.split("required flags:")[1].split("\nflags:")
     assert "--shards N" in required and "default" not in required
     assert "--port N" in optional and "the port (default: 8000)" in optional
-    assert "(default: loopback)" in optional and optional.count("default") == 3
-    assert "on by default; --noin_mem turns it off" in optional
-    assert "talk more\n" in optional  # a false boolean needs no default
+    assert "(default: loopback)" in optional and optional.count("(default: ") == 4
+    assert "map in memory (default: true)" in optional  # every flag says its default
+    assert "talk more (default: false)" in optional
 
 
 def test_command_set_dispatches_and_describes(capsys):
@@ -117,3 +117,43 @@ def test_command_set_dispatches_and_describes(capsys):
     with pytest.raises(FlagError, match="unknown command 'dwon'; did you mean 'down'"):
         tool.run(["dwon"])
     assert tool.run([]) == 2  # no command: the usage on stderr
+
+
+def test_an_unknown_flag_in_a_flagfile_names_the_file_and_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "gflags.conf").write_text("# the original's\n--port=8000\n\n--prot=1\n")
+    fs = FlagSet("t", default_flagfile="conf/gflags.conf").add("port", int, 0)
+    with pytest.raises(FlagError, match=r"^conf/gflags.conf:4: unknown flag '--prot=1'; did you"):
+        fs.parse([])
+    other = tmp_path / "more.conf"
+    other.write_text("--port=x\n")
+    with pytest.raises(FlagError, match=rf"^{other}:1: --port: bad value 'x'"):
+        FlagSet("t").add("port", int, 0).parse(["--flagfile", str(other)])
+
+
+def test_typed_flags_come_back_as_their_dataclass():
+    from dataclasses import FrozenInstanceError, dataclass
+
+    from cube.flags import flag
+
+    @dataclass(frozen=True)
+    class Spec:
+        port: int = flag(8000, "the port")
+        ratio: float = flag(0.5, "a ratio")
+        name: str | None = flag(None, "a name")
+        on: bool = flag(True, "a switch")
+
+    parsed = FlagSet("t", spec=Spec).parse(["-port", "9", "--name=n", "--noon"])
+    assert parsed == Spec(port=9, ratio=0.5, name="n", on=False)
+    with pytest.raises(FrozenInstanceError):
+        parsed.port = 1  # type: ignore[misc]  # (what the test checks)
+    with pytest.raises(FlagError, match="--ratio: bad value"):
+        FlagSet("t", spec=Spec).parse(["--ratio", "half"])
+
+    @dataclass(frozen=True)
+    class Unparsable:
+        pair: tuple[int, int] = flag((1, 2), "no parser for this type")
+
+    with pytest.raises(TypeError, match=r"Unparsable.pair: .* needs flag\(..., parse=\)"):
+        FlagSet("t", spec=Unparsable)

@@ -452,6 +452,28 @@ def test_kvtool_bad_file(tmp_path: Path) -> None:
     assert run("kvtool").returncode == 2  # FILE is required
 
 
+@pytest.mark.parametrize("compression", ["none", "block"])
+def test_kvtool_prints_the_records_before_a_damaged_tail(tmp_path: Path, compression) -> None:
+    """A file cut short in its last record (or block): the records before it are printed,
+    then the error naming the offset, exit 1."""
+    path = tmp_path / "whole"
+    keys = np.arange(1, 301, dtype=np.uint64)
+    values = ValueColumn.fixed(np.arange(300 * 8, dtype=np.uint64).astype(np.uint8), 8)
+    with SequenceFileWriter(path, compression=compression, block_bytes=800) as writer:
+        writer.write_batch(keys, values)
+    with SequenceFileReader(path) as reader:
+        offsets = [offset for offset, _key, _value in reader.records_with_offsets()]
+    expected = sum(offset < offsets[-1] for offset in offsets)  # before the last record/block
+    assert 100 < expected < 300
+    cut = tmp_path / "cut"
+    cut.write_bytes(path.read_bytes()[:-5])
+    result = run("kvtool", cut)
+    assert result.returncode == 1 and f"{cut} at offset" in result.stderr
+    shown = [line.split("\t")[0] for line in result.stdout.splitlines() if "\t" in line]
+    assert shown == [str(k) for k in range(1, expected + 1)], result.stdout[-300:]
+    assert f"# {expected} records shown, then the damage at offset" in result.stdout
+
+
 def float_file(tmp_path: Path) -> Path:
     path = tmp_path / "feature"
     floats = np.array([[0.5, -1.0], [3.25, 1e-3]], dtype="<f4")

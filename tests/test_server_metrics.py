@@ -101,6 +101,13 @@ def _bad_seek() -> bytes:
     return cube_fast_pb2.SeekRequest(keys=b"1234567", request_id=9).SerializeToString()
 
 
+def test_the_port_file_has_no_metrics_port_while_metrics_are_off(data):
+    """metrics_port is null with metrics off (a 0 would read as "any free port")."""
+    with running_server(data) as server:
+        report = json.loads(server.port_file.read_text())
+        assert report["metrics_port"] is None and report["ports"][0] > 0
+
+
 def test_one_endpoint_covers_every_worker(data):
     port = free_port()
     with running_server(data, "--metrics_port", str(port), workers=2) as server:

@@ -9,8 +9,8 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from cube.builder.build import (
     BuildError,
@@ -31,7 +31,7 @@ from cube.builder.import_original.write import (
     write_build_outputs,
     write_data_dir,
 )
-from cube.flags import FlagError, FlagSet, one_line, run_cli
+from cube.flags import FlagError, FlagSet, flag, one_line, run_cli
 from cube.layout import (
     is_name,
 )
@@ -81,49 +81,45 @@ Warnings (skipped downloads, several bases, empty versions) go to stderr, -quiet
 Exit status: 0 imported, 1 failed (nothing published), 2 bad flags."""
 
 
-def flag_set() -> FlagSet:
-    return (
-        FlagSet("cube-import", DESCRIPTION)
-        .add(
-            "input_path",
-            str,
-            "",
-            "the original's files (see above); comma-separated for several",
-            required=True,
-        )
-        .add("dict_name", str, "", "the dict: its parts are <dict>_part<i>", required=True)
-        .add(
-            "shard_num",
-            int,
-            0,
-            "shard count of the original build (key % shard_num)",
-            required=True,
-        )
-        .add("output_path", str, "", "write build output here (see above)")
-        .add("data_dir", str, "", "write a cube-server data directory here (see above)")
-        .add("shard", int, -1, "the shard to import when the input does not say (or to pick one)")
-        .add(
-            "version",
-            str,
-            "",
-            "the version of an input that names none (local mode) or names 0, e.g. 1700000000",
-        )
-        .add("check_md5", bool, True, "check each tar against its .md5 file when there is one")
-        .add("quiet", bool, False, "no summary line (warnings still go to stderr)")
+@dataclass(frozen=True)
+class ImportFlags:
+    """cube-import's flags."""
+
+    input_path: str = flag(
+        "",
+        "the original's files (see above); comma-separated for several",
+        required=True,
+        metavar="PATH,...",
     )
+    dict_name: str = flag("", "the dict: its parts are <dict>_part<i>", required=True)
+    shard_num: int = flag(0, "shard count of the original build (key % shard_num)", required=True)
+    output_path: str = flag("", "write build output here (see above)", metavar="DIR")
+    data_dir: str = flag("", "write a cube-server data directory here (see above)")
+    shard: int = flag(-1, "the shard to import when the input does not say (or to pick one)")
+    version: str = flag(
+        "",
+        "the version of an input that names none (local mode) or names 0, e.g. 1700000000",
+        metavar="VERSION",
+    )
+    check_md5: bool = flag(True, "check each tar against its .md5 file when there is one")
+    quiet: bool = flag(False, "no summary line (warnings still go to stderr)")
 
 
-def _check_flags(flags: dict[str, Any]) -> None:
+def flag_set() -> FlagSet[ImportFlags]:
+    return FlagSet("cube-import", DESCRIPTION, spec=ImportFlags)
+
+
+def _check_flags(flags: ImportFlags) -> None:
     """Flag errors spell flags as this tool's other messages do: -name."""
-    if not flags["dict_name"] or not is_name(flags["dict_name"]):
-        raise FlagError(f"-dict_name {flags['dict_name']!r} must be a plain name")
-    if flags["shard_num"] < 1:
-        raise FlagError(f"-shard_num must be >= 1, got {flags['shard_num']}")
-    if bool(flags["output_path"]) == bool(flags["data_dir"]):
+    if not flags.dict_name or not is_name(flags.dict_name):
+        raise FlagError(f"-dict_name {flags.dict_name!r} must be a plain name")
+    if flags.shard_num < 1:
+        raise FlagError(f"-shard_num must be >= 1, got {flags.shard_num}")
+    if bool(flags.output_path) == bool(flags.data_dir):
         raise FlagError("give exactly one of -output_path (build output) and -data_dir")
-    if flags["shard"] < -1 or flags["shard"] >= flags["shard_num"]:
-        raise FlagError(f"-shard must be in 0..{flags['shard_num'] - 1}, got {flags['shard']}")
-    version = flags["version"]
+    if flags.shard < -1 or flags.shard >= flags.shard_num:
+        raise FlagError(f"-shard must be in 0..{flags.shard_num - 1}, got {flags.shard}")
+    version = flags.version
     if version and parse_version_name(version) is None:
         raise FlagError(f"-version {version!r} is not a version name ({_VERSION_RULE})")
 
@@ -132,11 +128,11 @@ def run(argv: Sequence[str]) -> int:
     flags = flag_set().parse(argv)
     _check_flags(flags)
     hints = Hints(
-        flags["dict_name"],
-        flags["shard"] if flags["shard"] >= 0 else None,
-        flags["version"] or None,
+        flags.dict_name,
+        flags.shard if flags.shard >= 0 else None,
+        flags.version or None,
     )
-    paths = [Path(p.strip()) for p in flags["input_path"].split(",") if p.strip()]
+    paths = [Path(p.strip()) for p in flags.input_path.split(",") if p.strip()]
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGINT, _terminate)
     _state.published, _state.deferred = False, 0
@@ -150,17 +146,17 @@ def run(argv: Sequence[str]) -> int:
             warn(note)
         inventory.notes.clear()
         # -data_dir: one shard, chosen before any tar is opened or hashed
-        shard = keep_shard(inventory, hints.shard) if flags["data_dir"] else None
-        plan = make_plan(inventory, flags["shard_num"], flags["check_md5"])
+        shard = keep_shard(inventory, hints.shard) if flags.data_dir else None
+        plan = make_plan(inventory, flags.shard_num, flags.check_md5)
         for note in inventory.notes:
             warn(note)
         if shard is None:
             written = write_build_outputs(
                 plan,
                 inventory,
-                flags["dict_name"],
-                Path(flags["output_path"]),
-                flags["shard_num"],
+                flags.dict_name,
+                Path(flags.output_path),
+                flags.shard_num,
                 totals,
             )
             serving = ""
@@ -168,9 +164,9 @@ def run(argv: Sequence[str]) -> int:
             written, serve = write_data_dir(
                 plan,
                 inventory,
-                flags["dict_name"],
-                Path(flags["data_dir"]),
-                flags["shard_num"],
+                flags.dict_name,
+                Path(flags.data_dir),
+                flags.shard_num,
                 shard,
                 totals,
             )
@@ -185,14 +181,14 @@ def run(argv: Sequence[str]) -> int:
         gc.freeze()
         if collecting:
             gc.enable()
-    if not flags["quiet"]:
+    if not flags.quiet:
         seconds = time.monotonic() - started
         rate = totals.records / max(seconds, 1e-9)
         print(
             f"imported {len(written)} version(s) ({', '.join(totals.versions)}) of "
-            f"{flags['dict_name']}: {totals.shards} shard files, {totals.records} records in "
+            f"{flags.dict_name}: {totals.shards} shard files, {totals.records} records in "
             f"{seconds:.2f} s ({rate:,.0f} records/s) into "
-            f"{flags['output_path'] or flags['data_dir']}{serving}"
+            f"{flags.output_path or flags.data_dir}{serving}"
         )
     return EXIT_OK
 

@@ -112,7 +112,9 @@ def _ignore(_value: object) -> None:
     """A progress report nobody reads."""
 
 
-def _convert_task(task: _ShardTask, _on_bytes: object = None) -> tuple[dict, dict, int]:
+def _convert_task(
+    task: _ShardTask, _on_bytes: object = None
+) -> tuple[dict[str, Any], dict[str, Any], int]:
     """In the worker process: map, read and check the layer, write the shard; returns the
     index header fields, the meta and the count of records read. Each array is let go as
     soon as it has served."""

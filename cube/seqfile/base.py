@@ -42,7 +42,7 @@ _BLOCK_SECTIONS = ("key lengths", "keys", "value lengths", "values")
 class SequenceFileError(ValueError):
     """Bad or unsupported SequenceFile input, located by file and byte offset."""
 
-    def __init__(self, path: str | os.PathLike, offset: int, problem: str):
+    def __init__(self, path: str | os.PathLike[str], offset: int, problem: str):
         self.path = str(path)
         self.offset = int(offset)
         self.problem = problem

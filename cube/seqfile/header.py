@@ -146,13 +146,13 @@ def _parse_header(file: BinaryIO, path: str) -> SequenceFileHeader:
     )
 
 
-def read_header(path: str | os.PathLike) -> SequenceFileHeader:
+def read_header(path: str | os.PathLike[str]) -> SequenceFileHeader:
     """Parse only the header; raises SequenceFileError."""
     with _open(path) as file:
         return _parse_header(file, str(path))
 
 
-def _open(path: str | os.PathLike) -> BinaryIO:
+def _open(path: str | os.PathLike[str]) -> BinaryIO:
     """Open a regular file. Anything else is refused before open(): a FIFO would block until
     some writer came, and a device or directory has no size to check lengths against."""
     try:

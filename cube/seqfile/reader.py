@@ -55,8 +55,14 @@ class SequenceFileReader:
     asks for an explicit format. The file stays open until close() (or the with block ends)."""
 
     def __init__(
-        self, path: str | os.PathLike, key_format: str = "auto", batch_bytes: int = 64 << 20
+        self,
+        path: str | os.PathLike[str],
+        key_format: str = "auto",
+        batch_bytes: int = 64 << 20,
+        end: int | None = None,
     ):
+        """`end`: read the file as if it ended at that byte (kvtool reads the records before a
+        damaged one this way)."""
         if key_format not in KEY_FORMATS:
             raise ValueError(f"key_format {key_format!r} is not one of {', '.join(KEY_FORMATS)}")
         self.path = str(path)
@@ -64,6 +70,8 @@ class SequenceFileReader:
         self._file = _open(path)
         try:
             self.file_size = os.fstat(self._file.fileno()).st_size
+            if end is not None:
+                self.file_size = min(self.file_size, max(end, 0))
             self.header = _parse_header(self._file, self.path)
             self.codec: Codec | None = None
             if self.header.codec is not None:

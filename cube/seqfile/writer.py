@@ -35,7 +35,7 @@ class SequenceFileWriter:
 
     def __init__(
         self,
-        path: str | os.PathLike,
+        path: str | os.PathLike[str],
         dialect: str = "cube",
         compression: str = "none",
         codec: str | None = None,

@@ -7,11 +7,14 @@ docs/reference/cube-server.md.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-from cube.flags import Flags
 from cube.listen import raise_open_files
 from cube.security import TLSFiles, token_from
 from cube.server.bounds import LaneLimits
+
+if TYPE_CHECKING:
+    from cube.server.flags import ServerFlags
 
 log = logging.getLogger("cube.server")
 
@@ -20,23 +23,23 @@ log = logging.getLogger("cube.server")
 FILES_BESIDES_CONNECTIONS = 512
 
 
-def control_token(flags: Flags) -> str:
+def control_token(flags: ServerFlags) -> str:
     """--control_token, else $CUBE_CONTROL_TOKEN ("" for none)."""
     return token_from(flags.control_token, "CUBE_CONTROL_TOKEN")
 
 
-def tls_files(flags: Flags) -> TLSFiles:
+def tls_files(flags: ServerFlags) -> TLSFiles:
     return TLSFiles(cert=flags.tls_cert, key=flags.tls_key)
 
 
-def max_message(flags: Flags) -> int:
+def max_message(flags: ServerFlags) -> int:
     """The most bytes of one request message (gRPC's bound, the lane's frame, the faces' body):
     room for --max_batch keys. A DictRequest's key takes up to 11 bytes (proto2 repeated
     uint64 is not packed: a tag and a varint of up to 10 bytes), a cube.v1 one 8 or 9."""
     return max(4 << 20, int(flags.max_batch) * 11 + (1 << 16))
 
 
-def lane_limits(flags: Flags) -> LaneLimits:
+def lane_limits(flags: ServerFlags) -> LaneLimits:
     """The bounds of the worker's socket ports (TCP lane, HTTP+JSON, baidu_std): one budget and
     one connection count for them all. The process must be able to hold that many connections,
     twice (a burst of newcomers is accepted while as many connections they made room for are

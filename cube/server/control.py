@@ -218,7 +218,7 @@ class RemoteWorker:
         ("grpc.max_reconnect_backoff_ms", 1000),
     )
 
-    def _call(self) -> grpc.aio.UnaryUnaryMultiCallable:
+    def _call(self) -> grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]:
         if self._channel is None:
             self._channel = grpc.aio.insecure_channel(self.address, options=self.CHANNEL_OPTIONS)
         return self._channel.unary_unary(WORKER_APPLY)
@@ -478,7 +478,7 @@ class TokenCheck(grpc.aio.ServerInterceptor):
         self.host = host
         self.insecure = insecure
 
-        async def deny(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        async def deny(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
             await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
                 "the control port needs 'authorization: Bearer <token>' (cube-server"
@@ -546,7 +546,7 @@ def control_handler(runner: ControlRunner) -> grpc.GenericRpcHandler:
     """ControlService.cmd through `runner` (the worker's, shared with the original's faces):
     run it (worker 0) or forward it to worker 0 (other workers)."""
 
-    async def cmd(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def cmd(raw: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
         try:
             if runner.coordinator is None:
                 return await runner.forward(raw)
@@ -569,7 +569,7 @@ def control_handler(runner: ControlRunner) -> grpc.GenericRpcHandler:
 def worker_handler(local: LocalWorker) -> grpc.GenericRpcHandler:
     """cube.internal.Worker/Apply: one step of a command, sent by worker 0."""
 
-    async def apply(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def apply(raw: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
         try:
             request = json.loads(raw)
             state = await local.apply(

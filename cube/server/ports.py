@@ -7,11 +7,15 @@ ports: cube/server/original_faces.py. Layout of the ports: docs/reference/cube-s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from cube.flags import FlagError, Flags
+from cube.flags import FlagError
+
+if TYPE_CHECKING:
+    from cube.server.flags import ServerFlags
 
 
-def worker_ports(flags: Flags) -> list[int]:
+def worker_ports(flags: ServerFlags) -> list[int]:
     """Each worker's own port: --worker_ports, else --port + i (worker 0 on --port). With
     --reuseport every worker also listens on the shared --port, so the own ports start at
     --port + 1 (worker-to-worker calls need a port that reaches exactly one worker)."""
@@ -34,7 +38,7 @@ def worker_ports(flags: Flags) -> list[int]:
     return ports
 
 
-def control_ports(flags: Flags) -> list[int]:
+def control_ports(flags: ServerFlags) -> list[int]:
     """Each worker's control port: --control_port (or --port + 1000) + i; 0 (any free port,
     one worker only) when --port is 0 and --control_port is not given."""
     if flags.control_port >= 0:
@@ -54,7 +58,7 @@ def control_ports(flags: Flags) -> list[int]:
     return ports
 
 
-def lane_ports(flags: Flags) -> list[int]:
+def lane_ports(flags: ServerFlags) -> list[int]:
     """Each worker's TCP lane port (0: any free port, announced to clients over gRPC)."""
     if not flags.tcp_ports:
         return [0] * flags.workers
@@ -69,7 +73,7 @@ def lane_ports(flags: Flags) -> list[int]:
     return ports
 
 
-def fixed_ports(flags: Flags, ports: list[int]) -> dict[int, str]:
+def fixed_ports(flags: ServerFlags, ports: list[int]) -> dict[int, str]:
     """The server's ports other than the original's faces, port -> the flag that sets it,
     (checked: FlagError); 0 where any free port is taken."""
     taken: dict[int, str] = {}
@@ -100,7 +104,7 @@ class PortPlan:
     lookup_flag: str  # the flag that sets the lookup ports, for messages
 
     @classmethod
-    def from_flags(cls, flags: Flags) -> PortPlan:
+    def from_flags(cls, flags: ServerFlags) -> PortPlan:
         """The plan (FlagError when the flags cannot make one)."""
         return cls(
             tuple(worker_ports(flags)),

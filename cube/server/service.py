@@ -706,7 +706,7 @@ class SeekService:
             metadata.append((ROUTING_METADATA, current.routing.to_text()))
         return tuple(metadata)
 
-    async def _seek_rpc(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def _seek_rpc(self, raw: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
         if not raw:  # an empty request: a client's first contact (discovery)
             await context.send_initial_metadata(self.discovery_metadata())
         counters = self.counters
@@ -724,7 +724,7 @@ class SeekService:
         return answer
 
     async def _seek_stream_rpc(
-        self, _requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+        self, _requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
     ) -> None:
         # read()/write() on the context: a little cheaper per message than an async generator
         while True:
@@ -741,7 +741,9 @@ class SeekService:
             self.counters.api["seek_stream"].latency.observe(time.perf_counter() - started)
             await context.write(answer)
 
-    async def _dict_seek_rpc(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def _dict_seek_rpc(
+        self, raw: bytes, context: grpc.aio.ServicerContext[bytes, bytes]
+    ) -> bytes:
         try:
             return self.timed("original", lambda: self.seek_original(raw))
         except RequestError as exc:

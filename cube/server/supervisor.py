@@ -12,9 +12,11 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cube.flags import Flags
+if TYPE_CHECKING:
+    from cube.server.flags import ServerFlags
+
 
 log = logging.getLogger("cube.server")
 
@@ -51,7 +53,7 @@ class Restarts:
         return None
 
 
-def supervise(flags: Flags, argv: list[str], ports: list[int]) -> int:
+def supervise(flags: ServerFlags, argv: list[str], ports: list[int]) -> int:
     """Run the workers; forward SIGTERM/SIGINT. A worker that dies is started again, told to
     load the version a live peer serves (not VERSION, which may lag a switch), so the other
     workers keep serving meanwhile; `Restarts` decides when to stop them all and fail."""

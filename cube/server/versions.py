@@ -68,7 +68,7 @@ class VersionError(Exception):
 # names and paths (pure)
 
 
-def version_name_from_path(version_path: str, data_dir: str | os.PathLike) -> str:
+def version_name_from_path(version_path: str, data_dir: str | os.PathLike[str]) -> str:
     """The version directory a control command names: "/<dir>" (the original's form, relative
     to the data dir), "<dir>", or an absolute path inside the data dir. Anything that is not one
     directory directly under the data dir is refused (`..`, other absolute paths, nesting), and
@@ -99,7 +99,7 @@ def version_name_from_path(version_path: str, data_dir: str | os.PathLike) -> st
     return name
 
 
-def split_dirs(data_dir: str | os.PathLike, dict_split: int) -> list[Path]:
+def split_dirs(data_dir: str | os.PathLike[str], dict_split: int) -> list[Path]:
     root = Path(data_dir)
     if dict_split <= 1:
         return [root]

@@ -15,14 +15,13 @@ import signal
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cube import kernel
-from cube.flags import Flags
 from cube.fsutil import atomic_write_json
 from cube.listen import GRPC_OPTIONS, ListenError, address, grpc_listen
 from cube.metrics import MetricsEndpoint
@@ -59,6 +58,9 @@ from cube.server.versions import (
     startup_version,
 )
 
+if TYPE_CHECKING:
+    from cube.server.flags import ServerFlags
+
 log = logging.getLogger("cube.server")
 FILE_CHECK_S = 1.0  # how often mapped files are checked besides the leases' signals
 CONTROL_GRACE_S = 1.0  # what in-flight control calls get when the worker stops
@@ -80,7 +82,7 @@ class Worker:
     the replica says it is not ready; health is published before the ports answer (the health
     servicer starts at SERVING)."""
 
-    def __init__(self, flags: Flags, index: int, plan: PortPlan) -> None:
+    def __init__(self, flags: ServerFlags, index: int, plan: PortPlan) -> None:
         self.flags, self.index, self.plan = flags, index, plan
         # The bound ports (port 0 becomes the one bound), for status and --port_file.
         self.ports, self.controls = list(plan.lookups), list(plan.controls)
@@ -481,7 +483,7 @@ class Worker:
             "ports": self.ports,
             "control_ports": self.controls,
             "tcp_ports": [self.service.lane_port] if self.lane is not None and one else [],
-            "metrics_port": self.metrics.port if self.metrics is not None else 0,
+            "metrics_port": self.metrics.port if self.metrics is not None else None,  # off
             **self.faces.report(one),
         }
         try:
@@ -502,7 +504,7 @@ class Worker:
         log.info("stopped")
 
 
-async def serve(flags: Flags, index: int, plan: PortPlan) -> int:
+async def serve(flags: ServerFlags, index: int, plan: PortPlan) -> int:
     """Run worker `index` until SIGTERM/SIGINT: 0 after a clean drain, EXIT_CANNOT_LISTEN when
     one of its ports cannot be listened on."""
     loop = asyncio.get_running_loop()
