@@ -24,13 +24,13 @@ from cube.client._transport import (
     LANE_RECHECK_S,
     ClientTLS,
     RoutingCheck,
-    TransportError,
     _lane_address,
     _no_check,
     _Placement,
     _routing,
     _status_name,
 )
+from cube.client.errors import TransportError
 from cube.wire import (
     ANSWER_HEADER,
     LANE_MAGIC,

@@ -27,7 +27,6 @@ from cube.client._transport import (
     LANE_RECHECK_S,
     ClientTLS,
     RoutingCheck,
-    TransportError,
     _lane_address,
     _no_check,
     _Placement,
@@ -35,6 +34,7 @@ from cube.client._transport import (
     _status_name,
     status_of,
 )
+from cube.client.errors import TransportError
 from cube.wire import (
     ANSWER_HEADER,
     LANE_MAGIC,

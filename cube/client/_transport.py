@@ -1,5 +1,6 @@
 """What the SDK's two transports share (bytes in, bytes out; what the bytes say is
-cube.client._core's): the protocols a `transport=` object follows, gRPC channel options, TLS,
+cube.client._core's): the protocols a `transport=` object follows (`SyncTransport` for
+CubeClient, `AsyncTransport` for AsyncCubeClient), gRPC channel options, TLS,
 the first contact's metadata (lane port, routing) and where a lane answer is read so that its
 values align. The blocking transport: cube.client._sync_transport; the asyncio one:
 cube.client._aio_transport. How first contact, lanes and routing checks go: docs/ARCHITECTURE.md
@@ -13,13 +14,13 @@ import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import grpc
 import grpc.aio
 import numpy as np
 
-from cube.client.errors import CubeError
+from cube.client.errors import TransportError
 from cube.routing import ShardRouting
 from cube.security import client_context, grpc_channel_credentials
 from cube.wire import (
@@ -71,29 +72,31 @@ _U8 = np.dtype(np.uint8)
 LANE_RECHECK_S = 5.0  # an endpoint found without a (reachable) lane is asked again after this
 
 
-class TransportError(CubeError):
-    """A call that failed: `code` is a gRPC status name (UNAVAILABLE, DEADLINE_EXCEEDED, ...)
-    or one of ours (CONFIG_MISMATCH); `message` says what happened. Every transport raises
-    it (the lanes, gRPC through `status_of`, a MockTransport's handler), so the retry policy
-    sees one shape whichever moved the bytes."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-class Transport(Protocol):
-    """How a client moves a request's bytes to a server and the answer's bytes back. A
-    transport passed as `transport=` replaces the built-in gRPC/TCP-lane one (MockTransport
-    for tests): CubeClient calls `call`, AsyncCubeClient awaits `acall`; both return the
-    cube.v1 SeekResponse bytes or raise TransportError."""
+@runtime_checkable
+class SyncTransport(Protocol):
+    """How CubeClient moves a request's bytes to a server and the answer's bytes back, when
+    given one as `transport=` (instead of the built-in gRPC/TCP-lane one; MockTransport for
+    tests): `call` returns the cube.v1 SeekResponse bytes or raises TransportError; `close`
+    is called when the client closes."""
 
     def call(self, address: str, request: bytes, timeout_s: float) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class AsyncTransport(Protocol):
+    """As SyncTransport, for AsyncCubeClient: `acall` is awaited; `close` is called when the
+    client closes (`aclose()`)."""
 
     async def acall(self, address: str, request: bytes, timeout_s: float) -> bytes: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class Transport(SyncTransport, AsyncTransport, Protocol):
+    """A transport for either client (both protocols), as MockTransport is."""
 
 
 def _status_name(number: int) -> str:
