@@ -126,6 +126,24 @@ def test_plan_routes_like_the_builder_and_covers_every_key_once(partitioner):
     assert (seen == 1).all()
 
 
+def test_plan_takes_a_limit_per_shard():
+    keys = np.arange(40, dtype=np.uint64)
+    pieces = make_plan(keys, 2, "mod", [3, 100])
+    assert [p.size for p in pieces if p.shard == 0] == [3] * 6 + [2]
+    assert [p.size for p in pieces if p.shard == 1] == [20]
+    assert np.concatenate([p.keys for p in pieces if p.shard == 0]).tolist() == keys[::2].tolist()
+    assert [p.size for p in make_plan(keys, 1, "mod", [16])] == [16, 16, 8]
+
+
+def test_first_contact_metadata_states_routing_and_max_batch():
+    from cube.client._transport import contact_of
+
+    assert contact_of([("cube-max-batch", "7"), ("cube-tcp-port", "9")]).max_batch == 7
+    for bad in ("0", "-1", "x", ""):
+        assert contact_of([("cube-max-batch", bad)]).max_batch is None
+    assert contact_of([]).max_batch is None and contact_of(None).routing is None
+
+
 def test_plan_skips_shards_without_keys_and_uses_slices_for_one_shard():
     keys = np.array([0, 2, 4], dtype=np.uint64)
     assert [p.shard for p in make_plan(keys, 2, "mod")] == [0]

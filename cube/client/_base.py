@@ -12,7 +12,6 @@ from functools import partial
 from typing import Any, Generic, Self, TypedDict, TypeVar, Unpack
 
 import numpy as np
-import numpy.typing as npt
 
 from cube.client._core import (
     DEFAULT_MAX_BATCH,
@@ -24,13 +23,12 @@ from cube.client._core import (
     SeekResult,
     assemble,
     make_plan,
-    normalize_keys,
     seek_flow,
 )
 from cube.client._policy import MIN_ATTEMPT_S, Cluster, EndpointState, Policy, Round, ShardCall
-from cube.client._transport import TRANSPORTS, ClientTLS
+from cube.client._transport import TRANSPORTS, ClientTLS, Contact
 from cube.client.conf import DictConf, load_conf
-from cube.client.errors import ClientClosedError, ConfError, CubeError
+from cube.client.errors import ClientClosedError, ConfError, CubeError, RequestRejectedError
 from cube.client.options import (
     LoadBalancer,
     Partitioner,
@@ -46,6 +44,7 @@ from cube.wire import Answer, BadMessage, Buffer
 
 _NONE_TRIED: frozenset[int] = frozenset()
 _ID_MASK = (1 << 48) - 1
+MAX_REPLANS = 2  # a call re-planned when servers it met take fewer keys than it planned for
 
 T = TypeVar("T")  # the transport protocol of a client: SyncTransport or AsyncTransport
 
@@ -103,7 +102,9 @@ class ClientBase(Generic[T]):
     load_balancer: "rr", "random" or "la" (least in flight, then lowest latency); cube.conf
         also takes brpc's names (see cube.client.conf).
     dict_name: sent with every request so a server of another dict rejects it ("" = any).
-    max_batch: keys per sub-request at most (the server's --max_batch).
+    max_batch: keys per sub-request at most. Servers that state their --max_batch on first
+        contact lower it for their shard (a batch is split into more sub-requests, not
+        refused); with older ones, set it to theirs.
     protocol: "fast" (cube.v1, default) or "original" (rec.mcube.DictService, slower).
     max_version_rounds: version candidates tried before VersionMismatchError.
     transport: "auto" (default: the fast protocol uses a server's TCP lane when it offers one,
@@ -167,7 +168,10 @@ class ClientBase(Generic[T]):
         self.retry = retry if isinstance(retry, Retry) else Retry(attempts=int(retry))
         self.partitioner = partitioner
         self.dict_name = dict_name
-        self.max_batch = max_batch
+        # each endpoint's --max_batch as its first contact stated it, and what that makes the
+        # most keys per sub-request of each shard (read by every call: replaced, not changed)
+        self._server_max_batch: dict[str, int] = {}
+        self.max_batch = max_batch  # (sets _limits)
         self.max_version_rounds = max_version_rounds
         self.policy = Policy.from_options(self.timeouts, self.retry)
         self._total_s = self.timeouts.total  # the whole call's bound (None: none)
@@ -291,6 +295,41 @@ class ClientBase(Generic[T]):
     def shard_num(self) -> int:
         return self._cluster.shard_num
 
+    @property
+    def max_batch(self) -> int:
+        """The most keys of a sub-request this client sends (its own bound; a shard whose
+        servers stated a smaller --max_batch gets theirs: `batch_limits`)."""
+        return self._max_batch
+
+    @max_batch.setter
+    def max_batch(self, value: int) -> None:
+        self._max_batch = value
+        self._update_limits()
+
+    @property
+    def batch_limits(self) -> tuple[int, ...]:
+        """The most keys of a sub-request to each shard: `max_batch`, or less where the
+        shard's servers stated a smaller --max_batch on first contact."""
+        return self._limits
+
+    def _update_limits(self) -> None:
+        learned, own = self._server_max_batch, self._max_batch
+        self._limits = tuple(
+            min([own, *(learned.get(a) or own for a in replicas)]) for replicas in self.shards
+        )
+
+    def _on_contact(self, address: str, contact: Contact) -> str | None:
+        """First contact with `address` (or a later check), from the transport: learn its
+        --max_batch, and say what is wrong with its routing (None: nothing)."""
+        learned = self._server_max_batch
+        if learned.get(address) != contact.max_batch:
+            if contact.max_batch is None:
+                learned.pop(address, None)
+            else:
+                learned[address] = contact.max_batch
+            self._update_limits()
+        return self._check_routing(address, contact.routing)
+
     def _check_routing(self, address: str, routing: ShardRouting | None) -> str | None:
         """What is wrong when the server at `address` holds other keys than this client routes
         to it (None: nothing, or the server does not say)."""
@@ -320,9 +359,20 @@ class ClientBase(Generic[T]):
     def endpoints(self) -> list[str]:
         return [e.address for e in self._cluster.endpoints]
 
-    def _plan(self, keys: npt.ArrayLike) -> tuple[np.ndarray, list[Piece]]:
-        keys = normalize_keys(keys)
-        return keys, make_plan(keys, len(self.shards), self.partitioner, self.max_batch)
+    def _plan(self, keys: np.ndarray) -> tuple[list[Piece], tuple[int, ...]]:
+        """The pieces of a call, within each shard's limit, and the limits they were made for."""
+        limits = self._limits
+        return make_plan(keys, len(self.shards), self.partitioner, limits), limits
+
+    def _replan(
+        self, error: RequestRejectedError, keys: np.ndarray, limits: tuple[int, ...]
+    ) -> tuple[list[Piece], tuple[int, ...]] | None:
+        """A new plan when `error` refused a sub-request for its size and the shard's servers,
+        met during the call, stated a smaller --max_batch than it was planned with (first
+        contact happens in the call's first attempt); None: the error stands."""
+        if error.code != "RESOURCE_EXHAUSTED" or self._limits[error.shard] >= limits[error.shard]:
+            return None
+        return self._plan(keys)
 
     def _flow(self, keys: np.ndarray, pieces: list[Piece], version: str | None) -> Flow:
         return seek_flow(

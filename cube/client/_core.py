@@ -154,26 +154,34 @@ class Piece:
 
 
 def make_plan(
-    keys: np.ndarray, shard_num: int, partitioner: str, max_batch: int = DEFAULT_MAX_BATCH
+    keys: np.ndarray,
+    shard_num: int,
+    partitioner: str,
+    max_batch: int | Sequence[int] = DEFAULT_MAX_BATCH,
 ) -> list[Piece]:
-    """Pieces for the shards that own at least one key (shards without keys get no request)."""
+    """Pieces for the shards that own at least one key (shards without keys get no request),
+    each of at most `max_batch` keys: one bound for every shard, or one per shard (what each
+    shard's servers take). A shard's keys keep their request order across its pieces."""
     n = int(keys.shape[0])
     if n == 0:
         return []
+    limits = [max_batch] * shard_num if isinstance(max_batch, int) else list(max_batch)
     if shard_num == 1:
-        if n <= max_batch:
+        limit = limits[0]
+        if n <= limit:
             return [Piece(0, slice(0, n), keys)]
         return [
-            Piece(0, slice(start, min(start + max_batch, n)), keys[start : start + max_batch])
-            for start in range(0, n, max_batch)
+            Piece(0, slice(start, min(start + limit, n)), keys[start : start + limit])
+            for start in range(0, n, limit)
         ]
     grouping = group_by_owner(shard_of(keys, shard_num, partitioner), shard_num)
     grouped_keys = keys[grouping.order]
     bounds = grouping.bounds.tolist()
     pieces = []
     for shard in range(shard_num):  # shards without keys have an empty range: no piece
-        for start in range(bounds[shard], bounds[shard + 1], max_batch):
-            stop = min(start + max_batch, bounds[shard + 1])
+        limit = limits[shard]
+        for start in range(bounds[shard], bounds[shard + 1], limit):
+            stop = min(start + limit, bounds[shard + 1])
             pieces.append(Piece(shard, grouping.order[start:stop], grouped_keys[start:stop]))
     return pieces
 

@@ -1,8 +1,8 @@
 """What the SDK's two transports share (bytes in, bytes out; what the bytes say is
 cube.client._core's): the protocols a `transport=` object follows (`SyncTransport` for
-CubeClient, `AsyncTransport` for AsyncCubeClient), gRPC channel options, TLS,
-the first contact's metadata (lane port, routing) and where a lane answer is read so that its
-values align. The blocking transport: cube.client._sync_transport; the asyncio one:
+CubeClient, `AsyncTransport` for AsyncCubeClient), gRPC channel options, TLS, what first
+contact tells (`Contact`: lane port, routing, --max_batch) and where a lane answer is read so
+that its values align. The blocking transport: cube.client._sync_transport; the asyncio one:
 cube.client._aio_transport. How first contact, lanes and routing checks go: docs/ARCHITECTURE.md
 (SDK transports).
 """
@@ -25,6 +25,7 @@ from cube.routing import ShardRouting
 from cube.security import client_context, grpc_channel_credentials
 from cube.wire import (
     ANSWER_HEADER,
+    MAX_BATCH_METADATA,
     REQUEST_HEADER,
     answer_values_at,
     answer_width,
@@ -57,7 +58,18 @@ CONFIG_MISMATCH = "CONFIG_MISMATCH"  # a status of our own: the endpoint holds o
 TRANSPORTS = ("auto", "grpc")
 
 
-RoutingCheck = Callable[[str, ShardRouting | None], str | None]
+@dataclass(frozen=True)
+class Contact:
+    """What an endpoint said on first contact (the metadata of its answer to an empty Seek):
+    the routing of the version it serves, and the most keys a request may carry (its
+    --max_batch). None: not said (an older server, or nothing loaded)."""
+
+    routing: ShardRouting | None = None
+    max_batch: int | None = None
+
+
+# Called with each first contact's Contact: what is wrong with the endpoint (None: nothing).
+ContactCheck = Callable[[str, Contact], str | None]
 
 
 _STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
@@ -116,14 +128,20 @@ def _lane_address(address: str, metadata: Any) -> tuple[str, int] | None:
     return None
 
 
-def _routing(metadata: Any) -> ShardRouting | None:
+def contact_of(metadata: Any) -> Contact:
+    """The Contact that first contact's `metadata` states; a --max_batch that is not a
+    positive integer counts as not said."""
+    routing = max_batch = None
     for key, value in metadata or ():
         if key == ROUTING_METADATA:
-            return ShardRouting.from_text(str(value))
-    return None
+            routing = ShardRouting.from_text(str(value))
+        elif key == MAX_BATCH_METADATA:
+            text = str(value)
+            max_batch = int(text) if text.isdigit() and int(text) > 0 else None
+    return Contact(routing, max_batch)
 
 
-def _no_check(address: str, routing: ShardRouting | None) -> str | None:
+def _no_check(address: str, contact: Contact) -> str | None:
     return None
 
 

@@ -18,11 +18,18 @@ import numpy.typing as npt
 from numpy.typing import DTypeLike, NDArray
 
 from cube.client._aio_transport import AioChannels
-from cube.client._base import ClientBase
-from cube.client._core import Piece, PieceOutcome, PieceRequest, SeekResult, embeddings
+from cube.client._base import MAX_REPLANS, ClientBase
+from cube.client._core import (
+    Piece,
+    PieceOutcome,
+    PieceRequest,
+    SeekResult,
+    embeddings,
+    normalize_keys,
+)
 from cube.client._policy import Action, Cancel
 from cube.client._transport import AsyncTransport, status_of
-from cube.client.errors import ConfError, CubeError
+from cube.client.errors import ConfError, CubeError, RequestRejectedError
 
 # The fast path's first attempt handed over: (replica index, monotonic start, its call in
 # flight or done, or None when it is still to start).
@@ -47,7 +54,7 @@ class AsyncCubeClient(ClientBase[AsyncTransport]):
         self._channels = AioChannels(
             self._wire.method,
             lanes=self._use_lanes,
-            check_routing=self._check_routing,
+            on_contact=self._on_contact,
             tls=self._tls,
         )
 
@@ -58,11 +65,22 @@ class AsyncCubeClient(ClientBase[AsyncTransport]):
         request_id = self._request_id()
         deadline = self._deadline()
         try:
-            keys, pieces = self._plan(keys)
-            if len(pieces) == 1 and self._lone_fast:
-                result = await self._seek_lone(keys, pieces, version, request_id, deadline)
-            else:
-                result = await self._seek_rounds(keys, pieces, version, request_id, deadline)
+            keys = normalize_keys(keys)
+            pieces, limits = self._plan(keys)
+            for replans in range(MAX_REPLANS + 1):
+                try:
+                    if len(pieces) == 1 and self._lone_fast:
+                        result = await self._seek_lone(keys, pieces, version, request_id, deadline)
+                    else:
+                        result = await self._seek_rounds(
+                            keys, pieces, version, request_id, deadline
+                        )
+                    break
+                except RequestRejectedError as exc:  # too large for servers met just now?
+                    plan = self._replan(exc, keys, limits) if replans < MAX_REPLANS else None
+                    if plan is None:
+                        raise
+                    pieces, limits = plan
         except CubeError as exc:
             self._observe_call(started, exc)
             self._tag(exc, request_id)

@@ -207,12 +207,6 @@ def _parse_dict(entry: Any, source: str, position: int) -> DictConf:
             f"got {partitioner!r}"
         )
     tls_ca, tls_server_name = _tls_fields(entry, where)
-    dim = entry.get("dim")
-    if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim < 1):
-        raise ConfError(
-            f"{where}: field 'dim' must be an integer >= 1 (the values' width in elements,"
-            f" get_embeddings' default), got {dim!r}"
-        )
     nodes = entry.get("nodes")
     if not isinstance(nodes, list) or not nodes:
         raise ConfError(f"{where}: field 'nodes' must be a non-empty array")
@@ -242,8 +236,19 @@ def _parse_dict(entry: Any, source: str, position: int) -> DictConf:
         attempt_timeout_ms=attempt_ms,
         tls_ca=tls_ca,
         tls_server_name=tls_server_name,
-        dim=dim,
+        dim=_dim_field(entry, where),
     )
+
+
+def _dim_field(entry: dict[str, Any], where: str) -> int | None:
+    """`dim` of one dict entry (None when absent)."""
+    dim = entry.get("dim")
+    if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim < 1):
+        raise ConfError(
+            f"{where}: field 'dim' must be an integer >= 1 (the values' width in elements,"
+            f" get_embeddings' default), got {dim!r}"
+        )
+    return dim
 
 
 def _tls_fields(entry: dict[str, Any], where: str) -> tuple[str | None, str]:

@@ -34,12 +34,19 @@ import numpy as np
 import numpy.typing as npt
 from numpy.typing import DTypeLike, NDArray
 
-from cube.client._base import ClientBase
-from cube.client._core import Piece, PieceOutcome, PieceRequest, SeekResult, embeddings
+from cube.client._base import MAX_REPLANS, ClientBase
+from cube.client._core import (
+    Piece,
+    PieceOutcome,
+    PieceRequest,
+    SeekResult,
+    embeddings,
+    normalize_keys,
+)
 from cube.client._policy import Action, Round, Send
 from cube.client._sync_transport import CallHandle, SyncChannels
 from cube.client._transport import SyncTransport, status_of
-from cube.client.errors import ConfError, CubeError
+from cube.client.errors import ConfError, CubeError, RequestRejectedError
 
 _Key = tuple[int, int]
 _Outcome = tuple[bool, Any]  # (True, answer bytes) or (False, (status name, message))
@@ -154,7 +161,7 @@ class CubeClient(ClientBase[SyncTransport]):
             self._wire.method,
             lanes=self._use_lanes,
             busy_poll_s=self._busy_poll_s,
-            check_routing=self._check_routing,
+            on_contact=self._on_contact,
             tls=self._tls,
         )
         # Threads start only when needed; many allowed because an abandoned gRPC attempt (a
@@ -174,11 +181,20 @@ class CubeClient(ClientBase[SyncTransport]):
         request_id = self._request_id()
         deadline = self._deadline()
         try:
-            keys, pieces = self._plan(keys)
-            if len(pieces) == 1 and self._lone_fast:
-                result = self._seek_lone(keys, pieces, version, request_id, deadline)
-            else:
-                result = self._seek_rounds(keys, pieces, version, request_id, deadline)
+            keys = normalize_keys(keys)
+            pieces, limits = self._plan(keys)
+            for replans in range(MAX_REPLANS + 1):
+                try:
+                    if len(pieces) == 1 and self._lone_fast:
+                        result = self._seek_lone(keys, pieces, version, request_id, deadline)
+                    else:
+                        result = self._seek_rounds(keys, pieces, version, request_id, deadline)
+                    break
+                except RequestRejectedError as exc:  # too large for servers met just now?
+                    plan = self._replan(exc, keys, limits) if replans < MAX_REPLANS else None
+                    if plan is None:
+                        raise
+                    pieces, limits = plan
         except CubeError as exc:
             self._observe_call(started, exc)
             self._tag(exc, request_id)
