@@ -168,10 +168,57 @@ def test_server_rejections_are_raised_at_once(fixed_cluster):
         with pytest.raises(RequestRejectedError, match=r"NOT_FOUND.*'other_dict'") as info:
             client.seek([1, 2, 3, 4])
         assert info.value.code == "NOT_FOUND"
-    with CubeClient(shards=shards, max_batch=100_000) as client:
-        many = np.arange(0, 6000 * 2, 2, dtype=np.uint64)  # all on shard 0: > --max_batch
-        with pytest.raises(RequestRejectedError, match=r"RESOURCE_EXHAUSTED.*6000 keys"):
-            client.seek(many)
+    many = np.arange(0, 6000 * 2, 2, dtype=np.uint64)  # all on shard 0: > --max_batch
+    # the original protocol has no handshake that states --max_batch: refused, as before
+    with (
+        CubeClient(shards=shards, max_batch=100_000, protocol="original") as client,
+        pytest.raises(RequestRejectedError, match=r"RESOURCE_EXHAUSTED.*6000 keys"),
+    ):
+        client.seek(many)
+    with CubeClient(shards=shards, max_batch=100_000) as client:  # learns it: splits
+        assert client.seek(many).found.tolist() == np.isin(many, KEYS).tolist()
+        assert client.batch_limits == (5000, 100_000)  # shard 1 not met yet
+
+
+def test_batches_split_by_the_servers_max_batch_learned_on_first_contact(tmp_path):
+    """Servers started with --max_batch 7 state it on first contact: a client with the default
+    max_batch splits a larger batch into requests of at most 7 keys per shard instead of
+    being refused (the first call too: refused once by the server it just met, re-planned),
+    the answer in request order; blocking (TCP lane, gRPC, one shard or two) and asyncio."""
+    built = np.arange(1, 400, 3, dtype=np.uint64)
+    dirs = build_shards(tmp_path, built, lambda k: fixed_values(k, WIDTH, tag=1), 2)
+    query = np.random.default_rng(7).permutation(np.arange(0, 400, dtype=np.uint64))[:150]
+    expected = np.isin(query, built)
+
+    def check(result: SeekResult, keys: np.ndarray) -> None:
+        found = np.isin(keys, built)
+        assert result.found.tolist() == found.tolist() and result.version == "100"
+        rows = result.column.as_rows()
+        assert (rows[found] == expected_fixed(keys[found], WIDTH, 1)).all()
+
+    with servers(*((d, ("--max_batch", "7"), 1) for d in dirs)) as procs:
+        shards = [[p.address] for p in procs]
+        for transport in ("auto", "grpc"):
+            with CubeClient(shards, transport=transport, timeout=10.0) as client:
+                assert client.batch_limits == (100_000, 100_000)
+                check(client.seek(query), query)
+                assert client.batch_limits == (7, 7)
+                check(client.seek(query), query)  # planned within the limits at once
+        with CubeClient([shards[0]], transport="auto", timeout=10.0) as one:  # the fast path
+            mine = query[query % 2 == 0]
+            check(one.seek(mine), mine)
+        with CubeClient(shards, max_batch=4, timeout=10.0) as smaller:  # the client's own bound
+            check(smaller.seek(query), query)
+            assert smaller.batch_limits == (4, 4)
+
+        async def run() -> tuple[SeekResult, np.ndarray]:
+            async with AsyncCubeClient(shards, timeout=10.0) as aio:
+                result = await aio.seek(query)
+                return result, await aio.get_embeddings(query, dim=4)
+
+        result, emb = asyncio.run(run())
+        check(result, query)
+        assert emb.shape == (150, 4) and (emb[~expected] == 0).all()
 
 
 def test_async_client_parity(fixed_cluster):

@@ -169,3 +169,40 @@ def test_tls_fields(tmp_path, pki):
 def test_bad_tls_fields(changes, message):
     with pytest.raises(ConfError, match=message):
         parse_conf([entry(**changes)], source="my.conf")
+
+
+def test_dim_field_is_get_embeddings_default(tmp_path):
+    """cube.conf's optional `dim`: get_embeddings' width when a call gives none (sync, async
+    and CubeClients); a call's own dim still wins; without either, a clear error."""
+    import asyncio
+
+    import numpy as np
+
+    from cube.client import AsyncCubeClient, CubeClients, MockTransport
+
+    row = np.arange(4, dtype=np.float32).tobytes()
+    mock = MockTransport(lambda address, keys: [row if k % 2 else None for k in keys.tolist()])
+    path = tmp_path / "cube.conf"
+    path.write_text(json.dumps([entry(dim=4), entry(dict_name="nodim")]))
+    assert load_conf(path, "test_dict").dim == 4 and load_conf(path, "nodim").dim is None
+    with CubeClient.from_conf(path, "test_dict", transport=mock) as client:
+        assert client.dim == 4
+        emb = client.get_embeddings([1, 2, 3])
+        assert emb.shape == (3, 4) and emb[0].tolist() == [0, 1, 2, 3] and not emb[1].any()
+        assert client.get_embeddings([1], 2, dtype=np.float64).shape == (1, 2)
+    with CubeClients.from_conf(path, transport=mock) as both:
+        assert both.get_embeddings("test_dict", [5]).shape == (1, 4)
+        with pytest.raises(ConfError, match=r"get_embeddings needs dim.*dict 'nodim'"):
+            both.get_embeddings("nodim", [5])
+
+    async def run() -> tuple[int, ...]:
+        async with AsyncCubeClient.from_conf(path, "test_dict", transport=mock) as client:
+            return (await client.get_embeddings([7])).shape
+
+    assert asyncio.run(run()) == (1, 4)
+    with pytest.raises(ConfError, match="field 'dim' must be an integer >= 1"):
+        parse_conf([entry(dim=0)])
+    with pytest.raises(ConfError, match="field 'dim' must be an integer >= 1"):
+        parse_conf([entry(dim="8")])
+    with pytest.raises(ConfError, match="dim must be an integer >= 1"):
+        CubeClient([["h:1"]], dim=-2)

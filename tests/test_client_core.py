@@ -21,6 +21,7 @@ from cube.client._core import (
 from cube.client.errors import (
     Attempt,
     KeyRangeError,
+    KeyShapeError,
     RequestRejectedError,
     ShardUnavailableError,
     ValueSizeError,
@@ -66,6 +67,47 @@ def test_normalize_keys_names_the_bad_key(keys, message):
         normalize_keys(keys)
 
 
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        (True, "key True is a bool"),
+        (False, "key False is a bool"),
+        (np.True_, "is a bool"),
+        (np.array([True, False]), "dtype bool"),
+        ([True, False, True], "dtype bool"),
+    ],
+)
+def test_normalize_keys_refuses_bools(keys, message):
+    """True and False are not keys 1 and 0 (a mask passed by mistake must not be looked up)."""
+    with pytest.raises(KeyRangeError, match=message) as info:
+        normalize_keys(keys)
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        (np.arange(6, dtype=np.uint64).reshape(2, 3), r"2-D array of shape \(2, 3\)"),
+        (np.arange(6, dtype=np.int64).reshape(3, 2), r"2-D array of shape \(3, 2\)"),
+        ([[1, 2], [3, 4]], "keys must be 1-D"),
+        (np.zeros((2, 2, 2), dtype=np.uint32), "3-D array"),
+        ({3, 1, 2}, "keys in a set have no order"),
+        (frozenset([5, 6]), "keys in a frozenset have no order"),
+    ],
+)
+def test_normalize_keys_refuses_shapes_without_one_request_order(keys, message):
+    with pytest.raises(KeyShapeError, match=message) as info:
+        normalize_keys(keys)
+    assert isinstance(info.value, TypeError) and isinstance(info.value, ValueError)
+
+
+def test_normalize_keys_keeps_ordered_collections():
+    """Collections with an order stay accepted: a dict's keys, a tuple, a generator."""
+    assert normalize_keys({9: "a", 4: "b"}.keys()).tolist() == [9, 4]
+    assert normalize_keys((3, 1, 2)).tolist() == [3, 1, 2]
+    assert normalize_keys(k for k in (8, 7)).tolist() == [8, 7]
+
+
 # ---------------------------------------------------------------------------------------------
 # plan
 
@@ -82,6 +124,24 @@ def test_plan_routes_like_the_builder_and_covers_every_key_once(partitioner):
         assert (keys[piece.where] == piece.keys).all()
         seen[piece.where] += 1
     assert (seen == 1).all()
+
+
+def test_plan_takes_a_limit_per_shard():
+    keys = np.arange(40, dtype=np.uint64)
+    pieces = make_plan(keys, 2, "mod", [3, 100])
+    assert [p.size for p in pieces if p.shard == 0] == [3] * 6 + [2]
+    assert [p.size for p in pieces if p.shard == 1] == [20]
+    assert np.concatenate([p.keys for p in pieces if p.shard == 0]).tolist() == keys[::2].tolist()
+    assert [p.size for p in make_plan(keys, 1, "mod", [16])] == [16, 16, 8]
+
+
+def test_first_contact_metadata_states_routing_and_max_batch():
+    from cube.client._transport import contact_of
+
+    assert contact_of([("cube-max-batch", "7"), ("cube-tcp-port", "9")]).max_batch == 7
+    for bad in ("0", "-1", "x", ""):
+        assert contact_of([("cube-max-batch", bad)]).max_batch is None
+    assert contact_of([]).max_batch is None and contact_of(None).routing is None
 
 
 def test_plan_skips_shards_without_keys_and_uses_slices_for_one_shard():
@@ -356,6 +416,24 @@ def test_flow_failed_shard_raises_with_partial_result():
     partial = error.result
     assert partial.answered.tolist() == [k % 3 != 1 for k in range(12)]
     assert partial.values[0] == b"abcd" and partial.values[1] is None
+
+
+def test_shard_unavailable_says_each_distinct_error_once_with_a_count():
+    """One replica tried three times with the same error: said once, with the count."""
+    down = "failed to connect to all addresses; last error: UNAVAILABLE: Connection refused"
+    once = [Attempt("h:1", "UNAVAILABLE", down)] * 3
+    message = str(ShardUnavailableError({0: once}, None))
+    assert message.count(down) == 1
+    assert f"3 attempts at h:1: UNAVAILABLE {down}" in message
+    spread = [Attempt(f"h:{i}", "UNAVAILABLE", down) for i in range(3)]
+    spread.append(Attempt("h:0", "DEADLINE_EXCEEDED", "slow"))
+    message = str(ShardUnavailableError({2: spread}, None))
+    assert message.count(down) == 1 and f"3 replicas (h:0, h:1, h:2): UNAVAILABLE {down}" in message
+    assert message.endswith("h:0: DEADLINE_EXCEEDED slow]")
+    mixed = [Attempt("h:1", "UNAVAILABLE", "x"), Attempt("h:2", "UNAVAILABLE", "x")] * 2
+    assert "4 attempts at 2 replicas (h:1, h:2): UNAVAILABLE x" in str(
+        ShardUnavailableError({1: mixed}, None)
+    )
 
 
 def test_flow_rejected_raises_the_server_message():

@@ -23,14 +23,14 @@ from cube.client._transport import (
     CONFIG_MISMATCH,
     LANE_RECHECK_S,
     ClientTLS,
-    RoutingCheck,
-    TransportError,
+    ContactCheck,
     _lane_address,
     _no_check,
     _Placement,
-    _routing,
     _status_name,
+    contact_of,
 )
+from cube.client.errors import TransportError
 from cube.wire import (
     ANSWER_HEADER,
     LANE_MAGIC,
@@ -226,7 +226,7 @@ class AioChannels:
         self,
         method: str,
         lanes: bool = False,
-        check_routing: RoutingCheck = _no_check,
+        on_contact: ContactCheck = _no_check,
         tls: ClientTLS | None = None,
     ) -> None:
         self._method = method
@@ -234,7 +234,7 @@ class AioChannels:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._callables: dict[str, grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]] = {}
         self._use_lanes = lanes
-        self._check_routing = check_routing
+        self._on_contact = on_contact
         self._lanes: dict[str, AioLane | None] = {}  # None: no lane (until _recheck)
         self._recheck: dict[str, float] = {}
         self._mismatch: dict[str, str] = {}
@@ -311,7 +311,7 @@ class AioChannels:
         call = self._callable(address)(b"", timeout=timeout_s)
         await call
         metadata = await call.initial_metadata()
-        problem = self._check_routing(address, _routing(metadata))
+        problem = self._on_contact(address, contact_of(metadata))
         if problem is None:
             self._mismatch.pop(address, None)
         else:

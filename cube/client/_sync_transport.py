@@ -26,15 +26,15 @@ from cube.client._transport import (
     CONFIG_MISMATCH,
     LANE_RECHECK_S,
     ClientTLS,
-    RoutingCheck,
-    TransportError,
+    ContactCheck,
     _lane_address,
     _no_check,
     _Placement,
-    _routing,
     _status_name,
+    contact_of,
     status_of,
 )
+from cube.client.errors import TransportError
 from cube.wire import (
     ANSWER_HEADER,
     LANE_MAGIC,
@@ -376,7 +376,7 @@ class SyncChannels:
         method: str,
         lanes: bool = False,
         busy_poll_s: float = 0.0,
-        check_routing: RoutingCheck = _no_check,
+        on_contact: ContactCheck = _no_check,
         tls: ClientTLS | None = None,
     ) -> None:
         self._method = method
@@ -386,7 +386,7 @@ class SyncChannels:
         self._channels: dict[str, grpc.Channel] = {}
         self._callables: dict[str, grpc.UnaryUnaryMultiCallable[bytes, bytes]] = {}
         self._use_lanes = lanes
-        self._check_routing = check_routing
+        self._on_contact = on_contact
         self._lanes: dict[str, SyncLane | None] = {}  # None: no lane (until _recheck)
         self._recheck: dict[str, float] = {}
         self._mismatch: dict[str, str] = {}  # endpoints whose routing does not match
@@ -462,7 +462,7 @@ class SyncChannels:
             metadata = call.initial_metadata()
         except Exception as exc:
             return status_of(exc)
-        problem = self._check_routing(address, _routing(metadata))
+        problem = self._on_contact(address, contact_of(metadata))
         where = _lane_address(address, metadata) if self._use_lanes else None
         with self._lock:
             if self._closed:

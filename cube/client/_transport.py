@@ -1,7 +1,8 @@
 """What the SDK's two transports share (bytes in, bytes out; what the bytes say is
-cube.client._core's): the protocols a `transport=` object follows, gRPC channel options, TLS,
-the first contact's metadata (lane port, routing) and where a lane answer is read so that its
-values align. The blocking transport: cube.client._sync_transport; the asyncio one:
+cube.client._core's): the protocols a `transport=` object follows (`SyncTransport` for
+CubeClient, `AsyncTransport` for AsyncCubeClient), gRPC channel options, TLS, what first
+contact tells (`Contact`: lane port, routing, --max_batch) and where a lane answer is read so
+that its values align. The blocking transport: cube.client._sync_transport; the asyncio one:
 cube.client._aio_transport. How first contact, lanes and routing checks go: docs/ARCHITECTURE.md
 (SDK transports).
 """
@@ -13,17 +14,18 @@ import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import grpc
 import grpc.aio
 import numpy as np
 
-from cube.client.errors import CubeError
+from cube.client.errors import TransportError
 from cube.routing import ShardRouting
 from cube.security import client_context, grpc_channel_credentials
 from cube.wire import (
     ANSWER_HEADER,
+    MAX_BATCH_METADATA,
     REQUEST_HEADER,
     answer_values_at,
     answer_width,
@@ -56,7 +58,18 @@ CONFIG_MISMATCH = "CONFIG_MISMATCH"  # a status of our own: the endpoint holds o
 TRANSPORTS = ("auto", "grpc")
 
 
-RoutingCheck = Callable[[str, ShardRouting | None], str | None]
+@dataclass(frozen=True)
+class Contact:
+    """What an endpoint said on first contact (the metadata of its answer to an empty Seek):
+    the routing of the version it serves, and the most keys a request may carry (its
+    --max_batch). None: not said (an older server, or nothing loaded)."""
+
+    routing: ShardRouting | None = None
+    max_batch: int | None = None
+
+
+# Called with each first contact's Contact: what is wrong with the endpoint (None: nothing).
+ContactCheck = Callable[[str, Contact], str | None]
 
 
 _STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
@@ -71,29 +84,31 @@ _U8 = np.dtype(np.uint8)
 LANE_RECHECK_S = 5.0  # an endpoint found without a (reachable) lane is asked again after this
 
 
-class TransportError(CubeError):
-    """A call that failed: `code` is a gRPC status name (UNAVAILABLE, DEADLINE_EXCEEDED, ...)
-    or one of ours (CONFIG_MISMATCH); `message` says what happened. Every transport raises
-    it (the lanes, gRPC through `status_of`, a MockTransport's handler), so the retry policy
-    sees one shape whichever moved the bytes."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-class Transport(Protocol):
-    """How a client moves a request's bytes to a server and the answer's bytes back. A
-    transport passed as `transport=` replaces the built-in gRPC/TCP-lane one (MockTransport
-    for tests): CubeClient calls `call`, AsyncCubeClient awaits `acall`; both return the
-    cube.v1 SeekResponse bytes or raise TransportError."""
+@runtime_checkable
+class SyncTransport(Protocol):
+    """How CubeClient moves a request's bytes to a server and the answer's bytes back, when
+    given one as `transport=` (instead of the built-in gRPC/TCP-lane one; MockTransport for
+    tests): `call` returns the cube.v1 SeekResponse bytes or raises TransportError; `close`
+    is called when the client closes."""
 
     def call(self, address: str, request: bytes, timeout_s: float) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class AsyncTransport(Protocol):
+    """As SyncTransport, for AsyncCubeClient: `acall` is awaited; `close` is called when the
+    client closes (`aclose()`)."""
 
     async def acall(self, address: str, request: bytes, timeout_s: float) -> bytes: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class Transport(SyncTransport, AsyncTransport, Protocol):
+    """A transport for either client (both protocols), as MockTransport is."""
 
 
 def _status_name(number: int) -> str:
@@ -113,14 +128,20 @@ def _lane_address(address: str, metadata: Any) -> tuple[str, int] | None:
     return None
 
 
-def _routing(metadata: Any) -> ShardRouting | None:
+def contact_of(metadata: Any) -> Contact:
+    """The Contact that first contact's `metadata` states; a --max_batch that is not a
+    positive integer counts as not said."""
+    routing = max_batch = None
     for key, value in metadata or ():
         if key == ROUTING_METADATA:
-            return ShardRouting.from_text(str(value))
-    return None
+            routing = ShardRouting.from_text(str(value))
+        elif key == MAX_BATCH_METADATA:
+            text = str(value)
+            max_batch = int(text) if text.isdigit() and int(text) > 0 else None
+    return Contact(routing, max_batch)
 
 
-def _no_check(address: str, routing: ShardRouting | None) -> str | None:
+def _no_check(address: str, contact: Contact) -> str | None:
     return None
 
 

@@ -37,7 +37,7 @@ from cube.server.encoders import (
 from cube.server.versions import LoadedVersion, VersionSlots
 from cube.shard import LookupResult, ShardStack
 from cube.values import ValueColumn
-from cube.wire import Buffer
+from cube.wire import MAX_BATCH_METADATA, Buffer
 
 log = logging.getLogger("cube.server")
 
@@ -696,9 +696,10 @@ class SeekService:
     # grpc.aio handlers -------------------------------------------------------------------
 
     def discovery_metadata(self) -> tuple[tuple[str, str], ...]:
-        """What an empty Seek (a client's first contact) is told: the TCP lane's port and the
-        routing of the version served, which the SDK checks against its configuration."""
-        metadata = []
+        """What an empty Seek (a client's first contact) is told: the TCP lane's port, the
+        routing of the version served, which the SDK checks against its configuration, and
+        --max_batch, which the SDK splits its batches by."""
+        metadata = [(MAX_BATCH_METADATA, str(self.max_batch))]
         if self.lane_port:
             metadata.append((PORT_METADATA, str(self.lane_port)))
         current = self.slots.current
