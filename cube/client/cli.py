@@ -18,11 +18,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
+from cube.client._base import ClientOptions
 from cube.client._core import PROTOCOLS, SeekResult
+from cube.client._transport import SyncTransport
 from cube.client.errors import CubeError, DictNotChosenError, ShardUnavailableError
+from cube.client.options import WireProtocol
 from cube.client.sync import CubeClient
 from cube.flags import FlagError, FlagSet, flag, run_cli
 
@@ -140,7 +144,9 @@ def run(argv: Sequence[str]) -> int:
     if flags.retry is not None and flags.retry < 0:
         raise FlagError(f"--retry must be >= 0, got {flags.retry}")
     keys = read_keys(flags.keys)
-    overrides: dict[str, object] = {"protocol": flags.protocol}
+    overrides: ClientOptions[SyncTransport] = {
+        "protocol": cast(WireProtocol, flags.protocol)  # one of PROTOCOLS: the flag's choices
+    }
     if flags.timeout is not None:
         overrides["timeout"] = flags.timeout / 1000.0  # --timeout is in ms, as the original's
     if flags.retry is not None:
