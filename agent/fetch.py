@@ -208,15 +208,6 @@ def source_kind(source: str) -> str:
     )
 
 
-def shown(source: str) -> str:
-    """`source` for a message: a password in the URL is replaced by '***'."""
-    parts = urlsplit(source)
-    if parts.password is None:
-        return source
-    userinfo, _, hostport = parts.netloc.rpartition("@")
-    return urlunsplit(parts._replace(netloc=f"{userinfo.partition(':')[0]}:***@{hostport}"))
-
-
 def check_source(source: str, policy: SourcePolicy) -> Target:
     """The source as a Target, or SourceRefused naming the flag that would allow it."""
     if _unsafe_chars(source):
@@ -231,13 +222,13 @@ def check_source(source: str, policy: SourcePolicy) -> Target:
     try:
         port = parts.port or _DEFAULT_PORTS[scheme]
     except ValueError:
-        raise SourceRefused(f"source {shown(source)!r}: bad port") from None
+        raise SourceRefused(f"source {remote.redact(source)!r}: bad port") from None
     host = parts.hostname
     if not host:
-        raise SourceRefused(f"source {shown(source)!r}: no host")
+        raise SourceRefused(f"source {remote.redact(source)!r}: no host")
     segments = _segments(unquote(parts.path))
     if segments is None:
-        raise SourceRefused(f"source {shown(source)!r}: '.' or '..' in the path")
+        raise SourceRefused(f"source {remote.redact(source)!r}: '.' or '..' in the path")
     userinfo, at, _ = parts.netloc.rpartition("@")
     netloc = f"{userinfo}{at}{f'[{host}]' if ':' in host else host}:{port}"
     url = urlunsplit((scheme, netloc, parts.path or "/", parts.query, ""))
@@ -247,11 +238,11 @@ def check_source(source: str, policy: SourcePolicy) -> Target:
     except ValueError:
         agree = False
     if not agree:
-        raise SourceRefused(f"source {shown(source)!r}: ambiguous URL")
+        raise SourceRefused(f"source {remote.redact(source)!r}: ambiguous URL")
     target = Target(kind, url, scheme, host, port, segments)
     if policy.prefixes and not any(p.matches(target) for p in policy.prefixes):
         raise SourceRefused(
-            f"source {shown(source)!r} is not under an allowed prefix; to allow it, change "
+            f"source {remote.redact(source)!r} is not under an allowed prefix; to allow it, change "
             f"{_FLAGS_HINT}"
         )
     return target
@@ -478,7 +469,7 @@ def _redirect_target(url: str, location: str | None, at: _Attempt) -> str:
         if target.kind != "http":
             raise SourceRefused("not http")
     except SourceRefused:
-        log.warning("redirect from %s to %r refused", shown(url), location[:200])
+        log.warning("redirect from %s to %r refused", remote.redact(url), location[:200])
         raise SourceRefused(
             f"source {at.where}: a redirect leads outside the allowed sources (only http(s) "
             f"URLs that {_FLAGS_HINT} allows are followed); not followed"
@@ -647,7 +638,7 @@ async def _fetch(
     source: str, part: Path, bound: _Bound, policy: FetchPolicy, progress: ProgressFn
 ) -> int:
     target = check_source(source, policy.sources)
-    where = shown(source)
+    where = remote.redact(source)
     part.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + policy.timeout
     last: Exception | None = None
@@ -718,7 +709,7 @@ async def fetch_md5(source: str, dest: Path, policy: FetchPolicy) -> str:
     await fetch_file(source, part, size=None, policy=small, cap=MAX_MD5_FILE, cap_why="md5 file")
     text = part.read_text(encoding="utf-8", errors="replace")
     try:
-        digest = parse_md5_text(text, shown(source))
+        digest = parse_md5_text(text, remote.redact(source))
     except FetchError:
         part.unlink(missing_ok=True)
         raise

@@ -17,6 +17,9 @@ def test_names():
         assert not layout.is_name(bad)
     assert layout.part_name("d", 3) == "d_part3" and layout.tar_name("d", 3) == "d_part3.tar"
     assert layout.PART_RE.fullmatch("d_part3.tar.md5") and not layout.PART_RE.fullmatch("d_x3")
+    match = layout.PART_NAME_RE.fullmatch(layout.part_name("my_dict", 12))
+    assert match and (match["dict"], match["shard"]) == ("my_dict", "12")
+    assert not layout.PART_NAME_RE.fullmatch("d_part07")  # part_name writes no leading zeros
 
 
 def test_version_names():
@@ -24,6 +27,11 @@ def test_version_names():
     assert layout.served_version("100", "100", is_base=True) == "100"
     assert layout.served_version("100", "150", is_base=False) == "100_150"
     assert layout.base_of("100_150") == "100" and layout.base_of("100_100") == "100_100"
+    assert [layout.served_name(n) for n in ("100_100", "100_150", "100")] == [
+        "100",
+        "100_150",
+        "100",
+    ]
     assert layout.is_delta("100_150") and not layout.is_delta("100")
     deltas = ["100_90", "100_1000", "100_b", "100_200"]
     assert sorted(deltas, key=layout.delta_order) == ["100_90", "100_200", "100_1000", "100_b"]

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from cube.format import ShardFormatError, VerifyCancelled
+from cube.fsutil import atomic_write_text
 from cube.layout import (
     CHAIN_FILE,
     NAME_RULE,
@@ -225,23 +226,18 @@ def resolve_chain(split_dir: Path, name: str) -> list[str]:
 
 
 def write_chain(split_dir: Path, name: str, chain: list[str]) -> None:
-    """Record a patch's chain in `<version>/CHAIN` (temp + rename); best effort on a read-only
-    data dir."""
+    """Record a patch's chain in `<version>/CHAIN` (durably, all or nothing); best effort on a
+    read-only data dir."""
     path = split_dir / name / CHAIN_FILE
-    tmp = path.with_name(f".{CHAIN_FILE}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(chain_text(chain))
-        os.replace(tmp, path)
+        atomic_write_text(path, chain_text(chain))
     except OSError as exc:
         log.warning("could not record the chain of %s in %s: %s", name, path, exc)
-        tmp.unlink(missing_ok=True)
 
 
 def write_version_file(split_dir: Path, name: str) -> None:
-    path = split_dir / VERSION_FILE
-    tmp = path.with_name(f".{VERSION_FILE}.tmp-{os.getpid()}")
-    tmp.write_text(version_text(name))
-    os.replace(tmp, path)
+    """Name the version to serve at start in `VERSION` (durably, all or nothing)."""
+    atomic_write_text(split_dir / VERSION_FILE, version_text(name))
 
 
 # ---------------------------------------------------------------------------------------------
