@@ -37,7 +37,7 @@ import aiohttp
 import yarl
 
 from cube import remote
-from cube.backoff import Backoff
+from cube.backoff import Backoff, retrying_async
 from cube.fsutil import md5_of_line
 from cube.security import client_context
 
@@ -634,6 +634,16 @@ async def fetch_file(
         raise
 
 
+# What may pass if a download is tried again: a FetchError that says so, or these.
+_TRANSIENT = (TimeoutError, aiohttp.ClientError, OSError, EOFError, ftplib.Error)
+
+
+def _retryable(error: Exception) -> bool:
+    if isinstance(error, FetchError):
+        return error.retryable
+    return isinstance(error, _TRANSIENT)
+
+
 async def _fetch(
     source: str, part: Path, bound: _Bound, policy: FetchPolicy, progress: ProgressFn
 ) -> int:
@@ -641,43 +651,43 @@ async def _fetch(
     where = remote.redact(source)
     part.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + policy.timeout
-    last: Exception | None = None
-    for attempt in range(1, max(policy.attempts, 1) + 1):
+
+    async def attempt(_number: int) -> int:
         offset = part.stat().st_size if part.exists() else 0
         if bound.size is not None and offset > bound.size:
             offset = 0
             _open_part(part, 0).close()
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            break
+            raise TimeoutError
         at = _Attempt(part, offset, bound, policy, progress, where, deadline)
-        try:
-            async with asyncio.timeout(remaining):
-                if target.kind == "http":
-                    total = await _http_once(target, at)
-                elif target.kind == "ftp":
-                    total = await _in_thread(_ftp_once, target, at)
-                elif target.kind == "s3":
-                    total = await _in_thread(_s3_once, target, at)
-                else:
-                    total = await _in_thread(_file_once, target, at)
-            got = part.stat().st_size
-            bound.check_total(total, where)
-            want = bound.size if bound.size is not None else total
-            if want is not None and got != want:
-                raise FetchError(f"transfer of {where} stopped at {got} of {want} bytes")
-            return got
-        except FetchError as exc:
-            if not exc.retryable:
-                raise
-            last = exc
-        except (TimeoutError, aiohttp.ClientError, OSError, EOFError, ftplib.Error) as exc:
-            if time.monotonic() >= deadline:
-                break
-            last = exc
-        if attempt < policy.attempts:
-            pause = Backoff(policy.backoff, policy.backoff_max).delay(attempt - 1)
-            await asyncio.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+        async with asyncio.timeout(remaining):
+            if target.kind == "http":
+                total = await _http_once(target, at)
+            elif target.kind == "ftp":
+                total = await _in_thread(_ftp_once, target, at)
+            elif target.kind == "s3":
+                total = await _in_thread(_s3_once, target, at)
+            else:
+                total = await _in_thread(_file_once, target, at)
+        got = part.stat().st_size
+        bound.check_total(total, where)
+        want = bound.size if bound.size is not None else total
+        if want is not None and got != want:
+            raise FetchError(f"transfer of {where} stopped at {got} of {want} bytes")
+        return got
+
+    backoff = Backoff(policy.backoff, policy.backoff_max)
+    try:
+        return await retrying_async(
+            attempt, backoff, policy.attempts, _retryable, deadline=deadline, sleep=asyncio.sleep
+        )
+    except FetchError as exc:
+        if not exc.retryable:
+            raise
+        last: Exception = exc
+    except _TRANSIENT as exc:
+        last = exc
     if time.monotonic() >= deadline:
         raise FetchError(
             f"download of {where} timed out after {policy.timeout:g} s (--download_timeout); "

@@ -94,6 +94,62 @@ def test_one_backoff_rule():
         Backoff(1, 2, jitter=2)
 
 
+def test_one_retry_loop_on_a_fake_clock():
+    """cube.backoff.retrying (and its async twin): tries until a value, waits the backoff
+    between tries, gives up on an error that is not retryable, after the last attempt, or
+    once the deadline has passed (the wait clipped to it)."""
+    import asyncio
+
+    from cube.backoff import Backoff, retrying, retrying_async
+
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    def flaky(fails: int, error: Exception):
+        def attempt(number: int) -> int:
+            if number <= fails:
+                raise error
+            return number
+
+        return attempt
+
+    backoff = Backoff(1.0, 3.0)
+    transient = lambda exc: isinstance(exc, OSError)  # noqa: E731
+    run = lambda attempt, attempts, **kw: retrying(  # noqa: E731
+        attempt, backoff, attempts, transient, clock=lambda: now[0], sleep=sleep, **kw
+    )
+    assert run(flaky(3, OSError("x")), 5) == 4 and slept == [1.0, 2.0, 3.0]
+    slept.clear()
+    with pytest.raises(OSError):  # the last attempt's error, as it is
+        run(flaky(9, OSError("x")), 3)
+    assert slept == [1.0, 2.0]
+    slept.clear()
+    with pytest.raises(ValueError):  # not retryable: at once
+        run(flaky(9, ValueError("x")), 3)
+    assert slept == []
+    now[0] = 0.0
+    with pytest.raises(OSError):  # the deadline clips the wait, then ends the tries
+        run(flaky(9, OSError("x")), 9, deadline=2.5)
+    assert slept == [1.0, 1.5] and now[0] == 2.5
+    assert run(flaky(0, OSError("x")), 0) == 1  # at least one attempt
+
+    async def asleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    async def attempt(number: int) -> int:
+        if number < 3:
+            raise OSError("x")
+        return number
+
+    slept.clear()
+    got = asyncio.run(retrying_async(attempt, backoff, 5, transient, sleep=asleep))
+    assert got == 3 and slept == [1.0, 2.0]
+
+
 def test_donefile_lines_written_and_read_by_one_module():
     from cube.donefile import BASE_FILE, PATCH_FILE, BadLine, format_line, parse_line
 
