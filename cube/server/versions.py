@@ -119,6 +119,7 @@ def read_version_file(split_dir: Path) -> str | None:
 
 
 _SHARD_FILES = ("index.cube", "data.cube")
+WAITING = "holds no version yet: waiting for cube-agent to load one"  # an empty data dir
 LAYOUT_HINT = (
     "the server reads <data_dir>/VERSION, which names a version directory"
     " <data_dir>/<version>/ holding index.cube and data.cube (cube-agent lays it out; by hand:"
@@ -129,7 +130,8 @@ LAYOUT_HINT = (
 def diagnose_data_dir(data_dir: Path, dirs: list[Path]) -> str:
     """Why a data dir without a start-up version serves nothing, in words an operator can act
     on: a typo, a builder output folder, shard files outside a version directory, version
-    directories nobody named in VERSION, or simply empty (waiting for cube-agent)."""
+    directories nobody named in VERSION, or simply empty (waiting for cube-agent: `WAITING`,
+    the normal start of a replica, which is no warning)."""
     if not data_dir.exists():
         return (
             f"--data_dir {data_dir} does not exist (a typo? cube-agent creates it as"
@@ -167,7 +169,7 @@ def diagnose_data_dir(data_dir: Path, dirs: list[Path]) -> str:
             " file naming the one to serve (echo <version> > VERSION, or let cube-agent enable"
             " one)"
         )
-    return f"{data_dir} holds no version yet: waiting for cube-agent to load one"
+    return f"{data_dir} {WAITING}"
 
 
 def startup_version(dirs: list[Path]) -> str | None:
