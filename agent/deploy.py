@@ -28,6 +28,7 @@ from typing import Any
 
 import grpc
 
+from cube import remote
 from cube.agent import __version__
 from cube.agent.control import (
     STATUS_LOADING,
@@ -44,7 +45,6 @@ from cube.agent.fetch import (
     fetch_file,
     fetch_md5,
     md5_source,
-    shown,
     source_basename,
 )
 from cube.agent.journal import Journal
@@ -319,11 +319,11 @@ class Agent:
             if digest != want_md5:
                 part.unlink(missing_ok=True)
                 log.warning(
-                    "md5 of %s: %s (%d bytes), not %s", shown(source), digest, got, want_md5
+                    "md5 of %s: %s (%d bytes), not %s", remote.redact(source), digest, got, want_md5
                 )
                 raise TaskFailed(  # not the digest got: it would tell about the fetched bytes
-                    f"md5 mismatch for {shown(source)}: expected {want_md5}, the download differs; "
-                    "it was discarded and nothing was placed"
+                    f"md5 mismatch for {remote.redact(source)}: expected {want_md5}, the download"
+                    " differs; it was discarded and nothing was placed"
                 )
             part.replace(tar)
             atomic_write_json(marker, {"md5": digest, "size": got, "source": source})

@@ -33,7 +33,7 @@ from cube.agent.layout import DeployPathTaken, overlap
 from cube.agent.metrics import AgentCounters
 from cube.flags import FlagError, FlagSet, flag, run_cli
 from cube.listen import address, listen_socket
-from cube.logs import LOG_FORMATS, setup_logging
+from cube.logs import LOG_FORMATS, announce, setup_logging
 from cube.security import TLSFiles, is_loopback, require_token, server_context, token_from
 
 log = logging.getLogger("cube.agent")
@@ -294,9 +294,9 @@ async def serve(
         await site.start()
         bound = api.getsockname()
         scheme = "https" if ssl_context else "http"
-        print(f"cube-agent listening on {scheme}://{address(bound[0], bound[1])}", flush=True)
+        announce(log, f"cube-agent listening on {scheme}://{address(bound[0], bound[1])}")
         if metrics_server is not None:  # a second line, after the one tools wait for
-            print(metrics_line, flush=True)
+            announce(log, metrics_line)
         log.info(
             "cube-agent %s: %s, auth %s",
             __version__,
@@ -331,10 +331,10 @@ def _main(argv: Sequence[str]) -> int:
         metrics = (flags.metrics_host, flags.metrics_port) if flags.metrics_port >= 0 else None
         return asyncio.run(serve(configs, flags.host, flags.port, token, tls, metrics))
     except DeployPathTaken as exc:
-        print(f"error: cube-agent: {exc}", file=sys.stderr)
+        log.error("cube-agent: %s", exc)
         return 1
     except OSError as exc:
-        print(f"error: cube-agent: {exc.strerror or exc}", file=sys.stderr)
+        log.error("cube-agent: %s", exc.strerror or exc)
         return 1
 
 

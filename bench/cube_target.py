@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from cube.bench.targets import Dataset, Target, TargetUnavailable
-from cube.layout import part_name
+from cube.layout import part_name, served_name
 from cube.processes import SERVING, free_port, health_status
 from cube.values import ValueColumn
 
@@ -57,7 +57,7 @@ class CubeTarget(Target):
         for shard, part in enumerate(parts):
             # the layout an agent leaves: <data_dir>/<version>/ and VERSION naming it; a base
             # built into <depend>_<cur>/ is served as version <depend>
-            version = part.parent.name.partition("_")[0]
+            version = served_name(part.parent.name)
             data_dir = self.workdir / f"server{shard}" / "data"
             data_dir.mkdir(parents=True)
             part.rename(data_dir / version)  # same file system: the builder's files, moved

@@ -30,8 +30,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -52,6 +50,8 @@ from cube.processes import (
     health_status,
     machine_seconds,
     poll_until,
+    spawn,
+    stop_child,
 )
 
 _VERSION = "1"
@@ -154,10 +154,7 @@ class Server:
             command += ["--worker_ports", ",".join(map(str, self.ports))]
         self.command = command
         self.log = log
-        with open(log, "wb") as out:
-            self.process = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
-            )
+        self.process = spawn(command, log, preexec_fn=die_with_parent)
 
     @property
     def addresses(self) -> list[str]:
@@ -197,13 +194,7 @@ class Server:
         return json.loads(reply.detail_json)["requests"]
 
     def stop(self, timeout: float = 20.0) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+        stop_child(self.process, timeout)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ import ssl
 import subprocess
 import tarfile
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -31,7 +30,7 @@ from aiohttp import web
 
 from cube.index import build_table
 from cube.pb import cube_pb2, cube_pb2_grpc
-from cube.processes import stop_child
+from cube.processes import log_tail, poll_until, spawn, stop_child
 from cube.shard import DATA_FILE, INDEX_FILE, write_shard
 from cube.values import ValueColumn
 
@@ -345,19 +344,36 @@ class AgentProc:
         self.ssl_context: ssl.SSLContext | None = None  # trusts the agent's --tls_cert
 
     def start(self) -> AgentProc:
+        """Start the agent (cube.processes.spawn: its stdout and stderr in
+        `agent-<deploy>.log`, appended) and wait for the line it announces its URL with (and
+        its metrics URL, with --metrics_port)."""
         self.deploy.mkdir(parents=True, exist_ok=True)
-        log = open(self.deploy.parent / f"agent-{self.deploy.name}.log", "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            self.args, stdout=subprocess.PIPE, stderr=log, env=self.env, cwd=self.deploy.parent
+        log = self.deploy.parent / f"agent-{self.deploy.name}.log"
+        offset = log.stat().st_size if log.exists() else 0  # an earlier run's lines before it
+        self.proc = proc = spawn(self.args, log, append=True, env=self.env, cwd=self.deploy.parent)
+        wanted = (
+            ["listening on", "metrics on"] if "--metrics_port" in self.args else ["listening on"]
         )
-        log.close()
-        line = _read_line(self.proc, WAIT)
-        if "listening on" not in line:
+        found: dict[str, str] = {}
+
+        def announced() -> bool:
+            with open(log, "rb") as f:
+                f.seek(offset)
+                text = f.read().decode(errors="replace")
+            for what in wanted:
+                match = re.search(rf"cube-agent {what} (\S+)$", text, re.MULTILINE)
+                if match:
+                    found[what] = match.group(1)
+            return len(found) == len(wanted)
+
+        def running() -> None:
+            if proc.poll() is not None:
+                raise RuntimeError(f"cube-agent exited ({proc.returncode}):\n{log_tail(log)}")
+
+        if not poll_until(announced, WAIT, 0.02, check=running):
             self.stop()
-            raise RuntimeError(f"cube-agent did not start: {line!r}")
-        self.url = line.rsplit(" ", 1)[-1].strip()
-        if "--metrics_port" in self.args:
-            self.metrics_url = _read_line(self.proc, WAIT).rsplit(" ", 1)[-1].strip()
+            raise RuntimeError(f"cube-agent did not start within {WAIT:g} s:\n{log_tail(log)}")
+        self.url, self.metrics_url = found["listening on"], found.get("metrics on", "")
         return self
 
     def kill9(self) -> None:
@@ -409,27 +425,17 @@ class AgentProc:
 
     def wait_task(self, command: str, version: str, timeout: float = WAIT) -> dict[str, Any]:
         """Poll `task` until it is no longer running."""
-        deadline = time.monotonic() + timeout
-        while True:
-            task = self.cmd(command="task", version=version, task_command=command)
-            if task["state"] != "running":
-                return task
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{command} {version} still running: {task}")
-            time.sleep(0.05)
+        task: dict[str, Any] = {}
+
+        def ended() -> bool:
+            task.update(self.cmd(command="task", version=version, task_command=command))
+            return bool(task["state"] != "running")
+
+        if not poll_until(ended, timeout, 0.05):
+            raise AssertionError(f"{command} {version} still running: {task}")
+        return task
 
     def run(self, command: str, version: str, **body: Any) -> dict[str, Any]:
         """Submit a command and wait for its end."""
         self.cmd(command=command, version=version, **body)
         return self.wait_task(command, version)
-
-
-def _read_line(proc: subprocess.Popen, timeout: float) -> str:
-    """First stdout line of `proc`, bounded by `timeout` (a reader thread, no blocking)."""
-    result: list[str] = []
-    reader = threading.Thread(
-        target=lambda: result.append(proc.stdout.readline().decode()), daemon=True
-    )
-    reader.start()
-    reader.join(timeout)
-    return result[0] if result else ""

@@ -22,7 +22,6 @@ from cube.agent.fetch import (
     fetch_file,
     fetch_md5,
     parse_md5_text,
-    shown,
 )
 from cube.agent.journal import Journal
 from cube.agent.layout import plan_retention
@@ -40,6 +39,7 @@ from cube.agent.tasks import (
 from cube.agent.unpack import UnsafeTar, extract_shard_tar
 from cube.layout import member_problem
 from cube.protocol import BadRequest, check_name, normalize_chain, parse_work, version_dir_name
+from cube.remote import redact
 
 FAST = FetchPolicy(
     attempts=3, backoff=0.01, timeout=20, io_timeout=5, sources=SourcePolicy(allow_files=True)
@@ -180,8 +180,8 @@ def test_bad_allowed_sources_entries_are_flag_errors(entry, tmp_path):
 
 
 def test_passwords_are_not_shown():
-    assert shown("ftp://user:s3cret@h/x.tar") == "ftp://user:***@h/x.tar"
-    assert shown("http://h/x.tar") == "http://h/x.tar"
+    assert redact("ftp://user:s3cret@h/x.tar") == "ftp://***@h/x.tar"
+    assert redact("http://h/x.tar") == "http://h/x.tar"
 
 
 def test_md5_text():

@@ -7,6 +7,7 @@ import random
 import numpy as np
 import pytest
 
+from cube.backoff import Backoff
 from cube.client._policy import (
     Balancer,
     Cancel,
@@ -54,7 +55,7 @@ def test_first_answer_wins():
 
 
 def test_retries_go_to_other_replicas_with_bounded_backoff_then_fail():
-    policy = Policy(retry=2, backoff_base_ms=4, backoff_cap_ms=6)
+    policy = Policy(retry=2, backoff=Backoff(0.004, 0.006, 0.5))
     round_, cluster = make_round(["a:1", "b:2", "c:3"], policy)
     (first,) = round_.start(0.0)
     assert round_.on_error(first.key, "UNAVAILABLE", "refused", 0.0) == []
@@ -91,7 +92,7 @@ def test_single_replica_retries_on_itself():
 
 
 def test_backoff_is_capped_and_jittered():
-    policy = Policy(backoff_base_ms=2, backoff_cap_ms=100)
+    policy = Policy(backoff=Backoff(0.002, 0.1, 0.5))
     rng = random.Random(1)
     delays = [policy.backoff_s(k, rng) for k in range(30)]
     assert max(delays) <= 0.1 and min(delays[10:]) >= 0.05
@@ -189,7 +190,7 @@ def test_bad_response_is_retried():
 
 
 def test_round_deadline_aborts_everything():
-    policy = Policy(timeout_ms=100, retry=1, backoff_cap_ms=10)
+    policy = Policy(timeout_ms=100, retry=1, backoff=Backoff(0.002, 0.01, 0.5))
     round_, _ = make_round(["a:1"], policy, calls=2)
     started = round_.start(0.0)
     deadline = round_.next_wakeup()
@@ -228,8 +229,23 @@ def test_balancers():
         Balancer("wrr", random.Random(0))
 
 
+def test_the_policy_takes_retry_and_cooldown_from_the_options():
+    """Retry.backoff and Retry.cooldown are the state machine's rules as they are (one home for
+    the backoff rule and its defaults)."""
+    from cube.client.options import Retry, Timeouts
+
+    retry = Retry(backoff=Backoff(0.01, 0.5, 0.25), cooldown=Backoff(0.3, 0.9))
+    policy = Policy.from_options(Timeouts(), retry)
+    assert policy.backoff is retry.backoff and policy.cooldown is retry.cooldown
+    assert Policy().backoff == Retry().backoff and Policy().cooldown == Retry().cooldown
+    endpoint = EndpointState("a")
+    for expected in (0.3, 0.6, 0.9):
+        endpoint.failed(0.0, policy)
+        assert endpoint.down_until == pytest.approx(expected)
+
+
 def test_cooldown_grows_and_is_capped():
-    endpoint, policy = EndpointState("a"), Policy(cooldown_base_ms=100, cooldown_cap_ms=400)
+    endpoint, policy = EndpointState("a"), Policy(cooldown=Backoff(0.1, 0.4))
     for expected in (0.1, 0.2, 0.4, 0.4):
         endpoint.failed(0.0, policy)
         assert endpoint.down_until == pytest.approx(expected)
@@ -238,7 +254,7 @@ def test_cooldown_grows_and_is_capped():
     endpoint = EndpointState("b")  # a replica down for a long time under load
     for _ in range(5000):  # (the doubling overflowed at 1025 failures in a row)
         endpoint.failed(1.0, Policy())
-    assert endpoint.down_until == pytest.approx(1.0 + Policy().cooldown_cap_ms / 1000)
+    assert endpoint.down_until == pytest.approx(1.0 + Policy().cooldown.cap)
 
 
 def test_policy_rejects_bad_settings():

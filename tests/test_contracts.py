@@ -17,6 +17,9 @@ def test_names():
         assert not layout.is_name(bad)
     assert layout.part_name("d", 3) == "d_part3" and layout.tar_name("d", 3) == "d_part3.tar"
     assert layout.PART_RE.fullmatch("d_part3.tar.md5") and not layout.PART_RE.fullmatch("d_x3")
+    match = layout.PART_NAME_RE.fullmatch(layout.part_name("my_dict", 12))
+    assert match and (match["dict"], match["shard"]) == ("my_dict", "12")
+    assert not layout.PART_NAME_RE.fullmatch("d_part07")  # part_name writes no leading zeros
 
 
 def test_version_names():
@@ -24,6 +27,11 @@ def test_version_names():
     assert layout.served_version("100", "100", is_base=True) == "100"
     assert layout.served_version("100", "150", is_base=False) == "100_150"
     assert layout.base_of("100_150") == "100" and layout.base_of("100_100") == "100_100"
+    assert [layout.served_name(n) for n in ("100_100", "100_150", "100")] == [
+        "100",
+        "100_150",
+        "100",
+    ]
     assert layout.is_delta("100_150") and not layout.is_delta("100")
     deltas = ["100_90", "100_1000", "100_b", "100_200"]
     assert sorted(deltas, key=layout.delta_order) == ["100_90", "100_200", "100_1000", "100_b"]
@@ -84,6 +92,62 @@ def test_one_backoff_rule():
         assert ceiling / 2 <= jittered.delay(retry, rng) <= ceiling
     with pytest.raises(ValueError, match="jitter"):
         Backoff(1, 2, jitter=2)
+
+
+def test_one_retry_loop_on_a_fake_clock():
+    """cube.backoff.retrying (and its async twin): tries until a value, waits the backoff
+    between tries, gives up on an error that is not retryable, after the last attempt, or
+    once the deadline has passed (the wait clipped to it)."""
+    import asyncio
+
+    from cube.backoff import Backoff, retrying, retrying_async
+
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    def flaky(fails: int, error: Exception):
+        def attempt(number: int) -> int:
+            if number <= fails:
+                raise error
+            return number
+
+        return attempt
+
+    backoff = Backoff(1.0, 3.0)
+    transient = lambda exc: isinstance(exc, OSError)  # noqa: E731
+    run = lambda attempt, attempts, **kw: retrying(  # noqa: E731
+        attempt, backoff, attempts, transient, clock=lambda: now[0], sleep=sleep, **kw
+    )
+    assert run(flaky(3, OSError("x")), 5) == 4 and slept == [1.0, 2.0, 3.0]
+    slept.clear()
+    with pytest.raises(OSError):  # the last attempt's error, as it is
+        run(flaky(9, OSError("x")), 3)
+    assert slept == [1.0, 2.0]
+    slept.clear()
+    with pytest.raises(ValueError):  # not retryable: at once
+        run(flaky(9, ValueError("x")), 3)
+    assert slept == []
+    now[0] = 0.0
+    with pytest.raises(OSError):  # the deadline clips the wait, then ends the tries
+        run(flaky(9, OSError("x")), 9, deadline=2.5)
+    assert slept == [1.0, 1.5] and now[0] == 2.5
+    assert run(flaky(0, OSError("x")), 0) == 1  # at least one attempt
+
+    async def asleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    async def attempt(number: int) -> int:
+        if number < 3:
+            raise OSError("x")
+        return number
+
+    slept.clear()
+    got = asyncio.run(retrying_async(attempt, backoff, 5, transient, sleep=asleep))
+    assert got == 3 and slept == [1.0, 2.0]
 
 
 def test_donefile_lines_written_and_read_by_one_module():

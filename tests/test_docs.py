@@ -81,3 +81,33 @@ def test_every_http_route_is_documented(tmp_path):
     agent = (REFERENCE / "agent-api.md").read_text()
     missing += [path for path in sorted(agent_routes) if path not in agent]
     assert not missing, f"the HTTP reference pages lack {missing}"
+
+
+HELM = REPO / ".tools" / "bin" / "helm"
+
+
+@pytest.mark.skipif(not HELM.exists(), reason="helm comes from `make tools` (.tools/)")
+def test_deploy_md_renders_the_chart_offline(tmp_path):
+    """DEPLOY.md's offline render, run as written (its helm and chart paths made absolute):
+    in a network namespace of its own where this machine allows one (no network at all),
+    with an empty HOME (no chart repository configured)."""
+    import os
+    import shutil
+    import subprocess
+
+    text = (REPO / "docs" / "DEPLOY.md").read_text()
+    section = text.split("### Rendering offline", 1)[1]
+    block = re.findall(r"```sh\n(.*?)```", section, re.DOTALL)[0]  # its first block
+    assert "helm template" in block and "deploy/helm/cube" in block
+    script = block.replace(".tools/bin/helm", str(HELM))
+    script = script.replace("deploy/helm/cube", str(REPO / "deploy" / "helm" / "cube"))
+    isolate = ["unshare", "--net"] if os.geteuid() == 0 and shutil.which("unshare") else []
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path / "home")}
+    done = subprocess.run(
+        [*isolate, "bash", "-euc", script], cwd=tmp_path, env=env, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    kinds = re.findall(r"^kind: (\w+)$", (tmp_path / "emb.yaml").read_text(), re.MULTILINE)
+    assert kinds.count("StatefulSet") == 5, kinds  # 4 shards + the transfer
+    assert "Secret" not in kinds and "Pod" not in kinds, kinds  # auth.existingSecret, no test

@@ -25,6 +25,8 @@ from cube.server.versions import (
     resolve_chain,
     split_dirs,
     version_name_from_path,
+    write_chain,
+    write_version_file,
 )
 
 
@@ -289,3 +291,19 @@ def test_the_supervisor_stops_at_once_when_a_worker_cannot_listen():
 
     why = Restarts(limit=3).died(2, EXIT_CANNOT_LISTEN, now=0.0)
     assert why == "worker 2 cannot listen on its ports"
+
+
+def test_version_and_chain_files_are_written_durably(tmp_path, monkeypatch):
+    """VERSION and CHAIN go through cube.fsutil's atomic write: the file is fsynced before its
+    rename and the directory after it, and no temp file is left behind."""
+    import os
+
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    (tmp_path / "5_6").mkdir()
+    write_version_file(tmp_path, "5_6")
+    assert (tmp_path / "VERSION").read_text() == "5_6\n" and len(synced) == 2
+    write_chain(tmp_path, "5_6", ["5", "5_6"])
+    assert (tmp_path / "5_6" / "CHAIN").read_text() == "5\n5_6\n" and len(synced) == 4
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["5_6", "CHAIN", "VERSION"]

@@ -1103,3 +1103,44 @@ def test_a_parameter_server_delta_applies_on_its_own_days_base():
     _go_live(state, next_version(state, 1.0)[0])
     _lines(state, "patch.txt", _patch(110, 100, "/m/20261125/delta-1/000"))
     assert next_version(state, 2.0)[0].version == "100_110"
+
+
+def test_agents_still_starting_are_info_until_the_grace_passes(tmp_path, caplog):
+    """An agent that has not answered since the transfer started (cube-local up: agents and
+    the transfer start together) is INFO until --dead_timeout from the start, then one
+    WARNING; one that had answered and goes silent is a WARNING at once (fake clock)."""
+    import asyncio
+    import logging
+
+    from cube.transfer.agents import AgentUnreachable
+    from cube.transfer.reconcile import Reconciler
+    from cube.transfer.state import InstanceState
+
+    cfg = parse_config(CONF, "t.conf", tmp_path)
+    answering: set[str] = set()
+
+    class Agents:
+        async def status(self, inst):
+            if inst.name not in answering:
+                raise AgentUnreachable(f"agent {inst.name}: connection refused")
+            return {"server": {"reachable": True, "cur_version": ""}}
+
+    clock = [100.0]
+    reconciler = Reconciler(cfg, Agents(), None, 60.0, 1.0, clock=lambda: clock[0])  # type: ignore[arg-type]
+    state = TransferState(instances={i.name: InstanceState() for i in cfg.instances})
+
+    def refresh() -> list[tuple[int, str]]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="cube.transfer"):
+            asyncio.run(reconciler.refresh(state))
+        return [(r.levelno, r.getMessage().split(":")[0]) for r in caplog.records]
+
+    assert refresh() == [(logging.INFO, f"instance {i.name}") for i in cfg.instances]
+    answering.add("0_0")
+    clock[0] += 30
+    assert refresh() == []  # said once
+    answering.discard("0_0")  # it had answered: its silence is news at once
+    assert refresh() == [(logging.WARNING, "instance 0_0")]
+    clock[0] += 31  # the grace has passed: the others' silence is a warning now, once
+    assert sorted(refresh()) == [(logging.WARNING, f"instance {n}") for n in ("0_1", "1_0", "1_1")]
+    assert refresh() == []

@@ -36,7 +36,7 @@ from multidict import MultiMapping
 
 from cube.donefile import ID, VERSION_NAME
 from cube.listen import listen_socket
-from cube.security import TLSFiles, bearer_token, server_context, token_matches
+from cube.security import TLSFiles, server_context, token_middleware
 from cube.transfer import views
 from cube.transfer.config import TransferConfig
 from cube.transfer.donefile import redact
@@ -147,34 +147,11 @@ def build_api(service: TransferService) -> web.Application:
                 f"name {_echo(fields['name'])} is not this transfer's dict {cfg.dict_name!r}"
             )
 
-    async def _body_token(request: web.Request) -> str:
-        """A `token` field of a POST body (form or JSON object), "" when there is none."""
-        if request.method != "POST" or not request.body_exists:
-            return ""
-        if request.content_type in ("application/x-www-form-urlencoded", "multipart/form-data"):
-            token = (await request.post()).get("token")
-        else:
-            try:
-                body = json.loads(await request.read())
-            except ValueError:
-                return ""
-            token = body.get("token") if isinstance(body, dict) else None
-        return token if isinstance(token, str) else ""
-
-    async def authorized(request: web.Request) -> bool:
-        given = bearer_token(request.headers.get("Authorization"))
-        if given is None:
-            given = await _body_token(request)
-        return bool(given) and token_matches(given.strip(), cfg.api_token)
-
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Token check (not for the status page's own files: they hold no data, and the page
-        asks for the token), and every failure as the envelope."""
+        """Every failure as the envelope (the token is checked inside it, by `check_token`: not
+        for the status page's own files, which hold no data, and the page asks for the token)."""
         try:
-            public = request.method == "GET" and request.path in PAGE_FILES
-            if cfg.api_token and not public and not await authorized(request):
-                return _error("unauthorized: send 'Authorization: Bearer <token>' (api_token)", 401)
             return await handler(request)
         except BadRequest as exc:
             return _error(str(exc))
@@ -301,7 +278,12 @@ def build_api(service: TransferService) -> web.Application:
             },
         )
 
-    app = web.Application(client_max_size=MAX_BODY, middlewares=[guard])
+    check_token = token_middleware(
+        cfg.api_token,
+        lambda: _error("unauthorized: send 'Authorization: Bearer <token>' (api_token)", 401),
+        public=lambda request: request.method == "GET" and request.path in PAGE_FILES,
+    )
+    app = web.Application(client_max_size=MAX_BODY, middlewares=[guard, check_token])
     for path in PAGE_FILES:
         app.router.add_get(path, page)
     app.router.add_get("/dict/info", dict_info)

@@ -152,7 +152,7 @@ def run(argv: Sequence[str]) -> int:
             except remote.RemoteError as exc:
                 raise ConfigError(f"{flags.config}: {key}: {exc}") from None
     except (ConfigError, SecurityError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        log.error("%s", exc)
         return 2
     try:
         if ensure_donefile_dir(cfg.donefile_address, flags.create_donefile_dir):
@@ -161,12 +161,12 @@ def run(argv: Sequence[str]) -> int:
         how = (
             "" if flags.create_donefile_dir else "; create it, or start with --create_donefile_dir"
         )
-        print(f"error: {flags.config}: donefile_address: {exc}{how}", file=sys.stderr)
+        log.error("%s: donefile_address: %s%s", flags.config, exc, how)
         return 2
     try:
         sockets = bind_listeners(cfg, flags.port)  # before anything else: "in use" at once
     except OSError as exc:
-        print(f"error: {exc.strerror}", file=sys.stderr)
+        log.error("%s", exc.strerror)
         return 1
     if cfg.wget_port == 0 and sockets.files is not None:
         cfg = dataclasses.replace(cfg, wget_port=sockets.files_port)
@@ -180,7 +180,7 @@ def run(argv: Sequence[str]) -> int:
         metrics = (flags.metrics_host, flags.metrics_port) if flags.metrics_port >= 0 else None
         return asyncio.run(serve(service, sockets, metrics))
     except JournalError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        log.error("%s", exc)
         return 1
 
 

@@ -21,7 +21,6 @@ KEY_FORMAT = "cube"
 FORMAT_FILES = "data.N, index.N, data.n, index.n"  # the original's shard files, for messages
 _VERSION_RE = re.compile(r"(0|[1-9][0-9]{0,18})(?:_(0|[1-9][0-9]{0,18}))?")
 _VERSION_RULE = "<depend>_<cur> or <depend>, positive numbers without leading zeros"
-_PART_RE = re.compile(r"(?P<dict>.+)_part(?P<shard>0|[1-9][0-9]{0,5})")
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cube.builder.import_original.base import (
-    _PART_RE,
     _VERSION_RE,
     _VERSION_RULE,
     FORMAT_FILES,
@@ -19,6 +18,7 @@ from cube.builder.import_original.base import (
     is_original_file,
 )
 from cube.layout import (
+    PART_NAME_RE,
     VERSION_FILE,
     is_name,
     parse_version,
@@ -174,7 +174,7 @@ def _part_matches(directory: Path) -> list[re.Match[str]]:
         return []
     found = []
     for name in names:
-        match = _PART_RE.fullmatch(name.removesuffix(".tar"))
+        match = PART_NAME_RE.fullmatch(name.removesuffix(".tar"))
         if match and (name.endswith(".tar") or (directory / name).is_dir()):
             found.append(match)
     return found
@@ -188,7 +188,7 @@ def _parts(directory: Path, dict_name: str) -> list[int]:
 def _add_tar(inventory: Inventory, path: Path, hints: Hints) -> None:
     if not path.name.endswith(".tar"):
         raise ImportError_(f"{path}: not a shard tar (<dict>_part<i>.tar) nor a directory")
-    match = _PART_RE.fullmatch(path.name.removesuffix(".tar"))
+    match = PART_NAME_RE.fullmatch(path.name.removesuffix(".tar"))
     if match:
         _check_dict(path, match, hints)
     shard = int(match["shard"]) if match else _shard_hint(path, hints)
@@ -198,7 +198,7 @@ def _add_tar(inventory: Inventory, path: Path, hints: Hints) -> None:
 
 
 def _add_shard_dir(inventory: Inventory, path: Path, hints: Hints) -> None:
-    match = _PART_RE.fullmatch(path.name)
+    match = PART_NAME_RE.fullmatch(path.name)
     if match:  # the builder's <dict>_part<i>/ inside <depend>_<cur>/
         _check_dict(path, match, hints)
         shard, version = int(match["shard"]), _version_of(path.parent, path, hints)
@@ -315,7 +315,7 @@ def _add_cube_data(inventory: Inventory, path: Path, hints: Hints, served: Path 
             version = version_name(name, f"{entry}: its directory name")
             tars = sorted(entry.glob("*.tar"))
             for tar in tars:
-                match = _PART_RE.fullmatch(tar.name.removesuffix(".tar"))
+                match = PART_NAME_RE.fullmatch(tar.name.removesuffix(".tar"))
                 if match:
                     _check_dict(tar, match, hints)
             if _is_shard_dir(entry):

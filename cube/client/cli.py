@@ -109,12 +109,12 @@ def summarize(
 
 
 def format_batch(result: SeekResult) -> str:
-    """--print_output lines: `key:K value:HEX` for a hit (an empty value prints `value:`),
-    `key:K miss` for a key the dict does not hold."""
+    """--print_output lines as the original's cube_cli.cpp printed them: `key:K value:HEX`,
+    and `key:K value:` for a key the dict does not hold (its empty value), as for an empty
+    value (the SDK's `found` tells them apart)."""
     lines = []
     for key, value in zip(result.keys.tolist(), result.values, strict=True):
-        shown = "miss" if value is None else f"value:{value.hex().upper()}"
-        lines.append(f"key:{key} {shown}")
+        lines.append(f"key:{key} value:{(value or b'').hex().upper()}")
     return "\n".join(lines) + "\n"
 
 

@@ -115,7 +115,6 @@ def configure_logging(flags: ServerFlags) -> None:
         flags.log_level.upper(),
         flags.log_format,
         Path(flags.log_dir) / "cube-server.log" if flags.log_dir else None,
-        text_format=f"%(asctime)s %(levelname)s cube-server[{who} pid %(process)d] %(message)s",
         tag=who,
     )
 

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from cube.format import ShardFormatError, VerifyCancelled
+from cube.fsutil import atomic_write_text
 from cube.layout import (
     CHAIN_FILE,
     NAME_RULE,
@@ -118,6 +119,7 @@ def read_version_file(split_dir: Path) -> str | None:
 
 
 _SHARD_FILES = ("index.cube", "data.cube")
+WAITING = "holds no version yet: waiting for cube-agent to load one"  # an empty data dir
 LAYOUT_HINT = (
     "the server reads <data_dir>/VERSION, which names a version directory"
     " <data_dir>/<version>/ holding index.cube and data.cube (cube-agent lays it out; by hand:"
@@ -128,7 +130,8 @@ LAYOUT_HINT = (
 def diagnose_data_dir(data_dir: Path, dirs: list[Path]) -> str:
     """Why a data dir without a start-up version serves nothing, in words an operator can act
     on: a typo, a builder output folder, shard files outside a version directory, version
-    directories nobody named in VERSION, or simply empty (waiting for cube-agent)."""
+    directories nobody named in VERSION, or simply empty (waiting for cube-agent: `WAITING`,
+    the normal start of a replica, which is no warning)."""
     if not data_dir.exists():
         return (
             f"--data_dir {data_dir} does not exist (a typo? cube-agent creates it as"
@@ -166,7 +169,7 @@ def diagnose_data_dir(data_dir: Path, dirs: list[Path]) -> str:
             " file naming the one to serve (echo <version> > VERSION, or let cube-agent enable"
             " one)"
         )
-    return f"{data_dir} holds no version yet: waiting for cube-agent to load one"
+    return f"{data_dir} {WAITING}"
 
 
 def startup_version(dirs: list[Path]) -> str | None:
@@ -225,23 +228,18 @@ def resolve_chain(split_dir: Path, name: str) -> list[str]:
 
 
 def write_chain(split_dir: Path, name: str, chain: list[str]) -> None:
-    """Record a patch's chain in `<version>/CHAIN` (temp + rename); best effort on a read-only
-    data dir."""
+    """Record a patch's chain in `<version>/CHAIN` (durably, all or nothing); best effort on a
+    read-only data dir."""
     path = split_dir / name / CHAIN_FILE
-    tmp = path.with_name(f".{CHAIN_FILE}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(chain_text(chain))
-        os.replace(tmp, path)
+        atomic_write_text(path, chain_text(chain))
     except OSError as exc:
         log.warning("could not record the chain of %s in %s: %s", name, path, exc)
-        tmp.unlink(missing_ok=True)
 
 
 def write_version_file(split_dir: Path, name: str) -> None:
-    path = split_dir / VERSION_FILE
-    tmp = path.with_name(f".{VERSION_FILE}.tmp-{os.getpid()}")
-    tmp.write_text(version_text(name))
-    os.replace(tmp, path)
+    """Name the version to serve at start in `VERSION` (durably, all or nothing)."""
+    atomic_write_text(split_dir / VERSION_FILE, version_text(name))
 
 
 # ---------------------------------------------------------------------------------------------

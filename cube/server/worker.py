@@ -46,6 +46,7 @@ from cube.server.ports import PortPlan, loopback
 from cube.server.service import DICT_SERVICE, FAST_SERVICE, SeekService, warm_version
 from cube.server.supervisor import EXIT_CANNOT_LISTEN
 from cube.server.versions import (
+    WAITING,
     LoadedVersion,
     LoadOptions,
     VersionError,
@@ -336,7 +337,8 @@ class Worker:
                 )  # fmt: skip
             elif name is None:
                 self.slots.idle_reason = diagnose_data_dir(self.data_dir, self.dirs)
-                level = logging.INFO if flags.allow_empty else logging.WARNING
+                waiting = self.slots.idle_reason.endswith(WAITING)  # for its agent: normal
+                level = logging.INFO if flags.allow_empty or waiting else logging.WARNING
                 log.log(level, "no start-up version: %s", self.slots.idle_reason)
             else:
                 version = await loop.run_in_executor(
