@@ -12,9 +12,9 @@ from unittest import mock
 
 import pytest
 import trustme
-from agent_helpers import AgentProc, HttpFileServer
-from procs import ServerProc, start_server
-from s3_helpers import MotoServer
+from helpers.agent_helpers import AgentProc, HttpFileServer
+from helpers.procs import ServerProc, start_server
+from helpers.s3_helpers import MotoServer
 
 from cube.processes import free_port
 

@@ -1,7 +1,7 @@
 """cube-agent as a real process: HTTP API, downloads from real HTTP/FTP servers and files,
 hostile and corrupt tars, md5 checks, resume, kill -9, token, rollback, retention.
 
-The cube-server is a real `cube-server` process (tests/procs.py) on the agent's data dir; the
+The cube-server is a real `cube-server` process (helpers/procs.py) on the agent's data dir; the
 agent only ever talks to it over its gRPC control service.
 """
 
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from agent_helpers import (
+from helpers.agent_helpers import (
     WAIT,
     AgentProc,
     FtpFileServer,
@@ -481,7 +481,7 @@ def test_one_agent_serves_two_instances_told_apart_by_deploy_path(env):
     from urllib.parse import urlsplit
 
     import aiohttp
-    from procs import start_server
+    from helpers.procs import start_server
 
     from cube.transfer.agents import AgentClient, drive
     from cube.transfer.config import Instance
@@ -533,7 +533,7 @@ def test_one_agent_serves_two_instances_told_apart_by_deploy_path(env):
 def test_metrics_count_tasks_steps_and_bytes(env):
     """The agent's metrics endpoint after real tasks: outcomes, step timings, bytes fetched
     and what is on disk."""
-    from procs import scrape
+    from helpers.procs import scrape
 
     agent = env.agent("--metrics_port", "0")
     assert agent.metrics_url.startswith("http://127.0.0.1:")

@@ -17,7 +17,8 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
-from agent_helpers import (
+from aiohttp import web
+from helpers.agent_helpers import (
     AGENT_BIN,
     WAIT,
     AgentProc,
@@ -32,8 +33,7 @@ from agent_helpers import (
     shard_content,
     write_md5,
 )
-from aiohttp import web
-from procs import start_server
+from helpers.procs import start_server
 
 from cube.agent.fetch import FetchError, FetchPolicy, SourcePolicy, fetch_file, fetch_md5
 from cube.pb import cube_pb2, cube_pb2_grpc

@@ -10,8 +10,8 @@ import urllib.error
 import urllib.request
 
 import pytest
-from agent_helpers import AGENT_BIN, WAIT, AgentProc
-from procs import running_server
+from helpers.agent_helpers import AGENT_BIN, WAIT, AgentProc
+from helpers.procs import running_server
 
 # Every test here starts processes (servers, CLIs): make quick skips them.
 pytestmark = pytest.mark.slow

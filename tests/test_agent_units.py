@@ -10,7 +10,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from agent_helpers import FakeServer, FtpFileServer, HttpFileServer, make_shard_tar
+from helpers.agent_helpers import FakeServer, FtpFileServer, HttpFileServer, make_shard_tar
 
 from cube.agent.control import ServerControl, ServerError, ServerUnreachable
 from cube.agent.fetch import (

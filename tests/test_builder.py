@@ -24,7 +24,7 @@ from cube.routing import shard_of
 from cube.seqfile import SYNC_ESCAPE, SequenceFileWriter, encode_header
 from cube.shard import Shard, ShardStack
 from cube.values import ValueColumn
-from tests.build_inputs import output_digests, write_mixed_input
+from tests.helpers.build_inputs import output_digests, write_mixed_input
 
 # Every test here starts processes (servers, CLIs): make quick skips them.
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ from cube.paddle_ps import PaddleSource, ValueSpec, parse_fleet_desc
 from cube.seqfile import SequenceFileWriter
 from cube.shard import Shard, ShardStack
 from cube.values import ValueColumn
-from tests.build_inputs import output_digests
+from tests.helpers.build_inputs import output_digests
 from tests.test_builder import assert_no_leftovers, build_args, run_builder
 
 DATA = Path(__file__).resolve().parent / "data" / "paddle_ps"

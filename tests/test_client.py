@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from procs import REPO, expected_fixed, fixed_values, start_server, write_version
+from helpers.procs import REPO, expected_fixed, fixed_values, start_server, write_version
 
 from cube.client import (
     AsyncCubeClient,
@@ -479,7 +479,7 @@ def test_dead_shard_raises_naming_shard_and_replicas_with_partial_result(tmp_pat
             assert partial.values[hit] == expected_fixed(keys[hit : hit + 1], WIDTH, 1).tobytes()
 
 
-# A client process, against links of tests/delay_relay.py (Link) in front of a replica. First,
+# A client process, against links of helpers/delay_relay.py (Link) in front of a replica. First,
 # 30 calls to a shard of three: one behind a link that goes down (no reset: connects hang,
 # bytes go unanswered), one behind a link far slower than the call's timeout, one healthy.
 # Then a call to a replica whose lane port is cut off (as a firewall that drops it: the gRPC
@@ -490,7 +490,7 @@ PARTIAL_FAILURE_CLIENT = r"""
 import json, sys, threading, time
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-from delay_relay import Link
+from helpers.delay_relay import Link
 from cube.client import CubeClient, CubeError, Timeouts
 
 address, report = sys.argv[2], json.loads(sys.argv[3])

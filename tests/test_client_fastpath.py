@@ -296,7 +296,7 @@ def test_embeddings_copy_what_they_must_not_share():
 
 @pytest.fixture(scope="module")
 def one_shard(tmp_path_factory):
-    from procs import fixed_values, start_server, write_version
+    from helpers.procs import fixed_values, start_server, write_version
 
     keys = np.arange(0, 20_000, 2, dtype=np.uint64)  # odd keys are misses
     data = tmp_path_factory.mktemp("fastpath") / "data"
@@ -309,7 +309,7 @@ def one_shard(tmp_path_factory):
 
 
 def _expected(keys: np.ndarray) -> np.ndarray:
-    from procs import expected_fixed
+    from helpers.procs import expected_fixed
 
     rows = expected_fixed(keys, 64).view(np.float32).copy()
     rows[keys % 2 == 1] = 0

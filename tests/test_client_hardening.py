@@ -12,7 +12,7 @@ import time
 import numpy as np
 import psutil
 import pytest
-from procs import fixed_values, start_server, write_version
+from helpers.procs import fixed_values, start_server, write_version
 
 from cube.client import AsyncCubeClient, ConfigMismatchError, CubeClient
 from cube.routing import shard_of

@@ -6,7 +6,7 @@ processes on loopback:
   within the timeout plus slack, even with retries and backup requests left; `attempt_timeout`
   bounds each attempt inside it; a number given to the constructor still bounds each attempt.
   Replicas are made slow by stopping them (SIGSTOP: connected, never answering) or through a
-  relay that delays every byte by an amount the test changes (tests/delay_relay.py's `Link`).
+  relay that delays every byte by an amount the test changes (helpers/delay_relay.py's `Link`).
 - every load balancer name brpc registers is accepted (served by the nearest policy, with a
   warning) or refused with the reason and what is accepted;
 - several dicts from one object (CubeClients / AsyncCubeClients: seek(dict_name, keys),
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from delay_relay import Link
-from procs import expected_fixed, fixed_values, start_server, write_version
+from helpers.delay_relay import Link
+from helpers.procs import expected_fixed, fixed_values, start_server, write_version
 
 from cube.client import (
     AsyncCubeClient,
@@ -138,7 +138,7 @@ def stopped(*procs):
 
 @contextlib.contextmanager
 def relayed(server):
-    """A delaying Link (tests/delay_relay.py) in front of `server` on 127.0.0.2; yields (the
+    """A delaying Link (tests/helpers/delay_relay.py) in front of `server` on 127.0.0.2; yields (the
     link, the relayed lookup address)."""
     report = json.loads(server.port_file.read_text())
     relay = Link([*report["ports"], *report["tcp_ports"]])

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from procs import kill_processes_under, processes_under
+from helpers.procs import kill_processes_under, processes_under
 
 pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
 

@@ -1,5 +1,5 @@
 """cube-import end to end: tables in the original Cube's format (written byte by byte by
-tests/original_cube.py from the original's sources), the real command as a subprocess, the
+tests/helpers/original_cube.py from the original's sources), the real command as a subprocess, the
 output opened with cube.shard and every key and value checked, base and patches."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from cube.seqfile import SequenceFileWriter
 from cube.shard import Shard, ShardStack
 from cube.transfer.build import check_outputs
 from cube.values import ValueColumn
-from tests.original_cube import OriginalBuilder, deploy
+from tests.helpers.original_cube import OriginalBuilder, deploy
 
 # Every test here starts processes (servers, CLIs): make quick skips them.
 pytestmark = pytest.mark.slow
@@ -735,7 +735,7 @@ def test_imported_versions_are_served(original, tmp_path):
     """Each shard's chain imported into a data directory, served by a real cube-server,
     looked up through the SDK."""
     from cube.client import CubeClient
-    from tests.procs import start_server
+    from tests.helpers.procs import start_server
 
     root, _ = original
     servers = []

@@ -219,7 +219,7 @@ import sys
 from pathlib import Path
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-from procs import fixed_values, write_version
+from helpers.procs import fixed_values, write_version
 from cube import kernel
 from cube.pb import cube_fast_pb2
 from cube.server.service import SeekService

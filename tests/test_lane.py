@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
-from procs import expected_fixed, fixed_values, running_server, start_server, write_version
+from helpers.procs import expected_fixed, fixed_values, running_server, start_server, write_version
 
 from cube.client import AsyncCubeClient, ConfError, CubeClient, RequestRejectedError
 from cube.client._sync_transport import BusyPoll

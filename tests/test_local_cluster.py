@@ -14,8 +14,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from procs import kill_processes_under, processes_under
-from transfer_helpers import write_table
+from helpers.procs import kill_processes_under, processes_under
+from helpers.transfer_helpers import write_table
 
 from cube.client import load_conf
 from cube.processes import free_ports

@@ -108,7 +108,7 @@ def test_a_normal_cube_local_run_logs_one_format_and_no_warning(tmp_path):
     """`cube-local up`, a base and a delta rolled out, `cube-local down`: every line of every
     server's, agent's and the transfer's log has the one format, and none is a WARNING (an
     empty data dir waiting for its agent, agents still starting: INFO)."""
-    from procs import kill_processes_under
+    from helpers.procs import kill_processes_under
 
     local = [str(Path(sys.executable).parent / "cube-local")]
     cluster, donefile = tmp_path / "cluster", tmp_path / "donefile"

@@ -1,4 +1,4 @@
-"""The chart's pods on hosts of their own (tests/clustersim.py): one network namespace per pod
+"""The chart's pods on hosts of their own (helpers/clustersim.py): one network namespace per pod
 with its own IP on a bridge, cluster DNS names in /etc/hosts, volumes at their mountPaths, the
 rendered command lines, probes and restarts as a kubelet does them. A client in another
 namespace uses the rendered cube.conf.
@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from clustersim import RESOLVER, Namespace, SimNode, require_root_network
-from procs import REPO, scrape
+from helpers.clustersim import RESOLVER, Namespace, SimNode, require_root_network
+from helpers.procs import REPO, scrape
 from test_helm import HELM, PREVIOUS_CHART, render
 
 from cube.donefile import append_line, format_line
@@ -48,6 +48,7 @@ pytestmark = [
     pytest.mark.skipif(not HELM.exists(), reason="helm comes from `make tools` (.tools/)"),
 ]
 
+HELPERS = Path(__file__).parent / "helpers"  # the harness scripts run by path
 DIM = 4
 BASE, DELTA = "1700000000", "1700000100"
 WAIT = 90.0
@@ -76,7 +77,7 @@ OPEN_CLIENTS: list[Client] = []  # (the fixture's client lives across tests)
 
 
 class Client:
-    """tests/sim_client.py in a client namespace: one JSON request, one JSON answer. Every
+    """tests/helpers/sim_client.py in a client namespace: one JSON request, one JSON answer. Every
     client a test starts is closed when the test ends (`close_clients`), and dies with the
     test process (die_with_parent)."""
 
@@ -85,7 +86,7 @@ class Client:
         self.ns = namespace or node.namespace("client")
         env = {**os.environ, **RESOLVER}  # the node's names are in /etc/hosts
         self.process = self.ns.run(
-            [sys.executable, str(Path(__file__).parent / "sim_client.py"), str(conf)],
+            [sys.executable, str(HELPERS / "sim_client.py"), str(conf)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
         )  # fmt: skip
         OPEN_CLIENTS.append(self)
@@ -572,7 +573,7 @@ def test_a_slow_replica_is_hedged(cluster):
     slow_pod = node.pod("t-cube-shard-0-1")
     relay = node.namespace("relay")
     relaying = relay.run(
-        [sys.executable, str(Path(__file__).parent / "delay_relay.py"), "0.0.0.0", slow_pod.ip,
+        [sys.executable, str(HELPERS / "delay_relay.py"), "0.0.0.0", slow_pod.ip,
          "8000,8100", "50"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -614,7 +615,7 @@ def test_a_replica_cut_off_and_another_slow_neither_fail_calls_nor_hold_the_exit
     cut, slow = node.pod("t-cube-shard-0-0"), node.pod("t-cube-shard-0-1")
     relay = node.namespace("relay-3s")
     relaying = relay.run(
-        [sys.executable, str(Path(__file__).parent / "delay_relay.py"), "0.0.0.0", slow.ip,
+        [sys.executable, str(HELPERS / "delay_relay.py"), "0.0.0.0", slow.ip,
          "8000,8100", "3000"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -772,13 +773,13 @@ def test_upgrade_from_the_previous_chart_under_load(tmp_path):
 
 
 def test_the_harness_runs_by_hand_with_your_values(tmp_path):
-    """Issue 26 item 5 (docs/DEPLOY.md): `python tests/clustersim.py --values ...` runs the
+    """Issue 26 item 5 (docs/DEPLOY.md): `python tests/helpers/clustersim.py --values ...` runs the
     chart with an operator's values until stopped, prints its pods and a client namespace,
     and leaves nothing behind."""
     values = tmp_path / "mine.yaml"
     values.write_text(yaml.safe_dump({"dict": {"name": "by_hand", "shards": 1, "replicas": 1}}))
     process = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("clustersim.py")), "--values", str(values),
+        [sys.executable, str(HELPERS / "clustersim.py"), "--values", str(values),
          "--workdir", str(tmp_path / "node"), "--seconds", "60", "--ready_timeout", "5"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip

@@ -111,7 +111,7 @@ def test_a_delta_alone_in_data_is_not_served(tmp_path):
     """The files of a delta copied into ./data would answer misses for every key of its base:
     the server says NOT_SERVING with the reason instead."""
     from grpc_health.v1 import health_pb2
-    from procs import health_status, start_server
+    from helpers.procs import health_status, start_server
 
     from tests.test_builder import build_args, run_builder, write_seqfile
 

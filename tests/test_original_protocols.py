@@ -6,7 +6,7 @@ The JSON encoder and parser are checked against a plain reference (json + base64
 runs a real cube-server: the answers equal rec.mcube.DictService's over gRPC, refusals are
 HTTP statuses and brpc error codes (never silent misses, never the request's content echoed),
 bad baidu_std frames close the connection with nothing sent, and control follows the control
-port's token rule. baidu_std frames come from tests/brpc_client.py, written from brpc's
+port's token rule. baidu_std frames come from tests/helpers/brpc_client.py, written from brpc's
 published description (no brpc peer exists on this machine).
 """
 
@@ -25,8 +25,8 @@ from types import SimpleNamespace
 import grpc
 import numpy as np
 import pytest
-from brpc_client import BrpcClient, closed_without_answer, frame, read_reply, request_meta
-from procs import expected_fixed, fixed_values, running_server, write_version
+from helpers.brpc_client import BrpcClient, closed_without_answer, frame, read_reply, request_meta
+from helpers.procs import expected_fixed, fixed_values, running_server, write_version
 
 from cube.pb import cube_pb2, cube_pb2_grpc
 from cube.processes import _port_free, free_port, poll_until

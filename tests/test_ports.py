@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from agent_helpers import AgentProc
-from brpc_client import BrpcClient
-from procs import health_status, start_server
+from helpers.agent_helpers import AgentProc
+from helpers.brpc_client import BrpcClient
+from helpers.procs import health_status, start_server
 
 from cube.processes import free_ports, poll_until, spawn, stop_child
 from cube.transfer.local import command

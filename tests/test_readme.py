@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 from grpc_health.v1 import health_pb2
-from procs import health_status
+from helpers.procs import health_status
 
 from cube.processes import poll_until
 

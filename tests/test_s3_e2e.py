@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from agent_helpers import flip_byte, make_shard_tar
-from s3_helpers import SECRET_KEY, SilentEndpoint, aws_environment, s3_filesystem
+from helpers.agent_helpers import flip_byte, make_shard_tar
+from helpers.s3_helpers import SECRET_KEY, SilentEndpoint, aws_environment, s3_filesystem
 
 from cube.client import CubeClient
 from cube.seqfile import SequenceFileWriter

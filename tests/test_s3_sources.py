@@ -3,7 +3,7 @@ fetcher (builder/sources.py), the transfer's donefile reads and input mirrors, t
 source policy and ranged S3 downloads, and the errors of each (a missing object, bad
 credentials, an unreachable endpoint, s3fs not installed): short, naming the URL, never a
 credential nor what a server sent. Against moto's S3 server (a process, tests/conftest.py
-`moto`) and a fake WebHDFS namenode (tests/s3_helpers.py); the real-process end to end is
+`moto`) and a fake WebHDFS namenode (tests/helpers/s3_helpers.py); the real-process end to end is
 tests/test_s3_e2e.py.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from s3_helpers import (
+from helpers.s3_helpers import (
     ACCESS_KEY,
     SECRET_KEY,
     FakeNamenode,
@@ -45,7 +45,7 @@ from cube.builder.build import BuildError, list_input_files
 from cube.processes import free_port
 from cube.transfer.config import ConfigError, parse_config
 from cube.transfer.donefile import SourceUnavailable, mirror_input, read_donefile, resolve_input
-from tests.build_inputs import output_digests
+from tests.helpers.build_inputs import output_digests
 
 BUCKET = "cube-test"
 TREE = {  # names whose byte order differs from their string order once '/' is involved

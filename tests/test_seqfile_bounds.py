@@ -36,7 +36,7 @@ from cube.seqfile import (
     read_header,
 )
 from cube.values import ValueColumn
-from tests.measure import peak_bytes
+from tests.helpers.measure import peak_bytes
 
 SYNC = b"S" * 16
 HUGE = 1 << 40

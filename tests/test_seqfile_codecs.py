@@ -41,7 +41,7 @@ from cube.seqfile import (
     read_header,
 )
 from cube.values import ValueColumn
-from tests.measure import peak_bytes
+from tests.helpers.measure import peak_bytes
 
 DATA = Path(__file__).resolve().parent / "data" / "hadoop_written"
 MANIFEST = json.loads((DATA / "expected.json").read_text())

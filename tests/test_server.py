@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from procs import (
+from helpers.procs import (
     expected_fixed,
     fixed_values,
     health_status,

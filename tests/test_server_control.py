@@ -12,9 +12,9 @@ import time
 
 import grpc
 import numpy as np
-import procs
 import pytest
-from procs import expected_fixed, fixed_values, running_server, start_server, write_version
+from helpers import procs
+from helpers.procs import expected_fixed, fixed_values, running_server, start_server, write_version
 from test_server import control, fixed_rows, seek
 
 from cube.format import HEADER_SIZE
@@ -352,7 +352,7 @@ def test_a_dead_worker_is_restarted_on_what_its_peers_serve(data):
     loop beyond --worker_restarts stops the whole server with an error."""
     import psutil
     from grpc_health.v1 import health_pb2
-    from procs import health_status
+    from helpers.procs import health_status
 
     SERVING = health_pb2.HealthCheckResponse.SERVING
     with running_server(data, "--worker_restarts", "2", workers=2) as server:

@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
-from procs import fixed_values, health_status, running_server, write_version
+from helpers.procs import fixed_values, health_status, running_server, write_version
 from test_server import control, fixed_rows, seek
 
 from cube.processes import poll_until

@@ -9,7 +9,7 @@ import json
 import grpc
 import numpy as np
 import pytest
-from procs import fixed_values, running_server, scrape, write_version
+from helpers.procs import fixed_values, running_server, scrape, write_version
 
 from cube.client import CubeClient
 from cube.pb import cube_pb2

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
-from procs import fixed_values, write_version
+from helpers.procs import fixed_values, write_version
 
 from cube.layout import base_of
 from cube.pb import cube_fast_pb2, cube_pb2

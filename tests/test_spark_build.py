@@ -12,7 +12,7 @@ import pytest
 
 from cube.builder.build import BuildConfig, BuildError, build
 from cube.shard import Shard, ShardStack
-from tests.build_inputs import output_digests, write_mixed_input
+from tests.helpers.build_inputs import output_digests, write_mixed_input
 
 pyspark = pytest.importorskip("pyspark", reason="PySpark is not installed (cube-py[spark])")
 if shutil.which("java") is None and not __import__("os").environ.get("JAVA_HOME"):
@@ -198,7 +198,7 @@ def test_the_transfer_runs_the_spark_build_on_inputs_in_s3(moto, tmp_path):
     import json
 
     import numpy as np
-    from s3_helpers import aws_environment, s3_filesystem
+    from helpers.s3_helpers import aws_environment, s3_filesystem
 
     from cube.client import CubeClient
     from cube.transfer.local import ClusterSpec, up

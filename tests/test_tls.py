@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from procs import fixed_values, running_server, write_version
+from helpers.procs import fixed_values, running_server, write_version
 from test_server import control
 
 from cube.client import AsyncCubeClient, CubeClient, ShardUnavailableError

@@ -539,7 +539,7 @@ def test_a_corrupt_replica_never_answers_misses_and_is_repaired(ctx):
     every key; the transfer records the failure with its reason and repairs the replica by a
     new download, after which it serves the live version again."""
     from grpc_health.v1 import health_pb2
-    from procs import health_status
+    from helpers.procs import health_status
 
     from cube.client import ShardUnavailableError
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from agent_helpers import AgentProc
-from procs import start_server
+from helpers.agent_helpers import AgentProc
+from helpers.procs import start_server
 
 from cube.client import CubeClient
 from cube.processes import poll_until, spawn, stop_child

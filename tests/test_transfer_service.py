@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import aiohttp
 import pytest
-from transfer_helpers import (
+from helpers.transfer_helpers import (
     FakeAgent,
     append_line,
     make_input,

@@ -32,7 +32,7 @@ from cube.routing import shard_of
 from cube.wire import decode_seek_response, encode_seek_request
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-from procs import fixed_values, start_server, write_version
+from helpers.procs import fixed_values, start_server, write_version
 
 BATCH = 1000
 WIDTH = 40

@@ -5,7 +5,7 @@ at this relay instead, which forwards every port to the replica and holds each c
 
 - As a process (tests/test_multihost.py): one delay for its life.
 
-      python tests/delay_relay.py LISTEN_IP TARGET_IP PORT[,PORT...] DELAY_MS
+      python tests/helpers/delay_relay.py LISTEN_IP TARGET_IP PORT[,PORT...] DELAY_MS
 
 - In a thread (`Link`, the loopback SDK tests): a delay that may change while connections
   are open, and `cut()` / `heal()`: a link taken down as a pulled cable or a dead host does

@@ -8,7 +8,7 @@ one network namespace per pod, so that what crosses a network really does.
   pod as the cluster DNS would for headless Services:
   `<pod>.<service>.<namespace>.svc.cluster.local` and `<service>.<namespace>.svc.cluster.local`.
 - **Volumes**: each container runs in a mount namespace and a root of its own
-  (tests/sim_root.py: the host's `/` under a private overlay, so that no mount point is made
+  (tests/helpers/sim_root.py: the host's `/` under a private overlay, so that no mount point is made
   on the host), with its volumes bound at their `mountPath`s (emptyDir and
   volumeClaimTemplates: directories of the pod; configMap: the rendered files; hostPath: the
   path, or the directory a test maps it to), the root file system read-only when the
@@ -40,7 +40,7 @@ removed by `close()`, by name and PID.
 
 By hand, with the chart and values of your own (as root; docs/DEPLOY.md, "How it is tested"):
 
-    .venv/bin/python tests/clustersim.py --values my-values.yaml \\
+    .venv/bin/python tests/helpers/clustersim.py --values my-values.yaml \\
         --host_path /srv/donefile=/tmp/my-donefile --workdir /tmp/my-node
 """
 
@@ -72,7 +72,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cube.processes import create_time, die_with_parent, poll_until, same_process
 
 BIN = Path(sys.executable).parent  # the venv's console scripts stand in for the image's
-SIM_ROOT = Path(__file__).with_name("sim_root.py")
+SIM_ROOT = Path(__file__).parent / "helpers" / "sim_root.py"
 # What a container's command needs of the host: the checkout (an editable install) and the
 # venv and Python it runs from (bound again where a volume hides them).
 CODE = sorted({str(Path(__file__).resolve().parent.parent), sys.prefix, sys.base_prefix})

@@ -1,4 +1,4 @@
-"""A Cube client for tests that runs in another network namespace (tests/clustersim.py): it
+"""A Cube client for tests that runs in another network namespace (tests/helpers/clustersim.py): it
 reads one JSON request per line on stdin and answers one JSON line on stdout.
 
     {"seek": [1, 2, 3], "dim": 4}      -> {"version": "...", "found": [...], "values": [[...]]}
@@ -7,7 +7,7 @@ reads one JSON request per line on stdin and answers one JSON line on stdout.
         -> lookups without pause for that long: {"calls", "errors": [...], "versions":
            {version: calls}, "mixed": n (answers whose version was None), "p50_ms", "p99_ms"}
 
-    python tests/sim_client.py CUBE_CONF
+    python tests/helpers/sim_client.py CUBE_CONF
 """
 
 from __future__ import annotations

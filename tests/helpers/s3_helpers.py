@@ -19,10 +19,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from agent_helpers import LoopThread
 from aiohttp import web
 
 from cube.processes import log_tail, poll_until, spawn, stop_child
+
+from .agent_helpers import LoopThread
 
 ACCESS_KEY = "AKIATESTCUBE0000"
 SECRET_KEY = "cube-test-secret-Zq81xVw"  # a test's messages must never contain it
