@@ -402,10 +402,17 @@ def lane_target(
 
 
 class LanePass:
-    """A worker's lane passes: the compiled call's reused arrays (the answer buffer `out`,
-    the bounds, what it reports and counts). Event loop thread only."""
+    """A worker's lane passes: the compiled call's arrays (the bounds, what it reports and
+    counts) reused from pass to pass. Event loop thread only.
 
-    OUT_BYTES = 1 << 20  # the answer buffer kept between passes (grown for larger answers)
+    The answers of each pass go into a buffer of their own (`out`), sized from the bytes read
+    (`out_bytes`): the transport keeps what it is given until it has sent it, and uvloop
+    sends at the end of the loop turn, so a buffer written again by the next read would
+    change answers not yet sent. malloc hands the same memory back pass after pass (a buffer
+    reused across passes cost a fresh 1 MiB mapping, its page faults, per pass: measured
+    slower than the Python path, bench/RESULTS.md issue 28)."""
+
+    MAX_OUT_BYTES = 8 << 20  # a larger answer stops the pass (STOP_FULL) and gets its own
 
     def __init__(
         self,
@@ -426,12 +433,14 @@ class LanePass:
         self.limits[P_MAX_FRAME] = max_frame
         self.limits[P_MAX_BATCH] = max_batch
         self.limits[P_MAX_ANSWER] = max_answer_bytes
-        self.out = np.empty(self.OUT_BYTES, dtype=np.uint8)
+        self.out = np.empty(0, dtype=np.uint8)
 
-    def renew(self, needed: int = 0) -> None:
-        """A new answer buffer (the last one's bytes may still be referenced by a transport
-        that has not sent them), of at least `needed` bytes."""
-        self.out = np.empty(max(self.OUT_BYTES, needed), dtype=np.uint8)
+    @classmethod
+    def out_bytes(cls, read: int, target: LaneTarget, needed: int = 0) -> int:
+        """The answer buffer for `read` bytes of frames: every 8 bytes a key whose answer is
+        at most its found flag and longest value, plus the frames' own fields."""
+        estimate = (read // 8 + 1) * (target.max_value_bytes + 1) + 4096
+        return max(min(estimate, cls.MAX_OUT_BYTES), needed)
 
     def run(
         self,
@@ -440,12 +449,13 @@ class LanePass:
         end: int,
         target: LaneTarget,
         connection: tuple[int, int, int, int, int],
+        needed: int = 0,
     ) -> bool:
-        """One pass over data[start:end] (uint8, read-only) into `out` from byte 0; `result`
-        says where it stopped (cube.kernel_constants R_*). `connection`: (outstanding, total,
-        buffered, budget, connection_bytes) as the byte bounds count them. False when the
-        kernel cannot run this pass (sealed without it): the caller answers on its Python
-        path."""
+        """One pass over data[start:end] (uint8, read-only) into a new `out`; `result` says
+        where it stopped (cube.kernel_constants R_*) and `needed` is R_NEEDED of a pass that
+        stopped for room. `connection`: (outstanding, total, buffered, budget,
+        connection_bytes) as the byte bounds count them. False when the kernel cannot run
+        this pass (sealed without it): the caller answers on its Python path."""
         limits = self.limits
         limits[P_OUTSTANDING], limits[P_TOTAL], limits[P_BUFFERED] = connection[:3]
         limits[P_BUDGET], limits[P_CONNECTION] = connection[3:]
@@ -455,6 +465,7 @@ class LanePass:
         limits[P_SHARD] = target.shard
         limits[P_PARTITIONER] = target.partitioner
         limits[P_AHEAD] = target.ahead
+        self.out = np.empty(self.out_bytes(end - start, target, needed), dtype=np.uint8)
         done = _sealed_call(
             lane_loops().lane_pass,
             data,

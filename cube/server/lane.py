@@ -202,16 +202,14 @@ class LaneProtocol(BoundedProtocol):
         else:
             self._update_reading()
 
-    def send(self, answers: memoryview) -> bool:
-        """Write answer frames now (the compiled pass's); True when the transport kept
-        bytes of them to send later (so `answers` may still be referenced)."""
+    def send(self, answers: memoryview) -> None:
+        """Write answer frames now (the compiled pass's, in a buffer of their own)."""
         transport = self.transport
         if transport is None or transport.is_closing():
-            return False
+            return
         transport.write(answers)
         self.progress_at = time.monotonic()
         self.sample_unsent()
-        return self.unsent > 0
 
     def write(self, buffers: list[Buffer], answered: int) -> None:
         """Write answers; `answered` is their estimate, leaving the queue."""
@@ -303,6 +301,7 @@ class Lane:
             data = kernel.read_only(data)
         tally = compiled.tally
         result = compiled.result
+        needed = 0
         while True:
             before = int(tally[T_REQUESTS])
             bytes_now = (
@@ -313,18 +312,17 @@ class Lane:
                 connection.connection_bytes,
             )
             started = time.perf_counter()
-            if not compiled.run(data, start, end, target, bytes_now):
+            if not compiled.run(data, start, end, target, bytes_now, needed):
                 break
             passed = time.perf_counter() - started
             start = int(result[R_POS])
             produced = int(result[R_OUT])
             if produced:
-                if connection.send(compiled.out[:produced].data):
-                    compiled.renew()  # the transport holds on to the bytes it has not sent
+                connection.send(compiled.out[:produced].data)
                 self._answered(int(tally[T_REQUESTS]) - before, passed)
             if result[R_REASON] != STOP_FULL:
                 break
-            compiled.renew(int(result[R_NEEDED]))
+            needed = int(result[R_NEEDED])
         del data  # (a view of the connection's buffer, which is resized next)
         return start
 
