@@ -435,8 +435,9 @@ def lane_pass(
 ):  # fmt: skip
     """Answer the whole frames of data[start:end] into out[out_at:], until one needs the
     Python path, the byte bounds hold the next back, `out` is full or none is left;
-    result[R_POS / R_OUT / R_REASON / R_NEEDED] say where and why it stopped; `tally` counts
-    the requests, keys, misses and the keys-per-request buckets of `batch_bounds`."""
+    result[R_POS / R_OUT / R_REASON / R_NEEDED] say where and why it stopped (returns the
+    reason too); `tally` counts the requests, keys, misses and the keys-per-request buckets of
+    `batch_bounds`."""
     pos = start
     produced = 0
     reason = STOP_MORE
@@ -495,3 +496,4 @@ def lane_pass(
     result[R_OUT] = out_at
     result[R_REASON] = reason
     result[R_NEEDED] = needed
+    return reason

@@ -482,7 +482,8 @@ class LanePass:
             self.tally,
             self.result,
         )
-        return done is not None or not _sealed
+        return done is not None  # (None: sealed without this signature; the pass returns
+        # its reason)
 
 
 def _warm_lane(prepared: KernelTable) -> None:

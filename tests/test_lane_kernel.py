@@ -294,3 +294,13 @@ def test_a_version_that_cannot_serve_goes_to_the_python_path(tmp_path, versions)
     same_answers(service, [frame(keys)], python_expected=True)
     service.slots.set_not_ready("")
     same_answers(service, [frame(keys)], python_expected=False)
+
+
+def test_a_sealed_kernel_answers_on_the_compiled_pass_alone(tmp_path, versions, monkeypatch):
+    """A server seals its kernel (cube.kernel.seal): the pass must still count as run, not
+    hand every frame it answered to the Python path as well."""
+    keys = random_keys(16, 100)
+    write_version(tmp_path, "1", keys, fixed_values(keys, 8))
+    service = versions(tmp_path, "1")
+    monkeypatch.setattr(kernel, "_sealed", True)
+    same_answers(service, [frame(keys), frame(keys[:10])], python_expected=False)

@@ -64,6 +64,7 @@ from cube.kernel_constants import (
     R_POS,
     R_REASON,
     STOP_FULL,
+    STOP_HELD,
     T_KEYS,
     T_MISSES,
     T_REQUESTS,
@@ -314,13 +315,17 @@ class Lane:
             started = time.perf_counter()
             if not compiled.run(data, start, end, target, bytes_now, needed):
                 break
+            needed = 0
             passed = time.perf_counter() - started
             start = int(result[R_POS])
             produced = int(result[R_OUT])
             if produced:
                 connection.send(compiled.out[:produced].data)
                 self._answered(int(tally[T_REQUESTS]) - before, passed)
-            if result[R_REASON] != STOP_FULL:
+            reason = result[R_REASON]
+            if reason == STOP_HELD and produced and not connection.held():
+                continue  # the transport sent what it was given: the bounds allow more
+            if reason != STOP_FULL:
                 break
             needed = int(result[R_NEEDED])
         del data  # (a view of the connection's buffer, which is resized next)
