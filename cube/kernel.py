@@ -408,9 +408,9 @@ class LanePass:
     The answers of each pass go into a buffer of their own (`out`), sized from the bytes read
     (`out_bytes`): the transport keeps what it is given until it has sent it, and uvloop
     sends at the end of the loop turn, so a buffer written again by the next read would
-    change answers not yet sent. malloc hands the same memory back pass after pass (a buffer
-    reused across passes cost a fresh 1 MiB mapping, its page faults, per pass: measured
-    slower than the Python path, bench/RESULTS.md issue 28)."""
+    change answers not yet sent. malloc hands the same memory back pass after pass, so this
+    costs no fresh pages once warm (a single reused buffer would have had to be replaced after
+    nearly every pass anyway)."""
 
     MAX_OUT_BYTES = 8 << 20  # a larger answer stops the pass (STOP_FULL) and gets its own
 
