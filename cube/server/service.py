@@ -130,6 +130,28 @@ def gatherers(version: LoadedVersion) -> list[FastGather]:
     return cached
 
 
+def lane_target(version: LoadedVersion) -> kernel.LaneTarget | None:
+    """The version as the TCP lane's compiled pass answers from it (cached with it); None
+    when that pass does not (several splits: the Python path answers)."""
+    cached = version.kernel_cache.get("lane")
+    if cached is None:
+        cached = version.kernel_cache["lane"] = _lane_target(version) or False
+    return cached or None
+
+
+def _lane_target(version: LoadedVersion) -> kernel.LaneTarget | None:
+    if len(version.stacks) != 1:
+        return None
+    layers = [(shard.kernel_table, shard.values) for shard in version.stacks[0].layers]
+    routing = version.routing
+    where = (1, 0, "mod")
+    if routing is not None:
+        where = (routing.shard_num, routing.shard, routing.partitioner)
+    return kernel.lane_target(
+        layers, version.value_width, version.name, version.max_value_bytes, where
+    )
+
+
 WARM_KEYS = 256  # keys of a version looked up before it serves (version_warmed)
 
 
