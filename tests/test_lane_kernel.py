@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import fixed_values, write_version
+from helpers.procs import fixed_values, write_version
 
 from cube import kernel
 from cube.pb import cube_fast_pb2
