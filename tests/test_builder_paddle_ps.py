@@ -289,7 +289,9 @@ def test_the_cli_builds_a_save_with_the_configuration_only(tmp_path):
     done = run_builder(*args)
     assert done.returncode == 0, done.stderr
     assert "114 records from 4 files (" in done.stdout, done.stdout
-    assert "checkpoint/001, sparse (dim 6, optimizer naive)) into 2 shards" in done.stdout
+    assert "checkpoint/001, sparse (dim 6, optimizer naive)), 114 distinct keys, into 2 shards" in (
+        done.stdout
+    )
     meta = json.loads(sorted((tmp_path / "out" / "meta_info").iterdir())[0].read_text())
     assert meta["value_width"] == 6 * 4 and meta["key_format"] == "cube"
 

@@ -86,6 +86,7 @@ def test_every_http_route_is_documented(tmp_path):
 HELM = REPO / ".tools" / "bin" / "helm"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HELM.exists(), reason="helm comes from `make tools` (.tools/)")
 def test_deploy_md_renders_the_chart_offline(tmp_path):
     """DEPLOY.md's offline render, run as written (its helm and chart paths made absolute):

@@ -53,10 +53,13 @@ OPERATOR_APIS = (
     "--api-versions", "cert-manager.io/v1/Certificate",
 )  # fmt: skip
 
-pytestmark = pytest.mark.skipif(
-    not (HELM.exists() and (VENV_BIN / "checkov").exists()),
-    reason="helm, kubernetes-validate, checkov and hadolint come from `make tools` (.tools/)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (HELM.exists() and (VENV_BIN / "checkov").exists()),
+        reason="helm, kubernetes-validate, checkov and hadolint come from `make tools` (.tools/)",
+    ),
+    pytest.mark.slow,  # every test runs helm or a linter
+]
 
 COMMANDS = {
     "cube-server": SERVER_FLAGS,

@@ -175,12 +175,12 @@ def test_a_refusal_names_the_request_id_in_the_error_and_the_server_log(data, tr
     raises; the server logs the refusal with the same id (rate-limited)."""
     from cube.client import RequestRejectedError
 
-    with running_server(data, "--max_batch", "10") as server:
+    with running_server(data, "--max_answer_bytes", str(WIDTH * 10)) as server:
         with (
-            CubeClient(shards=[[server.address]], max_batch=100, transport=transport) as client,
+            CubeClient(shards=[[server.address]], transport=transport) as client,
             pytest.raises(RequestRejectedError) as refused,
         ):
-            client.seek(KEYS[:50])  # more keys than the server's --max_batch
+            client.seek(KEYS[:50])  # more value bytes than the server's --max_answer_bytes
         request_id = refused.value.request_id
         assert request_id and f"request id {request_id}" in "".join(refused.value.__notes__)
         assert poll_until(
