@@ -961,9 +961,9 @@ def test_every_query_parameter_is_validated(tmp_path):
     run(body())
 
 
-def test_a_meta_with_an_integer_json_cannot_read_is_a_400(tmp_path):
+def test_a_meta_json_cannot_read_is_a_400(tmp_path):
     # json.loads raises a plain ValueError (not JSONDecodeError, no .msg) for an integer over
-    # sys.get_int_max_str_digits(): it was an AttributeError, answered as a 500
+    # sys.get_int_max_str_digits(), and RecursionError for deep nesting: both were 500s
     async def body():
         async with harness(tmp_path, 2, 1, listeners=True) as h, aiohttp.ClientSession() as http:
             await roll_out(h, B1)
@@ -973,6 +973,8 @@ def test_a_meta_with_an_integer_json_cannot_read_is_a_400(tmp_path):
             status, reply = await _ask(http, "POST", url, data=form)
             assert status == 400 and "meta: not JSON" in reply["message"], reply
             assert "7" * 50 not in reply["message"]  # never echoed back
+            status, reply = await _ask(http, "POST", url, data={**form, "meta": "[" * 60000})
+            assert status == 400 and "meta: not JSON" in reply["message"], reply
             status, reply = await _ask(http, "POST", url, data={**form, "meta": '{"a": 1'})
             assert status == 400 and "meta: not JSON (Expecting" in reply["message"], reply
 

@@ -243,8 +243,8 @@ def build_api(service: TransferService) -> web.Application:
             meta = json.loads(fields["meta"])
         except json.JSONDecodeError as exc:
             raise BadRequest(f"meta: not JSON ({exc.msg} at column {exc.colno})") from None
-        except ValueError:  # the one other: an integer past sys.get_int_max_str_digits()
-            raise BadRequest("meta: not JSON we read (an integer of too many digits)") from None
+        except (ValueError, RecursionError):  # an integer of over 4300 digits, deep nesting
+            raise BadRequest("meta: not JSON we read (too many digits or too deep)") from None
         if not isinstance(meta, dict) or not meta:
             raise BadRequest("meta: expected a non-empty JSON object")
         try:
