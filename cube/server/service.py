@@ -450,13 +450,14 @@ class SeekService:
         (answer,) = self.answer_seeks([self.parse_seek(raw)], api)
         if isinstance(answer, RequestError):
             raise answer
+        assert not isinstance(answer, memoryview)  # a whole lane frame only with `frames`
         return b"".join(answer)
 
     def parse_seek(self, raw: Buffer) -> ParsedSeek:
         """Parse and check a cube.v1 SeekRequest; RequestError names what is wrong. The
         returned request holds its version until `answer_seeks` answers it."""
         try:
-            request = cube_fast_pb2.SeekRequest.FromString(raw)
+            request = cube_fast_pb2.SeekRequest.FromString(raw)  # type: ignore[arg-type]
         except Exception as exc:  # DecodeError
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"SeekRequest does not parse: {exc}"
@@ -633,7 +634,7 @@ class SeekService:
     def seek_original(self, raw: Buffer, api: str = "original") -> bytes:
         """rec.mcube DictRequest bytes -> DictResponse bytes (gRPC, and baidu_std's body)."""
         try:
-            request = cube_pb2.DictRequest.FromString(raw)
+            request = cube_pb2.DictRequest.FromString(raw)  # type: ignore[arg-type]
         except Exception as exc:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"DictRequest does not parse: {exc}"
@@ -729,7 +730,8 @@ class SeekService:
         # read()/write() on the context: a little cheaper per message than an async generator
         while True:
             raw = await context.read()
-            if raw is grpc.aio.EOF:
+            # the stubs type read() as the request type; it returns grpc.aio.EOF at the end
+            if raw is grpc.aio.EOF:  # type: ignore[comparison-overlap]
                 return
             started = time.perf_counter()
             try:
