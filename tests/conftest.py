@@ -60,7 +60,7 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def moto(tmp_path_factory) -> Iterator[MotoServer]:
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
     """moto's S3 server, a process on a free loopback port, shared by the session's s3:// tests
     (each points the AWS environment at it for its own duration: s3_helpers.aws_environment)."""
     with MotoServer(tmp_path_factory.mktemp("moto") / "moto.log") as server:
@@ -68,7 +68,7 @@ def moto(tmp_path_factory) -> Iterator[MotoServer]:
 
 
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> dict[str, str]:
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """PEM files: a test CA (`ca`), a certificate for 127.0.0.1/localhost it signed (`cert`,
     `key`), and another CA that signed nothing of ours (`other`)."""
     root = tmp_path_factory.mktemp("pki")
@@ -125,7 +125,7 @@ class Deployment:
 
 
 @pytest.fixture
-def deployment(tmp_path) -> Iterator[Deployment]:
+def deployment(tmp_path: Path) -> Iterator[Deployment]:
     box = Deployment(tmp_path)
     try:
         yield box

@@ -34,13 +34,13 @@ PUBLIC = {
 }  # fmt: skip
 
 
-def test_the_public_surface_is_what_cube_client_exports():
+def test_the_public_surface_is_what_cube_client_exports() -> None:
     assert set(cube.client.__all__) == PUBLIC
     assert all(hasattr(cube.client, name) for name in PUBLIC)
 
 
 @pytest.mark.parametrize("cls", [CubeClient, AsyncCubeClient])
-def test_constructors_declare_their_parameters(cls):
+def test_constructors_declare_their_parameters(cls) -> None:
     parameters = inspect.signature(cls).parameters
     kinds = {p.kind for p in parameters.values()}
     assert inspect.Parameter.VAR_POSITIONAL not in kinds
@@ -56,12 +56,12 @@ def test_constructors_declare_their_parameters(cls):
     assert "Self" in str(inspect.signature(cls.from_conf).return_annotation)
 
 
-def test_positional_options_are_refused():
+def test_positional_options_are_refused() -> None:
     with pytest.raises(TypeError):
         CubeClient([["h:1"]], "murmur3")  # type: ignore[misc]
 
 
-def test_option_objects():
+def test_option_objects() -> None:
     assert Retry().attempts == 2 and Retry().backoff == Backoff(0.002, 0.1, jitter=0.5)
     assert Timeouts().attempt == 1.0 and Timeouts().backup_after is None
     assert Timeouts().total is None and Timeouts(0.2, 0.02, 0.5).total == 0.5
@@ -89,7 +89,7 @@ def handler_with_a_dead_replica(address: str, keys: np.ndarray) -> list[bytes | 
     return [TABLE.get(int(k)) for k in keys]
 
 
-def test_mock_transport_drives_the_real_client_sync_and_async():
+def test_mock_transport_drives_the_real_client_sync_and_async() -> None:
     """Routing over 2 shards, a dead replica retried on the other one, misses, order kept."""
     shards = [["dead:1", "a:1"], ["b:1"]]
     keys = np.arange(0, 60, dtype=np.uint64)
@@ -108,7 +108,7 @@ def test_mock_transport_drives_the_real_client_sync_and_async():
     assert asyncio.run(run()) == b"v9"
 
 
-def test_mock_transport_errors_reach_the_caller_as_the_real_ones_do():
+def test_mock_transport_errors_reach_the_caller_as_the_real_ones_do() -> None:
     def refuse(address: str, keys: np.ndarray) -> list[bytes | None]:
         raise TransportError("INVALID_ARGUMENT", "no")
 
@@ -128,7 +128,7 @@ def test_mock_transport_errors_reach_the_caller_as_the_real_ones_do():
         client.seek([1])
 
 
-def test_client_stats_count_calls_retries_failovers_and_errors():
+def test_client_stats_count_calls_retries_failovers_and_errors() -> None:
     """ClientStats through the real client (a mock transport): a dead first replica makes
     a retry and a failover on shard 0; the Prometheus collector exports it all."""
     from prometheus_client import generate_latest

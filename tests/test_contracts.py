@@ -5,13 +5,14 @@ cube.wire's TCP lane frames."""
 from __future__ import annotations
 
 import tarfile
+from pathlib import Path
 
 import pytest
 
 from cube import layout
 
 
-def test_names():
+def test_names() -> None:
     assert layout.is_name("1700000000_1700000100") and layout.is_name("my.dict-2")
     for bad in ("", "..", "a/b", ".hidden", "a..b", "x" * 129, None, 7):
         assert not layout.is_name(bad)
@@ -19,7 +20,7 @@ def test_names():
     assert layout.PART_RE.fullmatch("d_part3.tar.md5") and not layout.PART_RE.fullmatch("d_x3")
 
 
-def test_version_names():
+def test_version_names() -> None:
     assert layout.output_dir_name("100", "100") == "100_100"
     assert layout.served_version("100", "100", is_base=True) == "100"
     assert layout.served_version("100", "150", is_base=False) == "100_150"
@@ -29,7 +30,7 @@ def test_version_names():
     assert sorted(deltas, key=layout.delta_order) == ["100_90", "100_200", "100_1000", "100_b"]
 
 
-def test_version_and_chain_files():
+def test_version_and_chain_files() -> None:
     assert layout.parse_version("100\nignored\n") == "100"
     assert layout.parse_version("  \n") is None and layout.parse_version("") is None
     chain = ["100", "100_150", "100_200"]
@@ -56,20 +57,20 @@ def test_version_and_chain_files():
         ("fifo", tarfile.FIFOTYPE, "fifo"),
     ],
 )
-def test_tar_members_refused(name, kind, words):
+def test_tar_members_refused(name, kind, words) -> None:
     member = tarfile.TarInfo(name)
     member.type = kind
     assert words in (layout.member_problem(member) or "")
 
 
-def test_tar_members_allowed():
+def test_tar_members_allowed() -> None:
     for name, kind in (("./index.cube", tarfile.REGTYPE), ("sub", tarfile.DIRTYPE)):
         member = tarfile.TarInfo(name)
         member.type = kind
         assert layout.member_problem(member) is None
 
 
-def test_one_backoff_rule():
+def test_one_backoff_rule() -> None:
     import random
 
     from cube.backoff import Backoff
@@ -86,7 +87,7 @@ def test_one_backoff_rule():
         Backoff(1, 2, jitter=2)
 
 
-def test_donefile_lines_written_and_read_by_one_module():
+def test_donefile_lines_written_and_read_by_one_module() -> None:
     from cube.donefile import BASE_FILE, PATCH_FILE, BadLine, format_line, parse_line
 
     line = format_line("200", "100", "/in/200", delete="/in/200.del")
@@ -100,7 +101,7 @@ def test_donefile_lines_written_and_read_by_one_module():
     assert isinstance(huge, BadLine) and "not JSON" in huge.reason
 
 
-def test_lane_frames_scanned_by_one_function():
+def test_lane_frames_scanned_by_one_function() -> None:
     from cube.wire import FrameTooLarge, answer_header, error_frame, next_frame, request_header
 
     data = request_header(3) + b"abc" + request_header(5) + b"de"  # the second is partial
@@ -117,7 +118,7 @@ def test_lane_frames_scanned_by_one_function():
     assert refused.status == 9 and answer[refused.start : refused.stop] == b"no such version"
 
 
-def test_agent_commands_and_task_reports_round_trip(tmp_path):
+def test_agent_commands_and_task_reports_round_trip(tmp_path: Path) -> None:
     """What the transfer sends is what the agent parses; what the agent reports is what the
     transfer reads (one module, cube.protocol, on both sides)."""
     from cube.agent.tasks import Task

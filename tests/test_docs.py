@@ -26,20 +26,20 @@ LINK = re.compile(r"\]\(([^)#\s]+)(#[^)\s]*)?\)")
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
-def test_relative_links_resolve(page):
+def test_relative_links_resolve(page) -> None:
     for target, _anchor in LINK.findall(page.read_text()):
         if "://" in target or target.startswith("mailto:"):
             continue
         assert (page.parent / target).exists(), f"{page.relative_to(REPO)}: broken link {target}"
 
 
-def test_every_transfer_conf_key_is_documented():
+def test_every_transfer_conf_key_is_documented() -> None:
     text = (REFERENCE / "transfer-conf.md").read_text()
     missing = [key for key in sorted(DEFAULT_KEYS) if f"`{key}`" not in text]
     assert not missing, f"docs/reference/transfer-conf.md lacks {missing}"
 
 
-def test_every_server_flag_is_documented():
+def test_every_server_flag_is_documented() -> None:
     from cube.server.main import FLAGS as server_flags
 
     text = (REFERENCE / "cube-server.md").read_text()
@@ -47,14 +47,14 @@ def test_every_server_flag_is_documented():
     assert not missing, f"docs/reference/cube-server.md lacks {missing}"
 
 
-def test_every_agent_flag_and_command_is_documented():
+def test_every_agent_flag_and_command_is_documented() -> None:
     text = (REFERENCE / "agent-api.md").read_text()
     missing = [f"--{name}" for name in agent_flags().flags if f"--{name}" not in text]
     missing += [command for command in COMMANDS if f"`{command}`" not in text]
     assert not missing, f"docs/reference/agent-api.md lacks {missing}"
 
 
-def test_every_paddle_ps_flag_of_the_builder_is_documented():
+def test_every_paddle_ps_flag_of_the_builder_is_documented() -> None:
     from cube.builder.cli import flag_set as builder_flags
 
     text = (REPO / "docs" / "INPUT_FORMATS.md").read_text()
@@ -69,7 +69,7 @@ def _routes(app) -> set[str]:
     return {path for path in paths if path.startswith(("/agent", "/dict", "/instance"))}
 
 
-def test_every_http_route_is_documented(tmp_path):
+def test_every_http_route_is_documented(tmp_path: Path) -> None:
     conf = "[default]\ndict_name: d\nwget_port: 0\nshard_num: 1\n"
     conf += f"donefile_address: {tmp_path}\noutput_address: {tmp_path}\ntmp_address: {tmp_path}\n"
     conf += "[cube_agent]\nagent0_0: 127.0.0.1:1\ncube0_0: 127.0.0.1:2:/d\n"

@@ -6,6 +6,7 @@ import json
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +16,9 @@ from cube.logs import setup_logging
 pytestmark = pytest.mark.slow
 
 
-def test_json_lines_carry_fields_extras_and_exceptions(tmp_path, capsys):
+def test_json_lines_carry_fields_extras_and_exceptions(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     log_file = tmp_path / "logs" / "tool.log"
     setup_logging("cube-tool", "INFO", "json", log_file, tag="worker 1")
     log = logging.getLogger("cube.test")
@@ -35,7 +38,9 @@ def test_json_lines_carry_fields_extras_and_exceptions(tmp_path, capsys):
     assert capsys.readouterr().err.count("\n") == 2  # stderr as well
 
 
-def test_text_is_the_default_and_a_bad_format_is_refused(capsys):
+def test_text_is_the_default_and_a_bad_format_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     setup_logging("cube-tool", logging.INFO)
     logging.getLogger("cube.test").warning("plain")
     assert "WARNING cube.test: plain" in capsys.readouterr().err
@@ -50,7 +55,7 @@ def test_text_is_the_default_and_a_bad_format_is_refused(capsys):
         ["cube.transfer.main", "-p", "0", "--config", "{tmp}/transfer.conf"],
     ],
 )
-def test_commands_take_log_format_json(tmp_path, argv):
+def test_commands_take_log_format_json(tmp_path: Path, argv) -> None:
     """What a command logs with --log_format json is JSON objects, one a line."""
     (tmp_path / "donefile").mkdir()  # the transfer refuses a donefile directory that is not
     (tmp_path / "transfer.conf").write_text(

@@ -100,7 +100,7 @@ def transfer_conf(root: Path, wget_port: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def held(tmp_path_factory) -> Iterator[dict[str, int]]:
+def held(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, int]]:
     """A cube-server, a cube-agent and a cube-transfer, every port of each on port 0: what
     they bound, by case name."""
     root = tmp_path_factory.mktemp("holders")
@@ -240,7 +240,7 @@ def refused(argv: list[str], log: Path, port: int, flag: str) -> None:
 
 
 @pytest.mark.parametrize("case", [*CASES, "server --reuseport"])
-def test_a_second_command_on_a_port_in_use_is_refused(case, held, tmp_path):
+def test_a_second_command_on_a_port_in_use_is_refused(case, held: dict[str, int], tmp_path: Path):
     if case == "server --reuseport":
         return check_reuseport_is_for_one_server(tmp_path)
     second, flag, answers = CASES[case]

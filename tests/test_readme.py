@@ -30,7 +30,7 @@ def tour_blocks() -> list[tuple[str, str]]:
     return re.findall(r"```(\w+)\n(.*?)```", section, re.DOTALL)
 
 
-def test_the_quick_tour_runs(tmp_path):
+def test_the_quick_tour_runs(tmp_path: Path) -> None:
     setup, build, serve, lookup, paddle, transfer_conf = tour_blocks()
     assert setup[1].strip() == "make install && . .venv/bin/activate"
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}

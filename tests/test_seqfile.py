@@ -75,7 +75,7 @@ def test_colinmarc_byteswritable_files(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(COLINMARC))
 @pytest.mark.parametrize("key_format", ["auto", "cube", "bytes_be", "bytes_le"])
-def test_colinmarc_keys_are_not_8_bytes_so_batches_fail_clearly(name: str, key_format: str):
+def test_colinmarc_keys_are_not_8_bytes_so_batches_fail_clearly(name: str, key_format: str) -> None:
     path = DATA / name
     with SequenceFileReader(path, key_format=key_format) as reader:
         if key_format == "auto":

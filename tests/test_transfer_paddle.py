@@ -33,7 +33,7 @@ IDS = {"base1": 1795737600, "base2": 1795824000, "delta1": 1795827600, "delta2":
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("transfer-paddle")
     models = root / "models"  # the trainer's model_save_path: the donefiles live there too
     models.mkdir()
@@ -92,7 +92,7 @@ def check_served(running, table: dict[int, np.ndarray], gone: list[int]) -> None
     np.testing.assert_array_equal(served, np.stack([table[int(k)] for k in keys]))
 
 
-def test_bases_replace_the_table_and_deltas_apply_on_their_days_base(cluster):
+def test_bases_replace_the_table_and_deltas_apply_on_their_days_base(cluster) -> None:
     running, models = cluster
     # day 1: its base (a whole table: the checkpoint's rows)
     day1 = save(models, DAY1, "base", "checkpoint")
@@ -121,7 +121,7 @@ def test_bases_replace_the_table_and_deltas_apply_on_their_days_base(cluster):
     check_served(running, table, still_gone)
 
 
-def test_a_save_of_the_wrong_kind_or_day_is_refused_and_the_live_version_serves_on(cluster):
+def test_a_save_of_the_wrong_kind_or_day_is_refused_and_the_live_version_serves_on(cluster) -> None:
     running, models = cluster
     live = running.history()[-1]["version"]
     before = len(running.history())

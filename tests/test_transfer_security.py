@@ -73,7 +73,7 @@ def listening_port(log: Path, process: subprocess.Popen) -> int:
     return int(found[0])
 
 
-def test_api_beyond_loopback_needs_a_token(tmp_path):
+def test_api_beyond_loopback_needs_a_token(tmp_path: Path) -> None:
     conf = transfer_conf(tmp_path, "127.0.0.1:1", "127.0.0.1:2", tmp_path / "d", listen="0.0.0.0")
     argv = [sys.executable, "-m", "cube.transfer.main", "-p", "0", "--config", str(conf)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=WAIT)
@@ -81,7 +81,7 @@ def test_api_beyond_loopback_needs_a_token(tmp_path):
     assert "without a token" in done.stderr and "api_token" in done.stderr
 
 
-def test_rollout_over_tls_with_tokens(tmp_path, pki):
+def test_rollout_over_tls_with_tokens(tmp_path: Path, pki: dict[str, str]) -> None:
     deploy = tmp_path / "deploy"
     (deploy / "data").mkdir(parents=True)
     server = start_server(deploy / "data", "--control_token=ctl")
@@ -161,7 +161,7 @@ def test_rollout_over_tls_with_tokens(tmp_path, pki):
         server.stop()
 
 
-def test_port_in_use_is_reported_at_once(tmp_path):
+def test_port_in_use_is_reported_at_once(tmp_path: Path) -> None:
     """The API and file ports are bound before the journal is opened or the donefile read."""
     conf = transfer_conf(tmp_path, "127.0.0.1:1", "127.0.0.1:2", tmp_path / "d")
     with socket.socket() as taken:
