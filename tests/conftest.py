@@ -8,6 +8,7 @@ import multiprocessing.process
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -98,7 +99,7 @@ class Deployment:
         self.http: HttpFileServer | None = None  # the file server, when a fixture starts one
         self.closers: list[Callable[[], object]] = []  # run last first
 
-    def serve_files(self, routes: dict | None = None) -> HttpFileServer:
+    def serve_files(self, routes: dict[str, Any] | None = None) -> HttpFileServer:
         """An HTTP file server on `files` (`routes` in front of the static files)."""
         http = HttpFileServer(self.files, routes)
         self.closers.append(http.close)

@@ -18,7 +18,9 @@ from procs import running_server
 pytestmark = pytest.mark.slow
 
 
-def run_agent(tmp_path: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_agent(
+    tmp_path: Path, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     argv = [str(AGENT_BIN), "-P", "0", "--deploy_path", str(tmp_path / "deploy"), *extra]
     return subprocess.run(argv, capture_output=True, text=True, timeout=WAIT, env=env)
 

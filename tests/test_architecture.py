@@ -65,7 +65,7 @@ def imports_of(path: Path, names: bool = False) -> set[str]:
 
 
 @pytest.mark.parametrize("module", CORE)
-def test_the_pure_core_imports_no_shell_and_no_network(module) -> None:
+def test_the_pure_core_imports_no_shell_and_no_network(module: str) -> None:
     found = imports_of(REPO / "cube" / f"{module}.py")
     upward = sorted(n for n in found if n.startswith(SHELLS))
     io = sorted(n for n in found if n.split(".")[0] in IO)

@@ -40,7 +40,7 @@ def test_the_public_surface_is_what_cube_client_exports() -> None:
 
 
 @pytest.mark.parametrize("cls", [CubeClient, AsyncCubeClient])
-def test_constructors_declare_their_parameters(cls) -> None:
+def test_constructors_declare_their_parameters(cls: type[CubeClient | AsyncCubeClient]) -> None:
     parameters = inspect.signature(cls).parameters
     kinds = {p.kind for p in parameters.values()}
     assert inspect.Parameter.VAR_POSITIONAL not in kinds
@@ -58,7 +58,7 @@ def test_constructors_declare_their_parameters(cls) -> None:
 
 def test_positional_options_are_refused() -> None:
     with pytest.raises(TypeError):
-        CubeClient([["h:1"]], "murmur3")  # type: ignore[misc]
+        CubeClient([["h:1"]], "murmur3")  # type: ignore[call-arg]
 
 
 def test_option_objects() -> None:

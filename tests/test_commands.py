@@ -53,7 +53,7 @@ def flag_rows(text: str, section: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("argv", [c[:1] for c in COMMANDS[: len(SCRIPTS)]], ids=" ".join)
 def test_every_command_prints_its_version(
-    argv, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, out = run_command([*argv, "--version"], monkeypatch, capsys)
     assert (code, out) == (0, f"{argv[0]} {package_version()}\n")
@@ -62,7 +62,7 @@ def test_every_command_prints_its_version(
 
 @pytest.mark.parametrize("argv", COMMANDS, ids=" ".join)
 def test_help_states_every_default_one_way(
-    argv, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, out = run_command([*argv, "--help"], monkeypatch, capsys)
     assert code == 0

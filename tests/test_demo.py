@@ -68,6 +68,7 @@ def test_ctrl_c_stops_the_cluster(tmp_path: Path) -> None:
         lines = []
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
+            assert demo.stdout is not None  # a pipe
             line = demo.stdout.readline()
             if not line:
                 break

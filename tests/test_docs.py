@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from aiohttp import web
 
 from cube.agent.api import make_app as agent_app
 from cube.agent.main import flag_set as agent_flags
@@ -26,7 +27,7 @@ LINK = re.compile(r"\]\(([^)#\s]+)(#[^)\s]*)?\)")
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
-def test_relative_links_resolve(page) -> None:
+def test_relative_links_resolve(page: Path) -> None:
     for target, _anchor in LINK.findall(page.read_text()):
         if "://" in target or target.startswith("mailto:"):
             continue
@@ -64,7 +65,7 @@ def test_every_paddle_ps_flag_of_the_builder_is_documented() -> None:
     assert not missing, f"docs/INPUT_FORMATS.md lacks {missing}"
 
 
-def _routes(app) -> set[str]:
+def _routes(app: web.Application) -> set[str]:
     paths = {route.resource.canonical for route in app.router.routes() if route.resource}
     return {path for path in paths if path.startswith(("/agent", "/dict", "/instance"))}
 
@@ -74,7 +75,9 @@ def test_every_http_route_is_documented(tmp_path: Path) -> None:
     conf += f"donefile_address: {tmp_path}\noutput_address: {tmp_path}\ntmp_address: {tmp_path}\n"
     conf += "[cube_agent]\nagent0_0: 127.0.0.1:1\ncube0_0: 127.0.0.1:2:/d\n"
     service = SimpleNamespace(cfg=parse_config(conf, "t.conf", tmp_path))
-    transfer_routes, agent_routes = _routes(build_api(service)), _routes(agent_app([]))
+    # build_api reads only the service's cfg to lay out its routes
+    transfer_app = build_api(service)  # type: ignore[arg-type]
+    transfer_routes, agent_routes = _routes(transfer_app), _routes(agent_app([]))
     assert len(transfer_routes) >= 6 and len(agent_routes) == 2  # the routes were found
     transfer = (REFERENCE / "transfer-api.md").read_text()
     missing = [path for path in sorted(transfer_routes) if path not in transfer]

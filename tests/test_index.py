@@ -106,7 +106,9 @@ def test_index_overhead_is_within_budget() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(U64, max_size=300), st.lists(U64, max_size=30), st.lists(U64, max_size=50))
-def test_property_lookup_agrees_with_a_dict(records, deletes, probes) -> None:
+def test_property_lookup_agrees_with_a_dict(
+    records: list[int], deletes: list[int], probes: list[int]
+) -> None:
     keys = np.array(records, dtype=np.uint64)
     deleted = np.array(deletes, dtype=np.uint64)
     built = build_table(keys, deleted)

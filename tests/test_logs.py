@@ -55,7 +55,7 @@ def test_text_is_the_default_and_a_bad_format_is_refused(
         ["cube.transfer.main", "-p", "0", "--config", "{tmp}/transfer.conf"],
     ],
 )
-def test_commands_take_log_format_json(tmp_path: Path, argv) -> None:
+def test_commands_take_log_format_json(tmp_path: Path, argv: list[str]) -> None:
     """What a command logs with --log_format json is JSON objects, one a line."""
     (tmp_path / "donefile").mkdir()  # the transfer refuses a donefile directory that is not
     (tmp_path / "transfer.conf").write_text(
@@ -70,6 +70,7 @@ def test_commands_take_log_format_json(tmp_path: Path, argv) -> None:
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     try:
+        assert process.stderr is not None  # a pipe
         first = process.stderr.readline()  # the first log line
     finally:
         process.terminate()

@@ -27,7 +27,9 @@ pytestmark = pytest.mark.slow
 ORIGINAL_GFLAGS = "--port=8000\n--dict_split=1\n--in_mem=true\n--log_dir=./log/\n"
 
 
-def tool(name: str, *args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+def tool(
+    name: str, *args: str, cwd: Path, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", name, *args], cwd=cwd, capture_output=True, text=True,
         timeout=timeout,
@@ -104,7 +106,7 @@ def test_build_and_serve_as_the_original_docs_do(tmp_path: Path) -> None:
     assert (cube / "log" / "cube-server.log").exists()  # --log_dir=./log/ from gflags.conf
 
 
-def _alive(process: subprocess.Popen, tmp_path: Path) -> None:
+def _alive(process: subprocess.Popen[bytes], tmp_path: Path) -> None:
     if process.poll() is not None:
         raise AssertionError((tmp_path / "server.log").read_text()[-2000:])
 
@@ -113,8 +115,10 @@ def test_a_delta_alone_in_data_is_not_served(tmp_path: Path) -> None:
     """The files of a delta copied into ./data would answer misses for every key of its base:
     the server says NOT_SERVING with the reason instead."""
     from grpc_health.v1 import health_pb2
-    from procs import health_status, start_server
+    from procs import start_server
     from test_builder import build_args, run_builder, write_seqfile
+
+    from cube.processes import health_status
 
     write_seqfile(tmp_path / "in" / "part-0", [1, 2], [b"a", b"b"])
     base = run_builder(*build_args(tmp_path / "in", tmp_path / "out", 1))

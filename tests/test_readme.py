@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 from grpc_health.v1 import health_pb2
-from procs import health_status
 
-from cube.processes import poll_until, spawn, stop_child
+from cube.processes import health_status, poll_until, spawn, stop_child
 
 pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
 

@@ -10,8 +10,10 @@ import struct
 import subprocess
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 from measure import peak_bytes
 
@@ -43,7 +45,7 @@ HUGE = 1 << 40
 BIN = Path(__file__).resolve().parent.parent / ".venv" / "bin"
 
 
-def read_everything(path: Path, **kwargs) -> None:
+def read_everything(path: Path, **kwargs: Any) -> None:
     with SequenceFileReader(path, **kwargs) as reader:
         for _ in reader.records():
             pass
@@ -445,7 +447,7 @@ def test_reader_still_reads_every_layout(tmp_path: Path) -> None:
     "keys",
     [np.array([1.5, 2.0]), np.array([2.0**60 + 1, 3.0]), np.array([True, False]), ["1", "2"]],
 )
-def test_writer_refuses_keys_that_are_not_integers(tmp_path: Path, keys) -> None:
+def test_writer_refuses_keys_that_are_not_integers(tmp_path: Path, keys: npt.ArrayLike) -> None:
     # float64 keys were cast to uint64 silently: 1.5 became 1, and 2**60 + 1 is not even a
     # float64, so two distinct ids could collide.
     path = tmp_path / "f"

@@ -1,9 +1,12 @@
 """Shard files: round trip, base + delta + delete stacks, empty shards, refusal of bad files."""
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from cube.format import HEADER_SIZE, ShardFormatError
@@ -12,7 +15,13 @@ from cube.shard import DATA_FILE, INDEX_FILE, Shard, ShardStack, write_shard
 from cube.values import ValueColumn
 
 
-def make_shard(path: Path, keys, values: ValueColumn, deleted=None, **meta) -> Shard:
+def make_shard(
+    path: Path,
+    keys: npt.ArrayLike,
+    values: ValueColumn,
+    deleted: npt.ArrayLike | None = None,
+    **meta: Any,
+) -> Shard:
     keys = np.asarray(keys, dtype=np.uint64)
     deleted = None if deleted is None else np.asarray(deleted, dtype=np.uint64)
     write_shard(path, build_table(keys, deleted), values, meta)
@@ -118,7 +127,9 @@ def good_shard(tmp_path: Path) -> Path:
         ("newer format", lambda p: set_format(p / DATA_FILE, 99), "newer than this reader's"),
     ],
 )
-def test_bad_files_are_refused_at_open(good_shard: Path, name, mutate, message) -> None:
+def test_bad_files_are_refused_at_open(
+    good_shard: Path, name: str, mutate: Callable[[Path], object], message: str
+) -> None:
     mutate(good_shard)
     with pytest.raises(ShardFormatError, match=message) as info:
         Shard.open(good_shard)

@@ -58,7 +58,7 @@ def transfer_conf(root: Path, agent: str, server: str, deploy: Path, **extra: st
     return path
 
 
-def listening_port(log: Path, process: subprocess.Popen) -> int:
+def listening_port(log: Path, process: subprocess.Popen[bytes]) -> int:
     """The API port a cube-transfer started with `-p 0` logged once listening."""
     found: list[str] = []
 
@@ -123,7 +123,7 @@ def test_rollout_over_tls_with_tokens(tmp_path: Path, pki: dict[str, str]) -> No
         (tmp_path / "transfer" / "donefile" / "base.txt").write_text(json.dumps(line) + "\n")
 
         def served() -> bool:
-            return agent.status()["server"].get("cur_version") == "100"
+            return bool(agent.status()["server"].get("cur_version") == "100")
 
         assert poll_until(served, WAIT, 0.2), (tmp_path / "transfer.log").read_text()[-3000:]
         # the metrics endpoint (plain http, no token: counts and versions, never data)
@@ -134,7 +134,8 @@ def test_rollout_over_tls_with_tokens(tmp_path: Path, pki: dict[str, str]) -> No
         def metrics() -> str:
             url = f"http://127.0.0.1:{metrics_port}/metrics"
             with urllib.request.urlopen(url, timeout=10) as reply:
-                return reply.read().decode()
+                text: str = reply.read().decode()
+                return text
 
         committed = 'cube_transfer_rollouts_total{dict="secure_dict",outcome="committed"} 1.0'
         assert poll_until(lambda: committed in metrics(), WAIT, 0.2), metrics()

@@ -14,7 +14,7 @@ def test_from_list_compacts_to_fixed_width() -> None:
 
 
 @given(st.lists(st.binary(max_size=20), max_size=30), st.data())
-def test_take_matches_python(values, data) -> None:
+def test_take_matches_python(values: list[bytes], data: st.DataObject) -> None:
     column = ValueColumn.from_list(values)
     rows = data.draw(st.lists(st.integers(0, max(0, len(values) - 1)), max_size=40))
     if not values:
@@ -23,7 +23,7 @@ def test_take_matches_python(values, data) -> None:
 
 
 @given(st.lists(st.binary(max_size=8), max_size=10), st.lists(st.binary(max_size=8), max_size=10))
-def test_concat(a, b) -> None:
+def test_concat(a: list[bytes], b: list[bytes]) -> None:
     joined = ValueColumn.from_list(a).concat(ValueColumn.from_list(b))
     assert joined.to_list() == a + b
 
