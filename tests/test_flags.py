@@ -1,13 +1,14 @@
 """gflags-style command lines."""
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from cube.flags import FlagError, FlagSet
+from cube.flags import FlagError, Flags, FlagSet
 
 
-def flagset() -> FlagSet:
+def flagset() -> FlagSet[Flags]:
     return (
         FlagSet("prog")
         .add("port", int, 8000)
@@ -26,7 +27,7 @@ def flagset() -> FlagSet:
         ["--port=9"],
     ],
 )
-def test_all_forms(argv) -> None:
+def test_all_forms(argv: list[str]) -> None:
     assert flagset().parse(argv).port == 9
 
 
@@ -108,10 +109,18 @@ def test_usage_lists_required_flags_and_each_default_once() -> None:
 def test_command_set_dispatches_and_describes(capsys: pytest.CaptureFixture[str]) -> None:
     from cube.flags import CommandSet
 
-    ran = []
+    ran: list[str] = []
+
+    def runs(name: str, code: int) -> Callable[[Flags], int]:
+        def run(_flags: Flags) -> int:
+            ran.append(name)
+            return code
+
+        return run
+
     tool = CommandSet("tool", "Several things.")
-    tool.add("up", FlagSet("tool up", "Start it.\nMore."), lambda f: ran.append("up") or 0)
-    tool.add("down", FlagSet("tool down", "Stop it."), lambda f: ran.append("down") or 3)
+    tool.add("up", FlagSet("tool up", "Start it.\nMore."), runs("up", 0))
+    tool.add("down", FlagSet("tool down", "Stop it."), runs("down", 3))
     assert tool.run(["down"]) == 3 and ran == ["down"]
     assert tool.run(["--help"]) == 0
     out = capsys.readouterr().out
