@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from cube import protocol
 from cube.agent import __version__
@@ -96,7 +97,7 @@ def make_app(agents: Agent | Sequence[Agent], token: str = "") -> web.Applicatio
     """The API of one agent process: `agents`, one per instance (--deploy_path, --instances)."""
 
     @web.middleware
-    async def guard(request: web.Request, handler) -> web.StreamResponse:
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
         except BadRequest as exc:

@@ -60,12 +60,19 @@ from cube.agent.layout import (
     write_version_file,
 )
 from cube.agent.metrics import AgentCounters, tree_bytes
-from cube.agent.tasks import SUCCEEDED, Task, TaskFailed, TaskManager
+from cube.agent.tasks import Task, TaskFailed, TaskManager
 from cube.agent.unpack import UnsafeTar, extract_shard_tar
 from cube.format import ShardFormatError
 from cube.fsutil import atomic_write_json, atomic_write_text, file_md5, fsync_dir
 from cube.layout import CHAIN_FILE, base_of, chain_text, tar_name
-from cube.protocol import CORRUPT_VERSION, SERVER_COMMANDS, BadRequest, Work, check_name
+from cube.protocol import (
+    CORRUPT_VERSION,
+    SERVER_COMMANDS,
+    SUCCEEDED,
+    BadRequest,
+    Work,
+    check_name,
+)
 from cube.shard import Shard
 
 log = logging.getLogger("cube.agent")
@@ -119,7 +126,8 @@ class Agent:
         self.counters = counters or AgentCounters()  # shared by the instances of one process
 
     def _task_ended(self, task: Task) -> None:
-        seconds = max(0.0, task.finished_at - task.started_at)
+        finished = task.finished_at if task.finished_at is not None else task.started_at  # set
+        seconds = max(0.0, finished - task.started_at)
         self.counters.task_ended(task.command, task.state == SUCCEEDED, task.reason, seconds)
 
     async def metrics_snapshot(self) -> dict[str, Any]:

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
 
 import aiohttp
@@ -337,7 +338,7 @@ class _Pace:
         return max(0.0, self.sent / self.rate - (time.monotonic() - self.start))
 
 
-def _open_part(part: Path, offset: int):
+def _open_part(part: Path, offset: int) -> BinaryIO:
     """The .part file positioned at `offset` (anything after it is dropped)."""
     f = open(part, "r+b" if part.exists() else "w+b")  # noqa: SIM115 - closed by caller
     f.truncate(offset)
@@ -600,11 +601,13 @@ def _file_once(target: Target, at: _Attempt, stop: threading.Event) -> int | Non
     return total
 
 
-async def _in_thread(fn, *args) -> int | None:
+async def _in_thread(
+    fn: Callable[[Target, _Attempt, threading.Event], int | None], target: Target, at: _Attempt
+) -> int | None:
     """Run a blocking attempt in a thread; cancelling the caller stops it at the next block."""
     stop = threading.Event()
     try:
-        return await asyncio.to_thread(fn, *args, stop)
+        return await asyncio.to_thread(fn, target, at, stop)
     finally:
         stop.set()
 

@@ -225,7 +225,8 @@ def check_answers(target: Target, data: Dataset, sample: int, mode: str, seed: i
         async def fetch_async() -> tuple[np.ndarray, int]:
             aclient = target.async_client(1)
             try:
-                return await aclient.fetch(keys)
+                fetched: tuple[np.ndarray, int] = await aclient.fetch(keys)
+                return fetched
             finally:
                 await aclient.close()
 
@@ -343,7 +344,7 @@ def run(flags: BenchFlags, target_names: list[str], argv: Sequence[str]) -> int:
         if own_workdir:
             shutil.rmtree(workdir, ignore_errors=True)
 
-    result = {
+    result: dict[str, Any] = {
         "command": shlex.join(["cube-bench", *argv]),
         "started": started,
         "settings": settings,

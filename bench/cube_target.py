@@ -77,6 +77,10 @@ class CubeTarget(Target):
             busy_poll_us = int(self.options.get("cube_busy_poll_us", 0))
             if busy_poll_us:
                 argv += ["--busy_poll_us", str(busy_poll_us)]
+
+            def ready(ports: list[int] = ports) -> bool:  # its kernel loaded, version served
+                return all(health_status(f"127.0.0.1:{port}") == SERVING for port in ports)
+
             self.servers.append(
                 self.registry.start(
                     f"cube-server{shard}",
@@ -84,9 +88,7 @@ class CubeTarget(Target):
                     ports,
                     self.workdir / "logs",
                     timeout=float(self.options.get("start_timeout", 60.0)),
-                    ready=lambda ports=ports: all(  # ready: its kernel loaded, version served
-                        health_status(f"127.0.0.1:{port}") == SERVING for port in ports
-                    ),
+                    ready=ready,
                 )
             )
             self.shard_ports.append(ports)

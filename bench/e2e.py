@@ -189,9 +189,11 @@ class Server:
         from cube.pb import cube_pb2, cube_pb2_grpc
 
         with grpc.insecure_channel(f"127.0.0.1:{self.control_ports[0]}") as channel:
-            stub = cube_pb2_grpc.ControlServiceStub(channel)
+            # protoc writes the gRPC stubs untyped (cube/pb has .pyi files for the messages only)
+            stub = cube_pb2_grpc.ControlServiceStub(channel)  # type: ignore[no-untyped-call]
             reply = stub.cmd(cube_pb2.ControlRequest(cmd="status"), timeout=30)
-        return json.loads(reply.detail_json)["requests"]
+        counters: dict[str, int] = json.loads(reply.detail_json)["requests"]
+        return counters
 
     def stop(self, timeout: float = 20.0) -> None:
         stop_child(self.process, timeout)
@@ -239,8 +241,12 @@ class Recorder:
                 self.misses += int(found.shape[0] - np.count_nonzero(found))
 
 
+# A load: run(recorder, keep_going) sends requests until keep_going() says stop.
+Load = Callable[[Recorder, Callable[[], bool]], None]
+
+
 def measure(
-    run: Callable[[Recorder, Callable[[], bool]], None],
+    run: Load,
     server: Server,
     inflight: int,
     client: str,
@@ -319,7 +325,7 @@ def _cycle(batches: list[np.ndarray]) -> Callable[[], np.ndarray]:
 
 def async_load(
     addresses: list[str], batches: list[np.ndarray], inflight: int, options: dict[str, Any]
-):
+) -> Load:
     from cube.client import AsyncCubeClient
 
     def run(recorder: Recorder, keep_going: Callable[[], bool]) -> None:
@@ -347,7 +353,7 @@ def async_load(
 
 def thread_load(
     addresses: list[str], batches: list[np.ndarray], inflight: int, options: dict[str, Any]
-):
+) -> Load:
     from cube.client import CubeClient
 
     def run(recorder: Recorder, keep_going: Callable[[], bool]) -> None:
@@ -373,7 +379,7 @@ def thread_load(
 
 def raw_load(
     addresses: list[str], batches: list[np.ndarray], inflight: int, options: dict[str, Any]
-):
+) -> Load:
     """SeekStream without the SDK: the server's capacity on its own."""
 
     def run(recorder: Recorder, keep_going: Callable[[], bool]) -> None:
@@ -386,7 +392,9 @@ def raw_load(
 
         async def stream(address: str, share: int) -> None:
             async with grpc.aio.insecure_channel(address) as channel:
-                call = channel.stream_stream("/cube.v1.CubeService/SeekStream")()
+                method: grpc.aio.StreamStreamMultiCallable[bytes, bytes]
+                method = channel.stream_stream("/cube.v1.CubeService/SeekStream")
+                call = method()
                 sent: list[float] = []
                 position = 0
                 for _ in range(share):  # keep `share` requests in flight on this stream
@@ -449,6 +457,7 @@ def run_levels(flags: E2eFlags) -> list[Level]:
                 if noise <= flags.max_other:
                     break
                 print(f"disturbed (try {attempt + 1}): others and steal used {noise:.2f} cores")
+            assert best is not None  # one try at least
             results.append(best)
     finally:
         server.stop()

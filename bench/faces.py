@@ -29,13 +29,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cube.bench.e2e import Server, build_data, key_batches
 from cube.flags import FlagSet, flag, run_cli
 from cube.processes import cpu_split, free_ports, machine_seconds
+
+if TYPE_CHECKING:
+    from cube.client import TransportName
 
 WAYS = ("lane", "grpc", "grpc-original", "http", "baidu_std")
 
@@ -62,8 +65,12 @@ FLAGS = FlagSet(
 )
 
 
-def _lane_or_grpc(transport: str):
-    def make(server: Server, ports: dict[str, int]):
+# A way in, ready to time: (encode, call, close); each way has its own request type.
+Face = tuple[Callable[[np.ndarray], Any], Callable[[Any], int], Callable[[], None]]
+
+
+def _lane_or_grpc(transport: TransportName) -> Callable[[Server, dict[str, int]], Face]:
+    def make(server: Server, ports: dict[str, int]) -> Face:
         from cube.client import CubeClient
 
         client = CubeClient(shards=[server.addresses], timeout=30.0, transport=transport)
@@ -80,12 +87,13 @@ def _lane_or_grpc(transport: str):
     return make
 
 
-def _grpc_original(server: Server, ports: dict[str, int]):
+def _grpc_original(server: Server, ports: dict[str, int]) -> Face:
     import grpc
 
     from cube.pb import cube_pb2
 
     channel = grpc.insecure_channel(server.addresses[0])
+    seek: grpc.UnaryUnaryMultiCallable[bytes, bytes]
     seek = channel.unary_unary("/rec.mcube.DictService/seek")
 
     def encode(keys: np.ndarray) -> bytes:
@@ -98,7 +106,7 @@ def _grpc_original(server: Server, ports: dict[str, int]):
     return encode, call, channel.close
 
 
-def _http(server: Server, ports: dict[str, int]):
+def _http(server: Server, ports: dict[str, int]) -> Face:
     connection = http.client.HTTPConnection("127.0.0.1", ports["http"], timeout=30)
     headers = {"Content-Type": "application/json"}
 
@@ -116,7 +124,7 @@ def _http(server: Server, ports: dict[str, int]):
     return encode, call, connection.close
 
 
-def _baidu_std(server: Server, ports: dict[str, int]):
+def _baidu_std(server: Server, ports: dict[str, int]) -> Face:
     from cube.pb import cube_pb2
     from cube.pb.baidu_std_pb2 import RpcMeta
 
@@ -155,7 +163,7 @@ def _baidu_std(server: Server, ports: dict[str, int]):
     return encode, call, sock.close
 
 
-CLIENTS: dict[str, Callable[..., Any]] = {
+CLIENTS: dict[str, Callable[[Server, dict[str, int]], Face]] = {
     "lane": _lane_or_grpc("auto"),
     "grpc": _lane_or_grpc("grpc"),
     "grpc-original": _grpc_original,
@@ -164,7 +172,9 @@ CLIENTS: dict[str, Callable[..., Any]] = {
 }
 
 
-def measure(way: str, server: Server, ports: dict[str, int], batches, flags) -> dict[str, Any]:
+def measure(
+    way: str, server: Server, ports: dict[str, int], batches: list[np.ndarray], flags: FacesFlags
+) -> dict[str, Any]:
     encode, call, close = CLIENTS[way](server, ports)
     try:
         requests = [encode(b) for b in batches[: flags.warmup + flags.requests]]
@@ -204,7 +214,7 @@ def measure(way: str, server: Server, ports: dict[str, int], batches, flags) -> 
     }
 
 
-def table(rows: Sequence[dict]) -> str:
+def table(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
         "| way | p50 µs/request | p99 µs | keys/s (batch / p50) | server CPU µs/request"
         " | client CPU µs/request | other cores |",

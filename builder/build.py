@@ -839,6 +839,11 @@ def _finish_all(
     return sorted(outputs, key=lambda o: o.shard)
 
 
+# A stage's task: (task, on_bytes) -> output; on_bytes None in a worker, which reports the bytes
+# it reads through the shared counter instead (read_and_spill, finish_shard).
+TaskFunction = Callable[[Any, Callable[[int], None] | None], Any]
+
+
 class _Pool:
     """Runs tasks inline (one worker) or in worker processes, reporting progress. `isolate`:
     in a worker process even with one worker (cube-import: a SIGBUS from a mapped input cut
@@ -883,7 +888,7 @@ class _Pool:
 
     def run(
         self,
-        function: Callable[[Any], Any],
+        function: TaskFunction,
         tasks: list[Any],
         on_bytes: Callable[[int], None],
         on_done: Callable[[Any], None],
@@ -924,11 +929,11 @@ class _Pool:
         return [f.result() for f in futures]
 
 
-def _in_worker(function: Callable[[Any], Any], task: Any) -> Any:
+def _in_worker(function: TaskFunction, task: Any) -> Any:
     """Run a task in a worker; errors come back as BuildError with the same one-line message
     (some exception types, e.g. SequenceFileError, cannot be rebuilt from their pickle)."""
     try:
-        return function(task)
+        return function(task, None)  # progress goes through the shared counter
     except Exception as exc:
         raise BuildError(task_error_message(exc)) from None
 

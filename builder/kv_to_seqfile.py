@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -270,8 +271,8 @@ def read_records(
 
 
 def _column(values: list[list[float] | bytes], fmt: InputFormat) -> ValueColumn:
-    if not fmt.floats:
-        return ValueColumn.from_list(values)
+    if not fmt.floats:  # then the parser gives bytes
+        return ValueColumn.from_list(cast(list[bytes], values))
     rows = np.asarray(values, dtype=np.float64).astype("<f4")  # one width: checked per line
     return ValueColumn.fixed(rows.view(np.uint8).reshape(-1), rows.shape[1] * 4)
 

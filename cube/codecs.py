@@ -73,7 +73,8 @@ def _lz4_block() -> ModuleType:
         raise CodecError(
             "an Lz4Codec SequenceFile needs the lz4 package: pip install 'cube-py[builder]'"
         ) from None
-    return lz4.block
+    block: ModuleType = lz4.block  # untyped: no stubs
+    return block
 
 
 def _cramjam(codec: str) -> ModuleType:

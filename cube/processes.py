@@ -58,7 +58,9 @@ def health_status(address: str, timeout: float = 1.0, service: str = "") -> int 
 
     with grpc.insecure_channel(address) as channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
+            stub = health_pb2_grpc.HealthStub(channel)
+            # types-grpcio-health-checking declares HealthStub without its methods
+            reply = stub.Check(  # type: ignore[attr-defined]
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
             )
         except grpc.RpcError:

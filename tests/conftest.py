@@ -8,6 +8,7 @@ import multiprocessing.process
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -60,7 +61,7 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def moto(tmp_path_factory) -> Iterator[MotoServer]:
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
     """moto's S3 server, a process on a free loopback port, shared by the session's s3:// tests
     (each points the AWS environment at it for its own duration: s3_helpers.aws_environment)."""
     with MotoServer(tmp_path_factory.mktemp("moto") / "moto.log") as server:
@@ -68,7 +69,7 @@ def moto(tmp_path_factory) -> Iterator[MotoServer]:
 
 
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> dict[str, str]:
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """PEM files: a test CA (`ca`), a certificate for 127.0.0.1/localhost it signed (`cert`,
     `key`), and another CA that signed nothing of ours (`other`)."""
     root = tmp_path_factory.mktemp("pki")
@@ -98,7 +99,7 @@ class Deployment:
         self.http: HttpFileServer | None = None  # the file server, when a fixture starts one
         self.closers: list[Callable[[], object]] = []  # run last first
 
-    def serve_files(self, routes: dict | None = None) -> HttpFileServer:
+    def serve_files(self, routes: dict[str, Any] | None = None) -> HttpFileServer:
         """An HTTP file server on `files` (`routes` in front of the static files)."""
         http = HttpFileServer(self.files, routes)
         self.closers.append(http.close)
@@ -125,7 +126,7 @@ class Deployment:
 
 
 @pytest.fixture
-def deployment(tmp_path) -> Iterator[Deployment]:
+def deployment(tmp_path: Path) -> Iterator[Deployment]:
     box = Deployment(tmp_path)
     try:
         yield box

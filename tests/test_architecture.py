@@ -65,7 +65,7 @@ def imports_of(path: Path, names: bool = False) -> set[str]:
 
 
 @pytest.mark.parametrize("module", CORE)
-def test_the_pure_core_imports_no_shell_and_no_network(module):
+def test_the_pure_core_imports_no_shell_and_no_network(module: str) -> None:
     found = imports_of(REPO / "cube" / f"{module}.py")
     upward = sorted(n for n in found if n.startswith(SHELLS))
     io = sorted(n for n in found if n.split(".")[0] in IO)
@@ -73,7 +73,7 @@ def test_the_pure_core_imports_no_shell_and_no_network(module):
     assert not io, f"cube/{module}.py imports I/O modules {io}"
 
 
-def test_no_module_of_the_cube_package_itself_imports_a_tool():
+def test_no_module_of_the_cube_package_itself_imports_a_tool() -> None:
     """cube/*.py (not the subpackages) never imports the tools built on the shells."""
     for path in (REPO / "cube").glob("*.py"):
         tools = sorted(n for n in imports_of(path) if n.startswith(("cube.transfer", "cube.bench")))
@@ -118,7 +118,7 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
-def test_no_import_cycle_between_the_modules():
+def test_no_import_cycle_between_the_modules() -> None:
     """Imports anywhere in a module count (a lazy import inside a function too): a cycle means
     a module cannot be understood, tested or imported alone, and tempts copying constants to
     dodge it (the kernels once did: `_jit -> kernel -> index -> build_kernels -> kernel`)."""
@@ -131,7 +131,7 @@ def test_no_import_cycle_between_the_modules():
     assert not cycles, f"import cycles: {cycles}"
 
 
-def test_the_kernels_constants_are_defined_once():
+def test_the_kernels_constants_are_defined_once() -> None:
     """WINDOW, TOMBSTONE, MAX_ROWS, OFFSET_BITS and COMPILED are assigned in cube.kernel_constants
     only (the others import them), so no copy can drift from it."""
     names = {"WINDOW", "TOMBSTONE", "MAX_ROWS", "MISS", "OFFSET_BITS", "COMPILED"}
@@ -165,7 +165,7 @@ KNOWN_LONG = {
 }
 
 
-def test_no_function_is_long_without_saying_why():
+def test_no_function_is_long_without_saying_why() -> None:
     """A function over LONGEST lines is hard to hold in one's head: split it, or say in its
     docstring why it is one piece ("Long: ..."; e.g. a hot loop that a call per step would
     slow down, or a flag table)."""
@@ -184,7 +184,7 @@ def test_no_function_is_long_without_saying_why():
     assert not fixed, f"short now (or saying why): remove from KNOWN_LONG: {sorted(fixed)}"
 
 
-def test_the_module_table_lists_every_module():
+def test_the_module_table_lists_every_module() -> None:
     """docs/ARCHITECTURE.md's module table has one row per module of the tree, and no row for a
     module that is not there (a module added, moved or removed needs its row)."""
     text = (REPO / "docs" / "ARCHITECTURE.md").read_text()
@@ -196,7 +196,7 @@ def test_the_module_table_lists_every_module():
     assert not set(listed) - tree, f"listed but not in the tree: {sorted(set(listed) - tree)}"
 
 
-def test_the_typecheck_tree_is_the_installed_layout():
+def test_the_typecheck_tree_is_the_installed_layout() -> None:
     """typecheck/cube (what mypy checks, pyproject.toml) links every module and package of
     cube/, and builder/, agent/, transfer/ and bench/ as cube.builder, ...: a module missing
     there would go unchecked."""

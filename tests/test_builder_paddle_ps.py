@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.build_inputs import output_digests
+from test_builder import assert_no_leftovers, build_args, run_builder
 
 from cube.builder import paddle_ps as shell
 from cube.builder.build import BuildConfig, BuildError, build
@@ -19,8 +21,6 @@ from cube.paddle_ps import PaddleSource, ValueSpec, parse_fleet_desc
 from cube.seqfile import SequenceFileWriter
 from cube.shard import Shard, ShardStack
 from cube.values import ValueColumn
-from tests.helpers.build_inputs import output_digests
-from tests.test_builder import assert_no_leftovers, build_args, run_builder
 
 DATA = Path(__file__).resolve().parent / "data" / "paddle_ps"
 BASE, DELTA = 1_700_000_000, 1_700_000_100
@@ -86,8 +86,9 @@ VALUES = [(("embed_w", "embedx_w"), "float32"), (("show", "click", "embed_w", "e
 
 @pytest.mark.parametrize(("fields", "dtype"), VALUES, ids=["default", "cvm-float16", "f64"])
 @pytest.mark.parametrize(("scenario", "save"), CASES)
-def test_a_save_builds_the_bytes_of_a_sequencefile_of_its_rows(tmp_path, scenario, save, fields,
-                                                                dtype):  # fmt: skip
+def test_a_save_builds_the_bytes_of_a_sequencefile_of_its_rows(
+    tmp_path: Path, scenario, save, fields, dtype
+) -> None:
     """Every real save (every mode, both accessors, plain, gzip and empty parts): the shards,
     tars, md5s and meta_info are byte for byte those of a SequenceFile build of the rows a
     line-by-line Python reading gives."""
@@ -107,7 +108,7 @@ def test_a_save_builds_the_bytes_of_a_sequencefile_of_its_rows(tmp_path, scenari
 
 
 @pytest.mark.slow
-def test_served_values_are_the_trainers_lookups(tmp_path):
+def test_served_values_are_the_trainers_lookups(tmp_path: Path) -> None:
     """Build, open the shards as a server does, look every key up: the value is what the
     trainer's own lookup returned for it (show, click, embed_w, embedx_w: the cvm input)."""
     scenario, save = "ctr_common_adagrad", "base"
@@ -132,7 +133,7 @@ def test_served_values_are_the_trainers_lookups(tmp_path):
     assert result.metas[0]["value_width"] == 32 and result.key_formats == ("cube",)
 
 
-def test_read_table_gives_a_saves_values_as_arrays():
+def test_read_table_gives_a_saves_values_as_arrays() -> None:
     """The reader API other tools call (the transfer, a trainer's check): a save's rows as
     arrays, the trainer's lookups; an empty save as empty arrays of the value's shape."""
     from cube.builder.paddle_ps import read_table
@@ -151,7 +152,9 @@ def test_read_table_gives_a_saves_values_as_arrays():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not COMPILED, reason="numba is not installed (or CUBE_KERNEL=numpy)")
-def test_the_compiled_parser_builds_the_same_bytes(tmp_path, monkeypatch):
+def test_the_compiled_parser_builds_the_same_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     save = DATA / "sparse_adam" / "checkpoint"
     paddle = source_for("sparse_adam")
     build(config(tmp_path / "numpy", input_format="paddle_ps", paddle=paddle, workers=1), save)
@@ -160,7 +163,7 @@ def test_the_compiled_parser_builds_the_same_bytes(tmp_path, monkeypatch):
     assert output_digests(tmp_path / "numpy") == output_digests(tmp_path / "compiled")
 
 
-def test_gzip_parts_of_several_members_and_small_batches_read_the_same(tmp_path):
+def test_gzip_parts_of_several_members_and_small_batches_read_the_same(tmp_path: Path) -> None:
     """A part written as several gzip members (as appending writers do), and batches that
     cut a member and a line anywhere: the same rows."""
     save = tmp_path / "save"
@@ -190,7 +193,7 @@ def test_gzip_parts_of_several_members_and_small_batches_read_the_same(tmp_path)
 
 
 @pytest.mark.slow
-def test_the_sparse_table_is_found_by_content_whatever_its_number(tmp_path):
+def test_the_sparse_table_is_found_by_content_whatever_its_number(tmp_path: Path) -> None:
     """The dense part is 001 in this save and 000 in another job's (and 002 with two sparse
     tables): swap the folders, the same table is found."""
     save = tmp_path / "save"
@@ -207,7 +210,7 @@ def test_the_sparse_table_is_found_by_content_whatever_its_number(tmp_path):
     assert result.records_read == 228 and result.input_files == 4
 
 
-def test_a_table_folder_or_one_part_file_is_an_input_too(tmp_path):
+def test_a_table_folder_or_one_part_file_is_an_input_too(tmp_path: Path) -> None:
     folder = DATA / "sparse_adam" / "batch_model" / "000"
     paddle = source_for("sparse_adam")
     assert len(shell.find_table(str(folder), paddle).files) == 4
@@ -215,7 +218,7 @@ def test_a_table_folder_or_one_part_file_is_an_input_too(tmp_path):
     assert [f.url for f in one.files] == [str(folder / "part-000-00002.gz")]
 
 
-def test_two_sparse_tables_are_refused_unless_one_is_named(tmp_path):
+def test_two_sparse_tables_are_refused_unless_one_is_named(tmp_path: Path) -> None:
     save = DATA / "sparse_naive_2tables" / "checkpoint"
     with pytest.raises(BuildError, match=r"2 sparse tables \(000, 001\); say which with -paddle"):
         shell.find_table(str(save), source_for("sparse_naive_2tables"))
@@ -228,7 +231,7 @@ def test_two_sparse_tables_are_refused_unless_one_is_named(tmp_path):
         shell.find_table(str(save), source_for("sparse_naive_2tables", table="002"))
 
 
-def test_the_trainers_configuration_names_the_table_and_its_layout(tmp_path):
+def test_the_trainers_configuration_names_the_table_and_its_layout(tmp_path: Path) -> None:
     """-paddle_config alone: which folder, which accessor, dim and rules; by table name when
     it has two sparse tables."""
     desc = DATA / "sparse_naive_2tables" / "fleet_desc.prototxt"
@@ -249,7 +252,7 @@ def test_the_trainers_configuration_names_the_table_and_its_layout(tmp_path):
     )
 
 
-def test_a_save_without_a_sparse_table_says_what_each_folder_is(tmp_path):
+def test_a_save_without_a_sparse_table_says_what_each_folder_is(tmp_path: Path) -> None:
     save = tmp_path / "save"
     shutil.copytree(DATA / "sparse_adam" / "base" / "001", save / "001")
     (save / "000").mkdir()
@@ -264,7 +267,7 @@ def test_a_save_without_a_sparse_table_says_what_each_folder_is(tmp_path):
 
 
 @pytest.mark.slow
-def test_an_empty_delta_builds_only_with_allow_empty(tmp_path):
+def test_an_empty_delta_builds_only_with_allow_empty(tmp_path: Path) -> None:
     save = DATA / "ctr_common_adagrad" / "delta_empty"
     args = build_args(save, tmp_path / "out", 2, **CTR_FLAGS)
     done = run_builder(*args)
@@ -281,7 +284,7 @@ def test_an_empty_delta_builds_only_with_allow_empty(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_cli_builds_a_save_with_the_configuration_only(tmp_path):
+def test_the_cli_builds_a_save_with_the_configuration_only(tmp_path: Path) -> None:
     save = DATA / "sparse_naive_2tables" / "checkpoint"
     desc = DATA / "sparse_naive_2tables" / "fleet_desc.prototxt"
     args = build_args(save, tmp_path / "out", 2, input_format="paddle_ps",
@@ -380,8 +383,9 @@ def endless_line(save: Path) -> tuple[Path, str]:
     ],
     ids=lambda value: value if isinstance(value, str) else value.__name__,
 )
-def test_a_bad_save_fails_naming_the_file_and_line_and_publishes_nothing(tmp_path, save,
-                                                                           corrupt):  # fmt: skip
+def test_a_bad_save_fails_naming_the_file_and_line_and_publishes_nothing(
+    tmp_path: Path, save, corrupt
+) -> None:
     copy = save_copy(tmp_path, save)
     part, message = corrupt(copy)
     output = tmp_path / "out"
@@ -409,14 +413,14 @@ def test_a_bad_save_fails_naming_the_file_and_line_and_publishes_nothing(tmp_pat
         (["-input_format", "paddle_ps", "-paddle_dtype", "int8"], "-paddle_dtype"),
     ],
 )  # fmt: skip
-def test_bad_paddle_flags_exit_2(tmp_path, extra, message):
+def test_bad_paddle_flags_exit_2(tmp_path: Path, extra, message) -> None:
     done = run_builder(*build_args(tmp_path, tmp_path / "out", 1), *extra)
     assert done.returncode == 2, done.stderr
     assert message in done.stderr, done.stderr
 
 
 @pytest.mark.slow
-def test_an_unreadable_configuration_exits_1(tmp_path):
+def test_an_unreadable_configuration_exits_1(tmp_path: Path) -> None:
     (tmp_path / "desc.txt").write_text("not { a config\n")
     for path, message in ((tmp_path / "missing", "No such file"), (tmp_path / "desc.txt", "not")):
         args = build_args(DATA / "sparse_adam" / "base", tmp_path / "out", 1,

@@ -64,7 +64,9 @@ def servers(*specs):
             server.stop()
 
 
-def build_shards(root: Path, keys, values_for, shard_num, partitioner="mod", version="100"):
+def build_shards(
+    root: Path, keys, values_for, shard_num, partitioner: str = "mod", version: str = "100"
+):
     """Write each shard's keys (routed like the builder) to root/shard<i>/data; the dirs."""
     owner = shard_of(keys, shard_num, partitioner)
     dirs = []
@@ -88,7 +90,7 @@ KEYS = np.arange(1, 30_000, 3, dtype=np.uint64)
 
 
 @pytest.fixture(scope="module")
-def fixed_cluster(tmp_path_factory):
+def fixed_cluster(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("fixed")
     dirs = build_shards(root, KEYS, lambda k: fixed_values(k, WIDTH, tag=1), 2)
     common = ("--dict_name", "test_dict", "--max_batch", "5000")
@@ -102,7 +104,7 @@ def fixed_cluster(tmp_path_factory):
         yield shards, root
 
 
-def query_keys(seed=0, n=1000):
+def query_keys(seed: int = 0, n: int = 1000):
     rng = np.random.default_rng(seed)
     keys = rng.integers(0, 30_000, n, dtype=np.uint64)
     keys[:3] = [2**64 - 1, 0, 1]
@@ -110,7 +112,7 @@ def query_keys(seed=0, n=1000):
     return keys
 
 
-def check_fixed(result, keys, tag=1):
+def check_fixed(result, keys, tag: int = 1) -> None:
     expect_found = np.isin(keys, KEYS)
     assert result.found.tolist() == expect_found.tolist()
     assert result.answered.all()
@@ -124,7 +126,7 @@ def check_fixed(result, keys, tag=1):
     assert values[hit] == expected_fixed(keys[hit : hit + 1], WIDTH, tag).tobytes()
 
 
-def test_seek_fixed_width_values_misses_and_order(fixed_cluster):
+def test_seek_fixed_width_values_misses_and_order(fixed_cluster) -> None:
     shards, _ = fixed_cluster
     keys = query_keys()
     with CubeClient(shards=shards, dict_name="test_dict") as client:
@@ -140,14 +142,14 @@ def test_seek_fixed_width_values_misses_and_order(fixed_cluster):
 
 
 @pytest.mark.parametrize("balancer", ["rr", "random", "la"])
-def test_batches_split_by_max_batch_and_balancers(fixed_cluster, balancer):
+def test_batches_split_by_max_batch_and_balancers(fixed_cluster, balancer: str) -> None:
     shards, _ = fixed_cluster
     keys = query_keys(seed=3, n=3000)
     with CubeClient(shards=shards, max_batch=64, load_balancer=balancer) as client:
         check_fixed(client.seek(keys), keys)
 
 
-def test_get_embeddings(fixed_cluster):
+def test_get_embeddings(fixed_cluster) -> None:
     shards, _ = fixed_cluster
     keys = query_keys(seed=4, n=200)
     with CubeClient(shards=shards) as client:
@@ -162,7 +164,7 @@ def test_get_embeddings(fixed_cluster):
         assert client.get_embeddings(keys, dim=2, dtype="float64").shape == (200, 2)
 
 
-def test_server_rejections_are_raised_at_once(fixed_cluster):
+def test_server_rejections_are_raised_at_once(fixed_cluster) -> None:
     shards, _ = fixed_cluster
     with CubeClient(shards=shards, dict_name="other_dict", retry=5) as client:
         with pytest.raises(RequestRejectedError, match=r"NOT_FOUND.*'other_dict'") as info:
@@ -221,7 +223,7 @@ def test_batches_split_by_the_servers_max_batch_learned_on_first_contact(tmp_pat
         assert emb.shape == (150, 4) and (emb[~expected] == 0).all()
 
 
-def test_async_client_parity(fixed_cluster):
+def test_async_client_parity(fixed_cluster) -> None:
     shards, _ = fixed_cluster
     keys = query_keys(seed=5)
 
@@ -244,7 +246,7 @@ def test_async_client_parity(fixed_cluster):
     assert np.array_equal(emb, expected_emb, equal_nan=True)
 
 
-def test_original_protocol(fixed_cluster):
+def test_original_protocol(fixed_cluster) -> None:
     shards, _ = fixed_cluster
     keys = query_keys(seed=6, n=300)
     with CubeClient(shards=shards, protocol="original") as client:
@@ -256,7 +258,7 @@ def test_original_protocol(fixed_cluster):
         assert fast.seek(keys).values == result.values
 
 
-def conf_file(tmp_path, entries) -> Path:
+def conf_file(tmp_path: Path, entries) -> Path:
     path = tmp_path / "cube.conf"
     path.write_text(json.dumps(entries))
     return path
@@ -281,7 +283,7 @@ def ipport(address):
     return {"ip": host, "port": int(port)}
 
 
-def test_from_conf_ipport_list_and_ipport(fixed_cluster, tmp_path):
+def test_from_conf_ipport_list_and_ipport(fixed_cluster, tmp_path: Path) -> None:
     shards, _ = fixed_cluster
     keys = query_keys(seed=7, n=500)
     nodes = [{"ipport_list": "list://" + ",".join(replicas)} for replicas in shards]
@@ -331,7 +333,7 @@ def run_builder(root: Path, keys: np.ndarray, values: list[bytes], shard_num: in
 
 
 @pytest.fixture(scope="module")
-def variable_cluster(tmp_path_factory):
+def variable_cluster(tmp_path_factory: pytest.TempPathFactory):
     """3 shards built by cube-builder with murmur3 routing, variable-width values; plus one
     server holding the whole table (for ipport_parallel)."""
     root = tmp_path_factory.mktemp("variable")
@@ -343,13 +345,15 @@ def variable_cluster(tmp_path_factory):
         yield [p.address for p in procs[:3]], procs[3].address
 
 
-def check_variable(result, keys):
+def check_variable(result, keys) -> None:
     expect = [variable_value(int(k)) if k in set(VAR_KEYS.tolist()) else None for k in keys]
     assert result.values == expect
     assert result.found.tolist() == [v is not None for v in expect]
 
 
-def test_variable_width_with_murmur3_routing_as_cube_builder_shards(variable_cluster, tmp_path):
+def test_variable_width_with_murmur3_routing_as_cube_builder_shards(
+    variable_cluster, tmp_path: Path
+) -> None:
     addresses, _ = variable_cluster
     keys = np.random.default_rng(8).integers(0, 50_000, 700, dtype=np.uint64)
     path = conf_file(
@@ -368,7 +372,7 @@ def test_variable_width_with_murmur3_routing_as_cube_builder_shards(variable_clu
         wrong.seek(keys)
 
 
-def test_ipport_parallel_uses_node_zero_for_every_shard(variable_cluster, tmp_path):
+def test_ipport_parallel_uses_node_zero_for_every_shard(variable_cluster, tmp_path: Path) -> None:
     _, whole = variable_cluster
     keys = np.random.default_rng(9).integers(0, 50_000, 400, dtype=np.uint64)
     path = conf_file(tmp_path, [conf_entry("ipport_parallel", [ipport(whole)], 4)])
@@ -384,14 +388,14 @@ def test_ipport_parallel_uses_node_zero_for_every_shard(variable_cluster, tmp_pa
 
 
 @pytest.fixture
-def replicated_shard(tmp_path):
+def replicated_shard(tmp_path: Path):
     """One shard served by two separate processes (replicas), fixed width."""
     (data,) = build_shards(tmp_path, KEYS, lambda k: fixed_values(k, WIDTH, tag=1), 1)
     with servers((data, (), 1), (data, (), 1)) as procs:
         yield procs
 
 
-def test_failover_when_a_replica_is_killed_under_load(replicated_shard):
+def test_failover_when_a_replica_is_killed_under_load(replicated_shard) -> None:
     victim, survivor = replicated_shard
     shards = [[victim.address, survivor.address]]
     keys = query_keys(seed=10, n=500)
@@ -399,7 +403,7 @@ def test_failover_when_a_replica_is_killed_under_load(replicated_shard):
     done = {"calls": 0}
     stop = threading.Event()
 
-    def load(client):
+    def load(client) -> None:
         while not stop.is_set():
             try:
                 check_fixed(client.seek(keys), keys)
@@ -427,11 +431,11 @@ def test_failover_when_a_replica_is_killed_under_load(replicated_shard):
     assert done["calls"] >= killed_at + 60
 
 
-def test_failover_async(replicated_shard):
+def test_failover_async(replicated_shard) -> None:
     victim, survivor = replicated_shard
     keys = query_keys(seed=11, n=300)
 
-    async def main():
+    async def main() -> None:
         async with AsyncCubeClient(shards=[[victim.address, survivor.address]]) as client:
             for _ in range(5):
                 check_fixed(await client.seek(keys), keys)
@@ -443,7 +447,7 @@ def test_failover_async(replicated_shard):
     asyncio.run(main())
 
 
-def test_dead_shard_raises_naming_shard_and_replicas_with_partial_result(tmp_path):
+def test_dead_shard_raises_naming_shard_and_replicas_with_partial_result(tmp_path: Path) -> None:
     dirs = build_shards(tmp_path, KEYS, lambda k: fixed_values(k, WIDTH, tag=1), 2)
     with servers((dirs[0], (), 1), (dirs[1], (), 1), (dirs[1], (), 1)) as procs:
         for proc in procs[1:]:
@@ -537,7 +541,9 @@ print(json.dumps({"failed": failed, "ended": ended, "after_close": ended[-1] - c
 """
 
 
-def test_a_replica_behind_a_link_down_neither_fails_calls_nor_holds_the_exit(replicated_shard):
+def test_a_replica_behind_a_link_down_neither_fails_calls_nor_holds_the_exit(
+    replicated_shard,
+) -> None:
     """Issue 24, item 10, on loopback. Before: about one call in three failed by its deadline
     (its first attempt on the dead replica, its one backup request on the slow one, although
     the third answers at once: the dead replica never cooled down, its attempts being
@@ -570,7 +576,7 @@ def test_a_replica_behind_a_link_down_neither_fails_calls_nor_holds_the_exit(rep
     assert exit_s < 5, f"the process exited {exit_s:.1f} s after closing its clients"
 
 
-def test_backup_request_answers_past_a_stopped_replica(replicated_shard):
+def test_backup_request_answers_past_a_stopped_replica(replicated_shard) -> None:
     slow, fast = replicated_shard
     keys = query_keys(seed=13, n=300)
     timeout_ms = 20_000
@@ -605,7 +611,7 @@ def test_backup_request_answers_past_a_stopped_replica(replicated_shard):
     assert async_elapsed < timeout_ms / 1000 / 2
 
 
-def test_timeout_then_retry_on_the_other_replica(replicated_shard):
+def test_timeout_then_retry_on_the_other_replica(replicated_shard) -> None:
     slow, fast = replicated_shard
     keys = query_keys(seed=14, n=100)
     with CubeClient(shards=[[slow.address, fast.address]], retry=1, timeout=0.3) as client:
@@ -628,7 +634,7 @@ def control(address, cmd, **fields):
         return stub.cmd(cube_pb2.ControlRequest(cmd=cmd, **fields), timeout=60)
 
 
-def test_version_reconciliation_during_a_rollout(tmp_path):
+def test_version_reconciliation_during_a_rollout(tmp_path: Path) -> None:
     """Version 100 values carry tag 1, version 200 values tag 2."""
     for tag, version in ((1, "100"), (2, "200")):
         dirs = build_shards(
@@ -675,12 +681,14 @@ async def _async_seek(shards, keys, **options):
 # cube-cli
 
 
-def run_cli(*args, timeout=120):
+def run_cli(*args, timeout: float = 120):
     command = [sys.executable, "-m", "cube.client.cli", *map(str, args)]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
-def test_cube_cli_prints_latency_and_qps(fixed_cluster, tmp_path, capsys):
+def test_cube_cli_prints_latency_and_qps(
+    fixed_cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     shards, _ = fixed_cluster
     nodes = [{"ipport_list": "list://" + ",".join(replicas)} for replicas in shards]
     path = conf_file(tmp_path, [conf_entry("ipport_list", nodes, 2)])
@@ -729,7 +737,7 @@ def test_cube_cli_prints_a_miss_as_the_original_did():
     assert cli.format_batch(result) == "key:5 value:\nkey:6 value:0102\nkey:7 value:\n"
 
 
-def test_cube_cli_errors(tmp_path, capsys):
+def test_cube_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     def run(*args):
         code = cli.main([str(a) for a in args])
         return code, capsys.readouterr()
@@ -760,7 +768,7 @@ def test_cube_cli_errors(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args", [(), ("--allow_empty",)])
-def test_a_shard_with_nothing_loaded_is_an_error_not_silent_misses(tmp_path, args):
+def test_a_shard_with_nothing_loaded_is_an_error_not_silent_misses(tmp_path: Path, args) -> None:
     """A replica with nothing loaded refuses (UNAVAILABLE) or, with --allow_empty, answers
     without a version: either way the SDK reports the shard unavailable, never misses."""
     (loaded,) = build_shards(tmp_path / "a", KEYS, lambda k: fixed_values(k, WIDTH, tag=1), 1)
@@ -777,7 +785,7 @@ def test_a_shard_with_nothing_loaded_is_an_error_not_silent_misses(tmp_path, arg
         assert client.seek([0, 2, 4]).version == "100"  # only shard 0 asked
 
 
-def test_large_answers_beyond_grpc_default_message_size(tmp_path):
+def test_large_answers_beyond_grpc_default_message_size(tmp_path: Path) -> None:
     """30k keys x 256 bytes = 7.7 MB per answer (gRPC's default limit is 4 MB)."""
     keys = np.arange(30_000, dtype=np.uint64)
     (data,) = build_shards(tmp_path, keys, lambda k: fixed_values(k, 256), 1)

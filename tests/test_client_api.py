@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -36,13 +37,13 @@ PUBLIC = {
 }  # fmt: skip
 
 
-def test_the_public_surface_is_what_cube_client_exports():
+def test_the_public_surface_is_what_cube_client_exports() -> None:
     assert set(cube.client.__all__) == PUBLIC
     assert all(hasattr(cube.client, name) for name in PUBLIC)
 
 
 @pytest.mark.parametrize("cls", [CubeClient, AsyncCubeClient])
-def test_constructors_declare_their_parameters(cls):
+def test_constructors_declare_their_parameters(cls: type[CubeClient | AsyncCubeClient]) -> None:
     parameters = inspect.signature(cls).parameters
     kinds = {p.kind for p in parameters.values()}
     assert inspect.Parameter.VAR_POSITIONAL not in kinds
@@ -58,12 +59,12 @@ def test_constructors_declare_their_parameters(cls):
     assert "Self" in str(inspect.signature(cls.from_conf).return_annotation)
 
 
-def test_positional_options_are_refused():
+def test_positional_options_are_refused() -> None:
     with pytest.raises(TypeError):
-        CubeClient([["h:1"]], "murmur3")  # type: ignore[misc]
+        CubeClient([["h:1"]], "murmur3")  # type: ignore[call-arg]
 
 
-def test_option_objects():
+def test_option_objects() -> None:
     assert Retry().attempts == 2 and Retry().backoff == Backoff(0.002, 0.1, jitter=0.5)
     assert Timeouts().attempt == 1.0 and Timeouts().backup_after is None
     assert Timeouts().total is None and Timeouts(0.2, 0.02, 0.5).total == 0.5
@@ -91,7 +92,7 @@ def handler_with_a_dead_replica(address: str, keys: np.ndarray) -> list[bytes | 
     return [TABLE.get(int(k)) for k in keys]
 
 
-def test_mock_transport_drives_the_real_client_sync_and_async():
+def test_mock_transport_drives_the_real_client_sync_and_async() -> None:
     """Routing over 2 shards, a dead replica retried on the other one, misses, order kept."""
     shards = [["dead:1", "a:1"], ["b:1"]]
     keys = np.arange(0, 60, dtype=np.uint64)
@@ -110,7 +111,7 @@ def test_mock_transport_drives_the_real_client_sync_and_async():
     assert asyncio.run(run()) == b"v9"
 
 
-def test_mock_transport_errors_reach_the_caller_as_the_real_ones_do():
+def test_mock_transport_errors_reach_the_caller_as_the_real_ones_do() -> None:
     def refuse(address: str, keys: np.ndarray) -> list[bytes | None]:
         raise TransportError("INVALID_ARGUMENT", "no")
 
@@ -130,7 +131,7 @@ def test_mock_transport_errors_reach_the_caller_as_the_real_ones_do():
         client.seek([1])
 
 
-def test_client_stats_count_calls_retries_failovers_and_errors():
+def test_client_stats_count_calls_retries_failovers_and_errors() -> None:
     """ClientStats through the real client (a mock transport): a dead first replica makes
     a retry and a failover on shard 0; the Prometheus collector exports it all."""
     from prometheus_client import generate_latest
@@ -162,7 +163,7 @@ def test_client_stats_count_calls_retries_failovers_and_errors():
     assert f'cube_client_shard_failovers_total{{dict="emb",shard="0"}} {float(dead_first)}' in text
 
 
-def test_errors_module_exports_every_error():
+def test_errors_module_exports_every_error() -> None:
     """TransportError and DictNotChosenError live in cube.client.errors with the others."""
     import cube.client.errors as errors
 
@@ -192,7 +193,7 @@ class _AsyncOnly:  # (its close() is not awaited: the one SyncTransport has)
         self.closed += 1
 
 
-def test_sync_and_async_transports_are_two_protocols():
+def test_sync_and_async_transports_are_two_protocols() -> None:
     from cube.client import AsyncTransport, SyncTransport
 
     mock = MockTransport(lambda a, k: [])
@@ -207,7 +208,7 @@ def test_sync_and_async_transports_are_two_protocols():
         AsyncCubeClient([["h:1"]], transport=_SyncOnly())  # type: ignore[arg-type]
 
 
-def test_types_are_precise():
+def test_types_are_precise() -> None:
     """keys are array-likes, get_embeddings returns NDArray (float32 by default, the dtype
     asked for otherwise), from_conf's overrides are the constructor's typed options."""
     import typing
@@ -232,7 +233,7 @@ def test_types_are_precise():
     assert set(options) == constructor
 
 
-def test_a_closed_client_says_so():
+def test_a_closed_client_says_so() -> None:
     """As httpx: a call on a closed client raises ClientClosedError (a CubeError and a
     RuntimeError) naming the client; closing twice is fine; a closed client is not reopened."""
     from cube.client import ClientClosedError
@@ -241,7 +242,7 @@ def test_a_closed_client_says_so():
     client = CubeClient([["h:1"]], transport=mock, dict_name="emb", dim=1)
     client.close()
     client.close()
-    calls = [
+    calls: list[Callable[[], object]] = [
         lambda: client.seek([1]),
         lambda: client.get_embeddings([1], 1, dtype=np.uint8),
         lambda: client.wait_ready(),

@@ -52,14 +52,18 @@ def flag_rows(text: str, section: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("argv", [c[:1] for c in COMMANDS[: len(SCRIPTS)]], ids=" ".join)
-def test_every_command_prints_its_version(argv, monkeypatch, capsys):
+def test_every_command_prints_its_version(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out = run_command([*argv, "--version"], monkeypatch, capsys)
     assert (code, out) == (0, f"{argv[0]} {package_version()}\n")
     assert package_version() != "unknown"  # the installed package's
 
 
 @pytest.mark.parametrize("argv", COMMANDS, ids=" ".join)
-def test_help_states_every_default_one_way(argv, monkeypatch, capsys):
+def test_help_states_every_default_one_way(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out = run_command([*argv, "--help"], monkeypatch, capsys)
     assert code == 0
     if argv == ["cube-local"]:
@@ -79,7 +83,9 @@ def test_help_states_every_default_one_way(argv, monkeypatch, capsys):
             assert "default" not in text, f"{argv}: required {name} has a default: {text!r}"
 
 
-def test_required_flags_and_placeholders_say_what_they_are(monkeypatch, capsys):
+def test_required_flags_and_placeholders_say_what_they_are(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     _code, out = run_command(["kv_to_seqfile", "--help"], monkeypatch, capsys)
     required = flag_rows(out, "required flags")
     assert any(name.startswith("--input_format ") for name in required)
@@ -92,13 +98,17 @@ def test_required_flags_and_placeholders_say_what_they_are(monkeypatch, capsys):
     assert flag_rows(out, "flags")["--threads N,..."].endswith("(default: 1,4,8,16,24,32)")
 
 
-def test_transfer_dead_timeout_help_reads_as_a_sentence(monkeypatch, capsys):
+def test_transfer_dead_timeout_help_reads_as_a_sentence(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     _code, out = run_command(["cube-transfer", "--help"], monkeypatch, capsys)
     text = flag_rows(out, "flags")["--dead_timeout X"]
     assert text.startswith("seconds ") and "after s" not in text, text
 
 
-def test_a_command_with_a_version_flag_keeps_it(tmp_path, monkeypatch, capsys):
+def test_a_command_with_a_version_flag_keeps_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """cube-import's -version takes a value; only a bare --version, last, prints ours."""
     from cube.builder.import_original.command import flag_set
 

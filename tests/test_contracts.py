@@ -5,13 +5,14 @@ cube.wire's TCP lane frames."""
 from __future__ import annotations
 
 import tarfile
+from pathlib import Path
 
 import pytest
 
 from cube import layout
 
 
-def test_names():
+def test_names() -> None:
     assert layout.is_name("1700000000_1700000100") and layout.is_name("my.dict-2")
     for bad in ("", "..", "a/b", ".hidden", "a..b", "x" * 129, None, 7):
         assert not layout.is_name(bad)
@@ -22,7 +23,7 @@ def test_names():
     assert not layout.PART_NAME_RE.fullmatch("d_part07")  # part_name writes no leading zeros
 
 
-def test_version_names():
+def test_version_names() -> None:
     assert layout.output_dir_name("100", "100") == "100_100"
     assert layout.served_version("100", "100", is_base=True) == "100"
     assert layout.served_version("100", "150", is_base=False) == "100_150"
@@ -37,7 +38,7 @@ def test_version_names():
     assert sorted(deltas, key=layout.delta_order) == ["100_90", "100_200", "100_1000", "100_b"]
 
 
-def test_version_and_chain_files():
+def test_version_and_chain_files() -> None:
     assert layout.parse_version("100\nignored\n") == "100"
     assert layout.parse_version("  \n") is None and layout.parse_version("") is None
     chain = ["100", "100_150", "100_200"]
@@ -64,20 +65,20 @@ def test_version_and_chain_files():
         ("fifo", tarfile.FIFOTYPE, "fifo"),
     ],
 )
-def test_tar_members_refused(name, kind, words):
+def test_tar_members_refused(name, kind, words) -> None:
     member = tarfile.TarInfo(name)
     member.type = kind
     assert words in (layout.member_problem(member) or "")
 
 
-def test_tar_members_allowed():
+def test_tar_members_allowed() -> None:
     for name, kind in (("./index.cube", tarfile.REGTYPE), ("sub", tarfile.DIRTYPE)):
         member = tarfile.TarInfo(name)
         member.type = kind
         assert layout.member_problem(member) is None
 
 
-def test_one_backoff_rule():
+def test_one_backoff_rule() -> None:
     import random
 
     from cube.backoff import Backoff
@@ -164,7 +165,7 @@ def test_donefile_lines_written_and_read_by_one_module():
     assert isinstance(huge, BadLine) and "not JSON" in huge.reason
 
 
-def test_lane_frames_scanned_by_one_function():
+def test_lane_frames_scanned_by_one_function() -> None:
     from cube.wire import FrameTooLarge, answer_header, error_frame, next_frame, request_header
 
     data = request_header(3) + b"abc" + request_header(5) + b"de"  # the second is partial
@@ -181,7 +182,7 @@ def test_lane_frames_scanned_by_one_function():
     assert refused.status == 9 and answer[refused.start : refused.stop] == b"no such version"
 
 
-def test_agent_commands_and_task_reports_round_trip(tmp_path):
+def test_agent_commands_and_task_reports_round_trip(tmp_path: Path) -> None:
     """What the transfer sends is what the agent parses; what the agent reports is what the
     transfer reads (one module, cube.protocol, on both sides)."""
     from cube.agent.tasks import Task

@@ -265,7 +265,9 @@ def test_a_bad_line_after_a_full_batch_leaves_no_output(tmp_path: Path) -> None:
     assert_nothing_written(tmp_path)
 
 
-def test_overlong_line_is_refused_without_reading_it_whole(tmp_path, monkeypatch, capsys):
+def test_overlong_line_is_refused_without_reading_it_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from cube.builder import kv_to_seqfile
 
     monkeypatch.setattr(kv_to_seqfile, "MAX_LINE_BYTES", 64)
@@ -453,7 +455,7 @@ def test_kvtool_bad_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("compression", ["none", "block"])
-def test_kvtool_prints_the_records_before_a_damaged_tail(tmp_path: Path, compression) -> None:
+def test_kvtool_prints_the_records_before_a_damaged_tail(tmp_path: Path, compression: str) -> None:
     """A file cut short in its last record (or block): the records before it are printed,
     then the error naming the offset, exit 1."""
     path = tmp_path / "whole"

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -85,7 +86,7 @@ class LaneSocket:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory: pytest.TempPathFactory):
     data = tmp_path_factory.mktemp("lane") / "data"
     write_version(data, "100", KEYS, fixed_values(KEYS, WIDTH, tag=1), current=True)
     with running_server(data, "--dict_name", "test_dict", "--max_batch", "3000") as proc:
@@ -93,7 +94,7 @@ def server(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_pipelined_frames_answered_in_order(server):
+def test_pipelined_frames_answered_in_order(server) -> None:
     port = lane_port(server.address)
     assert port and port != server.port
     lane = LaneSocket(port)
@@ -151,7 +152,7 @@ def test_pipelined_frames_answered_in_order(server):
         ),
     ],
 )
-def test_error_frames_keep_the_connection(server, payload, code, words):
+def test_error_frames_keep_the_connection(server, payload, code, words: str) -> None:
     lane = LaneSocket(lane_port(server.address))
     try:
         lane.send(payload)
@@ -165,7 +166,7 @@ def test_error_frames_keep_the_connection(server, payload, code, words):
 
 
 @pytest.mark.slow
-def test_wrong_magic_and_oversized_frame_close_the_connection(server):
+def test_wrong_magic_and_oversized_frame_close_the_connection(server) -> None:
     port = lane_port(server.address)
     stranger = LaneSocket(port, magic=b"GET / HTTP/1.1\r\n\r\n")
     try:
@@ -184,7 +185,7 @@ def test_wrong_magic_and_oversized_frame_close_the_connection(server):
 
 
 @pytest.mark.slow
-def test_sdk_uses_the_lane_unless_told_grpc(server):
+def test_sdk_uses_the_lane_unless_told_grpc(server) -> None:
     keys = np.concatenate([KEYS[100:400], np.array([0, 2], dtype=np.uint64)])
     before = counters(server.control_address)
     with CubeClient(shards=[[server.address]], dict_name="test_dict") as client:
@@ -214,7 +215,7 @@ def test_sdk_uses_the_lane_unless_told_grpc(server):
 
 
 @pytest.mark.slow
-def test_server_without_a_lane_is_used_over_grpc(tmp_path):
+def test_server_without_a_lane_is_used_over_grpc(tmp_path: Path) -> None:
     data = tmp_path / "data"
     write_version(data, "100", KEYS, fixed_values(KEYS, WIDTH, tag=1), current=True)
     with running_server(data, "--tcp_lane", "false") as server:
@@ -233,7 +234,7 @@ def test_server_without_a_lane_is_used_over_grpc(tmp_path):
 
 
 @pytest.mark.slow
-def test_fixed_lane_ports_and_bad_flags(tmp_path):
+def test_fixed_lane_ports_and_bad_flags(tmp_path: Path) -> None:
     data = tmp_path / "data"
     write_version(data, "100", KEYS, fixed_values(KEYS, WIDTH, tag=1), current=True)
     free = socket.socket()
@@ -258,7 +259,7 @@ def test_fixed_lane_ports_and_bad_flags(tmp_path):
 
 
 @pytest.mark.slow
-def test_restarted_server_gets_a_new_lane_and_clients_follow(tmp_path):
+def test_restarted_server_gets_a_new_lane_and_clients_follow(tmp_path: Path) -> None:
     data = tmp_path / "data"
     write_version(data, "100", KEYS, fixed_values(KEYS, WIDTH, tag=1), current=True)
     keys = KEYS[:200]
@@ -277,7 +278,7 @@ def test_restarted_server_gets_a_new_lane_and_clients_follow(tmp_path):
         old_lane = lane_port(first.address)
         servers = [first]
 
-        def restart():
+        def restart() -> None:
             servers[-1].stop()
             servers.append(start_server(data, ports=ports))
 
@@ -307,7 +308,7 @@ def _requests(keys: np.ndarray, count: int, seed: int, **fields) -> list[bytes]:
 
 
 @pytest.mark.parametrize("layout", ["fixed", "variable", "split", "empty"])
-def test_merged_answers_equal_single_answers(tmp_path, layout):
+def test_merged_answers_equal_single_answers(tmp_path: Path, layout: str) -> None:
     from cube.server.service import SeekService
     from cube.server.versions import LoadOptions, VersionSlots, load_base, split_dirs
 
@@ -339,7 +340,7 @@ def test_merged_answers_equal_single_answers(tmp_path, layout):
 
 
 @pytest.mark.parametrize("announced", ["refused", "banana", "0", "70000"])
-def test_unreachable_lane_falls_back_to_grpc(announced):
+def test_unreachable_lane_falls_back_to_grpc(announced: str) -> None:
     """A server announcing a lane nobody can connect to (e.g. a firewall), or a port that is
     not one: calls go over gRPC and the lane is asked for again only after a while."""
     from concurrent.futures import ThreadPoolExecutor
@@ -389,7 +390,7 @@ def test_unreachable_lane_falls_back_to_grpc(announced):
 
 
 @pytest.mark.slow
-def test_busy_polling_answers_and_stops_when_idle(tmp_path):
+def test_busy_polling_answers_and_stops_when_idle(tmp_path: Path) -> None:
     """--busy_poll_us on the server and busy_poll_us in the SDK: answers are right, several
     threads share the client, and once traffic stops the server stops polling (a window that
     never closed would burn a core forever)."""
@@ -418,7 +419,7 @@ def test_busy_polling_answers_and_stops_when_idle(tmp_path):
         CubeClient(shards=[["127.0.0.1:1"]], busy_poll_us=-1)
 
 
-def test_busy_poll_receives_what_comes_within_or_after_its_window():
+def test_busy_poll_receives_what_comes_within_or_after_its_window() -> None:
     ours, theirs = socket.socketpair()
     try:
         poll = BusyPoll(0.5)
@@ -446,7 +447,9 @@ def test_busy_poll_receives_what_comes_within_or_after_its_window():
         (5, 3, "y", 300, np.uint8),
     ],
 )
-def test_fixed_answer_frame_is_header_and_response_bytes(n, width, version, request_id, word):
+def test_fixed_answer_frame_is_header_and_response_bytes(
+    n, width, version, request_id, word
+) -> None:
     """The one-buffer answer the kernel writes into is byte for byte the answer header + the
     SeekResponse parts, with the values aligned for the kernel's word copies."""
     from cube.server.encoders import Answer, seek_response_parts

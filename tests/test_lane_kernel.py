@@ -83,7 +83,14 @@ class Loop:
         return ran
 
 
-def frame(keys=None, *, dict_name="", version="", request_id=0, raw: bytes | None = None):
+def frame(
+    keys=None,
+    *,
+    dict_name: str = "",
+    version: str = "",
+    request_id: int = 0,
+    raw: bytes | None = None,
+):
     if raw is None:
         message = cube_fast_pb2.SeekRequest(
             keys=np.asarray(keys, dtype="<u8").tobytes(),
@@ -120,7 +127,7 @@ def serve(service: SeekService, frames: list[bytes], compiled: bool, pieces: int
     return bytes(transport.data), counts, queued
 
 
-def same_answers(service, frames, pieces=1, python_expected=None):
+def same_answers(service, frames, pieces: int = 1, python_expected=None):
     compiled = serve(service, frames, True, pieces)
     reference = serve(service, frames, False, pieces)
     assert compiled[0] == reference[0]
@@ -158,7 +165,7 @@ def random_keys(seed: int, count: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("width", [1, 3, 8, 24, 40, 64, 100])
-def test_fixed_width_hits_misses_and_request_ids(tmp_path, versions, width):
+def test_fixed_width_hits_misses_and_request_ids(tmp_path: Path, versions, width: int) -> None:
     keys = random_keys(width, 3000)
     write_version(tmp_path, "1", keys, fixed_values(keys, width), current=True)
     service = versions(tmp_path, "1")
@@ -176,7 +183,7 @@ def test_fixed_width_hits_misses_and_request_ids(tmp_path, versions, width):
         same_answers(service, frames, pieces, python_expected=False)
 
 
-def test_base_and_deltas_with_deletes(tmp_path, versions):
+def test_base_and_deltas_with_deletes(tmp_path: Path, versions) -> None:
     width = 16
     keys = random_keys(1, 4000)
     write_version(tmp_path, "1", keys, fixed_values(keys, width, tag=1))
@@ -200,7 +207,7 @@ def test_base_and_deltas_with_deletes(tmp_path, versions):
     assert counts[2] > 0
 
 
-def test_variable_width_and_mixed_layers(tmp_path, versions):
+def test_variable_width_and_mixed_layers(tmp_path: Path, versions) -> None:
     rng = np.random.default_rng(5)
     keys = random_keys(6, 2000)
     values = [
@@ -217,14 +224,14 @@ def test_variable_width_and_mixed_layers(tmp_path, versions):
     same_answers(service, frames, pieces=11, python_expected=False)
 
 
-def test_empty_base_and_empty_values(tmp_path, versions):
+def test_empty_base_and_empty_values(tmp_path: Path, versions) -> None:
     keys = random_keys(10, 100)
     write_version(tmp_path, "1", keys, [b""] * 50 + [b"x"] * 50)
     service = versions(tmp_path, "1")
     same_answers(service, [frame(keys), frame(random_keys(11, 3))], python_expected=False)
 
 
-def test_refused_frames_get_the_python_paths_errors_in_order(tmp_path, versions):
+def test_refused_frames_get_the_python_paths_errors_in_order(tmp_path: Path, versions) -> None:
     width = 8
     keys = random_keys(12, 1000)
     write_version(tmp_path, "1", keys, fixed_values(keys, width, 1))
@@ -259,7 +266,9 @@ def test_refused_frames_get_the_python_paths_errors_in_order(tmp_path, versions)
 
 
 @pytest.mark.parametrize("partitioner", ["mod", "murmur3"])
-def test_misses_of_keys_routed_elsewhere_are_refused(tmp_path, versions, partitioner):
+def test_misses_of_keys_routed_elsewhere_are_refused(
+    tmp_path: Path, versions, partitioner: str
+) -> None:
     from cube.routing import shard_of
 
     keys = random_keys(13, 4000)
@@ -278,7 +287,7 @@ def test_misses_of_keys_routed_elsewhere_are_refused(tmp_path, versions, partiti
     same_answers(service, frames[:1] + frames[2:], python_expected=False)
 
 
-def test_murmur3_matches_the_routing_function():
+def test_murmur3_matches_the_routing_function() -> None:
     from cube.hashing import murmur3_32
 
     keys = np.concatenate([random_keys(14, 2000), np.array([0, 1, 2**64 - 1], np.uint64)])
@@ -286,7 +295,7 @@ def test_murmur3_matches_the_routing_function():
     assert (compiled == murmur3_32(keys).astype(np.uint64)).all()
 
 
-def test_a_version_that_cannot_serve_goes_to_the_python_path(tmp_path, versions):
+def test_a_version_that_cannot_serve_goes_to_the_python_path(tmp_path: Path, versions) -> None:
     keys = random_keys(15, 100)
     write_version(tmp_path, "1", keys, fixed_values(keys, 8))
     service = versions(tmp_path, "1")
@@ -296,7 +305,9 @@ def test_a_version_that_cannot_serve_goes_to_the_python_path(tmp_path, versions)
     same_answers(service, [frame(keys)], python_expected=False)
 
 
-def test_a_sealed_kernel_answers_on_the_compiled_pass_alone(tmp_path, versions, monkeypatch):
+def test_a_sealed_kernel_answers_on_the_compiled_pass_alone(
+    tmp_path: Path, versions, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A server seals its kernel (cube.kernel.seal): the pass must still count as run, not
     hand every frame it answered to the Python path as well."""
     keys = random_keys(16, 100)

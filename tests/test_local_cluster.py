@@ -51,7 +51,7 @@ def cube_local(
 
 
 @pytest.fixture
-def cluster_dir(tmp_path):
+def cluster_dir(tmp_path: Path):
     directory = tmp_path / "cluster"
     yield directory
     # whatever a failing test left behind: stop it by the PIDs it recorded
@@ -61,7 +61,7 @@ def cluster_dir(tmp_path):
     kill_processes_under(directory)
 
 
-def test_up_status_wait_restart_down(tmp_path, cluster_dir):
+def test_up_status_wait_restart_down(tmp_path: Path, cluster_dir) -> None:
     donefile = tmp_path / "donefile"
     result = cube_local(
         "up", "--shards", "1", "--replicas", "2", "--donefile", str(donefile),
@@ -136,7 +136,7 @@ def test_up_status_wait_restart_down(tmp_path, cluster_dir):
     assert gone.returncode == 1 and "no cluster" in gone.stderr
 
 
-def test_up_fails_cleanly_when_a_process_cannot_start(tmp_path, cluster_dir):
+def test_up_fails_cleanly_when_a_process_cannot_start(tmp_path: Path, cluster_dir) -> None:
     base_port = free_ports(16)[0]  # the cluster's ports are free but for the first one
     (tmp_path / "d").mkdir()
     with socket.socket() as taken:
@@ -155,7 +155,7 @@ def test_up_fails_cleanly_when_a_process_cannot_start(tmp_path, cluster_dir):
     assert processes_under(cluster_dir) == []
 
 
-def test_up_refuses_a_donefile_directory_that_does_not_exist(tmp_path, cluster_dir):
+def test_up_refuses_a_donefile_directory_that_does_not_exist(tmp_path: Path, cluster_dir) -> None:
     """`--donefile ./typo` used to create the directory and wait on it forever: refused, naming
     it, before anything starts; the transfer refuses it too unless told to create it."""
     typo = tmp_path / "typo"
@@ -171,7 +171,7 @@ def test_up_refuses_a_donefile_directory_that_does_not_exist(tmp_path, cluster_d
     assert result.returncode == 1 and "not a directory" in result.stderr
 
 
-def test_stop_escalates_to_sigkill_and_reports_it(tmp_path):
+def test_stop_escalates_to_sigkill_and_reports_it(tmp_path: Path) -> None:
     code = (
         "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
         "print(1, flush=True); time.sleep(60)"
@@ -191,7 +191,7 @@ def test_stop_escalates_to_sigkill_and_reports_it(tmp_path):
         child.wait()
 
 
-def test_cli_usage_errors():
+def test_cli_usage_errors() -> None:
     assert cube_local().returncode == 2
     assert "usage: cube-local" in cube_local("--help").stdout
     bad = cube_local("launch")
@@ -201,7 +201,7 @@ def test_cli_usage_errors():
     assert command("cube-server").endswith("cube-server")
 
 
-def test_up_passes_the_tokens_on_and_uses_them(tmp_path, cluster_dir):
+def test_up_passes_the_tokens_on_and_uses_them(tmp_path: Path, cluster_dir) -> None:
     """Tokens given to cube-local (here via CUBE_TOKEN / CUBE_API_TOKEN) protect the agents
     and the transfer API it starts, and its own status/wait calls carry them (read from the
     cluster's transfer.conf: those commands run without the variables)."""

@@ -18,7 +18,9 @@ from cube.logs import setup_logging
 pytestmark = pytest.mark.slow
 
 
-def test_json_lines_carry_fields_extras_and_exceptions(tmp_path, capsys):
+def test_json_lines_carry_fields_extras_and_exceptions(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     log_file = tmp_path / "logs" / "tool.log"
     setup_logging("cube-tool", "INFO", "json", log_file, tag="worker 1")
     log = logging.getLogger("cube.test")
@@ -38,7 +40,9 @@ def test_json_lines_carry_fields_extras_and_exceptions(tmp_path, capsys):
     assert capsys.readouterr().err.count("\n") == 2  # stderr as well
 
 
-def test_text_is_the_default_and_a_bad_format_is_refused(capsys):
+def test_text_is_the_default_and_a_bad_format_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     setup_logging("cube-tool", logging.INFO)
     logging.getLogger("cube.test").warning("plain")
     assert "WARNING cube.test: plain" in capsys.readouterr().err
@@ -56,7 +60,7 @@ def test_text_is_the_default_and_a_bad_format_is_refused(capsys):
         ["cube.transfer.main", "-p", "0", "--config", "{tmp}/transfer.conf"],
     ],
 )
-def test_commands_take_log_format_json(tmp_path, argv):
+def test_commands_take_log_format_json(tmp_path: Path, argv: list[str]) -> None:
     """What a command logs with --log_format json is JSON objects, one a line."""
     (tmp_path / "donefile").mkdir()  # the transfer refuses a donefile directory that is not
     (tmp_path / "transfer.conf").write_text(
@@ -71,6 +75,7 @@ def test_commands_take_log_format_json(tmp_path, argv):
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     try:
+        assert process.stderr is not None  # a pipe
         first = process.stderr.readline()  # the first log line
     finally:
         process.terminate()
@@ -104,7 +109,7 @@ def _publish(donefile: Path, root: Path, version: str, base: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_normal_cube_local_run_logs_one_format_and_no_warning(tmp_path):
+def test_a_normal_cube_local_run_logs_one_format_and_no_warning(tmp_path: Path) -> None:
     """`cube-local up`, a base and a delta rolled out, `cube-local down`: every line of every
     server's, agent's and the transfer's log has the one format, and none is a WARNING (an
     empty data dir waiting for its agent, agents still starting: INFO)."""

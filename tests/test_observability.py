@@ -95,7 +95,7 @@ def exported_names() -> set[str]:
     return names
 
 
-def test_every_metric_is_documented():
+def test_every_metric_is_documented() -> None:
     text = (REPO / "docs" / "METRICS.md").read_text()
     families = {re.sub(r"_(total|bucket|sum|count)$", "", name) for name in exported_names()}
     missing = sorted(f for f in families if f"`{f}" not in text)
@@ -112,7 +112,7 @@ def alert_queries() -> list[str]:
     return [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
 
 
-def test_every_metric_used_is_exported():
+def test_every_metric_used_is_exported() -> None:
     names = exported_names()
     for where, queries in (("alerts.yml", alert_queries()), ("cube.json", dashboard_queries())):
         used = {m for q in queries for m in METRIC.findall(q)}
@@ -120,14 +120,14 @@ def test_every_metric_used_is_exported():
         assert used <= names, f"{where} uses metrics nobody exports: {sorted(used - names)}"
 
 
-def test_metric_names_follow_the_conventions():
+def test_metric_names_follow_the_conventions() -> None:
     for name in exported_names():
         assert name.startswith(("cube_server_", "cube_transfer_", "cube_agent_", "cube_client_"))
         if "seconds" in name or "bytes" in name:
             assert re.search(r"_(seconds|bytes)(_total|_bucket|_sum|_count)?$", name), name
 
 
-def test_dashboard_is_well_formed():
+def test_dashboard_is_well_formed() -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids)) and dashboard["uid"]
@@ -140,7 +140,7 @@ def test_dashboard_is_well_formed():
 
 
 @needs_promtool
-def test_promtool_checks_the_rules_and_every_dashboard_query(tmp_path):
+def test_promtool_checks_the_rules_and_every_dashboard_query(tmp_path: Path) -> None:
     done = subprocess.run([PROMTOOL, "check", "rules", str(ALERTS)], capture_output=True,
                           text=True, timeout=60)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
@@ -157,7 +157,7 @@ def test_promtool_checks_the_rules_and_every_dashboard_query(tmp_path):
 
 
 @needs_promtool
-def test_alerts_fire_on_the_series_they_watch():
+def test_alerts_fire_on_the_series_they_watch() -> None:
     done = subprocess.run([PROMTOOL, "test", "rules", str(RULE_TESTS)], capture_output=True,
                           text=True, timeout=60, cwd=RULE_TESTS.parent)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr

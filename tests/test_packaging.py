@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     leftover = not (REPO / "build").exists()  # setuptools builds in REPO/build: tidy it
     built = subprocess.run(
@@ -39,7 +39,7 @@ def wheel(tmp_path_factory) -> Path:
     return found
 
 
-def test_one_top_level_package(wheel):
+def test_one_top_level_package(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"cube"}
@@ -50,7 +50,7 @@ def test_one_top_level_package(wheel):
     assert not [n for n in names if "test_bench" in n or "/results/" in n]
 
 
-def test_a_build_prints_no_setuptools_warning(wheel, tmp_path):
+def test_a_build_prints_no_setuptools_warning(wheel: Path, tmp_path: Path) -> None:
     """`pip install .` (the wheel) and `make install` (an editable build) print no setuptools
     warning: the status page's folder is a listed package, and the editable mode's notice,
     which asks nothing of the user, is filtered in setup.py."""
@@ -74,7 +74,7 @@ def install(wheel: Path, target: Path) -> Path:
     return target
 
 
-def test_console_scripts_import_from_the_installed_wheel(wheel, tmp_path):
+def test_console_scripts_import_from_the_installed_wheel(wheel: Path, tmp_path: Path) -> None:
     target = install(wheel, tmp_path / "site")
     entry_points = configparser.ConfigParser()
     (info,) = target.glob("cube_py-*.dist-info")
@@ -97,7 +97,9 @@ def test_console_scripts_import_from_the_installed_wheel(wheel, tmp_path):
     assert done.stdout.strip().startswith(str(target))
 
 
-def test_a_command_without_its_extra_says_what_to_install(monkeypatch, capsys):
+def test_a_command_without_its_extra_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from cube import entry
 
     installed = entry._requires()
@@ -112,7 +114,7 @@ def test_a_command_without_its_extra_says_what_to_install(monkeypatch, capsys):
 COMMAND_EXTRAS = ("server", "builder", "agent", "transfer", "bench")
 
 
-def test_the_extras_are_read_from_the_package_metadata():
+def test_the_extras_are_read_from_the_package_metadata() -> None:
     """What a command's extra brings is pyproject.toml's list (the installed metadata), nested
     extras followed: no copy to fall out of date. The test install has every extra
     (cube-py[test] includes [all]): all present."""
@@ -140,7 +142,7 @@ def test_the_extras_are_read_from_the_package_metadata():
     }
 
 
-def test_the_sdk_imports_without_the_extras(tmp_path):
+def test_the_sdk_imports_without_the_extras(tmp_path: Path) -> None:
     """`pip install cube-py` (no extra) is enough for the SDK and the formats: they import no
     package of any extra (checked by making every extra's package unimportable); an Lz4Codec
     SequenceFile then says which extra to install."""
@@ -173,7 +175,7 @@ def test_the_sdk_imports_without_the_extras(tmp_path):
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
-def test_a_server_from_the_wheel_loads_the_shipped_kernel(wheel, tmp_path):
+def test_a_server_from_the_wheel_loads_the_shipped_kernel(wheel: Path, tmp_path: Path) -> None:
     """The wheel ships the lookup kernel compiled (setup.py): a server installed from it, on a
     machine with no kernel cache of its own, loads it and compiles nothing at its first start
     (a compile there would hold the replica not ready for seconds)."""
@@ -203,7 +205,9 @@ def test_a_server_from_the_wheel_loads_the_shipped_kernel(wheel, tmp_path):
     assert sorted(p.name for p in (target / "cube" / "_numba_cache").glob("*.nbc")) == shipped
 
 
-def test_a_read_only_install_seeds_a_user_cache_with_the_shipped_kernel(tmp_path, monkeypatch):
+def test_a_read_only_install_seeds_a_user_cache_with_the_shipped_kernel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Where the package's folder is read-only (an image's site-packages), the kernel cache
     is a per-user folder seeded with the shipped files."""
     from cube import _jit

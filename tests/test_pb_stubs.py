@@ -9,7 +9,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def test_stubs_are_not_stale():
+def test_stubs_are_not_stale() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "cube.pb.generate", "--check"],
         capture_output=True,

@@ -16,9 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 from grpc_health.v1 import health_pb2
-from helpers.procs import health_status
 
-from cube.processes import poll_until
+from cube.processes import health_status, poll_until
 
 pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
 
@@ -33,7 +32,7 @@ def tour_blocks() -> list[tuple[str, str]]:
     return re.findall(r"```(\w+)\n(.*?)```", section, re.DOTALL)
 
 
-def test_the_quick_tour_runs(tmp_path):
+def test_the_quick_tour_runs(tmp_path: Path) -> None:
     setup, build, serve, lookup, stop, paddle, transfer_conf = tour_blocks()
     install, scratch = setup[1].strip().splitlines()
     assert install == "make install && . .venv/bin/activate"
@@ -54,6 +53,7 @@ def test_the_quick_tour_runs(tmp_path):
         addresses[f"127.0.0.1:{port}"] = tmp_path / f"{port}.json"
     assert len(addresses) == 2 and script.count("echo $! >> servers.pid") == 2, script
     pids: list[int] = []
+    bound_to: dict[str, str] = {}  # the tour's address -> the one its server bound
     try:
         with open(tmp_path / "servers.log", "wb") as log:  # not a pipe: the servers keep it
             started = subprocess.run(
@@ -67,10 +67,10 @@ def test_the_quick_tour_runs(tmp_path):
             bound = f"127.0.0.1:{json.loads(port_file.read_text())['ports'][0]}"
             serving = lambda address=bound: health_status(address) == SERVING  # noqa: E731
             assert poll_until(serving, 60, 0.05), bound
-            addresses[wanted] = bound  # type: ignore[assignment]
+            bound_to[wanted] = bound
         code = lookup[1]
-        for wanted, bound in addresses.items():
-            code = code.replace(wanted, str(bound))
+        for wanted, bound in bound_to.items():
+            code = code.replace(wanted, bound)
         exec(compile(code, "README.md quick tour", "exec"), {})  # its asserts check the answers
         # the tour's way to stop them: every server exits, servers.pid is gone
         stopped = subprocess.run(

@@ -15,6 +15,7 @@ from pathlib import Path
 import cramjam
 import numpy as np
 import pytest
+from helpers.measure import peak_bytes
 
 from cube import seqfile
 from cube.codecs import (
@@ -41,7 +42,6 @@ from cube.seqfile import (
     read_header,
 )
 from cube.values import ValueColumn
-from tests.helpers.measure import peak_bytes
 
 DATA = Path(__file__).resolve().parent / "data" / "hadoop_written"
 MANIFEST = json.loads((DATA / "expected.json").read_text())
@@ -370,7 +370,9 @@ def test_zstd_stated_content_size_is_refused_before_decoding(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("codec", ["snappy", "zstd"])
-def test_record_value_bomb_costs_at_most_the_limit(tmp_path: Path, monkeypatch, codec: str) -> None:
+def test_record_value_bomb_costs_at_most_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, codec: str
+) -> None:
     monkeypatch.setattr(seqfile.limits, "MAX_RECORD_BYTES", 1 << 20)
     value = bytes(8 << 20)
     if codec == "zstd":  # no content size, as Hadoop writes it: found out only by decoding
@@ -491,7 +493,7 @@ def load_generator():
 
 
 @pytest.fixture(scope="module")
-def spark(tmp_path_factory):
+def spark(tmp_path_factory: pytest.TempPathFactory):
     """Hadoop through PySpark, which `make test` installs (as tests/test_spark_build.py, no
     skip: a missing Spark fails rather than passes quietly)."""
     generator = load_generator()

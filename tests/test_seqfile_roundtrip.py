@@ -271,7 +271,7 @@ def test_property_random_records(tmp_path: Path, data, dialect, layout, batch_by
     batch_bytes=st.integers(64, 5000),
     seed=st.integers(0, 1000),
 )
-def test_property_fixed_width_fast_path(tmp_path, keys, width, batch_bytes, seed) -> None:
+def test_property_fixed_width_fast_path(tmp_path: Path, keys, width, batch_bytes, seed) -> None:
     rng = np.random.default_rng(seed)
     values = [rng.bytes(width) for _ in keys]
     path = write_file(tmp_path / "fixed.seq", keys, values)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -49,7 +50,7 @@ def variable_answer(values: list[bytes | None]) -> Answer:
         [b"", None, b"xy", b"z" * 127, b"q" * 128, None, b"w" * 20000, bytes(range(256))],
     ],
 )
-def test_dict_response_bytes_parse_back(values, version):
+def test_dict_response_bytes_parse_back(values, version: str | None) -> None:
     raw = encode_dict_response(variable_answer(values), version)
     parsed = cube_pb2.DictResponse.FromString(raw)
     assert [(v.status, v.value) for v in parsed.values] == [
@@ -60,7 +61,7 @@ def test_dict_response_bytes_parse_back(values, version):
 
 
 @pytest.mark.parametrize("width", [1, 40, 200])
-def test_dict_response_fixed_width(width):
+def test_dict_response_fixed_width(width: int) -> None:
     rows = np.random.default_rng(width).integers(0, 256, (6, width), dtype=np.uint8)
     found = np.ones(6, bool)
     for mask in (found, np.array([True, False, True, True, False, False])):
@@ -75,7 +76,7 @@ def test_dict_response_fixed_width(width):
         ]
 
 
-def test_seek_response_bytes_parse_back():
+def test_seek_response_bytes_parse_back() -> None:
     fixed = Answer(np.array([True, False]), np.arange(8, dtype=np.uint8).reshape(2, 4), 4, None)
     parsed = cube_fast_pb2.SeekResponse.FromString(encode_seek_response(fixed, "v1", 2**40))
     assert parsed.found == b"\x01\x00" and parsed.value_width == 4 and parsed.offsets == b""
@@ -88,7 +89,7 @@ def test_seek_response_bytes_parse_back():
     assert parsed.values == b"abc" + b"d" * 300
 
 
-def test_version_paths():
+def test_version_paths() -> None:
     root = "/srv/data"
     assert version_name_from_path("/1700", root) == "1700"
     assert version_name_from_path("1700_1800/", root) == "1700_1800"
@@ -99,7 +100,7 @@ def test_version_paths():
     assert base_of("17_18") == "17" and base_of("17") == "17" and base_of("17_17") == "17_17"
 
 
-def test_chain_rebuilt_in_numeric_order(tmp_path):
+def test_chain_rebuilt_in_numeric_order(tmp_path: Path) -> None:
     for name in ("9", "9_10", "9_9x", "9_100", "9_11", "8_12"):
         (tmp_path / name).mkdir()
     assert resolve_chain(tmp_path, "9_100") == ["9", "9_10", "9_11", "9_100"]
@@ -108,7 +109,7 @@ def test_chain_rebuilt_in_numeric_order(tmp_path):
         resolve_chain(tmp_path, "8_12")
 
 
-def test_retired_version_unmapped_after_last_request(tmp_path):
+def test_retired_version_unmapped_after_last_request(tmp_path: Path) -> None:
     keys = np.arange(10, dtype=np.uint64)
     write_version(tmp_path, "1", keys, fixed_values(keys, 8))
     write_version(tmp_path, "2", keys, fixed_values(keys, 8, tag=2))
@@ -142,7 +143,7 @@ class FailingRemote:
         self.ops: list[str] = []
         self.index, self.port = 1, 0
 
-    async def apply(self, op, mode="", name="", timeout=None):
+    async def apply(self, op, mode: str = "", name: str = "", timeout=None):
         if op != "state":
             self.ops.append(op)
         if op == self.fail:
@@ -150,7 +151,7 @@ class FailingRemote:
         return {"worker": 1}
 
 
-def make_coordinator(tmp_path, remote):
+def make_coordinator(tmp_path: Path, remote):
     keys = np.arange(10, dtype=np.uint64)
     write_version(tmp_path, "1", keys, fixed_values(keys, 8))
     write_version(tmp_path, "2", keys, fixed_values(keys, 8, tag=2))
@@ -163,7 +164,7 @@ def make_coordinator(tmp_path, remote):
     return Coordinator(local, [remote], describe=dict), slots
 
 
-def test_failed_load_on_one_worker_rolls_back_the_others(tmp_path):
+def test_failed_load_on_one_worker_rolls_back_the_others(tmp_path: Path) -> None:
     remote = FailingRemote("prepare")
     coordinator, slots = make_coordinator(tmp_path, remote)
     request = cube_pb2.ControlRequest(cmd="bg_load_base", version_path="/2")
@@ -174,7 +175,7 @@ def test_failed_load_on_one_worker_rolls_back_the_others(tmp_path):
     assert coordinator.busy is None
 
 
-def test_failed_switch_on_one_worker_switches_the_others_back(tmp_path):
+def test_failed_switch_on_one_worker_switches_the_others_back(tmp_path: Path) -> None:
     remote = FailingRemote("switch")
     coordinator, slots = make_coordinator(tmp_path, remote)
     asyncio.run(coordinator.command(cube_pb2.ControlRequest(cmd="bg_load_base", version_path="2")))
@@ -185,7 +186,7 @@ def test_failed_switch_on_one_worker_switches_the_others_back(tmp_path):
     assert remote.ops == ["prepare", "commit", "switch"]
 
 
-def test_enable_accepts_path_forms_and_refuses_traversal(tmp_path):
+def test_enable_accepts_path_forms_and_refuses_traversal(tmp_path: Path) -> None:
     remote = FailingRemote("nothing")
     coordinator, _slots = make_coordinator(tmp_path, remote)
 
@@ -201,7 +202,7 @@ def test_enable_accepts_path_forms_and_refuses_traversal(tmp_path):
     assert remote.ops == ["prepare", "commit", "switch", "switch"]
 
 
-def test_write_version_flag_rewrites_version_on_switch(tmp_path):
+def test_write_version_flag_rewrites_version_on_switch(tmp_path: Path) -> None:
     coordinator, _slots = make_coordinator(tmp_path, FailingRemote("nothing"))
     coordinator.write_version = True
     (tmp_path / "VERSION").write_text("1\n")
@@ -209,7 +210,7 @@ def test_write_version_flag_rewrites_version_on_switch(tmp_path):
     assert (tmp_path / "VERSION").read_text() == "2\n"
 
 
-def test_a_replica_getting_ready_refuses_every_request_at_once(tmp_path):
+def test_a_replica_getting_ready_refuses_every_request_at_once(tmp_path: Path) -> None:
     """While the replica gets ready (its kernel loading) it holds a version but does not
     serve: every request, the SDK's empty handshake included, is refused UNAVAILABLE with the
     reason (clients fail over at once), health and status follow; then it serves."""
@@ -241,7 +242,7 @@ def test_a_replica_getting_ready_refuses_every_request_at_once(tmp_path):
     slots.close()
 
 
-def test_a_worker_reaches_a_peer_that_came_up_after_its_first_try(tmp_path):
+def test_a_worker_reaches_a_peer_that_came_up_after_its_first_try(tmp_path: Path) -> None:
     """Worker 0 asks worker 1 while worker 1 is not listening yet (starting, or restarted by
     the supervisor); once it listens, the next command reaches it: the channel to a loopback
     peer neither fails for gRPC's default reconnect backoff (a second or more, during which
@@ -270,7 +271,7 @@ def test_a_worker_reaches_a_peer_that_came_up_after_its_first_try(tmp_path):
     slots.close()
 
 
-def test_the_supervisor_restarts_a_worker_until_it_crash_loops():
+def test_the_supervisor_restarts_a_worker_until_it_crash_loops() -> None:
     """--worker_restarts 2: a worker may die twice within the window and is restarted; a third
     death within it stops the server; deaths older than the window are forgotten."""
     from cube.server.supervisor import Restarts
@@ -286,7 +287,7 @@ def test_the_supervisor_restarts_a_worker_until_it_crash_loops():
         assert later.died(0, -9, now) is None
 
 
-def test_the_supervisor_stops_at_once_when_a_worker_cannot_listen():
+def test_the_supervisor_stops_at_once_when_a_worker_cannot_listen() -> None:
     from cube.server.supervisor import EXIT_CANNOT_LISTEN, Restarts
 
     why = Restarts(limit=3).died(2, EXIT_CANNOT_LISTEN, now=0.0)

@@ -56,7 +56,7 @@ def browser():
         driver.quit()
 
 
-def test_status_page_follows_a_rollout_and_rolls_back(tmp_path, browser):
+def test_status_page_follows_a_rollout_and_rolls_back(tmp_path: Path, browser) -> None:
     from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
 

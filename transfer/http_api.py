@@ -36,10 +36,10 @@ from multidict import MultiMapping
 
 from cube.donefile import ID, VERSION_NAME
 from cube.listen import listen_socket
+from cube.remote import redact
 from cube.security import TLSFiles, server_context, token_middleware
 from cube.transfer import views
 from cube.transfer.config import TransferConfig
-from cube.transfer.donefile import redact
 from cube.transfer.service import Busy, TransferService
 
 log = logging.getLogger("cube.transfer.http")
@@ -218,8 +218,10 @@ def build_api(service: TransferService) -> web.Application:
             raise BadRequest(f"meta: over {MAX_META} bytes")
         try:
             meta = json.loads(fields["meta"])
-        except ValueError as exc:
+        except json.JSONDecodeError as exc:
             raise BadRequest(f"meta: not JSON ({exc.msg} at column {exc.colno})") from None
+        except (ValueError, RecursionError):  # an integer of over 4300 digits, deep nesting
+            raise BadRequest("meta: not JSON we read (too many digits or too deep)") from None
         if not isinstance(meta, dict) or not meta:
             raise BadRequest("meta: expected a non-empty JSON object")
         try:
@@ -315,8 +317,9 @@ class FtpFileServer:
             raise RuntimeError("download_mode ftp needs pyftpdlib (pip install pyftpdlib)") from exc
         authorizer = DummyAuthorizer()
         authorizer.add_anonymous(root, perm="elr")
-        handler = type("ReadOnlyHandler", (FTPHandler,), {"authorizer": authorizer})
-        handler.banner = "cube-transfer"
+        handler = type(
+            "ReadOnlyHandler", (FTPHandler,), {"authorizer": authorizer, "banner": "cube-transfer"}
+        )
         self.server = FTPServer(sock, handler)
         self.server.max_cons, self.server.max_cons_per_ip = 256, 32  # bounded, as any listener
         self.thread = threading.Thread(target=self._serve, name="ftp-file-server", daemon=True)

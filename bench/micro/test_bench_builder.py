@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pytest_benchmark.fixture import BenchmarkFixture
 
 from cube.seqfile import SequenceFileWriter
 from cube.values import ValueColumn
@@ -52,7 +53,7 @@ def write_input(directory: Path, count: int, files: int, width: int) -> None:
 
 
 @pytest.fixture(scope="module", params=SIZES)
-def generated_input(request, tmp_path_factory):
+def generated_input(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     count, files, width = request.param
     directory = tmp_path_factory.mktemp(f"builder-input-{count}-{width}")
     write_input(directory, count, files, width)
@@ -60,7 +61,7 @@ def generated_input(request, tmp_path_factory):
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def test_builder_end_to_end(benchmark, generated_input, tmp_path):
+def test_builder_end_to_end(benchmark: BenchmarkFixture, generated_input, tmp_path: Path) -> None:
     input_dir, count = generated_input
     output = tmp_path / "out"
     args = [

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pytest_benchmark.fixture import BenchmarkFixture
 
 from cube.bench.e2e import Server, build_data, key_batches
 from cube.client import CubeClient
@@ -32,7 +33,7 @@ ROUND = 64  # seeks per benchmark round at 8 in flight
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory: pytest.TempPathFactory):
     """A 2-worker server on the shard (built once per machine under the temp dir) and fresh
     key batches."""
     data_dir, keys = build_data(Path(tempfile.gettempdir()) / "cube-e2e", COUNT, WIDTH, 7)
@@ -44,7 +45,7 @@ def served(tmp_path_factory):
         server.stop()
 
 
-def test_e2e_one_in_flight(benchmark, served):
+def test_e2e_one_in_flight(benchmark: BenchmarkFixture, served) -> None:
     server, batches = served
     cycle = itertools.cycle(batches)
     with CubeClient(shards=[server.addresses], timeout=10.0) as client:
@@ -57,7 +58,7 @@ def test_e2e_one_in_flight(benchmark, served):
     assert result.found.all() and result.width == WIDTH
 
 
-def test_e2e_eight_in_flight(benchmark, served):
+def test_e2e_eight_in_flight(benchmark: BenchmarkFixture, served) -> None:
     server, batches = served
     cycle = itertools.cycle(batches)
     lock = threading.Lock()

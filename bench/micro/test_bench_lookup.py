@@ -18,6 +18,7 @@ import os
 
 import numpy as np
 import pytest
+from pytest_benchmark.fixture import BenchmarkFixture
 
 from cube import kernel
 from cube.bench.e2e import key_batches
@@ -41,14 +42,14 @@ def build_shard(path, count: int, width: int) -> tuple[Shard, np.ndarray]:
 
 
 @pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"{n // 1_000_000}M")
-def shard_and_keys(request, tmp_path_factory):
+def shard_and_keys(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     shard, keys = build_shard(tmp_path_factory.mktemp("shard"), request.param, WIDTH)
     yield shard, keys
     shard.close()
 
 
 @pytest.fixture(params=["compiled", "numpy"])
-def kernel_kind(request, monkeypatch):
+def kernel_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     if request.param == "compiled" and not kernel.COMPILED:
         pytest.skip("numba not installed")
     monkeypatch.setattr(kernel, "COMPILED", request.param == "compiled")
@@ -59,7 +60,7 @@ def batches(keys: np.ndarray, count: int = 512) -> list[np.ndarray]:
     return key_batches(keys, BATCH, count, seed=7)
 
 
-def test_lookup_fresh_batches(benchmark, shard_and_keys, kernel_kind):
+def test_lookup_fresh_batches(benchmark: BenchmarkFixture, shard_and_keys, kernel_kind) -> None:
     shard, keys = shard_and_keys
     cycle = itertools.cycle(batches(keys))
     benchmark.extra_info.update(keys=keys.shape[0], kernel=kernel_kind)
@@ -67,7 +68,7 @@ def test_lookup_fresh_batches(benchmark, shard_and_keys, kernel_kind):
     assert found.all()
 
 
-def test_lookup_same_batch(benchmark, shard_and_keys, kernel_kind):
+def test_lookup_same_batch(benchmark: BenchmarkFixture, shard_and_keys, kernel_kind) -> None:
     shard, keys = shard_and_keys
     batch = batches(keys, 1)[0]
     benchmark.extra_info.update(keys=keys.shape[0], kernel=kernel_kind)
@@ -75,7 +76,9 @@ def test_lookup_same_batch(benchmark, shard_and_keys, kernel_kind):
     assert found.all()
 
 
-def test_lookup_and_gather_40_bytes(benchmark, shard_and_keys, kernel_kind):
+def test_lookup_and_gather_40_bytes(
+    benchmark: BenchmarkFixture, shard_and_keys, kernel_kind
+) -> None:
     """What the server does per request: lookup and gather 40-byte values, fresh keys. The
     compiled kernel does both in one pass (seek_fixed); numpy looks up, then takes rows."""
     shard, keys = shard_and_keys
@@ -93,7 +96,7 @@ def test_lookup_and_gather_40_bytes(benchmark, shard_and_keys, kernel_kind):
     benchmark(handle)
 
 
-def test_lookup_misses(benchmark, shard_and_keys, kernel_kind):
+def test_lookup_misses(benchmark: BenchmarkFixture, shard_and_keys, kernel_kind) -> None:
     shard, _keys = shard_and_keys
     rng = np.random.default_rng(11)
     misses = rng.integers(0, 2**64 - 1, BATCH, dtype=np.uint64)

@@ -9,8 +9,11 @@ Run: .venv/bin/pytest bench/micro/test_bench_seqfile.py --benchmark-enable
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
+from pytest_benchmark.fixture import BenchmarkFixture
 
 from cube.seqfile import SequenceFileReader, SequenceFileWriter
 from cube.values import ValueColumn
@@ -26,7 +29,7 @@ def make_records(count: int, seed: int = 0) -> tuple[np.ndarray, ValueColumn]:
 
 
 @pytest.fixture(scope="module")
-def cube_file_10m(tmp_path_factory):
+def cube_file_10m(tmp_path_factory: pytest.TempPathFactory):
     path = tmp_path_factory.mktemp("seq") / "feature"
     keys, values = make_records(10_000_000)
     with SequenceFileWriter(path) as writer:
@@ -38,7 +41,7 @@ def cube_file_10m(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def variable_file_1m(tmp_path_factory):
+def variable_file_1m(tmp_path_factory: pytest.TempPathFactory):
     path = tmp_path_factory.mktemp("seq") / "variable"
     rng = np.random.default_rng(1)
     count = 1_000_000
@@ -61,7 +64,7 @@ def read_all(path) -> tuple[int, int]:
     return count, checksum
 
 
-def test_parse_fixed_stride_10m(benchmark, cube_file_10m):
+def test_parse_fixed_stride_10m(benchmark: BenchmarkFixture, cube_file_10m) -> None:
     path, keys = cube_file_10m
     count, checksum = benchmark.pedantic(read_all, args=(path,), rounds=3, iterations=1)
     assert count == keys.shape[0]
@@ -71,7 +74,7 @@ def test_parse_fixed_stride_10m(benchmark, cube_file_10m):
     print(f"\nfixed-stride parse: {rate / 1e6:.2f} M records/s")
 
 
-def test_parse_variable_length_1m(benchmark, variable_file_1m):
+def test_parse_variable_length_1m(benchmark: BenchmarkFixture, variable_file_1m) -> None:
     path, count = variable_file_1m
     got, _ = benchmark.pedantic(read_all, args=(path,), rounds=3, iterations=1)
     assert got == count
@@ -80,7 +83,7 @@ def test_parse_variable_length_1m(benchmark, variable_file_1m):
     print(f"\nvariable-length parse: {rate / 1e6:.2f} M records/s")
 
 
-def test_write_fixed_stride_1m(benchmark, tmp_path):
+def test_write_fixed_stride_1m(benchmark: BenchmarkFixture, tmp_path: Path) -> None:
     keys, values = make_records(1_000_000, seed=2)
     path = tmp_path / "out"
 

@@ -13,6 +13,7 @@ import itertools
 
 import numpy as np
 import pytest
+from pytest_benchmark.fixture import BenchmarkFixture
 
 from cube.bench.e2e import key_batches
 from cube.index import build_table
@@ -28,7 +29,7 @@ BATCH = 1000
 
 
 @pytest.fixture(scope="module")
-def service_and_keys(tmp_path_factory):
+def service_and_keys(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("kernel")
     rng = np.random.default_rng(11)
     keys = rng.integers(0, 2**64 - 1, COUNT, dtype=np.uint64)
@@ -44,7 +45,7 @@ def fresh_batches(keys: np.ndarray, count: int = 512) -> list[np.ndarray]:
     return key_batches(keys, BATCH, count, seed=3)
 
 
-def test_fast_seek_kernel(benchmark, service_and_keys):
+def test_fast_seek_kernel(benchmark: BenchmarkFixture, service_and_keys) -> None:
     service, keys = service_and_keys
     requests = [
         cube_fast_pb2.SeekRequest(
@@ -58,7 +59,7 @@ def test_fast_seek_kernel(benchmark, service_and_keys):
     assert response.found == b"\x01" * BATCH and len(response.values) == BATCH * WIDTH
 
 
-def test_fast_seek_kernel_half_misses(benchmark, service_and_keys):
+def test_fast_seek_kernel_half_misses(benchmark: BenchmarkFixture, service_and_keys) -> None:
     service, keys = service_and_keys
     rng = np.random.default_rng(5)
     requests = []
@@ -70,7 +71,7 @@ def test_fast_seek_kernel_half_misses(benchmark, service_and_keys):
     assert len(cube_fast_pb2.SeekResponse.FromString(raw).values) == BATCH * WIDTH
 
 
-def test_original_seek_kernel(benchmark, service_and_keys):
+def test_original_seek_kernel(benchmark: BenchmarkFixture, service_and_keys) -> None:
     """rec.mcube.DictService.seek: 1000 keys in, 1000 DictValue out (vectorized encoding)."""
     service, keys = service_and_keys
     requests = [

@@ -5,6 +5,8 @@ file.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 
 from cube.seqfile.base import _MAX_VINT_BYTES, SequenceFileError, ValueLocations
@@ -124,12 +126,13 @@ def _decode_keys(raw: _Raw, fmt: str, framing: str, path: str) -> np.ndarray:
         else:
             keys = fixed.gather(payload_at, ">u8").astype(np.uint64)
     else:
-        bad = np.flatnonzero(raw.key_lens != width)
+        ranges = raw.ranges()  # a chunk without a fixed layout has them
+        bad = np.flatnonzero(ranges.key_lens != width)
         if bad.size:
             i = int(bad[0])
-            message = _key_width_error(fmt, int(raw.key_lens[i]))
+            message = _key_width_error(fmt, int(ranges.key_lens[i]))
             raise SequenceFileError(path, int(raw.offsets[i]), message)
-        matrix = raw.key_buf[raw.key_starts[:, None] + np.arange(width)]
+        matrix = ranges.key_buf[ranges.key_starts[:, None] + np.arange(width)]
         inner = matrix[:, :4].copy().view(">u4").reshape(-1) if width == 12 else None
         payload = matrix[:, width - 8 :].copy()
         if fmt in ("cube", "bytes_le"):
@@ -147,12 +150,12 @@ def _decode_keys(raw: _Raw, fmt: str, framing: str, path: str) -> np.ndarray:
 
 def _decode_text_keys(raw: _Raw, framing: str, path: str) -> np.ndarray:
     """Text keys holding decimal ids (a rare input: one Python step per key)."""
-    raw.ranges()
+    ranges = raw.ranges()
     starts, lens = _strip_framing(
-        framing, raw.key_buf, raw.key_starts, raw.key_lens, raw.offsets, "key", path
+        framing, ranges.key_buf, ranges.key_starts, ranges.key_lens, raw.offsets, "key", path
     )
     keys = np.empty(starts.shape[0], dtype=np.uint64)
-    blob = raw.key_buf
+    blob = ranges.key_buf
     for i, (start, length) in enumerate(zip(starts.tolist(), lens.tolist(), strict=True)):
         text = blob[start : start + length].tobytes()
         if not (text.isdigit() and len(text) <= 20 and int(text) < 1 << 64):
@@ -172,13 +175,12 @@ def _decode_values(raw: _Raw, framing: str, path: str) -> ValueColumn:
         width = fixed.stride - start
         if framing == "byteswritable":
             if width < 4 or (fixed.gather(start, ">u4") != width - 4).any():
-                raw.ranges()  # the generic decoder reports the first bad record
+                # the generic decoder reports the first bad record
                 return _decode_values_generic(raw, framing, path)
             start, width = start + 4, width - 4
         if width == 0:
             return ValueColumn.variable(np.empty(0, np.uint8), np.zeros(raw.count + 1, np.int64))
         return ValueColumn.fixed(fixed.gather(start, f"V{width}").view(np.uint8), width)
-    raw.ranges()
     return _decode_values_generic(raw, framing, path)
 
 
@@ -198,12 +200,12 @@ def _locate_values(raw: _Raw, framing: str, path: str) -> ValueLocations:
             if width == 0:
                 return ValueLocations(starts, 0, np.zeros(raw.count, np.int64))
             return ValueLocations(starts, width)
-    raw.ranges()
+    ranges = raw.ranges()
     starts, lens = _strip_framing(
-        framing, raw.val_buf, raw.val_starts, raw.val_lens, raw.offsets, "value", path
+        framing, ranges.val_buf, ranges.val_starts, ranges.val_lens, raw.offsets, "value", path
     )
-    # raw.key_starts - 8 is where each record starts in the chunk, raw.offsets in the file
-    starts = starts + (raw.offsets - raw.key_starts + 8)
+    # key_starts - 8 is where each record starts in the chunk, raw.offsets in the file
+    starts = starts + (raw.offsets - ranges.key_starts + 8)
     width = int(lens[0]) if lens.shape[0] else 0
     if width and (lens == width).all():
         return ValueLocations(starts, width)
@@ -211,10 +213,11 @@ def _locate_values(raw: _Raw, framing: str, path: str) -> ValueLocations:
 
 
 def _decode_values_generic(raw: _Raw, framing: str, path: str) -> ValueColumn:
+    ranges = raw.ranges()
     starts, lens = _strip_framing(
-        framing, raw.val_buf, raw.val_starts, raw.val_lens, raw.offsets, "value", path
+        framing, ranges.val_buf, ranges.val_starts, ranges.val_lens, raw.offsets, "value", path
     )
-    return _column(raw.val_buf, starts, lens)
+    return _column(ranges.val_buf, starts, lens)
 
 
 def concat_columns(columns: list[ValueColumn]) -> ValueColumn:
@@ -246,5 +249,5 @@ def decode_key(key: bytes, key_format: str) -> int:
         return int(key)
     if len(key) != 8:
         raise ValueError(f"key is {len(key)} bytes, {key_format} format needs 8")
-    order = "little" if key_format in ("cube", "bytes_le") else "big"
+    order: Literal["little", "big"] = "little" if key_format in ("cube", "bytes_le") else "big"
     return int.from_bytes(key, order)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import stat
 import struct
+from io import BufferedReader
 from typing import BinaryIO
 
 import cube.seqfile.limits as limits
@@ -152,7 +153,7 @@ def read_header(path: str | os.PathLike[str]) -> SequenceFileHeader:
         return _parse_header(file, str(path))
 
 
-def _open(path: str | os.PathLike[str]) -> BinaryIO:
+def _open(path: str | os.PathLike[str]) -> BufferedReader:
     """Open a regular file. Anything else is refused before open(): a FIFO would block until
     some writer came, and a device or directory has no size to check lengths against."""
     try:

@@ -236,17 +236,17 @@ class SequenceFileReader:
         for raw in self._raw_chunks():
             if not raw.count:
                 continue
-            raw.ranges()
+            ranges = raw.ranges()
             key_starts, key_lens = _strip_framing(
                 self.key_framing,
-                raw.key_buf,
-                raw.key_starts,
-                raw.key_lens,
+                ranges.key_buf,
+                ranges.key_starts,
+                ranges.key_lens,
                 raw.offsets,
                 "key",
                 self.path,
             )
-            keys = _column(raw.key_buf, key_starts, key_lens)
+            keys = _column(ranges.key_buf, key_starts, key_lens)
             values = _decode_values(raw, self.value_framing, self.path)
             for i, offset in enumerate(raw.offsets.tolist()):
                 yield offset, keys.get(i), values.get(i)

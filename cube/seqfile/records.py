@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import BinaryIO
+from io import BufferedReader
 
 import numpy as np
 
@@ -70,6 +70,18 @@ class _Fixed:
         return all(not (self.field(part, 0, "<u8") != expected).any() for part in self.parts)
 
 
+@dataclass(frozen=True)
+class _Ranges:
+    """A chunk's records as generic byte ranges: int64 starts and lengths into uint8 buffers."""
+
+    key_buf: np.ndarray
+    key_starts: np.ndarray
+    key_lens: np.ndarray
+    val_buf: np.ndarray
+    val_starts: np.ndarray
+    val_lens: np.ndarray
+
+
 @dataclass
 class _Raw:
     """One chunk's records: generic byte ranges, or `fixed` when all share one layout."""
@@ -88,8 +100,9 @@ class _Raw:
     def count(self) -> int:
         return int(self.offsets.shape[0])
 
-    def ranges(self) -> _Raw:
-        """Fill the generic byte ranges from the fixed layout (for the less common decoders)."""
+    def ranges(self) -> _Ranges:
+        """The generic byte ranges, filled from the fixed layout first when the chunk has one
+        (for the less common decoders)."""
         if self.key_starts is None and self.fixed is not None:
             fixed, n = self.fixed, self.count
             flat = fixed.gather(0, f"V{fixed.stride}").view(np.uint8)
@@ -99,7 +112,18 @@ class _Raw:
             self.key_lens = np.full(n, fixed.key_len, dtype=np.int64)
             self.val_starts = starts + 8 + fixed.key_len
             self.val_lens = np.full(n, fixed.stride - 8 - fixed.key_len, dtype=np.int64)
-        return self
+        key_buf, key_starts, key_lens = self.key_buf, self.key_starts, self.key_lens
+        val_buf, val_starts, val_lens = self.val_buf, self.val_starts, self.val_lens
+        if (
+            key_buf is None
+            or key_starts is None
+            or key_lens is None
+            or val_buf is None
+            or val_starts is None
+            or val_lens is None
+        ):
+            raise AssertionError("a chunk holds neither byte ranges nor a fixed layout")
+        return _Ranges(key_buf, key_starts, key_lens, val_buf, val_starts, val_lens)
 
 
 class _Scratch:
@@ -139,25 +163,29 @@ def _fixed_chunk(
     stride = record_len + 8
     header = bytes(buf[pos : pos + 8])
     first = buf.find(marker, pos, end) if marker else -1
+    parts: list[tuple[int, int, int, int]] | None
     if first < 0:
         parts = [(pos, 1, (end - pos) // stride, 0)]
     else:
         parts = _regular_parts(buf, end, pos, first, stride, marker)
+    fixed: _Fixed
+    joined: _Joined | None = None
     if parts is not None:
         last_offset, _, last_count, _ = parts[-1]
         consumed = last_offset + last_count * stride
         fixed = _Fixed(buf, [p for p in parts if p[1] * p[2]], stride, key_len)
     else:
-        fixed = _joined_segments(buf, end, pos, first, stride, marker, scratch, key_len)
-        if fixed is None:
+        joined = _joined_segments(buf, end, pos, first, stride, marker, scratch, key_len)
+        if joined is None:
             return None, 0
+        fixed = joined
     total = fixed.count
     if total == 0 or not fixed.all_headers_equal(header):
         return None, 0
-    if parts is not None:
+    if joined is None:
         offsets = fixed.offsets(base)
     else:
-        offsets, consumed = fixed.offsets_in_file, fixed.consumed
+        offsets, consumed = joined.offsets_in_file, joined.consumed
         offsets += base
     return _Raw(offsets, fixed=fixed, input_bytes=consumed), consumed
 
@@ -193,8 +221,8 @@ def _regular_parts(
 
 @dataclass
 class _Joined(_Fixed):
-    offsets_in_file: np.ndarray | None = None
-    consumed: int = 0
+    offsets_in_file: np.ndarray
+    consumed: int
 
 
 def _joined_segments(
@@ -324,7 +352,7 @@ def _walk_chunk(
     return raw, pos, need
 
 
-def _read_into(file: BinaryIO, target: memoryview) -> int:
+def _read_into(file: BufferedReader, target: memoryview) -> int:
     """Fill `target` from the file; fewer bytes only at end of file."""
     done = 0
     while done < len(target):
@@ -341,11 +369,12 @@ def _decompress_values(raw: _Raw, codec: Codec, path: str, budget: int) -> tuple
     (a chunk of well-compressed values can hold far more than its size): returns the first
     records, decompressed, and how many were kept (at least one); the caller reads the rest
     again."""
-    buf = raw.val_buf
+    ranges = raw.ranges()
+    buf = ranges.val_buf
     parts = []
     total = 0
     for i, (start, length) in enumerate(
-        zip(raw.val_starts.tolist(), raw.val_lens.tolist(), strict=True)
+        zip(ranges.val_starts.tolist(), ranges.val_lens.tolist(), strict=True)
     ):
         if total >= budget:
             break
@@ -361,7 +390,7 @@ def _decompress_values(raw: _Raw, codec: Codec, path: str, budget: int) -> tuple
     if kept > 1:
         np.cumsum(lengths[:-1], out=starts[1:])
     raw.offsets = raw.offsets[:kept]
-    raw.key_starts, raw.key_lens = raw.key_starts[:kept], raw.key_lens[:kept]
+    raw.key_starts, raw.key_lens = ranges.key_starts[:kept], ranges.key_lens[:kept]
     raw.val_buf = np.frombuffer(b"".join(parts), dtype=np.uint8)
     raw.val_starts, raw.val_lens = starts, lengths
     raw.input_bytes = max(raw.input_bytes, total)  # what it holds, for batches() to merge by

@@ -100,7 +100,7 @@ class SequenceFileWriter:
         if self.compression == "block":
             self._append_to_block(key_bytes, value_bytes)
         else:
-            if self.compression == "record":
+            if self.compression == "record" and self.codec is not None:  # it has one
                 value_bytes = self.codec.compress(value_bytes)
             self._write_record(key_bytes, value_bytes)
         self.count += 1
@@ -136,9 +136,11 @@ class SequenceFileWriter:
     def _flush_block(self) -> None:
         if not self._block_records:
             return
+        codec = self.codec
+        assert codec is not None  # block compression has one
         parts = [self._escape, encode_vint(self._block_records)]
         for buffer in self._block:
-            packed = self.codec.compress(bytes(buffer))
+            packed = codec.compress(bytes(buffer))
             parts += [encode_vint(len(packed)), packed]
         data = b"".join(parts)
         self._out.write(data)

@@ -28,7 +28,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
@@ -238,7 +238,8 @@ class RemoteWorker:
             raise ControlError(
                 exc.code(), f"worker {self.index} ({self.address}): {exc.details()}"
             ) from exc
-        return json.loads(raw)
+        reply: dict[str, Any] = json.loads(raw)
+        return reply
 
     async def close(self) -> None:
         if self._channel is not None:
@@ -275,7 +276,8 @@ class Coordinator:
 
     async def _everywhere(self, op: str, mode: str = "", name: str = "") -> list[Any]:
         calls = [self._local(op, mode, name), *(r.apply(op, mode, name) for r in self.remotes)]
-        return await asyncio.gather(*calls, return_exceptions=True)
+        results: list[Any] = await asyncio.gather(*calls, return_exceptions=True)
+        return results
 
     @staticmethod
     def _first_error(results: list[Any]) -> BaseException | None:
@@ -486,12 +488,19 @@ class TokenCheck(grpc.aio.ServerInterceptor):
             )
             raise AssertionError("abort raises")  # pragma: no cover
 
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny: grpc.RpcMethodHandler[bytes, bytes] = grpc.unary_unary_rpc_method_handler(deny)
 
-    async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+        ],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         if details.method.startswith(self.OPEN):
             return await continuation(details)
-        given = bearer_token(dict(details.invocation_metadata or ()).get(AUTH_METADATA))
+        header = dict(details.invocation_metadata or ()).get(AUTH_METADATA)
+        given = bearer_token(header if isinstance(header, str) else None)  # bytes: -bin keys only
         if control_refusal(self.host, self.token, self.insecure, given) is None:
             return await continuation(details)
         return self._deny

@@ -55,6 +55,7 @@ def split_answer(answer: Answer, bounds: list[int]) -> list[Answer]:
             pieces.append(Answer(found, answer.values[start:stop], answer.width, None))
             continue
         offsets = answer.offsets
+        assert offsets is not None  # a variable-width answer has them
         first, last = int(offsets[start]), int(offsets[stop])
         local = offsets[start : stop + 1] - first
         pieces.append(Answer(found, answer.values[first:last], 0, local))
@@ -71,7 +72,9 @@ def _varint_sizes(values: np.ndarray) -> np.ndarray:
     return sizes
 
 
-def _varint_columns(out: np.ndarray, used: np.ndarray, values: np.ndarray, sizes: np.ndarray):
+def _varint_columns(
+    out: np.ndarray, used: np.ndarray, values: np.ndarray, sizes: np.ndarray
+) -> None:
     """Write each value's varint into its row of `out` (n, 5), marking the bytes `used`."""
     longest = int(sizes.max()) if sizes.shape[0] else 0
     for k in range(longest):
@@ -117,8 +120,10 @@ def encode_dict_response(answer: Answer, version: str | None) -> bytes:
         lengths = np.where(found, width, 0).astype(np.int64)
         value_bytes = answer.values[found].reshape(-1)
     else:
-        lengths = np.diff(answer.offsets)
-        value_bytes = answer.values[answer.offsets[0] : answer.offsets[-1]]
+        offsets = answer.offsets
+        assert offsets is not None  # a variable-width answer has them
+        lengths = np.diff(offsets)
+        value_bytes = answer.values[offsets[0] : offsets[-1]]
     value_starts = np.cumsum(lengths) - lengths  # of each value among the value bytes
     # Each head is [0x0a][varint inner][status: 2 or 6 bytes][0x12][varint length], laid out
     # in fixed column groups of an (n, 18) matrix; a mask drops each row's unused columns.

@@ -151,8 +151,9 @@ class HttpConnection(asyncio.Protocol):
             self.data_at = now
             self.handler.data_received(data)
 
-    def eof_received(self) -> bool | None:
-        return None if self.refused else self.handler.eof_received()
+    def eof_received(self) -> None:  # None: the transport closes itself
+        if not self.refused:
+            self.handler.eof_received()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.bounds.leave(self)

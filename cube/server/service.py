@@ -133,10 +133,10 @@ def gatherers(version: LoadedVersion) -> list[FastGather]:
 def lane_target(version: LoadedVersion) -> kernel.LaneTarget | None:
     """The version as the TCP lane's compiled pass answers from it (cached with it); None
     when that pass does not (several splits: the Python path answers)."""
-    cached = version.kernel_cache.get("lane")
-    if cached is None:
-        cached = version.kernel_cache["lane"] = _lane_target(version) or False
-    return cached or None
+    if "lane" not in version.kernel_cache:
+        version.kernel_cache["lane"] = _lane_target(version)
+    target: kernel.LaneTarget | None = version.kernel_cache["lane"]
+    return target
 
 
 def _lane_target(version: LoadedVersion) -> kernel.LaneTarget | None:
@@ -472,13 +472,14 @@ class SeekService:
         (answer,) = self.answer_seeks([self.parse_seek(raw)], api)
         if isinstance(answer, RequestError):
             raise answer
+        assert not isinstance(answer, memoryview)  # a whole lane frame only with `frames`
         return b"".join(answer)
 
     def parse_seek(self, raw: Buffer) -> ParsedSeek:
         """Parse and check a cube.v1 SeekRequest; RequestError names what is wrong. The
         returned request holds its version until `answer_seeks` answers it."""
         try:
-            request = cube_fast_pb2.SeekRequest.FromString(raw)
+            request = cube_fast_pb2.SeekRequest.FromString(raw)  # type: ignore[arg-type]
         except Exception as exc:  # DecodeError
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"SeekRequest does not parse: {exc}"
@@ -655,7 +656,7 @@ class SeekService:
     def seek_original(self, raw: Buffer, api: str = "original") -> bytes:
         """rec.mcube DictRequest bytes -> DictResponse bytes (gRPC, and baidu_std's body)."""
         try:
-            request = cube_pb2.DictRequest.FromString(raw)
+            request = cube_pb2.DictRequest.FromString(raw)  # type: ignore[arg-type]
         except Exception as exc:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"DictRequest does not parse: {exc}"
@@ -752,7 +753,8 @@ class SeekService:
         # read()/write() on the context: a little cheaper per message than an async generator
         while True:
             raw = await context.read()
-            if raw is grpc.aio.EOF:
+            # the stubs type read() as the request type; it returns grpc.aio.EOF at the end
+            if raw is grpc.aio.EOF:  # type: ignore[comparison-overlap]
                 return
             started = time.perf_counter()
             try:

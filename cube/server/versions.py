@@ -503,7 +503,9 @@ def _open_layer(directory: Path, options: LoadOptions) -> ShardHandle:
     return handle
 
 
-def _layer_routing(handles: list[ShardHandle], directory: Path, options: LoadOptions):
+def _layer_routing(
+    handles: list[ShardHandle], directory: Path, options: LoadOptions
+) -> ShardRouting | None:
     """The routing every layer of a chain agrees on, checked against --dict_name/--shard."""
     routings = {ShardRouting.from_meta(h.shard.meta) for h in handles}
     routings.discard(None)

@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 import grpc.aio
 import numpy as np
+import pytest
 from aiohttp import web
 
 from cube.index import build_table
@@ -246,7 +247,7 @@ class FakeControl(cube_pb2_grpc.ControlServiceServicer):
         self.bg = ""
         self.log: list[tuple[str, str]] = []
 
-    async def cmd(self, request, context):
+    async def cmd(self, request: pytest.FixtureRequest, context):
         name = request.cmd
         target = request.version_path.lstrip("/") or request.version
         if name != "status":

@@ -91,7 +91,9 @@ class Link:
 
     BACKLOG = 128
 
-    def __init__(self, ports: list[int], listen: str = "127.0.0.2", target: str = "127.0.0.1"):
+    def __init__(
+        self, ports: list[int], listen: str = "127.0.0.2", target: str = "127.0.0.1"
+    ) -> None:
         self.delay = 0.0
         self.target = target
         self.loop = asyncio.new_event_loop()

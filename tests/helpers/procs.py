@@ -217,6 +217,7 @@ class ServerProc:
         metadata = (("authorization", f"Bearer {token}"),) if token else ()
         request = cube_pb2.ControlRequest(cmd="status").SerializeToString()
         with grpc.insecure_channel(control_address) as channel:
+            call: grpc.UnaryUnaryMultiCallable[bytes, bytes]
             call = channel.unary_unary("/rec.mcube.ControlService/cmd")
             try:
                 reply = cube_pb2.ControlResponse.FromString(
@@ -235,7 +236,7 @@ class ServerProc:
         if self.process.poll() is None:
             os.kill(self.process.pid, signum)
 
-    def stop(self, timeout: float = 20.0) -> int:
+    def stop(self, timeout: float = 20.0) -> int | None:
         """SIGTERM by PID, wait; SIGKILL if it does not exit in time. Returns the exit code."""
         return stop_child(self.process, timeout)
 
@@ -315,7 +316,9 @@ def start_server(
 
 
 @contextlib.contextmanager
-def running_server(data_dir: str | os.PathLike[str], *args: str, **kwargs) -> Iterator[ServerProc]:
+def running_server(
+    data_dir: str | os.PathLike[str], *args: str, **kwargs: Any
+) -> Iterator[ServerProc]:
     server = start_server(data_dir, *args, **kwargs)
     try:
         yield server

@@ -15,20 +15,21 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
 from cube.client import CubeClient, CubeError
 
 
-def seek(client: CubeClient, keys: list[int], dim: int) -> dict:
+def seek(client: CubeClient, keys: list[int], dim: int) -> dict[str, Any]:
     result = client.seek(np.asarray(keys, dtype=np.uint64))
     rows = result.column.as_rows() if result.width else None
     values = [] if rows is None else rows.view(np.float32).reshape(len(keys), -1)[:, :dim].tolist()
     return {"version": result.version, "found": result.found.tolist(), "values": values}
 
 
-def load(client: CubeClient, keys: list[int], seconds: float) -> dict:
+def load(client: CubeClient, keys: list[int], seconds: float) -> dict[str, Any]:
     batch = np.asarray(keys, dtype=np.uint64)
     errors: list[str] = []
     versions: dict[str, int] = {}

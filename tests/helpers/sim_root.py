@@ -28,6 +28,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import PurePosixPath
+from typing import Any
 
 # Network namespace handles (`ip netns add`): not the container's business, and a bind of
 # them would keep deleted namespaces alive.
@@ -57,7 +58,7 @@ def top_mounts(mountinfo: str) -> list[str]:
 
 
 def plan(
-    spec: dict, host_mounts: list[str], exists: Callable[[str], bool] = os.path.exists
+    spec: dict[str, Any], host_mounts: list[str], exists: Callable[[str], bool] = os.path.exists
 ) -> list[list[str]]:
     """The mount commands that build the container's root under spec["root"] (pure but for
     `exists`, asked of the host's paths)."""
