@@ -35,7 +35,7 @@ from cube.processes import log_tail, poll_until, spawn, stop_child
 from cube.shard import DATA_FILE, INDEX_FILE, write_shard
 from cube.values import ValueColumn
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 AGENT_BIN = REPO / ".venv" / "bin" / "cube-agent"
 WAIT = 30.0
 

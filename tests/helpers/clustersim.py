@@ -72,10 +72,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cube.processes import create_time, die_with_parent, poll_until, same_process
 
 BIN = Path(sys.executable).parent  # the venv's console scripts stand in for the image's
-SIM_ROOT = Path(__file__).parent / "helpers" / "sim_root.py"
+SIM_ROOT = Path(__file__).with_name("sim_root.py")
 # What a container's command needs of the host: the checkout (an editable install) and the
 # venv and Python it runs from (bound again where a volume hides them).
-CODE = sorted({str(Path(__file__).resolve().parent.parent), sys.prefix, sys.base_prefix})
+CODE = sorted({str(Path(__file__).resolve().parents[2]), sys.prefix, sys.base_prefix})
 LOCK = Path("/run/lock/cube-clustersim.lock")  # held while a node picks its names
 OWNERS = Path("/run/cube-clustersim")  # <prefix>: "pid start-time" of the process using it
 # The node's names are in /etc/hosts (there is no DNS server): gRPC's native resolver reads
@@ -899,7 +899,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import yaml
 
     started = time.monotonic()
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     parser = argparse.ArgumentParser(prog="clustersim", description=main.__doc__)
     parser.add_argument("--chart", default=str(repo / "deploy" / "helm" / "cube"))
     parser.add_argument("--release", default="t")

@@ -31,7 +31,7 @@ from cube.processes import free_ports, health_status, poll_until, spawn, stop_ch
 from cube.shard import write_shard
 from cube.values import ValueColumn
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 _SERVER_IDS = itertools.count()
 
 

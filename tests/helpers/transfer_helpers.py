@@ -279,7 +279,7 @@ for shard in range(int(opts["shard_num"])):
 
 def write_fake_builder(directory: Path) -> Path:
     path = directory / "fake-cube-builder"
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     path.write_text(FAKE_BUILDER.format(python=sys.executable, root=root))
     os.chmod(path, 0o755)
     return path
