@@ -66,10 +66,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
-from cube.processes import create_time, die_with_parent, poll_until, same_process
+from cube.processes import create_time, die_with_parent, health_status, poll_until, same_process
 
 BIN = Path(sys.executable).parent  # the venv's console scripts stand in for the image's
 SIM_ROOT = Path(__file__).with_name("sim_root.py")
@@ -103,7 +102,7 @@ def require_root_network() -> str:
     return ""
 
 
-def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=check)
 
 
@@ -169,7 +168,7 @@ def _secrets(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
 
 
 def _container(
-    spec: dict[str, Any], secrets: dict[str, dict[str, str]], pod_sc: dict
+    spec: dict[str, Any], secrets: dict[str, dict[str, str]], pod_sc: dict[str, Any]
 ) -> ContainerSpec:
     env = {}
     for entry in spec.get("env") or []:
@@ -215,7 +214,7 @@ def pods_of(docs: list[dict[str, Any]], include_tests: bool = False) -> list[Pod
             template = doc["spec"]["template"]
             names = [f"{meta['name']}-{i}" for i in range(doc["spec"].get("replicas", 1))]
             subdomain = doc["spec"]["serviceName"]
-            claims = {
+            claims: dict[str, dict[str, str]] = {
                 c["metadata"]["name"]: {} for c in doc["spec"].get("volumeClaimTemplates") or []
             }
         elif doc["kind"] == "Pod" and (include_tests or not _is_hook(meta)):
@@ -256,7 +255,7 @@ class Namespace:
     ip: str
     host_link: str  # the veth end on the bridge
 
-    def run(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+    def run(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
         """Start `argv` in this namespace (with its /etc/hosts); it dies with the thread that
         starts it (die_with_parent)."""
         kwargs.setdefault("preexec_fn", die_with_parent)
@@ -264,7 +263,7 @@ class Namespace:
 
     def call(
         self, argv: Sequence[str], timeout: float = 60, **kwargs: Any
-    ) -> subprocess.CompletedProcess:
+    ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             ["ip", "netns", "exec", self.name, *argv],
             capture_output=True, text=True, timeout=timeout, **kwargs,
@@ -275,7 +274,7 @@ class Namespace:
 class Container:
     spec: ContainerSpec
     log: Path
-    process: subprocess.Popen | None = None
+    process: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started: bool = False  # the startup probe passed (or there is none)
     ready: bool = False
@@ -607,15 +606,8 @@ class SimNode:
                 return False
         if "grpc" in probe:
             address = f"{pod.ip}:{port_of(probe['grpc']['port'])}"
-            with grpc.insecure_channel(address) as channel:
-                try:
-                    reply = health_pb2_grpc.HealthStub(channel).Check(
-                        health_pb2.HealthCheckRequest(service=probe["grpc"].get("service", "")),
-                        timeout=1.0,
-                    )
-                except grpc.RpcError:
-                    return False
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
+            status = health_status(address, 1.0, probe["grpc"].get("service", ""))
+            return status == health_pb2.HealthCheckResponse.SERVING
         raise ValueError(f"probe {probe}: only tcpSocket and grpc probes are simulated")
 
     def _signal(self, container: Container, sig: int) -> None:
