@@ -68,14 +68,17 @@ debs:
 stubs: $(STAMP)
 	$(BIN)/python -m cube.pb.generate
 
+# The tests run on every core, each module on one worker (its servers are module fixtures);
+# most of a test's time is spent waiting on the processes it started.
 test: $(STAMP) debs tools test-paddle-env
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n auto --dist loadfile --durations=15
 
 # The inner loop: lint, types and the tests without the real-process end-to-end modules
-# (marked slow; about a minute). `make test` runs everything.
+# (marked slow; tests/conftest.py fails an unmarked test that starts a process, itself or by a
+# fixture). Under a minute on 2 cores. `make test` runs everything.
 quick: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 from setuptools import setup
@@ -37,5 +38,11 @@ class BuildPyWithKernel(build_py):
             check=True, env=env, cwd=build_lib, timeout=900,
         )  # fmt: skip
 
+
+# An editable install (make install) maps cube.builder, cube.agent, ... to the repo's folders
+# with a meta path finder, and setuptools says so on every such install with a warning
+# ("Editable installation": beware of folders named like the package in the working
+# directory). Nothing to act on: the one top-level name is `cube`, the folder it maps to.
+warnings.filterwarnings("ignore", message="Editable installation")
 
 setup(cmdclass={"build_py": BuildPyWithKernel})

@@ -1,3 +1,5 @@
 """cube-agent: deploys shard versions onto one cube-server instance (see docs/ROLLOUT.md)."""
 
-__version__ = "0.1.0"
+from cube.flags import package_version
+
+__version__ = package_version()  # the installed cube-py's

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from cube import protocol
 from cube.agent import __version__
@@ -37,7 +38,7 @@ from cube.protocol import (
     parse_work,
     pick_deploy_path,
 )
-from cube.security import bearer_token, token_matches
+from cube.security import token_middleware
 
 log = logging.getLogger("cube.agent")
 
@@ -86,21 +87,6 @@ async def _json_body(request: web.Request) -> Any:
     return request["json_body"]
 
 
-async def _authorized(request: web.Request, token: str) -> bool:
-    """The bearer header, else (POST) a `token` body field; a body that does not parse is no
-    credential (the caller learns nothing about it before authenticating)."""
-    if token_matches(bearer_token(request.headers.get("Authorization")), token):
-        return True
-    if request.method != "POST":
-        return False
-    try:
-        body = await _json_body(request)
-    except BadRequest:
-        return False
-    body_token = body.get("token") if isinstance(body, dict) else None
-    return isinstance(body_token, str) and token_matches(body_token, token)
-
-
 def _agent_for(request: web.Request, requested: str) -> Agent:
     """The instance's Agent a request names by deploy_path (BadRequest when it names none)."""
     agents = request.app[AGENTS_KEY]
@@ -111,15 +97,8 @@ def make_app(agents: Agent | Sequence[Agent], token: str = "") -> web.Applicatio
     """The API of one agent process: `agents`, one per instance (--deploy_path, --instances)."""
 
     @web.middleware
-    async def guard(request: web.Request, handler) -> web.StreamResponse:
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
-            if token and not await _authorized(request, token):
-                return envelope(
-                    ERROR,
-                    "unauthorized: send 'Authorization: Bearer <token>' (the agent's --token "
-                    "or CUBE_TOKEN)",
-                    status=401,
-                )
             return await handler(request)
         except BadRequest as exc:
             return envelope(ERROR, str(exc), status=400)
@@ -139,7 +118,14 @@ def make_app(agents: Agent | Sequence[Agent], token: str = "") -> web.Applicatio
             message = f"internal error ({type(exc).__name__}); details in the agent's log"
             return envelope(ERROR, message, status=500)
 
-    app = web.Application(middlewares=[guard], client_max_size=MAX_BODY)
+    def unauthorized() -> web.Response:
+        message = (
+            "unauthorized: send 'Authorization: Bearer <token>' (the agent's --token or CUBE_TOKEN)"
+        )
+        return envelope(ERROR, message, status=401)
+
+    check_token = token_middleware(token, unauthorized, json_body=_json_body)
+    app = web.Application(middlewares=[guard, check_token], client_max_size=MAX_BODY)
     listed = [agents] if isinstance(agents, Agent) else list(agents)
     app[AGENTS_KEY] = {agent.layout.deploy_path: agent for agent in listed}
     app.router.add_get("/agent/status", handle_status)

@@ -86,7 +86,8 @@ class ServerControl:
     def _get_stub(self) -> cube_pb2_grpc.ControlServiceStub:
         if self._stub is None:
             self._channel = grpc.aio.insecure_channel(self.address)
-            self._stub = cube_pb2_grpc.ControlServiceStub(self._channel)
+            # protoc writes the gRPC stubs untyped (cube/pb has .pyi files for the messages only)
+            self._stub = cube_pb2_grpc.ControlServiceStub(self._channel)  # type: ignore[no-untyped-call]
         return self._stub
 
     async def cmd(

@@ -28,6 +28,7 @@ from typing import Any
 
 import grpc
 
+from cube import remote
 from cube.agent import __version__
 from cube.agent.control import (
     STATUS_LOADING,
@@ -44,7 +45,6 @@ from cube.agent.fetch import (
     fetch_file,
     fetch_md5,
     md5_source,
-    shown,
     source_basename,
 )
 from cube.agent.journal import Journal
@@ -60,12 +60,19 @@ from cube.agent.layout import (
     write_version_file,
 )
 from cube.agent.metrics import AgentCounters, tree_bytes
-from cube.agent.tasks import SUCCEEDED, Task, TaskFailed, TaskManager
+from cube.agent.tasks import Task, TaskFailed, TaskManager
 from cube.agent.unpack import UnsafeTar, extract_shard_tar
 from cube.format import ShardFormatError
 from cube.fsutil import atomic_write_json, atomic_write_text, file_md5, fsync_dir
 from cube.layout import CHAIN_FILE, base_of, chain_text, tar_name
-from cube.protocol import CORRUPT_VERSION, SERVER_COMMANDS, BadRequest, Work, check_name
+from cube.protocol import (
+    CORRUPT_VERSION,
+    SERVER_COMMANDS,
+    SUCCEEDED,
+    BadRequest,
+    Work,
+    check_name,
+)
 from cube.shard import Shard
 
 log = logging.getLogger("cube.agent")
@@ -119,7 +126,8 @@ class Agent:
         self.counters = counters or AgentCounters()  # shared by the instances of one process
 
     def _task_ended(self, task: Task) -> None:
-        seconds = max(0.0, task.finished_at - task.started_at)
+        finished = task.finished_at if task.finished_at is not None else task.started_at  # set
+        seconds = max(0.0, finished - task.started_at)
         self.counters.task_ended(task.command, task.state == SUCCEEDED, task.reason, seconds)
 
     async def metrics_snapshot(self) -> dict[str, Any]:
@@ -319,11 +327,11 @@ class Agent:
             if digest != want_md5:
                 part.unlink(missing_ok=True)
                 log.warning(
-                    "md5 of %s: %s (%d bytes), not %s", shown(source), digest, got, want_md5
+                    "md5 of %s: %s (%d bytes), not %s", remote.redact(source), digest, got, want_md5
                 )
                 raise TaskFailed(  # not the digest got: it would tell about the fetched bytes
-                    f"md5 mismatch for {shown(source)}: expected {want_md5}, the download differs; "
-                    "it was discarded and nothing was placed"
+                    f"md5 mismatch for {remote.redact(source)}: expected {want_md5}, the download"
+                    " differs; it was discarded and nothing was placed"
                 )
             part.replace(tar)
             atomic_write_json(marker, {"md5": digest, "size": got, "source": source})

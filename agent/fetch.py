@@ -31,13 +31,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
 
 import aiohttp
 import yarl
 
 from cube import remote
-from cube.backoff import Backoff
+from cube.backoff import Backoff, retrying_async
 from cube.fsutil import md5_of_line
 from cube.security import client_context
 
@@ -208,15 +209,6 @@ def source_kind(source: str) -> str:
     )
 
 
-def shown(source: str) -> str:
-    """`source` for a message: a password in the URL is replaced by '***'."""
-    parts = urlsplit(source)
-    if parts.password is None:
-        return source
-    userinfo, _, hostport = parts.netloc.rpartition("@")
-    return urlunsplit(parts._replace(netloc=f"{userinfo.partition(':')[0]}:***@{hostport}"))
-
-
 def check_source(source: str, policy: SourcePolicy) -> Target:
     """The source as a Target, or SourceRefused naming the flag that would allow it."""
     if _unsafe_chars(source):
@@ -231,13 +223,13 @@ def check_source(source: str, policy: SourcePolicy) -> Target:
     try:
         port = parts.port or _DEFAULT_PORTS[scheme]
     except ValueError:
-        raise SourceRefused(f"source {shown(source)!r}: bad port") from None
+        raise SourceRefused(f"source {remote.redact(source)!r}: bad port") from None
     host = parts.hostname
     if not host:
-        raise SourceRefused(f"source {shown(source)!r}: no host")
+        raise SourceRefused(f"source {remote.redact(source)!r}: no host")
     segments = _segments(unquote(parts.path))
     if segments is None:
-        raise SourceRefused(f"source {shown(source)!r}: '.' or '..' in the path")
+        raise SourceRefused(f"source {remote.redact(source)!r}: '.' or '..' in the path")
     userinfo, at, _ = parts.netloc.rpartition("@")
     netloc = f"{userinfo}{at}{f'[{host}]' if ':' in host else host}:{port}"
     url = urlunsplit((scheme, netloc, parts.path or "/", parts.query, ""))
@@ -247,11 +239,11 @@ def check_source(source: str, policy: SourcePolicy) -> Target:
     except ValueError:
         agree = False
     if not agree:
-        raise SourceRefused(f"source {shown(source)!r}: ambiguous URL")
+        raise SourceRefused(f"source {remote.redact(source)!r}: ambiguous URL")
     target = Target(kind, url, scheme, host, port, segments)
     if policy.prefixes and not any(p.matches(target) for p in policy.prefixes):
         raise SourceRefused(
-            f"source {shown(source)!r} is not under an allowed prefix; to allow it, change "
+            f"source {remote.redact(source)!r} is not under an allowed prefix; to allow it, change "
             f"{_FLAGS_HINT}"
         )
     return target
@@ -346,7 +338,7 @@ class _Pace:
         return max(0.0, self.sent / self.rate - (time.monotonic() - self.start))
 
 
-def _open_part(part: Path, offset: int):
+def _open_part(part: Path, offset: int) -> BinaryIO:
     """The .part file positioned at `offset` (anything after it is dropped)."""
     f = open(part, "r+b" if part.exists() else "w+b")  # noqa: SIM115 - closed by caller
     f.truncate(offset)
@@ -478,7 +470,7 @@ def _redirect_target(url: str, location: str | None, at: _Attempt) -> str:
         if target.kind != "http":
             raise SourceRefused("not http")
     except SourceRefused:
-        log.warning("redirect from %s to %r refused", shown(url), location[:200])
+        log.warning("redirect from %s to %r refused", remote.redact(url), location[:200])
         raise SourceRefused(
             f"source {at.where}: a redirect leads outside the allowed sources (only http(s) "
             f"URLs that {_FLAGS_HINT} allows are followed); not followed"
@@ -609,11 +601,13 @@ def _file_once(target: Target, at: _Attempt, stop: threading.Event) -> int | Non
     return total
 
 
-async def _in_thread(fn, *args) -> int | None:
+async def _in_thread(
+    fn: Callable[[Target, _Attempt, threading.Event], int | None], target: Target, at: _Attempt
+) -> int | None:
     """Run a blocking attempt in a thread; cancelling the caller stops it at the next block."""
     stop = threading.Event()
     try:
-        return await asyncio.to_thread(fn, *args, stop)
+        return await asyncio.to_thread(fn, target, at, stop)
     finally:
         stop.set()
 
@@ -643,50 +637,60 @@ async def fetch_file(
         raise
 
 
+# What may pass if a download is tried again: a FetchError that says so, or these.
+_TRANSIENT = (TimeoutError, aiohttp.ClientError, OSError, EOFError, ftplib.Error)
+
+
+def _retryable(error: Exception) -> bool:
+    if isinstance(error, FetchError):
+        return error.retryable
+    return isinstance(error, _TRANSIENT)
+
+
 async def _fetch(
     source: str, part: Path, bound: _Bound, policy: FetchPolicy, progress: ProgressFn
 ) -> int:
     target = check_source(source, policy.sources)
-    where = shown(source)
+    where = remote.redact(source)
     part.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + policy.timeout
-    last: Exception | None = None
-    for attempt in range(1, max(policy.attempts, 1) + 1):
+
+    async def attempt(_number: int) -> int:
         offset = part.stat().st_size if part.exists() else 0
         if bound.size is not None and offset > bound.size:
             offset = 0
             _open_part(part, 0).close()
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            break
+            raise TimeoutError
         at = _Attempt(part, offset, bound, policy, progress, where, deadline)
-        try:
-            async with asyncio.timeout(remaining):
-                if target.kind == "http":
-                    total = await _http_once(target, at)
-                elif target.kind == "ftp":
-                    total = await _in_thread(_ftp_once, target, at)
-                elif target.kind == "s3":
-                    total = await _in_thread(_s3_once, target, at)
-                else:
-                    total = await _in_thread(_file_once, target, at)
-            got = part.stat().st_size
-            bound.check_total(total, where)
-            want = bound.size if bound.size is not None else total
-            if want is not None and got != want:
-                raise FetchError(f"transfer of {where} stopped at {got} of {want} bytes")
-            return got
-        except FetchError as exc:
-            if not exc.retryable:
-                raise
-            last = exc
-        except (TimeoutError, aiohttp.ClientError, OSError, EOFError, ftplib.Error) as exc:
-            if time.monotonic() >= deadline:
-                break
-            last = exc
-        if attempt < policy.attempts:
-            pause = Backoff(policy.backoff, policy.backoff_max).delay(attempt - 1)
-            await asyncio.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+        async with asyncio.timeout(remaining):
+            if target.kind == "http":
+                total = await _http_once(target, at)
+            elif target.kind == "ftp":
+                total = await _in_thread(_ftp_once, target, at)
+            elif target.kind == "s3":
+                total = await _in_thread(_s3_once, target, at)
+            else:
+                total = await _in_thread(_file_once, target, at)
+        got = part.stat().st_size
+        bound.check_total(total, where)
+        want = bound.size if bound.size is not None else total
+        if want is not None and got != want:
+            raise FetchError(f"transfer of {where} stopped at {got} of {want} bytes")
+        return got
+
+    backoff = Backoff(policy.backoff, policy.backoff_max)
+    try:
+        return await retrying_async(
+            attempt, backoff, policy.attempts, _retryable, deadline=deadline, sleep=asyncio.sleep
+        )
+    except FetchError as exc:
+        if not exc.retryable:
+            raise
+        last: Exception = exc
+    except _TRANSIENT as exc:
+        last = exc
     if time.monotonic() >= deadline:
         raise FetchError(
             f"download of {where} timed out after {policy.timeout:g} s (--download_timeout); "
@@ -718,7 +722,7 @@ async def fetch_md5(source: str, dest: Path, policy: FetchPolicy) -> str:
     await fetch_file(source, part, size=None, policy=small, cap=MAX_MD5_FILE, cap_why="md5 file")
     text = part.read_text(encoding="utf-8", errors="replace")
     try:
-        digest = parse_md5_text(text, shown(source))
+        digest = parse_md5_text(text, remote.redact(source))
     except FetchError:
         part.unlink(missing_ok=True)
         raise

@@ -16,11 +16,11 @@ import contextlib
 import errno
 import fcntl
 import os
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from cube.backoff import Backoff, retrying
 from cube.fsutil import atomic_write_text
 from cube.layout import (
     CHAIN_FILE,
@@ -100,6 +100,7 @@ class DeployPathTaken(Exception):
 
 
 LOCK_TRIES = 25  # x 20 ms: another agent's check holds a lock file for a moment only
+_LOCK_PAUSE = Backoff(0.02, 0.02)
 WALK_LIMIT = 10_000  # directories searched for nested deploy paths
 
 
@@ -160,18 +161,25 @@ class DeployLock:
             self.fd = None
 
 
+def _held(error: Exception) -> bool:
+    """A non-blocking flock's "another holds it"."""
+    return isinstance(error, OSError) and error.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+
+
 def _lock(fd: int, kind: int, tries: int) -> bool:
-    """flock without waiting, tried `tries` times 20 ms apart; whether it was got."""
-    for attempt in range(tries):
-        try:
-            fcntl.flock(fd, kind | fcntl.LOCK_NB)
-            return True
-        except OSError as exc:
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise
-        if attempt + 1 < tries:
-            time.sleep(0.02)
-    return False
+    """flock without waiting, tried `tries` times (at least once) 20 ms apart; whether it
+    was got."""
+
+    def attempt(_number: int) -> bool:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+        return True
+
+    try:
+        return retrying(attempt, _LOCK_PAUSE, tries, _held)
+    except OSError as exc:
+        if _held(exc):
+            return False
+        raise
 
 
 def _holder(fd: int) -> str:

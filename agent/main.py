@@ -18,6 +18,7 @@ import logging
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,9 @@ from cube.agent.deploy import Agent, AgentConfig
 from cube.agent.fetch import FetchPolicy, SourcePolicy
 from cube.agent.layout import DeployPathTaken, overlap
 from cube.agent.metrics import AgentCounters
-from cube.flags import FlagError, Flags, FlagSet, run_cli
+from cube.flags import FlagError, FlagSet, flag, run_cli
 from cube.listen import address, listen_socket
-from cube.logs import LOG_FORMATS, setup_logging
+from cube.logs import LOG_FORMATS, announce, setup_logging
 from cube.security import TLSFiles, is_loopback, require_token, server_context, token_from
 
 log = logging.getLogger("cube.agent")
@@ -52,102 +53,88 @@ def log_level(text: str) -> str:
     return name
 
 
-def flag_set() -> FlagSet:
-    fs = FlagSet(
-        "cube-agent", "Deploys shard versions onto one cube-server (docs/reference/agent-api.md)."
+@dataclass(frozen=True)
+class AgentFlags:
+    """cube-agent's flags."""
+
+    port: int = flag(0, "HTTP port of the agent (0 = any free port)", aliases=("P",), required=True)
+    host: str = flag("127.0.0.1", "address to bind", metavar="HOST")
+    metrics_port: int = flag(-1, "Prometheus metrics at :PORT/metrics; -1: off, 0: any")
+    metrics_host: str = flag("127.0.0.1", "address to bind the metrics (no token)")
+    deploy_path: str = flag(
+        "", "instance directory: data/, cube_data/, agent_state/", required=True, metavar="DIR"
     )
-    fs.add(
-        "port",
-        int,
-        None,
-        "HTTP port of the agent (0 = any free port)",
-        aliases=("P",),
-        required=True,
-    )
-    fs.add("host", str, "127.0.0.1", "address to bind")
-    fs.add("metrics_port", int, -1, "Prometheus metrics at :PORT/metrics; -1: off, 0: any")
-    fs.add("metrics_host", str, "127.0.0.1", "address to bind the metrics (no token)")
-    fs.add(
-        "deploy_path",
-        str,
-        None,
-        "instance directory: data/, cube_data/, agent_state/",
-        required=True,
-    )
-    fs.add(
-        "server",
-        str,
+    server: str = flag(
         "127.0.0.1:9000",
         "the cube-server's control address: its --control_host:--control_port (a server's"
         " control port is its --port + 1000 unless set)",
+        metavar="HOST:PORT",
     )
-    fs.add(
-        "instances",
-        str,
+    instances: str = flag(
         "",
         "more instances this agent serves, comma-separated DEPLOY_PATH=HOST:PORT (each server's"
         " control address); requests name theirs by deploy_path",
+        metavar="DIR=HOST:PORT,...",
     )
-    fs.add(
-        "server_token",
-        str,
+    server_token: str = flag(
         "",
-        "token of the server's control port (its --control_token; default: env CUBE_CONTROL_TOKEN)",
+        "token of the server's control port (its --control_token) (default: env"
+        " CUBE_CONTROL_TOKEN)",
     )
-    fs.add("token", str, "", "require 'Authorization: Bearer <token>' (default: env CUBE_TOKEN)")
-    fs.add(
-        "insecure",
-        bool,
-        False,
-        "allow --host beyond loopback without a token (anyone reaching it can deploy)",
+    token: str = flag("", "require 'Authorization: Bearer <token>' (default: env CUBE_TOKEN)")
+    insecure: bool = flag(
+        False, "allow --host beyond loopback without a token (anyone reaching it can deploy)"
     )
-    fs.add("tls_cert", str, "", "PEM certificate: serve the HTTP API over TLS (https)")
-    fs.add("tls_key", str, "", "PEM private key of --tls_cert")
-    fs.add("tls_ca", str, "", "PEM CA bundle trusted for https:// downloads (default: system's)")
-    fs.add("keep", int, 2, "versions kept on disk besides the serving chain")
-    fs.add(
-        "log_level",
-        log_level,
+    tls_cert: str = flag("", "PEM certificate: serve the HTTP API over TLS (https)")
+    tls_key: str = flag("", "PEM private key of --tls_cert")
+    tls_ca: str = flag("", "PEM CA bundle trusted for https:// downloads (default: system's)")
+    keep: int = flag(2, "versions kept on disk besides the serving chain")
+    log_level: str = flag(
         "INFO",
         "DEBUG, INFO, WARNING or ERROR; -l takes the original agent's numbers too"
         " (16 debug, 8 trace, 4 notice, 2 warning, 1 fatal, 0 none)",
+        parse=log_level,
         aliases=("l",),
+        metavar="LEVEL",
     )
-    fs.add("log_dir", str, "", "also log to <log_dir>/<log_name>.log (default: stderr only)")
-    fs.add("log_name", str, "cube-agent", "the log file's name in --log_dir, without .log")
-    fs.ignore(
-        ["n", "q"],
-        True,
-        "the original agent's worker and queue sizes; this agent runs each instance's tasks"
-        " in order and bounds them itself",
-    )
-    fs.add("log_format", str, "text", "text lines, or one JSON object a line", choices=LOG_FORMATS)
-    fs.add("download_timeout", float, 3600.0, "seconds for one download, all attempts")
-    fs.add("download_attempts", int, 5, "attempts per download (each resumes the .part)")
-    fs.add("download_backoff", float, 1.0, "seconds before the 2nd attempt, doubled each time")
-    fs.add("io_timeout", float, 60.0, "seconds for one connect or one stalled read")
-    fs.add("limit_rate", int, 0, "download rate limit in bytes/s (0 = unlimited)")
-    fs.add("reload_timeout", float, 1800.0, "seconds for the server to load a version")
-    fs.add("control_timeout", float, 10.0, "seconds for other server control commands")
-    fs.add(
-        "allowed_sources",
-        str,
+    log_dir: str = flag("", "also log to <log_dir>/<log_name>.log (default: stderr only)")
+    log_name: str = flag("cube-agent", "the log file's name in --log_dir, without .log")
+    log_format: str = flag("text", "text lines, or one JSON object a line", choices=LOG_FORMATS)
+    download_timeout: float = flag(3600.0, "seconds for one download, all attempts")
+    download_attempts: int = flag(5, "attempts per download (each resumes the .part)")
+    download_backoff: float = flag(1.0, "seconds before the 2nd attempt, doubled each time")
+    io_timeout: float = flag(60.0, "seconds for one connect or one stalled read")
+    limit_rate: int = flag(0, "download rate limit in bytes/s (0 = unlimited)")
+    reload_timeout: float = flag(1800.0, "seconds for the server to load a version")
+    control_timeout: float = flag(10.0, "seconds for other server control commands")
+    allowed_sources: str = flag(
         "",
         "comma-separated URL prefixes downloads may use, scheme://host[:port]/path "
-        "(file:///path for local files, s3://bucket/prefix for S3 objects, which need one); "
-        "default: any http, https or ftp URL",
+        "(file:///path for local files, s3://bucket/prefix for S3 objects, which need one)"
+        " (default: any http, https or ftp URL)",
+        metavar="PREFIX,...",
     )
-    fs.add(
-        "sync_reply_timeout",
-        float,
+    sync_reply_timeout: float = flag(
         110.0,
         "a command from the original cube-transfer (which takes the reply as the outcome) is"
         " answered when its task ends, or after this many seconds with 'still running' (the"
         " original transfer gives up after 120)",
     )
-    fs.add("allow_file_sources", bool, False, "allow file:// and local path sources anywhere")
-    fs.add("md5_from_source", bool, False, "a download without md5 fetches <source>.md5")
-    return fs
+    allow_file_sources: bool = flag(False, "allow file:// and local path sources anywhere")
+    md5_from_source: bool = flag(False, "a download without md5 fetches <source>.md5")
+
+
+def flag_set() -> FlagSet[AgentFlags]:
+    return FlagSet(
+        "cube-agent",
+        "Deploys shard versions onto one cube-server (docs/reference/agent-api.md).",
+        spec=AgentFlags,
+    ).ignore(
+        ["n", "q"],
+        True,
+        "the original agent's worker and queue sizes; this agent runs each instance's tasks"
+        " in order and bounds them itself",
+    )
 
 
 def instance_configs(first: AgentConfig, text: str) -> list[AgentConfig]:
@@ -178,21 +165,24 @@ def instance_configs(first: AgentConfig, text: str) -> list[AgentConfig]:
     return configs
 
 
-def config_from_flags(flags: Flags) -> AgentConfig:
+def config_from_flags(flags: AgentFlags) -> AgentConfig:
     if not 0 <= flags.port <= 65535:
         raise FlagError(f"--port: {flags.port} is not a TCP port")
     if not flags.deploy_path:
         raise FlagError("--deploy_path is required")
     if flags.keep < 1:
         raise FlagError("--keep: at least 1 (the newest download must survive until enabled)")
-    for name in ("download_attempts", "limit_rate"):
-        if flags[name] < 0:
-            raise FlagError(f"--{name}: must not be negative")
-    for name in (
-        "download_timeout", "io_timeout", "reload_timeout", "control_timeout",
-        "sync_reply_timeout",
+    for name, count in (
+        ("download_attempts", flags.download_attempts), ("limit_rate", flags.limit_rate),
     ):  # fmt: skip
-        if flags[name] <= 0:
+        if count < 0:
+            raise FlagError(f"--{name}: must not be negative")
+    for name, seconds in (
+        ("download_timeout", flags.download_timeout), ("io_timeout", flags.io_timeout),
+        ("reload_timeout", flags.reload_timeout), ("control_timeout", flags.control_timeout),
+        ("sync_reply_timeout", flags.sync_reply_timeout),
+    ):  # fmt: skip
+        if seconds <= 0:
             raise FlagError(f"--{name}: must be positive")
     try:
         sources = SourcePolicy.from_flags(flags.allowed_sources, flags.allow_file_sources)
@@ -304,9 +294,9 @@ async def serve(
         await site.start()
         bound = api.getsockname()
         scheme = "https" if ssl_context else "http"
-        print(f"cube-agent listening on {scheme}://{address(bound[0], bound[1])}", flush=True)
+        announce(log, f"cube-agent listening on {scheme}://{address(bound[0], bound[1])}")
         if metrics_server is not None:  # a second line, after the one tools wait for
-            print(metrics_line, flush=True)
+            announce(log, metrics_line)
         log.info(
             "cube-agent %s: %s, auth %s",
             __version__,
@@ -341,10 +331,10 @@ def _main(argv: Sequence[str]) -> int:
         metrics = (flags.metrics_host, flags.metrics_port) if flags.metrics_port >= 0 else None
         return asyncio.run(serve(configs, flags.host, flags.port, token, tls, metrics))
     except DeployPathTaken as exc:
-        print(f"error: cube-agent: {exc}", file=sys.stderr)
+        log.error("cube-agent: %s", exc)
         return 1
     except OSError as exc:
-        print(f"error: cube-agent: {exc.strerror or exc}", file=sys.stderr)
+        log.error("cube-agent: %s", exc.strerror or exc)
         return 1
 
 

@@ -105,9 +105,9 @@ class TaskManager:
         self.runners = runners
         self.exclusive = exclusive
         self.still_done = still_done
-        self.expected_errors = (TaskFailed, *expected_errors)
+        self.expected_errors: tuple[type[BaseException], ...] = (TaskFailed, *expected_errors)
         self._tasks: dict[tuple[str, str], Task] = {}
-        self._handles: dict[tuple[str, str], asyncio.Task] = {}
+        self._handles: dict[tuple[str, str], asyncio.Task[Any]] = {}
         self._lock = asyncio.Lock()
 
     def recover(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import platform
 import shlex
@@ -25,6 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -50,7 +52,7 @@ from cube.bench.targets import (
     TargetUnavailable,
     make_dataset,
 )
-from cube.flags import FlagError, FlagSet, run_cli
+from cube.flags import FlagError, FlagSet, flag, run_cli
 
 TARGETS: dict[str, type[Target]] = {
     "cube": CubeTarget,
@@ -59,9 +61,9 @@ TARGETS: dict[str, type[Target]] = {
 }
 
 
-def _int_list(text: str) -> list[int]:
+def _int_list(text: str) -> tuple[int, ...]:
     try:
-        values = [int(part) for part in text.split(",") if part.strip()]
+        values = tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError as exc:
         raise ValueError(f"expected comma-separated integers, got {text!r}") from exc
     if not values or min(values) <= 0:
@@ -69,75 +71,82 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def flag_set() -> FlagSet:
-    flags = FlagSet("cube-bench", __doc__.split("\n\n")[0])
-    flags.add("targets", str, "cube,redis", "comma-separated: cube, redis, memcached")
-    flags.add("threads", _int_list, [1, 4, 8, 16, 24, 32], "concurrency levels (threads or tasks)")
-    flags.add("batch", int, 1000, "keys per request")
-    flags.add("requests", int, 0, "measure this many requests per level (0: use --duration)")
-    flags.add("duration", float, 10.0, "seconds measured per level")
-    flags.add("warmup", float, 2.0, "seconds of warm-up before each level is measured")
-    flags.add("keys", int, 1_000_000, "keys loaded into every target")
-    flags.add("value_size", int, 40, "bytes per value (random bytes); ignored with --dim")
-    flags.add("dim", int, 0, "values are embeddings of this many float32 (value_size = dim*4)")
-    flags.add("dtype", str, "float32", "embedding element type", choices=["float32"])
-    flags.add("shards", int, 1, "cube: shards (one cube-server each)")
-    flags.add("workers", int, 2, "cube: worker processes per cube-server")
-    flags.add(
-        "cube_transport",
-        str,
-        "auto",
-        "cube SDK transport: auto (the servers' TCP lane) or grpc",
-        choices=["auto", "grpc"],
+@dataclass(frozen=True)
+class BenchFlags:
+    """cube-bench's flags."""
+
+    targets: str = flag("cube,redis", "comma-separated: cube, redis, memcached", metavar="LIST")
+    threads: tuple[int, ...] = flag(
+        (1, 4, 8, 16, 24, 32),
+        "concurrency levels (threads or tasks)",
+        parse=_int_list,
+        metavar="N,...",
     )
-    flags.add(
-        "cube_busy_poll_us",
-        int,
-        0,
-        "cube: cube-server --busy_poll_us and the SDK's busy_poll_us (0: off)",
+    batch: int = flag(1000, "keys per request")
+    requests: int = flag(0, "measure this many requests per level (0: use --duration)")
+    duration: float = flag(10.0, "seconds measured per level")
+    warmup: float = flag(2.0, "seconds of warm-up before each level is measured")
+    keys: int = flag(1_000_000, "keys loaded into every target")
+    value_size: int = flag(40, "bytes per value (random bytes); ignored with --dim")
+    dim: int = flag(0, "values are embeddings of this many float32 (value_size = dim*4)")
+    dtype: str = flag("float32", "embedding element type", choices=["float32"])
+    shards: int = flag(1, "cube: shards (one cube-server each)")
+    workers: int = flag(2, "cube: worker processes per cube-server")
+    cube_transport: str = flag(
+        "auto", "cube SDK transport: auto (the servers' TCP lane) or grpc", choices=["auto", "grpc"]
     )
-    flags.add(
-        "client",
-        str,
+    cube_busy_poll_us: int = flag(
+        0, "cube: cube-server --busy_poll_us and the SDK's busy_poll_us (0: off)"
+    )
+    client: str = flag(
         "thread",
         "thread (a client per thread), shared (threads share one client) or asyncio",
         choices=["thread", "shared", "asyncio"],
     )
-    flags.add("out", str, "cube-bench-out", "directory for results.json/.md/.png")
-    flags.add("skip_missing", bool, False, "skip a target whose server binary is missing")
-    flags.add("max_other_load", float, 0.25, "cores other processes may use before a rerun")
-    flags.add("max_repeats", int, 2, "reruns at most of a disturbed level")
-    flags.add("quiet_wait", float, 60.0, "seconds to wait at most for a quiet machine per try")
-    flags.add("check_sample", int, 2000, "keys checked against the data set per target")
-    flags.add("timeout", float, 300.0, "bound on one level's measured phase with --requests")
-    flags.add("start_timeout", float, 60.0, "bound on each server's startup")
-    flags.add("seed", int, 1, "seed of the data set and of the key draws")
-    flags.add("workdir", str, "", "where servers keep files (default: a temp dir, removed)")
-    return flags
+    out: str = flag("cube-bench-out", "directory for results.json/.md/.png", metavar="DIR")
+    skip_missing: bool = flag(False, "skip a target whose server binary is missing")
+    max_other_load: float = flag(0.25, "cores other processes may use before a rerun")
+    max_repeats: int = flag(2, "reruns at most of a disturbed level")
+    quiet_wait: float = flag(60.0, "seconds to wait at most for a quiet machine per try")
+    check_sample: int = flag(2000, "keys checked against the data set per target")
+    timeout: float = flag(300.0, "bound on one level's measured phase with --requests")
+    start_timeout: float = flag(60.0, "bound on each server's startup")
+    seed: int = flag(1, "seed of the data set and of the key draws")
+    workdir: str = flag(
+        "", "where servers keep files (default: a temp dir, removed)", metavar="DIR"
+    )
 
 
-def validate(flags: dict[str, Any]) -> None:
-    for name in ("batch", "keys", "shards", "workers", "check_sample"):
-        if flags[name] <= 0:
-            raise FlagError(f"--{name} must be > 0, got {flags[name]}")
-    if flags["keys"] < flags["batch"]:
+def flag_set() -> FlagSet[BenchFlags]:
+    return FlagSet("cube-bench", (__doc__ or "").split("\n\n")[0], spec=BenchFlags)
+
+
+def validate(flags: BenchFlags) -> list[str]:
+    """FlagError for flags that do not go together; the targets to run, in order."""
+    for name, count in (
+        ("batch", flags.batch), ("keys", flags.keys), ("shards", flags.shards),
+        ("workers", flags.workers), ("check_sample", flags.check_sample),
+    ):  # fmt: skip
+        if count <= 0:
+            raise FlagError(f"--{name} must be > 0, got {count}")
+    if flags.keys < flags.batch:
         raise FlagError(
-            f"--keys {flags['keys']} is below --batch {flags['batch']}: every request would ask"
+            f"--keys {flags.keys} is below --batch {flags.batch}: every request would ask"
             " for some keys twice, which no real workload does (raise --keys or lower --batch)"
         )
-    if flags["dim"] < 0 or (not flags["dim"] and flags["value_size"] <= 0):
+    if flags.dim < 0 or (not flags.dim and flags.value_size <= 0):
         raise FlagError("--value_size (or --dim) must be > 0")
-    if flags["duration"] <= 0 or flags["warmup"] < 0 or flags["requests"] < 0:
+    if flags.duration <= 0 or flags.warmup < 0 or flags.requests < 0:
         raise FlagError("--duration must be > 0, --warmup and --requests >= 0")
-    if flags["max_repeats"] < 0 or flags["quiet_wait"] < 0:
+    if flags.max_repeats < 0 or flags.quiet_wait < 0:
         raise FlagError("--max_repeats and --quiet_wait must be >= 0")
-    names = [t.strip() for t in flags["targets"].split(",") if t.strip()]
+    names = [t.strip() for t in flags.targets.split(",") if t.strip()]
     if not names:
         raise FlagError("--targets is empty")
     unknown = [t for t in names if t not in ("cube", "redis", "memcached")]
     if unknown:
         raise FlagError(f"--targets: unknown {', '.join(unknown)} (cube, redis, memcached)")
-    flags["target_names"] = list(dict.fromkeys(names))
+    return list(dict.fromkeys(names))
 
 
 def machine() -> dict[str, str]:
@@ -216,7 +225,8 @@ def check_answers(target: Target, data: Dataset, sample: int, mode: str, seed: i
         async def fetch_async() -> tuple[np.ndarray, int]:
             aclient = target.async_client(1)
             try:
-                return await aclient.fetch(keys)
+                fetched: tuple[np.ndarray, int] = await aclient.fetch(keys)
+                return fetched
             finally:
                 await aclient.close()
 
@@ -232,34 +242,35 @@ def _print_flush(text: str) -> None:
     print(text, flush=True)
 
 
-def run(flags: dict[str, Any], argv: Sequence[str]) -> int:
+def run(flags: BenchFlags, target_names: list[str], argv: Sequence[str]) -> int:
+    options = dataclasses.asdict(flags)
     settings = {
-        k: flags[k]
+        k: options[k]
         for k in (
             "threads", "batch", "requests", "duration", "warmup", "keys", "value_size", "dim",
             "dtype", "shards", "workers", "cube_transport", "cube_busy_poll_us", "client",
             "max_other_load", "max_repeats", "quiet_wait", "seed",
         )
     }  # fmt: skip
-    if flags["dim"]:
-        settings["value_size"] = flags["dim"] * 4
-    settings["client"] = flags["client"]
+    if flags.dim:
+        settings["value_size"] = flags.dim * 4
+    settings["client"] = flags.client
 
     targets: list[Target] = []
     skipped: dict[str, str] = {}
-    own_workdir = not flags["workdir"]
-    workdir = Path(flags["workdir"] or tempfile.mkdtemp(prefix="cube-bench-"))
+    own_workdir = not flags.workdir
+    workdir = Path(flags.workdir or tempfile.mkdtemp(prefix="cube-bench-"))
     registry = ProcessRegistry(log=_print_flush)
-    for name in flags["target_names"]:
-        target = TARGETS[name](registry, workdir / name, flags)
+    for name in target_names:
+        target = TARGETS[name](registry, workdir / name, options)
         try:
-            target.check_available(flags["client"])
+            target.check_available(flags.client)
             targets.append(target)
             continue
         except TargetUnavailable as exc:
             reason = str(exc)
             unsupported = isinstance(exc, ModeUnsupported)
-        if not flags["skip_missing"] and not unsupported:
+        if not flags.skip_missing and not unsupported:
             print(f"error: {reason}", file=sys.stderr)
             return 2
         print(f"skipping {name}: {reason}", file=sys.stderr)
@@ -270,10 +281,9 @@ def run(flags: dict[str, Any], argv: Sequence[str]) -> int:
 
     started = time.strftime("%Y-%m-%d %H:%M:%S %z")
     t0 = time.perf_counter()
-    data = make_dataset(flags["keys"], flags["value_size"], flags["dim"], flags["seed"])
+    data = make_dataset(flags.keys, flags.value_size, flags.dim, flags.seed)
     _print_flush(
-        f"data set: {flags['keys']:,} keys x {data.value_size} bytes "
-        f"({time.perf_counter() - t0:.1f}s)"
+        f"data set: {flags.keys:,} keys x {data.value_size} bytes ({time.perf_counter() - t0:.1f}s)"
     )
     results: dict[str, Any] = {}
     versions = base_versions()
@@ -288,28 +298,26 @@ def run(flags: dict[str, Any], argv: Sequence[str]) -> int:
                     raise BenchError(f"{target.name}: {exc}") from exc
                 target.info["pids"] = target.server_pids()
                 versions.update(target.versions())
-                checked = check_answers(
-                    target, data, flags["check_sample"], flags["client"], flags["seed"]
-                )
+                checked = check_answers(target, data, flags.check_sample, flags.client, flags.seed)
                 _print_flush(
                     f"{target.name}: loaded in {target.info.get('load_seconds', '?')}s, "
                     f"{checked} answers checked"
                 )
                 rows = []
-                for concurrency in flags["threads"]:
+                for concurrency in flags.threads:
                     cfg = LevelConfig(
                         concurrency=concurrency,
-                        batch=flags["batch"],
-                        warmup=flags["warmup"],
-                        duration=flags["duration"],
-                        requests=flags["requests"],
-                        timeout=flags["timeout"],
-                        mode=flags["client"],
-                        seed=flags["seed"] * 1000 + concurrency,
+                        batch=flags.batch,
+                        warmup=flags.warmup,
+                        duration=flags.duration,
+                        requests=flags.requests,
+                        timeout=flags.timeout,
+                        mode=flags.client,
+                        seed=flags.seed * 1000 + concurrency,
                     )
                     level = run_level(
-                        target, data, cfg, flags["max_other_load"], flags["max_repeats"],
-                        log=_print_flush, quiet_wait=flags["quiet_wait"],
+                        target, data, cfg, flags.max_other_load, flags.max_repeats,
+                        log=_print_flush, quiet_wait=flags.quiet_wait,
                     )  # fmt: skip
                     row = summarize(level)
                     rows.append(row)
@@ -336,7 +344,7 @@ def run(flags: dict[str, Any], argv: Sequence[str]) -> int:
         if own_workdir:
             shutil.rmtree(workdir, ignore_errors=True)
 
-    result = {
+    result: dict[str, Any] = {
         "command": shlex.join(["cube-bench", *argv]),
         "started": started,
         "settings": settings,
@@ -346,7 +354,7 @@ def run(flags: dict[str, Any], argv: Sequence[str]) -> int:
         "skipped": skipped,
         "ratios": ratios({name: t["levels"] for name, t in results.items()}),
     }
-    paths = write_outputs(result, Path(flags["out"]))
+    paths = write_outputs(result, Path(flags.out))
     for name, target_result in results.items():
         print(f"\n{name}\n{markdown_table(target_result['levels'])}")
     for entry in result["ratios"]:
@@ -358,8 +366,7 @@ def run(flags: dict[str, Any], argv: Sequence[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     def body(args: Sequence[str]) -> int:
         flags = flag_set().parse(args)
-        validate(flags)
-        return run(flags, args)
+        return run(flags, validate(flags), args)
 
     return run_cli(body, argv)
 

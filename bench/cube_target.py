@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from cube.bench.targets import Dataset, Target, TargetUnavailable
-from cube.layout import part_name
+from cube.layout import part_name, served_name
 from cube.processes import SERVING, free_port, health_status
 from cube.values import ValueColumn
 
@@ -57,7 +57,7 @@ class CubeTarget(Target):
         for shard, part in enumerate(parts):
             # the layout an agent leaves: <data_dir>/<version>/ and VERSION naming it; a base
             # built into <depend>_<cur>/ is served as version <depend>
-            version = part.parent.name.partition("_")[0]
+            version = served_name(part.parent.name)
             data_dir = self.workdir / f"server{shard}" / "data"
             data_dir.mkdir(parents=True)
             part.rename(data_dir / version)  # same file system: the builder's files, moved
@@ -77,6 +77,10 @@ class CubeTarget(Target):
             busy_poll_us = int(self.options.get("cube_busy_poll_us", 0))
             if busy_poll_us:
                 argv += ["--busy_poll_us", str(busy_poll_us)]
+
+            def ready(ports: list[int] = ports) -> bool:  # its kernel loaded, version served
+                return all(health_status(f"127.0.0.1:{port}") == SERVING for port in ports)
+
             self.servers.append(
                 self.registry.start(
                     f"cube-server{shard}",
@@ -84,9 +88,7 @@ class CubeTarget(Target):
                     ports,
                     self.workdir / "logs",
                     timeout=float(self.options.get("start_timeout", 60.0)),
-                    ready=lambda ports=ports: all(  # ready: its kernel loaded, version served
-                        health_status(f"127.0.0.1:{port}") == SERVING for port in ports
-                    ),
+                    ready=ready,
                 )
             )
             self.shard_ports.append(ports)

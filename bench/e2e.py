@@ -30,18 +30,17 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from cube.flags import FlagError, FlagSet, run_cli
+from cube.flags import FlagError, FlagSet, flag, run_cli
 from cube.format import FORMAT_VERSION
 from cube.processes import (
     SERVING,
@@ -51,35 +50,45 @@ from cube.processes import (
     health_status,
     machine_seconds,
     poll_until,
+    spawn,
+    stop_child,
 )
 
 _VERSION = "1"
 
-FLAGS = (
-    FlagSet("bench-e2e", "Drive a local cube-server with N requests in flight; report rates.")
-    .add("keys", int, 1_000_000, "keys in the shard")
-    .add("width", int, 40, "value bytes per key")
-    .add("batch", int, 1000, "keys per request")
-    .add("workers", int, 2, "cube-server --workers")
-    .add("inflight", str, "1,8", "comma list of in-flight request counts, one level each")
-    .add("duration", float, 10.0, "measured seconds per level")
-    .add("warmup", float, 2.0, "unmeasured seconds before each level")
-    .add("client", str, "async", "async, thread or raw", choices=("async", "thread", "raw"))
-    .add(
-        "transport", str, "auto", "SDK transport: auto (TCP lane) or grpc", choices=("auto", "grpc")
+
+@dataclass(frozen=True)
+class E2eFlags:
+    """bench-e2e's flags."""
+
+    keys: int = flag(1_000_000, "keys in the shard")
+    width: int = flag(40, "value bytes per key")
+    batch: int = flag(1000, "keys per request")
+    workers: int = flag(2, "cube-server --workers")
+    inflight: str = flag(
+        "1,8", "comma list of in-flight request counts, one level each", metavar="N,..."
     )
-    .add(
-        "busy_poll_us",
-        int,
-        0,
-        "cube-server --busy_poll_us and the thread client's busy_poll_us (0: off)",
+    duration: float = flag(10.0, "measured seconds per level")
+    warmup: float = flag(2.0, "unmeasured seconds before each level")
+    client: str = flag("async", "async, thread or raw", choices=("async", "thread", "raw"))
+    transport: str = flag(
+        "auto", "SDK transport: auto (TCP lane) or grpc", choices=("auto", "grpc")
     )
-    .add("server_args", str, "", "extra cube-server flags (space separated)")
-    .add("workdir", str, "/tmp/cube-e2e", "where the shard is built (and reused)")
-    .add("seed", int, 7, "seed of the shard's keys and values")
-    .add("max_other", float, 0.3, "a level is disturbed when others used more cores")
-    .add("repeats", int, 2, "extra tries of a disturbed level")
-    .add("json", str, "", "also write the results to this file")
+    busy_poll_us: int = flag(
+        0, "cube-server --busy_poll_us and the thread client's busy_poll_us (0: off)"
+    )
+    server_args: str = flag("", "extra cube-server flags (space separated)", metavar="FLAGS")
+    workdir: str = flag("/tmp/cube-e2e", "where the shard is built (and reused)", metavar="DIR")
+    seed: int = flag(7, "seed of the shard's keys and values")
+    max_other: float = flag(0.3, "a level is disturbed when others used more cores")
+    repeats: int = flag(2, "extra tries of a disturbed level")
+    json: str = flag("", "also write the results to this file", metavar="PATH")
+
+
+FLAGS = FlagSet(
+    "bench-e2e",
+    "Drive a local cube-server with N requests in flight; report rates.",
+    spec=E2eFlags,
 )
 
 
@@ -145,10 +154,7 @@ class Server:
             command += ["--worker_ports", ",".join(map(str, self.ports))]
         self.command = command
         self.log = log
-        with open(log, "wb") as out:
-            self.process = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
-            )
+        self.process = spawn(command, log, preexec_fn=die_with_parent)
 
     @property
     def addresses(self) -> list[str]:
@@ -183,18 +189,14 @@ class Server:
         from cube.pb import cube_pb2, cube_pb2_grpc
 
         with grpc.insecure_channel(f"127.0.0.1:{self.control_ports[0]}") as channel:
-            stub = cube_pb2_grpc.ControlServiceStub(channel)
+            # protoc writes the gRPC stubs untyped (cube/pb has .pyi files for the messages only)
+            stub = cube_pb2_grpc.ControlServiceStub(channel)  # type: ignore[no-untyped-call]
             reply = stub.cmd(cube_pb2.ControlRequest(cmd="status"), timeout=30)
-        return json.loads(reply.detail_json)["requests"]
+        counters: dict[str, int] = json.loads(reply.detail_json)["requests"]
+        return counters
 
     def stop(self, timeout: float = 20.0) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+        stop_child(self.process, timeout)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,8 +241,12 @@ class Recorder:
                 self.misses += int(found.shape[0] - np.count_nonzero(found))
 
 
+# A load: run(recorder, keep_going) sends requests until keep_going() says stop.
+Load = Callable[[Recorder, Callable[[], bool]], None]
+
+
 def measure(
-    run: Callable[[Recorder, Callable[[], bool]], None],
+    run: Load,
     server: Server,
     inflight: int,
     client: str,
@@ -317,7 +323,9 @@ def _cycle(batches: list[np.ndarray]) -> Callable[[], np.ndarray]:
     return next_batch
 
 
-def async_load(addresses: list[str], batches: list[np.ndarray], inflight: int, options: dict):
+def async_load(
+    addresses: list[str], batches: list[np.ndarray], inflight: int, options: dict[str, Any]
+) -> Load:
     from cube.client import AsyncCubeClient
 
     def run(recorder: Recorder, keep_going: Callable[[], bool]) -> None:
@@ -343,7 +351,9 @@ def async_load(addresses: list[str], batches: list[np.ndarray], inflight: int, o
     return run
 
 
-def thread_load(addresses: list[str], batches: list[np.ndarray], inflight: int, options: dict):
+def thread_load(
+    addresses: list[str], batches: list[np.ndarray], inflight: int, options: dict[str, Any]
+) -> Load:
     from cube.client import CubeClient
 
     def run(recorder: Recorder, keep_going: Callable[[], bool]) -> None:
@@ -367,7 +377,9 @@ def thread_load(addresses: list[str], batches: list[np.ndarray], inflight: int, 
     return run
 
 
-def raw_load(addresses: list[str], batches: list[np.ndarray], inflight: int, options: dict):
+def raw_load(
+    addresses: list[str], batches: list[np.ndarray], inflight: int, options: dict[str, Any]
+) -> Load:
     """SeekStream without the SDK: the server's capacity on its own."""
 
     def run(recorder: Recorder, keep_going: Callable[[], bool]) -> None:
@@ -380,7 +392,9 @@ def raw_load(addresses: list[str], batches: list[np.ndarray], inflight: int, opt
 
         async def stream(address: str, share: int) -> None:
             async with grpc.aio.insecure_channel(address) as channel:
-                call = channel.stream_stream("/cube.v1.CubeService/SeekStream")()
+                method: grpc.aio.StreamStreamMultiCallable[bytes, bytes]
+                method = channel.stream_stream("/cube.v1.CubeService/SeekStream")
+                call = method()
                 sent: list[float] = []
                 position = 0
                 for _ in range(share):  # keep `share` requests in flight on this stream
@@ -412,13 +426,13 @@ def raw_load(addresses: list[str], batches: list[np.ndarray], inflight: int, opt
 LOADS = {"async": async_load, "thread": thread_load, "raw": raw_load}
 
 
-def run_levels(flags) -> list[Level]:
+def run_levels(flags: E2eFlags) -> list[Level]:
     levels = [int(v) for v in flags.inflight.split(",") if v.strip()]
     if not levels or min(levels) < 1:
         raise FlagError(f"--inflight {flags.inflight!r}: expected a list of counts >= 1")
     workdir = Path(flags.workdir)
     print(f"building/reusing the shard under {workdir} ...", file=sys.stderr)
-    data_dir, keys = build_data(workdir, flags["keys"], flags.width, flags.seed)
+    data_dir, keys = build_data(workdir, flags.keys, flags.width, flags.seed)
     batches = key_batches(keys, flags.batch, 4096, flags.seed + 1)
     server_args = flags.server_args.split()
     if flags.busy_poll_us:
@@ -443,6 +457,7 @@ def run_levels(flags) -> list[Level]:
                 if noise <= flags.max_other:
                     break
                 print(f"disturbed (try {attempt + 1}): others and steal used {noise:.2f} cores")
+            assert best is not None  # one try at least
             results.append(best)
     finally:
         server.stop()

@@ -27,32 +27,50 @@ import struct
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cube.bench.e2e import Server, build_data, key_batches
-from cube.flags import FlagSet, run_cli
+from cube.flags import FlagSet, flag, run_cli
 from cube.processes import cpu_split, free_ports, machine_seconds
+
+if TYPE_CHECKING:
+    from cube.client import TransportName
 
 WAYS = ("lane", "grpc", "grpc-original", "http", "baidu_std")
 
-FLAGS = (
-    FlagSet("bench-faces", "Time one 1000-key request over each way into cube-server.")
-    .add("keys", int, 1_000_000, "keys in the shard")
-    .add("width", int, 40, "value bytes per key")
-    .add("batch", int, 1000, "keys per request")
-    .add("requests", int, 2000, "measured requests per way")
-    .add("warmup", int, 200, "unmeasured requests per way first")
-    .add("ways", str, ",".join(WAYS), "comma list of " + ", ".join(WAYS))
-    .add("workdir", str, "/tmp/cube-e2e", "where the shard is built (and reused)")
-    .add("seed", int, 7, "seed of the shard's keys and values")
-    .add("json", str, "", "also write the results to this file")
+
+@dataclass(frozen=True)
+class FacesFlags:
+    """bench-faces' flags."""
+
+    keys: int = flag(1_000_000, "keys in the shard")
+    width: int = flag(40, "value bytes per key")
+    batch: int = flag(1000, "keys per request")
+    requests: int = flag(2000, "measured requests per way")
+    warmup: int = flag(200, "unmeasured requests per way first")
+    ways: str = flag(",".join(WAYS), "comma list of " + ", ".join(WAYS), metavar="LIST")
+    workdir: str = flag("/tmp/cube-e2e", "where the shard is built (and reused)", metavar="DIR")
+    seed: int = flag(7, "seed of the shard's keys and values")
+    json: str = flag("", "also write the results to this file", metavar="PATH")
+
+
+FLAGS = FlagSet(
+    "bench-faces",
+    "Time one 1000-key request over each way into cube-server.",
+    spec=FacesFlags,
 )
 
 
-def _lane_or_grpc(transport: str):
-    def make(server: Server, ports: dict[str, int]):
+# A way in, ready to time: (encode, call, close); each way has its own request type.
+Face = tuple[Callable[[np.ndarray], Any], Callable[[Any], int], Callable[[], None]]
+
+
+def _lane_or_grpc(transport: TransportName) -> Callable[[Server, dict[str, int]], Face]:
+    def make(server: Server, ports: dict[str, int]) -> Face:
         from cube.client import CubeClient
 
         client = CubeClient(shards=[server.addresses], timeout=30.0, transport=transport)
@@ -69,12 +87,13 @@ def _lane_or_grpc(transport: str):
     return make
 
 
-def _grpc_original(server: Server, ports: dict[str, int]):
+def _grpc_original(server: Server, ports: dict[str, int]) -> Face:
     import grpc
 
     from cube.pb import cube_pb2
 
     channel = grpc.insecure_channel(server.addresses[0])
+    seek: grpc.UnaryUnaryMultiCallable[bytes, bytes]
     seek = channel.unary_unary("/rec.mcube.DictService/seek")
 
     def encode(keys: np.ndarray) -> bytes:
@@ -87,7 +106,7 @@ def _grpc_original(server: Server, ports: dict[str, int]):
     return encode, call, channel.close
 
 
-def _http(server: Server, ports: dict[str, int]):
+def _http(server: Server, ports: dict[str, int]) -> Face:
     connection = http.client.HTTPConnection("127.0.0.1", ports["http"], timeout=30)
     headers = {"Content-Type": "application/json"}
 
@@ -105,7 +124,7 @@ def _http(server: Server, ports: dict[str, int]):
     return encode, call, connection.close
 
 
-def _baidu_std(server: Server, ports: dict[str, int]):
+def _baidu_std(server: Server, ports: dict[str, int]) -> Face:
     from cube.pb import cube_pb2
     from cube.pb.baidu_std_pb2 import RpcMeta
 
@@ -144,7 +163,7 @@ def _baidu_std(server: Server, ports: dict[str, int]):
     return encode, call, sock.close
 
 
-CLIENTS: dict[str, Callable] = {
+CLIENTS: dict[str, Callable[[Server, dict[str, int]], Face]] = {
     "lane": _lane_or_grpc("auto"),
     "grpc": _lane_or_grpc("grpc"),
     "grpc-original": _grpc_original,
@@ -153,7 +172,9 @@ CLIENTS: dict[str, Callable] = {
 }
 
 
-def measure(way: str, server: Server, ports: dict[str, int], batches, flags) -> dict:
+def measure(
+    way: str, server: Server, ports: dict[str, int], batches: list[np.ndarray], flags: FacesFlags
+) -> dict[str, Any]:
     encode, call, close = CLIENTS[way](server, ports)
     try:
         requests = [encode(b) for b in batches[: flags.warmup + flags.requests]]
@@ -193,7 +214,7 @@ def measure(way: str, server: Server, ports: dict[str, int], batches, flags) -> 
     }
 
 
-def table(rows: Sequence[dict]) -> str:
+def table(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
         "| way | p50 µs/request | p99 µs | keys/s (batch / p50) | server CPU µs/request"
         " | client CPU µs/request | other cores |",
@@ -216,7 +237,7 @@ def _main(argv: Sequence[str]) -> int:
         raise SystemExit(f"--ways: unknown {unknown}; expected some of {', '.join(WAYS)}")
     workdir = Path(flags.workdir)
     print(f"building/reusing the shard under {workdir} ...", file=sys.stderr)
-    data_dir, keys = build_data(workdir, flags["keys"], flags.width, flags.seed)
+    data_dir, keys = build_data(workdir, flags.keys, flags.width, flags.seed)
     batches = key_batches(keys, flags.batch, flags.warmup + flags.requests, flags.seed + 3)
     http_port, baidu_port = free_ports(2)
     extra = ["--http_port", str(http_port), "--baidu_std_port", str(baidu_port)]

@@ -1,6 +1,6 @@
 """Peak traced memory of cube-import per record: one shard in the original's format (written
-by tests.original_cube, which follows the original builder byte by byte), converted in-process
-under tracemalloc (numpy's arrays are traced; the mapped input files are not).
+by tests/helpers/original_cube.py, which follows the original builder byte by byte), converted
+in-process under tracemalloc (numpy's arrays are traced; the mapped input files are not).
 
     python -m bench.import_memory --records 2000000 --width 8
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 import tempfile
 import tracemalloc
 from pathlib import Path
@@ -16,10 +17,16 @@ from pathlib import Path
 import numpy as np
 
 from cube.builder.import_original import run
-from tests.original_cube import OriginalBuilder
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from helpers.original_cube import OriginalBuilder
 
 
 def main() -> None:
+    # the original's builder is a test helper: imported as the tests import it (tests/ on the
+    # path), so that mypy knows the file by one name
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=1_000_000)
     parser.add_argument("--width", type=int, default=40, help="value bytes")

@@ -14,9 +14,10 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 
 import psutil
 
@@ -49,7 +50,7 @@ def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.2) -> bool:
 class ServerProcess:
     name: str
     argv: list[str]
-    popen: subprocess.Popen
+    popen: subprocess.Popen[bytes]
     log_path: Path
     ports: list[int] = field(default_factory=list)
 
@@ -143,11 +144,11 @@ class Interrupted(BaseException):
 
 
 @contextlib.contextmanager
-def signals_raise():
+def signals_raise() -> Iterator[None]:
     """While active, SIGTERM and SIGHUP raise `Interrupted` (SIGINT already raises
     KeyboardInterrupt), so a `finally` can stop the servers."""
 
-    def handler(signum, _frame):
+    def handler(signum: int, _frame: FrameType | None) -> None:
         raise Interrupted(f"signal {signal.Signals(signum).name}")
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
@@ -159,7 +160,7 @@ def signals_raise():
 
 
 @contextlib.contextmanager
-def signals_ignored():
+def signals_ignored() -> Iterator[None]:
     """While active, Ctrl-C, SIGTERM and SIGHUP are ignored: cleanup runs to its end."""
     sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in sigs}

@@ -102,7 +102,9 @@ def _draw(rng: np.random.Generator, keys: np.ndarray, batch: int) -> np.ndarray:
     return keys[rng.integers(0, keys.shape[0], batch)]
 
 
-def _thread_worker(shared: _Shared, index: int, client: Any, keys: np.ndarray, cfg) -> None:
+def _thread_worker(
+    shared: _Shared, index: int, client: Any, keys: np.ndarray, cfg: LevelConfig
+) -> None:
     rng = np.random.default_rng([cfg.seed, index])
     clock = time.perf_counter_ns
     try:
@@ -115,7 +117,9 @@ def _thread_worker(shared: _Shared, index: int, client: Any, keys: np.ndarray, c
         shared.fail(exc)
 
 
-async def _async_worker(shared: _Shared, index: int, client: Any, keys: np.ndarray, cfg) -> None:
+async def _async_worker(
+    shared: _Shared, index: int, client: Any, keys: np.ndarray, cfg: LevelConfig
+) -> None:
     rng = np.random.default_rng([cfg.seed, index])
     clock = time.perf_counter_ns
     while not shared.stop.is_set():
@@ -125,7 +129,9 @@ async def _async_worker(shared: _Shared, index: int, client: Any, keys: np.ndarr
         shared.record(index, started, clock(), misses)
 
 
-def _start_threads(target: Target, keys: np.ndarray, cfg: LevelConfig, shared: _Shared):
+def _start_threads(
+    target: Target, keys: np.ndarray, cfg: LevelConfig, shared: _Shared
+) -> Callable[[], None]:
     """Threads mode: one client per thread, or ("shared") one client all threads use, as an
     application server would (connections made before the clock starts)."""
     if cfg.mode == "shared":
@@ -166,7 +172,9 @@ def _new_event_loop() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
 
 
-def _start_asyncio(target: Target, keys: np.ndarray, cfg: LevelConfig, shared: _Shared):
+def _start_asyncio(
+    target: Target, keys: np.ndarray, cfg: LevelConfig, shared: _Shared
+) -> Callable[[], None]:
     """Asyncio mode: one event loop (uvloop) in its own thread, `concurrency` tasks, one
     shared client (the async libraries pool connections themselves)."""
     ready = threading.Event()
@@ -181,8 +189,9 @@ def _start_asyncio(target: Target, keys: np.ndarray, cfg: LevelConfig, shared: _
             ready.set()
             done, _pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
-                if task.exception() is not None:
-                    shared.fail(task.exception())
+                error = task.exception()
+                if error is not None:
+                    shared.fail(error)
             shared.stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
         finally:

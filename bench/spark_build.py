@@ -32,7 +32,9 @@ _SPARK_LINE = re.compile(
 )
 
 
-def run_engine(input_dir: Path, output: Path, shards: int, engine_flags: list[str]) -> dict:
+def run_engine(
+    input_dir: Path, output: Path, shards: int, engine_flags: list[str]
+) -> dict[str, Any]:
     args = [
         *builder_command(),
         "-dict_name=bench",

@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -47,7 +47,7 @@ class Dataset:
 
     def expected(self, rows: np.ndarray) -> np.ndarray:
         """What `fetch` must return for dataset rows `rows` (in the fetch output dtype)."""
-        picked = self.values[rows]
+        picked: np.ndarray = self.values[rows]
         return picked.view(np.float32) if self.dim else picked
 
     def absent_keys(self, count: int, seed: int = 99) -> np.ndarray:
@@ -80,8 +80,10 @@ def rows_from_list(values: list[bytes | None], width: int, dim: int) -> tuple[np
     misses = values.count(None)
     if misses:
         zero = bytes(width)
-        values = [zero if v is None else v for v in values]
-    blob = b"".join(values)
+        filled = [zero if v is None else v for v in values]
+    else:
+        filled = cast(list[bytes], values)  # no miss: no None in it
+    blob = b"".join(filled)
     if len(blob) != width * len(values):
         raise ValueError(
             f"answer has {len(blob)} value bytes for {len(values)} keys of {width} bytes"
@@ -204,7 +206,7 @@ class RedisTarget(Target):
                 flat: list[Any] = [None] * (2 * min(self.load_chunk, len(keys) - start))
                 flat[0::2] = keys[start : start + self.load_chunk]
                 flat[1::2] = values[start : start + self.load_chunk]
-                pipe.execute_command("MSET", *flat)
+                pipe.execute_command("MSET", *flat)  # type: ignore[no-untyped-call]  # redis-py's
                 if len(pipe) >= 10:
                     pipe.execute()
             pipe.execute()
@@ -238,7 +240,8 @@ class _RedisClient:
         self.width, self.dim = width, dim
 
     def fetch(self, keys: np.ndarray) -> tuple[np.ndarray, int]:
-        return rows_from_list(self.redis.mget(keys.tolist()), self.width, self.dim)
+        found = cast(list[bytes | None], self.redis.mget(keys.tolist()))  # not decoded: bytes
+        return rows_from_list(found, self.width, self.dim)
 
     def close(self) -> None:
         self.redis.close()
@@ -254,7 +257,8 @@ class _AsyncRedisClient:
         self.width, self.dim = width, dim
 
     async def fetch(self, keys: np.ndarray) -> tuple[np.ndarray, int]:
-        return rows_from_list(await self.redis.mget(keys.tolist()), self.width, self.dim)
+        found = cast(list[bytes | None], await self.redis.mget(keys.tolist()))  # not decoded
+        return rows_from_list(found, self.width, self.dim)
 
     async def close(self) -> None:
         await self.redis.aclose()

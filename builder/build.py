@@ -20,18 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
-import fcntl
-import hashlib
 import itertools
 import json
-import mmap
 import multiprocessing
 import os
 import shutil
 import signal
 import stat
-import tarfile
 import tempfile
 import threading
 import time
@@ -64,7 +59,8 @@ from cube.builder.spill import (
     open_parts,
     remove_part,
 )
-from cube.fsutil import atomic_write_text, fsync_dir, md5_line
+from cube.builder.tarball import sync_files, write_md5_file, write_tar
+from cube.fsutil import fsync_dir
 from cube.index import COMPILED_MIN_KEYS, build_table, compiled_kernels
 from cube.layout import (
     describe_widths,
@@ -77,14 +73,12 @@ from cube.layout import (
 from cube.paddle_ps import KEY_FORMAT, PaddleSource, TableLayout, ValueSpec
 from cube.routing import check_partitioner, shard_of
 from cube.seqfile import LocatedBatch, SequenceFileReader
-from cube.shard_writer import DATA_FILE, INDEX_FILE, Writeback, write_shard
+from cube.shard_writer import DATA_FILE, INDEX_FILE, write_shard
 from cube.values import ValueColumn
 
 MODES = ("base", "delta")
 INPUT_FORMATS = ("seqfile", "paddle_ps")
 TAR_MEMBERS = (INDEX_FILE, DATA_FILE)
-_COPY_CHUNK = 8 << 20
-_DIRECT_CHUNK = 8 << 20  # bytes per direct write of a tar (a multiple of any block size)
 # Input size from which the compiled loops repay their load (~0.7 s): COMPILED_MIN_KEYS
 # records of 48 bytes (8-byte keys, 32-byte values and the framing).
 _WARM_INPUT_BYTES = COMPILED_MIN_KEYS * 48
@@ -173,12 +167,18 @@ class BuildResult:
     warnings: tuple[str, ...] = ()  # for the user (the CLI prints them on stderr)
     input_note: str = ""  # what was read, when not SequenceFiles (the table of a save)
 
+    @property
+    def distinct_keys(self) -> int:
+        """Keys the shards hold: a key read several times is one (its last record), a
+        deleted key none."""
+        return sum(shard.record_count for shard in self.shards)
+
 
 # ---------------------------------------------------------------------------------------------
 # Inputs
 
 
-def list_input_files(root: str | os.PathLike, include_empty: bool = False) -> list[Path]:
+def list_input_files(root: str | os.PathLike[str], include_empty: bool = False) -> list[Path]:
     """Every regular, non-empty file under `root` whose name (and directories' names) does not
     start with a dot, recursively, in sorted path order (depth first, names in byte order).
     Symlinks are skipped. Empty files (e.g. Hadoop's `_SUCCESS` marker) hold no records and
@@ -256,7 +256,7 @@ def _parse_delete_lines(data: bytes, source: str) -> np.ndarray:
     return np.array(keys, dtype=np.uint64)
 
 
-def read_delete_keys(path: str | os.PathLike) -> np.ndarray:
+def read_delete_keys(path: str | os.PathLike[str]) -> np.ndarray:
     """All keys listed in a file or a directory of files (see `parse_delete_keys`)."""
     chunks = []
     for file in list_input_files(path):
@@ -471,231 +471,6 @@ def package_shard(
     )
 
 
-def sync_files(paths: Sequence[Path]) -> None:
-    """fsync the files at once, one thread each: their journal commits and the waits for the
-    disk overlap instead of adding up (each is tens of ms even when little is left to write)."""
-
-    def sync(path: Path) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    with ThreadPoolExecutor(max(1, len(paths))) as threads:
-        list(threads.map(sync, paths))
-
-
-def write_tar(
-    tar_path: Path, directory: Path, members: Sequence[str], mtime: int, sync: bool = True
-) -> tuple[int, str]:
-    """Plain tar (tarfile's headers) of `directory`'s `members` as `./<name>`, with its md5
-    computed in the same pass: each file is mapped and every byte goes to md5 and the tar
-    once (no read copies). Written under a temp name (fsynced unless `sync` is False: then
-    the caller does), renamed when complete. Returns (size, md5 hex).
-
-    Every member gets `mtime` (the builder passes the version's cur_version, a Unix time) and
-    no owner names: the same shard files make the same tar, whoever builds them and when."""
-    tmp = tar_path.with_name(f".{tar_path.name}.tmp-{os.getpid()}")
-    md5 = hashlib.md5()
-    size = 0
-    try:
-        with _TarSink(tmp) as out:
-
-            def emit(data: bytes | memoryview, in_place: bool = False) -> None:
-                nonlocal size
-                md5.update(data)
-                if in_place:
-                    out.write_in_place(memoryview(data))
-                else:
-                    out.write(data)
-                size += len(data)
-
-            for name in members:
-                path = directory / name
-                with open(path, "rb") as source:
-                    info = tarfile.TarInfo(f"./{name}")
-                    info.size = os.fstat(source.fileno()).st_size
-                    info.mtime = mtime
-                    info.mode = 0o644
-                    emit(info.tobuf(tarfile.DEFAULT_FORMAT, "utf-8", "surrogateescape"))
-                    if info.size:
-                        _emit_mapped(source, info.size, emit, out.wait)
-                if info.size % tarfile.BLOCKSIZE:
-                    emit(bytes(tarfile.BLOCKSIZE - info.size % tarfile.BLOCKSIZE))
-            end = 2 * tarfile.BLOCKSIZE  # two zero blocks, then zeros to a whole record
-            end += -(size + end) % tarfile.RECORDSIZE
-            emit(bytes(end))
-            out.flush()
-            if sync:
-                os.fsync(out.fd)
-        os.replace(tmp, tar_path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return size, md5.hexdigest()
-
-
-class _TarSink:
-    """Where write_tar's bytes go: the file opened with O_DIRECT where the system allows, the
-    writes done by a thread while the caller hashes the next piece. Why: the tar is the second
-    copy of a shard's bytes and nothing reads it back here, so it need not pass through the
-    page cache; each buffered byte costs a copy into a freshly allocated page (after md5 the
-    build's largest cost), while the disk has to write it either way. Whole blocks of a
-    member's body go to disk straight from its mapping (`write_in_place`); headers, padding and
-    a body's last partial block through a reused, page-aligned buffer. Elsewhere: a plain
-    buffered file, with writeback started as it grows."""
-
-    def __init__(self, path: Path) -> None:
-        self.fd = -1
-        direct = getattr(os, "O_DIRECT", 0)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-        self.direct = False
-        if direct:
-            try:
-                self.fd = os.open(path, flags | direct, 0o644)
-                self.direct = True
-            except OSError:  # e.g. tmpfs: no direct I/O
-                self.fd = -1
-        if self.fd < 0:
-            self.fd = os.open(path, flags, 0o644)
-        self.offset = 0  # file offset of the next byte handed to the writer (or written)
-        self.writeback = Writeback(self.fd)
-        self._buffers = [mmap.mmap(-1, _DIRECT_CHUNK) for _ in range(2)] if self.direct else []
-        self._filled = 0  # bytes waiting in the current buffer
-        self._current = 0
-        self._pending: Future | None = None
-        self._thread = ThreadPoolExecutor(1) if self.direct else None
-
-    def __enter__(self) -> _TarSink:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def write(self, data: bytes | memoryview) -> None:
-        """Copy `data` out (it may be reused at once)."""
-        view = memoryview(data).cast("B")
-        if not self.direct:
-            self._write_all(view, -1)
-            self.writeback.wrote(self.offset)
-            return
-        while view:
-            buffer = self._buffers[self._current]
-            step = min(_DIRECT_CHUNK - self._filled, len(view))
-            buffer[self._filled : self._filled + step] = view[:step]
-            self._filled += step
-            view = view[step:]
-            if self._filled == _DIRECT_CHUNK:
-                self._submit_buffer()
-
-    def write_in_place(self, view: memoryview) -> None:
-        """Like `write`, for a view that stays valid until `wait()`: its whole blocks are
-        written from where they are (no copy) when the file is at a block boundary."""
-        aligned = len(view) and np.frombuffer(view, np.uint8).ctypes.data % mmap.PAGESIZE == 0
-        if not self.direct or self._filled % tarfile.BLOCKSIZE or not aligned:
-            self.write(view)
-            return
-        if self._filled:
-            self._submit_buffer()
-        whole = len(view) - len(view) % tarfile.BLOCKSIZE
-        for start in range(0, whole, _DIRECT_CHUNK):
-            piece = view[start : min(start + _DIRECT_CHUNK, whole)]
-            self._submit(piece, len(piece))
-        self.write(view[whole:])
-
-    def _submit_buffer(self) -> None:
-        """Hand the current buffer to the writer thread and switch to the other one."""
-        self._submit(self._buffers[self._current], self._filled)
-        self._current ^= 1
-        self._filled = 0
-
-    def _submit(self, source: Any, length: int) -> None:
-        assert self._thread is not None
-        self.wait()  # one write in flight: the other buffer is free again
-        self._pending = self._thread.submit(self._write_at, source, length, self.offset)
-        self.offset += length
-
-    def wait(self) -> None:
-        """Wait for the write in flight (then views given to write_in_place may go)."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.result()
-
-    def _write_at(self, source: Any, length: int, offset: int) -> None:
-        with memoryview(source) as view:
-            try:
-                self._write_all(view[:length], offset)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL or not self.direct:
-                    raise
-                # this file system or device wants other alignments: through the cache
-                buffered = fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT
-                fcntl.fcntl(self.fd, fcntl.F_SETFL, buffered)
-                self._write_all(view[:length], offset)
-
-    def _write_all(self, view: memoryview, offset: int) -> None:
-        """Every byte of `view` at `offset` (-1: at the file position, buffered)."""
-        while view:
-            done = os.write(self.fd, view) if offset < 0 else os.pwrite(self.fd, view, offset)
-            view = view[done:]
-            if offset < 0:
-                self.offset += done
-            else:
-                offset += done
-
-    def flush(self) -> None:
-        """Write what is buffered. A direct write must be whole blocks: a tail that is not
-        (a tar is whole 512-byte blocks, a device may want 4096) goes through the cache."""
-        if not self.direct:
-            return
-        self.wait()
-        if self._filled:
-            self._write_at(self._buffers[self._current], self._filled, self.offset)
-            self.offset += self._filled
-            self._filled = 0
-
-    def close(self) -> None:
-        if self._thread is not None:
-            with contextlib.suppress(Exception):  # an error was raised already
-                self.wait()
-            self._thread.shutdown(wait=True)
-            self._thread = None
-        for buffer in self._buffers:
-            buffer.close()
-        self._buffers = []
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-def _emit_mapped(
-    source: Any,
-    length: int,
-    emit: Callable[[memoryview, bool], None],
-    release: Callable[[], None],
-) -> None:
-    """The file's bytes to `emit`, in place from a mapping; `release()` before unmapping."""
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    mapped = mmap.mmap(source.fileno(), length, flags=flags, prot=mmap.PROT_READ)
-    try:
-        with memoryview(mapped) as view:
-            try:
-                for start in range(0, length, _COPY_CHUNK):
-                    emit(view[start : start + _COPY_CHUNK], True)
-            finally:
-                release()
-    finally:
-        mapped.close()
-
-
-def write_md5_file(tar_path: Path, md5: str) -> Path:
-    """`<tar>.md5` in md5sum's format (`md5sum -c` works from the version directory)."""
-    path = tar_path.with_name(tar_path.name + ".md5")
-    atomic_write_text(path, md5_line(md5, tar_path.name))
-    return path
-
-
 # ---------------------------------------------------------------------------------------------
 # The whole build
 
@@ -781,7 +556,9 @@ def abort_active_builds() -> None:
         workspace.discard()
 
 
-def shard_header_meta(config: BuildConfig, shard: int, key_formats: Sequence[str]) -> dict:
+def shard_header_meta(
+    config: BuildConfig, shard: int, key_formats: Sequence[str]
+) -> dict[str, Any]:
     """What every shard file header records about its build."""
     return {
         "dict_name": config.dict_name,
@@ -798,8 +575,8 @@ def shard_header_meta(config: BuildConfig, shard: int, key_formats: Sequence[str
 
 def build(
     config: BuildConfig,
-    input_path: str | os.PathLike,
-    delete_path: str | os.PathLike | None = None,
+    input_path: str | os.PathLike[str],
+    delete_path: str | os.PathLike[str] | None = None,
     progress: Progress | None = None,
     input_name: str = "",
 ) -> BuildResult:
@@ -1062,6 +839,11 @@ def _finish_all(
     return sorted(outputs, key=lambda o: o.shard)
 
 
+# A stage's task: (task, on_bytes) -> output; on_bytes None in a worker, which reports the bytes
+# it reads through the shared counter instead (read_and_spill, finish_shard).
+TaskFunction = Callable[[Any, Callable[[int], None] | None], Any]
+
+
 class _Pool:
     """Runs tasks inline (one worker) or in worker processes, reporting progress. `isolate`:
     in a worker process even with one worker (cube-import: a SIGBUS from a mapped input cut
@@ -1106,7 +888,7 @@ class _Pool:
 
     def run(
         self,
-        function: Callable[[Any], Any],
+        function: TaskFunction,
         tasks: list[Any],
         on_bytes: Callable[[int], None],
         on_done: Callable[[Any], None],
@@ -1126,7 +908,7 @@ class _Pool:
         signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
         try:
             executor = self._start()
-            futures: list[Future] = [executor.submit(_in_worker, function, t) for t in tasks]
+            futures: list[Future[Any]] = [executor.submit(_in_worker, function, t) for t in tasks]
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
         self.after_fork()
@@ -1147,11 +929,11 @@ class _Pool:
         return [f.result() for f in futures]
 
 
-def _in_worker(function: Callable[[Any], Any], task: Any) -> Any:
+def _in_worker(function: TaskFunction, task: Any) -> Any:
     """Run a task in a worker; errors come back as BuildError with the same one-line message
     (some exception types, e.g. SequenceFileError, cannot be rebuilt from their pickle)."""
     try:
-        return function(task)
+        return function(task, None)  # progress goes through the shared counter
     except Exception as exc:
         raise BuildError(task_error_message(exc)) from None
 

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from cube.builder.meta import RegisterError, ShardOutput, register_meta
 from cube.builder.paddle_ps import load_config
 from cube.builder.sources import fetch_inputs
 from cube.builder.spark_build import DEFAULT_SHARD_MB, SparkSettings, SparkStats, build_on_spark
-from cube.flags import FlagError, FlagSet, one_line, run_cli
+from cube.flags import FlagError, FlagSet, flag, one_line, run_cli
 from cube.paddle_ps import (
     ACCESSORS,
     DEFAULT_VALUE,
@@ -121,173 +122,132 @@ Exit status: 0 built (and registered), 1 build failed (nothing published), 2 bad
 3 built and published locally but registering with -master_address failed."""
 
 
-def flag_set() -> FlagSet:
-    return (
-        FlagSet("cube-builder", DESCRIPTION)
-        .add("dict_name", str, "", "dictionary name, prefix of the shard outputs", required=True)
-        .add(
-            "input_path",
-            str,
-            "",
-            "directory (or file) of SequenceFiles; or s3://, webhdfs:// (see above)",
-            required=True,
-        )
-        .add("output_path", str, "", "output root directory", required=True)
-        .add("shard_num", int, 0, "number of shards", required=True)
-        .add(
-            "job_mode",
-            str,
-            "base",
-            "base: a full table; delta: changes over a base",
-            choices=("base", "delta"),
-        )
-        .add(
-            "cur_version",
-            int,
-            -1,
-            "this build's version (Unix time; 0 as in the original's local mode); -1: unset;"
-            " see -only_build",
-        )
-        .add(
-            "depend_version",
-            int,
-            -1,
-            "base version: a base's own, a delta's base (required for a delta); -1: unset",
-        )
-        .add("last_version", int, 0, "accepted for compatibility; not needed")
-        .add(
-            "only_build",
-            bool,
-            True,
-            "true: use the current time instead of -cur_version "
-            "(and, for a base, -depend_version), as the original",
-        )
-        .add(
-            "master_address",
-            str,
-            "",
-            "host:port of a cube-transfer: POST each shard's meta "
-            "to http://<master>/dict/meta_info/register",
-        )
-        .add("key_format", str, "auto", "how to read keys", choices=KEY_FORMATS)
-        .add(
-            "partitioner",
-            str,
-            "mod",
-            "key to shard: mod = key % shard_num, murmur3 = murmur3_32(key) % shard_num",
-            choices=PARTITIONERS,
-        )
-        .add("delete_path", str, "", "delta only: keys to delete (see above)")
-        .add(
-            "allow_empty",
-            bool,
-            False,
-            "build a version with no record and no deletion (an empty input is refused otherwise)",
-        )
-        .add(
-            "variable_width",
-            bool,
-            False,
-            "the dictionary's values may vary in width: a delta may have values of another "
-            "width than its base's (refused otherwise)",
-        )
-        .add(
-            "fetch_timeout",
-            float,
-            3600.0,
-            "seconds to list and fetch a remote input (all its files) and delete list",
-        )
-        .add("quiet", bool, False, "no progress bar and no summary line")
-        .add("tmp_dir", str, "", "where to spill records (default: inside -output_path)")
-        .add("memory_mb", int, 1024, "read and spill buffer budget in MiB")
-        .add(
-            "engine",
-            str,
-            "local",
-            "local: processes on this machine; spark: a Spark cluster (see above)",
-            choices=("local", "spark"),
-        )
-        .add("spark_master", str, "", "-engine spark: the master URL (e.g. local[2], yarn)")
-        .add(
-            "spark_conf",
-            str,
-            "",
-            "-engine spark: extra settings, comma-separated key=value "
-            "(e.g. spark.executor.memory=12g)",
-        )
-        .add(
-            "spark_shard_mb",
-            int,
-            DEFAULT_SHARD_MB,
-            "-engine spark: the most records (keys + values) one shard task may hold, in MiB",
-        )
-        .add(
-            "input_format",
-            str,
-            "seqfile",
-            "seqfile: SequenceFiles; paddle_ps: a PaddlePaddle parameter-server save (see above)",
-            choices=INPUT_FORMATS,
-        )
-        .add(
-            "paddle_accessor",
-            str,
-            "",
-            "paddle_ps: the table's accessor: "
-            + ", ".join(f"{a.name} ({a.paddle_class})" for a in ACCESSORS.values())
-            + "; default: -paddle_config's",
-        )
-        .add(
-            "paddle_dim",
-            int,
-            0,
-            "paddle_ps: the model's embedding size D (sparse_embedding size=[_, D]; embedx_dim "
-            "is D-3 for ctr_common, D-1 for sparse); default: -paddle_config's",
-        )
-        .add(
-            "paddle_optimizer",
-            str,
-            "",
-            "paddle_ps: the table's optimizer rule, "
-            + "|".join(SGD_RULES)
-            + ", or embed_rule,embedx_rule; default: -paddle_config's",
-        )
-        .add(
-            "paddle_config",
-            str,
-            "",
-            "paddle_ps: the trainer's PSParameter in protobuf text (fleet_desc.prototxt): "
-            "tables, accessors, dims and rules (local, s3:// or webhdfs://)",
-        )
-        .add(
-            "paddle_table",
-            str,
-            "",
-            "paddle_ps: the sparse table to read when the save has several: its folder (000), "
-            "table id, or table name (with -paddle_config)",
-        )
-        .add(
-            "paddle_value",
-            str,
-            ",".join(DEFAULT_VALUE),
-            "paddle_ps: the columns of a served value, in order, from "
-            + ", ".join(VALUE_FIELDS)
-            + " (show,click,embed_w,embedx_w: what a model with a cvm op looks up)",
-        )
-        .add(
-            "paddle_dtype",
-            str,
-            "float32",
-            "paddle_ps: the served numbers' type (little-endian)",
-            choices=DTYPES,
-        )
-        .add(
-            "workers",
-            int,
-            min(2, os.cpu_count() or 1),
-            "processes for reading and finishing "
-            "shards (each finishing one shard holds its keys and table in memory)",
-        )
+@dataclass(frozen=True)
+class BuilderFlags:
+    """cube-builder's flags (the original's names)."""
+
+    dict_name: str = flag("", "dictionary name, prefix of the shard outputs", required=True)
+    input_path: str = flag(
+        "",
+        "directory (or file) of SequenceFiles; or s3://, webhdfs:// (see above)",
+        required=True,
+        metavar="PATH",
     )
+    output_path: str = flag("", "output root directory", required=True, metavar="DIR")
+    shard_num: int = flag(0, "number of shards", required=True)
+    job_mode: str = flag(
+        "base", "base: a full table; delta: changes over a base", choices=("base", "delta")
+    )
+    cur_version: int = flag(
+        -1,
+        "this build's version (Unix time; 0 as in the original's local mode); -1: unset;"
+        " see -only_build",
+    )
+    depend_version: int = flag(
+        -1, "base version: a base's own, a delta's base (required for a delta); -1: unset"
+    )
+    last_version: int = flag(0, "accepted for compatibility; not needed")
+    only_build: bool = flag(
+        True,
+        "true: use the current time instead of -cur_version "
+        "(and, for a base, -depend_version), as the original",
+    )
+    master_address: str = flag(
+        "",
+        "host:port of a cube-transfer: POST each shard's meta "
+        "to http://<master>/dict/meta_info/register",
+        metavar="HOST:PORT",
+    )
+    key_format: str = flag("auto", "how to read keys", choices=KEY_FORMATS)
+    partitioner: str = flag(
+        "mod",
+        "key to shard: mod = key % shard_num, murmur3 = murmur3_32(key) % shard_num",
+        choices=PARTITIONERS,
+    )
+    delete_path: str = flag("", "delta only: keys to delete (see above)", metavar="PATH")
+    allow_empty: bool = flag(
+        False,
+        "build a version with no record and no deletion (an empty input is refused otherwise)",
+    )
+    variable_width: bool = flag(
+        False,
+        "the dictionary's values may vary in width: a delta may have values of another "
+        "width than its base's (refused otherwise)",
+    )
+    fetch_timeout: float = flag(
+        3600.0, "seconds to list and fetch a remote input (all its files) and delete list"
+    )
+    quiet: bool = flag(False, "no progress bar and no summary line")
+    tmp_dir: str = flag("", "where to spill records (default: inside -output_path)", metavar="DIR")
+    memory_mb: int = flag(1024, "read and spill buffer budget in MiB")
+    engine: str = flag(
+        "local",
+        "local: processes on this machine; spark: a Spark cluster (see above)",
+        choices=("local", "spark"),
+    )
+    spark_master: str = flag(
+        "", "-engine spark: the master URL (e.g. local[2], yarn)", metavar="URL"
+    )
+    spark_conf: str = flag(
+        "",
+        "-engine spark: extra settings, comma-separated key=value (e.g. spark.executor.memory=12g)",
+        metavar="KEY=VALUE,...",
+    )
+    spark_shard_mb: int = flag(
+        DEFAULT_SHARD_MB,
+        "-engine spark: the most records (keys + values) one shard task may hold, in MiB",
+    )
+    input_format: str = flag(
+        "seqfile",
+        "seqfile: SequenceFiles; paddle_ps: a PaddlePaddle parameter-server save (see above)",
+        choices=INPUT_FORMATS,
+    )
+    paddle_accessor: str = flag(
+        "",
+        "paddle_ps: the table's accessor: "
+        + ", ".join(f"{a.name} ({a.paddle_class})" for a in ACCESSORS.values())
+        + " (default: -paddle_config's)",
+    )
+    paddle_dim: int = flag(
+        0,
+        "paddle_ps: the model's embedding size D (sparse_embedding size=[_, D]; embedx_dim "
+        "is D-3 for ctr_common, D-1 for sparse) (default: -paddle_config's)",
+    )
+    paddle_optimizer: str = flag(
+        "",
+        "paddle_ps: the table's optimizer rule, "
+        + "|".join(SGD_RULES)
+        + ", or embed_rule,embedx_rule (default: -paddle_config's)",
+    )
+    paddle_config: str = flag(
+        "",
+        "paddle_ps: the trainer's PSParameter in protobuf text (fleet_desc.prototxt): "
+        "tables, accessors, dims and rules (local, s3:// or webhdfs://)",
+        metavar="PATH",
+    )
+    paddle_table: str = flag(
+        "",
+        "paddle_ps: the sparse table to read when the save has several: its folder (000), "
+        "table id, or table name (with -paddle_config)",
+    )
+    paddle_value: str = flag(
+        ",".join(DEFAULT_VALUE),
+        "paddle_ps: the columns of a served value, in order, from "
+        + ", ".join(VALUE_FIELDS)
+        + " (show,click,embed_w,embedx_w: what a model with a cvm op looks up)",
+    )
+    paddle_dtype: str = flag(
+        "float32", "paddle_ps: the served numbers' type (little-endian)", choices=DTYPES
+    )
+    workers: int = flag(
+        min(2, os.cpu_count() or 1),
+        "processes for reading and finishing "
+        "shards (each finishing one shard holds its keys and table in memory)",
+    )
+
+
+def flag_set() -> FlagSet[BuilderFlags]:
+    return FlagSet("cube-builder", DESCRIPTION, spec=BuilderFlags)
 
 
 PADDLE_FLAGS = (
@@ -301,56 +261,58 @@ PADDLE_FLAGS = (
 )
 
 
-def paddle_source(flags: dict[str, Any]) -> PaddleSource | None:
+def paddle_source(flags: BuilderFlags) -> PaddleSource | None:
     """The -paddle_* flags (-paddle_config read: BuildError if it cannot be); FlagError when
     they do not go together, or are given without -input_format paddle_ps."""
-    defaults = flag_set().flags
-    if flags["input_format"] != "paddle_ps":
-        given = [f"-{n}" for n in PADDLE_FLAGS if flags[n] != defaults[n].default]
+    defaults = BuilderFlags()
+    if flags.input_format != "paddle_ps":
+        given = [f"-{n}" for n in PADDLE_FLAGS if getattr(flags, n) != getattr(defaults, n)]
         if given:
             verb = "needs" if len(given) == 1 else "need"
             raise FlagError(f"{', '.join(given)} {verb} -input_format paddle_ps")
         return None
-    if flags["key_format"] != "auto":
+    if flags.key_format != "auto":
         raise FlagError("-key_format is for SequenceFiles (a save's keys are decimal text)")
     try:
-        value = ValueSpec(parse_value_fields(flags["paddle_value"]), flags["paddle_dtype"])
+        value = ValueSpec(parse_value_fields(flags.paddle_value), flags.paddle_dtype)
         config = (
-            load_config(flags["paddle_config"], flags["fetch_timeout"])
-            if flags["paddle_config"]
-            else ()
+            load_config(flags.paddle_config, flags.fetch_timeout) if flags.paddle_config else ()
         )
         return PaddleSource(
-            accessor=flags["paddle_accessor"],
-            dim=flags["paddle_dim"],
-            optimizer=flags["paddle_optimizer"],
-            table=flags["paddle_table"],
+            accessor=flags.paddle_accessor,
+            dim=flags.paddle_dim,
+            optimizer=flags.paddle_optimizer,
+            table=flags.paddle_table,
             value=value,
             config=config,
-            config_name=flags["paddle_config"],
+            config_name=flags.paddle_config,
         )
     except ValueError as exc:
         raise FlagError(str(exc)) from None
 
 
-def config_from_flags(flags: dict[str, Any], now: int) -> BuildConfig:
+def config_from_flags(flags: BuilderFlags, now: int) -> BuildConfig:
     """Check the flags and settle the versions; FlagError on anything wrong (BuildError when
     -paddle_config cannot be read)."""
-    for name in ("dict_name", "input_path", "output_path"):
-        if not flags[name]:
+    for name, given in (
+        ("dict_name", flags.dict_name),
+        ("input_path", flags.input_path),
+        ("output_path", flags.output_path),
+    ):
+        if not given:
             raise FlagError(f"--{name} is required")
-    if flags["shard_num"] < 1:
-        raise FlagError(f"--shard_num must be >= 1, got {flags['shard_num']}")
-    mode = flags["job_mode"]
-    if flags["delete_path"] and mode != "delta":
+    if flags.shard_num < 1:
+        raise FlagError(f"--shard_num must be >= 1, got {flags.shard_num}")
+    mode = flags.job_mode
+    if flags.delete_path and mode != "delta":
         raise FlagError("--delete_path needs --job_mode delta")
-    depend = flags["depend_version"]
-    if flags["only_build"]:
+    depend = flags.depend_version
+    if flags.only_build:
         cur = now
         if mode == "base":
             depend = now
     else:
-        cur = flags["cur_version"]
+        cur = flags.cur_version
         if cur < 0:
             raise FlagError("--cur_version is required with --only_build=false")
         if mode == "base" and depend < 0:
@@ -359,20 +321,20 @@ def config_from_flags(flags: dict[str, Any], now: int) -> BuildConfig:
         raise FlagError("--depend_version (the base version) is required for a delta")
     try:
         return BuildConfig(
-            dict_name=flags["dict_name"],
-            output_path=Path(flags["output_path"]),
-            shard_num=flags["shard_num"],
+            dict_name=flags.dict_name,
+            output_path=Path(flags.output_path),
+            shard_num=flags.shard_num,
             mode=mode,
             cur_version=cur,
             depend_version=depend,
-            partitioner=flags["partitioner"],
-            key_format=flags["key_format"],
-            tmp_dir=Path(flags["tmp_dir"]) if flags["tmp_dir"] else None,
-            memory_mb=flags["memory_mb"],
-            workers=flags["workers"],
-            allow_empty=flags["allow_empty"],
-            variable_width=flags["variable_width"],
-            input_format=flags["input_format"],
+            partitioner=flags.partitioner,
+            key_format=flags.key_format,
+            tmp_dir=Path(flags.tmp_dir) if flags.tmp_dir else None,
+            memory_mb=flags.memory_mb,
+            workers=flags.workers,
+            allow_empty=flags.allow_empty,
+            variable_width=flags.variable_width,
+            input_format=flags.input_format,
             paddle=paddle_source(flags),
         )
     except ValueError as exc:
@@ -397,25 +359,33 @@ def tqdm_progress() -> Progress:
         while bars:
             bars.pop().close()
 
+    def read_bytes(count: int) -> None:
+        if bars:
+            bars[-1].update(count)
+
+    def shard_done(_output: ShardOutput) -> None:
+        if bars:
+            bars[-1].update(1)
+
     return Progress(
         start_reading=start_reading,
-        read_bytes=lambda n: bars and bars[-1].update(n),
+        read_bytes=read_bytes,
         start_finishing=start_finishing,
-        shard_done=lambda _output: bars and bars[-1].update(1),
+        shard_done=shard_done,
         close=close,
     )
 
 
-def spark_settings(flags: dict[str, Any]) -> SparkSettings:
+def spark_settings(flags: BuilderFlags) -> SparkSettings:
     """-spark_master, -spark_conf (key=value,...) and -spark_shard_mb; FlagError if malformed."""
     pairs = []
-    for item in filter(None, (part.strip() for part in flags["spark_conf"].split(","))):
+    for item in filter(None, (part.strip() for part in flags.spark_conf.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise FlagError(f"--spark_conf: {item!r} is not key=value")
         pairs.append((key.strip(), value.strip()))
     try:
-        return SparkSettings(flags["spark_master"], tuple(pairs), flags["spark_shard_mb"])
+        return SparkSettings(flags.spark_master, tuple(pairs), flags.spark_shard_mb)
     except ValueError as exc:
         raise FlagError(f"--{exc}") from None
 
@@ -425,7 +395,9 @@ def register_all(master: str, config: BuildConfig, result: BuildResult) -> None:
         register_meta(master, register_fields(config, output, meta))
 
 
-def register_fields(config: BuildConfig, output: ShardOutput, meta: dict) -> dict[str, str]:
+def register_fields(
+    config: BuildConfig, output: ShardOutput, meta: dict[str, Any]
+) -> dict[str, str]:
     """The original's form fields: name, shard, split, version (= cur), depend, meta."""
     return {
         "name": config.dict_name,
@@ -440,11 +412,11 @@ def register_fields(config: BuildConfig, output: ShardOutput, meta: dict) -> dic
 _fetch_dirs: list[Path] = []  # remote inputs fetched for the build in progress
 
 
-def fetch_remote(flags: dict[str, Any], config: BuildConfig) -> tuple[str, str | None]:
+def fetch_remote(flags: BuilderFlags, config: BuildConfig) -> tuple[str, str | None]:
     """The local input and delete paths to build from: remote ones (s3://, webhdfs://)
     fetched into a new directory under -tmp_dir (default: -output_path), which `cleanup`
     removes. BuildError when a fetch fails."""
-    input_path, delete_path = flags["input_path"], flags["delete_path"] or None
+    input_path, delete_path = flags.input_path, flags.delete_path or None
     if not remote.is_remote(input_path) and not (delete_path and remote.is_remote(delete_path)):
         return input_path, delete_path
     parent = config.tmp_dir or config.output_path
@@ -456,20 +428,20 @@ def fetch_remote(flags: dict[str, Any], config: BuildConfig) -> tuple[str, str |
                          f"{exc.strerror}") from None  # fmt: skip
     _fetch_dirs.append(fetched)
     started = time.monotonic()
-    deadline = started + flags["fetch_timeout"]
-    paths = []
+    deadline = started + flags.fetch_timeout
+    paths: list[str | None] = []
     for name, path in (("input", input_path), ("delete", delete_path)):
         if path and remote.is_remote(path):
             left = max(deadline - time.monotonic(), 0.001)
             whole_save = name == "input" and config.input_format == "paddle_ps"
             files = fetch_inputs(path, fetched / name, left, config.allow_empty, whole_save)
-            if not flags["quiet"]:
+            if not flags.quiet:
                 size = sum(f.stat().st_size for f in files)
                 print(f"fetched {len(files)} files ({size} bytes) of {path} in "
                       f"{time.monotonic() - started:.2f} s")  # fmt: skip
             path = str(fetched / name)
         paths.append(path)
-    return paths[0], paths[1]
+    return input_path if paths[0] is None else paths[0], paths[1]
 
 
 def cleanup() -> None:
@@ -494,7 +466,7 @@ def run(argv: Sequence[str]) -> int:
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return EXIT_FAILED
     settings = spark_settings(flags)
-    quiet = flags["quiet"]
+    quiet = flags.quiet
     progress = tqdm_progress() if not quiet and sys.stderr.isatty() else None
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGINT, _terminate)
@@ -504,18 +476,18 @@ def run(argv: Sequence[str]) -> int:
     gc.disable()
     stats: SparkStats | None = None
     try:
-        if flags["engine"] == "spark":
+        if flags.engine == "spark":
             result, stats = build_on_spark(
                 config,
-                flags["input_path"],
-                flags["delete_path"] or None,
+                flags.input_path,
+                flags.delete_path or None,
                 settings,
-                flags["fetch_timeout"],
+                flags.fetch_timeout,
             )
         else:
             input_path, delete_path = fetch_remote(flags, config)
             result = build(
-                config, input_path, delete_path, progress, remote.redact(flags["input_path"])
+                config, input_path, delete_path, progress, remote.redact(flags.input_path)
             )
     except (BuildError, DeleteListError, ValueError, OSError) as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr)
@@ -538,7 +510,7 @@ def run(argv: Sequence[str]) -> int:
             f"built {result.version_dir}: {result.records_read} records from "
             f"{result.input_files} files"
             + (f" ({result.input_note})" if result.input_note else "")
-            + f" into {config.shard_num} shards in "
+            + f", {result.distinct_keys} distinct keys, into {config.shard_num} shards in "
             f"{result.seconds:.2f} s ({rate:,.0f} records/s; "
             + ", ".join(f"{k} {v:.2f} s" for k, v in result.phase_seconds.items())
             + ")"
@@ -549,9 +521,9 @@ def run(argv: Sequence[str]) -> int:
                 else ""
             )
         )
-    if flags["master_address"]:
+    if flags.master_address:
         try:
-            register_all(flags["master_address"], config, result)
+            register_all(flags.master_address, config, result)
         except RegisterError as exc:
             print(
                 f"error: built {result.version_dir}, but registering its meta failed: "

@@ -27,11 +27,12 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
 from cube.donefile import append_line, format_line
-from cube.flags import FlagError, FlagSet, run_cli
+from cube.flags import FlagError, FlagSet, MissingFlagsError, flag, run_cli
 from cube.seqfile import SequenceFileWriter
 from cube.values import ValueColumn
 
@@ -270,8 +271,8 @@ def read_records(
 
 
 def _column(values: list[list[float] | bytes], fmt: InputFormat) -> ValueColumn:
-    if not fmt.floats:
-        return ValueColumn.from_list(values)
+    if not fmt.floats:  # then the parser gives bytes
+        return ValueColumn.from_list(cast(list[bytes], values))
     rows = np.asarray(values, dtype=np.float64).astype("<f4")  # one width: checked per line
     return ValueColumn.fixed(rows.view(np.uint8).reshape(-1), rows.shape[1] * 4)
 
@@ -361,30 +362,38 @@ def _help() -> str:
     return "\n".join(lines)
 
 
-FLAGS = (
-    FlagSet("kv_to_seqfile", _help())
-    .add("input", str, None, "text file of key/value lines", required=True)
-    .add(
-        "input_format",
-        str,
-        None,
-        "layout of the input lines (required, see above)",
-        choices=tuple(FORMATS),
+@dataclass(frozen=True)
+class KvToSeqfileFlags:
+    """kv_to_seqfile's flags."""
+
+    input: str = flag("", "text file of key/value lines", required=True)
+    input_format: str = flag(
+        "", "layout of the input lines (see above)", choices=tuple(FORMATS), required=True
     )
-    .add("dim", int, 0, "float formats: floats per row, checked on every row [0: first row's]")
-    .add("output_dir", str, "./data", "data root; writes <output_dir>/<id>/base|patch/feature")
-    .add("donefile_dir", str, None, "where base.txt / patch.txt live [<output_dir>/donefile]")
-    .add("id", str, None, "version id, a decimal integer [current unix time]")
-    .add("patch", bool, False, "write a patch (delta) instead of a base")
-    .add("base_id", str, None, "with --patch: the id of the base the patch applies to")
-    .add(
-        "key_format",
-        str,
+    dim: int = flag(0, "float formats: floats per row, checked on every row (0: the first row's)")
+    output_dir: str = flag(
+        "./data", "data root; writes <output_dir>/<id>/base|patch/feature", metavar="DIR"
+    )
+    donefile_dir: str | None = flag(
+        None,
+        "where base.txt / patch.txt live (default: <output_dir>/donefile)",
+        metavar="DIR",
+    )
+    id: str | None = flag(
+        None, "version id, a decimal integer (default: the current unix time)", metavar="ID"
+    )
+    patch: bool = flag(False, "write a patch (delta) instead of a base")
+    base_id: str | None = flag(
+        None, "with --patch: the id of the base the patch applies to", metavar="ID"
+    )
+    key_format: str = flag(
         "cube",
         "output keys: cube (raw LE) or bytes_be (BytesWritable)",
         choices=tuple(DIALECT_FOR_KEY_FORMAT),
     )
-)
+
+
+FLAGS = FlagSet("kv_to_seqfile", _help(), spec=KvToSeqfileFlags)
 
 
 def _missing_format(input_path: Path) -> FlagError:
@@ -408,12 +417,13 @@ def _remove(feature: Path | None, directories: list[Path]) -> None:
 
 
 def run(argv: Sequence[str]) -> int:
-    flags = FLAGS.parse(argv)
-    if not flags.input:
-        raise FlagError("--input is required")
+    try:
+        flags = FLAGS.parse(argv)
+    except MissingFlagsError as exc:
+        if exc.missing == ["input_format"]:  # say which formats the input's lines fit
+            raise _missing_format(Path(exc.values["input"])) from None
+        raise
     input_path = Path(flags.input)
-    if flags.input_format is None:
-        raise _missing_format(input_path)
     fmt = FORMATS[flags.input_format]
     if flags.dim < 0:
         raise FlagError(f"--dim {flags.dim} must be >= 0")
@@ -431,7 +441,7 @@ def run(argv: Sequence[str]) -> int:
     if flags.base_id and not flags.patch:
         raise FlagError("--base_id only makes sense with --patch")
     kind = "patch" if flags.patch else "base"
-    key = flags.base_id if flags.patch else version_id
+    key = flags.base_id if flags.patch and flags.base_id else version_id
     output_dir = Path(flags.output_dir)
     donefile_dir = Path(flags.donefile_dir) if flags.donefile_dir else output_dir / "donefile"
     if not input_path.is_file():

@@ -14,12 +14,14 @@ Flags are gflags-style like every other command (cube/flags.py: `-flag value`, `
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from cube.flags import FlagError, Flags, FlagSet, run_cli
+from cube.flags import FlagError, FlagSet, flag, run_cli
 from cube.seqfile import KEY_FORMATS, SequenceFileError, SequenceFileReader, decode_key
 
 
@@ -44,17 +46,45 @@ def header_lines(reader: SequenceFileReader) -> list[str]:
     ]
 
 
-def show(args: Flags) -> int:
-    """Print the header and the records; SequenceFileError on bad input."""
+@dataclass
+class _Shown:
+    """What kvtool has printed so far."""
+
+    header: bool = False
+    records: int = 0
+
+
+def show(args: KvtoolFlags) -> int:
+    """Print the header and the records; SequenceFileError on bad input, after the records
+    before the damage (a file cut short shows what it still holds)."""
+    shown = _Shown()
+    try:
+        _show(args, shown)
+    except SequenceFileError as exc:
+        # read again as if the file ended where the damage starts: the records before it
+        with contextlib.suppress(SequenceFileError):
+            _show(args, shown, end=exc.offset)
+        print(f"# {shown.records} records shown, then the damage at offset {exc.offset}")
+        raise
+    print(f"# {shown.records} records shown")
+    return 0
+
+
+def _show(args: KvtoolFlags, shown: _Shown, end: int | None = None) -> None:
+    """Print what `shown` has not yet (the header, then records past the first
+    shown.records), reading the file up to `end`."""
     explicit = args.key_format != "auto"
-    shown = 0
-    with SequenceFileReader(args.file, key_format=args.key_format) as reader:
-        for line in header_lines(reader):
-            print(line)
+    with SequenceFileReader(args.file, key_format=args.key_format, end=end) as reader:
+        if not shown.header:
+            for line in header_lines(reader):
+                print(line)
+            shown.header = True
         decodable = reader.key_format != "auto"
-        for offset, key, value in reader.records_with_offsets():
-            if args.limit is not None and shown >= args.limit:
+        for index, (offset, key, value) in enumerate(reader.records_with_offsets()):
+            if args.limit is not None and shown.records >= args.limit:
                 break
+            if index < shown.records:
+                continue
             try:
                 key_text = str(decode_key(key, reader.key_format)) if decodable else None
             except ValueError as exc:
@@ -64,34 +94,34 @@ def show(args: Flags) -> int:
             if key_text is None:
                 key_text = f"raw:{key.hex()}"
             print(f"{key_text}\t{format_value(value, args.float)}")
-            shown += 1
-    print(f"# {shown} records shown")
-    return 0
+            shown.records += 1
 
 
-FLAGS = (
-    FlagSet(
-        "kvtool",
-        "Print a SequenceFile's header and records: one line per record, the key as a decimal\n"
-        "uint64, a tab, the value as hex (or float32s with --float). FILE may come anywhere\n"
-        "on the line; after a bare --float, write --float=true FILE (or FILE first) when FILE\n"
-        "is named like a boolean (1, y, no, ...).",
-    )
-    .positional("FILE", "the SequenceFile to read (or --file)", flag="file")
-    .add("file", str, None, "the SequenceFile to read (or the positional FILE)")
-    .add("float", bool, False, "show values as float32 lists")
-    .add("limit", int, None, "show at most N records [all]")
-    .add(
-        "key_format",
-        str,
+@dataclass(frozen=True)
+class KvtoolFlags:
+    """kvtool's flags; `file` is also the positional FILE."""
+
+    file: str = flag("", "the SequenceFile to read (or the positional FILE)", metavar="PATH")
+    float: bool = flag(False, "show values as float32 lists")
+    limit: int | None = flag(None, "show at most N records (default: all)")
+    key_format: str = flag(
         "auto",
-        "key decoding [auto: from the key class and first key]",
+        "key decoding (auto: from the key class and first key)",
         choices=KEY_FORMATS,
     )
-)
 
 
-def parse(argv: Sequence[str]) -> Flags:
+FLAGS = FlagSet(
+    "kvtool",
+    "Print a SequenceFile's header and records: one line per record, the key as a decimal\n"
+    "uint64, a tab, the value as hex (or float32s with --float). FILE may come anywhere\n"
+    "on the line; after a bare --float, write --float=true FILE (or FILE first) when FILE\n"
+    "is named like a boolean (1, y, no, ...).",
+    spec=KvtoolFlags,
+).positional("FILE", "the SequenceFile to read (or --file)", flag="file")
+
+
+def parse(argv: Sequence[str]) -> KvtoolFlags:
     args = FLAGS.parse(argv)
     if args.limit is not None and args.limit < 0:
         raise FlagError("--limit must be >= 0")

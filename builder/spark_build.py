@@ -150,7 +150,7 @@ def list_splits(input_path: str, timeout: float = FETCH_TIMEOUT) -> list[InputSp
 # Stage 1: one file -> (shard, chunk) pairs
 
 
-def map_file(spec: _JobSpec, split: InputSplit) -> Iterator[tuple[int, tuple]]:
+def map_file(spec: _JobSpec, split: InputSplit) -> Iterator[tuple[int, tuple[Any, ...]]]:
     """Read one input file; yield (shard, marker) for every shard, then (shard, chunk) for
     every shard's share of every batch. A chunk is ("R", file, chunk number, keys bytes,
     value width, value bytes, value offsets bytes)."""
@@ -172,7 +172,7 @@ def map_file(spec: _JobSpec, split: InputSplit) -> Iterator[tuple[int, tuple]]:
                 chunk += 1
 
 
-def _map_paddle_file(spec: _JobSpec, split: InputSplit) -> Iterator[tuple[int, tuple]]:
+def _map_paddle_file(spec: _JobSpec, split: InputSplit) -> Iterator[tuple[int, tuple[Any, ...]]]:
     """map_file for a part file of a parameter-server table (`cube.builder.paddle_ps`)."""
     from cube.builder.paddle_ps import table_batches
 
@@ -197,7 +197,7 @@ def _encode(keys: np.ndarray, values: ValueColumn) -> tuple[bytes, int, bytes, b
     return keys.tobytes(), 0, values.blob[start:end].tobytes(), offsets.tobytes()
 
 
-def _decode(chunk: tuple) -> tuple[np.ndarray, ValueColumn]:
+def _decode(chunk: tuple[Any, ...]) -> tuple[np.ndarray, ValueColumn]:
     _, _, _, keys, width, blob, offsets = chunk
     blob_array = np.frombuffer(blob, np.uint8)
     if width:
@@ -239,14 +239,14 @@ def _task_errors() -> Iterator[None]:
 
 
 def finish_shard(
-    spec: _JobSpec, deleted: Any, shard: int, items: Iterable[tuple[int, tuple]]
+    spec: _JobSpec, deleted: Any, shard: int, items: Iterable[tuple[int, tuple[Any, ...]]]
 ) -> Iterator[_ShardResult]:
     """The shard task: gather, order, build, write, package (see the module docstring)."""
     config = spec.config
     name = config.shard_name(shard)
     with _task_errors():
         formats: dict[int, str] = {}
-        chunks: list[tuple] = []
+        chunks: list[tuple[Any, ...]] = []
         held = 0
         for _, item in items:
             if item[0] == "F":

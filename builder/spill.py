@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from cube.index import compiled_kernels
+from cube.kernel_constants import OFFSET_BITS
 from cube.routing import shard_of
 from cube.seqfile import ValueLocations
 from cube.values import ValueColumn, gather_ranges
@@ -39,7 +40,6 @@ _LENGTH_DTYPE = np.dtype("<u4")
 _LOC_DTYPE = np.dtype("<u8")
 _MAX_VALUE_LENGTH = 2**32 - 1
 SPILL_KINDS = ("keys", "locs", "lengths", "values")
-OFFSET_BITS = 40  # a source file may be up to 1 TiB
 MAX_SOURCE_BYTES = 1 << OFFSET_BITS
 OWN_SOURCE = (1 << (64 - OFFSET_BITS)) - 1  # source number of the shard's own `.values` file
 _OFFSET_MASK = np.uint64(MAX_SOURCE_BYTES - 1)
@@ -155,7 +155,7 @@ class ShardSpill:
         if out is None:
             path = Path(self.directory) / f"{self.shard}.{kind}"
             out = self._files[kind] = open(path, "ab", buffering=0)  # noqa: SIM115
-        view = memoryview(np.ascontiguousarray(array)).cast("B")
+        view = np.ascontiguousarray(array).data.cast("B")
         while view:
             view = view[out.write(view) :]
 
@@ -473,7 +473,8 @@ def _map_side_by_side(
     except BaseException:
         _libc.munmap(address, reserved)
         raise
-    array = np.frombuffer(buffer, dtype=np.uint8)
+    # a ctypes array is a buffer; numpy's stubs (for Python 3.11) do not say so
+    array: np.ndarray = np.frombuffer(buffer, dtype=np.uint8)  # type: ignore[call-overload]
     array.flags.writeable = False  # mapped read-only: a write would crash
     return array
 
@@ -484,7 +485,7 @@ def _read_side_by_side(
     """The portable fallback: every file read into one buffer at its base."""
     array = np.empty(total, dtype=np.uint8)
     for fd, path, size, base in zip(fds, paths, sizes, bases.tolist(), strict=True):
-        view = memoryview(array[base : base + size])
+        view = array[base : base + size].data
         done = 0
         while done < size:
             got = os.preadv(fd, [view[done:]], done)
@@ -565,7 +566,7 @@ def _renumber(locs: np.ndarray, base: int, own: int) -> None:
 
 def _read_into(path: Path, out: np.ndarray) -> None:
     """Fill `out` from a spill file that must hold exactly its bytes."""
-    view = memoryview(out).cast("B")
+    view = out.data.cast("B")
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         if size != view.nbytes:

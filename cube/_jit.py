@@ -1,5 +1,6 @@
 """What the numba-compiled loops share (cube._kernel_jit for lookups, cube.build_kernels for
-builds): whether to compile, the decorator, the CPU prefetch and memcpy intrinsics, fmix64.
+builds, cube._lane_jit for the TCP lane): whether to compile, the decorator, the CPU prefetch,
+memcpy and pointer intrinsics, fmix64.
 
 Imported only by those modules, which are imported only when compiled loops are wanted, so a
 process that never needs them does not pay numba's ~0.4 s import. Without numba, or with
@@ -17,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from cube.kernel import COMPILED
+from cube.kernel_constants import COMPILED
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 SHIPPED_CACHE = PACKAGE_DIR / "_numba_cache"  # built with the wheel (setup.py), or by make
@@ -155,8 +156,59 @@ if COMPILED:
 
         return types.void(dst, dst_at, src, src_at, count), codegen
 
+    def _pointer_typer(typingctx: Any, address: Any) -> Any:
+        """An integer address as a pointer, for `numba.carray` views of arrays the caller
+        keeps alive (the lane's layers: mapped shard sections, cube.lane_kernel)."""
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+
+        return types.voidptr(address), codegen
+
+    def _load_word_typer(typingctx: Any, address: Any) -> Any:
+        """The 8 bytes at an integer address as a uint64 (little-endian; any alignment)."""
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            i64 = ir.IntType(64)
+            return builder.load(builder.inttoptr(args[0], i64.as_pointer()), align=1)
+
+        return types.uint64(address), codegen
+
+    def _store_word_typer(typingctx: Any, array: Any, at: Any, value: Any) -> Any:
+        """Store a uint64 at byte `at` of an array's data (any alignment)."""
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            array_type, at_type, value_type = signature.args
+            offset = context.cast(builder, args[1], at_type, types.intp)
+            address = _address(context, builder, array_type, args[0], offset)
+            i64 = ir.IntType(64)
+            word = context.cast(builder, args[2], value_type, types.uint64)
+            builder.store(word, builder.bitcast(address, i64.as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return types.void(array, at, value), codegen
+
+    def _prefetch_at_typer(typingctx: Any, address: Any) -> Any:
+        """`prefetch` of the byte at an integer address."""
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            i8p = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            function = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                "llvm.prefetch.p0",
+            )  # fmt: skip
+            builder.call(function, [builder.inttoptr(args[0], i8p), i32(0), i32(3), i32(1)])
+            return context.get_dummy_value()
+
+        return types.void(address), codegen
+
     prefetch: Any = intrinsic(_prefetch_typer)
+    prefetch_at: Any = intrinsic(_prefetch_at_typer)
     copy: Any = intrinsic(_copy_typer)
+    pointer: Any = intrinsic(_pointer_typer)
+    load_word: Any = intrinsic(_load_word_typer)
+    store_word: Any = intrinsic(_store_word_typer)
 
     _M1 = np.uint64(0xFF51AFD7ED558CCD)
     _M2 = np.uint64(0xC4CEB9FE1A85EC53)

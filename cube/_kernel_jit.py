@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from cube._jit import fmix64, jit, prefetch
-from cube.index import MAX_ROWS, TOMBSTONE, WINDOW
+from cube.kernel_constants import MAX_ROWS, TOMBSTONE, WINDOW
 
 _S32 = np.uint64(32)
 _W = np.uint64(WINDOW)

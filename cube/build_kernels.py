@@ -20,10 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from cube.kernel import COMPILED as COMPILED  # numba installed, CUBE_KERNEL not "numpy"
-
-WINDOW = 8  # cube.index.WINDOW (not imported: cube.index imports this module lazily)
-OFFSET_BITS = 40  # cube.builder.spill.OFFSET_BITS: locations are source << 40 | offset
+from cube.kernel_constants import COMPILED as COMPILED  # numba installed, not CUBE_KERNEL=numpy
+from cube.kernel_constants import OFFSET_BITS, WINDOW
 
 # Filled in below when COMPILED; typed loosely so the module imports without numba.
 pack_hashes: Any = None

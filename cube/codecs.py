@@ -35,7 +35,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -73,7 +73,8 @@ def _lz4_block() -> ModuleType:
         raise CodecError(
             "an Lz4Codec SequenceFile needs the lz4 package: pip install 'cube-py[builder]'"
         ) from None
-    return lz4.block
+    block: ModuleType = lz4.block  # untyped: no stubs
+    return block
 
 
 def _cramjam(codec: str) -> ModuleType:
@@ -104,7 +105,7 @@ def _too_much(what: str, limit: int) -> CodecError:
     return CodecError(f"{what} data decompresses to more than {limit} bytes")
 
 
-def _streams(data: bytes, new_decoder: Callable, what: str, limit: int | None) -> bytes:
+def _streams(data: bytes, new_decoder: Callable[..., Any], what: str, limit: int | None) -> bytes:
     """Decode one or more concatenated streams (Hadoop's streams may be concatenated), never
     producing more than limit + 1 bytes. Each pass ends one stream, so the loop is bounded by
     the input's length."""

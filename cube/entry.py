@@ -1,26 +1,65 @@
 """The console scripts. Each checks that the packages of its extra are installed before it
 imports its command, so `pip install cube-py` (the SDK alone) followed by `cube-server` says
-which extra to install instead of dying with a ModuleNotFoundError traceback."""
+which extra to install instead of dying with a ModuleNotFoundError traceback. What each extra
+brings is read from the installed package's metadata (pyproject.toml)."""
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
+import re
 import sys
+from importlib import metadata
 
-# extra -> the import names it brings (pyproject.toml [project.optional-dependencies])
-EXTRAS: dict[str, tuple[str, ...]] = {
-    "server": ("uvloop", "aiohttp", "grpc_health", "grpc_reflection"),
-    "builder": ("lz4", "cramjam", "tqdm"),
-    "agent": ("aiohttp",),
-    "transfer": ("aiohttp", "fsspec", "psutil", "pyftpdlib", "lz4", "cramjam", "tqdm"),
-    "bench": ("redis", "pymemcache", "matplotlib", "psutil", "uvloop", "lz4"),
-}
+DISTRIBUTION = "cube-py"
+_REQUIREMENT = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[([^\]]*)\])?")
+_EXTRA_MARKER = re.compile(r"""\bextra\s*==\s*["']([^"']+)["']""")
+
+
+def _requires() -> list[str]:
+    """cube-py's requirement lines as installed (pyproject.toml's dependencies and extras);
+    none when it is not installed (run from a source tree: nothing to check)."""
+    try:
+        return metadata.requires(DISTRIBUTION) or []
+    except metadata.PackageNotFoundError:
+        return []
+
+
+def canonical(name: str) -> str:
+    """A distribution name as PyPI compares them (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def requirements(extra: str) -> list[str]:
+    """The distributions `extra` brings, read from the package's metadata (pyproject.toml is
+    their one home), with those of the extras it includes (`cube-py[builder]`)."""
+    found: list[str] = []
+    pending, seen = [extra], set()
+    while pending:
+        wanted = pending.pop()
+        seen.add(wanted)
+        for line in _requires():
+            spec, _, marker = line.partition(";")
+            said = _EXTRA_MARKER.search(marker)
+            shape = _REQUIREMENT.match(spec)
+            if said is None or said.group(1) != wanted or shape is None:
+                continue
+            name, included = shape.groups()
+            if canonical(name) == DISTRIBUTION:
+                pending += [e.strip() for e in (included or "").split(",") if e.strip() not in seen]
+            elif name not in found:
+                found.append(name)
+    return found
 
 
 def missing(extra: str) -> list[str]:
-    """The packages of `extra` that cannot be imported here."""
-    return [name for name in EXTRAS[extra] if importlib.util.find_spec(name) is None]
+    """The distributions of `extra` that are not installed here."""
+    absent = []
+    for name in requirements(extra):
+        try:
+            metadata.version(name)
+        except metadata.PackageNotFoundError:
+            absent.append(name)
+    return absent
 
 
 def launch(command: str, extras: tuple[str, ...], module: str) -> int:

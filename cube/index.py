@@ -36,10 +36,12 @@ import numpy as np
 
 from cube.hashing import fmix64
 
-WINDOW = 8
+# The table's constants live in the kernels' leaf module; importable from here too.
+from cube.kernel_constants import MAX_ROWS as MAX_ROWS
+from cube.kernel_constants import TOMBSTONE as TOMBSTONE
+from cube.kernel_constants import WINDOW as WINDOW
+
 LOAD_FACTOR = 0.6
-TOMBSTONE = 0xFFFFFFFF
-MAX_ROWS = TOMBSTONE - 1
 _TOMBSTONE_U4 = np.uint32(TOMBSTONE)
 _SHIFT32 = np.uint64(32)
 

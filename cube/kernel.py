@@ -18,9 +18,7 @@ key the table does not hold (rows stop at `MAX_ROWS` - 1, so both codes are free
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import logging
-import os
 import threading
 import time
 from concurrent.futures import Future
@@ -29,21 +27,56 @@ from typing import Any
 
 import numpy as np
 
-from cube.index import MAX_ROWS, TOMBSTONE, HashTable
+from cube.index import HashTable
 from cube.index import lookup as numpy_lookup
+from cube.kernel_constants import COMPILED as COMPILED  # (tests switch it off here)
+from cube.kernel_constants import (
+    HAVE_NUMBA,
+    L_BUCKET_COUNT,
+    L_BUCKET_ROWS,
+    L_COUNT,
+    L_DELETED,
+    L_DELETED_COUNT,
+    L_EMPTY_KEY,
+    L_MAX_PROBE,
+    L_OFFSETS,
+    L_SLOT_KEYS,
+    L_VALUES,
+    L_WIDTH,
+    LAYER_FIELDS,
+    LIMIT_FIELDS,
+    P_AHEAD,
+    P_BUDGET,
+    P_BUFFERED,
+    P_CONNECTION,
+    P_MAX_ANSWER,
+    P_MAX_BATCH,
+    P_MAX_FRAME,
+    P_MAX_VALUE,
+    P_OUTSTANDING,
+    P_PARTITIONER,
+    P_SHARD,
+    P_SHARD_NUM,
+    P_TOTAL,
+    P_WIDTH,
+    TALLY_BUCKETS,
+    TOMBSTONE,
+)
+from cube.kernel_constants import MISS as MISS  # 0xFFFFFFFE: no row has it
+from cube.values import ValueColumn
 
-MISS = MAX_ROWS  # 0xFFFFFFFE: no row has it
-
-# numba is an optional accelerator: the numpy paths answer the same without it. This decides
-# for every compiled loop (cube._jit, lookups here, builds in cube.build_kernels).
-_HAVE_NUMBA = importlib.util.find_spec("numba") is not None
-COMPILED = _HAVE_NUMBA and os.environ.get("CUBE_KERNEL", "compiled") != "numpy"
 _compiled: Any = None  # cube._kernel_jit, imported by the first lookup (or warm)
+_lane: Any = None  # cube._lane_jit, imported by the lane's first pass (or warm)
 _warming = False  # warm() runs in the background: lookups take the numpy path meanwhile
 _warm_failed = ""  # why the background warm() failed (lookups then stay on numpy)
 _sealed = False  # seal(): the loops compile nothing more; an unforeseen signature takes numpy
 unwarmed: set[str] = set()  # the signatures a sealed kernel refused (and answered on numpy)
 log = logging.getLogger("cube.kernel")
+
+
+def compiled_ready() -> bool:
+    """Whether the compiled loops run now (not while a background warm() compiles them)."""
+    return _use_compiled()
 
 
 def _use_compiled() -> bool:
@@ -59,6 +92,27 @@ def _loops() -> Any:
 
         _compiled = _kernel_jit
     return _compiled
+
+
+def lane_loops() -> Any:
+    """cube._lane_jit (the TCP lane's compiled request pass, cube.lane_kernel)."""
+    global _lane
+    if _lane is None:
+        from cube import _lane_jit
+
+        _lane = _lane_jit
+    return _lane
+
+
+def _dispatchers() -> list[Any]:
+    """Every compiled loop a server runs (warmed, sealed and counted together)."""
+    loops = _loops()
+    return [loops._lookup_rows, loops._seek_fixed, lane_loops().lane_pass]
+
+
+def read_only(array: np.ndarray) -> np.ndarray:
+    """`_read_only`: how callers hand arrays they write to the compiled loops."""
+    return _read_only(array)
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:
@@ -83,6 +137,31 @@ class KernelTable:
 
     table: HashTable
     args: tuple[Any, ...]
+
+
+def layer_row(prepared: KernelTable, values: ValueColumn) -> np.ndarray:
+    """One layer of a stack as the lane's compiled pass takes it (cube.kernel_constants:
+    L_*): the addresses of its table and value arrays and its parameters. The caller keeps
+    `prepared` and `values` (their arrays) alive while the row is used."""
+    slot_keys, bucket_rows, deleted_keys, bucket_count, empty_key, max_probe = prepared.args
+    row = np.zeros(LAYER_FIELDS, dtype=np.uint64)
+    row[L_SLOT_KEYS] = slot_keys.ctypes.data
+    row[L_BUCKET_ROWS] = bucket_rows.ctypes.data
+    row[L_DELETED] = deleted_keys.ctypes.data
+    row[L_DELETED_COUNT] = deleted_keys.shape[0]
+    row[L_BUCKET_COUNT] = bucket_count
+    row[L_EMPTY_KEY] = empty_key
+    row[L_MAX_PROBE] = max_probe
+    blob = values.blob
+    assert blob.dtype == np.uint8 and blob.flags.c_contiguous
+    row[L_VALUES] = blob.ctypes.data
+    row[L_WIDTH] = values.width
+    if not values.width:
+        offsets = values.offsets
+        assert offsets.dtype == np.int64 and offsets.flags.c_contiguous
+        row[L_OFFSETS] = offsets.ctypes.data
+    row[L_COUNT] = values.count
+    return row
 
 
 def prepare(table: HashTable) -> KernelTable:
@@ -200,8 +279,7 @@ def compiled_now() -> int:
     the cache (0 after a warm() that found them all: an install's shipped cache)."""
     if not COMPILED or _compiled is None:
         return 0
-    loops = _compiled
-    return sum(len(d.stats.cache_misses) for d in (loops._lookup_rows, loops._seek_fixed))
+    return sum(len(d.stats.cache_misses) for d in _dispatchers())
 
 
 def describe() -> str:
@@ -215,7 +293,7 @@ def describe() -> str:
         compiled = compiled_now()
         source = f"{compiled} signatures compiled now" if compiled else "loaded from its cache"
         return f"compiled (numba {version}, {source})"
-    if _HAVE_NUMBA:
+    if HAVE_NUMBA:
         return "numpy (CUBE_KERNEL=numpy)"
     return "numpy (numba is not installed)"
 
@@ -236,6 +314,7 @@ def warm() -> float:
             found = np.empty(keys.shape[0], dtype=bool)
             out = _words(np.empty((keys.shape[0], width), dtype=np.uint8))
             loops._seek_fixed(*prepared.args, words, keys, found, out)
+        _warm_lane(prepared)
     return time.perf_counter() - started
 
 
@@ -245,8 +324,7 @@ def seal() -> None:
     instead of compiling for a second or more in the request path."""
     global _sealed
     if COMPILED:
-        loops = _loops()
-        for dispatcher in (loops._lookup_rows, loops._seek_fixed):
+        for dispatcher in _dispatchers():
             dispatcher.disable_compile()
         _sealed = True
 
@@ -277,3 +355,145 @@ def warm_in_background(sealed: bool = False) -> Future[float]:
     _warming = True
     threading.Thread(target=run, name="cube-kernel-warm", daemon=True).start()
     return done
+
+
+# ---------------------------------------------------------------------------------------------
+# The TCP lane's compiled pass (cube._lane_jit): received frames in, answer frames out
+
+
+@dataclass(frozen=True, slots=True)
+class LaneTarget:
+    """What a lane pass answers from: one version's stack (a single split) as layer rows
+    (`layer_row`, oldest first), made once per version (the server caches it)."""
+
+    layers: np.ndarray  # (L, LAYER_FIELDS) uint64, read-only
+    keep: tuple[Any, ...]  # the tables and value columns the rows point into
+    width: int  # the stack's value width, 0: variable
+    name: np.ndarray  # the version's name as UTF-8 bytes (uint8, read-only)
+    max_value_bytes: int
+    shard_num: int  # the version's routing (1: every key is this shard's)
+    shard: int
+    partitioner: int  # 0 mod, 1 murmur3
+    ahead: int = 16  # keys between a prefetch and its use (bench/RESULTS.md, issue 28)
+
+
+def lane_target(
+    layers: list[tuple[KernelTable, ValueColumn]],
+    width: int,
+    name: str,
+    max_value_bytes: int,
+    routing: tuple[int, int, str] = (1, 0, "mod"),
+) -> LaneTarget:
+    """A `LaneTarget` of a stack's layers (oldest first), its value width and version name;
+    `routing` is (shard_num, shard, partitioner) of the keys the version holds."""
+    rows = np.stack([layer_row(table, values) for table, values in layers])
+    encoded = np.frombuffer(name.encode(), dtype=np.uint8)
+    shard_num, shard, partitioner = routing
+    return LaneTarget(
+        _read_only(rows),
+        tuple(layers),
+        width,
+        _read_only(encoded),
+        max_value_bytes,
+        shard_num,
+        shard,
+        0 if partitioner == "mod" else 1,
+    )
+
+
+class LanePass:
+    """A worker's lane passes: the compiled call's arrays (the bounds, what it reports and
+    counts) reused from pass to pass. Event loop thread only.
+
+    The answers of each pass go into a buffer of their own (`out`), sized from the bytes read
+    (`out_bytes`): the transport keeps what it is given until it has sent it, and uvloop
+    sends at the end of the loop turn, so a buffer written again by the next read would
+    change answers not yet sent. malloc hands the same memory back pass after pass, so this
+    costs no fresh pages once warm (a single reused buffer would have had to be replaced after
+    nearly every pass anyway)."""
+
+    MAX_OUT_BYTES = 8 << 20  # a larger answer stops the pass (STOP_FULL) and gets its own
+
+    def __init__(
+        self,
+        accepted_names: list[str],
+        max_frame: int,
+        max_batch: int,
+        max_answer_bytes: int,
+        batch_bounds: tuple[int, ...],
+    ) -> None:
+        encoded = [name.encode() for name in accepted_names]
+        self.names = _read_only(np.frombuffer(b"".join(encoded) or b"\0", dtype=np.uint8))
+        ends = np.cumsum([len(e) for e in encoded], dtype=np.int64)
+        self.name_ends = _read_only(ends)
+        self.batch_bounds = _read_only(np.array(batch_bounds, dtype=np.int64))
+        self.tally = np.zeros(TALLY_BUCKETS + len(batch_bounds) + 1, dtype=np.int64)
+        self.result = np.zeros(4, dtype=np.int64)
+        self.limits = np.zeros(LIMIT_FIELDS, dtype=np.int64)
+        self.limits[P_MAX_FRAME] = max_frame
+        self.limits[P_MAX_BATCH] = max_batch
+        self.limits[P_MAX_ANSWER] = max_answer_bytes
+        self.out = np.empty(0, dtype=np.uint8)
+
+    @classmethod
+    def out_bytes(cls, read: int, target: LaneTarget, needed: int = 0) -> int:
+        """The answer buffer for `read` bytes of frames: every 8 bytes a key whose answer is
+        at most its found flag and longest value, plus the frames' own fields."""
+        estimate = (read // 8 + 1) * (target.max_value_bytes + 1) + 4096
+        return max(min(estimate, cls.MAX_OUT_BYTES), needed)
+
+    def run(
+        self,
+        data: np.ndarray,
+        start: int,
+        end: int,
+        target: LaneTarget,
+        connection: tuple[int, int, int, int, int],
+        needed: int = 0,
+    ) -> bool:
+        """One pass over data[start:end] (uint8, read-only) into a new `out`; `result` says
+        where it stopped (cube.kernel_constants R_*) and `needed` is R_NEEDED of a pass that
+        stopped for room. `connection`: (outstanding, total, buffered, budget,
+        connection_bytes) as the byte bounds count them. False when the kernel cannot run
+        this pass (sealed without it): the caller answers on its Python path."""
+        limits = self.limits
+        limits[P_OUTSTANDING], limits[P_TOTAL], limits[P_BUFFERED] = connection[:3]
+        limits[P_BUDGET], limits[P_CONNECTION] = connection[3:]
+        limits[P_MAX_VALUE] = target.max_value_bytes
+        limits[P_WIDTH] = target.width
+        limits[P_SHARD_NUM] = target.shard_num
+        limits[P_SHARD] = target.shard
+        limits[P_PARTITIONER] = target.partitioner
+        limits[P_AHEAD] = target.ahead
+        self.out = np.empty(self.out_bytes(end - start, target, needed), dtype=np.uint8)
+        done = _sealed_call(
+            lane_loops().lane_pass,
+            data,
+            start,
+            end,
+            self.out,
+            0,
+            target.layers,
+            self.names,
+            self.name_ends,
+            target.name,
+            limits,
+            self.batch_bounds,
+            self.tally,
+            self.result,
+        )
+        return done is not None  # (None: sealed without this signature; the pass returns
+        # its reason)
+
+
+def _warm_lane(prepared: KernelTable) -> None:
+    """Compile (or load) the lane's pass: one request of a few keys, through `LanePass`."""
+    keys = np.asarray(prepared.table.slot_keys[:64])
+    keys = keys[keys != np.uint64(prepared.table.empty_key)][:4].astype("<u8")
+    count = int(prepared.table.bucket_rows.shape[0]) * 8
+    values = ValueColumn.fixed(np.zeros(count * 8, dtype=np.uint8), 8)
+    target = lane_target([(prepared, values)], 8, "warm", 8)
+    body = b"\x0a" + bytes([keys.nbytes]) + keys.tobytes() + b"\x20\x01"
+    frame = np.frombuffer(len(body).to_bytes(4, "little") + body, dtype=np.uint8)
+    lane = LanePass([""], 1 << 20, 1000, 1 << 20, (1, 10))
+    lane.run(_read_only(frame), 0, frame.shape[0], target, (0, 0, 0, 1 << 30, 1 << 30))

@@ -5,8 +5,8 @@ builder, transfer, agent and server each used to spell out on their own:
 
 - Names: a dict or version name is one safe path component (`NAME_RE`).
 - Build output: `<output>/<depend>_<cur>/<dict>_part<shard>/` and `<dict>_part<shard>.tar`
-  (`output_dir_name`, `part_name`, `tar_name`); a base's output `<d>_<d>` is served as `<d>`
-  (`served_version`).
+  (`output_dir_name`, `part_name`, `tar_name`, `PART_NAME_RE`); a base's output `<d>_<d>` is
+  served as `<d>` (`served_version`, `served_name`).
 - Versions: a base is `<depend>`, a delta `<depend>_<cur>` (`base_of`, `is_delta`,
   `delta_order`); the original's pair (version=<cur>, depend=<depend>) maps to the same name.
 - Data layout (the server's --data_dir, the agent's deploy_path/data): `VERSION` names the
@@ -54,7 +54,10 @@ def tar_name(dict_name: str, shard: int) -> str:
     return f"{part_name(dict_name, shard)}.tar"
 
 
-PART_RE = re.compile(r".+_part\d+(\.tar(\.md5)?)?")  # what build output looks like
+# A shard's build directory `<dict>_part<shard>` as part_name writes it (a shard number without
+# leading zeros), and what build output looks like: those directories, their tars and md5s.
+PART_NAME_RE = re.compile(r"(?P<dict>.+)_part(?P<shard>0|[1-9][0-9]{0,5})")
+PART_RE = re.compile(rf"{PART_NAME_RE.pattern}(\.tar(\.md5)?)?")
 
 
 def output_dir_name(depend: str, cur: str) -> str:
@@ -65,6 +68,13 @@ def output_dir_name(depend: str, cur: str) -> str:
 def served_version(depend: str, cur: str, is_base: bool) -> str:
     """The version name servers and agents use: `<depend>` for a base, else `<depend>_<cur>`."""
     return str(depend) if is_base else output_dir_name(depend, cur)
+
+
+def served_name(dir_name: str) -> str:
+    """The version an output directory `<depend>_<cur>` is served as: `<d>` for a base's
+    `<d>_<d>`, else the name itself."""
+    base, sep, cur = dir_name.rpartition("_")
+    return base if sep and base == cur else dir_name
 
 
 def base_of(name: str) -> str:

@@ -34,9 +34,17 @@ class Histogram:
         self.counts = [0] * (len(bounds) + 1)
         self.total = 0.0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += times
+        self.total += value * times
+
+    def add(self, counts: list[int], total: float) -> None:
+        """Observations counted elsewhere (per bucket, and their sum): cube.server.lane's
+        compiled pass counts its requests' sizes itself."""
+        for index, count in enumerate(counts):
+            if count:
+                self.counts[index] += count
+        self.total += total
 
     def snapshot(self) -> dict[str, Any]:
         return {"counts": list(self.counts), "sum": self.total}

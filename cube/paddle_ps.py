@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from cube.kernel import COMPILED
+from cube.kernel_constants import COMPILED
 
 # ---------------------------------------------------------------------------------------------
 # Layouts

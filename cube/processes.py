@@ -58,7 +58,9 @@ def health_status(address: str, timeout: float = 1.0, service: str = "") -> int 
 
     with grpc.insecure_channel(address) as channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
+            stub = health_pb2_grpc.HealthStub(channel)
+            # types-grpcio-health-checking declares HealthStub without its methods
+            reply = stub.Check(  # type: ignore[attr-defined]
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
             )
         except grpc.RpcError:
@@ -69,7 +71,7 @@ def health_status(address: str, timeout: float = 1.0, service: str = "") -> int 
 SERVING = 1  # grpc.health.v1 HealthCheckResponse.SERVING
 
 
-def log_tail(path: str | os.PathLike, lines: int = 15) -> str:
+def log_tail(path: str | os.PathLike[str], lines: int = 15) -> str:
     """The last `lines` lines of a log, for an error message that says why a process died."""
     try:
         text = Path(path).read_text(errors="replace").splitlines()
@@ -80,13 +82,13 @@ def log_tail(path: str | os.PathLike, lines: int = 15) -> str:
 
 def spawn(
     argv: Sequence[str],
-    log_path: str | os.PathLike,
+    log_path: str | os.PathLike[str],
     *,
     append: bool = False,
-    cwd: str | os.PathLike | None = None,
+    cwd: str | os.PathLike[str] | None = None,
     env: dict[str, str] | None = None,
     preexec_fn: Callable[[], None] | None = None,
-) -> subprocess.Popen:
+) -> subprocess.Popen[bytes]:
     """Start `argv` with stdout and stderr in `log_path` and no stdin, in its own session, so
     that a Ctrl-C in the terminal reaches only its starter, which stops it in order."""
     with open(log_path, "ab" if append else "wb") as log:
@@ -162,7 +164,9 @@ def terminate(
     return alive
 
 
-def stop_child(popen: subprocess.Popen, timeout: float, kill_timeout: float = 10.0) -> int | None:
+def stop_child(
+    popen: subprocess.Popen[bytes], timeout: float, kill_timeout: float = 10.0
+) -> int | None:
     """SIGTERM a child we started and reap it; SIGKILL it if it has not exited after `timeout`
     s. Returns its exit code (through Popen, which psutil's waiting would lose)."""
     if popen.poll() is None:

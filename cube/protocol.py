@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from cube.fsutil import is_md5_hex
-from cube.layout import NAME_RULE, clip, is_name
+from cube.layout import NAME_RULE, clip, is_name, output_dir_name, served_name
 
 OK, ERROR, UNKNOWN_API = "0", "255", "2"
 
@@ -73,11 +73,10 @@ def version_dir_name(version: str, depend: str = "", mode: str = "") -> str:
     check_name("version", version)
     if depend:
         check_name("depend", depend)
-    head, sep, tail = version.partition("_")
-    if sep and head == tail:
-        return head
-    if mode == "delta" and depend and not sep and version != depend:
-        return f"{depend}_{version}"
+    if served_name(version) != version:
+        return served_name(version)
+    if mode == "delta" and depend and "_" not in version and version != depend:
+        return output_dir_name(depend, version)
     return version
 
 

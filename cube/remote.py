@@ -156,8 +156,8 @@ def _new_fs(url: str, io_timeout: float) -> Any:
     parts = urlsplit(url)
     if scheme_of(url) == "s3":
         try:
-            import fsspec.config  # type: ignore[import-untyped]
-            import s3fs  # type: ignore[import-untyped]
+            import fsspec.config
+            import s3fs
         except ImportError:
             raise RemoteError(f"s3:// needs s3fs: {S3_INSTALL}") from None
         settings = fsspec.config.conf.get("s3", {})
@@ -172,7 +172,7 @@ def _new_fs(url: str, io_timeout: float) -> Any:
         fs.retries = 1  # (a class attribute, not a constructor argument)
         return fs
     try:
-        from fsspec.implementations.webhdfs import WebHDFS  # type: ignore[import-untyped]
+        from fsspec.implementations.webhdfs import WebHDFS
     except ImportError:
         raise RemoteError(f"webhdfs:// needs fsspec and requests: {S3_INSTALL} requests") from None
     webhdfs = WebHDFS(parts.hostname, parts.port, user=parts.username, skip_instance_cache=True)

@@ -2,8 +2,9 @@
 
 - A control plane (cube-server's control port, cube-agent, cube-transfer's API) that listens
   beyond loopback needs a token, unless the operator says `--insecure` (`require_token`).
-- Tokens travel as `Authorization: Bearer <token>` (HTTP) or the `authorization` gRPC metadata
-  and are compared in constant time (`token_matches`). Whether one control call is answered is
+- Tokens travel as `Authorization: Bearer <token>` (HTTP; or a POST body's `token` field,
+  `token_middleware` for the agent and the transfer) or the `authorization` gRPC metadata and
+  are compared in constant time (`token_matches`). Whether one control call is answered is
   `control_refusal`, for every transport that carries control.
 - TLS is optional and configured with PEM files: `server_context`, `client_context` for
   sockets (the TCP lane, aiohttp), `grpc_server_credentials` / `grpc_channel_credentials` for
@@ -14,11 +15,17 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import json
 import os
 import ssl
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import grpc
+
+if TYPE_CHECKING:  # aiohttp is the agent's and transfer's extra, not the SDK's
+    from aiohttp import web
 
 LOOPBACK_NAMES = ("localhost", "ip6-localhost")
 AUTH_METADATA = "authorization"
@@ -92,6 +99,59 @@ def bearer_token(header: str | None) -> str | None:
         return None
     scheme, _, token = header.strip().partition(" ")
     return token.strip() if scheme.lower() == "bearer" else None
+
+
+FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
+
+
+async def _plain_json(request: web.Request) -> Any:
+    return json.loads(await request.read())
+
+
+async def body_token(
+    request: web.Request, json_body: Callable[[web.Request], Awaitable[Any]] = _plain_json
+) -> str:
+    """The `token` field of a POST body (a form, or a JSON object read by `json_body`, which
+    may keep what it parsed for the handler); "" when there is none. A body that does not
+    parse carries no token: its sender learns nothing about it before authenticating."""
+    if request.method != "POST" or not request.body_exists:
+        return ""
+    if request.content_type in FORM_TYPES:
+        token = (await request.post()).get("token")
+    else:
+        try:
+            body = await json_body(request)
+        except ValueError:
+            return ""
+        token = body.get("token") if isinstance(body, dict) else None
+    return token.strip() if isinstance(token, str) else ""
+
+
+def token_middleware(
+    token: str,
+    refusal: Callable[[], web.StreamResponse],
+    public: Callable[[web.Request], bool] = lambda request: False,
+    json_body: Callable[[web.Request], Awaitable[Any]] = _plain_json,
+) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """The aiohttp middleware of an HTTP control plane (cube-agent, cube-transfer's API): with
+    a `token`, a request that is not `public` passes only with `Authorization: Bearer <token>`
+    or, in a POST body, a `token` field; anything else gets `refusal()` (401)."""
+    from aiohttp import web
+
+    @web.middleware
+    async def check_token(
+        request: web.Request,
+        handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    ) -> web.StreamResponse:
+        if not token or public(request):
+            return await handler(request)
+        if token_matches(bearer_token(request.headers.get("Authorization")), token):
+            return await handler(request)
+        if token_matches(await body_token(request, json_body) or None, token):
+            return await handler(request)
+        return refusal()
+
+    return check_token
 
 
 def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:

@@ -35,8 +35,10 @@ class ValueSource(Protocol):
     """Values by input record number: a ValueColumn, or the builder's values left in their
     input files (cube.builder.spill.LocatedValues)."""
 
-    width: int
-    count: int
+    @property
+    def width(self) -> int: ...
+    @property
+    def count(self) -> int: ...
 
     def lengths(self) -> np.ndarray: ...
 

@@ -345,6 +345,12 @@ def _scan_response(data: Buffer) -> tuple[int, int, int, int, int, int, int, str
 _VARINT_ENDS = bytes(0 if b < 0x80 else 1 for b in range(256))
 
 
+# What an empty Seek (a client's first contact) is told in its initial metadata, beside the
+# lane's port and the served routing: the most keys one request may carry (the server's
+# --max_batch), so that the SDK splits larger batches instead of being refused.
+MAX_BATCH_METADATA = "cube-max-batch"
+
+
 # ---------------------------------------------------------------------------------------------
 # TCP lane frames (cube.server.lane serves them, cube.client._transport speaks them)
 #

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import multiprocessing.process
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
 import trustme
-from agent_helpers import AgentProc, HttpFileServer
-from procs import ServerProc, start_server
-from s3_helpers import MotoServer
+from helpers.agent_helpers import AgentProc, HttpFileServer
+from helpers.procs import ServerProc, start_server
+from helpers.s3_helpers import MotoServer
 
 from cube.processes import free_port
 
@@ -20,8 +25,43 @@ from cube.processes import free_port
 logging.getLogger("py4j").setLevel(logging.WARNING)
 
 
+class StartsAProcess(RuntimeError):
+    """A test not marked slow started a process (make quick runs those tests)."""
+
+
+@contextlib.contextmanager
+def _no_process_unless_slow(item: pytest.Item) -> Iterator[None]:
+    """`make quick` runs the tests not marked slow and must stay within a minute on 2 cores:
+    a test that starts a process (a server, a CLI, a worker pool), itself or through a fixture
+    of any scope, is marked `slow`. This turns the rule into a failure instead of a drift."""
+    if item.get_closest_marker("slow"):
+        yield
+        return
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise StartsAProcess(f"{item.nodeid} starts a process: mark it @pytest.mark.slow")
+
+    with (
+        mock.patch.object(subprocess.Popen, "__init__", refuse),
+        mock.patch.object(multiprocessing.process.BaseProcess, "start", refuse),
+    ):
+        yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    with _no_process_unless_slow(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    with _no_process_unless_slow(item):
+        return (yield)
+
+
 @pytest.fixture(scope="session")
-def moto(tmp_path_factory) -> Iterator[MotoServer]:
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
     """moto's S3 server, a process on a free loopback port, shared by the session's s3:// tests
     (each points the AWS environment at it for its own duration: s3_helpers.aws_environment)."""
     with MotoServer(tmp_path_factory.mktemp("moto") / "moto.log") as server:
@@ -29,7 +69,7 @@ def moto(tmp_path_factory) -> Iterator[MotoServer]:
 
 
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> dict[str, str]:
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """PEM files: a test CA (`ca`), a certificate for 127.0.0.1/localhost it signed (`cert`,
     `key`), and another CA that signed nothing of ours (`other`)."""
     root = tmp_path_factory.mktemp("pki")
@@ -59,7 +99,7 @@ class Deployment:
         self.http: HttpFileServer | None = None  # the file server, when a fixture starts one
         self.closers: list[Callable[[], object]] = []  # run last first
 
-    def serve_files(self, routes: dict | None = None) -> HttpFileServer:
+    def serve_files(self, routes: dict[str, Any] | None = None) -> HttpFileServer:
         """An HTTP file server on `files` (`routes` in front of the static files)."""
         http = HttpFileServer(self.files, routes)
         self.closers.append(http.close)
@@ -86,7 +126,7 @@ class Deployment:
 
 
 @pytest.fixture
-def deployment(tmp_path) -> Iterator[Deployment]:
+def deployment(tmp_path: Path) -> Iterator[Deployment]:
     box = Deployment(tmp_path)
     try:
         yield box

@@ -1,7 +1,7 @@
 """cube-agent as a real process: HTTP API, downloads from real HTTP/FTP servers and files,
 hostile and corrupt tars, md5 checks, resume, kill -9, token, rollback, retention.
 
-The cube-server is a real `cube-server` process (tests/procs.py) on the agent's data dir; the
+The cube-server is a real `cube-server` process (helpers/procs.py) on the agent's data dir; the
 agent only ever talks to it over its gRPC control service.
 """
 
@@ -12,9 +12,10 @@ import os
 import tarfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-from agent_helpers import (
+from helpers.agent_helpers import (
     WAIT,
     AgentProc,
     FtpFileServer,
@@ -27,13 +28,16 @@ from agent_helpers import (
     write_md5,
 )
 
+if TYPE_CHECKING:
+    from conftest import Deployment
+
 pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
 
 BASE, DELTA1, DELTA2 = "1700000000", "1700000000_1700000100", "1700000000_1700000200"
 
 
 @pytest.fixture
-def env(deployment):
+def env(deployment: Deployment):
     """The shared deployment (tests/conftest.py) with its HTTP file server (`env.http`) and
     its cube-server (`env.server`) running."""
     deployment.http = deployment.serve_files()
@@ -62,7 +66,7 @@ def visible_entries(data: Path) -> set[str]:
 # ------------------------------------------------------------------ the main path
 
 
-def test_base_then_delta_with_chain_and_idempotent_repeats(env):
+def test_base_then_delta_with_chain_and_idempotent_repeats(env) -> None:
     agent = env.agent()
     deploy(agent, BASE, tar_for(env, "base", seed=1), dict_name="t", shard_seq=0, mode="base")
     assert (env.data / "VERSION").read_text() == f"{BASE}\n"
@@ -102,7 +106,7 @@ def test_base_then_delta_with_chain_and_idempotent_repeats(env):
     assert {(t["command"], t["version"]) for t in status["tasks"]} >= {("enable", DELTA1)}
 
 
-def test_another_tar_under_a_placed_version_name_fails_loudly(env):
+def test_another_tar_under_a_placed_version_name_fails_loudly(env) -> None:
     """A repeat of a succeeded download is answered from the task only when it asks for the
     same tar: another build under the same version name fails, and the placed one stays."""
     agent = env.agent()
@@ -116,7 +120,7 @@ def test_another_tar_under_a_placed_version_name_fails_loudly(env):
     assert (env.data / BASE / "data.cube").read_bytes() == placed
 
 
-def test_original_style_version_pair_and_builder_dir_names(env):
+def test_original_style_version_pair_and_builder_dir_names(env) -> None:
     agent = env.agent()
     src = tar_for(env, "b", seed=3)
     task = agent.run("download", f"{BASE}_{BASE}", **src)  # the builder's base dir name
@@ -132,7 +136,7 @@ def test_original_style_version_pair_and_builder_dir_names(env):
 # ------------------------------------------------------------------ sources
 
 
-def test_ftp_source_with_resume(env):
+def test_ftp_source_with_resume(env) -> None:
     ftp = FtpFileServer(env.files)
     try:
         agent = env.agent("--md5_from_source")  # the original transfer sends no md5
@@ -148,7 +152,7 @@ def test_ftp_source_with_resume(env):
         ftp.close()
 
 
-def test_file_url_and_plain_path(env):
+def test_file_url_and_plain_path(env) -> None:
     agent = env.agent("--allow_file_sources")
     md5_a = make_shard_tar(env.files / "a.tar", seed=6)
     md5_b = make_shard_tar(env.files / "b.tar", seed=7)
@@ -162,7 +166,7 @@ def test_file_url_and_plain_path(env):
 # ------------------------------------------------------------------ integrity
 
 
-def test_resume_after_truncated_part_and_recovery_from_a_bad_part(env):
+def test_resume_after_truncated_part_and_recovery_from_a_bad_part(env) -> None:
     agent = env.agent()
     src = tar_for(env, "r", seed=8, n_keys=20000)
     whole = (env.files / "r.tar").read_bytes()
@@ -186,7 +190,7 @@ def test_resume_after_truncated_part_and_recovery_from_a_bad_part(env):
     assert good["state"] == "succeeded" and good["runs"] == 2, good
 
 
-def test_md5_mismatch_places_nothing(env):
+def test_md5_mismatch_places_nothing(env) -> None:
     agent = env.agent("--md5_from_source")
     url = tar_for(env, "m", seed=10)["source"]
     task = agent.run("download", BASE, source=url, md5="0" * 32)
@@ -200,7 +204,7 @@ def test_md5_mismatch_places_nothing(env):
     assert task["state"] == "failed" and "md5 mismatch" in task["message"]
 
 
-def test_corrupt_tars_refused(env):
+def test_corrupt_tars_refused(env) -> None:
     agent = env.agent()
     for damage in ("truncated", "garbage"):
         name = f"c-{damage}"
@@ -233,7 +237,7 @@ HOSTILE_MEMBERS = [
 ]
 
 
-def test_hostile_tars_refused_and_nothing_written_outside(env):
+def test_hostile_tars_refused_and_nothing_written_outside(env) -> None:
     agent = env.agent()
     make_shard_tar(env.files / "good.tar", seed=12)
     for i, (member, why) in enumerate(HOSTILE_MEMBERS):
@@ -254,7 +258,7 @@ def test_hostile_tars_refused_and_nothing_written_outside(env):
 # ------------------------------------------------------------------ API behaviour
 
 
-def test_token_required(env):
+def test_token_required(env) -> None:
     agent = env.agent(token="s3cret")
     status, reply = agent.call("GET", "/agent/status", token=None)
     assert status == 401 and reply["success"] == "255" and "unauthorized" in reply["message"]
@@ -269,7 +273,7 @@ def test_token_required(env):
     assert agent.status()["status"] == "RUNNING"  # with the bearer header
 
 
-def test_envelopes_for_unknown_api_bad_requests_and_unknown_tasks(env):
+def test_envelopes_for_unknown_api_bad_requests_and_unknown_tasks(env) -> None:
     agent = env.agent()
     status, reply = agent.call("GET", "/agent/nothing")
     assert status == 404 and reply["success"] == "2"
@@ -286,7 +290,7 @@ def test_envelopes_for_unknown_api_bad_requests_and_unknown_tasks(env):
     assert status == 400 and "command" in reply["message"]
 
 
-def test_server_unreachable_fails_the_task_with_a_clear_message(env):
+def test_server_unreachable_fails_the_task_with_a_clear_message(env) -> None:
     agent = env.agent(server="127.0.0.1:1")
     assert agent.run("download", BASE, **tar_for(env, "u"))["state"] == "succeeded"
     task = agent.run("reload", BASE)
@@ -298,7 +302,7 @@ def test_server_unreachable_fails_the_task_with_a_clear_message(env):
     assert not (env.data / "VERSION").exists()
 
 
-def test_enable_requires_a_loaded_version(env):
+def test_enable_requires_a_loaded_version(env) -> None:
     agent = env.agent()
     assert agent.run("download", BASE, **tar_for(env, "e"))["state"] == "succeeded"
     task = agent.run("enable", BASE)
@@ -310,7 +314,7 @@ def test_enable_requires_a_loaded_version(env):
 # ------------------------------------------------------------------ rollback and retention
 
 
-def test_rollback_to_previous_and_to_an_unloaded_version(env):
+def test_rollback_to_previous_and_to_an_unloaded_version(env) -> None:
     agent = env.agent("--keep", "3")
     for i, version in enumerate(("100", "200", "300")):
         deploy(agent, version, tar_for(env, f"v{version}", seed=20 + i))
@@ -329,7 +333,7 @@ def test_rollback_to_previous_and_to_an_unloaded_version(env):
     assert gone["state"] == "failed" and "not on disk" in gone["message"]
 
 
-def test_rollback_to_a_delta_on_disk_loads_its_chain(env):
+def test_rollback_to_a_delta_on_disk_loads_its_chain(env) -> None:
     agent = env.agent("--keep", "5")
     deploy(agent, BASE, tar_for(env, "b", seed=70))
     deploy(agent, DELTA1, tar_for(env, "d1", seed=71), chain=[BASE, DELTA1])
@@ -347,7 +351,7 @@ def test_rollback_to_a_delta_on_disk_loads_its_chain(env):
     assert (env.data / "VERSION").read_text() == f"{DELTA1}\n"
 
 
-def test_retention_keeps_serving_versions_and_the_current_chain(env):
+def test_retention_keeps_serving_versions_and_the_current_chain(env) -> None:
     agent = env.agent("--keep", "2")
     deploy(agent, "100", tar_for(env, "a", seed=30))
     for i, version in enumerate(("200", "300", "400")):  # downloaded, never enabled
@@ -378,7 +382,7 @@ def test_retention_keeps_serving_versions_and_the_current_chain(env):
 # ------------------------------------------------------------------ crashes
 
 
-def test_kill9_during_download_then_restart_resumes(env):
+def test_kill9_during_download_then_restart_resumes(env) -> None:
     src = tar_for(env, "k", seed=50, n_keys=40000)
     size = (env.files / "k.tar").stat().st_size
     slow = env.agent("--limit_rate", str(size // 8))  # about 8 s for the whole tar
@@ -411,7 +415,7 @@ def test_kill9_during_download_then_restart_resumes(env):
     assert sorted(p.name for p in (env.data / BASE).iterdir()) == ["data.cube", "index.cube"]
 
 
-def test_restart_remembers_placed_versions_and_drops_half_extracted_dirs(env):
+def test_restart_remembers_placed_versions_and_drops_half_extracted_dirs(env) -> None:
     agent = env.agent()
     src = tar_for(env, "p", seed=60)
     deploy(agent, BASE, src)
@@ -430,7 +434,7 @@ def test_restart_remembers_placed_versions_and_drops_half_extracted_dirs(env):
 # ------------------------------------------------------------------ the transfer's own client
 
 
-def test_transfer_agent_client_drives_a_real_agent(env):
+def test_transfer_agent_client_drives_a_real_agent(env) -> None:
     """cube-transfer's AgentClient/drive (transfer/agents.py) against this agent: the contract
     as the other side reads it, with the transfer's full Work fields and a token."""
     import asyncio
@@ -473,7 +477,7 @@ def test_transfer_agent_client_drives_a_real_agent(env):
     assert server_state(env.server.control_address) == (BASE, "")
 
 
-def test_one_agent_serves_two_instances_told_apart_by_deploy_path(env):
+def test_one_agent_serves_two_instances_told_apart_by_deploy_path(env) -> None:
     """As the original's transfer.conf has it: two instances (deploy path + cube-server) under
     one agent (--instances). The transfer's AgentClient drives each by its deploy_path; a
     command that names none is refused, naming both; each server serves its own table."""
@@ -481,7 +485,7 @@ def test_one_agent_serves_two_instances_told_apart_by_deploy_path(env):
     from urllib.parse import urlsplit
 
     import aiohttp
-    from procs import start_server
+    from helpers.procs import start_server
 
     from cube.transfer.agents import AgentClient, drive
     from cube.transfer.config import Instance
@@ -530,10 +534,10 @@ def test_one_agent_serves_two_instances_told_apart_by_deploy_path(env):
     assert status == 400 and "is none of this agent's instances" in reply["message"]
 
 
-def test_metrics_count_tasks_steps_and_bytes(env):
+def test_metrics_count_tasks_steps_and_bytes(env) -> None:
     """The agent's metrics endpoint after real tasks: outcomes, step timings, bytes fetched
     and what is on disk."""
-    from procs import scrape
+    from helpers.procs import scrape
 
     agent = env.agent("--metrics_port", "0")
     assert agent.metrics_url.startswith("http://127.0.0.1:")
@@ -570,7 +574,7 @@ def original_transfer_body(command: str, version: str, **fields: object) -> dict
     return {**body, **fields}
 
 
-def test_the_original_transfer_gets_its_answer_when_the_work_is_done(env):
+def test_the_original_transfer_gets_its_answer_when_the_work_is_done(env) -> None:
     """The original transfer takes the reply to each command as its outcome: the agent waits
     for the task and answers "0" once done, "255" with the reason when it failed, and "255"
     saying so when it still runs after --sync_reply_timeout (this project's transfer, which
@@ -606,7 +610,7 @@ def test_the_original_transfer_gets_its_answer_when_the_work_is_done(env):
     assert ours["success"] == "0" and ours["data"]["state"] == "running"
 
 
-def test_a_delta_from_the_original_transfer_layers_over_the_enabled_version(env):
+def test_a_delta_from_the_original_transfer_layers_over_the_enabled_version(env) -> None:
     """The original transfer sends no chain: the delta goes over the version enabled here (its
     chain, then the delta), as the original server layered a patch over what it served; one
     on another base is refused by name."""

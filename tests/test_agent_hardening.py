@@ -14,10 +14,12 @@ import subprocess
 import tarfile
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import grpc
 import pytest
-from agent_helpers import (
+from aiohttp import web
+from helpers.agent_helpers import (
     AGENT_BIN,
     WAIT,
     AgentProc,
@@ -32,12 +34,14 @@ from agent_helpers import (
     shard_content,
     write_md5,
 )
-from aiohttp import web
-from procs import start_server
+from helpers.procs import start_server
 
 from cube.agent.fetch import FetchError, FetchPolicy, SourcePolicy, fetch_file, fetch_md5
 from cube.pb import cube_pb2, cube_pb2_grpc
 from cube.processes import free_port, stop_child
+
+if TYPE_CHECKING:
+    from conftest import Deployment
 
 pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
 
@@ -60,7 +64,7 @@ def no_secret_anywhere(agent: AgentProc) -> None:
 
 
 @pytest.fixture
-def env(deployment):
+def env(deployment: Deployment):
     """The shared deployment (tests/conftest.py): files served over HTTP on demand, agents
     started on demand (no cube-server unless a test starts one: an agent's --server then
     points at a closed port)."""
@@ -70,7 +74,7 @@ def env(deployment):
 # ------------------------------------------------------------------ 4. the HTTP API
 
 
-def test_bad_json_bodies_get_a_400_envelope(env):
+def test_bad_json_bodies_get_a_400_envelope(env) -> None:
     agent = env.agent()
     zeros = b"0" * 32
     bodies = {
@@ -92,7 +96,7 @@ def test_bad_json_bodies_get_a_400_envelope(env):
     assert agent.status()["status"] == "RUNNING"
 
 
-def test_bad_fields_get_a_400_not_a_500(env):
+def test_bad_fields_get_a_400_not_a_500(env) -> None:
     agent = env.agent()
     zeros = "0" * 32
     bodies = [
@@ -109,7 +113,7 @@ def test_bad_fields_get_a_400_not_a_500(env):
     assert agent.status()["tasks"] == []
 
 
-def test_oversized_body_gets_a_413_envelope(env):
+def test_oversized_body_gets_a_413_envelope(env) -> None:
     agent = env.agent()
     status, reply = agent.call_raw("/agent/cmd", b" " * (2 << 20))
     assert status == 413, (status, reply)
@@ -121,7 +125,7 @@ def test_oversized_body_gets_a_413_envelope(env):
 # ------------------------------------------------------------------ 2. sources and disclosure
 
 
-def test_download_requires_md5_unless_md5_from_source(env):
+def test_download_requires_md5_unless_md5_from_source(env) -> None:
     http = env.serve_files()
     agent = env.agent()
     src = tar_source(env.files, http.url, "s")
@@ -136,7 +140,7 @@ def test_download_requires_md5_unless_md5_from_source(env):
     assert task["state"] == "succeeded", task
 
 
-def test_file_sources_refused_unless_enabled(env):
+def test_file_sources_refused_unless_enabled(env) -> None:
     src = tar_source(env.files, f"file://{env.files}", "s")
     path = src["source"].removeprefix("file://")
     secret_dir = env.tmp / "secret"
@@ -170,19 +174,19 @@ def test_file_sources_refused_unless_enabled(env):
     assert task["state"] == "succeeded", task
 
 
-def test_allowed_sources_match_the_parsed_url_and_every_redirect(env):
+def test_allowed_sources_match_the_parsed_url_and_every_redirect(env) -> None:
     other = env.serve_files()  # a server the deployment does not allow
     (env.files / "ok").mkdir()
     md5 = tar_source(env.files / "ok", "", "s")["md5"]
     own: dict[str, str] = {}
 
-    async def moved(request):
+    async def moved(request: pytest.FixtureRequest):
         return _redirect(f"{own['url']}/ok/s.tar")
 
-    async def away(request):
+    async def away(request: pytest.FixtureRequest):
         return _redirect(f"{other.url}/ok/s.tar")
 
-    async def relative(request):
+    async def relative(request: pytest.FixtureRequest):
         return _redirect("../s.tar")
 
     http = env.serve_files({"/ok/moved.tar": moved, "/ok/away.tar": away, "/ok/up.tar": relative})
@@ -229,7 +233,7 @@ def _redirect(location: str) -> web.Response:
     return web.Response(status=302, headers={"Location": location})
 
 
-def test_fetched_content_never_appears_in_messages(env):
+def test_fetched_content_never_appears_in_messages(env) -> None:
     """md5 files, HTTP reason phrases, non-HTTP banners, FTP replies, shard headers: a source the
     agent may fetch can hold a secret, and the task messages (shown by /agent/status) are no
     way to read it."""
@@ -238,7 +242,7 @@ def test_fetched_content_never_appears_in_messages(env):
     (env.files / "shadow").write_bytes(SECRET + b"\n")
     (env.files / "shadow.md5").write_bytes(SECRET + b"\n")
 
-    async def reason(request):
+    async def reason(request: pytest.FixtureRequest):
         return web.Response(status=404, reason=SECRET.decode())
 
     http = env.serve_files({"/reason.tar": reason})
@@ -298,12 +302,12 @@ def _size_server(env) -> tuple[HttpFileServer, list[int]]:
     return env.serve_files(routes), sent
 
 
-def test_fetch_stops_at_the_declared_size(env):
+def test_fetch_stops_at_the_declared_size(env) -> None:
     http, sent = _size_server(env)
     part = env.tmp / "p.part"
     seen: list[int] = []
 
-    def progress(done, total):
+    def progress(done, total) -> None:
         seen.append(done)
 
     size = 100_000
@@ -332,7 +336,7 @@ def test_fetch_stops_at_the_declared_size(env):
         assert seen == [] and not part.exists(), source
 
 
-def test_fetches_of_unknown_size_are_bounded(env):
+def test_fetches_of_unknown_size_are_bounded(env) -> None:
     """No declared size: a cap still stops the transfer (the agent passes half the free disk;
     an md5 file may have 64 KiB)."""
     http, sent = _size_server(env)
@@ -346,7 +350,7 @@ def test_fetches_of_unknown_size_are_bounded(env):
     assert sent[0] < 2 * 128 * 65536 and not list(env.tmp.glob("big.tar.md5*"))
 
 
-def test_parts_that_cannot_be_resumed_are_not_kept(env):
+def test_parts_that_cannot_be_resumed_are_not_kept(env) -> None:
     http = env.serve_files()
     part = env.tmp / "gone.tar.part"
     part.write_bytes(b"z" * 5000)  # from an earlier attempt; the source has gone since
@@ -355,7 +359,7 @@ def test_parts_that_cannot_be_resumed_are_not_kept(env):
     assert not part.exists()
 
 
-def test_agent_download_with_a_wrong_size_fails_at_once_and_keeps_nothing(env):
+def test_agent_download_with_a_wrong_size_fails_at_once_and_keeps_nothing(env) -> None:
     http, _sent = _size_server(env)
     agent = env.agent()
     src = tar_source(env.files, http.url, "s", n_keys=5000)
@@ -397,7 +401,7 @@ def _values_offset() -> int:
     return HEADER + 100  # inside the values section, past the header
 
 
-def test_corrupt_placed_version_is_quarantined_and_placed_again(cluster):
+def test_corrupt_placed_version_is_quarantined_and_placed_again(cluster) -> None:
     env, agent, http = cluster.env, cluster.agent, cluster.http
     src = tar_source(env.files, http.url, "b", seed=1)
     _deploy(agent, BASE, **src)
@@ -425,7 +429,7 @@ def test_corrupt_placed_version_is_quarantined_and_placed_again(cluster):
     assert seek(cluster.box.server.address, keys[:200]) == [r.tobytes() for r in rows[:200]]
 
 
-def test_corrupt_base_under_a_delta_is_placed_again_with_its_chain(cluster):
+def test_corrupt_base_under_a_delta_is_placed_again_with_its_chain(cluster) -> None:
     env, agent, http = cluster.env, cluster.agent, cluster.http
     base = tar_source(env.files, http.url, "b", seed=2)
     delta = tar_source(env.files, http.url, "d", seed=3)
@@ -457,7 +461,7 @@ def test_corrupt_base_under_a_delta_is_placed_again_with_its_chain(cluster):
     assert got == [r.tobytes() for r in base_rows[:50]] + [r.tobytes() for r in delta_rows[:50]]
 
 
-def test_rollback_to_a_corrupt_version_places_it_again(cluster):
+def test_rollback_to_a_corrupt_version_places_it_again(cluster) -> None:
     env, http = cluster.env, cluster.http
     cluster.agent.stop()
     agent = env.agent("--keep", "3", server=cluster.box.server.control_address)
@@ -480,7 +484,7 @@ def test_rollback_to_a_corrupt_version_places_it_again(cluster):
     assert seek(cluster.box.server.address, keys[:100]) == [r.tobytes() for r in rows[:100]]
 
 
-def test_download_checks_placed_files_and_never_touches_served_ones(cluster):
+def test_download_checks_placed_files_and_never_touches_served_ones(cluster) -> None:
     env, agent, http = cluster.env, cluster.agent, cluster.http
     served = tar_source(env.files, http.url, "b", seed=4)
     _deploy(agent, BASE, **served)
@@ -553,7 +557,7 @@ def refused_agent(deploy: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
-def test_a_second_agent_process_on_the_same_directory_is_refused(env):
+def test_a_second_agent_process_on_the_same_directory_is_refused(env) -> None:
     """Through a symlink to the first agent's deploy path, or the same path: the second agent
     process exits 1 naming the directory and the first agent's pid, and the first agent's
     extraction in progress (its .tmp-* folder) is left alone (a second agent used to remove
@@ -575,7 +579,7 @@ def test_a_second_agent_process_on_the_same_directory_is_refused(env):
     env.closers.append(second.stop)
 
 
-def test_nested_deploy_paths_are_refused_both_ways(env):
+def test_nested_deploy_paths_are_refused_both_ways(env) -> None:
     """An agent whose deploy path lies inside another agent's (or holds one) would take the
     other's files for its own: refused at start, in either order, naming both; and within one
     process (--instances), a flag error naming both."""
@@ -605,7 +609,7 @@ def test_nested_deploy_paths_are_refused_both_ways(env):
         assert f"--instances: {problem}" in done.stderr
 
 
-def test_the_agents_staging_folder_cannot_be_loaded_as_a_version(cluster):
+def test_the_agents_staging_folder_cannot_be_loaded_as_a_version(cluster) -> None:
     """A control token holder naming the agent's hidden staging folder (`.tmp-*`, half
     written while the agent extracts) as a version is refused by the server (it loaded it)
     and by the agent; the served version keeps serving."""
@@ -650,7 +654,7 @@ def _sparse_shard_tar(path: Path, good_tar: Path, claimed: int) -> str:
     return write_md5(path)
 
 
-def test_a_tar_that_unpacks_past_its_recorded_size_is_refused_before_extraction(env):
+def test_a_tar_that_unpacks_past_its_recorded_size_is_refused_before_extraction(env) -> None:
     """A 300 MB of zeros gzipped into a few hundred KB (it was extracted in full), and a plain
     tar whose sparse member claims 300 MB: refused before a byte is written, naming the bound,
     with no partial directory left in data/."""

@@ -8,18 +8,24 @@ import ssl
 import subprocess
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
-from agent_helpers import AGENT_BIN, WAIT, AgentProc
-from procs import running_server
+from helpers.agent_helpers import AGENT_BIN, WAIT, AgentProc
+from helpers.procs import running_server
+
+# Every test here starts processes (servers, CLIs): make quick skips them.
+pytestmark = pytest.mark.slow
 
 
-def run_agent(tmp_path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_agent(
+    tmp_path: Path, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     argv = [str(AGENT_BIN), "-P", "0", "--deploy_path", str(tmp_path / "deploy"), *extra]
     return subprocess.run(argv, capture_output=True, text=True, timeout=WAIT, env=env)
 
 
-def test_beyond_loopback_without_a_token_refuses_to_start(tmp_path):
+def test_beyond_loopback_without_a_token_refuses_to_start(tmp_path: Path) -> None:
     done = run_agent(tmp_path, "--host", "0.0.0.0")
     assert done.returncode == 2
     assert "without a token" in done.stderr and "--insecure" in done.stderr
@@ -33,7 +39,7 @@ def test_beyond_loopback_without_a_token_refuses_to_start(tmp_path):
             agent.stop()
 
 
-def test_api_over_tls(tmp_path, pki):
+def test_api_over_tls(tmp_path: Path, pki: dict[str, str]) -> None:
     agent = AgentProc(
         tmp_path / "deploy", "127.0.0.1:1", "--tls_cert", pki["cert"], "--tls_key", pki["key"]
     ).start()
@@ -52,7 +58,7 @@ def test_api_over_tls(tmp_path, pki):
         agent.stop()
 
 
-def test_server_control_token(tmp_path):
+def test_server_control_token(tmp_path: Path) -> None:
     """The agent speaks to a server whose control port wants a token: with --server_token
     (or CUBE_CONTROL_TOKEN) it is let in, without it the server is reported refusing."""
     data = tmp_path / "deploy" / "data"

@@ -10,7 +10,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from agent_helpers import FakeServer, FtpFileServer, HttpFileServer, make_shard_tar
+from helpers.agent_helpers import FakeServer, FtpFileServer, HttpFileServer, make_shard_tar
 
 from cube.agent.control import ServerControl, ServerError, ServerUnreachable
 from cube.agent.fetch import (
@@ -22,7 +22,6 @@ from cube.agent.fetch import (
     fetch_file,
     fetch_md5,
     parse_md5_text,
-    shown,
 )
 from cube.agent.journal import Journal
 from cube.agent.layout import plan_retention
@@ -40,6 +39,7 @@ from cube.agent.tasks import (
 from cube.agent.unpack import UnsafeTar, extract_shard_tar
 from cube.layout import member_problem
 from cube.protocol import BadRequest, check_name, normalize_chain, parse_work, version_dir_name
+from cube.remote import redact
 
 FAST = FetchPolicy(
     attempts=3, backoff=0.01, timeout=20, io_timeout=5, sources=SourcePolicy(allow_files=True)
@@ -50,12 +50,12 @@ FAST = FetchPolicy(
 
 
 @pytest.mark.parametrize("bad", ["", "..", "a/b", "../x", "/abs", "a..b", ".hidden", "x" * 129, 5])
-def test_check_name_refuses_path_tricks(bad):
+def test_check_name_refuses_path_tricks(bad) -> None:
     with pytest.raises(BadRequest, match="not a valid name"):
         check_name("version", bad)
 
 
-def test_version_dir_names():
+def test_version_dir_names() -> None:
     assert version_dir_name("1700") == "1700"
     assert version_dir_name("1700_1700") == "1700"  # the builder's dir name of a base
     assert version_dir_name("1700_1800") == "1700_1800"
@@ -63,7 +63,7 @@ def test_version_dir_names():
     assert version_dir_name("1700", depend="1700", mode="base") == "1700"
 
 
-def test_chain_rules():
+def test_chain_rules() -> None:
     assert normalize_chain(["b", "b_1"], "b_1") == ["b", "b_1"]
     assert normalize_chain(["b"], "b_1") == ["b", "b_1"]  # the delta itself is appended
     with pytest.raises(BadRequest, match="non-empty list"):
@@ -74,7 +74,7 @@ def test_chain_rules():
         normalize_chain(["../b"], "b_1")
 
 
-def test_parse_work_fields(tmp_path):
+def test_parse_work_fields(tmp_path: Path) -> None:
     work = parse_work(
         {"command": "download", "version": "1_2", "source": "http://h/x.tar", "chain": ["1"],
          "shard_seq": "3", "md5": "A" * 32, "size": 10, "deploy_path": str(tmp_path)},
@@ -107,12 +107,12 @@ def test_parse_work_fields(tmp_path):
         ({"command": "download", "version": "1", "source": "x", "size": 1.5}, "size"),
     ],
 )
-def test_parse_work_refusals_name_the_field(tmp_path, body, field):
+def test_parse_work_refusals_name_the_field(tmp_path: Path, body, field: str) -> None:
     with pytest.raises(BadRequest, match=field):
         parse_work(body, tmp_path)
 
 
-def test_refusal_messages_are_clipped(tmp_path):
+def test_refusal_messages_are_clipped(tmp_path: Path) -> None:
     with pytest.raises(BadRequest) as refused:
         parse_work({"command": "reload", "version": "v" * 100_000}, tmp_path)
     assert len(str(refused.value)) < 300
@@ -149,7 +149,7 @@ def test_refusal_messages_are_clipped(tmp_path):
         ("/absx/x.tar", "file:///abs", False, "file:// prefix"),
     ],
 )
-def test_source_checks(source, allowed, files, refused):
+def test_source_checks(source: str, allowed: str, files: bool, refused: str) -> None:
     policy = SourcePolicy.from_flags(allowed, files)
     if not refused:
         check_source(source, policy)
@@ -158,7 +158,7 @@ def test_source_checks(source, allowed, files, refused):
         check_source(source, policy)
 
 
-def test_file_sources_are_judged_by_where_symlinks_lead(tmp_path):
+def test_file_sources_are_judged_by_where_symlinks_lead(tmp_path: Path) -> None:
     (tmp_path / "ok").mkdir()
     (tmp_path / "secret").write_text("x")
     (tmp_path / "ok" / "link.tar").symlink_to(tmp_path / "secret")
@@ -173,18 +173,18 @@ def test_file_sources_are_judged_by_where_symlinks_lead(tmp_path):
     "entry",
     ["gopher://h/", "http://u@h/", "http://h/?q", "http://h/a/../b", "file://h/x", "http://"],
 )
-def test_bad_allowed_sources_entries_are_flag_errors(entry, tmp_path):
+def test_bad_allowed_sources_entries_are_flag_errors(entry: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--allowed_sources"):
         SourcePolicy.from_flags(entry, False)
     assert agent_main(["-P", "1", "--deploy_path", str(tmp_path), "--allowed_sources", entry]) == 2
 
 
 def test_passwords_are_not_shown():
-    assert shown("ftp://user:s3cret@h/x.tar") == "ftp://user:***@h/x.tar"
-    assert shown("http://h/x.tar") == "http://h/x.tar"
+    assert redact("ftp://user:s3cret@h/x.tar") == "ftp://***@h/x.tar"
+    assert redact("http://h/x.tar") == "http://h/x.tar"
 
 
-def test_md5_text():
+def test_md5_text() -> None:
     assert parse_md5_text("ABCDEF0123456789abcdef0123456789  x.tar\n", "f") == "abcdef" + (
         "0123456789abcdef0123456789"
     )
@@ -193,7 +193,7 @@ def test_md5_text():
     assert "html" not in str(refused.value)  # the text came from the source
 
 
-def test_command_line(tmp_path, capsys):
+def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = config_from_flags(flag_set().parse(["-P", "8001", "--deploy_path", str(tmp_path)]))
     assert config.deploy_path == tmp_path and config.keep == 2
     assert config.server == "127.0.0.1:9000"  # the control port: --port + 1000
@@ -206,7 +206,7 @@ def test_command_line(tmp_path, capsys):
 # ------------------------------------------------------------------ retention rule
 
 
-def test_retention_keeps_newest_and_protected():
+def test_retention_keeps_newest_and_protected() -> None:
     newest_first = ["v5", "v4", "v3", "v2", "v1"]
     assert plan_retention(newest_first, 2, protected=set()) == ["v3", "v2", "v1"]
     assert plan_retention(newest_first, 2, protected={"v1", "v2"}) == ["v3"]
@@ -235,16 +235,16 @@ def _info(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.T
         (_info("x", tarfile.FIFOTYPE), "fifo"),
     ],
 )
-def test_member_problems(member, reason):
+def test_member_problems(member, reason: str) -> None:
     assert reason in member_problem(member)
 
 
-def test_plain_members_pass():
+def test_plain_members_pass() -> None:
     assert member_problem(_info("./index.cube")) is None
     assert member_problem(_info("./sub", tarfile.DIRTYPE)) is None
 
 
-def test_extract_refuses_tar_without_shard_files(tmp_path):
+def test_extract_refuses_tar_without_shard_files(tmp_path: Path) -> None:
     tar_path = tmp_path / "x.tar"
     with tarfile.open(tar_path, "w") as tar:
         (tmp_path / "readme").write_text("hi")
@@ -254,12 +254,14 @@ def test_extract_refuses_tar_without_shard_files(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_extract_good_tar(tmp_path):
+def test_extract_good_tar(tmp_path: Path) -> None:
     make_shard_tar(tmp_path / "s.tar")
     assert extract_shard_tar(tmp_path / "s.tar", tmp_path / "out") == ["data.cube", "index.cube"]
 
 
-def test_extract_keeps_a_margin_of_free_disk(tmp_path, monkeypatch):
+def test_extract_keeps_a_margin_of_free_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The files must fit in the free space less a margin (64 MiB or 1 % of the disk) kept for
     the server and the other versions: refused before anything is written (it extracted
     whenever the files alone fitted, and could fill the disk)."""
@@ -289,14 +291,14 @@ def test_extract_keeps_a_margin_of_free_disk(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def files(tmp_path) -> Path:
+def files(tmp_path: Path) -> Path:
     root = tmp_path / "files"
     root.mkdir()
     make_shard_tar(root / "s.tar", n_keys=20000)
     return root
 
 
-def test_http_resume_uses_range(tmp_path, files):
+def test_http_resume_uses_range(tmp_path: Path, files: Path) -> None:
     http = HttpFileServer(files)
     try:
         whole = (files / "s.tar").read_bytes()
@@ -309,7 +311,7 @@ def test_http_resume_uses_range(tmp_path, files):
         http.close()
 
 
-def test_complete_part_is_not_fetched_again(tmp_path, files):
+def test_complete_part_is_not_fetched_again(tmp_path: Path, files: Path) -> None:
     """A crash between the last byte and the md5 check leaves a complete .part."""
     http = HttpFileServer(files)
     ftp = FtpFileServer(files)
@@ -327,7 +329,7 @@ def test_complete_part_is_not_fetched_again(tmp_path, files):
         ftp.close()
 
 
-def test_http_retries_transient_errors_then_succeeds(tmp_path, files):
+def test_http_retries_transient_errors_then_succeeds(tmp_path: Path, files: Path) -> None:
     http = HttpFileServer(files)
     try:
         http.fail_next["/s.tar"] = 2
@@ -339,7 +341,7 @@ def test_http_retries_transient_errors_then_succeeds(tmp_path, files):
         http.close()
 
 
-def test_http_attempts_are_bounded(tmp_path, files):
+def test_http_attempts_are_bounded(tmp_path: Path, files: Path) -> None:
     http = HttpFileServer(files)
     try:
         http.fail_next["/s.tar"] = 100
@@ -353,13 +355,13 @@ def test_http_attempts_are_bounded(tmp_path, files):
         http.close()
 
 
-def test_size_disagreement_is_an_error(tmp_path, files):
+def test_size_disagreement_is_an_error(tmp_path: Path, files: Path) -> None:
     source = str(files / "s.tar")
     with pytest.raises(FetchError, match="request says size 10"):
         asyncio.run(fetch_file(source, tmp_path / "p", size=10, policy=FAST))
 
 
-def test_ftp_resume_uses_rest_and_md5_file(tmp_path, files):
+def test_ftp_resume_uses_rest_and_md5_file(tmp_path: Path, files: Path) -> None:
     ftp = FtpFileServer(files)
     try:
         whole = (files / "s.tar").read_bytes()
@@ -376,7 +378,9 @@ def test_ftp_resume_uses_rest_and_md5_file(tmp_path, files):
         ftp.close()
 
 
-def test_overall_deadline_stops_a_slow_download_and_keeps_the_part(tmp_path, files):
+def test_overall_deadline_stops_a_slow_download_and_keeps_the_part(
+    tmp_path: Path, files: Path
+) -> None:
     slow = FetchPolicy(
         attempts=3, backoff=0.01, timeout=0.5, limit_rate=64 * 1024, chunk=4096,
         sources=FAST.sources,
@@ -387,7 +391,7 @@ def test_overall_deadline_stops_a_slow_download_and_keeps_the_part(tmp_path, fil
     assert 0 < part.stat().st_size < (files / "s.tar").stat().st_size
 
 
-def test_unsupported_scheme(tmp_path):
+def test_unsupported_scheme(tmp_path: Path) -> None:
     with pytest.raises(FetchError, match="unsupported scheme 'gopher'"):
         asyncio.run(fetch_file("gopher://x/y", tmp_path / "p", size=None, policy=FAST))
 
@@ -395,7 +399,7 @@ def test_unsupported_scheme(tmp_path):
 # ------------------------------------------------------------------ control client
 
 
-def test_internal_errors_answer_500_with_the_envelope_and_no_details(tmp_path):
+def test_internal_errors_answer_500_with_the_envelope_and_no_details(tmp_path: Path) -> None:
     """A bug's exception text may quote anything (a source's bytes): the log has it, the
     answer names only the type."""
     from aiohttp.test_utils import TestClient, TestServer
@@ -407,7 +411,7 @@ def test_internal_errors_answer_500_with_the_envelope_and_no_details(tmp_path):
         agent = Agent(AgentConfig(deploy_path=tmp_path, server="127.0.0.1:1"))
         agent.open()
 
-        async def broken():
+        async def broken() -> None:
             raise RuntimeError("TOPSECRET from somewhere")
 
         agent.status_json = broken  # type: ignore[method-assign]
@@ -423,12 +427,12 @@ def test_internal_errors_answer_500_with_the_envelope_and_no_details(tmp_path):
     assert "RuntimeError" in reply["message"] and "TOPSECRET" not in reply["message"]
 
 
-def test_server_error_carries_the_grpc_code(tmp_path):
+def test_server_error_carries_the_grpc_code(tmp_path: Path) -> None:
     import grpc
 
     fake = FakeServer(tmp_path)
 
-    async def scenario():
+    async def scenario() -> None:
         control = ServerControl(fake.address, timeout=5)
         try:
             await control.cmd("bg_load_base", version_path="/missing")
@@ -444,7 +448,7 @@ def test_server_error_carries_the_grpc_code(tmp_path):
     assert failed.value.details.startswith("no shard in")
 
 
-def test_damaged_layers_under_a_running_task_are_not_removed(tmp_path):
+def test_damaged_layers_under_a_running_task_are_not_removed(tmp_path: Path) -> None:
     """A reload of a delta needs its base: a download that finds the base damaged must not
     remove it while that reload runs (the task's whole chain is in use, not only its name)."""
     from cube.agent.deploy import Agent, AgentConfig
@@ -457,7 +461,7 @@ def test_damaged_layers_under_a_running_task_are_not_removed(tmp_path):
     (data / "b_1" / "CHAIN").write_text("b\nb_1\n")
     fake = FakeServer(data)
 
-    async def scenario():
+    async def scenario() -> None:
         agent = Agent(AgentConfig(deploy_path=tmp_path / "deploy", server=fake.address))
         agent.open()
         try:
@@ -478,12 +482,12 @@ def test_damaged_layers_under_a_running_task_are_not_removed(tmp_path):
         fake.close()
 
 
-def test_control_client_against_fake_server(tmp_path):
+def test_control_client_against_fake_server(tmp_path: Path) -> None:
     make_shard_tar(tmp_path / "t.tar")
     extract_shard_tar(tmp_path / "t.tar", tmp_path / "data" / "v1")
     fake = FakeServer(tmp_path / "data")
 
-    async def scenario():
+    async def scenario() -> None:
         control = ServerControl(fake.address, timeout=5)
         try:
             assert (await control.status()).cur_version == ""
@@ -503,8 +507,8 @@ def test_control_client_against_fake_server(tmp_path):
         fake.close()
 
 
-def test_control_client_unreachable():
-    async def scenario():
+def test_control_client_unreachable() -> None:
+    async def scenario() -> None:
         control = ServerControl("127.0.0.1:1", timeout=2)
         try:
             await control.status()
@@ -518,13 +522,13 @@ def test_control_client_unreachable():
 # ------------------------------------------------------------------ task manager
 
 
-def test_task_rules(tmp_path):
+def test_task_rules(tmp_path: Path) -> None:
     """Idempotent repeats, restart of failed tasks, busy refusals, journal recovery."""
     journal = Journal(tmp_path / "state")
     journal.open()
     runs: list[str] = []
 
-    async def scenario():
+    async def scenario() -> None:
         release = asyncio.Event()
 
         async def slow(task, checkpoint):
@@ -532,11 +536,11 @@ def test_task_rules(tmp_path):
             await asyncio.wait_for(release.wait(), 10)
             return "done"
 
-        async def fails(task, checkpoint):
+        async def fails(task, checkpoint) -> None:
             runs.append(task.command)
             raise TaskFailed("no luck")
 
-        async def still_done(task, request):
+        async def still_done(task, request: pytest.FixtureRequest):
             return True
 
         manager = TaskManager(

@@ -13,18 +13,23 @@ import tarfile
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import ClassVar
 
 import mmh3
 import numpy as np
+import numpy.typing as npt
 import pytest
+from helpers.build_inputs import output_digests, write_mixed_input
 
 from cube.routing import shard_of
 from cube.seqfile import SYNC_ESCAPE, SequenceFileWriter, encode_header
 from cube.shard import Shard, ShardStack
 from cube.values import ValueColumn
-from tests.build_inputs import output_digests, write_mixed_input
+
+# Every test here starts processes (servers, CLIs): make quick skips them.
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / ".venv" / "bin" / "cube-builder"
@@ -32,13 +37,15 @@ COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "cube.bui
 BASE, DELTA = 1_700_000_000, 1_700_000_100
 
 
-def run_builder(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_builder(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*COMMAND, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
     )
 
 
-def build_args(input_path: Path, output: Path, shards: int, *extra: str, **flags) -> list[str]:
+def build_args(
+    input_path: Path, output: Path, shards: int, *extra: str, **flags: object
+) -> list[str]:
     """Flags for a reproducible base build (versions from the command line)."""
     args = {
         "dict_name": "dict",
@@ -54,7 +61,7 @@ def build_args(input_path: Path, output: Path, shards: int, *extra: str, **flags
     return [f"-{k}={v}" for k, v in args.items()] + list(extra)
 
 
-def write_seqfile(path: Path, keys, values: list[bytes]) -> Path:
+def write_seqfile(path: Path, keys: npt.ArrayLike, values: list[bytes]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with SequenceFileWriter(path) as writer:
         writer.write_batch(np.asarray(keys, dtype=np.uint64), ValueColumn.from_list(values))
@@ -88,7 +95,7 @@ def assert_no_leftovers(output: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_base_build_multi_shard_record_by_record(tmp_path):
+def test_base_build_multi_shard_record_by_record(tmp_path: Path) -> None:
     rng = np.random.default_rng(1)
     keys_a = rng.integers(0, 2**64 - 1, 3000, dtype=np.uint64)
     keys_b = rng.integers(0, 2**64 - 1, 2000, dtype=np.uint64)
@@ -125,7 +132,7 @@ def test_base_build_multi_shard_record_by_record(tmp_path):
     assert sorted(os.listdir(output)) == [f"{BASE}_{BASE}", "meta_info"]
 
 
-def test_duplicates_last_record_wins_across_files(tmp_path):
+def test_duplicates_last_record_wins_across_files(tmp_path: Path) -> None:
     inputs = tmp_path / "in"
     write_seqfile(inputs / "a", [5, 6, 5, 7], [b"a5-first", b"a6", b"a5-last!", b"a7"])
     write_seqfile(inputs / "b" / "c", [6, 8], [b"bc6", b"bc8"])  # "b/c" sorts after "a"
@@ -138,7 +145,7 @@ def test_duplicates_last_record_wins_across_files(tmp_path):
     assert merged == {5: b"a5-last!", 6: b"c6-final", 7: b"c7", 8: b"bc8"}
 
 
-def test_murmur3_partitioner_matches_routing(tmp_path):
+def test_murmur3_partitioner_matches_routing(tmp_path: Path) -> None:
     keys = np.arange(1000, 1400, dtype=np.uint64) * 4  # all even: `mod 4` would leave gaps
     inputs = tmp_path / "in"
     write_seqfile(inputs / "p", keys, [value_of(k) for k in keys.tolist()])
@@ -157,7 +164,7 @@ def test_murmur3_partitioner_matches_routing(tmp_path):
     assert total == 400
 
 
-def test_delta_with_deletions_layers_over_base(tmp_path):
+def test_delta_with_deletions_layers_over_base(tmp_path: Path) -> None:
     base_in, delta_in = tmp_path / "base", tmp_path / "delta"
     base_keys = list(range(100, 160))
     write_seqfile(base_in / "p", base_keys, [value_of(k, b"base") for k in base_keys])
@@ -206,7 +213,7 @@ def test_delta_with_deletions_layers_over_base(tmp_path):
     assert meta["mode"] == "delta" and meta["version"] == f"{BASE}_{DELTA}"
 
 
-def test_empty_shards_are_valid(tmp_path):
+def test_empty_shards_are_valid(tmp_path: Path) -> None:
     keys = [0, 4, 8, 12]  # all in shard 0 of 4
     inputs = tmp_path / "in"
     write_seqfile(inputs / "p", keys, [b"x" * 4] * 4)
@@ -222,7 +229,7 @@ def test_empty_shards_are_valid(tmp_path):
             assert tar.getnames() == ["./index.cube", "./data.cube"]
 
 
-def test_variable_width_values_and_width_changes(tmp_path):
+def test_variable_width_values_and_width_changes(tmp_path: Path) -> None:
     inputs = tmp_path / "in"
     # file a: fixed 8 bytes; file b: fixed 16; file c: mixed including empty and large values
     write_seqfile(inputs / "a", range(0, 40), [b"%08d" % k for k in range(0, 40)])
@@ -244,7 +251,7 @@ def test_variable_width_values_and_width_changes(tmp_path):
         assert merged == expected
 
 
-def test_fixed_width_through_small_spill_buffer_and_tmp_dir(tmp_path):
+def test_fixed_width_through_small_spill_buffer_and_tmp_dir(tmp_path: Path) -> None:
     rng = np.random.default_rng(9)
     inputs = tmp_path / "in"
     inputs.mkdir()
@@ -267,7 +274,7 @@ def test_fixed_width_through_small_spill_buffer_and_tmp_dir(tmp_path):
     assert merged == expected
 
 
-def test_tar_md5_and_meta_info(tmp_path):
+def test_tar_md5_and_meta_info(tmp_path: Path) -> None:
     inputs = tmp_path / "in"
     write_seqfile(inputs / "p", range(50), [value_of(k) for k in range(50)])
     output = tmp_path / "out"
@@ -284,7 +291,9 @@ def test_tar_md5_and_meta_info(tmp_path):
             assert [m.name for m in members] == ["./index.cube", "./data.cube"]
             for member in members:
                 assert member.isfile()
-                inside = tar.extractfile(member).read()
+                extracted = tar.extractfile(member)
+                assert extracted is not None
+                inside = extracted.read()
                 assert inside == (version_dir / name / member.name[2:]).read_bytes()
         meta = json.loads((output / "meta_info" / f"{BASE}_{BASE}_{index}_0.json").read_text())
         shard = Shard.open(version_dir / name)
@@ -301,7 +310,7 @@ def test_tar_md5_and_meta_info(tmp_path):
         assert meta["shard"] == index and meta["version"] == str(BASE)
 
 
-def test_genuine_byteswritable_input_is_detected(tmp_path):
+def test_genuine_byteswritable_input_is_detected(tmp_path: Path) -> None:
     inputs = tmp_path / "in"
     inputs.mkdir()
     keys = [3, 2**64 - 1, 70000]
@@ -317,7 +326,7 @@ def test_genuine_byteswritable_input_is_detected(tmp_path):
     assert meta["key_format"] == shard.meta["key_format"] == "bytes_be"
 
 
-def test_only_build_uses_the_current_time(tmp_path):
+def test_only_build_uses_the_current_time(tmp_path: Path) -> None:
     inputs = tmp_path / "in"
     write_seqfile(inputs / "p", [1, 2], [b"a", b"b"])
     output = tmp_path / "out"
@@ -331,7 +340,7 @@ def test_only_build_uses_the_current_time(tmp_path):
     assert (output / version / "d_part0.tar").exists()
 
 
-def test_existing_version_directory_is_refused(tmp_path):
+def test_existing_version_directory_is_refused(tmp_path: Path) -> None:
     inputs = tmp_path / "in"
     write_seqfile(inputs / "p", [1, 2], [b"a", b"b"])
     output = tmp_path / "out"
@@ -345,7 +354,7 @@ def test_existing_version_directory_is_refused(tmp_path):
     assert sorted(os.listdir(output)) == [existing.name]  # no meta_info, no staging
 
 
-def test_sigterm_mid_build_leaves_nothing(tmp_path):
+def test_sigterm_mid_build_leaves_nothing(tmp_path: Path) -> None:
     inputs = tmp_path / "in"
     inputs.mkdir()
     rng = np.random.default_rng(4)
@@ -448,7 +457,9 @@ def corrupt_key_width(path: Path) -> None:
     ],
     ids=["truncated", "magic", "sync", "codec", "key_width"],
 )
-def test_bad_input_fails_cleanly(tmp_path, corrupt, extra):
+def test_bad_input_fails_cleanly(
+    tmp_path: Path, corrupt: Callable[[Path], None], extra: list[str]
+) -> None:
     inputs = tmp_path / "in"
     good_file(inputs / "a-good")
     bad = inputs / "b-bad"
@@ -466,7 +477,7 @@ def test_bad_input_fails_cleanly(tmp_path, corrupt, extra):
     assert list(spill.iterdir()) == []
 
 
-def test_bad_delete_list_names_file_and_line(tmp_path):
+def test_bad_delete_list_names_file_and_line(tmp_path: Path) -> None:
     inputs = tmp_path / "in"
     good_file(inputs / "p", 10)
     deletes = tmp_path / "deletes.txt"
@@ -482,7 +493,7 @@ def test_bad_delete_list_names_file_and_line(tmp_path):
     assert done.returncode == 1 and f"{deletes} line 1" in done.stderr
 
 
-def test_an_empty_input_is_refused_unless_allow_empty(tmp_path):
+def test_an_empty_input_is_refused_unless_allow_empty(tmp_path: Path) -> None:
     """An empty input directory (a failed upstream job, a typo) would build an empty version
     that looks like a success: refused, naming the input, nothing published."""
     empty = tmp_path / "empty"
@@ -512,7 +523,7 @@ def test_an_empty_input_is_refused_unless_allow_empty(tmp_path):
     assert sum(s.meta["tombstone_count"] for s in open_shards(output / f"{BASE}_{DELTA}", 2)) == 1
 
 
-def test_a_delta_of_another_value_width_than_its_base_is_refused(tmp_path):
+def test_a_delta_of_another_value_width_than_its_base_is_refused(tmp_path: Path) -> None:
     """A fixed-width base (12-byte values) and a delta of 8-byte values would be served as
     variable-width: every get_embeddings would fail. Refused, naming both widths and versions,
     unless -variable_width; a delta without values, or over a base of varying widths, passes."""
@@ -571,13 +582,13 @@ def test_a_delta_of_another_value_width_than_its_base_is_refused(tmp_path):
         ["-dict_name=d", "-input_path=i", "-output_path=o", "-shard_num=1", "-bogus=1"],
     ],
 )
-def test_bad_flags_exit_2(tmp_path, args):
+def test_bad_flags_exit_2(tmp_path: Path, args: list[str]) -> None:
     done = run_builder(*args)
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("error: ") and len(done.stderr.strip().splitlines()) == 1
 
 
-def test_help_explains_delete_path():
+def test_help_explains_delete_path() -> None:
     done = run_builder("--help")
     assert done.returncode == 0
     assert "-delete_path" in done.stdout and "one decimal key" in done.stdout
@@ -599,12 +610,12 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, *args) -> None:
+    def log_message(self, format: str, *args: object) -> None:
         pass
 
 
 @pytest.fixture
-def recorder():
+def recorder() -> Iterator[tuple[str, list[tuple[str, dict[str, str]]]]]:
     _Recorder.received = []
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
@@ -617,7 +628,9 @@ def recorder():
         thread.join(timeout=10)
 
 
-def test_master_address_registers_each_shard(tmp_path, recorder):
+def test_master_address_registers_each_shard(
+    tmp_path: Path, recorder: tuple[str, list[tuple[str, dict[str, str]]]]
+) -> None:
     address, received = recorder
     inputs = tmp_path / "in"
     write_seqfile(inputs / "p", range(10), [b"v"] * 10)
@@ -633,7 +646,7 @@ def test_master_address_registers_each_shard(tmp_path, recorder):
         assert json.loads(fields["meta"]) == json.loads(local.read_text())
 
 
-def test_master_unreachable_exits_3_and_keeps_output(tmp_path):
+def test_master_unreachable_exits_3_and_keeps_output(tmp_path: Path) -> None:
     inputs = tmp_path / "in"
     write_seqfile(inputs / "p", range(10), [b"v"] * 10)
     output = tmp_path / "out"
@@ -647,7 +660,7 @@ def test_master_unreachable_exits_3_and_keeps_output(tmp_path):
     assert (output / "meta_info" / f"{BASE}_{BASE}_0_0.json").exists()
 
 
-def test_the_same_input_builds_the_same_bytes(tmp_path):
+def test_the_same_input_builds_the_same_bytes(tmp_path: Path) -> None:
     """A build is a function of its input and flags: two builds with different batching and
     worker counts, seconds apart, write byte-identical shards, tars, md5s and meta_info (build
     ids come from the content, tar times from the version)."""
@@ -676,3 +689,16 @@ def test_the_same_input_builds_the_same_bytes(tmp_path):
             time.sleep(1.1)  # a tar stamped with the clock would now differ
     assert digests[0] == digests[1]
     assert len(digests[0]) == 2 * 3 * 4 + 2 * 3  # per shard: 2 files, tar, md5; meta_info
+
+
+def test_the_summary_counts_distinct_keys_as_well_as_records_read(tmp_path: Path) -> None:
+    """Records of one key in two files are two records read and one key built (the last
+    wins), and the summary says both."""
+    write_seqfile(tmp_path / "in" / "part-0", [1, 2, 3], [value_of(k) for k in (1, 2, 3)])
+    write_seqfile(tmp_path / "in" / "part-1", [3, 4], [value_of(k, b"w") for k in (3, 4)])
+    output = tmp_path / "out"
+    done = run_builder(*build_args(tmp_path / "in", output, 2), "-quiet=false")
+    assert done.returncode == 0, done.stderr
+    assert "5 records from 2 files" in done.stdout and "4 distinct keys" in done.stdout
+    shards = open_shards(output / f"{BASE}_{BASE}", 2)
+    assert sum(s.record_count for s in shards) == 4

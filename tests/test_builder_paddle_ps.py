@@ -7,10 +7,13 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.build_inputs import output_digests
+from test_builder import assert_no_leftovers, build_args, run_builder
 
 from cube.builder import paddle_ps as shell
 from cube.builder.build import BuildConfig, BuildError, build
@@ -19,8 +22,6 @@ from cube.paddle_ps import PaddleSource, ValueSpec, parse_fleet_desc
 from cube.seqfile import SequenceFileWriter
 from cube.shard import Shard, ShardStack
 from cube.values import ValueColumn
-from tests.build_inputs import output_digests
-from tests.test_builder import assert_no_leftovers, build_args, run_builder
 
 DATA = Path(__file__).resolve().parent / "data" / "paddle_ps"
 BASE, DELTA = 1_700_000_000, 1_700_000_100
@@ -35,7 +36,9 @@ COLUMNS = {
 }
 
 
-def reference_rows(folder: Path, scenario: str, fields: tuple[str, ...], dtype: str):
+def reference_rows(
+    folder: Path, scenario: str, fields: tuple[str, ...], dtype: str
+) -> tuple[np.ndarray, np.ndarray]:
     """The (key, value) rows a converter must produce, by Python's int and float per line."""
     _, show, click, embed_w, embedx, embedx_dim = COLUMNS[scenario]
     keys, rows = [], []
@@ -65,14 +68,28 @@ def write_reference_seqfile(path: Path, keys: np.ndarray, values: np.ndarray) ->
     return path
 
 
-def source_for(scenario: str, **settings) -> PaddleSource:
+def source_for(scenario: str, value: ValueSpec | None = None, table: str = "") -> PaddleSource:
     accessor, dim, optimizer = COLUMNS[scenario][0]
-    return PaddleSource(accessor=accessor, dim=dim, optimizer=optimizer, **settings)
+    value = ValueSpec() if value is None else value
+    return PaddleSource(accessor=accessor, dim=dim, optimizer=optimizer, table=table, value=value)
 
 
-def config(root: Path, shards: int = 3, mode: str = "base", **settings) -> BuildConfig:
+def config(
+    root: Path,
+    shards: int = 3,
+    mode: str = "base",
+    *,
+    input_format: str = "seqfile",
+    paddle: PaddleSource | None = None,
+    workers: int = 2,
+    allow_empty: bool = False,
+) -> BuildConfig:
+    """A build of the `emb` dict (BuildConfig's defaults for what is not given)."""
     cur = BASE if mode == "base" else DELTA
-    return BuildConfig("emb", root, shards, mode, cur, BASE, **settings)
+    return BuildConfig(
+        "emb", root, shards, mode, cur, BASE, workers=workers, allow_empty=allow_empty,
+        input_format=input_format, paddle=paddle,
+    )  # fmt: skip
 
 
 CASES = [
@@ -86,8 +103,9 @@ VALUES = [(("embed_w", "embedx_w"), "float32"), (("show", "click", "embed_w", "e
 
 @pytest.mark.parametrize(("fields", "dtype"), VALUES, ids=["default", "cvm-float16", "f64"])
 @pytest.mark.parametrize(("scenario", "save"), CASES)
-def test_a_save_builds_the_bytes_of_a_sequencefile_of_its_rows(tmp_path, scenario, save, fields,
-                                                                dtype):  # fmt: skip
+def test_a_save_builds_the_bytes_of_a_sequencefile_of_its_rows(
+    tmp_path: Path, scenario: str, save: str, fields: tuple[str, ...], dtype: str
+) -> None:
     """Every real save (every mode, both accessors, plain, gzip and empty parts): the shards,
     tars, md5s and meta_info are byte for byte those of a SequenceFile build of the rows a
     line-by-line Python reading gives."""
@@ -97,16 +115,16 @@ def test_a_save_builds_the_bytes_of_a_sequencefile_of_its_rows(tmp_path, scenari
     reference = write_reference_seqfile(tmp_path / "seq" / "part-00000", keys, values)
     value = ValueSpec(fields, dtype)
     paddle = source_for(scenario, value=value, table=table)
-    settings = {"allow_empty": True, "workers": 1}
-    build(config(tmp_path / "from_seqfile", **settings), reference.parent)
-    build(config(tmp_path / "from_save", input_format="paddle_ps", paddle=paddle, **settings),
-          save_dir)  # fmt: skip
+    build(config(tmp_path / "from_seqfile", allow_empty=True, workers=1), reference.parent)
+    build(config(tmp_path / "from_save", input_format="paddle_ps", paddle=paddle,
+                 allow_empty=True, workers=1), save_dir)  # fmt: skip
     built = output_digests(tmp_path / "from_save")
     assert built == output_digests(tmp_path / "from_seqfile")
     assert len(built) == 3 * 4 + 3  # 3 shards: index, data, tar, md5 each; 3 meta_info
 
 
-def test_served_values_are_the_trainers_lookups(tmp_path):
+@pytest.mark.slow
+def test_served_values_are_the_trainers_lookups(tmp_path: Path) -> None:
     """Build, open the shards as a server does, look every key up: the value is what the
     trainer's own lookup returned for it (show, click, embed_w, embedx_w: the cvm input)."""
     scenario, save = "ctr_common_adagrad", "base"
@@ -131,7 +149,7 @@ def test_served_values_are_the_trainers_lookups(tmp_path):
     assert result.metas[0]["value_width"] == 32 and result.key_formats == ("cube",)
 
 
-def test_read_table_gives_a_saves_values_as_arrays():
+def test_read_table_gives_a_saves_values_as_arrays() -> None:
     """The reader API other tools call (the transfer, a trainer's check): a save's rows as
     arrays, the trainer's lookups; an empty save as empty arrays of the value's shape."""
     from cube.builder.paddle_ps import read_table
@@ -148,8 +166,11 @@ def test_read_table_gives_a_saves_values_as_arrays():
     assert keys.shape == (0,) and values.shape == (0, 2) and values.dtype == np.float16
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not COMPILED, reason="numba is not installed (or CUBE_KERNEL=numpy)")
-def test_the_compiled_parser_builds_the_same_bytes(tmp_path, monkeypatch):
+def test_the_compiled_parser_builds_the_same_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     save = DATA / "sparse_adam" / "checkpoint"
     paddle = source_for("sparse_adam")
     build(config(tmp_path / "numpy", input_format="paddle_ps", paddle=paddle, workers=1), save)
@@ -158,7 +179,7 @@ def test_the_compiled_parser_builds_the_same_bytes(tmp_path, monkeypatch):
     assert output_digests(tmp_path / "numpy") == output_digests(tmp_path / "compiled")
 
 
-def test_gzip_parts_of_several_members_and_small_batches_read_the_same(tmp_path):
+def test_gzip_parts_of_several_members_and_small_batches_read_the_same(tmp_path: Path) -> None:
     """A part written as several gzip members (as appending writers do), and batches that
     cut a member and a line anywhere: the same rows."""
     save = tmp_path / "save"
@@ -187,7 +208,8 @@ def test_gzip_parts_of_several_members_and_small_batches_read_the_same(tmp_path)
 # Finding the table
 
 
-def test_the_sparse_table_is_found_by_content_whatever_its_number(tmp_path):
+@pytest.mark.slow
+def test_the_sparse_table_is_found_by_content_whatever_its_number(tmp_path: Path) -> None:
     """The dense part is 001 in this save and 000 in another job's (and 002 with two sparse
     tables): swap the folders, the same table is found."""
     save = tmp_path / "save"
@@ -204,7 +226,7 @@ def test_the_sparse_table_is_found_by_content_whatever_its_number(tmp_path):
     assert result.records_read == 228 and result.input_files == 4
 
 
-def test_a_table_folder_or_one_part_file_is_an_input_too(tmp_path):
+def test_a_table_folder_or_one_part_file_is_an_input_too(tmp_path: Path) -> None:
     folder = DATA / "sparse_adam" / "batch_model" / "000"
     paddle = source_for("sparse_adam")
     assert len(shell.find_table(str(folder), paddle).files) == 4
@@ -212,7 +234,7 @@ def test_a_table_folder_or_one_part_file_is_an_input_too(tmp_path):
     assert [f.url for f in one.files] == [str(folder / "part-000-00002.gz")]
 
 
-def test_two_sparse_tables_are_refused_unless_one_is_named(tmp_path):
+def test_two_sparse_tables_are_refused_unless_one_is_named(tmp_path: Path) -> None:
     save = DATA / "sparse_naive_2tables" / "checkpoint"
     with pytest.raises(BuildError, match=r"2 sparse tables \(000, 001\); say which with -paddle"):
         shell.find_table(str(save), source_for("sparse_naive_2tables"))
@@ -225,7 +247,7 @@ def test_two_sparse_tables_are_refused_unless_one_is_named(tmp_path):
         shell.find_table(str(save), source_for("sparse_naive_2tables", table="002"))
 
 
-def test_the_trainers_configuration_names_the_table_and_its_layout(tmp_path):
+def test_the_trainers_configuration_names_the_table_and_its_layout(tmp_path: Path) -> None:
     """-paddle_config alone: which folder, which accessor, dim and rules; by table name when
     it has two sparse tables."""
     desc = DATA / "sparse_naive_2tables" / "fleet_desc.prototxt"
@@ -246,7 +268,7 @@ def test_the_trainers_configuration_names_the_table_and_its_layout(tmp_path):
     )
 
 
-def test_a_save_without_a_sparse_table_says_what_each_folder_is(tmp_path):
+def test_a_save_without_a_sparse_table_says_what_each_folder_is(tmp_path: Path) -> None:
     save = tmp_path / "save"
     shutil.copytree(DATA / "sparse_adam" / "base" / "001", save / "001")
     (save / "000").mkdir()
@@ -260,7 +282,8 @@ def test_a_save_without_a_sparse_table_says_what_each_folder_is(tmp_path):
         shell.find_table(str(DATA / "sparse_adam"), source_for("sparse_adam"))
 
 
-def test_an_empty_delta_builds_only_with_allow_empty(tmp_path):
+@pytest.mark.slow
+def test_an_empty_delta_builds_only_with_allow_empty(tmp_path: Path) -> None:
     save = DATA / "ctr_common_adagrad" / "delta_empty"
     args = build_args(save, tmp_path / "out", 2, **CTR_FLAGS)
     done = run_builder(*args)
@@ -276,7 +299,8 @@ def test_an_empty_delta_builds_only_with_allow_empty(tmp_path):
 # The command line and bad saves
 
 
-def test_the_cli_builds_a_save_with_the_configuration_only(tmp_path):
+@pytest.mark.slow
+def test_the_cli_builds_a_save_with_the_configuration_only(tmp_path: Path) -> None:
     save = DATA / "sparse_naive_2tables" / "checkpoint"
     desc = DATA / "sparse_naive_2tables" / "fleet_desc.prototxt"
     args = build_args(save, tmp_path / "out", 2, input_format="paddle_ps",
@@ -284,7 +308,9 @@ def test_the_cli_builds_a_save_with_the_configuration_only(tmp_path):
     done = run_builder(*args)
     assert done.returncode == 0, done.stderr
     assert "114 records from 4 files (" in done.stdout, done.stdout
-    assert "checkpoint/001, sparse (dim 6, optimizer naive)) into 2 shards" in done.stdout
+    assert "checkpoint/001, sparse (dim 6, optimizer naive)), 114 distinct keys, into 2 shards" in (
+        done.stdout
+    )
     meta = json.loads(sorted((tmp_path / "out" / "meta_info").iterdir())[0].read_text())
     assert meta["value_width"] == 6 * 4 and meta["key_format"] == "cube"
 
@@ -358,6 +384,7 @@ def endless_line(save: Path) -> tuple[Path, str]:
     return part, "line 1: longer than 1048576 bytes (not a parameter-server text table)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("save", "corrupt"),
     [
@@ -372,8 +399,9 @@ def endless_line(save: Path) -> tuple[Path, str]:
     ],
     ids=lambda value: value if isinstance(value, str) else value.__name__,
 )
-def test_a_bad_save_fails_naming_the_file_and_line_and_publishes_nothing(tmp_path, save,
-                                                                           corrupt):  # fmt: skip
+def test_a_bad_save_fails_naming_the_file_and_line_and_publishes_nothing(
+    tmp_path: Path, save: str, corrupt: Callable[[Path], tuple[Path, str]]
+) -> None:
     copy = save_copy(tmp_path, save)
     part, message = corrupt(copy)
     output = tmp_path / "out"
@@ -388,6 +416,7 @@ def test_a_bad_save_fails_naming_the_file_and_line_and_publishes_nothing(tmp_pat
     assert list(spill.iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -400,13 +429,14 @@ def test_a_bad_save_fails_naming_the_file_and_line_and_publishes_nothing(tmp_pat
         (["-input_format", "paddle_ps", "-paddle_dtype", "int8"], "-paddle_dtype"),
     ],
 )  # fmt: skip
-def test_bad_paddle_flags_exit_2(tmp_path, extra, message):
+def test_bad_paddle_flags_exit_2(tmp_path: Path, extra: list[str], message: str) -> None:
     done = run_builder(*build_args(tmp_path, tmp_path / "out", 1), *extra)
     assert done.returncode == 2, done.stderr
     assert message in done.stderr, done.stderr
 
 
-def test_an_unreadable_configuration_exits_1(tmp_path):
+@pytest.mark.slow
+def test_an_unreadable_configuration_exits_1(tmp_path: Path) -> None:
     (tmp_path / "desc.txt").write_text("not { a config\n")
     for path, message in ((tmp_path / "missing", "No such file"), (tmp_path / "desc.txt", "not")):
         args = build_args(DATA / "sparse_adam" / "base", tmp_path / "out", 1,

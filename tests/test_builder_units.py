@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +19,14 @@ from cube.builder.build import (
     route_keys,
     split_runs,
 )
-from cube.builder.spill import SourceFile, Spiller, open_parts, open_spill, remove_part
+from cube.builder.spill import (
+    SourceFile,
+    Spiller,
+    SpillPart,
+    open_parts,
+    open_spill,
+    remove_part,
+)
 from cube.index import build_table, stable_hash_order
 from cube.routing import shard_of
 from cube.seqfile import ValueLocations
@@ -29,7 +37,7 @@ from cube.values import ValueColumn
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 17, 1000, 70_000])
 @pytest.mark.parametrize("mask", [0xFFFFFFFFFFFFFFFF, 0xFFFF000000000000, 0xFFFFFFFFFF00000F])
-def test_stable_hash_order_is_a_stable_argsort(n, mask):
+def test_stable_hash_order_is_a_stable_argsort(n: int, mask: int) -> None:
     rng = np.random.default_rng(n)
     hashes = rng.integers(0, 2**64 - 1, n, dtype=np.uint64) & np.uint64(mask)
     order, sorted_hashes = stable_hash_order(hashes)
@@ -40,7 +48,7 @@ def test_stable_hash_order_is_a_stable_argsort(n, mask):
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 2**64 - 1), max_size=300), st.integers(0, 3))
-def test_stable_hash_order_property(values, repeat):
+def test_stable_hash_order_property(values: list[int], repeat: int) -> None:
     # duplicates (repeat) and values sharing long prefixes stress the fix-up of tied runs
     base = np.array(values, dtype=np.uint64)
     hashes = np.concatenate([base, base >> np.uint64(1) << np.uint64(1)] * (repeat + 1))
@@ -49,7 +57,7 @@ def test_stable_hash_order_property(values, repeat):
     assert (order == expected).all() and (sorted_hashes == hashes[expected]).all()
 
 
-def test_build_table_last_record_wins_with_many_duplicates():
+def test_build_table_last_record_wins_with_many_duplicates() -> None:
     keys = np.array([7, 3, 7, 9, 3, 7] * 1000, dtype=np.uint64)
     built = build_table(keys)
     assert sorted(built.live_order.tolist()) == [5997, 5998, 5999]  # the last 9, 3 and 7
@@ -58,13 +66,13 @@ def test_build_table_last_record_wins_with_many_duplicates():
 # --- delete lists ---------------------------------------------------------------------------
 
 
-def test_delete_keys_fast_path():
+def test_delete_keys_fast_path() -> None:
     data = b"1\n18446744073709551615\r\n  42 \n\n7"
     assert parse_delete_keys(data, "x").tolist() == [1, 2**64 - 1, 42, 7]
     assert parse_delete_keys(b"", "x").tolist() == []
 
 
-def test_delete_keys_with_comments():
+def test_delete_keys_with_comments() -> None:
     data = b"# header\n5\n   # indented comment\n6\n"
     assert parse_delete_keys(data, "x").tolist() == [5, 6]
 
@@ -81,7 +89,7 @@ def test_delete_keys_with_comments():
         (b"# c\n+5\n", 2),
     ],
 )
-def test_delete_keys_errors_name_the_line(data, line):
+def test_delete_keys_errors_name_the_line(data: bytes, line: int) -> None:
     with pytest.raises(DeleteListError, match=f"^f.txt line {line}: "):
         parse_delete_keys(data, "f.txt")
 
@@ -89,7 +97,7 @@ def test_delete_keys_errors_name_the_line(data, line):
 # --- input listing and work split -----------------------------------------------------------
 
 
-def test_list_input_files_rules(tmp_path):
+def test_list_input_files_rules(tmp_path: Path) -> None:
     for name in ["b", "a/z", "a/b/c", "a-b", ".hidden", ".dir/x", "_SUCCESS_empty"]:
         path = tmp_path / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -104,7 +112,7 @@ def test_list_input_files_rules(tmp_path):
     ("sizes", "groups"),
     [([], 2), ([5], 2), ([1, 1, 1, 1], 2), ([100, 1, 1, 1], 2), ([1, 1, 1, 100], 3), ([3] * 9, 4)],
 )
-def test_split_runs_cover_everything_in_order(sizes, groups):
+def test_split_runs_cover_everything_in_order(sizes: list[int], groups: int) -> None:
     runs = split_runs(sizes, groups)
     assert len(runs) <= max(1, groups)
     flat = [i for lo, hi in runs for i in range(lo, hi)]
@@ -112,11 +120,11 @@ def test_split_runs_cover_everything_in_order(sizes, groups):
     assert all(hi > lo for lo, hi in runs)
 
 
-def test_split_runs_balance():
+def test_split_runs_balance() -> None:
     assert split_runs([10, 10, 10, 10], 2) == [(0, 2), (2, 4)]
 
 
-def test_route_keys():
+def test_route_keys() -> None:
     keys = np.arange(20, dtype=np.uint64)
     routed = route_keys(keys, 3, "murmur3")
     owners = shard_of(keys, 3, "murmur3")
@@ -133,13 +141,13 @@ def fixed(values: list[bytes]) -> ValueColumn:
     return column
 
 
-def read_back(part) -> list[tuple[int, bytes]]:
+def read_back(part: SpillPart) -> list[tuple[int, bytes]]:
     with open_spill(part) as (keys, values):
         return list(zip(keys.tolist(), values.to_list(), strict=True))
 
 
 @pytest.mark.parametrize("max_open_shards", [0, 256])
-def test_spiller_keeps_order_and_switches_to_lengths(tmp_path, max_open_shards):
+def test_spiller_keeps_order_and_switches_to_lengths(tmp_path: Path, max_open_shards: int) -> None:
     spiller = Spiller(tmp_path, 2, "mod", max_open_shards)
     spiller.add(np.array([0, 1, 2, 3], np.uint64), fixed([b"aa", b"bb", b"cc", b"dd"]))
     spiller.add(np.array([4, 6], np.uint64), fixed([b"eeee", b"gggg"]))  # width changes
@@ -150,7 +158,7 @@ def test_spiller_keeps_order_and_switches_to_lengths(tmp_path, max_open_shards):
     assert read_back(parts[1]) == [(1, b"bb"), (3, b"dd"), (9, b"x" * 1000)]
 
 
-def test_spiller_fixed_width_needs_no_lengths(tmp_path):
+def test_spiller_fixed_width_needs_no_lengths(tmp_path: Path) -> None:
     spiller = Spiller(tmp_path, 3, "murmur3")
     keys = np.arange(300, dtype=np.uint64)
     for start in range(0, 300, 50):
@@ -165,12 +173,12 @@ def test_spiller_fixed_width_needs_no_lengths(tmp_path):
         assert read_back(part) == expected
 
 
-def read_parts(parts) -> list[tuple[int, bytes]]:
+def read_parts(parts: list[SpillPart]) -> list[tuple[int, bytes]]:
     with open_parts(parts) as (keys, values):
         return list(zip(keys.tolist(), values.to_list(), strict=True))
 
 
-def test_open_parts_in_reader_order(tmp_path):
+def test_open_parts_in_reader_order(tmp_path: Path) -> None:
     readers = []
     contents = [
         [(10, b"r0-a"), (12, b"r0-b")],  # fixed 4
@@ -190,7 +198,7 @@ def test_open_parts_in_reader_order(tmp_path):
         assert not any(part.path(k).exists() for k in ("keys", "locs", "lengths", "values"))
 
 
-def test_open_parts_fixed_stays_fixed(tmp_path):
+def test_open_parts_fixed_stays_fixed(tmp_path: Path) -> None:
     parts = []
     for number in range(3):
         spiller = Spiller(tmp_path / f"r{number}", 1, "mod")
@@ -203,7 +211,7 @@ def test_open_parts_fixed_stays_fixed(tmp_path):
         assert values.to_list() == [bytes([k // 10] * 3) for k in range(30)]
 
 
-def write_source(path, records: list[tuple[int, bytes]]) -> tuple[SourceFile, list[int]]:
+def write_source(path: Path, records: list[tuple[int, bytes]]) -> tuple[SourceFile, list[int]]:
     """A file of the values back to back with junk between them; their offsets."""
     blob, offsets = bytearray(b"head"), []
     for _, value in records:
@@ -214,7 +222,7 @@ def write_source(path, records: list[tuple[int, bytes]]) -> tuple[SourceFile, li
 
 
 @pytest.mark.parametrize("width", [0, 5])
-def test_located_values_mixed_with_copied_ones(tmp_path, width):
+def test_located_values_mixed_with_copied_ones(tmp_path: Path, width: int) -> None:
     """Values left in input files (two readers, two files each) and values copied into the
     spill (a compressed input) come back in record order, per shard."""
     expected: dict[int, list[tuple[int, bytes]]] = {0: [], 1: []}
@@ -246,7 +254,7 @@ def test_located_values_mixed_with_copied_ones(tmp_path, width):
         assert read_parts([parts[shard] for parts in readers]) == expected[shard]
 
 
-def test_a_changed_input_fails_the_finish(tmp_path):
+def test_a_changed_input_fails_the_finish(tmp_path: Path) -> None:
     spiller = Spiller(tmp_path / "r", 1, "mod")
     source, offsets = write_source(tmp_path / "in", [(1, b"abc"), (2, b"def")])
     located = ValueLocations(np.array(offsets, np.int64), 3)
@@ -257,7 +265,7 @@ def test_a_changed_input_fails_the_finish(tmp_path):
         pass
 
 
-def test_finish_task_is_picklable():
+def test_finish_task_is_picklable() -> None:
     import pickle
 
     task = FinishTask((), np.array([1], np.uint64), "d", "t", {"shard": 0})
@@ -281,7 +289,12 @@ def unmix64(hashes: np.ndarray) -> np.ndarray:
     return h
 
 
-def assert_same_tables(keys, deleted, load_factor, monkeypatch):
+def assert_same_tables(
+    keys: np.ndarray,
+    deleted: np.ndarray | None,
+    load_factor: float,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import cube.index as index
 
     monkeypatch.setattr(index, "COMPILED_MIN_KEYS", 2)
@@ -310,8 +323,14 @@ def assert_same_tables(keys, deleted, load_factor, monkeypatch):
 )
 @settings(max_examples=80, deadline=None)
 def test_compiled_build_table_is_the_numpy_one(
-    n, space, collisions, deletes, top_keys, load_factor, seed
-):
+    n: int,
+    space: int,
+    collisions: bool,
+    deletes: int,
+    top_keys: bool,
+    load_factor: float,
+    seed: int,
+) -> None:
     rng = np.random.default_rng(seed)
     keys = rng.integers(0, space - 1, n, dtype=np.uint64, endpoint=True)
     if collisions:  # hashes equal but for their low bits: the prefix sort's tie runs
@@ -335,7 +354,7 @@ def test_compiled_build_table_is_the_numpy_one(
 
 
 @compiled
-def test_compiled_build_table_edge_cases(monkeypatch):
+def test_compiled_build_table_edge_cases(monkeypatch: pytest.MonkeyPatch) -> None:
     assert_same_tables(np.full(1000, 7, np.uint64), None, 0.6, monkeypatch)
     top = np.full(10, 2**64 - 1, np.uint64)
     assert_same_tables(top, np.array([2**64 - 1], np.uint64), 0.6, monkeypatch)
@@ -347,7 +366,9 @@ def test_compiled_build_table_edge_cases(monkeypatch):
 
 @compiled
 @pytest.mark.parametrize("width", [1, 5, 64])
-def test_compiled_gather_is_the_numpy_one(tmp_path, width, monkeypatch):
+def test_compiled_gather_is_the_numpy_one(
+    tmp_path: Path, width: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import cube.builder.spill as spill
 
     spiller = Spiller(tmp_path / "r", 1, "mod")
@@ -379,10 +400,12 @@ def test_compiled_gather_is_the_numpy_one(tmp_path, width, monkeypatch):
 @pytest.mark.parametrize(
     "sizes", [[1000], [5, 3 << 20, 7 << 20, 512, 1], [8 << 20, 8 << 20], [512, 9 << 20, 1024]]
 )
-def test_tar_sink_writes_every_byte_in_order(tmp_path, monkeypatch, direct, sizes):
+def test_tar_sink_writes_every_byte_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool, sizes: list[int]
+) -> None:
     """Direct writes of whole buffers, a tail that is not whole blocks (1000 bytes: EINVAL
     under O_DIRECT, written through the cache instead), and the buffered fallback."""
-    import cube.builder.build as build_module
+    import cube.builder.tarball as tarball
 
     if not direct:
         monkeypatch.delattr(os, "O_DIRECT", raising=False)
@@ -391,7 +414,7 @@ def test_tar_sink_writes_every_byte_in_order(tmp_path, monkeypatch, direct, size
     path = tmp_path / "out"
     for in_place in (False, True):
         maps = []
-        with build_module._TarSink(path) as sink:
+        with tarball._TarSink(path) as sink:
             for piece in pieces:
                 if in_place:  # whole blocks straight from a page-aligned piece, the rest copied
                     maps.append(mmap.mmap(-1, len(piece)))

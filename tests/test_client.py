@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from procs import REPO, expected_fixed, fixed_values, start_server, write_version
+from helpers.procs import REPO, expected_fixed, fixed_values, start_server, write_version
 
 from cube.client import (
     AsyncCubeClient,
@@ -39,6 +39,9 @@ from cube.pb import cube_pb2, cube_pb2_grpc
 from cube.processes import poll_until
 from cube.routing import shard_of
 from cube.values import ValueColumn
+
+# Every test here starts processes (servers, CLIs): make quick skips them.
+pytestmark = pytest.mark.slow
 
 WIDTH = 16  # 4 float32
 
@@ -61,7 +64,9 @@ def servers(*specs):
             server.stop()
 
 
-def build_shards(root: Path, keys, values_for, shard_num, partitioner="mod", version="100"):
+def build_shards(
+    root: Path, keys, values_for, shard_num, partitioner: str = "mod", version: str = "100"
+):
     """Write each shard's keys (routed like the builder) to root/shard<i>/data; the dirs."""
     owner = shard_of(keys, shard_num, partitioner)
     dirs = []
@@ -85,7 +90,7 @@ KEYS = np.arange(1, 30_000, 3, dtype=np.uint64)
 
 
 @pytest.fixture(scope="module")
-def fixed_cluster(tmp_path_factory):
+def fixed_cluster(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("fixed")
     dirs = build_shards(root, KEYS, lambda k: fixed_values(k, WIDTH, tag=1), 2)
     common = ("--dict_name", "test_dict", "--max_batch", "5000")
@@ -99,7 +104,7 @@ def fixed_cluster(tmp_path_factory):
         yield shards, root
 
 
-def query_keys(seed=0, n=1000):
+def query_keys(seed: int = 0, n: int = 1000):
     rng = np.random.default_rng(seed)
     keys = rng.integers(0, 30_000, n, dtype=np.uint64)
     keys[:3] = [2**64 - 1, 0, 1]
@@ -107,7 +112,7 @@ def query_keys(seed=0, n=1000):
     return keys
 
 
-def check_fixed(result, keys, tag=1):
+def check_fixed(result, keys, tag: int = 1) -> None:
     expect_found = np.isin(keys, KEYS)
     assert result.found.tolist() == expect_found.tolist()
     assert result.answered.all()
@@ -121,7 +126,7 @@ def check_fixed(result, keys, tag=1):
     assert values[hit] == expected_fixed(keys[hit : hit + 1], WIDTH, tag).tobytes()
 
 
-def test_seek_fixed_width_values_misses_and_order(fixed_cluster):
+def test_seek_fixed_width_values_misses_and_order(fixed_cluster) -> None:
     shards, _ = fixed_cluster
     keys = query_keys()
     with CubeClient(shards=shards, dict_name="test_dict") as client:
@@ -137,14 +142,14 @@ def test_seek_fixed_width_values_misses_and_order(fixed_cluster):
 
 
 @pytest.mark.parametrize("balancer", ["rr", "random", "la"])
-def test_batches_split_by_max_batch_and_balancers(fixed_cluster, balancer):
+def test_batches_split_by_max_batch_and_balancers(fixed_cluster, balancer: str) -> None:
     shards, _ = fixed_cluster
     keys = query_keys(seed=3, n=3000)
     with CubeClient(shards=shards, max_batch=64, load_balancer=balancer) as client:
         check_fixed(client.seek(keys), keys)
 
 
-def test_get_embeddings(fixed_cluster):
+def test_get_embeddings(fixed_cluster) -> None:
     shards, _ = fixed_cluster
     keys = query_keys(seed=4, n=200)
     with CubeClient(shards=shards) as client:
@@ -159,19 +164,66 @@ def test_get_embeddings(fixed_cluster):
         assert client.get_embeddings(keys, dim=2, dtype="float64").shape == (200, 2)
 
 
-def test_server_rejections_are_raised_at_once(fixed_cluster):
+def test_server_rejections_are_raised_at_once(fixed_cluster) -> None:
     shards, _ = fixed_cluster
     with CubeClient(shards=shards, dict_name="other_dict", retry=5) as client:
         with pytest.raises(RequestRejectedError, match=r"NOT_FOUND.*'other_dict'") as info:
             client.seek([1, 2, 3, 4])
         assert info.value.code == "NOT_FOUND"
-    with CubeClient(shards=shards, max_batch=100_000) as client:
-        many = np.arange(0, 6000 * 2, 2, dtype=np.uint64)  # all on shard 0: > --max_batch
-        with pytest.raises(RequestRejectedError, match=r"RESOURCE_EXHAUSTED.*6000 keys"):
-            client.seek(many)
+    many = np.arange(0, 6000 * 2, 2, dtype=np.uint64)  # all on shard 0: > --max_batch
+    # the original protocol has no handshake that states --max_batch: refused, as before
+    with (
+        CubeClient(shards=shards, max_batch=100_000, protocol="original") as client,
+        pytest.raises(RequestRejectedError, match=r"RESOURCE_EXHAUSTED.*6000 keys"),
+    ):
+        client.seek(many)
+    with CubeClient(shards=shards, max_batch=100_000) as client:  # learns it: splits
+        assert client.seek(many).found.tolist() == np.isin(many, KEYS).tolist()
+        assert client.batch_limits == (5000, 100_000)  # shard 1 not met yet
 
 
-def test_async_client_parity(fixed_cluster):
+def test_batches_split_by_the_servers_max_batch_learned_on_first_contact(tmp_path):
+    """Servers started with --max_batch 7 state it on first contact: a client with the default
+    max_batch splits a larger batch into requests of at most 7 keys per shard instead of
+    being refused (the first call too: refused once by the server it just met, re-planned),
+    the answer in request order; blocking (TCP lane, gRPC, one shard or two) and asyncio."""
+    built = np.arange(1, 400, 3, dtype=np.uint64)
+    dirs = build_shards(tmp_path, built, lambda k: fixed_values(k, WIDTH, tag=1), 2)
+    query = np.random.default_rng(7).permutation(np.arange(0, 400, dtype=np.uint64))[:150]
+    expected = np.isin(query, built)
+
+    def check(result: SeekResult, keys: np.ndarray) -> None:
+        found = np.isin(keys, built)
+        assert result.found.tolist() == found.tolist() and result.version == "100"
+        rows = result.column.as_rows()
+        assert (rows[found] == expected_fixed(keys[found], WIDTH, 1)).all()
+
+    with servers(*((d, ("--max_batch", "7"), 1) for d in dirs)) as procs:
+        shards = [[p.address] for p in procs]
+        for transport in ("auto", "grpc"):
+            with CubeClient(shards, transport=transport, timeout=10.0) as client:
+                assert client.batch_limits == (100_000, 100_000)
+                check(client.seek(query), query)
+                assert client.batch_limits == (7, 7)
+                check(client.seek(query), query)  # planned within the limits at once
+        with CubeClient([shards[0]], transport="auto", timeout=10.0) as one:  # the fast path
+            mine = query[query % 2 == 0]
+            check(one.seek(mine), mine)
+        with CubeClient(shards, max_batch=4, timeout=10.0) as smaller:  # the client's own bound
+            check(smaller.seek(query), query)
+            assert smaller.batch_limits == (4, 4)
+
+        async def run() -> tuple[SeekResult, np.ndarray]:
+            async with AsyncCubeClient(shards, timeout=10.0) as aio:
+                result = await aio.seek(query)
+                return result, await aio.get_embeddings(query, dim=4)
+
+        result, emb = asyncio.run(run())
+        check(result, query)
+        assert emb.shape == (150, 4) and (emb[~expected] == 0).all()
+
+
+def test_async_client_parity(fixed_cluster) -> None:
     shards, _ = fixed_cluster
     keys = query_keys(seed=5)
 
@@ -194,7 +246,7 @@ def test_async_client_parity(fixed_cluster):
     assert np.array_equal(emb, expected_emb, equal_nan=True)
 
 
-def test_original_protocol(fixed_cluster):
+def test_original_protocol(fixed_cluster) -> None:
     shards, _ = fixed_cluster
     keys = query_keys(seed=6, n=300)
     with CubeClient(shards=shards, protocol="original") as client:
@@ -206,7 +258,7 @@ def test_original_protocol(fixed_cluster):
         assert fast.seek(keys).values == result.values
 
 
-def conf_file(tmp_path, entries) -> Path:
+def conf_file(tmp_path: Path, entries) -> Path:
     path = tmp_path / "cube.conf"
     path.write_text(json.dumps(entries))
     return path
@@ -231,7 +283,7 @@ def ipport(address):
     return {"ip": host, "port": int(port)}
 
 
-def test_from_conf_ipport_list_and_ipport(fixed_cluster, tmp_path):
+def test_from_conf_ipport_list_and_ipport(fixed_cluster, tmp_path: Path) -> None:
     shards, _ = fixed_cluster
     keys = query_keys(seed=7, n=500)
     nodes = [{"ipport_list": "list://" + ",".join(replicas)} for replicas in shards]
@@ -281,7 +333,7 @@ def run_builder(root: Path, keys: np.ndarray, values: list[bytes], shard_num: in
 
 
 @pytest.fixture(scope="module")
-def variable_cluster(tmp_path_factory):
+def variable_cluster(tmp_path_factory: pytest.TempPathFactory):
     """3 shards built by cube-builder with murmur3 routing, variable-width values; plus one
     server holding the whole table (for ipport_parallel)."""
     root = tmp_path_factory.mktemp("variable")
@@ -293,13 +345,15 @@ def variable_cluster(tmp_path_factory):
         yield [p.address for p in procs[:3]], procs[3].address
 
 
-def check_variable(result, keys):
+def check_variable(result, keys) -> None:
     expect = [variable_value(int(k)) if k in set(VAR_KEYS.tolist()) else None for k in keys]
     assert result.values == expect
     assert result.found.tolist() == [v is not None for v in expect]
 
 
-def test_variable_width_with_murmur3_routing_as_cube_builder_shards(variable_cluster, tmp_path):
+def test_variable_width_with_murmur3_routing_as_cube_builder_shards(
+    variable_cluster, tmp_path: Path
+) -> None:
     addresses, _ = variable_cluster
     keys = np.random.default_rng(8).integers(0, 50_000, 700, dtype=np.uint64)
     path = conf_file(
@@ -318,7 +372,7 @@ def test_variable_width_with_murmur3_routing_as_cube_builder_shards(variable_clu
         wrong.seek(keys)
 
 
-def test_ipport_parallel_uses_node_zero_for_every_shard(variable_cluster, tmp_path):
+def test_ipport_parallel_uses_node_zero_for_every_shard(variable_cluster, tmp_path: Path) -> None:
     _, whole = variable_cluster
     keys = np.random.default_rng(9).integers(0, 50_000, 400, dtype=np.uint64)
     path = conf_file(tmp_path, [conf_entry("ipport_parallel", [ipport(whole)], 4)])
@@ -334,14 +388,14 @@ def test_ipport_parallel_uses_node_zero_for_every_shard(variable_cluster, tmp_pa
 
 
 @pytest.fixture
-def replicated_shard(tmp_path):
+def replicated_shard(tmp_path: Path):
     """One shard served by two separate processes (replicas), fixed width."""
     (data,) = build_shards(tmp_path, KEYS, lambda k: fixed_values(k, WIDTH, tag=1), 1)
     with servers((data, (), 1), (data, (), 1)) as procs:
         yield procs
 
 
-def test_failover_when_a_replica_is_killed_under_load(replicated_shard):
+def test_failover_when_a_replica_is_killed_under_load(replicated_shard) -> None:
     victim, survivor = replicated_shard
     shards = [[victim.address, survivor.address]]
     keys = query_keys(seed=10, n=500)
@@ -349,7 +403,7 @@ def test_failover_when_a_replica_is_killed_under_load(replicated_shard):
     done = {"calls": 0}
     stop = threading.Event()
 
-    def load(client):
+    def load(client) -> None:
         while not stop.is_set():
             try:
                 check_fixed(client.seek(keys), keys)
@@ -377,11 +431,11 @@ def test_failover_when_a_replica_is_killed_under_load(replicated_shard):
     assert done["calls"] >= killed_at + 60
 
 
-def test_failover_async(replicated_shard):
+def test_failover_async(replicated_shard) -> None:
     victim, survivor = replicated_shard
     keys = query_keys(seed=11, n=300)
 
-    async def main():
+    async def main() -> None:
         async with AsyncCubeClient(shards=[[victim.address, survivor.address]]) as client:
             for _ in range(5):
                 check_fixed(await client.seek(keys), keys)
@@ -393,7 +447,7 @@ def test_failover_async(replicated_shard):
     asyncio.run(main())
 
 
-def test_dead_shard_raises_naming_shard_and_replicas_with_partial_result(tmp_path):
+def test_dead_shard_raises_naming_shard_and_replicas_with_partial_result(tmp_path: Path) -> None:
     dirs = build_shards(tmp_path, KEYS, lambda k: fixed_values(k, WIDTH, tag=1), 2)
     with servers((dirs[0], (), 1), (dirs[1], (), 1), (dirs[1], (), 1)) as procs:
         for proc in procs[1:]:
@@ -429,7 +483,7 @@ def test_dead_shard_raises_naming_shard_and_replicas_with_partial_result(tmp_pat
             assert partial.values[hit] == expected_fixed(keys[hit : hit + 1], WIDTH, 1).tobytes()
 
 
-# A client process, against links of tests/delay_relay.py (Link) in front of a replica. First,
+# A client process, against links of helpers/delay_relay.py (Link) in front of a replica. First,
 # 30 calls to a shard of three: one behind a link that goes down (no reset: connects hang,
 # bytes go unanswered), one behind a link far slower than the call's timeout, one healthy.
 # Then a call to a replica whose lane port is cut off (as a firewall that drops it: the gRPC
@@ -440,7 +494,7 @@ PARTIAL_FAILURE_CLIENT = r"""
 import json, sys, threading, time
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-from delay_relay import Link
+from helpers.delay_relay import Link
 from cube.client import CubeClient, CubeError, Timeouts
 
 address, report = sys.argv[2], json.loads(sys.argv[3])
@@ -487,7 +541,9 @@ print(json.dumps({"failed": failed, "ended": ended, "after_close": ended[-1] - c
 """
 
 
-def test_a_replica_behind_a_link_down_neither_fails_calls_nor_holds_the_exit(replicated_shard):
+def test_a_replica_behind_a_link_down_neither_fails_calls_nor_holds_the_exit(
+    replicated_shard,
+) -> None:
     """Issue 24, item 10, on loopback. Before: about one call in three failed by its deadline
     (its first attempt on the dead replica, its one backup request on the slow one, although
     the third answers at once: the dead replica never cooled down, its attempts being
@@ -520,7 +576,7 @@ def test_a_replica_behind_a_link_down_neither_fails_calls_nor_holds_the_exit(rep
     assert exit_s < 5, f"the process exited {exit_s:.1f} s after closing its clients"
 
 
-def test_backup_request_answers_past_a_stopped_replica(replicated_shard):
+def test_backup_request_answers_past_a_stopped_replica(replicated_shard) -> None:
     slow, fast = replicated_shard
     keys = query_keys(seed=13, n=300)
     timeout_ms = 20_000
@@ -555,7 +611,7 @@ def test_backup_request_answers_past_a_stopped_replica(replicated_shard):
     assert async_elapsed < timeout_ms / 1000 / 2
 
 
-def test_timeout_then_retry_on_the_other_replica(replicated_shard):
+def test_timeout_then_retry_on_the_other_replica(replicated_shard) -> None:
     slow, fast = replicated_shard
     keys = query_keys(seed=14, n=100)
     with CubeClient(shards=[[slow.address, fast.address]], retry=1, timeout=0.3) as client:
@@ -578,7 +634,7 @@ def control(address, cmd, **fields):
         return stub.cmd(cube_pb2.ControlRequest(cmd=cmd, **fields), timeout=60)
 
 
-def test_version_reconciliation_during_a_rollout(tmp_path):
+def test_version_reconciliation_during_a_rollout(tmp_path: Path) -> None:
     """Version 100 values carry tag 1, version 200 values tag 2."""
     for tag, version in ((1, "100"), (2, "200")):
         dirs = build_shards(
@@ -625,12 +681,14 @@ async def _async_seek(shards, keys, **options):
 # cube-cli
 
 
-def run_cli(*args, timeout=120):
+def run_cli(*args, timeout: float = 120):
     command = [sys.executable, "-m", "cube.client.cli", *map(str, args)]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
-def test_cube_cli_prints_latency_and_qps(fixed_cluster, tmp_path, capsys):
+def test_cube_cli_prints_latency_and_qps(
+    fixed_cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     shards, _ = fixed_cluster
     nodes = [{"ipport_list": "list://" + ",".join(replicas)} for replicas in shards]
     path = conf_file(tmp_path, [conf_entry("ipport_list", nodes, 2)])
@@ -657,7 +715,7 @@ def test_cube_cli_prints_latency_and_qps(fixed_cluster, tmp_path, capsys):
     expected = expected_fixed(first[hit : hit + 1], WIDTH, 1).tobytes().hex().upper()
     assert lines[hit] == f"key:{first[hit]} value:{expected}"
     miss = int(np.flatnonzero(~np.isin(first, KEYS))[0])
-    assert lines[miss] == f"key:{first[miss]} miss"
+    assert lines[miss] == f"key:{first[miss]} value:"  # as the original's cube_cli.cpp
 
     # a reader that stops reading (`cube-cli --print_output | head -1`): no traceback
     command = [sys.executable, "-m", "cube.client.cli", *map(str, args), "--print_output"]
@@ -671,13 +729,15 @@ def test_cube_cli_prints_latency_and_qps(fixed_cluster, tmp_path, capsys):
     assert "Traceback" not in err and "BrokenPipe" not in err, err
 
 
-def test_cube_cli_prints_a_miss_apart_from_an_empty_value():
+def test_cube_cli_prints_a_miss_as_the_original_did():
+    """cube_cli.cpp printed `key:%lu value:%s` with the value's hex for every key, a miss's
+    empty value as `value:`; so does cube-cli."""
     column = ValueColumn.from_list([b"", b"\x01\x02", b""])
     result = SeekResult(np.array([5, 6, 7], np.uint64), np.array([True, True, False]), column, "1")
-    assert cli.format_batch(result) == "key:5 value:\nkey:6 value:0102\nkey:7 miss\n"
+    assert cli.format_batch(result) == "key:5 value:\nkey:6 value:0102\nkey:7 value:\n"
 
 
-def test_cube_cli_errors(tmp_path, capsys):
+def test_cube_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     def run(*args):
         code = cli.main([str(a) for a in args])
         return code, capsys.readouterr()
@@ -708,7 +768,7 @@ def test_cube_cli_errors(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args", [(), ("--allow_empty",)])
-def test_a_shard_with_nothing_loaded_is_an_error_not_silent_misses(tmp_path, args):
+def test_a_shard_with_nothing_loaded_is_an_error_not_silent_misses(tmp_path: Path, args) -> None:
     """A replica with nothing loaded refuses (UNAVAILABLE) or, with --allow_empty, answers
     without a version: either way the SDK reports the shard unavailable, never misses."""
     (loaded,) = build_shards(tmp_path / "a", KEYS, lambda k: fixed_values(k, WIDTH, tag=1), 1)
@@ -725,7 +785,7 @@ def test_a_shard_with_nothing_loaded_is_an_error_not_silent_misses(tmp_path, arg
         assert client.seek([0, 2, 4]).version == "100"  # only shard 0 asked
 
 
-def test_large_answers_beyond_grpc_default_message_size(tmp_path):
+def test_large_answers_beyond_grpc_default_message_size(tmp_path: Path) -> None:
     """30k keys x 256 bytes = 7.7 MB per answer (gRPC's default limit is 4 MB)."""
     keys = np.arange(30_000, dtype=np.uint64)
     (data,) = build_shards(tmp_path, keys, lambda k: fixed_values(k, 256), 1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -25,22 +26,24 @@ from cube.client import (
 )
 
 PUBLIC = {
-    "AsyncCubeClient", "AsyncCubeClients", "Attempt", "Backoff", "ClientStats", "ConfError",
+    "AsyncCubeClient", "AsyncCubeClients", "AsyncTransport", "Attempt", "Backoff",
+    "ClientClosedError", "ClientOptions", "ClientStats", "ConfError",
     "ConfigMismatchError", "CubeClient", "CubeClients", "CubeError", "DeadlineExceededError",
-    "DictConf", "KeyRangeError", "LoadBalancer", "MockTransport",
-    "Partitioner", "RequestRejectedError", "Retry", "SeekResult", "ShardUnavailableError",
-    "Timeouts", "Transport", "TransportError", "TransportName", "ValueSizeError",
-    "VersionMismatchError", "WireProtocol", "load_conf", "parse_conf", "version_order",
+    "DictConf", "DictNotChosenError", "KeyRangeError", "KeyShapeError", "LoadBalancer",
+    "MockTransport", "Partitioner", "RequestRejectedError", "Retry", "SeekResult",
+    "ShardUnavailableError", "SyncTransport", "Timeouts", "Transport", "TransportError",
+    "TransportName", "ValueSizeError", "VersionMismatchError", "WireProtocol", "load_conf",
+    "parse_conf", "version_order",
 }  # fmt: skip
 
 
-def test_the_public_surface_is_what_cube_client_exports():
+def test_the_public_surface_is_what_cube_client_exports() -> None:
     assert set(cube.client.__all__) == PUBLIC
     assert all(hasattr(cube.client, name) for name in PUBLIC)
 
 
 @pytest.mark.parametrize("cls", [CubeClient, AsyncCubeClient])
-def test_constructors_declare_their_parameters(cls):
+def test_constructors_declare_their_parameters(cls: type[CubeClient | AsyncCubeClient]) -> None:
     parameters = inspect.signature(cls).parameters
     kinds = {p.kind for p in parameters.values()}
     assert inspect.Parameter.VAR_POSITIONAL not in kinds
@@ -56,12 +59,12 @@ def test_constructors_declare_their_parameters(cls):
     assert "Self" in str(inspect.signature(cls.from_conf).return_annotation)
 
 
-def test_positional_options_are_refused():
+def test_positional_options_are_refused() -> None:
     with pytest.raises(TypeError):
-        CubeClient([["h:1"]], "murmur3")  # type: ignore[misc]
+        CubeClient([["h:1"]], "murmur3")  # type: ignore[call-arg]
 
 
-def test_option_objects():
+def test_option_objects() -> None:
     assert Retry().attempts == 2 and Retry().backoff == Backoff(0.002, 0.1, jitter=0.5)
     assert Timeouts().attempt == 1.0 and Timeouts().backup_after is None
     assert Timeouts().total is None and Timeouts(0.2, 0.02, 0.5).total == 0.5
@@ -89,7 +92,7 @@ def handler_with_a_dead_replica(address: str, keys: np.ndarray) -> list[bytes | 
     return [TABLE.get(int(k)) for k in keys]
 
 
-def test_mock_transport_drives_the_real_client_sync_and_async():
+def test_mock_transport_drives_the_real_client_sync_and_async() -> None:
     """Routing over 2 shards, a dead replica retried on the other one, misses, order kept."""
     shards = [["dead:1", "a:1"], ["b:1"]]
     keys = np.arange(0, 60, dtype=np.uint64)
@@ -108,7 +111,7 @@ def test_mock_transport_drives_the_real_client_sync_and_async():
     assert asyncio.run(run()) == b"v9"
 
 
-def test_mock_transport_errors_reach_the_caller_as_the_real_ones_do():
+def test_mock_transport_errors_reach_the_caller_as_the_real_ones_do() -> None:
     def refuse(address: str, keys: np.ndarray) -> list[bytes | None]:
         raise TransportError("INVALID_ARGUMENT", "no")
 
@@ -128,7 +131,7 @@ def test_mock_transport_errors_reach_the_caller_as_the_real_ones_do():
         client.seek([1])
 
 
-def test_client_stats_count_calls_retries_failovers_and_errors():
+def test_client_stats_count_calls_retries_failovers_and_errors() -> None:
     """ClientStats through the real client (a mock transport): a dead first replica makes
     a retry and a failover on shard 0; the Prometheus collector exports it all."""
     from prometheus_client import generate_latest
@@ -158,3 +161,113 @@ def test_client_stats_count_calls_retries_failovers_and_errors():
     text = generate_latest(registry).decode()
     assert 'cube_client_calls_total{dict="emb",outcome="ok"} 4.0' in text
     assert f'cube_client_shard_failovers_total{{dict="emb",shard="0"}} {float(dead_first)}' in text
+
+
+def test_errors_module_exports_every_error() -> None:
+    """TransportError and DictNotChosenError live in cube.client.errors with the others."""
+    import cube.client.errors as errors
+
+    assert errors.TransportError is TransportError and issubclass(
+        TransportError, cube.client.CubeError
+    )
+    assert errors.DictNotChosenError is cube.client.DictNotChosenError
+    assert issubclass(errors.DictNotChosenError, ConfError)
+
+
+class _SyncOnly:
+    def call(self, address: str, request: bytes, timeout_s: float) -> bytes:
+        raise TransportError("UNAVAILABLE", "never")
+
+    def close(self) -> None:
+        pass
+
+
+class _AsyncOnly:  # (its close() is not awaited: the one SyncTransport has)
+    def __init__(self) -> None:
+        self.closed = 0
+
+    async def acall(self, address: str, request: bytes, timeout_s: float) -> bytes:
+        raise TransportError("UNAVAILABLE", "never")
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_sync_and_async_transports_are_two_protocols() -> None:
+    from cube.client import AsyncTransport, SyncTransport
+
+    mock = MockTransport(lambda a, k: [])
+    assert isinstance(mock, SyncTransport) and isinstance(mock, AsyncTransport)
+    assert isinstance(_SyncOnly(), SyncTransport) and not isinstance(_SyncOnly(), AsyncTransport)
+    assert not isinstance(object(), SyncTransport) and not isinstance(object(), AsyncTransport)
+    assert isinstance(_AsyncOnly(), AsyncTransport) and not isinstance(_AsyncOnly(), SyncTransport)
+    CubeClient([["h:1"]], transport=_SyncOnly()).close()
+    with pytest.raises(ConfError, match=r"_AsyncOnly has no call.*needs a SyncTransport"):
+        CubeClient([["h:1"]], transport=_AsyncOnly())  # type: ignore[arg-type]
+    with pytest.raises(ConfError, match=r"_SyncOnly has no acall.*needs an AsyncTransport"):
+        AsyncCubeClient([["h:1"]], transport=_SyncOnly())  # type: ignore[arg-type]
+
+
+def test_types_are_precise() -> None:
+    """keys are array-likes, get_embeddings returns NDArray (float32 by default, the dtype
+    asked for otherwise), from_conf's overrides are the constructor's typed options."""
+    import typing
+
+    import numpy.typing as npt
+
+    from cube.client import ClientOptions
+
+    for cls in (CubeClient, AsyncCubeClient):
+        assert typing.get_type_hints(cls.seek)["keys"] == npt.ArrayLike
+        returns = [
+            typing.get_type_hints(f)["return"] for f in typing.get_overloads(cls.get_embeddings)
+        ]
+        assert npt.NDArray[np.float32] in returns
+        overrides = inspect.signature(cls.from_conf).parameters["overrides"]
+        assert overrides.kind == inspect.Parameter.VAR_KEYWORD
+        assert "Unpack[" in str(overrides.annotation) and "ClientOptions" in str(
+            overrides.annotation
+        )
+    options = typing.get_type_hints(ClientOptions)
+    constructor = set(inspect.signature(CubeClient).parameters) - {"shards", "dict_name"}
+    assert set(options) == constructor
+
+
+def test_a_closed_client_says_so() -> None:
+    """As httpx: a call on a closed client raises ClientClosedError (a CubeError and a
+    RuntimeError) naming the client; closing twice is fine; a closed client is not reopened."""
+    from cube.client import ClientClosedError
+
+    mock = MockTransport(lambda a, k: [b"v"] * len(k))
+    client = CubeClient([["h:1"]], transport=mock, dict_name="emb", dim=1)
+    client.close()
+    client.close()
+    calls: list[Callable[[], object]] = [
+        lambda: client.seek([1]),
+        lambda: client.get_embeddings([1], 1, dtype=np.uint8),
+        lambda: client.wait_ready(),
+        lambda: client.__enter__(),
+    ]
+    for call in calls:
+        with pytest.raises(ClientClosedError, match="this CubeClient of dict 'emb' is closed"):
+            call()
+    assert issubclass(ClientClosedError, RuntimeError) and mock.calls == []
+
+    async def run() -> None:
+        transport = _AsyncOnly()
+        aclient = AsyncCubeClient([["h:1"]], transport=transport)
+        await aclient.aclose()
+        await aclient.aclose()
+        assert transport.closed == 1
+        for call in (aclient.seek([1]), aclient.get_embeddings([1], 1), aclient.wait_ready()):
+            with pytest.raises(ClientClosedError, match="this AsyncCubeClient is closed"):
+                await call
+        with pytest.raises(ClientClosedError):
+            async with aclient:
+                pass
+        async with AsyncCubeClient([["h:1"]], transport=MockTransport(lambda a, k: [])) as other:
+            pass
+        with pytest.raises(ClientClosedError):
+            await other.seek([1])
+
+    asyncio.run(run())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -25,14 +26,14 @@ def entry(**changes):
     return {k: v for k, v in base.items() if v is not None}
 
 
-def test_ipport():
+def test_ipport() -> None:
     conf = parse_conf([entry()])
     assert conf.shards == (("127.0.0.1:8000",), ("127.0.0.1:8001",))
     assert (conf.timeout_ms, conf.retry, conf.backup_request_ms) == (200, 3, 100)
     assert (conf.load_balancer, conf.partitioner, conf.dict_name) == ("rr", "mod", "test_dict")
 
 
-def test_ipport_list_as_the_original_sample():
+def test_ipport_list_as_the_original_sample() -> None:
     sample = """[{
         "dict_name": "test_dict", "shard": 1, "dup": 1, "timeout": 200, "retry": 3,
         "backup_request": 100, "type": "ipport_list", "load_balancer": "rr",
@@ -42,17 +43,17 @@ def test_ipport_list_as_the_original_sample():
     assert conf.shards == (("127.0.0.1:8000", "127.0.0.1:8001"),)
 
 
-def test_ipport_parallel_uses_node_zero_for_every_shard():
+def test_ipport_parallel_uses_node_zero_for_every_shard() -> None:
     conf = parse_conf([entry(type="ipport_parallel", shard=3, nodes=[{"ip": "h", "port": 1}])])
     assert conf.shards == (("h:1",),) * 3
 
 
-def test_partitioner_and_load_balancer_fields():
+def test_partitioner_and_load_balancer_fields() -> None:
     conf = parse_conf([entry(partitioner="murmur3", load_balancer="la")])
     assert (conf.partitioner, conf.load_balancer) == ("murmur3", "la")
 
 
-def test_several_dicts_need_a_name(tmp_path):
+def test_several_dicts_need_a_name(tmp_path: Path) -> None:
     path = tmp_path / "cube.conf"
     path.write_text(json.dumps([entry(), entry(dict_name="other")]))
     with pytest.raises(ConfError, match=r"defines 2 dicts \(test_dict, other\); pass dict_name"):
@@ -86,12 +87,12 @@ def test_several_dicts_need_a_name(tmp_path):
         ({"dict_name": ""}, "entry 0: field 'dict_name' must be a non-empty string"),
     ],
 )
-def test_bad_conf_errors_name_dict_and_field(changes, message):
+def test_bad_conf_errors_name_dict_and_field(changes, message) -> None:
     with pytest.raises(ConfError, match=message):
         parse_conf([entry(**changes)], source="my.conf")
 
 
-def test_bad_files(tmp_path):
+def test_bad_files(tmp_path: Path) -> None:
     with pytest.raises(ConfError, match="cannot read"):
         load_conf(tmp_path / "missing.conf")
     bad = tmp_path / "bad.conf"
@@ -106,7 +107,7 @@ def test_bad_files(tmp_path):
         load_conf(bad)
 
 
-def test_client_argument_errors():
+def test_client_argument_errors() -> None:
     with pytest.raises(ConfError, match="shards must be"):
         CubeClient(shards="127.0.0.1:1")
     with pytest.raises(ConfError, match="replica 'nohost' is not 'host:port'"):
@@ -119,7 +120,7 @@ def test_client_argument_errors():
         assert client.shards == (("h:1",), ("h:2", "h:3"))
 
 
-def test_from_conf_timeout_override_keeps_the_files_backup_request(tmp_path):
+def test_from_conf_timeout_override_keeps_the_files_backup_request(tmp_path: Path) -> None:
     import json
 
     from cube.client import CubeClient, Timeouts
@@ -139,7 +140,7 @@ def test_from_conf_timeout_override_keeps_the_files_backup_request(tmp_path):
         assert client.timeouts == Timeouts(0.3)
 
 
-def test_tls_fields(tmp_path, pki):
+def test_tls_fields(tmp_path: Path, pki: dict[str, str]) -> None:
     """cube.conf's `tls_ca` (and `tls_server_name`) turn TLS on for from_conf clients: the
     file alone says how to reach servers started with --tls_cert (the Helm chart's cube.conf
     with TLS on). Absent: plaintext, as before."""
@@ -166,6 +167,43 @@ def test_tls_fields(tmp_path, pki):
         ({"tls_server_name": "cube.example"}, "field 'tls_server_name' needs 'tls_ca'"),
     ],
 )
-def test_bad_tls_fields(changes, message):
+def test_bad_tls_fields(changes, message) -> None:
     with pytest.raises(ConfError, match=message):
         parse_conf([entry(**changes)], source="my.conf")
+
+
+def test_dim_field_is_get_embeddings_default(tmp_path):
+    """cube.conf's optional `dim`: get_embeddings' width when a call gives none (sync, async
+    and CubeClients); a call's own dim still wins; without either, a clear error."""
+    import asyncio
+
+    import numpy as np
+
+    from cube.client import AsyncCubeClient, CubeClients, MockTransport
+
+    row = np.arange(4, dtype=np.float32).tobytes()
+    mock = MockTransport(lambda address, keys: [row if k % 2 else None for k in keys.tolist()])
+    path = tmp_path / "cube.conf"
+    path.write_text(json.dumps([entry(dim=4), entry(dict_name="nodim")]))
+    assert load_conf(path, "test_dict").dim == 4 and load_conf(path, "nodim").dim is None
+    with CubeClient.from_conf(path, "test_dict", transport=mock) as client:
+        assert client.dim == 4
+        emb = client.get_embeddings([1, 2, 3])
+        assert emb.shape == (3, 4) and emb[0].tolist() == [0, 1, 2, 3] and not emb[1].any()
+        assert client.get_embeddings([1], 2, dtype=np.float64).shape == (1, 2)
+    with CubeClients.from_conf(path, transport=mock) as both:
+        assert both.get_embeddings("test_dict", [5]).shape == (1, 4)
+        with pytest.raises(ConfError, match=r"get_embeddings needs dim.*dict 'nodim'"):
+            both.get_embeddings("nodim", [5])
+
+    async def run() -> tuple[int, ...]:
+        async with AsyncCubeClient.from_conf(path, "test_dict", transport=mock) as client:
+            return (await client.get_embeddings([7])).shape
+
+    assert asyncio.run(run()) == (1, 4)
+    with pytest.raises(ConfError, match="field 'dim' must be an integer >= 1"):
+        parse_conf([entry(dim=0)])
+    with pytest.raises(ConfError, match="field 'dim' must be an integer >= 1"):
+        parse_conf([entry(dim="8")])
+    with pytest.raises(ConfError, match="dim must be an integer >= 1"):
+        CubeClient([["h:1"]], dim=-2)

@@ -21,6 +21,7 @@ from cube.client._core import (
 from cube.client.errors import (
     Attempt,
     KeyRangeError,
+    KeyShapeError,
     RequestRejectedError,
     ShardUnavailableError,
     ValueSizeError,
@@ -35,7 +36,7 @@ from cube.wire import Answer, BadMessage, decode_seek_response, encode_seek_requ
 # keys
 
 
-def test_normalize_keys_accepts_ints_and_arrays():
+def test_normalize_keys_accepts_ints_and_arrays() -> None:
     assert normalize_keys([1, 2**64 - 1]).tolist() == [1, 2**64 - 1]
     assert normalize_keys(np.array([3, 4], dtype=np.int64)).dtype == np.uint64
     assert normalize_keys(np.array([5], dtype=np.uint32)).tolist() == [5]
@@ -61,9 +62,50 @@ def test_normalize_keys_accepts_ints_and_arrays():
         ("123", "keys must be integers"),
     ],
 )
-def test_normalize_keys_names_the_bad_key(keys, message):
+def test_normalize_keys_names_the_bad_key(keys, message) -> None:
     with pytest.raises(KeyRangeError, match=message):
         normalize_keys(keys)
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        (True, "key True is a bool"),
+        (False, "key False is a bool"),
+        (np.True_, "is a bool"),
+        (np.array([True, False]), "dtype bool"),
+        ([True, False, True], "dtype bool"),
+    ],
+)
+def test_normalize_keys_refuses_bools(keys, message):
+    """True and False are not keys 1 and 0 (a mask passed by mistake must not be looked up)."""
+    with pytest.raises(KeyRangeError, match=message) as info:
+        normalize_keys(keys)
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        (np.arange(6, dtype=np.uint64).reshape(2, 3), r"2-D array of shape \(2, 3\)"),
+        (np.arange(6, dtype=np.int64).reshape(3, 2), r"2-D array of shape \(3, 2\)"),
+        ([[1, 2], [3, 4]], "keys must be 1-D"),
+        (np.zeros((2, 2, 2), dtype=np.uint32), "3-D array"),
+        ({3, 1, 2}, "keys in a set have no order"),
+        (frozenset([5, 6]), "keys in a frozenset have no order"),
+    ],
+)
+def test_normalize_keys_refuses_shapes_without_one_request_order(keys, message):
+    with pytest.raises(KeyShapeError, match=message) as info:
+        normalize_keys(keys)
+    assert isinstance(info.value, TypeError) and isinstance(info.value, ValueError)
+
+
+def test_normalize_keys_keeps_ordered_collections():
+    """Collections with an order stay accepted: a dict's keys, a tuple, a generator."""
+    assert normalize_keys({9: "a", 4: "b"}.keys()).tolist() == [9, 4]
+    assert normalize_keys((3, 1, 2)).tolist() == [3, 1, 2]
+    assert normalize_keys(k for k in (8, 7)).tolist() == [8, 7]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,7 +113,7 @@ def test_normalize_keys_names_the_bad_key(keys, message):
 
 
 @pytest.mark.parametrize("partitioner", ["mod", "murmur3"])
-def test_plan_routes_like_the_builder_and_covers_every_key_once(partitioner):
+def test_plan_routes_like_the_builder_and_covers_every_key_once(partitioner: str) -> None:
     keys = np.random.default_rng(1).integers(0, 2**63, 1000, dtype=np.uint64)
     pieces = make_plan(keys, 3, partitioner, max_batch=100)
     owner = shard_of(keys, 3, partitioner)
@@ -82,6 +124,24 @@ def test_plan_routes_like_the_builder_and_covers_every_key_once(partitioner):
         assert (keys[piece.where] == piece.keys).all()
         seen[piece.where] += 1
     assert (seen == 1).all()
+
+
+def test_plan_takes_a_limit_per_shard():
+    keys = np.arange(40, dtype=np.uint64)
+    pieces = make_plan(keys, 2, "mod", [3, 100])
+    assert [p.size for p in pieces if p.shard == 0] == [3] * 6 + [2]
+    assert [p.size for p in pieces if p.shard == 1] == [20]
+    assert np.concatenate([p.keys for p in pieces if p.shard == 0]).tolist() == keys[::2].tolist()
+    assert [p.size for p in make_plan(keys, 1, "mod", [16])] == [16, 16, 8]
+
+
+def test_first_contact_metadata_states_routing_and_max_batch():
+    from cube.client._transport import contact_of
+
+    assert contact_of([("cube-max-batch", "7"), ("cube-tcp-port", "9")]).max_batch == 7
+    for bad in ("0", "-1", "x", ""):
+        assert contact_of([("cube-max-batch", bad)]).max_batch is None
+    assert contact_of([]).max_batch is None and contact_of(None).routing is None
 
 
 def test_plan_skips_shards_without_keys_and_uses_slices_for_one_shard():
@@ -103,14 +163,16 @@ def test_plan_skips_shards_without_keys_and_uses_slices_for_one_shard():
     version=st.text(max_size=20),
     request_id=st.integers(0, 2**64 - 1),
 )
-def test_encode_seek_request_is_what_protobuf_reads(keys, dict_name, version, request_id):
+def test_encode_seek_request_is_what_protobuf_reads(keys, dict_name, version, request_id) -> None:
     data = encode_seek_request(np.array(keys, dtype=np.uint64), dict_name, version, request_id)
     parsed = cube_fast_pb2.SeekRequest.FromString(data)
     assert np.frombuffer(parsed.keys, "<u8").tolist() == keys
     assert (parsed.dict_name, parsed.version, parsed.request_id) == (dict_name, version, request_id)
 
 
-def _response(found, values, width=0, offsets=None, version="v1", request_id=9):
+def _response(
+    found, values, width: int = 0, offsets=None, version: str = "v1", request_id: int = 9
+):
     message = cube_fast_pb2.SeekResponse(
         found=bytes(found), values=values, value_width=width, version=version, request_id=request_id
     )
@@ -119,7 +181,7 @@ def _response(found, values, width=0, offsets=None, version="v1", request_id=9):
     return message.SerializeToString()
 
 
-def test_decode_fixed_width_response_without_copy():
+def test_decode_fixed_width_response_without_copy() -> None:
     data = _response([1, 0, 1], b"aa" + b"\0\0" + b"cc", width=2, version="123_456")
     answer = decode_seek_response(data, 3)
     assert answer.found.tolist() == [True, False, True]
@@ -128,7 +190,7 @@ def test_decode_fixed_width_response_without_copy():
     assert answer.column.blob.base is not None  # a view on the response bytes
 
 
-def test_decode_variable_response():
+def test_decode_variable_response() -> None:
     data = _response([1, 0, 1, 1], b"xyzab", offsets=[0, 3, 3, 3, 5])
     answer = decode_seek_response(data, 4)
     assert answer.column.width == 0
@@ -149,12 +211,12 @@ def test_decode_variable_response():
         (b"\x0f", 0, "wire type 7"),
     ],
 )
-def test_decode_rejects_responses_that_do_not_match(data, n, message):
+def test_decode_rejects_responses_that_do_not_match(data, n, message) -> None:
     with pytest.raises(BadMessage, match=message):
         decode_seek_response(data, n)
 
 
-def test_original_protocol_roundtrip():
+def test_original_protocol_roundtrip() -> None:
     wire = OriginalProtocol()
     request = cube_pb2.DictRequest.FromString(wire.encode(np.array([5, 6], np.uint64), "", None))
     assert list(request.keys) == [5, 6] and request.version_required
@@ -181,7 +243,7 @@ def test_original_protocol_roundtrip():
 # assemble (scatter) and embeddings
 
 
-def _answer_for(keys, table, width, version="v1"):
+def _answer_for(keys, table, width, version: str = "v1"):
     """What a server holding `table` (key -> bytes) answers for `keys`."""
     found = np.array([int(k) in table for k in keys], dtype=bool)
     if width:
@@ -194,7 +256,7 @@ def _answer_for(keys, table, width, version="v1"):
 
 @pytest.mark.parametrize("width", [0, 4])
 @pytest.mark.parametrize("shards", [1, 3])
-def test_assemble_scatters_into_request_order(width, shards):
+def test_assemble_scatters_into_request_order(width: int, shards: int) -> None:
     rng = np.random.default_rng(width + shards)
     keys = rng.integers(0, 60, 200, dtype=np.uint64)
     table = {k: (bytes([k % 256]) * (width or 1 + k % 5)) for k in range(0, 60, 2)}
@@ -207,7 +269,7 @@ def test_assemble_scatters_into_request_order(width, shards):
     assert result.width == width
 
 
-def test_assemble_mixed_widths_falls_back_to_variable_and_marks_unanswered():
+def test_assemble_mixed_widths_falls_back_to_variable_and_marks_unanswered() -> None:
     keys = np.arange(6, dtype=np.uint64)
     pieces = make_plan(keys, 3, "mod")
     table = {0: b"aaaa", 3: b"bbbb", 1: b"c", 4: b"dd"}
@@ -222,7 +284,7 @@ def test_assemble_mixed_widths_falls_back_to_variable_and_marks_unanswered():
     assert not result.found[[2, 5]].any()
 
 
-def test_embeddings_zero_rows_for_misses_and_size_errors_name_the_key():
+def test_embeddings_zero_rows_for_misses_and_size_errors_name_the_key() -> None:
     keys = np.array([10, 11, 12], dtype=np.uint64)
     vectors = {10: np.array([1.5, 2.5], np.float32), 12: np.array([-1, 4], np.float32)}
     table = {k: v.tobytes() for k, v in vectors.items()}
@@ -245,7 +307,7 @@ def test_embeddings_zero_rows_for_misses_and_size_errors_name_the_key():
 # versions
 
 
-def test_version_order():
+def test_version_order() -> None:
     names = ["1565323045_1565326078", "", "1565323045", "1565400000", "2", "10"]
     assert sorted(names, key=version_order) == [
         "",
@@ -260,14 +322,14 @@ def test_version_order():
 class FakeShards:
     """Answers flow rounds as shards would: `held[shard]` = versions (current first)."""
 
-    def __init__(self, held, table, width=4, pins=True):
+    def __init__(self, held, table, width: int = 4, pins: bool = True) -> None:
         self.held = held
         self.table = table
         self.width = width
         self.pins = pins
         self.rounds: list[list[PieceRequest]] = []
 
-    def run(self, keys, pieces, version=None, max_rounds=3):
+    def run(self, keys, pieces, version=None, max_rounds: int = 3):
         flow = seek_flow(keys, pieces, self.pins, max_rounds, version)
         try:
             requests = next(flow)
@@ -289,12 +351,12 @@ class FakeShards:
         return PieceOutcome(_answer_for(piece.keys, self.table, self.width, version))
 
 
-def _pieces(shards=3):
+def _pieces(shards: int = 3):
     keys = np.arange(12, dtype=np.uint64)
     return keys, make_plan(keys, shards, "mod")
 
 
-def test_flow_single_version_takes_one_round():
+def test_flow_single_version_takes_one_round() -> None:
     keys, pieces = _pieces()
     fake = FakeShards({0: ["5"], 1: ["5"], 2: ["5"]}, {1: b"abcd"})
     result = fake.run(keys, pieces)
@@ -302,7 +364,7 @@ def test_flow_single_version_takes_one_round():
     assert all(r.version is None for r in fake.rounds[0])
 
 
-def test_flow_reasks_older_shards_for_the_newest_version():
+def test_flow_reasks_older_shards_for_the_newest_version() -> None:
     keys, pieces = _pieces()
     # Shard 1 answers the first round from 5, then switches to 6 (and keeps 5 as previous).
     fake = FakeShards({0: ["6", "5"], 1: ["5", "6"], 2: ["6", "5"]}, {1: b"abcd"})
@@ -311,7 +373,7 @@ def test_flow_reasks_older_shards_for_the_newest_version():
     assert [(r.piece, r.version) for r in fake.rounds[1]] == [(1, "6")]
 
 
-def test_flow_falls_back_to_the_older_version_while_the_newest_is_not_everywhere():
+def test_flow_falls_back_to_the_older_version_while_the_newest_is_not_everywhere() -> None:
     keys, pieces = _pieces()
     fake = FakeShards({0: ["6", "5"], 1: ["5"], 2: ["5"]}, {1: b"abcd"})
     result = fake.run(keys, pieces)
@@ -320,7 +382,7 @@ def test_flow_falls_back_to_the_older_version_while_the_newest_is_not_everywhere
     assert [(r.piece, r.version) for r in fake.rounds[2]] == [(0, "5")]
 
 
-def test_flow_raises_when_no_version_is_everywhere():
+def test_flow_raises_when_no_version_is_everywhere() -> None:
     keys, pieces = _pieces()
     fake = FakeShards({0: ["7"], 1: ["6"], 2: ["5"]}, {})
     with pytest.raises(VersionMismatchError, match=r"shard 0: 7.*shard 2: 5") as info:
@@ -330,7 +392,7 @@ def test_flow_raises_when_no_version_is_everywhere():
         FakeShards({0: ["7"], 1: ["6"], 2: ["5"]}, {}).run(keys, pieces, max_rounds=1)
 
 
-def test_flow_without_pinning_reasks_until_one_version_is_complete():
+def test_flow_without_pinning_reasks_until_one_version_is_complete() -> None:
     keys, pieces = _pieces(2)
     fake = FakeShards({0: ["6"], 1: ["5"]}, {}, pins=False)
 
@@ -345,7 +407,7 @@ def test_flow_without_pinning_reasks_until_one_version_is_complete():
     assert fake.run(keys, pieces).version == "6"
 
 
-def test_flow_failed_shard_raises_with_partial_result():
+def test_flow_failed_shard_raises_with_partial_result() -> None:
     keys, pieces = _pieces()
     attempts = (Attempt("h:1", "UNAVAILABLE", "down"), Attempt("h:2", "DEADLINE_EXCEEDED", "slow"))
     fake = FakeShards({0: ["5"], 1: PieceOutcome(None, attempts), 2: ["5"]}, {0: b"abcd"})
@@ -358,6 +420,24 @@ def test_flow_failed_shard_raises_with_partial_result():
     assert partial.values[0] == b"abcd" and partial.values[1] is None
 
 
+def test_shard_unavailable_says_each_distinct_error_once_with_a_count():
+    """One replica tried three times with the same error: said once, with the count."""
+    down = "failed to connect to all addresses; last error: UNAVAILABLE: Connection refused"
+    once = [Attempt("h:1", "UNAVAILABLE", down)] * 3
+    message = str(ShardUnavailableError({0: once}, None))
+    assert message.count(down) == 1
+    assert f"3 attempts at h:1: UNAVAILABLE {down}" in message
+    spread = [Attempt(f"h:{i}", "UNAVAILABLE", down) for i in range(3)]
+    spread.append(Attempt("h:0", "DEADLINE_EXCEEDED", "slow"))
+    message = str(ShardUnavailableError({2: spread}, None))
+    assert message.count(down) == 1 and f"3 replicas (h:0, h:1, h:2): UNAVAILABLE {down}" in message
+    assert message.endswith("h:0: DEADLINE_EXCEEDED slow]")
+    mixed = [Attempt("h:1", "UNAVAILABLE", "x"), Attempt("h:2", "UNAVAILABLE", "x")] * 2
+    assert "4 attempts at 2 replicas (h:1, h:2): UNAVAILABLE x" in str(
+        ShardUnavailableError({1: mixed}, None)
+    )
+
+
 def test_flow_rejected_raises_the_server_message():
     keys, pieces = _pieces()
     rejected = Attempt("h:1", "INVALID_ARGUMENT", "too many keys")
@@ -366,7 +446,7 @@ def test_flow_rejected_raises_the_server_message():
         fake.run(keys, pieces)
 
 
-def test_flow_empty_batch_sends_nothing():
+def test_flow_empty_batch_sends_nothing() -> None:
     fake = FakeShards({}, {})
     result = fake.run(np.empty(0, np.uint64), [])
     assert len(result) == 0 and fake.rounds == [] and result.values == []

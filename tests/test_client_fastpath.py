@@ -136,13 +136,13 @@ def _run_async(script: list[Callable[[str, bytes], bytes]], fast: bool, version:
 @pytest.mark.parametrize("version", [None, "7"])
 @pytest.mark.parametrize("case", list(SCRIPTS))
 @pytest.mark.parametrize("runner", [_run_sync, _run_async], ids=["sync", "async"])
-def test_fast_path_does_what_the_state_machine_does(runner, case, version):
+def test_fast_path_does_what_the_state_machine_does(runner, case, version: str | None) -> None:
     fast = runner(SCRIPTS[case], True, version)
     slow = runner(SCRIPTS[case], False, version)
     assert fast == slow
 
 
-def test_the_fast_path_is_taken_and_counted():
+def test_the_fast_path_is_taken_and_counted() -> None:
     stats = ClientStats()
     transport = Scripted([good()])
     with CubeClient([["a:1"]], transport=transport, stats=stats) as client:
@@ -155,7 +155,7 @@ def test_the_fast_path_is_taken_and_counted():
     assert snapshot["shards"][0]["sub_requests"] == 5 and transport.calls == ["a:1"] * 5
 
 
-def test_backup_requests_keep_the_state_machine():
+def test_backup_requests_keep_the_state_machine() -> None:
     client = CubeClient([["a:1", "b:1"]], transport=Scripted([good()]),
                         timeout=__import__("cube.client").client.Timeouts(1.0, 0.01))  # fmt: skip
     with client:
@@ -201,7 +201,7 @@ FIELD = st.one_of(
 @example(fields=[(5, 2, b"\x80"), (5, 2, b"")], cut=400, junk=b"").via(
     "a version that is not UTF-8, then a good one: protobuf refuses the message"
 )
-def test_response_scan_reads_what_protobuf_reads(fields, cut, junk):
+def test_response_scan_reads_what_protobuf_reads(fields, cut, junk) -> None:
     """The SDK's one-pass scan against the generated class on any mix of known, unknown,
     repeated and damaged fields: same fields, same errors (the width is a uint32 to protobuf,
     which keeps the low 32 bits of a larger varint)."""
@@ -224,18 +224,18 @@ def test_response_scan_reads_what_protobuf_reads(fields, cut, junk):
 
 
 @given(st.integers(0, 2**64 - 1))
-def test_request_id_varint(value):
+def test_request_id_varint(value) -> None:
     assert _varint(value) == varint(value)
 
 
-def test_request_id_varint_edges_and_runs():
+def test_request_id_varint_edges_and_runs() -> None:
     for value in (0, 127, 128, 2**42 - 1, 2**42, 2**48 - 1, 2**49 - 1, 2**49, 2**64 - 1):
         assert _varint(value) == varint(value)
     for value in range(2**47 - 300, 2**47 + 300):  # a client's ids count up
         assert _varint(value) == varint(value)
 
 
-def test_request_ids_are_fresh_for_every_call():
+def test_request_ids_are_fresh_for_every_call() -> None:
     client = CubeClient([["a:1"]], transport=Scripted([good()]))
     ids = [client._request_id() for _ in range(1000)]
     assert len(set(ids)) == 1000 and all(0 < i < 2**48 for i in ids)
@@ -258,7 +258,7 @@ def _result(data: memoryview | bytes, n: int) -> SeekResult:
     return SeekResult(np.arange(n, dtype=np.uint64), answer.found, answer.column, answer.version)
 
 
-def test_embeddings_view_the_received_rows_when_aligned_and_writable():
+def test_embeddings_view_the_received_rows_when_aligned_and_writable() -> None:
     rows = np.arange(40, dtype=np.float32).reshape(10, 4)
     for shift in range(16):
         result = _result(_received([True] * 10, rows, shift), 10)
@@ -269,7 +269,7 @@ def test_embeddings_view_the_received_rows_when_aligned_and_writable():
         assert np.shares_memory(out, result.column.blob) == aligned
 
 
-def test_embeddings_zero_the_rows_of_misses_whatever_the_answer_held():
+def test_embeddings_zero_the_rows_of_misses_whatever_the_answer_held() -> None:
     rows = np.ones((4, 2), dtype=np.float32)
     result = _result(_received([True, False, True, False], rows), 4)
     result.column.blob[3 * 8 :] = 0xFF  # garbage in the last miss's row
@@ -278,7 +278,7 @@ def test_embeddings_zero_the_rows_of_misses_whatever_the_answer_held():
         assert out.tolist() == [[1, 1], [0, 0], [1, 1], [0, 0]]
 
 
-def test_embeddings_copy_what_they_must_not_share():
+def test_embeddings_copy_what_they_must_not_share() -> None:
     rows = np.arange(8, dtype=np.float32).reshape(4, 2)
     data = bytes(_received([True] * 4, rows))  # read-only bytes (gRPC, a mock)
     result = _result(data, 4)
@@ -296,7 +296,7 @@ def test_embeddings_copy_what_they_must_not_share():
 
 @pytest.fixture(scope="module")
 def one_shard(tmp_path_factory):
-    from procs import fixed_values, start_server, write_version
+    from helpers.procs import fixed_values, start_server, write_version
 
     keys = np.arange(0, 20_000, 2, dtype=np.uint64)  # odd keys are misses
     data = tmp_path_factory.mktemp("fastpath") / "data"
@@ -309,7 +309,7 @@ def one_shard(tmp_path_factory):
 
 
 def _expected(keys: np.ndarray) -> np.ndarray:
-    from procs import expected_fixed
+    from helpers.procs import expected_fixed
 
     rows = expected_fixed(keys, 64).view(np.float32).copy()
     rows[keys % 2 == 1] = 0
@@ -319,7 +319,8 @@ def _expected(keys: np.ndarray) -> np.ndarray:
 SIZES = [1, 7, 1000, 999, 1000, 3, 1000]
 
 
-def test_lane_answers_become_aligned_views(one_shard):
+@pytest.mark.slow
+def test_lane_answers_become_aligned_views(one_shard) -> None:
     rng = np.random.default_rng(0)
     with CubeClient([[one_shard]]) as client:
         for size in SIZES:
@@ -332,7 +333,8 @@ def test_lane_answers_become_aligned_views(one_shard):
         assert client.seek(keys).version == "5"
 
 
-def test_asyncio_lane_pipelined_answers(one_shard):
+@pytest.mark.slow
+def test_asyncio_lane_pipelined_answers(one_shard) -> None:
     rng = np.random.default_rng(1)
     batches = [rng.integers(0, 20_000, SIZES[i % len(SIZES)], dtype=np.uint64) for i in range(60)]
 
@@ -346,7 +348,8 @@ def test_asyncio_lane_pipelined_answers(one_shard):
         assert (out == _expected(keys)).all()
 
 
-def test_asyncio_lane_answers_one_at_a_time_become_views(one_shard):
+@pytest.mark.slow
+def test_asyncio_lane_answers_one_at_a_time_become_views(one_shard) -> None:
     rng = np.random.default_rng(2)
 
     async def run() -> None:

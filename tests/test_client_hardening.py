@@ -8,11 +8,12 @@ import asyncio
 import gc
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
 import pytest
-from procs import fixed_values, start_server, write_version
+from helpers.procs import fixed_values, start_server, write_version
 
 from cube.client import AsyncCubeClient, ConfigMismatchError, CubeClient
 from cube.routing import shard_of
@@ -24,7 +25,7 @@ WIDTH = 16
 
 
 @pytest.fixture(scope="module")
-def two_shards(tmp_path_factory):
+def two_shards(tmp_path_factory: pytest.TempPathFactory):
     """Shards 0 and 1 of a 2-shard murmur3 build of dict test_dict, one server each."""
     root = tmp_path_factory.mktemp("routing")
     owner = shard_of(KEYS, 2, "murmur3")
@@ -44,7 +45,7 @@ def two_shards(tmp_path_factory):
             server.stop()
 
 
-def test_right_configuration_answers(two_shards):
+def test_right_configuration_answers(two_shards) -> None:
     with CubeClient(shards=[[a] for a in two_shards], partitioner="murmur3") as client:
         assert client.seek(KEYS[:500]).found.all()
 
@@ -59,7 +60,7 @@ def test_right_configuration_answers(two_shards):
         ("dict", "asks for dict 'other'"),
     ],
 )
-def test_drift_is_a_config_error_on_first_contact(two_shards, transport, case, words):
+def test_drift_is_a_config_error_on_first_contact(two_shards, transport: str, case, words) -> None:
     """Today each of these answered with a hit rate of 0.0 / 0.5 / low and no error."""
     shards = [[a] for a in two_shards]
     settings = {"partitioner": "murmur3", "transport": transport}
@@ -76,7 +77,7 @@ def test_drift_is_a_config_error_on_first_contact(two_shards, transport, case, w
             client.seek(KEYS[:500])
         assert "holds shard" in str(caught.value)
 
-    async def seek_async():
+    async def seek_async() -> None:
         async with AsyncCubeClient(shards=shards, retry=0, **settings) as client:
             await client.seek(KEYS[:500])
 
@@ -84,7 +85,7 @@ def test_drift_is_a_config_error_on_first_contact(two_shards, transport, case, w
         asyncio.run(seek_async())
 
 
-def test_async_client_bounded_and_recovering_when_a_server_stops(tmp_path):
+def test_async_client_bounded_and_recovering_when_a_server_stops(tmp_path: Path) -> None:
     """A SIGSTOP'd server: every call fails with its deadline; the lane connection that gets
     no byte back is dropped (not fed forever: it used to grow by ~460 MB in 15 s), and once the
     server runs again the client answers."""

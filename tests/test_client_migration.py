@@ -6,7 +6,7 @@ processes on loopback:
   within the timeout plus slack, even with retries and backup requests left; `attempt_timeout`
   bounds each attempt inside it; a number given to the constructor still bounds each attempt.
   Replicas are made slow by stopping them (SIGSTOP: connected, never answering) or through a
-  relay that delays every byte by an amount the test changes (tests/delay_relay.py's `Link`).
+  relay that delays every byte by an amount the test changes (helpers/delay_relay.py's `Link`).
 - every load balancer name brpc registers is accepted (served by the nearest policy, with a
   warning) or refused with the reason and what is accepted;
 - several dicts from one object (CubeClients / AsyncCubeClients: seek(dict_name, keys),
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from delay_relay import Link
-from procs import expected_fixed, fixed_values, start_server, write_version
+from helpers.delay_relay import Link
+from helpers.procs import expected_fixed, fixed_values, start_server, write_version
 
 from cube.client import (
     AsyncCubeClient,
@@ -113,7 +113,7 @@ def write_conf(path: Path, *entries) -> Path:
     return path
 
 
-def check(result, keys, tag):
+def check(result, keys, tag) -> None:
     expect = np.isin(keys, KEYS)
     assert result.found.tolist() == expect.tolist()
     rows = result.column.as_rows()
@@ -138,7 +138,7 @@ def stopped(*procs):
 
 @contextlib.contextmanager
 def relayed(server):
-    """A delaying Link (tests/delay_relay.py) in front of `server` on 127.0.0.2; yields (the
+    """A delaying Link (tests/helpers/delay_relay.py) in front of `server` on 127.0.0.2; yields (the
     link, the relayed lookup address)."""
     report = json.loads(server.port_file.read_text())
     relay = Link([*report["ports"], *report["tcp_ports"]])
@@ -149,7 +149,7 @@ def relayed(server):
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory: pytest.TempPathFactory):
     """Dict `emb`: shard 0 on two replica processes, shard 1 on one; dict `ctr`: one shard.
     Values carry tag 1 (emb) and 2 (ctr)."""
     root = tmp_path_factory.mktemp("migration")
@@ -202,7 +202,9 @@ async def _seek_timed(client, keys, stop):
 
 
 @pytest.mark.parametrize("make", [CubeClient, AsyncCubeClient], ids=["sync", "async"])
-def test_conf_timeout_bounds_the_whole_call_past_retries_and_backups(cluster, tmp_path, make):
+def test_conf_timeout_bounds_the_whole_call_past_retries_and_backups(
+    cluster, tmp_path: Path, make
+) -> None:
     """Both replicas of shard 0 stopped. Attempts of 150 ms, 5 retries and backup requests
     could take over a second; the 400 ms timeout of the call ends it, naming dict and shard."""
     a, b, c, _ = cluster
@@ -229,7 +231,9 @@ def test_conf_timeout_bounds_the_whole_call_past_retries_and_backups(cluster, tm
 
 
 @pytest.mark.parametrize("make", [CubeClient, AsyncCubeClient], ids=["sync", "async"])
-def test_a_slow_shard_ends_at_the_deadline_with_the_others_answers(cluster, tmp_path, make):
+def test_a_slow_shard_ends_at_the_deadline_with_the_others_answers(
+    cluster, tmp_path: Path, make
+) -> None:
     """Shard 1 behind a relay. Connected, then 1.5 s per round trip: the call fails by its
     300 ms timeout, with shard 0's answers in the error's partial result. At 100 ms per round
     trip it answers, late but in time."""
@@ -297,7 +301,7 @@ async def timed_async(seek, keys):
     return outcome, time.monotonic() - started
 
 
-def test_attempt_timeout_fails_over_within_the_calls_timeout(cluster, tmp_path):
+def test_attempt_timeout_fails_over_within_the_calls_timeout(cluster, tmp_path: Path) -> None:
     """attempt_timeout 100 ms inside a 3 s call: a stopped replica costs one attempt, then the
     other replica answers (rr sends half of the first attempts to the stopped one)."""
     a, b, c, _ = cluster
@@ -317,7 +321,9 @@ def test_attempt_timeout_fails_over_within_the_calls_timeout(cluster, tmp_path):
                 assert time.monotonic() - started < 3.0
 
 
-def test_without_attempt_timeout_a_backup_request_gets_past_a_stuck_replica(cluster, tmp_path):
+def test_without_attempt_timeout_a_backup_request_gets_past_a_stuck_replica(
+    cluster, tmp_path: Path
+) -> None:
     """As in the original: an attempt may use the whole timeout, so the backup request is what
     answers past a replica that never does (retry 0: no retry would come in time anyway)."""
     a, b, c, _ = cluster
@@ -338,7 +344,7 @@ def test_without_attempt_timeout_a_backup_request_gets_past_a_stuck_replica(clus
             assert time.monotonic() - started < 5.0  # none waited for the stuck replica
 
 
-def test_a_number_given_to_the_constructor_still_bounds_each_attempt(cluster):
+def test_a_number_given_to_the_constructor_still_bounds_each_attempt(cluster) -> None:
     """Backward compatible: timeout=0.2 is per attempt, no whole-call bound: with both
     replicas stopped, 3 attempts time out (ShardUnavailableError, not the deadline's)."""
     a, b, c, _ = cluster
@@ -356,7 +362,7 @@ def test_a_number_given_to_the_constructor_still_bounds_each_attempt(cluster):
     assert str(error).startswith("no answer within the call's timeout of 300 ms: shard 0")
 
 
-def test_from_conf_number_override_replaces_the_calls_timeout(tmp_path):
+def test_from_conf_number_override_replaces_the_calls_timeout(tmp_path: Path) -> None:
     conf = write_conf(
         tmp_path / "cube.conf",
         entry(
@@ -390,7 +396,7 @@ def deadline_round(policy, deadline, replicas=("a:1", "b:2")):
     return Round([call], policy, 0.0, deadline)
 
 
-def test_attempts_are_cut_to_the_deadline_and_nothing_starts_past_it():
+def test_attempts_are_cut_to_the_deadline_and_nothing_starts_past_it() -> None:
     policy = Policy(timeout_ms=300, total_ms=500, retry=5, backup_request_ms=480)
     round_ = deadline_round(policy, 0.5)
     (first,) = round_.start(0.0)
@@ -407,7 +413,7 @@ def test_attempts_are_cut_to_the_deadline_and_nothing_starts_past_it():
     assert outcome.deadline_exceeded and outcome.answer is None and outcome.retries == 1
 
 
-def test_the_round_aborts_at_the_calls_deadline():
+def test_the_round_aborts_at_the_calls_deadline() -> None:
     policy = Policy(timeout_ms=1000, total_ms=200, retry=2)
     round_ = deadline_round(policy, 0.2)
     (first,) = round_.start(0.0)
@@ -431,7 +437,7 @@ def test_the_round_aborts_at_the_calls_deadline():
     assert not round_.done
 
 
-def test_the_flow_raises_the_deadline_error_naming_the_dict():
+def test_the_flow_raises_the_deadline_error_naming_the_dict() -> None:
     keys = np.array([1, 2], dtype=np.uint64)
     pieces = make_plan(keys, 2, "mod")
     flow = seek_flow(keys, pieces, call_timeout_s=0.25, dict_name="emb")
@@ -461,12 +467,12 @@ BRPC_NAMES = ("rr", "wrr", "random", "wr", "la", "p2c", "c_murmurhash", "c_md5",
               "_dynpart")  # fmt: skip
 
 
-def lb_conf(name, nodes=None, kind="ipport_list"):
+def lb_conf(name, nodes=None, kind: str = "ipport_list"):
     nodes = nodes or [replicas("h:1", "h:2")]
     return [entry("d", nodes, load_balancer=name, type=kind)]
 
 
-def test_every_brpc_name_is_known():
+def test_every_brpc_name_is_known() -> None:
     assert set(BRPC_NAMES) == set(BRPC_LOAD_BALANCERS)
 
 
@@ -483,7 +489,9 @@ def test_every_brpc_name_is_known():
         ("random:min_working_instances=6 hold_seconds=10", "random", "are ignored"),
     ],
 )
-def test_brpc_names_map_to_the_nearest_policy_with_a_warning(caplog, name, policy, warning):
+def test_brpc_names_map_to_the_nearest_policy_with_a_warning(
+    caplog: pytest.LogCaptureFixture, name, policy, warning
+) -> None:
     with caplog.at_level(logging.WARNING, logger="cube.client"):
         conf = parse_conf(lb_conf(name))
     assert conf.load_balancer == policy
@@ -496,7 +504,7 @@ def test_brpc_names_map_to_the_nearest_policy_with_a_warning(caplog, name, polic
         assert warning in line and "dict 'd'" in line
 
 
-def test_weights_are_honoured_only_when_a_shard_has_one():
+def test_weights_are_honoured_only_when_a_shard_has_one() -> None:
     equal = [replicas("h:1 10", "h:2 10"), replicas("h:3", "h:4")]
     assert parse_conf(lb_conf("wrr", equal)).load_balancer == "rr"
     uneven = [replicas("h:1 10", "h:2\t30")]
@@ -508,7 +516,9 @@ def test_weights_are_honoured_only_when_a_shard_has_one():
 
 
 @pytest.mark.parametrize("name", ["c_murmurhash", "c_md5", "c_ketama", "_dynpart"])
-def test_hashing_and_internal_balancers_are_refused_where_there_is_a_choice(caplog, name):
+def test_hashing_and_internal_balancers_are_refused_where_there_is_a_choice(
+    caplog: pytest.LogCaptureFixture, name: str
+) -> None:
     with pytest.raises(ConfError, match=rf"'{name}' cannot be honoured for a shard with several"
                        " replicas") as info:  # fmt: skip
         parse_conf(lb_conf(name))
@@ -519,7 +529,7 @@ def test_hashing_and_internal_balancers_are_refused_where_there_is_a_choice(capl
     assert conf.load_balancer == "rr" and "nothing to choose" in caplog.text
 
 
-def test_unknown_names_are_refused_listing_brpcs():
+def test_unknown_names_are_refused_listing_brpcs() -> None:
     for bad in ("lalb", "RR", "", 3):
         with pytest.raises(ConfError, match="field 'load_balancer' must be"):
             parse_conf(lb_conf(bad))
@@ -531,7 +541,9 @@ def test_unknown_names_are_refused_listing_brpcs():
 
 
 @pytest.mark.parametrize("name", ["wrr", "wr", "p2c", "la:whatever"])
-def test_mapped_balancers_spread_calls_over_real_replicas(cluster, tmp_path, name):
+def test_mapped_balancers_spread_calls_over_real_replicas(
+    cluster, tmp_path: Path, name: str
+) -> None:
     a, b, c, _ = cluster
     nodes = [replicas(f"{a.address} 5", f"{b.address} 5"), replicas(c.address)]
     conf = write_conf(tmp_path / "cube.conf", entry("emb", nodes, load_balancer=name))
@@ -549,7 +561,7 @@ def test_mapped_balancers_spread_calls_over_real_replicas(cluster, tmp_path, nam
 
 
 @pytest.fixture
-def two_dicts(cluster, tmp_path):
+def two_dicts(cluster, tmp_path: Path):
     a, b, c, d = cluster
     return write_conf(
         tmp_path / "cube.conf",
@@ -558,7 +570,7 @@ def two_dicts(cluster, tmp_path):
     )
 
 
-def test_one_object_for_every_dict_of_cube_conf(two_dicts):
+def test_one_object_for_every_dict_of_cube_conf(two_dicts) -> None:
     keys = query(6)
     with CubeClients.from_conf(two_dicts) as cube:
         assert cube.get_table_names() == ["emb", "ctr"]  # file order
@@ -579,7 +591,7 @@ def test_one_object_for_every_dict_of_cube_conf(two_dicts):
         CubeClients.from_conf(two_dicts, dict_names=["ctr", "nope"])
 
 
-def test_the_one_dict_api_is_unchanged(two_dicts):
+def test_the_one_dict_api_is_unchanged(two_dicts) -> None:
     keys = query(7)
     with pytest.raises(ConfError, match=r"defines 2 dicts \(emb, ctr\); pass dict_name .*"
                        "CubeClients.from_conf"):  # fmt: skip
@@ -589,7 +601,7 @@ def test_the_one_dict_api_is_unchanged(two_dicts):
     assert load_conf(two_dicts, "emb").dict_name == "emb"
 
 
-def test_clients_built_by_hand_and_their_checks(cluster, two_dicts):
+def test_clients_built_by_hand_and_their_checks(cluster, two_dicts) -> None:
     _, _, c, d = cluster
     keys = query(8)
     stats = ClientStats()
@@ -615,7 +627,7 @@ def test_clients_built_by_hand_and_their_checks(cluster, two_dicts):
         wrong.seek("ctr", keys)
 
 
-def test_async_clients_of_several_dicts(two_dicts):
+def test_async_clients_of_several_dicts(two_dicts) -> None:
     keys = query(9)
 
     async def main():

@@ -7,6 +7,7 @@ import random
 import numpy as np
 import pytest
 
+from cube.backoff import Backoff
 from cube.client._policy import (
     Balancer,
     Cancel,
@@ -29,7 +30,9 @@ def fake_decode(data: bytes) -> Answer:
     return Answer(np.ones(1, bool), ValueColumn.from_list([b"v"]), data.decode())
 
 
-def make_round(replicas, policy, calls=1, pinned=None, balancer="rr", now=0.0):
+def make_round(
+    replicas, policy, calls: int = 1, pinned=None, balancer: str = "rr", now: float = 0.0
+):
     rng = random.Random(7)
     cluster = Cluster([replicas] * calls, balancer, rng)
     shard_calls = [
@@ -43,7 +46,7 @@ def sends(actions):
     return [a for a in actions if isinstance(a, Send)]
 
 
-def test_first_answer_wins():
+def test_first_answer_wins() -> None:
     round_, _ = make_round(["a:1", "b:2"], Policy())
     (send,) = round_.start(0.0)
     assert send.request == b"req" and send.timeout_s == 1.0
@@ -54,7 +57,7 @@ def test_first_answer_wins():
 
 
 def test_retries_go_to_other_replicas_with_bounded_backoff_then_fail():
-    policy = Policy(retry=2, backoff_base_ms=4, backoff_cap_ms=6)
+    policy = Policy(retry=2, backoff=Backoff(0.004, 0.006, 0.5))
     round_, cluster = make_round(["a:1", "b:2", "c:3"], policy)
     (first,) = round_.start(0.0)
     assert round_.on_error(first.key, "UNAVAILABLE", "refused", 0.0) == []
@@ -80,7 +83,7 @@ def test_retries_go_to_other_replicas_with_bounded_backoff_then_fail():
     assert all(e.is_down(wake2) for e in cluster.endpoints)
 
 
-def test_single_replica_retries_on_itself():
+def test_single_replica_retries_on_itself() -> None:
     round_, _ = make_round(["a:1"], Policy(retry=1))
     (first,) = round_.start(0.0)
     round_.on_error(first.key, "UNAVAILABLE", "x", 0.0)
@@ -91,14 +94,14 @@ def test_single_replica_retries_on_itself():
 
 
 def test_backoff_is_capped_and_jittered():
-    policy = Policy(backoff_base_ms=2, backoff_cap_ms=100)
+    policy = Policy(backoff=Backoff(0.002, 0.1, 0.5))
     rng = random.Random(1)
     delays = [policy.backoff_s(k, rng) for k in range(30)]
     assert max(delays) <= 0.1 and min(delays[10:]) >= 0.05
     assert len(set(delays)) == 30
 
 
-def test_non_retryable_status_rejects_the_round_and_cancels_the_rest():
+def test_non_retryable_status_rejects_the_round_and_cancels_the_rest() -> None:
     round_, _ = make_round(["a:1", "b:2"], Policy(retry=3), calls=3)
     started = round_.start(0.0)
     assert len(started) == 3
@@ -113,7 +116,7 @@ def test_non_retryable_status_rejects_the_round_and_cancels_the_rest():
     assert outcomes[0].attempts[0].code == "CANCELLED"
 
 
-def test_backup_request_after_delay_and_loser_cancelled():
+def test_backup_request_after_delay_and_loser_cancelled() -> None:
     round_, cluster = make_round(["a:1", "b:2"], Policy(backup_request_ms=10))
     (first,) = round_.start(0.0)
     assert round_.next_wakeup() == pytest.approx(0.010)
@@ -129,7 +132,7 @@ def test_backup_request_after_delay_and_loser_cancelled():
     assert round_.on_response(first.key, b"v2", 0.02) == []
 
 
-def test_la_learns_a_replica_whose_attempts_always_lose_to_backups():
+def test_la_learns_a_replica_whose_attempts_always_lose_to_backups() -> None:
     """A slow replica never answers first, so it never reports a latency of its own; the
     time its outrun attempts waited counts instead, and `la` stops picking it first."""
     policy = Policy(backup_request_ms=10)
@@ -152,7 +155,7 @@ def test_la_learns_a_replica_whose_attempts_always_lose_to_backups():
     assert firsts[-20:].count("slow:1") <= 1, firsts
 
 
-def test_no_backup_request_with_one_replica_and_failed_original_waits_for_backup():
+def test_no_backup_request_with_one_replica_and_failed_original_waits_for_backup() -> None:
     round_, _ = make_round(["a:1"], Policy(backup_request_ms=10))
     round_.start(0.0)
     assert round_.next_wakeup() > 1.0  # only the round deadline
@@ -165,7 +168,7 @@ def test_no_backup_request_with_one_replica_and_failed_original_waits_for_backup
     assert round_.outcomes()[0].answer.version == "v3"
 
 
-def test_pinned_version_tries_other_replicas_without_marking_them_down():
+def test_pinned_version_tries_other_replicas_without_marking_them_down() -> None:
     round_, cluster = make_round(["a:1", "b:2"], Policy(retry=1), pinned="6")
     (first,) = round_.start(0.0)
     round_.on_error(first.key, "FAILED_PRECONDITION", "version 6 not held", 0.0)
@@ -178,7 +181,7 @@ def test_pinned_version_tries_other_replicas_without_marking_them_down():
     assert not any(e.is_down(0.01) for e in cluster.endpoints)
 
 
-def test_bad_response_is_retried():
+def test_bad_response_is_retried() -> None:
     round_, _ = make_round(["a:1", "b:2"], Policy(retry=1))
     (first,) = round_.start(0.0)
     round_.on_response(first.key, b"garbage", 0.0)
@@ -189,7 +192,7 @@ def test_bad_response_is_retried():
 
 
 def test_round_deadline_aborts_everything():
-    policy = Policy(timeout_ms=100, retry=1, backoff_cap_ms=10)
+    policy = Policy(timeout_ms=100, retry=1, backoff=Backoff(0.002, 0.01, 0.5))
     round_, _ = make_round(["a:1"], policy, calls=2)
     started = round_.start(0.0)
     deadline = round_.next_wakeup()
@@ -200,7 +203,7 @@ def test_round_deadline_aborts_everything():
     assert {o.attempts[0].code for o in round_.outcomes()} == {"DEADLINE_EXCEEDED"}
 
 
-def test_balancers():
+def test_balancers() -> None:
     replicas = [EndpointState(a) for a in ("a", "b", "c")]
     rr = Balancer("rr", random.Random(0))
     picks = [rr.pick(replicas, set(), 0.0, reuse=True) for _ in range(6)]
@@ -228,8 +231,23 @@ def test_balancers():
         Balancer("wrr", random.Random(0))
 
 
+def test_the_policy_takes_retry_and_cooldown_from_the_options():
+    """Retry.backoff and Retry.cooldown are the state machine's rules as they are (one home for
+    the backoff rule and its defaults)."""
+    from cube.client.options import Retry, Timeouts
+
+    retry = Retry(backoff=Backoff(0.01, 0.5, 0.25), cooldown=Backoff(0.3, 0.9))
+    policy = Policy.from_options(Timeouts(), retry)
+    assert policy.backoff is retry.backoff and policy.cooldown is retry.cooldown
+    assert Policy().backoff == Retry().backoff and Policy().cooldown == Retry().cooldown
+    endpoint = EndpointState("a")
+    for expected in (0.3, 0.6, 0.9):
+        endpoint.failed(0.0, policy)
+        assert endpoint.down_until == pytest.approx(expected)
+
+
 def test_cooldown_grows_and_is_capped():
-    endpoint, policy = EndpointState("a"), Policy(cooldown_base_ms=100, cooldown_cap_ms=400)
+    endpoint, policy = EndpointState("a"), Policy(cooldown=Backoff(0.1, 0.4))
     for expected in (0.1, 0.2, 0.4, 0.4):
         endpoint.failed(0.0, policy)
         assert endpoint.down_until == pytest.approx(expected)
@@ -238,17 +256,17 @@ def test_cooldown_grows_and_is_capped():
     endpoint = EndpointState("b")  # a replica down for a long time under load
     for _ in range(5000):  # (the doubling overflowed at 1025 failures in a row)
         endpoint.failed(1.0, Policy())
-    assert endpoint.down_until == pytest.approx(1.0 + Policy().cooldown_cap_ms / 1000)
+    assert endpoint.down_until == pytest.approx(1.0 + Policy().cooldown.cap)
 
 
-def test_policy_rejects_bad_settings():
+def test_policy_rejects_bad_settings() -> None:
     with pytest.raises(ConfError, match="retry"):
         Policy(retry=-1)
     with pytest.raises(ConfError, match="timeout"):
         Policy(timeout_ms=0)
 
 
-def test_version_unavailable_is_not_retried_on_the_same_replicas():
+def test_version_unavailable_is_not_retried_on_the_same_replicas() -> None:
     round_, _ = make_round(["a:1"], Policy(retry=5), pinned="6")
     (first,) = round_.start(0.0)
     round_.on_error(first.key, "FAILED_PRECONDITION", "version 6 not held", 0.0)
@@ -262,7 +280,7 @@ def test_version_unavailable_is_not_retried_on_the_same_replicas():
 NEVER = None  # a replica that never answers: its attempts end by their timeout
 
 
-def drive(cluster, policy, latency, calls, gap_s=0.01, late_s=1e-4):
+def drive(cluster, policy, latency, calls, gap_s: float = 0.01, late_s: float = 1e-4):
     """Sequential calls through the state machine on a fake clock, as the drivers run them:
     an attempt's answer arrives `latency[address]` after it was sent; an attempt that gets
     none reports DEADLINE_EXCEEDED `late_s` after its timeout, i.e. just after the driver's
@@ -275,7 +293,7 @@ def drive(cluster, policy, latency, calls, gap_s=0.01, late_s=1e-4):
         round_ = Round([call], policy, now, now + policy.total_s if policy.total_s else None)
         due: dict = {}  # key -> (when, answered)
 
-        def carry_out(actions, at, due=due):
+        def carry_out(actions, at, due=due) -> None:
             for action in actions:
                 if isinstance(action, Send):
                     sent.append(action)
@@ -314,7 +332,7 @@ CHART = Policy(timeout_ms=200, total_ms=200, retry=2, backup_request_ms=20)
 DEAD_SLOW_OK = {"dead:1": NEVER, "slow:2": 0.300, "ok:3": 0.001}
 
 
-def test_no_call_fails_while_a_replica_answers():
+def test_no_call_fails_while_a_replica_answers() -> None:
     """Before: a call whose first attempt went to the dead replica and its one backup request
     to the slow one waited for them until its deadline (about one call in three), although
     the third replica would have answered at once."""
@@ -324,7 +342,7 @@ def test_no_call_fails_while_a_replica_answers():
     assert not failed, f"{len(failed)} of 300 calls failed, e.g. {failed[0].attempts}"
 
 
-def test_a_replica_that_never_answers_is_avoided_though_backups_save_every_call():
+def test_a_replica_that_never_answers_is_avoided_though_backups_save_every_call() -> None:
     """Before: its attempts always lost to a backup request (cancelled, never failed) or were
     ended by the driver's deadline timer (aborted, never failed), so it never cooled down and
     `rr` sent it a third of all first attempts, each call paying the backup delay."""
@@ -337,7 +355,7 @@ def test_a_replica_that_never_answers_is_avoided_though_backups_save_every_call(
     assert len(to_dead) <= 10, len(to_dead)
 
 
-def test_the_deadline_fails_the_replicas_it_ends_whichever_reports_first():
+def test_the_deadline_fails_the_replicas_it_ends_whichever_reports_first() -> None:
     for transport_first in (True, False):
         round_, cluster = make_round(["a:1", "b:2"], CHART)
         round_ = Round(round_.calls, CHART, 0.0, call_deadline=0.2)
@@ -350,7 +368,7 @@ def test_the_deadline_fails_the_replicas_it_ends_whichever_reports_first():
         assert all(e.is_down(0.25) for e in cluster.endpoints), transport_first
 
 
-def test_backup_requests_go_on_to_replicas_not_tried_yet():
+def test_backup_requests_go_on_to_replicas_not_tried_yet() -> None:
     round_, cluster = make_round(["a:1", "b:2", "c:3"], Policy(backup_request_ms=10, retry=1))
     (first,) = round_.start(0.0)
     (backup,) = sends(round_.on_timer(0.010))

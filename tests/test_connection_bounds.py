@@ -22,7 +22,7 @@ class Fake:
     buffer = b""
     counted = 0
 
-    def __init__(self, name: str, since: float, partial: bool = False, busy: bool = False):
+    def __init__(self, name: str, since: float, partial: bool = False, busy: bool = False) -> None:
         self.name = name
         self.since = since
         self.partial = partial
@@ -56,7 +56,9 @@ class Clock:
 # cube.idle
 
 
-def test_idle_connections_close_after_the_idle_timeout_dripping_ones_after_the_request_one():
+def test_idle_connections_close_after_the_idle_timeout_dripping_ones_after_the_request_one() -> (
+    None
+):
     policy = IdlePolicy(idle_timeout=60.0, request_timeout=30.0)
     idle = Waiting(since=100.0)
     assert policy.overdue(idle, 160.0) is None
@@ -67,7 +69,7 @@ def test_idle_connections_close_after_the_idle_timeout_dripping_ones_after_the_r
     assert policy.overdue(drip, 130.5) == SLOW
 
 
-def test_eviction_takes_the_idle_longest_then_the_request_coming_longest():
+def test_eviction_takes_the_idle_longest_then_the_request_coming_longest() -> None:
     a, b, c, d = (Fake(n, 0) for n in "abcd")
     order = eviction_order(
         [(Waiting(5.0, True), a), (Waiting(3.0), b), (Waiting(1.0), c), (Waiting(2.0, True), d)]
@@ -75,7 +77,7 @@ def test_eviction_takes_the_idle_longest_then_the_request_coming_longest():
     assert [order.pop()[1] for _ in range(4)] == [c, b, d, a]
 
 
-def test_make_room_skips_what_closed_or_was_active_since_and_takes_newcomers_last():
+def test_make_room_skips_what_closed_or_was_active_since_and_takes_newcomers_last() -> None:
     old, older, oldest = Fake("old", 3.0), Fake("older", 2.0), Fake("oldest", 1.0)
     connections = {old, older, oldest}
     tracker = IdleConnections[Fake](IdlePolicy())
@@ -105,7 +107,7 @@ def bounds(clock: Clock, max_connections: int = 3) -> Bounds:
     return Bounds(limits, clock=clock)
 
 
-def test_a_full_worker_admits_a_new_connection_by_closing_the_idle_longest():
+def test_a_full_worker_admits_a_new_connection_by_closing_the_idle_longest() -> None:
     clock = Clock()
     worker = bounds(clock)
     busy = Fake("busy", 1.0, busy=True)
@@ -124,7 +126,7 @@ def test_a_full_worker_admits_a_new_connection_by_closing_the_idle_longest():
     assert worker.connections == {busy, idle_short, newcomer}
 
 
-def test_a_flood_of_idle_connections_never_keeps_a_new_one_out():
+def test_a_flood_of_idle_connections_never_keeps_a_new_one_out() -> None:
     """3000 connections that send nothing, against a limit of 1024: each admitted, the
     oldest closed to make room; the one after them (the SDK) too."""
     clock = Clock()
@@ -143,7 +145,7 @@ def test_a_flood_of_idle_connections_never_keeps_a_new_one_out():
     assert worker.stats()["evicted"] == 1977
 
 
-def test_the_sweep_closes_idle_and_dripping_connections():
+def test_the_sweep_closes_idle_and_dripping_connections() -> None:
     clock = Clock(0.0)
     worker = bounds(clock, max_connections=10)
     idle = Fake("idle", 0.0)
@@ -170,7 +172,7 @@ def test_the_sweep_closes_idle_and_dripping_connections():
 
 
 @pytest.mark.parametrize("held", [0, 100])
-def test_metrics_endpoint_answers_whatever_idle_connections_hold(held):
+def test_metrics_endpoint_answers_whatever_idle_connections_hold(held: int) -> None:
     from prometheus_client import CollectorRegistry, Counter
 
     registry = CollectorRegistry()

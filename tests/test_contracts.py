@@ -5,31 +5,40 @@ cube.wire's TCP lane frames."""
 from __future__ import annotations
 
 import tarfile
+from pathlib import Path
 
 import pytest
 
 from cube import layout
 
 
-def test_names():
+def test_names() -> None:
     assert layout.is_name("1700000000_1700000100") and layout.is_name("my.dict-2")
     for bad in ("", "..", "a/b", ".hidden", "a..b", "x" * 129, None, 7):
         assert not layout.is_name(bad)
     assert layout.part_name("d", 3) == "d_part3" and layout.tar_name("d", 3) == "d_part3.tar"
     assert layout.PART_RE.fullmatch("d_part3.tar.md5") and not layout.PART_RE.fullmatch("d_x3")
+    match = layout.PART_NAME_RE.fullmatch(layout.part_name("my_dict", 12))
+    assert match and (match["dict"], match["shard"]) == ("my_dict", "12")
+    assert not layout.PART_NAME_RE.fullmatch("d_part07")  # part_name writes no leading zeros
 
 
-def test_version_names():
+def test_version_names() -> None:
     assert layout.output_dir_name("100", "100") == "100_100"
     assert layout.served_version("100", "100", is_base=True) == "100"
     assert layout.served_version("100", "150", is_base=False) == "100_150"
     assert layout.base_of("100_150") == "100" and layout.base_of("100_100") == "100_100"
+    assert [layout.served_name(n) for n in ("100_100", "100_150", "100")] == [
+        "100",
+        "100_150",
+        "100",
+    ]
     assert layout.is_delta("100_150") and not layout.is_delta("100")
     deltas = ["100_90", "100_1000", "100_b", "100_200"]
     assert sorted(deltas, key=layout.delta_order) == ["100_90", "100_200", "100_1000", "100_b"]
 
 
-def test_version_and_chain_files():
+def test_version_and_chain_files() -> None:
     assert layout.parse_version("100\nignored\n") == "100"
     assert layout.parse_version("  \n") is None and layout.parse_version("") is None
     chain = ["100", "100_150", "100_200"]
@@ -56,20 +65,20 @@ def test_version_and_chain_files():
         ("fifo", tarfile.FIFOTYPE, "fifo"),
     ],
 )
-def test_tar_members_refused(name, kind, words):
+def test_tar_members_refused(name, kind, words) -> None:
     member = tarfile.TarInfo(name)
     member.type = kind
     assert words in (layout.member_problem(member) or "")
 
 
-def test_tar_members_allowed():
+def test_tar_members_allowed() -> None:
     for name, kind in (("./index.cube", tarfile.REGTYPE), ("sub", tarfile.DIRTYPE)):
         member = tarfile.TarInfo(name)
         member.type = kind
         assert layout.member_problem(member) is None
 
 
-def test_one_backoff_rule():
+def test_one_backoff_rule() -> None:
     import random
 
     from cube.backoff import Backoff
@@ -86,6 +95,62 @@ def test_one_backoff_rule():
         Backoff(1, 2, jitter=2)
 
 
+def test_one_retry_loop_on_a_fake_clock():
+    """cube.backoff.retrying (and its async twin): tries until a value, waits the backoff
+    between tries, gives up on an error that is not retryable, after the last attempt, or
+    once the deadline has passed (the wait clipped to it)."""
+    import asyncio
+
+    from cube.backoff import Backoff, retrying, retrying_async
+
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    def flaky(fails: int, error: Exception):
+        def attempt(number: int) -> int:
+            if number <= fails:
+                raise error
+            return number
+
+        return attempt
+
+    backoff = Backoff(1.0, 3.0)
+    transient = lambda exc: isinstance(exc, OSError)  # noqa: E731
+    run = lambda attempt, attempts, **kw: retrying(  # noqa: E731
+        attempt, backoff, attempts, transient, clock=lambda: now[0], sleep=sleep, **kw
+    )
+    assert run(flaky(3, OSError("x")), 5) == 4 and slept == [1.0, 2.0, 3.0]
+    slept.clear()
+    with pytest.raises(OSError):  # the last attempt's error, as it is
+        run(flaky(9, OSError("x")), 3)
+    assert slept == [1.0, 2.0]
+    slept.clear()
+    with pytest.raises(ValueError):  # not retryable: at once
+        run(flaky(9, ValueError("x")), 3)
+    assert slept == []
+    now[0] = 0.0
+    with pytest.raises(OSError):  # the deadline clips the wait, then ends the tries
+        run(flaky(9, OSError("x")), 9, deadline=2.5)
+    assert slept == [1.0, 1.5] and now[0] == 2.5
+    assert run(flaky(0, OSError("x")), 0) == 1  # at least one attempt
+
+    async def asleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    async def attempt(number: int) -> int:
+        if number < 3:
+            raise OSError("x")
+        return number
+
+    slept.clear()
+    got = asyncio.run(retrying_async(attempt, backoff, 5, transient, sleep=asleep))
+    assert got == 3 and slept == [1.0, 2.0]
+
+
 def test_donefile_lines_written_and_read_by_one_module():
     from cube.donefile import BASE_FILE, PATCH_FILE, BadLine, format_line, parse_line
 
@@ -100,7 +165,7 @@ def test_donefile_lines_written_and_read_by_one_module():
     assert isinstance(huge, BadLine) and "not JSON" in huge.reason
 
 
-def test_lane_frames_scanned_by_one_function():
+def test_lane_frames_scanned_by_one_function() -> None:
     from cube.wire import FrameTooLarge, answer_header, error_frame, next_frame, request_header
 
     data = request_header(3) + b"abc" + request_header(5) + b"de"  # the second is partial
@@ -117,7 +182,7 @@ def test_lane_frames_scanned_by_one_function():
     assert refused.status == 9 and answer[refused.start : refused.stop] == b"no such version"
 
 
-def test_agent_commands_and_task_reports_round_trip(tmp_path):
+def test_agent_commands_and_task_reports_round_trip(tmp_path: Path) -> None:
     """What the transfer sends is what the agent parses; what the agent reports is what the
     transfer reads (one module, cube.protocol, on both sides)."""
     from cube.agent.tasks import Task

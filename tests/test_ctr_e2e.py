@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -44,7 +45,7 @@ DIM = 8
 
 
 @pytest.fixture(scope="module")
-def loop(tmp_path_factory):
+def loop(tmp_path_factory: pytest.TempPathFactory):
     from cube.transfer.local import ClusterSpec, up
 
     work = tmp_path_factory.mktemp("ctr")
@@ -132,7 +133,7 @@ def ready_answer(url: str) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
-def test_the_predictor_is_ready_only_when_cube_serves_it(loop):
+def test_the_predictor_is_ready_only_when_cube_serves_it(loop) -> None:
     """Before any version is live the predictor runs (/health) but is not ready, and says
     what it waits for; once a version is live and its dense part loaded, it is."""
     status, body = loop["before_any_version"]
@@ -141,7 +142,7 @@ def test_the_predictor_is_ready_only_when_cube_serves_it(loop):
     assert ready_answer(loop["url"]) == (200, {"ready": True})
 
 
-def test_served_auc_equals_offline_auc_of_each_version(loop):
+def test_served_auc_equals_offline_auc_of_each_version(loop) -> None:
     assert [p["meta"].kind for p in loop["passes"]] == ["base", "delta"] * 2
     for p in loop["passes"]:
         meta, served = p["meta"], p["served"]
@@ -151,7 +152,7 @@ def test_served_auc_equals_offline_auc_of_each_version(loop):
     assert loop["passes"][-1]["meta"].offline_auc >= 0.70
 
 
-def test_features_shrunk_away_miss_after_their_delta(loop):
+def test_features_shrunk_away_miss_after_their_delta(loop) -> None:
     deltas = [p for p in loop["passes"] if p["deleted"] is not None]
     assert sum(p["deleted"].shape[0] for p in deltas) > 0
     for p in deltas:
@@ -165,7 +166,7 @@ def test_features_shrunk_away_miss_after_their_delta(loop):
     assert np.isin(first["deleted"], keys).all()
 
 
-def test_no_answer_mixes_versions_during_the_switches(loop):
+def test_no_answer_mixes_versions_during_the_switches(loop) -> None:
     """Every background answer equals the prediction of the version it names, computed from the
     model files alone (embeddings of that version + its dense part)."""
     background = loop["background"]
@@ -210,7 +211,7 @@ def post(url: str, body: object, token: str = "") -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
-def test_predictor_answers_bad_requests_with_what_is_wrong(loop):
+def test_predictor_answers_bad_requests_with_what_is_wrong(loop) -> None:
     url = loop["url"]
     code, body = post(url, {"samples": ["1 0 5:1", "1 0 12:3 oops"]})
     assert code == 400 and "sample 1: feature 2" in body["error"] and "oops" not in body["error"]
@@ -233,7 +234,7 @@ def test_predictor_answers_bad_requests_with_what_is_wrong(loop):
         assert b"ctr_predict_requests_total" in response.read()
 
 
-def test_predictor_refuses_to_listen_off_loopback_without_a_token(tmp_path):
+def test_predictor_refuses_to_listen_off_loopback_without_a_token(tmp_path: Path) -> None:
     conf = tmp_path / "cube.conf"
     conf.write_text("[]")
     result = subprocess.run(
@@ -259,7 +260,7 @@ def test_predictor_refuses_to_listen_off_loopback_without_a_token(tmp_path):
     assert "without a token" in result.stderr
 
 
-def test_a_trainer_killed_mid_save_announces_nothing_half_written(loop):
+def test_a_trainer_killed_mid_save_announces_nothing_half_written(loop) -> None:
     """kill -9 while the next version's files are being written: no donefile line, no model
     directory, the transfer keeps serving the live version; a restart finishes the version and
     it rolls out."""
@@ -297,7 +298,7 @@ def test_a_trainer_killed_mid_save_announces_nothing_half_written(loop):
     assert auc(served.labels, served.ctr) == pytest.approx(meta.offline_auc, abs=0.002)
 
 
-def test_the_demo_command_reports_every_pass_and_checks_the_auc(tmp_path):
+def test_the_demo_command_reports_every_pass_and_checks_the_auc(tmp_path: Path) -> None:
     """`make demo-ctr` at a small size: a day of two splits on 2 shards x 1 replica."""
     done = subprocess.run(
         [sys.executable, "-m", "examples.ctr.demo", "--dir", str(tmp_path / "demo"), "--days",

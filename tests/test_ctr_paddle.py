@@ -39,7 +39,7 @@ def unavailable() -> str:
     )
 
 
-def test_the_loop_on_real_paddlepaddle(tmp_path):
+def test_the_loop_on_real_paddlepaddle(tmp_path: Path) -> None:
     reason = unavailable()
     if reason:
         pytest.skip(reason)

@@ -30,7 +30,7 @@ SMALL = StreamSpec(samples=3000, heldout=1000, vocab=400, growth=40, churn=60, s
 # -- the sample format ---------------------------------------------------------------------------
 
 
-def test_lines_round_trip_and_labels():
+def test_lines_round_trip_and_labels() -> None:
     batch = generate(SMALL, 0, 50, 0)
     lines = sample_io.format_lines(batch)
     back = sample_io.parse_lines(lines)
@@ -39,7 +39,7 @@ def test_lines_round_trip_and_labels():
     assert back.labels.tolist() == (batch.clicks > 0).astype(np.float32).tolist()
 
 
-def test_a_line_without_show_and_click_is_a_request_sample():
+def test_a_line_without_show_and_click_is_a_request_sample() -> None:
     samples = sample_io.parse_lines(["18446744073709551615:3 5:1", "1 1 7:2"])
     assert samples.feasigns.tolist() == [2**64 - 1, 5, 7]
     assert samples.slots.tolist() == [3, 1, 2]
@@ -59,7 +59,7 @@ def test_a_line_without_show_and_click_is_a_request_sample():
         ("1 0 ²:3", "sample 2: feature 1"),
     ],
 )
-def test_a_bad_line_is_named_and_not_echoed(line, problem):
+def test_a_bad_line_is_named_and_not_echoed(line, problem) -> None:
     with pytest.raises(sample_io.SampleError) as err:
         sample_io.parse_lines(["1 0 5:1", line], where="sample", first_line=1)
     assert problem in str(err.value)
@@ -69,7 +69,7 @@ def test_a_bad_line_is_named_and_not_echoed(line, problem):
 # -- the model ---------------------------------------------------------------------------------
 
 
-def test_auc_matches_counting_pairs_with_ties():
+def test_auc_matches_counting_pairs_with_ties() -> None:
     rng = np.random.default_rng(3)
     labels = rng.integers(0, 2, 300)
     scores = rng.integers(0, 20, 300).astype(float)  # many ties
@@ -79,7 +79,7 @@ def test_auc_matches_counting_pairs_with_ties():
     assert np.isnan(auc(np.ones(4), np.arange(4.0)))
 
 
-def test_gradients_match_finite_differences():
+def test_gradients_match_finite_differences() -> None:
     rng = np.random.default_rng(5)
     model = Model.initial(np.arange(1, 4), Hyper(dim=3, hidden=5), rng)
     model.dense.b1[:] = 0.3  # keep every unit active: relu is not differentiable at 0
@@ -112,7 +112,7 @@ def test_gradients_match_finite_differences():
         assert dense_grads[name][index] == pytest.approx((up - down) / (2 * h), rel=1e-4, abs=1e-7)
 
 
-def test_training_learns_the_planted_truth():
+def test_training_learns_the_planted_truth() -> None:
     spec = StreamSpec(samples=20_000, heldout=4000)
     rng = np.random.default_rng(1)
     model = Model.initial(np.arange(1, spec.slots + 1), Hyper(), rng)
@@ -122,7 +122,7 @@ def test_training_learns_the_planted_truth():
     assert auc(heldout.labels, model.predict(heldout)) >= 0.70
 
 
-def test_sparse_table_finds_adds_and_shrinks():
+def test_sparse_table_finds_adds_and_shrinks() -> None:
     rng = np.random.default_rng(0)
     table = SparseTable(dim=2)
     rows = table.rows(np.array([30, 10, 20], np.uint64), rng)
@@ -135,14 +135,14 @@ def test_sparse_table_finds_adds_and_shrinks():
     assert table.embeddings(np.array([10, 20], np.uint64))[1].tolist() == [0.0, 0.0]
 
 
-def test_dense_file_that_is_not_one_is_named(tmp_path):
+def test_dense_file_that_is_not_one_is_named(tmp_path: Path) -> None:
     bad = tmp_path / "dense.npz"
     bad.write_bytes(b"not a zip")
     with pytest.raises(ValueError, match=str(bad)):
         Dense.load(bad)
 
 
-def test_version_names_lead_to_the_last_id():
+def test_version_names_lead_to_the_last_id() -> None:
     assert last_id("1795392000") == "1795392000"
     assert last_id("1795392000_1795395600") == "1795395600"
     with pytest.raises(ValueError):
@@ -152,7 +152,7 @@ def test_version_names_lead_to_the_last_id():
 # -- the stream and the trainer ------------------------------------------------------------------
 
 
-def test_an_incomplete_split_is_not_listed(tmp_path):
+def test_an_incomplete_split_is_not_listed(tmp_path: Path) -> None:
     write_split(SMALL, tmp_path, 0)
     second = write_split(SMALL, tmp_path, 1)
     (second / SPLIT_DONE).unlink()
@@ -176,7 +176,7 @@ def donefile_entries(out: Path) -> list[DonefileEntry]:
 
 
 @pytest.fixture(scope="module")
-def stream(tmp_path_factory):
+def stream(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("stream")
     for index in range(4):  # two days of two splits: base, delta, base, delta
         write_split(SMALL, root, index)
@@ -184,13 +184,13 @@ def stream(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trained(stream, tmp_path_factory):
+def trained(stream, tmp_path_factory: pytest.TempPathFactory):
     out = tmp_path_factory.mktemp("out")
     assert train(stream, out) == 0
     return out
 
 
-def test_a_base_per_day_and_a_delta_per_pass(trained):
+def test_a_base_per_day_and_a_delta_per_pass(trained) -> None:
     entries = sorted(donefile_entries(trained), key=lambda e: int(e.id))
     kinds = [(e.file, e.id == e.key) for e in entries]
     assert kinds == [(BASE_FILE, True), (PATCH_FILE, False)] * 2
@@ -206,7 +206,7 @@ def test_a_base_per_day_and_a_delta_per_pass(trained):
     assert metas[-1].offline_auc >= 0.6 and metas[-1].heldout_samples == SMALL.heldout
 
 
-def test_a_delta_deletes_what_shrink_dropped_and_a_base_leaves_it_out(trained):
+def test_a_delta_deletes_what_shrink_dropped_and_a_base_leaves_it_out(trained) -> None:
     metas = [meta for meta, _ in all_models(trained / "models")]
     delta = metas[3]
     delete_file = find_model(trained / "models", delta.id) / "delete.txt"
@@ -220,7 +220,7 @@ def test_a_delta_deletes_what_shrink_dropped_and_a_base_leaves_it_out(trained):
     assert base_keys.shape[0] == metas[2].table_size  # a base is the whole table after shrink
 
 
-def test_the_saved_version_predicts_what_the_trainer_evaluated(trained, stream):
+def test_the_saved_version_predicts_what_the_trainer_evaluated(trained, stream) -> None:
     from examples.ctr.model import pool
 
     meta = all_models(trained / "models")[-1][0]
@@ -232,7 +232,9 @@ def test_the_saved_version_predicts_what_the_trainer_evaluated(trained, stream):
     assert auc(heldout.labels, served) == pytest.approx(meta.offline_auc, abs=1e-9)
 
 
-def test_a_restart_resumes_where_it_stopped_and_writes_the_same_models(stream, trained, tmp_path):
+def test_a_restart_resumes_where_it_stopped_and_writes_the_same_models(
+    stream, trained, tmp_path: Path
+) -> None:
     out = tmp_path / "out"
     assert train(stream, out, "--max_passes", "1") == 0
     assert train(stream, out, "--max_passes", "2") == 0
@@ -253,7 +255,9 @@ def test_a_restart_resumes_where_it_stopped_and_writes_the_same_models(stream, t
             )
 
 
-def test_a_crash_between_checkpoint_and_donefile_line_is_announced_on_restart(stream, tmp_path):
+def test_a_crash_between_checkpoint_and_donefile_line_is_announced_on_restart(
+    stream, tmp_path: Path
+) -> None:
     out = tmp_path / "out"
     assert train(stream, out, "--max_passes", "2") == 0
     patch = out / "donefile" / PATCH_FILE
@@ -264,7 +268,7 @@ def test_a_crash_between_checkpoint_and_donefile_line_is_announced_on_restart(st
     assert len(ids) == len(set(ids)) == 4
 
 
-def test_stale_temporary_models_are_removed(stream, tmp_path):
+def test_stale_temporary_models_are_removed(stream, tmp_path: Path) -> None:
     out = tmp_path / "out"
     stale = out / "models" / "20261123" / ".tmp-base-123"
     (stale / "sparse").mkdir(parents=True)
@@ -272,7 +276,9 @@ def test_stale_temporary_models_are_removed(stream, tmp_path):
     assert not stale.exists()
 
 
-def test_a_bad_split_stops_the_trainer_with_its_file_and_line(tmp_path, capsys):
+def test_a_bad_split_stops_the_trainer_with_its_file_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     write_split(SMALL, tmp_path, 0)
     part = tmp_path / "data" / "20261123" / "0000" / "part-00000"
     lines = part.read_text().splitlines()
@@ -284,13 +290,15 @@ def test_a_bad_split_stops_the_trainer_with_its_file_and_line(tmp_path, capsys):
     assert not (out / "donefile" / BASE_FILE).exists()
 
 
-def test_meta_is_json_with_the_auc_figures(trained):
+def test_meta_is_json_with_the_auc_figures(trained) -> None:
     meta = json.loads((all_models(trained / "models")[0][1] / "meta.json").read_text())
     assert {"streaming_auc", "offline_auc", "features", "deleted", "table_size"} <= set(meta)
     assert os.path.isdir(trained / "checkpoint")
 
 
-def test_a_version_without_its_dense_part_is_an_error_not_another_version(trained, tmp_path):
+def test_a_version_without_its_dense_part_is_an_error_not_another_version(
+    trained, tmp_path: Path
+) -> None:
     import asyncio
 
     from examples.ctr.predictor import DenseCache, PredictError
@@ -303,7 +311,7 @@ def test_a_version_without_its_dense_part_is_an_error_not_another_version(traine
     assert err.value.status == 503 and "1795392000_1795399999" in str(err.value)
 
 
-def test_a_slot_the_model_lacks_is_named_by_sample_and_feature():
+def test_a_slot_the_model_lacks_is_named_by_sample_and_feature() -> None:
     from examples.ctr.model import slot_index
 
     samples = sample_io.parse_lines(["1 0 5:1 6:2", "7:2 8:9 9:1"])
@@ -331,7 +339,7 @@ def _prob(layers, x):
     return 1.0 / (1.0 + np.exp(-(h @ layers[-1][0] + layers[-1][1])[:, 0]))
 
 
-def test_the_probability_bound_covers_the_six_digit_text():
+def test_the_probability_bound_covers_the_six_digit_text() -> None:
     """The served embeddings are the trainer's printed with 6 significant digits and read as
     float32: the bound derived from that (without the allowance for two runtimes) holds for
     every sample of a random model, and is not loose by orders of magnitude."""
@@ -355,7 +363,7 @@ def test_the_probability_bound_covers_the_six_digit_text():
     assert diff.max() > 0.02 * (bound - EVAL_NOISE).max()  # a bound, not a wild guess
 
 
-def test_the_trainer_takes_the_saved_rows_as_the_save_wrote_them():
+def test_the_trainer_takes_the_saved_rows_as_the_save_wrote_them() -> None:
     """A real save (tests/data/paddle_ps): the rows' served columns as the text has them, a
     row saved without its embedx part serves zeros there (whatever the trainer holds), and a
     pulled value that differs from the text by more than its digits is an error."""
@@ -386,7 +394,7 @@ def test_the_trainer_takes_the_saved_rows_as_the_save_wrote_them():
     assert table.keys.tolist() == keys[:1].tolist()
 
 
-def test_the_paddle_demo_says_which_pass_failed_and_by_how_much():
+def test_the_paddle_demo_says_which_pass_failed_and_by_how_much() -> None:
     from examples.ctr.demo import check
 
     row = {

@@ -37,7 +37,7 @@ HAVE_REDIS = bool(
 # --- pure pieces ----------------------------------------------------------------------------
 
 
-def test_dataset_keys_are_distinct_and_values_sized():
+def test_dataset_keys_are_distinct_and_values_sized() -> None:
     data = make_dataset(5000, 40, seed=3)
     assert data.keys.dtype == np.uint64 and np.unique(data.keys).shape[0] == 5000
     assert data.values.shape == (5000, 40)
@@ -48,7 +48,7 @@ def test_dataset_keys_are_distinct_and_values_sized():
     assert embeddings.expected(np.arange(3)).dtype == np.float32
 
 
-def test_rows_from_list_zero_fills_misses_and_rejects_wrong_sizes():
+def test_rows_from_list_zero_fills_misses_and_rejects_wrong_sizes() -> None:
     matrix, misses = rows_from_list([b"ab", None, b"cd"], 2, 0)
     assert misses == 1
     assert matrix.tolist() == [[97, 98], [0, 0], [99, 100]]
@@ -97,7 +97,7 @@ class _DictTarget(Target):
 
 
 @pytest.fixture(scope="module")
-def dict_target(tmp_path_factory):
+def dict_target(tmp_path_factory: pytest.TempPathFactory):
     data = make_dataset(2000, 16, seed=5)
     target = _DictTarget(ProcessRegistry(), tmp_path_factory.mktemp("dict"), {})
     target.setup(data)
@@ -105,7 +105,7 @@ def dict_target(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", ["thread", "shared", "asyncio"])
-def test_runner_measures_a_fixed_number_of_requests(dict_target, mode):
+def test_runner_measures_a_fixed_number_of_requests(dict_target, mode: str) -> None:
     target, data = dict_target
     cfg = LevelConfig(2, 50, warmup=0.05, duration=1, requests=200, timeout=30, mode=mode)
     made = getattr(target, "clients_made", 0)
@@ -124,11 +124,11 @@ def run_level_result(cfg, attempt):
     return LevelResult(cfg, attempt, [{"other_load": attempt.other_load, "loadavg": 0.0}])
 
 
-def test_runner_reports_a_failing_client_with_target_and_level(dict_target):
+def test_runner_reports_a_failing_client_with_target_and_level(dict_target) -> None:
     target, data = dict_target
 
     class Broken(_DictTarget):
-        def _fetch(self, keys):
+        def _fetch(self, keys) -> None:
             raise ConnectionError("server went away")
 
     broken = Broken(ProcessRegistry(), target.workdir, {})
@@ -138,7 +138,7 @@ def test_runner_reports_a_failing_client_with_target_and_level(dict_target):
         run_attempt(broken, data, cfg, [])
 
 
-def test_a_level_disturbed_by_another_process_is_repeated_and_flagged(dict_target):
+def test_a_level_disturbed_by_another_process_is_repeated_and_flagged(dict_target) -> None:
     target, data = dict_target
     # a busy process of our own, ended by PID, uses about a core: far above the threshold
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -158,7 +158,7 @@ def test_a_level_disturbed_by_another_process_is_repeated_and_flagged(dict_targe
     assert report.summarize(level)["tries"] == 2
 
 
-def test_check_answers_catches_a_wrong_value(dict_target):
+def test_check_answers_catches_a_wrong_value(dict_target) -> None:
     target, data = dict_target
     assert check_answers(target, data, 100, "asyncio", seed=1) > 100
     key = int(data.keys[0])
@@ -171,7 +171,7 @@ def test_check_answers_catches_a_wrong_value(dict_target):
         target.table[key] = saved
 
 
-def test_markdown_has_the_seed_columns_ratios_and_disturbances():
+def test_markdown_has_the_seed_columns_ratios_and_disturbances() -> None:
     rows = {
         "redis": [_row(1, 700.0), _row(4, 1100.0)],
         "cube": [_row(1, 900.0), _row(4, 2200.0, disturbed=True)],
@@ -243,7 +243,7 @@ def _started_pids(output: str) -> list[int]:
     return [int(pid) for pid in re.findall(r"^started \S+ pid (\d+)", output, re.MULTILINE)]
 
 
-def test_unknown_target_and_bad_flags_exit_2():
+def test_unknown_target_and_bad_flags_exit_2() -> None:
     settings = (
         ["--targets", "mongodb"],
         ["--batch", "0"],
@@ -258,7 +258,7 @@ def test_unknown_target_and_bad_flags_exit_2():
         assert proc.stderr.startswith("error:")
 
 
-def test_missing_binary_is_named_with_how_to_install_it(tmp_path):
+def test_missing_binary_is_named_with_how_to_install_it(tmp_path: Path) -> None:
     env = {**os.environ, "PATH": str(tmp_path)}  # no redis-server, no memcached here
     proc = subprocess.run(
         [str(CUBE_BENCH), "--targets", "redis", "--out", str(tmp_path / "out")],
@@ -289,7 +289,7 @@ def _signal_thread(pid: int, tid: int, signum: int) -> None:
     assert libc.syscall(number, pid, tid, signum) == 0, os.strerror(ctypes.get_errno())
 
 
-def test_ctrl_c_stops_every_server_it_started(tmp_path):
+def test_ctrl_c_stops_every_server_it_started(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [
             str(CUBE_BENCH), "--targets", "redis", "--threads", "1", "--keys", "2000",
@@ -329,7 +329,7 @@ def test_ctrl_c_stops_every_server_it_started(tmp_path):
 
 
 @pytest.mark.skipif(not HAVE_REDIS, reason="redis-server not installed (make debs)")
-def test_quick_run_of_cube_and_redis_writes_reports_and_stops_its_servers(tmp_path):
+def test_quick_run_of_cube_and_redis_writes_reports_and_stops_its_servers(tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.run(
         [

@@ -7,16 +7,17 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from procs import kill_processes_under, processes_under
+from helpers.procs import kill_processes_under, processes_under
 
 pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
 
 DEMO = [sys.executable, "-m", "cube.transfer.demo"]
 
 
-def test_demo_runs_checks_and_shuts_down(tmp_path):
+def test_demo_runs_checks_and_shuts_down(tmp_path: Path) -> None:
     work = tmp_path / "demo"
     try:
         result = subprocess.run(
@@ -46,7 +47,7 @@ def test_demo_runs_checks_and_shuts_down(tmp_path):
         kill_processes_under(work)
 
 
-def test_demo_refuses_to_wipe_a_foreign_directory(tmp_path):
+def test_demo_refuses_to_wipe_a_foreign_directory(tmp_path: Path) -> None:
     (tmp_path / "precious.txt").write_text("keep me")
     result = subprocess.run(
         [*DEMO, "--dir", str(tmp_path)], capture_output=True, text=True, timeout=60, check=False
@@ -55,7 +56,7 @@ def test_demo_refuses_to_wipe_a_foreign_directory(tmp_path):
     assert (tmp_path / "precious.txt").read_text() == "keep me"
 
 
-def test_ctrl_c_stops_the_cluster(tmp_path):
+def test_ctrl_c_stops_the_cluster(tmp_path: Path) -> None:
     work = tmp_path / "demo"
     demo = subprocess.Popen(
         [*DEMO, "--dir", str(work), "--ids", "20000"],
@@ -67,6 +68,7 @@ def test_ctrl_c_stops_the_cluster(tmp_path):
         lines = []
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
+            assert demo.stdout is not None  # a pipe
             line = demo.stdout.readline()
             if not line:
                 break

@@ -8,7 +8,7 @@ from cube.hashing import as_keys, fmix64, murmur3_32
 from cube.routing import group_by_owner, shard_of
 
 
-def test_murmur3_matches_mmh3():
+def test_murmur3_matches_mmh3() -> None:
     rng = np.random.default_rng(0)
     keys = np.concatenate(
         [
@@ -23,12 +23,12 @@ def test_murmur3_matches_mmh3():
     ]
 
 
-def test_fmix64_is_a_bijection_on_a_sample():
+def test_fmix64_is_a_bijection_on_a_sample() -> None:
     keys = np.arange(1_000_000, dtype=np.uint64)
     assert np.unique(fmix64(keys)).shape[0] == keys.shape[0]
 
 
-def test_shard_of_mod_and_murmur3():
+def test_shard_of_mod_and_murmur3() -> None:
     keys = np.array([0, 1, 2, 3, 10, 2**64 - 1], dtype=np.uint64)
     assert shard_of(keys, 3).tolist() == [int(k) % 3 for k in keys.tolist()]
     expected = [mmh3.hash(int(k).to_bytes(8, "little"), 0, signed=False) % 3 for k in keys]
@@ -40,7 +40,7 @@ def test_shard_of_mod_and_murmur3():
         shard_of(keys, 0)
 
 
-def test_group_by_owner_keeps_request_order_and_scatters_back():
+def test_group_by_owner_keeps_request_order_and_scatters_back() -> None:
     keys = np.array([9, 4, 7, 2, 5, 8, 1], dtype=np.uint64)
     owners = shard_of(keys, 3)
     grouping = group_by_owner(owners, 3)
@@ -54,7 +54,7 @@ def test_group_by_owner_keeps_request_order_and_scatters_back():
     assert grouping.owners() == sorted(set(owners.tolist()))
 
 
-def test_as_keys_rejects_negative_and_non_integer():
+def test_as_keys_rejects_negative_and_non_integer() -> None:
     assert as_keys([1, 2]).dtype == np.uint64
     with pytest.raises(OverflowError):
         as_keys(np.array([-1, 2]))

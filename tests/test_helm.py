@@ -53,10 +53,13 @@ OPERATOR_APIS = (
     "--api-versions", "cert-manager.io/v1/Certificate",
 )  # fmt: skip
 
-pytestmark = pytest.mark.skipif(
-    not (HELM.exists() and (VENV_BIN / "checkov").exists()),
-    reason="helm, kubernetes-validate, checkov and hadolint come from `make tools` (.tools/)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (HELM.exists() and (VENV_BIN / "checkov").exists()),
+        reason="helm, kubernetes-validate, checkov and hadolint come from `make tools` (.tools/)",
+    ),
+    pytest.mark.slow,  # every test runs helm or a linter
+]
 
 COMMANDS = {
     "cube-server": SERVER_FLAGS,
@@ -180,7 +183,7 @@ class Rendered:
 
 
 @pytest.fixture(scope="module")
-def renders(tmp_path_factory) -> dict[str, Rendered]:
+def renders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Rendered]:
     out = {}
     folder = tmp_path_factory.mktemp("rendered")
     for name, config in CONFIGS.items():
@@ -192,18 +195,20 @@ def renders(tmp_path_factory) -> dict[str, Rendered]:
 
 
 @pytest.fixture(params=list(CONFIGS))
-def rendered(request, renders) -> Rendered:
+def rendered(request: pytest.FixtureRequest, renders: dict[str, Rendered]) -> Rendered:
     return renders[request.param]
 
 
-def test_lint_strict():
+def test_lint_strict() -> None:
     for config in CONFIGS.values():
         done = helm("lint", "--strict", str(CHART), *config.values_args())
         assert done.returncode == 0, (config, done.stdout + done.stderr)
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
-def test_objects_validate_against_the_kubernetes_schemas(renders, version):
+def test_objects_validate_against_the_kubernetes_schemas(
+    renders: dict[str, Rendered], version
+) -> None:
     """Every configuration, every Kubernetes version the chart supports (kubeVersion >=1.27).
     The custom resources (ServiceMonitor, PrometheusRule, Certificate) have no schema here:
     their fields are asserted below."""
@@ -215,7 +220,7 @@ def test_objects_validate_against_the_kubernetes_schemas(renders, version):
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
 
 
-def test_policy_linter_finds_nothing_unexplained(renders):
+def test_policy_linter_finds_nothing_unexplained(renders: dict[str, Rendered]) -> None:
     files = [arg for r in renders.values() for arg in ("-f", str(r.path))]
     done = subprocess.run(
         [str(VENV_BIN / "checkov"), "--skip-download", "--quiet", "--compact",
@@ -298,7 +303,7 @@ def name_problems(docs: list[dict[str, Any]]) -> list[str]:
     return problems
 
 
-def test_names_and_labels_fit_kubernetes_limits(rendered):
+def test_names_and_labels_fit_kubernetes_limits(rendered: Rendered) -> None:
     """Issue 26 item 1: a 53-character release with 12 shards made 62-character StatefulSet
     names (no pod was ever created) and a 128-character dict name went verbatim into a
     label. Now every name and label fits, in every configuration."""
@@ -315,7 +320,7 @@ def fullname(*args: str, release: str = "t") -> str:
     return transfer_set(docs)["metadata"]["name"].removesuffix("-transfer")
 
 
-def test_name_overrides_and_long_names_stay_apart():
+def test_name_overrides_and_long_names_stay_apart() -> None:
     assert fullname() == "t-cube"
     assert fullname(release="my-cube") == "my-cube"  # already says cube
     assert fullname("--set", "nameOverride=emb") == "t-emb"
@@ -331,7 +336,7 @@ def test_name_overrides_and_long_names_stay_apart():
     assert fullname(release="r" * 38) == "r" * 38 + "-cube"
 
 
-def test_one_statefulset_headless_service_and_pdb_per_shard(rendered):
+def test_one_statefulset_headless_service_and_pdb_per_shard(rendered: Rendered) -> None:
     docs, values = rendered.docs, rendered.values
     shards, replicas = values["dict"]["shards"], values["dict"]["replicas"]
     services, budgets = named(docs, "Service"), named(docs, "PodDisruptionBudget")
@@ -369,7 +374,7 @@ def test_one_statefulset_headless_service_and_pdb_per_shard(rendered):
         assert doc["metadata"]["namespace"] == NAMESPACE
 
 
-def test_probes_ports_and_network_policy(rendered):
+def test_probes_ports_and_network_policy(rendered: Rendered) -> None:
     """Ready means serving at normal latency (gRPC health); with TLS on, the kubelet (which
     cannot speak TLS to a gRPC probe) asks it on the control port, plaintext and reached from
     the node only: no NetworkPolicy admits a pod to it."""
@@ -425,7 +430,7 @@ def test_probes_ports_and_network_policy(rendered):
     assert transfer_only["app.kubernetes.io/component"] == "transfer"
 
 
-def test_egress_is_only_what_each_component_needs(renders):
+def test_egress_is_only_what_each_component_needs(renders: dict[str, Rendered]) -> None:
     for rendered in renders.values():
         values, docs = rendered.values, rendered.docs
         policies = {n.rsplit("-", 1)[1]: p["spec"] for n, p in named(docs, "NetworkPolicy").items()}
@@ -448,7 +453,9 @@ def test_egress_is_only_what_each_component_needs(renders):
             assert extra == egress["transfer"]
 
 
-def test_every_container_runs_a_command_line_our_commands_take(rendered, monkeypatch):
+def test_every_container_runs_a_command_line_our_commands_take(
+    rendered: Rendered, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """What each pod runs is what the commands parse: a flag typo in a template fails here,
     not in a cluster. (The pods have the control token in their environment; the TLS files
     are in their volumes: test_tls_reaches_every_hop.)"""
@@ -495,7 +502,7 @@ def transfer_conf(docs: list[dict[str, Any]], tmp_path: Path) -> Any:
     return parse_config(found["data"]["transfer.conf"], "transfer.conf", tmp_path)
 
 
-def test_rendered_configs_parse_and_name_the_replicas(rendered, tmp_path):
+def test_rendered_configs_parse_and_name_the_replicas(rendered: Rendered, tmp_path: Path) -> None:
     docs, values = rendered.docs, rendered.values
     shards, replicas = values["dict"]["shards"], values["dict"]["replicas"]
     transfer_name = transfer_set(docs)["metadata"]["name"]
@@ -525,7 +532,7 @@ def test_rendered_configs_parse_and_name_the_replicas(rendered, tmp_path):
     assert keys == list(range(256))
 
 
-def test_tokens_come_from_the_secret(rendered):
+def test_tokens_come_from_the_secret(rendered: Rendered) -> None:
     docs, values = rendered.docs, rendered.values
     secrets = of_kind(docs, "Secret")
     if values["auth"]["existingSecret"]:
@@ -542,7 +549,7 @@ def test_tokens_come_from_the_secret(rendered):
                 assert env["valueFrom"]["secretKeyRef"]["name"] == secret_name
 
 
-def test_values_schema_refuses_bad_values():
+def test_values_schema_refuses_bad_values() -> None:
     for setting, complaint in (
         ("dict.shards=0", "dict.shards"),
         ("dict.replicas=0", "dict.replicas"),
@@ -565,7 +572,7 @@ def test_values_schema_refuses_bad_values():
         assert done.returncode != 0 and complaint in done.stderr, (setting, done.stderr)
 
 
-def test_tls_needs_a_certificate():
+def test_tls_needs_a_certificate() -> None:
     for settings, complaint in (
         (["tls.enabled=true"], "tls.existingSecret"),
         (["tls.enabled=true", "tls.existingSecret=a", "tls.certManager.enabled=true"], "not both"),
@@ -576,7 +583,7 @@ def test_tls_needs_a_certificate():
         assert done.returncode != 0 and complaint in done.stderr, (settings, done.stderr)
 
 
-def test_existing_secret_and_pvc_storage(tmp_path):
+def test_existing_secret_and_pvc_storage(tmp_path: Path) -> None:
     docs = objects(render("--set", "auth.existingSecret=mine", "--set", "agent.storage.type=pvc"))
     assert of_kind(docs, "Secret") == []
     shard = shard_sets(docs)[0]
@@ -594,7 +601,7 @@ def test_existing_secret_and_pvc_storage(tmp_path):
 TLS_DIR = "/etc/cube-tls"
 
 
-def test_tls_reaches_every_hop(renders, tmp_path):
+def test_tls_reaches_every_hop(renders: dict[str, Rendered], tmp_path: Path) -> None:
     """Issue 26 item 2: the certificate is mounted where each command's TLS flag or key names
     it (server, agent, transfer), cube.conf names the CA the `helm test` pod mounts, agents
     download from the transfer over https, and a cert-manager Certificate names every address
@@ -649,7 +656,9 @@ def test_tls_reaches_every_hop(renders, tmp_path):
             assert of_kind(docs, "Certificate") == []
 
 
-def test_object_store_credentials_reach_the_transfer_only(renders, tmp_path):
+def test_object_store_credentials_reach_the_transfer_only(
+    renders: dict[str, Rendered], tmp_path: Path
+) -> None:
     """Issue 26 item 3: an S3 donefile's credentials from a Secret of the operator's (or a
     role through the transfer's own service account), as the AWS_* environment botocore
     reads; the shard pods get neither."""
@@ -704,7 +713,7 @@ def schema_leaves() -> list[str]:
     return list(leaves(schema, schema))
 
 
-def test_every_value_is_in_the_schema_and_the_deploy_table():
+def test_every_value_is_in_the_schema_and_the_deploy_table() -> None:
     """values.yaml sets nothing the schema does not describe (else helm lint fails) and the
     schema describes nothing values.yaml lacks; docs/DEPLOY.md's table names each value."""
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())
@@ -740,7 +749,7 @@ def set_json(settings: dict[str, Any]) -> tuple[str, ...]:
     return tuple(a for k, v in settings.items() for a in ("--set-json", f"{k}={json.dumps(v)}"))
 
 
-def test_every_value_changes_what_is_rendered():
+def test_every_value_changes_what_is_rendered() -> None:
     """No value is read by no template: each value, set alone over the defaults to what the
     full configuration gives it (a switch it keeps on: off), renders something else than the
     defaults (with fixed tokens: random ones would differ anyway; with its COMPANIONS). Renders
@@ -781,7 +790,9 @@ def test_every_value_changes_what_is_rendered():
 IMMUTABLE = ("selector", "serviceName", "podManagementPolicy", "volumeClaimTemplates")
 
 
-def test_an_upgrade_from_the_previous_chart_changes_nothing_kubernetes_keeps(tmp_path):
+def test_an_upgrade_from_the_previous_chart_changes_nothing_kubernetes_keeps(
+    tmp_path: Path,
+) -> None:
     """Issue 26 item 6: `helm upgrade` from the previous chart (0.1.0) with the same values
     would be refused by the API server if a StatefulSet's immutable fields changed
     (selector, serviceName, podManagementPolicy, claim templates) or a Service's clusterIP:
@@ -808,7 +819,7 @@ def test_an_upgrade_from_the_previous_chart_changes_nothing_kubernetes_keeps(tmp
 # what the chart offers besides
 
 
-def test_prometheus_rule_is_the_alerts_file():
+def test_prometheus_rule_is_the_alerts_file() -> None:
     """One source of truth: the chart's copy is deploy/prometheus/alerts.yml (Helm reads only
     files inside the chart), and the PrometheusRule holds its groups."""
     source = REPO / "deploy" / "prometheus" / "alerts.yml"
@@ -825,7 +836,7 @@ def test_prometheus_rule_is_the_alerts_file():
     assert rule["spec"] == yaml.safe_load(source.read_text())
 
 
-def test_icon_is_the_charts_svg():
+def test_icon_is_the_charts_svg() -> None:
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     prefix = "data:image/svg+xml;base64,"
     assert chart["icon"].startswith(prefix)
@@ -848,7 +859,7 @@ def notes(tmp_path: Path, *args: str) -> str:
     return docs[0]["data"]["notes"]
 
 
-def test_notes_say_how_to_reach_publish_and_watch(tmp_path):
+def test_notes_say_how_to_reach_publish_and_watch(tmp_path: Path) -> None:
     text = notes(tmp_path)
     for expected in ("base.txt", "/donefile", "t-cube-cube-conf", "CubeClient.from_conf",
                      "port-forward svc/t-cube-transfer 8099", "t-cube-tokens", "helm test t",
@@ -858,7 +869,7 @@ def test_notes_say_how_to_reach_publish_and_watch(tmp_path):
     assert "https://127.0.0.1:8099/" in text and "/etc/cube-tls/ca.crt" in text
 
 
-def test_dockerfile_lints_and_pins_the_project_version():
+def test_dockerfile_lints_and_pins_the_project_version() -> None:
     dockerfile = REPO / "deploy" / "docker" / "Dockerfile"
     for path in (dockerfile, REPO / "examples" / "ctr" / "k8s" / "Dockerfile"):
         done = subprocess.run(
@@ -877,7 +888,7 @@ def test_dockerfile_lints_and_pins_the_project_version():
     assert chart["appVersion"] == version
 
 
-def test_metrics_port_annotations_and_service_monitor():
+def test_metrics_port_annotations_and_service_monitor() -> None:
     docs = objects(render())
     assert of_kind(docs, "ServiceMonitor") == []  # no Prometheus Operator API: none
     policy = next(
@@ -909,7 +920,7 @@ def test_metrics_port_annotations_and_service_monitor():
         }
 
 
-def test_ctr_example_runs_its_predictor_beside_the_chart(tmp_path):
+def test_ctr_example_runs_its_predictor_beside_the_chart(tmp_path: Path) -> None:
     """examples/ctr/k8s: the chart with the example's values and the predictor's manifest
     validate, and fit together: the ConfigMap it mounts exists, the NetworkPolicy admits its
     pods to the lookup ports, its flags parse and name the chart's dictionary, and the trainer's

@@ -1,5 +1,5 @@
 """cube-import end to end: tables in the original Cube's format (written byte by byte by
-tests/original_cube.py from the original's sources), the real command as a subprocess, the
+tests/helpers/original_cube.py from the original's sources), the real command as a subprocess, the
 output opened with cube.shard and every key and value checked, base and patches."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+from helpers.original_cube import OriginalBuilder, deploy
 
 from cube.agent.unpack import extract_shard_tar
 from cube.processes import poll_until
@@ -24,7 +25,9 @@ from cube.seqfile import SequenceFileWriter
 from cube.shard import Shard, ShardStack
 from cube.transfer.build import check_outputs
 from cube.values import ValueColumn
-from tests.original_cube import OriginalBuilder, deploy
+
+# Every test here starts processes (servers, CLIs): make quick skips them.
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / ".venv" / "bin" / "cube-import"
@@ -146,7 +149,7 @@ def assert_nothing_published(output: Path) -> None:
 
 
 @pytest.fixture
-def original(tmp_path) -> tuple[Path, list[Path]]:
+def original(tmp_path: Path) -> tuple[Path, list[Path]]:
     root = tmp_path / "original"
     return root, build_original(root)
 
@@ -155,7 +158,9 @@ def original(tmp_path) -> tuple[Path, list[Path]]:
 # build output
 
 
-def test_build_output_base_and_patches_every_key(original, tmp_path):
+def test_build_output_base_and_patches_every_key(
+    original: tuple[Path, list[Path]], tmp_path: Path
+) -> None:
     root, dirs = original
     assert len(list((dirs[0] / f"{DICT}_part0").glob("data.*"))) > 3  # several data files
     assert not (dirs[3] / f"{DICT}_part1" / "index.3").exists()  # a patch without records
@@ -194,7 +199,7 @@ def test_build_output_base_and_patches_every_key(original, tmp_path):
     assert placed == ["data.cube", "index.cube"]
 
 
-def test_tars_only_give_the_same_bytes(original, tmp_path):
+def test_tars_only_give_the_same_bytes(original: tuple[Path, list[Path]], tmp_path: Path) -> None:
     """The builder leaves both the shard directories and their tars; the tars alone (md5
     checked) import to the same bytes, and so do several inputs given one by one."""
     root, dirs = original
@@ -215,7 +220,9 @@ def test_tars_only_give_the_same_bytes(original, tmp_path):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
 
 
-def test_the_same_bytes_as_cube_builder_from_the_same_records(original, tmp_path):
+def test_the_same_bytes_as_cube_builder_from_the_same_records(
+    original: tuple[Path, list[Path]], tmp_path: Path
+) -> None:
     """What the original built from some SequenceFiles imports to exactly what cube-builder
     builds from them (same partitioning, last record wins, same writer), base and patches."""
     root, _ = original
@@ -268,7 +275,7 @@ def test_the_same_bytes_as_cube_builder_from_the_same_records(original, tmp_path
         assert (tmp_path / "imported" / name).read_bytes() == (built / name).read_bytes(), name
 
 
-def test_fixed_width_values(tmp_path):
+def test_fixed_width_values(tmp_path: Path) -> None:
     """Embeddings (one value length): the shards are fixed width, like a build's."""
     rng = np.random.default_rng(3)
     base = [(int(k), rng.bytes(16)) for k in rng.integers(0, 2**64 - 1, 2000, dtype=np.uint64)]
@@ -292,7 +299,7 @@ def test_fixed_width_values(tmp_path):
         check_stack(layers, shard, 2, states[1])
 
 
-def test_empty_base_shard(tmp_path):
+def test_empty_base_shard(tmp_path: Path) -> None:
     """A shard that got no record: the original leaves an empty directory and a tar of ./;
     it imports as an empty shard."""
     records = [[(k, b"v%d" % k) for k in range(0, 300, 3)]]  # shard_num 3: all in shard 0
@@ -308,7 +315,9 @@ def test_empty_base_shard(tmp_path):
         )
 
 
-def test_an_existing_version_is_not_replaced(original, tmp_path):
+def test_an_existing_version_is_not_replaced(
+    original: tuple[Path, list[Path]], tmp_path: Path
+) -> None:
     root, _ = original
     out = tmp_path / "out"
     flags = to_output(root, out)
@@ -319,7 +328,9 @@ def test_an_existing_version_is_not_replaced(original, tmp_path):
     assert not [n for n in os.listdir(out) if n.startswith(".tmp-")]
 
 
-def test_a_later_target_that_exists_stops_the_import_before_anything_is_written(original, tmp_path):
+def test_a_later_target_that_exists_stops_the_import_before_anything_is_written(
+    original: tuple[Path, list[Path]], tmp_path: Path
+) -> None:
     """Every target is checked before any version is converted: with patch 2's directory
     already there, the base and patch 1 are not published either."""
     root, _ = original
@@ -330,7 +341,7 @@ def test_a_later_target_that_exists_stops_the_import_before_anything_is_written(
     assert sorted(os.listdir(out)) == [f"{BASE}_{PATCH2}"]  # nothing else, no staging
 
 
-def test_files_of_another_format_are_not_an_empty_shard(tmp_path):
+def test_files_of_another_format_are_not_an_empty_shard(tmp_path: Path) -> None:
     """A shard directory holding files, none of them the original's (here this project's
     own shard files), is refused; only a directory with no files is an empty shard."""
     records = [[(k, b"v%d" % k) for k in range(0, 300, 2)]]
@@ -347,7 +358,7 @@ def test_files_of_another_format_are_not_an_empty_shard(tmp_path):
     assert_nothing_published(out)
 
 
-def test_a_directory_name_that_is_no_version_is_blamed_not_the_flag(tmp_path):
+def test_a_directory_name_that_is_no_version_is_blamed_not_the_flag(tmp_path: Path) -> None:
     """A version's name comes from its directory: the error names the directory and asks for
     -version, which was not given."""
     records = [[(k, b"v%d" % k) for k in range(0, 30)]]
@@ -363,7 +374,9 @@ def test_a_directory_name_that_is_no_version_is_blamed_not_the_flag(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["deploy", "data", "cube_data"])
-def test_deployment_adopted_into_a_data_dir(original, tmp_path, where):
+def test_deployment_adopted_into_a_data_dir(
+    original: tuple[Path, list[Path]], tmp_path: Path, where: str
+) -> None:
     _root, dirs = original
     deploy_path = deploy(dirs[:3], DICT, 2, tmp_path / "deploy")  # serving patch 2
     source = deploy_path if where == "deploy" else deploy_path / where
@@ -392,7 +405,9 @@ def test_deployment_adopted_into_a_data_dir(original, tmp_path, where):
     header.close()
 
 
-def test_copied_deployment_files_cannot_be_attributed(original, tmp_path):
+def test_copied_deployment_files_cannot_be_attributed(
+    original: tuple[Path, list[Path]], tmp_path: Path
+) -> None:
     """data/<version>/ holding copies (not the agent's links) of the base's and patches' files:
     which version brought which record is lost, so it is refused, not served as a base."""
     _root, dirs = original
@@ -418,7 +433,9 @@ def test_copied_deployment_files_cannot_be_attributed(original, tmp_path):
     assert_nothing_published(tmp_path / "x")
 
 
-def test_data_dir_from_build_output_picks_a_shard(original, tmp_path):
+def test_data_dir_from_build_output_picks_a_shard(
+    original: tuple[Path, list[Path]], tmp_path: Path
+) -> None:
     root, _ = original
     flags = ["-input_path", str(root), "-dict_name", DICT, "-shard_num", str(SHARDS)]
     assert "give -shard" in failed(*flags, "-data_dir", str(tmp_path / "x"))
@@ -436,7 +453,7 @@ def test_data_dir_from_build_output_picks_a_shard(original, tmp_path):
     assert version_dirs(tmp_path / "d0") == []
 
 
-def test_local_mode_data_needs_a_version(tmp_path):
+def test_local_mode_data_needs_a_version(tmp_path: Path) -> None:
     """The original's local mode: a `0_0` build's shard files moved into ./data (no VERSION)."""
     builder = OriginalBuilder(tmp_path / "orig", DICT, 1)
     records = [(k, b"x" * (k % 9)) for k in range(500)]
@@ -454,7 +471,7 @@ def test_local_mode_data_needs_a_version(tmp_path):
 # refused
 
 
-def test_a_wrong_shard_num_is_refused(original, tmp_path):
+def test_a_wrong_shard_num_is_refused(original: tuple[Path, list[Path]], tmp_path: Path) -> None:
     root, _ = original
     out = tmp_path / "out"
     message = failed(
@@ -538,7 +555,9 @@ def lost_index_file(root: Path) -> None:
     ],
     ids=lambda v: v.__name__ if callable(v) else None,
 )
-def test_corrupt_original_files_are_located(original, tmp_path, corrupt, expected):
+def test_corrupt_original_files_are_located(
+    original: tuple[Path, list[Path]], tmp_path: Path, corrupt, expected
+) -> None:
     root, _ = original
     corrupt(root)
     out = tmp_path / "out"
@@ -548,7 +567,9 @@ def test_corrupt_original_files_are_located(original, tmp_path, corrupt, expecte
     assert_nothing_published(out)
 
 
-def test_a_late_failure_leaves_a_data_dir_untouched(original, tmp_path):
+def test_a_late_failure_leaves_a_data_dir_untouched(
+    original: tuple[Path, list[Path]], tmp_path: Path
+) -> None:
     """The base and patch 1 are written (aside) before patch 2's damage is found: none of
     them, nor VERSION, appears."""
     root, _ = original
@@ -578,9 +599,10 @@ HOOKED = """
 import os, signal, sys, time
 from pathlib import Path
 import cube.builder.import_original as cube_import
+from cube.builder.import_original import write as converter
 action, target, pid_file = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 importer = os.getpid()
-real_build_table = cube_import.build_table
+real_build_table = converter.build_table
 
 def build_table(keys):
     pid_file.write_text(str(os.getpid()))
@@ -591,7 +613,7 @@ def build_table(keys):
         time.sleep(60)
     return real_build_table(keys)
 
-cube_import.build_table = build_table
+converter.build_table = build_table
 sys.exit(cube_import.main(sys.argv[4:]))
 """
 
@@ -602,7 +624,9 @@ def run_hooked(action: str, target: Path, pid_file: Path, *args: str):
 
 
 @pytest.mark.parametrize("kind", ["dir", "tar"])
-def test_an_input_cut_short_while_it_is_read_is_named_and_nothing_is_left(tmp_path, kind):
+def test_an_input_cut_short_while_it_is_read_is_named_and_nothing_is_left(
+    tmp_path: Path, kind: str
+) -> None:
     """The original's data file (or tar) is cut to 4096 bytes after it was mapped and checked,
     before its values are read: the reader gets SIGBUS at the first missing page. cube-import
     exits 1 naming the file and the offset where it now ends, and leaves no staging folder
@@ -632,7 +656,9 @@ def test_an_input_cut_short_while_it_is_read_is_named_and_nothing_is_left(tmp_pa
 
 
 @pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
-def test_a_signal_during_a_conversion_leaves_nothing(original, tmp_path, signum):
+def test_a_signal_during_a_conversion_leaves_nothing(
+    original: tuple[Path, list[Path]], tmp_path: Path, signum: str
+) -> None:
     """Stopped while a shard is being converted: the worker process that reads the original's
     files is gone with the import, and so is every staging folder."""
     root, _ = original
@@ -646,7 +672,7 @@ def test_a_signal_during_a_conversion_leaves_nothing(original, tmp_path, signum)
     assert poll_until(lambda: not psutil.pid_exists(worker), 10, 0.05)
 
 
-def test_damaged_tars_are_refused(original, tmp_path):
+def test_damaged_tars_are_refused(original: tuple[Path, list[Path]], tmp_path: Path) -> None:
     root, dirs = original
     tar = dirs[1] / f"{DICT}_part2.tar"
     shutil.rmtree(dirs[1] / f"{DICT}_part2")
@@ -663,7 +689,7 @@ def test_damaged_tars_are_refused(original, tmp_path):
     assert_nothing_published(out)
 
 
-def test_versions_must_follow_each_other(original, tmp_path):
+def test_versions_must_follow_each_other(original: tuple[Path, list[Path]], tmp_path: Path) -> None:
     _root, dirs = original
     out = tmp_path / "out"
     flags = ["-output_path", str(out), "-dict_name", DICT, "-shard_num", str(SHARDS)]
@@ -708,14 +734,14 @@ def test_versions_must_follow_each_other(original, tmp_path):
         ["-dict_name", DICT, "-input_path", "x", "-output_path", "a"],
     ],
 )
-def test_bad_flags_exit_2(args, tmp_path):
+def test_bad_flags_exit_2(args, tmp_path: Path) -> None:
     done = run_import(*args)
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("error: ")
     assert re.search(r"(^|\s)-{1,2}[a-z_]+", done.stderr), done.stderr  # names the flag
 
 
-def test_help_names_the_layouts():
+def test_help_names_the_layouts() -> None:
     done = run_import("--help")
     assert done.returncode == 0
     for text in ("cube_data/", "data/", "key % shard_num", "-data_dir", "-output_path"):
@@ -727,11 +753,12 @@ def test_help_names_the_layouts():
 
 
 @pytest.mark.slow
-def test_imported_versions_are_served(original, tmp_path):
+def test_imported_versions_are_served(original: tuple[Path, list[Path]], tmp_path: Path) -> None:
     """Each shard's chain imported into a data directory, served by a real cube-server,
     looked up through the SDK."""
+    from helpers.procs import start_server
+
     from cube.client import CubeClient
-    from tests.procs import start_server
 
     root, _ = original
     servers = []

@@ -28,12 +28,12 @@ def check_table(keys: np.ndarray, deleted: np.ndarray | None = None) -> None:
             assert built.live_order[row] == live[key]  # last record wins
 
 
-def test_random_keys_found_with_their_rows():
+def test_random_keys_found_with_their_rows() -> None:
     keys = np.random.default_rng(1).integers(0, 2**64 - 1, 50_000, dtype=np.uint64)
     check_table(keys)
 
 
-def test_absent_keys_are_missed():
+def test_absent_keys_are_missed() -> None:
     rng = np.random.default_rng(2)
     keys = rng.integers(0, 2**63, 20_000, dtype=np.uint64)
     table = build_table(keys).table
@@ -42,7 +42,7 @@ def test_absent_keys_are_missed():
     assert not found.any()
 
 
-def test_duplicates_last_record_wins():
+def test_duplicates_last_record_wins() -> None:
     keys = np.array([5, 7, 5, 9, 7, 5], dtype=np.uint64)
     built = build_table(keys)
     rows, found = lookup(built.table, np.array([5, 7, 9], dtype=np.uint64))
@@ -50,7 +50,7 @@ def test_duplicates_last_record_wins():
     assert built.live_order[rows].tolist() == [5, 4, 3]
 
 
-def test_tombstones_win_over_records():
+def test_tombstones_win_over_records() -> None:
     keys = np.arange(100, dtype=np.uint64)
     check_table(keys, deleted=np.array([3, 50, 1000], dtype=np.uint64))
     built = build_table(keys, np.array([3], dtype=np.uint64))
@@ -58,7 +58,7 @@ def test_tombstones_win_over_records():
     assert found.all() and is_tombstone(rows).tolist() == [True, False]
 
 
-def test_sequential_and_strided_keys_stay_short():
+def test_sequential_and_strided_keys_stay_short() -> None:
     """Structured ids (all keys of a `mod` shard share a residue) must not cluster."""
     for keys in (np.arange(100_000, dtype=np.uint64), np.arange(100_000, dtype=np.uint64) * 64):
         table = build_table(keys).table
@@ -66,7 +66,7 @@ def test_sequential_and_strided_keys_stay_short():
         check_table(keys[:5000])
 
 
-def test_extreme_keys_and_the_empty_key():
+def test_extreme_keys_and_the_empty_key() -> None:
     keys = np.array([0, 1, 2**64 - 1, 2**64 - 2, 2**63], dtype=np.uint64)
     built = build_table(keys)
     assert built.table.empty_key not in keys.tolist()
@@ -75,7 +75,7 @@ def test_extreme_keys_and_the_empty_key():
     assert not found.any()
 
 
-def test_empty_table_misses_everything():
+def test_empty_table_misses_everything() -> None:
     table = build_table(np.empty(0, dtype=np.uint64)).table
     _rows, found = lookup(table, np.array([0, 1, 2**64 - 1], dtype=np.uint64))
     assert not found.any()
@@ -83,7 +83,7 @@ def test_empty_table_misses_everything():
     assert found.shape == (0,)
 
 
-def test_long_probe_chains_are_followed():
+def test_long_probe_chains_are_followed() -> None:
     """Force displacement past one bucket: a high load factor makes long runs."""
     keys = np.random.default_rng(3).integers(0, 2**64 - 1, 20_000, dtype=np.uint64)
     built = build_table(keys, load_factor=0.97)
@@ -96,7 +96,7 @@ def test_long_probe_chains_are_followed():
     assert not lookup(built.table, absent)[1].any()
 
 
-def test_index_overhead_is_within_budget():
+def test_index_overhead_is_within_budget() -> None:
     n = 100_000
     table = build_table(np.arange(n, dtype=np.uint64)).table
     per_key = (table.slot_keys.nbytes + table.bucket_rows.nbytes) / n
@@ -106,7 +106,9 @@ def test_index_overhead_is_within_budget():
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(U64, max_size=300), st.lists(U64, max_size=30), st.lists(U64, max_size=50))
-def test_property_lookup_agrees_with_a_dict(records, deletes, probes):
+def test_property_lookup_agrees_with_a_dict(
+    records: list[int], deletes: list[int], probes: list[int]
+) -> None:
     keys = np.array(records, dtype=np.uint64)
     deleted = np.array(deletes, dtype=np.uint64)
     built = build_table(keys, deleted)
@@ -123,5 +125,5 @@ def test_property_lookup_agrees_with_a_dict(records, deletes, probes):
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 1000])
-def test_small_tables(n):
+def test_small_tables(n: int) -> None:
     check_table(np.arange(n, dtype=np.uint64) * 3 + 1)

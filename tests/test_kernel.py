@@ -129,7 +129,7 @@ def test_seek_fixed_gathers_values(width: int) -> None:
     assert misses_np == misses
 
 
-def test_stack_of_deltas_matches_numpy(tmp_path) -> None:
+def test_stack_of_deltas_matches_numpy(tmp_path: Path) -> None:
     """A base and two deltas (updates, inserts, deletes, a re-insert after a delete) mapped
     from disk: the stack answers the same with the compiled kernel and the numpy one."""
     rng = np.random.default_rng(9)
@@ -170,7 +170,8 @@ def test_stack_of_deltas_matches_numpy(tmp_path) -> None:
     stack.close()
 
 
-def test_numpy_fallback_when_switched_off(tmp_path) -> None:
+@pytest.mark.slow
+def test_numpy_fallback_when_switched_off(tmp_path: Path) -> None:
     """CUBE_KERNEL=numpy (or no numba) runs the numpy path and says so."""
     code = (
         "import numpy as np; from cube import kernel; from cube.index import build_table;"
@@ -196,7 +197,7 @@ def test_warm_in_background_then_compiled() -> None:
     assert kernel.describe().startswith("compiled") and kernel._use_compiled()
 
 
-def test_a_failed_warm_stays_on_numpy_and_says_why(monkeypatch) -> None:
+def test_a_failed_warm_stays_on_numpy_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernel, "_warming", False)  # restored after the test
     monkeypatch.setattr(kernel, "_warm_failed", "")
 
@@ -218,7 +219,7 @@ import sys
 from pathlib import Path
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-from procs import fixed_values, write_version
+from helpers.procs import fixed_values, write_version
 from cube import kernel
 from cube.pb import cube_fast_pb2
 from cube.server.service import SeekService
@@ -251,7 +252,8 @@ print(sorted(kernel.unwarmed))
 """
 
 
-def test_every_server_lookup_runs_a_signature_warm_compiled(tmp_path) -> None:
+@pytest.mark.slow
+def test_every_server_lookup_runs_a_signature_warm_compiled(tmp_path: Path) -> None:
     """A server seals its kernel after warm(): no lookup may need a signature warm() did not
     compile (it would compile for a second or more inside a request, on every replica at
     once: the stall of issue 24). Every width, n = 0..1000, base and delta, gRPC, lane and the

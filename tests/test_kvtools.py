@@ -15,6 +15,9 @@ import pytest
 from cube.seqfile import SequenceFileReader, SequenceFileWriter, read_header
 from cube.values import ValueColumn
 
+# Every test here starts processes (servers, CLIs): make quick skips them.
+pytestmark = pytest.mark.slow
+
 BIN = Path(__file__).resolve().parent.parent / ".venv" / "bin"
 DATA = Path(__file__).parent / "data" / "seqfiles"
 
@@ -262,7 +265,9 @@ def test_a_bad_line_after_a_full_batch_leaves_no_output(tmp_path: Path) -> None:
     assert_nothing_written(tmp_path)
 
 
-def test_overlong_line_is_refused_without_reading_it_whole(tmp_path, monkeypatch, capsys):
+def test_overlong_line_is_refused_without_reading_it_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from cube.builder import kv_to_seqfile
 
     monkeypatch.setattr(kv_to_seqfile, "MAX_LINE_BYTES", 64)
@@ -447,6 +452,28 @@ def test_kvtool_bad_file(tmp_path: Path) -> None:
     result = run("kvtool", path)
     assert result.returncode == 1 and f"{path} at offset" in result.stderr
     assert run("kvtool").returncode == 2  # FILE is required
+
+
+@pytest.mark.parametrize("compression", ["none", "block"])
+def test_kvtool_prints_the_records_before_a_damaged_tail(tmp_path: Path, compression: str) -> None:
+    """A file cut short in its last record (or block): the records before it are printed,
+    then the error naming the offset, exit 1."""
+    path = tmp_path / "whole"
+    keys = np.arange(1, 301, dtype=np.uint64)
+    values = ValueColumn.fixed(np.arange(300 * 8, dtype=np.uint64).astype(np.uint8), 8)
+    with SequenceFileWriter(path, compression=compression, block_bytes=800) as writer:
+        writer.write_batch(keys, values)
+    with SequenceFileReader(path) as reader:
+        offsets = [offset for offset, _key, _value in reader.records_with_offsets()]
+    expected = sum(offset < offsets[-1] for offset in offsets)  # before the last record/block
+    assert 100 < expected < 300
+    cut = tmp_path / "cut"
+    cut.write_bytes(path.read_bytes()[:-5])
+    result = run("kvtool", cut)
+    assert result.returncode == 1 and f"{cut} at offset" in result.stderr
+    shown = [line.split("\t")[0] for line in result.stdout.splitlines() if "\t" in line]
+    assert shown == [str(k) for k in range(1, expected + 1)], result.stdout[-300:]
+    assert f"# {expected} records shown, then the damage at offset" in result.stdout
 
 
 def float_file(tmp_path: Path) -> Path:

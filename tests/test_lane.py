@@ -16,14 +16,15 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-from procs import expected_fixed, fixed_values, running_server, start_server, write_version
+from helpers.procs import expected_fixed, fixed_values, running_server, start_server, write_version
 
 from cube.client import AsyncCubeClient, ConfError, CubeClient, RequestRejectedError
-from cube.client._transport import BusyPoll
+from cube.client._sync_transport import BusyPoll
 from cube.pb import cube_fast_pb2, cube_pb2, cube_pb2_grpc
 from cube.processes import cpu_seconds, poll_until
 from cube.wire import LANE_MAGIC, decode_seek_response, encode_seek_request
@@ -85,14 +86,15 @@ class LaneSocket:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory: pytest.TempPathFactory):
     data = tmp_path_factory.mktemp("lane") / "data"
     write_version(data, "100", KEYS, fixed_values(KEYS, WIDTH, tag=1), current=True)
     with running_server(data, "--dict_name", "test_dict", "--max_batch", "3000") as proc:
         yield proc
 
 
-def test_pipelined_frames_answered_in_order(server):
+@pytest.mark.slow
+def test_pipelined_frames_answered_in_order(server) -> None:
     port = lane_port(server.address)
     assert port and port != server.port
     lane = LaneSocket(port)
@@ -127,6 +129,7 @@ def test_pipelined_frames_answered_in_order(server):
         lane.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "payload, code, words",
     [
@@ -149,7 +152,7 @@ def test_pipelined_frames_answered_in_order(server):
         ),
     ],
 )
-def test_error_frames_keep_the_connection(server, payload, code, words):
+def test_error_frames_keep_the_connection(server, payload, code, words: str) -> None:
     lane = LaneSocket(lane_port(server.address))
     try:
         lane.send(payload)
@@ -162,7 +165,8 @@ def test_error_frames_keep_the_connection(server, payload, code, words):
         lane.close()
 
 
-def test_wrong_magic_and_oversized_frame_close_the_connection(server):
+@pytest.mark.slow
+def test_wrong_magic_and_oversized_frame_close_the_connection(server) -> None:
     port = lane_port(server.address)
     stranger = LaneSocket(port, magic=b"GET / HTTP/1.1\r\n\r\n")
     try:
@@ -180,7 +184,8 @@ def test_wrong_magic_and_oversized_frame_close_the_connection(server):
         lane.close()
 
 
-def test_sdk_uses_the_lane_unless_told_grpc(server):
+@pytest.mark.slow
+def test_sdk_uses_the_lane_unless_told_grpc(server) -> None:
     keys = np.concatenate([KEYS[100:400], np.array([0, 2], dtype=np.uint64)])
     before = counters(server.control_address)
     with CubeClient(shards=[[server.address]], dict_name="test_dict") as client:
@@ -209,7 +214,8 @@ def test_sdk_uses_the_lane_unless_told_grpc(server):
         client.seek(keys)
 
 
-def test_server_without_a_lane_is_used_over_grpc(tmp_path):
+@pytest.mark.slow
+def test_server_without_a_lane_is_used_over_grpc(tmp_path: Path) -> None:
     data = tmp_path / "data"
     write_version(data, "100", KEYS, fixed_values(KEYS, WIDTH, tag=1), current=True)
     with running_server(data, "--tcp_lane", "false") as server:
@@ -227,7 +233,8 @@ def test_server_without_a_lane_is_used_over_grpc(tmp_path):
         assert counters(server.control_address)["lane_messages"] == 0
 
 
-def test_fixed_lane_ports_and_bad_flags(tmp_path):
+@pytest.mark.slow
+def test_fixed_lane_ports_and_bad_flags(tmp_path: Path) -> None:
     data = tmp_path / "data"
     write_version(data, "100", KEYS, fixed_values(KEYS, WIDTH, tag=1), current=True)
     free = socket.socket()
@@ -251,7 +258,8 @@ def test_fixed_lane_ports_and_bad_flags(tmp_path):
         assert done.returncode == 2 and words in done.stderr
 
 
-def test_restarted_server_gets_a_new_lane_and_clients_follow(tmp_path):
+@pytest.mark.slow
+def test_restarted_server_gets_a_new_lane_and_clients_follow(tmp_path: Path) -> None:
     data = tmp_path / "data"
     write_version(data, "100", KEYS, fixed_values(KEYS, WIDTH, tag=1), current=True)
     keys = KEYS[:200]
@@ -270,7 +278,7 @@ def test_restarted_server_gets_a_new_lane_and_clients_follow(tmp_path):
         old_lane = lane_port(first.address)
         servers = [first]
 
-        def restart():
+        def restart() -> None:
             servers[-1].stop()
             servers.append(start_server(data, ports=ports))
 
@@ -300,7 +308,7 @@ def _requests(keys: np.ndarray, count: int, seed: int, **fields) -> list[bytes]:
 
 
 @pytest.mark.parametrize("layout", ["fixed", "variable", "split", "empty"])
-def test_merged_answers_equal_single_answers(tmp_path, layout):
+def test_merged_answers_equal_single_answers(tmp_path: Path, layout: str) -> None:
     from cube.server.service import SeekService
     from cube.server.versions import LoadOptions, VersionSlots, load_base, split_dirs
 
@@ -332,12 +340,12 @@ def test_merged_answers_equal_single_answers(tmp_path, layout):
 
 
 @pytest.mark.parametrize("announced", ["refused", "banana", "0", "70000"])
-def test_unreachable_lane_falls_back_to_grpc(announced):
+def test_unreachable_lane_falls_back_to_grpc(announced: str) -> None:
     """A server announcing a lane nobody can connect to (e.g. a firewall), or a port that is
     not one: calls go over gRPC and the lane is asked for again only after a while."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from cube.server.service import empty_answer, encode_seek_response
+    from cube.server.encoders import empty_answer, encode_seek_response
 
     dead = socket.socket()
     dead.bind(("127.0.0.1", 0))
@@ -381,7 +389,8 @@ def test_unreachable_lane_falls_back_to_grpc(announced):
         dead.close()
 
 
-def test_busy_polling_answers_and_stops_when_idle(tmp_path):
+@pytest.mark.slow
+def test_busy_polling_answers_and_stops_when_idle(tmp_path: Path) -> None:
     """--busy_poll_us on the server and busy_poll_us in the SDK: answers are right, several
     threads share the client, and once traffic stops the server stops polling (a window that
     never closed would burn a core forever)."""
@@ -410,7 +419,7 @@ def test_busy_polling_answers_and_stops_when_idle(tmp_path):
         CubeClient(shards=[["127.0.0.1:1"]], busy_poll_us=-1)
 
 
-def test_busy_poll_receives_what_comes_within_or_after_its_window():
+def test_busy_poll_receives_what_comes_within_or_after_its_window() -> None:
     ours, theirs = socket.socketpair()
     try:
         poll = BusyPoll(0.5)
@@ -438,10 +447,12 @@ def test_busy_poll_receives_what_comes_within_or_after_its_window():
         (5, 3, "y", 300, np.uint8),
     ],
 )
-def test_fixed_answer_frame_is_header_and_response_bytes(n, width, version, request_id, word):
+def test_fixed_answer_frame_is_header_and_response_bytes(
+    n, width, version, request_id, word
+) -> None:
     """The one-buffer answer the kernel writes into is byte for byte the answer header + the
     SeekResponse parts, with the values aligned for the kernel's word copies."""
-    from cube.server.service import Answer, seek_response_parts
+    from cube.server.encoders import Answer, seek_response_parts
     from cube.wire import answer_header, fixed_answer_frame
 
     frame, found, values = fixed_answer_frame(n, width, version, request_id, np.dtype(word))

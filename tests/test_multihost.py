@@ -1,4 +1,4 @@
-"""The chart's pods on hosts of their own (tests/clustersim.py): one network namespace per pod
+"""The chart's pods on hosts of their own (helpers/clustersim.py): one network namespace per pod
 with its own IP on a bridge, cluster DNS names in /etc/hosts, volumes at their mountPaths, the
 rendered command lines, probes and restarts as a kubelet does them. A client in another
 namespace uses the rendered cube.conf.
@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from clustersim import RESOLVER, Namespace, SimNode, require_root_network
-from procs import REPO, scrape
+from helpers.clustersim import RESOLVER, Namespace, SimNode, require_root_network
+from helpers.procs import REPO, scrape
 from test_helm import HELM, PREVIOUS_CHART, render
 
 from cube.donefile import append_line, format_line
@@ -48,6 +48,7 @@ pytestmark = [
     pytest.mark.skipif(not HELM.exists(), reason="helm comes from `make tools` (.tools/)"),
 ]
 
+HELPERS = Path(__file__).parent / "helpers"  # the harness scripts run by path
 DIM = 4
 BASE, DELTA = "1700000000", "1700000100"
 WAIT = 90.0
@@ -76,7 +77,7 @@ OPEN_CLIENTS: list[Client] = []  # (the fixture's client lives across tests)
 
 
 class Client:
-    """tests/sim_client.py in a client namespace: one JSON request, one JSON answer. Every
+    """tests/helpers/sim_client.py in a client namespace: one JSON request, one JSON answer. Every
     client a test starts is closed when the test ends (`close_clients`), and dies with the
     test process (die_with_parent)."""
 
@@ -85,7 +86,7 @@ class Client:
         self.ns = namespace or node.namespace("client")
         env = {**os.environ, **RESOLVER}  # the node's names are in /etc/hosts
         self.process = self.ns.run(
-            [sys.executable, str(Path(__file__).parent / "sim_client.py"), str(conf)],
+            [sys.executable, str(HELPERS / "sim_client.py"), str(conf)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
         )  # fmt: skip
         OPEN_CLIENTS.append(self)
@@ -353,7 +354,7 @@ def running(tmp_path: Path, docs: list[dict], tls_ca: str = "") -> Iterator[Clus
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory: pytest.TempPathFactory):
     tmp_path = tmp_path_factory.mktemp("multihost")
     with running(tmp_path, rendered(tmp_path, VALUES)) as made:
         yield made
@@ -387,7 +388,9 @@ def served(client: Client, keys: np.ndarray) -> dict:
     return client.ask({"seek": keys.tolist(), "dim": DIM})
 
 
-def assert_serves(cluster: Cluster, version: str, expected: np.ndarray, keys: np.ndarray = CHECK):
+def assert_serves(
+    cluster: Cluster, version: str, expected: np.ndarray, keys: np.ndarray = CHECK
+) -> None:
     answer = served(cluster.client, keys)
     assert answer.get("version") == version, answer
     np.testing.assert_array_equal(np.asarray(answer["values"], np.float32), expected)
@@ -408,7 +411,9 @@ def assert_clean(load: dict) -> None:
     assert load["mixed"] == 0, load
 
 
-def test_a_pod_runs_from_a_checkout_its_volume_hides_and_makes_no_host_directory(tmp_path):
+def test_a_pod_runs_from_a_checkout_its_volume_hides_and_makes_no_host_directory(
+    tmp_path: Path,
+) -> None:
     """Any checkout, any machine (issue 24 item 9, issue 26 item 5). Before: a clone under /tmp
     could not run a pod (its /tmp volume hid the venv and the sources), and every mount path
     was made on the host (/var/lib/cube, /donefile: shared by two runs on one machine, one
@@ -442,7 +447,7 @@ def test_a_pod_runs_from_a_checkout_its_volume_hides_and_makes_no_host_directory
     assert not made
 
 
-def test_base_then_delta_reach_every_replica_across_hosts(cluster):
+def test_base_then_delta_reach_every_replica_across_hosts(cluster) -> None:
     node, client = cluster.node, cluster.client
     started = time.monotonic()
     base = cluster.new_base(1.0)
@@ -504,7 +509,7 @@ def test_base_then_delta_reach_every_replica_across_hosts(cluster):
         ("t-cube-transfer-0", "cube-transfer", "download"),
     ],
 )
-def test_kill9_mid_rollout(cluster, pod, container, phase):
+def test_kill9_mid_rollout(cluster, pod, container, phase) -> None:
     """kill -9 of a server, an agent or the transfer while a base rolls out: the kubelet
     restarts it, the rollout completes (or aborts to the previous version), every replica
     serves the live version again, and no request fails or mixes versions."""
@@ -524,7 +529,7 @@ def test_kill9_mid_rollout(cluster, pod, container, phase):
     assert cluster.node.pod(pod).containers[container].restarts >= 1
 
 
-def test_a_replica_cut_off_during_a_rollout(cluster):
+def test_a_replica_cut_off_during_a_rollout(cluster) -> None:
     """Its link goes down while a base rolls out: clients fail over without a failed request,
     the transfer goes on with the quorum (1) it has, and the replica catches up once back."""
     before = cluster.settled()
@@ -560,7 +565,7 @@ def test_a_replica_cut_off_during_a_rollout(cluster):
     assert 2 * result["calls"] <= counted <= 2.5 * result["calls"] + 100, (counted, result)
 
 
-def test_a_slow_replica_is_hedged(cluster):
+def test_a_slow_replica_is_hedged(cluster) -> None:
     """50 ms more round trip to one replica (a relay: this kernel has no netem): with a 10 ms
     hedge the client's p99 stays within a few ms of the healthy p99 (the `la` balancer also
     learns from outrun attempts that the replica is slow), far under the added 50 ms."""
@@ -572,7 +577,7 @@ def test_a_slow_replica_is_hedged(cluster):
     slow_pod = node.pod("t-cube-shard-0-1")
     relay = node.namespace("relay")
     relaying = relay.run(
-        [sys.executable, str(Path(__file__).parent / "delay_relay.py"), "0.0.0.0", slow_pod.ip,
+        [sys.executable, str(HELPERS / "delay_relay.py"), "0.0.0.0", slow_pod.ip,
          "8000,8100", "50"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -601,7 +606,7 @@ def test_a_slow_replica_is_hedged(cluster):
     assert slowed["p99_ms"] < healthy["p99_ms"] + 5, (healthy, slowed)  # within a few ms
 
 
-def test_a_replica_cut_off_and_another_slow_neither_fail_calls_nor_hold_the_exit(cluster):
+def test_a_replica_cut_off_and_another_slow_neither_fail_calls_nor_hold_the_exit(cluster) -> None:
     """Issue 24, item 10: shard 0 listed with three replicas, one whose link goes down (its
     connects hang: no reset), one behind a relay far slower than the call's timeout, one
     healthy; a backup request after 20 ms, `rr`. Before, about one call in three failed by
@@ -614,7 +619,7 @@ def test_a_replica_cut_off_and_another_slow_neither_fail_calls_nor_hold_the_exit
     cut, slow = node.pod("t-cube-shard-0-0"), node.pod("t-cube-shard-0-1")
     relay = node.namespace("relay-3s")
     relaying = relay.run(
-        [sys.executable, str(Path(__file__).parent / "delay_relay.py"), "0.0.0.0", slow.ip,
+        [sys.executable, str(HELPERS / "delay_relay.py"), "0.0.0.0", slow.ip,
          "8000,8100", "3000"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -649,7 +654,7 @@ def test_a_replica_cut_off_and_another_slow_neither_fail_calls_nor_hold_the_exit
     assert load["exit_s"] < 5, load
 
 
-def test_rolling_restart_under_load(cluster):
+def test_rolling_restart_under_load(cluster) -> None:
     """Each shard pod deleted in turn (as the PodDisruptionBudget allows: the next one only
     when the last is ready again), with fresh emptyDir volumes: no failed request."""
     cluster.settled()
@@ -693,7 +698,7 @@ def tls_secret(tmp_path: Path, docs: list[dict]) -> tuple[dict, str]:
     return secret, str(ca_path)
 
 
-def test_tls_end_to_end(tmp_path):
+def test_tls_end_to_end(tmp_path: Path) -> None:
     """Issue 26 item 2, with `tls.enabled` and a certificate Secret: the servers serve lookups
     (gRPC and the lane) over TLS, the agents their API, the transfer its API and the tars
     (agents download over https, the transfer calls them over https); the kubelet's readiness
@@ -727,7 +732,7 @@ def test_tls_end_to_end(tmp_path):
             assert sources in agent.spec.command
 
 
-def test_upgrade_from_the_previous_chart_under_load(tmp_path):
+def test_upgrade_from_the_previous_chart_under_load(tmp_path: Path) -> None:
     """Issue 26 item 6: installed with the previous chart (0.1.0), `helm upgrade` to this one
     with 3 replicas instead of 2 and a new image, then to 2 replicas again (shards
     unchanged): the new replicas get the live version from the transfer, every pod is
@@ -772,13 +777,13 @@ def test_upgrade_from_the_previous_chart_under_load(tmp_path):
 
 
 def test_the_harness_runs_by_hand_with_your_values(tmp_path):
-    """Issue 26 item 5 (docs/DEPLOY.md): `python tests/clustersim.py --values ...` runs the
+    """Issue 26 item 5 (docs/DEPLOY.md): `python tests/helpers/clustersim.py --values ...` runs the
     chart with an operator's values until stopped, prints its pods and a client namespace,
     and leaves nothing behind."""
     values = tmp_path / "mine.yaml"
     values.write_text(yaml.safe_dump({"dict": {"name": "by_hand", "shards": 1, "replicas": 1}}))
     process = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("clustersim.py")), "--values", str(values),
+        [sys.executable, str(HELPERS / "clustersim.py"), "--values", str(values),
          "--workdir", str(tmp_path / "node"), "--seconds", "60", "--ready_timeout", "5"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip

@@ -26,6 +26,9 @@ from cube.server.metrics import ServerCollector
 from cube.server.service import Counters
 from cube.transfer.metrics import RolloutCounters, TransferCollector
 
+# Every test here starts processes (servers, CLIs): make quick skips them.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parent.parent
 ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
 DASHBOARD = REPO / "deploy" / "grafana" / "cube.json"
@@ -34,6 +37,14 @@ PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="promtool comes with Debian's prometheus package (make debs)"
 )
+
+
+def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run promtool (the tests calling this are skipped without it)."""
+    assert PROMTOOL is not None
+    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=60, cwd=cwd)
+
+
 METRIC = re.compile(r"\bcube_[a-z0-9_]+")
 
 
@@ -83,7 +94,7 @@ def exported_names() -> set[str]:
         AgentCollector(lambda: agent),
         ClientCollector(stats),
     )
-    names = set()
+    names: set[str] = set()
     for collector in collectors:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(collector)
@@ -92,7 +103,7 @@ def exported_names() -> set[str]:
     return names
 
 
-def test_every_metric_is_documented():
+def test_every_metric_is_documented() -> None:
     text = (REPO / "docs" / "METRICS.md").read_text()
     families = {re.sub(r"_(total|bucket|sum|count)$", "", name) for name in exported_names()}
     missing = sorted(f for f in families if f"`{f}" not in text)
@@ -109,7 +120,7 @@ def alert_queries() -> list[str]:
     return [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
 
 
-def test_every_metric_used_is_exported():
+def test_every_metric_used_is_exported() -> None:
     names = exported_names()
     for where, queries in (("alerts.yml", alert_queries()), ("cube.json", dashboard_queries())):
         used = {m for q in queries for m in METRIC.findall(q)}
@@ -117,14 +128,14 @@ def test_every_metric_used_is_exported():
         assert used <= names, f"{where} uses metrics nobody exports: {sorted(used - names)}"
 
 
-def test_metric_names_follow_the_conventions():
+def test_metric_names_follow_the_conventions() -> None:
     for name in exported_names():
         assert name.startswith(("cube_server_", "cube_transfer_", "cube_agent_", "cube_client_"))
         if "seconds" in name or "bytes" in name:
             assert re.search(r"_(seconds|bytes)(_total|_bucket|_sum|_count)?$", name), name
 
 
-def test_dashboard_is_well_formed():
+def test_dashboard_is_well_formed() -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids)) and dashboard["uid"]
@@ -137,9 +148,8 @@ def test_dashboard_is_well_formed():
 
 
 @needs_promtool
-def test_promtool_checks_the_rules_and_every_dashboard_query(tmp_path):
-    done = subprocess.run([PROMTOOL, "check", "rules", str(ALERTS)], capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+def test_promtool_checks_the_rules_and_every_dashboard_query(tmp_path: Path) -> None:
+    done = promtool("check", "rules", str(ALERTS))
     assert done.returncode == 0, done.stdout + done.stderr
     # dashboard queries as recording rules: promtool parses each as PromQL
     records = [
@@ -148,13 +158,11 @@ def test_promtool_checks_the_rules_and_every_dashboard_query(tmp_path):
     ]
     rules = tmp_path / "dashboard_rules.yml"
     rules.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": records}]}))
-    done = subprocess.run([PROMTOOL, "check", "rules", str(rules)], capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    done = promtool("check", "rules", str(rules))
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 @needs_promtool
-def test_alerts_fire_on_the_series_they_watch():
-    done = subprocess.run([PROMTOOL, "test", "rules", str(RULE_TESTS)], capture_output=True,
-                          text=True, timeout=60, cwd=RULE_TESTS.parent)  # fmt: skip
+def test_alerts_fire_on_the_series_they_watch() -> None:
+    done = promtool("test", "rules", str(RULE_TESTS), cwd=RULE_TESTS.parent)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -20,18 +20,23 @@ from cube.processes import poll_until, spawn, stop_child
 from cube.seqfile import SequenceFileWriter
 from cube.values import ValueColumn
 
+# Every test here starts processes (servers, CLIs): make quick skips them.
+pytestmark = pytest.mark.slow
+
 # The original cube-server's conf/gflags.conf, as shipped, plus a port file for the test.
 ORIGINAL_GFLAGS = "--port=8000\n--dict_split=1\n--in_mem=true\n--log_dir=./log/\n"
 
 
-def tool(name: str, *args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+def tool(
+    name: str, *args: str, cwd: Path, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", name, *args], cwd=cwd, capture_output=True, text=True,
         timeout=timeout,
     )  # fmt: skip
 
 
-def test_ignored_flags_warn_and_take_their_values(capsys):
+def test_ignored_flags_warn_and_take_their_values(capsys: pytest.CaptureFixture[str]) -> None:
     flags = (
         FlagSet("t")
         .add("port", int, 0)
@@ -45,7 +50,9 @@ def test_ignored_flags_warn_and_take_their_values(capsys):
         FlagSet("t").ignore(["bvar_dump"], False, "x").parse(["--bvar_dumpp"])
 
 
-def test_the_default_flagfile_is_read_first_and_the_command_line_wins(tmp_path, monkeypatch):
+def test_the_default_flagfile_is_read_first_and_the_command_line_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     fs = FlagSet("t", default_flagfile="conf/gflags.conf").add("port", int, 0).add("x", int, 1)
     assert fs.parse([]).port == 0  # no file: defaults
@@ -55,7 +62,7 @@ def test_the_default_flagfile_is_read_first_and_the_command_line_wins(tmp_path, 
     assert fs.parse(["--port", "9"]).port == 9
 
 
-def test_build_and_serve_as_the_original_docs_do(tmp_path):
+def test_build_and_serve_as_the_original_docs_do(tmp_path: Path) -> None:
     """cube-builder -cur_version=0 -depend_version=0 makes version 0; its shard files copied
     into ./data are served as version 0 by a cube-server that reads conf/gflags.conf and
     ignores --bvar_dump."""
@@ -99,18 +106,19 @@ def test_build_and_serve_as_the_original_docs_do(tmp_path):
     assert (cube / "log" / "cube-server.log").exists()  # --log_dir=./log/ from gflags.conf
 
 
-def _alive(process: subprocess.Popen, tmp_path: Path) -> None:
+def _alive(process: subprocess.Popen[bytes], tmp_path: Path) -> None:
     if process.poll() is not None:
         raise AssertionError((tmp_path / "server.log").read_text()[-2000:])
 
 
-def test_a_delta_alone_in_data_is_not_served(tmp_path):
+def test_a_delta_alone_in_data_is_not_served(tmp_path: Path) -> None:
     """The files of a delta copied into ./data would answer misses for every key of its base:
     the server says NOT_SERVING with the reason instead."""
     from grpc_health.v1 import health_pb2
-    from procs import health_status, start_server
+    from helpers.procs import start_server
+    from test_builder import build_args, run_builder, write_seqfile
 
-    from tests.test_builder import build_args, run_builder, write_seqfile
+    from cube.processes import health_status
 
     write_seqfile(tmp_path / "in" / "part-0", [1, 2], [b"a", b"b"])
     base = run_builder(*build_args(tmp_path / "in", tmp_path / "out", 1))
@@ -127,7 +135,7 @@ def test_a_delta_alone_in_data_is_not_served(tmp_path):
     assert "needs its base" in server.log_path.read_text()
 
 
-def test_the_original_agents_flags_start_it(tmp_path):
+def test_the_original_agents_flags_start_it(tmp_path: Path) -> None:
     args = ["-P", "0", "-l", "2", "-n", "10", "-q", "20", "--log_dir=./log",
             "--log_name=m_agent", "--deploy_path", str(tmp_path / "deploy")]  # fmt: skip
     agent = spawn([sys.executable, "-m", "cube.agent.main", *args], tmp_path / "agent.out",

@@ -6,7 +6,7 @@ The JSON encoder and parser are checked against a plain reference (json + base64
 runs a real cube-server: the answers equal rec.mcube.DictService's over gRPC, refusals are
 HTTP statuses and brpc error codes (never silent misses, never the request's content echoed),
 bad baidu_std frames close the connection with nothing sent, and control follows the control
-port's token rule. baidu_std frames come from tests/brpc_client.py, written from brpc's
+port's token rule. baidu_std frames come from tests/helpers/brpc_client.py, written from brpc's
 published description (no brpc peer exists on this machine).
 """
 
@@ -20,18 +20,20 @@ import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
 import numpy as np
 import pytest
-from brpc_client import BrpcClient, closed_without_answer, frame, read_reply, request_meta
-from procs import expected_fixed, fixed_values, running_server, write_version
+from helpers.brpc_client import BrpcClient, closed_without_answer, frame, read_reply, request_meta
+from helpers.procs import expected_fixed, fixed_values, running_server, write_version
 
 from cube.pb import cube_pb2, cube_pb2_grpc
 from cube.processes import _port_free, free_port, poll_until
+from cube.server.encoders import Answer
 from cube.server.original import control_request, keys_array, seek_json, seek_request
-from cube.server.service import Answer, RequestError
+from cube.server.service import RequestError
 
 MISS = 0xFFFFFFFF
 DICT = "rec.mcube.DictService"
@@ -55,7 +57,7 @@ def reference_json(found, values, version) -> dict:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_seek_json_matches_the_reference(seed):
+def test_seek_json_matches_the_reference(seed) -> None:
     rng = np.random.default_rng(seed)
     for _ in range(150):
         n = int(rng.integers(0, 60))
@@ -79,7 +81,7 @@ def test_seek_json_matches_the_reference(seed):
         assert b" " not in text  # compact, as brpc writes it
 
 
-def test_json_keys_numbers_and_decimal_strings():
+def test_json_keys_numbers_and_decimal_strings() -> None:
     keys = keys_array([0, 1, "2", 2**64 - 1, str(2**64 - 1)])
     assert keys.dtype == np.uint64
     assert keys.tolist() == [0, 1, 2, 2**64 - 1, 2**64 - 1]
@@ -89,7 +91,7 @@ def test_json_keys_numbers_and_decimal_strings():
 @pytest.mark.parametrize(
     "bad", [-1, 2**64, 1.0, 1e3, True, None, "-1", "0x10", " 7", "1" * 21, [1], {"k": 1}]
 )
-def test_json_bad_key_is_named_by_position(bad):
+def test_json_bad_key_is_named_by_position(bad) -> None:
     with pytest.raises(RequestError) as info:
         keys_array([5, bad])
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -108,19 +110,19 @@ def test_json_bad_key_is_named_by_position(bad):
         (b"[" * 100000, "not JSON"),
     ],
 )
-def test_json_bad_bodies_name_the_problem_not_the_content(body, words):
+def test_json_bad_bodies_name_the_problem_not_the_content(body, words) -> None:
     with pytest.raises(RequestError) as info:
         seek_request(body)
     assert words in info.value.message and SECRET not in info.value.message
 
 
-def test_json_seek_request_defaults_and_ignores_other_members():
+def test_json_seek_request_defaults_and_ignores_other_members() -> None:
     assert seek_request(b"{}") == ([], False)
     assert seek_request(b'{"keys": null, "version_required": null}') == ([], False)
     assert seek_request(b'{"keys": [3], "version_required": true, "x": 1}') == ([3], True)
 
 
-def test_control_json_fields():
+def test_control_json_fields() -> None:
     request = control_request(b'{"cmd": "bg_load_base", "version_path": "/7", "other": 1}')
     assert (request.cmd, request.version_path, request.HasField("version")) == (
         "bg_load_base",
@@ -160,7 +162,7 @@ def post_json(port: int, path: str, payload, headers: dict | None = None):
     return status, (json.loads(body) if status == 200 else body.decode())
 
 
-def grpc_seek(server, keys, version_required=True) -> cube_pb2.DictResponse:
+def grpc_seek(server, keys, version_required: bool = True) -> cube_pb2.DictResponse:
     with grpc.insecure_channel(server.address) as channel:
         request = cube_pb2.DictRequest(keys=keys, version_required=version_required)
         return cube_pb2_grpc.DictServiceStub(channel).seek(request, timeout=10)
@@ -177,7 +179,7 @@ KEYS = np.arange(1, 9000, 3, dtype=np.uint64)  # version 100: width 12, tag 1
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory: pytest.TempPathFactory):
     data = tmp_path_factory.mktemp("original") / "data"
     write_version(data, "100", KEYS, fixed_values(KEYS, 12, tag=1), current=True)
     args = ("--http_port", "0", "--baidu_std_port", "0", "--max_batch", "1000")
@@ -192,7 +194,8 @@ def server(tmp_path_factory):
 QUERY = [int(KEYS[7]), 2, int(KEYS[0]), 2**64 - 1, int(KEYS[7]), int(KEYS[-1])]
 
 
-def test_http_seek_hits_misses_order_and_version(server):
+@pytest.mark.slow
+def test_http_seek_hits_misses_order_and_version(server) -> None:
     status, answer = post_json(server.http, "/DictService/seek", {"keys": QUERY})
     assert status == 200
     assert [v["status"] for v in answer["values"]] == [0, MISS, 0, MISS, 0, 0]
@@ -207,7 +210,8 @@ def test_http_seek_hits_misses_order_and_version(server):
     assert answer == as_json(grpc_seek(server.proc, QUERY)) and answer["version"] == "100"
 
 
-def test_http_seek_as_the_original_clients_send_it(server):
+@pytest.mark.slow
+def test_http_seek_as_the_original_clients_send_it(server) -> None:
     """The Go demo (application/json), curl -d (form-urlencoded), the full service name,
     decimal-string keys, no keys at all, and the protobuf body brpc takes as well."""
     body = json.dumps({"keys": QUERY}).encode()
@@ -236,6 +240,7 @@ def test_http_seek_as_the_original_clients_send_it(server):
         assert cube_pb2.DictResponse.FromString(reply) == grpc_seek(server.proc, QUERY)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("body", "words"),
     [
@@ -246,13 +251,14 @@ def test_http_seek_as_the_original_clients_send_it(server):
         (f"{{{SECRET}", "not JSON"),
     ],
 )
-def test_http_bad_json_is_400_naming_the_field(server, body, words):
+def test_http_bad_json_is_400_naming_the_field(server, body, words) -> None:
     status, rtype, reply = post(server.http, "/DictService/seek", body.encode())
     assert status == 400 and rtype.startswith("text/plain")
     assert words in reply.decode() and SECRET not in reply.decode()
 
 
-def test_http_too_many_keys_and_oversized_body(server):
+@pytest.mark.slow
+def test_http_too_many_keys_and_oversized_body(server) -> None:
     status, _type, reply = post(
         server.http, "/DictService/seek", b'{"keys": [%s]}' % b",".join([b"1"] * 1001)
     )
@@ -264,7 +270,8 @@ def test_http_too_many_keys_and_oversized_body(server):
     assert status == 404
 
 
-def test_http_control_on_loopback_without_a_token(server):
+@pytest.mark.slow
+def test_http_control_on_loopback_without_a_token(server) -> None:
     status, answer = post_json(server.http, "/ControlService/cmd", {"cmd": "status"})
     assert status == 200 and answer == {"cur_version": "100", "bg_version": "", "status": 0}
     status, text = post_json(server.http, "/ControlService/cmd", {"cmd": "fly"})
@@ -273,7 +280,8 @@ def test_http_control_on_loopback_without_a_token(server):
     assert status == 400 and "cmd" in text
 
 
-def test_baidu_std_seek_hits_misses_order_and_version(server):
+@pytest.mark.slow
+def test_baidu_std_seek_hits_misses_order_and_version(server) -> None:
     request = cube_pb2.DictRequest(keys=QUERY, version_required=True).SerializeToString()
     with BrpcClient(server.brpc) as client:
         reply = client.call(DICT, "seek", request, correlation_id=2**62 + 5, log_id=77)
@@ -293,7 +301,8 @@ def test_baidu_std_seek_hits_misses_order_and_version(server):
         assert client.call(DICT, "seek").message == b""  # no keys: an empty DictResponse
 
 
-def test_baidu_std_pipelined_requests_answer_in_order(server):
+@pytest.mark.slow
+def test_baidu_std_pipelined_requests_answer_in_order(server) -> None:
     with BrpcClient(server.brpc) as client:
         frames = b""
         for i in range(20):
@@ -307,6 +316,7 @@ def test_baidu_std_pipelined_requests_answer_in_order(server):
             assert values[0].value == expected_fixed(KEYS[i : i + 1], 12, 1).tobytes()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("service", "method", "meta", "code", "words"),
     [
@@ -317,7 +327,7 @@ def test_baidu_std_pipelined_requests_answer_in_order(server):
         (DICT, "seek", {"attachment_size": 999}, 1003, "attachment_size"),
     ],
 )
-def test_baidu_std_refusals_are_error_responses(server, service, method, meta, code, words):
+def test_baidu_std_refusals_are_error_responses(server, service, method, meta, code, words) -> None:
     with BrpcClient(server.brpc) as client:
         request = cube_pb2.DictRequest(keys=[1]).SerializeToString()
         reply = client.call(service, method, request, correlation_id=41, **meta)
@@ -327,7 +337,8 @@ def test_baidu_std_refusals_are_error_responses(server, service, method, meta, c
         assert reply.error_code == 0
 
 
-def test_baidu_std_bad_request_and_too_many_keys(server):
+@pytest.mark.slow
+def test_baidu_std_bad_request_and_too_many_keys(server) -> None:
     with BrpcClient(server.brpc) as client:
         reply = client.call(DICT, "seek", b"\xff\xff" + SECRET.encode())
         assert reply.error_code == 1003 and "does not parse" in reply.error_text
@@ -342,6 +353,7 @@ def _raw(port: int, data: bytes) -> socket.socket:
     return sock
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "data",
     [
@@ -353,14 +365,15 @@ def _raw(port: int, data: bytes) -> socket.socket:
         b"PRPC" + struct.pack(">II", 2, 2) + b"\x20\x05",  # a meta without a request
     ],
 )
-def test_baidu_std_bad_frames_close_without_an_answer(server, data):
+def test_baidu_std_bad_frames_close_without_an_answer(server, data) -> None:
     with _raw(server.brpc, data) as sock:
         assert closed_without_answer(sock)
     with BrpcClient(server.brpc) as client:  # the server goes on
         assert client.call(DICT, "seek").error_code == 0
 
 
-def test_baidu_std_control_on_loopback_without_a_token(server):
+@pytest.mark.slow
+def test_baidu_std_control_on_loopback_without_a_token(server) -> None:
     with BrpcClient(server.brpc) as client:
         reply = client.call("rec.mcube.ControlService", "cmd", attachment=b'{"cmd": "status"}')
         assert reply.error_code == 0 and reply.message == b""
@@ -369,7 +382,8 @@ def test_baidu_std_control_on_loopback_without_a_token(server):
         assert reply.error_code == 1003 and SECRET not in reply.error_text
 
 
-def test_the_faces_are_counted_apart(server):
+@pytest.mark.slow
+def test_the_faces_are_counted_apart(server) -> None:
     post_json(server.http, "/DictService/seek", {"keys": [1, 2, 3]})
     assert post_json(server.http, "/DictService/seek", {"keys": [-1]})[0] == 400
     with BrpcClient(server.brpc) as client:
@@ -391,7 +405,8 @@ def _connections(proc) -> dict:
     return detail["worker_states"][0]["lane"]
 
 
-def test_the_faces_share_the_lane_limits(tmp_path):
+@pytest.mark.slow
+def test_the_faces_share_the_lane_limits(tmp_path: Path) -> None:
     """--lane_max_connections counts every socket port of a worker: at the limit, a new
     connection on any face closes the idle one (here an HTTP keep-alive connection between
     requests) to make room. A peer that stalls halfway through a request is closed after
@@ -448,7 +463,8 @@ def test_the_faces_share_the_lane_limits(tmp_path):
 # a replica that cannot serve, the token rule, variable values over every transport
 
 
-def test_not_serving_replica_refuses_on_both_faces(tmp_path):
+@pytest.mark.slow
+def test_not_serving_replica_refuses_on_both_faces(tmp_path: Path) -> None:
     args = ("--http_port", "0", "--baidu_std_port", "0")
     with running_server(tmp_path / "nothing", *args) as proc:
         ports = ports_of(proc)
@@ -460,7 +476,8 @@ def test_not_serving_replica_refuses_on_both_faces(tmp_path):
         assert reply.message == b""
 
 
-def test_control_token_rule_and_a_rollout_over_http(tmp_path):
+@pytest.mark.slow
+def test_control_token_rule_and_a_rollout_over_http(tmp_path: Path) -> None:
     """With --control_token, control over HTTP needs the bearer token and over baidu_std the
     token as authentication_data; with it, the original agent's commands load and enable."""
     data = tmp_path / "data"
@@ -505,7 +522,7 @@ def test_control_token_rule_and_a_rollout_over_http(tmp_path):
         assert status == 400 and "300" in text  # a failed command is not a 200
 
 
-def test_control_beyond_loopback_needs_a_token_or_insecure():
+def test_control_beyond_loopback_needs_a_token_or_insecure() -> None:
     """The rule, without binding a public address: a face bound beyond loopback refuses
     control with no token unless --insecure; with a token, only the right one passes."""
     from cube.pb.baidu_std_pb2 import RpcMeta
@@ -534,7 +551,8 @@ def test_control_beyond_loopback_needs_a_token_or_insecure():
     assert control_refusal("127.0.0.1", "s3cret", False, None) == grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_variable_values_and_splits_agree_over_every_transport(tmp_path):
+@pytest.mark.slow
+def test_variable_values_and_splits_agree_over_every_transport(tmp_path: Path) -> None:
     data = tmp_path / "data"
     keys = np.arange(0, 400, dtype=np.uint64)
     values = [bytes([k % 251]) * (k % 9) for k in range(400)]  # empty values too
@@ -557,7 +575,8 @@ def test_variable_values_and_splits_agree_over_every_transport(tmp_path):
         assert cube_pb2.DictResponse.FromString(reply.message) == expected
 
 
-def test_both_faces_over_tls(tmp_path, pki):
+@pytest.mark.slow
+def test_both_faces_over_tls(tmp_path: Path, pki: dict[str, str]) -> None:
     """With --tls_cert the faces serve TLS, like the other lookup ports: HTTPS and baidu_std
     in TLS, verified with the test CA; a plaintext peer gets nothing."""
     import ssl
@@ -592,7 +611,7 @@ def _consecutive_free_ports(count: int) -> int:
 
 
 @pytest.mark.slow
-def test_every_worker_serves_both_faces_and_forwards_control(tmp_path):
+def test_every_worker_serves_both_faces_and_forwards_control(tmp_path: Path) -> None:
     """--workers 2: worker i on port + i for both faces; control sent to worker 1 is run by
     worker 0 (forwarded over the internal channel), as on the control port."""
     write_version(tmp_path / "data", "100", KEYS[:50], fixed_values(KEYS[:50], 12, 1), current=True)
@@ -616,7 +635,8 @@ def test_every_worker_serves_both_faces_and_forwards_control(tmp_path):
         assert status == 200 and answer["message"] == "no background version"
 
 
-def test_idle_baidu_std_connection_does_not_hold_up_a_stop(tmp_path):
+@pytest.mark.slow
+def test_idle_baidu_std_connection_does_not_hold_up_a_stop(tmp_path: Path) -> None:
     write_version(tmp_path / "data", "1", [1], [b"x"], current=True)
     with running_server(tmp_path / "data", "--baidu_std_port", "0", "--grace", "20") as proc:
         client = BrpcClient(ports_of(proc)["baidu_std_ports"][0])
@@ -628,6 +648,7 @@ def test_idle_baidu_std_connection_does_not_hold_up_a_stop(tmp_path):
         client.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "words"),
     [
@@ -637,7 +658,7 @@ def test_idle_baidu_std_connection_does_not_hold_up_a_stop(tmp_path):
         (["--baidu_std_port", "65535", "--workers", "2", "--port", "18000"], "not all ports"),
     ],
 )
-def test_face_flags_are_checked(tmp_path, args, words):
+def test_face_flags_are_checked(tmp_path: Path, args, words) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "cube.server.main", "--data_dir", str(tmp_path), *args],
         capture_output=True,
@@ -647,7 +668,8 @@ def test_face_flags_are_checked(tmp_path, args, words):
     assert result.returncode == 2 and words in result.stderr
 
 
-def test_help_lists_the_flags():
+@pytest.mark.slow
+def test_help_lists_the_flags() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "cube.server.main", "--help"],
         capture_output=True,

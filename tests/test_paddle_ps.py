@@ -57,7 +57,7 @@ CTR8 = layout("ctr_common", 8, "adagrad")
         ("sparse", 9, "shared_adam", 6 + 4 + 8 + 4, 10),
     ],
 )
-def test_layouts_have_paddles_column_counts(accessor, dim, rule, full, short):
+def test_layouts_have_paddles_column_counts(accessor, dim, rule, full, short) -> None:
     table = layout(accessor, dim, rule)
     assert (table.full, table.short) == (full, short)
     assert table.columns[:6] == ("slot", "unseen_days", "delta_score", "show", "click", "embed_w")
@@ -65,7 +65,7 @@ def test_layouts_have_paddles_column_counts(accessor, dim, rule, full, short):
     assert len(table.field_columns("embedx_w")) == dim - pp.ACCESSORS[accessor].non_embedx
 
 
-def test_mixed_rules_and_the_value_places():
+def test_mixed_rules_and_the_value_places() -> None:
     table = layout("ctr_common", 8, "naive", "adam")
     assert table.full == 6 + 0 + 5 + 12 and table.embedx_start == 6
     spec = pp.ValueSpec(("show", "click", "embed_w", "embedx_w"), "float16")
@@ -76,7 +76,7 @@ def test_mixed_rules_and_the_value_places():
     assert pp.ValueSpec().width(CTR8) == 6 * 4
 
 
-def test_bad_layout_and_value_settings_say_which_flag():
+def test_bad_layout_and_value_settings_say_which_flag() -> None:
     with pytest.raises(ValueError, match="-paddle_dim > 3"):
         layout("ctr_common", 3, "adagrad")
     with pytest.raises(ValueError, match=r"-paddle_value.*not bogus"):
@@ -95,7 +95,7 @@ def test_bad_layout_and_value_settings_say_which_flag():
     )
 
 
-def test_the_hint_names_the_flags_a_row_would_fit():
+def test_the_hint_names_the_flags_a_row_would_fit() -> None:
     fits = pp.layouts_with(13, limit=10)
     assert "-paddle_accessor ctr_common -paddle_dim 8 -paddle_optimizer adagrad" in fits
     assert "-paddle_accessor sparse -paddle_dim 8 -paddle_optimizer adam" in pp.layouts_with(33, 10)
@@ -114,7 +114,9 @@ def saves():
 
 @pytest.mark.parametrize("compiled", PARSERS, ids=["numpy", "compiled"][: len(PARSERS)])
 @pytest.mark.parametrize(("scenario", "save", "table"), list(saves()))
-def test_every_real_save_parses_to_what_the_trainer_looks_up(scenario, save, table, compiled):
+def test_every_real_save_parses_to_what_the_trainer_looks_up(
+    scenario, save, table, compiled
+) -> None:
     """Every mode (0-3, an empty delta), both accessors, three optimizer rules, plain and gzip
     parts: the keys are those saved, in file order, and each served value (with -paddle_value
     set to what the lookup returns) equals the trainer's own lookup right after the save, to
@@ -149,7 +151,7 @@ def test_every_real_save_parses_to_what_the_trainer_looks_up(scenario, save, tab
         assert np.count_nonzero(short_rows) >= short
 
 
-def test_the_saves_hold_every_mode_gzip_and_empty_parts():
+def test_the_saves_hold_every_mode_gzip_and_empty_parts() -> None:
     """The checked-in data covers what the tests above claim."""
     for scenario in ("ctr_common_adagrad", "sparse_adam"):
         modes = {r["mode"] for r in expected(scenario)["saves"].values()}
@@ -161,7 +163,7 @@ def test_the_saves_hold_every_mode_gzip_and_empty_parts():
     assert max(keys) > 1 << 63  # uint64 keys an int64 feed carried
 
 
-def test_paddles_configuration_text_is_read():
+def test_paddles_configuration_text_is_read() -> None:
     text = (DATA / "ctr_common_adagrad" / "fleet_desc.prototxt").read_bytes()
     tables = pp.parse_fleet_desc(text, "fleet_desc.prototxt")
     sparse = [t for t in tables if t.sparse]
@@ -185,7 +187,7 @@ def test_paddles_configuration_text_is_read():
         pp.parse_fleet_desc(b"downpour_table_param { table_id: 0\n", "f")
 
 
-def test_flags_and_configuration_must_agree():
+def test_flags_and_configuration_must_agree() -> None:
     text = (DATA / "ctr_common_adagrad" / "fleet_desc.prototxt").read_bytes()
     config = tuple(pp.parse_fleet_desc(text, "fleet_desc.prototxt"))
     source = pp.PaddleSource(config=config, config_name="fleet_desc.prototxt")
@@ -235,7 +237,7 @@ NUMBERS = [
 
 
 @pytest.mark.parametrize("dtype", pp.DTYPES)
-def test_both_parsers_equal_pythons_float_on_every_form(dtype):
+def test_both_parsers_equal_pythons_float_on_every_form(dtype) -> None:
     rng = random.Random(11)
     table = layout("sparse", 4, "naive")  # 9 numbers a row: embed_w and embedx_w x 3 served
     spec = pp.ValueSpec(("show", "click", "embed_w", "embedx_w"), dtype)
@@ -263,7 +265,7 @@ def test_both_parsers_equal_pythons_float_on_every_form(dtype):
         assert rows.short_rows == 80 and rows.lines == 402
 
 
-def test_a_large_buffer_takes_many_slow_numbers():
+def test_a_large_buffer_takes_many_slow_numbers() -> None:
     """More numbers than the compiled parser notes for Python's float: the numpy parser
     takes over, same answer."""
     table = layout("sparse", 4, "naive")
@@ -298,7 +300,7 @@ BAD_ROWS = [
 
 @pytest.mark.parametrize("compiled", PARSERS, ids=["numpy", "compiled"][: len(PARSERS)])
 @pytest.mark.parametrize(("row", "message"), BAD_ROWS, ids=[m[:30] for _, m in BAD_ROWS])
-def test_a_bad_row_is_named_by_source_line_and_field(row, message, compiled):
+def test_a_bad_row_is_named_by_source_line_and_field(row, message, compiled) -> None:
     good = "7 0 0 0 1 1 0.5 0.1 0.2 0.3 0.4 0.5 0.6 0.7\n"
     data = (good + "\n" + row + "\n" + good).encode()  # the bad row is line 3
     with pytest.raises(pp.PaddleRowError) as caught:
@@ -308,7 +310,7 @@ def test_a_bad_row_is_named_by_source_line_and_field(row, message, compiled):
     assert message in text, text
 
 
-def test_float16_overflow_names_the_field():
+def test_float16_overflow_names_the_field() -> None:
     data = b"7 0 0 0 70000 1 0.5 0.1 0.2 0.3 0.4 0.5 0.6 0.7\n"
     for compiled in PARSERS:
         with pytest.raises(pp.PaddleRowError, match=r"line 1: field 5 \(show\): 70000.0 does not"):
@@ -319,7 +321,7 @@ def test_float16_overflow_names_the_field():
         assert rows.values.tolist() == [[np.float16(0.5)]]
 
 
-def test_a_wrong_layout_hints_at_the_right_flags():
+def test_a_wrong_layout_hints_at_the_right_flags() -> None:
     data = (DATA / "sparse_adam" / "delta" / "000" / "part-000-00001").read_bytes()
     with pytest.raises(pp.PaddleRowError) as caught:
         pp.parse_rows(data, CTR8, pp.ValueSpec(), "part-000-00001")
@@ -327,7 +329,7 @@ def test_a_wrong_layout_hints_at_the_right_flags():
     assert "-paddle_accessor sparse -paddle_dim 8 -paddle_optimizer adam" in str(caught.value)
 
 
-def test_which_folders_are_sparse_tables():
+def test_which_folders_are_sparse_tables() -> None:
     row = b"7 0 0 0 1 1 0.5 0.1 0.2 0.3 0.4 0.5 0.6 0.7"
     assert pp.sparse_folder_problem(["part-000-00000", "part-000-00001.gz"], row) == ""
     assert pp.sparse_folder_problem(["part-000-00000"], None) == ""  # all empty: by name

@@ -3,8 +3,13 @@
 import subprocess
 import sys
 
+import pytest
 
-def test_stubs_are_not_stale():
+# Every test here starts processes (servers, CLIs): make quick skips them.
+pytestmark = pytest.mark.slow
+
+
+def test_stubs_are_not_stale() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "cube.pb.generate", "--check"],
         capture_output=True,

@@ -16,12 +16,13 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
-from agent_helpers import AgentProc
-from brpc_client import BrpcClient
-from procs import health_status, start_server
+from helpers.agent_helpers import AgentProc
+from helpers.brpc_client import BrpcClient
+from helpers.procs import start_server
 
-from cube.processes import free_ports, poll_until, spawn, stop_child
+from cube.processes import free_ports, health_status, poll_until, spawn, stop_child
 from cube.transfer.local import command
 from cube.wire import LANE_MAGIC, encode_seek_request
 
@@ -43,7 +44,7 @@ def grpc_answers(port: int) -> bool:
 
 def lane_answers(port: int) -> bool:
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        request = encode_seek_request([1], request_id=1)
+        request = encode_seek_request(np.array([1], dtype=np.uint64), request_id=1)
         sock.sendall(LANE_MAGIC + struct.pack("<I", len(request)) + request)
         return len(sock.recv(5)) > 0  # an answer frame (an error frame when nothing is loaded)
 
@@ -100,7 +101,7 @@ def transfer_conf(root: Path, wget_port: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def held(tmp_path_factory) -> Iterator[dict[str, int]]:
+def held(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, int]]:
     """A cube-server, a cube-agent and a cube-transfer, every port of each on port 0: what
     they bound, by case name."""
     root = tmp_path_factory.mktemp("holders")
@@ -240,7 +241,9 @@ def refused(argv: list[str], log: Path, port: int, flag: str) -> None:
 
 
 @pytest.mark.parametrize("case", [*CASES, "server --reuseport"])
-def test_a_second_command_on_a_port_in_use_is_refused(case, held, tmp_path):
+def test_a_second_command_on_a_port_in_use_is_refused(
+    case: str, held: dict[str, int], tmp_path: Path
+) -> None:
     if case == "server --reuseport":
         return check_reuseport_is_for_one_server(tmp_path)
     second, flag, answers = CASES[case]

@@ -1,9 +1,11 @@
-"""The README's quick tour, run as a user would (in a fresh directory, with the virtualenv's
-commands on PATH): build, unpack, serve, look up. The servers' fixed ports are swapped for
-`--port 0 --port_file` so that the tour runs beside anything else on the machine."""
+"""The README's quick tour, run as a user would (in a scratch directory, with the virtualenv's
+commands on PATH): build, unpack, serve, look up, stop the servers as it says. The servers'
+fixed ports are swapped for `--port 0 --port_file` so that the tour runs beside anything else
+on the machine."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -11,11 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from grpc_health.v1 import health_pb2
-from procs import health_status
 
-from cube.processes import poll_until, spawn, stop_child
+from cube.processes import health_status, poll_until
 
 pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
 
@@ -30,40 +32,62 @@ def tour_blocks() -> list[tuple[str, str]]:
     return re.findall(r"```(\w+)\n(.*?)```", section, re.DOTALL)
 
 
-def test_the_quick_tour_runs(tmp_path):
-    setup, build, serve, lookup, paddle, transfer_conf = tour_blocks()
-    assert setup[1].strip() == "make install && . .venv/bin/activate"
+def test_the_quick_tour_runs(tmp_path: Path) -> None:
+    setup, build, serve, lookup, stop, paddle, transfer_conf = tour_blocks()
+    install, scratch = setup[1].strip().splitlines()
+    assert install == "make install && . .venv/bin/activate"
+    assert scratch.startswith("export CUBE_REPO=$PWD && cd ")  # the tour runs in a scratch dir
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env["CUBE_REPO"] = str(REPO)
     built = subprocess.run(
         ["bash", "-euc", build[1]], cwd=tmp_path, env=env, capture_output=True, text=True,
         timeout=120,
     )  # fmt: skip
     assert built.returncode == 0, built.stderr
-    servers, addresses = [], {}
+    # the servers as the tour starts them, in the background with their PIDs in servers.pid;
+    # port 0 and a port file each instead of the fixed ports
+    addresses = {}
+    script = serve[1]
+    for port in re.findall(r"cube-server --port (\d+) ", script):
+        script = script.replace(f"--port {port} ", f"--port 0 --port_file {port}.json ")
+        addresses[f"127.0.0.1:{port}"] = tmp_path / f"{port}.json"
+    assert len(addresses) == 2 and script.count("echo $! >> servers.pid") == 2, script
+    pids: list[int] = []
+    bound_to: dict[str, str] = {}  # the tour's address -> the one its server bound
     try:
-        for line in serve[1].splitlines():
-            shape = re.fullmatch(r"cube-server --port (\d+) --data_dir (\S+) &", line)
-            assert shape, line
-            port, data_dir = shape.groups()
-            port_file = tmp_path / f"{port}.json"
-            server = str(Path(sys.executable).parent / "cube-server")
-            argv = [server, "--port", "0", "--port_file", str(port_file), "--data_dir", data_dir]
-            servers.append(spawn(argv, tmp_path / f"{port}.log", cwd=tmp_path))
-            log = tmp_path / f"{port}.log"
-            assert poll_until(port_file.exists, 60, 0.05), log.read_text()
+        with open(tmp_path / "servers.log", "wb") as log:  # not a pipe: the servers keep it
+            started = subprocess.run(
+                ["bash", "-euc", script], cwd=tmp_path, env=env, stdout=log, stderr=log,
+                timeout=60, start_new_session=True,
+            )  # fmt: skip
+        pids = [int(line) for line in (tmp_path / "servers.pid").read_text().split()]
+        assert started.returncode == 0 and len(pids) == 2, (tmp_path / "servers.log").read_text()
+        for wanted, port_file in addresses.items():
+            assert poll_until(port_file.exists, 60, 0.05), (tmp_path / "servers.log").read_text()
             bound = f"127.0.0.1:{json.loads(port_file.read_text())['ports'][0]}"
             serving = lambda address=bound: health_status(address) == SERVING  # noqa: E731
-            assert poll_until(serving, 60, 0.05), log.read_text()
-            addresses[f"127.0.0.1:{port}"] = bound
+            assert poll_until(serving, 60, 0.05), bound
+            bound_to[wanted] = bound
         code = lookup[1]
-        for wanted, bound in addresses.items():
+        for wanted, bound in bound_to.items():
             code = code.replace(wanted, bound)
         exec(compile(code, "README.md quick tour", "exec"), {})  # its asserts check the answers
+        # the tour's way to stop them: every server exits, servers.pid is gone
+        stopped = subprocess.run(
+            ["bash", "-euc", stop[1]], cwd=tmp_path, env=env, capture_output=True, text=True,
+            timeout=30,
+        )  # fmt: skip
+        assert stopped.returncode == 0, stopped.stderr
+        assert poll_until(lambda: not any(psutil.pid_exists(p) for p in pids), 30, 0.1)
+        assert not (tmp_path / "servers.pid").exists()
     finally:
-        for process in servers:
-            stop_child(process, 15)
-    # From PaddleRec: run from the repository's root (its test saves are under tests/)
-    (tmp_path / "tests").symlink_to(REPO / "tests")
+        pid_file = tmp_path / "servers.pid"
+        if not pids and pid_file.exists():  # the start failed after one server was up
+            pids = [int(n) for n in pid_file.read_text().split()]
+        for pid in pids:  # only if the tour's way failed: ours, by PID
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
+    # From PaddleRec: the checkout's test saves, through $CUBE_REPO
     built = subprocess.run(
         ["bash", "-euc", paddle[1]], cwd=tmp_path, env=env, capture_output=True, text=True,
         timeout=120,

@@ -14,16 +14,26 @@ import subprocess
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
-from agent_helpers import flip_byte, make_shard_tar
-from s3_helpers import SECRET_KEY, SilentEndpoint, aws_environment, s3_filesystem
+from helpers.agent_helpers import flip_byte, make_shard_tar
+from helpers.s3_helpers import (
+    SECRET_KEY,
+    MotoServer,
+    SilentEndpoint,
+    aws_environment,
+    s3_filesystem,
+)
 
 from cube.client import CubeClient
 from cube.seqfile import SequenceFileWriter
 from cube.transfer.local import ClusterSpec, command, up
 from cube.values import ValueColumn
+
+if TYPE_CHECKING:
+    from conftest import Deployment
 
 pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
 
@@ -33,7 +43,7 @@ WAIT = 60.0
 
 
 @pytest.fixture(scope="module")
-def s3(moto, tmp_path_factory):
+def s3(moto: MotoServer, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("s3-e2e")
     with aws_environment(moto.url, root):
         fs = s3_filesystem()
@@ -83,7 +93,7 @@ def md5s(directory: Path) -> dict[str, str]:
     return {p.name: hashlib.md5(p.read_bytes()).hexdigest() for p in directory.rglob("*.tar")}
 
 
-def test_cube_builder_builds_from_s3_what_it_builds_from_disk(s3):
+def test_cube_builder_builds_from_s3_what_it_builds_from_disk(s3) -> None:
     keys, values = table(3000, 1)
     local, _ = input_tree(s3.root / "builder-input", keys, values)
     url = upload(s3.fs, local, "builder/input")
@@ -104,7 +114,7 @@ def test_cube_builder_builds_from_s3_what_it_builds_from_disk(s3):
     assert SECRET_KEY not in run.stderr
 
 
-def test_cube_builder_gives_up_on_a_stalled_source_within_fetch_timeout(tmp_path):
+def test_cube_builder_gives_up_on_a_stalled_source_within_fetch_timeout(tmp_path: Path) -> None:
     """-fetch_timeout bounds the listing too: against an S3 endpoint or a namenode that
     accepts and never answers, cube-builder exits 1 soon after it, naming the input (its
     user redacted), and leaves no fetched directory (it listed for 313 s with -fetch_timeout
@@ -130,7 +140,9 @@ def test_cube_builder_gives_up_on_a_stalled_source_within_fetch_timeout(tmp_path
             assert not list(out.glob(".fetch-*"))
 
 
-def test_agent_refuses_a_corrupted_s3_object_and_places_a_good_one(s3, deployment):
+def test_agent_refuses_a_corrupted_s3_object_and_places_a_good_one(
+    s3, deployment: Deployment
+) -> None:
     good = s3.root / "agent" / "t_part0.tar"
     md5 = make_shard_tar(good, n_keys=500, seed=3)
     bad = good.with_name("bad.tar")
@@ -155,7 +167,7 @@ def test_agent_refuses_a_corrupted_s3_object_and_places_a_good_one(s3, deploymen
     assert SECRET_KEY not in json.dumps(agent.status())
 
 
-def test_a_rollout_from_donefiles_and_inputs_in_s3(s3):
+def test_a_rollout_from_donefiles_and_inputs_in_s3(s3) -> None:
     spec = ClusterSpec(
         dir=s3.root / "cluster",
         shards=2,

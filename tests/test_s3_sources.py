@@ -3,7 +3,7 @@ fetcher (builder/sources.py), the transfer's donefile reads and input mirrors, t
 source policy and ranged S3 downloads, and the errors of each (a missing object, bad
 credentials, an unreachable endpoint, s3fs not installed): short, naming the URL, never a
 credential nor what a server sent. Against moto's S3 server (a process, tests/conftest.py
-`moto`) and a fake WebHDFS namenode (tests/s3_helpers.py); the real-process end to end is
+`moto`) and a fake WebHDFS namenode (tests/helpers/s3_helpers.py); the real-process end to end is
 tests/test_s3_e2e.py.
 """
 
@@ -20,7 +20,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from s3_helpers import (
+from helpers.build_inputs import output_digests
+from helpers.s3_helpers import (
     ACCESS_KEY,
     SECRET_KEY,
     FakeNamenode,
@@ -45,7 +46,6 @@ from cube.builder.build import BuildError, list_input_files
 from cube.processes import free_port
 from cube.transfer.config import ConfigError, parse_config
 from cube.transfer.donefile import SourceUnavailable, mirror_input, read_donefile, resolve_input
-from tests.build_inputs import output_digests
 
 BUCKET = "cube-test"
 TREE = {  # names whose byte order differs from their string order once '/' is involved
@@ -62,7 +62,7 @@ TREE = {  # names whose byte order differs from their string order once '/' is i
 
 
 @pytest.fixture(scope="module")
-def s3(moto, tmp_path_factory):
+def s3(moto: MotoServer, tmp_path_factory: pytest.TempPathFactory):
     """The AWS environment pointed at the session's moto server for this module, a bucket,
     and an s3fs filesystem to put objects with."""
     root = tmp_path_factory.mktemp("s3-sources")
@@ -113,7 +113,7 @@ def clean(message: str) -> None:
         ("gs://bucket/in", "unsupported scheme 'gs'"),
     ],
 )
-def test_remote_urls_are_refused_with_what_to_use(url, problem):
+def test_remote_urls_are_refused_with_what_to_use(url: str, problem: str) -> None:
     assert problem in (remote.check_url(url) or "")
     with pytest.raises(BuildError) as refused:
         sources.list_inputs(url)
@@ -121,7 +121,7 @@ def test_remote_urls_are_refused_with_what_to_use(url, problem):
     clean(str(refused.value))
 
 
-def test_which_paths_are_remote():
+def test_which_paths_are_remote() -> None:
     for path in ("s3://b/in", "webhdfs://nn:9870/in", "http://h/in", "hdfs://nn:8020/in"):
         assert remote.is_remote(path), path
     for path in ("/data/in", "data/in", "file:///data/in", "odd:name/in"):
@@ -130,7 +130,7 @@ def test_which_paths_are_remote():
     assert remote.check_url("webhdfs://alice@nn:9870/in") is None
 
 
-def test_s3fs_missing_says_what_to_install(monkeypatch, tmp_path):
+def test_s3fs_missing_says_what_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "s3fs", None)  # `import s3fs` now raises ImportError
     with pytest.raises(BuildError, match=re.escape("s3://b/in: s3:// needs s3fs: pip install")):
         sources.list_inputs("s3://b/in")
@@ -143,7 +143,7 @@ def test_s3fs_missing_says_what_to_install(monkeypatch, tmp_path):
     assert time.monotonic() - started < 5  # not retried: installing is not a retry
 
 
-def test_failures_are_told_in_our_words():
+def test_failures_are_told_in_our_words() -> None:
     import requests
     from botocore.exceptions import ClientError, EndpointConnectionError
 
@@ -211,14 +211,16 @@ cube1_0: 127.0.0.1:8010:/srv/1
         ("donefile_address: /d\ndownload_mode: s3\nupload_address: s3://k:hunter2@b/x", "creden"),
     ],
 )
-def test_transfer_conf_refuses_remote_addresses_it_cannot_use(tmp_path, extra, error):
+def test_transfer_conf_refuses_remote_addresses_it_cannot_use(
+    tmp_path: Path, extra: str, error: str
+) -> None:
     with pytest.raises(ConfigError, match=re.escape(error)) as refused:
         parse_config(CONF.format(extra=extra), "t.conf", tmp_path)
     assert "t.conf:" in str(refused.value)
     clean(str(refused.value))
 
 
-def test_download_mode_s3_sends_agents_to_the_uploaded_copy(tmp_path):
+def test_download_mode_s3_sends_agents_to_the_uploaded_copy(tmp_path: Path) -> None:
     from cube.transfer.state import VersionRecord
     from cube.transfer.views import source_url
 
@@ -235,7 +237,7 @@ def test_download_mode_s3_sends_agents_to_the_uploaded_copy(tmp_path):
     assert resolve_input("webhdfs://nn:9870/d", "in") == "webhdfs://nn:9870/d/in"
 
 
-def test_an_upload_of_a_missing_build_file_blames_the_build_not_s3(tmp_path):
+def test_an_upload_of_a_missing_build_file_blames_the_build_not_s3(tmp_path: Path) -> None:
     from cube.transfer.upload import upload_outputs
 
     extra = "donefile_address: /d\ndownload_mode: s3\nupload_address: s3://builds/emb\n"
@@ -246,7 +248,10 @@ def test_an_upload_of_a_missing_build_file_blames_the_build_not_s3(tmp_path):
     assert str(caught.value).startswith("upload to s3://builds/emb/100_100/emb_part0.tar: ")
 
 
-def test_daemons_configured_for_s3_without_s3fs_stop_at_start(monkeypatch, tmp_path, capsys):
+@pytest.mark.slow
+def test_daemons_configured_for_s3_without_s3fs_stop_at_start(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import subprocess
 
     from cube.agent.main import main as agent_main
@@ -289,7 +294,7 @@ def test_daemons_configured_for_s3_without_s3fs_stop_at_start(monkeypatch, tmp_p
         ("s3://bkt/shards/t.tar?versionId=1", "s3://bkt/shards", "query"),
     ],
 )
-def test_agent_s3_sources_need_an_allowed_prefix(source, allowed, refused):
+def test_agent_s3_sources_need_an_allowed_prefix(source: str, allowed: str, refused: str) -> None:
     policy = SourcePolicy.from_flags(allowed, False)
     if not refused:
         target = check_source(source, policy)
@@ -303,7 +308,7 @@ def test_agent_s3_sources_need_an_allowed_prefix(source, allowed, refused):
 @pytest.mark.parametrize(
     "entry", ["s3://", "s3://b:1/x", "s3://u@b/x", "s3://b/a/../x", "s3://b/a%2Fb"]
 )
-def test_bad_s3_allowed_sources_entries_are_flag_errors(entry):
+def test_bad_s3_allowed_sources_entries_are_flag_errors(entry: str) -> None:
     with pytest.raises(ValueError, match="--allowed_sources"):
         SourcePolicy.from_flags(entry, False)
 
@@ -312,7 +317,8 @@ def test_bad_s3_allowed_sources_entries_are_flag_errors(entry):
 # moto
 
 
-def test_inputs_are_listed_and_fetched_in_the_builders_order(s3, tmp_path):
+@pytest.mark.slow
+def test_inputs_are_listed_and_fetched_in_the_builders_order(s3, tmp_path: Path) -> None:
     url = put_tree(s3.fs, "inputs/order", TREE)
     local = write_tree(tmp_path / "local", TREE)
     expected = [str(p.relative_to(local)) for p in list_input_files(local)]
@@ -336,11 +342,12 @@ def test_inputs_are_listed_and_fetched_in_the_builders_order(s3, tmp_path):
         sources.read_bytes(f"{url}/d/e/f", 4)
 
 
-def test_a_parameter_server_save_in_s3_builds_with_its_empty_shards(s3, tmp_path):
+@pytest.mark.slow
+def test_a_parameter_server_save_in_s3_builds_with_its_empty_shards(s3, tmp_path: Path) -> None:
     """cube-builder -input_format paddle_ps on s3://: the save is fetched with its empty part
     files (an empty delta's table folder holds nothing else), the table found as locally."""
-    from tests.test_builder import build_args, run_builder
-    from tests.test_builder_paddle_ps import CTR_FLAGS, DATA
+    from test_builder import build_args, run_builder
+    from test_builder_paddle_ps import CTR_FLAGS, DATA
 
     for save in ("delta", "delta_empty"):
         folder = DATA / "ctr_common_adagrad" / save
@@ -356,12 +363,16 @@ def test_a_parameter_server_save_in_s3_builds_with_its_empty_shards(s3, tmp_path
     assert local == fetched and len(local) == 2 * (2 * 4 + 2)
 
 
-def test_the_transfer_mirrors_a_parameter_server_save_with_its_empty_shards(s3, tmp_path):
+@pytest.mark.slow
+def test_the_transfer_mirrors_a_parameter_server_save_with_its_empty_shards(
+    s3, tmp_path: Path
+) -> None:
     """cube-transfer with source_format paddle_fleet: a Fleet line's input (`.../000`, the
     table folder) is mirrored as its save directory, empty part files included, so an empty
     delta keeps its table folder and the builder finds it; a save over http is refused."""
+    from test_builder_paddle_ps import DATA
+
     from cube.transfer.build_runner import BuildRunner
-    from tests.test_builder_paddle_ps import DATA
 
     folder = DATA / "ctr_common_adagrad" / "delta_empty"
     tree = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
@@ -388,7 +399,8 @@ def test_the_transfer_mirrors_a_parameter_server_save_with_its_empty_shards(s3, 
         asyncio.run(runner._fetch("http://127.0.0.1:1/models/20261128/base", mirror, True))
 
 
-def test_missing_objects_and_buckets(s3, tmp_path):
+@pytest.mark.slow
+def test_missing_objects_and_buckets(s3, tmp_path: Path) -> None:
     missing = f"s3://{BUCKET}/inputs/never-written"
     with pytest.raises(BuildError, match=f"^{re.escape(missing)}: not found$"):
         sources.list_inputs(missing)
@@ -408,7 +420,8 @@ def test_missing_objects_and_buckets(s3, tmp_path):
         mirror_input(f"s3://{BUCKET}/inputs/only-empty", tmp_path / "mirror")
 
 
-def test_donefile_lines_and_inputs_from_s3(s3, tmp_path):
+@pytest.mark.slow
+def test_donefile_lines_and_inputs_from_s3(s3, tmp_path: Path) -> None:
     address = f"s3://{BUCKET}/donefile-poll"
     assert asyncio.run(read_donefile(address, "base.txt")) == ""  # not written yet
     first = '{"id": "100", "key": "100", "input": "inputs/100"}\n'
@@ -434,7 +447,8 @@ def _policy(**changes) -> FetchPolicy:
     return FetchPolicy(sources=SourcePolicy.from_flags(f"s3://{BUCKET}/shards", False), **settings)
 
 
-def test_agent_fetches_s3_objects_resuming_from_the_part(s3, tmp_path):
+@pytest.mark.slow
+def test_agent_fetches_s3_objects_resuming_from_the_part(s3, tmp_path: Path) -> None:
     data = os.urandom(remote.BLOCK + 300_000)  # two ranged reads
     s3.fs.pipe_file(f"{BUCKET}/shards/v1/t_part0.tar", data)
     s3.fs.pipe_file(f"{BUCKET}/shards/v1/t_part0.tar.md5",
@@ -460,7 +474,8 @@ def test_agent_fetches_s3_objects_resuming_from_the_part(s3, tmp_path):
     assert not part.exists()
 
 
-def test_agent_s3_errors_are_short_and_final(s3, tmp_path):
+@pytest.mark.slow
+def test_agent_s3_errors_are_short_and_final(s3, tmp_path: Path) -> None:
     part = tmp_path / "x.part"
     missing = f"s3://{BUCKET}/shards/v1/gone.tar"
     started = time.monotonic()
@@ -477,7 +492,8 @@ def test_agent_s3_errors_are_short_and_final(s3, tmp_path):
 # credentials and endpoints that do not work
 
 
-def test_bad_credentials_are_a_clear_error_without_the_secret(tmp_path):
+@pytest.mark.slow
+def test_bad_credentials_are_a_clear_error_without_the_secret(tmp_path: Path) -> None:
     """Against a moto server that authenticates every request: keys it does not know are
     refused (403) as AWS refuses them."""
     with (
@@ -502,7 +518,7 @@ def test_bad_credentials_are_a_clear_error_without_the_secret(tmp_path):
         clean(str(error.value))
 
 
-def test_unreachable_endpoints_fail_fast_and_say_where(tmp_path):
+def test_unreachable_endpoints_fail_fast_and_say_where(tmp_path: Path) -> None:
     port = free_port()  # nothing listens there
     with aws_environment(f"http://127.0.0.1:{port}", tmp_path, AWS_MAX_ATTEMPTS="1"):
         started = time.monotonic()
@@ -578,7 +594,8 @@ def assert_each_ends_in_time(calls: dict[str, Callable[[], object]], shown: str)
         assert took < TIMEOUT + SLACK, (kind, took)
 
 
-def test_every_s3_call_ends_within_its_timeout_on_a_stalled_endpoint(tmp_path):
+@pytest.mark.slow  # real time: each call waits out its timeout
+def test_every_s3_call_ends_within_its_timeout_on_a_stalled_endpoint(tmp_path: Path) -> None:
     """Timeouts are wall time, whatever botocore's and s3fs's own retries would add: listings,
     sizes, reads, donefiles, delete lists, uploads and the agent's downloads against an
     endpoint that accepts and never answers all fail as timed out within their timeout (the
@@ -590,8 +607,11 @@ def test_every_s3_call_ends_within_its_timeout_on_a_stalled_endpoint(tmp_path):
         assert_each_ends_in_time(every_remote_call(f"s3://{BUCKET}", tmp_path), f"s3://{BUCKET}/")
 
 
+@pytest.mark.slow  # real time: each call waits out its timeout
 @pytest.mark.parametrize("drip", [b"", b"HTTP/1.1 200 OK\r\n" + b"X-Slow: 1\r\n" * 100])
-def test_every_webhdfs_call_ends_within_its_timeout_on_a_stalled_namenode(tmp_path, drip):
+def test_every_webhdfs_call_ends_within_its_timeout_on_a_stalled_namenode(
+    tmp_path: Path, drip
+) -> None:
     """The same for WebHDFS (requests, which has no total timeout): a namenode that accepts
     and never answers, and one that answers a byte every 0.2 s (no read ever times out), are
     cut at the call's deadline (a call waited for its I/O timeout, or for ever)."""
@@ -605,7 +625,7 @@ def test_every_webhdfs_call_ends_within_its_timeout_on_a_stalled_namenode(tmp_pa
 # WebHDFS (a fake namenode: no HDFS runs here)
 
 
-def test_webhdfs_inputs_and_donefiles(tmp_path):
+def test_webhdfs_inputs_and_donefiles(tmp_path: Path) -> None:
     write_tree(tmp_path / "hdfs" / "in", TREE)
     (tmp_path / "hdfs" / "donefile").mkdir()
     (tmp_path / "hdfs" / "donefile" / "base.txt").write_text('{"id": "1"}\n')

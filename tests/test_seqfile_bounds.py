@@ -10,9 +10,12 @@ import struct
 import subprocess
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
+from helpers.measure import peak_bytes
 
 from cube import seqfile
 from cube.codecs import (
@@ -36,14 +39,13 @@ from cube.seqfile import (
     read_header,
 )
 from cube.values import ValueColumn
-from tests.measure import peak_bytes
 
 SYNC = b"S" * 16
 HUGE = 1 << 40
 BIN = Path(__file__).resolve().parent.parent / ".venv" / "bin"
 
 
-def read_everything(path: Path, **kwargs) -> None:
+def read_everything(path: Path, **kwargs: Any) -> None:
     with SequenceFileReader(path, **kwargs) as reader:
         for _ in reader.records():
             pass
@@ -98,8 +100,10 @@ def test_header_string_longer_than_the_file(tmp_path: Path, field: str) -> None:
     assert peak_bytes(parse) < 1 << 20
 
 
-def test_header_string_longer_than_the_limit(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(seqfile, "MAX_HEADER_TEXT_BYTES", 40)
+def test_header_string_longer_than_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(seqfile.limits, "MAX_HEADER_TEXT_BYTES", 40)
     ok, long = tmp_path / "ok", tmp_path / "long"
     ok.write_bytes(
         encode_header(BYTES_WRITABLE, BYTES_WRITABLE, metadata={"k": "v" * 40}, sync=SYNC)
@@ -129,8 +133,8 @@ def test_metadata_count_beyond_the_file(tmp_path: Path) -> None:
     )
 
 
-def test_metadata_count_beyond_the_limit(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(seqfile, "MAX_METADATA_ENTRIES", 2)
+def test_metadata_count_beyond_the_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(seqfile.limits, "MAX_METADATA_ENTRIES", 2)
     path = tmp_path / "count"
     path.write_bytes(
         encode_header(BYTES_WRITABLE, BYTES_WRITABLE, metadata={"a": "1", "b": "2"}, sync=SYNC)
@@ -142,6 +146,7 @@ def test_metadata_count_beyond_the_limit(tmp_path: Path, monkeypatch) -> None:
         read_header(path)
 
 
+@pytest.mark.slow
 def test_kvtool_on_a_huge_header_string(tmp_path: Path) -> None:
     path = tmp_path / "huge.seq"
     path.write_bytes(b"SEQ\x06" + encode_vint(HUGE) + b"x" * 10)
@@ -155,6 +160,7 @@ def test_kvtool_on_a_huge_header_string(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.slow
 def test_a_fifo_is_refused_instead_of_waiting_for_a_writer(tmp_path: Path) -> None:
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
@@ -207,8 +213,10 @@ def test_record_length_beyond_the_file(tmp_path: Path, batch_bytes: int) -> None
 
 
 @pytest.mark.parametrize("fixed", [True, False])
-def test_record_length_beyond_the_limit(tmp_path: Path, monkeypatch, fixed: bool) -> None:
-    monkeypatch.setattr(seqfile, "MAX_RECORD_BYTES", 100)
+def test_record_length_beyond_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fixed: bool
+) -> None:
+    monkeypatch.setattr(seqfile.limits, "MAX_RECORD_BYTES", 100)
     values = [b"v" * 93] * 3 if fixed else [b"v" * 92, b"w" * 93, b"x"]
     path, offsets = cube_file(tmp_path / "f", values)
     bad = offsets[0] if fixed else offsets[1]
@@ -218,7 +226,7 @@ def test_record_length_beyond_the_limit(tmp_path: Path, monkeypatch, fixed: bool
             read_everything(path, batch_bytes=batch_bytes)
         assert caught.value.offset == bad
         assert caught.value.problem == f"record length {record_len} exceeds the limit of 100 bytes"
-    monkeypatch.setattr(seqfile, "MAX_RECORD_BYTES", record_len)
+    monkeypatch.setattr(seqfile.limits, "MAX_RECORD_BYTES", record_len)
     read_everything(path)
 
 
@@ -230,8 +238,10 @@ def record_compressed(path: Path, values: list[bytes], codec: str = "default") -
 
 
 @pytest.mark.parametrize("codec", ["default", "gzip", "bzip2", "lz4", "snappy", "zstd"])
-def test_record_compressed_value_bomb(tmp_path: Path, monkeypatch, codec: str) -> None:
-    monkeypatch.setattr(seqfile, "MAX_RECORD_BYTES", 1 << 20)
+def test_record_compressed_value_bomb(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, codec: str
+) -> None:
+    monkeypatch.setattr(seqfile.limits, "MAX_RECORD_BYTES", 1 << 20)
     path = record_compressed(tmp_path / "f", [b"ok", bytes(8 << 20)], codec)
     second = record_offsets(path)[1]
 
@@ -290,7 +300,7 @@ def test_block_record_count_beyond_the_limit(tmp_path: Path) -> None:
         read_everything(path)
     assert caught.value.offset == start + 20
     assert caught.value.problem == (
-        f"a block's record count {HUGE} exceeds the limit of {seqfile.MAX_BLOCK_RECORDS}"
+        f"a block's record count {HUGE} exceeds the limit of {seqfile.limits.MAX_BLOCK_RECORDS}"
     )
 
 
@@ -341,16 +351,20 @@ def test_block_section_decompression_bomb(tmp_path: Path, what: str, limit: int)
     assert peak_bytes(read) < 4 << 20
 
 
-def test_block_lengths_beyond_the_block_limit(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(seqfile, "MAX_BLOCK_BYTES", 1000)
+def test_block_lengths_beyond_the_block_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(seqfile.limits, "MAX_BLOCK_BYTES", 1000)
     path = tmp_path / "f"
     block_file(path, 1, zsections(b"\x08", bytes(8), encode_vint(5000), bytes(5000)))
     with pytest.raises(SequenceFileError, match="block values: their lengths add up to 5000"):
         read_everything(path)
 
 
-def test_block_compressed_section_beyond_the_limit(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(seqfile, "MAX_BLOCK_BYTES", 100)
+def test_block_compressed_section_beyond_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(seqfile.limits, "MAX_BLOCK_BYTES", 100)
     path = tmp_path / "f"
     noise = np.random.default_rng(1).bytes(300)
     start = block_file(path, 1, [*zsections(b"\x08", bytes(8), b"\x01", b"v")[:3], noise])
@@ -433,7 +447,7 @@ def test_reader_still_reads_every_layout(tmp_path: Path) -> None:
     "keys",
     [np.array([1.5, 2.0]), np.array([2.0**60 + 1, 3.0]), np.array([True, False]), ["1", "2"]],
 )
-def test_writer_refuses_keys_that_are_not_integers(tmp_path: Path, keys) -> None:
+def test_writer_refuses_keys_that_are_not_integers(tmp_path: Path, keys: npt.ArrayLike) -> None:
     # float64 keys were cast to uint64 silently: 1.5 became 1, and 2**60 + 1 is not even a
     # float64, so two distinct ids could collide.
     path = tmp_path / "f"

@@ -15,6 +15,7 @@ from pathlib import Path
 import cramjam
 import numpy as np
 import pytest
+from helpers.measure import peak_bytes
 
 from cube import seqfile
 from cube.codecs import (
@@ -41,7 +42,6 @@ from cube.seqfile import (
     read_header,
 )
 from cube.values import ValueColumn
-from tests.measure import peak_bytes
 
 DATA = Path(__file__).resolve().parent / "data" / "hadoop_written"
 MANIFEST = json.loads((DATA / "expected.json").read_text())
@@ -370,8 +370,10 @@ def test_zstd_stated_content_size_is_refused_before_decoding(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("codec", ["snappy", "zstd"])
-def test_record_value_bomb_costs_at_most_the_limit(tmp_path: Path, monkeypatch, codec: str) -> None:
-    monkeypatch.setattr(seqfile, "MAX_RECORD_BYTES", 1 << 20)
+def test_record_value_bomb_costs_at_most_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, codec: str
+) -> None:
+    monkeypatch.setattr(seqfile.limits, "MAX_RECORD_BYTES", 1 << 20)
     value = bytes(8 << 20)
     if codec == "zstd":  # no content size, as Hadoop writes it: found out only by decoding
         packed = zstd_frames_without_size(struct.pack(">I", len(value)) + value)
@@ -389,6 +391,7 @@ def test_record_value_bomb_costs_at_most_the_limit(tmp_path: Path, monkeypatch, 
     assert peak_bytes(read) < 3 << 20  # not the 8 MiB the value holds
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
 def test_zstd_bomb_without_content_size_stays_within_the_limit_in_memory(tmp_path: Path) -> None:
     """The decoder's own (untraced) buffers too: a 1 GiB frame without content size, limited
@@ -490,7 +493,7 @@ def load_generator():
 
 
 @pytest.fixture(scope="module")
-def spark(tmp_path_factory):
+def spark(tmp_path_factory: pytest.TempPathFactory):
     """Hadoop through PySpark, which `make test` installs (as tests/test_spark_build.py, no
     skip: a missing Spark fails rather than passes quietly)."""
     generator = load_generator()
@@ -548,6 +551,7 @@ def test_byteswritable_writer_is_byte_identical_to_hadoop(spark, tmp_path: Path)
     assert ours.read_bytes() == hadoop.read_bytes()
 
 
+@pytest.mark.slow
 def test_without_cramjam_snappy_and_zstd_name_the_extra(tmp_path: Path) -> None:
     """cramjam is imported on first use: the formats import without it, and a Snappy or
     ZStandard file then says which extra to install."""

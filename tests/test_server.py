@@ -10,13 +10,14 @@ import asyncio
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from procs import (
+from helpers.procs import (
     expected_fixed,
     fixed_values,
     health_status,
@@ -29,6 +30,9 @@ from cube.client import AsyncCubeClient, CubeClient
 from cube.pb import cube_fast_pb2, cube_fast_pb2_grpc, cube_pb2, cube_pb2_grpc
 from cube.processes import free_ports, poll_until
 from cube.routing import shard_of
+
+# Every test here starts processes (servers, CLIs): make quick skips them.
+pytestmark = pytest.mark.slow
 
 MISS = 0xFFFFFFFF
 
@@ -59,7 +63,7 @@ def control(target, cmd, *, token: str = "", **fields) -> cube_pb2.ControlRespon
 
 
 @pytest.fixture(scope="module")
-def fixed_server(tmp_path_factory):
+def fixed_server(tmp_path_factory: pytest.TempPathFactory):
     """Base 100 (keys 1..2000 step 3, width 40) + delta 100_200 (updates, new keys, deletes)."""
     data = tmp_path_factory.mktemp("fixed") / "data"
     keys = np.arange(1, 6000, 3, dtype=np.uint64)
@@ -80,7 +84,7 @@ def fixed_server(tmp_path_factory):
         yield server, channel, keys, changed, added
 
 
-def test_fast_seek_fixed_width_with_delta_and_tombstones(fixed_server):
+def test_fast_seek_fixed_width_with_delta_and_tombstones(fixed_server) -> None:
     _server, channel, keys, changed, added = fixed_server
     missing = np.array([5, 2**64 - 1], np.uint64)
     query = np.concatenate([keys[200:300], changed[:5], added, keys[100:110], missing])
@@ -97,7 +101,7 @@ def test_fast_seek_fixed_width_with_delta_and_tombstones(fixed_server):
     assert (rows[125:] == 0).all()  # deleted and missing keys: zero rows
 
 
-def test_original_seek_in_request_order(fixed_server):
+def test_original_seek_in_request_order(fixed_server) -> None:
     _server, channel, keys, changed, _added = fixed_server
     query = [int(keys[500]), 5, int(changed[0]), int(keys[500]), int(keys[105])]
     stub = cube_pb2_grpc.DictServiceStub(channel)
@@ -122,7 +126,7 @@ def test_original_seek_in_request_order(fixed_server):
         ({"keys": b"", "version": "999"}, grpc.StatusCode.FAILED_PRECONDITION, "'999'"),
     ],
 )
-def test_bad_fast_requests(bad_request_server, fields, code, words):
+def test_bad_fast_requests(bad_request_server, fields, code, words) -> None:
     _server, channel = bad_request_server
     with pytest.raises(grpc.RpcError) as info:
         cube_fast_pb2_grpc.CubeServiceStub(channel).Seek(
@@ -133,7 +137,7 @@ def test_bad_fast_requests(bad_request_server, fields, code, words):
 
 
 @pytest.fixture(scope="module")
-def bad_request_server(tmp_path_factory):
+def bad_request_server(tmp_path_factory: pytest.TempPathFactory):
     data = tmp_path_factory.mktemp("bad") / "data"
     write_version(data, "5", [1, 2], [b"one", b"two!"], current=True)
     args = ("--max_batch", "1000", "--dict_name", "test_dict", "--shard", "2")
@@ -141,7 +145,7 @@ def bad_request_server(tmp_path_factory):
         yield server, channel
 
 
-def test_dict_name_forms_accepted_and_original_batch_limit(bad_request_server):
+def test_dict_name_forms_accepted_and_original_batch_limit(bad_request_server) -> None:
     _server, channel = bad_request_server
     for name in ("", "test_dict", "test_dict_part2"):
         assert seek(channel, [1], dict_name=name).found == b"\x01"
@@ -152,7 +156,7 @@ def test_dict_name_forms_accepted_and_original_batch_limit(bad_request_server):
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-def test_bad_stream_request_ends_stream_with_status(bad_request_server):
+def test_bad_stream_request_ends_stream_with_status(bad_request_server) -> None:
     stub = cube_fast_pb2_grpc.CubeServiceStub(bad_request_server[1])
     requests = [
         cube_fast_pb2.SeekRequest(keys=np.array([1], "<u8").tobytes(), request_id=1),
@@ -167,14 +171,14 @@ def test_bad_stream_request_ends_stream_with_status(bad_request_server):
     assert "request_id=2" in info.value.details()
 
 
-def test_variable_width_values(bad_request_server):
+def test_variable_width_values(bad_request_server) -> None:
     response = seek(bad_request_server[1], [2, 3, 1])
     assert response.value_width == 0
     assert response.found == b"\x01\x00\x01"
     assert variable_values(response) == [b"two!", b"", b"one"]
 
 
-def test_empty_server_is_not_serving_and_says_why(tmp_path):
+def test_empty_server_is_not_serving_and_says_why(tmp_path: Path) -> None:
     """Nothing to serve: health NOT_SERVING and every lookup UNAVAILABLE with the reason, never
     a batch of misses; an empty request (the SDK's first contact) too, so that a client
     does not take the replica for one that serves."""
@@ -209,7 +213,7 @@ def test_empty_server_is_not_serving_and_says_why(tmp_path):
         assert asyncio.run(first_contact()) == [server.address]
 
 
-def test_allow_empty_server_answers_misses(tmp_path):
+def test_allow_empty_server_answers_misses(tmp_path: Path) -> None:
     with (
         running_server(tmp_path / "nothing", "--allow_empty") as server,
         grpc.insecure_channel(server.address) as channel,
@@ -237,7 +241,7 @@ def test_allow_empty_server_answers_misses(tmp_path):
         ("empty", "waiting for cube-agent"),
     ],
 )
-def test_data_dir_without_a_version_is_diagnosed(tmp_path, layout, words):
+def test_data_dir_without_a_version_is_diagnosed(tmp_path: Path, layout, words) -> None:
     data = tmp_path / "data"
     data.mkdir()
     if layout == "builder":
@@ -257,7 +261,7 @@ def test_data_dir_without_a_version_is_diagnosed(tmp_path, layout, words):
         assert words in server.log()
 
 
-def test_corrupt_startup_version_is_not_serving_even_with_allow_empty(tmp_path):
+def test_corrupt_startup_version_is_not_serving_even_with_allow_empty(tmp_path: Path) -> None:
     """A replica meant to serve a version it cannot load says so: NOT_SERVING, UNAVAILABLE
     naming the file, and a load of a good version makes it serve."""
     data = tmp_path / "data"
@@ -283,7 +287,7 @@ def test_corrupt_startup_version_is_not_serving_even_with_allow_empty(tmp_path):
         assert variable_values(seek(channel, [1, 2])) == [b"uno", b"dos!"]
 
 
-def test_dict_split_layout(tmp_path):
+def test_dict_split_layout(tmp_path: Path) -> None:
     data = tmp_path / "data"
     keys = np.arange(10, 410, dtype=np.uint64)
     for partitioner in ("mod", "murmur3"):
@@ -311,7 +315,7 @@ def test_dict_split_layout(tmp_path):
             assert [s["cur_version"] for s in detail["splits"]] == [partitioner] * 2
 
 
-def test_health_and_reflection(bad_request_server):
+def test_health_and_reflection(bad_request_server) -> None:
     server, channel = bad_request_server
     address = server.address
     assert health_status(address) == health_pb2.HealthCheckResponse.SERVING
@@ -337,7 +341,7 @@ def test_health_and_reflection(bad_request_server):
     assert reply.file_descriptor_response.file_descriptor_proto
 
 
-def test_flagfile_and_cli_errors(tmp_path):
+def test_flagfile_and_cli_errors(tmp_path: Path) -> None:
     data = tmp_path / "data"
     write_version(data, "7", [5, 9], [b"five", b"nine!"], current=True)
     flagfile = tmp_path / "gflags.conf"
@@ -378,7 +382,7 @@ def test_flagfile_and_cli_errors(tmp_path):
     assert bad.returncode == 2 and "--dict_split" in bad.stderr
 
 
-def test_seek_stream_pipelined_in_order(fixed_server):
+def test_seek_stream_pipelined_in_order(fixed_server) -> None:
     _server, channel, keys, _changed, _added = fixed_server
     batches = [keys[200 + i * 7 : 250 + i * 7] for i in range(30)]  # past the delta's keys
     requests = (
@@ -393,7 +397,7 @@ def test_seek_stream_pipelined_in_order(fixed_server):
         assert (fixed_rows(answer) == expected_fixed(batch, 40, tag=1)).all()
 
 
-def test_a_replica_is_not_serving_until_its_kernel_is_compiled(tmp_path):
+def test_a_replica_is_not_serving_until_its_kernel_is_compiled(tmp_path: Path) -> None:
     """A server whose kernel cache is cold compiles it at start (seconds). Meanwhile it is
     NOT_SERVING from its first health answer on, says why in its status, and only then says
     SERVING: a client never meets it serving at numpy speed or stalled on a compile."""

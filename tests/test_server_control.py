@@ -9,12 +9,13 @@ import queue
 import signal
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
-import procs
 import pytest
-from procs import expected_fixed, fixed_values, running_server, start_server, write_version
+from helpers import procs
+from helpers.procs import expected_fixed, fixed_values, running_server, start_server, write_version
 from test_server import control, fixed_rows, seek
 
 from cube.format import HEADER_SIZE
@@ -26,7 +27,7 @@ KEYS = np.arange(1, 3001, 2, dtype=np.uint64)  # 1500 keys
 WIDTH = 24
 
 
-def write_base(data, name, tag, *, current=False, split=None):
+def write_base(data, name, tag, *, current: bool = False, split=None):
     return write_version(
         data, name, KEYS, fixed_values(KEYS, WIDTH, tag), current=current, split=split
     )
@@ -47,14 +48,14 @@ def expect_error(code, words, fn, *args, **kwargs):
 
 
 @pytest.fixture
-def data(tmp_path):
+def data(tmp_path: Path):
     data = tmp_path / "data"
     write_base(data, "100", 1, current=True)
     write_base(data, "200", 2)
     return data
 
 
-def test_load_enable_undo_unload(data):
+def test_load_enable_undo_unload(data) -> None:
     with running_server(data) as server, grpc.insecure_channel(server.address) as channel:
         status = control(server, "status")
         assert (status.cur_version, status.bg_version, status.status) == ("100", "", 0)
@@ -90,7 +91,7 @@ def test_load_enable_undo_unload(data):
         assert (data / "VERSION").read_text().strip() == "100"  # the agent owns VERSION
 
 
-def test_patch_layers_over_current_and_records_chain(data):
+def test_patch_layers_over_current_and_records_chain(data) -> None:
     changed = KEYS[:10]
     write_version(data, "100_150", changed, fixed_values(changed, WIDTH, 5), deleted=KEYS[10:20])
     write_version(data, "200_250", changed, fixed_values(changed, WIDTH, 6))
@@ -124,7 +125,7 @@ def test_patch_layers_over_current_and_records_chain(data):
         )
 
 
-def test_path_traversal_refused(data):
+def test_path_traversal_refused(data) -> None:
     with running_server(data) as server:
         for path in ["/../data", "../x", "/etc/passwd", "a/b", "/", "..", "", str(data.parent)]:
             expect_error(
@@ -140,7 +141,7 @@ def test_path_traversal_refused(data):
         assert control(server, "bg_load_base", version_path=str(data / "200")).bg_version == "200"
 
 
-def test_corrupted_version_refused_old_keeps_serving(data):
+def test_corrupted_version_refused_old_keeps_serving(data) -> None:
     bad = write_base(data, "300", 3)
     blob = bytearray((bad / "data.cube").read_bytes())
     blob[HEADER_SIZE + 100] ^= 0xFF
@@ -161,14 +162,14 @@ def test_corrupted_version_refused_old_keeps_serving(data):
         assert tags_of(seek(channel, KEYS)) == {1}
 
 
-def test_concurrent_command_aborted(data):
+def test_concurrent_command_aborted(data) -> None:
     with (
         running_server(data, "--load_delay", "1.5") as server,
         grpc.insecure_channel(server.address) as channel,
     ):
         errors: list[Exception] = []
 
-        def load():
+        def load() -> None:
             try:
                 control(server, "bg_load_base", version_path="/200")
             except Exception as exc:  # reported below
@@ -197,7 +198,7 @@ def test_concurrent_command_aborted(data):
         assert (status.bg_version, status.status) == ("100", 0)
 
 
-def test_restart_on_delta_rebuilds_chain(tmp_path):
+def test_restart_on_delta_rebuilds_chain(tmp_path: Path) -> None:
     data = tmp_path / "data"
     write_base(data, "100", 1)
     first, second = KEYS[:5], KEYS[5:10]
@@ -229,7 +230,7 @@ def test_restart_on_delta_rebuilds_chain(tmp_path):
         assert "100_250" in json.loads(status.detail_json)["startup_error"]
 
 
-def test_workers_share_versions(data):
+def test_workers_share_versions(data) -> None:
     with running_server(data, workers=2) as server:
         first, second = (grpc.insecure_channel(a) for a in server.addresses)
         try:
@@ -255,7 +256,7 @@ def test_workers_share_versions(data):
         assert server.stop() == 0
 
 
-def test_sigterm_drains_in_flight_stream(data):
+def test_sigterm_drains_in_flight_stream(data) -> None:
     server = start_server(data, "--grace", "20")
     try:
         with grpc.insecure_channel(server.address) as channel:
@@ -288,14 +289,14 @@ def test_sigterm_drains_in_flight_stream(data):
         server.stop()
 
 
-def test_switch_under_load_each_response_from_one_version(data):
+def test_switch_under_load_each_response_from_one_version(data) -> None:
     with running_server(data) as server:
         control(server, "bg_load_base", version_path="/200")
         stop = threading.Event()
         seen: dict[str, int] = {}
         failures: list[str] = []
 
-        def hammer():
+        def hammer() -> None:
             rng = np.random.default_rng(1)
             with grpc.insecure_channel(server.address) as own:
                 for _ in range(5000):
@@ -331,7 +332,7 @@ def test_switch_under_load_each_response_from_one_version(data):
         assert seen.get("100") and seen.get("200")
 
 
-def test_reuseport_workers_stop_on_sigint(data):
+def test_reuseport_workers_stop_on_sigint(data) -> None:
     shared, *own = procs.free_ports(3)
     server = start_server(data, "--reuseport", workers=2, ports=[shared, *own])
     try:
@@ -346,13 +347,13 @@ def test_reuseport_workers_stop_on_sigint(data):
         server.stop()
 
 
-def test_a_dead_worker_is_restarted_on_what_its_peers_serve(data):
+def test_a_dead_worker_is_restarted_on_what_its_peers_serve(data) -> None:
     """kill -9 of one worker of two: the other keeps serving, the dead one comes back on the
     version its peer serves (200, enabled after start; VERSION still says 100), and a crash
     loop beyond --worker_restarts stops the whole server with an error."""
     import psutil
     from grpc_health.v1 import health_pb2
-    from procs import health_status
+    from helpers.procs import health_status
 
     SERVING = health_pb2.HealthCheckResponse.SERVING
     with running_server(data, "--worker_restarts", "2", workers=2) as server:

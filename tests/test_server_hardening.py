@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
-from procs import fixed_values, health_status, running_server, write_version
+from helpers.procs import fixed_values, health_status, running_server, write_version
 from test_server import control, fixed_rows, seek
 
 from cube.processes import poll_until
@@ -39,7 +40,7 @@ def health_becomes(address: str, status: int, timeout: float = 10.0) -> bool:
 
 
 @pytest.mark.parametrize("leases", ["true", "false"])
-def test_truncated_shard_file_stops_serving_not_the_process(tmp_path, leases):
+def test_truncated_shard_file_stops_serving_not_the_process(tmp_path: Path, leases: str) -> None:
     """Today's SIGBUS: a shard file truncated under a running server. With a lease the
     truncation waits until the server has let go of the mapping; by polling the server notices
     within a second (the test waits for that before asking). Either way: the version stops
@@ -67,7 +68,7 @@ def test_truncated_shard_file_stops_serving_not_the_process(tmp_path, leases):
     assert server.process.returncode == 0, server.log()[-3000:]
 
 
-def test_rewritten_background_version_is_dropped_current_keeps_serving(tmp_path):
+def test_rewritten_background_version_is_dropped_current_keeps_serving(tmp_path: Path) -> None:
     """A file of the loaded background version opened for writing: that version goes (its
     slot empties), the current one is untouched and keeps answering."""
     data = tmp_path / "data"
@@ -93,7 +94,7 @@ def write_shard_of(data, name, shard, shard_num, partitioner, **kwargs):
 
 
 @pytest.mark.parametrize("partitioner", ["mod", "murmur3"])
-def test_keys_of_another_shard_are_refused(tmp_path, partitioner):
+def test_keys_of_another_shard_are_refused(tmp_path: Path, partitioner: str) -> None:
     """Configuration drift (wrong shard order, partitioner or shard count in a client): the
     server refuses keys that do not route to it, naming the key and both routings."""
     data = tmp_path / "data"
@@ -120,7 +121,7 @@ def test_keys_of_another_shard_are_refused(tmp_path, partitioner):
         )
 
 
-def test_version_of_another_shard_or_dict_is_refused_at_load(tmp_path):
+def test_version_of_another_shard_or_dict_is_refused_at_load(tmp_path: Path) -> None:
     data = tmp_path / "data"
     write_shard_of(data, "1", 0, 2, "mod", current=True)
     write_shard_of(data, "2", 1, 2, "mod")
@@ -146,7 +147,7 @@ def test_version_of_another_shard_or_dict_is_refused_at_load(tmp_path):
         assert control(server, "status").cur_version == "1"
 
 
-def test_delta_built_for_another_shard_count_is_refused(tmp_path):
+def test_delta_built_for_another_shard_count_is_refused(tmp_path: Path) -> None:
     data = tmp_path / "data"
     write_shard_of(data, "1", 0, 2, "mod", current=True)
     routing = {"shard": 0, "shard_num": 3, "partitioner": "mod"}
@@ -162,7 +163,7 @@ def test_delta_built_for_another_shard_count_is_refused(tmp_path):
         )
 
 
-def test_answers_are_bounded_in_bytes(tmp_path):
+def test_answers_are_bounded_in_bytes(tmp_path: Path) -> None:
     """--max_answer_bytes: a fixed-width request refused before any work; a variable-width
     one counted before its values are gathered; smaller ones answered."""
     data = tmp_path / "data"
@@ -195,7 +196,7 @@ def test_answers_are_bounded_in_bytes(tmp_path):
         )
 
 
-def test_lane_request_holds_its_version_until_answered(tmp_path):
+def test_lane_request_holds_its_version_until_answered(tmp_path: Path) -> None:
     """A request parsed on the lane is answered in a later loop turn; the background version it
     pinned may be unloaded in between. It must still be answered from that version (today:
     INTERNAL errors, for it and for the requests answered with it)."""
@@ -266,7 +267,7 @@ def _send_until_blocked(sock, payload: bytes, count: int, seconds: float = 5.0) 
     return sent
 
 
-def test_lane_memory_bounded_when_answers_are_not_read(tmp_path):
+def test_lane_memory_bounded_when_answers_are_not_read(tmp_path: Path) -> None:
     """A client pipelines requests whose answers it never reads (each answer 40 MB): the
     server stops reading it once its answers are queued, so memory stays bounded, and it
     closes the connection after --lane_stall_timeout. Other clients are served meanwhile."""
@@ -305,7 +306,7 @@ def lane_connections(server) -> int:
     return sum(w["lane"]["connections"] for w in detail["worker_states"])
 
 
-def test_lane_partial_frames_bounded_and_timed_out(tmp_path):
+def test_lane_partial_frames_bounded_and_timed_out(tmp_path: Path) -> None:
     """Many connections each holding most of a 4 MiB frame and then stalling: input buffers
     stay within --lane_budget_bytes (connections beyond it are told UNAVAILABLE and closed),
     stalled ones are closed after --lane_stall_timeout, other clients are served."""
@@ -360,7 +361,7 @@ def _lane_call(port: int, keys, timeout: float = 10.0) -> tuple[int, bytes]:
     return status, body
 
 
-def test_lane_connections_capped(tmp_path):
+def test_lane_connections_capped(tmp_path: Path) -> None:
     """--lane_max_connections: at the limit, a new connection closes the one idle longest to
     make room; only when every connection is busy (here: HTTP requests whose bodies are
     being read) is it told UNAVAILABLE and closed."""
@@ -432,7 +433,7 @@ def _soft_open_files(count: int):
     return limit
 
 
-def test_idle_connections_cannot_starve_the_lane(tmp_path):
+def test_idle_connections_cannot_starve_the_lane(tmp_path: Path) -> None:
     """Issue 24: 3000 connections that send nothing to each face (TCP lane, HTTP+JSON,
     baidu_std), far over the worker's 1024 (--lane_max_connections), then one connection a
     face dripping a request a byte a second (and an HTTP body). A new SDK lane connection is
@@ -554,7 +555,7 @@ def _lane_messages(server) -> int:
 # the control plane: its own port, loopback by default, a token beyond it
 
 
-def test_data_port_refuses_control_and_internal_calls(tmp_path):
+def test_data_port_refuses_control_and_internal_calls(tmp_path: Path) -> None:
     """Whoever reaches the lookup port cannot load, switch or unload versions, nor apply an
     internal worker step (both used to be served on every worker's data port)."""
     data = tmp_path / "data"
@@ -570,7 +571,7 @@ def test_data_port_refuses_control_and_internal_calls(tmp_path):
         assert control(server, "status").cur_version == "1"
 
 
-def test_control_token_checked_in_constant_time(tmp_path):
+def test_control_token_checked_in_constant_time(tmp_path: Path) -> None:
     data = tmp_path / "data"
     write_version(data, "1", KEYS, fixed_values(KEYS, WIDTH, 1), current=True)
     with running_server(data, "--control_token=s3cret", workers=2) as server:
@@ -589,7 +590,7 @@ def test_control_token_checked_in_constant_time(tmp_path):
         assert health_status(server.control_address) == SERVING  # health needs no token
 
 
-def test_control_port_beyond_loopback_needs_a_token(tmp_path):
+def test_control_port_beyond_loopback_needs_a_token(tmp_path: Path) -> None:
     import subprocess
     import sys
 
@@ -606,7 +607,7 @@ def test_control_port_beyond_loopback_needs_a_token(tmp_path):
 
 
 @pytest.mark.parametrize("taken_flag", ["--port", "--tcp_ports"])
-def test_port_in_use_fails_before_the_start_up_load(tmp_path, taken_flag):
+def test_port_in_use_fails_before_the_start_up_load(tmp_path: Path, taken_flag: str) -> None:
     """Every port is bound before the shard is loaded: an operator hears "port in use" at
     once, not after a long load, and nothing is mapped."""
     import socket

@@ -5,11 +5,12 @@ apart, the versions match what is served, and one endpoint covers every worker."
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-from procs import fixed_values, running_server, scrape, write_version
+from helpers.procs import fixed_values, running_server, scrape, write_version
 
 from cube.client import CubeClient
 from cube.pb import cube_pb2
@@ -35,12 +36,12 @@ def metrics_port(server) -> int:
 
 
 @pytest.fixture
-def data(tmp_path):
+def data(tmp_path: Path):
     write_version(tmp_path / "data", VERSION, KEYS, fixed_values(KEYS, WIDTH), current=True)
     return tmp_path / "data"
 
 
-def test_counts_match_the_requests_sent_on_each_api(data):
+def test_counts_match_the_requests_sent_on_each_api(data) -> None:
     with running_server(data, "--metrics_port", "0") as server:
         port = metrics_port(server)
         before = scrape_port(port)
@@ -101,7 +102,14 @@ def _bad_seek() -> bytes:
     return cube_fast_pb2.SeekRequest(keys=b"1234567", request_id=9).SerializeToString()
 
 
-def test_one_endpoint_covers_every_worker(data):
+def test_the_port_file_has_no_metrics_port_while_metrics_are_off(data) -> None:
+    """metrics_port is null with metrics off (a 0 would read as "any free port")."""
+    with running_server(data) as server:
+        report = json.loads(server.port_file.read_text())
+        assert report["metrics_port"] is None and report["ports"][0] > 0
+
+
+def test_one_endpoint_covers_every_worker(data) -> None:
     port = free_port()
     with running_server(data, "--metrics_port", str(port), workers=2) as server:
         with CubeClient(shards=[[f"127.0.0.1:{server.ports[1]}"]]) as client:  # worker 1 only
@@ -117,7 +125,7 @@ def test_one_endpoint_covers_every_worker(data):
                      version=VERSION) == 1  # fmt: skip
 
 
-def test_metrics_port_in_use_is_refused_at_once(data, tmp_path):
+def test_metrics_port_in_use_is_refused_at_once(data, tmp_path: Path) -> None:
     import socket
     import subprocess
     import sys
@@ -135,7 +143,7 @@ def test_metrics_port_in_use_is_refused_at_once(data, tmp_path):
     assert f"127.0.0.1:{port} (--metrics_port): port in use" in done.stderr, done.stderr
 
 
-def test_idle_connections_to_the_metrics_port_hold_no_threads(data):
+def test_idle_connections_to_the_metrics_port_hold_no_threads(data) -> None:
     """Issue 24: prometheus_client's server started a thread a connection (500 idle
     connections made 515 threads). The endpoint now serves from the event loop with one
     thread of its own, keeps at most a few connections (the one idle longest makes room),
@@ -163,17 +171,19 @@ def test_idle_connections_to_the_metrics_port_hold_no_threads(data):
 
 
 @pytest.mark.parametrize("transport", ["auto", "grpc"])
-def test_a_refusal_names_the_request_id_in_the_error_and_the_server_log(data, transport):
+def test_a_refusal_names_the_request_id_in_the_error_and_the_server_log(
+    data, transport: str
+) -> None:
     """The SDK sends each call's request id with its sub-requests and puts it on the error it
     raises; the server logs the refusal with the same id (rate-limited)."""
     from cube.client import RequestRejectedError
 
-    with running_server(data, "--max_batch", "10") as server:
+    with running_server(data, "--max_answer_bytes", str(WIDTH * 10)) as server:
         with (
-            CubeClient(shards=[[server.address]], max_batch=100, transport=transport) as client,
+            CubeClient(shards=[[server.address]], transport=transport) as client,
             pytest.raises(RequestRejectedError) as refused,
         ):
-            client.seek(KEYS[:50])  # more keys than the server's --max_batch
+            client.seek(KEYS[:50])  # more value bytes than the server's --max_answer_bytes
         request_id = refused.value.request_id
         assert request_id and f"request id {request_id}" in "".join(refused.value.__notes__)
         assert poll_until(

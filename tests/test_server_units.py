@@ -6,23 +6,18 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-from procs import fixed_values, write_version
+from helpers.procs import fixed_values, write_version
 
 from cube.layout import base_of
 from cube.pb import cube_fast_pb2, cube_pb2
 from cube.server.control import ControlError, Coordinator, LocalWorker
-from cube.server.service import (
-    MISS_STATUS,
-    Answer,
-    RequestError,
-    SeekService,
-    encode_dict_response,
-    encode_seek_response,
-)
+from cube.server.encoders import MISS_STATUS, Answer, encode_dict_response, encode_seek_response
+from cube.server.service import RequestError, SeekService
 from cube.server.versions import (
     LoadOptions,
     VersionError,
@@ -31,6 +26,8 @@ from cube.server.versions import (
     resolve_chain,
     split_dirs,
     version_name_from_path,
+    write_chain,
+    write_version_file,
 )
 
 
@@ -53,7 +50,7 @@ def variable_answer(values: list[bytes | None]) -> Answer:
         [b"", None, b"xy", b"z" * 127, b"q" * 128, None, b"w" * 20000, bytes(range(256))],
     ],
 )
-def test_dict_response_bytes_parse_back(values, version):
+def test_dict_response_bytes_parse_back(values, version: str | None) -> None:
     raw = encode_dict_response(variable_answer(values), version)
     parsed = cube_pb2.DictResponse.FromString(raw)
     assert [(v.status, v.value) for v in parsed.values] == [
@@ -64,7 +61,7 @@ def test_dict_response_bytes_parse_back(values, version):
 
 
 @pytest.mark.parametrize("width", [1, 40, 200])
-def test_dict_response_fixed_width(width):
+def test_dict_response_fixed_width(width: int) -> None:
     rows = np.random.default_rng(width).integers(0, 256, (6, width), dtype=np.uint8)
     found = np.ones(6, bool)
     for mask in (found, np.array([True, False, True, True, False, False])):
@@ -79,7 +76,7 @@ def test_dict_response_fixed_width(width):
         ]
 
 
-def test_seek_response_bytes_parse_back():
+def test_seek_response_bytes_parse_back() -> None:
     fixed = Answer(np.array([True, False]), np.arange(8, dtype=np.uint8).reshape(2, 4), 4, None)
     parsed = cube_fast_pb2.SeekResponse.FromString(encode_seek_response(fixed, "v1", 2**40))
     assert parsed.found == b"\x01\x00" and parsed.value_width == 4 and parsed.offsets == b""
@@ -92,7 +89,7 @@ def test_seek_response_bytes_parse_back():
     assert parsed.values == b"abc" + b"d" * 300
 
 
-def test_version_paths():
+def test_version_paths() -> None:
     root = "/srv/data"
     assert version_name_from_path("/1700", root) == "1700"
     assert version_name_from_path("1700_1800/", root) == "1700_1800"
@@ -103,7 +100,7 @@ def test_version_paths():
     assert base_of("17_18") == "17" and base_of("17") == "17" and base_of("17_17") == "17_17"
 
 
-def test_chain_rebuilt_in_numeric_order(tmp_path):
+def test_chain_rebuilt_in_numeric_order(tmp_path: Path) -> None:
     for name in ("9", "9_10", "9_9x", "9_100", "9_11", "8_12"):
         (tmp_path / name).mkdir()
     assert resolve_chain(tmp_path, "9_100") == ["9", "9_10", "9_11", "9_100"]
@@ -112,7 +109,7 @@ def test_chain_rebuilt_in_numeric_order(tmp_path):
         resolve_chain(tmp_path, "8_12")
 
 
-def test_retired_version_unmapped_after_last_request(tmp_path):
+def test_retired_version_unmapped_after_last_request(tmp_path: Path) -> None:
     keys = np.arange(10, dtype=np.uint64)
     write_version(tmp_path, "1", keys, fixed_values(keys, 8))
     write_version(tmp_path, "2", keys, fixed_values(keys, 8, tag=2))
@@ -146,7 +143,7 @@ class FailingRemote:
         self.ops: list[str] = []
         self.index, self.port = 1, 0
 
-    async def apply(self, op, mode="", name="", timeout=None):
+    async def apply(self, op, mode: str = "", name: str = "", timeout=None):
         if op != "state":
             self.ops.append(op)
         if op == self.fail:
@@ -154,7 +151,7 @@ class FailingRemote:
         return {"worker": 1}
 
 
-def make_coordinator(tmp_path, remote):
+def make_coordinator(tmp_path: Path, remote):
     keys = np.arange(10, dtype=np.uint64)
     write_version(tmp_path, "1", keys, fixed_values(keys, 8))
     write_version(tmp_path, "2", keys, fixed_values(keys, 8, tag=2))
@@ -167,7 +164,7 @@ def make_coordinator(tmp_path, remote):
     return Coordinator(local, [remote], describe=dict), slots
 
 
-def test_failed_load_on_one_worker_rolls_back_the_others(tmp_path):
+def test_failed_load_on_one_worker_rolls_back_the_others(tmp_path: Path) -> None:
     remote = FailingRemote("prepare")
     coordinator, slots = make_coordinator(tmp_path, remote)
     request = cube_pb2.ControlRequest(cmd="bg_load_base", version_path="/2")
@@ -178,7 +175,7 @@ def test_failed_load_on_one_worker_rolls_back_the_others(tmp_path):
     assert coordinator.busy is None
 
 
-def test_failed_switch_on_one_worker_switches_the_others_back(tmp_path):
+def test_failed_switch_on_one_worker_switches_the_others_back(tmp_path: Path) -> None:
     remote = FailingRemote("switch")
     coordinator, slots = make_coordinator(tmp_path, remote)
     asyncio.run(coordinator.command(cube_pb2.ControlRequest(cmd="bg_load_base", version_path="2")))
@@ -189,7 +186,7 @@ def test_failed_switch_on_one_worker_switches_the_others_back(tmp_path):
     assert remote.ops == ["prepare", "commit", "switch"]
 
 
-def test_enable_accepts_path_forms_and_refuses_traversal(tmp_path):
+def test_enable_accepts_path_forms_and_refuses_traversal(tmp_path: Path) -> None:
     remote = FailingRemote("nothing")
     coordinator, _slots = make_coordinator(tmp_path, remote)
 
@@ -205,7 +202,7 @@ def test_enable_accepts_path_forms_and_refuses_traversal(tmp_path):
     assert remote.ops == ["prepare", "commit", "switch", "switch"]
 
 
-def test_write_version_flag_rewrites_version_on_switch(tmp_path):
+def test_write_version_flag_rewrites_version_on_switch(tmp_path: Path) -> None:
     coordinator, _slots = make_coordinator(tmp_path, FailingRemote("nothing"))
     coordinator.write_version = True
     (tmp_path / "VERSION").write_text("1\n")
@@ -213,7 +210,7 @@ def test_write_version_flag_rewrites_version_on_switch(tmp_path):
     assert (tmp_path / "VERSION").read_text() == "2\n"
 
 
-def test_a_replica_getting_ready_refuses_every_request_at_once(tmp_path):
+def test_a_replica_getting_ready_refuses_every_request_at_once(tmp_path: Path) -> None:
     """While the replica gets ready (its kernel loading) it holds a version but does not
     serve: every request, the SDK's empty handshake included, is refused UNAVAILABLE with the
     reason (clients fail over at once), health and status follow; then it serves."""
@@ -245,7 +242,7 @@ def test_a_replica_getting_ready_refuses_every_request_at_once(tmp_path):
     slots.close()
 
 
-def test_a_worker_reaches_a_peer_that_came_up_after_its_first_try(tmp_path):
+def test_a_worker_reaches_a_peer_that_came_up_after_its_first_try(tmp_path: Path) -> None:
     """Worker 0 asks worker 1 while worker 1 is not listening yet (starting, or restarted by
     the supervisor); once it listens, the next command reaches it: the channel to a loopback
     peer neither fails for gRPC's default reconnect backoff (a second or more, during which
@@ -272,3 +269,42 @@ def test_a_worker_reaches_a_peer_that_came_up_after_its_first_try(tmp_path):
 
     assert asyncio.run(scenario())["cur_version"] == "1"
     slots.close()
+
+
+def test_the_supervisor_restarts_a_worker_until_it_crash_loops() -> None:
+    """--worker_restarts 2: a worker may die twice within the window and is restarted; a third
+    death within it stops the server; deaths older than the window are forgotten."""
+    from cube.server.supervisor import Restarts
+
+    restarts = Restarts(limit=2, window_s=60.0)
+    assert restarts.died(1, -9, now=0.0) is None
+    assert restarts.died(1, -9, now=10.0) is None
+    assert restarts.died(0, 1, now=11.0) is None  # another worker counts apart
+    why = restarts.died(1, -9, now=59.0)
+    assert why is not None and "worker 1 died 3 times within 60 s" in why
+    later = Restarts(limit=2, window_s=60.0)
+    for now in (0.0, 50.0, 100.0, 150.0):  # never more than 2 within any 60 s
+        assert later.died(0, -9, now) is None
+
+
+def test_the_supervisor_stops_at_once_when_a_worker_cannot_listen() -> None:
+    from cube.server.supervisor import EXIT_CANNOT_LISTEN, Restarts
+
+    why = Restarts(limit=3).died(2, EXIT_CANNOT_LISTEN, now=0.0)
+    assert why == "worker 2 cannot listen on its ports"
+
+
+def test_version_and_chain_files_are_written_durably(tmp_path, monkeypatch):
+    """VERSION and CHAIN go through cube.fsutil's atomic write: the file is fsynced before its
+    rename and the directory after it, and no temp file is left behind."""
+    import os
+
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    (tmp_path / "5_6").mkdir()
+    write_version_file(tmp_path, "5_6")
+    assert (tmp_path / "VERSION").read_text() == "5_6\n" and len(synced) == 2
+    write_chain(tmp_path, "5_6", ["5", "5_6"])
+    assert (tmp_path / "5_6" / "CHAIN").read_text() == "5\n5_6\n" and len(synced) == 4
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["5_6", "CHAIN", "VERSION"]

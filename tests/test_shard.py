@@ -1,9 +1,12 @@
 """Shard files: round trip, base + delta + delete stacks, empty shards, refusal of bad files."""
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from cube.format import HEADER_SIZE, ShardFormatError
@@ -12,7 +15,13 @@ from cube.shard import DATA_FILE, INDEX_FILE, Shard, ShardStack, write_shard
 from cube.values import ValueColumn
 
 
-def make_shard(path: Path, keys, values: ValueColumn, deleted=None, **meta) -> Shard:
+def make_shard(
+    path: Path,
+    keys: npt.ArrayLike,
+    values: ValueColumn,
+    deleted: npt.ArrayLike | None = None,
+    **meta: Any,
+) -> Shard:
     keys = np.asarray(keys, dtype=np.uint64)
     deleted = None if deleted is None else np.asarray(deleted, dtype=np.uint64)
     write_shard(path, build_table(keys, deleted), values, meta)
@@ -24,7 +33,7 @@ def fixed_values(n: int, width: int, seed: int = 0) -> ValueColumn:
     return ValueColumn.fixed(blob, width)
 
 
-def test_fixed_width_round_trip(tmp_path):
+def test_fixed_width_round_trip(tmp_path: Path) -> None:
     keys = np.random.default_rng(5).integers(0, 2**64 - 1, 5000, dtype=np.uint64)
     values = fixed_values(5000, 40)
     shard = make_shard(tmp_path / "s", keys, values, dict_name="d", version="100")
@@ -40,7 +49,7 @@ def test_fixed_width_round_trip(tmp_path):
     assert column.get(0) == values.get(0) and column.get(len(query) - 1) == b""
 
 
-def test_variable_width_round_trip(tmp_path):
+def test_variable_width_round_trip(tmp_path: Path) -> None:
     values = [b"", b"a", b"bc" * 600, bytes(range(256)) * 5000]  # up to 1.28 MB, no 1024 cap
     shard = make_shard(tmp_path / "v", [10, 11, 12, 13], ValueColumn.from_list(values))
     assert shard.value_width == 0
@@ -50,7 +59,7 @@ def test_variable_width_round_trip(tmp_path):
     assert stack.gather(result).to_list() == [values[3], b"", values[2], b"", b"a"]
 
 
-def test_base_delta_delete_stack(tmp_path):
+def test_base_delta_delete_stack(tmp_path: Path) -> None:
     base_values = fixed_values(4, 8, seed=1)
     base = make_shard(tmp_path / "base", [1, 2, 3, 4], base_values)
     delta1_values = ValueColumn.fixed(np.full(16, 7, dtype=np.uint8), 8)
@@ -71,7 +80,7 @@ def test_base_delta_delete_stack(tmp_path):
     assert ShardStack([base]).lookup(query).found.tolist() == [True] * 4 + [False] * 2
 
 
-def test_delta_with_another_width_serves_variable(tmp_path):
+def test_delta_with_another_width_serves_variable(tmp_path: Path) -> None:
     base_values = fixed_values(2, 4)
     base = make_shard(tmp_path / "base", [1, 2], base_values)
     delta = make_shard(tmp_path / "d", [2], ValueColumn.from_list([b"longer value"]))
@@ -81,7 +90,7 @@ def test_delta_with_another_width_serves_variable(tmp_path):
     assert values == [base_values.get(0), b"longer value"]
 
 
-def test_empty_and_tombstone_only_shards(tmp_path):
+def test_empty_and_tombstone_only_shards(tmp_path: Path) -> None:
     empty = make_shard(tmp_path / "e", [], ValueColumn.empty())
     assert empty.record_count == 0
     result = ShardStack([empty]).lookup(np.array([0, 1], dtype=np.uint64))
@@ -100,7 +109,7 @@ def corrupt(path: Path, offset: int) -> None:
 
 
 @pytest.fixture
-def good_shard(tmp_path) -> Path:
+def good_shard(tmp_path: Path) -> Path:
     make_shard(tmp_path / "good", np.arange(1000), fixed_values(1000, 16)).close()
     return tmp_path / "good"
 
@@ -118,7 +127,9 @@ def good_shard(tmp_path) -> Path:
         ("newer format", lambda p: set_format(p / DATA_FILE, 99), "newer than this reader's"),
     ],
 )
-def test_bad_files_are_refused_at_open(good_shard, name, mutate, message):
+def test_bad_files_are_refused_at_open(
+    good_shard: Path, name: str, mutate: Callable[[Path], object], message: str
+) -> None:
     mutate(good_shard)
     with pytest.raises(ShardFormatError, match=message) as info:
         Shard.open(good_shard)
@@ -136,19 +147,19 @@ def truncate(path: Path, drop: int) -> None:
     path.write_bytes(data[: max(0, len(data) - drop)])
 
 
-def test_corrupted_section_is_refused_by_verify(good_shard):
+def test_corrupted_section_is_refused_by_verify(good_shard: Path) -> None:
     corrupt(good_shard / DATA_FILE, HEADER_SIZE + 5)
     Shard.open(good_shard).close()  # constant-time open does not read the sections
     with pytest.raises(ShardFormatError, match="values checksum mismatch"):
         Shard.open(good_shard, verify=True)
 
 
-def test_files_from_different_builds_are_refused(tmp_path, good_shard):
+def test_files_from_different_builds_are_refused(tmp_path: Path, good_shard: Path) -> None:
     make_shard(tmp_path / "other", np.arange(1000), fixed_values(1000, 16, seed=9)).close()
     shutil.copy(tmp_path / "other" / DATA_FILE, good_shard / DATA_FILE)
     with pytest.raises(ShardFormatError, match="different builds"):
         Shard.open(good_shard)
 
 
-def test_no_temp_files_left_behind(good_shard):
+def test_no_temp_files_left_behind(good_shard: Path) -> None:
     assert sorted(p.name for p in good_shard.iterdir()) == [DATA_FILE, INDEX_FILE]

@@ -7,12 +7,13 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+from helpers.build_inputs import output_digests, write_mixed_input
 
 from cube.builder.build import BuildConfig, BuildError, build
 from cube.shard import Shard, ShardStack
-from tests.build_inputs import output_digests, write_mixed_input
 
 pyspark = pytest.importorskip("pyspark", reason="PySpark is not installed (cube-py[spark])")
 if shutil.which("java") is None and not __import__("os").environ.get("JAVA_HOME"):
@@ -25,6 +26,9 @@ from cube.builder.spark_build import (  # noqa: E402
     build_on_spark,
     prepare_worker_environment,
 )
+
+if TYPE_CHECKING:
+    from helpers.s3_helpers import MotoServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +69,7 @@ def both_engines(root: Path, inputs: Path, builds: list[dict]) -> tuple[dict, di
     return output_digests(root / "local"), output_digests(root / "spark")
 
 
-def test_spark_and_local_builds_are_byte_identical(tmp_path, spark):
+def test_spark_and_local_builds_are_byte_identical(tmp_path: Path, spark) -> None:
     inputs, deleted = write_mixed_input(tmp_path)
     local, on_spark = both_engines(
         tmp_path,
@@ -86,7 +90,7 @@ def test_spark_and_local_builds_are_byte_identical(tmp_path, spark):
     assert local == on_spark
 
 
-def test_murmur3_and_a_shard_with_no_records(tmp_path, spark):
+def test_murmur3_and_a_shard_with_no_records(tmp_path: Path, spark) -> None:
     inputs, _ = write_mixed_input(tmp_path, records=40)
     local, on_spark = both_engines(
         tmp_path,
@@ -97,7 +101,7 @@ def test_murmur3_and_a_shard_with_no_records(tmp_path, spark):
     assert local == on_spark
 
 
-def test_a_paddle_ps_save_builds_the_same_bytes_on_spark(tmp_path, spark):
+def test_a_paddle_ps_save_builds_the_same_bytes_on_spark(tmp_path: Path, spark) -> None:
     """-input_format paddle_ps on both engines: a real trainer's save (gzip parts, short rows,
     keys past 2^63) as a base, and a delta save (plain parts) over it."""
     from cube.paddle_ps import PaddleSource, ValueSpec
@@ -128,7 +132,7 @@ def test_a_paddle_ps_save_builds_the_same_bytes_on_spark(tmp_path, spark):
     assert local == on_spark
 
 
-def test_a_shard_too_large_for_one_task_is_refused_by_name(tmp_path, spark):
+def test_a_shard_too_large_for_one_task_is_refused_by_name(tmp_path: Path, spark) -> None:
     inputs, _ = write_mixed_input(tmp_path, records=30000)
     config = BuildConfig("dict", tmp_path / "out", 2, "base", BASE, BASE)
     with pytest.raises(BuildError) as caught:
@@ -139,7 +143,7 @@ def test_a_shard_too_large_for_one_task_is_refused_by_name(tmp_path, spark):
     assert_nothing_published(tmp_path / "out")
 
 
-def test_a_bad_input_file_fails_the_job_naming_the_file(tmp_path, spark):
+def test_a_bad_input_file_fails_the_job_naming_the_file(tmp_path: Path, spark) -> None:
     inputs, _ = write_mixed_input(tmp_path, records=200)
     bad = inputs / "sub" / "part-00003"
     bad.write_bytes(bad.read_bytes()[:-7])  # truncated inside its last record
@@ -157,7 +161,7 @@ def assert_nothing_published(output: Path) -> None:
     assert left == [], left
 
 
-def test_the_cli_builds_on_spark_as_it_builds_locally(tmp_path):
+def test_the_cli_builds_on_spark_as_it_builds_locally(tmp_path: Path) -> None:
     """`cube-builder -engine spark` in a process of its own (its own session), compared with
     `cube-builder` on the same flags."""
     inputs, _ = write_mixed_input(tmp_path, records=500)
@@ -179,7 +183,7 @@ def test_the_cli_builds_on_spark_as_it_builds_locally(tmp_path):
     assert output_digests(tmp_path / "a") == output_digests(tmp_path / "b")
 
 
-def test_bad_spark_flags_exit_2(tmp_path):
+def test_bad_spark_flags_exit_2(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "cube.builder.cli", "-dict_name", "d", "-input_path", "x",
          "-output_path", str(tmp_path), "-shard_num", "1", "-engine", "spark",
@@ -190,7 +194,9 @@ def test_bad_spark_flags_exit_2(tmp_path):
     assert "no-equals-sign" in result.stderr and "key=value" in result.stderr
 
 
-def test_the_transfer_runs_the_spark_build_on_inputs_in_s3(moto, tmp_path):
+def test_the_transfer_runs_the_spark_build_on_inputs_in_s3(
+    moto: MotoServer, tmp_path: Path
+) -> None:
     """The whole path at scale's shape: cube-transfer polls a donefile in S3 (moto's server),
     hands the input's s3:// URL to `cube-builder -engine spark` (builder_flags, mirror_input
     false: the executors fetch their files), waits for it as for a local build, and the
@@ -198,7 +204,7 @@ def test_the_transfer_runs_the_spark_build_on_inputs_in_s3(moto, tmp_path):
     import json
 
     import numpy as np
-    from s3_helpers import aws_environment, s3_filesystem
+    from helpers.s3_helpers import aws_environment, s3_filesystem
 
     from cube.client import CubeClient
     from cube.transfer.local import ClusterSpec, up

@@ -1,6 +1,7 @@
 """cube-transfer's status page in a real headless browser (Debian's chromium through
 selenium) against a live local cluster: the token prompt, a rollout shown in progress and then
-the new version, the rollback button, and a screenshot written by the test."""
+the new version, the rollback button (and, after it, the roll-forward one), the history in time
+order, and a screenshot written by the test."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def browser():
         driver.quit()
 
 
-def test_status_page_follows_a_rollout_and_rolls_back(tmp_path, browser):
+def test_status_page_follows_a_rollout_and_rolls_back(tmp_path: Path, browser) -> None:
     from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
@@ -120,5 +121,31 @@ def test_status_page_follows_a_rollout_and_rolls_back(tmp_path, browser):
         browser.switch_to.alert.accept()
         assert poll_until(lambda: text("live") == B1, WAIT, 0.1), text("problem")
         assert cluster.transfer_info()["live_version"] == B1  # the transfer agrees
+
+        # after the rollback: B2, newer than the live B1, is rolled forward to; the history is
+        # in time order (B1, B2, then the rollback); the replicas' Rollback_Succ is green like
+        # Enable_Succ
+        def after_rollback() -> list:
+            return browser.execute_script(
+                "const rows = [...document.querySelectorAll('#history tbody tr')];"
+                " const colour = (cls) => { const td = document.createElement('td');"
+                " td.className = cls; document.body.appendChild(td);"
+                " const c = getComputedStyle(td).color; td.remove(); return c; };"
+                " return [rows.map(r => [r.dataset.version, r.cells[1].textContent,"
+                " r.querySelector('button') ? r.querySelector('button').textContent : '']),"
+                " [...document.querySelectorAll('#replicas tbody td.Rollback_Succ')]"
+                ".map(td => getComputedStyle(td).color),"
+                " colour('Enable_Succ'), colour('Dead')];"
+            )
+
+        def rolled_back() -> bool:
+            rows, replicas, _, _ = after_rollback()
+            return [r[1] for r in rows] == ["base", "base", "rollback"] and len(replicas) == 2
+
+        assert poll_until(rolled_back, 20, 0.1), after_rollback()
+        rows, replicas, enabled, dead = after_rollback()
+        forward = f"Roll forward to {B2}"
+        assert rows == [[B1, "base", ""], [B2, "base", forward], [B1, "rollback", ""]], rows
+        assert enabled != dead and replicas == [enabled, enabled], (replicas, enabled, dead)
     finally:
         cluster.down(timeout=5.0)

@@ -6,19 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import fixed_values, running_server, write_version
+from helpers.procs import fixed_values, running_server, write_version
 from test_server import control
 
 from cube.client import AsyncCubeClient, CubeClient, ShardUnavailableError
+
+# Every test here starts processes (servers, CLIs): make quick skips them.
+pytestmark = pytest.mark.slow
 
 KEYS = np.arange(1, 2001, 2, dtype=np.uint64)
 
 
 @pytest.fixture(scope="module")
-def tls_server(tmp_path_factory, pki):
+def tls_server(tmp_path_factory: pytest.TempPathFactory, pki: dict[str, str]):
     data = tmp_path_factory.mktemp("tls") / "data"
     write_version(data, "1", KEYS, fixed_values(KEYS, 16, 1), current=True)
     args = ("--tls_cert", pki["cert"], "--tls_key", pki["key"])
@@ -31,7 +35,9 @@ def lane_messages(server) -> int:
 
 
 @pytest.mark.parametrize("transport", ["auto", "grpc"])
-def test_clients_trusting_the_ca_are_answered(tls_server, pki, transport):
+def test_clients_trusting_the_ca_are_answered(
+    tls_server, pki: dict[str, str], transport: str
+) -> None:
     before = lane_messages(tls_server)
     with CubeClient(shards=[[tls_server.address]], tls_ca=pki["ca"], transport=transport) as client:
         assert client.seek(KEYS[:300]).found.all()
@@ -48,7 +54,9 @@ def test_clients_trusting_the_ca_are_answered(tls_server, pki, transport):
 
 
 @pytest.mark.parametrize("ca", [None, "other"])
-def test_clients_without_the_ca_are_refused(tls_server, pki, ca):
+def test_clients_without_the_ca_are_refused(
+    tls_server, pki: dict[str, str], ca: str | None
+) -> None:
     tls_ca = None if ca is None else pki[ca]
     with (
         CubeClient(shards=[[tls_server.address]], tls_ca=tls_ca, retry=0) as client,
@@ -56,7 +64,7 @@ def test_clients_without_the_ca_are_refused(tls_server, pki, ca):
     ):
         client.seek(KEYS[:10])
 
-    async def seek_async():
+    async def seek_async() -> None:
         async with AsyncCubeClient(shards=[[tls_server.address]], tls_ca=tls_ca, retry=0) as client:
             await client.seek(KEYS[:10])
 
@@ -64,7 +72,7 @@ def test_clients_without_the_ca_are_refused(tls_server, pki, ca):
         asyncio.run(seek_async())
 
 
-def test_plaintext_lane_connection_gets_nothing(tls_server):
+def test_plaintext_lane_connection_gets_nothing(tls_server) -> None:
     """A raw plaintext client on the lane port: the TLS handshake fails, no answer comes."""
     import socket
     import struct
@@ -95,7 +103,8 @@ def tls_server_ca_path(server) -> str:
     return args[args.index("--tls_cert") + 1].replace("cert.pem", "ca.pem")
 
 
-def test_bad_tls_files_are_named(tmp_path, pki):
+@pytest.mark.slow
+def test_bad_tls_files_are_named(tmp_path: Path, pki: dict[str, str]) -> None:
     import subprocess
     import sys
 
@@ -110,7 +119,9 @@ def test_bad_tls_files_are_named(tmp_path, pki):
         CubeClient(shards=[["127.0.0.1:1"]], tls_ca=str(missing))
 
 
-def test_cube_conf_tls_fields_reach_the_sdk_and_cube_cli(tls_server, pki, tmp_path, capsys):
+def test_cube_conf_tls_fields_reach_the_sdk_and_cube_cli(
+    tls_server, pki: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """cube.conf's tls_ca (the Helm chart writes it with TLS on) is all a client needs:
     CubeClient.from_conf and cube-cli (the chart's `helm test` pod) are answered over TLS;
     the same file without it is refused, unless cube-cli's --tls_ca gives the CA."""

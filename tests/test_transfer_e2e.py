@@ -73,7 +73,7 @@ if os.path.exists(marker):
 
 
 @pytest.fixture(scope="module")
-def ctx(tmp_path_factory):
+def ctx(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("transfer-e2e")
     wrapper = root / "tampering-builder"
     wrapper.write_text(WRAPPER.format(python=sys.executable, builder=command("cube-builder")))
@@ -143,7 +143,9 @@ def new_base(ctx, n: int = 2000, tamper: str = "", wait: bool = True) -> str:
     return version
 
 
-def new_patch(ctx, base: str, changed: int = 50, deleted=(), tamper: str = "", wait=True) -> str:
+def new_patch(
+    ctx, base: str, changed: int = 50, deleted=(), tamper: str = "", wait: bool = True
+) -> str:
     cur = str(next(_ids))
     version = f"{base}_{cur}"
     keys, values = ctx.tables[ctx.cluster.transfer_info()["live_version"]]
@@ -281,7 +283,7 @@ class Prober:
 # the happy path
 
 
-def test_base_delta_delete_and_rollback(ctx):
+def test_base_delta_delete_and_rollback(ctx) -> None:
     base = new_base(ctx)
     check_served(ctx, base)
     keys, _ = ctx.tables[base]
@@ -310,7 +312,7 @@ def test_base_delta_delete_and_rollback(ctx):
 # bad input: each fails alone, with its reason, and the next good line still deploys
 
 
-def test_bad_donefile_lines_fail_alone(ctx):
+def test_bad_donefile_lines_fail_alone(ctx) -> None:
     before = ensure_base(ctx)
     n = line_count(ctx, "base.txt")
     append(ctx, "base.txt", '{"id": "1", "key": "1", "input": "/x"')  # malformed JSON
@@ -345,7 +347,7 @@ def test_bad_donefile_lines_fail_alone(ctx):
     check_served(ctx, good)
 
 
-def test_an_empty_base_is_refused_and_the_live_version_keeps_serving(ctx):
+def test_an_empty_base_is_refused_and_the_live_version_keeps_serving(ctx) -> None:
     before = ensure_base(ctx)
     version = str(next(_ids))
     empty = ctx.root / "input" / version
@@ -367,7 +369,7 @@ def test_an_empty_base_is_refused_and_the_live_version_keeps_serving(ctx):
         ("corrupt", "reload did not reach quorum"),
     ],
 )
-def test_damaged_builds_deploy_nothing(ctx, tamper, reason):
+def test_damaged_builds_deploy_nothing(ctx, tamper, reason) -> None:
     before = ensure_base(ctx)
     bad = new_base(ctx, tamper=tamper, wait=False)
     rec = record(ctx, bad)
@@ -378,7 +380,7 @@ def test_damaged_builds_deploy_nothing(ctx, tamper, reason):
     check_served(ctx, before)
 
 
-def test_agents_refuse_damaged_tars_the_transfer_did_not_check(ctx):
+def test_agents_refuse_damaged_tars_the_transfer_did_not_check(ctx) -> None:
     """With verify_output off, the agents' own md5 and member checks must stop the rollout."""
     conf = ctx.cluster.dir / "transfer.conf"
     original = conf.read_text()
@@ -403,7 +405,7 @@ def test_agents_refuse_damaged_tars_the_transfer_did_not_check(ctx):
 # kill -9
 
 
-def test_kill9_agent_during_download(ctx):
+def test_kill9_agent_during_download(ctx) -> None:
     base = ensure_base(ctx)
     agent = ctx.cluster.proc("agent0_1")
     original = list(agent.argv)
@@ -433,7 +435,7 @@ def test_kill9_agent_during_download(ctx):
         agent.argv = original
 
 
-def test_kill9_server_during_load(ctx):
+def test_kill9_server_during_load(ctx) -> None:
     base = ensure_base(ctx)
     server = ctx.cluster.proc("server0_1")
     original = list(server.argv)
@@ -462,7 +464,7 @@ def test_kill9_server_during_load(ctx):
         server.argv = original
 
 
-def test_kill9_transfer_mid_deploy_resumes_without_losing_the_chain(ctx):
+def test_kill9_transfer_mid_deploy_resumes_without_losing_the_chain(ctx) -> None:
     base = ensure_base(ctx).split("_")[0]
     if live(ctx) != base:
         new_base(ctx)
@@ -504,7 +506,7 @@ def test_kill9_transfer_mid_deploy_resumes_without_losing_the_chain(ctx):
     check_served(ctx, third)
 
 
-def test_quorum_one_rolls_out_past_a_dead_replica_which_catches_up_on_return(ctx):
+def test_quorum_one_rolls_out_past_a_dead_replica_which_catches_up_on_return(ctx) -> None:
     before = ensure_base(ctx)
     conf = ctx.cluster.dir / "transfer.conf"
     original_conf = conf.read_text()
@@ -532,14 +534,14 @@ def test_quorum_one_rolls_out_past_a_dead_replica_which_catches_up_on_return(ctx
         ctx.cluster.restart("transfer")
 
 
-def test_a_corrupt_replica_never_answers_misses_and_is_repaired(ctx):
+def test_a_corrupt_replica_never_answers_misses_and_is_repaired(ctx) -> None:
     """Issue 9's first case. One byte of a replica's served shard is corrupted on disk and its
     server restarted: the server refuses the version and says NOT_SERVING (a client asking
     only it gets an error, never a batch of misses); clients of both replicas keep getting
     every key; the transfer records the failure with its reason and repairs the replica by a
     new download, after which it serves the live version again."""
     from grpc_health.v1 import health_pb2
-    from procs import health_status
+    from helpers.procs import health_status
 
     from cube.client import ShardUnavailableError
 
@@ -585,7 +587,7 @@ def test_a_corrupt_replica_never_answers_misses_and_is_repaired(ctx):
 # retries
 
 
-def test_a_base_failed_on_unreachable_replicas_is_retried_once_they_answer(tmp_path):
+def test_a_base_failed_on_unreachable_replicas_is_retried_once_they_answer(tmp_path: Path) -> None:
     """The first base fails because no agent answers; once they are started it goes live on
     its own, without its line being published again."""
     from cube.transfer.local import stop

@@ -11,6 +11,7 @@ after fleet.shrink() a base, a delta and an empty delta), laid out as the traine
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ from cube.client import CubeClient
 from cube.donefile import append_line, format_fleet_line
 from cube.paddle_ps import PaddleSource
 from cube.processes import poll_until
-from cube.transfer.local import ClusterSpec, up
+from cube.transfer.local import Cluster, ClusterSpec, up
 
 pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
 
@@ -33,7 +34,7 @@ IDS = {"base1": 1795737600, "base2": 1795824000, "delta1": 1795827600, "delta2":
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, Path]]:
     root = tmp_path_factory.mktemp("transfer-paddle")
     models = root / "models"  # the trainer's model_save_path: the donefiles live there too
     models.mkdir()
@@ -82,7 +83,7 @@ def expected(*paths: Path) -> dict[int, np.ndarray]:
     return table
 
 
-def check_served(running, table: dict[int, np.ndarray], gone: list[int]) -> None:
+def check_served(running: Cluster, table: dict[int, np.ndarray], gone: list[int]) -> None:
     keys = np.array(sorted(table), dtype=np.uint64)
     with CubeClient.from_conf(running.cube_conf) as client:
         result = client.seek(np.concatenate([keys, np.array(gone, dtype=np.uint64)]))
@@ -92,7 +93,9 @@ def check_served(running, table: dict[int, np.ndarray], gone: list[int]) -> None
     np.testing.assert_array_equal(served, np.stack([table[int(k)] for k in keys]))
 
 
-def test_bases_replace_the_table_and_deltas_apply_on_their_days_base(cluster):
+def test_bases_replace_the_table_and_deltas_apply_on_their_days_base(
+    cluster: tuple[Cluster, Path],
+) -> None:
     running, models = cluster
     # day 1: its base (a whole table: the checkpoint's rows)
     day1 = save(models, DAY1, "base", "checkpoint")
@@ -121,7 +124,9 @@ def test_bases_replace_the_table_and_deltas_apply_on_their_days_base(cluster):
     check_served(running, table, still_gone)
 
 
-def test_a_save_of_the_wrong_kind_or_day_is_refused_and_the_live_version_serves_on(cluster):
+def test_a_save_of_the_wrong_kind_or_day_is_refused_and_the_live_version_serves_on(
+    cluster: tuple[Cluster, Path],
+) -> None:
     running, models = cluster
     live = running.history()[-1]["version"]
     before = len(running.history())

@@ -17,14 +17,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from agent_helpers import AgentProc
-from procs import start_server
+from helpers.agent_helpers import AgentProc
+from helpers.procs import start_server
 
 from cube.client import CubeClient
 from cube.processes import poll_until, spawn, stop_child
 from cube.seqfile import SequenceFileWriter
 from cube.transfer.local import command
 from cube.values import ValueColumn
+
+# Every test here starts processes (servers, CLIs): make quick skips them.
+pytestmark = pytest.mark.slow
 
 WAIT = 60.0
 
@@ -55,7 +58,7 @@ def transfer_conf(root: Path, agent: str, server: str, deploy: Path, **extra: st
     return path
 
 
-def listening_port(log: Path, process: subprocess.Popen) -> int:
+def listening_port(log: Path, process: subprocess.Popen[bytes]) -> int:
     """The API port a cube-transfer started with `-p 0` logged once listening."""
     found: list[str] = []
 
@@ -70,7 +73,7 @@ def listening_port(log: Path, process: subprocess.Popen) -> int:
     return int(found[0])
 
 
-def test_api_beyond_loopback_needs_a_token(tmp_path):
+def test_api_beyond_loopback_needs_a_token(tmp_path: Path) -> None:
     conf = transfer_conf(tmp_path, "127.0.0.1:1", "127.0.0.1:2", tmp_path / "d", listen="0.0.0.0")
     argv = [sys.executable, "-m", "cube.transfer.main", "-p", "0", "--config", str(conf)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=WAIT)
@@ -78,7 +81,7 @@ def test_api_beyond_loopback_needs_a_token(tmp_path):
     assert "without a token" in done.stderr and "api_token" in done.stderr
 
 
-def test_rollout_over_tls_with_tokens(tmp_path, pki):
+def test_rollout_over_tls_with_tokens(tmp_path: Path, pki: dict[str, str]) -> None:
     deploy = tmp_path / "deploy"
     (deploy / "data").mkdir(parents=True)
     server = start_server(deploy / "data", "--control_token=ctl")
@@ -120,7 +123,7 @@ def test_rollout_over_tls_with_tokens(tmp_path, pki):
         (tmp_path / "transfer" / "donefile" / "base.txt").write_text(json.dumps(line) + "\n")
 
         def served() -> bool:
-            return agent.status()["server"].get("cur_version") == "100"
+            return bool(agent.status()["server"].get("cur_version") == "100")
 
         assert poll_until(served, WAIT, 0.2), (tmp_path / "transfer.log").read_text()[-3000:]
         # the metrics endpoint (plain http, no token: counts and versions, never data)
@@ -131,7 +134,8 @@ def test_rollout_over_tls_with_tokens(tmp_path, pki):
         def metrics() -> str:
             url = f"http://127.0.0.1:{metrics_port}/metrics"
             with urllib.request.urlopen(url, timeout=10) as reply:
-                return reply.read().decode()
+                text: str = reply.read().decode()
+                return text
 
         committed = 'cube_transfer_rollouts_total{dict="secure_dict",outcome="committed"} 1.0'
         assert poll_until(lambda: committed in metrics(), WAIT, 0.2), metrics()
@@ -158,7 +162,7 @@ def test_rollout_over_tls_with_tokens(tmp_path, pki):
         server.stop()
 
 
-def test_port_in_use_is_reported_at_once(tmp_path):
+def test_port_in_use_is_reported_at_once(tmp_path: Path) -> None:
     """The API and file ports are bound before the journal is opened or the donefile read."""
     conf = transfer_conf(tmp_path, "127.0.0.1:1", "127.0.0.1:2", tmp_path / "d")
     with socket.socket() as taken:

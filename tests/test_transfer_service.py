@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import aiohttp
 import pytest
-from transfer_helpers import (
+from helpers.transfer_helpers import (
     FakeAgent,
     append_line,
     make_input,
@@ -150,8 +150,8 @@ def history(h) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_base_then_deltas_roll_out_in_phases(tmp_path):
-    async def body():
+def test_base_then_deltas_roll_out_in_phases(tmp_path: Path) -> None:
+    async def body() -> None:
         async with harness(tmp_path) as h:
             await roll_out(h, B1)
             assert versions(h) == [B1] * 4
@@ -185,8 +185,8 @@ def test_base_then_deltas_roll_out_in_phases(tmp_path):
     run(body())
 
 
-def test_no_shard_switches_when_a_shard_misses_quorum(tmp_path):
-    async def body():
+def test_no_shard_switches_when_a_shard_misses_quorum(tmp_path: Path) -> None:
+    async def body() -> None:
         async with harness(tmp_path, extra="retries: 1") as h:
             await roll_out(h, B1)
             h.events.clear()
@@ -205,8 +205,8 @@ def test_no_shard_switches_when_a_shard_misses_quorum(tmp_path):
     run(body())
 
 
-def test_a_dead_replica_does_not_block_under_quorum_one_and_catches_up(tmp_path):
-    async def body():
+def test_a_dead_replica_does_not_block_under_quorum_one_and_catches_up(tmp_path: Path) -> None:
+    async def body() -> None:
         async with harness(tmp_path, extra="quorum: 1") as h:
             await roll_out(h, B1)
             dead = h.agents[0][1]
@@ -223,8 +223,10 @@ def test_a_dead_replica_does_not_block_under_quorum_one_and_catches_up(tmp_path)
     run(body())
 
 
-def test_a_failed_enable_returns_the_switched_replicas_to_the_previous_version(tmp_path):
-    async def body():
+def test_a_failed_enable_returns_the_switched_replicas_to_the_previous_version(
+    tmp_path: Path,
+) -> None:
+    async def body() -> None:
         async with harness(tmp_path, extra="retries: 0") as h:
             await roll_out(h, B1)
             for agent in h.agents[1]:
@@ -240,8 +242,8 @@ def test_a_failed_enable_returns_the_switched_replicas_to_the_previous_version(t
     run(body())
 
 
-def test_a_lagging_replica_skips_a_delta_and_is_caught_up_by_the_reconciler(tmp_path):
-    async def body():
+def test_a_lagging_replica_skips_a_delta_and_is_caught_up_by_the_reconciler(tmp_path: Path) -> None:
+    async def body() -> None:
         async with harness(tmp_path, extra="quorum: 1") as h:
             await roll_out(h, B1)
             lagging = h.agents[1][1]
@@ -259,8 +261,8 @@ def test_a_lagging_replica_skips_a_delta_and_is_caught_up_by_the_reconciler(tmp_
     run(body())
 
 
-def test_restart_resumes_a_deployment_without_redoing_finished_phases(tmp_path):
-    async def body():
+def test_restart_resumes_a_deployment_without_redoing_finished_phases(tmp_path: Path) -> None:
+    async def body() -> None:
         async with harness(tmp_path) as h:
             await roll_out(h, B1)
             for agent in h.flat:
@@ -294,7 +296,7 @@ def test_restart_resumes_a_deployment_without_redoing_finished_phases(tmp_path):
     run(body())
 
 
-def test_bad_donefile_lines_and_bad_builds_fail_alone(tmp_path):
+def test_bad_donefile_lines_and_bad_builds_fail_alone(tmp_path: Path) -> None:
     async def body():
         async with harness(tmp_path, extra="retries: 0") as h:
             append_line(h.donefile, "base.txt", '{"id": "17", "key": "17", "input": ')
@@ -317,8 +319,8 @@ def test_bad_donefile_lines_and_bad_builds_fail_alone(tmp_path):
     assert by_version["21"].status == "finished"
 
 
-def test_missing_input_fails_the_version_with_its_path(tmp_path):
-    async def body():
+def test_missing_input_fails_the_version_with_its_path(tmp_path: Path) -> None:
+    async def body() -> None:
         async with harness(tmp_path, shards=1, replicas=1) as h:
             append_line(h.donefile, "base.txt", {"id": "18", "key": "18", "input": "/no/such/dir"})
             await h.service.cycle()
@@ -336,8 +338,8 @@ def test_missing_input_fails_the_version_with_its_path(tmp_path):
     run(body())
 
 
-def test_http_api_shapes_rollback_and_meta(tmp_path):
-    async def body():
+def test_http_api_shapes_rollback_and_meta(tmp_path: Path) -> None:
+    async def body() -> None:
         async with harness(tmp_path, listeners=True) as h, aiohttp.ClientSession() as http:
             await roll_out(h, B1)
             await roll_out(h, D1)
@@ -429,8 +431,8 @@ def test_http_api_shapes_rollback_and_meta(tmp_path):
 
 
 def test_a_first_base_failed_on_unreachable_replicas_is_retried_across_a_restart(
-    tmp_path, monkeypatch
-):
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every replica unreachable: the first base fails and is tried again on its own after the
     backoff (a fake clock), also by a restarted transfer (the journal keeps the retry), and
     goes live once the replicas answer; the status API and the metrics show the retry."""
@@ -440,7 +442,7 @@ def test_a_first_base_failed_on_unreachable_replicas_is_retried_across_a_restart
     clock = [1000.0]
     monkeypatch.setattr(service_module, "now", lambda: clock[0])
 
-    async def body():
+    async def body() -> None:
         async with harness(tmp_path, 1, 2, extra="version_retry_backoff: 20") as h:
             for agent in h.flat:
                 await agent.stop()
@@ -473,7 +475,9 @@ def test_a_first_base_failed_on_unreachable_replicas_is_retried_across_a_restart
     run(body())
 
 
-def test_the_transfer_refuses_a_missing_donefile_directory_unless_told_to_create_it(tmp_path):
+def test_the_transfer_refuses_a_missing_donefile_directory_unless_told_to_create_it(
+    tmp_path: Path,
+) -> None:
     """A donefile_address with a typo used to be watched, empty, forever: cube-transfer exits 2
     naming it; --create_donefile_dir creates it; the log says which donefiles are watched."""
     import subprocess
@@ -502,7 +506,7 @@ def test_the_transfer_refuses_a_missing_donefile_directory_unless_told_to_create
         assert stop_child(transfer, timeout=10) == 0
 
 
-def test_an_external_file_server_on_wget_port_serves_the_builds(tmp_path):
+def test_an_external_file_server_on_wget_port_serves_the_builds(tmp_path: Path) -> None:
     """With download_address, agents are sent URLs of a file server the transfer does not run:
     here one already listening on wget_port (the original's clash), serving a directory above
     output_address, as a server serving `/` gives the original's absolute URLs."""
@@ -516,7 +520,7 @@ def test_an_external_file_server_on_wget_port_serves_the_builds(tmp_path):
         assert poll_until(lambda: not _port_free(port), 15, 0.05), "http.server did not start"
         extra = f"download_address: http://127.0.0.1:{port}/output/"
 
-        async def body():
+        async def body() -> None:
             async with (
                 harness(tmp_path, 1, 1, extra=extra, listeners=True, wget_port=port) as h,
                 aiohttp.ClientSession() as http,
@@ -548,15 +552,15 @@ def test_an_external_file_server_on_wget_port_serves_the_builds(tmp_path):
          "download_address is for download_mode http or ftp"),
     ],
 )  # fmt: skip
-def test_bad_download_addresses_are_refused(tmp_path, line, error):
+def test_bad_download_addresses_are_refused(tmp_path: Path, line, error) -> None:
     text = transfer_conf(tmp_path, [[(1, 2, "/d")]], wget_port=0, builder="b", extra=line)
     text = text.replace("download_mode: http\n", "", 1) if "download_mode" in line else text
     with pytest.raises(ConfigError, match=re.escape(error)):
         parse_config(text, "transfer.conf", tmp_path)
 
 
-def test_agent_token_is_sent(tmp_path):
-    async def body():
+def test_agent_token_is_sent(tmp_path: Path) -> None:
+    async def body() -> None:
         async with harness(tmp_path, shards=1, replicas=1, extra="agent_token: s3cret",
                            token="s3cret") as h:  # fmt: skip
             await roll_out(h, B1)
@@ -565,8 +569,8 @@ def test_agent_token_is_sent(tmp_path):
     run(body())
 
 
-def test_patch_for_a_non_current_base_is_refused_with_a_reason(tmp_path):
-    async def body():
+def test_patch_for_a_non_current_base_is_refused_with_a_reason(tmp_path: Path) -> None:
+    async def body() -> None:
         async with harness(tmp_path, shards=1, replicas=2) as h:
             await roll_out(h, B1)
             await roll_out(h, "1600000000_1700000100")
@@ -580,8 +584,8 @@ def test_patch_for_a_non_current_base_is_refused_with_a_reason(tmp_path):
     run(body())
 
 
-def test_base_only_mode_ignores_patches(tmp_path):
-    async def body():
+def test_base_only_mode_ignores_patches(tmp_path: Path) -> None:
+    async def body() -> None:
         async with harness(tmp_path, shards=1, replicas=1, mode="base_only") as h:
             base_line(h, B1)
             await roll_out(h, D1)
@@ -604,13 +608,13 @@ def _mirrored_inputs(tmp: Path) -> list[str]:
     return json.loads((tmp / "output" / "argv.log").read_text().splitlines()[-1])
 
 
-def test_donefile_and_input_over_http_are_mirrored(tmp_path):
+def test_donefile_and_input_over_http_are_mirrored(tmp_path: Path) -> None:
     from aiohttp import web
 
     remote = tmp_path / "remote"
     _remote_tree(remote, B1)
 
-    async def body():
+    async def body() -> None:
         app = web.Application()
         app.router.add_static("/", remote, show_index=True)
         runner = web.AppRunner(app)
@@ -636,7 +640,7 @@ def test_donefile_and_input_over_http_are_mirrored(tmp_path):
     run(body())
 
 
-def test_donefile_and_input_over_ftp_are_mirrored(tmp_path):
+def test_donefile_and_input_over_ftp_are_mirrored(tmp_path: Path) -> None:
     from cube.transfer.http_api import FtpFileServer
 
     remote = tmp_path / "remote"
@@ -646,7 +650,7 @@ def test_donefile_and_input_over_ftp_are_mirrored(tmp_path):
     ftp.start()
     try:
 
-        async def body():
+        async def body() -> None:
             address = f"ftp://127.0.0.1:{port}/donefile"
             async with harness(tmp_path, 1, 2, donefile_address=address) as h:
                 await h.service.cycle()
@@ -659,7 +663,7 @@ def test_donefile_and_input_over_ftp_are_mirrored(tmp_path):
         ftp.stop()
 
 
-def test_ftp_file_server_is_read_only(tmp_path):
+def test_ftp_file_server_is_read_only(tmp_path: Path) -> None:
     import ftplib
     import io
 
@@ -691,12 +695,12 @@ def test_ftp_file_server_is_read_only(tmp_path):
     assert not (tmp_path / "v" / "new").exists()
 
 
-def test_a_restarted_transfer_stops_the_builder_its_predecessor_left(tmp_path):
+def test_a_restarted_transfer_stops_the_builder_its_predecessor_left(tmp_path: Path) -> None:
     import subprocess
 
     import psutil
 
-    async def body():
+    async def body() -> None:
         async with harness(tmp_path, 1, 1) as h:
             await h.service.close()
             orphan = subprocess.Popen(["sleep", "60"], start_new_session=True)
@@ -716,8 +720,8 @@ def test_a_restarted_transfer_stops_the_builder_its_predecessor_left(tmp_path):
     run(body())
 
 
-def test_a_busy_agent_is_waited_for_without_spending_retries(tmp_path):
-    async def body():
+def test_a_busy_agent_is_waited_for_without_spending_retries(tmp_path: Path) -> None:
+    async def body() -> None:
         async with harness(tmp_path, 1, 2, extra="retries: 0") as h:
             h.flat[1].busy_until = asyncio.get_running_loop().time() + 1.5
             await roll_out(h, B1)
@@ -740,8 +744,8 @@ def _downloads(h, version: str) -> list[tuple[str, str, str]]:
 
 
 def test_an_empty_base_from_the_real_builder_is_refused_and_the_live_version_stays(
-    tmp_path, caplog
-):
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     from cube.transfer.local import command
 
     def publish(h, file: str, line: dict, records: int) -> None:
@@ -749,7 +753,7 @@ def test_an_empty_base_from_the_real_builder_is_refused_and_the_live_version_sta
         write_table(h.tmp / "input" / name, records)
         append_line(h.donefile, file, {**line, "input": str(h.tmp / "input" / name)})
 
-    async def body():
+    async def body() -> None:
         async with harness(tmp_path, 2, 1, builder=command("cube-builder")) as h:
             publish(h, "base.txt", {"id": B1, "key": B1}, 300)
             await h.service.cycle()
@@ -780,13 +784,15 @@ def test_an_empty_base_from_the_real_builder_is_refused_and_the_live_version_sta
     run(body())
 
 
-def test_a_version_published_again_after_a_failed_rollout_ships_the_same_tars(tmp_path):
+def test_a_version_published_again_after_a_failed_rollout_ships_the_same_tars(
+    tmp_path: Path,
+) -> None:
     """Agents that downloaded a version keep it: when its line is published again after the
     rollout failed, the transfer deploys the build it kept, not a new build under the same
     name (which those agents would refuse: a version name is deployed once)."""
     from cube.transfer.local import command
 
-    async def body():
+    async def body() -> None:
         async with harness(tmp_path, 1, 2, builder=command("cube-builder")) as h:
             write_table(h.tmp / "input" / B1, 200)
             line = {"id": B1, "key": B1, "input": str(h.tmp / "input" / B1)}
@@ -809,10 +815,10 @@ def test_a_version_published_again_after_a_failed_rollout_ships_the_same_tars(tm
     run(body())
 
 
-def test_a_base_that_shrinks_the_table_too_much_is_refused(tmp_path):
+def test_a_base_that_shrinks_the_table_too_much_is_refused(tmp_path: Path) -> None:
     b3, b4, b5 = "1700000600", "1700000700", "1700000800"
 
-    async def body():
+    async def body() -> None:
         async with harness(tmp_path, 2, 1, extra="max_shrink: 0.5") as h:
             await roll_out(h, B1, "RECORDS_1000")  # 2000 records over 2 shards
             await roll_out(h, D1, "RECORDS_10", "DELETED_300")  # at least 1400 still served
@@ -842,7 +848,7 @@ def test_a_base_that_shrinks_the_table_too_much_is_refused(tmp_path):
     run(body())
 
 
-def test_a_delta_of_another_value_width_is_refused_unless_variable_width(tmp_path):
+def test_a_delta_of_another_value_width_is_refused_unless_variable_width(tmp_path: Path) -> None:
     """A delta of 8-byte values over a chain of 16-byte ones would go live and make every
     get_embeddings fail: refused before download, naming both widths and versions."""
     d3, d4 = f"{B1}_1700000300", f"{B1}_1700000400"
@@ -850,7 +856,7 @@ def test_a_delta_of_another_value_width_is_refused_unless_variable_width(tmp_pat
     def argv(h) -> list[str]:
         return json.loads((h.tmp / "output" / "argv.log").read_text().splitlines()[-1])
 
-    async def body():
+    async def body() -> None:
         async with harness(tmp_path, 2, 1) as h:
             await roll_out(h, B1)  # 16-byte values
             assert "-allow_empty" in argv(h) and "-variable_width" not in argv(h)
@@ -892,8 +898,8 @@ async def _ask(http, method: str, url: str, timeout: float = 5.0, **kwargs) -> t
     return resp.status, reply
 
 
-def test_meta_info_with_a_huge_shard_is_refused_at_once(tmp_path):
-    async def body():
+def test_meta_info_with_a_huge_shard_is_refused_at_once(tmp_path: Path) -> None:
+    async def body() -> None:
         async with harness(tmp_path, 2, 1, listeners=True) as h, aiohttp.ClientSession() as http:
             await roll_out(h, B1)
             query = f"name=test_dict&version={B1}&depend={B1}&shard=3000000"
@@ -920,8 +926,8 @@ BAD_QUERIES = [
 ]
 
 
-def test_every_query_parameter_is_validated(tmp_path):
-    async def body():
+def test_every_query_parameter_is_validated(tmp_path: Path) -> None:
+    async def body() -> None:
         async with harness(tmp_path, 2, 1, listeners=True) as h, aiohttp.ClientSession() as http:
             await roll_out(h, B1)
             good = {"name": "test_dict", "version": B1, "depend": B1}
@@ -961,13 +967,35 @@ def test_every_query_parameter_is_validated(tmp_path):
     run(body())
 
 
-def test_a_handler_error_is_a_500_with_the_envelope(tmp_path, monkeypatch):
+def test_a_meta_json_cannot_read_is_a_400(tmp_path: Path) -> None:
+    # json.loads raises a plain ValueError (not JSONDecodeError, no .msg) for an integer over
+    # sys.get_int_max_str_digits(), and RecursionError for deep nesting: both were 500s
+    async def body() -> None:
+        async with harness(tmp_path, 2, 1, listeners=True) as h, aiohttp.ClientSession() as http:
+            await roll_out(h, B1)
+            form = {"name": "test_dict", "version": B1, "depend": B1, "shard": "0", "split": "0",
+                    "meta": '{"a": ' + "7" * 5000 + "}"}  # fmt: skip
+            url = h.api + "/dict/meta_info/register"
+            status, reply = await _ask(http, "POST", url, data=form)
+            assert status == 400 and "meta: not JSON" in reply["message"], reply
+            assert "7" * 50 not in reply["message"]  # never echoed back
+            status, reply = await _ask(http, "POST", url, data={**form, "meta": "[" * 60000})
+            assert status == 400 and "meta: not JSON" in reply["message"], reply
+            status, reply = await _ask(http, "POST", url, data={**form, "meta": '{"a": 1'})
+            assert status == 400 and "meta: not JSON (Expecting" in reply["message"], reply
+
+    run(body())
+
+
+def test_a_handler_error_is_a_500_with_the_envelope(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from cube.transfer import views
 
-    def broken(*args, **kwargs):
+    def broken(*args, **kwargs) -> None:
         raise RuntimeError("secret detail")
 
-    async def body():
+    async def body() -> None:
         async with harness(tmp_path, 1, 1, listeners=True) as h, aiohttp.ClientSession() as http:
             monkeypatch.setattr(views, "history", broken)
             status, reply = await _ask(http, "GET", h.api + "/dict/deploy/history")
@@ -977,8 +1005,8 @@ def test_a_handler_error_is_a_500_with_the_envelope(tmp_path, monkeypatch):
     run(body())
 
 
-def test_with_an_api_token_every_request_needs_it(tmp_path):
-    async def body():
+def test_with_an_api_token_every_request_needs_it(tmp_path: Path) -> None:
+    async def body() -> None:
         async with (
             harness(tmp_path, 1, 1, listeners=True, extra="api_token: t0ken") as h,
             aiohttp.ClientSession() as http,
@@ -1007,8 +1035,10 @@ def test_with_an_api_token_every_request_needs_it(tmp_path):
 # a replica that cannot load: visible, and repaired by a new download (issue 9)
 
 
-def test_a_replica_that_cannot_load_is_shown_failed_and_repaired_by_a_new_download(tmp_path):
-    async def body():
+def test_a_replica_that_cannot_load_is_shown_failed_and_repaired_by_a_new_download(
+    tmp_path: Path,
+) -> None:
+    async def body() -> None:
         async with (
             harness(tmp_path, 1, 2, extra="quorum: 1", listeners=True) as h,
             aiohttp.ClientSession() as http,
@@ -1054,8 +1084,8 @@ def test_a_replica_that_cannot_load_is_shown_failed_and_repaired_by_a_new_downlo
     run(body())
 
 
-def test_a_replica_that_cannot_load_during_a_rollout_downloads_again(tmp_path):
-    async def body():
+def test_a_replica_that_cannot_load_during_a_rollout_downloads_again(tmp_path: Path) -> None:
+    async def body() -> None:
         async with harness(tmp_path, 2, 2) as h:  # quorum: every replica
             await roll_out(h, B1)
             h.agents[1][0].corrupt = {B2}
@@ -1067,8 +1097,8 @@ def test_a_replica_that_cannot_load_during_a_rollout_downloads_again(tmp_path):
     run(body())
 
 
-def test_a_catch_up_without_a_record_fails_instead_of_claiming_success(tmp_path):
-    async def body():
+def test_a_catch_up_without_a_record_fails_instead_of_claiming_success(tmp_path: Path) -> None:
+    async def body() -> None:
         async with harness(tmp_path, 1, 2, extra="quorum: 1") as h:
             await roll_out(h, B1)
             h.agents[0][1].cur = ""  # a fresh replica
@@ -1082,8 +1112,8 @@ def test_a_catch_up_without_a_record_fails_instead_of_claiming_success(tmp_path)
     run(body())
 
 
-def test_a_catch_up_reload_refused_as_corrupt_is_repaired_by_a_new_download(tmp_path):
-    async def body():
+def test_a_catch_up_reload_refused_as_corrupt_is_repaired_by_a_new_download(tmp_path: Path) -> None:
+    async def body() -> None:
         async with harness(tmp_path, 1, 2, extra="quorum: 1\nretries: 0") as h:
             h.service.reconciler.catch_up_backoff = 0.2
             await roll_out(h, B1)
@@ -1114,10 +1144,12 @@ def test_a_catch_up_reload_refused_as_corrupt_is_repaired_by_a_new_download(tmp_
     run(body())
 
 
-def test_a_rollback_waiting_for_the_lock_sees_a_deployment_that_began_meanwhile(tmp_path):
+def test_a_rollback_waiting_for_the_lock_sees_a_deployment_that_began_meanwhile(
+    tmp_path: Path,
+) -> None:
     from cube.transfer.service import Busy
 
-    async def body():
+    async def body() -> None:
         async with harness(tmp_path, 1, 1) as h:
             await roll_out(h, B1)
             await roll_out(h, B2)
@@ -1136,7 +1168,7 @@ def test_a_rollback_waiting_for_the_lock_sees_a_deployment_that_began_meanwhile(
     run(body())
 
 
-def test_metrics_follow_the_rollouts(tmp_path):
+def test_metrics_follow_the_rollouts(tmp_path: Path) -> None:
     """The transfer's metrics after real rollouts (fake agents): outcomes counted, phase
     durations of committed rollouts, the live version, each replica's status and lag."""
     from prometheus_client import generate_latest
@@ -1158,7 +1190,7 @@ def test_metrics_follow_the_rollouts(tmp_path):
     def get(samples, name, **labels):
         return samples.get((name, tuple(sorted({"dict": "test_dict", **labels}.items()))))
 
-    async def body():
+    async def body() -> None:
         async with harness(tmp_path, 1, 2, extra="retries: 0") as h:
             await roll_out(h, B1)
             await roll_out(h, D1)

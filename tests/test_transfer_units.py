@@ -66,7 +66,7 @@ cube1_1: 127.0.0.1:8030:/home/work/c:odd
 # config
 
 
-def test_config_parses_the_original_format(tmp_path):
+def test_config_parses_the_original_format(tmp_path: Path) -> None:
     cfg = parse_config(CONF, "t.conf", tmp_path)
     assert cfg.dict_name == "test_dict" and cfg.mode == "base_delta"
     assert cfg.wget_port == 8009
@@ -80,7 +80,7 @@ def test_config_parses_the_original_format(tmp_path):
     assert [i.name for i in cfg.shard_instances(1)] == ["1_0", "1_1"]
 
 
-def test_config_defaults_quorum_to_all_replicas(tmp_path):
+def test_config_defaults_quorum_to_all_replicas(tmp_path: Path) -> None:
     cfg = parse_config(CONF.replace("quorum: 1\n", ""), "t.conf", tmp_path)
     assert cfg.quorum == 2
     assert cfg.retries == 3 and cfg.partitioner == "mod" and cfg.listen == "127.0.0.1"
@@ -88,14 +88,14 @@ def test_config_defaults_quorum_to_all_replicas(tmp_path):
     assert other.listen == "10.0.0.7"  # agents reach the file server there
 
 
-def test_render_config_round_trips(tmp_path):
+def test_render_config_round_trips(tmp_path: Path) -> None:
     cfg = parse_config(CONF, "t.conf", tmp_path)
     again = parse_config(render_config(cfg), "r.conf", tmp_path)
     assert again.instances == cfg.instances
     assert (again.quorum, again.output_address, again.mode) == (1, cfg.output_address, "base_delta")
 
 
-def test_render_config_keeps_every_field(tmp_path):
+def test_render_config_keeps_every_field(tmp_path: Path) -> None:
     """cube-local writes transfer.conf with render_config: a field it drops silently falls back
     to its default (an api_token dropped = an open API)."""
     import dataclasses
@@ -125,7 +125,7 @@ def test_render_config_keeps_every_field(tmp_path):
         render_config(dataclasses.replace(cfg, api_token="two words"))
 
 
-def test_config_shrink_guard_keys(tmp_path):
+def test_config_shrink_guard_keys(tmp_path: Path) -> None:
     cfg = parse_config(CONF, "t.conf", tmp_path)
     assert (cfg.max_shrink, cfg.allow_empty_base) == (0.5, False)
     text = CONF.replace("quorum: 1", "quorum: 1\nmax_shrink: 1\nallow_empty_base: yes")
@@ -158,12 +158,14 @@ def test_config_shrink_guard_keys(tmp_path):
         (("wget_port: 8009   # inline comment", "just words"), "expected 'key: value'"),
     ],
 )
-def test_config_errors_name_the_place(tmp_path, change, message):
+def test_config_errors_name_the_place(tmp_path: Path, change, message) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         parse_config(CONF.replace(*change), "t.conf", tmp_path)
 
 
-def test_config_keeps_keys_it_does_not_use_but_says_so(tmp_path, caplog):
+def test_config_keeps_keys_it_does_not_use_but_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Keys of the original's configs that cube-transfer does not use are kept (written back
     by render_config) and logged, so a config carries over; a near miss of a key it uses is
     an error (above), since it would silently leave the default in place."""
@@ -176,7 +178,7 @@ def test_config_keeps_keys_it_does_not_use_but_says_so(tmp_path, caplog):
     )
 
 
-def test_config_requires_the_essentials(tmp_path):
+def test_config_requires_the_essentials(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no \\[default\\] section"):
         parse_config("[cube_agent]\n", "t.conf", tmp_path)
     with pytest.raises(ConfigError, match="needs donefile_address"):
@@ -187,7 +189,7 @@ def test_config_requires_the_essentials(tmp_path):
 # donefile
 
 
-def test_donefile_lines_parse_ids_as_integers():
+def test_donefile_lines_parse_ids_as_integers() -> None:
     base = parse_line("base.txt", 1, '{"id": "1700000000", "key": 1700000000, "input": "/in/b"}')
     assert base == DonefileEntry("base.txt", 1, "1700000000", "1700000000", "/in/b")
     patch = parse_line(
@@ -224,13 +226,13 @@ def test_donefile_lines_parse_ids_as_integers():
         ),
     ],
 )
-def test_bad_donefile_lines_say_why(file, text, reason):
+def test_bad_donefile_lines_say_why(file, text, reason) -> None:
     parsed = parse_line(file, 7, text)
     assert isinstance(parsed, BadLine)
     assert reason in parsed.reason and parsed.reason.startswith(f"{file}:7:")
 
 
-def test_an_unterminated_last_line_waits_unless_complete():
+def test_an_unterminated_last_line_waits_unless_complete() -> None:
     assert split_complete_lines('{"a": 1}\n{"id": "2"') == ['{"a": 1}']
     assert split_complete_lines('{"a": 1}\n{"b": 2}') == ['{"a": 1}', '{"b": 2}']
     assert split_complete_lines("") == []
@@ -238,7 +240,7 @@ def test_an_unterminated_last_line_waits_unless_complete():
     assert [e.line_no for e in entries] == [1]
 
 
-def test_inputs_resolve_like_the_original():
+def test_inputs_resolve_like_the_original() -> None:
     assert resolve_input("/srv/donefile", "/abs/in") == "/abs/in"
     assert resolve_input("/srv/donefile", "rel/in") == "/srv/donefile/rel/in"
     assert (
@@ -253,26 +255,26 @@ def test_inputs_resolve_like_the_original():
 # state machine
 
 
-def _lines(state, file, *objs, start=1):
+def _lines(state, file, *objs, start: int = 1):
     parsed = [parse_line(file, start + i, json.dumps(o)) for i, o in enumerate(objs)]
     return ingest(state, parsed, 1.0)
 
 
-def _base(i, inp="/in"):
+def _base(i, inp: str = "/in"):
     return {"id": str(i), "key": str(i), "input": inp}
 
 
-def _patch(i, key, inp="/in"):
+def _patch(i, key, inp: str = "/in"):
     return {"id": str(i), "key": str(key), "input": inp}
 
 
-def _go_live(state, rec):
+def _go_live(state, rec) -> None:
     rec.status = "finished"
     state.live_version = rec.version
     state.live_chain = list(rec.chain)
 
 
-def test_newest_base_wins_and_older_pending_are_skipped():
+def test_newest_base_wins_and_older_pending_are_skipped() -> None:
     state = TransferState()
     _lines(state, "base.txt", _base(100), _base(300), _base(200))
     rec, logs = next_version(state, 2.0)
@@ -282,7 +284,7 @@ def test_newest_base_wins_and_older_pending_are_skipped():
     assert any("superseded by the newer base 300" in line for line in logs)
 
 
-def test_patches_apply_in_order_on_the_live_base_only():
+def test_patches_apply_in_order_on_the_live_base_only() -> None:
     state = TransferState()
     _lines(state, "base.txt", _base(100))
     base, _ = next_version(state, 2.0)
@@ -303,7 +305,7 @@ def test_patches_apply_in_order_on_the_live_base_only():
     assert "not newer than the live delta 100_120" in state.record("100_115").message
 
 
-def test_a_new_base_refuses_the_old_bases_pending_patches_and_resets_the_chain():
+def test_a_new_base_refuses_the_old_bases_pending_patches_and_resets_the_chain() -> None:
     state = TransferState()
     _lines(state, "base.txt", _base(100))
     _go_live(state, next_version(state, 1.0)[0])
@@ -318,7 +320,7 @@ def test_a_new_base_refuses_the_old_bases_pending_patches_and_resets_the_chain()
     assert rec.version == "200_210" and rec.chain == ["200", "200_210"]
 
 
-def test_old_bases_and_orphan_patches_are_refused():
+def test_old_bases_and_orphan_patches_are_refused() -> None:
     state = TransferState()
     _lines(state, "patch.txt", _patch(5, 1))
     assert next_version(state, 1.0)[0] is None
@@ -330,7 +332,7 @@ def test_old_bases_and_orphan_patches_are_refused():
     assert "not newer than the live base 100" in state.record("50").message
 
 
-def test_repeated_lines_are_ignored_but_a_failed_version_may_be_retried():
+def test_repeated_lines_are_ignored_but_a_failed_version_may_be_retried() -> None:
     state = TransferState()
     _lines(state, "base.txt", _base(100))
     logs = _lines(state, "base.txt", _base(100), start=2)
@@ -350,7 +352,9 @@ class FakeClock:
         return self.at
 
 
-def _fail_attempt(rec, clock, policy, message="download did not reach quorum 2", final=""):
+def _fail_attempt(
+    rec, clock, policy, message: str = "download did not reach quorum 2", final: str = ""
+):
     """What the service does with a version whose rollout attempt failed."""
     from cube.transfer.state import after_failure, begin_attempt, finish
 
@@ -359,7 +363,7 @@ def _fail_attempt(rec, clock, policy, message="download did not reach quorum 2",
     return after_failure(rec, not final, final, policy, clock())
 
 
-def test_a_failed_version_is_retried_with_bounded_backoff_then_abandoned():
+def test_a_failed_version_is_retried_with_bounded_backoff_then_abandoned() -> None:
     from cube.backoff import Backoff
     from cube.transfer.state import RetryPolicy
 
@@ -390,7 +394,7 @@ def test_a_failed_version_is_retried_with_bounded_backoff_then_abandoned():
     assert "no base is live" in state.record("100_110").message  # now its patch can't apply
 
 
-def test_a_failure_retrying_cannot_help_is_abandoned_at_once():
+def test_a_failure_retrying_cannot_help_is_abandoned_at_once() -> None:
     from cube.transfer.state import RetryPolicy
 
     clock, state = FakeClock(), TransferState()
@@ -401,7 +405,7 @@ def test_a_failure_retrying_cannot_help_is_abandoned_at_once():
     assert next_version(state, clock() + 1e6)[0] is None
 
 
-def test_a_retry_is_abandoned_when_a_newer_base_or_its_line_again_supersedes_it():
+def test_a_retry_is_abandoned_when_a_newer_base_or_its_line_again_supersedes_it() -> None:
     from cube.transfer.state import RetryPolicy
 
     clock, state = FakeClock(), TransferState()
@@ -424,7 +428,7 @@ def test_a_retry_is_abandoned_when_a_newer_base_or_its_line_again_supersedes_it(
     assert any("abandoned: superseded by the newer base 200" in line for line in logs)
 
 
-def test_patches_after_a_patch_awaiting_its_retry_wait_for_it():
+def test_patches_after_a_patch_awaiting_its_retry_wait_for_it() -> None:
     from cube.transfer.state import RetryPolicy
 
     clock, state = FakeClock(), TransferState()
@@ -443,7 +447,7 @@ def test_patches_after_a_patch_awaiting_its_retry_wait_for_it():
     assert next_version(state, clock())[0].version == "100_120"
 
 
-def test_retry_state_survives_the_journal(tmp_path):
+def test_retry_state_survives_the_journal(tmp_path: Path) -> None:
     from cube.transfer.state import RetryPolicy
 
     clock, journal = FakeClock(), Journal(tmp_path / "tmp")
@@ -459,7 +463,7 @@ def test_retry_state_survives_the_journal(tmp_path):
     assert again.awaiting_retry
 
 
-def test_malformed_lines_become_failed_records():
+def test_malformed_lines_become_failed_records() -> None:
     state = TransferState()
     parsed = [parse_line("base.txt", 1, "{oops")]
     logs = ingest(state, parsed, 1.0)
@@ -478,7 +482,7 @@ def _built(version: str, mode: str, records: list[int], deleted: list[int] | Non
     return rec
 
 
-def test_live_records_is_a_lower_bound_of_what_is_served():
+def test_live_records_is_a_lower_bound_of_what_is_served() -> None:
     state = TransferState()
     assert live_records(state) is None
     state.history = [
@@ -494,7 +498,7 @@ def test_live_records_is_a_lower_bound_of_what_is_served():
     assert live_records(state) is None
 
 
-def test_a_base_may_not_empty_or_shrink_the_table_unless_allowed():
+def test_a_base_may_not_empty_or_shrink_the_table_unless_allowed() -> None:
     empty = _built("200", "base", [0, 0])
     assert "base 200 has no records" in shrink_refusal(empty, None, 0.5, False)
     assert "has no records" in shrink_refusal(empty, 1000, 1.0, False)
@@ -520,7 +524,7 @@ def _widths(rec: VersionRecord, *widths: int | None) -> VersionRecord:
     return rec
 
 
-def test_a_delta_must_keep_the_live_chains_value_width():
+def test_a_delta_must_keep_the_live_chains_value_width() -> None:
     from cube.layout import width_change
 
     state = TransferState()
@@ -548,7 +552,7 @@ def test_a_delta_must_keep_the_live_chains_value_width():
     assert width_change({16}, {16, 8}) == ("16-byte values", "values of varying width")
 
 
-def test_quorum_shortfall():
+def test_quorum_shortfall() -> None:
     shards = {0: ["0_0", "0_1"], 1: ["1_0", "1_1"]}
     assert quorum_shortfall({"0_0", "0_1", "1_0", "1_1"}, shards, 2) == []
     assert quorum_shortfall({"0_0", "1_1"}, shards, 1) == []
@@ -558,7 +562,7 @@ def test_quorum_shortfall():
     assert quorum_shortfall({"0_0"}, {0: ["0_0"]}, 3) == []  # quorum capped by replicas
 
 
-def test_catch_up_plans():
+def test_catch_up_plans() -> None:
     chain = ["100", "100_110", "100_120"]
     assert catch_up_plan("100_120", chain, set()) == []
     forward = catch_up_plan("100_110", chain, {"100", "100_110"})
@@ -591,7 +595,7 @@ def test_catch_up_plans():
     ]
 
 
-def test_backoff_is_bounded_however_many_failures():
+def test_backoff_is_bounded_however_many_failures() -> None:
     from cube.transfer.state import backoff_delay
 
     assert [backoff_delay(n, 5.0) for n in (1, 2, 3)] == [5.0, 10.0, 20.0]
@@ -602,7 +606,7 @@ def test_backoff_is_bounded_however_many_failures():
 # journal
 
 
-def test_journal_round_trips_and_refuses_another_dict(tmp_path):
+def test_journal_round_trips_and_refuses_another_dict(tmp_path: Path) -> None:
     journal = Journal(tmp_path / "tmp")
     state = journal.load("d")
     _lines(state, "base.txt", _base(100))
@@ -621,7 +625,7 @@ def test_journal_round_trips_and_refuses_another_dict(tmp_path):
         Journal(tmp_path / "tmp").load("d")
 
 
-def test_history_trim_keeps_pending_and_live():
+def test_history_trim_keeps_pending_and_live() -> None:
     state = TransferState()
     _lines(state, "base.txt", *[_base(i) for i in range(1, 21)])
     for rec in state.history[:-1]:
@@ -664,7 +668,7 @@ def _index(records: int, deleted: int = 0, **fields) -> bytes:
     return encode_header("index", header)
 
 
-def test_check_outputs_accepts_good_tars_and_counts_their_records(tmp_path):
+def test_check_outputs_accepts_good_tars_and_counts_their_records(tmp_path: Path) -> None:
     for shard in range(2):
         members = {"./data.cube": b"d", "./index.cube": _index(10 + shard, shard)}
         _write_output(tmp_path, shard, _tar_bytes(members))
@@ -675,7 +679,7 @@ def test_check_outputs_accepts_good_tars_and_counts_their_records(tmp_path):
     assert builds.check_outputs(tmp_path, "d", 2, verify=False)[1].records == 11
 
 
-def test_check_outputs_needs_a_readable_index_header(tmp_path):
+def test_check_outputs_needs_a_readable_index_header(tmp_path: Path) -> None:
     cases = {
         "short": ({"index.cube": b"i"}, "too short for a header"),
         "magic": ({"index.cube": b"x" * HEADER_SIZE}, "bad magic"),
@@ -689,7 +693,7 @@ def test_check_outputs_needs_a_readable_index_header(tmp_path):
             builds.check_outputs(tmp_path / name, "d", 1)
 
 
-def test_check_outputs_rejects_bad_builds(tmp_path):
+def test_check_outputs_rejects_bad_builds(tmp_path: Path) -> None:
     good = _tar_bytes({"index.cube": _index(1)})
     _write_output(tmp_path / "a", 0, good, md5="0" * 32)
     with pytest.raises(builds.BuildError, match=r"does not match its \.md5"):
@@ -715,7 +719,7 @@ def test_check_outputs_rejects_bad_builds(tmp_path):
         builds.check_outputs(tmp_path / "f", "d", 1)
 
 
-def test_resolve_command(tmp_path):
+def test_resolve_command(tmp_path: Path) -> None:
     assert builds.resolve_command("sh").endswith("/sh")
     with pytest.raises(builds.BuildError, match="not found on PATH"):
         builds.resolve_command("no-such-builder-here")
@@ -727,7 +731,7 @@ def test_resolve_command(tmp_path):
     assert builds.resolve_command(str(script)) == str(script)
 
 
-def test_builder_argv_is_a_list_without_a_shell():
+def test_builder_argv_is_a_list_without_a_shell() -> None:
     argv = builds.builder_argv(
         "/x/cube-builder",
         dict_name="d",
@@ -744,7 +748,7 @@ def test_builder_argv_is_a_list_without_a_shell():
     assert argv[-2:] == ["-delete_path", "/del"] and "-quiet" in argv
 
 
-def test_builder_flags_follow_the_flags_the_transfer_sets(tmp_path):
+def test_builder_flags_follow_the_flags_the_transfer_sets(tmp_path: Path) -> None:
     """builder_flags is split like a shell would split it (quotes kept together, nothing run)
     and appended to the builder's argv; a flag the transfer sets itself is refused."""
     text = CONF.replace(
@@ -773,7 +777,8 @@ def test_builder_flags_follow_the_flags_the_transfer_sets(tmp_path):
             parse_config(CONF.replace("quorum: 1", f"quorum: 1\nbuilder_flags: {flags}"), "t.conf")
 
 
-def test_cube_transfer_cli_rejects_bad_configs(tmp_path):
+@pytest.mark.slow
+def test_cube_transfer_cli_rejects_bad_configs(tmp_path: Path) -> None:
     import subprocess
     import sys
 
@@ -812,7 +817,7 @@ class _ScriptedAgent:
         return {"server": {"reachable": True}}
 
 
-def test_drive_waits_out_an_unreachable_server_without_spending_retries():
+def test_drive_waits_out_an_unreachable_server_without_spending_retries() -> None:
     """A task that failed because the server was unreachable is re-sent without counting as
     a failure even when the server is back by the time the agent is asked (the race that made
     a kill -9 of a loading server fail the phase)."""
@@ -841,7 +846,7 @@ def test_drive_waits_out_an_unreachable_server_without_spending_retries():
     assert not outcome.ok and "bad tar" in outcome.message
 
 
-def test_drive_gives_up_at_once_on_a_corrupt_copy():
+def test_drive_gives_up_at_once_on_a_corrupt_copy() -> None:
     """The agent quarantined the copy its server refused: re-sending the load cannot work, so
     the caller learns it at once (reason corrupt_version) and downloads again."""
     import asyncio
@@ -864,7 +869,7 @@ def test_drive_gives_up_at_once_on_a_corrupt_copy():
 # what the API shows and what peers send (issue 9 audit)
 
 
-def test_credentials_in_urls_are_never_shown(tmp_path):
+def test_credentials_in_urls_are_never_shown(tmp_path: Path) -> None:
     from cube.transfer import views
     from cube.transfer.donefile import redact
 
@@ -881,7 +886,7 @@ def test_credentials_in_urls_are_never_shown(tmp_path):
     assert "hunter2" not in shown and "ftp://***@10.0.0.1/donefile" in shown
 
 
-def test_bad_donefile_lines_do_not_echo_what_was_read():
+def test_bad_donefile_lines_do_not_echo_what_was_read() -> None:
     secret = "x" * 50 + "<script>"
     for text in (
         json.dumps({"id": secret, "key": "1", "input": "/x"}),
@@ -896,7 +901,7 @@ def test_bad_donefile_lines_do_not_echo_what_was_read():
         assert secret not in state.history[0].message
 
 
-def test_an_agent_answer_is_bounded(tmp_path):
+def test_an_agent_answer_is_bounded(tmp_path: Path) -> None:
     import asyncio
 
     import aiohttp
@@ -905,13 +910,13 @@ def test_an_agent_answer_is_bounded(tmp_path):
     from cube.transfer.agents import MAX_ANSWER, AgentClient, AgentRefused, AgentUnreachable
     from cube.transfer.config import Instance
 
-    async def huge(request):
+    async def huge(request: pytest.FixtureRequest):
         return web.Response(body=b" " * (MAX_ANSWER + 10), content_type="application/json")
 
-    async def chatty(request):
+    async def chatty(request: pytest.FixtureRequest):
         return web.json_response({"success": "255", "message": "y" * 100_000, "data": None})
 
-    async def body():
+    async def body() -> None:
         app = web.Application()
         app.router.add_get("/agent/status", huge)
         app.router.add_post("/agent/cmd", chatty)
@@ -935,7 +940,7 @@ def test_an_agent_answer_is_bounded(tmp_path):
     asyncio.run(asyncio.wait_for(body(), 30))
 
 
-def test_the_rollout_table():
+def test_the_rollout_table() -> None:
     """One table says how a deploy walks its phases and what every status becomes; the
     statuses keep the original's names and numbers in JSON."""
     from cube.transfer.state import INSTANCE_STATUS, ROLLOUT, VERSION_STATUS, Phase
@@ -956,7 +961,7 @@ def test_the_rollout_table():
     assert json.dumps({"phase": Phase.RELOAD}) == '{"phase": "reload"}'
 
 
-def test_instances_may_share_an_agent_but_not_its_deploy_path(tmp_path):
+def test_instances_may_share_an_agent_but_not_its_deploy_path(tmp_path: Path) -> None:
     """The original's shipped transfer.conf puts several instances under one agent: allowed
     (cube-agent --instances), told apart by deploy_path; the same deploy_path twice is not."""
     shared = CONF.replace("agent0_1: 127.0.0.1:8011", "agent0_1: 127.0.0.1:8001")
@@ -977,7 +982,7 @@ def test_instances_may_share_an_agent_but_not_its_deploy_path(tmp_path):
         ("/d2=h:1", "server 'h:1' is given twice"),
     ],
 )
-def test_agent_instances_flag(text, error):
+def test_agent_instances_flag(text, error) -> None:
     from pathlib import Path
 
     from cube.agent.deploy import AgentConfig
@@ -997,7 +1002,7 @@ def test_agent_instances_flag(text, error):
 # a PaddlePaddle trainer's donefiles (source_format paddle_fleet / paddlerec)
 
 
-def test_fleet_and_paddlerec_lines_announce_parameter_server_saves():
+def test_fleet_and_paddlerec_lines_announce_parameter_server_saves() -> None:
     """The lines Paddle's FleetUtil.write_xbox_donefile and PaddleRec's trainer write parse as
     they are (their extra fields ignored), from their own file names; the base/patch kind comes
     from the file, and a save of the other kind is refused with the reason."""
@@ -1042,7 +1047,7 @@ def test_fleet_and_paddlerec_lines_announce_parameter_server_saves():
         assert paddle_save_of(other) is None, other
 
 
-def test_source_format_configures_the_donefiles_and_the_builder(tmp_path):
+def test_source_format_configures_the_donefiles_and_the_builder(tmp_path: Path) -> None:
     from cube.transfer.build_runner import BuildRunner
 
     fleet = CONF.replace(
@@ -1078,7 +1083,7 @@ def test_source_format_configures_the_donefiles_and_the_builder(tmp_path):
     assert parse_config(no_layout.replace("-paddle_dim 8", layout), "t.conf", tmp_path)
 
 
-def test_a_parameter_server_delta_applies_on_its_own_days_base():
+def test_a_parameter_server_delta_applies_on_its_own_days_base() -> None:
     """A day's base follows the shrink, whose deletions no delta carries: a delta save of
     another day than its base's is refused, whatever its key says."""
     state = TransferState()
@@ -1102,3 +1107,44 @@ def test_a_parameter_server_delta_applies_on_its_own_days_base():
     _go_live(state, next_version(state, 1.0)[0])
     _lines(state, "patch.txt", _patch(110, 100, "/m/20261125/delta-1/000"))
     assert next_version(state, 2.0)[0].version == "100_110"
+
+
+def test_agents_still_starting_are_info_until_the_grace_passes(tmp_path, caplog):
+    """An agent that has not answered since the transfer started (cube-local up: agents and
+    the transfer start together) is INFO until --dead_timeout from the start, then one
+    WARNING; one that had answered and goes silent is a WARNING at once (fake clock)."""
+    import asyncio
+    import logging
+
+    from cube.transfer.agents import AgentUnreachable
+    from cube.transfer.reconcile import Reconciler
+    from cube.transfer.state import InstanceState
+
+    cfg = parse_config(CONF, "t.conf", tmp_path)
+    answering: set[str] = set()
+
+    class Agents:
+        async def status(self, inst):
+            if inst.name not in answering:
+                raise AgentUnreachable(f"agent {inst.name}: connection refused")
+            return {"server": {"reachable": True, "cur_version": ""}}
+
+    clock = [100.0]
+    reconciler = Reconciler(cfg, Agents(), None, 60.0, 1.0, clock=lambda: clock[0])  # type: ignore[arg-type]
+    state = TransferState(instances={i.name: InstanceState() for i in cfg.instances})
+
+    def refresh() -> list[tuple[int, str]]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="cube.transfer"):
+            asyncio.run(reconciler.refresh(state))
+        return [(r.levelno, r.getMessage().split(":")[0]) for r in caplog.records]
+
+    assert refresh() == [(logging.INFO, f"instance {i.name}") for i in cfg.instances]
+    answering.add("0_0")
+    clock[0] += 30
+    assert refresh() == []  # said once
+    answering.discard("0_0")  # it had answered: its silence is news at once
+    assert refresh() == [(logging.WARNING, "instance 0_0")]
+    clock[0] += 31  # the grace has passed: the others' silence is a warning now, once
+    assert sorted(refresh()) == [(logging.WARNING, f"instance {n}") for n in ("0_1", "1_0", "1_1")]
+    assert refresh() == []

@@ -122,7 +122,7 @@ class AgentClient:
 
     async def submit(self, inst: Instance, fields: dict[str, Any]) -> dict[str, Any]:
         data = await self._request(inst, "POST", "/agent/cmd", fields)
-        if TaskReport.from_json(data) is None:
+        if not isinstance(data, dict) or TaskReport.from_json(data) is None:
             raise AgentRefused(f"agent {inst.agent_address}: {fields['command']} returned no task")
         return data
 
@@ -131,7 +131,7 @@ class AgentClient:
             QUERY_COMMAND, version, task_command=command, deploy_path=inst.deploy_path
         ).to_json()
         data = await self._request(inst, "POST", "/agent/cmd", body)
-        if TaskReport.from_json(data) is None:
+        if not isinstance(data, dict) or TaskReport.from_json(data) is None:
             raise AgentRefused(f"agent {inst.agent_address}: no task {command} {version}")
         return data
 

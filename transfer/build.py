@@ -143,12 +143,11 @@ async def run_builder(
         log.debug("builder: %s", line)
     for line in text.splitlines()[-50:]:
         log.info("builder stderr: %s", line)
-    if proc.returncode != 0:
+    status = await proc.wait()  # communicate() waited for the exit: this reads its status
+    if status != 0:
         tail = text.strip()[-_STDERR_TAIL:] or "(no stderr)"
         # an exit status is the builder's verdict on the input; a signal (< 0) is not
-        raise BuildError(
-            f"builder exited with status {proc.returncode}: {tail}", proc.returncode > 0
-        )
+        raise BuildError(f"builder exited with status {status}: {tail}", status > 0)
     return text
 
 

@@ -23,14 +23,13 @@ import psutil
 from cube import remote
 from cube.donefile import paddle_save_of
 from cube.layout import output_dir_name, tar_name
-from cube.remote import RemoteError
+from cube.remote import RemoteError, redact
 from cube.transfer import build as builds
 from cube.transfer.config import TransferConfig
 from cube.transfer.donefile import (
     SourceUnavailable,
     is_url,
     mirror_input,
-    redact,
     resolve_input,
 )
 from cube.transfer.state import VersionRecord

@@ -492,7 +492,7 @@ def _host_port(value: str, where: str) -> tuple[str, int]:
     return match.group(1), int(match.group(2))
 
 
-def load_config(path: str | os.PathLike) -> TransferConfig:
+def load_config(path: str | os.PathLike[str]) -> TransferConfig:
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")

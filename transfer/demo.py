@@ -16,29 +16,38 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from cube.donefile import BASE_FILE, PATCH_FILE, append_line, format_line
-from cube.flags import FlagError, FlagSet, run_cli
+from cube.flags import FlagError, FlagSet, flag, run_cli
 
 MARKER = ".cube-demo"
 
 
-def flag_set() -> FlagSet:
-    return (
-        FlagSet("cube-demo", "Build a sample table, roll it out to a local cluster, look it up.")
-        .add("dir", str, ".demo", "work directory (wiped first)")
-        .add("ids", int, 1_000_000, "feature ids (rows) in the sample table")
-        .add("dim", int, 16, "float32 values per row")
-        .add("seed", int, 20190731, "random seed of the table")
-        .add("files", int, 4, "SequenceFiles the table is split into")
-        .add("shards", int, 2, "shards")
-        .add("replicas", int, 2, "replicas per shard")
-        .add("timeout", float, 150.0, "seconds each rollout may take")
-        .add("base_port", int, 0, "first port of the cluster (0: any free ports)")
+@dataclass(frozen=True)
+class DemoFlags:
+    """cube-demo's flags."""
+
+    dir: str = flag(".demo", "work directory (wiped first)", metavar="DIR")
+    ids: int = flag(1_000_000, "feature ids (rows) in the sample table")
+    dim: int = flag(16, "float32 values per row")
+    seed: int = flag(20190731, "random seed of the table")
+    files: int = flag(4, "SequenceFiles the table is split into")
+    shards: int = flag(2, "shards")
+    replicas: int = flag(2, "replicas per shard")
+    timeout: float = flag(150.0, "seconds each rollout may take")
+    base_port: int = flag(0, "first port of the cluster (0: any free ports)")
+
+
+def flag_set() -> FlagSet[DemoFlags]:
+    return FlagSet(
+        "cube-demo",
+        "Build a sample table, roll it out to a local cluster, look it up.",
+        spec=DemoFlags,
     )
 
 

@@ -12,6 +12,7 @@ import asyncio
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from cube import remote
@@ -62,8 +63,8 @@ def resolve_input(donefile_address: str, source: str) -> str:
     if parts.scheme == "file":
         path = Path(source)
         return str(path if path.is_absolute() else (Path(parts.path) / path))
-    path = source if source.startswith("/") else parts.path.rstrip("/") + "/" + source
-    return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+    url_path = source if source.startswith("/") else parts.path.rstrip("/") + "/" + source
+    return urlunsplit((parts.scheme, parts.netloc, url_path, "", ""))
 
 
 class SourceUnavailable(Exception):
@@ -145,17 +146,19 @@ async def _read_remote(url: str, timeout: float) -> str:
     return data.decode("utf-8", errors="replace")
 
 
-def _filesystem(url: str):
+def _filesystem(url: str) -> tuple[Any, str]:
     """An fsspec filesystem for `url` and the path to use with it (a fresh instance: nothing
     cached between polls)."""
     from fsspec.core import url_to_fs  # imported lazily: only remote donefiles need it
 
-    return url_to_fs(url, skip_instance_cache=True)
+    found: tuple[Any, str] = url_to_fs(url, skip_instance_cache=True)
+    return found
 
 
 def _cat_url(url: str) -> bytes:
     fs, path = _filesystem(url)
-    return fs.cat_file(path)
+    data: bytes = fs.cat_file(path)
+    return data
 
 
 def mirror_input(

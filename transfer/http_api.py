@@ -36,10 +36,10 @@ from multidict import MultiMapping
 
 from cube.donefile import ID, VERSION_NAME
 from cube.listen import listen_socket
-from cube.security import TLSFiles, bearer_token, server_context, token_matches
+from cube.remote import redact
+from cube.security import TLSFiles, server_context, token_middleware
 from cube.transfer import views
 from cube.transfer.config import TransferConfig
-from cube.transfer.donefile import redact
 from cube.transfer.service import Busy, TransferService
 
 log = logging.getLogger("cube.transfer.http")
@@ -147,34 +147,11 @@ def build_api(service: TransferService) -> web.Application:
                 f"name {_echo(fields['name'])} is not this transfer's dict {cfg.dict_name!r}"
             )
 
-    async def _body_token(request: web.Request) -> str:
-        """A `token` field of a POST body (form or JSON object), "" when there is none."""
-        if request.method != "POST" or not request.body_exists:
-            return ""
-        if request.content_type in ("application/x-www-form-urlencoded", "multipart/form-data"):
-            token = (await request.post()).get("token")
-        else:
-            try:
-                body = json.loads(await request.read())
-            except ValueError:
-                return ""
-            token = body.get("token") if isinstance(body, dict) else None
-        return token if isinstance(token, str) else ""
-
-    async def authorized(request: web.Request) -> bool:
-        given = bearer_token(request.headers.get("Authorization"))
-        if given is None:
-            given = await _body_token(request)
-        return bool(given) and token_matches(given.strip(), cfg.api_token)
-
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Token check (not for the status page's own files: they hold no data, and the page
-        asks for the token), and every failure as the envelope."""
+        """Every failure as the envelope (the token is checked inside it, by `check_token`: not
+        for the status page's own files, which hold no data, and the page asks for the token)."""
         try:
-            public = request.method == "GET" and request.path in PAGE_FILES
-            if cfg.api_token and not public and not await authorized(request):
-                return _error("unauthorized: send 'Authorization: Bearer <token>' (api_token)", 401)
             return await handler(request)
         except BadRequest as exc:
             return _error(str(exc))
@@ -241,8 +218,10 @@ def build_api(service: TransferService) -> web.Application:
             raise BadRequest(f"meta: over {MAX_META} bytes")
         try:
             meta = json.loads(fields["meta"])
-        except ValueError as exc:
+        except json.JSONDecodeError as exc:
             raise BadRequest(f"meta: not JSON ({exc.msg} at column {exc.colno})") from None
+        except (ValueError, RecursionError):  # an integer of over 4300 digits, deep nesting
+            raise BadRequest("meta: not JSON we read (too many digits or too deep)") from None
         if not isinstance(meta, dict) or not meta:
             raise BadRequest("meta: expected a non-empty JSON object")
         try:
@@ -301,7 +280,12 @@ def build_api(service: TransferService) -> web.Application:
             },
         )
 
-    app = web.Application(client_max_size=MAX_BODY, middlewares=[guard])
+    check_token = token_middleware(
+        cfg.api_token,
+        lambda: _error("unauthorized: send 'Authorization: Bearer <token>' (api_token)", 401),
+        public=lambda request: request.method == "GET" and request.path in PAGE_FILES,
+    )
+    app = web.Application(client_max_size=MAX_BODY, middlewares=[guard, check_token])
     for path in PAGE_FILES:
         app.router.add_get(path, page)
     app.router.add_get("/dict/info", dict_info)
@@ -333,8 +317,9 @@ class FtpFileServer:
             raise RuntimeError("download_mode ftp needs pyftpdlib (pip install pyftpdlib)") from exc
         authorizer = DummyAuthorizer()
         authorizer.add_anonymous(root, perm="elr")
-        handler = type("ReadOnlyHandler", (FTPHandler,), {"authorizer": authorizer})
-        handler.banner = "cube-transfer"
+        handler = type(
+            "ReadOnlyHandler", (FTPHandler,), {"authorizer": authorizer, "banner": "cube-transfer"}
+        )
         self.server = FTPServer(sock, handler)
         self.server.max_cons, self.server.max_cons_per_ip = 256, 32  # bounded, as any listener
         self.thread = threading.Thread(target=self._serve, name="ftp-file-server", daemon=True)

@@ -40,7 +40,7 @@ from typing import Any
 
 import psutil
 
-from cube.flags import CommandSet, Flags, FlagSet, run_cli
+from cube.flags import CommandSet, FlagSet, flag, run_cli
 from cube.processes import (
     create_time,
     free_port,
@@ -51,9 +51,9 @@ from cube.processes import (
     spawn,
     terminate,
 )
+from cube.routing import PARTITIONERS
 from cube.transfer.config import (
     MODES,
-    PARTITIONERS,
     ConfigError,
     Instance,
     TransferConfig,
@@ -101,7 +101,7 @@ def _instance_state(row: dict[str, Any], agent_answered: bool) -> str:
         return "agent down"
     if not agent_answered or state in ("", "Dead"):
         return "starting"
-    return state
+    return str(state)
 
 
 @dataclass
@@ -432,7 +432,7 @@ class Cluster:
         os.replace(tmp, self.dir / CLUSTER_FILE)
 
     @classmethod
-    def load(cls, directory: str | os.PathLike) -> Cluster:
+    def load(cls, directory: str | os.PathLike[str]) -> Cluster:
         path = Path(directory) / CLUSTER_FILE
         try:
             data = json.loads(path.read_text())
@@ -581,7 +581,9 @@ class Cluster:
             return everywhere and self.transfer_info().get("live_version") == version
 
         def stop_if_failed() -> None:  # its latest record ended without a retry to come
-            rec = next((r for r in reversed(self.history()) if r.get("version") == version), {})
+            rec: dict[str, Any] = next(
+                (r for r in reversed(self.history()) if r.get("version") == version), {}
+            )
             if rec.get("status_str") in ("failed", "refused") and not rec.get("retry_at"):
                 raise LocalError(f"version {version} {rec['status_str']}: {rec.get('message')}")
 
@@ -660,41 +662,71 @@ def up(spec: ClusterSpec, health_timeout: float = 60.0) -> Cluster:
 # command line
 
 
-def _up_flags() -> FlagSet:
-    return (
-        FlagSet(
-            "cube-local up",
-            "Start a cluster on loopback that rolls out what --donefile announces.\n"
-            "A cube-server and a cube-agent per shard replica and a cube-transfer watching\n"
-            "--donefile; cube.conf (for clients) and transfer.conf are written into --dir.\n"
-            f"Tokens: env {TOKEN_ENV} for the agents, {API_TOKEN_ENV} for the transfer API.",
-        )
-        .add("donefile", str, "", "donefile directory the transfer watches", required=True)
-        .add("create_donefile_dir", bool, False, "create --donefile when it does not exist")
-        .add("shards", int, 2, "shards")
-        .add("replicas", int, 2, "replicas per shard")
-        .add("dir", str, ".local-cluster", "cluster directory (configs, data, logs, PIDs)")
-        .add("base_port", int, 0, "first port of the cluster's port block (0: pick free ports)")
-        .add("dim", int, 0, "embedding dimension, recorded in cube.conf for tools")
-        .add("dict_name", str, DICT_NAME, "dictionary name")
-        .add("mode", str, "base_delta", "what the transfer rolls out", choices=MODES)
-        .add("quorum", int, 0, "replicas per shard that must load before a switch (0: all)")
-        .add("poll_interval", float, 1.0, "transfer donefile poll interval (s)")
-        .add("partitioner", str, "mod", "key to shard rule", choices=PARTITIONERS)
-        .add("phase_timeout", float, 120.0, "transfer phase timeout (s)")
-        .add("timeout", float, 60.0, "seconds to wait for every process to be healthy")
-        .add("agent_token", str, "", f"the agents' token (default: env {TOKEN_ENV})")
-        .add("api_token", str, "", f"the transfer API's token (default: env {API_TOKEN_ENV})")
+@dataclass(frozen=True)
+class UpFlags:
+    """cube-local up's flags."""
+
+    donefile: str = flag(
+        "", "donefile directory the transfer watches", required=True, metavar="DIR"
     )
-
-
-def _dir_flags(program: str, description: str) -> FlagSet:
-    return FlagSet(program, description).add(
-        "dir", str, ".local-cluster", "cluster directory (of cube-local up --dir)"
+    create_donefile_dir: bool = flag(False, "create --donefile when it does not exist")
+    shards: int = flag(2, "shards")
+    replicas: int = flag(2, "replicas per shard")
+    dir: str = flag(
+        ".local-cluster", "cluster directory (configs, data, logs, PIDs)", metavar="DIR"
     )
+    base_port: int = flag(0, "first port of the cluster's port block (0: pick free ports)")
+    dim: int = flag(0, "embedding dimension, recorded in cube.conf for tools")
+    dict_name: str = flag(DICT_NAME, "dictionary name")
+    mode: str = flag("base_delta", "what the transfer rolls out", choices=MODES)
+    quorum: int = flag(0, "replicas per shard that must load before a switch (0: all)")
+    poll_interval: float = flag(1.0, "transfer donefile poll interval (s)")
+    partitioner: str = flag("mod", "key to shard rule", choices=PARTITIONERS)
+    phase_timeout: float = flag(120.0, "transfer phase timeout (s)")
+    timeout: float = flag(60.0, "seconds to wait for every process to be healthy")
+    agent_token: str = flag("", f"the agents' token (default: env {TOKEN_ENV})")
+    api_token: str = flag("", f"the transfer API's token (default: env {API_TOKEN_ENV})")
 
 
-def _run_up(flags: Flags) -> int:
+@dataclass(frozen=True)
+class DirFlags:
+    """What every cube-local command but up takes: the cluster's directory."""
+
+    dir: str = flag(".local-cluster", "cluster directory (of cube-local up --dir)", metavar="DIR")
+
+
+@dataclass(frozen=True)
+class StatusFlags(DirFlags):
+    json: bool = flag(False, "print JSON (the transfer's info and the instance rows)")
+
+
+@dataclass(frozen=True)
+class WaitFlags(DirFlags):
+    version: str = flag(
+        "", "version to wait for (a base, or <base>_<delta>)", required=True, metavar="VERSION"
+    )
+    timeout: float = flag(120.0, "seconds to wait at most (then exit 1)")
+
+
+@dataclass(frozen=True)
+class RestartFlags(DirFlags):
+    name: str = flag("", "server<i>_<j>, agent<i>_<j> or transfer", required=True, metavar="NAME")
+
+
+@dataclass(frozen=True)
+class DownFlags(DirFlags):
+    timeout: float = flag(10.0, "seconds after SIGTERM before SIGKILL")
+
+
+_UP_HELP = (
+    "Start a cluster on loopback that rolls out what --donefile announces.\n"
+    "A cube-server and a cube-agent per shard replica and a cube-transfer watching\n"
+    "--donefile; cube.conf (for clients) and transfer.conf are written into --dir.\n"
+    f"Tokens: env {TOKEN_ENV} for the agents, {API_TOKEN_ENV} for the transfer API."
+)
+
+
+def _run_up(flags: UpFlags) -> int:
     spec = ClusterSpec(
         dir=Path(flags.dir),
         shards=flags.shards,
@@ -722,13 +754,13 @@ def _run_up(flags: Flags) -> int:
     return 0
 
 
-def _run_down(flags: Flags) -> int:
+def _run_down(flags: DownFlags) -> int:
     for line in Cluster.load(flags.dir).down(flags.timeout):
         print(line)
     return 0
 
 
-def _run_status(flags: Flags) -> int:
+def _run_status(flags: StatusFlags) -> int:
     cluster = Cluster.load(flags.dir)
     if flags.json:
         print(json.dumps({"info": cluster.transfer_info(), "instances": cluster.instance_rows()}))
@@ -737,13 +769,13 @@ def _run_status(flags: Flags) -> int:
     return 0
 
 
-def _run_wait(flags: Flags) -> int:
+def _run_wait(flags: WaitFlags) -> int:
     waited = Cluster.load(flags.dir).wait_version(flags.version, flags.timeout)
     print(f"version {flags.version} served by every replica ({waited:.1f}s)")
     return 0
 
 
-def _run_restart(flags: Flags) -> int:
+def _run_restart(flags: RestartFlags) -> int:
     proc = Cluster.load(flags.dir).restart(flags.name)
     print(f"{proc.name} restarted (pid {proc.pid})")
     return 0
@@ -751,34 +783,37 @@ def _run_restart(flags: Flags) -> int:
 
 COMMANDS = (
     CommandSet("cube-local", "A whole Cube cluster on loopback, for trying Cube and for tests.")
-    .add("up", _up_flags(), _run_up)
+    .add("up", FlagSet("cube-local up", _UP_HELP, spec=UpFlags), _run_up)
     .add(
         "status",
-        _dir_flags(
+        FlagSet(
             "cube-local status",
             "Show each process (running, starting, dead) and the version each replica serves.",
-        ).add("json", bool, False, "print JSON (the transfer's info and the instance rows)"),
+            spec=StatusFlags,
+        ),
         _run_status,
     )
     .add(
         "wait",
-        _dir_flags("cube-local wait", "Wait until every replica serves --version.")
-        .add("version", str, "", "version to wait for (a base, or <base>_<delta>)", required=True)
-        .add("timeout", float, 120.0, "seconds to wait at most (then exit 1)"),
+        FlagSet("cube-local wait", "Wait until every replica serves --version.", spec=WaitFlags),
         _run_wait,
     )
     .add(
         "restart",
-        _dir_flags("cube-local restart", "Restart one process of the cluster by its name.").add(
-            "name", str, "", "server<i>_<j>, agent<i>_<j> or transfer", required=True
+        FlagSet(
+            "cube-local restart",
+            "Restart one process of the cluster by its name.",
+            spec=RestartFlags,
         ),
         _run_restart,
     )
     .add(
         "down",
-        _dir_flags(
-            "cube-local down", "Stop every process of the cluster (SIGTERM, then SIGKILL)."
-        ).add("timeout", float, 10.0, "seconds after SIGTERM before SIGKILL"),
+        FlagSet(
+            "cube-local down",
+            "Stop every process of the cluster (SIGTERM, then SIGKILL).",
+            spec=DownFlags,
+        ),
         _run_down,
     )
 )

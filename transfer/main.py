@@ -13,11 +13,12 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from cube import remote
-from cube.flags import FlagError, Flags, FlagSet, run_cli
+from cube.flags import FlagError, FlagSet, flag, run_cli
 from cube.listen import ListenError, address
 from cube.logs import LOG_FORMATS, setup_logging
 from cube.security import SecurityError, TLSFiles, require_token
@@ -31,25 +32,36 @@ log = logging.getLogger("cube.transfer")
 _NUMERIC_LEVELS = {0: "ERROR", 1: "ERROR", 2: "WARNING", 3: "INFO", 4: "INFO"}
 
 
-def flag_set() -> FlagSet:
-    flags = FlagSet("cube-transfer", "Build and roll out Cube versions from donefiles.")
-    flags.add("port", int, 8099, "query API port (0: any free port, logged)", aliases=("p",))
-    flags.add("config", str, "conf/transfer.conf", "transfer.conf (the original's INI format)")
-    flags.add("log_level", str, "info", "debug|info|warning|error (or the original's 0-5)",
-              aliases=("l",))  # fmt: skip
-    flags.add("log_dir", str, "", "also log to <log_dir>/<log_name>.log")
-    flags.add("log_name", str, "transfer", "log file name (without .log)")
-    flags.add("log_format", str, "text", "text lines, or one JSON object a line",
-              choices=LOG_FORMATS)  # fmt: skip
-    flags.add("poll_interval", float, 5.0, "seconds between donefile polls / reconciliations")
-    flags.add("dead_timeout", float, 60.0, "give up on a silent agent within a phase after s")
-    flags.add("keep_outputs", int, 3, "build outputs of the last N live versions to keep")
-    flags.add("metrics_port", int, -1, "Prometheus metrics at :PORT/metrics; -1: off, 0: any")
-    flags.add("metrics_host", str, "127.0.0.1", "address to bind the metrics (no token)")
-    flags.add("create_donefile_dir", bool, False,
-              "create donefile_address (a local directory) when it does not exist; "
-              "without it a missing one stops the start (exit 2)")  # fmt: skip
-    return flags
+@dataclass(frozen=True)
+class TransferFlags:
+    """cube-transfer's flags."""
+
+    port: int = flag(8099, "query API port (0: any free port, logged)", aliases=("p",))
+    config: str = flag("conf/transfer.conf", "transfer.conf (the original's INI format)")
+    log_level: str = flag(
+        "info", "debug|info|warning|error (or the original's 0-5)", aliases=("l",), metavar="LEVEL"
+    )
+    log_dir: str = flag("", "also log to <log_dir>/<log_name>.log (default: stderr only)")
+    log_name: str = flag("transfer", "log file name (without .log)")
+    log_format: str = flag("text", "text lines, or one JSON object a line", choices=LOG_FORMATS)
+    poll_interval: float = flag(5.0, "seconds between donefile polls / reconciliations")
+    dead_timeout: float = flag(
+        60.0, "seconds a silent agent is waited for within a phase before it is given up on"
+    )
+    keep_outputs: int = flag(3, "build outputs of the last N live versions to keep")
+    metrics_port: int = flag(-1, "Prometheus metrics at :PORT/metrics; -1: off, 0: any")
+    metrics_host: str = flag("127.0.0.1", "address to bind the metrics (no token)")
+    create_donefile_dir: bool = flag(
+        False,
+        "create donefile_address (a local directory) when it does not exist; "
+        "without it a missing one stops the start (exit 2)",
+    )
+
+
+def flag_set() -> FlagSet[TransferFlags]:
+    return FlagSet(
+        "cube-transfer", "Build and roll out Cube versions from donefiles.", spec=TransferFlags
+    )
 
 
 def log_level(text: str) -> int:
@@ -61,7 +73,7 @@ def log_level(text: str) -> int:
     return level
 
 
-def configure_logging(flags: Flags) -> None:
+def configure_logging(flags: TransferFlags) -> None:
     log_file = Path(flags.log_dir) / f"{flags.log_name}.log" if flags.log_dir else None
     setup_logging("cube-transfer", log_level(flags.log_level), flags.log_format, log_file)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
@@ -140,7 +152,7 @@ def run(argv: Sequence[str]) -> int:
             except remote.RemoteError as exc:
                 raise ConfigError(f"{flags.config}: {key}: {exc}") from None
     except (ConfigError, SecurityError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        log.error("%s", exc)
         return 2
     try:
         if ensure_donefile_dir(cfg.donefile_address, flags.create_donefile_dir):
@@ -149,12 +161,12 @@ def run(argv: Sequence[str]) -> int:
         how = (
             "" if flags.create_donefile_dir else "; create it, or start with --create_donefile_dir"
         )
-        print(f"error: {flags.config}: donefile_address: {exc}{how}", file=sys.stderr)
+        log.error("%s: donefile_address: %s%s", flags.config, exc, how)
         return 2
     try:
         sockets = bind_listeners(cfg, flags.port)  # before anything else: "in use" at once
     except OSError as exc:
-        print(f"error: {exc.strerror}", file=sys.stderr)
+        log.error("%s", exc.strerror)
         return 1
     if cfg.wget_port == 0 and sockets.files is not None:
         cfg = dataclasses.replace(cfg, wget_port=sockets.files_port)
@@ -168,7 +180,7 @@ def run(argv: Sequence[str]) -> int:
         metrics = (flags.metrics_host, flags.metrics_port) if flags.metrics_port >= 0 else None
         return asyncio.run(serve(service, sockets, metrics))
     except JournalError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        log.error("%s", exc)
         return 1
 
 

@@ -53,9 +53,10 @@ class RolloutCounters:
         self.outcomes[outcome] += 1
         if outcome in ("committed", "rolled_back"):
             self.last_success = at
-        for phase, start, end in PHASE_TIMES if times and outcome == "committed" else ():
-            if start in times and end in times:
-                self.phases[phase].observe(times[end] - times[start])
+        committed = times if times and outcome == "committed" else {}
+        for phase, start, end in PHASE_TIMES if committed else ():
+            if start in committed and end in committed:
+                self.phases[phase].observe(committed[end] - committed[start])
 
     def snapshot(self) -> dict[str, Any]:
         return {

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 from cube.protocol import RUNNING
@@ -34,6 +36,13 @@ log = logging.getLogger("cube.transfer")
 StatusMap = dict[str, dict[str, Any] | None]  # instance name -> agent status, None if silent
 
 
+def silence_level(answered: bool, at: float, grace_until: float) -> int:
+    """How loud an agent that does not answer is: INFO while the cluster may still be starting
+    (it has not answered since this transfer started, and the grace, --dead_timeout from the
+    start, has not passed), WARNING after that or once it had answered."""
+    return logging.INFO if not answered and at < grace_until else logging.WARNING
+
+
 class Reconciler:
     def __init__(
         self,
@@ -42,12 +51,17 @@ class Reconciler:
         journal: Journal,
         dead_timeout: float,
         catch_up_backoff: float,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg = cfg
         self.client = client
         self.journal = journal
         self.dead_timeout = dead_timeout
         self.catch_up_backoff = catch_up_backoff  # first wait after a failed catch-up (doubles)
+        self.clock = clock
+        self.grace_until = clock() + dead_timeout  # agents still starting: no warning before
+        self.answered: set[str] = set()  # instances whose agent answered since the start
+        self.noted: dict[str, int] = {}  # the level an agent's silence was logged at
 
     async def refresh(self, state: TransferState) -> StatusMap:
         """Every agent's status (None when it does not answer), noted in `state`."""
@@ -57,8 +71,14 @@ class Reconciler:
                 return await self.client.status(inst)
             except (AgentUnreachable, AgentRefused) as exc:
                 known = state.instances[inst.name]
-                if known.reachable or known.status != InstanceStatus.DEAD:
-                    log.warning("instance %s: %s", inst.name, exc)
+                level = silence_level(inst.name in self.answered, self.clock(), self.grace_until)
+                first = known.reachable or known.status != InstanceStatus.DEAD
+                if first or self.noted.get(inst.name, level) < level:  # once, and once louder
+                    starting = (
+                        " (not answering yet: still starting?)" if level < logging.WARNING else ""
+                    )
+                    log.log(level, "instance %s: %s%s", inst.name, exc, starting)
+                    self.noted[inst.name] = level
                 known.reachable = False
                 known.status = InstanceStatus.DEAD
                 known.message = str(exc)
@@ -70,6 +90,8 @@ class Reconciler:
             out[inst.name] = info
             if info is None:
                 continue
+            self.answered.add(inst.name)
+            self.noted.pop(inst.name, None)
             known = state.instances[inst.name]
             server = info.get("server") or {}
             known.reachable = bool(server.get("reachable"))

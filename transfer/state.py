@@ -123,11 +123,11 @@ ROLLOUT: dict[Phase, PhaseRule] = {
 
 # The numbers JSON shows: the original's (VersionInfo.status, Instance.status_id) where it had
 # one, ours after 100 (Dead = no agent).
-VERSION_STATUS = {
+VERSION_STATUS: dict[str, int] = {
     status: number
     for status, number in zip(VersionStatus, (10, 20, 30, 50, 70, 90, 110, 120, 130), strict=True)
 }
-INSTANCE_STATUS = {
+INSTANCE_STATUS: dict[str, int] = {
     status: number
     for status, number in zip(
         InstanceStatus, (10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120, 130, 250), strict=True
@@ -712,7 +712,8 @@ def width_refusal(state: TransferState, rec: VersionRecord, variable_width: bool
 
 
 class _Named(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
 
 def progress_recorder(state: TransferState, phase: Phase) -> Callable[[_Named, str, str], None]:

@@ -7,13 +7,13 @@ password, say) are hidden in everything shown.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, overload
 
 from cube import protocol
 from cube.layout import output_dir_name, tar_name
 from cube.protocol import OK, Work
+from cube.remote import redact
 from cube.transfer.config import Instance, TransferConfig
-from cube.transfer.donefile import redact
 from cube.transfer.state import (
     INSTANCE_STATUS,
     VERSION_STATUS,
@@ -47,6 +47,10 @@ def envelope(data: Any = None, message: str = "query ok", success: str = OK) -> 
     return protocol.envelope(data, message, success)
 
 
+@overload
+def version_info(cfg: TransferConfig, rec: VersionRecord) -> dict[str, Any]: ...
+@overload
+def version_info(cfg: TransferConfig, rec: VersionRecord | None) -> dict[str, Any] | None: ...
 def version_info(cfg: TransferConfig, rec: VersionRecord | None) -> dict[str, Any] | None:
     if rec is None:
         return None

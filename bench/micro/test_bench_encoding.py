@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from pytest_benchmark.fixture import BenchmarkFixture
 
 from cube.pb import cube_fast_pb2 as fast
 from cube.pb import cube_pb2 as original
@@ -31,7 +32,9 @@ def batch() -> tuple[np.ndarray, np.ndarray]:
 # --- request build (client) -----------------------------------------------------------------
 
 
-def test_request_build_fast(benchmark, batch):
+def test_request_build_fast(
+    benchmark: BenchmarkFixture, batch: tuple[np.ndarray, np.ndarray]
+) -> None:
     keys, _ = batch
     wire = benchmark(
         lambda: fast.SeekRequest(keys=keys.astype("<u8").tobytes()).SerializeToString()
@@ -39,7 +42,9 @@ def test_request_build_fast(benchmark, batch):
     assert len(wire) > BATCH * 8
 
 
-def test_request_build_original(benchmark, batch):
+def test_request_build_original(
+    benchmark: BenchmarkFixture, batch: tuple[np.ndarray, np.ndarray]
+) -> None:
     keys, _ = batch
     wire = benchmark(lambda: original.DictRequest(keys=keys.tolist()).SerializeToString())
     assert original.DictRequest.FromString(wire).keys[0] == int(keys[0])
@@ -56,14 +61,18 @@ def _original_request_keys(wire: bytes) -> np.ndarray:
     return np.array(original.DictRequest.FromString(wire).keys, dtype=np.uint64)
 
 
-def test_request_parse_fast(benchmark, batch):
+def test_request_parse_fast(
+    benchmark: BenchmarkFixture, batch: tuple[np.ndarray, np.ndarray]
+) -> None:
     keys, _ = batch
     wire = fast.SeekRequest(keys=keys.astype("<u8").tobytes()).SerializeToString()
     parsed = benchmark(_fast_request_keys, wire)
     np.testing.assert_array_equal(parsed, keys)
 
 
-def test_request_parse_original(benchmark, batch):
+def test_request_parse_original(
+    benchmark: BenchmarkFixture, batch: tuple[np.ndarray, np.ndarray]
+) -> None:
     keys, _ = batch
     wire = original.DictRequest(keys=keys.tolist()).SerializeToString()
     parsed = benchmark(_original_request_keys, wire)
@@ -95,14 +104,18 @@ def _original_response(values: np.ndarray, found: np.ndarray) -> bytes:
     return response.SerializeToString()
 
 
-def test_response_build_fast(benchmark, batch):
+def test_response_build_fast(
+    benchmark: BenchmarkFixture, batch: tuple[np.ndarray, np.ndarray]
+) -> None:
     _, values = batch
     found = np.ones(BATCH, dtype=bool)
     wire = benchmark(_fast_response, values, found)
     assert len(wire) > BATCH * WIDTH
 
 
-def test_response_build_original(benchmark, batch):
+def test_response_build_original(
+    benchmark: BenchmarkFixture, batch: tuple[np.ndarray, np.ndarray]
+) -> None:
     _, values = batch
     found = np.ones(BATCH, dtype=bool)
     wire = benchmark(_original_response, values, found)
@@ -134,7 +147,9 @@ def _with_misses(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.where(found[:, None], values, 0).astype(np.uint8), found
 
 
-def test_response_parse_fast(benchmark, batch):
+def test_response_parse_fast(
+    benchmark: BenchmarkFixture, batch: tuple[np.ndarray, np.ndarray]
+) -> None:
     values, found = _with_misses(batch[1])
     wire = _fast_response(values, found)
     matrix, parsed_found = benchmark(_fast_matrix, wire)
@@ -142,7 +157,9 @@ def test_response_parse_fast(benchmark, batch):
     np.testing.assert_array_equal(matrix, values)
 
 
-def test_response_parse_original(benchmark, batch):
+def test_response_parse_original(
+    benchmark: BenchmarkFixture, batch: tuple[np.ndarray, np.ndarray]
+) -> None:
     values, found = _with_misses(batch[1])
     wire = _original_response(values, found)
     matrix, parsed_found = benchmark(_original_matrix, wire)

@@ -32,7 +32,8 @@ from cube.routing import shard_of
 from cube.wire import decode_seek_response, encode_seek_request
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-from procs import fixed_values, start_server, write_version
+from helpers.procs import fixed_values, start_server, write_version
+from pytest_benchmark.fixture import BenchmarkFixture
 
 BATCH = 1000
 WIDTH = 40
@@ -54,12 +55,12 @@ def batch():
     return np.random.default_rng(1).integers(0, 2**63, BATCH, dtype=np.uint64)
 
 
-def test_plan_1000_keys_2_shards(benchmark, batch):
+def test_plan_1000_keys_2_shards(benchmark: BenchmarkFixture, batch) -> None:
     pieces = benchmark(make_plan, batch, 2, "mod")
     assert sum(p.size for p in pieces) == BATCH
 
 
-def test_route_and_scatter_1000_keys_2_shards(benchmark, batch):
+def test_route_and_scatter_1000_keys_2_shards(benchmark: BenchmarkFixture, batch) -> None:
     """Everything the SDK does per call except the network: plan, request bytes, response
     parsing, scatter into one (n, width) buffer."""
     responses = {p.shard: _response(p.keys) for p in make_plan(batch, 2, "mod")}
@@ -78,7 +79,7 @@ def test_route_and_scatter_1000_keys_2_shards(benchmark, batch):
     )
 
 
-def test_route_and_scatter_1000_keys_2_shards_murmur3(benchmark, batch):
+def test_route_and_scatter_1000_keys_2_shards_murmur3(benchmark: BenchmarkFixture, batch) -> None:
     responses = {p.shard: _response(p.keys) for p in make_plan(batch, 2, "murmur3")}
 
     def call():
@@ -94,7 +95,7 @@ def test_route_and_scatter_1000_keys_2_shards_murmur3(benchmark, batch):
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("sdk")
     keys = np.arange(COUNT, dtype=np.uint64)
     owner = shard_of(keys, 2)
@@ -125,7 +126,7 @@ def _batches(shards: int, count: int = 64):
 
 
 @pytest.mark.parametrize("shards", [1, 2])
-def test_seek_blocking_client(benchmark, cluster, shards):
+def test_seek_blocking_client(benchmark: BenchmarkFixture, cluster, shards: int) -> None:
     batches = _batches(shards)
     with CubeClient(shards=[[a] for a in cluster[:shards]]) as client:
         client.seek(next(batches))
@@ -134,7 +135,9 @@ def test_seek_blocking_client(benchmark, cluster, shards):
 
 
 @pytest.mark.parametrize("shards", [1, 2])
-def test_seek_async_client_on_a_private_loop_thread(benchmark, cluster, shards):
+def test_seek_async_client_on_a_private_loop_thread(
+    benchmark: BenchmarkFixture, cluster, shards: int
+) -> None:
     """The alternative design for a blocking client: AsyncCubeClient on its own loop thread."""
     batches = _batches(shards)
     loop = asyncio.new_event_loop()
@@ -157,7 +160,7 @@ def test_seek_async_client_on_a_private_loop_thread(benchmark, cluster, shards):
 
 
 @pytest.mark.parametrize("shards", [1, 2])
-def test_seek_async_client_in_its_loop(benchmark, cluster, shards):
+def test_seek_async_client_in_its_loop(benchmark: BenchmarkFixture, cluster, shards: int) -> None:
     batches = _batches(shards)
     loop = asyncio.new_event_loop()
     client = AsyncCubeClient(shards=[[a] for a in cluster[:shards]])
@@ -182,7 +185,7 @@ CPU = {"group": "sdk-cpu", "timer": time.process_time}
 
 
 @pytest.fixture(scope="module")
-def one_shard(tmp_path_factory):
+def one_shard(tmp_path_factory: pytest.TempPathFactory):
     """{"seek": address, "emb": address}: one server of 40-byte values, one of float32[16]."""
     root = tmp_path_factory.mktemp("sdk-cpu")
     keys = np.arange(COUNT, dtype=np.uint64)
@@ -237,7 +240,7 @@ def _async_round(loop, call):
     return run, wall
 
 
-def _record(benchmark, wall: list[float]) -> None:
+def _record(benchmark: BenchmarkFixture, wall: list[float]) -> None:
     if benchmark.stats is None:  # --benchmark-disable (the default): ran once, as a test
         return
     stats = benchmark.stats.stats
@@ -247,7 +250,7 @@ def _record(benchmark, wall: list[float]) -> None:
 
 @pytest.mark.benchmark(**CPU)
 @pytest.mark.parametrize("api", ["seek", "get_embeddings"])
-def test_cpu_x1000_blocking_client(benchmark, one_shard, api):
+def test_cpu_x1000_blocking_client(benchmark: BenchmarkFixture, one_shard, api: str) -> None:
     server = one_shard["seek" if api == "seek" else "emb"]
     with CubeClient(shards=[[server]]) as client:
         if api == "seek":
@@ -265,7 +268,7 @@ def test_cpu_x1000_blocking_client(benchmark, one_shard, api):
 
 @pytest.mark.benchmark(**CPU)
 @pytest.mark.parametrize("api", ["seek", "get_embeddings"])
-def test_cpu_x1000_async_client(benchmark, one_shard, api):
+def test_cpu_x1000_async_client(benchmark: BenchmarkFixture, one_shard, api: str) -> None:
     server = one_shard["seek" if api == "seek" else "emb"]
     loop = asyncio.new_event_loop()
     client = AsyncCubeClient(shards=[[server]])

@@ -10,9 +10,11 @@ Run: .venv/bin/pytest bench/micro/test_bench_server_kernel.py --benchmark-enable
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import pytest
+from pytest_benchmark.fixture import BenchmarkFixture
 
 from cube.bench.e2e import key_batches
 from cube.index import build_table
@@ -28,7 +30,9 @@ BATCH = 1000
 
 
 @pytest.fixture(scope="module")
-def service_and_keys(tmp_path_factory):
+def service_and_keys(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[SeekService, np.ndarray]]:
     root = tmp_path_factory.mktemp("kernel")
     rng = np.random.default_rng(11)
     keys = rng.integers(0, 2**64 - 1, COUNT, dtype=np.uint64)
@@ -44,7 +48,9 @@ def fresh_batches(keys: np.ndarray, count: int = 512) -> list[np.ndarray]:
     return key_batches(keys, BATCH, count, seed=3)
 
 
-def test_fast_seek_kernel(benchmark, service_and_keys):
+def test_fast_seek_kernel(
+    benchmark: BenchmarkFixture, service_and_keys: tuple[SeekService, np.ndarray]
+) -> None:
     service, keys = service_and_keys
     requests = [
         cube_fast_pb2.SeekRequest(
@@ -58,7 +64,9 @@ def test_fast_seek_kernel(benchmark, service_and_keys):
     assert response.found == b"\x01" * BATCH and len(response.values) == BATCH * WIDTH
 
 
-def test_fast_seek_kernel_half_misses(benchmark, service_and_keys):
+def test_fast_seek_kernel_half_misses(
+    benchmark: BenchmarkFixture, service_and_keys: tuple[SeekService, np.ndarray]
+) -> None:
     service, keys = service_and_keys
     rng = np.random.default_rng(5)
     requests = []
@@ -70,7 +78,9 @@ def test_fast_seek_kernel_half_misses(benchmark, service_and_keys):
     assert len(cube_fast_pb2.SeekResponse.FromString(raw).values) == BATCH * WIDTH
 
 
-def test_original_seek_kernel(benchmark, service_and_keys):
+def test_original_seek_kernel(
+    benchmark: BenchmarkFixture, service_and_keys: tuple[SeekService, np.ndarray]
+) -> None:
     """rec.mcube.DictService.seek: 1000 keys in, 1000 DictValue out (vectorized encoding)."""
     service, keys = service_and_keys
     requests = [
@@ -93,11 +103,11 @@ class _Transport:
     def set_write_buffer_limits(self, high: int | None = None) -> None:
         pass
 
-    def writelines(self, buffers) -> None:
+    def writelines(self, buffers: Iterable[bytes | bytearray | memoryview]) -> None:
         self.frames += 1
 
     def write(self, data: bytes) -> None:
-        pass
+        self.frames += 1
 
     def is_closing(self) -> bool:
         return False
@@ -115,10 +125,14 @@ class _Transport:
         pass
 
 
-def test_lane_request_path(benchmark, service_and_keys):
+@pytest.mark.parametrize("path", ["compiled", "python"])
+def test_lane_request_path(
+    benchmark: BenchmarkFixture, service_and_keys: tuple[SeekService, np.ndarray], path: str
+) -> None:
     """One lane request as the server handles it: a frame arrives (`data_received`: framing,
-    byte accounting, parse, the version held), the loop turn answers it (`_answer_queued`:
-    lookup, encode, write), without the sockets."""
+    byte accounting, parse, the version held), is answered (the compiled pass at once, or
+    the Python path's loop turn, `_answer_queued`: lookup, encode, write), without the
+    sockets. `--benchmark-timer time.process_time` for CPU time on a shared machine."""
     import asyncio
     import struct
 
@@ -135,6 +149,8 @@ def test_lane_request_path(benchmark, service_and_keys):
     try:
         lane = Lane(service)
         lane._loop = loop
+        if path == "python":
+            lane.compiled = None
         connection = LaneProtocol(lane)
         transport = _Transport()
         connection.connection_made(transport)  # type: ignore[arg-type]
@@ -142,9 +158,13 @@ def test_lane_request_path(benchmark, service_and_keys):
 
         def one() -> None:
             connection.data_received(next(cycle))
-            lane._answer_queued()
+            if lane._queue:
+                lane._answer_queued()
+            if lane._fold_due:
+                lane.fold_counts()
 
         benchmark(one)
         assert transport.frames >= 1
+        assert service.counters.api["lane"].requests >= 1
     finally:
         loop.close()

@@ -4,6 +4,7 @@
     with CubeClient.from_conf("cube.conf", dict_name="test_dict") as client:
         result = client.seek([1, 2, 3])          # SeekResult: found, values, version, column
         emb = client.get_embeddings(keys, dim=8)  # (n, 8) float32, zero rows for misses
+                                                  # (dim: by default cube.conf's `dim`)
 
     CubeClient([["10.0.0.5:8000", "10.0.0.6:8000"], ["10.0.0.7:8000"]],
                timeout=Timeouts(attempt=0.2, backup_after=0.02, total=0.5), retry=Retry(3))
@@ -19,19 +20,24 @@ start with `_` are internals.
 """
 
 from cube.backoff import Backoff
+from cube.client._base import ClientOptions
 from cube.client._core import SeekResult, version_order
-from cube.client._transport import Transport, TransportError
+from cube.client._transport import AsyncTransport, SyncTransport, Transport
 from cube.client.aio import AsyncCubeClient
 from cube.client.conf import DictConf, load_conf, parse_conf
 from cube.client.errors import (
     Attempt,
+    ClientClosedError,
     ConfError,
     ConfigMismatchError,
     CubeError,
     DeadlineExceededError,
+    DictNotChosenError,
     KeyRangeError,
+    KeyShapeError,
     RequestRejectedError,
     ShardUnavailableError,
+    TransportError,
     ValueSizeError,
     VersionMismatchError,
 )
@@ -51,8 +57,11 @@ from cube.client.sync import CubeClient
 __all__ = [
     "AsyncCubeClient",
     "AsyncCubeClients",
+    "AsyncTransport",
     "Attempt",
     "Backoff",
+    "ClientClosedError",
+    "ClientOptions",
     "ClientStats",
     "ConfError",
     "ConfigMismatchError",
@@ -61,7 +70,9 @@ __all__ = [
     "CubeError",
     "DeadlineExceededError",
     "DictConf",
+    "DictNotChosenError",
     "KeyRangeError",
+    "KeyShapeError",
     "LoadBalancer",
     "MockTransport",
     "Partitioner",
@@ -69,6 +80,7 @@ __all__ = [
     "Retry",
     "SeekResult",
     "ShardUnavailableError",
+    "SyncTransport",
     "Timeouts",
     "Transport",
     "TransportError",

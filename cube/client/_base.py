@@ -9,7 +9,7 @@ import random
 import time
 from collections.abc import Sequence
 from functools import partial
-from typing import Any, Self
+from typing import Any, Generic, Self, TypedDict, TypeVar, Unpack
 
 import numpy as np
 
@@ -23,13 +23,12 @@ from cube.client._core import (
     SeekResult,
     assemble,
     make_plan,
-    normalize_keys,
     seek_flow,
 )
 from cube.client._policy import MIN_ATTEMPT_S, Cluster, EndpointState, Policy, Round, ShardCall
-from cube.client._transport import TRANSPORTS, ClientTLS, Transport
+from cube.client._transport import TRANSPORTS, ClientTLS, Contact
 from cube.client.conf import DictConf, load_conf
-from cube.client.errors import ConfError, CubeError
+from cube.client.errors import ClientClosedError, ConfError, CubeError, RequestRejectedError
 from cube.client.options import (
     LoadBalancer,
     Partitioner,
@@ -45,6 +44,29 @@ from cube.wire import Answer, BadMessage, Buffer
 
 _NONE_TRIED: frozenset[int] = frozenset()
 _ID_MASK = (1 << 48) - 1
+MAX_REPLANS = 2  # a call re-planned when servers it met take fewer keys than it planned for
+
+T = TypeVar("T")  # the transport protocol of a client: SyncTransport or AsyncTransport
+
+
+class ClientOptions(TypedDict, Generic[T], total=False):
+    """The keyword arguments of CubeClient / AsyncCubeClient (ClientBase documents them), as
+    `from_conf` takes them to override cube.conf's settings."""
+
+    partitioner: Partitioner
+    timeout: Timeouts | float
+    retry: Retry | int
+    load_balancer: LoadBalancer
+    max_batch: int
+    protocol: WireProtocol
+    max_version_rounds: int
+    transport: TransportName | T
+    busy_poll_us: float
+    tls_ca: str | None
+    tls_server_name: str
+    dim: int | None
+    stats: ClientStats | None
+    seed: int | None
 
 
 def normalize_shards(shards: Any) -> tuple[tuple[str, ...], ...]:
@@ -65,7 +87,7 @@ def normalize_shards(shards: Any) -> tuple[tuple[str, ...], ...]:
     return tuple(result)
 
 
-class ClientBase:
+class ClientBase(Generic[T]):
     """What CubeClient and AsyncCubeClient share: the arguments, routing, building rounds.
 
     shards: replicas of each shard in shard order, e.g. `[["127.0.0.1:8000", "127.0.0.1:8001"],
@@ -80,12 +102,15 @@ class ClientBase:
     load_balancer: "rr", "random" or "la" (least in flight, then lowest latency); cube.conf
         also takes brpc's names (see cube.client.conf).
     dict_name: sent with every request so a server of another dict rejects it ("" = any).
-    max_batch: keys per sub-request at most (the server's --max_batch).
+    max_batch: keys per sub-request at most. Servers that state their --max_batch on first
+        contact lower it for their shard (a batch is split into more sub-requests, not
+        refused); with older ones, set it to theirs.
     protocol: "fast" (cube.v1, default) or "original" (rec.mcube.DictService, slower).
     max_version_rounds: version candidates tried before VersionMismatchError.
     transport: "auto" (default: the fast protocol uses a server's TCP lane when it offers one,
-        ~10x cheaper per call than gRPC), "grpc" (gRPC only), or a Transport object (e.g.
-        `MockTransport` in tests: no server needed).
+        ~10x cheaper per call than gRPC), "grpc" (gRPC only), or a transport object: a
+        `SyncTransport` for CubeClient, an `AsyncTransport` for AsyncCubeClient (e.g.
+        `MockTransport`, both, in tests: no server needed).
     busy_poll_us: CubeClient on the TCP lane only: wait for an answer by polling for up to
         this long before sleeping, while it is the process's only call waiting (pairs with
         the server's --busy_poll_us). Lower latency where waking an idle CPU is slow (VMs), for
@@ -94,6 +119,8 @@ class ClientBase:
         trusting this PEM CA bundle ("" = the system's CAs), over gRPC and the TCP lane.
     tls_server_name: the name the servers' certificates carry, when it is not the host of
         their addresses (e.g. addresses by IP, certificates by DNS name).
+    dim: the width of get_embeddings' rows when a call gives none (from_conf: cube.conf's
+        `dim`); None (default): every get_embeddings call passes its `dim`.
     stats: a `ClientStats` to count calls, latency, retries, backup requests won, failovers
         and failed attempts per shard into (None, the default: nothing counted); export them
         with `cube.client.prometheus.ClientCollector`.
@@ -112,10 +139,11 @@ class ClientBase:
         max_batch: int = DEFAULT_MAX_BATCH,
         protocol: WireProtocol = "fast",
         max_version_rounds: int = 3,
-        transport: TransportName | Transport = "auto",
+        transport: TransportName | T = "auto",
         busy_poll_us: float = 0,
         tls_ca: str | None = None,
         tls_server_name: str = "",
+        dim: int | None = None,
         stats: ClientStats | None = None,
         seed: int | None = None,
     ) -> None:
@@ -133,11 +161,17 @@ class ClientBase:
             raise ConfError(f"busy_poll_us must be >= 0, got {busy_poll_us}")
         if max_version_rounds < 1:
             raise ConfError(f"max_version_rounds must be >= 1, got {max_version_rounds}")
+        if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim < 1):
+            raise ConfError(f"dim must be an integer >= 1 or None, got {dim!r}")
+        self.dim = dim
         self.timeouts = timeout if isinstance(timeout, Timeouts) else Timeouts(float(timeout))
         self.retry = retry if isinstance(retry, Retry) else Retry(attempts=int(retry))
         self.partitioner = partitioner
         self.dict_name = dict_name
-        self.max_batch = max_batch
+        # each endpoint's --max_batch as its first contact stated it, and what that makes the
+        # most keys per sub-request of each shard (read by every call: replaced, not changed)
+        self._server_max_batch: dict[str, int] = {}
+        self.max_batch = max_batch  # (sets _limits)
         self.max_version_rounds = max_version_rounds
         self.policy = Policy.from_options(self.timeouts, self.retry)
         self._total_s = self.timeouts.total  # the whole call's bound (None: none)
@@ -161,28 +195,54 @@ class ClientBase:
                 self._tls.context  # noqa: B018 - read the CA file now: errors name it
             except SecurityError as exc:
                 raise ConfError(str(exc)) from None
-        self._injected: Transport | None = None if isinstance(transport, str) else transport
+        self._injected: T | None = None if isinstance(transport, str) else transport
+        self._closed = False
         self._open()
 
     def _open(self) -> None:
         """Set up the transport (the blocking or the asyncio one)."""
         raise NotImplementedError
 
+    def _check_open(self) -> None:
+        """ClientClosedError when the client was closed (a call on it, or `with` again)."""
+        if self._closed:
+            where = f" of dict {self.dict_name!r}" if self.dict_name else ""
+            raise ClientClosedError(
+                f"this {type(self).__name__}{where} is closed: open a new client (a closed one"
+                " cannot be used or reopened)"
+            )
+
+    def _embedding_dim(self, dim: int | None) -> int:
+        """`dim` as given, else the client's (cube.conf's `dim`); ConfError when neither."""
+        if dim is not None:
+            return dim
+        if self.dim is None:
+            where = f" dict {self.dict_name!r} of" if self.dict_name else ""
+            raise ConfError(
+                "get_embeddings needs dim (the values' width in elements): pass dim=, or set"
+                f" `dim` for{where} the client (cube.conf's field `dim`, or dim= when building it)"
+            )
+        return self.dim
+
     @classmethod
     def from_conf(
-        cls, path: str | os.PathLike[str], dict_name: str | None = None, **overrides: Any
+        cls,
+        path: str | os.PathLike[str],
+        dict_name: str | None = None,
+        **overrides: Unpack[ClientOptions[T]],
     ) -> Self:
         """A client for `dict_name` of the original cube.conf at `path` (see cube.client.conf;
         for several dicts in one object: CubeClients / AsyncCubeClients). The file's `timeout`
         bounds the whole call, as in the original (`Timeouts.total`), and each attempt
-        unless `attempt_timeout` is smaller; its `tls_ca` and `tls_server_name` turn TLS on.
+        unless `attempt_timeout` is smaller; its `tls_ca` and `tls_server_name` turn TLS on;
+        its `dim` is get_embeddings' default width.
         Keyword arguments override the file's settings:
         a number as `timeout` (seconds) replaces the file's `timeout` (the whole call) and
         keeps its backup request; a `Timeouts` object replaces them all."""
         return cls._from_dict_conf(load_conf(path, dict_name), **overrides)
 
     @classmethod
-    def _from_dict_conf(cls, conf: DictConf, **overrides: Any) -> Self:
+    def _from_dict_conf(cls, conf: DictConf, **overrides: Unpack[ClientOptions[T]]) -> Self:
         """A client for one parsed cube.conf entry (`load_conf`, `parse_conf`), with
         `from_conf`'s overrides."""
         backup = conf.backup_request_ms / 1000.0 if conf.backup_request_ms > 0 else None
@@ -192,17 +252,18 @@ class ClientBase:
             "retry": conf.retry,
             "load_balancer": conf.load_balancer,
             "dict_name": conf.dict_name,
+            "dim": conf.dim,
         }
         if conf.tls_ca is not None:
             settings.update(tls_ca=conf.tls_ca, tls_server_name=conf.tls_server_name)
+        settings.update(overrides)
         timeout = overrides.get("timeout")
         if timeout is not None and not isinstance(timeout, Timeouts):
             total = float(timeout)
             attempt = total
             if conf.attempt_timeout_ms is not None:
                 attempt = min(total, conf.attempt_timeout_ms / 1000.0)
-            overrides = {**overrides, "timeout": Timeouts(attempt, backup, total)}
-        settings.update(overrides)
+            settings["timeout"] = Timeouts(attempt, backup, total)
         return cls(conf.shards, **settings)
 
     def _observe_round(
@@ -234,6 +295,41 @@ class ClientBase:
     def shard_num(self) -> int:
         return self._cluster.shard_num
 
+    @property
+    def max_batch(self) -> int:
+        """The most keys of a sub-request this client sends (its own bound; a shard whose
+        servers stated a smaller --max_batch gets theirs: `batch_limits`)."""
+        return self._max_batch
+
+    @max_batch.setter
+    def max_batch(self, value: int) -> None:
+        self._max_batch = value
+        self._update_limits()
+
+    @property
+    def batch_limits(self) -> tuple[int, ...]:
+        """The most keys of a sub-request to each shard: `max_batch`, or less where the
+        shard's servers stated a smaller --max_batch on first contact."""
+        return self._limits
+
+    def _update_limits(self) -> None:
+        learned, own = self._server_max_batch, self._max_batch
+        self._limits = tuple(
+            min([own, *(learned.get(a) or own for a in replicas)]) for replicas in self.shards
+        )
+
+    def _on_contact(self, address: str, contact: Contact) -> str | None:
+        """First contact with `address` (or a later check), from the transport: learn its
+        --max_batch, and say what is wrong with its routing (None: nothing)."""
+        learned = self._server_max_batch
+        if learned.get(address) != contact.max_batch:
+            if contact.max_batch is None:
+                learned.pop(address, None)
+            else:
+                learned[address] = contact.max_batch
+            self._update_limits()
+        return self._check_routing(address, contact.routing)
+
     def _check_routing(self, address: str, routing: ShardRouting | None) -> str | None:
         """What is wrong when the server at `address` holds other keys than this client routes
         to it (None: nothing, or the server does not say)."""
@@ -263,9 +359,20 @@ class ClientBase:
     def endpoints(self) -> list[str]:
         return [e.address for e in self._cluster.endpoints]
 
-    def _plan(self, keys: object) -> tuple[np.ndarray, list[Piece]]:
-        keys = normalize_keys(keys)
-        return keys, make_plan(keys, len(self.shards), self.partitioner, self.max_batch)
+    def _plan(self, keys: np.ndarray) -> tuple[list[Piece], tuple[int, ...]]:
+        """The pieces of a call, within each shard's limit, and the limits they were made for."""
+        limits = self._limits
+        return make_plan(keys, len(self.shards), self.partitioner, limits), limits
+
+    def _replan(
+        self, error: RequestRejectedError, keys: np.ndarray, limits: tuple[int, ...]
+    ) -> tuple[list[Piece], tuple[int, ...]] | None:
+        """A new plan when `error` refused a sub-request for its size and the shard's servers,
+        met during the call, stated a smaller --max_batch than it was planned with (first
+        contact happens in the call's first attempt); None: the error stands."""
+        if error.code != "RESOURCE_EXHAUSTED" or self._limits[error.shard] >= limits[error.shard]:
+            return None
+        return self._plan(keys)
 
     def _flow(self, keys: np.ndarray, pieces: list[Piece], version: str | None) -> Flow:
         return seek_flow(

@@ -28,13 +28,15 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, KeysView, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Protocol
 
 import numpy as np
-from numpy.typing import DTypeLike
+import numpy.typing as npt
+from numpy.typing import DTypeLike, NDArray
 
 from cube import wire
 from cube.client.errors import (
@@ -42,6 +44,7 @@ from cube.client.errors import (
     ConfigMismatchError,
     DeadlineExceededError,
     KeyRangeError,
+    KeyShapeError,
     RequestRejectedError,
     ShardUnavailableError,
     ValueSizeError,
@@ -60,12 +63,23 @@ _U64 = np.dtype(np.uint64)
 # Keys
 
 
-def normalize_keys(keys: object) -> np.ndarray:
-    """Keys as a contiguous 1-D uint64 array. KeyRangeError names the first bad key and its
-    position: negative, 2**64 or more, or not an integer (a float is refused even when it
-    looks whole: float64 cannot hold every uint64, and 1000003.7 must not become 1000003)."""
+def normalize_keys(keys: npt.ArrayLike) -> NDArray[np.uint64]:
+    """Keys as a contiguous 1-D uint64 array, in the order given. KeyRangeError names the
+    first bad key and its position: negative, 2**64 or more, or not an integer (a float is
+    refused even when it looks whole: float64 cannot hold every uint64, and 1000003.7 must not
+    become 1000003; a bool too: True and False are not keys 1 and 0). KeyShapeError refuses a
+    shape without one request order: an array of 2 or more dimensions, a set. Checked once per
+    call on the array's dtype and shape (no loop over the keys but for Python ints beyond
+    int64, or objects, which numpy cannot type)."""
     if type(keys) is np.ndarray and keys.dtype == _U64 and keys.ndim == 1:
         return keys if keys.flags.c_contiguous else np.ascontiguousarray(keys)  # the usual case
+    if isinstance(keys, bool | np.bool_):
+        raise KeyRangeError(f"key {keys!r} is a bool, not an integer (keys are uint64)")
+    if isinstance(keys, AbstractSet) and not isinstance(keys, KeysView):
+        raise KeyShapeError(
+            f"keys in a {type(keys).__name__} have no order, and the answer is in request order:"
+            " pass a list or an array (e.g. sorted(keys))"
+        )
     given: object = [keys] if isinstance(keys, int | np.integer) else keys
     if isinstance(given, str | bytes | float | np.floating):
         raise KeyRangeError(f"keys must be integers, got {type(given).__name__} {given!r}")
@@ -76,8 +90,18 @@ def normalize_keys(keys: object) -> np.ndarray:
             array = np.asarray(given)
         except (TypeError, ValueError, OverflowError):
             array = np.empty(0, dtype=object)
-        if array.dtype.kind not in "iub":  # floats, strings, huge ints: check them one by one
-            array = np.fromiter(given, dtype=object)  # type: ignore[call-overload]
+        if array.dtype.kind not in "iub" and array.ndim < 2:  # floats, strings, huge ints:
+            array = np.fromiter(given, dtype=object)  # type: ignore[call-overload]  # one by one
+    if array.ndim > 1:
+        raise KeyShapeError(
+            f"keys must be 1-D (one request order); got a {array.ndim}-D array of shape"
+            f" {array.shape}: pass keys.ravel() (or a list) if its row-major order is meant"
+        )
+    if array.dtype == np.bool_:
+        raise KeyRangeError(
+            "keys are bools (an array of dtype bool), not integers: True and False are not keys"
+            " 1 and 0 (a mask? select keys with it: keys[mask])"
+        )
     if array.dtype == np.uint64:
         return np.ascontiguousarray(array.reshape(-1))
     if array.dtype.kind == "i":
@@ -89,7 +113,7 @@ def normalize_keys(keys: object) -> np.ndarray:
                 f"key {int(flat[at])} at position {at} is negative; keys are uint64"
             )
         return flat.astype(np.uint64)
-    if array.dtype.kind == "u" or array.dtype == np.bool_:
+    if array.dtype.kind == "u":
         return array.reshape(-1).astype(np.uint64)
     if array.dtype != object:
         flat = array.reshape(-1)
@@ -130,26 +154,34 @@ class Piece:
 
 
 def make_plan(
-    keys: np.ndarray, shard_num: int, partitioner: str, max_batch: int = DEFAULT_MAX_BATCH
+    keys: np.ndarray,
+    shard_num: int,
+    partitioner: str,
+    max_batch: int | Sequence[int] = DEFAULT_MAX_BATCH,
 ) -> list[Piece]:
-    """Pieces for the shards that own at least one key (shards without keys get no request)."""
+    """Pieces for the shards that own at least one key (shards without keys get no request),
+    each of at most `max_batch` keys: one bound for every shard, or one per shard (what each
+    shard's servers take). A shard's keys keep their request order across its pieces."""
     n = int(keys.shape[0])
     if n == 0:
         return []
+    limits = [max_batch] * shard_num if isinstance(max_batch, int) else list(max_batch)
     if shard_num == 1:
-        if n <= max_batch:
+        limit = limits[0]
+        if n <= limit:
             return [Piece(0, slice(0, n), keys)]
         return [
-            Piece(0, slice(start, min(start + max_batch, n)), keys[start : start + max_batch])
-            for start in range(0, n, max_batch)
+            Piece(0, slice(start, min(start + limit, n)), keys[start : start + limit])
+            for start in range(0, n, limit)
         ]
     grouping = group_by_owner(shard_of(keys, shard_num, partitioner), shard_num)
     grouped_keys = keys[grouping.order]
     bounds = grouping.bounds.tolist()
     pieces = []
     for shard in range(shard_num):  # shards without keys have an empty range: no piece
-        for start in range(bounds[shard], bounds[shard + 1], max_batch):
-            stop = min(start + max_batch, bounds[shard + 1])
+        limit = limits[shard]
+        for start in range(bounds[shard], bounds[shard + 1], limit):
+            stop = min(start + limit, bounds[shard + 1])
             pieces.append(Piece(shard, grouping.order[start:stop], grouped_keys[start:stop]))
     return pieces
 
@@ -275,7 +307,7 @@ class SeekResult:
     def value(self, i: int) -> bytes | None:
         return self.column.get(i) if self.found[i] else None
 
-    def embeddings(self, dim: int, dtype: DTypeLike = "float32") -> np.ndarray:
+    def embeddings(self, dim: int, dtype: DTypeLike = "float32") -> NDArray[Any]:
         """(n, dim) array of the values read as `dtype`, zero rows for misses: what
         get_embeddings returns, for a caller that also needs `version` or `found` of the same
         answer (a model whose dense part must match the version of its embeddings)."""
@@ -354,7 +386,7 @@ def assemble(
 
 def embeddings(
     result: SeekResult, dim: int, dtype: DTypeLike = "float32", own: bool = False
-) -> np.ndarray:
+) -> NDArray[Any]:
     """(n, dim) array of the values read as `dtype`; zero rows for misses. A found value whose
     size is not dim * itemsize raises ValueSizeError naming the key.
 

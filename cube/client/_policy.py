@@ -81,11 +81,8 @@ class Policy:
     total_ms: float = 0.0  # the whole call (every round, retry and backup); 0 = no bound
     retry: int = 2  # extra attempts after the first, on other replicas when there are any
     backup_request_ms: float = 0.0  # 0 = no backup requests
-    backoff_base_ms: float = 2.0
-    backoff_cap_ms: float = 100.0
-    backoff_jitter: float = 0.5
-    cooldown_base_ms: float = 100.0  # a failed replica is avoided this long, doubling ...
-    cooldown_cap_ms: float = 2000.0  # ... up to this
+    backoff: Backoff = Retry().backoff  # before each retry (seconds, jittered)
+    cooldown: Backoff = Retry().cooldown  # how long a failed replica is avoided, doubling
 
     @classmethod
     def from_options(cls, timeouts: Timeouts, retry: Retry) -> Policy:
@@ -95,11 +92,8 @@ class Policy:
             total_ms=(timeouts.total or 0.0) * 1000.0,
             retry=retry.attempts,
             backup_request_ms=(timeouts.backup_after or 0.0) * 1000.0,
-            backoff_base_ms=retry.backoff.base * 1000.0,
-            backoff_cap_ms=retry.backoff.cap * 1000.0,
-            backoff_jitter=retry.backoff.jitter,
-            cooldown_base_ms=retry.cooldown.base * 1000.0,
-            cooldown_cap_ms=retry.cooldown.cap * 1000.0,
+            backoff=retry.backoff,
+            cooldown=retry.cooldown,
         )
 
     def __post_init__(self) -> None:
@@ -114,17 +108,13 @@ class Policy:
 
     def backoff_s(self, retry_index: int, rng: random.Random) -> float:
         """Delay before retry number `retry_index` (0-based): capped exponential, jittered
-        into [half, full] so that clients do not retry in lockstep."""
-        backoff = Backoff(
-            self.backoff_base_ms / 1000.0, self.backoff_cap_ms / 1000.0, self.backoff_jitter
-        )
-        return backoff.delay(retry_index, rng)
+        (by default into [half, full]) so that clients do not retry in lockstep."""
+        return self.backoff.delay(retry_index, rng)
 
     def cooldown_s(self, failures: int) -> float:
         """How long a replica is avoided after `failures` failures in a row (doubling, capped;
         any number of them: a replica down for hours used to overflow the doubling)."""
-        cooldown = Backoff(self.cooldown_base_ms / 1000.0, self.cooldown_cap_ms / 1000.0)
-        return cooldown.delay(failures - 1)
+        return self.cooldown.delay(failures - 1)
 
     @property
     def timeout_s(self) -> float:
@@ -149,7 +139,7 @@ class Policy:
 
     def round_budget_s(self) -> float:
         """Hard bound on one round: every attempt timing out back to back, plus slack."""
-        per_try = self.timeout_ms + self.backoff_cap_ms
+        per_try = self.timeout_ms + self.backoff.cap * 1000.0
         return (1 + self.retry) * per_try / 1000.0 + 1.0
 
 

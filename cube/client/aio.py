@@ -10,26 +10,42 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Generator, Sequence
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import grpc
 import numpy as np
+import numpy.typing as npt
+from numpy.typing import DTypeLike, NDArray
 
-from cube.client._base import ClientBase
-from cube.client._core import Piece, PieceOutcome, PieceRequest, SeekResult, embeddings
+from cube.client._aio_transport import AioChannels
+from cube.client._base import MAX_REPLANS, ClientBase
+from cube.client._core import (
+    Piece,
+    PieceOutcome,
+    PieceRequest,
+    SeekResult,
+    embeddings,
+    normalize_keys,
+)
 from cube.client._policy import Action, Cancel
-from cube.client._transport import AioChannels, status_of
-from cube.client.errors import ConfError, CubeError
+from cube.client._transport import AsyncTransport, status_of
+from cube.client.errors import ConfError, CubeError, RequestRejectedError
 
 # The fast path's first attempt handed over: (replica index, monotonic start, its call in
 # flight or done, or None when it is still to start).
 _Adopted = tuple[int, float, Any]
+_S = TypeVar("_S", bound=np.generic)
 
 
-class AsyncCubeClient(ClientBase):
+class AsyncCubeClient(ClientBase[AsyncTransport]):
     """asyncio client; see ClientBase for the arguments and `from_conf` for cube.conf."""
 
     def _open(self) -> None:
+        if self._injected is not None and not isinstance(self._injected, AsyncTransport):
+            raise ConfError(
+                f"transport {type(self._injected).__name__} has no acall() and close():"
+                " AsyncCubeClient needs an AsyncTransport"
+            )
         if self._busy_poll_s:
             raise ConfError(
                 "busy_poll_us is for CubeClient (a thread waiting on a socket); AsyncCubeClient"
@@ -38,24 +54,33 @@ class AsyncCubeClient(ClientBase):
         self._channels = AioChannels(
             self._wire.method,
             lanes=self._use_lanes,
-            check_routing=self._check_routing,
+            on_contact=self._on_contact,
             tls=self._tls,
         )
-        self._closed = False
 
-    async def seek(self, keys: object, version: str | None = None) -> SeekResult:
+    async def seek(self, keys: npt.ArrayLike, version: str | None = None) -> SeekResult:
         """As CubeClient.seek."""
-        if self._closed:
-            raise CubeError("the client is closed")
+        self._check_open()
         started = time.perf_counter()
         request_id = self._request_id()
         deadline = self._deadline()
         try:
-            keys, pieces = self._plan(keys)
-            if len(pieces) == 1 and self._lone_fast:
-                result = await self._seek_lone(keys, pieces, version, request_id, deadline)
-            else:
-                result = await self._seek_rounds(keys, pieces, version, request_id, deadline)
+            keys = normalize_keys(keys)
+            pieces, limits = self._plan(keys)
+            for replans in range(MAX_REPLANS + 1):
+                try:
+                    if len(pieces) == 1 and self._lone_fast:
+                        result = await self._seek_lone(keys, pieces, version, request_id, deadline)
+                    else:
+                        result = await self._seek_rounds(
+                            keys, pieces, version, request_id, deadline
+                        )
+                    break
+                except RequestRejectedError as exc:  # too large for servers met just now?
+                    plan = self._replan(exc, keys, limits) if replans < MAX_REPLANS else None
+                    if plan is None:
+                        raise
+                    pieces, limits = plan
         except CubeError as exc:
             self._observe_call(started, exc)
             self._tag(exc, request_id)
@@ -119,27 +144,60 @@ class AsyncCubeClient(ClientBase):
         adopted = (choice, started, future)
         return await self._seek_rounds(keys, pieces, version, request_id, deadline, adopted)
 
-    async def get_embeddings(self, keys: object, dim: int, dtype: Any = "float32") -> np.ndarray:
+    @overload
+    async def get_embeddings(
+        self, keys: npt.ArrayLike, dim: int | None = None
+    ) -> NDArray[np.float32]: ...
+
+    @overload
+    async def get_embeddings(
+        self, keys: npt.ArrayLike, dim: int | None, dtype: type[_S] | np.dtype[_S]
+    ) -> NDArray[_S]: ...
+
+    @overload
+    async def get_embeddings(
+        self, keys: npt.ArrayLike, dim: int | None = None, *, dtype: type[_S] | np.dtype[_S]
+    ) -> NDArray[_S]: ...
+
+    @overload
+    async def get_embeddings(
+        self, keys: npt.ArrayLike, dim: int | None = None, dtype: DTypeLike = "float32"
+    ) -> NDArray[Any]: ...
+
+    async def get_embeddings(
+        self, keys: npt.ArrayLike, dim: int | None = None, dtype: DTypeLike = "float32"
+    ) -> NDArray[Any]:
         """As CubeClient.get_embeddings."""
+        dim = self._embedding_dim(dim)
         return embeddings(await self.seek(keys), dim, dtype, own=True)
 
     async def wait_ready(self, timeout_s: float = 5.0) -> list[str]:
         """As CubeClient.wait_ready."""
+        self._check_open()
         if self._injected is not None:
             return []
         return await self._channels.wait_ready(self.endpoints, timeout_s)
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
+        """Close the connections (calls in flight end with an error; calls after it raise
+        ClientClosedError). Closing again does nothing."""
+        if self._closed:
+            return
         self._closed = True
         await self._channels.close()
         if self._injected is not None:
             self._injected.close()
 
+    async def close(self) -> None:
+        """The same as `aclose()` (the name it had first)."""
+        await self.aclose()
+
     async def __aenter__(self) -> AsyncCubeClient:
+        self._check_open()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+        await self.aclose()
 
     async def _run(
         self,

@@ -16,42 +16,51 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
+from cube.client._base import ClientOptions
 from cube.client._core import PROTOCOLS, SeekResult
+from cube.client._transport import SyncTransport
 from cube.client.errors import CubeError, DictNotChosenError, ShardUnavailableError
+from cube.client.options import WireProtocol
 from cube.client.sync import CubeClient
-from cube.flags import FlagError, FlagSet, run_cli
+from cube.flags import FlagError, FlagSet, flag, run_cli
 
-FLAGS = (
-    FlagSet("cube-cli", "Look up batches of keys in a Cube dict and report latency and QPS.")
-    .add("config_file", str, "./cube.conf", "cube.conf (JSON array of dicts)")
-    .add("keys", str, "keys", "key file: one decimal uint64 key per line")
-    .add("dict", str, "", "dict to query (optional when the conf has one dict)")
-    .add("batch", int, 500, "keys per request")
-    .add("thread_num", int, 1, "client threads")
-    .add("requests", int, 1000, "requests per thread")
-    .add("print_output", bool, False, "print key:value (hex) for every key looked up")
-    .add("timeout", int, None, "timeout of a whole call in ms (default: the conf's timeout)")
-    .add("retry", int, None, "retries (default: the conf's)")
-    .add(
-        "tls_ca",
-        str,
+
+@dataclass(frozen=True)
+class CliFlags:
+    """cube-cli's flags."""
+
+    config_file: str = flag("./cube.conf", "cube.conf (JSON array of dicts)", metavar="PATH")
+    keys: str = flag("keys", "key file: one decimal uint64 key per line")
+    dict: str = flag("", "dict to query (optional when the conf has one dict)")
+    batch: int = flag(500, "keys per request")
+    thread_num: int = flag(1, "client threads")
+    requests: int = flag(1000, "requests per thread")
+    print_output: bool = flag(False, "print key:value (hex) for every key looked up")
+    timeout: int | None = flag(
+        None, "timeout of a whole call in ms (default: the conf's timeout)", metavar="MS"
+    )
+    retry: int | None = flag(None, "retries (default: the conf's)")
+    tls_ca: str | None = flag(
         None,
         "PEM CA bundle: TLS to servers started with --tls_cert (default: the conf's tls_ca;"
         " none there: plaintext)",
     )
-    .add(
-        "tls_server_name",
-        str,
-        None,
-        "the name the servers' certificates carry (default: the conf's tls_server_name)",
+    tls_server_name: str | None = flag(
+        None, "the name the servers' certificates carry (default: the conf's tls_server_name)"
     )
-    .add(
-        "protocol", str, "fast", "fast (cube.v1) or original (rec.mcube)", choices=tuple(PROTOCOLS)
-    )
+    protocol: str = flag("fast", "fast (cube.v1) or original (rec.mcube)", choices=tuple(PROTOCOLS))
+
+
+FLAGS = FlagSet(
+    "cube-cli",
+    "Look up batches of keys in a Cube dict and report latency and QPS.",
+    spec=CliFlags,
 )
 
 PERCENTILES = (50, 80, 90, 99, 99.9)
@@ -100,12 +109,12 @@ def summarize(
 
 
 def format_batch(result: SeekResult) -> str:
-    """--print_output lines: `key:K value:HEX` for a hit (an empty value prints `value:`),
-    `key:K miss` for a key the dict does not hold."""
+    """--print_output lines as the original's cube_cli.cpp printed them: `key:K value:HEX`,
+    and `key:K value:` for a key the dict does not hold (its empty value), as for an empty
+    value (the SDK's `found` tells them apart)."""
     lines = []
     for key, value in zip(result.keys.tolist(), result.values, strict=True):
-        shown = "miss" if value is None else f"value:{value.hex().upper()}"
-        lines.append(f"key:{key} {shown}")
+        lines.append(f"key:{key} value:{(value or b'').hex().upper()}")
     return "\n".join(lines) + "\n"
 
 
@@ -123,15 +132,21 @@ def describe_failure(exc: CubeError) -> str:
 
 def run(argv: Sequence[str]) -> int:
     flags = FLAGS.parse(argv)
-    for name in ("batch", "thread_num", "requests"):
-        if flags[name] < 1:
-            raise FlagError(f"--{name} must be >= 1, got {flags[name]}")
+    for name, value in (
+        ("batch", flags.batch),
+        ("thread_num", flags.thread_num),
+        ("requests", flags.requests),
+    ):
+        if value < 1:
+            raise FlagError(f"--{name} must be >= 1, got {value}")
     if flags.timeout is not None and flags.timeout < 1:
         raise FlagError(f"--timeout must be >= 1 (ms), got {flags.timeout}")
     if flags.retry is not None and flags.retry < 0:
         raise FlagError(f"--retry must be >= 0, got {flags.retry}")
-    keys = read_keys(flags["keys"])  # flags.keys is dict.keys
-    overrides = {"protocol": flags.protocol}
+    keys = read_keys(flags.keys)
+    overrides: ClientOptions[SyncTransport] = {
+        "protocol": cast(WireProtocol, flags.protocol)  # one of PROTOCOLS: the flag's choices
+    }
     if flags.timeout is not None:
         overrides["timeout"] = flags.timeout / 1000.0  # --timeout is in ms, as the original's
     if flags.retry is not None:

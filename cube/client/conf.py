@@ -8,7 +8,8 @@ Fields (original-cube.md §7.1): `dict_name`, `shard`, `dup`, `timeout` (ms), `r
 Ours, optional: `partitioner` (`mod`, the default, or `murmur3`; must match the builder's),
 `attempt_timeout` (ms, at most `timeout`), and `tls_ca` (a PEM CA bundle, "" for the system's:
 TLS to servers started with --tls_cert) with `tls_server_name` (the name their certificates
-carry, when not the host of their addresses). `dup` is read and checked but, as in the
+carry, when not the host of their addresses), and `dim` (an integer >= 1: the values' width in
+elements, get_embeddings' default `dim`). `dup` is read and checked but, as in the
 original, does not limit anything.
 
 `timeout` is the whole call's bound, as brpc's `timeout_ms` was for the original (a deadline
@@ -88,6 +89,7 @@ class DictConf:
     attempt_timeout_ms: int | None = None  # None: an attempt may use the whole `timeout`
     tls_ca: str | None = None  # None: plaintext; "": TLS trusting the system's CAs
     tls_server_name: str = ""
+    dim: int | None = None  # get_embeddings' default width; None: each call passes its dim
 
 
 def load_conf(path: str | os.PathLike[str], dict_name: str | None = None) -> DictConf:
@@ -234,7 +236,19 @@ def _parse_dict(entry: Any, source: str, position: int) -> DictConf:
         attempt_timeout_ms=attempt_ms,
         tls_ca=tls_ca,
         tls_server_name=tls_server_name,
+        dim=_dim_field(entry, where),
     )
+
+
+def _dim_field(entry: dict[str, Any], where: str) -> int | None:
+    """`dim` of one dict entry (None when absent)."""
+    dim = entry.get("dim")
+    if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim < 1):
+        raise ConfError(
+            f"{where}: field 'dim' must be an integer >= 1 (the values' width in elements,"
+            f" get_embeddings' default), got {dim!r}"
+        )
+    return dim
 
 
 def _tls_fields(entry: dict[str, Any], where: str) -> tuple[str | None, str]:

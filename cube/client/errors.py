@@ -47,7 +47,29 @@ class ConfigMismatchError(ConfError):
 
 
 class KeyRangeError(CubeError, ValueError):
-    """A key that is not a uint64 (negative, too large or not an integer)."""
+    """A key that is not a uint64 (negative, too large or not an integer, a bool included)."""
+
+
+class KeyShapeError(CubeError, TypeError, ValueError):
+    """Keys in a shape with no request order: a 2-D array (flattening would guess an order) or
+    a set (it has none). The message says what was given and what to pass instead. A
+    TypeError and a ValueError, as either may be caught for a bad argument."""
+
+
+class ClientClosedError(CubeError, RuntimeError):
+    """A call on a client after `close()` / `aclose()` (as httpx refuses a closed client)."""
+
+
+class TransportError(CubeError):
+    """A call that failed: `code` is a gRPC status name (UNAVAILABLE, DEADLINE_EXCEEDED, ...)
+    or one of ours (CONFIG_MISMATCH); `message` says what happened. Every transport raises
+    it (the lanes, gRPC, a MockTransport's handler), so the retry policy sees one shape
+    whichever moved the bytes."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
 
 
 class ValueSizeError(CubeError, ValueError):
@@ -99,7 +121,7 @@ class ShardUnavailableError(CubeError):
         self.shard = self.shards[0]
         parts = []
         for shard in self.shards:
-            tried = "; ".join(repr(a) for a in self.failures[shard]) or "no replica tried"
+            tried = describe_attempts(self.failures[shard]) or "no replica tried"
             parts.append(f"shard {shard} failed after trying [{tried}]")
         answered = ""
         if result is not None:
@@ -108,6 +130,31 @@ class ShardUnavailableError(CubeError):
                 " see .result)"
             )
         super().__init__(lead + "; ".join(parts) + answered)
+
+
+def describe_attempts(attempts: Sequence[Attempt]) -> str:
+    """Each distinct error once, with how many attempts and which replicas gave it, in the
+    order first seen: "3 attempts at h:1: UNAVAILABLE down" (one replica tried three times),
+    "2 replicas (h:1, h:2): UNAVAILABLE down", or a lone attempt as `repr(Attempt)`."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for attempt in attempts:
+        groups.setdefault((attempt.code, attempt.message), []).append(attempt.endpoint)
+    parts = []
+    for (code, message), endpoints in groups.items():
+        error = f"{code} {message}".rstrip()
+        replicas = list(dict.fromkeys(endpoints))
+        if len(endpoints) == 1:
+            parts.append(f"{endpoints[0]}: {error}")
+        elif len(replicas) == 1:
+            parts.append(f"{len(endpoints)} attempts at {replicas[0]}: {error}")
+        elif len(replicas) == len(endpoints):
+            parts.append(f"{len(replicas)} replicas ({', '.join(replicas)}): {error}")
+        else:
+            parts.append(
+                f"{len(endpoints)} attempts at {len(replicas)} replicas"
+                f" ({', '.join(replicas)}): {error}"
+            )
+    return "; ".join(parts)
 
 
 class DeadlineExceededError(ShardUnavailableError, TimeoutError):

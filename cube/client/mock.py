@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from cube import wire
-from cube.client._transport import TransportError
+from cube.client.errors import TransportError
 from cube.pb import cube_fast_pb2
 
 Values = Sequence[bytes | None] | Mapping[int, bytes]

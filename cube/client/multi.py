@@ -15,18 +15,20 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Generic, Self, TypeVar
+from typing import Any, Generic, Self, TypeVar, Unpack
 
-import numpy as np
+import numpy.typing as npt
+from numpy.typing import DTypeLike, NDArray
 
-from cube.client._base import ClientBase
+from cube.client._base import ClientBase, ClientOptions
 from cube.client._core import SeekResult
+from cube.client._transport import AsyncTransport, SyncTransport
 from cube.client.aio import AsyncCubeClient
 from cube.client.conf import load_all
 from cube.client.errors import ConfError
 from cube.client.sync import CubeClient
 
-C = TypeVar("C", bound=ClientBase)
+C = TypeVar("C", bound=ClientBase[Any])
 
 
 class _Dicts(Generic[C]):
@@ -49,7 +51,7 @@ class _Dicts(Generic[C]):
         factory: type[C],
         path: str | os.PathLike[str],
         dict_names: Sequence[str] | None,
-        overrides: dict[str, Any],
+        overrides: ClientOptions[Any],
     ) -> list[C]:
         if "stats" in overrides:
             raise ConfError(
@@ -59,7 +61,8 @@ class _Dicts(Generic[C]):
             )
         if "dict_name" in overrides:
             raise ConfError("the dict names come from cube.conf: choose them with dict_names=")
-        return [factory._from_dict_conf(conf, **overrides) for conf in load_all(path, dict_names)]
+        confs = load_all(path, dict_names)
+        return [factory._from_dict_conf(conf, **overrides) for conf in confs]
 
     def table(self, dict_name: str) -> C:
         """The client of `dict_name`; ConfError (naming the dicts there are) if none."""
@@ -95,20 +98,24 @@ class CubeClients(_Dicts[CubeClient]):
         cls,
         path: str | os.PathLike[str],
         dict_names: Sequence[str] | None = None,
-        **overrides: Any,
+        **overrides: Unpack[ClientOptions[SyncTransport]],
     ) -> Self:
         """A client for every dict of the cube.conf at `path` (or those in `dict_names`);
         keyword arguments override every dict's settings as in `CubeClient.from_conf`."""
         return cls(cls._open(CubeClient, path, dict_names, overrides))
 
-    def seek(self, dict_name: str, keys: object, version: str | None = None) -> SeekResult:
+    def seek(self, dict_name: str, keys: npt.ArrayLike, version: str | None = None) -> SeekResult:
         """`CubeClient.seek` on dict `dict_name` (the original's `seek(dict_name, keys)`)."""
         return self.table(dict_name).seek(keys, version)
 
     def get_embeddings(
-        self, dict_name: str, keys: object, dim: int, dtype: Any = "float32"
-    ) -> np.ndarray:
-        """`CubeClient.get_embeddings` on dict `dict_name`."""
+        self,
+        dict_name: str,
+        keys: npt.ArrayLike,
+        dim: int | None = None,
+        dtype: DTypeLike = "float32",
+    ) -> NDArray[Any]:
+        """`CubeClient.get_embeddings` on dict `dict_name` (`dim`: by default its cube.conf's)."""
         return self.table(dict_name).get_embeddings(keys, dim, dtype)
 
     def wait_ready(self, timeout_s: float = 5.0) -> list[str]:
@@ -138,18 +145,24 @@ class AsyncCubeClients(_Dicts[AsyncCubeClient]):
         cls,
         path: str | os.PathLike[str],
         dict_names: Sequence[str] | None = None,
-        **overrides: Any,
+        **overrides: Unpack[ClientOptions[AsyncTransport]],
     ) -> Self:
         """As CubeClients.from_conf."""
         return cls(cls._open(AsyncCubeClient, path, dict_names, overrides))
 
-    async def seek(self, dict_name: str, keys: object, version: str | None = None) -> SeekResult:
+    async def seek(
+        self, dict_name: str, keys: npt.ArrayLike, version: str | None = None
+    ) -> SeekResult:
         """`AsyncCubeClient.seek` on dict `dict_name`."""
         return await self.table(dict_name).seek(keys, version)
 
     async def get_embeddings(
-        self, dict_name: str, keys: object, dim: int, dtype: Any = "float32"
-    ) -> np.ndarray:
+        self,
+        dict_name: str,
+        keys: npt.ArrayLike,
+        dim: int | None = None,
+        dtype: DTypeLike = "float32",
+    ) -> NDArray[Any]:
         """`AsyncCubeClient.get_embeddings` on dict `dict_name`."""
         return await self.table(dict_name).get_embeddings(keys, dim, dtype)
 
@@ -160,12 +173,16 @@ class AsyncCubeClients(_Dicts[AsyncCubeClient]):
             late += [a for a in await client.wait_ready(timeout_s) if a not in late]
         return late
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         for client in self._clients.values():
-            await client.close()
+            await client.aclose()
+
+    async def close(self) -> None:
+        """The same as `aclose()` (the name it had first)."""
+        await self.aclose()
 
     async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+        await self.aclose()

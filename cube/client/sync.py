@@ -28,20 +28,31 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import numpy as np
+import numpy.typing as npt
+from numpy.typing import DTypeLike, NDArray
 
-from cube.client._base import ClientBase
-from cube.client._core import Piece, PieceOutcome, PieceRequest, SeekResult, embeddings
+from cube.client._base import MAX_REPLANS, ClientBase
+from cube.client._core import (
+    Piece,
+    PieceOutcome,
+    PieceRequest,
+    SeekResult,
+    embeddings,
+    normalize_keys,
+)
 from cube.client._policy import Action, Round, Send
-from cube.client._transport import CallHandle, SyncChannels, status_of
-from cube.client.errors import CubeError
+from cube.client._sync_transport import CallHandle, SyncChannels
+from cube.client._transport import SyncTransport, status_of
+from cube.client.errors import ConfError, CubeError, RequestRejectedError
 
 _Key = tuple[int, int]
 _Outcome = tuple[bool, Any]  # (True, answer bytes) or (False, (status name, message))
 _CLOSED: _Outcome = (False, ("CANCELLED", "the client is closed"))
 _Job = tuple[Callable[[CallHandle], _Outcome], CallHandle, Callable[[_Outcome], None]]
+_S = TypeVar("_S", bound=np.generic)
 
 
 class AttemptPool:
@@ -137,39 +148,53 @@ def _report(events: queue.SimpleQueue[Any], key: _Key, outcome: _Outcome) -> Non
     events.put((key, *outcome))
 
 
-class CubeClient(ClientBase):
+class CubeClient(ClientBase[SyncTransport]):
     """Blocking client; see ClientBase for the arguments and `from_conf` for cube.conf."""
 
     def _open(self) -> None:
+        if self._injected is not None and not isinstance(self._injected, SyncTransport):
+            raise ConfError(
+                f"transport {type(self._injected).__name__} has no call() and close(): CubeClient"
+                " needs a SyncTransport"
+            )
         self._channels = SyncChannels(
             self._wire.method,
             lanes=self._use_lanes,
             busy_poll_s=self._busy_poll_s,
-            check_routing=self._check_routing,
+            on_contact=self._on_contact,
             tls=self._tls,
         )
         # Threads start only when needed; many allowed because an abandoned gRPC attempt (a
         # backup request's loser) holds its thread until its timeout.
         self._pool = AttemptPool(max(32, 8 * len(self._cluster.endpoints)))
-        self._closed = False
 
-    def seek(self, keys: object, version: str | None = None) -> SeekResult:
-        """Look up `keys` (ints or an integer array); one version for the whole batch.
+    def seek(self, keys: npt.ArrayLike, version: str | None = None) -> SeekResult:
+        """Look up `keys` (a 1-D sequence or array of integers, in request order); one version
+        for the whole batch.
 
         `version` asks for exactly that version (servers hold the current and the previous
         one). Raises ShardUnavailableError (with the partial result), RequestRejectedError,
-        VersionMismatchError or KeyRangeError."""
-        if self._closed:
-            raise CubeError("the client is closed")
+        VersionMismatchError, KeyRangeError (a key that is not a uint64, bools included),
+        KeyShapeError (a 2-D array, a set) or ClientClosedError."""
+        self._check_open()
         started = time.perf_counter()
         request_id = self._request_id()
         deadline = self._deadline()
         try:
-            keys, pieces = self._plan(keys)
-            if len(pieces) == 1 and self._lone_fast:
-                result = self._seek_lone(keys, pieces, version, request_id, deadline)
-            else:
-                result = self._seek_rounds(keys, pieces, version, request_id, deadline)
+            keys = normalize_keys(keys)
+            pieces, limits = self._plan(keys)
+            for replans in range(MAX_REPLANS + 1):
+                try:
+                    if len(pieces) == 1 and self._lone_fast:
+                        result = self._seek_lone(keys, pieces, version, request_id, deadline)
+                    else:
+                        result = self._seek_rounds(keys, pieces, version, request_id, deadline)
+                    break
+                except RequestRejectedError as exc:  # too large for servers met just now?
+                    plan = self._replan(exc, keys, limits) if replans < MAX_REPLANS else None
+                    if plan is None:
+                        raise
+                    pieces, limits = plan
         except CubeError as exc:
             self._observe_call(started, exc)
             self._tag(exc, request_id)
@@ -228,22 +253,49 @@ class CubeClient(ClientBase):
 
         return self._seek_rounds(keys, pieces, version, request_id, deadline, take_over)
 
-    def get_embeddings(self, keys: object, dim: int, dtype: Any = "float32") -> np.ndarray:
+    @overload
+    def get_embeddings(
+        self, keys: npt.ArrayLike, dim: int | None = None
+    ) -> NDArray[np.float32]: ...
+
+    @overload
+    def get_embeddings(
+        self, keys: npt.ArrayLike, dim: int | None, dtype: type[_S] | np.dtype[_S]
+    ) -> NDArray[_S]: ...
+
+    @overload
+    def get_embeddings(
+        self, keys: npt.ArrayLike, dim: int | None = None, *, dtype: type[_S] | np.dtype[_S]
+    ) -> NDArray[_S]: ...
+
+    @overload
+    def get_embeddings(
+        self, keys: npt.ArrayLike, dim: int | None = None, dtype: DTypeLike = "float32"
+    ) -> NDArray[Any]: ...
+
+    def get_embeddings(
+        self, keys: npt.ArrayLike, dim: int | None = None, dtype: DTypeLike = "float32"
+    ) -> NDArray[Any]:
         """(n, dim) array of `dtype`, zero rows for misses; ValueSizeError names a key whose
-        value is not dim * itemsize bytes."""
+        value is not dim * itemsize bytes. `dim` defaults to the client's (cube.conf's)."""
+        dim = self._embedding_dim(dim)
         return embeddings(self.seek(keys), dim, dtype, own=True)
 
     def wait_ready(self, timeout_s: float = 5.0) -> list[str]:
         """Make first contact with every endpoint (connection, routing check, TCP lane);
         return the ones not ready within `timeout_s`: unreachable, refusing (a replica that
         cannot serve at its normal latency yet says so), or of another routing."""
+        self._check_open()
         if self._injected is not None:
             return []
         return self._channels.wait_ready(self.endpoints, timeout_s)
 
     def close(self) -> None:
         """Close the connections and cancel the attempts in flight; returns at once (module
-        docstring). Calls still running in other threads end with an error."""
+        docstring). Calls still running in other threads end with an error; calls after it
+        raise ClientClosedError. Closing again does nothing."""
+        if self._closed:
+            return
         self._closed = True
         self._pool.close()
         self._channels.close()
@@ -251,6 +303,7 @@ class CubeClient(ClientBase):
             self._injected.close()
 
     def __enter__(self) -> CubeClient:
+        self._check_open()
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -4,7 +4,7 @@ general_dist_kv_infer_op, speaks with its default channel options.
 
 Written from brpc's published description of the protocol (docs/cn/baidu_std.md,
 src/brpc/policy/baidu_rpc_meta.proto); no brpc peer was available to test against, so the
-tests build frames from that description (tests/brpc_client.py).
+tests build frames from that description (tests/helpers/brpc_client.py).
 
 A frame, both ways: a 12-byte header, the 4 bytes "PRPC", then the body size and the meta
 size as big-endian uint32; then the body: `meta_size` bytes of RpcMeta (proto/baidu_std.proto),

@@ -28,7 +28,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
@@ -218,7 +218,7 @@ class RemoteWorker:
         ("grpc.max_reconnect_backoff_ms", 1000),
     )
 
-    def _call(self) -> grpc.aio.UnaryUnaryMultiCallable:
+    def _call(self) -> grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]:
         if self._channel is None:
             self._channel = grpc.aio.insecure_channel(self.address, options=self.CHANNEL_OPTIONS)
         return self._channel.unary_unary(WORKER_APPLY)
@@ -238,7 +238,8 @@ class RemoteWorker:
             raise ControlError(
                 exc.code(), f"worker {self.index} ({self.address}): {exc.details()}"
             ) from exc
-        return json.loads(raw)
+        reply: dict[str, Any] = json.loads(raw)
+        return reply
 
     async def close(self) -> None:
         if self._channel is not None:
@@ -275,7 +276,8 @@ class Coordinator:
 
     async def _everywhere(self, op: str, mode: str = "", name: str = "") -> list[Any]:
         calls = [self._local(op, mode, name), *(r.apply(op, mode, name) for r in self.remotes)]
-        return await asyncio.gather(*calls, return_exceptions=True)
+        results: list[Any] = await asyncio.gather(*calls, return_exceptions=True)
+        return results
 
     @staticmethod
     def _first_error(results: list[Any]) -> BaseException | None:
@@ -478,7 +480,7 @@ class TokenCheck(grpc.aio.ServerInterceptor):
         self.host = host
         self.insecure = insecure
 
-        async def deny(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        async def deny(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
             await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
                 "the control port needs 'authorization: Bearer <token>' (cube-server"
@@ -486,12 +488,19 @@ class TokenCheck(grpc.aio.ServerInterceptor):
             )
             raise AssertionError("abort raises")  # pragma: no cover
 
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny: grpc.RpcMethodHandler[bytes, bytes] = grpc.unary_unary_rpc_method_handler(deny)
 
-    async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+        ],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         if details.method.startswith(self.OPEN):
             return await continuation(details)
-        given = bearer_token(dict(details.invocation_metadata or ()).get(AUTH_METADATA))
+        header = dict(details.invocation_metadata or ()).get(AUTH_METADATA)
+        given = bearer_token(header if isinstance(header, str) else None)  # bytes: -bin keys only
         if control_refusal(self.host, self.token, self.insecure, given) is None:
             return await continuation(details)
         return self._deny
@@ -546,7 +555,7 @@ def control_handler(runner: ControlRunner) -> grpc.GenericRpcHandler:
     """ControlService.cmd through `runner` (the worker's, shared with the original's faces):
     run it (worker 0) or forward it to worker 0 (other workers)."""
 
-    async def cmd(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def cmd(raw: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
         try:
             if runner.coordinator is None:
                 return await runner.forward(raw)
@@ -569,7 +578,7 @@ def control_handler(runner: ControlRunner) -> grpc.GenericRpcHandler:
 def worker_handler(local: LocalWorker) -> grpc.GenericRpcHandler:
     """cube.internal.Worker/Apply: one step of a command, sent by worker 0."""
 
-    async def apply(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def apply(raw: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
         try:
             request = json.loads(raw)
             state = await local.apply(

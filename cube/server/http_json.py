@@ -73,12 +73,6 @@ _FLUSH = 1.0  # seconds a stop gives answers still being written, after the grac
 # closes, so that the peer sees the answer rather than a reset; its default, 10 s, let a
 # stalled peer keep its connection ten times --lane_stall_timeout's second.
 _LINGER = 1.0
-# A body refused before it is read, or cut off while read: the status that says so.
-_BODY_STATUS = {
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 413,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 408,
-}
 
 
 def max_body_bytes(max_message: int, max_batch: int) -> int:
@@ -157,8 +151,9 @@ class HttpConnection(asyncio.Protocol):
             self.data_at = now
             self.handler.data_received(data)
 
-    def eof_received(self) -> bool | None:
-        return None if self.refused else self.handler.eof_received()
+    def eof_received(self) -> None:  # None: the transport closes itself
+        if not self.refused:
+            self.handler.eof_received()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.bounds.leave(self)
@@ -346,13 +341,13 @@ class HttpFace:
         charged = self._charge(request, "seek")
         if isinstance(charged, RequestError):
             self.service.refused(API, charged)
-            return _closing_text(_BODY_STATUS[charged.code], charged.message)
+            return _closing_text(http_status(charged.code, body=True), charged.message)
         proto = request.content_type in PROTO_TYPES
         try:
             body = await self._body(request, "seek", charged)
             if isinstance(body, RequestError):
                 self.service.refused(API, body)
-                return _closing_text(_BODY_STATUS[body.code], body.message)
+                return _closing_text(http_status(body.code, body=True), body.message)
             try:
                 answer = self.service.timed(API, lambda: self._seek(body, proto))
             except RequestError as exc:  # counted and logged by `timed`
@@ -399,13 +394,13 @@ class HttpFace:
             return refusal
         charged = self._charge(request, "ControlService/cmd")
         if isinstance(charged, RequestError):
-            return _closing_text(_BODY_STATUS[charged.code], charged.message)
+            return _closing_text(http_status(charged.code, body=True), charged.message)
         try:
             body = await self._body(request, "ControlService/cmd", charged)
         finally:
             self.bounds.release(charged)  # a command's JSON is small; a load takes minutes
         if isinstance(body, RequestError):
-            return _closing_text(_BODY_STATUS[body.code], body.message)
+            return _closing_text(http_status(body.code, body=True), body.message)
         try:
             command = control_request(body)
             response = await self.control.run(command)

@@ -55,10 +55,29 @@ import ssl as ssl_module
 import time
 
 import grpc
+import numpy as np
 
-from cube import wire
+from cube import kernel, wire
+from cube.kernel_constants import (
+    R_NEEDED,
+    R_OUT,
+    R_POS,
+    R_REASON,
+    STOP_FULL,
+    STOP_HELD,
+    T_KEYS,
+    T_MISSES,
+    T_REQUESTS,
+    TALLY_BUCKETS,
+)
 from cube.server.bounds import BoundedProtocol, Bounds, LaneLimits
-from cube.server.service import ParsedSeek, RequestError, SeekService
+from cube.server.service import (
+    BATCH_BUCKETS,
+    ParsedSeek,
+    RequestError,
+    SeekService,
+    lane_target,
+)
 from cube.wire import LANE_MAGIC, Buffer, FrameTooLarge, answer_header, next_frame
 
 log = logging.getLogger("cube.server")
@@ -87,6 +106,7 @@ class LaneProtocol(BoundedProtocol):
         self.service = lane.service
         self.max_frame = lane.limits.max_frame
         self.greeted = False
+        self.pending = 0  # items in the lane's queue: later frames wait behind them
 
     def refuse_connection(self, transport: asyncio.Transport, reason: str) -> None:
         transport.write(error_frame(grpc.StatusCode.UNAVAILABLE, f"TCP lane: {reason}"))
@@ -118,6 +138,10 @@ class LaneProtocol(BoundedProtocol):
             self.greeted = True
             start = len(MAGIC)
         end = len(source)
+        if not self.pending and self.lane.compiled is not None:
+            start = self.lane.answer_compiled(self, source, start, end)
+            if self.transport is None:
+                return
         oversized = 0
         with memoryview(source) as view:
             while True:
@@ -179,6 +203,15 @@ class LaneProtocol(BoundedProtocol):
         else:
             self._update_reading()
 
+    def send(self, answers: memoryview) -> None:
+        """Write answer frames now (the compiled pass's, in a buffer of their own)."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        transport.write(answers)
+        self.progress_at = time.monotonic()
+        self.sample_unsent()
+
     def write(self, buffers: list[Buffer], answered: int) -> None:
         """Write answers; `answered` is their estimate, leaving the queue."""
         self.queued = max(0, self.queued - answered)
@@ -196,11 +229,17 @@ _Item = ParsedSeek | RequestError | None
 class Lane:
     """The lane's listening socket and its connections.
 
-    Requests are answered once per event-loop turn, all together: the frames every connection
-    delivered in that turn go through one `SeekService.answer_seeks` (one lookup over all
-    their keys), then each connection gets its answers in its own request order. Under
-    pipelined load this spreads the kernel's fixed cost over several requests; a lone
-    request is answered at the next turn, as before."""
+    With the compiled kernel, the frames a connection delivers are answered as they arrive,
+    by one compiled call over all of them (`kernel.LanePass`: parse, lookup over the version's
+    layers, answer frames into a reused buffer, one write), from the version current at that
+    moment; the counters are folded in once per loop turn. A frame that pass does not answer
+    (an error, a version pinned other than the current, several splits...) and every frame
+    after it on that connection in that turn take the Python path below, the reference: their
+    answers are the same bytes by construction (tests/test_lane.py compares them).
+
+    The Python path answers once per event-loop turn, all together: the frames every
+    connection delivered in that turn go through one `SeekService.answer_seeks` (one lookup
+    over all their keys), then each connection gets its answers in its own request order."""
 
     def __init__(
         self,
@@ -219,12 +258,112 @@ class Lane:
         self.port = 0
         self._queue: list[tuple[LaneProtocol, _Item]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.compiled: kernel.LanePass | None = None
+        if kernel.COMPILED:
+            self.compiled = kernel.LanePass(
+                sorted(service.accepted_names),
+                self.limits.max_frame,
+                service.max_batch,
+                service.max_answer_bytes,
+                BATCH_BUCKETS,
+            )
+        self._fold_due = False
 
     def enqueue(self, connection: LaneProtocol, item: _Item) -> None:
         if not self._queue:
             assert self._loop is not None
             self._loop.call_soon(self._answer_queued)
         self._queue.append((connection, item))
+        connection.pending += 1
+
+    def answer_compiled(
+        self, connection: LaneProtocol, source: bytes | bytearray, start: int, end: int
+    ) -> int:
+        """Answer the frames of source[start:end] the compiled pass can, from the current
+        version, and write their answers; returns where it stopped (the Python path takes
+        the frames from there)."""
+        compiled = self.compiled
+        assert compiled is not None
+        slots = self.service.slots
+        version = slots.current
+        if (
+            version is None
+            or slots.not_ready
+            or version.broken
+            or version.closed
+            or not kernel.compiled_ready()
+        ):
+            return start
+        target = lane_target(version)
+        if target is None:
+            return start
+        data = np.frombuffer(source, dtype=np.uint8)
+        if data.flags.writeable:  # the connection's buffer (a bytearray)
+            data = kernel.read_only(data)
+        tally = compiled.tally
+        result = compiled.result
+        needed = 0
+        while True:
+            before = int(tally[T_REQUESTS])
+            bytes_now = (
+                connection.queued + connection.unsent,
+                self.bounds.total_bytes,
+                len(connection.buffer),
+                connection.budget,
+                connection.connection_bytes,
+            )
+            started = time.perf_counter()
+            if not compiled.run(data, start, end, target, bytes_now, needed):
+                break
+            needed = 0
+            passed = time.perf_counter() - started
+            start = int(result[R_POS])
+            produced = int(result[R_OUT])
+            if produced:
+                connection.send(compiled.out[:produced].data)
+                self._answered(int(tally[T_REQUESTS]) - before, passed)
+            reason = result[R_REASON]
+            if reason == STOP_HELD and produced and not connection.held():
+                continue  # the transport sent what it was given: the bounds allow more
+            if reason != STOP_FULL:
+                break
+            needed = int(result[R_NEEDED])
+        del data  # (a view of the connection's buffer, which is resized next)
+        return start
+
+    def _answered(self, requests: int, passed: float) -> None:
+        """Count a compiled pass (the requests themselves are folded in once per turn)."""
+        counters = self.service.counters
+        counters.lane_batches += 1
+        counters.api["lane"].latency.observe(passed, requests)
+        self._poll_on()
+        if not self._fold_due:
+            self._fold_due = True
+            assert self._loop is not None
+            self._loop.call_soon(self.fold_counts)
+
+    def fold_counts(self) -> None:
+        """The compiled passes' counts into the lane's counters."""
+        self._fold_due = False
+        compiled = self.compiled
+        if compiled is None:
+            return
+        counts = compiled.tally.tolist()
+        compiled.tally[:] = 0
+        counters = self.service.counters.api["lane"]
+        counters.requests += counts[T_REQUESTS]
+        counters.keys += counts[T_KEYS]
+        counters.misses += counts[T_MISSES]
+        counters.batch.add(counts[TALLY_BUCKETS:], counts[T_KEYS])
+
+    def _poll_on(self) -> None:
+        """Busy polling after an answer (`_keep_polling`)."""
+        if self.busy_poll_s:
+            self._poll_until = time.perf_counter() + self.busy_poll_s
+            if not self._polling:
+                assert self._loop is not None
+                self._polling = True
+                self._loop.call_soon(self._keep_polling)
 
     def _keep_polling(self) -> None:
         """Busy polling: while a callback is pending, uvloop polls its sockets with a zero
@@ -237,13 +376,10 @@ class Lane:
         self._loop.call_soon(self._keep_polling)
 
     def _answer_queued(self) -> None:
-        if self.busy_poll_s:
-            self._poll_until = time.perf_counter() + self.busy_poll_s
-            if not self._polling:
-                assert self._loop is not None
-                self._polling = True
-                self._loop.call_soon(self._keep_polling)
+        self._poll_on()
         queue, self._queue = self._queue, []
+        for connection, _ in queue:
+            connection.pending -= 1
         seeks = [item for _, item in queue if isinstance(item, ParsedSeek)]
         counters = self.service.counters
         counters.lane_batches += 1

@@ -28,35 +28,41 @@ import grpc
 import numpy as np
 
 from cube.pb import cube_pb2
-from cube.server.service import Answer, RequestError
+from cube.server.encoders import Answer
+from cube.server.service import RequestError
 
 # brpc's error codes (its errno.proto), as a baidu_std response's error_code
 ENOSERVICE, ENOMETHOD, EREQUEST, ERPCAUTH = 1001, 1002, 1003, 1004
 EINTERNAL, ELOGOFF, ELIMIT = 2001, 2003, 2004
 
-# A refusal's gRPC status -> (HTTP status, brpc error code). UNAVAILABLE is brpc's ELOGOFF
-# (HTTP 503), which brpc's default retry policy retries on another replica, as the SDK does;
-# client errors (a bad request, too many keys, an answer over the byte bound) are EREQUEST
-# (HTTP 400), which no client retries.
-_CODES: dict[grpc.StatusCode, tuple[int, int]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, EREQUEST),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (400, EREQUEST),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, EREQUEST),
-    grpc.StatusCode.OUT_OF_RANGE: (400, EREQUEST),
-    grpc.StatusCode.NOT_FOUND: (404, EREQUEST),
-    grpc.StatusCode.UNAUTHENTICATED: (401, ERPCAUTH),
-    grpc.StatusCode.PERMISSION_DENIED: (403, ERPCAUTH),
-    grpc.StatusCode.ABORTED: (409, EINTERNAL),
-    grpc.StatusCode.UNAVAILABLE: (503, ELOGOFF),
+# A refusal's gRPC status -> (HTTP status, brpc error code, HTTP status of a request body
+# refused before it is read or cut off while read). UNAVAILABLE is brpc's ELOGOFF (HTTP 503),
+# which brpc's default retry policy retries on another replica, as the SDK does; client errors
+# (a bad request, too many keys, an answer over the byte bound) are EREQUEST (HTTP 400), which
+# no client retries, but a body over the byte bound is 413 and one sent too slowly 408.
+_CODES: dict[grpc.StatusCode, tuple[int, int, int]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, EREQUEST, 400),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (400, EREQUEST, 413),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, EREQUEST, 400),
+    grpc.StatusCode.OUT_OF_RANGE: (400, EREQUEST, 400),
+    grpc.StatusCode.NOT_FOUND: (404, EREQUEST, 404),
+    grpc.StatusCode.UNAUTHENTICATED: (401, ERPCAUTH, 401),
+    grpc.StatusCode.PERMISSION_DENIED: (403, ERPCAUTH, 403),
+    grpc.StatusCode.ABORTED: (409, EINTERNAL, 409),
+    grpc.StatusCode.UNAVAILABLE: (503, ELOGOFF, 503),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (500, EINTERNAL, 408),
 }
+_OTHER = (500, EINTERNAL, 500)
 
 
-def http_status(code: grpc.StatusCode) -> int:
-    return _CODES.get(code, (500, EINTERNAL))[0]
+def http_status(code: grpc.StatusCode, body: bool = False) -> int:
+    """The HTTP status of a refusal; `body`: of a request body refused before it was read or
+    cut off while read (413 over the bound, 408 too slow)."""
+    return _CODES.get(code, _OTHER)[2 if body else 0]
 
 
 def brpc_error(code: grpc.StatusCode) -> int:
-    return _CODES.get(code, (500, EINTERNAL))[1]
+    return _CODES.get(code, _OTHER)[1]
 
 
 def _bad(message: str) -> RequestError:

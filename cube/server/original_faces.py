@@ -11,23 +11,31 @@ from __future__ import annotations
 import logging
 import ssl
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cube.flags import FlagError, Flags
+from cube.flags import FlagError
 from cube.listen import ListenError
 from cube.server.bounds import Bounds
 from cube.server.control import ControlRunner
 from cube.server.service import SeekService
+
+if TYPE_CHECKING:
+    from cube.server.flags import ServerFlags
 
 log = logging.getLogger("cube.server")
 
 FLAGS = ("http_port", "baidu_std_port")
 
 
-def face_ports(flags: Flags, name: str) -> list[int]:
+def first_port(flags: ServerFlags, name: str) -> int:
+    """The flag `name` of FLAGS: worker 0's port of that face."""
+    return {"http_port": flags.http_port, "baidu_std_port": flags.baidu_std_port}[name]
+
+
+def face_ports(flags: ServerFlags, name: str) -> list[int]:
     """Each worker's port of the face `name` (a flag of FLAGS); [] when off. FlagError when
     the flag cannot work with the other ports."""
-    first = int(flags[name])
+    first = first_port(flags, name)
     if first < 0:
         return []
     if first == 0:
@@ -42,14 +50,14 @@ def face_ports(flags: Flags, name: str) -> list[int]:
     return ports
 
 
-def check_face_flags(flags: Flags, taken: dict[int, str]) -> None:
+def check_face_flags(flags: ServerFlags, taken: dict[int, str]) -> None:
     """The faces' ports are ports, distinct from each other's and from the server's other
     fixed ports (`taken`: port -> the flag that takes it; FlagError). Port 0 (any free
     port) never collides."""
     taken = {port: flag for port, flag in taken.items() if port}
     for name in FLAGS:
-        if int(flags[name]) < -1:
-            raise FlagError(f"--{name} {flags[name]} is not a port (or -1: off)")
+        if first_port(flags, name) < -1:
+            raise FlagError(f"--{name} {first_port(flags, name)} is not a port (or -1: off)")
         for port in face_ports(flags, name):
             if port and port in taken:
                 raise FlagError(f"--{name} and {taken[port]} both take port {port}")
@@ -83,7 +91,7 @@ class Faces:
 
 
 async def start_faces(
-    flags: Flags,
+    flags: ServerFlags,
     index: int,
     service: SeekService,
     control: ControlRunner,

@@ -1,11 +1,9 @@
 """The lookup services: the fast API (cube.v1.CubeService Seek/SeekStream: packed keys in,
-packed values out) and the original's rec.mcube.DictService.seek.
+packed values out) and the original's rec.mcube.DictService.seek, and the lookups behind them
+(keys to found flags and values, from one version).
 
 Both are registered as generic handlers on raw bytes: requests are parsed once by protobuf
-(upb) and responses are written straight to wire bytes from numpy buffers, so no per-key
-protobuf object is ever built (the original API's repeated DictValue is encoded with a few
-vectorized numpy passes; tests check the bytes parse back with the generated classes).
-
+(upb) and answers written straight to wire bytes from numpy buffers by cube/server/encoders.py.
 Every request takes the version it is answered from once (`VersionSlots.get`) and holds it
 until its answer bytes are built, so it is answered entirely from that version and a retired
 version is unmapped only after its last request.
@@ -29,10 +27,17 @@ from cube.layout import part_name
 from cube.metrics import Histogram
 from cube.pb import cube_fast_pb2, cube_pb2
 from cube.routing import MISROUTED_HINT, group_by_owner, shard_of
+from cube.server.encoders import (
+    Answer,
+    empty_answer,
+    encode_dict_response,
+    seek_response_parts,
+    split_answer,
+)
 from cube.server.versions import LoadedVersion, VersionSlots
 from cube.shard import LookupResult, ShardStack
 from cube.values import ValueColumn
-from cube.wire import Buffer, length_delimited, varint
+from cube.wire import MAX_BATCH_METADATA, Buffer
 
 log = logging.getLogger("cube.server")
 
@@ -40,7 +45,6 @@ FAST_SERVICE = "cube.v1.CubeService"
 PORT_METADATA = "cube-tcp-port"  # discovery: the worker's TCP lane (cube.server.lane)
 ROUTING_METADATA = "cube-routing"  # discovery: the served version's ShardRouting as JSON
 DICT_SERVICE = "rec.mcube.DictService"
-MISS_STATUS = 0xFFFFFFFF
 _KEY_DTYPE = np.dtype("<u8")
 _TOMBSTONE = np.uint32(TOMBSTONE)
 _NO_LAYERS = np.empty(0, dtype=np.int16)  # a single layer's LookupResult needs none
@@ -58,15 +62,6 @@ class RequestError(Exception):
 
 # ---------------------------------------------------------------------------------------------
 # the kernel: keys -> found flags + values, from one version (pure; no I/O but the mmaps)
-
-
-@dataclass(slots=True)
-class Answer:
-    found: np.ndarray  # bool, one per key
-    values: np.ndarray  # uint8: (n, width) zero-filled when width > 0, else found values
-    width: int
-    offsets: np.ndarray | None  # int64 (n + 1,) when width == 0
-    frame: memoryview | None = None  # the whole lane answer, when found/values are views of it
 
 
 class FastGather:
@@ -135,6 +130,28 @@ def gatherers(version: LoadedVersion) -> list[FastGather]:
     return cached
 
 
+def lane_target(version: LoadedVersion) -> kernel.LaneTarget | None:
+    """The version as the TCP lane's compiled pass answers from it (cached with it); None
+    when that pass does not (several splits: the Python path answers)."""
+    if "lane" not in version.kernel_cache:
+        version.kernel_cache["lane"] = _lane_target(version)
+    target: kernel.LaneTarget | None = version.kernel_cache["lane"]
+    return target
+
+
+def _lane_target(version: LoadedVersion) -> kernel.LaneTarget | None:
+    if len(version.stacks) != 1:
+        return None
+    layers = [(shard.kernel_table, shard.values) for shard in version.stacks[0].layers]
+    routing = version.routing
+    where = (1, 0, "mod")
+    if routing is not None:
+        where = (routing.shard_num, routing.shard, routing.partitioner)
+    return kernel.lane_target(
+        layers, version.value_width, version.name, version.max_value_bytes, where
+    )
+
+
 WARM_KEYS = 256  # keys of a version looked up before it serves (version_warmed)
 
 
@@ -148,12 +165,6 @@ def warm_version(version: LoadedVersion, partitioner: str = "mod") -> None:
         head = np.asarray(table.slot_keys[: WARM_KEYS * 4])
         samples.append(head[head != table.empty_key][:WARM_KEYS])
     answer_keys(version, np.concatenate(samples), partitioner)
-
-
-def empty_answer(n: int) -> Answer:
-    return Answer(
-        np.zeros(n, dtype=bool), np.empty(0, np.uint8), 0, np.zeros(n + 1, dtype=np.int64)
-    )
 
 
 class AnswerTooLarge(Exception):
@@ -220,131 +231,6 @@ def answer_keys(
             dest += np.arange(column.nbytes, dtype=np.int64)
             blob[dest] = column.blob[start : start + column.nbytes]
     return Answer(found, blob, 0, offsets)
-
-
-# ---------------------------------------------------------------------------------------------
-# wire encoding
-
-
-def seek_response_parts(answer: Answer, version: str, request_id: int) -> list[Buffer]:
-    """cube.v1.SeekResponse wire bytes as buffers to write in order; the found flags and
-    values are views of the answer's arrays, not copies."""
-    return wire.seek_response_parts(
-        answer.found, answer.values, answer.width, answer.offsets, version, request_id
-    )
-
-
-def encode_seek_response(answer: Answer, version: str, request_id: int) -> bytes:
-    """cube.v1.SeekResponse wire bytes."""
-    return b"".join(seek_response_parts(answer, version, request_id))
-
-
-def split_answer(answer: Answer, bounds: list[int]) -> list[Answer]:
-    """The answers of consecutive key ranges [bounds[i], bounds[i+1]) of one answer (views)."""
-    pieces = []
-    for start, stop in itertools.pairwise(bounds):
-        found = answer.found[start:stop]
-        if answer.width:
-            pieces.append(Answer(found, answer.values[start:stop], answer.width, None))
-            continue
-        offsets = answer.offsets
-        first, last = int(offsets[start]), int(offsets[stop])
-        local = offsets[start : stop + 1] - first
-        pieces.append(Answer(found, answer.values[first:last], 0, local))
-    return pieces
-
-
-def _varint_sizes(values: np.ndarray) -> np.ndarray:
-    """Bytes of each value's varint (values < 2**35)."""
-    sizes = np.ones(values.shape[0], dtype=np.int64)
-    if values.shape[0] and int(values.max()) < 128:  # the common case: one byte each
-        return sizes
-    for bits in (7, 14, 21, 28):
-        sizes += values >= (1 << bits)
-    return sizes
-
-
-def _varint_columns(out: np.ndarray, used: np.ndarray, values: np.ndarray, sizes: np.ndarray):
-    """Write each value's varint into its row of `out` (n, 5), marking the bytes `used`."""
-    longest = int(sizes.max()) if sizes.shape[0] else 0
-    for k in range(longest):
-        more = sizes > k + 1
-        out[:, k] = ((values >> (7 * k)) & 0x7F) | np.where(more, 0x80, 0)
-        used[:, k] = sizes > k
-
-
-_FOUND_STATUS = b"\x08\x00"
-_MISS_STATUS = b"\x08" + varint(MISS_STATUS)
-_MISS_ENTRY = b"\x0a" + varint(len(_MISS_STATUS) + 2) + _MISS_STATUS + b"\x12\x00"
-_MISS_ENTRY_ROW = np.frombuffer(_MISS_ENTRY, dtype=np.uint8)
-
-
-def encode_dict_response(answer: Answer, version: str | None) -> bytes:
-    """rec.mcube.DictResponse wire bytes: one DictValue {status, value} per key, in order
-    (found: status 0 and the value; miss: status 0xFFFFFFFF and an empty value)."""
-    n = answer.found.shape[0]
-    found = answer.found
-    tail = length_delimited(0x12, version.encode()) if version else []
-    if version == "":
-        tail = [b"\x12\x00"]
-    if n == 0:
-        return b"".join(tail)
-    width = answer.width
-    if width:
-        # Every found entry has the same bytes around its value: one (n, entry) matrix; a
-        # miss is a shorter constant entry written over its row's start, the rest masked out.
-        inner = len(_FOUND_STATUS) + 1 + len(varint(width)) + width
-        head = b"\x0a" + varint(inner) + _FOUND_STATUS + b"\x12" + varint(width)
-        rows = np.empty((n, len(head) + width), dtype=np.uint8)
-        rows[:, : len(head)] = np.frombuffer(head, dtype=np.uint8)
-        rows[:, len(head) :] = answer.values
-        if found.all():
-            return b"".join([rows.tobytes(), *tail])
-        if rows.shape[1] >= len(_MISS_ENTRY):
-            missing = ~found
-            rows[missing, : len(_MISS_ENTRY)] = _MISS_ENTRY_ROW
-            keep = np.ones(rows.shape, dtype=bool)
-            keep[missing, len(_MISS_ENTRY) :] = False
-            return b"".join([rows[keep].tobytes(), *tail])
-    if width:
-        lengths = np.where(found, width, 0).astype(np.int64)
-        value_bytes = answer.values[found].reshape(-1)
-    else:
-        lengths = np.diff(answer.offsets)
-        value_bytes = answer.values[answer.offsets[0] : answer.offsets[-1]]
-    value_starts = np.cumsum(lengths) - lengths  # of each value among the value bytes
-    # Each head is [0x0a][varint inner][status: 2 or 6 bytes][0x12][varint length], laid out
-    # in fixed column groups of an (n, 18) matrix; a mask drops each row's unused columns.
-    status_size = np.where(found, len(_FOUND_STATUS), len(_MISS_STATUS))
-    length_size = _varint_sizes(lengths)
-    inner = status_size + 1 + length_size + lengths
-    inner_size = _varint_sizes(inner)
-    heads = np.zeros((n, 18), dtype=np.uint8)
-    used = np.zeros((n, 18), dtype=bool)
-    heads[:, 0] = 0x0A
-    used[:, 0] = True
-    _varint_columns(heads[:, 1:6], used[:, 1:6], inner, inner_size)
-    heads[:, 6] = 0x08
-    heads[~found, 7:11] = 0xFF
-    heads[~found, 11] = 0x0F
-    used[:, 6:12] = np.arange(6) < status_size[:, None]
-    heads[:, 12] = 0x12
-    used[:, 12] = True
-    _varint_columns(heads[:, 13:18], used[:, 13:18], lengths, length_size)
-    head_size = 2 + inner_size + status_size + length_size
-    head_bytes = heads[used]
-    # The values are already in answer order: put the heads between them. Head byte j of
-    # entry i goes to (head bytes before it) + (value bytes before entry i); the value bytes
-    # fill the other positions, in order, in one masked copy.
-    head_dest = np.repeat(value_starts, head_size)
-    head_dest += np.arange(head_bytes.shape[0], dtype=np.int64)
-    total = head_bytes.shape[0] + value_bytes.shape[0]
-    out = np.empty(total, dtype=np.uint8)
-    out[head_dest] = head_bytes
-    is_value = np.ones(total, dtype=bool)
-    is_value[head_dest] = False
-    out[is_value] = value_bytes
-    return b"".join([out.tobytes(), *tail])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -586,13 +472,14 @@ class SeekService:
         (answer,) = self.answer_seeks([self.parse_seek(raw)], api)
         if isinstance(answer, RequestError):
             raise answer
+        assert not isinstance(answer, memoryview)  # a whole lane frame only with `frames`
         return b"".join(answer)
 
     def parse_seek(self, raw: Buffer) -> ParsedSeek:
         """Parse and check a cube.v1 SeekRequest; RequestError names what is wrong. The
         returned request holds its version until `answer_seeks` answers it."""
         try:
-            request = cube_fast_pb2.SeekRequest.FromString(raw)
+            request = cube_fast_pb2.SeekRequest.FromString(raw)  # type: ignore[arg-type]
         except Exception as exc:  # DecodeError
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"SeekRequest does not parse: {exc}"
@@ -769,7 +656,7 @@ class SeekService:
     def seek_original(self, raw: Buffer, api: str = "original") -> bytes:
         """rec.mcube DictRequest bytes -> DictResponse bytes (gRPC, and baidu_std's body)."""
         try:
-            request = cube_pb2.DictRequest.FromString(raw)
+            request = cube_pb2.DictRequest.FromString(raw)  # type: ignore[arg-type]
         except Exception as exc:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"DictRequest does not parse: {exc}"
@@ -832,9 +719,10 @@ class SeekService:
     # grpc.aio handlers -------------------------------------------------------------------
 
     def discovery_metadata(self) -> tuple[tuple[str, str], ...]:
-        """What an empty Seek (a client's first contact) is told: the TCP lane's port and the
-        routing of the version served, which the SDK checks against its configuration."""
-        metadata = []
+        """What an empty Seek (a client's first contact) is told: the TCP lane's port, the
+        routing of the version served, which the SDK checks against its configuration, and
+        --max_batch, which the SDK splits its batches by."""
+        metadata = [(MAX_BATCH_METADATA, str(self.max_batch))]
         if self.lane_port:
             metadata.append((PORT_METADATA, str(self.lane_port)))
         current = self.slots.current
@@ -842,7 +730,7 @@ class SeekService:
             metadata.append((ROUTING_METADATA, current.routing.to_text()))
         return tuple(metadata)
 
-    async def _seek_rpc(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def _seek_rpc(self, raw: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
         if not raw:  # an empty request: a client's first contact (discovery)
             await context.send_initial_metadata(self.discovery_metadata())
         counters = self.counters
@@ -860,12 +748,13 @@ class SeekService:
         return answer
 
     async def _seek_stream_rpc(
-        self, _requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+        self, _requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
     ) -> None:
         # read()/write() on the context: a little cheaper per message than an async generator
         while True:
             raw = await context.read()
-            if raw is grpc.aio.EOF:
+            # the stubs type read() as the request type; it returns grpc.aio.EOF at the end
+            if raw is grpc.aio.EOF:  # type: ignore[comparison-overlap]
                 return
             started = time.perf_counter()
             try:
@@ -877,7 +766,9 @@ class SeekService:
             self.counters.api["seek_stream"].latency.observe(time.perf_counter() - started)
             await context.write(answer)
 
-    async def _dict_seek_rpc(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def _dict_seek_rpc(
+        self, raw: bytes, context: grpc.aio.ServicerContext[bytes, bytes]
+    ) -> bytes:
         try:
             return self.timed("original", lambda: self.seek_original(raw))
         except RequestError as exc:

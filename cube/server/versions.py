@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from cube.format import ShardFormatError, VerifyCancelled
+from cube.fsutil import atomic_write_text
 from cube.layout import (
     CHAIN_FILE,
     NAME_RULE,
@@ -68,7 +69,7 @@ class VersionError(Exception):
 # names and paths (pure)
 
 
-def version_name_from_path(version_path: str, data_dir: str | os.PathLike) -> str:
+def version_name_from_path(version_path: str, data_dir: str | os.PathLike[str]) -> str:
     """The version directory a control command names: "/<dir>" (the original's form, relative
     to the data dir), "<dir>", or an absolute path inside the data dir. Anything that is not one
     directory directly under the data dir is refused (`..`, other absolute paths, nesting), and
@@ -99,7 +100,7 @@ def version_name_from_path(version_path: str, data_dir: str | os.PathLike) -> st
     return name
 
 
-def split_dirs(data_dir: str | os.PathLike, dict_split: int) -> list[Path]:
+def split_dirs(data_dir: str | os.PathLike[str], dict_split: int) -> list[Path]:
     root = Path(data_dir)
     if dict_split <= 1:
         return [root]
@@ -118,6 +119,7 @@ def read_version_file(split_dir: Path) -> str | None:
 
 
 _SHARD_FILES = ("index.cube", "data.cube")
+WAITING = "holds no version yet: waiting for cube-agent to load one"  # an empty data dir
 LAYOUT_HINT = (
     "the server reads <data_dir>/VERSION, which names a version directory"
     " <data_dir>/<version>/ holding index.cube and data.cube (cube-agent lays it out; by hand:"
@@ -128,7 +130,8 @@ LAYOUT_HINT = (
 def diagnose_data_dir(data_dir: Path, dirs: list[Path]) -> str:
     """Why a data dir without a start-up version serves nothing, in words an operator can act
     on: a typo, a builder output folder, shard files outside a version directory, version
-    directories nobody named in VERSION, or simply empty (waiting for cube-agent)."""
+    directories nobody named in VERSION, or simply empty (waiting for cube-agent: `WAITING`,
+    the normal start of a replica, which is no warning)."""
     if not data_dir.exists():
         return (
             f"--data_dir {data_dir} does not exist (a typo? cube-agent creates it as"
@@ -166,7 +169,7 @@ def diagnose_data_dir(data_dir: Path, dirs: list[Path]) -> str:
             " file naming the one to serve (echo <version> > VERSION, or let cube-agent enable"
             " one)"
         )
-    return f"{data_dir} holds no version yet: waiting for cube-agent to load one"
+    return f"{data_dir} {WAITING}"
 
 
 def startup_version(dirs: list[Path]) -> str | None:
@@ -225,23 +228,18 @@ def resolve_chain(split_dir: Path, name: str) -> list[str]:
 
 
 def write_chain(split_dir: Path, name: str, chain: list[str]) -> None:
-    """Record a patch's chain in `<version>/CHAIN` (temp + rename); best effort on a read-only
-    data dir."""
+    """Record a patch's chain in `<version>/CHAIN` (durably, all or nothing); best effort on a
+    read-only data dir."""
     path = split_dir / name / CHAIN_FILE
-    tmp = path.with_name(f".{CHAIN_FILE}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(chain_text(chain))
-        os.replace(tmp, path)
+        atomic_write_text(path, chain_text(chain))
     except OSError as exc:
         log.warning("could not record the chain of %s in %s: %s", name, path, exc)
-        tmp.unlink(missing_ok=True)
 
 
 def write_version_file(split_dir: Path, name: str) -> None:
-    path = split_dir / VERSION_FILE
-    tmp = path.with_name(f".{VERSION_FILE}.tmp-{os.getpid()}")
-    tmp.write_text(version_text(name))
-    os.replace(tmp, path)
+    """Name the version to serve at start in `VERSION` (durably, all or nothing)."""
+    atomic_write_text(split_dir / VERSION_FILE, version_text(name))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -505,7 +503,9 @@ def _open_layer(directory: Path, options: LoadOptions) -> ShardHandle:
     return handle
 
 
-def _layer_routing(handles: list[ShardHandle], directory: Path, options: LoadOptions):
+def _layer_routing(
+    handles: list[ShardHandle], directory: Path, options: LoadOptions
+) -> ShardRouting | None:
     """The routing every layer of a chain agrees on, checked against --dict_name/--shard."""
     routings = {ShardRouting.from_meta(h.shard.meta) for h in handles}
     routings.discard(None)

@@ -83,9 +83,15 @@
       cell(row, inst.status, inst.status);
       cell(row, inst.message || inst.last_failure_message || "");
     }
+    // in time order, oldest first (the last 50); the live version's place in it tells an
+    // older version (roll back to it) from a newer one (roll forward to it)
+    const ordered = history.slice().sort((a, b) => (a.create_time || 0) - (b.create_time || 0));
+    const live = ordered.findLastIndex((r) => r.version === info.live_version &&
+      r.mode !== "rollback");
     const table = $("history").tBodies[0];
     table.replaceChildren();
-    for (const record of history.slice().reverse().slice(0, 50)) {
+    ordered.forEach((record, index) => {
+      if (index < ordered.length - 50) return;
       const row = table.insertRow();
       row.dataset.version = record.version;
       cell(row, record.version || record.line);
@@ -100,15 +106,16 @@
         record.version && record.version !== info.live_version;
       if (rollbackable) {
         const button = document.createElement("button");
-        button.textContent = "Roll back to " + record.version;
+        const forward = live >= 0 && index > live;
+        button.textContent = (forward ? "Roll forward to " : "Roll back to ") + record.version;
         button.addEventListener("click", () => rollback(record.version));
         action.appendChild(button);
       }
-    }
+    });
   }
 
   async function rollback(version) {
-    if (!confirm("Make " + version + " live again on every replica?")) return;
+    if (!confirm("Make " + version + " live on every replica?")) return;
     try {
       await api("dict/rollback", {
         method: "POST",

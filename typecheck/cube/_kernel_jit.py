@@ -1,0 +1,1 @@
+../../cube/_kernel_jit.py

@@ -1,0 +1,1 @@
+../../cube/_lane_jit.py

@@ -1,0 +1,1 @@
+../../cube/_paddle_ps_jit.py

@@ -1,0 +1,1 @@
+../../cube/build_kernels.py

@@ -1,0 +1,1 @@
+../../cube/codecs.py

@@ -1,0 +1,1 @@
+../../cube/entry.py

@@ -1,0 +1,1 @@
+../../cube/kernel_constants.py

@@ -1,0 +1,1 @@
+../../cube/original_format.py

@@ -1,0 +1,1 @@
+../../cube/paddle_ps.py

@@ -1,0 +1,1 @@
+../../cube/protocol.py
