@@ -35,6 +35,13 @@ def fast_stub(channel: Channel) -> cube_fast_pb2_grpc.CubeServiceStub:
     return cube_fast_pb2_grpc.CubeServiceStub(channel)  # type: ignore[no-untyped-call]  # generated
 
 
+def raw_unary(channel: grpc.Channel, method: str) -> grpc.UnaryUnaryMultiCallable[bytes, bytes]:
+    """A unary call by its full name, bytes in and out (no generated stub: an internal
+    method, or the bytes of a request the stubs would not build)."""
+    call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(method)
+    return call
+
+
 def reflection_info(
     channel: grpc.Channel, requests: Iterable[ServerReflectionRequest], timeout: float
 ) -> Iterator[ServerReflectionResponse]:
