@@ -243,13 +243,6 @@ def test_lane_request_holds_its_version_until_answered(tmp_path: Path) -> None:
     assert pinned.version is not None and pinned.version.closed  # released: now unmapped
 
 
-def _port_file(server: ServerProc) -> dict[str, Any]:
-    """What the server wrote in its --port_file."""
-    assert server.port_file is not None
-    ports: dict[str, Any] = json.loads(server.port_file.read_text())
-    return ports
-
-
 def _lane_port(address: str) -> int:
     with grpc.insecure_channel(address) as channel:
         _, call = raw_unary(channel, "/cube.v1.CubeService/Seek").with_call(b"", timeout=10)
@@ -396,7 +389,7 @@ def test_lane_connections_capped(tmp_path: Path) -> None:
     write_version(data, "1", KEYS, fixed_values(KEYS, WIDTH, 1), current=True)
     with running_server(data, "--lane_max_connections=3", "--http_port", "0") as server:
         port = _lane_port(server.address)
-        http_port = _port_file(server)["http_ports"][0]
+        http_port = server.written_ports()["http_ports"][0]
         kept = []
         for _ in range(3):  # idle: the magic, then nothing
             kept.append(socket.create_connection(("127.0.0.1", port), timeout=10))
@@ -476,7 +469,7 @@ def test_idle_connections_cannot_starve_the_lane(tmp_path: Path) -> None:
     with running_server(
         data, *args, "--dict_name", "test_dict", preexec_fn=_soft_open_files(1024)
     ) as server:
-        ports = _port_file(server)
+        ports = server.written_ports()
         faces = {
             "lane": _lane_port(server.address),
             "http": ports["http_ports"][0],

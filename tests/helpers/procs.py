@@ -182,6 +182,12 @@ class ServerProc:
                 f"cube-server exited with {self.process.returncode}:\n{self.log()[-4000:]}"
             )
 
+    def written_ports(self) -> dict[str, Any]:
+        """What the server wrote in its --port_file (ports, control_ports, metrics_port, ...)."""
+        assert self.port_file is not None, "started without a port file"
+        report: dict[str, Any] = json.loads(self.port_file.read_text())
+        return report
+
     def log(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")
