@@ -20,9 +20,9 @@ import tarfile
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, SupportsInt, TypeVar
 
 import grpc
 import grpc.aio
@@ -318,7 +318,7 @@ def server_state(address: str) -> tuple[str, str]:
     return reply.cur_version, reply.bg_version
 
 
-def seek(address: str, keys: np.ndarray) -> list[bytes | None]:
+def seek(address: str, keys: Iterable[SupportsInt]) -> list[bytes | None]:
     """Values a cube-server returns for `keys` (None for a miss), via the original seek."""
     with grpc.insecure_channel(address) as channel:
         reply = dict_stub(channel).seek(
