@@ -158,7 +158,6 @@ KNOWN_LONG = {
     "cube/server/metrics.py:collect",
     "cube/shard_writer.py:write_shard",
     "transfer/agents.py:drive",
-    "transfer/config.py:parse_config",
     "transfer/demo.py:run",
     "transfer/http_api.py:build_api",
     "transfer/metrics.py:collect",
