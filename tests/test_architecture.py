@@ -159,7 +159,6 @@ KNOWN_LONG = {
     "cube/shard_writer.py:write_shard",
     "transfer/agents.py:drive",
     "transfer/demo.py:run",
-    "transfer/http_api.py:build_api",
     "transfer/metrics.py:collect",
 }
 
