@@ -158,7 +158,6 @@ KNOWN_LONG = {
     "cube/server/metrics.py:collect",
     "cube/shard_writer.py:write_shard",
     "transfer/agents.py:drive",
-    "transfer/demo.py:run",
     "transfer/metrics.py:collect",
 }
 
