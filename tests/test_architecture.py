@@ -148,7 +148,6 @@ LONGEST = 80  # lines of one function, docstring included
 # Functions longer than LONGEST that are yet to be split or to say why they are long (each a
 # module this check came after; remove an entry once its function is short or says "Long:").
 KNOWN_LONG = {
-    "builder/spark_build.py:build_on_spark",
     "cube/_paddle_ps_jit.py:parse",
     "cube/client/cli.py:run",
     "cube/original_format.py:read_layer",
