@@ -153,7 +153,6 @@ KNOWN_LONG = {
     "cube/original_format.py:read_layer",
     "cube/server/metrics.py:collect",
     "cube/shard_writer.py:write_shard",
-    "transfer/agents.py:drive",
     "transfer/metrics.py:collect",
 }
 
