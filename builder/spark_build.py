@@ -315,17 +315,7 @@ def build_on_spark(
     if delete_path and config.mode != "delta":
         raise BuildError("-delete_path needs -job_mode delta")
     deadline = time.monotonic() + fetch_timeout
-    paddle = None
-    note = ""
-    if config.paddle is not None:
-        from cube.builder.paddle_ps import describe, find_table
-
-        table = find_table(str(input_path), config.paddle, fetch_timeout)
-        splits = [InputSplit(n, f.url, f.size) for n, f in enumerate(table.files)]
-        paddle = (table.layout, config.paddle.value)
-        note = describe(table)
-    else:
-        splits = list_splits(str(input_path), fetch_timeout)
+    splits, paddle, note = _input_splits(config, input_path, fetch_timeout)
     deleted = np.empty(0, np.uint64)
     if delete_path:
         left = max(deadline - time.monotonic(), 0.001)
@@ -344,14 +334,7 @@ def build_on_spark(
             fetch_timeout=fetch_timeout,
             paddle=paddle,
         )
-        spark, ours = start_session(
-            settings, f"cube-builder {config.dict_name} {config.served_version}"
-        )
-        try:
-            results = _run_job(spark.sparkContext, spec, splits, deleted_by_shard)
-        finally:
-            if ours:
-                spark.stop()
+        results = _run_in_session(settings, spec, splits, deleted_by_shard)
         records = sum(r.records for r in results)
         refuse_empty_input(
             config, remote.redact(str(input_path)), len(splits), records, deleted.size
@@ -383,6 +366,35 @@ def build_on_spark(
     )
     stats = SparkStats(len(splits), config.shard_num, sum(r.shuffled_bytes for r in results))
     return result, stats
+
+
+def _input_splits(
+    config: BuildConfig, input_path: str, fetch_timeout: float
+) -> tuple[list[InputSplit], tuple[TableLayout, ValueSpec] | None, str]:
+    """The input files as splits; for a parameter-server table also its layout and value
+    spec (what map_file reads it with) and a note describing the table."""
+    if config.paddle is None:
+        return list_splits(str(input_path), fetch_timeout), None, ""
+    from cube.builder.paddle_ps import describe, find_table
+
+    table = find_table(str(input_path), config.paddle, fetch_timeout)
+    splits = [InputSplit(n, f.url, f.size) for n, f in enumerate(table.files)]
+    return splits, (table.layout, config.paddle.value), describe(table)
+
+
+def _run_in_session(
+    settings: SparkSettings, spec: _JobSpec, splits: list[InputSplit], deleted: list[np.ndarray]
+) -> list[_ShardResult]:
+    """Run the job in a Spark session (stopped after, when we started it)."""
+    config = spec.config
+    spark, ours = start_session(
+        settings, f"cube-builder {config.dict_name} {config.served_version}"
+    )
+    try:
+        return _run_job(spark.sparkContext, spec, splits, deleted)
+    finally:
+        if ours:
+            spark.stop()
 
 
 def _run_job(
