@@ -255,7 +255,7 @@ class Namespace:
     ip: str
     host_link: str  # the veth end on the bridge
 
-    def run(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    def run(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
         """Start `argv` in this namespace (with its /etc/hosts); it dies with the thread that
         starts it (die_with_parent)."""
         kwargs.setdefault("preexec_fn", die_with_parent)
