@@ -23,7 +23,9 @@ one network namespace per pod, so that what crosses a network really does.
   runs on one machine do not share a bridge, a namespace or a subnet.
 - **Kubelet**: a thread runs the startup, readiness and liveness probes (tcpSocket, grpc) from
   the root namespace, as a kubelet does from the node, and restarts a container that exits or
-  fails its liveness probe (restartPolicy Always), with a short backoff.
+  fails its liveness probe (restartPolicy Always), with a short backoff. Each probe waits its
+  timeoutSeconds; liveness runs at its periodSeconds, startup and readiness at least once a
+  second.
 - **Upgrades**: `apply(docs)` is `helm upgrade` to other objects and what the StatefulSet
   controller then does (immutable fields refused, pods added and removed, changed pods
   replaced one at a time, highest ordinal first, each once the later ones are ready).
@@ -575,7 +577,14 @@ class SimNode:
                 continue
             if now < container.next_probe.get(kind, 0.0):
                 continue
-            container.next_probe[kind] = now + min(float(probe.get("periodSeconds", 10)), 1.0)
+            period = float(probe.get("periodSeconds", 10))
+            # startup and readiness are probed at least once a second (pods get ready sooner);
+            # liveness at its own period, as the kubelet does: a container is killed only after
+            # failureThreshold x periodSeconds of failures, not after a few busy seconds of a
+            # machine that runs every pod on two cores
+            container.next_probe[kind] = now + (
+                period if kind == "livenessProbe" else min(period, 1.0)
+            )
             ok = self._probe(pod, container, probe)
             failures = 0 if ok else container.failures.get(kind, 0) + 1
             container.failures[kind] = failures
@@ -598,15 +607,18 @@ class SimNode:
         def port_of(value: Any) -> int:
             return container.spec.ports[value] if isinstance(value, str) else int(value)
 
+        timeout = float(probe.get("timeoutSeconds", 1))  # the kubelet's default: 1 s
         if "tcpSocket" in probe:
             try:
-                with socket.create_connection((pod.ip, port_of(probe["tcpSocket"]["port"])), 1.0):
+                with socket.create_connection(
+                    (pod.ip, port_of(probe["tcpSocket"]["port"])), timeout
+                ):
                     return True
             except OSError:
                 return False
         if "grpc" in probe:
             address = f"{pod.ip}:{port_of(probe['grpc']['port'])}"
-            status = health_status(address, 1.0, probe["grpc"].get("service", ""))
+            status = health_status(address, timeout, probe["grpc"].get("service", ""))
             return status == health_pb2.HealthCheckResponse.SERVING
         raise ValueError(f"probe {probe}: only tcpSocket and grpc probes are simulated")
 
