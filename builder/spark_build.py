@@ -431,14 +431,27 @@ def _job_failure(exc: BaseException) -> str:
     return f"the Spark job failed: {first[:300]}"
 
 
-def prepare_worker_environment() -> None:
-    """Before a session starts (its JVM and Python workers inherit this environment): the
-    workers run this Python unless PYSPARK_PYTHON says otherwise, and do not put their working
-    directory first on sys.path (`python -m` would: a checkout's `cube/` folder there would
-    hide the installed package's modules)."""
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    os.environ.setdefault("PYTHONSAFEPATH", "1")
+@contextlib.contextmanager
+def worker_environment() -> Iterator[None]:
+    """While a session starts (its JVM, and the Python workers the JVM starts, take this
+    environment then): the workers run this Python unless PYSPARK_PYTHON says otherwise, and
+    do not put their working directory first on sys.path (`python -m` would: a checkout's
+    `cube/` folder there would hide the installed package's modules). Restored afterwards:
+    the caller's own subprocesses keep the environment it had (PYTHONSAFEPATH left set would
+    break their `python -m` of a module in the working directory)."""
+    wanted = {
+        "PYSPARK_PYTHON": sys.executable,
+        "PYSPARK_DRIVER_PYTHON": sys.executable,
+        "PYTHONSAFEPATH": "1",
+    }
+    added = [name for name in wanted if name not in os.environ]
+    for name in added:
+        os.environ[name] = wanted[name]
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
 
 
 def start_session(settings: SparkSettings, app_name: str) -> tuple[Any, bool]:
@@ -456,7 +469,6 @@ def start_session(settings: SparkSettings, app_name: str) -> tuple[Any, bool]:
     active = SparkSession.getActiveSession()
     if active is not None:
         return active, False
-    prepare_worker_environment()
     conf = SparkConf()
     conf.setAppName(app_name)
     if settings.master:
@@ -467,7 +479,8 @@ def start_session(settings: SparkSettings, app_name: str) -> tuple[Any, bool]:
     for key, value in settings.conf:
         conf.set(key, value)
     try:
-        spark = SparkSession.builder.config(conf=conf).getOrCreate()
+        with worker_environment():
+            spark = SparkSession.builder.config(conf=conf).getOrCreate()
     except Exception as exc:
         first = " ".join(str(exc).split())[:300]
         raise BuildError(

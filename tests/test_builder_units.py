@@ -425,3 +425,20 @@ def test_tar_sink_writes_every_byte_in_order(
             sink.wait()
             sink.flush()
         assert path.read_bytes() == b"".join(pieces)
+
+
+def test_the_spark_worker_environment_is_restored_after_the_session_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Spark build started from a process leaves that process's environment as it found it:
+    PYTHONSAFEPATH left set broke every later `python -m` of a module in the working directory
+    (found as the CTR demo test failing after a Spark test in the same pytest worker)."""
+    from cube.builder.spark_build import worker_environment
+
+    monkeypatch.delenv("PYTHONSAFEPATH", raising=False)
+    monkeypatch.setenv("PYSPARK_PYTHON", "/opt/their/python")
+    with worker_environment():
+        assert os.environ["PYTHONSAFEPATH"] == "1"
+        assert os.environ["PYSPARK_PYTHON"] == "/opt/their/python"  # theirs is kept
+    assert "PYTHONSAFEPATH" not in os.environ
+    assert os.environ["PYSPARK_PYTHON"] == "/opt/their/python"

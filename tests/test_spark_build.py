@@ -25,7 +25,7 @@ if shutil.which("java") is None and not __import__("os").environ.get("JAVA_HOME"
 from cube.builder.spark_build import (  # noqa: E402
     SparkSettings,
     build_on_spark,
-    prepare_worker_environment,
+    worker_environment,
 )
 
 if TYPE_CHECKING:
@@ -44,14 +44,14 @@ def spark() -> Iterator[SparkSession]:
     use it as the active session and leave it running."""
     from pyspark.sql import SparkSession
 
-    prepare_worker_environment()
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("cube-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .getOrCreate()
-    )
+    with worker_environment():
+        session = (
+            SparkSession.builder.master("local[2]")
+            .appName("cube-tests")
+            .config("spark.ui.enabled", "false")
+            .config("spark.ui.showConsoleProgress", "false")
+            .getOrCreate()
+        )
     yield session
     session.stop()
 
