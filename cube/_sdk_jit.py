@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from cube._jit import copy, jit
+# (each runs for a microsecond or so: releasing the GIL around it would cost a thread switch
+# to a client's other threads, and another to take it back)
+from cube._jit import copy, jit_holding_gil
 from cube._lane_jit import _murmur3_32, _read_varint
 
 # scan_answer's fields (int64 array of FIELDS)
@@ -28,7 +30,7 @@ from cube._lane_jit import _murmur3_32, _read_varint
 FIELDS = 9
 
 
-@jit
+@jit_holding_gil
 def group_keys(keys, shard_num, partitioner, order, grouped, bounds):  # pragma: no cover
     """Route every key (partitioner 0: `key % shard_num`, 1: murmur3, cube.routing.shard_of)
     and group the batch by shard in one stable counting pass: shard s holds request positions
@@ -56,7 +58,7 @@ def group_keys(keys, shard_num, partitioner, order, grouped, bounds):  # pragma:
     return True
 
 
-@jit
+@jit_holding_gil
 def scan_answer(data, fields):  # pragma: no cover
     """The fields of the SeekResponse in `data` (uint8) into `fields` (positions and lengths,
     as cube.wire._scan_response reads them); False for anything that path should read
@@ -111,7 +113,7 @@ def scan_answer(data, fields):  # pragma: no cover
     return pos == end
 
 
-@jit
+@jit_holding_gil
 def scatter_fixed(found, rows, width, where, piece_found, piece_values):  # pragma: no cover
     """A fixed-width piece answer into the batch's arrays: key j of the piece is position
     `where[j]` of the batch; its found flag byte (`found` and `piece_found` viewed as uint8)
