@@ -124,3 +124,26 @@ def scatter_fixed(found, rows, width, where, piece_found, piece_values):  # prag
         found[i] = piece_found[j]
         copy(rows, i * width, piece_values, j * width, width)
     return True
+
+
+def warm() -> None:
+    """Run every loop once with each signature a client calls it with (keys and received
+    bytes read-only or not), so that numba compiles them into the kernel cache or loads them
+    from it: `python -m cube.kernel_cache` (with no gRPC to import) and a client's
+    background load (cube.client._compiled) both call this."""
+    from cube.kernel import read_only
+
+    keys = np.arange(1, 9, dtype=np.uint64)
+    order = np.empty(8, np.int64)
+    grouped = np.empty(8, np.uint64)
+    bounds = np.empty(3, np.int64)
+    for batch in (keys, read_only(keys)):  # a caller's keys may be a read-only array
+        for partitioner in (0, 1):
+            group_keys(batch, 2, partitioner, order, grouped, bounds)
+    answer = np.frombuffer(b"\x0a\x01\x01\x12\x01\x07\x18\x01\x2a\x01\x31", np.uint8)
+    fields = np.empty(FIELDS, np.int64)
+    for data in (answer, answer.copy()):  # received bytes: read-only (bytes) or not (lanes)
+        scan_answer(data, fields)
+    found, rows, where = np.zeros(8, np.uint8), np.zeros(16, np.uint8), order[:4]
+    for piece in (answer, answer.copy()):
+        scatter_fixed(found, rows, 2, where, piece[:4], piece[:8])

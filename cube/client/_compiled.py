@@ -66,22 +66,8 @@ def warm() -> bool:
         return False
     _started = True
     from cube import _sdk_jit as loops
-    from cube.kernel import read_only
 
-    keys = np.arange(1, 9, dtype=np.uint64)
-    order = np.empty(8, np.int64)
-    grouped = np.empty(8, np.uint64)
-    bounds = np.empty(3, np.int64)
-    for batch in (keys, read_only(keys)):  # a caller's keys may be a read-only array
-        for partitioner in (0, 1):
-            loops.group_keys(batch, 2, partitioner, order, grouped, bounds)
-    answer = np.frombuffer(b"\x0a\x01\x01\x12\x01\x07\x18\x01\x2a\x01\x31", np.uint8)
-    fields = np.empty(loops.FIELDS, np.int64)
-    for data in (answer, answer.copy()):  # received bytes: read-only (bytes) or not (lanes)
-        loops.scan_answer(data, fields)
-    found, rows, where = np.zeros(8, np.uint8), np.zeros(16, np.uint8), order[:4]
-    for piece in (answer, answer.copy()):
-        loops.scatter_fixed(found, rows, 2, where, piece[:4], piece[:8])
+    loops.warm()
     for dispatcher in dispatchers(loops):
         dispatcher.disable_compile()
     _loops = loops
