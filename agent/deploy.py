@@ -260,103 +260,32 @@ class Agent:
     # ---------------------------------------------------------------- download
 
     async def _download(self, task: Task, checkpoint: Callable[[], None]) -> str:
+        """Fetch, verify and extract the version's tar into data/<version> (a copy already
+        placed and intact is kept; a damaged one is placed again)."""
         req = task.request
         version, source = task.version, req["source"]
-        vdir = self.layout.version_dir(version)
         want_md5: str = req.get("md5") or ""
 
         def phase(name: str, **extra: Any) -> None:
             task.progress.update(phase=name, **extra)
             checkpoint()
 
-        dependents: list[str] = []  # removed with a damaged copy of this version
-
-        if vdir.is_dir():
-            placed = self.versions.get(version, {})
-            if want_md5 and placed.get("md5") and placed["md5"] != want_md5:
-                raise TaskFailed(
-                    f"version {version} is already placed from a tar with md5 {placed['md5']}, "
-                    f"this request says {want_md5}; a version name is deployed only once"
-                )
-            damaged = await self._damaged(version)
-            if not damaged:
-                phase("placed")
-                return f"version {version} is already placed at data/{version}"
-            removed = await self._remove_damaged(version, damaged)
-            if set(damaged) != {version}:  # other layers of its chain: they need their sources
-                raise TaskFailed(_corrupt_message(damaged, removed), reason=CORRUPT_VERSION)
-            log.warning("placing %s again: %s", version, damaged[version])
-            dependents = [v for v in removed if v != version]
-
+        dependents = await self._unless_placed(version, want_md5)
+        if dependents is None:
+            phase("placed")
+            return f"version {version} is already placed at data/{version}"
         folder = self.layout.download_dir(req.get("shard_seq") or 0, version)
         folder.mkdir(parents=True, exist_ok=True)
         tar = folder / self._tar_name(source, req)
-        part = tar.with_name(tar.name + ".part")
         marker = folder / DONE_MARKER
-
         if not want_md5:
             phase("md5")
             md5_file = tar.with_name(tar.name + ".md5")
             want_md5 = await fetch_md5(source, md5_file, self.config.fetch)
-        size = req.get("size")
         if not await self._downloaded(tar, marker, want_md5):
-            self._check_space(folder, size, part)
-
-            def progress(done: int, total: int | None) -> None:
-                task.progress.update(bytes=done, total=total)
-
-            have = part.stat().st_size if part.exists() else 0
-            phase("download", bytes=have, total=size)
-            cap = None if size is not None else (have + shutil.disk_usage(folder).free) // 2
-            fetching = time.monotonic()
-            got = await fetch_file(
-                source,
-                part,
-                size=size,
-                policy=self.config.fetch,
-                progress=progress,
-                cap=cap,  # without a size, room for the tar and its extraction bounds it
-                cap_why="half the free disk space; send size",
-            )
-            self.counters.step("fetch", time.monotonic() - fetching)
-            self.counters.downloaded_bytes += max(0, got - have)
-            phase("verify", bytes=got)
-            verifying = time.monotonic()
-            digest = await asyncio.to_thread(file_md5, part)
-            self.counters.step("verify", time.monotonic() - verifying)
-            if digest != want_md5:
-                part.unlink(missing_ok=True)
-                log.warning(
-                    "md5 of %s: %s (%d bytes), not %s", remote.redact(source), digest, got, want_md5
-                )
-                raise TaskFailed(  # not the digest got: it would tell about the fetched bytes
-                    f"md5 mismatch for {remote.redact(source)}: expected {want_md5}, the download"
-                    " differs; it was discarded and nothing was placed"
-                )
-            part.replace(tar)
-            atomic_write_json(marker, {"md5": digest, "size": got, "source": source})
-
+            await self._fetch_verified(task, tar, marker, want_md5, phase)
         phase("extract")
-        tmp = self.layout.extract_dir(version)
-        _remove(tmp)
-        try:
-            extracting = time.monotonic()
-            files = await asyncio.to_thread(extract_shard_tar, tar, tmp, req.get("size"))
-            self.counters.step("extract", time.monotonic() - extracting)
-            if req.get("mode") == "delta":
-                atomic_write_text(tmp / CHAIN_FILE, chain_text(req["chain"]))
-            if vdir.exists():
-                raise TaskFailed(f"data/{version} appeared while extracting; not replaced")
-            os.rename(tmp, vdir)
-            fsync_dir(self.layout.data_dir)
-        except UnsafeTar:
-            # the bytes match their md5, so fetching again would bring the same tar back
-            for path in (tar, marker):
-                path.unlink(missing_ok=True)
-            raise
-        finally:
-            _remove(tmp)
-
+        files = await self._extract(task, tar, marker)
         self.versions[version] = {
             "seq": self._next_seq(),
             "placed_at": round(time.time(), 3),
@@ -376,6 +305,96 @@ class Agent:
                 "send download again for them"
             )
         return message
+
+    async def _unless_placed(self, version: str, want_md5: str) -> list[str] | None:
+        """None when `version` is placed already and intact. Otherwise the versions removed
+        with a damaged copy of it (placed over it), to be sent again; [] when it was not here."""
+        if not self.layout.version_dir(version).is_dir():
+            return []
+        placed = self.versions.get(version, {})
+        if want_md5 and placed.get("md5") and placed["md5"] != want_md5:
+            raise TaskFailed(
+                f"version {version} is already placed from a tar with md5 {placed['md5']}, "
+                f"this request says {want_md5}; a version name is deployed only once"
+            )
+        damaged = await self._damaged(version)
+        if not damaged:
+            return None
+        removed = await self._remove_damaged(version, damaged)
+        if set(damaged) != {version}:  # other layers of its chain: they need their sources
+            raise TaskFailed(_corrupt_message(damaged, removed), reason=CORRUPT_VERSION)
+        log.warning("placing %s again: %s", version, damaged[version])
+        return [v for v in removed if v != version]
+
+    async def _fetch_verified(
+        self, task: Task, tar: Path, marker: Path, want_md5: str, phase: Callable[..., None]
+    ) -> None:
+        """Fetch the source to `tar`.part (resuming), check its md5, then rename it to `tar`
+        and write the marker that says it was verified."""
+        source, size = task.request["source"], task.request.get("size")
+        folder, part = tar.parent, tar.with_name(tar.name + ".part")
+        self._check_space(folder, size, part)
+
+        def progress(done: int, total: int | None) -> None:
+            task.progress.update(bytes=done, total=total)
+
+        have = part.stat().st_size if part.exists() else 0
+        phase("download", bytes=have, total=size)
+        cap = None if size is not None else (have + shutil.disk_usage(folder).free) // 2
+        fetching = time.monotonic()
+        got = await fetch_file(
+            source,
+            part,
+            size=size,
+            policy=self.config.fetch,
+            progress=progress,
+            cap=cap,  # without a size, room for the tar and its extraction bounds it
+            cap_why="half the free disk space; send size",
+        )
+        self.counters.step("fetch", time.monotonic() - fetching)
+        self.counters.downloaded_bytes += max(0, got - have)
+        phase("verify", bytes=got)
+        verifying = time.monotonic()
+        digest = await asyncio.to_thread(file_md5, part)
+        self.counters.step("verify", time.monotonic() - verifying)
+        if digest != want_md5:
+            part.unlink(missing_ok=True)
+            log.warning(
+                "md5 of %s: %s (%d bytes), not %s", remote.redact(source), digest, got, want_md5
+            )
+            raise TaskFailed(  # not the digest got: it would tell about the fetched bytes
+                f"md5 mismatch for {remote.redact(source)}: expected {want_md5}, the download"
+                " differs; it was discarded and nothing was placed"
+            )
+        part.replace(tar)
+        atomic_write_json(marker, {"md5": digest, "size": got, "source": source})
+
+    async def _extract(self, task: Task, tar: Path, marker: Path) -> list[str]:
+        """Extract the verified `tar` beside data/ and rename it to data/<version>; returns
+        the files placed. An unsafe tar is deleted with its marker (fetching it again would
+        bring the same bytes back)."""
+        req, version = task.request, task.version
+        vdir = self.layout.version_dir(version)
+        tmp = self.layout.extract_dir(version)
+        _remove(tmp)
+        try:
+            extracting = time.monotonic()
+            files = await asyncio.to_thread(extract_shard_tar, tar, tmp, req.get("size"))
+            self.counters.step("extract", time.monotonic() - extracting)
+            if req.get("mode") == "delta":
+                atomic_write_text(tmp / CHAIN_FILE, chain_text(req["chain"]))
+            if vdir.exists():
+                raise TaskFailed(f"data/{version} appeared while extracting; not replaced")
+            os.rename(tmp, vdir)
+            fsync_dir(self.layout.data_dir)
+        except UnsafeTar:
+            # the bytes match their md5, so fetching again would bring the same tar back
+            for path in (tar, marker):
+                path.unlink(missing_ok=True)
+            raise
+        finally:
+            _remove(tmp)
+        return files
 
     @staticmethod
     def _tar_name(source: str, req: dict[str, Any]) -> str:

@@ -243,42 +243,16 @@ def _print_flush(text: str) -> None:
 
 
 def run(flags: BenchFlags, target_names: list[str], argv: Sequence[str]) -> int:
+    """Check the targets, then set up, check and measure each in turn; the servers always
+    stop at the end (and a workdir of our own is removed)."""
     options = dataclasses.asdict(flags)
-    settings = {
-        k: options[k]
-        for k in (
-            "threads", "batch", "requests", "duration", "warmup", "keys", "value_size", "dim",
-            "dtype", "shards", "workers", "cube_transport", "cube_busy_poll_us", "client",
-            "max_other_load", "max_repeats", "quiet_wait", "seed",
-        )
-    }  # fmt: skip
-    if flags.dim:
-        settings["value_size"] = flags.dim * 4
-    settings["client"] = flags.client
-
-    targets: list[Target] = []
     skipped: dict[str, str] = {}
     own_workdir = not flags.workdir
     workdir = Path(flags.workdir or tempfile.mkdtemp(prefix="cube-bench-"))
     registry = ProcessRegistry(log=_print_flush)
-    for name in target_names:
-        target = TARGETS[name](registry, workdir / name, options)
-        try:
-            target.check_available(flags.client)
-            targets.append(target)
-            continue
-        except TargetUnavailable as exc:
-            reason = str(exc)
-            unsupported = isinstance(exc, ModeUnsupported)
-        if not flags.skip_missing and not unsupported:
-            print(f"error: {reason}", file=sys.stderr)
-            return 2
-        print(f"skipping {name}: {reason}", file=sys.stderr)
-        skipped[name] = reason
-    if not targets:
-        print("error: no target left to run", file=sys.stderr)
+    targets = _available_targets(flags, target_names, registry, workdir, options, skipped)
+    if targets is None:
         return 2
-
     started = time.strftime("%Y-%m-%d %H:%M:%S %z")
     t0 = time.perf_counter()
     data = make_dataset(flags.keys, flags.value_size, flags.dim, flags.seed)
@@ -290,45 +264,7 @@ def run(flags: BenchFlags, target_names: list[str], argv: Sequence[str]) -> int:
     try:
         with signals_raise():
             for target in targets:
-                target.workdir.mkdir(parents=True, exist_ok=True)
-                _print_flush(f"== {target.name}: starting and loading")
-                try:
-                    target.setup(data)
-                except ServerStartError as exc:
-                    raise BenchError(f"{target.name}: {exc}") from exc
-                target.info["pids"] = target.server_pids()
-                versions.update(target.versions())
-                checked = check_answers(target, data, flags.check_sample, flags.client, flags.seed)
-                _print_flush(
-                    f"{target.name}: loaded in {target.info.get('load_seconds', '?')}s, "
-                    f"{checked} answers checked"
-                )
-                rows = []
-                for concurrency in flags.threads:
-                    cfg = LevelConfig(
-                        concurrency=concurrency,
-                        batch=flags.batch,
-                        warmup=flags.warmup,
-                        duration=flags.duration,
-                        requests=flags.requests,
-                        timeout=flags.timeout,
-                        mode=flags.client,
-                        seed=flags.seed * 1000 + concurrency,
-                    )
-                    level = run_level(
-                        target, data, cfg, flags.max_other_load, flags.max_repeats,
-                        log=_print_flush, quiet_wait=flags.quiet_wait,
-                    )  # fmt: skip
-                    row = summarize(level)
-                    rows.append(row)
-                    _print_flush(
-                        f"{target.name:>9} C={concurrency:<3} avg {row['avg_us']:>9,.0f} µs  "
-                        f"p99 {row['p99_us']:>9,.0f} µs  {row['qps']:>8,.0f} req/s  "
-                        f"server {row['server_cpu_us_per_req']:>6,.0f} µs/req  "
-                        f"other load {row['other_load']:.2f}"
-                        + (f"  MISSES {row['misses']}" if row["misses"] else "")
-                    )
-                results[target.name] = {**target.info, "levels": rows}
+                results[target.name] = _bench_target(target, data, flags, versions)
                 target.stop()
     except (KeyboardInterrupt, Interrupted) as exc:
         print(f"\ninterrupted ({exc or 'Ctrl-C'}); stopping servers", file=sys.stderr)
@@ -343,24 +279,122 @@ def run(flags: BenchFlags, target_names: list[str], argv: Sequence[str]) -> int:
             registry.stop_all()
         if own_workdir:
             shutil.rmtree(workdir, ignore_errors=True)
-
     result: dict[str, Any] = {
         "command": shlex.join(["cube-bench", *argv]),
         "started": started,
-        "settings": settings,
+        "settings": _settings(flags, options),
         "machine": machine(),
         "versions": versions,
         "targets": results,
         "skipped": skipped,
         "ratios": ratios({name: t["levels"] for name, t in results.items()}),
     }
-    paths = write_outputs(result, Path(flags.out))
-    for name, target_result in results.items():
+    _report(result, Path(flags.out))
+    return 0
+
+
+def _settings(flags: BenchFlags, options: dict[str, Any]) -> dict[str, Any]:
+    """The flags that shape the measurement, as the result records them."""
+    settings = {
+        k: options[k]
+        for k in (
+            "threads", "batch", "requests", "duration", "warmup", "keys", "value_size", "dim",
+            "dtype", "shards", "workers", "cube_transport", "cube_busy_poll_us", "client",
+            "max_other_load", "max_repeats", "quiet_wait", "seed",
+        )
+    }  # fmt: skip
+    if flags.dim:
+        settings["value_size"] = flags.dim * 4
+    settings["client"] = flags.client
+    return settings
+
+
+def _available_targets(
+    flags: BenchFlags,
+    target_names: list[str],
+    registry: ProcessRegistry,
+    workdir: Path,
+    options: dict[str, Any],
+    skipped: dict[str, str],
+) -> list[Target] | None:
+    """The targets that can run here; the others go to `skipped` with the reason (when
+    --skip_missing allows, or the client mode is one a target does not support). None, after
+    saying why on stderr, when the run cannot go on."""
+    targets: list[Target] = []
+    for name in target_names:
+        target = TARGETS[name](registry, workdir / name, options)
+        try:
+            target.check_available(flags.client)
+            targets.append(target)
+            continue
+        except TargetUnavailable as exc:
+            reason = str(exc)
+            unsupported = isinstance(exc, ModeUnsupported)
+        if not flags.skip_missing and not unsupported:
+            print(f"error: {reason}", file=sys.stderr)
+            return None
+        print(f"skipping {name}: {reason}", file=sys.stderr)
+        skipped[name] = reason
+    if not targets:
+        print("error: no target left to run", file=sys.stderr)
+        return None
+    return targets
+
+
+def _bench_target(
+    target: Target, data: Dataset, flags: BenchFlags, versions: dict[str, str]
+) -> dict[str, Any]:
+    """Start and load one target, check its answers, then measure each concurrency level;
+    returns its result (the target's info and one row per level)."""
+    target.workdir.mkdir(parents=True, exist_ok=True)
+    _print_flush(f"== {target.name}: starting and loading")
+    try:
+        target.setup(data)
+    except ServerStartError as exc:
+        raise BenchError(f"{target.name}: {exc}") from exc
+    target.info["pids"] = target.server_pids()
+    versions.update(target.versions())
+    checked = check_answers(target, data, flags.check_sample, flags.client, flags.seed)
+    _print_flush(
+        f"{target.name}: loaded in {target.info.get('load_seconds', '?')}s, "
+        f"{checked} answers checked"
+    )
+    rows = []
+    for concurrency in flags.threads:
+        cfg = LevelConfig(
+            concurrency=concurrency,
+            batch=flags.batch,
+            warmup=flags.warmup,
+            duration=flags.duration,
+            requests=flags.requests,
+            timeout=flags.timeout,
+            mode=flags.client,
+            seed=flags.seed * 1000 + concurrency,
+        )
+        level = run_level(
+            target, data, cfg, flags.max_other_load, flags.max_repeats,
+            log=_print_flush, quiet_wait=flags.quiet_wait,
+        )  # fmt: skip
+        row = summarize(level)
+        rows.append(row)
+        _print_flush(
+            f"{target.name:>9} C={concurrency:<3} avg {row['avg_us']:>9,.0f} µs  "
+            f"p99 {row['p99_us']:>9,.0f} µs  {row['qps']:>8,.0f} req/s  "
+            f"server {row['server_cpu_us_per_req']:>6,.0f} µs/req  "
+            f"other load {row['other_load']:.2f}"
+            + (f"  MISSES {row['misses']}" if row["misses"] else "")
+        )
+    return {**target.info, "levels": rows}
+
+
+def _report(result: dict[str, Any], out: Path) -> None:
+    """Write the result files and print each target's table and the ratios."""
+    paths = write_outputs(result, out)
+    for name, target_result in result["targets"].items():
         print(f"\n{name}\n{markdown_table(target_result['levels'])}")
     for entry in result["ratios"]:
         print("  ".join(f"{k} {v}" for k, v in entry.items()))
     print("\nwrote " + ", ".join(str(p) for p in paths.values()))
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -95,8 +95,23 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def markdown(result: dict[str, Any], plot_name: str | None) -> str:
     """The whole report as Markdown (what goes to results.md)."""
+    lines = _header_lines(result)
+    for name, target in result["targets"].items():
+        lines += _target_lines(name, target)
+    for name, reason in result.get("skipped", {}).items():
+        lines += [f"## {name}: skipped", "", reason, ""]
+    if result.get("ratios"):
+        lines += _ratio_lines(result["ratios"])
+    lines += _disturbance_lines(result)
+    if plot_name:
+        lines += [f"![throughput and p99 latency against concurrency]({plot_name})", ""]
+    return "\n".join(lines)
+
+
+def _header_lines(result: dict[str, Any]) -> list[str]:
+    """The command, the settings in a sentence, the machine and the versions."""
     s = result["settings"]
-    lines = [
+    return [
         "# cube-bench results",
         "",
         f"`{result['command']}`",
@@ -116,36 +131,46 @@ def markdown(result: dict[str, Any], plot_name: str | None) -> str:
         "Versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items()),
         "",
     ]
-    for name, target in result["targets"].items():
-        lines += [f"## {name}", ""]
-        if target.get("build_command"):
-            lines += [
-                f"Build ({target.get('build_seconds', '?')} s): `{target['build_command']}`",
-                "",
-            ]
-        if target.get("command"):
-            lines += [f"Server: `{target['command']}`", ""]
-        if target.get("load_seconds") is not None:
-            how = f" ({target['load_note']})" if target.get("load_note") else ""
-            lines += [f"Loaded in {target['load_seconds']} s{how}.", ""]
-        if target.get("notes"):
-            lines += [f"{target['notes']}", ""]
-        lines += [markdown_table(target["levels"]), ""]
-    for name, reason in result.get("skipped", {}).items():
-        lines += [f"## {name}: skipped", "", reason, ""]
-    if result.get("ratios"):
-        names = [k for k in result["ratios"][0] if "/" in k]
+
+
+def _target_lines(name: str, target: dict[str, Any]) -> list[str]:
+    """One target's section: how it was built, started and loaded, and its table."""
+    lines = [f"## {name}", ""]
+    if target.get("build_command"):
         lines += [
-            "## Throughput ratios",
+            f"Build ({target.get('build_seconds', '?')} s): `{target['build_command']}`",
             "",
-            "| threads | " + " | ".join(names) + " |",
-            "|---:|" + "---:|" * len(names),
         ]
-        lines += [
-            f"| {r['threads']} | " + " | ".join(f"{r.get(n, '-')}" for n in names) + " |"
-            for r in result["ratios"]
-        ]
-        lines.append("")
+    if target.get("command"):
+        lines += [f"Server: `{target['command']}`", ""]
+    if target.get("load_seconds") is not None:
+        how = f" ({target['load_note']})" if target.get("load_note") else ""
+        lines += [f"Loaded in {target['load_seconds']} s{how}.", ""]
+    if target.get("notes"):
+        lines += [f"{target['notes']}", ""]
+    lines += [markdown_table(target["levels"]), ""]
+    return lines
+
+
+def _ratio_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The throughput ratios between targets, one row per concurrency level."""
+    names = [k for k in rows[0] if "/" in k]
+    lines = [
+        "## Throughput ratios",
+        "",
+        "| threads | " + " | ".join(names) + " |",
+        "|---:|" + "---:|" * len(names),
+    ]
+    lines += [
+        f"| {r['threads']} | " + " | ".join(f"{r.get(n, '-')}" for n in names) + " |" for r in rows
+    ]
+    lines.append("")
+    return lines
+
+
+def _disturbance_lines(result: dict[str, Any]) -> list[str]:
+    """Which levels were repeated or stayed disturbed, and what the columns mean."""
+    s = result["settings"]
     disturbed = [
         f"{name} C={r['threads']}"
         for name, t in result["targets"].items()
@@ -158,7 +183,7 @@ def markdown(result: dict[str, Any], plot_name: str | None) -> str:
         for r in t["levels"]
         if r["tries"] > 1
     ]
-    lines += [
+    return [
         "## Disturbances",
         "",
         f"A level counts as disturbed when other processes (or hypervisor steal) used more than "
@@ -175,9 +200,6 @@ def markdown(result: dict[str, Any], plot_name: str | None) -> str:
         "else on the machine.",
         "",
     ]
-    if plot_name:
-        lines += [f"![throughput and p99 latency against concurrency]({plot_name})", ""]
-    return "\n".join(lines)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

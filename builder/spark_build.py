@@ -315,17 +315,7 @@ def build_on_spark(
     if delete_path and config.mode != "delta":
         raise BuildError("-delete_path needs -job_mode delta")
     deadline = time.monotonic() + fetch_timeout
-    paddle = None
-    note = ""
-    if config.paddle is not None:
-        from cube.builder.paddle_ps import describe, find_table
-
-        table = find_table(str(input_path), config.paddle, fetch_timeout)
-        splits = [InputSplit(n, f.url, f.size) for n, f in enumerate(table.files)]
-        paddle = (table.layout, config.paddle.value)
-        note = describe(table)
-    else:
-        splits = list_splits(str(input_path), fetch_timeout)
+    splits, paddle, note = _input_splits(config, input_path, fetch_timeout)
     deleted = np.empty(0, np.uint64)
     if delete_path:
         left = max(deadline - time.monotonic(), 0.001)
@@ -344,14 +334,7 @@ def build_on_spark(
             fetch_timeout=fetch_timeout,
             paddle=paddle,
         )
-        spark, ours = start_session(
-            settings, f"cube-builder {config.dict_name} {config.served_version}"
-        )
-        try:
-            results = _run_job(spark.sparkContext, spec, splits, deleted_by_shard)
-        finally:
-            if ours:
-                spark.stop()
+        results = _run_in_session(settings, spec, splits, deleted_by_shard)
         records = sum(r.records for r in results)
         refuse_empty_input(
             config, remote.redact(str(input_path)), len(splits), records, deleted.size
@@ -383,6 +366,35 @@ def build_on_spark(
     )
     stats = SparkStats(len(splits), config.shard_num, sum(r.shuffled_bytes for r in results))
     return result, stats
+
+
+def _input_splits(
+    config: BuildConfig, input_path: str, fetch_timeout: float
+) -> tuple[list[InputSplit], tuple[TableLayout, ValueSpec] | None, str]:
+    """The input files as splits; for a parameter-server table also its layout and value
+    spec (what map_file reads it with) and a note describing the table."""
+    if config.paddle is None:
+        return list_splits(str(input_path), fetch_timeout), None, ""
+    from cube.builder.paddle_ps import describe, find_table
+
+    table = find_table(str(input_path), config.paddle, fetch_timeout)
+    splits = [InputSplit(n, f.url, f.size) for n, f in enumerate(table.files)]
+    return splits, (table.layout, config.paddle.value), describe(table)
+
+
+def _run_in_session(
+    settings: SparkSettings, spec: _JobSpec, splits: list[InputSplit], deleted: list[np.ndarray]
+) -> list[_ShardResult]:
+    """Run the job in a Spark session (stopped after, when we started it)."""
+    config = spec.config
+    spark, ours = start_session(
+        settings, f"cube-builder {config.dict_name} {config.served_version}"
+    )
+    try:
+        return _run_job(spark.sparkContext, spec, splits, deleted)
+    finally:
+        if ours:
+            spark.stop()
 
 
 def _run_job(
@@ -419,14 +431,27 @@ def _job_failure(exc: BaseException) -> str:
     return f"the Spark job failed: {first[:300]}"
 
 
-def prepare_worker_environment() -> None:
-    """Before a session starts (its JVM and Python workers inherit this environment): the
-    workers run this Python unless PYSPARK_PYTHON says otherwise, and do not put their working
-    directory first on sys.path (`python -m` would: a checkout's `cube/` folder there would
-    hide the installed package's modules)."""
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    os.environ.setdefault("PYTHONSAFEPATH", "1")
+@contextlib.contextmanager
+def worker_environment() -> Iterator[None]:
+    """While a session starts (its JVM, and the Python workers the JVM starts, take this
+    environment then): the workers run this Python unless PYSPARK_PYTHON says otherwise, and
+    do not put their working directory first on sys.path (`python -m` would: a checkout's
+    `cube/` folder there would hide the installed package's modules). Restored afterwards:
+    the caller's own subprocesses keep the environment it had (PYTHONSAFEPATH left set would
+    break their `python -m` of a module in the working directory)."""
+    wanted = {
+        "PYSPARK_PYTHON": sys.executable,
+        "PYSPARK_DRIVER_PYTHON": sys.executable,
+        "PYTHONSAFEPATH": "1",
+    }
+    added = [name for name in wanted if name not in os.environ]
+    for name in added:
+        os.environ[name] = wanted[name]
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
 
 
 def start_session(settings: SparkSettings, app_name: str) -> tuple[Any, bool]:
@@ -444,7 +469,6 @@ def start_session(settings: SparkSettings, app_name: str) -> tuple[Any, bool]:
     active = SparkSession.getActiveSession()
     if active is not None:
         return active, False
-    prepare_worker_environment()
     conf = SparkConf()
     conf.setAppName(app_name)
     if settings.master:
@@ -455,7 +479,8 @@ def start_session(settings: SparkSettings, app_name: str) -> tuple[Any, bool]:
     for key, value in settings.conf:
         conf.set(key, value)
     try:
-        spark = SparkSession.builder.config(conf=conf).getOrCreate()
+        with worker_environment():
+            spark = SparkSession.builder.config(conf=conf).getOrCreate()
     except Exception as exc:
         first = " ".join(str(exc).split())[:300]
         raise BuildError(

@@ -37,7 +37,11 @@ def parse(buf, full, short, targets, keys, floats, row_lines, slow):
     """Parse whole lines of `buf`. Returns (rows, lines, short rows, error line, error line's
     start offset, slow count): error line -1 when every line fits (key: unsigned decimal
     < 2^64; then `full` or `short` decimal numbers, separated by spaces, tabs or CR); else
-    the caller describes the line. `targets[c]`: the value place of float column c, or -1."""
+    the caller describes the line. `targets[c]`: the value place of float column c, or -1.
+
+    Long: the byte loop of a compiled kernel, one pass over the text; its state (position,
+    row, line, counts) lives in locals across the key, the numbers and the line's end, and
+    splitting it into calls would pass that state in and out for every field."""
     n = buf.shape[0]
     pos = 0
     row = 0

@@ -349,12 +349,7 @@ def read_layer(
     Kept per record: the key (8 bytes), the value's offset and length (4 each: data.n gives
     file sizes as uint32) and, with several data files, the file (2 bytes up to 65535 files,
     else 4); the addresses are read from the index files in steps, never copied whole."""
-    for kind, files, own in (
-        ("index", index_files, layer.index_files),
-        ("data", data_files, layer.data_files),
-    ):
-        if sorted(files) != list(own):
-            raise ValueError(f"{layer.where}: {kind} files {sorted(files)} given, {list(own)} held")
+    _check_files_given(layer, index_files, data_files)
     pairs = [np.asarray(index_files[k]).view("<u8").reshape(-1, 2) for k in layer.index_files]
     starts_of = np.cumsum([0] + [p.shape[0] for p in pairs], dtype=np.int64)
     n = int(starts_of[-1])  # record number where each index file starts, then the count
@@ -367,19 +362,54 @@ def read_layer(
         )
 
     if shard_num > 1 and n:
-        owners = keys % np.uint64(shard_num)
-        wrong = np.flatnonzero(owners != np.uint64(shard))
-        if wrong.shape[0]:
-            file, offset = at_record(int(wrong[0]))
-            key = int(keys[wrong[0]])
-            raise OriginalFormatError(
-                file, f"key {key} belongs to shard {key % shard_num} of {shard_num} by the "
-                f"original's rule (key % shard_num), not to shard {shard} ({wrong.shape[0]} "
-                "such keys): -shard_num is not the original build's, or this is not shard "
-                f"{shard}", offset,
-            )  # fmt: skip
-        del owners, wrong
+        _check_owners(keys, shard, shard_num, at_record)
+    file_of, offsets = _read_addresses(layer, pairs, starts_of, keys, at_record)
+    del pairs
+    lengths = _value_lengths(layer, data_files, file_of, offsets, keys, at_record)
+    offsets += np.uint32(LENGTH_BYTES)  # < a file size listed as uint32: no overflow
+    value_files = [np.asarray(data_files[number]) for number in layer.data_files]
+    return LayerRecords(keys, OriginalValues(value_files, file_of, offsets, lengths))
 
+
+def _check_files_given(
+    layer: Layer, index_files: Mapping[int, np.ndarray], data_files: Mapping[int, np.ndarray]
+) -> None:
+    for kind, files, own in (
+        ("index", index_files, layer.index_files),
+        ("data", data_files, layer.data_files),
+    ):
+        if sorted(files) != list(own):
+            raise ValueError(f"{layer.where}: {kind} files {sorted(files)} given, {list(own)} held")
+
+
+def _check_owners(
+    keys: np.ndarray, shard: int, shard_num: int, at_record: Callable[[int], tuple[str, int]]
+) -> None:
+    """Every key belongs to `shard` by the original's rule (key % shard_num)."""
+    owners = keys % np.uint64(shard_num)
+    wrong = np.flatnonzero(owners != np.uint64(shard))
+    if wrong.shape[0]:
+        file, offset = at_record(int(wrong[0]))
+        key = int(keys[wrong[0]])
+        raise OriginalFormatError(
+            file, f"key {key} belongs to shard {key % shard_num} of {shard_num} by the "
+            f"original's rule (key % shard_num), not to shard {shard} ({wrong.shape[0]} "
+            "such keys): -shard_num is not the original build's, or this is not shard "
+            f"{shard}", offset,
+        )  # fmt: skip
+
+
+def _read_addresses(
+    layer: Layer,
+    pairs: list[np.ndarray],
+    starts_of: np.ndarray,
+    keys: np.ndarray,
+    at_record: Callable[[int], tuple[str, int]],
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each record's data file (its position in layer.data_files; empty with one file) and
+    the offset of its length field, read from the index in steps of _CHUNK records. Every
+    address must point into this version's data files and be above the one before."""
+    n = int(starts_of[-1])
     own = layer.data_files
     several = len(own) > 1
     file_type = np.uint16 if len(own) < 1 << 16 else np.uint32  # holds len(own) too
@@ -413,11 +443,23 @@ def read_layer(
                 file_of[first + lo : first + lo + addresses.shape[0]] = (
                     addresses >> _SHIFT32
                 ) - first_file
-    del pairs
+    return file_of, offsets
 
+
+def _value_lengths(
+    layer: Layer,
+    data_files: Mapping[int, np.ndarray],
+    file_of: np.ndarray,
+    offsets: np.ndarray,
+    keys: np.ndarray,
+    at_record: Callable[[int], tuple[str, int]],
+) -> np.ndarray:
+    """Each record's value length, checking that each data file's records tile it exactly."""
+    own = layer.data_files
+    n = offsets.shape[0]
     lengths = np.empty(n, dtype=np.uint32)  # of the values
-    if several:  # addresses increase: each file's records are one run
-        bounds = np.searchsorted(file_of, np.arange(len(own) + 1, dtype=file_type)).tolist()
+    if len(own) > 1:  # addresses increase: each file's records are one run
+        bounds = np.searchsorted(file_of, np.arange(len(own) + 1, dtype=file_of.dtype)).tolist()
     else:
         bounds = [0, n] if own else [0]
     for number, lo, hi in zip(own, bounds[:-1], bounds[1:], strict=True):
@@ -433,9 +475,7 @@ def read_layer(
             return f"the record of key {int(keys[lo + i])} ({index_file} at offset {offset})"
 
         lengths[lo:hi] = _check_tiling(file, data, offsets[lo:hi], record)
-    offsets += np.uint32(LENGTH_BYTES)  # < a file size listed as uint32: no overflow
-    value_files = [np.asarray(data_files[number]) for number in own]
-    return LayerRecords(keys, OriginalValues(value_files, file_of, offsets, lengths))
+    return lengths
 
 
 def _out_of_order(

@@ -165,7 +165,9 @@ def terminate(
 
 
 def stop_child(
-    popen: subprocess.Popen[bytes], timeout: float, kill_timeout: float = 10.0
+    popen: subprocess.Popen[bytes] | subprocess.Popen[str],
+    timeout: float,
+    kill_timeout: float = 10.0,
 ) -> int | None:
     """SIGTERM a child we started and reap it; SIGKILL it if it has not exited after `timeout`
     s. Returns its exit code (through Popen, which psutil's waiting would lose)."""

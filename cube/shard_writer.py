@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from cube import format as fmt
-from cube.index import BuiltTable
+from cube.index import BuiltTable, HashTable
 from cube.values import ValueColumn
 
 INDEX_FILE = "index.cube"
@@ -66,43 +66,9 @@ def write_shard(
     table = built.table
     order = built.live_order
     count = int(order.shape[0])
-    width = values.width if count else 0
-    lengths = np.empty(0, np.int64)
-    if count and not width:
-        # The layout depends on the live values alone: fixed width when they all have one
-        # non-zero length, however the input was batched (a batch of mixed lengths reads as
-        # variable even where this shard's share of it is not).
-        lengths = values.lengths().take(order)
-        if lengths[0] > 0 and (lengths == lengths[0]).all():
-            width = int(lengths[0])
-
-    if width:
-        value_bytes = count * width
-        step = max(1, _WRITE_CHUNK_BYTES // width)
-    else:
-        offsets = np.zeros(count + 1, dtype=np.uint64)
-        np.cumsum(lengths, out=offsets[1:])
-        value_bytes = int(offsets[-1])
-        step = max(1, _WRITE_CHUNK_BYTES * count // max(value_bytes, 1))
-
-    def value_chunks() -> Iterator[np.ndarray]:
-        for start in range(0, count, step):
-            yield values.take(order[start : start + step]).blob
-
-    data_sections: dict[str, Any] = {"values": (value_bytes, value_chunks())}
-    if not width:
-        data_sections["offsets"] = (offsets.nbytes, iter([offsets.astype("<u8")]))
-    index_sections = {
-        "slot_keys": (table.slot_keys.nbytes, iter([table.slot_keys.astype("<u8", copy=False)])),
-        "bucket_rows": (
-            table.bucket_rows.nbytes,
-            iter([table.bucket_rows.astype("<u4", copy=False)]),
-        ),
-        "deleted_keys": (
-            table.deleted_keys.nbytes,
-            iter([table.deleted_keys.astype("<u8", copy=False)]),
-        ),
-    }
+    width, lengths = _value_width(values, order)
+    data_sections, value_bytes = _data_sections(values, order, width, lengths)
+    index_sections = _index_sections(table)
     common = {
         **meta,
         "record_count": count,
@@ -130,6 +96,62 @@ def write_shard(
             "data_file_size": data_header["file_size"],
         }
         return index_file.finish("index", index_fields, sync)
+
+
+def _value_width(values: ValueSource, order: np.ndarray) -> tuple[int, np.ndarray]:
+    """The shard's value width (0: variable) and, when variable, each live row's length.
+
+    The layout depends on the live values alone: fixed width when they all have one non-zero
+    length, however the input was batched (a batch of mixed lengths reads as variable even
+    where this shard's share of it is not)."""
+    count = int(order.shape[0])
+    width = values.width if count else 0
+    lengths = np.empty(0, np.int64)
+    if count and not width:
+        lengths = values.lengths().take(order)
+        if lengths[0] > 0 and (lengths == lengths[0]).all():
+            width = int(lengths[0])
+    return width, lengths
+
+
+def _data_sections(
+    values: ValueSource, order: np.ndarray, width: int, lengths: np.ndarray
+) -> tuple[dict[str, Any], int]:
+    """data.cube's sections (the values in row order, written in chunks of about
+    _WRITE_CHUNK_BYTES, and the offsets when variable-width) and the values' byte count."""
+    count = int(order.shape[0])
+    if width:
+        value_bytes = count * width
+        step = max(1, _WRITE_CHUNK_BYTES // width)
+    else:
+        offsets = np.zeros(count + 1, dtype=np.uint64)
+        np.cumsum(lengths, out=offsets[1:])
+        value_bytes = int(offsets[-1])
+        step = max(1, _WRITE_CHUNK_BYTES * count // max(value_bytes, 1))
+
+    def value_chunks() -> Iterator[np.ndarray]:
+        for start in range(0, count, step):
+            yield values.take(order[start : start + step]).blob
+
+    sections: dict[str, Any] = {"values": (value_bytes, value_chunks())}
+    if not width:
+        sections["offsets"] = (offsets.nbytes, iter([offsets.astype("<u8")]))
+    return sections, value_bytes
+
+
+def _index_sections(table: HashTable) -> dict[str, Any]:
+    """index.cube's sections: the hash table's slots and buckets, and the deleted keys."""
+    return {
+        "slot_keys": (table.slot_keys.nbytes, iter([table.slot_keys.astype("<u8", copy=False)])),
+        "bucket_rows": (
+            table.bucket_rows.nbytes,
+            iter([table.bucket_rows.astype("<u4", copy=False)]),
+        ),
+        "deleted_keys": (
+            table.deleted_keys.nbytes,
+            iter([table.deleted_keys.astype("<u8", copy=False)]),
+        ),
+    }
 
 
 def content_build_id(fields: dict[str, Any], *section_tables: dict[str, list[int]]) -> str:

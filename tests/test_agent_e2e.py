@@ -11,8 +11,9 @@ import hashlib
 import os
 import tarfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from helpers.agent_helpers import (
@@ -30,30 +31,45 @@ from helpers.agent_helpers import (
 
 if TYPE_CHECKING:
     from conftest import Deployment
+    from helpers.procs import ServerProc
 
 pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
 
 BASE, DELTA1, DELTA2 = "1700000000", "1700000000_1700000100", "1700000000_1700000200"
 
 
+class Env:
+    """The shared deployment (tests/conftest.py) with its HTTP file server (`http`) and its
+    cube-server (`server`) started: the deployment's fields, these two not Optional."""
+
+    def __init__(self, deployment: Deployment) -> None:
+        deployment.http = self.http = deployment.serve_files()
+        self.server: ServerProc = deployment.start_server()
+        self.tmp, self.files, self.deploy, self.data = (
+            deployment.tmp, deployment.files, deployment.deploy, deployment.data,
+        )  # fmt: skip
+        self.closers: list[Callable[[], object]] = deployment.closers
+        self.agent = deployment.agent
+
+
 @pytest.fixture
-def env(deployment: Deployment):
-    """The shared deployment (tests/conftest.py) with its HTTP file server (`env.http`) and
-    its cube-server (`env.server`) running."""
-    deployment.http = deployment.serve_files()
-    deployment.start_server()
-    return deployment
+def env(deployment: Deployment) -> Env:
+    return Env(deployment)
 
 
-def tar_for(env, name: str, seed: int = 0, n_keys: int = 1000) -> dict[str, str]:
+def tar_for(env: Env, name: str, seed: int = 0, n_keys: int = 1000) -> dict[str, str]:
     """Builder-style `<name>.tar` + `.md5` in the file root; the download fields for it (its
     HTTP URL as `source`, and its `md5`)."""
     md5 = make_shard_tar(env.files / f"{name}.tar", n_keys=n_keys, seed=seed)
     return {"source": f"{env.http.url}/{name}.tar", "md5": md5}
 
 
-def deploy(agent: AgentProc, version: str, src: dict[str, str], **body) -> None:
-    steps = (("download", {**src, **body}), ("reload", {}), ("enable", {}))
+def deploy(agent: AgentProc, version: str, src: dict[str, str], **body: Any) -> None:
+    steps: tuple[tuple[str, dict[str, Any]], ...] = (
+        ("download", {**src, **body}),
+        ("reload", {}),
+        ("enable", {}),
+    )
     for command, extra in steps:
         task = agent.run(command, version, **extra)
         assert task["state"] == "succeeded", task
@@ -66,7 +82,7 @@ def visible_entries(data: Path) -> set[str]:
 # ------------------------------------------------------------------ the main path
 
 
-def test_base_then_delta_with_chain_and_idempotent_repeats(env) -> None:
+def test_base_then_delta_with_chain_and_idempotent_repeats(env: Env) -> None:
     agent = env.agent()
     deploy(agent, BASE, tar_for(env, "base", seed=1), dict_name="t", shard_seq=0, mode="base")
     assert (env.data / "VERSION").read_text() == f"{BASE}\n"
@@ -106,7 +122,7 @@ def test_base_then_delta_with_chain_and_idempotent_repeats(env) -> None:
     assert {(t["command"], t["version"]) for t in status["tasks"]} >= {("enable", DELTA1)}
 
 
-def test_another_tar_under_a_placed_version_name_fails_loudly(env) -> None:
+def test_another_tar_under_a_placed_version_name_fails_loudly(env: Env) -> None:
     """A repeat of a succeeded download is answered from the task only when it asks for the
     same tar: another build under the same version name fails, and the placed one stays."""
     agent = env.agent()
@@ -120,7 +136,7 @@ def test_another_tar_under_a_placed_version_name_fails_loudly(env) -> None:
     assert (env.data / BASE / "data.cube").read_bytes() == placed
 
 
-def test_original_style_version_pair_and_builder_dir_names(env) -> None:
+def test_original_style_version_pair_and_builder_dir_names(env: Env) -> None:
     agent = env.agent()
     src = tar_for(env, "b", seed=3)
     task = agent.run("download", f"{BASE}_{BASE}", **src)  # the builder's base dir name
@@ -136,7 +152,7 @@ def test_original_style_version_pair_and_builder_dir_names(env) -> None:
 # ------------------------------------------------------------------ sources
 
 
-def test_ftp_source_with_resume(env) -> None:
+def test_ftp_source_with_resume(env: Env) -> None:
     ftp = FtpFileServer(env.files)
     try:
         agent = env.agent("--md5_from_source")  # the original transfer sends no md5
@@ -152,7 +168,7 @@ def test_ftp_source_with_resume(env) -> None:
         ftp.close()
 
 
-def test_file_url_and_plain_path(env) -> None:
+def test_file_url_and_plain_path(env: Env) -> None:
     agent = env.agent("--allow_file_sources")
     md5_a = make_shard_tar(env.files / "a.tar", seed=6)
     md5_b = make_shard_tar(env.files / "b.tar", seed=7)
@@ -166,7 +182,7 @@ def test_file_url_and_plain_path(env) -> None:
 # ------------------------------------------------------------------ integrity
 
 
-def test_resume_after_truncated_part_and_recovery_from_a_bad_part(env) -> None:
+def test_resume_after_truncated_part_and_recovery_from_a_bad_part(env: Env) -> None:
     agent = env.agent()
     src = tar_for(env, "r", seed=8, n_keys=20000)
     whole = (env.files / "r.tar").read_bytes()
@@ -190,7 +206,7 @@ def test_resume_after_truncated_part_and_recovery_from_a_bad_part(env) -> None:
     assert good["state"] == "succeeded" and good["runs"] == 2, good
 
 
-def test_md5_mismatch_places_nothing(env) -> None:
+def test_md5_mismatch_places_nothing(env: Env) -> None:
     agent = env.agent("--md5_from_source")
     url = tar_for(env, "m", seed=10)["source"]
     task = agent.run("download", BASE, source=url, md5="0" * 32)
@@ -204,7 +220,7 @@ def test_md5_mismatch_places_nothing(env) -> None:
     assert task["state"] == "failed" and "md5 mismatch" in task["message"]
 
 
-def test_corrupt_tars_refused(env) -> None:
+def test_corrupt_tars_refused(env: Env) -> None:
     agent = env.agent()
     for damage in ("truncated", "garbage"):
         name = f"c-{damage}"
@@ -237,7 +253,7 @@ HOSTILE_MEMBERS = [
 ]
 
 
-def test_hostile_tars_refused_and_nothing_written_outside(env) -> None:
+def test_hostile_tars_refused_and_nothing_written_outside(env: Env) -> None:
     agent = env.agent()
     make_shard_tar(env.files / "good.tar", seed=12)
     for i, (member, why) in enumerate(HOSTILE_MEMBERS):
@@ -258,7 +274,7 @@ def test_hostile_tars_refused_and_nothing_written_outside(env) -> None:
 # ------------------------------------------------------------------ API behaviour
 
 
-def test_token_required(env) -> None:
+def test_token_required(env: Env) -> None:
     agent = env.agent(token="s3cret")
     status, reply = agent.call("GET", "/agent/status", token=None)
     assert status == 401 and reply["success"] == "255" and "unauthorized" in reply["message"]
@@ -273,7 +289,7 @@ def test_token_required(env) -> None:
     assert agent.status()["status"] == "RUNNING"  # with the bearer header
 
 
-def test_envelopes_for_unknown_api_bad_requests_and_unknown_tasks(env) -> None:
+def test_envelopes_for_unknown_api_bad_requests_and_unknown_tasks(env: Env) -> None:
     agent = env.agent()
     status, reply = agent.call("GET", "/agent/nothing")
     assert status == 404 and reply["success"] == "2"
@@ -290,7 +306,7 @@ def test_envelopes_for_unknown_api_bad_requests_and_unknown_tasks(env) -> None:
     assert status == 400 and "command" in reply["message"]
 
 
-def test_server_unreachable_fails_the_task_with_a_clear_message(env) -> None:
+def test_server_unreachable_fails_the_task_with_a_clear_message(env: Env) -> None:
     agent = env.agent(server="127.0.0.1:1")
     assert agent.run("download", BASE, **tar_for(env, "u"))["state"] == "succeeded"
     task = agent.run("reload", BASE)
@@ -302,7 +318,7 @@ def test_server_unreachable_fails_the_task_with_a_clear_message(env) -> None:
     assert not (env.data / "VERSION").exists()
 
 
-def test_enable_requires_a_loaded_version(env) -> None:
+def test_enable_requires_a_loaded_version(env: Env) -> None:
     agent = env.agent()
     assert agent.run("download", BASE, **tar_for(env, "e"))["state"] == "succeeded"
     task = agent.run("enable", BASE)
@@ -314,7 +330,7 @@ def test_enable_requires_a_loaded_version(env) -> None:
 # ------------------------------------------------------------------ rollback and retention
 
 
-def test_rollback_to_previous_and_to_an_unloaded_version(env) -> None:
+def test_rollback_to_previous_and_to_an_unloaded_version(env: Env) -> None:
     agent = env.agent("--keep", "3")
     for i, version in enumerate(("100", "200", "300")):
         deploy(agent, version, tar_for(env, f"v{version}", seed=20 + i))
@@ -333,7 +349,7 @@ def test_rollback_to_previous_and_to_an_unloaded_version(env) -> None:
     assert gone["state"] == "failed" and "not on disk" in gone["message"]
 
 
-def test_rollback_to_a_delta_on_disk_loads_its_chain(env) -> None:
+def test_rollback_to_a_delta_on_disk_loads_its_chain(env: Env) -> None:
     agent = env.agent("--keep", "5")
     deploy(agent, BASE, tar_for(env, "b", seed=70))
     deploy(agent, DELTA1, tar_for(env, "d1", seed=71), chain=[BASE, DELTA1])
@@ -351,7 +367,7 @@ def test_rollback_to_a_delta_on_disk_loads_its_chain(env) -> None:
     assert (env.data / "VERSION").read_text() == f"{DELTA1}\n"
 
 
-def test_retention_keeps_serving_versions_and_the_current_chain(env) -> None:
+def test_retention_keeps_serving_versions_and_the_current_chain(env: Env) -> None:
     agent = env.agent("--keep", "2")
     deploy(agent, "100", tar_for(env, "a", seed=30))
     for i, version in enumerate(("200", "300", "400")):  # downloaded, never enabled
@@ -382,7 +398,7 @@ def test_retention_keeps_serving_versions_and_the_current_chain(env) -> None:
 # ------------------------------------------------------------------ crashes
 
 
-def test_kill9_during_download_then_restart_resumes(env) -> None:
+def test_kill9_during_download_then_restart_resumes(env: Env) -> None:
     src = tar_for(env, "k", seed=50, n_keys=40000)
     size = (env.files / "k.tar").stat().st_size
     slow = env.agent("--limit_rate", str(size // 8))  # about 8 s for the whole tar
@@ -415,7 +431,7 @@ def test_kill9_during_download_then_restart_resumes(env) -> None:
     assert sorted(p.name for p in (env.data / BASE).iterdir()) == ["data.cube", "index.cube"]
 
 
-def test_restart_remembers_placed_versions_and_drops_half_extracted_dirs(env) -> None:
+def test_restart_remembers_placed_versions_and_drops_half_extracted_dirs(env: Env) -> None:
     agent = env.agent()
     src = tar_for(env, "p", seed=60)
     deploy(agent, BASE, src)
@@ -434,7 +450,7 @@ def test_restart_remembers_placed_versions_and_drops_half_extracted_dirs(env) ->
 # ------------------------------------------------------------------ the transfer's own client
 
 
-def test_transfer_agent_client_drives_a_real_agent(env) -> None:
+def test_transfer_agent_client_drives_a_real_agent(env: Env) -> None:
     """cube-transfer's AgentClient/drive (transfer/agents.py) against this agent: the contract
     as the other side reads it, with the transfer's full Work fields and a token."""
     import asyncio
@@ -442,27 +458,28 @@ def test_transfer_agent_client_drives_a_real_agent(env) -> None:
 
     import aiohttp
 
-    from cube.transfer.agents import AgentClient, drive
+    from cube.transfer.agents import AgentClient, Outcome, drive
     from cube.transfer.config import Instance
 
     agent = env.agent(token="t0k")
     url = tar_for(env, "tr", seed=80)["source"]
     md5 = (env.files / "tr.tar.md5").read_text().split()[0]
-    agent_url = urlsplit(agent.url)
+    agent_port = urlsplit(agent.url).port
+    assert agent_port is not None, agent.url
     server_port = int(env.server.address.rsplit(":", 1)[1])
-    inst = Instance(0, 0, "127.0.0.1", agent_url.port, "127.0.0.1", server_port, str(env.deploy))
+    inst = Instance(0, 0, "127.0.0.1", agent_port, "127.0.0.1", server_port, str(env.deploy))
 
-    def fields(command: str, version: str, **extra) -> dict:
+    def fields(command: str, version: str, **extra: object) -> dict[str, object]:
         return {
             "dict_name": "t", "shard_seq": 0, "deploy_path": str(env.deploy),
             "command": command, "version": version, "depend": BASE, "mode": "base",
             "source": url, "port": server_port, "id": BASE, "key": "k", **extra,
         }  # fmt: skip
 
-    async def scenario():
+    async def scenario() -> tuple[list[Outcome], Outcome, dict[str, Any]]:
         async with aiohttp.ClientSession() as session:
             client = AgentClient(session, token="t0k")
-            outcomes = []
+            outcomes: list[Outcome] = []
             for command in ("download", "reload", "enable"):
                 extra = {"md5": md5, "size": (env.files / "tr.tar").stat().st_size}
                 outcome = await drive(client, inst, fields(command, BASE, **extra), 60, 1)
@@ -477,7 +494,7 @@ def test_transfer_agent_client_drives_a_real_agent(env) -> None:
     assert server_state(env.server.control_address) == (BASE, "")
 
 
-def test_one_agent_serves_two_instances_told_apart_by_deploy_path(env) -> None:
+def test_one_agent_serves_two_instances_told_apart_by_deploy_path(env: Env) -> None:
     """As the original's transfer.conf has it: two instances (deploy path + cube-server) under
     one agent (--instances). The transfer's AgentClient drives each by its deploy_path; a
     command that names none is refused, naming both; each server serves its own table."""
@@ -496,6 +513,7 @@ def test_one_agent_serves_two_instances_told_apart_by_deploy_path(env) -> None:
     env.closers.append(server2.stop)
     agent = env.agent("--instances", f"{second}={server2.control_address}")
     port = urlsplit(agent.url).port
+    assert port is not None, agent.url
     places = [(env.deploy, env.server, 1), (second, server2, 2)]
     insts = [
         Instance(0, j, "127.0.0.1", port, "127.0.0.1", int(server.address.rsplit(":", 1)[1]),
@@ -504,7 +522,7 @@ def test_one_agent_serves_two_instances_told_apart_by_deploy_path(env) -> None:
     ]  # fmt: skip
     sources = [tar_for(env, f"i{seed}", seed=seed) for _d, _s, seed in places]
 
-    async def scenario():
+    async def scenario() -> list[dict[str, Any]]:
         async with aiohttp.ClientSession() as session:
             client = AgentClient(session)
             for inst, src in zip(insts, sources, strict=True):
@@ -518,8 +536,8 @@ def test_one_agent_serves_two_instances_told_apart_by_deploy_path(env) -> None:
 
     statuses = asyncio.run(scenario())
     assert [s["deploy_path"] for s in statuses] == [str(env.deploy), str(second)]
-    for (deploy, server, seed), status in zip(places, statuses, strict=True):
-        assert status["server"]["address"] == server.control_address
+    for (deploy, server, seed), instance_status in zip(places, statuses, strict=True):
+        assert instance_status["server"]["address"] == server.control_address
         assert server_state(server.control_address) == (BASE, "")
         keys, rows = shard_content(1000, 16, seed=seed)
         assert seek(server.address, keys[:50]) == [r.tobytes() for r in rows[:50]]
@@ -534,7 +552,7 @@ def test_one_agent_serves_two_instances_told_apart_by_deploy_path(env) -> None:
     assert status == 400 and "is none of this agent's instances" in reply["message"]
 
 
-def test_metrics_count_tasks_steps_and_bytes(env) -> None:
+def test_metrics_count_tasks_steps_and_bytes(env: Env) -> None:
     """The agent's metrics endpoint after real tasks: outcomes, step timings, bytes fetched
     and what is on disk."""
     from helpers.procs import scrape
@@ -564,17 +582,19 @@ def test_metrics_count_tasks_steps_and_bytes(env) -> None:
     assert get("cube_agent_tasks_running", command="download") == 0
 
 
-def original_transfer_body(command: str, version: str, **fields: object) -> dict:
+def original_transfer_body(command: str, version: str, **fields: object) -> dict[str, object]:
     """A POST /agent/cmd body as the original cube-transfer marshals it (every field of its
     command struct, zero values included)."""
-    body: dict = {"dict_name": "t", "shard_seq": 0, "deploy_path": "", "command": command,
-                  "version": version, "depend": version, "source": "", "mode": "base",
-                  "dict_mode": "base_only", "port": "", "rollback_info": None, "status": "",
-                  "finish_status": ""}  # fmt: skip
+    body: dict[str, object] = {
+        "dict_name": "t", "shard_seq": 0, "deploy_path": "", "command": command,
+        "version": version, "depend": version, "source": "", "mode": "base",
+        "dict_mode": "base_only", "port": "", "rollback_info": None, "status": "",
+        "finish_status": "",
+    }  # fmt: skip
     return {**body, **fields}
 
 
-def test_the_original_transfer_gets_its_answer_when_the_work_is_done(env) -> None:
+def test_the_original_transfer_gets_its_answer_when_the_work_is_done(env: Env) -> None:
     """The original transfer takes the reply to each command as its outcome: the agent waits
     for the task and answers "0" once done, "255" with the reason when it failed, and "255"
     saying so when it still runs after --sync_reply_timeout (this project's transfer, which
@@ -610,7 +630,7 @@ def test_the_original_transfer_gets_its_answer_when_the_work_is_done(env) -> Non
     assert ours["success"] == "0" and ours["data"]["state"] == "running"
 
 
-def test_a_delta_from_the_original_transfer_layers_over_the_enabled_version(env) -> None:
+def test_a_delta_from_the_original_transfer_layers_over_the_enabled_version(env: Env) -> None:
     """The original transfer sends no chain: the delta goes over the version enabled here (its
     chain, then the delta), as the original server layered a patch over what it served; one
     on another base is refused by name."""

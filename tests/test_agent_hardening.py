@@ -6,6 +6,7 @@ never echoed, the declared size enforced, and the HTTP API's envelope for every 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 import os
@@ -13,8 +14,7 @@ import shutil
 import subprocess
 import tarfile
 from pathlib import Path
-from types import SimpleNamespace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import pytest
@@ -34,10 +34,11 @@ from helpers.agent_helpers import (
     shard_content,
     write_md5,
 )
-from helpers.procs import start_server
+from helpers.procs import ServerProc, start_server
+from helpers.stubs import control_stub
 
 from cube.agent.fetch import FetchError, FetchPolicy, SourcePolicy, fetch_file, fetch_md5
-from cube.pb import cube_pb2, cube_pb2_grpc
+from cube.pb import cube_pb2
 from cube.processes import free_port, stop_child
 
 if TYPE_CHECKING:
@@ -52,7 +53,9 @@ FAST = FetchPolicy(attempts=3, backoff=0.01, timeout=20, io_timeout=5)
 HEADER = 4096  # shard file header; the first section starts here
 
 
-def tar_source(files: Path, url: str, name: str, seed: int = 0, n_keys: int = 1000) -> dict:
+def tar_source(
+    files: Path, url: str, name: str, seed: int = 0, n_keys: int = 1000
+) -> dict[str, str]:
     """Builder-style `<name>.tar` + `.md5` under `files`; the download fields for it."""
     md5 = make_shard_tar(files / f"{name}.tar", n_keys=n_keys, seed=seed)
     return {"source": f"{url}/{name}.tar", "md5": md5}
@@ -64,7 +67,7 @@ def no_secret_anywhere(agent: AgentProc) -> None:
 
 
 @pytest.fixture
-def env(deployment: Deployment):
+def env(deployment: Deployment) -> Deployment:
     """The shared deployment (tests/conftest.py): files served over HTTP on demand, agents
     started on demand (no cube-server unless a test starts one: an agent's --server then
     points at a closed port)."""
@@ -74,7 +77,7 @@ def env(deployment: Deployment):
 # ------------------------------------------------------------------ 4. the HTTP API
 
 
-def test_bad_json_bodies_get_a_400_envelope(env) -> None:
+def test_bad_json_bodies_get_a_400_envelope(env: Deployment) -> None:
     agent = env.agent()
     zeros = b"0" * 32
     bodies = {
@@ -96,7 +99,7 @@ def test_bad_json_bodies_get_a_400_envelope(env) -> None:
     assert agent.status()["status"] == "RUNNING"
 
 
-def test_bad_fields_get_a_400_not_a_500(env) -> None:
+def test_bad_fields_get_a_400_not_a_500(env: Deployment) -> None:
     agent = env.agent()
     zeros = "0" * 32
     bodies = [
@@ -113,7 +116,7 @@ def test_bad_fields_get_a_400_not_a_500(env) -> None:
     assert agent.status()["tasks"] == []
 
 
-def test_oversized_body_gets_a_413_envelope(env) -> None:
+def test_oversized_body_gets_a_413_envelope(env: Deployment) -> None:
     agent = env.agent()
     status, reply = agent.call_raw("/agent/cmd", b" " * (2 << 20))
     assert status == 413, (status, reply)
@@ -125,7 +128,7 @@ def test_oversized_body_gets_a_413_envelope(env) -> None:
 # ------------------------------------------------------------------ 2. sources and disclosure
 
 
-def test_download_requires_md5_unless_md5_from_source(env) -> None:
+def test_download_requires_md5_unless_md5_from_source(env: Deployment) -> None:
     http = env.serve_files()
     agent = env.agent()
     src = tar_source(env.files, http.url, "s")
@@ -140,7 +143,7 @@ def test_download_requires_md5_unless_md5_from_source(env) -> None:
     assert task["state"] == "succeeded", task
 
 
-def test_file_sources_refused_unless_enabled(env) -> None:
+def test_file_sources_refused_unless_enabled(env: Deployment) -> None:
     src = tar_source(env.files, f"file://{env.files}", "s")
     path = src["source"].removeprefix("file://")
     secret_dir = env.tmp / "secret"
@@ -174,19 +177,19 @@ def test_file_sources_refused_unless_enabled(env) -> None:
     assert task["state"] == "succeeded", task
 
 
-def test_allowed_sources_match_the_parsed_url_and_every_redirect(env) -> None:
+def test_allowed_sources_match_the_parsed_url_and_every_redirect(env: Deployment) -> None:
     other = env.serve_files()  # a server the deployment does not allow
     (env.files / "ok").mkdir()
     md5 = tar_source(env.files / "ok", "", "s")["md5"]
     own: dict[str, str] = {}
 
-    async def moved(request: pytest.FixtureRequest):
+    async def moved(request: web.Request) -> web.Response:
         return _redirect(f"{own['url']}/ok/s.tar")
 
-    async def away(request: pytest.FixtureRequest):
+    async def away(request: web.Request) -> web.Response:
         return _redirect(f"{other.url}/ok/s.tar")
 
-    async def relative(request: pytest.FixtureRequest):
+    async def relative(request: web.Request) -> web.Response:
         return _redirect("../s.tar")
 
     http = env.serve_files({"/ok/moved.tar": moved, "/ok/away.tar": away, "/ok/up.tar": relative})
@@ -233,7 +236,7 @@ def _redirect(location: str) -> web.Response:
     return web.Response(status=302, headers={"Location": location})
 
 
-def test_fetched_content_never_appears_in_messages(env) -> None:
+def test_fetched_content_never_appears_in_messages(env: Deployment) -> None:
     """md5 files, HTTP reason phrases, non-HTTP banners, FTP replies, shard headers: a source the
     agent may fetch can hold a secret, and the task messages (shown by /agent/status) are no
     way to read it."""
@@ -242,7 +245,7 @@ def test_fetched_content_never_appears_in_messages(env) -> None:
     (env.files / "shadow").write_bytes(SECRET + b"\n")
     (env.files / "shadow.md5").write_bytes(SECRET + b"\n")
 
-    async def reason(request: pytest.FixtureRequest):
+    async def reason(request: web.Request) -> web.Response:
         return web.Response(status=404, reason=SECRET.decode())
 
     http = env.serve_files({"/reason.tar": reason})
@@ -282,7 +285,7 @@ def test_fetched_content_never_appears_in_messages(env) -> None:
 # ------------------------------------------------------------------ 3. the declared size
 
 
-def _size_server(env) -> tuple[HttpFileServer, list[int]]:
+def _size_server(env: Deployment) -> tuple[HttpFileServer, list[int]]:
     """/endless.tar: a chunked body far bigger than any declared size (8 MiB at most, the bytes
     sent counted); /long.tar: 300000 bytes with their Content-Length."""
     sent = [0]
@@ -302,12 +305,12 @@ def _size_server(env) -> tuple[HttpFileServer, list[int]]:
     return env.serve_files(routes), sent
 
 
-def test_fetch_stops_at_the_declared_size(env) -> None:
+def test_fetch_stops_at_the_declared_size(env: Deployment) -> None:
     http, sent = _size_server(env)
     part = env.tmp / "p.part"
     seen: list[int] = []
 
-    def progress(done, total) -> None:
+    def progress(done: int, total: int | None) -> None:
         seen.append(done)
 
     size = 100_000
@@ -336,7 +339,7 @@ def test_fetch_stops_at_the_declared_size(env) -> None:
         assert seen == [] and not part.exists(), source
 
 
-def test_fetches_of_unknown_size_are_bounded(env) -> None:
+def test_fetches_of_unknown_size_are_bounded(env: Deployment) -> None:
     """No declared size: a cap still stops the transfer (the agent passes half the free disk;
     an md5 file may have 64 KiB)."""
     http, sent = _size_server(env)
@@ -350,7 +353,7 @@ def test_fetches_of_unknown_size_are_bounded(env) -> None:
     assert sent[0] < 2 * 128 * 65536 and not list(env.tmp.glob("big.tar.md5*"))
 
 
-def test_parts_that_cannot_be_resumed_are_not_kept(env) -> None:
+def test_parts_that_cannot_be_resumed_are_not_kept(env: Deployment) -> None:
     http = env.serve_files()
     part = env.tmp / "gone.tar.part"
     part.write_bytes(b"z" * 5000)  # from an earlier attempt; the source has gone since
@@ -359,7 +362,7 @@ def test_parts_that_cannot_be_resumed_are_not_kept(env) -> None:
     assert not part.exists()
 
 
-def test_agent_download_with_a_wrong_size_fails_at_once_and_keeps_nothing(env) -> None:
+def test_agent_download_with_a_wrong_size_fails_at_once_and_keeps_nothing(env: Deployment) -> None:
     http, _sent = _size_server(env)
     agent = env.agent()
     src = tar_source(env.files, http.url, "s", n_keys=5000)
@@ -375,23 +378,32 @@ def test_agent_download_with_a_wrong_size_fails_at_once_and_keeps_nothing(env) -
 # ------------------------------------------------------------------ 1. corrupt placed versions
 
 
-@pytest.fixture
-def cluster(env):
+@dataclasses.dataclass
+class Served:
     """`env` plus a real cube-server on the deploy's data dir and an agent driving it."""
+
+    env: Deployment
+    http: HttpFileServer
+    agent: AgentProc
+    server: ServerProc
+
+    def restart(self) -> None:
+        """The server stopped and started again on its ports."""
+        ports, controls = self.server.ports, self.server.control_ports
+        self.server.stop()
+        self.server = start_server(self.env.data, ports=ports, control_ports=controls)
+
+
+@pytest.fixture
+def cluster(env: Deployment) -> Served:
     http = env.serve_files()
-    box = SimpleNamespace(server=env.start_server())
-    env.closers.append(lambda: box.server.stop())  # the restarted one
-    agent = env.agent()
-
-    def restart_server() -> None:
-        ports, controls = box.server.ports, box.server.control_ports
-        box.server.stop()
-        box.server = start_server(env.data, ports=ports, control_ports=controls)
-
-    return SimpleNamespace(env=env, http=http, agent=agent, box=box, restart=restart_server)
+    server = env.start_server()
+    env.closers.append(lambda: served.server.stop())  # the restarted one (`served`: below)
+    served = Served(env, http, env.agent(), server)
+    return served
 
 
-def _deploy(agent: AgentProc, version: str, **download) -> None:
+def _deploy(agent: AgentProc, version: str, **download: Any) -> None:
     for command, body in (("download", download), ("reload", {}), ("enable", {})):
         task = agent.run(command, version, **body)
         assert task["state"] == "succeeded", task
@@ -401,13 +413,13 @@ def _values_offset() -> int:
     return HEADER + 100  # inside the values section, past the header
 
 
-def test_corrupt_placed_version_is_quarantined_and_placed_again(cluster) -> None:
+def test_corrupt_placed_version_is_quarantined_and_placed_again(cluster: Served) -> None:
     env, agent, http = cluster.env, cluster.agent, cluster.http
     src = tar_source(env.files, http.url, "b", seed=1)
     _deploy(agent, BASE, **src)
     flip_byte(env.data / BASE / "data.cube", _values_offset())
     cluster.restart()  # the server refuses to serve it at start
-    assert server_state(cluster.box.server.control_address) == ("", "")
+    assert server_state(cluster.server.control_address) == ("", "")
     fetched = len(http.requests)
 
     # the transfer's catch-up: download, reload, enable
@@ -426,10 +438,10 @@ def test_corrupt_placed_version_is_quarantined_and_placed_again(cluster) -> None
     for command in ("reload", "enable"):
         assert agent.run(command, BASE)["state"] == "succeeded"
     keys, rows = shard_content(1000, 16, seed=1)
-    assert seek(cluster.box.server.address, keys[:200]) == [r.tobytes() for r in rows[:200]]
+    assert seek(cluster.server.address, keys[:200]) == [r.tobytes() for r in rows[:200]]
 
 
-def test_corrupt_base_under_a_delta_is_placed_again_with_its_chain(cluster) -> None:
+def test_corrupt_base_under_a_delta_is_placed_again_with_its_chain(cluster: Served) -> None:
     env, agent, http = cluster.env, cluster.agent, cluster.http
     base = tar_source(env.files, http.url, "b", seed=2)
     delta = tar_source(env.files, http.url, "d", seed=3)
@@ -439,7 +451,7 @@ def test_corrupt_base_under_a_delta_is_placed_again_with_its_chain(cluster) -> N
     cached = env.deploy / "cube_data" / "0" / BASE / "b.tar"
     flip_byte(cached, cached.stat().st_size // 2)  # the cached tar went bad too
     cluster.restart()
-    assert server_state(cluster.box.server.control_address) == ("", "")
+    assert server_state(cluster.server.control_address) == ("", "")
 
     task = agent.run("reload", DELTA1)
     assert task["state"] == "failed" and task["reason"] == "corrupt_version", task
@@ -457,34 +469,34 @@ def test_corrupt_base_under_a_delta_is_placed_again_with_its_chain(cluster) -> N
         assert task["state"] == "succeeded", task
     base_keys, base_rows = shard_content(1000, 16, seed=2)
     delta_keys, delta_rows = shard_content(1000, 16, seed=3)
-    got = seek(cluster.box.server.address, [*base_keys[:50], *delta_keys[:50]])
+    got = seek(cluster.server.address, [*base_keys[:50], *delta_keys[:50]])
     assert got == [r.tobytes() for r in base_rows[:50]] + [r.tobytes() for r in delta_rows[:50]]
 
 
-def test_rollback_to_a_corrupt_version_places_it_again(cluster) -> None:
+def test_rollback_to_a_corrupt_version_places_it_again(cluster: Served) -> None:
     env, http = cluster.env, cluster.http
     cluster.agent.stop()
-    agent = env.agent("--keep", "3", server=cluster.box.server.control_address)
+    agent = env.agent("--keep", "3", server=cluster.server.control_address)
     old = tar_source(env.files, http.url, "o", seed=7)
     _deploy(agent, "100", **old)
     for version, seed in (("200", 8), ("300", 9)):
         _deploy(agent, version, **tar_source(env.files, http.url, f"v{version}", seed=seed))
-    assert server_state(cluster.box.server.control_address) == ("300", "200")
+    assert server_state(cluster.server.control_address) == ("300", "200")
     flip_byte(env.data / "100" / "data.cube", _values_offset())  # on disk only, not loaded
     task = agent.run("rollback", "100")
     assert task["state"] == "failed" and task["reason"] == "corrupt_version", task
     assert "data/100/data.cube" in task["message"] and "100" not in agent.status()["versions"]
-    assert server_state(cluster.box.server.control_address) == ("300", "200")  # still serving
+    assert server_state(cluster.server.control_address) == ("300", "200")  # still serving
     fetched = len(http.requests)
     assert agent.run("download", "100", **old)["state"] == "succeeded"
     task = agent.run("rollback", "100")
     assert task["state"] == "succeeded", task
     assert len(http.requests) == fetched and (env.data / "VERSION").read_text() == "100\n"
     keys, rows = shard_content(1000, 16, seed=7)
-    assert seek(cluster.box.server.address, keys[:100]) == [r.tobytes() for r in rows[:100]]
+    assert seek(cluster.server.address, keys[:100]) == [r.tobytes() for r in rows[:100]]
 
 
-def test_download_checks_placed_files_and_never_touches_served_ones(cluster) -> None:
+def test_download_checks_placed_files_and_never_touches_served_ones(cluster: Served) -> None:
     env, agent, http = cluster.env, cluster.agent, cluster.http
     served = tar_source(env.files, http.url, "b", seed=4)
     _deploy(agent, BASE, **served)
@@ -511,7 +523,7 @@ def test_download_checks_placed_files_and_never_touches_served_ones(cluster) -> 
     # a damaged base (not loaded) under a placed delta: the base is placed again, the delta,
     # removed with it (it cannot load over a missing base), comes back with its own download
     base2, delta2 = "1900000000", "1900000000_1900000100"
-    srcs = {
+    srcs: dict[str, dict[str, Any]] = {
         base2: tar_source(env.files, http.url, "b2", seed=10),
         delta2: {**tar_source(env.files, http.url, "d2", seed=11), "chain": [base2, delta2]},
     }
@@ -536,13 +548,13 @@ def test_download_checks_placed_files_and_never_touches_served_ones(cluster) -> 
     task = agent.run("download", BASE, **served)
     assert task["state"] == "failed" and "cube-server holds it" in task["message"], task
     assert (env.data / BASE).is_dir()
-    assert server_state(cluster.box.server.control_address)[0] == BASE
+    assert server_state(cluster.server.control_address)[0] == BASE
 
 
 # ------------------------------------------------------------------ issue 24: one agent a directory
 
 
-def refused_agent(deploy: Path, *extra: str) -> subprocess.CompletedProcess:
+def refused_agent(deploy: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     """A cube-agent started on `deploy` that is expected to refuse to start (it is stopped
     after WAIT seconds if it does not: then its return code is None)."""
     argv = [str(AGENT_BIN), "-P", "0", "--deploy_path", str(deploy), "--server",
@@ -557,7 +569,7 @@ def refused_agent(deploy: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
-def test_a_second_agent_process_on_the_same_directory_is_refused(env) -> None:
+def test_a_second_agent_process_on_the_same_directory_is_refused(env: Deployment) -> None:
     """Through a symlink to the first agent's deploy path, or the same path: the second agent
     process exits 1 naming the directory and the first agent's pid, and the first agent's
     extraction in progress (its .tmp-* folder) is left alone (a second agent used to remove
@@ -572,14 +584,14 @@ def test_a_second_agent_process_on_the_same_directory_is_refused(env) -> None:
         done = refused_agent(path)
         assert done.returncode == 1, (done.returncode, done.stderr)
         assert f"deploy_path {path} ({env.deploy}) is managed by another cube-agent" in done.stderr
-        assert f"(pid {first.proc.pid}, at {env.deploy})" in done.stderr
+        assert first.proc is not None and f"(pid {first.proc.pid}, at {env.deploy})" in done.stderr
     assert (staging / "index.cube").read_bytes() == b"half-written"
     first.stop()
     second = AgentProc(link, f"127.0.0.1:{free_port()}").start()  # the first is gone: fine
     env.closers.append(second.stop)
 
 
-def test_nested_deploy_paths_are_refused_both_ways(env) -> None:
+def test_nested_deploy_paths_are_refused_both_ways(env: Deployment) -> None:
     """An agent whose deploy path lies inside another agent's (or holds one) would take the
     other's files for its own: refused at start, in either order, naming both; and within one
     process (--instances), a flag error naming both."""
@@ -609,7 +621,7 @@ def test_nested_deploy_paths_are_refused_both_ways(env) -> None:
         assert f"--instances: {problem}" in done.stderr
 
 
-def test_the_agents_staging_folder_cannot_be_loaded_as_a_version(cluster) -> None:
+def test_the_agents_staging_folder_cannot_be_loaded_as_a_version(cluster: Served) -> None:
     """A control token holder naming the agent's hidden staging folder (`.tmp-*`, half
     written while the agent extracts) as a version is refused by the server (it loaded it)
     and by the agent; the served version keeps serving."""
@@ -617,19 +629,27 @@ def test_the_agents_staging_folder_cannot_be_loaded_as_a_version(cluster) -> Non
     _deploy(agent, BASE, **tar_source(env.files, http.url, "b", seed=1))
     staging = env.data / ".tmp-1700000200-4242"
     shutil.copytree(env.data / BASE, staging)  # an extraction in progress, as the agent names it
-    server = cluster.box.server
+    server = cluster.server
     with grpc.insecure_channel(server.control_address) as channel:
-        stub = cube_pb2_grpc.ControlServiceStub(channel)
+        stub = control_stub(channel)
         for cmd, field in (("bg_load_base", "version_path"), ("enable", "version")):
             with pytest.raises(grpc.RpcError) as refused:
                 stub.cmd(cube_pb2.ControlRequest(cmd=cmd, **{field: f"/{staging.name}"}),
                          timeout=WAIT)  # fmt: skip
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, cmd
-            assert f"'{staging.name}' is not a version name" in refused.value.details()
-            assert "an agent's staging folder" in refused.value.details()
+            details = refused.value.details() or ""
+            assert f"'{staging.name}' is not a version name" in details
+            assert "an agent's staging folder" in details
     assert server_state(server.control_address) == (BASE, "")
     status, reply = agent.call("POST", "/agent/cmd", {"command": "reload", "version": staging.name})
     assert status == 400 and "is not a valid name" in reply["message"], reply
+
+
+def _member(tar: tarfile.TarFile, name: str) -> bytes:
+    """The bytes of a regular file in `tar`."""
+    member = tar.extractfile(name)
+    assert member is not None, name
+    return member.read()
 
 
 def _sparse_shard_tar(path: Path, good_tar: Path, claimed: int) -> str:
@@ -637,7 +657,7 @@ def _sparse_shard_tar(path: Path, good_tar: Path, claimed: int) -> str:
     bytes and unpacks to `claimed` bytes (Python's tarfile reads such members but cannot write
     them: the header is made here); its md5."""
     with tarfile.open(good_tar) as good:
-        index = good.extractfile("./index.cube").read()
+        index = _member(good, "./index.cube")
     plain = tarfile.TarInfo("./index.cube")
     plain.size = len(index)
     sparse = tarfile.TarInfo("./data.cube")
@@ -654,7 +674,9 @@ def _sparse_shard_tar(path: Path, good_tar: Path, claimed: int) -> str:
     return write_md5(path)
 
 
-def test_a_tar_that_unpacks_past_its_recorded_size_is_refused_before_extraction(env) -> None:
+def test_a_tar_that_unpacks_past_its_recorded_size_is_refused_before_extraction(
+    env: Deployment,
+) -> None:
     """A 300 MB of zeros gzipped into a few hundred KB (it was extracted in full), and a plain
     tar whose sparse member claims 300 MB: refused before a byte is written, naming the bound,
     with no partial directory left in data/."""
@@ -664,7 +686,7 @@ def test_a_tar_that_unpacks_past_its_recorded_size_is_refused_before_extraction(
     bomb = env.files / "bomb.tar"
     with tarfile.open(bomb, "w:gz", compresslevel=9) as tar:
         with tarfile.open(env.files / "good.tar") as good:
-            add_bytes(tar, "./index.cube", good.extractfile("./index.cube").read())
+            add_bytes(tar, "./index.cube", _member(good, "./index.cube"))
         info = tarfile.TarInfo("./data.cube")
         info.size = 300 << 20
         tar.addfile(info, io.BufferedReader(io.BytesIO(bytes(300 << 20))))

@@ -5,9 +5,12 @@ against a fake grpc.aio ControlService."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.agent_helpers import FakeServer, FtpFileServer, HttpFileServer, make_shard_tar
@@ -28,17 +31,24 @@ from cube.agent.layout import plan_retention
 from cube.agent.main import config_from_flags, flag_set
 from cube.agent.main import main as agent_main
 from cube.agent.tasks import (
-    FAILED,
     INTERRUPTED,
-    RUNNING,
-    SUCCEEDED,
+    Task,
     TaskBusy,
     TaskFailed,
     TaskManager,
 )
 from cube.agent.unpack import UnsafeTar, extract_shard_tar
 from cube.layout import member_problem
-from cube.protocol import BadRequest, check_name, normalize_chain, parse_work, version_dir_name
+from cube.protocol import (
+    FAILED,
+    RUNNING,
+    SUCCEEDED,
+    BadRequest,
+    check_name,
+    normalize_chain,
+    parse_work,
+    version_dir_name,
+)
 from cube.remote import redact
 
 FAST = FetchPolicy(
@@ -50,7 +60,7 @@ FAST = FetchPolicy(
 
 
 @pytest.mark.parametrize("bad", ["", "..", "a/b", "../x", "/abs", "a..b", ".hidden", "x" * 129, 5])
-def test_check_name_refuses_path_tricks(bad) -> None:
+def test_check_name_refuses_path_tricks(bad: object) -> None:
     with pytest.raises(BadRequest, match="not a valid name"):
         check_name("version", bad)
 
@@ -107,7 +117,7 @@ def test_parse_work_fields(tmp_path: Path) -> None:
         ({"command": "download", "version": "1", "source": "x", "size": 1.5}, "size"),
     ],
 )
-def test_parse_work_refusals_name_the_field(tmp_path: Path, body, field: str) -> None:
+def test_parse_work_refusals_name_the_field(tmp_path: Path, body: object, field: str) -> None:
     with pytest.raises(BadRequest, match=field):
         parse_work(body, tmp_path)
 
@@ -179,7 +189,7 @@ def test_bad_allowed_sources_entries_are_flag_errors(entry: str, tmp_path: Path)
     assert agent_main(["-P", "1", "--deploy_path", str(tmp_path), "--allowed_sources", entry]) == 2
 
 
-def test_passwords_are_not_shown():
+def test_passwords_are_not_shown() -> None:
     assert redact("ftp://user:s3cret@h/x.tar") == "ftp://***@h/x.tar"
     assert redact("http://h/x.tar") == "http://h/x.tar"
 
@@ -235,8 +245,8 @@ def _info(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.T
         (_info("x", tarfile.FIFOTYPE), "fifo"),
     ],
 )
-def test_member_problems(member, reason: str) -> None:
-    assert reason in member_problem(member)
+def test_member_problems(member: tarfile.TarInfo, reason: str) -> None:
+    assert reason in (member_problem(member) or "")
 
 
 def test_plain_members_pass() -> None:
@@ -275,7 +285,7 @@ def test_extract_keeps_a_margin_of_free_disk(
     free = files + (32 << 20)  # room for the files, not for the margin too
     disk = SimpleNamespace(f_bavail=free // 4096, f_bfree=free // 4096, f_frsize=4096,
                            f_blocks=(1 << 30) // 4096)  # fmt: skip
-    monkeypatch.setattr(unpack.os, "statvfs", lambda path: disk)
+    monkeypatch.setattr(os, "statvfs", lambda path: disk)  # the os unpack calls
     with pytest.raises(UnsafeTar, match=r"tar s\.tar: its files unpack to \d+ bytes or more, and "):
         extract_shard_tar(tmp_path / "s.tar", tmp_path / "data" / "v1")
     assert not (tmp_path / "data" / "v1").exists()
@@ -407,14 +417,14 @@ def test_internal_errors_answer_500_with_the_envelope_and_no_details(tmp_path: P
     from cube.agent.api import make_app
     from cube.agent.deploy import Agent, AgentConfig
 
-    async def scenario():
+    async def scenario() -> tuple[int, dict[str, Any]]:
         agent = Agent(AgentConfig(deploy_path=tmp_path, server="127.0.0.1:1"))
         agent.open()
 
-        async def broken() -> None:
+        async def broken() -> dict[str, Any]:
             raise RuntimeError("TOPSECRET from somewhere")
 
-        agent.status_json = broken  # type: ignore[method-assign]
+        agent.status_json = broken  # type: ignore[method-assign]  # a failing stand-in
         try:
             async with TestClient(TestServer(make_app(agent))) as client:
                 resp = await client.get("/agent/status")
@@ -531,16 +541,16 @@ def test_task_rules(tmp_path: Path) -> None:
     async def scenario() -> None:
         release = asyncio.Event()
 
-        async def slow(task, checkpoint):
+        async def slow(task: Task, checkpoint: Callable[[], None]) -> str:
             runs.append(task.command)
             await asyncio.wait_for(release.wait(), 10)
             return "done"
 
-        async def fails(task, checkpoint) -> None:
+        async def fails(task: Task, checkpoint: Callable[[], None]) -> str:
             runs.append(task.command)
             raise TaskFailed("no luck")
 
-        async def still_done(task, request: pytest.FixtureRequest):
+        async def still_done(task: Task, request: dict[str, Any]) -> bool:
             return True
 
         manager = TaskManager(
@@ -571,8 +581,10 @@ def test_task_rules(tmp_path: Path) -> None:
 
     asyncio.run(scenario())
     assert runs == ["download", "enable", "reload", "reload"]
-    manager = TaskManager(journal, {}, set(), still_done=None)  # type: ignore[arg-type]
+    manager = TaskManager(journal, {}, set(), still_done=None)  # type: ignore[arg-type]  # recover() never asks
     manager.recover()
     recovered = manager.find("download", "v7")
-    assert recovered.state == FAILED and recovered.message == INTERRUPTED
-    assert manager.find("download", "v1").state == SUCCEEDED
+    assert recovered is not None and recovered.state == FAILED
+    assert recovered.message == INTERRUPTED
+    done = manager.find("download", "v1")
+    assert done is not None and done.state == SUCCEEDED

@@ -145,24 +145,6 @@ def test_the_kernels_constants_are_defined_once() -> None:
 
 
 LONGEST = 80  # lines of one function, docstring included
-# Functions longer than LONGEST that are yet to be split or to say why they are long (each a
-# module this check came after; remove an entry once its function is short or says "Long:").
-KNOWN_LONG = {
-    "agent/deploy.py:_download",
-    "bench/cube_bench.py:run",
-    "bench/report.py:markdown",
-    "builder/spark_build.py:build_on_spark",
-    "cube/_paddle_ps_jit.py:parse",
-    "cube/client/cli.py:run",
-    "cube/original_format.py:read_layer",
-    "cube/server/metrics.py:collect",
-    "cube/shard_writer.py:write_shard",
-    "transfer/agents.py:drive",
-    "transfer/config.py:parse_config",
-    "transfer/demo.py:run",
-    "transfer/http_api.py:build_api",
-    "transfer/metrics.py:collect",
-}
 
 
 def test_no_function_is_long_without_saying_why() -> None:
@@ -179,9 +161,7 @@ def test_no_function_is_long_without_saying_why() -> None:
             where = f"{path.relative_to(REPO)}:{node.name}"
             if lines > LONGEST and "Long:" not in (ast.get_docstring(node) or ""):
                 long.append(f"{where} ({lines} lines)")
-    assert not [w for w in long if w.split(" ")[0] not in KNOWN_LONG], long
-    fixed = KNOWN_LONG - {w.split(" ")[0] for w in long}
-    assert not fixed, f"short now (or saying why): remove from KNOWN_LONG: {sorted(fixed)}"
+    assert not long, long
 
 
 def test_the_module_table_lists_every_module() -> None:

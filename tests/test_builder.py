@@ -13,11 +13,13 @@ import tarfile
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import ClassVar
 
 import mmh3
 import numpy as np
+import numpy.typing as npt
 import pytest
 from helpers.build_inputs import output_digests, write_mixed_input
 
@@ -35,13 +37,15 @@ COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "cube.bui
 BASE, DELTA = 1_700_000_000, 1_700_000_100
 
 
-def run_builder(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_builder(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*COMMAND, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
     )
 
 
-def build_args(input_path: Path, output: Path, shards: int, *extra: str, **flags) -> list[str]:
+def build_args(
+    input_path: Path, output: Path, shards: int, *extra: str, **flags: object
+) -> list[str]:
     """Flags for a reproducible base build (versions from the command line)."""
     args = {
         "dict_name": "dict",
@@ -57,7 +61,7 @@ def build_args(input_path: Path, output: Path, shards: int, *extra: str, **flags
     return [f"-{k}={v}" for k, v in args.items()] + list(extra)
 
 
-def write_seqfile(path: Path, keys, values: list[bytes]) -> Path:
+def write_seqfile(path: Path, keys: npt.ArrayLike, values: list[bytes]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with SequenceFileWriter(path) as writer:
         writer.write_batch(np.asarray(keys, dtype=np.uint64), ValueColumn.from_list(values))
@@ -287,7 +291,9 @@ def test_tar_md5_and_meta_info(tmp_path: Path) -> None:
             assert [m.name for m in members] == ["./index.cube", "./data.cube"]
             for member in members:
                 assert member.isfile()
-                inside = tar.extractfile(member).read()
+                extracted = tar.extractfile(member)
+                assert extracted is not None
+                inside = extracted.read()
                 assert inside == (version_dir / name / member.name[2:]).read_bytes()
         meta = json.loads((output / "meta_info" / f"{BASE}_{BASE}_{index}_0.json").read_text())
         shard = Shard.open(version_dir / name)
@@ -451,7 +457,9 @@ def corrupt_key_width(path: Path) -> None:
     ],
     ids=["truncated", "magic", "sync", "codec", "key_width"],
 )
-def test_bad_input_fails_cleanly(tmp_path: Path, corrupt, extra) -> None:
+def test_bad_input_fails_cleanly(
+    tmp_path: Path, corrupt: Callable[[Path], None], extra: list[str]
+) -> None:
     inputs = tmp_path / "in"
     good_file(inputs / "a-good")
     bad = inputs / "b-bad"
@@ -574,7 +582,7 @@ def test_a_delta_of_another_value_width_than_its_base_is_refused(tmp_path: Path)
         ["-dict_name=d", "-input_path=i", "-output_path=o", "-shard_num=1", "-bogus=1"],
     ],
 )
-def test_bad_flags_exit_2(tmp_path: Path, args) -> None:
+def test_bad_flags_exit_2(tmp_path: Path, args: list[str]) -> None:
     done = run_builder(*args)
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("error: ") and len(done.stderr.strip().splitlines()) == 1
@@ -602,12 +610,12 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, *args) -> None:
+    def log_message(self, format: str, *args: object) -> None:
         pass
 
 
 @pytest.fixture
-def recorder():
+def recorder() -> Iterator[tuple[str, list[tuple[str, dict[str, str]]]]]:
     _Recorder.received = []
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
@@ -620,7 +628,9 @@ def recorder():
         thread.join(timeout=10)
 
 
-def test_master_address_registers_each_shard(tmp_path: Path, recorder) -> None:
+def test_master_address_registers_each_shard(
+    tmp_path: Path, recorder: tuple[str, list[tuple[str, dict[str, str]]]]
+) -> None:
     address, received = recorder
     inputs = tmp_path / "in"
     write_seqfile(inputs / "p", range(10), [b"v"] * 10)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +36,9 @@ COLUMNS = {
 }
 
 
-def reference_rows(folder: Path, scenario: str, fields: tuple[str, ...], dtype: str):
+def reference_rows(
+    folder: Path, scenario: str, fields: tuple[str, ...], dtype: str
+) -> tuple[np.ndarray, np.ndarray]:
     """The (key, value) rows a converter must produce, by Python's int and float per line."""
     _, show, click, embed_w, embedx, embedx_dim = COLUMNS[scenario]
     keys, rows = [], []
@@ -65,14 +68,28 @@ def write_reference_seqfile(path: Path, keys: np.ndarray, values: np.ndarray) ->
     return path
 
 
-def source_for(scenario: str, **settings) -> PaddleSource:
+def source_for(scenario: str, value: ValueSpec | None = None, table: str = "") -> PaddleSource:
     accessor, dim, optimizer = COLUMNS[scenario][0]
-    return PaddleSource(accessor=accessor, dim=dim, optimizer=optimizer, **settings)
+    value = ValueSpec() if value is None else value
+    return PaddleSource(accessor=accessor, dim=dim, optimizer=optimizer, table=table, value=value)
 
 
-def config(root: Path, shards: int = 3, mode: str = "base", **settings) -> BuildConfig:
+def config(
+    root: Path,
+    shards: int = 3,
+    mode: str = "base",
+    *,
+    input_format: str = "seqfile",
+    paddle: PaddleSource | None = None,
+    workers: int = 2,
+    allow_empty: bool = False,
+) -> BuildConfig:
+    """A build of the `emb` dict (BuildConfig's defaults for what is not given)."""
     cur = BASE if mode == "base" else DELTA
-    return BuildConfig("emb", root, shards, mode, cur, BASE, **settings)
+    return BuildConfig(
+        "emb", root, shards, mode, cur, BASE, workers=workers, allow_empty=allow_empty,
+        input_format=input_format, paddle=paddle,
+    )  # fmt: skip
 
 
 CASES = [
@@ -87,7 +104,7 @@ VALUES = [(("embed_w", "embedx_w"), "float32"), (("show", "click", "embed_w", "e
 @pytest.mark.parametrize(("fields", "dtype"), VALUES, ids=["default", "cvm-float16", "f64"])
 @pytest.mark.parametrize(("scenario", "save"), CASES)
 def test_a_save_builds_the_bytes_of_a_sequencefile_of_its_rows(
-    tmp_path: Path, scenario, save, fields, dtype
+    tmp_path: Path, scenario: str, save: str, fields: tuple[str, ...], dtype: str
 ) -> None:
     """Every real save (every mode, both accessors, plain, gzip and empty parts): the shards,
     tars, md5s and meta_info are byte for byte those of a SequenceFile build of the rows a
@@ -98,10 +115,9 @@ def test_a_save_builds_the_bytes_of_a_sequencefile_of_its_rows(
     reference = write_reference_seqfile(tmp_path / "seq" / "part-00000", keys, values)
     value = ValueSpec(fields, dtype)
     paddle = source_for(scenario, value=value, table=table)
-    settings = {"allow_empty": True, "workers": 1}
-    build(config(tmp_path / "from_seqfile", **settings), reference.parent)
-    build(config(tmp_path / "from_save", input_format="paddle_ps", paddle=paddle, **settings),
-          save_dir)  # fmt: skip
+    build(config(tmp_path / "from_seqfile", allow_empty=True, workers=1), reference.parent)
+    build(config(tmp_path / "from_save", input_format="paddle_ps", paddle=paddle,
+                 allow_empty=True, workers=1), save_dir)  # fmt: skip
     built = output_digests(tmp_path / "from_save")
     assert built == output_digests(tmp_path / "from_seqfile")
     assert len(built) == 3 * 4 + 3  # 3 shards: index, data, tar, md5 each; 3 meta_info
@@ -384,7 +400,7 @@ def endless_line(save: Path) -> tuple[Path, str]:
     ids=lambda value: value if isinstance(value, str) else value.__name__,
 )
 def test_a_bad_save_fails_naming_the_file_and_line_and_publishes_nothing(
-    tmp_path: Path, save, corrupt
+    tmp_path: Path, save: str, corrupt: Callable[[Path], tuple[Path, str]]
 ) -> None:
     copy = save_copy(tmp_path, save)
     part, message = corrupt(copy)
@@ -413,7 +429,7 @@ def test_a_bad_save_fails_naming_the_file_and_line_and_publishes_nothing(
         (["-input_format", "paddle_ps", "-paddle_dtype", "int8"], "-paddle_dtype"),
     ],
 )  # fmt: skip
-def test_bad_paddle_flags_exit_2(tmp_path: Path, extra, message) -> None:
+def test_bad_paddle_flags_exit_2(tmp_path: Path, extra: list[str], message: str) -> None:
     done = run_builder(*build_args(tmp_path, tmp_path / "out", 1), *extra)
     assert done.returncode == 2, done.stderr
     assert message in done.stderr, done.stderr

@@ -19,7 +19,14 @@ from cube.builder.build import (
     route_keys,
     split_runs,
 )
-from cube.builder.spill import SourceFile, Spiller, open_parts, open_spill, remove_part
+from cube.builder.spill import (
+    SourceFile,
+    Spiller,
+    SpillPart,
+    open_parts,
+    open_spill,
+    remove_part,
+)
 from cube.index import build_table, stable_hash_order
 from cube.routing import shard_of
 from cube.seqfile import ValueLocations
@@ -41,7 +48,7 @@ def test_stable_hash_order_is_a_stable_argsort(n: int, mask: int) -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 2**64 - 1), max_size=300), st.integers(0, 3))
-def test_stable_hash_order_property(values, repeat) -> None:
+def test_stable_hash_order_property(values: list[int], repeat: int) -> None:
     # duplicates (repeat) and values sharing long prefixes stress the fix-up of tied runs
     base = np.array(values, dtype=np.uint64)
     hashes = np.concatenate([base, base >> np.uint64(1) << np.uint64(1)] * (repeat + 1))
@@ -82,7 +89,7 @@ def test_delete_keys_with_comments() -> None:
         (b"# c\n+5\n", 2),
     ],
 )
-def test_delete_keys_errors_name_the_line(data, line) -> None:
+def test_delete_keys_errors_name_the_line(data: bytes, line: int) -> None:
     with pytest.raises(DeleteListError, match=f"^f.txt line {line}: "):
         parse_delete_keys(data, "f.txt")
 
@@ -105,7 +112,7 @@ def test_list_input_files_rules(tmp_path: Path) -> None:
     ("sizes", "groups"),
     [([], 2), ([5], 2), ([1, 1, 1, 1], 2), ([100, 1, 1, 1], 2), ([1, 1, 1, 100], 3), ([3] * 9, 4)],
 )
-def test_split_runs_cover_everything_in_order(sizes, groups) -> None:
+def test_split_runs_cover_everything_in_order(sizes: list[int], groups: int) -> None:
     runs = split_runs(sizes, groups)
     assert len(runs) <= max(1, groups)
     flat = [i for lo, hi in runs for i in range(lo, hi)]
@@ -134,7 +141,7 @@ def fixed(values: list[bytes]) -> ValueColumn:
     return column
 
 
-def read_back(part) -> list[tuple[int, bytes]]:
+def read_back(part: SpillPart) -> list[tuple[int, bytes]]:
     with open_spill(part) as (keys, values):
         return list(zip(keys.tolist(), values.to_list(), strict=True))
 
@@ -166,7 +173,7 @@ def test_spiller_fixed_width_needs_no_lengths(tmp_path: Path) -> None:
         assert read_back(part) == expected
 
 
-def read_parts(parts) -> list[tuple[int, bytes]]:
+def read_parts(parts: list[SpillPart]) -> list[tuple[int, bytes]]:
     with open_parts(parts) as (keys, values):
         return list(zip(keys.tolist(), values.to_list(), strict=True))
 
@@ -204,7 +211,7 @@ def test_open_parts_fixed_stays_fixed(tmp_path: Path) -> None:
         assert values.to_list() == [bytes([k // 10] * 3) for k in range(30)]
 
 
-def write_source(path, records: list[tuple[int, bytes]]) -> tuple[SourceFile, list[int]]:
+def write_source(path: Path, records: list[tuple[int, bytes]]) -> tuple[SourceFile, list[int]]:
     """A file of the values back to back with junk between them; their offsets."""
     blob, offsets = bytearray(b"head"), []
     for _, value in records:
@@ -282,7 +289,12 @@ def unmix64(hashes: np.ndarray) -> np.ndarray:
     return h
 
 
-def assert_same_tables(keys, deleted, load_factor, monkeypatch: pytest.MonkeyPatch) -> None:
+def assert_same_tables(
+    keys: np.ndarray,
+    deleted: np.ndarray | None,
+    load_factor: float,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import cube.index as index
 
     monkeypatch.setattr(index, "COMPILED_MIN_KEYS", 2)
@@ -311,7 +323,13 @@ def assert_same_tables(keys, deleted, load_factor, monkeypatch: pytest.MonkeyPat
 )
 @settings(max_examples=80, deadline=None)
 def test_compiled_build_table_is_the_numpy_one(
-    n, space, collisions, deletes, top_keys, load_factor, seed
+    n: int,
+    space: int,
+    collisions: bool,
+    deletes: int,
+    top_keys: bool,
+    load_factor: float,
+    seed: int,
 ) -> None:
     rng = np.random.default_rng(seed)
     keys = rng.integers(0, space - 1, n, dtype=np.uint64, endpoint=True)
@@ -383,7 +401,7 @@ def test_compiled_gather_is_the_numpy_one(
     "sizes", [[1000], [5, 3 << 20, 7 << 20, 512, 1], [8 << 20, 8 << 20], [512, 9 << 20, 1024]]
 )
 def test_tar_sink_writes_every_byte_in_order(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool, sizes
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool, sizes: list[int]
 ) -> None:
     """Direct writes of whole buffers, a tail that is not whole blocks (1000 bytes: EINVAL
     under O_DIRECT, written through the cache instead), and the buffered fallback."""
@@ -407,3 +425,20 @@ def test_tar_sink_writes_every_byte_in_order(
             sink.wait()
             sink.flush()
         assert path.read_bytes() == b"".join(pieces)
+
+
+def test_the_spark_worker_environment_is_restored_after_the_session_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Spark build started from a process leaves that process's environment as it found it:
+    PYTHONSAFEPATH left set broke every later `python -m` of a module in the working directory
+    (found as the CTR demo test failing after a Spark test in the same pytest worker)."""
+    from cube.builder.spark_build import worker_environment
+
+    monkeypatch.delenv("PYTHONSAFEPATH", raising=False)
+    monkeypatch.setenv("PYSPARK_PYTHON", "/opt/their/python")
+    with worker_environment():
+        assert os.environ["PYTHONSAFEPATH"] == "1"
+        assert os.environ["PYSPARK_PYTHON"] == "/opt/their/python"  # theirs is kept
+    assert "PYTHONSAFEPATH" not in os.environ
+    assert os.environ["PYSPARK_PYTHON"] == "/opt/their/python"

@@ -5,6 +5,7 @@ cube.wire's TCP lane frames."""
 from __future__ import annotations
 
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -65,7 +66,7 @@ def test_version_and_chain_files() -> None:
         ("fifo", tarfile.FIFOTYPE, "fifo"),
     ],
 )
-def test_tar_members_refused(name, kind, words) -> None:
+def test_tar_members_refused(name: str, kind: bytes, words: str) -> None:
     member = tarfile.TarInfo(name)
     member.type = kind
     assert words in (layout.member_problem(member) or "")
@@ -95,7 +96,7 @@ def test_one_backoff_rule() -> None:
         Backoff(1, 2, jitter=2)
 
 
-def test_one_retry_loop_on_a_fake_clock():
+def test_one_retry_loop_on_a_fake_clock() -> None:
     """cube.backoff.retrying (and its async twin): tries until a value, waits the backoff
     between tries, gives up on an error that is not retryable, after the last attempt, or
     once the deadline has passed (the wait clipped to it)."""
@@ -110,7 +111,7 @@ def test_one_retry_loop_on_a_fake_clock():
         slept.append(seconds)
         now[0] += seconds
 
-    def flaky(fails: int, error: Exception):
+    def flaky(fails: int, error: Exception) -> Callable[[int], int]:
         def attempt(number: int) -> int:
             if number <= fails:
                 raise error
@@ -119,10 +120,16 @@ def test_one_retry_loop_on_a_fake_clock():
         return attempt
 
     backoff = Backoff(1.0, 3.0)
-    transient = lambda exc: isinstance(exc, OSError)  # noqa: E731
-    run = lambda attempt, attempts, **kw: retrying(  # noqa: E731
-        attempt, backoff, attempts, transient, clock=lambda: now[0], sleep=sleep, **kw
-    )
+
+    def transient(exc: Exception) -> bool:
+        return isinstance(exc, OSError)
+
+    def run(attempt: Callable[[int], int], attempts: int, deadline: float | None = None) -> int:
+        return retrying(
+            attempt, backoff, attempts, transient, clock=lambda: now[0], sleep=sleep,
+            deadline=deadline,
+        )  # fmt: skip
+
     assert run(flaky(3, OSError("x")), 5) == 4 and slept == [1.0, 2.0, 3.0]
     slept.clear()
     with pytest.raises(OSError):  # the last attempt's error, as it is
@@ -151,14 +158,16 @@ def test_one_retry_loop_on_a_fake_clock():
     assert got == 3 and slept == [1.0, 2.0]
 
 
-def test_donefile_lines_written_and_read_by_one_module():
-    from cube.donefile import BASE_FILE, PATCH_FILE, BadLine, format_line, parse_line
+def test_donefile_lines_written_and_read_by_one_module() -> None:
+    from cube.donefile import BASE_FILE, PATCH_FILE, BadLine, DonefileEntry, format_line, parse_line
 
     line = format_line("200", "100", "/in/200", delete="/in/200.del")
     entry = parse_line(PATCH_FILE, 3, line)
+    assert isinstance(entry, DonefileEntry), entry
     assert (entry.id, entry.key, entry.input) == ("200", "100", "/in/200")
     assert entry.delete == "/in/200.del"
     base = parse_line(BASE_FILE, 1, format_line("100", "100", "/in/100", allow_shrink=True))
+    assert isinstance(base, DonefileEntry), base
     assert base.is_base and base.allow_shrink
     # a number too long for int(): used to crash the poll with AttributeError
     huge = parse_line(BASE_FILE, 4, '{"id": ' + "1" * 5000 + ', "key": 1, "input": "/x"}')
@@ -177,7 +186,9 @@ def test_lane_frames_scanned_by_one_function() -> None:
     assert caught.value.length == 10
     answer = answer_header(2) + b"ok" + error_frame(9, "no such version")
     ok = next_frame(answer, 0, len(answer), answers=True)
+    assert ok is not None
     refused = next_frame(answer, ok.stop, len(answer), answers=True)
+    assert refused is not None
     assert (ok.status, answer[ok.start : ok.stop]) == (0, b"ok")
     assert refused.status == 9 and answer[refused.start : refused.stop] == b"no such version"
 

@@ -16,7 +16,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 import pytest
@@ -35,7 +37,18 @@ from examples.ctr.demo import (
 )
 from examples.ctr.model import auc, pool
 from examples.ctr.samples import parse_lines
-from examples.ctr.store import SAVE_PAUSE_ENV, announced_ids, find_model, load_dense, version_table
+from examples.ctr.store import (
+    SAVE_PAUSE_ENV,
+    ModelMeta,
+    announced_ids,
+    find_model,
+    load_dense,
+    version_table,
+)
+
+if TYPE_CHECKING:
+    from cube.transfer.local import Cluster
+    from examples.ctr.client import Replay
 
 pytestmark = pytest.mark.slow
 
@@ -44,8 +57,31 @@ PASSES = 4  # base, delta, base, delta
 DIM = 8
 
 
+class Pass(TypedDict):
+    """One version the loop trained and rolled out, and what the predictor answered for it."""
+
+    meta: ModelMeta
+    served: Replay
+    heldout: list[str]
+    deleted: np.ndarray | None  # a delta's delete list
+    found_deleted: np.ndarray | None  # which of those Cube still found once it was live
+
+
+class Loop(TypedDict):
+    """The module's running loop: cluster, trainer, predictor and the passes seen so far."""
+
+    work: Path
+    cluster: Cluster
+    url: str
+    passes: list[Pass]
+    background: Background
+    trainer: subprocess.Popen[bytes]
+    children: list[subprocess.Popen[bytes]]
+    before_any_version: tuple[int, dict[str, Any]]
+
+
 @pytest.fixture(scope="module")
-def loop(tmp_path_factory: pytest.TempPathFactory):
+def loop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loop]:
     from cube.transfer.local import ClusterSpec, up
 
     work = tmp_path_factory.mktemp("ctr")
@@ -63,13 +99,13 @@ def loop(tmp_path_factory: pytest.TempPathFactory):
         )
     )
     children: list[subprocess.Popen[bytes]] = []
-    background = None
+    background: Background | None = None
     try:
         trainer = start_trainer(work, logs, ["--shrink_after", "1"])
         children.append(trainer)
         predictor, url = start_predictor(cluster.cube_conf, work / "out" / "models", logs)
         children.append(predictor)
-        passes = []
+        passes: list[Pass] = []
         checked = poll_until(
             lambda: ready_answer(url)[1].get("reason") != "not checked yet", 30, 0.1
         )
@@ -105,6 +141,7 @@ def loop(tmp_path_factory: pytest.TempPathFactory):
                         "found_deleted": found_deleted,
                     }
                 )
+        assert background is not None  # started on the first pass
         background.stop()
         yield {
             "work": work,
@@ -124,7 +161,7 @@ def loop(tmp_path_factory: pytest.TempPathFactory):
         cluster.down()
 
 
-def ready_answer(url: str) -> tuple[int, dict]:
+def ready_answer(url: str) -> tuple[int, dict[str, Any]]:
     """The predictor's /ready status and body."""
     try:
         with urllib.request.urlopen(f"{url}/ready", timeout=10) as response:
@@ -133,7 +170,7 @@ def ready_answer(url: str) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
-def test_the_predictor_is_ready_only_when_cube_serves_it(loop) -> None:
+def test_the_predictor_is_ready_only_when_cube_serves_it(loop: Loop) -> None:
     """Before any version is live the predictor runs (/health) but is not ready, and says
     what it waits for; once a version is live and its dense part loaded, it is."""
     status, body = loop["before_any_version"]
@@ -142,7 +179,7 @@ def test_the_predictor_is_ready_only_when_cube_serves_it(loop) -> None:
     assert ready_answer(loop["url"]) == (200, {"ready": True})
 
 
-def test_served_auc_equals_offline_auc_of_each_version(loop) -> None:
+def test_served_auc_equals_offline_auc_of_each_version(loop: Loop) -> None:
     assert [p["meta"].kind for p in loop["passes"]] == ["base", "delta"] * 2
     for p in loop["passes"]:
         meta, served = p["meta"], p["served"]
@@ -152,21 +189,23 @@ def test_served_auc_equals_offline_auc_of_each_version(loop) -> None:
     assert loop["passes"][-1]["meta"].offline_auc >= 0.70
 
 
-def test_features_shrunk_away_miss_after_their_delta(loop) -> None:
-    deltas = [p for p in loop["passes"] if p["deleted"] is not None]
-    assert sum(p["deleted"].shape[0] for p in deltas) > 0
-    for p in deltas:
-        assert p["found_deleted"].shape == p["deleted"].shape
-        assert not p["found_deleted"].any(), f"{p['meta'].version}: a deleted feature was found"
+def test_features_shrunk_away_miss_after_their_delta(loop: Loop) -> None:
+    # (pass, its delete list, which of it Cube found): the loop seeks every delta's list
+    deltas = [(p, p["deleted"], p["found_deleted"]) for p in loop["passes"]
+              if p["deleted"] is not None and p["found_deleted"] is not None]  # fmt: skip
+    assert sum(deleted.shape[0] for _, deleted, _ in deltas) > 0
+    for p, deleted, found in deltas:
+        assert found.shape == deleted.shape
+        assert not found.any(), f"{p['meta'].version}: a deleted feature was found"
     # ... and they were served before: the version before the first delta had them
-    first = deltas[0]
+    first, first_deleted, _ = deltas[0]
     index = loop["passes"].index(first)
     previous = loop["passes"][index - 1]["meta"].version
     keys = version_table(loop["work"] / "out", previous, DIM).keys
-    assert np.isin(first["deleted"], keys).all()
+    assert np.isin(first_deleted, keys).all()
 
 
-def test_no_answer_mixes_versions_during_the_switches(loop) -> None:
+def test_no_answer_mixes_versions_during_the_switches(loop: Loop) -> None:
     """Every background answer equals the prediction of the version it names, computed from the
     model files alone (embeddings of that version + its dense part)."""
     background = loop["background"]
@@ -198,7 +237,7 @@ def test_no_answer_mixes_versions_during_the_switches(loop) -> None:
     assert checked >= len(lines) * 2
 
 
-def post(url: str, body: object, token: str = "") -> tuple[int, dict]:
+def post(url: str, body: object, token: str = "") -> tuple[int, dict[str, Any]]:
     data = json.dumps(body).encode() if not isinstance(body, bytes) else body
     request = urllib.request.Request(f"{url}/predict", data=data, method="POST")
     request.add_header("Content-Type", "application/json")
@@ -211,7 +250,7 @@ def post(url: str, body: object, token: str = "") -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
-def test_predictor_answers_bad_requests_with_what_is_wrong(loop) -> None:
+def test_predictor_answers_bad_requests_with_what_is_wrong(loop: Loop) -> None:
     url = loop["url"]
     code, body = post(url, {"samples": ["1 0 5:1", "1 0 12:3 oops"]})
     assert code == 400 and "sample 1: feature 2" in body["error"] and "oops" not in body["error"]
@@ -260,7 +299,7 @@ def test_predictor_refuses_to_listen_off_loopback_without_a_token(tmp_path: Path
     assert "without a token" in result.stderr
 
 
-def test_a_trainer_killed_mid_save_announces_nothing_half_written(loop) -> None:
+def test_a_trainer_killed_mid_save_announces_nothing_half_written(loop: Loop) -> None:
     """kill -9 while the next version's files are being written: no donefile line, no model
     directory, the transfer keeps serving the live version; a restart finishes the version and
     it rolls out."""

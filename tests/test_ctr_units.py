@@ -59,7 +59,7 @@ def test_a_line_without_show_and_click_is_a_request_sample() -> None:
         ("1 0 ²:3", "sample 2: feature 1"),
     ],
 )
-def test_a_bad_line_is_named_and_not_echoed(line, problem) -> None:
+def test_a_bad_line_is_named_and_not_echoed(line: str, problem: str) -> None:
     with pytest.raises(sample_io.SampleError) as err:
         sample_io.parse_lines(["1 0 5:1", line], where="sample", first_line=1)
     assert problem in str(err.value)
@@ -101,15 +101,15 @@ def test_gradients_match_finite_differences() -> None:
         lower[index] -= h
         numeric = (mean_loss(bumped) - mean_loss(lower)) / (2 * h)
         assert emb_grads[index] == pytest.approx(numeric, rel=1e-4, abs=1e-7)
-    for name, index in [("w1", (2, 3)), ("b1", (1,)), ("w2", (4, 0)), ("b2", (0,))]:
+    for name, at in [("w1", (2, 3)), ("b1", (1,)), ("w2", (4, 0)), ("b2", (0,))]:
         param = model.dense.params[name]
-        saved = param[index]
-        param[index] = saved + h
+        saved = param[at]
+        param[at] = saved + h
         up = mean_loss(emb)
-        param[index] = saved - h
+        param[at] = saved - h
         down = mean_loss(emb)
-        param[index] = saved
-        assert dense_grads[name][index] == pytest.approx((up - down) / (2 * h), rel=1e-4, abs=1e-7)
+        param[at] = saved
+        assert dense_grads[name][at] == pytest.approx((up - down) / (2 * h), rel=1e-4, abs=1e-7)
 
 
 def test_training_learns_the_planted_truth() -> None:
@@ -176,7 +176,7 @@ def donefile_entries(out: Path) -> list[DonefileEntry]:
 
 
 @pytest.fixture(scope="module")
-def stream(tmp_path_factory: pytest.TempPathFactory):
+def stream(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("stream")
     for index in range(4):  # two days of two splits: base, delta, base, delta
         write_split(SMALL, root, index)
@@ -184,13 +184,13 @@ def stream(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="module")
-def trained(stream, tmp_path_factory: pytest.TempPathFactory):
+def trained(stream: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("out")
     assert train(stream, out) == 0
     return out
 
 
-def test_a_base_per_day_and_a_delta_per_pass(trained) -> None:
+def test_a_base_per_day_and_a_delta_per_pass(trained: Path) -> None:
     entries = sorted(donefile_entries(trained), key=lambda e: int(e.id))
     kinds = [(e.file, e.id == e.key) for e in entries]
     assert kinds == [(BASE_FILE, True), (PATCH_FILE, False)] * 2
@@ -206,7 +206,7 @@ def test_a_base_per_day_and_a_delta_per_pass(trained) -> None:
     assert metas[-1].offline_auc >= 0.6 and metas[-1].heldout_samples == SMALL.heldout
 
 
-def test_a_delta_deletes_what_shrink_dropped_and_a_base_leaves_it_out(trained) -> None:
+def test_a_delta_deletes_what_shrink_dropped_and_a_base_leaves_it_out(trained: Path) -> None:
     metas = [meta for meta, _ in all_models(trained / "models")]
     delta = metas[3]
     delete_file = find_model(trained / "models", delta.id) / "delete.txt"
@@ -220,7 +220,7 @@ def test_a_delta_deletes_what_shrink_dropped_and_a_base_leaves_it_out(trained) -
     assert base_keys.shape[0] == metas[2].table_size  # a base is the whole table after shrink
 
 
-def test_the_saved_version_predicts_what_the_trainer_evaluated(trained, stream) -> None:
+def test_the_saved_version_predicts_what_the_trainer_evaluated(trained: Path, stream: Path) -> None:
     from examples.ctr.model import pool
 
     meta = all_models(trained / "models")[-1][0]
@@ -233,7 +233,7 @@ def test_the_saved_version_predicts_what_the_trainer_evaluated(trained, stream) 
 
 
 def test_a_restart_resumes_where_it_stopped_and_writes_the_same_models(
-    stream, trained, tmp_path: Path
+    stream: Path, trained: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "out"
     assert train(stream, out, "--max_passes", "1") == 0
@@ -256,7 +256,7 @@ def test_a_restart_resumes_where_it_stopped_and_writes_the_same_models(
 
 
 def test_a_crash_between_checkpoint_and_donefile_line_is_announced_on_restart(
-    stream, tmp_path: Path
+    stream: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "out"
     assert train(stream, out, "--max_passes", "2") == 0
@@ -268,7 +268,7 @@ def test_a_crash_between_checkpoint_and_donefile_line_is_announced_on_restart(
     assert len(ids) == len(set(ids)) == 4
 
 
-def test_stale_temporary_models_are_removed(stream, tmp_path: Path) -> None:
+def test_stale_temporary_models_are_removed(stream: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     stale = out / "models" / "20261123" / ".tmp-base-123"
     (stale / "sparse").mkdir(parents=True)
@@ -290,14 +290,14 @@ def test_a_bad_split_stops_the_trainer_with_its_file_and_line(
     assert not (out / "donefile" / BASE_FILE).exists()
 
 
-def test_meta_is_json_with_the_auc_figures(trained) -> None:
+def test_meta_is_json_with_the_auc_figures(trained: Path) -> None:
     meta = json.loads((all_models(trained / "models")[0][1] / "meta.json").read_text())
     assert {"streaming_auc", "offline_auc", "features", "deleted", "table_size"} <= set(meta)
     assert os.path.isdir(trained / "checkpoint")
 
 
 def test_a_version_without_its_dense_part_is_an_error_not_another_version(
-    trained, tmp_path: Path
+    trained: Path, tmp_path: Path
 ) -> None:
     import asyncio
 
@@ -323,7 +323,7 @@ def test_a_slot_the_model_lacks_is_named_by_sample_and_feature() -> None:
 # the Paddle trainer's numbers (numpy; the Fleet job itself: tests/test_ctr_paddle.py)
 
 
-def _mlp(rng, inputs):
+def _mlp(rng: np.random.Generator, inputs: int) -> list[tuple[np.ndarray, np.ndarray]]:
     return [
         (rng.standard_normal((inputs, 16)).astype(np.float32) * 0.4, rng.standard_normal(16)
          .astype(np.float32) * 0.1),
@@ -332,11 +332,13 @@ def _mlp(rng, inputs):
     ]  # fmt: skip
 
 
-def _prob(layers, x):
+def _prob(layers: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray) -> np.ndarray:
     h = x.astype(np.float64)
     for w, b in layers[:-1]:
         h = np.maximum(h @ w + b, 0.0)
-    return 1.0 / (1.0 + np.exp(-(h @ layers[-1][0] + layers[-1][1])[:, 0]))
+    logit: np.ndarray = (h @ layers[-1][0] + layers[-1][1])[:, 0]
+    prob: np.ndarray = 1.0 / (1.0 + np.exp(-logit))
+    return prob
 
 
 def test_the_probability_bound_covers_the_six_digit_text() -> None:

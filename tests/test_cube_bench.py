@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import psutil
@@ -22,7 +23,15 @@ import pytest
 from cube.bench import report
 from cube.bench.cube_bench import check_answers
 from cube.bench.procs import ProcessRegistry
-from cube.bench.runner import BenchError, LevelConfig, run_attempt, run_level, wait_for_quiet
+from cube.bench.runner import (
+    Attempt,
+    BenchError,
+    LevelConfig,
+    LevelResult,
+    run_attempt,
+    run_level,
+    wait_for_quiet,
+)
 from cube.bench.targets import Dataset, Target, make_dataset, rows_from_list
 
 pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
@@ -65,39 +74,46 @@ class _DictTarget(Target):
         pass
 
     def setup(self, data: Dataset) -> None:
-        self.table = {int(k): data.values[i].tobytes() for i, k in enumerate(data.keys)}
+        self.table: dict[int, bytes] = {
+            int(k): data.values[i].tobytes() for i, k in enumerate(data.keys)
+        }
         self.width = data.value_size
 
     def _fetch(self, keys: np.ndarray) -> tuple[np.ndarray, int]:
         return rows_from_list([self.table.get(k) for k in keys.tolist()], self.width, 0)
 
-    def thread_client(self):
-        target = self
-        self.clients_made = getattr(self, "clients_made", 0) + 1
+    def thread_client(self) -> _DictThreadClient:
+        self.clients_made: int = getattr(self, "clients_made", 0) + 1
+        return _DictThreadClient(self)
 
-        class Client:
-            fetch = staticmethod(target._fetch)
+    def async_client(self, concurrency: int) -> _DictAsyncClient:
+        return _DictAsyncClient(self)
 
-            def close(self) -> None:
-                pass
 
-        return Client()
+class _DictThreadClient:
+    def __init__(self, target: _DictTarget) -> None:
+        self.target = target
 
-    def async_client(self, concurrency: int):
-        target = self
+    def fetch(self, keys: np.ndarray) -> tuple[np.ndarray, int]:
+        return self.target._fetch(keys)
 
-        class Client:
-            async def fetch(self, keys):
-                return target._fetch(keys)
+    def close(self) -> None:
+        pass
 
-            async def close(self) -> None:
-                pass
 
-        return Client()
+class _DictAsyncClient:
+    def __init__(self, target: _DictTarget) -> None:
+        self.target = target
+
+    async def fetch(self, keys: np.ndarray) -> tuple[np.ndarray, int]:
+        return self.target._fetch(keys)
+
+    async def close(self) -> None:
+        pass
 
 
 @pytest.fixture(scope="module")
-def dict_target(tmp_path_factory: pytest.TempPathFactory):
+def dict_target(tmp_path_factory: pytest.TempPathFactory) -> tuple[_DictTarget, Dataset]:
     data = make_dataset(2000, 16, seed=5)
     target = _DictTarget(ProcessRegistry(), tmp_path_factory.mktemp("dict"), {})
     target.setup(data)
@@ -105,7 +121,9 @@ def dict_target(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.mark.parametrize("mode", ["thread", "shared", "asyncio"])
-def test_runner_measures_a_fixed_number_of_requests(dict_target, mode: str) -> None:
+def test_runner_measures_a_fixed_number_of_requests(
+    dict_target: tuple[_DictTarget, Dataset], mode: str
+) -> None:
     target, data = dict_target
     cfg = LevelConfig(2, 50, warmup=0.05, duration=1, requests=200, timeout=30, mode=mode)
     made = getattr(target, "clients_made", 0)
@@ -118,17 +136,17 @@ def test_runner_measures_a_fixed_number_of_requests(dict_target, mode: str) -> N
     assert row["threads"] == 2 and row["qps"] > 0 and abs(row["keys_per_s"] - row["qps"] * 50) <= 50
 
 
-def run_level_result(cfg, attempt):
-    from cube.bench.runner import LevelResult
-
+def run_level_result(cfg: LevelConfig, attempt: Attempt) -> LevelResult:
     return LevelResult(cfg, attempt, [{"other_load": attempt.other_load, "loadavg": 0.0}])
 
 
-def test_runner_reports_a_failing_client_with_target_and_level(dict_target) -> None:
+def test_runner_reports_a_failing_client_with_target_and_level(
+    dict_target: tuple[_DictTarget, Dataset],
+) -> None:
     target, data = dict_target
 
     class Broken(_DictTarget):
-        def _fetch(self, keys) -> None:
+        def _fetch(self, keys: np.ndarray) -> NoReturn:
             raise ConnectionError("server went away")
 
     broken = Broken(ProcessRegistry(), target.workdir, {})
@@ -138,7 +156,9 @@ def test_runner_reports_a_failing_client_with_target_and_level(dict_target) -> N
         run_attempt(broken, data, cfg, [])
 
 
-def test_a_level_disturbed_by_another_process_is_repeated_and_flagged(dict_target) -> None:
+def test_a_level_disturbed_by_another_process_is_repeated_and_flagged(
+    dict_target: tuple[_DictTarget, Dataset],
+) -> None:
     target, data = dict_target
     # a busy process of our own, ended by PID, uses about a core: far above the threshold
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -158,7 +178,7 @@ def test_a_level_disturbed_by_another_process_is_repeated_and_flagged(dict_targe
     assert report.summarize(level)["tries"] == 2
 
 
-def test_check_answers_catches_a_wrong_value(dict_target) -> None:
+def test_check_answers_catches_a_wrong_value(dict_target: tuple[_DictTarget, Dataset]) -> None:
     target, data = dict_target
     assert check_answers(target, data, 100, "asyncio", seed=1) > 100
     key = int(data.keys[0])
@@ -208,7 +228,7 @@ def test_markdown_has_the_seed_columns_ratios_and_disturbances() -> None:
     assert "![throughput" in text
 
 
-def _row(threads: int, qps: float, disturbed: bool = False) -> dict:
+def _row(threads: int, qps: float, disturbed: bool = False) -> dict[str, float | bool]:
     return {
         "threads": threads, "batch": 1000, "avg_us": 1000.0, "p50_us": 900.0, "p99_us": 2000.0,
         "qps": qps, "keys_per_s": int(qps * 1000), "server_cpu_us_per_req": 500.0,
@@ -299,7 +319,9 @@ def test_ctrl_c_stops_every_server_it_started(tmp_path: Path) -> None:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    output = proc.stdout
+    assert output is not None  # stdout=PIPE
+    reader = threading.Thread(target=lambda: lines.extend(output), daemon=True)
     reader.start()
     pids: list[int] = []
     try:

@@ -30,6 +30,7 @@ import yaml
 from cube.agent.main import flag_set as agent_flags
 from cube.client import cli as cube_cli
 from cube.client.conf import parse_conf
+from cube.flags import FlagSet
 from cube.server.main import FLAGS as SERVER_FLAGS
 from cube.server.main import check_flags
 from cube.transfer.config import parse_config
@@ -61,7 +62,7 @@ pytestmark = [
     pytest.mark.slow,  # every test runs helm or a linter
 ]
 
-COMMANDS = {
+COMMANDS: dict[str, FlagSet[Any]] = {  # each command's own flags type
     "cube-server": SERVER_FLAGS,
     "cube-agent": agent_flags(),
     "cube-transfer": transfer_flags(),
@@ -109,14 +110,15 @@ def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def helm(*args: str) -> subprocess.CompletedProcess:
+def helm(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(HELM), *args], capture_output=True, text=True, timeout=120)
 
 
 def render(*args: str, release: str = "t", chart: Path = CHART) -> str:
     done = helm("template", release, str(chart), "--namespace", NAMESPACE, *args)
     assert done.returncode == 0, done.stderr
-    return done.stdout
+    text: str = done.stdout
+    return text
 
 
 def objects(text: str) -> list[dict[str, Any]]:
@@ -132,10 +134,13 @@ def named(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
 
 
 def pod_spec(doc: dict[str, Any]) -> dict[str, Any]:
-    return doc["spec"]["template"]["spec"] if doc["kind"] == "StatefulSet" else doc["spec"]
+    spec: dict[str, Any] = (
+        doc["spec"]["template"]["spec"] if doc["kind"] == "StatefulSet" else doc["spec"]
+    )
+    return spec
 
 
-def containers(docs: list[dict[str, Any]]) -> Iterator[tuple[dict, dict]]:
+def containers(docs: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
     """(object, container) of every workload."""
     for doc in docs:
         if doc["kind"] in ("StatefulSet", "Pod"):
@@ -144,7 +149,8 @@ def containers(docs: list[dict[str, Any]]) -> Iterator[tuple[dict, dict]]:
 
 
 def component(doc: dict[str, Any]) -> str:
-    return doc["metadata"]["labels"]["app.kubernetes.io/component"]
+    name: str = doc["metadata"]["labels"]["app.kubernetes.io/component"]
+    return name
 
 
 def shard_sets(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -158,12 +164,15 @@ def transfer_set(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return found
 
 
-def arg(container: dict, flag: str) -> str:
+def arg(container: dict[str, Any], flag: str) -> str:
     prefix = f"--{flag}="
-    return next(a.removeprefix(prefix) for a in container["args"] if a.startswith(prefix))
+    args: list[str] = container["args"]
+    return next(a.removeprefix(prefix) for a in args if a.startswith(prefix))
 
 
-def mounted_file(spec: dict[str, Any], container: dict[str, Any], path: str) -> tuple[dict, str]:
+def mounted_file(
+    spec: dict[str, Any], container: dict[str, Any], path: str
+) -> tuple[dict[str, Any], str]:
     """The volume that puts `path` in the container, and the key of it that is the file."""
     for mount in container.get("volumeMounts", []):
         prefix = mount["mountPath"].rstrip("/") + "/"
@@ -207,7 +216,7 @@ def test_lint_strict() -> None:
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_objects_validate_against_the_kubernetes_schemas(
-    renders: dict[str, Rendered], version
+    renders: dict[str, Rendered], version: str
 ) -> None:
     """Every configuration, every Kubernetes version the chart supports (kubeVersion >=1.27).
     The custom resources (ServiceMonitor, PrometheusRule, Certificate) have no schema here:
@@ -317,7 +326,8 @@ def test_names_and_labels_fit_kubernetes_limits(rendered: Rendered) -> None:
 
 def fullname(*args: str, release: str = "t") -> str:
     docs = objects(render(*args, release=release))
-    return transfer_set(docs)["metadata"]["name"].removesuffix("-transfer")
+    name: str = transfer_set(docs)["metadata"]["name"]
+    return name.removesuffix("-transfer")
 
 
 def test_name_overrides_and_long_names_stay_apart() -> None:
@@ -492,7 +502,8 @@ def client_conf(docs: list[dict[str, Any]]) -> dict[str, str]:
     (found,) = [
         d for d in of_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-cube-conf")
     ]
-    return found["data"]
+    data: dict[str, str] = found["data"]
+    return data
 
 
 def transfer_conf(docs: list[dict[str, Any]], tmp_path: Path) -> Any:
@@ -732,7 +743,7 @@ TOKENS = {"auth.agentToken", "auth.apiToken", "auth.controlToken"}
 # Values that take effect with another one set (in both renders compared), by path prefix:
 # more workers need ports apart from the default agent port (8001); claim settings need
 # claims; a mount path a volume; a Service, a monitor or a rule to be asked for.
-COMPANIONS = {
+COMPANIONS: dict[str, dict[str, Any]] = {  # values as --set-json takes them
     "server.workers": {"agent.port": 8500},
     "agent.storage.": {"agent.storage.type": "pvc"},
     "transfer.donefile.mountPath": {"transfer.donefile.volume": {"emptyDir": {}}},
@@ -856,7 +867,8 @@ def notes(tmp_path: Path, *args: str) -> str:
         'data: {notes: {{ include "notes" . | toJson }}}\n'
     )
     docs = objects(render(*args, "--show-only", "templates/notes.yaml", chart=chart))
-    return docs[0]["data"]["notes"]
+    notes: str = docs[0]["data"]["notes"]
+    return notes
 
 
 def test_notes_say_how_to_reach_publish_and_watch(tmp_path: Path) -> None:

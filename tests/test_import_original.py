@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +44,7 @@ SHARDS = 4
 DICT = "emb"
 
 
-def run_import(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_import(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*COMMAND, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
     )
@@ -57,7 +58,7 @@ def to_output(source: Path, output: Path, shards: int = SHARDS) -> list[str]:
     ]
 
 
-def imported(*args: str) -> subprocess.CompletedProcess:
+def imported(*args: str) -> subprocess.CompletedProcess[str]:
     done = run_import(*args)
     assert done.returncode == 0, done.stderr
     return done
@@ -66,7 +67,7 @@ def imported(*args: str) -> subprocess.CompletedProcess:
 def failed(*args: str) -> str:
     done = run_import(*args)
     assert done.returncode == 1, (done.stdout, done.stderr)
-    lines = done.stderr.strip().splitlines()
+    lines: list[str] = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
     return lines[0]
 
@@ -97,7 +98,10 @@ VERSIONS = [(BASE, True), (PATCH1, False), (PATCH2, False), (PATCH3, False)]
 
 
 def build_original(
-    root: Path, versions=None, shards: int = SHARDS, limit: int = 4096
+    root: Path,
+    versions: list[list[tuple[int, bytes]]] | None = None,
+    shards: int = SHARDS,
+    limit: int = 4096,
 ) -> list[Path]:
     """The original builder's output under `root` (small data files: several per version)."""
     builder = OriginalBuilder(root, DICT, shards, data_file_limit=limit)
@@ -107,7 +111,7 @@ def build_original(
     ]
 
 
-def expected_states(versions) -> list[dict[int, bytes]]:
+def expected_states(versions: list[list[tuple[int, bytes]]]) -> list[dict[int, bytes]]:
     """The table after each version: the last record of a key wins."""
     state: dict[int, bytes] = {}
     states = []
@@ -556,7 +560,10 @@ def lost_index_file(root: Path) -> None:
     ids=lambda v: v.__name__ if callable(v) else None,
 )
 def test_corrupt_original_files_are_located(
-    original: tuple[Path, list[Path]], tmp_path: Path, corrupt, expected
+    original: tuple[Path, list[Path]],
+    tmp_path: Path,
+    corrupt: Callable[[Path], object],
+    expected: list[str],
 ) -> None:
     root, _ = original
     corrupt(root)
@@ -618,7 +625,9 @@ sys.exit(cube_import.main(sys.argv[4:]))
 """
 
 
-def run_hooked(action: str, target: Path, pid_file: Path, *args: str):
+def run_hooked(
+    action: str, target: Path, pid_file: Path, *args: str
+) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-c", HOOKED, action, str(target), str(pid_file), *args]
     return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
 
@@ -734,7 +743,7 @@ def test_versions_must_follow_each_other(original: tuple[Path, list[Path]], tmp_
         ["-dict_name", DICT, "-input_path", "x", "-output_path", "a"],
     ],
 )
-def test_bad_flags_exit_2(args, tmp_path: Path) -> None:
+def test_bad_flags_exit_2(args: list[str], tmp_path: Path) -> None:
     done = run_import(*args)
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("error: ")

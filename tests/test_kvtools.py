@@ -20,9 +20,10 @@ pytestmark = pytest.mark.slow
 
 BIN = Path(__file__).resolve().parent.parent / ".venv" / "bin"
 DATA = Path(__file__).parent / "data" / "seqfiles"
+Args = list[str | Path]  # a command line as `run` takes it
 
 
-def run(tool: str, *args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run(tool: str, *args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(BIN / tool), *map(str, args)],
         capture_output=True,
@@ -32,8 +33,8 @@ def run(tool: str, *args: str | Path, cwd: Path | None = None) -> subprocess.Com
     )
 
 
-def read_all(path: Path, **kwargs) -> tuple[list[int], list[bytes]]:
-    with SequenceFileReader(path, **kwargs) as reader:
+def read_all(path: Path, key_format: str = "auto") -> tuple[list[int], list[bytes]]:
+    with SequenceFileReader(path, key_format) as reader:
         batches = list(reader.batches())
     return (
         [k for b in batches for k in b.keys.tolist()],
@@ -44,7 +45,7 @@ def read_all(path: Path, **kwargs) -> tuple[list[int], list[bytes]]:
 # ------------------------------------------------------------------ kv_to_seqfile
 
 
-def convert(where: Path, text: str | bytes, *flags: str) -> subprocess.CompletedProcess:
+def convert(where: Path, text: str | bytes, *flags: str | Path) -> subprocess.CompletedProcess[str]:
     """kv_to_seqfile on `text` (written to where/in.txt) into where/d, version id 9."""
     where.mkdir(parents=True, exist_ok=True)
     source = where / "in.txt"
@@ -68,7 +69,7 @@ def test_kv_lines_to_base(tmp_path: Path) -> None:
     source = tmp_path / "file.txt"
     source.write_bytes(b"48241:37064\t1\t0.5\n\n7:a b c\n18446744073709551615:\n3:  spaced \r\n")
     out = tmp_path / "data"
-    args = ["--input", source, "--output_dir", out, "--id", "1700000000"]
+    args: Args = ["--input", source, "--output_dir", out, "--id", "1700000000"]
     result = run("kv_to_seqfile", *args, "--input_format", "colon_text")
     assert result.returncode == 0, result.stderr
     feature = out / "1700000000" / "base" / "feature"
@@ -89,8 +90,8 @@ def test_float_lines_to_patch_with_donefile_dir(tmp_path: Path) -> None:
     source = tmp_path / "emb.txt"
     source.write_text("5 10 1 0.5 1.25 -2\n6\t3\t0\t1e3 2 3\n")
     out, done = tmp_path / "data", tmp_path / "done"
-    args = ["--input", source, "--output_dir", out, "--donefile_dir", done, "--id", "1700000100"]
-    args += ["--input_format", "show_click_floats"]
+    args: Args = ["--input", source, "--output_dir", out, "--donefile_dir", done]
+    args += ["--id", "1700000100", "--input_format", "show_click_floats"]
     result = run("kv_to_seqfile", *args, "--patch", "--base_id", "1700000000")
     assert result.returncode == 0, result.stderr
     feature = out / "1700000100" / "patch" / "feature"
@@ -111,7 +112,7 @@ def test_donefile_lines_are_appended(tmp_path: Path) -> None:
     source.write_text("1:x\n")
     out = tmp_path / "data"
     for version in ("10", "11"):
-        args = ["--input", source, "--output_dir", out, "--id", version]
+        args: Args = ["--input", source, "--output_dir", out, "--id", version]
         assert run("kv_to_seqfile", *args, "-input_format=colon_text").returncode == 0
     lines = (out / "donefile" / "base.txt").read_text().splitlines()
     assert [json.loads(line)["id"] for line in lines] == ["10", "11"]
@@ -121,7 +122,7 @@ def test_id_defaults_to_unix_time(tmp_path: Path) -> None:
     source = tmp_path / "in.txt"
     source.write_text("1:x\n")
     before = int(time.time())
-    args = ["--input", source, "--output_dir", tmp_path / "d", "--input_format", "colon_text"]
+    args: Args = ["--input", source, "--output_dir", tmp_path / "d", "--input_format", "colon_text"]
     result = run("kv_to_seqfile", *args)
     after = int(time.time())
     assert result.returncode == 0, result.stderr
@@ -316,11 +317,11 @@ def test_duplicate_keys_are_found_across_batches(tmp_path: Path) -> None:
         (["--id", "5", "--patch", "--base_id", "b0"], "--base_id 'b0' must be a decimal integer"),
     ],
 )
-def test_ids_are_what_cube_transfer_accepts(tmp_path: Path, flags, problem: str) -> None:
+def test_ids_are_what_cube_transfer_accepts(tmp_path: Path, flags: list[str], problem: str) -> None:
     # cube-transfer refuses donefile lines whose id or key is not a decimal integer.
     source = tmp_path / "in.txt"
     source.write_text("1:a\n")
-    args = ["--input", source, "--input_format", "colon_text", "--output_dir", tmp_path / "d"]
+    args: Args = ["--input", source, "--input_format", "colon_text", "--output_dir", tmp_path / "d"]
     result = run("kv_to_seqfile", *args, *flags)
     assert result.returncode == 2 and problem in result.stderr
     assert not (tmp_path / "d").exists()
@@ -329,7 +330,7 @@ def test_ids_are_what_cube_transfer_accepts(tmp_path: Path, flags, problem: str)
 def test_a_fifo_input_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    out = ["--output_dir", tmp_path / "d"]
+    out: Args = ["--output_dir", tmp_path / "d"]
     no_format = run("kv_to_seqfile", "--input", fifo, *out)  # the hint must not open it
     assert no_format.returncode == 2 and "--input_format is required" in no_format.stderr
     result = run("kv_to_seqfile", "--input", fifo, "--input_format", "floats", *out)
@@ -362,7 +363,7 @@ def test_kv_to_seqfile_flag_errors(tmp_path: Path) -> None:
     assert directory.returncode == 1 and "not a regular file" in directory.stderr
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")
-    args = ["--input", empty, "--output_dir", tmp_path / "d", "--id", "3", *fmt]
+    args: Args = ["--input", empty, "--output_dir", tmp_path / "d", "--id", "3", *fmt]
     result = run("kv_to_seqfile", *args)
     assert result.returncode == 1 and "no records" in result.stderr
     assert not (tmp_path / "d" / "3").exists()
@@ -371,7 +372,7 @@ def test_kv_to_seqfile_flag_errors(tmp_path: Path) -> None:
 def test_existing_version_is_not_overwritten(tmp_path: Path) -> None:
     source = tmp_path / "in.txt"
     source.write_text("1:a\n")
-    args = ["--input", source, "--output_dir", tmp_path / "d", "--id", "5"]
+    args: Args = ["--input", source, "--output_dir", tmp_path / "d", "--id", "5"]
     args += ["--input_format", "colon_text"]
     assert run("kv_to_seqfile", *args).returncode == 0
     before = (tmp_path / "d" / "5" / "base" / "feature").read_bytes()
@@ -505,7 +506,7 @@ def test_kvtool_help_is_gflags_style() -> None:
         ["--flagfile", "{flagfile}", "{f}"],
     ],
 )
-def test_kvtool_takes_gflags_forms_and_the_positional_file(tmp_path: Path, args) -> None:
+def test_kvtool_takes_gflags_forms_and_the_positional_file(tmp_path: Path, args: list[str]) -> None:
     path = float_file(tmp_path)
     flagfile = tmp_path / "kvtool.flags"
     flagfile.write_text("# one flag a line\n--float\n--limit=1\n")
@@ -528,7 +529,7 @@ def test_kvtool_takes_gflags_forms_and_the_positional_file(tmp_path: Path, args)
         (["{f}", "--bogus"], "unknown flag '--bogus'"),
     ],
 )
-def test_kvtool_command_line_errors(tmp_path: Path, args, problem: str) -> None:
+def test_kvtool_command_line_errors(tmp_path: Path, args: list[str], problem: str) -> None:
     path = float_file(tmp_path)
     result = run("kvtool", *[a.format(f=path) for a in args])
     assert result.returncode == 2

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -41,7 +42,7 @@ def publish_base(tmp_path: Path, donefile: Path, cluster_dir: Path) -> str:
 
 def cube_local(
     *args: str, timeout: float = 90.0, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess:
+) -> subprocess.CompletedProcess[str]:
     """The CLI, with no token in its environment unless `env` adds one."""
     clean = {k: v for k, v in os.environ.items() if k not in TOKEN_VARS}
     return subprocess.run(
@@ -51,7 +52,7 @@ def cube_local(
 
 
 @pytest.fixture
-def cluster_dir(tmp_path: Path):
+def cluster_dir(tmp_path: Path) -> Iterator[Path]:
     directory = tmp_path / "cluster"
     yield directory
     # whatever a failing test left behind: stop it by the PIDs it recorded
@@ -61,7 +62,7 @@ def cluster_dir(tmp_path: Path):
     kill_processes_under(directory)
 
 
-def test_up_status_wait_restart_down(tmp_path: Path, cluster_dir) -> None:
+def test_up_status_wait_restart_down(tmp_path: Path, cluster_dir: Path) -> None:
     donefile = tmp_path / "donefile"
     result = cube_local(
         "up", "--shards", "1", "--replicas", "2", "--donefile", str(donefile),
@@ -125,18 +126,19 @@ def test_up_status_wait_restart_down(tmp_path: Path, cluster_dir) -> None:
     assert "server0_1: not running" in down.stdout
     assert "transfer: stopped" in down.stdout
     foreign = procs["server0_1"]
-    assert foreign.process() is not None  # untouched
+    foreign_process = foreign.process()
+    assert foreign_process is not None  # untouched
     for name, proc in procs.items():
         if name not in ("server0_1", "agent0_1"):
             assert proc.process() is None, name
     assert new_agent.process() is None
     assert not (cluster_dir / "cluster.json").exists()
-    foreign.process().terminate()
+    foreign_process.terminate()
     gone = cube_local("status", "--dir", str(cluster_dir))
     assert gone.returncode == 1 and "no cluster" in gone.stderr
 
 
-def test_up_fails_cleanly_when_a_process_cannot_start(tmp_path: Path, cluster_dir) -> None:
+def test_up_fails_cleanly_when_a_process_cannot_start(tmp_path: Path, cluster_dir: Path) -> None:
     base_port = free_ports(16)[0]  # the cluster's ports are free but for the first one
     (tmp_path / "d").mkdir()
     with socket.socket() as taken:
@@ -155,7 +157,9 @@ def test_up_fails_cleanly_when_a_process_cannot_start(tmp_path: Path, cluster_di
     assert processes_under(cluster_dir) == []
 
 
-def test_up_refuses_a_donefile_directory_that_does_not_exist(tmp_path: Path, cluster_dir) -> None:
+def test_up_refuses_a_donefile_directory_that_does_not_exist(
+    tmp_path: Path, cluster_dir: Path
+) -> None:
     """`--donefile ./typo` used to create the directory and wait on it forever: refused, naming
     it, before anything starts; the transfer refuses it too unless told to create it."""
     typo = tmp_path / "typo"
@@ -178,6 +182,7 @@ def test_stop_escalates_to_sigkill_and_reports_it(tmp_path: Path) -> None:
     )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
     try:
+        assert child.stdout is not None
         child.stdout.readline()  # SIGTERM is ignored from here on
         record = Proc("stubborn", "server", [], str(tmp_path / "log"), 0, child.pid,
                       psutil.Process(child.pid).create_time())  # fmt: skip
@@ -201,7 +206,7 @@ def test_cli_usage_errors() -> None:
     assert command("cube-server").endswith("cube-server")
 
 
-def test_up_passes_the_tokens_on_and_uses_them(tmp_path: Path, cluster_dir) -> None:
+def test_up_passes_the_tokens_on_and_uses_them(tmp_path: Path, cluster_dir: Path) -> None:
     """Tokens given to cube-local (here via CUBE_TOKEN / CUBE_API_TOKEN) protect the agents
     and the transfer API it starts, and its own status/wait calls carry them (read from the
     cluster's transfer.conf: those commands run without the variables)."""

@@ -91,7 +91,7 @@ class Client:
         )  # fmt: skip
         OPEN_CLIENTS.append(self)
 
-    def ask(self, request: dict, timeout: float = 2 * WAIT) -> dict:
+    def ask(self, request: dict[str, Any], timeout: float = 2 * WAIT) -> dict[str, Any]:
         """Its answer, or {"error": ...} when it has none within `timeout` s (a longer
         request, a `load`, adds its seconds) or exited."""
         assert self.process.stdin is not None and self.process.stdout is not None
@@ -123,7 +123,7 @@ class Client:
 
 
 @pytest.fixture(autouse=True)
-def close_clients():
+def close_clients() -> Iterator[None]:
     """The clients a test started are closed when it ends, also when it fails or times out
     (pytest-timeout's signal method ends the test with an exception, then this runs)."""
     before = list(OPEN_CLIENTS)
@@ -181,13 +181,15 @@ class Cluster:
         with urllib.request.urlopen(request, timeout=5) as reply:
             return json.loads(reply.read())["data"]
 
-    def info(self) -> dict:
-        return self.get("/dict/info")
+    def info(self) -> dict[str, Any]:
+        answer: dict[str, Any] = self.get("/dict/info")
+        return answer
 
     def phase(self) -> str | None:
         """The phase of the rollout in progress ("" when none); None while the API is down."""
         with contextlib.suppress(OSError, ValueError):
-            return (self.info().get("deployment") or {}).get("phase", "")
+            phase: str = (self.info().get("deployment") or {}).get("phase", "")
+            return phase
         return None
 
     def new_base(self, tag: float) -> str:
@@ -208,7 +210,7 @@ class Cluster:
     def background_load(self, seconds: float, conf: Path | None = None) -> Load:
         return Load(self.node, conf or self.conf, seconds)
 
-    def instances(self) -> dict[str, dict]:
+    def instances(self) -> dict[str, dict[str, Any]]:
         """The transfer's view of each replica (/instance/status), by name."""
         return {i["name"]: i for i in self.get("/instance/status")}
 
@@ -234,8 +236,8 @@ class Load:
         until: threading.Event | None = None,
     ) -> None:
         self.client = Client(node, conf, namespace)
-        self.answer: dict = {}
-        self.rounds: list[dict] = []
+        self.answer: dict[str, Any] = {}
+        self.rounds: list[dict[str, Any]] = []
 
         def run() -> None:
             while True:
@@ -249,14 +251,14 @@ class Load:
         self.thread = threading.Thread(target=run, daemon=True)
         self.thread.start()
 
-    def result(self, timeout: float = WAIT) -> dict:
+    def result(self, timeout: float = WAIT) -> dict[str, Any]:
         """The load's answer; `exit_s`: how long the client then took to exit."""
         self.thread.join(timeout)
         self.answer["exit_s"] = self.client.close()
         return self.answer
 
 
-def merged_loads(rounds: list[dict]) -> dict:
+def merged_loads(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     if len(rounds) == 1 or any("error" in r for r in rounds):
         return next((r for r in rounds if "error" in r), rounds[0])
     versions: dict[str, int] = {}
@@ -291,18 +293,20 @@ VALUES: dict[str, Any] = {
 }
 
 
-def rendered(tmp_path: Path, values: dict, chart: Path | None = None) -> list[dict]:
+def rendered(
+    tmp_path: Path, values: dict[str, Any], chart: Path | None = None
+) -> list[dict[str, Any]]:
     """The chart's objects for `values` (the chart of this checkout, or `chart`)."""
     path = tmp_path / f"values-{next(_RENDERS)}.yaml"
     path.write_text(yaml.safe_dump(values))
-    text = render("--values", str(path), **({"chart": chart} if chart else {}))
+    text = render("--values", str(path), chart=chart) if chart else render("--values", str(path))
     return [d for d in yaml.safe_load_all(text) if d]
 
 
 _RENDERS = itertools.count()
 
 
-def upgraded(installed: list[dict], docs: list[dict]) -> list[dict]:
+def upgraded(installed: list[dict[str, Any]], docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`docs` as `helm upgrade` would apply them over `installed`: the chart's token Secret
     keeps the tokens installed (its `lookup` finds them in a cluster; `helm template` has no
     cluster to ask, so every render makes new random ones)."""
@@ -315,7 +319,7 @@ def upgraded(installed: list[dict], docs: list[dict]) -> list[dict]:
     ]
 
 
-def cube_conf(docs: list[dict], path: Path) -> Path:
+def cube_conf(docs: list[dict[str, Any]], path: Path) -> Path:
     """The rendered cube.conf, written to `path`."""
     conf = next(d for d in docs if d["metadata"]["name"].endswith("-cube-conf"))
     path.write_text(conf["data"]["cube.conf"])
@@ -323,7 +327,7 @@ def cube_conf(docs: list[dict], path: Path) -> Path:
 
 
 @contextlib.contextmanager
-def running(tmp_path: Path, docs: list[dict], tls_ca: str = "") -> Iterator[Cluster]:
+def running(tmp_path: Path, docs: list[dict[str, Any]], tls_ca: str = "") -> Iterator[Cluster]:
     """A node running `docs` (the donefile directory of hostPath /srv/donefile is
     tmp_path/donefile) and a client of the rendered cube.conf; closed at the end."""
     donefile = tmp_path / "donefile"
@@ -354,7 +358,7 @@ def running(tmp_path: Path, docs: list[dict], tls_ca: str = "") -> Iterator[Clus
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tmp_path = tmp_path_factory.mktemp("multihost")
     with running(tmp_path, rendered(tmp_path, VALUES)) as made:
         yield made
@@ -384,7 +388,7 @@ def shard_pods(node: SimNode) -> list[str]:
     return sorted(name for name in node.pods if "-shard-" in name)
 
 
-def served(client: Client, keys: np.ndarray) -> dict:
+def served(client: Client, keys: np.ndarray) -> dict[str, Any]:
     return client.ask({"seek": keys.tolist(), "dim": DIM})
 
 
@@ -396,7 +400,7 @@ def assert_serves(
     np.testing.assert_array_equal(np.asarray(answer["values"], np.float32), expected)
 
 
-def measured(what: str, load: dict) -> None:
+def measured(what: str, load: dict[str, Any]) -> None:
     """One line for bench/RESULTS.md (pytest -s shows it)."""
     print(
         f"\nMEASURED {what}: {load['calls']} lookups, p50 {load['p50_ms']:.1f} ms, p99"
@@ -404,7 +408,7 @@ def measured(what: str, load: dict) -> None:
     )
 
 
-def assert_clean(load: dict) -> None:
+def assert_clean(load: dict[str, Any]) -> None:
     """No failed request and no batch that mixed versions."""
     assert load["calls"] > 0, load
     assert load["error_count"] == 0, load["errors"]
@@ -447,7 +451,7 @@ def test_a_pod_runs_from_a_checkout_its_volume_hides_and_makes_no_host_directory
     assert not made
 
 
-def test_base_then_delta_reach_every_replica_across_hosts(cluster) -> None:
+def test_base_then_delta_reach_every_replica_across_hosts(cluster: Cluster) -> None:
     node, client = cluster.node, cluster.client
     started = time.monotonic()
     base = cluster.new_base(1.0)
@@ -495,10 +499,9 @@ def test_base_then_delta_reach_every_replica_across_hosts(cluster) -> None:
         ]
         assert held == [delta], (pod, held)
         answered = [v for (name, _), v in samples.items() if name == "cube_server_requests_total"]
-        answered = sum(answered)
-        assert answered > 0, pod
-    for pod, container in node.containers():
-        assert container.restarts == 0, (pod.spec.name, container.spec.name, node.report())
+        assert sum(answered) > 0, pod
+    for running_pod, container in node.containers():
+        assert container.restarts == 0, (running_pod.spec.name, container.spec.name, node.report())
 
 
 @pytest.mark.parametrize(
@@ -509,7 +512,7 @@ def test_base_then_delta_reach_every_replica_across_hosts(cluster) -> None:
         ("t-cube-transfer-0", "cube-transfer", "download"),
     ],
 )
-def test_kill9_mid_rollout(cluster, pod, container, phase) -> None:
+def test_kill9_mid_rollout(cluster: Cluster, pod: str, container: str, phase: str) -> None:
     """kill -9 of a server, an agent or the transfer while a base rolls out: the kubelet
     restarts it, the rollout completes (or aborts to the previous version), every replica
     serves the live version again, and no request fails or mixes versions."""
@@ -529,7 +532,7 @@ def test_kill9_mid_rollout(cluster, pod, container, phase) -> None:
     assert cluster.node.pod(pod).containers[container].restarts >= 1
 
 
-def test_a_replica_cut_off_during_a_rollout(cluster) -> None:
+def test_a_replica_cut_off_during_a_rollout(cluster: Cluster) -> None:
     """Its link goes down while a base rolls out: clients fail over without a failed request,
     the transfer goes on with the quorum (1) it has, and the replica catches up once back."""
     before = cluster.settled()
@@ -565,7 +568,7 @@ def test_a_replica_cut_off_during_a_rollout(cluster) -> None:
     assert 2 * result["calls"] <= counted <= 2.5 * result["calls"] + 100, (counted, result)
 
 
-def test_a_slow_replica_is_hedged(cluster) -> None:
+def test_a_slow_replica_is_hedged(cluster: Cluster) -> None:
     """50 ms more round trip to one replica (a relay: this kernel has no netem): with a 10 ms
     hedge the client's p99 stays within a few ms of the healthy p99 (the `la` balancer also
     learns from outrun attempts that the replica is slow), far under the added 50 ms."""
@@ -606,7 +609,9 @@ def test_a_slow_replica_is_hedged(cluster) -> None:
     assert slowed["p99_ms"] < healthy["p99_ms"] + 5, (healthy, slowed)  # within a few ms
 
 
-def test_a_replica_cut_off_and_another_slow_neither_fail_calls_nor_hold_the_exit(cluster) -> None:
+def test_a_replica_cut_off_and_another_slow_neither_fail_calls_nor_hold_the_exit(
+    cluster: Cluster,
+) -> None:
     """Issue 24, item 10: shard 0 listed with three replicas, one whose link goes down (its
     connects hang: no reset), one behind a relay far slower than the call's timeout, one
     healthy; a backup request after 20 ms, `rr`. Before, about one call in three failed by
@@ -654,7 +659,7 @@ def test_a_replica_cut_off_and_another_slow_neither_fail_calls_nor_hold_the_exit
     assert load["exit_s"] < 5, load
 
 
-def test_rolling_restart_under_load(cluster) -> None:
+def test_rolling_restart_under_load(cluster: Cluster) -> None:
     """Each shard pod deleted in turn (as the PodDisruptionBudget allows: the next one only
     when the last is ready again), with fresh emptyDir volumes: no failed request."""
     cluster.settled()
@@ -672,7 +677,7 @@ def test_rolling_restart_under_load(cluster) -> None:
 # TLS, upgrades and the harness by hand: clusters of their own
 
 
-def tls_secret(tmp_path: Path, docs: list[dict]) -> tuple[dict, str]:
+def tls_secret(tmp_path: Path, docs: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
     """A Secret as an operator would make for `tls.existingSecret` (tls.crt, tls.key, ca.crt)
     whose certificate names every shard's replicas and the transfer, as the chart's
     cert-manager Certificate asks; and the CA's path on the host."""
@@ -776,7 +781,7 @@ def test_upgrade_from_the_previous_chart_under_load(tmp_path: Path) -> None:
         assert sorted(made.instances()) == ["0_0", "0_1", "1_0", "1_1"]
 
 
-def test_the_harness_runs_by_hand_with_your_values(tmp_path):
+def test_the_harness_runs_by_hand_with_your_values(tmp_path: Path) -> None:
     """Issue 26 item 5 (docs/DEPLOY.md): `python tests/helpers/clustersim.py --values ...` runs the
     chart with an operator's values until stopped, prints its pods and a client namespace,
     and leaves nothing behind."""

@@ -37,6 +37,14 @@ PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="promtool comes with Debian's prometheus package (make debs)"
 )
+
+
+def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run promtool (the tests calling this are skipped without it)."""
+    assert PROMTOOL is not None
+    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=60, cwd=cwd)
+
+
 METRIC = re.compile(r"\bcube_[a-z0-9_]+")
 
 
@@ -86,7 +94,7 @@ def exported_names() -> set[str]:
         AgentCollector(lambda: agent),
         ClientCollector(stats),
     )
-    names = set()
+    names: set[str] = set()
     for collector in collectors:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(collector)
@@ -141,8 +149,7 @@ def test_dashboard_is_well_formed() -> None:
 
 @needs_promtool
 def test_promtool_checks_the_rules_and_every_dashboard_query(tmp_path: Path) -> None:
-    done = subprocess.run([PROMTOOL, "check", "rules", str(ALERTS)], capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    done = promtool("check", "rules", str(ALERTS))
     assert done.returncode == 0, done.stdout + done.stderr
     # dashboard queries as recording rules: promtool parses each as PromQL
     records = [
@@ -151,13 +158,11 @@ def test_promtool_checks_the_rules_and_every_dashboard_query(tmp_path: Path) -> 
     ]
     rules = tmp_path / "dashboard_rules.yml"
     rules.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": records}]}))
-    done = subprocess.run([PROMTOOL, "check", "rules", str(rules)], capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    done = promtool("check", "rules", str(rules))
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 @needs_promtool
 def test_alerts_fire_on_the_series_they_watch() -> None:
-    done = subprocess.run([PROMTOOL, "test", "rules", str(RULE_TESTS)], capture_output=True,
-                          text=True, timeout=60, cwd=RULE_TESTS.parent)  # fmt: skip
+    done = promtool("test", "rules", str(RULE_TESTS), cwd=RULE_TESTS.parent)
     assert done.returncode == 0, done.stdout + done.stderr

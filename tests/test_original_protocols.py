@@ -20,16 +20,27 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
-from helpers.brpc_client import BrpcClient, closed_without_answer, frame, read_reply, request_meta
-from helpers.procs import expected_fixed, fixed_values, running_server, write_version
+from helpers.brpc_client import (
+    BrpcClient,
+    RequestMeta,
+    closed_without_answer,
+    frame,
+    read_reply,
+    request_meta,
+)
+from helpers.procs import ServerProc, expected_fixed, fixed_values, running_server, write_version
+from helpers.stubs import control_stub, dict_stub
 
-from cube.pb import cube_pb2, cube_pb2_grpc
+from cube.pb import cube_pb2
 from cube.processes import _port_free, free_port, poll_until
 from cube.server.encoders import Answer
 from cube.server.original import control_request, keys_array, seek_json, seek_request
@@ -43,9 +54,11 @@ SECRET = "s3cr3t-marker"  # put in bad requests: no answer may repeat it
 # the JSON codec (no process)
 
 
-def reference_json(found, values, version) -> dict:
+def reference_json(
+    found: Sequence[bool] | np.ndarray, values: Sequence[bytes], version: str | None
+) -> dict[str, object]:
     """What brpc's json2pb makes of a DictResponse (bytes as base64, empty arrays left out)."""
-    answer = {}
+    answer: dict[str, object] = {}
     if len(found):
         answer["values"] = [
             {"status": 0 if hit else MISS, "value": base64.b64encode(value).decode()}
@@ -57,7 +70,7 @@ def reference_json(found, values, version) -> dict:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_seek_json_matches_the_reference(seed) -> None:
+def test_seek_json_matches_the_reference(seed: int) -> None:
     rng = np.random.default_rng(seed)
     for _ in range(150):
         n = int(rng.integers(0, 60))
@@ -91,7 +104,7 @@ def test_json_keys_numbers_and_decimal_strings() -> None:
 @pytest.mark.parametrize(
     "bad", [-1, 2**64, 1.0, 1e3, True, None, "-1", "0x10", " 7", "1" * 21, [1], {"k": 1}]
 )
-def test_json_bad_key_is_named_by_position(bad) -> None:
+def test_json_bad_key_is_named_by_position(bad: object) -> None:
     with pytest.raises(RequestError) as info:
         keys_array([5, bad])
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -110,7 +123,7 @@ def test_json_bad_key_is_named_by_position(bad) -> None:
         (b"[" * 100000, "not JSON"),
     ],
 )
-def test_json_bad_bodies_name_the_problem_not_the_content(body, words) -> None:
+def test_json_bad_bodies_name_the_problem_not_the_content(body: bytes, words: str) -> None:
     with pytest.raises(RequestError) as info:
         seek_request(body)
     assert words in info.value.message and SECRET not in info.value.message
@@ -142,11 +155,9 @@ def test_control_json_fields() -> None:
 # a real server
 
 
-def ports_of(server) -> dict:
-    return json.loads(server.port_file.read_text())
-
-
-def post(port: int, path: str, body: bytes, headers: dict | None = None):
+def post(
+    port: int, path: str, body: bytes, headers: dict[str, str] | None = None
+) -> tuple[int, str, bytes]:
     """(status, content type, body) of one HTTP POST."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
@@ -157,18 +168,24 @@ def post(port: int, path: str, body: bytes, headers: dict | None = None):
         connection.close()
 
 
-def post_json(port: int, path: str, payload, headers: dict | None = None):
+def post_json(
+    port: int, path: str, payload: object, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    """(status, the JSON answer when 200, else the text)."""
     status, _type, body = post(port, path, json.dumps(payload).encode(), headers)
     return status, (json.loads(body) if status == 200 else body.decode())
 
 
-def grpc_seek(server, keys, version_required: bool = True) -> cube_pb2.DictResponse:
+def grpc_seek(
+    server: ServerProc, keys: Sequence[int], version_required: bool = True
+) -> cube_pb2.DictResponse:
     with grpc.insecure_channel(server.address) as channel:
         request = cube_pb2.DictRequest(keys=keys, version_required=version_required)
-        return cube_pb2_grpc.DictServiceStub(channel).seek(request, timeout=10)
+        response: cube_pb2.DictResponse = dict_stub(channel).seek(request, timeout=10)
+        return response
 
 
-def as_json(response: cube_pb2.DictResponse) -> dict:
+def as_json(response: cube_pb2.DictResponse) -> dict[str, object]:
     """A DictResponse as brpc's json2pb writes it."""
     found = [v.status == 0 for v in response.values]
     values = [v.value for v in response.values]
@@ -178,24 +195,31 @@ def as_json(response: cube_pb2.DictResponse) -> dict:
 KEYS = np.arange(1, 9000, 3, dtype=np.uint64)  # version 100: width 12, tag 1
 
 
+@dataclass
+class Faces:
+    """A running cube-server and the ports of its two original faces."""
+
+    proc: ServerProc
+    http: int
+    brpc: int
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Faces]:
     data = tmp_path_factory.mktemp("original") / "data"
     write_version(data, "100", KEYS, fixed_values(KEYS, 12, tag=1), current=True)
     args = ("--http_port", "0", "--baidu_std_port", "0", "--max_batch", "1000")
     with running_server(data, *args) as proc:
         proc.wait_serving()
-        ports = ports_of(proc)
-        yield SimpleNamespace(
-            proc=proc, http=ports["http_ports"][0], brpc=ports["baidu_std_ports"][0]
-        )
+        ports = proc.written_ports()
+        yield Faces(proc=proc, http=ports["http_ports"][0], brpc=ports["baidu_std_ports"][0])
 
 
 QUERY = [int(KEYS[7]), 2, int(KEYS[0]), 2**64 - 1, int(KEYS[7]), int(KEYS[-1])]
 
 
 @pytest.mark.slow
-def test_http_seek_hits_misses_order_and_version(server) -> None:
+def test_http_seek_hits_misses_order_and_version(server: Faces) -> None:
     status, answer = post_json(server.http, "/DictService/seek", {"keys": QUERY})
     assert status == 200
     assert [v["status"] for v in answer["values"]] == [0, MISS, 0, MISS, 0, 0]
@@ -211,7 +235,7 @@ def test_http_seek_hits_misses_order_and_version(server) -> None:
 
 
 @pytest.mark.slow
-def test_http_seek_as_the_original_clients_send_it(server) -> None:
+def test_http_seek_as_the_original_clients_send_it(server: Faces) -> None:
     """The Go demo (application/json), curl -d (form-urlencoded), the full service name,
     decimal-string keys, no keys at all, and the protobuf body brpc takes as well."""
     body = json.dumps({"keys": QUERY}).encode()
@@ -251,14 +275,14 @@ def test_http_seek_as_the_original_clients_send_it(server) -> None:
         (f"{{{SECRET}", "not JSON"),
     ],
 )
-def test_http_bad_json_is_400_naming_the_field(server, body, words) -> None:
+def test_http_bad_json_is_400_naming_the_field(server: Faces, body: str, words: str) -> None:
     status, rtype, reply = post(server.http, "/DictService/seek", body.encode())
     assert status == 400 and rtype.startswith("text/plain")
     assert words in reply.decode() and SECRET not in reply.decode()
 
 
 @pytest.mark.slow
-def test_http_too_many_keys_and_oversized_body(server) -> None:
+def test_http_too_many_keys_and_oversized_body(server: Faces) -> None:
     status, _type, reply = post(
         server.http, "/DictService/seek", b'{"keys": [%s]}' % b",".join([b"1"] * 1001)
     )
@@ -271,7 +295,7 @@ def test_http_too_many_keys_and_oversized_body(server) -> None:
 
 
 @pytest.mark.slow
-def test_http_control_on_loopback_without_a_token(server) -> None:
+def test_http_control_on_loopback_without_a_token(server: Faces) -> None:
     status, answer = post_json(server.http, "/ControlService/cmd", {"cmd": "status"})
     assert status == 200 and answer == {"cur_version": "100", "bg_version": "", "status": 0}
     status, text = post_json(server.http, "/ControlService/cmd", {"cmd": "fly"})
@@ -281,7 +305,7 @@ def test_http_control_on_loopback_without_a_token(server) -> None:
 
 
 @pytest.mark.slow
-def test_baidu_std_seek_hits_misses_order_and_version(server) -> None:
+def test_baidu_std_seek_hits_misses_order_and_version(server: Faces) -> None:
     request = cube_pb2.DictRequest(keys=QUERY, version_required=True).SerializeToString()
     with BrpcClient(server.brpc) as client:
         reply = client.call(DICT, "seek", request, correlation_id=2**62 + 5, log_id=77)
@@ -302,7 +326,7 @@ def test_baidu_std_seek_hits_misses_order_and_version(server) -> None:
 
 
 @pytest.mark.slow
-def test_baidu_std_pipelined_requests_answer_in_order(server) -> None:
+def test_baidu_std_pipelined_requests_answer_in_order(server: Faces) -> None:
     with BrpcClient(server.brpc) as client:
         frames = b""
         for i in range(20):
@@ -327,7 +351,9 @@ def test_baidu_std_pipelined_requests_answer_in_order(server) -> None:
         (DICT, "seek", {"attachment_size": 999}, 1003, "attachment_size"),
     ],
 )
-def test_baidu_std_refusals_are_error_responses(server, service, method, meta, code, words) -> None:
+def test_baidu_std_refusals_are_error_responses(
+    server: Faces, service: str, method: str, meta: RequestMeta, code: int, words: str
+) -> None:
     with BrpcClient(server.brpc) as client:
         request = cube_pb2.DictRequest(keys=[1]).SerializeToString()
         reply = client.call(service, method, request, correlation_id=41, **meta)
@@ -338,7 +364,7 @@ def test_baidu_std_refusals_are_error_responses(server, service, method, meta, c
 
 
 @pytest.mark.slow
-def test_baidu_std_bad_request_and_too_many_keys(server) -> None:
+def test_baidu_std_bad_request_and_too_many_keys(server: Faces) -> None:
     with BrpcClient(server.brpc) as client:
         reply = client.call(DICT, "seek", b"\xff\xff" + SECRET.encode())
         assert reply.error_code == 1003 and "does not parse" in reply.error_text
@@ -365,7 +391,7 @@ def _raw(port: int, data: bytes) -> socket.socket:
         b"PRPC" + struct.pack(">II", 2, 2) + b"\x20\x05",  # a meta without a request
     ],
 )
-def test_baidu_std_bad_frames_close_without_an_answer(server, data) -> None:
+def test_baidu_std_bad_frames_close_without_an_answer(server: Faces, data: bytes) -> None:
     with _raw(server.brpc, data) as sock:
         assert closed_without_answer(sock)
     with BrpcClient(server.brpc) as client:  # the server goes on
@@ -373,7 +399,7 @@ def test_baidu_std_bad_frames_close_without_an_answer(server, data) -> None:
 
 
 @pytest.mark.slow
-def test_baidu_std_control_on_loopback_without_a_token(server) -> None:
+def test_baidu_std_control_on_loopback_without_a_token(server: Faces) -> None:
     with BrpcClient(server.brpc) as client:
         reply = client.call("rec.mcube.ControlService", "cmd", attachment=b'{"cmd": "status"}')
         assert reply.error_code == 0 and reply.message == b""
@@ -383,14 +409,14 @@ def test_baidu_std_control_on_loopback_without_a_token(server) -> None:
 
 
 @pytest.mark.slow
-def test_the_faces_are_counted_apart(server) -> None:
+def test_the_faces_are_counted_apart(server: Faces) -> None:
     post_json(server.http, "/DictService/seek", {"keys": [1, 2, 3]})
     assert post_json(server.http, "/DictService/seek", {"keys": [-1]})[0] == 400
     with BrpcClient(server.brpc) as client:
         client.call(DICT, "seek", cube_pb2.DictRequest(keys=[1, 2]).SerializeToString())
     post_json(server.http, "/ControlService/cmd", {"cmd": "status"})
     with grpc.insecure_channel(server.proc.control_address) as channel:
-        stub = cube_pb2_grpc.ControlServiceStub(channel)
+        stub = control_stub(channel)
         detail = json.loads(stub.cmd(cube_pb2.ControlRequest(cmd="status")).detail_json)
     metrics = detail["worker_states"][0]["metrics"]["api"]
     assert metrics["http"]["requests"] >= 1 and metrics["baidu_std"]["requests"] >= 1
@@ -398,11 +424,12 @@ def test_the_faces_are_counted_apart(server) -> None:
     assert detail["requests"]["http_requests"] == metrics["http"]["requests"]
 
 
-def _connections(proc) -> dict:
+def _connections(proc: ServerProc) -> dict[str, Any]:
     with grpc.insecure_channel(proc.control_address) as channel:
-        stub = cube_pb2_grpc.ControlServiceStub(channel)
+        stub = control_stub(channel)
         detail = json.loads(stub.cmd(cube_pb2.ControlRequest(cmd="status")).detail_json)
-    return detail["worker_states"][0]["lane"]
+    lane: dict[str, Any] = detail["worker_states"][0]["lane"]
+    return lane
 
 
 @pytest.mark.slow
@@ -415,7 +442,7 @@ def test_the_faces_share_the_lane_limits(tmp_path: Path) -> None:
     args = ("--http_port", "0", "--baidu_std_port", "0")
     limits = ("--lane_max_connections=3", "--lane_stall_timeout=1")
     with running_server(tmp_path / "data", *args, *limits) as proc:
-        ports = ports_of(proc)
+        ports = proc.written_ports()
         http_port, brpc = ports["http_ports"][0], ports["baidu_std_ports"][0]
         idle = http.client.HTTPConnection("127.0.0.1", http_port, timeout=30)
         idle.request("POST", "/DictService/seek", b'{"keys": [1]}')
@@ -467,13 +494,13 @@ def test_the_faces_share_the_lane_limits(tmp_path: Path) -> None:
 def test_not_serving_replica_refuses_on_both_faces(tmp_path: Path) -> None:
     args = ("--http_port", "0", "--baidu_std_port", "0")
     with running_server(tmp_path / "nothing", *args) as proc:
-        ports = ports_of(proc)
+        ports = proc.written_ports()
         status, rtype, reply = post(ports["http_ports"][0], "/DictService/seek", b'{"keys":[1]}')
         assert status == 503 and rtype.startswith("text/plain") and b"serves no version" in reply
         with BrpcClient(ports["baidu_std_ports"][0]) as client:
-            reply = client.call(DICT, "seek", cube_pb2.DictRequest(keys=[1]).SerializeToString())
-        assert reply.error_code == 2003 and "serves no version" in reply.error_text
-        assert reply.message == b""
+            refused = client.call(DICT, "seek", cube_pb2.DictRequest(keys=[1]).SerializeToString())
+        assert refused.error_code == 2003 and "serves no version" in refused.error_text
+        assert refused.message == b""
 
 
 @pytest.mark.slow
@@ -485,7 +512,7 @@ def test_control_token_rule_and_a_rollout_over_http(tmp_path: Path) -> None:
     write_version(data, "200", KEYS[:10], fixed_values(KEYS[:10], 12, tag=2))
     args = ("--http_port", "0", "--baidu_std_port", "0", "--control_token", "tok")
     with running_server(data, *args) as proc:
-        ports = ports_of(proc)
+        ports = proc.written_ports()
         http, brpc = ports["http_ports"][0], ports["baidu_std_ports"][0]
         path = "/ControlService/cmd"
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "tok"}):
@@ -499,7 +526,7 @@ def test_control_token_rule_and_a_rollout_over_http(tmp_path: Path) -> None:
         with BrpcClient(brpc) as client:
             status_cmd = b'{"cmd": "status"}'
             for auth in (None, b"nope"):
-                meta = {} if auth is None else {"authentication_data": auth}
+                meta: RequestMeta = {} if auth is None else {"authentication_data": auth}
                 reply = client.call("ControlService", "cmd", attachment=status_cmd, **meta)
                 assert reply.error_code == 1004 and reply.attachment == b""
             for auth in (b"tok", b"Bearer tok"):
@@ -561,7 +588,7 @@ def test_variable_values_and_splits_agree_over_every_transport(tmp_path: Path) -
         write_version(data, "7", mine, [values[k] for k in mine], split=split, current=True)
     args = ("--dict_split", "2", "--http_port", "0", "--baidu_std_port", "0")
     with running_server(data, *args) as proc:
-        ports = ports_of(proc)
+        ports = proc.written_ports()
         query = [5, 1000, 8, 0, 399, 5, 2**63]
         expected = grpc_seek(proc, query)
         assert [v.status for v in expected.values] == [0, MISS, 0, 0, 0, 0, MISS]
@@ -584,7 +611,7 @@ def test_both_faces_over_tls(tmp_path: Path, pki: dict[str, str]) -> None:
     write_version(tmp_path / "data", "1", [1], [b"tls!"], current=True)
     args = ("--http_port", "0", "--baidu_std_port", "0", "--tls_cert", pki["cert"])
     with running_server(tmp_path / "data", *args, "--tls_key", pki["key"]) as proc:
-        ports = ports_of(proc)
+        ports = proc.written_ports()
         context = ssl.create_default_context(cafile=pki["ca"])
         https = http.client.HTTPSConnection("127.0.0.1", ports["http_ports"][0], context=context)
         https.request("POST", "/DictService/seek", b'{"keys": [1, 2]}')
@@ -639,7 +666,7 @@ def test_every_worker_serves_both_faces_and_forwards_control(tmp_path: Path) -> 
 def test_idle_baidu_std_connection_does_not_hold_up_a_stop(tmp_path: Path) -> None:
     write_version(tmp_path / "data", "1", [1], [b"x"], current=True)
     with running_server(tmp_path / "data", "--baidu_std_port", "0", "--grace", "20") as proc:
-        client = BrpcClient(ports_of(proc)["baidu_std_ports"][0])
+        client = BrpcClient(proc.written_ports()["baidu_std_ports"][0])
         assert client.call(DICT, "seek").error_code == 0
         started = time.monotonic()
         assert proc.stop() == 0
@@ -658,7 +685,7 @@ def test_idle_baidu_std_connection_does_not_hold_up_a_stop(tmp_path: Path) -> No
         (["--baidu_std_port", "65535", "--workers", "2", "--port", "18000"], "not all ports"),
     ],
 )
-def test_face_flags_are_checked(tmp_path: Path, args, words) -> None:
+def test_face_flags_are_checked(tmp_path: Path, args: list[str], words: str) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "cube.server.main", "--data_dir", str(tmp_path), *args],
         capture_output=True,

@@ -8,7 +8,9 @@ from __future__ import annotations
 import gzip
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,8 +27,10 @@ SCENARIOS = {  # scenario -> (accessor, optimizer) per table, as generate.py con
 }
 
 
-def expected(scenario: str) -> dict:
-    return json.loads((DATA / scenario / "expected.json").read_text())
+def expected(scenario: str) -> dict[str, Any]:
+    """The scenario's expected.json (what generate.py recorded from the trainer)."""
+    record: dict[str, Any] = json.loads((DATA / scenario / "expected.json").read_text())
+    return record
 
 
 def part_text(path: Path) -> bytes:
@@ -57,7 +61,9 @@ CTR8 = layout("ctr_common", 8, "adagrad")
         ("sparse", 9, "shared_adam", 6 + 4 + 8 + 4, 10),
     ],
 )
-def test_layouts_have_paddles_column_counts(accessor, dim, rule, full, short) -> None:
+def test_layouts_have_paddles_column_counts(
+    accessor: str, dim: int, rule: str, full: int, short: int
+) -> None:
     table = layout(accessor, dim, rule)
     assert (table.full, table.short) == (full, short)
     assert table.columns[:6] == ("slot", "unseen_days", "delta_score", "show", "click", "embed_w")
@@ -105,7 +111,7 @@ def test_the_hint_names_the_flags_a_row_would_fit() -> None:
 # The real trainer's saves
 
 
-def saves():
+def saves() -> Iterator[tuple[str, str, str]]:
     for scenario in SCENARIOS:
         for save, record in expected(scenario)["saves"].items():
             for table in record["tables"]:
@@ -115,7 +121,7 @@ def saves():
 @pytest.mark.parametrize("compiled", PARSERS, ids=["numpy", "compiled"][: len(PARSERS)])
 @pytest.mark.parametrize(("scenario", "save", "table"), list(saves()))
 def test_every_real_save_parses_to_what_the_trainer_looks_up(
-    scenario, save, table, compiled
+    scenario: str, save: str, table: str, compiled: bool
 ) -> None:
     """Every mode (0-3, an empty delta), both accessors, three optimizer rules, plain and gzip
     parts: the keys are those saved, in file order, and each served value (with -paddle_value
@@ -129,7 +135,9 @@ def test_every_real_save_parses_to_what_the_trainer_looks_up(
     table_layout = layout(accessor, meta["dim"], rule)
     spec = pp.ValueSpec(pp.parse_value_fields(meta["lookup"]))
     folder = DATA / scenario / save / meta["folder"]
-    keys, values, short = [], [], 0
+    keys: list[np.ndarray] = []
+    values: list[np.ndarray] = []
+    short = 0
     for part in sorted(folder.iterdir()):
         rows = pp.parse_rows(part_text(part), table_layout, spec, str(part), compiled=compiled)
         keys.append(rows.keys)
@@ -210,10 +218,11 @@ def test_flags_and_configuration_must_agree() -> None:
 # The parsers against Python's float and int, on every form a number may take
 
 
-def oracle(data: bytes, table: pp.TableLayout, spec: pp.ValueSpec):
+def oracle(data: bytes, table: pp.TableLayout, spec: pp.ValueSpec) -> tuple[np.ndarray, np.ndarray]:
     """Keys and values by Python's int and float, line by line (the slow, obvious way)."""
     targets = spec.targets(table)
-    keys, rows = [], []
+    keys: list[int] = []
+    rows: list[list[float]] = []
     for line in data.split(b"\n"):
         fields = line.split()
         if not fields:
@@ -237,7 +246,7 @@ NUMBERS = [
 
 
 @pytest.mark.parametrize("dtype", pp.DTYPES)
-def test_both_parsers_equal_pythons_float_on_every_form(dtype) -> None:
+def test_both_parsers_equal_pythons_float_on_every_form(dtype: str) -> None:
     rng = random.Random(11)
     table = layout("sparse", 4, "naive")  # 9 numbers a row: embed_w and embedx_w x 3 served
     spec = pp.ValueSpec(("show", "click", "embed_w", "embedx_w"), dtype)
@@ -300,7 +309,9 @@ BAD_ROWS = [
 
 @pytest.mark.parametrize("compiled", PARSERS, ids=["numpy", "compiled"][: len(PARSERS)])
 @pytest.mark.parametrize(("row", "message"), BAD_ROWS, ids=[m[:30] for _, m in BAD_ROWS])
-def test_a_bad_row_is_named_by_source_line_and_field(row, message, compiled) -> None:
+def test_a_bad_row_is_named_by_source_line_and_field(
+    row: str, message: str, compiled: bool
+) -> None:
     good = "7 0 0 0 1 1 0.5 0.1 0.2 0.3 0.4 0.5 0.6 0.7\n"
     data = (good + "\n" + row + "\n" + good).encode()  # the bad row is line 3
     with pytest.raises(pp.PaddleRowError) as caught:

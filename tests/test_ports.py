@@ -7,7 +7,6 @@ listen beside the first (the kernel split the control calls between them)."""
 from __future__ import annotations
 
 import http.client
-import json
 import re
 import socket
 import struct
@@ -111,7 +110,7 @@ def held(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, int]]:
     agent = AgentProc(root / "agent", "127.0.0.1:1", "--metrics_port", "0")
     transfer = None
     try:
-        report = json.loads(server.port_file.read_text())  # type: ignore[union-attr]
+        report = server.written_ports()
         agent.start()
         log = root / "transfer.log"
         argv = [*TRANSFER, "-p", "0", "--metrics_port", "0", "--config"]

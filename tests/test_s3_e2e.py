@@ -12,8 +12,8 @@ import hashlib
 import json
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,6 +22,8 @@ from helpers.agent_helpers import flip_byte, make_shard_tar
 from helpers.s3_helpers import (
     SECRET_KEY,
     MotoServer,
+    ObjectStore,
+    S3Bucket,
     SilentEndpoint,
     aws_environment,
     s3_filesystem,
@@ -43,16 +45,16 @@ WAIT = 60.0
 
 
 @pytest.fixture(scope="module")
-def s3(moto: MotoServer, tmp_path_factory: pytest.TempPathFactory):
+def s3(moto: MotoServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Bucket]:
     root = tmp_path_factory.mktemp("s3-e2e")
     with aws_environment(moto.url, root):
         fs = s3_filesystem()
         if not fs.exists(BUCKET):
             fs.mkdir(BUCKET)
-        yield SimpleNamespace(root=root, fs=fs)
+        yield S3Bucket(root=root, fs=fs, url=moto.url)
 
 
-def seqfile(path: Path, keys, values) -> Path:
+def seqfile(path: Path, keys: np.ndarray, values: np.ndarray) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     column = ValueColumn.fixed(np.ascontiguousarray(values, np.float32).view(np.uint8), DIM * 4)
     with SequenceFileWriter(path) as writer:
@@ -78,7 +80,7 @@ def input_tree(root: Path, keys: np.ndarray, values: np.ndarray) -> tuple[Path, 
     return root, expected
 
 
-def upload(fs, local: Path, prefix: str) -> str:
+def upload(fs: ObjectStore, local: Path, prefix: str) -> str:
     for path in sorted(p for p in local.rglob("*") if p.is_file()):
         fs.put_file(str(path), f"{BUCKET}/{prefix}/{path.relative_to(local)}")
     return f"s3://{BUCKET}/{prefix}"
@@ -93,7 +95,7 @@ def md5s(directory: Path) -> dict[str, str]:
     return {p.name: hashlib.md5(p.read_bytes()).hexdigest() for p in directory.rglob("*.tar")}
 
 
-def test_cube_builder_builds_from_s3_what_it_builds_from_disk(s3) -> None:
+def test_cube_builder_builds_from_s3_what_it_builds_from_disk(s3: S3Bucket) -> None:
     keys, values = table(3000, 1)
     local, _ = input_tree(s3.root / "builder-input", keys, values)
     url = upload(s3.fs, local, "builder/input")
@@ -141,7 +143,7 @@ def test_cube_builder_gives_up_on_a_stalled_source_within_fetch_timeout(tmp_path
 
 
 def test_agent_refuses_a_corrupted_s3_object_and_places_a_good_one(
-    s3, deployment: Deployment
+    s3: S3Bucket, deployment: Deployment
 ) -> None:
     good = s3.root / "agent" / "t_part0.tar"
     md5 = make_shard_tar(good, n_keys=500, seed=3)
@@ -167,7 +169,7 @@ def test_agent_refuses_a_corrupted_s3_object_and_places_a_good_one(
     assert SECRET_KEY not in json.dumps(agent.status())
 
 
-def test_a_rollout_from_donefiles_and_inputs_in_s3(s3) -> None:
+def test_a_rollout_from_donefiles_and_inputs_in_s3(s3: S3Bucket) -> None:
     spec = ClusterSpec(
         dir=s3.root / "cluster",
         shards=2,

@@ -3,18 +3,19 @@ trips through the writer, corrupt and truncated input, and decompression bombs."
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import struct
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import cramjam
 import numpy as np
 import pytest
+from data.hadoop_written import generate as hadoop_written
 from helpers.measure import peak_bytes
 
 from cube import seqfile
@@ -43,6 +44,9 @@ from cube.seqfile import (
 )
 from cube.values import ValueColumn
 
+if TYPE_CHECKING:  # pyspark has no type information: SparkSession is Any to mypy
+    from pyspark.sql import SparkSession
+
 DATA = Path(__file__).resolve().parent / "data" / "hadoop_written"
 MANIFEST = json.loads((DATA / "expected.json").read_text())
 FILES = sorted(MANIFEST["files"])
@@ -62,8 +66,8 @@ def expected_records() -> tuple[np.ndarray, list[bytes]]:
 EXPECTED_KEYS, EXPECTED_VALUES = expected_records()
 
 
-def read_batches(path: Path, batch_bytes: int, **kwargs) -> tuple[list[int], list[bytes]]:
-    with SequenceFileReader(path, batch_bytes=batch_bytes, **kwargs) as reader:
+def read_batches(path: Path, batch_bytes: int) -> tuple[list[int], list[bytes]]:
+    with SequenceFileReader(path, batch_bytes=batch_bytes) as reader:
         batches = list(reader.batches())
     return (
         [k for b in batches for k in b.keys.tolist()],
@@ -71,7 +75,7 @@ def read_batches(path: Path, batch_bytes: int, **kwargs) -> tuple[list[int], lis
     )
 
 
-def check_reads_expected(path: Path, spec: dict) -> None:
+def check_reads_expected(path: Path, spec: dict[str, Any]) -> None:
     start, stop = spec["records"]
     keys, values = EXPECTED_KEYS[start:stop].tolist(), EXPECTED_VALUES[start:stop]
     for batch_bytes in (4096, 1 << 20, 64 << 20):
@@ -226,8 +230,8 @@ def test_zstd_frames_as_hadoop_writes_them() -> None:
 # ------------------------------------------------------------------ corrupt and truncated
 
 
-def read_all(path: Path, **kwargs) -> None:
-    with SequenceFileReader(path, **kwargs) as reader:
+def read_all(path: Path, batch_bytes: int = 64 << 20) -> None:  # the reader's default
+    with SequenceFileReader(path, batch_bytes=batch_bytes) as reader:
         for _ in reader.batches():
             pass
 
@@ -484,30 +488,22 @@ def test_hadoop_counts_the_header_before_its_first_sync_escape() -> None:
 # ------------------------------------------------------------------ Hadoop at test time
 
 
-def load_generator():
-    spec = importlib.util.spec_from_file_location("hadoop_written_generate", DATA / "generate.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
-def spark(tmp_path_factory: pytest.TempPathFactory):
+def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkSession]:
     """Hadoop through PySpark, which `make test` installs (as tests/test_spark_build.py, no
     skip: a missing Spark fails rather than passes quietly)."""
-    generator = load_generator()
-    session = generator.spark_session(tmp_path_factory.mktemp("spark-local"))
-    yield generator, session
+    session = hadoop_written.spark_session(tmp_path_factory.mktemp("spark-local"))
+    yield session
     session.stop()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_hadoop_writes_snappy_files_that_read_as_expected(spark, tmp_path: Path) -> None:
-    generator, session = spark
-    names = [name for name in generator.HADOOP_FILES if "snappy" in name]
-    assert generator.write_hadoop_files(session, tmp_path, names) == names
+def test_hadoop_writes_snappy_files_that_read_as_expected(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    names = [name for name in hadoop_written.HADOOP_FILES if "snappy" in name]
+    assert hadoop_written.write_hadoop_files(spark, tmp_path, names) == names
     assert len(names) == 2
     for name in names:
         header = read_header(tmp_path / name)
@@ -520,10 +516,12 @@ def test_hadoop_writes_snappy_files_that_read_as_expected(spark, tmp_path: Path)
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_byteswritable_writer_is_byte_identical_to_hadoop(spark, tmp_path: Path) -> None:
+def test_byteswritable_writer_is_byte_identical_to_hadoop(
+    spark: SparkSession, tmp_path: Path
+) -> None:
     """Hadoop's uncompressed BytesWritable/BytesWritable file, sync escapes included, is what
     SequenceFileWriter(dialect="byteswritable") writes given the same sync marker."""
-    _, session = spark
+    session = spark
     keys, _ = sample(12000, seed=9)
     # 40-byte values: 64-byte records, so an escape placed a header's length (> 64) off
     # Hadoop's shows

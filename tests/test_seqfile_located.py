@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -50,7 +51,12 @@ def copied_records(path: Path, key_format: str, batch_bytes: int) -> list[tuple[
         ]
 
 
-def outcome(read, path: Path, key_format: str, batch_bytes: int) -> object:
+def outcome(
+    read: Callable[[Path, str, int], list[tuple[int, bytes]]],
+    path: Path,
+    key_format: str,
+    batch_bytes: int,
+) -> list[tuple[int, bytes]] | tuple[str, str]:
     try:
         return read(path, key_format, batch_bytes)
     except SequenceFileError as exc:
@@ -69,7 +75,13 @@ def outcome(read, path: Path, key_format: str, batch_bytes: int) -> object:
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 def test_located_batches_match_batches(
-    tmp_path: Path, count, widths, dialect, batch, batch_bytes, seed
+    tmp_path: Path,
+    count: int,
+    widths: str,
+    dialect: str,
+    batch: bool,
+    batch_bytes: int,
+    seed: int,
 ) -> None:
     rng = np.random.default_rng(seed)
     keys = rng.integers(0, 1 << 64, count, dtype=np.uint64)
@@ -93,7 +105,7 @@ def test_located_batches_match_batches(
 
 @pytest.mark.parametrize("name", sorted(p.name for p in TESTDATA.glob("*.seq")))
 @pytest.mark.parametrize("key_format", KEY_FORMATS)
-def test_located_batches_of_real_files(name, key_format) -> None:
+def test_located_batches_of_real_files(name: str, key_format: str) -> None:
     path = TESTDATA / name
     with SequenceFileReader(path, key_format) as reader:
         in_place = reader.values_in_place

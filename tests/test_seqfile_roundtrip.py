@@ -53,8 +53,10 @@ def write_file(
     return path
 
 
-def read_back(path: Path, batch_bytes: int = 1 << 20, **kwargs) -> tuple[list[int], list[bytes]]:
-    with SequenceFileReader(path, batch_bytes=batch_bytes, **kwargs) as reader:
+def read_back(
+    path: Path, batch_bytes: int = 1 << 20, key_format: str = "auto"
+) -> tuple[list[int], list[bytes]]:
+    with SequenceFileReader(path, key_format, batch_bytes) as reader:
         batches = list(reader.batches())
     for batch in batches:
         assert batch.keys.dtype == np.uint64
@@ -123,7 +125,9 @@ def test_write_batch_is_byte_identical_to_single_writes(
         cuts = [0, 1, 2, 1599, 1600, 1601, 3500, 3501, 20_000, n]
     with SequenceFileWriter(batched, dialect=dialect, sync=sync) as writer:
         for lo, hi in itertools.pairwise(cuts):
-            writer.write_batch(np.array(keys[lo:hi], dtype=np.uint64), column.take(range(lo, hi)))
+            writer.write_batch(
+                np.array(keys[lo:hi], dtype=np.uint64), column.take(np.arange(lo, hi))
+            )
     assert batched.read_bytes() == single.read_bytes()
     assert single.read_bytes().count(SYNC_ESCAPE + sync) > 10
 
@@ -248,7 +252,13 @@ key_lists = st.lists(st.integers(0, (1 << 64) - 1), max_size=60)
     layout=st.sampled_from(LAYOUTS),
     batch_bytes=st.integers(64, 3000),
 )
-def test_property_random_records(tmp_path: Path, data, dialect, layout, batch_bytes) -> None:
+def test_property_random_records(
+    tmp_path: Path,
+    data: st.DataObject,
+    dialect: str,
+    layout: tuple[str, str | None],
+    batch_bytes: int,
+) -> None:
     keys = data.draw(key_lists)
     values = data.draw(st.lists(st.binary(max_size=300), min_size=len(keys), max_size=len(keys)))
     compression, codec = layout
@@ -271,7 +281,9 @@ def test_property_random_records(tmp_path: Path, data, dialect, layout, batch_by
     batch_bytes=st.integers(64, 5000),
     seed=st.integers(0, 1000),
 )
-def test_property_fixed_width_fast_path(tmp_path: Path, keys, width, batch_bytes, seed) -> None:
+def test_property_fixed_width_fast_path(
+    tmp_path: Path, keys: list[int], width: int, batch_bytes: int, seed: int
+) -> None:
     rng = np.random.default_rng(seed)
     values = [rng.bytes(width) for _ in keys]
     path = write_file(tmp_path / "fixed.seq", keys, values)
@@ -281,7 +293,9 @@ def test_property_fixed_width_fast_path(tmp_path: Path, keys, width, batch_bytes
 # ------------------------------------------------------------------ fast-path layouts
 
 
-def hand_made_file(path: Path, keys: list[int], values: list[bytes], escape_after: set[int]):
+def hand_made_file(
+    path: Path, keys: list[int], values: list[bytes], escape_after: set[int]
+) -> list[int]:
     """A Cube-dialect file with sync escapes exactly after the given record indices; returns
     the true file offset of every record."""
     sync = bytes(range(100, 116))
@@ -340,7 +354,9 @@ def test_double_escapes_and_escape_at_end(tmp_path: Path) -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), max_size=30))
-def test_ordered_range_gather_matches_the_general_one(gaps_and_lengths) -> None:
+def test_ordered_range_gather_matches_the_general_one(
+    gaps_and_lengths: list[tuple[int, int]],
+) -> None:
     """The mask-based gather used for a chunk's values equals cube.values.gather_ranges."""
     starts, lengths, at = [], [], 0
     for gap, length in gaps_and_lengths:

@@ -10,60 +10,74 @@ import asyncio
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
+import numpy.typing as npt
 import pytest
 from grpc_health.v1 import health_pb2
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from helpers.procs import (
+    ServerProc,
     expected_fixed,
     fixed_values,
-    health_status,
     running_server,
     start_server,
     write_version,
 )
+from helpers.stubs import control_stub, dict_stub, fast_stub, reflection_info
+from numpy.typing import NDArray
 
 from cube.client import AsyncCubeClient, CubeClient
-from cube.pb import cube_fast_pb2, cube_fast_pb2_grpc, cube_pb2, cube_pb2_grpc
-from cube.processes import free_ports, poll_until
+from cube.pb import cube_fast_pb2, cube_pb2
+from cube.processes import free_ports, health_status, poll_until
 from cube.routing import shard_of
 
 # Every test here starts processes (servers, CLIs): make quick skips them.
 pytestmark = pytest.mark.slow
 
 MISS = 0xFFFFFFFF
+Keys = NDArray[np.uint64]
+# the server, a channel to it, its keys, the delta's changed and added keys
+FixedServer = tuple[ServerProc, grpc.Channel, Keys, Keys, Keys]
+BadServer = tuple[ServerProc, grpc.Channel]  # a variable-width server with --max_batch 1000
 
 
-def seek(channel, keys, **fields) -> cube_fast_pb2.SeekResponse:
-    keys = np.asarray(keys, dtype="<u8")
-    request = cube_fast_pb2.SeekRequest(keys=keys.tobytes(), **fields)
-    return cube_fast_pb2_grpc.CubeServiceStub(channel).Seek(request, timeout=10)
+def seek(channel: grpc.Channel, keys: npt.ArrayLike, **fields: Any) -> cube_fast_pb2.SeekResponse:
+    """A fast Seek of `keys`; `fields`: the request's others (request_id, dict_name, ...)."""
+    request = cube_fast_pb2.SeekRequest(keys=np.asarray(keys, dtype="<u8").tobytes(), **fields)
+    response: cube_fast_pb2.SeekResponse = fast_stub(channel).Seek(request, timeout=10)
+    return response
 
 
-def fixed_rows(response) -> np.ndarray:
+def fixed_rows(response: cube_fast_pb2.SeekResponse) -> NDArray[np.uint8]:
     return np.frombuffer(response.values, np.uint8).reshape(-1, response.value_width)
 
 
-def variable_values(response) -> list[bytes]:
+def variable_values(response: cube_fast_pb2.SeekResponse) -> list[bytes]:
     offsets = np.frombuffer(response.offsets, "<u8")
     return [response.values[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
 
 
-def control(target, cmd, *, token: str = "", **fields) -> cube_pb2.ControlResponse:
+def control(
+    target: ServerProc | str, cmd: str, *, token: str = "", **fields: Any
+) -> cube_pb2.ControlResponse:
     """A control command to `target`: a ServerProc (its control port) or an address."""
-    address = getattr(target, "control_address", target)
+    address = target.control_address if isinstance(target, ServerProc) else target
     request = cube_pb2.ControlRequest(cmd=cmd, **fields)
     metadata = (("authorization", f"Bearer {token}"),) if token else None
     with grpc.insecure_channel(address) as channel:
-        stub = cube_pb2_grpc.ControlServiceStub(channel)
-        return stub.cmd(request, timeout=60, metadata=metadata)
+        reply: cube_pb2.ControlResponse = control_stub(channel).cmd(
+            request, timeout=60, metadata=metadata
+        )
+        return reply
 
 
 @pytest.fixture(scope="module")
-def fixed_server(tmp_path_factory: pytest.TempPathFactory):
+def fixed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FixedServer]:
     """Base 100 (keys 1..2000 step 3, width 40) + delta 100_200 (updates, new keys, deletes)."""
     data = tmp_path_factory.mktemp("fixed") / "data"
     keys = np.arange(1, 6000, 3, dtype=np.uint64)
@@ -84,7 +98,7 @@ def fixed_server(tmp_path_factory: pytest.TempPathFactory):
         yield server, channel, keys, changed, added
 
 
-def test_fast_seek_fixed_width_with_delta_and_tombstones(fixed_server) -> None:
+def test_fast_seek_fixed_width_with_delta_and_tombstones(fixed_server: FixedServer) -> None:
     _server, channel, keys, changed, added = fixed_server
     missing = np.array([5, 2**64 - 1], np.uint64)
     query = np.concatenate([keys[200:300], changed[:5], added, keys[100:110], missing])
@@ -101,10 +115,10 @@ def test_fast_seek_fixed_width_with_delta_and_tombstones(fixed_server) -> None:
     assert (rows[125:] == 0).all()  # deleted and missing keys: zero rows
 
 
-def test_original_seek_in_request_order(fixed_server) -> None:
+def test_original_seek_in_request_order(fixed_server: FixedServer) -> None:
     _server, channel, keys, changed, _added = fixed_server
     query = [int(keys[500]), 5, int(changed[0]), int(keys[500]), int(keys[105])]
-    stub = cube_pb2_grpc.DictServiceStub(channel)
+    stub = dict_stub(channel)
     response = stub.seek(cube_pb2.DictRequest(keys=query), timeout=10)
     assert not response.HasField("version")
     assert [v.status for v in response.values] == [0, MISS, 0, 0, MISS]
@@ -126,18 +140,20 @@ def test_original_seek_in_request_order(fixed_server) -> None:
         ({"keys": b"", "version": "999"}, grpc.StatusCode.FAILED_PRECONDITION, "'999'"),
     ],
 )
-def test_bad_fast_requests(bad_request_server, fields, code, words) -> None:
+def test_bad_fast_requests(
+    bad_request_server: BadServer, fields: dict[str, Any], code: grpc.StatusCode, words: str
+) -> None:
     _server, channel = bad_request_server
     with pytest.raises(grpc.RpcError) as info:
-        cube_fast_pb2_grpc.CubeServiceStub(channel).Seek(
-            cube_fast_pb2.SeekRequest(request_id=9, **fields), timeout=10
-        )
+        fast_stub(channel).Seek(cube_fast_pb2.SeekRequest(request_id=9, **fields), timeout=10)
     assert info.value.code() == code
-    assert words in info.value.details()
+    assert words in (info.value.details() or "")
 
 
 @pytest.fixture(scope="module")
-def bad_request_server(tmp_path_factory: pytest.TempPathFactory):
+def bad_request_server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[BadServer]:
     data = tmp_path_factory.mktemp("bad") / "data"
     write_version(data, "5", [1, 2], [b"one", b"two!"], current=True)
     args = ("--max_batch", "1000", "--dict_name", "test_dict", "--shard", "2")
@@ -145,19 +161,21 @@ def bad_request_server(tmp_path_factory: pytest.TempPathFactory):
         yield server, channel
 
 
-def test_dict_name_forms_accepted_and_original_batch_limit(bad_request_server) -> None:
+def test_dict_name_forms_accepted_and_original_batch_limit(
+    bad_request_server: BadServer,
+) -> None:
     _server, channel = bad_request_server
     for name in ("", "test_dict", "test_dict_part2"):
         assert seek(channel, [1], dict_name=name).found == b"\x01"
     with pytest.raises(grpc.RpcError) as info:
-        cube_pb2_grpc.DictServiceStub(channel).seek(
-            cube_pb2.DictRequest(keys=list(range(1001))), timeout=10
-        )
+        dict_stub(channel).seek(cube_pb2.DictRequest(keys=list(range(1001))), timeout=10)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-def test_bad_stream_request_ends_stream_with_status(bad_request_server) -> None:
-    stub = cube_fast_pb2_grpc.CubeServiceStub(bad_request_server[1])
+def test_bad_stream_request_ends_stream_with_status(
+    bad_request_server: BadServer,
+) -> None:
+    stub = fast_stub(bad_request_server[1])
     requests = [
         cube_fast_pb2.SeekRequest(keys=np.array([1], "<u8").tobytes(), request_id=1),
         cube_fast_pb2.SeekRequest(keys=b"\x00" * 9, request_id=2),
@@ -168,10 +186,10 @@ def test_bad_stream_request_ends_stream_with_status(bad_request_server) -> None:
             answers.append(answer.request_id)
     assert answers == [1]
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "request_id=2" in info.value.details()
+    assert "request_id=2" in (info.value.details() or "")
 
 
-def test_variable_width_values(bad_request_server) -> None:
+def test_variable_width_values(bad_request_server: BadServer) -> None:
     response = seek(bad_request_server[1], [2, 3, 1])
     assert response.value_width == 0
     assert response.found == b"\x01\x00\x01"
@@ -190,16 +208,16 @@ def test_empty_server_is_not_serving_and_says_why(tmp_path: Path) -> None:
         with pytest.raises(grpc.RpcError) as caught:
             seek(channel, [1, 2, 3])
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "does not exist" in caught.value.details()
+        assert "does not exist" in (caught.value.details() or "")
         with pytest.raises(grpc.RpcError) as caught:
-            cube_pb2_grpc.DictServiceStub(channel).seek(
+            dict_stub(channel).seek(
                 cube_pb2.DictRequest(keys=[4], version_required=True), timeout=10
             )
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
         with pytest.raises(grpc.RpcError) as caught:
             seek(channel, [])
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "does not exist" in caught.value.details()
+        assert "does not exist" in (caught.value.details() or "")
         detail = json.loads(control(server, "status").detail_json)
         assert detail["serving"] is False and "does not exist" in detail["not_serving_reason"]
         # the SDK's readiness is its first contact: a replica that cannot serve is not ready
@@ -222,7 +240,7 @@ def test_allow_empty_server_answers_misses(tmp_path: Path) -> None:
         response = seek(channel, [1, 2, 3])
         assert response.found == b"\x00\x00\x00" and response.version == ""
         assert variable_values(response) == [b"", b"", b""]
-        original = cube_pb2_grpc.DictServiceStub(channel).seek(
+        original = dict_stub(channel).seek(
             cube_pb2.DictRequest(keys=[4], version_required=True), timeout=10
         )
         assert [v.status for v in original.values] == [MISS]
@@ -241,7 +259,7 @@ def test_allow_empty_server_answers_misses(tmp_path: Path) -> None:
         ("empty", "waiting for cube-agent"),
     ],
 )
-def test_data_dir_without_a_version_is_diagnosed(tmp_path: Path, layout, words) -> None:
+def test_data_dir_without_a_version_is_diagnosed(tmp_path: Path, layout: str, words: str) -> None:
     data = tmp_path / "data"
     data.mkdir()
     if layout == "builder":
@@ -257,7 +275,7 @@ def test_data_dir_without_a_version_is_diagnosed(tmp_path: Path, layout, words) 
         with pytest.raises(grpc.RpcError) as caught:
             seek(channel, [1])
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert words in caught.value.details()
+        assert words in (caught.value.details() or "")
         assert words in server.log()
 
 
@@ -280,7 +298,8 @@ def test_corrupt_startup_version_is_not_serving_even_with_allow_empty(tmp_path: 
         with pytest.raises(grpc.RpcError) as caught:
             seek(channel, [1])
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "data.cube" in caught.value.details() and "checksum" in caught.value.details()
+        details = caught.value.details() or ""
+        assert "data.cube" in details and "checksum" in details
         control(server, "reload_base", version_path="/6")
         serving = health_pb2.HealthCheckResponse.SERVING
         assert poll_until(lambda: health_status(server.address) == serving, 10, 0.05)
@@ -315,29 +334,28 @@ def test_dict_split_layout(tmp_path: Path) -> None:
             assert [s["cur_version"] for s in detail["splits"]] == [partitioner] * 2
 
 
-def test_health_and_reflection(bad_request_server) -> None:
+def test_health_and_reflection(bad_request_server: BadServer) -> None:
     server, channel = bad_request_server
     address = server.address
     assert health_status(address) == health_pb2.HealthCheckResponse.SERVING
     assert health_status(address, service="cube.v1.CubeService") == (
         health_pb2.HealthCheckResponse.SERVING
     )
-    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
     request = reflection_pb2.ServerReflectionRequest(list_services="")
 
-    def listed(stub) -> set[str]:
-        replies = stub.ServerReflectionInfo(iter([request]), timeout=10)
+    def listed(channel: grpc.Channel) -> set[str]:
+        replies = reflection_info(channel, [request], timeout=10)
         return {s.name for reply in replies for s in reply.list_services_response.service}
 
-    names = listed(stub)
+    names = listed(channel)
     assert {"cube.v1.CubeService", "rec.mcube.DictService", "grpc.health.v1.Health"} <= names
     assert "rec.mcube.ControlService" not in names  # on the control port only
     with grpc.insecure_channel(server.control_address) as control_channel:
-        control_names = listed(reflection_pb2_grpc.ServerReflectionStub(control_channel))
+        control_names = listed(control_channel)
     assert {"rec.mcube.ControlService", "grpc.health.v1.Health"} <= control_names
     assert "cube.v1.CubeService" not in control_names
     request = reflection_pb2.ServerReflectionRequest(file_containing_symbol="cube.v1.CubeService")
-    reply = next(iter(stub.ServerReflectionInfo(iter([request]), timeout=10)))
+    reply = next(reflection_info(channel, [request], timeout=10))
     assert reply.file_descriptor_response.file_descriptor_proto
 
 
@@ -382,14 +400,14 @@ def test_flagfile_and_cli_errors(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "--dict_split" in bad.stderr
 
 
-def test_seek_stream_pipelined_in_order(fixed_server) -> None:
+def test_seek_stream_pipelined_in_order(fixed_server: FixedServer) -> None:
     _server, channel, keys, _changed, _added = fixed_server
     batches = [keys[200 + i * 7 : 250 + i * 7] for i in range(30)]  # past the delta's keys
     requests = (
         cube_fast_pb2.SeekRequest(keys=b.astype("<u8").tobytes(), request_id=i + 1)
         for i, b in enumerate(batches)
     )
-    stub = cube_fast_pb2_grpc.CubeServiceStub(channel)
+    stub = fast_stub(channel)
     answers = list(stub.SeekStream(requests, timeout=30))
     assert [a.request_id for a in answers] == list(range(1, 31))
     for batch, answer in zip(batches, answers, strict=True):
@@ -414,7 +432,7 @@ def test_a_replica_is_not_serving_until_its_kernel_is_compiled(tmp_path: Path) -
         control_ports=[control_port],
     )
     try:
-        seen = []
+        seen: list[int] = []
 
         def answered() -> bool:
             status = health_status(server.control_address)

@@ -9,53 +9,67 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import ParamSpec
 
 import grpc
 import numpy as np
 import pytest
-from helpers import procs
 from helpers.procs import expected_fixed, fixed_values, running_server, start_server, write_version
+from helpers.stubs import control_stub, fast_stub
 from test_server import control, fixed_rows, seek
 
 from cube.format import HEADER_SIZE
-from cube.pb import cube_pb2, cube_pb2_grpc
+from cube.pb import cube_fast_pb2, cube_pb2
+from cube.processes import free_ports, health_status, poll_until
 
 pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
 
 KEYS = np.arange(1, 3001, 2, dtype=np.uint64)  # 1500 keys
 WIDTH = 24
+P = ParamSpec("P")
 
 
-def write_base(data, name, tag, *, current: bool = False, split=None):
+def write_base(
+    data: Path, name: str, tag: int, *, current: bool = False, split: int | None = None
+) -> Path:
     return write_version(
         data, name, KEYS, fixed_values(KEYS, WIDTH, tag), current=current, split=split
     )
 
 
-def tags_of(response) -> set[int]:
+def tags_of(response: cube_fast_pb2.SeekResponse) -> set[int]:
     """The tag byte (byte 8) of every found row."""
     found = np.frombuffer(response.found, np.uint8).astype(bool)
     return set(fixed_rows(response)[found, 8].tolist())
 
 
-def expect_error(code, words, fn, *args, **kwargs):
+def expect_error(
+    code: grpc.StatusCode,
+    words: str,
+    fn: Callable[P, object],
+    *args: P.args,
+    **kwargs: P.kwargs,
+) -> str:
+    """fn(*args, **kwargs) fails with `code`, `words` in its details, which it returns."""
     with pytest.raises(grpc.RpcError) as info:
         fn(*args, **kwargs)
-    assert info.value.code() == code, info.value.details()
-    assert words in info.value.details(), info.value.details()
-    return info.value.details()
+    details = info.value.details() or ""
+    assert info.value.code() == code, details
+    assert words in details, details
+    return details
 
 
 @pytest.fixture
-def data(tmp_path: Path):
+def data(tmp_path: Path) -> Path:
     data = tmp_path / "data"
     write_base(data, "100", 1, current=True)
     write_base(data, "200", 2)
     return data
 
 
-def test_load_enable_undo_unload(data) -> None:
+def test_load_enable_undo_unload(data: Path) -> None:
     with running_server(data) as server, grpc.insecure_channel(server.address) as channel:
         status = control(server, "status")
         assert (status.cur_version, status.bg_version, status.status) == ("100", "", 0)
@@ -91,7 +105,7 @@ def test_load_enable_undo_unload(data) -> None:
         assert (data / "VERSION").read_text().strip() == "100"  # the agent owns VERSION
 
 
-def test_patch_layers_over_current_and_records_chain(data) -> None:
+def test_patch_layers_over_current_and_records_chain(data: Path) -> None:
     changed = KEYS[:10]
     write_version(data, "100_150", changed, fixed_values(changed, WIDTH, 5), deleted=KEYS[10:20])
     write_version(data, "200_250", changed, fixed_values(changed, WIDTH, 6))
@@ -125,7 +139,7 @@ def test_patch_layers_over_current_and_records_chain(data) -> None:
         )
 
 
-def test_path_traversal_refused(data) -> None:
+def test_path_traversal_refused(data: Path) -> None:
     with running_server(data) as server:
         for path in ["/../data", "../x", "/etc/passwd", "a/b", "/", "..", "", str(data.parent)]:
             expect_error(
@@ -141,7 +155,7 @@ def test_path_traversal_refused(data) -> None:
         assert control(server, "bg_load_base", version_path=str(data / "200")).bg_version == "200"
 
 
-def test_corrupted_version_refused_old_keeps_serving(data) -> None:
+def test_corrupted_version_refused_old_keeps_serving(data: Path) -> None:
     bad = write_base(data, "300", 3)
     blob = bytearray((bad / "data.cube").read_bytes())
     blob[HEADER_SIZE + 100] ^= 0xFF
@@ -162,7 +176,7 @@ def test_corrupted_version_refused_old_keeps_serving(data) -> None:
         assert tags_of(seek(channel, KEYS)) == {1}
 
 
-def test_concurrent_command_aborted(data) -> None:
+def test_concurrent_command_aborted(data: Path) -> None:
     with (
         running_server(data, "--load_delay", "1.5") as server,
         grpc.insecure_channel(server.address) as channel,
@@ -188,7 +202,7 @@ def test_concurrent_command_aborted(data) -> None:
         assert control(server, "status").bg_version == "200"
         # a caller that gives up does not cancel the command: it completes, status shows it
         with grpc.insecure_channel(server.control_address) as control_channel:
-            stub = cube_pb2_grpc.ControlServiceStub(control_channel)
+            stub = control_stub(control_channel)
             request = cube_pb2.ControlRequest(cmd="bg_load_base", version_path="/100")
             expect_error(grpc.StatusCode.DEADLINE_EXCEEDED, "", stub.cmd, request, timeout=0.3)
         deadline = time.monotonic() + 20
@@ -230,7 +244,7 @@ def test_restart_on_delta_rebuilds_chain(tmp_path: Path) -> None:
         assert "100_250" in json.loads(status.detail_json)["startup_error"]
 
 
-def test_workers_share_versions(data) -> None:
+def test_workers_share_versions(data: Path) -> None:
     with running_server(data, workers=2) as server:
         first, second = (grpc.insecure_channel(a) for a in server.addresses)
         try:
@@ -256,15 +270,13 @@ def test_workers_share_versions(data) -> None:
         assert server.stop() == 0
 
 
-def test_sigterm_drains_in_flight_stream(data) -> None:
+def test_sigterm_drains_in_flight_stream(data: Path) -> None:
     server = start_server(data, "--grace", "20")
     try:
         with grpc.insecure_channel(server.address) as channel:
-            from cube.pb import cube_fast_pb2, cube_fast_pb2_grpc
+            outbox: queue.Queue[cube_fast_pb2.SeekRequest | None] = queue.Queue()
 
-            outbox: queue.Queue = queue.Queue()
-
-            def requests():
+            def requests() -> Iterator[cube_fast_pb2.SeekRequest]:
                 while True:
                     item = outbox.get(timeout=30)
                     if item is None:
@@ -272,7 +284,7 @@ def test_sigterm_drains_in_flight_stream(data) -> None:
                     yield item
 
             keys = np.asarray(KEYS[:10], "<u8").tobytes()
-            stream = cube_fast_pb2_grpc.CubeServiceStub(channel).SeekStream(requests(), timeout=60)
+            stream = fast_stub(channel).SeekStream(requests(), timeout=60)
             outbox.put(cube_fast_pb2.SeekRequest(keys=keys, request_id=1))
             assert next(stream).request_id == 1
             server.signal()
@@ -289,7 +301,7 @@ def test_sigterm_drains_in_flight_stream(data) -> None:
         server.stop()
 
 
-def test_switch_under_load_each_response_from_one_version(data) -> None:
+def test_switch_under_load_each_response_from_one_version(data: Path) -> None:
     with running_server(data) as server:
         control(server, "bg_load_base", version_path="/200")
         stop = threading.Event()
@@ -332,8 +344,8 @@ def test_switch_under_load_each_response_from_one_version(data) -> None:
         assert seen.get("100") and seen.get("200")
 
 
-def test_reuseport_workers_stop_on_sigint(data) -> None:
-    shared, *own = procs.free_ports(3)
+def test_reuseport_workers_stop_on_sigint(data: Path) -> None:
+    shared, *own = free_ports(3)
     server = start_server(data, "--reuseport", workers=2, ports=[shared, *own])
     try:
         for address in server.addresses:
@@ -347,13 +359,12 @@ def test_reuseport_workers_stop_on_sigint(data) -> None:
         server.stop()
 
 
-def test_a_dead_worker_is_restarted_on_what_its_peers_serve(data) -> None:
+def test_a_dead_worker_is_restarted_on_what_its_peers_serve(data: Path) -> None:
     """kill -9 of one worker of two: the other keeps serving, the dead one comes back on the
     version its peer serves (200, enabled after start; VERSION still says 100), and a crash
     loop beyond --worker_restarts stops the whole server with an error."""
     import psutil
     from grpc_health.v1 import health_pb2
-    from helpers.procs import health_status
 
     SERVING = health_pb2.HealthCheckResponse.SERVING
     with running_server(data, "--worker_restarts", "2", workers=2) as server:
@@ -370,17 +381,19 @@ def test_a_dead_worker_is_restarted_on_what_its_peers_serve(data) -> None:
             victim.wait(10)
             with grpc.insecure_channel(server.addresses[0]) as channel:
                 assert tags_of(seek(channel, KEYS[:20])) == {2}  # worker 0 serves on
-            assert procs.poll_until(
-                lambda v=victim: (  # back, and ready (its kernel loaded)
-                    health_status(server.control_addresses[1]) == SERVING and worker(1).pid != v.pid
-                ),
-                30,
-                0.1,
-            ), f"round {round_}: worker 1 not back\n{server.log()[-2000:]}"
+
+            def back(dead: int = victim.pid) -> bool:
+                """Worker 1 is back, and ready (its kernel loaded)."""
+                ready = health_status(server.control_addresses[1]) == SERVING
+                return ready and worker(1).pid != dead
+
+            assert poll_until(back, 30, 0.1), (
+                f"round {round_}: worker 1 not back\n{server.log()[-2000:]}"
+            )
             with grpc.insecure_channel(server.addresses[1]) as channel:
                 response = seek(channel, KEYS[:20])
             assert response.version == "200" and tags_of(response) == {2}
         worker(1).kill()  # a third death within a minute: more than --worker_restarts 2
-        assert procs.poll_until(lambda: server.process.poll() is not None, 30, 0.1)
+        assert poll_until(lambda: server.process.poll() is not None, 30, 0.1)
         assert server.process.returncode == 1
         assert "more than --worker_restarts" in server.log()

@@ -6,16 +6,22 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, ParamSpec
 
 import grpc
 import numpy as np
+import numpy.typing as npt
 import pytest
 from grpc_health.v1 import health_pb2
-from helpers.procs import fixed_values, health_status, running_server, write_version
+from helpers.procs import ServerProc, fixed_values, running_server, write_version
+from helpers.stubs import dict_stub, raw_unary
+from numpy.typing import NDArray
 from test_server import control, fixed_rows, seek
 
-from cube.processes import poll_until
+from cube.processes import health_status, poll_until
 from cube.routing import shard_of
 
 pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
@@ -24,15 +30,24 @@ KEYS = np.arange(1, 3001, 2, dtype=np.uint64)
 WIDTH = 24
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+P = ParamSpec("P")
 
 
-def expect_status(code, words, fn, *args, **kwargs) -> str:
+def expect_status(
+    code: grpc.StatusCode,
+    words: list[str],
+    fn: Callable[P, object],
+    *args: P.args,
+    **kwargs: P.kwargs,
+) -> str:
+    """fn(*args, **kwargs) fails with `code`, every one of `words` in its details."""
     with pytest.raises(grpc.RpcError) as info:
         fn(*args, **kwargs)
-    assert info.value.code() == code, info.value.details()
+    details = info.value.details() or ""
+    assert info.value.code() == code, details
     for word in words:
-        assert word in info.value.details(), info.value.details()
-    return info.value.details()
+        assert word in details, details
+    return details
 
 
 def health_becomes(address: str, status: int, timeout: float = 10.0) -> bool:
@@ -85,7 +100,10 @@ def test_rewritten_background_version_is_dropped_current_keeps_serving(tmp_path:
         assert "index.cube" in detail["last_error"]
 
 
-def write_shard_of(data, name, shard, shard_num, partitioner, **kwargs):
+def write_shard_of(
+    data: Path, name: str, shard: int, shard_num: int, partitioner: str, **kwargs: Any
+) -> tuple[NDArray[np.uint64], Path]:
+    """Version `name` of the KEYS routed to `shard` (kwargs: write_version's)."""
     owned = KEYS[shard_of(KEYS, shard_num, partitioner) == shard]
     routing = {"shard": shard, "shard_num": shard_num, "partitioner": partitioner}
     return owned, write_version(
@@ -110,12 +128,12 @@ def test_keys_of_another_shard_are_refused(tmp_path: Path, partitioner: str) -> 
             channel,
             query,
         )
-        from cube.pb import cube_pb2, cube_pb2_grpc
+        from cube.pb import cube_pb2
 
         expect_status(
             grpc.StatusCode.INVALID_ARGUMENT,
             ["shard 1 of 3"],
-            cube_pb2_grpc.DictServiceStub(channel).seek,
+            dict_stub(channel).seek,
             cube_pb2.DictRequest(keys=[int(k) for k in query]),
             timeout=10,
         )
@@ -217,20 +235,21 @@ def test_lane_request_holds_its_version_until_answered(tmp_path: Path) -> None:
     other = service.parse_seek(encode_seek_request(KEYS[:100], request_id=2))
     slots.unload_background()  # version 2 leaves every slot; the parsed request still holds it
     answers = service.answer_seeks([pinned, other])
+    assert isinstance(answers[0], list) and isinstance(answers[1], list), answers
     first = decode_seek_response(b"".join(answers[0]), 100)
     second = decode_seek_response(b"".join(answers[1]), 100)
     assert first.version == "2" and set(first.column.as_rows()[:, 8].tolist()) == {2}
     assert second.version == "1" and second.found.all()
-    assert pinned.version.closed  # released by the answer: now unmapped
+    assert pinned.version is not None and pinned.version.closed  # released: now unmapped
 
 
 def _lane_port(address: str) -> int:
     with grpc.insecure_channel(address) as channel:
-        _, call = channel.unary_unary("/cube.v1.CubeService/Seek").with_call(b"", timeout=10)
+        _, call = raw_unary(channel, "/cube.v1.CubeService/Seek").with_call(b"", timeout=10)
     return next(int(v) for k, v in call.initial_metadata() if k == "cube-tcp-port")
 
 
-def _kernel_loaded(server) -> None:
+def _kernel_loaded(server: ServerProc) -> None:
     """Wait until the server's lookup kernel has loaded in the background (numba and its
     compiled code: ~100 MiB and some CPU after start-up, which is not what a test of the
     lane's bounds measures)."""
@@ -248,7 +267,9 @@ def _rss(pid: int) -> int:
     return psutil.Process(pid).memory_info().rss
 
 
-def _send_until_blocked(sock, payload: bytes, count: int, seconds: float = 5.0) -> int:
+def _send_until_blocked(
+    sock: socket.socket, payload: bytes, count: int, seconds: float = 5.0
+) -> int:
     """Send `payload` up to `count` times; stop when the server stops reading (timeout)."""
     import time
 
@@ -271,7 +292,6 @@ def test_lane_memory_bounded_when_answers_are_not_read(tmp_path: Path) -> None:
     """A client pipelines requests whose answers it never reads (each answer 40 MB): the
     server stops reading it once its answers are queued, so memory stays bounded, and it
     closes the connection after --lane_stall_timeout. Other clients are served meanwhile."""
-    import socket
     import struct
     import time
 
@@ -301,7 +321,7 @@ def test_lane_memory_bounded_when_answers_are_not_read(tmp_path: Path) -> None:
         attacker.close()
 
 
-def lane_connections(server) -> int:
+def lane_connections(server: ServerProc) -> int:
     detail = json.loads(control(server, "status").detail_json)
     return sum(w["lane"]["connections"] for w in detail["worker_states"])
 
@@ -310,7 +330,6 @@ def test_lane_partial_frames_bounded_and_timed_out(tmp_path: Path) -> None:
     """Many connections each holding most of a 4 MiB frame and then stalling: input buffers
     stay within --lane_budget_bytes (connections beyond it are told UNAVAILABLE and closed),
     stalled ones are closed after --lane_stall_timeout, other clients are served."""
-    import socket
     import struct
     import time
 
@@ -341,9 +360,8 @@ def test_lane_partial_frames_bounded_and_timed_out(tmp_path: Path) -> None:
             sock.close()
 
 
-def _lane_call(port: int, keys, timeout: float = 10.0) -> tuple[int, bytes]:
+def _lane_call(port: int, keys: npt.ArrayLike, timeout: float = 10.0) -> tuple[int, bytes]:
     """One seek on a new lane connection: (status, body) of its answer frame."""
-    import socket
     import struct
 
     from cube.wire import LANE_MAGIC, encode_seek_request
@@ -365,15 +383,13 @@ def test_lane_connections_capped(tmp_path: Path) -> None:
     """--lane_max_connections: at the limit, a new connection closes the one idle longest to
     make room; only when every connection is busy (here: HTTP requests whose bodies are
     being read) is it told UNAVAILABLE and closed."""
-    import socket
-
     from cube.wire import LANE_MAGIC
 
     data = tmp_path / "data"
     write_version(data, "1", KEYS, fixed_values(KEYS, WIDTH, 1), current=True)
     with running_server(data, "--lane_max_connections=3", "--http_port", "0") as server:
         port = _lane_port(server.address)
-        http_port = json.loads(server.port_file.read_text())["http_ports"][0]
+        http_port = server.written_ports()["http_ports"][0]
         kept = []
         for _ in range(3):  # idle: the magic, then nothing
             kept.append(socket.create_connection(("127.0.0.1", port), timeout=10))
@@ -398,8 +414,7 @@ def test_lane_connections_capped(tmp_path: Path) -> None:
             )
 
         def bodies_read() -> bool:  # each handler charges its body before reading it
-            detail = json.loads(control(server, "status").detail_json)
-            return detail["worker_states"][0]["lane"]["bytes"] >= 300
+            return _lane_stats(server)["bytes"] >= 300
 
         assert poll_until(bodies_read, 10, 0.05)
         status, body = _lane_call(port, KEYS[:3])
@@ -421,7 +436,7 @@ def _open_files_at_least(count: int) -> None:
         pytest.skip(f"needs {count} open files, the hard limit is {hard}")
 
 
-def _soft_open_files(count: int):
+def _soft_open_files(count: int) -> Callable[[], None]:
     """A preexec_fn: the child's soft limit of open files is `count` (its hard one stays)."""
 
     def limit() -> None:
@@ -442,7 +457,6 @@ def test_idle_connections_cannot_starve_the_lane(tmp_path: Path) -> None:
     soft limit of 1024 open files, as many systems start processes: it raises it to hold its
     1024 connections."""
     import contextlib
-    import socket
 
     from cube.client import CubeClient
     from cube.wire import LANE_MAGIC
@@ -455,7 +469,7 @@ def test_idle_connections_cannot_starve_the_lane(tmp_path: Path) -> None:
     with running_server(
         data, *args, "--dict_name", "test_dict", preexec_fn=_soft_open_files(1024)
     ) as server:
-        ports = json.loads(server.port_file.read_text())
+        ports = server.written_ports()
         faces = {
             "lane": _lane_port(server.address),
             "http": ports["http_ports"][0],
@@ -518,7 +532,7 @@ def test_idle_connections_cannot_starve_the_lane(tmp_path: Path) -> None:
                 sock.close()
 
 
-def _closed(sock) -> bool:
+def _closed(sock: socket.socket) -> bool:
     """Whether the server has answered or closed `sock` (it says nothing to a drip before)."""
     import select
 
@@ -527,16 +541,19 @@ def _closed(sock) -> bool:
     return bool(poller.poll(0))
 
 
-def _lane_stats(server) -> dict:
-    return json.loads(control(server, "status").detail_json)["worker_states"][0]["lane"]
+def _lane_stats(server: ServerProc) -> dict[str, int]:
+    stats: dict[str, int] = json.loads(control(server, "status").detail_json)["worker_states"][0][
+        "lane"
+    ]
+    return stats
 
 
-def _held(server) -> int:
+def _held(server: ServerProc) -> int:
     stats = _lane_stats(server)
     return sum(stats[k] for k in ("connections", "http_connections", "baidu_std_connections"))
 
 
-def _read_to_eof(sock) -> bytes:
+def _read_to_eof(sock: socket.socket) -> bytes:
     sock.settimeout(10)
     data = b""
     try:
@@ -547,7 +564,7 @@ def _read_to_eof(sock) -> bytes:
     return data
 
 
-def _lane_messages(server) -> int:
+def _lane_messages(server: ServerProc) -> int:
     return int(json.loads(control(server, "status").detail_json)["requests"]["lane_messages"])
 
 
@@ -566,7 +583,7 @@ def test_data_port_refuses_control_and_internal_calls(tmp_path: Path) -> None:
             grpc.StatusCode.UNIMPLEMENTED, [], control, server.address, "reload_base",
             version_path="/2",
         )  # fmt: skip
-        apply = channel.unary_unary("/cube.internal.Worker/Apply")
+        apply = raw_unary(channel, "/cube.internal.Worker/Apply")
         expect_status(grpc.StatusCode.UNIMPLEMENTED, [], apply, b'{"op": "switch"}', timeout=10)
         assert control(server, "status").cur_version == "1"
 
@@ -585,7 +602,7 @@ def test_control_token_checked_in_constant_time(tmp_path: Path) -> None:
         second = server.control_addresses[1]
         assert control(second, "bg_unload", token="s3cret").cur_version == "1"
         with grpc.insecure_channel(second) as channel:
-            apply = channel.unary_unary("/cube.internal.Worker/Apply")
+            apply = raw_unary(channel, "/cube.internal.Worker/Apply")
             expect_status(grpc.StatusCode.UNAUTHENTICATED, [], apply, b"{}", timeout=10)
         assert health_status(server.control_address) == SERVING  # health needs no token
 
@@ -610,7 +627,6 @@ def test_control_port_beyond_loopback_needs_a_token(tmp_path: Path) -> None:
 def test_port_in_use_fails_before_the_start_up_load(tmp_path: Path, taken_flag: str) -> None:
     """Every port is bound before the shard is loaded: an operator hears "port in use" at
     once, not after a long load, and nothing is mapped."""
-    import socket
     import subprocess
     import sys
 

@@ -4,13 +4,14 @@ apart, the versions match what is served, and one endpoint covers every worker."
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+from typing import Literal
 
 import grpc
 import numpy as np
 import pytest
-from helpers.procs import fixed_values, running_server, scrape, write_version
+from helpers.procs import ServerProc, fixed_values, running_server, scrape, write_version
+from helpers.stubs import raw_unary
 
 from cube.client import CubeClient
 from cube.pb import cube_pb2
@@ -21,27 +22,28 @@ pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips t
 KEYS = np.arange(1, 2001, dtype=np.uint64)
 WIDTH = 16
 VERSION = "1700000000"
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]  # helpers.procs.scrape's
 
 
-def scrape_port(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def scrape_port(port: int) -> Samples:
     return scrape(f"http://127.0.0.1:{port}/metrics")
 
 
-def value(samples, name: str, **labels: str) -> float:
+def value(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def metrics_port(server) -> int:
-    return int(json.loads(server.port_file.read_text())["metrics_port"])
+def metrics_port(server: ServerProc) -> int:
+    return int(server.written_ports()["metrics_port"])
 
 
 @pytest.fixture
-def data(tmp_path: Path):
+def data(tmp_path: Path) -> Path:
     write_version(tmp_path / "data", VERSION, KEYS, fixed_values(KEYS, WIDTH), current=True)
     return tmp_path / "data"
 
 
-def test_counts_match_the_requests_sent_on_each_api(data) -> None:
+def test_counts_match_the_requests_sent_on_each_api(data: Path) -> None:
     with running_server(data, "--metrics_port", "0") as server:
         port = metrics_port(server)
         before = scrape_port(port)
@@ -61,16 +63,16 @@ def test_counts_match_the_requests_sent_on_each_api(data) -> None:
             for _ in range(3):
                 unary.seek(asked)
         with grpc.insecure_channel(server.address) as channel:
-            original = channel.unary_unary("/rec.mcube.DictService/seek")
+            original = raw_unary(channel, "/rec.mcube.DictService/seek")
             request = cube_pb2.DictRequest(keys=[int(k) for k in asked[:100]])
             for _ in range(2):
                 original(request.SerializeToString(), timeout=10)
             with pytest.raises(grpc.RpcError) as refused:  # keys of 7 bytes: INVALID_ARGUMENT
-                channel.unary_unary("/cube.v1.CubeService/Seek")(_bad_seek(), timeout=10)
+                raw_unary(channel, "/cube.v1.CubeService/Seek")(_bad_seek(), timeout=10)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         after = scrape_port(port)
 
-    def delta(name, **labels):
+    def delta(name: str, **labels: str) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
 
     # the SDK's first contact (discovery) is an empty Seek: answered, with no keys
@@ -102,14 +104,14 @@ def _bad_seek() -> bytes:
     return cube_fast_pb2.SeekRequest(keys=b"1234567", request_id=9).SerializeToString()
 
 
-def test_the_port_file_has_no_metrics_port_while_metrics_are_off(data) -> None:
+def test_the_port_file_has_no_metrics_port_while_metrics_are_off(data: Path) -> None:
     """metrics_port is null with metrics off (a 0 would read as "any free port")."""
     with running_server(data) as server:
-        report = json.loads(server.port_file.read_text())
+        report = server.written_ports()
         assert report["metrics_port"] is None and report["ports"][0] > 0
 
 
-def test_one_endpoint_covers_every_worker(data) -> None:
+def test_one_endpoint_covers_every_worker(data: Path) -> None:
     port = free_port()
     with running_server(data, "--metrics_port", str(port), workers=2) as server:
         with CubeClient(shards=[[f"127.0.0.1:{server.ports[1]}"]]) as client:  # worker 1 only
@@ -125,7 +127,7 @@ def test_one_endpoint_covers_every_worker(data) -> None:
                      version=VERSION) == 1  # fmt: skip
 
 
-def test_metrics_port_in_use_is_refused_at_once(data, tmp_path: Path) -> None:
+def test_metrics_port_in_use_is_refused_at_once(data: Path, tmp_path: Path) -> None:
     import socket
     import subprocess
     import sys
@@ -143,7 +145,7 @@ def test_metrics_port_in_use_is_refused_at_once(data, tmp_path: Path) -> None:
     assert f"127.0.0.1:{port} (--metrics_port): port in use" in done.stderr, done.stderr
 
 
-def test_idle_connections_to_the_metrics_port_hold_no_threads(data) -> None:
+def test_idle_connections_to_the_metrics_port_hold_no_threads(data: Path) -> None:
     """Issue 24: prometheus_client's server started a thread a connection (500 idle
     connections made 515 threads). The endpoint now serves from the event loop with one
     thread of its own, keeps at most a few connections (the one idle longest makes room),
@@ -172,7 +174,7 @@ def test_idle_connections_to_the_metrics_port_hold_no_threads(data) -> None:
 
 @pytest.mark.parametrize("transport", ["auto", "grpc"])
 def test_a_refusal_names_the_request_id_in_the_error_and_the_server_log(
-    data, transport: str
+    data: Path, transport: Literal["auto", "grpc"]
 ) -> None:
     """The SDK sends each call's request id with its sub-requests and puts it on the error it
     raises; the server logs the refusal with the same id (rate-limited)."""

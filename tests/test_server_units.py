@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -19,6 +20,7 @@ from cube.server.control import ControlError, Coordinator, LocalWorker
 from cube.server.encoders import MISS_STATUS, Answer, encode_dict_response, encode_seek_response
 from cube.server.service import RequestError, SeekService
 from cube.server.versions import (
+    LoadedVersion,
     LoadOptions,
     VersionError,
     VersionSlots,
@@ -50,7 +52,7 @@ def variable_answer(values: list[bytes | None]) -> Answer:
         [b"", None, b"xy", b"z" * 127, b"q" * 128, None, b"w" * 20000, bytes(range(256))],
     ],
 )
-def test_dict_response_bytes_parse_back(values, version: str | None) -> None:
+def test_dict_response_bytes_parse_back(values: list[bytes | None], version: str | None) -> None:
     raw = encode_dict_response(variable_answer(values), version)
     parsed = cube_pb2.DictResponse.FromString(raw)
     assert [(v.status, v.value) for v in parsed.values] == [
@@ -118,10 +120,11 @@ def test_retired_version_unmapped_after_last_request(tmp_path: Path) -> None:
     slots.install(load_base(dirs, "1", LoadOptions()))
     slots.stage(load_base(dirs, "2", LoadOptions()))
     slots.commit()
+    assert slots.current is not None
     old = slots.current.acquire()  # a request in flight on version 1
     SeekService(slots, max_batch=100).seek(b"")  # the kernel prepared its views on it
 
-    def mapped(name):
+    def mapped(name: str) -> bool:
         return str(tmp_path / name / "data.cube") in open("/proc/self/maps").read()
 
     slots.switch()
@@ -143,7 +146,9 @@ class FailingRemote:
         self.ops: list[str] = []
         self.index, self.port = 1, 0
 
-    async def apply(self, op, mode: str = "", name: str = "", timeout=None):
+    async def apply(
+        self, op: str, mode: str = "", name: str = "", timeout: float | None = None
+    ) -> dict[str, Any]:
         if op != "state":
             self.ops.append(op)
         if op == self.fail:
@@ -151,7 +156,15 @@ class FailingRemote:
         return {"worker": 1}
 
 
-def make_coordinator(tmp_path: Path, remote):
+def name(slot: LoadedVersion | None) -> str | None:
+    """The version in a slot (None: empty)."""
+    return slot.name if slot is not None else None
+
+
+def make_coordinator(
+    tmp_path: Path, remote: FailingRemote | None
+) -> tuple[Coordinator, VersionSlots]:
+    """A coordinator of a local worker on versions 1 (current) and 2, and `remote` if any."""
     keys = np.arange(10, dtype=np.uint64)
     write_version(tmp_path, "1", keys, fixed_values(keys, 8))
     write_version(tmp_path, "2", keys, fixed_values(keys, 8, tag=2))
@@ -161,7 +174,8 @@ def make_coordinator(tmp_path: Path, remote):
     service = SeekService(slots, max_batch=100)
     executor = ThreadPoolExecutor(1)
     local = LocalWorker(0, 0, slots, tmp_path, dirs, LoadOptions(), executor, service)
-    return Coordinator(local, [remote], describe=dict), slots
+    remotes = [remote] if remote is not None else []
+    return Coordinator(local, remotes, describe=dict), slots  # type: ignore[arg-type]  # a fake RemoteWorker
 
 
 def test_failed_load_on_one_worker_rolls_back_the_others(tmp_path: Path) -> None:
@@ -170,7 +184,7 @@ def test_failed_load_on_one_worker_rolls_back_the_others(tmp_path: Path) -> None
     request = cube_pb2.ControlRequest(cmd="bg_load_base", version_path="/2")
     with pytest.raises(ControlError, match="worker 1"):
         asyncio.run(coordinator.command(request))
-    assert slots.staged is None and slots.background is None and slots.current.name == "1"
+    assert slots.staged is None and slots.background is None and name(slots.current) == "1"
     assert remote.ops == ["prepare"]  # the failing worker itself had nothing to abort
     assert coordinator.busy is None
 
@@ -179,10 +193,10 @@ def test_failed_switch_on_one_worker_switches_the_others_back(tmp_path: Path) ->
     remote = FailingRemote("switch")
     coordinator, slots = make_coordinator(tmp_path, remote)
     asyncio.run(coordinator.command(cube_pb2.ControlRequest(cmd="bg_load_base", version_path="2")))
-    assert slots.background.name == "2"
+    assert name(slots.background) == "2"
     with pytest.raises(ControlError, match="gone"):
         asyncio.run(coordinator.command(cube_pb2.ControlRequest(cmd="enable", version="2")))
-    assert slots.current.name == "1" and slots.background.name == "2"
+    assert name(slots.current) == "1" and name(slots.background) == "2"
     assert remote.ops == ["prepare", "commit", "switch"]
 
 
@@ -190,7 +204,7 @@ def test_enable_accepts_path_forms_and_refuses_traversal(tmp_path: Path) -> None
     remote = FailingRemote("nothing")
     coordinator, _slots = make_coordinator(tmp_path, remote)
 
-    def run(**fields):
+    def run(**fields: str) -> cube_pb2.ControlResponse:
         return asyncio.run(coordinator.command(cube_pb2.ControlRequest(**fields)))
 
     run(cmd="bg_load_base", version_path="/2")
@@ -253,7 +267,7 @@ def test_a_worker_reaches_a_peer_that_came_up_after_its_first_try(tmp_path: Path
     coordinator, slots = make_coordinator(tmp_path, None)
     port = free_port()
 
-    async def scenario() -> dict:
+    async def scenario() -> dict[str, Any]:
         peer = RemoteWorker(1, port, f"127.0.0.1:{port}", 5.0)
         with pytest.raises(ControlError):
             await peer.apply("state", timeout=0.3)  # nobody listens yet
@@ -294,14 +308,21 @@ def test_the_supervisor_stops_at_once_when_a_worker_cannot_listen() -> None:
     assert why == "worker 2 cannot listen on its ports"
 
 
-def test_version_and_chain_files_are_written_durably(tmp_path, monkeypatch):
+def test_version_and_chain_files_are_written_durably(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """VERSION and CHAIN go through cube.fsutil's atomic write: the file is fsynced before its
     rename and the directory after it, and no temp file is left behind."""
     import os
 
     synced: list[int] = []
     real_fsync = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+
+    def fsync(fd: int) -> None:
+        synced.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
     (tmp_path / "5_6").mkdir()
     write_version_file(tmp_path, "5_6")
     assert (tmp_path / "VERSION").read_text() == "5_6\n" and len(synced) == 2

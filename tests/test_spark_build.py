@@ -6,8 +6,9 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from helpers.build_inputs import output_digests, write_mixed_input
@@ -24,11 +25,12 @@ if shutil.which("java") is None and not __import__("os").environ.get("JAVA_HOME"
 from cube.builder.spark_build import (  # noqa: E402
     SparkSettings,
     build_on_spark,
-    prepare_worker_environment,
+    worker_environment,
 )
 
 if TYPE_CHECKING:
     from helpers.s3_helpers import MotoServer
+    from pyspark.sql import SparkSession
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,25 +39,29 @@ LOCAL2 = SparkSettings(master="local[2]")
 
 
 @pytest.fixture(scope="module")
-def spark():
+def spark() -> Iterator[SparkSession]:
     """One local[2] session for the module (a session takes seconds to start); the builds
     use it as the active session and leave it running."""
     from pyspark.sql import SparkSession
 
-    prepare_worker_environment()
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("cube-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .getOrCreate()
-    )
+    with worker_environment():
+        session = (
+            SparkSession.builder.master("local[2]")
+            .appName("cube-tests")
+            .config("spark.ui.enabled", "false")
+            .config("spark.ui.showConsoleProgress", "false")
+            .getOrCreate()
+        )
     yield session
     session.stop()
 
 
-def both_engines(root: Path, inputs: Path, builds: list[dict]) -> tuple[dict, dict]:
-    """Run the same builds on each engine into its own output root; the outputs' digests."""
+def both_engines(
+    root: Path, inputs: Path, builds: list[dict[str, Any]]
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Run the same builds on each engine into its own output root; the outputs' digests.
+    Each build is BuildConfig's keyword arguments of mixed types, with `input` (default
+    `inputs`) and `delete_path` besides."""
     for engine in ("local", "spark"):
         for flags in builds:
             flags = dict(flags)
@@ -69,7 +75,7 @@ def both_engines(root: Path, inputs: Path, builds: list[dict]) -> tuple[dict, di
     return output_digests(root / "local"), output_digests(root / "spark")
 
 
-def test_spark_and_local_builds_are_byte_identical(tmp_path: Path, spark) -> None:
+def test_spark_and_local_builds_are_byte_identical(tmp_path: Path, spark: SparkSession) -> None:
     inputs, deleted = write_mixed_input(tmp_path)
     local, on_spark = both_engines(
         tmp_path,
@@ -90,7 +96,7 @@ def test_spark_and_local_builds_are_byte_identical(tmp_path: Path, spark) -> Non
     assert local == on_spark
 
 
-def test_murmur3_and_a_shard_with_no_records(tmp_path: Path, spark) -> None:
+def test_murmur3_and_a_shard_with_no_records(tmp_path: Path, spark: SparkSession) -> None:
     inputs, _ = write_mixed_input(tmp_path, records=40)
     local, on_spark = both_engines(
         tmp_path,
@@ -101,7 +107,9 @@ def test_murmur3_and_a_shard_with_no_records(tmp_path: Path, spark) -> None:
     assert local == on_spark
 
 
-def test_a_paddle_ps_save_builds_the_same_bytes_on_spark(tmp_path: Path, spark) -> None:
+def test_a_paddle_ps_save_builds_the_same_bytes_on_spark(
+    tmp_path: Path, spark: SparkSession
+) -> None:
     """-input_format paddle_ps on both engines: a real trainer's save (gzip parts, short rows,
     keys past 2^63) as a base, and a delta save (plain parts) over it."""
     from cube.paddle_ps import PaddleSource, ValueSpec
@@ -132,7 +140,9 @@ def test_a_paddle_ps_save_builds_the_same_bytes_on_spark(tmp_path: Path, spark) 
     assert local == on_spark
 
 
-def test_a_shard_too_large_for_one_task_is_refused_by_name(tmp_path: Path, spark) -> None:
+def test_a_shard_too_large_for_one_task_is_refused_by_name(
+    tmp_path: Path, spark: SparkSession
+) -> None:
     inputs, _ = write_mixed_input(tmp_path, records=30000)
     config = BuildConfig("dict", tmp_path / "out", 2, "base", BASE, BASE)
     with pytest.raises(BuildError) as caught:
@@ -143,7 +153,9 @@ def test_a_shard_too_large_for_one_task_is_refused_by_name(tmp_path: Path, spark
     assert_nothing_published(tmp_path / "out")
 
 
-def test_a_bad_input_file_fails_the_job_naming_the_file(tmp_path: Path, spark) -> None:
+def test_a_bad_input_file_fails_the_job_naming_the_file(
+    tmp_path: Path, spark: SparkSession
+) -> None:
     inputs, _ = write_mixed_input(tmp_path, records=200)
     bad = inputs / "sub" / "part-00003"
     bad.write_bytes(bad.read_bytes()[:-7])  # truncated inside its last record

@@ -6,7 +6,9 @@ order, and a screenshot written by the test."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -16,6 +18,9 @@ from cube.processes import poll_until
 from cube.seqfile import SequenceFileWriter
 from cube.transfer.local import ClusterSpec, up
 from cube.values import ValueColumn
+
+if TYPE_CHECKING:
+    from selenium.webdriver import Chrome
 
 pytestmark = [
     pytest.mark.slow,
@@ -41,7 +46,7 @@ def publish(donefile: Path, root: Path, version: str, n: int) -> None:
 
 
 @pytest.fixture
-def browser():
+def browser() -> Iterator[Chrome]:
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -56,7 +61,7 @@ def browser():
         driver.quit()
 
 
-def test_status_page_follows_a_rollout_and_rolls_back(tmp_path: Path, browser) -> None:
+def test_status_page_follows_a_rollout_and_rolls_back(tmp_path: Path, browser: Chrome) -> None:
     from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
@@ -92,7 +97,8 @@ def test_status_page_follows_a_rollout_and_rolls_back(tmp_path: Path, browser) -
         phases: set[str] = set()
 
         def watching() -> bool:
-            shown = browser.execute_script(  # one read: the page may re-render in between
+            # one read: the page may re-render in between
+            shown: list[str | None] = browser.execute_script(
                 "const r = document.getElementById('rollout');"
                 " return [r.hidden ? null : document.getElementById('rollout-phase').textContent,"
                 " document.getElementById('live').textContent];"
@@ -125,8 +131,8 @@ def test_status_page_follows_a_rollout_and_rolls_back(tmp_path: Path, browser) -
         # after the rollback: B2, newer than the live B1, is rolled forward to; the history is
         # in time order (B1, B2, then the rollback); the replicas' Rollback_Succ is green like
         # Enable_Succ
-        def after_rollback() -> list:
-            return browser.execute_script(
+        def after_rollback() -> list[Any]:  # [history rows, replica colours, two colours]
+            answer: list[Any] = browser.execute_script(
                 "const rows = [...document.querySelectorAll('#history tbody tr')];"
                 " const colour = (cls) => { const td = document.createElement('td');"
                 " td.className = cls; document.body.appendChild(td);"
@@ -137,6 +143,7 @@ def test_status_page_follows_a_rollout_and_rolls_back(tmp_path: Path, browser) -
                 ".map(td => getComputedStyle(td).color),"
                 " colour('Enable_Succ'), colour('Dead')];"
             )
+            return answer
 
         def rolled_back() -> bool:
             rows, replicas, _, _ = after_rollback()

@@ -6,14 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.procs import fixed_values, running_server, write_version
+from helpers.procs import ServerProc, fixed_values, running_server, write_version
+from helpers.stubs import raw_unary
 from test_server import control
 
-from cube.client import AsyncCubeClient, CubeClient, ShardUnavailableError
+from cube.client import (
+    AsyncCubeClient,
+    CubeClient,
+    SeekResult,
+    ShardUnavailableError,
+    TransportName,
+)
 
 # Every test here starts processes (servers, CLIs): make quick skips them.
 pytestmark = pytest.mark.slow
@@ -22,7 +30,9 @@ KEYS = np.arange(1, 2001, 2, dtype=np.uint64)
 
 
 @pytest.fixture(scope="module")
-def tls_server(tmp_path_factory: pytest.TempPathFactory, pki: dict[str, str]):
+def tls_server(
+    tmp_path_factory: pytest.TempPathFactory, pki: dict[str, str]
+) -> Iterator[ServerProc]:
     data = tmp_path_factory.mktemp("tls") / "data"
     write_version(data, "1", KEYS, fixed_values(KEYS, 16, 1), current=True)
     args = ("--tls_cert", pki["cert"], "--tls_key", pki["key"])
@@ -30,13 +40,14 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory, pki: dict[str, str]):
         yield server
 
 
-def lane_messages(server) -> int:
-    return json.loads(control(server, "status").detail_json)["requests"]["lane_messages"]
+def lane_messages(server: ServerProc) -> int:
+    messages: int = json.loads(control(server, "status").detail_json)["requests"]["lane_messages"]
+    return messages
 
 
 @pytest.mark.parametrize("transport", ["auto", "grpc"])
 def test_clients_trusting_the_ca_are_answered(
-    tls_server, pki: dict[str, str], transport: str
+    tls_server: ServerProc, pki: dict[str, str], transport: TransportName
 ) -> None:
     before = lane_messages(tls_server)
     with CubeClient(shards=[[tls_server.address]], tls_ca=pki["ca"], transport=transport) as client:
@@ -44,7 +55,7 @@ def test_clients_trusting_the_ca_are_answered(
     used_lane = lane_messages(tls_server) - before
     assert used_lane == (1 if transport == "auto" else 0)
 
-    async def seek_async():
+    async def seek_async() -> SeekResult:
         async with AsyncCubeClient(
             shards=[[tls_server.address]], tls_ca=pki["ca"], transport=transport
         ) as client:
@@ -55,7 +66,7 @@ def test_clients_trusting_the_ca_are_answered(
 
 @pytest.mark.parametrize("ca", [None, "other"])
 def test_clients_without_the_ca_are_refused(
-    tls_server, pki: dict[str, str], ca: str | None
+    tls_server: ServerProc, pki: dict[str, str], ca: str | None
 ) -> None:
     tls_ca = None if ca is None else pki[ca]
     with (
@@ -72,7 +83,7 @@ def test_clients_without_the_ca_are_refused(
         asyncio.run(seek_async())
 
 
-def test_plaintext_lane_connection_gets_nothing(tls_server) -> None:
+def test_plaintext_lane_connection_gets_nothing(tls_server: ServerProc) -> None:
     """A raw plaintext client on the lane port: the TLS handshake fails, no answer comes."""
     import socket
     import struct
@@ -85,7 +96,7 @@ def test_plaintext_lane_connection_gets_nothing(tls_server) -> None:
         tls_server.address,
         grpc.ssl_channel_credentials(open(tls_server_ca_path(tls_server), "rb").read()),
     ) as channel:
-        _, call = channel.unary_unary("/cube.v1.CubeService/Seek").with_call(b"", timeout=10)
+        _, call = raw_unary(channel, "/cube.v1.CubeService/Seek").with_call(b"", timeout=10)
     port = next(int(v) for k, v in call.initial_metadata() if k == "cube-tcp-port")
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
     request = encode_seek_request(KEYS[:5])
@@ -98,7 +109,7 @@ def test_plaintext_lane_connection_gets_nothing(tls_server) -> None:
     sock.close()
 
 
-def tls_server_ca_path(server) -> str:
+def tls_server_ca_path(server: ServerProc) -> str:
     args = server.args
     return args[args.index("--tls_cert") + 1].replace("cert.pem", "ca.pem")
 
@@ -120,7 +131,7 @@ def test_bad_tls_files_are_named(tmp_path: Path, pki: dict[str, str]) -> None:
 
 
 def test_cube_conf_tls_fields_reach_the_sdk_and_cube_cli(
-    tls_server, pki: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tls_server: ServerProc, pki: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """cube.conf's tls_ca (the Helm chart writes it with TLS on) is all a client needs:
     CubeClient.from_conf and cube-cli (the chart's `helm test` pod) are answered over TLS;
@@ -140,7 +151,7 @@ def test_cube_conf_tls_fields_reach_the_sdk_and_cube_cli(
     with CubeClient.from_conf(secure, dict_name="test_dict") as client:
         assert client.seek(KEYS[:300]).found.all()
 
-    def cube_cli(conf, *extra):
+    def cube_cli(conf: Path, *extra: str) -> int:
         args = ["--config_file", str(conf), "--keys", str(keys), "--batch", "50"]
         return cli.main([*args, "--requests", "1", "--dict", "test_dict", *extra])
 

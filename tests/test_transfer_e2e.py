@@ -10,6 +10,7 @@ processes are killed, a background prober keeps looking keys up: no request may 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -17,22 +18,26 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any, TypeVar, cast
 
 import numpy as np
+import numpy.typing as npt
 import pytest
+from numpy.typing import NDArray
 
 from cube.client import CubeClient
-from cube.processes import poll_until
+from cube.processes import health_status, poll_until
 from cube.seqfile import SequenceFileWriter
-from cube.transfer.local import ClusterSpec, command, http_json, up
+from cube.transfer.local import Cluster, ClusterSpec, command, http_json, up
 from cube.values import ValueColumn
 
 pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
 
 DIM = 4
 WAIT = 60.0
+T = TypeVar("T")
 _ids = itertools.count(int(time.time()) // 10 * 10, 10)
 
 WRAPPER = """\
@@ -72,8 +77,21 @@ if os.path.exists(marker):
 """
 
 
+Table = tuple[NDArray[np.uint64], NDArray[np.float32]]  # keys, values
+
+
+@dataclasses.dataclass
+class E2E:
+    """The module's cluster, and the tables the tests published to it by version."""
+
+    root: Path
+    cluster: Cluster
+    donefile: Path
+    tables: dict[str, Table] = dataclasses.field(default_factory=dict)
+
+
 @pytest.fixture(scope="module")
-def ctx(tmp_path_factory: pytest.TempPathFactory):
+def ctx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
     root = tmp_path_factory.mktemp("transfer-e2e")
     wrapper = root / "tampering-builder"
     wrapper.write_text(WRAPPER.format(python=sys.executable, builder=command("cube-builder")))
@@ -100,7 +118,7 @@ def ctx(tmp_path_factory: pytest.TempPathFactory):
     )
     cluster = up(spec)
     try:
-        yield SimpleNamespace(root=root, cluster=cluster, donefile=root / "donefile", tables={})
+        yield E2E(root=root, cluster=cluster, donefile=root / "donefile")
     finally:
         cluster.down(timeout=5.0)
 
@@ -109,8 +127,11 @@ def ctx(tmp_path_factory: pytest.TempPathFactory):
 # helpers
 
 
-def write_input(ctx, name: str, keys, values, tamper: str = "") -> Path:
-    path = ctx.root / "input" / name
+def write_input(
+    root: Path, name: str, keys: npt.ArrayLike, values: npt.ArrayLike, tamper: str = ""
+) -> Path:
+    """An input directory under `root`: a SequenceFile of `keys` to `values`."""
+    path = root / "input" / name
     path.mkdir(parents=True, exist_ok=True)
     column = ValueColumn.fixed(np.ascontiguousarray(values).view(np.uint8).reshape(-1), DIM * 4)
     with SequenceFileWriter(path / "part-00000") as writer:
@@ -120,23 +141,23 @@ def write_input(ctx, name: str, keys, values, tamper: str = "") -> Path:
     return path
 
 
-def table(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def table(n: int, seed: int) -> Table:
     rng = np.random.default_rng(seed)
     keys = np.arange(1, n + 1, dtype=np.uint64)
     return keys, rng.standard_normal((n, DIM), dtype=np.float32)
 
 
-def append(ctx, file: str, line) -> None:
+def append(donefile: Path, file: str, line: str | dict[str, str]) -> None:
     text = line if isinstance(line, str) else json.dumps(line)
-    with open(ctx.donefile / file, "a", encoding="utf-8") as f:
+    with open(donefile / file, "a", encoding="utf-8") as f:
         f.write(text + "\n")
 
 
-def new_base(ctx, n: int = 2000, tamper: str = "", wait: bool = True) -> str:
+def new_base(ctx: E2E, n: int = 2000, tamper: str = "", wait: bool = True) -> str:
     version = str(next(_ids))
     keys, values = table(n, int(version))
-    path = write_input(ctx, version, keys, values, tamper)
-    append(ctx, "base.txt", {"id": version, "key": version, "input": str(path)})
+    path = write_input(ctx.root, version, keys, values, tamper)
+    append(ctx.donefile, "base.txt", {"id": version, "key": version, "input": str(path)})
     ctx.tables[version] = (keys, values)
     if wait:
         ctx.cluster.wait_version(version, WAIT)
@@ -144,51 +165,58 @@ def new_base(ctx, n: int = 2000, tamper: str = "", wait: bool = True) -> str:
 
 
 def new_patch(
-    ctx, base: str, changed: int = 50, deleted=(), tamper: str = "", wait: bool = True
+    ctx: E2E,
+    base: str,
+    changed: int = 50,
+    deleted: npt.ArrayLike = (),
+    tamper: str = "",
+    wait: bool = True,
 ) -> str:
     cur = str(next(_ids))
     version = f"{base}_{cur}"
-    keys, values = ctx.tables[ctx.cluster.transfer_info()["live_version"]]
+    keys, values = ctx.tables[live(ctx)]
     rng = np.random.default_rng(int(cur))
     patch_keys = keys[:changed]
     patch_values = rng.standard_normal((changed, DIM), dtype=np.float32)
-    path = write_input(ctx, version, patch_keys, patch_values, tamper)
+    path = write_input(ctx.root, version, patch_keys, patch_values, tamper)
     line = {"id": cur, "key": base, "input": str(path)}
+    deleted = np.asarray(deleted, dtype=np.uint64)
     if len(deleted):
         delete = ctx.root / "input" / f"{version}.delete"
         delete.write_text("".join(f"{int(k)}\n" for k in deleted))
         line["delete"] = str(delete)
-    append(ctx, "patch.txt", line)
+    append(ctx.donefile, "patch.txt", line)
     new_values = values.copy()
     new_values[:changed] = patch_values
     if len(deleted):
-        new_values[np.isin(keys, np.asarray(deleted, dtype=np.uint64))] = 0
+        new_values[np.isin(keys, deleted)] = 0
     ctx.tables[version] = (keys, new_values)
     if wait:
         ctx.cluster.wait_version(version, WAIT)
     return version
 
 
-def live(ctx) -> str:
-    return ctx.cluster.transfer_info()["live_version"]
+def live(ctx: E2E) -> str:
+    version: str = ctx.cluster.transfer_info()["live_version"]
+    return version
 
 
-def ensure_base(ctx) -> str:
+def ensure_base(ctx: E2E) -> str:
     current = live(ctx)
     return current if current else new_base(ctx)
 
 
-def served(ctx) -> list[str]:
+def served(ctx: E2E) -> list[str]:
     return [row["version"] for row in ctx.cluster.instance_rows()]
 
 
-def lookup(ctx, keys) -> tuple[np.ndarray, str]:
+def lookup(ctx: E2E, keys: NDArray[np.uint64]) -> tuple[NDArray[np.float32], str | None]:
     with CubeClient.from_conf(ctx.cluster.cube_conf) as client:
         result = client.seek(keys)
         return client.get_embeddings(keys, dim=DIM), result.version
 
 
-def check_served(ctx, version: str) -> None:
+def check_served(ctx: E2E, version: str) -> None:
     assert served(ctx) == [version] * 4
     keys, values = ctx.tables[version]
     got, seen = lookup(ctx, keys)
@@ -196,9 +224,9 @@ def check_served(ctx, version: str) -> None:
     np.testing.assert_array_equal(got, values)
 
 
-def record(ctx, version: str, mode: str | None = None) -> dict:
-    def final() -> dict | None:
-        for rec in reversed(ctx.cluster.history()):
+def record(ctx: E2E, version: str, mode: str | None = None) -> dict[str, Any]:
+    def final() -> dict[str, Any] | None:
+        for rec in ctx.cluster.history()[::-1]:
             same = rec["version"] == version and (mode is None or rec["mode"] == mode)
             if same and rec["status_str"] in ("finished", "failed", "refused", "skipped"):
                 return rec
@@ -207,31 +235,33 @@ def record(ctx, version: str, mode: str | None = None) -> dict:
     return wait_for(final, f"a final record for {version}", step=0.2)
 
 
-def record_of_line(ctx, line: str) -> dict:
-    def found() -> dict | None:
+def record_of_line(ctx: E2E, line: str) -> dict[str, Any]:
+    def found() -> dict[str, Any] | None:
         return next((rec for rec in ctx.cluster.history() if rec["line"] == line), None)
 
     return wait_for(found, f"a record for {line}", step=0.2)
 
 
-def line_count(ctx, file: str) -> int:
+def line_count(ctx: E2E, file: str) -> int:
     path = ctx.donefile / file
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def agent_task(ctx, instance: str, command: str, version: str) -> dict | None:
+def agent_task(ctx: E2E, instance: str, command: str, version: str) -> dict[str, Any] | None:
     port = ctx.cluster.proc(f"agent{instance}").port
     with contextlib.suppress(OSError, ValueError):
         data = http_json(f"http://127.0.0.1:{port}/agent/status")["data"]
         for task in data.get("tasks") or []:
             if task["command"] == command and task["version"] == version:
-                return task
+                return cast(dict[str, Any], task)
     return None
 
 
-def wait_for(predicate, what: str, timeout: float = WAIT, step: float = 0.05):
+def wait_for(
+    predicate: Callable[[], T | None], what: str, timeout: float = WAIT, step: float = 0.05
+) -> T:
     """poll_until, returning what the predicate found (the record, the task)."""
-    found = None
+    found: T | None = None
 
     def ready() -> bool:
         nonlocal found
@@ -240,10 +270,11 @@ def wait_for(predicate, what: str, timeout: float = WAIT, step: float = 0.05):
 
     if not poll_until(ready, timeout, step):
         raise AssertionError(f"timed out waiting for {what}")
+    assert found is not None
     return found
 
 
-def kill9(ctx, name: str) -> None:
+def kill9(ctx: E2E, name: str) -> None:
     proc = ctx.cluster.proc(name)
     os.kill(proc.pid, signal.SIGKILL)
     wait_for(lambda: proc.process() is None, f"{name} to die", 10)
@@ -252,7 +283,7 @@ def kill9(ctx, name: str) -> None:
 class Prober:
     """Looks keys up without pause in a thread; every failure is kept."""
 
-    def __init__(self, ctx, keys) -> None:
+    def __init__(self, ctx: E2E, keys: NDArray[np.uint64]) -> None:
         self.conf = ctx.cluster.cube_conf
         self.keys = keys
         self.errors: list[str] = []
@@ -274,7 +305,7 @@ class Prober:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
 
@@ -283,7 +314,7 @@ class Prober:
 # the happy path
 
 
-def test_base_delta_delete_and_rollback(ctx) -> None:
+def test_base_delta_delete_and_rollback(ctx: E2E) -> None:
     base = new_base(ctx)
     check_served(ctx, base)
     keys, _ = ctx.tables[base]
@@ -312,15 +343,15 @@ def test_base_delta_delete_and_rollback(ctx) -> None:
 # bad input: each fails alone, with its reason, and the next good line still deploys
 
 
-def test_bad_donefile_lines_fail_alone(ctx) -> None:
+def test_bad_donefile_lines_fail_alone(ctx: E2E) -> None:
     before = ensure_base(ctx)
     n = line_count(ctx, "base.txt")
-    append(ctx, "base.txt", '{"id": "1", "key": "1", "input": "/x"')  # malformed JSON
+    append(ctx.donefile, "base.txt", '{"id": "1", "key": "1", "input": "/x"')  # malformed JSON
     rec = record_of_line(ctx, f"base.txt:{n + 1}")
     assert rec["status_str"] == "failed" and "not JSON" in rec["message"]
 
     missing = str(next(_ids))
-    append(ctx, "base.txt", {"id": missing, "key": missing, "input": "/no/such/input/dir"})
+    append(ctx.donefile, "base.txt", {"id": missing, "key": missing, "input": "/no/such/input/dir"})
     rec = record(ctx, missing)
     assert rec["status_str"] == "failed"
     assert "input /no/such/input/dir does not exist" in rec["message"]
@@ -329,15 +360,15 @@ def test_bad_donefile_lines_fail_alone(ctx) -> None:
     bad_input = ctx.root / "input" / broken
     bad_input.mkdir(parents=True)
     (bad_input / "part-00000").write_bytes(b"this is not a SequenceFile at all")
-    append(ctx, "base.txt", {"id": broken, "key": broken, "input": str(bad_input)})
+    append(ctx.donefile, "base.txt", {"id": broken, "key": broken, "input": str(bad_input)})
     rec = record(ctx, broken)
     assert rec["status_str"] == "failed" and "builder exited with status 1" in rec["message"]
     assert "part-00000" in rec["message"]  # the builder's own explanation
 
     orphan = f"1600000000_{next(_ids)}"
-    orphan_input = write_input(ctx, orphan, *table(10, 1))
+    orphan_input = write_input(ctx.root, orphan, *table(10, 1))
     cur = orphan.split("_")[1]
-    append(ctx, "patch.txt", {"id": cur, "key": "1600000000", "input": str(orphan_input)})
+    append(ctx.donefile, "patch.txt", {"id": cur, "key": "1600000000", "input": str(orphan_input)})
     rec = record(ctx, orphan)
     assert rec["status_str"] == "refused"
     assert "is for base 1600000000, but the live base is" in rec["message"]
@@ -347,13 +378,13 @@ def test_bad_donefile_lines_fail_alone(ctx) -> None:
     check_served(ctx, good)
 
 
-def test_an_empty_base_is_refused_and_the_live_version_keeps_serving(ctx) -> None:
+def test_an_empty_base_is_refused_and_the_live_version_keeps_serving(ctx: E2E) -> None:
     before = ensure_base(ctx)
     version = str(next(_ids))
     empty = ctx.root / "input" / version
     empty.mkdir(parents=True)
     (empty / "part-00000").write_bytes(b"")  # the upstream job lost its output
-    append(ctx, "base.txt", {"id": version, "key": version, "input": str(empty)})
+    append(ctx.donefile, "base.txt", {"id": version, "key": version, "input": str(empty)})
     rec = record(ctx, version)
     assert rec["status_str"] == "refused" and "has no records" in rec["message"], rec
     check_served(ctx, before)
@@ -369,7 +400,7 @@ def test_an_empty_base_is_refused_and_the_live_version_keeps_serving(ctx) -> Non
         ("corrupt", "reload did not reach quorum"),
     ],
 )
-def test_damaged_builds_deploy_nothing(ctx, tamper, reason) -> None:
+def test_damaged_builds_deploy_nothing(ctx: E2E, tamper: str, reason: str) -> None:
     before = ensure_base(ctx)
     bad = new_base(ctx, tamper=tamper, wait=False)
     rec = record(ctx, bad)
@@ -380,7 +411,7 @@ def test_damaged_builds_deploy_nothing(ctx, tamper, reason) -> None:
     check_served(ctx, before)
 
 
-def test_agents_refuse_damaged_tars_the_transfer_did_not_check(ctx) -> None:
+def test_agents_refuse_damaged_tars_the_transfer_did_not_check(ctx: E2E) -> None:
     """With verify_output off, the agents' own md5 and member checks must stop the rollout."""
     conf = ctx.cluster.dir / "transfer.conf"
     original = conf.read_text()
@@ -405,7 +436,7 @@ def test_agents_refuse_damaged_tars_the_transfer_did_not_check(ctx) -> None:
 # kill -9
 
 
-def test_kill9_agent_during_download(ctx) -> None:
+def test_kill9_agent_during_download(ctx: E2E) -> None:
     base = ensure_base(ctx)
     agent = ctx.cluster.proc("agent0_1")
     original = list(agent.argv)
@@ -429,13 +460,13 @@ def test_kill9_agent_during_download(ctx) -> None:
             ctx.cluster.wait_version(version, WAIT)
         assert prober.errors == [] and prober.calls > 0
         task = agent_task(ctx, "0_1", "download", version)
-        assert task["state"] == "succeeded"
+        assert task is not None and task["state"] == "succeeded", task
         check_served(ctx, version)
     finally:
         agent.argv = original
 
 
-def test_kill9_server_during_load(ctx) -> None:
+def test_kill9_server_during_load(ctx: E2E) -> None:
     base = ensure_base(ctx)
     server = ctx.cluster.proc("server0_1")
     original = list(server.argv)
@@ -464,7 +495,7 @@ def test_kill9_server_during_load(ctx) -> None:
         server.argv = original
 
 
-def test_kill9_transfer_mid_deploy_resumes_without_losing_the_chain(ctx) -> None:
+def test_kill9_transfer_mid_deploy_resumes_without_losing_the_chain(ctx: E2E) -> None:
     base = ensure_base(ctx).split("_")[0]
     if live(ctx) != base:
         new_base(ctx)
@@ -506,7 +537,7 @@ def test_kill9_transfer_mid_deploy_resumes_without_losing_the_chain(ctx) -> None
     check_served(ctx, third)
 
 
-def test_quorum_one_rolls_out_past_a_dead_replica_which_catches_up_on_return(ctx) -> None:
+def test_quorum_one_rolls_out_past_a_dead_replica_which_catches_up_on_return(ctx: E2E) -> None:
     before = ensure_base(ctx)
     conf = ctx.cluster.dir / "transfer.conf"
     original_conf = conf.read_text()
@@ -534,14 +565,13 @@ def test_quorum_one_rolls_out_past_a_dead_replica_which_catches_up_on_return(ctx
         ctx.cluster.restart("transfer")
 
 
-def test_a_corrupt_replica_never_answers_misses_and_is_repaired(ctx) -> None:
+def test_a_corrupt_replica_never_answers_misses_and_is_repaired(ctx: E2E) -> None:
     """Issue 9's first case. One byte of a replica's served shard is corrupted on disk and its
     server restarted: the server refuses the version and says NOT_SERVING (a client asking
     only it gets an error, never a batch of misses); clients of both replicas keep getting
     every key; the transfer records the failure with its reason and repairs the replica by a
     new download, after which it serves the live version again."""
     from grpc_health.v1 import health_pb2
-    from helpers.procs import health_status
 
     from cube.client import ShardUnavailableError
 
@@ -604,10 +634,9 @@ def test_a_base_failed_on_unreachable_replicas_is_retried_once_they_answer(tmp_p
         agents = [cluster.proc("agent0_0"), cluster.proc("agent0_1")]
         stop(agents, timeout=10.0)
         version = str(next(_ids))
-        ctx = SimpleNamespace(root=tmp_path, donefile=donefile)
         keys, values = table(500, int(version))
-        path = write_input(ctx, version, keys, values)
-        append(ctx, "base.txt", {"id": version, "key": version, "input": str(path)})
+        path = write_input(tmp_path, version, keys, values)
+        append(donefile, "base.txt", {"id": version, "key": version, "input": str(path)})
 
         def failed_with_a_retry() -> bool:
             recs = [r for r in cluster.history() if r["version"] == version]

@@ -10,17 +10,19 @@ import os
 import re
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from cube.donefile import BadLine, DonefileEntry, parse_line, parse_lines, split_complete_lines
 from cube.format import HEADER_SIZE, encode_header
 from cube.transfer import build as builds
-from cube.transfer.config import ConfigError, parse_config, render_config
+from cube.transfer.config import ConfigError, Instance, parse_config, render_config
 from cube.transfer.donefile import resolve_input
 from cube.transfer.journal import Journal, JournalError
 from cube.transfer.state import (
     Deployment,
+    RetryPolicy,
     Step,
     TransferState,
     VersionRecord,
@@ -158,7 +160,9 @@ def test_config_shrink_guard_keys(tmp_path: Path) -> None:
         (("wget_port: 8009   # inline comment", "just words"), "expected 'key: value'"),
     ],
 )
-def test_config_errors_name_the_place(tmp_path: Path, change, message) -> None:
+def test_config_errors_name_the_place(
+    tmp_path: Path, change: tuple[str, str], message: str
+) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         parse_config(CONF.replace(*change), "t.conf", tmp_path)
 
@@ -226,7 +230,7 @@ def test_donefile_lines_parse_ids_as_integers() -> None:
         ),
     ],
 )
-def test_bad_donefile_lines_say_why(file, text, reason) -> None:
+def test_bad_donefile_lines_say_why(file: str, text: str, reason: str) -> None:
     parsed = parse_line(file, 7, text)
     assert isinstance(parsed, BadLine)
     assert reason in parsed.reason and parsed.reason.startswith(f"{file}:7:")
@@ -255,20 +259,38 @@ def test_inputs_resolve_like_the_original() -> None:
 # state machine
 
 
-def _lines(state, file, *objs, start: int = 1):
+def _lines(
+    state: TransferState, file: str, *objs: dict[str, str], start: int = 1
+) -> list[tuple[str, str]]:
     parsed = [parse_line(file, start + i, json.dumps(o)) for i, o in enumerate(objs)]
-    return ingest(state, parsed, 1.0)
+    return ingest(state, [p for p in parsed if p is not None], 1.0)
 
 
-def _base(i, inp: str = "/in"):
+def _base(i: int, inp: str = "/in") -> dict[str, str]:
     return {"id": str(i), "key": str(i), "input": inp}
 
 
-def _patch(i, key, inp: str = "/in"):
+def _patch(i: int, key: int, inp: str = "/in") -> dict[str, str]:
     return {"id": str(i), "key": str(key), "input": inp}
 
 
-def _go_live(state, rec) -> None:
+def _next(
+    state: TransferState, at: float, paddle_saves: bool = False
+) -> tuple[VersionRecord, list[str]]:
+    """next_version where the test expects a version to go next."""
+    rec, logs = next_version(state, at, paddle_saves)
+    assert rec is not None, logs
+    return rec, logs
+
+
+def _record(state: TransferState, version: str) -> VersionRecord:
+    """state.record where the test expects the version in the history."""
+    rec = state.record(version)
+    assert rec is not None, version
+    return rec
+
+
+def _go_live(state: TransferState, rec: VersionRecord) -> None:
     rec.status = "finished"
     state.live_version = rec.version
     state.live_chain = list(rec.chain)
@@ -277,7 +299,7 @@ def _go_live(state, rec) -> None:
 def test_newest_base_wins_and_older_pending_are_skipped() -> None:
     state = TransferState()
     _lines(state, "base.txt", _base(100), _base(300), _base(200))
-    rec, logs = next_version(state, 2.0)
+    rec, logs = _next(state, 2.0)
     assert rec.version == "300" and rec.chain == ["300"]
     statuses = {r.version: r.status for r in state.history}
     assert statuses == {"100": "skipped", "300": "pending", "200": "skipped"}
@@ -287,36 +309,36 @@ def test_newest_base_wins_and_older_pending_are_skipped() -> None:
 def test_patches_apply_in_order_on_the_live_base_only() -> None:
     state = TransferState()
     _lines(state, "base.txt", _base(100))
-    base, _ = next_version(state, 2.0)
+    base, _ = _next(state, 2.0)
     _go_live(state, base)
     _lines(state, "patch.txt", _patch(110, 100), _patch(105, 99), _patch(120, 100))
-    first, _ = next_version(state, 3.0)
+    first, _ = _next(state, 3.0)
     assert first.version == "100_110" and first.chain == ["100", "100_110"]
     _go_live(state, first)
-    second, _ = next_version(state, 3.0)
+    second, _ = _next(state, 3.0)
     assert second.version == "100_120" and second.chain == ["100", "100_110", "100_120"]
-    refused = state.record("99_105")
+    refused = _record(state, "99_105")
     assert refused.status == "refused"
     assert "is for base 99, but the live base is 100" in refused.message
     _go_live(state, second)
     _lines(state, "patch.txt", _patch(115, 100), start=4)
     none, _ = next_version(state, 4.0)
     assert none is None
-    assert "not newer than the live delta 100_120" in state.record("100_115").message
+    assert "not newer than the live delta 100_120" in _record(state, "100_115").message
 
 
 def test_a_new_base_refuses_the_old_bases_pending_patches_and_resets_the_chain() -> None:
     state = TransferState()
     _lines(state, "base.txt", _base(100))
-    _go_live(state, next_version(state, 1.0)[0])
+    _go_live(state, _next(state, 1.0)[0])
     _lines(state, "patch.txt", _patch(110, 100), _patch(210, 200))
     _lines(state, "base.txt", _base(200), start=2)
-    rec, _ = next_version(state, 2.0)
+    rec, _ = _next(state, 2.0)
     assert rec.version == "200" and rec.chain == ["200"]
-    assert state.record("100_110").status == "refused"
-    assert state.record("200_210").status == "pending"  # applies once 200 is live
+    assert _record(state, "100_110").status == "refused"
+    assert _record(state, "200_210").status == "pending"  # applies once 200 is live
     _go_live(state, rec)
-    rec, _ = next_version(state, 3.0)
+    rec, _ = _next(state, 3.0)
     assert rec.version == "200_210" and rec.chain == ["200", "200_210"]
 
 
@@ -324,12 +346,12 @@ def test_old_bases_and_orphan_patches_are_refused() -> None:
     state = TransferState()
     _lines(state, "patch.txt", _patch(5, 1))
     assert next_version(state, 1.0)[0] is None
-    assert "no base is live" in state.record("1_5").message
+    assert "no base is live" in _record(state, "1_5").message
     _lines(state, "base.txt", _base(100))
-    _go_live(state, next_version(state, 1.0)[0])
+    _go_live(state, _next(state, 1.0)[0])
     _lines(state, "base.txt", _base(50), start=2)
     assert next_version(state, 1.0)[0] is None
-    assert "not newer than the live base 100" in state.record("50").message
+    assert "not newer than the live base 100" in _record(state, "50").message
 
 
 def test_repeated_lines_are_ignored_but_a_failed_version_may_be_retried() -> None:
@@ -353,8 +375,12 @@ class FakeClock:
 
 
 def _fail_attempt(
-    rec, clock, policy, message: str = "download did not reach quorum 2", final: str = ""
-):
+    rec: VersionRecord,
+    clock: FakeClock,
+    policy: RetryPolicy,
+    message: str = "download did not reach quorum 2",
+    final: str = "",
+) -> str:
     """What the service does with a version whose rollout attempt failed."""
     from cube.transfer.state import after_failure, begin_attempt, finish
 
@@ -365,13 +391,12 @@ def _fail_attempt(
 
 def test_a_failed_version_is_retried_with_bounded_backoff_then_abandoned() -> None:
     from cube.backoff import Backoff
-    from cube.transfer.state import RetryPolicy
 
     clock, policy = FakeClock(), RetryPolicy(3, Backoff(30.0, 100.0))
     state = TransferState()
     _lines(state, "base.txt", _base(100))
     _lines(state, "patch.txt", _patch(110, 100))
-    rec, _ = next_version(state, clock())
+    rec, _ = _next(state, clock())
     waits = []
     for attempt in range(1, 5):
         assert rec is not None and rec.version == "100", attempt
@@ -383,90 +408,84 @@ def test_a_failed_version_is_retried_with_bounded_backoff_then_abandoned() -> No
         waits.append(rec.retry_at - clock())
         clock.at = rec.retry_at - 0.001
         assert next_version(state, clock())[0] is None  # not yet
-        assert state.record("100_110").status == "pending"  # its patch waits with it
+        assert _record(state, "100_110").status == "pending"  # its patch waits with it
         clock.at += 0.001
-        rec, _ = next_version(state, clock())
+        rec, _ = _next(state, clock())
     assert waits == [30.0, 60.0, 100.0]  # doubling, capped
     assert rec.attempts == 4 and rec.retry_at == 0.0 and rec.terminal
     assert rec.abandoned == "gave up after 4 attempts" and "abandoned" in note
     assert rec.last_error == "download did not reach quorum 2"
     assert next_version(state, clock.at + 1e6)[0] is None  # never again
-    assert "no base is live" in state.record("100_110").message  # now its patch can't apply
+    assert "no base is live" in _record(state, "100_110").message  # now its patch can't apply
 
 
 def test_a_failure_retrying_cannot_help_is_abandoned_at_once() -> None:
-    from cube.transfer.state import RetryPolicy
-
     clock, state = FakeClock(), TransferState()
     _lines(state, "base.txt", _base(100))
-    rec, _ = next_version(state, clock())
+    rec, _ = _next(state, clock())
     _fail_attempt(rec, clock, RetryPolicy(), "builder exited with status 1", "bad input")
     assert rec.abandoned == "not retried: bad input" and not rec.awaiting_retry
     assert next_version(state, clock() + 1e6)[0] is None
 
 
 def test_a_retry_is_abandoned_when_a_newer_base_or_its_line_again_supersedes_it() -> None:
-    from cube.transfer.state import RetryPolicy
-
     clock, state = FakeClock(), TransferState()
     _lines(state, "base.txt", _base(100))
-    first, _ = next_version(state, clock())
+    first, _ = _next(state, clock())
     _fail_attempt(first, clock, RetryPolicy())
     logs = _lines(state, "base.txt", _base(100), start=2)  # published again: a new attempt
     assert "published again" in logs[0][1]
     assert first.abandoned == "its line was published again (base.txt:2)" and first.terminal
-    again, _ = next_version(state, clock())
+    again, _ = _next(state, clock())
     assert again is not first and again.version == "100" and again.attempts == 0
     _fail_attempt(again, clock, RetryPolicy())
     _lines(state, "patch.txt", _patch(110, 100))
     _lines(state, "base.txt", _base(200), start=3)
-    rec, logs = next_version(state, clock())  # before the retry is due: the newer base wins
+    rec, notes = _next(state, clock())  # before the retry is due: the newer base wins
     assert rec.version == "200"
     assert again.status == "failed" and again.abandoned == "superseded by the newer base 200"
     assert again.last_error == again.message == "download did not reach quorum 2"
-    assert state.record("100_110").status == "refused"
-    assert any("abandoned: superseded by the newer base 200" in line for line in logs)
+    assert _record(state, "100_110").status == "refused"
+    assert any("abandoned: superseded by the newer base 200" in line for line in notes)
 
 
 def test_patches_after_a_patch_awaiting_its_retry_wait_for_it() -> None:
-    from cube.transfer.state import RetryPolicy
-
     clock, state = FakeClock(), TransferState()
     _lines(state, "base.txt", _base(100))
-    _go_live(state, next_version(state, clock())[0])
+    _go_live(state, _next(state, clock())[0])
     _lines(state, "patch.txt", _patch(110, 100), _patch(120, 100))
-    first, _ = next_version(state, clock())
+    first, _ = _next(state, clock())
     assert first.version == "100_110"
     _fail_attempt(first, clock, RetryPolicy())
     assert next_version(state, clock())[0] is None  # 100_120 waits: deltas apply in order
-    assert state.record("100_120").status == "pending"
+    assert _record(state, "100_120").status == "pending"
     clock.at = first.retry_at
-    retried, _ = next_version(state, clock())
+    retried, _ = _next(state, clock())
     assert retried is first and first.chain == ["100", "100_110"]
     _go_live(state, first)
-    assert next_version(state, clock())[0].version == "100_120"
+    assert _next(state, clock())[0].version == "100_120"
 
 
 def test_retry_state_survives_the_journal(tmp_path: Path) -> None:
-    from cube.transfer.state import RetryPolicy
-
     clock, journal = FakeClock(), Journal(tmp_path / "tmp")
     state = journal.load("d")
     _lines(state, "base.txt", _base(100), *[_base(i) for i in range(1, 30)])
-    rec, _ = next_version(state, clock())
+    rec, _ = _next(state, clock())
     _fail_attempt(rec, clock, RetryPolicy())
     state.trim_history(10)  # a record awaiting its retry is never trimmed
     assert state.record("100") is rec
     journal.save(state)
     again = Journal(tmp_path / "tmp").load("d").record("100")
+    assert again is not None
     assert (again.attempts, again.retry_at, again.last_error) == (1, 1030.0, rec.last_error)
     assert again.awaiting_retry
 
 
 def test_malformed_lines_become_failed_records() -> None:
     state = TransferState()
-    parsed = [parse_line("base.txt", 1, "{oops")]
-    logs = ingest(state, parsed, 1.0)
+    parsed = parse_line("base.txt", 1, "{oops")
+    assert parsed is not None
+    logs = ingest(state, [parsed], 1.0)
     assert state.history[0].status == "failed" and "malformed donefile line" in logs[0][1]
     assert next_version(state, 1.0)[0] is None
 
@@ -661,7 +680,7 @@ def _write_output(out: Path, shard: int, data: bytes, md5: str | None = None) ->
     return tar
 
 
-def _index(records: int, deleted: int = 0, **fields) -> bytes:
+def _index(records: int, deleted: int = 0, **fields: object) -> bytes:
     """An index.cube that is only its header (all the transfer reads of it)."""
     header = {"record_count": records, "tombstone_count": deleted, "file_size": HEADER_SIZE,
               "sections": {}, **fields}  # fmt: skip
@@ -684,7 +703,7 @@ def test_check_outputs_needs_a_readable_index_header(tmp_path: Path) -> None:
         "short": ({"index.cube": b"i"}, "too short for a header"),
         "magic": ({"index.cube": b"x" * HEADER_SIZE}, "bad magic"),
         "nested": ({"sub/index.cube": _index(1)}, "no top-level index.cube"),
-        "uncounted": ({"index.cube": _index("many")}, "header without a record count"),  # type: ignore[arg-type]
+        "uncounted": ({"index.cube": _index("many")}, "header without a record count"),  # type: ignore[arg-type]  # bad on purpose
         "grown": ({"index.cube": _index(1) + b"x"}, "header says 4096"),
     }
     for name, (members, message) in cases.items():
@@ -782,7 +801,7 @@ def test_cube_transfer_cli_rejects_bad_configs(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    def cli(*args: str) -> subprocess.CompletedProcess:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "cube.transfer.main", *args],
             capture_output=True, text=True, timeout=60, check=False,
@@ -802,18 +821,18 @@ class _ScriptedAgent:
     """An AgentClient stand-in: task answers come from a script; status says the server is
     reachable (as it is once a killed server has restarted)."""
 
-    def __init__(self, answers: list[dict]) -> None:
+    def __init__(self, answers: list[dict[str, Any]]) -> None:
         self.answers = list(answers)
         self.submits = 0
 
-    async def submit(self, inst, fields):
+    async def submit(self, inst: Instance, fields: dict[str, Any]) -> dict[str, Any]:
         self.submits += 1
         return self.answers.pop(0)
 
-    async def task(self, inst, command, version):
+    async def task(self, inst: Instance, command: str, version: str) -> dict[str, Any]:
         return self.answers.pop(0)
 
-    async def status(self, inst):
+    async def status(self, inst: Instance) -> dict[str, Any]:
         return {"server": {"reachable": True}}
 
 
@@ -824,7 +843,6 @@ def test_drive_waits_out_an_unreachable_server_without_spending_retries() -> Non
     import asyncio
 
     from cube.transfer.agents import drive
-    from cube.transfer.config import Instance
 
     inst = Instance(0, 0, "127.0.0.1", 1, "127.0.0.1", 2, "/tmp/x")
     fields = {"command": "reload", "version": "7"}
@@ -837,12 +855,12 @@ def test_drive_waits_out_an_unreachable_server_without_spending_retries() -> Non
     }
     done = {"command": "reload", "version": "7", "state": "succeeded", "message": "ok"}
     agent = _ScriptedAgent([unreachable, unreachable, done])
-    outcome = asyncio.run(drive(agent, inst, fields, 30.0, 0, poll=0.01))  # type: ignore[arg-type]
+    outcome = asyncio.run(drive(agent, inst, fields, 30.0, 0, poll=0.01))  # type: ignore[arg-type]  # scripted agent
     assert outcome.ok and agent.submits == 3
 
     refused = {**unreachable, "reason": "", "message": "bad tar"}
     agent = _ScriptedAgent([refused, done])
-    outcome = asyncio.run(drive(agent, inst, fields, 30.0, 0, poll=0.01))  # type: ignore[arg-type]
+    outcome = asyncio.run(drive(agent, inst, fields, 30.0, 0, poll=0.01))  # type: ignore[arg-type]  # scripted agent
     assert not outcome.ok and "bad tar" in outcome.message
 
 
@@ -851,15 +869,15 @@ def test_drive_gives_up_at_once_on_a_corrupt_copy() -> None:
     the caller learns it at once (reason corrupt_version) and downloads again."""
     import asyncio
 
-    from cube.transfer.agents import CORRUPT_VERSION, drive
-    from cube.transfer.config import Instance
+    from cube.protocol import CORRUPT_VERSION
+    from cube.transfer.agents import drive
 
     inst = Instance(0, 0, "127.0.0.1", 1, "127.0.0.1", 2, "/tmp/x")
     corrupt = {"command": "reload", "version": "7", "state": "failed",
                "message": "DATA_LOSS: checksum mismatch", "reason": CORRUPT_VERSION}  # fmt: skip
     agent = _ScriptedAgent([corrupt, corrupt, corrupt])
     outcome = asyncio.run(
-        drive(agent, inst, {"command": "reload", "version": "7"}, 30.0, 5, poll=0.01)  # type: ignore[arg-type]
+        drive(agent, inst, {"command": "reload", "version": "7"}, 30.0, 5, poll=0.01)  # type: ignore[arg-type]  # scripted agent
     )
     assert not outcome.ok and outcome.reason == CORRUPT_VERSION and agent.submits == 1
     assert "DATA_LOSS" in outcome.message
@@ -870,8 +888,8 @@ def test_drive_gives_up_at_once_on_a_corrupt_copy() -> None:
 
 
 def test_credentials_in_urls_are_never_shown(tmp_path: Path) -> None:
+    from cube.remote import redact
     from cube.transfer import views
-    from cube.transfer.donefile import redact
 
     assert redact("ftp://u:p@ss@h:21/d and http://x@y/z, /plain@path") == (
         "ftp://***@h:21/d and http://***@y/z, /plain@path"
@@ -908,12 +926,11 @@ def test_an_agent_answer_is_bounded(tmp_path: Path) -> None:
     from aiohttp import web
 
     from cube.transfer.agents import MAX_ANSWER, AgentClient, AgentRefused, AgentUnreachable
-    from cube.transfer.config import Instance
 
-    async def huge(request: pytest.FixtureRequest):
+    async def huge(request: web.Request) -> web.Response:
         return web.Response(body=b" " * (MAX_ANSWER + 10), content_type="application/json")
 
-    async def chatty(request: pytest.FixtureRequest):
+    async def chatty(request: web.Request) -> web.Response:
         return web.json_response({"success": "255", "message": "y" * 100_000, "data": None})
 
     async def body() -> None:
@@ -945,7 +962,8 @@ def test_the_rollout_table() -> None:
     statuses keep the original's names and numbers in JSON."""
     from cube.transfer.state import INSTANCE_STATUS, ROLLOUT, VERSION_STATUS, Phase
 
-    walk, phase = [], Phase.BUILD
+    walk: list[str] = []
+    phase: Phase | None = Phase.BUILD
     while phase is not None:
         walk.append(phase.value)
         phase = ROLLOUT[phase].next
@@ -955,7 +973,8 @@ def test_the_rollout_table() -> None:
     ]  # fmt: skip
     for phase in (Phase.DOWNLOAD, Phase.RELOAD, Phase.ENABLE, Phase.ROLLBACK):
         rule = ROLLOUT[phase]
-        assert rule.failed.endswith("_Failed") and rule.succeeded.endswith("_Succ")
+        assert rule.failed is not None and rule.failed.endswith("_Failed")
+        assert rule.succeeded is not None and rule.succeeded.endswith("_Succ")
     assert (INSTANCE_STATUS["Enable_Succ"], INSTANCE_STATUS["Dead"]) == (100, 250)
     assert (VERSION_STATUS["finished"], VERSION_STATUS["refused"]) == (90, 120)
     assert json.dumps({"phase": Phase.RELOAD}) == '{"phase": "reload"}'
@@ -982,7 +1001,7 @@ def test_instances_may_share_an_agent_but_not_its_deploy_path(tmp_path: Path) ->
         ("/d2=h:1", "server 'h:1' is given twice"),
     ],
 )
-def test_agent_instances_flag(text, error) -> None:
+def test_agent_instances_flag(text: str, error: str) -> None:
     from pathlib import Path
 
     from cube.agent.deploy import AgentConfig
@@ -1015,10 +1034,12 @@ def test_fleet_and_paddlerec_lines_announce_parameter_server_saves() -> None:
     line = format_fleet_line("1795478400", "1795478400", "/m/20261124/base/000", "/m", "20261124")
     assert list(json.loads(line))[:3] == ["id", "key", "input"]
     base = parse_line(fleet.base_file, 1, line, fleet)
+    assert isinstance(base, DonefileEntry)
     assert base.is_base and base.input == "/m/20261124/base/000"
     # PaddleRec's: id, key, input, monitor_data
     text = '{"id": "1795482000", "key": "1795478400", "input": "/m/20261124/delta-2/000", '
     patch = parse_line(rec.patch_file, 2, text + '"monitor_data": ""}', rec)
+    assert isinstance(patch, DonefileEntry)
     assert not patch.is_base and (patch.key, patch.id) == ("1795478400", "1795482000")
     # the other kind of save, in either file
     as_patch = parse_line(fleet.patch_file, 3, line, fleet)
@@ -1039,10 +1060,15 @@ def test_fleet_and_paddlerec_lines_announce_parameter_server_saves() -> None:
     assert not isinstance(parse_line("base.txt", 6, delta), BadLine)
     # what a path says of its save
     save = paddle_save_of("s3://b/m/20261124/delta-12/000")
+    assert save is not None
     assert (save.day, save.is_base, save.folder) == ("20261124", False, "delta-12")
     assert save.save_dir == "s3://b/m/20261124/delta-12"
-    assert paddle_save_of("/m/20261124/delta_2/").save_dir == "/m/20261124/delta_2"
-    assert paddle_save_of("/m/20261124/base").save_dir == "/m/20261124/base"
+    for path, save_dir in (
+        ("/m/20261124/delta_2/", "/m/20261124/delta_2"),
+        ("/m/20261124/base", "/m/20261124/base"),
+    ):
+        save = paddle_save_of(path)
+        assert save is not None and save.save_dir == save_dir, path
     for other in ("/data/1700000000/base", "/m/20261124/base/sparse", "/m/base/000", "base"):
         assert paddle_save_of(other) is None, other
 
@@ -1089,12 +1115,12 @@ def test_a_parameter_server_delta_applies_on_its_own_days_base() -> None:
     state = TransferState()
     fleet = ("xbox_base_done.txt", "xbox_patch_done.txt")
     _lines(state, fleet[0], _base(100, "/m/20261124/base/000"))
-    _go_live(state, next_version(state, 1.0, paddle_saves=True)[0])
+    _go_live(state, _next(state, 1.0, paddle_saves=True)[0])
     _lines(state, fleet[1], _patch(110, 100, "/m/20261125/delta-1/000"), start=1)
     _lines(state, fleet[1], _patch(120, 100, "/m/20261124/delta-2/000"), start=2)
-    rec, logs = next_version(state, 2.0, paddle_saves=True)
+    rec, logs = _next(state, 2.0, paddle_saves=True)
     assert rec.version == "100_120"
-    assert state.record("100_110").status == "refused"
+    assert _record(state, "100_110").status == "refused"
     assert (
         logs
         and "patch 100_110 is a save of day 20261125, but its base 100 is of day "
@@ -1104,12 +1130,14 @@ def test_a_parameter_server_delta_applies_on_its_own_days_base() -> None:
     # without parameter-server saves, paths are not read
     state = TransferState()
     _lines(state, "base.txt", _base(100, "/m/20261124/base/000"))
-    _go_live(state, next_version(state, 1.0)[0])
+    _go_live(state, _next(state, 1.0)[0])
     _lines(state, "patch.txt", _patch(110, 100, "/m/20261125/delta-1/000"))
-    assert next_version(state, 2.0)[0].version == "100_110"
+    assert _next(state, 2.0)[0].version == "100_110"
 
 
-def test_agents_still_starting_are_info_until_the_grace_passes(tmp_path, caplog):
+def test_agents_still_starting_are_info_until_the_grace_passes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """An agent that has not answered since the transfer started (cube-local up: agents and
     the transfer start together) is INFO until --dead_timeout from the start, then one
     WARNING; one that had answered and goes silent is a WARNING at once (fake clock)."""
@@ -1124,13 +1152,13 @@ def test_agents_still_starting_are_info_until_the_grace_passes(tmp_path, caplog)
     answering: set[str] = set()
 
     class Agents:
-        async def status(self, inst):
+        async def status(self, inst: Instance) -> dict[str, Any]:
             if inst.name not in answering:
                 raise AgentUnreachable(f"agent {inst.name}: connection refused")
             return {"server": {"reachable": True, "cur_version": ""}}
 
     clock = [100.0]
-    reconciler = Reconciler(cfg, Agents(), None, 60.0, 1.0, clock=lambda: clock[0])  # type: ignore[arg-type]
+    reconciler = Reconciler(cfg, Agents(), None, 60.0, 1.0, clock=lambda: clock[0])  # type: ignore[arg-type]  # fake agents
     state = TransferState(instances={i.name: InstanceState() for i in cfg.instances})
 
     def refresh() -> list[tuple[int, str]]:

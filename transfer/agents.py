@@ -168,86 +168,127 @@ async def drive(
     for its whole timeout)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    command, version = fields["command"], fields["version"]
-    failures = 0
-    submitted = False
-    last = "no answer yet"
-    delay = poll
-    silent_since: float | None = None  # the agent does not answer
-    server_down_since: float | None = None  # the agent answers, its server does not
+    run = _Drive(client, inst, fields, retries, dead_timeout, poll, max_poll, loop.time)
     while True:
         remaining = deadline - loop.time()
         if remaining <= 0:
-            return Outcome(False, f"{command} {version}: timed out after {timeout:g}s ({last})")
+            return run.outcome(f"timed out after {timeout:g}s ({run.last})")
         try:
-            if not submitted:
-                task = await client.submit(inst, fields)
-                submitted = True
-                if progress:
-                    progress(inst, "running", "")
-            else:
-                task = await client.task(inst, command, version)
+            task = await run.ask(progress)
         except AgentUnreachable as exc:
-            last = str(exc)
-            submitted = False
-            silent_since = silent_since if silent_since is not None else loop.time()
-            if dead_timeout is not None and loop.time() - silent_since >= dead_timeout:
-                why = f"agent silent for {dead_timeout:g}s ({last})"
-                return Outcome(False, f"{command} {version}: {why}")
-            await asyncio.sleep(min(1.0, max(remaining, 0.0)))
-            continue
+            step: Outcome | float | None = run.unreachable(exc)
         except AgentRefused as exc:
-            silent_since = None
-            last = str(exc)
-            if submitted:  # the agent lost the task (restarted with no journal?): send it again
-                submitted = False
-                continue
-            if exc.http_status == 409:  # busy with another command: wait for it, no retry spent
-                await asyncio.sleep(min(1.0, max(remaining, 0.0)))
-                continue
-            failures += 1
-            if failures > retries:
-                return Outcome(False, f"{command} {version}: {last}")
-            await asyncio.sleep(min(1.0, max(remaining, 0.0)))
-            continue
-        silent_since = None
+            step = run.refused(exc)
+        else:
+            step = await run.answered(task)
+        if isinstance(step, Outcome):
+            return step
+        if step is not None:
+            await asyncio.sleep(min(step, max(remaining, 0.0)))
+
+
+class _Drive:
+    """The state of one `drive`: each answer (or its absence) gives either the Outcome or the
+    seconds to wait before asking again (None: at once)."""
+
+    def __init__(
+        self,
+        client: AgentClient,
+        inst: Instance,
+        fields: dict[str, Any],
+        retries: int,
+        dead_timeout: float | None,
+        poll: float,
+        max_poll: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.client, self.inst, self.fields = client, inst, fields
+        self.command, self.version = fields["command"], fields["version"]
+        self.retries, self.dead_timeout, self.max_poll, self.clock = (
+            retries, dead_timeout, max_poll, clock,
+        )  # fmt: skip
+        self.failures = 0
+        self.submitted = False
+        self.last = "no answer yet"
+        self.delay = poll
+        self.silent_since: float | None = None  # the agent does not answer
+        self.server_down_since: float | None = None  # the agent answers, its server does not
+
+    def outcome(self, why: str, reason: str = "") -> Outcome:
+        return Outcome(False, f"{self.command} {self.version}: {why}", reason)
+
+    async def ask(self, progress: ProgressFn | None) -> dict[str, Any]:
+        """Submit the command (again) or poll its task."""
+        if self.submitted:
+            return await self.client.task(self.inst, self.command, self.version)
+        task = await self.client.submit(self.inst, self.fields)
+        self.submitted = True
+        if progress:
+            progress(self.inst, "running", "")
+        return task
+
+    def unreachable(self, exc: AgentUnreachable) -> Outcome | float:
+        self.last = str(exc)
+        self.submitted = False
+        if self.silent_since is None:
+            self.silent_since = self.clock()
+        if self.dead_timeout is not None and self.clock() - self.silent_since >= self.dead_timeout:
+            return self.outcome(f"agent silent for {self.dead_timeout:g}s ({self.last})")
+        return 1.0
+
+    def refused(self, exc: AgentRefused) -> Outcome | float | None:
+        self.silent_since = None
+        self.last = str(exc)
+        if self.submitted:  # the agent lost the task (restarted with no journal?): send it again
+            self.submitted = False
+            return None
+        if exc.http_status == 409:  # busy with another command: wait for it, no retry spent
+            return 1.0
+        self.failures += 1
+        if self.failures > self.retries:
+            return self.outcome(self.last)
+        return 1.0
+
+    async def answered(self, task: dict[str, Any]) -> Outcome | float:
+        self.silent_since = None
+        command, version = self.command, self.version
         if task.get("command") not in (None, command) or task.get("version") not in (None, version):
-            submitted = False  # an answer about another task; ask again
-            await asyncio.sleep(min(delay, max(remaining, 0.0)))
-            continue
+            self.submitted = False  # an answer about another task; ask again
+            return self.delay
         state = task.get("state")
         if state == SUCCEEDED:
             return Outcome(True, said(task.get("message"), "ok"))
         if state == FAILED:
-            last = said(task.get("message"), "failed")
-            if last.startswith("interrupted"):  # the agent restarted mid-task: just resume it
-                submitted = False
-                await asyncio.sleep(min(delay, max(remaining, 0.0)))
-                continue
-            submitted = False
-            if task.get("reason") == CORRUPT_VERSION:  # the copy is gone: re-sending is useless
-                return Outcome(False, f"{command} {version}: {last}", CORRUPT_VERSION)
-            # The server was unreachable (the task says so, or the agent does now): it may be
-            # restarting, so wait as for a silent agent, without spending a retry. The task's
-            # own reason counts even if the server is back by the time we ask the agent.
-            if task.get("reason") == SERVER_UNREACHABLE or await _server_down(client, inst):
-                if server_down_since is None:
-                    server_down_since = loop.time()
-                if dead_timeout is None or loop.time() - server_down_since < dead_timeout:
-                    await asyncio.sleep(min(1.0, max(remaining, 0.0)))
-                    continue
-                last = f"{last} (its server has not answered for {dead_timeout:g}s)"
-            else:
-                server_down_since = None
-            failures += 1
-            if failures > retries:
-                return Outcome(False, f"{command} {version}: {last}")
-            log.warning("%s on %s failed (%s); retry %d of %d", command, inst.name, last,
-                        failures, retries)  # fmt: skip
-            await asyncio.sleep(min(1.0 * failures, max(remaining, 0.0)))
-            continue
-        await asyncio.sleep(min(delay, max(remaining, 0.0)))
-        delay = min(delay * 1.5, max_poll)
+            return await self.failed(task)
+        delay = self.delay
+        self.delay = min(delay * 1.5, self.max_poll)
+        return delay
+
+    async def failed(self, task: dict[str, Any]) -> Outcome | float:
+        self.last = said(task.get("message"), "failed")
+        self.submitted = False
+        if self.last.startswith("interrupted"):  # the agent restarted mid-task: just resume it
+            return self.delay
+        if task.get("reason") == CORRUPT_VERSION:  # the copy is gone: re-sending is useless
+            return self.outcome(self.last, CORRUPT_VERSION)
+        # The server was unreachable (the task says so, or the agent does now): it may be
+        # restarting, so wait as for a silent agent, without spending a retry. The task's
+        # own reason counts even if the server is back by the time we ask the agent.
+        if task.get("reason") == SERVER_UNREACHABLE or await _server_down(self.client, self.inst):
+            if self.server_down_since is None:
+                self.server_down_since = self.clock()
+            dead = self.dead_timeout
+            if dead is None or self.clock() - self.server_down_since < dead:
+                return 1.0
+            self.last = f"{self.last} (its server has not answered for {dead:g}s)"
+        else:
+            self.server_down_since = None
+        self.failures += 1
+        if self.failures > self.retries:
+            return self.outcome(self.last)
+        log.warning("%s on %s failed (%s); retry %d of %d", self.command, self.inst.name,
+                    self.last, self.failures, self.retries)  # fmt: skip
+        return 1.0 * self.failures
 
 
 async def run_phase(

@@ -256,6 +256,73 @@ def _strip_comment(line: str) -> str:
     return line
 
 
+class _Default:
+    """The [default] section's values, read as typed values; errors name file, line and key."""
+
+    def __init__(self, section: dict[str, tuple[str, int]], source: str, base_dir: Path) -> None:
+        self.section, self.source, self.base_dir = section, source, base_dir
+
+    def where(self, key: str) -> str:
+        return f"{self.source}:{self.section[key][1]}" if key in self.section else self.source
+
+    def text(self, key: str, fallback: str | None = None) -> str:
+        if key in self.section and self.section[key][0] != "":
+            return self.section[key][0]
+        if fallback is None:
+            raise ConfigError(f"{self.source}: [default] needs {key}")
+        return fallback
+
+    def integer(
+        self, key: str, fallback: int | None = None, low: int = 0, high: int = 1 << 31
+    ) -> int:
+        raw = self.text(key, None if fallback is None else str(fallback))
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ConfigError(
+                f"{self.where(key)}: {key}: expected an integer, got {raw!r}"
+            ) from None
+        if not low <= value <= high:
+            raise ConfigError(f"{self.where(key)}: {key}: {value} is outside [{low}, {high}]")
+        return value
+
+    def number(self, key: str, fallback: float, ok: Callable[[float], bool], rule: str) -> float:
+        raw = self.text(key, str(fallback))
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ConfigError(f"{self.where(key)}: {key}: expected a number, got {raw!r}") from None
+        if not ok(value):
+            raise ConfigError(f"{self.where(key)}: {key}: must be {rule}, got {raw}")
+        return value
+
+    def positive(self, key: str, fallback: float) -> float:
+        return self.number(key, fallback, lambda v: v > 0, "> 0")
+
+    def fraction(self, key: str, fallback: float) -> float:
+        return self.number(key, fallback, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
+
+    def choice(self, key: str, choices: tuple[str, ...], fallback: str) -> str:
+        value = self.text(key, fallback)
+        if value not in choices:
+            raise ConfigError(
+                f"{self.where(key)}: {key}: {value!r} is not one of {', '.join(choices)}"
+            )
+        return value
+
+    def path(self, key: str) -> Path:
+        path = Path(self.text(key)).expanduser()
+        return path if path.is_absolute() else (self.base_dir / path).resolve()
+
+    def flag(self, key: str, fallback: bool) -> bool:
+        raw = self.text(key, "true" if fallback else "false").lower()
+        if raw in ("true", "1", "yes", "on"):
+            return True
+        if raw in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{self.where(key)}: {key}: expected true or false, got {raw!r}")
+
+
 def parse_config(
     text: str, source: str = "transfer.conf", base_dir: Path | None = None
 ) -> TransferConfig:
@@ -264,159 +331,126 @@ def parse_config(
     sections = parse_ini(text, source)
     if "default" not in sections:
         raise ConfigError(f"{source}: no [default] section")
-    default = sections["default"]
-    base_dir = base_dir or Path.cwd()
-
-    def where(key: str) -> str:
-        return f"{source}:{default[key][1]}" if key in default else source
-
-    def text_of(key: str, fallback: str | None = None) -> str:
-        if key in default and default[key][0] != "":
-            return default[key][0]
-        if fallback is None:
-            raise ConfigError(f"{source}: [default] needs {key}")
-        return fallback
-
-    def int_of(key: str, fallback: int | None = None, low: int = 0, high: int = 1 << 31) -> int:
-        raw = text_of(key, None if fallback is None else str(fallback))
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ConfigError(f"{where(key)}: {key}: expected an integer, got {raw!r}") from None
-        if not low <= value <= high:
-            raise ConfigError(f"{where(key)}: {key}: {value} is outside [{low}, {high}]")
-        return value
-
-    def number_of(key: str, fallback: float, ok: Callable[[float], bool], rule: str) -> float:
-        raw = text_of(key, str(fallback))
-        try:
-            value = float(raw)
-        except ValueError:
-            raise ConfigError(f"{where(key)}: {key}: expected a number, got {raw!r}") from None
-        if not ok(value):
-            raise ConfigError(f"{where(key)}: {key}: must be {rule}, got {raw}")
-        return value
-
-    def float_of(key: str, fallback: float) -> float:
-        return number_of(key, fallback, lambda v: v > 0, "> 0")
-
-    def fraction_of(key: str, fallback: float) -> float:
-        return number_of(key, fallback, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
-
-    def choice_of(key: str, choices: tuple[str, ...], fallback: str) -> str:
-        value = text_of(key, fallback)
-        if value not in choices:
-            raise ConfigError(f"{where(key)}: {key}: {value!r} is not one of {', '.join(choices)}")
-        return value
-
-    def path_of(key: str) -> Path:
-        path = Path(text_of(key)).expanduser()
-        return path if path.is_absolute() else (base_dir / path).resolve()
-
-    def bool_of(key: str, fallback: bool) -> bool:
-        raw = text_of(key, "true" if fallback else "false").lower()
-        if raw in ("true", "1", "yes", "on"):
-            return True
-        if raw in ("false", "0", "no", "off"):
-            return False
-        raise ConfigError(f"{where(key)}: {key}: expected true or false, got {raw!r}")
-
-    dict_name = text_of("dict_name")
-    if not _DICT_NAME.fullmatch(dict_name) or ".." in dict_name:
-        raise ConfigError(f"{where('dict_name')}: dict_name {dict_name!r} is not a plain name")
-    shard_num = int_of("shard_num", low=1, high=100000)
-    copy_num = int_of("copy_num", 1, low=1, high=1000)
-    quorum = int_of("quorum", copy_num, low=1, high=copy_num)
-    phase_timeout = float_of("phase_timeout", 600.0)
-    donefile = text_of("donefile_address")
-    if "://" not in donefile:
-        donefile = str(path_of("donefile_address"))
-    problem = address_problem(donefile)
-    if problem:
-        raise ConfigError(f"{where('donefile_address')}: donefile_address: {problem}")
-    download_mode = choice_of("download_mode", DOWNLOAD_MODES, "http")
-    upload = text_of("upload_address", "")
-    if download_mode == "s3":
-        if remote.scheme_of(upload) != "s3":
-            raise ConfigError(
-                f"{where('upload_address')}: download_mode s3 needs upload_address: "
-                "s3://bucket/prefix (where the builds are uploaded for the agents)"
-            )
-        problem = address_problem(upload)
-        if problem:
-            raise ConfigError(f"{where('upload_address')}: upload_address: {problem}")
-    elif upload:
-        raise ConfigError(
-            f"{where('upload_address')}: upload_address is used only with download_mode: s3"
-        )
+    d = _Default(sections["default"], source, base_dir or Path.cwd())
+    dict_name = _dict_name(d)
+    shard_num = d.integer("shard_num", low=1, high=100000)
+    copy_num = d.integer("copy_num", 1, low=1, high=1000)
+    quorum = d.integer("quorum", copy_num, low=1, high=copy_num)
+    phase_timeout = d.positive("phase_timeout", 600.0)
+    donefile = _donefile_address(d)
+    download_mode = d.choice("download_mode", DOWNLOAD_MODES, "http")
+    upload = _upload_address(d, download_mode)
     download_address = _download_address(
-        text_of("download_address", ""), download_mode, where("download_address")
+        d.text("download_address", ""), download_mode, d.where("download_address")
     )
-    source_format = choice_of("source_format", tuple(DONEFILE_FORMATS), "seqfile")
+    source_format = d.choice("source_format", tuple(DONEFILE_FORMATS), "seqfile")
     builder_flags = _builder_flags(
-        text_of("builder_flags", ""),
-        where("builder_flags"),
+        d.text("builder_flags", ""),
+        d.where("builder_flags"),
         DONEFILE_FORMATS[source_format].paddle_saves,
     )
-    for key, (_value, line) in default.items():
-        if key in DEFAULT_KEYS:
-            continue
-        close = difflib.get_close_matches(key, DEFAULT_KEYS, n=1, cutoff=0.8)
-        if close:  # a typo would silently leave the default in place
-            raise ConfigError(f"{source}:{line}: unknown key {key!r}; did you mean {close[0]}?")
-        log.warning("%s:%d: key %r is not one cube-transfer uses (ignored)", source, line, key)
-    transfer_address = text_of("transfer_address", "127.0.0.1")
+    _check_unknown_keys(d)
+    transfer_address = d.text("transfer_address", "127.0.0.1")
     return TransferConfig(
         dict_name=dict_name,
-        mode=choice_of("mode", MODES, "base_only"),
+        mode=d.choice("mode", MODES, "base_only"),
         download_mode=download_mode,
         # 0: any free port; unused with download_mode s3 (agents download from upload_address)
         # or a download_address (an external file server)
-        wget_port=int_of(
+        wget_port=d.integer(
             "wget_port",
             0 if download_mode == "s3" or download_address else None,
             low=0,
             high=65535,
         ),
-        buildtool_local=text_of("buildtool_local", "cube-builder"),
+        buildtool_local=d.text("buildtool_local", "cube-builder"),
         donefile_address=donefile,
-        output_address=path_of("output_address"),
-        tmp_address=path_of("tmp_address"),
+        output_address=d.path("output_address"),
+        tmp_address=d.path("tmp_address"),
         shard_num=shard_num,
         copy_num=copy_num,
         transfer_address=transfer_address,
         instances=tuple(
             _parse_instances(sections.get("cube_agent", {}), shard_num, copy_num, source)
         ),
-        listen=text_of("listen", transfer_address),
+        listen=d.text("listen", transfer_address),
         quorum=quorum,
-        download_timeout=float_of("download_timeout", phase_timeout),
-        reload_timeout=float_of("reload_timeout", phase_timeout),
-        enable_timeout=float_of("enable_timeout", min(phase_timeout, 120.0)),
-        build_timeout=float_of("build_timeout", 3600.0),
-        fetch_timeout=float_of("fetch_timeout", 3600.0),
-        retries=int_of("retries", 3, low=0, high=100),
-        version_retries=int_of("version_retries", 8, low=0, high=1000),
-        version_retry_backoff=float_of("version_retry_backoff", 30.0),
-        partitioner=choice_of("partitioner", PARTITIONERS, "mod"),
-        agent_token=text_of("agent_token", os.environ.get("CUBE_TOKEN", "")),
-        api_token=text_of("api_token", os.environ.get("CUBE_API_TOKEN", "")),
-        insecure=bool_of("insecure", False),
-        tls_cert=text_of("tls_cert", ""),
-        tls_key=text_of("tls_key", ""),
-        agent_tls_ca=text_of("agent_tls_ca", ""),
-        verify_output=bool_of("verify_output", True),
-        history_limit=int_of("history_limit", 500, low=10, high=100000),
-        max_shrink=fraction_of("max_shrink", 0.5),
-        allow_empty_base=bool_of("allow_empty_base", False),
-        variable_width=bool_of("variable_width", False),
+        download_timeout=d.positive("download_timeout", phase_timeout),
+        reload_timeout=d.positive("reload_timeout", phase_timeout),
+        enable_timeout=d.positive("enable_timeout", min(phase_timeout, 120.0)),
+        build_timeout=d.positive("build_timeout", 3600.0),
+        fetch_timeout=d.positive("fetch_timeout", 3600.0),
+        retries=d.integer("retries", 3, low=0, high=100),
+        version_retries=d.integer("version_retries", 8, low=0, high=1000),
+        version_retry_backoff=d.positive("version_retry_backoff", 30.0),
+        partitioner=d.choice("partitioner", PARTITIONERS, "mod"),
+        agent_token=d.text("agent_token", os.environ.get("CUBE_TOKEN", "")),
+        api_token=d.text("api_token", os.environ.get("CUBE_API_TOKEN", "")),
+        insecure=d.flag("insecure", False),
+        tls_cert=d.text("tls_cert", ""),
+        tls_key=d.text("tls_key", ""),
+        agent_tls_ca=d.text("agent_tls_ca", ""),
+        verify_output=d.flag("verify_output", True),
+        history_limit=d.integer("history_limit", 500, low=10, high=100000),
+        max_shrink=d.fraction("max_shrink", 0.5),
+        allow_empty_base=d.flag("allow_empty_base", False),
+        variable_width=d.flag("variable_width", False),
         upload_address=upload,
         download_address=download_address,
         builder_flags=builder_flags,
-        mirror_input=bool_of("mirror_input", True),
+        mirror_input=d.flag("mirror_input", True),
         source_format=source_format,
-        extra={k: v for k, (v, _) in default.items() if k not in DEFAULT_KEYS},
+        extra={k: v for k, (v, _) in d.section.items() if k not in DEFAULT_KEYS},
     )
+
+
+def _dict_name(d: _Default) -> str:
+    dict_name = d.text("dict_name")
+    if not _DICT_NAME.fullmatch(dict_name) or ".." in dict_name:
+        raise ConfigError(f"{d.where('dict_name')}: dict_name {dict_name!r} is not a plain name")
+    return dict_name
+
+
+def _donefile_address(d: _Default) -> str:
+    """A URL as written, or a local path made absolute; either must be one we can read."""
+    donefile = d.text("donefile_address")
+    if "://" not in donefile:
+        donefile = str(d.path("donefile_address"))
+    problem = address_problem(donefile)
+    if problem:
+        raise ConfigError(f"{d.where('donefile_address')}: donefile_address: {problem}")
+    return donefile
+
+
+def _upload_address(d: _Default, download_mode: str) -> str:
+    """The s3:// prefix builds are uploaded to: required with download_mode s3, refused else."""
+    upload = d.text("upload_address", "")
+    if download_mode == "s3":
+        if remote.scheme_of(upload) != "s3":
+            raise ConfigError(
+                f"{d.where('upload_address')}: download_mode s3 needs upload_address: "
+                "s3://bucket/prefix (where the builds are uploaded for the agents)"
+            )
+        problem = address_problem(upload)
+        if problem:
+            raise ConfigError(f"{d.where('upload_address')}: upload_address: {problem}")
+    elif upload:
+        raise ConfigError(
+            f"{d.where('upload_address')}: upload_address is used only with download_mode: s3"
+        )
+    return upload
+
+
+def _check_unknown_keys(d: _Default) -> None:
+    """A key close to a known one is an error (a typo would silently leave the default in
+    place); any other unknown key is logged and kept (TransferConfig.extra)."""
+    for key, (_value, line) in d.section.items():
+        if key in DEFAULT_KEYS:
+            continue
+        close = difflib.get_close_matches(key, DEFAULT_KEYS, n=1, cutoff=0.8)
+        if close:
+            raise ConfigError(f"{d.source}:{line}: unknown key {key!r}; did you mean {close[0]}?")
+        log.warning("%s:%d: key %r is not one cube-transfer uses (ignored)", d.source, line, key)
 
 
 def _parse_instances(

@@ -18,12 +18,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cube.donefile import BASE_FILE, PATCH_FILE, append_line, format_line
 from cube.flags import FlagError, FlagSet, flag, run_cli
+
+if TYPE_CHECKING:
+    from cube.client import CubeClient
+    from cube.transfer.local import Cluster
 
 MARKER = ".cube-demo"
 
@@ -108,33 +112,19 @@ def timeline(record: dict[str, Any]) -> str:
 
 
 def run(argv: Sequence[str]) -> int:
+    """The six steps of the module docstring; the cluster always comes down at the end."""
     flags = flag_set().parse(argv)
     if flags.ids < 100 or flags.dim < 1 or flags.files < 1:
         raise FlagError("--ids must be >= 100, --dim and --files >= 1")
-    n_batch, n_changed, n_deleted = (
-        min(10_000, flags.ids),
-        min(1000, flags.ids // 10),
-        min(100, flags.ids // 20),
-    )
     from cube.client import CubeClient
-    from cube.transfer.local import Cluster, ClusterSpec, LocalError, up
+    from cube.transfer.local import LocalError
 
     started = time.monotonic()
     work = Path(flags.dir).resolve()
     fresh_dir(work)
     donefile = work / "donefile"
     donefile.mkdir()
-
-    say(f"== 1. sample table: {flags.ids:,} ids x float32[{flags.dim}] (seed {flags.seed})")
-    t = time.monotonic()
-    keys, values = sample_table(flags.ids, flags.dim, flags.seed)
-    base_id = int(time.time())
-    base_input = work / "input" / str(base_id) / "base"
-    write_seqfiles(base_input, keys, values, flags.files)
-    size = sum(p.stat().st_size for p in base_input.iterdir())
-    say(f"   {flags.files} SequenceFiles, {size / 2**20:.1f} MiB in {base_input} "
-        f"({time.monotonic() - t:.1f}s)")  # fmt: skip
-
+    table = _write_base(flags, work)
     cluster: Cluster | None = None
 
     def on_term(signum: int, frame: Any) -> None:
@@ -142,94 +132,12 @@ def run(argv: Sequence[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     try:
-        say(f"== 2. local cluster: {flags.shards} shards x {flags.replicas} replicas")
-        t = time.monotonic()
-        spec = ClusterSpec(
-            dir=work / "cluster",
-            shards=flags.shards,
-            replicas=flags.replicas,
-            donefile=donefile,
-            base_port=flags.base_port,
-            dim=flags.dim,
-            poll_interval=0.5,
-        )
-        cluster = up(spec)
-        say(f"   up in {time.monotonic() - t:.1f}s; transfer API {cluster.transfer_url}; "
-            f"SDK config {cluster.cube_conf}")  # fmt: skip
-
-        say(f"== 3. donefile line for base {base_id} -> build, download, load, enable")
-        t = time.monotonic()
-        line = format_line(str(base_id), str(base_id), str(base_input))
-        append_line(donefile / BASE_FILE, line)
-        say(f"   {donefile / BASE_FILE}: {line}")
-        cluster.wait_version(str(base_id), flags.timeout)
-        served = time.monotonic() - t
-        record = _record(cluster, str(base_id))
-        say(f"   served by every replica {served:.1f}s after the donefile line "
-            f"({timeline(record)})")  # fmt: skip
-
-        say("== 4. lookups through the SDK")
+        cluster = _start_cluster(flags, work, donefile)
+        served = _roll_out_base(cluster, flags, donefile, table)
         rng = np.random.default_rng(flags.seed + 1)
-        probe = rng.choice(keys.shape[0], size=5, replace=False)
-        missing = np.uint64(0)  # ids are drawn from 1 .. 2^63
-        wanted = np.append(keys[probe], missing)
         with CubeClient.from_conf(cluster.cube_conf) as client:
-            result = client.seek(wanted)
-            got = client.get_embeddings(wanted, dim=flags.dim)
-            say(f"   seek({len(wanted)} ids) -> version {result.version}, "
-                f"found {result.found.tolist()}")  # fmt: skip
-            for key, row in zip(wanted, got, strict=True):
-                say(f"   {int(key):>20d}: {np.array2string(row[:4], precision=3)} ...")
-            _check(np.array_equal(got[:-1], values[probe]), "values differ from the table")
-            _check(not result.found[-1] and not got[-1].any(), "the unknown id was found")
-            batch = rng.choice(keys.shape[0], size=n_batch, replace=False)
-            many = client.get_embeddings(keys[batch], dim=flags.dim)
-            _check(np.array_equal(many, values[batch]), f"a {n_batch:,}-id batch differs")
-            say(f"   checked: 5 ids + a {n_batch:,}-id batch equal the table, "
-                "the unknown id is a miss")  # fmt: skip
-
-            say(f"== 5. a patch: {n_changed:,} changed vectors, 100 new ids, "
-                f"{n_deleted} deletions")  # fmt: skip
-            patch_id = base_id + 100
-            changed = rng.choice(keys.shape[0], size=n_changed + n_deleted, replace=False)
-            deleted_rows, changed_rows = changed[:n_deleted], changed[n_deleted:]
-            new_keys = np.arange(1, 101, dtype=np.uint64) * np.uint64(2**63 // 101) + np.uint64(7)
-            patch_keys = np.concatenate([keys[changed_rows], new_keys])
-            patch_values = rng.standard_normal((patch_keys.shape[0], flags.dim), dtype=np.float32)
-            patch_input = work / "input" / str(patch_id) / "patch"
-            write_seqfiles(patch_input, patch_keys, patch_values, 1)
-            delete_file = work / "input" / str(patch_id) / "delete.txt"
-            delete_file.write_text("".join(f"{int(k)}\n" for k in keys[deleted_rows]))
-            version = f"{base_id}_{patch_id}"
-            t = time.monotonic()
-            line = format_line(str(patch_id), str(base_id), str(patch_input), str(delete_file))
-            append_line(donefile / PATCH_FILE, line)
-            cluster.wait_version(version, flags.timeout)
-            say(f"   {version} served by every replica {time.monotonic() - t:.1f}s after its "
-                f"line ({timeline(_record(cluster, version))})")  # fmt: skip
-            show = np.concatenate([keys[changed_rows[:3]], new_keys[:1], keys[deleted_rows[:2]]])
-            after = client.seek(show)
-            emb = client.get_embeddings(show, dim=flags.dim)
-            say(f"   version {after.version}:")
-            before = dict(zip(keys[changed_rows[:3]].tolist(), values[changed_rows[:3]],
-                              strict=True))  # fmt: skip
-            for key, row, found in zip(show.tolist(), emb, after.found.tolist(), strict=True):
-                if key in before:
-                    say(f"   {key:>20d}: {np.array2string(before[key][:3], precision=3)} -> "
-                        f"{np.array2string(row[:3], precision=3)} ...")  # fmt: skip
-                elif found:
-                    say(f"   {key:>20d}: new {np.array2string(row[:3], precision=3)} ...")
-                else:
-                    say(f"   {key:>20d}: deleted (miss)")
-            check_keys = np.concatenate([patch_keys, keys[deleted_rows]])
-            check = client.get_embeddings(check_keys, dim=flags.dim)
-            expected = np.concatenate([patch_values, np.zeros((n_deleted, flags.dim), np.float32)])
-            _check(np.array_equal(check, expected), "the patch is not served as written")
-            untouched = np.setdiff1d(np.arange(keys.shape[0]), changed)[:1000]
-            same = client.get_embeddings(keys[untouched], dim=flags.dim)
-            _check(np.array_equal(same, values[untouched]), "untouched ids changed")
-            say("   checked: changed, new, deleted and untouched ids are all as written")
-
+            _look_up(client, flags, table, rng)
+            _patch(client, cluster, flags, work, donefile, table, rng)
         say("== 6. status")
         say(cluster.status_table())
         say(f"\ndone in {time.monotonic() - started:.1f}s; base line -> served in {served:.1f}s")
@@ -248,6 +156,172 @@ def run(argv: Sequence[str]) -> int:
             say("== shutting down the cluster")
             for line in cluster.down():
                 say(f"   {line}")
+
+
+@dataclass(frozen=True)
+class _Table:
+    """The sample table and where its base was written."""
+
+    keys: np.ndarray
+    values: np.ndarray
+    base_id: int
+    base_input: Path
+
+
+def _write_base(flags: DemoFlags, work: Path) -> _Table:
+    """Step 1: the sample table, written as the base's SequenceFiles."""
+    say(f"== 1. sample table: {flags.ids:,} ids x float32[{flags.dim}] (seed {flags.seed})")
+    t = time.monotonic()
+    keys, values = sample_table(flags.ids, flags.dim, flags.seed)
+    base_id = int(time.time())
+    base_input = work / "input" / str(base_id) / "base"
+    write_seqfiles(base_input, keys, values, flags.files)
+    size = sum(p.stat().st_size for p in base_input.iterdir())
+    say(f"   {flags.files} SequenceFiles, {size / 2**20:.1f} MiB in {base_input} "
+        f"({time.monotonic() - t:.1f}s)")  # fmt: skip
+    return _Table(keys, values, base_id, base_input)
+
+
+def _start_cluster(flags: DemoFlags, work: Path, donefile: Path) -> Cluster:
+    """Step 2: the local cluster (cube-local up)."""
+    from cube.transfer.local import ClusterSpec, up
+
+    say(f"== 2. local cluster: {flags.shards} shards x {flags.replicas} replicas")
+    t = time.monotonic()
+    spec = ClusterSpec(
+        dir=work / "cluster",
+        shards=flags.shards,
+        replicas=flags.replicas,
+        donefile=donefile,
+        base_port=flags.base_port,
+        dim=flags.dim,
+        poll_interval=0.5,
+    )
+    cluster = up(spec)
+    say(f"   up in {time.monotonic() - t:.1f}s; transfer API {cluster.transfer_url}; "
+        f"SDK config {cluster.cube_conf}")  # fmt: skip
+    return cluster
+
+
+def _roll_out_base(cluster: Cluster, flags: DemoFlags, donefile: Path, table: _Table) -> float:
+    """Step 3: the base's donefile line, then wait until every replica serves it; returns the
+    seconds that took."""
+    base_id = table.base_id
+    say(f"== 3. donefile line for base {base_id} -> build, download, load, enable")
+    t = time.monotonic()
+    line = format_line(str(base_id), str(base_id), str(table.base_input))
+    append_line(donefile / BASE_FILE, line)
+    say(f"   {donefile / BASE_FILE}: {line}")
+    cluster.wait_version(str(base_id), flags.timeout)
+    served = time.monotonic() - t
+    record = _record(cluster, str(base_id))
+    say(f"   served by every replica {served:.1f}s after the donefile line "
+        f"({timeline(record)})")  # fmt: skip
+    return served
+
+
+def _look_up(client: CubeClient, flags: DemoFlags, table: _Table, rng: np.random.Generator) -> None:
+    """Step 4: a few ids and an unknown one, then a batch, checked against the table."""
+    keys, values = table.keys, table.values
+    n_batch = min(10_000, flags.ids)
+    say("== 4. lookups through the SDK")
+    probe = rng.choice(keys.shape[0], size=5, replace=False)
+    missing = np.uint64(0)  # ids are drawn from 1 .. 2^63
+    wanted = np.append(keys[probe], missing)
+    result = client.seek(wanted)
+    got = client.get_embeddings(wanted, dim=flags.dim)
+    say(f"   seek({len(wanted)} ids) -> version {result.version}, "
+        f"found {result.found.tolist()}")  # fmt: skip
+    for key, row in zip(wanted, got, strict=True):
+        say(f"   {int(key):>20d}: {np.array2string(row[:4], precision=3)} ...")
+    _check(np.array_equal(got[:-1], values[probe]), "values differ from the table")
+    _check(not result.found[-1] and not got[-1].any(), "the unknown id was found")
+    batch = rng.choice(keys.shape[0], size=n_batch, replace=False)
+    many = client.get_embeddings(keys[batch], dim=flags.dim)
+    _check(np.array_equal(many, values[batch]), f"a {n_batch:,}-id batch differs")
+    say(f"   checked: 5 ids + a {n_batch:,}-id batch equal the table, "
+        "the unknown id is a miss")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _PatchPlan:
+    """Which rows of the table a patch changes or deletes, and what it writes."""
+
+    changed: np.ndarray  # rows changed or deleted
+    changed_rows: np.ndarray
+    deleted_rows: np.ndarray
+    new_keys: np.ndarray
+    keys: np.ndarray  # the patch's keys: changed rows, then new ids
+    values: np.ndarray
+
+
+def _patch(
+    client: CubeClient,
+    cluster: Cluster,
+    flags: DemoFlags,
+    work: Path,
+    donefile: Path,
+    table: _Table,
+    rng: np.random.Generator,
+) -> None:
+    """Step 5: a patch written, rolled out, shown and checked."""
+    n_changed, n_deleted = min(1000, flags.ids // 10), min(100, flags.ids // 20)
+    say(f"== 5. a patch: {n_changed:,} changed vectors, 100 new ids, "
+        f"{n_deleted} deletions")  # fmt: skip
+    keys = table.keys
+    base_id, patch_id = table.base_id, table.base_id + 100
+    changed = rng.choice(keys.shape[0], size=n_changed + n_deleted, replace=False)
+    new_keys = np.arange(1, 101, dtype=np.uint64) * np.uint64(2**63 // 101) + np.uint64(7)
+    patch_keys = np.concatenate([keys[changed[n_deleted:]], new_keys])
+    patch_values = rng.standard_normal((patch_keys.shape[0], flags.dim), dtype=np.float32)
+    plan = _PatchPlan(
+        changed, changed[n_deleted:], changed[:n_deleted], new_keys, patch_keys, patch_values
+    )
+    patch_input = work / "input" / str(patch_id) / "patch"
+    write_seqfiles(patch_input, plan.keys, plan.values, 1)
+    delete_file = work / "input" / str(patch_id) / "delete.txt"
+    delete_file.write_text("".join(f"{int(k)}\n" for k in keys[plan.deleted_rows]))
+    version = f"{base_id}_{patch_id}"
+    t = time.monotonic()
+    line = format_line(str(patch_id), str(base_id), str(patch_input), str(delete_file))
+    append_line(donefile / PATCH_FILE, line)
+    cluster.wait_version(version, flags.timeout)
+    say(f"   {version} served by every replica {time.monotonic() - t:.1f}s after its "
+        f"line ({timeline(_record(cluster, version))})")  # fmt: skip
+    _show_patch(client, flags, table, plan)
+    _check_patch(client, flags, table, plan)
+
+
+def _show_patch(client: CubeClient, flags: DemoFlags, table: _Table, plan: _PatchPlan) -> None:
+    """A few changed, new and deleted ids, before and after the patch."""
+    keys, values, changed_rows = table.keys, table.values, plan.changed_rows
+    show = np.concatenate([keys[changed_rows[:3]], plan.new_keys[:1], keys[plan.deleted_rows[:2]]])
+    after = client.seek(show)
+    emb = client.get_embeddings(show, dim=flags.dim)
+    say(f"   version {after.version}:")
+    before = dict(zip(keys[changed_rows[:3]].tolist(), values[changed_rows[:3]],
+                      strict=True))  # fmt: skip
+    for key, row, found in zip(show.tolist(), emb, after.found.tolist(), strict=True):
+        if key in before:
+            say(f"   {key:>20d}: {np.array2string(before[key][:3], precision=3)} -> "
+                f"{np.array2string(row[:3], precision=3)} ...")  # fmt: skip
+        elif found:
+            say(f"   {key:>20d}: new {np.array2string(row[:3], precision=3)} ...")
+        else:
+            say(f"   {key:>20d}: deleted (miss)")
+
+
+def _check_patch(client: CubeClient, flags: DemoFlags, table: _Table, plan: _PatchPlan) -> None:
+    """Changed, new and deleted ids are served as the patch wrote them, the others unchanged."""
+    keys, n_deleted = table.keys, plan.deleted_rows.shape[0]
+    check_keys = np.concatenate([plan.keys, keys[plan.deleted_rows]])
+    check = client.get_embeddings(check_keys, dim=flags.dim)
+    expected = np.concatenate([plan.values, np.zeros((n_deleted, flags.dim), np.float32)])
+    _check(np.array_equal(check, expected), "the patch is not served as written")
+    untouched = np.setdiff1d(np.arange(keys.shape[0]), plan.changed)[:1000]
+    same = client.get_embeddings(keys[untouched], dim=flags.dim)
+    _check(np.array_equal(same, table.values[untouched]), "untouched ids changed")
+    say("   checked: changed, new, deleted and untouched ids are all as written")
 
 
 class DemoError(RuntimeError):

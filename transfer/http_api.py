@@ -138,62 +138,105 @@ PAGE_FILES = {  # path -> (file under page/, content type)
 }
 
 
-def build_api(service: TransferService) -> web.Application:
-    cfg = service.cfg
+@web.middleware
+async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure as the envelope (the token is checked inside it, by `check_token`: not
+    for the status page's own files, which hold no data, and the page asks for the token)."""
+    try:
+        return await handler(request)
+    except BadRequest as exc:
+        return _error(str(exc))
+    except web.HTTPRequestEntityTooLarge:
+        return _error(f"request body over {MAX_BODY} bytes", 413)
+    except web.HTTPException as exc:
+        return _error(f"{exc.status} {exc.reason}", exc.status)
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path[:_ECHO])
+        return _error("internal error (the transfer's log has the details)", 500)
 
-    def _name(fields: dict[str, str]) -> None:
-        if fields["name"] != cfg.dict_name:
+
+async def _unknown(request: web.Request) -> web.Response:
+    message = f"unknown api {request.method[:10]} {_echo(request.path)[1:-1]}"
+    return _error(message, 404, "2", {"api_list": API_LIST})
+
+
+def _meta_json(text: str) -> None:
+    """Refuse a registered meta that is too big or not a non-empty JSON object."""
+    if len(text.encode()) > MAX_META:
+        raise BadRequest(f"meta: over {MAX_META} bytes")
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"meta: not JSON ({exc.msg} at column {exc.colno})") from None
+    except (ValueError, RecursionError):  # an integer of over 4300 digits, deep nesting
+        raise BadRequest("meta: not JSON we read (too many digits or too deep)") from None
+    if not isinstance(meta, dict) or not meta:
+        raise BadRequest("meta: expected a non-empty JSON object")
+
+
+def _rollback_version(body: object) -> str:
+    """The version name of a rollback body `{"version": "<version>"}` (an int is taken too)."""
+    if not isinstance(body, dict):
+        raise BadRequest('the body must be a JSON object: {"version": "<version>"}')
+    version = body.get("version")
+    if isinstance(version, int) and not isinstance(version, bool):
+        version = str(version)
+    if not isinstance(version, str) or not VERSION_NAME.fullmatch(version):
+        shown = _echo(version) if isinstance(version, str) else type(version).__name__
+        raise BadRequest(f"version: expected a version name (<id> or <base>_<id>), got {shown}")
+    return version
+
+
+class _Api:
+    """The query API's handlers over one TransferService: reads of the rollout's state, the
+    meta registry, rollback, and the status page."""
+
+    def __init__(self, service: TransferService) -> None:
+        self.service = service
+        self.cfg = service.cfg
+
+    def _name(self, fields: dict[str, str]) -> None:
+        if fields["name"] != self.cfg.dict_name:
             raise BadRequest(
-                f"name {_echo(fields['name'])} is not this transfer's dict {cfg.dict_name!r}"
+                f"name {_echo(fields['name'])} is not this transfer's dict {self.cfg.dict_name!r}"
             )
 
-    @web.middleware
-    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Every failure as the envelope (the token is checked inside it, by `check_token`: not
-        for the status page's own files, which hold no data, and the page asks for the token)."""
-        try:
-            return await handler(request)
-        except BadRequest as exc:
-            return _error(str(exc))
-        except web.HTTPRequestEntityTooLarge:
-            return _error(f"request body over {MAX_BODY} bytes", 413)
-        except web.HTTPException as exc:
-            return _error(f"{exc.status} {exc.reason}", exc.status)
-        except Exception:
-            log.exception("%s %s failed", request.method, request.path[:_ECHO])
-            return _error("internal error (the transfer's log has the details)", 500)
+    # --- reads of the rollout's state
 
-    async def dict_info(request: web.Request) -> web.Response:
+    async def dict_info(self, request: web.Request) -> web.Response:
         _params(request.query, (), "query parameter")
-        return await _reply(views.dict_info(cfg, service.state))
+        return await _reply(views.dict_info(self.cfg, self.service.state))
 
-    async def instance_status(request: web.Request) -> web.Response:
+    async def instance_status(self, request: web.Request) -> web.Response:
         _params(request.query, (), "query parameter")
-        return await _reply([views.instance_info(cfg, service.state, i) for i in cfg.instances])
+        state = self.service.state
+        return await _reply([views.instance_info(self.cfg, state, i) for i in self.cfg.instances])
 
-    async def deploy_history(request: web.Request) -> web.Response:
+    async def deploy_history(self, request: web.Request) -> web.Response:
         _params(request.query, (), "query parameter")
-        return await _reply(views.history(cfg, service.state))
+        return await _reply(views.history(self.cfg, self.service.state))
 
-    async def scaler(request: web.Request) -> web.Response:
+    async def scaler(self, request: web.Request) -> web.Response:
         """The original's shape: `data` is the list as a JSON string; shard defaults to 0."""
         query = _params(request.query, ("shard",), "query parameter")
-        shard = _shard({"shard": "0", **query}, cfg.shard_num)
-        return await _reply(json.dumps(views.scaler(cfg, service.state, shard)))
+        shard = _shard({"shard": "0", **query}, self.cfg.shard_num)
+        return await _reply(json.dumps(views.scaler(self.cfg, self.service.state, shard)))
 
-    async def meta_info(request: web.Request) -> web.Response:
+    # --- the meta registry
+
+    async def meta_info(self, request: web.Request) -> web.Response:
         query = _params(
             request.query, ("name", "version", "depend", "shard", "split"), "query parameter"
         )
         _required(query, ("name", "version", "depend", "shard"), "query parameter")
-        _name(query)
+        self._name(query)
         version, depend = _version_id(query, "version"), _version_id(query, "depend")
-        shard = _shard(query, cfg.shard_num)
-        meta = await service.meta_info(version, depend, shard)
+        shard = _shard(query, self.cfg.shard_num)
+        meta = await self.service.meta_info(version, depend, shard)
         if meta is None:
             return _error(f"no meta for version {version} depend {depend} shard {shard}", 404)
         data = {
-            "name": cfg.dict_name,
+            "name": self.cfg.dict_name,
             "version": views.number(version),
             "depend": views.number(depend),
             "shard": shard,
@@ -202,7 +245,7 @@ def build_api(service: TransferService) -> web.Application:
         }  # fmt: skip  (ints, as the original's)
         return await _reply(data)
 
-    async def register_meta(request: web.Request) -> web.Response:
+    async def register_meta(self, request: web.Request) -> web.Response:
         if request.content_type not in (
             "application/x-www-form-urlencoded",
             "multipart/form-data",
@@ -211,64 +254,48 @@ def build_api(service: TransferService) -> web.Application:
         names = ("name", "version", "depend", "shard", "split", "meta", "token")
         fields = _params(await request.post(), names, "form field")
         _required(fields, ("name", "version", "depend", "shard", "meta"), "form field")
-        _name(fields)
+        self._name(fields)
         version, depend = _version_id(fields, "version"), _version_id(fields, "depend")
-        shard = _shard(fields, cfg.shard_num)
-        if len(fields["meta"].encode()) > MAX_META:
-            raise BadRequest(f"meta: over {MAX_META} bytes")
+        shard = _shard(fields, self.cfg.shard_num)
+        _meta_json(fields["meta"])
         try:
-            meta = json.loads(fields["meta"])
-        except json.JSONDecodeError as exc:
-            raise BadRequest(f"meta: not JSON ({exc.msg} at column {exc.colno})") from None
-        except (ValueError, RecursionError):  # an integer of over 4300 digits, deep nesting
-            raise BadRequest("meta: not JSON we read (too many digits or too deep)") from None
-        if not isinstance(meta, dict) or not meta:
-            raise BadRequest("meta: expected a non-empty JSON object")
-        try:
-            await service.register_meta(version, depend, shard, fields["meta"])
+            await self.service.register_meta(version, depend, shard, fields["meta"])
         except LookupError as exc:
             return _error(str(exc), 404)
         return await _reply("ok", "register ok")
 
-    async def rollback(request: web.Request) -> web.Response:
+    # --- rollback
+
+    async def rollback(self, request: web.Request) -> web.Response:
         try:
             body = json.loads(await request.read())
         except ValueError:
             raise BadRequest('the body must be JSON: {"version": "<version>"}') from None
-        if not isinstance(body, dict):
-            raise BadRequest('the body must be a JSON object: {"version": "<version>"}')
-        version = body.get("version")
-        if isinstance(version, int) and not isinstance(version, bool):
-            version = str(version)
-        if not isinstance(version, str) or not VERSION_NAME.fullmatch(version):
-            shown = _echo(version) if isinstance(version, str) else type(version).__name__
-            raise BadRequest(f"version: expected a version name (<id> or <base>_<id>), got {shown}")
+        version = _rollback_version(body)
         try:
-            rec = await service.rollback(version)
+            rec = await self.service.rollback(version)
         except Busy as exc:
             return _error(str(exc), 409)
         except ValueError as exc:
             return _error(str(exc), 400)
-        info = views.version_info(cfg, rec)
+        info = views.version_info(self.cfg, rec)
         if rec.status != "finished":
             return await _reply(info, f"rollback to {version} failed: {rec.message}", "255", 500)
         return await _reply(info, f"rolled back to {version}")
 
-    async def unknown(request: web.Request) -> web.Response:
-        message = f"unknown api {request.method[:10]} {_echo(request.path)[1:-1]}"
-        return _error(message, 404, "2", {"api_list": API_LIST})
+    # --- the status page
 
-    async def page(request: web.Request) -> web.Response:
+    async def page(self, request: web.Request) -> web.Response:
         """The rollout status page: HTML with the dict's shape filled in, its script and style
         (the script polls the JSON API below)."""
         name, content_type = PAGE_FILES[request.path]
         text = (PAGE_DIR / name).read_text()
         if name.endswith(".html"):
             text = text.format(
-                dict_name=html.escape(cfg.dict_name),
-                shard_num=cfg.shard_num,
-                copy_num=cfg.copy_num,
-                mode=html.escape(cfg.mode),
+                dict_name=html.escape(self.cfg.dict_name),
+                shard_num=self.cfg.shard_num,
+                copy_num=self.cfg.copy_num,
+                mode=html.escape(self.cfg.mode),
             )
         return web.Response(
             text=text,
@@ -280,22 +307,25 @@ def build_api(service: TransferService) -> web.Application:
             },
         )
 
+
+def build_api(service: TransferService) -> web.Application:
+    api = _Api(service)
     check_token = token_middleware(
-        cfg.api_token,
+        service.cfg.api_token,
         lambda: _error("unauthorized: send 'Authorization: Bearer <token>' (api_token)", 401),
         public=lambda request: request.method == "GET" and request.path in PAGE_FILES,
     )
-    app = web.Application(client_max_size=MAX_BODY, middlewares=[guard, check_token])
+    app = web.Application(client_max_size=MAX_BODY, middlewares=[_guard, check_token])
     for path in PAGE_FILES:
-        app.router.add_get(path, page)
-    app.router.add_get("/dict/info", dict_info)
-    app.router.add_get("/instance/status", instance_status)
-    app.router.add_get("/dict/deploy/history", deploy_history)
-    app.router.add_get("/dict/scaler", scaler)
-    app.router.add_get("/dict/meta_info", meta_info)
-    app.router.add_post("/dict/meta_info/register", register_meta)
-    app.router.add_post("/dict/rollback", rollback)
-    app.router.add_route("*", "/{tail:.*}", unknown)
+        app.router.add_get(path, api.page)
+    app.router.add_get("/dict/info", api.dict_info)
+    app.router.add_get("/instance/status", api.instance_status)
+    app.router.add_get("/dict/deploy/history", api.deploy_history)
+    app.router.add_get("/dict/scaler", api.scaler)
+    app.router.add_get("/dict/meta_info", api.meta_info)
+    app.router.add_post("/dict/meta_info/register", api.register_meta)
+    app.router.add_post("/dict/rollback", api.rollback)
+    app.router.add_route("*", "/{tail:.*}", _unknown)
     return app
 
 

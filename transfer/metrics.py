@@ -77,100 +77,118 @@ class TransferCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self.snapshot()
-        d = s["dict"]
-        live = GaugeMetricFamily(
-            "cube_transfer_live_version_info", "The version live now", labels=["dict", "version"]
-        )
-        if s["live_version"]:
-            live.add_metric([d, s["live_version"]], 1.0)
-        since = GaugeMetricFamily(
-            "cube_transfer_live_since_timestamp_seconds",
-            "When the live version went live (Unix time; 0: none yet)",
-            labels=["dict"],
-        )
-        since.add_metric([d], s["live_since"])
-        success = GaugeMetricFamily(
-            "cube_transfer_last_success_timestamp_seconds",
-            "When a rollout or rollback last made a version live, in this process (Unix time)",
-            labels=["dict"],
-        )
-        success.add_metric([d], s["counters"]["last_success"])
-        rollouts = CounterMetricFamily(
-            "cube_transfer_rollouts", "Rollouts ended, by outcome", labels=["dict", "outcome"]
-        )
-        for outcome, count in s["counters"]["outcomes"].items():
-            rollouts.add_metric([d, outcome], count)
-        phases = HistogramMetricFamily(
-            "cube_transfer_phase_duration_seconds",
-            "Duration of each phase of committed rollouts",
-            labels=["dict", "phase"],
-        )
-        for phase, snapshot in s["counters"]["phases"].items():
-            buckets = cumulative_buckets(PHASE_BUCKETS, snapshot)
-            phases.add_metric([d, phase], buckets, snapshot["sum"])
-        deploying = GaugeMetricFamily(
-            "cube_transfer_rollout_phase",
-            "1 for the phase of the rollout in progress (none: no rollout)",
-            labels=["dict", "phase"],
-        )
-        if s["phase"]:
-            deploying.add_metric([d, s["phase"]], 1.0)
-        retries = CounterMetricFamily(
-            "cube_transfer_version_retries",
-            "Rollouts of a failed version begun again (its retry)",
-            labels=["dict"],
-        )
-        retries.add_metric([d], s["counters"]["retries"])
-        abandoned = CounterMetricFamily(
-            "cube_transfer_versions_abandoned",
-            "Failed versions given up on (attempts spent, superseded, or not retryable)",
-            labels=["dict"],
-        )
-        abandoned.add_metric([d], s["counters"]["abandoned"])
-        awaiting = GaugeMetricFamily(
-            "cube_transfer_versions_awaiting_retry",
-            "Failed versions with a retry scheduled",
-            labels=["dict"],
-        )
-        awaiting.add_metric([d], s["retry"]["awaiting"])
-        next_retry = GaugeMetricFamily(
-            "cube_transfer_next_retry_timestamp_seconds",
-            "When the next retry of a failed version is due (Unix time; 0: none scheduled)",
-            labels=["dict"],
-        )
-        next_retry.add_metric([d], s["retry"]["next_at"])
-        errors = CounterMetricFamily(
-            "cube_transfer_donefile_poll_errors",
-            "Donefile reads that failed",
-            labels=["dict"],
-        )
-        errors.add_metric([d], s["counters"]["donefile_errors"])
-        state = GaugeMetricFamily(
-            "cube_transfer_instance_status",
-            "1 for each replica's status (the original's Instance.status names)",
-            labels=["dict", "instance", "status"],
-        )
-        behind = GaugeMetricFamily(
-            "cube_transfer_instance_behind",
-            "1 when a replica does not serve the live version",
-            labels=["dict", "instance"],
-        )
-        reachable = GaugeMetricFamily(
-            "cube_transfer_instance_reachable",
-            "1 when the replica's agent and server answer",
-            labels=["dict", "instance"],
-        )
-        failures = GaugeMetricFamily(
-            "cube_transfer_instance_catch_up_failures",
-            "Consecutive failed catch-ups of a replica",
-            labels=["dict", "instance"],
-        )
-        for name, inst in s["instances"].items():
-            state.add_metric([d, name, inst["status"]], 1.0)
-            lagging = bool(s["live_version"]) and inst["version"] != s["live_version"]
-            behind.add_metric([d, name], 1.0 if lagging else 0.0)
-            reachable.add_metric([d, name], 1.0 if inst["reachable"] else 0.0)
-            failures.add_metric([d, name], inst["catch_up_failures"])
-        yield from (live, since, success, rollouts, phases, deploying, errors)
-        yield from (retries, abandoned, awaiting, next_retry)
-        yield from (state, behind, reachable, failures)
+        yield from _rollout_families(s)
+        yield from _retry_families(s)
+        yield from _instance_families(s)
+
+
+def _rollout_families(s: dict[str, Any]) -> tuple[Metric, ...]:
+    """Where the dict stands: the live version and since when, how rollouts ended and how
+    long their phases took, the phase in progress, and donefile poll errors."""
+    d = s["dict"]
+    live = GaugeMetricFamily(
+        "cube_transfer_live_version_info", "The version live now", labels=["dict", "version"]
+    )
+    if s["live_version"]:
+        live.add_metric([d, s["live_version"]], 1.0)
+    since = GaugeMetricFamily(
+        "cube_transfer_live_since_timestamp_seconds",
+        "When the live version went live (Unix time; 0: none yet)",
+        labels=["dict"],
+    )
+    since.add_metric([d], s["live_since"])
+    success = GaugeMetricFamily(
+        "cube_transfer_last_success_timestamp_seconds",
+        "When a rollout or rollback last made a version live, in this process (Unix time)",
+        labels=["dict"],
+    )
+    success.add_metric([d], s["counters"]["last_success"])
+    rollouts = CounterMetricFamily(
+        "cube_transfer_rollouts", "Rollouts ended, by outcome", labels=["dict", "outcome"]
+    )
+    for outcome, count in s["counters"]["outcomes"].items():
+        rollouts.add_metric([d, outcome], count)
+    phases = HistogramMetricFamily(
+        "cube_transfer_phase_duration_seconds",
+        "Duration of each phase of committed rollouts",
+        labels=["dict", "phase"],
+    )
+    for phase, snapshot in s["counters"]["phases"].items():
+        buckets = cumulative_buckets(PHASE_BUCKETS, snapshot)
+        phases.add_metric([d, phase], buckets, snapshot["sum"])
+    deploying = GaugeMetricFamily(
+        "cube_transfer_rollout_phase",
+        "1 for the phase of the rollout in progress (none: no rollout)",
+        labels=["dict", "phase"],
+    )
+    if s["phase"]:
+        deploying.add_metric([d, s["phase"]], 1.0)
+    errors = CounterMetricFamily(
+        "cube_transfer_donefile_poll_errors",
+        "Donefile reads that failed",
+        labels=["dict"],
+    )
+    errors.add_metric([d], s["counters"]["donefile_errors"])
+    return (live, since, success, rollouts, phases, deploying, errors)
+
+
+def _retry_families(s: dict[str, Any]) -> tuple[Metric, ...]:
+    """Failed versions tried again, given up on, awaiting a retry, and the next retry."""
+    d = s["dict"]
+    retries = CounterMetricFamily(
+        "cube_transfer_version_retries",
+        "Rollouts of a failed version begun again (its retry)",
+        labels=["dict"],
+    )
+    retries.add_metric([d], s["counters"]["retries"])
+    abandoned = CounterMetricFamily(
+        "cube_transfer_versions_abandoned",
+        "Failed versions given up on (attempts spent, superseded, or not retryable)",
+        labels=["dict"],
+    )
+    abandoned.add_metric([d], s["counters"]["abandoned"])
+    awaiting = GaugeMetricFamily(
+        "cube_transfer_versions_awaiting_retry",
+        "Failed versions with a retry scheduled",
+        labels=["dict"],
+    )
+    awaiting.add_metric([d], s["retry"]["awaiting"])
+    next_retry = GaugeMetricFamily(
+        "cube_transfer_next_retry_timestamp_seconds",
+        "When the next retry of a failed version is due (Unix time; 0: none scheduled)",
+        labels=["dict"],
+    )
+    next_retry.add_metric([d], s["retry"]["next_at"])
+    return (retries, abandoned, awaiting, next_retry)
+
+
+def _instance_families(s: dict[str, Any]) -> tuple[Metric, ...]:
+    """Each replica's status, whether it is behind or unreachable, its failed catch-ups."""
+    d = s["dict"]
+    state = GaugeMetricFamily(
+        "cube_transfer_instance_status",
+        "1 for each replica's status (the original's Instance.status names)",
+        labels=["dict", "instance", "status"],
+    )
+    behind = GaugeMetricFamily(
+        "cube_transfer_instance_behind",
+        "1 when a replica does not serve the live version",
+        labels=["dict", "instance"],
+    )
+    reachable = GaugeMetricFamily(
+        "cube_transfer_instance_reachable",
+        "1 when the replica's agent and server answer",
+        labels=["dict", "instance"],
+    )
+    failures = GaugeMetricFamily(
+        "cube_transfer_instance_catch_up_failures",
+        "Consecutive failed catch-ups of a replica",
+        labels=["dict", "instance"],
+    )
+    for name, inst in s["instances"].items():
+        state.add_metric([d, name, inst["status"]], 1.0)
+        lagging = bool(s["live_version"]) and inst["version"] != s["live_version"]
+        behind.add_metric([d, name], 1.0 if lagging else 0.0)
+        reachable.add_metric([d, name], 1.0 if inst["reachable"] else 0.0)
+        failures.add_metric([d, name], inst["catch_up_failures"])
+    return (state, behind, reachable, failures)

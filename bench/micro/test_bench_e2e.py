@@ -14,6 +14,7 @@ import itertools
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,7 +34,9 @@ ROUND = 64  # seeks per benchmark round at 8 in flight
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory):
+def served(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Server, list[np.ndarray]]]:
     """A 2-worker server on the shard (built once per machine under the temp dir) and fresh
     key batches."""
     data_dir, keys = build_data(Path(tempfile.gettempdir()) / "cube-e2e", COUNT, WIDTH, 7)
@@ -45,7 +48,9 @@ def served(tmp_path_factory: pytest.TempPathFactory):
         server.stop()
 
 
-def test_e2e_one_in_flight(benchmark: BenchmarkFixture, served) -> None:
+def test_e2e_one_in_flight(
+    benchmark: BenchmarkFixture, served: tuple[Server, list[np.ndarray]]
+) -> None:
     server, batches = served
     cycle = itertools.cycle(batches)
     with CubeClient(shards=[server.addresses], timeout=10.0) as client:
@@ -58,11 +63,13 @@ def test_e2e_one_in_flight(benchmark: BenchmarkFixture, served) -> None:
     assert result.found.all() and result.width == WIDTH
 
 
-def test_e2e_eight_in_flight(benchmark: BenchmarkFixture, served) -> None:
+def test_e2e_eight_in_flight(
+    benchmark: BenchmarkFixture, served: tuple[Server, list[np.ndarray]]
+) -> None:
     server, batches = served
     cycle = itertools.cycle(batches)
     lock = threading.Lock()
-    found = []
+    found: list[bool] = []
 
     def one() -> None:
         with lock:
@@ -80,7 +87,7 @@ def test_e2e_eight_in_flight(benchmark: BenchmarkFixture, served) -> None:
     ):
         round_()
         cpu, started = cpu_seconds(pids), time.perf_counter()
-        benchmark.pedantic(round_, rounds=10, iterations=1)
+        benchmark.pedantic(round_, rounds=10, iterations=1)  # type: ignore[no-untyped-call]  # pytest-benchmark is unannotated
         seconds, cpu = time.perf_counter() - started, cpu_seconds(pids) - cpu
     seeks = len(found) - ROUND  # after the warm-up round
     benchmark.extra_info["keys_per_s"] = round(seeks * BATCH / seconds)

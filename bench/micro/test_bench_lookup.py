@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,7 +34,7 @@ WIDTH = 40
 SIZES = [1_000_000, 10_000_000] + ([100_000_000] if os.environ.get("CUBE_BENCH_FULL") else [])
 
 
-def build_shard(path, count: int, width: int) -> tuple[Shard, np.ndarray]:
+def build_shard(path: Path, count: int, width: int) -> tuple[Shard, np.ndarray]:
     rng = np.random.default_rng(count)
     keys = rng.integers(0, 2**64 - 1, count, dtype=np.uint64)
     values = ValueColumn.fixed(rng.integers(0, 256, count * width, dtype=np.uint8), width)
@@ -42,25 +44,30 @@ def build_shard(path, count: int, width: int) -> tuple[Shard, np.ndarray]:
 
 
 @pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"{n // 1_000_000}M")
-def shard_and_keys(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+def shard_and_keys(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Shard, np.ndarray]]:
     shard, keys = build_shard(tmp_path_factory.mktemp("shard"), request.param, WIDTH)
     yield shard, keys
     shard.close()
 
 
 @pytest.fixture(params=["compiled", "numpy"])
-def kernel_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+def kernel_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "compiled" and not kernel.COMPILED:
         pytest.skip("numba not installed")
     monkeypatch.setattr(kernel, "COMPILED", request.param == "compiled")
-    return request.param
+    kind: str = request.param
+    return kind
 
 
 def batches(keys: np.ndarray, count: int = 512) -> list[np.ndarray]:
     return key_batches(keys, BATCH, count, seed=7)
 
 
-def test_lookup_fresh_batches(benchmark: BenchmarkFixture, shard_and_keys, kernel_kind) -> None:
+def test_lookup_fresh_batches(
+    benchmark: BenchmarkFixture, shard_and_keys: tuple[Shard, np.ndarray], kernel_kind: str
+) -> None:
     shard, keys = shard_and_keys
     cycle = itertools.cycle(batches(keys))
     benchmark.extra_info.update(keys=keys.shape[0], kernel=kernel_kind)
@@ -68,7 +75,9 @@ def test_lookup_fresh_batches(benchmark: BenchmarkFixture, shard_and_keys, kerne
     assert found.all()
 
 
-def test_lookup_same_batch(benchmark: BenchmarkFixture, shard_and_keys, kernel_kind) -> None:
+def test_lookup_same_batch(
+    benchmark: BenchmarkFixture, shard_and_keys: tuple[Shard, np.ndarray], kernel_kind: str
+) -> None:
     shard, keys = shard_and_keys
     batch = batches(keys, 1)[0]
     benchmark.extra_info.update(keys=keys.shape[0], kernel=kernel_kind)
@@ -77,7 +86,7 @@ def test_lookup_same_batch(benchmark: BenchmarkFixture, shard_and_keys, kernel_k
 
 
 def test_lookup_and_gather_40_bytes(
-    benchmark: BenchmarkFixture, shard_and_keys, kernel_kind
+    benchmark: BenchmarkFixture, shard_and_keys: tuple[Shard, np.ndarray], kernel_kind: str
 ) -> None:
     """What the server does per request: lookup and gather 40-byte values, fresh keys. The
     compiled kernel does both in one pass (seek_fixed); numpy looks up, then takes rows."""
@@ -96,7 +105,9 @@ def test_lookup_and_gather_40_bytes(
     benchmark(handle)
 
 
-def test_lookup_misses(benchmark: BenchmarkFixture, shard_and_keys, kernel_kind) -> None:
+def test_lookup_misses(
+    benchmark: BenchmarkFixture, shard_and_keys: tuple[Shard, np.ndarray], kernel_kind: str
+) -> None:
     shard, _keys = shard_and_keys
     rng = np.random.default_rng(11)
     misses = rng.integers(0, 2**64 - 1, BATCH, dtype=np.uint64)

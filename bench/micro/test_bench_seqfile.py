@@ -9,6 +9,7 @@ Run: .venv/bin/pytest bench/micro/test_bench_seqfile.py --benchmark-enable
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,7 @@ def make_records(count: int, seed: int = 0) -> tuple[np.ndarray, ValueColumn]:
 
 
 @pytest.fixture(scope="module")
-def cube_file_10m(tmp_path_factory: pytest.TempPathFactory):
+def cube_file_10m(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, np.ndarray]]:
     path = tmp_path_factory.mktemp("seq") / "feature"
     keys, values = make_records(10_000_000)
     with SequenceFileWriter(path) as writer:
@@ -41,7 +42,7 @@ def cube_file_10m(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="module")
-def variable_file_1m(tmp_path_factory: pytest.TempPathFactory):
+def variable_file_1m(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, int]]:
     path = tmp_path_factory.mktemp("seq") / "variable"
     rng = np.random.default_rng(1)
     count = 1_000_000
@@ -55,7 +56,7 @@ def variable_file_1m(tmp_path_factory: pytest.TempPathFactory):
     path.unlink()
 
 
-def read_all(path) -> tuple[int, int]:
+def read_all(path: Path) -> tuple[int, int]:
     count, checksum = 0, 0
     with SequenceFileReader(path) as reader:
         for batch in reader.batches():
@@ -64,20 +65,28 @@ def read_all(path) -> tuple[int, int]:
     return count, checksum
 
 
-def test_parse_fixed_stride_10m(benchmark: BenchmarkFixture, cube_file_10m) -> None:
+def test_parse_fixed_stride_10m(
+    benchmark: BenchmarkFixture, cube_file_10m: tuple[Path, np.ndarray]
+) -> None:
     path, keys = cube_file_10m
-    count, checksum = benchmark.pedantic(read_all, args=(path,), rounds=3, iterations=1)
+    count, checksum = benchmark.pedantic(read_all, args=(path,), rounds=3, iterations=1)  # type: ignore[no-untyped-call]  # pytest-benchmark is unannotated
     assert count == keys.shape[0]
     assert checksum == int(np.bitwise_xor.reduce(keys))
+    if benchmark.stats is None:  # --benchmark-disable (the default): ran once, as a test
+        return
     rate = count / benchmark.stats.stats.median
     benchmark.extra_info["records_per_second"] = round(rate)
     print(f"\nfixed-stride parse: {rate / 1e6:.2f} M records/s")
 
 
-def test_parse_variable_length_1m(benchmark: BenchmarkFixture, variable_file_1m) -> None:
+def test_parse_variable_length_1m(
+    benchmark: BenchmarkFixture, variable_file_1m: tuple[Path, int]
+) -> None:
     path, count = variable_file_1m
-    got, _ = benchmark.pedantic(read_all, args=(path,), rounds=3, iterations=1)
+    got, _ = benchmark.pedantic(read_all, args=(path,), rounds=3, iterations=1)  # type: ignore[no-untyped-call]  # pytest-benchmark is unannotated
     assert got == count
+    if benchmark.stats is None:  # --benchmark-disable (the default): ran once, as a test
+        return
     rate = count / benchmark.stats.stats.median
     benchmark.extra_info["records_per_second"] = round(rate)
     print(f"\nvariable-length parse: {rate / 1e6:.2f} M records/s")
@@ -91,7 +100,9 @@ def test_write_fixed_stride_1m(benchmark: BenchmarkFixture, tmp_path: Path) -> N
         with SequenceFileWriter(path) as writer:
             writer.write_batch(keys, values)
 
-    benchmark.pedantic(write, rounds=3, iterations=1)
+    benchmark.pedantic(write, rounds=3, iterations=1)  # type: ignore[no-untyped-call]  # pytest-benchmark is unannotated
+    if benchmark.stats is None:  # --benchmark-disable (the default): ran once, as a test
+        return
     rate = keys.shape[0] / benchmark.stats.stats.median
     benchmark.extra_info["records_per_second"] = round(rate)
     print(f"\nfixed-stride write: {rate / 1e6:.2f} M records/s")

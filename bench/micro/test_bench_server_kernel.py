@@ -10,6 +10,7 @@ Run: .venv/bin/pytest bench/micro/test_bench_server_kernel.py --benchmark-enable
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import pytest
@@ -29,7 +30,9 @@ BATCH = 1000
 
 
 @pytest.fixture(scope="module")
-def service_and_keys(tmp_path_factory: pytest.TempPathFactory):
+def service_and_keys(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[SeekService, np.ndarray]]:
     root = tmp_path_factory.mktemp("kernel")
     rng = np.random.default_rng(11)
     keys = rng.integers(0, 2**64 - 1, COUNT, dtype=np.uint64)
@@ -45,7 +48,9 @@ def fresh_batches(keys: np.ndarray, count: int = 512) -> list[np.ndarray]:
     return key_batches(keys, BATCH, count, seed=3)
 
 
-def test_fast_seek_kernel(benchmark: BenchmarkFixture, service_and_keys) -> None:
+def test_fast_seek_kernel(
+    benchmark: BenchmarkFixture, service_and_keys: tuple[SeekService, np.ndarray]
+) -> None:
     service, keys = service_and_keys
     requests = [
         cube_fast_pb2.SeekRequest(
@@ -59,7 +64,9 @@ def test_fast_seek_kernel(benchmark: BenchmarkFixture, service_and_keys) -> None
     assert response.found == b"\x01" * BATCH and len(response.values) == BATCH * WIDTH
 
 
-def test_fast_seek_kernel_half_misses(benchmark: BenchmarkFixture, service_and_keys) -> None:
+def test_fast_seek_kernel_half_misses(
+    benchmark: BenchmarkFixture, service_and_keys: tuple[SeekService, np.ndarray]
+) -> None:
     service, keys = service_and_keys
     rng = np.random.default_rng(5)
     requests = []
@@ -71,7 +78,9 @@ def test_fast_seek_kernel_half_misses(benchmark: BenchmarkFixture, service_and_k
     assert len(cube_fast_pb2.SeekResponse.FromString(raw).values) == BATCH * WIDTH
 
 
-def test_original_seek_kernel(benchmark: BenchmarkFixture, service_and_keys) -> None:
+def test_original_seek_kernel(
+    benchmark: BenchmarkFixture, service_and_keys: tuple[SeekService, np.ndarray]
+) -> None:
     """rec.mcube.DictService.seek: 1000 keys in, 1000 DictValue out (vectorized encoding)."""
     service, keys = service_and_keys
     requests = [
@@ -94,7 +103,7 @@ class _Transport:
     def set_write_buffer_limits(self, high: int | None = None) -> None:
         pass
 
-    def writelines(self, buffers) -> None:
+    def writelines(self, buffers: Iterable[bytes | bytearray | memoryview]) -> None:
         self.frames += 1
 
     def write(self, data: bytes) -> None:
@@ -117,7 +126,9 @@ class _Transport:
 
 
 @pytest.mark.parametrize("path", ["compiled", "python"])
-def test_lane_request_path(benchmark, service_and_keys, path):
+def test_lane_request_path(
+    benchmark: BenchmarkFixture, service_and_keys: tuple[SeekService, np.ndarray], path: str
+) -> None:
     """One lane request as the server handles it: a frame arrives (`data_received`: framing,
     byte accounting, parse, the version held), is answered (the compiled pass at once, or
     the Python path's loop turn, `_answer_queued`: lookup, encode, write), without the

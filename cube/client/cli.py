@@ -132,31 +132,10 @@ def describe_failure(exc: CubeError) -> str:
 
 def run(argv: Sequence[str]) -> int:
     flags = FLAGS.parse(argv)
-    for name, value in (
-        ("batch", flags.batch),
-        ("thread_num", flags.thread_num),
-        ("requests", flags.requests),
-    ):
-        if value < 1:
-            raise FlagError(f"--{name} must be >= 1, got {value}")
-    if flags.timeout is not None and flags.timeout < 1:
-        raise FlagError(f"--timeout must be >= 1 (ms), got {flags.timeout}")
-    if flags.retry is not None and flags.retry < 0:
-        raise FlagError(f"--retry must be >= 0, got {flags.retry}")
+    _check_flags(flags)
     keys = read_keys(flags.keys)
-    overrides: ClientOptions[SyncTransport] = {
-        "protocol": cast(WireProtocol, flags.protocol)  # one of PROTOCOLS: the flag's choices
-    }
-    if flags.timeout is not None:
-        overrides["timeout"] = flags.timeout / 1000.0  # --timeout is in ms, as the original's
-    if flags.retry is not None:
-        overrides["retry"] = flags.retry
-    if flags.tls_ca is not None:
-        overrides["tls_ca"] = flags.tls_ca
-    if flags.tls_server_name is not None:
-        overrides["tls_server_name"] = flags.tls_server_name
     try:
-        client = CubeClient.from_conf(flags.config_file, flags.dict or None, **overrides)
+        client = CubeClient.from_conf(flags.config_file, flags.dict or None, **_overrides(flags))
     except DictNotChosenError as exc:
         print(f"error: {DictNotChosenError(exc.source, exc.names, 'pass --dict')}", file=sys.stderr)
         return 2
@@ -218,6 +197,36 @@ def run(argv: Sequence[str]) -> int:
         print(f"error: {errors} requests failed; first: {first_error[0]}", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_flags(flags: CliFlags) -> None:
+    for name, value in (
+        ("batch", flags.batch),
+        ("thread_num", flags.thread_num),
+        ("requests", flags.requests),
+    ):
+        if value < 1:
+            raise FlagError(f"--{name} must be >= 1, got {value}")
+    if flags.timeout is not None and flags.timeout < 1:
+        raise FlagError(f"--timeout must be >= 1 (ms), got {flags.timeout}")
+    if flags.retry is not None and flags.retry < 0:
+        raise FlagError(f"--retry must be >= 0, got {flags.retry}")
+
+
+def _overrides(flags: CliFlags) -> ClientOptions[SyncTransport]:
+    """The client options the flags set over cube.conf's."""
+    overrides: ClientOptions[SyncTransport] = {
+        "protocol": cast(WireProtocol, flags.protocol)  # one of PROTOCOLS: the flag's choices
+    }
+    if flags.timeout is not None:
+        overrides["timeout"] = flags.timeout / 1000.0  # --timeout is in ms, as the original's
+    if flags.retry is not None:
+        overrides["retry"] = flags.retry
+    if flags.tls_ca is not None:
+        overrides["tls_ca"] = flags.tls_ca
+    if flags.tls_server_name is not None:
+        overrides["tls_server_name"] = flags.tls_server_name
+    return overrides
 
 
 def main(argv: Sequence[str] | None = None) -> int:

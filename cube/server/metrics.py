@@ -43,106 +43,146 @@ class ServerCollector(Collector):
         except Exception as exc:  # a scrape must answer; say what failed in the log
             log.warning("metrics: cannot gather the workers' state: %s", exc)
             states = []
-        worker_up = GaugeMetricFamily(
-            "cube_server_worker_up", "1 when the worker answered this scrape", labels=["worker"]
-        )
-        requests = CounterMetricFamily(
+        workers, requests, versions = _WorkerFamilies(), _RequestFamilies(), _VersionFamilies()
+        for state in states:
+            worker = str(state.get("worker", "?"))
+            up = "error" not in state
+            workers.up.add_metric([worker], 1.0 if up else 0.0)
+            if not up:
+                continue
+            requests.add(worker, state["metrics"])
+            workers.add(worker, state)
+            versions.add(worker, state)
+        yield workers.up
+        yield from requests.families()
+        yield from workers.families()
+        yield from versions.families()
+
+
+class _RequestFamilies:
+    """Per worker and API: requests, keys by outcome, errors by code, latency and batch size."""
+
+    def __init__(self) -> None:
+        self.requests = CounterMetricFamily(
             "cube_server_requests", "Lookup requests answered", labels=["worker", "api"]
         )
-        keys = CounterMetricFamily(
+        self.keys = CounterMetricFamily(
             "cube_server_keys", "Keys looked up, by outcome", labels=["worker", "api", "outcome"]
         )
-        errors = CounterMetricFamily(
+        self.errors = CounterMetricFamily(
             "cube_server_request_errors",
             "Lookup requests refused, by gRPC status",
             labels=["worker", "api", "code"],
         )
-        latency = HistogramMetricFamily(
+        self.latency = HistogramMetricFamily(
             "cube_server_request_duration_seconds",
             "Server-side time to answer a request (the TCP lane: its kernel pass)",
             labels=["worker", "api"],
         )
-        batch = HistogramMetricFamily(
+        self.batch = HistogramMetricFamily(
             "cube_server_request_keys", "Keys per request", labels=["worker", "api"]
         )
-        inflight = GaugeMetricFamily(
+
+    def add(self, worker: str, metrics: dict[str, Any]) -> None:
+        for api in APIS:
+            counters = metrics["api"][api]
+            self.requests.add_metric([worker, api], counters["requests"])
+            misses = counters["misses"]
+            self.keys.add_metric([worker, api, "hit"], counters["keys"] - misses)
+            self.keys.add_metric([worker, api, "miss"], misses)
+            for code, count in sorted(counters["errors"].items()):
+                self.errors.add_metric([worker, api, code], count)
+            for family, bounds, name in (
+                (self.latency, LATENCY_BUCKETS, "latency"),
+                (self.batch, BATCH_BUCKETS, "batch"),
+            ):
+                snapshot = counters[name]
+                buckets = cumulative_buckets(bounds, snapshot)
+                family.add_metric([worker, api], buckets, snapshot["sum"])
+
+    def families(self) -> tuple[Metric, ...]:
+        return (self.requests, self.keys, self.errors, self.latency, self.batch)
+
+
+class _WorkerFamilies:
+    """Per worker: answered the scrape, in-flight calls, lane connections, and its state."""
+
+    def __init__(self) -> None:
+        self.up = GaugeMetricFamily(
+            "cube_server_worker_up", "1 when the worker answered this scrape", labels=["worker"]
+        )
+        self.inflight = GaugeMetricFamily(
             "cube_server_inflight_requests", "gRPC lookups being answered", labels=["worker"]
         )
-        connections = GaugeMetricFamily(
+        self.connections = GaugeMetricFamily(
             "cube_server_lane_connections", "Open TCP lane connections", labels=["worker"]
         )
-        serving = GaugeMetricFamily(
+        self.serving = GaugeMetricFamily(
             "cube_server_serving", "1 when the worker serves a version", labels=["worker"]
         )
-        loading = GaugeMetricFamily(
+        self.loading = GaugeMetricFamily(
             "cube_server_loading", "1 while a version is being loaded", labels=["worker"]
         )
-        draining = GaugeMetricFamily(
+        self.draining = GaugeMetricFamily(
             "cube_server_draining",
             "1 once the worker is stopping: in-flight calls finish, no new ones",
             labels=["worker"],
         )
-        info = GaugeMetricFamily(
+
+    def add(self, worker: str, state: dict[str, Any]) -> None:
+        """The families besides `up` (set for every worker, answering or not)."""
+        self.inflight.add_metric([worker], state["metrics"]["inflight"])
+        self.connections.add_metric([worker], state.get("lane", {}).get("connections", 0))
+        self.serving.add_metric([worker], 1.0 if state.get("serving") else 0.0)
+        self.loading.add_metric([worker], 1.0 if state.get("loading") else 0.0)
+        self.draining.add_metric([worker], 1.0 if state.get("draining") else 0.0)
+
+    def families(self) -> tuple[Metric, ...]:
+        """All but `up`, which comes first of all."""
+        return (self.inflight, self.connections, self.serving, self.loading, self.draining)
+
+
+class _VersionFamilies:
+    """Per worker and slot (current or background): the held version and its size."""
+
+    def __init__(self) -> None:
+        self.info = GaugeMetricFamily(
             "cube_server_version_info",
             "The versions a worker holds (slot: current or background)",
             labels=["worker", "slot", "version"],
         )
-        records = GaugeMetricFamily(
+        self.records = GaugeMetricFamily(
             "cube_server_version_records", "Records of a held version", labels=["worker", "slot"]
         )
-        data = GaugeMetricFamily(
+        self.data = GaugeMetricFamily(
             "cube_server_version_data_bytes",
             "Value bytes mapped for a held version",
             labels=["worker", "slot"],
         )
-        mapped = GaugeMetricFamily(
+        self.mapped = GaugeMetricFamily(
             "cube_server_version_mapped_bytes",
             "Bytes of index and values mapped for a held version (a delta: its layers)",
             labels=["worker", "slot"],
         )
-        locked = GaugeMetricFamily(
+        self.locked = GaugeMetricFamily(
             "cube_server_version_locked_bytes",
             "Of those, bytes locked in memory (--in_mem; fewer when RLIMIT_MEMLOCK refuses)",
             labels=["worker", "slot"],
         )
-        load = GaugeMetricFamily(
+        self.load = GaugeMetricFamily(
             "cube_server_version_load_seconds",
             "Time the held version took to load",
             labels=["worker", "slot"],
         )
-        for state in states:
-            worker = str(state.get("worker", "?"))
-            up = "error" not in state
-            worker_up.add_metric([worker], 1.0 if up else 0.0)
-            if not up:
-                continue
-            metrics = state["metrics"]
-            for api in APIS:
-                counters = metrics["api"][api]
-                requests.add_metric([worker, api], counters["requests"])
-                misses = counters["misses"]
-                keys.add_metric([worker, api, "hit"], counters["keys"] - misses)
-                keys.add_metric([worker, api, "miss"], misses)
-                for code, count in sorted(counters["errors"].items()):
-                    errors.add_metric([worker, api, code], count)
-                for family, bounds, name in (
-                    (latency, LATENCY_BUCKETS, "latency"),
-                    (batch, BATCH_BUCKETS, "batch"),
-                ):
-                    snapshot = counters[name]
-                    buckets = cumulative_buckets(bounds, snapshot)
-                    family.add_metric([worker, api], buckets, snapshot["sum"])
-            inflight.add_metric([worker], metrics["inflight"])
-            connections.add_metric([worker], state.get("lane", {}).get("connections", 0))
-            serving.add_metric([worker], 1.0 if state.get("serving") else 0.0)
-            loading.add_metric([worker], 1.0 if state.get("loading") else 0.0)
-            draining.add_metric([worker], 1.0 if state.get("draining") else 0.0)
-            for slot, version in state.get("versions", {}).items():
-                info.add_metric([worker, slot, version["version"]], 1.0)
-                records.add_metric([worker, slot], version["record_count"])
-                data.add_metric([worker, slot], version["data_bytes"])
-                load.add_metric([worker, slot], version["load_seconds"])
-                mapped.add_metric([worker, slot], version.get("mapped_bytes", 0))
-                locked.add_metric([worker, slot], version.get("locked_bytes", 0))
-        yield from (worker_up, requests, keys, errors, latency, batch, inflight, connections)
-        yield from (serving, loading, draining, info, records, data, mapped, locked, load)
+
+    def add(self, worker: str, state: dict[str, Any]) -> None:
+        for slot, version in state.get("versions", {}).items():
+            self.info.add_metric([worker, slot, version["version"]], 1.0)
+            self.records.add_metric([worker, slot], version["record_count"])
+            self.data.add_metric([worker, slot], version["data_bytes"])
+            self.load.add_metric([worker, slot], version["load_seconds"])
+            self.mapped.add_metric([worker, slot], version.get("mapped_bytes", 0))
+            self.locked.add_metric([worker, slot], version.get("locked_bytes", 0))
+
+    def families(self) -> tuple[Metric, ...]:
+        return (self.info, self.records, self.data, self.mapped, self.locked, self.load)

@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from cube.flags import FlagError, FlagSet, run_cli
+from cube.flags import FlagError, Flags, FlagSet, run_cli
 from cube.security import token_from
 from examples.ctr.model import auc
 from examples.ctr.predictor import TOKEN_ENV
@@ -43,7 +43,8 @@ class Replay:
 
     @property
     def answered(self) -> np.ndarray:
-        return np.array(self.versions) != ""
+        answered: np.ndarray = np.array(self.versions) != ""
+        return answered
 
     def auc(self, version: str | None = None) -> float:
         mask = self.answered if version is None else np.array(self.versions) == version
@@ -122,7 +123,7 @@ async def replay(
     return out
 
 
-def flag_set() -> FlagSet:
+def flag_set() -> FlagSet[Flags]:
     return (
         FlagSet("python -m examples.ctr.client", "Replay held-out samples against the predictor.")
         .add("url", str, "http://127.0.0.1:8400", "the predictor")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cube.flags import FlagError, FlagSet, run_cli
+from cube.flags import FlagError, Flags, FlagSet, run_cli
 from cube.fsutil import atomic_write_text
 from examples.ctr.model import auc
 from examples.ctr.samples import Samples, format_lines
@@ -124,7 +124,8 @@ def _mix64(x: np.ndarray) -> np.ndarray:
         x = x.astype(np.uint64)
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
+        mixed: np.ndarray = x ^ (x >> np.uint64(31))
+        return mixed
 
 
 def feasign(slot: np.ndarray, index: np.ndarray) -> np.ndarray:
@@ -143,7 +144,8 @@ def true_weight(spec: StreamSpec, feasigns: np.ndarray) -> np.ndarray:
 def click_probability(spec: StreamSpec, samples: Samples) -> np.ndarray:
     weights = true_weight(spec, samples.feasigns)
     logit = spec.bias + np.bincount(samples.sample_of, weights=weights, minlength=len(samples))
-    return 1.0 / (1.0 + np.exp(-logit))
+    probability: np.ndarray = 1.0 / (1.0 + np.exp(-logit))
+    return probability
 
 
 def live_window(spec: StreamSpec, index: int) -> tuple[int, int]:
@@ -200,7 +202,7 @@ def write_split(spec: StreamSpec, root: Path, index: int) -> Path:
     return train_dir
 
 
-def with_stream_flags(flags: FlagSet) -> FlagSet:
+def with_stream_flags(flags: FlagSet[Flags]) -> FlagSet[Flags]:
     """The flags every command that makes a stream takes (data, demo)."""
     d = StreamSpec()
     return (
@@ -211,7 +213,7 @@ def with_stream_flags(flags: FlagSet) -> FlagSet:
     )
 
 
-def flag_set() -> FlagSet:
+def flag_set() -> FlagSet[Flags]:
     d = StreamSpec()
     flags = FlagSet("python -m examples.ctr.data", "Write a synthetic ElasticCTR click-log stream.")
     return (

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from cube.donefile import DONEFILE_FORMATS, SEQFILE, DonefileFormat
-from cube.flags import FlagError, FlagSet, run_cli
+from cube.flags import FlagError, Flags, FlagSet, run_cli
 from cube.processes import free_port, log_tail, poll_until, spawn, stop_child
 from cube.transfer.demo import DemoError, fresh_dir, say, timeline
 from examples.ctr import client as ctr_client
@@ -205,7 +205,7 @@ class Background:
                     self.versions[version] = self.versions.get(version, 0) + 1
 
 
-def flag_set() -> FlagSet:
+def flag_set() -> FlagSet[Flags]:
     flags = FlagSet("python -m examples.ctr.demo", "The ElasticCTR loop around a local Cube.")
     return (
         with_stream_flags(flags)
@@ -291,7 +291,7 @@ def run(argv: Sequence[str]) -> int:
             write_split(spec, stream, index)
             meta = wait_model(work, int(when.timestamp()), trainer, flags.timeout, donefile_format)
             rollout = cluster.wait_version(meta.version, flags.timeout)
-            record = next(
+            record: dict[str, Any] = next(
                 (r for r in reversed(cluster.history()) if r.get("version") == meta.version), {}
             )
             heldout = ctr_client.read_samples(split_path(stream, when, "heldout"))

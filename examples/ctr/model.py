@@ -24,9 +24,9 @@ from examples.ctr.samples import SampleError, Samples
 
 def auc(labels: np.ndarray, scores: np.ndarray) -> float:
     """Area under the ROC curve (ties count half); nan when one class is absent."""
-    positive = np.asarray(labels) > 0
+    positive: np.ndarray = np.asarray(labels) > 0
     n_pos = int(positive.sum())
-    n_neg = positive.shape[0] - n_pos
+    n_neg = int(positive.shape[0]) - n_pos
     if n_pos == 0 or n_neg == 0:
         return float("nan")
     _, inverse, counts = np.unique(np.asarray(scores), return_inverse=True, return_counts=True)
@@ -39,7 +39,7 @@ def auc(labels: np.ndarray, scores: np.ndarray) -> float:
 def slot_index(slot_ids: np.ndarray, samples: Samples) -> np.ndarray:
     """The position of each feature's slot in the model's sorted `slot_ids`; SampleError naming
     the sample and feature whose slot the model does not have."""
-    pos = np.minimum(np.searchsorted(slot_ids, samples.slots), slot_ids.shape[0] - 1)
+    pos: np.ndarray = np.minimum(np.searchsorted(slot_ids, samples.slots), slot_ids.shape[0] - 1)
     bad = slot_ids[pos] != samples.slots
     if bad.any():
         at = int(np.flatnonzero(bad)[0])
@@ -105,7 +105,8 @@ class Dense:
         """Write as .npz (no pickles) to `path`, synced (the caller renames its directory into
         place)."""
         with open(path, "wb") as file:
-            np.savez(file, slot_ids=self.slot_ids, dim=np.int64(self.dim), **self.params)
+            # numpy's stub: a **dict of arrays could fill its allow_pickle flag
+            np.savez(file, slot_ids=self.slot_ids, dim=np.int64(self.dim), **self.params)  # type: ignore[arg-type]
             file.flush()
             os.fsync(file.fileno())
 

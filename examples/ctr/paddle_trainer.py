@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 
 from cube.donefile import format_fleet_line
-from cube.flags import FlagError, FlagSet, run_cli
+from cube.flags import FlagError, Flags, FlagSet, run_cli
 from cube.fsutil import atomic_write_json, fsync_dir
 from examples.ctr import samples as sample_io
 from examples.ctr.data import Split, list_splits
@@ -492,7 +492,7 @@ def job(flags: Any) -> None:
 # the command: starts the job and waits for it
 
 
-def flag_set() -> FlagSet:
+def flag_set() -> FlagSet[Flags]:
     return (
         FlagSet(
             "python -m examples.ctr.paddle_trainer",

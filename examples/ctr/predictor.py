@@ -43,7 +43,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from cube.client import AsyncCubeClient, CubeError
-from cube.flags import FlagError, FlagSet, run_cli
+from cube.flags import FlagError, Flags, FlagSet, run_cli
 from cube.security import SecurityError, bearer_token, require_token, token_from, token_matches
 from examples.ctr.model import Dense, pool
 from examples.ctr.paddle_dense import PaddleDense
@@ -282,7 +282,7 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
 
-def flag_set() -> FlagSet:
+def flag_set() -> FlagSet[Flags]:
     return (
         FlagSet("python -m examples.ctr.predictor", "CTR predictions from Cube's embeddings.")
         .add("cube_conf", str, "", "the SDK's cube.conf (cube-local writes one)", required=True)

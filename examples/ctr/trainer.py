@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from cube.flags import FlagError, FlagSet, run_cli
+from cube.flags import FlagError, Flags, FlagSet, run_cli
 from cube.fsutil import atomic_write_text, fsync_dir
 from examples.ctr import samples as sample_io
 from examples.ctr.data import Split, list_splits
@@ -195,7 +195,7 @@ class StreamingTrainer:
         return sample_io.concat([sample_io.read_file(str(p)) for p in parts])
 
 
-def flag_set() -> FlagSet:
+def flag_set() -> FlagSet[Flags]:
     h = Hyper()
     return (
         FlagSet("python -m examples.ctr.trainer", "Streaming CTR trainer that feeds Cube.")

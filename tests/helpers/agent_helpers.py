@@ -20,14 +20,15 @@ import tarfile
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Coroutine, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, SupportsInt, TypeVar
 
 import grpc
 import grpc.aio
 import numpy as np
-import pytest
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from cube.index import build_table
 from cube.pb import cube_pb2, cube_pb2_grpc
@@ -35,9 +36,12 @@ from cube.processes import log_tail, poll_until, spawn, stop_child
 from cube.shard import DATA_FILE, INDEX_FILE, write_shard
 from cube.values import ValueColumn
 
+from .stubs import control_stub, dict_stub
+
 REPO = Path(__file__).resolve().parents[2]
 AGENT_BIN = REPO / ".venv" / "bin" / "cube-agent"
 WAIT = 30.0
+T = TypeVar("T")
 
 
 # ------------------------------------------------------------------ shards and tars
@@ -113,7 +117,7 @@ class LoopThread:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
 
-    def run(self, coro, timeout: float = WAIT):
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = WAIT) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def close(self) -> None:
@@ -126,7 +130,7 @@ class HttpFileServer:
     """aiohttp static files (with Range support) from `root`; records each request's Range.
     `routes` adds handlers (path -> async handler) in front of the static files."""
 
-    def __init__(self, root: Path, routes: dict[str, Any] | None = None) -> None:
+    def __init__(self, root: Path, routes: dict[str, Handler] | None = None) -> None:
         self.root = root
         self.routes = dict(routes or {})
         self.requests: list[tuple[str, str]] = []  # (path, Range header)
@@ -137,7 +141,7 @@ class HttpFileServer:
 
     async def _start(self) -> int:
         @web.middleware
-        async def record(request: web.Request, handler):
+        async def record(request: web.Request, handler: Handler) -> web.StreamResponse:
             self.requests.append((request.path, request.headers.get("Range", "")))
             if self.fail_next.get(request.path, 0) > 0:
                 self.fail_next[request.path] -= 1
@@ -152,7 +156,8 @@ class HttpFileServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
-        return self._runner.addresses[0][1]
+        port: int = self._runner.addresses[0][1]
+        return port
 
     def ranges_for(self, name: str) -> list[str]:
         return [rng for path, rng in self.requests if path == f"/{name}"]
@@ -173,10 +178,10 @@ class FtpFileServer:
         self.rest_offsets: list[str] = []
         offsets = self.rest_offsets
 
-        class Handler(FTPHandler):
-            def ftp_REST(self, line):
+        class Handler(FTPHandler):  # type: ignore[misc]  # pyftpdlib has no type information
+            def ftp_REST(self, line: str) -> None:
                 offsets.append(line)
-                return super().ftp_REST(line)
+                super().ftp_REST(line)
 
         authorizer = DummyAuthorizer()
         authorizer.add_anonymous(str(root))
@@ -247,7 +252,9 @@ class FakeControl(cube_pb2_grpc.ControlServiceServicer):
         self.bg = ""
         self.log: list[tuple[str, str]] = []
 
-    async def cmd(self, request: pytest.FixtureRequest, context):
+    async def cmd(
+        self, request: cube_pb2.ControlRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> cube_pb2.ControlResponse:
         name = request.cmd
         target = request.version_path.lstrip("/") or request.version
         if name != "status":
@@ -286,7 +293,7 @@ class FakeServer:
 
     async def _start(self) -> int:
         self.server = grpc.aio.server()
-        cube_pb2_grpc.add_ControlServiceServicer_to_server(self.control, self.server)
+        cube_pb2_grpc.add_ControlServiceServicer_to_server(self.control, self.server)  # type: ignore[no-untyped-call]  # generated, untyped
         port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
         return port
@@ -307,16 +314,14 @@ def server_commands(server: Any) -> list[str]:
 def server_state(address: str) -> tuple[str, str]:
     """(cur_version, bg_version) of a cube-server, over its control service."""
     with grpc.insecure_channel(address) as channel:
-        reply = cube_pb2_grpc.ControlServiceStub(channel).cmd(
-            cube_pb2.ControlRequest(cmd="status"), timeout=WAIT
-        )
+        reply = control_stub(channel).cmd(cube_pb2.ControlRequest(cmd="status"), timeout=WAIT)
     return reply.cur_version, reply.bg_version
 
 
-def seek(address: str, keys: np.ndarray) -> list[bytes | None]:
+def seek(address: str, keys: Iterable[SupportsInt]) -> list[bytes | None]:
     """Values a cube-server returns for `keys` (None for a miss), via the original seek."""
     with grpc.insecure_channel(address) as channel:
-        reply = cube_pb2_grpc.DictServiceStub(channel).seek(
+        reply = dict_stub(channel).seek(
             cube_pb2.DictRequest(keys=[int(k) for k in keys]), timeout=WAIT
         )
     return [v.value if v.status == 0 else None for v in reply.values]
@@ -339,7 +344,7 @@ class AgentProc:
         if token is not None:
             self.env["CUBE_TOKEN"] = token
         self.token = token
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.metrics_url = ""  # with --metrics_port: its http://.../metrics
         self.ssl_context: ssl.SSLContext | None = None  # trusts the agent's --tls_cert
@@ -389,7 +394,11 @@ class AgentProc:
     # ---- HTTP
 
     def call(
-        self, method: str, path: str, body: dict | None = None, token: str | None = "default"
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        token: str | None = "default",
     ) -> tuple[int, dict[str, Any]]:
         token = self.token if token == "default" else token
         data = json.dumps(body).encode() if body is not None else None
@@ -417,12 +426,14 @@ class AgentProc:
         """POST /agent/cmd expecting success "0"; returns the task."""
         status, reply = self.call("POST", "/agent/cmd", body)
         assert status == 200 and reply["success"] == "0", reply
-        return reply["data"]
+        task: dict[str, Any] = reply["data"]
+        return task
 
     def status(self) -> dict[str, Any]:
         status, reply = self.call("GET", "/agent/status")
         assert status == 200 and reply["success"] == "0", reply
-        return reply["data"]
+        state: dict[str, Any] = reply["data"]
+        return state
 
     def wait_task(self, command: str, version: str, timeout: float = WAIT) -> dict[str, Any]:
         """Poll `task` until it is no longer running."""

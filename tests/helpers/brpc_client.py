@@ -15,6 +15,7 @@ from __future__ import annotations
 import socket
 import struct
 from dataclasses import dataclass
+from typing import TypedDict, Unpack
 
 HEADER = struct.Struct(">4sII")
 
@@ -73,6 +74,15 @@ def signed(value: int, bits: int) -> int:
     return value - (1 << bits) if value >> (bits - 1) else value
 
 
+class RequestMeta(TypedDict, total=False):
+    """The optional RpcMeta fields `request_meta` takes, as keywords."""
+
+    log_id: int
+    compress_type: int
+    attachment_size: int
+    authentication_data: bytes
+
+
 def request_meta(
     service: str,
     method: str,
@@ -121,14 +131,14 @@ def read_reply(sock: socket.socket) -> Reply:
     body = _read_exactly(sock, body_size)
     meta = decode(body[:meta_size])
     response = decode(meta[2][0]) if 2 in meta else {}  # type: ignore[arg-type]
-    attachment = int(meta.get(5, [0])[0])  # type: ignore[arg-type]
+    attachment = int(meta.get(5, [0])[0])
     payload = body[meta_size:]
     split = len(payload) - attachment
     return Reply(
-        correlation_id=signed(int(meta[4][0]), 64),  # type: ignore[arg-type]
-        error_code=signed(int(response.get(1, [0])[0]), 32),  # type: ignore[arg-type]
-        error_text=bytes(response.get(2, [b""])[0]).decode(),  # type: ignore[arg-type]
-        compress_type=int(meta[3][0]) if 3 in meta else None,  # type: ignore[arg-type]
+        correlation_id=signed(int(meta[4][0]), 64),
+        error_code=signed(int(response.get(1, [0])[0]), 32),
+        error_text=bytes(response.get(2, [b""])[0]).decode(),
+        compress_type=int(meta[3][0]) if 3 in meta else None,
         message=payload[:split],
         attachment=payload[split:],
         has_error_code=1 in response,
@@ -164,9 +174,15 @@ class BrpcClient:
         self.next_id = 1
 
     def call(
-        self, service: str, method: str, message: bytes = b"", attachment: bytes = b"", **meta
+        self,
+        service: str,
+        method: str,
+        message: bytes = b"",
+        attachment: bytes = b"",
+        *,
+        correlation_id: int | None = None,
+        **meta: Unpack[RequestMeta],
     ) -> Reply:
-        correlation_id = meta.pop("correlation_id", None)
         if correlation_id is None:
             correlation_id, self.next_id = self.next_id, self.next_id + 1
         if attachment and "attachment_size" not in meta:

@@ -23,7 +23,9 @@ one network namespace per pod, so that what crosses a network really does.
   runs on one machine do not share a bridge, a namespace or a subnet.
 - **Kubelet**: a thread runs the startup, readiness and liveness probes (tcpSocket, grpc) from
   the root namespace, as a kubelet does from the node, and restarts a container that exits or
-  fails its liveness probe (restartPolicy Always), with a short backoff.
+  fails its liveness probe (restartPolicy Always), with a short backoff. Each probe waits its
+  timeoutSeconds; liveness runs at its periodSeconds, startup and readiness at least once a
+  second.
 - **Upgrades**: `apply(docs)` is `helm upgrade` to other objects and what the StatefulSet
   controller then does (immutable fields refused, pods added and removed, changed pods
   replaced one at a time, highest ordinal first, each once the later ones are ready).
@@ -66,10 +68,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
-from cube.processes import create_time, die_with_parent, poll_until, same_process
+from cube.processes import create_time, die_with_parent, health_status, poll_until, same_process
 
 BIN = Path(sys.executable).parent  # the venv's console scripts stand in for the image's
 SIM_ROOT = Path(__file__).with_name("sim_root.py")
@@ -103,7 +104,7 @@ def require_root_network() -> str:
     return ""
 
 
-def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=check)
 
 
@@ -169,7 +170,7 @@ def _secrets(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
 
 
 def _container(
-    spec: dict[str, Any], secrets: dict[str, dict[str, str]], pod_sc: dict
+    spec: dict[str, Any], secrets: dict[str, dict[str, str]], pod_sc: dict[str, Any]
 ) -> ContainerSpec:
     env = {}
     for entry in spec.get("env") or []:
@@ -215,7 +216,7 @@ def pods_of(docs: list[dict[str, Any]], include_tests: bool = False) -> list[Pod
             template = doc["spec"]["template"]
             names = [f"{meta['name']}-{i}" for i in range(doc["spec"].get("replicas", 1))]
             subdomain = doc["spec"]["serviceName"]
-            claims = {
+            claims: dict[str, dict[str, str]] = {
                 c["metadata"]["name"]: {} for c in doc["spec"].get("volumeClaimTemplates") or []
             }
         elif doc["kind"] == "Pod" and (include_tests or not _is_hook(meta)):
@@ -256,7 +257,7 @@ class Namespace:
     ip: str
     host_link: str  # the veth end on the bridge
 
-    def run(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+    def run(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
         """Start `argv` in this namespace (with its /etc/hosts); it dies with the thread that
         starts it (die_with_parent)."""
         kwargs.setdefault("preexec_fn", die_with_parent)
@@ -264,7 +265,7 @@ class Namespace:
 
     def call(
         self, argv: Sequence[str], timeout: float = 60, **kwargs: Any
-    ) -> subprocess.CompletedProcess:
+    ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             ["ip", "netns", "exec", self.name, *argv],
             capture_output=True, text=True, timeout=timeout, **kwargs,
@@ -275,7 +276,7 @@ class Namespace:
 class Container:
     spec: ContainerSpec
     log: Path
-    process: subprocess.Popen | None = None
+    process: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started: bool = False  # the startup probe passed (or there is none)
     ready: bool = False
@@ -576,7 +577,14 @@ class SimNode:
                 continue
             if now < container.next_probe.get(kind, 0.0):
                 continue
-            container.next_probe[kind] = now + min(float(probe.get("periodSeconds", 10)), 1.0)
+            period = float(probe.get("periodSeconds", 10))
+            # startup and readiness are probed at least once a second (pods get ready sooner);
+            # liveness at its own period, as the kubelet does: a container is killed only after
+            # failureThreshold x periodSeconds of failures, not after a few busy seconds of a
+            # machine that runs every pod on two cores
+            container.next_probe[kind] = now + (
+                period if kind == "livenessProbe" else min(period, 1.0)
+            )
             ok = self._probe(pod, container, probe)
             failures = 0 if ok else container.failures.get(kind, 0) + 1
             container.failures[kind] = failures
@@ -599,23 +607,19 @@ class SimNode:
         def port_of(value: Any) -> int:
             return container.spec.ports[value] if isinstance(value, str) else int(value)
 
+        timeout = float(probe.get("timeoutSeconds", 1))  # the kubelet's default: 1 s
         if "tcpSocket" in probe:
             try:
-                with socket.create_connection((pod.ip, port_of(probe["tcpSocket"]["port"])), 1.0):
+                with socket.create_connection(
+                    (pod.ip, port_of(probe["tcpSocket"]["port"])), timeout
+                ):
                     return True
             except OSError:
                 return False
         if "grpc" in probe:
             address = f"{pod.ip}:{port_of(probe['grpc']['port'])}"
-            with grpc.insecure_channel(address) as channel:
-                try:
-                    reply = health_pb2_grpc.HealthStub(channel).Check(
-                        health_pb2.HealthCheckRequest(service=probe["grpc"].get("service", "")),
-                        timeout=1.0,
-                    )
-                except grpc.RpcError:
-                    return False
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
+            status = health_status(address, timeout, probe["grpc"].get("service", ""))
+            return status == health_pb2.HealthCheckResponse.SERVING
         raise ValueError(f"probe {probe}: only tcpSocket and grpc probes are simulated")
 
     def _signal(self, container: Container, sig: int) -> None:

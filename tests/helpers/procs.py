@@ -31,6 +31,8 @@ from cube.processes import free_ports, health_status, poll_until, spawn, stop_ch
 from cube.shard import write_shard
 from cube.values import ValueColumn
 
+from .stubs import raw_unary
+
 REPO = Path(__file__).resolve().parents[2]
 _SERVER_IDS = itertools.count()
 
@@ -180,6 +182,12 @@ class ServerProc:
                 f"cube-server exited with {self.process.returncode}:\n{self.log()[-4000:]}"
             )
 
+    def written_ports(self) -> dict[str, Any]:
+        """What the server wrote in its --port_file (ports, control_ports, metrics_port, ...)."""
+        assert self.port_file is not None, "started without a port file"
+        report: dict[str, Any] = json.loads(self.port_file.read_text())
+        return report
+
     def log(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")
@@ -217,8 +225,7 @@ class ServerProc:
         metadata = (("authorization", f"Bearer {token}"),) if token else ()
         request = cube_pb2.ControlRequest(cmd="status").SerializeToString()
         with grpc.insecure_channel(control_address) as channel:
-            call: grpc.UnaryUnaryMultiCallable[bytes, bytes]
-            call = channel.unary_unary("/rec.mcube.ControlService/cmd")
+            call = raw_unary(channel, "/rec.mcube.ControlService/cmd")
             try:
                 reply = cube_pb2.ControlResponse.FromString(
                     call(request, timeout=2.0, metadata=metadata)

@@ -16,8 +16,9 @@ import socket
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -106,11 +107,34 @@ def aws_environment(endpoint: str, tmp: Path, **changes: str) -> Iterator[dict[s
                 os.environ[key] = value
 
 
-def s3_filesystem() -> Any:
+class ObjectStore(Protocol):
+    """The calls tests make on an s3fs filesystem (s3fs has no annotations): paths are
+    "bucket/key", without s3://."""
+
+    def exists(self, path: str) -> bool: ...
+    def mkdir(self, path: str) -> None: ...
+    def pipe_file(self, path: str, value: bytes) -> None: ...
+    def put_file(self, lpath: str, rpath: str) -> None: ...
+    def put(self, lpath: str, rpath: str, recursive: bool = False) -> None: ...
+    def find(self, path: str) -> list[str]: ...
+
+
+def s3_filesystem() -> ObjectStore:
     """An s3fs filesystem of the current environment (a test's own, to put and read objects)."""
     import s3fs
 
-    return s3fs.S3FileSystem(skip_instance_cache=True)
+    store: ObjectStore = s3fs.S3FileSystem(skip_instance_cache=True)
+    return store
+
+
+@dataclass(frozen=True)
+class S3Bucket:
+    """A module's view of the session's moto server: a scratch directory (`root`), the
+    filesystem to put objects with and the endpoint's URL."""
+
+    root: Path
+    fs: ObjectStore
+    url: str
 
 
 class SilentEndpoint:

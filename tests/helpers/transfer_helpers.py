@@ -9,7 +9,7 @@ import json
 import os
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,7 +64,9 @@ class FakeAgent:
     # new download places a good copy
     corrupt: set[str] = field(default_factory=set)
 
-    def envelope(self, data: Any, message: str = "", success: str = "0", status: int = 200):
+    def envelope(
+        self, data: Any, message: str = "", success: str = "0", status: int = 200
+    ) -> web.Response:
         return web.json_response(
             {"success": success, "message": message, "data": data}, status=status
         )
@@ -183,7 +185,7 @@ class FakeAgent:
 
 def transfer_conf(
     tmp: Path,
-    agents: list[list[FakeAgent]] | list[list[tuple[int, int, str]]],
+    agents: Sequence[Sequence[FakeAgent | tuple[int, int, str]]],
     *,
     wget_port: int,
     builder: str,

@@ -30,8 +30,12 @@ import sys
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:  # pyspark has no type information: SparkSession is Any to mypy
+    from pyspark.sql import SparkSession
 
 HERE = Path(__file__).resolve().parent
 COUNT = 2700  # enough for a sync escape in the record-compressed file (every 102400 bytes)
@@ -101,7 +105,7 @@ def expected_arrays(pairs: list[tuple[int, bytes]]) -> dict[str, np.ndarray]:
 # ------------------------------------------------------------------ Hadoop (PySpark)
 
 
-def spark_session(local_dir: Path | None = None):  # -> pyspark.sql.SparkSession
+def spark_session(local_dir: Path | None = None) -> SparkSession:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
@@ -118,7 +122,9 @@ def spark_session(local_dir: Path | None = None):  # -> pyspark.sql.SparkSession
     return spark
 
 
-def write_hadoop_files(spark, out_dir: Path, names: Iterable[str] | None = None) -> list[str]:
+def write_hadoop_files(
+    spark: SparkSession, out_dir: Path, names: Iterable[str] | None = None
+) -> list[str]:
     """Each of HADOOP_FILES (or `names`) through Hadoop's SequenceFile writer: the records as
     (LongWritable, BytesWritable) in one partition, so one part file, copied to out_dir."""
     pairs = records()
@@ -145,7 +151,7 @@ def write_hadoop_files(spark, out_dir: Path, names: Iterable[str] | None = None)
 # ------------------------------------------------------------------ zstd, without Hadoop
 
 
-def write_with_project_writer(out_dir: Path) -> dict[str, dict]:
+def write_with_project_writer(out_dir: Path) -> dict[str, dict[str, Any]]:
     """ZStandard through the project's SequenceFileWriter (genuine BytesWritable dialect)."""
     sys.path.insert(0, str(HERE.parents[2]))
     from cube.seqfile import SequenceFileWriter
@@ -237,7 +243,7 @@ def bytes_writable(value: bytes) -> bytes:
     return struct.pack(">I", len(value)) + value
 
 
-def write_by_hand(out_dir: Path) -> dict[str, dict]:
+def write_by_hand(out_dir: Path) -> dict[str, dict[str, Any]]:
     pairs = records()
     sync = hashlib.md5(b"hand-written sync").digest()
     escape = b"\xff\xff\xff\xff" + sync
@@ -305,7 +311,7 @@ def write_by_hand(out_dir: Path) -> dict[str, dict]:
 # ------------------------------------------------------------------ main
 
 
-def hadoop_manifest() -> dict[str, dict]:
+def hadoop_manifest() -> dict[str, dict[str, Any]]:
     return {
         name: {
             "writer": "Hadoop SequenceFile.Writer via PySpark saveAsNewAPIHadoopFile",
@@ -335,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     files = hadoop_manifest()
     files.update(write_with_project_writer(out_dir))
     files.update(write_by_hand(out_dir))
-    np.savez_compressed(out_dir / "expected.npz", **expected_arrays(records()))
+    # numpy's stub: a **dict of arrays could fill its allow_pickle flag
+    np.savez_compressed(out_dir / "expected.npz", **expected_arrays(records()))  # type: ignore[arg-type]
     manifest = {"records": "expected.npz", "count": COUNT, "files": files}
     (out_dir / "expected.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     for name in sorted(files):

@@ -50,6 +50,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported where it runs: in the paddle venv
+    import numpy as np
 
 HERE = Path(__file__).resolve().parent
 K = 4  # ids per slot per sample
@@ -63,7 +67,7 @@ NAIVE = {
     "accessor.embed_sgd_param.name": "SparseNaiveSGDRule",
     "accessor.embedx_sgd_param.name": "SparseNaiveSGDRule",
 }
-SCENARIOS: dict[str, dict] = {
+SCENARIOS: dict[str, dict[str, Any]] = {
     "ctr_common_adagrad": {
         "optimizer": "adam",  # the dense part's; the sparse rule is the table's config
         "tables": {
@@ -155,7 +159,7 @@ def job(name: str, out: Path) -> None:
         for table, spec in scenario["tables"].items()
     }
     show_clicks = {}
-    lookups: dict[str, list] = {}  # table -> its lookup outputs, one per slot
+    lookups: dict[str, list[Any]] = {}  # table -> its lookup outputs, one per slot
     pooled = []
     for table, spec in scenario["tables"].items():
         dim = spec["dim"]
@@ -218,7 +222,9 @@ def job(name: str, out: Path) -> None:
 
     def train(steps: int) -> None:
         for _ in range(steps):
-            feed = {"label": rng.integers(0, 2, (BATCH, 1)).astype(np.float32)}
+            feed: dict[str, np.ndarray] = {
+                "label": rng.integers(0, 2, (BATCH, 1)).astype(np.float32)
+            }
             for slot in slots:
                 offset = np.uint64(slot * 1000 + (HIGH + 7 if slot == 2 else 0))
                 drawn = ((rng.zipf(1.6, BATCH * K) - 1) % KEYS_PER_SLOT).astype(np.uint64)
@@ -230,7 +236,7 @@ def job(name: str, out: Path) -> None:
             exe.run(main_program, feed=feed, fetch_list=[loss])
         time.sleep(1.0)  # the async communicator's last pushes reach the server
 
-    expected: dict = {"scenario": name, "tables": {}, "saves": {}}
+    expected: dict[str, Any] = {"scenario": name, "tables": {}, "saves": {}}
     for table, spec in scenario["tables"].items():
         expected["tables"][table] = {
             "folder": folders[table],
@@ -245,10 +251,10 @@ def job(name: str, out: Path) -> None:
             fleet.shrink()
         mode = SAVE_MODES[save]
         fleet.save_persistables(exe, str(out / save), mode=mode)
-        record: dict = {"mode": mode, "tables": {}}
+        record: dict[str, Any] = {"mode": mode, "tables": {}}
         for table, (program, feeds) in pulls.items():
             keys, texts = saved_rows(out / save / folders[table])
-            pulled = []
+            pulled: list[np.ndarray] | np.ndarray = []
             if keys:
                 id_feed = np.array(keys, dtype=np.uint64).view(np.int64).reshape(-1, 1)
                 result = exe.run(
@@ -266,7 +272,7 @@ def job(name: str, out: Path) -> None:
     fleet.stop_worker()
 
 
-def table_folders(desc_text: str, tables: dict) -> dict[str, str]:
+def table_folders(desc_text: str, tables: dict[str, Any]) -> dict[str, str]:
     """Each table's save folder: its table_id in Paddle's PSParameter, as 3 digits."""
     import re
 
@@ -297,7 +303,9 @@ def saved_rows(folder: Path) -> tuple[list[int], list[list[str]]]:
     return keys, texts
 
 
-def check_pulled(save: str, table: str, texts: list, pulled, ctr: bool) -> None:
+def check_pulled(
+    save: str, table: str, texts: list[list[str]], pulled: np.ndarray, ctr: bool
+) -> None:
     """The trainer's lookup after the save equals the saved text, to 6 significant digits
     (a push landing after the save would break this: then the generator must not write)."""
     for fields, row in zip(texts, pulled, strict=True):
