@@ -92,14 +92,19 @@ if COMPILED:
     if _KernelCacheLocator not in _locators:
         _locators.insert(0, _KernelCacheLocator)
 
-    def jit(function: Callable[..., Any]) -> Any:
+    def jit(function: Callable[..., Any], nogil: bool = True) -> Any:
         """Compile lazily; cache the machine code on disk (`kernel_cache_dir`), or, with no
-        writable cache directory anywhere, compile in every process."""
-        options: dict[str, Any] = {"nogil": True, "boundscheck": False, "error_model": "numpy"}
+        writable cache directory anywhere, compile in every process. `nogil`: release the
+        GIL while it runs (not for loops of a microsecond: the SDK's, `jit_holding_gil`,
+        where handing the GIL to another thread and taking it back costs more)."""
+        options: dict[str, Any] = {"nogil": nogil, "boundscheck": False, "error_model": "numpy"}
         try:
             return numba.njit(cache=True, **options)(function)
         except RuntimeError:  # "cannot cache function ...: no locator available"
             return numba.njit(**options)(function)
+
+    def jit_holding_gil(function: Callable[..., Any]) -> Any:
+        return jit(function, nogil=False)
 
     def _address(context: Any, builder: Any, array_type: Any, array: Any, offset: Any) -> Any:
         """Address of byte `offset` of an array's data, as i8*."""

@@ -200,8 +200,16 @@ def _utf8(data: Buffer, at: int, length: int) -> str:
 def decode_seek_response(data: Buffer, n: int) -> Answer:
     """The answer in `cube.v1.SeekResponse` bytes for `n` keys; its arrays are views of `data`
     (bytes, or a memoryview of a received buffer)."""
+    return answer_of(data, n, _scan_response(data))
+
+
+def answer_of(
+    data: Buffer, n: int, fields: tuple[int, int, int, int, int, int, int, str]
+) -> Answer:
+    """The answer for `n` keys of the SeekResponse in `data` whose `fields` were found (as
+    `_scan_response` returns them; the SDK's compiled scan finds the same)."""
     found_at, found_length, values_at, values_length, width, offsets_at, offsets_length, version = (
-        _scan_response(data)
+        fields
     )
     if found_length != n:
         raise BadMessage(f"{found_length} found flags for {n} keys")

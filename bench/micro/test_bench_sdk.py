@@ -25,11 +25,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cube.client import AsyncCubeClient, CubeClient
-from cube.client._core import assemble, make_plan
+from cube.client import AsyncCubeClient, CubeClient, _compiled
+from cube.client._core import FastProtocol, assemble, make_plan
 from cube.pb import cube_fast_pb2
 from cube.routing import shard_of
-from cube.wire import decode_seek_response, encode_seek_request
+from cube.wire import encode_seek_request
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from helpers.procs import fixed_values, start_server, write_version
@@ -50,17 +50,34 @@ def _response(keys: np.ndarray, version: str = "1") -> bytes:
     ).SerializeToString()
 
 
+@pytest.fixture(params=["compiled", "numpy"])
+def codec(request: pytest.FixtureRequest):
+    """The SDK's codec: compiled (cube/_sdk_jit.py, loaded now, as a busy client loads it in
+    the background) or the numpy paths (the reference; what runs without numba)."""
+    if request.param == "compiled" and not _compiled.warm():
+        pytest.skip("numba not installed, or CUBE_KERNEL=numpy")
+    loops = _compiled._loops
+    if request.param == "numpy":
+        _compiled._loops = None
+    try:
+        yield request.param
+    finally:
+        _compiled._loops = loops
+
+
 @pytest.fixture(scope="module")
 def batch():
     return np.random.default_rng(1).integers(0, 2**63, BATCH, dtype=np.uint64)
 
 
-def test_plan_1000_keys_2_shards(benchmark: BenchmarkFixture, batch) -> None:
+def test_plan_1000_keys_2_shards(benchmark: BenchmarkFixture, batch, codec: str) -> None:
     pieces = benchmark(make_plan, batch, 2, "mod")
     assert sum(p.size for p in pieces) == BATCH
 
 
-def test_route_and_scatter_1000_keys_2_shards(benchmark: BenchmarkFixture, batch) -> None:
+def test_route_and_scatter_1000_keys_2_shards(
+    benchmark: BenchmarkFixture, batch, codec: str
+) -> None:
     """Everything the SDK does per call except the network: plan, request bytes, response
     parsing, scatter into one (n, width) buffer."""
     responses = {p.shard: _response(p.keys) for p in make_plan(batch, 2, "mod")}
@@ -69,7 +86,7 @@ def test_route_and_scatter_1000_keys_2_shards(benchmark: BenchmarkFixture, batch
         pieces = make_plan(batch, 2, "mod")
         for piece in pieces:
             encode_seek_request(piece.keys)
-        answers = [decode_seek_response(responses[p.shard], p.size) for p in pieces]
+        answers = [FastProtocol.decode(responses[p.shard], p.size) for p in pieces]
         return assemble(batch, pieces, answers)
 
     result = benchmark(call)
@@ -79,12 +96,14 @@ def test_route_and_scatter_1000_keys_2_shards(benchmark: BenchmarkFixture, batch
     )
 
 
-def test_route_and_scatter_1000_keys_2_shards_murmur3(benchmark: BenchmarkFixture, batch) -> None:
+def test_route_and_scatter_1000_keys_2_shards_murmur3(
+    benchmark: BenchmarkFixture, batch, codec: str
+) -> None:
     responses = {p.shard: _response(p.keys) for p in make_plan(batch, 2, "murmur3")}
 
     def call():
         pieces = make_plan(batch, 2, "murmur3")
-        answers = [decode_seek_response(responses[p.shard], p.size) for p in pieces]
+        answers = [FastProtocol.decode(responses[p.shard], p.size) for p in pieces]
         return assemble(batch, pieces, answers)
 
     assert benchmark(call).found.all()
@@ -250,7 +269,9 @@ def _record(benchmark: BenchmarkFixture, wall: list[float]) -> None:
 
 @pytest.mark.benchmark(**CPU)
 @pytest.mark.parametrize("api", ["seek", "get_embeddings"])
-def test_cpu_x1000_blocking_client(benchmark: BenchmarkFixture, one_shard, api: str) -> None:
+def test_cpu_x1000_blocking_client(
+    benchmark: BenchmarkFixture, one_shard, api: str, codec: str
+) -> None:
     server = one_shard["seek" if api == "seek" else "emb"]
     with CubeClient(shards=[[server]]) as client:
         if api == "seek":
@@ -268,7 +289,9 @@ def test_cpu_x1000_blocking_client(benchmark: BenchmarkFixture, one_shard, api: 
 
 @pytest.mark.benchmark(**CPU)
 @pytest.mark.parametrize("api", ["seek", "get_embeddings"])
-def test_cpu_x1000_async_client(benchmark: BenchmarkFixture, one_shard, api: str) -> None:
+def test_cpu_x1000_async_client(
+    benchmark: BenchmarkFixture, one_shard, api: str, codec: str
+) -> None:
     server = one_shard["seek" if api == "seek" else "emb"]
     loop = asyncio.new_event_loop()
     client = AsyncCubeClient(shards=[[server]])
@@ -287,3 +310,34 @@ def test_cpu_x1000_async_client(benchmark: BenchmarkFixture, one_shard, api: str
         assert result.found.all() and result.width == WIDTH
     else:
         assert result.shape == (BATCH, DIM) and result.dtype == np.float32
+
+
+# The same over 2 shards (one server each, `cluster`): each request is routed, split in two
+# sub-requests and its answers scattered back, where the compiled codec does most.
+
+
+@pytest.mark.benchmark(**CPU)
+def test_cpu_x1000_blocking_client_2_shards(
+    benchmark: BenchmarkFixture, cluster, codec: str
+) -> None:
+    with CubeClient(shards=[[a] for a in cluster]) as client:
+        run, wall = _sync_round(client.seek)
+        run()
+        result = benchmark.pedantic(run, rounds=7, iterations=1)
+    _record(benchmark, wall)
+    assert result.found.all() and result.width == WIDTH
+
+
+@pytest.mark.benchmark(**CPU)
+def test_cpu_x1000_async_client_2_shards(benchmark: BenchmarkFixture, cluster, codec: str) -> None:
+    loop = asyncio.new_event_loop()
+    client = AsyncCubeClient(shards=[[a] for a in cluster])
+    try:
+        run, wall = _async_round(loop, client.seek)
+        run()
+        result = benchmark.pedantic(run, rounds=7, iterations=1)
+        loop.run_until_complete(client.close())
+    finally:
+        loop.close()
+    _record(benchmark, wall)
+    assert result.found.all() and result.width == WIDTH

@@ -38,6 +38,7 @@ import numpy as np
 import numpy.typing as npt
 from numpy.typing import DTypeLike, NDArray
 
+import cube.client._compiled as _compiled
 from cube import wire
 from cube.client.errors import (
     Attempt,
@@ -174,15 +175,19 @@ def make_plan(
             Piece(0, slice(start, min(start + limit, n)), keys[start : start + limit])
             for start in range(0, n, limit)
         ]
-    grouping = group_by_owner(shard_of(keys, shard_num, partitioner), shard_num)
-    grouped_keys = keys[grouping.order]
-    bounds = grouping.bounds.tolist()
+    grouped = _compiled.group(keys, shard_num, partitioner)
+    if grouped is not None:
+        order, grouped_keys, bounds = grouped
+    else:
+        grouping = group_by_owner(shard_of(keys, shard_num, partitioner), shard_num)
+        order, grouped_keys = grouping.order, keys[grouping.order]
+        bounds = grouping.bounds.tolist()
     pieces = []
     for shard in range(shard_num):  # shards without keys have an empty range: no piece
         limit = limits[shard]
         for start in range(bounds[shard], bounds[shard + 1], limit):
             stop = min(start + limit, bounds[shard + 1])
-            pieces.append(Piece(shard, grouping.order[start:stop], grouped_keys[start:stop]))
+            pieces.append(Piece(shard, order[start:stop], grouped_keys[start:stop]))
     return pieces
 
 
@@ -210,7 +215,7 @@ class FastProtocol:
     pins_versions = True
     # cube.wire's functions themselves (no wrapper call per request)
     encode = staticmethod(wire.encode_seek_request)
-    decode = staticmethod(wire.decode_seek_response)
+    decode = staticmethod(_compiled.decode)  # wire.decode_seek_response, its scan compiled
 
 
 class OriginalProtocol:
@@ -345,8 +350,6 @@ def assemble(
         if isinstance(piece.where, slice) and piece.where == slice(0, n):
             return SeekResult(keys, answer.found, answer.column, version, answered)  # zero copy
     found = np.zeros(n, dtype=bool)
-    for piece, answer in present:
-        found[piece.where] = answer.found
     widths = {a.column.width for _, a in present}
     if len(widths) > 1:
         # Pieces without hits fit any width (an empty shard answers width 0): hits decide.
@@ -355,13 +358,17 @@ def assemble(
     if len(widths) == 1 and (width := widths.pop()):
         # One void item per row: fancy indexing moves whole rows (3x faster than 2-D uint8).
         row = np.dtype((np.void, width))
-        rows = np.zeros(n * width, dtype=np.uint8).view(row)
-        for piece, answer in present:
-            column = answer.column
-            if column.width == width:
-                rows[piece.where] = column.blob[: column.count * width].view(row)
-        blob = rows.view(np.uint8)
+        blob = np.zeros(n * width, dtype=np.uint8)
+        same = [(p.where, a) for p, a in present if a.column.width == width]
+        # (the pieces of another width found nothing: their keys stay not found, zero rows)
+        if not _compiled.scatter_fixed(found.view(np.uint8), blob, width, same):
+            _scatter_found(found, present)
+            rows = blob.view(row)
+            for where, answer in same:
+                column = answer.column
+                rows[where] = column.blob[: column.count * width].view(row)
         return SeekResult(keys, found, ValueColumn.fixed(blob, width), version, answered)
+    _scatter_found(found, present)
     # Variable (or mixed) widths: one gather of every value's byte range, in request order.
     starts = np.zeros(n, dtype=np.int64)
     lengths = np.zeros(n, dtype=np.int64)
@@ -382,6 +389,11 @@ def assemble(
         base += int(blob.shape[0])
     blob, offsets = gather_ranges(np.concatenate(blobs), starts, lengths)
     return SeekResult(keys, found, ValueColumn.variable(blob, offsets), version, answered)
+
+
+def _scatter_found(found: np.ndarray, present: Sequence[tuple[Piece, Answer]]) -> None:
+    for piece, answer in present:
+        found[piece.where] = answer.found
 
 
 def embeddings(

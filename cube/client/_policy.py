@@ -213,6 +213,10 @@ class Balancer:
         count = len(replicas)
         if count == 1:  # nothing to choose (the common single-replica shard: no lists)
             return None if tried and not reuse else 0
+        if not tried and self.kind == "rr":  # a call's first pick (what the code below picks)
+            healthy = [i for i, r in enumerate(replicas) if now >= r.down_until]
+            pool = healthy or range(count)
+            return pool[0] if len(pool) == 1 else pool[next(self._turn) % len(pool)]
         fresh = [i for i in range(count) if i not in tried]
         if not fresh and not reuse:
             return None

@@ -1,0 +1,1 @@
+../../cube/_sdk_jit.py
