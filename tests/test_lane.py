@@ -31,11 +31,12 @@ from helpers.procs import (
     start_server,
     write_version,
 )
-from helpers.stubs import control_stub, raw_unary
+from helpers.stubs import raw_unary
+from test_server import control
 
 from cube.client import AsyncCubeClient, ConfError, CubeClient, RequestRejectedError, SeekResult
 from cube.client._sync_transport import BusyPoll
-from cube.pb import cube_fast_pb2, cube_pb2
+from cube.pb import cube_fast_pb2
 from cube.processes import cpu_seconds, poll_until
 from cube.values import ValueColumn
 from cube.wire import LANE_MAGIC, decode_seek_response, encode_seek_request
@@ -53,9 +54,7 @@ def lane_port(address: str) -> int | None:
 
 
 def status(address: str) -> dict[str, Any]:
-    with grpc.insecure_channel(address) as channel:
-        reply = control_stub(channel).cmd(cube_pb2.ControlRequest(cmd="status"), timeout=30)
-    detail: dict[str, Any] = json.loads(reply.detail_json)
+    detail: dict[str, Any] = json.loads(control(address, "status").detail_json)
     return detail
 
 
