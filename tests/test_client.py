@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -16,41 +17,61 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeAlias, Unpack
 
-import grpc
 import numpy as np
 import pytest
-from helpers.procs import REPO, expected_fixed, fixed_values, start_server, write_version
+from helpers.procs import (
+    REPO,
+    ServerProc,
+    expected_fixed,
+    fixed_values,
+    start_server,
+    write_version,
+)
+from test_server import control
 
 from cube.client import (
     AsyncCubeClient,
+    AsyncTransport,
+    ClientOptions,
     CubeClient,
     CubeError,
+    LoadBalancer,
     RequestRejectedError,
     SeekResult,
     ShardUnavailableError,
     Timeouts,
+    TransportName,
     ValueSizeError,
     VersionMismatchError,
     cli,
 )
-from cube.pb import cube_pb2, cube_pb2_grpc
 from cube.processes import poll_until
 from cube.routing import shard_of
 from cube.values import ValueColumn
+
+if TYPE_CHECKING:
+    from _pytest.capture import CaptureResult  # what capsys.readouterr() returns
 
 # Every test here starts processes (servers, CLIs): make quick skips them.
 pytestmark = pytest.mark.slow
 
 WIDTH = 16  # 4 float32
 
+# a cube-server to start: data dir, arguments, workers
+ServerSpec: TypeAlias = tuple[Path, tuple[str, ...], int]
+# the replicas of each shard (a port each), and the data's root
+FixedCluster: TypeAlias = tuple[list[list[str]], Path]
+
 
 @contextlib.contextmanager
-def servers(*specs):
+def servers(*specs: ServerSpec) -> Iterator[list[ServerProc]]:
     """Start servers in parallel: specs are (data_dir, args, workers). Always stopped by PID
     (resumed first, in case a test stopped one with SIGSTOP)."""
-    started = []
+    started: list[ServerProc] = []
     try:
         for data_dir, args, workers in specs:
             started.append(start_server(data_dir, *args, workers=workers, wait=False))
@@ -65,8 +86,13 @@ def servers(*specs):
 
 
 def build_shards(
-    root: Path, keys, values_for, shard_num, partitioner: str = "mod", version: str = "100"
-):
+    root: Path,
+    keys: np.ndarray,
+    values_for: Callable[[np.ndarray], ValueColumn],
+    shard_num: int,
+    partitioner: str = "mod",
+    version: str = "100",
+) -> list[Path]:
     """Write each shard's keys (routed like the builder) to root/shard<i>/data; the dirs."""
     owner = shard_of(keys, shard_num, partitioner)
     dirs = []
@@ -90,11 +116,11 @@ KEYS = np.arange(1, 30_000, 3, dtype=np.uint64)
 
 
 @pytest.fixture(scope="module")
-def fixed_cluster(tmp_path_factory: pytest.TempPathFactory):
+def fixed_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FixedCluster]:
     root = tmp_path_factory.mktemp("fixed")
     dirs = build_shards(root, KEYS, lambda k: fixed_values(k, WIDTH, tag=1), 2)
     common = ("--dict_name", "test_dict", "--max_batch", "5000")
-    specs = [
+    specs: list[ServerSpec] = [
         (dirs[0], (*common, "--shard", "0"), 1),
         (dirs[0], (*common, "--shard", "0"), 1),
         (dirs[1], (*common, "--shard", "1"), 2),
@@ -104,7 +130,7 @@ def fixed_cluster(tmp_path_factory: pytest.TempPathFactory):
         yield shards, root
 
 
-def query_keys(seed: int = 0, n: int = 1000):
+def query_keys(seed: int = 0, n: int = 1000) -> np.ndarray:
     rng = np.random.default_rng(seed)
     keys = rng.integers(0, 30_000, n, dtype=np.uint64)
     keys[:3] = [2**64 - 1, 0, 1]
@@ -112,7 +138,7 @@ def query_keys(seed: int = 0, n: int = 1000):
     return keys
 
 
-def check_fixed(result, keys, tag: int = 1) -> None:
+def check_fixed(result: SeekResult, keys: np.ndarray, tag: int = 1) -> None:
     expect_found = np.isin(keys, KEYS)
     assert result.found.tolist() == expect_found.tolist()
     assert result.answered.all()
@@ -126,7 +152,7 @@ def check_fixed(result, keys, tag: int = 1) -> None:
     assert values[hit] == expected_fixed(keys[hit : hit + 1], WIDTH, tag).tobytes()
 
 
-def test_seek_fixed_width_values_misses_and_order(fixed_cluster) -> None:
+def test_seek_fixed_width_values_misses_and_order(fixed_cluster: FixedCluster) -> None:
     shards, _ = fixed_cluster
     keys = query_keys()
     with CubeClient(shards=shards, dict_name="test_dict") as client:
@@ -142,14 +168,16 @@ def test_seek_fixed_width_values_misses_and_order(fixed_cluster) -> None:
 
 
 @pytest.mark.parametrize("balancer", ["rr", "random", "la"])
-def test_batches_split_by_max_batch_and_balancers(fixed_cluster, balancer: str) -> None:
+def test_batches_split_by_max_batch_and_balancers(
+    fixed_cluster: FixedCluster, balancer: LoadBalancer
+) -> None:
     shards, _ = fixed_cluster
     keys = query_keys(seed=3, n=3000)
     with CubeClient(shards=shards, max_batch=64, load_balancer=balancer) as client:
         check_fixed(client.seek(keys), keys)
 
 
-def test_get_embeddings(fixed_cluster) -> None:
+def test_get_embeddings(fixed_cluster: FixedCluster) -> None:
     shards, _ = fixed_cluster
     keys = query_keys(seed=4, n=200)
     with CubeClient(shards=shards) as client:
@@ -164,7 +192,7 @@ def test_get_embeddings(fixed_cluster) -> None:
         assert client.get_embeddings(keys, dim=2, dtype="float64").shape == (200, 2)
 
 
-def test_server_rejections_are_raised_at_once(fixed_cluster) -> None:
+def test_server_rejections_are_raised_at_once(fixed_cluster: FixedCluster) -> None:
     shards, _ = fixed_cluster
     with CubeClient(shards=shards, dict_name="other_dict", retry=5) as client:
         with pytest.raises(RequestRejectedError, match=r"NOT_FOUND.*'other_dict'") as info:
@@ -182,7 +210,7 @@ def test_server_rejections_are_raised_at_once(fixed_cluster) -> None:
         assert client.batch_limits == (5000, 100_000)  # shard 1 not met yet
 
 
-def test_batches_split_by_the_servers_max_batch_learned_on_first_contact(tmp_path):
+def test_batches_split_by_the_servers_max_batch_learned_on_first_contact(tmp_path: Path) -> None:
     """Servers started with --max_batch 7 state it on first contact: a client with the default
     max_batch splits a larger batch into requests of at most 7 keys per shard instead of
     being refused (the first call too: refused once by the server it just met, re-planned),
@@ -200,7 +228,8 @@ def test_batches_split_by_the_servers_max_batch_learned_on_first_contact(tmp_pat
 
     with servers(*((d, ("--max_batch", "7"), 1) for d in dirs)) as procs:
         shards = [[p.address] for p in procs]
-        for transport in ("auto", "grpc"):
+        transports: tuple[TransportName, ...] = ("auto", "grpc")
+        for transport in transports:
             with CubeClient(shards, transport=transport, timeout=10.0) as client:
                 assert client.batch_limits == (100_000, 100_000)
                 check(client.seek(query), query)
@@ -223,11 +252,11 @@ def test_batches_split_by_the_servers_max_batch_learned_on_first_contact(tmp_pat
         assert emb.shape == (150, 4) and (emb[~expected] == 0).all()
 
 
-def test_async_client_parity(fixed_cluster) -> None:
+def test_async_client_parity(fixed_cluster: FixedCluster) -> None:
     shards, _ = fixed_cluster
     keys = query_keys(seed=5)
 
-    async def main():
+    async def main() -> tuple[list[SeekResult], np.ndarray]:
         async with AsyncCubeClient(
             shards=shards, max_batch=300, timeout=Timeouts(backup_after=0.05)
         ) as aio:
@@ -246,7 +275,7 @@ def test_async_client_parity(fixed_cluster) -> None:
     assert np.array_equal(emb, expected_emb, equal_nan=True)
 
 
-def test_original_protocol(fixed_cluster) -> None:
+def test_original_protocol(fixed_cluster: FixedCluster) -> None:
     shards, _ = fixed_cluster
     keys = query_keys(seed=6, n=300)
     with CubeClient(shards=shards, protocol="original") as client:
@@ -258,13 +287,16 @@ def test_original_protocol(fixed_cluster) -> None:
         assert fast.seek(keys).values == result.values
 
 
-def conf_file(tmp_path: Path, entries) -> Path:
+def conf_file(tmp_path: Path, entries: list[dict[str, Any]]) -> Path:
     path = tmp_path / "cube.conf"
     path.write_text(json.dumps(entries))
     return path
 
 
-def conf_entry(kind, nodes, shard, **extra):
+def conf_entry(
+    kind: str, nodes: Sequence[Mapping[str, object]], shard: int, **extra: Any
+) -> dict[str, Any]:
+    """One dict of a cube.conf (decoded JSON)."""
     return {
         "dict_name": "test_dict",
         "shard": shard,
@@ -278,12 +310,12 @@ def conf_entry(kind, nodes, shard, **extra):
     }
 
 
-def ipport(address):
+def ipport(address: str) -> dict[str, str | int]:
     host, port = address.rsplit(":", 1)
     return {"ip": host, "port": int(port)}
 
 
-def test_from_conf_ipport_list_and_ipport(fixed_cluster, tmp_path: Path) -> None:
+def test_from_conf_ipport_list_and_ipport(fixed_cluster: FixedCluster, tmp_path: Path) -> None:
     shards, _ = fixed_cluster
     keys = query_keys(seed=7, n=500)
     nodes = [{"ipport_list": "list://" + ",".join(replicas)} for replicas in shards]
@@ -333,7 +365,9 @@ def run_builder(root: Path, keys: np.ndarray, values: list[bytes], shard_num: in
 
 
 @pytest.fixture(scope="module")
-def variable_cluster(tmp_path_factory: pytest.TempPathFactory):
+def variable_cluster(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[list[str], str]]:
     """3 shards built by cube-builder with murmur3 routing, variable-width values; plus one
     server holding the whole table (for ipport_parallel)."""
     root = tmp_path_factory.mktemp("variable")
@@ -345,14 +379,14 @@ def variable_cluster(tmp_path_factory: pytest.TempPathFactory):
         yield [p.address for p in procs[:3]], procs[3].address
 
 
-def check_variable(result, keys) -> None:
+def check_variable(result: SeekResult, keys: np.ndarray) -> None:
     expect = [variable_value(int(k)) if k in set(VAR_KEYS.tolist()) else None for k in keys]
     assert result.values == expect
     assert result.found.tolist() == [v is not None for v in expect]
 
 
 def test_variable_width_with_murmur3_routing_as_cube_builder_shards(
-    variable_cluster, tmp_path: Path
+    variable_cluster: tuple[list[str], str], tmp_path: Path
 ) -> None:
     addresses, _ = variable_cluster
     keys = np.random.default_rng(8).integers(0, 50_000, 700, dtype=np.uint64)
@@ -372,7 +406,9 @@ def test_variable_width_with_murmur3_routing_as_cube_builder_shards(
         wrong.seek(keys)
 
 
-def test_ipport_parallel_uses_node_zero_for_every_shard(variable_cluster, tmp_path: Path) -> None:
+def test_ipport_parallel_uses_node_zero_for_every_shard(
+    variable_cluster: tuple[list[str], str], tmp_path: Path
+) -> None:
     _, whole = variable_cluster
     keys = np.random.default_rng(9).integers(0, 50_000, 400, dtype=np.uint64)
     path = conf_file(tmp_path, [conf_entry("ipport_parallel", [ipport(whole)], 4)])
@@ -388,14 +424,14 @@ def test_ipport_parallel_uses_node_zero_for_every_shard(variable_cluster, tmp_pa
 
 
 @pytest.fixture
-def replicated_shard(tmp_path: Path):
+def replicated_shard(tmp_path: Path) -> Iterator[list[ServerProc]]:
     """One shard served by two separate processes (replicas), fixed width."""
     (data,) = build_shards(tmp_path, KEYS, lambda k: fixed_values(k, WIDTH, tag=1), 1)
     with servers((data, (), 1), (data, (), 1)) as procs:
         yield procs
 
 
-def test_failover_when_a_replica_is_killed_under_load(replicated_shard) -> None:
+def test_failover_when_a_replica_is_killed_under_load(replicated_shard: list[ServerProc]) -> None:
     victim, survivor = replicated_shard
     shards = [[victim.address, survivor.address]]
     keys = query_keys(seed=10, n=500)
@@ -403,7 +439,7 @@ def test_failover_when_a_replica_is_killed_under_load(replicated_shard) -> None:
     done = {"calls": 0}
     stop = threading.Event()
 
-    def load(client) -> None:
+    def load(client: CubeClient) -> None:
         while not stop.is_set():
             try:
                 check_fixed(client.seek(keys), keys)
@@ -431,7 +467,7 @@ def test_failover_when_a_replica_is_killed_under_load(replicated_shard) -> None:
     assert done["calls"] >= killed_at + 60
 
 
-def test_failover_async(replicated_shard) -> None:
+def test_failover_async(replicated_shard: list[ServerProc]) -> None:
     victim, survivor = replicated_shard
     keys = query_keys(seed=11, n=300)
 
@@ -472,6 +508,7 @@ def test_dead_shard_raises_naming_shard_and_replicas_with_partial_result(tmp_pat
             assert {a.endpoint for a in error.failures[1]} == set(dead)
             assert len(error.failures[1]) == 4  # first try + 3 retries
             partial = error.result
+            assert partial is not None
             assert partial.answered.tolist() == on_live.tolist()
             assert not partial.found[~on_live].any()
             assert all(
@@ -542,7 +579,7 @@ print(json.dumps({"failed": failed, "ended": ended, "after_close": ended[-1] - c
 
 
 def test_a_replica_behind_a_link_down_neither_fails_calls_nor_holds_the_exit(
-    replicated_shard,
+    replicated_shard: list[ServerProc],
 ) -> None:
     """Issue 24, item 10, on loopback. Before: about one call in three failed by its deadline
     (its first attempt on the dead replica, its one backup request on the slow one, although
@@ -552,7 +589,7 @@ def test_a_replica_behind_a_link_down_neither_fails_calls_nor_holds_the_exit(
     cancelled, and the process did not exit until that attempt's 30 s ran out (a
     ThreadPoolExecutor's threads are joined at exit)."""
     server, _ = replicated_shard
-    report = json.loads(server.port_file.read_text())
+    report = server.written_ports()
     tests = str(Path(__file__).parent)
     process = subprocess.Popen(
         [sys.executable, "-c", PARTIAL_FAILURE_CLIENT, tests, server.address, json.dumps(report)],
@@ -576,12 +613,14 @@ def test_a_replica_behind_a_link_down_neither_fails_calls_nor_holds_the_exit(
     assert exit_s < 5, f"the process exited {exit_s:.1f} s after closing its clients"
 
 
-def test_backup_request_answers_past_a_stopped_replica(replicated_shard) -> None:
+def test_backup_request_answers_past_a_stopped_replica(replicated_shard: list[ServerProc]) -> None:
     slow, fast = replicated_shard
     keys = query_keys(seed=13, n=300)
     timeout_ms = 20_000
-    options = dict(retry=0, timeout=Timeouts(timeout_ms / 1000, 0.03), load_balancer="rr")
-    with CubeClient(shards=[[slow.address, fast.address]], **options) as client:
+    timeouts = Timeouts(timeout_ms / 1000, 0.03)
+    with CubeClient(
+        shards=[[slow.address, fast.address]], retry=0, timeout=timeouts, load_balancer="rr"
+    ) as client:
         check_fixed(client.seek(keys), keys)  # connect both
         check_fixed(client.seek(keys), keys)
         os.kill(slow.pid, signal.SIGSTOP)
@@ -595,8 +634,13 @@ def test_backup_request_answers_past_a_stopped_replica(replicated_shard) -> None
             assert poll_until(lambda: client._pool.busy == 0, timeout_ms / 1000 / 2, 0.01)
             assert time.monotonic() - started < timeout_ms / 1000 / 2
 
-            async def hedged():
-                async with AsyncCubeClient(shards=[[slow.address, fast.address]], **options) as aio:
+            async def hedged() -> float:
+                async with AsyncCubeClient(
+                    shards=[[slow.address, fast.address]],
+                    retry=0,
+                    timeout=timeouts,
+                    load_balancer="rr",
+                ) as aio:
                     begin = time.monotonic()
                     for _ in range(6):
                         check_fixed(await aio.seek(keys), keys)
@@ -611,7 +655,7 @@ def test_backup_request_answers_past_a_stopped_replica(replicated_shard) -> None
     assert async_elapsed < timeout_ms / 1000 / 2
 
 
-def test_timeout_then_retry_on_the_other_replica(replicated_shard) -> None:
+def test_timeout_then_retry_on_the_other_replica(replicated_shard: list[ServerProc]) -> None:
     slow, fast = replicated_shard
     keys = query_keys(seed=14, n=100)
     with CubeClient(shards=[[slow.address, fast.address]], retry=1, timeout=0.3) as client:
@@ -628,17 +672,15 @@ def test_timeout_then_retry_on_the_other_replica(replicated_shard) -> None:
 # Versions
 
 
-def control(address, cmd, **fields):
-    with grpc.insecure_channel(address) as channel:
-        stub = cube_pb2_grpc.ControlServiceStub(channel)
-        return stub.cmd(cube_pb2.ControlRequest(cmd=cmd, **fields), timeout=60)
-
-
 def test_version_reconciliation_during_a_rollout(tmp_path: Path) -> None:
     """Version 100 values carry tag 1, version 200 values tag 2."""
     for tag, version in ((1, "100"), (2, "200")):
         dirs = build_shards(
-            tmp_path, KEYS, lambda k, t=tag: fixed_values(k, WIDTH, tag=t), 2, version=version
+            tmp_path,
+            KEYS,
+            functools.partial(fixed_values, width=WIDTH, tag=tag),
+            2,
+            version=version,
         )
     for data in dirs:
         (data / "VERSION").write_text("100\n")
@@ -672,7 +714,9 @@ def test_version_reconciliation_during_a_rollout(tmp_path: Path) -> None:
             assert single.version == "100"
 
 
-async def _async_seek(shards, keys, **options):
+async def _async_seek(
+    shards: list[list[str]], keys: np.ndarray, **options: Unpack[ClientOptions[AsyncTransport]]
+) -> SeekResult:
     async with AsyncCubeClient(shards=shards, **options) as client:
         return await client.seek(keys)
 
@@ -681,13 +725,13 @@ async def _async_seek(shards, keys, **options):
 # cube-cli
 
 
-def run_cli(*args, timeout: float = 120):
+def run_cli(*args: object, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "cube.client.cli", *map(str, args)]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
 def test_cube_cli_prints_latency_and_qps(
-    fixed_cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    fixed_cluster: FixedCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     shards, _ = fixed_cluster
     nodes = [{"ipport_list": "list://" + ",".join(replicas)} for replicas in shards]
@@ -722,6 +766,7 @@ def test_cube_cli_prints_latency_and_qps(
     with subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
     ) as reader:
+        assert reader.stdout is not None and reader.stderr is not None
         assert reader.stdout.readline().startswith("key:")
         reader.stdout.close()
         err = reader.stderr.read()
@@ -729,7 +774,7 @@ def test_cube_cli_prints_latency_and_qps(
     assert "Traceback" not in err and "BrokenPipe" not in err, err
 
 
-def test_cube_cli_prints_a_miss_as_the_original_did():
+def test_cube_cli_prints_a_miss_as_the_original_did() -> None:
     """cube_cli.cpp printed `key:%lu value:%s` with the value's hex for every key, a miss's
     empty value as `value:`; so does cube-cli."""
     column = ValueColumn.from_list([b"", b"\x01\x02", b""])
@@ -738,7 +783,7 @@ def test_cube_cli_prints_a_miss_as_the_original_did():
 
 
 def test_cube_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    def run(*args):
+    def run(*args: object) -> tuple[int, CaptureResult[str]]:
         code = cli.main([str(a) for a in args])
         return code, capsys.readouterr()
 
@@ -768,7 +813,9 @@ def test_cube_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 
 
 @pytest.mark.parametrize("args", [(), ("--allow_empty",)])
-def test_a_shard_with_nothing_loaded_is_an_error_not_silent_misses(tmp_path: Path, args) -> None:
+def test_a_shard_with_nothing_loaded_is_an_error_not_silent_misses(
+    tmp_path: Path, args: tuple[str, ...]
+) -> None:
     """A replica with nothing loaded refuses (UNAVAILABLE) or, with --allow_empty, answers
     without a version: either way the SDK reports the shard unavailable, never misses."""
     (loaded,) = build_shards(tmp_path / "a", KEYS, lambda k: fixed_values(k, WIDTH, tag=1), 1)
@@ -781,6 +828,7 @@ def test_a_shard_with_nothing_loaded_is_an_error_not_silent_misses(tmp_path: Pat
         assert caught.value.shards == [1]
         assert "serve" in str(caught.value)  # "serves no version" / "serves nothing"
         partial = caught.value.result
+        assert partial is not None
         assert partial.answered[::2].all() and not partial.answered[1::2].any()
         assert client.seek([0, 2, 4]).version == "100"  # only shard 0 asked
 

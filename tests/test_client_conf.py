@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -11,8 +12,9 @@ from cube.client import ConfError, CubeClient, load_conf, parse_conf
 from cube.client.conf import parse_all
 
 
-def entry(**changes):
-    base = {
+def entry(**changes: Any) -> dict[str, Any]:
+    """One dict of a cube.conf (decoded JSON), with `changes`; a None value drops a field."""
+    base: dict[str, Any] = {
         "dict_name": "test_dict",
         "shard": 2,
         "dup": 1,
@@ -87,7 +89,7 @@ def test_several_dicts_need_a_name(tmp_path: Path) -> None:
         ({"dict_name": ""}, "entry 0: field 'dict_name' must be a non-empty string"),
     ],
 )
-def test_bad_conf_errors_name_dict_and_field(changes, message) -> None:
+def test_bad_conf_errors_name_dict_and_field(changes: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfError, match=message):
         parse_conf([entry(**changes)], source="my.conf")
 
@@ -113,9 +115,9 @@ def test_client_argument_errors() -> None:
     with pytest.raises(ConfError, match="replica 'nohost' is not 'host:port'"):
         CubeClient(shards=[["nohost"]])
     with pytest.raises(ConfError, match="partitioner 'x'"):
-        CubeClient(shards=[["h:1"]], partitioner="x")
+        CubeClient(shards=[["h:1"]], partitioner="x")  # type: ignore[arg-type]  # on purpose
     with pytest.raises(ConfError, match="load_balancer 'x'"):
-        CubeClient(shards=[["h:1"]], load_balancer="x")
+        CubeClient(shards=[["h:1"]], load_balancer="x")  # type: ignore[arg-type]  # on purpose
     with CubeClient(shards=["h:1", ["h:2", "h:3"]]) as client:
         assert client.shards == (("h:1",), ("h:2", "h:3"))
 
@@ -167,12 +169,12 @@ def test_tls_fields(tmp_path: Path, pki: dict[str, str]) -> None:
         ({"tls_server_name": "cube.example"}, "field 'tls_server_name' needs 'tls_ca'"),
     ],
 )
-def test_bad_tls_fields(changes, message) -> None:
+def test_bad_tls_fields(changes: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfError, match=message):
         parse_conf([entry(**changes)], source="my.conf")
 
 
-def test_dim_field_is_get_embeddings_default(tmp_path):
+def test_dim_field_is_get_embeddings_default(tmp_path: Path) -> None:
     """cube.conf's optional `dim`: get_embeddings' width when a call gives none (sync, async
     and CubeClients); a call's own dim still wins; without either, a clear error."""
     import asyncio

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -9,8 +11,10 @@ from hypothesis import strategies as st
 
 from cube.client._core import (
     OriginalProtocol,
+    Piece,
     PieceOutcome,
     PieceRequest,
+    SeekResult,
     assemble,
     embeddings,
     make_plan,
@@ -62,7 +66,7 @@ def test_normalize_keys_accepts_ints_and_arrays() -> None:
         ("123", "keys must be integers"),
     ],
 )
-def test_normalize_keys_names_the_bad_key(keys, message) -> None:
+def test_normalize_keys_names_the_bad_key(keys: Any, message: str) -> None:  # Any: bad on purpose
     with pytest.raises(KeyRangeError, match=message):
         normalize_keys(keys)
 
@@ -77,7 +81,7 @@ def test_normalize_keys_names_the_bad_key(keys, message) -> None:
         ([True, False, True], "dtype bool"),
     ],
 )
-def test_normalize_keys_refuses_bools(keys, message):
+def test_normalize_keys_refuses_bools(keys: Any, message: str) -> None:
     """True and False are not keys 1 and 0 (a mask passed by mistake must not be looked up)."""
     with pytest.raises(KeyRangeError, match=message) as info:
         normalize_keys(keys)
@@ -95,17 +99,18 @@ def test_normalize_keys_refuses_bools(keys, message):
         (frozenset([5, 6]), "keys in a frozenset have no order"),
     ],
 )
-def test_normalize_keys_refuses_shapes_without_one_request_order(keys, message):
+def test_normalize_keys_refuses_shapes_without_one_request_order(keys: Any, message: str) -> None:
     with pytest.raises(KeyShapeError, match=message) as info:
         normalize_keys(keys)
     assert isinstance(info.value, TypeError) and isinstance(info.value, ValueError)
 
 
-def test_normalize_keys_keeps_ordered_collections():
+def test_normalize_keys_keeps_ordered_collections() -> None:
     """Collections with an order stay accepted: a dict's keys, a tuple, a generator."""
-    assert normalize_keys({9: "a", 4: "b"}.keys()).tolist() == [9, 4]
+    # accepted at run time, though npt.ArrayLike (the SDK's annotation of keys) says no
+    assert normalize_keys({9: "a", 4: "b"}.keys()).tolist() == [9, 4]  # type: ignore[arg-type]
     assert normalize_keys((3, 1, 2)).tolist() == [3, 1, 2]
-    assert normalize_keys(k for k in (8, 7)).tolist() == [8, 7]
+    assert normalize_keys(k for k in (8, 7)).tolist() == [8, 7]  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,7 +131,7 @@ def test_plan_routes_like_the_builder_and_covers_every_key_once(partitioner: str
     assert (seen == 1).all()
 
 
-def test_plan_takes_a_limit_per_shard():
+def test_plan_takes_a_limit_per_shard() -> None:
     keys = np.arange(40, dtype=np.uint64)
     pieces = make_plan(keys, 2, "mod", [3, 100])
     assert [p.size for p in pieces if p.shard == 0] == [3] * 6 + [2]
@@ -135,7 +140,7 @@ def test_plan_takes_a_limit_per_shard():
     assert [p.size for p in make_plan(keys, 1, "mod", [16])] == [16, 16, 8]
 
 
-def test_first_contact_metadata_states_routing_and_max_batch():
+def test_first_contact_metadata_states_routing_and_max_batch() -> None:
     from cube.client._transport import contact_of
 
     assert contact_of([("cube-max-batch", "7"), ("cube-tcp-port", "9")]).max_batch == 7
@@ -144,7 +149,7 @@ def test_first_contact_metadata_states_routing_and_max_batch():
     assert contact_of([]).max_batch is None and contact_of(None).routing is None
 
 
-def test_plan_skips_shards_without_keys_and_uses_slices_for_one_shard():
+def test_plan_skips_shards_without_keys_and_uses_slices_for_one_shard() -> None:
     keys = np.array([0, 2, 4], dtype=np.uint64)
     assert [p.shard for p in make_plan(keys, 2, "mod")] == [0]
     pieces = make_plan(np.arange(250, dtype=np.uint64), 1, "mod", max_batch=100)
@@ -163,7 +168,9 @@ def test_plan_skips_shards_without_keys_and_uses_slices_for_one_shard():
     version=st.text(max_size=20),
     request_id=st.integers(0, 2**64 - 1),
 )
-def test_encode_seek_request_is_what_protobuf_reads(keys, dict_name, version, request_id) -> None:
+def test_encode_seek_request_is_what_protobuf_reads(
+    keys: list[int], dict_name: str, version: str, request_id: int
+) -> None:
     data = encode_seek_request(np.array(keys, dtype=np.uint64), dict_name, version, request_id)
     parsed = cube_fast_pb2.SeekRequest.FromString(data)
     assert np.frombuffer(parsed.keys, "<u8").tolist() == keys
@@ -171,8 +178,13 @@ def test_encode_seek_request_is_what_protobuf_reads(keys, dict_name, version, re
 
 
 def _response(
-    found, values, width: int = 0, offsets=None, version: str = "v1", request_id: int = 9
-):
+    found: list[int],
+    values: bytes,
+    width: int = 0,
+    offsets: list[int] | None = None,
+    version: str = "v1",
+    request_id: int = 9,
+) -> bytes:
     message = cube_fast_pb2.SeekResponse(
         found=bytes(found), values=values, value_width=width, version=version, request_id=request_id
     )
@@ -211,7 +223,7 @@ def test_decode_variable_response() -> None:
         (b"\x0f", 0, "wire type 7"),
     ],
 )
-def test_decode_rejects_responses_that_do_not_match(data, n, message) -> None:
+def test_decode_rejects_responses_that_do_not_match(data: bytes, n: int, message: str) -> None:
     with pytest.raises(BadMessage, match=message):
         decode_seek_response(data, n)
 
@@ -243,7 +255,9 @@ def test_original_protocol_roundtrip() -> None:
 # assemble (scatter) and embeddings
 
 
-def _answer_for(keys, table, width, version: str = "v1"):
+def _answer_for(
+    keys: np.ndarray, table: dict[int, bytes], width: int, version: str = "v1"
+) -> Answer:
     """What a server holding `table` (key -> bytes) answers for `keys`."""
     found = np.array([int(k) in table for k in keys], dtype=bool)
     if width:
@@ -322,14 +336,26 @@ def test_version_order() -> None:
 class FakeShards:
     """Answers flow rounds as shards would: `held[shard]` = versions (current first)."""
 
-    def __init__(self, held, table, width: int = 4, pins: bool = True) -> None:
+    def __init__(
+        self,
+        held: dict[int, list[str] | PieceOutcome],
+        table: dict[int, bytes],
+        width: int = 4,
+        pins: bool = True,
+    ) -> None:
         self.held = held
         self.table = table
         self.width = width
         self.pins = pins
         self.rounds: list[list[PieceRequest]] = []
 
-    def run(self, keys, pieces, version=None, max_rounds: int = 3):
+    def run(
+        self,
+        keys: np.ndarray,
+        pieces: list[Piece],
+        version: str | None = None,
+        max_rounds: int = 3,
+    ) -> SeekResult:
         flow = seek_flow(keys, pieces, self.pins, max_rounds, version)
         try:
             requests = next(flow)
@@ -337,9 +363,10 @@ class FakeShards:
                 self.rounds.append(requests)
                 requests = flow.send([self.answer(pieces[r.piece], r.version) for r in requests])
         except StopIteration as stop:
-            return stop.value
+            result: SeekResult = stop.value  # the flow's return value
+            return result
 
-    def answer(self, piece, version):
+    def answer(self, piece: Piece, version: str | None) -> PieceOutcome:
         held = self.held[piece.shard]
         if isinstance(held, PieceOutcome):
             return held
@@ -351,7 +378,7 @@ class FakeShards:
         return PieceOutcome(_answer_for(piece.keys, self.table, self.width, version))
 
 
-def _pieces(shards: int = 3):
+def _pieces(shards: int = 3) -> tuple[np.ndarray, list[Piece]]:
     keys = np.arange(12, dtype=np.uint64)
     return keys, make_plan(keys, shards, "mod")
 
@@ -394,16 +421,15 @@ def test_flow_raises_when_no_version_is_everywhere() -> None:
 
 def test_flow_without_pinning_reasks_until_one_version_is_complete() -> None:
     keys, pieces = _pieces(2)
-    fake = FakeShards({0: ["6"], 1: ["5"]}, {}, pins=False)
-
     answers = iter(["5", "6"])  # shard 1 switches to 6 between rounds
 
-    def answer(piece, version):
-        assert version is None
-        current = "6" if piece.shard == 0 else next(answers)
-        return PieceOutcome(_answer_for(piece.keys, {}, 4, current))
+    class Switching(FakeShards):
+        def answer(self, piece: Piece, version: str | None) -> PieceOutcome:
+            assert version is None
+            current = "6" if piece.shard == 0 else next(answers)
+            return PieceOutcome(_answer_for(piece.keys, {}, 4, current))
 
-    fake.answer = answer
+    fake = Switching({0: ["6"], 1: ["5"]}, {}, pins=False)
     assert fake.run(keys, pieces).version == "6"
 
 
@@ -416,11 +442,12 @@ def test_flow_failed_shard_raises_with_partial_result() -> None:
     error = info.value
     assert error.shard == 1 and "h:1: UNAVAILABLE down" in str(error) and "h:2" in str(error)
     partial = error.result
+    assert partial is not None
     assert partial.answered.tolist() == [k % 3 != 1 for k in range(12)]
     assert partial.values[0] == b"abcd" and partial.values[1] is None
 
 
-def test_shard_unavailable_says_each_distinct_error_once_with_a_count():
+def test_shard_unavailable_says_each_distinct_error_once_with_a_count() -> None:
     """One replica tried three times with the same error: said once, with the count."""
     down = "failed to connect to all addresses; last error: UNAVAILABLE: Connection refused"
     once = [Attempt("h:1", "UNAVAILABLE", down)] * 3
@@ -438,7 +465,7 @@ def test_shard_unavailable_says_each_distinct_error_once_with_a_count():
     )
 
 
-def test_flow_rejected_raises_the_server_message():
+def test_flow_rejected_raises_the_server_message() -> None:
     keys, pieces = _pieces()
     rejected = Attempt("h:1", "INVALID_ARGUMENT", "too many keys")
     fake = FakeShards({0: ["5"], 1: ["5"], 2: PieceOutcome(None, (rejected,), rejected)}, {})

@@ -6,8 +6,8 @@ field scan against the generic one, and get_embeddings' view of the received buf
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeAlias
 
 import numpy as np
 import pytest
@@ -22,6 +22,7 @@ from cube.client import (
     CubeError,
     MockTransport,
     Retry,
+    Timeouts,
     TransportError,
 )
 from cube.client._core import SeekResult, embeddings
@@ -30,6 +31,11 @@ from cube.pb import cube_fast_pb2
 from cube.wire import BadMessage, _scan_response, _varint, decode_seek_response, varint
 
 KEYS = np.arange(10, 20, dtype=np.uint64)
+
+Step: TypeAlias = Callable[[str, bytes], bytes]  # one answer of a Scripted transport
+Outcome: TypeAlias = tuple[object, ...]  # what a seek came to (_outcome)
+# a client's three seeks: their outcomes, the replicas called, the stats and replica health
+Run: TypeAlias = tuple[list[Outcome], list[str], tuple[Any, ...]]
 
 
 class Scripted:
@@ -84,15 +90,22 @@ SCRIPTS = {
 }
 
 
-def _outcome(run: Callable[[], Any]) -> tuple[Any, ...]:
+def _outcome(run: Callable[[], SeekResult]) -> Outcome:
     try:
         result = run()
     except CubeError as exc:
-        partial = getattr(exc, "result", None)
+        return _described(exc)
+    return _described(result)
+
+
+def _described(answer: SeekResult | CubeError) -> Outcome:
+    """A seek's result or error as comparable values."""
+    if isinstance(answer, CubeError):
+        partial = getattr(answer, "result", None)
         found = None if partial is None else partial.found.tolist()
-        return type(exc).__name__, str(exc).split(" (request id")[0], found
-    assert isinstance(result, SeekResult)
-    return "ok", result.version, result.found.tolist(), result.column.as_rows().tobytes()
+        return type(answer).__name__, str(answer).split(" (request id")[0], found
+    assert isinstance(answer, SeekResult)
+    return "ok", answer.version, answer.found.tolist(), answer.column.as_rows().tobytes()
 
 
 def _state(client: CubeClient | AsyncCubeClient, stats: ClientStats) -> tuple[Any, ...]:
@@ -104,7 +117,7 @@ def _state(client: CubeClient | AsyncCubeClient, stats: ClientStats) -> tuple[An
     return snapshot, endpoints
 
 
-def _run_sync(script: list[Callable[[str, bytes], bytes]], fast: bool, version: str | None):
+def _run_sync(script: list[Step], fast: bool, version: str | None) -> Run:
     transport, stats = Scripted(script), ClientStats()
     client = CubeClient([["a:1", "b:1"]], transport=transport, retry=Retry(attempts=2),
                         stats=stats, seed=5)  # fmt: skip
@@ -114,8 +127,8 @@ def _run_sync(script: list[Callable[[str, bytes], bytes]], fast: bool, version: 
         return outcomes, transport.calls, _state(client, stats)
 
 
-def _run_async(script: list[Callable[[str, bytes], bytes]], fast: bool, version: str | None):
-    async def run() -> tuple[Any, ...]:
+def _run_async(script: list[Step], fast: bool, version: str | None) -> Run:
+    async def run() -> Run:
         transport, stats = Scripted(script), ClientStats()
         client = AsyncCubeClient([["a:1", "b:1"]], transport=transport,
                                  retry=Retry(attempts=2), stats=stats, seed=5)  # fmt: skip
@@ -124,10 +137,9 @@ def _run_async(script: list[Callable[[str, bytes], bytes]], fast: bool, version:
             outcomes = []
             for _ in range(3):
                 try:
-                    result = await client.seek(KEYS, version)
-                    outcomes.append(_outcome(lambda result=result: result))
+                    outcomes.append(_described(await client.seek(KEYS, version)))
                 except CubeError as exc:
-                    outcomes.append(_outcome(lambda exc=exc: (_ for _ in ()).throw(exc)))
+                    outcomes.append(_described(exc))
             return outcomes, transport.calls, _state(client, stats)
 
     return asyncio.run(run())
@@ -136,7 +148,9 @@ def _run_async(script: list[Callable[[str, bytes], bytes]], fast: bool, version:
 @pytest.mark.parametrize("version", [None, "7"])
 @pytest.mark.parametrize("case", list(SCRIPTS))
 @pytest.mark.parametrize("runner", [_run_sync, _run_async], ids=["sync", "async"])
-def test_fast_path_does_what_the_state_machine_does(runner, case, version: str | None) -> None:
+def test_fast_path_does_what_the_state_machine_does(
+    runner: Callable[[list[Step], bool, str | None], Run], case: str, version: str | None
+) -> None:
     fast = runner(SCRIPTS[case], True, version)
     slow = runner(SCRIPTS[case], False, version)
     assert fast == slow
@@ -157,7 +171,7 @@ def test_the_fast_path_is_taken_and_counted() -> None:
 
 def test_backup_requests_keep_the_state_machine() -> None:
     client = CubeClient([["a:1", "b:1"]], transport=Scripted([good()]),
-                        timeout=__import__("cube.client").client.Timeouts(1.0, 0.01))  # fmt: skip
+                        timeout=Timeouts(1.0, 0.01))  # fmt: skip
     with client:
         assert not client._lone_fast and client.seek(KEYS).found.all()
 
@@ -201,7 +215,9 @@ FIELD = st.one_of(
 @example(fields=[(5, 2, b"\x80"), (5, 2, b"")], cut=400, junk=b"").via(
     "a version that is not UTF-8, then a good one: protobuf refuses the message"
 )
-def test_response_scan_reads_what_protobuf_reads(fields, cut, junk) -> None:
+def test_response_scan_reads_what_protobuf_reads(
+    fields: list[tuple[int, int, Any]], cut: int, junk: bytes
+) -> None:
     """The SDK's one-pass scan against the generated class on any mix of known, unknown,
     repeated and damaged fields: same fields, same errors (the width is a uint32 to protobuf,
     which keeps the low 32 bits of a larger varint)."""
@@ -224,7 +240,7 @@ def test_response_scan_reads_what_protobuf_reads(fields, cut, junk) -> None:
 
 
 @given(st.integers(0, 2**64 - 1))
-def test_request_id_varint(value) -> None:
+def test_request_id_varint(value: int) -> None:
     assert _varint(value) == varint(value)
 
 
@@ -295,7 +311,7 @@ def test_embeddings_copy_what_they_must_not_share() -> None:
 
 
 @pytest.fixture(scope="module")
-def one_shard(tmp_path_factory):
+def one_shard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from helpers.procs import fixed_values, start_server, write_version
 
     keys = np.arange(0, 20_000, 2, dtype=np.uint64)  # odd keys are misses
@@ -320,7 +336,7 @@ SIZES = [1, 7, 1000, 999, 1000, 3, 1000]
 
 
 @pytest.mark.slow
-def test_lane_answers_become_aligned_views(one_shard) -> None:
+def test_lane_answers_become_aligned_views(one_shard: str) -> None:
     rng = np.random.default_rng(0)
     with CubeClient([[one_shard]]) as client:
         for size in SIZES:
@@ -334,7 +350,7 @@ def test_lane_answers_become_aligned_views(one_shard) -> None:
 
 
 @pytest.mark.slow
-def test_asyncio_lane_pipelined_answers(one_shard) -> None:
+def test_asyncio_lane_pipelined_answers(one_shard: str) -> None:
     rng = np.random.default_rng(1)
     batches = [rng.integers(0, 20_000, SIZES[i % len(SIZES)], dtype=np.uint64) for i in range(60)]
 
@@ -349,7 +365,7 @@ def test_asyncio_lane_pipelined_answers(one_shard) -> None:
 
 
 @pytest.mark.slow
-def test_asyncio_lane_answers_one_at_a_time_become_views(one_shard) -> None:
+def test_asyncio_lane_answers_one_at_a_time_become_views(one_shard: str) -> None:
     rng = np.random.default_rng(2)
 
     async def run() -> None:

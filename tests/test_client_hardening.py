@@ -8,14 +8,21 @@ import asyncio
 import gc
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import psutil
 import pytest
-from helpers.procs import fixed_values, start_server, write_version
+from helpers.procs import ServerProc, fixed_values, start_server, write_version
 
-from cube.client import AsyncCubeClient, ConfigMismatchError, CubeClient
+from cube.client import (
+    AsyncCubeClient,
+    ConfigMismatchError,
+    CubeClient,
+    Partitioner,
+    TransportName,
+)
 from cube.routing import shard_of
 
 pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
@@ -25,11 +32,11 @@ WIDTH = 16
 
 
 @pytest.fixture(scope="module")
-def two_shards(tmp_path_factory: pytest.TempPathFactory):
+def two_shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
     """Shards 0 and 1 of a 2-shard murmur3 build of dict test_dict, one server each."""
     root = tmp_path_factory.mktemp("routing")
     owner = shard_of(KEYS, 2, "murmur3")
-    servers = []
+    servers: list[ServerProc] = []
     try:
         for shard in range(2):
             mine = KEYS[owner == shard]
@@ -45,7 +52,7 @@ def two_shards(tmp_path_factory: pytest.TempPathFactory):
             server.stop()
 
 
-def test_right_configuration_answers(two_shards) -> None:
+def test_right_configuration_answers(two_shards: list[str]) -> None:
     with CubeClient(shards=[[a] for a in two_shards], partitioner="murmur3") as client:
         assert client.seek(KEYS[:500]).found.all()
 
@@ -60,25 +67,36 @@ def test_right_configuration_answers(two_shards) -> None:
         ("dict", "asks for dict 'other'"),
     ],
 )
-def test_drift_is_a_config_error_on_first_contact(two_shards, transport: str, case, words) -> None:
+def test_drift_is_a_config_error_on_first_contact(
+    two_shards: list[str], transport: TransportName, case: str, words: str
+) -> None:
     """Today each of these answered with a hit rate of 0.0 / 0.5 / low and no error."""
     shards = [[a] for a in two_shards]
-    settings = {"partitioner": "murmur3", "transport": transport}
+    partitioner: Partitioner = "murmur3"
+    dict_name = ""  # the default: any dict
     if case == "swapped":
         shards = shards[::-1]
     elif case == "partitioner":
-        settings["partitioner"] = "mod"
+        partitioner = "mod"
     elif case == "count":
         shards = [*shards, shards[0]]
     else:
-        settings["dict_name"] = "other"
-    with CubeClient(shards=shards, retry=0, **settings) as client:
+        dict_name = "other"
+    with CubeClient(
+        shards=shards, retry=0, partitioner=partitioner, transport=transport, dict_name=dict_name
+    ) as client:
         with pytest.raises(ConfigMismatchError, match=words) as caught:
             client.seek(KEYS[:500])
         assert "holds shard" in str(caught.value)
 
     async def seek_async() -> None:
-        async with AsyncCubeClient(shards=shards, retry=0, **settings) as client:
+        async with AsyncCubeClient(
+            shards=shards,
+            retry=0,
+            partitioner=partitioner,
+            transport=transport,
+            dict_name=dict_name,
+        ) as client:
             await client.seek(KEYS[:500])
 
     with pytest.raises(ConfigMismatchError, match=words):

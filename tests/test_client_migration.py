@@ -25,12 +25,14 @@ import os
 import random
 import signal
 import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any, TypeAlias
 
 import numpy as np
 import pytest
 from helpers.delay_relay import Link
-from helpers.procs import expected_fixed, fixed_values, start_server, write_version
+from helpers.procs import ServerProc, expected_fixed, fixed_values, start_server, write_version
 
 from cube.client import (
     AsyncCubeClient,
@@ -41,6 +43,7 @@ from cube.client import (
     CubeClients,
     DeadlineExceededError,
     RequestRejectedError,
+    SeekResult,
     ShardUnavailableError,
     Timeouts,
     load_conf,
@@ -59,11 +62,14 @@ WIDTH = 16
 KEYS = np.arange(1, 20_000, 3, dtype=np.uint64)
 SLACK = 0.8  # seconds a bounded call may run past its deadline on a loaded test machine
 
+# a seek's result or the error it raised, and the seconds it took
+Timed: TypeAlias = tuple[SeekResult | ShardUnavailableError, float]
+
 
 @contextlib.contextmanager
-def servers(*specs):
+def servers(*specs: tuple[Path, tuple[str, ...]]) -> Iterator[list[ServerProc]]:
     """(data_dir, args) each; stopped by PID at the end (resumed first if a test stopped one)."""
-    started = []
+    started: list[ServerProc] = []
     try:
         for data_dir, args in specs:
             started.append(start_server(data_dir, *args, wait=False))
@@ -89,8 +95,9 @@ def shard_dirs(root: Path, dict_name: str, shard_num: int, tag: int) -> list[Pat
     return dirs
 
 
-def entry(dict_name, nodes, **changes):
-    conf = {
+def entry(dict_name: str, nodes: Sequence[Mapping[str, object]], **changes: Any) -> dict[str, Any]:
+    """One dict of a cube.conf (decoded JSON)."""
+    conf: dict[str, Any] = {
         "dict_name": dict_name,
         "shard": len(nodes),
         "dup": 1,
@@ -104,16 +111,16 @@ def entry(dict_name, nodes, **changes):
     return conf
 
 
-def replicas(*addresses: str) -> dict:
+def replicas(*addresses: str) -> dict[str, str]:
     return {"ipport_list": "list://" + ",".join(addresses)}
 
 
-def write_conf(path: Path, *entries) -> Path:
+def write_conf(path: Path, *entries: dict[str, Any]) -> Path:
     path.write_text(json.dumps(list(entries)))
     return path
 
 
-def check(result, keys, tag) -> None:
+def check(result: SeekResult, keys: np.ndarray, tag: int) -> None:
     expect = np.isin(keys, KEYS)
     assert result.found.tolist() == expect.tolist()
     rows = result.column.as_rows()
@@ -125,7 +132,7 @@ def query(seed: int, n: int = 200) -> np.ndarray:
 
 
 @contextlib.contextmanager
-def stopped(*procs):
+def stopped(*procs: ServerProc) -> Iterator[None]:
     """The servers stopped (SIGSTOP): their sockets stay connected, nothing is answered."""
     for proc in procs:
         os.kill(proc.pid, signal.SIGSTOP)
@@ -137,10 +144,10 @@ def stopped(*procs):
 
 
 @contextlib.contextmanager
-def relayed(server):
+def relayed(server: ServerProc) -> Iterator[tuple[Link, str]]:
     """A delaying Link (tests/helpers/delay_relay.py) in front of `server` on 127.0.0.2; yields (the
     link, the relayed lookup address)."""
-    report = json.loads(server.port_file.read_text())
+    report = server.written_ports()
     relay = Link([*report["ports"], *report["tcp_ports"]])
     try:
         yield relay, f"127.0.0.2:{report['ports'][0]}"
@@ -149,14 +156,14 @@ def relayed(server):
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerProc]]:
     """Dict `emb`: shard 0 on two replica processes, shard 1 on one; dict `ctr`: one shard.
     Values carry tag 1 (emb) and 2 (ctr)."""
     root = tmp_path_factory.mktemp("migration")
     emb = shard_dirs(root, "emb", 2, tag=1)
     (ctr,) = shard_dirs(root, "ctr", 1, tag=2)
     emb_args = ("--dict_name", "emb")
-    specs = [
+    specs: list[tuple[Path, tuple[str, ...]]] = [
         (emb[0], (*emb_args, "--shard", "0")),
         (emb[0], (*emb_args, "--shard", "0")),
         (emb[1], (*emb_args, "--shard", "1")),
@@ -170,7 +177,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
 # 1. The whole-call timeout
 
 
-def seek_timed(client, keys, stop=()):
+def seek_timed(
+    client: CubeClient | AsyncCubeClient, keys: np.ndarray, stop: tuple[ServerProc, ...] = ()
+) -> Timed:
     """(result or error, seconds) of one seek on a CubeClient or an AsyncCubeClient (then
     closed), made while the servers in `stop` are stopped, after a first seek that connects
     to them."""
@@ -181,6 +190,7 @@ def seek_timed(client, keys, stop=()):
             client.seek(keys)
         with stopped(*stop):
             started = time.monotonic()
+            outcome: SeekResult | ShardUnavailableError
             try:
                 outcome = client.seek(keys)
             except ShardUnavailableError as exc:
@@ -188,12 +198,15 @@ def seek_timed(client, keys, stop=()):
             return outcome, time.monotonic() - started
 
 
-async def _seek_timed(client, keys, stop):
+async def _seek_timed(
+    client: AsyncCubeClient, keys: np.ndarray, stop: tuple[ServerProc, ...]
+) -> Timed:
     async with client:  # grpc.aio channels belong to this run's event loop
         if stop:
             await client.seek(keys)
         with stopped(*stop):
             started = time.monotonic()
+            outcome: SeekResult | ShardUnavailableError
             try:
                 outcome = await client.seek(keys)
             except ShardUnavailableError as exc:
@@ -203,7 +216,9 @@ async def _seek_timed(client, keys, stop):
 
 @pytest.mark.parametrize("make", [CubeClient, AsyncCubeClient], ids=["sync", "async"])
 def test_conf_timeout_bounds_the_whole_call_past_retries_and_backups(
-    cluster, tmp_path: Path, make
+    cluster: list[ServerProc],
+    tmp_path: Path,
+    make: type[CubeClient] | type[AsyncCubeClient],
 ) -> None:
     """Both replicas of shard 0 stopped. Attempts of 150 ms, 5 retries and backup requests
     could take over a second; the 400 ms timeout of the call ends it, naming dict and shard."""
@@ -225,6 +240,7 @@ def test_conf_timeout_bounds_the_whole_call_past_retries_and_backups(
     assert message.startswith("dict 'emb': no answer within the call's timeout of 400 ms")
     assert "shard 0 failed" in message and "DEADLINE_EXCEEDED" in message
     partial = error.result  # shard 1 answered
+    assert partial is not None
     on_shard1 = shard_of(keys, 2) == 1
     assert partial.answered.tolist() == on_shard1.tolist()
     assert partial.found[on_shard1].tolist() == np.isin(keys[on_shard1], KEYS).tolist()
@@ -232,7 +248,9 @@ def test_conf_timeout_bounds_the_whole_call_past_retries_and_backups(
 
 @pytest.mark.parametrize("make", [CubeClient, AsyncCubeClient], ids=["sync", "async"])
 def test_a_slow_shard_ends_at_the_deadline_with_the_others_answers(
-    cluster, tmp_path: Path, make
+    cluster: list[ServerProc],
+    tmp_path: Path,
+    make: type[CubeClient] | type[AsyncCubeClient],
 ) -> None:
     """Shard 1 behind a relay. Connected, then 1.5 s per round trip: the call fails by its
     300 ms timeout, with shard 0's answers in the error's partial result. At 100 ms per round
@@ -246,7 +264,7 @@ def test_a_slow_shard_ends_at_the_deadline_with_the_others_answers(
             entry("emb", [replicas(a.address), replicas(slow)], timeout=300, retry=3),
         )
         client = make.from_conf(conf)
-        if make is CubeClient:
+        if isinstance(client, CubeClient):
             outcomes = [slow_seeks(client, keys, relay)]
         else:
             outcomes = [asyncio.run(slow_seeks_async(client, keys, relay))]
@@ -255,14 +273,18 @@ def test_a_slow_shard_ends_at_the_deadline_with_the_others_answers(
     assert isinstance(error, DeadlineExceededError), error
     assert 0.25 < elapsed < 0.3 + SLACK, elapsed
     assert error.shards == [1] and str(error).startswith("dict 'emb': no answer within")
+    assert error.result is not None
     assert error.result.answered.tolist() == (~on_shard1).tolist()
     answered = np.isin(keys[~on_shard1], KEYS).tolist()
     assert error.result.found[~on_shard1].tolist() == answered
+    assert isinstance(late, SeekResult), late
     check(late, keys, 1)
     assert 0.1 <= late_elapsed < 0.3 + SLACK
 
 
-def slow_seeks(client, keys, relay):
+def slow_seeks(
+    client: CubeClient, keys: np.ndarray, relay: Link
+) -> tuple[SeekResult, Timed, Timed]:
     """A seek through the relay, one at 1.5 s per round trip, one at 100 ms."""
     with client:
         first = client.seek(keys)
@@ -273,7 +295,9 @@ def slow_seeks(client, keys, relay):
         return first, slow, timed(client.seek, keys)
 
 
-async def slow_seeks_async(client, keys, relay):
+async def slow_seeks_async(
+    client: AsyncCubeClient, keys: np.ndarray, relay: Link
+) -> tuple[SeekResult, Timed, Timed]:
     async with client:
         first = await client.seek(keys)
         relay.delay = 1.5
@@ -283,8 +307,9 @@ async def slow_seeks_async(client, keys, relay):
         return first, slow, await timed_async(client.seek, keys)
 
 
-def timed(seek, keys):
+def timed(seek: Callable[[np.ndarray], SeekResult], keys: np.ndarray) -> Timed:
     started = time.monotonic()
+    outcome: SeekResult | ShardUnavailableError
     try:
         outcome = seek(keys)
     except ShardUnavailableError as exc:
@@ -292,8 +317,11 @@ def timed(seek, keys):
     return outcome, time.monotonic() - started
 
 
-async def timed_async(seek, keys):
+async def timed_async(
+    seek: Callable[[np.ndarray], Awaitable[SeekResult]], keys: np.ndarray
+) -> Timed:
     started = time.monotonic()
+    outcome: SeekResult | ShardUnavailableError
     try:
         outcome = await seek(keys)
     except ShardUnavailableError as exc:
@@ -301,7 +329,9 @@ async def timed_async(seek, keys):
     return outcome, time.monotonic() - started
 
 
-def test_attempt_timeout_fails_over_within_the_calls_timeout(cluster, tmp_path: Path) -> None:
+def test_attempt_timeout_fails_over_within_the_calls_timeout(
+    cluster: list[ServerProc], tmp_path: Path
+) -> None:
     """attempt_timeout 100 ms inside a 3 s call: a stopped replica costs one attempt, then the
     other replica answers (rr sends half of the first attempts to the stopped one)."""
     a, b, c, _ = cluster
@@ -322,7 +352,7 @@ def test_attempt_timeout_fails_over_within_the_calls_timeout(cluster, tmp_path: 
 
 
 def test_without_attempt_timeout_a_backup_request_gets_past_a_stuck_replica(
-    cluster, tmp_path: Path
+    cluster: list[ServerProc], tmp_path: Path
 ) -> None:
     """As in the original: an attempt may use the whole timeout, so the backup request is what
     answers past a replica that never does (retry 0: no retry would come in time anyway)."""
@@ -344,7 +374,9 @@ def test_without_attempt_timeout_a_backup_request_gets_past_a_stuck_replica(
             assert time.monotonic() - started < 5.0  # none waited for the stuck replica
 
 
-def test_a_number_given_to_the_constructor_still_bounds_each_attempt(cluster) -> None:
+def test_a_number_given_to_the_constructor_still_bounds_each_attempt(
+    cluster: list[ServerProc],
+) -> None:
     """Backward compatible: timeout=0.2 is per attempt, no whole-call bound: with both
     replicas stopped, 3 attempts time out (ShardUnavailableError, not the deadline's)."""
     a, b, c, _ = cluster
@@ -389,7 +421,9 @@ def decode(data: bytes) -> Answer:
     return Answer(np.ones(1, bool), ValueColumn.from_list([b"v"]), data.decode())
 
 
-def deadline_round(policy, deadline, replicas=("a:1", "b:2")):
+def deadline_round(
+    policy: Policy, deadline: float | None, replicas: Sequence[str] = ("a:1", "b:2")
+) -> Round:
     rng = random.Random(3)
     cluster = Cluster([list(replicas)], "rr", rng)
     call = ShardCall(0, cluster.shards[0], b"req", decode, policy, rng)
@@ -400,6 +434,7 @@ def test_attempts_are_cut_to_the_deadline_and_nothing_starts_past_it() -> None:
     policy = Policy(timeout_ms=300, total_ms=500, retry=5, backup_request_ms=480)
     round_ = deadline_round(policy, 0.5)
     (first,) = round_.start(0.0)
+    assert isinstance(first, Send)
     assert first.timeout_s == 0.3  # the attempt's own bound: within the deadline
     assert round_.calls[0].hedge_at == pytest.approx(0.48)
     assert round_.on_error(first.key, "UNAVAILABLE", "refused", 0.25) == []
@@ -417,6 +452,7 @@ def test_the_round_aborts_at_the_calls_deadline() -> None:
     policy = Policy(timeout_ms=1000, total_ms=200, retry=2)
     round_ = deadline_round(policy, 0.2)
     (first,) = round_.start(0.0)
+    assert isinstance(first, Send)
     assert first.timeout_s == pytest.approx(0.2)
     assert round_.next_wakeup() == pytest.approx(0.2)
     cancels = round_.on_timer(0.2)
@@ -427,11 +463,13 @@ def test_the_round_aborts_at_the_calls_deadline() -> None:
     # a retry that would begin after the deadline is not waited for
     round_ = deadline_round(Policy(timeout_ms=1000, total_ms=200, retry=2), 0.2)
     (first,) = round_.start(0.0)
+    assert isinstance(first, Send)
     assert round_.on_error(first.key, "UNAVAILABLE", "refused", 0.1999) == []
     assert round_.done and round_.outcomes()[0].deadline_exceeded
     # without a deadline nothing changes
     round_ = deadline_round(Policy(timeout_ms=1000, retry=2), None)
     (first,) = round_.start(0.0)
+    assert isinstance(first, Send)
     assert first.timeout_s == 1.0
     round_.on_error(first.key, "UNAVAILABLE", "refused", 0.1)
     assert not round_.done
@@ -448,6 +486,7 @@ def test_the_flow_raises_the_deadline_error_naming_the_dict() -> None:
     outcomes = []
     for number, round_ in enumerate(rounds):
         (send,) = round_.start(0.0)
+        assert isinstance(send, Send)
         if number == 0:
             round_.on_response(send.key, b"7", 0.01)
         else:
@@ -456,7 +495,9 @@ def test_the_flow_raises_the_deadline_error_naming_the_dict() -> None:
     with pytest.raises(DeadlineExceededError) as info:
         flow.send(outcomes)
     assert str(info.value).startswith("dict 'emb': no answer within the call's timeout of 250 ms")
-    assert info.value.shards == [1] and info.value.result.answered.tolist() == [False, True]
+    partial = info.value.result
+    assert info.value.shards == [1]
+    assert partial is not None and partial.answered.tolist() == [False, True]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -467,7 +508,9 @@ BRPC_NAMES = ("rr", "wrr", "random", "wr", "la", "p2c", "c_murmurhash", "c_md5",
               "_dynpart")  # fmt: skip
 
 
-def lb_conf(name, nodes=None, kind: str = "ipport_list"):
+def lb_conf(
+    name: object, nodes: Sequence[Mapping[str, object]] | None = None, kind: str = "ipport_list"
+) -> list[dict[str, Any]]:
     nodes = nodes or [replicas("h:1", "h:2")]
     return [entry("d", nodes, load_balancer=name, type=kind)]
 
@@ -490,7 +533,7 @@ def test_every_brpc_name_is_known() -> None:
     ],
 )
 def test_brpc_names_map_to_the_nearest_policy_with_a_warning(
-    caplog: pytest.LogCaptureFixture, name, policy, warning
+    caplog: pytest.LogCaptureFixture, name: str, policy: str, warning: str | None
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="cube.client"):
         conf = parse_conf(lb_conf(name))
@@ -542,7 +585,7 @@ def test_unknown_names_are_refused_listing_brpcs() -> None:
 
 @pytest.mark.parametrize("name", ["wrr", "wr", "p2c", "la:whatever"])
 def test_mapped_balancers_spread_calls_over_real_replicas(
-    cluster, tmp_path: Path, name: str
+    cluster: list[ServerProc], tmp_path: Path, name: str
 ) -> None:
     a, b, c, _ = cluster
     nodes = [replicas(f"{a.address} 5", f"{b.address} 5"), replicas(c.address)]
@@ -561,7 +604,7 @@ def test_mapped_balancers_spread_calls_over_real_replicas(
 
 
 @pytest.fixture
-def two_dicts(cluster, tmp_path: Path):
+def two_dicts(cluster: list[ServerProc], tmp_path: Path) -> Path:
     a, b, c, d = cluster
     return write_conf(
         tmp_path / "cube.conf",
@@ -570,7 +613,7 @@ def two_dicts(cluster, tmp_path: Path):
     )
 
 
-def test_one_object_for_every_dict_of_cube_conf(two_dicts) -> None:
+def test_one_object_for_every_dict_of_cube_conf(two_dicts: Path) -> None:
     keys = query(6)
     with CubeClients.from_conf(two_dicts) as cube:
         assert cube.get_table_names() == ["emb", "ctr"]  # file order
@@ -591,7 +634,7 @@ def test_one_object_for_every_dict_of_cube_conf(two_dicts) -> None:
         CubeClients.from_conf(two_dicts, dict_names=["ctr", "nope"])
 
 
-def test_the_one_dict_api_is_unchanged(two_dicts) -> None:
+def test_the_one_dict_api_is_unchanged(two_dicts: Path) -> None:
     keys = query(7)
     with pytest.raises(ConfError, match=r"defines 2 dicts \(emb, ctr\); pass dict_name .*"
                        "CubeClients.from_conf"):  # fmt: skip
@@ -601,7 +644,7 @@ def test_the_one_dict_api_is_unchanged(two_dicts) -> None:
     assert load_conf(two_dicts, "emb").dict_name == "emb"
 
 
-def test_clients_built_by_hand_and_their_checks(cluster, two_dicts) -> None:
+def test_clients_built_by_hand_and_their_checks(cluster: list[ServerProc], two_dicts: Path) -> None:
     _, _, c, d = cluster
     keys = query(8)
     stats = ClientStats()
@@ -627,10 +670,10 @@ def test_clients_built_by_hand_and_their_checks(cluster, two_dicts) -> None:
         wrong.seek("ctr", keys)
 
 
-def test_async_clients_of_several_dicts(two_dicts) -> None:
+def test_async_clients_of_several_dicts(two_dicts: Path) -> None:
     keys = query(9)
 
-    async def main():
+    async def main() -> tuple[SeekResult, SeekResult, np.ndarray]:
         async with AsyncCubeClients.from_conf(two_dicts) as cube:
             assert cube.get_table_names() == ["emb", "ctr"]
             assert await cube.wait_ready(5.0) == []

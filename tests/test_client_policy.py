@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import random
+from typing import Final
 
 import numpy as np
 import pytest
 
 from cube.backoff import Backoff
+from cube.client._core import PieceOutcome
 from cube.client._policy import (
+    Action,
     Balancer,
     Cancel,
     Cluster,
@@ -31,8 +34,13 @@ def fake_decode(data: bytes) -> Answer:
 
 
 def make_round(
-    replicas, policy, calls: int = 1, pinned=None, balancer: str = "rr", now: float = 0.0
-):
+    replicas: list[str],
+    policy: Policy,
+    calls: int = 1,
+    pinned: str | None = None,
+    balancer: str = "rr",
+    now: float = 0.0,
+) -> tuple[Round, Cluster]:
     rng = random.Random(7)
     cluster = Cluster([replicas] * calls, balancer, rng)
     shard_calls = [
@@ -42,24 +50,42 @@ def make_round(
     return Round(shard_calls, policy, now), cluster
 
 
-def sends(actions):
+def sends(actions: list[Action]) -> list[Send]:
     return [a for a in actions if isinstance(a, Send)]
+
+
+def only_sends(actions: list[Action]) -> list[Send]:
+    """`actions`, every one of them a Send (what `start` returns)."""
+    assert all(isinstance(a, Send) for a in actions), actions
+    return sends(actions)
+
+
+def answer_of(outcome: PieceOutcome) -> Answer:
+    """The outcome's answer; fails the test if it has none."""
+    assert outcome.answer is not None, outcome.attempts
+    return outcome.answer
+
+
+def picked(choice: int | None) -> int:
+    """A balancer's pick; fails the test if it picked none."""
+    assert choice is not None, "no replica picked"
+    return choice
 
 
 def test_first_answer_wins() -> None:
     round_, _ = make_round(["a:1", "b:2"], Policy())
-    (send,) = round_.start(0.0)
+    (send,) = only_sends(round_.start(0.0))
     assert send.request == b"req" and send.timeout_s == 1.0
     assert round_.on_response(send.key, b"v9", 0.001) == []
     assert round_.done
     (outcome,) = round_.outcomes()
-    assert outcome.answer.version == "v9" and outcome.attempts == ()
+    assert answer_of(outcome).version == "v9" and outcome.attempts == ()
 
 
-def test_retries_go_to_other_replicas_with_bounded_backoff_then_fail():
+def test_retries_go_to_other_replicas_with_bounded_backoff_then_fail() -> None:
     policy = Policy(retry=2, backoff=Backoff(0.004, 0.006, 0.5))
     round_, cluster = make_round(["a:1", "b:2", "c:3"], policy)
-    (first,) = round_.start(0.0)
+    (first,) = only_sends(round_.start(0.0))
     assert round_.on_error(first.key, "UNAVAILABLE", "refused", 0.0) == []
     wake = round_.next_wakeup()
     assert 0.002 <= wake <= 0.004  # half to full of base
@@ -85,15 +111,15 @@ def test_retries_go_to_other_replicas_with_bounded_backoff_then_fail():
 
 def test_single_replica_retries_on_itself() -> None:
     round_, _ = make_round(["a:1"], Policy(retry=1))
-    (first,) = round_.start(0.0)
+    (first,) = only_sends(round_.start(0.0))
     round_.on_error(first.key, "UNAVAILABLE", "x", 0.0)
     (second,) = sends(round_.on_timer(round_.next_wakeup()))
     assert second.address == "a:1"
     round_.on_response(second.key, b"v1", 0.01)
-    assert round_.outcomes()[0].answer.version == "v1"
+    assert answer_of(round_.outcomes()[0]).version == "v1"
 
 
-def test_backoff_is_capped_and_jittered():
+def test_backoff_is_capped_and_jittered() -> None:
     policy = Policy(backoff=Backoff(0.002, 0.1, 0.5))
     rng = random.Random(1)
     delays = [policy.backoff_s(k, rng) for k in range(30)]
@@ -112,13 +138,13 @@ def test_non_retryable_status_rejects_the_round_and_cancels_the_rest() -> None:
     ]
     assert round_.done and round_.rejected
     outcomes = round_.outcomes()
-    assert outcomes[1].rejected.message == "bad keys"
+    assert outcomes[1].rejected is not None and outcomes[1].rejected.message == "bad keys"
     assert outcomes[0].attempts[0].code == "CANCELLED"
 
 
 def test_backup_request_after_delay_and_loser_cancelled() -> None:
     round_, cluster = make_round(["a:1", "b:2"], Policy(backup_request_ms=10))
-    (first,) = round_.start(0.0)
+    (first,) = only_sends(round_.start(0.0))
     assert round_.next_wakeup() == pytest.approx(0.010)
     assert round_.on_timer(0.005) == []
     (backup,) = sends(round_.on_timer(0.010))
@@ -126,7 +152,7 @@ def test_backup_request_after_delay_and_loser_cancelled() -> None:
     assert {e.address: e.inflight for e in cluster.endpoints} == {"a:1": 1, "b:2": 1}
     actions = round_.on_response(backup.key, b"v1", 0.012)
     assert actions == [Cancel(first.key)]
-    assert round_.done and round_.outcomes()[0].answer.version == "v1"
+    assert round_.done and answer_of(round_.outcomes()[0]).version == "v1"
     assert all(e.inflight == 0 for e in cluster.endpoints)
     # A late answer of the cancelled attempt changes nothing.
     assert round_.on_response(first.key, b"v2", 0.02) == []
@@ -143,7 +169,7 @@ def test_la_learns_a_replica_whose_attempts_always_lose_to_backups() -> None:
         now = call * 1.0
         call_ = ShardCall(0, cluster.shards[0], b"req", fake_decode, policy, rng)
         round_ = Round([call_], policy, now)
-        (first,) = round_.start(now)
+        (first,) = only_sends(round_.start(now))
         firsts.append(first.address)
         if first.address == "fast:2":
             round_.on_response(first.key, b"v", now + 0.001)
@@ -160,17 +186,17 @@ def test_no_backup_request_with_one_replica_and_failed_original_waits_for_backup
     round_.start(0.0)
     assert round_.next_wakeup() > 1.0  # only the round deadline
     round_, _ = make_round(["a:1", "b:2"], Policy(backup_request_ms=10, retry=0))
-    (first,) = round_.start(0.0)
+    (first,) = only_sends(round_.start(0.0))
     (backup,) = sends(round_.on_timer(0.01))
     assert round_.on_error(first.key, "DEADLINE_EXCEEDED", "slow", 0.02) == []
     assert not round_.done
     round_.on_response(backup.key, b"v3", 0.03)
-    assert round_.outcomes()[0].answer.version == "v3"
+    assert answer_of(round_.outcomes()[0]).version == "v3"
 
 
 def test_pinned_version_tries_other_replicas_without_marking_them_down() -> None:
     round_, cluster = make_round(["a:1", "b:2"], Policy(retry=1), pinned="6")
-    (first,) = round_.start(0.0)
+    (first,) = only_sends(round_.start(0.0))
     round_.on_error(first.key, "FAILED_PRECONDITION", "version 6 not held", 0.0)
     (second,) = sends(round_.on_timer(round_.next_wakeup()))
     assert second.address != first.address
@@ -183,15 +209,15 @@ def test_pinned_version_tries_other_replicas_without_marking_them_down() -> None
 
 def test_bad_response_is_retried() -> None:
     round_, _ = make_round(["a:1", "b:2"], Policy(retry=1))
-    (first,) = round_.start(0.0)
+    (first,) = only_sends(round_.start(0.0))
     round_.on_response(first.key, b"garbage", 0.0)
     (second,) = sends(round_.on_timer(round_.next_wakeup()))
     round_.on_response(second.key, b"v1", 0.01)
     outcome = round_.outcomes()[0]
-    assert outcome.answer.version == "v1" and outcome.attempts[0].code == "BAD_RESPONSE"
+    assert answer_of(outcome).version == "v1" and outcome.attempts[0].code == "BAD_RESPONSE"
 
 
-def test_round_deadline_aborts_everything():
+def test_round_deadline_aborts_everything() -> None:
     policy = Policy(timeout_ms=100, retry=1, backoff=Backoff(0.002, 0.01, 0.5))
     round_, _ = make_round(["a:1"], policy, calls=2)
     started = round_.start(0.0)
@@ -206,7 +232,7 @@ def test_round_deadline_aborts_everything():
 def test_balancers() -> None:
     replicas = [EndpointState(a) for a in ("a", "b", "c")]
     rr = Balancer("rr", random.Random(0))
-    picks = [rr.pick(replicas, set(), 0.0, reuse=True) for _ in range(6)]
+    picks = [picked(rr.pick(replicas, set(), 0.0, reuse=True)) for _ in range(6)]
     assert sorted(picks[:3]) == [0, 1, 2] and picks[:3] == picks[3:]
     assert rr.pick(replicas, {0, 1}, 0.0, reuse=True) == 2
     assert rr.pick(replicas, {0, 1, 2}, 0.0, reuse=False) is None
@@ -231,7 +257,7 @@ def test_balancers() -> None:
         Balancer("wrr", random.Random(0))
 
 
-def test_the_policy_takes_retry_and_cooldown_from_the_options():
+def test_the_policy_takes_retry_and_cooldown_from_the_options() -> None:
     """Retry.backoff and Retry.cooldown are the state machine's rules as they are (one home for
     the backoff rule and its defaults)."""
     from cube.client.options import Retry, Timeouts
@@ -246,7 +272,7 @@ def test_the_policy_takes_retry_and_cooldown_from_the_options():
         assert endpoint.down_until == pytest.approx(expected)
 
 
-def test_cooldown_grows_and_is_capped():
+def test_cooldown_grows_and_is_capped() -> None:
     endpoint, policy = EndpointState("a"), Policy(cooldown=Backoff(0.1, 0.4))
     for expected in (0.1, 0.2, 0.4, 0.4):
         endpoint.failed(0.0, policy)
@@ -268,7 +294,7 @@ def test_policy_rejects_bad_settings() -> None:
 
 def test_version_unavailable_is_not_retried_on_the_same_replicas() -> None:
     round_, _ = make_round(["a:1"], Policy(retry=5), pinned="6")
-    (first,) = round_.start(0.0)
+    (first,) = only_sends(round_.start(0.0))
     round_.on_error(first.key, "FAILED_PRECONDITION", "version 6 not held", 0.0)
     assert round_.done and round_.outcomes()[0].version_unavailable
 
@@ -277,23 +303,36 @@ def test_version_unavailable_is_not_retried_on_the_same_replicas() -> None:
 # Partial failure (issue 24, item 10): a replica whose link is down (connects hang, no reset),
 # another too slow for the call's timeout, a third healthy; hedging on, `rr`.
 
-NEVER = None  # a replica that never answers: its attempts end by their timeout
+NEVER: Final = None  # a replica that never answers: its attempts end by their timeout
 
 
-def drive(cluster, policy, latency, calls, gap_s: float = 0.01, late_s: float = 1e-4):
+def drive(
+    cluster: Cluster,
+    policy: Policy,
+    latency: dict[str, float | None],
+    calls: int,
+    gap_s: float = 0.01,
+    late_s: float = 1e-4,
+) -> tuple[list[PieceOutcome], list[Send]]:
     """Sequential calls through the state machine on a fake clock, as the drivers run them:
     an attempt's answer arrives `latency[address]` after it was sent; an attempt that gets
     none reports DEADLINE_EXCEEDED `late_s` after its timeout, i.e. just after the driver's
     own timer at the call's deadline (the race the drivers see). Returns the outcomes and
     every Send."""
     rng = random.Random(11)
-    now, outcomes, sent = 0.0, [], []
+    now = 0.0
+    outcomes: list[PieceOutcome] = []
+    sent: list[Send] = []
     for _ in range(calls):
         call = ShardCall(0, cluster.shards[0], b"req", fake_decode, policy, rng)
         round_ = Round([call], policy, now, now + policy.total_s if policy.total_s else None)
-        due: dict = {}  # key -> (when, answered)
+        due: dict[tuple[int, int], tuple[float, bool]] = {}  # key -> (when, answered)
 
-        def carry_out(actions, at, due=due) -> None:
+        def carry_out(
+            actions: list[Action],
+            at: float,
+            due: dict[tuple[int, int], tuple[float, bool]] = due,
+        ) -> None:
             for action in actions:
                 if isinstance(action, Send):
                     sent.append(action)
@@ -359,7 +398,7 @@ def test_the_deadline_fails_the_replicas_it_ends_whichever_reports_first() -> No
     for transport_first in (True, False):
         round_, cluster = make_round(["a:1", "b:2"], CHART)
         round_ = Round(round_.calls, CHART, 0.0, call_deadline=0.2)
-        (first,) = round_.start(0.0)
+        (first,) = only_sends(round_.start(0.0))
         assert len(sends(round_.on_timer(0.02))) == 1  # the backup request
         if transport_first:  # the attempt's own timeout (cut to the deadline) reports it
             round_.on_error(first.key, "DEADLINE_EXCEEDED", "no answer", 0.2)
@@ -370,7 +409,7 @@ def test_the_deadline_fails_the_replicas_it_ends_whichever_reports_first() -> No
 
 def test_backup_requests_go_on_to_replicas_not_tried_yet() -> None:
     round_, cluster = make_round(["a:1", "b:2", "c:3"], Policy(backup_request_ms=10, retry=1))
-    (first,) = round_.start(0.0)
+    (first,) = only_sends(round_.start(0.0))
     (backup,) = sends(round_.on_timer(0.010))
     (third,) = sends(round_.on_timer(0.020))
     assert {first.address, backup.address, third.address} == {"a:1", "b:2", "c:3"}
@@ -390,7 +429,7 @@ def test_backup_requests_go_on_to_replicas_not_tried_yet() -> None:
     assert round_.next_wakeup() > 1.0
     # a loser about as fast as the winner (waited 25 ms; the winner took 15) does not cool down
     round_, cluster = make_round(["a:1", "b:2"], Policy(backup_request_ms=10))
-    (first,) = round_.start(0.0)
+    (first,) = only_sends(round_.start(0.0))
     (backup,) = sends(round_.on_timer(0.010))
     round_.on_response(backup.key, b"v1", 0.025)
     assert not any(e.is_down(0.026) for e in cluster.endpoints)

@@ -15,18 +15,30 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
-from helpers.procs import expected_fixed, fixed_values, running_server, start_server, write_version
+from helpers.procs import (
+    ServerProc,
+    expected_fixed,
+    fixed_values,
+    running_server,
+    start_server,
+    write_version,
+)
+from helpers.stubs import raw_unary
+from test_server import control
 
-from cube.client import AsyncCubeClient, ConfError, CubeClient, RequestRejectedError
+from cube.client import AsyncCubeClient, ConfError, CubeClient, RequestRejectedError, SeekResult
 from cube.client._sync_transport import BusyPoll
-from cube.pb import cube_fast_pb2, cube_pb2, cube_pb2_grpc
+from cube.pb import cube_fast_pb2
 from cube.processes import cpu_seconds, poll_until
+from cube.values import ValueColumn
 from cube.wire import LANE_MAGIC, decode_seek_response, encode_seek_request
 
 WIDTH = 24
@@ -36,20 +48,26 @@ KEYS = np.arange(1, 9000, 3, dtype=np.uint64)
 def lane_port(address: str) -> int | None:
     """The lane port a server announces to an empty Seek, or None."""
     with grpc.insecure_channel(address) as channel:
-        _, call = channel.unary_unary("/cube.v1.CubeService/Seek").with_call(b"", timeout=10)
+        _, call = raw_unary(channel, "/cube.v1.CubeService/Seek").with_call(b"", timeout=10)
     ports = [int(v) for k, v in call.initial_metadata() if k == "cube-tcp-port"]
     return ports[0] if ports else None
 
 
-def status(address: str) -> dict:
-    with grpc.insecure_channel(address) as channel:
-        stub = cube_pb2_grpc.ControlServiceStub(channel)
-        reply = stub.cmd(cube_pb2.ControlRequest(cmd="status"), timeout=30)
-    return json.loads(reply.detail_json)
+def status(address: str) -> dict[str, Any]:
+    detail: dict[str, Any] = json.loads(control(address, "status").detail_json)
+    return detail
 
 
 def counters(address: str) -> dict[str, int]:
-    return status(address)["requests"]
+    requests: dict[str, int] = status(address)["requests"]
+    return requests
+
+
+def announced_lane_port(address: str) -> int:
+    """The lane port a server announces; fails the test if it announces none."""
+    port = lane_port(address)
+    assert port is not None, f"{address} announces no lane"
+    return port
 
 
 class LaneSocket:
@@ -86,7 +104,7 @@ class LaneSocket:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     data = tmp_path_factory.mktemp("lane") / "data"
     write_version(data, "100", KEYS, fixed_values(KEYS, WIDTH, tag=1), current=True)
     with running_server(data, "--dict_name", "test_dict", "--max_batch", "3000") as proc:
@@ -94,7 +112,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.mark.slow
-def test_pipelined_frames_answered_in_order(server) -> None:
+def test_pipelined_frames_answered_in_order(server: ServerProc) -> None:
     port = lane_port(server.address)
     assert port and port != server.port
     lane = LaneSocket(port)
@@ -152,8 +170,10 @@ def test_pipelined_frames_answered_in_order(server) -> None:
         ),
     ],
 )
-def test_error_frames_keep_the_connection(server, payload, code, words: str) -> None:
-    lane = LaneSocket(lane_port(server.address))
+def test_error_frames_keep_the_connection(
+    server: ServerProc, payload: bytes, code: grpc.StatusCode, words: str
+) -> None:
+    lane = LaneSocket(announced_lane_port(server.address))
     try:
         lane.send(payload)
         lane.send(encode_seek_request(KEYS[:3]))
@@ -166,8 +186,8 @@ def test_error_frames_keep_the_connection(server, payload, code, words: str) -> 
 
 
 @pytest.mark.slow
-def test_wrong_magic_and_oversized_frame_close_the_connection(server) -> None:
-    port = lane_port(server.address)
+def test_wrong_magic_and_oversized_frame_close_the_connection(server: ServerProc) -> None:
+    port = announced_lane_port(server.address)
     stranger = LaneSocket(port, magic=b"GET / HTTP/1.1\r\n\r\n")
     try:
         assert stranger.closed()
@@ -185,7 +205,7 @@ def test_wrong_magic_and_oversized_frame_close_the_connection(server) -> None:
 
 
 @pytest.mark.slow
-def test_sdk_uses_the_lane_unless_told_grpc(server) -> None:
+def test_sdk_uses_the_lane_unless_told_grpc(server: ServerProc) -> None:
     keys = np.concatenate([KEYS[100:400], np.array([0, 2], dtype=np.uint64)])
     before = counters(server.control_address)
     with CubeClient(shards=[[server.address]], dict_name="test_dict") as client:
@@ -200,7 +220,7 @@ def test_sdk_uses_the_lane_unless_told_grpc(server) -> None:
     assert after["lane_messages"] == middle["lane_messages"]
     assert after["requests"] - middle["requests"] == 2  # first contact (routing) + the seek
 
-    async def seek_async():
+    async def seek_async() -> list[SeekResult]:
         async with AsyncCubeClient(shards=[[server.address]], dict_name="test_dict") as aio:
             return await asyncio.gather(*(aio.seek(keys) for _ in range(6)))
 
@@ -223,7 +243,7 @@ def test_server_without_a_lane_is_used_over_grpc(tmp_path: Path) -> None:
         with CubeClient(shards=[[server.address]]) as client:
             assert client.seek(KEYS[:50]).found.all()
 
-        async def seek_async():
+        async def seek_async() -> SeekResult:
             async with AsyncCubeClient(shards=[[server.address]]) as aio:
                 return await aio.seek(KEYS[:50])
 
@@ -268,7 +288,7 @@ def test_restarted_server_gets_a_new_lane_and_clients_follow(tmp_path: Path) -> 
     try:
         sync_client = CubeClient(shards=[[first.address]], retry=3, timeout=5.0)
 
-        async def run_async(restart):
+        async def run_async(restart: Callable[[], None]) -> SeekResult:
             async with AsyncCubeClient(shards=[[first.address]], retry=3, timeout=5.0) as aio:
                 assert (await aio.seek(keys)).found.all()
                 await asyncio.to_thread(restart)
@@ -296,14 +316,14 @@ def test_restarted_server_gets_a_new_lane_and_clients_follow(tmp_path: Path) -> 
 # In process: requests answered together equal requests answered one by one
 
 
-def _requests(keys: np.ndarray, count: int, seed: int, **fields) -> list[bytes]:
+def _requests(keys: np.ndarray, count: int, seed: int, version: str | None = "") -> list[bytes]:
     rng = np.random.default_rng(seed)
     sizes = rng.integers(0, 60, count)
     sizes[1] = 0  # an empty request among them
     out = []
     for i, size in enumerate(sizes):
         batch = rng.choice(np.concatenate([keys, keys + 1]), size)  # half misses
-        out.append(encode_seek_request(batch, request_id=i + 1, **fields))
+        out.append(encode_seek_request(batch, version=version, request_id=i + 1))
     return out
 
 
@@ -319,6 +339,7 @@ def test_merged_answers_equal_single_answers(tmp_path: Path, layout: str) -> Non
         for version, tag in (("1", 1), ("2", 2)):
             for split in range(splits):
                 mine = keys[keys % splits == split]
+                values: ValueColumn | list[bytes]
                 if layout == "variable":
                     values = [bytes([tag]) * int(1 + k % 5) for k in mine]
                 else:
@@ -336,6 +357,7 @@ def test_merged_answers_equal_single_answers(tmp_path: Path, layout: str) -> Non
     merged = service.answer_seeks([service.parse_seek(r) for r in raws])
     assert len(merged) == len(raws)
     for raw, parts in zip(raws, merged, strict=True):
+        assert isinstance(parts, list)  # buffers: not an error, not a whole lane frame
         assert b"".join(parts) == service.seek(raw)
 
 
@@ -352,7 +374,7 @@ def test_unreachable_lane_falls_back_to_grpc(announced: str) -> None:
     dead_port = dead.getsockname()[1]  # bound, never listening: connections are refused
     calls = {"probe": 0, "seek": 0}
 
-    def seek(raw, context):
+    def seek(raw: bytes, context: grpc.ServicerContext) -> bytes:
         if not raw:
             calls["probe"] += 1
             port = str(dead_port) if announced == "refused" else announced
@@ -378,7 +400,7 @@ def test_unreachable_lane_falls_back_to_grpc(announced: str) -> None:
                 assert not result.found.any() and result.version == "7"
         assert calls == {"probe": 1, "seek": 3}
 
-        async def seek_async():
+        async def seek_async() -> list[SeekResult]:
             async with AsyncCubeClient(shards=[[address]], retry=0) as aio:
                 return [await aio.seek(KEYS[:10]) for _ in range(3)]
 
@@ -448,7 +470,7 @@ def test_busy_poll_receives_what_comes_within_or_after_its_window() -> None:
     ],
 )
 def test_fixed_answer_frame_is_header_and_response_bytes(
-    n, width, version, request_id, word
+    n: int, width: int, version: str, request_id: int, word: type[np.unsignedinteger[Any]]
 ) -> None:
     """The one-buffer answer the kernel writes into is byte for byte the answer header + the
     SeekResponse parts, with the values aligned for the kernel's word copies."""

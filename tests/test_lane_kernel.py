@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import itertools
 import struct
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Protocol, TypeAlias
 
 import numpy as np
 import pytest
@@ -18,12 +20,18 @@ from helpers.procs import fixed_values, write_version
 from cube import kernel
 from cube.pb import cube_fast_pb2
 from cube.server.lane import MAGIC, Lane, LaneProtocol
-from cube.server.service import SeekService
+from cube.server.service import DEFAULT_MAX_ANSWER_BYTES, SeekService
 from cube.server.versions import LoadOptions, VersionSlots, load_base
+from cube.wire import Buffer
 
 pytestmark = pytest.mark.skipif(not kernel.COMPILED, reason="needs the compiled kernel")
 
 DICT = "test_dict"
+
+# a lane's counters after a run: requests, keys, misses, errors by status, batch histogram
+Counts: TypeAlias = tuple[int, int, int, dict[str, int], list[int]]
+# what `serve` returns: bytes written, counters, callbacks queued for the Python path
+Served: TypeAlias = tuple[bytes, Counts, int]
 
 
 class Transport:
@@ -39,10 +47,10 @@ class Transport:
     def set_write_buffer_limits(self, high: int | None = None) -> None:
         pass
 
-    def write(self, data) -> None:
+    def write(self, data: Buffer | bytearray) -> None:
         self.data += bytes(data)
 
-    def writelines(self, buffers) -> None:
+    def writelines(self, buffers: Iterable[Buffer | bytearray]) -> None:
         for buffer in buffers:
             self.data += bytes(buffer)
 
@@ -69,9 +77,9 @@ class Loop:
     """call_soon's callbacks, run by `drain`."""
 
     def __init__(self) -> None:
-        self.ready: list = []
+        self.ready: list[tuple[Callable[..., object], tuple[object, ...]]] = []
 
-    def call_soon(self, callback, *args) -> None:
+    def call_soon(self, callback: Callable[..., object], *args: object) -> None:
         self.ready.append((callback, args))
 
     def drain(self) -> int:
@@ -84,13 +92,13 @@ class Loop:
 
 
 def frame(
-    keys=None,
+    keys: np.ndarray | None = None,
     *,
     dict_name: str = "",
     version: str = "",
     request_id: int = 0,
     raw: bytes | None = None,
-):
+) -> bytes:
     if raw is None:
         message = cube_fast_pb2.SeekRequest(
             keys=np.asarray(keys, dtype="<u8").tobytes(),
@@ -102,7 +110,7 @@ def frame(
     return struct.pack("<I", len(raw)) + raw
 
 
-def serve(service: SeekService, frames: list[bytes], compiled: bool, pieces: int = 1):
+def serve(service: SeekService, frames: list[bytes], compiled: bool, pieces: int = 1) -> Served:
     """(bytes written, counters, whether the Python path answered anything) for `frames`
     sent as one stream cut into `pieces` reads."""
     lane = Lane(service)
@@ -122,12 +130,17 @@ def serve(service: SeekService, frames: list[bytes], compiled: bool, pieces: int
         loop.drain()
     lane.fold_counts()
     api = service.counters.api["lane"]
-    counts = (api.requests, api.keys, api.misses, dict(api.errors), list(api.batch.counts))
+    counts: Counts = (api.requests, api.keys, api.misses, dict(api.errors), list(api.batch.counts))
     service.counters.api["lane"] = type(api)()  # fresh counters for the next run
     return bytes(transport.data), counts, queued
 
 
-def same_answers(service, frames, pieces: int = 1, python_expected=None):
+def same_answers(
+    service: SeekService,
+    frames: list[bytes],
+    pieces: int = 1,
+    python_expected: bool | None = None,
+) -> Served:
     compiled = serve(service, frames, True, pieces)
     reference = serve(service, frames, False, pieces)
     assert compiled[0] == reference[0]
@@ -137,12 +150,33 @@ def same_answers(service, frames, pieces: int = 1, python_expected=None):
     return reference
 
 
+class LoadService(Protocol):
+    """The `versions` fixture: a service over `data_dir` serving version `name`."""
+
+    def __call__(
+        self,
+        data_dir: Path,
+        name: str,
+        background: str | None = None,
+        *,
+        max_batch: int = 5000,
+        max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
+    ) -> SeekService: ...
+
+
 @pytest.fixture
-def versions(tmp_path: Path):
+def versions(tmp_path: Path) -> Iterator[LoadService]:
     """A service over `data_dir` with `load(name, *background)` installing versions."""
     made: list[VersionSlots] = []
 
-    def load(data_dir: Path, name: str, background: str | None = None, **service_options):
+    def load(
+        data_dir: Path,
+        name: str,
+        background: str | None = None,
+        *,
+        max_batch: int = 5000,
+        max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
+    ) -> SeekService:
         slots = VersionSlots()
         made.append(slots)
         if background is not None:
@@ -152,8 +186,9 @@ def versions(tmp_path: Path):
             slots.switch()
         else:
             slots.install(load_base([data_dir], name, LoadOptions()))
-        options = {"max_batch": 5000, "dict_name": DICT, **service_options}
-        return SeekService(slots, **options)
+        return SeekService(
+            slots, max_batch=max_batch, max_answer_bytes=max_answer_bytes, dict_name=DICT
+        )
 
     yield load
     for slots in made:
@@ -165,7 +200,9 @@ def random_keys(seed: int, count: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("width", [1, 3, 8, 24, 40, 64, 100])
-def test_fixed_width_hits_misses_and_request_ids(tmp_path: Path, versions, width: int) -> None:
+def test_fixed_width_hits_misses_and_request_ids(
+    tmp_path: Path, versions: LoadService, width: int
+) -> None:
     keys = random_keys(width, 3000)
     write_version(tmp_path, "1", keys, fixed_values(keys, width), current=True)
     service = versions(tmp_path, "1")
@@ -183,7 +220,7 @@ def test_fixed_width_hits_misses_and_request_ids(tmp_path: Path, versions, width
         same_answers(service, frames, pieces, python_expected=False)
 
 
-def test_base_and_deltas_with_deletes(tmp_path: Path, versions) -> None:
+def test_base_and_deltas_with_deletes(tmp_path: Path, versions: LoadService) -> None:
     width = 16
     keys = random_keys(1, 4000)
     write_version(tmp_path, "1", keys, fixed_values(keys, width, tag=1))
@@ -200,14 +237,15 @@ def test_base_and_deltas_with_deletes(tmp_path: Path, versions) -> None:
     )  # fmt: skip
     write_version(tmp_path, "1_4", [], [], deleted=keys[3000:3010])  # deletes only
     service = versions(tmp_path, "1_4")
-    assert len(service.slots.current.stacks[0].layers) == 4
+    current = service.slots.current
+    assert current is not None and len(current.stacks[0].layers) == 4
     probe = np.concatenate([keys[:500], new, keys[2990:3020], random_keys(4, 100)])
     frames = [frame(probe, request_id=7), frame(probe[::-1].copy(), version="1_4")]
     _, counts, _ = same_answers(service, frames, python_expected=False)
     assert counts[2] > 0
 
 
-def test_variable_width_and_mixed_layers(tmp_path: Path, versions) -> None:
+def test_variable_width_and_mixed_layers(tmp_path: Path, versions: LoadService) -> None:
     rng = np.random.default_rng(5)
     keys = random_keys(6, 2000)
     values = [
@@ -217,21 +255,24 @@ def test_variable_width_and_mixed_layers(tmp_path: Path, versions) -> None:
     delta = np.concatenate([keys[:100], random_keys(7, 100)])
     write_version(tmp_path, "1_2", delta, fixed_values(delta, 12), deleted=keys[100:150])
     service = versions(tmp_path, "1_2")
-    assert service.slots.current.value_width == 0
+    current = service.slots.current
+    assert current is not None and current.value_width == 0
     probe = np.concatenate([keys[:300], delta[100:], random_keys(8, 50)])
     frames = [frame(probe, request_id=3), frame(keys[1000:2000]), frame(random_keys(9, 20))]
     same_answers(service, frames, python_expected=False)
     same_answers(service, frames, pieces=11, python_expected=False)
 
 
-def test_empty_base_and_empty_values(tmp_path: Path, versions) -> None:
+def test_empty_base_and_empty_values(tmp_path: Path, versions: LoadService) -> None:
     keys = random_keys(10, 100)
     write_version(tmp_path, "1", keys, [b""] * 50 + [b"x"] * 50)
     service = versions(tmp_path, "1")
     same_answers(service, [frame(keys), frame(random_keys(11, 3))], python_expected=False)
 
 
-def test_refused_frames_get_the_python_paths_errors_in_order(tmp_path: Path, versions) -> None:
+def test_refused_frames_get_the_python_paths_errors_in_order(
+    tmp_path: Path, versions: LoadService
+) -> None:
     width = 8
     keys = random_keys(12, 1000)
     write_version(tmp_path, "1", keys, fixed_values(keys, width, 1))
@@ -267,7 +308,7 @@ def test_refused_frames_get_the_python_paths_errors_in_order(tmp_path: Path, ver
 
 @pytest.mark.parametrize("partitioner", ["mod", "murmur3"])
 def test_misses_of_keys_routed_elsewhere_are_refused(
-    tmp_path: Path, versions, partitioner: str
+    tmp_path: Path, versions: LoadService, partitioner: str
 ) -> None:
     from cube.routing import shard_of
 
@@ -295,7 +336,9 @@ def test_murmur3_matches_the_routing_function() -> None:
     assert (compiled == murmur3_32(keys).astype(np.uint64)).all()
 
 
-def test_a_version_that_cannot_serve_goes_to_the_python_path(tmp_path: Path, versions) -> None:
+def test_a_version_that_cannot_serve_goes_to_the_python_path(
+    tmp_path: Path, versions: LoadService
+) -> None:
     keys = random_keys(15, 100)
     write_version(tmp_path, "1", keys, fixed_values(keys, 8))
     service = versions(tmp_path, "1")
@@ -306,7 +349,7 @@ def test_a_version_that_cannot_serve_goes_to_the_python_path(tmp_path: Path, ver
 
 
 def test_a_sealed_kernel_answers_on_the_compiled_pass_alone(
-    tmp_path: Path, versions, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, versions: LoadService, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A server seals its kernel (cube.kernel.seal): the pass must still count as run, not
     hand every frame it answered to the Python path as well."""

@@ -20,24 +20,28 @@ import itertools
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pytest
 
-from cube.client import AsyncCubeClient, CubeClient, _compiled
+from cube.client import AsyncCubeClient, CubeClient, SeekResult, _compiled
 from cube.client._core import FastProtocol, assemble, make_plan
 from cube.pb import cube_fast_pb2
 from cube.routing import shard_of
 from cube.wire import encode_seek_request
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-from helpers.procs import fixed_values, start_server, write_version
+from helpers.procs import ServerProc, fixed_values, start_server, write_version
 from pytest_benchmark.fixture import BenchmarkFixture
 
 BATCH = 1000
 WIDTH = 40
 COUNT = 200_000
+
+R = TypeVar("R")  # what a benchmarked call returns
 
 
 def _response(keys: np.ndarray, version: str = "1") -> bytes:
@@ -51,7 +55,7 @@ def _response(keys: np.ndarray, version: str = "1") -> bytes:
 
 
 @pytest.fixture(params=["compiled", "numpy"])
-def codec(request: pytest.FixtureRequest):
+def codec(request: pytest.FixtureRequest) -> Iterator[str]:
     """The SDK's codec: compiled (cube/_sdk_jit.py, loaded now, as a busy client loads it in
     the background) or the numpy paths (the reference; what runs without numba)."""
     if request.param == "compiled" and not _compiled.warm():
@@ -66,23 +70,25 @@ def codec(request: pytest.FixtureRequest):
 
 
 @pytest.fixture(scope="module")
-def batch():
+def batch() -> np.ndarray:
     return np.random.default_rng(1).integers(0, 2**63, BATCH, dtype=np.uint64)
 
 
-def test_plan_1000_keys_2_shards(benchmark: BenchmarkFixture, batch, codec: str) -> None:
+def test_plan_1000_keys_2_shards(
+    benchmark: BenchmarkFixture, batch: np.ndarray, codec: str
+) -> None:
     pieces = benchmark(make_plan, batch, 2, "mod")
     assert sum(p.size for p in pieces) == BATCH
 
 
 def test_route_and_scatter_1000_keys_2_shards(
-    benchmark: BenchmarkFixture, batch, codec: str
+    benchmark: BenchmarkFixture, batch: np.ndarray, codec: str
 ) -> None:
     """Everything the SDK does per call except the network: plan, request bytes, response
     parsing, scatter into one (n, width) buffer."""
     responses = {p.shard: _response(p.keys) for p in make_plan(batch, 2, "mod")}
 
-    def call():
+    def call() -> SeekResult:
         pieces = make_plan(batch, 2, "mod")
         for piece in pieces:
             encode_seek_request(piece.keys)
@@ -97,11 +103,11 @@ def test_route_and_scatter_1000_keys_2_shards(
 
 
 def test_route_and_scatter_1000_keys_2_shards_murmur3(
-    benchmark: BenchmarkFixture, batch, codec: str
+    benchmark: BenchmarkFixture, batch: np.ndarray, codec: str
 ) -> None:
     responses = {p.shard: _response(p.keys) for p in make_plan(batch, 2, "murmur3")}
 
-    def call():
+    def call() -> SeekResult:
         pieces = make_plan(batch, 2, "murmur3")
         answers = [FastProtocol.decode(responses[p.shard], p.size) for p in pieces]
         return assemble(batch, pieces, answers)
@@ -114,7 +120,7 @@ def test_route_and_scatter_1000_keys_2_shards_murmur3(
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
     root = tmp_path_factory.mktemp("sdk")
     keys = np.arange(COUNT, dtype=np.uint64)
     owner = shard_of(keys, 2)
@@ -123,7 +129,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         mine = keys[owner == shard]
         dirs.append(root / f"shard{shard}")
         write_version(dirs[-1], "1", mine, fixed_values(mine, WIDTH), current=True)
-    servers = []
+    servers: list[ServerProc] = []
     try:
         for data in dirs:
             servers.append(start_server(data, wait=False))
@@ -135,7 +141,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
             server.stop()
 
 
-def _batches(shards: int, count: int = 64):
+def _batches(shards: int, count: int = 64) -> Iterator[np.ndarray]:
     """Fresh random batches; for one shard, only keys that shard 0 holds."""
     rng = np.random.default_rng(2)
     step = 2 if shards == 1 else 1
@@ -145,7 +151,7 @@ def _batches(shards: int, count: int = 64):
 
 
 @pytest.mark.parametrize("shards", [1, 2])
-def test_seek_blocking_client(benchmark: BenchmarkFixture, cluster, shards: int) -> None:
+def test_seek_blocking_client(benchmark: BenchmarkFixture, cluster: list[str], shards: int) -> None:
     batches = _batches(shards)
     with CubeClient(shards=[[a] for a in cluster[:shards]]) as client:
         client.seek(next(batches))
@@ -155,7 +161,7 @@ def test_seek_blocking_client(benchmark: BenchmarkFixture, cluster, shards: int)
 
 @pytest.mark.parametrize("shards", [1, 2])
 def test_seek_async_client_on_a_private_loop_thread(
-    benchmark: BenchmarkFixture, cluster, shards: int
+    benchmark: BenchmarkFixture, cluster: list[str], shards: int
 ) -> None:
     """The alternative design for a blocking client: AsyncCubeClient on its own loop thread."""
     batches = _batches(shards)
@@ -164,7 +170,7 @@ def test_seek_async_client_on_a_private_loop_thread(
     thread.start()
     client = AsyncCubeClient(shards=[[a] for a in cluster[:shards]])
 
-    def seek():
+    def seek() -> SeekResult:
         return asyncio.run_coroutine_threadsafe(client.seek(next(batches)), loop).result(30)
 
     try:
@@ -179,7 +185,9 @@ def test_seek_async_client_on_a_private_loop_thread(
 
 
 @pytest.mark.parametrize("shards", [1, 2])
-def test_seek_async_client_in_its_loop(benchmark: BenchmarkFixture, cluster, shards: int) -> None:
+def test_seek_async_client_in_its_loop(
+    benchmark: BenchmarkFixture, cluster: list[str], shards: int
+) -> None:
     batches = _batches(shards)
     loop = asyncio.new_event_loop()
     client = AsyncCubeClient(shards=[[a] for a in cluster[:shards]])
@@ -204,11 +212,11 @@ CPU = {"group": "sdk-cpu", "timer": time.process_time}
 
 
 @pytest.fixture(scope="module")
-def one_shard(tmp_path_factory: pytest.TempPathFactory):
+def one_shard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """{"seek": address, "emb": address}: one server of 40-byte values, one of float32[16]."""
     root = tmp_path_factory.mktemp("sdk-cpu")
     keys = np.arange(COUNT, dtype=np.uint64)
-    servers = {}
+    servers: dict[str, ServerProc] = {}
     try:
         for name, width in (("seek", WIDTH), ("emb", DIM * 4)):
             write_version(root / name, "1", keys, fixed_values(keys, width), current=True)
@@ -226,12 +234,12 @@ def _one_shard_batches(count: int = 64) -> list[np.ndarray]:
     return [rng.integers(0, COUNT, BATCH, dtype=np.uint64) for _ in range(count)]
 
 
-def _sync_round(call):
+def _sync_round(call: Callable[[np.ndarray], R]) -> tuple[Callable[[], R], list[float]]:
     """A round of REQUESTS blocking calls; wall microseconds per request in `wall`."""
     batches = _one_shard_batches()
     wall: list[float] = []
 
-    def run():
+    def run() -> R:
         started = time.perf_counter()
         for i in range(REQUESTS):
             result = call(batches[i % len(batches)])
@@ -241,16 +249,18 @@ def _sync_round(call):
     return run, wall
 
 
-def _async_round(loop, call):
+def _async_round(
+    loop: asyncio.AbstractEventLoop, call: Callable[[np.ndarray], Awaitable[R]]
+) -> tuple[Callable[[], R], list[float]]:
     batches = _one_shard_batches()
     wall: list[float] = []
 
-    async def many():
+    async def many() -> R:
         for i in range(REQUESTS):
             result = await call(batches[i % len(batches)])
         return result
 
-    def run():
+    def run() -> R:
         started = time.perf_counter()
         result = loop.run_until_complete(many())
         wall.append((time.perf_counter() - started) / REQUESTS * 1e6)
@@ -270,16 +280,17 @@ def _record(benchmark: BenchmarkFixture, wall: list[float]) -> None:
 @pytest.mark.benchmark(**CPU)
 @pytest.mark.parametrize("api", ["seek", "get_embeddings"])
 def test_cpu_x1000_blocking_client(
-    benchmark: BenchmarkFixture, one_shard, api: str, codec: str
+    benchmark: BenchmarkFixture, one_shard: dict[str, str], api: str, codec: str
 ) -> None:
     server = one_shard["seek" if api == "seek" else "emb"]
     with CubeClient(shards=[[server]]) as client:
+        run: Callable[[], SeekResult | np.ndarray]
         if api == "seek":
             run, wall = _sync_round(client.seek)
         else:
             run, wall = _sync_round(lambda keys: client.get_embeddings(keys, DIM))
         run()  # connect, warm up
-        result = benchmark.pedantic(run, rounds=7, iterations=1)
+        result = benchmark.pedantic(run, rounds=7, iterations=1)  # type: ignore[no-untyped-call]  # pytest-benchmark is unannotated
     _record(benchmark, wall)
     if api == "seek":
         assert result.found.all() and result.width == WIDTH
@@ -290,18 +301,19 @@ def test_cpu_x1000_blocking_client(
 @pytest.mark.benchmark(**CPU)
 @pytest.mark.parametrize("api", ["seek", "get_embeddings"])
 def test_cpu_x1000_async_client(
-    benchmark: BenchmarkFixture, one_shard, api: str, codec: str
+    benchmark: BenchmarkFixture, one_shard: dict[str, str], api: str, codec: str
 ) -> None:
     server = one_shard["seek" if api == "seek" else "emb"]
     loop = asyncio.new_event_loop()
     client = AsyncCubeClient(shards=[[server]])
     try:
+        run: Callable[[], SeekResult | np.ndarray]
         if api == "seek":
             run, wall = _async_round(loop, client.seek)
         else:
             run, wall = _async_round(loop, lambda keys: client.get_embeddings(keys, DIM))
         run()
-        result = benchmark.pedantic(run, rounds=7, iterations=1)
+        result = benchmark.pedantic(run, rounds=7, iterations=1)  # type: ignore[no-untyped-call]  # pytest-benchmark is unannotated
         loop.run_until_complete(client.close())
     finally:
         loop.close()
@@ -318,24 +330,26 @@ def test_cpu_x1000_async_client(
 
 @pytest.mark.benchmark(**CPU)
 def test_cpu_x1000_blocking_client_2_shards(
-    benchmark: BenchmarkFixture, cluster, codec: str
+    benchmark: BenchmarkFixture, cluster: list[str], codec: str
 ) -> None:
     with CubeClient(shards=[[a] for a in cluster]) as client:
         run, wall = _sync_round(client.seek)
         run()
-        result = benchmark.pedantic(run, rounds=7, iterations=1)
+        result = benchmark.pedantic(run, rounds=7, iterations=1)  # type: ignore[no-untyped-call]  # pytest-benchmark is unannotated
     _record(benchmark, wall)
     assert result.found.all() and result.width == WIDTH
 
 
 @pytest.mark.benchmark(**CPU)
-def test_cpu_x1000_async_client_2_shards(benchmark: BenchmarkFixture, cluster, codec: str) -> None:
+def test_cpu_x1000_async_client_2_shards(
+    benchmark: BenchmarkFixture, cluster: list[str], codec: str
+) -> None:
     loop = asyncio.new_event_loop()
     client = AsyncCubeClient(shards=[[a] for a in cluster])
     try:
         run, wall = _async_round(loop, client.seek)
         run()
-        result = benchmark.pedantic(run, rounds=7, iterations=1)
+        result = benchmark.pedantic(run, rounds=7, iterations=1)  # type: ignore[no-untyped-call]  # pytest-benchmark is unannotated
         loop.run_until_complete(client.close())
     finally:
         loop.close()
