@@ -158,7 +158,9 @@ class CubeTarget(Target):
     def thread_client(self) -> Any:
         from cube.client import CubeClient
 
-        return _CubeClient(CubeClient(**self._client_args()), self.dim)
+        client = CubeClient(**self._client_args())
+        client.wait_ready(10)  # as an application does before it serves (connects, loads)
+        return _CubeClient(client, self.dim)
 
     def async_client(self, concurrency: int) -> Any:
         from cube.client import AsyncCubeClient
@@ -194,6 +196,10 @@ class _CubeClient:
 class _AsyncCubeClient:
     def __init__(self, client: Any, dim: int) -> None:
         self.client, self.dim = client, dim
+
+    async def ready(self) -> None:
+        """What an application does before it serves (connects, loads the codec)."""
+        await self.client.wait_ready(10)
 
     async def fetch(self, keys: np.ndarray) -> tuple[np.ndarray, int]:
         return _matrix(await self.client.seek(keys), self.dim)

@@ -182,6 +182,9 @@ def _start_asyncio(
     async def main() -> None:
         client = target.async_client(cfg.concurrency)
         try:
+            ready_hook = getattr(client, "ready", None)  # (a client with a warm-up step)
+            if ready_hook is not None:
+                await ready_hook()
             tasks = [
                 asyncio.create_task(_async_worker(shared, i, client, keys, cfg))
                 for i in range(cfg.concurrency)

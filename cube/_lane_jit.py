@@ -258,10 +258,12 @@ def _gather(out, at, sources, lengths, width, ahead):
     for i in range(min(ahead, n)):
         if lengths[i] > 0:
             prefetch_at(np.uint64(sources[i]))
+            prefetch_at(np.uint64(sources[i] + lengths[i] - 1))
     for i in range(n):
         k = i + ahead
         if k < n and lengths[k] > 0:
             prefetch_at(np.uint64(sources[k]))
+            prefetch_at(np.uint64(sources[k] + lengths[k] - 1))
         length = lengths[i]
         if length >= 0:
             _copy_value(out, at, sources[i], length)
@@ -419,6 +421,64 @@ def _write_answer(out, at, body, sources, lengths, width, total, version, reques
 
 
 @jit
+def _write_fixed(out, at, body, layers, keys, rows, layer_of, width, version, request_id, limits):
+    """`_write_answer` for fixed-width values, without `_locate`'s address arrays: each
+    value's address is its layer's base + row x width, computed where it is prefetched and
+    copied. Returns (end, misses, whether a missed key routes to another shard); on the
+    latter the caller bails (what was written past its `at` is not sent)."""
+    n = keys.shape[0]
+    ahead = limits[P_AHEAD]
+    shard_num = limits[P_SHARD_NUM]
+    bases = np.empty(layers.shape[0], dtype=np.int64)
+    for index in range(layers.shape[0]):
+        bases[index] = np.int64(layers[index, L_VALUES])
+    for b in range(4):
+        out[at + b] = np.uint8((body >> (8 * b)) & 0xFF)
+    out[at + 4] = 0
+    out[at + 5] = 0x0A
+    at = _put_varint(out, at + 6, n)
+    misses = 0
+    foreign = False
+    for i in range(n):
+        served = layer_of[i] >= 0 and rows[i] != _TOMB
+        out[at + i] = np.uint8(served)
+        if not served:
+            layer_of[i] = -1
+            misses += 1
+            if shard_num > 1 and not foreign:
+                foreign = _foreign(keys[i], shard_num, limits[P_SHARD], limits[P_PARTITIONER])
+    if foreign:
+        return at, misses, foreign
+    at += n
+    out[at] = 0x12
+    at = _put_varint(out, at + 1, n * width)
+    for i in range(min(ahead, n)):
+        if layer_of[i] >= 0:
+            address = bases[layer_of[i]] + np.int64(rows[i]) * width
+            prefetch_at(np.uint64(address))
+            prefetch_at(np.uint64(address + width - 1))
+    for i in range(n):
+        k = i + ahead
+        if k < n and layer_of[k] >= 0:
+            address = bases[layer_of[k]] + np.int64(rows[k]) * width
+            prefetch_at(np.uint64(address))
+            prefetch_at(np.uint64(address + width - 1))
+        if layer_of[i] >= 0:
+            _copy_value(out, at, bases[layer_of[i]] + np.int64(rows[i]) * width, width)
+        else:
+            out[at : at + width] = 0
+        at += width
+    out[at] = 0x18
+    at = _put_varint(out, at + 1, width)
+    if version.shape[0]:
+        at = _put_field(out, at, 0x2A, version, 0, version.shape[0])
+    if request_id:
+        out[at] = 0x30
+        at = _put_varint(out, at + 1, request_id)
+    return at, misses, foreign
+
+
+@jit
 def _frame_length(data, pos):
     return (
         np.int64(data[pos])
@@ -470,21 +530,31 @@ def lane_pass(
             reason = STOP_BAIL
             break
         keys, rows, layer_of = _lookup(layers, data, keys_at, n, limits[P_AHEAD])
-        sources, lengths, misses, total, foreign = _locate(layers, keys, rows, layer_of, limits)
+        if width:  # (every layer has this width: cube.kernel.lane_target)
+            body = _answer_size(n, width, n * width, version, request_id)
+            if out_at + 5 + body > out.shape[0]:
+                reason = STOP_FULL
+                needed = 5 + body
+                break
+            at, misses, foreign = _write_fixed(
+                out, out_at, body, layers, keys, rows, layer_of, width, version, request_id,
+                limits,
+            )  # fmt: skip
+        else:
+            sources, lengths, misses, total, foreign = _locate(layers, keys, rows, layer_of, limits)
+            body = _answer_size(n, width, total, version, request_id)
+            if not foreign and out_at + 5 + body > out.shape[0]:
+                reason = STOP_FULL
+                needed = 5 + body
+                break
+            if not foreign:
+                at = _write_answer(
+                    out, out_at, body, sources, lengths, width, total, version, request_id,
+                    limits[P_AHEAD],
+                )  # fmt: skip
         if foreign:  # a key of another shard: the Python path refuses the request
             reason = STOP_BAIL
             break
-        if width:
-            total = n * width
-        body = _answer_size(n, width, total, version, request_id)
-        if out_at + 5 + body > out.shape[0]:
-            reason = STOP_FULL
-            needed = 5 + body
-            break
-        at = _write_answer(
-            out, out_at, body, sources, lengths, width, total, version, request_id,
-            limits[P_AHEAD],
-        )  # fmt: skip
         produced += at - out_at
         out_at = at
         pos = frame_end

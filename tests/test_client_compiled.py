@@ -291,18 +291,51 @@ def test_a_warmed_client_compiles_nothing_at_its_first_calls(
     assert not _compiled.unwarmed
 
 
-def test_a_client_loads_the_codec_only_once_it_keeps_calling(
+def test_the_codec_loads_in_wait_ready_and_never_during_calls(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    started: list[int] = []
-    monkeypatch.setattr(_compiled, "start", lambda: started.append(1))
-    sync, _ = clients("mod", TABLE)
-    for _ in range(_compiled.LOAD_AFTER_CALLS - 1):
+    """Loading numba holds the GIL for tens of milliseconds at a time: it must not happen in
+    the background of a client that is serving (it did after the 256th call), only in the
+    step a program takes before it serves."""
+    loaded: list[str] = []
+
+    def recorder(what: str) -> Callable[[], bool]:
+        def record() -> bool:
+            loaded.append(what)
+            return True
+
+        return record
+
+    monkeypatch.setattr(_compiled, "load", recorder("load"))
+    monkeypatch.setattr(_compiled, "warm", recorder("warm"))
+    sync, aio = clients("mod", TABLE)
+    for _ in range(300):
         sync.seek(KEYS[:3])
-    assert not started
-    for _ in range(3):
-        sync.seek(KEYS[:3])
-    assert started == [1]
+
+    async def calls() -> None:
+        for _ in range(300):
+            await aio.seek(KEYS[:3])
+
+    asyncio.run(calls())
+    assert not loaded
+    sync.wait_ready(1)
+    assert loaded == ["load"]
+    asyncio.run(aio.wait_ready(1))
+    assert loaded == ["load", "load"]  # (once per process: _compiled.load's own guard)
+
+
+def test_load_runs_the_warm_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    warmed: list[int] = []
+
+    def warm() -> bool:
+        warmed.append(1)
+        return True
+
+    monkeypatch.setattr(_compiled, "_started", False)
+    monkeypatch.setattr(_compiled, "warm", warm)
+    _compiled.load()
+    _compiled.load()
+    assert warmed == [1]
 
 
 def test_embeddings_of_scattered_rows_match() -> None:

@@ -13,7 +13,6 @@ from typing import Any, Generic, Self, TypedDict, TypeVar, Unpack
 
 import numpy as np
 
-import cube.client._compiled as _compiled
 from cube.client._core import (
     DEFAULT_MAX_BATCH,
     PROTOCOLS,
@@ -198,7 +197,6 @@ class ClientBase(Generic[T]):
                 raise ConfError(str(exc)) from None
         self._injected: T | None = None if isinstance(transport, str) else transport
         self._closed = False
-        self._calls = 0  # seek() calls planned (counted up to _compiled.LOAD_AFTER_CALLS)
         self._open()
 
     def _open(self) -> None:
@@ -364,9 +362,6 @@ class ClientBase(Generic[T]):
     def _plan(self, keys: np.ndarray) -> tuple[list[Piece], tuple[int, ...]]:
         """The pieces of a call, within each shard's limit, and the limits they were made for."""
         limits = self._limits
-        self._calls += 1
-        if self._calls == _compiled.LOAD_AFTER_CALLS:  # a client that keeps calling: load the
-            _compiled.start()  # compiled codec (where numba is) in the background
         return make_plan(keys, len(self.shards), self.partitioner, limits), limits
 
     def _replan(

@@ -2,12 +2,14 @@
 brings it; the client extra does not), the numpy paths otherwise and as the reference.
 
 numba's import (~0.4-0.6 s of CPU) and its cached machine code (`python -m cube.kernel_cache`
-puts the SDK's loops in the shipped cache with the server's) load in a thread of their own,
-started by a client's `LOAD_AFTER_CALLS`th call (`start`): a short-lived program (cube-cli, a
-script of a few lookups) never pays for them, and until they are ready calls take the numpy
-paths, so no request waits for an import or compiles. Once warm, the loops are sealed: a
-signature not compiled ahead takes the numpy path (logged once, in `unwarmed`) instead of
-compiling in a request.
+puts the SDK's loops in the shipped cache with the server's) load in `wait_ready()`, the step a
+program takes before it serves (`load`), once per process; without it calls take the numpy
+paths, so a short-lived program (cube-cli, a script of a few lookups) never pays for them.
+Never in the background of a client that is serving: the import holds the GIL in C for tens of
+milliseconds at a time (47-67 ms measured on a 2-core VM, hundreds under load), which stalled
+every thread of the process; a CTR predictor's 500 ms lookup timed out that way. Once warm,
+the loops are sealed: a signature not compiled ahead takes the numpy path (logged once, in
+`unwarmed`) instead of compiling in a request.
 `CUBE_KERNEL=numpy` turns them off, as for the server.
 
 What they replace, per call of 1000 keys (bench/RESULTS.md, issue 28): routing and grouping
@@ -35,36 +37,31 @@ _started = False
 _lock = threading.Lock()
 unwarmed: set[str] = set()  # signatures the sealed loops refused (answered on numpy)
 _U8 = np.dtype(np.uint8)
-LOAD_AFTER_CALLS = 256  # a client's calls before the compiled codec loads
 
 
-def start() -> None:
-    """Load the compiled loops in the background, once per process (a client's constructor
-    calls it); nothing when numba is not importable or CUBE_KERNEL=numpy."""
+def load() -> bool:
+    """Load the compiled loops now, once per process (a client's `wait_ready` calls it, in
+    the caller's thread: the GIL it holds costs nothing before the program serves); False
+    when they do not run (no numba, CUBE_KERNEL=numpy, or a compile error, logged once)."""
     global _started
-    if not COMPILED or _started:
-        return
+    if not COMPILED:
+        return False
     with _lock:
-        if _started:
-            return
-        _started = True
-    threading.Thread(target=_warm_quietly, name="cube-sdk-warm", daemon=True).start()
-
-
-def _warm_quietly() -> None:
-    try:
-        warm()
-    except Exception as exc:  # a compile error: the numpy paths answer, and say why once
-        log.warning("cube SDK: compiled codec unavailable, using numpy: %s", exc)
+        if not _started:
+            _started = True
+            try:
+                warm()
+            except Exception as exc:  # the numpy paths answer; say why once
+                log.warning("cube SDK: compiled codec unavailable, using numpy: %s", exc)
+    return _loops is not None
 
 
 def warm() -> bool:
     """Load (or compile, into the kernel cache) every signature the SDK calls, seal them and
     switch the client onto them; False when there is nothing to load (no numba)."""
-    global _loops, _started
+    global _loops
     if not COMPILED:
         return False
-    _started = True
     from cube import _sdk_jit as loops
 
     loops.warm()

@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 from numpy.typing import DTypeLike, NDArray
 
+from cube.client import _compiled
 from cube.client._aio_transport import AioChannels
 from cube.client._base import MAX_REPLANS, ClientBase
 from cube.client._core import (
@@ -172,8 +173,10 @@ class AsyncCubeClient(ClientBase[AsyncTransport]):
         return embeddings(await self.seek(keys), dim, dtype, own=True)
 
     async def wait_ready(self, timeout_s: float = 5.0) -> list[str]:
-        """As CubeClient.wait_ready."""
+        """As CubeClient.wait_ready (the compiled codec loads in a thread; the GIL it holds
+        stalls this event loop too, which is why it happens here, before serving)."""
         self._check_open()
+        await asyncio.to_thread(_compiled.load)
         if self._injected is not None:
             return []
         return await self._channels.wait_ready(self.endpoints, timeout_s)

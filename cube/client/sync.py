@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 from numpy.typing import DTypeLike, NDArray
 
+from cube.client import _compiled
 from cube.client._base import MAX_REPLANS, ClientBase
 from cube.client._core import (
     Piece,
@@ -284,8 +285,11 @@ class CubeClient(ClientBase[SyncTransport]):
     def wait_ready(self, timeout_s: float = 5.0) -> list[str]:
         """Make first contact with every endpoint (connection, routing check, TCP lane);
         return the ones not ready within `timeout_s`: unreachable, refusing (a replica that
-        cannot serve at its normal latency yet says so), or of another routing."""
+        cannot serve at its normal latency yet says so), or of another routing. Where numba
+        is installed it also loads the compiled codec (cube.client._compiled), once per
+        process: here, before the program serves, never in the middle of its calls."""
         self._check_open()
+        _compiled.load()
         if self._injected is not None:
             return []
         return self._channels.wait_ready(self.endpoints, timeout_s)
