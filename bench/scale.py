@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import resource
 import shutil
@@ -43,13 +42,12 @@ from cube import kernel
 from cube.hashing import fmix64
 from cube.routing import shard_of
 from cube.seqfile import SequenceFileWriter
-from cube.shard import Shard, ShardStack
+from cube.shard import Shard, ShardStack, file_pmd_mapped_bytes
 from cube.values import ValueColumn
 
 ROOT = Path(__file__).resolve().parents[1]
 SALT = np.uint64(0x5CA1AB1E5CA1AB1E)
 _CHUNK = 1 << 20  # records generated per write
-_MADV_POPULATE_READ = 22  # Linux 5.14: fault a range in (readable) without reading it here
 
 
 def keys_of(ids: np.ndarray) -> np.ndarray:
@@ -174,18 +172,6 @@ def _measure_seek_fixed(
     return float(np.median(times[fresh.shape[0] // 10 :])) / 1000.0
 
 
-def _pmd_mapped_mb() -> float:
-    """How much of this process's file mappings use 2 MiB page table entries (Linux)."""
-    try:
-        text = Path("/proc/self/smaps_rollup").read_text()
-    except OSError:
-        return -1.0
-    for line in text.splitlines():
-        if line.startswith("FilePmdMapped:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def check_space(directory: Path, count: int, width: int) -> None:
     need = count * (width + 16) + 2 * count * (width + 16) + (256 << 20)
     free = shutil.disk_usage(directory).free
@@ -211,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--hugepage",
         action="store_true",
-        help="open without populate, madvise(MADV_HUGEPAGE) the mappings, then fault them in"
-        " (shows what 2 MiB mappings would do for the lookups; the default is Shard.open's)",
+        help="open the shards as cube-server --huge_pages does (2 MiB mappings where the"
+        " kernel has them; the default opens them without)",
     )
     args = parser.parse_args(argv)
     files = args.files or max(1, args.keys * (args.width + 16) // (1 << 30))
@@ -244,16 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         report["data_bytes_per_key"] = data_bytes / args.keys
         os.sync()
         started = time.perf_counter()
-        if args.hugepage:  # madvise first, then fault in: the mapping can use 2 MiB entries
-            shards = [Shard.open(d) for d in dirs]
-            for shard in shards:
-                for mapped in shard.files:
-                    mapped.buffer.madvise(mmap.MADV_HUGEPAGE)
-                    mapped.buffer.madvise(_MADV_POPULATE_READ)
-        else:
-            shards = [Shard.open(d, populate=True) for d in dirs]
+        shards = [Shard.open(d, populate=True, huge_pages=args.hugepage) for d in dirs]
         report["open_populate_s"] = time.perf_counter() - started
-        report["file_pmd_mapped_mb"] = _pmd_mapped_mb()
+        report["file_pmd_mapped_mb"] = file_pmd_mapped_bytes() / (1 << 20)
         try:
             report["lookup"] = measure_lookups(
                 shards, args.keys, args.width, args.batch, args.batches, args.warmup, args.seed

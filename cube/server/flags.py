@@ -61,6 +61,11 @@ class ServerFlags:
     dict_split: int = flag(1, "sub-dicts in this shard: <data_dir>/<split>/... when > 1")
     partitioner: str = flag("mod", "key -> split rule (the builder's)", choices=PARTITIONERS)
     in_mem: bool = flag(True, "fault shards into memory at load and mlock them (best effort)")
+    huge_pages: bool = flag(
+        True,
+        "map shards with 2 MiB pages where the kernel and filesystem have them (transparent"
+        " huge pages in the page cache); a loaded shard's unmapped pages are read again",
+    )
     data_dir: str = flag("./data", "directory with VERSION and the version directories")
     workers: int = flag(1, "worker processes, each on its own port (see --worker_ports)")
     worker_ports: str = flag("", "comma list of worker ports (default: port, port+1, ...)")

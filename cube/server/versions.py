@@ -452,6 +452,7 @@ class LoadOptions:
     verify: bool = True
     populate: bool = False  # --in_mem: fault every page in at load
     lock_memory: bool = False  # --in_mem: mlock, best effort
+    huge_pages: bool = False  # --huge_pages: 2 MiB mappings where the kernel has them
     delay: float = 0.0  # --load_delay (tests: makes a load last long enough to race it)
     watch: FileWatch | None = None  # leases / polls the mapped files (cube.server.guard)
     dict_name: str = ""  # --dict_name: a version of another dict is refused
@@ -475,6 +476,7 @@ def _open_layer(directory: Path, options: LoadOptions) -> ShardHandle:
             directory,
             verify=options.verify,
             populate=options.populate,
+            huge_pages=options.huge_pages,
             on_open=on_open if watch is not None else None,
             cancelled=cancelled if watch is not None else None,
         )

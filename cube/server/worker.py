@@ -58,6 +58,7 @@ from cube.server.versions import (
     split_dirs,
     startup_version,
 )
+from cube.shard import file_pmd_mapped_bytes
 
 if TYPE_CHECKING:
     from cube.server.flags import ServerFlags
@@ -94,6 +95,7 @@ class Worker:
             verify=flags.verify,
             populate=flags.in_mem,
             lock_memory=flags.in_mem,
+            huge_pages=flags.huge_pages,
             delay=flags.load_delay,
             watch=self.watch,
             dict_name=flags.dict_name,
@@ -426,6 +428,8 @@ class Worker:
             "partitioner": flags.partitioner,
             "data_dir": str(self.data_dir.resolve()),
             "in_mem": flags.in_mem,
+            "huge_pages": flags.huge_pages,
+            "file_pmd_mapped_bytes": file_pmd_mapped_bytes(),
             "max_batch": flags.max_batch,
             "workers": flags.workers,
             "ports": self.ports,
