@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from cube import kernel
+from cube import kernel, wire
 from cube.hashing import fmix64
 from cube.routing import shard_of
 from cube.seqfile import SequenceFileWriter
@@ -151,7 +151,38 @@ def measure_lookups(
         report["lookup_median_us"] = float(np.median(probe))
         report["gather_median_us"] = float(np.median(measured - probe))
         report["seek_fixed_median_us"] = _measure_seek_fixed(shards[0], count, width, drawn, seed)
+        report["lane_pass_median_us"] = _measure_lane_pass(shards[0], count, width, seed)
     return report
+
+
+def _measure_lane_pass(shard: Shard, count: int, width: int, seed: int) -> float:
+    """Median µs of CPU per 1000-key request of what cube-server's TCP lane runs per frame: one
+    compiled pass from request bytes to answer frame (cube.kernel.LanePass), on fresh batches
+    (time.process_time over 256 frames at a time). Every answer is checked."""
+    target = kernel.lane_target([(shard.kernel_table, shard.values)], width, "scale", width)
+    lane = kernel.LanePass([""], 1 << 26, 1 << 20, 1 << 30, (1, 1000))
+    rng = np.random.default_rng(seed + 2)
+    frames, batches = [], []
+    for _ in range(2048):
+        keys = keys_of(rng.integers(0, count, 1000))
+        body = wire.encode_seek_request(keys, request_id=1)
+        frame = np.frombuffer(len(body).to_bytes(4, "little") + body, dtype=np.uint8)
+        frames.append(kernel.read_only(frame))
+        batches.append(keys)
+    bounds = (0, 0, 0, 1 << 40, 1 << 40)
+    per_frame = []
+    for start in range(0, len(frames), 256):
+        began = time.process_time()
+        for frame in frames[start : start + 256]:
+            lane.run(frame, 0, frame.shape[0], target, bounds)
+        per_frame.append((time.process_time() - began) / 256 * 1e6)
+        # (the answer frame: u32 length, u8 status, the SeekResponse)
+        answer = wire.decode_seek_response(lane.out[5 : int(lane.result[1])].tobytes(), 1000)
+        if not answer.found.all() or not np.array_equal(
+            answer.column.as_rows(), values_of(batches[start + 255], width)
+        ):
+            raise AssertionError(f"lane pass frame {start + 255}: wrong answer")
+    return float(np.median(per_frame[1:]))
 
 
 def _measure_seek_fixed(
