@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from cube.bench import report
-from cube.bench.cube_bench import check_answers
+from cube.bench.cube_bench import _memory_shortfall, check_answers
 from cube.bench.procs import ProcessRegistry
 from cube.bench.runner import (
     Attempt,
@@ -276,6 +276,19 @@ def test_unknown_target_and_bad_flags_exit_2() -> None:
         )
         assert proc.returncode == 2, (args, proc.stderr)
         assert proc.stderr.startswith("error:")
+
+
+def test_a_data_set_larger_than_memory_is_refused_before_any_work(tmp_path: Path) -> None:
+    """100M x 64 B was killed by the OOM killer after 4 minutes (24 GB); now it is refused."""
+    assert _memory_shortfall(1_000_000, 40, available=1 << 30) == ""
+    said = _memory_shortfall(100_000_000, 64, available=20 << 30)
+    assert "--keys 100,000,000 of 64 B need about 23.5 GiB" in said
+    assert "20.0 GiB is available" in said and "bench.scale" in said
+    proc = subprocess.run(  # (generating 10**12 keys would outlast the timeout)
+        [str(CUBE_BENCH), "--targets", "cube", "--keys", str(10**12), "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "GiB of memory" in proc.stderr, proc.stderr
 
 
 def test_missing_binary_is_named_with_how_to_install_it(tmp_path: Path) -> None:
