@@ -323,18 +323,47 @@ def _parse_request(data, p, end):
 
 
 @jit
+def _probe_base(layers, keys, rows, layer_of, ahead):
+    """`_probe_layer` for a stack of one layer without deletions (a base, the common case):
+    every key probed in order, its home bucket computed once, no list of keys left."""
+    n = keys.shape[0]
+    bucket_count = layers[0, L_BUCKET_COUNT]
+    slot_keys = carray(pointer(layers[0, L_SLOT_KEYS]), bucket_count * _W, np.uint64)
+    bucket_rows = carray(pointer(layers[0, L_BUCKET_ROWS]), bucket_count, np.uint32)
+    empty_key = layers[0, L_EMPTY_KEY]
+    max_probe = np.int64(layers[0, L_MAX_PROBE])
+    buckets = np.empty(n, dtype=np.uint64)
+    for i in range(n):
+        buckets[i] = ((fmix64(keys[i]) >> _S32) * bucket_count) >> _S32
+    for i in range(min(ahead, n)):
+        prefetch(slot_keys, buckets[i] * _W)
+        prefetch(bucket_rows, buckets[i])
+    for i in range(n):
+        if i + ahead < n:
+            prefetch(slot_keys, buckets[i + ahead] * _W)
+            prefetch(bucket_rows, buckets[i + ahead])
+        row = _probe(slot_keys, bucket_rows, empty_key, max_probe, keys[i], buckets[i])
+        rows[i] = row
+        layer_of[i] = 0 if row != _MISS else -1
+
+
+@jit
 def _lookup(layers, data, keys_at, n, ahead):
     """(keys, rows, layer of each key: -1 not found) of the n keys at data[keys_at:], every
     layer probed newest first."""
     keys = np.empty(n, dtype=np.uint64)
     copy(keys, 0, data, keys_at, n * 8)
+    rows = np.empty(n, dtype=np.uint32)
+    layer_of = np.empty(n, dtype=np.int64)
+    if layers.shape[0] == 1 and layers[0, L_DELETED_COUNT] == 0:  # a base alone: one pass
+        _probe_base(layers, keys, rows, layer_of, ahead)
+        return keys, rows, layer_of
+    layer_of[:] = -1
     hashes = np.empty(n, dtype=np.uint64)
     pending = np.empty(n, dtype=np.int64)
     for i in range(n):
         hashes[i] = fmix64(keys[i])
         pending[i] = i
-    rows = np.empty(n, dtype=np.uint32)
-    layer_of = np.full(n, -1, dtype=np.int64)
     left = n
     for index in range(layers.shape[0] - 1, -1, -1):
         left = _probe_layer(layers, index, keys, hashes, pending, left, rows, layer_of, ahead)
