@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -269,6 +270,23 @@ def _async_round(
     return run, wall
 
 
+def _timed_async(
+    benchmark: BenchmarkFixture, client: AsyncCubeClient, call: Callable[[np.ndarray], Awaitable[R]]
+) -> R:
+    """Rounds of an asyncio client's `call` on an event loop of their own (`_async_round`),
+    recorded; the client is closed after. Returns the last answer."""
+    loop = asyncio.new_event_loop()
+    try:
+        run, wall = _async_round(loop, call)
+        run()
+        result: R = benchmark.pedantic(run, rounds=7, iterations=1)  # type: ignore[no-untyped-call]  # pytest-benchmark is unannotated
+        loop.run_until_complete(client.close())
+    finally:
+        loop.close()
+    _record(benchmark, wall)
+    return result
+
+
 def _record(benchmark: BenchmarkFixture, wall: list[float]) -> None:
     if benchmark.stats is None:  # --benchmark-disable (the default): ran once, as a test
         return
@@ -304,23 +322,15 @@ def test_cpu_x1000_async_client(
     benchmark: BenchmarkFixture, one_shard: dict[str, str], api: str, codec: str
 ) -> None:
     server = one_shard["seek" if api == "seek" else "emb"]
-    loop = asyncio.new_event_loop()
     client = AsyncCubeClient(shards=[[server]])
-    try:
-        run: Callable[[], SeekResult | np.ndarray]
-        if api == "seek":
-            run, wall = _async_round(loop, client.seek)
-        else:
-            run, wall = _async_round(loop, lambda keys: client.get_embeddings(keys, DIM))
-        run()
-        result = benchmark.pedantic(run, rounds=7, iterations=1)  # type: ignore[no-untyped-call]  # pytest-benchmark is unannotated
-        loop.run_until_complete(client.close())
-    finally:
-        loop.close()
-    _record(benchmark, wall)
-    if api == "seek":
-        assert result.found.all() and result.width == WIDTH
+    call: Callable[[np.ndarray], Awaitable[SeekResult | np.ndarray]] = client.seek
+    if api == "get_embeddings":
+        call = partial(client.get_embeddings, dim=DIM)
+    result = _timed_async(benchmark, client, call)
+    if isinstance(result, SeekResult):
+        assert api == "seek" and result.found.all() and result.width == WIDTH
     else:
+        assert api == "get_embeddings"
         assert result.shape == (BATCH, DIM) and result.dtype == np.float32
 
 
@@ -344,14 +354,6 @@ def test_cpu_x1000_blocking_client_2_shards(
 def test_cpu_x1000_async_client_2_shards(
     benchmark: BenchmarkFixture, cluster: list[str], codec: str
 ) -> None:
-    loop = asyncio.new_event_loop()
     client = AsyncCubeClient(shards=[[a] for a in cluster])
-    try:
-        run, wall = _async_round(loop, client.seek)
-        run()
-        result = benchmark.pedantic(run, rounds=7, iterations=1)  # type: ignore[no-untyped-call]  # pytest-benchmark is unannotated
-        loop.run_until_complete(client.close())
-    finally:
-        loop.close()
-    _record(benchmark, wall)
+    result = _timed_async(benchmark, client, client.seek)
     assert result.found.all() and result.width == WIDTH
