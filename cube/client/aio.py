@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 from numpy.typing import DTypeLike, NDArray
 
-from cube.client import _compiled
+import cube.client._compiled as _compiled
 from cube.client._aio_transport import AioChannels
 from cube.client._base import MAX_REPLANS, ClientBase
 from cube.client._core import (

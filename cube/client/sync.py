@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 from numpy.typing import DTypeLike, NDArray
 
-from cube.client import _compiled
+import cube.client._compiled as _compiled
 from cube.client._base import MAX_REPLANS, ClientBase
 from cube.client._core import (
     Piece,
