@@ -47,15 +47,16 @@ _MADV_POPULATE_READ = 22  # Linux 5.14: fault a range in, readable
 def _map(fd: int, size: int, populate: bool, huge_pages: bool) -> mmap.mmap:
     """Map a shard file read-only. With `huge_pages`, ask for 2 MiB mappings where the kernel
     and filesystem have them (transparent huge pages in the page cache: ext4 and xfs on recent
-    kernels, tmpfs mounted huge=): pages nobody maps are dropped first (the builder's or the
-    agent's writes left them in 4 KiB pieces) so that faulting the mapping in reads them again
-    in 2 MiB pieces. A lookup then misses the TLB once per 2 MiB instead of once per 4 KiB: at
-    20M keys x 64 B that is ~16% of the lookup (bench/RESULTS.md, issue 28). Elsewhere it
-    changes nothing but the re-read."""
+    kernels, tmpfs mounted huge=): with `populate`, pages nobody maps are dropped first (the
+    builder's or the agent's writes left them in 4 KiB pieces) so that faulting the mapping in
+    reads them again in 2 MiB pieces. A lookup then misses the TLB once per 2 MiB instead of
+    once per 4 KiB: the lane pass is 11% cheaper at 20M keys x 64 B, 23% at 100M
+    (bench/RESULTS.md, issue 28). Elsewhere it changes nothing but the re-read."""
     if not huge_pages:
         flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
         return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # (pages mapped elsewhere stay)
+    if populate:  # (without, dropping them would send the first lookups to the disk)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # (pages mapped elsewhere stay)
     buffer = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     try:
         buffer.madvise(mmap.MADV_HUGEPAGE)
