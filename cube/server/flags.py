@@ -64,7 +64,8 @@ class ServerFlags:
     huge_pages: bool = flag(
         True,
         "map shards with 2 MiB pages where the kernel and filesystem have them (transparent"
-        " huge pages in the page cache); a loaded shard's unmapped pages are read again",
+        " huge pages in the page cache); with --in_mem a loaded shard's unmapped pages are read"
+        " again",
     )
     data_dir: str = flag("./data", "directory with VERSION and the version directories")
     workers: int = flag(1, "worker processes, each on its own port (see --worker_ports)")
