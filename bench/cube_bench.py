@@ -270,16 +270,31 @@ def _memory_shortfall(keys: int, value_size: int, available: int | None = None) 
 
 def run(flags: BenchFlags, target_names: list[str], argv: Sequence[str]) -> int:
     """Check the targets, then set up, check and measure each in turn; the servers always
-    stop at the end (and a workdir of our own is removed)."""
-    options = dataclasses.asdict(flags)
-    skipped: dict[str, str] = {}
-    own_workdir = not flags.workdir
-    workdir = Path(flags.workdir or tempfile.mkdtemp(prefix="cube-bench-"))
-    registry = ProcessRegistry(log=_print_flush)
+    stop at the end, and a workdir of our own is removed however the run ends."""
     short = _memory_shortfall(flags.keys, flags.dim * 4 or flags.value_size)
     if short:
         print(f"cube-bench: {short}", file=sys.stderr)
         return 2
+    if flags.workdir:
+        return _run(flags, target_names, argv, Path(flags.workdir), own_workdir=False)
+    workdir = Path(tempfile.mkdtemp(prefix="cube-bench-"))
+    try:
+        return _run(flags, target_names, argv, workdir, own_workdir=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run(
+    flags: BenchFlags,
+    target_names: list[str],
+    argv: Sequence[str],
+    workdir: Path,
+    own_workdir: bool,
+) -> int:
+    """`run` in `workdir` (its logs are named on an error when it is the caller's)."""
+    options = dataclasses.asdict(flags)
+    skipped: dict[str, str] = {}
+    registry = ProcessRegistry(log=_print_flush)
     targets = _available_targets(flags, target_names, registry, workdir, options, skipped)
     if targets is None:
         return 2
@@ -307,8 +322,6 @@ def run(flags: BenchFlags, target_names: list[str], argv: Sequence[str]) -> int:
     finally:
         with signals_ignored():
             registry.stop_all()
-        if own_workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
     result: dict[str, Any] = {
         "command": shlex.join(["cube-bench", *argv]),
         "started": started,

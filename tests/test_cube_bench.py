@@ -291,6 +291,20 @@ def test_a_data_set_larger_than_memory_is_refused_before_any_work(tmp_path: Path
     assert proc.returncode == 2 and "GiB of memory" in proc.stderr, proc.stderr
 
 
+def test_a_refused_run_leaves_no_temp_directory(tmp_path: Path) -> None:
+    """Every early exit left an empty cube-bench-* directory in /tmp (69 on this machine)."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp), "PATH": str(tmp_path)}  # (no redis-server)
+    for args in (["--targets", "redis"], ["--targets", "cube", "--keys", str(10**12)]):
+        proc = subprocess.run(
+            [str(CUBE_BENCH), *args, "--out", str(tmp_path / "out")],
+            capture_output=True, text=True, timeout=60, check=False, env=env,
+        )  # fmt: skip
+        assert proc.returncode == 2, proc.stderr
+        assert not list(temp.iterdir()), (args, list(temp.iterdir()))
+
+
 def test_missing_binary_is_named_with_how_to_install_it(tmp_path: Path) -> None:
     env = {**os.environ, "PATH": str(tmp_path)}  # no redis-server, no memcached here
     proc = subprocess.run(
