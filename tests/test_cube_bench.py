@@ -69,6 +69,7 @@ class _DictTarget(Target):
     """An in-process target (no server): lets the runner be tested without processes."""
 
     name = "dict"
+    clients_made = 0  # thread clients made (a test alone on an xdist worker starts at 0)
 
     def check_available(self, client_mode: str) -> None:
         pass
@@ -83,7 +84,7 @@ class _DictTarget(Target):
         return rows_from_list([self.table.get(k) for k in keys.tolist()], self.width, 0)
 
     def thread_client(self) -> _DictThreadClient:
-        self.clients_made: int = getattr(self, "clients_made", 0) + 1
+        self.clients_made += 1
         return _DictThreadClient(self)
 
     def async_client(self, concurrency: int) -> _DictAsyncClient:
@@ -126,7 +127,7 @@ def test_runner_measures_a_fixed_number_of_requests(
 ) -> None:
     target, data = dict_target
     cfg = LevelConfig(2, 50, warmup=0.05, duration=1, requests=200, timeout=30, mode=mode)
-    made = getattr(target, "clients_made", 0)
+    made = target.clients_made
     attempt = run_attempt(target, data, cfg, [])
     assert target.clients_made - made == {"thread": 2, "shared": 1, "asyncio": 0}[mode]
     assert attempt.requests >= 200
