@@ -42,7 +42,7 @@ from cube import kernel, wire
 from cube.hashing import fmix64
 from cube.routing import shard_of
 from cube.seqfile import SequenceFileWriter
-from cube.shard import Shard, ShardStack, file_pmd_mapped_bytes
+from cube.shard import Shard, ShardStack
 from cube.values import ValueColumn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         shards = [Shard.open(d, populate=True, huge_pages=args.hugepage) for d in dirs]
         report["open_populate_s"] = time.perf_counter() - started
-        report["file_pmd_mapped_mb"] = file_pmd_mapped_bytes() / (1 << 20)
+        report["file_pmd_mapped_mb"] = sum(s.pmd_mapped_bytes() for s in shards) / (1 << 20)
         try:
             report["lookup"] = measure_lookups(
                 shards, args.keys, args.width, args.batch, args.batches, args.warmup, args.seed

@@ -33,7 +33,6 @@ __all__ = [
     "ShardStack",
     "ValueSource",
     "Writeback",
-    "file_pmd_mapped_bytes",
     "write_shard",
 ]
 
@@ -68,17 +67,23 @@ def _map(fd: int, size: int, populate: bool, huge_pages: bool) -> mmap.mmap:
     return buffer
 
 
-def file_pmd_mapped_bytes() -> int:
-    """Bytes of this process's file mappings on 2 MiB page table entries (Linux; -1 where
-    /proc does not say): whether `huge_pages` took effect."""
+def pmd_mapped_bytes(addresses: set[int]) -> int:
+    """Bytes on 2 MiB page table entries of this process's file mappings that start at
+    `addresses` (from /proc/self/smaps; -1 where it cannot be read): whether `huge_pages` took
+    effect. It walks the process's page tables: call it once per load, not per request."""
     try:
-        text = Path("/proc/self/smaps_rollup").read_text()
+        text = Path("/proc/self/smaps").read_text()
     except OSError:
         return -1
+    total = 0
+    mine = False
     for line in text.splitlines():
-        if line.startswith("FilePmdMapped:"):
-            return int(line.split()[1]) * 1024
-    return 0
+        head = line.split(" ", 1)[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+            mine = int(head.split("-", 1)[0], 16) in addresses
+        elif mine and line.startswith("FilePmdMapped:"):
+            total += int(line.split()[1]) * 1024
+    return total
 
 
 class _MappedFile:
@@ -117,6 +122,11 @@ class _MappedFile:
             os.close(fd)
         else:
             self.fd = fd
+
+    @property
+    def address(self) -> int:
+        """Where the mapping starts in this process."""
+        return int(np.frombuffer(self.buffer, dtype=np.uint8, count=1).ctypes.data)
 
     def section(self, name: str, dtype: str) -> np.ndarray:
         offset, length, _crc = self.fields["sections"][name]
@@ -236,6 +246,10 @@ class Shard:
     def verify(self, cancelled: Callable[[], bool] | None = None) -> None:
         for f in self._files:
             f.verify(cancelled)
+
+    def pmd_mapped_bytes(self) -> int:
+        """How much of this shard's files this process maps on 2 MiB pages (`pmd_mapped_bytes`)."""
+        return pmd_mapped_bytes({f.address for f in self._files})
 
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(rows, found); tombstones are found with row TOMBSTONE."""

@@ -259,6 +259,7 @@ class ShardHandle:
         self.max_value_bytes = _max_value_bytes(shard)
         self.mapped_bytes = sum(int(a.nbytes) for a in mapped_arrays(shard))
         self.locked_bytes = 0  # set by the load with --in_mem
+        self.pmd_mapped_bytes = 0  # set by the load with --huge_pages: on 2 MiB pages
 
     @property
     def fds(self) -> list[int]:
@@ -352,6 +353,7 @@ class SplitData:
             "dict_name": layers[-1].meta.get("dict_name"),
             "mapped_bytes": sum(h.mapped_bytes for h in self.handles),
             "locked_bytes": sum(h.locked_bytes for h in self.handles),
+            "pmd_mapped_bytes": sum(h.pmd_mapped_bytes for h in self.handles),
         }
 
 
@@ -437,6 +439,7 @@ class LoadedVersion:
             "load_seconds": round(self.load_seconds, 3),
             "mapped_bytes": sum(s["mapped_bytes"] for s in splits),
             "locked_bytes": sum(s["locked_bytes"] for s in splits),
+            "pmd_mapped_bytes": sum(s["pmd_mapped_bytes"] for s in splits),
             "loaded_at": self.loaded_at,
             "routing": routing.describe() if routing else None,
             "splits": splits,
@@ -502,6 +505,8 @@ def _open_layer(directory: Path, options: LoadOptions) -> ShardHandle:
     handle = ShardHandle(shard, watch)
     if options.lock_memory:
         handle.locked_bytes = lock_in_memory(shard)
+    if options.huge_pages:
+        handle.pmd_mapped_bytes = shard.pmd_mapped_bytes()
     return handle
 
 

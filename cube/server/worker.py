@@ -58,7 +58,6 @@ from cube.server.versions import (
     split_dirs,
     startup_version,
 )
-from cube.shard import file_pmd_mapped_bytes
 
 if TYPE_CHECKING:
     from cube.server.flags import ServerFlags
@@ -429,7 +428,6 @@ class Worker:
             "data_dir": str(self.data_dir.resolve()),
             "in_mem": flags.in_mem,
             "huge_pages": flags.huge_pages,
-            "file_pmd_mapped_bytes": file_pmd_mapped_bytes(),
             "max_batch": flags.max_batch,
             "workers": flags.workers,
             "ports": self.ports,
