@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 
 from cube.bench.cube_target import CubeTarget
 from cube.bench.procs import (
@@ -156,13 +157,12 @@ def machine() -> dict[str, str]:
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
                 break
-        mem_kb = int(Path("/proc/meminfo").read_text().split()[1])
-    except (OSError, ValueError, IndexError):
-        mem_kb = 0
+    except OSError:
+        pass
     return {
         "cpu": model,
         "cores": str(os.cpu_count()),
-        "memory": f"{mem_kb / 2**20:.1f} GiB",
+        "memory": f"{psutil.virtual_memory().total / 2**30:.1f} GiB",
         "kernel": platform.release(),
     }
 
@@ -253,12 +253,7 @@ def _memory_shortfall(keys: int, value_size: int, available: int | None = None) 
     work, not killed by the kernel's OOM killer minutes in."""
     need = int(keys * (8 + value_size) * _MEMORY_PER_DATA_BYTE)
     if available is None:
-        try:
-            meminfo = Path("/proc/meminfo").read_text()
-        except OSError:
-            return ""
-        fields = dict(line.split(":", 1) for line in meminfo.splitlines() if ":" in line)
-        available = int(fields.get("MemAvailable", "0 kB").split()[0]) * 1024
+        available = int(psutil.virtual_memory().available)
     if need <= available:
         return ""
     return (

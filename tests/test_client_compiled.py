@@ -306,6 +306,7 @@ def test_the_codec_loads_in_wait_ready_and_never_during_calls(
 
         return record
 
+    monkeypatch.setattr(_compiled, "_started", False)  # (not loaded yet in this process)
     monkeypatch.setattr(_compiled, "load", recorder("load"))
     monkeypatch.setattr(_compiled, "warm", recorder("warm"))
     sync, aio = clients("mod", TABLE)

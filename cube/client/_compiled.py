@@ -39,6 +39,11 @@ unwarmed: set[str] = set()  # signatures the sealed loops refused (answered on n
 _U8 = np.dtype(np.uint8)
 
 
+def pending() -> bool:
+    """Whether `load` still has something to do (the asyncio client skips its thread then)."""
+    return COMPILED and not _started
+
+
 def load() -> bool:
     """Load the compiled loops now, once per process (a client's `wait_ready` calls it, in
     the caller's thread: the GIL it holds costs nothing before the program serves); False

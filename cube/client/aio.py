@@ -176,7 +176,8 @@ class AsyncCubeClient(ClientBase[AsyncTransport]):
         """As CubeClient.wait_ready (the compiled codec loads in a thread; the GIL it holds
         stalls this event loop too, which is why it happens here, before serving)."""
         self._check_open()
-        await asyncio.to_thread(_compiled.load)
+        if _compiled.pending():
+            await asyncio.to_thread(_compiled.load)
         if self._injected is not None:
             return []
         return await self._channels.wait_ready(self.endpoints, timeout_s)
