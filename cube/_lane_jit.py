@@ -184,15 +184,27 @@ def _foreign(key, shard_num, shard, partitioner):
 
 
 @jit
+def _table_of(layers, index):
+    """Layer `index`'s hash table as `_probe` takes it: (slot keys, bucket rows, bucket
+    count, empty key, max probe)."""
+    bucket_count = layers[index, L_BUCKET_COUNT]
+    slot_keys = carray(pointer(layers[index, L_SLOT_KEYS]), bucket_count * _W, np.uint64)
+    bucket_rows = carray(pointer(layers[index, L_BUCKET_ROWS]), bucket_count, np.uint32)
+    return (
+        slot_keys,
+        bucket_rows,
+        bucket_count,
+        layers[index, L_EMPTY_KEY],
+        np.int64(layers[index, L_MAX_PROBE]),
+    )
+
+
+@jit
 def _probe_layer(layers, index, keys, hashes, pending, count, rows, layer_of, ahead):
     """Probe keys[pending[:count]] in layer `index`: found keys (a row, or TOMBSTONE for a key
     the layer deletes) get rows[i] and layer_of[i]; returns how many are left, moved to the
     front of `pending` (for the older layers)."""
-    bucket_count = layers[index, L_BUCKET_COUNT]
-    slot_keys = carray(pointer(layers[index, L_SLOT_KEYS]), bucket_count * _W, np.uint64)
-    bucket_rows = carray(pointer(layers[index, L_BUCKET_ROWS]), bucket_count, np.uint32)
-    empty_key = layers[index, L_EMPTY_KEY]
-    max_probe = np.int64(layers[index, L_MAX_PROBE])
+    slot_keys, bucket_rows, bucket_count, empty_key, max_probe = _table_of(layers, index)
     for j in range(min(ahead, count)):
         bucket = ((hashes[pending[j]] >> _S32) * bucket_count) >> _S32
         prefetch(slot_keys, bucket * _W)
@@ -327,11 +339,7 @@ def _probe_base(layers, keys, rows, layer_of, ahead):
     """`_probe_layer` for a stack of one layer without deletions (a base, the common case):
     every key probed in order, its home bucket computed once, no list of keys left."""
     n = keys.shape[0]
-    bucket_count = layers[0, L_BUCKET_COUNT]
-    slot_keys = carray(pointer(layers[0, L_SLOT_KEYS]), bucket_count * _W, np.uint64)
-    bucket_rows = carray(pointer(layers[0, L_BUCKET_ROWS]), bucket_count, np.uint32)
-    empty_key = layers[0, L_EMPTY_KEY]
-    max_probe = np.int64(layers[0, L_MAX_PROBE])
+    slot_keys, bucket_rows, bucket_count, empty_key, max_probe = _table_of(layers, 0)
     buckets = np.empty(n, dtype=np.uint64)
     for i in range(n):
         buckets[i] = ((fmix64(keys[i]) >> _S32) * bucket_count) >> _S32
@@ -412,15 +420,34 @@ def _answer_size(n, width, total, version, request_id):
 
 
 @jit
-def _write_answer(out, at, body, sources, lengths, width, total, version, request_id, ahead):
-    """The answer frame (u32 length, status 0, the SeekResponse of `body` bytes) at out[at:];
-    returns its end."""
-    n = lengths.shape[0]
+def _answer_head(out, at, body, n):
+    """An answer frame's start at out[at:]: u32 length `body`, status 0, and the found
+    flags' tag and length (n); returns where the flags go."""
     for b in range(4):
         out[at + b] = np.uint8((body >> (8 * b)) & 0xFF)
     out[at + 4] = 0
     out[at + 5] = 0x0A
-    at = _put_varint(out, at + 6, n)
+    return _put_varint(out, at + 6, n)
+
+
+@jit
+def _answer_tail(out, at, version, request_id):
+    """An answer's last fields, the version and the request id (each when set); returns
+    the end."""
+    if version.shape[0]:
+        at = _put_field(out, at, 0x2A, version, 0, version.shape[0])
+    if request_id:
+        out[at] = 0x30
+        at = _put_varint(out, at + 1, request_id)
+    return at
+
+
+@jit
+def _write_answer(out, at, body, sources, lengths, width, total, version, request_id, ahead):
+    """The answer frame (u32 length, status 0, the SeekResponse of `body` bytes) at out[at:];
+    returns its end."""
+    n = lengths.shape[0]
+    at = _answer_head(out, at, body, n)
     for i in range(n):
         out[at + i] = np.uint8(lengths[i] >= 0)
     at += n
@@ -441,11 +468,7 @@ def _write_answer(out, at, body, sources, lengths, width, total, version, reques
                 offset += lengths[i]
             store_word(out, at + 8 * (i + 1), offset)
         at += 8 * (n + 1)
-    if version.shape[0]:
-        at = _put_field(out, at, 0x2A, version, 0, version.shape[0])
-    if request_id:
-        out[at] = 0x30
-        at = _put_varint(out, at + 1, request_id)
+    at = _answer_tail(out, at, version, request_id)
     return at
 
 
@@ -461,11 +484,7 @@ def _write_fixed(out, at, body, layers, keys, rows, layer_of, width, version, re
     bases = np.empty(layers.shape[0], dtype=np.int64)
     for index in range(layers.shape[0]):
         bases[index] = np.int64(layers[index, L_VALUES])
-    for b in range(4):
-        out[at + b] = np.uint8((body >> (8 * b)) & 0xFF)
-    out[at + 4] = 0
-    out[at + 5] = 0x0A
-    at = _put_varint(out, at + 6, n)
+    at = _answer_head(out, at, body, n)
     misses = 0
     foreign = False
     for i in range(n):
@@ -499,11 +518,7 @@ def _write_fixed(out, at, body, layers, keys, rows, layer_of, width, version, re
         at += width
     out[at] = 0x18
     at = _put_varint(out, at + 1, width)
-    if version.shape[0]:
-        at = _put_field(out, at, 0x2A, version, 0, version.shape[0])
-    if request_id:
-        out[at] = 0x30
-        at = _put_varint(out, at + 1, request_id)
+    at = _answer_tail(out, at, version, request_id)
     return at, misses, foreign
 
 
