@@ -3,8 +3,13 @@
 After the sources are copied into the build tree, `python -m cube.kernel_cache` compiles the
 kernel there, into `cube/_numba_cache` (cube/_jit.py: for a generic CPU of the build machine's
 architecture, stamped by source content), so that an installed wheel's server loads it
-instead of compiling at its first start. Editable installs skip it (`make install` warms the
-kernel in the checkout instead).
+instead of compiling at its first start. A build that cannot compile it fails: no wheel
+without its kernel. Editable installs skip it (`make install` warms the kernel in the
+checkout instead).
+
+The wheel is tagged for the interpreter and platform that compiled it (cp311-cp311-
+linux_x86_64, say), since that machine code is what it ships; anywhere else pip builds one
+from the sdist.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import warnings
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_py import build_py
 
 
@@ -26,9 +32,13 @@ class BuildPyWithKernel(build_py):
             return
         build_lib = Path(self.build_lib).resolve()
         cache = build_lib / "cube" / "_numba_cache"
+        # The build tree first, then whatever the frontend put on the path: pip's isolated
+        # build installs numpy and numba in a folder that only its PYTHONPATH entry (a
+        # sitecustomize) adds, so replacing PYTHONPATH would hide them from the child.
+        inherited = os.environ.get("PYTHONPATH", "")
         env = {
             **os.environ,
-            "PYTHONPATH": str(build_lib),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(build_lib), inherited])),
             "CUBE_KERNEL_CACHE": str(cache),
             "NUMBA_CPU_NAME": "generic",
         }
@@ -37,6 +47,16 @@ class BuildPyWithKernel(build_py):
             [sys.executable, "-m", "cube.kernel_cache", "--require"],
             check=True, env=env, cwd=build_lib, timeout=900,
         )  # fmt: skip
+        if not list(cache.glob("*.nbc")):
+            raise SystemExit(f"setup.py: no compiled kernel in {cache}: refusing to build a wheel")
+
+
+class PlatformWheel(bdist_wheel):
+    """Not a pure wheel: it holds machine code for this interpreter and architecture."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        self.root_is_pure = False
 
 
 # An editable install (make install) maps cube.builder, cube.agent, ... to the repo's folders
@@ -45,4 +65,4 @@ class BuildPyWithKernel(build_py):
 # directory). Nothing to act on: the one top-level name is `cube`, the folder it maps to.
 warnings.filterwarnings("ignore", message="Editable installation")
 
-setup(cmdclass={"build_py": BuildPyWithKernel})
+setup(cmdclass={"build_py": BuildPyWithKernel, "bdist_wheel": PlatformWheel})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +26,9 @@ SHIPPED_CACHE = PACKAGE_DIR / "_numba_cache"  # built with the wheel (setup.py),
 CACHE_ENV = "CUBE_KERNEL_CACHE"
 # Machine code for a generic CPU of the architecture: a cache built on one machine (the
 # wheel's, the image's) loads on every other; measured as fast as host-tuned code for these
-# memory-bound loops (bench/RESULTS.md). Set before numba is imported, unless the user chose.
+# memory-bound loops (bench/RESULTS.md). Set before numba is imported, unless the user chose
+# (and again on numba's config below, for a process that imported numba first).
+CPU_CHOSEN_BY_USER = "NUMBA_CPU_NAME" in os.environ
 os.environ.setdefault("NUMBA_CPU_NAME", "generic")
 
 
@@ -38,11 +41,26 @@ def _writable(path: Path) -> bool:
     return True
 
 
+def _private_temp_folder() -> Path | None:
+    """$TMPDIR/cube-kernel-<uid>, made 0700 and used only while it is ours alone: numba's
+    cache files are pickles, so a folder another user can write is code they could run."""
+    folder = Path(tempfile.gettempdir()) / f"cube-kernel-{os.getuid()}"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        status = folder.lstat()
+    except OSError:
+        return None
+    if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.getuid():
+        return None
+    return folder if status.st_mode & 0o077 == 0 and _writable(folder) else None
+
+
 def kernel_cache_dir() -> Path | None:
     """Where the compiled loops' machine code is cached: $CUBE_KERNEL_CACHE when set; else the
     package's own `_numba_cache` (what the wheel ships) when writable; else a per-user folder
-    ($NUMBA_CACHE_DIR or ~/.cache, then cube-kernel) seeded with the shipped files, so a
-    read-only install loads them too; None: no cache (every process compiles)."""
+    ($NUMBA_CACHE_DIR or ~/.cache, then cube-kernel; else a private one in the temp folder)
+    seeded with the shipped files, so a read-only install, or one owned by another user,
+    loads them too; None: no cache (every process compiles)."""
     explicit = os.environ.get(CACHE_ENV)
     if explicit:
         return Path(explicit) if _writable(Path(explicit)) else None
@@ -51,12 +69,19 @@ def kernel_cache_dir() -> Path | None:
     root = os.environ.get("NUMBA_CACHE_DIR") or str(Path.home() / ".cache")
     folder = Path(root) / "cube-kernel"
     if not _writable(folder):
-        return None
+        private = _private_temp_folder()
+        if private is None:
+            return None
+        folder = private
     for shipped in SHIPPED_CACHE.glob("*.nb[ic]"):
         copy = folder / shipped.name
         try:
-            if not copy.exists() or copy.stat().st_mtime < shipped.stat().st_mtime:
-                shutil.copy2(shipped, copy)
+            source = shipped.stat()
+            if not copy.exists() or (copy.stat().st_size, copy.stat().st_mtime) != (
+                source.st_size,
+                source.st_mtime,
+            ):
+                shutil.copy2(shipped, copy)  # another wheel's files are replaced, not kept
         except OSError:
             break  # compiles what it lacks, and caches that
     return folder
@@ -68,6 +93,11 @@ if COMPILED:
     from numba import types
     from numba.core import caching, cgutils
     from numba.extending import intrinsic
+
+    if not CPU_CHOSEN_BY_USER and numba.config.CPU_NAME is None:
+        # numba was imported before this module: its config read no NUMBA_CPU_NAME, and
+        # its host-tuned code would miss the shipped cache (keyed by CPU name and features)
+        numba.config.CPU_NAME, numba.config.CPU_FEATURES = "generic", ""
 
     class _KernelCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):
         """numba's cache locator for this package's compiled loops (`kernel_cache_dir`); the
