@@ -65,11 +65,18 @@ def check_free(host: str, port: int, what: str) -> None:
     listen_socket(host, port, what, backlog=1).close()
 
 
-def grpc_listen(server: Any, host: str, port: int, what: str, credentials: Any = None) -> int:
+def grpc_listen(
+    server: Any, host: str, port: int, what: str, credentials: Any = None, shared: bool = False
+) -> int:
     """Bind a grpc(.aio) server made with `GRPC_OPTIONS` on host:port (over TLS with
     `credentials`); the bound port, or ListenError saying why not (gRPC does not say: a
-    probe of the port does)."""
+    probe of the port does). A fixed port is probed first: gRPC's C core logs an add_port
+    error line of its own to stderr before failing, which would come before (and muddle) ours.
+    `shared`: the port is shared through SO_REUSEPORT (cube-server --reuseport), held by the
+    other workers already, so not probed."""
     bind = address(host, port)
+    if port and not shared:
+        check_free(host, port, what)  # raises with the reason, before gRPC tries
     try:
         bound = (
             server.add_insecure_port(bind)

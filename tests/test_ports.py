@@ -268,3 +268,30 @@ def check_reuseport_is_for_one_server(tmp_path: Path) -> None:
         assert grpc_answers(shared)
     finally:
         first.stop()
+
+
+@pytest.mark.parametrize("flag", ["--port", "--control_port"])
+def test_cube_server_on_a_port_in_use_says_so_in_one_line_of_its_own(
+    flag: str, tmp_path: Path
+) -> None:
+    """gRPC's C core logs its own failure to stderr when it cannot bind ("E... add_port.cc:83]
+    Failed to add port to server: ... Address already in use"), which came before the server's
+    message: the port is probed first, so the server's line is the only one."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports = ["--port", str(port)]
+        if flag == "--control_port":
+            ports = ["--port", "0", "--control_port", str(port)]
+        done = subprocess.run(
+            [command("cube-server"), "--data_dir", str(tmp_path / "data"), *ports],
+            capture_output=True,
+            text=True,
+            timeout=WAIT,
+        )
+    assert done.returncode == 1 and done.stdout == "", done.stderr
+    message = f"cannot listen on 127.0.0.1:{port} ({flag}): port in use"
+    lines = done.stderr.splitlines()
+    pattern = r"\S+ \S+ ERROR cube\.server \[server pid \d+\]: " + re.escape(message)
+    assert len(lines) == 1 and re.fullmatch(pattern, lines[0]), done.stderr

@@ -273,7 +273,9 @@ class Worker:
             )
             self._listening.append(address(flags.host, self.ports[index]))
             if shared is not None:
-                grpc_listen(shared, flags.host, flags.port, "--port, --reuseport", credentials)
+                grpc_listen(
+                    shared, flags.host, flags.port, "--port, --reuseport", credentials, shared=True
+                )
                 self._listening.append(address(flags.host, flags.port))
             self.controls[index] = grpc_listen(
                 control, flags.control_host, self.controls[index], "--control_port"
