@@ -77,6 +77,8 @@ Servers name a base version <depend> and a delta <depend>_<cur>. A delta needs o
 (-depend_version); -last_version is accepted for compatibility and ignored. With the default
 -only_build=true the build's version is the current Unix time (a base: depend = cur = now);
 with -only_build=false, -cur_version is required and a base's -depend_version defaults to it.
+The original ignores -cur_version (and a base's -depend_version) under -only_build=true; here
+giving them without -only_build=false is an error (exit 2), never silently ignored.
 An existing <output_path>/<depend>_<cur> is never overwritten (exit 1).
 
 The values of uncompressed input files are not copied: the shards are written from the input
@@ -141,16 +143,18 @@ class BuilderFlags:
     cur_version: int = flag(
         -1,
         "this build's version (Unix time; 0 as in the original's local mode); -1: unset;"
-        " see -only_build",
+        " needs -only_build=false",
     )
     depend_version: int = flag(
-        -1, "base version: a base's own, a delta's base (required for a delta); -1: unset"
+        -1,
+        "base version: a base's own (needs -only_build=false), a delta's base (required for "
+        "a delta); -1: unset",
     )
     last_version: int = flag(0, "accepted for compatibility; not needed")
     only_build: bool = flag(
         True,
-        "true: use the current time instead of -cur_version "
-        "(and, for a base, -depend_version), as the original",
+        "true: the build's version is the current time, as the original (-cur_version, and "
+        "a base's -depend_version, are refused); false: -cur_version",
     )
     master_address: str = flag(
         "",
@@ -308,6 +312,7 @@ def config_from_flags(flags: BuilderFlags, now: int) -> BuildConfig:
         raise FlagError("--delete_path needs --job_mode delta")
     depend = flags.depend_version
     if flags.only_build:
+        _refuse_versions_with_only_build(flags)
         cur = now
         if mode == "base":
             depend = now
@@ -339,6 +344,25 @@ def config_from_flags(flags: BuilderFlags, now: int) -> BuildConfig:
         )
     except ValueError as exc:
         raise FlagError(str(exc)) from None
+
+
+def _refuse_versions_with_only_build(flags: BuilderFlags) -> None:
+    """FlagError for versions -only_build=true would ignore (the original ignores them
+    silently: a build named by the clock where the user asked for a version)."""
+    given = [
+        f"-{name} {value}"
+        for name, value in (
+            ("cur_version", flags.cur_version),
+            ("depend_version", flags.depend_version if flags.job_mode == "base" else -1),
+        )
+        if value != -1
+    ]
+    if given:
+        raise FlagError(
+            f"{' and '.join(given)} would be ignored: with -only_build=true (the default) the "
+            "build's version is the current time; add -only_build=false to build that "
+            "version, or leave the version flags out"
+        )
 
 
 def tqdm_progress() -> Progress:

@@ -331,13 +331,40 @@ def test_only_build_uses_the_current_time(tmp_path: Path) -> None:
     write_seqfile(inputs / "p", [1, 2], [b"a", b"b"])
     output = tmp_path / "out"
     args = ["-dict_name=d", f"--input_path={inputs}", "-output_path", str(output)]
-    done = run_builder(*args, "-shard_num", "1", "-cur_version", "5", "-depend_version", "5")
+    done = run_builder(*args, "-shard_num", "1")
     assert done.returncode == 0, done.stderr
     assert "built" in done.stdout
     (version,) = [p.name for p in output.iterdir() if p.name != "meta_info"]
     depend, cur = version.split("_")
-    assert depend == cur and int(cur) > 1_600_000_000  # now, not the flags' 5
+    assert depend == cur and int(cur) > 1_600_000_000  # now
     assert (output / version / "d_part0.tar").exists()
+
+
+@pytest.mark.parametrize(
+    ("versions", "named"),
+    [
+        (["-cur_version", "5"], "-cur_version 5"),
+        (["-cur_version=5", "-depend_version=5"], "-cur_version 5 and -depend_version 5"),
+        (["-depend_version", "7"], "-depend_version 7"),
+        (["-only_build=true", "-cur_version", "0"], "-cur_version 0"),
+    ],
+)
+def test_versions_only_build_would_ignore_are_refused(
+    tmp_path: Path, versions: list[str], named: str
+) -> None:
+    """The original ignores -cur_version (and a base's -depend_version) unless
+    -only_build=false; here they are refused, nothing built, rather than silently ignored."""
+    inputs = tmp_path / "in"
+    write_seqfile(inputs / "p", [1, 2], [b"a", b"b"])
+    output = tmp_path / "out"
+    args = ["-dict_name=d", f"--input_path={inputs}", "-output_path", str(output)]
+    done = run_builder(*args, "-shard_num", "1", *versions)
+    assert done.returncode == 2, done.stderr
+    assert f"{named} would be ignored" in done.stderr and "-only_build=false" in done.stderr
+    assert done.stdout == "" and not output.exists()
+    # a delta's -depend_version is its base, used with -only_build=true too
+    delta = run_builder(*args, "-shard_num", "1", "-job_mode", "delta", "-depend_version", "7")
+    assert delta.returncode == 0 and "would be ignored" not in delta.stderr, delta.stderr
 
 
 def test_existing_version_directory_is_refused(tmp_path: Path) -> None:
