@@ -20,8 +20,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from setuptools import setup
-from setuptools.command.bdist_wheel import bdist_wheel
+from setuptools import Distribution, setup
 from setuptools.command.build_py import build_py
 
 
@@ -51,12 +50,12 @@ class BuildPyWithKernel(build_py):
             raise SystemExit(f"setup.py: no compiled kernel in {cache}: refusing to build a wheel")
 
 
-class PlatformWheel(bdist_wheel):
-    """Not a pure wheel: it holds machine code for this interpreter and architecture."""
+class MachineCodeDistribution(Distribution):
+    """Not a pure distribution: its wheel holds machine code for this interpreter and
+    architecture, so it is built into the platform's folder and tagged for it."""
 
-    def finalize_options(self) -> None:
-        super().finalize_options()
-        self.root_is_pure = False
+    def has_ext_modules(self) -> bool:
+        return True
 
 
 # An editable install (make install) maps cube.builder, cube.agent, ... to the repo's folders
@@ -65,4 +64,4 @@ class PlatformWheel(bdist_wheel):
 # directory). Nothing to act on: the one top-level name is `cube`, the folder it maps to.
 warnings.filterwarnings("ignore", message="Editable installation")
 
-setup(cmdclass={"build_py": BuildPyWithKernel, "bdist_wheel": PlatformWheel})
+setup(cmdclass={"build_py": BuildPyWithKernel}, distclass=MachineCodeDistribution)

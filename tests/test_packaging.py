@@ -6,13 +6,16 @@ installed wheel alone (not through the editable install of the repo)."""
 from __future__ import annotations
 
 import configparser
+import os
 import re
 import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import tomllib
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,25 +24,93 @@ import pytest
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
+NOBODY = 65534  # another user, who owns neither the venv nor a writable home
+
+
+def run(command: list[str], cwd: Path, timeout: float = 600) -> str:
+    """Run a packaging command as a user types it (pip's defaults: isolated builds, the
+    machine's pip configuration); its output, or a failure that shows it."""
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{command}: {done.stdout[-3000:]}{done.stderr[-3000:]}"
+    return done.stdout + done.stderr
+
+
+def fresh_venv(where: Path) -> Path:
+    """A new virtualenv with the newest pip; returns its bin/."""
+    run([sys.executable, "-m", "venv", str(where)], cwd=where.parent, timeout=120)
+    run([str(where / "bin" / "pip"), "install", "-q", "--upgrade", "pip"], cwd=where.parent)
+    return where / "bin"
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    leftover = not (REPO / "build").exists()  # setuptools builds in REPO/build: tidy it
-    built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(out), str(REPO)],
-        check=True, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    (out / "build.log").write_text(built.stdout + built.stderr)
-    if leftover:
-        shutil.rmtree(REPO / "build", ignore_errors=True)
+def scratch() -> Iterator[Path]:
+    """A folder other users may read (pytest's are 0700): the venv another user runs."""
+    folder = Path(tempfile.mkdtemp(prefix="cube-packaging-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def tree(scratch: Path) -> Path:
+    """The checkout's tracked files alone, as a fresh clone has them (no build/, no venv)."""
+    target = scratch / "src"
+    target.mkdir()
+    listed = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True, timeout=60
+    ).stdout.split(b"\0")
+    for name in filter(None, listed):
+        source = REPO / name.decode()
+        if source.is_file():
+            (target / name.decode()).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target / name.decode())
+    return target
+
+
+@pytest.fixture(scope="module")
+def sdist(tree: Path, scratch: Path) -> Path:
+    """`python -m build --sdist`, in a venv of its own with the newest pip and build."""
+    tooling = fresh_venv(scratch / "tooling")
+    run([str(tooling / "pip"), "install", "-q", "build"], cwd=scratch)
+    out = scratch / "dist"
+    run([str(tooling / "python"), "-m", "build", "--sdist", "--outdir", str(out), "."], cwd=tree)
+    (found,) = out.glob("cube_py-*.tar.gz")
+    return found
+
+
+@pytest.fixture(scope="module")
+def wheel(sdist: Path, scratch: Path) -> Path:
+    """`pip wheel` of the sdist alone, from a folder with no checkout around it."""
+    out = scratch / "wheel"
+    out.mkdir()
+    log = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(out), str(sdist)],
+              cwd=out)  # fmt: skip
+    (out / "build.log").write_text(log)
     (found,) = out.glob("cube_py-*.whl")
     return found
 
 
+@pytest.fixture(scope="module")
+def installed(tree: Path, scratch: Path) -> Path:
+    """`python3 -m venv v && v/bin/pip install -U pip && v/bin/pip install '.[server]'` in
+    the tree; returns the venv's bin/."""
+    bin_dir = fresh_venv(scratch / "v")
+    run([str(bin_dir / "pip"), "install", "-q", ".[server]"], cwd=tree)
+    return bin_dir
+
+
+def site_packages(bin_dir: Path) -> Path:
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    return Path(run([str(bin_dir / "python"), "-c", code], cwd=bin_dir).strip())
+
+
 def test_one_top_level_package(wheel: Path) -> None:
+    """... and tagged for the interpreter and platform whose machine code it ships."""
+    platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
+    abi = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    with open(REPO / "pyproject.toml", "rb") as f:
+        version = tomllib.load(f)["project"]["version"]
+    assert wheel.name == f"cube_py-{version}-{abi}-{abi}-{platform}.whl"
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"cube"}
@@ -175,26 +246,70 @@ def test_the_sdk_imports_without_the_extras(tmp_path: Path) -> None:
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
-def test_a_server_from_the_wheel_loads_the_shipped_kernel(wheel: Path, tmp_path: Path) -> None:
-    """The wheel ships the lookup kernel compiled (setup.py): a server installed from it, on a
-    machine with no kernel cache of its own, loads it and compiles nothing at its first start
-    (a compile there would hold the replica not ready for seconds)."""
+def test_the_installed_kernel_is_complete_and_for_any_cpu_of_the_architecture(
+    installed: Path,
+) -> None:
+    """`pip install .` ships every signature a server and the SDK run (`kernel_cache
+    --check` loads them from a scratch copy and fails if one had to compile), compiled for
+    a generic CPU: numba keys its cache by (target triple, CPU name, CPU features), so code
+    for this host's features would miss on another CPU of the same architecture."""
+    checked = run([str(installed / "python"), "-m", "cube.kernel_cache", "--check"], cwd=REPO)
+    assert "loads with nothing to compile" in checked
+    code = (
+        "import pickle, sys, pathlib, numba\n"
+        "seen = set()\n"
+        "for index in pathlib.Path(sys.argv[1]).glob('*.nbi'):\n"
+        "    with open(index, 'rb') as f:\n"
+        "        pickle.load(f)  # numba's version\n"
+        "        stamp, overloads = pickle.loads(f.read())\n"
+        "    seen |= {magic[1:] for _signature, magic in overloads}\n"
+        "print(sorted(seen))\n"
+    )
+    cache = site_packages(installed) / "cube" / "_numba_cache"
+    magic = run([str(installed / "python"), "-c", code, str(cache)], cwd=REPO).strip()
+    assert magic == "[('generic', '')]", magic
+
+
+def test_the_check_fails_on_an_install_missing_part_of_its_kernel(
+    wheel: Path, tmp_path: Path
+) -> None:
+    target = install(wheel, tmp_path / "site")
+    lane = sorted((target / "cube" / "_numba_cache").glob("_lane_jit.lane_pass-*"))
+    assert lane
+    for path in lane:
+        path.unlink()
+    done = subprocess.run(
+        [sys.executable, "-S", "-m", "cube.kernel_cache", "--check"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={"PYTHONPATH": f"{target}:{sysconfig.get_paths()['purelib']}", "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "missing 1 signatures" in done.stdout and "every server's first start" in done.stdout
+
+
+def test_another_user_on_a_read_only_install_loads_the_shipped_kernel(
+    installed: Path, scratch: Path
+) -> None:
+    """The installed cube-server run by a user who owns neither the venv (read-only to it)
+    nor a writable home, with no NUMBA_CACHE_DIR: the shipped files are copied to a private
+    folder in the temp dir and load there; nothing compiles, nothing lands in the venv."""
     from cube.processes import poll_until, stop_child
 
-    target = install(wheel, tmp_path / "site")
-    shipped = sorted(p.name for p in (target / "cube" / "_numba_cache").glob("*.nbc"))
-    assert any(name.startswith("_kernel_jit._seek_fixed") for name in shipped)
-    env = {
-        "PYTHONPATH": f"{target}:{sysconfig.get_paths()['purelib']}",
-        "HOME": str(tmp_path / "home"),  # no user cache
-        "PATH": "/usr/bin:/bin",
-    }
-    log = tmp_path / "server.log"
+    cache = site_packages(installed) / "cube" / "_numba_cache"
+    shipped = sorted(p.name for p in cache.iterdir())
+    data = scratch / "nobody-data"
+    data.mkdir(mode=0o777)
+    data.chmod(0o777)
+    temp = scratch / "nobody-tmp"
+    temp.mkdir()
+    temp.chmod(0o1777)
+    log = scratch / "nobody-server.log"
+    env = {"HOME": "/nonexistent", "PATH": f"{installed}:/usr/bin:/bin", "TMPDIR": str(temp)}
     with open(log, "wb") as out:
         server = subprocess.Popen(
-            [sys.executable, "-S", "-m", "cube.server.main", "--data_dir", str(tmp_path / "d"),
-             "--port", "0", "--control_port", "0"],
-            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
+            [str(installed / "cube-server"), "--data_dir", str(data), "--port", "0",
+             "--control_port", "0"],
+            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=data, user=NOBODY, group=NOBODY,
         )  # fmt: skip
     try:
         assert poll_until(lambda: "lookup kernel:" in log.read_text(), 120, 0.1), log.read_text()
@@ -202,7 +317,26 @@ def test_a_server_from_the_wheel_loads_the_shipped_kernel(wheel: Path, tmp_path:
         stop_child(server, 20)
     text = log.read_text()
     assert "lookup kernel: compiled (numba" in text and "loaded from its cache" in text, text
-    assert sorted(p.name for p in (target / "cube" / "_numba_cache").glob("*.nbc")) == shipped
+    assert sorted(p.name for p in cache.iterdir()) == shipped
+    private = temp / f"cube-kernel-{NOBODY}"
+    assert private.stat().st_uid == NOBODY and private.stat().st_mode & 0o777 == 0o700
+    assert {p.name for p in private.iterdir()} >= {n for n in shipped if n.endswith(".nbi")}
+
+
+def test_a_temp_folder_another_user_made_is_not_trusted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """numba's cache files are pickles: a cube-kernel-<uid> folder that is not ours alone
+    (made by someone else first, or open to others) is never used."""
+    from cube import _jit
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    folder = tmp_path / f"cube-kernel-{os.getuid()}"
+    folder.mkdir(mode=0o777)
+    folder.chmod(0o777)
+    assert _jit._private_temp_folder() is None
+    folder.chmod(0o700)
+    assert _jit._private_temp_folder() == folder
 
 
 def test_a_read_only_install_seeds_a_user_cache_with_the_shipped_kernel(
