@@ -11,6 +11,8 @@ after fleet.shrink() a base, a delta and an empty delta), laid out as the traine
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -153,3 +155,32 @@ def test_a_save_of_the_wrong_kind_or_day_is_refused_and_the_live_version_serves_
     assert running.history()[before - 1]["version"] == live
     status = running.status_table()
     assert live in status
+
+
+def test_cube_local_up_takes_the_source_format_and_the_layout_by_flags(tmp_path: Path) -> None:
+    """The same rollout from the command line: cube-local up --source_format paddle_fleet
+    --paddle_config FILE (relative: made absolute, the transfer runs in --dir)."""
+    models = tmp_path / "models"
+    models.mkdir()
+    shutil.copy(CONFIG, tmp_path / "fleet_desc.prototxt")
+    cluster_dir = tmp_path / "cluster"
+
+    def cube_local(*args: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "cube.transfer.local", *args, "--dir", str(cluster_dir)]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+
+    started = cube_local(
+        "up", "--donefile", str(models), "--shards", "2", "--replicas", "1",
+        "--poll_interval", "0.2", "--source_format", "paddle_fleet",
+        "--paddle_config", "fleet_desc.prototxt",
+    )  # fmt: skip
+    try:
+        assert started.returncode == 0, started.stderr
+        day1 = save(models, DAY1, "base", "checkpoint")
+        announce(models, "base", IDS["base1"], IDS["base1"], day1)
+        waited = cube_local("wait", "--version", str(IDS["base1"]), "--timeout", str(WAIT))
+        assert waited.returncode == 0, waited.stdout + waited.stderr
+        check_served(Cluster.load(cluster_dir), expected(day1), [])
+    finally:
+        if (cluster_dir / "cluster.json").exists():
+            Cluster.load(cluster_dir).down(timeout=5.0)

@@ -1109,6 +1109,61 @@ def test_source_format_configures_the_donefiles_and_the_builder(tmp_path: Path) 
     assert parse_config(no_layout.replace("-paddle_dim 8", layout), "t.conf", tmp_path)
 
 
+def test_cube_local_up_source_format_reaches_transfer_conf(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """cube-local up --source_format (and the saves' layout: --paddle_config, made absolute,
+    or layout flags in --builder_flags) becomes transfer.conf's source_format and
+    builder_flags; combinations the builder would refuse at every build are refused by up
+    before anything starts."""
+    from cube.transfer import local
+
+    monkeypatch.chdir(tmp_path)
+    specs: list[local.ClusterSpec] = []
+
+    def recorded(spec: local.ClusterSpec, health_timeout: float = 60.0) -> local.Cluster:
+        specs.append(spec)
+        raise local.LocalError("not started")
+
+    monkeypatch.setattr(local, "up", recorded)
+    donefile = ["up", "--donefile", str(tmp_path), "--dir", str(tmp_path / "c")]
+    fleet = ["--source_format", "paddle_fleet", "--paddle_config", "conf/fleet_desc.prototxt"]
+    assert local.run([*donefile, *fleet, "--builder_flags", "-paddle_table '0 0'"]) == 1
+    config = str(tmp_path / "conf" / "fleet_desc.prototxt")
+    assert specs[-1].source_format == "paddle_fleet"
+    assert specs[-1].builder_flags == ("-paddle_config", config, "-paddle_table", "0 0")
+    cfg = local.cluster_config(specs[-1], local.plan_ports(2, 2, 0))
+    conf = parse_config(render_config(cfg), "t.conf", tmp_path)
+    assert (conf.source_format, conf.builder_flags) == ("paddle_fleet", specs[-1].builder_flags)
+    assert conf.donefile_format.base_file == "xbox_base_done.txt" and conf.paddle_saves
+    layout = "-paddle_accessor ctr_common -paddle_dim 8 -paddle_optimizer adagrad"
+    assert local.run([*donefile, "--source_format=paddlerec", "--builder_flags", layout]) == 1
+    assert specs[-1].source_format == "paddlerec" and specs[-1].builder_flags == tuple(
+        layout.split()
+    )
+    capsys.readouterr()
+    assert local.main([*donefile, "--source_format", "paddle"]) == 2  # not one of the choices
+    assert "is not one of seqfile, paddle_fleet, paddlerec" in capsys.readouterr().err
+    assert local.run([*donefile, "--builder_flags", "-paddle_table '0"]) == 1
+    assert "--builder_flags: No closing quotation" in capsys.readouterr().err
+    monkeypatch.undo()  # the real up: refusals come before any process starts
+
+    def refused(*flags: str) -> str:
+        assert local.run([*donefile, *flags]) == 1
+        return capsys.readouterr().err
+
+    err = refused("--source_format", "paddle_fleet")
+    assert "--source_format paddle_fleet reads parameter-server saves" in err
+    assert "--paddle_config FILE" in err and "-paddle_accessor, -paddle_dim" in err
+    err = refused("--source_format", "paddlerec", "--builder_flags", "-paddle_dim 8")
+    assert "--builder_flags with -paddle_accessor, -paddle_optimizer" in err
+    err = refused("--paddle_config", "/conf/fleet_desc.prototxt")  # SequenceFile donefiles
+    assert "add --source_format paddle_fleet or paddlerec" in err
+    err = refused(*fleet, "--builder_flags", "-input_format paddle_ps")
+    assert "-input_format is set by cube-transfer" in err
+    assert not (tmp_path / "c" / "cluster.json").exists()
+
+
 def test_a_parameter_server_delta_applies_on_its_own_days_base() -> None:
     """A day's base follows the shrink, whose deletions no delta carries: a delta save of
     another day than its base's is refused, whatever its key says."""

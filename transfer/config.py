@@ -557,16 +557,24 @@ def _builder_flags(text: str, where: str, paddle_source: bool = False) -> tuple[
                 "(source_format names parameter-server saves: -input_format paddle_ps); "
                 "leave it out"
             )
-    layout = ("paddle_accessor", "paddle_dim", "paddle_optimizer")
-    if paddle_source and _flag_value(flags, "paddle_config") is None:
-        missing = [f"-{name}" for name in layout if _flag_value(flags, name) is None]
-        if missing:
-            raise ConfigError(
-                f"{where}: builder_flags: source_format names parameter-server saves, whose "
-                f"row layout the builder needs: add -paddle_config FILE (the trainer's "
-                f"PSParameter text), or {', '.join(missing)}"
-            )
+    missing = paddle_layout_missing(flags) if paddle_source else []
+    if missing:
+        raise ConfigError(
+            f"{where}: builder_flags: source_format names parameter-server saves, whose "
+            f"row layout the builder needs: add -paddle_config FILE (the trainer's "
+            f"PSParameter text), or {', '.join(missing)}"
+        )
     return flags
+
+
+def paddle_layout_missing(flags: tuple[str, ...]) -> list[str]:
+    """The layout flags a build of parameter-server saves lacks in builder flags `flags`:
+    none with -paddle_config (the trainer's PSParameter text says it all), else those of
+    -paddle_accessor, -paddle_dim, -paddle_optimizer not given."""
+    if _flag_value(flags, "paddle_config") is not None:
+        return []
+    layout = ("paddle_accessor", "paddle_dim", "paddle_optimizer")
+    return [f"-{name}" for name in layout if _flag_value(flags, name) is None]
 
 
 def _flag_value(flags: tuple[str, ...], name: str) -> str | None:

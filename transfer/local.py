@@ -2,6 +2,7 @@
 
     cube-local up --shards 2 --replicas 2 --donefile DIR [--create_donefile_dir]
                   [--dir .local-cluster] [--base_port N]
+                  [--source_format paddle_fleet --paddle_config FILE] [--builder_flags F]
     cube-local status [--dir .local-cluster] [--json]
     cube-local wait --version V [--timeout 120] [--dir .local-cluster]
     cube-local restart --name agent0_1 [--dir .local-cluster]
@@ -20,6 +21,14 @@ Tokens: the agents' token (env CUBE_TOKEN, or `--agent_token`) and the transfer 
 CUBE_API_TOKEN, or `--api_token`) are written into transfer.conf (mode 0600), handed to the
 agents through their environment (never on a command line: cluster.json records those), and
 read back from transfer.conf by status, wait and restart for their own requests.
+
+Inputs: --source_format (transfer.conf `source_format`) names who writes the donefiles:
+`seqfile` (base.txt / patch.txt of SequenceFiles) or a PaddlePaddle trainer (`paddle_fleet`,
+`paddlerec`), whose parameter-server saves the transfer builds with `-input_format paddle_ps`;
+their row layout comes from --paddle_config (the trainer's PSParameter text, made absolute) or
+from the layout flags in --builder_flags (transfer.conf `builder_flags`: more cube-builder
+flags, e.g. `-paddle_accessor ctr_common -paddle_dim 8 -paddle_optimizer adagrad`). `up`
+refuses a combination the builder would refuse at every build, before anything starts.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -40,6 +50,7 @@ from typing import Any
 
 import psutil
 
+from cube.donefile import DONEFILE_FORMATS
 from cube.flags import CommandSet, FlagSet, flag, run_cli
 from cube.processes import (
     create_time,
@@ -58,6 +69,8 @@ from cube.transfer.config import (
     Instance,
     TransferConfig,
     load_config,
+    paddle_layout_missing,
+    parse_config,
     render_config,
 )
 from cube.transfer.donefile import SourceUnavailable, ensure_donefile_dir
@@ -119,6 +132,8 @@ class ClusterSpec:
     partitioner: str = "mod"
     phase_timeout: float = 120.0
     dead_timeout: float = 20.0
+    source_format: str = "seqfile"  # transfer.conf source_format (cube.donefile.DONEFILE_FORMATS)
+    builder_flags: tuple[str, ...] = ()  # transfer.conf builder_flags
     transfer_args: list[str] = field(default_factory=list)
     server_args: list[str] = field(default_factory=list)
     agent_args: list[str] = field(default_factory=list)
@@ -193,8 +208,29 @@ def cluster_config(spec: ClusterSpec, ports: dict[str, int]) -> TransferConfig:
         partitioner=spec.partitioner,
         agent_token=os.environ.get(TOKEN_ENV, ""),
         api_token=os.environ.get(API_TOKEN_ENV, ""),
+        source_format=spec.source_format,
+        builder_flags=spec.builder_flags,
     )
     return dataclasses.replace(cfg, **spec.transfer_overrides)
+
+
+def check_inputs(cfg: TransferConfig) -> None:
+    """LocalError for inputs the builder would refuse at every build: parameter-server saves
+    without their row layout, or -paddle_* flags for SequenceFiles."""
+    if cfg.paddle_saves:
+        missing = paddle_layout_missing(cfg.builder_flags)
+        if missing:
+            raise LocalError(
+                f"--source_format {cfg.source_format} reads parameter-server saves, whose row "
+                "layout cube-builder needs: pass --paddle_config FILE (the trainer's "
+                f"fleet_desc.prototxt), or --builder_flags with {', '.join(missing)}"
+            )
+    elif any(f.lstrip("-").startswith("paddle_") for f in cfg.builder_flags if f[:1] == "-"):
+        raise LocalError(
+            "--paddle_config and the -paddle_* builder flags are for parameter-server saves: "
+            "add --source_format paddle_fleet or paddlerec (or -input_format paddle_ps to "
+            "--builder_flags)"
+        )
 
 
 def child_env(role: str, agent_token: str) -> dict[str, str]:
@@ -630,8 +666,10 @@ def up(spec: ClusterSpec, health_timeout: float = 60.0) -> Cluster:
         raise LocalError(f"--donefile {spec.donefile}: {exc}{how}") from None
     for inst in cfg.instances:
         (Path(inst.deploy_path) / "data").mkdir(parents=True, exist_ok=True)
+    check_inputs(cfg)
     try:
         conf_text = render_config(cfg)
+        parse_config(conf_text, str(root / CONF_FILE), root)  # as the transfer will read it
     except ConfigError as exc:
         raise LocalError(str(exc)) from None
     _write_private(root / CONF_FILE, conf_text)  # it holds the tokens
@@ -686,6 +724,27 @@ class UpFlags:
     timeout: float = flag(60.0, "seconds to wait for every process to be healthy")
     agent_token: str = flag("", f"the agents' token (default: env {TOKEN_ENV})")
     api_token: str = flag("", f"the transfer API's token (default: env {API_TOKEN_ENV})")
+    source_format: str = flag(
+        "seqfile",
+        "who writes the donefiles (transfer.conf source_format): seqfile: base.txt, patch.txt "
+        "naming SequenceFiles; paddle_fleet, paddlerec: a PaddlePaddle trainer's, naming "
+        "parameter-server saves (built with -input_format paddle_ps; their layout: "
+        "--paddle_config)",
+        choices=tuple(DONEFILE_FORMATS),
+    )
+    paddle_config: str = flag(
+        "",
+        "parameter-server saves: the trainer's PSParameter text (fleet_desc.prototxt; local, "
+        "s3:// or webhdfs://), passed to cube-builder -paddle_config",
+        metavar="FILE",
+    )
+    builder_flags: str = flag(
+        "",
+        "more cube-builder flags (transfer.conf builder_flags), split as a shell would, e.g. "
+        "'-paddle_accessor ctr_common -paddle_dim 8 -paddle_optimizer adagrad' (give absolute "
+        "paths: the builder runs in --dir)",
+        metavar="FLAGS",
+    )
 
 
 @dataclass(frozen=True)
@@ -726,6 +785,21 @@ _UP_HELP = (
 )
 
 
+def _builder_flags(flags: UpFlags) -> tuple[str, ...]:
+    """--builder_flags split as a shell would, after -paddle_config from --paddle_config (a
+    local file made absolute: the transfer runs in --dir)."""
+    try:
+        extra = tuple(shlex.split(flags.builder_flags))
+    except ValueError as exc:
+        raise LocalError(f"--builder_flags: {exc}") from None
+    if not flags.paddle_config:
+        return extra
+    config = flags.paddle_config
+    if "://" not in config:
+        config = str(Path(config).resolve())
+    return ("-paddle_config", config, *extra)
+
+
 def _run_up(flags: UpFlags) -> int:
     spec = ClusterSpec(
         dir=Path(flags.dir),
@@ -741,6 +815,8 @@ def _run_up(flags: UpFlags) -> int:
         partitioner=flags.partitioner,
         phase_timeout=flags.phase_timeout,
         create_donefile_dir=flags.create_donefile_dir,
+        source_format=flags.source_format,
+        builder_flags=_builder_flags(flags),
         transfer_overrides={
             name: value
             for name, value in (("agent_token", flags.agent_token), ("api_token", flags.api_token))
