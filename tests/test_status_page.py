@@ -1,11 +1,14 @@
 """cube-transfer's status page in a real headless browser (Debian's chromium through
 selenium) against a live local cluster: the token prompt, a rollout shown in progress and then
 the new version, the rollback button (and, after it, the roll-forward one), the history in time
-order, and a screenshot written by the test."""
+order with how long each version took, and a screenshot written by the test. The page's pure
+helpers (the took column's format) also run under node."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,17 +25,27 @@ from cube.values import ValueColumn
 if TYPE_CHECKING:
     from selenium.webdriver import Chrome
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not (shutil.which("chromium") and shutil.which("chromedriver")),
-        reason="needs Debian's chromium and chromium-driver (make debs)",
-    ),
-]
+pytestmark = pytest.mark.slow  # a browser, node, a live cluster
+needs_chromium = pytest.mark.skipif(
+    not (shutil.which("chromium") and shutil.which("chromedriver")),
+    reason="needs Debian's chromium and chromium-driver (make debs)",
+)
+STATUS_JS = Path(__file__).resolve().parent.parent / "transfer" / "page" / "status.js"
 
 TOKEN = "page-t0ken"
 WAIT = 90.0
 B1, B2 = "1700000000", "1700001000"
+
+
+def took_shown(took: float | None, cell: str) -> bool:
+    """Whether the took column's `cell` shows the API's `took` (seconds; None in progress):
+    milliseconds under a second, seconds to a tenth from one on."""
+    if took is None:
+        return cell == ""
+    number, _, unit = cell.partition(" ")
+    if unit == "ms":
+        return took < 0.9995 and abs(int(number) / 1000 - took) <= 0.0005 + 1e-9
+    return unit == "s" and took >= 0.9995 and abs(float(number) - took) <= 0.05 + 1e-9
 
 
 def publish(donefile: Path, root: Path, version: str, n: int) -> None:
@@ -61,6 +74,27 @@ def browser() -> Iterator[Chrome]:
         driver.quit()
 
 
+@pytest.mark.skipif(not shutil.which("node"), reason="needs node")
+def test_the_took_column_shows_sub_second_durations() -> None:
+    """create_time and finish_time are whole seconds (the original's ints): the column reads
+    the API's float `took`, in milliseconds under a second."""
+    records: list[dict[str, float | None]] = [
+        {"took": t} for t in (0.42, 0.0004, 0.0, 0.9994, 0.9996, 1.0, 83.21, 4000.04)
+    ]
+    records += [{"took": None}, {"create_time": 100, "finish_time": 101}]
+    script = "const { took } = require(process.argv[1]);"
+    script += " console.log(JSON.stringify(JSON.parse(process.argv[2]).map(took)));"
+    node = shutil.which("node") or "node"
+    done = subprocess.run(
+        [node, "-e", script, str(STATUS_JS), json.dumps(records)],
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    assert json.loads(done.stdout) == [
+        "420 ms", "0 ms", "0 ms", "999 ms", "1.0 s", "1.0 s", "83.2 s", "4000.0 s", "", "",
+    ]  # fmt: skip
+
+
+@needs_chromium
 def test_status_page_follows_a_rollout_and_rolls_back(tmp_path: Path, browser: Chrome) -> None:
     from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
@@ -154,5 +188,21 @@ def test_status_page_follows_a_rollout_and_rolls_back(tmp_path: Path, browser: C
         forward = f"Roll forward to {B2}"
         assert rows == [[B1, "base", ""], [B2, "base", forward], [B1, "rollback", ""]], rows
         assert enabled != dead and replicas == [enabled, enabled], (replicas, enabled, dead)
+
+        # how long each took: the API's float seconds, not the whole ones of create_time and
+        # finish_time
+        def took_cells() -> list[list[str]]:  # [version, mode, took] per history row
+            cells: list[list[str]] = browser.execute_script(
+                "return [...document.querySelectorAll('#history tbody tr')].map(r =>"
+                " [r.dataset.version, r.cells[1].textContent, r.cells[4].textContent]);"
+            )
+            return cells
+
+        def took_as_the_api_says() -> bool:
+            took = {(r["version"], r["mode"]): r["took"] for r in cluster.history()}
+            cells = took_cells()
+            return len(cells) == 3 and all(took_shown(took[v, m], c) for v, m, c in cells)
+
+        assert poll_until(took_as_the_api_says, 20, 0.1), (took_cells(), cluster.history())
     finally:
         cluster.down(timeout=5.0)

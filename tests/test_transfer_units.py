@@ -904,6 +904,24 @@ def test_credentials_in_urls_are_never_shown(tmp_path: Path) -> None:
     assert "hunter2" not in shown and "ftp://***@10.0.0.1/donefile" in shown
 
 
+def test_history_says_how_long_a_version_took_to_the_millisecond(tmp_path: Path) -> None:
+    """create_time and finish_time stay whole seconds (the original's ints), which made a
+    0.42 s rollout read 1 s (or 0) on the status page: `took` is the float difference."""
+    from cube.transfer import views
+
+    cfg = parse_config(CONF, "t.conf", tmp_path)
+    rec = VersionRecord(version="100", depend="100", id="100", key="100", mode="base",
+                        input="/in", line="base.txt:1", create_time=1795435070.58,
+                        finish_time=1795435071.0)  # fmt: skip
+    shown = views.version_info(cfg, rec)
+    assert (shown["create_time"], shown["finish_time"]) == (1795435070, 1795435071)
+    assert shown["took"] == 0.42 and json.loads(json.dumps(shown))["took"] == 0.42
+    rec.finish_time = 1795435070.58 + 83.2504
+    assert views.version_info(cfg, rec)["took"] == 83.25
+    rec.finish_time = 0.0  # in progress (or a retry begun)
+    assert views.version_info(cfg, rec)["took"] is None
+
+
 def test_bad_donefile_lines_do_not_echo_what_was_read() -> None:
     secret = "x" * 50 + "<script>"
     for text in (

@@ -73,6 +73,7 @@ def version_info(cfg: TransferConfig, rec: VersionRecord | None) -> dict[str, An
         "line": rec.line,
         "chain": list(rec.chain),
         "times": dict(rec.times),
+        "took": took(rec),
         # retries of a failed version: attempts so far, when the next begins (0: none), why
         # the last failed, why there will be no other (abandoned)
         "attempts": rec.attempts,
@@ -81,6 +82,15 @@ def version_info(cfg: TransferConfig, rec: VersionRecord | None) -> dict[str, An
         "last_error": redact(rec.last_error),
         "abandoned": redact(rec.abandoned),
     }
+
+
+def took(rec: VersionRecord) -> float | None:
+    """Seconds from the record's creation to its end, to the millisecond (create_time and
+    finish_time are whole seconds, as the original's: a sub-second phase would read 0 or 1);
+    None while it is in progress."""
+    if not rec.finish_time or not rec.create_time:
+        return None
+    return round(max(0.0, rec.finish_time - rec.create_time), 3)
 
 
 def instance_info(cfg: TransferConfig, state: TransferState, inst: Instance) -> dict[str, Any]:

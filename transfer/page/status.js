@@ -3,6 +3,11 @@
 // kept in this tab's sessionStorage.
 "use strict";
 (function () {
+  // Under node (tests/test_status_page.py) only the pure helpers, for their own test.
+  if (typeof document === "undefined") {
+    module.exports = { took };
+    return;
+  }
   const params = new URLSearchParams(location.search);
   const every = Math.max(200, Number(params.get("poll_ms")) || 2000);
   const $ = (id) => document.getElementById(id);
@@ -43,9 +48,13 @@
     return record.abandoned ? "abandoned: " + record.abandoned : "";
   }
 
+  // How long a version took, from the API's float `took` (create_time and finish_time are
+  // whole seconds): "420 ms" under a second, "12.3 s" from one on; "" while in progress.
   function took(record) {
-    const start = record.create_time, end = record.finish_time;
-    return start && end && end >= start ? (end - start).toFixed(1) + " s" : "";
+    const seconds = record.took;
+    if (typeof seconds !== "number" || !(seconds >= 0)) return "";
+    const ms = Math.round(seconds * 1000);
+    return ms < 1000 ? ms + " ms" : seconds.toFixed(1) + " s";
   }
 
   function render(info, instances, history) {
