@@ -102,9 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             serving, kernel = one_run(args, data_dir, Path(scratch) / f"run{run}.log", run)
             times.append((serving, kernel))
             print(f"run {run}: SERVING after {serving:.2f} s (kernel loaded in {kernel:.2f} s)")
-    median_serving = statistics.median(t[0] for t in times)
-    median_kernel = statistics.median(t[1] for t in times)
-    print(f"median of {args.runs}: SERVING after {median_serving:.2f} s, kernel {median_kernel:.2f} s")
+    serving = statistics.median(t[0] for t in times)
+    kernel = statistics.median(t[1] for t in times)
+    print(f"median of {args.runs}: SERVING after {serving:.2f} s, kernel {kernel:.2f} s")
     return 0
 
 

@@ -94,10 +94,11 @@ if COMPILED:
     from numba.core import caching, cgutils
     from numba.extending import intrinsic
 
-    if not CPU_CHOSEN_BY_USER and numba.config.CPU_NAME is None:
+    numba_config: Any = numba.config
+    if not CPU_CHOSEN_BY_USER and numba_config.CPU_NAME is None:
         # numba was imported before this module: its config read no NUMBA_CPU_NAME, and
         # its host-tuned code would miss the shipped cache (keyed by CPU name and features)
-        numba.config.CPU_NAME, numba.config.CPU_FEATURES = "generic", ""
+        numba_config.CPU_NAME, numba_config.CPU_FEATURES = "generic", ""
 
     class _KernelCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):
         """numba's cache locator for this package's compiled loops (`kernel_cache_dir`); the
