@@ -20,6 +20,7 @@ is reported by file and offset, its details go to the agent's log only.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import tarfile
@@ -45,6 +46,22 @@ def relative_name(member: tarfile.TarInfo) -> str:
     """`./index.cube` -> `index.cube`; '' for the top directory itself."""
     parts = [p for p in PurePosixPath(member.name).parts if p != "."]
     return "/".join(parts)
+
+
+def as_data(member: tarfile.TarInfo) -> tarfile.TarInfo:
+    """What tarfile's `data` filter makes of a member that member_problem() passed, for a
+    Python without extraction filters (before 3.11.4): owned by the user extracting (not by
+    the tar's owner, when that user is root), no set-uid, set-gid, sticky or group/other write
+    bit, a file its owner may read and write (executable only if it was for its owner)."""
+    member = copy.copy(member)
+    member.uid, member.gid, member.uname, member.gname = os.getuid(), os.getgid(), "", ""
+    mode = member.mode & 0o755
+    if member.isreg():
+        mode = (mode if mode & 0o100 else mode & ~0o111) | 0o600
+    else:
+        mode |= 0o700  # (the filter leaves a directory's mode to mkdir)
+    member.mode = mode
+    return member
 
 
 def free_for_extraction(directory: Path) -> int:
@@ -116,7 +133,10 @@ def extract_shard_tar(tar_path: Path, dest: Path, recorded: int | None = None) -
             if missing:
                 raise UnsafeTar(f"{where}: no {', '.join(missing)} at the top level")
             dest.mkdir(parents=True)
-            tar.extractall(dest, members=members, filter="data")
+            if hasattr(tarfile, "data_filter"):
+                tar.extractall(dest, members=members, filter="data")
+            else:  # Python 3.11.0 to 3.11.3 (Debian bookworm's 3.11.2: the image's)
+                tar.extractall(dest, members=[as_data(m) for m in members])
     except UnsafeTar:
         raise
     except (tarfile.TarError, EOFError, OSError, ValueError) as exc:

@@ -269,6 +269,39 @@ def test_extract_good_tar(tmp_path: Path) -> None:
     assert extract_shard_tar(tmp_path / "s.tar", tmp_path / "out") == ["data.cube", "index.cube"]
 
 
+def test_extract_without_extraction_filters(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a Python before 3.11.4 (Debian bookworm's 3.11.2, the image's) tarfile has no
+    `filter`: the checked members are extracted as the `data` filter would (no set-id, sticky
+    or group/other write bits; the extracting user owns them). The agent failed every download
+    there with a TypeError (tests/test_containers.py found it)."""
+    make_shard_tar(tmp_path / "s.tar")
+    with tarfile.open(tmp_path / "s.tar", "a") as tar:
+        (tmp_path / "x").write_bytes(b"x")
+        info = tar.gettarinfo(tmp_path / "x", arcname="./extra")
+        info.mode, info.uid, info.gid = 0o6777, 4321, 4321
+        with open(tmp_path / "x", "rb") as f:
+            tar.addfile(info, f)
+    monkeypatch.delattr(tarfile, "data_filter")
+    calls: list[dict[str, object]] = []
+    extract = tarfile.TarFile.extractall
+
+    def old_extractall(
+        self: tarfile.TarFile, path: str, members: object = None, **kw: object
+    ) -> None:
+        calls.append(kw)
+        assert not kw, "a Python before 3.11.4 takes no filter="
+        extract(self, path, members=members, filter="fully_trusted")  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tarfile.TarFile, "extractall", old_extractall)
+    names = extract_shard_tar(tmp_path / "s.tar", tmp_path / "out")
+    assert names == ["data.cube", "extra", "index.cube"] and calls == [{}]
+    extra = (tmp_path / "out" / "extra").stat()
+    assert extra.st_mode & 0o7777 == 0o755
+    assert (extra.st_uid, extra.st_gid) == (os.getuid(), os.getgid())
+
+
 def test_extract_keeps_a_margin_of_free_disk(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
