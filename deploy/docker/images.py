@@ -94,12 +94,11 @@ def apt_mirror(suite: str = SUITE) -> str:
     apt = Path("/etc/apt")
     for path in sorted(apt.glob("sources.list.d/*.sources")):
         for stanza in re.split(r"\n\s*\n", path.read_text()):
-            fields = dict(
-                re.findall(r"^([A-Za-z-]+):[ \t]*(.*)$", stanza, flags=re.MULTILINE)
-            )
-            if "deb" in fields.get("Types", "").split() and suite in fields.get(
-                "Suites", ""
-            ).split():
+            fields = dict(re.findall(r"^([A-Za-z-]+):[ \t]*(.*)$", stanza, flags=re.MULTILINE))
+            if (
+                "deb" in fields.get("Types", "").split()
+                and suite in fields.get("Suites", "").split()
+            ):
                 return fields["URIs"].split()[0]
     lists = [apt / "sources.list", *sorted(apt.glob("sources.list.d/*.list"))]
     for path in lists:
@@ -206,8 +205,9 @@ def pip_mounts(scratch: Path) -> list[str]:
     return mounts
 
 
-def build(target: str, tag: str | None, base: str) -> str:
-    """Build `target` of the Dockerfile; returns the image's name."""
+def build(target: str, tag: str | None, base: str, no_cache: bool = False) -> str:
+    """Build `target` of the Dockerfile (every step again with `no_cache`; pip's download
+    cache still serves); returns the image's name."""
     command = engine()
     version = project_version()
     name = tag or (f"cube-py:{version}" if target == "serving" else f"cube-py-{target}:{version}")
@@ -219,6 +219,8 @@ def build(target: str, tag: str | None, base: str) -> str:
                    "-f", str(DOCKERFILE), "-t", name]  # fmt: skip
         if is_podman(command):
             options += ["--layers", *pip_mounts(Path(scratch))]
+        if no_cache:
+            options.append("--no-cache")
         subprocess.run([*command, "build", *options, str(REPO)], check=True, timeout=3600)
     print(f"image {name}: built ({target}, on {base})")
     return name
@@ -235,11 +237,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     image.add_argument("--target", default="serving", choices=("serving", "builder-spark", "wheel"))
     image.add_argument("--tag", help="default: cube-py:<version> (cube-py-<target>:<version>)")
     image.add_argument("--base", default=BASE_IMAGE, help=f"base image (default: {BASE_IMAGE})")
+    image.add_argument("--no-cache", action="store_true", help="build every step again")
     args = parser.parse_args(argv)
     if args.command == "base":
         make_base(args.name, args.mirror, args.force)
     else:
-        build(args.target, args.tag, args.base)
+        build(args.target, args.tag, args.base, args.no_cache)
     return 0
 
 
