@@ -5,10 +5,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-DEB_PACKAGES := redis-server memcached prometheus chromium chromium-driver \
-	podman buildah runc debootstrap binutils
+IMAGE_DEB_PACKAGES := podman buildah runc debootstrap
+DEB_PACKAGES := redis-server memcached prometheus chromium chromium-driver $(IMAGE_DEB_PACKAGES)
 
-.PHONY: demo demo-ctr demo-ctr-paddle paddle-env test-paddle-env test quick bench lint format install debs stubs tools clean image image-spark image-base
+.PHONY: demo demo-ctr demo-ctr-paddle paddle-env test-paddle-env test quick bench lint format install debs stubs tools clean image image-spark image-base image-debs
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -56,27 +56,34 @@ test-paddle-env: $(STAMP)
 
 # Debian packages the tests and benchmarks need, installed if missing: redis-server and
 # memcached (benchmarks), prometheus (its promtool checks the alerts), chromium and
-# chromium-driver (the status page's browser test), podman, buildah, runc, debootstrap and
-# binutils (the images and the containers test).
-debs:
-	@missing=""; for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+# chromium-driver (the status page's browser test), podman, buildah, runc and debootstrap
+# (the images and the containers test: image-debs installs only these).
+define install_debs
+	@missing=""; for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages:$$missing"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	fi
+endef
+
+debs:
+	$(call install_debs,$(DEB_PACKAGES))
+
+image-debs:
+	$(call install_debs,$(IMAGE_DEB_PACKAGES))
 
 # The images (deploy/docker/Dockerfile) with the engine that is here (podman, else docker;
 # CUBE_ENGINE overrides), on BASE_IMAGE: by default a Debian bookworm base made once with
 # debootstrap from this machine's apt mirror (no registry needed; docs/DEPLOY.md, "The image").
 BASE_IMAGE ?= cube-base:bookworm
-image-base: debs
+image-base: image-debs
 	$(PYTHON) deploy/docker/images.py base --name $(BASE_IMAGE)
 
-image: debs
+image: image-debs
 	$(PYTHON) deploy/docker/images.py build --target serving --base $(BASE_IMAGE)
 
-image-spark: debs
+image-spark: image-debs
 	$(PYTHON) deploy/docker/images.py build --target builder-spark --base $(BASE_IMAGE)
 
 # Stubs are checked in; this regenerates them after a proto change (tests fail when stale).
