@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-from cube.processes import health_status
+from cube.processes import create_time, health_status, same_process
 from examples.containers.kube import Container, Pod, Probe, Rendered, resolve_env
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGES_PY = REPO / "deploy" / "docker" / "images.py"
 LABEL = "io.cube.containers"  # its value: the run's prefix
+OWNER = "io.cube.containers.owner"  # "<pid> <start time>" of the process of the run
 # What `podman run` needs on these machines (the engine's default, 1048576 open files, is
 # refused by the kernel of some sandboxes).
 ULIMITS = ("nofile=8192:8192", "nproc=4096:4096")
@@ -123,6 +124,8 @@ class PodmanCluster:
         self.pause_image = f"localhost/{self.prefix}-pause:latest"
         self.pods: dict[str, RunningPod] = {}
         self.made: list[tuple[str, str]] = []  # (kind, name) in creation order
+        owner = f"{os.getpid()} {create_time(os.getpid())}"
+        self.labels = ["--label", f"{LABEL}={self.prefix}", "--label", f"{OWNER}={owner}"]
 
     def __enter__(self) -> PodmanCluster:
         return self
@@ -144,7 +147,9 @@ class PodmanCluster:
 
     # -- set-up --------------------------------------------------------------------------------
     def start(self) -> None:
-        """The network, the pause image, every pod and its containers (started)."""
+        """The network, the pause image, every pod and its containers (started); first, what
+        runs whose process is gone left behind (killed: no close())."""
+        self.reap()
         self._network()
         ips = self._addresses()
         self._pause_image()
@@ -156,7 +161,7 @@ class PodmanCluster:
                 self._container(running, container)
 
     def _network(self) -> None:
-        self.podman("network", "create", "--label", f"{LABEL}={self.prefix}", self.network)
+        self.podman("network", "create", *self.labels, self.network)
         self.made.append(("network", self.network))
 
     def _addresses(self) -> dict[str, str]:
@@ -177,8 +182,8 @@ class PodmanCluster:
         (context / "Containerfile").write_text(
             f'FROM {image}\nUSER 65534:65534\nENTRYPOINT ["sleep", "infinity"]\nCMD []\n'
         )
-        self.podman("build", "--pull=never", "--label", f"{LABEL}={self.prefix}", "-q",
-                    "-t", self.pause_image, str(context))  # fmt: skip
+        self.podman("build", "--pull=never", *self.labels, "-q", "-t", self.pause_image,
+                    str(context))  # fmt: skip
         self.made.append(("image", self.pause_image))
 
     def _pod(self, pod: Pod, ip: str, hosts: list[tuple[str, str]]) -> None:
@@ -188,7 +193,7 @@ class PodmanCluster:
         if not conf.exists():
             limits = ", ".join(f'"{u}"' for u in ULIMITS)
             conf.write_text(f"[containers]\ndefault_ulimits = [{limits}]\n")
-        args = ["pod", "create", "--name", name, "--label", f"{LABEL}={self.prefix}",
+        args = ["pod", "create", "--name", name, *self.labels,
                 "--network", self.network, "--ip", ip, "--hostname", pod.name,
                 "--infra-image", self.pause_image, "--infra-name", f"{name}-infra",
                 "--dns", "none"]  # fmt: skip
@@ -241,7 +246,7 @@ class PodmanCluster:
         env_file.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
         env_file.chmod(0o600)  # (tokens: not on podman's command line, which ps shows)
         args = ["run", "-d", "--pod", running.name, "--name", name, "--pull=never",
-                "--label", f"{LABEL}={self.prefix}", "--env-file", str(env_file),
+                *self.labels, "--env-file", str(env_file),
                 "--stop-timeout", str(pod.grace)]  # fmt: skip
         for limit in ULIMITS:
             args += ["--ulimit", limit]
@@ -352,6 +357,30 @@ class PodmanCluster:
         with contextlib.suppress(subprocess.TimeoutExpired):
             return self.podman(*args, check=False).stdout.split()
         return []
+
+    def reap(self) -> None:
+        """Remove the objects of runs whose process is gone (by their labels)."""
+        dead: set[str] = set()
+        for kind in (["pod", "ps"], ["ps", "-a"], ["network", "ls"], ["images"]):
+            listed = self.podman(*kind, "--filter", f"label={LABEL}", "--format", "json",
+                                 check=False).stdout  # fmt: skip
+            for entry in json.loads(listed or "[]"):
+                labels = entry.get("Labels") or entry.get("labels") or {}
+                pid, _, started = str(labels.get(OWNER, "0 0")).partition(" ")
+                with contextlib.suppress(ValueError):
+                    if same_process(int(pid), float(started)) is None:
+                        dead.add(labels[LABEL])
+        for prefix in sorted(dead):
+            labelled = f"label={LABEL}={prefix}"
+            for name in self._quiet("pod", "ps", "--filter", labelled, "--format", "{{.Name}}"):
+                self._quiet("pod", "rm", "-f", "-t", "0", name)
+            for name in self._quiet("ps", "-a", "--filter", labelled, "--format", "{{.Names}}"):
+                self._quiet("rm", "-f", "-t", "0", name)
+            for name in self._quiet("network", "ls", "--filter", labelled, "--format",
+                                    "{{.Name}}"):  # fmt: skip
+                self._quiet("network", "rm", "-f", name)
+            for image in self._quiet("images", "--filter", labelled, "-q"):
+                self._quiet("rmi", "-f", image)
 
     def leftovers(self) -> list[str]:
         """What of this run still exists in the engine (nothing after close())."""
