@@ -268,7 +268,9 @@ class PodmanCluster:
             args += ["--workdir", container.working_dir]
         for mount in container.mounts:
             source = self._source(pod, mount.volume)
-            args += ["-v", f"{source}:{mount.path}{':ro' if mount.read_only else ''}"]
+            # ConfigMap and Secret volumes are read-only, whatever the mount says (as on a node)
+            files = next(v.kind == "files" for v in pod.volumes if v.name == mount.volume)
+            args += ["-v", f"{source}:{mount.path}{':ro' if mount.read_only or files else ''}"]
         if container.command is not None:
             args += ["--entrypoint", json.dumps(list(container.command))]
         args += [container.image, *(container.args or ())]
