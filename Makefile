@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 IMAGE_DEB_PACKAGES := podman buildah runc debootstrap
 DEB_PACKAGES := redis-server memcached prometheus chromium chromium-driver $(IMAGE_DEB_PACKAGES)
 
-.PHONY: demo demo-ctr demo-ctr-paddle paddle-env test-paddle-env test quick bench lint format install debs stubs tools clean image image-spark image-base image-debs
+.PHONY: demo demo-ctr demo-ctr-paddle paddle-env test-paddle-env test quick bench lint format install debs stubs tools clean image image-spark image-base image-debs demo-containers
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -108,6 +108,11 @@ quick: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/cube-demo
+
+# The chart's pods in real containers (examples/containers): 2 shards x 2 replicas and the
+# transfer from the image, a base and a patch, a server killed and restarted. Needs root.
+demo-containers: $(STAMP) tools image-debs
+	$(BIN)/python -m examples.containers.demo
 
 # The ElasticCTR loop (examples/ctr/README.md): streaming trainer -> Cube -> CTR predictor.
 demo-ctr: $(STAMP)

@@ -5,7 +5,7 @@ from the rendered cube.conf; kill -9 of a server under lookups (none fails), its
 the time until it serves again.
 
 The scenario needs podman, root and helm (`make tools`), and is skipped, saying why, without
-them; the image is built (deploy/docker/images.py build) when it does not exist. The tests of
+them; the image is built from this checkout (deploy/docker/images.py build). The tests of
 the translator (examples/containers/kube.py) start no process and run everywhere."""
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from examples.containers.podman import engine_problem, ensure_image, images_modu
 
 @pytest.fixture(scope="session")
 def image() -> str:
-    """The project's image, built by this session when absent; skips when there is no engine
-    or it cannot be built."""
+    """The project's image, built from this checkout; skips when there is no engine or no
+    helm, fails when the image does not build."""
     problem = engine_problem()
     if problem:
         pytest.skip(f"no container engine for the chart's pods: {problem}")
@@ -33,8 +33,7 @@ def image() -> str:
         pytest.skip("helm comes from `make tools` (.tools/bin/helm)")
     name = f"cube-py:{images_module().project_version()}"
     problem = ensure_image(name)
-    if problem:
-        pytest.skip(problem)
+    assert not problem, problem
     return name
 
 

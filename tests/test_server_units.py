@@ -329,3 +329,14 @@ def test_version_and_chain_files_are_written_durably(
     write_chain(tmp_path, "5_6", ["5", "5_6"])
     assert (tmp_path / "5_6" / "CHAIN").read_text() == "5\n5_6\n" and len(synced) == 4
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["5_6", "CHAIN", "VERSION"]
+
+
+def test_a_data_dir_its_agent_has_not_made_yet_is_the_normal_start(tmp_path: Path) -> None:
+    """A pod's server starts before its agent made <deploy_path>/data (the volume is there):
+    waiting, no warning; a data dir whose parent is missing too is likely a typo."""
+    from cube.server.versions import WAITING, diagnose_data_dir
+
+    waiting = diagnose_data_dir(tmp_path / "data", [tmp_path / "data"])
+    assert waiting.endswith(WAITING), waiting
+    typo = diagnose_data_dir(tmp_path / "dta" / "data", [tmp_path / "dta" / "data"])
+    assert "a typo?" in typo and not typo.endswith(WAITING)

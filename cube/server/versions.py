@@ -133,9 +133,11 @@ def diagnose_data_dir(data_dir: Path, dirs: list[Path]) -> str:
     directories nobody named in VERSION, or simply empty (waiting for cube-agent: `WAITING`,
     the normal start of a replica, which is no warning)."""
     if not data_dir.exists():
+        if data_dir.parent.is_dir():  # the agent beside it makes it with its first version
+            return f"{data_dir} does not exist yet: {WAITING}"
         return (
-            f"--data_dir {data_dir} does not exist (a typo? cube-agent creates it as"
-            " <deploy_path>/data); waiting for a version to be loaded"
+            f"--data_dir {data_dir} does not exist, nor does its parent (a typo? cube-agent"
+            " creates it as <deploy_path>/data); waiting for a version to be loaded"
         )
     if not data_dir.is_dir():
         return f"--data_dir {data_dir} is not a directory"

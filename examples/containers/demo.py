@@ -17,7 +17,7 @@
    version from its data directory by itself) and checks the values it serves;
 4. prints the times, and removes every pod, container, network and directory it made.
 
-The image (cube-py:<version>) is built by deploy/docker/images.py when absent. Needs podman,
+The image (cube-py:<version>) is built from this checkout by deploy/docker/images.py. Needs podman,
 root and helm (`make tools`). tests/test_containers.py runs the same scenario.
 """
 

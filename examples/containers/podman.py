@@ -72,17 +72,16 @@ def engine_problem() -> str:
 
 
 def ensure_image(name: str, log: Callable[[str], None] = print) -> str:
-    """ "" when image `name` exists (built by `images.py build` when it did not), else why not."""
+    """ "" once image `name` is built from this checkout (`images.py build`: the engine's
+    layer cache makes it quick when nothing changed, and a stale image is never run), else
+    why it could not be."""
     images = images_module()
-    command = engine()
-    if images.image_exists(command, name):
-        return ""
-    log(f"image {name}: absent, building it (deploy/docker/images.py build)")
+    log(f"image {name}: building it from this checkout (deploy/docker/images.py build)")
     done = subprocess.run(
         [sys.executable, str(IMAGES_PY), "build", "--tag", name],
         capture_output=True, text=True, timeout=3600, check=False,
     )  # fmt: skip
-    if done.returncode or not images.image_exists(command, name):
+    if done.returncode or not images.image_exists(engine(), name):
         tail = (done.stdout + done.stderr).strip()[-1500:]
         return (
             f"image {name} could not be built (images.py build exited {done.returncode}):\n{tail}"
