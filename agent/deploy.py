@@ -59,7 +59,7 @@ from cube.agent.layout import (
     read_version_file,
     write_version_file,
 )
-from cube.agent.metrics import AgentCounters, tree_bytes
+from cube.agent.metrics import AgentCounters, disk_space, tree_bytes
 from cube.agent.tasks import Task, TaskFailed, TaskManager
 from cube.agent.unpack import UnsafeTar, extract_shard_tar
 from cube.format import ShardFormatError
@@ -67,6 +67,7 @@ from cube.fsutil import atomic_write_json, atomic_write_text, file_md5, fsync_di
 from cube.layout import CHAIN_FILE, base_of, chain_text, tar_name
 from cube.protocol import (
     CORRUPT_VERSION,
+    NO_SPACE,
     SERVER_COMMANDS,
     SUCCEEDED,
     BadRequest,
@@ -91,6 +92,7 @@ class AgentConfig:
     status_timeout: float = 2.0  # the server probe inside GET /agent/status
     md5_from_source: bool = False  # a download without md5 fetches <source>.md5 (the original)
     sync_reply_timeout: float = 110.0  # the original transfer's commands: reply when done
+    disk_limit: int = 0  # bytes the deploy path may hold (an emptyDir's sizeLimit); 0: its fs
 
 
 class Agent:
@@ -139,12 +141,20 @@ class Agent:
             "data": await asyncio.to_thread(tree_bytes, self.layout.data_dir),
             "downloads": await asyncio.to_thread(tree_bytes, self.layout.downloads_dir),
         }
+        capacity, available = await asyncio.to_thread(self.disk_space)
         return {
             "counters": self.counters.snapshot(),
             "running": running,
             "versions": len(self.versions),
             "disk": disk,
-        }
+            "space": [{"deploy_path": str(self.layout.deploy_path), "capacity": capacity,
+                       "available": available}],
+        }  # fmt: skip
+
+    def disk_space(self) -> tuple[int, int]:
+        """(capacity, available) bytes of the deploy path (agent.metrics.disk_space, with
+        --disk_limit). Blocking: it may walk the deploy path."""
+        return disk_space(self.layout.deploy_path, self.config.disk_limit)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -340,7 +350,7 @@ class Agent:
 
         have = part.stat().st_size if part.exists() else 0
         phase("download", bytes=have, total=size)
-        cap = None if size is not None else (have + shutil.disk_usage(folder).free) // 2
+        cap = None if size is not None else (have + self.disk_space()[1]) // 2
         fetching = time.monotonic()
         got = await fetch_file(
             source,
@@ -424,18 +434,20 @@ class Agent:
             path.unlink(missing_ok=True)
         return False
 
-    @staticmethod
-    def _check_space(folder: Path, size: int | None, part: Path) -> None:
-        """Refuse early when the tar and its extracted copy cannot fit."""
+    def _check_space(self, folder: Path, size: int | None, part: Path) -> None:
+        """Refuse early when the tar and its extracted copy cannot fit (in the filesystem, and
+        within --disk_limit: past an emptyDir's sizeLimit the kubelet evicts the pod)."""
         if not size:
             return
         have = part.stat().st_size if part.exists() else 0
         need = 2 * size - have
-        free = shutil.disk_usage(folder).free
+        capacity, free = self.disk_space()
         if need > free:
+            limit = f" of --disk_limit {capacity}" if self.config.disk_limit > 0 else ""
             raise TaskFailed(
                 f"not enough disk space in {folder}: need about {need} bytes "
-                f"(tar + extracted), {free} free"
+                f"(tar + extracted), {free} free{limit}",
+                reason=NO_SPACE,
             )
 
     def _next_seq(self) -> int:

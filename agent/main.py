@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
@@ -43,6 +44,26 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # The original agent's -l numbers (its logger's levels) in ours.
 _ORIGINAL_LEVELS = {"16": "DEBUG", "8": "DEBUG", "4": "INFO", "2": "WARNING", "1": "ERROR",
                     "0": "CRITICAL"}  # fmt: skip
+
+
+# Kubernetes' quantity suffixes (an emptyDir's sizeLimit, a claim's size) in bytes
+_QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
+_SUFFIXES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+             "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50,
+             "Ei": 1 << 60}  # fmt: skip
+
+
+def byte_quantity(text: str) -> int:
+    """Bytes, as a number or a Kubernetes quantity (20Gi, 500M, 1.5Gi; rounded up)."""
+    found = _QUANTITY.fullmatch(text.strip())
+    if found is None:
+        raise ValueError("not a number of bytes nor a quantity such as 20Gi or 500M")
+    number, suffix = found.groups()
+    whole, _, fraction = number.partition(".")
+    scale = _SUFFIXES[suffix or ""]
+    places: int = 10 ** len(fraction)
+    exact = int(whole) * scale * places + int(fraction or 0) * scale
+    return -(-exact // places)
 
 
 def log_level(text: str) -> str:
@@ -89,6 +110,14 @@ class AgentFlags:
     tls_key: str = flag("", "PEM private key of --tls_cert")
     tls_ca: str = flag("", "PEM CA bundle trusted for https:// downloads (default: system's)")
     keep: int = flag(2, "versions kept on disk besides the serving chain")
+    disk_limit: int = flag(
+        0,
+        "bytes the deploy path may hold, e.g. its emptyDir's sizeLimit (20Gi, 500M, or bytes):"
+        " downloads that would not fit are refused and the metrics' free space counts against"
+        " it; 0: the filesystem's",
+        parse=byte_quantity,
+        metavar="BYTES",
+    )
     log_level: str = flag(
         "INFO",
         "DEBUG, INFO, WARNING or ERROR; -l takes the original agent's numbers too"
@@ -221,6 +250,7 @@ def config_from_flags(flags: AgentFlags) -> AgentConfig:
         control_timeout=flags.control_timeout,
         md5_from_source=flags.md5_from_source,
         sync_reply_timeout=flags.sync_reply_timeout,
+        disk_limit=flags.disk_limit,
     )
 
 
@@ -242,6 +272,7 @@ def combined_snapshot(agents: Sequence[Agent]) -> Callable[[], Coroutine[Any, An
             "running": running,
             "versions": sum(part["versions"] for part in parts),
             "disk": disk,
+            "space": [space for part in parts for space in part["space"]],
         }
 
     return snapshot

@@ -1,6 +1,7 @@
 """Prometheus metrics of cube-agent: tasks by command and outcome (with the failure reason),
 the time each command and each step of a download takes (fetch, verify, extract), bytes
-downloaded, and what is on disk (versions placed, bytes under data/).
+downloaded, what is on disk (versions placed, bytes under data/) and the room left for more
+(`disk_space`: the filesystem's, or what --disk_limit leaves).
 
 `AgentCounters` is updated as tasks and steps end; `AgentCollector` reads a snapshot taken on
 the event loop at scrape time. Labels are bounded: a command, an outcome, a reason code, a
@@ -10,6 +11,7 @@ step, a task state; never a version.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -67,6 +69,18 @@ def tree_bytes(root: Path) -> int:
     return total
 
 
+def disk_space(root: Path, limit: int = 0) -> tuple[int, int]:
+    """(capacity, available): the bytes the agent may keep under `root` and what is left of
+    them. Without `limit`, the filesystem's size and free space; with it (an emptyDir's
+    sizeLimit, which the kubelet enforces by evicting the pod, or a quota of the operator's),
+    the limit and what the files under `root` leave of it, never more than the filesystem has
+    free."""
+    usage = shutil.disk_usage(root)
+    if limit <= 0:
+        return usage.total, usage.free
+    return limit, max(0, min(usage.free, limit - tree_bytes(root)))
+
+
 class AgentCollector(Collector):
     def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self.snapshot = snapshot
@@ -110,4 +124,18 @@ class AgentCollector(Collector):
         )
         for area, size in s["disk"].items():
             disk.add_metric([area], size)
+        capacity = GaugeMetricFamily(
+            "cube_agent_disk_capacity_bytes",
+            "Bytes the instance may keep: --disk_limit, else its filesystem's size",
+            labels=["deploy_path"],
+        )
+        available = GaugeMetricFamily(
+            "cube_agent_disk_available_bytes",
+            "Bytes left of that capacity for more downloads",
+            labels=["deploy_path"],
+        )
+        for space in s["space"]:
+            capacity.add_metric([space["deploy_path"]], space["capacity"])
+            available.add_metric([space["deploy_path"]], space["available"])
         yield from (tasks, durations, steps, downloaded, running, versions, disk)
+        yield from (capacity, available)

@@ -288,6 +288,7 @@ RUNNING, SUCCEEDED, FAILED = "running", "succeeded", "failed"
 # Task.reason values a program reacts to
 SERVER_UNREACHABLE = "server_unreachable"  # the server did not answer: wait for it
 CORRUPT_VERSION = "corrupt_version"  # the placed copy failed a check and is gone: download
+NO_SPACE = "no_space"  # the download does not fit on the disk (or --disk_limit): free some
 
 
 @dataclass(frozen=True)

@@ -580,6 +580,9 @@ def test_metrics_count_tasks_steps_and_bytes(env: Env) -> None:
     assert get("cube_agent_versions_placed") == 1
     assert get("cube_agent_disk_bytes", area="data") > 0
     assert get("cube_agent_tasks_running", command="download") == 0
+    room = {"deploy_path": str(env.deploy)}
+    assert 0 < get("cube_agent_disk_available_bytes", **room) <= get(
+        "cube_agent_disk_capacity_bytes", **room)  # fmt: skip
 
 
 def original_transfer_body(command: str, version: str, **fields: object) -> dict[str, object]:

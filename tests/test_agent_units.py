@@ -213,6 +213,60 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert agent_main(["-P", "1", "--deploy_path", str(tmp_path), "--log_level", "LOUD"]) == 2
 
 
+def test_disk_limit_takes_bytes_and_kubernetes_quantities(tmp_path: Path) -> None:
+    """--disk_limit takes what the chart passes (agent.storage.size, an emptyDir's sizeLimit)."""
+    from cube.agent.main import byte_quantity
+
+    for text, expected in (
+        ("0", 0), ("4096", 4096), ("20Gi", 20 << 30), ("500M", 500 * 10**6), ("64Ki", 65536),
+        ("1.5Gi", 3 << 29), ("0.5k", 500), ("1.0001k", 1001), ("2E", 2 * 10**18),
+    ):  # fmt: skip
+        assert byte_quantity(text) == expected, text
+    for bad in ("", "-1", "20GB", "1e9", "Gi", "100m", "1.Gi"):
+        with pytest.raises(ValueError):
+            byte_quantity(bad)
+    args = ["-P", "8001", "--deploy_path", str(tmp_path)]
+    assert config_from_flags(flag_set().parse([*args, "--disk_limit=8Mi"])).disk_limit == 8 << 20
+    assert config_from_flags(flag_set().parse(args)).disk_limit == 0
+    assert agent_main([*args, "--disk_limit", "lots"]) == 2
+
+
+def test_disk_space_counts_against_the_limit_and_refuses_what_would_not_fit(
+    tmp_path: Path,
+) -> None:
+    """With --disk_limit (the emptyDir's sizeLimit, which statvfs does not show) the room left
+    is the limit less the files under the deploy path (the metrics' available bytes), and a
+    download whose tar and extracted copy would not fit there is refused (`no_space`) before
+    a byte is fetched, instead of the kubelet evicting the pod past the limit."""
+    import shutil
+
+    from cube.agent.deploy import Agent, AgentConfig
+    from cube.agent.metrics import disk_space
+    from cube.protocol import NO_SPACE
+
+    deploy = tmp_path / "deploy"
+    agent = Agent(AgentConfig(deploy_path=deploy, disk_limit=1 << 20))
+    agent.open()
+    try:
+        (deploy / "data" / "junk").write_bytes(b"x" * 600_000)
+        capacity, available = agent.disk_space()
+        used = sum(p.stat().st_size for p in deploy.rglob("*") if p.is_file())
+        assert capacity == 1 << 20 and available == (1 << 20) - used
+        part = deploy / "cube_data" / "v.tar.part"
+        agent._check_space(part.parent, 200_000, part)  # 400 kB fits
+        with pytest.raises(TaskFailed, match="of --disk_limit 1048576") as refused:
+            agent._check_space(part.parent, 300_000, part)
+        assert refused.value.reason == NO_SPACE
+        part.write_bytes(b"y" * 100_000)  # a resumed download needs only what it lacks
+        agent._check_space(part.parent, 220_000, part)  # 340 kB of 348 kB
+        assert disk_space(deploy, 1000) == (1000, 0)  # over the limit: none left
+        usage = shutil.disk_usage(deploy)
+        whole = disk_space(deploy)
+        assert whole[0] == usage.total and abs(whole[1] - usage.free) < 64 << 20
+    finally:
+        asyncio.run(agent.close())
+
+
 # ------------------------------------------------------------------ retention rule
 
 

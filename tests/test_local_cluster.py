@@ -138,6 +138,36 @@ def test_up_status_wait_restart_down(tmp_path: Path, cluster_dir: Path) -> None:
     assert gone.returncode == 1 and "no cluster" in gone.stderr
 
 
+def test_up_with_metrics_gives_every_process_an_endpoint(
+    tmp_path: Path, cluster_dir: Path
+) -> None:
+    """`up --metrics`: each process's /metrics on a port of its own, recorded in cluster.json
+    (kept by a restart) and listed by status, serving its command's families."""
+    from helpers.procs import scrape
+
+    result = cube_local(
+        "up", "--shards", "1", "--replicas", "1", "--donefile", str(tmp_path / "donefile"),
+        "--create_donefile_dir", "--dir", str(cluster_dir), "--metrics",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr + result.stdout
+    procs = {
+        p["name"]: Proc(**p)
+        for p in json.loads((cluster_dir / "cluster.json").read_text())["processes"]
+    }
+    ports = {name: proc.metrics_port for name, proc in procs.items()}
+    assert len(set(ports.values())) == 3 and 0 not in ports.values()
+    assert f"agent0_0 {ports['agent0_0']}" in result.stdout  # the status table's metrics line
+    for name, proc in procs.items():
+        assert proc.argv[proc.argv.index("--metrics_port") + 1] == str(proc.metrics_port)
+        samples = scrape(f"http://127.0.0.1:{proc.metrics_port}/metrics")
+        prefix = {"server": "cube_server_", "agent": "cube_agent_", "transfer": "cube_transfer_"}
+        assert any(n.startswith(prefix[proc.role]) for n, _ in samples), name
+    restarted = cube_local("restart", "--name", "agent0_0", "--dir", str(cluster_dir))
+    assert restarted.returncode == 0, restarted.stderr
+    assert scrape(f"http://127.0.0.1:{ports['agent0_0']}/metrics")
+    assert cube_local("down", "--dir", str(cluster_dir)).returncode == 0
+
+
 def test_up_fails_cleanly_when_a_process_cannot_start(tmp_path: Path, cluster_dir: Path) -> None:
     base_port = free_ports(16)[0]  # the cluster's ports are free but for the first one
     (tmp_path / "d").mkdir()

@@ -76,6 +76,7 @@ def exported_names() -> set[str]:
         "live_version": "1",
         "live_since": 3.0,
         "phase": "download",
+        "rollout_started": 2.0,
         "counters": rollouts.snapshot(),
         "retry": {"awaiting": 1, "next_at": 4.0},
         "instances": {"0_0": {"status": "Init", "version": "1", "reachable": True,
@@ -84,7 +85,8 @@ def exported_names() -> set[str]:
     agent_counters = AgentCounters()
     agent_counters.task_ended("download", True, "", 1.0)
     agent = {"counters": agent_counters.snapshot(), "running": {}, "versions": 1,
-             "disk": {"data": 1, "downloads": 1}}  # fmt: skip
+             "disk": {"data": 1, "downloads": 1},
+             "space": [{"deploy_path": "/d", "capacity": 2, "available": 1}]}  # fmt: skip
     stats = ClientStats()
     stats.call("ok", 0.001)
     stats.round([0], [PieceOutcome(None, (Attempt("a:1", "UNAVAILABLE", "down"),))])

@@ -1238,6 +1238,14 @@ def test_metrics_follow_the_rollouts(tmp_path: Path) -> None:
                 assert get(samples, "cube_transfer_instance_behind", instance=name) == 0
                 assert get(samples, "cube_transfer_instance_reachable", instance=name) == 1
             assert (get(samples, "cube_transfer_last_success_timestamp_seconds") or 0) > 0
+            assert get(samples, "cube_transfer_rollout_started_timestamp_seconds") == 0
+            h.service.state.deployment = Deployment(
+                kind="deploy", version="1700000400", phase="download", started_at=1234.5
+            )  # a rollout in progress: since when, and its phase
+            samples = scrape(h)
+            assert get(samples, "cube_transfer_rollout_started_timestamp_seconds") == 1234.5
+            assert get(samples, "cube_transfer_rollout_phase", phase="download") == 1
+            h.service.state.deployment = None
             await h.service.rollback(B1)
             samples = scrape(h)
             assert get(samples, "cube_transfer_rollouts_total", outcome="rolled_back") == 1

@@ -18,7 +18,7 @@ from cube.donefile import BadLine, DonefileEntry, parse_line, parse_lines, split
 from cube.format import HEADER_SIZE, encode_header
 from cube.transfer import build as builds
 from cube.transfer.config import ConfigError, Instance, parse_config, render_config
-from cube.transfer.donefile import resolve_input
+from cube.transfer.donefile import SourceUnavailable, read_donefile, resolve_input
 from cube.transfer.journal import Journal, JournalError
 from cube.transfer.state import (
     Deployment,
@@ -191,6 +191,23 @@ def test_config_requires_the_essentials(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # donefile
+
+
+def test_a_local_donefile_directory_that_is_gone_is_a_read_error(tmp_path: Path) -> None:
+    """A donefile not written yet reads as empty; its directory gone (a volume unmounted, the
+    directory moved) is an error the transfer counts (cube_transfer_donefile_poll_errors,
+    the CubeDonefileUnreadable alert), not an empty donefile forever."""
+    import asyncio
+
+    donefile = tmp_path / "donefile"
+    donefile.mkdir()
+    assert asyncio.run(read_donefile(str(donefile), "base.txt")) == ""
+    (donefile / "base.txt").write_text('{"id": "1"}\n')
+    assert asyncio.run(read_donefile(f"file://{donefile}", "base.txt")) == '{"id": "1"}\n'
+    donefile.rename(tmp_path / "moved")
+    for address in (str(donefile), f"file://{donefile}"):
+        with pytest.raises(SourceUnavailable, match=r"donefile directory .*: no such directory"):
+            asyncio.run(read_donefile(address, "base.txt"))
 
 
 def test_donefile_lines_parse_ids_as_integers() -> None:

@@ -110,12 +110,16 @@ def ensure_donefile_dir(address: str, create: bool) -> bool:
 
 
 async def read_donefile(address: str, name: str, timeout: float = 30.0) -> str:
-    """The text of `<address>/<name>`; '' when it does not exist yet."""
+    """The text of `<address>/<name>`; '' when it does not exist yet. A local donefile
+    directory that is gone (its volume unmounted, the directory moved) is SourceUnavailable,
+    not a file not written yet: the transfer checked it at start (ensure_donefile_dir)."""
     if not is_url(address) or urlsplit(address).scheme == "file":
         base = Path(urlsplit(address).path if is_url(address) else address)
         try:
             data = await asyncio.to_thread((base / name).read_bytes)
         except FileNotFoundError:
+            if not await asyncio.to_thread(base.is_dir):
+                raise SourceUnavailable(f"donefile directory {base}: no such directory") from None
             return ""
         except OSError as exc:
             raise SourceUnavailable(f"{base / name}: {exc.strerror}") from exc

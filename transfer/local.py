@@ -1,7 +1,7 @@
 """cube-local: a whole Cube cluster (transfer, agents, servers) on loopback, in one command.
 
     cube-local up --shards 2 --replicas 2 --donefile DIR [--create_donefile_dir]
-                  [--dir .local-cluster] [--base_port N]
+                  [--dir .local-cluster] [--base_port N] [--metrics]
                   [--source_format paddle_fleet --paddle_config FILE] [--builder_flags F]
     cube-local status [--dir .local-cluster] [--json]
     cube-local wait --version V [--timeout 120] [--dir .local-cluster]
@@ -14,8 +14,10 @@ and cube-cli) into --dir, starts one cube-server + cube-agent per replica (the s
 data_dir is the agent's deploy_path/data) and one cube-transfer watching --donefile, records
 every PID (with its start time and command line) in --dir/cluster.json, and returns once each
 answers its health check. `down` stops exactly those processes: SIGTERM, then SIGKILL after
---timeout. Ports: --base_port N gives the transfer N (API) and N+1 (files), replica k of all
-N+10+2k (server) and N+11+2k (agent); without it free ports are picked.
+--timeout. Ports: --base_port N gives the transfer N (API) and N+1 (files), then a block
+from N+10 to the servers, agents and control ports (and with --metrics every process's
+metrics port), each recorded in cluster.json; without it free ports are picked.
+--metrics turns on every process's Prometheus endpoint (`--metrics_port`, on 127.0.0.1).
 
 Tokens: the agents' token (env CUBE_TOKEN, or `--agent_token`) and the transfer API's (env
 CUBE_API_TOKEN, or `--api_token`) are written into transfer.conf (mode 0600), handed to the
@@ -99,6 +101,7 @@ class Proc:
     create_time: float = 0.0
     shard: int = -1
     replica: int = -1
+    metrics_port: int = 0  # its /metrics (cube-local up --metrics), 0: off
 
     def process(self) -> psutil.Process | None:
         """The live process this record started (None if gone or the PID was reused)."""
@@ -139,6 +142,7 @@ class ClusterSpec:
     agent_args: list[str] = field(default_factory=list)
     transfer_overrides: dict[str, Any] = field(default_factory=dict)  # TransferConfig fields
     create_donefile_dir: bool = False  # a missing --donefile directory is an error otherwise
+    metrics: bool = False  # every process with --metrics_port (Proc.metrics_port)
 
 
 def command(name: str) -> str:
@@ -152,14 +156,17 @@ def command(name: str) -> str:
     raise LocalError(f"{name} not found next to {sys.executable} nor on PATH (pip install -e .)")
 
 
-def plan_ports(shards: int, replicas: int, base_port: int) -> dict[str, int]:
-    """name -> port for every listener of the cluster."""
+def plan_ports(shards: int, replicas: int, base_port: int, metrics: bool = False) -> dict[str, int]:
+    """name -> port for every listener of the cluster (with `metrics`, also
+    `metrics_<process name>` for each process's Prometheus endpoint)."""
     names = ["transfer", "files"]
     for i in range(shards):
         for j in range(replicas):
             names += [f"server{i}_{j}", f"agent{i}_{j}", f"control{i}_{j}"]
+    if metrics:
+        names += [f"metrics_{name}" for name in names if not name.startswith(("files", "control"))]
     if base_port:
-        if base_port + 11 + 3 * shards * replicas > 65535:
+        if base_port + 10 + len(names) - 2 > 65535:
             raise LocalError(f"--base_port {base_port} leaves too few ports")
         ports = {"transfer": base_port, "files": base_port + 1}
         for k, name in enumerate(names[2:]):
@@ -347,6 +354,9 @@ def _processes(spec: ClusterSpec, cfg: TransferConfig, ports: dict[str, int]) ->
             port=ports["transfer"],
         )
     )
+    for proc in procs if spec.metrics else ():
+        proc.metrics_port = ports[f"metrics_{proc.name}"]
+        proc.argv += ["--metrics_port", str(proc.metrics_port)]
     return procs
 
 
@@ -603,6 +613,9 @@ class Cluster:
             lines.append(
                 "  ".join(str(v).ljust(w) for v, w in zip(r, widths, strict=True)).rstrip()
             )
+        scraped = [f"{p.name} {p.metrics_port}" for p in self.processes if p.metrics_port]
+        if scraped:
+            lines.append("metrics (http://127.0.0.1:PORT/metrics): " + ", ".join(scraped))
         return "\n".join(lines)
 
     def wait_version(self, version: str, timeout: float, poll: float = 0.3) -> float:
@@ -657,7 +670,7 @@ def up(spec: ClusterSpec, health_timeout: float = 60.0) -> Cluster:
         raise LocalError(f"a cluster is already running in {root}; run cube-local down first")
     if spec.shards < 1 or spec.replicas < 1:
         raise LocalError("--shards and --replicas must be >= 1")
-    ports = plan_ports(spec.shards, spec.replicas, spec.base_port)
+    ports = plan_ports(spec.shards, spec.replicas, spec.base_port, spec.metrics)
     cfg = cluster_config(spec, ports)
     try:  # a typo would be watched, empty, forever
         ensure_donefile_dir(cfg.donefile_address, spec.create_donefile_dir)
@@ -714,6 +727,9 @@ class UpFlags:
         ".local-cluster", "cluster directory (configs, data, logs, PIDs)", metavar="DIR"
     )
     base_port: int = flag(0, "first port of the cluster's port block (0: pick free ports)")
+    metrics: bool = flag(
+        False, "Prometheus metrics of every process (--metrics_port), listed by up and status"
+    )
     dim: int = flag(0, "embedding dimension, recorded in cube.conf for tools")
     dict_name: str = flag(DICT_NAME, "dictionary name")
     mode: str = flag("base_delta", "what the transfer rolls out", choices=MODES)
@@ -815,6 +831,7 @@ def _run_up(flags: UpFlags) -> int:
         partitioner=flags.partitioner,
         phase_timeout=flags.phase_timeout,
         create_donefile_dir=flags.create_donefile_dir,
+        metrics=flags.metrics,
         source_format=flags.source_format,
         builder_flags=_builder_flags(flags),
         transfer_overrides={

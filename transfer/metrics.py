@@ -1,7 +1,7 @@
 """Prometheus metrics of cube-transfer: where each dictionary stands (the live version, since
-when, the rollout in progress and its phase), how rollouts end, how long each phase takes,
-failed versions tried again or abandoned and the next retry, each replica's state and whether
-it is behind, and donefile poll errors.
+when, the rollout in progress, its phase and since when), how rollouts end, how long each
+phase takes, failed versions tried again or abandoned and the next retry, each replica's state
+and whether it is behind, and donefile poll errors.
 
 `RolloutCounters` is updated by the service as rollouts end (plain counters, monotonic for the
 life of the process); `TransferCollector` reads a snapshot taken on the event loop at scrape
@@ -123,13 +123,19 @@ def _rollout_families(s: dict[str, Any]) -> tuple[Metric, ...]:
     )
     if s["phase"]:
         deploying.add_metric([d, s["phase"]], 1.0)
+    started = GaugeMetricFamily(
+        "cube_transfer_rollout_started_timestamp_seconds",
+        "When the rollout (or rollback) in progress began (Unix time; 0: none)",
+        labels=["dict"],
+    )
+    started.add_metric([d], s["rollout_started"])
     errors = CounterMetricFamily(
         "cube_transfer_donefile_poll_errors",
         "Donefile reads that failed",
         labels=["dict"],
     )
     errors.add_metric([d], s["counters"]["donefile_errors"])
-    return (live, since, success, rollouts, phases, deploying, errors)
+    return (live, since, success, rollouts, phases, deploying, started, errors)
 
 
 def _retry_families(s: dict[str, Any]) -> tuple[Metric, ...]:

@@ -633,6 +633,7 @@ class TransferService:
             "live_version": self.state.live_version,
             "live_since": self.state.live_since,
             "phase": dep.phase if dep is not None else "",
+            "rollout_started": dep.started_at if dep is not None else 0.0,
             "counters": self.rollout_counters.snapshot(),
             "retry": {
                 "awaiting": len(waiting),
