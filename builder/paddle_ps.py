@@ -16,6 +16,8 @@ dense part is 001 in one job and 000 in another).
 
 from __future__ import annotations
 
+import os
+import stat
 import time
 import zlib
 from collections.abc import Iterator
@@ -180,14 +182,16 @@ def _left(deadline: float, shown: str, timeout: float) -> float:
     return left
 
 
-def first_row(url: str, timeout: float = FETCH_TIMEOUT) -> bytes:
-    """The first line of a part file (plain or gzip; local or remote), from its first bytes."""
+def first_row(url: str, timeout: float = FETCH_TIMEOUT) -> bytes | None:
+    """The first non-blank line of a part file (plain or gzip; local or remote), from its
+    first bytes; None when they hold none (blank lines, or not readable as gzip: the folder is
+    then judged by its file names, and the build's reading says what is wrong)."""
     try:
         if remote.is_remote(url):
             with remote.Reader(url, min(60.0, timeout), block=SNIFF_BYTES) as reader:
                 head = next(reader.blocks(0), b"")
         else:
-            with open(url, "rb") as file:
+            with open_regular(url) as file:
                 head = file.read(SNIFF_BYTES)
     except remote.RemoteError as exc:
         raise BuildError(f"{remote.redact(url)}: {exc}") from None
@@ -197,12 +201,35 @@ def first_row(url: str, timeout: float = FETCH_TIMEOUT) -> bytes:
         try:
             head = zlib.decompressobj(31).decompress(head, SNIFF_BYTES)
         except zlib.error:
-            return b""  # not readable as gzip: the build says so, with the line
-    return bytes(head).split(b"\n", 1)[0]
+            return None  # not readable as gzip: the build says so, with the line
+    return next((line for line in bytes(head).split(b"\n") if line.strip(b" \t\r")), None)
 
 
 # ---------------------------------------------------------------------------------------------
 # Reading a part file
+
+
+def open_regular(path: str) -> BinaryIO:
+    """`path` opened for reading when it is a regular file; BuildError otherwise. Opened
+    without blocking first: a FIFO put in a part's place after the listing would block a
+    plain open() until some writer came, i.e. forever."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise BuildError(f"{path}: {exc.strerror}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+            raise BuildError(
+                f"{path}: {kind} (a part file must be a regular file; was it replaced "
+                "during the build?)"
+            )
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def table_batches(
@@ -210,9 +237,12 @@ def table_batches(
 ) -> Iterator[tuple[np.ndarray, ValueColumn, int]]:
     """(keys, values, bytes of the file read so far) for about `batch_bytes` of text at a
     time, cut at line ends. BuildError naming the file and line for a row that does not fit
-    the layout, a line too long to be a row, or a gzip file that is cut short or corrupt."""
+    the layout, a line too long to be a row, a gzip file that is cut short or corrupt, a file
+    whose last row has no newline (Paddle ends every row with one: a copy cut short inside a
+    row would otherwise serve the row's missing numbers as zeros), or a part that is not a
+    regular file (a FIFO would block the build)."""
     width = value.width(layout)
-    with open(path, "rb") as raw:
+    with open_regular(path) as raw:
         size = raw.seek(0, 2)
         raw.seek(0)
         gzipped = raw.read(2) == b"\x1f\x8b"
@@ -244,7 +274,12 @@ def table_batches(
                 continue
             carry = data[cut:]
             yield parsed(memoryview(data)[:cut])
-        if carry:
+        if carry.strip(b" \t\r"):
+            raise BuildError(
+                f"{path} line {line}: the file ends inside this row (no newline after it; "
+                "Paddle ends every row with one: a file cut short?)"
+            )
+        if carry:  # blanks after the last newline
             yield parsed(carry)
 
 
@@ -282,6 +317,8 @@ def _gunzip(raw: BinaryIO, path: str, size: int, batch_bytes: int) -> Iterator[b
             yield block
         if stream.eof:  # what follows the member is in unused_data (unconsumed_tail too)
             rest = stream.unused_data
+            if len(rest) == 1:  # the member ended a byte before a read's end: the next byte
+                rest += raw.read(1 << 20)  # tells a member (1f 8b) from anything else
             if rest and rest[:2] != b"\x1f\x8b":
                 raise broken("something else than a gzip member follows one")
             stream = zlib.decompressobj(31)

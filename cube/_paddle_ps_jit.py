@@ -33,23 +33,28 @@ def _blank(c: Any) -> Any:
 
 
 @jit
-def parse(buf, full, short, targets, keys, floats, row_lines, slow):
-    """Parse whole lines of `buf`. Returns (rows, lines, short rows, error line, error line's
-    start offset, slow count): error line -1 when every line fits (key: unsigned decimal
-    < 2^64; then `full` or `short` decimal numbers, separated by spaces, tabs or CR); else
-    the caller describes the line. `targets[c]`: the value place of float column c, or -1.
+def parse(buf, start, first_line, full, short, targets, keys, floats, row_lines, slow):
+    """Parse whole lines of `buf` from byte `start` (a line's start; `first_line` its number,
+    0-based in `buf`) until the end or until `keys` (the rows' capacity) is full. Returns
+    (rows, position reached, lines, short rows, error line, error line's start offset, slow
+    count): error line -1 when every line read fits (key: unsigned decimal < 2^64; then `full`
+    or `short` decimal numbers, separated by spaces, tabs or CR); else the caller describes
+    the line. `targets[c]`: the value place of float column c, or -1. The caller resumes at
+    the position reached while it is short of the end: its arrays are sized by a budget, not
+    by the buffer's line count (blank-line padding would ask for gigabytes).
 
     Long: the byte loop of a compiled kernel, one pass over the text; its state (position,
     row, line, counts) lives in locals across the key, the numbers and the line's end, and
     splitting it into calls would pass that state in and out for every field."""
     n = buf.shape[0]
-    pos = 0
+    pos = start
     row = 0
-    line = 0
+    line = first_line
     short_rows = 0
     slow_count = 0
     slow_room = slow.shape[0]
-    while pos < n:
+    capacity = keys.shape[0]
+    while pos < n and row < capacity:
         line_start = pos
         while pos < n and _blank(buf[pos]):
             pos += 1
@@ -71,7 +76,7 @@ def parse(buf, full, short, targets, keys, floats, row_lines, slow):
             digits += 1
             pos += 1
         if digits == 0 or overflow or (pos < n and not _blank(buf[pos]) and buf[pos] != 10):
-            return row, line, short_rows, line, line_start, slow_count
+            return row, pos, line, short_rows, line, line_start, slow_count
         keys[row] = key
         column = 0
         while True:
@@ -113,7 +118,7 @@ def parse(buf, full, short, targets, keys, floats, row_lines, slow):
                         dropped = True
                     pos += 1
             if seen == 0:
-                return row, line, short_rows, line, line_start, slow_count
+                return row, pos, line, short_rows, line, line_start, slow_count
             if pos < n and (buf[pos] == 101 or buf[pos] == 69):
                 pos += 1
                 exponent_negative = False
@@ -128,10 +133,10 @@ def parse(buf, full, short, targets, keys, floats, row_lines, slow):
                     exponent_digits += 1
                     pos += 1
                 if exponent_digits == 0:
-                    return row, line, short_rows, line, line_start, slow_count
+                    return row, pos, line, short_rows, line, line_start, slow_count
                 scale += -exponent if exponent_negative else exponent
             if pos < n and not _blank(buf[pos]) and buf[pos] != 10:
-                return row, line, short_rows, line, line_start, slow_count
+                return row, pos, line, short_rows, line, line_start, slow_count
             if column < full:
                 place = targets[column]
                 if place >= 0:
@@ -152,11 +157,11 @@ def parse(buf, full, short, targets, keys, floats, row_lines, slow):
                     floats[row, place] = -number if negative else number
             column += 1
         if column != full and column != short:
-            return row, line, short_rows, line, line_start, slow_count
+            return row, pos, line, short_rows, line, line_start, slow_count
         if column == short:
             short_rows += 1
         row_lines[row] = line
         row += 1
         line += 1
         pos += 1
-    return row, line, short_rows, -1, 0, slow_count
+    return row, pos, line, short_rows, -1, 0, slow_count

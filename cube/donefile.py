@@ -130,7 +130,7 @@ def split_complete_lines(text: str) -> list[str]:
         try:
             if isinstance(json.loads(tail), dict):
                 lines.append(tail)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nesting too deep to parse
             pass
     return [line.rstrip("\r") for line in lines]
 
@@ -153,6 +153,8 @@ def parse_line(
         return bad(f"not JSON ({exc.msg} at column {exc.colno})")
     except ValueError:  # e.g. a number too long to convert
         return bad("not JSON")
+    except RecursionError:  # thousands of nested brackets: json's decoder recurses per level
+        return bad("not JSON (nested too deeply to parse)")
     if not isinstance(obj, dict):
         return bad(f"expected a JSON object, got {type(obj).__name__}")
     fields = {}

@@ -536,10 +536,9 @@ def sparse_folder_problem(names: list[str], first_row: bytes | None) -> str:
         return f"not part-<server>-<shard> files ({others[0]})"
     if first_row is None:
         return ""
-    fields = first_row.split()
+    fields = _SEPARATORS.split(first_row.strip(b" \t\r"))
     if not fields or not fields[0].isdigit() or len(fields) < 1 + len(_LEADING):
-        shown = first_row[:60].decode("utf-8", "replace")
-        return f"its first row {shown!r} is not a key and 6 or more numbers"
+        return "its first row is not a key and 6 or more numbers"  # (not shown: no content)
     return ""
 
 
@@ -564,7 +563,28 @@ class ParsedRows:
 
 
 _NUMBER = re.compile(rb"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+_NUMBER_PREFIX = re.compile(rb"[+-]?\d*\.?\d*(?:[eE][+-]?\d*)?")  # how far a number reads
 _NON_FINITE = re.compile(rb"[+-]?(?:nan|inf|infinity)", re.I)
+# The parsers' field separators: space, tab and CR only (a vertical tab or form feed is not one,
+# though Python's bytes.split() would take it).
+_SEPARATORS = re.compile(rb"[ \t\r]+")
+_FIELD = re.compile(rb"[^ \t\r]+")
+_NUMBER_BYTES = b"0123456789+-.eE"
+_BYTE_NAMES = {
+    0: "a NUL byte",
+    9: "a tab",
+    11: "a vertical tab",
+    12: "a form feed",
+    13: "a carriage return",
+    32: "a space",
+    127: "a DEL byte",
+}
+# Doubles per parsing chunk of the compiled parser (32 MiB): its arrays are sized by this and by
+# the rows actually read, never by a buffer's line count.
+CHUNK_FLOATS = 4 << 20
+# The numpy parser holds its tokens as a fixed-width array; a token longer than this (no number
+# Paddle writes is) makes it take the compiled parser, or Python's conversion, instead.
+LONG_TOKEN = 64
 COMPILED_MIN_BYTES = 4 << 20  # from here a chunk repays loading the compiled parser (~0.5 s)
 
 
@@ -572,35 +592,77 @@ def _field_name(layout: TableLayout, column: int) -> str:
     return layout.columns[column] if column < layout.full else f"#{column + 1}"
 
 
+def byte_kind(byte: int) -> str:
+    """A byte in words, for messages that must not repeat what they read: its class, and the
+    name of a control character (the likely culprit of a line the parsers refuse)."""
+    if byte in _BYTE_NAMES:
+        return _BYTE_NAMES[byte]
+    if byte < 32:
+        return f"a control character (0x{byte:02x})"
+    if byte >= 128:
+        return "a non-ASCII byte"
+    if chr(byte).isalpha():
+        return "a letter"
+    if chr(byte).isdigit():
+        return "a digit"
+    return "a punctuation mark"
+
+
 def describe_line(line: bytes, layout: TableLayout) -> str:
-    """What is wrong with one line (without its newline), in words; "" when nothing is."""
-    fields = line.replace(b"\t", b" ").replace(b"\r", b" ").split()
+    """What is wrong with one line (without its newline), in words; "" when nothing is. Fields
+    are split as the parsers split them (spaces, tabs, CR), and named by number, layout name
+    and 1-based byte column; the message never repeats the line's text (a file read by mistake
+    may hold anything: its content must not reach logs or the transfer's history)."""
+    fields = [(m.start() + 1, m.group()) for m in _FIELD.finditer(line)]
     if not fields:
         return ""
-    key = fields[0]
-    shown = key[:40].decode("utf-8", "replace")
-    if not key.isdigit():
-        sign = " (keys are uint64: no sign)" if key[:1] in (b"-", b"+") else ""
-        return f"field 1 (key): {shown!r} is not an unsigned decimal integer{sign}"
+    column, key = fields[0]
+    where = f"field 1 (key), column {column}"
+    if not key.isdigit() or not key.isascii():
+        if key[:1] in (b"-", b"+"):
+            return f"{where}: not an unsigned decimal integer (keys are uint64: no sign)"
+        bad = next(i for i, b in enumerate(key) if not 48 <= b <= 57)
+        return (
+            f"{where}: not an unsigned decimal integer ({byte_kind(key[bad])} at column "
+            f"{column + bad})"
+        )
     digits = key.lstrip(b"0")
     if len(digits) > 20 or int(digits or b"0") >= 1 << 64:  # (int() refuses 4300+ digits)
-        return f"field 1 (key): {shown} does not fit in 64 bits"
+        return (
+            f"{where}: does not fit in 64 bits ({len(digits)} digits; at most 18446744073709551615)"
+        )
+
+    def problem(index: int, column: int, token: bytes) -> str:
+        what = f"field {index + 2} ({_field_name(layout, index)}), column {column}"
+        if _NON_FINITE.fullmatch(token):
+            return f"{what}: not a finite number (nan or inf)"
+        read = _NUMBER_PREFIX.match(token)
+        reach = read.end() if read else 0
+        if reach < len(token):
+            kind = byte_kind(token[reach])
+            return f"{what}: not a decimal number ({kind} at column {column + reach})"
+        return f"{what}: not a decimal number (it ends before its digits do)"
+
+    # a byte no number has first (a control character splits no field for the parsers: it
+    # would be miscounted as a width problem), then the count, then each number's form
+    for index, (column, token) in enumerate(fields[1:]):
+        if token.translate(None, _NUMBER_BYTES):
+            return problem(index, column, token)
     floats = len(fields) - 1
     if floats not in (layout.full, layout.short):
-        fits = layouts_with(floats)
-        hint = f"; a row of {floats} fits {' or '.join(fits)}" if fits else ""
-        return (
-            f"{floats} numbers after the key; {layout.describe()} rows have {layout.full} "
-            f"(or {layout.short} without the embedx part){hint}"
-        )
-    for column, token in enumerate(fields[1:]):
-        what = f"field {column + 2} ({_field_name(layout, column)})"
-        text = token[:40].decode("utf-8", "replace")
-        if _NON_FINITE.fullmatch(token):
-            return f"{what}: {text!r} is not a finite number"
+        return count_problem(floats, layout)
+    for index, (column, token) in enumerate(fields[1:]):
         if not _NUMBER.fullmatch(token):
-            return f"{what}: {text!r} is not a decimal number"
+            return problem(index, column, token)
     return ""
+
+
+def count_problem(floats: int, layout: TableLayout) -> str:
+    """A row of `floats` numbers after the key, for a layout whose rows have others."""
+    return (
+        f"{floats} numbers after the key; {layout.describe()} rows have {layout.full} "
+        f"(or {layout.short} without the embedx part)"
+    )
 
 
 def _line_error(
@@ -631,16 +693,8 @@ def parse_rows(
     if compiled and not COMPILED:
         raise ValueError("the compiled parser needs numba (and CUBE_KERNEL other than numpy)")
     buf = np.frombuffer(data, dtype=np.uint8)
-    if compiled:
-        keys, floats, lines, short, row_lines = _parse_compiled(
-            data, buf, layout, value, source, first_line
-        )
-    else:
-        keys, floats, lines, short, row_lines = _parse_numpy(
-            data, buf, layout, value, source, first_line
-        )
-    values = _to_dtype(floats, value, layout, source, row_lines, first_line)
-    return ParsedRows(keys, values, lines, short)
+    parse = _parse_compiled if compiled else _parse_numpy
+    return parse(data, buf, layout, value, source, first_line)
 
 
 def _to_dtype(
@@ -661,10 +715,15 @@ def _to_dtype(
     row, place = (int(i) for i in np.argwhere(~finite)[0])
     column = int(np.flatnonzero(value.targets(layout) == place)[0])
     number = float(floats[row, place])
-    why = f"does not fit {value.dtype}" if np.isfinite(number) else "is not a finite number"
+    largest = float(np.finfo(np.dtype(value.dtype)).max)
+    why = (
+        f"does not fit {value.dtype} (its magnitude is past {largest:g})"
+        if np.isfinite(number)
+        else "not a finite number (past the largest double)"
+    )
     raise PaddleRowError(
         f"{source} line {first_line + int(row_lines[row])}: field {column + 2} "
-        f"({_field_name(layout, column)}): {number!r} {why}"
+        f"({_field_name(layout, column)}): {why}"
     )
 
 
@@ -673,25 +732,41 @@ def _to_dtype(
 
 def _parse_compiled(
     data: Any, buf: np.ndarray, layout: TableLayout, value: ValueSpec, source: str, first: int
-) -> tuple[np.ndarray, np.ndarray, int, int, np.ndarray]:
+) -> ParsedRows:
+    """The compiled parser, in chunks of at most CHUNK_FLOATS doubles: its arrays grow with
+    the rows read, not with the buffer's line count (a gzip of blank lines asked for 32 GiB)."""
     from cube import _paddle_ps_jit as jit
 
-    capacity = int(np.count_nonzero(buf == 10)) + 1
-    keys = np.empty(capacity, dtype=np.uint64)
-    floats = np.zeros((capacity, value.count(layout)), dtype=np.float64)
-    row_lines = np.empty(capacity, dtype=np.int64)
-    slow = np.empty((min(capacity, 1 << 16), 4), dtype=np.int64)
+    width = value.count(layout)
+    capacity = min(int(np.count_nonzero(buf == 10)) + 1, max(64, CHUNK_FLOATS // max(width, 1)))
     targets = value.targets(layout)
-    rows, lines, short, error_line, error_start, slow_count = jit.parse(
-        buf, layout.full, layout.short, targets, keys, floats, row_lines, slow
+    pos, line, short_rows = 0, 0, 0
+    keys_parts: list[np.ndarray] = []
+    value_parts: list[np.ndarray] = []
+    while True:
+        keys = np.empty(capacity, dtype=np.uint64)
+        floats = np.zeros((capacity, width), dtype=np.float64)
+        row_lines = np.empty(capacity, dtype=np.int64)
+        slow = np.empty((min(capacity, 1 << 16), 4), dtype=np.int64)
+        rows, pos, line, short, error_line, error_start, slow_count = jit.parse(
+            buf, pos, line, layout.full, layout.short, targets, keys, floats, row_lines, slow
+        )
+        if error_line >= 0:
+            raise _line_error(data, int(error_start), layout, source, first + int(error_line))
+        if slow_count > slow.shape[0]:  # more long or huge-exponent numbers than noted
+            return _parse_numpy(data, buf, layout, value, source, first, long_ok=True)
+        for row, place, start, end in slow[:slow_count].tolist():
+            floats[row, place] = float(bytes(data[start:end]))
+        keys_parts.append(keys[:rows])
+        value_parts.append(_to_dtype(floats[:rows], value, layout, source, row_lines, first))
+        short_rows += int(short)
+        if pos >= buf.shape[0]:
+            break
+    if len(keys_parts) == 1:
+        return ParsedRows(keys_parts[0], value_parts[0], int(line), short_rows)
+    return ParsedRows(
+        np.concatenate(keys_parts), np.concatenate(value_parts), int(line), short_rows
     )
-    if error_line >= 0:
-        raise _line_error(data, int(error_start), layout, source, first + int(error_line))
-    if slow_count > slow.shape[0]:  # more long or huge-exponent numbers than noted: numpy's
-        return _parse_numpy(data, buf, layout, value, source, first)
-    for row, place, start, end in slow[:slow_count].tolist():
-        floats[row, place] = float(bytes(data[start:end]))
-    return keys[:rows], floats[:rows], int(lines), int(short), row_lines[:rows]
 
 
 # -- the numpy parser (no numba; the tests' oracle)
@@ -701,14 +776,25 @@ _ALLOWED[list(b"0123456789.+-eE \t\r\n")] = True
 
 
 def _parse_numpy(
-    data: Any, buf: np.ndarray, layout: TableLayout, value: ValueSpec, source: str, first: int
-) -> tuple[np.ndarray, np.ndarray, int, int, np.ndarray]:
+    data: Any,
+    buf: np.ndarray,
+    layout: TableLayout,
+    value: ValueSpec,
+    source: str,
+    first: int,
+    long_ok: bool = False,
+) -> ParsedRows:
     """Whole-buffer numpy passes: tokens by byte class, rows by newline, numbers by numpy's
-    own conversion; anything unexpected sends the first bad line to `describe_line`."""
+    own conversion; anything unexpected sends the first bad line to `describe_line`. A token
+    longer than LONG_TOKEN goes to the compiled parser when there is one (a fixed-width token
+    array would be tokens x that length), else (or with `long_ok`) through Python's int and
+    float, token by token: no number Paddle writes is that long."""
     newline = buf == 10
     lines = int(np.count_nonzero(newline)) + (1 if buf.size and buf[-1] != 10 else 0)
-    empty = np.empty(0, dtype=np.int64)
-    nothing = (np.empty(0, np.uint64), np.empty((0, value.count(layout))), lines, 0, empty)
+    dtype = np.dtype(value.dtype).newbyteorder("<")
+    nothing = ParsedRows(
+        np.empty(0, np.uint64), np.empty((0, value.count(layout)), dtype), lines, 0
+    )
     if not _ALLOWED[buf].all():
         return _first_bad_line(data, layout, source, first)
     separator = newline | (buf == 32) | (buf == 9) | (buf == 13)
@@ -723,20 +809,27 @@ def _parse_numpy(
     is_short = floats_per_row == layout.short
     if not ((floats_per_row == layout.full) | is_short).all():
         return _first_bad_line(data, layout, source, first)
-    tokens = np.array(bytes(data).split())
+    ends = np.flatnonzero(token & ~np.concatenate((token[1:], [False])))
+    longest = int((ends - starts).max()) + 1
+    if longest > LONG_TOKEN and COMPILED and not long_ok:
+        return _parse_compiled(data, buf, layout, value, source, first)
     row_start = np.concatenate(([0], np.cumsum(counts[used])[:-1]))
-    key_tokens = tokens[row_start]
     width = value.count(layout)
     targets = value.targets(layout)
     try:
-        if not np.strings.isdigit(key_tokens).all():
-            raise ValueError("key")
-        digits = np.strings.lstrip(key_tokens, b"0")
-        lengths = np.strings.str_len(digits)
-        if (lengths > 20).any() or ((lengths == 20) & (digits > b"18446744073709551615")).any():
-            raise ValueError("key range")
-        keys = key_tokens.astype(np.uint64)
-        numbers = np.delete(tokens, row_start).astype(np.float64)
+        if longest > LONG_TOKEN:
+            keys, numbers = _convert_long(bytes(data).split(), row_start)
+        else:
+            tokens = np.array(bytes(data).split())
+            key_tokens = tokens[row_start]
+            if not np.strings.isdigit(key_tokens).all():
+                raise ValueError("key")
+            digits = np.strings.lstrip(key_tokens, b"0")
+            lengths = np.strings.str_len(digits)
+            if (lengths > 20).any() or ((lengths == 20) & (digits > b"18446744073709551615")).any():
+                raise ValueError("key range")
+            keys = key_tokens.astype(np.uint64)
+            numbers = np.delete(tokens, row_start).astype(np.float64)
     except (ValueError, OverflowError):
         return _first_bad_line(data, layout, source, first)
     floats = np.zeros((used.shape[0], width), dtype=np.float64)
@@ -744,12 +837,29 @@ def _parse_numpy(
     for column in np.flatnonzero(targets >= 0).tolist():
         present = floats_per_row > column
         floats[present, targets[column]] = numbers[offsets[present] + column]
-    return keys, floats, lines, int(np.count_nonzero(is_short)), used
+    values = _to_dtype(floats, value, layout, source, used, first)
+    return ParsedRows(keys, values, lines, int(np.count_nonzero(is_short)))
 
 
-def _first_bad_line(
-    data: Any, layout: TableLayout, source: str, first: int
-) -> tuple[np.ndarray, np.ndarray, int, int, np.ndarray]:
+def _convert_long(tokens: list[bytes], row_start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Keys and numbers of a buffer with a token too long for a fixed-width array (not
+    something Paddle writes: the rare, slow path). ValueError for a token that is not one."""
+    is_key = np.zeros(len(tokens), dtype=bool)
+    is_key[row_start] = True
+    keys = []
+    for index in row_start.tolist():
+        text = tokens[index]
+        if not text.isdigit() or not text.isascii() or len(text.lstrip(b"0")) > 20:
+            raise ValueError("key")
+        keys.append(int(text))
+    numbers = np.array(
+        [t for t, k in zip(tokens, is_key.tolist(), strict=True) if not k], dtype=object
+    )
+    converted = numbers.astype(np.float64) if numbers.size else np.empty(0)
+    return np.array(keys, dtype=np.uint64), converted
+
+
+def _first_bad_line(data: Any, layout: TableLayout, source: str, first: int) -> ParsedRows:
     """The error path: the first line `describe_line` finds fault with (a loop over lines,
     run only once something is wrong)."""
     start = 0

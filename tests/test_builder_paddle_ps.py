@@ -276,7 +276,8 @@ def test_a_save_without_a_sparse_table_says_what_each_folder_is(tmp_path: Path) 
     with pytest.raises(BuildError) as caught:
         shell.find_table(str(save), source_for("sparse_adam"))
     message = str(caught.value)
-    assert "no sparse table (000: its first row '0.5 0.25 0.125' is not a key and 6" in message
+    assert "no sparse table (000: its first row is not a key and 6" in message
+    assert "0.125" not in message  # what a file holds is never repeated
     assert "001: dense parameters (part-000.gz)" in message
     with pytest.raises(BuildError, match="not a parameter-server save"):
         shell.find_table(str(DATA / "sparse_adam"), source_for("sparse_adam"))
@@ -331,13 +332,13 @@ def corrupt_row(save: Path) -> tuple[Path, str]:
     lines = part.read_text().splitlines(keepends=True)
     lines[4] = lines[4].replace(" ", " x", 1)  # line 5: the slot column is not a number
     part.write_text("".join(lines))
-    return part, "line 5: field 2 (slot): 'x0' is not a decimal number"
+    return part, "line 5: field 2 (slot), column 6: not a decimal number (a letter at column 6)"
 
 
 def negative_key(save: Path) -> tuple[Path, str]:
     part = save / "000" / "part-000-00001"
     part.write_text("-" + part.read_text())
-    return part, "line 1: field 1 (key): '-"
+    return part, "line 1: field 1 (key), column 1: not an unsigned decimal integer (keys are"
 
 
 def key_too_large(save: Path) -> tuple[Path, str]:
@@ -345,7 +346,7 @@ def key_too_large(save: Path) -> tuple[Path, str]:
     lines = part.read_text().splitlines(keepends=True)
     lines[9] = "18446744073709551616" + lines[9][lines[9].index(" ") :]
     part.write_text("".join(lines))
-    return part, "line 10: field 1 (key): 18446744073709551616 does not fit in 64 bits"
+    return part, "line 10: field 1 (key), column 1: does not fit in 64 bits"
 
 
 def short_row_in_gzip(save: Path) -> tuple[Path, str]:
@@ -378,6 +379,26 @@ def garbage_after_gzip(save: Path) -> tuple[Path, str]:
     return part, "not a whole gzip file (something else than a gzip member follows one"
 
 
+def cut_inside_last_row(save: Path) -> tuple[Path, str]:
+    """An interrupted copy: the last row cut after its 7th number, which is a short row's
+    count (it would serve the row's embedx_w as zeros)."""
+    part = save / "000" / "part-000-00002"
+    lines = part.read_text().splitlines(keepends=True)
+    lines[-1] = " ".join(lines[-1].split()[:8])
+    part.write_text("".join(lines))
+    return part, f"line {len(lines)}: the file ends inside this row (no newline after it"
+
+
+def vertical_tab(save: Path) -> tuple[Path, str]:
+    part = save / "000" / "part-000-00001"
+    lines = part.read_text().splitlines(keepends=True)
+    fields = lines[2].split(" ")
+    lines[2] = " ".join(fields[:3]) + "\v" + " ".join(fields[3:])
+    part.write_text("".join(lines))
+    column = len(" ".join(fields[:3])) + 1
+    return part, f"line 3: field 3 (unseen_days), column {column - len(fields[2])}: not a decimal"
+
+
 def endless_line(save: Path) -> tuple[Path, str]:
     part = save / "000" / "part-000-00002"
     part.write_bytes(b"7 " + b"1" * (3 << 20))
@@ -396,6 +417,8 @@ def endless_line(save: Path) -> tuple[Path, str]:
         ("checkpoint", corrupt_gzip),
         ("checkpoint", garbage_after_gzip),
         ("delta", endless_line),
+        ("delta", cut_inside_last_row),
+        ("delta", vertical_tab),
     ],
     ids=lambda value: value if isinstance(value, str) else value.__name__,
 )
@@ -444,3 +467,130 @@ def test_an_unreadable_configuration_exits_1(tmp_path: Path) -> None:
         done = run_builder(*args)
         assert done.returncode == 1 and f"-paddle_config {path}" in done.stderr, done.stderr
         assert message in done.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Damaged and hostile inputs (issue 36 item 6): one clear error naming the file (and line), or
+# a correct reading; nothing published; every wait bounded
+
+
+def two_member_gzip(text: bytes, first_size: int) -> bytes:
+    """`text` as two gzip members, the first exactly `first_size` bytes long (stored blocks,
+    its text padded with blank lines to that size)."""
+    lines = text.splitlines(keepends=True)
+    head, tail = b"".join(lines[: len(lines) // 2]), b"".join(lines[len(lines) // 2 :])
+    pad = first_size - len(gzip.compress(head, compresslevel=0, mtime=0))
+    while True:
+        member = gzip.compress(head + b"\n" * pad, compresslevel=0, mtime=0)
+        if len(member) == first_size:
+            return member + gzip.compress(tail, mtime=0)
+        pad += first_size - len(member)
+        assert pad >= 0
+
+
+@pytest.mark.parametrize("boundary_gap", [1, 0, 2])
+def test_a_gzip_member_ending_by_a_read_boundary_is_read(tmp_path: Path, boundary_gap: int) -> None:
+    """Two members, the first ending 1 byte (and 0 and 2) before the 1 MiB read: read whole
+    (the reader used to judge the next member by its first byte alone and refuse the file)."""
+    plain = DATA / "ctr_common_adagrad" / "delta" / "000" / "part-000-00001"
+    text = plain.read_bytes() * 40
+    part = tmp_path / "part-000-00000.gz"
+    part.write_bytes(two_member_gzip(text, (1 << 20) - boundary_gap))
+    layout = source_for("ctr_common_adagrad").layout_for(None)
+    got = [k for k, _, _ in shell.table_batches(str(part), layout, ValueSpec(), 4 << 20)]
+    want = [k for k, _, _ in shell.table_batches(str(plain), layout, ValueSpec(), 4 << 20)]
+    assert np.concatenate(got).tolist() == np.concatenate(want).tolist() * 40
+
+
+def test_a_fifo_in_a_parts_place_is_refused_at_once(tmp_path: Path) -> None:
+    """A FIFO swapped in for a part after the listing: refused by name, not waited on (an
+    open() of a FIFO blocks until some writer comes)."""
+    import os
+    import threading
+
+    save = save_copy(tmp_path)
+    source = source_for("ctr_common_adagrad")
+    table = shell.find_table(str(save), source)
+    victim = save / "000" / "part-000-00002"
+    victim.unlink()
+    os.mkfifo(victim)
+    outcome: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            for path in shell.local_paths(table):
+                list(shell.table_batches(str(path), table.layout, ValueSpec(), 1 << 20))
+        except BaseException as exc:  # reported below
+            outcome.append(exc)
+
+    for reader in (read, lambda: outcome.append(_first_row_error(str(victim)))):
+        thread = threading.Thread(target=reader, daemon=True)
+        thread.start()
+        thread.join(20)
+        assert not thread.is_alive(), "blocked on the FIFO"
+    assert len(outcome) == 2 and all(isinstance(e, BuildError) for e in outcome), outcome
+    assert str(outcome[0]).startswith(f"{victim}: a FIFO (a part file must be a regular file")
+
+
+def _first_row_error(path: str) -> BaseException:
+    try:
+        shell.first_row(path)
+    except BuildError as exc:
+        return exc
+    raise AssertionError("first_row read a FIFO")
+
+
+@pytest.mark.slow
+def test_a_fifo_swapped_in_during_a_build_fails_it(tmp_path: Path) -> None:
+    """The whole build (its reader processes): exit 1 naming the FIFO, nothing published."""
+    import subprocess
+    import sys
+
+    save = save_copy(tmp_path)
+    output = tmp_path / "out"
+    script = f"""
+import os, sys
+from cube.builder import paddle_ps, cli
+real = paddle_ps.find_table
+def swapped(*args, **kwargs):
+    table = real(*args, **kwargs)
+    victim = {str(save / "000" / "part-000-00002")!r}
+    os.unlink(victim)
+    os.mkfifo(victim)
+    return table
+paddle_ps.find_table = swapped
+sys.exit(cli.main(sys.argv[1:]))
+"""
+    args = build_args(save, output, 2, **CTR_FLAGS)
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "part-000-00002: a FIFO (a part file must be a regular file" in done.stderr
+    assert_no_leftovers(output)
+
+
+@pytest.mark.slow
+def test_blank_line_padding_builds_at_dim_1024(tmp_path: Path) -> None:
+    """16 MiB of blank lines in a 16 KiB gzip, then one row at dim 1024: built (blank lines are
+    skipped), its arrays sized by rows read (this asked for 32 GiB: lines x 1022 doubles)."""
+    save = tmp_path / "save" / "000"
+    save.mkdir(parents=True)
+    row = "7 0 0 0 1 1 " + " ".join(["0.5"] * (1 + 1 + 1021 + 1)) + "\n"
+    (save / "part-000-00000.gz").write_bytes(gzip.compress(b"\n" * (16 << 20) + row.encode()))
+    assert (save / "part-000-00000.gz").stat().st_size < 20 << 10
+    flags = {**CTR_FLAGS, "paddle_dim": 1024}
+    done = run_builder(*build_args(save.parent, tmp_path / "out", 1, **flags))
+    assert done.returncode == 0, done.stderr
+    meta = json.loads(next((tmp_path / "out" / "meta_info").iterdir()).read_text())
+    assert meta["record_count"] == 1 and meta["value_width"] == 1022 * 4
+
+
+@pytest.mark.slow
+def test_a_file_outside_a_save_is_not_repeated_in_the_error(tmp_path: Path) -> None:
+    """-input_path naming some other file (a donefile's typo): refused without its text."""
+    other = tmp_path / "credentials.txt"
+    other.write_text("user=admin password=hunter2\n")
+    done = run_builder(*build_args(other, tmp_path / "out", 1, **CTR_FLAGS))
+    assert done.returncode == 1 and f"error: {other} line 1: field 1 (key)" in done.stderr
+    assert "hunter2" not in done.stderr and "admin" not in done.stderr, done.stderr
