@@ -38,7 +38,7 @@ from cube.protocol import (
     parse_work,
     pick_deploy_path,
 )
-from cube.security import token_middleware
+from cube.security import TokenLike, token_middleware
 
 log = logging.getLogger("cube.agent")
 
@@ -93,7 +93,7 @@ def _agent_for(request: web.Request, requested: str) -> Agent:
     return agents[pick_deploy_path(requested, list(agents))]
 
 
-def make_app(agents: Agent | Sequence[Agent], token: str = "") -> web.Application:
+def make_app(agents: Agent | Sequence[Agent], token: TokenLike = "") -> web.Application:
     """The API of one agent process: `agents`, one per instance (--deploy_path, --instances)."""
 
     @web.middleware

@@ -18,7 +18,7 @@ import grpc.aio
 
 from cube.pb import cube_pb2, cube_pb2_grpc
 from cube.protocol import SERVER_UNREACHABLE
-from cube.security import bearer_metadata
+from cube.security import TokenLike, bearer_metadata
 
 STATUS_RUNNING = 0
 STATUS_LOADING = 1
@@ -76,10 +76,10 @@ class ServerStatus:
 class ServerControl:
     """One channel to the server's control port, opened lazily and reused."""
 
-    def __init__(self, address: str, timeout: float = 10.0, token: str = "") -> None:
+    def __init__(self, address: str, timeout: float = 10.0, token: TokenLike = "") -> None:
         self.address = address
         self.timeout = timeout
-        self.metadata = bearer_metadata(token)
+        self.token = token  # a Token file's is read again when it changes: per call
         self._channel: grpc.aio.Channel | None = None
         self._stub: cube_pb2_grpc.ControlServiceStub | None = None
 
@@ -101,7 +101,7 @@ class ServerControl:
         what = f"{cmd} {version or version_path}".strip()
         try:
             resp = await self._get_stub().cmd(
-                request, timeout=timeout or self.timeout, metadata=self.metadata
+                request, timeout=timeout or self.timeout, metadata=bearer_metadata(self.token)
             )
         except grpc.aio.AioRpcError as exc:
             code, details = exc.code(), exc.details() or ""

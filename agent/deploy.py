@@ -74,6 +74,7 @@ from cube.protocol import (
     Work,
     check_name,
 )
+from cube.security import TokenLike
 from cube.shard import Shard
 
 log = logging.getLogger("cube.agent")
@@ -84,7 +85,7 @@ DONE_MARKER = ".download_done"
 class AgentConfig:
     deploy_path: Path
     server: str = "127.0.0.1:9000"  # the server's control port
-    server_token: str = ""  # its --control_token
+    server_token: TokenLike = ""  # its --control_token
     keep: int = 2
     fetch: FetchPolicy = field(default_factory=FetchPolicy)
     reload_timeout: float = 1800.0  # one background load on the server

@@ -4,10 +4,12 @@ One agent may serve several instances, as the original's did: `--instances
 DIR=HOST:PORT,...` adds instances (their deploy path and their server's control address) to
 the one of --deploy_path and --server; requests name theirs by `deploy_path`.
 
-Binds 127.0.0.1 unless --host says otherwise; with a token (--token or env CUBE_TOKEN) every
-request must authenticate, and beyond loopback a token is required (or --insecure). The API is
-served over TLS with --tls_cert/--tls_key. Prints one line `cube-agent listening on
-http(s)://HOST:PORT` once bound (`-P 0` picks a free port), then serves until SIGTERM/SIGINT.
+Binds 127.0.0.1 unless --host says otherwise; with a token (--token, --token_file or env
+CUBE_TOKEN) every request must authenticate, and beyond loopback a token is required (or
+--insecure). The API is served over TLS with --tls_cert/--tls_key. Token files and TLS files
+are read again when they change (cube.security: new requests and connections use them).
+Prints one line `cube-agent listening on http(s)://HOST:PORT` once bound (`-P 0` picks a free
+port), then serves until SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
@@ -35,7 +37,14 @@ from cube.agent.metrics import AgentCounters
 from cube.flags import FlagError, FlagSet, flag, run_cli
 from cube.listen import address, listen_socket
 from cube.logs import LOG_FORMATS, announce, setup_logging
-from cube.security import TLSFiles, is_loopback, require_token, server_context, token_from
+from cube.security import (
+    TLSFiles,
+    TokenLike,
+    is_loopback,
+    require_token,
+    server_context,
+    token_of,
+)
 
 log = logging.getLogger("cube.agent")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -102,7 +111,17 @@ class AgentFlags:
         "token of the server's control port (its --control_token) (default: env"
         " CUBE_CONTROL_TOKEN)",
     )
+    server_token_file: str = flag(
+        "",
+        "file holding --server_token (the first line; read again when it changes), instead of"
+        " the flag",
+    )
     token: str = flag("", "require 'Authorization: Bearer <token>' (default: env CUBE_TOKEN)")
+    token_file: str = flag(
+        "",
+        "file holding --token, one token a line (each is accepted; read again when it"
+        " changes), instead of the flag",
+    )
     insecure: bool = flag(
         False, "allow --host beyond loopback without a token (anyone reaching it can deploy)"
     )
@@ -224,10 +243,11 @@ def config_from_flags(flags: AgentFlags) -> AgentConfig:
         require_token(
             "cube-agent",
             flags.host,
-            token_from(flags.token, "CUBE_TOKEN"),
+            token_of(flags.token, flags.token_file, "CUBE_TOKEN"),
             flags.insecure,
-            "--token (or env CUBE_TOKEN)",
+            "--token or --token_file (or env CUBE_TOKEN)",
         )
+        server_token = token_of(flags.server_token, flags.server_token_file, "CUBE_CONTROL_TOKEN")
         TLSFiles(flags.tls_cert, flags.tls_key, flags.tls_ca).check()
     except ValueError as exc:
         raise FlagError(str(exc)) from None
@@ -243,7 +263,7 @@ def config_from_flags(flags: AgentFlags) -> AgentConfig:
     return AgentConfig(
         deploy_path=Path(flags.deploy_path).absolute(),
         server=flags.server,
-        server_token=token_from(flags.server_token, "CUBE_CONTROL_TOKEN"),
+        server_token=server_token,
         keep=flags.keep,
         fetch=policy,
         reload_timeout=flags.reload_timeout,
@@ -282,7 +302,7 @@ async def serve(
     configs: Sequence[AgentConfig],
     host: str,
     port: int,
-    token: str,
+    token: TokenLike,
     tls: TLSFiles | None = None,
     metrics: tuple[str, int] | None = None,
 ) -> int:
@@ -353,7 +373,7 @@ def _main(argv: Sequence[str]) -> int:
     for name in ("fsspec", "s3fs", "botocore", "aiobotocore"):  # their INFO/DEBUG: not ours
         logging.getLogger(name).setLevel(logging.WARNING)
     log.setLevel(level)  # DEBUG is for the agent, not for grpc's and asyncio's internals
-    token = token_from(flags.token, "CUBE_TOKEN")
+    token = token_of(flags.token, flags.token_file, "CUBE_TOKEN")  # (checked: config_from_flags)
     if not token and not is_loopback(flags.host):
         log.warning("listening on %s without a token (--insecure): anyone reaching it can"
                     " deploy", flags.host)  # fmt: skip

@@ -116,8 +116,9 @@ def test_render_config_keeps_every_field(tmp_path: Path) -> None:
     )  # fmt: skip
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     for name in defaults:
-        # download_address goes with download_mode http or ftp, not s3: checked below
-        skipped = ("instances", "extra", "download_address")
+        # download_address goes with download_mode http or ftp, not s3, and the token files
+        # replace the tokens: checked below
+        skipped = ("instances", "extra", "download_address", "agent_token_file", "api_token_file")
         if name not in skipped and defaults[name] is not dataclasses.MISSING:
             assert getattr(changed, name) != defaults[name], f"test {name} with a non-default"
     assert parse_config(render_config(changed), "r.conf", tmp_path) == changed
@@ -125,6 +126,11 @@ def test_render_config_keeps_every_field(tmp_path: Path) -> None:
     assert parse_config(render_config(external), "r.conf", tmp_path) == external
     with pytest.raises(ConfigError, match="api_token: a token with whitespace"):
         render_config(dataclasses.replace(cfg, api_token="two words"))
+    files = dataclasses.replace(cfg, agent_token_file="/s/agent", api_token_file="/s/api")
+    assert parse_config(render_config(files), "r.conf", tmp_path) == files
+    both = render_config(dataclasses.replace(files, api_token="api-s3cret"))
+    with pytest.raises(ConfigError, match="api_token and api_token_file: give one"):
+        parse_config(both, "r.conf", tmp_path)
 
 
 def test_config_shrink_guard_keys(tmp_path: Path) -> None:

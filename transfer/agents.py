@@ -28,6 +28,7 @@ from cube.protocol import (
     Work,
     read_envelope,
 )
+from cube.security import Token, TokenLike, TrustedCA
 from cube.transfer.config import Instance
 
 log = logging.getLogger("cube.transfer.agents")
@@ -62,28 +63,34 @@ class Outcome:
 
 
 class AgentClient:
-    """HTTP calls to agents: `https` when they serve TLS (the transfer's agent_tls_ca, the
-    session's connector trusting it), with the agent token as a bearer header."""
+    """HTTP calls to agents: `https` when they serve TLS (trusting `trust`, the transfer's
+    agent_tls_ca, as the file is when a request starts: new connections verify against a
+    renewed bundle), with the agent token as a bearer header (a token file's as it is now)."""
 
     def __init__(
         self,
         session: aiohttp.ClientSession,
-        token: str = "",
+        token: TokenLike = "",
         request_timeout: float = 10.0,
         scheme: str = "http",
+        trust: TrustedCA | None = None,
     ) -> None:
         self.session = session
-        self.token = token
+        self.token = token if isinstance(token, Token) else Token(token)
         self.request_timeout = request_timeout
         self.scheme = scheme
+        self.trust = trust
 
     async def _request(self, inst: Instance, method: str, path: str, body: Any = None) -> Any:
         url = f"{self.scheme}://{inst.agent_address}{path}"
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        token = self.token.value
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
         timeout = aiohttp.ClientTimeout(total=self.request_timeout)
+        # the session pools connections by context: a renewed bundle's makes new ones
+        ssl = self.trust.context() if self.trust is not None else True
         try:
             async with self.session.request(
-                method, url, json=body, headers=headers, timeout=timeout
+                method, url, json=body, headers=headers, timeout=timeout, ssl=ssl
             ) as resp:
                 raw = bytearray()
                 async for chunk in resp.content.iter_chunked(1 << 16):

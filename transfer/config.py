@@ -21,6 +21,9 @@ Keys we add to [default] (all optional; default in brackets):
 - `api_token` [env CUBE_API_TOKEN]: when set, every request to the query API must carry it
   (header `Authorization: Bearer <token>`, or a `token` field in a POST body), reads included.
   A `listen` address beyond loopback without it refuses to start unless `insecure: true`.
+- `agent_token_file`, `api_token_file` [none]: the same tokens from a file (one a line: the
+  first is sent, each is accepted), read again when it changes (`cube.security.Token`);
+  instead of the key (both: refused) or its environment variable.
 - `insecure` [false]: allow the API beyond loopback without `api_token`.
 - `tls_cert`, `tls_key` [none]: PEM files; the query API and the http file server speak TLS
   (agents are then sent https:// sources and need the CA: cube-agent --tls_ca).
@@ -81,6 +84,7 @@ from cube import remote
 from cube.backoff import Backoff
 from cube.donefile import DONEFILE_FORMATS, DonefileFormat
 from cube.routing import PARTITIONERS
+from cube.security import Token
 from cube.transfer.build import TRANSFER_SET_FLAGS
 from cube.transfer.donefile import address_problem
 from cube.transfer.state import RetryPolicy
@@ -104,7 +108,8 @@ DEFAULT_KEYS = frozenset({
     "output_address", "tmp_address", "shard_num", "copy_num", "transfer_address",
     "deploy_path", "listen", "quorum", "phase_timeout", "download_timeout", "reload_timeout",
     "enable_timeout", "build_timeout", "fetch_timeout", "retries", "partitioner",
-    "agent_token", "api_token", "verify_output", "history_limit", "max_shrink",
+    "agent_token", "api_token", "agent_token_file", "api_token_file", "verify_output",
+    "history_limit", "max_shrink",
     "allow_empty_base", "insecure", "tls_cert", "tls_key", "agent_tls_ca", "upload_address",
     "builder_flags", "mirror_input", "download_address", "variable_width", "version_retries",
     "version_retry_backoff", "source_format",
@@ -164,6 +169,8 @@ class TransferConfig:
     partitioner: str = "mod"
     agent_token: str = ""
     api_token: str = ""
+    agent_token_file: str = ""  # instead of agent_token: re-read when it changes
+    api_token_file: str = ""
     insecure: bool = False
     tls_cert: str = ""
     tls_key: str = ""
@@ -181,6 +188,15 @@ class TransferConfig:
         """How a failed version is tried again (version_retries, version_retry_backoff)."""
         backoff = self.version_retry_backoff
         return RetryPolicy(self.version_retries, Backoff(backoff, max(600.0, backoff)))
+
+    def agent_token_source(self) -> Token:
+        """The agents' token (agent_token, or agent_token_file followed as it changes);
+        SecurityError when the file cannot be read."""
+        return Token(self.agent_token, self.agent_token_file)
+
+    def api_token_source(self) -> Token:
+        """The query API's token (api_token, or api_token_file followed as it changes)."""
+        return Token(self.api_token, self.api_token_file)
 
     @property
     def serves_files(self) -> bool:
@@ -384,8 +400,7 @@ def parse_config(
         version_retries=d.integer("version_retries", 8, low=0, high=1000),
         version_retry_backoff=d.positive("version_retry_backoff", 30.0),
         partitioner=d.choice("partitioner", PARTITIONERS, "mod"),
-        agent_token=d.text("agent_token", os.environ.get("CUBE_TOKEN", "")),
-        api_token=d.text("api_token", os.environ.get("CUBE_API_TOKEN", "")),
+        **_tokens(d),
         insecure=d.flag("insecure", False),
         tls_cert=d.text("tls_cert", ""),
         tls_key=d.text("tls_key", ""),
@@ -526,6 +541,18 @@ def _host_port(value: str, where: str) -> tuple[str, int]:
     return match.group(1), int(match.group(2))
 
 
+def _tokens(d: _Default) -> dict[str, str]:
+    """agent_token and api_token (else their environment variables), or their `_file`s (a
+    token and its file: refused)."""
+    found = {}
+    for key, env in (("agent_token", "CUBE_TOKEN"), ("api_token", "CUBE_API_TOKEN")):
+        path = found[f"{key}_file"] = d.text(f"{key}_file", "")
+        if path and d.text(key, ""):
+            raise ConfigError(f"{d.where(key)}: {key} and {key}_file: give one")
+        found[key] = "" if path else d.text(key, os.environ.get(env, ""))
+    return found
+
+
 def load_config(path: str | os.PathLike[str]) -> TransferConfig:
     path = Path(path)
     try:
@@ -660,7 +687,8 @@ def render_config(cfg: TransferConfig) -> str:
     lines.append(f"source_format: {cfg.source_format}")
     if cfg.builder_flags:
         lines.append(f"builder_flags: {shlex.join(cfg.builder_flags)}")
-    for key in ("tls_cert", "tls_key", "agent_tls_ca", "upload_address", "download_address"):
+    for key in ("tls_cert", "tls_key", "agent_tls_ca", "upload_address", "download_address",
+                "agent_token_file", "api_token_file"):  # fmt: skip
         if getattr(cfg, key):
             lines.append(f"{key}: {getattr(cfg, key)}")
     for key, token in (("agent_token", cfg.agent_token), ("api_token", cfg.api_token)):

@@ -311,7 +311,7 @@ class _Api:
 def build_api(service: TransferService) -> web.Application:
     api = _Api(service)
     check_token = token_middleware(
-        service.cfg.api_token,
+        service.cfg.api_token_source(),
         lambda: _error("unauthorized: send 'Authorization: Bearer <token>' (api_token)", 401),
         public=lambda request: request.method == "GET" and request.path in PAGE_FILES,
     )

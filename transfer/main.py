@@ -140,12 +140,13 @@ def run(argv: Sequence[str]) -> int:
         require_token(
             "cube-transfer's API",
             cfg.listen,
-            cfg.api_token,
+            cfg.api_token_source(),
             cfg.insecure,
-            f"api_token in {flags.config} (or env CUBE_API_TOKEN)",
+            f"api_token or api_token_file in {flags.config} (or env CUBE_API_TOKEN)",
             f"set insecure: true in {flags.config}",
         )
         TLSFiles(cfg.tls_cert, cfg.tls_key, cfg.agent_tls_ca).check("tls_cert/tls_key")
+        cfg.agent_token_source()  # a token file that cannot be read: said now
         for key in ("donefile_address", "upload_address"):
             try:  # s3fs present for an s3:// address: said now, not at the first poll
                 remote.require(getattr(cfg, key))

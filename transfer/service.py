@@ -30,7 +30,7 @@ import aiohttp
 
 from cube.donefile import parse_line, split_complete_lines
 from cube.protocol import CORRUPT_VERSION
-from cube.security import client_context
+from cube.security import TrustedCA
 from cube.transfer import build as builds
 from cube.transfer.agents import AgentClient, AgentRefused, AgentUnreachable, Outcome, run_phase
 from cube.transfer.build_runner import BuildFailed, BuildRunner
@@ -105,10 +105,12 @@ class TransferService:
             self.state.instances.setdefault(inst.name, InstanceState())
         self.builder.reap_orphan()
         ca = self.cfg.agent_tls_ca
-        connector = aiohttp.TCPConnector(ssl=client_context(ca)) if ca else None
-        self._session = aiohttp.ClientSession(connector=connector)
+        self._session = aiohttp.ClientSession()
         self.client = AgentClient(
-            self._session, self.cfg.agent_token, scheme="https" if ca else "http"
+            self._session,
+            self.cfg.agent_token_source(),
+            scheme="https" if ca else "http",
+            trust=TrustedCA(ca) if ca else None,  # followed as it is renewed
         )
         self.reconciler = Reconciler(
             self.cfg, self.client, self.journal, self.dead_timeout, self.catch_up_backoff

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import socket
 import time
 from typing import Any
@@ -22,6 +23,7 @@ from cube.client._transport import (
     CHANNEL_OPTIONS,
     CONFIG_MISMATCH,
     LANE_RECHECK_S,
+    RETIRED_CHANNEL_S,
     ClientTLS,
     ContactCheck,
     _lane_address,
@@ -250,6 +252,8 @@ class AioChannels:
         self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._callables: dict[str, grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]] = {}
+        self._tls_generation = 0  # of the CA bundle the channels were made with
+        self._retired: dict[grpc.aio.Channel, asyncio.Task[None]] = {}  # closing gracefully
         self._use_lanes = lanes
         self._on_contact = on_contact
         self._lanes: dict[str, AioLane | None] = {}  # None: no lane (until _recheck)
@@ -259,6 +263,8 @@ class AioChannels:
         self._closed = False
 
     def _callable(self, address: str) -> grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]:
+        if self._tls is not None and self._tls.generation != self._tls_generation:
+            self._renew_channels()
         call = self._callables.get(address)
         if call is None:
             if self._closed:
@@ -267,6 +273,22 @@ class AioChannels:
             self._channels[address] = channel
             call = self._callables[address] = channel.unary_unary(self._method)
         return call
+
+    def _renew_channels(self) -> None:
+        """The CA bundle changed: calls from now on get new channels (their connections trust
+        the new bundle); the old ones close once their calls in flight are done (at most
+        RETIRED_CHANNEL_S later: grpc.aio's graceful close)."""
+        assert self._tls is not None
+        self._tls_generation = self._tls.generation
+        for channel in self._channels.values():
+            task = asyncio.ensure_future(channel.close(grace=RETIRED_CHANNEL_S))
+            self._retired[channel] = task
+            task.add_done_callback(functools.partial(self._closed_retired, channel))
+        self._channels.clear()
+        self._callables.clear()
+
+    def _closed_retired(self, channel: grpc.aio.Channel, _: asyncio.Task[None]) -> None:
+        self._retired.pop(channel, None)
 
     def lane(self, address: str) -> AioLane | None:
         """The endpoint's lane when it has a live one now (else `start` finds the way)."""
@@ -382,12 +404,12 @@ class AioChannels:
         for lane in self._lanes.values():
             if lane is not None:
                 lane.close()
-        channels = list(self._channels.values())
+        channels = [*self._channels.values(), *self._retired]
         self._channels.clear()
         self._callables.clear()
         self._lanes.clear()
         for channel in channels:
-            await channel.close()
+            await channel.close()  # (a retired one's graceful close returns with it)
 
 
 def _failed_future(code: str, message: str) -> asyncio.Future[Any]:

@@ -192,7 +192,7 @@ class ClientBase(Generic[T]):
         self._tls = None if tls_ca is None else ClientTLS(tls_ca, tls_server_name)
         if self._tls is not None:
             try:
-                self._tls.context  # noqa: B018 - read the CA file now: errors name it
+                self._tls.trust  # noqa: B018 - read the CA file now: errors name it
             except SecurityError as exc:
                 raise ConfError(str(exc)) from None
         self._injected: T | None = None if isinstance(transport, str) else transport

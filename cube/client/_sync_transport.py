@@ -25,6 +25,7 @@ from cube.client._transport import (
     CHANNEL_OPTIONS,
     CONFIG_MISMATCH,
     LANE_RECHECK_S,
+    RETIRED_CHANNEL_S,
     ClientTLS,
     ContactCheck,
     _lane_address,
@@ -385,6 +386,8 @@ class SyncChannels:
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._callables: dict[str, grpc.UnaryUnaryMultiCallable[bytes, bytes]] = {}
+        self._tls_generation = 0  # of the CA bundle the channels were made with
+        self._retired: list[tuple[float, grpc.Channel]] = []  # (when, channel): closed later
         self._use_lanes = lanes
         self._on_contact = on_contact
         self._lanes: dict[str, SyncLane | None] = {}  # None: no lane (until _recheck)
@@ -393,6 +396,8 @@ class SyncChannels:
         self._closed = False
 
     def _callable(self, address: str) -> grpc.UnaryUnaryMultiCallable[bytes, bytes]:
+        if self._tls is not None and self._tls.generation != self._tls_generation:
+            self._renew_channels()
         call = self._callables.get(address)
         if call is None:
             with self._lock:
@@ -405,6 +410,26 @@ class SyncChannels:
                     call = channel.unary_unary(self._method)
                     self._callables[address] = call
         return call
+
+    def _renew_channels(self) -> None:
+        """The CA bundle changed: calls from now on get new channels (their connections trust
+        the new bundle); the old ones finish their calls in flight and are closed
+        RETIRED_CHANNEL_S later (at a later renewal, or at close())."""
+        assert self._tls is not None
+        now = time.monotonic()
+        with self._lock:
+            generation = self._tls.generation
+            if generation == self._tls_generation:
+                return
+            self._tls_generation = generation
+            old = now - RETIRED_CHANNEL_S
+            closing = [channel for when, channel in self._retired if when < old]
+            self._retired = [(when, channel) for when, channel in self._retired if when >= old]
+            self._retired += [(now, channel) for channel in self._channels.values()]
+            self._channels.clear()
+            self._callables.clear()
+        for channel in closing:
+            channel.close()
 
     def call(
         self, address: str, request: bytes, timeout_s: float, handle: CallHandle | None = None
@@ -511,8 +536,9 @@ class SyncChannels:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            channels = list(self._channels.values())
+            channels = [*self._channels.values(), *(channel for _, channel in self._retired)]
             lanes = [lane for lane in self._lanes.values() if lane is not None]
+            self._retired.clear()
             self._channels.clear()
             self._callables.clear()
             self._lanes.clear()

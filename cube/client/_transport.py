@@ -22,7 +22,7 @@ import numpy as np
 
 from cube.client.errors import TransportError
 from cube.routing import ShardRouting
-from cube.security import client_context, grpc_channel_credentials
+from cube.security import TrustedCA
 from cube.wire import (
     ANSWER_HEADER,
     MAX_BATCH_METADATA,
@@ -145,20 +145,37 @@ def _no_check(address: str, contact: Contact) -> str | None:
     return None
 
 
+# A gRPC channel made with a CA bundle since replaced is closed this long after it stopped
+# taking calls (calls in flight on it finish first).
+RETIRED_CHANNEL_S = 60.0
+
+
 @dataclass(frozen=True)
 class ClientTLS:
     """TLS to the servers (their --tls_cert): trust `ca` (a PEM bundle; "" for the system's
-    CAs) and expect certificates for `server_name` (default: each address's host)."""
+    CAs) and expect certificates for `server_name` (default: each address's host). The bundle
+    is read again when the file changes (`TrustedCA`, a stat at most once a second): new lane
+    connections use it at once; gRPC channels keep the credentials they were made with, so the
+    transports open new ones when `generation` moves on."""
 
     ca: str = ""
     server_name: str = ""
 
     @cached_property
+    def trust(self) -> TrustedCA:
+        return TrustedCA(self.ca)
+
+    @property
     def context(self) -> ssl.SSLContext:
-        return client_context(self.ca)
+        return self.trust.context()
+
+    @property
+    def generation(self) -> int:
+        """Counts the bundle's changes (0: as first read)."""
+        return self.trust.generation
 
     def credentials(self) -> grpc.ChannelCredentials:
-        return grpc_channel_credentials(self.ca)
+        return self.trust.credentials()
 
     def options(self) -> tuple[tuple[str, str], ...]:
         return (("grpc.ssl_target_name_override", self.server_name),) if self.server_name else ()

@@ -52,7 +52,7 @@ import grpc
 
 from cube.idle import Waiting
 from cube.pb.baidu_std_pb2 import RpcMeta
-from cube.security import bearer_token, control_refusal
+from cube.security import TokenLike, bearer_token, control_refusal
 from cube.server.bounds import BoundedProtocol, Bounds
 from cube.server.control import ControlError, ControlRunner
 from cube.server.original import (
@@ -215,7 +215,7 @@ class BaiduStdServer:
         control: ControlRunner,
         *,
         host: str,
-        token: str,
+        token: TokenLike,
         insecure: bool,
         bounds: Bounds,
         max_frame: int,

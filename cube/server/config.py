@@ -10,7 +10,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from cube.listen import raise_open_files
-from cube.security import TLSFiles, token_from
+from cube.security import TLSFiles, Token, token_of
 from cube.server.bounds import LaneLimits
 
 if TYPE_CHECKING:
@@ -23,9 +23,10 @@ log = logging.getLogger("cube.server")
 FILES_BESIDES_CONNECTIONS = 512
 
 
-def control_token(flags: ServerFlags) -> str:
-    """--control_token, else $CUBE_CONTROL_TOKEN ("" for none)."""
-    return token_from(flags.control_token, "CUBE_CONTROL_TOKEN")
+def control_token(flags: ServerFlags) -> Token:
+    """--control_token, else --control_token_file (read again when it changes), else
+    $CUBE_CONTROL_TOKEN (false: none). SecurityError for a file that cannot be read."""
+    return token_of(flags.control_token, flags.control_token_file, "CUBE_CONTROL_TOKEN")
 
 
 def tls_files(flags: ServerFlags) -> TLSFiles:

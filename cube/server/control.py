@@ -36,7 +36,13 @@ from typing import Any
 import grpc
 
 from cube.pb import cube_pb2
-from cube.security import AUTH_METADATA, bearer_metadata, bearer_token, control_refusal
+from cube.security import (
+    AUTH_METADATA,
+    TokenLike,
+    bearer_metadata,
+    bearer_token,
+    control_refusal,
+)
 from cube.server.service import SeekService, warm_version
 from cube.server.versions import (
     LoadedVersion,
@@ -200,13 +206,13 @@ class RemoteWorker:
     """Another worker process, reached on its control port over loopback gRPC."""
 
     def __init__(
-        self, index: int, port: int, address: str, timeout: float, token: str = ""
+        self, index: int, port: int, address: str, timeout: float, token: TokenLike = ""
     ) -> None:
         self.index = index
         self.port = port
         self.address = address
         self.timeout = timeout
-        self.metadata = bearer_metadata(token)
+        self.token = token  # a token file's is read again when it changes: per call
         self._channel: grpc.aio.Channel | None = None
 
     # A peer on loopback that is not up yet (starting, or restarted by the supervisor) is up
@@ -231,7 +237,7 @@ class RemoteWorker:
             raw = await self._call()(  # waits for a peer still starting, within the timeout
                 request,
                 timeout=timeout or self.timeout,
-                metadata=self.metadata,
+                metadata=bearer_metadata(self.token),
                 wait_for_ready=True,
             )
         except grpc.aio.AioRpcError as exc:
@@ -475,7 +481,7 @@ class TokenCheck(grpc.aio.ServerInterceptor):
 
     OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
-    def __init__(self, token: str, host: str = "127.0.0.1", insecure: bool = False) -> None:
+    def __init__(self, token: TokenLike, host: str = "127.0.0.1", insecure: bool = False) -> None:
         self.token = token
         self.host = host
         self.insecure = insecure
@@ -515,12 +521,12 @@ class ControlRunner:
         coordinator: Coordinator | None,
         forward_address: str | None,
         timeout: float,
-        token: str = "",
+        token: TokenLike = "",
     ) -> None:
         self.coordinator = coordinator
         self.forward_address = forward_address
         self.timeout = timeout
-        self.metadata = bearer_metadata(token)
+        self.token = token  # a token file's is read again when it changes: per call
         self._channel: grpc.aio.Channel | None = None
         self._running: set[asyncio.Future[cube_pb2.ControlResponse]] = set()
 
@@ -531,7 +537,8 @@ class ControlRunner:
             self._channel = grpc.aio.insecure_channel(self.forward_address)
         call: Any = self._channel.unary_unary(CONTROL_CMD)
         try:
-            return bytes(await call(raw, timeout=self.timeout, metadata=self.metadata))
+            metadata = bearer_metadata(self.token)
+            return bytes(await call(raw, timeout=self.timeout, metadata=metadata))
         except grpc.aio.AioRpcError as exc:
             raise ControlError(exc.code(), exc.details() or "") from exc
 

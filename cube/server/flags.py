@@ -51,6 +51,11 @@ class ServerFlags:
         "require 'authorization: Bearer <token>' on the control port (default: env"
         " CUBE_CONTROL_TOKEN)",
     )
+    control_token_file: str = flag(
+        "",
+        "file holding --control_token, one token a line (each is accepted; read again when it"
+        " changes), instead of the flag",
+    )
     insecure: bool = flag(
         False,
         "allow a control port beyond loopback without a token (anyone reaching it can load,"

@@ -50,7 +50,7 @@ import grpc
 from aiohttp import web
 
 from cube.idle import Waiting
-from cube.security import bearer_token, control_refusal
+from cube.security import TokenLike, bearer_token, control_refusal
 from cube.server.bounds import Bounds
 from cube.server.control import ControlError, ControlRunner
 from cube.server.original import (
@@ -229,7 +229,7 @@ class HttpFace:
         control: ControlRunner,
         *,
         host: str,
-        token: str,
+        token: TokenLike,
         insecure: bool,
         max_body: int,
         bounds: Bounds,

@@ -99,7 +99,7 @@ def check_flags(flags: ServerFlags) -> None:
             flags.control_host,
             control_token(flags),
             flags.insecure,
-            "--control_token (or env CUBE_CONTROL_TOKEN)",
+            "--control_token or --control_token_file (or env CUBE_CONTROL_TOKEN)",
         )
         tls_files(flags).check()
     except SecurityError as exc:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from cube.flags import FlagError
 from cube.listen import ListenError
+from cube.security import TokenLike
 from cube.server.bounds import Bounds
 from cube.server.control import ControlRunner
 from cube.server.service import SeekService
@@ -95,7 +96,7 @@ async def start_faces(
     index: int,
     service: SeekService,
     control: ControlRunner,
-    token: str,
+    token: TokenLike,
     max_message: int,
     bounds: Bounds,
     ssl_context: ssl.SSLContext | None,

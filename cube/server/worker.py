@@ -25,7 +25,7 @@ from cube import kernel
 from cube.fsutil import atomic_write_json
 from cube.listen import GRPC_OPTIONS, ListenError, address, grpc_listen
 from cube.metrics import MetricsEndpoint
-from cube.security import grpc_server_credentials, server_context
+from cube.security import ServerTLS
 from cube.server.bounds import Bounds
 from cube.server.config import control_token, lane_limits, max_message, tls_files
 from cube.server.control import (
@@ -62,6 +62,7 @@ from cube.server.versions import (
 if TYPE_CHECKING:
     from cube.server.flags import ServerFlags
 
+LIVENESS_SERVICE = "cube.Liveness"  # the health name the kubelet's liveness probe asks
 log = logging.getLogger("cube.server")
 FILE_CHECK_S = 1.0  # how often mapped files are checked besides the leases' signals
 CONTROL_GRACE_S = 1.0  # what in-flight control calls get when the worker stops
@@ -116,6 +117,7 @@ class Worker:
         )  # fmt: skip
         self.token = control_token(flags)
         self.tls = tls_files(flags)
+        self.server_tls: ServerTLS | None = None  # the certificate followed as it is renewed
         self.health = health.aio.HealthServicer()
         self.coordinator: Coordinator | None = None
         self.grpc_servers: list[Any] = []
@@ -149,6 +151,9 @@ class Worker:
             await self._load_startup_version()
             self.slots.listeners.append(self._on_slots_changed)
             await self._publish_health()  # before the ports answer
+            # alive: SERVING whatever the version, answered by the event loop (the liveness
+            # probe's: a loop that is stuck answers nothing)
+            await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
             for server in self.grpc_servers:
                 await server.start()
             gc.collect()  # start-up objects never become garbage: keep the cyclic GC from
@@ -206,7 +211,7 @@ class Worker:
         limits = lane_limits(flags)
         bounds = Bounds(limits)  # one budget for the lane's and the faces' connections
         self.service.lane_stats = bounds.stats
-        ssl_context = server_context(self.tls) if self.tls.serves else None
+        ssl_context = self.server_tls.context() if self.server_tls is not None else None
         if flags.tcp_lane:
             lane = Lane(self.service, limits, busy_poll_s=flags.busy_poll_us / 1e6, bounds=bounds)
             self.service.lane_port = await self._bound(
@@ -265,14 +270,18 @@ class Worker:
             await control.stop(CONTROL_GRACE_S)
 
         self._stack.push_async_callback(stop_grpc)
-        credentials = grpc_server_credentials(self.tls) if self.tls.serves else None
+        # TLS: one certificate for every port (new handshakes get it renewed); gRPC credentials
+        # of their own per port
+        tls = self.server_tls = ServerTLS(self.tls) if self.tls.serves else None
         try:
             what = self.plan.lookup_flag
+            credentials = tls.grpc_credentials() if tls is not None else None
             self.ports[index] = grpc_listen(
                 server, flags.host, self.ports[index], what, credentials
             )
             self._listening.append(address(flags.host, self.ports[index]))
             if shared is not None:
+                credentials = tls.grpc_credentials() if tls is not None else None
                 grpc_listen(
                     shared, flags.host, flags.port, "--port, --reuseport", credentials, shared=True
                 )
