@@ -25,7 +25,9 @@ from aiohttp.typedefs import Handler
 from cube import protocol
 from cube.agent import __version__
 from cube.agent.deploy import Agent
+from cube.agent.peers import MANIFEST_PATH, TAR_PATH
 from cube.agent.tasks import Task, TaskBusy
+from cube.layout import is_name
 from cube.protocol import (
     ERROR,
     FAILED,
@@ -42,7 +44,9 @@ from cube.security import TokenLike, token_middleware
 
 log = logging.getLogger("cube.agent")
 
-API_LIST = ["GET /agent/status", "POST /agent/cmd"]
+API_LIST = ["GET /agent/status", "POST /agent/cmd", "GET /healthz", "GET /agent/peer/manifest",
+            "GET /agent/peer/tar/{version}/{name}"]  # fmt: skip
+HEALTH_PATH = "/healthz"  # no token: the kubelet's liveness probe (answered by the event loop)
 MAX_BODY = 1 << 20  # a command is a few hundred bytes
 AGENTS_KEY = web.AppKey("agents", dict[Path, Agent])
 
@@ -124,12 +128,20 @@ def make_app(agents: Agent | Sequence[Agent], token: TokenLike = "") -> web.Appl
         )
         return envelope(ERROR, message, status=401)
 
-    check_token = token_middleware(token, unauthorized, json_body=_json_body)
+    check_token = token_middleware(
+        token,
+        unauthorized,
+        public=lambda request: request.method == "GET" and request.path == HEALTH_PATH,
+        json_body=_json_body,
+    )
     app = web.Application(middlewares=[guard, check_token], client_max_size=MAX_BODY)
     listed = [agents] if isinstance(agents, Agent) else list(agents)
     app[AGENTS_KEY] = {agent.layout.deploy_path: agent for agent in listed}
     app.router.add_get("/agent/status", handle_status)
     app.router.add_post("/agent/cmd", handle_cmd)
+    app.router.add_get(HEALTH_PATH, handle_health)
+    app.router.add_get(MANIFEST_PATH, handle_peer_manifest)
+    app.router.add_get(TAR_PATH + "/{version}/{name}", handle_peer_tar)
     return app
 
 
@@ -159,6 +171,30 @@ async def handle_status(request: web.Request) -> web.Response:
         return envelope(OK, "", await _agent_for(request, requested).status_json())
     statuses = [await agent.status_json() for agent in agents.values()]
     return envelope(OK, "", {"status": "RUNNING", "version": __version__, "instances": statuses})
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    """Alive: the event loop answers (no token; says nothing about versions or the server)."""
+    return envelope(OK, "alive", {"status": "RUNNING"})
+
+
+async def handle_peer_manifest(request: web.Request) -> web.Response:
+    """What a recovering replica of this shard may take from here (agent/peers.py)."""
+    agent = _agent_for(request, request.query.get("deploy_path", ""))
+    return envelope(OK, "", await agent.peer_manifest())
+
+
+async def handle_peer_tar(request: web.Request) -> web.StreamResponse:
+    """A verified tar of the chain this replica serves, to a peer (ranges: it resumes)."""
+    agent = _agent_for(request, request.query.get("deploy_path", ""))
+    version, name = request.match_info["version"], request.match_info["name"]
+    if not (is_name(version) and is_name(name)):
+        raise BadRequest("version and tar name must be names")
+    tar = agent.peer_tar(version, name)
+    if tar is None:
+        message = f"no verified tar {name} of {version} in the chain served here"
+        return envelope(ERROR, message, status=404)
+    return web.FileResponse(tar, headers={"Content-Type": "application/x-tar"})
 
 
 async def handle_cmd(request: web.Request) -> web.Response:

@@ -93,6 +93,9 @@ class AgentConfig:
     status_timeout: float = 2.0  # the server probe inside GET /agent/status
     md5_from_source: bool = False  # a download without md5 fetches <source>.md5 (the original)
     sync_reply_timeout: float = 110.0  # the original transfer's commands: reply when done
+    # downloads from peer agents (agent/peers.py): their sources (--peers) and the token sent
+    peer_fetch: FetchPolicy | None = None
+    peer_token: Callable[[], str] = lambda: ""
     disk_limit: int = 0  # bytes the deploy path may hold (an emptyDir's sizeLimit); 0: its fs
 
 
@@ -127,6 +130,8 @@ class Agent:
             on_end=self._task_ended,
         )
         self.counters = counters or AgentCounters()  # shared by the instances of one process
+        self.last_command: float | None = None  # monotonic time of the last command received
+        self.recovery_status: Callable[[], dict[str, Any]] | None = None  # (agent/peers.py)
 
     def _task_ended(self, task: Task) -> None:
         finished = task.finished_at if task.finished_at is not None else task.started_at  # set
@@ -185,6 +190,7 @@ class Agent:
         self.lock.release()
 
     async def submit(self, work: Work) -> Task:
+        self.last_command = time.monotonic()  # the transfer is at work: recovery waits
         if work.command == "download":
             self.check_download(work)
             if work.mode == "delta" and not work.chain:
@@ -249,6 +255,7 @@ class Agent:
             "server": server,
             "versions": placed_versions(self.layout),
             "tasks": [t.to_json() for t in self.tasks.all()],
+            **({"recovery": self.recovery_status()} if self.recovery_status else {}),
         }
 
     async def _still_done(self, task: Task, request: dict[str, Any]) -> bool:
@@ -306,6 +313,10 @@ class Agent:
             "mode": req.get("mode") or "base",
             "chain": req.get("chain") or [version],
             "files": files,
+            # where the verified tar stays (served to peers that recover: agent/peers.py)
+            "tar": str(tar.relative_to(self.layout.deploy_path)),
+            "shard_seq": req.get("shard_seq") or 0,
+            "dict_name": req.get("dict_name") or "",
         }
         self.journal.save_versions(self.versions)
         phase("placed")
@@ -351,16 +362,22 @@ class Agent:
 
         have = part.stat().st_size if part.exists() else 0
         phase("download", bytes=have, total=size)
+        policy, token = self.config.fetch, ""
+        if task.request.get("peer"):  # set by agent/peers.py only (not a field of the API's)
+            if self.config.peer_fetch is None:
+                raise TaskFailed("a download from a peer, and no --peers")
+            policy, token = self.config.peer_fetch, self.config.peer_token()
         cap = None if size is not None else (have + self.disk_space()[1]) // 2
         fetching = time.monotonic()
         got = await fetch_file(
             source,
             part,
             size=size,
-            policy=self.config.fetch,
+            policy=policy,
             progress=progress,
             cap=cap,  # without a size, room for the tar and its extraction bounds it
             cap_why="half the free disk space; send size",
+            token=token,
         )
         self.counters.step("fetch", time.monotonic() - fetching)
         self.counters.downloaded_bytes += max(0, got - have)
@@ -453,6 +470,62 @@ class Agent:
 
     def _next_seq(self) -> int:
         return 1 + max((int(v.get("seq", 0)) for v in self.versions.values()), default=0)
+
+    # ---------------------------------------------------------------- peers
+
+    async def peer_manifest(self) -> dict[str, Any]:
+        """What a recovering peer may take from here (agent/peers.py): the version data/VERSION
+        names (written only by a switch the transfer ordered), each layer of its chain with the
+        md5 and size its tar had when the transfer sent it, and whether the server serves it.
+        A layer whose verified tar is gone ends the list (the peer then asks another)."""
+        current = read_version_file(self.layout)
+        layers: list[dict[str, Any]] = []
+        for version in read_chain(self.layout, current) if current else []:
+            info, tar = self.versions.get(version), self.peer_tar(version)
+            if info is None or tar is None:
+                break
+            layers.append({
+                "version": version, "md5": info["md5"], "size": info["size"],
+                "mode": info.get("mode") or "base", "tar": tar.name,
+                "shard_seq": int(info.get("shard_seq") or 0),
+                "dict_name": str(info.get("dict_name") or ""),
+            })  # fmt: skip
+        st, _ = await self.server_status()
+        return {"current": current, "layers": layers, "serving": bool(st and st.cur_version
+                == current and current)}  # fmt: skip
+
+    def peer_tar(self, version: str, name: str = "") -> Path | None:
+        """The verified tar of `version` kept in cube_data/ (its marker's md5 and size are the
+        placed version's), when `version` is in the chain data/VERSION names (only committed
+        versions are served) and, given `name`, it is the tar's name; else None."""
+        current = read_version_file(self.layout)
+        info = self.versions.get(version)
+        if not current or info is None or version not in read_chain(self.layout, current):
+            return None
+        for tar in self._kept_tars(version, info):
+            inside = tar.resolve().is_relative_to(self.layout.downloads_dir.resolve())
+            if not inside or not tar.is_file() or (name and tar.name != name):
+                continue
+            try:
+                marker = json.loads((tar.parent / DONE_MARKER).read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            same = marker.get("md5") == info.get("md5") and marker.get("size") == info.get("size")
+            if same and tar.stat().st_size == info.get("size"):
+                return tar
+        return None
+
+    def _kept_tars(self, version: str, info: dict[str, Any]) -> list[Path]:
+        """Where `version`'s tar may be: as its placement recorded, or (placed by an agent
+        that did not record it) any file beside a download marker of that version."""
+        if info.get("tar"):
+            return [self.layout.deploy_path / str(info["tar"])]
+        found = []
+        for marker in self.layout.downloads_dir.glob(f"*/{version}/{DONE_MARKER}"):
+            for name in os.listdir(marker.parent):
+                if not name.startswith(".") and not name.endswith((".part", ".md5")):
+                    found.append(marker.parent / name)
+        return found
 
     # ---------------------------------------------------------------- server commands
 

@@ -395,6 +395,7 @@ class _Attempt:
     progress: ProgressFn
     where: str  # the source as messages show it
     deadline: float | None = None  # time.monotonic() the whole fetch must end by
+    token: str = ""  # sent as a bearer token (a peer agent's API); no redirect is followed
 
 
 class _PartWriter:
@@ -445,6 +446,8 @@ async def _http_once(target: Target, at: _Attempt) -> int | None:
     headers = {"Accept-Encoding": "identity"}
     if at.offset:
         headers["Range"] = f"bytes={at.offset}-"
+    if at.token:
+        headers["Authorization"] = f"Bearer {at.token}"
     url = target.url
     connector = aiohttp.TCPConnector(ssl=client_context(policy.tls_ca))
     async with aiohttp.ClientSession(
@@ -455,6 +458,8 @@ async def _http_once(target: Target, at: _Attempt) -> int | None:
                 yarl.URL(url, encoded=True), headers=headers, allow_redirects=False
             ) as resp:
                 if resp.status in _REDIRECTS:
+                    if at.token:  # a peer agent never redirects: its token goes nowhere else
+                        raise FetchError(f"{at.where}: a redirect from a peer", retryable=False)
                     url = _redirect_target(url, resp.headers.get("Location"), at)
                     continue
                 return await _http_body(resp, at)
@@ -621,16 +626,18 @@ async def fetch_file(
     progress: ProgressFn = lambda done, total: None,
     cap: int | None = None,
     cap_why: str = "",
+    token: str = "",
 ) -> int:
     """Download `source` into `part`, resuming what is already there; returns the byte count.
 
     The result is complete as far as the source is concerned (its announced size, and `size`
     when given: more is refused as soon as it arrives; `cap` bounds a fetch of unknown size,
     `cap_why` says why in the error);
-    the caller checks the md5. On a failure resuming cannot cure, `part` is deleted.
+    the caller checks the md5. On a failure resuming cannot cure, `part` is deleted. A `token`
+    (an http(s) peer agent's) is sent as a bearer token, and then no redirect is followed.
     """
     try:
-        return await _fetch(source, part, _Bound(size, cap, cap_why), policy, progress)
+        return await _fetch(source, part, _Bound(size, cap, cap_why), policy, progress, token)
     except FetchError as exc:
         if not exc.keep_part:
             part.unlink(missing_ok=True)
@@ -648,9 +655,16 @@ def _retryable(error: Exception) -> bool:
 
 
 async def _fetch(
-    source: str, part: Path, bound: _Bound, policy: FetchPolicy, progress: ProgressFn
+    source: str,
+    part: Path,
+    bound: _Bound,
+    policy: FetchPolicy,
+    progress: ProgressFn,
+    token: str = "",
 ) -> int:
     target = check_source(source, policy.sources)
+    if token and target.kind != "http":
+        raise SourceRefused("source: a token is sent to http(s) peers only")
     where = remote.redact(source)
     part.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + policy.timeout
@@ -663,7 +677,7 @@ async def _fetch(
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError
-        at = _Attempt(part, offset, bound, policy, progress, where, deadline)
+        at = _Attempt(part, offset, bound, policy, progress, where, deadline, token)
         async with asyncio.timeout(remaining):
             if target.kind == "http":
                 total = await _http_once(target, at)

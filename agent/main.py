@@ -15,6 +15,7 @@ port), then serves until SIGTERM/SIGINT.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import re
@@ -31,9 +32,10 @@ from cube import remote
 from cube.agent import __version__
 from cube.agent.api import make_app
 from cube.agent.deploy import Agent, AgentConfig
-from cube.agent.fetch import FetchPolicy, SourcePolicy
+from cube.agent.fetch import FetchPolicy, Prefix, SourcePolicy
 from cube.agent.layout import DeployPathTaken, overlap
 from cube.agent.metrics import AgentCounters
+from cube.agent.peers import TAR_PATH, PeerConfig, PeerRecovery, token_text
 from cube.flags import FlagError, FlagSet, flag, run_cli
 from cube.listen import address, listen_socket
 from cube.logs import LOG_FORMATS, announce, setup_logging
@@ -170,6 +172,24 @@ class AgentFlags:
     )
     allow_file_sources: bool = flag(False, "allow file:// and local path sources anywhere")
     md5_from_source: bool = flag(False, "a download without md5 fetches <source>.md5")
+    peers: str = flag(
+        "",
+        "the agents of the other replicas of this shard, comma-separated HOST:PORT (this one's"
+        " own name may be listed: skipped): an agent that starts with no version gets the"
+        " version they serve from them, md5-checked, when the transfer does not (agent/peers.py)",
+        metavar="HOST:PORT,...",
+    )
+    peer_wait: float = flag(
+        30.0,
+        "seconds a recovery from --peers leaves to the transfer first, while --transfer_address"
+        " answers or after a command of the transfer",
+    )
+    transfer_address: str = flag(
+        "",
+        "HOST:PORT of the transfer (e.g. its file server): while it accepts connections, a"
+        " recovery from --peers waits --peer_wait s for the transfer first",
+        metavar="HOST:PORT",
+    )
 
 
 def flag_set() -> FlagSet[AgentFlags]:
@@ -274,6 +294,35 @@ def config_from_flags(flags: AgentFlags) -> AgentConfig:
     )
 
 
+def peer_config(flags: AgentFlags, token: object) -> PeerConfig | None:
+    """--peers and what goes with it (None without --peers); FlagError for a bad entry."""
+    peers = tuple(p.strip() for p in flags.peers.split(",") if p.strip())
+    if not peers:
+        return None
+    if flags.instances:
+        raise FlagError("--peers: one instance only (not with --instances)")
+    for entry in (*peers, *([flags.transfer_address] if flags.transfer_address else [])):
+        host, colon, port = entry.rpartition(":")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise FlagError(f"--peers/--transfer_address: {entry!r} is not HOST:PORT")
+    if flags.peer_wait < 0:
+        raise FlagError("--peer_wait: must not be negative")
+    return PeerConfig(
+        peers=peers,
+        token=lambda: token_text(token),
+        scheme="https" if flags.tls_cert else "http",
+        tls_ca=flags.tls_ca,
+        peer_wait=flags.peer_wait,
+        transfer_address=flags.transfer_address,
+    )
+
+
+def peer_policy(peers: PeerConfig, fetch: FetchPolicy) -> FetchPolicy:
+    """The download policy of tars from peers: only their tar route, bounded as the rest."""
+    prefixes = tuple(Prefix.parse(f"{peers.scheme}://{p}{TAR_PATH}") for p in peers.peers)
+    return dataclasses.replace(fetch, sources=SourcePolicy(prefixes))
+
+
 def combined_snapshot(agents: Sequence[Agent]) -> Callable[[], Coroutine[Any, Any, dict[str, Any]]]:
     """The metrics of every instance of the process: the shared counters, the other figures
     summed."""
@@ -305,6 +354,7 @@ async def serve(
     token: TokenLike,
     tls: TLSFiles | None = None,
     metrics: tuple[str, int] | None = None,
+    peers: PeerConfig | None = None,
 ) -> int:
     counters = AgentCounters()
     agents = [Agent(config, counters=counters) for config in configs]
@@ -334,6 +384,7 @@ async def serve(
             await metrics_server.close()
         raise
     runner = web.AppRunner(make_app(agents, token), access_log=None)
+    recovering: asyncio.Task[None] | None = None
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -354,8 +405,16 @@ async def serve(
             "; ".join(f"deploy_path {c.deploy_path}, server {c.server}" for c in configs),
             "on" if token else "OFF",
         )
+        if peers is not None and peers.peers:
+            recovery = PeerRecovery(agents[0], peers)
+            agents[0].recovery_status = recovery.state.to_json
+            recovering = asyncio.create_task(recovery.run(), name="recovery from peers")
         await stop.wait()
     finally:
+        if recovering is not None:
+            recovering.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await recovering
         await runner.cleanup()
         for agent in agents:
             await agent.close()
@@ -380,7 +439,12 @@ def _main(argv: Sequence[str]) -> int:
     tls = TLSFiles(flags.tls_cert, flags.tls_key)
     try:
         metrics = (flags.metrics_host, flags.metrics_port) if flags.metrics_port >= 0 else None
-        return asyncio.run(serve(configs, flags.host, flags.port, token, tls, metrics))
+        peers = peer_config(flags, token)
+        if peers is not None:
+            configs[0] = dataclasses.replace(
+                configs[0], peer_fetch=peer_policy(peers, configs[0].fetch), peer_token=peers.token
+            )
+        return asyncio.run(serve(configs, flags.host, flags.port, token, tls, metrics, peers))
     except DeployPathTaken as exc:
         log.error("cube-agent: %s", exc)
         return 1
