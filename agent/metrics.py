@@ -25,6 +25,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from cube.metrics import Histogram, cumulative_buckets
+from cube.protocol import CORRUPT_VERSION, NO_SPACE, SERVER_UNREACHABLE
 
 COMMANDS = ("download", "reload", "enable", "rollback")
 STEPS = ("fetch", "verify", "extract")
@@ -32,9 +33,19 @@ STEPS = ("fetch", "verify", "extract")
 SECONDS_BUCKETS = (0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0)
 
 
+# the failure reasons a program reacts to (cube.protocol), and none: their series exist from
+# the start at 0, so that the first failure is an increase (a counter that appears at 1 is not)
+REASONS = ("", SERVER_UNREACHABLE, CORRUPT_VERSION, NO_SPACE)
+
+
 class AgentCounters:
     def __init__(self) -> None:
-        self.tasks: dict[tuple[str, str, str], int] = {}  # (command, outcome, reason) -> ended
+        self.tasks: dict[tuple[str, str, str], int] = {  # (command, outcome, reason) -> ended
+            (command, outcome, reason): 0
+            for command in COMMANDS
+            for outcome, reasons in (("succeeded", ("",)), ("failed", REASONS))
+            for reason in reasons
+        }
         self.durations = {command: Histogram(SECONDS_BUCKETS) for command in COMMANDS}
         self.steps = {step: Histogram(SECONDS_BUCKETS) for step in STEPS}
         self.downloaded_bytes = 0

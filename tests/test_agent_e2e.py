@@ -572,6 +572,9 @@ def test_metrics_count_tasks_steps_and_bytes(env: Env) -> None:
     for command in ("download", "reload", "enable"):
         assert get("cube_agent_tasks_total", command=command, **ok) == 1
     assert get("cube_agent_tasks_total", command="download", outcome="failed", reason="") == 1
+    # the reasons a program reacts to are there from the start: a first failure is an increase
+    assert get("cube_agent_tasks_total", command="download", outcome="failed",
+               reason="no_space") == 0  # fmt: skip
     size = (env.files / "b.tar").stat().st_size
     assert get("cube_agent_downloaded_bytes_total") == 2 * size  # the failed one was fetched too
     assert get("cube_agent_download_step_duration_seconds_count", step="fetch") == 2

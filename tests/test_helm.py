@@ -1,6 +1,7 @@
 """The Helm chart (deploy/helm/cube) and the image (deploy/docker/Dockerfile), offline: helm
-lint, renders of six configurations (defaults; 3 x 2 with tokens; names at Kubernetes' limits;
-TLS; an S3 donefile; every option set, in deploy/helm/cube/ci) validated against the Kubernetes
+lint, renders of seven configurations (defaults; 3 x 2 with tokens; names at Kubernetes' limits;
+TLS; an S3 donefile; clients and Prometheus in other namespaces; every option set, in
+deploy/helm/cube/ci) validated against the Kubernetes
 1.27-1.32 schemas (kubernetes-validate) and a policy linter (checkov), hadolint on the
 Dockerfile, and asserts on what the API server would not catch: names and labels past 63
 characters, selectors that miss the pods, a PDB with both bounds, ports the NetworkPolicy
@@ -95,6 +96,7 @@ CONFIGS = {
     "long-names": Config(LONGEST_RELEASE, CI / "long-names-values.yaml"),
     "tls": Config("t", CI / "tls-values.yaml"),
     "s3": Config("t", CI / "s3-values.yaml"),
+    "cross-namespace": Config("t", CI / "cross-namespace-values.yaml", operator_apis=True),
     "full": Config("t", CI / "full-values.yaml", operator_apis=True),
 }
 
@@ -429,7 +431,9 @@ def test_probes_ports_and_network_policy(rendered: Rendered) -> None:
         {p["port"] for p in r["ports"]}
     )  # fmt: skip
     assert any(
-        peer["podSelector"].get("matchLabels", {}).items() <= test_pod["metadata"]["labels"].items()
+        set(peer) == {"podSelector"}  # of the release's namespace
+        and peer["podSelector"].get("matchLabels", {}).items()
+        <= test_pod["metadata"]["labels"].items()
         for peer in lookup_rule["from"]
     )
     agent_port = values["agent"]["port"]
@@ -455,12 +459,14 @@ def test_egress_is_only_what_each_component_needs(renders: dict[str, Rendered]) 
             )
             assert [p["port"] for p in files["ports"]] == [values["transfer"]["filePort"]]
             assert extra == egress["shards"]
-        limited = egress["enabled"] and bool(egress["transfer"])
+        limited = egress["enabled"] and bool(egress["transfer"] or egress["sources"])
         assert ("Egress" in transfer["policyTypes"]) == limited  # else open: unknown servers
         if limited:
             dns, agents, *extra = transfer["egress"]
             assert [p["port"] for p in agents["ports"]] == [values["agent"]["port"]]
-            assert extra == egress["transfer"]
+            rules = len(egress["transfer"])
+            assert extra[:rules] == egress["transfer"]
+            assert extra[rules:] == [source_rule(s) for s in egress["sources"]]
 
 
 def test_every_container_runs_a_command_line_our_commands_take(
@@ -881,6 +887,27 @@ def test_notes_say_how_to_reach_publish_and_watch(tmp_path: Path) -> None:
     assert "https://127.0.0.1:8099/" in text and "/etc/cube-tls/ca.crt" in text
 
 
+def test_notes_say_who_may_connect_and_how_to_admit_other_namespaces(tmp_path: Path) -> None:
+    """Issue 35 item 2: NOTES.txt says whom the NetworkPolicies admit and shows the common
+    cases (clients in another namespace with a copy of cube.conf, Prometheus in
+    `monitoring`, the transfer's egress)."""
+    text = notes(tmp_path)
+    for expected in ("lookups (ports 8000, 8100): any pod of ml", "metrics: any pod of ml",
+                     "kubernetes.io/metadata.name: serving", "--from-file=cube.conf",
+                     "kubernetes.io/metadata.name: monitoring",
+                     "The transfer's egress is open", "agents on 9101",
+                     "the transfer on 9100"):  # fmt: skip
+        assert expected in text, expected
+    text = notes(tmp_path / "x", "--values", str(CI / "cross-namespace-values.yaml"),
+                 *OPERATOR_APIS)  # fmt: skip
+    for expected in ("no pod of ml but the helm test's, and the 2 peer(s) of networkPolicy.clients",
+                     "metrics: no pod of ml, and networkPolicy.prometheus",
+                     "ServiceMonitors t-cube-shard-* and t-cube-transfer",
+                     "the chart's README, \"Alerts\""):  # fmt: skip
+        assert expected in text, expected
+    assert "egress is open" not in text
+
+
 def test_dockerfile_lints_and_pins_the_project_version() -> None:
     dockerfile = REPO / "deploy" / "docker" / "Dockerfile"
     for path in (dockerfile, REPO / "examples" / "ctr" / "k8s" / "Dockerfile"):
@@ -900,36 +927,68 @@ def test_dockerfile_lints_and_pins_the_project_version() -> None:
     assert chart["appVersion"] == version
 
 
-def test_metrics_port_annotations_and_service_monitor() -> None:
+def scraped(docs: list[dict[str, Any]]) -> dict[str, set[int]]:
+    """command -> the container ports a Prometheus scrapes through the ServiceMonitors: each
+    endpoint's Service port, its targetPort by name in the containers of the pods the Service
+    selects (asserted to be there)."""
+    services = named(docs, "Service")
+    pods = [d for d in of_kind(docs, "StatefulSet")]
+    found: dict[str, set[int]] = {}
+    for monitor in of_kind(docs, "ServiceMonitor"):
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        (service,) = [s for s in services.values()
+                      if selector.items() <= s["metadata"]["labels"].items()]  # fmt: skip
+        chosen = [p for p in pods if service["spec"]["selector"].items()
+                  <= p["spec"]["template"]["metadata"]["labels"].items()]  # fmt: skip
+        assert chosen, monitor["metadata"]["name"]
+        ports = {p["name"]: p for p in service["spec"]["ports"]}
+        for endpoint in monitor["spec"]["endpoints"]:
+            target = ports[endpoint["port"]]["targetPort"]
+            assert endpoint["path"] == "/metrics"
+            for workload in chosen:
+                (container,) = [c for c in pod_spec(workload)["containers"]
+                                if target in {p["name"] for p in c.get("ports", [])}]  # fmt: skip
+                port = next(p["containerPort"] for p in container["ports"] if p["name"] == target)
+                found.setdefault(container["command"][0], set()).add(port)
+    return found
+
+
+def test_every_process_exports_metrics_where_monitors_and_policies_look() -> None:
+    """Issue 35 item 1: the server, the agent beside it and the transfer each serve /metrics
+    (--metrics_port on every interface), declare the port, and are scraped: by the
+    ServiceMonitors (a shard's: servers and agents; the transfer's), by annotations (the
+    server's and the transfer's pods: one port a pod), through the NetworkPolicies."""
     docs = objects(render())
     assert of_kind(docs, "ServiceMonitor") == []  # no Prometheus Operator API: none
-    policy = next(
-        d for d in of_kind(docs, "NetworkPolicy") if d["metadata"]["name"].endswith("-shards")
-    )
-    open_ports = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    policies = named(docs, "NetworkPolicy")
+    open_ports = {
+        name.rsplit("-", 1)[1]: {p["port"] for rule in policy["spec"]["ingress"]
+                                 for p in rule["ports"]}
+        for name, policy in policies.items()
+    }  # fmt: skip
+    ports = {"cube-server": 9100, "cube-agent": 9101, "cube-transfer": 9100}
     for doc, container in containers(docs):
-        if container["name"] != "cube-server":
+        command = container.get("command", [""])[0]
+        if command not in ports:
             continue
-        declared = {p["name"]: p["containerPort"] for p in container["ports"]}
-        assert int(arg(container, "metrics_port")) == declared["metrics"] in open_ports
-        annotations = doc["spec"]["template"]["metadata"]["annotations"]
-        assert annotations["prometheus.io/port"] == str(declared["metrics"])
-    docs = objects(
-        render("--set", "metrics.serviceMonitor.enabled=true",
-               "--api-versions", "monitoring.coreos.com/v1/ServiceMonitor")
-    )  # fmt: skip
-    monitors = of_kind(docs, "ServiceMonitor")
-    services = {d["metadata"]["name"]: d for d in of_kind(docs, "Service")}
-    assert len(monitors) == 2
-    for monitor in monitors:
-        service = services[monitor["metadata"]["name"]]
-        assert (
-            monitor["spec"]["selector"]["matchLabels"].items()
-            <= service["metadata"]["labels"].items()
-        )
-        assert monitor["spec"]["endpoints"][0]["port"] in {
-            p["name"] for p in service["spec"]["ports"]
-        }
+        declared = {p["containerPort"]: p["name"] for p in container["ports"]}
+        port = int(arg(container, "metrics_port"))
+        assert port == ports[command] and port in declared, command
+        assert arg(container, "metrics_host") == "0.0.0.0"
+        assert port in open_ports["transfer" if command == "cube-transfer" else "shards"]
+        if command != "cube-agent":
+            annotations = doc["spec"]["template"]["metadata"]["annotations"]
+            assert annotations["prometheus.io/port"] == str(port), command
+    args = ("--set", "metrics.serviceMonitor.enabled=true",
+            "--api-versions", "monitoring.coreos.com/v1/ServiceMonitor")  # fmt: skip
+    docs = objects(render(*args))
+    assert len(of_kind(docs, "ServiceMonitor")) == 3  # two shards, the transfer
+    assert scraped(docs) == {command: {port} for command, port in ports.items()}
+    moved = objects(render(*args, "--set", "agent.metricsPort=9500",
+                           "--set", "transfer.metricsPort=9600"))  # fmt: skip
+    assert scraped(moved) == {"cube-server": {9100}, "cube-agent": {9500}, "cube-transfer": {9600}}
+    with pytest.raises(AssertionError, match=r"agent\.metricsPort 8001 is another port"):
+        render("--set", "agent.metricsPort=8001")
 
 
 def test_ctr_example_runs_its_predictor_beside_the_chart(tmp_path: Path) -> None:
@@ -981,3 +1040,155 @@ def test_ctr_example_runs_its_predictor_beside_the_chart(tmp_path: Path) -> None
     assert values["transfer"]["donefile"]["address"].startswith(mount + "/")
     service = of_kind(mine, "Service")[0]
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+
+
+# ---------------------------------------------------------------------------------------------
+# who may connect (issue 35 item 2) and the alerts' knobs (item 1)
+
+
+def source_rule(source: dict[str, Any]) -> dict[str, Any]:
+    """The egress rule a networkPolicy.egress.sources entry stands for."""
+    if "cidr" in source:
+        peer: dict[str, Any] = {"ipBlock": {"cidr": source["cidr"]}}
+        if source.get("except"):
+            peer["ipBlock"]["except"] = source["except"]
+    else:
+        peer = {k: source[k] for k in ("namespaceSelector", "podSelector") if k in source}
+    return {"to": [peer], "ports": [{"protocol": "TCP", "port": p} for p in source["ports"]]}
+
+
+def ingress_by_port(docs: list[dict[str, Any]], policy: str) -> dict[int, list[dict[str, Any]]]:
+    """port -> the peers the policy `<fullname>-<policy>` admits to it."""
+    spec = named(docs, "NetworkPolicy")[f"t-cube-{policy}"]["spec"]
+    peers: dict[int, list[dict[str, Any]]] = {}
+    for rule in spec["ingress"]:
+        for port in rule["ports"]:
+            peers.setdefault(port["port"], []).extend(rule["from"])
+    return peers
+
+
+SERVING = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "serving"}},
+           "podSelector": {"matchLabels": {"app": "predictor"}}}  # fmt: skip
+MONITORING = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+              "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}  # fmt: skip
+HELM_TEST = {"podSelector": {"matchLabels": {
+    "app.kubernetes.io/name": "cube", "app.kubernetes.io/instance": "t",
+    "app.kubernetes.io/component": "client"}}}  # fmt: skip
+
+
+def test_network_policies_admit_clients_and_prometheus_of_other_namespaces() -> None:
+    """Each case of the values, rendered, admits exactly whom it says: by default any pod of
+    the release's namespace (lookups and every metrics port); `clients` and `prometheus` add
+    peers of other namespaces (a namespaceSelector and a podSelector in one peer: both must
+    match); null selectors leave the namespace's pods out (the `helm test` pod always may look
+    up); `extraIngress` adds whole rules."""
+    anyone = {"podSelector": {}}
+    docs = objects(render())
+    shards, transfer = ingress_by_port(docs, "shards"), ingress_by_port(docs, "transfer")
+    assert shards[8000] == shards[8100] == [anyone, HELM_TEST]
+    assert shards[9100] == shards[9101] == transfer[9100] == [anyone]
+    given = {"networkPolicy.clients": [SERVING], "networkPolicy.prometheus": MONITORING}
+    docs = objects(render(*set_json(given)))
+    shards, transfer = ingress_by_port(docs, "shards"), ingress_by_port(docs, "transfer")
+    assert shards[8000] == shards[8100] == [anyone, SERVING, HELM_TEST]
+    assert shards[9100] == shards[9101] == transfer[9100] == [anyone, MONITORING]
+    only = {**given, "networkPolicy.clientPodSelector": None, "metrics.scraperPodSelector": None}
+    docs = objects(render(*set_json(only)))
+    shards, transfer = ingress_by_port(docs, "shards"), ingress_by_port(docs, "transfer")
+    assert shards[8000] == [SERVING, HELM_TEST]
+    assert shards[9100] == shards[9101] == transfer[9100] == [MONITORING]
+    assert transfer[8099] == [anyone]  # the API: networkPolicy.apiPodSelector, as before
+    nobody = {"metrics.scraperPodSelector": None}  # no scraper at all: no metrics rule
+    shards = ingress_by_port(objects(render(*set_json(nobody))), "shards")
+    assert 9100 not in shards and 9101 not in shards
+    to_port = [{"protocol": "TCP", "port": 8000}]
+    extra = {
+        "networkPolicy.extraIngress.shards": [
+            {"from": [{"ipBlock": {"cidr": "10.1.0.0/16"}}], "ports": to_port}
+        ],
+        "networkPolicy.extraIngress.transfer": [
+            {"from": [MONITORING], "ports": [{"protocol": "TCP", "port": 8099}]}
+        ],
+    }
+    docs = objects(render(*set_json(extra)))
+    shards, transfer = ingress_by_port(docs, "shards"), ingress_by_port(docs, "transfer")
+    assert {"ipBlock": {"cidr": "10.1.0.0/16"}} in shards[8000] and MONITORING in transfer[8099]
+    done = helm("template", "t", str(CHART), "--set-json", 'networkPolicy.prometheus={"port": 1}')
+    assert done.returncode != 0 and "networkPolicy.prometheus" in done.stderr
+
+
+def test_egress_to_object_stores_and_webhdfs_by_address() -> None:
+    """`networkPolicy.egress.sources` limits the transfer's egress to the addresses it reads
+    donefiles and inputs from: a CIDR (with exceptions) and its ports, or the pods of a
+    namespace; a source with both, or without ports, is refused."""
+    sources = [
+        {"cidr": "10.20.0.0/16", "except": ["10.20.9.0/24"], "ports": [443]},
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "hadoop"}},
+         "ports": [9870, 9864]},
+    ]  # fmt: skip
+    docs = objects(render(*set_json({"networkPolicy.egress.sources": sources})))
+    spec = named(docs, "NetworkPolicy")["t-cube-transfer"]["spec"]
+    assert "Egress" in spec["policyTypes"]
+    assert spec["egress"][2:] == [source_rule(s) for s in sources]
+    assert spec["egress"][2]["to"] == [
+        {"ipBlock": {"cidr": "10.20.0.0/16", "except": ["10.20.9.0/24"]}}
+    ]
+    off = objects(render(*set_json({"networkPolicy.egress.sources": sources,
+                                    "networkPolicy.egress.enabled": False})))  # fmt: skip
+    assert "Egress" not in named(off, "NetworkPolicy")["t-cube-transfer"]["spec"]["policyTypes"]
+    for bad, complaint in (
+        ({"cidr": "10.0.0.0/8", "podSelector": {}, "ports": [1]}, "a cidr and selectors"),
+        ({"cidr": "10.0.0.0/8"}, "ports"),
+        ({"ports": [443]}, "networkPolicy.egress.sources"),
+        ({"cidr": "somewhere", "ports": [443]}, "cidr"),
+    ):
+        done = helm("template", "t", str(CHART), *set_json({"networkPolicy.egress.sources": [bad]}))
+        assert done.returncode != 0 and complaint in done.stderr, (bad, done.stderr)
+
+
+def rendered_rules(*args: str) -> dict[str, dict[str, Any]]:
+    """alert name -> its rule in the rendered PrometheusRule."""
+    docs = objects(render("--set", "metrics.prometheusRule.enabled=true", *OPERATOR_APIS, *args))
+    (rule,) = of_kind(docs, "PrometheusRule")
+    return {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
+
+
+def test_each_alert_takes_its_for_threshold_and_labels_from_the_values() -> None:
+    """Issue 35 item 1: `metrics.prometheusRule.alerts.<name>` sets an alert's `for`, its
+    threshold (the number its expr ends with), more labels, or leaves it out; the rest stay
+    as alerts.yml has them (one source). The schema names exactly the file's alerts."""
+    source = yaml.safe_load((CHART / "files" / "alerts.yml").read_text())
+    original = {r["alert"]: r for group in source["groups"] for r in group["rules"]}
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    alerts = schema["properties"]["metrics"]["properties"]["prometheusRule"]["properties"]
+    assert alerts["alerts"]["propertyNames"]["enum"] == list(original)
+    overrides = {
+        "CubeLookupP99High": {"for": "1m", "threshold": 0.002, "labels": {"severity": "page"}},
+        "CubeNoNewVersion": {"threshold": 43200},
+        "CubeAgentDiskFull": {"threshold": 0.25},
+        "CubeReplicaNotServing": {"for": "30s"},
+        "CubeRolloutStuck": {"enabled": False},
+    }
+    rules = rendered_rules(*set_json({"metrics.prometheusRule.alerts": overrides}))
+    assert rules["CubeLookupP99High"]["for"] == "1m"
+    assert rules["CubeLookupP99High"]["expr"].endswith(") > 0.002")
+    assert rules["CubeLookupP99High"]["labels"] == {"severity": "page"}
+    assert rules["CubeNoNewVersion"]["expr"] == (
+        "time() - (cube_transfer_live_since_timestamp_seconds > 0) > 43200"
+    )
+    assert rules["CubeNoNewVersion"]["for"] == original["CubeNoNewVersion"]["for"]
+    assert rules["CubeAgentDiskFull"]["expr"].endswith(" < 0.25")
+    assert rules["CubeReplicaNotServing"]["for"] == "30s"
+    assert "CubeRolloutStuck" not in rules
+    untouched = set(original) - set(overrides)
+    assert {name: rules[name] for name in untouched} == {name: original[name] for name in untouched}
+    for settings, complaint in (
+        ({"CubeReplicaBehind": {"threshold": 2}}, "this alert has none"),
+        ({"CubeNope": {"for": "1m"}}, "CubeNope"),
+        ({"CubeLookupErrors": {"for": "soon"}}, "for"),
+        ({"CubeLookupErrors": {"threshold": "1"}}, "threshold"),
+    ):
+        done = helm("template", "t", str(CHART), *OPERATOR_APIS,
+                    *set_json({"metrics.prometheusRule.enabled": True,
+                               "metrics.prometheusRule.alerts": settings}))  # fmt: skip
+        assert done.returncode != 0 and complaint in done.stderr, (settings, done.stderr)

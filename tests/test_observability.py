@@ -164,6 +164,33 @@ def test_promtool_checks_the_rules_and_every_dashboard_query(tmp_path: Path) -> 
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def alert_names() -> list[str]:
+    rules = yaml.safe_load(ALERTS.read_text())
+    return [rule["alert"] for group in rules["groups"] for rule in group["rules"]]
+
+
+def test_every_alert_has_a_rule_test_firing_and_one_not() -> None:
+    """tests/prometheus/alerts_test.yml has, for each alert of alerts.yml, an evaluation where
+    it fires and one where it does not (and names no alert the file lacks)."""
+    cases: dict[str, set[bool]] = {}
+    for test in yaml.safe_load(RULE_TESTS.read_text())["tests"]:
+        for case in test.get("alert_rule_test", []):
+            cases.setdefault(case["alertname"], set()).add(bool(case["exp_alerts"]))
+    names = alert_names()
+    assert len(names) == len(set(names)), "an alert name is used twice"
+    untested = [name for name in names if cases.get(name) != {True, False}]
+    assert not untested, f"alerts_test.yml lacks firing and not firing cases of {untested}"
+    assert set(cases) <= set(names), sorted(set(cases) - set(names))
+
+
+def test_every_alert_has_a_runbook_line() -> None:
+    """The chart's README says, for each alert, what it means and what to do."""
+    readme = (REPO / "deploy" / "helm" / "cube" / "README.md").read_text()
+    section = readme.split("\n## Alerts\n", 1)[1]
+    rows = re.findall(r"^\| `(Cube\w+)` \|", section, flags=re.MULTILINE)
+    assert rows == alert_names()
+
+
 @needs_promtool
 def test_alerts_fire_on_the_series_they_watch() -> None:
     done = promtool("test", "rules", str(RULE_TESTS), cwd=RULE_TESTS.parent)

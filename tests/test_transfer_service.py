@@ -1234,9 +1234,11 @@ def test_metrics_follow_the_rollouts(tmp_path: Path) -> None:
             for phase in ("build", "download", "reload", "enable"):
                 count = get(samples, "cube_transfer_phase_duration_seconds_count", phase=phase)
                 assert count == 2, phase
-            for name in ("0_0", "0_1"):
-                assert get(samples, "cube_transfer_instance_behind", instance=name) == 0
-                assert get(samples, "cube_transfer_instance_reachable", instance=name) == 1
+            for replica in ("0", "1"):  # instances 0_0 and 0_1
+                assert get(samples, "cube_transfer_instance_behind", shard="0",
+                           replica=replica) == 0  # fmt: skip
+                assert get(samples, "cube_transfer_instance_reachable", shard="0",
+                           replica=replica) == 1  # fmt: skip
             assert (get(samples, "cube_transfer_last_success_timestamp_seconds") or 0) > 0
             assert get(samples, "cube_transfer_rollout_started_timestamp_seconds") == 0
             h.service.state.deployment = Deployment(

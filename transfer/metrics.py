@@ -5,8 +5,8 @@ and whether it is behind, and donefile poll errors.
 
 `RolloutCounters` is updated by the service as rollouts end (plain counters, monotonic for the
 life of the process); `TransferCollector` reads a snapshot taken on the event loop at scrape
-time. Labels are bounded: the dict, an outcome, a phase, an instance name from transfer.conf,
-an instance status; a version appears only in `cube_transfer_live_version_info`.
+time. Labels are bounded: the dict, an outcome, a phase, a replica's shard and replica number
+from transfer.conf, an instance status; a version appears only in `cube_transfer_live_version_info`.
 """
 
 from __future__ import annotations
@@ -169,32 +169,35 @@ def _retry_families(s: dict[str, Any]) -> tuple[Metric, ...]:
 
 
 def _instance_families(s: dict[str, Any]) -> tuple[Metric, ...]:
-    """Each replica's status, whether it is behind or unreachable, its failed catch-ups."""
+    """Each replica's status, whether it is behind or unreachable, its failed catch-ups; a
+    replica (instance `<shard>_<replica>` of transfer.conf) by its `shard` and `replica`
+    labels: an `instance` label would clash with the one Prometheus gives every target."""
     d = s["dict"]
     state = GaugeMetricFamily(
         "cube_transfer_instance_status",
         "1 for each replica's status (the original's Instance.status names)",
-        labels=["dict", "instance", "status"],
+        labels=["dict", "shard", "replica", "status"],
     )
     behind = GaugeMetricFamily(
         "cube_transfer_instance_behind",
         "1 when a replica does not serve the live version",
-        labels=["dict", "instance"],
+        labels=["dict", "shard", "replica"],
     )
     reachable = GaugeMetricFamily(
         "cube_transfer_instance_reachable",
         "1 when the replica's agent and server answer",
-        labels=["dict", "instance"],
+        labels=["dict", "shard", "replica"],
     )
     failures = GaugeMetricFamily(
         "cube_transfer_instance_catch_up_failures",
         "Consecutive failed catch-ups of a replica",
-        labels=["dict", "instance"],
+        labels=["dict", "shard", "replica"],
     )
     for name, inst in s["instances"].items():
-        state.add_metric([d, name, inst["status"]], 1.0)
+        shard, _, replica = name.partition("_")
+        state.add_metric([d, shard, replica, inst["status"]], 1.0)
         lagging = bool(s["live_version"]) and inst["version"] != s["live_version"]
-        behind.add_metric([d, name], 1.0 if lagging else 0.0)
-        reachable.add_metric([d, name], 1.0 if inst["reachable"] else 0.0)
-        failures.add_metric([d, name], inst["catch_up_failures"])
+        behind.add_metric([d, shard, replica], 1.0 if lagging else 0.0)
+        reachable.add_metric([d, shard, replica], 1.0 if inst["reachable"] else 0.0)
+        failures.add_metric([d, shard, replica], inst["catch_up_failures"])
     return (state, behind, reachable, failures)
