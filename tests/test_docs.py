@@ -78,7 +78,7 @@ def test_every_http_route_is_documented(tmp_path: Path) -> None:
     # build_api reads only the service's cfg to lay out its routes
     transfer_app = build_api(service)  # type: ignore[arg-type]
     transfer_routes, agent_routes = _routes(transfer_app), _routes(agent_app([]))
-    assert len(transfer_routes) >= 6 and len(agent_routes) == 2  # the routes were found
+    assert len(transfer_routes) >= 6 and len(agent_routes) >= 2  # the routes were found
     transfer = (REFERENCE / "transfer-api.md").read_text()
     missing = [path for path in sorted(transfer_routes) if path not in transfer]
     agent = (REFERENCE / "agent-api.md").read_text()

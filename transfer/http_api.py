@@ -155,6 +155,15 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         return _error("internal error (the transfer's log has the details)", 500)
 
 
+HEALTH_PATH = "/healthz"  # no token: the kubelet's liveness probe (answered by the event loop)
+
+
+async def _health(request: web.Request) -> web.Response:
+    """Alive: the event loop answers (says nothing of rollouts or agents)."""
+    body = json.dumps(views.envelope({"status": "RUNNING"}, "alive"))
+    return web.Response(text=body, content_type="application/json")
+
+
 async def _unknown(request: web.Request) -> web.Response:
     message = f"unknown api {request.method[:10]} {_echo(request.path)[1:-1]}"
     return _error(message, 404, "2", {"api_list": API_LIST})
@@ -313,9 +322,12 @@ def build_api(service: TransferService) -> web.Application:
     check_token = token_middleware(
         service.cfg.api_token_source(),
         lambda: _error("unauthorized: send 'Authorization: Bearer <token>' (api_token)", 401),
-        public=lambda request: request.method == "GET" and request.path in PAGE_FILES,
+        public=lambda request: (
+            request.method == "GET" and (request.path in PAGE_FILES or request.path == HEALTH_PATH)
+        ),
     )
     app = web.Application(client_max_size=MAX_BODY, middlewares=[_guard, check_token])
+    app.router.add_get(HEALTH_PATH, _health)
     for path in PAGE_FILES:
         app.router.add_get(path, api.page)
     app.router.add_get("/dict/info", api.dict_info)
