@@ -673,6 +673,106 @@ def test_rolling_restart_under_load(cluster: Cluster) -> None:
     cluster.settled()
 
 
+def agent_status(cluster: Cluster, pod: str) -> dict[str, Any]:
+    """A replica's agent status (GET /agent/status with the agents' token), from the node."""
+    secret = next(
+        d for d in cluster.node.docs if d["kind"] == "Secret" and "agent-token" in d["data"]
+    )
+    token = base64.b64decode(secret["data"]["agent-token"]).decode()
+    request = urllib.request.Request(
+        f"http://{cluster.node.pod(pod).ip}:8001/agent/status",
+        headers={"Authorization": f"Bearer {token}"},
+    )
+    with urllib.request.urlopen(request, timeout=5) as reply:
+        status: dict[str, Any] = json.loads(reply.read())["data"]
+        return status
+
+
+def test_a_replica_restarted_empty_recovers_from_its_peer_while_the_transfer_is_down(
+    cluster: Cluster,
+) -> None:
+    """Issue 35 item 4: the transfer is down (its pod deleted, as a drain would) and a server
+    pod is killed with its data removed (kill -9, fresh emptyDir): its agent finds no
+    transfer, gets the shard's version from the other replica's agent (md5-checked) and its
+    server serves again within a bound (measured); no lookup fails meanwhile, the other
+    replica answering. The transfer, back, finds the replica on the live version: nothing to
+    catch up, no failure recorded."""
+    assert poll_until(lambda: cluster.phase() is not None, WAIT, 0.2)  # (the API is up)
+    if not cluster.info()["live_version"]:  # (run alone)
+        cluster.new_base(1.0)
+    live = cluster.settled()
+    node, pod = cluster.node, "t-cube-shard-0-1"
+    stop = threading.Event()
+    load = Load(node, cluster.conf, 2, until=stop)
+    node.stop_pod("t-cube-transfer-0")
+    try:
+        started = time.monotonic()
+        node.delete_pod(pod, timeout=0)  # SIGKILL at once; the pod comes back, its data gone
+        node.wait_ready([pod], WAIT)
+        took = time.monotonic() - started
+    finally:
+        stop.set()
+        result = load.result()
+        node.start_pod("t-cube-transfer-0")
+    measured(f"a replica killed with its data, transfer down: ready in {took:.1f} s", result)
+    print(f"\nMEASURED recovery from a peer, transfer down: pod ready {took:.1f} s after kill -9")
+    assert_clean(result)
+    assert took < 30, took  # the bound docs/DEPLOY.md states
+    assert served_versions(node, pod) == [live]
+    recovery = agent_status(cluster, pod)["recovery"]
+    assert recovery["state"] == "recovered" and recovery["version"] == live, recovery
+    assert recovery["peer"].startswith("t-cube-shard-0-0."), recovery
+    cluster.settled()  # the transfer is back and has nothing to do
+    instance = cluster.instances()["0_1"]
+    assert instance["serving_version"] == live and instance["failures"] == 0, instance
+    tasks = agent_status(cluster, pod)["tasks"]
+    assert [t["command"] for t in tasks] == ["download", "reload", "enable"], tasks
+
+
+def test_helm_upgrade_with_changed_values_under_load(cluster: Cluster, tmp_path: Path) -> None:
+    """Issue 35 item 6: `helm upgrade` of this chart with changed values (2 workers a server,
+    which before put a worker on the agent's port; other probe timings; agent.keep 3), every
+    shard pod replaced one at a time per shard while a delta rolls out: no lookup fails, no
+    answer mixes versions, and every replica ends on the delta."""
+    assert poll_until(lambda: cluster.phase() is not None, WAIT, 0.2)  # (the API is up)
+    if not cluster.info()["live_version"]:  # (run alone)
+        cluster.new_base(1.0)
+    base = cluster.settled()
+    node = cluster.node
+    values = {**VALUES, "server": {**VALUES["server"], "workers": 2,
+                                   "livenessProbe": {"periodSeconds": 3, "failureThreshold": 4,
+                                                     "timeoutSeconds": 2}},
+              "agent": {**VALUES["agent"], "keep": 3}}  # fmt: skip
+    docs = upgraded(node.docs, rendered(tmp_path, values))
+    stop = threading.Event()
+    load = Load(node, cluster.conf, 2, until=stop)
+    delta_id = next(cluster.versions)
+    changed = KEYS[::10]
+    started = time.monotonic()
+    try:
+        publish(cluster.donefile, delta_id, changed, 9.0, base=base.split("_")[0])
+        done = node.apply(docs, timeout=WAIT)
+        live = cluster.settled()
+    finally:
+        stop.set()
+    took = time.monotonic() - started
+    result = load.result()
+    measured(f"helm upgrade to 2 workers a server during a delta's rollout ({took:.0f} s)", result)
+    assert_clean(result)
+    assert live == f"{base.split('_')[0]}_{delta_id}", live
+    assert sorted(s for s in done if s.startswith("replaced t-cube-shard")) == [
+        f"replaced t-cube-shard-{s}-{r}" for s in range(2) for r in range(2)
+    ]
+    for pod in shard_pods(node):
+        server = node.pod(pod).containers["cube-server"]
+        assert "--worker_ports=8000,8002" in server.spec.command, server.spec.command
+        assert set(served_versions(node, pod)) == {live}, pod  # (each worker's)
+    cluster.conf = cube_conf(docs, cluster.conf)  # clients take the new cube.conf
+    cluster.client.close()
+    cluster.client = Client(node, cluster.conf)
+    assert served(cluster.client, CHECK).get("version") == live
+
+
 # ---------------------------------------------------------------------------------------------
 # TLS, upgrades and the harness by hand: clusters of their own
 

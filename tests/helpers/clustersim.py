@@ -21,9 +21,10 @@ one network namespace per pod, so that what crosses a network really does.
   its timeout leaves none behind.
 - **Private names**: each node takes a free name prefix and a free /16 under a lock, so two
   runs on one machine do not share a bridge, a namespace or a subnet.
-- **Kubelet**: a thread runs the startup, readiness and liveness probes (tcpSocket, grpc) from
-  the root namespace, as a kubelet does from the node, and restarts a container that exits or
-  fails its liveness probe (restartPolicy Always), with a short backoff. Each probe waits its
+- **Kubelet**: a thread runs the startup, readiness and liveness probes (tcpSocket, grpc,
+  httpGet: 200-399, HTTPS unverified) from the root namespace, as a kubelet does from the
+  node, and restarts a container that exits or fails its liveness probe (restartPolicy
+  Always), with a short backoff. Each probe starts after its initialDelaySeconds and waits its
   timeoutSeconds; liveness runs at its periodSeconds, startup and readiness at least once a
   second.
 - **Upgrades**: `apply(docs)` is `helm upgrade` to other objects and what the StatefulSet
@@ -52,6 +53,7 @@ import base64
 import contextlib
 import fcntl
 import hashlib
+import http.client
 import itertools
 import json
 import os
@@ -59,6 +61,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -513,6 +516,9 @@ class SimNode:
         container.ready = False
         container.failures.clear()
         container.next_probe.clear()
+        for kind, probe in spec.probes.items():  # (liveness and readiness: after startup too)
+            delay = float(probe.get("initialDelaySeconds", 0))
+            container.next_probe[kind] = time.monotonic() + delay
         self.events.append(
             f"{time.monotonic():.1f} started {pod.spec.name}/{spec.name}"
             f" pid {container.process.pid}"
@@ -620,7 +626,25 @@ class SimNode:
             address = f"{pod.ip}:{port_of(probe['grpc']['port'])}"
             status = health_status(address, timeout, probe["grpc"].get("service", ""))
             return status == health_pb2.HealthCheckResponse.SERVING
-        raise ValueError(f"probe {probe}: only tcpSocket and grpc probes are simulated")
+        if "httpGet" in probe:  # as the kubelet: 200-399 within the timeout, HTTPS unverified
+            get = probe["httpGet"]
+            port = port_of(get["port"])
+            if get.get("scheme", "HTTP") == "HTTPS":
+                context = ssl.create_default_context()
+                context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+                connection: http.client.HTTPConnection = http.client.HTTPSConnection(
+                    pod.ip, port, timeout=timeout, context=context
+                )
+            else:
+                connection = http.client.HTTPConnection(pod.ip, port, timeout=timeout)
+            try:
+                connection.request("GET", get.get("path", "/"))
+                return 200 <= connection.getresponse().status < 400
+            except (OSError, http.client.HTTPException):
+                return False
+            finally:
+                connection.close()
+        raise ValueError(f"probe {probe}: only tcpSocket, grpc and httpGet probes are simulated")
 
     def _signal(self, container: Container, sig: int) -> None:
         process = container.process
@@ -644,6 +668,15 @@ class SimNode:
         """kill -9 every container of a pod (a crashed pod); each is restarted."""
         for name in self.pods[pod].containers:
             self.kill(pod, name)
+
+    def stop_pod(self, pod: str, timeout: float = 60) -> None:
+        """The pod gone (SIGTERM, its grace, SIGKILL) and not started again until `start_pod`:
+        e.g. the transfer's, deleted while its node drains."""
+        self._stop_pod(self.pods[pod], timeout)
+
+    def start_pod(self, pod: str) -> None:
+        """A pod stopped by `stop_pod` created again: claims kept, emptyDir volumes empty."""
+        self._restart_pod(self.pods[pod])
 
     def delete_pod(self, pod: str, timeout: float = 60) -> None:
         """As `kubectl delete pod`: SIGTERM, the grace period, SIGKILL; then the StatefulSet
