@@ -47,6 +47,11 @@ class Accessor:
     paddle_class: str  # accessor_class in Paddle's config
     non_embedx: int  # D - embedx_dim: the lookup's columns before embedx_w
     lookup: tuple[str, ...]  # the value fields the trainer's own lookup returns, in order
+    # "rules": slot unseen_days delta_score show click embed_w [embed state] embedx_w...
+    # [embedx state] (ctr_common_accessor.cc, sparse_accessor.cc); "double": unseen_days
+    # delta_score show click embed_w embed_g2sum slot [embedx_g2sum embedx_w...]
+    # (ctr_double_accessor.cc ParseToString: one g2sum per part whatever the rule)
+    order: str = "rules"
 
 
 ACCESSORS = {
@@ -54,14 +59,22 @@ ACCESSORS = {
     for a in (
         Accessor("ctr_common", "CtrCommonAccessor", 3, ("show", "click", "embed_w", "embedx_w")),
         Accessor("sparse", "SparseAccessor", 1, ("embed_w", "embedx_w")),
+        Accessor(
+            "ctr_double",
+            "CtrDoubleAccessor",
+            3,
+            ("show", "click", "embed_w", "embedx_w"),
+            order="double",
+        ),
     )
 }
+# CtrDoubleAccessor keeps one g2sum float per part: only rules whose state is that one number
+# (or none: naive leaves it at its initial value) fit its value.
+DOUBLE_RULES = ("adagrad", "adagrad_v2", "naive")
 # The other accessors Paddle has, and why their saves are not read (docs/INPUT_FORMATS.md).
 UNSUPPORTED_ACCESSORS = {
     "CtrDymfAccessor": "GPU parameter server only (its CPU update is a no-op); each row has "
     "its own embedx width (mf_dim, per slot) and another column order",
-    "CtrDoubleAccessor": "another column order (unseen_days first, show/click as doubles, "
-    "slot after embed_g2sum); no save of it was available to test against",
     "DownpourCtrAccessor": "the legacy (pslib) layout, with its own column order",
     "DownpourCtrDoubleAccessor": "the legacy (pslib) layout, with its own column order",
     "CommMergeAccessor": "dense and barrier tables: not an embedding table",
@@ -80,7 +93,7 @@ class SgdRule:
         """Names of the state columns it keeps for a part of `dim` weights."""
         if self.name == "naive":
             return ()
-        if self.name == "adagrad":
+        if self.name in ("adagrad", "adagrad_v2"):
             return (f"{prefix}_g2sum",)
         if self.name == "std_adagrad":
             return tuple(f"{prefix}_g2sum[{i}]" for i in range(dim))
@@ -101,6 +114,7 @@ SGD_RULES = {
     for r in (
         SgdRule("naive", "SparseNaiveSGDRule"),
         SgdRule("adagrad", "SparseAdaGradSGDRule"),
+        SgdRule("adagrad_v2", "SparseAdaGradV2SGDRule"),
         SgdRule("std_adagrad", "StdAdaGradSGDRule"),
         SgdRule("adam", "SparseAdamSGDRule"),
         SgdRule("shared_adam", "SparseSharedAdamSGDRule"),
@@ -114,6 +128,15 @@ VALUE_FIELDS = ("show", "click", "embed_w", "embedx_w")
 DTYPES = ("float32", "float16", "float64")
 DEFAULT_VALUE = ("embed_w", "embedx_w")
 _LEADING = ("slot", "unseen_days", "delta_score", "show", "click", "embed_w")
+_DOUBLE_LEADING = (
+    "unseen_days",
+    "delta_score",
+    "show",
+    "click",
+    "embed_w",
+    "embed_g2sum",
+    "slot",
+)
 
 
 @dataclass(frozen=True)
@@ -132,6 +155,13 @@ class TableLayout:
                 f"an embedding size of {self.dim} leaves no embedx column: {self.accessor.name}"
                 f" needs -paddle_dim > {self.accessor.non_embedx}"
             )
+        if self.accessor.order == "double":
+            for rule in (self.embed_rule, self.embedx_rule):
+                if rule.name not in DOUBLE_RULES:
+                    raise ValueError(
+                        f"{self.accessor.paddle_class} with {rule.paddle_class}: its value keeps "
+                        f"one g2sum per part, which only {', '.join(DOUBLE_RULES)} fit"
+                    )
 
     @property
     def embedx_dim(self) -> int:
@@ -140,6 +170,9 @@ class TableLayout:
     @property
     def columns(self) -> tuple[str, ...]:
         """Every float column of a full row, in order (the key not counted)."""
+        if self.accessor.order == "double":
+            embedx = (f"embedx_w[{i}]" for i in range(self.embedx_dim))
+            return (*_DOUBLE_LEADING, "embedx_g2sum", *embedx)
         return (
             *_LEADING,
             *self.embed_rule.state("embed", 1),
@@ -155,17 +188,38 @@ class TableLayout:
     @property
     def short(self) -> int:
         """Floats after the key in a row saved without its embedx part."""
+        if self.accessor.order == "double":
+            return len(_DOUBLE_LEADING)
         return len(_LEADING) + len(self.embed_rule.state("embed", 1))
 
     @property
     def embedx_start(self) -> int:
-        return self.short
+        return self.short + (1 if self.accessor.order == "double" else 0)
 
     def field_columns(self, field: str) -> list[int]:
         """The columns of one value field."""
         if field == "embedx_w":
             return list(range(self.embedx_start, self.embedx_start + self.embedx_dim))
-        return [_LEADING.index(field)]
+        return [self.columns.index(field)]
+
+    def checks(self) -> list[tuple[int, str]]:
+        """The invariants of a row, (column, kind): "integer" (slot), "count" (an integer >= 0:
+        unseen_days), "nonneg" (delta_score, show, click, every g2sum), "pow" (adam's beta
+        powers, in (0, 1]); and show >= click, checked with the "click" entry. What a table
+        written by this layout always satisfies, and another layout's rows read with these
+        flags almost never do (column counts alone cannot tell layouts apart)."""
+        found = []
+        for column, name in enumerate(self.columns):
+            base = name.split("[")[0]
+            if name == "slot":
+                found.append((column, "integer"))
+            elif name == "unseen_days":
+                found.append((column, "count"))
+            elif name in ("delta_score", "show", "click") or base.endswith("g2sum"):
+                found.append((column, "nonneg"))
+            elif base.endswith(("beta1_pow", "beta2_pow")):
+                found.append((column, "pow"))
+        return found
 
     def describe(self) -> str:
         rules = (
@@ -247,28 +301,25 @@ def rules_named(text: str) -> tuple[SgdRule, SgdRule]:
     raise ValueError(f"-paddle_optimizer {text!r}: one rule, or two (embed,embedx)")
 
 
-# the hint's order: the seed's CtrCommonAccessor + adagrad and Paddle's default SparseAccessor
-# + adam first, then by rule
-_COMMON = [("ctr_common", "adagrad"), ("sparse", "adam")] + [
-    (a, r) for r in ("adagrad", "adam", "naive", "std_adagrad", "shared_adam") for a in ACCESSORS
-]
-
-
-def layouts_with(floats: int, limit: int = 3) -> list[str]:
-    """Flag sets (accessor, dim, one optimizer for both parts) whose full rows have `floats`
-    numbers after the key: the hint for a save read with the wrong flags."""
+def candidate_layouts(floats: int) -> list[tuple[TableLayout, bool]]:
+    """Every layout (accessor, one rule for both parts, dim <= 4096) whose rows can have
+    `floats` numbers after the key, each with whether such a row is a short one (its dim then
+    unknown: the layout is given at its least dim)."""
     found = []
-    for accessor, rule in dict.fromkeys((ACCESSORS[a], SGD_RULES[r]) for a, r in _COMMON):
-        for dim in range(accessor.non_embedx + 1, 4097):
-            layout = TableLayout(accessor, dim, rule, rule)
-            if layout.full == floats:
-                found.append(
-                    f"-paddle_accessor {accessor.name} -paddle_dim {dim} "
-                    f"-paddle_optimizer {rule.name}"
-                )
-            if layout.full >= floats:
-                break
-    return found[:limit]
+    for accessor in ACCESSORS.values():
+        for rule in SGD_RULES.values():
+            if accessor.order == "double" and rule.name not in DOUBLE_RULES:
+                continue
+            least = TableLayout(accessor, accessor.non_embedx + 1, rule, rule)
+            if least.short == floats:
+                found.append((least, True))
+            for dim in range(accessor.non_embedx + 1, 4097):
+                layout = TableLayout(accessor, dim, rule, rule)
+                if layout.full == floats:
+                    found.append((layout, False))
+                if layout.full >= floats:
+                    break
+    return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,6 +339,7 @@ class TableConfig:
     embedx_threshold: float
     embed_rule: str
     embedx_rule: str
+    converter: bool = False  # a table_accessor_save_param sets a converter (sparse_converter)
 
     @property
     def sparse(self) -> bool:
@@ -301,6 +353,13 @@ class TableConfig:
         return f"{self.table_id:03d}"
 
     def layout(self) -> TableLayout:
+        if self.converter:
+            raise ValueError(
+                f"table {self.table_id} ({self.table_name}) sets a save converter "
+                "(sparse_converter: table_accessor_save_param.converter): its base and delta "
+                "saves are that program's output, not Paddle's rows, and cannot be read as "
+                "them; build from saves written without a converter"
+            )
         accessor = accessor_named(self.accessor_class)
         return TableLayout(
             accessor,
@@ -411,6 +470,11 @@ def parse_fleet_desc(text: bytes, source: str) -> list[TableConfig]:
                 embedx_threshold=float(_first(accessor, "embedx_threshold", "0")),
                 embed_rule=str(_first(embed, "name", "")),
                 embedx_rule=str(_first(embedx, "name", "")),
+                converter=any(
+                    str(_first(save, "converter", "")).strip()
+                    for save in _fields(accessor, "table_accessor_save_param")
+                    if isinstance(save, list)
+                ),
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{source}: a downpour_table_param is malformed ({exc})") from None
@@ -547,7 +611,13 @@ def sparse_folder_problem(names: list[str], first_row: bytes | None) -> str:
 
 
 class PaddleRowError(ValueError):
-    """A row that does not fit the layout; the message names the source, line and field."""
+    """A row that does not fit the layout; the message names the source, line and field.
+    `line`: the row's bytes when its numbers, not its form, are what does not fit (so that
+    `parse_rows` can say which layouts the row would fit)."""
+
+    def __init__(self, message: str, line: bytes | None = None) -> None:
+        super().__init__(message)
+        self.line = line
 
 
 @dataclass(frozen=True)
@@ -671,7 +741,8 @@ def _line_error(
     end = bytes(data[start : start + (1 << 20)]).find(b"\n")
     text = bytes(data[start : start + end if end >= 0 else start + (1 << 20)])
     problem = problem or describe_line(text, layout) or "cannot be read (a parser bug)"
-    return PaddleRowError(f"{source} line {line}: {problem}")
+    counted = problem.endswith("without the embedx part)")  # count_problem's: a wrong layout
+    return PaddleRowError(f"{source} line {line}: {problem}", text if counted else None)
 
 
 def parse_rows(
@@ -681,11 +752,17 @@ def parse_rows(
     source: str,
     first_line: int = 1,
     compiled: bool | None = None,
+    hint: bool = True,
+    checked: bool = True,
 ) -> ParsedRows:
     """Every row of `data` (bytes of whole lines; the last may lack its newline): keys and
     served values. Blank lines are skipped. PaddleRowError naming `source` and the line
     (`first_line` is the number of data's first line) at the first row that does not fit.
-    `compiled`: the numba parser (True), numpy's (False), or by size (None)."""
+    `compiled`: the numba parser (True), numpy's (False), or by size (None). Every row is
+    checked against the layout's invariants (`TableLayout.checks`): flags can name a layout
+    whose column count the rows share (CtrDoubleAccessor and CtrCommonAccessor at one dim),
+    not one whose invariants they keep. A row refused for its count or its numbers gets the
+    layouts it would fit in its message (`hint`; `fit_report`)."""
     if compiled is None:
         compiled = COMPILED and (
             len(data) >= COMPILED_MIN_BYTES or "cube._paddle_ps_jit" in sys.modules
@@ -694,7 +771,127 @@ def parse_rows(
         raise ValueError("the compiled parser needs numba (and CUBE_KERNEL other than numpy)")
     buf = np.frombuffer(data, dtype=np.uint8)
     parse = _parse_compiled if compiled else _parse_numpy
-    return parse(data, buf, layout, value, source, first_line)
+    try:
+        return parse(data, buf, layout, value, source, first_line, checked=checked)
+    except PaddleRowError as exc:
+        if exc.line is None or not hint:
+            raise
+        raise PaddleRowError(str(exc) + fit_report(exc.line, layout)) from None
+
+
+def fit_report(line: bytes, layout: TableLayout) -> str:
+    """What a row refused by `layout` would fit, for its message: every other layout whose
+    form and invariants it meets, and that one row proves none of them."""
+    fields = _FIELD.findall(line)
+    fits = []
+    for candidate, short in candidate_layouts(len(fields) - 1):
+        if candidate == layout or _refuses(line, candidate):
+            continue
+        rules = candidate.describe().split("optimizer ")[1].rstrip(")")
+        dim = "a short row: any dim" if short else f"dim {candidate.dim}"
+        fits.append(f"{candidate.accessor.name} ({dim}, optimizer {rules})")
+    if not fits:
+        return "; it fits no layout this reader knows"
+    shown = ", ".join(fits[:6]) + (f" and {len(fits) - 6} more" if len(fits) > 6 else "")
+    return (
+        f"; the row would fit {shown} (one row proves no layout: the trainer's "
+        "configuration, -paddle_config, says which)"
+    )
+
+
+def _refuses(line: bytes, layout: TableLayout) -> bool:
+    try:
+        parse_rows(line + b"\n", layout, ValueSpec(), "", compiled=False, hint=False)
+    except PaddleRowError:
+        return True
+    return False
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The columns a parse extracts: the value's (places 0 .. served - 1), then those only
+    checked (places from served on), and the checks by place."""
+
+    targets: np.ndarray  # column -> place, or -1
+    width: int
+    served: int
+    checks: tuple[tuple[int, int, str], ...]  # (column, place, kind)
+    show: int  # the place of show and of click (-1: none)
+    click: int
+
+
+def _plan(layout: TableLayout, value: ValueSpec, checked: bool = True) -> _Plan:
+    """`checked`: False for tests of number parsing on rows of arbitrary numbers only."""
+    targets = value.targets(layout)
+    served = value.count(layout)
+    width = served
+    checks = []
+    for column, kind in layout.checks() if checked else []:
+        if targets[column] < 0:
+            targets[column] = width
+            width += 1
+        checks.append((column, int(targets[column]), kind))
+    columns = layout.columns
+    if not checked:
+        return _Plan(targets, width, served, (), -1, -1)
+    show = int(targets[columns.index("show")])
+    click = int(targets[columns.index("click")])
+    return _Plan(targets, width, served, tuple(checks), show, click)
+
+
+_WHY = {
+    "integer": "not a whole number (a slot id is one)",
+    "count": "not a whole number >= 0 (unseen_days counts days)",
+    "nonneg": "below 0 (never so in this layout)",
+    "pow": "not in [0, 1] (a beta power)",
+    "click": "above show (clicks are counted among shows)",
+}
+
+
+def _check_rows(
+    floats: np.ndarray,
+    row_lines: np.ndarray,
+    layout: TableLayout,
+    plan: _Plan,
+    data: Any,
+    source: str,
+    first: int,
+) -> None:
+    """Every row against the layout's invariants (vectorized, one pass per checked column):
+    PaddleRowError naming the line, field and column of the first row that breaks one."""
+    if not floats.shape[0] or plan.show < 0:
+        return
+    worst: tuple[int, int, str] | None = None  # (row, column, kind)
+    for column, place, kind in plan.checks:
+        values = floats[:, place]
+        if kind == "integer":
+            bad = values != np.floor(values)
+        elif kind == "count":
+            bad = (values != np.floor(values)) | (values < 0)
+        elif kind == "nonneg":
+            bad = values < 0
+        else:  # 0 passes: a short row's embedx state is absent, read as zeros
+            bad = (values < 0) | (values > 1)
+        row = int(np.argmax(bad)) if bad.any() else -1
+        if row >= 0 and (worst is None or row < worst[0]):
+            worst = (row, column, kind)
+    above = floats[:, plan.click] > floats[:, plan.show]
+    if above.any():
+        row = int(np.argmax(above))
+        if worst is None or row < worst[0]:
+            worst = (row, layout.columns.index("click"), "click")
+    if worst is None:
+        return
+    row, column, kind = worst
+    index = int(row_lines[row])
+    text = bytes(data).split(b"\n", index + 1)[index]
+    starts = [m.start() + 1 for m in _FIELD.finditer(text)]
+    where = f"column {starts[column + 1]}" if column + 1 < len(starts) else "missing"
+    raise PaddleRowError(
+        f"{source} line {first + index}: field {column + 2} ({layout.columns[column]}), "
+        f"{where}: {_WHY[kind]}: not a row of {layout.describe()}",
+        text,
+    )
 
 
 def _to_dtype(
@@ -731,15 +928,22 @@ def _to_dtype(
 
 
 def _parse_compiled(
-    data: Any, buf: np.ndarray, layout: TableLayout, value: ValueSpec, source: str, first: int
+    data: Any,
+    buf: np.ndarray,
+    layout: TableLayout,
+    value: ValueSpec,
+    source: str,
+    first: int,
+    checked: bool = True,
 ) -> ParsedRows:
     """The compiled parser, in chunks of at most CHUNK_FLOATS doubles: its arrays grow with
     the rows read, not with the buffer's line count (a gzip of blank lines asked for 32 GiB)."""
     from cube import _paddle_ps_jit as jit
 
-    width = value.count(layout)
+    plan = _plan(layout, value, checked)
+    width = plan.width
     capacity = min(int(np.count_nonzero(buf == 10)) + 1, max(64, CHUNK_FLOATS // max(width, 1)))
-    targets = value.targets(layout)
+    targets = plan.targets
     pos, line, short_rows = 0, 0, 0
     keys_parts: list[np.ndarray] = []
     value_parts: list[np.ndarray] = []
@@ -754,11 +958,13 @@ def _parse_compiled(
         if error_line >= 0:
             raise _line_error(data, int(error_start), layout, source, first + int(error_line))
         if slow_count > slow.shape[0]:  # more long or huge-exponent numbers than noted
-            return _parse_numpy(data, buf, layout, value, source, first, long_ok=True)
+            return _parse_numpy(data, buf, layout, value, source, first, True, checked)
         for row, place, start, end in slow[:slow_count].tolist():
             floats[row, place] = float(bytes(data[start:end]))
         keys_parts.append(keys[:rows])
-        value_parts.append(_to_dtype(floats[:rows], value, layout, source, row_lines, first))
+        _check_rows(floats[:rows], row_lines, layout, plan, data, source, first)
+        served = floats[:rows, : plan.served]
+        value_parts.append(_to_dtype(served, value, layout, source, row_lines, first))
         short_rows += int(short)
         if pos >= buf.shape[0]:
             break
@@ -783,6 +989,7 @@ def _parse_numpy(
     source: str,
     first: int,
     long_ok: bool = False,
+    checked: bool = True,
 ) -> ParsedRows:
     """Whole-buffer numpy passes: tokens by byte class, rows by newline, numbers by numpy's
     own conversion; anything unexpected sends the first bad line to `describe_line`. A token
@@ -812,10 +1019,11 @@ def _parse_numpy(
     ends = np.flatnonzero(token & ~np.concatenate((token[1:], [False])))
     longest = int((ends - starts).max()) + 1
     if longest > LONG_TOKEN and COMPILED and not long_ok:
-        return _parse_compiled(data, buf, layout, value, source, first)
+        return _parse_compiled(data, buf, layout, value, source, first, checked)
     row_start = np.concatenate(([0], np.cumsum(counts[used])[:-1]))
-    width = value.count(layout)
-    targets = value.targets(layout)
+    plan = _plan(layout, value, checked)
+    width = plan.width
+    targets = plan.targets
     try:
         if longest > LONG_TOKEN:
             keys, numbers = _convert_long(bytes(data).split(), row_start)
@@ -837,7 +1045,8 @@ def _parse_numpy(
     for column in np.flatnonzero(targets >= 0).tolist():
         present = floats_per_row > column
         floats[present, targets[column]] = numbers[offsets[present] + column]
-    values = _to_dtype(floats, value, layout, source, used, first)
+    _check_rows(floats, used, layout, plan, data, source, first)
+    values = _to_dtype(floats[:, : plan.served], value, layout, source, used, first)
     return ParsedRows(keys, values, lines, int(np.count_nonzero(is_short)))
 
 

@@ -24,6 +24,8 @@ SCENARIOS = {  # scenario -> (accessor, optimizer) per table, as generate.py con
     "ctr_common_adagrad": ("ctr_common", "adagrad"),
     "sparse_adam": ("sparse", "adam"),
     "sparse_naive_2tables": ("sparse", "naive"),
+    "ctr_double_adagrad": ("ctr_double", "adagrad"),
+    "sparse_adagrad_v2": ("sparse", "adagrad_v2"),
 }
 
 
@@ -101,10 +103,115 @@ def test_bad_layout_and_value_settings_say_which_flag() -> None:
     )
 
 
-def test_the_hint_names_the_flags_a_row_would_fit() -> None:
-    fits = pp.layouts_with(13, limit=10)
-    assert "-paddle_accessor ctr_common -paddle_dim 8 -paddle_optimizer adagrad" in fits
-    assert "-paddle_accessor sparse -paddle_dim 8 -paddle_optimizer adam" in pp.layouts_with(33, 10)
+def test_the_candidates_of_a_row_count() -> None:
+    """Column counts alone: CtrCommon and CtrDouble at D=8 with adagrad both have 13."""
+    names = {(c.describe(), short) for c, short in pp.candidate_layouts(13)}
+    assert ("ctr_common (dim 8, optimizer adagrad)", False) in names
+    assert ("ctr_double (dim 8, optimizer adagrad)", False) in names
+    assert ("sparse (dim 6, optimizer adagrad)", False) in names
+    assert ("sparse (dim 8, optimizer adam)", False) in {
+        (c.describe(), short) for c, short in pp.candidate_layouts(33)
+    }
+
+
+# Every layout the checked-in saves hold: (scenario, table folder, flags)
+LAYOUTS = {
+    "ctr_common_adagrad": ("000", ("ctr_common", 8, "adagrad")),
+    "ctr_double_adagrad": ("000", ("ctr_double", 8, "adagrad")),
+    "sparse_adam": ("000", ("sparse", 8, "adam")),
+    "sparse_adagrad_v2": ("000", ("sparse", 8, "adagrad_v2")),
+    "sparse_naive_2tables": ("000", ("sparse", 4, "naive")),
+}
+# Flag sets naming the same columns in the same order under another name: the rows cannot tell
+# them apart, and they serve the same numbers (so nothing is misread): adagrad_v2 keeps
+# adagrad's one g2sum, and a SparseAccessor at D is a CtrCommonAccessor at D + 2 column for
+# column (its lookup just leaves show and click out).
+SAME_COLUMNS = [
+    {("ctr_common", 8, "adagrad"), ("ctr_common", 8, "adagrad_v2"), ("sparse", 6, "adagrad"),
+     ("sparse", 6, "adagrad_v2")},
+    {("ctr_double", 8, "adagrad"), ("ctr_double", 8, "adagrad_v2"), ("ctr_double", 8, "naive")},
+    {("sparse", 8, "adagrad_v2"), ("sparse", 8, "adagrad"), ("ctr_common", 10, "adagrad"),
+     ("ctr_common", 10, "adagrad_v2")},
+    {("sparse", 4, "naive"), ("ctr_common", 6, "naive")},
+]  # fmt: skip
+OTHER_FLAGS = sorted(
+    {flags for _, flags in LAYOUTS.values()}
+    | {(a, d, r) for a in ("ctr_common", "sparse") for d in (4, 6, 8, 10)
+       for r in ("adagrad", "adagrad_v2", "adam", "naive", "std_adagrad", "shared_adam")}
+    | {("ctr_double", d, r) for d in (4, 6, 8, 10) for r in ("adagrad", "adagrad_v2", "naive")}
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("scenario", sorted(LAYOUTS))
+def test_a_save_read_with_another_layouts_flags_is_refused(scenario: str) -> None:
+    """Issue 36: each accessor x optimizer the reader supports, read with every other
+    layout's flags (a few dims each): refused, naming the file and line, unless the flags
+    name the very same columns (SAME_COLUMNS), which then serve the very same numbers. A
+    CtrDoubleAccessor save has CtrCommonAccessor's column count at the same dim: its rows'
+    invariants (slot and unseen_days integers, show >= click >= 0, g2sum >= 0) tell them
+    apart, on every row the build reads."""
+    from cube.builder.paddle_ps import read_table
+
+    folder, right = LAYOUTS[scenario]
+    save = str(DATA / scenario / "checkpoint")
+    value = pp.ValueSpec(("show", "click", "embed_w", "embedx_w"))
+
+    def source(flags: tuple[str, int, str]) -> pp.PaddleSource:
+        return pp.PaddleSource(
+            accessor=flags[0], dim=flags[1], optimizer=flags[2], table=folder, value=value
+        )
+
+    keys, values = read_table(save, source(right))
+    assert keys.size > 100
+    same = next((group for group in SAME_COLUMNS if right in group), {right})
+    for flags in OTHER_FLAGS:
+        if flags == right:
+            continue
+        try:
+            got_keys, got = read_table(save, source(flags))
+        except Exception as exc:  # BuildError: the file and line, and what does not fit
+            assert f"{scenario}/checkpoint/{folder}/part-" in str(exc) and " line " in str(exc)
+            continue
+        columns = layout(*flags).columns == layout(*right).columns
+        if not columns and (flags[2] == "naive") != (right[2] == "naive"):
+            # KNOWN GAP: a naive layout has no state column, so a g2sum read as a weight
+            # breaks no invariant (adagrad at D read as naive at D + 2); -paddle_config decides
+            continue
+        assert flags in same or columns, f"{scenario} read as {flags}: not refused"
+        assert got_keys.tolist() == keys.tolist() and got.tobytes() == values.tobytes()
+
+
+def test_a_refusal_says_which_layouts_the_row_would_fit_and_proves_none() -> None:
+    """The CtrDoubleAccessor row read as CtrCommonAccessor: named by line and field, with
+    the layouts the row's numbers fit, and no suggestion that one row proves one of them."""
+    data = part_text(next((DATA / "ctr_double_adagrad" / "checkpoint" / "000").glob("*.gz")))
+    with pytest.raises(pp.PaddleRowError) as caught:
+        pp.parse_rows(data, CTR8, pp.ValueSpec(), "part")
+    text = str(caught.value)
+    assert text.startswith("part line ") and "not a row of ctr_common (dim 8" in text, text
+    assert "would fit ctr_double (dim 8, optimizer " in text, text
+    assert "one row proves no layout" in text and "-paddle_config" in text, text
+    assert "ctr_common (dim 8" not in text.split("would fit")[1], text
+
+
+def test_a_save_converter_is_refused_with_its_reason() -> None:
+    """sparse_converter (table_accessor_save_param.converter) pipes base and delta saves
+    through a program of the user's: not Paddle's rows, refused rather than ignored."""
+    text = (DATA / "ctr_common_adagrad" / "fleet_desc.prototxt").read_text()
+    converted = text.replace(
+        'accessor_class: "CtrCommonAccessor"',
+        'accessor_class: "CtrCommonAccessor"\n table_accessor_save_param { param: 1 '
+        'converter: "xbox_convert" deconverter: "" }',
+        1,
+    )
+    tables = pp.parse_fleet_desc(converted.encode(), "desc")
+    sparse = [t for t in tables if t.sparse]
+    assert sparse[0].converter
+    with pytest.raises(ValueError, match="sets a save converter") as caught:
+        sparse[0].layout()
+    assert "xbox_convert" not in str(caught.value)
+    plain = [t for t in pp.parse_fleet_desc(text.encode(), "desc") if t.sparse]
+    assert not plain[0].converter
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,14 +253,14 @@ def test_every_real_save_parses_to_what_the_trainer_looks_up(
     got_keys = np.concatenate(keys)
     assert got_keys.tolist() == record["tables"][table]["keys"]
     if not got_keys.size:
-        assert save == "delta_empty"
+        assert save == "delta_empty" or scenario == "ctr_double_adagrad"  # its delta: no row
         return
     got = np.concatenate(values)
     lookup = np.frombuffer(
         bytes.fromhex("".join(record["tables"][table]["lookup_f32le_hex"])), "<f4"
     ).reshape(got.shape)
     assert np.all(np.abs(got - lookup) <= 5e-6 * np.abs(lookup)), scenario
-    if accessor == "ctr_common":  # embedx_threshold 3: some rows are saved short
+    if accessor in ("ctr_common", "ctr_double"):  # embedx_threshold 3: some rows are short
         assert short > 0
         short_rows = np.all(got[:, 3:] == 0, axis=1)
         assert np.count_nonzero(short_rows) >= short
@@ -267,7 +374,7 @@ def test_both_parsers_equal_pythons_float_on_every_form(dtype: str) -> None:
     data = "".join(lines).rstrip("\n").encode()  # the last line without its newline
     want_keys, want_values = oracle(data, table, spec)
     for compiled in PARSERS:
-        rows = pp.parse_rows(data, table, spec, "t", compiled=compiled)
+        rows = pp.parse_rows(data, table, spec, "t", compiled=compiled, checked=False)
         assert rows.keys.tolist() == want_keys.tolist()
         assert rows.values.dtype == np.dtype(dtype).newbyteorder("<")
         assert rows.values.tobytes() == want_values.tobytes(), compiled  # -0.0 and all
@@ -281,7 +388,7 @@ def test_a_large_buffer_takes_many_slow_numbers() -> None:
     line = "5 " + " ".join(["1e-40"] * 9) + "\n"
     data = (line * 70000).encode()
     for compiled in PARSERS:
-        rows = pp.parse_rows(data, table, pp.ValueSpec(), "t", compiled=compiled)
+        rows = pp.parse_rows(data, table, pp.ValueSpec(), "t", compiled=compiled, checked=False)
         assert rows.values.shape == (70000, 4)
         assert (rows.values == np.float32(1e-40)).all()
 
@@ -442,12 +549,13 @@ def test_float16_overflow_names_the_field() -> None:
         assert rows.values.tolist() == [[np.float16(0.5)]]
 
 
-def test_a_wrong_layout_hints_at_the_right_flags() -> None:
+def test_a_wrong_count_lists_the_layouts_the_row_fits() -> None:
     data = (DATA / "sparse_adam" / "delta" / "000" / "part-000-00001").read_bytes()
     with pytest.raises(pp.PaddleRowError) as caught:
         pp.parse_rows(data, CTR8, pp.ValueSpec(), "part-000-00001")
     assert "line 1: 33 numbers after the key" in str(caught.value)
-    assert "-paddle_accessor sparse -paddle_dim 8 -paddle_optimizer adam" in str(caught.value)
+    assert "would fit " in str(caught.value) and "one row proves no layout" in str(caught.value)
+    assert "-paddle_accessor" not in str(caught.value)  # no flags handed out: none proven
 
 
 def test_which_folders_are_sparse_tables() -> None:

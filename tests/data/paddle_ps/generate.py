@@ -89,6 +89,39 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "tables": {"emb": {"dim": 8, "slots": [0, 2], "config": {}}},
         "saves": ["checkpoint", "base", "delta", "delta_empty", "batch_model"],
     },
+    # issue 36: CtrDoubleAccessor (show/click as doubles, its own column order, adagrad state
+    # built in) and SparseAdaGradV2SGDRule; both at D=8 have 13 numbers after the key, as
+    # ctr_common_adagrad does: column counts cannot tell these layouts apart
+    "ctr_double_adagrad": {
+        "optimizer": "adam",
+        "tables": {
+            "emb": {
+                "dim": 8,
+                "slots": [0, 1, 2],
+                "config": {
+                    "accessor.accessor_class": "CtrDoubleAccessor",
+                    "accessor.embedx_threshold": 3,
+                    "accessor.embed_sgd_param.name": "SparseAdaGradSGDRule",
+                    "accessor.embedx_sgd_param.name": "SparseAdaGradSGDRule",
+                },
+            }
+        },
+        "saves": ["checkpoint", "base", "delta", "batch_model"],
+    },
+    "sparse_adagrad_v2": {
+        "optimizer": "adam",
+        "tables": {
+            "emb": {
+                "dim": 8,
+                "slots": [0, 2],
+                "config": {
+                    "accessor.embed_sgd_param.name": "SparseAdaGradV2SGDRule",
+                    "accessor.embedx_sgd_param.name": "SparseAdaGradV2SGDRule",
+                },
+            }
+        },
+        "saves": ["checkpoint", "base", "delta", "batch_model"],
+    },
     "sparse_naive_2tables": {
         "optimizer": "sgd",
         "tables": {
@@ -154,10 +187,11 @@ def job(name: str, out: Path) -> None:
     slots = sorted({s for t in scenario["tables"].values() for s in t["slots"]})
     ids = {i: paddle.static.data(f"slot{i}", [-1, 1], "int64") for i in slots}
     label = paddle.static.data("label", [-1, 1], "float32")
-    ctr = {
-        table: spec["config"].get("accessor.accessor_class") == "CtrCommonAccessor"
+    accessors = {
+        table: spec["config"].get("accessor.accessor_class", "SparseAccessor")
         for table, spec in scenario["tables"].items()
     }
+    ctr = {table: accessor != "SparseAccessor" for table, accessor in accessors.items()}
     show_clicks = {}
     lookups: dict[str, list[Any]] = {}  # table -> its lookup outputs, one per slot
     pooled = []
@@ -241,7 +275,7 @@ def job(name: str, out: Path) -> None:
         expected["tables"][table] = {
             "folder": folders[table],
             "dim": spec["dim"],
-            "accessor": "CtrCommonAccessor" if ctr[table] else "SparseAccessor",
+            "accessor": accessors[table],
             "lookup": "show,click,embed_w,embedx_w" if ctr[table] else "embed_w,embedx_w",
         }
     steps = {"checkpoint": 20, "base": 0, "delta": 3, "delta_empty": 0, "batch_model": 0}
@@ -261,7 +295,7 @@ def job(name: str, out: Path) -> None:
                     program, feed={f: id_feed for f in feeds}, fetch_list=lookups[table][:1]
                 )
                 pulled = np.asarray(result[0]).astype(np.float32).reshape(len(keys), -1)
-                check_pulled(save, table, texts, pulled, ctr[table])
+                check_pulled(save, table, texts, pulled, accessors[table])
             record["tables"][table] = {
                 "keys": keys,
                 "lookup_f32le_hex": [row.astype("<f4").tobytes().hex() for row in pulled],
@@ -304,15 +338,24 @@ def saved_rows(folder: Path) -> tuple[list[int], list[list[str]]]:
 
 
 def check_pulled(
-    save: str, table: str, texts: list[list[str]], pulled: np.ndarray, ctr: bool
+    save: str, table: str, texts: list[list[str]], pulled: np.ndarray, accessor: str
 ) -> None:
     """The trainer's lookup after the save equals the saved text, to 6 significant digits
-    (a push landing after the save would break this: then the generator must not write)."""
+    (a push landing after the save would break this: then the generator must not write).
+    CtrDoubleAccessor's columns: unseen_days delta_score show click embed_w embed_g2sum slot
+    embedx_g2sum embedx_w..."""
+    ctr = accessor != "SparseAccessor"
+    double = accessor == "CtrDoubleAccessor"
     for fields, row in zip(texts, pulled, strict=True):
-        saved = [float(fields[3]), float(fields[4])] if ctr else []
-        saved.append(float(fields[5]))
-        embedx = row[len(saved) :]
-        start = 6 + embed_state_dim(len(fields), len(embedx), ctr)
+        if double:
+            saved = [float(fields[2]), float(fields[3]), float(fields[4])]
+            embedx = row[len(saved) :]
+            start = 8
+        else:
+            saved = [float(fields[3]), float(fields[4])] if ctr else []
+            saved.append(float(fields[5]))
+            embedx = row[len(saved) :]
+            start = 6 + embed_state_dim(len(fields), len(embedx), ctr)
         if len(fields) > start:
             saved += [float(v) for v in fields[start : start + len(embedx)]]
         for got, want in zip(row, saved, strict=False):
@@ -324,7 +367,8 @@ def embed_state_dim(field_count: int, embedx_dim_pulled: int, ctr: bool) -> int:
     key), from the three rules these scenarios use: adagrad (1), adam (4), naive (0)."""
     if ctr:
         return 1  # SparseAdaGradSGDRule
-    for embed_state, embedx_state in ((4, 2 * embedx_dim_pulled + 2), (0, 0)):  # adam, naive
+    rules = ((4, 2 * embedx_dim_pulled + 2), (0, 0), (1, 1))  # adam, naive, adagrad(_v2)
+    for embed_state, embedx_state in rules:
         if field_count in (6 + embed_state, 6 + embed_state + embedx_dim_pulled + embedx_state):
             return embed_state
     raise AssertionError(f"unexpected row of {field_count} floats")
