@@ -338,7 +338,7 @@ def test_workers_take_no_port_of_another_container() -> None:
             given = [int(p) for flag in ("worker_ports", "tcp_ports")
                      for p in arg(server, flag).split(",")]  # fmt: skip
             control = int(arg(server, "control_port"))
-            given += [control + i for i in range(workers)] + [8001, 9100]
+            given += [control + i for i in range(workers)] + [8001, 9100, 9101]  # agent, metrics
             assert len(declared) == len(set(declared)) and len(given) == len(set(given)), given
             assert set(declared) <= set(given)
             assert arg(server, "worker_ports").split(",")[:2] == ["8000", "8002"]
@@ -1161,7 +1161,7 @@ def test_network_policies_admit_clients_and_prometheus_of_other_namespaces() -> 
     peers of other namespaces (a namespaceSelector and a podSelector in one peer: both must
     match); null selectors leave the namespace's pods out (the `helm test` pod always may look
     up); `extraIngress` adds whole rules."""
-    anyone = {"podSelector": {}}
+    anyone: dict[str, Any] = {"podSelector": {}}
     docs = objects(render())
     shards, transfer = ingress_by_port(docs, "shards"), ingress_by_port(docs, "transfer")
     assert shards[8000] == shards[8100] == [anyone, HELM_TEST]
@@ -1200,7 +1200,7 @@ def test_egress_to_object_stores_and_webhdfs_by_address() -> None:
     """`networkPolicy.egress.sources` limits the transfer's egress to the addresses it reads
     donefiles and inputs from: a CIDR (with exceptions) and its ports, or the pods of a
     namespace; a source with both, or without ports, is refused."""
-    sources = [
+    sources: list[dict[str, Any]] = [
         {"cidr": "10.20.0.0/16", "except": ["10.20.9.0/24"], "ports": [443]},
         {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "hadoop"}},
          "ports": [9870, 9864]},
