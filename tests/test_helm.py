@@ -314,6 +314,67 @@ def name_problems(docs: list[dict[str, Any]]) -> list[str]:
     return problems
 
 
+def test_a_release_named_from_a_digit_renders_valid_names() -> None:
+    """Issue 35 item 6: `helm install 1emb` made Services named 1emb-cube-shard-0, which the API
+    server refuses (a Service name is a DNS-1035 label: a letter first). Now <name>-<release>."""
+    docs = objects(render(release="1emb"))
+    assert name_problems(docs) == []
+    assert fullname(release="1emb") == "cube-1emb"
+    assert fullname(release="1cube") == "cube-1cube"
+    conf = client_conf(docs)
+    assert "cube-1emb-shard-0-0.cube-1emb-shard-0.ml.svc.cluster.local:8000" in str(conf)
+
+
+def test_workers_take_no_port_of_another_container() -> None:
+    """Issue 35 item 6: `server.workers: 2` put worker 1 on port + 1, the agent's 8001 (the
+    render failed). Now each worker's lookup and lane ports skip every port the pod uses:
+    no two containers of a shard pod declare or are given the same port."""
+    for workers in (2, 3):
+        docs = objects(render("--set", f"server.workers={workers}"))
+        for workload in shard_sets(docs):
+            declared = [p["containerPort"] for c in pod_spec(workload)["containers"]
+                        for p in c.get("ports", [])]  # fmt: skip
+            server = next(c for c in pod_spec(workload)["containers"] if c["name"] == "cube-server")
+            given = [int(p) for flag in ("worker_ports", "tcp_ports")
+                     for p in arg(server, flag).split(",")]  # fmt: skip
+            control = int(arg(server, "control_port"))
+            given += [control + i for i in range(workers)] + [8001, 9100, 9101]  # agent, metrics
+            assert len(declared) == len(set(declared)) and len(given) == len(set(given)), given
+            assert set(declared) <= set(given)
+            assert arg(server, "worker_ports").split(",")[:2] == ["8000", "8002"]
+        conf = client_conf(docs)
+        assert ":8001" not in json.dumps(conf) and ":8002" in json.dumps(conf)
+    with pytest.raises(AssertionError, match=r"server\.port 8001 is taken"):  # said at once
+        render("--set", "server.port=8001")
+
+
+def test_the_transfer_has_a_disruption_budget_and_replicas_their_peers() -> None:
+    """Issue 35 item 4: the one transfer gets a PodDisruptionBudget (a drain does not evict it
+    mid-rollout by itself; an unready one may go), and each agent the names of its shard's
+    replicas' agents to recover a version from; the NetworkPolicy lets agents reach them."""
+    docs = objects(render("--set", "dict.replicas=3"))
+    budget = named(docs, "PodDisruptionBudget")["t-cube-transfer"]["spec"]
+    transfer_labels = transfer_set(docs)["spec"]["template"]["metadata"]["labels"]
+    assert budget["minAvailable"] == 1 and budget["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    assert budget["selector"]["matchLabels"].items() <= transfer_labels.items()
+    for shard, workload in enumerate(shard_sets(docs)):
+        agent = next(c for c in pod_spec(workload)["containers"] if c["name"] == "cube-agent")
+        peers = arg(agent, "peers").split(",")
+        assert peers == [f"t-cube-shard-{shard}-{r}.t-cube-shard-{shard}.ml.svc.cluster.local:8001"
+                         for r in range(3)]  # fmt: skip
+        assert arg(agent, "transfer_address") == "t-cube-transfer.ml.svc.cluster.local:8009"
+    shards = named(docs, "NetworkPolicy")["t-cube-shards"]["spec"]
+    to_agents = [r for r in shards["egress"] if {p["port"] for p in r["ports"]} == {8001}]
+    assert to_agents and to_agents[0]["to"][0]["podSelector"]["matchLabels"][
+        "app.kubernetes.io/component"] == "shard"  # fmt: skip
+    off = objects(render("--set", "transfer.podDisruptionBudget.enabled=false",
+                         "--set", "agent.peerRecovery.enabled=false"))  # fmt: skip
+    assert "t-cube-transfer" not in named(off, "PodDisruptionBudget")
+    assert all("--peers" not in " ".join(c.get("args", [])) for _d, c in containers(off))
+    single = objects(render("--set", "dict.replicas=1"))  # no peer to ask
+    assert all("--peers" not in " ".join(c.get("args", [])) for _d, c in containers(single))
+
+
 def test_names_and_labels_fit_kubernetes_limits(rendered: Rendered) -> None:
     """Issue 26 item 1: a 53-character release with 12 shards made 62-character StatefulSet
     names (no pod was ever created) and a 128-character dict name went verbatim into a
@@ -402,11 +463,15 @@ def test_probes_ports_and_network_policy(rendered: Rendered) -> None:
         assert int(arg(container, "port")) == declared["grpc"]
         lanes = [int(p) for p in arg(container, "tcp_ports").split(",")]  # pinned, 1 a worker
         workers = values["server"]["workers"]
-        assert lanes == [declared["lane"] + i for i in range(workers)]
-        for rule in shard_policy["ingress"]:
-            if any(p["port"] == declared["grpc"] for p in rule["ports"]):
-                spans = {(p["port"], p.get("endPort", p["port"])) for p in rule["ports"]}
-                assert spans == {(declared[n], declared[n] + workers - 1) for n in ("grpc", "lane")}
+        own = {n: [declared[n]] + [declared[f"{n}-{i}"] for i in range(1, workers)]
+               for n in ("grpc", "lane")}  # fmt: skip
+        assert lanes == own["lane"]
+        if workers > 1:
+            assert arg(container, "worker_ports") == ",".join(map(str, own["grpc"]))
+        lookups = [r["ports"] for r in shard_policy["ingress"]
+                   if any(p["port"] == declared["lane"] for p in r["ports"])]  # fmt: skip
+        listed = [{(p["port"], p.get("endPort", p["port"])) for p in ports} for ports in lookups]
+        assert {(p, p) for p in own["grpc"] + own["lane"]} in listed  # each port, no range
         control = int(arg(container, "control_port"))
         assert control not in open_ports  # control stays in the pod (and its node)
         assert arg(container, "control_host") == ("0.0.0.0" if tls else "127.0.0.1")
@@ -420,10 +485,18 @@ def test_probes_ports_and_network_policy(rendered: Rendered) -> None:
             probe = container[kind]
             timing = {k: v for k, v in probe.items() if k not in ("grpc", "tcpSocket")}
             assert timing == values["server"][kind], kind
-        assert container["startupProbe"]["tcpSocket"] == {"port": "grpc"}
-        assert container["livenessProbe"]["tcpSocket"] == {"port": "grpc"}
+        # alive: the event loop answers a health name that is SERVING with or without a
+        # version, within the probe's timeout (a stuck loop is restarted)
+        alive = {"port": control if tls else declared["grpc"], "service": "cube.Liveness"}
+        assert container["startupProbe"]["grpc"] == alive
+        assert container["livenessProbe"]["grpc"] == alive
         grace = float(arg(container, "grace"))
         assert doc["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > grace
+    for _doc, container in containers(docs):  # agents and the transfer: GET /healthz, no token
+        if container["name"] in ("cube-agent", "cube-transfer"):
+            for kind in ("readinessProbe", "livenessProbe"):
+                get = container[kind]["httpGet"]
+                assert get["path"] == "/healthz" and get["scheme"] == ("HTTPS" if tls else "HTTP")
     # the `helm test` pod may look up, whatever networkPolicy.clientPodSelector admits
     (test_pod,) = of_kind(docs, "Pod")
     lookup_rule = next(
@@ -458,6 +531,11 @@ def test_egress_is_only_what_each_component_needs(renders: dict[str, Rendered]) 
                 "transfer"
             )
             assert [p["port"] for p in files["ports"]] == [values["transfer"]["filePort"]]
+            if values["agent"]["peerRecovery"]["enabled"]:  # the shard's other agents
+                peers, *extra = extra
+                assert [p["port"] for p in peers["ports"]] == [values["agent"]["port"]]
+                component = peers["to"][0]["podSelector"]["matchLabels"]
+                assert component["app.kubernetes.io/component"] == "shard"
             assert extra == egress["shards"]
         limited = egress["enabled"] and bool(egress["transfer"] or egress["sources"])
         assert ("Egress" in transfer["policyTypes"]) == limited  # else open: unknown servers
@@ -873,7 +951,8 @@ def test_an_upgrade_from_the_previous_chart_changes_nothing_kubernetes_keeps(
         for name, old in old_services.items():
             assert old["spec"]["clusterIP"] == new_services[name]["spec"]["clusterIP"]
         for kind in ("Secret", "ConfigMap", "PodDisruptionBudget", "NetworkPolicy"):
-            assert named(before, kind).keys() == named(after, kind).keys(), kind
+            added = {f"{fullname(*args)}-transfer"} if kind == "PodDisruptionBudget" else set()
+            assert named(before, kind).keys() | added == named(after, kind).keys(), kind
     assert yaml.safe_load((CHART / "Chart.yaml").read_text())["version"] != "0.1.0"
 
 
@@ -1127,7 +1206,7 @@ def test_network_policies_admit_clients_and_prometheus_of_other_namespaces() -> 
     peers of other namespaces (a namespaceSelector and a podSelector in one peer: both must
     match); null selectors leave the namespace's pods out (the `helm test` pod always may look
     up); `extraIngress` adds whole rules."""
-    anyone = {"podSelector": {}}
+    anyone: dict[str, Any] = {"podSelector": {}}
     docs = objects(render())
     shards, transfer = ingress_by_port(docs, "shards"), ingress_by_port(docs, "transfer")
     assert shards[8000] == shards[8100] == [anyone, HELM_TEST]
@@ -1166,7 +1245,7 @@ def test_egress_to_object_stores_and_webhdfs_by_address() -> None:
     """`networkPolicy.egress.sources` limits the transfer's egress to the addresses it reads
     donefiles and inputs from: a CIDR (with exceptions) and its ports, or the pods of a
     namespace; a source with both, or without ports, is refused."""
-    sources = [
+    sources: list[dict[str, Any]] = [
         {"cidr": "10.20.0.0/16", "except": ["10.20.9.0/24"], "ports": [443]},
         {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "hadoop"}},
          "ports": [9870, 9864]},

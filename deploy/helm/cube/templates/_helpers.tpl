@@ -15,6 +15,10 @@ fullname is cut and ends with 5 characters of its hash instead (two long names s
 {{- $full := .Values.fullnameOverride -}}
 {{- if not $full -}}
 {{- $full = ternary .Release.Name (printf "%s-%s" .Release.Name $name) (contains $name .Release.Name) -}}
+{{- /* a release named from a digit (1emb): <name>-<release>, Services need a letter first */ -}}
+{{- if and (not (regexMatch "^[a-z]" $full)) (regexMatch "^[a-z]" $name) -}}
+{{- $full = printf "%s-%s" $name .Release.Name -}}
+{{- end -}}
 {{- end -}}
 {{- $suffix := max (len "-transfer") (len (printf "-shard-%d" (sub (int .Values.dict.shards) 1))) -}}
 {{- $most := sub 52 $suffix | int -}}
@@ -22,6 +26,36 @@ fullname is cut and ends with 5 characters of its hash instead (two long names s
 {{- $full = printf "%s-%s" (regexReplaceAll "[-.]+$" ($full | trunc (sub $most 6 | int)) "") (sha256sum $full | trunc 5) -}}
 {{- end -}}
 {{- $full -}}
+{{- end -}}
+
+{{/*
+The lookup and lane ports of each worker of a server, as JSON {"grpc": [...], "lane": [...]}:
+worker 0 on server.port and server.lanePort, each next one on the next port the pod does not
+use otherwise (agent.port, the metrics ports, the control ports, the other kind's): so
+`server.workers: 2` does not take the agent's 8001 (the servers get the lists as
+--worker_ports and --tcp_ports, clients in cube.conf).
+*/}}
+{{- define "cube.workerPorts" -}}
+{{- $v := .Values -}}
+{{- $workers := int $v.server.workers -}}
+{{- $taken := list (int $v.agent.port) (int $v.server.metricsPort) (int $v.agent.metricsPort) -}}
+{{- range $i := until $workers }}{{ $taken = append $taken (add $v.server.controlPort $i | int) }}{{ end -}}
+{{- $out := dict -}}
+{{- range $kind := list "grpc" "lane" -}}
+{{- $next := int (ternary $v.server.port $v.server.lanePort (eq $kind "grpc")) -}}
+{{- if has $next $taken -}}
+{{- fail (printf "server.%s %d is taken by another port of the shard pod (agent.port, server.metricsPort, server.controlPort + 0..workers-1, or the other kind's)" (ternary "port" "lanePort" (eq $kind "grpc")) $next) -}}
+{{- end -}}
+{{- $ports := list -}}
+{{- range $i := until $workers -}}
+{{- range $_ := until (len $taken) }}{{ if has $next $taken }}{{ $next = add1 $next | int }}{{ end }}{{ end -}}
+{{- $ports = append $ports $next -}}
+{{- $taken = append $taken $next -}}
+{{- $next = add1 $next | int -}}
+{{- end -}}
+{{- $_ := set $out $kind $ports -}}
+{{- end -}}
+{{- toJson $out -}}
 {{- end -}}
 
 {{/* A label value: at most 63 characters, alphanumeric at both ends. */}}
