@@ -20,6 +20,7 @@ import pytest
 from aiohttp import web
 from helpers.secret_volume import Issued, SecretVolume, tls_files
 
+from cube.client._aio_transport import AioChannels
 from cube.client._sync_transport import SyncChannels
 from cube.client._transport import ClientTLS
 from cube.security import (
@@ -361,6 +362,31 @@ def test_sdk_channels_are_renewed_with_the_bundle(
     finally:
         channels.close()
     assert not channels._retired
+
+
+def test_asyncio_sdk_channels_are_renewed_with_the_bundle(
+    tmp_path: Path, certs: tuple[Issued, Issued]
+) -> None:
+    """As above for AsyncCubeClient's channels: the old ones close gracefully (their calls
+    in flight finish first), at the latest when the client closes."""
+    old, new = certs
+    volume = SecretVolume(tmp_path / "tls", tls_files(old))
+    tls = ClientTLS(volume.path("ca.crt"))
+
+    async def run() -> None:
+        channels = AioChannels("/cube.v1.CubeService/Seek", tls=tls)
+        try:
+            first = channels._callable("127.0.0.1:1")
+            volume.update(tls_files(old, old, new))
+            assert tls.trust.trust.check()
+            assert channels._callable("127.0.0.1:1") is not first
+            assert len(channels._retired) == 1
+            await asyncio.sleep(0.1)  # no call in flight: closed at once
+            assert not channels._retired
+        finally:
+            await channels.close()
+
+    asyncio.run(run())
 
 
 # ---------------------------------------------------------------------------------------------
