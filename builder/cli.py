@@ -47,7 +47,9 @@ from cube.paddle_ps import (
     VALUE_FIELDS,
     PaddleSource,
     ValueSpec,
+    accessor_named,
     parse_value_fields,
+    rules_named,
 )
 from cube.routing import PARTITIONERS
 from cube.seqfile import KEY_FORMATS
@@ -265,9 +267,11 @@ PADDLE_FLAGS = (
 )
 
 
-def paddle_source(flags: BuilderFlags) -> PaddleSource | None:
+def paddle_source(flags: BuilderFlags, read_config: bool = True) -> PaddleSource | None:
     """The -paddle_* flags (-paddle_config read: BuildError if it cannot be); FlagError when
-    they do not go together, or are given without -input_format paddle_ps."""
+    they do not go together, or are given without -input_format paddle_ps. Without
+    `read_config`, a -paddle_config is not read (its file may say the layout the flags leave
+    out): the flags given are checked, and None is returned."""
     defaults = BuilderFlags()
     if flags.input_format != "paddle_ps":
         given = [f"-{n}" for n in PADDLE_FLAGS if getattr(flags, n) != getattr(defaults, n)]
@@ -279,6 +283,14 @@ def paddle_source(flags: BuilderFlags) -> PaddleSource | None:
         raise FlagError("-key_format is for SequenceFiles (a save's keys are decimal text)")
     try:
         value = ValueSpec(parse_value_fields(flags.paddle_value), flags.paddle_dtype)
+        if flags.paddle_config and not read_config:  # the flags given, as PaddleSource would
+            if flags.paddle_accessor:
+                accessor_named(flags.paddle_accessor)
+            if flags.paddle_optimizer:
+                rules_named(flags.paddle_optimizer)
+            if flags.paddle_dim < 0:
+                raise ValueError(f"-paddle_dim must be > 0, got {flags.paddle_dim}")
+            return None
         config = (
             load_config(flags.paddle_config, flags.fetch_timeout) if flags.paddle_config else ()
         )
@@ -295,9 +307,10 @@ def paddle_source(flags: BuilderFlags) -> PaddleSource | None:
         raise FlagError(str(exc)) from None
 
 
-def config_from_flags(flags: BuilderFlags, now: int) -> BuildConfig:
+def config_from_flags(flags: BuilderFlags, now: int, read_config: bool = True) -> BuildConfig:
     """Check the flags and settle the versions; FlagError on anything wrong (BuildError when
-    -paddle_config cannot be read)."""
+    -paddle_config cannot be read). Without `read_config`, -paddle_config is not read
+    (`paddle_source`) and the config is only for checking: its `paddle` is a stand-in."""
     for name, given in (
         ("dict_name", flags.dict_name),
         ("input_path", flags.input_path),
@@ -340,10 +353,32 @@ def config_from_flags(flags: BuilderFlags, now: int) -> BuildConfig:
             allow_empty=flags.allow_empty,
             variable_width=flags.variable_width,
             input_format=flags.input_format,
-            paddle=paddle_source(flags),
+            paddle=_checked_paddle(flags, read_config),
         )
     except ValueError as exc:
         raise FlagError(str(exc)) from None
+
+
+def _checked_paddle(flags: BuilderFlags, read_config: bool) -> PaddleSource | None:
+    source = paddle_source(flags, read_config)
+    if source is None and flags.input_format == "paddle_ps":  # -paddle_config not read
+        return PaddleSource(accessor="ctr_common", dim=8, optimizer="adagrad")
+    return source
+
+
+def check_flags(argv: Sequence[str], read_config: bool = False) -> BuilderFlags:
+    """What cube-builder would refuse in `argv` before reading any input, as a FlagError
+    (cube-transfer checks its builder settings at start with this): unknown flags, bad
+    values, flags that do not go together, -engine spark's settings; -paddle_config is read
+    only with `read_config` (BuildError when it cannot be). Help and version flags, which
+    would print and exit without building, are refused too."""
+    for arg in argv:
+        if arg in ("-h", "-help", "--help", "-version", "--version"):
+            raise FlagError(f"{arg} prints and exits; it builds nothing")
+    flags = flag_set().parse(argv)
+    config_from_flags(flags, int(time.time()), read_config)
+    spark_settings(flags)
+    return flags
 
 
 def _refuse_versions_with_only_build(flags: BuilderFlags) -> None:

@@ -819,6 +819,56 @@ def test_builder_flags_follow_the_flags_the_transfer_sets(tmp_path: Path) -> Non
             parse_config(CONF.replace("quorum: 1", f"quorum: 1\nbuilder_flags: {flags}"), "t.conf")
 
 
+BUILDER_CONF = CONF.replace("buildtool_local: /bin/true", "buildtool_local: cube-builder")
+
+
+def test_builder_settings_are_checked_by_the_builders_own_parser(tmp_path: Path) -> None:
+    """A typo in builder_flags, a bad value, flags that do not go together: refused when
+    transfer.conf is read, naming the key and the flag (not found by a version abandoned at
+    its build); another buildtool_local's flags are its own."""
+    for flags, message in [
+        ("-engin spark", "t.conf:15: builder_flags: cube-builder would refuse them: unknown "
+                         "flag '-engin'; did you mean --engine?"),
+        ("-workers many", "t.conf:15: builder_flags: .*--workers: bad value 'many'"),
+        ("-engine mapreduce", "--engine: 'mapreduce' is not one of local, spark"),
+        ("-paddle_dim 8", "-paddle_dim needs -input_format paddle_ps"),
+        ("-spark_conf nokey", "--spark_conf: 'nokey' is not key=value"),
+        ("-input_format paddle_ps -paddle_accessor ctr -paddle_config /c", "unknown accessor"),
+        ("--help", "--help prints and exits"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=message):
+            parse_config(BUILDER_CONF.replace("quorum: 1", f"quorum: 1\nbuilder_flags: {flags}"),
+                         "t.conf")  # fmt: skip
+    fine = "-input_format paddle_ps -paddle_config /not/read/when/parsing -workers 3"
+    parse_config(BUILDER_CONF.replace("quorum: 1", f"quorum: 1\nbuilder_flags: {fine}"), "t.conf")
+    other = CONF.replace("quorum: 1", "quorum: 1\nbuilder_flags: -x 1")  # buildtool_local /bin/true
+    assert parse_config(other, "t.conf").builder_flags == ("-x", "1")
+
+
+@pytest.mark.slow
+def test_cube_transfer_exits_2_on_bad_builder_settings(tmp_path: Path) -> None:
+    """The real command: exit 2, one line naming transfer.conf's key and the flag, no
+    traceback; a -paddle_config that cannot be read is said at start too."""
+    import subprocess
+    import sys
+
+    for flags, message in [
+        ("-engine spark -workerz 3", "transfer.conf:15: builder_flags: cube-builder would "
+         "refuse them: unknown flag '-workerz'; did you mean --workers?"),
+        (f"-input_format paddle_ps -paddle_config {tmp_path}/missing.prototxt",
+         f"builder_flags: cube-builder would refuse them: -paddle_config {tmp_path}/missing"),
+    ]:  # fmt: skip
+        conf = tmp_path / "transfer.conf"
+        text = BUILDER_CONF.replace("quorum: 1", f"quorum: 1\nbuilder_flags: {flags}")
+        conf.write_text(text.replace("/tmp/cube-transfer", str(tmp_path)))
+        done = subprocess.run(
+            [sys.executable, "-m", "cube.transfer.main", "--config", str(conf), "-p", "0"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 @pytest.mark.slow
 def test_cube_transfer_cli_rejects_bad_configs(tmp_path: Path) -> None:
     import subprocess

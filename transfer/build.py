@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from cube import format as fmt
+from cube import remote
 from cube.fsutil import Md5Error, check_md5_file
 from cube.layout import member_problem, tar_name
 from cube.shard import INDEX_FILE
@@ -109,6 +110,43 @@ def builder_argv(
     if fetch_timeout is not None:
         argv += ["-fetch_timeout", f"{fetch_timeout:g}"]
     return argv + list(extra_flags)
+
+
+def builder_settings_problem(
+    tool: str, flags: tuple[str, ...], paddle_saves: bool, read_config: bool = False
+) -> str:
+    """What cube-builder would refuse in the flags a build gets from transfer.conf
+    (`builder_flags`, after `-input_format paddle_ps` when `paddle_saves`), parsed by the
+    builder's own flag parser with the flags the transfer sets around them (`builder_argv`):
+    unknown flags, bad values, flags that do not go together; with `read_config`, a local
+    -paddle_config is read too. "" when nothing, or when `tool` (buildtool_local) is not
+    cube-builder: another tool's flags are its own."""
+    if PurePosixPath(tool).name != "cube-builder":
+        return ""
+    from cube.builder.build import BuildError as BuilderError
+    from cube.builder.cli import check_flags
+    from cube.flags import FlagError
+
+    paddle = ("-input_format", "paddle_ps") if paddle_saves else ()
+    argv = builder_argv(
+        tool,
+        dict_name="check",
+        input_path="/input",
+        output_path="/output",
+        shard_num=1,
+        mode="base",
+        cur_version="1",
+        depend_version="1",
+        partitioner="mod",
+        extra_flags=(*paddle, *flags),
+    )[1:]
+    try:
+        parsed = check_flags(argv)
+        if read_config and parsed.paddle_config and not remote.is_remote(parsed.paddle_config):
+            check_flags(argv, read_config=True)
+    except (FlagError, BuilderError) as exc:
+        return f"cube-builder would refuse them: {' '.join(str(exc).split())}"
+    return ""
 
 
 async def run_builder(

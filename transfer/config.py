@@ -85,7 +85,7 @@ from cube.backoff import Backoff
 from cube.donefile import DONEFILE_FORMATS, DonefileFormat
 from cube.routing import PARTITIONERS
 from cube.security import Token
-from cube.transfer.build import TRANSFER_SET_FLAGS
+from cube.transfer.build import TRANSFER_SET_FLAGS, builder_settings_problem
 from cube.transfer.donefile import address_problem
 from cube.transfer.state import RetryPolicy
 
@@ -365,6 +365,7 @@ def parse_config(
         d.where("builder_flags"),
         DONEFILE_FORMATS[source_format].paddle_saves,
     )
+    _check_builder_settings(d, builder_flags, DONEFILE_FORMATS[source_format].paddle_saves)
     _check_unknown_keys(d)
     transfer_address = d.text("transfer_address", "127.0.0.1")
     return TransferConfig(
@@ -417,6 +418,16 @@ def parse_config(
         source_format=source_format,
         extra={k: v for k, (v, _) in d.section.items() if k not in DEFAULT_KEYS},
     )
+
+
+def _check_builder_settings(d: _Default, flags: tuple[str, ...], paddle_saves: bool) -> None:
+    """ConfigError naming the key when cube-builder would refuse the flags every build gets
+    from here (found now, not by a version abandoned at its build)."""
+    tool = d.text("buildtool_local", "cube-builder")
+    problem = builder_settings_problem(tool, flags, paddle_saves)
+    if problem:
+        key = "builder_flags" if flags else "source_format"
+        raise ConfigError(f"{d.where(key)}: {key}: {problem}")
 
 
 def _dict_name(d: _Default) -> str:

@@ -22,6 +22,7 @@ from cube.flags import FlagError, FlagSet, flag, run_cli
 from cube.listen import ListenError, address
 from cube.logs import LOG_FORMATS, setup_logging
 from cube.security import SecurityError, TLSFiles, require_token
+from cube.transfer.build import builder_settings_problem
 from cube.transfer.config import ConfigError, load_config
 from cube.transfer.donefile import SourceUnavailable, ensure_donefile_dir
 from cube.transfer.http_api import ListenSockets, bind_listeners, start_listeners
@@ -147,6 +148,11 @@ def run(argv: Sequence[str]) -> int:
         )
         TLSFiles(cfg.tls_cert, cfg.tls_key, cfg.agent_tls_ca).check("tls_cert/tls_key")
         cfg.agent_token_source()  # a token file that cannot be read: said now
+        problem = builder_settings_problem(  # with its -paddle_config read (a local one)
+            cfg.buildtool_local, cfg.builder_flags, cfg.donefile_format.paddle_saves, True
+        )
+        if problem:
+            raise ConfigError(f"{flags.config}: builder_flags: {problem}")
         for key in ("donefile_address", "upload_address"):
             try:  # s3fs present for an s3:// address: said now, not at the first poll
                 remote.require(getattr(cfg, key))
