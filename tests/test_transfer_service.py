@@ -1255,3 +1255,73 @@ def test_metrics_follow_the_rollouts(tmp_path: Path) -> None:
             assert get(samples, "cube_transfer_live_version_info", version=D1) is None
 
     run(body())
+
+
+def test_an_abandoned_version_is_retried_from_the_api_and_cube_cli(tmp_path: Path) -> None:
+    """A build the builder refused is abandoned (`not retried`); once the input is fixed,
+    POST /dict/retry (and `cube-cli retry`) queues it again: only abandoned versions, twice
+    is harmless, the request is in the journal (a restarted transfer still has it), and the
+    next cycle rolls it out with a fresh round of attempts."""
+    from cube.client import transfer_cmd
+
+    async def body() -> None:
+        async with (
+            harness(
+                tmp_path, shards=1, replicas=2, listeners=True, extra="api_token: r3try"
+            ) as h,  # fmt: skip
+            aiohttp.ClientSession(headers={"Authorization": "Bearer r3try"}) as http,
+        ):
+            await roll_out(h, B1)
+            await roll_out(h, B2, "FAIL")
+            rec = recorded(h.service, B2)
+            assert rec.status == "failed" and rec.abandoned.startswith("not retried"), rec
+            async with http.post(h.api + "/dict/retry", json={"version": B2}) as resp:
+                reply = await resp.json()
+            assert resp.status == 200 and reply["message"] == f"retry of {B2} queued", reply
+            assert reply["data"]["abandoned"] == "" and reply["data"]["retry_at"] > 0
+            async with http.post(h.api + "/dict/retry", json={"version": B2}) as resp:
+                reply = await resp.json()  # idempotent: already queued
+            assert resp.status == 200 and "already queued (a retry scheduled)" in reply["message"]
+            for version, message in ((B1, "is finished, not abandoned"), ("42", "not in the")):
+                async with http.post(h.api + "/dict/retry", json={"version": version}) as resp:
+                    reply = await resp.json()
+                assert resp.status == 400 and message in reply["message"], reply
+            async with (
+                aiohttp.ClientSession() as anonymous,
+                anonymous.post(h.api + "/dict/retry", json={"version": B2}) as resp,
+            ):
+                assert resp.status == 401
+            # in the journal: a transfer started now has the request
+            again = TransferService(h.cfg)
+            await again.open()
+            kept = recorded(again, B2)
+            assert kept.abandoned == "" and kept.retry_at > 0 and kept.attempts == 0, kept
+            assert "retry_requested" in kept.times
+            await again.close()
+            events = (h.cfg.tmp_address / "transfer_events.jsonl").read_text()
+            assert '"retry_requested"' in events
+
+            (h.tmp / "input" / B2 / "FAIL").unlink()  # the input is fixed
+            await h.service.cycle()
+            rec = recorded(h.service, B2)
+            assert rec.status == "finished" and rec.attempts == 1, rec
+            assert versions(h) == [B2, B2]
+
+            # cube-cli retry: a live version is refused (exit 1), an abandoned one queued
+            argv = [B2, "--transfer", h.api.removeprefix("http://")]
+            env = {"CUBE_API_TOKEN": "r3try"}
+            with pytest.MonkeyPatch.context() as patch:
+                for key, value in env.items():
+                    patch.setenv(key, value)
+                assert await asyncio.to_thread(transfer_cmd.run, argv) == 1
+                D3 = f"{B2}_1700000600"
+                await roll_out(h, D3, "FAIL")
+                assert recorded(h.service, D3).abandoned
+                (h.tmp / "input" / D3 / "FAIL").unlink()
+                assert await asyncio.to_thread(transfer_cmd.run, [D3, *argv[1:]]) == 0
+                await h.service.cycle()
+                assert recorded(h.service, D3).status == "finished"
+                patch.delenv("CUBE_API_TOKEN")
+                assert await asyncio.to_thread(transfer_cmd.run, [D3, *argv[1:]]) == 1
+
+    run(body())

@@ -58,6 +58,7 @@ API_LIST = [
     "GET /dict/meta_info?name=&version=&depend=&shard=[&split=0]",
     "POST /dict/meta_info/register (form: name, version, depend, shard, split, meta)",
     'POST /dict/rollback (JSON {"version": "<version>"})',
+    'POST /dict/retry (JSON {"version": "<version>"})',
 ]
 
 
@@ -292,6 +293,26 @@ class _Api:
             return await _reply(info, f"rollback to {version} failed: {rec.message}", "255", 500)
         return await _reply(info, f"rolled back to {version}")
 
+    # --- retrying an abandoned version
+
+    async def retry(self, request: web.Request) -> web.Response:
+        """Re-queue an abandoned version (idempotent: one already on its way is left as it
+        is); answers at once with its record, the rollout follows as for any version."""
+        try:
+            body = json.loads(await request.read())
+        except ValueError:
+            raise BadRequest('the body must be JSON: {"version": "<version>"}') from None
+        version = _rollback_version(body)
+        try:
+            rec, requeued = await self.service.retry(version)
+        except ValueError as exc:
+            return _error(str(exc), 400)
+        info = views.version_info(self.cfg, rec)
+        if requeued:
+            return await _reply(info, f"retry of {version} queued")
+        state = "a retry scheduled" if rec.awaiting_retry else rec.status
+        return await _reply(info, f"version {version} is already queued ({state})")
+
     # --- the status page
 
     async def page(self, request: web.Request) -> web.Response:
@@ -337,6 +358,7 @@ def build_api(service: TransferService) -> web.Application:
     app.router.add_get("/dict/meta_info", api.meta_info)
     app.router.add_post("/dict/meta_info/register", api.register_meta)
     app.router.add_post("/dict/rollback", api.rollback)
+    app.router.add_post("/dict/retry", api.retry)
     app.router.add_route("*", "/{tail:.*}", _unknown)
     return app
 

@@ -57,6 +57,7 @@ from cube.transfer.state import (
     now,
     progress_recorder,
     quorum_shortfall,
+    requeue,
     shrink_refusal,
     width_refusal,
 )
@@ -548,6 +549,19 @@ class TransferService:
             return rec
         finally:
             self.lock.release()
+
+    async def retry(self, version: str) -> tuple[VersionRecord, bool]:
+        """Roll out the abandoned `version` again (`state.requeue`: ValueError when it cannot
+        be): journaled before the answer, so a restart keeps it; the worker is woken to take
+        it (after the rollout in progress, if any). Returns its record and whether this call
+        re-queued it (False: it already was)."""
+        rec, requeued = requeue(self.state, version, now())
+        if requeued:
+            await self.save()
+            self.journal.event("retry_requested", version=rec.version, line=rec.line)
+            log.info("version %s: retry requested over the API (%s)", version, rec.last_error)
+            self.wake.set()
+        return rec, requeued
 
     async def _resume_rollback(self, dep: Deployment) -> None:
         rec = next(

@@ -459,6 +459,51 @@ def abandon(rec: VersionRecord, why: str) -> None:
     rec.abandoned = why
 
 
+def requeue(state: TransferState, version: str, at: float) -> tuple[VersionRecord, bool]:
+    """An operator's retry of the abandoned `version` (its latest record): it awaits a retry
+    due at once, with a fresh round of attempts (`attempts` counts from 0 again), and
+    `times["retry_requested"]` says when it was asked for. Returns the record and whether
+    this call re-queued it: False when it is already on its way (pending, in progress, or
+    awaiting a retry), so that asking twice is harmless. ValueError when there is no such
+    version, or it cannot be retried: live or finished, refused or skipped (publish its line
+    again), or a version the live table has moved past."""
+    rec = state.record(version)
+    if rec is None:
+        raise ValueError(f"version {version!r} is not in the history")
+    if not rec.terminal:  # pending, in progress, or awaiting a retry
+        return rec, False  # already to be rolled out: nothing to do
+    if rec.status != VersionStatus.FAILED:
+        raise ValueError(
+            f"version {version} is {rec.status}, not abandoned: only a failed version that "
+            "will not be tried again can be retried"
+            + (" (publish its line again)" if rec.status in ("refused", "skipped") else "")
+        )
+    problem = _moved_past(state, rec)
+    if problem:
+        raise ValueError(f"version {version} cannot be retried: {problem}")
+    rec.abandoned = ""
+    rec.attempts = 0
+    rec.retry_at = max(at, 0.001)
+    rec.times["retry_requested"] = at
+    return rec, True
+
+
+def _moved_past(state: TransferState, rec: VersionRecord) -> str:
+    """Why the live table leaves no place for `rec` ("" when it has one): what next_version
+    would refuse it for."""
+    if rec.mode == "base":
+        if state.live_base and int(rec.id) <= int(state.live_base):
+            return f"the live base {state.live_base} is not older"
+        return ""
+    if not state.live_base:
+        return f"no base is live (it needs {rec.key})"
+    if rec.key != state.live_base:
+        return f"it is a patch of base {rec.key}; the live base is {state.live_base}"
+    if len(state.live_chain) > 1 and int(rec.id) <= int(state.live_chain[-1].split("_")[-1]):
+        return f"the live delta {state.live_chain[-1]} is not older (deltas apply in order)"
+    return ""
+
+
 def after_failure(
     rec: VersionRecord, retryable: bool, final: str, policy: RetryPolicy, at: float
 ) -> str:

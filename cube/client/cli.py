@@ -4,6 +4,9 @@
              --thread_num 4 [--requests 1000] [--print_output] [--timeout ms] [--retry n]
              [--tls_ca ca.pem [--tls_server_name name]]
 
+`cube-cli retry VERSION --transfer HOST:PORT` asks a cube-transfer to roll out an abandoned
+version again (cube/client/transfer_cmd.py).
+
 Like the original's tool: every thread sends `--requests` batches of `--batch` keys, cycling
 through the key file (one decimal key per line). Unlike it, QPS is total requests over the
 wall time of the whole run (all threads), and keys/s is reported too. Exit status: 0 when
@@ -230,7 +233,12 @@ def _overrides(flags: CliFlags) -> ClientOptions[SyncTransport]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_cli(run, argv)
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["retry"]:  # cube-cli retry VERSION: the transfer's POST /dict/retry
+        from cube.client import transfer_cmd
+
+        return run_cli(transfer_cmd.run, args[1:])
+    return run_cli(run, args)
 
 
 if __name__ == "__main__":

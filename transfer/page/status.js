@@ -97,6 +97,9 @@
     const ordered = history.slice().sort((a, b) => (a.create_time || 0) - (b.create_time || 0));
     const live = ordered.findLastIndex((r) => r.version === info.live_version &&
       r.mode !== "rollback");
+    // the latest record of each version: the one a retry acts on
+    const latest = new Map();
+    for (const record of ordered) if (record.mode !== "rollback") latest.set(record.version, record);
     const table = $("history").tBodies[0];
     table.replaceChildren();
     ordered.forEach((record, index) => {
@@ -120,7 +123,31 @@
         button.addEventListener("click", () => rollback(record.version));
         action.appendChild(button);
       }
+      const retryable = record.status_str === "failed" && record.abandoned && !record.retry_at &&
+        record.version && record.mode !== "rollback" && latest.get(record.version) === record;
+      if (retryable) {
+        const button = document.createElement("button");
+        button.className = "retry";
+        button.textContent = "Retry " + record.version;
+        button.addEventListener("click", () => retry(record.version));
+        action.appendChild(button);
+      }
     });
+  }
+
+  async function retry(version) {
+    if (!confirm("Roll " + version + " out again?")) return;
+    try {
+      await api("dict/retry", {
+        method: "POST",
+        headers: { "Content-Type": "application/json" },
+        body: JSON.stringify({ version }),
+      });
+      problem("");
+    } catch (error) {
+      problem("retry of " + version + " failed: " + error.message);
+    }
+    refresh();
   }
 
   async function rollback(version) {
