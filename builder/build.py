@@ -72,6 +72,7 @@ from cube.layout import (
 )
 from cube.paddle_ps import KEY_FORMAT, PaddleSource, TableLayout, ValueSpec
 from cube.routing import check_partitioner, shard_of
+from cube.seqfile import MAGIC as SEQ_MAGIC
 from cube.seqfile import LocatedBatch, SequenceFileReader
 from cube.shard_writer import DATA_FILE, INDEX_FILE, write_shard
 from cube.values import ValueColumn
@@ -599,6 +600,7 @@ def build(
         note = describe(table)
     else:
         files = list_input_files(input_path)
+        refuse_paddle_save(files, str(input_path), source)
     deleted = read_delete_keys(delete_path) if delete_path is not None else np.empty(0, np.uint64)
     refuse_empty_input(config, source, len(files), None, int(deleted.shape[0]))
     warmer = _Warmer(files)
@@ -643,6 +645,27 @@ def build(
         warnings=warnings,
         input_note=note,
     )
+
+
+def refuse_paddle_save(files: Sequence[Path], input_path: str, source: str) -> None:
+    """A BuildError suggesting -input_format paddle_ps (and the layout flags its rows fit)
+    when the first input file is not a SequenceFile and the input is a parameter-server
+    save (`cube.builder.paddle_ps.save_hint`); otherwise nothing: the reading says what is
+    wrong. The message names files and layouts, never what a file holds."""
+    if not files:
+        return
+    try:
+        with open(files[0], "rb") as file:
+            if file.read(len(SEQ_MAGIC)) == SEQ_MAGIC:
+                return
+    except OSError:
+        return  # the reading says why
+    from cube.builder.paddle_ps import save_hint
+
+    hint = save_hint(input_path)
+    if hint:
+        name = files[0].relative_to(input_path) if files[0] != Path(input_path) else files[0]
+        raise BuildError(f"{source}: not SequenceFiles ({name} is not one); {hint}")
 
 
 def base_widths(config: BuildConfig) -> tuple[frozenset[int] | None, str]:

@@ -38,6 +38,7 @@ from cube.paddle_ps import (
     TableConfig,
     TableLayout,
     ValueSpec,
+    fitting_layouts,
     parse_fleet_desc,
     parse_rows,
     sparse_folder_problem,
@@ -186,6 +187,13 @@ def first_row(url: str, timeout: float = FETCH_TIMEOUT) -> bytes | None:
     """The first non-blank line of a part file (plain or gzip; local or remote), from its
     first bytes; None when they hold none (blank lines, or not readable as gzip: the folder is
     then judged by its file names, and the build's reading says what is wrong)."""
+    rows = head_rows(url, timeout, 1)
+    return rows[0] if rows else None
+
+
+def head_rows(url: str, timeout: float = FETCH_TIMEOUT, count: int = 1) -> list[bytes]:
+    """Up to `count` non-blank whole lines from the first bytes of a part file (`first_row`'s
+    rules: [] when they hold none)."""
     try:
         if remote.is_remote(url):
             with remote.Reader(url, min(60.0, timeout), block=SNIFF_BYTES) as reader:
@@ -201,8 +209,62 @@ def first_row(url: str, timeout: float = FETCH_TIMEOUT) -> bytes | None:
         try:
             head = zlib.decompressobj(31).decompress(head, SNIFF_BYTES)
         except zlib.error:
-            return None  # not readable as gzip: the build says so, with the line
-    return next((line for line in bytes(head).split(b"\n") if line.strip(b" \t\r")), None)
+            return []  # not readable as gzip: the build says so, with the line
+    lines = bytes(head).split(b"\n")
+    if count > 1 and len(lines) > 1 and len(head) >= SNIFF_BYTES:
+        lines.pop()  # cut by the sniff: not a whole line
+    return [line for line in lines if line.strip(b" \t\r")][:count]
+
+
+HINT_ROWS = 64  # rows sampled for `save_hint`
+
+
+def save_hint(input_path: str, timeout: float = 60.0) -> str:
+    """For a SequenceFile build of `input_path` whose files are not SequenceFiles: when it is
+    a parameter-server save (`find_table` finds its sparse table by its files and first
+    rows), the flags to build it with: -input_format paddle_ps and the layout flags its
+    first rows fit (`fitting_layouts`); "" when it is not one. It names layouts and counts,
+    never what the files hold."""
+    locate = PaddleSource(accessor="ctr_common", dim=8, optimizer="adagrad")  # finds, no more
+    try:
+        table = find_table(input_path, locate, timeout)
+        rows = head_rows(table.files[0].url, timeout, HINT_ROWS) if table.files else []
+    except BuildError:
+        return ""
+    single = not remote.is_remote(input_path) and Path(input_path).is_file()
+    fits = fitting_layouts(rows)
+    if not fits and single:
+        return ""  # a lone file of rows this reader does not know: no sign of a save
+    advice = "-input_format paddle_ps"
+    sample = f"its first {len(rows)} rows" if len(rows) != 1 else "its first row"
+    if len(fits) == 1:
+        layout, short = fits[0]
+        dim = "D (its rows are saved without their embedx part: D is the model's embedding size)"
+        flags = (
+            f"{advice} -paddle_accessor {layout.accessor.name} -paddle_dim "
+            f"{dim if short else layout.dim} -paddle_optimizer {layout.embed_rule.name}"
+        )
+        return (
+            f"it looks like a PaddlePaddle parameter-server save ({table.folder}, a sparse "
+            f"table): build it with {flags}, the one layout {sample} fit (-paddle_config "
+            "FILE, the trainer's fleet_desc.prototxt, says so for sure)"
+        )
+    if fits:
+        names = [
+            f"{c.accessor.name} (dim {'any' if short else c.dim}, optimizer {c.embed_rule.name})"
+            for c, short in fits[:6]
+        ]
+        more = f" and {len(fits) - 6} more" if len(fits) > 6 else ""
+        layouts = f"{sample} fit {', '.join(names)}{more}"
+    elif rows:
+        layouts = f"{sample} fit no layout this reader knows"
+    else:
+        layouts = "its first part file holds no row to tell the layout by"
+    return (
+        f"it looks like a PaddlePaddle parameter-server save ({table.folder}, a sparse table): "
+        f"build it with {advice} and its layout: -paddle_config FILE (the trainer's "
+        f"fleet_desc.prototxt), or -paddle_accessor, -paddle_dim, -paddle_optimizer; {layouts}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -779,13 +779,27 @@ def parse_rows(
         raise PaddleRowError(str(exc) + fit_report(exc.line, layout)) from None
 
 
+def fitting_layouts(rows: Sequence[bytes]) -> list[tuple[TableLayout, bool]]:
+    """The layouts a sample of a table's rows fits: every one of `candidate_layouts` (for the
+    first row's count) whose form and invariants each row meets, with whether it is given at
+    its least dim (short rows: the dim is then unknown). A sample proves no layout; it can
+    only leave fewer."""
+    if not rows:
+        return []
+    floats = len(_FIELD.findall(rows[0])) - 1
+    return [
+        (candidate, short)
+        for candidate, short in candidate_layouts(floats)
+        if not any(_refuses(row, candidate) for row in rows)
+    ]
+
+
 def fit_report(line: bytes, layout: TableLayout) -> str:
     """What a row refused by `layout` would fit, for its message: every other layout whose
     form and invariants it meets, and that one row proves none of them."""
-    fields = _FIELD.findall(line)
     fits = []
-    for candidate, short in candidate_layouts(len(fields) - 1):
-        if candidate == layout or _refuses(line, candidate):
+    for candidate, short in fitting_layouts([line]):
+        if candidate == layout:
             continue
         rules = candidate.describe().split("optimizer ")[1].rstrip(")")
         dim = "a short row: any dim" if short else f"dim {candidate.dim}"

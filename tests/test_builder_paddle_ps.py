@@ -16,7 +16,7 @@ from helpers.build_inputs import output_digests
 from test_builder import assert_no_leftovers, build_args, run_builder
 
 from cube.builder import paddle_ps as shell
-from cube.builder.build import BuildConfig, BuildError, build
+from cube.builder.build import BuildConfig, BuildError, build, refuse_paddle_save
 from cube.kernel import COMPILED
 from cube.paddle_ps import PaddleSource, ValueSpec, parse_fleet_desc
 from cube.seqfile import SequenceFileWriter
@@ -594,3 +594,41 @@ def test_a_file_outside_a_save_is_not_repeated_in_the_error(tmp_path: Path) -> N
     done = run_builder(*build_args(other, tmp_path / "out", 1, **CTR_FLAGS))
     assert done.returncode == 1 and f"error: {other} line 1: field 1 (key)" in done.stderr
     assert "hunter2" not in done.stderr and "admin" not in done.stderr, done.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# A plain build of a save (issue 36 item 5): the error says -input_format paddle_ps
+
+
+def test_a_plain_build_of_a_save_suggests_paddle_ps_and_the_layouts_its_rows_fit(
+    tmp_path: Path,
+) -> None:
+    """No -input_format: the save is not SequenceFiles, and the error says how to build it,
+    with the layouts its first rows fit (found by the paddle_ps module), never their content;
+    a file that is neither keeps the SequenceFile reader's error."""
+    save = DATA / "ctr_common_adagrad" / "base"
+    with pytest.raises(BuildError) as caught:
+        build(config(tmp_path / "out", input_format="seqfile"), save)
+    message = str(caught.value)
+    assert message.startswith(f"{save}: not SequenceFiles (000/part-"), message
+    assert "looks like a PaddlePaddle parameter-server save" in message
+    assert "build it with -input_format paddle_ps" in message and "-paddle_config FILE" in message
+    assert "ctr_common (dim 8, optimizer adagrad)" in message  # the layout it was saved with
+    part = next(p for p in sorted((save / "000").iterdir()) if p.stat().st_size)
+    first = shell.head_rows(str(part), count=1)[0].decode()
+    shown = [token for token in first.split() if len(token) >= 5 and token in message]
+    assert not shown, shown  # nothing read from the file is echoed
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "part-00000").write_bytes(b"1 2 3\nhello\n")
+    refuse_paddle_save([other / "part-00000"], str(other), str(other))  # the reader's error
+
+
+@pytest.mark.slow
+def test_the_cli_suggests_paddle_ps_for_a_save(tmp_path: Path) -> None:
+    done = run_builder(*build_args(DATA / "ctr_double_adagrad" / "checkpoint", tmp_path / "o", 1))
+    assert done.returncode == 1, done.stderr
+    assert "build it with -input_format paddle_ps" in done.stderr, done.stderr
+    assert "ctr_double (dim 8, optimizer adagrad)" in done.stderr, done.stderr
