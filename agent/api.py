@@ -44,8 +44,7 @@ from cube.security import TokenLike, token_middleware
 
 log = logging.getLogger("cube.agent")
 
-API_LIST = ["GET /agent/status", "POST /agent/cmd", "GET /healthz", "GET /agent/peer/manifest",
-            "GET /agent/peer/tar/{version}/{name}"]  # fmt: skip
+API_LIST = ["GET /agent/status", "POST /agent/cmd"]  # the original's (peers' and /healthz aside)
 HEALTH_PATH = "/healthz"  # no token: the kubelet's liveness probe (answered by the event loop)
 MAX_BODY = 1 << 20  # a command is a few hundred bytes
 AGENTS_KEY = web.AppKey("agents", dict[Path, Agent])
