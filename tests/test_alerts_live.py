@@ -14,8 +14,8 @@ the fault goes away and the alert's window allows, until it is resolved):
 - CubeLookupErrors: lookups sent to a server that serves nothing yet (UNAVAILABLE);
 - CubeWorkerUnreachable: worker 1 of the two-worker server stopped (SIGSTOP; resolved:
   SIGCONT);
-- CubeLookupP99High: batches of 100,000 keys against a 5 ms budget, after 10-key ones that
-  stay under it;
+- CubeLookupP99High: batches of 100,000 keys against a 5 ms budget (after 10-key lookups:
+  the p99 it sees grows past theirs);
 - CubeReplicaUnreachable, CubeShardUnreachable: both servers of shard 1 stopped (resolved:
   started again);
 - CubeDonefileUnreadable: the donefile's directory moved away (then back);
@@ -40,6 +40,7 @@ import shutil
 import subprocess
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -83,6 +84,11 @@ pytestmark = [
 # thresholds the test can reach in seconds; every other alert keeps the file's
 THRESHOLDS = {"CubeLookupP99High": 0.005, "CubeNoNewVersion": 20, "CubeRolloutStuck": 8}
 DISK = "8Mi"  # agent.storage.size: the agents' --disk_limit
+# what CubeLookupP99High compares with its threshold
+P99 = (
+    "histogram_quantile(0.99, sum by (job, le) "
+    '(rate(cube_server_request_duration_seconds_bucket{{job="{job}"}}[5m])))'
+)
 KEYS = 20_000  # a base: 10,000 keys of 16 bytes a shard, a tar of 320 kB
 
 
@@ -262,6 +268,12 @@ class Prometheus:
         """Wait until `name` (with `labels`) is neither firing nor pending."""
         if not poll_until(lambda: not self.alerts(name, "", labels), timeout, 0.25):
             raise AssertionError(f"{name} {labels} still active after {timeout} s")
+
+    def value(self, expr: str) -> float:
+        """The value of an instant query that gives one series."""
+        query = urllib.parse.urlencode({"query": expr})
+        (result,) = self.get(f"/api/v1/query?{query}")["data"]["result"]
+        return float(result["value"][1])
 
     def summary(self) -> str:
         active = self.get("/api/v1/alerts")["data"]["alerts"]
@@ -477,17 +489,18 @@ def run_the_faults(
     prometheus.resolves("CubeReplicaNotServing", pod="t-cube-shard-0-0")
     note("base 1 live: CubeReplicaNotServing resolved")
 
-    # lookups within their budget (hundreds: a rare slow one stays outside the 99th
-    # percentile), then slower ones
+    # 10-key lookups, then batches of 100,000 keys: what the alert sees grows past its budget
+    # (not asserted: that 10-key ones stay under it, on a machine as busy as a test run's)
     with lookups(shard0, even[:10], per_second=200) as codes:
         time.sleep(2)
-    time.sleep(3)  # scraped and evaluated: not even pending
-    assert not codes and not prometheus.alerts("CubeLookupP99High", "", {"job": "t-cube-shard-0"})
+    time.sleep(2)  # scraped
+    small = prometheus.value(P99.format(job="t-cube-shard-0"))
+    assert not codes
     big = np.resize(even, 100_000)
     with lookups(shard0, big, per_second=20):
         alert = prometheus.fires("CubeLookupP99High", job="t-cube-shard-0")
-    assert float(alert["value"]) > THRESHOLDS["CubeLookupP99High"]
-    note(f"CubeLookupP99High ({float(alert['value']) * 1000:.1f} ms)")
+    assert float(alert["value"]) > max(small, THRESHOLDS["CubeLookupP99High"])
+    note(f"CubeLookupP99High (p99 {small * 1000:.2f} ms, then {float(alert['value']) * 1000:.1f})")
 
     # a shard's replicas down, then back
     stop([cluster.proc("server1_0"), cluster.proc("server1_1")], timeout=10)
