@@ -138,9 +138,7 @@ def test_up_status_wait_restart_down(tmp_path: Path, cluster_dir: Path) -> None:
     assert gone.returncode == 1 and "no cluster" in gone.stderr
 
 
-def test_up_with_metrics_gives_every_process_an_endpoint(
-    tmp_path: Path, cluster_dir: Path
-) -> None:
+def test_up_with_metrics_gives_every_process_an_endpoint(tmp_path: Path, cluster_dir: Path) -> None:
     """`up --metrics`: each process's /metrics on a port of its own, recorded in cluster.json
     (kept by a restart) and listed by status, serving its command's families."""
     from helpers.procs import scrape
