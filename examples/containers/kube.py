@@ -32,9 +32,11 @@ class FieldRef:
 class Probe:
     """A readiness / liveness / startup probe, run from the node (the host)."""
 
-    action: Literal["grpc", "tcp"]
+    action: Literal["grpc", "tcp", "http"]
     port: int
     service: str = ""  # grpc: the health service asked
+    path: str = ""  # http: the path asked
+    scheme: Literal["HTTP", "HTTPS"] = "HTTP"
     period: float = 10.0
     timeout: float = 1.0
     failure_threshold: int = 3
@@ -438,21 +440,33 @@ class _Translator:
             "failureThreshold": "failure_threshold",
             "initialDelaySeconds": "initial_delay",
         }
-        _only(spec, ("grpc", "tcpSocket", *timing), where)
+        _only(spec, ("grpc", "tcpSocket", "httpGet", *timing), where)
         kwargs: dict[str, Any] = {timing[k]: v for k, v in spec.items() if k in timing}
+
+        def port_of(action: dict[str, Any]) -> int:
+            port = action["port"]
+            if isinstance(port, str):
+                if port not in ports:
+                    raise Unsupported(f"{where}: no port named {port}")
+                port = ports[port]
+            return int(port)
+
         if "grpc" in spec:
             _only(spec["grpc"], ("port", "service"), where)
             port = spec["grpc"]["port"]
             return Probe("grpc", int(port), service=spec["grpc"].get("service", ""), **kwargs)
         if "tcpSocket" in spec:
             _only(spec["tcpSocket"], ("port",), where)
-            port = spec["tcpSocket"]["port"]
-            if isinstance(port, str):
-                if port not in ports:
-                    raise Unsupported(f"{where}: no port named {port}")
-                port = ports[port]
-            return Probe("tcp", int(port), **kwargs)
-        raise Unsupported(f"{where}: a probe other than grpc and tcpSocket")
+            return Probe("tcp", port_of(spec["tcpSocket"]), **kwargs)
+        if "httpGet" in spec:
+            action = spec["httpGet"]
+            _only(action, ("port", "path", "scheme"), where)
+            scheme = action.get("scheme", "HTTP")
+            if scheme not in ("HTTP", "HTTPS"):
+                raise Unsupported(f"{where}: httpGet scheme {scheme}")
+            path = action.get("path", "/")
+            return Probe("http", port_of(action), path=path, scheme=scheme, **kwargs)
+        raise Unsupported(f"{where}: a probe other than grpc, tcpSocket and httpGet")
 
     def env(self, spec: dict[str, Any], where: str) -> tuple[tuple[str, str | FieldRef], ...]:
         env: dict[str, str | FieldRef] = {}

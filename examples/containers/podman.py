@@ -17,10 +17,12 @@ import json
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -303,6 +305,17 @@ class PodmanCluster:
         address = f"{self.ip(pod)}:{probe.port}"
         if probe.action == "grpc":
             return health_status(address, probe.timeout, probe.service) == SERVING
+        if probe.action == "http":  # as a kubelet: 200-399 passes; HTTPS not verified
+            url = f"{probe.scheme.lower()}://{address}{probe.path}"
+            context = None
+            if probe.scheme == "HTTPS":
+                context = ssl.create_default_context()
+                context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+            try:
+                with urllib.request.urlopen(url, timeout=probe.timeout, context=context) as answer:
+                    return 200 <= int(answer.status) < 400
+            except (OSError, ValueError):
+                return False
         with contextlib.suppress(OSError):
             socket.create_connection((self.ip(pod), probe.port), probe.timeout).close()
             return True
