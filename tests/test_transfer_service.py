@@ -1011,6 +1011,10 @@ def test_a_meta_json_cannot_read_is_a_400(tmp_path: Path) -> None:
             assert status == 400 and "meta: not JSON" in reply["message"], reply
             status, reply = await _ask(http, "POST", url, data={**form, "meta": '{"a": 1'})
             assert status == 400 and "meta: not JSON (Expecting" in reply["message"], reply
+            for route in ("/dict/rollback", "/dict/retry"):  # the version bodies alike
+                for hostile in (b"[" * 60000, b'{"version": ' + b"7" * 5000 + b"}"):
+                    status, reply = await _ask(http, "POST", h.api + route, data=hostile)
+                    assert status == 400 and "the body must be JSON" in reply["message"], reply
 
     run(body())
 

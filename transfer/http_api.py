@@ -184,6 +184,15 @@ def _meta_json(text: str) -> None:
         raise BadRequest("meta: expected a non-empty JSON object")
 
 
+async def _version_of(request: web.Request) -> str:
+    """The version named by a rollback or retry body `{"version": "<version>"}`."""
+    try:
+        body = json.loads(await request.read())
+    except (ValueError, RecursionError):  # not JSON, over 4300 digits, too deep
+        raise BadRequest('the body must be JSON: {"version": "<version>"}') from None
+    return _rollback_version(body)
+
+
 def _rollback_version(body: object) -> str:
     """The version name of a rollback body `{"version": "<version>"}` (an int is taken too)."""
     if not isinstance(body, dict):
@@ -277,11 +286,7 @@ class _Api:
     # --- rollback
 
     async def rollback(self, request: web.Request) -> web.Response:
-        try:
-            body = json.loads(await request.read())
-        except ValueError:
-            raise BadRequest('the body must be JSON: {"version": "<version>"}') from None
-        version = _rollback_version(body)
+        version = await _version_of(request)
         try:
             rec = await self.service.rollback(version)
         except Busy as exc:
@@ -298,11 +303,7 @@ class _Api:
     async def retry(self, request: web.Request) -> web.Response:
         """Re-queue an abandoned version (idempotent: one already on its way is left as it
         is); answers at once with its record, the rollout follows as for any version."""
-        try:
-            body = json.loads(await request.read())
-        except ValueError:
-            raise BadRequest('the body must be JSON: {"version": "<version>"}') from None
-        version = _rollback_version(body)
+        version = await _version_of(request)
         try:
             rec, requeued = await self.service.retry(version)
         except ValueError as exc:
