@@ -132,8 +132,10 @@ def test_server_certificate_and_ca_rotation_under_lookups(tmp_path: Path) -> Non
         lane_port = server.written_ports()["tcp_ports"][0]
 
         def client(transport: TransportName = "auto", tls_ca: str = ca) -> CubeClient:
+            # no retry: a failed attempt fails the lookup; a timeout that a loaded machine
+            # does not reach (a refused certificate fails at once)
             return CubeClient(
-                shards=[[server.address]], tls_ca=tls_ca, transport=transport, retry=0
+                [[server.address]], tls_ca=tls_ca, transport=transport, retry=0, timeout=10
             )
 
         def kept(client: CubeClient) -> Callable[[], bool]:
