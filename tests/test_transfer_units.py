@@ -848,15 +848,22 @@ def test_builder_settings_are_checked_by_the_builders_own_parser(tmp_path: Path)
 @pytest.mark.slow
 def test_cube_transfer_exits_2_on_bad_builder_settings(tmp_path: Path) -> None:
     """The real command: exit 2, one line naming transfer.conf's key and the flag, no
-    traceback; a -paddle_config that cannot be read is said at start too."""
+    traceback; a -paddle_config that is there but cannot be read is said at start too (one
+    not there yet is not: a Fleet trainer writes it with its first save, and each build reads
+    it)."""
     import subprocess
     import sys
 
+    from cube.transfer.build import builder_settings_problem
+
+    missing = ("-paddle_config", str(tmp_path / "missing.prototxt"))
+    assert builder_settings_problem("cube-builder", missing, True, read_config=True) == ""
+    (tmp_path / "bad.prototxt").write_text("not a fleet desc {{{\n")
     for flags, message in [
         ("-engine spark -workerz 3", "transfer.conf:15: builder_flags: cube-builder would "
          "refuse them: unknown flag '-workerz'; did you mean --workers?"),
-        (f"-input_format paddle_ps -paddle_config {tmp_path}/missing.prototxt",
-         f"builder_flags: cube-builder would refuse them: -paddle_config {tmp_path}/missing"),
+        (f"-input_format paddle_ps -paddle_config {tmp_path}/bad.prototxt",
+         f"builder_flags: cube-builder would refuse them: -paddle_config {tmp_path}/bad"),
     ]:  # fmt: skip
         conf = tmp_path / "transfer.conf"
         text = BUILDER_CONF.replace("quorum: 1", f"quorum: 1\nbuilder_flags: {flags}")

@@ -119,7 +119,7 @@ def builder_settings_problem(
     (`builder_flags`, after `-input_format paddle_ps` when `paddle_saves`), parsed by the
     builder's own flag parser with the flags the transfer sets around them (`builder_argv`):
     unknown flags, bad values, flags that do not go together; with `read_config`, a local
-    -paddle_config is read too. "" when nothing, or when `tool` (buildtool_local) is not
+    -paddle_config that exists is read too. "" when nothing, or when `tool` (buildtool_local) is not
     cube-builder: another tool's flags are its own."""
     if PurePosixPath(tool).name != "cube-builder":
         return ""
@@ -142,7 +142,10 @@ def builder_settings_problem(
     )[1:]
     try:
         parsed = check_flags(argv)
-        if read_config and parsed.paddle_config and not remote.is_remote(parsed.paddle_config):
+        config = parsed.paddle_config
+        # a local file that is there is read now; one that is not there yet is read by each
+        # build (a Fleet trainer writes its fleet_desc.prototxt with its first save)
+        if read_config and config and not remote.is_remote(config) and Path(config).exists():
             check_flags(argv, read_config=True)
     except (FlagError, BuilderError) as exc:
         return f"cube-builder would refuse them: {' '.join(str(exc).split())}"
