@@ -4,11 +4,11 @@ Debian's `prometheus` scrapes a local cluster (cube-local: two shards of two rep
 cube-server and a cube-agent each, and the cube-transfer, real processes on loopback) started
 with the arguments `helm template` renders for them, as the chart's ServiceMonitors name the
 jobs (a shard's Service: its servers and agents; the transfer's), and evaluates the chart's
-rendered PrometheusRule, each alert's `for` set to 1s and a few thresholds made reachable
-through `metrics.prometheusRule.alerts`. A server of two workers rendered with
-`server.workers: 2` runs beside it. Then the failure each alert watches for is made to happen,
-one after the other, and the test waits until Prometheus reports the alert firing (and, where
-the fault goes away and the alert's window allows, until it is resolved):
+rendered PrometheusRule, each alert's `for` set to 1s, a few thresholds made reachable and
+the rate/increase windows made 20 s through `metrics.prometheusRule.alerts`. A server of two
+workers rendered with `server.workers: 2` runs beside it. Then the failure each alert
+watches for is made to happen, one after the other, and the test waits until Prometheus
+reports the alert firing, and resolved once the fault is gone:
 
 - CubeReplicaNotServing: servers up before any base is published (resolved: a base goes live);
 - CubeLookupErrors: lookups sent to a server that serves nothing yet (UNAVAILABLE);
@@ -27,7 +27,10 @@ the fault goes away and the alert's window allows, until it is resolved):
   published while that volume is full: its download fails (`no_space`), the other replicas
   take it (quorum 1); resolved once the file is removed and the transfer catches it up;
 - CubeRolloutStuck: an agent stopped (SIGSTOP) during a rollout, against an 8 s threshold
-  (resolved: SIGCONT, the rollout ends).
+  (resolved: SIGCONT, the rollout ends);
+- at the end, every alert over a window (CubeLookupP99High, CubeLookupErrors,
+  CubeDonefileUnreadable, CubeRolloutAborted, CubeVersionAbandoned, CubeAgentDownloadsFailing)
+  resolved once its 20 s window is past the fault: every alert has fired and resolved.
 
 Every process started here is stopped by its PID at the end. About 100 s on 2 cores.
 """
@@ -83,6 +86,13 @@ pytestmark = [
 
 # thresholds the test can reach in seconds; every other alert keeps the file's
 THRESHOLDS = {"CubeLookupP99High": 0.005, "CubeNoNewVersion": 20, "CubeRolloutStuck": 8}
+# windows the test can see pass: the alerts over a rate()/increase() range resolve once their
+# fault is over by that long (the file's 5 and 15 minutes would outlast the test)
+WINDOWS = dict.fromkeys(
+    ("CubeLookupP99High", "CubeLookupErrors", "CubeDonefileUnreadable", "CubeRolloutAborted",
+     "CubeVersionAbandoned", "CubeAgentDownloadsFailing"),
+    "20s",
+)  # fmt: skip
 DISK = "8Mi"  # agent.storage.size: the agents' --disk_limit
 # what CubeLookupP99High compares with its threshold
 P99 = (
@@ -98,6 +108,8 @@ def chart_values() -> dict[str, Any]:
     overrides: dict[str, dict[str, Any]] = {name: {"for": "1s"} for name in names}
     for name, threshold in THRESHOLDS.items():
         overrides[name]["threshold"] = threshold
+    for name, window in WINDOWS.items():
+        overrides[name]["window"] = window
     return {
         "dict": {"shards": 2, "replicas": 2},
         "server": {"inMem": False},
@@ -561,3 +573,8 @@ def run_the_faults(
     cluster.wait_version("1700000004", 60)
     prometheus.resolves("CubeRolloutStuck", dict=dict_name)
     note("CubeRolloutStuck fired and resolved")
+
+    # every fault is over: the alerts over a window resolve once it has passed
+    for name in WINDOWS:
+        prometheus.resolves(name, timeout=60)
+    note(f"{', '.join(WINDOWS)} resolved ({WINDOWS['CubeLookupErrors']} windows)")

@@ -1279,7 +1279,8 @@ def rendered_rules(*args: str) -> dict[str, dict[str, Any]]:
 
 def test_each_alert_takes_its_for_threshold_and_labels_from_the_values() -> None:
     """Issue 35 item 1: `metrics.prometheusRule.alerts.<name>` sets an alert's `for`, its
-    threshold (the number its expr ends with), more labels, or leaves it out; the rest stay
+    threshold (the number its expr ends with), its window (every [range] of its expr), more
+    labels, or leaves it out; the rest stay
     as alerts.yml has them (one source). The schema names exactly the file's alerts."""
     source = yaml.safe_load((CHART / "files" / "alerts.yml").read_text())
     original = {r["alert"]: r for group in source["groups"] for r in group["rules"]}
@@ -1292,6 +1293,7 @@ def test_each_alert_takes_its_for_threshold_and_labels_from_the_values() -> None
         "CubeAgentDiskFull": {"threshold": 0.25},
         "CubeReplicaNotServing": {"for": "30s"},
         "CubeRolloutStuck": {"enabled": False},
+        "CubeVersionAbandoned": {"window": "20s"},
     }
     rules = rendered_rules(*set_json({"metrics.prometheusRule.alerts": overrides}))
     assert rules["CubeLookupP99High"]["for"] == "1m"
@@ -1304,10 +1306,15 @@ def test_each_alert_takes_its_for_threshold_and_labels_from_the_values() -> None
     assert rules["CubeAgentDiskFull"]["expr"].endswith(" < 0.25")
     assert rules["CubeReplicaNotServing"]["for"] == "30s"
     assert "CubeRolloutStuck" not in rules
+    assert rules["CubeVersionAbandoned"]["expr"] == original["CubeVersionAbandoned"][
+        "expr"
+    ].replace("[15m]", "[20s]")
     untouched = set(original) - set(overrides)
     assert {name: rules[name] for name in untouched} == {name: original[name] for name in untouched}
     for settings, complaint in (
         ({"CubeReplicaBehind": {"threshold": 2}}, "this alert has none"),
+        ({"CubeReplicaNotServing": {"window": "20s"}}, "has no [range]"),
+        ({"CubeLookupErrors": {"window": "a while"}}, "window"),
         ({"CubeNope": {"for": "1m"}}, "CubeNope"),
         ({"CubeLookupErrors": {"for": "soon"}}, "for"),
         ({"CubeLookupErrors": {"threshold": "1"}}, "threshold"),
