@@ -47,9 +47,8 @@ from cube.paddle_ps import (
     VALUE_FIELDS,
     PaddleSource,
     ValueSpec,
-    accessor_named,
+    check_layout_flags,
     parse_value_fields,
-    rules_named,
 )
 from cube.routing import PARTITIONERS
 from cube.seqfile import KEY_FORMATS
@@ -284,12 +283,7 @@ def paddle_source(flags: BuilderFlags, read_config: bool = True) -> PaddleSource
     try:
         value = ValueSpec(parse_value_fields(flags.paddle_value), flags.paddle_dtype)
         if flags.paddle_config and not read_config:  # the flags given, as PaddleSource would
-            if flags.paddle_accessor:
-                accessor_named(flags.paddle_accessor)
-            if flags.paddle_optimizer:
-                rules_named(flags.paddle_optimizer)
-            if flags.paddle_dim < 0:
-                raise ValueError(f"-paddle_dim must be > 0, got {flags.paddle_dim}")
+            check_layout_flags(flags.paddle_accessor, flags.paddle_optimizer, flags.paddle_dim)
             return None
         config = (
             load_config(flags.paddle_config, flags.fetch_timeout) if flags.paddle_config else ()

@@ -489,6 +489,17 @@ def parse_fleet_desc(text: bytes, source: str) -> list[TableConfig]:
 # What the user said (cube-builder's -paddle_* flags)
 
 
+def check_layout_flags(accessor: str, optimizer: str, dim: int) -> None:
+    """Each layout flag given, on its own (ValueError naming the bad one); "" and 0 are not
+    given (the configuration says them)."""
+    if accessor:
+        accessor_named(accessor)
+    if optimizer:
+        rules_named(optimizer)
+    if dim < 0:
+        raise ValueError(f"-paddle_dim must be > 0, got {dim}")
+
+
 @dataclass(frozen=True)
 class PaddleSource:
     """How to read a save: the -paddle_* flags, and the tables of -paddle_config. The layout
@@ -504,12 +515,7 @@ class PaddleSource:
     config_name: str = ""  # where the configuration came from, for messages
 
     def __post_init__(self) -> None:
-        if self.accessor:
-            accessor_named(self.accessor)
-        if self.optimizer:
-            rules_named(self.optimizer)
-        if self.dim < 0:
-            raise ValueError(f"-paddle_dim must be > 0, got {self.dim}")
+        check_layout_flags(self.accessor, self.optimizer, self.dim)
         if not self.config and not (self.accessor and self.dim and self.optimizer):
             missing = [
                 f"-{flag}"

@@ -1329,3 +1329,20 @@ def test_agents_still_starting_are_info_until_the_grace_passes(
     clock[0] += 31  # the grace has passed: the others' silence is a warning now, once
     assert sorted(refresh()) == [(logging.WARNING, f"instance {n}") for n in ("0_1", "1_0", "1_1")]
     assert refresh() == []
+
+
+def test_cube_cli_retry_reads_its_token_as_every_command_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--token_file through cube.security's one reader: its first token is sent; a file that
+    cannot be read is a flag error naming it; without one, $CUBE_API_TOKEN."""
+    from cube.client.transfer_cmd import RetryFlags, read_token
+    from cube.flags import FlagError
+
+    tokens = tmp_path / "api-token"
+    tokens.write_text("new\nold\n")
+    assert read_token(RetryFlags(token_file=str(tokens))) == "new"
+    with pytest.raises(FlagError, match=r"--token_file: token file .*missing"):
+        read_token(RetryFlags(token_file=str(tmp_path / "missing")))
+    monkeypatch.setenv("CUBE_API_TOKEN", "from-env")
+    assert read_token(RetryFlags()) == "from-env"

@@ -14,11 +14,10 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from cube.flags import FlagError, FlagSet, flag
-from cube.security import SecurityError, client_context, token_from
+from cube.security import SecurityError, client_context, token_of
 
 
 @dataclass(frozen=True)
@@ -55,13 +54,12 @@ def api_url(transfer: str, path: str) -> str:
 
 
 def read_token(flags: RetryFlags) -> str:
-    if not flags.token_file:
-        return token_from("", "CUBE_API_TOKEN")
+    """The API token to send: the first line of --token_file, else $CUBE_API_TOKEN (the one
+    reader of token files, cube.security.token_of)."""
     try:
-        lines = Path(flags.token_file).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise FlagError(f"--token_file {flags.token_file}: cannot read it ({exc})") from None
-    return lines[0].strip() if lines else ""
+        return token_of("", flags.token_file, "CUBE_API_TOKEN").value
+    except SecurityError as exc:
+        raise FlagError(f"--token_file: {exc}") from None
 
 
 def post_json(url: str, body: Any, token: str, tls_ca: str, timeout: float) -> tuple[int, Any]:

@@ -135,34 +135,30 @@
     });
   }
 
-  async function retry(version) {
-    if (!confirm("Roll " + version + " out again?")) return;
+  // a POST of {version} to the API, after the user confirms it; a refusal shows its message
+  async function act(path, version, question, failure) {
+    if (!confirm(question)) return;
     try {
-      await api("dict/retry", {
+      await api(path, {
         method: "POST",
         headers: { "Content-Type": "application/json" },
         body: JSON.stringify({ version }),
       });
       problem("");
     } catch (error) {
-      problem("retry of " + version + " failed: " + error.message);
+      problem(failure + ": " + error.message);
     }
     refresh();
   }
 
-  async function rollback(version) {
-    if (!confirm("Make " + version + " live on every replica?")) return;
-    try {
-      await api("dict/rollback", {
-        method: "POST",
-        headers: { "Content-Type": "application/json" },
-        body: JSON.stringify({ version }),
-      });
-      problem("");
-    } catch (error) {
-      problem("rollback to " + version + " failed: " + error.message);
-    }
-    refresh();
+  function retry(version) {
+    return act("dict/retry", version, "Roll " + version + " out again?",
+      "retry of " + version + " failed");
+  }
+
+  function rollback(version) {
+    return act("dict/rollback", version, "Make " + version + " live on every replica?",
+      "rollback to " + version + " failed");
   }
 
   function problem(text) {
