@@ -13,6 +13,11 @@ builder, transfer, agent and server each used to spell out on their own:
   version to serve at start (its first line; missing or blank: none), `<version>/` holds
   `index.cube` + `data.cube`, and a delta's `CHAIN` lists its chain, base first, ending with it.
 - Value widths: a delta keeps its chain's value width (`value_widths`, `width_change`).
+- Tables: a version of a model with several sparse tables holds, in each shard directory (build
+  output part, tar, and the server's `<version>/`), a `TABLES` file listing the table names
+  (`parse_tables`, `tables_text`) and one `<table>/` with `index.cube` + `data.cube` per
+  table; a version without `TABLES` is one unnamed table, as before. Every layer of a chain
+  has the same tables.
 - Tar members a shard tar may hold: plain files and directories with relative names that stay
   inside the target (`member_problem`).
 """
@@ -28,6 +33,8 @@ from typing import TypeGuard
 
 VERSION_FILE = "VERSION"
 CHAIN_FILE = "CHAIN"
+TABLES_FILE = "TABLES"
+MAX_TABLES = 256  # tables of one version (a DLRM has 26)
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 NAME_RULE = "letters, digits, '.', '_', '-'; at most 128 characters; no '..'"
 
@@ -127,6 +134,34 @@ def parse_chain(text: str, name: str) -> list[str]:
     if len(set(lines)) != len(lines) or any(base_of(n) != lines[0] for n in lines):
         raise LayoutError(f"bad chain {lines[:8]!r} (a repeat, or a delta of another base)")
     return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# TABLES
+
+
+def tables_text(names: Sequence[str]) -> str:
+    """A TABLES file's text; the names are checked as `parse_tables` checks them."""
+    text = "".join(f"{name}\n" for name in names)
+    parse_tables(text)
+    return text
+
+
+def parse_tables(text: str) -> list[str]:
+    """The table names a TABLES file lists, in order, checked: one name a line (blank lines
+    ignored), each a name (`is_name`), no repeats, 1 to MAX_TABLES of them."""
+    names = [line.strip() for line in text.splitlines() if line.strip()]
+    if not names:
+        raise LayoutError("a TABLES file lists no table")
+    if len(names) > MAX_TABLES:
+        raise LayoutError(f"a TABLES file lists {len(names)} tables, more than {MAX_TABLES}")
+    bad = [name for name in names if not is_name(name)]
+    if bad:
+        raise LayoutError(f"table names must be {NAME_RULE}: got {clip(bad[0])}")
+    if len(set(names)) != len(names):
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        raise LayoutError(f"a TABLES file lists {clip(repeated[0])} more than once")
+    return names
 
 
 # ---------------------------------------------------------------------------------------------
