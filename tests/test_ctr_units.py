@@ -365,6 +365,65 @@ def test_the_probability_bound_covers_the_six_digit_text() -> None:
     assert diff.max() > 0.02 * (bound - EVAL_NOISE).max()  # a bound, not a wild guess
 
 
+def test_the_deepfm_bound_covers_the_six_digit_text_of_both_tables() -> None:
+    """The Paddle trainer's DeepFM: logit = sum of first-order weights + FM of the slots' pooled
+    embeddings + the MLP on them. Its gradient (1 for each first-order input, the FM's
+    sum-minus-own plus the MLP's for each embedding input) matches finite differences, and the
+    bound from it covers both tables' 6-digit text for every sample of a random model."""
+    from examples.ctr.paddle_trainer import (
+        EVAL_NOISE,
+        fm_gradients,
+        mlp_gradients,
+        probability_bounds,
+    )
+
+    rng = np.random.default_rng(5)
+    samples = sample_io.parse_lines(
+        [" ".join(f"{k}:{1 + k % 4}" for k in rng.integers(1, 400, 7)) for _ in range(2000)]
+    )
+    slot_ids = np.arange(1, 5, dtype=np.int64)
+    slots, dim = slot_ids.shape[0], 6
+    layers = _mlp(rng, slots * dim)
+
+    def logit(first: np.ndarray, emb: np.ndarray) -> np.ndarray:
+        fields = emb.astype(np.float64).reshape(emb.shape[0], slots, dim)
+        fm = 0.5 * ((fields.sum(axis=1) ** 2) - (fields**2).sum(axis=1)).sum(axis=1)
+        p = _prob(layers, emb)
+        return np.asarray(first.astype(np.float64).sum(axis=1) + fm + np.log(p / (1 - p)))
+
+    def prob(first: np.ndarray, emb: np.ndarray) -> np.ndarray:
+        return np.asarray(1.0 / (1.0 + np.exp(-logit(first, emb))))
+
+    n = samples.feasigns.shape[0]
+    wide = (rng.standard_normal((n, 1)) * 0.3).astype(np.float32)
+    emb = (rng.standard_normal((n, dim)) * 0.3).astype(np.float32)
+    first, pooled = pool(wide, samples, slot_ids), pool(emb, samples, slot_ids)
+    grad = np.concatenate(
+        [np.ones_like(first, np.float64), mlp_gradients(pooled, layers) + fm_gradients(pooled, 4)],
+        axis=1,
+    )
+    step = 1e-6
+    for column in (0, slots + 1, slots + 2 * dim + 3):
+        at = [first.astype(np.float64), pooled.astype(np.float64)]
+        which, j = (0, column) if column < slots else (1, column - slots)
+        at[which][:, j] += step
+        numeric = (logit(*at) - logit(first, pooled)) / step
+        assert np.allclose(numeric, grad[:, column], atol=1e-3)
+    printed = [
+        np.array([[float(f"{v:.6g}") for v in row] for row in x.tolist()], np.float32)
+        for x in (wide, emb)
+    ]
+    mine = prob(first, pooled)
+    magnitudes = np.concatenate(
+        [pool(np.abs(wide), samples, slot_ids), pool(np.abs(emb), samples, slot_ids)], axis=1
+    )
+    bound = probability_bounds(mine, grad, magnitudes)
+    served = prob(pool(printed[0], samples, slot_ids), pool(printed[1], samples, slot_ids))
+    diff = np.abs(served - mine)
+    assert (diff <= bound - EVAL_NOISE + 1e-12).all()
+    assert diff.max() > 0.02 * (bound - EVAL_NOISE).max()
+
+
 def test_the_trainer_takes_the_saved_rows_as_the_save_wrote_them() -> None:
     """A real save (tests/data/paddle_ps): the rows' served columns as the text has them, a
     row saved without its embedx part serves zeros there (whatever the trainer holds), and a

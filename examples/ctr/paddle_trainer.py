@@ -55,7 +55,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +70,9 @@ from examples.ctr.model import auc, pool
 from examples.ctr.store import MODELS, ModelMeta
 
 REPO = Path(__file__).resolve().parents[2]
-TABLE = "embedding"  # the sparse table's name (its parameter)
+TABLE = "embedding"  # the sparse table's name (its parameter): the embeddings of every model
+FIRST_ORDER = "first_order"  # DeepFM's second table: a weight per feature (its lookup: 3 wide)
+MODELS_KNOWN = ("deepfm", "dnn")
 VOCAB = 1 << 30  # declared; a PS lookup uses the raw uint64 id whatever the size
 DONE = "PADDLE TRAINER DONE"  # the job's last line on success (the launcher exits 0 anyway)
 FLEET_BASE, FLEET_PATCH = "xbox_base_done.txt", "xbox_patch_done.txt"
@@ -181,6 +183,14 @@ def mlp_gradients(pooled: np.ndarray, layers: list[tuple[np.ndarray, np.ndarray]
     return np.asarray(grad)
 
 
+def fm_gradients(pooled: np.ndarray, slots: int) -> np.ndarray:
+    """d fm / d pooled embeddings of the FM interaction 0.5 x sum_k ((sum_s e_sk)^2 -
+    sum_s e_sk^2), per sample: e_sk's is sum_s' e_s'k - e_sk (float64, (n, slots x dim))."""
+    fields = pooled.astype(np.float64).reshape(pooled.shape[0], slots, -1)
+    grad = fields.sum(axis=1, keepdims=True) - fields
+    return np.asarray(grad.reshape(pooled.shape[0], -1))
+
+
 def probability_bounds(
     prob: np.ndarray, gradients: np.ndarray, magnitudes: np.ndarray
 ) -> np.ndarray:
@@ -237,6 +247,31 @@ def as_saved(where: str, text: np.ndarray, full: np.ndarray, pulled: np.ndarray)
 # the Fleet job (both roles)
 
 
+@dataclass(frozen=True)
+class Sparse:
+    """One sparse table of the model: its parameter's name and its lookup's width (show,
+    click, embed_w, embedx_w x (dim - 3)); what Cube serves of a row is its last dim - 2."""
+
+    name: str
+    dim: int
+
+    @property
+    def served_dim(self) -> int:
+        return self.dim - 2
+
+
+def model_tables(model: str, dim: int, wide_dim: int = 3) -> list[Sparse]:
+    """The sparse tables of `model`: the CTR-DNN's one embedding table; DeepFM's first-order
+    weights (a lookup of `wide_dim`, 3: show, click, embed_w; served: one float, the feature's
+    weight; wider, its served floats add up to the weight) and its embeddings (`dim` wide;
+    served: dim - 2 floats, the FM's and the DNN's input)."""
+    if model == "dnn":
+        return [Sparse(TABLE, dim)]
+    if model == "deepfm":
+        return [Sparse(FIRST_ORDER, wide_dim), Sparse(TABLE, dim)]
+    raise ValueError(f"model {model!r}: one of {', '.join(MODELS_KNOWN)}")
+
+
 class PaddleJob:
     """The trainer role: the network, the pserver's tables, one pass per split."""
 
@@ -249,8 +284,9 @@ class PaddleJob:
         self.out = Path(flags.out_dir)
         self.models = self.out / MODELS
         self.slot_ids = np.arange(1, flags.slots + 1, dtype=np.int64)
-        self.dim = flags.dim  # the lookup's width: show, click, embed_w, embedx_w x (dim - 3)
-        self.served_dim = flags.dim - 2
+        self.model = flags.model
+        self.tables = model_tables(flags.model, flags.dim, flags.wide_dim)
+        self.served_dim = flags.dim - 2  # the embedding table's served width
         hidden = [int(h) for h in flags.hidden.split(",")]
         paddle.enable_static()
         fleet.init(fleet.PaddleCloudRoleMaker(is_collective=False))
@@ -258,29 +294,38 @@ class PaddleJob:
         strategy = fleet.DistributedStrategy()
         strategy.a_sync = True
         strategy.sparse_table_configs = {
-            TABLE: {
-                f"table_parameters.{TABLE}.{key}": value
+            table.name: {
+                f"table_parameters.{table.name}.{key}": value
                 for key, value in {"shard_num": flags.table_shards, **ACCESSOR}.items()
             }
+            for table in self.tables
         }
         optimizer = paddle.optimizer.Adam(flags.dense_lr)
         fleet.distributed_optimizer(optimizer, strategy).minimize(self.loss)
 
     def _build(self, hidden: list[int]) -> None:
+        """The network. Per slot and table: `sparse_embedding` -> cvm (show and click dropped)
+        -> sum pool per sample; `self.inputs` are the pooled inputs of the dense part, one per
+        table ([n, slots x served dim], in the tables' order). The CTR-DNN: fc layers on the
+        pooled embeddings. DeepFM: logit = sum of the first-order weights + the FM interaction
+        of the slots' pooled embeddings (0.5 x sum_k ((sum_s e_sk)^2 - sum_s e_sk^2)) + the
+        fc layers on them (whose last bias is the model's bias)."""
         paddle = self.paddle
-        pooled = []
-        self.lookups = []
+        pooled: dict[str, list[Any]] = {table.name: [] for table in self.tables}
+        self.lookups: dict[str, list[Any]] = {table.name: [] for table in self.tables}
         for index in range(self.slot_ids.shape[0]):
             ids = paddle.static.data(f"slot{index}_ids", [-1, 1], "int64")
             show_click = paddle.static.data(f"slot{index}_show_click", [-1, 2], "float32")
             pooling = paddle.static.data(f"slot{index}_pool", [-1, -1], "float32")
-            emb = paddle.static.nn.sparse_embedding(
-                ids, size=[VOCAB, self.dim], param_attr=paddle.ParamAttr(name=TABLE)
-            )
-            self.lookups.append(emb)
-            values = paddle.static.nn.continuous_value_model(emb, show_click, use_cvm=False)
-            pooled.append(paddle.matmul(pooling, values))
-        self.x = paddle.concat(pooled, axis=1)
+            for table in self.tables:
+                emb = paddle.static.nn.sparse_embedding(
+                    ids, size=[VOCAB, table.dim], param_attr=paddle.ParamAttr(name=table.name)
+                )
+                self.lookups[table.name].append(emb)
+                values = paddle.static.nn.continuous_value_model(emb, show_click, use_cvm=False)
+                pooled[table.name].append(paddle.matmul(pooling, values))
+        self.inputs = [paddle.concat(pooled[table.name], axis=1) for table in self.tables]
+        self.x = self.inputs[-1]  # the pooled embeddings
         h = self.x
         self.dense_names: list[tuple[str, str]] = []
         for i, width in enumerate([*hidden, 1]):
@@ -293,6 +338,16 @@ class PaddleJob:
                 weight_attr=paddle.ParamAttr(name=names[0]),
                 bias_attr=paddle.ParamAttr(name=names[1]),
             )
+        if self.model == "deepfm":  # the first-order weights of the sample's features, summed
+            first = paddle.sum(self.inputs[0], axis=1, keepdim=True)
+            fields = paddle.reshape(self.x, [-1, self.slot_ids.shape[0], self.served_dim])
+            summed = paddle.sum(fields, axis=1)
+            fm = 0.5 * paddle.sum(
+                paddle.square(summed) - paddle.sum(paddle.square(fields), axis=1),
+                axis=1,
+                keepdim=True,
+            )
+            h = h + first + fm
         self.logit = h
         self.prob = paddle.nn.functional.sigmoid(self.logit)
         label = paddle.static.data("label", [-1, 1], "float32")
@@ -328,15 +383,24 @@ class PaddleJob:
         atomic = self.models / f".{DESC}.tmp"
         atomic.write_text(text_format.MessageToString(desc))
         os.replace(atomic, self.models / DESC)
-        self.table_folder = next(
-            f"{t.table_id:03d}"
+        # each sparse table's folder in a save: its table id, as the PSParameter numbers it
+        ids = {
+            t.common.table_name: f"{t.table_id:03d}"
             for t in desc.worker_param.downpour_worker_param.downpour_table_param
-            if t.common.table_name == TABLE
+        }
+        self.folders = {table.name: ids[table.name] for table in self.tables}
+        self.table_folder = self.folders[TABLE]
+        self.infer = self.main.clone(for_test=True)._prune_with_input(
+            [x.name for x in self.inputs], [self.prob]
         )
-        self.infer = self.main.clone(for_test=True)._prune_with_input([self.x.name], [self.prob])
         feeds = [f"slot{i}_ids" for i in range(self.slot_ids.shape[0])]
-        self.pull = self.main.clone(for_test=True)._prune_with_input(feeds, self.lookups[:1])
-        self.served = ServedTable(self.served_dim)
+        self.pulls = {
+            table.name: self.main.clone(for_test=True)._prune_with_input(
+                feeds, self.lookups[table.name][:1]
+            )
+            for table in self.tables
+        }
+        self.served = {table.name: ServedTable(table.served_dim) for table in self.tables}
         self.pass_no = 0
         self.day = ""
         self.day_pass = 0
@@ -377,10 +441,18 @@ class PaddleJob:
         if base:
             self.fleet.shrink()  # the day's shrink, then its base
         self.fleet.save_persistables(self.exe, str(tmp), mode=2 if base else 1)
-        keys, text, full = saved_rows(tmp / self.table_folder, self.served_dim - 1)
-        rows = as_saved(f"{split.day}/{name}", text, full, self._pull(keys))
-        dropped = int((~np.isin(self.served.keys, keys)).sum()) if base else 0
-        self.served.apply(keys, rows, base)
+        counts: dict[str, int] = {}
+        dropped = 0
+        for table in self.tables:
+            folder = tmp / self.folders[table.name]
+            keys, text, full = saved_rows(folder, table.served_dim - 1)
+            where = f"{split.day}/{name}/{self.folders[table.name]}"
+            rows = as_saved(where, text, full, self._pull(table, keys))
+            served = self.served[table.name]
+            if table.name == TABLE:
+                dropped = int((~np.isin(served.keys, keys)).sum()) if base else 0
+            served.apply(keys, rows, base)
+            counts[table.name] = int(keys.shape[0])
         self._save_dense(tmp / "dnn_plugin")
         offline_auc, heldout_n = self._evaluate(split, heldout_dir, tmp)
         meta = ModelMeta(
@@ -390,9 +462,9 @@ class PaddleJob:
             pass_no=self.pass_no,
             day_pass=self.day_pass,
             split=split.name,
-            features=int(keys.shape[0]),
+            features=counts[TABLE],
             deleted=dropped,
-            table_size=int(self.served.keys.shape[0]),
+            table_size=int(self.served[TABLE].keys.shape[0]),
             streaming_auc=streaming_auc,
             offline_auc=offline_auc,
             heldout_samples=heldout_n,
@@ -405,20 +477,27 @@ class PaddleJob:
         os.replace(tmp, final)
         fsync_dir(final.parent)
         self._announce(meta, final)
+        tables = ", ".join(
+            f"{self.folders[t.name]} ({t.name}): {counts[t.name]:,} rows saved, "
+            f"{self.served[t.name].keys.shape[0]:,} served"
+            for t in self.tables
+        )
         say(
             f"pass {meta.pass_no} {meta.split} {meta.kind} {meta.version}: streaming AUC "
-            f"{streaming_auc:.4f}, offline {offline_auc:.4f}; {meta.features:,} rows saved, "
-            f"{meta.table_size:,} served, {dropped:,} dropped by the base"
+            f"{streaming_auc:.4f}, offline {offline_auc:.4f}; {tables}; {dropped:,} dropped "
+            "by the base"
         )
         return meta
 
-    def _pull(self, keys: np.ndarray) -> np.ndarray:
-        """The served columns of `keys` as the trainer's lookup returns them (float32)."""
+    def _pull(self, table: Sparse, keys: np.ndarray) -> np.ndarray:
+        """The served columns of `keys` in `table` as the trainer's lookup returns them
+        (float32)."""
         if not keys.shape[0]:
-            return np.zeros((0, self.served_dim), np.float32)
+            return np.zeros((0, table.served_dim), np.float32)
         ids = keys.view(np.int64).reshape(-1, 1)
         feed = {f"slot{i}_ids": ids if i == 0 else ids[:1] for i in range(self.slot_ids.shape[0])}
-        [rows] = self.exe.run(self.pull, feed=feed, fetch_list=[self.lookups[0]])
+        lookup = self.lookups[table.name][0]
+        [rows] = self.exe.run(self.pulls[table.name], feed=feed, fetch_list=[lookup])
         return np.asarray(rows, dtype=np.float32)[:, 2:]  # without show, click
 
     def _layers(self) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -430,9 +509,19 @@ class PaddleJob:
     def _save_dense(self, directory: Path) -> None:
         directory.mkdir(parents=True)
         self.paddle.static.save_inference_model(
-            str(directory / "model"), [self.x], [self.prob], self.exe, program=self.infer
+            str(directory / "model"), self.inputs, [self.prob], self.exe, program=self.infer
         )
-        layout = {"slot_ids": self.slot_ids.tolist(), "dim": self.served_dim, "input": self.x.name}
+        layout: dict[str, Any] = {
+            "slot_ids": self.slot_ids.tolist(),
+            "dim": self.served_dim,
+            "input": self.x.name,
+        }
+        if self.model != "dnn":  # the inputs in order: the table each pools and its width
+            layout["model"] = self.model
+            layout["inputs"] = [
+                {"name": x.name, "table": self.folders[t.name], "dim": t.served_dim}
+                for x, t in zip(self.inputs, self.tables, strict=True)
+            ]
         atomic_write_json(directory / LAYOUT, layout)
 
     def _evaluate(self, split: Split, heldout_dir: Path | None, model: Path) -> tuple[float, int]:
@@ -443,22 +532,34 @@ class PaddleJob:
             return float("nan"), 0
         parts = sorted(path.glob("part-*"))
         samples = sample_io.concat([sample_io.read_file(str(p)) for p in parts])
-        rows = self.served.lookup(samples.feasigns.astype(np.uint64))
-        pooled = pool(rows, samples, self.slot_ids)
-        magnitudes = pool(np.abs(rows), samples, self.slot_ids)
-        [prob] = self.exe.run(self.infer, feed={self.x.name: pooled}, fetch_list=[self.prob])
+        feasigns = samples.feasigns.astype(np.uint64)
+        pooled, magnitudes = [], []
+        for table in self.tables:
+            rows = self.served[table.name].lookup(feasigns)
+            pooled.append(pool(rows, samples, self.slot_ids))
+            magnitudes.append(pool(np.abs(rows), samples, self.slot_ids))
+        feed = {x.name: p for x, p in zip(self.inputs, pooled, strict=True)}
+        [prob] = self.exe.run(self.infer, feed=feed, fetch_list=[self.prob])
         prob = np.asarray(prob, dtype=np.float32)[:, 0]
-        bounds = probability_bounds(prob, mlp_gradients(pooled, self._layers()), magnitudes)
+        gradients = mlp_gradients(pooled[-1], self._layers())
+        if self.model == "deepfm":
+            gradients = np.concatenate(
+                [np.ones_like(pooled[0], np.float64), gradients + fm_gradients(pooled[-1],
+                 self.slot_ids.shape[0])], axis=1
+            )  # fmt: skip
+        bounds = probability_bounds(prob, gradients, np.concatenate(magnitudes, axis=1))
         with open(model / "heldout.npz", "wb") as file:
             np.savez(file, probability=prob, bound=bounds, labels=samples.labels)
         return auc(samples.labels, prob), len(samples)
 
     def _announce(self, meta: ModelMeta, final: Path) -> None:
+        """Fleet's donefile line. Its input is the save (FleetUtil's `<day>/base` or
+        `<day>/delta-<n>`: cube-builder builds each sparse table of it into one version) for
+        a model of several tables, the table's folder for the CTR-DNN's one."""
         from cube.donefile import append_line
 
-        line = format_fleet_line(
-            str(meta.id), str(meta.base), f"{final}/{self.table_folder}", str(self.models), meta.day
-        )
+        source = f"{final}/{self.table_folder}" if len(self.tables) == 1 else str(final)
+        line = format_fleet_line(str(meta.id), str(meta.base), source, str(self.models), meta.day)
         append_line(self.models / (FLEET_BASE if meta.kind == "base" else FLEET_PATCH), line)
 
 
@@ -502,7 +603,20 @@ def flag_set() -> FlagSet[Flags]:
         .add("out_dir", str, "", "models and donefiles go here (wiped first)", required=True)
         .add("heldout_dir", str, "", "held-out splits, same layout (offline AUC, probabilities)")
         .add("slots", int, 8, "slot ids 1..slots")
-        .add("dim", int, 10, "the lookup's width D: show, click, embed_w, D - 3 embedx_w")
+        .add(
+            "model",
+            str,
+            "deepfm",
+            "deepfm (two tables: first-order weights, embeddings) or dnn (one embedding table)",
+        )
+        .add(
+            "wide_dim",
+            int,
+            3,
+            "deepfm: the first-order table's lookup width (3: show, click, "
+            "embed_w, one weight served; wider: the served floats add up to the weight)",
+        )
+        .add("dim", int, 10, "the embeddings' lookup width D: show, click, embed_w, D - 3 embedx_w")
         .add("hidden", str, "32,16", "widths of the hidden fc layers")
         .add("dense_lr", float, 0.002, "Adam learning rate of the fc layers")
         .add("batch", int, 256, "mini-batch size")
@@ -571,6 +685,10 @@ def run(argv: Sequence[str]) -> int:
     flags = flag_set().parse(argv)
     if flags.slots < 1 or flags.dim < 4 or flags.batch < 1 or flags.table_shards < 1:
         raise FlagError("--slots >= 1, --dim >= 4, --batch >= 1 and --table_shards >= 1")
+    if flags.wide_dim < 3:
+        raise FlagError("--wide_dim >= 3 (show, click, embed_w)")
+    if flags.model not in MODELS_KNOWN:
+        raise FlagError(f"--model {flags.model!r}: one of {', '.join(MODELS_KNOWN)}")
     if "TRAINING_ROLE" in os.environ:  # a role of the job, started by the launcher
         job(flags)
         return 0
