@@ -18,10 +18,14 @@
 trainer is a Fleet parameter-server job (paddle_trainer.py, in the paddlepaddle 2.6.2 venv
 `--paddle_python`), Cube reads its saves through Fleet's donefiles (`source_format:
 paddle_fleet`, cube-builder -input_format paddle_ps) and the predictor runs each version's
-inference model with paddle.inference. Checked per pass, else exit 1 naming the pass and by how
-much: the served AUC equals the offline AUC within 0.001, and every served probability equals
-the trainer's own (its exact embeddings as saved, its own program) within the bound the
-6-digit text allows for that sample (`paddle_trainer.probability_bounds`, about 1e-5).
+inference model with paddle.inference. The model is a DeepFM of two sparse tables
+(`--paddle_model deepfm`, the default: first-order weights and embeddings, tables `001` and
+`000` of one version, built together from each save and looked up together by the predictor)
+or the CTR-DNN of one (`--paddle_model dnn`). Checked per pass, else exit 1 naming the pass
+and by how much: the served AUC equals the offline AUC within 0.001, and every served
+probability equals the trainer's own (its exact embeddings as saved, its own program) within
+the bound the 6-digit text allows for that sample (`paddle_trainer.probability_bounds`,
+about 1e-5).
 """
 
 from __future__ import annotations
@@ -57,6 +61,12 @@ TOLERANCE = 0.002
 PADDLE_TOLERANCE = 0.001  # the served AUC of the Paddle trainer's versions
 PADDLE_PYTHON = REPO / ".paddle-venv" / "bin" / "python"  # make paddle-env
 FLEET = DONEFILE_FORMATS["paddle_fleet"]
+PADDLE_MODELS = ("deepfm", "dnn")
+# The DeepFM's tables in a version: Fleet's table folders of each save, which cube-builder
+# names the version's tables after (the PSParameter numbers the embedding table 0, the
+# first-order weights 1, the dense table 2: paddle_trainer.py's layout.json says which input
+# pools which)
+DEEPFM_TABLES = ("000", "001")
 
 
 def python_env() -> dict[str, str]:
@@ -80,7 +90,7 @@ def start_trainer(
 
 
 def start_paddle_trainer(
-    work: Path, logs: Path, python: Path, passes: int
+    work: Path, logs: Path, python: Path, passes: int, model: str = "deepfm"
 ) -> subprocess.Popen[bytes]:
     """The Paddle trainer (a Fleet job) on `work`/stream, saving into `work`/out/models."""
     if not python.is_file():
@@ -90,25 +100,25 @@ def start_paddle_trainer(
         str(python), "-m", "examples.ctr.paddle_trainer",
         "--data_dir", str(stream / "data"), "--heldout_dir", str(stream / "heldout"),
         "--out_dir", str(work / "out"), "--passes", str(passes), "--wait_timeout", "600",
+        "--model", model,
     ]  # fmt: skip
     return spawn(argv, logs / "trainer.log", append=True, env=python_env())
 
 
 def start_predictor(
-    cube_conf: Path, models: Path, logs: Path, timeout: float = 30.0
+    cube_conf: Path,
+    models: Path,
+    logs: Path,
+    timeout: float = 30.0,
+    tables: Sequence[str] = (),
 ) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     argv = [
-        sys.executable,
-        "-m",
-        "examples.ctr.predictor",
-        "--cube_conf",
-        str(cube_conf),
-        "--model_dir",
-        str(models),
-        "--port",
-        str(port),
-    ]
+        sys.executable, "-m", "examples.ctr.predictor", "--cube_conf", str(cube_conf),
+        "--model_dir", str(models), "--port", str(port),
+    ]  # fmt: skip
+    if tables:
+        argv += ["--tables", ",".join(tables)]
     proc = spawn(argv, logs / "predictor.log", env=python_env())
     url = f"http://127.0.0.1:{port}"
 
@@ -216,6 +226,12 @@ def flag_set() -> FlagSet[Flags]:
         .add("timeout", float, 120.0, "seconds each step may take")
         .add("trainer", str, "numpy", "numpy (the framework-free trainer) or paddle (Fleet)")
         .add("paddle_python", str, str(PADDLE_PYTHON), "python of the paddlepaddle 2.6.2 venv")
+        .add(
+            "paddle_model",
+            str,
+            "dnn",
+            "--trainer paddle: deepfm (two tables, rolled out together) or dnn (one)",
+        )
     )
 
 
@@ -227,6 +243,9 @@ def run(argv: Sequence[str]) -> int:
     if flags.trainer not in ("numpy", "paddle"):
         raise FlagError(f"--trainer {flags.trainer!r}: numpy or paddle")
     paddle = flags.trainer == "paddle"
+    if flags.paddle_model not in PADDLE_MODELS:
+        raise FlagError(f"--paddle_model {flags.paddle_model!r}: {' or '.join(PADDLE_MODELS)}")
+    tables = DEEPFM_TABLES if paddle and flags.paddle_model == "deepfm" else ()
     donefile_format = FLEET if paddle else SEQFILE
     started = time.monotonic()
     work = Path(flags.dir).resolve()
@@ -255,7 +274,7 @@ def run(argv: Sequence[str]) -> int:
             config = donefiles / "fleet_desc.prototxt"
             overrides = {
                 "source_format": FLEET.name,
-                "builder_flags": ("-paddle_config", str(config)),
+                "builder_flags": paddle_builder_flags(config, tables),
                 "max_shrink": 0.9,
             }
         cluster = up(
@@ -272,11 +291,13 @@ def run(argv: Sequence[str]) -> int:
         passes = flags.days * spec.splits_per_day
         if paddle:
             python = Path(flags.paddle_python)
-            trainer = start_paddle_trainer(work, logs, python, passes)
+            trainer = start_paddle_trainer(work, logs, python, passes, flags.paddle_model)
         else:
             trainer = start_trainer(work, logs, ["--shrink_after", str(flags.shrink_after)])
         children.append(trainer)
-        predictor, url = start_predictor(cluster.cube_conf, work / "out" / "models", logs)
+        predictor, url = start_predictor(
+            cluster.cube_conf, work / "out" / "models", logs, tables=tables
+        )
         children.append(predictor)
         say(
             f"   cluster up (transfer {cluster.transfer_url}), trainer pid {trainer.pid}, "
@@ -363,6 +384,16 @@ def run(argv: Sequence[str]) -> int:
             say("== shutting down")
             for line in cluster.down():
                 say(f"   {line}")
+
+
+def paddle_builder_flags(config: Path, tables: Sequence[str]) -> tuple[str, ...]:
+    """cube-builder's flags for the Paddle trainer's saves (transfer.conf's builder_flags):
+    the rows' layouts from the job's PSParameter; for a model of several tables, every sparse
+    table of a save built into one version, each a table named by its folder."""
+    flags: tuple[str, ...] = ("-paddle_config", str(config))
+    if tables:
+        flags += ("-paddle_table", "all")
+    return flags
 
 
 def probability_check(work: Path, meta: ModelMeta, served: ctr_client.Replay) -> dict[str, Any]:
