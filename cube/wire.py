@@ -82,12 +82,16 @@ def read_varint(data: Buffer, pos: int, end: int | None = None) -> tuple[int, in
 
 
 def encode_seek_request(
-    keys: np.ndarray, dict_name: str = "", version: str | None = "", request_id: int = 0
+    keys: np.ndarray,
+    dict_name: str = "",
+    version: str | None = "",
+    request_id: int = 0,
+    table: str = "",
 ) -> bytes:
     """`cube.v1.SeekRequest` bytes: keys as one packed little-endian uint64 field (`version`
-    None or "": any version)."""
+    None or "": any version; `table` "": the version's one unnamed table)."""
     packed = np.ascontiguousarray(keys, dtype=_KEY_DTYPE).data
-    tail = _request_tail(dict_name, version)
+    tail = _request_tail(dict_name, version, table)
     if request_id:
         return b"".join(
             (b"\x0a", varint(packed.nbytes), packed, tail, b"\x20", _varint(request_id))
@@ -95,12 +99,13 @@ def encode_seek_request(
     return b"".join((b"\x0a", varint(packed.nbytes), packed, tail))
 
 
-@functools.lru_cache(maxsize=64)  # a client sends the same dict name and few versions
-def _request_tail(dict_name: str, version: str | None) -> bytes:
-    """A SeekRequest's dict_name and version fields."""
+@functools.lru_cache(maxsize=256)  # a client sends the same dict name, tables, few versions
+def _request_tail(dict_name: str, version: str | None, table: str = "") -> bytes:
+    """A SeekRequest's dict_name, version and table fields."""
     return b"".join(
         length_delimited(0x12, dict_name.encode())
         + length_delimited(0x1A, (version or "").encode())
+        + length_delimited(0x3A, table.encode())
     )
 
 

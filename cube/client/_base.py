@@ -7,23 +7,29 @@ import itertools
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
-from typing import Any, Generic, Self, TypedDict, TypeVar, Unpack
+from typing import Any, Generic, NamedTuple, Self, TypedDict, TypeVar, Unpack
 
 import numpy as np
+import numpy.typing as npt
 
 from cube.client._core import (
     DEFAULT_MAX_BATCH,
     PROTOCOLS,
+    Finish,
     Flow,
     Piece,
     PieceOutcome,
     PieceRequest,
+    R,
     SeekResult,
     assemble,
+    assemble_tables,
     make_plan,
-    seek_flow,
+    make_table_plan,
+    normalize_keys,
+    run_flow,
 )
 from cube.client._policy import MIN_ATTEMPT_S, Cluster, EndpointState, Policy, Round, ShardCall
 from cube.client._transport import TRANSPORTS, ClientTLS, Contact
@@ -38,11 +44,26 @@ from cube.client.options import (
     WireProtocol,
 )
 from cube.client.stats import ClientStats
+from cube.layout import clip
 from cube.routing import PARTITIONERS, ShardRouting
 from cube.security import SecurityError
 from cube.wire import Answer, BadMessage, Buffer
 
 _NONE_TRIED: frozenset[int] = frozenset()
+# seek_tables' argument: (table, keys) pairs, or a mapping of table to keys
+TablesArg = Mapping[str, npt.ArrayLike] | Sequence[tuple[str, npt.ArrayLike]]
+
+
+class TablePlan(NamedTuple):
+    """A lookup in several tables, planned (`cube.client._core.make_table_plan`)."""
+
+    tables: list[tuple[str, np.ndarray]]  # each table's keys, in the order asked
+    every: np.ndarray  # every key, back to back
+    pieces: list[Piece]
+    finish: Finish[list[SeekResult]]
+    limits: tuple[int, ...]  # the shards' limits the plan was made for
+
+
 _ID_MASK = (1 << 48) - 1
 MAX_REPLANS = 2  # a call re-planned when servers it met take fewer keys than it planned for
 
@@ -359,31 +380,73 @@ class ClientBase(Generic[T]):
     def endpoints(self) -> list[str]:
         return [e.address for e in self._cluster.endpoints]
 
-    def _plan(self, keys: np.ndarray) -> tuple[list[Piece], tuple[int, ...]]:
-        """The pieces of a call, within each shard's limit, and the limits they were made for."""
+    def _plan(self, keys: np.ndarray, table: str = "") -> tuple[list[Piece], tuple[int, ...]]:
+        """The pieces of a call, within each shard's limit, and the limits they were made for
+        (`table`: the table the keys are looked up in)."""
         limits = self._limits
-        return make_plan(keys, len(self.shards), self.partitioner, limits), limits
+        pieces = make_plan(keys, len(self.shards), self.partitioner, limits)
+        if table:
+            for piece in pieces:
+                piece.table = table
+        return pieces, limits
 
     def _replan(
-        self, error: RequestRejectedError, keys: np.ndarray, limits: tuple[int, ...]
+        self,
+        error: RequestRejectedError,
+        keys: np.ndarray,
+        limits: tuple[int, ...],
+        table: str = "",
     ) -> tuple[list[Piece], tuple[int, ...]] | None:
         """A new plan when `error` refused a sub-request for its size and the shard's servers,
         met during the call, stated a smaller --max_batch than it was planned with (first
         contact happens in the call's first attempt); None: the error stands."""
-        if error.code != "RESOURCE_EXHAUSTED" or self._limits[error.shard] >= limits[error.shard]:
+        if not self._smaller_limit(error, limits):
             return None
-        return self._plan(keys)
+        return self._plan(keys, table)
 
-    def _flow(self, keys: np.ndarray, pieces: list[Piece], version: str | None) -> Flow:
-        return seek_flow(
+    def _smaller_limit(self, error: RequestRejectedError, limits: tuple[int, ...]) -> bool:
+        """Whether `error` refused a sub-request for its size and the shard's servers, met
+        during the call, take fewer keys than `limits` (the call's plan) allowed."""
+        return (
+            error.code == "RESOURCE_EXHAUSTED" and self._limits[error.shard] < limits[error.shard]
+        )
+
+    def _flow(self, keys: np.ndarray, pieces: list[Piece], version: str | None) -> Flow[SeekResult]:
+        return self._flow_to(keys, pieces, version, assemble)
+
+    def _flow_to(
+        self, keys: np.ndarray, pieces: list[Piece], version: str | None, finish: Finish[R]
+    ) -> Flow[R]:
+        return run_flow(
             keys,
             pieces,
+            finish,
             self._wire.pins_versions,
             self.max_version_rounds,
             version,
             self._total_s,
             self.dict_name,
         )
+
+    def _check_tables_protocol(self) -> None:
+        """ConfError unless this client's protocol can name a table (cube.v1 can)."""
+        if not self._wire.pins_versions:
+            raise ConfError(
+                "the original protocol (rec.mcube) cannot name a table: use the cube.v1 protocol"
+            )
+
+    def _table_plan(self, tables: TablesArg) -> TablePlan:
+        """A lookup in several tables, checked and planned within the shards' limits."""
+        self._check_tables_protocol()
+        pairs = list(tables.items()) if isinstance(tables, Mapping) else list(tables)
+        normal = []
+        for pair in pairs:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
+                raise TypeError(f"seek_tables takes (table, keys) pairs, got {clip(pair)}")
+            normal.append((pair[0], normalize_keys(pair[1])))
+        limits = self._limits
+        every, pieces, ranges = make_table_plan(normal, len(self.shards), self.partitioner, limits)
+        return TablePlan(normal, every, pieces, assemble_tables(normal, ranges), limits)
 
     def _deadline(self) -> float | None:
         """The monotonic time a call starting now must end by (None: no whole-call bound)."""
@@ -417,7 +480,7 @@ class ClientBase(Generic[T]):
         assert choice is not None  # reuse=True always picks one
         replica = group.replicas[choice]
         replica.begin()
-        request = self._wire.encode(piece.keys, self.dict_name, version, request_id)
+        request = self._wire.encode(piece.keys, self.dict_name, version, request_id, piece.table)
         return replica, choice, request, now
 
     def _accept(self, data: Buffer, piece: Piece, version: str | None) -> Answer | None:
@@ -475,7 +538,9 @@ class ClientBase(Generic[T]):
         calls = []
         for index, request in enumerate(requests):
             piece = pieces[request.piece]
-            payload = self._wire.encode(piece.keys, self.dict_name, request.version, request_id)
+            payload = self._wire.encode(
+                piece.keys, self.dict_name, request.version, request_id, piece.table
+            )
             decode = partial(self._wire.decode, n=piece.size)
             group = self._cluster.shards[piece.shard]
             calls.append(

@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Generator, KeysView, Sequence
+from collections.abc import Callable, Generator, KeysView, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -148,6 +148,7 @@ class Piece:
     shard: int
     where: slice | np.ndarray
     keys: np.ndarray
+    table: str = ""  # the table its keys are looked up in ("": the version's one table)
 
     @property
     def size(self) -> int:
@@ -191,6 +192,60 @@ def make_plan(
     return pieces
 
 
+def make_table_plan(
+    tables: Sequence[tuple[str, np.ndarray]],
+    shard_num: int,
+    partitioner: str,
+    max_batch: int | Sequence[int] = DEFAULT_MAX_BATCH,
+) -> tuple[np.ndarray, list[Piece], list[tuple[int, int]]]:
+    """The plan of a lookup in several tables: (every table's keys back to back, the pieces,
+    each table's range of pieces). A piece holds keys of one table (servers answer a request
+    from one table) and its `where` is a position in the keys back to back (`assemble` of
+    them is the call's partial result); `assemble_tables` makes each table's result."""
+    pieces: list[Piece] = []
+    ranges: list[tuple[int, int]] = []
+    offset = 0
+    for table, keys in tables:
+        first = len(pieces)
+        for piece in make_plan(keys, shard_num, partitioner, max_batch):
+            piece.table = table
+            piece.where = _shifted(piece.where, offset)
+            pieces.append(piece)
+        ranges.append((first, len(pieces)))
+        offset += int(keys.shape[0])
+    every = np.concatenate([keys for _, keys in tables]) if tables else np.empty(0, np.uint64)
+    return every, pieces, ranges
+
+
+def _shifted(where: slice | np.ndarray, by: int) -> slice | np.ndarray:
+    if isinstance(where, slice):
+        return slice(where.start + by, where.stop + by)
+    return where + by
+
+
+def assemble_tables(
+    tables: Sequence[tuple[str, np.ndarray]], ranges: Sequence[tuple[int, int]]
+) -> Finish[list[SeekResult]]:
+    """The `finish` of a lookup in several tables (`make_table_plan`): one SeekResult per
+    table, in the order asked, each in its own keys' order."""
+
+    def finish(
+        _every: np.ndarray, pieces: Sequence[Piece], answers: Sequence[Answer | None]
+    ) -> list[SeekResult]:
+        results = []
+        offset = 0
+        for (_, keys), (first, last) in zip(tables, ranges, strict=True):
+            own = [
+                Piece(p.shard, _shifted(p.where, -offset), p.keys, p.table)
+                for p in pieces[first:last]
+            ]
+            results.append(assemble(keys, own, answers[first:last]))
+            offset += int(keys.shape[0])
+        return results
+
+    return finish
+
+
 # ---------------------------------------------------------------------------------------------
 # Wire: how sub-requests are written and answers read
 
@@ -202,7 +257,12 @@ class Wire(Protocol):
     pins_versions: bool
 
     def encode(
-        self, keys: np.ndarray, dict_name: str, version: str | None, request_id: int = 0
+        self,
+        keys: np.ndarray,
+        dict_name: str,
+        version: str | None,
+        request_id: int = 0,
+        table: str = "",
     ) -> bytes: ...
 
     def decode(self, data: bytes, n: int) -> Answer: ...
@@ -227,9 +287,17 @@ class OriginalProtocol:
     MISS = 0xFFFFFFFF
 
     def encode(
-        self, keys: np.ndarray, dict_name: str, version: str | None, request_id: int = 0
+        self,
+        keys: np.ndarray,
+        dict_name: str,
+        version: str | None,
+        request_id: int = 0,
+        table: str = "",
     ) -> bytes:
         from cube.pb import cube_pb2  # the original's request has no request id
+
+        if table:  # (the clients refuse a table with this protocol before any request)
+            raise ValueError("the original protocol (rec.mcube) cannot name a table")
 
         return cube_pb2.DictRequest(keys=keys.tolist(), version_required=True).SerializeToString()
 
@@ -502,7 +570,9 @@ class PieceOutcome:
     deadline_exceeded: bool = False  # no answer because the call's whole-call timeout passed
 
 
-Flow = Generator[list[PieceRequest], list[PieceOutcome], SeekResult]
+R = TypeVar("R")
+Flow = Generator[list[PieceRequest], list[PieceOutcome], R]
+Finish = Callable[[np.ndarray, Sequence[Piece], Sequence[Answer | None]], R]
 
 
 def _raise_rejected(
@@ -556,14 +626,41 @@ def seek_flow(
     version: str | None = None,
     call_timeout_s: float | None = None,
     dict_name: str = "",
-) -> Flow:
+) -> Flow[SeekResult]:
     """Drive one seek: yields rounds of PieceRequests, receives their PieceOutcomes (same
     order), returns the SeekResult. Implements the version rule of the module docstring.
     `call_timeout_s` and `dict_name` only name the call's timeout and dict in the error
     raised when that timeout ended it."""
+    return (
+        yield from run_flow(
+            keys,
+            pieces,
+            assemble,
+            pins_versions,
+            max_version_rounds,
+            version,
+            call_timeout_s,
+            dict_name,
+        )
+    )
+
+
+def run_flow(
+    keys: np.ndarray,
+    pieces: Sequence[Piece],
+    finish: Finish[R],
+    pins_versions: bool = True,
+    max_version_rounds: int = 3,
+    version: str | None = None,
+    call_timeout_s: float | None = None,
+    dict_name: str = "",
+) -> Flow[R]:
+    """`seek_flow` with the answers of one version made into the result by `finish`
+    (`assemble`, or `assemble_tables` for a lookup in several tables); errors carry
+    `assemble`'s partial result of every key."""
     count = len(pieces)
     if count == 0:
-        return assemble(keys, pieces, [])
+        return finish(keys, pieces, [])
     requests = [PieceRequest(i, version) for i in range(count)]
     outcomes = yield requests
     _raise_rejected(pieces, requests, outcomes)
@@ -576,7 +673,7 @@ def seek_flow(
     by_version: list[dict[str, Answer]] = [{a.version: a} for a in answered]
     seen = {a.version for a in answered}
     if len(seen) == 1:
-        return assemble(keys, pieces, first)
+        return finish(keys, pieces, first)
     tried: list[str] = []
     for _ in range(max_version_rounds):
         candidates = sorted(seen.difference(tried), key=version_order, reverse=True)
@@ -610,7 +707,7 @@ def seek_flow(
         complete = [v for v in seen if all(v in answers for answers in by_version)]
         if complete:
             best = max(complete, key=version_order)
-            return assemble(keys, pieces, [answers[best] for answers in by_version])
+            return finish(keys, pieces, [answers[best] for answers in by_version])
     per_shard: dict[int, list[str]] = {}
     for piece, answers in zip(pieces, by_version, strict=True):
         per_shard.setdefault(piece.shard, [])

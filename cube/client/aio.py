@@ -19,11 +19,13 @@ from numpy.typing import DTypeLike, NDArray
 
 import cube.client._compiled as _compiled
 from cube.client._aio_transport import AioChannels
-from cube.client._base import MAX_REPLANS, ClientBase
+from cube.client._base import MAX_REPLANS, ClientBase, TablesArg
 from cube.client._core import (
+    Flow,
     Piece,
     PieceOutcome,
     PieceRequest,
+    R,
     SeekResult,
     embeddings,
     normalize_keys,
@@ -59,15 +61,19 @@ class AsyncCubeClient(ClientBase[AsyncTransport]):
             tls=self._tls,
         )
 
-    async def seek(self, keys: npt.ArrayLike, version: str | None = None) -> SeekResult:
+    async def seek(
+        self, keys: npt.ArrayLike, version: str | None = None, *, table: str = ""
+    ) -> SeekResult:
         """As CubeClient.seek."""
         self._check_open()
         started = time.perf_counter()
         request_id = self._request_id()
         deadline = self._deadline()
         try:
+            if table:
+                self._check_tables_protocol()
             keys = normalize_keys(keys)
-            pieces, limits = self._plan(keys)
+            pieces, limits = self._plan(keys, table)
             for replans in range(MAX_REPLANS + 1):
                 try:
                     if len(pieces) == 1 and self._lone_fast:
@@ -78,7 +84,8 @@ class AsyncCubeClient(ClientBase[AsyncTransport]):
                         )
                     break
                 except RequestRejectedError as exc:  # too large for servers met just now?
-                    plan = self._replan(exc, keys, limits) if replans < MAX_REPLANS else None
+                    replan = replans < MAX_REPLANS
+                    plan = self._replan(exc, keys, limits, table) if replan else None
                     if plan is None:
                         raise
                     pieces, limits = plan
@@ -89,6 +96,31 @@ class AsyncCubeClient(ClientBase[AsyncTransport]):
         if self.stats is not None:
             self._observe_call(started)
         return result
+
+    async def seek_tables(self, tables: TablesArg, version: str | None = None) -> list[SeekResult]:
+        """As CubeClient.seek_tables."""
+        self._check_open()
+        started = time.perf_counter()
+        request_id = self._request_id()
+        deadline = self._deadline()
+        try:
+            plan = self._table_plan(tables)
+            for replans in range(MAX_REPLANS + 1):
+                try:
+                    flow = self._flow_to(plan.every, plan.pieces, version, plan.finish)
+                    results = await self._rounds(flow, plan.pieces, request_id, deadline)
+                    break
+                except RequestRejectedError as exc:  # too large for servers met just now?
+                    if replans == MAX_REPLANS or not self._smaller_limit(exc, plan.limits):
+                        raise
+                    plan = self._table_plan(plan.tables)
+        except CubeError as exc:
+            self._observe_call(started, exc)
+            self._tag(exc, request_id)
+            raise
+        if self.stats is not None:
+            self._observe_call(started)
+        return results
 
     async def _seek_rounds(
         self,
@@ -102,6 +134,17 @@ class AsyncCubeClient(ClientBase[AsyncTransport]):
         """The state machine's way: rounds of sub-requests until the flow has its result
         (`adopted`: the fast path's first attempt, which the first round takes over)."""
         flow = self._flow(keys, pieces, version)
+        return await self._rounds(flow, pieces, request_id, deadline, adopted)
+
+    async def _rounds(
+        self,
+        flow: Flow[R],
+        pieces: list[Piece],
+        request_id: int,
+        deadline: float | None = None,
+        adopted: _Adopted | None = None,
+    ) -> R:
+        """Run `flow`'s rounds of sub-requests until it returns its result."""
         try:
             requests = next(flow)
             outcomes = await self._run(pieces, requests, request_id, deadline, adopted)
@@ -109,7 +152,7 @@ class AsyncCubeClient(ClientBase[AsyncTransport]):
                 requests = flow.send(outcomes)
                 outcomes = await self._run(pieces, requests, request_id, deadline)
         except StopIteration as done:
-            result: SeekResult = done.value
+            result: R = done.value
             return result
 
     async def _seek_lone(
@@ -147,30 +190,50 @@ class AsyncCubeClient(ClientBase[AsyncTransport]):
 
     @overload
     async def get_embeddings(
-        self, keys: npt.ArrayLike, dim: int | None = None
+        self, keys: npt.ArrayLike, dim: int | None = None, *, table: str = ""
     ) -> NDArray[np.float32]: ...
 
     @overload
     async def get_embeddings(
-        self, keys: npt.ArrayLike, dim: int | None, dtype: type[_S] | np.dtype[_S]
+        self,
+        keys: npt.ArrayLike,
+        dim: int | None,
+        dtype: type[_S] | np.dtype[_S],
+        *,
+        table: str = "",
     ) -> NDArray[_S]: ...
 
     @overload
     async def get_embeddings(
-        self, keys: npt.ArrayLike, dim: int | None = None, *, dtype: type[_S] | np.dtype[_S]
+        self,
+        keys: npt.ArrayLike,
+        dim: int | None = None,
+        *,
+        dtype: type[_S] | np.dtype[_S],
+        table: str = "",
     ) -> NDArray[_S]: ...
 
     @overload
     async def get_embeddings(
-        self, keys: npt.ArrayLike, dim: int | None = None, dtype: DTypeLike = "float32"
+        self,
+        keys: npt.ArrayLike,
+        dim: int | None = None,
+        dtype: DTypeLike = "float32",
+        *,
+        table: str = "",
     ) -> NDArray[Any]: ...
 
     async def get_embeddings(
-        self, keys: npt.ArrayLike, dim: int | None = None, dtype: DTypeLike = "float32"
+        self,
+        keys: npt.ArrayLike,
+        dim: int | None = None,
+        dtype: DTypeLike = "float32",
+        *,
+        table: str = "",
     ) -> NDArray[Any]:
         """As CubeClient.get_embeddings."""
         dim = self._embedding_dim(dim)
-        return embeddings(await self.seek(keys), dim, dtype, own=True)
+        return embeddings(await self.seek(keys, table=table), dim, dtype, own=True)
 
     async def wait_ready(self, timeout_s: float = 5.0) -> list[str]:
         """As CubeClient.wait_ready (the compiled codec loads in a thread; the GIL it holds

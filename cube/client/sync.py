@@ -35,11 +35,13 @@ import numpy.typing as npt
 from numpy.typing import DTypeLike, NDArray
 
 import cube.client._compiled as _compiled
-from cube.client._base import MAX_REPLANS, ClientBase
+from cube.client._base import MAX_REPLANS, ClientBase, TablesArg
 from cube.client._core import (
+    Flow,
     Piece,
     PieceOutcome,
     PieceRequest,
+    R,
     SeekResult,
     embeddings,
     normalize_keys,
@@ -169,21 +171,28 @@ class CubeClient(ClientBase[SyncTransport]):
         # backup request's loser) holds its thread until its timeout.
         self._pool = AttemptPool(max(32, 8 * len(self._cluster.endpoints)))
 
-    def seek(self, keys: npt.ArrayLike, version: str | None = None) -> SeekResult:
+    def seek(
+        self, keys: npt.ArrayLike, version: str | None = None, *, table: str = ""
+    ) -> SeekResult:
         """Look up `keys` (a 1-D sequence or array of integers, in request order); one version
         for the whole batch.
 
         `version` asks for exactly that version (servers hold the current and the previous
-        one). Raises ShardUnavailableError (with the partial result), RequestRejectedError,
-        VersionMismatchError, KeyRangeError (a key that is not a uint64, bools included),
-        KeyShapeError (a 2-D array, a set) or ClientClosedError."""
+        one). `table` names the table of a version that holds several (a model's sparse
+        tables; "" for a version of one). Raises ShardUnavailableError (with the partial
+        result), RequestRejectedError (NOT_FOUND for a table the version lacks,
+        INVALID_ARGUMENT for none named where several are served), VersionMismatchError,
+        KeyRangeError (a key that is not a uint64, bools included), KeyShapeError (a 2-D
+        array, a set) or ClientClosedError."""
         self._check_open()
         started = time.perf_counter()
         request_id = self._request_id()
         deadline = self._deadline()
         try:
+            if table:
+                self._check_tables_protocol()
             keys = normalize_keys(keys)
-            pieces, limits = self._plan(keys)
+            pieces, limits = self._plan(keys, table)
             for replans in range(MAX_REPLANS + 1):
                 try:
                     if len(pieces) == 1 and self._lone_fast:
@@ -192,7 +201,8 @@ class CubeClient(ClientBase[SyncTransport]):
                         result = self._seek_rounds(keys, pieces, version, request_id, deadline)
                     break
                 except RequestRejectedError as exc:  # too large for servers met just now?
-                    plan = self._replan(exc, keys, limits) if replans < MAX_REPLANS else None
+                    replan = replans < MAX_REPLANS
+                    plan = self._replan(exc, keys, limits, table) if replan else None
                     if plan is None:
                         raise
                     pieces, limits = plan
@@ -203,6 +213,35 @@ class CubeClient(ClientBase[SyncTransport]):
         if self.stats is not None:
             self._observe_call(started)
         return result
+
+    def seek_tables(self, tables: TablesArg, version: str | None = None) -> list[SeekResult]:
+        """Look up keys in several tables of one version in one call: `tables` is (table,
+        keys) pairs, or a mapping of table to keys; returns one SeekResult per pair, in order
+        (each as `seek(keys, table=table)` would), every one from the same version, across
+        every shard. Raises as `seek`; the partial result of a ShardUnavailableError holds
+        every pair's keys back to back."""
+        self._check_open()
+        started = time.perf_counter()
+        request_id = self._request_id()
+        deadline = self._deadline()
+        try:
+            plan = self._table_plan(tables)
+            for replans in range(MAX_REPLANS + 1):
+                try:
+                    flow = self._flow_to(plan.every, plan.pieces, version, plan.finish)
+                    results = self._rounds(flow, plan.pieces, request_id, deadline)
+                    break
+                except RequestRejectedError as exc:  # too large for servers met just now?
+                    if replans == MAX_REPLANS or not self._smaller_limit(exc, plan.limits):
+                        raise
+                    plan = self._table_plan(plan.tables)
+        except CubeError as exc:
+            self._observe_call(started, exc)
+            self._tag(exc, request_id)
+            raise
+        if self.stats is not None:
+            self._observe_call(started)
+        return results
 
     def _seek_rounds(
         self,
@@ -216,6 +255,17 @@ class CubeClient(ClientBase[SyncTransport]):
         """The state machine's way: rounds of sub-requests until the flow has its result
         (`first_round` runs the first one when the fast path already started it)."""
         flow = self._flow(keys, pieces, version)
+        return self._rounds(flow, pieces, request_id, deadline, first_round)
+
+    def _rounds(
+        self,
+        flow: Flow[R],
+        pieces: list[Piece],
+        request_id: int,
+        deadline: float | None = None,
+        first_round: Callable[[list[PieceRequest]], list[PieceOutcome]] | None = None,
+    ) -> R:
+        """Run `flow`'s rounds of sub-requests until it returns its result."""
         try:
             requests = next(flow)
             if first_round is not None:
@@ -226,7 +276,7 @@ class CubeClient(ClientBase[SyncTransport]):
                 requests = flow.send(outcomes)
                 outcomes = self._run(pieces, requests, request_id, deadline)
         except StopIteration as done:
-            result: SeekResult = done.value
+            result: R = done.value
             return result
 
     def _seek_lone(
@@ -256,31 +306,52 @@ class CubeClient(ClientBase[SyncTransport]):
 
     @overload
     def get_embeddings(
-        self, keys: npt.ArrayLike, dim: int | None = None
+        self, keys: npt.ArrayLike, dim: int | None = None, *, table: str = ""
     ) -> NDArray[np.float32]: ...
 
     @overload
     def get_embeddings(
-        self, keys: npt.ArrayLike, dim: int | None, dtype: type[_S] | np.dtype[_S]
+        self,
+        keys: npt.ArrayLike,
+        dim: int | None,
+        dtype: type[_S] | np.dtype[_S],
+        *,
+        table: str = "",
     ) -> NDArray[_S]: ...
 
     @overload
     def get_embeddings(
-        self, keys: npt.ArrayLike, dim: int | None = None, *, dtype: type[_S] | np.dtype[_S]
+        self,
+        keys: npt.ArrayLike,
+        dim: int | None = None,
+        *,
+        dtype: type[_S] | np.dtype[_S],
+        table: str = "",
     ) -> NDArray[_S]: ...
 
     @overload
     def get_embeddings(
-        self, keys: npt.ArrayLike, dim: int | None = None, dtype: DTypeLike = "float32"
+        self,
+        keys: npt.ArrayLike,
+        dim: int | None = None,
+        dtype: DTypeLike = "float32",
+        *,
+        table: str = "",
     ) -> NDArray[Any]: ...
 
     def get_embeddings(
-        self, keys: npt.ArrayLike, dim: int | None = None, dtype: DTypeLike = "float32"
+        self,
+        keys: npt.ArrayLike,
+        dim: int | None = None,
+        dtype: DTypeLike = "float32",
+        *,
+        table: str = "",
     ) -> NDArray[Any]:
         """(n, dim) array of `dtype`, zero rows for misses; ValueSizeError names a key whose
-        value is not dim * itemsize bytes. `dim` defaults to the client's (cube.conf's)."""
+        value is not dim * itemsize bytes. `dim` defaults to the client's (cube.conf's);
+        `table` as for `seek`."""
         dim = self._embedding_dim(dim)
-        return embeddings(self.seek(keys), dim, dtype, own=True)
+        return embeddings(self.seek(keys, table=table), dim, dtype, own=True)
 
     def wait_ready(self, timeout_s: float = 5.0) -> list[str]:
         """Make first contact with every endpoint (connection, routing check, TCP lane);

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0f\x63ube_fast.proto\x12\x07\x63ube.v1\"S\n\x0bSeekRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x11\n\tdict_name\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\"x\n\x0cSeekResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x0c\x12\x0e\n\x06values\x18\x02 \x01(\x0c\x12\x13\n\x0bvalue_width\x18\x03 \x01(\r\x12\x0f\n\x07offsets\x18\x04 \x01(\x0c\x12\x0f\n\x07version\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\x04\x32\x81\x01\n\x0b\x43ubeService\x12\x33\n\x04Seek\x12\x14.cube.v1.SeekRequest\x1a\x15.cube.v1.SeekResponse\x12=\n\nSeekStream\x12\x14.cube.v1.SeekRequest\x1a\x15.cube.v1.SeekResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0f\x63ube_fast.proto\x12\x07\x63ube.v1\"b\n\x0bSeekRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x11\n\tdict_name\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\x12\r\n\x05table\x18\x07 \x01(\t\"x\n\x0cSeekResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x0c\x12\x0e\n\x06values\x18\x02 \x01(\x0c\x12\x13\n\x0bvalue_width\x18\x03 \x01(\r\x12\x0f\n\x07offsets\x18\x04 \x01(\x0c\x12\x0f\n\x07version\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\x04\x32\x81\x01\n\x0b\x43ubeService\x12\x33\n\x04Seek\x12\x14.cube.v1.SeekRequest\x1a\x15.cube.v1.SeekResponse\x12=\n\nSeekStream\x12\x14.cube.v1.SeekRequest\x1a\x15.cube.v1.SeekResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,9 +32,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cube_fast_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SEEKREQUEST']._serialized_start=28
-  _globals['_SEEKREQUEST']._serialized_end=111
-  _globals['_SEEKRESPONSE']._serialized_start=113
-  _globals['_SEEKRESPONSE']._serialized_end=233
-  _globals['_CUBESERVICE']._serialized_start=236
-  _globals['_CUBESERVICE']._serialized_end=365
+  _globals['_SEEKREQUEST']._serialized_end=126
+  _globals['_SEEKRESPONSE']._serialized_start=128
+  _globals['_SEEKRESPONSE']._serialized_end=248
+  _globals['_CUBESERVICE']._serialized_start=251
+  _globals['_CUBESERVICE']._serialized_end=380
 # @@protoc_insertion_point(module_scope)

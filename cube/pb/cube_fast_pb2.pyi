@@ -5,16 +5,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SeekRequest(_message.Message):
-    __slots__ = ("keys", "dict_name", "version", "request_id")
+    __slots__ = ("keys", "dict_name", "version", "request_id", "table")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     DICT_NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
     keys: bytes
     dict_name: str
     version: str
     request_id: int
-    def __init__(self, keys: _Optional[bytes] = ..., dict_name: _Optional[str] = ..., version: _Optional[str] = ..., request_id: _Optional[int] = ...) -> None: ...
+    table: str
+    def __init__(self, keys: _Optional[bytes] = ..., dict_name: _Optional[str] = ..., version: _Optional[str] = ..., request_id: _Optional[int] = ..., table: _Optional[str] = ...) -> None: ...
 
 class SeekResponse(_message.Message):
     __slots__ = ("found", "values", "value_width", "offsets", "version", "request_id")

@@ -23,7 +23,7 @@ import numpy as np
 
 from cube import kernel, wire
 from cube.index import TOMBSTONE
-from cube.layout import part_name
+from cube.layout import clip, part_name
 from cube.metrics import Histogram
 from cube.pb import cube_fast_pb2, cube_pb2
 from cube.routing import MISROUTED_HINT, group_by_owner, shard_of
@@ -140,7 +140,7 @@ def lane_target(version: LoadedVersion) -> kernel.LaneTarget | None:
 
 
 def _lane_target(version: LoadedVersion) -> kernel.LaneTarget | None:
-    if len(version.stacks) != 1:
+    if len(version.stacks) != 1 or version.tables:  # (the pass knows no table field)
         return None
     layers = [(shard.kernel_table, shard.values) for shard in version.stacks[0].layers]
     routing = version.routing
@@ -158,7 +158,12 @@ WARM_KEYS = 256  # keys of a version looked up before it serves (version_warmed)
 def warm_version(version: LoadedVersion, partitioner: str = "mod") -> None:
     """What a version's first request would otherwise pay, paid before it serves (called in
     the loader's thread): its gatherers (the value word views) and one lookup of a few keys
-    of each split, through the path requests take (index and data pages, kernel calls)."""
+    of each split, through the path requests take (index and data pages, kernel calls);
+    for a version of several tables, of each table."""
+    if version.tables:
+        for child in version.tables.values():
+            warm_version(child, partitioner)
+        return
     samples = []
     for stack in version.stacks:
         table = stack.layers[0].table
@@ -399,9 +404,12 @@ class SeekService:
                 f" {self.max_batch} (--max_batch): split the batch",
             )
 
-    def _hold(self, name: str, keys: np.ndarray, what: str) -> tuple[LoadedVersion | None, int]:
-        """The version to answer `keys` from, acquired (None: answer misses, by design), and
-        the bound of the answer's value bytes; RequestError when the request must be refused."""
+    def _hold(
+        self, name: str, keys: np.ndarray, what: str, table: str = ""
+    ) -> tuple[LoadedVersion | None, int]:
+        """The version to answer `keys` from (the table's, for a version of several tables),
+        acquired (None: answer misses, by design), and the bound of the answer's value bytes;
+        RequestError when the request must be refused."""
         slots = self.slots
         version = slots.get(name)
         n = keys.shape[0]
@@ -429,10 +437,35 @@ class SeekService:
                 grpc.StatusCode.UNAVAILABLE,
                 f"{what}: version {version.name} is no longer served: {version.broken}",
             )
+        version = self._table_of(version, table, n, what)
         bound = n * version.max_value_bytes
         if bound > self.max_answer_bytes and version.value_width:
             raise self._too_large(what, bound)
         return version.acquire(), bound
+
+    @staticmethod
+    def _table_of(version: LoadedVersion, table: str, count: int, what: str) -> LoadedVersion:
+        """The version of `table` a request reads (an empty request without one, the SDK's
+        first contact, reads the first table: no key, the version's name). A request that
+        names no table, or one the version lacks, is refused: a wrong table would answer
+        misses or another table's values."""
+        found = version.table(table)
+        if found is not None:
+            return found
+        tables = ", ".join(version.tables)
+        if not table:
+            if not count:
+                return next(iter(version.tables.values()))
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{what}: version {version.name} holds several tables ({tables}): name one"
+                " (SeekRequest.table; the SDK's table=)",
+            )
+        held = f"tables {tables}" if tables else "one unnamed table (send no table)"
+        raise RequestError(
+            grpc.StatusCode.NOT_FOUND,
+            f"{what}: no table {clip(table)} in version {version.name} (it holds {held})",
+        )
 
     @staticmethod
     def _misrouted(
@@ -492,7 +525,7 @@ class SeekService:
                 f" {self.dict_name!r})",
             )
         keys = self._keys(request.keys, what)
-        version, bound = self._hold(request.version, keys, what)
+        version, bound = self._hold(request.version, keys, what, request.table)
         return ParsedSeek(request.request_id, keys, version, bound, bound > self.max_answer_bytes)
 
     def answer_seeks(

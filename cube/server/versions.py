@@ -11,6 +11,11 @@ places a delta and the server writes it when it loads a patch without one. Witho
 file the chain is rebuilt from the directory names: the base plus every `<base>_*` delta up to
 the named one. A delta layers over the shards already mapped: nothing is copied.
 
+A version with several tables (a model's sparse tables, cube/layout.py `TABLES`) holds one
+`<table>/` of shard files per table in each version directory; it loads as one
+`LoadedVersion` owning one child per table (`table`), so its tables are served, switched and
+unmapped together, and every request names the table it reads.
+
 Everything here runs either on the event loop thread (slots, request reference counts) or in
 one loader thread (loading) while the control lock is held, so the only shared mutable state
 across threads is the shard reference count, guarded by a lock.
@@ -37,6 +42,7 @@ from cube.layout import (
     CHAIN_FILE,
     NAME_RULE,
     PART_RE,
+    TABLES_FILE,
     VERSION_FILE,
     LayoutError,
     base_of,
@@ -46,6 +52,7 @@ from cube.layout import (
     is_delta,
     is_name,
     parse_chain,
+    parse_tables,
     parse_version,
     version_text,
 )
@@ -200,6 +207,37 @@ def read_chain(split_dir: Path, name: str) -> list[str] | None:
         return parse_chain(text, name)
     except LayoutError as exc:
         raise VersionError("FAILED_PRECONDITION", f"{path}: {exc}") from None
+
+
+def read_tables(version_dir: Path) -> list[str]:
+    """The tables a version directory's TABLES file lists ([]: no file, one unnamed table)."""
+    path = version_dir / TABLES_FILE
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    except (OSError, UnicodeDecodeError) as exc:
+        raise VersionError("FAILED_PRECONDITION", f"{path}: {exc}") from exc
+    try:
+        return parse_tables(text)
+    except LayoutError as exc:
+        raise VersionError("FAILED_PRECONDITION", f"{path}: {exc}") from None
+
+
+def chain_tables(split_dir: Path, chain: list[str]) -> list[str]:
+    """The tables every layer of `chain` holds ([]: one unnamed table); a layer with other
+    tables than its chain's is refused (a delta is built from a save of the same model)."""
+    tables = read_tables(split_dir / chain[-1])
+    for link in chain[:-1]:
+        theirs = read_tables(split_dir / link)
+        if theirs != tables:
+            raise VersionError(
+                "FAILED_PRECONDITION",
+                f"{split_dir / chain[-1]} holds tables {tables or ['(one unnamed)']} but"
+                f" {split_dir / link} of its chain holds {theirs or ['(one unnamed)']}: every"
+                " version of a chain must hold the same tables",
+            )
+    return tables
 
 
 def resolve_chain(split_dir: Path, name: str) -> list[str]:
@@ -363,7 +401,12 @@ class SplitData:
 class LoadedVersion:
     """A version ready to serve. Requests hold it between `acquire` and `release`; once it has
     left every slot (`retire`) the last release unmaps its shards. `fail` unmaps it at once
-    (its files changed under the server): requests still holding it get an error."""
+    (its files changed under the server): requests still holding it get an error.
+
+    A version of several tables (`with_tables`) owns one child LoadedVersion per table:
+    lookups read a child (`table`), whose acquire, release, retire and fail are its owner's,
+    so the tables live and die together. The owner's `splits` are its first table's (chains,
+    split listings); `all_splits` are every table's (files, bytes, unmapping)."""
 
     name: str
     splits: list[SplitData]
@@ -373,14 +416,17 @@ class LoadedVersion:
     retired: bool = False
     closed: bool = False
     broken: str = ""  # why it must not be read any more (set by `fail`)
+    tables: dict[str, LoadedVersion] = field(default_factory=dict)
+    owner: LoadedVersion | None = None  # a table's version: the version holding it
 
     def __post_init__(self) -> None:
+        self.all_splits = [s for t in self.tables.values() for s in t.splits] or self.splits
         widths = {s.stack.value_width for s in self.splits}
         # One width for the whole answer only when every split agrees; else variable.
         self.value_width = widths.pop() if len(widths) == 1 else 0
         self.stacks = [s.stack for s in self.splits]
         # The keys this version holds, when every split's headers agree on it.
-        routings = {s.routing for s in self.splits}
+        routings = {s.routing for s in self.all_splits}
         self.routing: ShardRouting | None = routings.pop() if len(routings) == 1 else None
         # Longest value: bounds the bytes of an answer before it is built.
         self.max_value_bytes = max(
@@ -388,6 +434,24 @@ class LoadedVersion:
         )
         # views the request kernel prepares on the mapped shards (dropped before unmapping)
         self.kernel_cache: dict[str, Any] = {}
+        for table in self.tables.values():
+            table.owner = self
+
+    @classmethod
+    def with_tables(
+        cls, name: str, tables: dict[str, list[SplitData]], load_seconds: float = 0.0
+    ) -> LoadedVersion:
+        """A version of several tables, each from its splits (in split order)."""
+        children = {t: cls(name, splits, load_seconds) for t, splits in tables.items()}
+        first = next(iter(children.values()))
+        return cls(name, first.splits, load_seconds, tables=children)
+
+    def table(self, name: str) -> LoadedVersion | None:
+        """The version a lookup of table `name` reads ("" for a version of one unnamed
+        table: itself); None when this version has no such table."""
+        if not self.tables:
+            return None if name else self
+        return self.tables.get(name)
 
     @property
     def chain(self) -> list[str]:
@@ -396,18 +460,27 @@ class LoadedVersion:
     @property
     def fds(self) -> list[int]:
         """Descriptors of every mapped file (kept open when the files are watched)."""
-        return [fd for s in self.splits for h in s.handles for fd in h.fds]
+        return [fd for s in self.all_splits for h in s.handles for fd in h.fds]
 
     def acquire(self) -> LoadedVersion:
+        if self.owner is not None:
+            self.owner.acquire()
+            return self
         self.inflight += 1
         return self
 
     def release(self) -> None:
+        if self.owner is not None:
+            self.owner.release()
+            return
         self.inflight -= 1
         if self.retired and self.inflight == 0:
             self._close()
 
     def retire(self) -> None:
+        if self.owner is not None:
+            self.owner.retire()
+            return
         self.retired = True
         if self.inflight == 0:
             self._close()
@@ -415,7 +488,12 @@ class LoadedVersion:
     def fail(self, reason: str) -> None:
         """Never read this version again and unmap it now, whoever still holds it (requests
         that do get an error): its files are being changed by another process."""
+        if self.owner is not None:
+            self.owner.fail(reason)
+            return
         self.broken = reason
+        for table in self.tables.values():
+            table.broken = reason
         self.retired = True
         self._close()
 
@@ -424,15 +502,18 @@ class LoadedVersion:
             return
         self.closed = True
         self.kernel_cache.clear()  # its array views would keep the mappings alive
-        for split in self.splits:
+        for table in self.tables.values():
+            table.closed = True
+            table.kernel_cache.clear()
+        for split in self.all_splits:
             for handle in split.handles:
                 handle.release()
         log.info("version %s unmapped", self.name)
 
     def describe(self) -> dict[str, Any]:
-        splits = [s.describe() for s in self.splits]
+        splits = [s.describe() for s in self.all_splits]
         routing = self.routing
-        return {
+        described = {
             "version": self.name,
             "chain": self.chain,
             "value_width": self.value_width,
@@ -444,8 +525,19 @@ class LoadedVersion:
             "pmd_mapped_bytes": sum(s["pmd_mapped_bytes"] for s in splits),
             "loaded_at": self.loaded_at,
             "routing": routing.describe() if routing else None,
-            "splits": splits,
+            "splits": [s.describe() for s in self.splits],
         }
+        if self.tables:
+            described["value_width"] = None  # each table has its own
+            described["tables"] = {
+                name: {
+                    "value_width": table.value_width,
+                    "record_count": sum(s.describe()["record_count"] for s in table.splits),
+                    "splits": [s.describe() for s in table.splits],
+                }
+                for name, table in self.tables.items()
+            }
+        return described
 
 
 # ---------------------------------------------------------------------------------------------
@@ -547,23 +639,28 @@ def _layer_routing(
 
 
 def _build_split(
-    directory: Path, chain: list[str], reuse: list[ShardHandle], options: LoadOptions
+    directory: Path,
+    chain: list[str],
+    reuse: list[ShardHandle],
+    options: LoadOptions,
+    table: str = "",
 ) -> SplitData:
-    """Open the layers of `chain` after the `reuse`d ones (already mapped by another version)."""
+    """Open the layers of `chain` after the `reuse`d ones (already mapped by another version);
+    `table`: the table's folder in each layer ("" for a version of one unnamed table)."""
     handles = [h.acquire() for h in reuse]
     try:
         for link in chain[len(reuse) :]:
-            handles.append(_open_layer(directory / link, options))
+            handles.append(_open_layer(directory / link / table, options))
         widths = {h.shard.value_width for h in handles if h.shard.record_count}
         if len(widths) > 1:
             log.info("%s: layers of widths %s served as variable width", directory, widths)
-        routing = _layer_routing(handles, directory / chain[-1], options)
+        routing = _layer_routing(handles, directory / chain[-1] / table, options)
         stack = ShardStack([h.shard for h in handles])
     except BaseException:
         for handle in handles:
             handle.release()
         raise
-    return SplitData(directory / chain[-1], chain, handles, stack, routing)
+    return SplitData(directory / chain[-1] / table, chain, handles, stack, routing)
 
 
 def _require_dir(split_dir: Path, name: str) -> None:
@@ -575,16 +672,42 @@ def load_base(dirs: list[Path], name: str, options: LoadOptions) -> LoadedVersio
     """Load `name` from disk alone (a delta brings its whole chain: base + deltas)."""
     started = time.monotonic()
     time.sleep(options.delay)
-    splits: list[SplitData] = []
+    chains = []
+    for split_dir in dirs:
+        _require_dir(split_dir, name)
+        chain = resolve_chain(split_dir, name)
+        chains.append((split_dir, chain, chain_tables(split_dir, chain)))
+    tables = _same_tables(chains)
+    built: dict[str, list[SplitData]] = {table: [] for table in tables or [""]}
     try:
-        for split_dir in dirs:
-            _require_dir(split_dir, name)
-            chain = resolve_chain(split_dir, name)
-            splits.append(_build_split(split_dir, chain, [], options))
+        for split_dir, chain, _ in chains:
+            for table, splits in built.items():
+                splits.append(_build_split(split_dir, chain, [], options, table))
     except BaseException:
-        _release_all(splits)
+        _release_all([s for splits in built.values() for s in splits])
         raise
-    return LoadedVersion(name, splits, time.monotonic() - started)
+    return _loaded(name, built, started)
+
+
+def _same_tables(chains: list[tuple[Path, list[str], list[str]]]) -> list[str]:
+    """The tables every split holds (they must agree: a version's shard tar is one build)."""
+    tables = chains[0][2]
+    for split_dir, chain, theirs in chains[1:]:
+        if theirs != tables:
+            raise VersionError(
+                "FAILED_PRECONDITION",
+                f"{split_dir / chain[-1]} holds tables {theirs or ['(one unnamed)']} but"
+                f" {chains[0][0] / chains[0][1][-1]} holds {tables or ['(one unnamed)']}",
+            )
+    return tables
+
+
+def _loaded(name: str, built: dict[str, list[SplitData]], started: float) -> LoadedVersion:
+    """The LoadedVersion of splits opened per table (the key "" alone: one unnamed table)."""
+    seconds = time.monotonic() - started
+    if list(built) == [""]:
+        return LoadedVersion(name, built[""], seconds)
+    return LoadedVersion.with_tables(name, built, seconds)
 
 
 def flat_layout(dirs: list[Path]) -> bool:
@@ -637,7 +760,8 @@ def load_patch(
 ) -> LoadedVersion:
     """Layer delta `name` over the version `on` serves now, reusing its mapped shards. The
     result's chain is the CHAIN file when there is one (which must extend `on`'s chain; the
-    deltas `on` lacks are opened too), else `on`'s chain + `name`, then recorded in CHAIN."""
+    deltas `on` lacks are opened too), else `on`'s chain + `name`, then recorded in CHAIN.
+    A version of several tables layers each table over the same table of `on`."""
     if not is_delta(name):
         raise VersionError(
             "INVALID_ARGUMENT", f"{name!r} is not a delta name (<base>_<version>); use bg_load_base"
@@ -654,32 +778,55 @@ def load_patch(
         )
     started = time.monotonic()
     time.sleep(options.delay)
-    splits: list[SplitData] = []
+    current_tables = on.tables or {"": on}
+    built: dict[str, list[SplitData]] = {table: [] for table in current_tables}
+    unrecorded = []
     try:
-        for split_dir, current in zip(dirs, on.splits, strict=True):
-            _require_dir(split_dir, name)
-            if name in current.chain:
+        for i, (split_dir, current) in enumerate(zip(dirs, on.splits, strict=True)):
+            chain, recorded = _patch_chain(split_dir, name, on, current)
+            tables = chain_tables(split_dir, chain)
+            if (tables or [""]) != list(current_tables):
                 raise VersionError(
                     "FAILED_PRECONDITION",
-                    f"patch {name!r} is already applied in {on.name!r} ({' > '.join(on.chain)})",
+                    f"patch {name!r} holds tables {tables or ['(one unnamed)']} but"
+                    f" {on.name!r} holds {list(on.tables) or ['(one unnamed)']}; load it"
+                    " with bg_load_base",
                 )
-            recorded = read_chain(split_dir, name)
-            chain = recorded if recorded is not None else [*current.chain, name]
-            if chain[: len(current.chain)] != current.chain:
-                raise VersionError(
-                    "FAILED_PRECONDITION",
-                    f"{split_dir / name / CHAIN_FILE} lists {' > '.join(chain)}, which does not"
-                    f" extend the current {' > '.join(current.chain)}; load it with bg_load_base",
-                )
-            for link in chain[len(current.chain) :]:
-                _require_dir(split_dir, link)
-            splits.append(_build_split(split_dir, chain, current.handles, options))
-            if recorded is None:
-                write_chain(split_dir, name, chain)
+            for table, splits in built.items():
+                reuse = current_tables[table].splits[i].handles
+                splits.append(_build_split(split_dir, chain, reuse, options, table))
+            if not recorded:
+                unrecorded.append((split_dir, chain))
+        for split_dir, chain in unrecorded:
+            write_chain(split_dir, name, chain)
     except BaseException:
-        _release_all(splits)
+        _release_all([s for splits in built.values() for s in splits])
         raise
-    return LoadedVersion(name, splits, time.monotonic() - started)
+    return _loaded(name, built, started)
+
+
+def _patch_chain(
+    split_dir: Path, name: str, on: LoadedVersion, current: SplitData
+) -> tuple[list[str], bool]:
+    """The chain patch `name` makes over `current` (one split of `on`), and whether its
+    CHAIN file records it."""
+    _require_dir(split_dir, name)
+    if name in current.chain:
+        raise VersionError(
+            "FAILED_PRECONDITION",
+            f"patch {name!r} is already applied in {on.name!r} ({' > '.join(on.chain)})",
+        )
+    recorded = read_chain(split_dir, name)
+    chain = recorded if recorded is not None else [*current.chain, name]
+    if chain[: len(current.chain)] != current.chain:
+        raise VersionError(
+            "FAILED_PRECONDITION",
+            f"{split_dir / name / CHAIN_FILE} lists {' > '.join(chain)}, which does not"
+            f" extend the current {' > '.join(current.chain)}; load it with bg_load_base",
+        )
+    for link in chain[len(current.chain) :]:
+        _require_dir(split_dir, link)
+    return chain, recorded is not None
 
 
 def _release_all(splits: list[SplitData]) -> None:

@@ -53,10 +53,12 @@ def write_version(
     current: bool = False,
     dict_name: str = "test_dict",
     routing: dict[str, Any] | None = None,
+    table: str = "",
 ) -> Path:
     """Write `<data_dir>[/<split>]/<name>/{index.cube,data.cube}` (a base, or a delta when the
     name is `<base>_<cur>`), optionally its CHAIN file, and VERSION when `current`. `routing`
-    (shard, shard_num, partitioner) goes into the headers as the builder writes it."""
+    (shard, shard_num, partitioner) goes into the headers as the builder writes it. With
+    `table`, the files go to `<name>/<table>/` and the table is added to `<name>/TABLES`."""
     root = Path(data_dir) if split is None else Path(data_dir) / str(split)
     keys = np.asarray(keys, dtype=np.uint64)
     if not isinstance(values, ValueColumn):
@@ -64,7 +66,13 @@ def write_version(
     dropped = None if deleted is None else np.asarray(deleted, dtype=np.uint64)
     directory = root / name
     meta = {"dict_name": dict_name, "version": name, **(routing or {})}
-    write_shard(directory, build_table(keys, dropped), values, meta)
+    if table:
+        listed = directory / "TABLES"
+        names = listed.read_text().split() if listed.exists() else []
+        directory.mkdir(parents=True, exist_ok=True)
+        listed.write_text("".join(f"{t}\n" for t in (names if table in names else [*names, table])))
+        meta["table"] = table
+    write_shard(directory / table, build_table(keys, dropped), values, meta)
     if chain is not None:
         (directory / "CHAIN").write_text("".join(f"{link}\n" for link in chain))
     if current:

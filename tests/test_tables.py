@@ -1,0 +1,175 @@
+"""Several tables in one version (a model's sparse tables, cube/layout.py TABLES): real
+cube-server processes serving two tables of different widths on two shards, the SDK's
+`seek_tables` (one version for every table and shard), `seek(table=)`, refusals (no table
+named, a table the version lacks, the original API), patches over every table together, and
+a patch whose tables differ refused while the version served keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from helpers.procs import ServerProc, expected_fixed, fixed_values, running_server, write_version
+from helpers.stubs import control_stub, dict_stub
+
+from cube.client import AsyncCubeClient, CubeClient
+from cube.client.errors import ConfError, RequestRejectedError
+from cube.pb import cube_pb2
+from cube.routing import shard_of
+
+pytestmark = pytest.mark.slow
+
+SHARDS = 2
+WIDTHS = {"wide": 4, "deep": 32}  # a first-order weight and an embedding, say
+TAGS = {"wide": 1, "deep": 2}
+BASE = np.arange(1, 4001, dtype=np.uint64) * 7919
+WIDE_ONLY = np.arange(1, 301, dtype=np.uint64) * 104729 + 3  # keys only "wide" holds
+
+
+def _write(root: Path, name: str, table: str, keys: np.ndarray, tag: int, **extra: Any) -> None:
+    """The table's keys of each shard into `<root>/<shard>/<name>/<table>/`."""
+    owners = shard_of(keys, SHARDS, "mod")
+    for shard in range(SHARDS):
+        mine = keys[owners == shard]
+        routing = {"shard": shard, "shard_num": SHARDS, "partitioner": "mod"}
+        values = fixed_values(mine, WIDTHS[table], tag)
+        write_version(root / str(shard), name, mine, values, table=table, routing=routing, **extra)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerProc]]:
+    root = tmp_path_factory.mktemp("tables")
+    _write(root, "100", "wide", np.concatenate([BASE, WIDE_ONLY]), TAGS["wide"], current=True)
+    _write(root, "100", "deep", BASE, TAGS["deep"], current=True)
+    with (
+        running_server(root / "0", "--shard", "0") as first,
+        running_server(root / "1", "--shard", "1") as second,
+    ):
+        yield [first, second]
+
+
+def _client(servers: list[ServerProc], **options: Any) -> CubeClient:
+    return CubeClient(shards=[[s.address] for s in servers], **options)
+
+
+def _control(server: ServerProc, cmd: str, **fields: Any) -> cube_pb2.ControlResponse:
+    with grpc.insecure_channel(server.control_address) as channel:
+        reply: cube_pb2.ControlResponse = control_stub(channel).cmd(
+            cube_pb2.ControlRequest(cmd=cmd, **fields), timeout=60
+        )
+        return reply
+
+
+def test_seek_tables_answers_every_table_from_one_version(servers: list[ServerProc]) -> None:
+    keys = np.concatenate([BASE[::3], WIDE_ONLY[:50]])
+    with _client(servers) as client:
+        wide, deep, again = client.seek_tables(
+            [("wide", keys), ("deep", keys), ("wide", BASE[:10])]
+        )
+    assert wide.version == deep.version == again.version == "100"
+    assert wide.found.all() and wide.width == WIDTHS["wide"]
+    assert np.array_equal(wide.column.as_rows(), expected_fixed(keys, 4, TAGS["wide"]))
+    hits = np.isin(keys, BASE)
+    assert np.array_equal(deep.found, hits) and deep.width == WIDTHS["deep"]
+    expected = expected_fixed(keys, 32, TAGS["deep"])
+    assert np.array_equal(deep.column.as_rows()[hits], expected[hits])
+    assert not deep.column.as_rows()[~hits].any()  # a miss is a zero row
+    assert np.array_equal(again.column.as_rows(), expected_fixed(BASE[:10], 4, TAGS["wide"]))
+
+
+def test_seek_and_embeddings_name_a_table(servers: list[ServerProc]) -> None:
+    with _client(servers) as client:
+        result = client.seek(BASE[:100], table="deep")
+        assert result.found.all() and result.width == 32
+        rows = client.get_embeddings(BASE[:100], 8, table="deep")
+    assert rows.shape == (100, 8)
+    assert np.array_equal(rows.view(np.uint8), expected_fixed(BASE[:100], 32, TAGS["deep"]))
+    with _client(servers) as client:
+        by_name = client.seek_tables({"deep": BASE[:5], "wide": BASE[:5]})
+    assert [r.width for r in by_name] == [32, 4]
+
+
+def test_async_client_seek_tables(servers: list[ServerProc]) -> None:
+    async def run() -> list[Any]:
+        async with AsyncCubeClient(shards=[[s.address] for s in servers]) as client:
+            results = await client.seek_tables([("wide", BASE[:500]), ("deep", BASE[500:900])])
+            single = await client.seek(BASE[:3], table="wide")
+            return [*results, single]
+
+    wide, deep, single = asyncio.run(run())
+    assert np.array_equal(wide.column.as_rows(), expected_fixed(BASE[:500], 4, TAGS["wide"]))
+    assert np.array_equal(deep.column.as_rows(), expected_fixed(BASE[500:900], 32, TAGS["deep"]))
+    assert single.found.all()
+
+
+def test_a_request_must_name_a_table_the_version_has(servers: list[ServerProc]) -> None:
+    with _client(servers, retry=0) as client:
+        with pytest.raises(RequestRejectedError) as unnamed:
+            client.seek(BASE[:10])
+        assert unnamed.value.code == "INVALID_ARGUMENT"
+        assert "several tables (wide, deep)" in str(unnamed.value)
+        with pytest.raises(RequestRejectedError) as unknown:
+            client.seek(BASE[:10], table="embedding_9")
+        assert unknown.value.code == "NOT_FOUND"
+        assert "no table 'embedding_9'" in str(unknown.value)
+        assert client.seek([], table="wide").found.shape == (0,)
+    with (
+        _client(servers, protocol="original") as client,
+        pytest.raises(ConfError, match="cannot name a table"),
+    ):
+        client.seek(BASE[:10], table="wide")
+    # the original API names no table: refused, never answered from one of them
+    with grpc.insecure_channel(servers[0].address) as channel:
+        request = cube_pb2.DictRequest(keys=[int(BASE[0])])
+        with pytest.raises(grpc.RpcError) as refused:
+            dict_stub(channel).seek(request, timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_status_lists_the_tables(servers: list[ServerProc]) -> None:
+    detail = json.loads(_control(servers[0], "status").detail_json)
+    text = json.dumps(detail)
+    assert '"wide"' in text and '"deep"' in text
+
+
+def test_patch_layers_every_table_and_a_mismatch_is_refused(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "data"
+    _write(root, "100", "wide", BASE, TAGS["wide"], current=True)
+    _write(root, "100", "deep", BASE, TAGS["deep"], current=True)
+    changed = BASE[:200]
+    _write(root, "100_101", "wide", changed, 11, chain=["100", "100_101"])
+    _write(root, "100_101", "deep", changed, 12, chain=["100", "100_101"])
+    _write(root, "100_102", "deep", changed, 13, chain=["100", "100_101", "100_102"])
+    shards = []
+    with (
+        running_server(root / "0", "--shard", "0") as first,
+        running_server(root / "1", "--shard", "1") as second,
+    ):
+        shards = [first, second]
+        for server in shards:
+            reply = _control(server, "reload_patch", version_path="/100_101")
+            assert reply.cur_version == "100_101", reply.message
+        with _client(shards) as client:
+            wide, deep = client.seek_tables([("wide", BASE[:400]), ("deep", BASE[:400])])
+        assert wide.version == deep.version == "100_101"
+        rows = wide.column.as_rows()
+        assert np.array_equal(rows[:200], expected_fixed(changed, 4, 11))
+        assert np.array_equal(rows[200:], expected_fixed(BASE[200:400], 4, TAGS["wide"]))
+        assert np.array_equal(deep.column.as_rows()[:200], expected_fixed(changed, 32, 12))
+        # 100_102 holds only "deep": refused, and 100_101 keeps serving both tables
+        with pytest.raises(grpc.RpcError) as refused:
+            _control(shards[0], "reload_patch", version_path="/100_102")
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "holds tables ['deep']" in str(refused.value.details())
+        assert _control(shards[0], "status").cur_version == "100_101"
+        with _client(shards) as client:
+            (wide,) = client.seek_tables([("wide", changed)])
+        assert wide.version == "100_101" and wide.found.all()
