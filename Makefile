@@ -118,8 +118,9 @@ demo-containers: $(STAMP) tools image-debs
 demo-ctr: $(STAMP)
 	$(BIN)/python -m examples.ctr.demo
 
-# The same loop on real PaddlePaddle: a Fleet parameter-server trainer, its saves read by Cube
-# as they are (examples/ctr/README.md).
+# The same loop on real PaddlePaddle: a Fleet parameter-server trainer of a DeepFM with two sparse
+# tables (first-order weights, embeddings), each save built into one version of two tables and
+# looked up together by the predictor (examples/ctr/README.md; --paddle_model dnn: one table).
 demo-ctr-paddle: $(STAMP) $(PADDLE_STAMP)
 	$(BIN)/python -m examples.ctr.demo --trainer paddle --paddle_python $(PADDLE_VENV)/bin/python
 

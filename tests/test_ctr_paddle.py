@@ -2,6 +2,9 @@
 parameter-server trainer (paddlepaddle 2.6.2, in the venv `make paddle-env` makes; `make test`
 makes it), a cube-local cluster reading its saves through Fleet's donefiles, the predictor
 running each version's inference model with paddle.inference (3.3.1, the ctr-paddle extra).
+Both models: the DeepFM of two sparse tables (first-order weights and embeddings: each save's
+two table folders built into one version of two tables, looked up together by the predictor)
+that `make demo-ctr-paddle` runs, and the CTR-DNN of one.
 
 Per pass the demo checks, and this test checks again from its report: the served AUC equals
 the offline AUC within 0.001, every served probability equals the trainer's own within its
@@ -16,6 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from examples.ctr.demo import WIDE_DIM
 
 pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
 
@@ -39,7 +44,8 @@ def unavailable() -> str:
     )
 
 
-def test_the_loop_on_real_paddlepaddle(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", ["deepfm", "dnn"])
+def test_the_loop_on_real_paddlepaddle(tmp_path: Path, model: str) -> None:
     reason = unavailable()
     if reason:
         pytest.skip(reason)
@@ -48,7 +54,7 @@ def test_the_loop_on_real_paddlepaddle(tmp_path: Path) -> None:
         sys.executable, "-m", "examples.ctr.demo", "--trainer", "paddle",
         "--paddle_python", str(PADDLE_VENV / "bin" / "python"), "--dir", str(work),
         "--days", "2", "--splits_per_day", "2", "--samples", "20000", "--heldout", "2000",
-        "--shards", "2", "--replicas", "2", "--timeout", "120",
+        "--shards", "2", "--replicas", "2", "--timeout", "120", "--paddle_model", model,
     ]  # fmt: skip
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
@@ -68,3 +74,18 @@ def test_the_loop_on_real_paddlepaddle(tmp_path: Path) -> None:
     models = work / "out" / "models"
     assert (models / "xbox_base_done.txt").is_file() and (models / "xbox_patch_done.txt").is_file()
     assert (models / "20261123" / "delta-2" / "000").is_dir()
+    if model == "dnn":
+        return
+    # two sparse tables in every save, named by the job's PSParameter; the dense part pools
+    # each; every served version holds both tables (the SDK answered both from one version)
+    desc = (models / "fleet_desc.prototxt").read_text()
+    assert 'table_name: "embedding"' in desc and 'table_name: "first_order"' in desc
+    for save in ("base", "delta-2"):
+        assert {p.name for p in (models / "20261124" / save).glob("00[01]")} == {"000", "001"}
+    layout = json.loads((models / "20261124" / "base" / "dnn_plugin" / "layout.json").read_text())
+    wide = WIDE_DIM - 2  # the first-order table's served width (show and click not served)
+    assert [(i["table"], i["dim"]) for i in layout["inputs"]] == [("001", wide), ("000", 8)]
+    versions = sorted((work / "cluster").glob("**/1795478400_1795482000/TABLES"))
+    assert versions, "no served version with a TABLES file"
+    for path in versions:
+        assert sorted(path.read_text().split()) == ["000", "001"]

@@ -67,6 +67,10 @@ PADDLE_MODELS = ("deepfm", "dnn")
 # first-order weights 1, the dense table 2: paddle_trainer.py's layout.json says which input
 # pools which)
 DEEPFM_TABLES = ("000", "001")
+# The first-order table's lookup width: 3 (show, click, embed_w) is a table without embedx part,
+# whose rows cube-builder does not read yet; 4 serves embed_w and one embedx_w, which the model
+# adds up to the feature's weight (examples/ctr/README.md, "Two tables, one version")
+WIDE_DIM = 4
 
 
 def python_env() -> dict[str, str]:
@@ -90,7 +94,12 @@ def start_trainer(
 
 
 def start_paddle_trainer(
-    work: Path, logs: Path, python: Path, passes: int, model: str = "deepfm"
+    work: Path,
+    logs: Path,
+    python: Path,
+    passes: int,
+    model: str = "deepfm",
+    wide_dim: int = 3,
 ) -> subprocess.Popen[bytes]:
     """The Paddle trainer (a Fleet job) on `work`/stream, saving into `work`/out/models."""
     if not python.is_file():
@@ -100,7 +109,7 @@ def start_paddle_trainer(
         str(python), "-m", "examples.ctr.paddle_trainer",
         "--data_dir", str(stream / "data"), "--heldout_dir", str(stream / "heldout"),
         "--out_dir", str(work / "out"), "--passes", str(passes), "--wait_timeout", "600",
-        "--model", model,
+        "--model", model, "--wide_dim", str(wide_dim),
     ]  # fmt: skip
     return spawn(argv, logs / "trainer.log", append=True, env=python_env())
 
@@ -229,8 +238,15 @@ def flag_set() -> FlagSet[Flags]:
         .add(
             "paddle_model",
             str,
-            "dnn",
+            "deepfm",
             "--trainer paddle: deepfm (two tables, rolled out together) or dnn (one)",
+        )
+        .add(
+            "paddle_wide_dim",
+            int,
+            WIDE_DIM,
+            "--paddle_model deepfm: the first-order table's lookup width (3: one weight served;"
+            " 4: embed_w and one embedx_w served, their sum the weight)",
         )
     )
 
@@ -291,7 +307,9 @@ def run(argv: Sequence[str]) -> int:
         passes = flags.days * spec.splits_per_day
         if paddle:
             python = Path(flags.paddle_python)
-            trainer = start_paddle_trainer(work, logs, python, passes, flags.paddle_model)
+            trainer = start_paddle_trainer(
+                work, logs, python, passes, flags.paddle_model, flags.paddle_wide_dim
+            )
         else:
             trainer = start_trainer(work, logs, ["--shrink_after", str(flags.shrink_after)])
         children.append(trainer)

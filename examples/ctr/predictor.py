@@ -21,6 +21,13 @@ switches shards. A
 version whose dense part is not there is an error (503), never an answer from another version.
 Features Cube does not have pool as zero vectors and are counted in `missing_features`.
 
+A model of several tables (the Paddle trainer's DeepFM: first-order weights and embeddings, the
+tables `001` and `000` of each version) is served with `--tables 000,001`: the request's ids
+are looked up in every table in one SDK call (`seek_tables`), answered by one version for all
+of them (a version is served only once all its tables are loaded), each table's rows pooled per
+sample and slot, and the dense part of that version takes one pooled input per table (its
+layout.json names the table of each).
+
 Off loopback the service needs `--token` (or env CTR_PREDICTOR_TOKEN; clients send
 `Authorization: Bearer <token>`) or an explicit `--insecure`.
 """
@@ -42,7 +49,7 @@ import numpy as np
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from cube.client import AsyncCubeClient, CubeError
+from cube.client import AsyncCubeClient, CubeError, SeekResult
 from cube.flags import FlagError, Flags, FlagSet, run_cli
 from cube.security import SecurityError, bearer_token, require_token, token_from, token_matches
 from examples.ctr.model import Dense, pool
@@ -106,9 +113,12 @@ class Readiness:
     lookup answered by one version, and that version's dense part loaded. `check` is run by
     a background task every second; `/ready` reports its last result."""
 
-    def __init__(self, client: AsyncCubeClient, dense: DenseCache) -> None:
+    def __init__(
+        self, client: AsyncCubeClient, dense: DenseCache, tables: Sequence[str] = ()
+    ) -> None:
         self.client = client
         self.dense = dense
+        self.tables = tuple(tables)
         self.reason = "not checked yet"
 
     @property
@@ -127,25 +137,47 @@ class Readiness:
                 return f"no replica of Cube shard {shard} is ready ({', '.join(replicas)})"
         try:
             probe = np.arange(max(64, 4 * len(self.client.shards)), dtype=np.uint64)
-            result = await self.client.seek(probe)  # keys of every shard, most likely
+            # keys of every shard, most likely; in every table the predictor looks up
+            answers = await lookup(self.client, probe, self.tables)
         except CubeError as exc:
             return f"a Cube lookup failed: {exc}"
-        if result.version is None:
+        version = answers[0].version
+        if version is None or any(a.version != version for a in answers):
             return "the Cube lookup was not answered by one version"
         try:
-            await self.dense.get(result.version)
+            await self.dense.get(version)
         except PredictError as exc:
             return str(exc)
         return ""
 
 
+async def lookup(
+    client: AsyncCubeClient, keys: np.ndarray, tables: Sequence[str]
+) -> list[SeekResult]:
+    """`keys` in each of `tables` with one SDK call (every answer from one version), or in the
+    version's one table when `tables` is empty."""
+    if not tables:
+        return [await client.seek(keys)]
+    return await client.seek_tables([(table, keys) for table in tables])
+
+
+def dense_tables(dense: Dense | PaddleDense) -> list[tuple[str, int]]:
+    """The (table, width) each input of a dense part pools ("": the version's one table)."""
+    return dense.tables if isinstance(dense, PaddleDense) else [("", dense.dim)]
+
+
 class Predictor:
     def __init__(
-        self, client: AsyncCubeClient, models_root: Path, max_samples: int = 10_000
+        self,
+        client: AsyncCubeClient,
+        models_root: Path,
+        max_samples: int = 10_000,
+        tables: Sequence[str] = (),
     ) -> None:
         self.client = client
+        self.tables = tuple(tables)  # () : the version's one table
         self.dense = DenseCache(models_root)
-        self.readiness = Readiness(client, self.dense)
+        self.readiness = Readiness(client, self.dense, self.tables)
         self.max_samples = max_samples
         self.by_version: dict[str, int] = {}
         self.registry = CollectorRegistry()
@@ -179,21 +211,36 @@ class Predictor:
             raise PredictError(400, f"none of the {len(samples)} samples has a feature")
         unique, inverse = np.unique(samples.feasigns, return_inverse=True)
         try:
-            result = await self.client.seek(unique)
+            answers = await lookup(self.client, unique, self.tables)
         except CubeError as exc:
             raise PredictError(503, f"embedding lookup failed: {exc}") from None
-        version = result.version
-        if version is None:
+        version = answers[0].version
+        if version is None or any(a.version != version for a in answers):
             raise PredictError(503, "the lookup was not answered by one version")
+        results = dict(zip(self.tables or ("",), answers, strict=True))
         dense = await self.dense.get(version)
+        pooled = []
+        absent = np.zeros(unique.shape[0], dtype=bool)  # not in some table the model pools
         try:
-            rows = result.embeddings(dense.dim)[inverse]
-            ctr = dense.predict(pool(rows, samples, dense.slot_ids))
+            for table, dim in dense_tables(dense):
+                if (result := results.get(table)) is None:
+                    raise PredictError(
+                        503,
+                        f"version {version}: its dense part pools table "
+                        f"{table or '(the one table)'}, which this predictor does not look up "
+                        f"(--tables {','.join(self.tables) or '(none)'})",
+                    )
+                pooled.append(pool(result.embeddings(dim)[inverse], samples, dense.slot_ids))
+                absent |= ~result.found
+            if isinstance(dense, PaddleDense):
+                ctr = dense.predict_inputs(pooled)
+            else:
+                ctr = dense.predict(pooled[0])
         except SampleError as exc:
             raise PredictError(400, str(exc)) from None
         except CubeError as exc:  # a value of the wrong size: the table is not this model's
             raise PredictError(503, f"version {version}: {exc}") from None
-        missing = int(np.count_nonzero(~result.found[inverse]))
+        missing = int(np.count_nonzero(absent[inverse]))
         self.by_version[version] = self.by_version.get(version, 0) + 1
         self.samples.inc(len(samples))
         self.features.inc(int(samples.feasigns.shape[0]))
@@ -294,13 +341,21 @@ def flag_set() -> FlagSet[Flags]:
         .add("insecure", bool, False, "allow binding off loopback without a token")
         .add("max_samples", int, 10_000, "samples per request at most")
         .add("timeout", float, 0.5, "seconds a Cube lookup may take")
+        .add(
+            "tables",
+            str,
+            "",
+            "the tables of a version to look up, comma-separated, for a model of several "
+            "(the Paddle trainer's DeepFM: 000,001); default: the version's one table",
+        )
     )
 
 
 async def serve(flags: Any, token: str) -> None:
     kwargs: dict[str, Any] = {"timeout": flags.timeout}
     client = AsyncCubeClient.from_conf(flags.cube_conf, flags.dict_name or None, **kwargs)
-    predictor = Predictor(client, Path(flags.model_dir), flags.max_samples)
+    tables = [t for t in flags.tables.split(",") if t]
+    predictor = Predictor(client, Path(flags.model_dir), flags.max_samples, tables)
     runner = web.AppRunner(make_app(predictor, token), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, flags.host, flags.port)

@@ -9,7 +9,8 @@
     <out>/donefile/base.txt, patch.txt    the lines cube-transfer reads, appended last
 
 The Paddle trainer (paddle_trainer.py) writes Fleet's layout under the same `<out>/models`:
-`<day>/base/`, `<day>/delta-<n>/` (a parameter-server save, its inference model in `dnn_plugin/`
+`<day>/base/`, `<day>/delta-<n>/` (a parameter-server save: a folder per table, `000/` the
+embeddings, for its DeepFM `001/` the first-order weights; its inference model in `dnn_plugin/`
 and the same meta.json) and Fleet's donefiles `xbox_base_done.txt`, `xbox_patch_done.txt`.
 
 A version's id is the Unix time of the split it was trained on, so its day directory follows
