@@ -61,10 +61,10 @@ from cube.agent.layout import (
 )
 from cube.agent.metrics import AgentCounters, disk_space, tree_bytes
 from cube.agent.tasks import Task, TaskFailed, TaskManager
-from cube.agent.unpack import UnsafeTar, extract_shard_tar
+from cube.agent.unpack import UnsafeTar, extract_shard_tar, shard_dirs
 from cube.format import ShardFormatError
 from cube.fsutil import atomic_write_json, atomic_write_text, file_md5, fsync_dir
-from cube.layout import CHAIN_FILE, base_of, chain_text, tar_name
+from cube.layout import CHAIN_FILE, TABLES_FILE, LayoutError, base_of, chain_text, tar_name
 from cube.protocol import (
     CORRUPT_VERSION,
     NO_SPACE,
@@ -646,9 +646,12 @@ class Agent:
     def _layer_problem(self, version: str, verify: bool) -> str | None:
         vdir = self.layout.version_dir(version)
         try:
-            Shard.open(vdir, verify=verify).close()
+            for directory in shard_dirs(vdir):  # a version of several tables: each table's
+                Shard.open(directory, verify=verify).close()
         except ShardFormatError as exc:
             return str(exc).replace(f"{self.layout.deploy_path}/", "")
+        except LayoutError as exc:
+            return f"data/{version}/{TABLES_FILE}: {exc}"
         except OSError as exc:
             return f"data/{version}: {exc.strerror or type(exc).__name__}"
         info = self.versions.get(version, {})

@@ -16,6 +16,11 @@ stops the check: nothing is decompressed or expanded beyond it.
 
 Messages name members (clipped) but never quote file contents: a shard header that does not open
 is reported by file and offset, its details go to the agent's log only.
+
+A tar of a version of several tables (cube.layout's TABLES) holds a `TABLES` member listing the
+tables and `<table>/index.cube` + `<table>/data.cube` for each: every listed table's files are
+required (and opened), and a top-level index.cube beside TABLES is refused (which to serve?).
+`shard_dirs` says where a placed version's shard files are.
 """
 
 from __future__ import annotations
@@ -27,12 +32,13 @@ import tarfile
 from pathlib import Path, PurePosixPath
 
 from cube.format import ShardFormatError
-from cube.layout import clip, member_problem
+from cube.layout import TABLES_FILE, LayoutError, clip, member_problem, parse_tables
 from cube.shard import DATA_FILE, INDEX_FILE, Shard
 
 log = logging.getLogger("cube.agent")
 
 REQUIRED_FILES = (INDEX_FILE, DATA_FILE)
+MAX_TABLES_BYTES = 64 << 10  # a TABLES member: at most MAX_TABLES names of 128 characters
 DISK_MARGIN = (64 << 20, 0.01)  # bytes kept free after an extraction: 64 MiB, or 1 % of the disk
 _COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz",
                b"\x28\xb5\x2f\xfd": "zstd"}  # fmt: skip
@@ -128,10 +134,7 @@ def extract_shard_tar(tar_path: Path, dest: Path, recorded: int | None = None) -
                         f"{dest.parent} has {max(room, 0)} bytes free beyond the margin kept "
                         "for the server and the other versions; refused before extracting"
                     )
-            names = {relative_name(m) for m in members if m.isreg()}
-            missing = [f for f in REQUIRED_FILES if f not in names]
-            if missing:
-                raise UnsafeTar(f"{where}: no {', '.join(missing)} at the top level")
+            names = _required_files(tar, members, where)
             dest.mkdir(parents=True)
             if hasattr(tarfile, "data_filter"):
                 tar.extractall(dest, members=members, filter="data")
@@ -146,18 +149,82 @@ def extract_shard_tar(tar_path: Path, dest: Path, recorded: int | None = None) -
         raise UnsafeTar(f"{where}: corrupt or truncated tar ({type(exc).__name__})") from exc
     _fsync_tree(dest)
     try:
-        Shard.open(dest).close()
+        for directory in shard_dirs(dest):
+            Shard.open(directory).close()
     except ShardFormatError as exc:  # its text can quote header bytes: the log only
         log.warning("%s: %r", where, str(exc))
         at = f" at offset {exc.offset}" if exc.offset is not None else ""
         raise UnsafeTar(
-            f"{where}: does not hold a valid shard: {Path(exc.path).name}{at} is not a readable "
+            f"{where}: does not hold a valid shard: {_member_of(exc.path, dest)}{at} is not a "
+            "readable "
             "shard file of this format (bad header, size or pairing; details in the agent's log)"
         ) from exc
     except (OSError, ValueError) as exc:
         log.warning("%s: %r", where, str(exc))
         raise UnsafeTar(f"{where}: does not hold a valid shard ({type(exc).__name__})") from exc
     return sorted(names)
+
+
+def _member_of(path: str, dest: Path) -> str:
+    """A shard file's name in the tar (`000/index.cube` for a table's)."""
+    try:
+        return str(Path(path).relative_to(dest))
+    except ValueError:
+        return Path(path).name
+
+
+def _required_files(tar: tarfile.TarFile, members: list[tarfile.TarInfo], where: str) -> set[str]:
+    """The names of the tar's files (relative), once the shard files are found among them:
+    index.cube and data.cube at the top, or for a version of several tables (a TABLES
+    member) each listed table's, and no top-level index.cube beside them. UnsafeTar if not."""
+    names = {relative_name(m) for m in members if m.isreg()}
+    tables = _listed_tables(tar, members, where)
+    if tables is None:
+        missing = [f for f in REQUIRED_FILES if f not in names]
+        if missing:
+            raise UnsafeTar(f"{where}: no {', '.join(missing)} at the top level")
+        return names
+    if INDEX_FILE in names:
+        raise UnsafeTar(f"{where}: both {TABLES_FILE} and a top-level {INDEX_FILE}")
+    wanted = [f"{t}/{f}" for t in tables for f in REQUIRED_FILES]
+    missing = [f for f in wanted if f not in names]
+    if missing:
+        raise UnsafeTar(f"{where}: no {clip(missing[0])} ({TABLES_FILE} lists its table)")
+    return names
+
+
+def _listed_tables(
+    tar: tarfile.TarFile, members: list[tarfile.TarInfo], where: str
+) -> list[str] | None:
+    """The tables a tar's TABLES member lists (checked: cube.layout.parse_tables); None when it
+    has none (a version of one table). UnsafeTar for a malformed one."""
+    found = [m for m in members if m.isreg() and relative_name(m) == TABLES_FILE]
+    if not found:
+        return None
+    member = found[-1]
+    if member.size > MAX_TABLES_BYTES:
+        raise UnsafeTar(f"{where}: a {TABLES_FILE} of {member.size} bytes; refused")
+    handle = tar.extractfile(member)
+    assert handle is not None  # a regular file
+    try:
+        return parse_tables(handle.read(MAX_TABLES_BYTES).decode("utf-8"))
+    except (LayoutError, UnicodeDecodeError) as exc:
+        raise UnsafeTar(
+            f"{where}: its {TABLES_FILE} is not a list of table names ({exc})"
+        ) from None
+
+
+def shard_dirs(version_dir: Path) -> list[Path]:
+    """Where a placed version's shard files are: the directory itself, or for a version of
+    several tables (a TABLES file) each table's subdirectory, in TABLES order. LayoutError
+    for a TABLES file that is not a list of table names; OSError when it cannot be read."""
+    try:
+        text = (version_dir / TABLES_FILE).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return [version_dir]
+    except UnicodeDecodeError as exc:
+        raise LayoutError(f"{TABLES_FILE} is not text ({exc.reason})") from None
+    return [version_dir / name for name in parse_tables(text)]
 
 
 def _fsync_tree(root: Path) -> None:

@@ -40,7 +40,7 @@ from concurrent.futures import (
 )
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -60,13 +60,15 @@ from cube.builder.spill import (
     remove_part,
 )
 from cube.builder.tarball import sync_files, write_md5_file, write_tar
-from cube.fsutil import fsync_dir
+from cube.fsutil import atomic_write_text, fsync_dir
 from cube.index import COMPILED_MIN_KEYS, build_table, compiled_kernels
 from cube.layout import (
+    TABLES_FILE,
     describe_widths,
     output_dir_name,
     part_name,
     served_version,
+    tables_text,
     value_widths,
     width_change,
 )
@@ -76,6 +78,9 @@ from cube.seqfile import MAGIC as SEQ_MAGIC
 from cube.seqfile import LocatedBatch, SequenceFileReader
 from cube.shard_writer import DATA_FILE, INDEX_FILE, write_shard
 from cube.values import ValueColumn
+
+if TYPE_CHECKING:
+    from cube.builder.paddle_ps import PaddleTable
 
 MODES = ("base", "delta")
 INPUT_FORMATS = ("seqfile", "paddle_ps")
@@ -167,6 +172,7 @@ class BuildResult:
     phase_seconds: dict[str, float]  # read, finish, publish
     warnings: tuple[str, ...] = ()  # for the user (the CLI prints them on stderr)
     input_note: str = ""  # what was read, when not SequenceFiles (the table of a save)
+    tables: tuple[str, ...] = ()  # a version of several tables: their names (TABLES)
 
     @property
     def distinct_keys(self) -> int:
@@ -448,6 +454,9 @@ def finish_shard(task: FinishTask, on_bytes: Callable[[int], None] | None = None
     for part in task.parts:
         if part.directory:
             remove_part(part)
+    if not task.tar_path:  # a table of a version of several: packed with the others
+        sync_files([Path(task.shard_dir) / name for name in TAR_MEMBERS])
+        return shard_output(header, task.meta, 0, "")
     return package_shard(header, Path(task.shard_dir), Path(task.tar_path), task.meta)
 
 
@@ -459,6 +468,13 @@ def package_shard(
     tar_size, md5 = write_tar(tar_path, shard_dir, TAR_MEMBERS, mtime=int(meta["cur"]), sync=False)
     sync_files([*(shard_dir / name for name in TAR_MEMBERS), tar_path])
     write_md5_file(tar_path, md5)
+    return shard_output(header, meta, tar_size, md5)
+
+
+def shard_output(
+    header: dict[str, Any], meta: dict[str, Any], tar_size: int, md5: str
+) -> ShardOutput:
+    """What a shard's index header (`write_shard`'s) and tar say of it."""
     return ShardOutput(
         shard=int(meta["shard"]),
         record_count=int(header["record_count"]),
@@ -592,15 +608,19 @@ def build(
     paddle = None
     note = ""
     if config.paddle is not None:
-        from cube.builder.paddle_ps import describe, find_table, local_paths
+        from cube.builder.paddle_ps import describe, find_tables, local_paths
 
-        table = find_table(str(input_path), config.paddle)
+        tables, several = find_tables(str(input_path), config.paddle)
+        if several:
+            return build_tables(config, tables, delete_path, progress, source, started)
+        table = tables[0]
         files = local_paths(table)
         paddle = (table.layout, config.paddle.value)
         note = describe(table)
     else:
         files = list_input_files(input_path)
         refuse_paddle_save(files, str(input_path), source)
+    refuse_table_change(config, ())
     deleted = read_delete_keys(delete_path) if delete_path is not None else np.empty(0, np.uint64)
     refuse_empty_input(config, source, len(files), None, int(deleted.shape[0]))
     warmer = _Warmer(files)
@@ -647,6 +667,276 @@ def build(
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# A version of several tables
+
+
+@dataclass(frozen=True)
+class PackTask:
+    """A shard of a version of several tables, its tables finished: write its TABLES file,
+    then its tar (TABLES, then each table's index.cube and data.cube) and md5."""
+
+    shard: int
+    part_dir: str
+    tar_path: str
+    tables: tuple[tuple[str, ShardOutput], ...]  # (name, what finishing it wrote), in order
+    mtime: int
+
+
+def pack_tables(task: PackTask, on_bytes: Callable[[int], None] | None = None) -> ShardOutput:
+    """`PackTask`: the shard's TABLES file, tar and md5; its ShardOutput sums its tables'
+    (records, deleted keys, file sizes), with each table's in `tables` and the width they
+    share (0 when they differ: values of varying width, as the part as a whole has)."""
+    part = Path(task.part_dir)
+    names = [name for name, _ in task.tables]
+    atomic_write_text(part / TABLES_FILE, tables_text(names))
+    members = [TABLES_FILE, *(f"{name}/{file}" for name in names for file in TAR_MEMBERS)]
+    tar_path = Path(task.tar_path)
+    tar_size, md5 = write_tar(tar_path, part, members, mtime=task.mtime, sync=False)
+    sync_files([part / TABLES_FILE, tar_path])
+    write_md5_file(tar_path, md5)
+    outputs = [output for _, output in task.tables]
+    widths = {o.value_width for o in outputs}
+    return ShardOutput(
+        shard=task.shard,
+        record_count=sum(o.record_count for o in outputs),
+        tombstone_count=sum(o.tombstone_count for o in outputs),
+        value_width=widths.pop() if len(widths) == 1 else 0,
+        build_id=",".join(o.build_id for o in outputs),
+        index_size=sum(o.index_size for o in outputs),
+        data_size=sum(o.data_size for o in outputs),
+        tar_size=tar_size,
+        md5=md5,
+        tables=task.tables,
+    )
+
+
+def build_tables(
+    config: BuildConfig,
+    tables: Sequence[PaddleTable],
+    delete_path: str | os.PathLike[str] | None,
+    progress: Progress,
+    source: str,
+    started: float,
+) -> BuildResult:
+    """`build` for a parameter-server save's several sparse tables: one version of named
+    tables (cube.layout's TABLES), each shard directory holding TABLES and one `<table>/` of
+    index.cube + data.cube per table, its tar the same members. Every table is routed by the
+    same shard_num and partitioner. The tables are read in one pool run (each into its own
+    spill; the memory budget shared as for one table), then every (table, shard) is finished
+    in one run, biggest first (one shard of one table in memory per worker), then each
+    shard's tar is written. A delta must have its base's tables (`refuse_table_change`), and
+    each table its base table's value width (`check_table_widths`). Long: `build`'s steps
+    (workspace, pool, phases, publish, result) for several tables, kept in one reading order
+    as `build` keeps them."""
+    from cube.builder.paddle_ps import describe, local_paths
+
+    if delete_path is not None:
+        raise BuildError(
+            "-delete_path with several tables: a delete list does not say which table its keys "
+            "are of; build the tables' deletions as Paddle saves them (in the delta save)"
+        )
+    names = [table.name for table in tables]
+    refuse_table_change(config, names)
+    assert config.paddle is not None
+    value = config.paddle.value
+    files = [local_paths(table) for table in tables]
+    every = [path for table_files in files for path in table_files]
+    note = "; ".join(describe(table) for table in tables)
+    refuse_empty_input(config, source, len(every), None, 0)
+    warmer = _Warmer(every)
+    workspace = Workspace(config)
+    formats = (KEY_FORMAT,)
+    try:
+        with _Pool(config.workers, after_fork=warmer.start) as pool:
+            progress.start_reading(sum(path.stat().st_size for path in every))
+            workers = config.workers
+            tasks = [
+                _read_tasks(
+                    config, table_files, workspace.spill / name, (table.layout, value), workers
+                )
+                for name, table, table_files in zip(names, tables, files, strict=True)
+            ]
+            flat = [task for table_tasks in tasks for task in table_tasks]
+            done = pool.run(read_and_spill, flat, progress.read_bytes, lambda _output: None)
+            reads, at = [], 0
+            for table_tasks in tasks:
+                reads.append(done[at : at + len(table_tasks)])
+                at += len(table_tasks)
+            records = sum(r.records for r in done)
+            refuse_empty_input(config, source, len(every), records, 0)
+            phases = {"read": time.monotonic() - started}
+            if warmer.finish():
+                pool.restart()
+            finished = _finish_tables(pool, config, workspace.staging, names, reads, formats)
+            progress.start_finishing(config.shard_num)
+            packs = [
+                PackTask(
+                    shard=shard,
+                    part_dir=str(workspace.staging / config.shard_name(shard)),
+                    tar_path=str(workspace.staging / f"{config.shard_name(shard)}.tar"),
+                    tables=tuple((name, finished[name][shard]) for name in names),
+                    mtime=config.cur_version,
+                )
+                for shard in range(config.shard_num)
+            ]
+            outputs = pool.run(pack_tables, packs, lambda _n: None, progress.shard_done)
+        progress.close()
+        warnings = check_table_widths(config, names, outputs)
+        phases["finish"] = time.monotonic() - started - phases["read"]
+        version_dir = workspace.publish()
+    except BaseException:
+        progress.close()
+        raise
+    finally:
+        workspace.close()
+    metas, meta_paths = write_meta_infos(config, outputs, formats)
+    return BuildResult(
+        version_dir=version_dir,
+        meta_paths=meta_paths,
+        metas=metas,
+        shards=outputs,
+        records_read=records,
+        input_files=len(every),
+        key_formats=formats,
+        seconds=time.monotonic() - started,
+        phase_seconds={
+            **phases,
+            "publish": time.monotonic() - started - phases["read"] - phases["finish"],
+        },
+        warnings=warnings,
+        input_note=note,
+        tables=tuple(names),
+    )
+
+
+def _finish_tables(
+    pool: _Pool,
+    config: BuildConfig,
+    staging: Path,
+    names: Sequence[str],
+    reads: Sequence[Sequence[ReadOutput]],
+    formats: tuple[str, ...],
+) -> dict[str, list[ShardOutput]]:
+    """Every (table, shard) finished into `<part>/<table>/` (no tar: `pack_tables` writes
+    one per shard), biggest first; {table: its shards' outputs in shard order}."""
+    tasks = []
+    for name, table_reads in zip(names, reads, strict=True):
+        for shard in range(config.shard_num):
+            parts = tuple(r.parts[shard] for r in table_reads) or (SpillPart(shard, "", 0, 0, 0),)
+            tasks.append(
+                FinishTask(
+                    parts=parts,
+                    deleted=np.empty(0, np.uint64),
+                    shard_dir=str(staging / config.shard_name(shard) / name),
+                    tar_path="",
+                    meta={**shard_header_meta(config, shard, formats), "table": name},
+                )
+            )
+    order = sorted(range(len(tasks)), key=lambda i: -sum(p.count for p in tasks[i].parts))
+    outputs = pool.run(finish_shard, [tasks[i] for i in order], lambda _n: None, lambda _o: None)
+    finished: dict[str, list[ShardOutput]] = {name: [] for name in names}
+    for index, output in sorted(zip(order, outputs, strict=True)):
+        finished[tasks[index].meta["table"]].append(output)
+    return finished
+
+
+def base_metas(config: BuildConfig) -> tuple[list[tuple[Path, dict[str, Any]]] | None, str]:
+    """The meta_info of a delta's base, `meta_info/<depend>_<depend>_<shard>_0.json` in the
+    output path (the builder wrote them with the base), (path, meta) per shard; (None, why)
+    when they cannot be read there."""
+    depend = config.depend_version
+    meta_dir = config.output_path / META_DIR
+    paths = sorted(meta_dir.glob(f"{depend}_{depend}_*_0.json"))
+    if not paths:
+        return None, f"no {meta_info_name(depend, depend, 0)} (nor other shards') in {meta_dir}"
+    metas = []
+    for path in paths:
+        try:
+            meta = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            return None, f"{path}: unreadable ({type(exc).__name__})"
+        if not isinstance(meta, dict) or meta.get("dict_name") != config.dict_name:
+            return None, f"{path} is not a meta_info of dict {config.dict_name}"
+        metas.append((path, meta))
+    return metas, ""
+
+
+def meta_tables(meta: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The tables a shard's meta_info lists ({} for a version of one unnamed table)."""
+    tables = meta.get("tables")
+    if not isinstance(tables, list):
+        return {}
+    return {str(t["table"]): t for t in tables if isinstance(t, dict) and "table" in t}
+
+
+def refuse_table_change(config: BuildConfig, names: Sequence[str]) -> None:
+    """BuildError when a delta's tables (`names`; empty: one unnamed table) are not its
+    base's, as the base's meta_info in the output path lists them: a server applies a
+    delta's tables to its base's tables of the same names, so a chain has one table set.
+    Nothing is checked when the base's meta_info cannot be read (the transfer's output
+    path normally holds it)."""
+    if config.mode != "delta":
+        return
+    metas, _ = base_metas(config)
+    if not metas:
+        return
+    base = list(meta_tables(metas[0][1]))
+    if sorted(base) == sorted(names):
+        return
+
+    def said(tables: Sequence[str]) -> str:
+        return f"the tables {', '.join(tables)}" if tables else "one unnamed table"
+
+    raise BuildError(
+        f"delta {config.served_version} would have {said(names)}, its base "
+        f"{config.depend_version} has {said(base)}: a delta must have its base's tables; "
+        "refused (build the delta with the base's tables: -paddle_table, -paddle_config)"
+    )
+
+
+def check_table_widths(
+    config: BuildConfig, names: Sequence[str], outputs: Sequence[ShardOutput]
+) -> tuple[str, ...]:
+    """`check_delta_width` for each table of a delta of several tables: a table whose values
+    have another width than its base table's is a BuildError, unless -variable_width."""
+    if config.mode != "delta" or config.variable_width:
+        return ()
+    warnings = []
+    metas, why = base_metas(config)
+    for name in names:
+        delta = value_widths(
+            (o.record_count, o.value_width)
+            for shard in outputs
+            for n, o in shard.tables
+            if n == name
+        )
+        if not delta:
+            continue
+        if metas is None:
+            warnings.append(
+                f"warning: the value width of table {name} of delta {config.served_version} "
+                f"({describe_widths(delta)}) is not checked against its base "
+                f"{config.depend_version}: {why}"
+            )
+            continue
+        base = value_widths(
+            (int(t.get("record_count", 0)), int(t.get("value_width", 0)))
+            for _, meta in metas
+            for t in [meta_tables(meta).get(name, {})]
+            if t
+        )
+        change = width_change(base, delta)
+        if change is not None:
+            raise BuildError(
+                f"table {name} of delta {config.served_version} has {change[1]}, its base "
+                f"{config.depend_version}'s {change[0]}: clients reading {change[0]} would "
+                "fail on every lookup; refused (pass -variable_width if the dictionary's "
+                "values may vary in width)"
+            )
+    return tuple(warnings)
+
+
 def refuse_paddle_save(files: Sequence[Path], input_path: str, source: str) -> None:
     """A BuildError suggesting -input_format paddle_ps (and the layout flags its rows fit)
     when the first input file is not a SequenceFile and the input is a parameter-server
@@ -672,19 +962,11 @@ def base_widths(config: BuildConfig) -> tuple[frozenset[int] | None, str]:
     """The value widths of a delta's base (`value_widths`), from the base's
     `meta_info/<depend>_<depend>_<shard>_0.json` in the output path (the builder wrote them
     with the base); (None, why) when they cannot be read there."""
-    depend = config.depend_version
-    meta_dir = config.output_path / META_DIR
-    paths = sorted(meta_dir.glob(f"{depend}_{depend}_*_0.json"))
-    if not paths:
-        return None, f"no {meta_info_name(depend, depend, 0)} (nor other shards') in {meta_dir}"
+    metas, why = base_metas(config)
+    if metas is None:
+        return None, why
     shards = []
-    for path in paths:
-        try:
-            meta = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            return None, f"{path}: unreadable ({type(exc).__name__})"
-        if not isinstance(meta, dict) or meta.get("dict_name") != config.dict_name:
-            return None, f"{path} is not a meta_info of dict {config.dict_name}"
+    for path, meta in metas:
         records, width = meta.get("record_count"), meta.get("value_width")
         if not isinstance(records, int) or not isinstance(width, int):
             return None, f"{path} has no record_count and value_width"
@@ -807,8 +1089,24 @@ def _read_all(
     progress: Progress,
     paddle: tuple[TableLayout, ValueSpec] | None = None,
 ) -> list[ReadOutput]:
+    tasks = _read_tasks(config, files, spill, paddle, pool.workers)
+    progress.start_reading(sum(f.stat().st_size for f in files))
+    if not tasks:
+        return []
+    return pool.run(read_and_spill, tasks, progress.read_bytes, lambda _output: None)
+
+
+def _read_tasks(
+    config: BuildConfig,
+    files: list[Path],
+    spill: Path,
+    paddle: tuple[TableLayout, ValueSpec] | None,
+    workers: int,
+) -> list[ReadTask]:
+    """The files cut into up to `workers` runs, one reader task each, spilling under
+    `spill`; the memory budget shared by as many readers as run at once."""
     sizes = [f.stat().st_size for f in files]
-    runs = split_runs(sizes, pool.workers)
+    runs = split_runs(sizes, workers)
     budget = (config.memory_mb << 20) // max(1, len(runs))
     # a reader holds about 4 batches: input chunk, parsed keys/values, grouped copy, slack
     batch_bytes = max(1 << 20, min(_MAX_BATCH_BYTES, budget // 4))
@@ -826,10 +1124,7 @@ def _read_all(
                 paddle=paddle,
             )
         )
-    progress.start_reading(sum(sizes))
-    if not tasks:
-        return []
-    return pool.run(read_and_spill, tasks, progress.read_bytes, lambda _output: None)
+    return tasks
 
 
 def _finish_all(

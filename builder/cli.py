@@ -35,7 +35,7 @@ from cube.builder.build import (
     build,
 )
 from cube.builder.meta import RegisterError, ShardOutput, register_meta
-from cube.builder.paddle_ps import load_config
+from cube.builder.paddle_ps import TablesSource, layout_flags, load_config
 from cube.builder.sources import fetch_inputs
 from cube.builder.spark_build import DEFAULT_SHARD_MB, SparkSettings, SparkStats, build_on_spark
 from cube.flags import FlagError, FlagSet, flag, one_line, run_cli
@@ -69,8 +69,20 @@ columns are given by -paddle_accessor, -paddle_dim and -paddle_optimizer, or by 
 -paddle_dtype; a row saved without its embedx part has zeros there. A row that does not fit is
 an error naming the file and line. docs/INPUT_FORMATS.md has the details.
 
+Several sparse tables (a DeepFM's first-order weights and embeddings, say) build into one
+version of named tables: -paddle_table all (every sparse table), a comma list (000,001), or,
+without -paddle_table, a -paddle_config listing several sparse tables. Each table is named by
+its folder (000, 001, ...), has its own layout (-paddle_config's entry; or the layout flags,
+which apply to every table unless given per table as TABLE:VALUE: -paddle_dim 000:1,001:9,
+-paddle_optimizer 000:adam,naive,001:adagrad) and its own value width (-paddle_value and
+-paddle_dtype apply to each table); all are sharded alike. Each shard directory then holds
+TABLES (the names, one a line) and <table>/{index.cube,data.cube} per table, its tar the
+members ./TABLES and ./<table>/index.cube, ./<table>/data.cube; its meta_info sums the tables'
+counts and lists each in "tables". A delta must have its base's tables (refused otherwise).
+-paddle_table 001 still builds that one table as a version of one unnamed table.
+
 Output (built in <output_path>/.tmp-<depend>_<cur>-<pid>/, renamed when complete):
-  <output_path>/<depend>_<cur>/<dict>_part<i>/{index.cube,data.cube}
+  <output_path>/<depend>_<cur>/<dict>_part<i>/{index.cube,data.cube}  (several tables: above)
   <output_path>/<depend>_<cur>/<dict>_part<i>.tar       members ./index.cube, ./data.cube
   <output_path>/<depend>_<cur>/<dict>_part<i>.tar.md5   "<md5>  <dict>_part<i>.tar"
   <output_path>/meta_info/<cur>_<depend>_<i>_0.json
@@ -211,18 +223,21 @@ class BuilderFlags:
         "",
         "paddle_ps: the table's accessor: "
         + ", ".join(f"{a.name} ({a.paddle_class})" for a in ACCESSORS.values())
-        + " (default: -paddle_config's)",
+        + " (default: -paddle_config's); per table: TABLE:ACCESSOR,...",
     )
-    paddle_dim: int = flag(
-        0,
+    paddle_dim: str = flag(
+        "",
         "paddle_ps: the model's embedding size D (sparse_embedding size=[_, D]; embedx_dim "
-        "is D-3 for ctr_common, D-1 for sparse) (default: -paddle_config's)",
+        "is D-3 for ctr_common, D-1 for sparse) (default: -paddle_config's); per table: "
+        "TABLE:D,... (e.g. 000:1,001:9)",
+        metavar="D",
     )
     paddle_optimizer: str = flag(
         "",
         "paddle_ps: the table's optimizer rule, "
         + "|".join(SGD_RULES)
-        + ", or embed_rule,embedx_rule (default: -paddle_config's)",
+        + ", or embed_rule,embedx_rule (default: -paddle_config's); per table: "
+        "TABLE:RULE[,EMBEDX_RULE],...",
     )
     paddle_config: str = flag(
         "",
@@ -233,7 +248,8 @@ class BuilderFlags:
     paddle_table: str = flag(
         "",
         "paddle_ps: the sparse table to read when the save has several: its folder (000), "
-        "table id, or table name (with -paddle_config)",
+        "table id, or table name (with -paddle_config); several, into one version of named "
+        "tables: a comma list (000,001) or all (default with a -paddle_config of several)",
     )
     paddle_value: str = flag(
         ",".join(DEFAULT_VALUE),
@@ -282,20 +298,24 @@ def paddle_source(flags: BuilderFlags, read_config: bool = True) -> PaddleSource
         raise FlagError("-key_format is for SequenceFiles (a save's keys are decimal text)")
     try:
         value = ValueSpec(parse_value_fields(flags.paddle_value), flags.paddle_dtype)
+        accessor, dim, optimizer, per_table = layout_flags(
+            flags.paddle_accessor, flags.paddle_dim, flags.paddle_optimizer
+        )
         if flags.paddle_config and not read_config:  # the flags given, as PaddleSource would
-            check_layout_flags(flags.paddle_accessor, flags.paddle_optimizer, flags.paddle_dim)
+            check_layout_flags(accessor, optimizer, dim)
             return None
         config = (
             load_config(flags.paddle_config, flags.fetch_timeout) if flags.paddle_config else ()
         )
-        return PaddleSource(
-            accessor=flags.paddle_accessor,
-            dim=flags.paddle_dim,
-            optimizer=flags.paddle_optimizer,
+        return TablesSource(
+            accessor=accessor,
+            dim=dim,
+            optimizer=optimizer,
             table=flags.paddle_table,
             value=value,
             config=config,
             config_name=flags.paddle_config,
+            per_table=per_table,
         )
     except ValueError as exc:
         raise FlagError(str(exc)) from None

@@ -3,7 +3,11 @@
 The original's three keys are kept with meaningful values (numbers as strings, as it wrote
 them) so old tooling that reads them still works; everything else is ours:
 - `index_total_count`: keys in this shard's index (records + tombstones);
-- `data_len_list` / `index_len_list`: one entry each, the sizes of `data.cube` / `index.cube`.
+- `data_len_list` / `index_len_list`: one entry each, the sizes of `data.cube` / `index.cube`;
+  for a shard of a version of several tables, one entry per table in TABLES order (the
+  original listed one per data file), `record_count`, `tombstone_count` and
+  `index_total_count` the sums over its tables, `value_width` the width they share (0 when
+  they differ), `build_id` theirs joined by commas, and `tables` each table's own.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ class ShardOutput:
     data_size: int
     tar_size: int
     md5: str
+    # a version of several tables: each table's part of the shard (its tar_size and md5 are
+    # the shard's, left 0 and ""), in TABLES order; the fields above sum them
+    tables: tuple[tuple[str, ShardOutput], ...] = ()
 
 
 def meta_info_name(cur_version: int, depend_version: int, shard: int, split: int = 0) -> str:
@@ -44,11 +51,14 @@ def meta_info_name(cur_version: int, depend_version: int, shard: int, split: int
 
 
 def shard_meta_info(output: ShardOutput, common: dict[str, Any]) -> dict[str, Any]:
-    """The JSON object for one shard; `common` carries the build-wide fields."""
-    return {
+    """The JSON object for one shard; `common` carries the build-wide fields. A shard of a
+    version of several tables adds `tables` (each table's counts, width and file sizes, in
+    TABLES order); `data_len_list` / `index_len_list` then have one entry per table."""
+    parts = [output for _, output in output.tables] or [output]
+    meta = {
         "index_total_count": str(output.record_count + output.tombstone_count),
-        "data_len_list": [str(output.data_size)],
-        "index_len_list": [str(output.index_size)],
+        "data_len_list": [str(part.data_size) for part in parts],
+        "index_len_list": [str(part.index_size) for part in parts],
         **common,
         "shard": output.shard,
         "record_count": output.record_count,
@@ -58,6 +68,20 @@ def shard_meta_info(output: ShardOutput, common: dict[str, Any]) -> dict[str, An
         "md5": output.md5,
         "tar_size": output.tar_size,
     }
+    if output.tables:
+        meta["tables"] = [
+            {
+                "table": name,
+                "record_count": table.record_count,
+                "tombstone_count": table.tombstone_count,
+                "value_width": table.value_width,
+                "build_id": table.build_id,
+                "index_size": table.index_size,
+                "data_size": table.data_size,
+            }
+            for name, table in output.tables
+        ]
+    return meta
 
 
 def write_meta_file(directory: Path, name: str, meta: dict[str, Any]) -> Path:

@@ -12,6 +12,12 @@ A save (`fleet.save_persistables(exe, dir, mode)`) is one folder per table, name
 numbers a line. The sparse table is told by those names and its first row (a key and 6 or more
 numbers), or by the configuration, or named with -paddle_table; never by its number (the
 dense part is 001 in one job and 000 in another).
+
+Several tables (`find_tables`): `-paddle_table all`, a comma list of tables, or a
+-paddle_config listing several sparse tables (without -paddle_table) build every such table into
+one version of named tables (cube.layout's TABLES), each with its own layout: the
+configuration's entry, or the layout flags for every table, each overridden by the table's own
+(`-paddle_dim 000:1,001:9`, `TableFlags`).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import os
 import stat
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -38,6 +44,7 @@ from cube.paddle_ps import (
     TableConfig,
     TableLayout,
     ValueSpec,
+    check_layout_flags,
     fitting_layouts,
     parse_fleet_desc,
     parse_rows,
@@ -52,15 +59,179 @@ SNIFF_BYTES = 64 << 10
 COMPILED_FROM_BYTES = 1 << 20
 
 
+ALL_TABLES = "all"  # -paddle_table all: every sparse table of the save
+
+
 @dataclass(frozen=True)
 class PaddleTable:
     """The table a build reads: its folder (for messages), its part files in reading order
-    (empty ones left out) and its layout."""
+    (empty ones left out) and its layout; `name`: its folder's name in the save (000, 001,
+    ...), the table's name in a version of several tables ("" for a table folder or part file
+    given as the input)."""
 
     folder: str
     files: list[InputFile]
     layout: TableLayout
     config: TableConfig | None = None
+    name: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout flags per table
+
+
+@dataclass(frozen=True)
+class TableFlags:
+    """One table's own layout flags: `-paddle_dim 000:1,001:9` is TableFlags("000", dim=1)
+    and TableFlags("001", dim=9). `table`: a folder name, table id or (with -paddle_config)
+    table name, as -paddle_table names tables. "" and 0: not given (the flag's value for every
+    table, or the configuration, says it)."""
+
+    table: str
+    accessor: str = ""
+    dim: int = 0
+    optimizer: str = ""
+
+
+@dataclass(frozen=True)
+class TablesSource(PaddleSource):
+    """A PaddleSource whose layout flags may differ per table (`per_table`): the flags'
+    values for every table, each overridden by a table's own (`table_source`). Each flag is
+    checked on its own here; whether a table's layout is complete, when it is read."""
+
+    per_table: tuple[TableFlags, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.per_table:
+            super().__post_init__()
+            return
+        check_layout_flags(self.accessor, self.optimizer, self.dim)
+        for given in self.per_table:
+            check_layout_flags(given.accessor, given.optimizer, given.dim)
+
+
+_LAYOUT_FLAGS = ("accessor", "dim", "optimizer")
+_EACH_TABLE = "TABLE:VALUE for each table (e.g. -paddle_dim 000:1,001:9)"
+
+
+def per_table_values(flag: str, text: str) -> tuple[str, dict[str, str]]:
+    """A layout flag's text: one value for every table, returned first (`8`), or a value per
+    table, returned as {table: value} (`000:1,001:9`; for -paddle_optimizer a table's value
+    may be two rules, `000:adam,naive,001:adagrad`). ValueError for a mix of both, an empty
+    name or value, or a table named twice."""
+    text = text.strip()
+    if ":" not in text:
+        return text, {}
+    values: dict[str, str] = {}
+    current, continues = "", False
+    for item in (part.strip() for part in text.split(",")):
+        name, sep, value = item.partition(":")
+        name, value = name.strip(), value.strip()
+        if sep and name and value and ":" not in value:
+            if name in values:
+                raise ValueError(f"-{flag} {text!r}: table {name!r} is named twice")
+            values[name] = value
+            current = name
+            continues = flag == "paddle_optimizer"
+        elif continues and item and not sep and "," not in values[current]:
+            values[current] += f",{item}"  # the embedx rule of embed_rule,embedx_rule
+        else:
+            raise ValueError(
+                f"-{flag} {text!r}: either one value for every table, or {_EACH_TABLE}"
+            )
+    return "", values
+
+
+def layout_flags(
+    accessor: str, dim: str, optimizer: str
+) -> tuple[str, int, str, tuple[TableFlags, ...]]:
+    """-paddle_accessor, -paddle_dim and -paddle_optimizer as given: (accessor, dim,
+    optimizer) for every table, and the tables' own (`TableFlags`, in the order first named).
+    ValueError saying which flag is malformed."""
+    every: list[str] = []
+    per: list[dict[str, str]] = []
+    for flag, text in zip(_LAYOUT_FLAGS, (accessor, dim, optimizer), strict=True):
+        value, values = per_table_values(f"paddle_{flag}", text)
+        every.append(value)
+        per.append(values)
+
+    def number(text: str, table: str = "") -> int:
+        try:
+            return int(text) if text else 0
+        except ValueError:
+            where = f" (table {table})" if table else ""
+            raise ValueError(f"-paddle_dim{where}: {text!r} is not a whole number") from None
+
+    names = dict.fromkeys(name for values in per for name in values)
+    tables = tuple(
+        TableFlags(
+            name, per[0].get(name, ""), number(per[1].get(name, ""), name), per[2].get(name, "")
+        )
+        for name in names
+    )
+    for given in tables:
+        check_layout_flags(given.accessor, given.optimizer, given.dim)
+    return every[0], number(every[1]), every[2], tables
+
+
+def names_table(source: PaddleSource, wanted: str, folder: str) -> bool:
+    """Whether `wanted` names the table in `folder`: its folder name, its number, or the table
+    name the configuration gives it (as -paddle_table names a table)."""
+    if folder == wanted or (wanted.isdigit() and folder.isdigit() and int(folder) == int(wanted)):
+        return True
+    table = source.config_for(folder)
+    return table is not None and table.table_name == wanted
+
+
+def table_source(source: PaddleSource, folder: str) -> PaddleSource:
+    """What the table in `folder` is read with: `source`'s layout flags for every table, each
+    overridden by the table's own (TablesSource). BuildError for a table given one flag twice
+    (as 0 and 000, say), or whose layout the flags and configuration leave incomplete."""
+    per_table = source.per_table if isinstance(source, TablesSource) else ()
+    if not per_table:
+        return source
+    chosen = {name: getattr(source, name) for name in _LAYOUT_FLAGS}
+    given: dict[str, str] = {}
+    for entry in per_table:
+        if not names_table(source, entry.table, folder):
+            continue
+        for name in _LAYOUT_FLAGS:
+            value = getattr(entry, name)
+            if value:
+                if name in given:
+                    raise BuildError(
+                        f"table {folder}: -paddle_{name} gives it two values (as "
+                        f"{given[name]!r} and {entry.table!r})"
+                    )
+                given[name] = entry.table
+                chosen[name] = value
+    try:
+        return PaddleSource(
+            accessor=chosen["accessor"],
+            dim=chosen["dim"],
+            optimizer=chosen["optimizer"],
+            table=folder,
+            value=source.value,
+            config=source.config,
+            config_name=source.config_name,
+        )
+    except ValueError as exc:
+        raise BuildError(f"table {folder}: {exc}") from None
+
+
+def _has_table_flags(source: PaddleSource) -> bool:
+    return isinstance(source, TablesSource) and bool(source.per_table)
+
+
+def _unused_table_flags(source: PaddleSource, chosen: list[str], shown: str) -> None:
+    """BuildError for per-table layout flags naming no table the build reads."""
+    for entry in source.per_table if isinstance(source, TablesSource) else ():
+        if not any(names_table(source, entry.table, folder) for folder in chosen):
+            flags = [f"-paddle_{n}" for n in _LAYOUT_FLAGS if getattr(entry, n)]
+            raise BuildError(
+                f"{shown}: {', '.join(flags)} name table {entry.table!r}, which this build does "
+                f"not read (it reads {', '.join(chosen)})"
+            )
 
 
 def load_config(path: str, timeout: float = FETCH_TIMEOUT) -> tuple[TableConfig, ...]:
@@ -89,13 +260,32 @@ def find_table(
 ) -> PaddleTable:
     """The sparse table to build from `input_path`: a save directory (its numbered folders),
     one table's folder, or one part file. BuildError saying why when there is none, or more
-    than one and the flags do not say which."""
+    than one and the flags do not say which (or say several: `find_tables`)."""
+    tables, several = find_tables(input_path, source, timeout)
+    if several:
+        listed = ", ".join(_listed(source, t.name) for t in tables)
+        raise BuildError(
+            f"{remote.redact(input_path)}: {len(tables)} sparse tables to read ({listed}); "
+            "this reads one: say which with -paddle_table (a folder name)"
+        )
+    return tables[0]
+
+
+def find_tables(
+    input_path: str, source: PaddleSource, timeout: float = FETCH_TIMEOUT
+) -> tuple[list[PaddleTable], bool]:
+    """The sparse tables to build from `input_path`, in folder order, and whether they make a
+    version of named tables (cube.layout's TABLES): with -paddle_table `all` (every sparse
+    table: the configuration's, else those the files and first rows tell), a comma list of
+    tables, or, without -paddle_table, a configuration listing several sparse tables.
+    Otherwise one table (a version of one unnamed table, as ever): the one -paddle_table
+    names, the configuration's only sparse table, or the only folder that holds one.
+    BuildError saying why when there is none, or several and nothing says which."""
     deadline = time.monotonic() + timeout
     shown = remote.redact(input_path)
+    wanted = source.table.strip()
     listing = list_inputs(input_path, timeout, include_empty=True)
     base = input_path.rstrip("/")
-    if len(listing) == 1 and listing[0].url == base:  # one file
-        return _table(shown, listing, source, None)
     folders: dict[str, list[InputFile]] = {}
     direct: list[InputFile] = []
     for file in listing:
@@ -105,8 +295,15 @@ def find_table(
             direct.append(file)
         elif len(parts) == 2 and parts[0].isdigit():
             folders.setdefault(parts[0], []).append(file)
-    if direct and all(SPARSE_PART.fullmatch(_name(f)) for f in direct):
-        return _table(shown, direct, source, None)  # the input is a table's folder
+    one_file = len(listing) == 1 and listing[0].url == base
+    if one_file or (direct and all(SPARSE_PART.fullmatch(_name(f)) for f in direct)):
+        if wanted == ALL_TABLES or "," in wanted or _has_table_flags(source):
+            raise BuildError(
+                f"{shown}: one table's {'part file' if one_file else 'folder'}; several tables "
+                "(-paddle_table all or a list, or per-table layout flags) are read from the "
+                "save directory, which holds their numbered folders"
+            )
+        return [_table(shown, listing if one_file else direct, source, None)], False
     if not folders:
         raise BuildError(
             f"{shown}: not a parameter-server save: no numbered table folders (000, 001, ...) "
@@ -119,57 +316,100 @@ def find_table(
         row = None if first is None else first_row(first.url, _left(deadline, shown, timeout))
         return sparse_folder_problem([_name(f) for f in files], row)
 
-    if source.table:
-        named = [folder for folder in sorted(folders) if source.names(folder)]
+    chosen, several = _choose(shown, source, wanted, sorted(folders), problem)
+    _unused_table_flags(source, chosen, shown)
+    tables = [
+        _table(f"{shown}/{f}", folders[f], table_source(source, f), f, several) for f in chosen
+    ]
+    return tables, several
+
+
+def _choose(
+    shown: str,
+    source: PaddleSource,
+    wanted: str,
+    folders: list[str],
+    problem: Callable[[str], str],
+) -> tuple[list[str], bool]:
+    """`find_tables`' choice among a save's numbered `folders` (sorted): the folders to read,
+    and whether they make a version of named tables. Long: one branch per way of saying which
+    tables (a list, all, one named, the configuration's, what the files tell)."""
+    configured = source.sparse_tables
+    if "," in wanted:
+        chosen: list[str] = []
+        for name in (part.strip() for part in wanted.split(",")):
+            named = [folder for folder in folders if name and names_table(source, name, folder)]
+            if not named:
+                raise BuildError(
+                    f"{shown}: no table folder {name!r} (-paddle_table {wanted}); it has "
+                    f"{', '.join(folders)}"
+                )
+            why = problem(named[0])
+            if why:
+                raise BuildError(f"{shown}/{named[0]} (-paddle_table): not a sparse table: {why}")
+            if named[0] in chosen:
+                raise BuildError(f"-paddle_table {wanted}: names table {named[0]} twice")
+            chosen.append(named[0])
+        return sorted(chosen), True
+    if wanted and wanted != ALL_TABLES:
+        named = [folder for folder in folders if names_table(source, wanted, folder)]
         if not named:
             raise BuildError(
-                f"{shown}: no table folder {source.table!r} (-paddle_table); it has "
-                f"{', '.join(sorted(folders))}"
+                f"{shown}: no table folder {wanted!r} (-paddle_table); it has {', '.join(folders)}"
             )
         why = problem(named[0])
         if why:
             raise BuildError(f"{shown}/{named[0]} (-paddle_table): not a sparse table: {why}")
-        return _table(f"{shown}/{named[0]}", folders[named[0]], source, named[0])
-    configured = source.sparse_tables
-    if configured:
-        if len(configured) > 1:
-            listed = ", ".join(f"{t.folder} ({t.table_name})" for t in configured)
-            raise BuildError(
-                f"{source.config_name} has {len(configured)} sparse tables: {listed}; say "
-                "which with -paddle_table"
-            )
-        folder = configured[0].folder
-        if folder not in folders:
-            raise BuildError(
-                f"{shown}: no folder {folder}, where {source.config_name} puts its sparse "
-                f"table {configured[0].table_name}; it has {', '.join(sorted(folders))}"
-            )
-        why = problem(folder)
-        if why:
-            raise BuildError(f"{shown}/{folder}: not a sparse table: {why}")
-        return _table(f"{shown}/{folder}", folders[folder], source, folder)
-    problems = {folder: problem(folder) for folder in sorted(folders)}
+        return [named[0]], False
+    if configured and (wanted == ALL_TABLES or len(configured) > 1 or not wanted):
+        for table in configured:
+            if table.folder not in folders:
+                raise BuildError(
+                    f"{shown}: no folder {table.folder}, where {source.config_name} puts its "
+                    f"sparse table {table.table_name}; it has {', '.join(folders)}"
+                )
+            why = problem(table.folder)
+            if why:
+                raise BuildError(f"{shown}/{table.folder}: not a sparse table: {why}")
+        several = wanted == ALL_TABLES or len(configured) > 1
+        return [table.folder for table in configured], several
+    problems = {folder: problem(folder) for folder in folders}
     sparse = [folder for folder, why in problems.items() if not why]
-    if len(sparse) == 1:
-        return _table(f"{shown}/{sparse[0]}", folders[sparse[0]], source, sparse[0])
     if not sparse:
         listed = "; ".join(f"{folder}: {why}" for folder, why in problems.items())
         raise BuildError(f"{shown}: no sparse table ({listed})")
+    if wanted == ALL_TABLES:
+        return sparse, True
+    if len(sparse) == 1:
+        return sparse, False
     raise BuildError(
         f"{shown}: {len(sparse)} sparse tables ({', '.join(sparse)}); say which with "
-        "-paddle_table (a folder name)"
+        "-paddle_table (a folder name), or -paddle_table all to build every one into a version "
+        "of named tables (each table's layout: -paddle_config, or per-table flags such as "
+        "-paddle_dim 000:1,001:9)"
     )
 
 
+def _listed(source: PaddleSource, folder: str) -> str:
+    """`000 (emb_a)`: a table folder and, when the configuration names it, its name."""
+    config = source.config_for(folder)
+    return f"{folder} ({config.table_name})" if config is not None else folder
+
+
 def _table(
-    folder: str, files: list[InputFile], source: PaddleSource, number: str | None
+    folder: str,
+    files: list[InputFile],
+    source: PaddleSource,
+    number: str | None,
+    named: bool = False,
 ) -> PaddleTable:
     config = source.config_for(number) if number is not None else None
     try:
         layout = source.layout_for(config)
     except ValueError as exc:
         raise BuildError(f"{folder}: {exc}") from None
-    return PaddleTable(folder, [f for f in files if f.size], layout, config)
+    name = number if named and number is not None else ""
+    return PaddleTable(folder, [f for f in files if f.size], layout, config, name)
 
 
 def _name(file: InputFile) -> str:

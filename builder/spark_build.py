@@ -375,9 +375,16 @@ def _input_splits(
     spec (what map_file reads it with) and a note describing the table."""
     if config.paddle is None:
         return list_splits(str(input_path), fetch_timeout), None, ""
-    from cube.builder.paddle_ps import describe, find_table
+    from cube.builder.paddle_ps import describe, find_tables
 
-    table = find_table(str(input_path), config.paddle, fetch_timeout)
+    tables, several = find_tables(str(input_path), config.paddle, fetch_timeout)
+    if several:
+        raise BuildError(
+            f"{len(tables)} sparse tables to build into one version "
+            f"({', '.join(t.name for t in tables)}): -engine spark builds one table (name it "
+            "with -paddle_table); build several with -engine local"
+        )
+    table = tables[0]
     splits = [InputSplit(n, f.url, f.size) for n, f in enumerate(table.files)]
     return splits, (table.layout, config.paddle.value), describe(table)
 

@@ -35,6 +35,9 @@ VERSION_FILE = "VERSION"
 CHAIN_FILE = "CHAIN"
 TABLES_FILE = "TABLES"
 MAX_TABLES = 256  # tables of one version (a DLRM has 26)
+# names a table may not have: a version directory's own files (a delta's CHAIN beside a table
+# called CHAIN; the shard files of a version of one table)
+RESERVED_TABLE_NAMES = frozenset({VERSION_FILE, CHAIN_FILE, TABLES_FILE, "index.cube", "data.cube"})
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 NAME_RULE = "letters, digits, '.', '_', '-'; at most 128 characters; no '..'"
 
@@ -149,7 +152,8 @@ def tables_text(names: Sequence[str]) -> str:
 
 def parse_tables(text: str) -> list[str]:
     """The table names a TABLES file lists, in order, checked: one name a line (blank lines
-    ignored), each a name (`is_name`), no repeats, 1 to MAX_TABLES of them."""
+    ignored), each a name (`is_name`) and none of RESERVED_TABLE_NAMES, no repeats, 1 to
+    MAX_TABLES of them."""
     names = [line.strip() for line in text.splitlines() if line.strip()]
     if not names:
         raise LayoutError("a TABLES file lists no table")
@@ -158,6 +162,11 @@ def parse_tables(text: str) -> list[str]:
     bad = [name for name in names if not is_name(name)]
     if bad:
         raise LayoutError(f"table names must be {NAME_RULE}: got {clip(bad[0])}")
+    reserved = [name for name in names if name in RESERVED_TABLE_NAMES]
+    if reserved:
+        raise LayoutError(
+            f"a table may not be called {clip(reserved[0])} (a version directory's own file)"
+        )
     if len(set(names)) != len(names):
         repeated = sorted({name for name in names if names.count(name) > 1})
         raise LayoutError(f"a TABLES file lists {clip(repeated[0])} more than once")

@@ -249,11 +249,12 @@ def test_two_sparse_tables_are_refused_unless_one_is_named(tmp_path: Path) -> No
 
 def test_the_trainers_configuration_names_the_table_and_its_layout(tmp_path: Path) -> None:
     """-paddle_config alone: which folder, which accessor, dim and rules; by table name when
-    it has two sparse tables."""
+    it has two sparse tables (else both are read)."""
     desc = DATA / "sparse_naive_2tables" / "fleet_desc.prototxt"
     tables = tuple(parse_fleet_desc(desc.read_bytes(), str(desc)))
     save = DATA / "sparse_naive_2tables" / "base"
-    with pytest.raises(BuildError, match=r"has 2 sparse tables: 000 \(emb_a\), 001 \(emb_b\)"):
+    # both, as a version of two tables (tests/test_paddle_tables.py); find_table reads one
+    with pytest.raises(BuildError, match=r"2 sparse tables to read \(000 \(emb_a\), 001 \(emb_b\)"):
         shell.find_table(str(save), PaddleSource(config=tables, config_name=str(desc)))
     picked = shell.find_table(
         str(save), PaddleSource(table="emb_b", config=tables, config_name=str(desc))
@@ -551,14 +552,14 @@ def test_a_fifo_swapped_in_during_a_build_fails_it(tmp_path: Path) -> None:
     script = f"""
 import os, sys
 from cube.builder import paddle_ps, cli
-real = paddle_ps.find_table
+real = paddle_ps.find_tables
 def swapped(*args, **kwargs):
-    table = real(*args, **kwargs)
+    found = real(*args, **kwargs)
     victim = {str(save / "000" / "part-000-00002")!r}
     os.unlink(victim)
     os.mkfifo(victim)
-    return table
-paddle_ps.find_table = swapped
+    return found
+paddle_ps.find_tables = swapped
 sys.exit(cli.main(sys.argv[1:]))
 """
     args = build_args(save, output, 2, **CTR_FLAGS)

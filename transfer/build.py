@@ -6,7 +6,11 @@ is deployed every shard's tar must exist, match its `.md5`, and list only plain 
 directories with safe relative names (the agent checks again; a bad build should not even
 reach it), and its `index.cube` header must be readable: it gives the shard's record and
 deleted-key counts and value width, which the transfer compares with the live version before
-deploying (a base that empties or shrinks the table, a delta of another value width).
+deploying (a base that empties or shrinks the table, a delta of another value width). A tar of
+a version of several tables (cube.layout's TABLES) has one `<table>/index.cube` per table: each
+is read (`read_table_counts`), and the shard's counts are their sums, its width the one they
+share (0, values of varying width, when they differ: the builder checks each table's width
+against its base's).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pathlib import Path, PurePosixPath
 from cube import format as fmt
 from cube import remote
 from cube.fsutil import Md5Error, check_md5_file
-from cube.layout import member_problem, tar_name
+from cube.layout import TABLES_FILE, LayoutError, member_problem, parse_tables, tar_name
 from cube.shard import INDEX_FILE
 
 log = logging.getLogger("cube.transfer.build")
@@ -206,6 +210,9 @@ class ShardOutput:
     records: int  # live records in the shard (its index header's record_count)
     deleted: int  # keys a delta deletes (tombstone_count); 0 for a base
     value_width: int | None = None  # its header's value_width (0: varying); None: not said
+    # a version of several tables: (table, records, deleted, value width) of each, in TABLES
+    # order (the fields above are their sums and shared width, `read_counts`)
+    tables: tuple[tuple[str, int, int, int | None], ...] = ()
 
 
 def check_tar(path: Path) -> None:
@@ -219,31 +226,85 @@ def check_tar(path: Path) -> None:
         raise BuildError(f"{path}: not a readable tar ({exc})") from exc
 
 
-def read_counts(path: Path) -> tuple[int, int, int | None]:
+Counts = tuple[int, int, int | None]  # records, deleted keys, value width (None: not said)
+MAX_TABLES_BYTES = 64 << 10  # a TABLES member: at most MAX_TABLES names of 128 characters
+
+
+def read_counts(path: Path) -> Counts:
     """(records, deleted keys, value width) from the header of the tar's top-level
     index.cube: one member header and 4 KiB read, whatever the tar's size. The width is None
-    when the header has none."""
+    when the header has none. A tar of several tables (`read_table_counts`): its tables'
+    sums, and the width they share (0 when they differ: values of varying width; None when
+    one is not said)."""
+    return counts_of(read_table_counts(path))
+
+
+def counts_of(tables: dict[str, Counts]) -> Counts:
+    """A shard's counts from its tables' (`read_table_counts`): sums, and the shared width."""
+    if "" in tables:
+        return tables[""]
+    counts = list(tables.values())
+    widths = {width for _, _, width in counts}
+    width = None if None in widths else (widths.pop() if len(widths) == 1 else 0)
+    return sum(c[0] for c in counts), sum(c[1] for c in counts), width
+
+
+def read_table_counts(path: Path) -> dict[str, Counts]:
+    """The counts (`read_counts`) of each table of a shard tar, from its index headers:
+    {"": counts} for a tar of one unnamed table (its top-level index.cube); for a tar of
+    several tables (a TABLES member, cube.layout's contract), each table's
+    `<table>/index.cube`, in TABLES order. BuildError when a header or a table listed is
+    missing or unreadable, or TABLES is malformed or beside a top-level index.cube."""
+    headers: dict[tuple[str, ...], Counts] = {}
+    listed: list[str] | None = None
     try:
         with tarfile.open(path, "r:") as tar:
             for member in tar:
-                if PurePosixPath(member.name).parts != (INDEX_FILE,) or not member.isfile():
+                parts = tuple(p for p in PurePosixPath(member.name).parts if p != ".")
+                if not member.isfile():
                     continue
-                where = f"{path}: {INDEX_FILE}"
-                handle = tar.extractfile(member)
-                assert handle is not None  # a regular file
-                fields = fmt.decode_header("index", handle.read(fmt.HEADER_SIZE), where,
-                                           member.size)  # fmt: skip
-                records, deleted = fields.get("record_count"), fields.get("tombstone_count", 0)
-                if not isinstance(records, int) or not isinstance(deleted, int) or records < 0:
-                    raise BuildError(f"{where}: header without a record count")
-                width = fields.get("value_width")
-                valid = isinstance(width, int) and not isinstance(width, bool) and width >= 0
-                return records, max(deleted, 0), width if valid else None
+                if parts == (TABLES_FILE,):
+                    listed = _tables_member(tar, member, path)
+                elif parts[-1:] == (INDEX_FILE,) and len(parts) <= 2:
+                    headers[parts] = _header_counts(tar, member, f"{path}: {'/'.join(parts)}")
     except fmt.ShardFormatError as exc:
         raise BuildError(str(exc)) from exc
     except (tarfile.TarError, OSError, EOFError) as exc:
         raise BuildError(f"{path}: not a readable tar ({exc})") from exc
-    raise BuildError(f"{path}: no top-level {INDEX_FILE}")
+    if listed is None:
+        if (INDEX_FILE,) not in headers:
+            raise BuildError(f"{path}: no top-level {INDEX_FILE}")
+        return {"": headers[(INDEX_FILE,)]}
+    if (INDEX_FILE,) in headers:
+        raise BuildError(f"{path}: both {TABLES_FILE} and a top-level {INDEX_FILE}")
+    missing = [name for name in listed if (name, INDEX_FILE) not in headers]
+    if missing:
+        raise BuildError(f"{path}: no {missing[0]}/{INDEX_FILE} ({TABLES_FILE} lists it)")
+    return {name: headers[(name, INDEX_FILE)] for name in listed}
+
+
+def _tables_member(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) -> list[str]:
+    if member.size > MAX_TABLES_BYTES:
+        raise BuildError(f"{path}: {TABLES_FILE} of {member.size} bytes (a list of names?)")
+    handle = tar.extractfile(member)
+    assert handle is not None  # a regular file
+    try:
+        return parse_tables(handle.read().decode("utf-8"))
+    except (LayoutError, UnicodeDecodeError) as exc:
+        raise BuildError(f"{path}: {TABLES_FILE}: {exc}") from None
+
+
+def _header_counts(tar: tarfile.TarFile, member: tarfile.TarInfo, where: str) -> Counts:
+    """(records, deleted keys, width) from an index.cube member's header (4 KiB read)."""
+    handle = tar.extractfile(member)
+    assert handle is not None  # a regular file
+    fields = fmt.decode_header("index", handle.read(fmt.HEADER_SIZE), where, member.size)
+    records, deleted = fields.get("record_count"), fields.get("tombstone_count", 0)
+    if not isinstance(records, int) or not isinstance(deleted, int) or records < 0:
+        raise BuildError(f"{where}: header without a record count")
+    width = fields.get("value_width")
+    valid = isinstance(width, int) and not isinstance(width, bool) and width >= 0
+    return records, max(deleted, 0), width if valid else None
 
 
 def check_outputs(
@@ -264,9 +325,11 @@ def check_outputs(
             raise BuildError(f"{tar}.md5: missing (the builder wrote no md5)")
         if verify:
             check_tar(tar)
-        records, deleted, width = read_counts(tar)
+        tables = read_table_counts(tar)
+        records, deleted, width = counts_of(tables)
         size = tar.stat().st_size
-        shards.append(ShardOutput(shard, tar, expected, size, records, deleted, width))
+        named = tuple((name, *counts) for name, counts in tables.items() if name)
+        shards.append(ShardOutput(shard, tar, expected, size, records, deleted, width, named))
     return shards
 
 

@@ -242,12 +242,18 @@ class BuildRunner:
 
 
 def shard_fields(shard: builds.ShardOutput) -> dict[str, Any]:
-    """What a version record keeps of a built shard (md5, size, counts, value width)."""
+    """What a version record keeps of a built shard (md5, size, counts, value width; and each
+    table's counts and width, for a version of several tables)."""
     fields: dict[str, Any] = {
         "md5": shard.md5, "size": shard.size, "records": shard.records, "deleted": shard.deleted
     }  # fmt: skip
     if shard.value_width is not None:
         fields["value_width"] = shard.value_width
+    if shard.tables:  # a version of several tables: each table's counts and width
+        fields["tables"] = {
+            name: {"records": records, "deleted": deleted, "value_width": width}
+            for name, records, deleted, width in shard.tables
+        }
     return fields
 
 
