@@ -119,6 +119,7 @@ def test_json_bad_key_is_named_by_position(bad: object) -> None:
         (f'{{"keys": "{SECRET}"}}'.encode(), "keys is not an array"),
         (f'{{"keys": [], "version_required": "{SECRET}"}}'.encode(), "version_required"),
         (b'{"keys": [NaN]}', "not JSON"),
+        (b'{"keys": [1], "table": 5}', "table is not a string"),
         (b"\xff" + SECRET.encode(), "not UTF-8"),
         (b"[" * 100000, "not JSON"),
     ],
@@ -130,9 +131,10 @@ def test_json_bad_bodies_name_the_problem_not_the_content(body: bytes, words: st
 
 
 def test_json_seek_request_defaults_and_ignores_other_members() -> None:
-    assert seek_request(b"{}") == ([], False)
-    assert seek_request(b'{"keys": null, "version_required": null}') == ([], False)
-    assert seek_request(b'{"keys": [3], "version_required": true, "x": 1}') == ([3], True)
+    assert seek_request(b"{}") == ([], False, "")
+    assert seek_request(b'{"keys": null, "version_required": null}') == ([], False, "")
+    assert seek_request(b'{"keys": [3], "version_required": true, "x": 1}') == ([3], True, "")
+    assert seek_request(b'{"keys": [3], "table": "001"}') == ([3], False, "001")
 
 
 def test_control_json_fields() -> None:

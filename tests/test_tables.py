@@ -7,7 +7,10 @@ a patch whose tables differ refused while the version served keeps serving."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +21,7 @@ import pytest
 from helpers.procs import ServerProc, expected_fixed, fixed_values, running_server, write_version
 from helpers.stubs import control_stub, dict_stub
 
-from cube.client import AsyncCubeClient, CubeClient
+from cube.client import AsyncCubeClient, CubeClient, cli
 from cube.client.errors import ConfError, RequestRejectedError
 from cube.pb import cube_pb2
 from cube.routing import shard_of
@@ -48,7 +51,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerPro
     _write(root, "100", "wide", np.concatenate([BASE, WIDE_ONLY]), TAGS["wide"], current=True)
     _write(root, "100", "deep", BASE, TAGS["deep"], current=True)
     with (
-        running_server(root / "0", "--shard", "0") as first,
+        running_server(root / "0", "--shard", "0", "--http_port", "0") as first,
         running_server(root / "1", "--shard", "1") as second,
     ):
         yield [first, second]
@@ -130,6 +133,48 @@ def test_a_request_must_name_a_table_the_version_has(servers: list[ServerProc]) 
         with pytest.raises(grpc.RpcError) as refused:
             dict_stub(channel).seek(request, timeout=10)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_http_json_names_a_table(servers: list[ServerProc]) -> None:
+    """The original's HTTP JSON seek, with our "table" member; without one, refused (400)."""
+    port = servers[0].written_ports()["http_ports"][0]
+    mine = BASE[shard_of(BASE, SHARDS, "mod") == 0][:3]
+    body = {"keys": [int(k) for k in mine], "table": "wide", "version_required": True}
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/DictService/seek", json.dumps(body).encode(), method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        answer = json.loads(reply.read())
+    assert answer["version"] == "100"
+    values = [base64.b64decode(v["value"]) for v in answer["values"]]
+    assert values == [bytes(row) for row in expected_fixed(mine, 4, TAGS["wide"])]
+    del body["table"]
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/DictService/seek", json.dumps(body).encode(), method="POST"
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    assert refused.value.code == 400
+    assert "several tables" in refused.value.read().decode()
+
+
+def test_cube_cli_queries_a_table(
+    servers: list[ServerProc], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    nodes = [{"ipport_list": f"list://{s.address}"} for s in servers]
+    entry = {"dict_name": "test_dict", "shard": SHARDS, "dup": 1, "timeout": 2000}
+    entry |= {"retry": 0, "backup_request": 0}
+    conf = tmp_path / "cube.conf"
+    conf.write_text(json.dumps([{**entry, "type": "ipport_list", "nodes": nodes}]))
+    keys = tmp_path / "keys.txt"
+    keys.write_text("".join(f"{k}\n" for k in BASE[:20]))
+    args = ["--config_file", str(conf), "--keys", str(keys), "--batch", "20", "--requests", "1"]
+    assert cli.main([*args, "--table", "deep", "--print_output"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("key:")]
+    expected = expected_fixed(BASE[:1], 32, TAGS["deep"]).tobytes().hex().upper()
+    assert lines[0] == f"key:{BASE[0]} value:{expected}"
+    assert cli.main(args) == 1  # no table named: every request refused, said so
+    assert "several tables" in capsys.readouterr().err
 
 
 def test_status_lists_the_tables(servers: list[ServerProc]) -> None:

@@ -41,6 +41,7 @@ class CliFlags:
     config_file: str = flag("./cube.conf", "cube.conf (JSON array of dicts)", metavar="PATH")
     keys: str = flag("keys", "key file: one decimal uint64 key per line")
     dict: str = flag("", "dict to query (optional when the conf has one dict)")
+    table: str = flag("", "the table to query, in a dict whose versions hold several")
     batch: int = flag(500, "keys per request")
     thread_num: int = flag(1, "client threads")
     requests: int = flag(1000, "requests per thread")
@@ -161,7 +162,7 @@ def run(argv: Sequence[str]) -> int:
             batch_keys = keys[(offset + request * batch + window) % keys.shape[0]]
             started = time.perf_counter()
             try:
-                result = client.seek(batch_keys)
+                result = client.seek(batch_keys, table=flags.table)
             except CubeError as exc:
                 latencies[thread, request] = (time.perf_counter() - started) * 1e6
                 failed[thread, request] = True

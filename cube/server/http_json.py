@@ -1,6 +1,6 @@
 """The original cube-server's HTTP+JSON face, on a port of its own (`--http_port`).
 
-    POST /DictService/seek      {"keys": [...], "version_required": bool}
+    POST /DictService/seek      {"keys": [...], "version_required": bool, "table": str}
     POST /ControlService/cmd    {"cmd": ..., "version_path": ..., "version": ...}
 
 These are the requests the original's Python and Go demo clients, curl and the original
@@ -361,9 +361,9 @@ class HttpFace:
         service = self.service
         if proto:
             return service.seek_original(body, API)
-        items, version_required = seek_request(body)
+        items, version_required, table = seek_request(body)
         service.check_key_count(len(items), "seek")
-        answer, name = service.answer_original(keys_array(items), API)
+        answer, name = service.answer_original(keys_array(items), API, table)
         return seek_json(answer, name if version_required else None)
 
     # -- ControlService/cmd --------------------------------------------------------------

@@ -95,9 +95,9 @@ def parse_object(body: bytes, what: str) -> dict[str, Any]:
     return value
 
 
-def seek_request(body: bytes) -> tuple[list[Any], bool]:
-    """The keys (JSON values, unchecked: see `keys_array`) and version_required of a seek
-    body."""
+def seek_request(body: bytes) -> tuple[list[Any], bool, str]:
+    """The keys (JSON values, unchecked: see `keys_array`), version_required and table (ours:
+    the table of a version of several, "" by default) of a seek body."""
     request = parse_object(body, "seek")
     keys = request.get("keys")
     if keys is None:
@@ -107,7 +107,10 @@ def seek_request(body: bytes) -> tuple[list[Any], bool]:
     required = request.get("version_required")
     if required is not None and not isinstance(required, bool):
         raise _bad("seek: version_required is not true or false")
-    return keys, bool(required)
+    table = request.get("table")
+    if table is not None and not isinstance(table, str):
+        raise _bad("seek: table is not a string")
+    return keys, bool(required), table or ""
 
 
 _DECIMAL = re.compile(r"[0-9]{1,20}")

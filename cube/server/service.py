@@ -699,14 +699,15 @@ class SeekService:
         answer, name = self.answer_original(keys, api)
         return encode_dict_response(answer, name if request.version_required else None)
 
-    def answer_original(self, keys: np.ndarray, api: str) -> tuple[Answer, str]:
+    def answer_original(self, keys: np.ndarray, api: str, table: str = "") -> tuple[Answer, str]:
         """The original API's lookup, whatever carried it (gRPC, HTTP+JSON, baidu_std): every
         key's answer from the current version and that version's name ("" for none), counted
-        under `api`. RequestError when the request is refused (the replica cannot serve, a
+        under `api` (`table`: the table of a version of several; only HTTP+JSON names one).
+        RequestError when the request is refused (the replica cannot serve, a
         key of another shard, an answer over --max_answer_bytes); the caller checked the key
         count (`check_key_count`)."""
         count = keys.shape[0]
-        version, bound = self._hold("", keys, "seek")
+        version, bound = self._hold("", keys, "seek", table)
         if version is None:
             answer = empty_answer(count)
             name = ""
