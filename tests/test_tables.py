@@ -179,8 +179,11 @@ def test_cube_cli_queries_a_table(
 
 def test_status_lists_the_tables(servers: list[ServerProc]) -> None:
     detail = json.loads(_control(servers[0], "status").detail_json)
-    text = json.dumps(detail)
-    assert '"wide"' in text and '"deep"' in text
+    tables = detail["current"]["tables"]
+    assert list(tables) == ["wide", "deep"]
+    assert [tables[t]["value_width"] for t in tables] == [4, 32]
+    owned = shard_of(BASE, SHARDS, "mod") == 0
+    assert tables["deep"]["record_count"] == int(owned.sum())
 
 
 def test_patch_layers_every_table_and_a_mismatch_is_refused(
