@@ -8,12 +8,17 @@ A Fleet job of 1 pserver + 1 trainer (`python -m paddle.distributed.launch --ser
 parameter-server runtime) in a venv of its own: its numpy<2 and protobuf<5 pins clash with the
 project's (`make paddle-env` makes it). Static graph, a_sync.
 
-The model (a CTR-DNN, PaddleRec's slot_dnn with CtrCommonAccessor): per slot,
-`sparse_embedding` (the table `embedding`, CtrCommonAccessor: a lookup returns [show, click,
-embed_w, embedx_w x (D-3)]) -> `continuous_value_model(use_cvm=False)` (drops show and click;
-its gradient carries them back, so the table counts shows and clicks) -> sum pool per sample
-(a matmul with a 0/1 pooling matrix) -> concat -> fc layers (relu) -> logit -> sigmoid. The
-table's thresholds are PaddleRec's (config_online.yaml): `ACCESSOR`.
+The models (`--model`), per slot and sparse table: `sparse_embedding` (CtrCommonAccessor: a
+lookup returns [show, click, embed_w, embedx_w x (D-3)]) -> `continuous_value_model(use_cvm=
+False)` (drops show and click; its gradient carries them back, so the table counts shows and
+clicks) -> sum pool per sample (a matmul with a 0/1 pooling matrix) -> concat:
+
+- `deepfm` (the default): two tables, `first_order` (a weight per feature: D = `--wide_dim`, 3)
+  and `embedding` (D = `--dim`); logit = the first-order weights summed + the FM interaction of
+  the slots' pooled embeddings + fc layers (relu) on them; sigmoid.
+- `dnn` (a CTR-DNN, PaddleRec's slot_dnn): the table `embedding` -> fc layers -> sigmoid.
+
+The tables' thresholds are PaddleRec's (config_online.yaml): `ACCESSOR`.
 
 One pass per split of the stream (`data/<day>/<HHMM>` with its `to.hadoop.done`), as Fleet's
 streaming trainer does:
@@ -36,11 +41,13 @@ streaming trainer does:
    `OUT/models`, as `FleetUtil.write_xbox_donefile` writes them).
 
     OUT/models/fleet_desc.prototxt          the job's PSParameter (cube-builder -paddle_config)
-    OUT/models/<day>/base/000/part-*        the sparse table (mode 2); 001/: the dense table
+    OUT/models/<day>/base/000/part-*        the embeddings (mode 2); deepfm: 001/ the first-order
+                                            weights, 002/ the dense table (dnn: 001/)
     OUT/models/<day>/delta-<n>/...          the n-th pass of the day (mode 1)
     <model>/dnn_plugin/model.pdmodel, .pdiparams, layout.json    the dense part
     <model>/heldout.npz, meta.json          the trainer's probabilities and bounds; store.ModelMeta
-    OUT/models/xbox_base_done.txt, xbox_patch_done.txt            the donefile lines
+    OUT/models/xbox_base_done.txt, xbox_patch_done.txt            the donefile lines (input:
+                                            the save; dnn: its table's folder)
 
 A version's id is the Unix time of its split (Fleet uses the wall time; the demo needs ids it
 can predict). The job does not resume (Fleet's trainer resumes from its donefile.txt
