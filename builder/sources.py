@@ -1,7 +1,9 @@
 """The builder's inputs wherever they are: a local path, or `s3://bucket/prefix` and
-`webhdfs://namenode:port/path` through fsspec (cube/remote.py). The one place the builder side
-lists and fetches inputs: cube-builder (-input_path, -delete_path), the Spark build and the
-transfer's mirrors of remote inputs use it.
+`webhdfs://namenode:port/path` through fsspec, `hdfs://` and `afs://` through the Hadoop client
+(cube/remote.py). The one place the builder side lists and fetches inputs: cube-builder
+(-input_path, -delete_path), the Spark build and the transfer's mirrors of remote inputs use
+it. Through the Hadoop client, a listing is one run (`-ls -R`) and a fetch one run per
+directory (`-get` of its files): a JVM starts for each.
 
 A remote input is listed as a local one is (`builder.build.list_input_files`): every regular,
 non-empty file under the path, recursively, no name starting with "." at any level, sorted by
@@ -74,6 +76,11 @@ def _list_remote(
 ) -> list[InputFile]:
     base = path.rstrip("/")
     try:
+        if getattr(fs, "bounded", False):  # the Hadoop client: one run (-ls -R), not two
+            found = remote.find_files(fs, root, max(deadline - time.monotonic(), 0.001))
+            if root in found:  # the path is a file: the listing names it alone
+                return [InputFile(base, found[root])] if found[root] or include_empty else []
+            return _under(root, base, found, include_empty)
         info = remote.call(fs, "info", root, timeout=max(deadline - time.monotonic(), 0.001))
         if info.get("type") != "directory":
             size = int(info.get("size") or 0)
@@ -81,6 +88,11 @@ def _list_remote(
         found = remote.find_files(fs, root, max(deadline - time.monotonic(), 0.001))
     except remote.RemoteError as exc:
         raise BuildError(f"{remote.redact(path)}: {exc}") from None
+    return _under(root, base, found, include_empty)
+
+
+def _under(root: str, base: str, found: dict[str, int], include_empty: bool) -> list[InputFile]:
+    """The input files of a listing of the directory `root` (its URL: `base`), in order."""
     prefix = root.rstrip("/") + "/"
     keyed = []
     for name, size in found.items():
@@ -149,6 +161,13 @@ def fetch_inputs(
         dest.mkdir(parents=True, exist_ok=True)
     elif not files:
         raise BuildError(f"{remote.redact(path)}: no input files (only empty or hidden ones)")
+    if hasattr(fs, "get_files"):  # the Hadoop client: one run per directory, not one per file
+        batch = [(remote.path_of(f.url), dest / relative_name(path, f.url), f.size) for f in files]
+        try:
+            remote.call(fs, "get_files", batch, timeout=_left(deadline, path, timeout))
+        except remote.RemoteError as exc:
+            raise BuildError(f"{remote.redact(path)}: {exc}") from None
+        return [local for _remote, local, _size in batch]
     local = []
     for file in files:
         left = _left(deadline, path, timeout)

@@ -1,9 +1,10 @@
 """Remote files through fsspec: `s3://bucket/key` (s3fs) and `webhdfs://namenode:port/path`
-(fsspec's own WebHDFS client). The one place for what every reader of them needs:
+(fsspec's own WebHDFS client); `hdfs://` and `afs://` through the Hadoop client command, as
+PaddlePaddle's HDFSClient reads them (cube/hadoop.py, which answers the same calls). The one
+place for what every reader of them needs:
 
-- which URLs are accepted (`check_url`): `hdfs://` is refused with the `webhdfs://` URL to use
-  instead (HDFS's RPC protocol needs a JVM and libhdfs; WebHDFS is plain HTTP on the namenode),
-  and credentials in a URL are refused (they belong in the environment);
+- which URLs are accepted (`check_url`): credentials in a URL are refused (they belong in the
+  environment, or for hdfs:// and afs:// in the client's hadoop.job.ugi setting);
 - a filesystem per endpoint (`open_fs`), with connect and read timeouts, kept for at most
   REUSE_SECONDS (a new S3 client costs a few hundred milliseconds) and dropped at once after
   a failure of the credentials or the connection, so that fixed credentials or a moved
@@ -13,11 +14,11 @@
   roles) and fsspec's FSSPEC_S3_* variables;
 - s3fs imported lazily, its absence an error saying what to install;
 - failures in words of our own (`failure`): never the text a server sent, never a credential;
-- every call bounded in wall time (`call`): S3 by fsspec's own timeout (the coroutine is
-  cancelled), WebHDFS by a watchdog that cuts the call's HTTP connections at its deadline
-  (requests has no total timeout: a server that answers a byte now and then, or a listing of
-  many directories, would go on for ever), each request's own timeouts also shortened to what
-  is left.
+- every call bounded in wall time (`call`): the Hadoop client by its own deadline (the
+  process group is stopped), S3 by fsspec's own timeout (the coroutine is cancelled), WebHDFS
+  by a watchdog that cuts the call's HTTP connections at its deadline (requests has no total
+  timeout: a server that answers a byte now and then, or a listing of many directories, would
+  go on for ever), each request's own timeouts also shortened to what is left.
 
 A shell helper (network I/O), like cube/security.py: used by builder/sources.py (the builder's
 inputs), transfer/donefile.py (donefiles and input mirrors), transfer/upload.py (download_mode
@@ -29,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import http
+import math
 import os
 import re
 import socket
@@ -38,13 +40,11 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
-SCHEMES = ("s3", "webhdfs")  # what open_fs reads
+from cube import hadoop
+
+SCHEMES = ("s3", "webhdfs", *hadoop.SCHEMES)  # what open_fs reads
 S3_INSTALL = "pip install 'cube-py[s3]'"
 CREDENTIALS = "check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_SESSION_TOKEN or AWS_PROFILE"
-HDFS_HINT = (
-    "hdfs:// (HDFS's RPC protocol) is not supported; use webhdfs://<namenode>:<http port>/<path>"
-    " (the namenode's dfs.namenode.http-address, port 9870 on Hadoop 3, 50070 on Hadoop 2)"
-)
 BLOCK = 8 << 20  # bytes per ranged read
 
 
@@ -70,10 +70,15 @@ class RemoteError(Exception):
         self.denied = denied  # the credentials (or their rights) were refused
 
 
+_HADOOP_SHORT = re.compile(r"(?i)(hdfs|afs):/(?!/)")  # hdfs:/path: the cluster of fs.default.name
+
+
 def scheme_of(url: str) -> str:
-    """The lower-cased scheme of `url` ('' for a path or a malformed URL)."""
+    """The lower-cased scheme of `url` ('' for a path or a malformed URL). `hdfs:/path` and
+    `afs:/path` (no host: the cluster of the client's fs.default.name) are URLs too."""
     if "://" not in url:
-        return ""
+        short = _HADOOP_SHORT.match(url)
+        return short.group(1).lower() if short else ""
     try:
         return urlsplit(url).scheme.lower()
     except ValueError:
@@ -86,13 +91,12 @@ def is_remote(path: str) -> bool:
 
 
 def check_url(url: str) -> str | None:
-    """Why `url` cannot be read here (None when it can): a scheme open_fs does not read,
-    hdfs://, a bucket or namenode missing, credentials or a query in the URL."""
+    """Why `url` cannot be read here (None when it can): a scheme open_fs does not read, a
+    bucket or namenode missing, credentials or a query in the URL."""
     scheme = scheme_of(url)
-    if scheme == "hdfs":
-        return HDFS_HINT
     if scheme not in SCHEMES:
-        return f"unsupported scheme {scheme or '(none)'!r} (s3:// or webhdfs://)"
+        kinds = "s3://, webhdfs://, hdfs:// or afs://"
+        return f"unsupported scheme {scheme or '(none)'!r} ({kinds})"
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -102,6 +106,13 @@ def check_url(url: str) -> str | None:
         return "a query or fragment ('?', '#') is not allowed"
     if scheme == "s3" and "@" in parts.netloc:
         return f"credentials do not belong in an s3:// URL: {CREDENTIALS}"
+    if scheme in hadoop.SCHEMES:
+        if "@" in parts.netloc:
+            return (
+                f"a user or password does not belong in an {scheme}:// URL (set hadoop.job.ugi "
+                f"in the client's settings: {hadoop.ENV_CONFIGS} or -hadoop_configs)"
+            )
+        return None  # no host: fs.default.name's cluster
     if parts.password is not None:
         return "a password does not belong in the URL (webhdfs://<user>@<namenode>:<port>/<path>)"
     if not parts.hostname:
@@ -114,7 +125,7 @@ def check_url(url: str) -> str | None:
 
 
 REUSE_SECONDS = 300.0
-_ENV_PREFIXES = ("AWS_", "FSSPEC_")  # what a filesystem's client was made from
+_ENV_PREFIXES = ("AWS_", "FSSPEC_", "CUBE_HADOOP_", "HADOOP_")  # what a client was made from
 _filesystems: dict[tuple[Any, ...], tuple[float, Any]] = {}
 _lock = threading.Lock()
 
@@ -154,6 +165,11 @@ def forget(fs: Any) -> None:
 
 def _new_fs(url: str, io_timeout: float) -> Any:
     parts = urlsplit(url)
+    if scheme_of(url) in hadoop.SCHEMES:
+        try:
+            return hadoop.HadoopFileSystem(scheme_of(url), parts.netloc, hadoop.settings())
+        except hadoop.HadoopError as exc:
+            raise RemoteError(str(exc)) from None
     if scheme_of(url) == "s3":
         try:
             import fsspec.config
@@ -189,6 +205,8 @@ def _new_fs(url: str, io_timeout: float) -> Any:
 def path_of(url: str) -> str:
     """The path of `url` for its open_fs filesystem: `bucket/key` for s3://, `/path` for
     webhdfs:// (a filesystem serves every URL of its bucket or namenode)."""
+    if scheme_of(url) in hadoop.SCHEMES:  # literally: a listed name may hold '#' or '?'
+        return hadoop.entry_path(url).rstrip("/") or "/"
     parts = urlsplit(url)
     if scheme_of(url) == "s3":
         return f"{parts.netloc}{parts.path}".rstrip("/")
@@ -206,10 +224,14 @@ def call(fs: Any, method: str, *args: Any, timeout: float | None, **kwargs: Any)
     """`fs.<method>(*args, **kwargs)` within `timeout` seconds of wall time, whatever the
     server does (accepts and never answers, answers a byte at a time) and however many
     requests the call makes (a listing); RemoteError("timed out") past it, any failure as a
-    RemoteError (`failure`). S3 (fsspec's async filesystem): fsspec cancels the call at the
+    RemoteError (`failure`). The Hadoop client (`bounded`): the call gets the timeout and
+    stops the client at it. S3 (fsspec's async filesystem): fsspec cancels the call at the
     timeout. WebHDFS (requests, blocking): each request waits no longer than what is left,
     and a watchdog cuts the call's connections at the deadline (`_Cut`)."""
-    if timeout is not None and getattr(fs, "async_impl", False):
+    if getattr(fs, "bounded", False):
+        kwargs["timeout"] = timeout if timeout is not None else 3600.0
+        cut = None
+    elif timeout is not None and getattr(fs, "async_impl", False):
         kwargs["timeout"] = timeout
         cut = None
     else:
@@ -358,7 +380,10 @@ class Reader:
     `offset` in reads of `block` bytes (one request each, so a failed read loses one block).
     `fs`: an open_fs filesystem of the same bucket or namenode to reuse (a new S3 client
     costs a few hundred milliseconds). `deadline` (time.monotonic()): when the size and every
-    read must be done by (RemoteError "timed out" past it), besides one io_timeout each."""
+    read must be done by (RemoteError "timed out" past it), besides one io_timeout each.
+    `size`: the file's size when the caller knows it (a listing said it), not asked again.
+    Through the Hadoop client, `blocks` is one streamed `-cat` (a run per ranged read would
+    start a JVM per block)."""
 
     def __init__(
         self,
@@ -367,6 +392,7 @@ class Reader:
         block: int = BLOCK,
         fs: Any = None,
         deadline: float | None = None,
+        size: int | None = None,
     ) -> None:
         self.url = url
         self.block = block
@@ -378,7 +404,9 @@ class Reader:
             path = path_of(url)
         self.fs = fs
         self.path = path
-        self.size = int(call(fs, "info", path, timeout=self._bound(deadline))["size"])
+        if size is None:
+            size = int(call(fs, "info", path, timeout=self._bound(deadline))["size"])
+        self.size = size
 
     def _bound(self, deadline: float | None) -> float:
         """One call's timeout: io_timeout, or what is left before `deadline` when less."""
@@ -405,6 +433,9 @@ class Reader:
         position = offset
         if deadline is None:
             deadline = self.deadline
+        if getattr(self.fs, "bounded", False):
+            yield from self._streamed(offset, deadline)
+            return
         while position < self.size:
             bound = self._bound(deadline)
             want = min(self.block, self.size - position)
@@ -418,11 +449,27 @@ class Reader:
             position += len(data)
             yield data
 
+    def _streamed(self, offset: int, deadline: float | None) -> Iterator[bytes]:
+        """blocks() through a filesystem that streams a file in one run (the Hadoop client)."""
+        if offset >= self.size:
+            return
+        end = deadline if deadline is not None else math.inf  # each read: io_timeout
+        self._bound(deadline)  # "timed out" when nothing is left
+        try:
+            yield from self.fs.stream(
+                self.path, offset, self.size, self.block, self.io_timeout, end
+            )
+        except Exception as exc:
+            raise _failed(self.fs, exc) from None
+
 
 def read_bytes(url: str, limit: int, timeout: float, io_timeout: float = 60.0) -> bytes:
     """The whole of a small remote file; RemoteError when it holds more than `limit` bytes."""
+    fs, path = open_fs(url, min(io_timeout, timeout))
+    if getattr(fs, "bounded", False):  # one run of the client, not one for the size and one more
+        return bytes(call(fs, "read_limited", path, limit, timeout=timeout))
     deadline = time.monotonic() + timeout
-    with Reader(url, min(io_timeout, timeout), deadline=deadline) as reader:
+    with Reader(url, min(io_timeout, timeout), fs=fs, deadline=deadline) as reader:
         if reader.size > limit:
             raise RemoteError(f"{reader.size} bytes, more than the {limit} allowed")
         return b"".join(reader.blocks(0))
@@ -492,6 +539,10 @@ def failure(exc: BaseException, scheme: str = "s3") -> RemoteError:
     text (an S3 message, a namenode's RemoteException, a reason phrase), never a credential."""
     if isinstance(exc, RemoteError):
         return exc
+    if isinstance(exc, hadoop.HadoopError):  # already in our words
+        return RemoteError(
+            str(exc), missing=exc.missing, retryable=exc.retryable, denied=exc.denied
+        )
     code, status = _s3_error(exc)
     response = getattr(exc, "response", None)  # requests' HTTPError
     if not status and isinstance(getattr(response, "status_code", None), int):

@@ -104,7 +104,7 @@ def clean(message: str) -> None:
 @pytest.mark.parametrize(
     "url, problem",
     [
-        ("hdfs://nn:8020/data/in", "use webhdfs://<namenode>:<http port>/<path>"),
+        ("hdfs://alice:hunter2@nn:8020/data/in", "does not belong in an hdfs:// URL (set hadoop"),
         ("s3://AKIA:hunter2@bucket/in", "credentials do not belong in an s3:// URL"),
         ("s3://bucket:9000/in", "set AWS_ENDPOINT_URL"),
         ("s3:///in", "no bucket"),
@@ -207,7 +207,7 @@ cube1_0: 127.0.0.1:8010:/srv/1
 @pytest.mark.parametrize(
     "extra, error",
     [
-        ("donefile_address: hdfs://nn:8020/donefile\nwget_port: 0", "use webhdfs://"),
+        ("donefile_address: afs://u:hunter2@nn/donefile\nwget_port: 0", "hadoop.job.ugi"),
         ("donefile_address: gs://b/donefile\nwget_port: 0", "unsupported scheme 'gs'"),
         ("donefile_address: s3://b/d\ndownload_mode: s3", "download_mode s3 needs upload_address"),
         ("donefile_address: /d\ndownload_mode: s3\nupload_address: http://h/x", "upload_address"),

@@ -1,7 +1,8 @@
 """Donefiles for cube-transfer: where they and their inputs come from (the line format itself
-is cube.donefile). Fetching the text (a local directory, `http(s)://`, `ftp://`, `s3://` or
-`webhdfs://`) and mirroring an input directory use fsspec; nothing runs a shell. Object stores
-and WebHDFS go through cube.remote (lazy s3fs, timeouts, messages of our own) and, for inputs,
+is cube.donefile). Fetching the text (a local directory, `http(s)://`, `ftp://`, `s3://`,
+`webhdfs://`, `hdfs://` or `afs://`) and mirroring an input directory use fsspec, or the Hadoop
+client for hdfs:// and afs:// (run without a shell). Object stores, WebHDFS and the Hadoop
+client go through cube.remote (lazy s3fs, timeouts, messages of our own) and, for inputs,
 through the builder's own lister (cube.builder.sources), so a mirror holds exactly the files,
 in the order, that the builder would read there.
 """
@@ -28,8 +29,8 @@ def short_error(exc: BaseException, limit: int = 200) -> str:
     return f"{type(exc).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
 
 
-URL_SCHEMES = ("http", "https", "ftp", "file", *remote.SCHEMES, "hdfs")  # hdfs: to refuse it
-DONEFILE_LIMIT = 64 << 20  # bytes of a donefile read from an object store or WebHDFS
+URL_SCHEMES = ("http", "https", "ftp", "file", *remote.SCHEMES)
+DONEFILE_LIMIT = 64 << 20  # bytes of a donefile read from an object store or (Web)HDFS
 
 
 def is_url(address: str) -> bool:
@@ -38,14 +39,14 @@ def is_url(address: str) -> bool:
 
 def address_problem(address: str) -> str | None:
     """Why a donefile address (or upload address) URL cannot be used, None when it can: an
-    unknown scheme, hdfs:// (use webhdfs://), an s3:// URL without a bucket, ..."""
+    unknown scheme, an s3:// URL without a bucket, a password in the URL, ..."""
     scheme = remote.scheme_of(address)
     if scheme in ("", "file"):
         return None
     if scheme not in URL_SCHEMES:
-        kinds = "a directory, file://, http(s)://, ftp://, s3:// or webhdfs://"
+        kinds = "a directory, file://, http(s)://, ftp://, s3://, webhdfs://, hdfs:// or afs://"
         return f"unsupported scheme {scheme!r} ({kinds})"
-    if scheme in remote.SCHEMES or scheme == "hdfs":
+    if scheme in remote.SCHEMES:
         return remote.check_url(address)
     return None
 
@@ -137,7 +138,7 @@ async def read_donefile(address: str, name: str, timeout: float = 30.0) -> str:
 
 
 async def _read_remote(url: str, timeout: float) -> str:
-    """A donefile in an object store or on WebHDFS: '' when the object does not exist."""
+    """A donefile in an object store or on (Web)HDFS: '' when the file does not exist."""
     read = asyncio.to_thread(remote.read_bytes, url, DONEFILE_LIMIT, timeout, min(timeout, 30.0))
     try:  # read_bytes bounds itself; wait_for too, as the other branch, whatever a client does
         data = await asyncio.wait_for(read, timeout + 1.0)
@@ -170,11 +171,11 @@ def mirror_input(
 ) -> list[str]:
     """Copy the files of the input directory `source` (a URL) into `dest` (replaced), through
     fsspec. HTTP directory index pages and FTP listings: the files of the directory itself,
-    sub-directories and hidden files skipped. s3:// and webhdfs://: every file the builder
-    would read there (recursively, same rules), at the same relative paths, within `timeout`
-    seconds; empty files too with `include_empty` (a parameter-server save's empty shards: its
-    layout is told by its file names). Returns the file names (relative paths). Blocking: run
-    in a thread."""
+    sub-directories and hidden files skipped. s3://, webhdfs://, hdfs://, afs://: every file
+    the builder would read there (recursively, same rules), at the same relative paths, within
+    `timeout` seconds; empty files too with `include_empty` (a parameter-server save's empty
+    shards: its layout is told by its file names). Returns the file names (relative paths).
+    Blocking: run in a thread."""
     if urlsplit(source).scheme not in ("http", "https", "ftp"):
         return _mirror_remote(source, dest, timeout, include_empty)
     fs, base = _filesystem(source.rstrip("/"))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cube import remote
+from cube import hadoop, remote
 from cube.flags import FlagError, FlagSet, flag, run_cli
 from cube.listen import ListenError, address
 from cube.logs import LOG_FORMATS, setup_logging
@@ -52,6 +52,19 @@ class TransferFlags:
     keep_outputs: int = flag(3, "build outputs of the last N live versions to keep")
     metrics_port: int = flag(-1, "Prometheus metrics at :PORT/metrics; -1: off, 0: any")
     metrics_host: str = flag("127.0.0.1", "address to bind the metrics (no token)")
+    hadoop_home: str = flag(
+        "",
+        "the Hadoop client's home for hdfs:// and afs:// addresses ($HADOOP_HOME/bin/hadoop "
+        "fs); sets HADOOP_HOME for the builds too",
+        metavar="DIR",
+    )
+    hadoop_configs: str = flag(
+        "",
+        "the Hadoop client's settings, key=value,... (fs.default.name, hadoop.job.ugi): sets "
+        "CUBE_HADOOP_CONFIGS for the builds too; a password belongs in a --flagfile or the "
+        "environment, not the command line",
+        metavar="K=V,...",
+    )
     create_donefile_dir: bool = flag(
         False,
         "create donefile_address (a local directory) when it does not exist; "
@@ -137,6 +150,10 @@ def run(argv: Sequence[str]) -> int:
     if not 0 <= flags.port < 65536:
         raise FlagError(f"-p {flags.port} is not a port")
     try:
+        hadoop.configure(flags.hadoop_home, flags.hadoop_configs)
+    except ValueError as exc:
+        raise FlagError(f"--hadoop_configs: {exc}") from None
+    try:
         cfg = load_config(flags.config)
         require_token(
             "cube-transfer's API",
@@ -154,7 +171,7 @@ def run(argv: Sequence[str]) -> int:
         if problem:
             raise ConfigError(f"{flags.config}: builder_flags: {problem}")
         for key in ("donefile_address", "upload_address"):
-            try:  # s3fs present for an s3:// address: said now, not at the first poll
+            try:  # s3fs or the Hadoop client there for the address: said now, not at a poll
                 remote.require(getattr(cfg, key))
             except remote.RemoteError as exc:
                 raise ConfigError(f"{flags.config}: {key}: {exc}") from None

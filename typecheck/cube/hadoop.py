@@ -1,0 +1,1 @@
+../../cube/hadoop.py
