@@ -750,13 +750,12 @@ def build_tables(
     try:
         with _Pool(config.workers, after_fork=warmer.start) as pool:
             progress.start_reading(sum(path.stat().st_size for path in every))
-            workers = config.workers
-            tasks = [
-                _read_tasks(
-                    config, table_files, workspace.spill / name, (table.layout, value), workers
-                )
-                for name, table, table_files in zip(names, tables, files, strict=True)
-            ]
+            tasks = []  # each table in up to `workers` runs, sharing the memory budget
+            for name, table, table_files in zip(names, tables, files, strict=True):
+                spill = workspace.spill / name
+                layout = (table.layout, value)
+                workers = config.workers
+                tasks.append(_read_tasks(config, table_files, spill, layout, workers, workers))
             flat = [task for table_tasks in tasks for task in table_tasks]
             done = pool.run(read_and_spill, flat, progress.read_bytes, lambda _output: None)
             reads, at = [], 0
@@ -1102,12 +1101,14 @@ def _read_tasks(
     spill: Path,
     paddle: tuple[TableLayout, ValueSpec] | None,
     workers: int,
+    sharing: int = 0,
 ) -> list[ReadTask]:
     """The files cut into up to `workers` runs, one reader task each, spilling under
-    `spill`; the memory budget shared by as many readers as run at once."""
+    `spill`; the memory budget shared by as many readers as run at once: the runs, or
+    `sharing` (the workers, when the runs of several tables run in one pool)."""
     sizes = [f.stat().st_size for f in files]
     runs = split_runs(sizes, workers)
-    budget = (config.memory_mb << 20) // max(1, len(runs))
+    budget = (config.memory_mb << 20) // max(1, sharing or len(runs))
     # a reader holds about 4 batches: input chunk, parsed keys/values, grouped copy, slack
     batch_bytes = max(1 << 20, min(_MAX_BATCH_BYTES, budget // 4))
     tasks = []
