@@ -9,8 +9,14 @@ CUBE_KERNEL not numpy, a large enough input).
 Numbers: a decimal of at most 19 significant digits whose power of ten is within 10^+-22 is
 the double `m * 10^e` (or `m / 10^-e`): both factors exact, one IEEE operation, so correctly
 rounded (Clinger's fast path). Paddle writes 6 digits, so that is every number it writes but
-subnormal-range ones; the others are noted in `slow` (row, place, start, end) for Python's
-`float` to convert. Non-served columns are checked, not converted.
+subnormal-range ones; the others are noted in `slow` (row, column, start, end) for Python's
+`float` to convert. Columns neither served nor checked are checked for form, not converted.
+
+Invariants (`TableLayout.checks`: a whole slot, a whole unseen_days >= 0, show >= click >= 0,
+g2sum >= 0, beta powers in [0, 1]) are checked here, on each number as it is read: the first
+row that breaks one is noted and the pass goes on, since a line that cannot be read further on
+in the same pass is reported first (as the numpy parser does). The caller words the error, and
+checks again the rows with a checked number noted in `slow` (not converted here).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ _POW10 = np.array([10.0**i for i in range(23)])
 _MAX_EXACT = np.uint64(1 << 53)
 _TEN = np.uint64(10)
 _U64_DIV10 = np.uint64(1844674407370955161)  # (2^64 - 1) // 10; its last digit is 5
+# The invariants of `parse`'s `kinds` (cube.paddle_ps.CHECK_KINDS numbers them by name)
+NONE, INTEGER, COUNT, NONNEG, POW = 0, 1, 2, 3, 4
 
 
 @jit
@@ -33,15 +41,36 @@ def _blank(c: Any) -> Any:
 
 
 @jit
-def parse(buf, start, first_line, full, short, targets, keys, floats, row_lines, slow):
+def _breaks(kind: Any, number: Any) -> Any:
+    """Whether a number breaks its column's invariant (cube.paddle_ps._check_rows' rules)."""
+    if kind == INTEGER:
+        return number != np.floor(number)
+    if kind == COUNT:
+        return number != np.floor(number) or number < 0.0
+    if kind == NONNEG:
+        return number < 0.0
+    if kind == POW:
+        return number < 0.0 or number > 1.0
+    return False
+
+
+@jit
+def parse(
+    buf, start, first_line, full, short, targets, kinds, show, click, keys, floats, row_lines,
+    row_starts, slow,
+):  # fmt: skip
     """Parse whole lines of `buf` from byte `start` (a line's start; `first_line` its number,
     0-based in `buf`) until the end or until `keys` (the rows' capacity) is full. Returns
     (rows, position reached, lines, short rows, error line, error line's start offset, slow
-    count): error line -1 when every line read fits (key: unsigned decimal < 2^64; then `full`
-    or `short` decimal numbers, separated by spaces, tabs or CR); else the caller describes
-    the line. `targets[c]`: the value place of float column c, or -1. The caller resumes at
-    the position reached while it is short of the end: its arrays are sized by a budget, not
-    by the buffer's line count (blank-line padding would ask for gigabytes).
+    count, first row breaking an invariant): error line -1 when every line read fits (key:
+    unsigned decimal < 2^64; then `full` or `short` decimal numbers, separated by spaces, tabs
+    or CR); else the caller describes the line. `targets[c]`: the value place of float column
+    c, or -1; `kinds[c]`: its invariant (NONE, INTEGER, COUNT, NONNEG, POW); `show`, `click`:
+    their columns (-1: show >= click not checked); `row_lines`, `row_starts`: each row's line
+    (0-based) and the offset of its start. The row breaking an invariant is -1 when none does
+    among the numbers converted here (checked ones noted in `slow` are not). The caller
+    resumes at the position reached while it is short of the end: its arrays are sized by a
+    budget, not by the buffer's line count (blank-line padding would ask for gigabytes).
 
     Long: the byte loop of a compiled kernel, one pass over the text; its state (position,
     row, line, counts) lives in locals across the key, the numbers and the line's end, and
@@ -54,6 +83,7 @@ def parse(buf, start, first_line, full, short, targets, keys, floats, row_lines,
     slow_count = 0
     slow_room = slow.shape[0]
     capacity = keys.shape[0]
+    broken = -1
     while pos < n and row < capacity:
         line_start = pos
         while pos < n and _blank(buf[pos]):
@@ -76,9 +106,12 @@ def parse(buf, start, first_line, full, short, targets, keys, floats, row_lines,
             digits += 1
             pos += 1
         if digits == 0 or overflow or (pos < n and not _blank(buf[pos]) and buf[pos] != 10):
-            return row, pos, line, short_rows, line, line_start, slow_count
+            return row, pos, line, short_rows, line, line_start, slow_count, broken
         keys[row] = key
         column = 0
+        show_number = 0.0
+        click_number = 0.0
+        exact = True  # show and click both converted here
         while True:
             while pos < n and _blank(buf[pos]):
                 pos += 1
@@ -118,7 +151,7 @@ def parse(buf, start, first_line, full, short, targets, keys, floats, row_lines,
                         dropped = True
                     pos += 1
             if seen == 0:
-                return row, pos, line, short_rows, line, line_start, slow_count
+                return row, pos, line, short_rows, line, line_start, slow_count, broken
             if pos < n and (buf[pos] == 101 or buf[pos] == 69):
                 pos += 1
                 exponent_negative = False
@@ -133,35 +166,53 @@ def parse(buf, start, first_line, full, short, targets, keys, floats, row_lines,
                     exponent_digits += 1
                     pos += 1
                 if exponent_digits == 0:
-                    return row, pos, line, short_rows, line, line_start, slow_count
+                    return row, pos, line, short_rows, line, line_start, slow_count, broken
                 scale += -exponent if exponent_negative else exponent
             if pos < n and not _blank(buf[pos]) and buf[pos] != 10:
-                return row, pos, line, short_rows, line, line_start, slow_count
+                return row, pos, line, short_rows, line, line_start, slow_count, broken
             if column < full:
                 place = targets[column]
-                if place >= 0:
+                kind = kinds[column]
+                if place >= 0 or kind != NONE:
                     number = 0.0
+                    converted = True
                     if mantissa == 0 and not dropped:
                         number = 0.0
                     elif not dropped and mantissa <= _MAX_EXACT and -22 <= scale <= 22:
                         # two exact factors, one rounding
-                        exact = float(mantissa)
-                        number = exact * _POW10[scale] if scale >= 0 else exact / _POW10[-scale]
+                        factor = float(mantissa)
+                        number = factor * _POW10[scale] if scale >= 0 else factor / _POW10[-scale]
                     else:
+                        converted = False
                         if slow_count < slow_room:
                             slow[slow_count, 0] = row
-                            slow[slow_count, 1] = place
+                            slow[slow_count, 1] = column
                             slow[slow_count, 2] = start
                             slow[slow_count, 3] = pos
                         slow_count += 1
-                    floats[row, place] = -number if negative else number
+                    if negative:
+                        number = -number
+                    if place >= 0:
+                        floats[row, place] = number
+                    if converted:
+                        if broken < 0 and kind != NONE and _breaks(kind, number):
+                            broken = row
+                        if column == show:
+                            show_number = number
+                        elif column == click:
+                            click_number = number
+                    elif column in (show, click):
+                        exact = False
             column += 1
         if column != full and column != short:
-            return row, pos, line, short_rows, line, line_start, slow_count
+            return row, pos, line, short_rows, line, line_start, slow_count, broken
         if column == short:
             short_rows += 1
+        if broken < 0 and show >= 0 and exact and click_number > show_number:
+            broken = row
         row_lines[row] = line
+        row_starts[row] = line_start
         row += 1
         line += 1
         pos += 1
-    return row, pos, line, short_rows, -1, 0, slow_count
+    return row, pos, line, short_rows, -1, 0, slow_count, broken

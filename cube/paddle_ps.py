@@ -859,6 +859,8 @@ def _plan(layout: TableLayout, value: ValueSpec, checked: bool = True) -> _Plan:
     return _Plan(targets, width, served, tuple(checks), show, click)
 
 
+# The invariants' numbers in the compiled parser's `kinds` (cube._paddle_ps_jit's NONE ... POW)
+CHECK_KINDS = {"integer": 1, "count": 2, "nonneg": 3, "pow": 4}
 _WHY = {
     "integer": "not a whole number (a slot id is one)",
     "count": "not a whole number >= 0 (unseen_days counts days)",
@@ -947,6 +949,37 @@ def _to_dtype(
 # -- the compiled parser
 
 
+def _recheck_rows(
+    rows: list[int],
+    data: Any,
+    buf: np.ndarray,
+    row_lines: np.ndarray,
+    row_starts: np.ndarray,
+    layout: TableLayout,
+    plan: _Plan,
+    source: str,
+    first: int,
+) -> None:
+    """`_check_rows` on the rows the compiled parser could not clear: the first one it found
+    breaking an invariant, and those with a checked number it left to Python's float. Their
+    numbers are read again from their lines (a few rows, or an error on its way)."""
+    floats = np.zeros((len(rows), plan.width), dtype=np.float64)
+    for index, row in enumerate(rows):
+        start = int(row_starts[row])
+        width = 4096
+        while True:  # the line's end: the first newline from its start
+            hits = np.flatnonzero(buf[start : start + width] == 10)
+            if hits.size or start + width >= buf.shape[0]:
+                end = start + int(hits[0]) if hits.size else buf.shape[0]
+                break
+            width *= 4
+        numbers = _FIELD.findall(bytes(data[start:end]))[1:]
+        for column, number in enumerate(numbers[: layout.full]):
+            if plan.targets[column] >= 0:
+                floats[index, plan.targets[column]] = float(number)
+    _check_rows(floats, row_lines[rows], layout, plan, data, source, first)
+
+
 def _parse_compiled(
     data: Any,
     buf: np.ndarray,
@@ -961,9 +994,15 @@ def _parse_compiled(
     from cube import _paddle_ps_jit as jit
 
     plan = _plan(layout, value, checked)
-    width = plan.width
+    width = plan.served  # the invariants are checked as the numbers are read: not kept
     capacity = min(int(np.count_nonzero(buf == 10)) + 1, max(64, CHUNK_FLOATS // max(width, 1)))
-    targets = plan.targets
+    targets = value.targets(layout)
+    kinds = np.zeros(layout.full, dtype=np.int64)
+    for column, _, kind in plan.checks:
+        kinds[column] = CHECK_KINDS[kind]
+    show, click = (
+        (layout.columns.index("show"), layout.columns.index("click")) if plan.checks else (-1, -1)
+    )
     pos, line, short_rows = 0, 0, 0
     keys_parts: list[np.ndarray] = []
     value_parts: list[np.ndarray] = []
@@ -971,20 +1010,28 @@ def _parse_compiled(
         keys = np.empty(capacity, dtype=np.uint64)
         floats = np.zeros((capacity, width), dtype=np.float64)
         row_lines = np.empty(capacity, dtype=np.int64)
+        row_starts = np.empty(capacity, dtype=np.int64)
         slow = np.empty((min(capacity, 1 << 16), 4), dtype=np.int64)
-        rows, pos, line, short, error_line, error_start, slow_count = jit.parse(
-            buf, pos, line, layout.full, layout.short, targets, keys, floats, row_lines, slow
-        )
+        rows, pos, line, short, error_line, error_start, slow_count, broken = jit.parse(
+            buf, pos, line, layout.full, layout.short, targets, kinds, show, click, keys, floats,
+            row_lines, row_starts, slow,
+        )  # fmt: skip
         if error_line >= 0:
             raise _line_error(data, int(error_start), layout, source, first + int(error_line))
         if slow_count > slow.shape[0]:  # more long or huge-exponent numbers than noted
             return _parse_numpy(data, buf, layout, value, source, first, True, checked)
-        for row, place, start, end in slow[:slow_count].tolist():
-            floats[row, place] = float(bytes(data[start:end]))
+        recheck = {int(broken)} if broken >= 0 else set()
+        for row, column, start, end in slow[:slow_count].tolist():
+            if targets[column] >= 0:
+                floats[row, targets[column]] = float(bytes(data[start:end]))
+            if (kinds[column] or column in (show, click)) and (broken < 0 or row < broken):
+                recheck.add(row)
+        if recheck:
+            _recheck_rows(
+                sorted(recheck), data, buf, row_lines, row_starts, layout, plan, source, first
+            )
         keys_parts.append(keys[:rows])
-        _check_rows(floats[:rows], row_lines, layout, plan, data, source, first)
-        served = floats[:rows, : plan.served]
-        value_parts.append(_to_dtype(served, value, layout, source, row_lines, first))
+        value_parts.append(_to_dtype(floats[:rows], value, layout, source, row_lines, first))
         short_rows += int(short)
         if pos >= buf.shape[0]:
             break

@@ -565,3 +565,85 @@ def test_which_folders_are_sparse_tables() -> None:
     assert "dense parameters" in pp.sparse_folder_problem(["part-000.gz"], b"0.1 0.2 0.3")
     assert "not a key and 6" in pp.sparse_folder_problem(["part-000-00000"], b"0 0 0")
     assert "not part-<server>-<shard>" in pp.sparse_folder_problem(["part-000-00000", "x"], row)
+
+
+INVARIANT_LAYOUTS = [
+    layout("ctr_common", 8, "adagrad"),
+    layout("sparse", 6, "adam"),
+    layout("ctr_double", 8, "adagrad"),
+    layout("sparse", 5, "std_adagrad", "shared_adam"),
+]
+BREAKING = {  # a number that breaks each kind of invariant, fast and slow to convert
+    "integer": ["0.5", "-2.25", "1e-30", "3.0000000000000000000001"],
+    "count": ["-1", "0.5", "-1e-30", "1e-25"],
+    "nonneg": ["-0.5", "-1e-30", "-12345678901234567890123"],
+    "pow": ["-0.1", "1.5", "-1e-40", "1.00000000000000000000001"],
+}
+KEEPING = {  # and one that keeps it, fast to convert; then slow ones (a row with one is
+    # checked again in Python: kept to a few rows, so that the compiled checks are tested)
+    "integer": ["3", "0", "-7"],
+    "count": ["0", "4", "1e1"],
+    "nonneg": ["0", "2.5", "1e-5"],
+    "pow": ["0", "1", "0.5"],
+}
+KEEPING_SLOW = {
+    "integer": "12345678901234567890",
+    "count": "1e25",
+    "nonneg": "1e-30",
+    "pow": "1e-40",
+}
+
+
+@pytest.mark.skipif(not COMPILED, reason="the compiled parser needs numba")
+@pytest.mark.parametrize("table", INVARIANT_LAYOUTS, ids=lambda t: t.describe())
+def test_both_parsers_check_the_invariants_alike(
+    table: pp.TableLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiled parser checks each number as it reads it, the numpy one after: on rows
+    breaking invariants (several in one row, numbers left to Python's float among them, show
+    below click, a line that cannot be read after them), in chunks or not, both refuse the
+    same row with the same message, or read the same values. (In chunks, a bad row of an
+    earlier chunk is found before a line that cannot be read in a later one: compared only
+    when no line is malformed.)"""
+    rng = random.Random(INVARIANT_LAYOUTS.index(table))
+    checks = dict(table.checks())
+    show, click = table.columns.index("show"), table.columns.index("click")
+    value = pp.ValueSpec(("show", "click", "embed_w", "embedx_w"))
+
+    def row(key: int) -> list[str]:
+        count = table.short if rng.random() < 0.2 else table.full
+        numbers = [(KEEPING_SLOW[checks[c]] if rng.random() < 0.005 else
+                    rng.choice(KEEPING[checks[c]])) if c in checks else "0.25"
+                   for c in range(count)]  # fmt: skip
+        numbers[show], numbers[click] = "10", rng.choice(["3", "10"] * 5 + ["1e-30"])
+        return [str(key), *numbers]
+
+    for attempt in range(60):
+        rows = [row(k) for k in range(150)]
+        malformed = False
+        for _ in range(rng.randint(0, 3)):
+            fields = rng.choice(rows)
+            action = rng.randrange(3 + (attempt % 5 == 0))
+            if action == 0:
+                column = rng.choice([c for c in checks if c + 1 < len(fields)])
+                fields[column + 1] = rng.choice(BREAKING[checks[column]])
+            elif action == 1:
+                fields[click + 1] = rng.choice(["11", "10.5", "1e30", "10.000000000000000000001"])
+            elif action == 2:
+                fields[show + 1] = rng.choice(["1e-30", "2", "1e30"])
+            else:
+                fields[-1] = rng.choice(["x", "1e", "-"])
+                malformed = True
+        data = "".join(" ".join(fields) + "\n" for fields in rows).encode()
+        outcomes: list[object] = []
+        runs = [(False, pp.CHUNK_FLOATS), (True, pp.CHUNK_FLOATS)] + [(True, 64)] * (not malformed)
+        for compiled, chunk in runs:
+            monkeypatch.setattr(pp, "CHUNK_FLOATS", chunk)
+            try:
+                parsed = pp.parse_rows(data, table, value, "f", 1, compiled)
+                outcomes.append((parsed.keys.tobytes(), parsed.values.tobytes()))
+            except pp.PaddleRowError as exc:
+                assert str(exc).startswith("f line "), exc
+                outcomes.append(str(exc))
+            monkeypatch.undo()
+        assert outcomes[1:] == outcomes[:1] * (len(runs) - 1), (attempt, outcomes)
