@@ -8,8 +8,8 @@ Where the settings come from (`settings`, read at each filesystem's creation):
   `java -cp '/opt/jars/*' org.apache.hadoop.fs.FsShell`); else `$HADOOP_HOME/bin/hadoop fs`;
 - `CUBE_HADOOP_CONFIGS`: `key=value` pairs separated by commas (a piece without `key=`
   continues the value before it, so `hadoop.job.ugi=user,password` is one pair), or a JSON
-  object for values that rule cannot carry. cube-builder's and cube-transfer's `-hadoop_home`
-  and `-hadoop_configs` set both variables (`configure`), for the builds a transfer runs too.
+  object for values that rule cannot carry. cube-transfer's `-hadoop_home` and
+  `-hadoop_configs` set both variables (`configure`), for the builds it runs too.
 
 The settings reach the client as a `-conf` file of mode 0600 written for each run and removed
 after it, never as `-D` arguments: the password in `hadoop.job.ugi` stays out of the process
@@ -61,8 +61,8 @@ LIST_LIMIT = 512 << 20  # bytes of -ls output read
 STOP_GRACE = 2.0  # seconds between SIGTERM and SIGKILL of a client past its deadline
 BATCH_ARGS = 64 << 10  # characters of paths in one -get command line
 SETUP_HINT = (
-    f"set {ENV_HOME} (or -hadoop_home) to the Hadoop client's home, or {ENV_COMMAND} to its "
-    "command line"
+    f"set {ENV_HOME} (cube-transfer: -hadoop_home) to the Hadoop client's home, or "
+    f"{ENV_COMMAND} to its command line"
 )
 
 
@@ -152,9 +152,9 @@ def settings(environ: Mapping[str, str] | None = None) -> Settings:
 
 
 def configure(home: str, configs: str) -> None:
-    """Apply cube-builder's or cube-transfer's -hadoop_home and -hadoop_configs (when given) to
-    this process's environment, which the builds a transfer runs inherit. ValueError for
-    settings that cannot be read (the message quotes none of them)."""
+    """Apply cube-transfer's -hadoop_home and -hadoop_configs (when given) to this process's
+    environment, which the builds it runs inherit. ValueError for settings that cannot be read
+    (the message quotes none of them)."""
     if configs:
         parse_configs(configs)
         os.environ[ENV_CONFIGS] = configs
