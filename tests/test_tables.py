@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import shutil
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -23,8 +24,10 @@ from helpers.stubs import control_stub, dict_stub
 
 from cube.client import AsyncCubeClient, CubeClient, cli
 from cube.client.errors import ConfError, RequestRejectedError
+from cube.donefile import append_line, format_fleet_line
 from cube.pb import cube_pb2
 from cube.routing import shard_of
+from cube.transfer.local import ClusterSpec, up
 
 pytestmark = pytest.mark.slow
 
@@ -221,3 +224,50 @@ def test_patch_layers_every_table_and_a_mismatch_is_refused(
         with _client(shards) as client:
             (wide,) = client.seek_tables([("wide", changed)])
         assert wide.version == "100_101" and wide.found.all()
+
+
+def test_a_paddle_save_of_two_tables_rolls_out_through_transfer_and_agents(
+    tmp_path: Path,
+) -> None:
+    """The whole path with real processes: a Fleet trainer's donefile line naming a save of
+    two sparse tables (the real trainer's, tests/data/paddle_ps/sparse_naive_2tables), built
+    by cube-transfer into one version of tables 000 and 001, placed by the agents, served by
+    every shard; one seek_tables call answers both tables, each value the trainer's own
+    lookup (expected.json), from one version."""
+    saves = Path(__file__).parent / "data" / "paddle_ps" / "sparse_naive_2tables"
+    models = tmp_path / "models"
+    models.mkdir()
+    spec = ClusterSpec(
+        dir=tmp_path / "cluster", shards=2, replicas=1, donefile=models, poll_interval=0.2,
+        phase_timeout=40.0,
+        transfer_overrides={
+            "source_format": "paddle_fleet",
+            "builder_flags": ("-paddle_config", str(saves / "fleet_desc.prototxt")),
+            "version_retries": 0,
+        },
+    )  # fmt: skip
+    cluster = up(spec)
+    try:
+        day = "20261127"
+        target = models / day / "base"
+        shutil.copytree(saves / "base", target)
+        version = "1795737600"
+        line = format_fleet_line(version, version, f"{target}/000", str(models), day)
+        append_line(models / "xbox_base_done.txt", line)
+        cluster.wait_version(version, 60.0)
+        truth = json.loads((saves / "expected.json").read_text())["saves"]["base"]["tables"]
+        pairs, rows = [], []
+        for name, folder in (("emb_a", "000"), ("emb_b", "001")):
+            keys = np.array(truth[name]["keys"], dtype=np.uint64)
+            pairs.append((folder, keys))
+            hexes = truth[name]["lookup_f32le_hex"]
+            rows.append(np.frombuffer(bytes.fromhex("".join(hexes)), "<f4"))
+        with CubeClient.from_conf(cluster.cube_conf) as client:
+            first, second = client.seek_tables(pairs)
+        assert first.version == second.version == version
+        for result, expected, dim in ((first, rows[0], 4), (second, rows[1], 6)):
+            assert result.found.all()
+            # the save holds the trainer's numbers to 6 significant digits
+            np.testing.assert_allclose(result.embeddings(dim).reshape(-1), expected, rtol=5e-6)
+    finally:
+        cluster.down(timeout=5.0)
