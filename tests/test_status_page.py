@@ -1,7 +1,8 @@
 """cube-transfer's status page in a real headless browser (Debian's chromium through
 selenium) against a live local cluster: the token prompt, a rollout shown in progress and then
 the new version, the rollback button (and, after it, the roll-forward one), the history in time
-order with how long each version took, and a screenshot written by the test. The page's pure
+order with how long each version took, a screenshot written by the test, and the Retry button
+of a version abandoned after its every attempt failed (once its input is fixed). The page's pure
 helpers (the took column's format) also run under node."""
 
 from __future__ import annotations
@@ -48,14 +49,29 @@ def took_shown(took: float | None, cell: str) -> bool:
     return unit == "s" and took >= 0.9995 and abs(float(number) - took) <= 0.05 + 1e-9
 
 
-def publish(donefile: Path, root: Path, version: str, n: int) -> None:
+def write_input(root: Path, version: str, n: int) -> Path:
+    """A base's input folder, root/input/<version>: one SequenceFile of `n` records."""
     keys = np.arange(1, n + 1, dtype=np.uint64)
     values = np.random.default_rng(int(version) % 97).standard_normal((n, 16)).astype(np.float32)
     source = root / "input" / version
     source.mkdir(parents=True)
     with SequenceFileWriter(source / "part-00000") as writer:
         writer.write_batch(keys, ValueColumn.fixed(values.view(np.uint8).reshape(-1), 64))
+    return source
+
+
+def publish(donefile: Path, root: Path, version: str, n: int) -> None:
+    source = write_input(root, version, n)
     append_line(donefile / "base.txt", format_line(version, version, str(source)))
+
+
+def log_in(browser: Chrome) -> None:
+    """Answer the page's token prompt (the API needs TOKEN)."""
+    from selenium.webdriver.common.by import By
+
+    assert poll_until(lambda: browser.find_element(By.ID, "login").is_displayed(), 20, 0.1)
+    browser.find_element(By.ID, "token").send_keys(TOKEN)
+    browser.find_element(By.CSS_SELECTOR, "#login button").click()
 
 
 @pytest.fixture
@@ -204,5 +220,104 @@ def test_status_page_follows_a_rollout_and_rolls_back(tmp_path: Path, browser: C
             return len(cells) == 3 and all(took_shown(took[v, m], c) for v, m, c in cells)
 
         assert poll_until(took_as_the_api_says, 20, 0.1), (took_cells(), cluster.history())
+    finally:
+        cluster.down(timeout=5.0)
+
+
+@needs_chromium
+def test_status_page_retries_an_abandoned_version(tmp_path: Path, browser: Chrome) -> None:
+    """A base whose donefile line names an input folder that is not there (the trainer's copy
+    never landed): every attempt fails, the version is abandoned and the page offers Retry.
+    Once the input is written in place, Retry (confirmed) rolls it out: it goes live, on the
+    page and in the transfer's API, and its history row offers Retry no more."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    donefile = tmp_path / "donefile"
+    donefile.mkdir()
+    retries = 1  # two attempts, the second 0.3 s after the first failed
+    spec = ClusterSpec(
+        dir=tmp_path / "cluster", shards=1, replicas=2, donefile=donefile, poll_interval=0.2,
+        transfer_overrides={
+            "api_token": TOKEN, "version_retries": retries, "version_retry_backoff": 0.3,
+        },
+    )  # fmt: skip
+    cluster = up(spec)
+    try:
+        publish(donefile, tmp_path, B1, 2000)
+        cluster.wait_version(B1, WAIT)
+        missing = tmp_path / "input" / B2
+        append_line(donefile / "base.txt", format_line(B2, B2, str(missing)))
+        browser.get(f"{cluster.transfer_url}/?poll_ms=200")
+        log_in(browser)
+
+        def text(element_id: str) -> str:
+            return browser.find_element(By.ID, element_id).text
+
+        assert poll_until(lambda: text("live") == B1, 20, 0.1), text("problem")
+
+        def history_rows() -> list[list[Any]]:  # [version, mode, status, attempts, message,
+            # [button texts]] per row, read in one call (the page re-renders as it polls)
+            rows: list[list[Any]] = browser.execute_script(
+                "return [...document.querySelectorAll('#history tbody tr')].map(r =>"
+                " [r.dataset.version, r.cells[1].textContent, r.cells[2].textContent,"
+                " r.cells[3].textContent, r.cells[6].textContent,"
+                " [...r.querySelectorAll('button')].map(b => b.textContent)]);"
+            )
+            return rows
+
+        def row_of(version: str) -> list[Any]:
+            return next((r for r in history_rows() if r[0] == version), [])
+
+        # every attempt fails: the page shows B2 failed and abandoned, with its Retry button
+        attempts = retries + 1
+        retry_button = f"Retry {B2}"
+        assert poll_until(lambda: retry_button in (row_of(B2) or [[]])[-1], WAIT, 0.1), (
+            history_rows(), text("problem"))  # fmt: skip
+        _, mode, status, tries, message, buttons = row_of(B2)
+        assert (mode, status, tries) == ("base", "failed", f"{attempts} of {attempts}")
+        assert f"{missing} does not exist" in message, message
+        assert f"abandoned: gave up after {attempts} attempts" in message, message
+        assert buttons == [retry_button], buttons
+        assert not browser.find_element(By.ID, "retry").is_displayed()  # no retry to come
+        assert text("live") == B1
+        rec = next(r for r in cluster.history() if r["version"] == B2)
+        assert (rec["status_str"], rec["attempts"], rec["retry_at"]) == ("failed", attempts, 0)
+        assert rec["abandoned"] and "retry_requested" not in rec["times"], rec
+        assert cluster.transfer_info()["live_version"] == B1
+
+        # the input is written in place, then Retry on the page (the token it was given is
+        # sent: the API refuses a POST without it)
+        write_input(tmp_path, B2, 3000)
+
+        def click_retry() -> bool:
+            try:  # the row may be re-rendered between finding the button and clicking it
+                browser.find_element(By.XPATH, f"//button[text()='{retry_button}']").click()
+            except StaleElementReferenceException:
+                return False
+            return True
+
+        assert poll_until(click_retry, 20, 0.05)
+        alert = browser.switch_to.alert
+        assert alert.text == f"Roll {B2} out again?"
+        alert.accept()
+        assert poll_until(lambda: text("live") == B2, WAIT, 0.1), (history_rows(), text("problem"))
+        info = cluster.transfer_info()
+        assert info["live_version"] == B2 and not info["awaiting_retry"], info
+        rec = next(r for r in cluster.history() if r["version"] == B2)
+        assert rec["status_str"] == "finished" and not rec["abandoned"], rec
+        assert rec["attempts"] == 1 and "retry_requested" in rec["times"], rec
+
+        # its history row (the same record, retried) is finished and offers Retry no more
+        def retried() -> bool:
+            rows = history_rows()
+            return [r[:3] for r in rows] == [[B1, "base", "finished"], [B2, "base", "finished"]]
+
+        assert poll_until(retried, 20, 0.1), history_rows()
+        rows = history_rows()
+        assert rows[1][3] == "" and rows[1][5] == [], rows  # one attempt, no button
+        assert rows[0][5] == [f"Roll back to {B1}"], rows
+        assert not any(b.startswith("Retry") for r in rows for b in r[5]), rows
+        assert not browser.find_element(By.ID, "problem").is_displayed(), text("problem")
     finally:
         cluster.down(timeout=5.0)
