@@ -2,8 +2,8 @@
 `webhdfs://namenode:port/path` through fsspec, `hdfs://` and `afs://` through the Hadoop client
 (cube/remote.py). The one place the builder side lists and fetches inputs: cube-builder
 (-input_path, -delete_path), the Spark build and the transfer's mirrors of remote inputs use
-it. Through the Hadoop client, a listing is one run (`-ls -R`) and a fetch one run per
-directory (`-get` of its files): a JVM starts for each.
+it. Through the Hadoop client, a listing is one run (`-ls -R`) and a fetch one run for all
+the files (`-get`; more when names repeat in sub-directories): a JVM starts for each.
 
 A remote input is listed as a local one is (`builder.build.list_input_files`): every regular,
 non-empty file under the path, recursively, no name starting with "." at any level, sorted by
@@ -161,7 +161,7 @@ def fetch_inputs(
         dest.mkdir(parents=True, exist_ok=True)
     elif not files:
         raise BuildError(f"{remote.redact(path)}: no input files (only empty or hidden ones)")
-    if hasattr(fs, "get_files"):  # the Hadoop client: one run per directory, not one per file
+    if hasattr(fs, "get_files"):  # the Hadoop client: one run for many files, not one each
         batch = [(remote.path_of(f.url), dest / relative_name(path, f.url), f.size) for f in files]
         try:
             remote.call(fs, "get_files", batch, timeout=_left(deadline, path, timeout))

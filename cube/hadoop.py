@@ -561,7 +561,7 @@ class HadoopFileSystem:
 
     def get_files(self, files: Sequence[tuple[str, Path, int]], timeout: float) -> None:
         """Copy each (remote path, local destination, size) with as few runs as the command
-        line allows (`-get` of many files of one directory at a time, into a staging directory
+        line allows (`-get` of many files, no two of the same name, into a staging directory
         beside the first destination, then renamed into place); HadoopError when a copy's size
         is not the one given (the file changed after it was listed)."""
         deadline = time.monotonic() + timeout
@@ -601,17 +601,17 @@ def _made_dir(dest: Path) -> Path:
 
 
 def _batches(files: Sequence[tuple[str, Path, int]]) -> Iterator[list[tuple[str, Path, int]]]:
-    """`files` in runs of one remote directory each, at most BATCH_ARGS characters of paths,
-    no two with the same name (one -get puts them all in one local directory)."""
+    """`files` in runs of at most BATCH_ARGS characters of paths, no two with the same base
+    name (one -get puts them all in one local directory): a run for a flat directory,
+    more when the names of sub-directories' files meet."""
     batch: list[tuple[str, Path, int]] = []
-    parent, length = "", 0
+    length = 0
     names: set[str] = set()
     for item in files:
-        here, _slash, name = item[0].rpartition("/")
-        if batch and (here != parent or length + len(item[0]) > BATCH_ARGS or name in names):
+        name = item[0].rpartition("/")[2]
+        if batch and (length + len(item[0]) > BATCH_ARGS or name in names):
             yield batch
             batch, length, names = [], 0, set()
-        parent = here
         batch.append(item)
         length += len(item[0]) + 1
         names.add(name)

@@ -340,3 +340,33 @@ exec {cluster.command} "$@"
     with pytest.raises(remote.RemoteError, match=r"^not found$") as missing:
         remote.read_bytes("hdfs://nn:9000/retry/none.txt", 100, 60.0)
     assert missing.value.missing and runs.read_text().count("run") == 2
+
+
+def test_the_transfer_mirrors_a_parameter_server_save_from_afs(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """cube-transfer with source_format paddle_fleet and its donefile on afs://: a Fleet line's
+    input (`.../000`, the table folder) is mirrored as its save directory, the empty part files
+    included (an empty delta's table folder is how the builder finds it)."""
+    from test_builder_paddle_ps import DATA
+
+    from cube.transfer.build_runner import BuildRunner
+    from cube.transfer.config import parse_config
+
+    folder = DATA / "ctr_common_adagrad" / "delta_empty"
+    shutil.copytree(folder, cluster.root / "models" / "20261128" / "delta-2")
+    want = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    cfg = parse_config(
+        "[default]\ndict_name: d\nwget_port: 0\ndonefile_address: afs://nn/donefile\n"
+        f"output_address: o\ntmp_address: {tmp_path}\nshard_num: 1\n"
+        "source_format: paddle_fleet\nbuilder_flags: -paddle_config /c\n"
+        "[cube_agent]\nagent0_0: 127.0.0.1:1\ncube0_0: 127.0.0.1:2:/d\n",
+        "t.conf",
+        tmp_path,
+    )
+    runner = BuildRunner(cfg)
+    source = runner.build_input("afs://nn/models/20261128/delta-2/000")
+    assert source == "afs://nn/models/20261128/delta-2"
+    mirror = tmp_path / "mirror"
+    assert asyncio.run(runner._fetch(source, mirror, cfg.paddle_saves)) == str(mirror)
+    assert sorted(str(p.relative_to(mirror)) for p in mirror.rglob("*") if p.is_file()) == want
