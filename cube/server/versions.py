@@ -30,7 +30,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,7 @@ from cube.layout import (
     version_text,
 )
 from cube.routing import ShardRouting
+from cube.server import memory
 from cube.server.guard import FileWatch
 from cube.shard import Shard, ShardStack
 
@@ -418,6 +419,7 @@ class LoadedVersion:
     broken: str = ""  # why it must not be read any more (set by `fail`)
     tables: dict[str, LoadedVersion] = field(default_factory=dict)
     owner: LoadedVersion | None = None  # a table's version: the version holding it
+    memory_note: str = ""  # why --in_mem did not pin it (cube.server.memory), if it did not
 
     def __post_init__(self) -> None:
         self.all_splits = [s for t in self.tables.values() for s in t.splits] or self.splits
@@ -526,6 +528,7 @@ class LoadedVersion:
             "loaded_at": self.loaded_at,
             "routing": routing.describe() if routing else None,
             "splits": [s.describe() for s in self.splits],
+            "memory_note": self.memory_note,
         }
         if self.tables:
             described["value_width"] = None  # each table has its own
@@ -679,6 +682,8 @@ def load_base(dirs: list[Path], name: str, options: LoadOptions) -> LoadedVersio
         chains.append((split_dir, chain, chain_tables(split_dir, chain)))
     tables = _same_tables(chains)
     built: dict[str, list[SplitData]] = {table: [] for table in tables or [""]}
+    layers = [(split_dir, link) for split_dir, chain, _ in chains for link in chain]
+    options, note = _pinning(options, name, layers, list(built))
     try:
         for split_dir, chain, _ in chains:
             for table, splits in built.items():
@@ -686,7 +691,24 @@ def load_base(dirs: list[Path], name: str, options: LoadOptions) -> LoadedVersio
     except BaseException:
         _release_all([s for splits in built.values() for s in splits])
         raise
-    return _loaded(name, built, started)
+    return _loaded(name, built, started, note)
+
+
+def _pinning(
+    options: LoadOptions, name: str, layers: list[tuple[Path, str]], tables: list[str]
+) -> tuple[LoadOptions, str]:
+    """The options to load `layers` (split dir, version) with: --in_mem's populate and mlock
+    unless the files would not fit the memory this server may pin (cube.server.memory), then
+    neither, said once in the log and in the version's status."""
+    if not (options.populate or options.lock_memory):
+        return options, ""
+    files = [d / link / t / f for d, link in layers for t in tables for f in _SHARD_FILES]
+    limit, source = memory.memory_limit()
+    note = memory.in_mem_refusal(memory.files_bytes(files), memory.locked_bytes(), limit, source)
+    if not note:
+        return options, ""
+    log.warning("version %s: %s", name, note)
+    return replace(options, populate=False, lock_memory=False), note
 
 
 def _same_tables(chains: list[tuple[Path, list[str], list[str]]]) -> list[str]:
@@ -702,12 +724,17 @@ def _same_tables(chains: list[tuple[Path, list[str], list[str]]]) -> list[str]:
     return tables
 
 
-def _loaded(name: str, built: dict[str, list[SplitData]], started: float) -> LoadedVersion:
+def _loaded(
+    name: str, built: dict[str, list[SplitData]], started: float, note: str = ""
+) -> LoadedVersion:
     """The LoadedVersion of splits opened per table (the key "" alone: one unnamed table)."""
     seconds = time.monotonic() - started
     if list(built) == [""]:
-        return LoadedVersion(name, built[""], seconds)
-    return LoadedVersion.with_tables(name, built, seconds)
+        version = LoadedVersion(name, built[""], seconds)
+    else:
+        version = LoadedVersion.with_tables(name, built, seconds)
+    version.memory_note = note
+    return version
 
 
 def flat_layout(dirs: list[Path]) -> bool:
@@ -781,9 +808,15 @@ def load_patch(
     current_tables = on.tables or {"": on}
     built: dict[str, list[SplitData]] = {table: [] for table in current_tables}
     unrecorded = []
+    chains = [
+        _patch_chain(d, name, on, current) for d, current in zip(dirs, on.splits, strict=True)
+    ]
+    added = [
+        (d, link) for d, (c, _) in zip(dirs, chains, strict=True) for link in c[len(on.chain) :]
+    ]
+    options, note = _pinning(options, name, added, list(built))
     try:
-        for i, (split_dir, current) in enumerate(zip(dirs, on.splits, strict=True)):
-            chain, recorded = _patch_chain(split_dir, name, on, current)
+        for i, (split_dir, (chain, recorded)) in enumerate(zip(dirs, chains, strict=True)):
             tables = chain_tables(split_dir, chain)
             if (tables or [""]) != list(current_tables):
                 raise VersionError(
@@ -802,7 +835,7 @@ def load_patch(
     except BaseException:
         _release_all([s for splits in built.values() for s in splits])
         raise
-    return _loaded(name, built, started)
+    return _loaded(name, built, started, note)
 
 
 def _patch_chain(

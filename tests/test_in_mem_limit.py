@@ -1,0 +1,122 @@
+"""`--in_mem` on a table that cannot fit: the server reads its memory limit (cgroup v1/v2, the
+machine's) and loads such a version without populating or locking it, says so once (log and
+status), and serves it; the pure rule and the limit readers on fake /proc and /sys trees; and a
+real cube-server in a cgroup v1 memory group smaller than its table (root only: the memory
+controller is writable here), which before this was OOM-killed at load."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from helpers.procs import expected_fixed, fixed_values, running_server, write_version
+from helpers.stubs import control_stub
+
+from cube.client import CubeClient
+from cube.pb import cube_pb2
+from cube.server.memory import (
+    HEADROOM_MIN,
+    in_mem_refusal,
+    locked_bytes,
+    memory_limit,
+)
+
+MIB = 1 << 20
+CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+_GROUPS = itertools.count()
+
+
+def test_the_rule_keeps_room_for_the_process_and_the_version_it_replaces() -> None:
+    assert in_mem_refusal(100 * MIB, 0, 1024 * MIB, "the cgroup limit of /x") == ""
+    # 1 GiB limit: 256 MiB kept for the process, 700 MiB pinned by the current version
+    refusal = in_mem_refusal(100 * MIB, 700 * MIB, 1024 * MIB, "the cgroup limit of /x")
+    assert "100 MiB do not fit the 68 MiB" in refusal
+    assert "the cgroup limit of /x 1024 MiB" in refusal and "700 MiB pinned" in refusal
+    # a large limit keeps a tenth
+    assert in_mem_refusal(9000 * MIB, 0, 10_000 * MIB, "s") == ""
+    assert in_mem_refusal(9001 * MIB, 0, 10_000 * MIB, "s") != ""
+    assert in_mem_refusal(1, 0, HEADROOM_MIN, "s") != ""
+
+
+def _fake(tmp_path: Path, cgroup: str, files: dict[str, str]) -> tuple[Path, Path]:
+    proc, sys_fs = tmp_path / "proc", tmp_path / "sys"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal:       24683772 kB\nMemFree: 1 kB\n")
+    (proc / "self" / "cgroup").write_text(cgroup)
+    (proc / "self" / "status").write_text("Name:\tx\nVmLck:\t    2048 kB\nVmRSS:\t1 kB\n")
+    for name, text in files.items():
+        path = sys_fs / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return proc, sys_fs
+
+
+def test_the_limit_is_the_smallest_on_the_cgroup_path(tmp_path: Path) -> None:
+    v1 = "4:memory:/jobs/cube\n1:cpu:/\n0::/\n"
+    proc, sys_fs = _fake(
+        tmp_path / "v1",
+        v1,
+        {
+            "memory/memory.limit_in_bytes": "9223372036854771712\n",  # the root: none
+            "memory/jobs/memory.limit_in_bytes": f"{3 << 30}\n",
+            "memory/jobs/cube/memory.limit_in_bytes": f"{8 << 30}\n",
+        },
+    )
+    limit, source = memory_limit(proc, sys_fs)
+    assert limit == 3 << 30 and source.endswith("memory/jobs")
+    assert locked_bytes(proc) == 2 * MIB
+    proc, sys_fs = _fake(tmp_path / "v2", "0::/kubepods/pod1\n", {})
+    (sys_fs / "kubepods" / "pod1").mkdir(parents=True)
+    (sys_fs / "kubepods" / "pod1" / "memory.max").write_text("max\n")
+    (sys_fs / "kubepods" / "memory.max").write_text(f"{1 << 30}\n")
+    assert memory_limit(proc, sys_fs)[0] == 1 << 30
+    proc, sys_fs = _fake(tmp_path / "none", "0::/\n", {})
+    assert memory_limit(proc, sys_fs) == (24683772 * 1024, "the machine's memory")
+
+
+@pytest.fixture
+def memory_group() -> Iterator[Path]:
+    if os.geteuid() != 0 or not (CGROUP_V1 / "memory.limit_in_bytes").exists():
+        pytest.skip("needs root and cgroup v1's memory controller")
+    group = CGROUP_V1 / f"cube-test-{os.getpid()}-{next(_GROUPS)}"
+    group.mkdir()
+    try:
+        yield group
+    finally:
+        group.rmdir()  # (the test stopped every process it put there)
+
+
+@pytest.mark.slow
+def test_a_table_larger_than_the_cgroup_is_served_not_oom_killed(
+    tmp_path: Path, memory_group: Path
+) -> None:
+    width, count = 4096, 100_000  # 410 MB of values, in a group of 400 MiB
+    keys = np.arange(1, count + 1, dtype=np.uint64) * 2654435761
+    data = tmp_path / "data"
+    write_version(data, "7", keys, fixed_values(keys, width, 3), current=True)
+    (memory_group / "memory.limit_in_bytes").write_text(str(400 * MIB))
+    procs = memory_group / "cgroup.procs"
+
+    def join_group() -> None:  # runs in the server's process before it starts
+        procs.write_text(str(os.getpid()))
+
+    with running_server(data, "--in_mem", "true", preexec_fn=join_group) as server:
+        server.wait_serving()
+        sample = keys[:: count // 500]
+        with CubeClient(shards=[[server.address]]) as client:
+            result = client.seek(sample)
+        assert result.found.all()
+        assert np.array_equal(result.column.as_rows(), expected_fixed(sample, width, 3))
+        with grpc.insecure_channel(server.control_address) as channel:
+            reply = control_stub(channel).cmd(cube_pb2.ControlRequest(cmd="status"), timeout=30)
+        note = json.loads(reply.detail_json)["current"]["memory_note"]
+        assert "do not fit" in note and str(memory_group) in note, note
+        assert server.log().count("do not fit") == 1
+        assert server.process.poll() is None
+    assert int((memory_group / "memory.max_usage_in_bytes").read_text()) <= 400 * MIB
