@@ -23,7 +23,7 @@ from typing import Any
 # small machine those threads only compete with the workers
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from cube import remote
+from cube import hadoop, remote
 from cube.builder.build import (
     INPUT_FORMATS,
     BuildConfig,
@@ -120,10 +120,12 @@ or one that only deletes keys has no width; a base whose values vary in width al
 
 Remote input: -input_path and -delete_path may be s3://bucket/prefix (credentials, endpoint
 and region from the AWS environment: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL,
-AWS_DEFAULT_REGION, ...; needs pip install 'cube-py[s3]') or webhdfs://namenode:port/path
-(the namenode's HTTP port; hdfs:// is refused). The local engine fetches the files first, same
-rules and order, into a temporary directory under -tmp_dir (default: -output_path), removed
-when the build ends; -fetch_timeout bounds the listing and the fetch.
+AWS_DEFAULT_REGION, ...; needs pip install 'cube-py[s3]'), webhdfs://namenode:port/path
+(the namenode's HTTP port), or hdfs:// and afs:// through the Hadoop client command as
+Paddle's HDFSClient runs it (-hadoop_home or $HADOOP_HOME, -hadoop_configs or
+$CUBE_HADOOP_CONFIGS: fs.default.name, hadoop.job.ugi). The local engine fetches the files
+first, same rules and order, into a temporary directory under -tmp_dir (default:
+-output_path), removed when the build ends; -fetch_timeout bounds the listing and the fetch.
 
 -engine spark runs the same build on a Spark cluster (pip install 'cube-py[spark]', Java 17+):
 one map task per input file, a shuffle keyed by shard, one task per shard writing its files
@@ -144,7 +146,7 @@ class BuilderFlags:
     dict_name: str = flag("", "dictionary name, prefix of the shard outputs", required=True)
     input_path: str = flag(
         "",
-        "directory (or file) of SequenceFiles; or s3://, webhdfs:// (see above)",
+        "directory (or file) of SequenceFiles; or s3://, webhdfs://, hdfs://, afs:// (see above)",
         required=True,
         metavar="PATH",
     )
@@ -194,6 +196,8 @@ class BuilderFlags:
     fetch_timeout: float = flag(
         3600.0, "seconds to list and fetch a remote input (all its files) and delete list"
     )
+    hadoop_home: str = hadoop.home_flag()
+    hadoop_configs: str = hadoop.configs_flag()
     quiet: bool = flag(False, "no progress bar and no summary line")
     tmp_dir: str = flag("", "where to spill records (default: inside -output_path)", metavar="DIR")
     memory_mb: int = flag(1024, "read and spill buffer budget in MiB")
@@ -242,7 +246,7 @@ class BuilderFlags:
     paddle_config: str = flag(
         "",
         "paddle_ps: the trainer's PSParameter in protobuf text (fleet_desc.prototxt): "
-        "tables, accessors, dims and rules (local, s3:// or webhdfs://)",
+        "tables, accessors, dims and rules (local or remote: see above)",
         metavar="PATH",
     )
     paddle_table: str = flag(
@@ -337,6 +341,10 @@ def config_from_flags(flags: BuilderFlags, now: int, read_config: bool = True) -
     mode = flags.job_mode
     if flags.delete_path and mode != "delta":
         raise FlagError("--delete_path needs --job_mode delta")
+    try:
+        hadoop.configure(flags.hadoop_home, flags.hadoop_configs)
+    except ValueError as exc:
+        raise FlagError(f"--hadoop_configs: {exc}") from None
     depend = flags.depend_version
     if flags.only_build:
         _refuse_versions_with_only_build(flags)

@@ -49,6 +49,7 @@ from typing import Any
 from xml.sax.saxutils import escape
 
 from cube.backoff import Backoff, retrying
+from cube.flags import flag
 
 SCHEMES = ("hdfs", "afs")
 ENV_HOME = "HADOOP_HOME"
@@ -61,7 +62,7 @@ LIST_LIMIT = 512 << 20  # bytes of -ls output read
 STOP_GRACE = 2.0  # seconds between SIGTERM and SIGKILL of a client past its deadline
 BATCH_ARGS = 64 << 10  # characters of paths in one -get command line
 SETUP_HINT = (
-    f"set {ENV_HOME} (cube-transfer: -hadoop_home) to the Hadoop client's home, or "
+    f"set {ENV_HOME} (cube-builder, cube-transfer: -hadoop_home) to the Hadoop client's home, or "
     f"{ENV_COMMAND} to its command line"
 )
 
@@ -151,10 +152,31 @@ def settings(environ: Mapping[str, str] | None = None) -> Settings:
     return Settings(command, tuple(configs.items()))
 
 
+def home_flag() -> str:
+    """The -hadoop_home flag of the commands that read hdfs:// and afs:// addresses."""
+    return flag(
+        "",
+        "the Hadoop client's home for hdfs:// and afs:// addresses ($HADOOP_HOME/bin/hadoop "
+        "fs); sets HADOOP_HOME for the processes this one runs too",
+        metavar="DIR",
+    )
+
+
+def configs_flag() -> str:
+    """The -hadoop_configs flag, beside `home_flag`."""
+    return flag(
+        "",
+        "the Hadoop client's settings, key=value,... (fs.default.name, hadoop.job.ugi): sets "
+        "CUBE_HADOOP_CONFIGS for the processes this one runs too; a password belongs in a "
+        "--flagfile or the environment, not the command line",
+        metavar="K=V,...",
+    )
+
+
 def configure(home: str, configs: str) -> None:
-    """Apply cube-transfer's -hadoop_home and -hadoop_configs (when given) to this process's
-    environment, which the builds it runs inherit. ValueError for settings that cannot be read
-    (the message quotes none of them)."""
+    """Apply -hadoop_home and -hadoop_configs (when given) to this process's environment,
+    which the processes it runs (cube-transfer's builds) inherit. ValueError for settings that
+    cannot be read (the message quotes none of them)."""
     if configs:
         parse_configs(configs)
         os.environ[ENV_CONFIGS] = configs

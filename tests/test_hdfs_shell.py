@@ -249,12 +249,21 @@ def test_cube_builder_builds_from_hdfs_what_it_builds_from_disk(
     builder = command("cube-builder")
     common = ["-dict_name", "emb", "-shard_num", "2", "-only_build=false",
               "-cur_version", "1700000000", "-quiet", "-workers", "1"]  # fmt: skip
+    # the settings as a flag, from a flagfile (the ugi's password off the command line)
+    flagfile = tmp_path / "hadoop.flags"
+    flagfile.write_text(f"--hadoop_configs={CONFIGS}\n")
+    env = {k: v for k, v in os.environ.items() if k != hadoop.ENV_CONFIGS}
     for name, source in (("from-disk", str(local)), ("from-hdfs", "hdfs://nn:9000/builder-input")):
         out = tmp_path / name
-        run = subprocess.run([builder, *common, "-input_path", source, "-output_path", str(out)],
-                             capture_output=True, text=True, timeout=180)  # fmt: skip
+        run = subprocess.run([builder, *common, "-input_path", source, "-output_path", str(out),
+                              "--flagfile", str(flagfile)],
+                             capture_output=True, text=True, timeout=180, env=env)  # fmt: skip
         assert run.returncode == 0, run.stderr
     assert md5s(tmp_path / "from-hdfs") == md5s(tmp_path / "from-disk") != {}
+    bad = subprocess.run([builder, *common, "-input_path", str(local), "-output_path",
+                          str(tmp_path / "bad"), "-hadoop_configs", "nokey"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "--hadoop_configs: piece 1 is not key=value" in bad.stderr
     assert not list((tmp_path / "from-hdfs").glob(".fetch-*"))  # the fetched input is removed
 
 

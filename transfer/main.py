@@ -52,19 +52,8 @@ class TransferFlags:
     keep_outputs: int = flag(3, "build outputs of the last N live versions to keep")
     metrics_port: int = flag(-1, "Prometheus metrics at :PORT/metrics; -1: off, 0: any")
     metrics_host: str = flag("127.0.0.1", "address to bind the metrics (no token)")
-    hadoop_home: str = flag(
-        "",
-        "the Hadoop client's home for hdfs:// and afs:// addresses ($HADOOP_HOME/bin/hadoop "
-        "fs); sets HADOOP_HOME for the builds too",
-        metavar="DIR",
-    )
-    hadoop_configs: str = flag(
-        "",
-        "the Hadoop client's settings, key=value,... (fs.default.name, hadoop.job.ugi): sets "
-        "CUBE_HADOOP_CONFIGS for the builds too; a password belongs in a --flagfile or the "
-        "environment, not the command line",
-        metavar="K=V,...",
-    )
+    hadoop_home: str = hadoop.home_flag()
+    hadoop_configs: str = hadoop.configs_flag()
     create_donefile_dir: bool = flag(
         False,
         "create donefile_address (a local directory) when it does not exist; "
