@@ -174,35 +174,47 @@ def parse(
                 place = targets[column]
                 kind = kinds[column]
                 if place >= 0 or kind != NONE:
-                    number = 0.0
-                    converted = True
-                    if mantissa == 0 and not dropped:
-                        number = 0.0
-                    elif not dropped and mantissa <= _MAX_EXACT and -22 <= scale <= 22:
-                        # two exact factors, one rounding
-                        factor = float(mantissa)
-                        number = factor * _POW10[scale] if scale >= 0 else factor / _POW10[-scale]
-                    else:
-                        converted = False
+                    fast = mantissa == 0 and not dropped
+                    if not fast:
+                        fast = not dropped and mantissa <= _MAX_EXACT and -22 <= scale <= 22
+                    if not fast:
                         if slow_count < slow_room:
                             slow[slow_count, 0] = row
                             slow[slow_count, 1] = column
                             slow[slow_count, 2] = start
                             slow[slow_count, 3] = pos
                         slow_count += 1
-                    if negative:
-                        number = -number
-                    if place >= 0:
-                        floats[row, place] = number
-                    if converted:
+                        if column in (show, click):
+                            exact = False
+                    else:
+                        if (
+                            place >= 0
+                            or column in (show, click)
+                            or kind == POW
+                            or (scale < 0 and kind in (INTEGER, COUNT))
+                        ):
+                            number = 0.0
+                            if mantissa != 0:  # two exact factors, one rounding
+                                factor = float(mantissa)
+                                if scale >= 0:
+                                    number = factor * _POW10[scale]
+                                else:
+                                    number = factor / _POW10[-scale]
+                            if negative:
+                                number = -number
+                        else:
+                            # only checked for its sign, and whole (a whole number of the fast
+                            # path: no fraction): a whole stand-in of its sign, not converted
+                            # (a non-zero number of the fast path is not rounded to 0)
+                            number = -1.0 if negative and mantissa != 0 else 0.0
+                        if place >= 0:
+                            floats[row, place] = number
                         if broken < 0 and kind != NONE and _breaks(kind, number):
                             broken = row
                         if column == show:
                             show_number = number
                         elif column == click:
                             click_number = number
-                    elif column in (show, click):
-                        exact = False
             column += 1
         if column != full and column != short:
             return row, pos, line, short_rows, line, line_start, slow_count, broken
