@@ -43,6 +43,20 @@ FileHook = Callable[[int, Path], None]
 _MADV_POPULATE_READ = 22  # Linux 5.14: fault a range in, readable
 
 
+def _map_random(fd: int, size: int, populate: bool) -> mmap.mmap:
+    """Map a shard file read-only for lookups that fault it in page by page (a table larger
+    than the memory it may hold): no readahead around each fault (MADV_RANDOM), no huge
+    pages. A fault then reads 4 KiB, not the 128 KiB of readahead or the 2 MiB of a huge
+    page, most of which no lookup wants and which pushes hot pages out of the page cache:
+    14x the uniform lookups, 15x the Zipf(0.99) ones at 20M x 64 B in a cgroup of a quarter
+    of the table (bench/RESULTS.md, issue 37)."""
+    flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+    buffer = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+    if not populate:
+        buffer.madvise(mmap.MADV_RANDOM)
+    return buffer
+
+
 def _map(fd: int, size: int, populate: bool, huge_pages: bool) -> mmap.mmap:
     """Map a shard file read-only. With `huge_pages`, ask for 2 MiB mappings where the kernel
     and filesystem have them (transparent huge pages in the page cache: ext4 and xfs on recent
@@ -100,6 +114,7 @@ class _MappedFile:
         populate: bool,
         on_open: FileHook | None = None,
         huge_pages: bool = False,
+        random_access: bool = False,
     ) -> None:
         self.path = path
         self.fd = -1
@@ -114,7 +129,10 @@ class _MappedFile:
             header = os.pread(fd, fmt.HEADER_SIZE, 0)
             self.fields = fmt.decode_header(kind, header, str(path), size)
             self.size = size
-            self.buffer = _map(fd, size, populate, huge_pages)
+            if random_access:
+                self.buffer = _map_random(fd, size, populate)
+            else:
+                self.buffer = _map(fd, size, populate, huge_pages)
         except BaseException:
             os.close(fd)
             raise
@@ -195,16 +213,24 @@ class Shard:
         on_open: FileHook | None = None,
         cancelled: Callable[[], bool] | None = None,
         huge_pages: bool = False,
+        random_access: bool = False,
+        populate_index: bool = False,
     ) -> Shard:
         """Map a shard directory. `verify` checks every checksum (reads all bytes);
-        `populate` faults every page in now rather than on first use; `on_open` sees each
-        file's descriptor right after it is opened (and keeps it open while mapped);
-        `cancelled` can stop a long verify; `huge_pages`: 2 MiB mappings where the kernel
-        has them (`_map`)."""
+        `populate` faults every page in now rather than on first use (`populate_index`: the
+        index's only); `on_open` sees each file's descriptor right after it is opened (and
+        keeps it open while mapped); `cancelled` can stop a long verify; `huge_pages`: 2 MiB
+        mappings where the kernel has them (`_map`); `random_access`: a table larger than
+        memory, faulted in 4 KiB at a time (`_map_random`; huge_pages ignored)."""
         directory = Path(directory)
-        index = _MappedFile(directory / INDEX_FILE, "index", populate, on_open, huge_pages)
+        index = _MappedFile(
+            directory / INDEX_FILE, "index", populate or populate_index, on_open, huge_pages,
+            random_access,
+        )  # fmt: skip
         try:
-            data = _MappedFile(directory / DATA_FILE, "data", populate, on_open, huge_pages)
+            data = _MappedFile(
+                directory / DATA_FILE, "data", populate, on_open, huge_pages, random_access
+            )
         except BaseException:
             index.close()
             raise

@@ -43,6 +43,7 @@ from cube.security import (
     bearer_token,
     control_refusal,
 )
+from cube.server import memory
 from cube.server.service import SeekService, warm_version
 from cube.server.versions import (
     LoadedVersion,
@@ -194,6 +195,7 @@ class LocalWorker:
             "lane": self.service.lane_stats(),
             "metrics": self.service.counters.snapshot(),
             "draining": self.service.draining,
+            "major_faults": memory.major_faults(),
             "versions": {
                 slot: version.describe()
                 for slot, version in (("current", slots.current), ("background", slots.background))

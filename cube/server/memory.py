@@ -106,6 +106,16 @@ def locked_bytes(proc: Path = Path("/proc")) -> int:
     return 0
 
 
+def major_faults(proc: Path = Path("/proc")) -> int:
+    """Page faults this process waited on the disk for (majflt of /proc/self/stat): what a
+    table larger than memory costs its lookups."""
+    try:
+        fields = (proc / "self" / "stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[9])  # field 12 of stat(5); fields[0] is field 3 (state)
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def files_bytes(paths: list[Path]) -> int:
     """The bytes of the files a load would map (missing ones count 0: the load says why)."""
     total = 0

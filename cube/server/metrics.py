@@ -123,6 +123,11 @@ class _WorkerFamilies:
         self.loading = GaugeMetricFamily(
             "cube_server_loading", "1 while a version is being loaded", labels=["worker"]
         )
+        self.major_faults = CounterMetricFamily(
+            "cube_server_major_page_faults",
+            "Page faults the worker waited on the disk for (a version larger than memory)",
+            labels=["worker"],
+        )
         self.draining = GaugeMetricFamily(
             "cube_server_draining",
             "1 once the worker is stopping: in-flight calls finish, no new ones",
@@ -136,10 +141,14 @@ class _WorkerFamilies:
         self.serving.add_metric([worker], 1.0 if state.get("serving") else 0.0)
         self.loading.add_metric([worker], 1.0 if state.get("loading") else 0.0)
         self.draining.add_metric([worker], 1.0 if state.get("draining") else 0.0)
+        self.major_faults.add_metric([worker], state.get("major_faults", 0))
 
     def families(self) -> tuple[Metric, ...]:
         """All but `up`, which comes first of all."""
-        return (self.inflight, self.connections, self.serving, self.loading, self.draining)
+        return (
+            self.inflight, self.connections, self.serving, self.loading, self.draining,
+            self.major_faults,
+        )  # fmt: skip
 
 
 class _VersionFamilies:
@@ -174,6 +183,13 @@ class _VersionFamilies:
             "Time the held version took to load",
             labels=["worker", "slot"],
         )
+        self.in_memory = GaugeMetricFamily(
+            "cube_server_version_in_memory",
+            "1 when the held version is served as --in_mem asks, 0 when it did not fit the"
+            " memory the server may pin (served from the page cache, its index pinned alone"
+            " if that fits: the status's memory_note says why)",
+            labels=["worker", "slot"],
+        )
 
     def add(self, worker: str, state: dict[str, Any]) -> None:
         for slot, version in state.get("versions", {}).items():
@@ -183,6 +199,10 @@ class _VersionFamilies:
             self.load.add_metric([worker, slot], version["load_seconds"])
             self.mapped.add_metric([worker, slot], version.get("mapped_bytes", 0))
             self.locked.add_metric([worker, slot], version.get("locked_bytes", 0))
+            self.in_memory.add_metric([worker, slot], 0.0 if version.get("memory_note") else 1.0)
 
     def families(self) -> tuple[Metric, ...]:
-        return (self.info, self.records, self.data, self.mapped, self.locked, self.load)
+        return (
+            self.info, self.records, self.data, self.mapped, self.locked, self.load,
+            self.in_memory,
+        )  # fmt: skip

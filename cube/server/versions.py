@@ -333,21 +333,23 @@ def _max_value_bytes(shard: Shard) -> int:
 _libc: Any = None
 
 
-def mapped_arrays(shard: Shard) -> list[np.ndarray]:
+def mapped_arrays(shard: Shard, index_only: bool = False) -> list[np.ndarray]:
     """The sections of a shard that lookups read: the index and the values."""
-    return [shard.table.slot_keys, shard.table.bucket_rows, shard.values.blob]
+    index = [shard.table.slot_keys, shard.table.bucket_rows]
+    return index if index_only else [*index, shard.values.blob]
 
 
-def lock_in_memory(shard: Shard) -> int:
-    """Best effort mlock of a shard's mapped sections (`--in_mem true`); the bytes locked
-    (fewer than mapped when refused: RLIMIT_MEMLOCK)."""
+def lock_in_memory(shard: Shard, index_only: bool = False) -> int:
+    """Best effort mlock of a shard's mapped sections (`--in_mem true`; `index_only`: a table
+    larger than memory whose index fits); the bytes locked (fewer than mapped when refused:
+    RLIMIT_MEMLOCK)."""
     global _libc
     if _libc is None:
         # the symbols already in the process (libc among them): find_library would spawn
         # `ldconfig -p`, a child process a PID count or a CPU meter would catch
         _libc = ctypes.CDLL(None, use_errno=True)
     locked = 0
-    for array in mapped_arrays(shard):
+    for array in mapped_arrays(shard, index_only):
         if not array.nbytes:
             continue
         start = array.ctypes.data
@@ -557,6 +559,8 @@ class LoadOptions:
     watch: FileWatch | None = None  # leases / polls the mapped files (cube.server.guard)
     dict_name: str = ""  # --dict_name: a version of another dict is refused
     shard: int = -1  # --shard: a version of another shard is refused
+    random_access: bool = False  # larger than memory: faulted 4 KiB at a time (Shard.open)
+    pin_index: bool = False  # larger than memory but its index fits: the index pinned alone
 
 
 def _open_layer(directory: Path, options: LoadOptions) -> ShardHandle:
@@ -579,6 +583,8 @@ def _open_layer(directory: Path, options: LoadOptions) -> ShardHandle:
             huge_pages=options.huge_pages,
             on_open=on_open if watch is not None else None,
             cancelled=cancelled if watch is not None else None,
+            random_access=options.random_access,
+            populate_index=options.pin_index,
         )
         changed = cancelled() and watch.changed(opened)  # type: ignore[union-attr]
         if changed:
@@ -600,8 +606,8 @@ def _open_layer(directory: Path, options: LoadOptions) -> ShardHandle:
             raise VersionError("NOT_FOUND", f"cannot open {directory}: {exc}") from exc
         raise
     handle = ShardHandle(shard, watch)
-    if options.lock_memory:
-        handle.locked_bytes = lock_in_memory(shard)
+    if options.lock_memory or options.pin_index:
+        handle.locked_bytes = lock_in_memory(shard, index_only=not options.lock_memory)
     if options.huge_pages:
         handle.pmd_mapped_bytes = shard.pmd_mapped_bytes()
     return handle
@@ -698,17 +704,24 @@ def _pinning(
     options: LoadOptions, name: str, layers: list[tuple[Path, str]], tables: list[str]
 ) -> tuple[LoadOptions, str]:
     """The options to load `layers` (split dir, version) with: --in_mem's populate and mlock
-    unless the files would not fit the memory this server may pin (cube.server.memory), then
-    neither, said once in the log and in the version's status."""
+    unless the files would not fit the memory this server may pin (cube.server.memory); then
+    the version is mapped for random access (Shard.open), its index alone pinned when that
+    fits, said once in the log and in the version's status."""
     if not (options.populate or options.lock_memory):
         return options, ""
-    files = [d / link / t / f for d, link in layers for t in tables for f in _SHARD_FILES]
+    directories = [d / link / t for d, link in layers for t in tables]
     limit, source = memory.memory_limit()
-    note = memory.in_mem_refusal(memory.files_bytes(files), memory.locked_bytes(), limit, source)
+    held = memory.locked_bytes()
+    files = [d / name for d in directories for name in _SHARD_FILES]
+    note = memory.in_mem_refusal(memory.files_bytes(files), held, limit, source)
     if not note:
         return options, ""
+    index_bytes = memory.files_bytes([d / _SHARD_FILES[0] for d in directories])
+    pin_index = not memory.in_mem_refusal(index_bytes, held, limit, source)
+    note += "; its index pinned alone" if pin_index else "; its index does not fit either"
     log.warning("version %s: %s", name, note)
-    return replace(options, populate=False, lock_memory=False), note
+    fallback = replace(options, populate=False, lock_memory=False, huge_pages=False)
+    return replace(fallback, random_access=True, pin_index=pin_index), note
 
 
 def _same_tables(chains: list[tuple[Path, list[str], list[str]]]) -> list[str]:
