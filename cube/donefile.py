@@ -88,6 +88,40 @@ def paddle_save_of(path: str) -> PaddleSave | None:
     return PaddleSave(match.group("day"), kind == "base", kind, save_dir)
 
 
+def paddlerec_relative_input(source: str, donefile_dir: str) -> str:
+    """A relative `input` of a PaddleRec donefile, made relative to the donefile's directory.
+
+    PaddleRec's online trainer (tools/static_ps_online_trainer.py, local mode) writes its
+    donefiles into `runner.model_save_path` and each line's input as that same path plus
+    `/<day>/base/000` (or `/<day>/delta-<pass>/000`), both as the config gives the path: a
+    relative one stays relative, to the trainer's working directory (not the config's). So
+    the save is `<day>/<kind>` in the donefile's own directory, wherever the trainer ran,
+    provided this is the directory the line names: its last components must be the input's
+    leading path (after any `..`). ValueError saying why otherwise (a donefile copied or
+    mounted under another name, an input not in PaddleRec's form): the transfer is then told
+    the trainer's working directory (transfer.conf `paddlerec_workdir`), never guesses."""
+    match = _PADDLE_SAVE.search(source)
+    if match is None:
+        raise ValueError(
+            f"input {source} is a relative path, not PaddleRec's <model_save_path>/<day>/base"
+            " or .../<day>/delta-<pass>: it is relative to the trainer's working directory;"
+            " set paddlerec_workdir in transfer.conf to that directory"
+        )
+    root = source[: match.start("day")].rstrip("/")
+    parts = [p for p in root.split("/") if p not in ("", ".")]
+    if ".." in parts:  # <workdir>/../x/y ends in x/y, whatever the working directory
+        parts = parts[len(parts) - parts[::-1].index("..") :]
+    folders = [p for p in os.path.normpath(donefile_dir).split("/") if p]
+    if parts and folders[-len(parts) :] != parts:
+        raise ValueError(
+            f"input {source} is relative to the PaddleRec trainer's working directory, whose "
+            f"{root} (runner.model_save_path) holds its donefiles; but they are read from "
+            f"{donefile_dir}, not a folder of that name: set paddlerec_workdir in "
+            "transfer.conf to the trainer's working directory, as this transfer sees it"
+        )
+    return source[match.start("day") :]
+
+
 @dataclass(frozen=True)
 class DonefileEntry:
     file: str  # base.txt | patch.txt

@@ -184,3 +184,42 @@ def test_cube_local_up_takes_the_source_format_and_the_layout_by_flags(tmp_path:
     finally:
         if (cluster_dir / "cluster.json").exists():
             Cluster.load(cluster_dir).down(timeout=5.0)
+
+
+def test_paddlerec_relative_inputs_build_from_the_trainers_working_directory(
+    tmp_path: Path,
+) -> None:
+    """PaddleRec's online trainer run in <job> with runner.model_save_path `output_model`
+    (relative, as its examples' config_online.yaml): its donefiles in <job>/output_model, each
+    input `output_model/<day>/base/000`, relative to <job>. The transfer's build finds the
+    save there (not in <job>/output_model/output_model/...) and builds what it holds."""
+    import asyncio
+    import json
+
+    from cube.transfer.build_runner import BuildRunner
+    from cube.transfer.config import load_config as load_transfer_config
+    from cube.transfer.state import VersionRecord
+
+    job = tmp_path / "job"
+    models = job / "output_model"
+    day1 = save(models, DAY1, "base", "checkpoint")
+    line = {"id": str(IDS["base1"]), "key": str(IDS["base1"]),
+            "input": f"output_model/{DAY1}/base/000", "monitor_data": ""}  # fmt: skip
+    (models / "base_donefile.txt").write_text(json.dumps(line) + "\n")
+    conf = tmp_path / "transfer.conf"
+    conf.write_text(
+        "[default]\ndict_name: emb\nmode: base_delta\nbuildtool_local: cube-builder\nwget_port: 0\n"
+        f"donefile_address: {models}\noutput_address: out\ntmp_address: tmp\nshard_num: 2\n"
+        f"source_format: paddlerec\nbuilder_flags: -paddle_config {CONFIG}\n"
+        "[cube_agent]\nagent0_0: 127.0.0.1:1\ncube0_0: 127.0.0.1:2:/d0\n"
+        "agent1_0: 127.0.0.1:3\ncube1_0: 127.0.0.1:4:/d1\n"
+    )
+    cfg = load_transfer_config(conf)
+    version = str(IDS["base1"])
+    rec = VersionRecord(
+        version=version, depend=version, id=version, key=version, mode="base",
+        input=line["input"], line="base_donefile.txt:1",
+    )  # fmt: skip
+    asyncio.run(BuildRunner(cfg).build(rec))
+    records = sum(int(shard["records"]) for shard in rec.shards.values())
+    assert records == len(expected(day1)) > 100

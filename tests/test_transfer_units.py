@@ -112,7 +112,7 @@ def test_render_config_keeps_every_field(tmp_path: Path) -> None:
         agent_tls_ca="/pki/ca.pem", download_mode="s3", upload_address="s3://builds/cube",
         builder_flags=("-engine", "spark", "-spark_conf", "a=b c,d=#e", "-paddle_config", "/f"),
         mirror_input=False, variable_width=True, version_retries=2, version_retry_backoff=0.5,
-        source_format="paddlerec",
+        source_format="paddlerec", paddlerec_workdir="/trainer",
     )  # fmt: skip
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     for name in defaults:
@@ -1205,6 +1205,139 @@ def test_source_format_configures_the_donefiles_and_the_builder(tmp_path: Path) 
         parse_config(no_layout, "t.conf", tmp_path)
     layout = "-paddle_accessor ctr_common -paddle_dim 8 -paddle_optimizer adagrad"
     assert parse_config(no_layout.replace("-paddle_dim 8", layout), "t.conf", tmp_path)
+
+
+def paddlerec_trainer(workdir: Path, model_save_path: str) -> Path:
+    """Files as PaddleRec's online trainer (tools/static_ps_online_trainer.py, local mode)
+    lays them out when it runs in `workdir` with runner.model_save_path `model_save_path`:
+    the saves under <model_save_path>/<day>/, and base_donefile.txt / patch_donefile.txt in
+    <model_save_path>, each line's input that path as the config gives it, plus
+    /<day>/base/000 or /<day>/delta-<pass>/000. Returns the donefiles' directory."""
+    models = (workdir / model_save_path).resolve()
+    for folder in ("20261124/base/000", "20261124/delta-1/000"):
+        (models / folder).mkdir(parents=True)
+        (models / folder / "part-000-00000").write_text("1 0 0 0 1 1 0.5 0.1\n")
+    prefix = model_save_path.rstrip("/")
+    for name, id_, folder in (("base_donefile.txt", "1795478400", "base"),
+                              ("patch_donefile.txt", "1795482000", "delta-1")):  # fmt: skip
+        line = {"id": id_, "key": "1795478400", "input": f"{prefix}/20261124/{folder}/000",
+                "monitor_data": ""}  # fmt: skip
+        (models / name).write_text(json.dumps(line) + "\n")
+    return models
+
+
+def paddlerec_runner(tmp_path: Path, donefiles: Path, workdir: str = "") -> Any:
+    from cube.transfer.build_runner import BuildRunner
+
+    conf = CONF.replace("donefile_address: /data/donefile", f"donefile_address: {donefiles}")
+    settings = "source_format: paddlerec\nbuilder_flags: -paddle_config /c\n"
+    if workdir:
+        settings += f"paddlerec_workdir: {workdir}\n"
+    conf = conf.replace("phase_timeout: 30\n", "phase_timeout: 30\n" + settings)
+    return BuildRunner(parse_config(conf, "t.conf", tmp_path))
+
+
+def paddlerec_inputs(runner: Any, donefiles: Path) -> list[str]:
+    """Where the transfer finds each line's save: what the builder is handed."""
+    import asyncio
+
+    from cube.donefile import DONEFILE_FORMATS
+
+    found = []
+    for name in ("base_donefile.txt", "patch_donefile.txt"):
+        text = (donefiles / name).read_text().splitlines()[0]
+        entry = parse_line(name, 1, text, DONEFILE_FORMATS["paddlerec"])
+        assert isinstance(entry, DonefileEntry), entry
+        source = runner.build_input(entry.input)
+        found.append(asyncio.run(runner._fetch(source, donefiles / "mirror", True)))
+    return found
+
+
+@pytest.mark.parametrize("model_save_path", ["output_model", "./output_model/", "a/b/models"])
+def test_paddlerec_relative_inputs_are_its_trainers_working_directorys(
+    tmp_path: Path, model_save_path: str
+) -> None:
+    """Issue 36: PaddleRec writes a relative runner.model_save_path into its donefiles as it is
+    (relative to the trainer's working directory, not the config's nor the donefile's), and
+    the donefiles into that directory: the saves are found there, not at
+    <donefile dir>/<model_save_path>/..., wherever the trainer ran."""
+    donefiles = paddlerec_trainer(tmp_path / "trainer", model_save_path)
+    runner = paddlerec_runner(tmp_path, donefiles)
+    assert paddlerec_inputs(runner, donefiles) == [
+        str(donefiles / "20261124" / "base"),
+        str(donefiles / "20261124" / "delta-1"),
+    ]
+    # read through a symbolic link of another name: the directory's real name tells
+    linked = tmp_path / "donefiles"
+    linked.symlink_to(donefiles)
+    runner = paddlerec_runner(tmp_path, linked)
+    assert paddlerec_inputs(runner, linked) == [
+        str(linked / "20261124" / "base"),
+        str(linked / "20261124" / "delta-1"),
+    ]
+
+
+def test_a_paddlerec_input_that_cannot_be_placed_needs_the_trainers_directory(
+    tmp_path: Path,
+) -> None:
+    """The donefiles read from a directory of another name than the input's (copied there, say,
+    the saves left where the trainer wrote them): no guess, a reason naming
+    paddlerec_workdir; with it (relative to transfer.conf, or absolute), the inputs are the
+    trainer's."""
+    from cube.transfer.build_runner import BuildFailed
+
+    donefiles = paddlerec_trainer(tmp_path / "trainer", "output_model")
+    mounted = tmp_path / "copy" / "models"
+    mounted.mkdir(parents=True)
+    for name in ("base_donefile.txt", "patch_donefile.txt"):
+        (mounted / name).write_bytes((donefiles / name).read_bytes())
+    runner = paddlerec_runner(tmp_path, mounted)
+    with pytest.raises(BuildFailed) as caught:
+        runner.build_input("output_model/20261124/base/000")
+    assert str(caught.value) == (
+        "input output_model/20261124/base/000 is relative to the PaddleRec trainer's working "
+        "directory, whose output_model (runner.model_save_path) holds its donefiles; but they "
+        f"are read from {mounted}, not a folder of that name: set paddlerec_workdir in "
+        "transfer.conf to the trainer's working directory, as this transfer sees it"
+    )
+    with pytest.raises(BuildFailed, match="not PaddleRec's <model_save_path>/<day>/base"):
+        runner.build_input("output_model/latest")
+    for workdir in ("trainer", str(tmp_path / "trainer")):
+        runner = paddlerec_runner(tmp_path, mounted, workdir)
+        assert runner.cfg.paddlerec_workdir == str(tmp_path / "trainer")
+        assert paddlerec_inputs(runner, mounted) == [
+            str(donefiles / "20261124" / "base"),
+            str(donefiles / "20261124" / "delta-1"),
+        ]
+    # absolute inputs and URLs are as they were written; other formats' relative inputs
+    # are relative to the donefile's directory, as before
+    assert runner.build_input("/m/20261124/base/000") == "/m/20261124/base"
+    assert runner.build_input("s3://b/m/20261124/base/000") == "s3://b/m/20261124/base"
+    fleet = CONF.replace("phase_timeout: 30", "phase_timeout: 30\nsource_format: paddle_fleet\n"
+                         "builder_flags: -paddle_config /c")  # fmt: skip
+    from cube.transfer.build_runner import BuildRunner
+
+    other = BuildRunner(parse_config(fleet, "t.conf", tmp_path))
+    assert other.build_input("m/20261124/base/000") == "m/20261124/base"
+    with pytest.raises(ConfigError, match=r"t.conf:\d+: paddlerec_workdir: only with "
+                       "source_format: paddlerec"):  # fmt: skip
+        parse_config(fleet.replace("-paddle_config /c", "-paddle_config /c\npaddlerec_workdir: /t"),
+                     "t.conf", tmp_path)  # fmt: skip
+
+
+def test_paddlerec_relative_input_rules() -> None:
+    from cube.donefile import paddlerec_relative_input as relative
+
+    assert relative("output_model/20261124/base/000", "/w/output_model") == "20261124/base/000"
+    assert relative("./out/./20261124/delta-3/000", "/w/out/") == "20261124/delta-3/000"
+    assert relative("../../m/out/20261124/base/000", "/x/m/out") == "20261124/base/000"
+    assert relative("20261124/base/000", "/anything") == "20261124/base/000"
+    assert relative("a/b/20261124/base", "/w/x/../a/b") == "20261124/base"
+    for source, folder in (("out/20261124/base/000", "/w/output"),
+                           ("a/b/20261124/base/000", "/w/b"),
+                           ("../m/20261124/base/000", "/w/n")):  # fmt: skip
+        with pytest.raises(ValueError, match="set paddlerec_workdir"):
+            relative(source, folder)
 
 
 def test_cube_local_up_source_format_reaches_transfer_conf(

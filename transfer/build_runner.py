@@ -17,11 +17,12 @@ import shutil
 import signal
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import psutil
 
 from cube import remote
-from cube.donefile import paddle_save_of
+from cube.donefile import paddle_save_of, paddlerec_relative_input
 from cube.layout import output_dir_name, tar_name
 from cube.remote import RemoteError, redact
 from cube.transfer import build as builds
@@ -118,11 +119,36 @@ class BuildRunner:
         """What the builder reads for a line's `input`: for parameter-server saves, the save
         directory when the line names a table's folder in it (Fleet's and PaddleRec's writers
         append `/000`, the first table's id: the builder finds the sparse table itself, by its
-        files or -paddle_config, whatever its number); else the input as it is."""
+        files or -paddle_config, whatever its number); else the input as it is. A relative
+        input of PaddleRec's donefiles is its trainer's (`paddlerec_input`). BuildFailed when
+        it cannot be found."""
         if not self.cfg.paddle_saves:
             return source
+        source = self.paddlerec_input(source)
         save = paddle_save_of(source)
         return save.save_dir if save is not None else source
+
+    def paddlerec_input(self, source: str) -> str:
+        """A relative input of PaddleRec's donefiles, which its trainer wrote relative to its
+        working directory: resolved against `paddlerec_workdir` when set, else made relative
+        to the donefile's directory when that is where the input says the trainer wrote them
+        (cube.donefile.paddlerec_relative_input); BuildFailed saying why otherwise. Other
+        inputs as they are (relative ones of other formats: to the donefile's directory)."""
+        cfg = self.cfg
+        if cfg.source_format != "paddlerec" or is_url(source) or source.startswith("/"):
+            return source
+        if cfg.paddlerec_workdir:
+            return resolve_input(cfg.paddlerec_workdir, source)
+        address = cfg.donefile_address
+        folder = urlsplit(address).path if is_url(address) else address
+        try:
+            return paddlerec_relative_input(source, folder)
+        except ValueError as exc:
+            real = "" if is_url(address) else os.path.realpath(folder)
+            if real and real != folder:  # read through a symbolic link: the real name
+                with contextlib.suppress(ValueError):
+                    return paddlerec_relative_input(source, real)
+            raise BuildFailed(str(exc)) from None
 
     def _record(
         self, rec: VersionRecord, shards: list[builds.ShardOutput], metas: dict[str, str]

@@ -54,6 +54,13 @@ Keys we add to [default] (all optional; default in brackets):
   Paddle's FleetUtil) or `paddlerec` (base_donefile.txt / patch_donefile.txt, from PaddleRec's
   streaming trainer): parameter-server saves, built with -input_format paddle_ps (the layout
   flags go in builder_flags), each from its save directory.
+- `paddlerec_workdir` [none]: with `source_format: paddlerec`, the directory PaddleRec's trainer
+  ran in, as this transfer sees it (a path, relative to this file, or a URL): a relative
+  `input` of its donefiles is relative to it, as PaddleRec wrote it. Without it, such an
+  input is found in the donefile's own directory when that is the folder the input starts
+  with (runner.model_save_path: PaddleRec writes its donefiles there; by the name given or,
+  through a symbolic link, its real name), else refused with the reason
+  (cube.donefile.paddlerec_relative_input; docs/paddle.md).
 - `upload_address` [none]: with `download_mode: s3`, the s3://bucket/prefix each built version's
   tars and md5s are uploaded to (transfer/upload.py); agents download from there.
 - `download_address` [none]: with `download_mode: http` or `ftp`, the URL of a file server
@@ -112,7 +119,7 @@ DEFAULT_KEYS = frozenset({
     "history_limit", "max_shrink",
     "allow_empty_base", "insecure", "tls_cert", "tls_key", "agent_tls_ca", "upload_address",
     "builder_flags", "mirror_input", "download_address", "variable_width", "version_retries",
-    "version_retry_backoff", "source_format",
+    "version_retry_backoff", "source_format", "paddlerec_workdir",
 })  # fmt: skip
 
 
@@ -206,6 +213,7 @@ class TransferConfig:
     builder_flags: tuple[str, ...] = ()  # appended to the builder's argv
     mirror_input: bool = True  # False: remote inputs go to the builder as URLs
     source_format: str = "seqfile"  # cube.donefile.DONEFILE_FORMATS: the donefiles' writer
+    paddlerec_workdir: str = ""  # PaddleRec's trainer's working directory: relative inputs
 
     @property
     def donefile_format(self) -> DonefileFormat:
@@ -416,6 +424,7 @@ def parse_config(
         builder_flags=builder_flags,
         mirror_input=d.flag("mirror_input", True),
         source_format=source_format,
+        paddlerec_workdir=_paddlerec_workdir(d, source_format),
         extra={k: v for k, (v, _) in d.section.items() if k not in DEFAULT_KEYS},
     )
 
@@ -428,6 +437,25 @@ def _check_builder_settings(d: _Default, flags: tuple[str, ...], paddle_saves: b
     if problem:
         key = "builder_flags" if flags else "source_format"
         raise ConfigError(f"{d.where(key)}: {key}: {problem}")
+
+
+def _paddlerec_workdir(d: _Default, source_format: str) -> str:
+    """paddlerec_workdir: a local directory (absolute, relative to the config's) or a URL."""
+    text = d.text("paddlerec_workdir", "")
+    if not text:
+        return ""
+    where = f"{d.where('paddlerec_workdir')}: paddlerec_workdir"
+    if source_format != "paddlerec":
+        raise ConfigError(
+            f"{where}: only with source_format: paddlerec (where PaddleRec's trainer ran: "
+            "relative inputs of its donefiles)"
+        )
+    if not urlsplit(text).scheme:
+        return str(d.path("paddlerec_workdir"))
+    problem = address_problem(text)
+    if problem:
+        raise ConfigError(f"{where}: {problem}")
+    return text
 
 
 def _dict_name(d: _Default) -> str:
@@ -699,7 +727,7 @@ def render_config(cfg: TransferConfig) -> str:
     if cfg.builder_flags:
         lines.append(f"builder_flags: {shlex.join(cfg.builder_flags)}")
     for key in ("tls_cert", "tls_key", "agent_tls_ca", "upload_address", "download_address",
-                "agent_token_file", "api_token_file"):  # fmt: skip
+                "agent_token_file", "api_token_file", "paddlerec_workdir"):  # fmt: skip
         if getattr(cfg, key):
             lines.append(f"{key}: {getattr(cfg, key)}")
     for key, token in (("agent_token", cfg.agent_token), ("api_token", cfg.api_token)):
