@@ -256,10 +256,13 @@ class BuilderFlags:
         "tables: a comma list (000,001) or all (default with a -paddle_config of several)",
     )
     paddle_value: str = flag(
-        ",".join(DEFAULT_VALUE),
+        "",
         "paddle_ps: the columns of a served value, in order, from "
         + ", ".join(VALUE_FIELDS)
-        + " (show,click,embed_w,embedx_w: what a model with a cvm op looks up)",
+        + " (show,click,embed_w,embedx_w: what a model with a cvm op looks up); default "
+        + ",".join(DEFAULT_VALUE)
+        + ", embed_w alone for a table without embedx_w (embedx_dim 0), which refuses a "
+        "-paddle_value naming embedx_w",
     )
     paddle_dtype: str = flag(
         "float32", "paddle_ps: the served numbers' type (little-endian)", choices=DTYPES
@@ -338,13 +341,13 @@ def config_from_flags(flags: BuilderFlags, now: int, read_config: bool = True) -
             raise FlagError(f"--{name} is required")
     if flags.shard_num < 1:
         raise FlagError(f"--shard_num must be >= 1, got {flags.shard_num}")
-    mode = flags.job_mode
-    if flags.delete_path and mode != "delta":
-        raise FlagError("--delete_path needs --job_mode delta")
     try:
         hadoop.configure(flags.hadoop_home, flags.hadoop_configs)
     except ValueError as exc:
         raise FlagError(f"--hadoop_configs: {exc}") from None
+    mode = flags.job_mode
+    if flags.delete_path and mode != "delta":
+        raise FlagError("--delete_path needs --job_mode delta")
     depend = flags.depend_version
     if flags.only_build:
         _refuse_versions_with_only_build(flags)

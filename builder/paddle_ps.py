@@ -406,6 +406,7 @@ def _table(
     config = source.config_for(number) if number is not None else None
     try:
         layout = source.layout_for(config)
+        source.value.check(layout)
     except ValueError as exc:
         raise BuildError(f"{folder}: {exc}") from None
     name = number if named and number is not None else ""

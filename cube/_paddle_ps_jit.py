@@ -13,7 +13,8 @@ subnormal-range ones; the others are noted in `slow` (row, column, start, end) f
 `float` to convert. Columns neither served nor checked are checked for form, not converted.
 
 Invariants (`TableLayout.checks`: a whole slot, a whole unseen_days >= 0, show >= click >= 0,
-g2sum >= 0, beta powers in [0, 1]) are checked here, on each number as it is read: the first
+g2sum >= 0, beta powers in [0, 1]; `nan` or `-nan` read only in the columns whose kind allows
+it, a table without embedx_w's) are checked here, on each number as it is read: the first
 row that breaks one is noted and the pass goes on, since a line that cannot be read further on
 in the same pass is reported first (as the numpy parser does). The caller words the error, and
 checks again the rows with a checked number noted in `slow` (not converted here).
@@ -31,8 +32,9 @@ _POW10 = np.array([10.0**i for i in range(23)])
 _MAX_EXACT = np.uint64(1 << 53)
 _TEN = np.uint64(10)
 _U64_DIV10 = np.uint64(1844674407370955161)  # (2^64 - 1) // 10; its last digit is 5
-# The invariants of `parse`'s `kinds` (cube.paddle_ps.CHECK_KINDS numbers them by name)
-NONE, INTEGER, COUNT, NONNEG, POW = 0, 1, 2, 3, 4
+# The invariants of `parse`'s `kinds` (cube.paddle_ps.CHECK_KINDS numbers them by name);
+# NONNEG_OR_NAN and ANY_OR_NAN: a column where Paddle writes -nan (or nan), read as NaN
+NONE, INTEGER, COUNT, NONNEG, POW, NONNEG_OR_NAN, ANY_OR_NAN = 0, 1, 2, 3, 4, 5, 6
 
 
 @jit
@@ -47,8 +49,8 @@ def _breaks(kind: Any, number: Any) -> Any:
         return number != np.floor(number)
     if kind == COUNT:
         return number != np.floor(number) or number < 0.0
-    if kind == NONNEG:
-        return number < 0.0
+    if kind in (NONNEG, NONNEG_OR_NAN):
+        return number < 0.0  # (False for NaN)
     if kind == POW:
         return number < 0.0 or number > 1.0
     return False
@@ -122,6 +124,21 @@ def parse(
             if buf[pos] == 45 or buf[pos] == 43:
                 negative = buf[pos] == 45
                 pos += 1
+            if (
+                pos + 2 < n
+                and buf[pos] == 110
+                and buf[pos + 1] == 97
+                and buf[pos + 2] == 110
+                and (negative or pos == start)
+                and column < full
+                and (kinds[column] == NONNEG_OR_NAN or kinds[column] == ANY_OR_NAN)
+                and (pos + 3 >= n or _blank(buf[pos + 3]) or buf[pos + 3] == 10)
+            ):  # nan or -nan (not +nan: glibc never writes it), where Paddle writes it
+                pos += 3
+                if targets[column] >= 0:
+                    floats[row, targets[column]] = np.nan
+                column += 1
+                continue
             mantissa = np.uint64(0)
             significant = 0  # digits in the mantissa, leading zeros not counted
             scale = 0  # the decimal exponent of the mantissa's last digit

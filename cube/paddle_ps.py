@@ -15,6 +15,13 @@ The embedx part (from embedx_w on) is written only for rows whose show/click sco
 table's `embedx_threshold`: a "short" row. Its embedx_w is served as zeros, which is what the
 trainer's own lookup returns for such a key (tests/test_paddle_ps.py compares with it).
 
+A table of one weight per key (a DeepFM's first-order table: `sparse_embedding(size=[_, 3])`
+with CtrCommonAccessor, `size=[_, 1]` with SparseAccessor) has embedx_dim 0: no embedx_w, and
+its embedx part is the embedx rule's state alone. Adagrad (and adagrad_v2, and shared_adam's
+gsum and g2sum) divide that state's update by embedx_dim, 0 / 0: Paddle writes it `-nan`
+(`nan` elsewhere than glibc on x86), the one non-number a row may hold, and only there
+(`TableLayout.nan_columns`). Such a table serves embed_w alone by default.
+
 The parser's contract: a served value is `dtype(float64(text))`, numpy's conversion of the
 correctly rounded double, byte for byte what a SequenceFile of the same rows holds when its
 writer converts the same way. The compiled parser (`cube._paddle_ps_jit`, numba) gets the
@@ -71,6 +78,11 @@ ACCESSORS = {
 # CtrDoubleAccessor keeps one g2sum float per part: only rules whose state is that one number
 # (or none: naive leaves it at its initial value) fit its value.
 DOUBLE_RULES = ("adagrad", "adagrad_v2", "naive")
+# The rules whose update divides their state by the part's dim (sparse_sgd_rule.cc): at
+# embedx_dim 0 that state is 0 / 0, NaN, and Paddle saves it as `-nan`.
+_DIVIDING_RULES = ("adagrad", "adagrad_v2", "shared_adam")
+# The texts of such a NaN: glibc's ostream writes the default NaN of x86 (sign bit set) as -nan
+NAN_TOKENS = (b"-nan", b"nan")
 # The other accessors Paddle has, and why their saves are not read (docs/INPUT_FORMATS.md).
 UNSUPPORTED_ACCESSORS = {
     "CtrDymfAccessor": "GPU parameter server only (its CPU update is a no-op); each row has "
@@ -150,10 +162,12 @@ class TableLayout:
     embedx_rule: SgdRule
 
     def __post_init__(self) -> None:
-        if self.dim <= self.accessor.non_embedx:
+        if self.dim < self.accessor.non_embedx:
+            before = ", ".join(f for f in self.accessor.lookup if f != "embedx_w")
             raise ValueError(
-                f"an embedding size of {self.dim} leaves no embedx column: {self.accessor.name}"
-                f" needs -paddle_dim > {self.accessor.non_embedx}"
+                f"an embedding size of {self.dim} is less than the {self.accessor.non_embedx} "
+                f"columns of a {self.accessor.name} lookup before its embedx part ({before}): "
+                f"-paddle_dim >= {self.accessor.non_embedx}"
             )
         if self.accessor.order == "double":
             for rule in (self.embed_rule, self.embedx_rule):
@@ -196,6 +210,19 @@ class TableLayout:
     def embedx_start(self) -> int:
         return self.short + (1 if self.accessor.order == "double" else 0)
 
+    @property
+    def nan_columns(self) -> tuple[int, ...]:
+        """The columns Paddle writes as NaN (`-nan`) in a table without embedx_w (embedx_dim
+        0): the embedx rule's state its update divides by embedx_dim (sparse_sgd_rule.cc:
+        adagrad's and adagrad_v2's g2sum, shared_adam's gsum and g2sum; CtrDoubleAccessor's
+        one embedx_g2sum with those rules). Empty for every other layout: no NaN anywhere."""
+        if self.embedx_dim or self.embedx_rule.name not in _DIVIDING_RULES:
+            return ()
+        names: tuple[str, ...] = ("embedx_gsum", "embedx_g2sum")
+        if self.accessor.order == "double":
+            names = ("embedx_g2sum",)  # its one g2sum: naive leaves it at its initial value
+        return tuple(c for c, name in enumerate(self.columns) if name in names)
+
     def field_columns(self, field: str) -> list[int]:
         """The columns of one value field."""
         if field == "embedx_w":
@@ -205,13 +232,17 @@ class TableLayout:
     def checks(self) -> list[tuple[int, str]]:
         """The invariants of a row, (column, kind): "integer" (slot), "count" (an integer >= 0:
         unseen_days), "nonneg" (delta_score, show, click, every g2sum), "pow" (adam's beta
-        powers, in (0, 1]); and show >= click, checked with the "click" entry. What a table
+        powers, in (0, 1]), "nonneg_or_nan" and "any_or_nan" (the `nan_columns`: NaN, or >= 0
+        for a g2sum); and show >= click, checked with the "click" entry. What a table
         written by this layout always satisfies, and another layout's rows read with these
         flags almost never do (column counts alone cannot tell layouts apart)."""
         found = []
+        nan = self.nan_columns
         for column, name in enumerate(self.columns):
             base = name.split("[")[0]
-            if name == "slot":
+            if column in nan:  # -nan, or a number of the column's own kind
+                found.append((column, "nonneg_or_nan" if base.endswith("g2sum") else "any_or_nan"))
+            elif name == "slot":
                 found.append((column, "integer"))
             elif name == "unseen_days":
                 found.append((column, "count"))
@@ -232,35 +263,55 @@ class TableLayout:
 
 @dataclass(frozen=True)
 class ValueSpec:
-    """Which columns make the served value, in order, and their type."""
+    """Which columns make the served value, in order, and their type. `fields` empty: the
+    default (`DEFAULT_VALUE`: embed_w and the embedx_w, embed_w alone for a table without
+    embedx_w); named (-paddle_value), each must be a column of the table (`check`)."""
 
-    fields: tuple[str, ...] = DEFAULT_VALUE
+    fields: tuple[str, ...] = ()
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
         unknown = [f for f in self.fields if f not in VALUE_FIELDS]
-        if not self.fields or unknown:
+        if unknown:
             raise ValueError(
                 f"-paddle_value {','.join(self.fields)!r}: each field one of "
-                f"{', '.join(VALUE_FIELDS)}" + (f" (not {', '.join(unknown)})" if unknown else "")
+                f"{', '.join(VALUE_FIELDS)} (not {', '.join(unknown)})"
             )
         if len(set(self.fields)) != len(self.fields):
             raise ValueError(f"-paddle_value {','.join(self.fields)}: a field is named twice")
         if self.dtype not in DTYPES:
             raise ValueError(f"-paddle_dtype {self.dtype!r}: one of {', '.join(DTYPES)}")
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The fields served, in order."""
+        return self.fields or DEFAULT_VALUE
+
+    def check(self, layout: TableLayout) -> None:
+        """ValueError when -paddle_value names embedx_w for a table without it (embedx_dim 0):
+        a value naming it would hold none of it, unlike what the flag says."""
+        if "embedx_w" in self.fields and not layout.embedx_dim:
+            rest = ",".join(f for f in self.fields if f != "embedx_w")
+            raise ValueError(
+                f"-paddle_value {','.join(self.fields)}: {layout.describe()} has no embedx_w "
+                f"(embedx_dim 0: one weight per key, its lookup "
+                f"{', '.join(f for f in layout.accessor.lookup if f != 'embedx_w')}); name "
+                + (f"{rest} without embedx_w, or " if rest else "")
+                + "leave -paddle_value out (embed_w alone is served)"
+            )
+
     def targets(self, layout: TableLayout) -> np.ndarray:
         """For each float column of a full row, its place in the value (or -1: not served)."""
         target = np.full(layout.full, -1, dtype=np.int64)
         place = 0
-        for field in self.fields:
+        for field in self.names:
             for column in layout.field_columns(field):
                 target[column] = place
                 place += 1
         return target
 
     def count(self, layout: TableLayout) -> int:
-        return sum(len(layout.field_columns(f)) for f in self.fields)
+        return sum(len(layout.field_columns(f)) for f in self.names)
 
     def width(self, layout: TableLayout) -> int:
         """Bytes per served value."""
@@ -302,9 +353,9 @@ def rules_named(text: str) -> tuple[SgdRule, SgdRule]:
 
 
 def candidate_layouts(floats: int) -> list[tuple[TableLayout, bool]]:
-    """Every layout (accessor, one rule for both parts, dim <= 4096) whose rows can have
-    `floats` numbers after the key, each with whether such a row is a short one (its dim then
-    unknown: the layout is given at its least dim)."""
+    """Every layout (accessor, one rule for both parts, embedx_dim 0 up to dim 4096) whose
+    rows can have `floats` numbers after the key, each with whether such a row is a short one
+    (its dim then unknown: the layout is given at its least dim)."""
     found = []
     for accessor in ACCESSORS.values():
         for rule in SGD_RULES.values():
@@ -313,7 +364,7 @@ def candidate_layouts(floats: int) -> list[tuple[TableLayout, bool]]:
             least = TableLayout(accessor, accessor.non_embedx + 1, rule, rule)
             if least.short == floats:
                 found.append((least, True))
-            for dim in range(accessor.non_embedx + 1, 4097):
+            for dim in range(accessor.non_embedx, 4097):
                 layout = TableLayout(accessor, dim, rule, rule)
                 if layout.full == floats:
                     found.append((layout, False))
@@ -720,15 +771,17 @@ def describe_line(line: bytes, layout: TableLayout) -> str:
         return f"{what}: not a decimal number (it ends before its digits do)"
 
     # a byte no number has first (a control character splits no field for the parsers: it
-    # would be miscounted as a width problem), then the count, then each number's form
+    # would be miscounted as a width problem), then the count, then each number's form; the
+    # NaN Paddle writes in the `nan_columns` of a table without embedx_w is read there only
+    nan = layout.nan_columns
     for index, (column, token) in enumerate(fields[1:]):
-        if token.translate(None, _NUMBER_BYTES):
+        if token.translate(None, _NUMBER_BYTES) and not (index in nan and token in NAN_TOKENS):
             return problem(index, column, token)
     floats = len(fields) - 1
     if floats not in (layout.full, layout.short):
         return count_problem(floats, layout)
     for index, (column, token) in enumerate(fields[1:]):
-        if not _NUMBER.fullmatch(token):
+        if not _NUMBER.fullmatch(token) and not (index in nan and token in NAN_TOKENS):
             return problem(index, column, token)
     return ""
 
@@ -775,6 +828,7 @@ def parse_rows(
         )
     if compiled and not COMPILED:
         raise ValueError("the compiled parser needs numba (and CUBE_KERNEL other than numpy)")
+    value.check(layout)
     buf = np.frombuffer(data, dtype=np.uint8)
     parse = _parse_compiled if compiled else _parse_numpy
     try:
@@ -860,11 +914,19 @@ def _plan(layout: TableLayout, value: ValueSpec, checked: bool = True) -> _Plan:
 
 
 # The invariants' numbers in the compiled parser's `kinds` (cube._paddle_ps_jit's NONE ... POW)
-CHECK_KINDS = {"integer": 1, "count": 2, "nonneg": 3, "pow": 4}
+CHECK_KINDS = {
+    "integer": 1,
+    "count": 2,
+    "nonneg": 3,
+    "pow": 4,
+    "nonneg_or_nan": 5,
+    "any_or_nan": 6,
+}
 _WHY = {
     "integer": "not a whole number (a slot id is one)",
     "count": "not a whole number >= 0 (unseen_days counts days)",
     "nonneg": "below 0 (never so in this layout)",
+    "nonneg_or_nan": "below 0 (never so in this layout)",
     "pow": "not in [0, 1] (a beta power)",
     "click": "above show (clicks are counted among shows)",
 }
@@ -890,8 +952,10 @@ def _check_rows(
             bad = values != np.floor(values)
         elif kind == "count":
             bad = (values != np.floor(values)) | (values < 0)
-        elif kind == "nonneg":
+        elif kind in ("nonneg", "nonneg_or_nan"):  # (NaN < 0 is False)
             bad = values < 0
+        elif kind == "any_or_nan":
+            continue
         else:  # 0 passes: a short row's embedx state is absent, read as zeros
             bad = (values < 0) | (values > 1)
         row = int(np.argmax(bad)) if bad.any() else -1
@@ -1046,6 +1110,8 @@ def _parse_compiled(
 
 _ALLOWED = np.zeros(256, dtype=bool)
 _ALLOWED[list(b"0123456789.+-eE \t\r\n")] = True
+_ALLOWED_NAN = _ALLOWED.copy()  # a layout with `nan_columns`: their -nan read too, then checked
+_ALLOWED_NAN[list(b"na")] = True
 
 
 def _parse_numpy(
@@ -1069,7 +1135,8 @@ def _parse_numpy(
     nothing = ParsedRows(
         np.empty(0, np.uint64), np.empty((0, value.count(layout)), dtype), lines, 0
     )
-    if not _ALLOWED[buf].all():
+    nan = layout.nan_columns
+    if not (_ALLOWED_NAN if nan else _ALLOWED)[buf].all():
         return _first_bad_line(data, layout, source, first)
     separator = newline | (buf == 32) | (buf == 9) | (buf == 13)
     token = ~separator
@@ -1109,6 +1176,13 @@ def _parse_numpy(
         return _first_bad_line(data, layout, source, first)
     floats = np.zeros((used.shape[0], width), dtype=np.float64)
     offsets = np.concatenate(([0], np.cumsum(floats_per_row)[:-1]))
+    if nan:  # a NaN only as Paddle writes it, where it writes it
+        at = np.flatnonzero(np.isnan(numbers))
+        if at.size:
+            where = at - offsets[np.searchsorted(offsets, at, side="right") - 1]
+            texts = np.delete(np.array(bytes(data).split()), row_start)[at]
+            if not (np.isin(where, nan) & np.isin(texts, NAN_TOKENS)).all():
+                return _first_bad_line(data, layout, source, first)
     for column in np.flatnonzero(targets >= 0).tolist():
         present = floats_per_row > column
         floats[present, targets[column]] = numbers[offsets[present] + column]

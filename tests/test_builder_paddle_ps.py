@@ -317,6 +317,57 @@ def test_the_cli_builds_a_save_with_the_configuration_only(tmp_path: Path) -> No
     assert meta["value_width"] == 6 * 4 and meta["key_format"] == "cube"
 
 
+@pytest.mark.parametrize("save", ["base", "delta"])
+def test_a_first_order_table_builds_the_bytes_of_a_sequencefile_of_its_weights(
+    tmp_path: Path, save: str
+) -> None:
+    """The DeepFM save's first-order table (CtrCommonAccessor + adagrad at D=3: embedx_dim 0),
+    read with the layout flags alone (-paddle_dim 3): its rows of 7 numbers and of 8 (the
+    embedx g2sum, -nan or 0) build the bytes a SequenceFile of each key's embed_w (Python's
+    float of the row's 6th number, as float32) builds."""
+    save_dir = DATA / "ctr_common_first_order" / save / "001"
+    keys, weights = [], []
+    for part in sorted(save_dir.iterdir()):
+        for line in part.read_text().splitlines():
+            numbers = line.split()
+            assert len(numbers) == 8 or (len(numbers) == 9 and numbers[8] in ("-nan", "0"))
+            keys.append(int(numbers[0]))
+            weights.append([float(numbers[6])])
+    reference = write_reference_seqfile(
+        tmp_path / "seq" / "part-00000",
+        np.array(keys, dtype=np.uint64),
+        np.array(weights, dtype="<f4"),
+    )
+    paddle = PaddleSource(accessor="ctr_common", dim=3, optimizer="adagrad")
+    build(config(tmp_path / "from_seqfile", workers=1), reference.parent)
+    build(config(tmp_path / "from_save", input_format="paddle_ps", paddle=paddle, workers=1),
+          save_dir)  # fmt: skip
+    assert output_digests(tmp_path / "from_save") == output_digests(tmp_path / "from_seqfile")
+    meta = json.loads(sorted((tmp_path / "from_save" / "meta_info").iterdir())[0].read_text())
+    assert meta["value_width"] == 4
+
+
+@pytest.mark.slow
+def test_the_cli_refuses_embedx_w_for_a_first_order_table(tmp_path: Path) -> None:
+    """cube-builder with the DeepFM's configuration: by default both tables build (the
+    first-order one serving embed_w); -paddle_value naming embedx_w exits 1 naming the table."""
+    scenario = DATA / "ctr_common_first_order"
+    args = build_args(scenario / "base", tmp_path / "out", 2, input_format="paddle_ps",
+                      paddle_config=scenario / "fleet_desc.prototxt")  # fmt: skip
+    done = run_builder(*args)
+    assert done.returncode == 0, done.stderr
+    meta = json.loads(sorted((tmp_path / "out" / "meta_info").iterdir())[0].read_text())
+    assert [t["value_width"] for t in meta["tables"]] == [24, 4]
+    done = run_builder(*build_args(scenario / "base", tmp_path / "out2", 2, "-paddle_value",
+                                   "show,click,embed_w,embedx_w", input_format="paddle_ps",
+                                   paddle_config=scenario / "fleet_desc.prototxt"))  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "base/001: -paddle_value show,click,embed_w,embedx_w: ctr_common (dim 3, optimizer " in (
+        done.stderr
+    )
+    assert "has no embedx_w (embedx_dim 0" in done.stderr
+
+
 def save_copy(tmp_path: Path, save: str = "delta", scenario: str = "ctr_common_adagrad") -> Path:
     target = tmp_path / "save"
     shutil.copytree(DATA / scenario / save, target)

@@ -22,6 +22,7 @@ DATA = Path(__file__).resolve().parent / "data" / "paddle_ps"
 PARSERS = [False, True] if COMPILED else [False]
 SCENARIOS = {  # scenario -> (accessor, optimizer) per table, as generate.py configured them
     "ctr_common_adagrad": ("ctr_common", "adagrad"),
+    "ctr_common_first_order": ("ctr_common", "adagrad"),
     "sparse_adam": ("sparse", "adam"),
     "sparse_naive_2tables": ("sparse", "naive"),
     "ctr_double_adagrad": ("ctr_double", "adagrad"),
@@ -73,6 +74,41 @@ def test_layouts_have_paddles_column_counts(
     assert len(table.field_columns("embedx_w")) == dim - pp.ACCESSORS[accessor].non_embedx
 
 
+@pytest.mark.parametrize(
+    ("accessor", "dim", "rule", "full", "short", "nan"),
+    [
+        ("ctr_common", 3, "adagrad", 6 + 1 + 0 + 1, 7, ("embedx_g2sum",)),  # the real save's
+        ("ctr_common", 3, "adagrad_v2", 8, 7, ("embedx_g2sum",)),
+        ("sparse", 1, "adam", 6 + 4 + 0 + 2, 10, ()),  # beta powers only: no division
+        ("sparse", 1, "shared_adam", 6 + 4 + 4, 10, ("embedx_gsum", "embedx_g2sum")),
+        ("sparse", 1, "std_adagrad", 7, 7, ()),  # a state per weight: none
+        ("sparse", 1, "naive", 6, 6, ()),
+        ("ctr_double", 3, "adagrad", 7 + 1, 7, ("embedx_g2sum",)),
+        ("ctr_double", 3, "naive", 8, 7, ()),  # its g2sum stays at its initial value
+    ],
+)
+def test_a_table_without_embedx_w_has_paddles_columns(
+    accessor: str, dim: int, rule: str, full: int, short: int, nan: tuple[str, ...]
+) -> None:
+    """embedx_dim 0 (a first-order table: CtrCommonAccessor at D=3, SparseAccessor at D=1): no
+    embedx_w; its embedx part is the embedx rule's state, and the columns that state's update
+    divides by embedx_dim (0 / 0: Paddle writes -nan) are the only ones a NaN may be in. Its
+    default value is embed_w alone; -paddle_value naming embedx_w is refused."""
+    table = layout(accessor, dim, rule)
+    assert table.embedx_dim == 0 and (table.full, table.short) == (full, short)
+    assert not any(c.startswith("embedx_w") for c in table.columns)
+    assert tuple(table.columns[c] for c in table.nan_columns) == nan
+    assert pp.ValueSpec().count(table) == 1 and pp.ValueSpec().targets(table).max() == 0
+    assert pp.ValueSpec(("show", "click", "embed_w")).count(table) == 3
+    for named in (("embed_w", "embedx_w"), ("embedx_w",), ("show", "click", "embed_w", "embedx_w")):
+        with pytest.raises(ValueError, match=r"has no embedx_w \(embedx_dim 0") as caught:
+            pp.ValueSpec(named).check(table)
+        assert "leave -paddle_value out (embed_w alone is served)" in str(caught.value)
+        with pytest.raises(ValueError, match="has no embedx_w"):
+            pp.parse_rows(b"", table, pp.ValueSpec(named), "f")
+    pp.ValueSpec(("embed_w", "embedx_w")).check(CTR8)  # a table with embedx_w: as ever
+
+
 def test_mixed_rules_and_the_value_places() -> None:
     table = layout("ctr_common", 8, "naive", "adam")
     assert table.full == 6 + 0 + 5 + 12 and table.embedx_start == 6
@@ -85,8 +121,10 @@ def test_mixed_rules_and_the_value_places() -> None:
 
 
 def test_bad_layout_and_value_settings_say_which_flag() -> None:
-    with pytest.raises(ValueError, match="-paddle_dim > 3"):
-        layout("ctr_common", 3, "adagrad")
+    with pytest.raises(ValueError, match=r"embed_w\): -paddle_dim >= 3"):
+        layout("ctr_common", 2, "adagrad")
+    with pytest.raises(ValueError, match="-paddle_dim >= 1"):
+        layout("sparse", 0, "adam")
     with pytest.raises(ValueError, match=r"-paddle_value.*not bogus"):
         pp.ValueSpec(("embed_w", "bogus"))
     with pytest.raises(ValueError, match="named twice"):
@@ -121,6 +159,7 @@ LAYOUTS = {
     "sparse_adam": ("000", ("sparse", 8, "adam")),
     "sparse_adagrad_v2": ("000", ("sparse", 8, "adagrad_v2")),
     "sparse_naive_2tables": ("000", ("sparse", 4, "naive")),
+    "ctr_common_first_order": ("001", ("ctr_common", 3, "adagrad")),
 }
 # Flag sets naming the same columns in the same order under another name: the rows cannot tell
 # them apart, and they serve the same numbers (so nothing is misread): adagrad_v2 keeps
@@ -133,12 +172,18 @@ SAME_COLUMNS = [
     {("sparse", 8, "adagrad_v2"), ("sparse", 8, "adagrad"), ("ctr_common", 10, "adagrad"),
      ("ctr_common", 10, "adagrad_v2")},
     {("sparse", 4, "naive"), ("ctr_common", 6, "naive")},
+    {("ctr_common", 3, "adagrad"), ("ctr_common", 3, "adagrad_v2"), ("sparse", 1, "adagrad"),
+     ("sparse", 1, "adagrad_v2")},
 ]  # fmt: skip
 OTHER_FLAGS = sorted(
     {flags for _, flags in LAYOUTS.values()}
     | {(a, d, r) for a in ("ctr_common", "sparse") for d in (4, 6, 8, 10)
        for r in ("adagrad", "adagrad_v2", "adam", "naive", "std_adagrad", "shared_adam")}
     | {("ctr_double", d, r) for d in (4, 6, 8, 10) for r in ("adagrad", "adagrad_v2", "naive")}
+    # tables without embedx_w (embedx_dim 0): a DeepFM's first-order weights
+    | {(a, d, r) for a, d in (("ctr_common", 3), ("sparse", 1))
+       for r in ("adagrad", "adagrad_v2", "adam", "naive", "std_adagrad", "shared_adam")}
+    | {("ctr_double", 3, r) for r in ("adagrad", "adagrad_v2", "naive")}
 )  # fmt: skip
 
 
@@ -154,9 +199,10 @@ def test_a_save_read_with_another_layouts_flags_is_refused(scenario: str) -> Non
 
     folder, right = LAYOUTS[scenario]
     save = str(DATA / scenario / "checkpoint")
-    value = pp.ValueSpec(("show", "click", "embed_w", "embedx_w"))
 
     def source(flags: tuple[str, int, str]) -> pp.PaddleSource:
+        embedx = ("embedx_w",) if layout(*flags).embedx_dim else ()  # (none: refused)
+        value = pp.ValueSpec(("show", "click", "embed_w", *embedx))
         return pp.PaddleSource(
             accessor=flags[0], dim=flags[1], optimizer=flags[2], table=folder, value=value
         )
@@ -264,6 +310,93 @@ def test_every_real_save_parses_to_what_the_trainer_looks_up(
         assert short > 0
         short_rows = np.all(got[:, 3:] == 0, axis=1)
         assert np.count_nonzero(short_rows) >= short
+
+
+FIRST_ORDER = layout("ctr_common", 3, "adagrad")
+FIRST_ORDER_ROW = "7 0 0 1.5 9 4 0.25 0.125 -nan"  # the form of the real save's rows
+
+
+@pytest.mark.parametrize("compiled", PARSERS, ids=["numpy", "compiled"][: len(PARSERS)])
+@pytest.mark.parametrize("save", ["checkpoint", "base", "delta"])
+def test_a_first_order_table_serves_embed_w_alone(save: str, compiled: bool) -> None:
+    """The real DeepFM save's first-order table (CtrCommonAccessor + adagrad at D=3, embedx_dim
+    0 in its PSParameter): rows of 7 numbers after the key, and of 8 where the score reached
+    embedx_threshold, their last the embedx g2sum, -nan (0 / 0) or 0. By default each serves
+    embed_w alone, the trainer's lookup's third number to the 6 digits the text keeps."""
+    info = expected("ctr_common_first_order")
+    meta = info["tables"]["first_order"]
+    assert (meta["folder"], meta["dim"], meta["lookup"]) == ("001", 3, "show,click,embed_w")
+    config = [t for t in pp.parse_fleet_desc(
+        (DATA / "ctr_common_first_order" / "fleet_desc.prototxt").read_bytes(), "desc"
+    ) if t.table_name == "first_order"]  # fmt: skip
+    assert config[0].embedx_dim == 0 and config[0].layout() == FIRST_ORDER
+    record = info["saves"][save]["tables"]["first_order"]
+    keys, values, forms = [], [], set()
+    for part in sorted((DATA / "ctr_common_first_order" / save / "001").iterdir()):
+        text = part_text(part)
+        forms |= {tuple(line.split()[8:]) for line in text.splitlines()}
+        rows = pp.parse_rows(text, FIRST_ORDER, pp.ValueSpec(), str(part), compiled=compiled)
+        keys.append(rows.keys)
+        values.append(rows.values)
+    assert {(), (b"-nan",), (b"0",)} <= forms and len(forms) == 3  # all three forms, no other
+    got = np.concatenate(values)
+    assert np.concatenate(keys).tolist() == record["keys"] and got.shape == (len(keys[0]) and
+        got.shape[0], 1)  # fmt: skip
+    lookup = np.frombuffer(bytes.fromhex("".join(record["lookup_f32le_hex"])), "<f4")
+    want = lookup.reshape(-1, 3)[:, 2:]
+    assert np.all(np.abs(got - want) <= 5e-6 * np.abs(want))
+
+
+@pytest.mark.parametrize("compiled", PARSERS, ids=["numpy", "compiled"][: len(PARSERS)])
+def test_a_nan_is_read_only_where_paddle_writes_it(compiled: bool) -> None:
+    """-nan (and nan) only in a table without embedx_w, only in the embedx state its rule
+    divides by embedx_dim: in any other column, in a table with embedx_w, as +nan, or as
+    another non-number, refused naming the line, field and column, by both parsers alike."""
+
+    def read(table: pp.TableLayout, *rows: str) -> np.ndarray:
+        data = "".join(row + "\n" for row in rows).encode()
+        parsed = pp.parse_rows(data, table, pp.ValueSpec(), "part-000-00000", 1, compiled)
+        return parsed.values
+
+    def refused(table: pp.TableLayout, *rows: str) -> str:
+        with pytest.raises(pp.PaddleRowError) as caught:
+            read(table, *rows)
+        return str(caught.value)
+
+    fields = FIRST_ORDER_ROW.split()
+    for nan in ("nan", "-nan"):
+        row = " ".join([*fields[:-1], nan])
+        assert (
+            read(FIRST_ORDER, FIRST_ORDER_ROW, row, " ".join(fields[:-1])).tolist() == [[0.25]] * 3
+        )
+        for index in range(1, 8):  # every other column of the row
+            row = " ".join([*fields[:index], nan, *fields[index + 1 :]])
+            column = len(" ".join(fields[:index])) + 2
+            name = FIRST_ORDER.columns[index - 1]
+            assert refused(FIRST_ORDER, FIRST_ORDER_ROW, row).startswith(
+                f"part-000-00000 line 2: field {index + 1} ({name}), column {column}: "
+                "not a finite number (nan or inf)"
+            )
+    last = "part-000-00000 line 2: field 9 (embedx_g2sum), column 26: "
+    for bad in ("+nan", "inf", "-inf", "nana", "na", "NaN", "-nan0", "nan-"):
+        text = refused(FIRST_ORDER, FIRST_ORDER_ROW, " ".join([*fields[:-1], bad]))
+        assert text.startswith(last), text
+    text = refused(FIRST_ORDER, FIRST_ORDER_ROW, " ".join([*fields[:-1], "-0.5"]))
+    assert text.startswith(last + "below 0"), text
+    # a table with embedx_w, and rules that do not divide by embedx_dim: no NaN anywhere
+    wide = "7 0 0 1.5 9 4 0.25 0.125 0.1 0.2 0.3 0.4 0.5 -nan"
+    assert refused(CTR8, wide).startswith(
+        f"part-000-00000 line 1: field 14 (embedx_g2sum), column {wide.index('-nan') + 1}: not "
+        "a finite number"
+    )
+    adam = layout("ctr_common", 3, "adagrad", "adam")  # embedx state: the two beta powers
+    text = refused(adam, "7 0 0 1.5 9 4 0.25 0.125 0.9 -nan")
+    assert text.startswith("part-000-00000 line 1: field 10 (embedx_beta2_pow), column 30: ")
+    shared = layout("sparse", 1, "shared_adam")  # gsum, g2sum, beta1_pow, beta2_pow each part
+    row = "7 0 0 1.5 9 4 0.25 0 0 0.9 0.99 -nan -nan 0.9 0.99"
+    assert read(shared, row).tolist() == [[0.25]]
+    text = refused(shared, "7 0 0 1.5 9 4 0.25 0 0 0.9 0.99 -nan -nan -nan 0.99")
+    assert text.startswith("part-000-00000 line 1: field 14 (embedx_beta1_pow), column 43: "), text
 
 
 def test_the_saves_hold_every_mode_gzip_and_empty_parts() -> None:
@@ -463,12 +596,17 @@ def test_a_message_never_repeats_what_the_file_holds() -> None:
     assert secret not in pp.sparse_folder_problem(["part-000-00000"], secret.encode())
 
 
-def test_every_refused_buffer_names_a_line() -> None:
+@pytest.mark.parametrize("scenario", ["ctr_common_adagrad", "ctr_common_first_order"])
+def test_every_refused_buffer_names_a_line(scenario: str) -> None:
     """Random damage to a good buffer (bytes flipped, inserted or removed, control characters
-    among them): each parser reads it as the other does, and a refusal always names a line,
-    never "a parser bug: no line is at fault"."""
-    good = (DATA / "ctr_common_adagrad" / "delta" / "000" / "part-000-00001").read_bytes()
-    pool = b"0123456789 .+-eE\t\r\n\x0b\x0c\x00x\xff"
+    among them; and the letters of -nan, for a table that has it): each parser reads it as the
+    other does, and a refusal always names a line, never "a parser bug: no line is at
+    fault"."""
+    folder, flags = LAYOUTS[scenario]
+    table = layout(*flags)
+    good = (DATA / scenario / "delta" / folder / "part-000-00001").read_bytes()
+    pool = b"0123456789 .+-eE\t\r\n\x0b\x0c\x00x\xff" + b"nan" * (table.embedx_dim == 0)
+    assert (b"-nan" in good) == (table.embedx_dim == 0)
     rng = random.Random(36)
     for _ in range(300):
         data = bytearray(good[:2000])
@@ -484,7 +622,7 @@ def test_every_refused_buffer_names_a_line() -> None:
         outcomes: list[object] = []
         for compiled in PARSERS:
             try:
-                rows = pp.parse_rows(bytes(data), CTR8, pp.ValueSpec(), "f", 1, compiled)
+                rows = pp.parse_rows(bytes(data), table, pp.ValueSpec(), "f", 1, compiled)
                 outcomes.append((rows.keys.tobytes(), rows.values.tobytes()))
             except pp.PaddleRowError as exc:
                 assert "parser bug" not in str(exc) and str(exc).startswith("f line "), exc
@@ -572,12 +710,16 @@ INVARIANT_LAYOUTS = [
     layout("sparse", 6, "adam"),
     layout("ctr_double", 8, "adagrad"),
     layout("sparse", 5, "std_adagrad", "shared_adam"),
+    layout("ctr_common", 3, "adagrad"),  # embedx_dim 0: -nan in its embedx g2sum
+    layout("sparse", 1, "adam", "shared_adam"),  # and in its embedx gsum
 ]
 BREAKING = {  # a number that breaks each kind of invariant, fast and slow to convert
     "integer": ["0.5", "-2.25", "1e-30", "3.0000000000000000000001"],
     "count": ["-1", "0.5", "-1e-30", "1e-25"],
     "nonneg": ["-0.5", "-1e-30", "-12345678901234567890123"],
     "pow": ["-0.1", "1.5", "-1e-40", "1.00000000000000000000001"],
+    "nonneg_or_nan": ["-0.5", "-1e-30", "-12345678901234567890123"],
+    "any_or_nan": [],  # any number, or NaN
 }
 KEEPING = {  # and one that keeps it, fast to convert; then slow ones (a row with one is
     # checked again in Python: kept to a few rows, so that the compiled checks are tested)
@@ -585,12 +727,16 @@ KEEPING = {  # and one that keeps it, fast to convert; then slow ones (a row wit
     "count": ["0", "4", "1e1"],
     "nonneg": ["0", "2.5", "1e-5"],
     "pow": ["0", "1", "0.5"],
+    "nonneg_or_nan": ["0", "2.5", "-nan", "nan"],
+    "any_or_nan": ["-0.5", "-nan", "3"],
 }
 KEEPING_SLOW = {
     "integer": "12345678901234567890",
     "count": "1e25",
     "nonneg": "1e-30",
     "pow": "1e-40",
+    "nonneg_or_nan": "1e-30",
+    "any_or_nan": "-1e-30",
 }
 
 
@@ -608,7 +754,7 @@ def test_both_parsers_check_the_invariants_alike(
     rng = random.Random(INVARIANT_LAYOUTS.index(table))
     checks = dict(table.checks())
     show, click = table.columns.index("show"), table.columns.index("click")
-    value = pp.ValueSpec(("show", "click", "embed_w", "embedx_w"))
+    value = pp.ValueSpec(("show", "click", "embed_w", "embedx_w")[: 3 + bool(table.embedx_dim)])
 
     def row(key: int) -> list[str]:
         count = table.short if rng.random() < 0.2 else table.full
@@ -625,7 +771,9 @@ def test_both_parsers_check_the_invariants_alike(
             fields = rng.choice(rows)
             action = rng.randrange(3 + (attempt % 5 == 0))
             if action == 0:
-                column = rng.choice([c for c in checks if c + 1 < len(fields)])
+                column = rng.choice(
+                    [c for c in checks if c + 1 < len(fields) and BREAKING[checks[c]]]
+                )
                 fields[column + 1] = rng.choice(BREAKING[checks[column]])
             elif action == 1:
                 fields[click + 1] = rng.choice(["11", "10.5", "1e30", "10.000000000000000000001"])

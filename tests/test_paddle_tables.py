@@ -421,3 +421,91 @@ def test_the_cli_builds_every_table_the_configuration_lists(tmp_path: Path) -> N
                        "-paddle_dim", "000:4,001:6", "-paddle_table", "all")  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert output_digests(tmp_path / "o3") == output_digests(tmp_path / "out")
+
+
+# ---------------------------------------------------------------------------------------------
+# A DeepFM's save: first-order weights (a table without embedx_w) beside its embeddings
+
+DEEPFM = DATA / "ctr_common_first_order"
+DEEPFM_DESC = DEEPFM / "fleet_desc.prototxt"
+
+
+def deepfm(table: str = "", value: ValueSpec | None = None) -> PaddleSource:
+    """The DeepFM job's configuration: `emb` (D=8) in 000, `first_order` (D=3, embedx_dim 0)
+    in 001, both CtrCommonAccessor + adagrad."""
+    return PaddleSource(
+        table=table,
+        value=value or ValueSpec(),
+        config=tuple(parse_fleet_desc(DEEPFM_DESC.read_bytes(), str(DEEPFM_DESC))),
+        config_name=str(DEEPFM_DESC),
+    )
+
+
+@pytest.mark.parametrize("save", ["checkpoint", "base", "delta"])
+def test_a_first_order_table_serves_embed_w_beside_the_embeddings(
+    tmp_path: Path, save: str
+) -> None:
+    """The real DeepFM save built with its configuration: a version of two tables, 000 serving
+    embed_w and the 5 embedx_w (24 bytes), 001 the first-order weight alone (4 bytes: embed_w,
+    the third number of the trainer's lookup of show, click, embed_w), each equal to the
+    trainer's lookups to the 6 digits the text keeps; 001's rows of 7 numbers and of 8 (their
+    embedx g2sum -nan or 0) alike."""
+    info = json.loads((DEEPFM / "expected.json").read_text())
+    result = build_save(tmp_path / save, deepfm(), DEEPFM / save)
+    assert result.tables == ("000", "001")
+    assert "001, ctr_common (dim 3, optimizer adagrad)" in result.input_note
+    assert [t["value_width"] for t in result.metas[0]["tables"]] == [24, 4]
+    for name, served_from in (("emb", slice(2, None)), ("first_order", slice(2, 3))):
+        table = info["saves"][save]["tables"][name]
+        folder = info["tables"][name]["folder"]
+        keys = np.array(table["keys"], dtype=np.uint64)
+        lookup = np.frombuffer(bytes.fromhex("".join(table["lookup_f32le_hex"])), "<f4")
+        want = lookup.reshape(len(keys), -1)[:, served_from]
+        parts = [result.version_dir / f"emb_part{s}" / folder for s in range(3)]
+        got = np.frombuffer(b"".join(served(parts, keys)), "<f4").reshape(want.shape)
+        assert np.all(np.abs(got - want) <= 5e-6 * np.abs(want)), name
+    # with -paddle_value show,click,embed_w: 12 bytes, the trainer's whole lookup
+    cvm = build_save(tmp_path / "cvm", deepfm("001", ValueSpec(("show", "click", "embed_w"))),
+                     DEEPFM / save)  # fmt: skip
+    assert cvm.metas[0]["value_width"] == 12
+
+
+def test_embedx_w_named_for_a_first_order_table_is_refused(tmp_path: Path) -> None:
+    """-paddle_value naming embedx_w, for a version that has the first-order table (alone or
+    beside the embeddings): refused before anything is read, naming the table and why."""
+    for table in ("001", "all", "first_order"):
+        for fields in (("embed_w", "embedx_w"), ("show", "click", "embed_w", "embedx_w")):
+            with pytest.raises(BuildError) as caught:
+                build_save(tmp_path / "out", deepfm(table, ValueSpec(fields)), DEEPFM / "base")
+            text = str(caught.value)
+            assert text.startswith(f"{DEEPFM / 'base'}/001: -paddle_value {','.join(fields)}: ")
+            assert "ctr_common (dim 3, optimizer adagrad) has no embedx_w (embedx_dim 0" in text
+            assert "leave -paddle_value out (embed_w alone is served)" in text
+            assert not (tmp_path / "out" / "meta_info").exists()
+    build_save(tmp_path / "emb", deepfm("000", ValueSpec(("embed_w", "embedx_w"))), DEEPFM / "base")
+
+
+def test_a_nan_elsewhere_in_a_first_order_table_fails_its_build(tmp_path: Path) -> None:
+    """-nan is read in the embedx g2sum of the first-order table only: in its embed_w (or in
+    the embeddings' table, which has embedx_w) the build fails naming file, line, field and
+    column."""
+    for folder, index in (("001", 5), ("001", 6), ("000", 12)):
+        save = tmp_path / f"save{folder}{index}"
+        shutil.copytree(DEEPFM / "base", save)
+        part = save / folder / "part-000-00002"
+        lines = part.read_bytes().split(b"\n")
+        row = next(i for i, line in enumerate(lines) if len(line.split()) > index + 1)
+        fields = lines[row].split(b" ")
+        fields[index + 1] = b"-nan"
+        lines[row] = b" ".join(fields)
+        part.write_bytes(b"\n".join(lines))
+        column = len(b" ".join(fields[: index + 1])) + 2
+        with pytest.raises(BuildError) as caught:
+            build_save(tmp_path / f"out{folder}{index}", deepfm(), save)
+        name = ("slot", "unseen_days", "delta_score", "show", "click", "embed_w", "embed_g2sum",
+                "embedx_w[0]", "embedx_w[1]", "embedx_w[2]", "embedx_w[3]", "embedx_w[4]",
+                "embedx_g2sum")[index]  # fmt: skip
+        assert str(caught.value).startswith(
+            f"{part} line {row + 1}: field {index + 2} ({name}), column {column}: not a finite "
+            "number"
+        ), caught.value

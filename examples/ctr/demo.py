@@ -67,10 +67,11 @@ PADDLE_MODELS = ("deepfm", "dnn")
 # first-order weights 1, the dense table 2: paddle_trainer.py's layout.json says which input
 # pools which)
 DEEPFM_TABLES = ("000", "001")
-# The first-order table's lookup width: 3 (show, click, embed_w) is a table without embedx part,
-# whose rows cube-builder does not read yet; 4 serves embed_w and one embedx_w, which the model
-# adds up to the feature's weight (examples/ctr/README.md, "Two tables, one version")
-WIDE_DIM = 4
+# The first-order table's lookup width: 3 (show, click, embed_w), a table without embedx part
+# (embedx_dim 0) serving embed_w alone, the feature's weight; 4 would serve embed_w and one
+# embedx_w, which the model adds up to the weight (examples/ctr/README.md, "Two tables, one
+# version")
+WIDE_DIM = 3
 
 
 def python_env() -> dict[str, str]:

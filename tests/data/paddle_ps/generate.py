@@ -31,13 +31,20 @@ Scenarios:
     sparse_adam          SparseAccessor (Paddle's default) + SparseAdamSGDRule, D=8
     sparse_naive_2tables two sparse tables (D=4 and D=6), SparseNaiveSGDRule (plain SGD):
                          one save of each mode 0 and 2
+    ctr_common_first_order  a DeepFM's two tables, CtrCommonAccessor + SparseAdaGradSGDRule,
+                         embedx_threshold 3: `emb` (D=8) and `first_order` (D=3: show, click,
+                         embed_w; embedx_dim 0 in the PSParameter). Its rows are 7 numbers
+                         after the key, or 8 for the keys above embedx_threshold: the embedx
+                         g2sum, which adagrad divides by embedx_dim (0 / 0), written `-nan`.
+                         Saves checkpoint (mode 0), base (2) and delta (1)
 
 Files per scenario: <scenario>/<save>/<NNN>/part-*, <scenario>/fleet_desc.prototxt (the job's
 PSParameter, as Paddle built it) and <scenario>/expected.json: for each save and table, the
 folder, the keys saved, and the trainer's lookup of each key right after the save (float32
 little-endian, in hex: [show, click, embed_w, embedx_w...] for CtrCommonAccessor, [embed_w,
-embedx_w...] for SparseAccessor). The generator checks its own output: every saved key is
-pulled, and each pulled value equals the saved text to its 6 significant digits.
+embedx_w...] for SparseAccessor; no embedx_w for a table of embedx_dim 0). The generator
+checks its own output: every saved key is pulled, and each pulled value equals the saved text
+to its 6 significant digits.
 """
 
 from __future__ import annotations
@@ -121,6 +128,36 @@ SCENARIOS: dict[str, dict[str, Any]] = {
             }
         },
         "saves": ["checkpoint", "base", "delta", "batch_model"],
+    },
+    # a DeepFM's two tables: its first-order weights (one per feature: a lookup of 3, show,
+    # click, embed_w; embedx_dim 0, so adagrad's embedx g2sum is 0 / 0, saved as -nan in the
+    # rows above embedx_threshold) and its embeddings, both CtrCommonAccessor + adagrad
+    "ctr_common_first_order": {
+        "optimizer": "adam",
+        "tables": {
+            "emb": {
+                "dim": 8,
+                "slots": [0, 1, 2],
+                "config": {
+                    "accessor.accessor_class": "CtrCommonAccessor",
+                    "accessor.embedx_threshold": 3,
+                    "accessor.embed_sgd_param.name": "SparseAdaGradSGDRule",
+                    "accessor.embedx_sgd_param.name": "SparseAdaGradSGDRule",
+                },
+            },
+            "first_order": {
+                "dim": 3,
+                "slots": [0, 1, 2],
+                "config": {
+                    "accessor.accessor_class": "CtrCommonAccessor",
+                    "accessor.embedx_threshold": 3,
+                    "accessor.embed_sgd_param.name": "SparseAdaGradSGDRule",
+                    "accessor.embedx_sgd_param.name": "SparseAdaGradSGDRule",
+                },
+            },
+        },
+        "saves": ["checkpoint", "base", "delta"],
+        "steps": {"delta": 20},  # (3 steps left this two-table job's delta empty)
     },
     "sparse_naive_2tables": {
         "optimizer": "sgd",
@@ -276,9 +313,12 @@ def job(name: str, out: Path) -> None:
             "folder": folders[table],
             "dim": spec["dim"],
             "accessor": accessors[table],
-            "lookup": "show,click,embed_w,embedx_w" if ctr[table] else "embed_w,embedx_w",
+            # (a table without embedx_w, D = 3 or 1: its lookup ends at embed_w)
+            "lookup": ("show,click,embed_w" if ctr[table] else "embed_w")
+            + (",embedx_w" if spec["dim"] > (3 if ctr[table] else 1) else ""),
         }
     steps = {"checkpoint": 20, "base": 0, "delta": 3, "delta_empty": 0, "batch_model": 0}
+    steps.update(scenario.get("steps", {}))
     for save in scenario["saves"]:
         train(steps[save])
         if save == "base":
