@@ -9,8 +9,10 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -20,6 +22,7 @@ from helpers.stubs import control_stub
 
 from cube.client import CubeClient
 from cube.pb import cube_pb2
+from cube.processes import poll_until
 from cube.server.memory import (
     HEADROOM_MIN,
     in_mem_refusal,
@@ -136,3 +139,80 @@ def test_a_table_larger_than_the_cgroup_is_served_not_oom_killed(
         assert samples[faults] > 0
         assert server.process.poll() is None
     assert int((memory_group / "memory.max_usage_in_bytes").read_text()) <= 300 * MIB
+
+
+@pytest.mark.slow
+def test_a_switch_that_cannot_hold_two_versions_pins_the_new_one_after(
+    tmp_path: Path, memory_group: Path
+) -> None:
+    """A 600 MiB group (344 MiB may be pinned) and two versions of 307 MB: the first is
+    pinned at start; the second loads unpinned beside it (both pinned would be 614 MB: the
+    server was OOM-killed); after the switch the first gives its pages back and the second is
+    pinned. Lookups run all along and none fails."""
+    width, count = 4096, 75_000
+    keys = np.arange(1, count + 1, dtype=np.uint64) * 2654435761
+    data = tmp_path / "data"
+    write_version(data, "7", keys, fixed_values(keys, width, 1), current=True)
+    write_version(data, "8", keys, fixed_values(keys, width, 2))
+    (memory_group / "memory.limit_in_bytes").write_text(str(600 * MIB))
+    procs = memory_group / "cgroup.procs"
+
+    def join_group() -> None:
+        procs.write_text(str(os.getpid()))
+
+    def status(server: Any) -> dict[str, Any]:
+        with grpc.insecure_channel(server.control_address) as channel:
+            reply = control_stub(channel).cmd(cube_pb2.ControlRequest(cmd="status"), timeout=60)
+        detail: dict[str, Any] = json.loads(reply.detail_json)
+        return detail
+
+    def command(server: Any, cmd: str, **fields: str) -> None:
+        with grpc.insecure_channel(server.control_address) as channel:
+            control_stub(channel).cmd(cube_pb2.ControlRequest(cmd=cmd, **fields), timeout=120)
+
+    with running_server(data, "--in_mem", "true", preexec_fn=join_group) as server:
+        server.wait_serving()
+        first = status(server)["current"]
+        assert first["memory_note"] == "" and first["locked_bytes"] >= count * width
+        failures: list[BaseException] = []
+        stop = threading.Event()
+        sample = keys[:: count // 200]
+
+        def lookups() -> None:
+            with CubeClient(shards=[[server.address]], retry=2) as client:
+                while not stop.is_set():
+                    try:
+                        result = client.seek(sample)
+                        assert result.found.all() and result.version in ("7", "8")
+                        tag = 1 if result.version == "7" else 2
+                        assert np.array_equal(
+                            result.column.as_rows(), expected_fixed(sample, width, tag)
+                        )
+                    except BaseException as exc:
+                        failures.append(exc)
+                        return
+
+        looker = threading.Thread(target=lookups)
+        looker.start()
+        try:
+            command(server, "bg_load_base", version_path="/8")
+            loaded = status(server)["background"]
+            assert "do not fit" in loaded["memory_note"], loaded
+            command(server, "enable", version="8")
+
+            def settled() -> bool:
+                detail = status(server)
+                current, background = detail["current"], detail["background"]
+                return (
+                    current["version"] == "8"
+                    and current["memory_note"] == ""
+                    and current["locked_bytes"] >= count * width
+                    and background["locked_bytes"] == 0
+                )
+
+            assert poll_until(settled, 60, 0.2), status(server)
+        finally:
+            stop.set()
+            looker.join(60)
+        assert not failures, failures[0]
+        assert server.process.poll() is None

@@ -52,11 +52,13 @@ from cube.server.versions import (
     VersionSlots,
     load_base,
     load_patch,
+    settle_memory,
     version_name_from_path,
     write_version_file,
 )
 
 log = logging.getLogger("cube.server")
+SETTLE_WAIT = 10.0  # seconds a dropped version may take to be released (`_settle`)
 
 CONTROL_SERVICE = "rec.mcube.ControlService"
 WORKER_SERVICE = "cube.internal.Worker"
@@ -114,22 +116,49 @@ class LocalWorker:
         self.service = service
         self.loading: str | None = None
         self.last_error = ""
+        self._tasks: set[asyncio.Task[None]] = set()  # `_settle`s in flight (referenced)
 
     async def apply(self, op: str, mode: str = "", name: str = "") -> dict[str, Any]:
         """One step of a command; raises VersionError."""
         if op == "prepare":
             await self.prepare(mode, name)
         elif op == "commit":
+            old = self.slots.background
             self.slots.commit()
+            self._settle(old)
         elif op == "abort":
             self.slots.abort()
         elif op == "switch":
             self.slots.switch()
+            self._settle(None)
         elif op == "unload":
+            old = self.slots.background
             self.slots.unload_background()
+            self._settle(old)
         elif op != "state":
             raise VersionError("INVALID_ARGUMENT", f"unknown worker op {op!r}")
         return self.state()
+
+    def _settle(self, old: LoadedVersion | None) -> None:
+        """After the slots change: once `old` (dropped, if any) is unmapped, let the current
+        version take the memory --in_mem wants for it (`versions.settle_memory`); in the
+        background, on the loader thread."""
+        current = self.slots.current
+        if current is None or not current.memory_note:
+            return
+
+        async def when_gone() -> None:
+            deadline = time.monotonic() + SETTLE_WAIT
+            while old is not None and not old.closed and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)  # requests that still hold it release it soon
+            if self.slots.current is current:
+                background = self.slots.background
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(self.executor, settle_memory, current, background)
+
+        task = asyncio.get_running_loop().create_task(when_gone())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def prepare(self, mode: str, name: str) -> None:
         loop = asyncio.get_running_loop()

@@ -339,15 +339,32 @@ def mapped_arrays(shard: Shard, index_only: bool = False) -> list[np.ndarray]:
     return index if index_only else [*index, shard.values.blob]
 
 
-def lock_in_memory(shard: Shard, index_only: bool = False) -> int:
-    """Best effort mlock of a shard's mapped sections (`--in_mem true`; `index_only`: a table
-    larger than memory whose index fits); the bytes locked (fewer than mapped when refused:
-    RLIMIT_MEMLOCK)."""
+def unlock_memory(shard: Shard) -> int:
+    """munlock a shard's mapped sections; the bytes unlocked."""
+    _load_libc()
+    unlocked = 0
+    for array in mapped_arrays(shard):
+        if array.nbytes:
+            start = array.ctypes.data
+            page = start & ~(4096 - 1)
+            _libc.munlock(ctypes.c_void_p(page), ctypes.c_size_t(array.nbytes + start - page))
+            unlocked += array.nbytes
+    return unlocked
+
+
+def _load_libc() -> None:
     global _libc
     if _libc is None:
         # the symbols already in the process (libc among them): find_library would spawn
         # `ldconfig -p`, a child process a PID count or a CPU meter would catch
         _libc = ctypes.CDLL(None, use_errno=True)
+
+
+def lock_in_memory(shard: Shard, index_only: bool = False) -> int:
+    """Best effort mlock of a shard's mapped sections (`--in_mem true`; `index_only`: a table
+    larger than memory whose index fits); the bytes locked (fewer than mapped when refused:
+    RLIMIT_MEMLOCK)."""
+    _load_libc()
     locked = 0
     for array in mapped_arrays(shard, index_only):
         if not array.nbytes:
@@ -722,6 +739,33 @@ def _pinning(
     log.warning("version %s: %s", name, note)
     fallback = replace(options, populate=False, lock_memory=False, huge_pages=False)
     return replace(fallback, random_access=True, pin_index=pin_index), note
+
+
+def settle_memory(current: LoadedVersion | None, background: LoadedVersion | None) -> bool:
+    """--in_mem after a switch that could not hold two versions: the current version, loaded
+    unpinned for want of room beside the one it replaced (`memory_note`), is pinned once it
+    fits, the background version (kept to roll back to) giving its pinned pages back first
+    (munlock: they stay in the page cache while memory allows). Runs in the loader thread
+    after the slots change; mlock faults the pages in while the version serves. Whether the
+    current version is pinned now."""
+    if current is None or not current.memory_note or current.closed:
+        return False
+    mine = {id(h): h for s in current.all_splits for h in s.handles}
+    if background is not None and not background.closed:
+        for split in background.all_splits:
+            for handle in split.handles:
+                if id(handle) not in mine and handle.locked_bytes:
+                    handle.locked_bytes -= unlock_memory(handle.shard)
+    unpinned = sum(h.mapped_bytes - h.locked_bytes for h in mine.values())
+    limit, source = memory.memory_limit()
+    if memory.in_mem_refusal(unpinned, memory.locked_bytes(), limit, source):
+        return False
+    for handle in mine.values():
+        if handle.locked_bytes < handle.mapped_bytes:
+            handle.locked_bytes = lock_in_memory(handle.shard)
+    current.memory_note = ""
+    log.info("version %s pinned in memory now (%d bytes more): it fits", current.name, unpinned)
+    return True
 
 
 def _same_tables(chains: list[tuple[Path, list[str], list[str]]]) -> list[str]:
