@@ -203,7 +203,7 @@ def test_a_switch_that_cannot_hold_two_versions_pins_the_new_one_after(
             def settled() -> bool:
                 detail = status(server)
                 current, background = detail["current"], detail["background"]
-                return (
+                return bool(
                     current["version"] == "8"
                     and current["memory_note"] == ""
                     and current["locked_bytes"] >= count * width
