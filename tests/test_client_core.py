@@ -356,7 +356,7 @@ class FakeShards:
         version: str | None = None,
         max_rounds: int = 3,
     ) -> SeekResult:
-        flow = seek_flow(keys, pieces, self.pins, max_rounds, version)
+        flow = seek_flow(keys, pieces, assemble, self.pins, max_rounds, version)
         try:
             requests = next(flow)
             while True:

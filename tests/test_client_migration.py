@@ -49,7 +49,7 @@ from cube.client import (
     load_conf,
     parse_conf,
 )
-from cube.client._core import PieceRequest, make_plan, seek_flow
+from cube.client._core import PieceRequest, assemble, make_plan, seek_flow
 from cube.client._policy import Cluster, Policy, Round, Send, ShardCall
 from cube.client.conf import BRPC_LOAD_BALANCERS
 from cube.routing import shard_of
@@ -478,7 +478,7 @@ def test_the_round_aborts_at_the_calls_deadline() -> None:
 def test_the_flow_raises_the_deadline_error_naming_the_dict() -> None:
     keys = np.array([1, 2], dtype=np.uint64)
     pieces = make_plan(keys, 2, "mod")
-    flow = seek_flow(keys, pieces, call_timeout_s=0.25, dict_name="emb")
+    flow = seek_flow(keys, pieces, assemble, call_timeout_s=0.25, dict_name="emb")
     requests = next(flow)
     assert requests == [PieceRequest(0, None), PieceRequest(1, None)]
     policy = Policy(timeout_ms=100, total_ms=250)

@@ -3,11 +3,12 @@ No I/O here; the subclasses drive rounds over their transport."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any, Generic, NamedTuple, Self, TypedDict, TypeVar, Unpack
 
@@ -29,7 +30,7 @@ from cube.client._core import (
     make_plan,
     make_table_plan,
     normalize_keys,
-    run_flow,
+    seek_flow,
 )
 from cube.client._policy import MIN_ATTEMPT_S, Cluster, EndpointState, Policy, Round, ShardCall
 from cube.client._transport import TRANSPORTS, ClientTLS, Contact
@@ -417,7 +418,7 @@ class ClientBase(Generic[T]):
     def _flow_to(
         self, keys: np.ndarray, pieces: list[Piece], version: str | None, finish: Finish[R]
     ) -> Flow[R]:
-        return run_flow(
+        return seek_flow(
             keys,
             pieces,
             finish,
@@ -427,6 +428,22 @@ class ClientBase(Generic[T]):
             self._total_s,
             self.dict_name,
         )
+
+    @contextlib.contextmanager
+    def _observed(self) -> Iterator[tuple[int, float | None]]:
+        """A call's request id and deadline, and its statistics and error tag when it ends
+        (what `seek` does inline, on its hot path)."""
+        self._check_open()
+        started = time.perf_counter()
+        request_id = self._request_id()
+        try:
+            yield request_id, self._deadline()
+        except CubeError as exc:
+            self._observe_call(started, exc)
+            self._tag(exc, request_id)
+            raise
+        if self.stats is not None:
+            self._observe_call(started)
 
     def _check_tables_protocol(self) -> None:
         """ConfError unless this client's protocol can name a table (cube.v1 can)."""

@@ -621,33 +621,6 @@ def _unavailable(
 def seek_flow(
     keys: np.ndarray,
     pieces: Sequence[Piece],
-    pins_versions: bool = True,
-    max_version_rounds: int = 3,
-    version: str | None = None,
-    call_timeout_s: float | None = None,
-    dict_name: str = "",
-) -> Flow[SeekResult]:
-    """Drive one seek: yields rounds of PieceRequests, receives their PieceOutcomes (same
-    order), returns the SeekResult. Implements the version rule of the module docstring.
-    `call_timeout_s` and `dict_name` only name the call's timeout and dict in the error
-    raised when that timeout ended it."""
-    return (
-        yield from run_flow(
-            keys,
-            pieces,
-            assemble,
-            pins_versions,
-            max_version_rounds,
-            version,
-            call_timeout_s,
-            dict_name,
-        )
-    )
-
-
-def run_flow(
-    keys: np.ndarray,
-    pieces: Sequence[Piece],
     finish: Finish[R],
     pins_versions: bool = True,
     max_version_rounds: int = 3,
@@ -655,9 +628,12 @@ def run_flow(
     call_timeout_s: float | None = None,
     dict_name: str = "",
 ) -> Flow[R]:
-    """`seek_flow` with the answers of one version made into the result by `finish`
-    (`assemble`, or `assemble_tables` for a lookup in several tables); errors carry
-    `assemble`'s partial result of every key."""
+    """Drive one seek: yields rounds of PieceRequests, receives their PieceOutcomes (same
+    order), returns what `finish` makes of the answers of one version (`assemble`: the
+    SeekResult; `assemble_tables`: one per table of a lookup in several). Implements the
+    version rule of the module docstring; an error carries `assemble`'s partial result of
+    every key. `call_timeout_s` and `dict_name` only name the call's timeout and dict in the
+    error raised when that timeout ended it."""
     count = len(pieces)
     if count == 0:
         return finish(keys, pieces, [])

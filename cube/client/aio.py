@@ -99,28 +99,18 @@ class AsyncCubeClient(ClientBase[AsyncTransport]):
 
     async def seek_tables(self, tables: TablesArg, version: str | None = None) -> list[SeekResult]:
         """As CubeClient.seek_tables."""
-        self._check_open()
-        started = time.perf_counter()
-        request_id = self._request_id()
-        deadline = self._deadline()
-        try:
+        with self._observed() as (request_id, deadline):
             plan = self._table_plan(tables)
-            for replans in range(MAX_REPLANS + 1):
+            replans = 0
+            while True:
                 try:
                     flow = self._flow_to(plan.every, plan.pieces, version, plan.finish)
-                    results = await self._rounds(flow, plan.pieces, request_id, deadline)
-                    break
+                    return await self._rounds(flow, plan.pieces, request_id, deadline)
                 except RequestRejectedError as exc:  # too large for servers met just now?
                     if replans == MAX_REPLANS or not self._smaller_limit(exc, plan.limits):
                         raise
+                    replans += 1
                     plan = self._table_plan(plan.tables)
-        except CubeError as exc:
-            self._observe_call(started, exc)
-            self._tag(exc, request_id)
-            raise
-        if self.stats is not None:
-            self._observe_call(started)
-        return results
 
     async def _seek_rounds(
         self,
