@@ -648,23 +648,8 @@ def build(
         raise
     finally:
         workspace.close()
-    metas, meta_paths = write_meta_infos(config, outputs, formats)
-    return BuildResult(
-        version_dir=version_dir,
-        meta_paths=meta_paths,
-        metas=metas,
-        shards=outputs,
-        records_read=records,
-        input_files=len(files),
-        key_formats=formats,
-        seconds=time.monotonic() - started,
-        phase_seconds={
-            **phases,
-            "publish": time.monotonic() - started - phases["read"] - phases["finish"],
-        },
-        warnings=warnings,
-        input_note=note,
-    )
+    return _result(config, version_dir, outputs, formats, records, len(files), started, phases,
+                   warnings, note)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -789,24 +774,8 @@ def build_tables(
         raise
     finally:
         workspace.close()
-    metas, meta_paths = write_meta_infos(config, outputs, formats)
-    return BuildResult(
-        version_dir=version_dir,
-        meta_paths=meta_paths,
-        metas=metas,
-        shards=outputs,
-        records_read=records,
-        input_files=len(every),
-        key_formats=formats,
-        seconds=time.monotonic() - started,
-        phase_seconds={
-            **phases,
-            "publish": time.monotonic() - started - phases["read"] - phases["finish"],
-        },
-        warnings=warnings,
-        input_note=note,
-        tables=tuple(names),
-    )
+    return _result(config, version_dir, outputs, formats, records, len(every), started, phases,
+                   warnings, note, tuple(names))  # fmt: skip
 
 
 def _finish_tables(
@@ -934,6 +903,39 @@ def check_table_widths(
                 "values may vary in width)"
             )
     return tuple(warnings)
+
+
+def _result(
+    config: BuildConfig,
+    version_dir: Path,
+    outputs: list[ShardOutput],
+    formats: tuple[str, ...],
+    records: int,
+    input_files: int,
+    started: float,
+    phases: dict[str, float],
+    warnings: tuple[str, ...],
+    note: str,
+    tables: tuple[str, ...] = (),
+) -> BuildResult:
+    """A published build's meta_info files written, and its result (the publish phase timed
+    up to now)."""
+    metas, meta_paths = write_meta_infos(config, outputs, formats)
+    elapsed = time.monotonic() - started
+    return BuildResult(
+        version_dir=version_dir,
+        meta_paths=meta_paths,
+        metas=metas,
+        shards=outputs,
+        records_read=records,
+        input_files=input_files,
+        key_formats=formats,
+        seconds=elapsed,
+        phase_seconds={**phases, "publish": elapsed - phases["read"] - phases["finish"]},
+        warnings=warnings,
+        input_note=note,
+        tables=tables,
+    )
 
 
 def refuse_paddle_save(files: Sequence[Path], input_path: str, source: str) -> None:
