@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 IMAGE_DEB_PACKAGES := podman buildah runc debootstrap
 DEB_PACKAGES := redis-server memcached prometheus chromium chromium-driver $(IMAGE_DEB_PACKAGES)
 
-.PHONY: demo demo-ctr demo-ctr-paddle paddle-env test-paddle-env test quick bench lint format install debs stubs tools clean image image-spark image-base image-debs demo-containers
+.PHONY: demo demo-ctr demo-ctr-paddle paddle-env test-paddle-env test quick bench bench-scale lint format install debs stubs tools clean image image-spark image-base image-debs demo-containers
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -130,6 +130,28 @@ bench: $(STAMP) debs
 	$(BIN)/pytest bench -q --benchmark-enable --benchmark-only --benchmark-columns=min,median,mean,max,rounds
 	$(BIN)/cube-bench --targets cube,redis,memcached --threads 1,4,8,16,24,32 --batch 1000 \
 	    --keys 1000000 --value_size 40 --workers 2 --out bench/results/latest
+
+# The scale benchmark (issue 37, bench/README.md): a table of KEYS x WIDTH end to end (donefile
+# line -> built -> distributed -> loaded -> served, each phase timed), then lookups at 32 in
+# flight, uniform and zipf:0.99, every 64th answer checked, beside a BASELINE-key run; TABLES
+# tables x 40 keys a request (seek_tables); REDIS=1 adds Redis at the same size. It refuses a
+# size the disk (TMP) or memory cannot hold, and removes its files and stops its processes.
+# 100M x 64 B wants ~50 GB of disk and ~10 GB of memory and runs for half an hour on 2 cores.
+KEYS ?= 100000000
+WIDTH ?= 64
+BASELINE ?= 1000000
+SHARDS ?= 2
+TABLES ?= 26
+DURATION ?= 10
+DISTRIBUTIONS ?= uniform,zipf:0.99
+REDIS ?= 0
+TMP ?= /tmp
+SCALE_OUT ?= bench/results/scale-$(KEYS)x$(WIDTH).json
+bench-scale: $(STAMP)
+	$(BIN)/python -m cube.bench.scale_e2e --keys $(KEYS) --width $(WIDTH) \
+	    --baseline_keys $(BASELINE) --shards $(SHARDS) --tables $(TABLES) \
+	    --duration $(DURATION) --distributions $(DISTRIBUTIONS) \
+	    --redis=$(if $(filter 1 true yes,$(REDIS)),true,false) --tmp $(TMP) --out $(SCALE_OUT)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -39,26 +39,14 @@ from typing import Any
 import numpy as np
 
 from cube import kernel, wire
-from cube.hashing import fmix64
+from cube.bench.keyspace import keys_of, values_of
 from cube.routing import shard_of
 from cube.seqfile import SequenceFileWriter
 from cube.shard import Shard, ShardStack
 from cube.values import ValueColumn
 
 ROOT = Path(__file__).resolve().parents[1]
-SALT = np.uint64(0x5CA1AB1E5CA1AB1E)
 _CHUNK = 1 << 20  # records generated per write
-
-
-def keys_of(ids: np.ndarray) -> np.ndarray:
-    """Key number i -> its key (a bijection: distinct keys)."""
-    return fmix64(ids.astype(np.uint64) ^ SALT)
-
-
-def values_of(keys: np.ndarray, width: int) -> np.ndarray:
-    """Each key's value: its 8 little-endian bytes repeated to `width` bytes, (n, width)."""
-    raw = keys.astype("<u8").view(np.uint8).reshape(-1, 8)
-    return np.tile(raw, (1, -(-width // 8)))[:, :width]
 
 
 def write_input(directory: Path, count: int, width: int, files: int) -> None:

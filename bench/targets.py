@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -178,10 +179,24 @@ class RedisTarget(Target):
             raise TargetUnavailable("redis-py is not installed: pip install redis hiredis") from exc
 
     def setup(self, data: Dataset) -> None:
-        import redis
+        self.start_server(data.value_size, data.dim)
+        started = time.perf_counter()
+        self.load_chunks(
+            (
+                (
+                    data.keys[start : start + self.load_chunk],
+                    data.values[start : start + self.load_chunk],
+                )
+                for start in range(0, data.keys.shape[0], self.load_chunk)
+            ),
+            data.keys.shape[0],
+        )
+        self.info["load_seconds"] = round(time.perf_counter() - started, 2)
 
+    def start_server(self, width: int, dim: int = 0) -> None:
+        """redis-server on a free port of 127.0.0.1, persistence off, empty."""
         self.port = free_port()
-        self.width, self.dim = data.value_size, data.dim
+        self.width, self.dim = width, dim
         argv = [
             self.binary,
             "--port", str(self.port),
@@ -196,27 +211,35 @@ class RedisTarget(Target):
             self.registry.start(self.name, argv, [self.port], self.workdir / "logs")
         )
         self.info["command"] = " ".join(a if a else '""' for a in argv)
-        started = time.perf_counter()
+
+    def load_chunks(self, chunks: Iterable[tuple[np.ndarray, np.ndarray]], count: int) -> None:
+        """Load (keys, (n, width) values) chunks by pipelined MSET (`load_chunk` pairs each, 10
+        in flight): only a chunk at a time is in this process, so a data set derived from its
+        keys (bench.keyspace) of any size loads; RuntimeError unless Redis then holds `count`
+        keys."""
+        import redis
+
         client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=60)
         try:
-            keys = data.keys.tolist()
-            values = data.values.view(f"V{self.width}").ravel().tolist()
             pipe = client.pipeline(transaction=False)
-            for start in range(0, len(keys), self.load_chunk):
-                flat: list[Any] = [None] * (2 * min(self.load_chunk, len(keys) - start))
-                flat[0::2] = keys[start : start + self.load_chunk]
-                flat[1::2] = values[start : start + self.load_chunk]
-                pipe.execute_command("MSET", *flat)  # type: ignore[no-untyped-call]  # redis-py's
-                if len(pipe) >= 10:
-                    pipe.execute()
+            for keys, values in chunks:
+                rows = np.ascontiguousarray(values).view(f"V{self.width}").ravel().tolist()
+                listed = keys.tolist()
+                for start in range(0, len(listed), self.load_chunk):
+                    part = listed[start : start + self.load_chunk]
+                    flat: list[Any] = [None] * (2 * len(part))
+                    flat[0::2] = part
+                    flat[1::2] = rows[start : start + self.load_chunk]
+                    pipe.execute_command("MSET", *flat)  # type: ignore[no-untyped-call]  # redis-py's
+                    if len(pipe) >= 10:
+                        pipe.execute()
             pipe.execute()
             stored = client.dbsize()
         finally:
             client.close()
-        if stored != len(keys):
-            raise RuntimeError(f"redis holds {stored} keys after loading {len(keys)}")
+        if stored != count:
+            raise RuntimeError(f"redis holds {stored} keys after loading {count}")
         self.info["load_note"] = f"pipelined MSET of {self.load_chunk:,} pairs"
-        self.info["load_seconds"] = round(time.perf_counter() - started, 2)
 
     def thread_client(self) -> Any:
         return _RedisClient(self.port, self.width, self.dim)
