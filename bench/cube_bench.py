@@ -35,6 +35,7 @@ import numpy as np
 import psutil
 
 from cube.bench.cube_target import CubeTarget
+from cube.bench.keyspace import parse_distribution
 from cube.bench.procs import (
     Interrupted,
     ProcessRegistry,
@@ -45,13 +46,14 @@ from cube.bench.procs import (
 from cube.bench.report import markdown_table, ratios, summarize, write_outputs
 from cube.bench.runner import BenchError, LevelConfig, _new_event_loop, run_level
 from cube.bench.targets import (
-    Dataset,
+    DataSource,
     MemcachedTarget,
     ModeUnsupported,
     RedisTarget,
     Target,
     TargetUnavailable,
     make_dataset,
+    make_derived,
 )
 from cube.flags import FlagError, FlagSet, flag, run_cli
 
@@ -112,6 +114,17 @@ class BenchFlags:
     check_sample: int = flag(2000, "keys checked against the data set per target")
     timeout: float = flag(300.0, "bound on one level's measured phase with --requests")
     start_timeout: float = flag(60.0, "bound on each server's startup")
+    dataset: str = flag(
+        "random",
+        "random: random keys and values, held in memory to check answers; derived: values"
+        " derived from the keys (bench.keyspace), never held, so 100M+ keys run",
+        choices=["random", "derived"],
+    )
+    distribution: str = flag(
+        "uniform",
+        "keys a request asks for: uniform or zipf:THETA (YCSB's scrambled zipfian, e.g. zipf:0.99)",
+        metavar="DIST",
+    )
     seed: int = flag(1, "seed of the data set and of the key draws")
     workdir: str = flag(
         "", "where servers keep files (default: a temp dir, removed)", metavar="DIR"
@@ -141,6 +154,10 @@ def validate(flags: BenchFlags) -> list[str]:
         raise FlagError("--duration must be > 0, --warmup and --requests >= 0")
     if flags.max_repeats < 0 or flags.quiet_wait < 0:
         raise FlagError("--max_repeats and --quiet_wait must be >= 0")
+    try:
+        parse_distribution(flags.distribution)
+    except ValueError as exc:
+        raise FlagError(f"--distribution: {exc}") from None
     names = [t.strip() for t in flags.targets.split(",") if t.strip()]
     if not names:
         raise FlagError("--targets is empty")
@@ -186,13 +203,13 @@ def base_versions() -> dict[str, str]:
     return versions
 
 
-def check_answers(target: Target, data: Dataset, sample: int, mode: str, seed: int) -> int:
+def check_answers(target: Target, data: DataSource, sample: int, mode: str, seed: int) -> int:
     """Fetch a sample of present and absent keys and compare with the data set; returns how
     many keys were checked. Raises BenchError naming the first wrong key."""
     rng = np.random.default_rng([seed, 7])
-    rows = rng.choice(data.keys.shape[0], min(sample, data.keys.shape[0]), replace=False)
+    rows = rng.choice(data.count, min(sample, data.count), replace=False)
     absent = data.absent_keys(max(1, sample // 10), seed)
-    keys = np.concatenate([data.keys[rows], absent])
+    keys = np.concatenate([data.keys_at(rows), absent])
 
     def verify(answer: tuple[np.ndarray, int], how: str) -> None:
         matrix, misses = answer
@@ -245,28 +262,43 @@ def _print_flush(text: str) -> None:
 # Peak memory of a run per byte of its data set (keys and values): the set, the targets'
 # input written from it, the answers checked against it. 100M x 64 B peaked at 24 GB (3.4x).
 _MEMORY_PER_DATA_BYTE = 3.5
+_SERVER_BYTES_PER_KEY = 100  # redis-server over the value size, at most (cube-server: ~16)
 
 
-def _memory_shortfall(keys: int, value_size: int, available: int | None = None) -> str:
-    """Why the data set will not fit in this machine's memory ("" when it will): cube-bench
-    holds it to check every target's answers, so a table too large is refused before any
-    work, not killed by the kernel's OOM killer minutes in."""
-    need = int(keys * (8 + value_size) * _MEMORY_PER_DATA_BYTE)
+def _memory_shortfall(
+    keys: int, value_size: int, available: int | None = None, dataset: str = "random"
+) -> str:
+    """Why the run will not fit in this machine's memory ("" when it will). A random data set
+    is held to check every target's answers, so a table too large is refused before any
+    work, not killed by the kernel's OOM killer minutes in; a derived one is never held, and
+    only the server holding the table counts (Redis or memcached: ~100 bytes a key over the
+    value; cube-server: the value and ~16 bytes of index)."""
+    if dataset == "derived":
+        need = int(keys * (value_size + _SERVER_BYTES_PER_KEY))
+        held = "the server holds the table"
+    else:
+        need = int(keys * (8 + value_size) * _MEMORY_PER_DATA_BYTE)
+        held = "the data set is kept to check answers"
     if available is None:
         available = int(psutil.virtual_memory().available)
     if need <= available:
         return ""
+    how = (
+        "Use fewer keys"
+        if dataset == "derived"
+        else "Use --dataset derived (values derived from keys, never held), fewer keys, or"
+        " `python -m bench.scale` for the server's path at this size"
+    )
     return (
-        f"--keys {keys:,} of {value_size} B need about {need / 2**30:.1f} GiB of memory (the"
-        f" data set is kept to check answers); {available / 2**30:.1f} GiB is available. Use"
-        " fewer keys, or `python -m bench.scale` for the server's path at this size"
+        f"--keys {keys:,} of {value_size} B need about {need / 2**30:.1f} GiB of memory ({held});"
+        f" {available / 2**30:.1f} GiB is available. {how}"
     )
 
 
 def run(flags: BenchFlags, target_names: list[str], argv: Sequence[str]) -> int:
     """Check the targets, then set up, check and measure each in turn; the servers always
     stop at the end, and a workdir of our own is removed however the run ends."""
-    short = _memory_shortfall(flags.keys, flags.dim * 4 or flags.value_size)
+    short = _memory_shortfall(flags.keys, flags.dim * 4 or flags.value_size, dataset=flags.dataset)
     if short:
         print(f"cube-bench: {short}", file=sys.stderr)
         return 2
@@ -295,9 +327,15 @@ def _run(
         return 2
     started = time.strftime("%Y-%m-%d %H:%M:%S %z")
     t0 = time.perf_counter()
-    data = make_dataset(flags.keys, flags.value_size, flags.dim, flags.seed)
+    distribution = parse_distribution(flags.distribution)
+    data: DataSource
+    if flags.dataset == "derived":
+        data = make_derived(flags.keys, flags.value_size, flags.dim, distribution)
+    else:
+        data = make_dataset(flags.keys, flags.value_size, flags.dim, flags.seed, distribution)
     _print_flush(
-        f"data set: {flags.keys:,} keys x {data.value_size} bytes ({time.perf_counter() - t0:.1f}s)"
+        f"data set: {flags.keys:,} keys x {data.value_size} bytes, {flags.dataset},"
+        f" {flags.distribution} draws ({time.perf_counter() - t0:.1f}s)"
     )
     results: dict[str, Any] = {}
     versions = base_versions()
@@ -338,7 +376,7 @@ def _settings(flags: BenchFlags, options: dict[str, Any]) -> dict[str, Any]:
         for k in (
             "threads", "batch", "requests", "duration", "warmup", "keys", "value_size", "dim",
             "dtype", "shards", "workers", "cube_transport", "cube_busy_poll_us", "client",
-            "max_other_load", "max_repeats", "quiet_wait", "seed",
+            "max_other_load", "max_repeats", "quiet_wait", "seed", "dataset", "distribution",
         )
     }  # fmt: skip
     if flags.dim:
@@ -380,7 +418,7 @@ def _available_targets(
 
 
 def _bench_target(
-    target: Target, data: Dataset, flags: BenchFlags, versions: dict[str, str]
+    target: Target, data: DataSource, flags: BenchFlags, versions: dict[str, str]
 ) -> dict[str, Any]:
     """Start and load one target, check its answers, then measure each concurrency level;
     returns its result (the target's info and one row per level)."""

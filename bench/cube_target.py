@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from cube.bench.targets import Dataset, Target, TargetUnavailable
+from cube.bench.targets import DataSource, Target, TargetUnavailable
 from cube.layout import part_name, served_name
 from cube.processes import SERVING, free_port, health_status
 from cube.values import ValueColumn
@@ -45,7 +45,7 @@ class CubeTarget(Target):
         except ImportError as exc:
             raise TargetUnavailable(f"cube: {exc} (is the package installed?)") from exc
 
-    def setup(self, data: Dataset) -> None:
+    def setup(self, data: DataSource) -> None:
         self.width, self.dim = data.value_size, data.dim
         shard_num = int(self.options["shards"])
         workers = int(self.options["workers"])
@@ -103,14 +103,15 @@ class CubeTarget(Target):
             f"{workers} worker port(s) per shard as replicas, round robin."
         )
 
-    def _build(self, data: Dataset, shard_num: int) -> list[Path]:
+    def _build(self, data: DataSource, shard_num: int) -> list[Path]:
         """SequenceFile -> cube-builder -> one directory per shard (index.cube + data.cube)."""
         from cube.seqfile import SequenceFileWriter
 
         input_dir = self.workdir / "input"
         input_dir.mkdir(parents=True)
         with SequenceFileWriter(input_dir / "part-00000", dialect="cube") as writer:
-            writer.write_batch(data.keys, ValueColumn.fixed(data.values.reshape(-1), self.width))
+            for keys, values in data.chunks(1 << 20):  # (a derived data set: never all at once)
+                writer.write_batch(keys, ValueColumn.fixed(values.reshape(-1), self.width))
         output_dir = self.workdir / "output"
         flags = [
             "-input_path", str(input_dir),

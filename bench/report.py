@@ -30,6 +30,10 @@ def summarize(level: LevelResult) -> dict[str, Any]:
         "keys_per_s": round(qps * cfg.batch),
         "server_cpu_us_per_req": round(a.cpu["servers"] / requests * 1e6, 1),
         "client_cpu_us_per_req": round(a.cpu["client"] / requests * 1e6, 1),
+        # keys answered per second of server CPU: comparable across batch sizes and targets
+        "keys_per_server_cpu_s": round(a.requests * cfg.batch / a.cpu["servers"])
+        if a.cpu["servers"] > 0
+        else 0,
         "server_cores": round(a.cpu["servers"] / a.window, 2),
         "client_cores": round(a.cpu["client"] / a.window, 2),
         "other_load": round(a.other_load, 2),
@@ -69,6 +73,7 @@ _COLUMNS = [
     ("p99 (µs)", "p99_us"),
     ("keys/s", "keys_per_s"),
     ("server CPU µs/req", "server_cpu_us_per_req"),
+    ("keys/server CPU-s", "keys_per_server_cpu_s"),
     ("client CPU µs/req", "client_cpu_us_per_req"),
     ("other load (cores)", "other_load"),
     ("tries", "tries"),
@@ -76,12 +81,12 @@ _COLUMNS = [
 
 
 def _cell(row: dict[str, Any], key: str) -> str:
-    value = row[key]
+    value = row.get(key, "")  # (a column added later: rows of older results lack it)
     if key == "other_load" and row.get("disturbed"):
         return f"{value} ⚠"
     if isinstance(value, float):
         return f"{value:,.0f}" if abs(value) >= 100 else f"{value:g}"
-    if isinstance(value, int) and key in ("keys_per_s", "requests"):
+    if isinstance(value, int) and key in ("keys_per_s", "requests", "keys_per_server_cpu_s"):
         return f"{value:,}"
     return str(value)
 
@@ -117,7 +122,13 @@ def _header_lines(result: dict[str, Any]) -> list[str]:
         f"`{result['command']}`",
         "",
         f"{s['keys']:,} keys, values of {s['value_size']} bytes"
-        + (f" (float32 embeddings, dim {s['dim']})" if s["dim"] else " (random bytes)")
+        + (f" (float32 embeddings, dim {s['dim']})" if s["dim"] else "")
+        + (
+            " derived from the keys (bench.keyspace)"
+            if s.get("dataset") == "derived"
+            else ("" if s["dim"] else " (random bytes)")
+        )
+        + (f", {s['distribution']} draws" if s.get("distribution", "uniform") != "uniform" else "")
         + f", batch {s['batch']}, {s['client']} clients, fresh random keys every request, "
         + (
             f"{s['requests']} requests per level"

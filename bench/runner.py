@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from cube.bench.procs import CpuSnapshot, cpu_between
-from cube.bench.targets import Dataset, Target
+from cube.bench.targets import DataSource, Target
 
 _NEVER = 2**63 - 1
 _JOIN_TIMEOUT = 60.0  # clients have 30 s socket timeouts; a worker gone longer is stuck
@@ -98,18 +98,14 @@ class _Shared:
         self.stop.set()
 
 
-def _draw(rng: np.random.Generator, keys: np.ndarray, batch: int) -> np.ndarray:
-    return keys[rng.integers(0, keys.shape[0], batch)]
-
-
 def _thread_worker(
-    shared: _Shared, index: int, client: Any, keys: np.ndarray, cfg: LevelConfig
+    shared: _Shared, index: int, client: Any, data: DataSource, cfg: LevelConfig
 ) -> None:
     rng = np.random.default_rng([cfg.seed, index])
     clock = time.perf_counter_ns
     try:
         while not shared.stop.is_set():
-            batch = _draw(rng, keys, cfg.batch)
+            batch = data.draw(rng, cfg.batch)
             started = clock()
             _values, misses = client.fetch(batch)
             shared.record(index, started, clock(), misses)
@@ -118,19 +114,19 @@ def _thread_worker(
 
 
 async def _async_worker(
-    shared: _Shared, index: int, client: Any, keys: np.ndarray, cfg: LevelConfig
+    shared: _Shared, index: int, client: Any, data: DataSource, cfg: LevelConfig
 ) -> None:
     rng = np.random.default_rng([cfg.seed, index])
     clock = time.perf_counter_ns
     while not shared.stop.is_set():
-        batch = _draw(rng, keys, cfg.batch)
+        batch = data.draw(rng, cfg.batch)
         started = clock()
         _values, misses = await client.fetch(batch)
         shared.record(index, started, clock(), misses)
 
 
 def _start_threads(
-    target: Target, keys: np.ndarray, cfg: LevelConfig, shared: _Shared
+    target: Target, data: DataSource, cfg: LevelConfig, shared: _Shared
 ) -> Callable[[], None]:
     """Threads mode: one client per thread, or ("shared") one client all threads use, as an
     application server would (connections made before the clock starts)."""
@@ -141,7 +137,7 @@ def _start_threads(
     threads = [
         threading.Thread(
             target=_thread_worker,
-            args=(shared, i, clients[i], keys, cfg),
+            args=(shared, i, clients[i], data, cfg),
             name=f"bench-{target.name}-{i}",
             daemon=True,
         )
@@ -173,7 +169,7 @@ def _new_event_loop() -> asyncio.AbstractEventLoop:
 
 
 def _start_asyncio(
-    target: Target, keys: np.ndarray, cfg: LevelConfig, shared: _Shared
+    target: Target, data: DataSource, cfg: LevelConfig, shared: _Shared
 ) -> Callable[[], None]:
     """Asyncio mode: one event loop (uvloop) in its own thread, `concurrency` tasks, one
     shared client (the async libraries pool connections themselves)."""
@@ -186,7 +182,7 @@ def _start_asyncio(
             if ready_hook is not None:
                 await ready_hook()
             tasks = [
-                asyncio.create_task(_async_worker(shared, i, client, keys, cfg))
+                asyncio.create_task(_async_worker(shared, i, client, data, cfg))
                 for i in range(cfg.concurrency)
             ]
             ready.set()
@@ -239,11 +235,13 @@ def wait_event(event: threading.Event, seconds: float) -> None:
         event.wait(min(left, _SIGNAL_SLICE))
 
 
-def run_attempt(target: Target, data: Dataset, cfg: LevelConfig, server_pids: list[int]) -> Attempt:
+def run_attempt(
+    target: Target, data: DataSource, cfg: LevelConfig, server_pids: list[int]
+) -> Attempt:
     """One warm-up + measured run of a level."""
     shared = _Shared(cfg.concurrency, cfg.requests)
     start = _start_asyncio if cfg.mode == "asyncio" else _start_threads
-    finish: Callable[[], None] = start(target, data.keys, cfg, shared)
+    finish: Callable[[], None] = start(target, data, cfg, shared)
     try:
         wait_event(shared.stop, cfg.warmup)  # returns early only on a worker error
         before = CpuSnapshot.take(server_pids)
@@ -297,7 +295,7 @@ def wait_for_quiet(
 
 def run_level(
     target: Target,
-    data: Dataset,
+    data: DataSource,
     cfg: LevelConfig,
     max_other_load: float,
     max_repeats: int,

@@ -13,7 +13,7 @@ import shutil
 import subprocess
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -21,6 +21,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from cube.bench.keyspace import DerivedData, Distribution, values_of
 from cube.bench.procs import ProcessRegistry, ServerProcess
 from cube.processes import free_port
 
@@ -34,32 +35,122 @@ class ModeUnsupported(TargetUnavailable):
     """The target has no client for the chosen --client mode: skipped, with a note."""
 
 
+UNIFORM = Distribution("uniform")
+
+
+class DataSource(ABC):
+    """What every target loads and every client asks for: `count` keys of `value_size`-byte
+    values, drawn from `distribution` (bench.keyspace) per request. Two kinds: `Dataset`, held
+    in memory (random keys and values), and `DerivedDataset`, never in memory (values derived
+    from keys, bench.keyspace): targets load either through `chunks`."""
+
+    dim: int  # > 0: values are float32 embeddings of this dimension
+    distribution: Distribution
+
+    @property
+    @abstractmethod
+    def count(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def value_size(self) -> int: ...
+
+    @abstractmethod
+    def keys_at(self, rows: np.ndarray) -> np.ndarray:
+        """The keys of data set rows `rows`."""
+
+    @abstractmethod
+    def values_at(self, rows: np.ndarray) -> np.ndarray:
+        """The (n, value_size) uint8 values of data set rows `rows`."""
+
+    @abstractmethod
+    def chunks(self, size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(keys, (n, value_size) values) of every row, `size` rows at a time."""
+
+    @abstractmethod
+    def absent_keys(self, count: int, seed: int = 99) -> np.ndarray:
+        """Keys that are not in the data set (for checking misses)."""
+
+    def draw(self, rng: np.random.Generator, batch: int) -> np.ndarray:
+        """A request's keys, drawn from `distribution`."""
+        return self.keys_at(self.distribution.draw(rng, self.count, batch))
+
+    def expected(self, rows: np.ndarray) -> np.ndarray:
+        """What `fetch` must return for dataset rows `rows` (in the fetch output dtype)."""
+        picked = self.values_at(rows)
+        return picked.view(np.float32) if self.dim else picked
+
+
 @dataclass(frozen=True)
-class Dataset:
+class Dataset(DataSource):
     """`keys[i]` maps to `values[i]`: distinct random uint64 keys, random value bytes."""
 
     keys: np.ndarray  # uint64 (n,)
     values: np.ndarray  # uint8 (n, value_size)
     dim: int  # > 0: values are float32 embeddings of this dimension
+    distribution: Distribution = UNIFORM
+
+    @property
+    def count(self) -> int:
+        return int(self.keys.shape[0])
 
     @property
     def value_size(self) -> int:
         return int(self.values.shape[1])
 
-    def expected(self, rows: np.ndarray) -> np.ndarray:
-        """What `fetch` must return for dataset rows `rows` (in the fetch output dtype)."""
+    def keys_at(self, rows: np.ndarray) -> np.ndarray:
+        picked: np.ndarray = self.keys[rows]
+        return picked
+
+    def values_at(self, rows: np.ndarray) -> np.ndarray:
         picked: np.ndarray = self.values[rows]
-        return picked.view(np.float32) if self.dim else picked
+        return picked
+
+    def chunks(self, size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for start in range(0, self.count, size):
+            yield self.keys[start : start + size], self.values[start : start + size]
 
     def absent_keys(self, count: int, seed: int = 99) -> np.ndarray:
-        """Keys that are not in the data set (for checking misses)."""
         rng = np.random.default_rng(seed)
         candidates = rng.integers(0, 2**64 - 1, count * 2 + 16, dtype=np.uint64)
         candidates = candidates[~np.isin(candidates, self.keys)]
         return candidates[:count]
 
 
-def make_dataset(count: int, value_size: int, dim: int = 0, seed: int = 1) -> Dataset:
+@dataclass(frozen=True)
+class DerivedDataset(DataSource):
+    """bench.keyspace's derived data set: row i's key is keys_of(i), its value the key's bytes
+    repeated; nothing is held, so any size loads and every answer can be checked."""
+
+    data: DerivedData
+    dim: int = 0
+    distribution: Distribution = UNIFORM
+
+    @property
+    def count(self) -> int:
+        return self.data.count
+
+    @property
+    def value_size(self) -> int:
+        return self.data.width
+
+    def keys_at(self, rows: np.ndarray) -> np.ndarray:
+        return self.data.keys(rows)
+
+    def values_at(self, rows: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(values_of(self.keys_at(rows), self.data.width))
+
+    def chunks(self, size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for keys, values in self.data.chunks(size):
+            yield keys, np.ascontiguousarray(values)
+
+    def absent_keys(self, count: int, seed: int = 99) -> np.ndarray:
+        return self.data.absent_keys(count, seed)
+
+
+def make_dataset(
+    count: int, value_size: int, dim: int = 0, seed: int = 1, distribution: Distribution = UNIFORM
+) -> Dataset:
     """Distinct random 64-bit keys and random values (float32 embeddings when `dim` > 0)."""
     if count <= 0:
         raise ValueError(f"--keys must be > 0, got {count}")
@@ -73,7 +164,16 @@ def make_dataset(count: int, value_size: int, dim: int = 0, seed: int = 1) -> Da
         values = rng.standard_normal((count, dim), dtype=np.float32).view(np.uint8)
     else:
         values = rng.integers(0, 256, (count, value_size), dtype=np.uint8)
-    return Dataset(keys, np.ascontiguousarray(values), dim)
+    return Dataset(keys, np.ascontiguousarray(values), dim, distribution)
+
+
+def make_derived(
+    count: int, value_size: int, dim: int = 0, distribution: Distribution = UNIFORM
+) -> DerivedDataset:
+    """The derived data set of `count` keys (values of dim * 4 bytes with `dim`)."""
+    if count <= 0:
+        raise ValueError(f"--keys must be > 0, got {count}")
+    return DerivedDataset(DerivedData(count, dim * 4 or value_size), dim, distribution)
 
 
 def rows_from_list(values: list[bytes | None], width: int, dim: int) -> tuple[np.ndarray, int]:
@@ -136,7 +236,7 @@ class Target(ABC):
         """Raise TargetUnavailable before any work if this target cannot run."""
 
     @abstractmethod
-    def setup(self, data: Dataset) -> None:
+    def setup(self, data: DataSource) -> None:
         """Start the server(s) and load the data set."""
 
     @abstractmethod
@@ -178,19 +278,10 @@ class RedisTarget(Target):
         except ImportError as exc:
             raise TargetUnavailable("redis-py is not installed: pip install redis hiredis") from exc
 
-    def setup(self, data: Dataset) -> None:
+    def setup(self, data: DataSource) -> None:
         self.start_server(data.value_size, data.dim)
         started = time.perf_counter()
-        self.load_chunks(
-            (
-                (
-                    data.keys[start : start + self.load_chunk],
-                    data.values[start : start + self.load_chunk],
-                )
-                for start in range(0, data.keys.shape[0], self.load_chunk)
-            ),
-            data.keys.shape[0],
-        )
+        self.load_chunks(data.chunks(self.load_chunk * 10), data.count)
         self.info["load_seconds"] = round(time.perf_counter() - started, 2)
 
     def start_server(self, width: int, dim: int = 0) -> None:
@@ -307,13 +398,13 @@ class MemcachedTarget(Target):
                 f"memcached: pymemcache has no {client_mode} client (use --client thread)"
             )
 
-    def setup(self, data: Dataset) -> None:
+    def setup(self, data: DataSource) -> None:
         from pymemcache.client.base import Client
 
         self.port = free_port()
         self.width, self.dim = data.value_size, data.dim
         # item overhead is ~50 bytes + key + value, in slab classes up to 1.25x apart
-        memory_mb = max(64, int(data.keys.shape[0] * (self.width + 20 + 64) * 1.5 / 2**20) + 16)
+        memory_mb = max(64, int(data.count * (self.width + 20 + 64) * 1.5 / 2**20) + 16)
         argv = [
             self.binary,
             "-l", "127.0.0.1",
@@ -331,23 +422,16 @@ class MemcachedTarget(Target):
         started = time.perf_counter()
         client = Client(("127.0.0.1", self.port), timeout=60, connect_timeout=10)
         try:
-            keys = [str(k) for k in data.keys.tolist()]
-            values = data.values.view(f"V{self.width}").ravel().tolist()
-            for start in range(0, len(keys), self.load_chunk):
-                chunk = dict(
-                    zip(
-                        keys[start : start + self.load_chunk],
-                        values[start : start + self.load_chunk],
-                        strict=True,
-                    )
-                )
-                client.set_many(chunk, noreply=True)  # counted below
+            for chunk_keys, chunk_values in data.chunks(self.load_chunk):
+                names = [str(k) for k in chunk_keys.tolist()]
+                rows = np.ascontiguousarray(chunk_values).view(f"V{self.width}").ravel().tolist()
+                client.set_many(dict(zip(names, rows, strict=True)), noreply=True)  # counted below
             items = int(client.stats().get(b"curr_items", 0))
         finally:
             client.close()
-        if items != len(keys):
+        if items != data.count:
             raise RuntimeError(
-                f"memcached holds {items} items after loading {len(keys)} (out of memory? see -m)"
+                f"memcached holds {items} items after loading {data.count} (out of memory? see -m)"
             )
         self.info["load_note"] = f"set_many of {self.load_chunk:,} keys"
         self.info["load_seconds"] = round(time.perf_counter() - started, 2)

@@ -22,6 +22,7 @@ import pytest
 
 from cube.bench import report
 from cube.bench.cube_bench import _memory_shortfall, check_answers
+from cube.bench.keyspace import parse_distribution, values_of
 from cube.bench.procs import ProcessRegistry
 from cube.bench.runner import (
     Attempt,
@@ -32,7 +33,14 @@ from cube.bench.runner import (
     run_level,
     wait_for_quiet,
 )
-from cube.bench.targets import Dataset, Target, make_dataset, rows_from_list
+from cube.bench.targets import (
+    Dataset,
+    DataSource,
+    Target,
+    make_dataset,
+    make_derived,
+    rows_from_list,
+)
 
 pytestmark = pytest.mark.slow  # real processes end to end: `make quick` skips them
 
@@ -57,6 +65,24 @@ def test_dataset_keys_are_distinct_and_values_sized() -> None:
     assert embeddings.expected(np.arange(3)).dtype == np.float32
 
 
+def test_a_derived_data_set_is_never_held_and_checks_like_a_random_one(tmp_path: Path) -> None:
+    """--dataset derived: values derived from keys (bench.keyspace), loaded in chunks, answers
+    checked from the key alone; --distribution zipf:THETA skews the draws."""
+    data = make_derived(5000, 24, distribution=parse_distribution("zipf:0.99"))
+    rows = np.array([0, 17, 4999])
+    assert np.array_equal(data.expected(rows), values_of(data.keys_at(rows), 24))
+    assert sum(keys.shape[0] for keys, _ in data.chunks(1024)) == 5000
+    draws = np.concatenate([data.draw(np.random.default_rng(i), 1000) for i in range(20)])
+    _unique, counts = np.unique(draws, return_counts=True)
+    assert counts.max() > 200  # the hottest key: ~9% of 20k draws at theta 0.99 over 5000
+    target = _DictTarget(ProcessRegistry(), tmp_path, {})
+    target.setup(data)
+    assert check_answers(target, data, 300, "asyncio", seed=2) == 330
+    # only the server's copy counts: 100M x 64 B fits where a held data set would not
+    assert _memory_shortfall(100_000_000, 64, available=20 << 30, dataset="derived") == ""
+    assert "--dataset derived" in _memory_shortfall(100_000_000, 64, available=20 << 30)
+
+
 def test_rows_from_list_zero_fills_misses_and_rejects_wrong_sizes() -> None:
     matrix, misses = rows_from_list([b"ab", None, b"cd"], 2, 0)
     assert misses == 1
@@ -74,9 +100,11 @@ class _DictTarget(Target):
     def check_available(self, client_mode: str) -> None:
         pass
 
-    def setup(self, data: Dataset) -> None:
+    def setup(self, data: DataSource) -> None:
         self.table: dict[int, bytes] = {
-            int(k): data.values[i].tobytes() for i, k in enumerate(data.keys)
+            int(k): row.tobytes()
+            for keys, values in data.chunks(1000)
+            for k, row in zip(keys.tolist(), values, strict=True)
         }
         self.width = data.value_size
 
@@ -411,3 +439,37 @@ def test_quick_run_of_cube_and_redis_writes_reports_and_stops_its_servers(tmp_pa
         assert pids and not [pid for pid in every_pid if _alive(pid)]
     finally:
         _kill_leftovers(pids)
+
+
+@pytest.mark.skipif(not HAVE_REDIS, reason="redis-server not installed (make debs)")
+def test_a_derived_zipf_run_loads_in_chunks_and_reports_keys_per_server_cpu_second(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            str(CUBE_BENCH), "--targets", "cube,redis", "--threads", "2", "--keys", "3000",
+            "--batch", "200", "--duration", "0.6", "--warmup", "0.2", "--max_repeats", "0",
+            "--quiet_wait", "0", "--check_sample", "500", "--dataset", "derived",
+            "--distribution", "zipf:0.99", "--out", str(out),
+        ],
+        capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    pids = _started_pids(proc.stdout)
+    try:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "derived, zipf:0.99 draws" in proc.stdout
+        result = json.loads((out / "results.json").read_text())
+        assert result["settings"]["dataset"] == "derived"
+        for name, target in result["targets"].items():
+            (row,) = target["levels"]
+            assert row["misses"] == 0 and row["keys_per_server_cpu_s"] > 0, (name, row)
+        assert "keys/server CPU-s" in (out / "results.md").read_text()
+        assert "derived from the keys" in (out / "results.md").read_text()
+    finally:
+        _kill_leftovers(pids)
+    bad = subprocess.run(
+        [str(CUBE_BENCH), "--distribution", "zipf:2", "--out", str(out)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "--distribution" in bad.stderr
