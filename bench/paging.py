@@ -1,0 +1,234 @@
+"""Lookups on a table larger than the memory its process may use (issue 37 item 3).
+
+    python -m cube.bench.paging --keys 20000000 --width 64 --share 0.25 --seconds 10
+
+Writes one shard of `--keys` derived keys (bench.keyspace: values checkable from the keys)
+into a temporary directory (removed at the end), then for each way of mapping it and each key
+distribution runs a child process that looks up 1000-key batches for `--seconds` through the
+server's gather (`cube.server.service.FastGather`, the path a request takes), one batch at a
+time, every answer checked:
+
+- `in-memory`: no limit, the shard populated (the baseline; what `--in_mem` serves);
+- `before`: in a cgroup v1 memory group of `--share` of the shard's bytes, mapped as a server
+  did before issue 37 when it did not pin (`--in_mem false`: readahead, 2 MiB pages);
+- `random`: the same group, mapped as a server now maps a version that does not fit
+  (`Shard.open(random_access=True)`: MADV_RANDOM, 4 KiB faults);
+- `random+index`: that, with the index pinned (what a server does when the index fits the
+  group beside the process's headroom, `cube.server.memory`; skipped when it would not).
+
+The shard's pages are dropped from the page cache before each child (POSIX_FADV_DONTNEED), so
+every run starts cold. Prints a table and one JSON object (`--out`). Needs root and cgroup v1's
+memory controller for the limited runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cube.bench.keyspace import DerivedData, draw_pool, parse_distributions, values_of
+from cube.index import build_table
+from cube.server.memory import in_mem_refusal
+from cube.shard import Shard, ShardStack, write_shard
+from cube.values import ValueColumn
+
+CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+MODES = ("in-memory", "before", "random", "random+index")
+BATCH = 1000
+
+
+def write_table(directory: Path, data: DerivedData) -> int:
+    """The shard of `data` in `directory`; its bytes."""
+    keys = data.keys(np.arange(data.count, dtype=np.uint64))
+    values = values_of(keys, data.width).reshape(-1)
+    column = ValueColumn.fixed(values, data.width)
+    write_shard(directory, build_table(keys), column, {"dict_name": "paging", "version": "1"})
+    return sum(p.stat().st_size for p in directory.iterdir())
+
+
+def drop_cache(directory: Path) -> None:
+    for path in directory.iterdir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def probe(
+    directory: Path, mode: str, data: DerivedData, dist: str, seconds: float, warmup: float
+) -> dict[str, Any]:
+    """The child's work: map the shard as `mode` says, look keys up for `warmup` seconds
+    (other keys of the same distribution: the page cache's steady state, and the kernel's
+    collapse of file pages into huge ones, which slows the first seconds after a load), then
+    time batches (see the module)."""
+    from cube.server.service import FastGather
+    from cube.server.versions import lock_in_memory
+
+    shard = Shard.open(
+        directory,
+        populate=mode == "in-memory",
+        huge_pages=mode == "before",
+        random_access=mode.startswith("random"),
+        populate_index=mode == "random+index",
+    )
+    if mode == "random+index":
+        lock_in_memory(shard, index_only=True)
+    gather = FastGather(ShardStack([shard]))
+    (distribution,) = parse_distributions(dist)
+    rate = 12_000_000 if mode == "in-memory" else 50_000  # keys/s, more than it will do
+    pool = draw_pool(data, distribution, max(1, int(seconds * rate / BATCH)), BATCH, seed=5)
+    warm = draw_pool(data, distribution, 1000, BATCH, seed=6)
+    warm_until = time.perf_counter() + warmup
+    done = 0
+    while done == 0 or time.perf_counter() < warm_until:
+        gather.fixed_values(warm[done % warm.shape[0]])
+        done += 1
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+    latencies = []
+    started = time.perf_counter()
+    done = 0
+    while time.perf_counter() - started < seconds and done < pool.shape[0]:
+        keys = pool[done]
+        begun = time.perf_counter()
+        found, values = gather.fixed_values(keys)
+        latencies.append(time.perf_counter() - begun)
+        if not found.all() or not np.array_equal(values, values_of(keys, data.width)):
+            raise SystemExit(f"wrong answer in batch {done}")
+        done += 1
+    elapsed = time.perf_counter() - started
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults
+    ms = np.array(latencies) * 1e3
+    return {
+        "mode": mode,
+        "distribution": dist,
+        "keys_per_s": round(done * BATCH / elapsed),
+        "p50_ms": round(float(np.median(ms)), 3),
+        "p99_ms": round(float(np.percentile(ms, 99)), 3),
+        "major_faults_per_key": round(faults / (done * BATCH), 3),
+        "batches": done,
+    }
+
+
+def run_child(
+    directory: Path,
+    mode: str,
+    data: DerivedData,
+    dist: str,
+    seconds: float,
+    limit: int,
+    warmup: float = 3.0,
+) -> dict[str, Any]:
+    """One probe in a child process, in a fresh memory group of `limit` bytes (0: none)."""
+    drop_cache(directory)
+    group = CGROUP_V1 / f"cube-paging-{os.getpid()}-{mode.replace('+', '-')}-{time.time_ns()}"
+    argv = [sys.executable, "-m", "cube.bench.paging", "--child", str(directory), "--mode", mode,
+            "--keys", str(data.count), "--width", str(data.width), "--distributions", dist,
+            "--seconds", str(seconds), "--warmup", str(warmup)]  # fmt: skip
+    preexec = None
+    if limit:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(limit))
+        procs = group / "cgroup.procs"
+
+        def join() -> None:
+            procs.write_text(str(os.getpid()))
+
+        preexec = join
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=seconds * 4 + 300, preexec_fn=preexec
+        )
+        if done.returncode != 0:
+            killed = " (killed: out of memory?)" if done.returncode < 0 else ""
+            return {"mode": mode, "distribution": dist, "error": f"exit {done.returncode}{killed}"}
+        result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        if limit:
+            peak = int((group / "memory.max_usage_in_bytes").read_text())
+            result["peak_mib"] = round(peak / (1 << 20))
+        return result
+    finally:
+        if limit and group.exists():
+            group.rmdir()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--keys", type=int, default=20_000_000)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--share", type=float, default=0.25, help="memory limit / table bytes")
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--warmup", type=float, default=3.0, help="seconds looked up untimed")
+    parser.add_argument("--distributions", default="uniform,zipf:0.99")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the shard goes")
+    parser.add_argument("--out", default="")
+    parser.add_argument("--child", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    data = DerivedData(args.keys, args.width)
+    if args.child:
+        print(
+            json.dumps(
+                probe(
+                    Path(args.child), args.mode, data, args.distributions, args.seconds, args.warmup
+                )
+            )
+        )
+        return 0
+    if os.geteuid() != 0 or not (CGROUP_V1 / "memory.limit_in_bytes").exists():
+        raise SystemExit("needs root and cgroup v1's memory controller (the limited runs)")
+    need = args.keys * (args.width + 16) * 1.2
+    if shutil.disk_usage(args.dir).free < need:
+        raise SystemExit(f"{args.dir}: needs {need / 1e9:.1f} GB free for the shard")
+    root = Path(tempfile.mkdtemp(prefix="cube-paging-", dir=args.dir))
+    try:
+        started = time.perf_counter()
+        size = write_table(root / "shard", data)
+        print(f"shard: {args.keys:,} keys x {args.width} B, {size / 1e9:.2f} GB written in"
+              f" {time.perf_counter() - started:.0f} s", flush=True)  # fmt: skip
+        limit = int(size * args.share)
+        index_bytes = (root / "shard" / "index.cube").stat().st_size
+        pin_refusal = in_mem_refusal(index_bytes, 0, limit, "the group's limit")
+        results = []
+        for dist in args.distributions.split(","):
+            for mode in args.modes.split(","):
+                if mode == "random+index" and pin_refusal:  # a server would not pin it either
+                    results.append({"mode": mode, "distribution": dist, "error": "index unpinned"})
+                    print(f"{mode}: skipped, a server would not pin this index: {pin_refusal}")
+                    continue
+                cap = 0 if mode == "in-memory" else limit
+                shard = root / "shard"
+                results.append(run_child(shard, mode, data, dist, args.seconds, cap, args.warmup))
+                print(json.dumps(results[-1]), flush=True)
+        report = {
+            "keys": args.keys, "width": args.width, "table_bytes": size,
+            "limit_bytes": limit, "results": results, "machine": os.uname().nodename,
+            "cpus": os.cpu_count(),
+        }  # fmt: skip
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"{'distribution':14} {'mode':14} {'keys/s':>10} {'p50 ms':>8} {'p99 ms':>8}"
+              f" {'faults/key':>10}")  # fmt: skip
+        for r in results:
+            print(f"{r['distribution']:14} {r['mode']:14} {r.get('keys_per_s', 0):>10,}"
+                  f" {r.get('p50_ms', 0):>8} {r.get('p99_ms', 0):>8}"
+                  f" {r.get('major_faults_per_key', r.get('error', '')):>10}")  # fmt: skip
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
