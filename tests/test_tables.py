@@ -271,3 +271,16 @@ def test_a_paddle_save_of_two_tables_rolls_out_through_transfer_and_agents(
             np.testing.assert_allclose(result.embeddings(dim).reshape(-1), expected, rtol=5e-6)
     finally:
         cluster.down(timeout=5.0)
+
+
+def test_a_table_named_to_a_version_of_one_is_not_found(tmp_path: Path) -> None:
+    """A version without TABLES is one unnamed table: a request naming a table is refused
+    (NOT_FOUND, saying to send none), never answered from the unnamed one."""
+    data = tmp_path / "data"
+    write_version(data, "5", BASE[:100], fixed_values(BASE[:100], 8, 1), current=True)
+    with running_server(data) as server, CubeClient(shards=[[server.address]], retry=0) as client:
+        assert client.seek(BASE[:10]).found.all()
+        with pytest.raises(RequestRejectedError) as refused:
+            client.seek(BASE[:10], table="000")
+    assert refused.value.code == "NOT_FOUND"
+    assert "one unnamed table (send no table)" in str(refused.value)
