@@ -253,13 +253,14 @@ class BuilderFlags:
         "",
         "paddle_ps: the sparse table to read when the save has several: its folder (000), "
         "table id, or table name (with -paddle_config); several, into one version of named "
-        "tables: a comma list (000,001) or all (default with a -paddle_config of several)",
+        "tables: a comma list (000,001) or all (what a -paddle_config of several builds when "
+        "this flag is not given)",
     )
     paddle_value: str = flag(
         "",
         "paddle_ps: the columns of a served value, in order, from "
         + ", ".join(VALUE_FIELDS)
-        + " (show,click,embed_w,embedx_w: what a model with a cvm op looks up); default "
+        + " (show,click,embed_w,embedx_w: what a model with a cvm op looks up); none given: "
         + ",".join(DEFAULT_VALUE)
         + ", embed_w alone for a table without embedx_w (embedx_dim 0), which refuses a "
         "-paddle_value naming embedx_w",

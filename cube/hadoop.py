@@ -166,7 +166,8 @@ def configs_flag() -> str:
     """The -hadoop_configs flag, beside `home_flag`."""
     return flag(
         "",
-        "the Hadoop client's settings, key=value,... (fs.default.name, hadoop.job.ugi): sets "
+        "the Hadoop client's settings, key=value,... (the cluster's name node URI, "
+        "hadoop.job.ugi: docs/paddle.md): sets "
         "CUBE_HADOOP_CONFIGS for the processes this one runs too; a password belongs in a "
         "--flagfile or the environment, not the command line",
         metavar="K=V,...",
