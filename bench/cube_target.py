@@ -17,7 +17,7 @@ import numpy as np
 
 from cube.bench.targets import DataSource, Target, TargetUnavailable
 from cube.layout import part_name, served_name
-from cube.processes import SERVING, free_port, health_status
+from cube.processes import SERVING, free_port, free_ports, health_status
 from cube.values import ValueColumn
 
 DICT_NAME = "bench_dict"
@@ -63,9 +63,13 @@ class CubeTarget(Target):
             part.rename(data_dir / version)  # same file system: the builder's files, moved
             (data_dir / "VERSION").write_text(version + "\n")
             ports = [free_port() for _ in range(workers)]
+            # worker i controls on control_port + i: consecutive ports free now, not the
+            # default --port + 1000 + i, which another process may hold
+            controls = free_ports(workers, avoid=ports)
             argv = [
                 *_console_script("cube-server", "cube.server.main"),
                 "--port", str(ports[0]),
+                "--control_port", str(controls[0]),
                 "--data_dir", str(data_dir),
                 "--dict_name", DICT_NAME,
                 "--shard", str(shard),

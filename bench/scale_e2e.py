@@ -541,6 +541,7 @@ class Runner:
             argv = [
                 command("cube-server"),
                 "--port", str(port),
+                "--control_port", str(free_port()),  # (not --port + 1000: maybe held)
                 "--data_dir", str(data_dir),
                 "--dict_name", dict_name,
                 "--shard", str(shard),
