@@ -459,7 +459,7 @@ class SeekService:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{what}: version {version.name} holds several tables ({tables}): name one"
-                " (the SDK's table=, cube-cli -table, HTTP+JSON \"table\", cube.v1"
+                ' (the SDK\'s table=, cube-cli -table, HTTP+JSON "table", cube.v1'
                 " SeekRequest.table; the original rec.mcube and baidu_std APIs cannot)",
             )
         held = f"tables {tables}" if tables else "one unnamed table (send no table)"
