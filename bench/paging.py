@@ -14,7 +14,10 @@ time, every answer checked:
 - `random`: the same group, mapped as a server now maps a version that does not fit
   (`Shard.open(random_access=True)`: MADV_RANDOM, 4 KiB faults);
 - `random+index`: that, with the index pinned (what a server does when the index fits the
-  group beside the process's headroom, `cube.server.memory`; skipped when it would not).
+  group beside the process's headroom, `cube.server.memory`; skipped when it would not);
+- `paged`: what a server does now (`cube.server.service.PagedGather`): `random`, the index
+  pinned when it fits, a hot cache of the automatic size in front (`--hot_cache_mb -1`,
+  filled from the warm-up's answers) and misses read on several threads.
 
 The shard's pages are dropped from the page cache before each child (POSIX_FADV_DONTNEED), so
 every run starts cold. Prints a table and one JSON object (`--out`). Needs root and cgroup v1's
@@ -44,7 +47,7 @@ from cube.shard import Shard, ShardStack, write_shard
 from cube.values import ValueColumn
 
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
-MODES = ("in-memory", "before", "random", "random+index")
+MODES = ("in-memory", "before", "random", "random+index", "paged")
 BATCH = 1000
 
 
@@ -73,21 +76,29 @@ def probe(
     (other keys of the same distribution: the page cache's steady state, and the kernel's
     collapse of file pages into huge ones, which slows the first seconds after a load), then
     time batches (see the module)."""
-    from cube.server.service import FastGather
+    from cube.server import memory
+    from cube.server.service import FastGather, PagedGather
     from cube.server.versions import lock_in_memory
 
+    limit, source = memory.memory_limit()
+    index_bytes = (directory / "index.cube").stat().st_size
+    pin_index = mode == "random+index" or (
+        mode == "paged" and not in_mem_refusal(index_bytes, 0, limit, source)
+    )
     shard = Shard.open(
         directory,
         populate=mode == "in-memory",
         huge_pages=mode == "before",
-        random_access=mode.startswith("random"),
-        populate_index=mode == "random+index",
+        random_access=mode.startswith("random") or mode == "paged",
+        populate_index=pin_index,
     )
-    if mode == "random+index":
+    if pin_index:
         lock_in_memory(shard, index_only=True)
     gather = FastGather(ShardStack([shard]))
+    if mode == "paged":
+        gather = PagedGather(ShardStack([shard]), memory.hot_cache_budget(limit, 1))
     (distribution,) = parse_distributions(dist)
-    rate = 12_000_000 if mode == "in-memory" else 50_000  # keys/s, more than it will do
+    rate = {"in-memory": 12_000_000, "paged": 1_000_000}.get(mode, 50_000)  # > it will do
     pool = draw_pool(data, distribution, max(1, int(seconds * rate / BATCH)), BATCH, seed=5)
     warm = draw_pool(data, distribution, 1000, BATCH, seed=6)
     warm_until = time.perf_counter() + warmup
@@ -110,9 +121,12 @@ def probe(
     elapsed = time.perf_counter() - started
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults
     ms = np.array(latencies) * 1e3
+    cache = gather.cache if isinstance(gather, PagedGather) else None
     return {
         "mode": mode,
         "distribution": dist,
+        "index_pinned": pin_index,
+        "hot_cache": cache.describe() if cache else {},
         "keys_per_s": round(done * BATCH / elapsed),
         "p50_ms": round(float(np.median(ms)), 3),
         "p99_ms": round(float(np.percentile(ms, 99)), 3),

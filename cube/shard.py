@@ -21,7 +21,7 @@ import numpy as np
 
 from cube import format as fmt
 from cube import kernel
-from cube.index import TOMBSTONE, HashTable
+from cube.index import TOMBSTONE, BuiltTable, HashTable
 from cube.shard_writer import DATA_FILE, INDEX_FILE, ValueSource, Writeback, write_shard
 from cube.values import ValueColumn
 
@@ -178,7 +178,7 @@ class Shard:
 
     def __init__(self, directory: Path, index: _MappedFile, data: _MappedFile) -> None:
         self.directory = directory
-        self._files = (index, data)
+        self._files: tuple[_MappedFile, ...] = (index, data)
         self.meta = index.fields
         self.table = HashTable(
             slot_keys=index.section("slot_keys", "<u8"),
@@ -202,6 +202,25 @@ class Shard:
             raise fmt.ShardFormatError(
                 str(data.path), f"{self.values.count} values for {count} records"
             )
+
+    @classmethod
+    def in_memory(cls, built: BuiltTable, values: ValueColumn) -> Shard:
+        """A shard in anonymous memory, with no files (a server's hot cache,
+        cube.server.hot): `built` is index.build_table of keys whose values are `values`, in
+        the keys' order; the values are copied in row order."""
+        shard = cls.__new__(cls)
+        shard.directory = Path("<memory>")
+        shard._files = ()
+        rows = values.take(built.live_order)
+        shard.meta = {
+            "record_count": int(built.live_order.shape[0]),
+            "value_width": rows.width,
+            "tombstone_count": built.tombstone_count,
+        }
+        shard.table = built.table
+        shard.kernel_table = kernel.prepare(built.table)
+        shard.values = rows
+        return shard
 
     @classmethod
     def open(
@@ -265,8 +284,9 @@ class Shard:
         return int(self.meta["value_width"])
 
     @property
-    def files(self) -> tuple[_MappedFile, _MappedFile]:
-        """The index and data files (path, descriptor when kept open, mapped size)."""
+    def files(self) -> tuple[_MappedFile, ...]:
+        """The index and data files (path, descriptor when kept open, mapped size); none for
+        a shard `in_memory`."""
         return self._files
 
     def verify(self, cancelled: Callable[[], bool] | None = None) -> None:

@@ -113,22 +113,41 @@ def test_a_table_larger_than_the_cgroup_is_served_not_oom_killed(
     def join_group() -> None:  # runs in the server's process before it starts
         procs.write_text(str(os.getpid()))
 
-    args = ("--in_mem", "true", "--metrics_port", "0")
+    args = ("--in_mem", "true", "--metrics_port", "0", "--hot_cache_mb", "40")
     with running_server(data, *args, preexec_fn=join_group) as server:
         server.wait_serving()
         sample = keys[:: count // 500]
+
+        def current() -> dict[str, Any]:
+            with grpc.insecure_channel(server.control_address) as channel:
+                request = cube_pb2.ControlRequest(cmd="status")
+                reply = control_stub(channel).cmd(request, timeout=30)
+            state: dict[str, Any] = json.loads(reply.detail_json)["current"]
+            return state
+
         with CubeClient(shards=[[server.address]]) as client:
             result = client.seek(sample)
-        assert result.found.all()
+            assert result.found.all()
+            assert np.array_equal(result.column.as_rows(), expected_fixed(sample, width, 3))
+
+            def cached() -> bool:  # lookups go on until the hot cache holds what they ask
+                answer = client.seek(sample)
+                assert answer.found.all()
+                assert np.array_equal(answer.column.as_rows(), expected_fixed(sample, width, 3))
+                return bool(current()["hot_cache"]["keys"] >= sample.shape[0])
+
+            assert poll_until(cached, timeout=60, interval=0.2, check=server.check_running)
+            result = client.seek(sample)  # from the hot cache now, the same values
         assert np.array_equal(result.column.as_rows(), expected_fixed(sample, width, 3))
-        with grpc.insecure_channel(server.control_address) as channel:
-            reply = control_stub(channel).cmd(cube_pb2.ControlRequest(cmd="status"), timeout=30)
-        current = json.loads(reply.detail_json)["current"]
-        note = current["memory_note"]
+        state = current()
+        note = state["memory_note"]
         assert "do not fit" in note and str(memory_group) in note, note
         # the index alone is pinned (100k keys: about 1.4 MB), the values are not
-        assert note.endswith("its index pinned alone"), note
-        assert 0 < current["locked_bytes"] < 4 * MIB, current["locked_bytes"]
+        assert "its index pinned alone" in note, note
+        assert note.endswith("a hot cache of 40 MiB a worker in front of it"), note
+        assert state["hot_cache"]["hits"] >= sample.shape[0]
+        assert 0 < state["hot_cache"]["bytes"] <= 40 * MIB
+        assert 0 < state["locked_bytes"] < 4 * MIB, state["locked_bytes"]
         assert server.log().count("do not fit") == 1
         # what an operator sees: the version not in memory, the worker's disk faults
         port = server.written_ports()["metrics_port"]
@@ -137,6 +156,8 @@ def test_a_table_larger_than_the_cgroup_is_served_not_oom_killed(
         assert samples[key] == 0.0
         faults = ("cube_server_major_page_faults_total", (("worker", "0"),))
         assert samples[faults] > 0
+        hits = ("cube_server_hot_cache_hits_total", (("slot", "current"), ("worker", "0")))
+        assert samples[hits] >= sample.shape[0]
         assert server.process.poll() is None
     assert int((memory_group / "memory.max_usage_in_bytes").read_text()) <= 300 * MIB
 

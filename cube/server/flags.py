@@ -66,6 +66,12 @@ class ServerFlags:
     dict_split: int = flag(1, "sub-dicts in this shard: <data_dir>/<split>/... when > 1")
     partitioner: str = flag("mod", "key -> split rule (the builder's)", choices=PARTITIONERS)
     in_mem: bool = flag(True, "fault shards into memory at load and mlock them (best effort)")
+    hot_cache_mb: int = flag(
+        -1,
+        "MiB of hot cache a worker keeps in front of a version too large for its memory"
+        " (the values asked for most, key by key); -1: 20% of the memory limit shared out"
+        " among the workers; 0: none",
+    )
     huge_pages: bool = flag(
         True,
         "map shards with 2 MiB pages where the kernel and filesystem have them (transparent"

@@ -59,6 +59,8 @@ def check_flags(flags: ServerFlags) -> None:
         raise FlagError(f"--dict_split must be >= 1, got {flags.dict_split}")
     if flags.workers < 1:
         raise FlagError(f"--workers must be >= 1, got {flags.workers}")
+    if flags.hot_cache_mb < -1:
+        raise FlagError(f"--hot_cache_mb must be >= -1 (-1: automatic), got {flags.hot_cache_mb}")
     if flags.max_batch < 1:
         raise FlagError(f"--max_batch must be >= 1, got {flags.max_batch}")
     for name, count in (

@@ -36,6 +36,16 @@ def in_mem_refusal(new_bytes: int, held_bytes: int, limit: int, source: str) -> 
     )
 
 
+HOT_CACHE_SHARE = 0.20  # of the limit, for the hot caches of a version served paged
+
+
+def hot_cache_budget(limit: int, workers: int) -> int:
+    """Bytes of hot cache (cube.server.hot) each of `workers` gives a version that does not
+    fit `limit`: a share of the limit, the rest left to the page cache (the index, misses)
+    and the process."""
+    return int(limit * HOT_CACHE_SHARE) // max(1, workers)
+
+
 def _size(count: int) -> str:
     return f"{count / (1 << 20):.0f} MiB"
 

@@ -191,8 +191,31 @@ class _VersionFamilies:
             labels=["worker", "slot"],
         )
 
+        self.hot_bytes = GaugeMetricFamily(
+            "cube_server_hot_cache_bytes",
+            "Bytes of the hot cache in front of a version served paged (too large for the"
+            " memory: cube.server.hot)",
+            labels=["worker", "slot"],
+        )
+        self.hot_asked = CounterMetricFamily(
+            "cube_server_hot_cache_lookups",
+            "Keys looked up in a version served paged",
+            labels=["worker", "slot"],
+        )
+        self.hot_hits = CounterMetricFamily(
+            "cube_server_hot_cache_hits",
+            "Of those, keys answered from its hot cache (the rest read from disk or the page"
+            " cache)",
+            labels=["worker", "slot"],
+        )
+
     def add(self, worker: str, state: dict[str, Any]) -> None:
         for slot, version in state.get("versions", {}).items():
+            hot = version.get("hot_cache")
+            if hot:
+                self.hot_bytes.add_metric([worker, slot], hot["bytes"])
+                self.hot_asked.add_metric([worker, slot], hot["asked"])
+                self.hot_hits.add_metric([worker, slot], hot["hits"])
             self.info.add_metric([worker, slot, version["version"]], 1.0)
             self.records.add_metric([worker, slot], version["record_count"])
             self.data.add_metric([worker, slot], version["data_bytes"])
@@ -204,5 +227,5 @@ class _VersionFamilies:
     def families(self) -> tuple[Metric, ...]:
         return (
             self.info, self.records, self.data, self.mapped, self.locked, self.load,
-            self.in_memory,
+            self.in_memory, self.hot_bytes, self.hot_asked, self.hot_hits,
         )  # fmt: skip

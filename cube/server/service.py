@@ -27,6 +27,7 @@ from cube.layout import clip, part_name
 from cube.metrics import Histogram
 from cube.pb import cube_fast_pb2, cube_pb2
 from cube.routing import MISROUTED_HINT, group_by_owner, shard_of
+from cube.server import hot
 from cube.server.encoders import (
     Answer,
     empty_answer,
@@ -34,6 +35,7 @@ from cube.server.encoders import (
     seek_response_parts,
     split_answer,
 )
+from cube.server.hot import HotCache
 from cube.server.versions import LoadedVersion, VersionSlots
 from cube.shard import LookupResult, ShardStack
 from cube.values import ValueColumn
@@ -123,10 +125,65 @@ class FastGather:
         return LookupResult(result.found, np.where(result.found, 0, -1), result.rows)
 
 
+class PagedGather(FastGather):
+    """A split of a version served paged, larger than the memory it may use
+    (cube.server.hot): fixed-width values from the hot layer first, the rest read from the
+    mapped files on several threads at once; each answer's found values are sampled to keep
+    the hot layer current. Variable-width values are looked up as FastGather does."""
+
+    __slots__ = ("cache",)
+
+    def __init__(
+        self, stack: ShardStack, hot_cache_bytes: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        super().__init__(stack)
+        self.cache = HotCache(self.width, hot_cache_bytes, clock) if self.width else None
+
+    def fixed_values(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = keys.shape[0]
+        found = np.zeros(n, dtype=bool)
+        values = np.zeros((n, self.width), dtype=np.uint8)
+        self.fixed_values_into(keys, found, values)
+        return found, values
+
+    def fixed_values_into(self, keys: np.ndarray, found: np.ndarray, values: np.ndarray) -> int:
+        rows = values.view(np.uint8).reshape(keys.shape[0], self.width)
+        rest = np.arange(keys.shape[0])
+        layer = self.cache.layer if self.cache is not None else None
+        if layer is not None and layer.keys.shape[0] and layer.words.dtype == values.dtype:
+            kernel.seek_fixed_into(layer.shard.kernel_table, layer.words, keys, found, values)
+            rest = np.flatnonzero(~found)
+        else:
+            found[:] = False
+
+        def read(part: np.ndarray) -> None:
+            part_found, part_rows = FastGather.fixed_values(self, keys[part])
+            found[part] = part_found
+            rows[part] = part_rows
+
+        if rest.shape[0]:
+            parts = hot.chunks(rest)
+            if len(parts) == 1:
+                read(parts[0])
+            else:
+                hot.wait_all([hot.readers().submit(read, part) for part in parts])
+        if self.cache is not None:
+            asked = keys.shape[0]
+            self.cache.record(keys[found], rows[found], asked, asked - rest.shape[0])
+            if self.cache.capacity and self.cache.due():
+                hot.readers().submit(self.cache.refresh)
+        return keys.shape[0] - int(np.count_nonzero(found))
+
+
 def gatherers(version: LoadedVersion) -> list[FastGather]:
     cached = version.kernel_cache.get("gatherers")
     if cached is None:
-        cached = version.kernel_cache["gatherers"] = [FastGather(s) for s in version.stacks]
+        cached = version.kernel_cache["gatherers"] = [
+            PagedGather(s, version.hot_cache_bytes // len(version.stacks))
+            if version.memory_note
+            else FastGather(s)
+            for s in version.stacks
+        ]
     return cached
 
 
@@ -141,6 +198,8 @@ def lane_target(version: LoadedVersion) -> kernel.LaneTarget | None:
 
 def _lane_target(version: LoadedVersion) -> kernel.LaneTarget | None:
     if len(version.stacks) != 1 or version.tables:  # (the pass knows no table field)
+        return None
+    if version.memory_note:  # served paged: its misses read in parallel (PagedGather)
         return None
     layers = [(shard.kernel_table, shard.values) for shard in version.stacks[0].layers]
     routing = version.routing

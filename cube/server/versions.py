@@ -439,6 +439,8 @@ class LoadedVersion:
     tables: dict[str, LoadedVersion] = field(default_factory=dict)
     owner: LoadedVersion | None = None  # a table's version: the version holding it
     memory_note: str = ""  # why --in_mem did not pin it (cube.server.memory), if it did not
+    # bytes of its hot cache (cube.server.hot) while it is served paged (memory_note set)
+    hot_cache_bytes: int = 0
 
     def __post_init__(self) -> None:
         self.all_splits = [s for t in self.tables.values() for s in t.splits] or self.splits
@@ -549,6 +551,14 @@ class LoadedVersion:
             "splits": [s.describe() for s in self.splits],
             "memory_note": self.memory_note,
         }
+        caches = [  # PagedGather's (cube.server.hot) while it is served paged
+            gather.cache.describe()
+            for part in [self, *self.tables.values()]
+            for gather in part.kernel_cache.get("gatherers", ())
+            if getattr(gather, "cache", None) is not None
+        ]
+        if caches:
+            described["hot_cache"] = {k: sum(c[k] for c in caches) for k in caches[0]}
         if self.tables:
             described["value_width"] = None  # each table has its own
             described["tables"] = {
@@ -578,6 +588,8 @@ class LoadOptions:
     shard: int = -1  # --shard: a version of another shard is refused
     random_access: bool = False  # larger than memory: faulted 4 KiB at a time (Shard.open)
     pin_index: bool = False  # larger than memory but its index fits: the index pinned alone
+    hot_cache_bytes: int = -1  # --hot_cache_mb for a version served paged, -1: a share
+    workers: int = 1  # --workers: an automatic hot cache is shared out among them
 
 
 def _open_layer(directory: Path, options: LoadOptions) -> ShardHandle:
@@ -714,7 +726,7 @@ def load_base(dirs: list[Path], name: str, options: LoadOptions) -> LoadedVersio
     except BaseException:
         _release_all([s for splits in built.values() for s in splits])
         raise
-    return _loaded(name, built, started, note)
+    return _loaded(name, built, started, note, options.hot_cache_bytes)
 
 
 def _pinning(
@@ -736,9 +748,13 @@ def _pinning(
     index_bytes = memory.files_bytes([d / _SHARD_FILES[0] for d in directories])
     pin_index = not memory.in_mem_refusal(index_bytes, held, limit, source)
     note += "; its index pinned alone" if pin_index else "; its index does not fit either"
+    hot = options.hot_cache_bytes
+    if hot < 0:
+        hot = memory.hot_cache_budget(limit, options.workers)
+    note += f"; a hot cache of {hot >> 20} MiB a worker in front of it"
     log.warning("version %s: %s", name, note)
     fallback = replace(options, populate=False, lock_memory=False, huge_pages=False)
-    return replace(fallback, random_access=True, pin_index=pin_index), note
+    return replace(fallback, random_access=True, pin_index=pin_index, hot_cache_bytes=hot), note
 
 
 def settle_memory(current: LoadedVersion | None, background: LoadedVersion | None) -> bool:
@@ -764,6 +780,9 @@ def settle_memory(current: LoadedVersion | None, background: LoadedVersion | Non
         if handle.locked_bytes < handle.mapped_bytes:
             handle.locked_bytes = lock_in_memory(handle.shard)
     current.memory_note = ""
+    for part in [current, *current.tables.values()]:  # served from memory now: no hot cache
+        part.hot_cache_bytes = 0
+        part.kernel_cache.clear()  # (requests in flight keep the gatherers they hold)
     log.info("version %s pinned in memory now (%d bytes more): it fits", current.name, unpinned)
     return True
 
@@ -782,15 +801,23 @@ def _same_tables(chains: list[tuple[Path, list[str], list[str]]]) -> list[str]:
 
 
 def _loaded(
-    name: str, built: dict[str, list[SplitData]], started: float, note: str = ""
+    name: str,
+    built: dict[str, list[SplitData]],
+    started: float,
+    note: str = "",
+    hot_cache_bytes: int = 0,
 ) -> LoadedVersion:
-    """The LoadedVersion of splits opened per table (the key "" alone: one unnamed table)."""
+    """The LoadedVersion of splits opened per table (the key "" alone: one unnamed table);
+    `note` says why it is served paged, with a hot cache of `hot_cache_bytes` then."""
     seconds = time.monotonic() - started
     if list(built) == [""]:
         version = LoadedVersion(name, built[""], seconds)
     else:
         version = LoadedVersion.with_tables(name, built, seconds)
     version.memory_note = note
+    if note:
+        for part in [version, *version.tables.values()]:
+            part.hot_cache_bytes = max(0, hot_cache_bytes) // max(1, len(version.tables))
     return version
 
 
@@ -892,7 +919,7 @@ def load_patch(
     except BaseException:
         _release_all([s for splits in built.values() for s in splits])
         raise
-    return _loaded(name, built, started, note)
+    return _loaded(name, built, started, note, options.hot_cache_bytes)
 
 
 def _patch_chain(

@@ -100,6 +100,8 @@ class Worker:
             watch=self.watch,
             dict_name=flags.dict_name,
             shard=flags.shard,
+            hot_cache_bytes=flags.hot_cache_mb << 20 if flags.hot_cache_mb >= 0 else -1,
+            workers=flags.workers,
         )
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="cube-loader")  # (no thread yet)
         self.slots = VersionSlots(allow_empty=flags.allow_empty)

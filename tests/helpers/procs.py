@@ -176,7 +176,7 @@ class ServerProc:
         def written() -> bool:
             return path.exists()
 
-        if not poll_until(written, timeout, 0.05, check=self._running):
+        if not poll_until(written, timeout, 0.05, check=self.check_running):
             raise TimeoutError(
                 f"cube-server wrote no port file after {timeout} s:\n{self.log()[-4000:]}"
             )
@@ -184,7 +184,7 @@ class ServerProc:
         self.lookup_ports[:] = report["ports"]
         self.given_control_ports[:] = report["control_ports"]
 
-    def _running(self) -> None:
+    def check_running(self) -> None:
         if self.process.poll() is not None:
             raise RuntimeError(
                 f"cube-server exited with {self.process.returncode}:\n{self.log()[-4000:]}"
@@ -220,7 +220,7 @@ class ServerProc:
                 pending.pop(0)
             return not pending
 
-        if not poll_until(all_ready, timeout, 0.05, check=self._running):
+        if not poll_until(all_ready, timeout, 0.05, check=self.check_running):
             what = "SERVING" if serving else "answering"
             raise TimeoutError(
                 f"cube-server not {what} on {pending} after {timeout} s:\n{self.log()[-4000:]}"
