@@ -97,10 +97,9 @@ def probe(
     gather = FastGather(ShardStack([shard]))
     if mode == "paged":
         gather = PagedGather(ShardStack([shard]), memory.hot_cache_budget(limit, 1))
-    (distribution,) = parse_distributions(dist)
-    rate = {"in-memory": 12_000_000, "paged": 1_000_000}.get(mode, 50_000)  # > it will do
-    pool = draw_pool(data, distribution, max(1, int(seconds * rate / BATCH)), BATCH, seed=5)
-    warm = draw_pool(data, distribution, 1000, BATCH, seed=6)
+    # drawn by the parent (a draw's temporaries would count against the child's limit)
+    pool = np.load(directory.parent / f"pool-{mode}-{dist}.npy", mmap_mode="r")
+    warm = np.load(directory.parent / f"warm-{dist}.npy", mmap_mode="r")
     warm_until = time.perf_counter() + warmup
     done = 0
     while done == 0 or time.perf_counter() < warm_until:
@@ -145,6 +144,15 @@ def run_child(
     warmup: float = 3.0,
 ) -> dict[str, Any]:
     """One probe in a child process, in a fresh memory group of `limit` bytes (0: none)."""
+    (distribution,) = parse_distributions(dist)
+    rate = {"in-memory": 12_000_000, "paged": 250_000}.get(mode, 50_000)  # > it will do
+    batches = max(1, int(seconds * rate / BATCH))
+    pool = draw_pool(data, distribution, batches, BATCH, seed=5)
+    np.save(directory.parent / f"pool-{mode}-{dist}.npy", pool)
+    del pool
+    warm = directory.parent / f"warm-{dist}.npy"
+    if not warm.exists():
+        np.save(warm, draw_pool(data, distribution, 1000, BATCH, seed=6))
     drop_cache(directory)
     group = CGROUP_V1 / f"cube-paging-{os.getpid()}-{mode.replace('+', '-')}-{time.time_ns()}"
     argv = [sys.executable, "-m", "cube.bench.paging", "--child", str(directory), "--mode", mode,

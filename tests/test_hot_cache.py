@@ -180,6 +180,10 @@ def test_paged_gather_answers_as_the_files_say_before_and_after_the_cache_fills(
         if paged.cache.due():
             paged.cache.refresh()
         assert paged.cache.layer.keys.shape[0] > 0 or round_ == 0
+    # rounds after the first were answered from the hot layer, as the files say
+    stats = paged.cache.describe()
+    assert stats["asked"] == 4 * (1_000 + absent.shape[0])
+    assert stats["hits"] > 1_000, stats
     # the hot layer holds only keys that are present, with the values the files hold
     layer = paged.cache.layer
     assert 0 < layer.keys.shape[0] <= 2_000

@@ -150,8 +150,9 @@ class PagedGather(FastGather):
         rows = values.view(np.uint8).reshape(keys.shape[0], self.width)
         rest = np.arange(keys.shape[0])
         layer = self.cache.layer if self.cache is not None else None
-        if layer is not None and layer.keys.shape[0] and layer.words.dtype == values.dtype:
-            kernel.seek_fixed_into(layer.shard.kernel_table, layer.words, keys, found, values)
+        if layer is not None and layer.keys.shape[0] and rows.flags.c_contiguous:
+            words = rows.view(layer.words.dtype)  # the layer's words (its rows are contiguous)
+            kernel.seek_fixed_into(layer.shard.kernel_table, layer.words, keys, found, words)
             rest = np.flatnonzero(~found)
         else:
             found[:] = False
