@@ -96,7 +96,8 @@ def probe(
         lock_in_memory(shard, index_only=True)
     gather = FastGather(ShardStack([shard]))
     if mode == "paged":
-        gather = PagedGather(ShardStack([shard]), memory.hot_cache_budget(limit, 1))
+        budget = memory.hot_cache_budget(limit, 1, index_bytes if pin_index else 0)
+        gather = PagedGather(ShardStack([shard]), budget)
     # drawn by the parent (a draw's temporaries would count against the child's limit)
     pool = np.load(directory.parent / f"pool-{mode}-{dist}.npy", mmap_mode="r")
     warm = np.load(directory.parent / f"warm-{dist}.npy", mmap_mode="r")

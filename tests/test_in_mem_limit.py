@@ -25,6 +25,7 @@ from cube.pb import cube_pb2
 from cube.processes import poll_until
 from cube.server.memory import (
     HEADROOM_MIN,
+    hot_cache_budget,
     in_mem_refusal,
     locked_bytes,
     memory_limit,
@@ -237,3 +238,13 @@ def test_a_switch_that_cannot_hold_two_versions_pins_the_new_one_after(
             looker.join(60)
         assert not failures, failures[0]
         assert server.process.poll() is None
+
+
+def test_the_hot_cache_takes_a_share_of_what_the_pinned_index_leaves() -> None:
+    gib = 1 << 30
+    # nothing pinned: a fifth of the limit, shared out among the workers
+    assert hot_cache_budget(10 * gib, 1) == 2 * gib
+    assert hot_cache_budget(10 * gib, 4) == 2 * gib // 4
+    # a pinned index leaves less: half of what is left after it and the process's headroom
+    assert hot_cache_budget(10 * gib, 1, pinned_bytes=8 * gib) == (10 * gib - gib - 8 * gib) // 2
+    assert hot_cache_budget(2 * gib, 1, pinned_bytes=2 * gib) == 0

@@ -39,11 +39,14 @@ def in_mem_refusal(new_bytes: int, held_bytes: int, limit: int, source: str) -> 
 HOT_CACHE_SHARE = 0.20  # of the limit, for the hot caches of a version served paged
 
 
-def hot_cache_budget(limit: int, workers: int) -> int:
+def hot_cache_budget(limit: int, workers: int, pinned_bytes: int = 0) -> int:
     """Bytes of hot cache (cube.server.hot) each of `workers` gives a version that does not
-    fit `limit`: a share of the limit, the rest left to the page cache (the index, misses)
-    and the process."""
-    return int(limit * HOT_CACHE_SHARE) // max(1, workers)
+    fit `limit`, beside `pinned_bytes` pinned (its index): a share of the limit, at most half
+    of what the process's headroom and the pinned bytes leave, the rest left to the page
+    cache (the misses) and the process."""
+    headroom = max(HEADROOM_MIN, int(limit * HEADROOM_SHARE))
+    room = max(0, limit - headroom - pinned_bytes)
+    return min(int(limit * HOT_CACHE_SHARE), room // 2) // max(1, workers)
 
 
 def _size(count: int) -> str:

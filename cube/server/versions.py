@@ -750,7 +750,8 @@ def _pinning(
     note += "; its index pinned alone" if pin_index else "; its index does not fit either"
     hot = options.hot_cache_bytes
     if hot < 0:
-        hot = memory.hot_cache_budget(limit, options.workers)
+        pinned = held + (index_bytes if pin_index else 0)
+        hot = memory.hot_cache_budget(limit, options.workers, pinned)
     note += f"; a hot cache of {hot >> 20} MiB a worker in front of it"
     log.warning("version %s: %s", name, note)
     fallback = replace(options, populate=False, lock_memory=False, huge_pages=False)
