@@ -107,6 +107,8 @@ def probe(
         gather.fixed_values(warm[done % warm.shape[0]])
         done += 1
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+    cache = gather.cache if isinstance(gather, PagedGather) else None
+    warm_stats = cache.describe() if cache else {}
     latencies = []
     started = time.perf_counter()
     done = 0
@@ -121,12 +123,15 @@ def probe(
     elapsed = time.perf_counter() - started
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults
     ms = np.array(latencies) * 1e3
-    cache = gather.cache if isinstance(gather, PagedGather) else None
+    stats = cache.describe() if cache else {}
+    if cache:  # the measured window's share, not the warm-up's (its keys repeat)
+        asked = stats["asked"] - warm_stats["asked"]
+        stats["hit_share"] = round((stats["hits"] - warm_stats["hits"]) / max(1, asked), 3)
     return {
         "mode": mode,
         "distribution": dist,
         "index_pinned": pin_index,
-        "hot_cache": cache.describe() if cache else {},
+        "hot_cache": stats,
         "keys_per_s": round(done * BATCH / elapsed),
         "p50_ms": round(float(np.median(ms)), 3),
         "p99_ms": round(float(np.percentile(ms, 99)), 3),

@@ -134,7 +134,8 @@ def test_an_empty_layer_finds_nothing() -> None:
 
 
 def test_chunks_split_the_misses_among_readers_but_not_too_thin() -> None:
-    assert len(chunks(np.arange(10))) == 1
+    assert len(chunks(np.arange(1))) == 1
+    assert len(chunks(np.arange(10))) == 5  # a few misses: each one's fault on its own thread
     parts = chunks(np.arange(10_000))
     assert len(parts) == 32 and np.array_equal(np.concatenate(parts), np.arange(10_000))
 
