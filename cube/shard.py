@@ -118,6 +118,7 @@ class _MappedFile:
     ) -> None:
         self.path = path
         self.fd = -1
+        self.drop_behind = random_access and not populate  # (see verify)
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError as exc:
@@ -153,12 +154,25 @@ class _MappedFile:
 
     def verify(self, cancelled: Callable[[], bool] | None = None) -> None:
         """Check every section's crc32; `cancelled` is asked between 64 MiB steps (a load
-        that must stop, e.g. because the file is being rewritten, stops there)."""
+        that must stop, e.g. because the file is being rewritten, stops there). A file mapped
+        for random access (larger than memory) is dropped from the page cache behind the
+        check: streamed through a full memory group, it would push out the pages the process
+        runs on (its code, the version it serves), stalling lookups for seconds."""
+        checked = self._drop if self.drop_behind else None
         for name, (offset, length, crc) in self.fields["sections"].items():
-            if fmt.section_crc(self.buffer, offset, length, cancelled) != crc:
+            if fmt.section_crc(self.buffer, offset, length, cancelled, checked) != crc:
                 raise fmt.ShardFormatError(
                     str(self.path), f"section {name} checksum mismatch (corrupted data)", offset
                 )
+
+    def _drop(self, offset: int, length: int) -> None:
+        self.buffer.madvise(mmap.MADV_DONTNEED, offset - offset % mmap.PAGESIZE, length)
+        fd = os.open(self.path, os.O_RDONLY) if self.fd < 0 else self.fd
+        try:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        finally:
+            if fd != self.fd:
+                os.close(fd)
 
     def close(self) -> bool:
         """Unmap and close the descriptor; False when arrays still point into the mapping

@@ -360,10 +360,19 @@ def _load_libc() -> None:
         _libc = ctypes.CDLL(None, use_errno=True)
 
 
+PIN_CHUNK = 32 << 20  # bytes read ahead and mlocked at a time (see lock_in_memory)
+_MADV_WILLNEED = 3
+
+
 def lock_in_memory(shard: Shard, index_only: bool = False) -> int:
     """Best effort mlock of a shard's mapped sections (`--in_mem true`; `index_only`: a table
     larger than memory whose index fits); the bytes locked (fewer than mapped when refused:
-    RLIMIT_MEMLOCK)."""
+    RLIMIT_MEMLOCK).
+
+    PIN_CHUNK at a time, each read ahead first (MADV_WILLNEED reads without holding the
+    process's mmap lock): one mlock of a whole version faults it in from disk holding that lock
+    for as long, and any mmap of the process (a large numpy array) queued behind it stalls
+    every page fault after it, those of requests served paged meanwhile among them."""
     _load_libc()
     locked = 0
     for array in mapped_arrays(shard, index_only):
@@ -371,17 +380,21 @@ def lock_in_memory(shard: Shard, index_only: bool = False) -> int:
             continue
         start = array.ctypes.data
         page = start & ~(4096 - 1)
-        length = array.nbytes + (start - page)
-        if _libc.mlock(ctypes.c_void_p(page), ctypes.c_size_t(length)) != 0:
-            errno = ctypes.get_errno()
-            log.warning(
-                "mlock of %d bytes of %s failed: %s (serving from the page cache;"
-                " raise RLIMIT_MEMLOCK to pin shards)",
-                length,
-                shard.directory,
-                os.strerror(errno),
-            )
-            break
+        end = start + array.nbytes
+        for chunk in range(page, end, PIN_CHUNK):
+            length = ctypes.c_size_t(min(PIN_CHUNK, end - chunk))
+            _libc.madvise(ctypes.c_void_p(chunk), length, _MADV_WILLNEED)
+            if _libc.mlock(ctypes.c_void_p(chunk), length) != 0:
+                errno = ctypes.get_errno()
+                log.warning(
+                    "mlock of %d bytes of %s failed: %s (serving from the page cache;"
+                    " raise RLIMIT_MEMLOCK to pin shards)",
+                    length.value,
+                    shard.directory,
+                    os.strerror(errno),
+                )
+                _libc.munlock(ctypes.c_void_p(page), ctypes.c_size_t(chunk - page))
+                return locked
         locked += array.nbytes
     return locked
 
