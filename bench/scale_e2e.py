@@ -44,6 +44,7 @@ import shlex
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -66,7 +67,7 @@ from cube.bench.procs import (
     signals_raise,
 )
 from cube.bench.runner import wait_for_quiet
-from cube.donefile import BASE_FILE, append_line, format_line
+from cube.donefile import BASE_FILE, PATCH_FILE, append_line, format_line
 from cube.flags import FlagError, FlagSet, flag, run_cli
 from cube.processes import SERVING, free_port, health_status
 
@@ -97,6 +98,9 @@ class ScaleFlags:
     warmup: float = flag(2.0, "seconds before measuring")
     check_every: int = flag(64, "check every Nth answer against the derived values")
     pool: int = flag(4096, "requests drawn before the clock per distribution, then cycled")
+    patch_keys: int = flag(
+        1_000_000, "keys of a patch rolled out onto each base while lookups run (0: none)"
+    )
     tables: int = flag(26, "DLRM-shaped run: tables of one version (0: no such run)")
     keys_per_table: int = flag(40, "DLRM-shaped run: keys per table per request")
     table_keys: int = flag(0, "DLRM-shaped run: keys of each table (0: --keys / --tables)")
@@ -495,12 +499,62 @@ class Runner:
             del requests
             result["lookups"][str(distribution)] = level
             self._report_level(f"{keys:,} {distribution}", level)
+        if flags.patch_keys:
+            result["patch"] = self.patch_run(cluster, root, data, version, addresses, pids)
         result["server_rss_bytes_after"] = _rss(pids)
         for line in cluster.down(timeout=10.0):
             _say(f"  {line}")
         self.clusters.remove(cluster)
         shutil.rmtree(root, ignore_errors=True)
         return result
+
+    def patch_run(
+        self,
+        cluster: Any,
+        root: Path,
+        data: DerivedData,
+        base: str,
+        addresses: list[str],
+        pids: list[int],
+    ) -> dict[str, Any]:
+        """Freshness (issue 37 item 2): a patch of the base's first --patch_keys keys (their
+        values unchanged, so every answer stays checkable) appended to patch.txt while
+        lookups of the first distribution run; when every server serves it, in phases, and
+        the lookups' figures over the rollout (none may fail)."""
+        flags = self.flags
+        patch = DerivedData(min(flags.patch_keys, data.count), data.width)
+        started = time.perf_counter()
+        write_derived_input(root / "patch-input", patch, 1)
+        input_s = time.perf_counter() - started
+        os.sync()
+        requests = self._draws(data, self.distributions[0], flags.batch)
+        during: dict[str, Any] = {}
+        load = threading.Thread(
+            target=lambda: during.update(
+                cube_load(addresses, cluster.dict_name, requests, data.width, flags, pids)
+            )
+        )
+        load.start()
+        time.sleep(flags.warmup + 1.0)  # the lookups measured before, during and after it
+        patch_id = str(int(time.time()))
+        version = f"{base}_{patch_id}"
+        line_at = time.time()
+        line = format_line(patch_id, base, str(root / "patch-input"))
+        append_line(root / "donefile" / PATCH_FILE, line)
+        cluster.wait_version(version, flags.phase_timeout, poll=0.05)
+        served = time.time() - line_at
+        load.join(flags.duration + flags.warmup + 120)
+        phases = self._phases(cluster, version, line_at, served)
+        marks = ", ".join(f"{n} {a:.2f}s" for n, a in phases["after_line_s"].items())
+        _say(f"  patch of {patch.count:,} keys: served {served:.2f}s after its line ({marks})")
+        self._report_level(f"  lookups during the patch ({self.distributions[0]})", during)
+        return {
+            "keys": patch.count,
+            "input_s": round(input_s, 2),
+            "version": version,
+            **phases,
+            "lookups_during": during,
+        }
 
     @staticmethod
     def _phases(cluster: Any, version: str, line_at: float, served: float) -> dict[str, Any]:
@@ -679,6 +733,14 @@ def table_text(result: dict[str, Any]) -> str:
             lines.append(
                 f"\n{run['label']} {run['keys']:,} keys, s after the donefile line: {marks}"
             )
+        if "patch" in run:
+            patch = run["patch"]
+            marks = ", ".join(f"{k} {v:.2f}" for k, v in patch["after_line_s"].items())
+            during = patch["lookups_during"]
+            lines.append(
+                f"{run['label']} patch of {patch['keys']:,} keys, s after its line: {marks};"
+                f" lookups meanwhile p99 {during['p99_us']:.0f} µs, failed {during['failed']}"
+            )
     for name, entry in result.get("ratios", {}).items():
         lines.append(f"ratio {name}: " + ", ".join(f"{k} {v}" for k, v in entry.items()))
     return "\n".join(lines)
@@ -732,12 +794,17 @@ def run(flags: ScaleFlags, argv: Sequence[str]) -> int:
                 shutil.rmtree(work, ignore_errors=True)
     if status:
         return status
-    problems = [
+    levels = [
         (run["label"], name, level)
         for run in result["runs"]
         for name, level in run["lookups"].items()
-        if level["wrong"] or level["failed"]
     ]
+    levels += [
+        (run["label"], "during the patch", run["patch"]["lookups_during"])
+        for run in result["runs"]
+        if "patch" in run
+    ]
+    problems = [entry for entry in levels if entry[2]["wrong"] or entry[2]["failed"]]
     result["ok"] = not problems
     Path(flags.out).parent.mkdir(parents=True, exist_ok=True)
     Path(flags.out).write_text(json.dumps(result, indent=1) + "\n")

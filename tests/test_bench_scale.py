@@ -37,7 +37,7 @@ HARNESS = [sys.executable, "-m", "cube.bench.scale_e2e"]
 TOY = [
     "--keys", "20000", "--baseline_keys", "5000", "--batch", "200", "--inflight", "8",
     "--duration", "1", "--warmup", "0.3", "--pool", "64", "--tables", "3",
-    "--keys_per_table", "10", "--quiet_wait", "0", "--check_every", "4",
+    "--keys_per_table", "10", "--quiet_wait", "0", "--check_every", "4", "--patch_keys", "5000",
 ]  # fmt: skip
 
 
@@ -138,6 +138,12 @@ def test_toy_run_checks_answers_times_phases_and_cleans_up(tmp_path: Path) -> No
     assert times == sorted(times)
     assert set(scale["phase_s"]) == {"build", "download", "load", "enable"}
     assert set(result["ratios"]) == {"uniform", "zipf:0.99"}
+    patch = scale["patch"]  # rolled out onto the base while lookups ran: none failed
+    assert patch["keys"] == 5_000 and patch["version"].startswith(scale["version"] + "_")
+    assert patch["after_line_s"]["served"] >= patch["after_line_s"]["enabled"] > 0
+    during = patch["lookups_during"]
+    assert during["checked"] > 0 and during["wrong"] == 0 and during["failed"] == 0
+    assert "patch of 5,000 keys" in proc.stdout
     dlrm = result["runs"][2]
     assert dlrm["tables"] == 3 and dlrm["lookups"]["uniform"]["keys_per_request"] == 30
     assert "| scale | 20,000 | uniform |" in proc.stdout
