@@ -17,7 +17,10 @@ time, every answer checked:
   group beside the process's headroom, `cube.server.memory`; skipped when it would not);
 - `paged`: what a server does now (`cube.server.service.PagedGather`): `random`, the index
   pinned when it fits, a hot cache of the automatic size in front (`--hot_cache_mb -1`,
-  filled from the warm-up's answers) and misses read on several threads.
+  filled from the warm-up's answers) and misses read on several threads;
+- `server`: a real cube-server (defaults: `--in_mem`, one worker) started in the group on the
+  shard as its version, looked up through AsyncCubeClient with `--inflight` requests in flight
+  (the issue's setting: 8) from outside the group; every 8th answer checked.
 
 The shard's pages are dropped from the page cache before each child (POSIX_FADV_DONTNEED), so
 every run starts cold. Prints a table and one JSON object (`--out`). Needs root and cgroup v1's
@@ -43,11 +46,12 @@ import numpy as np
 from cube.bench.keyspace import DerivedData, draw_pool, parse_distributions, values_of
 from cube.index import build_table
 from cube.server.memory import in_mem_refusal
+from cube.server.versions import write_version_file
 from cube.shard import Shard, ShardStack, write_shard
 from cube.values import ValueColumn
 
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
-MODES = ("in-memory", "before", "random", "random+index", "paged")
+MODES = ("in-memory", "before", "random", "random+index", "paged", "server")
 BATCH = 1000
 
 
@@ -99,8 +103,8 @@ def probe(
         budget = memory.hot_cache_budget(limit, 1, index_bytes if pin_index else 0)
         gather = PagedGather(ShardStack([shard]), budget)
     # drawn by the parent (a draw's temporaries would count against the child's limit)
-    pool = np.load(directory.parent / f"pool-{mode}-{dist}.npy", mmap_mode="r")
-    warm = np.load(directory.parent / f"warm-{dist}.npy", mmap_mode="r")
+    pool = np.load(directory.parent.parent / f"pool-{mode}-{dist}.npy", mmap_mode="r")
+    warm = np.load(directory.parent.parent / f"warm-{dist}.npy", mmap_mode="r")
     warm_until = time.perf_counter() + warmup
     done = 0
     while done == 0 or time.perf_counter() < warm_until:
@@ -140,6 +144,109 @@ def probe(
     }
 
 
+def serve(
+    directory: Path, data: DerivedData, dist: str, seconds: float, limit: int, warmup: float,
+    inflight: int,
+) -> dict[str, Any]:  # fmt: skip
+    """The `server` mode: cube-server in a fresh group of `limit` bytes on `directory` (a
+    version directory of a data dir), driven from this process."""
+    import asyncio
+
+    from cube.bench.procs import ProcessRegistry, port_open
+    from cube.client import AsyncCubeClient
+    from cube.processes import free_port
+
+    (distribution,) = parse_distributions(dist)
+    pool = draw_pool(data, distribution, 4096, BATCH, seed=5)
+    warm = draw_pool(data, distribution, 1000, BATCH, seed=6)
+    drop_cache(directory)
+    group = CGROUP_V1 / f"cube-paging-{os.getpid()}-server-{time.time_ns()}"
+    group.mkdir()
+    (group / "memory.limit_in_bytes").write_text(str(limit))
+    port = free_port()
+    server = Path(sys.executable).parent / "cube-server"
+    command = (
+        f"echo $$ > {group / 'cgroup.procs'} && exec {server} --port {port} --data_dir"
+        f" {directory.parent} --metrics_port 0"
+    )
+    registry = ProcessRegistry()
+    try:
+        logs = directory.parent.parent / "logs"
+        log = logs / "cube-server-0.log"  # (ProcessRegistry's name for it)
+
+        def serving() -> bool:  # its port is bound before the version is loaded
+            return (
+                port_open(port) and log.exists() and f"SERVING {directory.name}" in log.read_text()
+            )
+
+        registry.start(
+            "cube-server", ["sh", "-c", command], [port], logs, ready=serving, timeout=600
+        )
+
+        async def drive() -> dict[str, Any]:
+            async with AsyncCubeClient(shards=[[f"127.0.0.1:{port}"]], timeout=30) as client:
+                await client.wait_ready(600)
+                counter = iter(range(1 << 62))
+                latencies: list[float] = []
+                problems: list[str] = []
+                failed = wrong = 0
+                deadline = time.perf_counter() + warmup
+
+                async def worker(measure: bool, until: float) -> None:
+                    nonlocal failed, wrong
+                    source = pool if measure else warm
+                    while time.perf_counter() < until:
+                        number = next(counter)
+                        keys = source[number % source.shape[0]]
+                        begun = time.perf_counter()
+                        try:
+                            result = await client.seek(keys)
+                        except Exception as exc:
+                            failed += 1
+                            problems.append(f"{type(exc).__name__}: {exc}"[:300])
+                            continue
+                        if measure:
+                            latencies.append(time.perf_counter() - begun)
+                        if number % 8 == 0 and not (
+                            result.found.all()
+                            and np.array_equal(result.column.as_rows(), values_of(keys, data.width))
+                        ):
+                            wrong += 1
+
+                await asyncio.gather(*(worker(False, deadline) for _ in range(inflight)))
+                started = time.perf_counter()
+                until = started + seconds
+                await asyncio.gather(*(worker(True, until) for _ in range(inflight)))
+                elapsed = time.perf_counter() - started
+                ms = np.array(latencies) * 1e3
+                return {
+                    "keys_per_s": round(len(latencies) * BATCH / elapsed),
+                    "p50_ms": round(float(np.median(ms)), 3) if ms.size else 0.0,
+                    "p99_ms": round(float(np.percentile(ms, 99)), 3) if ms.size else 0.0,
+                    "failed": failed,
+                    "first_failure": problems[0] if problems else "",
+                    "wrong": wrong,
+                    "batches": len(latencies),
+                }
+
+        result = {
+            "mode": "server",
+            "distribution": dist,
+            "inflight": inflight,
+            **asyncio.run(drive()),
+        }
+        result["peak_mib"] = round(
+            int((group / "memory.max_usage_in_bytes").read_text()) / (1 << 20)
+        )
+        return result
+    except Exception as exc:  # a server that died (OOM?) or never served
+        return {"mode": "server", "distribution": dist, "error": str(exc)[:500]}
+    finally:
+        registry.stop_all()
+        if group.exists():
+            group.rmdir()
+
+
 def run_child(
     directory: Path,
     mode: str,
@@ -154,9 +261,9 @@ def run_child(
     rate = {"in-memory": 12_000_000, "paged": 250_000}.get(mode, 50_000)  # > it will do
     batches = max(1, int(seconds * rate / BATCH))
     pool = draw_pool(data, distribution, batches, BATCH, seed=5)
-    np.save(directory.parent / f"pool-{mode}-{dist}.npy", pool)
+    np.save(directory.parent.parent / f"pool-{mode}-{dist}.npy", pool)
     del pool
-    warm = directory.parent / f"warm-{dist}.npy"
+    warm = directory.parent.parent / f"warm-{dist}.npy"
     if not warm.exists():
         np.save(warm, draw_pool(data, distribution, 1000, BATCH, seed=6))
     drop_cache(directory)
@@ -202,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the shard goes")
     parser.add_argument("--out", default="")
+    parser.add_argument("--inflight", type=int, default=8, help="requests in flight (server)")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -223,11 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="cube-paging-", dir=args.dir))
     try:
         started = time.perf_counter()
-        size = write_table(root / "shard", data)
+        shard = root / "data" / "1"  # a version directory: the server mode serves it
+        size = write_table(shard, data)
+        write_version_file(root / "data", "1")
         print(f"shard: {args.keys:,} keys x {args.width} B, {size / 1e9:.2f} GB written in"
               f" {time.perf_counter() - started:.0f} s", flush=True)  # fmt: skip
         limit = int(size * args.share)
-        index_bytes = (root / "shard" / "index.cube").stat().st_size
+        index_bytes = (shard / "index.cube").stat().st_size
         pin_refusal = in_mem_refusal(index_bytes, 0, limit, "the group's limit")
         results = []
         for dist in args.distributions.split(","):
@@ -237,8 +347,14 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{mode}: skipped, a server would not pin this index: {pin_refusal}")
                     continue
                 cap = 0 if mode == "in-memory" else limit
-                shard = root / "shard"
-                results.append(run_child(shard, mode, data, dist, args.seconds, cap, args.warmup))
+                if mode == "server":
+                    results.append(
+                        serve(shard, data, dist, args.seconds, cap, args.warmup, args.inflight)
+                    )
+                else:
+                    results.append(
+                        run_child(shard, mode, data, dist, args.seconds, cap, args.warmup)
+                    )
                 print(json.dumps(results[-1]), flush=True)
         report = {
             "keys": args.keys, "width": args.width, "table_bytes": size,
