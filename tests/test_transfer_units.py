@@ -1479,3 +1479,17 @@ def test_cube_cli_retry_reads_its_token_as_every_command_does(
         read_token(RetryFlags(token_file=str(tmp_path / "missing")))
     monkeypatch.setenv("CUBE_API_TOKEN", "from-env")
     assert read_token(RetryFlags()) == "from-env"
+
+
+def test_a_small_local_input_is_built_in_one_process(tmp_path: Path) -> None:
+    from cube.transfer import build as builds
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "part-00000").write_bytes(b"x" * 1000)
+    assert builds.small_input(str(folder)) and builds.small_input(str(folder / "part-00000"))
+    with (folder / "part-00001").open("wb") as big:  # sparse: past the bound without the bytes
+        big.truncate(builds.SMALL_INPUT_BYTES + 1)
+    assert not builds.small_input(str(folder))
+    assert not builds.small_input("hdfs://nn/user/x/in")  # remote: the builder's default
+    assert builds.small_input(str(tmp_path / "missing"))  # nothing there: nothing to fork for

@@ -15,7 +15,7 @@ import logging
 import os
 import shutil
 import signal
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -90,6 +90,10 @@ class BuildRunner:
                 variable_width=cfg.variable_width,
                 extra_flags=self.extra_flags,
             )
+            ours = PurePosixPath(argv[0]).name == "cube-builder"  # (another tool: its flags)
+            if ours and not any(f.lstrip("-").startswith("workers") for f in self.extra_flags):
+                small = await asyncio.to_thread(builds.small_input, input_path)
+                argv += ["-workers", "1"] if small else []
             try:
                 await builds.run_builder(argv, cfg.build_timeout, self._note_builder)
             finally:
