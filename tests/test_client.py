@@ -28,6 +28,7 @@ from helpers.procs import (
     ServerProc,
     expected_fixed,
     fixed_values,
+    running_server,
     start_server,
     write_version,
 )
@@ -49,7 +50,7 @@ from cube.client import (
     VersionMismatchError,
     cli,
 )
-from cube.processes import poll_until
+from cube.processes import free_ports, poll_until
 from cube.routing import shard_of
 from cube.values import ValueColumn
 
@@ -847,3 +848,32 @@ def test_large_answers_beyond_grpc_default_message_size(tmp_path: Path) -> None:
             result = client.seek(query)
             assert result.found.all()
             assert (result.column.as_rows() == expected_fixed(query, 256)).all()
+
+
+@pytest.mark.slow
+def test_both_clients_wait_ready_for_a_replica_still_loading(tmp_path: Path) -> None:
+    """A server still loading its version refuses at once; wait_ready asks again until it is
+    SERVING or the timeout passes (the asyncio client gave up at its first refusal)."""
+    keys = np.arange(1, 101, dtype=np.uint64)
+    write_version(tmp_path / "data", "1", keys, fixed_values(keys, 8, 1), current=True)
+    for kind in ("sync", "async"):
+        ports = free_ports(2)
+        with running_server(
+            tmp_path / "data", "--load_delay", "2", ports=ports[:1], control_ports=ports[1:],
+            wait=False,
+        ) as server:  # fmt: skip
+            started = time.monotonic()
+            if kind == "sync":
+                with CubeClient(shards=[[server.address]]) as client:
+                    not_ready = client.wait_ready(30)
+            else:
+
+                async def wait(address: str = server.address) -> list[str]:
+                    async with AsyncCubeClient(shards=[[address]]) as aio:
+                        return await aio.wait_ready(30)
+
+                not_ready = asyncio.run(wait())
+            assert not_ready == [], kind
+            assert time.monotonic() - started < 30, kind
+            with CubeClient(shards=[[server.address]]) as client:
+                assert client.seek(keys).found.all(), kind

@@ -385,14 +385,23 @@ class AioChannels:
     async def wait_ready(self, addresses: list[str], timeout_s: float) -> list[str]:
         """As SyncChannels.wait_ready, the endpoints in parallel."""
 
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+
         async def ready(address: str) -> bool:
-            if self.lane(address) is not None:  # contact made, and its lane is up
-                return True
-            try:
-                await asyncio.wait_for(self._first_contact(address, timeout_s), timeout_s)
-                return address not in self._mismatch
-            except (TimeoutError, grpc.aio.AioRpcError, TransportError):
-                return False
+            pause = 0.05  # a replica still loading refuses at once: ask again until the deadline
+            while True:
+                if self.lane(address) is not None:  # contact made, and its lane is up
+                    return True
+                left = deadline - loop.time()
+                try:
+                    await asyncio.wait_for(self._first_contact(address, left), left)
+                    return address not in self._mismatch
+                except (TimeoutError, grpc.aio.AioRpcError, TransportError):
+                    if loop.time() + pause >= deadline:
+                        return False
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.5)
 
         flags = await asyncio.gather(*(ready(a) for a in addresses))
         return [a for a, ok in zip(addresses, flags, strict=True) if not ok]
