@@ -7,8 +7,8 @@ error answers are that path's by construction. tests/test_lane_kernel.py checks 
 Per frame: the u32 length, the SeekRequest's fields (each at most once, known tags only), the
 dict name against the accepted ones, the version against the served one, the key count against
 --max_batch and the answer's bound; the keys copied out, hashed once, probed layer by layer
-newest first (the base's `_probe`, with the key lines prefetched ahead, tombstones in a pass of
-their own, as cube._kernel_jit does), the misses checked for keys of another shard; then the
+newest first (the base's `_probe_run`, with the index lines prefetched ahead, tombstones in a
+pass of their own, as cube._kernel_jit does), the misses checked for keys of another shard; then the
 answer frame (u8 status 0 + SeekResponse, the bytes cube.wire writes) into `out`.
 """
 
@@ -17,18 +17,17 @@ from __future__ import annotations
 import numpy as np
 from numba import carray  # type: ignore[attr-defined]
 
-from cube._jit import copy, fmix64, jit, load_word, pointer, prefetch, prefetch_at, store_word
-from cube._kernel_jit import _probe
+from cube._jit import copy, fmix64, jit, load_word, pointer, prefetch_at, store_word
+from cube._kernel_jit import _probe_run
 from cube.kernel_constants import (
-    L_BUCKET_COUNT,
-    L_BUCKET_ROWS,
+    L_BITS,
     L_COUNT,
     L_DELETED,
     L_DELETED_COUNT,
-    L_EMPTY_KEY,
-    L_MAX_PROBE,
     L_OFFSETS,
-    L_SLOT_KEYS,
+    L_REMAINDERS,
+    L_ROWS,
+    L_STARTS,
     L_VALUES,
     L_WIDTH,
     MAX_ROWS,
@@ -59,11 +58,9 @@ from cube.kernel_constants import (
     T_REQUESTS,
     TALLY_BUCKETS,
     TOMBSTONE,
-    WINDOW,
 )
 
 _S32 = np.uint64(32)
-_W = np.uint64(WINDOW)
 _MISS = np.uint32(MAX_ROWS)
 _TOMB = np.uint32(TOMBSTONE)
 _LOW7 = np.uint64(0x7F)
@@ -185,18 +182,14 @@ def _foreign(key, shard_num, shard, partitioner):
 
 @jit
 def _table_of(layers, index):
-    """Layer `index`'s hash table as `_probe` takes it: (slot keys, bucket rows, bucket
-    count, empty key, max probe)."""
-    bucket_count = layers[index, L_BUCKET_COUNT]
-    slot_keys = carray(pointer(layers[index, L_SLOT_KEYS]), bucket_count * _W, np.uint64)
-    bucket_rows = carray(pointer(layers[index, L_BUCKET_ROWS]), bucket_count, np.uint32)
-    return (
-        slot_keys,
-        bucket_rows,
-        bucket_count,
-        layers[index, L_EMPTY_KEY],
-        np.int64(layers[index, L_MAX_PROBE]),
-    )
+    """Layer `index`'s index as `_probe_run` takes it: (bucket starts, remainders, bits)."""
+    bits = np.int64(layers[index, L_BITS])
+    size = np.uint64((64 - bits + 7) // 8)
+    buckets = (np.uint64(1) << np.uint64(bits)) + np.uint64(1)
+    starts = carray(pointer(layers[index, L_STARTS]), buckets, np.uint32)
+    rows = layers[index, L_ROWS]
+    remainders = carray(pointer(layers[index, L_REMAINDERS]), rows * size, np.uint8)
+    return starts, remainders, bits
 
 
 @jit
@@ -204,19 +197,8 @@ def _probe_layer(layers, index, keys, hashes, pending, count, rows, layer_of, ah
     """Probe keys[pending[:count]] in layer `index`: found keys (a row, or TOMBSTONE for a key
     the layer deletes) get rows[i] and layer_of[i]; returns how many are left, moved to the
     front of `pending` (for the older layers)."""
-    slot_keys, bucket_rows, bucket_count, empty_key, max_probe = _table_of(layers, index)
-    for j in range(min(ahead, count)):
-        bucket = ((hashes[pending[j]] >> _S32) * bucket_count) >> _S32
-        prefetch(slot_keys, bucket * _W)
-        prefetch(bucket_rows, bucket)
-    for j in range(count):
-        if j + ahead < count:
-            bucket = ((hashes[pending[j + ahead]] >> _S32) * bucket_count) >> _S32
-            prefetch(slot_keys, bucket * _W)
-            prefetch(bucket_rows, bucket)
-        i = pending[j]
-        bucket = ((hashes[i] >> _S32) * bucket_count) >> _S32
-        rows[i] = _probe(slot_keys, bucket_rows, empty_key, max_probe, keys[i], bucket)
+    starts, remainders, bits = _table_of(layers, index)
+    _probe_run(starts, remainders, bits, hashes, pending, count, rows, ahead)
     deleted_count = layers[index, L_DELETED_COUNT]
     deleted = carray(pointer(layers[index, L_DELETED]), deleted_count, np.uint64)
     left = 0
@@ -337,22 +319,15 @@ def _parse_request(data, p, end):
 @jit
 def _probe_base(layers, keys, rows, layer_of, ahead):
     """`_probe_layer` for a stack of one layer without deletions (a base, the common case):
-    every key probed in order, its home bucket computed once, no list of keys left."""
+    every key probed in order, no list of keys left."""
     n = keys.shape[0]
-    slot_keys, bucket_rows, bucket_count, empty_key, max_probe = _table_of(layers, 0)
-    buckets = np.empty(n, dtype=np.uint64)
+    starts, remainders, bits = _table_of(layers, 0)
+    hashes = np.empty(n, dtype=np.uint64)
     for i in range(n):
-        buckets[i] = ((fmix64(keys[i]) >> _S32) * bucket_count) >> _S32
-    for i in range(min(ahead, n)):
-        prefetch(slot_keys, buckets[i] * _W)
-        prefetch(bucket_rows, buckets[i])
+        hashes[i] = fmix64(keys[i])
+    _probe_run(starts, remainders, bits, hashes, None, n, rows, ahead)
     for i in range(n):
-        if i + ahead < n:
-            prefetch(slot_keys, buckets[i + ahead] * _W)
-            prefetch(bucket_rows, buckets[i + ahead])
-        row = _probe(slot_keys, bucket_rows, empty_key, max_probe, keys[i], buckets[i])
-        rows[i] = row
-        layer_of[i] = 0 if row != _MISS else -1
+        layer_of[i] = 0 if rows[i] != _MISS else -1
 
 
 @jit
