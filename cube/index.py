@@ -93,15 +93,18 @@ def _remainder_words(remainders: np.ndarray, size: int) -> tuple[np.ndarray, int
     """No-copy views of the remainders for numpy: (words, the last row's remainder, windows).
     words[i] is an unaligned little-endian uint64 at row i's first byte (it holds the row's
     bytes and then the next rows'), for the rows whose 8 bytes lie inside the array: with 4 to 8
-    bytes a row, all rows but the last. windows[i] is words[i : i + _WINDOW] (rows `size` bytes
-    apart, overlapping). Index them with [], not take(): take copies an unaligned array whole."""
+    bytes a row, all rows but the last. windows[i] is the `_WINDOW` rows from row i as one item
+    of bytes (a fancy index copies each with one memcpy: 2.4x faster than gathering 8 words
+    per row at 20M keys). Index them with [], not take(): take copies an unaligned array
+    whole."""
     length = int(remainders.shape[0])
     rows = length // size
     fit = (length - 8) // size + 1 if length >= 8 else 0
     words = np.ndarray((fit,), dtype="<u8", buffer=remainders, strides=(size,))
     last = int.from_bytes(bytes(remainders[length - size :]), "little") if rows else 0
-    windows = np.lib.stride_tricks.as_strided(
-        words, (max(fit - _WINDOW + 1, 0), _WINDOW), (size, size), writeable=False
+    item = np.dtype((np.void, _WINDOW * size))
+    windows = np.ndarray(
+        (max(rows - _WINDOW + 1, 0),), dtype=item, buffer=remainders, strides=(size,)
     )
     return words, last, windows
 
@@ -333,13 +336,16 @@ def _windows(
     """(found, row) of each remainder `want` in rows [start, start + count), a window of
     `_WINDOW` rows at a time (every row read lies inside a window)."""
     mask = np.uint64((1 << (64 - table.bits)) - 1)
+    size = table.remainder_bytes
     found = np.zeros(want.shape[0], dtype=bool)
     rows = np.zeros(want.shape[0], dtype=np.int64)
     index = None  # the keys of this pass: all, then those whose bucket goes on
     for _ in range(table.max_bucket // _WINDOW + 1):
         n = want.shape[0]
-        got = window[start]
-        got &= mask
+        items = np.empty(n + 1, dtype=window.dtype)  # + 1: the last word reads past its item
+        items[:n] = window[start]
+        words = np.ndarray((n, _WINDOW), "<u8", buffer=items, strides=(_WINDOW * size, size))
+        got = words & mask
         below = got.reshape(-1) < want.repeat(_WINDOW)  # flat: a broadcast costs twice as much
         ahead = below.view(np.uint64)  # a key's 8 flags as one word
         ahead &= _PREFIXES.take(np.minimum(count, _WINDOW))  # the bucket's rows only

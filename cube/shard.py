@@ -244,9 +244,9 @@ class Shard:
         return HashTable(starts, remainders, deleted, bits, max_bucket)
 
     def _convert_format_2(self, index: _MappedFile) -> HashTable:
-        """A format-2 index (a table of slots in hash order, cube 2026.11) as format 3, built
-        in memory from its keys, and said in the log: a server upgraded in place keeps
-        serving the versions on its disk."""
+        """A format-2 index (the releases before format 3: a table of slots in hash order) as
+        format 3, built in memory from its keys, and said in the log: a server upgraded in
+        place keeps serving the versions on its disk."""
         started = time.perf_counter()
         count = int(self.meta["record_count"])
         slot_keys = index.section("slot_keys", "<u8")
