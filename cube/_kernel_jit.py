@@ -16,7 +16,7 @@ _MISS = np.uint32(MAX_ROWS)  # cube.kernel.MISS
 _ONE = np.uint64(1)
 
 _AHEAD = 12  # keys between a prefetch and its use: enough misses in flight to hide DRAM
-_SCAN = 8  # the rows of a bucket `_probe` reads without a branch
+_SCAN = 8  # the rows of a bucket `_probe_run` reads without a branch
 _GATHER_AHEAD = 8  # values between a prefetch and its copy (as before format 3)
 
 
@@ -40,38 +40,9 @@ def _remainder(remainders, size, mask, row):
     return value
 
 
-@jit_inline
-def _probe(starts, remainders, size, shift, mask, limit, h):
-    """Row code (cube.kernel's module docstring) of the key of hash `h`; deleted keys are
-    `_mark_deleted`'s. Its bucket's remainders ascend, so the key's place is the count of
-    those below it. A bucket of up to _SCAN rows (nearly all: 2.5-5 on average) is read
-    whole without a branch per row (where a scan stops is random: a branch on it is
-    mispredicted about once per key, which made the probe 1.2-1.4x slower); the reads past
-    its end read its last row again (counted at most `count` times then), so only the
-    bucket's cache lines are touched. Larger buckets, and the last rows (whose 8-byte word
-    would run past the array), `_scan`. (A corrupt bucket start cannot send it past the
-    remainders: the end is bounded by `limit`, the row count.)"""
-    bucket = h >> shift
-    start = np.int64(starts[bucket])
-    end = min(np.int64(starts[bucket + _ONE]), limit)
-    want = h & mask
-    count = end - start
-    if count <= 0:
-        return _MISS
-    if count > _SCAN or (end + 1) * size > remainders.shape[0]:
-        return _scan(remainders, size, mask, start, end, want)
-    last = end - 1
-    below = np.int64(0)
-    for j in range(_SCAN):
-        got = load_word_in(remainders, min(start + j, last) * size) & mask
-        below += np.int64(got < want)
-    row = min(start + below, last)
-    return np.uint32(row) if _remainder(remainders, size, mask, row) == want else _MISS
-
-
 @jit
 def _scan(remainders, size, mask, row, end, want):
-    """`_probe`'s row code, a row at a time from `row` to `end`."""
+    """`_probe_run`'s row code of remainder `want` in rows [row, end), a row at a time."""
     while row < end:
         got = _remainder(remainders, size, mask, row)
         if got >= want:
@@ -95,13 +66,24 @@ def _prefetch_bucket(starts, remainders, size, shift, h):
 
 @jit
 def _probe_run(starts, remainders, bits, hashes, pending, count, rows, ahead):
-    """rows[i] = the row code of hashes[i] for i = pending[j], j < count (pending None: for
-    i < count). A pipeline of prefetches: while key j is probed, the bucket start of key
-    j + 2 x ahead and the remainders of key j + ahead (whose start is in cache by then) are
-    prefetched, so that each key's two dependent misses overlap those of other keys. (Adding
-    a prefetch of each key's value row as soon as its row is known made `_seek_fixed` 14%
-    slower at 20M keys x 64 B: more misses in flight than the CPU tracks; the gather
-    prefetches them instead.)"""
+    """rows[i] = the row code (cube.kernel's module docstring) of hashes[i] for i = pending[j],
+    j < count (pending None: for i < count); deleted keys are `_mark_deleted`'s.
+
+    Long: the probe is written in the loop (as a function it was 1.35x slower at 20K keys,
+    inlined by numba too). A pipeline of prefetches: while key j is probed, the bucket start
+    of key j + 2 x ahead and the remainders of key j + ahead (whose start is in cache by then)
+    are prefetched, so that each key's two dependent misses overlap those of other keys.
+    (Adding a prefetch of each key's value row as soon as its row is known made `_seek_fixed`
+    14% slower at 20M keys x 64 B: more misses in flight than the CPU tracks; the gather
+    prefetches them instead.)
+
+    The probe: a bucket's remainders ascend, so the key's place is the count of those below
+    it. A bucket of up to _SCAN rows (nearly all: 2.5-5 on average) is read whole without a
+    branch per row (where a scan stops is random: a branch on it is mispredicted about once
+    per key); its reads past the end read its last row again (counted at most `count` times
+    then), so only the bucket's cache lines are touched. Larger buckets, and the last rows
+    (whose 8-byte word would run past the array), `_scan`. A corrupt bucket start cannot send
+    it past the remainders: the end is bounded by `limit`, the row count."""
     shift, mask, size = _shape(bits)
     limit = remainders.shape[0] // size
     far = 2 * ahead
@@ -119,7 +101,25 @@ def _probe_run(starts, remainders, bits, hashes, pending, count, rows, ahead):
             k = j + ahead if pending is None else pending[j + ahead]
             _prefetch_bucket(starts, remainders, size, shift, hashes[k])
         i = j if pending is None else pending[j]
-        rows[i] = _probe(starts, remainders, size, shift, mask, limit, hashes[i])
+        h = hashes[i]
+        bucket = h >> shift
+        start = np.int64(starts[bucket])
+        end = min(np.int64(starts[bucket + _ONE]), limit)
+        want = h & mask
+        rows_in = end - start
+        if rows_in <= 0 or rows_in > _SCAN or (end + 1) * size > remainders.shape[0]:
+            rows[i] = _scan(remainders, size, mask, start, end, want)
+            continue
+        at = start * size
+        last = (end - 1) * size
+        below = np.int64(0)
+        for _ in range(_SCAN):
+            got = load_word_in(remainders, min(at, last)) & mask
+            below += np.int64(got < want)
+            at += size
+        row = min(start + below, end - 1)
+        found = (load_word_in(remainders, row * size) & mask) == want
+        rows[i] = np.uint32(row) if found else _MISS
 
 
 @jit
