@@ -138,8 +138,8 @@ if COMPILED:
         return jit(function, nogil=False)
 
     def jit_inline(function: Callable[..., Any]) -> Any:
-        """`jit` for a small helper of a hot loop, inlined into its callers by numba (LLVM
-        left the lookup's probe a call: 15% of the loop, bench: /work/exp/index-v3-results.md)."""
+        """`jit` for a small helper of a hot loop (the lookup's prefetch of a bucket), inlined
+        into its callers by numba: compiled apart, numba's functions stay calls."""
         options: dict[str, Any] = {"nogil": True, "boundscheck": False, "error_model": "numpy"}
         try:
             return numba.njit(cache=True, inline="always", **options)(function)
