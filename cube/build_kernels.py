@@ -130,9 +130,9 @@ if COMPILED:
         mask = (np.uint64(1) << shift) - np.uint64(1)
         size = (64 - bits + 7) // 8
         buckets = np.int64(1) << np.int64(bits)
-        next_bucket = np.int64(0)
-        largest = np.int64(0)
-        first = np.int64(0)  # the current bucket's first row
+        next_bucket = 0
+        largest = 0
+        first = 0  # the current bucket's first row
         for i in range(n):
             h = _fmix64(keys[i])
             bucket = np.int64(h >> shift)

@@ -41,7 +41,7 @@ def remainder_bytes(bits: int) -> int:
 def bits_for(count: int) -> int:
     """Bucket bits for `count` keys: of those giving 2.5-5 keys a bucket on average, the one
     with the fewest index bytes (remainders + bucket starts)."""
-    best = max(1, min(MAX_BITS, round(np.log2(max(count, 1) / 4))))
+    best = max(1, min(MAX_BITS, round(float(np.log2(max(count, 1) / 4)))))
     best_bytes = None
     for bits in range(1, MAX_BITS + 1):
         if _BUCKET_LOAD[0] <= count / (1 << bits) <= _BUCKET_LOAD[1]:
@@ -113,6 +113,7 @@ def read_remainders(table: HashTable, rows: np.ndarray) -> np.ndarray:
     """The remainder of each row (int64 row numbers < row_count), uint64."""
     words, last, _windows = table._words
     fit = words.shape[0]
+    got: np.ndarray
     if fit == table.row_count:
         got = words[rows]  # (not take: it copies an unaligned array whole)
     else:  # the last row has no word of its own: it reads `last`
