@@ -76,7 +76,7 @@ from cube.processes import SERVING, free_port, health_status
 # Measured here at 1M x 64 B: 5 copies of (width + 19) bytes a key; 6x leaves room.
 DISK_COPIES = 6.0
 DISK_PER_KEY = 20
-# Memory: the servers hold each table's index and values (width + 14.2 bytes a key, mlocked by
+# Memory: the servers hold each table's index and values (width + ~7 bytes a key, mlocked by
 # default), plus the builder's buffers and this process (the draws: --pool x keys a request).
 MEMORY_PER_KEY = 16
 MEMORY_FIXED = 2 << 30

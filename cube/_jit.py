@@ -137,6 +137,15 @@ if COMPILED:
     def jit_holding_gil(function: Callable[..., Any]) -> Any:
         return jit(function, nogil=False)
 
+    def jit_inline(function: Callable[..., Any]) -> Any:
+        """`jit` for a small helper of a hot loop (the lookup's prefetch of a bucket), inlined
+        into its callers by numba: compiled apart, numba's functions stay calls."""
+        options: dict[str, Any] = {"nogil": True, "boundscheck": False, "error_model": "numpy"}
+        try:
+            return numba.njit(cache=True, inline="always", **options)(function)
+        except RuntimeError:  # no locator available: as `jit`
+            return numba.njit(inline="always", **options)(function)
+
     def _address(context: Any, builder: Any, array_type: Any, array: Any, offset: Any) -> Any:
         """Address of byte `offset` of an array's data, as i8*."""
         data = context.make_array(array_type)(context, builder, array).data
@@ -224,6 +233,33 @@ if COMPILED:
 
         return types.void(array, at, value), codegen
 
+    def _load_word_in_typer(typingctx: Any, array: Any, at: Any) -> Any:
+        """The 8 bytes at byte `at` of an array's data as a uint64 (little-endian; any
+        alignment): the index's remainders, read a row at a time."""
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            array_type, at_type = signature.args
+            offset = context.cast(builder, args[1], at_type, types.intp)
+            address = _address(context, builder, array_type, args[0], offset)
+            i64 = ir.IntType(64)
+            return builder.load(builder.bitcast(address, i64.as_pointer()), align=1)
+
+        return types.uint64(array, at), codegen
+
+    def _trailing_zeros_typer(typingctx: Any, value: Any) -> Any:
+        """The trailing zero bits of a uint64 (64 for 0): llvm.cttz, one instruction (bsf or
+        tzcnt) on x86-64."""
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            i64 = ir.IntType(64)
+            word = context.cast(builder, args[0], signature.args[0], types.uint64)
+            function = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(i64, [i64, ir.IntType(1)]), "llvm.cttz.i64"
+            )
+            return builder.call(function, [word, ir.IntType(1)(0)])
+
+        return types.uint64(value), codegen
+
     def _prefetch_at_typer(typingctx: Any, address: Any) -> Any:
         """`prefetch` of the byte at an integer address."""
 
@@ -244,6 +280,8 @@ if COMPILED:
     copy: Any = intrinsic(_copy_typer)
     pointer: Any = intrinsic(_pointer_typer)
     load_word: Any = intrinsic(_load_word_typer)
+    load_word_in: Any = intrinsic(_load_word_in_typer)
+    trailing_zeros: Any = intrinsic(_trailing_zeros_typer)
     store_word: Any = intrinsic(_store_word_typer)
 
     _M1 = np.uint64(0xFF51AFD7ED558CCD)

@@ -1,5 +1,5 @@
-"""Compiled loops for building a shard: the hash table's placement (cube.index.build_table)
-and the builder's gather of values from their input files.
+"""Compiled loops for building a shard: the index's hash order and directory
+(cube.index.build_table) and the builder's gather of values from their input files.
 
 Why: the numpy build makes ~15 passes over a shard's keys with as many fresh temporaries (at
 5M keys each is 40 MB of page faults), and a numpy gather of 64-byte values at random places
@@ -21,12 +21,11 @@ from typing import Any
 import numpy as np
 
 from cube.kernel_constants import COMPILED as COMPILED  # numba installed, not CUBE_KERNEL=numpy
-from cube.kernel_constants import OFFSET_BITS, WINDOW
+from cube.kernel_constants import OFFSET_BITS
 
 # Filled in below when COMPILED; typed loosely so the module imports without numba.
 pack_hashes: Any = None
 resolve_runs: Any = None
-is_live: Any = None
 place: Any = None
 gather_fixed: Any = None
 
@@ -35,6 +34,7 @@ if COMPILED:
     from cube._jit import fmix64 as _fmix64
     from cube._jit import jit as _jit
     from cube._jit import prefetch as _prefetch
+    from cube._jit import store_word as _store_word
 
     _S32 = np.uint64(32)
     _AHEAD = 8  # values between a prefetch and its copy
@@ -119,61 +119,37 @@ if COMPILED:
         return win_keys[:live], win_pos[:live], dead[:dropped]
 
     @_jit
-    def _is_live(packed, keys, bits, record_count, candidate):  # type: ignore[no-untyped-def]
-        """Whether `candidate` is a record key of the table that no deletion removes."""
-        low = np.uint64((1 << bits) - 1)
-        prefix = _fmix64(candidate) & ~low
-        at = np.searchsorted(packed, prefix)
-        present = False
-        deleted = False
-        while at < packed.shape[0] and (packed[at] & ~low) == prefix:
-            pos = np.int64(packed[at] & low)
-            if keys[pos] == candidate:
-                if pos < record_count:
-                    present = True
-                else:
-                    deleted = True
-            at += 1
-        return present and not deleted
-
-    @_jit
-    def _place(keys, bucket_count, empty_key, slot_keys, bucket_rows):  # type: ignore[no-untyped-def]
-        """Linear-probing placement of keys in hash order (cube.index's module docstring):
-        slot_keys with every empty slot written, bucket_rows, all in one sequential pass.
-        Returns (buckets used including the padding one, max probe), or (-1, 0) when the
-        arrays are too short (the caller retries with room for the worst case)."""
+    def _place(keys, bits, starts, remainders):  # type: ignore[no-untyped-def]
+        """The directory of keys in hash order (cube.index's module docstring), in one
+        sequential pass: bucket_starts (2**bits + 1 entries) and each row's remainder stored
+        as a whole little-endian word at row x remainder bytes (the next row overwrites the
+        extra bytes; `remainders` has 8 bytes of room past the last row). Returns the most
+        rows in a bucket."""
         n = keys.shape[0]
-        window = np.int64(WINDOW)
-        capacity = slot_keys.shape[0] // window
-        previous = np.int64(-1)
-        next_bucket = np.int64(0)
-        longest = np.int64(0)
-        count = np.uint64(bucket_count)
+        shift = np.uint64(64 - bits)
+        mask = (np.uint64(1) << shift) - np.uint64(1)
+        size = (64 - bits + 7) // 8
+        buckets = np.int64(1) << np.int64(bits)
+        next_bucket = 0
+        largest = 0
+        first = 0  # the current bucket's first row
         for i in range(n):
-            key = keys[i]
-            home = np.int64(((_fmix64(key) >> _S32) * count) >> _S32) * window
-            position = home if home > previous else previous + 1
-            if position // window + 1 >= capacity:
-                return np.int64(-1), np.int64(0)
-            for j in range(previous + 1, position):
-                slot_keys[j] = empty_key
-            slot_keys[position] = key
-            if position - home > longest:
-                longest = position - home
-            while next_bucket * window <= position:
-                bucket_rows[next_bucket] = i
-                next_bucket += 1
-            previous = position
-        used = np.int64(bucket_count)
-        if n and previous // window + 1 > used:
-            used = previous // window + 1
-        total = used + 1  # + one empty padding bucket
-        for j in range(previous + 1, total * window):
-            slot_keys[j] = empty_key
-        while next_bucket < total:
-            bucket_rows[next_bucket] = n
+            h = _fmix64(keys[i])
+            bucket = np.int64(h >> shift)
+            if bucket >= next_bucket:
+                if i - first > largest:
+                    largest = i - first
+                first = i
+                while next_bucket <= bucket:
+                    starts[next_bucket] = i
+                    next_bucket += 1
+            _store_word(remainders, i * size, h & mask)
+        if n - first > largest:
+            largest = n - first
+        while next_bucket <= buckets:
+            starts[next_bucket] = n
             next_bucket += 1
-        return total, longest // window
+        return largest
 
     @_jit
     def _gather_fixed(region, bases, locs, rows, width, out):  # type: ignore[no-untyped-def]
@@ -195,7 +171,6 @@ if COMPILED:
 
     pack_hashes = _pack_hashes
     resolve_runs = _resolve_runs
-    is_live = _is_live
     place = _place
     gather_fixed = _gather_fixed
 
@@ -209,8 +184,7 @@ def warm() -> None:
     packed = pack_hashes(keys, 2)
     packed.sort()
     win_keys, _, _ = resolve_runs(packed, keys, 2, 3)
-    is_live(packed, keys, 2, 3, np.uint64(2**64 - 1))
-    place(win_keys, 1, np.uint64(0), np.empty(32, np.uint64), np.empty(4, np.uint32))
+    place(win_keys, 1, np.empty(3, np.uint32), np.empty(3 * 8 + 8, np.uint8))
     region = np.zeros(16, dtype=np.uint8)
     region.flags.writeable = False  # the mapped sources are read-only: the same signature
     gather_fixed(

@@ -3,13 +3,17 @@
 Pure: encodes and checks headers and section tables; reading and writing files is shard.py's.
 
 Every shard version directory holds two files (one shard or one split of a shard):
-- `index.cube`: sections `slot_keys` (uint64 LE), `bucket_rows` (uint32 LE) and `deleted_keys`
-  (uint64 LE, sorted; empty but in deltas that delete), see index.py;
-- `data.cube`: section `values` and, for variable-width values, `offsets` (n+1 uint64 LE).
+- `index.cube` (format 3): sections `bucket_starts` (uint32 LE, 2**bucket_bits + 1),
+  `remainders` (uint8, record_count x remainder_bytes) and `deleted_keys` (uint64 LE, sorted;
+  empty but in deltas that delete), see index.py. Format 2 (sections `slot_keys`, `bucket_rows`,
+  `deleted_keys`) is still read: cube.shard converts it in memory;
+- `data.cube` (format 2, unchanged by index format 3): section `values` and, for
+  variable-width values, `offsets` (n+1 uint64 LE).
+Documented for users in docs/reference/data-layout.md.
 
 Header (both files), little-endian:
     magic        8 bytes   b"CUBEIDX1" or b"CUBEDAT1"
-    format       uint32    FORMAT_VERSION; a newer format is refused
+    format       uint32    WRITTEN[kind]; one outside READABLE[kind] is refused
     json_length  uint32
     json_crc32   uint32    crc32 of the JSON bytes
     json         UTF-8 JSON object, zero padding to HEADER_SIZE
@@ -30,12 +34,17 @@ if TYPE_CHECKING:
     import mmap
 
 MAGICS = {"index": b"CUBEIDX1", "data": b"CUBEDAT1"}
-FORMAT_VERSION = 2  # 2: per-bucket rows and a deleted-key list replace per-slot rows
+# 2: per-bucket rows and a deleted-key list replace per-slot rows; 3: the index is a quotiented
+# hash directory (bucket starts + remainders), data.cube unchanged (so it stays 2).
+FORMAT_VERSION = 3  # a shard's format: its index.cube's
+WRITTEN = {"index": FORMAT_VERSION, "data": 2}
+READABLE = {"index": (2, 3), "data": (2,)}  # index 2: converted in memory (cube.shard)
 HEADER_SIZE = 4096
 SECTION_ALIGN = 4096
 _PREFIX = struct.Struct("<8sIII")
 
-INDEX_SECTIONS = ("slot_keys", "bucket_rows", "deleted_keys")
+INDEX_SECTIONS = ("bucket_starts", "remainders", "deleted_keys")
+INDEX_SECTIONS_V2 = ("slot_keys", "bucket_rows", "deleted_keys")
 DATA_SECTIONS = ("values",)  # plus "offsets" when value_width == 0
 
 
@@ -68,22 +77,25 @@ def encode_header(kind: str, fields: dict[str, Any]) -> bytes:
     body = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     if _PREFIX.size + len(body) > HEADER_SIZE:
         raise ValueError(f"{kind} header JSON of {len(body)} bytes does not fit in {HEADER_SIZE}")
-    prefix = _PREFIX.pack(MAGICS[kind], FORMAT_VERSION, len(body), zlib.crc32(body))
+    prefix = _PREFIX.pack(MAGICS[kind], WRITTEN[kind], len(body), zlib.crc32(body))
     return (prefix + body).ljust(HEADER_SIZE, b"\0")
 
 
 def decode_header(kind: str, header: bytes, path: str, file_size: int) -> dict[str, Any]:
-    """Check magic, format, header checksum, file size and section bounds; return the fields."""
+    """Check magic, format, header checksum, file size and section bounds; return the fields
+    (see `header_format` for the format number)."""
     if len(header) < _PREFIX.size:
         raise ShardFormatError(path, f"file of {file_size} bytes is too short for a header", 0)
     magic, version, length, crc = _PREFIX.unpack_from(header)
     if magic != MAGICS[kind]:
         raise ShardFormatError(path, f"bad magic {magic!r}, expected {MAGICS[kind]!r}", 0)
-    if version != FORMAT_VERSION:
-        age = "newer" if version > FORMAT_VERSION else "older"
+    readable = READABLE[kind]
+    if version not in readable:
+        age = "newer" if version > max(readable) else "older"
+        formats = " or ".join(str(v) for v in readable)
         raise ShardFormatError(
             path,
-            f"format {version} is {age} than this reader's ({FORMAT_VERSION}): rebuild the"
+            f"format {version} is {age} than this reader's ({formats}): rebuild the"
             " shard with this release's cube-builder",
             8,
         )
@@ -107,6 +119,11 @@ def decode_header(kind: str, header: bytes, path: str, file_size: int) -> dict[s
         if offset < HEADER_SIZE or offset + length > file_size:
             raise ShardFormatError(path, f"section {name} [{offset}, +{length}) out of bounds")
     return fields
+
+
+def header_format(header: bytes) -> int:
+    """The format number of a header `decode_header` accepted."""
+    return int(_PREFIX.unpack_from(header)[1])
 
 
 class VerifyCancelled(Exception):

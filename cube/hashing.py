@@ -1,6 +1,7 @@
 """Vectorized 64-bit mixing and MurmurHash3 over numpy uint64 key arrays.
 
-Pure functions, no I/O. `fmix64` places keys in a shard's hash table; `murmur3_32` is the
+Pure functions, no I/O. `fmix64` places keys in a shard's hash directory (and, a bijection,
+identifies them there: `fmix64_inverse` gives a key back from its hash); `murmur3_32` is the
 `murmur3` partitioner and must equal `mmh3.hash(key.to_bytes(8, "little"), 0, signed=False)`
 for every key, in every component that routes keys (builder, server splits, SDK).
 """
@@ -12,6 +13,8 @@ import numpy as np
 _M1 = np.uint64(0xFF51AFD7ED558CCD)
 _M2 = np.uint64(0xC4CEB9FE1A85EC53)
 _S33 = np.uint64(33)
+_M1_INVERSE = np.uint64(pow(0xFF51AFD7ED558CCD, -1, 1 << 64))
+_M2_INVERSE = np.uint64(pow(0xC4CEB9FE1A85EC53, -1, 1 << 64))
 
 _C1 = np.uint32(0xCC9E2D51)
 _C2 = np.uint32(0x1B873593)
@@ -46,6 +49,19 @@ def fmix64(keys: np.ndarray) -> np.ndarray:
         np.right_shift(h, _S33, out=tmp)
         h ^= tmp
     return h
+
+
+def fmix64_inverse(hashes: np.ndarray) -> np.ndarray:
+    """The key of each hash: `fmix64_inverse(fmix64(k)) == k` (x ^= x >> 33 undoes itself, and
+    each odd multiplier has an inverse modulo 2**64)."""
+    k = hashes >> _S33
+    k ^= hashes
+    tmp = np.empty_like(k)
+    for multiplier in (_M2_INVERSE, _M1_INVERSE):
+        np.multiply(k, multiplier, out=k)
+        np.right_shift(k, _S33, out=tmp)
+        k ^= tmp
+    return k
 
 
 def _rotl32(x: np.ndarray, r: int) -> np.ndarray:

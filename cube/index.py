@@ -1,65 +1,83 @@
-"""The shard hash table: built once by the builder, probed in place from an mmap by servers.
+"""The shard index: an exact quotiented hash directory, built once by the builder and probed in
+place from an mmap by servers. Pure numpy, no I/O. Design notes: docs/reference/data-layout.md.
 
-Pure numpy, no I/O. Layout, chosen so that loading is free and a batch resolves in one pass:
-
-- Slots come in buckets of `WINDOW` = 8 (64 bytes of keys: one cache line). A key's home
-  bucket is `((fmix64(key) >> 32) * bucket_count) >> 32` ("fastrange": monotonic in the hash).
-- Keys are placed in order of their hash with linear probing and no wrap-around, so the table
-  is a Robin Hood table built in one vectorized pass: with home slots `8 * bucket` sorted,
-  `pos[i] = max(home[i], pos[i-1] + 1)`, which is `maximum.accumulate(home - i) + i`.
-- `slot_keys` (uint64) holds the keys; empty slots hold `empty_key`, a value chosen to be
-  absent from the shard. A padding bucket at the end keeps every probe inside the array.
-- Rows are numbered in slot order, and a bucket's keys are a prefix of it (keys sit at
-  `max(home slot, previous + 1)` in home order), so a key's row is `bucket_rows[bucket] +
-  slot within the bucket`, with `bucket_rows` one uint32 per bucket (the rows of the buckets
-  before it). That array is an eighth of the slots' size and stays in cache, so a lookup
-  misses the cache on the bucket line and the value only, not on a per-slot row array too.
-- A probe reads each key's home bucket in one numpy pass and compares. If the key is not there
-  and the bucket has an empty slot, the key is absent (a bucket's keys start inside it and are
-  contiguous). The few keys left (2.5% at load 0.6) read the next bucket, and so on, bounded
-  by `max_probe`, the largest bucket displacement in the table.
-- A delta's deleted keys are not in the table: `deleted_keys` (sorted uint64) lists them, and
-  a lookup reports them found with row `TOMBSTONE` (a newer layer's tombstone hides the key in
-  older layers, see cube.shard.ShardStack).
-
-Overhead at the default load factor 0.6: (8 bytes per slot + 4 per 8 slots) / 0.6 = 14.2 bytes
-per key.
+- h = fmix64(key), a bijection: h identifies the key. Rows are numbered in hash order.
+- The top `bits` of h pick one of 2**bits buckets (~2.5-5 keys each); `bucket_starts` (uint32,
+  2**bits + 1) holds each bucket's first row, and last the row count.
+- `remainders` holds each row's low 64 - bits of h in `remainder_bytes` bytes (little-endian,
+  packed): a bucket's are contiguous and ascending, so a probe scans its bucket and stops at
+  the first remainder >= the one sought; `max_bucket` bounds the scan.
+- A delta's deleted keys are not rows: `deleted_keys` (sorted uint64) lists them, and a lookup
+  reports them found with row `TOMBSTONE` (a newer layer's tombstone hides the key in older
+  layers, see cube.shard.ShardStack).
+- Bytes a key: remainder_bytes + 4 * 2**bits / n: 7.05 at 1M keys, 6.3-6.9 at 10M-100M.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 
 import numpy as np
 
-from cube.hashing import fmix64
+from cube.hashing import fmix64, fmix64_inverse
 
-# The table's constants live in the kernels' leaf module; importable from here too.
+# The index's constants live in the kernels' leaf module; importable from here too.
 from cube.kernel_constants import MAX_ROWS as MAX_ROWS
 from cube.kernel_constants import TOMBSTONE as TOMBSTONE
-from cube.kernel_constants import WINDOW as WINDOW
 
-LOAD_FACTOR = 0.6
 _TOMBSTONE_U4 = np.uint32(TOMBSTONE)
-_SHIFT32 = np.uint64(32)
+MAX_BITS = 32  # 2**32 buckets: a row count's worth; so remainders take 4 to 8 bytes
+_BUCKET_LOAD = (2.5, 5.0)  # the average keys a bucket that bits_for aims at
+_WINDOW = 8  # remainders the numpy lookup reads at once from each key's bucket
+
+
+def remainder_bytes(bits: int) -> int:
+    """Bytes of a row's remainder (the hash's low 64 - bits bits)."""
+    return (64 - bits + 7) // 8
+
+
+def bits_for(count: int) -> int:
+    """Bucket bits for `count` keys: of those giving 2.5-5 keys a bucket on average, the one
+    with the fewest index bytes (remainders + bucket starts)."""
+    best = max(1, min(MAX_BITS, round(float(np.log2(max(count, 1) / 4)))))
+    best_bytes = None
+    for bits in range(1, MAX_BITS + 1):
+        if _BUCKET_LOAD[0] <= count / (1 << bits) <= _BUCKET_LOAD[1]:
+            size = count * remainder_bytes(bits) + 4 * ((1 << bits) + 1)
+            if best_bytes is None or size < best_bytes:
+                best, best_bytes = bits, size
+    return best
 
 
 @dataclass(frozen=True)
 class HashTable:
-    """A probe-ready table; arrays may be views on an mmap."""
+    """A probe-ready index; arrays may be views on an mmap."""
 
-    slot_keys: np.ndarray  # uint64, (bucket_count + overflow + 1) * WINDOW slots
-    bucket_rows: np.ndarray  # uint32, one per bucket of slot_keys: row of its first slot
+    bucket_starts: np.ndarray  # uint32, 2**bits + 1: each bucket's first row, then the count
+    remainders: np.ndarray  # uint8, row_count * remainder_bytes: rows' low hash bits, LE
     deleted_keys: np.ndarray  # uint64, sorted: keys this delta deletes (tombstones)
-    bucket_count: int  # number of home buckets
-    empty_key: int
-    max_probe: int  # largest (bucket of position - home bucket) in the table
+    bits: int  # bucket = h >> (64 - bits)
+    max_bucket: int  # the most rows a bucket holds (bounds a probe's scan)
+    # numpy's view of the remainders as words (see _remainder_words), made once
+    _words: tuple[np.ndarray, int, np.ndarray] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_words", _remainder_words(self.remainders, self.remainder_bytes))
 
     @property
-    def slot_count(self) -> int:
-        return int(self.slot_keys.shape[0])
+    def remainder_bytes(self) -> int:
+        return remainder_bytes(self.bits)
+
+    @property
+    def row_count(self) -> int:
+        return int(self.remainders.shape[0]) // self.remainder_bytes
+
+    @property
+    def nbytes(self) -> int:
+        """The index's bytes (what a lookup reads), tombstones aside."""
+        return int(self.bucket_starts.nbytes + self.remainders.nbytes)
 
 
 @dataclass(frozen=True)
@@ -71,27 +89,87 @@ class BuiltTable:
     tombstone_count: int  # deleted keys (table.deleted_keys)
 
 
-def bucket_count_for(count: int, load_factor: float = LOAD_FACTOR) -> int:
-    return max(1, int(np.ceil(count / (load_factor * WINDOW))))
+def _remainder_words(remainders: np.ndarray, size: int) -> tuple[np.ndarray, int, np.ndarray]:
+    """No-copy views of the remainders for numpy: (words, the last row's remainder, windows).
+    words[i] is an unaligned little-endian uint64 at row i's first byte (it holds the row's
+    bytes and then the next rows'), for the rows whose 8 bytes lie inside the array: with 4 to 8
+    bytes a row, all rows but the last. windows[i] is the `_WINDOW` rows from row i as one item
+    of bytes (a fancy index copies each with one memcpy: 2.4x faster than gathering 8 words
+    per row at 20M keys). Index them with [], not take(): take copies an unaligned array
+    whole."""
+    length = int(remainders.shape[0])
+    rows = length // size
+    fit = (length - 8) // size + 1 if length >= 8 else 0
+    words = np.ndarray((fit,), dtype="<u8", buffer=remainders, strides=(size,))
+    last = int.from_bytes(bytes(remainders[length - size :]), "little") if rows else 0
+    item = np.dtype((np.void, _WINDOW * size))
+    windows = np.ndarray(
+        (max(rows - _WINDOW + 1, 0),), dtype=item, buffer=remainders, strides=(size,)
+    )
+    return words, last, windows
 
 
-def home_buckets(hashes: np.ndarray, bucket_count: int) -> np.ndarray:
-    """Home bucket of each hashed key (int64, for indexing)."""
-    high = hashes >> _SHIFT32
-    high *= np.uint64(bucket_count)
-    high >>= _SHIFT32
-    return high.view(np.int64)  # < 2**32: the same numbers, no copy
+def read_remainders(table: HashTable, rows: np.ndarray) -> np.ndarray:
+    """The remainder of each row (int64 row numbers < row_count), uint64."""
+    words, last, _windows = table._words
+    fit = words.shape[0]
+    got: np.ndarray
+    if fit == table.row_count:
+        got = words[rows]  # (not take: it copies an unaligned array whole)
+    else:  # the last row has no word of its own: it reads `last`
+        got = words[np.minimum(rows, fit - 1)] if fit else np.zeros(rows.shape, np.uint64)
+        got[rows >= fit] = last
+    got &= np.uint64((1 << (64 - table.bits)) - 1)
+    return got
 
 
-def _choose_empty_key(sorted_hashes: np.ndarray) -> int:
-    """A uint64 that is not a key of the table (looked up through the bijective hash)."""
-    candidate = 2**64 - 1
-    while True:  # ends: at most len(sorted_hashes) candidates can be taken
-        h = fmix64(np.array([candidate], dtype=np.uint64))[0]
-        i = np.searchsorted(sorted_hashes, h)
-        if i >= sorted_hashes.shape[0] or sorted_hashes[i] != h:
-            return candidate
-        candidate -= 1
+def directory(
+    sorted_hashes: np.ndarray, bits: int | None = None
+) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """(bucket_starts, remainders, bits, max_bucket) of distinct hashes in ascending order."""
+    n = int(sorted_hashes.shape[0])
+    bits = bits_for(n) if bits is None else bits
+    if not 1 <= bits <= MAX_BITS:
+        raise ValueError(f"bucket bits {bits} outside [1, {MAX_BITS}]")
+    shift = np.uint64(64 - bits)
+    size = remainder_bytes(bits)
+    counts = np.bincount((sorted_hashes >> shift).view(np.int64), minlength=1 << bits)
+    starts = np.zeros((1 << bits) + 1, dtype=np.uint32)
+    np.cumsum(counts, out=starts[1:], dtype=np.uint32)
+    max_bucket = int(counts.max()) if n else 0
+    del counts
+    low = sorted_hashes & np.uint64((1 << (64 - bits)) - 1)
+    as_bytes = low.astype("<u8", copy=False).view(np.uint8).reshape(n, 8)
+    remainders = np.ascontiguousarray(as_bytes[:, :size]).reshape(-1)
+    return starts, remainders, bits, max_bucket
+
+
+def from_hash_ordered(keys: np.ndarray, bits: int | None = None) -> HashTable:
+    """The index of distinct keys already in ascending hash order (the builder's winners, a
+    format-2 index's slot keys), no tombstones: compiled when the build loops are loaded."""
+    n = int(keys.shape[0])
+    bits = bits_for(n) if bits is None else bits
+    if not 1 <= bits <= MAX_BITS:
+        raise ValueError(f"bucket bits {bits} outside [1, {MAX_BITS}]")
+    kernels = compiled_kernels(n)
+    if kernels is None:
+        starts, remainders, bits, max_bucket = directory(fmix64(keys), bits)
+        return HashTable(starts, remainders, np.empty(0, np.uint64), bits, max_bucket)
+    size = remainder_bytes(bits)
+    starts = np.empty((1 << bits) + 1, dtype=np.uint32)
+    remainders = np.empty(n * size + 8, dtype=np.uint8)  # + 8: the loop stores whole words
+    max_bucket = kernels.place(keys, bits, starts, remainders)
+    return HashTable(starts, remainders[: n * size], np.empty(0, np.uint64), bits, int(max_bucket))
+
+
+def keys_at(table: HashTable, rows: np.ndarray) -> np.ndarray:
+    """The keys of rows (int64 < row_count): their hashes are bucket and remainder, and fmix64
+    is a bijection. How a warm-up or a test gets keys the index holds without the input."""
+    rows = np.asarray(rows, dtype=np.int64)
+    buckets = np.searchsorted(table.bucket_starts, rows, side="right") - 1
+    hashes = buckets.astype(np.uint64) << np.uint64(64 - table.bits)
+    hashes |= read_remainders(table, rows)
+    return fmix64_inverse(hashes)
 
 
 def stable_hash_order(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -132,10 +210,11 @@ def stable_hash_order(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def build_table(
     keys: np.ndarray,
     deleted: np.ndarray | None = None,
-    load_factor: float = LOAD_FACTOR,
+    bits: int | None = None,
 ) -> BuiltTable:
     """Build a table from record keys (duplicates allowed: the last record wins) and keys to
-    delete (they become tombstones and win over records with the same key).
+    delete (they become tombstones and win over records with the same key); `bits` forces
+    the bucket bits (tests: crowded buckets), else `bits_for` the row count.
 
     fmix64 is a bijection, so sorting by hash both orders the table and brings duplicates of a
     key together; a stable sort keeps them in input order, so the last of a run is the winner.
@@ -146,7 +225,7 @@ def build_table(
         keys = np.concatenate([keys, np.ascontiguousarray(deleted, dtype=np.uint64)])
     kernels = compiled_kernels(keys.shape[0])
     if kernels is not None:
-        return _build_compiled(kernels, keys, record_count, load_factor)
+        return _build_compiled(kernels, keys, record_count, bits)
     hashes = fmix64(keys)
     order, sorted_hashes = stable_hash_order(hashes)
     del hashes
@@ -167,39 +246,14 @@ def build_table(
     n = int(winners.shape[0])
     if n > MAX_ROWS:
         raise ValueError(f"{n} records in one shard; at most {MAX_ROWS} (use more shards)")
-
-    bucket_count = bucket_count_for(n, load_factor)
-    # In-place steps where possible: at 10M keys every temporary is 80 MB of fresh memory.
-    homes = home_buckets(sorted_hashes, bucket_count)
-    homes *= WINDOW
-    ranks = np.arange(n, dtype=np.int64)
-    positions = homes - ranks
-    np.maximum.accumulate(positions, out=positions)
-    positions += ranks
-    del ranks
-    # homes are bucket starts, so (position - home) // WINDOW is the bucket displacement
-    max_probe = int((positions - homes).max()) // WINDOW if n else 0
-    del homes
-    used_buckets = max(bucket_count, int(positions[-1]) // WINDOW + 1 if n else 0)
-    total_buckets = used_buckets + 1  # + one empty padding bucket
-
-    empty_key = _choose_empty_key(sorted_hashes)
-    slot_keys = np.full(total_buckets * WINDOW, empty_key, dtype=np.uint64)
-    slot_keys[positions] = keys[winners]
-    # rows are the slot order: a bucket's first row is the count of keys in earlier buckets
-    per_bucket = np.bincount(positions // WINDOW, minlength=total_buckets)
-    bucket_rows = np.zeros(total_buckets, dtype=np.uint32)
-    np.cumsum(per_bucket[:-1], out=bucket_rows[1:], dtype=np.uint32)
-    del positions, per_bucket
-
-    table = HashTable(slot_keys, bucket_rows, deleted_keys, bucket_count, empty_key, max_probe)
+    starts, remainders, bits, max_bucket = directory(sorted_hashes, bits)
+    table = HashTable(starts, remainders, deleted_keys, bits, max_bucket)
     return BuiltTable(table, winners, int(deleted_keys.shape[0]))
 
 
 # Below this many keys the numpy build is fast enough not to import numba and load the
 # compiled loops for it (~0.7 s); once something in the process loaded them, they are used.
 COMPILED_MIN_KEYS = 4 << 20
-_SLACK_BUCKETS = 64  # room past the home buckets for the table's overflow (rarely > 2)
 
 
 def compiled_kernels(count: int) -> ModuleType | None:
@@ -215,103 +269,139 @@ def compiled_kernels(count: int) -> ModuleType | None:
 
 
 def _build_compiled(
-    kernels: ModuleType, keys: np.ndarray, record_count: int, load_factor: float
+    kernels: ModuleType, keys: np.ndarray, record_count: int, bits: int | None
 ) -> BuiltTable:
     """build_table's work in three compiled loops and one numpy sort, same bytes out: pack
     (hash prefix, position) as in stable_hash_order, sort, resolve runs (exact hash order,
-    last record wins, deletions win and leave), place."""
-    bits = max(1, (keys.shape[0] - 1).bit_length())
-    packed = kernels.pack_hashes(keys, bits)
+    last record wins, deletions win and leave), place (bucket starts and remainders)."""
+    prefix_bits = max(1, (keys.shape[0] - 1).bit_length())
+    packed = kernels.pack_hashes(keys, prefix_bits)
     packed.sort()
-    win_keys, winners, dead = kernels.resolve_runs(packed, keys, bits, record_count)
+    win_keys, winners, dead = kernels.resolve_runs(packed, keys, prefix_bits, record_count)
+    del packed
     deleted_keys = np.sort(dead)
     n = int(winners.shape[0])
     if n > MAX_ROWS:
         raise ValueError(f"{n} records in one shard; at most {MAX_ROWS} (use more shards)")
-    candidate = 2**64 - 1
-    while kernels.is_live(packed, keys, bits, record_count, np.uint64(candidate)):
-        candidate -= 1  # ends: at most n candidates can be taken
-    del packed
-    bucket_count = bucket_count_for(n, load_factor)
-    for room in (_SLACK_BUCKETS, n // WINDOW + 2):
-        slot_keys = np.empty((bucket_count + room + 1) * WINDOW, dtype=np.uint64)
-        bucket_rows = np.empty(bucket_count + room + 1, dtype=np.uint32)
-        total, max_probe = kernels.place(
-            win_keys, bucket_count, np.uint64(candidate), slot_keys, bucket_rows
-        )
-        if total > 0:
-            break
-    table = HashTable(
-        slot_keys[: total * WINDOW],
-        bucket_rows[:total],
-        deleted_keys,
-        bucket_count,
-        candidate,
-        int(max_probe),
-    )
+    table = replace(from_hash_ordered(np.asarray(win_keys), bits), deleted_keys=deleted_keys)
     return BuiltTable(table, winners, int(deleted_keys.shape[0]))
 
 
-# Multiplying a one-hot 8-byte mask (byte j set) by this puts j in the top byte.
-_BYTE_INDEX = np.uint64(sum(j << (56 - 8 * j) for j in range(WINDOW)))
+# word c: c leading bytes 1 (8 bools as one uint64), for c = 0..8
+_PREFIXES = np.tri(_WINDOW + 1, _WINDOW, -1, dtype=bool).view(np.uint64).reshape(-1)
+_SUM_BYTES = np.uint64(0x0101010101010101)  # x * this: the sum of x's bytes in the top byte
 _S56 = np.uint64(56)
-_S3 = np.int64(3)
-_NOTHING = np.empty(0, dtype=np.int64)
-_LOW_WORD = 0 if sys.byteorder == "little" else 1  # of a uint64 viewed as two uint32
-_BUCKET = np.dtype((np.void, 8 * WINDOW))  # one bucket of keys as one item: take moves rows
 
 
 def lookup(table: HashTable, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Probe a batch: return (rows uint32, found bool). A deleted key is found with row
-    TOMBSTONE.
+    TOMBSTONE; the row of a key not found is undefined.
 
-    Every numpy call costs ~1 µs whatever its size, so the home buckets are computed in place
-    on the hashes and the common case (the key in its home bucket) takes one pass."""
-    buckets = fmix64(keys)  # a fresh array: home_buckets' steps in place, no astype copy
-    buckets >>= _SHIFT32
-    buckets *= np.uint64(table.bucket_count)
-    buckets >>= _SHIFT32
-    buckets = buckets.view(np.int64)  # < bucket_count: the same values
-    rows, found, pending = _probe(table, keys, buckets)
-    step = 1
-    while pending.shape[0] and step <= table.max_probe:
-        # A full bucket ends at or before the last used bucket, so the next one exists.
-        sub_rows, sub_found, unresolved = _probe(table, keys[pending], buckets[pending] + step)
-        rows[pending] = sub_rows
-        found[pending] = sub_found
-        pending = pending[unresolved]
-        step += 1
-    if keys.shape[0]:
-        found &= keys != np.uint64(table.empty_key)  # it matched an empty slot
+    Vectorized across the keys, in few numpy calls (each costs ~1 µs whatever its size): one
+    read takes the next `_WINDOW` remainders of every key's bucket as an (n, 8) array (a view
+    of the remainders with rows 8 words long, `_remainder_words`); the rows of a bucket below
+    the key are counted, and that count is where the key is if it is there. A bucket holds
+    2.5-5 keys on average: the few whose bucket goes on past the window read the next window
+    (at most max_bucket / 8 reads); keys of the last rows (no window there) `_scan`."""
+    n = keys.shape[0]
+    rows = np.zeros(n, dtype=np.int64)
+    found = np.zeros(n, dtype=bool)
+    if not (n and table.row_count):
+        return _finish(table, keys, rows, found)
+    hashes = fmix64(keys)
+    buckets = hashes >> np.uint64(64 - table.bits)
+    start = table.bucket_starts.take(buckets.view(np.int64)).astype(np.int64)
+    buckets += np.uint64(1)
+    count = table.bucket_starts.take(buckets.view(np.int64)).astype(np.int64)
+    count -= start
+    want = hashes
+    want &= np.uint64((1 << (64 - table.bits)) - 1)
+    window = table._words[2]
+    # every window read starts before the bucket's end: the keys of the last rows, which
+    # windows do not reach, scan instead
+    near_end = start + np.maximum(count, 1) > window.shape[0]
+    if near_end.any():  # rare: the last bucket or two
+        pick = np.flatnonzero(near_end)
+        found[pick], rows[pick] = _scan(table, want[pick], start[pick], (start + count)[pick])
+        pick = np.flatnonzero(~near_end)
+        if pick.shape[0]:
+            found[pick], rows[pick] = _windows(table, window, want[pick], start[pick], count[pick])
+    else:
+        found, rows = _windows(table, window, want, start, count)
+    return _finish(table, keys, rows, found)
+
+
+def _windows(
+    table: HashTable, window: np.ndarray, want: np.ndarray, start: np.ndarray, count: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(found, row) of each remainder `want` in rows [start, start + count), a window of
+    `_WINDOW` rows at a time (every row read lies inside a window)."""
+    mask = np.uint64((1 << (64 - table.bits)) - 1)
+    size = table.remainder_bytes
+    found = np.zeros(want.shape[0], dtype=bool)
+    rows = np.zeros(want.shape[0], dtype=np.int64)
+    index = None  # the keys of this pass: all, then those whose bucket goes on
+    for _ in range(table.max_bucket // _WINDOW + 1):
+        n = want.shape[0]
+        items = np.empty(n + 1, dtype=window.dtype)  # + 1: the last word reads past its item
+        items[:n] = window[start]
+        words = np.ndarray((n, _WINDOW), "<u8", buffer=items, strides=(_WINDOW * size, size))
+        got = words & mask
+        below = got.reshape(-1) < want.repeat(_WINDOW)  # flat: a broadcast costs twice as much
+        ahead = below.view(np.uint64)  # a key's 8 flags as one word
+        ahead &= _PREFIXES.take(np.minimum(count, _WINDOW))  # the bucket's rows only
+        ahead *= _SUM_BYTES
+        ahead >>= _S56
+        at = ahead.view(np.int64)  # rows of the bucket below the key: where it is if it is there
+        flat = np.minimum(at, _WINDOW - 1)
+        flat += np.arange(0, n * _WINDOW, _WINDOW)
+        hit = got.reshape(-1).take(flat) == want
+        hit &= at < count
+        at += start
+        if index is None:
+            found, rows = hit, at
+        else:
+            found[index], rows[index] = hit, at
+        more = at == start + _WINDOW
+        more &= count > _WINDOW  # the bucket goes on past the window
+        if not more.any():
+            break
+        pick = np.flatnonzero(more)
+        index = pick if index is None else index[pick]
+        want, start, count = want[pick], start[pick] + _WINDOW, count[pick] - _WINDOW
+    return found, rows
+
+
+def _finish(
+    table: HashTable, keys: np.ndarray, rows: np.ndarray, found: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """lookup's answer: rows as uint32, and the deleted keys found with row TOMBSTONE."""
+    rows32 = rows.astype(np.uint32)
     if table.deleted_keys.shape[0]:
-        _mark_deleted(table.deleted_keys, keys, rows, found)
-    return rows, found
+        _mark_deleted(table.deleted_keys, keys, rows32, found)
+    return rows32, found
 
 
-def _probe(
-    table: HashTable, keys: np.ndarray, buckets: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Read one bucket per key: rows, found, and the keys whose bucket was full without them."""
-    # One 64-byte item per bucket: a 1-D take of whole rows is cheaper than a 2-D axis=0 take.
-    candidates = table.slot_keys.view(_BUCKET).take(buckets).view(np.uint64)
-    # Compare flat against each key repeated 8 times: a broadcast over an inner axis of 8 costs
-    # twice as much in numpy.
-    matches = candidates == keys.repeat(WINDOW)
-    # A key occurs at most once in a table: the (n, 8) bool mask is a one-hot uint64 per key.
-    onehot = matches.view(np.uint64)
-    found = onehot != 0
-    onehot *= _BYTE_INDEX
-    onehot >>= _S56  # the matching slot's place in its bucket, 0..7
-    # (a key equal to empty_key matches several slots: garbage here, lookup() clears found)
-    rows = table.bucket_rows.take(buckets)
-    rows += onehot.view(np.uint32)[_LOW_WORD::2]  # 0..7 fits the low word: no casting pass
-    if table.max_probe == 0 or np.count_nonzero(found) == found.shape[0]:
-        return rows, found, _NOTHING
-    # A bucket's occupied slots are a prefix of it, so a bucket is full exactly when its last
-    # slot is occupied.
-    full = candidates[WINDOW - 1 :: WINDOW] != np.uint64(table.empty_key)
-    full &= ~found
-    return rows, found, np.flatnonzero(full)
+def _scan(
+    table: HashTable, want: np.ndarray, pos: np.ndarray, end: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(found, row) of each remainder `want` in rows [pos, end) (ascending remainders): one
+    offset at a time across the keys, the keys still scanning filtered at each step (at most
+    max_bucket steps)."""
+    found = np.zeros(want.shape[0], dtype=bool)
+    rows = pos.copy()
+    index = np.arange(want.shape[0])
+    for _ in range(table.max_bucket):
+        live = pos < end
+        index, pos, end, want = index[live], pos[live], end[live], want[live]
+        if not index.shape[0]:
+            break
+        got = read_remainders(table, pos)
+        rows[index] = pos
+        found[index] = got == want
+        keep = got < want
+        index, pos, end, want = index[keep], pos[keep] + 1, end[keep], want[keep]
+    return found, rows
 
 
 def _mark_deleted(

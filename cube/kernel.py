@@ -27,20 +27,19 @@ from typing import Any
 
 import numpy as np
 
-from cube.index import HashTable
+from cube.index import HashTable, keys_at
 from cube.index import lookup as numpy_lookup
 from cube.kernel_constants import COMPILED as COMPILED  # (tests switch it off here)
 from cube.kernel_constants import (
     HAVE_NUMBA,
-    L_BUCKET_COUNT,
-    L_BUCKET_ROWS,
+    L_BITS,
     L_COUNT,
     L_DELETED,
     L_DELETED_COUNT,
-    L_EMPTY_KEY,
-    L_MAX_PROBE,
     L_OFFSETS,
-    L_SLOT_KEYS,
+    L_REMAINDERS,
+    L_ROWS,
+    L_STARTS,
     L_VALUES,
     L_WIDTH,
     LAYER_FIELDS,
@@ -143,15 +142,14 @@ def layer_row(prepared: KernelTable, values: ValueColumn) -> np.ndarray:
     """One layer of a stack as the lane's compiled pass takes it (cube.kernel_constants:
     L_*): the addresses of its table and value arrays and its parameters. The caller keeps
     `prepared` and `values` (their arrays) alive while the row is used."""
-    slot_keys, bucket_rows, deleted_keys, bucket_count, empty_key, max_probe = prepared.args
+    starts, remainders, deleted_keys, bits = prepared.args
     row = np.zeros(LAYER_FIELDS, dtype=np.uint64)
-    row[L_SLOT_KEYS] = slot_keys.ctypes.data
-    row[L_BUCKET_ROWS] = bucket_rows.ctypes.data
+    row[L_STARTS] = starts.ctypes.data
+    row[L_REMAINDERS] = remainders.ctypes.data
     row[L_DELETED] = deleted_keys.ctypes.data
     row[L_DELETED_COUNT] = deleted_keys.shape[0]
-    row[L_BUCKET_COUNT] = bucket_count
-    row[L_EMPTY_KEY] = empty_key
-    row[L_MAX_PROBE] = max_probe
+    row[L_BITS] = bits
+    row[L_ROWS] = prepared.table.row_count
     blob = values.blob
     assert blob.dtype == np.uint8 and blob.flags.c_contiguous
     row[L_VALUES] = blob.ctypes.data
@@ -166,12 +164,10 @@ def layer_row(prepared: KernelTable, values: ValueColumn) -> np.ndarray:
 
 def prepare(table: HashTable) -> KernelTable:
     args = (
-        _read_only(np.ascontiguousarray(table.slot_keys, dtype=np.uint64)),
-        _read_only(np.ascontiguousarray(table.bucket_rows, dtype=np.uint32)),
+        _read_only(np.ascontiguousarray(table.bucket_starts, dtype=np.uint32)),
+        _read_only(np.ascontiguousarray(table.remainders, dtype=np.uint8)),
         _read_only(np.ascontiguousarray(table.deleted_keys, dtype=np.uint64)),
-        np.uint64(table.bucket_count),
-        np.uint64(table.empty_key),
-        np.int64(table.max_probe),
+        np.int64(table.bits),
     )
     return KernelTable(table, args)
 
@@ -488,10 +484,9 @@ class LanePass:
 
 def _warm_lane(prepared: KernelTable) -> None:
     """Compile (or load) the lane's pass: one request of a few keys, through `LanePass`."""
-    keys = np.asarray(prepared.table.slot_keys[:64])
-    keys = keys[keys != np.uint64(prepared.table.empty_key)][:4].astype("<u8")
-    count = int(prepared.table.bucket_rows.shape[0]) * 8
-    values = ValueColumn.fixed(np.zeros(count * 8, dtype=np.uint8), 8)
+    table = prepared.table
+    keys = keys_at(table, np.arange(min(4, table.row_count))).astype("<u8")
+    values = ValueColumn.fixed(np.zeros(table.row_count * 8, dtype=np.uint8), 8)
     target = lane_target([(prepared, values)], 8, "warm", 8)
     body = b"\x0a" + bytes([keys.nbytes]) + keys.tobytes() + b"\x20\x01"
     frame = np.frombuffer(len(body).to_bytes(4, "little") + body, dtype=np.uint8)

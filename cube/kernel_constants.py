@@ -1,7 +1,7 @@
-"""The leaf under the lookup and build kernels: the hash table's constants, the builder's value
+"""The leaf under the lookup and build kernels: the index's constants, the builder's value
 locations, and whether compiled loops run. It imports nothing of cube, so cube.index,
 cube.kernel, cube._jit, cube._kernel_jit and cube.build_kernels all take these from here and
-import one another without a cycle (tests/test_architecture.py checks it). The table's layout:
+import one another without a cycle (tests/test_architecture.py checks it). The index's layout:
 cube/index.py; the kernels: cube/kernel.py, cube/build_kernels.py; docs/ARCHITECTURE.md.
 """
 
@@ -10,9 +10,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
-# The hash table (cube.index): slots per bucket (64 bytes of keys: one cache line), the row of a
-# key a delta deletes, and the most rows a shard may have (so that TOMBSTONE and MISS are free).
-WINDOW = 8
+# The index (cube.index): the row of a key a delta deletes, and the most rows a shard may have (so
+# that TOMBSTONE and MISS are free).
 TOMBSTONE = 0xFFFFFFFF
 MAX_ROWS = TOMBSTONE - 1
 MISS = MAX_ROWS  # cube.kernel's row code of a key the table does not hold
@@ -32,19 +31,18 @@ COMPILED = HAVE_NUMBA and os.environ.get("CUBE_KERNEL", "compiled") != "numpy"
 # version keeps mapped for as long as it is served (the pass runs synchronously in the event
 # loop's thread, so a version cannot be unmapped during one).
 (
-    L_SLOT_KEYS,  # address of the slot keys (uint64, bucket_count * WINDOW)
-    L_BUCKET_ROWS,  # address of the buckets' first rows (uint32, bucket_count)
+    L_STARTS,  # address of the index's bucket starts (uint32, 2**bits + 1)
+    L_REMAINDERS,  # address of its remainders (uint8, rows x remainder bytes)
     L_DELETED,  # address of the sorted deleted keys (uint64)
     L_DELETED_COUNT,
-    L_BUCKET_COUNT,
-    L_EMPTY_KEY,
-    L_MAX_PROBE,
+    L_BITS,  # the index's bucket bits
+    L_ROWS,  # the index's rows
     L_VALUES,  # address of the value bytes
     L_WIDTH,  # the layer's value width, 0: variable (L_OFFSETS)
     L_OFFSETS,  # address of the value offsets (int64, count + 1) when variable
     L_COUNT,  # values in the layer
-) = range(11)
-LAYER_FIELDS = 11
+) = range(10)
+LAYER_FIELDS = 10
 # The pass's inputs (int64 array `limits`): the server's bounds and the connection's bytes.
 (
     P_MAX_FRAME,

@@ -11,17 +11,27 @@ tombstone in a newer layer hides the key in the older ones.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from cube import format as fmt
 from cube import kernel
-from cube.index import TOMBSTONE, BuiltTable, HashTable
+from cube.hashing import fmix64
+from cube.index import (
+    MAX_BITS,
+    TOMBSTONE,
+    BuiltTable,
+    HashTable,
+    from_hash_ordered,
+    remainder_bytes,
+)
 from cube.shard_writer import DATA_FILE, INDEX_FILE, ValueSource, Writeback, write_shard
 from cube.values import ValueColumn
 
@@ -38,6 +48,7 @@ __all__ = [
 
 
 FileHook = Callable[[int, Path], None]
+log = logging.getLogger("cube.shard")
 
 
 _MADV_POPULATE_READ = 22  # Linux 5.14: fault a range in, readable
@@ -129,6 +140,7 @@ class _MappedFile:
             size = os.fstat(fd).st_size
             header = os.pread(fd, fmt.HEADER_SIZE, 0)
             self.fields = fmt.decode_header(kind, header, str(path), size)
+            self.format = fmt.header_format(header)
             self.size = size
             if random_access:
                 self.buffer = _map_random(fd, size, populate)
@@ -147,10 +159,22 @@ class _MappedFile:
         """Where the mapping starts in this process."""
         return int(np.frombuffer(self.buffer, dtype=np.uint8, count=1).ctypes.data)
 
-    def section(self, name: str, dtype: str) -> np.ndarray:
-        offset, length, _crc = self.fields["sections"][name]
+    def section(self, name: str, dtype: str, length: int | None = None) -> np.ndarray:
+        """A section as an array; ShardFormatError when it is missing, or when `length` (in
+        bytes) is given and it holds another."""
+        sections = self.fields.get("sections", {})
+        if name not in sections:
+            raise fmt.ShardFormatError(str(self.path), f"section {name} missing")
+        offset, size, _crc = sections[name]
         itemsize = np.dtype(dtype).itemsize
-        return np.frombuffer(self.buffer, dtype=dtype, count=length // itemsize, offset=offset)
+        if (length is not None and size != length) or size % itemsize:
+            expected = length if length is not None else f"a multiple of {itemsize}"
+            raise fmt.ShardFormatError(
+                str(self.path),
+                f"section {name} is {size} bytes, {expected} expected (truncated or corrupt)",
+                offset,
+            )
+        return np.frombuffer(self.buffer, dtype=dtype, count=size // itemsize, offset=offset)
 
     def verify(self, cancelled: Callable[[], bool] | None = None) -> None:
         """Check every section's crc32; `cancelled` is asked between 64 MiB steps (a load
@@ -194,14 +218,11 @@ class Shard:
         self.directory = directory
         self._files: tuple[_MappedFile, ...] = (index, data)
         self.meta = index.fields
-        self.table = HashTable(
-            slot_keys=index.section("slot_keys", "<u8"),
-            bucket_rows=index.section("bucket_rows", "<u4"),
-            deleted_keys=index.section("deleted_keys", "<u8"),
-            bucket_count=int(self.meta["bucket_count"]),
-            empty_key=int(self.meta["empty_key"]),
-            max_probe=int(self.meta["max_probe"]),
-        )
+        self.converted_s: float | None = None  # seconds a format-2 index took to convert
+        if index.format == 2:
+            self.table = self._convert_format_2(index)
+        else:
+            self.table = self._open_index(index)
         self.kernel_table = kernel.prepare(self.table)
         count = int(self.meta["record_count"])
         width = int(self.meta["value_width"])
@@ -216,6 +237,55 @@ class Shard:
             raise fmt.ShardFormatError(
                 str(data.path), f"{self.values.count} values for {count} records"
             )
+
+    def _open_index(self, index: _MappedFile) -> HashTable:
+        """The index's arrays, checked against its header (sizes, bucket bits) in constant
+        time: a truncated or inconsistent section is refused naming the file and section."""
+        path = str(index.path)
+        count = int(self.meta["record_count"])
+        bits = self.meta.get("bucket_bits")
+        if not isinstance(bits, int) or not 1 <= bits <= MAX_BITS:
+            raise fmt.ShardFormatError(path, f"bucket_bits {bits!r} outside [1, {MAX_BITS}]")
+        size = remainder_bytes(bits)
+        if self.meta.get("remainder_bytes") != size:
+            raise fmt.ShardFormatError(
+                path, f"remainder_bytes {self.meta.get('remainder_bytes')!r}, {size} expected"
+            )
+        starts = index.section("bucket_starts", "<u4", 4 * ((1 << bits) + 1))
+        remainders = index.section("remainders", "u1", count * size)
+        if int(starts[-1]) != count:
+            offset = index.fields["sections"]["bucket_starts"][0] + starts.nbytes - 4
+            raise fmt.ShardFormatError(
+                path, f"section bucket_starts ends at row {starts[-1]}, not {count}", offset
+            )
+        max_bucket = self.meta.get("max_bucket")
+        if not isinstance(max_bucket, int) or not 0 <= max_bucket <= count:
+            raise fmt.ShardFormatError(path, f"max_bucket {max_bucket!r} out of range")
+        deleted = index.section("deleted_keys", "<u8")
+        return HashTable(starts, remainders, deleted, bits, max_bucket)
+
+    def _convert_format_2(self, index: _MappedFile) -> HashTable:
+        """A format-2 index (the releases before format 3: a table of slots in hash order) as
+        format 3, built in memory from its keys, and said in the log: a server upgraded in
+        place keeps serving the versions on its disk."""
+        started = time.perf_counter()
+        count = int(self.meta["record_count"])
+        slot_keys = index.section("slot_keys", "<u8")
+        keys = slot_keys[slot_keys != np.uint64(int(self.meta["empty_key"]))]
+        hashes = fmix64(keys)
+        if keys.shape[0] != count or (hashes[1:] <= hashes[:-1]).any():
+            raise fmt.ShardFormatError(
+                str(index.path), f"section slot_keys: not {count} keys in hash order (format 2)"
+            )
+        del hashes
+        table = replace(from_hash_ordered(keys), deleted_keys=index.section("deleted_keys", "<u8"))
+        self.converted_s = time.perf_counter() - started
+        log.warning(
+            "%s: index format 2 converted to format 3 in memory in %.2f s (%d keys); rebuild"
+            " it with this release's cube-builder to skip this",
+            index.path, self.converted_s, count,
+        )  # fmt: skip
+        return table
 
     @classmethod
     def in_memory(cls, built: BuiltTable, values: ValueColumn) -> Shard:

@@ -88,11 +88,10 @@ def write_shard(
         data_header = data_file.finish("data", common, sync)
         index_fields = {
             **common,
-            "bucket_count": table.bucket_count,
-            "slot_count": table.slot_count,
-            "empty_key": str(table.empty_key),
-            "max_probe": table.max_probe,
-            "hash": "fmix64-fastrange-bucket8",
+            "bucket_bits": table.bits,
+            "remainder_bytes": table.remainder_bytes,
+            "max_bucket": table.max_bucket,
+            "hash": "fmix64-quotient",
             "data_file_size": data_header["file_size"],
         }
         return index_file.finish("index", index_fields, sync)
@@ -140,13 +139,13 @@ def _data_sections(
 
 
 def _index_sections(table: HashTable) -> dict[str, Any]:
-    """index.cube's sections: the hash table's slots and buckets, and the deleted keys."""
+    """index.cube's sections: the index's bucket starts and remainders, and the deleted keys."""
     return {
-        "slot_keys": (table.slot_keys.nbytes, iter([table.slot_keys.astype("<u8", copy=False)])),
-        "bucket_rows": (
-            table.bucket_rows.nbytes,
-            iter([table.bucket_rows.astype("<u4", copy=False)]),
+        "bucket_starts": (
+            table.bucket_starts.nbytes,
+            iter([table.bucket_starts.astype("<u4", copy=False)]),
         ),
+        "remainders": (table.remainders.nbytes, iter([table.remainders])),
         "deleted_keys": (
             table.deleted_keys.nbytes,
             iter([table.deleted_keys.astype("<u8", copy=False)]),

@@ -132,9 +132,9 @@ def test_no_import_cycle_between_the_modules() -> None:
 
 
 def test_the_kernels_constants_are_defined_once() -> None:
-    """WINDOW, TOMBSTONE, MAX_ROWS, OFFSET_BITS and COMPILED are assigned in cube.kernel_constants
+    """TOMBSTONE, MAX_ROWS, MISS, OFFSET_BITS and COMPILED are assigned in cube.kernel_constants
     only (the others import them), so no copy can drift from it."""
-    names = {"WINDOW", "TOMBSTONE", "MAX_ROWS", "MISS", "OFFSET_BITS", "COMPILED"}
+    names = {"TOMBSTONE", "MAX_ROWS", "MISS", "OFFSET_BITS", "COMPILED"}
     for module, path in modules().items():
         if module == "cube.kernel_constants":
             continue

@@ -23,6 +23,7 @@ import numpy.typing as npt
 import pytest
 from helpers.build_inputs import output_digests, write_mixed_input
 
+from cube.index import keys_at
 from cube.routing import shard_of
 from cube.seqfile import SYNC_ESCAPE, SequenceFileWriter, encode_header
 from cube.shard import Shard, ShardStack
@@ -77,9 +78,8 @@ def open_shards(version_dir: Path, shards: int, dict_name: str = "dict") -> list
 
 
 def shard_contents(shard: Shard) -> dict[int, bytes]:
-    """Every live key of a shard and its value (reads the table's slots directly)."""
-    keys = np.asarray(shard.table.slot_keys)
-    keys = keys[keys != np.uint64(shard.table.empty_key)]
+    """Every live key of a shard and its value (the index's keys: cube.index.keys_at)."""
+    keys = keys_at(shard.table, np.arange(shard.table.row_count))
     result = ShardStack([shard]).lookup(keys)
     values = ShardStack([shard]).gather(result).to_list()
     return {int(k): v for k, v, f in zip(keys.tolist(), values, result.found, strict=True) if f}

@@ -27,6 +27,7 @@ from cube.builder.spill import (
     open_spill,
     remove_part,
 )
+from cube.hashing import fmix64_inverse
 from cube.index import build_table, stable_hash_order
 from cube.routing import shard_of
 from cube.seqfile import ValueLocations
@@ -280,32 +281,26 @@ compiled = pytest.mark.skipif(not kernels.COMPILED, reason="numba missing or CUB
 
 def unmix64(hashes: np.ndarray) -> np.ndarray:
     """The keys whose fmix64 are `hashes` (fmix64 is a bijection): crafts hash collisions."""
-    h = hashes.astype(np.uint64)
-    shift = np.uint64(33)
-    for multiplier in (0xC4CEB9FE1A85EC53, 0xFF51AFD7ED558CCD):
-        h ^= h >> shift
-        h *= np.uint64(pow(multiplier, -1, 1 << 64))
-    h ^= h >> shift
-    return h
+    return fmix64_inverse(hashes.astype(np.uint64))
 
 
 def assert_same_tables(
     keys: np.ndarray,
     deleted: np.ndarray | None,
-    load_factor: float,
+    bits: int | None,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import cube.index as index
 
     monkeypatch.setattr(index, "COMPILED_MIN_KEYS", 2)
-    fast = build_table(keys, deleted, load_factor)
+    fast = build_table(keys, deleted, bits)
     with monkeypatch.context() as numpy_only:
         numpy_only.setattr(index, "compiled_kernels", lambda count: None)
-        slow = build_table(keys, deleted, load_factor)
-    for name in ("slot_keys", "bucket_rows", "deleted_keys"):
+        slow = build_table(keys, deleted, bits)
+    for name in ("bucket_starts", "remainders", "deleted_keys"):
         assert np.array_equal(getattr(fast.table, name), getattr(slow.table, name)), name
         assert getattr(fast.table, name).dtype == getattr(slow.table, name).dtype, name
-    for name in ("bucket_count", "empty_key", "max_probe"):
+    for name in ("bits", "max_bucket"):
         assert getattr(fast.table, name) == getattr(slow.table, name), name
     assert np.array_equal(fast.live_order, slow.live_order)
     assert fast.tombstone_count == slow.tombstone_count
@@ -318,7 +313,7 @@ def assert_same_tables(
     collisions=st.booleans(),
     deletes=st.integers(0, 3),
     top_keys=st.booleans(),
-    load_factor=st.sampled_from([0.3, 0.6, 0.97]),
+    bits=st.sampled_from([None, 1, 4, 12]),
     seed=st.integers(0, 2**16),
 )
 @settings(max_examples=80, deadline=None)
@@ -328,7 +323,7 @@ def test_compiled_build_table_is_the_numpy_one(
     collisions: bool,
     deletes: int,
     top_keys: bool,
-    load_factor: float,
+    bits: int | None,
     seed: int,
 ) -> None:
     rng = np.random.default_rng(seed)
@@ -338,7 +333,7 @@ def test_compiled_build_table_is_the_numpy_one(
         twins = hashes ^ rng.integers(0, 64, hashes.shape[0], dtype=np.uint64)
         keys = np.concatenate([keys, unmix64(hashes), unmix64(twins)])
         rng.shuffle(keys)
-    if top_keys:  # the empty key's first candidates
+    if top_keys:  # the largest keys
         keys = np.concatenate([keys, np.array([2**64 - 1, 2**64 - 2], np.uint64)])
     deleted = None
     if deletes:
@@ -350,18 +345,19 @@ def test_compiled_build_table_is_the_numpy_one(
             ]
         )
     with pytest.MonkeyPatch.context() as monkeypatch:
-        assert_same_tables(keys, deleted, load_factor, monkeypatch)
+        assert_same_tables(keys, deleted, bits, monkeypatch)
 
 
 @compiled
 def test_compiled_build_table_edge_cases(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert_same_tables(np.full(1000, 7, np.uint64), None, 0.6, monkeypatch)
+    assert_same_tables(np.full(1000, 7, np.uint64), None, None, monkeypatch)
     top = np.full(10, 2**64 - 1, np.uint64)
-    assert_same_tables(top, np.array([2**64 - 1], np.uint64), 0.6, monkeypatch)
-    assert_same_tables(np.array([5, 6], np.uint64), np.array([5, 6], np.uint64), 0.6, monkeypatch)
-    # every key in the last home bucket: the overflow outgrows the first guess of room
+    assert_same_tables(top, np.array([2**64 - 1], np.uint64), None, monkeypatch)
+    assert_same_tables(np.array([5, 6], np.uint64), np.array([5, 6], np.uint64), None, monkeypatch)
+    # every key in the last bucket, and the first: the bucket starts' ends
     hashes = np.full(1000, 0xFFFFFFFF00000000, np.uint64) + np.arange(1000, dtype=np.uint64)
-    assert_same_tables(unmix64(hashes), None, 0.6, monkeypatch)
+    assert_same_tables(unmix64(hashes), None, None, monkeypatch)
+    assert_same_tables(unmix64(np.arange(1000, dtype=np.uint64)), None, None, monkeypatch)
 
 
 @compiled

@@ -9,8 +9,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from cube import format as fmt
 from cube.format import HEADER_SIZE, ShardFormatError
-from cube.index import build_table
+from cube.index import build_table, keys_at
 from cube.shard import (
     DATA_FILE,
     INDEX_FILE,
@@ -204,3 +205,139 @@ def test_huge_pages_map_the_shard_on_2mib_pages_and_answer_the_same(tmp_path: Pa
             assert on_2mib >= 0.7 * size, f"{on_2mib} of {size} bytes on 2 MiB mappings"
     finally:
         huge.close()
+
+
+# --- index format 3: its sections checked at open; format 2 converted ----------------------
+
+
+def rewrite_index_header(path: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    """Re-encode index.cube's header with `change` applied to its fields (a consistent header
+    describing an inconsistent file, as a bad writer or a bit flip before the crc would)."""
+    data = bytearray(path.read_bytes())
+    fields = fmt.decode_header("index", bytes(data[:HEADER_SIZE]), str(path), len(data))
+    change(fields)
+    data[:HEADER_SIZE] = fmt.encode_header("index", fields)
+    path.write_bytes(bytes(data))
+
+
+def shrink_section(name: str, by: int) -> Callable[[dict[str, Any]], None]:
+    def change(fields: dict[str, Any]) -> None:
+        fields["sections"][name][1] -= by
+
+    return change
+
+
+def drop_section(name: str) -> Callable[[dict[str, Any]], None]:
+    def change(fields: dict[str, Any]) -> None:
+        del fields["sections"][name]
+
+    return change
+
+
+def set_field(name: str, value: object) -> Callable[[dict[str, Any]], None]:
+    def change(fields: dict[str, Any]) -> None:
+        fields[name] = value
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (shrink_section("remainders", 6), "section remainders is 6994 bytes, 7000 expected"),
+        (shrink_section("bucket_starts", 4), "section bucket_starts is"),
+        (shrink_section("deleted_keys", -3), "section deleted_keys .*out of bounds"),
+        (drop_section("remainders"), "section remainders missing"),
+        (set_field("bucket_bits", 0), "bucket_bits 0 outside"),
+        (set_field("bucket_bits", 40), "bucket_bits 40 outside"),
+        (set_field("remainder_bytes", 8), "remainder_bytes 8, 7 expected"),
+        (set_field("max_bucket", -1), "max_bucket -1 out of range"),
+    ],
+)
+def test_inconsistent_index_sections_are_refused_at_open(
+    good_shard: Path, change: Callable[[dict[str, Any]], None], message: str
+) -> None:
+    rewrite_index_header(good_shard / INDEX_FILE, change)
+    with pytest.raises(ShardFormatError, match=message) as info:
+        Shard.open(good_shard)
+    assert str(good_shard / INDEX_FILE) in str(info.value)
+
+
+def test_bucket_starts_not_ending_at_the_row_count_is_refused(good_shard: Path) -> None:
+    path = good_shard / INDEX_FILE
+    shard = Shard.open(good_shard)
+    offset, length, _crc = shard.meta["sections"]["bucket_starts"]
+    shard.close()
+    data = bytearray(path.read_bytes())
+    data[offset + length - 4 : offset + length] = (999).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ShardFormatError, match="bucket_starts ends at row 999, not 1000"):
+        Shard.open(good_shard)
+
+
+def test_corrupted_remainders_are_refused_by_verify(good_shard: Path) -> None:
+    shard = Shard.open(good_shard)
+    offset = shard.meta["sections"]["remainders"][0]
+    shard.close()
+    corrupt(good_shard / INDEX_FILE, offset + 7)
+    with pytest.raises(ShardFormatError, match="section remainders checksum mismatch") as info:
+        Shard.open(good_shard, verify=True)
+    assert str(good_shard / INDEX_FILE) in str(info.value)
+
+
+FORMAT2 = Path(__file__).parent / "data" / "format2"
+
+
+def _format2_module() -> Any:
+    """tests/data/format2/generate.py's functions (the shards' contents)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("format2_generate", FORMAT2 / "generate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_format2_shards_are_converted_and_answer(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+    compiled: bool,
+) -> None:  # fmt: skip
+    """Shards written by the release before format 3 (tests/data/format2) still open, are
+    converted in memory with one line in the log, and answer what was written."""
+    from cube import kernel
+
+    if compiled and not kernel.COMPILED:
+        pytest.skip("numba not installed")
+    monkeypatch.setattr(kernel, "COMPILED", compiled)
+    generate = _format2_module()
+    shutil.copytree(FORMAT2, tmp_path / "v2")  # (the reader opens files; keep the data clean)
+    with caplog.at_level("WARNING", logger="cube.shard"):
+        base = Shard.open(tmp_path / "v2" / "base", verify=True)
+        delta = Shard.open(tmp_path / "v2" / "delta", verify=True)
+    converted = [r.getMessage() for r in caplog.records if "converted" in r.getMessage()]
+    assert len(converted) == 2 and "format 2 converted to format 3" in converted[0]
+    assert base.files[0].format == 2 and base.converted_s is not None
+    keys = generate.base_keys()
+    written, deleted = generate.delta_parts()
+    assert base.table.row_count == keys.shape[0] and delta.table.row_count == written.shape[0]
+    np.testing.assert_array_equal(np.sort(keys_at(base.table, np.arange(602))), np.sort(keys))
+
+    stack = ShardStack([base, delta])
+    absent = np.array([3, 5, 2**63 + 1], dtype=np.uint64)
+    query = np.concatenate([keys, written, deleted, absent])
+    result = stack.lookup(query)
+    dead = set(deleted.tolist())
+    newer = set(written.tolist())
+    expect_found = [
+        k not in dead and (k in newer or k in set(keys.tolist())) for k in query.tolist()
+    ]
+    assert result.found.tolist() == expect_found
+    got = stack.gather_fixed(result).view("<u8").reshape(-1)
+    with np.errstate(over="ignore"):
+        want = np.where(np.isin(query, written), query + np.uint64(1), query)
+    np.testing.assert_array_equal(got[result.found], want[result.found])
+    base_only = ShardStack([base]).lookup(keys)
+    assert base_only.found.all()
+    stack.close()

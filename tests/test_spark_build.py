@@ -14,6 +14,7 @@ import pytest
 from helpers.build_inputs import output_digests, write_mixed_input
 
 from cube.builder.build import BuildConfig, BuildError, build
+from cube.index import keys_at
 from cube.shard import Shard, ShardStack
 
 pyspark = pytest.importorskip("pyspark", reason="PySpark is not installed (cube-py[spark])")
@@ -258,8 +259,7 @@ def test_the_transfer_runs_the_spark_build_on_inputs_in_s3(
             [shard] = [
                 Shard.open(p, verify=True) for p in (tmp_path / "local").glob("*/dict_part0")
             ]
-            keys = np.asarray(shard.table.slot_keys)
-            keys = keys[keys != np.uint64(shard.table.empty_key)]
+            keys = keys_at(shard.table, np.arange(shard.table.row_count))
             want = ShardStack([shard]).gather(ShardStack([shard]).lookup(keys)).to_list()
             with CubeClient.from_conf(cluster.cube_conf) as client:
                 result = client.seek(keys)

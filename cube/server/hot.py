@@ -40,7 +40,7 @@ READERS = 32  # threads that fault a request's misses in at once (the disk's que
 # a request's ~50 misses went to one thread: 8.8 ms a 1000-key request at 100M x 64 B)
 MIN_CHUNK = 2
 # bytes a cached key costs beside its value: its key and score here, its index in the layer
-# (~14 bytes a key at load 0.6), the sample it came from
+# (~7 bytes a key, index format 3), the sample it came from (and slack)
 ENTRY_OVERHEAD = 8 + 4 + 16
 
 
@@ -152,8 +152,7 @@ class HotLayer:
 
     @property
     def nbytes(self) -> int:
-        table = self.shard.table
-        index = table.slot_keys.nbytes + table.bucket_rows.nbytes
+        index = self.shard.table.nbytes
         return int(index + self.shard.values.nbytes + self.keys.nbytes + self.scores.nbytes)
 
 

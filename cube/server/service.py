@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 
 from cube import kernel, wire
-from cube.index import TOMBSTONE
+from cube.index import TOMBSTONE, keys_at
 from cube.layout import clip, part_name
 from cube.metrics import Histogram
 from cube.pb import cube_fast_pb2, cube_pb2
@@ -225,10 +225,9 @@ def warm_version(version: LoadedVersion, partitioner: str = "mod") -> None:
             warm_version(child, partitioner)
         return
     samples = []
-    for stack in version.stacks:
+    for stack in version.stacks:  # the base's first rows (their keys: cube.index.keys_at)
         table = stack.layers[0].table
-        head = np.asarray(table.slot_keys[: WARM_KEYS * 4])
-        samples.append(head[head != table.empty_key][:WARM_KEYS])
+        samples.append(keys_at(table, np.arange(min(WARM_KEYS, table.row_count))))
     answer_keys(version, np.concatenate(samples), partitioner)
 
 

@@ -335,7 +335,7 @@ _libc: Any = None
 
 def mapped_arrays(shard: Shard, index_only: bool = False) -> list[np.ndarray]:
     """The sections of a shard that lookups read: the index and the values."""
-    index = [shard.table.slot_keys, shard.table.bucket_rows]
+    index = [shard.table.bucket_starts, shard.table.remainders]
     return index if index_only else [*index, shard.values.blob]
 
 
