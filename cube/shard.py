@@ -295,6 +295,7 @@ class Shard:
         shard = cls.__new__(cls)
         shard.directory = Path("<memory>")
         shard._files = ()
+        shard.converted_s = None
         rows = values.take(built.live_order)
         shard.meta = {
             "record_count": int(built.live_order.shape[0]),
