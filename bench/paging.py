@@ -30,6 +30,7 @@ memory controller for the limited runs.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import resource
@@ -144,16 +145,67 @@ def probe(
     }
 
 
+async def drive_server(
+    port: int, pool: np.ndarray, warm: np.ndarray, width: int, seconds: float, warmup: float,
+    inflight: int,
+) -> dict[str, Any]:  # fmt: skip
+    """The `server` mode's lookups: `inflight` tasks sharing one AsyncCubeClient, `warmup` s
+    of `warm`'s requests, then `seconds` of `pool`'s, every 8th answer checked."""
+    from cube.client import AsyncCubeClient
+
+    async with AsyncCubeClient(shards=[[f"127.0.0.1:{port}"]], timeout=30) as client:
+        await client.wait_ready(600)
+        counter = iter(range(1 << 62))
+        latencies: list[float] = []
+        problems: list[str] = []
+        failed = wrong = 0
+        deadline = time.perf_counter() + warmup
+
+        async def worker(measure: bool, until: float) -> None:
+            nonlocal failed, wrong
+            source = pool if measure else warm
+            while time.perf_counter() < until:
+                number = next(counter)
+                keys = source[number % source.shape[0]]
+                begun = time.perf_counter()
+                try:
+                    result = await client.seek(keys)
+                except Exception as exc:
+                    failed += 1
+                    problems.append(f"{type(exc).__name__}: {exc}"[:300])
+                    continue
+                if measure:
+                    latencies.append(time.perf_counter() - begun)
+                if number % 8 == 0 and not (
+                    result.found.all()
+                    and np.array_equal(result.column.as_rows(), values_of(keys, width))
+                ):
+                    wrong += 1
+
+        await asyncio.gather(*(worker(False, deadline) for _ in range(inflight)))
+        started = time.perf_counter()
+        until = started + seconds
+        await asyncio.gather(*(worker(True, until) for _ in range(inflight)))
+        elapsed = time.perf_counter() - started
+        ms = np.array(latencies) * 1e3
+        return {
+            "keys_per_s": round(len(latencies) * BATCH / elapsed),
+            "p50_ms": round(float(np.median(ms)), 3) if ms.size else 0.0,
+            "p99_ms": round(float(np.percentile(ms, 99)), 3) if ms.size else 0.0,
+            "failed": failed,
+            "first_failure": problems[0] if problems else "",
+            "wrong": wrong,
+            "batches": len(latencies),
+        }
+
+
 def serve(
     directory: Path, data: DerivedData, dist: str, seconds: float, limit: int, warmup: float,
     inflight: int,
 ) -> dict[str, Any]:  # fmt: skip
     """The `server` mode: cube-server in a fresh group of `limit` bytes on `directory` (a
     version directory of a data dir), driven from this process."""
-    import asyncio
-
     from cube.bench.procs import ProcessRegistry, port_open
-    from cube.client import AsyncCubeClient
     from cube.processes import free_port
 
     (distribution,) = parse_distributions(dist)
@@ -183,57 +235,11 @@ def serve(
             "cube-server", ["sh", "-c", command], [port], logs, ready=serving, timeout=600
         )
 
-        async def drive() -> dict[str, Any]:
-            async with AsyncCubeClient(shards=[[f"127.0.0.1:{port}"]], timeout=30) as client:
-                await client.wait_ready(600)
-                counter = iter(range(1 << 62))
-                latencies: list[float] = []
-                problems: list[str] = []
-                failed = wrong = 0
-                deadline = time.perf_counter() + warmup
-
-                async def worker(measure: bool, until: float) -> None:
-                    nonlocal failed, wrong
-                    source = pool if measure else warm
-                    while time.perf_counter() < until:
-                        number = next(counter)
-                        keys = source[number % source.shape[0]]
-                        begun = time.perf_counter()
-                        try:
-                            result = await client.seek(keys)
-                        except Exception as exc:
-                            failed += 1
-                            problems.append(f"{type(exc).__name__}: {exc}"[:300])
-                            continue
-                        if measure:
-                            latencies.append(time.perf_counter() - begun)
-                        if number % 8 == 0 and not (
-                            result.found.all()
-                            and np.array_equal(result.column.as_rows(), values_of(keys, data.width))
-                        ):
-                            wrong += 1
-
-                await asyncio.gather(*(worker(False, deadline) for _ in range(inflight)))
-                started = time.perf_counter()
-                until = started + seconds
-                await asyncio.gather(*(worker(True, until) for _ in range(inflight)))
-                elapsed = time.perf_counter() - started
-                ms = np.array(latencies) * 1e3
-                return {
-                    "keys_per_s": round(len(latencies) * BATCH / elapsed),
-                    "p50_ms": round(float(np.median(ms)), 3) if ms.size else 0.0,
-                    "p99_ms": round(float(np.percentile(ms, 99)), 3) if ms.size else 0.0,
-                    "failed": failed,
-                    "first_failure": problems[0] if problems else "",
-                    "wrong": wrong,
-                    "batches": len(latencies),
-                }
-
         result = {
             "mode": "server",
             "distribution": dist,
             "inflight": inflight,
-            **asyncio.run(drive()),
+            **asyncio.run(drive_server(port, pool, warm, data.width, seconds, warmup, inflight)),
         }
         result["peak_mib"] = round(
             int((group / "memory.max_usage_in_bytes").read_text()) / (1 << 20)
