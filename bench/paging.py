@@ -270,8 +270,8 @@ def run_child(
     np.save(directory.parent.parent / f"pool-{mode}-{dist}.npy", pool)
     del pool
     warm = directory.parent.parent / f"warm-{dist}.npy"
-    if not warm.exists():
-        np.save(warm, draw_pool(data, distribution, 1000, BATCH, seed=6))
+    if not warm.exists():  # 10M draws: a warm-up that repeats them would teach the hot cache
+        np.save(warm, draw_pool(data, distribution, 10_000, BATCH, seed=6))  # only those
     drop_cache(directory)
     group = CGROUP_V1 / f"cube-paging-{os.getpid()}-{mode.replace('+', '-')}-{time.time_ns()}"
     argv = [sys.executable, "-m", "cube.bench.paging", "--child", str(directory), "--mode", mode,
