@@ -210,7 +210,7 @@ def serve(
 
     (distribution,) = parse_distributions(dist)
     pool = draw_pool(data, distribution, 4096, BATCH, seed=5)
-    warm = draw_pool(data, distribution, 1000, BATCH, seed=6)
+    warm = draw_pool(data, distribution, 10_000, BATCH, seed=6)
     drop_cache(directory)
     group = CGROUP_V1 / f"cube-paging-{os.getpid()}-server-{time.time_ns()}"
     group.mkdir()
