@@ -4,6 +4,7 @@ the figures are bench/RESULTS.md's, not asserted here)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 
 def _run(*args: str) -> dict[str, object]:
     done = subprocess.run(
-        [sys.executable, "-m", *args], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-m", *args], capture_output=True, text=True, timeout=600, check=False
     )
     assert done.returncode == 0, done.stderr[-2000:]
     result: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -35,3 +36,20 @@ def test_disk_reports_reads_per_second_at_each_depth(tmp_path: Path) -> None:
     assert isinstance(depths, dict) and set(depths) == {"1", "4", "16", "32", "64"}
     assert all(value > 0 for value in depths.values())
     assert not list(tmp_path.iterdir())  # its file removed
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not Path("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists(),
+    reason="needs root and cgroup v1's memory controller",
+)
+def test_switch_reports_a_pinned_switch_in_a_memory_group(tmp_path: Path) -> None:
+    """bench/switch.py: a real server in a group, a base switch with lookups running."""
+    result = _run(
+        "cube.bench.switch", "--keys", "3000000", "--width", "64", "--share", "2.5",
+        "--seconds", "60", "--dir", str(tmp_path),
+    )  # fmt: skip
+    assert result["failed"] == 0 and result["server_alive"] is True, result
+    assert "pinned_s" in result and result["lookups"] > 0
+    assert 1.0 < float(result["held_peak_x_version"]) < 2.5  # type: ignore[arg-type]
+    assert not list(tmp_path.iterdir())  # its versions removed

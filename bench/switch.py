@@ -1,0 +1,177 @@
+"""A base switch in a memory group of --share x one version's bytes (issue 37 item 4).
+
+    python -m cube.bench.switch --keys 100000000 --width 64 --share 1.3
+
+Writes two versions of --keys derived keys (bench.keyspace; the same contents: what is
+measured is memory and failures, not values) into a data dir under --dir (removed at the
+end); starts cube-server (`--in_mem`, the default) in a fresh cgroup v1 memory group of
+--share x one version's bytes, serving the first; then, with lookups running from outside the
+group (every answer checked), loads the second in the background, switches to it and waits
+until it is pinned (or --seconds pass). Reports the most memory the group could not give back
+(anonymous + mlocked, sampled every 50 ms) as a multiple of one version, the lookups' failures
+and p99 over the switch, and when each step ended. Needs root and cgroup v1's memory
+controller.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from cube.bench.keyspace import DerivedData, values_of
+from cube.bench.paging import CGROUP_V1, drop_cache, write_table
+from cube.bench.procs import ProcessRegistry, port_open
+from cube.client import CubeClient
+from cube.pb import cube_pb2, cube_pb2_grpc
+from cube.processes import free_ports, poll_until
+from cube.server.versions import write_version_file
+
+BATCH = 1000
+
+
+def held_bytes(group: Path) -> int:
+    """What the group cannot give back: anonymous memory and mlocked pages."""
+    stat = dict(line.split() for line in (group / "memory.stat").read_text().splitlines())
+    return int(stat["total_rss"]) + int(stat["total_unevictable"])
+
+
+def control(port: int, cmd: str, **fields: str) -> dict[str, Any]:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = cube_pb2_grpc.ControlServiceStub(channel)  # type: ignore[no-untyped-call]
+        reply = stub.cmd(cube_pb2.ControlRequest(cmd=cmd, **fields), timeout=3600)
+    detail: dict[str, Any] = json.loads(reply.detail_json) if reply.detail_json else {}
+    return detail
+
+
+def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    data = DerivedData(args.keys, args.width)
+    started = time.perf_counter()
+    version_bytes = write_table(root / "data" / "1", data)
+    shutil.copytree(root / "data" / "1", root / "data" / "2")
+    write_version_file(root / "data", "1")
+    written = time.perf_counter() - started
+    for version in ("1", "2"):
+        drop_cache(root / "data" / version)
+    limit = int(version_bytes * args.share)
+    group = CGROUP_V1 / f"cube-switch-{os.getpid()}-{time.time_ns()}"
+    group.mkdir()
+    (group / "memory.limit_in_bytes").write_text(str(limit))
+    port, control_port = free_ports(2)
+    server = Path(sys.executable).parent / "cube-server"
+    command = (
+        f"echo $$ > {group / 'cgroup.procs'} && exec {server} --port {port} --control_port"
+        f" {control_port} --data_dir {root / 'data'}"
+    )
+    log = root / "logs" / "cube-server-0.log"
+    registry = ProcessRegistry()
+    marks: dict[str, float] = {}
+    try:
+        registry.start("cube-server", ["sh", "-c", command], [port], root / "logs",
+                       ready=lambda: port_open(port) and "SERVING 1" in log.read_text(),
+                       timeout=3600)  # fmt: skip
+        stop = threading.Event()
+        latencies: list[float] = []
+        failures: list[str] = []
+        peak = [held_bytes(group)]
+        rng = np.random.default_rng(1)
+
+        def lookups() -> None:
+            with CubeClient(shards=[[f"127.0.0.1:{port}"]], timeout=5.0) as client:
+                while not stop.is_set():
+                    keys = data.keys(rng.integers(0, data.count, BATCH).astype(np.uint64))
+                    begun = time.perf_counter()
+                    try:
+                        result = client.seek(keys)
+                        ok = result.found.all() and np.array_equal(
+                            result.column.as_rows(), values_of(keys, data.width)
+                        )
+                        if not ok:
+                            failures.append("a wrong answer")
+                    except Exception as exc:  # every failure counted and its first kept
+                        failures.append(f"{type(exc).__name__}: {exc}"[:300])
+                    latencies.append(time.perf_counter() - begun)
+
+        def watch() -> None:
+            while not stop.wait(0.05):
+                peak[0] = max(peak[0], held_bytes(group))
+
+        threads = [threading.Thread(target=lookups), threading.Thread(target=watch)]
+        for thread in threads:
+            thread.start()
+        try:
+            time.sleep(2)
+            begun = time.perf_counter()
+            control(control_port, "bg_load_base", version_path="/2")
+            marks["loaded_s"] = time.perf_counter() - begun
+            control(control_port, "enable", version="2")
+            marks["enabled_s"] = time.perf_counter() - begun
+
+            def pinned() -> bool:
+                current = control(control_port, "status").get("current") or {}
+                return bool(current.get("version") == "2" and not current.get("memory_note"))
+
+            settled = poll_until(pinned, args.seconds, 0.5)
+            marks["pinned_s" if settled else "not_pinned_after_s"] = time.perf_counter() - begun
+            time.sleep(2)
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(60)
+        ms = np.array(latencies) * 1e3
+        return {
+            "keys": args.keys,
+            "width": args.width,
+            "version_bytes": version_bytes,
+            "limit_bytes": limit,
+            "written_s": round(written, 1),
+            **{k: round(v, 2) for k, v in marks.items()},
+            "held_peak_bytes": peak[0],
+            "held_peak_x_version": round(peak[0] / version_bytes, 3),
+            "lookups": len(latencies),
+            "failed": len(failures),
+            "first_failure": failures[0] if failures else "",
+            "p50_ms": round(float(np.median(ms)), 2) if ms.size else 0.0,
+            "p99_ms": round(float(np.percentile(ms, 99)), 2) if ms.size else 0.0,
+            "server_alive": registry.servers[0].popen.poll() is None,
+        }
+    finally:
+        registry.stop_all()
+        if group.exists():
+            group.rmdir()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--keys", type=int, default=100_000_000)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--share", type=float, default=1.3, help="group limit / version bytes")
+    parser.add_argument("--seconds", type=float, default=600.0, help="wait for the pin, at most")
+    parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--out", default="")
+    args = parser.parse_args(argv)
+    if os.geteuid() != 0 or not (CGROUP_V1 / "memory.limit_in_bytes").exists():
+        raise SystemExit("needs root and cgroup v1's memory controller")
+    root = Path(tempfile.mkdtemp(prefix="cube-switch-", dir=args.dir))
+    try:
+        result = run(args, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(json.dumps(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if result["failed"] == 0 and result["server_alive"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
