@@ -340,3 +340,25 @@ def test_a_data_dir_its_agent_has_not_made_yet_is_the_normal_start(tmp_path: Pat
     assert waiting.endswith(WAITING), waiting
     typo = diagnose_data_dir(tmp_path / "dta" / "data", [tmp_path / "dta" / "data"])
     assert "a typo?" in typo and not typo.endswith(WAITING)
+
+
+def test_a_small_layer_skips_the_huge_page_measure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The huge-page share is measured (reading /proc/self/smaps walks every mapping of the
+    process: seconds under a 300M-key base) only for layers of PMD_MEASURED_BYTES or more."""
+    from cube.server import versions
+    from cube.shard import Shard
+
+    calls: list[int] = []
+    monkeypatch.setattr(Shard, "pmd_mapped_bytes", lambda self: calls.append(1) or 123)
+    keys = np.arange(1000, dtype=np.uint64)
+    write_version(tmp_path, "1", keys, fixed_values(keys, 64))
+    dirs = split_dirs(tmp_path, 1)
+    small = load_base(dirs, "1", LoadOptions(huge_pages=True))
+    assert calls == [] and small.describe()["pmd_mapped_bytes"] == 0
+    small.retire()
+    monkeypatch.setattr(versions, "PMD_MEASURED_BYTES", 0)
+    measured = load_base(dirs, "1", LoadOptions(huge_pages=True))
+    assert calls == [1] and measured.describe()["pmd_mapped_bytes"] == 123
+    measured.retire()
