@@ -128,7 +128,7 @@ def probe(
     elapsed = time.perf_counter() - started
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults
     ms = np.array(latencies) * 1e3
-    stats = cache.describe() if cache else {}
+    stats: dict[str, float] = dict(cache.describe()) if cache else {}
     if cache:  # the measured window's share, not the warm-up's (its keys repeat)
         asked = stats["asked"] - warm_stats["asked"]
         stats["hit_share"] = round((stats["hits"] - warm_stats["hits"]) / max(1, asked), 3)

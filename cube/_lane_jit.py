@@ -190,7 +190,7 @@ def _table_of(layers, index):
     bits = np.int64(layers[index, L_BITS])
     size = np.uint64((64 - bits + 7) // 8)
     buckets = (np.uint64(1) << np.uint64(bits)) + np.uint64(1)
-    starts = carray(pointer(layers[index, L_STARTS]), buckets, np.uint32)
+    starts = carray(pointer(layers[index, L_STARTS]), buckets, np.uint32)  # type: ignore[call-overload]  # (numba: a uint64 shape)
     rows = layers[index, L_ROWS]
     remainders = carray(pointer(layers[index, L_REMAINDERS]), rows * size, np.uint8)
     return starts, remainders, bits

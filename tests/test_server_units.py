@@ -351,7 +351,12 @@ def test_a_small_layer_skips_the_huge_page_measure(
     from cube.shard import Shard
 
     calls: list[int] = []
-    monkeypatch.setattr(Shard, "pmd_mapped_bytes", lambda self: calls.append(1) or 123)
+
+    def walk(self: Shard) -> int:
+        calls.append(1)
+        return 123
+
+    monkeypatch.setattr(Shard, "pmd_mapped_bytes", walk)
     keys = np.arange(1000, dtype=np.uint64)
     write_version(tmp_path, "1", keys, fixed_values(keys, 64))
     dirs = split_dirs(tmp_path, 1)

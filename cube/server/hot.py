@@ -78,7 +78,9 @@ def choose_hot(
     from_layer = np.full(keys.shape[0], -1, dtype=np.int64)
     from_layer[inverse[: cached.shape[0]]] = np.arange(cached.shape[0])
     if keys.shape[0] > capacity:
-        keep = np.argpartition(-scores, capacity - 1)[:capacity] if capacity else []
+        keep: np.ndarray = (
+            np.argpartition(-scores, capacity - 1)[:capacity] if capacity else np.empty(0, np.int64)
+        )
         keys, scores = keys[keep], scores[keep]
         from_sample, from_layer = from_sample[keep], from_layer[keep]
     return HotChoice(keys, scores, from_sample, from_layer)

@@ -173,7 +173,7 @@ class PagedGather(FastGather):
             self.cache.record(keys[found], rows[found], asked, asked - rest.shape[0])
             if self.cache.capacity and self.cache.due():
                 hot.readers().submit(self.cache.refresh)
-        return keys.shape[0] - int(np.count_nonzero(found))
+        return int(keys.shape[0]) - int(np.count_nonzero(found))
 
 
 def gatherers(version: LoadedVersion) -> list[FastGather]:
