@@ -54,6 +54,62 @@ def control(port: int, cmd: str, **fields: str) -> dict[str, Any]:
     return detail
 
 
+class Observer:
+    """While a switch runs: lookups of BATCH random keys one at a time from outside the group
+    (every answer checked) and the group's held memory sampled every 50 ms, each on a thread."""
+
+    def __init__(self, group: Path, port: int, data: DerivedData) -> None:
+        self.group, self.port, self.data = group, port, data
+        self.halt = threading.Event()
+        self.latencies: list[float] = []
+        self.failures: list[str] = []
+        self.peak = held_bytes(group)
+        self.rng = np.random.default_rng(1)
+        self.threads = [
+            threading.Thread(target=self._lookups),
+            threading.Thread(target=self._watch),
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def _lookups(self) -> None:
+        data = self.data
+        with CubeClient(shards=[[f"127.0.0.1:{self.port}"]], timeout=5.0) as client:
+            while not self.halt.is_set():
+                keys = data.keys(self.rng.integers(0, data.count, BATCH).astype(np.uint64))
+                begun = time.perf_counter()
+                try:
+                    result = client.seek(keys)
+                    ok = result.found.all() and np.array_equal(
+                        result.column.as_rows(), values_of(keys, data.width)
+                    )
+                    if not ok:
+                        self.failures.append("a wrong answer")
+                except Exception as exc:  # every failure counted and its first kept
+                    self.failures.append(f"{type(exc).__name__}: {exc}"[:300])
+                self.latencies.append(time.perf_counter() - begun)
+
+    def _watch(self) -> None:
+        while not self.halt.wait(0.05):
+            self.peak = max(self.peak, held_bytes(self.group))
+
+    def stop(self) -> None:
+        self.halt.set()
+        for thread in self.threads:
+            thread.join(60)
+
+    def results(self) -> dict[str, Any]:
+        ms = np.array(self.latencies) * 1e3
+        return {
+            "held_peak_bytes": self.peak,
+            "lookups": len(self.latencies),
+            "failed": len(self.failures),
+            "first_failure": self.failures[0] if self.failures else "",
+            "p50_ms": round(float(np.median(ms)), 2) if ms.size else 0.0,
+            "p99_ms": round(float(np.percentile(ms, 99)), 2) if ms.size else 0.0,
+        }
+
+
 def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     data = DerivedData(args.keys, args.width)
     started = time.perf_counter()
@@ -80,35 +136,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         registry.start("cube-server", ["sh", "-c", command], [port], root / "logs",
                        ready=lambda: port_open(port) and "SERVING 1" in log.read_text(),
                        timeout=3600)  # fmt: skip
-        stop = threading.Event()
-        latencies: list[float] = []
-        failures: list[str] = []
-        peak = [held_bytes(group)]
-        rng = np.random.default_rng(1)
-
-        def lookups() -> None:
-            with CubeClient(shards=[[f"127.0.0.1:{port}"]], timeout=5.0) as client:
-                while not stop.is_set():
-                    keys = data.keys(rng.integers(0, data.count, BATCH).astype(np.uint64))
-                    begun = time.perf_counter()
-                    try:
-                        result = client.seek(keys)
-                        ok = result.found.all() and np.array_equal(
-                            result.column.as_rows(), values_of(keys, data.width)
-                        )
-                        if not ok:
-                            failures.append("a wrong answer")
-                    except Exception as exc:  # every failure counted and its first kept
-                        failures.append(f"{type(exc).__name__}: {exc}"[:300])
-                    latencies.append(time.perf_counter() - begun)
-
-        def watch() -> None:
-            while not stop.wait(0.05):
-                peak[0] = max(peak[0], held_bytes(group))
-
-        threads = [threading.Thread(target=lookups), threading.Thread(target=watch)]
-        for thread in threads:
-            thread.start()
+        observer = Observer(group, port, data)
         try:
             time.sleep(2)
             begun = time.perf_counter()
@@ -125,10 +153,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             marks["pinned_s" if settled else "not_pinned_after_s"] = time.perf_counter() - begun
             time.sleep(2)
         finally:
-            stop.set()
-            for thread in threads:
-                thread.join(60)
-        ms = np.array(latencies) * 1e3
+            observer.stop()
         return {
             "keys": args.keys,
             "width": args.width,
@@ -136,13 +161,8 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "limit_bytes": limit,
             "written_s": round(written, 1),
             **{k: round(v, 2) for k, v in marks.items()},
-            "held_peak_bytes": peak[0],
-            "held_peak_x_version": round(peak[0] / version_bytes, 3),
-            "lookups": len(latencies),
-            "failed": len(failures),
-            "first_failure": failures[0] if failures else "",
-            "p50_ms": round(float(np.median(ms)), 2) if ms.size else 0.0,
-            "p99_ms": round(float(np.percentile(ms, 99)), 2) if ms.size else 0.0,
+            "held_peak_x_version": round(observer.peak / version_bytes, 3),
+            **observer.results(),
             "server_alive": registry.servers[0].popen.poll() is None,
         }
     finally:

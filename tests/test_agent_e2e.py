@@ -399,8 +399,11 @@ def test_retention_keeps_serving_versions_and_the_current_chain(env: Env) -> Non
 
 
 def test_kill9_during_download_then_restart_resumes(env: Env) -> None:
-    src = tar_for(env, "k", seed=50, n_keys=40000)
+    # several of the agent's 1 MiB blocks (one block arrives whole before the pace holds it
+    # back: a tar under 1 MiB, as 40,000 keys make with index format 3, came in one piece)
+    src = tar_for(env, "k", seed=50, n_keys=160_000)
     size = (env.files / "k.tar").stat().st_size
+    assert size > 3 << 20, size
     slow = env.agent("--limit_rate", str(size // 8))  # about 8 s for the whole tar
     task = slow.cmd(command="download", version=BASE, **src)
     assert task["state"] == "running"

@@ -69,8 +69,8 @@ class ServerFlags:
     hot_cache_mb: int = flag(
         -1,
         "MiB of hot cache a worker keeps in front of a version too large for its memory"
-        " (the values asked for most, key by key); -1: 20% of the memory limit shared out"
-        " among the workers; 0: none",
+        " (the values asked for most, key by key); -1: a fifth of the memory limit, less"
+        " beside a pinned index, shared out among the workers; 0: none",
     )
     huge_pages: bool = flag(
         True,
