@@ -26,7 +26,8 @@ def test_dram_reports_a_dependent_miss_dearer_than_an_independent_one() -> None:
     result = _run("cube.bench.dram", "--gib", "0.25", "--seconds", "0.1")
     chase, gather = float(result["chase_ns"]), float(result["gather_ns"])  # type: ignore[arg-type]
     assert chase > gather > 0
-    assert result["floor_us_per_1000_keys"] == round(gather * 3, 1)
+    floor = result["floor_us_per_1000_keys"]  # 3 misses a key, from the unrounded ns
+    assert isinstance(floor, float) and abs(floor - gather * 3) <= 0.1
 
 
 @pytest.mark.slow
