@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -39,13 +40,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from cube.bench.keyspace import DerivedData, draw_pool, parse_distributions, values_of
+from cube.bench.procs import ProcessRegistry, port_open
 from cube.index import build_table
+from cube.processes import free_port
 from cube.server.memory import in_mem_refusal
 from cube.server.versions import write_version_file
 from cube.shard import Shard, ShardStack, write_shard
@@ -72,6 +76,49 @@ def drop_cache(directory: Path) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def require_memory_controller() -> None:
+    """Exit with a message unless this process may make cgroup v1 memory groups."""
+    if os.geteuid() != 0 or not (CGROUP_V1 / "memory.limit_in_bytes").exists():
+        raise SystemExit("needs root and cgroup v1's memory controller")
+
+
+@contextlib.contextmanager
+def memory_group(label: str, limit: int) -> Iterator[Path]:
+    """A fresh cgroup v1 memory group of `limit` bytes, removed at the end (the caller has
+    stopped every process it put there by then)."""
+    group = CGROUP_V1 / f"cube-{label}-{os.getpid()}-{time.time_ns()}"
+    group.mkdir()
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(limit))
+        yield group
+    finally:
+        group.rmdir()
+
+
+def peak_mib(group: Path) -> int:
+    return round(int((group / "memory.max_usage_in_bytes").read_text()) / (1 << 20))
+
+
+def start_server_in(
+    group: Path, registry: ProcessRegistry, version_dir: Path, logs: Path, *flags: str
+) -> int:
+    """cube-server on the data dir holding `version_dir`, put into `group` before it execs
+    (so its load is charged there), ready once it serves that version; its lookup port."""
+    port = free_port()
+    server = Path(sys.executable).parent / "cube-server"
+    command = (
+        f"echo $$ > {group / 'cgroup.procs'} && exec {server} --port {port} --data_dir"
+        f" {version_dir.parent} {' '.join(flags)}"
+    )
+    log = logs / f"cube-server-{len(registry.servers)}.log"  # (ProcessRegistry's name)
+
+    def serving() -> bool:  # its port is bound before the version is loaded
+        return port_open(port) and log.exists() and f"SERVING {version_dir.name}" in log.read_text()
+
+    registry.start("cube-server", ["sh", "-c", command], [port], logs, ready=serving, timeout=3600)
+    return port
 
 
 def probe(
@@ -205,52 +252,25 @@ def serve(
 ) -> dict[str, Any]:  # fmt: skip
     """The `server` mode: cube-server in a fresh group of `limit` bytes on `directory` (a
     version directory of a data dir), driven from this process."""
-    from cube.bench.procs import ProcessRegistry, port_open
-    from cube.processes import free_port
-
     (distribution,) = parse_distributions(dist)
     pool = draw_pool(data, distribution, 4096, BATCH, seed=5)
     warm = draw_pool(data, distribution, 10_000, BATCH, seed=6)
     drop_cache(directory)
-    group = CGROUP_V1 / f"cube-paging-{os.getpid()}-server-{time.time_ns()}"
-    group.mkdir()
-    (group / "memory.limit_in_bytes").write_text(str(limit))
-    port = free_port()
-    server = Path(sys.executable).parent / "cube-server"
-    command = (
-        f"echo $$ > {group / 'cgroup.procs'} && exec {server} --port {port} --data_dir"
-        f" {directory.parent} --metrics_port 0"
-    )
     registry = ProcessRegistry()
     try:
-        logs = directory.parent.parent / "logs"
-        log = logs / "cube-server-0.log"  # (ProcessRegistry's name for it)
-
-        def serving() -> bool:  # its port is bound before the version is loaded
-            return (
-                port_open(port) and log.exists() and f"SERVING {directory.name}" in log.read_text()
-            )
-
-        registry.start(
-            "cube-server", ["sh", "-c", command], [port], logs, ready=serving, timeout=600
-        )
-
-        result = {
-            "mode": "server",
-            "distribution": dist,
-            "inflight": inflight,
-            **asyncio.run(drive_server(port, pool, warm, data.width, seconds, warmup, inflight)),
-        }
-        result["peak_mib"] = round(
-            int((group / "memory.max_usage_in_bytes").read_text()) / (1 << 20)
-        )
-        return result
+        with memory_group("paging-server", limit) as group:
+            try:
+                logs = directory.parent.parent / "logs"
+                port = start_server_in(group, registry, directory, logs, "--metrics_port", "0")
+                lookups = drive_server(port, pool, warm, data.width, seconds, warmup, inflight)
+                result = {"mode": "server", "distribution": dist, "inflight": inflight}
+                result.update(asyncio.run(lookups))
+                result["peak_mib"] = peak_mib(group)
+                return result
+            finally:
+                registry.stop_all()
     except Exception as exc:  # a server that died (OOM?) or never served
         return {"mode": "server", "distribution": dist, "error": str(exc)[:500]}
-    finally:
-        registry.stop_all()
-        if group.exists():
-            group.rmdir()
 
 
 def run_child(
@@ -273,21 +293,18 @@ def run_child(
     if not warm.exists():  # 10M draws: a warm-up that repeats them would teach the hot cache
         np.save(warm, draw_pool(data, distribution, 10_000, BATCH, seed=6))  # only those
     drop_cache(directory)
-    group = CGROUP_V1 / f"cube-paging-{os.getpid()}-{mode.replace('+', '-')}-{time.time_ns()}"
     argv = [sys.executable, "-m", "cube.bench.paging", "--child", str(directory), "--mode", mode,
             "--keys", str(data.count), "--width", str(data.width), "--distributions", dist,
             "--seconds", str(seconds), "--warmup", str(warmup)]  # fmt: skip
-    preexec = None
-    if limit:
-        group.mkdir()
-        (group / "memory.limit_in_bytes").write_text(str(limit))
-        procs = group / "cgroup.procs"
+    with memory_group("paging", limit) if limit else contextlib.nullcontext() as group:
+        preexec = None
+        if group is not None:
+            procs = group / "cgroup.procs"
 
-        def join() -> None:
-            procs.write_text(str(os.getpid()))
+            def join() -> None:
+                procs.write_text(str(os.getpid()))
 
-        preexec = join
-    try:
+            preexec = join
         done = subprocess.run(
             argv, capture_output=True, text=True, timeout=seconds * 4 + 300, preexec_fn=preexec
         )
@@ -295,13 +312,9 @@ def run_child(
             killed = " (killed: out of memory?)" if done.returncode < 0 else ""
             return {"mode": mode, "distribution": dist, "error": f"exit {done.returncode}{killed}"}
         result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-        if limit:
-            peak = int((group / "memory.max_usage_in_bytes").read_text())
-            result["peak_mib"] = round(peak / (1 << 20))
+        if group is not None:
+            result["peak_mib"] = peak_mib(group)
         return result
-    finally:
-        if limit and group.exists():
-            group.rmdir()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -329,8 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         return 0
-    if os.geteuid() != 0 or not (CGROUP_V1 / "memory.limit_in_bytes").exists():
-        raise SystemExit("needs root and cgroup v1's memory controller (the limited runs)")
+    require_memory_controller()
     need = args.keys * (args.width + 16) * 1.2
     if shutil.disk_usage(args.dir).free < need:
         raise SystemExit(f"{args.dir}: needs {need / 1e9:.1f} GB free for the shard")

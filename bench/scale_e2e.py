@@ -529,11 +529,17 @@ class Runner:
         os.sync()
         requests = self._draws(data, self.distributions[0], flags.batch)
         during: dict[str, Any] = {}
-        load = threading.Thread(
-            target=lambda: during.update(
-                cube_load(addresses, cluster.dict_name, requests, data.width, flags, pids)
-            )
-        )
+        failure: list[BaseException] = []
+
+        def lookups() -> None:
+            try:
+                during.update(
+                    cube_load(addresses, cluster.dict_name, requests, data.width, flags, pids)
+                )
+            except BaseException as exc:  # raised below, in the run's thread
+                failure.append(exc)
+
+        load = threading.Thread(target=lookups)
         load.start()
         time.sleep(flags.warmup + 1.0)  # the lookups measured before, during and after it
         patch_id = str(int(time.time()))
@@ -544,6 +550,10 @@ class Runner:
         cluster.wait_version(version, flags.phase_timeout, poll=0.05)
         served = time.time() - line_at
         load.join(flags.duration + flags.warmup + 120)
+        if failure:
+            raise RuntimeError(f"the lookups during the patch failed: {failure[0]}") from failure[0]
+        if load.is_alive() or not during:
+            raise RuntimeError("the lookups during the patch did not end in time")
         phases = self._phases(cluster, version, line_at, served)
         marks = ", ".join(f"{n} {a:.2f}s" for n, a in phases["after_line_s"].items())
         _say(f"  patch of {patch.count:,} keys: served {served:.2f}s after its line ({marks})")

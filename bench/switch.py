@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -30,11 +28,17 @@ import grpc
 import numpy as np
 
 from cube.bench.keyspace import DerivedData, values_of
-from cube.bench.paging import CGROUP_V1, drop_cache, write_table
-from cube.bench.procs import ProcessRegistry, port_open
+from cube.bench.paging import (
+    drop_cache,
+    memory_group,
+    require_memory_controller,
+    start_server_in,
+    write_table,
+)
+from cube.bench.procs import ProcessRegistry
 from cube.client import CubeClient
 from cube.pb import cube_pb2, cube_pb2_grpc
-from cube.processes import free_ports, poll_until
+from cube.processes import free_port, poll_until
 from cube.server.versions import write_version_file
 
 BATCH = 1000
@@ -120,55 +124,44 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     for version in ("1", "2"):
         drop_cache(root / "data" / version)
     limit = int(version_bytes * args.share)
-    group = CGROUP_V1 / f"cube-switch-{os.getpid()}-{time.time_ns()}"
-    group.mkdir()
-    (group / "memory.limit_in_bytes").write_text(str(limit))
-    port, control_port = free_ports(2)
-    server = Path(sys.executable).parent / "cube-server"
-    command = (
-        f"echo $$ > {group / 'cgroup.procs'} && exec {server} --port {port} --control_port"
-        f" {control_port} --data_dir {root / 'data'}"
-    )
-    log = root / "logs" / "cube-server-0.log"
+    control_port = free_port()
     registry = ProcessRegistry()
     marks: dict[str, float] = {}
-    try:
-        registry.start("cube-server", ["sh", "-c", command], [port], root / "logs",
-                       ready=lambda: port_open(port) and "SERVING 1" in log.read_text(),
-                       timeout=3600)  # fmt: skip
-        observer = Observer(group, port, data)
+    with memory_group("switch", limit) as group:
         try:
-            time.sleep(2)
-            begun = time.perf_counter()
-            control(control_port, "bg_load_base", version_path="/2")
-            marks["loaded_s"] = time.perf_counter() - begun
-            control(control_port, "enable", version="2")
-            marks["enabled_s"] = time.perf_counter() - begun
+            flags = ("--control_port", str(control_port))
+            port = start_server_in(group, registry, root / "data" / "1", root / "logs", *flags)
+            observer = Observer(group, port, data)
+            try:
+                time.sleep(2)
+                begun = time.perf_counter()
+                control(control_port, "bg_load_base", version_path="/2")
+                marks["loaded_s"] = time.perf_counter() - begun
+                control(control_port, "enable", version="2")
+                marks["enabled_s"] = time.perf_counter() - begun
 
-            def pinned() -> bool:
-                current = control(control_port, "status").get("current") or {}
-                return bool(current.get("version") == "2" and not current.get("memory_note"))
+                def pinned() -> bool:
+                    current = control(control_port, "status").get("current") or {}
+                    return bool(current.get("version") == "2" and not current.get("memory_note"))
 
-            settled = poll_until(pinned, args.seconds, 0.5)
-            marks["pinned_s" if settled else "not_pinned_after_s"] = time.perf_counter() - begun
-            time.sleep(2)
+                settled = poll_until(pinned, args.seconds, 0.5)
+                marks["pinned_s" if settled else "not_pinned_after_s"] = time.perf_counter() - begun
+                time.sleep(2)
+            finally:
+                observer.stop()
+            return {
+                "keys": args.keys,
+                "width": args.width,
+                "version_bytes": version_bytes,
+                "limit_bytes": limit,
+                "written_s": round(written, 1),
+                **{k: round(v, 2) for k, v in marks.items()},
+                "held_peak_x_version": round(observer.peak / version_bytes, 3),
+                **observer.results(),
+                "server_alive": registry.servers[0].popen.poll() is None,
+            }
         finally:
-            observer.stop()
-        return {
-            "keys": args.keys,
-            "width": args.width,
-            "version_bytes": version_bytes,
-            "limit_bytes": limit,
-            "written_s": round(written, 1),
-            **{k: round(v, 2) for k, v in marks.items()},
-            "held_peak_x_version": round(observer.peak / version_bytes, 3),
-            **observer.results(),
-            "server_alive": registry.servers[0].popen.poll() is None,
-        }
-    finally:
-        registry.stop_all()
-        if group.exists():
-            group.rmdir()
+            registry.stop_all()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,8 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
-    if os.geteuid() != 0 or not (CGROUP_V1 / "memory.limit_in_bytes").exists():
-        raise SystemExit("needs root and cgroup v1's memory controller")
+    require_memory_controller()
     root = Path(tempfile.mkdtemp(prefix="cube-switch-", dir=args.dir))
     try:
         result = run(args, root)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import cube  # noqa: F401  (first: it turns gRPC's fork handlers off before grpc is imported)
+
+# isort: split
+
 import contextlib
 import logging
 import multiprocessing.process

@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -247,8 +247,3 @@ def chunks(positions: np.ndarray, parts: int = READERS) -> list[np.ndarray]:
     """`positions` split into at most `parts` pieces of at least MIN_CHUNK."""
     count = max(1, min(parts, positions.shape[0] // MIN_CHUNK))
     return np.array_split(positions, count)
-
-
-def wait_all(futures: list[Future[None]]) -> None:
-    for future in futures:
-        future.result()

@@ -167,7 +167,8 @@ class PagedGather(FastGather):
             if len(parts) == 1:
                 read(parts[0])
             else:
-                hot.wait_all([hot.readers().submit(read, part) for part in parts])
+                for task in [hot.readers().submit(read, part) for part in parts]:
+                    task.result()  # (the first failure raised, once every part was asked)
         if self.cache is not None:
             asked = keys.shape[0]
             self.cache.record(keys[found], rows[found], asked, asked - rest.shape[0])

@@ -771,7 +771,7 @@ def _pinning(
     if hot < 0:
         pinned = held + (index_bytes if pin_index else 0)
         hot = memory.hot_cache_budget(limit, options.workers, pinned)
-    note += f"; a hot cache of {hot >> 20} MiB a worker in front of it"
+    note += f"; a hot cache of {hot >> 20} MiB a worker in front of it" if hot else "; no hot cache"
     log.warning("version %s: %s", name, note)
     fallback = replace(options, populate=False, lock_memory=False, huge_pages=False)
     return replace(fallback, random_access=True, pin_index=pin_index, hot_cache_bytes=hot), note
